@@ -1,0 +1,93 @@
+"""Model hyper-parameters, read from and written back to a Hugging Face ``config.json``.
+
+One decoder covers Llama, Qwen2/Qwen2.5 and Qwen3; the differences are three switches:
+``qkv_bias``/``o_bias`` (Qwen2 has biases on q/k/v only, Llama and Qwen3 follow
+``attention_bias``), ``qk_norm`` (Qwen3's per-head RMSNorm on q and k) and
+``tie_word_embeddings``. Anything else a config asks for that this decoder does not implement
+(sliding windows, MLP biases, unknown RoPE scaling) is refused with the field named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(kw_only=True)
+class ModelArgs:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...] = ()
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The config.json this came from, written back unchanged on save."""
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelArgs:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"{where}: model_type={model_type!r} is not supported; "
+                f"expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+        for key, bad in (("use_sliding_window", True), ("mlp_bias", True)):
+            if cfg.get(key) == bad:
+                raise ValueError(f"{where}: {key}={bad} is not supported by rollpacker's decoder")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"{where}: rope_type={rope_type!r} is not supported (default, llama3)")
+        num_heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+            hf_config=dict(cfg),
+        )
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements of K and V one token occupies over all layers (before tensor parallelism)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -1,0 +1,81 @@
+"""The interface through which the decoder reads and writes keys and values.
+
+The model owns no KV-cache policy: each attention layer hands its projected ``q, k, v`` to an
+:class:`AttentionBackend` and gets the attention output back. The rollout engine passes a paged
+backend that writes K/V into its block cache; training and reference decoding pass
+:class:`CausalAttention`, plain causal attention over packed sequences.
+
+Packed layout everywhere: one flat token dimension ``T`` holding several sequences back to back.
+Ragged sequences are padded into length buckets (:func:`length_buckets`) so that padding stays
+under 2x the real work even when one sequence is far longer than the rest (the long tail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+        ...
+
+
+@dataclass
+class Bucket:
+    """Sequences of similar length padded to one rectangle: ``index[b, l]`` is a flat token index
+    (0 where padded), ``valid[b, l]`` marks real tokens, ``rows`` are the sequences' positions."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+
+
+def length_buckets(lengths: list[int], starts: list[int], device: torch.device) -> list[Bucket]:
+    """Group sequences (flat token ranges ``starts[i] : starts[i] + lengths[i]``) into buckets
+    whose padded length is the next power of two (at least 16) of their longest member."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(max(16, 1 << (n - 1).bit_length()), []).append(i)
+    buckets = []
+    for rows in groups.values():
+        width = max(lengths[i] for i in rows)
+        lens = torch.tensor([lengths[i] for i in rows])
+        offs = torch.tensor([starts[i] for i in rows])
+        pos = torch.arange(width)
+        valid = pos[None, :] < lens[:, None]
+        index = torch.where(valid, offs[:, None] + pos[None, :], 0)
+        buckets.append(Bucket(torch.tensor(rows, device=device), index.to(device), valid.to(device)))
+    return buckets
+
+
+def causal_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: list[Bucket]
+) -> torch.Tensor:
+    """Causal self-attention of each packed sequence over its own tokens.
+
+    Padding sits at the end of each row, so the causal mask alone keeps real queries off it.
+    """
+    out = torch.empty_like(q)
+    for b in buckets:
+        qb, kb, vb = (x[b.index].transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
+        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        out[b.index[b.valid]] = ob.transpose(1, 2)[b.valid]
+    return out
+
+
+class CausalAttention:
+    """Backend for training and reference decoding: no cache, causal within each sequence."""
+
+    def __init__(self, seq_lens: list[int], device: torch.device | str = "cpu"):
+        starts = [0]
+        for n in seq_lens[:-1]:
+            starts.append(starts[-1] + n)
+        self.buckets = length_buckets(seq_lens, starts, torch.device(device))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_packed_attention(q, k, v, self.buckets)

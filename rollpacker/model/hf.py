@@ -1,0 +1,120 @@
+"""Hugging Face model directories: ``config.json`` plus one or several safetensors shards.
+
+Loading builds the decoder on the meta device and assigns the checkpoint's tensors
+(``load_state_dict(assign=True)``), so no memory is spent on a random init. Names map by
+stripping Hugging Face's ``model.`` prefix. Every problem names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rollpacker.model.args import ModelArgs
+from rollpacker.model.transformer import Transformer
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_args(path: str | Path) -> ModelArgs:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: point at a Hugging Face model directory")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    return ModelArgs.from_hf(cfg, where=str(cfg_file))
+
+
+def _shard_files(path: Path) -> dict[Path, list[str]]:
+    """Shard file -> names it should hold (an empty list: whatever the single file holds)."""
+    if (path / INDEX).is_file():
+        shards: dict[Path, list[str]] = {}
+        for key, file in json.loads((path / INDEX).read_text())["weight_map"].items():
+            shards.setdefault(path / file, []).append(key)
+        return shards
+    if (path / SINGLE).is_file():
+        return {path / SINGLE: []}
+    raise FileNotFoundError(f"{path}: neither {SINGLE} nor {INDEX} found")
+
+
+def load_model(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> Transformer:
+    """Load a Hugging Face model directory into a :class:`Transformer` on ``device``.
+
+    ``dtype`` converts every tensor; ``None`` keeps the checkpoint's own.
+    """
+    path = Path(path)
+    args = read_args(path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = model.state_dict()
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for file, keys in _shard_files(path).items():
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: shard missing; the index puts {keys[0]} (and {len(keys) - 1} more) there")
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                if name == "lm_head.weight" and args.tie_word_embeddings or "rotary_emb" in name:
+                    continue
+                if name not in expected:
+                    raise ValueError(f"{file}: tensor {key} is not a parameter of a {args.model_type} decoder")
+                shape = tuple(f.get_slice(key).get_shape())
+                want = tuple(expected[name].shape)
+                if shape != want:
+                    raise ValueError(f"{file}: tensor {key} has shape {shape}, but config.json implies {want}")
+                t = f.get_tensor(key)
+                state[name] = t.to(dtype) if dtype is not None else t
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s), e.g. model.{missing[0]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    return model
+
+
+def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+    """Write ``model`` as a Hugging Face directory (``config.json`` is written back unchanged).
+
+    DTensor parameters are gathered with ``full_tensor()``, a collective: call it on every rank
+    of their mesh (only the files of the calling rank are written).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+            continue
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        state[name if name == "lm_head.weight" else f"model.{name}"] = t.detach().cpu().contiguous()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    (path / "config.json").write_text(json.dumps(model.args.hf_config, indent=2) + "\n")
+    if len(shards) == 1:
+        save_file(shards[0], path / SINGLE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
