@@ -1,0 +1,114 @@
+"""The engine contract: what every rollout engine (TorchEngine, SGLangEngine) offers the controller.
+
+A small protocol, SPMD-friendly: every rank of one engine replica (its TP group) makes the same
+calls in the same order; the engine never knows which scheduling policy drives it.
+
+- ``add(request)`` queues a request. Bad requests (empty prompt, prompt beyond the context
+  length, ``max_new_tokens <= 0``, more KV than the whole cache) raise ``ValueError`` naming the
+  request, and the engine keeps serving the others.
+- ``step()`` advances every running request by one forward pass and returns the requests that
+  finished in it. ``stats()`` reports progress counters; ``has_unfinished()`` says whether any
+  request is still queued or running.
+- ``abort(request_id)`` removes a request at once, frees its KV and returns its partial
+  :class:`Output` (tokens and log-probs so far, ``finish_reason="abort"``).
+- ``Request.resume_from`` continues a partial output by recomputation: the engine prefills the
+  prompt plus the partial tokens and goes on; the returned output holds the partial tokens and
+  log-probs followed by the new ones, and ``max_new_tokens`` counts all of them. Seeded sampling
+  draws position by position, so a resumed request continues exactly as if never interrupted.
+- ``update_weights(named_tensors)`` loads new weights in place from ``(name, tensor)`` pairs
+  named like the model's ``state_dict``: plain tensors or DTensors (FSDP2/TP shards, gathered
+  with ``full_tensor()``, a collective every rank of their mesh must join). No disk.
+- ``release_memory()`` frees the KV cache (no request may be in flight); ``resume_memory()``
+  allocates it again.
+
+Log-probs are those of the sampled token under ``softmax(logits / temperature)`` (temperature 1
+for greedy), before top-k/top-p truncation: the policy's own probability, what the trainer's
+importance ratio needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    max_new_tokens: int
+    """Most tokens to generate (a resumed request counts its partial tokens too)."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 means no top-k truncation."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the response besides the model's EOS tokens."""
+    ignore_eos: bool = False
+    """Do not stop at EOS (stop_token_ids still apply): replays a recorded length exactly."""
+    seed: int | None = None
+    """Seed of this request's sampling; None draws one from the engine's generator."""
+
+
+@dataclass(kw_only=True)
+class Output:
+    id: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    """"stop" (EOS or a stop token), "length" (max_new_tokens or context), "abort", or None."""
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    """``time.time()`` stamps."""
+    num_preemptions: int = 0
+
+
+@dataclass(kw_only=True)
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    resume_from: Output | None = None
+    """A partial output (from ``abort``) to continue by recomputation."""
+
+
+@dataclass(kw_only=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    """Cumulative count of requests evicted for lack of KV memory (recomputed later)."""
+    num_generated_tokens: int
+    num_prefill_tokens: int
+
+
+class Engine(Protocol):
+    def add(self, request: Request) -> None: ...
+
+    def abort(self, request_id: str) -> Output: ...
+
+    def step(self) -> list[Output]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+
+def generate(engine: Engine, requests: Iterable[Request]) -> dict[str, Output]:
+    """Add ``requests`` and step until all finish; outputs by request id."""
+    for r in requests:
+        engine.add(r)
+    done: dict[str, Output] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.id] = out
+    return done
