@@ -401,19 +401,18 @@ class TorchEngine:
 
 
 def _sample(logprobs: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling of one token per row with top-k/top-p truncation. logprobs: [B, V]."""
-    probs = logprobs.exp()
-    top_k = torch.tensor([p.top_k or probs.shape[1] for p in params], device=probs.device)
-    top_p = torch.tensor([p.top_p for p in params], device=probs.device)
-    if bool((top_k < probs.shape[1]).any() or (top_p < 1).any()):
-        probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-        before = probs.cumsum(-1) - probs  # mass strictly before each token
-        keep = (rank < top_k[:, None]) & ((before < top_p[:, None]) | (rank == 0))
-        probs = probs * keep
-    else:
-        order = None
+    """Inverse-CDF sampling of one token per row with top-k/top-p truncation. logprobs: [B, V].
+
+    Rows are always walked in descending-probability order, truncated or not, so a row's token
+    depends on its own distribution and draw only, never on which other rows share the batch.
+    """
+    vocab = logprobs.shape[1]
+    top_k = torch.tensor([p.top_k or vocab for p in params], device=logprobs.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logprobs.device)
+    probs, order = logprobs.exp().sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=probs.device)[None, :]
+    before = probs.cumsum(-1) - probs  # mass strictly before each token
+    probs = probs * ((rank < top_k[:, None]) & ((before < top_p[:, None]) | (rank == 0)))
     cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
-    idx = idx.clamp(max=probs.shape[1] - 1)
-    return idx if order is None else order.gather(1, idx[:, None]).squeeze(1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+    return order.gather(1, idx).squeeze(1)

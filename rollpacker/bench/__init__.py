@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m rollpacker.bench <name> [--flags]`` (see ``__main__``)."""

@@ -1,0 +1,23 @@
+"""``python -m rollpacker.bench <name> [--flags]``: run one benchmark; ``<name> --help`` lists its flags."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "engine": "rollpacker.bench.engine",
+}
+"""Subcommand -> module with a ``main(argv)``."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHES:
+        names = ", ".join(BENCHES)
+        sys.exit(f"usage: python -m rollpacker.bench {{{names}}} [--flags]  (got {argv[:1] or 'nothing'})")
+    importlib.import_module(BENCHES[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
