@@ -94,9 +94,10 @@ class _StepAttention:
     single query attends over its cached context, gathered per length bucket.
     """
 
-    def __init__(self, cache: torch.Tensor, slots: torch.Tensor, prefill: list[Bucket] | None,
-                 decode: list[tuple[Bucket, torch.Tensor]] | None):
-        self.cache, self.slots, self.prefill, self.decode = cache, slots, prefill, decode
+    def __init__(self, cache: torch.Tensor, slots: torch.Tensor, block_size: int,
+                 prefill: list[Bucket] | None = None, decode: list[_DecodeBucket] | None = None):
+        self.cache, self.slots, self.block_size = cache, slots, block_size
+        self.prefill, self.decode = prefill, decode
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache[layer]
@@ -106,13 +107,27 @@ class _StepAttention:
             return causal_packed_attention(q, k, v, self.prefill)
         out = torch.empty_like(q)
         num_kv = k.shape[1]
-        for b, gather in self.decode:
-            qb = q[b.rows].unflatten(1, (num_kv, -1))  # [B, kv_heads, group, head_dim]
-            kb = k_cache[gather].transpose(1, 2)  # [B, kv_heads, L, head_dim]
-            vb = v_cache[gather].transpose(1, 2)
+        k_blocks = k_cache.unflatten(0, (-1, self.block_size))  # [num_blocks, block, kv_heads, head_dim]
+        v_blocks = v_cache.unflatten(0, (-1, self.block_size))
+        for b in self.decode:
+            num_rows, width = b.valid.shape
+            qb = q.index_select(0, b.rows).unflatten(1, (num_kv, -1))  # [B, kv_heads, group, head_dim]
+            # whole blocks are gathered (index_select copies them as contiguous rows)
+            kb = k_blocks.index_select(0, b.blocks.flatten()).view(num_rows, width, num_kv, -1).transpose(1, 2)
+            vb = v_blocks.index_select(0, b.blocks.flatten()).view(num_rows, width, num_kv, -1).transpose(1, 2)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.valid[:, None, None, :])
-            out[b.rows] = ob.flatten(1, 2)
+            out.index_copy_(0, b.rows, ob.flatten(1, 2))
         return out
+
+
+@dataclass
+class _DecodeBucket:
+    """Decode rows of similar context length: their cache blocks ``[B, num_blocks]`` and which
+    of the ``num_blocks * block_size`` gathered slots hold real tokens."""
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    valid: torch.Tensor
 
 
 class TorchEngine:
@@ -324,8 +339,8 @@ class TorchEngine:
         rows = torch.repeat_interleave(torch.tensor([s.row for s in seqs]), torch.tensor(lengths))
         tokens = torch.tensor([t for s in seqs for t in s.tokens])
         dev = self.device
-        attn = _StepAttention(self.cache, self._slots(rows, positions).to(dev),
-                              length_buckets(lengths, starts, dev), None)
+        attn = _StepAttention(self.cache, self._slots(rows, positions).to(dev), self.config.block_size,
+                              prefill=length_buckets(lengths, starts, dev))
         hidden = self.model(tokens.to(dev), positions.to(dev), attn)
         last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=dev)
         self.num_prefill_tokens += len(tokens)
@@ -352,13 +367,15 @@ class TorchEngine:
         rows = torch.tensor([s.row for s in seqs])
         positions = torch.tensor(lengths) - 1
         dev = self.device
+        bs = self.config.block_size
         decode = []
         for b in length_buckets(lengths, [0] * len(seqs), torch.device("cpu")):
-            width = b.valid.shape[1]
-            pos = torch.arange(width).expand(len(b.rows), width)
-            gather = self._slots(rows[b.rows][:, None], pos)
-            decode.append((Bucket(b.rows.to(dev), b.index.to(dev), b.valid.to(dev)), gather.to(dev)))
-        attn = _StepAttention(self.cache, self._slots(rows, positions).to(dev), None, decode)
+            lens = positions[b.rows] + 1
+            num_blocks = -(-int(lens.max()) // bs)
+            blocks = self.block_table[rows[b.rows], :num_blocks]
+            valid = torch.arange(num_blocks * bs)[None, :] < lens[:, None]
+            decode.append(_DecodeBucket(b.rows.to(dev), blocks.to(dev), valid.to(dev)))
+        attn = _StepAttention(self.cache, self._slots(rows, positions).to(dev), bs, decode=decode)
         tokens = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         hidden = self.model(tokens, positions.to(dev), attn)
         return self._sample_and_append(list(seqs), self.model.logits(hidden))
