@@ -12,6 +12,7 @@ unchanged when tensor parallelism leaves each rank a slice of the heads.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -131,15 +132,24 @@ class Transformer(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """tokens, positions: [T] -> final hidden states [T, hidden_size] (normed)."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """tokens, positions: [T] -> final hidden states [T, hidden_size] (normed), or
+        ``head(hidden, lm_head.weight)`` when given: the trainer's token log-probs run inside the
+        forward, where FSDP2 has the output head's weight gathered."""
         x = self.embed_tokens(tokens)
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attn)
-        return self.norm(x)
+        x = self.norm(x)
+        return x if head is None else head(x, self.lm_head.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> [N, vocab_size] in fp32."""

@@ -36,34 +36,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from rollpacker.model.attention import Bucket, causal_packed_attention, length_buckets
 from rollpacker.model.parallelize import apply_rollout_tp
 from rollpacker.model.transformer import Transformer
+from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import EngineStats, Output, Request
 
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(kw_only=True)
-class EngineConfig:
-    block_size: int = 16
-    """Tokens per KV block."""
-    kv_memory_mb: float = 512.0
-    """KV cache budget per rank in MiB; when it is full, requests are preempted."""
-    max_num_seqs: int = 256
-    """Most requests running at once."""
-    max_prefill_tokens: int = 8192
-    """Most prompt tokens prefilled in one step (a single longer prompt is still admitted)."""
-    max_model_len: int = 0
-    """Longest prompt + response; 0 takes the model's max_position_embeddings."""
-    seed: int = 0
-    """Seeds the per-request seeds of requests that bring none."""
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_prefill_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"engine.{name} must be positive, got {getattr(self, name)}")
-        if self.kv_memory_mb <= 0:
-            raise ValueError(f"engine.kv_memory_mb must be positive, got {self.kv_memory_mb}")
-        if self.max_model_len < 0:
-            raise ValueError(f"engine.max_model_len must be >= 0, got {self.max_model_len}")
 
 
 @dataclass(eq=False)

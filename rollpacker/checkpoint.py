@@ -1,0 +1,67 @@
+"""Checkpoints that resume exactly: model and optimizer shards (torch.distributed.checkpoint), the
+step, the LR schedule and the scheduling policy's state (its sampler position).
+
+Layout: ``RUN_DIR/checkpoints/step_N/`` holds DCP's shard files, ``train_state.json`` and, written
+last by rank 0 after every rank finished, the ``COMMITTED`` marker. A directory without the
+marker is an interrupted save: resuming from it is refused, and ``latest`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+MARKER = "COMMITTED"
+
+
+def save(path: Path, trainer, step: int, policy_state: dict[str, Any] | None) -> None:
+    """Collective. ``policy_state`` matters on rank 0 only."""
+    state = {
+        "model": get_model_state_dict(trainer.model),
+        "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
+    }
+    dcp.save(state, checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        meta = {"step": step, "scheduler": trainer.scheduler.state_dict(), "policy": policy_state}
+        (path / "train_state.json").write_text(json.dumps(meta))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (path / MARKER).write_text("")
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest committed checkpoint under ``run_dir/checkpoints``."""
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / MARKER).exists()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def check(path: Path) -> None:
+    if not path.is_dir():
+        raise FileNotFoundError(f"resume: checkpoint directory {path} does not exist")
+    if not (path / MARKER).exists():
+        raise ValueError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
+
+
+def load(path: Path, trainer) -> dict[str, Any]:
+    """Collective: restores the trainer in place; returns the saved train state (step, policy)."""
+    check(path)
+    state = {
+        "model": get_model_state_dict(trainer.model),
+        "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
+    }
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(trainer.model, state["model"])
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+    meta = json.loads((path / "train_state.json").read_text())
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    return meta

@@ -1,0 +1,165 @@
+"""The root config: a tree of the components' own configs, built from a named preset, then tyro flags.
+
+Presets are TOML files in the repository's ``configs/`` directory (``--preset NAME``) or any TOML
+file (``--preset path/to/file.toml``); flags override them: ``--rollout.num-prompts 32``.
+Nothing here imports torch, so ``--help`` and config errors come back at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollpacker.data.dataset import DataConfig
+from rollpacker.metrics import MetricsConfig
+from rollpacker.rollout.config import EngineConfig
+from rollpacker.train.config import TrainConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_PRESET = "toy-cpu"
+POLICIES = ("sync",)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory (config.json + safetensors + tokenizer); empty = the shipped toy model."""
+    dtype: str = "auto"
+    """Engine weights: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16; the trainer keeps fp32 masters."""
+    chat_template: bool = False
+    """Wrap each prompt in the tokenizer's chat template as a user turn."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    num_prompts: int = 16
+    """P0: prompts trained per step."""
+    group_size: int = 8
+    """R0: responses per prompt (the GRPO group)."""
+    max_new_tokens: int = 512
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    tp: int = 1
+    """Rollout tensor-parallel size: each engine replica spans this many ranks."""
+    poll_steps: int = 8
+    """Engine steps between two control-plane exchanges with the controller."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"rollout sampling: temperature={self.temperature} must be >= 0, top_p={self.top_p} "
+                f"in (0, 1], top_k={self.top_k} >= 0"
+            )
+
+
+@dataclass(kw_only=True)
+class Config:
+    run_dir: str = "runs/toy-cpu"
+    """Where metrics, checkpoints and plots go."""
+    seed: int = 0
+    """Seeds sampling and everything else random."""
+    num_steps: int = 20
+    """RL steps to run (one optimizer step each)."""
+    policy: str = "sync"
+    """Rollout scheduling policy."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    resume: str = ""
+    """Checkpoint directory to resume from."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.num_steps <= 0 or self.checkpoint_every < 0:
+            raise ValueError(f"num_steps={self.num_steps} must be > 0 and checkpoint_every >= 0")
+
+    def check_world(self, world: int) -> None:
+        """Errors for settings that do not fit ``world`` ranks, naming the fields."""
+        r, t = self.rollout, self.train
+        if world % r.tp:
+            raise ValueError(f"rollout.tp={r.tp} does not divide the world size {world}")
+        shard = t.train_shard_size or world
+        if world % shard:
+            raise ValueError(f"train.train_shard_size={shard} does not divide the world size {world}")
+        if (r.num_prompts * r.group_size) % world:
+            raise ValueError(
+                f"rollout.num_prompts x rollout.group_size = {r.num_prompts} x {r.group_size} = "
+                f"{r.num_prompts * r.group_size} responses per step cannot be split evenly over {world} "
+                "ranks: make it a multiple of the world size"
+            )
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    """A dataclass from nested dicts, refusing unknown keys by name."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
+        ftype = fields[key].type
+        sub = globals().get(ftype) or getattr(sys.modules[cls.__module__], ftype, None)
+        if isinstance(value, dict) and dataclasses.is_dataclass(sub):
+            value = _build(sub, value, f"{where}.{key}")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def preset_path(name: str) -> Path:
+    path = Path(name) if name.endswith(".toml") else CONFIGS_DIR / f"{name}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+        raise FileNotFoundError(f"preset {name!r}: {path} not found (known presets: {', '.join(known)})")
+    return path
+
+
+def load_preset(name: str) -> Config:
+    import tomllib
+
+    path = preset_path(name)
+    try:
+        values = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: {e}") from None
+    try:
+        return _build(Config, values, path.name)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def parse(argv: list[str] | None = None) -> Config:
+    """``--preset NAME`` (default toy-cpu), then tyro flags on top of it."""
+    import tyro
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    preset = DEFAULT_PRESET
+    if "--preset" in args:
+        i = args.index("--preset")
+        if i + 1 >= len(args):
+            raise SystemExit("--preset needs a name (or a .toml path)")
+        preset = args.pop(i + 1)
+        args.pop(i)
+    return tyro.cli(Config, default=load_preset(preset), args=args,
+                    description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")

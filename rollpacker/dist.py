@@ -1,0 +1,106 @@
+"""Every process group and device mesh of the job, built once, in one place.
+
+- ``world``: all ranks (NCCL on GPU, gloo on CPU).
+- ``control``: the gloo control plane. Rank 0 decides; the others follow through object
+  collectives on it (a few times per second, never per token).
+- ``rollout``: a 2-D (replica, tp) mesh; ``rollout_tp`` is this rank's engine TP sub-mesh.
+- ``train``: the 2-D (replicate, shard) HSDP mesh of the trainer. Each replica group is a whole
+  copy of the model, so a subset of replicas can compute gradients on its own (stream training).
+
+World size 1 is not special: ``python -m rollpacker.run`` gets a one-rank gloo group like any
+other run. Nobody else creates process groups.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Join the job's process group (a one-rank group outside torchrun); returns this rank's device."""
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass
+class Meshes:
+    device: torch.device
+    world: DeviceMesh
+    control: dist.ProcessGroup
+    rollout: DeviceMesh
+    train: DeviceMesh
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def rollout_tp(self) -> DeviceMesh:
+        return self.rollout["tp"]
+
+    @property
+    def replica(self) -> int:
+        """Index of the engine replica this rank belongs to."""
+        return self.rollout.get_local_rank("replica")
+
+    @property
+    def num_replicas(self) -> int:
+        return self.rollout.size(0)
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """TP rank 0 of its replica: the one that reports the replica's outputs."""
+        return self.rollout.get_local_rank("tp") == 0
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's ``obj``, on every rank (control plane)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
+
+
+def build_meshes(rollout_tp: int, train_shard_size: int) -> Meshes:
+    device = init_distributed()
+    world = dist.get_world_size()
+    shard = train_shard_size or world
+    kind = device.type
+    control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return Meshes(
+        device=device,
+        world=init_device_mesh(kind, (world,), mesh_dim_names=("world",)),
+        control=control,
+        rollout=init_device_mesh(kind, (world // rollout_tp, rollout_tp), mesh_dim_names=("replica", "tp")),
+        train=init_device_mesh(kind, (world // shard, shard), mesh_dim_names=("replicate", "shard")),
+    )

@@ -1,0 +1,267 @@
+"""Metrics: stage timers, bubble ratio, length statistics, the JSONL + wandb sink, a live display.
+
+Metric names are namespaced (``rollout/``, ``reward/``, ``train/``, ``time/``, ``sched/``) and
+the same in the JSONL file, wandb, the console and :mod:`rollpacker.report`'s plots.
+
+- :func:`bubble_ratio` is SortedRL's eq. 4, computed from change points of the number of running
+  requests rather than from fixed time slices: between two change points the count is constant,
+  so the sum over slices is exact.
+- :class:`MetricsLogger` runs on rank 0 only. ``run_dir/metrics.jsonl`` is the record of a run
+  (one JSON object per step, list-valued metrics kept whole); wandb is a mirror of it where
+  list-valued metrics become histograms. wandb runs ``offline`` by default and never reaches a
+  server unless ``wandb_mode="online"``; its usage telemetry is switched off
+  (``WANDB_ERROR_REPORTING=false`` unless the environment says otherwise).
+- :class:`LiveDisplay` draws a rich progress bar only when stdout is a terminal; elsewhere (CI,
+  Slurm logs) it prints one plain summary line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+WANDB_MODES = ("offline", "online", "disabled")
+SUMMARY_KEYS = ("time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean")
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    wandb_mode: str = "offline"
+    """wandb mode: "offline" (files under the run dir, no network), "online" or "disabled"."""
+    wandb_project: str = "rollpacker"
+    """wandb project name."""
+    wandb_run_name: str = ""
+    """wandb run name; empty lets wandb pick one."""
+    live: bool = True
+    """Show a live progress bar on rank 0 when stdout is a terminal."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"metrics.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
+        if not self.wandb_project:
+            raise ValueError("metrics.wandb_project must not be empty")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def bubble_ratio(samples: list[tuple[float, int]], capacity: int, end_time: float) -> float:
+    """Idle share of the rollout capacity over ``[samples[0][0], end_time]`` (SortedRL eq. 4).
+
+    ``samples`` are change points ``(timestamp, num_running)``: ``num_running`` requests run from
+    ``timestamp`` until the next change point (or ``end_time``). Returns
+    ``sum((capacity - num_running) * dt) / (capacity * total_time)``; 0.0 when no time passed.
+    """
+    if capacity <= 0:
+        raise ValueError(f"bubble_ratio: capacity must be positive, got {capacity}")
+    if not samples:
+        return 0.0
+    times = [t for t, _ in samples] + [end_time]
+    if any(b < a for a, b in zip(times, times[1:])):
+        raise ValueError(f"bubble_ratio: timestamps must be non-decreasing and <= end_time={end_time}")
+    idle = 0.0
+    for (t, num_running), t_next in zip(samples, times[1:]):
+        if not 0 <= num_running <= capacity:
+            raise ValueError(f"bubble_ratio: {num_running} running at t={t} is outside 0..capacity={capacity}")
+        idle += (capacity - num_running) * (t_next - t)
+    total = end_time - samples[0][0]
+    return idle / (capacity * total) if total > 0 else 0.0
+
+
+def length_stats(lengths: Sequence[int]) -> dict[str, float]:
+    """Mean, median, p90 and max of response lengths; ``{}`` when there are none."""
+    if len(lengths) == 0:
+        return {}
+    arr = np.asarray(lengths, dtype=np.float64)
+    return {
+        "rollout/response_len_mean": float(arr.mean()),
+        "rollout/response_len_p50": float(np.percentile(arr, 50)),
+        "rollout/response_len_p90": float(np.percentile(arr, 90)),
+        "rollout/response_len_max": float(arr.max()),
+    }
+
+
+class Timer:
+    """Accumulates wall time per stage: ``with timer("rollout"): ...`` adds to ``time/rollout``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"time/{name}"
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        """The accumulated times, resetting them to nothing."""
+        times, self.times = self.times, {}
+        return times
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinks
+
+
+def _plain(value: Any) -> Any:
+    """numpy/torch scalars and arrays as Python numbers and lists; everything else unchanged."""
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to ``run_dir/metrics.jsonl`` and mirrors it to wandb.
+
+    Rank 0 only. The file is opened for appending, so a resumed run continues the same record
+    (``rollpacker.report`` keeps the last line of a step logged twice).
+    """
+
+    def __init__(self, run_dir: Path, config: MetricsConfig, run_config: dict) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        self._wandb_run = None
+        if config.wandb_mode != "disabled":
+            self._wandb_run = _init_wandb(self.run_dir, config, run_config)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if "step" in metrics:
+            raise ValueError("MetricsLogger.log: pass the step as the `step` argument, not as a metric")
+        if self._file is None:
+            raise RuntimeError(f"MetricsLogger for {self.path} is closed")
+        metrics = {k: _plain(v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            import wandb
+
+            data = {}
+            for key, value in metrics.items():
+                if isinstance(value, (list, tuple)):
+                    if value:  # wandb cannot histogram nothing; the JSONL keeps the empty list
+                        data[key] = wandb.Histogram(value)
+                elif value is not None:
+                    data[key] = value
+            self._wandb_run.log(data, step=step)
+
+    def close(self) -> None:
+        """Flush and close the JSONL file and finish the wandb run; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _init_wandb(run_dir: Path, config: MetricsConfig, run_config: dict):
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # else wandb posts usage telemetry
+    try:
+        import wandb
+    except ImportError as e:
+        raise ImportError("wandb is not installed: `pip install wandb`, or set metrics.wandb_mode=disabled") from e
+    try:
+        return wandb.init(
+            mode=config.wandb_mode,
+            dir=run_dir,
+            project=config.wandb_project,
+            name=config.wandb_run_name or None,
+            config=json.loads(json.dumps(run_config, default=str)),
+            reinit="create_new",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"wandb.init (mode={config.wandb_mode}, dir={run_dir}) failed: {e}; "
+            "set metrics.wandb_mode=disabled to run without wandb"
+        ) from e
+
+
+def format_summary(step: int, summary: dict[str, Any]) -> str:
+    """One line: ``step 3 | time/step 12.3s | reward/mean 0.41 | ...`` (missing keys left out)."""
+    parts = [f"step {step}"]
+    for key in SUMMARY_KEYS:
+        value = summary.get(key)
+        if value is None:
+            continue
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        parts.append(f"{key} {text}{'s' if key.startswith('time/') else ''}")
+    return " | ".join(parts)
+
+
+class LiveDisplay:
+    """Per-step progress on rank 0: a rich progress bar on a terminal, plain lines elsewhere.
+
+    The bar (responses done of launched, tokens/s) is drawn only when ``enabled`` and the stream
+    is a terminal; :meth:`end_step` always prints the step's one-line summary.
+    """
+
+    def __init__(self, enabled: bool = True, *, stream: TextIO | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stdout
+        self._use_bar = enabled and self._stream.isatty()
+        self._progress = None
+        self._task = None
+        self._step = 0
+
+    def start_step(self, step: int, num_launched: int) -> None:
+        self._step = step
+        if not self._use_bar:
+            return
+        if self._progress is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("step {task.fields[step]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[tokens_per_s]:,.0f} tok/s"),
+                TimeElapsedColumn(),
+                console=Console(file=self._stream),
+                transient=True,
+            )
+            self._progress.start()
+        self._task = self._progress.add_task("rollout", total=num_launched, step=step, tokens_per_s=0.0)
+
+    def update(self, num_done: int, tokens_per_s: float) -> None:
+        if self._task is not None:
+            self._progress.update(self._task, completed=num_done, tokens_per_s=tokens_per_s)
+
+    def end_step(self, summary: dict[str, Any]) -> None:
+        line = format_summary(self._step, summary)
+        if self._progress is None:
+            print(line, file=self._stream, flush=True)
+            return
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+            self._task = None
+        self._progress.console.print(line, markup=False, highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+            self._task = None

@@ -1,0 +1,162 @@
+"""Plots of one run's ``metrics.jsonl``: step time by stage, response lengths, reward.
+
+    python -m rollpacker.report RUN_DIR
+
+writes ``RUN_DIR/plots/step_time.png`` (stacked ``time/*`` stages per step, ``time/step`` as a
+dot above them), ``response_lengths.png`` (a box per step of ``rollout/response_lengths``, on a
+log scale when all are positive) and ``reward.png`` (``reward/mean`` and ``reward/accuracy`` vs
+step), and prints their paths. A plot whose metrics appear in no step is skipped with a note.
+When a step was logged twice (a resumed run), its last line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from numbers import Real
+from pathlib import Path
+
+STAGES = ("time/rollout", "time/reward", "time/train", "time/weight_sync")
+LENGTHS = "rollout/response_lengths"
+REWARDS = ("reward/mean", "reward/accuracy")
+
+
+class ReportError(Exception):
+    """A run directory or metrics file that cannot be read; the message names the path/line."""
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of ``path``, one per step, sorted by step."""
+    by_step: dict[int, dict] = {}
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReportError(f"{where}: not valid JSON ({e.msg}); fix or delete the line") from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ReportError(f'{where}: expected a JSON object with an integer "step"')
+            for key, value in record.items():
+                if (key.startswith("time/") or key in REWARDS) and value is not None and not _is_number(value):
+                    raise ReportError(f"{where}: {key} should be a number, got {value!r}")
+                if key == LENGTHS and not (isinstance(value, list) and all(map(_is_number, value))):
+                    raise ReportError(f"{where}: {key} should be a list of numbers")
+            by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _bar_width(steps: list[int]) -> float:
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    return 0.8 * min(gaps, default=1)
+
+
+def plot_step_time(records: list[dict], ax) -> bool:
+    present = {k for r in records for k in r if k.startswith("time/") and k != "time/step"}
+    keys = [k for k in STAGES if k in present] + sorted(present - set(STAGES))
+    if not keys:
+        return False
+    steps = [r["step"] for r in records]
+    bottom = [0.0] * len(records)
+    for key in keys:
+        values = [r.get(key) or 0.0 for r in records]
+        ax.bar(steps, values, bottom=bottom, width=_bar_width(steps), label=key)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    totals = [(r["step"], r["time/step"]) for r in records if _is_number(r.get("time/step"))]
+    if totals:
+        ax.plot(*zip(*totals), "k.", label="time/step")
+    ax.set(xlabel="step", ylabel="seconds", title="step time by stage")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return True
+
+
+def plot_response_lengths(records: list[dict], ax) -> bool:
+    rows = [(r["step"], r[LENGTHS]) for r in records if r.get(LENGTHS)]
+    if not rows:
+        return False
+    steps, lengths = zip(*rows)
+    ax.boxplot(lengths, positions=steps, widths=_bar_width(list(steps)), manage_ticks=False)
+    ax.set(xlabel="step", ylabel="tokens", title=LENGTHS)
+    if all(x > 0 for row in lengths for x in row):
+        ax.set_yscale("log")  # the long tail would flatten every box on a linear axis
+    ax.set_xlim(min(steps) - 1, max(steps) + 1)
+    return True
+
+
+def plot_reward(records: list[dict], ax) -> bool:
+    drawn = False
+    for key in REWARDS:
+        points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
+        if points:
+            ax.plot(*zip(*points), marker="o" if len(points) <= 50 else None, label=key)
+            drawn = True
+    if drawn:
+        ax.set(xlabel="step", title="reward")
+        ax.legend(fontsize="small")
+    return drawn
+
+
+PLOTS = {
+    "step_time.png": (plot_step_time, "time/* metrics"),
+    "response_lengths.png": (plot_response_lengths, LENGTHS),
+    "reward.png": (plot_reward, " or ".join(REWARDS)),
+}
+
+
+def write_report(run_dir: Path) -> list[Path]:
+    """Write the plots of ``run_dir`` into ``run_dir/plots``; returns the paths written."""
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {run_dir} does not exist; pass the run's output directory")
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{path} not found; is {run_dir} a rollpacker run directory?")
+    records = read_metrics(path)
+    if not records:
+        raise ReportError(f"{path} has no records yet")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    written = []
+    for name, (plot, needs) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        try:
+            if plot(records, ax):
+                fig.savefig(out_dir / name, dpi=100, bbox_inches="tight")
+                written.append(out_dir / name)
+            else:
+                print(f"skipped {name}: no step has {needs}", file=sys.stderr)
+        finally:
+            plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rollpacker.report", description="Plot a run's metrics.jsonl into RUN_DIR/plots/."
+    )
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
+    args = parser.parse_args(argv)
+    try:
+        paths = write_report(args.run_dir)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

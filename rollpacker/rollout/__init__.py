@@ -1,0 +1,1 @@
+"""Rollout engines behind one contract (``engine.py``): TorchEngine now, SGLangEngine on GPU."""

@@ -1,0 +1,223 @@
+"""Entry point: ``torchrun --nproc_per_node=N -m rollpacker.run [--preset NAME] [--section.field value …]``.
+
+``python -m rollpacker.run`` is the same program at world size 1. The config is parsed before
+torch is imported, so ``--help`` and config errors come back at once.
+
+Each step is the paper's workflow (Fig. 1a): the policy plans a round, the engines roll it out,
+responses are scored, the trainer takes one optimizer step, and the new weights are pushed into
+the engines in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollpacker.config import Config, parse
+
+logger = logging.getLogger("rollpacker")
+
+
+@dataclass
+class Job:
+    config: Config
+    meshes: Any
+    engine: Any
+    trainer: Any
+    policy: Any = None
+    """Rank 0 only, like everything below."""
+    rows: list[dict] | None = None
+    tokenizer: Any = None
+    reward_fn: Any = None
+    metrics: Any = None
+    display: Any = None
+    start_step: int = 0
+
+
+def rl_step(job: Job, step: int) -> None:
+    from rollpacker.controller import run_round
+    from rollpacker.metrics import Timer
+
+    timer, rank0, cfg = Timer(), job.meshes.rank == 0, job.config
+    if rank0:
+        job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+    with timer("rollout"):  # the policy plans the round; the engines generate it
+        result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
+                           prompt_ids=lambda p: encode_prompt(job, p), sampling=sampling_params(cfg),
+                           seed=cfg.seed, on_progress=job.display.update if rank0 else None)
+    with timer("reward"):  # score every response (rank 0)
+        samples, stats = score(job, result) if rank0 else (None, {})
+    samples = job.meshes.broadcast(samples)
+    with timer("train"):  # one optimizer step, normalized by global counts
+        stats |= job.trainer.step(samples)
+    with timer("weight_sync"):  # push the new weights into the engines, in-process
+        job.engine.update_weights(job.trainer.model.named_parameters())
+    if rank0:
+        times = timer.pop()
+        times["time/step"] = sum(times.values())
+        stats |= times
+        job.metrics.log(step, stats)
+        job.display.end_step(stats)
+
+
+def sampling_params(cfg: Config):
+    from rollpacker.rollout.engine import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+
+def encode_prompt(job: Job, index: int) -> list[int]:
+    row = job.rows[index]
+    tok = job.tokenizer
+    if job.config.model.chat_template:
+        ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                      tokenize=True)
+    else:
+        ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+    limit = job.engine.max_model_len
+    if not ids or len(ids) >= limit:
+        raise ValueError(f"data row {row['id']!r}: its prompt is {len(ids)} tokens; the context length is {limit}")
+    return ids
+
+
+def score(job: Job, result) -> tuple[list, dict[str, float]]:
+    """Rewards and GRPO advantages of every kept response, and the round's metrics."""
+    import torch
+
+    from rollpacker.metrics import bubble_ratio, length_stats
+    from rollpacker.reward import RewardError
+    from rollpacker.train.losses import group_advantages
+    from rollpacker.train.trainer import Sample
+
+    rewards, errors = [], 0
+    for group in result.groups:
+        answer = job.rows[group.prompt]["answer"]
+        rewards.append([])
+        for out in group.outputs:
+            text = job.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            try:
+                rewards[-1].append(job.reward_fn(text, answer))
+            except RewardError as e:
+                logger.warning("reward failed on %s (scored 0): %s", out.id, e)
+                errors += 1
+                rewards[-1].append(0.0)
+    reward_t = torch.tensor(rewards)
+    adv = group_advantages(reward_t, job.config.train.scale_adv_by_std)
+    samples = [
+        Sample(out.prompt_ids, out.token_ids, float(a), out.logprobs)
+        for group, advs in zip(result.groups, adv.tolist())
+        for out, a in zip(group.outputs, advs)
+    ]
+    lengths = [len(s.response_ids) for s in samples]
+    rollout_time = result.end - result.start
+    trace = [(result.start, result.num_launched), *result.running_trace]
+    return samples, {
+        "sched/round_kind": result.kind,
+        "reward/mean": reward_t.mean().item(),
+        "reward/accuracy": (reward_t >= 1.0).float().mean().item(),
+        "reward/errors": errors,
+        "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
+        "rollout/tokens_per_s": sum(lengths) / rollout_time,
+        "rollout/preemptions": result.num_preemptions,
+        "rollout/response_lengths": lengths,
+        **length_stats(lengths),
+    }
+
+
+def build(config: Config) -> Job:
+    import torch
+
+    from rollpacker import checkpoint
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.train.trainer import Trainer
+
+    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size)
+    config.check_world(meshes.world_size)
+    torch.manual_seed(config.seed)
+    path = model_path(config)
+    engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        config.model.dtype, torch.bfloat16 if meshes.device.type == "cuda" else torch.float32)
+    engine = TorchEngine(load_model(path, meshes.device, engine_dtype), config.engine, meshes.rollout_tp)
+    reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
+    trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
+                      temperature=config.rollout.temperature or 1.0, reference=reference)
+    job = Job(config=config, meshes=meshes, engine=engine, trainer=trainer)
+    if meshes.rank == 0:
+        build_controller(job, path)
+    if config.resume:
+        state = checkpoint.load(Path(config.resume), trainer)
+        job.start_step = state["step"]
+        if job.policy is not None:
+            job.policy.load_state_dict(state["policy"])
+        engine.update_weights(trainer.model.named_parameters())
+    return job
+
+
+def build_controller(job: Job, path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from rollpacker.data.dataset import PromptSampler, load_rows
+    from rollpacker.metrics import LiveDisplay, MetricsLogger
+    from rollpacker.reward import get_reward
+    from rollpacker.schedule.sync import SyncPolicy
+
+    cfg = job.config
+    job.rows = load_rows(cfg.data)
+    job.tokenizer = AutoTokenizer.from_pretrained(path)
+    job.reward_fn = get_reward(cfg.data.reward)
+    sampler = PromptSampler(len(job.rows), cfg.data.shuffle_seed)
+    job.policy = SyncPolicy(sampler, cfg.rollout.num_prompts, cfg.rollout.group_size)
+    job.metrics = MetricsLogger(Path(cfg.run_dir), cfg.metrics, dataclasses.asdict(cfg))
+    job.display = LiveDisplay(cfg.metrics.live)
+
+
+def model_path(config: Config) -> Path:
+    if config.model.path:
+        return Path(config.model.path)
+    from rollpacker.data.toy_model import toy_model_dir
+
+    return toy_model_dir()
+
+
+def train(config: Config) -> None:
+    from rollpacker import checkpoint
+
+    job = build(config)
+    run_dir = Path(config.run_dir)
+    for step in range(job.start_step, config.num_steps):
+        rl_step(job, step)
+        last = step + 1 == config.num_steps
+        if last or config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            path = run_dir / "checkpoints" / f"step_{step + 1}"
+            checkpoint.save(path, job.trainer, step + 1, job.policy.state_dict() if job.policy else None)
+    if job.meshes.rank == 0:
+        job.metrics.close()
+        job.display.close()
+        logger.info("done: metrics in %s", run_dir / "metrics.jsonl")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse(argv)
+        if config.resume:
+            from rollpacker import checkpoint
+
+            checkpoint.check(Path(config.resume))
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"rollpacker: config error: {e}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    train(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Training side of the RL step: GRPO losses and memory-lean token log-probabilities."""

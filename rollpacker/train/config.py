@@ -1,0 +1,48 @@
+"""Trainer settings (no torch import here: configs parse before heavy imports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    lr: float = 1e-5
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to lr over this many optimizer steps."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one forward/backward micro-batch per rank (a longer sample goes alone)."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1 (1 - clip_low)."""
+    clip_high: float = 0.28
+    """PPO ratio clip above 1 (1 + clip_high), DAPO's clip-higher."""
+    aggregation: str = "token"
+    """Loss aggregation: 'token' (DAPO: over all response tokens of the step) or 'seq-mean'."""
+    scale_adv_by_std: bool = True
+    """Divide group-centred rewards by the group's std (GRPO); False centres only (Dr. GRPO)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the frozen initial policy; 0 keeps no reference model."""
+    train_shard_size: int = 0
+    """Ranks that FSDP2 shards one training replica over (HSDP: replicas = world / this); 0 = world."""
+    mixed_precision: bool = True
+    """bf16 compute with fp32 master weights and gradient reduction, on GPU only (CPU stays fp32)."""
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in ("token", "seq-mean"):
+            raise ValueError(f"train.aggregation must be 'token' or 'seq-mean', got {self.aggregation!r}")
+        for name in ("lr", "micro_batch_tokens", "adam_eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",
+                     "train_shard_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")

@@ -1,0 +1,175 @@
+"""The FSDP2 trainer: one optimizer step per RL step, whatever the spread of samples over ranks.
+
+- FSDP2 ``fully_shard`` per block, then the root, over the training mesh (2-D replicate x shard
+  = HSDP; a 1-D mesh is plain FSDP); bf16 compute with fp32 reduction on GPU.
+- Samples are spread over ranks longest-first onto the least-loaded rank (by tokens), then
+  packed into micro-batches under a token budget. All ranks run the same number of micro-batches
+  (a rank with fewer runs zero-weighted ones: FSDP2's collectives must match), and gradients are
+  reduced only after the last one.
+- Every normalizer is global (all response tokens, or all sequences, of the step), so the update
+  equals the one a single process would take on the whole batch.
+- A non-finite gradient norm skips the step: no weight changes, ``train/skipped`` = 1.
+
+On-policy, one optimizer step per RL step: the "old" log-probs of the PPO ratio are the current
+policy's own, detached (ratio 1 at the step's start), which is what recomputing them first would
+give. The engines' log-probs are only compared, as ``train/rollout_logprob_diff``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.utils.rnn import pad_sequence
+
+from rollpacker.model.attention import CausalAttention
+from rollpacker.model.transformer import Transformer
+from rollpacker.train.config import TrainConfig
+from rollpacker.train.logprobs import token_logprobs
+from rollpacker.train.losses import policy_loss
+
+
+@dataclass
+class Sample:
+    """One scored response, ready to train on."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float
+    rollout_logprobs: list[float]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def spread(lengths: list[int], num_ranks: int, budget: int) -> list[list[list[int]]]:
+    """Sample indices per rank, per micro-batch: longest first onto the least-loaded rank, then
+    packed in order under ``budget`` tokens (a longer sample forms its own micro-batch)."""
+    loads = [0] * num_ranks
+    per_rank: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = loads.index(min(loads))
+        per_rank[r].append(i)
+        loads[r] += lengths[i]
+    plan = []
+    for indices in per_rank:
+        micro: list[list[int]] = []
+        used = budget
+        for i in indices:
+            if used + lengths[i] > budget:
+                micro.append([])
+                used = 0
+            micro[-1].append(i)
+            used += lengths[i]
+        plan.append(micro)
+    return plan
+
+
+def shard_model(model: Transformer, mesh: DeviceMesh, mixed_precision: bool) -> None:
+    """FSDP2 per block, then the root (embedding, final norm, output head)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    for block in model.layers:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+
+
+class Trainer:
+    def __init__(self, model: Transformer, config: TrainConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
+                 reference: Transformer | None = None):
+        self.config, self.temperature = config, temperature
+        self.device = model.norm.weight.device
+        mixed = config.mixed_precision and self.device.type == "cuda"
+        shard_model(model, mesh, mixed)
+        self.model = model
+        self.reference = reference
+        if reference is not None:
+            shard_model(reference.requires_grad_(False), mesh, mixed)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step on ``samples`` (the whole step's batch, identical on every rank)."""
+        cfg = self.config
+        plan = spread([s.num_tokens for s in samples], self.world, cfg.micro_batch_tokens)
+        mine, num_micro = plan[self.rank], max(len(p) for p in plan)
+        normalizer = sum(len(s.response_ids) for s in samples) if cfg.aggregation == "token" else len(samples)
+        totals = torch.zeros(5, dtype=torch.float64, device=self.device)  # loss, clipped, tokens, kl, lp diff
+        self.model.train()
+        for i in range(num_micro):
+            self.model.set_requires_gradient_sync(i == num_micro - 1)
+            if i < len(mine):
+                loss, stats = self._loss([samples[j] for j in mine[i]], normalizer)
+                totals += torch.stack([loss.detach().double(), *stats]).to(totals)
+            else:
+                loss = self._idle_loss()
+            loss.backward()
+        dist.all_reduce(totals)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        skipped = not math.isfinite(norm) or not math.isfinite(float(totals[0]))
+        lr = self.scheduler.get_last_lr()[0]
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, clipped, tokens, kl, lp_diff = totals.tolist()
+        return {
+            "train/loss": loss,
+            "train/grad_norm": norm,
+            "train/clip_frac": clipped / max(tokens, 1),
+            "train/kl": kl / max(tokens, 1),
+            "train/rollout_logprob_diff": lp_diff / max(tokens, 1),
+            "train/lr": lr,
+            "train/skipped": float(skipped),
+            "train/num_micro_batches": float(num_micro),
+        }
+
+    def _logprobs(self, model: Transformer, batch: list[Sample]) -> torch.Tensor:
+        """Log-probs of every response token of ``batch``, flat [sum of response lengths]."""
+        tokens = torch.tensor([t for s in batch for t in (*s.prompt_ids, *s.response_ids)], device=self.device)
+        positions = torch.cat([torch.arange(s.num_tokens) for s in batch]).to(self.device)
+        pick, start = [], 0  # the position predicting each response token
+        for s in batch:
+            p = start + len(s.prompt_ids) - 1
+            pick.extend(range(p, p + len(s.response_ids)))
+            start += s.num_tokens
+        pick_t = torch.tensor(pick, device=self.device)
+        targets = tokens[pick_t + 1]
+        attn = CausalAttention([s.num_tokens for s in batch], self.device)
+        return model(tokens, positions, attn,
+                     head=lambda h, w: token_logprobs(h[pick_t], w, targets, self.temperature))
+
+    def _loss(self, batch: list[Sample], normalizer: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        lengths = [len(s.response_ids) for s in batch]
+        logp_flat = self._logprobs(self.model, batch)
+        logp = pad_sequence(logp_flat.split(lengths), batch_first=True)  # [N, T]
+        mask = pad_sequence([torch.ones(n, device=self.device) for n in lengths], batch_first=True)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = pad_sequence(self._logprobs(self.reference, batch).split(lengths), batch_first=True)
+        adv = torch.tensor([s.advantage for s in batch], device=self.device)
+        cfg = self.config
+        loss, stats = policy_loss(
+            logp, logp.detach(), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            ref_logprobs=ref, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, normalizer=normalizer)
+        rollout = torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device)
+        lp_diff = (logp_flat.detach() - rollout).abs().sum()
+        return loss, [stats["num_clipped_tokens"], stats["num_tokens"], stats["kl_sum"], lp_diff]
+
+    def _idle_loss(self) -> torch.Tensor:
+        """A zero-weighted forward/backward that joins FSDP2's collectives on a rank with no work."""
+        tokens = torch.zeros(1, dtype=torch.long, device=self.device)
+        out = self.model(tokens, tokens, CausalAttention([1], self.device), head=lambda h, w: (h @ w.T).sum())
+        return out * 0.0

@@ -1,0 +1,55 @@
+"""Presets, flags and config errors: all before torch is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rollpacker.config import CONFIGS_DIR, Config, load_preset, parse
+
+PRESETS = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+
+
+def test_presets_exist():
+    assert {"toy-cpu", "qwen2.5-7b-8k", "qwen2.5-14b-16k", "qwen2.5-32b-32k"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_builds(name):
+    config = load_preset(name)
+    assert isinstance(config, Config)
+    if name.startswith("qwen2.5"):
+        assert (config.rollout.num_prompts, config.rollout.group_size) == (128, 8)
+        config.check_world(config.rollout.tp * 2)
+
+
+def test_flags_override_the_preset():
+    config = parse(["--preset", "qwen2.5-7b-8k", "--rollout.num-prompts", "64", "--train.lr", "2e-6"])
+    assert config.rollout.num_prompts == 64 and config.train.lr == 2e-6
+    assert config.rollout.max_new_tokens == 8192
+
+
+def test_bad_settings_name_the_field(tmp_path):
+    with pytest.raises(SystemExit):
+        parse(["--rollout.group-size", "0"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlrr = 1.0\n")
+    with pytest.raises(ValueError, match="bad.toml.*'lrr'"):
+        load_preset(str(bad))
+    with pytest.raises(FileNotFoundError, match="known presets"):
+        load_preset("no-such-preset")
+    with pytest.raises(ValueError, match="rollout.tp=2 does not divide the world size 3"):
+        parse(["--rollout.tp", "2"]).check_world(3)
+    with pytest.raises(ValueError, match=r"rollout.num_prompts x rollout.group_size = 3 x 3"):
+        parse(["--rollout.num-prompts", "3", "--rollout.group-size", "3"]).check_world(2)
+
+
+def test_help_and_errors_return_before_torch_is_imported():
+    code = ("import sys\nfrom rollpacker.run import main\n"
+            "try:\n    main(['--rollout.temperature', '-1'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported while parsing'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "temperature" in proc.stderr
