@@ -7,6 +7,7 @@ import sys
 
 BENCHES = {
     "engine": "rollpacker.bench.engine",
+    "step": "rollpacker.bench.step",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

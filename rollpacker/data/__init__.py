@@ -1,0 +1,1 @@
+"""Datasets, the stateful prompt sampler, and the synthetic toy task with its toy model."""

@@ -1,0 +1,182 @@
+"""Prompt datasets and the stateful sampler that draws them.
+
+A dataset is a list of rows ``{"id", "prompt", "answer", ...}``: either the synthetic toy task
+(:mod:`rollpacker.data.toy`, the embedded default) or a JSONL file of real data, one JSON object
+per line. Loading is strict: a bad line raises one error that names ``file:line`` and what is
+wrong; nothing is skipped except blank lines.
+
+:class:`PromptSampler` hands out row indices in a seeded permutation per epoch. Its whole state
+is a few ints, so a checkpoint can hold it and a resumed run draws exactly the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rollpacker.data import toy
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = ""
+    """JSONL file of real data (one object with string 'prompt' and 'answer' per line); empty = generate the toy task."""
+    num_toy_prompts: int = 2048
+    """Number of toy problems to generate (only used when path is empty)."""
+    toy_seed: int = 0
+    """Seed of the toy problem generator."""
+    reward: str = "toy"
+    """Which reward scores this data: 'toy' or 'math'."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
+
+    def __post_init__(self) -> None:
+        if self.num_toy_prompts <= 0:
+            raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
+        if self.shuffle_seed < 0:
+            raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
+        from rollpacker.reward import REWARDS  # light: math-verify is imported on first use
+
+        if self.reward not in REWARDS:
+            raise ValueError(f"data.reward must be one of {sorted(REWARDS)}, got {self.reward!r}")
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used as is; the message names ``file:line`` and the fix."""
+
+
+def load_rows(config: DataConfig) -> list[dict]:
+    """The rows of ``config``'s dataset: the generated toy task, or the JSONL file at ``config.path``."""
+    if not config.path:
+        return toy.make_dataset(config.num_toy_prompts, config.toy_seed)
+    return read_jsonl(config.path)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSONL file; every line must be an object with string ``prompt`` and ``answer``.
+
+    ``id`` is optional (a string or an integer, kept as a string); it defaults to
+    ``"<file stem>:<line number>"``. Ids must be unique. Other fields are kept as they are.
+    Blank lines are skipped; any other bad line raises :class:`DatasetError` naming ``file:line``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data.path: no such file: {path} (give a JSONL file, or leave it empty for the toy task)")
+    rows: list[dict] = []
+    first_line_of: dict[str, int] = {}
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            row = _parse_line(raw, path, line_no)
+            if row is None:
+                continue
+            row_id = row["id"]
+            if row_id in first_line_of:
+                raise DatasetError(f"{path}:{line_no}: duplicate id {row_id!r} (first on line {first_line_of[row_id]}); ids must be unique")
+            first_line_of[row_id] = line_no
+            rows.append(row)
+    if not rows:
+        raise DatasetError(f"{path}: no rows (the file is empty or holds only blank lines)")
+    return rows
+
+
+def _parse_line(raw: bytes, path: Path, line_no: int) -> dict | None:
+    """One JSONL line as a row with a string id, or None for a blank line."""
+    where = f"{path}:{line_no}"
+    try:
+        text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
+    for field in ("prompt", "answer"):
+        if field not in row:
+            raise DatasetError(f"{where}: missing field {field!r}")
+        if not isinstance(row[field], str):
+            value = json.dumps(row[field])[:40]
+            raise DatasetError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__} {value} (quote it: \"...\")")
+    if "id" not in row:
+        row["id"] = f"{path.stem}:{line_no}"
+    elif isinstance(row["id"], int) and not isinstance(row["id"], bool):
+        row["id"] = str(row["id"])
+    elif not isinstance(row["id"], str):
+        raise DatasetError(f"{where}: field 'id' must be a string or an integer, got {type(row['id']).__name__}")
+    return row
+
+
+class PromptSampler:
+    """Row indices in a seeded permutation per epoch, drawn a batch at a time.
+
+    Epoch ``e`` visits every index of ``range(num_rows)`` exactly once, in the order of a
+    permutation seeded with ``(seed, e)``. A batch that runs past the end of an epoch continues
+    into the next one, so a batch can straddle two epochs (and then may hold an index twice,
+    once from each). The rollover is lazy: after the last index of epoch ``e`` is drawn,
+    ``epoch == e`` and ``position == num_rows`` until the next draw.
+
+    The state is ``(epoch, position)`` plus the seed and size it was made with;
+    :meth:`state_dict` / :meth:`load_state_dict` save and restore it as plain ints.
+    """
+
+    def __init__(self, num_rows: int, seed: int = 0) -> None:
+        if num_rows <= 0:
+            raise ValueError(f"PromptSampler needs at least one row, got num_rows={num_rows}")
+        if seed < 0:
+            raise ValueError(f"PromptSampler seed must be >= 0, got {seed}")
+        self.num_rows = num_rows
+        self.seed = seed
+        self._epoch = 0
+        self._position = 0
+        self._order = self._permutation(0)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the last drawn index came from (0 before any draw)."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """How many indices of the current epoch have been drawn, ``0..num_rows``."""
+        return self._position
+
+    def _permutation(self, epoch: int) -> list[int]:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist()
+
+    def next_batch(self, n: int) -> list[int]:
+        """The next ``n`` indices, continuing into the next epoch(s) when this one runs out."""
+        if n < 0:
+            raise ValueError(f"batch size must be >= 0, got {n}")
+        out: list[int] = []
+        while len(out) < n:
+            if self._position == self.num_rows:
+                self._epoch += 1
+                self._position = 0
+                self._order = self._permutation(self._epoch)
+            take = min(n - len(out), self.num_rows - self._position)
+            out.extend(self._order[self._position:self._position + take])
+            self._position += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a :meth:`state_dict`; the dataset size and seed must match the saved ones."""
+        for key, mine in (("num_rows", self.num_rows), ("seed", self.seed)):
+            if int(state[key]) != mine:
+                raise ValueError(
+                    f"sampler checkpoint has {key}={state[key]} but this run has {key}={mine}: "
+                    "resume with the same dataset and data.shuffle_seed, or start a fresh run"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.num_rows:
+            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and 0 <= position <= {self.num_rows}")
+        self._epoch, self._position = epoch, position
+        self._order = self._permutation(epoch)

@@ -1,0 +1,60 @@
+"""Rule-based rewards: a function ``(response, answer) -> float`` per kind of data.
+
+``math`` checks the response's final answer against the gold one with math-verify (symbolic
+equivalence, so ``\\boxed{\\frac{1}{2}}`` matches ``0.5``); ``toy`` is the toy task's exact check.
+
+math-verify's own timeout uses ``signal.alarm``, which only works on a process's main thread,
+so it is switched off here; a reward that hangs is to be killed from outside (worker processes).
+A response that holds no answer scores 0; anything that goes wrong while scoring raises
+:class:`RewardError` rather than passing for a wrong answer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from rollpacker.data import toy
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a sample; the message names the cause."""
+
+
+def _as_latex(answer: str) -> str:
+    """The gold answer in math mode: a bare expression (``0.5``, ``\\frac{1}{2}``) gets ``$...$``."""
+    answer = answer.strip()
+    if "$" in answer or "\\boxed" in answer or "\\(" in answer or "\\[" in answer:
+        return answer
+    return f"${answer}$"
+
+
+def math_reward(response: str, answer: str) -> float:
+    """1.0 if the response's final answer (``\\boxed{}``, else the last expression) equals ``answer``."""
+    from math_verify import parse, verify  # sympy behind it: imported on first use, not at config time
+
+    try:
+        gold = parse(_as_latex(answer), parsing_timeout=None, raise_on_error=True)
+    except Exception as e:
+        raise RewardError(f"math reward: cannot parse the gold answer {answer[:80]!r}: {type(e).__name__}: {e}") from e
+    if not gold:
+        raise RewardError(f"math reward: the gold answer {answer[:80]!r} holds no parsable expression; fix the dataset's 'answer'")
+    try:
+        pred = parse(response, parsing_timeout=None, raise_on_error=True)
+        return float(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
+    except Exception as e:
+        raise RewardError(f"math reward: math-verify failed on response ...{response[-80:]!r}: {type(e).__name__}: {e}") from e
+
+
+def toy_reward(response: str, answer: str) -> float:
+    """The toy task's check: 1.0 if the number after the last ``####`` equals ``answer``."""
+    return toy.score(response, answer)
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {"math": math_reward, "toy": toy_reward}
+
+
+def get_reward(name: str) -> Callable[[str, str], float]:
+    """The reward function called ``name``."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(sorted(REWARDS))}")
+    return REWARDS[name]

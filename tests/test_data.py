@@ -1,0 +1,227 @@
+"""Dataset loading (strict JSONL, errors naming file:line) and the stateful epoch sampler."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from rollpacker.data import toy
+from rollpacker.data.dataset import DataConfig, DatasetError, PromptSampler, load_rows
+
+
+def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def load(path: str) -> list[dict]:
+    return load_rows(DataConfig(path=path, reward="math"))
+
+
+# --- config --------------------------------------------------------------------------------------
+
+
+def test_config_defaults_are_valid():
+    config = DataConfig()
+    assert config.path == "" and config.reward == "toy"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_toy_prompts": 0}, "data.num_toy_prompts must be positive, got 0"),
+        ({"num_toy_prompts": -3}, "data.num_toy_prompts must be positive, got -3"),
+        ({"shuffle_seed": -1}, "data.shuffle_seed must be >= 0, got -1"),
+        ({"reward": "code"}, r"data.reward must be one of \['math', 'toy'\], got 'code'"),
+    ],
+)
+def test_config_validation_names_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**kwargs)
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def test_toy_rows_when_no_path():
+    rows = load_rows(DataConfig(num_toy_prompts=7, toy_seed=3))
+    assert rows == toy.make_dataset(7, 3)
+    assert all({"id", "prompt", "answer"} <= row.keys() for row in rows)
+
+
+def test_valid_jsonl_loads(tmp_path):
+    path = write(tmp_path, [
+        json.dumps({"prompt": "1+1?", "answer": "2"}),
+        "",
+        "   ",
+        json.dumps({"id": "q7", "prompt": "2+2?", "answer": "4", "source": "x"}),
+        json.dumps({"id": 9, "prompt": "3+3?", "answer": "6"}),
+    ])
+    rows = load(path)
+    assert rows == [
+        {"id": "train:1", "prompt": "1+1?", "answer": "2"},
+        {"id": "q7", "prompt": "2+2?", "answer": "4", "source": "x"},
+        {"id": "9", "prompt": "3+3?", "answer": "6"},
+    ]
+
+
+def test_jsonl_with_bom_and_unicode(tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_bytes("\ufeff".encode() + json.dumps({"prompt": "π≈?", "answer": "3.14"}, ensure_ascii=False).encode() + b"\n")
+    assert load(str(path)) == [{"id": "u:1", "prompt": "π≈?", "answer": "3.14"}]
+
+
+def test_invalid_json_names_line(tmp_path):
+    path = write(tmp_path, [json.dumps({"prompt": "a", "answer": "b"}), "", '{"prompt": "a" "answer": "b"}'])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:3: invalid JSON \(Expecting ',' delimiter"):
+        load(path)
+
+
+def test_not_an_object_names_line(tmp_path):
+    path = write(tmp_path, ['["prompt", "answer"]'])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: expected a JSON object"):
+        load(path)
+
+
+@pytest.mark.parametrize("field", ["prompt", "answer"])
+def test_missing_field_names_field_and_line(tmp_path, field):
+    row = {"prompt": "p", "answer": "a"}
+    del row[field]
+    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": "a"}), json.dumps(row)])
+    with pytest.raises(DatasetError, match=rf"train\.jsonl:2: missing field '{field}'"):
+        load(path)
+
+
+def test_non_string_prompt(tmp_path):
+    path = write(tmp_path, [json.dumps({"prompt": 12, "answer": "a"})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'prompt' must be a string, got int 12"):
+        load(path)
+
+
+def test_non_string_answer(tmp_path):
+    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": 42})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'answer' must be a string"):
+        load(path)
+
+
+def test_bad_id_type(tmp_path):
+    path = write(tmp_path, [json.dumps({"id": [1], "prompt": "p", "answer": "a"})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'id' must be a string or an integer"):
+        load(path)
+
+
+def test_duplicate_id(tmp_path):
+    path = write(tmp_path, [
+        json.dumps({"id": "a", "prompt": "p", "answer": "x"}),
+        json.dumps({"id": "b", "prompt": "p", "answer": "x"}),
+        json.dumps({"id": "a", "prompt": "q", "answer": "y"}),
+    ])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:3: duplicate id 'a' \(first on line 1\)"):
+        load(path)
+
+
+def test_default_id_collides_with_explicit_id(tmp_path):
+    path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}), json.dumps({"prompt": "q", "answer": "y"})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: duplicate id 'train:2'"):
+        load(path)
+
+
+def test_invalid_utf8_names_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(json.dumps({"prompt": "p", "answer": "a"}).encode() + b'\n{"prompt": "\xff", "answer": "a"}\n')
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:2: not valid UTF-8"):
+        load(str(path))
+
+
+def test_missing_file_names_path(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"data.path: no such file: {missing}")):
+        load(str(missing))
+
+
+@pytest.mark.parametrize("lines", [[], ["", "  ", "\t"]])
+def test_empty_dataset_is_an_error(tmp_path, lines):
+    path = write(tmp_path, lines)
+    with pytest.raises(DatasetError, match=r"train\.jsonl: no rows"):
+        load(path)
+
+
+# --- sampler -------------------------------------------------------------------------------------
+
+
+def draw(sampler: PromptSampler, sizes: list[int]) -> list[int]:
+    return [i for n in sizes for i in sampler.next_batch(n)]
+
+
+def test_sampler_deterministic_for_a_seed():
+    assert draw(PromptSampler(50, seed=3), [7] * 20) == draw(PromptSampler(50, seed=3), [7] * 20)
+    # batch boundaries do not change the sequence
+    assert draw(PromptSampler(50, seed=3), [7] * 20) == draw(PromptSampler(50, seed=3), [1, 139])
+
+
+def test_sampler_seeds_and_epochs_differ():
+    a, b = PromptSampler(50, seed=0), PromptSampler(50, seed=1)
+    assert a.next_batch(50) != b.next_batch(50)
+    assert a.next_batch(50) != PromptSampler(50, seed=0).next_batch(50)  # epoch 1 != epoch 0
+
+
+def test_every_index_once_per_epoch():
+    sampler = PromptSampler(37, seed=5)
+    for epoch in range(4):
+        got = draw(sampler, [10, 10, 10, 7])
+        assert sorted(got) == list(range(37))
+        assert (sampler.epoch, sampler.position) == (epoch, 37)
+
+
+def test_epoch_rollover_mid_batch():
+    n = 10
+    whole = draw(PromptSampler(n, seed=2), [n, n])  # epoch 0 then epoch 1
+    sampler = PromptSampler(n, seed=2)
+    assert (sampler.epoch, sampler.position) == (0, 0)
+    first = sampler.next_batch(7)
+    assert (sampler.epoch, sampler.position) == (0, 7)
+    straddle = sampler.next_batch(6)  # 3 from epoch 0, 3 from epoch 1
+    assert (sampler.epoch, sampler.position) == (1, 3)
+    assert first + straddle == whole[:13]
+    assert sorted(first + straddle[:3]) == list(range(n))
+
+
+def test_batch_longer_than_an_epoch():
+    sampler = PromptSampler(4, seed=0)
+    batch = sampler.next_batch(10)
+    assert len(batch) == 10 and (sampler.epoch, sampler.position) == (2, 2)
+    assert sorted(batch[:4]) == sorted(batch[4:8]) == [0, 1, 2, 3]
+    assert sampler.next_batch(0) == []
+
+
+@pytest.mark.parametrize("consumed", [0, 5, 13, 20, 21, 40])
+def test_state_dict_round_trip(consumed):
+    """Resuming from a saved state continues exactly, also right at and across epoch boundaries."""
+    sampler = PromptSampler(20, seed=9)
+    sampler.next_batch(consumed)
+    state = sampler.state_dict()
+    assert all(type(v) is int for v in state.values())
+    expected = draw(sampler, [6] * 8)  # crosses at least two epoch boundaries
+
+    resumed = PromptSampler(20, seed=9)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert (resumed.epoch, resumed.position) == (state["epoch"], state["position"])
+    assert draw(resumed, [6] * 8) == expected
+
+
+def test_load_state_dict_rejects_other_dataset_or_seed():
+    state = PromptSampler(20, seed=9).state_dict()
+    with pytest.raises(ValueError, match="num_rows=20 but this run has num_rows=21"):
+        PromptSampler(21, seed=9).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed=9 but this run has seed=0"):
+        PromptSampler(20, seed=0).load_state_dict(state)
+
+
+def test_sampler_argument_errors():
+    with pytest.raises(ValueError, match="num_rows=0"):
+        PromptSampler(0)
+    with pytest.raises(ValueError, match="batch size must be >= 0"):
+        PromptSampler(3).next_batch(-1)

@@ -1,0 +1,66 @@
+"""Rule-based rewards: math-verify for math answers, the toy task's exact check, lookup by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollpacker.data import toy
+from rollpacker.reward import REWARDS, RewardError, get_reward, math_reward, toy_reward
+
+
+@pytest.mark.parametrize(
+    ("response", "answer"),
+    [
+        ("So the answer is \\boxed{42}.", "42"),
+        ("Halving gives \\boxed{\\frac{1}{2}}", "0.5"),
+        ("The result is 0.5", "\\frac{1}{2}"),
+        ("\\boxed{3\\pi}", "$3\\pi$"),
+        ("\\boxed{x^2+1}", "x^2 + 1"),
+    ],
+)
+def test_math_reward_correct(response, answer):
+    assert math_reward(response, answer) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "answer"),
+    [
+        ("So the answer is \\boxed{41}.", "42"),
+        ("\\boxed{\\frac{1}{3}}", "0.5"),
+    ],
+)
+def test_math_reward_wrong(response, answer):
+    assert math_reward(response, answer) == 0.0
+
+
+@pytest.mark.parametrize("response", ["garbage !!! @@", "", "\\boxed{\\frac{1}{", "\\boxed{}"])
+def test_math_reward_garbage_response_scores_zero(response):
+    assert math_reward(response, "42") == 0.0
+
+
+def test_math_reward_unparsable_gold_is_an_error():
+    with pytest.raises(RewardError, match="gold answer '' holds no parsable expression"):
+        math_reward("\\boxed{1}", "")
+
+
+def test_math_reward_off_the_main_thread():
+    """math-verify's signal-based timeout is off, so scoring works from a worker thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(math_reward, "\\boxed{42}", "42").result() == 1.0
+
+
+def test_toy_reward_is_toy_score():
+    row = toy.make_dataset(3, seed=0)[2]
+    right = toy.solution(row)
+    assert toy_reward(right, row["answer"]) == toy.score(right, row["answer"]) == 1.0
+    assert toy_reward(" 1+1=2\n#### 999", row["answer"]) == toy.score(" 1+1=2\n#### 999", row["answer"]) == 0.0
+
+
+def test_get_reward():
+    assert get_reward("math") is math_reward
+    assert get_reward("toy") is toy_reward
+    assert set(REWARDS) == {"math", "toy"}
+    with pytest.raises(ValueError, match="unknown reward 'judge'; valid names: math, toy"):
+        get_reward("judge")
