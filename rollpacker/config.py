@@ -77,6 +77,8 @@ class Config:
     """RL steps to run (one optimizer step each)."""
     policy: str = "sync"
     """Rollout scheduling policy."""
+    eval_every: int = 0
+    """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: str = ""
@@ -91,8 +93,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.num_steps <= 0 or self.checkpoint_every < 0:
-            raise ValueError(f"num_steps={self.num_steps} must be > 0 and checkpoint_every >= 0")
+        if self.num_steps <= 0 or self.checkpoint_every < 0 or self.eval_every < 0:
+            raise ValueError(f"num_steps={self.num_steps} must be > 0, checkpoint_every={self.checkpoint_every} "
+                             f"and eval_every={self.eval_every} >= 0")
 
     def check_world(self, world: int) -> None:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""

@@ -33,7 +33,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online", "disabled")
-SUMMARY_KEYS = ("time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean")
+SUMMARY_KEYS = (
+    "time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean", "eval/accuracy",
+)
 
 
 @dataclass(kw_only=True)

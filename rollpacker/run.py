@@ -31,6 +31,7 @@ class Job:
     policy: Any = None
     """Rank 0 only, like everything below."""
     rows: list[dict] | None = None
+    eval_rows: list[dict] | None = None
     tokenizer: Any = None
     reward_fn: Any = None
     metrics: Any = None
@@ -38,7 +39,7 @@ class Job:
     start_step: int = 0
 
 
-def rl_step(job: Job, step: int) -> None:
+def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
     from rollpacker.controller import run_round
     from rollpacker.metrics import Timer
 
@@ -47,10 +48,11 @@ def rl_step(job: Job, step: int) -> None:
         job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
     with timer("rollout"):  # the policy plans the round; the engines generate it
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
-                           prompt_ids=lambda p: encode_prompt(job, p), sampling=sampling_params(cfg),
+                           prompt_ids=lambda p: encode_prompt(job, job.rows[p]), sampling=sampling_params(cfg),
                            seed=cfg.seed, on_progress=job.display.update if rank0 else None)
     with timer("reward"):  # score every response (rank 0)
-        samples, stats = score(job, result) if rank0 else (None, {})
+        samples, round_stats = score(job, result) if rank0 else (None, {})
+    stats |= round_stats
     samples = job.meshes.broadcast(samples)
     with timer("train"):  # one optimizer step, normalized by global counts
         stats |= job.trainer.step(samples)
@@ -71,8 +73,34 @@ def sampling_params(cfg: Config):
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-def encode_prompt(job: Job, index: int) -> list[int]:
-    row = job.rows[index]
+def evaluate(job: Job, step: int) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts, through the same engines: one response each."""
+    from rollpacker.controller import run_round
+    from rollpacker.schedule.sync import SyncPolicy
+
+    cfg, rank0 = job.config, job.meshes.rank == 0
+    policy = SyncPolicy(_AllRows(len(job.eval_rows)), len(job.eval_rows), 1) if rank0 else None
+    greedy = dataclasses.replace(sampling_params(cfg), temperature=0.0)
+    result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=policy,
+                       prompt_ids=lambda p: encode_prompt(job, job.eval_rows[p]), sampling=greedy)
+    if not rank0:
+        return {}
+    rewards = [reward(job, g.outputs[0], job.eval_rows[g.prompt]["answer"]) or 0.0 for g in result.groups]
+    return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "eval/reward_mean": sum(rewards) / len(rewards)}
+
+
+class _AllRows:
+    """A sampler that hands out every row once, in order (evaluation)."""
+
+    def __init__(self, num_rows: int):
+        self.num_rows = num_rows
+
+    def next_batch(self, n: int) -> list[int]:
+        return list(range(n))
+
+
+def encode_prompt(job: Job, row: dict) -> list[int]:
     tok = job.tokenizer
     if job.config.model.chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
@@ -85,28 +113,28 @@ def encode_prompt(job: Job, index: int) -> list[int]:
     return ids
 
 
+def reward(job: Job, out, answer: str) -> float | None:
+    """The reward of one response; None (logged, counted in reward/errors, trained as 0) if scoring failed."""
+    from rollpacker.reward import RewardError
+
+    try:
+        return job.reward_fn(job.tokenizer.decode(out.token_ids, skip_special_tokens=True), answer)
+    except RewardError as e:
+        logger.warning("reward failed on %s (scored 0): %s", out.id, e)
+        return None
+
+
 def score(job: Job, result) -> tuple[list, dict[str, float]]:
     """Rewards and GRPO advantages of every kept response, and the round's metrics."""
     import torch
 
     from rollpacker.metrics import bubble_ratio, length_stats
-    from rollpacker.reward import RewardError
     from rollpacker.train.losses import group_advantages
     from rollpacker.train.trainer import Sample
 
-    rewards, errors = [], 0
-    for group in result.groups:
-        answer = job.rows[group.prompt]["answer"]
-        rewards.append([])
-        for out in group.outputs:
-            text = job.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            try:
-                rewards[-1].append(job.reward_fn(text, answer))
-            except RewardError as e:
-                logger.warning("reward failed on %s (scored 0): %s", out.id, e)
-                errors += 1
-                rewards[-1].append(0.0)
-    reward_t = torch.tensor(rewards)
+    rewards = [[reward(job, out, job.rows[g.prompt]["answer"]) for out in g.outputs] for g in result.groups]
+    errors = sum(r is None for group in rewards for r in group)
+    reward_t = torch.tensor([[r or 0.0 for r in group] for group in rewards])
     adv = group_advantages(reward_t, job.config.train.scale_adv_by_std)
     samples = [
         Sample(out.prompt_ids, out.token_ids, float(a), out.logprobs)
@@ -163,13 +191,14 @@ def build(config: Config) -> Job:
 def build_controller(job: Job, path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from rollpacker.data.dataset import PromptSampler, load_rows
+    from rollpacker.data.dataset import PromptSampler, load_eval_rows, load_rows
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.reward import get_reward
     from rollpacker.schedule.sync import SyncPolicy
 
     cfg = job.config
     job.rows = load_rows(cfg.data)
+    job.eval_rows = load_eval_rows(cfg.data) if cfg.eval_every else None
     job.tokenizer = AutoTokenizer.from_pretrained(path)
     job.reward_fn = get_reward(cfg.data.reward)
     sampler = PromptSampler(len(job.rows), cfg.data.shuffle_seed)
@@ -191,12 +220,20 @@ def train(config: Config) -> None:
 
     job = build(config)
     run_dir = Path(config.run_dir)
+    def due(step: int) -> bool:
+        return bool(config.eval_every) and (step % config.eval_every == 0 or step == config.num_steps)
+
     for step in range(job.start_step, config.num_steps):
-        rl_step(job, step)
+        rl_step(job, step, evaluate(job, step) if due(step) else {})
         last = step + 1 == config.num_steps
         if last or config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             path = run_dir / "checkpoints" / f"step_{step + 1}"
             checkpoint.save(path, job.trainer, step + 1, job.policy.state_dict() if job.policy else None)
+    if due(config.num_steps):
+        final = evaluate(job, config.num_steps)
+        if job.meshes.rank == 0:
+            job.metrics.log(config.num_steps, final)
+            logger.info("final eval: %s", final)
     if job.meshes.rank == 0:
         job.metrics.close()
         job.display.close()

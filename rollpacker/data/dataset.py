@@ -32,8 +32,14 @@ class DataConfig:
     """Which reward scores this data: 'toy' or 'math'."""
     shuffle_seed: int = 0
     """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
+    eval_path: str = ""
+    """JSONL file of held-out prompts for evaluation; empty = held-out toy problems (toy data only)."""
+    num_eval_prompts: int = 128
+    """Held-out prompts per evaluation (the first this many of the eval set)."""
 
     def __post_init__(self) -> None:
+        if self.num_eval_prompts <= 0:
+            raise ValueError(f"data.num_eval_prompts must be positive, got {self.num_eval_prompts}")
         if self.num_toy_prompts <= 0:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
@@ -53,6 +59,16 @@ def load_rows(config: DataConfig) -> list[dict]:
     if not config.path:
         return toy.make_dataset(config.num_toy_prompts, config.toy_seed)
     return read_jsonl(config.path)
+
+
+def load_eval_rows(config: DataConfig) -> list[dict]:
+    """Held-out rows: the first ``num_eval_prompts`` of ``eval_path``, or fresh toy problems drawn
+    with a seed the training set never uses."""
+    if config.eval_path:
+        return read_jsonl(config.eval_path)[: config.num_eval_prompts]
+    if config.path:
+        raise DatasetError("evaluation on real data needs data.eval_path (a JSONL file of held-out prompts)")
+    return toy.make_dataset(config.num_eval_prompts, seed=1_000_003 + config.toy_seed)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
