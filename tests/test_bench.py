@@ -12,7 +12,7 @@ def test_engine_bench_smoke(qwen2_dir, tmp_path, capsys):
     out = tmp_path / "curve.json"
     main([
         "engine", "--model", str(qwen2_dir), "--batch-sizes", "1", "2", "--max-new-tokens", "4",
-        "--warmup-tokens", "2", "--decode-batch-sizes", "1", "2", "--decode-steps", "2",
+        "--warmup-tokens", "2", "--repeats", "1", "--decode-batch-sizes", "1", "2", "--decode-steps", "2",
         "--matmul-size", "64", "--matmul-reps", "1", "--out", str(out),
     ])
     lines = capsys.readouterr().out.strip().splitlines()

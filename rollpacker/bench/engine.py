@@ -10,7 +10,8 @@ One run, one machine, one thread count, three measurements:
    over the wall time of the whole call (prefill included). Prefill is also timed on its own:
    TorchEngine's first ``step()`` (every prompt fits one prefill), and for HF a separate
    ``generate`` call with one new token; ``decode tok/s`` is ``batch * (new - 1)`` over the rest.
-   Each engine is warmed up once per batch size with a short call.
+   Each engine is warmed up once per batch size with a short call, then the two alternate for
+   ``repeats`` timed calls each and the fastest call of each counts (robust to a shared machine).
 2. **Fraction of the FLOP limit**: ``achieved = decode tok/s * flops_per_token``, where
    ``flops_per_token = 2 * P_matmul + 4 * num_layers * ctx * num_heads * head_dim`` with
    ``P_matmul`` every matmul weight (q/k/v/o, MLP and the LM head even when tied; no embedding
@@ -32,6 +33,7 @@ greedy tokens agree exactly) for each batch size, ``peak_gflops`` and
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -60,6 +62,8 @@ class EngineBenchConfig:
     """Tokens generated per prompt, forced (EOS ignored) and identical for both engines."""
     warmup_tokens: int = 16
     """New tokens of each engine's warm-up call at every batch size."""
+    repeats: int = 2
+    """Timed calls per engine and batch size, alternating engines; the fastest counts (shared machines)."""
     decode_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     """Numbers of running requests of the decode-step curve."""
     decode_steps: int = 10
@@ -80,11 +84,14 @@ class EngineBenchConfig:
             sizes = getattr(self, name)
             if not sizes or min(sizes) <= 0:
                 raise ValueError(f"bench.{name} must be non-empty and positive, got {sizes}")
-        for name in ("prompt_len", "max_new_tokens", "warmup_tokens", "decode_steps", "matmul_size", "matmul_reps"):
+        for name in ("prompt_len", "max_new_tokens", "warmup_tokens", "repeats", "decode_steps", "matmul_size",
+                     "matmul_reps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"bench.{name} must be positive, got {getattr(self, name)}")
         if self.max_new_tokens < 2:
-            raise ValueError(f"bench.max_new_tokens must be >= 2 to separate prefill from decode, got {self.max_new_tokens}")
+            raise ValueError(
+                f"bench.max_new_tokens must be >= 2 to separate prefill from decode, got {self.max_new_tokens}"
+            )
         if self.num_threads < 0:
             raise ValueError(f"bench.num_threads must be >= 0, got {self.num_threads}")
 
@@ -165,7 +172,8 @@ def random_prompts(num: int, length: int, vocab_size: int, avoid: set[int], seed
 
 def build_torch_engine(model: Transformer, max_num_seqs: int, max_len: int) -> TorchEngine:
     """An engine whose KV cache holds ``max_num_seqs`` sequences of ``max_len`` tokens (no preemption)."""
-    from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
 
     args, block = model.args, 16
     blocks = max_num_seqs * (-(-max_len // block) + 1)
@@ -241,8 +249,8 @@ def load_hf(path: Path):
 
 
 def decode_step_ms(engine: TorchEngine, num_running: int, prompt_len: int, vocab_size: int, avoid: set[int],
-                   steps: int, seed: int) -> float:
-    """Median ms of one pure decode ``step()`` with ``num_running`` requests in flight."""
+                   steps: int, seed: int) -> list[float]:
+    """ms of each of ``steps`` pure decode ``step()`` calls with ``num_running`` requests in flight."""
     prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
     reqs = _requests(prompts, steps + 3, f"curve{num_running}")  # none finishes while timed
     for r in reqs:
@@ -261,7 +269,7 @@ def decode_step_ms(engine: TorchEngine, num_running: int, prompt_len: int, vocab
         raise RuntimeError("bench: a timed step was a prefill, not a decode")
     for r in reqs:
         engine.abort(r.id)
-    return 1e3 * statistics.median(times)
+    return [1e3 * t for t in times]
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -294,6 +302,12 @@ def run(cfg: EngineBenchConfig) -> dict:
     pad_id = min(avoid) if avoid else 0
     max_seqs = max(*cfg.batch_sizes, *cfg.decode_batch_sizes)
     engine = build_torch_engine(model, max_seqs, cfg.prompt_len + max(cfg.max_new_tokens, cfg.decode_steps + 3))
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        console.print(
+            f"[yellow]warning[/yellow]: load average {load:.1f} before the bench on {os.cpu_count()} cores: other "
+            "processes share the CPU, so timings are noisy (multi-threaded ones badly); --num-threads 1 is steadier"
+        )
     console.print(
         f"[bold]engine bench[/bold]: {path.name} ({args.model_type}, {matmul_params(model) / 1e6:.2f}M matmul params, "
         f"{args.num_layers} layers, hidden {args.hidden_size}), fp32, {threads} threads, torch {torch.__version__}, "
@@ -309,15 +323,17 @@ def run(cfg: EngineBenchConfig) -> dict:
             prompts = random_prompts(b, cfg.prompt_len, args.vocab_size, avoid, cfg.seed + b)
             warm = min(cfg.warmup_tokens, cfg.max_new_tokens)
             run_torch_engine(engine, prompts, warm)
-            ours = run_torch_engine(engine, prompts, cfg.max_new_tokens)
             run_hf(hf, prompts, warm, pad_id)
-            theirs = run_hf(hf, prompts, cfg.max_new_tokens, pad_id)
-            results[b] = (ours, theirs)
+            runs = [(run_torch_engine(engine, prompts, cfg.max_new_tokens),
+                     run_hf(hf, prompts, cfg.max_new_tokens, pad_id)) for _ in range(cfg.repeats)]
+            results[b] = (min((r[0] for r in runs), key=lambda r: r.total_s),
+                          min((r[1] for r in runs), key=lambda r: r.total_s))
 
-        curve = {
+        step_ms = {
             n: decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid, cfg.decode_steps, cfg.seed)
             for n in cfg.decode_batch_sizes
         }
+    curve = {n: statistics.median(ms) for n, ms in step_ms.items()}
 
     table = Table(title="Generate throughput: TorchEngine vs transformers generate (generated tokens only)")
     for col in ("batch", "TE tok/s", "HF tok/s", "TE/HF", "TE prefill ms", "HF prefill ms",
@@ -346,21 +362,22 @@ def run(cfg: EngineBenchConfig) -> dict:
         f"tok/s = batch * new tokens / wall time of the whole call (prefill included); decode tok/s "
         f"excludes the prefill. FLOPs/token = 2 * {matmul_params(model):,} matmul params + 4 * "
         f"{args.num_layers} layers * {context:.0f} mean context * {args.num_heads * args.head_dim} "
-        f"= {fpt / 1e6:.2f} MFLOP; TE = TorchEngine; peak = best {cfg.matmul_size}^2 fp32 matmul = {peak / 1e9:.1f} GFLOP/s "
-        f"({threads} threads). 'same tokens': rows whose greedy tokens match exactly."
+        f"= {fpt / 1e6:.2f} MFLOP; TE = TorchEngine; peak = best {cfg.matmul_size}^2 fp32 matmul = "
+        f"{peak / 1e9:.1f} GFLOP/s ({threads} threads). 'same tokens': rows whose greedy tokens match exactly."
     )
 
     curve_table = Table(title=f"TorchEngine decode step vs running requests (context {cfg.prompt_len + 2}.."
                               f"{cfg.prompt_len + cfg.decode_steps + 1} tokens, median of {cfg.decode_steps})")
-    for col in ("running", "ms / step", "tok/s"):
+    for col in ("running", "ms / step (median)", "ms / step (min)", "tok/s (median)"):
         curve_table.add_column(col, justify="right")
     for n, ms in curve.items():
-        curve_table.add_row(str(n), f"{ms:.2f}", f"{1e3 * n / ms:,.0f}")
+        curve_table.add_row(str(n), f"{ms:.2f}", f"{min(step_ms[n]):.2f}", f"{1e3 * n / ms:,.0f}")
     console.print(curve_table)
 
     summary["peak_gflops"] = round(peak / 1e9, 2)
     summary["flops_per_token"] = round(fpt)
     summary["num_threads"] = threads
+    summary["loadavg_before"] = round(load, 2)
     summary["decode_ms_per_iter"] = {str(n): round(ms, 3) for n, ms in curve.items()}
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)

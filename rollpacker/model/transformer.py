@@ -29,9 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # normalized in fp32 like Hugging Face, scaled in the input dtype; one fused op
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
@@ -52,9 +51,9 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, 1, D] (the half-rotation layout of Hugging Face)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """x: [T, H, D]; cos, sin: [T, 1, D] in Hugging Face's half-rotation layout, with the sign of
+    the first half of ``sin`` flipped, so rotate_half(x) * sin == x.roll(D/2) * sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class Attention(nn.Module):
@@ -144,8 +143,8 @@ class Transformer(nn.Module):
         forward, where FSDP2 has the output head's weight gathered."""
         x = self.embed_tokens(tokens)
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos = freqs.cos().repeat(1, 2)[:, None, :].to(x.dtype)
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :].to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attn)
         x = self.norm(x)

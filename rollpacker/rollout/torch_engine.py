@@ -81,17 +81,20 @@ class _StepAttention:
         v_cache.index_copy_(0, self.slots, v)
         if self.prefill is not None:
             return causal_packed_attention(q, k, v, self.prefill)
-        out = torch.empty_like(q)
         num_kv = k.shape[1]
+        whole = len(self.decode) == 1  # one bucket holds every row, in order: no gather/scatter of q
+        out = None if whole else torch.empty_like(q)
         k_blocks = k_cache.unflatten(0, (-1, self.block_size))  # [num_blocks, block, kv_heads, head_dim]
         v_blocks = v_cache.unflatten(0, (-1, self.block_size))
         for b in self.decode:
             num_rows, width = b.valid.shape
-            qb = q.index_select(0, b.rows).unflatten(1, (num_kv, -1))  # [B, kv_heads, group, head_dim]
+            qb = (q if whole else q.index_select(0, b.rows)).unflatten(1, (num_kv, -1))  # [B, kv, group, dim]
             # whole blocks are gathered (index_select copies them as contiguous rows)
             kb = k_blocks.index_select(0, b.blocks.flatten()).view(num_rows, width, num_kv, -1).transpose(1, 2)
             vb = v_blocks.index_select(0, b.blocks.flatten()).view(num_rows, width, num_kv, -1).transpose(1, 2)
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.valid[:, None, None, :])
+            if whole:
+                return ob.flatten(1, 2)
             out.index_copy_(0, b.rows, ob.flatten(1, 2))
         return out
 
