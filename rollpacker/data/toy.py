@@ -11,10 +11,11 @@ would pass 99 becomes ``-``), so every line is a small, learnable step and a tin
 it; the reward is checkable by rule (:func:`score`).
 
 Why the length is heavy-tailed: the number of terms is drawn from a Pareto distribution
-(truncated to :data:`MAX_TERMS`), and the response grows linearly with it. Most problems have
-2 to 6 terms (about 20 to 50 tokens), a few percent have 25 to 48 (200 to 370 tokens), so the
-longest responses are well over 8x the median, the shape of the RollPacker paper's Fig. 2a.
-Tokens are characters here (see :mod:`rollpacker.data.toy_model`), plus one EOS.
+(truncated to ``MIN_TERMS..MAX_TERMS``) and the response grows linearly with it, about 7.5
+tokens per term. Nearly three quarters of the problems have 2 to 6 terms (15 to 45 tokens, median
+about 27), about 6% have 25 to 48 (190 to 385 tokens), so the longest responses are over 8x the
+median: the shape of the RollPacker paper's Fig. 2a. Tokens are characters here (the toy model's
+tokenizer, :mod:`rollpacker.data.toy_model`, has one per character), plus one EOS.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """The toy model: a tiny Qwen2 decoder, briefly fine-tuned on the toy task, shipped with the package.
 
 It is the default policy for CPU runs and tests: a real Hugging Face model directory
-(``config.json``, ``model.safetensors``, a char-level tokenizer) that any engine can load, small
-enough (about 1.6M parameters) to generate on two CPU cores. Supervised fine-tuning on worked
-solutions of :mod:`rollpacker.data.toy` stops early on purpose: the model follows the format and
-is often right on short problems, but its mistakes compound over the many steps of long ones, so
-RL has something to improve and the longest responses are the ones that matter.
+(``config.json``, ``model.safetensors``, a byte-level tokenizer without merges, so one token per
+character) that any engine can load, small enough (0.43M parameters, 1.7 MB) to generate fast on
+two CPU cores. Supervised fine-tuning on worked solutions of :mod:`rollpacker.data.toy` stops
+early on purpose: the model follows the format at every length and is right on short problems,
+but it has not yet learned to find the later terms of long prompts, so its mistakes grow with the
+length and RL has something to improve, most of all on the long tail.
 
-``python -m rollpacker.data.toy_model build`` regenerates the artifacts deterministically (a few
-minutes on two cores); ``eval`` reports greedy accuracy by problem length through the rollout
+``python -m rollpacker.data.toy_model build`` regenerates the artifacts deterministically (about
+two minutes on one core); ``eval`` reports greedy accuracy by problem length through the rollout
 engine. :func:`toy_model_dir` returns the shipped directory, or builds one into a cache once if
 the package was installed without it.
 """
@@ -17,41 +18,48 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen2Config
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 from rollpacker.data import toy
-from rollpacker.model import CausalAttention, Transformer, load_model, ModelArgs, save_model
+from rollpacker.model import CausalAttention, ModelArgs, Transformer, load_model, save_model
+from rollpacker.rollout.config import EngineConfig
+from rollpacker.rollout.engine import Request, SamplingParams, generate
+from rollpacker.rollout.torch_engine import TorchEngine
 
 logger = logging.getLogger(__name__)
 
 TOY_MODEL_DIR = Path(__file__).parent / "toy_model"
-PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
-CHARS = ["\n"] + [chr(c) for c in range(32, 127)]
-"""The vocabulary besides the special tokens: newline and printable ASCII, one token each."""
+EOS, PAD = "<|endoftext|>", "<|pad|>"
 EVAL_SEED = 1_000_003
+"""Seed of ``eval``'s held-out problems (training draws its own from ``SFTConfig.seed``)."""
 BUCKETS = ((2, 3), (4, 6), (7, 12), (13, 24), (25, toy.MAX_TERMS))
 """Ranges of the number of terms that ``eval`` reports accuracy for."""
+MAX_NEW_TOKENS = 448
+"""Generation limit of ``eval``, above the longest worked solution (385 tokens)."""
 
 
 @dataclass(kw_only=True)
 class SFTConfig:
-    num_steps: int = 600
-    """Optimizer steps."""
-    batch_tokens: int = 4096
+    num_steps: int = 1750
+    """Optimizer steps (few on purpose: more make the model right on longer problems too)."""
+    batch_tokens: int = 1024
     """Tokens (prompt and response) packed into one step's batch."""
     lr: float = 3e-3
     """Peak learning rate (linear warmup, cosine decay to 10%)."""
-    warmup_steps: int = 30
+    warmup_steps: int = 50
     """Steps of linear warmup."""
     weight_decay: float = 0.1
     """AdamW weight decay."""
@@ -59,29 +67,31 @@ class SFTConfig:
     """Seed of the initialization and of the training problems."""
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "batch_tokens", "warmup_steps"):
+        for name in ("num_steps", "batch_tokens", "warmup_steps", "lr"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"SFTConfig.{name}={getattr(self, name)} must be positive")
+                raise ValueError(f"sft.{name} must be positive, got {getattr(self, name)}")
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; encoding adds no special tokens, so prompt and response ids
-    concatenate to the ids of the concatenated text."""
-    specials = [PAD, EOS, UNK]
-    vocab = {t: i for i, t in enumerate(specials + CHARS)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.add_special_tokens(specials)
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK, model_max_length=1024
-    )
+    """Byte-level, one token per byte (no merges), so prompt and response ids concatenate to the
+    ids of the concatenated text, and encoding adds no special tokens.
+
+    Byte-level like Qwen2's own tokenizer: ``AutoTokenizer`` swaps in ``Qwen2Tokenizer`` for any
+    ``qwen2`` config, and that class re-applies its byte-level pre-tokenizer, which changes
+    nothing here."""
+    vocab = {t: i for i, t in enumerate([EOS, PAD, *sorted(pre_tokenizers.ByteLevel.alphabet())])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS, PAD])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1024)
 
 
 def model_config(tokenizer: PreTrainedTokenizerFast) -> dict:
     return Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=192,
-        intermediate_size=512,
+        hidden_size=96,
+        intermediate_size=256,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -117,14 +127,19 @@ def sft_batch(
     return torch.tensor(tokens), torch.tensor(positions), torch.tensor(targets), seq_lens
 
 
+def lr_factor(step: int, cfg: SFTConfig) -> float:
+    """Linear warmup to 1, then cosine decay to 0.1."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
 def train(model: Transformer, tokenizer: PreTrainedTokenizerFast, cfg: SFTConfig) -> None:
     """Supervised fine-tuning on worked solutions, loss on response tokens only."""
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: min((s + 1) / cfg.warmup_steps, 0.55 + 0.45 * torch.cos(torch.tensor(s / cfg.num_steps * torch.pi)).item()),
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
     start = time.perf_counter()
     for step in range(cfg.num_steps):
         tokens, positions, targets, seq_lens = sft_batch(rng, tokenizer, cfg.batch_tokens)
@@ -135,8 +150,21 @@ def train(model: Transformer, tokenizer: PreTrainedTokenizerFast, cfg: SFTConfig
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 25 == 0 or step == cfg.num_steps - 1:
+        if step % 100 == 0 or step == cfg.num_steps - 1:
             logger.info("step %d/%d loss %.4f (%.0fs)", step + 1, cfg.num_steps, loss.item(), time.perf_counter() - start)
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one thread: the same floating-point reductions on every machine, and no
+    collapse when another process shares the cores (two spinning OpenMP threads left one free
+    core run the toy model ~50x slower)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def build(out: Path, cfg: SFTConfig | None = None) -> None:
@@ -146,12 +174,33 @@ def build(out: Path, cfg: SFTConfig | None = None) -> None:
     tokenizer = build_tokenizer()
     model = Transformer(ModelArgs.from_hf(model_config(tokenizer)))
     model.init_weights()
-    train(model, tokenizer, cfg)
+    with single_thread():
+        train(model, tokenizer, cfg)
     save_model(model, out)
     tokenizer.save_pretrained(out)
-    # Name the class every transformers version knows (v5 writes its own new alias).
+    # Name the class every transformers version knows (v5 writes its new alias TokenizersBackend).
     tok_cfg = out / "tokenizer_config.json"
-    tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+    fields = {**json.loads(tok_cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}
+    tok_cfg.write_text(json.dumps(fields, indent=2) + "\n")
+
+
+def evaluate(path: Path, num: int, seed: int = EVAL_SEED) -> list[tuple[str, int, float, float]]:
+    """Greedy decoding of ``num`` held-out problems through the rollout engine: per term-count
+    bucket, then overall, ``(bucket, num_problems, accuracy, mean_response_tokens)``."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    engine = TorchEngine(load_model(path), EngineConfig())
+    rows = toy.make_dataset(num, seed)
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
+    with single_thread():
+        outs = generate(engine, [Request(id=r["id"], prompt_ids=tokenizer.encode(r["prompt"]), params=params) for r in rows])
+    report = []
+    for name, lo, hi in [*((f"{lo}-{hi}", lo, hi) for lo, hi in BUCKETS), ("overall", toy.MIN_TERMS, toy.MAX_TERMS)]:
+        picked = [r for r in rows if lo <= r["num_terms"] <= hi]
+        ids = [outs[r["id"]].token_ids for r in picked]
+        scores = [toy.score(tokenizer.decode(i, skip_special_tokens=True), r["answer"]) for i, r in zip(ids, picked)]
+        n = max(1, len(picked))
+        report.append((name, len(picked), sum(scores) / n, sum(map(len, ids)) / n))
+    return report
 
 
 def toy_model_dir() -> Path:
@@ -169,3 +218,36 @@ def toy_model_dir() -> Path:
         except OSError:  # another process finished first
             shutil.rmtree(tmp)
     return cached
+
+
+def build_cmd(out: Path = TOY_MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:
+    """Regenerate the toy model (deterministic) and write it to ``out``.
+
+    Args:
+        out: Directory to write the model to.
+        sft: Fine-tuning settings.
+    """
+    start = time.perf_counter()
+    build(out, sft)
+    logger.info("wrote %s in %.0fs", out, time.perf_counter() - start)
+
+
+def eval_cmd(path: Path | None = None, num: int = 1000) -> None:
+    """Report the toy model's greedy accuracy by number of terms, on held-out problems.
+
+    Args:
+        path: Model directory; default: the shipped toy model.
+        num: Number of problems (drawn from the task's heavy-tailed length distribution).
+    """
+    start = time.perf_counter()
+    print(f"{'terms':>8} {'problems':>9} {'accuracy':>9} {'mean tokens':>12}")
+    for name, n, acc, tokens in evaluate(path or toy_model_dir(), num):
+        print(f"{name:>8} {n:>9} {acc:>9.3f} {tokens:>12.1f}")
+    logger.info("evaluated in %.0fs", time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+    import tyro
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    tyro.extras.subcommand_cli_from_dict({"build": build_cmd, "eval": eval_cmd})

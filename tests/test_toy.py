@@ -1,0 +1,115 @@
+"""The toy task (data, solutions, reward) and the shipped toy model's files."""
+
+import functools
+import json
+import random
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollpacker.data import toy, toy_model
+from rollpacker.data.toy_model import TOY_MODEL_DIR, toy_model_dir
+from rollpacker.model import load_model
+
+
+def test_dataset_is_deterministic_by_seed():
+    assert toy.make_dataset(50, seed=3) == toy.make_dataset(50, seed=3)
+    assert toy.make_dataset(50, seed=3) != toy.make_dataset(50, seed=4)
+
+
+def test_dataset_schema(tmp_path):
+    rows = toy.make_dataset(20, seed=0)
+    toy.write_jsonl(rows, tmp_path / "toy.jsonl")
+    lines = (tmp_path / "toy.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == rows
+    assert len({r["id"] for r in rows}) == 20
+    for r in rows:
+        assert isinstance(r["id"], str) and isinstance(r["prompt"], str) and isinstance(r["answer"], str)
+        assert r["prompt"].startswith("Q: ") and r["prompt"].endswith("\nA:")
+        assert toy.MIN_TERMS <= r["num_terms"] <= toy.MAX_TERMS
+
+
+def test_response_length_is_heavy_tailed():
+    stats = toy.length_stats(toy.make_dataset(1000, seed=0))
+    assert stats["max"] >= 8 * stats["median"]
+    assert 20 <= stats["median"] <= 40 and stats["max"] <= 400
+
+
+def test_solution_lines_are_correct_arithmetic():
+    for r in toy.make_dataset(200, seed=1):
+        *steps, final = toy.solution(r).lstrip(" ").split("\n")
+        assert len(steps) == r["num_terms"] - 1
+        expr = r["prompt"][len("Q: ") : -len("\nA:")]
+        assert steps[0].startswith(re.match(r"\d+", expr).group())
+        for prev, line in zip([None, *steps], steps):
+            a, op, b, c = re.fullmatch(r"(\d+)([+-])(\d+)=(\d+)", line).groups()
+            assert int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+            assert 0 <= int(c) <= toy.MAX_TOTAL and 1 <= int(b) <= 9
+            if prev is not None:
+                assert a == prev.split("=")[1]
+        assert final == f"#### {r['answer']}"
+        assert toy.score(toy.solution(r), r["answer"]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "reward"),
+    [
+        (" 3+5=8\n#### 8", 1.0),
+        ("#### 8\n", 1.0),
+        ("#### 7\n#### 8", 1.0),
+        (" 3+5=8\n#### 9", 0.0),
+        ("#### 8\n#### 9", 0.0),
+        (" 3+5=8", 0.0),
+        ("#### 8x", 0.0),
+        ("#### ", 0.0),
+        ("", 0.0),
+        ("####" + "9" * 10_000, 0.0),
+        ("\x00garbage é ####", 0.0),
+    ],
+)
+def test_score(response, reward):
+    assert toy.score(response, "8") == reward
+
+
+def test_score_never_raises_on_a_bad_answer():
+    assert toy.score("#### 8", "eight") == 0.0
+
+
+def test_make_problem_with_fixed_terms():
+    rng = random.Random(0)
+    assert all(toy.make_problem(rng, terms=n)["num_terms"] == n for n in (2, 25, toy.MAX_TERMS))
+
+
+def test_shipped_tokenizer_round_trips():
+    assert toy_model_dir() == TOY_MODEL_DIR
+    tok = AutoTokenizer.from_pretrained(TOY_MODEL_DIR)
+    r = toy.make_dataset(1, seed=5)[0]
+    prompt_ids, response_ids = tok.encode(r["prompt"]), tok.encode(toy.solution(r))
+    assert prompt_ids + response_ids == tok.encode(r["prompt"] + toy.solution(r))
+    assert len(response_ids) == len(toy.solution(r))
+    assert tok.decode(prompt_ids + response_ids) == r["prompt"] + toy.solution(r)
+    assert tok.eos_token_id is not None and tok.bos_token_id is None
+
+
+def test_shipped_model_loads_and_is_small():
+    size = sum(f.stat().st_size for f in TOY_MODEL_DIR.iterdir())
+    assert size <= 10 << 20
+    model = load_model(TOY_MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(TOY_MODEL_DIR)
+    assert model.args.model_type == "qwen2"
+    assert model.args.eos_token_ids == (tok.eos_token_id,)
+    assert model.args.vocab_size == len(tok)
+
+
+def test_missing_toy_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(toy_model, "TOY_MODEL_DIR", tmp_path / "not_shipped")
+    monkeypatch.setattr(toy_model, "SFTConfig", functools.partial(toy_model.SFTConfig, num_steps=2, warmup_steps=1))
+    monkeypatch.setenv("ROLLPACKER_CACHE", str(tmp_path / "cache"))
+    path = toy_model.toy_model_dir()
+    assert path == tmp_path / "cache" / "toy_model"
+    built = (path / "model.safetensors").stat().st_mtime_ns
+    assert toy_model.toy_model_dir() == path and (path / "model.safetensors").stat().st_mtime_ns == built
+    report = toy_model.evaluate(path, num=4)
+    assert [name for name, *_ in report] == ["2-3", "4-6", "7-12", "13-24", "25-48", "overall"]
+    assert report[-1][1] == 4
