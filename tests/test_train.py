@@ -60,11 +60,12 @@ def run(*args: str, nproc: int = 1, timeout: float = 600) -> subprocess.Complete
 def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp_path):
     common = ["--model.path", str(toy_random_dir), "--run-dir", str(tmp_path), "--rollout.num-prompts", "4",
               "--rollout.group-size", "4", "--rollout.max-new-tokens", "24", "--metrics.wandb-mode", "disabled",
-              "--checkpoint-every", "1"]
-    proc = run(*common, "--num-steps", "2", nproc=2)
+              "--checkpoint-every", "1", "--eval-every", "0"]
+    proc = run(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [0, 1]
+    assert [r["step"] for r in lines] == [0, 1, 2]  # step 2: the final evaluation
+    assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2] and "eval/accuracy" not in lines[1]
     for key in ("time/rollout", "time/reward", "time/train", "time/weight_sync", "time/step",
                 "rollout/bubble_ratio", "rollout/response_len_p90", "rollout/tokens_per_s", "reward/mean",
                 "reward/accuracy", "train/grad_norm"):
@@ -75,7 +76,7 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     proc = run(*common, "--num-steps", "3", "--resume", str(tmp_path / "checkpoints" / "step_2"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
+    assert steps == [0, 1, 2, 2]
 
 
 def test_missing_checkpoint_and_bad_world_are_clear_errors(toy_random_dir, tmp_path):
