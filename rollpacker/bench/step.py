@@ -25,7 +25,7 @@ STAGES = ("rollout", "reward", "train", "weight_sync")
 class Args:
     nproc: int = 2
     """Ranks (torchrun --nproc_per_node)."""
-    steps: int = 4
+    steps: int = 12
     """RL steps to run; the first is warm-up and not counted."""
     preset: str = "toy-cpu"
     """Preset of the job."""
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--num-steps", str(args.steps),
-               "--metrics.wandb-mode", "disabled", "--metrics.no-live", *args.run_args]
+               "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--eval-every", "0", *args.run_args]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
