@@ -139,7 +139,10 @@ def preset_path(name: str) -> Path:
 
 
 def load_preset(name: str) -> Config:
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
 
     path = preset_path(name)
     try:
