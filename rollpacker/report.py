@@ -4,7 +4,7 @@
 
 writes ``RUN_DIR/plots/step_time.png`` (stacked ``time/*`` stages per step, ``time/step`` as a
 dot above them), ``response_lengths.png`` (a box per step of ``rollout/response_lengths``, on a
-log scale when all are positive) and ``reward.png`` (``reward/mean`` and ``reward/accuracy`` vs
+log scale when all are positive) and ``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs
 step), and prints their paths. A plot whose metrics appear in no step is skipped with a note.
 When a step was logged twice (a resumed run), its last line wins.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 STAGES = ("time/rollout", "time/reward", "time/train", "time/weight_sync")
 LENGTHS = "rollout/response_lengths"
-REWARDS = ("reward/mean", "reward/accuracy")
+REWARDS = ("reward/mean", "reward/accuracy", "eval/accuracy")
 
 
 class ReportError(Exception):
