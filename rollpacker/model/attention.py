@@ -35,14 +35,19 @@ class Bucket:
     valid: torch.Tensor
 
 
-def length_buckets(lengths: list[int], starts: list[int], device: torch.device) -> list[Bucket]:
-    """Group sequences (flat token ranges ``starts[i] : starts[i] + lengths[i]``) into buckets
-    whose padded length is the next power of two (at least 16) of their longest member."""
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of ``lengths`` grouped by the next power of two (at least 16) of each length, so
+    padding a group to its longest member at most doubles its work."""
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         groups.setdefault(max(16, 1 << (n - 1).bit_length()), []).append(i)
+    return list(groups.values())
+
+
+def length_buckets(lengths: list[int], starts: list[int], device: torch.device) -> list[Bucket]:
+    """Sequences (flat token ranges ``starts[i] : starts[i] + lengths[i]``) padded per length group."""
     buckets = []
-    for rows in groups.values():
+    for rows in length_groups(lengths):
         width = max(lengths[i] for i in rows)
         lens = torch.tensor([lengths[i] for i in rows])
         offs = torch.tensor([starts[i] for i in rows])

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from rollpacker.model.attention import Bucket, causal_packed_attention, length_buckets
+from rollpacker.model.attention import Bucket, causal_packed_attention, length_buckets, length_groups
 from rollpacker.model.parallelize import apply_rollout_tp
 from rollpacker.model.transformer import Transformer
 from rollpacker.rollout.config import EngineConfig
@@ -346,14 +346,14 @@ class TorchEngine:
         rows = torch.tensor([s.row for s in seqs])
         positions = torch.tensor(lengths) - 1
         dev = self.device
-        bs = self.config.block_size
         decode = []
-        for b in length_buckets(lengths, [0] * len(seqs), torch.device("cpu")):
-            lens = positions[b.rows] + 1
+        for group in length_groups(lengths):
+            members = torch.tensor(group)
+            lens = positions[members] + 1
             num_blocks = -(-int(lens.max()) // bs)
-            blocks = self.block_table[rows[b.rows], :num_blocks]
+            blocks = self.block_table[rows[members], :num_blocks]
             valid = torch.arange(num_blocks * bs)[None, :] < lens[:, None]
-            decode.append(_DecodeBucket(b.rows.to(dev), blocks.to(dev), valid.to(dev)))
+            decode.append(_DecodeBucket(members.to(dev), blocks.to(dev), valid.to(dev)))
         attn = _StepAttention(self.cache, self._slots(rows, positions).to(dev), bs, decode=decode)
         tokens = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         hidden = self.model(tokens, positions.to(dev), attn)
