@@ -25,7 +25,11 @@ MARKER = "COMMITTED"
 
 
 def save(path: Path, trainer, step: int, policy_state: dict[str, Any] | None) -> None:
-    """Collective. ``policy_state`` matters on rank 0 only."""
+    """Collective. ``policy_state`` matters on rank 0 only. Saving over a committed checkpoint
+    first takes its marker away, so a crash midway leaves it marked interrupted."""
+    if dist.get_rank() == 0:
+        (path / MARKER).unlink(missing_ok=True)
+    dist.barrier()
     state = {
         "model": get_model_state_dict(trainer.model),
         "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
@@ -45,11 +49,16 @@ def latest(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def check(path: Path) -> None:
+def check(path: Path, policy: str | None = None) -> None:
+    """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy."""
     if not path.is_dir():
         raise FileNotFoundError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
         raise ValueError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
+    saved = (json.loads((path / "train_state.json").read_text()).get("policy") or {}).get("name")
+    if policy and saved and saved != policy:
+        raise ValueError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
+                         f"resume with --policy {saved}")
 
 
 def load(path: Path, trainer) -> dict[str, Any]:

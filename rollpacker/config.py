@@ -16,11 +16,12 @@ from typing import Any
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.rollout.config import EngineConfig
+from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import TrainConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "toy-cpu"
-POLICIES = ("sync",)
+POLICIES = ("sync", "tail")
 
 
 @dataclass(kw_only=True)
@@ -75,17 +76,20 @@ class Config:
     """Seeds sampling and everything else random."""
     num_steps: int = 20
     """RL steps to run (one optimizer step each)."""
+    num_epochs: int = 0
+    """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
     policy: str = "sync"
-    """Rollout scheduling policy."""
+    """Rollout scheduling policy: sync (the veRL baseline) or tail (tail batching)."""
     eval_every: int = 0
     """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: str = ""
-    """Checkpoint directory to resume from."""
+    """Checkpoint directory to resume from, or "auto": the newest committed one under run_dir (none: start afresh)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -93,9 +97,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.num_steps <= 0 or self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ValueError(f"num_steps={self.num_steps} must be > 0, checkpoint_every={self.checkpoint_every} "
-                             f"and eval_every={self.eval_every} >= 0")
+        if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
+            raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
+                             f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
 
     def check_world(self, world: int) -> None:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""

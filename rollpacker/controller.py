@@ -3,8 +3,8 @@
 Rollout is an exchange repeated a few times per second over the gloo control plane:
 rank 0 broadcasts a :class:`Command` (requests to add, ids to abort); every rank applies what
 concerns its replica and steps its engine ``poll_steps`` times; replica leaders report finished
-and aborted outputs; rank 0 hands each finished response to the scheduling policy, which says
-what to abort and when the round is over. Requests are routed per request, round-robin over the
+and aborted outputs; rank 0 scores each finished response and hands it to the scheduling policy,
+which says what to abort, what to launch and when the round is over. Requests are routed per request, round-robin over the
 replicas, so every group is spread across them.
 """
 
@@ -45,6 +45,8 @@ class RoundResult:
     groups: list[Group]
     num_launched: int
     num_aborted: int
+    generated_tokens: int
+    """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus)."""
     running_trace: list[tuple[float, int]]
     """(time, requests running over all replicas) at every poll: the bubble ratio's input."""
     start: float
@@ -57,25 +59,34 @@ def sampling_seed(seed: int, rid: str) -> int:
 
 
 def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, policy: Policy | None = None,
-              prompt_ids=None, sampling: SamplingParams | None = None, seed: int = 0,
+              prompt_ids=None, reward=None, sampling: SamplingParams | None = None, seed: int = 0,
               on_progress=None) -> RoundResult | None:
-    """Collective over all ranks; ``policy``, ``prompt_ids`` (dataset index -> token ids) and
-    ``sampling`` matter on rank 0 only, which alone gets the :class:`RoundResult`."""
+    """Collective over all ranks. ``policy``, ``prompt_ids`` (dataset row -> token ids), ``reward``
+    (``(row, output) -> float | None``, called as each response finishes) and ``sampling`` matter
+    on rank 0 only, which alone gets the :class:`RoundResult`."""
     leader = meshes.rank == 0
     start = time.time()
     base_preemptions = engine.stats().num_preemptions
     if leader:
         plan = policy.start_round(step)
-        cmd = Command()
-        owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, prompt, response)
-        for p in plan.prompts:
-            ids = prompt_ids(p)
-            for k in range(plan.num_responses):
-                rid = request_id(step, p, k)
-                replica = len(owner) % meshes.num_replicas
-                owner[rid] = (replica, p, k)
-                params = SamplingParams(**{**vars(sampling), "seed": sampling_seed(seed, rid)})
-                cmd.add.append((replica, Request(id=rid, prompt_ids=ids, params=params)))
+        owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, slot, response)
+        rows: list[int] = []  # slot -> dataset row
+
+        def launch(new_rows: list[int]) -> list[tuple[int, Request]]:
+            adds = []
+            for row in new_rows:
+                slot = len(rows)
+                rows.append(row)
+                ids = prompt_ids(row)
+                for k in range(plan.num_responses):
+                    rid = request_id(step, slot, k)
+                    replica = len(owner) % meshes.num_replicas
+                    owner[rid] = (replica, slot, k)
+                    params = SamplingParams(**{**vars(sampling), "seed": sampling_seed(seed, rid)})
+                    adds.append((replica, Request(id=rid, prompt_ids=ids, params=params)))
+            return adds
+
+        cmd = Command(add=launch(plan.prompts))
         outstanding = set(owner)
         tokens_done = 0
         aborted: list[Output] = []
@@ -97,29 +108,35 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         trace.append((time.time(), sum(r.num_running for r in reports)))
         preemptions = sum(r.num_preemptions for r in reports)
         aborted += [o for r in reports for o in r.aborted]
+        finished = [out for r in reports for out in r.finished]
+        outstanding -= {out.id for out in finished}
         done = False
         to_abort: list[str] = []
-        for r in reports:
-            for out in r.finished:
-                outstanding.discard(out.id)
-                tokens_done += len(out.token_ids)
-                _, p, k = owner[out.id]
-                decision = policy.on_finished(p, k, out)
-                to_abort += decision.abort
-                done |= decision.round_done
-        outstanding -= set(to_abort)
+        adds: list[tuple[int, Request]] = []
+        for out in finished:
+            tokens_done += len(out.token_ids)
+            _, slot, k = owner[out.id]
+            decision = policy.on_finished(slot, k, out, reward(rows[slot], out) if reward else None)
+            to_abort += [rid for rid in decision.abort if rid in outstanding]
+            outstanding -= set(decision.abort)
+            new = launch(decision.launch)
+            adds += new
+            outstanding |= {req.id for _, req in new}
+            done |= decision.round_done
+        if not outstanding and not adds:
+            done = True  # nothing left to run: a policy that forgot to say so still ends its round
         if done:
             to_abort += sorted(outstanding)
             outstanding.clear()
-        cmd = Command(abort=[(owner[rid][0], rid) for rid in to_abort], final=done)
+        cmd = Command(add=adds, abort=[(owner[rid][0], rid) for rid in to_abort], final=done)
         if on_progress:
             on_progress(len(owner) - len(outstanding), tokens_done / (time.time() - start))
     if not leader:
         return None
     groups = policy.end_round(aborted)
     return RoundResult(kind=plan.kind, groups=groups, num_launched=len(owner), num_aborted=len(aborted),
-                       running_trace=trace, start=start, end=time.time(),
-                       num_preemptions=preemptions)
+                       generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted),
+                       running_trace=trace, start=start, end=time.time(), num_preemptions=preemptions)
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base_preemptions: int) -> Report:

@@ -84,7 +84,7 @@ def bubble_ratio(samples: list[tuple[float, int]], capacity: int, end_time: floa
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:
-    """Mean, median, p90 and max of response lengths; ``{}`` when there are none."""
+    """Mean, median, p90, p99 and max of response lengths; ``{}`` when there are none."""
     if len(lengths) == 0:
         return {}
     arr = np.asarray(lengths, dtype=np.float64)
@@ -92,6 +92,7 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
         "rollout/response_len_mean": float(arr.mean()),
         "rollout/response_len_p50": float(np.percentile(arr, 50)),
         "rollout/response_len_p90": float(np.percentile(arr, 90)),
+        "rollout/response_len_p99": float(np.percentile(arr, 99)),
         "rollout/response_len_max": float(arr.max()),
     }
 

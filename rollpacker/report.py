@@ -4,7 +4,7 @@
 
 writes ``RUN_DIR/plots/step_time.png`` (stacked ``time/*`` stages per step, ``time/step`` as a
 dot above them), ``response_lengths.png`` (a box per step of ``rollout/response_lengths``, on a
-log scale when all are positive) and ``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs
+log scale when all are positive, tail batching's long rounds marked red: the paper's Fig. 4a) and ``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs
 step), and prints their paths. A plot whose metrics appear in no step is skipped with a note.
 When a step was logged twice (a resumed run), its last line wins.
 """
@@ -78,12 +78,25 @@ def plot_step_time(records: list[dict], ax) -> bool:
 
 
 def plot_response_lengths(records: list[dict], ax) -> bool:
-    rows = [(r["step"], r[LENGTHS]) for r in records if r.get(LENGTHS)]
+    """A box per round (the paper's Fig. 4a); tail batching's long rounds are shaded and red."""
+    rows = [(r["step"], r[LENGTHS], r.get("sched/round_kind")) for r in records if r.get(LENGTHS)]
     if not rows:
         return False
-    steps, lengths = zip(*rows)
-    ax.boxplot(lengths, positions=steps, widths=_bar_width(list(steps)), manage_ticks=False)
-    ax.set(xlabel="step", ylabel="tokens", title=LENGTHS)
+    steps, lengths, kinds = zip(*rows)
+    width = _bar_width(list(steps))
+    boxes = ax.boxplot(lengths, positions=steps, widths=width, manage_ticks=False, patch_artist=True)
+    for box, kind in zip(boxes["boxes"], kinds):
+        box.set_facecolor("tab:red" if kind == "long" else "tab:blue")
+        box.set_alpha(0.6)
+    for step, kind in zip(steps, kinds):
+        if kind == "long":
+            ax.axvspan(step - width / 2, step + width / 2, color="tab:red", alpha=0.12, lw=0)
+    if "long" in kinds:
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color="tab:blue", alpha=0.6, label="short/sync round"),
+                           Patch(color="tab:red", alpha=0.6, label="long round")], fontsize="small")
+    ax.set(xlabel="step", ylabel="tokens", title=f"{LENGTHS} per round")
     if all(x > 0 for row in lengths for x in row):
         ax.set_yscale("log")  # the long tail would flatten every box on a linear axis
     ax.set_xlim(min(steps) - 1, max(steps) + 1)

@@ -48,9 +48,11 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
     with timer("rollout"):  # the policy plans the round; the engines generate it
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
-                           prompt_ids=lambda p: encode_prompt(job, job.rows[p]), sampling=sampling_params(cfg),
-                           seed=cfg.seed, on_progress=job.display.update if rank0 else None)
-    with timer("reward"):  # score every response (rank 0)
+                           prompt_ids=lambda p: encode_prompt(job, job.rows[p]),
+                           reward=lambda p, out: reward(job, out, job.rows[p]["answer"]),
+                           sampling=sampling_params(cfg), seed=cfg.seed,
+                           on_progress=job.display.update if rank0 else None)
+    with timer("reward"):  # advantages of the kept groups (rank 0; responses were scored as they finished)
         samples, round_stats = score(job, result) if rank0 else (None, {})
     stats |= round_stats
     samples = job.meshes.broadcast(samples)
@@ -82,10 +84,11 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     policy = SyncPolicy(_AllRows(len(job.eval_rows)), len(job.eval_rows), 1) if rank0 else None
     greedy = dataclasses.replace(sampling_params(cfg), temperature=0.0)
     result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=policy,
-                       prompt_ids=lambda p: encode_prompt(job, job.eval_rows[p]), sampling=greedy)
+                       prompt_ids=lambda p: encode_prompt(job, job.eval_rows[p]),
+                       reward=lambda p, out: reward(job, out, job.eval_rows[p]["answer"]), sampling=greedy)
     if not rank0:
         return {}
-    rewards = [reward(job, g.outputs[0], job.eval_rows[g.prompt]["answer"]) or 0.0 for g in result.groups]
+    rewards = [g.rewards[0] or 0.0 for g in result.groups]
     return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards)}
 
@@ -96,8 +99,8 @@ class _AllRows:
     def __init__(self, num_rows: int):
         self.num_rows = num_rows
 
-    def next_batch(self, n: int) -> list[int]:
-        return list(range(n))
+    def draw(self, n: int) -> list[tuple[int, int]]:
+        return [(0, i) for i in range(n)]
 
 
 def encode_prompt(job: Job, row: dict) -> list[int]:
@@ -125,16 +128,16 @@ def reward(job: Job, out, answer: str) -> float | None:
 
 
 def score(job: Job, result) -> tuple[list, dict[str, float]]:
-    """Rewards and GRPO advantages of every kept response, and the round's metrics."""
+    """GRPO advantages of every kept response, and the round's metrics."""
     import torch
 
     from rollpacker.metrics import bubble_ratio, length_stats
     from rollpacker.train.losses import group_advantages
     from rollpacker.train.trainer import Sample
 
-    rewards = [[reward(job, out, job.rows[g.prompt]["answer"]) for out in g.outputs] for g in result.groups]
+    rewards = [g.rewards for g in result.groups]
     errors = sum(r is None for group in rewards for r in group)
-    reward_t = torch.tensor([[r or 0.0 for r in group] for group in rewards])
+    reward_t = torch.tensor([[r or 0.0 for r in group] for group in rewards]).reshape(len(rewards), -1)
     adv = group_advantages(reward_t, job.config.train.scale_adv_by_std)
     samples = [
         Sample(out.prompt_ids, out.token_ids, float(a), out.logprobs)
@@ -146,11 +149,15 @@ def score(job: Job, result) -> tuple[list, dict[str, float]]:
     trace = [(result.start, result.num_launched), *result.running_trace]
     return samples, {
         "sched/round_kind": result.kind,
-        "reward/mean": reward_t.mean().item(),
-        "reward/accuracy": (reward_t >= 1.0).float().mean().item(),
+        "sched/trained_prompts": len(result.groups),
+        "sched/aborted_responses": result.num_aborted,
+        "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
+        **job.policy.stats(),
+        "reward/mean": reward_t.mean().item() if samples else 0.0,
+        "reward/accuracy": (reward_t >= 1.0).float().mean().item() if samples else 0.0,
         "reward/errors": errors,
         "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
-        "rollout/tokens_per_s": sum(lengths) / rollout_time,
+        "rollout/tokens_per_s": result.generated_tokens / rollout_time,
         "rollout/preemptions": result.num_preemptions,
         "rollout/response_lengths": lengths,
         **length_stats(lengths),
@@ -183,7 +190,7 @@ def build(config: Config) -> Job:
         state = checkpoint.load(Path(config.resume), trainer)
         job.start_step = state["step"]
         if job.policy is not None:
-            job.policy.load_state_dict(state["policy"])
+            job.policy.load_state_dict({k: v for k, v in state["policy"].items() if k != "name"})
         engine.update_weights(trainer.model.named_parameters())
     return job
 
@@ -194,17 +201,26 @@ def build_controller(job: Job, path: Path) -> None:
     from rollpacker.data.dataset import PromptSampler, load_eval_rows, load_rows
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.reward import get_reward
-    from rollpacker.schedule.sync import SyncPolicy
-
     cfg = job.config
     job.rows = load_rows(cfg.data)
     job.eval_rows = load_eval_rows(cfg.data) if cfg.eval_every else None
     job.tokenizer = AutoTokenizer.from_pretrained(path)
     job.reward_fn = get_reward(cfg.data.reward)
-    sampler = PromptSampler(len(job.rows), cfg.data.shuffle_seed)
-    job.policy = SyncPolicy(sampler, cfg.rollout.num_prompts, cfg.rollout.group_size)
+    job.policy = make_policy(cfg, PromptSampler(len(job.rows), cfg.data.shuffle_seed))
     job.metrics = MetricsLogger(Path(cfg.run_dir), cfg.metrics, dataclasses.asdict(cfg))
     job.display = LiveDisplay(cfg.metrics.live)
+
+
+def make_policy(cfg: Config, sampler):
+    from rollpacker.schedule.sync import SyncPolicy
+    from rollpacker.schedule.tail import TailPolicy
+
+    r, s = cfg.rollout, cfg.schedule
+    common = {"filter_zero_variance": s.filter_zero_variance, "num_epochs": cfg.num_epochs}
+    if cfg.policy == "tail":
+        return TailPolicy(sampler, r.num_prompts, r.group_size, eta_prompts=s.eta_prompts,
+                          eta_responses=s.eta_responses, last_step=cfg.num_steps - 1, **common)
+    return SyncPolicy(sampler, r.num_prompts, r.group_size, **common)
 
 
 def model_path(config: Config) -> Path:
@@ -216,31 +232,36 @@ def model_path(config: Config) -> Path:
 
 
 def train(config: Config) -> None:
-    from rollpacker import checkpoint
-
     job = build(config)
-    run_dir = Path(config.run_dir)
-    def due(step: int) -> bool:
-        return bool(config.eval_every) and (step % config.eval_every == 0 or step == config.num_steps)
-
-    for step in range(job.start_step, config.num_steps):
-        rl_step(job, step, evaluate(job, step) if due(step) else {})
-        last = step + 1 == config.num_steps
-        if last or config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            path = run_dir / "checkpoints" / f"step_{step + 1}"
-            checkpoint.save(path, job.trainer, step + 1, job.policy.state_dict() if job.policy else None)
-    if due(config.num_steps):
-        final = evaluate(job, config.num_steps)
-        if job.meshes.rank == 0:
-            job.metrics.log(config.num_steps, final)
+    rank0 = job.meshes.rank == 0
+    step = job.start_step
+    while step < config.num_steps and not job.meshes.broadcast(job.policy.done() if rank0 else None):
+        due = config.eval_every and step % config.eval_every == 0
+        rl_step(job, step, evaluate(job, step) if due else {})
+        step += 1
+        if config.checkpoint_every and step % config.checkpoint_every == 0:
+            save(job, step)
+    if step > job.start_step and not (config.checkpoint_every and step % config.checkpoint_every == 0):
+        save(job, step)  # the final state, also when the data ran out before num_steps (num_epochs)
+    if config.eval_every:
+        final = evaluate(job, step)
+        if rank0:
+            job.metrics.log(step, final)
             logger.info("final eval: %s", final)
-    if job.meshes.rank == 0:
+    if rank0:
         job.metrics.close()
         job.display.close()
-        logger.info("done: metrics in %s", run_dir / "metrics.jsonl")
+        logger.info("done after %d steps: metrics in %s", step, Path(config.run_dir) / "metrics.jsonl")
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def save(job: Job, step: int) -> None:
+    from rollpacker import checkpoint
+
+    path = Path(job.config.run_dir) / "checkpoints" / f"step_{step}"
+    checkpoint.save(path, job.trainer, step, {"name": job.policy.name, **job.policy.state_dict()} if job.policy else None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,7 +270,11 @@ def main(argv: list[str] | None = None) -> None:
         if config.resume:
             from rollpacker import checkpoint
 
-            checkpoint.check(Path(config.resume))
+            if config.resume == "auto":
+                newest = checkpoint.latest(Path(config.run_dir))
+                config.resume = str(newest) if newest else ""
+            if config.resume:
+                checkpoint.check(Path(config.resume), config.policy)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"rollpacker: config error: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

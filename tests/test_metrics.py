@@ -40,6 +40,7 @@ def test_length_stats():
         "rollout/response_len_mean": pytest.approx(5.5),
         "rollout/response_len_p50": pytest.approx(5.5),
         "rollout/response_len_p90": pytest.approx(9.1),  # linear interpolation: 1 + 0.9 * 9
+        "rollout/response_len_p99": pytest.approx(9.91),
         "rollout/response_len_max": 10,
     }
     assert length_stats([]) == {}

@@ -8,6 +8,7 @@ import sys
 BENCHES = {
     "engine": "rollpacker.bench.engine",
     "step": "rollpacker.bench.step",
+    "schedulers": "rollpacker.bench.schedulers",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

@@ -13,10 +13,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+
+from rollpacker.bench import split_run_args
 
 STAGES = ("rollout", "reward", "train", "weight_sync")
 
@@ -29,16 +31,15 @@ class Args:
     """RL steps to run; the first is warm-up and not counted."""
     preset: str = "toy-cpu"
     """Preset of the job."""
-    run_args: list[str] = field(default_factory=list)
-    """More rollpacker.run flags, e.g. --run-args --rollout.num-prompts 32."""
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(Args, args=argv)
+    own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
+    args = tyro.cli(Args, args=own)
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--num-steps", str(args.steps),
-               "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--eval-every", "0", *args.run_args]
+               "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--eval-every", "0", *run_args]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -167,16 +167,20 @@ class PromptSampler:
 
     def next_batch(self, n: int) -> list[int]:
         """The next ``n`` indices, continuing into the next epoch(s) when this one runs out."""
+        return [row for _, row in self.draw(n)]
+
+    def draw(self, n: int) -> list[tuple[int, int]]:
+        """The next ``n`` indices as ``(epoch, index)`` pairs: a prompt's identity in the ledger."""
         if n < 0:
             raise ValueError(f"batch size must be >= 0, got {n}")
-        out: list[int] = []
+        out: list[tuple[int, int]] = []
         while len(out) < n:
             if self._position == self.num_rows:
                 self._epoch += 1
                 self._position = 0
                 self._order = self._permutation(self._epoch)
             take = min(n - len(out), self.num_rows - self._position)
-            out.extend(self._order[self._position:self._position + take])
+            out.extend((self._epoch, row) for row in self._order[self._position:self._position + take])
             self._position += take
         return out
 

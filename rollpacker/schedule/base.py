@@ -1,21 +1,28 @@
 """The scheduling-policy contract: what the controller asks a policy, and what it is told.
 
 A policy decides which prompts a round launches and how many responses each, reacts to every
-finished response (keep it, abort its siblings, end the round), and says at the end of the round
-which groups are trained. It never touches tensors or engines: the controller (``controller.py``)
-turns its decisions into engine calls on the right replicas, and the trainer never learns how
-samples were scheduled.
+finished and scored response (keep it, abort its siblings, launch more prompts, end the round),
+and says at the end of the round which groups are trained. It never touches tensors or engines:
+the controller (``controller.py``) turns its decisions into engine calls on the right replicas,
+and the trainer never learns how samples were scheduled.
 
 One round = one RL step. The controller calls, on rank 0 only:
 
-1. ``start_round(step) -> Round``: the prompts to launch (dataset indices) and responses each;
-2. ``on_finished(prompt, response_index, output) -> Decision`` for every response that finishes,
-   in arrival order: request ids to abort now, and whether the round is over;
-3. ``end_round(outputs) -> list of groups to train`` once the round is over and every still-running
-   request has been aborted (their partial outputs are passed in, so a policy can defer, resume or
-   drop them, and must account for every prompt it launched).
+1. ``start_round(step) -> Round``: the prompts to launch (dataset rows) and responses each.
+   A round's prompts are addressed by *slot*, their position in launch order (``Round.prompts``
+   first, then every ``Decision.launch`` in turn), so one row may appear twice in a round (once
+   from each of two epochs);
+2. ``on_finished(slot, response, output, reward) -> Decision`` for every response that finishes,
+   in arrival order, once it is scored (``reward`` is None when scoring failed): request ids to
+   abort now, rows to launch, and whether the round is over. A policy may be told about a
+   response it has already asked to abort (it finished in the meantime); it ignores it;
+3. ``end_round(aborted) -> list of groups to train`` once the round is over and every
+   still-running request has been aborted (their partial outputs are passed in). The policy
+   accounts for every prompt it launched: trained, deferred or filtered.
 
-Policies are checkpointed with ``state_dict``/``load_state_dict`` (plain Python data).
+``stats()`` gives the round's ``sched/`` metrics; ``done()`` is True once there is nothing left to
+train (the configured epochs are used up). Policies are checkpointed with
+``state_dict``/``load_state_dict`` (plain Python data).
 """
 
 from __future__ import annotations
@@ -29,15 +36,17 @@ class Round:
     kind: str
     """"sync", "short" or "long": how this round was scheduled (logged as sched/round_kind)."""
     prompts: list[int]
-    """Dataset indices of the prompts to launch."""
+    """Dataset rows of the prompts to launch; slot i is ``prompts[i]``."""
     num_responses: int
-    """Responses launched per prompt."""
+    """Responses launched per prompt (also for prompts launched later in the round)."""
 
 
 @dataclass
 class Decision:
     abort: list[str] = field(default_factory=list)
     """Request ids to abort now."""
+    launch: list[int] = field(default_factory=list)
+    """Dataset rows to launch now, ``Round.num_responses`` responses each; they take the next slots."""
     round_done: bool = False
     """True when the round is over: everything still running gets aborted."""
 
@@ -47,11 +56,28 @@ class Group:
     """A prompt and the responses of it to train on (the outputs carry token ids and log-probs)."""
 
     prompt: int
+    """Dataset row."""
     outputs: list[Any]
+    rewards: list[float | None]
+    """One per output; None where scoring failed."""
+    epoch: int = 0
 
 
-def request_id(step: int, prompt: int, response: int) -> str:
-    return f"{step}:{prompt}:{response}"
+def request_id(step: int, slot: int, response: int) -> str:
+    return f"{step}:{slot}:{response}"
+
+
+def zero_variance(rewards: list[float | None]) -> bool:
+    """True when every response of a group scored the same: GRPO gets no signal from it (DAPO's filter)."""
+    values = [r or 0.0 for r in rewards]
+    return max(values) == min(values)
+
+
+def remaining(sampler, num_epochs: int) -> int | None:
+    """Rows ``sampler`` can still draw within ``num_epochs`` epochs; None when unlimited (0)."""
+    if not num_epochs:
+        return None
+    return max(0, num_epochs * sampler.num_rows - (sampler.epoch * sampler.num_rows + sampler.position))
 
 
 class Policy(Protocol):
@@ -59,9 +85,13 @@ class Policy(Protocol):
 
     def start_round(self, step: int) -> Round: ...
 
-    def on_finished(self, prompt: int, response: int, output: Any) -> Decision: ...
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision: ...
 
     def end_round(self, aborted: list[Any]) -> list[Group]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def done(self) -> bool: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -1,38 +1,53 @@
 """``sync``: the veRL-style synchronous baseline every speedup is measured against.
 
 Each round draws P0 prompts from the seeded sampler, launches R0 responses each and waits for
-all of them: the long tail of the slowest response sets the round's length.
+all of them: the long tail of the slowest response sets the round's length. With
+``filter_zero_variance``, groups whose rewards are all equal are dropped after the round
+(counted in ``sched/filtered``); with ``num_epochs``, the last round takes what is left.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rollpacker.schedule.base import Decision, Group, Round
+from rollpacker.schedule.base import Decision, Group, Round, remaining, zero_variance
 
 
 class SyncPolicy:
     name = "sync"
 
-    def __init__(self, sampler, num_prompts: int, group_size: int):
+    def __init__(self, sampler, num_prompts: int, group_size: int, *, filter_zero_variance: bool = False,
+                 num_epochs: int = 0):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
-        self.groups: dict[int, list[Any]] = {}
+        self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
+        self.groups: list[Group] = []
         self.pending = 0
+        self.filtered = 0
+
+    def done(self) -> bool:
+        return remaining(self.sampler, self.num_epochs) == 0
 
     def start_round(self, step: int) -> Round:
-        prompts = self.sampler.next_batch(self.num_prompts)
-        self.groups = {p: [] for p in prompts}
-        self.pending = len(prompts) * self.group_size
-        return Round(kind="sync", prompts=prompts, num_responses=self.group_size)
+        left = remaining(self.sampler, self.num_epochs)
+        keys = self.sampler.draw(self.num_prompts if left is None else min(self.num_prompts, left))
+        self.groups = [Group(prompt=row, outputs=[], rewards=[], epoch=epoch) for epoch, row in keys]
+        self.pending = len(keys) * self.group_size
+        return Round(kind="sync", prompts=[g.prompt for g in self.groups], num_responses=self.group_size)
 
-    def on_finished(self, prompt: int, response: int, output: Any) -> Decision:
-        self.groups[prompt].append(output)
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+        self.groups[slot].outputs.append(output)
+        self.groups[slot].rewards.append(reward)
         self.pending -= 1
         return Decision(round_done=self.pending == 0)
 
     def end_round(self, aborted: list[Any]) -> list[Group]:
         assert not aborted, "a sync round ends only when every response has finished"
-        return [Group(prompt=p, outputs=outs) for p, outs in self.groups.items()]
+        keep = [g for g in self.groups if not (self.filter_zero_variance and zero_variance(g.rewards))]
+        self.filtered = len(self.groups) - len(keep)
+        return keep
+
+    def stats(self) -> dict[str, Any]:
+        return {"sched/filtered": self.filtered, "sched/epoch": self.sampler.epoch}
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}

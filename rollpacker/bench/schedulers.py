@@ -1,0 +1,110 @@
+"""``python -m rollpacker.bench schedulers --policies sync,tail``: scheduling policies side by side.
+
+Runs the same toy job (``--preset``, default toy-cpu) under torchrun once per policy and seed, in
+the order seed 0 of every policy, then seed 1, … so that slow drift of the machine hits every
+policy alike. Every run has the same seed, data order and number of steps (P0 groups of R0
+responses per step; a tail run's last step flushes its long-prompt queue, so it may train a few
+prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
+
+- rollout time per round, by round kind (sync, short, long);
+- average step time (steps after the first, which warms up) and the speedup vs the first policy;
+- bubble ratio, tokens generated then thrown away, samples trained;
+- held-out greedy accuracy before and after training, per seed.
+
+Flags after ``--`` go to every ``rollpacker.run`` unchanged (``-- --num-steps 40``). The last line is JSON: ``speedup_<policy>`` (first policy's step time ÷ this one's), mean step
+times and accuracies.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+from rollpacker.bench import split_run_args
+
+
+@dataclass
+class Args:
+    policies: str = "sync,tail"
+    """Comma-separated policies; the first is the baseline of the speedups."""
+    seeds: str = "0,1,2"
+    """Comma-separated seeds (sampling, data order and init of everything random)."""
+    nproc: int = 2
+    """Ranks (torchrun --nproc_per_node)."""
+    preset: str = "toy-cpu"
+    """Preset of the job (its num_steps and eval settings; rollpacker.run flags after ``--`` override them)."""
+
+
+def run(args: Args, run_args: list[str], policy: str, seed: int, run_dir: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--policy", policy,
+           "--seed", str(seed), "--data.shuffle-seed", str(seed), "--metrics.wandb-mode", "disabled",
+           "--metrics.no-live", *run_args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
+    steps = [r for r in rows if "time/step" in r]
+    timed = steps[1:] or steps
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    out = {
+        "step_time": statistics.mean(r["time/step"] for r in timed),
+        "bubble_ratio": statistics.mean(r["rollout/bubble_ratio"] for r in timed),
+        "wasted_tokens": sum(r["rollout/wasted_tokens"] for r in steps),
+        "samples": sum(len(r["rollout/response_lengths"]) for r in steps),
+        "steps": len(steps),
+        "acc_before": evals[0] if evals else float("nan"),
+        "acc_after": evals[-1] if evals else float("nan"),
+    }
+    for kind in ("sync", "short", "long"):
+        times = [r["time/rollout"] for r in timed if r["sched/round_kind"] == kind]
+        out[f"rollout_{kind}"] = statistics.mean(times) if times else float("nan")
+        out[f"rounds_{kind}"] = len([r for r in steps if r["sched/round_kind"] == kind])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
+    args = tyro.cli(Args, args=own)
+    policies, seeds = args.policies.split(","), [int(s) for s in args.seeds.split(",")]
+    results: dict[str, list[dict]] = {p: [] for p in policies}
+    for seed in seeds:
+        for policy in policies:
+            with tempfile.TemporaryDirectory() as run_dir:
+                results[policy].append(summarize(run(args, run_args, policy, seed, run_dir)))
+    mean = {p: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for p, rs in results.items()}
+    base = mean[policies[0]]["step_time"]
+    print(f"\n{args.preset}, {args.nproc} ranks, mean over seeds {args.seeds}:")
+    rows = [
+        ("rollout/round sync (s)", "rollout_sync", ".3f"), ("rollout/round short (s)", "rollout_short", ".3f"),
+        ("rollout/round long (s)", "rollout_long", ".3f"), ("rounds short/long", None, None),
+        ("step time (s)", "step_time", ".3f"), ("speedup", None, None), ("bubble ratio", "bubble_ratio", ".3f"),
+        ("tokens wasted", "wasted_tokens", ".0f"), ("samples trained", "samples", ".0f"),
+        ("eval acc before", "acc_before", ".3f"), ("eval acc after", "acc_after", ".3f"),
+    ]
+    print(f"{'':<26}" + "".join(f"{p:>12}" for p in policies))
+    for label, key, fmt in rows:
+        if label == "speedup":
+            cells = [f"{base / mean[p]['step_time']:.2f}x" for p in policies]
+        elif label.startswith("rounds"):
+            cells = [f"{mean[p]['rounds_short']:.0f}/{mean[p]['rounds_long']:.0f}" for p in policies]
+        else:
+            cells = [format(mean[p][key], fmt) for p in policies]
+        print(f"{label:<26}" + "".join(f"{c:>12}" for c in cells))
+    for p in policies:
+        accs = ", ".join(f"seed {s}: {r['acc_before']:.3f} -> {r['acc_after']:.3f}" for s, r in zip(seeds, results[p]))
+        print(f"{p}: {accs}")
+    summary = {f"speedup_{p}": round(base / mean[p]["step_time"], 3) for p in policies[1:]}
+    summary |= {f"step_time_{p}": round(mean[p]["step_time"], 3) for p in policies}
+    summary |= {f"acc_after_{p}": round(mean[p]["acc_after"], 4) for p in policies}
+    summary |= {f"samples_{p}": mean[p]["samples"] for p in policies}
+    print(json.dumps(summary))

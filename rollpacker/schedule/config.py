@@ -1,0 +1,20 @@
+"""Scheduling-policy settings (no torch import here: configs parse before heavy imports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    eta_prompts: float = 1.25
+    """tail: η_P, short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation)."""
+    eta_responses: float = 1.25
+    """tail: η_R, short rounds launch ⌈η_R·R0⌉ responses per prompt (1 = no response speculation)."""
+    filter_zero_variance: bool = False
+    """Dynamic sampling (DAPO): do not train or queue prompts whose group rewards are all equal."""
+
+    def __post_init__(self) -> None:
+        if self.eta_prompts < 1 or self.eta_responses < 1:
+            raise ValueError(f"schedule.eta_prompts={self.eta_prompts} and schedule.eta_responses="
+                             f"{self.eta_responses} must be >= 1")

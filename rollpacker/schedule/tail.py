@@ -1,0 +1,158 @@
+"""``tail``: RollPacker's tail batching (paper §3).
+
+**Short round** (the usual one): launch ⌈η_P·P0⌉ fresh prompts with ⌈η_R·R0⌉ responses each. A
+prompt *completes* when its first R0 responses finish; its other responses are aborted at once.
+The round ends when P0 prompts have completed; every prompt still running is aborted and
+deferred to the long-prompt queue with its identity (on-policy: its partial and finished
+responses are thrown away, a long round generates its group afresh).
+
+**Long round**: when the queue holds ≥ P0 prompts, the round takes the oldest P0, exactly R0
+responses each, no speculation, run to completion (``rollout.max_new_tokens`` still applies).
+
+**Epoch boundary**: deferred prompts stay in the queue across the epoch boundary (they keep
+their epoch in the ledger), and short rounds draw on into the next epoch. Nothing waits forever:
+
+- with ``num_epochs`` set, once the last epoch's prompts are all drawn, the queue is flushed by
+  long rounds of up to P0 prompts, then the policy is ``done()``; when fewer fresh prompts are
+  left than a short round launches, the short round takes what is left and completes
+  ``min(P0, left)`` of them;
+- at the run's last step (``last_step``), a non-empty queue is flushed whole in one long round,
+  instead of a short round.
+
+**Dynamic sampling** (``filter_zero_variance``, DAPO style, paper §7): a completed prompt whose
+R0 rewards are all equal is *filtered*: not trained, not queued, and counted. It does not count
+towards the P0 completions of a short round; a fresh prompt is launched in its place, so the
+round keeps P0 informative groups when the data allows.
+
+Every prompt is at every moment in exactly one state of the :class:`~rollpacker.schedule.ledger.Ledger`,
+which is saved with the sampler in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpacker.schedule.base import Decision, Group, Round, remaining, request_id, zero_variance
+from rollpacker.schedule.ledger import Key, Ledger
+
+
+@dataclass
+class _Launched:
+    key: Key
+    outputs: list[Any] = field(default_factory=list)
+    rewards: list[float | None] = field(default_factory=list)
+    finished: set[int] = field(default_factory=set)
+    state: str = "running"
+    """running, complete or filtered."""
+
+
+class TailPolicy:
+    name = "tail"
+
+    def __init__(self, sampler, num_prompts: int, group_size: int, *, eta_prompts: float = 1.25,
+                 eta_responses: float = 1.25, filter_zero_variance: bool = False, num_epochs: int = 0,
+                 last_step: int | None = None):
+        if eta_prompts < 1 or eta_responses < 1:
+            raise ValueError(f"tail: eta_prompts={eta_prompts} and eta_responses={eta_responses} must be >= 1")
+        self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
+        self.eta_prompts, self.eta_responses = eta_prompts, eta_responses
+        self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
+        self.ledger = Ledger()
+        self.slots: list[_Launched] = []
+        self.round: Round | None = None
+        self.step = 0
+        self.target = 0
+        self.closed = False
+        self._stats: dict[str, Any] = {}
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return remaining(self.sampler, self.num_epochs) == 0 and not self.ledger.queue
+
+    def start_round(self, step: int) -> Round:
+        left = remaining(self.sampler, self.num_epochs)
+        queue = self.ledger.queue
+        self.step, self.slots = step, []
+        if len(queue) >= self.num_prompts or queue and (left == 0 or step == self.last_step):
+            n = len(queue) if step == self.last_step else min(len(queue), self.num_prompts)
+            keys = [queue[i] for i in range(n)]
+            self.target, responses, kind = n, self.group_size, "long"
+        else:
+            launch = math.ceil(self.eta_prompts * self.num_prompts)
+            keys = self.sampler.draw(launch if left is None else min(launch, left))
+            if not keys:
+                raise RuntimeError("tail: no prompt left to launch; check done() before start_round")
+            self.target = min(self.num_prompts, len(keys))
+            responses, kind = math.ceil(self.eta_responses * self.group_size), "short"
+        for key in keys:
+            self._launch(key)
+        self.round = Round(kind=kind, prompts=[k[1] for k in keys], num_responses=responses)
+        self._stats = {"filtered": 0}
+        self.closed = False
+        return self.round
+
+    def _launch(self, key: Key) -> None:
+        self.ledger.launch(key)
+        self.slots.append(_Launched(key))
+
+    # -- reacting ----------------------------------------------------------------------------
+
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+        p = self.slots[slot]
+        if p.state != "running" or self.closed:
+            return Decision()  # finished before its abort landed, or after the round's cut-off: thrown away
+        p.outputs.append(output)
+        p.rewards.append(reward)
+        p.finished.add(response)
+        decision = Decision()
+        if len(p.outputs) < self.group_size:
+            return decision
+        decision.abort = [request_id(self.step, slot, k) for k in range(self.round.num_responses)
+                          if k not in p.finished]
+        if self.filter_zero_variance and zero_variance(p.rewards):
+            p.state = "filtered"
+            self._stats["filtered"] += 1
+            if self.round.kind == "short" and remaining(self.sampler, self.num_epochs) != 0:
+                key = self.sampler.draw(1)[0]  # launch a fresh prompt in its place
+                self._launch(key)
+                decision.launch = [key[1]]
+        else:
+            p.state = "complete"
+        complete = sum(s.state == "complete" for s in self.slots)
+        running = sum(s.state == "running" for s in self.slots)
+        decision.round_done = self.closed = complete >= self.target or running == 0
+        return decision
+
+    def end_round(self, aborted: list[Any]) -> list[Group]:
+        groups, deferred = [], 0
+        for p in self.slots:
+            if p.state == "running":
+                self.ledger.settle(p.key, "deferred")
+                deferred += 1
+            elif p.state == "filtered":
+                self.ledger.settle(p.key, "filtered")
+            else:
+                self.ledger.settle(p.key, "trained")
+                groups.append(Group(prompt=p.key[1], outputs=p.outputs, rewards=p.rewards, epoch=p.key[0]))
+        if self.round.kind == "long" and deferred:
+            raise AssertionError("tail: a long round ended with prompts still running")
+        self._stats |= {"deferred": deferred, "long_queue_len": len(self.ledger.queue),
+                        "epoch": self.sampler.epoch}
+        self.slots = []
+        return groups
+
+    def stats(self) -> dict[str, Any]:
+        return {f"sched/{k}": v for k, v in self._stats.items()}
+
+    # -- checkpoint --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "ledger": self.ledger.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.ledger.check(self.sampler)
