@@ -1,0 +1,149 @@
+"""The first code to run inside the code sandbox: finish the isolation, then exec the program.
+
+Not imported by the trainer: :mod:`rollpacker.reward.sandbox` passes this file's text to the
+sandbox interpreter as ``python -I -S -c SOURCE CONFIG_JSON`` (the package may live under a
+directory the sandbox hides), so it uses the standard library only. CONFIG_JSON names the file
+descriptors the parent passed in: ``program_fd`` (the untrusted program, read to ``main.py``),
+``ready_fd`` (one byte is written there just before the program is exec'd: no byte means the sandbox
+failed, not the program) and, in ``unshare`` mode, ``info_fd``.
+
+Per ``mode``:
+
+- ``bwrap``: bubblewrap built the namespaces and the file system and made us pid 1 (``--as-pid-1``).
+- ``unshare``: we run as root of fresh user, pid, mount, net, ipc and uts namespaces (``unshare``
+  made them) and are pid 1. Build what bubblewrap would: every mount read-only, a fresh ``/proc``,
+  empty read-only tmpfs over the directories that hold secrets or sockets (keeping the
+  interpreter's own directories visible), a size-capped tmpfs for ``/tmp`` (the working directory)
+  and ``/dev/shm``; report ``{"child-pid", "pid-namespace"}`` on ``info_fd`` as ``bwrap --info-fd``
+  does. The program's process drops every capability before exec.
+- ``none`` (the user opted out of isolation): rlimits only, in a host directory; no fork.
+
+In both namespace modes we fork: the child sets the rlimits and execs the program; pid 1 stays
+ours (the program cannot clear its parent-death signal), reaps, and exits with the program's
+status the moment the program exits. Leaving pid 1 tears down the pid namespace, so whatever the
+program left behind dies with it, and the outer process, which reaps pid 1, gets the program's
+CPU time in its rusage.
+"""
+
+import contextlib
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+# Per-mount flags a less privileged namespace may not clear: a read-only remount must repeat them.
+LOCKED_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
+                "nodiratime": 2048, "relatime": 1 << 21}
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+CAPABILITY_VERSION_3 = 0x20080522
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "%s: %s" % (what, os.strerror(err)))
+
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), "mount " + target)
+
+
+def _mount_points():
+    """(mount point, its flags) for every mount, from ``/proc/self/mountinfo``."""
+    for line in open("/proc/self/mountinfo"):
+        fields = line.split()
+        target = fields[4].encode().decode("unicode_escape")  # "\040" is a space
+        yield target, sum(LOCKED_FLAGS.get(opt, 0) for opt in fields[5].split(","))
+
+
+def build_file_system(cfg):
+    """unshare mode: read-only everything, fresh /proc, masked secrets, tmpfs /tmp and /dev/shm."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    for target, flags in _mount_points():
+        if target == "/proc" or target.startswith("/proc/"):
+            continue  # replaced below
+        try:
+            _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+        except OSError as e:
+            if e.errno not in (13, 2):  # EACCES, ENOENT: under a directory we cannot enter
+                raise
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    keep = {path: os.open(path, os.O_PATH) for path in cfg["keep"]}  # before a tmpfs hides them
+    for path in cfg["masked"]:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in cfg["scratch"]:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=%d,mode=1777" % cfg["tmpfs_bytes"])
+    for path, fd in keep.items():
+        os.makedirs(path, exist_ok=True)
+        _mount("/proc/self/fd/%d" % fd, path, None, MS_BIND | MS_REC)  # read-only, as its source is by now
+        os.close(fd)
+    for path in cfg["masked"]:
+        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def drop_capabilities():
+    """No capability survives exec: empty bounding, ambient, inheritable and permitted sets."""
+    for cap in range(64):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last capability: fine
+    _check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient capabilities")
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)
+    _check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def exec_program(cfg, program):
+    """Write ``main.py``, set the rlimits, say ready, become the program (empty environment)."""
+    with open("main.py", "wb") as f:
+        f.write(program)
+    for name, (soft, hard) in cfg["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    os.write(cfg["ready_fd"], b"1")
+    os.close(cfg["ready_fd"])
+    os.execve(cfg["python"], [cfg["python"], "-I", "main.py"], {})
+
+
+def reap_until(child):
+    """pid 1's job: reap everything; exit with ``child``'s status as soon as it is gone."""
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    with os.fdopen(cfg["program_fd"], "rb") as f:
+        program = f.read()
+    try:
+        if cfg["mode"] == "unshare":
+            host_pid = int(open("/proc/self/status").read().split("NSpid:")[1].split()[0])  # before /proc is ours
+            pid_ns = os.stat("/proc/self/ns/pid").st_ino
+            build_file_system(cfg)
+            os.write(cfg["info_fd"], json.dumps({"child-pid": host_pid, "pid-namespace": pid_ns}).encode())
+        with contextlib.suppress(OSError):
+            os.close(cfg["info_fd"])  # bwrap wrote it already, or nobody will
+        os.chdir(cfg["workdir"])
+        if cfg["mode"] != "none":
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1 ignores the signals it does not handle
+            os.setsid()  # killpg(0) in the program must not reach the outer process
+            child = os.fork()
+            if child:
+                os.close(cfg["ready_fd"])
+                reap_until(child)
+        if cfg["mode"] == "unshare":
+            drop_capabilities()
+        exec_program(cfg, program)
+    except OSError as e:
+        sys.stderr.write("sandbox setup failed: %s\n" % e)
+        os._exit(125)
+
+
+if __name__ == "__main__":  # so under ``python -c``; importing this file does nothing
+    main()

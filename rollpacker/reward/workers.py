@@ -1,0 +1,316 @@
+"""Reward workers: score samples asynchronously, in processes that can be killed.
+
+The controller calls :meth:`RewardPool.submit` the moment a response finishes (it returns at once),
+collects finished scores with :meth:`RewardPool.poll` while rollout goes on, and waits for the
+rest with :meth:`RewardPool.drain` at the end of the round. That wait is ``time/reward_exposed``;
+the per-sample ``seconds`` summed is the total reward time.
+
+Each worker is a ``spawn``-ed process (the trainer has torch and threads: never fork it) that
+scores one sample at a time: math with math-verify (its signal-based timeout only works on a
+main thread; ours is the kill below), the toy check, or code in the sandbox
+(:mod:`rollpacker.reward.code`). A manager thread in the trainer hands out tasks and enforces
+each task's wall-clock timeout: a worker that overruns, crashes or dies is replaced at once, so
+capacity recovers, and its sample comes back flagged (``error`` set, ``score`` None), never as a
+silent 0; so does a sample whose reward function raised. The old worker gets SIGTERM, which
+unwinds a sandbox run (killing and reaping its sandbox), then SIGKILL if it is still there after
+``STOP_GRACE`` seconds (a hang inside C code).
+
+A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import resource
+import signal
+import sys
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.rules import REWARDS, get_reward
+from rollpacker.reward.sandbox import Sandbox, SandboxConfig
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE = 2.0
+"""Seconds a worker told to stop (SIGTERM) gets before SIGKILL."""
+KINDS = ("code", *REWARDS)
+"""What a worker can score. Payloads: ``{"response", "answer"}`` for math and toy,
+``{"response", "tests", "timeouts"}`` for code (see :func:`rollpacker.reward.code.code_reward`)."""
+
+
+@dataclass
+class Scored:
+    """One finished sample."""
+
+    key: Hashable
+    score: float | None
+    """The reward; None when scoring failed (then ``error`` says why)."""
+    error: str | None
+    """Set when this sample is a reward_error: the reward raised, timed out or its worker died."""
+    seconds: float
+    """Wall time spent scoring it in a worker (queueing excluded)."""
+    cpu_seconds: float
+    """CPU time of the worker and its sandboxes; a killed worker counts its wall time."""
+    info: dict = field(default_factory=dict)
+    """Details from the reward, e.g. code: ``{"verdicts", "seconds"}`` per test run."""
+
+
+def score(kind: str, payload: dict, sandbox: SandboxConfig) -> tuple[float, dict]:
+    """Score one sample in this process: what a worker runs. Returns (reward, details)."""
+    if kind == "code":
+        from rollpacker.reward.code import code_reward
+
+        return code_reward(**payload, sandbox=sandbox)
+    return get_reward(kind)(**payload), {}
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _work(conn: mp.connection.Connection, sandbox: SandboxConfig) -> None:
+    """A worker's life: warm up, say ready (None), then score ``(kind, payload)`` until told None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwinds a sandbox run, which kills its sandbox
+    import math_verify  # noqa: F401  (sympy behind it: a second, not part of the first sample's time)
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is the kill
+
+    conn.send(None)
+    while (task := conn.recv()) is not None:
+        kind, payload = task
+        wall, cpu = time.perf_counter(), _cpu_seconds()
+        try:
+            reward, info, error = *score(kind, payload, sandbox), None
+        except Exception as e:
+            reward, info, error = None, {}, f"{kind} reward raised {type(e).__name__}: {str(e)[:500]}"
+        conn.send((reward, error, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
+
+
+@dataclass
+class _Task:
+    key: Hashable
+    kind: str
+    payload: dict
+    timeout: float
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: mp.connection.Connection
+    ready: bool = False
+    task: _Task | None = None
+    started: float = 0.0
+    """When ``task`` was handed over (time.monotonic)."""
+
+
+class RewardPool:
+    """``num_workers`` reward worker processes and the manager thread that feeds and polices them.
+
+    Use as a context manager, or call :meth:`close`: it stops every worker and sandbox.
+    """
+
+    def __init__(self, cfg: RewardConfig | None = None):
+        self.cfg = cfg or RewardConfig()
+        self._ctx = mp.get_context("spawn")
+        self._cond = threading.Condition()
+        self._todo: collections.deque[_Task] = collections.deque()
+        self._done: list[Scored] = []
+        self._num_unfinished = 0
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._sandbox_checked = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._retiring: list[tuple[Any, float]] = []  # stopping workers: (process, when to SIGKILL it)
+        self._workers = [self._start_worker() for _ in range(self.cfg.num_workers)]
+        self._manager = threading.Thread(target=self._manage, name="reward-pool", daemon=True)
+        self._manager.start()
+
+    # the caller's side
+
+    def submit(self, key: Hashable, kind: str, payload: dict, timeout: float | None = None) -> None:
+        """Queue one sample to score; returns at once. ``timeout`` defaults to ``cfg.timeout`` plus,
+        for code, the sum of ``payload["timeouts"]``. The first code sample checks the sandbox here."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown reward kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+        if kind == "code" and not self._sandbox_checked:
+            Sandbox(self.cfg.sandbox)  # raises SandboxUnavailable, saying how to enable isolation
+            self._sandbox_checked = True
+        if timeout is None:
+            timeout = self.cfg.timeout + sum(payload.get("timeouts", ()))
+        with self._cond:
+            self._check_alive()
+            self._todo.append(_Task(key, kind, payload, timeout))
+            self._num_unfinished += 1
+        os.write(self._wake_w, b".")
+
+    def poll(self) -> list[Scored]:
+        """The samples finished since the last call (maybe none); never waits."""
+        with self._cond:
+            self._check_alive()
+            done, self._done = self._done, []
+        return done
+
+    def drain(self, timeout: float | None = None) -> list[Scored]:
+        """Wait until every submitted sample is finished; return those not yet returned by poll()."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._num_unfinished == 0 or self._failure, timeout):
+                raise TimeoutError(f"reward pool: {self._num_unfinished} samples still unscored after {timeout} s")
+        return self.poll()
+
+    @property
+    def num_pending(self) -> int:
+        """Samples submitted and not finished yet."""
+        return self._num_unfinished
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def close(self) -> None:
+        """Stop the manager, every worker and their sandboxes; unfinished samples are dropped."""
+        if self._closing:
+            return
+        with self._cond:
+            self._closing = True
+        os.write(self._wake_w, b".")
+        self._manager.join()
+        for w in self._workers:
+            self._retire(w)
+        deadline = time.monotonic() + STOP_GRACE
+        for process, _ in self._retiring:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._reap_retired(force=True)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"reward pool: its manager thread failed: {self._failure!r}") from self._failure
+        if self._closing:
+            raise RuntimeError("reward pool is closed")
+
+    # the manager thread's side
+
+    def _manage(self) -> None:
+        try:
+            while not self._closing:
+                self._dispatch()
+                deadlines = [w.started + w.task.timeout for w in self._workers if w.task is not None]
+                deadlines += [deadline for _, deadline in self._retiring]
+                wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                handles = [self._wake_r, *(w.conn for w in self._workers), *(w.process.sentinel for w in self._workers),
+                           *(process.sentinel for process, _ in self._retiring)]
+                ready = set(mp.connection.wait(handles, wait))
+                self._reap_retired()
+                if self._wake_r in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_r, 4096):
+                            pass
+                for i in range(len(self._workers)):
+                    self._check(i, ready)
+        except BaseException as e:  # noqa: BLE001  (surfaced to the caller by poll/drain/submit)
+            logger.exception("reward pool manager failed")
+            with self._cond:
+                self._failure = e
+                self._cond.notify_all()
+
+    def _check(self, i: int, ready: set) -> None:
+        """Take worker ``i``'s message, if any; replace it if it died or overran its task's timeout."""
+        w = self._workers[i]
+        if w.conn in ready:
+            try:
+                message = w.conn.recv()
+            except (EOFError, OSError):
+                w.process.join(timeout=1)
+                self._replace(i, f"its reward worker died (exit code {w.process.exitcode})")
+                return
+            if message is None:
+                w.ready = True
+            else:
+                reward, error, info, seconds, cpu_seconds = message
+                task, w.task = w.task, None
+                self._finish(Scored(task.key, reward, error, seconds, cpu_seconds, info))
+        elif w.process.sentinel in ready:
+            w.process.join(timeout=1)
+            if not w.ready:
+                raise RuntimeError(f"a reward worker exited while starting (exit code {w.process.exitcode}); see its "
+                                   "traceback above (a script that starts a RewardPool needs if __name__ == '__main__':)")
+            self._replace(i, f"its reward worker died (exit code {w.process.exitcode})")
+        elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
+            self._replace(i, f"{w.task.kind} reward timed out after {w.task.timeout:g} s; its worker was replaced")
+
+    def _dispatch(self) -> None:
+        for w in self._workers:
+            if w.ready and w.task is None:
+                with self._cond:
+                    if not self._todo:
+                        return
+                    task = self._todo.popleft()
+                w.task, w.started = task, time.monotonic()
+                with contextlib.suppress(OSError):  # it just died: its sentinel says so next, the task is flagged
+                    w.conn.send((task.kind, task.payload))
+
+    def _finish(self, scored: Scored) -> None:
+        if scored.error is not None:
+            logger.warning("reward_error on %r: %s", scored.key, scored.error)
+        with self._cond:
+            self._done.append(scored)
+            self._num_unfinished -= 1
+            self._cond.notify_all()
+
+    def _replace(self, i: int, reason: str) -> None:
+        """Stop worker ``i`` and start a fresh one in its place; flag its task with ``reason``."""
+        w = self._workers[i]
+        self._retire(w)
+        self._workers[i] = self._start_worker()
+        if w.task is not None:
+            seconds = time.monotonic() - w.started
+            self._finish(Scored(w.task.key, None, reason, seconds, seconds))
+
+    def _start_worker(self) -> _Worker:
+        conn, child_conn = self._ctx.Pipe()
+        process = self._ctx.Process(target=_work, args=(child_conn, self.cfg.sandbox), name="reward-worker", daemon=True)
+        process.start()
+        child_conn.close()
+        return _Worker(process, conn)
+
+    def _retire(self, w: _Worker) -> None:
+        """Ask ``w`` to exit (SIGTERM unwinds a sandbox run, which kills and reaps its sandbox); SIGKILL it
+        if it is still there ``STOP_GRACE`` seconds later (a hang in C code), see :meth:`_reap_retired`."""
+        w.conn.close()
+        if w.process.is_alive():
+            w.process.terminate()
+        self._retiring.append((w.process, time.monotonic() + STOP_GRACE))
+
+    def _reap_retired(self, force: bool = False) -> None:
+        still = []
+        for process, deadline in self._retiring:
+            if process.is_alive() and (force or time.monotonic() > deadline):
+                process.kill()  # its sandbox, if any, dies with it (parent-death signal)
+                process.join()
+            if process.is_alive():
+                still.append((process, deadline))
+            else:
+                process.join()
+                process.close()
+        self._retiring = still
