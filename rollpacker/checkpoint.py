@@ -1,5 +1,6 @@
 """Checkpoints that resume exactly: model and optimizer shards (torch.distributed.checkpoint), the
-step, the LR schedule and the scheduling policy's state (its sampler position).
+step, the LR schedule, the scheduling policy's state (sampler position, sample ledger) and the
+reward scheduler's (adaptive-timeout anchors).
 
 Layout: ``RUN_DIR/checkpoints/step_N/`` holds DCP's shard files, ``train_state.json`` and, written
 last by rank 0 after every rank finished, the ``COMMITTED`` marker. A directory without the
@@ -24,8 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 MARKER = "COMMITTED"
 
 
-def save(path: Path, trainer, step: int, policy_state: dict[str, Any] | None) -> None:
-    """Collective. ``policy_state`` matters on rank 0 only. Saving over a committed checkpoint
+def save(path: Path, trainer, step: int, controller: dict[str, Any] | None) -> None:
+    """Collective. ``controller`` (rank 0's plain-data state: the policy's sampler and ledger, the
+    reward timeouts' anchors) matters on rank 0 only. Saving over a committed checkpoint
     first takes its marker away, so a crash midway leaves it marked interrupted."""
     if dist.get_rank() == 0:
         (path / MARKER).unlink(missing_ok=True)
@@ -36,7 +38,7 @@ def save(path: Path, trainer, step: int, policy_state: dict[str, Any] | None) ->
     }
     dcp.save(state, checkpoint_id=str(path))
     if dist.get_rank() == 0:
-        meta = {"step": step, "scheduler": trainer.scheduler.state_dict(), "policy": policy_state}
+        meta = {"step": step, "scheduler": trainer.scheduler.state_dict(), **(controller or {})}
         (path / "train_state.json").write_text(json.dumps(meta))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -62,7 +64,7 @@ def check(path: Path, policy: str | None = None) -> None:
 
 
 def load(path: Path, trainer) -> dict[str, Any]:
-    """Collective: restores the trainer in place; returns the saved train state (step, policy)."""
+    """Collective: restores the trainer in place; returns the saved train state (step, controller state)."""
     check(path)
     state = {
         "model": get_model_state_dict(trainer.model),

@@ -15,6 +15,7 @@ from typing import Any
 
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
+from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import TrainConfig
@@ -90,6 +91,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -10,6 +10,7 @@ replicas, so every group is spread across them.
 
 from __future__ import annotations
 
+import collections
 import random
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ class RoundResult:
     running_trace: list[tuple[float, int]]
     """(time, requests running over all replicas) at every poll: the bubble ratio's input."""
     start: float
+    last_finish: float
+    """When the last response the round waited for came back; ``end - last_finish`` is the exposed reward time."""
     end: float
     num_preemptions: int
 
@@ -59,24 +62,25 @@ def sampling_seed(seed: int, rid: str) -> int:
 
 
 def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, policy: Policy | None = None,
-              prompt_ids=None, reward=None, sampling: SamplingParams | None = None, seed: int = 0,
+              rows=None, prompt_ids=None, rewards=None, sampling: SamplingParams | None = None, seed: int = 0,
               on_progress=None) -> RoundResult | None:
-    """Collective over all ranks. ``policy``, ``prompt_ids`` (dataset row -> token ids), ``reward``
-    (``(row, output) -> float | None``, called as each response finishes) and ``sampling`` matter
-    on rank 0 only, which alone gets the :class:`RoundResult`."""
+    """Collective over all ranks. On rank 0, which alone gets the :class:`RoundResult`: the
+    ``policy``; the data ``rows`` and ``prompt_ids`` (row index -> token ids); ``rewards``, a
+    :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores each response as it
+    finishes (the policy hears of a response once it is scored); ``sampling``."""
     leader = meshes.rank == 0
     start = time.time()
     base_preemptions = engine.stats().num_preemptions
     if leader:
         plan = policy.start_round(step)
         owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, slot, response)
-        rows: list[int] = []  # slot -> dataset row
+        slots: list[int] = []  # slot -> dataset row
 
         def launch(new_rows: list[int]) -> list[tuple[int, Request]]:
             adds = []
             for row in new_rows:
-                slot = len(rows)
-                rows.append(row)
+                slot = len(slots)
+                slots.append(row)
                 ids = prompt_ids(row)
                 for k in range(plan.num_responses):
                     rid = request_id(step, slot, k)
@@ -88,6 +92,9 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
 
         cmd = Command(add=launch(plan.prompts))
         outstanding = set(owner)
+        undecided: collections.deque[Output] = collections.deque()  # finished, not yet shown to the policy
+        scores: dict[str, float | None] = {}
+        last_finish = start
         tokens_done = 0
         aborted: list[Output] = []
         trace: list[tuple[float, int]] = []
@@ -110,21 +117,30 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         aborted += [o for r in reports for o in r.aborted]
         finished = [out for r in reports for out in r.finished]
         outstanding -= {out.id for out in finished}
+        for out in finished:
+            tokens_done += len(out.token_ids)
+            rewards.submit(out.id, rows[slots[owner[out.id][1]]], out)
+        undecided += finished
+        if finished:
+            last_finish = time.time()
+        scores |= dict(rewards.wait() if policy.needs_rewards and not outstanding else rewards.poll())
         done = False
         to_abort: list[str] = []
         adds: list[tuple[int, Request]] = []
-        for out in finished:
-            tokens_done += len(out.token_ids)
+        # The policy hears of responses in the order they finished (deterministic: the engines run
+        # in lockstep), once scored if it needs rewards to decide (the zero-variance filter).
+        while undecided and (not policy.needs_rewards or undecided[0].id in scores):
+            out = undecided.popleft()
             _, slot, k = owner[out.id]
-            decision = policy.on_finished(slot, k, out, reward(rows[slot], out) if reward else None)
+            decision = policy.on_finished(slot, k, out, scores.get(out.id))
             to_abort += [rid for rid in decision.abort if rid in outstanding]
             outstanding -= set(decision.abort)
             new = launch(decision.launch)
             adds += new
             outstanding |= {req.id for _, req in new}
             done |= decision.round_done
-        if not outstanding and not adds:
-            done = True  # nothing left to run: a policy that forgot to say so still ends its round
+        if not outstanding and not adds and not undecided:
+            done = True  # nothing left to run or decide: a policy that forgot to say so still ends its round
         if done:
             to_abort += sorted(outstanding)
             outstanding.clear()
@@ -134,9 +150,14 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
     if not leader:
         return None
     groups = policy.end_round(aborted)
+    if any(o.id not in scores for g in groups for o in g.outputs):
+        scores |= dict(rewards.wait())  # the exposed reward time: scoring what finished last
+    for g in groups:
+        g.rewards = [scores[o.id] for o in g.outputs]
     return RoundResult(kind=plan.kind, groups=groups, num_launched=len(owner), num_aborted=len(aborted),
                        generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted),
-                       running_trace=trace, start=start, end=time.time(), num_preemptions=preemptions)
+                       running_trace=trace, start=start, last_finish=last_finish, end=time.time(),
+                       num_preemptions=preemptions)
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base_preemptions: int) -> Report:

@@ -33,7 +33,8 @@ class Job:
     rows: list[dict] | None = None
     eval_rows: list[dict] | None = None
     tokenizer: Any = None
-    reward_fn: Any = None
+    rewards: Any = None
+    """The reward scheduler (rollpacker.reward.scheduler)."""
     metrics: Any = None
     display: Any = None
     start_step: int = 0
@@ -48,12 +49,14 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
     with timer("rollout"):  # the policy plans the round; the engines generate it
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
-                           prompt_ids=lambda p: encode_prompt(job, job.rows[p]),
-                           reward=lambda p, out: reward(job, out, job.rows[p]["answer"]),
+                           rows=job.rows, prompt_ids=lambda p: encode_prompt(job, job.rows[p]), rewards=job.rewards,
                            sampling=sampling_params(cfg), seed=cfg.seed,
                            on_progress=job.display.update if rank0 else None)
     with timer("reward"):  # advantages of the kept groups (rank 0; responses were scored as they finished)
         samples, round_stats = score(job, result) if rank0 else (None, {})
+    if rank0:  # the wait for rewards after the last response finished is reward time, not rollout
+        timer.times["time/rollout"] -= round_stats["time/reward_exposed"]
+        timer.times["time/reward"] += round_stats["time/reward_exposed"]
     stats |= round_stats
     samples = job.meshes.broadcast(samples)
     with timer("train"):  # one optimizer step, normalized by global counts
@@ -84,10 +87,11 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     policy = SyncPolicy(_AllRows(len(job.eval_rows)), len(job.eval_rows), 1) if rank0 else None
     greedy = dataclasses.replace(sampling_params(cfg), temperature=0.0)
     result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=policy,
-                       prompt_ids=lambda p: encode_prompt(job, job.eval_rows[p]),
-                       reward=lambda p, out: reward(job, out, job.eval_rows[p]["answer"]), sampling=greedy)
+                       rows=job.eval_rows, prompt_ids=lambda p: encode_prompt(job, job.eval_rows[p]),
+                       rewards=job.rewards, sampling=greedy)
     if not rank0:
         return {}
+    job.rewards.take_seconds()  # held-out scoring is not the next step's reward time
     rewards = [g.rewards[0] or 0.0 for g in result.groups]
     return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards)}
@@ -116,17 +120,6 @@ def encode_prompt(job: Job, row: dict) -> list[int]:
     return ids
 
 
-def reward(job: Job, out, answer: str) -> float | None:
-    """The reward of one response; None (logged, counted in reward/errors, trained as 0) if scoring failed."""
-    from rollpacker.reward import RewardError
-
-    try:
-        return job.reward_fn(job.tokenizer.decode(out.token_ids, skip_special_tokens=True), answer)
-    except RewardError as e:
-        logger.warning("reward failed on %s (scored 0): %s", out.id, e)
-        return None
-
-
 def score(job: Job, result) -> tuple[list, dict[str, float]]:
     """GRPO advantages of every kept response, and the round's metrics."""
     import torch
@@ -135,15 +128,17 @@ def score(job: Job, result) -> tuple[list, dict[str, float]]:
     from rollpacker.train.losses import group_advantages
     from rollpacker.train.trainer import Sample
 
-    rewards = [g.rewards for g in result.groups]
-    errors = sum(r is None for group in rewards for r in group)
-    reward_t = torch.tensor([[r or 0.0 for r in group] for group in rewards]).reshape(len(rewards), -1)
-    adv = group_advantages(reward_t, job.config.train.scale_adv_by_std)
-    samples = [
-        Sample(out.prompt_ids, out.token_ids, float(a), out.logprobs)
-        for group, advs in zip(result.groups, adv.tolist())
-        for out, a in zip(group.outputs, advs)
-    ]
+    errors = sum(r is None for g in result.groups for r in g.rewards)
+    samples, all_rewards = [], []
+    for g in result.groups:  # reward_error samples: trained with reward 0, or dropped (reward.on_error)
+        kept = [(o, r) for o, r in zip(g.outputs, g.rewards) if r is not None or job.config.reward.on_error == "zero"]
+        if not kept:
+            continue
+        rewards = torch.tensor([r or 0.0 for _, r in kept])
+        adv = group_advantages(rewards[None], job.config.train.scale_adv_by_std)[0]
+        samples += [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(kept, adv.tolist())]
+        all_rewards += rewards.tolist()
+    reward_t = torch.tensor(all_rewards)
     lengths = [len(s.response_ids) for s in samples]
     rollout_time = result.end - result.start
     trace = [(result.start, result.num_launched), *result.running_trace]
@@ -156,6 +151,8 @@ def score(job: Job, result) -> tuple[list, dict[str, float]]:
         "reward/mean": reward_t.mean().item() if samples else 0.0,
         "reward/accuracy": (reward_t >= 1.0).float().mean().item() if samples else 0.0,
         "reward/errors": errors,
+        "reward/seconds_total": job.rewards.take_seconds(),
+        "time/reward_exposed": result.end - result.last_finish,
         "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
         "rollout/tokens_per_s": result.generated_tokens / rollout_time,
         "rollout/preemptions": result.num_preemptions,
@@ -189,8 +186,9 @@ def build(config: Config) -> Job:
     if config.resume:
         state = checkpoint.load(Path(config.resume), trainer)
         job.start_step = state["step"]
-        if job.policy is not None:
+        if job.meshes.rank == 0:
             job.policy.load_state_dict({k: v for k, v in state["policy"].items() if k != "name"})
+            job.rewards.load_state_dict(state["rewards"])
         engine.update_weights(trainer.model.named_parameters())
     return job
 
@@ -200,12 +198,13 @@ def build_controller(job: Job, path: Path) -> None:
 
     from rollpacker.data.dataset import PromptSampler, load_eval_rows, load_rows
     from rollpacker.metrics import LiveDisplay, MetricsLogger
-    from rollpacker.reward import get_reward
+    from rollpacker.reward.scheduler import RewardScheduler
     cfg = job.config
     job.rows = load_rows(cfg.data)
     job.eval_rows = load_eval_rows(cfg.data) if cfg.eval_every else None
     job.tokenizer = AutoTokenizer.from_pretrained(path)
-    job.reward_fn = get_reward(cfg.data.reward)
+    job.rewards = RewardScheduler(cfg.reward, cfg.data.reward,
+                                  lambda ids: job.tokenizer.decode(ids, skip_special_tokens=True))
     job.policy = make_policy(cfg, PromptSampler(len(job.rows), cfg.data.shuffle_seed))
     job.metrics = MetricsLogger(Path(cfg.run_dir), cfg.metrics, dataclasses.asdict(cfg))
     job.display = LiveDisplay(cfg.metrics.live)
@@ -249,6 +248,7 @@ def train(config: Config) -> None:
             job.metrics.log(step, final)
             logger.info("final eval: %s", final)
     if rank0:
+        job.rewards.close()
         job.metrics.close()
         job.display.close()
         logger.info("done after %d steps: metrics in %s", step, Path(config.run_dir) / "metrics.jsonl")
@@ -261,7 +261,9 @@ def save(job: Job, step: int) -> None:
     from rollpacker import checkpoint
 
     path = Path(job.config.run_dir) / "checkpoints" / f"step_{step}"
-    checkpoint.save(path, job.trainer, step, {"name": job.policy.name, **job.policy.state_dict()} if job.policy else None)
+    state = {"policy": {"name": job.policy.name, **job.policy.state_dict()},
+             "rewards": job.rewards.state_dict()} if job.meshes.rank == 0 else None
+    checkpoint.save(path, job.trainer, step, state)
 
 
 def main(argv: list[str] | None = None) -> None:

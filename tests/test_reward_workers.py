@@ -176,5 +176,5 @@ def test_reward_config_validates():
         RewardConfig(on_error="skip")
     with pytest.raises(ValueError, match=r"reward.timeout_max \(1.0\) must be >= reward.timeout_min \(2.0\)"):
         RewardConfig(timeout_max=1.0)
-    with pytest.raises(ValueError, match="reward.num_workers must be positive, got 0"):
-        RewardConfig(num_workers=0)
+    with pytest.raises(ValueError, match="reward.num_workers must be >= 0, got -1"):
+        RewardConfig(num_workers=-1)

@@ -128,3 +128,13 @@ def test_abort_frees_engine_memory():
     outs = [engine.abort(str(i)) for i in range(6)]
     assert all(o.finish_reason == "abort" and o.token_ids for o in outs)
     assert len(engine.free_blocks) == free and not engine.has_unfinished()
+
+
+def test_zero_variance_filter_accounts_for_every_prompt(tmp_path):
+    finish(launch(tmp_path, "--schedule.filter-zero-variance", "--num-epochs", "1", "--rollout.group-size", "4"))
+    state = ledger(tmp_path)
+    rows = sorted(row for _, row in state["trained"] + state["filtered"])
+    assert rows == list(range(NUM_ROWS)) and state["queue"] == []
+    records = steps(tmp_path).values()
+    assert sum(r["sched/filtered"] for r in records) == len(state["filtered"]) > 0
+    assert sum(r["sched/trained_prompts"] for r in records) == len(state["trained"])

@@ -66,7 +66,8 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]  # step 2: the final evaluation
     assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2] and "eval/accuracy" not in lines[1]
-    for key in ("time/rollout", "time/reward", "time/train", "time/weight_sync", "time/step",
+    for key in ("time/rollout", "time/reward", "time/reward_exposed", "reward/seconds_total", "time/train",
+                "time/weight_sync", "time/step", "sched/round_kind", "sched/aborted_responses", "rollout/wasted_tokens",
                 "rollout/bubble_ratio", "rollout/response_len_p90", "rollout/tokens_per_s", "reward/mean",
                 "reward/accuracy", "train/grad_norm"):
         assert key in lines[0], key

@@ -12,7 +12,8 @@ ON_ERROR = ("zero", "drop")
 @dataclass(kw_only=True)
 class RewardConfig:
     num_workers: int = 4
-    """Reward worker processes: each scores one sample at a time and is killed if it hangs."""
+    """Reward worker processes: each scores one sample at a time and is killed if it hangs (0: score
+    inline in the controller, for debugging: nothing can stop a hung reward there)."""
     timeout: float = 10.0
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
     on_error: str = "zero"
@@ -27,8 +28,8 @@ class RewardConfig:
     """Isolation and limits of the code sandbox."""
 
     def __post_init__(self) -> None:
-        if self.num_workers <= 0:
-            raise ValueError(f"reward.num_workers must be positive, got {self.num_workers}")
+        if self.num_workers < 0:
+            raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
         if self.on_error not in ON_ERROR:
             raise ValueError(f"reward.on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         for name in ("timeout", "timeout_factor", "timeout_min"):

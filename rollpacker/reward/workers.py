@@ -88,7 +88,13 @@ def _work(conn: mp.connection.Connection, sandbox: SandboxConfig) -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is the kill
 
     conn.send(None)
-    while (task := conn.recv()) is not None:
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:  # the pool closed our pipe: it is shutting down
+            return
+        if task is None:
+            return
         kind, payload = task
         wall, cpu = time.perf_counter(), _cpu_seconds()
         try:

@@ -13,12 +13,14 @@ One round = one RL step. The controller calls, on rank 0 only:
    first, then every ``Decision.launch`` in turn), so one row may appear twice in a round (once
    from each of two epochs);
 2. ``on_finished(slot, response, output, reward) -> Decision`` for every response that finishes,
-   in arrival order, once it is scored (``reward`` is None when scoring failed): request ids to
-   abort now, rows to launch, and whether the round is over. A policy may be told about a
-   response it has already asked to abort (it finished in the meantime); it ignores it;
+   in the order they finished: request ids to abort now, rows to launch, and whether the round
+   is over. A policy whose ``needs_rewards`` is True hears of a response once it is scored
+   (``reward`` None when scoring failed); otherwise at once, with ``reward`` None. A policy may be
+   told about a response it has already asked to abort (it finished in the meantime); it ignores it;
 3. ``end_round(aborted) -> list of groups to train`` once the round is over and every
    still-running request has been aborted (their partial outputs are passed in). The policy
-   accounts for every prompt it launched: trained, deferred or filtered.
+   accounts for every prompt it launched: trained, deferred or filtered. The controller then
+   fills each group's ``rewards`` from the reward scheduler.
 
 ``stats()`` gives the round's ``sched/`` metrics; ``done()`` is True once there is nothing left to
 train (the configured epochs are used up). Policies are checkpointed with
@@ -82,6 +84,8 @@ def remaining(sampler, num_epochs: int) -> int | None:
 
 class Policy(Protocol):
     name: str
+    needs_rewards: bool
+    """Whether decisions depend on rewards (then responses reach on_finished only once scored)."""
 
     def start_round(self, step: int) -> Round: ...
 

@@ -19,6 +19,7 @@ class SyncPolicy:
     def __init__(self, sampler, num_prompts: int, group_size: int, *, filter_zero_variance: bool = False,
                  num_epochs: int = 0):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
+        self.needs_rewards = filter_zero_variance
         self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
         self.groups: list[Group] = []
         self.pending = 0

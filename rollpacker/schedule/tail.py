@@ -58,6 +58,7 @@ class TailPolicy:
             raise ValueError(f"tail: eta_prompts={eta_prompts} and eta_responses={eta_responses} must be >= 1")
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.eta_prompts, self.eta_responses = eta_prompts, eta_responses
+        self.needs_rewards = filter_zero_variance
         self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
         self.ledger = Ledger()
         self.slots: list[_Launched] = []

@@ -1,0 +1,40 @@
+"""The reward scheduler the controller drives: scores come back per sample, failures as None."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.scheduler import RewardScheduler
+
+ROWS = [{"answer": "4"}, {"answer": "4"}, {"answer": "\\frac{1}{2}"}]
+RESPONSES = ["so \\boxed{4}", "so \\boxed{5}", "\\boxed{10^{10^{10^{10}}}}"]
+
+
+def score_all(cfg: RewardConfig) -> dict:
+    scheduler = RewardScheduler(cfg, "math", lambda ids: RESPONSES[ids[0]])
+    try:
+        for i, row in enumerate(ROWS[:2]):
+            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+        got = dict(scheduler.poll()) | dict(scheduler.wait())
+        assert scheduler.take_seconds() > 0 and scheduler.take_seconds() == 0
+        return got
+    finally:
+        scheduler.close()
+
+
+def test_pool_and_inline_scoring_agree():
+    assert score_all(RewardConfig(num_workers=2)) == score_all(RewardConfig(num_workers=0)) == {0: 1.0, 1: 0.0}
+
+
+@pytest.mark.timeout(60)
+def test_a_hanging_reward_comes_back_flagged_and_the_pool_goes_on():
+    scheduler = RewardScheduler(RewardConfig(num_workers=1, timeout=2.0), "math", lambda ids: RESPONSES[ids[0]])
+    try:
+        scheduler.submit("hang", ROWS[2], SimpleNamespace(token_ids=[2]))
+        scheduler.submit("ok", ROWS[0], SimpleNamespace(token_ids=[0]))
+        assert dict(scheduler.wait()) == {"hang": None, "ok": 1.0}
+    finally:
+        scheduler.close()
