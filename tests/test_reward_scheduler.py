@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -38,3 +39,13 @@ def test_a_hanging_reward_comes_back_flagged_and_the_pool_goes_on():
         assert dict(scheduler.wait()) == {"hang": None, "ok": 1.0}
     finally:
         scheduler.close()
+
+
+def test_rewards_bench_smoke(capsys):
+    from rollpacker.bench.rewards import main
+
+    main(["--responses", "4", "--rollout-seconds", "0.5", "--fixed-timeout", "3", "--loop-fraction", "0",
+          "--slow-fraction", "0", "--wrong-fraction", "0.3"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):
+        assert summary[f"step_{name}"] >= 0.5 and summary[f"exposed_{name}"] >= 0

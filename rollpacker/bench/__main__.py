@@ -9,6 +9,7 @@ BENCHES = {
     "engine": "rollpacker.bench.engine",
     "step": "rollpacker.bench.step",
     "schedulers": "rollpacker.bench.schedulers",
+    "rewards": "rollpacker.bench.rewards",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

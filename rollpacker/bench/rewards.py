@@ -1,0 +1,123 @@
+"""``python -m rollpacker.bench rewards``: what the reward scheduler hides, on a toy code workload.
+
+A round of ``--responses`` programs "finishes" over a rollout of ``--rollout-seconds``, at times
+drawn from a long-tailed distribution (most early, a few at the very end, like real response
+lengths). The programs solve a toy problem (print the sum of the integers on stdin): most are
+correct and fast, some correct but slow, some wrong, and some loop forever. Each is scored in
+the code sandbox through the real :class:`~rollpacker.reward.scheduler.RewardScheduler` in four
+ways, side by side:
+
+- **sync**: every response is scored after the rollout ends (all of reward is exposed);
+- **async**: each response is submitted the moment it finishes, overlapping the rollout;
+- with a **fixed** ``--fixed-timeout`` (veRL-style 30 s) or the **adaptive** timeout
+  (min(max(T_min, λ·T_anchor), T_max), anchors learned from a warm-up round of correct runs).
+
+It prints the exposed reward time (after the last response finished) and the step time (rollout
++ exposed reward) of each, with the ratios against sync + fixed. Last line: JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import tyro
+
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.scheduler import RewardScheduler
+
+PROGRAMS = {
+    "correct": "import sys\nprint(sum(map(int, sys.stdin.read().split())))\n",
+    "slow": "import sys, time\ntime.sleep(0.3)\nprint(sum(map(int, sys.stdin.read().split())))\n",
+    "wrong": "import sys\nprint(sum(map(int, sys.stdin.read().split())) + 1)\n",
+    "loop": "while True:\n    pass\n",
+}
+TESTS = [{"input": "1 2 3\n", "output": "6\n"}, {"input": "10 -4\n", "output": "6\n"}]
+
+
+@dataclass
+class Args:
+    responses: int = 48
+    """Responses per round."""
+    rollout_seconds: float = 8.0
+    """Length of the simulated rollout the responses finish over."""
+    loop_fraction: float = 0.06
+    """Share of responses that never terminate."""
+    slow_fraction: float = 0.15
+    """Share of correct but slow (0.3 s per test) responses."""
+    wrong_fraction: float = 0.2
+    """Share of wrong responses."""
+    fixed_timeout: float = 30.0
+    """The fixed per-test timeout compared against the adaptive one."""
+    workers: int = 2
+    """Reward worker processes."""
+    seed: int = 0
+    """Seeds the workload."""
+
+
+def workload(args: Args) -> tuple[list[str], list[float]]:
+    """The responses (markdown code blocks) and their finish times, sorted."""
+    rng = np.random.default_rng(args.seed)
+    kinds = rng.choice(["loop", "slow", "wrong", "correct"], size=args.responses,
+                       p=[args.loop_fraction, args.slow_fraction, args.wrong_fraction,
+                          1 - args.loop_fraction - args.slow_fraction - args.wrong_fraction])
+    finish = np.sort(rng.pareto(1.5, args.responses))
+    finish = args.rollout_seconds * finish / finish[-1]
+    return [f"```python\n{PROGRAMS[k]}```" for k in kinds], finish.tolist()
+
+
+def one_round(scheduler: RewardScheduler, responses: list[str], finish: list[float], overlap: bool) -> dict:
+    row = {"tests": TESTS}
+    start = time.perf_counter()
+    for i, (text, at) in enumerate(zip(responses, finish)):
+        if overlap:
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            scheduler.submit(i, row, SimpleNamespace(token_ids=text))  # already text: decode is the identity
+    time.sleep(max(0.0, start + finish[-1] - time.perf_counter()))
+    rollout_end = time.perf_counter()
+    if not overlap:
+        for i, text in enumerate(responses):
+            scheduler.submit(i, row, SimpleNamespace(token_ids=text))  # already text: decode is the identity
+    scores = dict(scheduler.wait())
+    end = time.perf_counter()
+    return {"exposed": end - rollout_end, "step": end - start, "reward_seconds": scheduler.take_seconds(),
+            "passed": sum(s == 1.0 for s in scores.values()), "errors": sum(s is None for s in scores.values())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv)
+    responses, finish = workload(args)
+    warmup = [f"```python\n{PROGRAMS['correct']}```"] * 4
+    results = {}
+    for timeout in ("fixed", "adaptive"):
+        fixed = args.fixed_timeout
+        cfg = RewardConfig(num_workers=args.workers, timeout=5.0,
+                           **({"timeout_min": fixed, "timeout_max": fixed} if timeout == "fixed" else {}))
+        scheduler = RewardScheduler(cfg, "code", decode=lambda text: text)
+        try:
+            one_round(scheduler, warmup, [0.0] * len(warmup), overlap=False)  # anchors from correct runs
+            for overlap in (False, True):
+                name = f"{'async' if overlap else 'sync'}_{timeout}"
+                results[name] = one_round(scheduler, responses, finish, overlap)
+                print(f"{name:<16} exposed {results[name]['exposed']:7.2f} s   step {results[name]['step']:7.2f} s   "
+                      f"reward time {results[name]['reward_seconds']:7.2f} s   passed {results[name]['passed']}"
+                      f"/{args.responses}   flagged {results[name]['errors']}", flush=True)
+        finally:
+            scheduler.close()
+    base = results["sync_fixed"]
+    print(f"\n{'':<16}{'exposed (s)':>12}{'step (s)':>10}{'step speedup':>14}")
+    for name, r in results.items():
+        print(f"{name:<16}{r['exposed']:>12.2f}{r['step']:>10.2f}{base['step'] / r['step']:>13.2f}x")
+    summary = {f"exposed_{name}": round(r["exposed"], 3) for name, r in results.items()}
+    summary |= {f"step_{name}": round(r["step"], 3) for name, r in results.items()}
+    summary |= {"exposed_ratio": round(base["exposed"] / max(results["async_adaptive"]["exposed"], 1e-3), 2),
+                "step_speedup": round(base["step"] / results["async_adaptive"]["step"], 2)}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
