@@ -35,7 +35,7 @@ def test_config_defaults_are_valid():
         ({"num_toy_prompts": 0}, "data.num_toy_prompts must be positive, got 0"),
         ({"num_toy_prompts": -3}, "data.num_toy_prompts must be positive, got -3"),
         ({"shuffle_seed": -1}, "data.shuffle_seed must be >= 0, got -1"),
-        ({"reward": "code"}, r"data.reward must be one of \['math', 'toy'\], got 'code'"),
+        ({"reward": "nope"}, r"data.reward must be one of \['code', 'math', 'toy'\], got 'nope'"),
     ],
 )
 def test_config_validation_names_field(kwargs, message):
@@ -93,6 +93,15 @@ def test_missing_field_names_field_and_line(tmp_path, field):
     path = write(tmp_path, [json.dumps({"prompt": "p", "answer": "a"}), json.dumps(row)])
     with pytest.raises(DatasetError, match=rf"train\.jsonl:2: missing field '{field}'"):
         load(path)
+
+
+def test_code_rows_carry_tests_instead_of_an_answer(tmp_path):
+    tests = [{"input": "1 2\n", "output": "3\n"}]
+    path = write(tmp_path, [json.dumps({"prompt": "add", "tests": tests}), json.dumps({"prompt": "p", "tests": []})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: field 'tests' must be a non-empty list"):
+        load(path)
+    path = write(tmp_path, [json.dumps({"prompt": "add", "tests": tests})])
+    assert load(path)[0]["tests"] == tests
 
 
 def test_non_string_prompt(tmp_path):

@@ -49,3 +49,18 @@ def test_rewards_bench_smoke(capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):
         assert summary[f"step_{name}"] >= 0.5 and summary[f"exposed_{name}"] >= 0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_code_rows_are_sandboxed_and_teach_the_adaptive_timeout(workers):
+    row = {"prompt": "add", "tests": [{"input": "1 2\n", "output": "3\n"}]}
+    programs = ["```python\nprint(sum(map(int, input().split())))\n```", "```python\nprint(4)\n```"]
+    scheduler = RewardScheduler(RewardConfig(num_workers=workers), "code", lambda ids: programs[ids[0]])
+    try:
+        for i in range(2):
+            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+        assert dict(scheduler.wait()) == {0: 1.0, 1: 0.0}
+        [anchor] = scheduler.state_dict()["timeouts"]["anchors"].values()
+        assert 0 < anchor < 2.0
+    finally:
+        scheduler.close()

@@ -23,13 +23,14 @@ from rollpacker.data import toy
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = ""
-    """JSONL file of real data (one object with string 'prompt' and 'answer' per line); empty = generate the toy task."""
+    """JSONL file of real data (one object per line: string 'prompt', and string 'answer' or, for code,
+    'tests': [{"input": stdin, "output": expected stdout}, ...]); empty = generate the toy task."""
     num_toy_prompts: int = 2048
     """Number of toy problems to generate (only used when path is empty)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
     reward: str = "toy"
-    """Which reward scores this data: 'toy' or 'math'."""
+    """Which reward scores this data: 'toy', 'math' or 'code' (rows with 'tests' are always scored as code)."""
     shuffle_seed: int = 0
     """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
     eval_path: str = ""
@@ -44,10 +45,10 @@ class DataConfig:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
             raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
-        from rollpacker.reward import REWARDS  # light: math-verify is imported on first use
+        from rollpacker.reward.workers import KINDS  # light: math-verify is imported on first use
 
-        if self.reward not in REWARDS:
-            raise ValueError(f"data.reward must be one of {sorted(REWARDS)}, got {self.reward!r}")
+        if self.reward not in KINDS:
+            raise ValueError(f"data.reward must be one of {sorted(KINDS)}, got {self.reward!r}")
 
 
 class DatasetError(ValueError):
@@ -72,7 +73,8 @@ def load_eval_rows(config: DataConfig) -> list[dict]:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSONL file; every line must be an object with string ``prompt`` and ``answer``.
+    """Rows of a JSONL file; every line must be an object with string ``prompt`` and either string
+    ``answer`` or ``tests``, a non-empty list of ``{"input": str, "output": str}`` (code).
 
     ``id`` is optional (a string or an integer, kept as a string); it defaults to
     ``"<file stem>:<line number>"``. Ids must be unique. Other fields are kept as they are.
@@ -113,12 +115,17 @@ def _parse_line(raw: bytes, path: Path, line_no: int) -> dict | None:
         raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
-    for field in ("prompt", "answer"):
+    for field in ("prompt", "answer") if "tests" not in row else ("prompt",):
         if field not in row:
             raise DatasetError(f"{where}: missing field {field!r}")
         if not isinstance(row[field], str):
             value = json.dumps(row[field])[:40]
             raise DatasetError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__} {value} (quote it: \"...\")")
+    tests = row.get("tests")
+    if "tests" in row and not (isinstance(tests, list) and tests and all(
+            isinstance(t, dict) and isinstance(t.get("output"), str) and isinstance(t.get("input", ""), str)
+            for t in tests)):
+        raise DatasetError(f'{where}: field \'tests\' must be a non-empty list of {{"input": str, "output": str}} objects')
     if "id" not in row:
         row["id"] = f"{path.stem}:{line_no}"
     elif isinstance(row["id"], int) and not isinstance(row["id"], bool):

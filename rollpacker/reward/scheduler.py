@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig
-from rollpacker.reward.rules import RewardError, get_reward
+from rollpacker.reward.rules import RewardError
+from rollpacker.reward.workers import score as score_sample
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class RewardScheduler:
             return
         start = time.perf_counter()
         try:
-            score = get_reward(kind)(**payload)
+            score, info = score_sample(kind, payload, self.cfg.sandbox)
+            if kind == "code":
+                self.timeouts.observe(self._tests.pop(key), info)
         except RewardError as e:
             score = self._failed(key, str(e))
         self.seconds += time.perf_counter() - start
