@@ -132,7 +132,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         while undecided and (not policy.needs_rewards or undecided[0].id in scores):
             out = undecided.popleft()
             _, slot, k = owner[out.id]
-            decision = policy.on_finished(slot, k, out, scores.get(out.id))
+            decision = policy.on_finished(slot, k, out, scores.get(out.id) if policy.needs_rewards else None)
             to_abort += [rid for rid in decision.abort if rid in outstanding]
             outstanding -= set(decision.abort)
             new = launch(decision.launch)

@@ -1,0 +1,150 @@
+"""``python -m rollpacker.sim``: simulate an RL job at cluster scale; every command ends with a JSON line.
+
+    python -m rollpacker.sim --preset qwen2.5-14b-16k --gpus 32 --policy tail [--gantt out.png]
+    python -m rollpacker.sim table2 [--num-steps 20]     the paper's Table 2 beside the simulator's
+    python -m rollpacker.sim table1 [--num-steps 10]     the calibration against Table 1
+    python -m rollpacker.sim workload [--fit]            the length mixture against the paper's statistics
+
+The first form takes P0, R0, max_new_tokens and the rollout TP from the preset; ``--gpus``
+defaults to the paper's GPU count for the model; every field of :class:`SimConfig` is a flag
+(``--calib.hbm-efficiency 0.7``, ``--lengths.long-fraction 0.1``, ``--trace metrics.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+PAPER_GPUS = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
+"""GPUs of the paper's §6 runs, per model: the default of --gpus."""
+
+
+def preset_config(name: str):
+    """A :class:`SimConfig` from a repo preset: its model (by name), P0, R0, max_new_tokens, TP."""
+    from rollpacker.config import load_preset
+    from rollpacker.sim.cost import MODELS
+    from rollpacker.sim.simulate import SimConfig
+
+    rollout = load_preset(name).rollout
+    stem = name.rsplit("/", 1)[-1].removesuffix(".toml")
+    model = max((m for m in MODELS if stem.startswith(m)), key=len, default=None)
+    if model is None:
+        raise SystemExit(f"preset {name!r} names no known model ({', '.join(MODELS)}): pass --model")
+    return SimConfig(model=model, gpus=PAPER_GPUS[model], tp=rollout.tp, num_prompts=rollout.num_prompts,
+                     group_size=rollout.group_size, max_new_tokens=rollout.max_new_tokens)
+
+
+def _pop_flag(args: list[str], flag: str, default: str) -> str:
+    if flag not in args:
+        return default
+    i = args.index(flag)
+    if i + 1 >= len(args):
+        raise SystemExit(f"{flag} needs a value")
+    value = args.pop(i + 1)
+    args.pop(i)
+    return value
+
+
+def run(argv: list[str]) -> dict:
+    import tyro
+
+    from rollpacker.sim.simulate import SimConfig, simulate, summarize
+
+    args = list(argv)
+    preset = _pop_flag(args, "--preset", "qwen2.5-14b-16k")
+    gantt = _pop_flag(args, "--gantt", "")
+    gantt_steps = int(_pop_flag(args, "--gantt-steps", "5"))
+    cfg = tyro.cli(SimConfig, default=preset_config(preset), args=args, prog="python -m rollpacker.sim",
+                   description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, "
+                               "--gantt-steps N, or a command: table2, table1, workload).")
+    cost = cfg.cost()
+    results = simulate(cfg, record=bool(gantt))
+    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp} (KV cache "
+          f"{cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.num_prompts}, R0={cfg.group_size}, up to "
+          f"{cfg.max_new_tokens} new tokens; policy {cfg.policy}; {cfg.num_steps} steps "
+          f"({'trace ' + cfg.trace if cfg.trace else 'length mixture'})")
+    print(f"{'round':<8}{'steps':>6}{'rollout':>9}{'reward':>8}{'train':>8}{'sync':>7}{'step':>8}{'longest':>9}"
+          f"{'preempt':>9}{'bubble':>8}   (seconds; reward = exposed, after rollout)")
+    summary = summarize(results)
+    for kind, m in summary.items():
+        print(f"{kind:<8}{m['steps']:>6}{m['rollout_s']:>9.1f}{m['reward_s']:>8.1f}{m['train_s']:>8.1f}"
+              f"{m['sync_s']:>7.1f}{m['step_s']:>8.1f}{m['max_length']:>9.0f}{m['num_preemptions']:>9.1f}"
+              f"{m['bubble_ratio']:>8.2f}")
+    if gantt:
+        from rollpacker.sim.gantt import plot
+
+        path = plot(results[:gantt_steps], gantt, title=f"{cfg.model}, {cfg.gpus} GPUs, TP {cfg.tp}, {cfg.policy}")
+        print(f"gantt chart of the first {min(gantt_steps, len(results))} steps written to {path}")
+    figures = {"policy": cfg.policy, "model": cfg.model, "gpus": cfg.gpus, "tp": cfg.tp}
+    for kind, m in summary.items():
+        prefix = "" if kind == "all" else f"{kind}_"
+        figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s")}
+        figures[f"{prefix}steps"] = m["steps"]
+    return figures
+
+
+@dataclass(kw_only=True)
+class TableArgs:
+    num_steps: int = 20
+    """Steps simulated per policy and setting: whole tail-batching periods of 4 short rounds and a long one."""
+
+    def __post_init__(self) -> None:
+        if self.num_steps <= 0 or self.num_steps % 5:
+            raise ValueError(f"--num-steps must be a positive multiple of 5 (whole periods of 4 short rounds and "
+                             f"1 long round), got {self.num_steps}")
+
+
+@dataclass(kw_only=True)
+class WorkloadArgs:
+    fit: bool = False
+    """Refit the mixture (seeded; about two minutes) instead of showing the defaults' statistics."""
+    num_candidates: int = 2000
+    """Random candidates of the fit (then 1000 steps of refinement around the best)."""
+
+
+def workload(argv: list[str]) -> dict:
+    import tyro
+
+    from rollpacker.sim.workload import PAPER_LENGTHS, LengthModel, fit_length_model, length_loss, length_stats
+
+    args = tyro.cli(WorkloadArgs, args=argv, prog="python -m rollpacker.sim workload")
+    model = fit_length_model(args.num_candidates)[0] if args.fit else LengthModel()
+    stats = length_stats(model)
+    print(f"length mixture {'fitted' if args.fit else '(defaults)'}: {model}")
+    print(f"{'statistic (16k cap)':<40}{'paper':>12}{'model':>10}")
+    rows = (("P75 (tokens)", "{}-{}".format(*PAPER_LENGTHS["p75"]), stats["p75"]),
+            ("longest / median", "{}-{}".format(*PAPER_LENGTHS["max_over_median"]), stats["max_over_median"]),
+            ("cap / longest kept, best short round", f"{PAPER_LENGTHS['short_max_reduction']}",
+             stats["short_max_reduction"]),
+            ("share of steps reaching the cap", f">={PAPER_LENGTHS['cap_hit_rate']}", stats["cap_hit_rate"]))
+    for name, paper, sim in rows:
+        print(f"{name:<40}{paper:>12}{sim:>10.2f}")
+    return {"loss": round(length_loss(stats), 5), **{k: round(v, 3) for k, v in stats.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else ""
+    if command in ("table1", "table2"):
+        from rollpacker.sim import paper
+
+        args = tyro.cli(TableArgs, args=argv[1:], prog=f"python -m rollpacker.sim {command}")
+        figures = getattr(paper, command)(args.num_steps)
+    elif command == "workload":
+        figures = workload(argv[1:])
+    elif command:
+        raise SystemExit(f"unknown command {command!r}: use table2, table1, workload, or flags (--help)")
+    else:
+        try:
+            figures = run(argv)
+        except (FileNotFoundError, ValueError) as e:  # a preset or a setup that cannot run: say why, no traceback
+            raise SystemExit(f"error: {e}") from None
+    sys.stdout.flush()
+    print(json.dumps(figures), flush=True)
+
+
+if __name__ == "__main__":
+    main()

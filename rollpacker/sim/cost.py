@@ -1,0 +1,286 @@
+"""The cost model: seconds per engine iteration, prefill, training step and weight sync, from a roofline.
+
+One module for the simulator and the parallelism planner. Three parts:
+
+- :class:`Hardware`: HBM capacity and bandwidth, dense bf16 FLOP/s, NVLink and network bandwidth
+  (data sheets; ``H800`` is the paper's cluster, §6: 400 GB/s NVLink, 400 Gb/s InfiniBand).
+- :class:`ModelShape`: layers, widths and heads of a decoder; from them the matmul weights, the
+  weight bytes and the KV bytes per token (``2 * layers * kv_heads * head_dim * 2`` in bf16).
+  Qwen2.5-7B/14B/32B are built in; :meth:`ModelShape.from_hf_config` reads any ``config.json``.
+- :class:`Calibration`: the efficiencies and overheads no data sheet gives, as named fields.
+
+One engine iteration of a replica of TP size ``t`` with ``b`` running requests whose contexts sum
+to ``C`` tokens, prefilling ``P`` tokens in the same iteration, takes::
+
+    max(bytes / (hbm_bw * hbm_efficiency), flops / (flops_peak * decode_flops_efficiency))
+      + prefill_flops / (flops_peak * prefill_flops_efficiency)
+      + step_overhead_s + seq_overhead_s * b + all-reduce(t)
+
+with ``bytes = (weights + C * kv_bytes_per_token) / t`` and ``flops = (2 * matmul_params * b +
+4 * layers * heads * head_dim * C) / t`` per GPU, and two ring all-reduces of the activations per
+layer (over NVLink inside a node, the network beyond), each paying ``allreduce_latency_s``.
+Training does :data:`TRAIN_PASSES` = 6 forward passes' worth of FLOPs per token (old and
+reference log-probs, then the update's forward, recomputed forward and backward: 1 + 1 + 1 + 1 + 2,
+plus causal attention over each sequence) at ``train_efficiency`` of the peak of every GPU; a
+weight sync sends every GPU its TP shard of the weights over NVLink.
+
+Where each default comes from (none is fitted to the paper's Table 2):
+
+- ``hbm_efficiency = 0.75``, ``decode_flops_efficiency = 0.5``, ``prefill_flops_efficiency =
+  0.55``: first principles (memory-bound decode GEMV and FlashAttention-decode reach 70–80% of
+  HBM bandwidth on Hopper; large prefill GEMMs 50–60% MFU).
+- ``step_overhead_s = 3 ms``, ``seq_overhead_s = 20 us``, ``allreduce_latency_s = 10 us``: vLLM
+  0.8 per-iteration scheduling, sampling and Python bookkeeping, and NCCL's small-message latency
+  inside a node. :func:`fit_calibration` refits the two overheads and the decode efficiency from a
+  measured decode curve (``python -m rollpacker.bench engine --out profile.json``).
+- ``memory_utilization = 0.8``, ``activation_reserve_gb = 3``: what the engine may take of HBM
+  (vLLM's ``gpu_memory_utilization``) and keeps for activations and CUDA graphs.
+- ``train_efficiency = 0.165``: fitted to the paper's Table 1 (training is 21–23% of a veRL step
+  of Qwen2.5-14B/16k on 32 H800s, §2.2) by hand; ``python -m rollpacker.sim table1`` prints the
+  check. The same value serves 7B and 32B.
+- ``train_overhead_s = 5``, ``sync_overhead_s = 2``, ``sync_efficiency = 0.5``: per-step fixed
+  costs of a colocated trainer (optimizer step, offload/onload) and of pushing weights into the
+  engines (engine sleep/wake); first principles, a few seconds each.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+GB = 1e9
+BF16 = 2
+TRAIN_PASSES = 6
+"""Forward passes' worth of FLOPs per trained token: old and reference log-probs (1 + 1), then the
+update's forward, recomputed forward (activation checkpointing) and backward (1 + 1 + 2)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    hbm_bytes: float
+    """HBM capacity per GPU."""
+    hbm_bw: float
+    """HBM bandwidth per GPU, bytes/s."""
+    flops: float
+    """Dense bf16 FLOP/s per GPU."""
+    nvlink_bw: float
+    """NVLink bandwidth per GPU and direction, bytes/s."""
+    net_bw: float
+    """Network bandwidth per GPU between nodes, bytes/s."""
+    gpus_per_node: int = 8
+
+
+HARDWARE = {
+    "H800": Hardware(name="H800", hbm_bytes=80 * GB, hbm_bw=3.35e12, flops=989e12, nvlink_bw=200 * GB,
+                     net_bw=50 * GB),
+    "H100": Hardware(name="H100", hbm_bytes=80 * GB, hbm_bw=3.35e12, flops=989e12, nvlink_bw=450 * GB,
+                     net_bw=50 * GB),
+    "H200": Hardware(name="H200", hbm_bytes=141 * GB, hbm_bw=4.8e12, flops=989e12, nvlink_bw=450 * GB,
+                     net_bw=50 * GB),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool = False
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights of every matmul one token goes through: q/k/v/o, MLP, LM head."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = 2 * h * q + 2 * h * kv + 3 * h * self.intermediate_size
+        return self.num_layers * per_layer + self.vocab_size * h
+
+    @property
+    def num_params(self) -> int:
+        embedding = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        return self.matmul_params + embedding
+
+    @property
+    def weight_bytes(self) -> float:
+        return BF16 * self.num_params
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * BF16
+
+    def attention_flops(self, context: float) -> float:
+        """q.k and p.v FLOPs of one token attending to ``context`` keys, all layers."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim * context
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> ModelShape:
+        """The shape in a Hugging Face ``config.json`` (or the directory holding it)."""
+        path = Path(path)
+        path = path / "config.json" if path.is_dir() else path
+        c = json.loads(path.read_text())
+        heads = c["num_attention_heads"]
+        return cls(name=c.get("_name_or_path") or path.parent.name, num_layers=c["num_hidden_layers"],
+                   hidden_size=c["hidden_size"], num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
+                   tied_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+MODELS = {
+    "qwen2.5-7b": ModelShape(name="qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
+                             head_dim=128, intermediate_size=18944, vocab_size=152064),
+    "qwen2.5-14b": ModelShape(name="qwen2.5-14b", num_layers=48, hidden_size=5120, num_heads=40, num_kv_heads=8,
+                              head_dim=128, intermediate_size=13824, vocab_size=152064),
+    "qwen2.5-32b": ModelShape(name="qwen2.5-32b", num_layers=64, hidden_size=5120, num_heads=40, num_kv_heads=8,
+                              head_dim=128, intermediate_size=27648, vocab_size=152064),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    hbm_efficiency: float = 0.75
+    """Fraction of HBM bandwidth decode achieves streaming weights and KV."""
+    decode_flops_efficiency: float = 0.5
+    """Fraction of peak FLOP/s of decode matmuls when compute-bound (large batches)."""
+    prefill_flops_efficiency: float = 0.55
+    """Fraction of peak FLOP/s of prefill (and recompute after preemption)."""
+    step_overhead_s: float = 3e-3
+    """Fixed cost of every engine iteration: scheduling, sampling launch, Python."""
+    seq_overhead_s: float = 2e-5
+    """Extra cost per running request per iteration (sampling, bookkeeping)."""
+    allreduce_latency_s: float = 1e-5
+    """Latency of one TP all-reduce (two per layer per iteration)."""
+    memory_utilization: float = 0.8
+    """Share of HBM the engine may use for weights and KV cache."""
+    activation_reserve_gb: float = 3.0
+    """HBM per GPU kept for activations and CUDA graphs, not KV."""
+    train_efficiency: float = 0.165
+    """Achieved fraction of peak FLOP/s in training (fitted to the paper's Table 1)."""
+    train_overhead_s: float = 5.0
+    """Fixed cost of every training step: optimizer step, offload and onload."""
+    sync_efficiency: float = 0.5
+    """Fraction of link bandwidth the weight push achieves."""
+    sync_overhead_s: float = 2.0
+    """Fixed cost of every weight sync: engine sleep/wake, cache reallocation."""
+
+    def __post_init__(self) -> None:
+        for name in ("hbm_efficiency", "decode_flops_efficiency", "prefill_flops_efficiency", "memory_utilization",
+                     "train_efficiency", "sync_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"calibration.{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("step_overhead_s", "seq_overhead_s", "allreduce_latency_s", "activation_reserve_gb",
+                     "train_overhead_s", "sync_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"calibration.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Costs of one model on one kind of GPU; ``tp`` is the engine replica's TP size."""
+
+    hardware: Hardware
+    model: ModelShape
+    tp: int = 1
+    calib: Calibration = Calibration()
+
+    def __post_init__(self) -> None:
+        if self.tp <= 0:
+            raise ValueError(f"tp must be positive, got {self.tp}")
+
+    # -- rollout -------------------------------------------------------------------------------
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache one replica holds (0 when the weights alone do not fit)."""
+        c, hw, m = self.calib, self.hardware, self.model
+        free = c.memory_utilization * hw.hbm_bytes - m.weight_bytes / self.tp - c.activation_reserve_gb * GB
+        return max(0, int(free / self._kv_bytes_per_gpu(1.0)))
+
+    def _kv_bytes_per_gpu(self, tokens):
+        """KV heads split over TP; when TP exceeds the KV heads, they are replicated."""
+        m = self.model
+        return tokens * m.kv_bytes_per_token * max(m.num_kv_heads, self.tp) / m.num_kv_heads / self.tp
+
+    def _allreduce_s(self, tokens):
+        if self.tp == 1:
+            return 0.0
+        hw, m = self.hardware, self.model
+        bw = hw.nvlink_bw if self.tp <= hw.gpus_per_node else hw.net_bw
+        size = tokens * m.hidden_size * BF16
+        return 2 * m.num_layers * (self.calib.allreduce_latency_s + 2 * (self.tp - 1) / self.tp * size / bw)
+
+    def prefill_s(self, tokens: float, tokens_sq: float) -> float:
+        """Compute time of prefilling ``tokens`` prompt tokens; ``tokens_sq`` is the sum of each
+        sequence's squared length (its causal attention costs half of that, per key)."""
+        m, c = self.model, self.calib
+        flops = 2 * m.matmul_params * tokens + m.attention_flops(tokens_sq / 2)
+        return flops / self.tp / (self.hardware.flops * c.prefill_flops_efficiency)
+
+    def iteration_times(self, num_running: int, context: int, num_iters: int, prefill_tokens: int = 0,
+                        prefill_sq: int = 0) -> np.ndarray:
+        """Seconds of each of ``num_iters`` iterations of ``num_running`` requests whose contexts sum
+        to ``context`` tokens at the first one (each iteration adds ``num_running``); the first
+        iteration also prefills ``prefill_tokens`` (``prefill_sq``: sum of squared lengths)."""
+        m, c, hw = self.model, self.calib, self.hardware
+        ctx = context + num_running * np.arange(num_iters, dtype=np.float64)
+        memory = (m.weight_bytes / self.tp + self._kv_bytes_per_gpu(ctx)) / (hw.hbm_bw * c.hbm_efficiency)
+        compute = (2 * m.matmul_params * num_running + m.attention_flops(ctx)) / self.tp / (
+            hw.flops * c.decode_flops_efficiency)
+        times = np.maximum(memory, compute) + c.step_overhead_s + c.seq_overhead_s * num_running
+        times += self._allreduce_s(num_running)
+        if prefill_tokens:
+            times[0] += self.prefill_s(prefill_tokens, prefill_sq) + self._allreduce_s(prefill_tokens)
+        return times
+
+    # -- training and weight sync --------------------------------------------------------------
+
+    def train_s(self, tokens: float, tokens_sq: float, num_gpus: int) -> float:
+        """One training step over sequences of ``tokens`` total (``tokens_sq``: sum of squared
+        lengths) on ``num_gpus``: old and reference log-probs, then forward + backward."""
+        m, c = self.model, self.calib
+        forward = 2 * m.matmul_params * tokens + m.attention_flops(tokens_sq / 2)
+        return TRAIN_PASSES * forward / (num_gpus * self.hardware.flops * c.train_efficiency) + c.train_overhead_s
+
+    def sync_s(self) -> float:
+        """Pushing the trainer's weights into the engines: every GPU receives its TP shard."""
+        c = self.calib
+        return self.model.weight_bytes / self.tp / (self.hardware.nvlink_bw * c.sync_efficiency) + c.sync_overhead_s
+
+
+# ---- fitting the calibration to a measured profile ------------------------------------------------
+
+
+def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibration = Calibration()) -> tuple[
+        Calibration, Hardware]:
+    """Refit ``step_overhead_s`` and ``decode_flops_efficiency`` to a decode curve measured by
+    ``python -m rollpacker.bench engine --out profile.json`` (TorchEngine, one replica).
+
+    The curve gives ms per decode iteration against running requests N at a short context. A line
+    ``ms = a + s * N`` is fitted by least squares; ``a`` is the iteration overhead and the slope is
+    the per-token matmul and attention work at the measured peak FLOP/s (the profile's
+    ``summary.peak_gflops``), so ``decode_flops_efficiency = flops_per_token / (peak * s)`` (the
+    per-request overhead cannot be told apart from it on one curve and is set to 0). Returns the
+    calibration and the profiled machine as a :class:`Hardware` (a CPU: compute-bound).
+    """
+    record = profile if isinstance(profile, dict) else json.loads(Path(profile).read_text())
+    curve = {int(n): float(ms) for n, ms in record["decode_ms_per_iter"].items()}
+    if len(curve) < 2:
+        raise ValueError(f"fit_calibration: the profile needs at least 2 points of decode_ms_per_iter, got {curve}")
+    n = np.array(sorted(curve), dtype=np.float64)
+    ms = np.array([curve[int(k)] for k in n])
+    slope, intercept = np.polyfit(n, ms, 1)
+    peak = float(record["summary"]["peak_gflops"]) * 1e9
+    context = float(np.mean(record.get("context_len", [record.get("prompt_len", 0)])))
+    per_token = 2 * model.matmul_params + model.attention_flops(context)
+    efficiency = min(1.0, per_token / (peak * max(slope, 1e-9) * 1e-3))
+    calib = replace(base, step_overhead_s=max(intercept, 0.0) * 1e-3, seq_overhead_s=0.0,
+                    decode_flops_efficiency=efficiency)
+    machine = Hardware(name="profiled", hbm_bytes=64 * GB, hbm_bw=1e15, flops=peak, nvlink_bw=10 * GB, net_bw=10 * GB)
+    return calib, machine

@@ -1,0 +1,231 @@
+"""One simulated engine replica: continuous batching over a KV cache, preemption by recompute.
+
+The replica behaves like vLLM / TorchEngine at iteration granularity. At every iteration boundary:
+
+1. commands that arrived since the last boundary apply: aborts leave at once (an aborted request
+   never finishes afterwards), new requests join the FIFO waiting queue;
+2. if the running requests' KV (prompt + generated tokens each) cannot grow by one token each,
+   the most recently admitted one is *preempted*: its KV is freed and it goes back to the front of
+   the queue with its tokens, to be prefilled again (recompute) when it is re-admitted;
+3. otherwise waiting requests are admitted in order while their KV fits under the cache less a
+   watermark, up to ``max_num_seqs`` running and ``max_prefill_tokens`` prefilled per iteration;
+4. the next iteration advances every running request by one token (a just-admitted request gets
+   its first token from its prefill); it costs :meth:`CostModel.iteration_times`.
+
+Nothing changes between two boundaries where no request finishes, none is admitted and the cache
+does not fill, so the replica plans such a run of identical iterations at once (its *plan*, the
+iteration end times as one array) and the simulator only visits its end. A command that arrives
+in the middle of a plan cuts it at the first iteration boundary after the command.
+
+Differences from vLLM: KV is counted in tokens, not blocks; prefill is not chunked (a recompute of
+a long request costs one long iteration).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Seq:
+    """A request on a replica."""
+
+    id: str
+    slot: int
+    response: int
+    prompt_tokens: int
+    target: int
+    """Tokens it will generate (its length, already cut at max_new_tokens)."""
+    generated: int = 0
+    """Tokens generated when it was last admitted (or preempted, or aborted)."""
+    admitted_at: int = -1
+    """The replica's iteration count when it was last admitted."""
+    admit_seq: int = -1
+    """Admission order, for ties and preemption."""
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def length(self) -> int:
+        """Tokens generated, once it has left its replica (finished or aborted)."""
+        return self.generated
+
+
+class Replica:
+    def __init__(self, index: int, cost, kv_capacity: int, max_num_seqs: int = 1024,
+                 max_prefill_tokens: int = 16384, watermark: float = 0.01, record: bool = False):
+        if kv_capacity <= 0:
+            raise ValueError(f"replica {index}: no KV cache left after the weights (kv_capacity={kv_capacity}); "
+                             "use a larger TP size or a GPU with more memory")
+        self.index, self.cost, self.kv_capacity = index, cost, kv_capacity
+        self.max_num_seqs, self.max_prefill_tokens, self.watermark = max_num_seqs, max_prefill_tokens, watermark
+        self.clock = 0.0
+        self.iters = 0
+        self.running: dict[str, Seq] = {}  # in admission order
+        self.waiting: deque[Seq] = deque()
+        self._finishes: list[tuple[int, int, str]] = []  # (finish iteration, admit_seq, id)
+        self._ctx_base = 0  # sum over running of prompt + generated - admitted_at
+        self._admit_count = 0
+        self._pending_abort: list[str] = []
+        self._pending_add: list[Seq] = []
+        self.plan: tuple[float, np.ndarray, int] | None = None
+        """(start time, iteration end times, running requests) of the planned run, or None at a boundary."""
+        self.version = 0
+        self.num_preemptions = 0
+        self.busy: list[tuple[float, float, int]] | None = [] if record else None
+        """(start, end, running requests) of every executed run, when recording."""
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def kv_used(self) -> int:
+        return self._ctx_base + len(self.running) * self.iters
+
+    def generated(self, seq: Seq) -> int:
+        return seq.generated + self.iters - seq.admitted_at if seq.id in self.running else seq.generated
+
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self._pending_add)
+
+    def next_event(self) -> float | None:
+        return None if self.plan is None else float(self.plan[1][-1])
+
+    # -- the controller's side -------------------------------------------------------------------
+
+    def command(self, now: float, abort: list[str], add: list[Seq]) -> list[Seq]:
+        """Aborts and new requests sent at ``now``; they apply at the next iteration boundary
+        (at once when the replica is at one). Returns the aborted requests that were here."""
+        self._pending_abort += abort
+        self._pending_add += add
+        if self.plan is None:
+            self.clock = max(self.clock, now)
+            return self._apply_aborts()
+        start, ends, _ = self.plan
+        begun = int(np.searchsorted(ends, now, side="left")) + (start < now)  # iterations started before now
+        if begun > len(ends) - 1:
+            return []  # the plan's last iteration is under way: the commands wait for its end
+        finished, aborted = self._execute(begun)
+        assert not finished, "a cut plan ends before its first finish"
+        return aborted
+
+    def abort_all(self, now: float) -> list[Seq]:
+        """End of round at ``now``: every request leaves; returns them with their tokens so far."""
+        aborted = []
+        if self.plan is not None:  # iterations over by now happened; the one under way is cut short
+            finished, aborted = self._execute(int(np.searchsorted(self.plan[1], now, side="right")))
+            assert not finished, "a plan ending now would have been advanced"
+        seqs = [*aborted, *self.running.values(), *self.waiting, *self._pending_add]
+        for s in seqs:
+            s.generated = self.generated(s)
+        self.running.clear()
+        self.waiting.clear()
+        self._pending_add, self._pending_abort = [], []
+        return seqs
+
+    # -- the replica's side ----------------------------------------------------------------------
+
+    def advance(self) -> tuple[list[Seq], list[Seq]]:
+        """Run the planned iterations to their end: (finished, aborted at this boundary)."""
+        _, ends, _ = self.plan
+        return self._execute(len(ends))
+
+    def _execute(self, num_iters: int) -> tuple[list[Seq], list[Seq]]:
+        start, ends, batch = self.plan
+        end = float(ends[num_iters - 1]) if num_iters else start
+        if num_iters and self.busy is not None:
+            self.busy.append((start, end, batch))
+        self.iters += num_iters
+        self.clock = end
+        self.plan = None
+        self.version += 1
+        aborted = self._apply_aborts()
+        finished = []
+        while self._finishes and self._finishes[0][0] <= self.iters:
+            at, admit_seq, rid = heapq.heappop(self._finishes)
+            seq = self.running.get(rid)
+            if seq is None or seq.admit_seq != admit_seq:
+                continue  # preempted or aborted since
+            self._remove(seq)
+            seq.finish_time = end
+            finished.append(seq)
+        return finished, aborted
+
+    def _apply_aborts(self) -> list[Seq]:
+        aborted = []
+        for rid in self._pending_abort:
+            seq = self.running.get(rid)
+            if seq is not None:
+                self._remove(seq)
+            else:
+                seq = next((s for s in (*self.waiting, *self._pending_add) if s.id == rid), None)
+                if seq is None:
+                    continue
+                (self.waiting if seq in self.waiting else self._pending_add).remove(seq)
+            aborted.append(seq)
+        self._pending_abort = []
+        return aborted
+
+    def _remove(self, seq: Seq) -> None:
+        seq.generated = self.generated(seq)
+        del self.running[seq.id]
+        self._ctx_base -= seq.prompt_tokens + seq.generated - self.iters
+
+    def _admit(self, seq: Seq) -> None:
+        seq.admitted_at, seq.admit_seq = self.iters, self._admit_count
+        self._admit_count += 1
+        self.running[seq.id] = seq
+        self._ctx_base += seq.prompt_tokens + seq.generated - self.iters
+        heapq.heappush(self._finishes, (self.iters + seq.target - seq.generated, seq.admit_seq, seq.id))
+
+    def replan(self) -> float | None:
+        """At a boundary: preempt or admit, then plan the next run. Returns its end time (None: idle)."""
+        assert self.plan is None
+        self.waiting.extend(self._pending_add)
+        self._pending_add = []
+        preempted = False
+        while self.running and self.kv_used() + len(self.running) > self.kv_capacity:
+            victim = next(reversed(self.running.values()))
+            self._remove(victim)
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            preempted = True
+        prefill = prefill_sq = 0
+        budget_full = False
+        limit = self.kv_capacity * (1 - self.watermark)
+        while self.waiting and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = seq.prompt_tokens + seq.generated
+            if self.kv_used() + need + len(self.running) + 1 > (limit if self.running else self.kv_capacity):
+                break
+            if prefill and prefill + need > self.max_prefill_tokens:
+                budget_full = True
+                break
+            self.waiting.popleft()
+            self._admit(seq)
+            prefill, prefill_sq = prefill + need, prefill_sq + need * need
+        if not self.running:
+            if self.waiting:
+                seq = self.waiting[0]
+                raise ValueError(f"replica {self.index}: request {seq.id} needs {seq.prompt_tokens + seq.target} "
+                                 f"tokens of KV but the cache holds {self.kv_capacity}; use a larger TP size "
+                                 "or a shorter max_new_tokens")
+            return None
+        batch = len(self.running)
+        until_finish = self._finishes[0][0] - self.iters
+        while True:  # drop stale entries (preempted or aborted requests)
+            at, admit_seq, rid = self._finishes[0]
+            seq = self.running.get(rid)
+            if seq is not None and seq.admit_seq == admit_seq:
+                until_finish = at - self.iters
+                break
+            heapq.heappop(self._finishes)
+        until_full = (self.kv_capacity - self.kv_used()) // batch
+        num_iters = 1 if budget_full else max(1, min(until_finish, until_full))
+        times = self.cost.iteration_times(batch, self.kv_used(), num_iters, prefill, prefill_sq)
+        self.plan = (self.clock, self.clock + np.cumsum(times), batch)
+        self.version += 1
+        return self.next_event()

@@ -1,0 +1,113 @@
+"""The paper's numbers beside the simulator's: Table 1 (the calibration) and Table 2 (the check).
+
+- ``table1``: the veRL baseline of Qwen2.5-14B/16k on 32 H800s, one task at a time, as §2.2
+  runs it; the share of rollout, reward and training in a step against Table 1. The training
+  efficiency and the reward constants were set so that these match: this is the calibration.
+- ``table2``: the §6 setups (7B/8k on 16 GPUs with rollout TP 1, 14B/16k on 32 with TP 2, 32B/32k
+  on 64 with TP 2; P0 = 128, R0 = 8, the uniform math/code/judge mix), veRL (``sync``) against tail
+  batching (``tail``), both with synchronous reward. Speedup = mean step time over the same number
+  of steps. Nothing was fitted to Table 2; rows whose parts are not built yet say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rollpacker.config import load_preset
+from rollpacker.sim.simulate import SimConfig, simulate, summarize
+
+TABLE1 = {"math": (0.72, 0.05, 0.23), "code": (0.66, 0.13, 0.21), "judge": (0.71, 0.07, 0.22)}
+"""Table 1: rollout, reward and training shares of a veRL step, Qwen2.5-14B/16k, 32 H800s."""
+
+TABLE2_ROWS = ("veRL baseline", "+ tail batching", "+ reward scheduler", "+ parallelism planner", "+ stream trainer")
+BUILT_ROWS = 2
+"""Rows the simulator can build so far (the others need the reward scheduler, planner, stream trainer)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    preset: str
+    model: str
+    gpus: int
+    tp: int
+    """Rollout TP of §6 (the presets may hold another)."""
+    paper: tuple[float, ...]
+    """Table 2's cumulative speedups, one per row."""
+
+    @property
+    def label(self) -> str:
+        return self.preset.removeprefix("qwen2.5-")
+
+    @property
+    def title(self) -> str:
+        size, cap = self.label.split("-")
+        return f"Qwen2.5-{size.upper()}/{cap}, {self.gpus} GPUs, TP{self.tp}"
+
+
+SETTINGS = (
+    Setting("qwen2.5-7b-8k", "qwen2.5-7b", 16, 1, (1.00, 1.30, 2.01, 2.01, 2.03)),
+    Setting("qwen2.5-14b-16k", "qwen2.5-14b", 32, 2, (1.00, 1.48, 1.99, 2.02, 2.22)),
+    Setting("qwen2.5-32b-32k", "qwen2.5-32b", 64, 2, (1.00, 2.21, 2.48, 2.52, 2.56)),
+)
+
+
+def setting_config(setting: Setting, policy: str, **overrides) -> SimConfig:
+    """The simulator's config of a §6 setup: P0, R0 and max_new_tokens from the repo's preset."""
+    rollout = load_preset(setting.preset).rollout
+    return SimConfig(model=setting.model, gpus=setting.gpus, tp=setting.tp, num_prompts=rollout.num_prompts,
+                     group_size=rollout.group_size, max_new_tokens=rollout.max_new_tokens, policy=policy, **overrides)
+
+
+def table1(num_steps: int = 10) -> dict:
+    """Simulated stage shares of the veRL baseline per task, beside Table 1. Returns the JSON figures."""
+    setting = SETTINGS[1]
+    print(f"Table 1: stage shares of a veRL step, {setting.model}/16k on {setting.gpus} H800s (TP {setting.tp}), "
+          f"mean of {num_steps} steps")
+    print(f"{'task':<8}{'rollout':>18}{'reward':>18}{'train':>18}{'step (s)':>10}")
+    print(f"{'':<8}" + f"{'paper':>9}{'sim':>9}" * 3)
+    figures = {}
+    for task, paper in TABLE1.items():
+        base = setting_config(setting, "sync", num_steps=num_steps)
+        cfg = replace(base, reward=replace(base.reward, tasks=(task,)))
+        mean = summarize(simulate(cfg))["all"]
+        sim = [mean[k] / mean["step_s"] for k in ("rollout_s", "reward_s", "train_s")]
+        print(f"{task:<8}" + "".join(f"{p:>9.0%}{s:>9.1%}" for p, s in zip(paper, sim)) + f"{mean['step_s']:>10.1f}")
+        figures[task] = {"rollout": round(sim[0], 4), "reward": round(sim[1], 4), "train": round(sim[2], 4),
+                         "step_s": round(mean["step_s"], 2)}
+    return figures
+
+
+def table2(num_steps: int = 20) -> dict:
+    """Table 2 beside the simulated speedups of the built rows; returns the JSON figures."""
+    sims: dict[str, dict] = {}
+    for s in SETTINGS:
+        means = {p: summarize(simulate(setting_config(s, p, num_steps=num_steps)))["all"] for p in ("sync", "tail")}
+        sims[s.label] = {"speedup": [1.0, means["sync"]["step_s"] / means["tail"]["step_s"]], "means": means}
+    print(f"Table 2: cumulative end-to-end speedup over veRL, paper vs simulated (H800, P0=128, R0=8, math/code/judge "
+          f"mix, mean step time over {num_steps} steps)")
+    print(f"{'':<24}" + "".join(f"{s.title:>30}" for s in SETTINGS))
+    print(f"{'':<24}" + f"{'paper':>10}{'sim':>9}{'error':>11}" * len(SETTINGS))
+    rows, max_err = {}, 0.0
+    for i, name in enumerate(TABLE2_ROWS):
+        cells = ""
+        for s in SETTINGS:
+            paper = s.paper[i]
+            if i >= BUILT_ROWS:
+                cells += f"{paper:>9.2f}x{'not yet':>20}"
+                continue
+            sim = sims[s.label]["speedup"][i]
+            err = sim / paper - 1
+            max_err = max(max_err, abs(err))
+            rows.setdefault(s.label, {})[name] = {"paper": paper, "sim": round(sim, 3), "rel_error": round(err, 4)}
+            cells += f"{paper:>9.2f}x{sim:>8.2f}x{err:>+10.1%}"
+        print(f"{name:<24}{cells}")
+    print()
+    print(f"{'mean step (s)':<24}" + "".join(
+        f"{'veRL ' + format(sims[s.label]['means']['sync']['step_s'], '.0f'):>15}"
+        f"{'tail ' + format(sims[s.label]['means']['tail']['step_s'], '.0f'):>15}" for s in SETTINGS))
+    for stage in ("rollout_s", "reward_s", "train_s", "sync_s"):
+        print(f"{'  ' + stage[:-2]:<24}" + "".join(
+            f"{sims[s.label]['means']['sync'][stage]:>15.1f}{sims[s.label]['means']['tail'][stage]:>15.1f}"
+            for s in SETTINGS))
+    step_s = {s.label: {p: round(sims[s.label]["means"][p]["step_s"], 2) for p in ("sync", "tail")} for s in SETTINGS}
+    return {"max_rel_error": round(max_err, 4), "rows": rows, "step_s": step_s, "num_steps": num_steps}

@@ -1,0 +1,348 @@
+"""The cluster simulator: hand-computed timings, the same policy decisions as the real controller,
+the cost model's arithmetic, workloads, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rollpacker.data.dataset import PromptSampler
+from rollpacker.rollout.engine import EngineStats, Output, SamplingParams
+from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.tail import TailPolicy
+from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelShape, fit_calibration
+from rollpacker.sim.engine import Replica, Seq
+from rollpacker.sim.simulate import SimConfig, simulate, simulate_round, summarize
+from rollpacker.sim.workload import LengthModel, length_stats, read_length_trace
+
+
+class StepCost:
+    """``step_s`` per iteration plus ``prefill_s`` per prefilled token: timings by hand."""
+
+    def __init__(self, step_s: float, prefill_s: float = 0.0):
+        self.step_s, self.prefill_s = step_s, prefill_s
+
+    def iteration_times(self, num_running, context, num_iters, prefill_tokens=0, prefill_sq=0):
+        times = np.full(num_iters, self.step_s)
+        times[0] += self.prefill_s * prefill_tokens
+        return times
+
+
+class Table:
+    """Lengths from a function of (row, response); one-token prompts."""
+
+    prompt_tokens = 1
+
+    def __init__(self, length):
+        self.length = length
+
+    def lengths(self, row, step, slot, num):
+        return np.array([self.length(row, k) for k in range(num)])
+
+
+def replicas(num, cost, kv_capacity=10**9, **kw):
+    return [Replica(i, cost, kv_capacity, watermark=0.0, **kw) for i in range(num)]
+
+
+# ---- hand-computed timings -----------------------------------------------------------------------
+
+
+def test_one_replica_rollout_time_is_the_longest_response_in_steps():
+    policy = SyncPolicy(PromptSampler(10, seed=0), num_prompts=2, group_size=1)
+    rows = policy.sampler._order[:2]
+    length = {rows[0]: 3, rows[1]: 5}
+    rnd = simulate_round(0, policy, replicas(1, StepCost(0.5)), Table(lambda row, k: length[row]), max_new_tokens=100)
+    assert rnd.rollout_s == pytest.approx(5 * 0.5)
+    assert [t for t, _ in rnd.completions] == pytest.approx([1.5, 2.5])
+    assert sorted(len(g.outputs) for g in rnd.groups) == [1, 1]
+    assert rnd.generated_tokens == 8 and rnd.num_preemptions == 0
+
+
+def test_max_new_tokens_cuts_lengths_and_round_robin_spreads_requests():
+    policy = SyncPolicy(PromptSampler(10, seed=0), num_prompts=1, group_size=4)
+    reps = replicas(2, StepCost(1.0), record=True)
+    rnd = simulate_round(0, policy, reps, Table(lambda row, k: 10 * (k + 1)), max_new_tokens=25)
+    assert rnd.rollout_s == 25.0  # responses of 10, 20, 25 (cut), 25 (cut) tokens
+    assert rnd.completions == [(10.0, "0:0:0"), (20.0, "0:0:1"), (25.0, "0:0:2"), (25.0, "0:0:3")]
+    assert [r.busy[0] for r in reps] == [(0.0, 10.0, 2), (0.0, 20.0, 2)]  # responses 0, 2 and 1, 3
+
+
+def test_preemption_recomputes_the_latest_request_when_the_cache_is_full():
+    # Two one-token prompts of 4 new tokens each, 8 tokens of KV. Iteration 1 prefills both (2 tokens)
+    # and iterations 1-3 fill the cache (2 x 4 tokens). Before iteration 4 the later request is preempted
+    # with its 3 tokens; the first finishes in iteration 4; iteration 5 prefills the other's 1 + 3
+    # tokens, which yields its 4th and last token: 5 iterations and 2 + 4 prefilled tokens.
+    policy = SyncPolicy(PromptSampler(10, seed=0), num_prompts=1, group_size=2)
+    reps = replicas(1, StepCost(1.0, prefill_s=0.25), kv_capacity=8)
+    rnd = simulate_round(0, policy, reps, Table(lambda row, k: 4), max_new_tokens=100)
+    assert rnd.num_preemptions == 1
+    assert rnd.rollout_s == pytest.approx(5 * 1.0 + 0.25 * (2 + 4))
+    assert rnd.completions == [(4.5, "0:0:0"), (6.5, "0:0:1")]
+    assert [o.length for o in rnd.groups[0].outputs] == [4, 4]
+
+
+def test_a_request_larger_than_the_cache_is_refused_by_name():
+    policy = SyncPolicy(PromptSampler(10, seed=0), num_prompts=1, group_size=1)
+    with pytest.raises(ValueError, match="0:0:0 needs 11 tokens of KV but the cache holds 8"):
+        simulate_round(0, policy, replicas(1, StepCost(1.0), kv_capacity=8), Table(lambda row, k: 10),
+                       max_new_tokens=100)
+
+
+def test_an_abort_in_the_middle_of_a_run_of_iterations_takes_effect_at_the_next_boundary():
+    rep = Replica(0, StepCost(1.0), 10**6)
+    rep.command(0.0, [], [Seq("a", 0, 0, 1, 100), Seq("b", 0, 1, 1, 10)])
+    assert rep.replan() == 10.0  # b finishes after 10 iterations
+    assert [s.id for s in rep.command(3.5, ["a"], [])] == ["a"]  # cut at the boundary 4.0
+    assert rep.clock == 4.0 and rep.generated(rep.running["b"]) == 4
+    assert rep.replan() == 10.0
+
+
+# ---- the same decisions as the real controller ---------------------------------------------------------
+
+
+class Recorder:
+    """Wraps one real policy object and logs what it is told and what it decides."""
+
+    def __init__(self, policy):
+        self.policy, self.log = policy, []
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def start_round(self, step):
+        rnd = self.policy.start_round(step)
+        self.log.append(("start", step, rnd.kind, list(rnd.prompts), rnd.num_responses))
+        return rnd
+
+    def on_finished(self, slot, response, output, reward):
+        d = self.policy.on_finished(slot, response, output, reward)
+        heard = reward if self.policy.needs_rewards else "unused"  # the controller may pass one it has anyway
+        self.log.append(("finished", slot, response, heard, list(d.abort), list(d.launch), d.round_done))
+        return d
+
+    def end_round(self, aborted):
+        groups = self.policy.end_round(aborted)
+        self.log.append(("end", sorted(o.id for o in aborted),
+                         [(g.prompt, g.epoch, [o.id for o in g.outputs], g.rewards if self.needs_rewards else None)
+                          for g in groups],
+                         list(self.policy.ledger.queue), self.policy.stats()))
+        return groups
+
+
+class InstantRewards:
+    """The reward scheduler's interface, scoring at once (what the simulator assumes for decisions)."""
+
+    def __init__(self, reward):
+        self.reward, self.done = reward, []
+
+    def submit(self, key, row, output):
+        self.done.append((key, self.reward(row, key)))
+
+    def poll(self):
+        done, self.done = self.done, []
+        return done
+
+    wait = poll
+
+
+class OneReplica:
+    """The controller's view of a one-rank world (what :class:`rollpacker.dist.Meshes` offers)."""
+
+    rank, num_replicas, replica, is_replica_leader = 0, 1, 0, True
+
+    def broadcast(self, obj):
+        return obj
+
+    def gather(self, obj):
+        return [obj]
+
+
+class LengthTableEngine:
+    """The engine edge (no model here): each step adds a token to every running request; a request
+    finishes at ``length(row, response)`` tokens, the row being its one prompt token."""
+
+    def __init__(self, length):
+        self.length, self.running = length, {}
+
+    def add(self, req):
+        self.running[req.id] = Output(id=req.id, prompt_ids=req.prompt_ids)
+
+    def abort(self, rid):
+        out = self.running.pop(rid)
+        out.finish_reason = "abort"
+        return out
+
+    def step(self):
+        done = []
+        for rid, out in list(self.running.items()):
+            out.token_ids.append(1)
+            if len(out.token_ids) == self.length(out.prompt_ids[0], int(rid.split(":")[2])):
+                out.finish_reason = "length"
+                done.append(self.running.pop(rid))
+        return done
+
+    def has_unfinished(self):
+        return bool(self.running)
+
+    def stats(self):
+        return EngineStats(num_running=len(self.running), num_waiting=0, num_preemptions=0, num_generated_tokens=0,
+                           num_prefill_tokens=0)
+
+
+@pytest.mark.parametrize("filter_zero_variance", [False, True])
+def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controller(filter_zero_variance):
+    from rollpacker.controller import run_round
+
+    def length(row, k):  # every 5th row is a long prompt, response after response
+        return 2 + (7 * row + 5 * k) % 13 + (40 if row % 5 == 0 else 0)
+
+    def reward(row, rid):
+        return float((row + int(rid.split(":")[2])) % 3 == 0)
+
+    def policy():
+        return Recorder(TailPolicy(PromptSampler(40, seed=3), 4, 2, filter_zero_variance=filter_zero_variance))
+
+    simulated, real = policy(), policy()
+    for step in range(7):
+        simulate_round(step, simulated, replicas(1, StepCost(1.0)), Table(length), max_new_tokens=1000,
+                       reward=lambda row, seq: reward(row, seq.id))
+        run_round(step, OneReplica(), LengthTableEngine(length), poll_steps=1, policy=real, rows=list(range(40)),
+                  prompt_ids=lambda row: [row], rewards=InstantRewards(reward),
+                  sampling=SamplingParams(max_new_tokens=1000))
+    kinds = [entry[2] for entry in real.log if entry[0] == "start"]
+    assert "long" in kinds and "short" in kinds
+    assert any(entry[4] for entry in real.log if entry[0] == "finished")  # some decisions aborted siblings
+    if filter_zero_variance:
+        assert any(entry[5] for entry in real.log if entry[0] == "finished")  # and some launched prompts
+    assert simulated.log == real.log
+
+
+# ---- the cost model ----------------------------------------------------------------------------------
+
+
+def test_model_shapes_give_the_published_sizes_and_kv_bytes():
+    assert MODELS["qwen2.5-7b"].num_params == pytest.approx(7.62e9, rel=0.01)
+    assert MODELS["qwen2.5-14b"].num_params == pytest.approx(14.7e9, rel=0.01)
+    assert MODELS["qwen2.5-32b"].num_params == pytest.approx(32.8e9, rel=0.01)
+    assert MODELS["qwen2.5-14b"].kv_bytes_per_token == 2 * 48 * 8 * 128 * 2
+
+
+def test_decode_iteration_is_the_roofline_plus_overheads():
+    calib = Calibration(hbm_efficiency=0.5, step_overhead_s=1e-3, seq_overhead_s=1e-5, allreduce_latency_s=0.0)
+    cost = CostModel(HARDWARE["H800"], MODELS["qwen2.5-7b"], 1, calib)
+    m = MODELS["qwen2.5-7b"]
+    memory = (m.weight_bytes + 1000 * m.kv_bytes_per_token) / (3.35e12 * 0.5)
+    assert cost.iteration_times(4, 1000, 1)[0] == pytest.approx(memory + 1e-3 + 4e-5)
+    two = CostModel(HARDWARE["H800"], m, 2, calib).iteration_times(4, 1000, 3)
+    assert two[0] < cost.iteration_times(4, 1000, 1)[0] and np.all(np.diff(two) > 0)  # context grows
+
+
+def test_kv_capacity_shrinks_with_the_weights_and_grows_with_tp():
+    h800 = HARDWARE["H800"]
+    one, two = (CostModel(h800, MODELS["qwen2.5-32b"], tp).kv_capacity_tokens() for tp in (1, 2))
+    assert one == 0 and two > 100_000
+    with pytest.raises(ValueError, match="no KV cache left"):
+        Replica(0, CostModel(h800, MODELS["qwen2.5-32b"], 1), one)
+
+
+def test_calibration_is_fitted_from_a_measured_decode_curve():
+    shape = ModelShape.from_hf_config(Path(__file__).parents[1] / "rollpacker/data/toy_model/config.json")
+    peak, context = 50e9, 20.0
+    per_token = 2 * shape.matmul_params + shape.attention_flops(context)
+    slope_ms = per_token / (peak * 0.2) * 1e3  # 20% of peak per request
+    profile = {"decode_ms_per_iter": {str(n): 1.5 + slope_ms * n for n in (1, 8, 64)},
+               "context_len": [context - 2, context + 2], "summary": {"peak_gflops": peak / 1e9}}
+    calib, machine = fit_calibration(profile, shape)
+    assert calib.step_overhead_s == pytest.approx(1.5e-3)
+    assert calib.decode_flops_efficiency == pytest.approx(0.2)
+    cost = CostModel(machine, shape, 1, calib)
+    assert 1e3 * cost.iteration_times(64, 64 * 20, 1)[0] == pytest.approx(1.5 + slope_ms * 64, rel=0.01)
+
+
+# ---- workloads ----------------------------------------------------------------------------------------
+
+
+def test_prompts_keep_their_length_scale_but_draw_fresh_lengths_each_launch():
+    model = LengthModel()
+    a, b = model.lengths(7, 0, 3, 8), model.lengths(7, 5, 1, 8)
+    assert not np.array_equal(a, b)
+    assert np.array_equal(a, model.lengths(7, 0, 3, 8))
+    long_rows = [r for r in range(2000) if model.log_scale(r) > np.log(4000)]
+    assert long_rows and all(np.median(model.lengths(r, s, 0, 8)) > 1000 for r in long_rows[:5] for s in range(3))
+
+
+def test_default_mixture_reproduces_the_papers_length_statistics():
+    stats = length_stats(LengthModel(), num_steps=100)
+    assert 755 * 0.9 <= stats["p75"] <= 1100 * 1.1
+    assert 25 * 0.9 <= stats["max_over_median"] <= 32 * 1.1
+    assert 8.9 * 0.85 <= stats["short_max_reduction"] <= 8.9 * 1.15
+    assert stats["cap_hit_rate"] >= 0.9
+    doubled = LengthModel().for_cap(32768)
+    assert doubled.median_tokens == 2 * LengthModel().median_tokens
+
+
+def test_length_trace_reads_a_runs_metrics_jsonl(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"eval/accuracy": 0.5}) + "\n"
+                    + json.dumps({"step": 0, "rollout/response_lengths": [1, 2, 3, 4]}) + "\n\n"
+                    + json.dumps({"lengths": [5, 6, 7], "group_size": 3}) + "\n")
+    assert read_length_trace(path, group_size=2) == [[1, 2], [3, 4], [5, 6, 7]]
+    path.write_text(json.dumps({"response_lengths": [1, 2, 3]}) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: 3 lengths are not whole groups of 2"):
+        read_length_trace(path, group_size=2)
+
+
+def test_a_trace_replays_through_the_simulator(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps({"lengths": [50, 60, 70, 80]}) + "\n" for _ in range(3)))
+    cfg = SimConfig(model="qwen2.5-7b", gpus=2, tp=1, num_prompts=4, group_size=4, max_new_tokens=64,
+                    num_steps=2, policy="sync", trace=str(path))
+    results = simulate(cfg)
+    assert [r.max_length for r in results] == [64, 64]
+    assert summarize(results)["all"]["steps"] == 2
+
+
+# ---- the whole job and the CLI -----------------------------------------------------------------------------
+
+
+def test_tail_batching_alternates_short_and_long_rounds_and_shortens_steps():
+    cfg = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=16, group_size=4, max_new_tokens=4096, num_steps=5)
+    tail = simulate(cfg)
+    sync = simulate(replace(cfg, policy="sync"))
+    assert [r.kind for r in tail] == ["short"] * 4 + ["long"]
+    assert np.mean([r.rollout_s for r in tail]) < np.mean([r.rollout_s for r in sync])
+    assert all(r.step_s == pytest.approx(r.rollout_s + r.reward_s + r.train_s + r.sync_s) for r in tail)
+
+
+def sim_cli(*args: str) -> tuple[str, dict]:
+    proc = subprocess.run([sys.executable, "-m", "rollpacker.sim", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_cli_preset_run_prints_the_breakdown_and_a_gantt(tmp_path):
+    out, figures = sim_cli("--preset", "qwen2.5-7b-8k", "--gpus", "16", "--policy", "tail", "--num-steps", "5",
+                           "--gantt", str(tmp_path / "gantt.png"))
+    assert "short" in out and "long" in out and (tmp_path / "gantt.png").stat().st_size > 0
+    assert figures["policy"] == "tail" and figures["short_steps"] == 4 and figures["long_steps"] == 1
+    assert figures["step_s"] == pytest.approx(
+        sum(figures[k] for k in ("rollout_s", "reward_s", "train_s", "sync_s")), rel=1e-3)
+
+
+def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
+    out, figures = sim_cli("table2", "--num-steps", "5")
+    assert out.count("not yet") == 9
+    tail = [rows["+ tail batching"] for rows in figures["rows"].values()]
+    assert len(tail) == 3 and all(r["sim"] > 1 for r in tail)
+    assert figures["max_rel_error"] == max(abs(r["rel_error"]) for rows in figures["rows"].values() for r in rows.values())
+
+
+def test_cli_workload_shows_the_mixture_beside_the_papers_statistics():
+    out, figures = sim_cli("workload")
+    assert "P75" in out and figures["cap_hit_rate"] >= 0.9 and figures["loss"] < 0.05
