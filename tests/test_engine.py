@@ -90,6 +90,27 @@ def test_abort_returns_partial_and_resume_continues_exactly(qwen2_dir, reference
     assert {k: o.token_ids for k, o in rest.items()} == {k: v for k, v in reference.items() if k != "r2"}
 
 
+def test_running_set_changes_mid_decode_keep_outputs(qwen2_dir, reference):
+    """The decode batch's KV workspace is flushed to the paged pool and rebuilt whenever the
+    running set changes: arrivals between decode steps, an abort and its resume on the same
+    engine, and finishes leave every output equal to the reference."""
+    eng = engine(qwen2_dir)
+    reqs = greedy_requests()
+    done = {}
+    for r in reqs[:4]:  # a new request after every three decode steps
+        eng.add(r)
+        for _ in range(4):
+            done |= {o.id: o for o in eng.step()}
+    partial = eng.abort("r3")
+    assert 0 < len(partial.token_ids) < NEW[3]
+    for _ in range(5):
+        done |= {o.id: o for o in eng.step()}
+    eng.add(Request(id="r3", prompt_ids=PROMPTS[3], params=reqs[3].params, resume_from=partial))
+    done |= generate(eng, reqs[4:])
+    assert {k: o.token_ids for k, o in done.items()} == reference
+    assert eng.stats().num_preemptions == 0
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(qwen2_dir):
     first = generate(engine(qwen2_dir), sampled_requests())
     # a different batch composition and cache pressure: same samples
@@ -187,3 +208,16 @@ def test_tensor_parallel_matches_single_rank(qwen3_tied_dir):
     live FSDP2 parameters into TP-sharded engines equal a state-dict load."""
     out = torchrun("engine_tp.py", 2, str(qwen3_tied_dir))
     assert out.count("OK") == 2, out
+
+
+def test_engine_rms_norm_is_the_models():
+    from rollpacker.model.transformer import RMSNorm
+    from rollpacker.rollout.torch_engine import _rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 64), (37, 96), (5, 4, 16)]:
+        norm = RMSNorm(shape[-1], eps=1e-6)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=gen)
+            x = torch.randn(shape, generator=gen) * 3
+            assert torch.equal(_rms_norm(x, norm.weight, norm.eps), norm(x))

@@ -50,6 +50,16 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] -> cos, sin [T, 1, head_dim] in :func:`apply_rope`'s layout."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    cos = freqs.cos().repeat(1, 2)[:, None, :].to(dtype)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :].to(dtype)
+    return cos, sin
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D]; cos, sin: [T, 1, D] in Hugging Face's half-rotation layout, with the sign of
     the first half of ``sin`` flipped, so rotate_half(x) * sin == x.roll(D/2) * sin."""
@@ -142,9 +152,7 @@ class Transformer(nn.Module):
         ``head(hidden, lm_head.weight)`` when given: the trainer's token log-probs run inside the
         forward, where FSDP2 has the output head's weight gathered."""
         x = self.embed_tokens(tokens)
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        cos = freqs.cos().repeat(1, 2)[:, None, :].to(x.dtype)
-        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :].to(x.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attn)
         x = self.norm(x)
