@@ -1,0 +1,353 @@
+"""The LLM judge: a model scores (prompt, response) pairs against a rubric, colocated with the actor.
+
+**Protocol.** The rubric is the whole judge prompt, a template with ``{prompt}`` and ``{response}``
+placeholders that asks for a single-digit score and ends where the score goes (``Score: ``). A
+chat model's markup, if wanted, belongs in the template. The judge runs one forward over the
+packed prompts, with no generation, and its **verdict** is the most likely next token, decoded
+and stripped of whitespace. :func:`parse_verdict` reads it: it must be an integer from 0 to
+``max_score`` (every score must be a single token of the judge's tokenizer), and the reward is
+``score / max_score`` in [0, 1]. Anything else (a word, EOS, a score above ``max_score``, an
+input over ``max_tokens``, a batch that does not fit in memory) is a :class:`RewardError` for
+that sample (a flagged reward_error upstream), never a silent 0.
+
+**Layer-wise offloading** (:class:`OffloadedLayers`). The judge lives in the trainer process on
+the actor's device. Its embedding, final norm and output head stay on the device; of its decoder
+layers the first K stay resident and the rest stream in from pinned host memory on a side CUDA
+stream into two reused device buffers: layer i+1 is copied while layer i computes, with events
+ordering each copy after the last use of its buffer and each layer's compute after its copy.
+K is chosen per batch by :func:`choose_resident_layers` from the batch's token count (activation
+memory) and the memory free on the device, so the judge shrinks when the actor's KV cache grows.
+On CPU the same loop runs with plain host tensors: resident layers share their host storage and
+streamed layers are real copies into the reused buffers, with no streams or events, and the
+logits equal the resident model's bit for bit.
+
+How this differs from the paper (§4.3): the paper does not say how the verdict is read; we read
+it from one forward (no decoding, so each layer streams in once per batch). The published code
+keeps a configured fraction of layers resident; we recompute K per batch as the paper describes.
+MPS, which lets the judge and the actor share the SMs, is started by ``launch/mps.sh``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollpacker.model.args import ModelArgs
+from rollpacker.model.attention import CausalAttention
+from rollpacker.model.hf import load_model
+from rollpacker.model.transformer import Block, rope_cos_sin
+from rollpacker.reward.rules import RewardError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RUBRIC = (
+    "You are grading a response to a task.\n\n"
+    "Task:\n{prompt}\n\nResponse:\n{response}\n\n"
+    "Rate how correct and complete the response is, from 0 (wrong or missing) to 9 (fully correct). "
+    "Answer with one digit.\nScore: "
+)
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class JudgeConfig:
+    model_path: str = ""
+    """Hugging Face directory of the judge model and its tokenizer (any model rollpacker's loader reads)."""
+    rubric: str = DEFAULT_RUBRIC
+    """The judge prompt: a template with {prompt} and {response} that ends where the score goes."""
+    max_score: int = 9
+    """Scores are the integers 0..max_score, each a single token; reward = score / max_score."""
+    dtype: str = "auto"
+    """Judge weights' dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
+    resident_layers: int = -1
+    """Decoder layers kept on the device, the rest streamed from host memory (-1: chosen per batch from memory)."""
+    max_tokens: int = 4096
+    """Longest judge input (rubric, prompt and response) in tokens; a longer one is a reward_error."""
+    max_batch_tokens: int = 16384
+    """Tokens packed into one judge forward."""
+    memory_fraction: float = 0.8
+    """GPU: share of the device memory available when a batch starts that the judge may use."""
+    cpu_memory_gib: float = 8.0
+    """CPU: the judge's memory budget in GiB (nothing reports free memory there)."""
+
+    def __post_init__(self) -> None:
+        try:
+            self.rubric.format(prompt="", response="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(f"judge.rubric is not a valid template ({type(e).__name__}: {e}); "
+                             "use only {prompt} and {response}, and double other braces") from None
+        for key in ("{prompt}", "{response}"):
+            if key not in self.rubric:
+                raise ValueError(f"judge.rubric must contain {key}")
+        if self.max_score < 1:
+            raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"judge.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.resident_layers < -1:
+            raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"judge.max_tokens must be positive, got {self.max_tokens}")
+        if self.max_batch_tokens < self.max_tokens:
+            raise ValueError(
+                f"judge.max_batch_tokens ({self.max_batch_tokens}) must be >= judge.max_tokens ({self.max_tokens})"
+            )
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"judge.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.cpu_memory_gib <= 0:
+            raise ValueError(f"judge.cpu_memory_gib must be positive, got {self.cpu_memory_gib}")
+
+
+def parse_verdict(verdict: str, max_score: int) -> float:
+    """The reward in [0, 1] of a verdict: an integer 0..max_score, whitespace around it ignored."""
+    text = verdict.strip()
+    if not (text.isascii() and text.isdigit()):
+        raise RewardError(f"judge verdict {verdict!r} is not a score: expected an integer from 0 to {max_score}")
+    score = int(text)
+    if score > max_score:
+        raise RewardError(f"judge verdict {score} is out of range: expected an integer from 0 to {max_score}")
+    return score / max_score
+
+
+def activation_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
+    """A generous count of what one token keeps alive inside one decoder layer's forward.
+
+    Elements per token: 4 x hidden (residual, normed input, attention and MLP outputs),
+    6 x (q + k + v) (projections, rotated copies, the padded per-bucket gathers and the
+    attention output), 3 x intermediate (gate, up and their product). Attention scores are not
+    counted: the fused attention kernels on GPU do not materialize them.
+    """
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    elements = 4 * args.hidden_size + 6 * qkv + 3 * args.intermediate_size
+    return elements * dtype.itemsize
+
+
+def choose_resident_layers(
+    *, num_layers: int, layer_bytes: int, fixed_bytes: int, num_tokens: int, bytes_per_token: int, budget_bytes: int
+) -> int:
+    """K, the decoder layers to keep resident so that a forward of ``num_tokens`` fits the budget.
+
+    With ``room = budget_bytes - fixed_bytes - num_tokens * bytes_per_token`` (``fixed_bytes``:
+    embedding, output head, final norm and logits; the second term: activations):
+
+    - K = num_layers when ``room >= num_layers * layer_bytes`` (nothing streams);
+    - else K = floor(room / layer_bytes) - 2: the two streaming buffers take two layers' room.
+      (K = num_layers - 1 needs as much room as K = num_layers, so it never comes out.)
+
+    Raises :class:`RewardError` when even K = 0 does not fit.
+    """
+    room = budget_bytes - fixed_bytes - num_tokens * bytes_per_token
+    if room >= num_layers * layer_bytes:
+        return num_layers
+    k = room // layer_bytes - 2
+    if k < 0:
+        need = fixed_bytes + num_tokens * bytes_per_token + 2 * layer_bytes
+        raise RewardError(
+            f"judge batch of {num_tokens} tokens needs {need / 2**20:.1f} MiB with every layer streamed, "
+            f"but {budget_bytes / 2**20:.1f} MiB is available: lower judge.max_batch_tokens or free device memory"
+        )
+    return k
+
+
+class OffloadedLayers:
+    """A model's decoder layers run in order, the first ``num_resident`` on ``device`` and the others
+    streamed in from host memory (pinned on CUDA) through reused device buffers.
+
+    Every layer's weights live on the host as one flat tensor, so changing K moves no host memory:
+    a layer that becomes resident is uploaded, one that stops being resident is dropped.
+    """
+
+    def __init__(self, blocks: Sequence[Block], args: ModelArgs, device: torch.device | str):
+        self.args = args
+        self.device = torch.device(device)
+        self.spec = [(name, p.shape) for name, p in blocks[0].named_parameters()]
+        dtypes = {p.dtype for b in blocks for p in b.parameters()}
+        if len(dtypes) != 1:
+            raise ValueError(f"judge layers mix dtypes {sorted(map(str, dtypes))}; set judge.dtype to one")
+        pin = self.device.type == "cuda"
+        self.host = [self._flatten(b, pin) for b in blocks]  # [num_layers] x [layer_numel]
+        self.resident: list[Block] = []  # layers 0..K-1 on the device
+        self.buffers: list[torch.Tensor] = []  # streaming buffers [layer_numel] on the device: two, or one
+        self.slots: list[Block] = []  # a layer viewing each buffer
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.copied = [torch.cuda.Event() for _ in range(2)] if self.copy_stream else []
+        self.used = [torch.cuda.Event() for _ in range(2)] if self.copy_stream else []
+
+    @staticmethod
+    def _flatten(block: Block, pin: bool) -> torch.Tensor:
+        flat = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
+        return flat.pin_memory() if pin else flat
+
+    def _block_on(self, flat: torch.Tensor) -> Block:
+        """A decoder layer whose parameters are views of ``flat`` (so copying into it loads weights)."""
+        with torch.device("meta"):
+            block = Block(self.args)
+        views, offset = {}, 0
+        for name, shape in self.spec:
+            views[name] = flat[offset : offset + shape.numel()].view(shape)
+            offset += shape.numel()
+        block.load_state_dict(views, assign=True)
+        return block.requires_grad_(False)
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    @property
+    def num_resident(self) -> int:
+        return len(self.resident)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.host[0].numel() * self.host[0].element_size()
+
+    def device_bytes(self) -> int:
+        """Bytes of layer weights held on the device now (resident layers and streaming buffers)."""
+        return (len(self.resident) + len(self.buffers)) * self.layer_bytes
+
+    def set_resident(self, k: int) -> None:
+        """Keep layers 0..k-1 on the device and stream the rest."""
+        if not 0 <= k <= len(self):
+            raise ValueError(f"judge.resident_layers must be in 0..{len(self)}, got {k}")
+        del self.resident[k:]
+        while len(self.resident) < k:  # on CPU .to() is a no-op: the layer shares the host tensor
+            self.resident.append(self._block_on(self.host[len(self.resident)].to(self.device, non_blocking=True)))
+        num_buffers = min(2, len(self) - k)
+        if len(self.buffers) != num_buffers:
+            self.buffers = [torch.empty_like(self.host[0], device=self.device) for _ in range(num_buffers)]
+            self.slots = [self._block_on(b) for b in self.buffers]
+
+    def _prefetch(self, i: int) -> None:
+        """Start copying streamed layer ``i`` into its buffer, once the buffer's last reader is done."""
+        s = (i - len(self.resident)) % len(self.buffers)
+        if self.copy_stream is None:
+            self.buffers[s].copy_(self.host[i])
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.used[s])
+            self.buffers[s].copy_(self.host[i], non_blocking=True)
+            self.copied[s].record(self.copy_stream)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] through every layer, as ``Transformer.forward`` runs them."""
+        k, n = len(self.resident), len(self)
+        if k < n:
+            self._prefetch(k)  # overlaps the resident layers
+        for i, block in enumerate(self.resident):
+            x = block(x, cos, sin, i, attn)
+        for i in range(k, n):
+            s = (i - k) % len(self.buffers)
+            if i + 1 < n:
+                self._prefetch(i + 1)  # overlaps layer i
+            if self.copy_stream is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.copied[s])
+            x = self.slots[s](x, cos, sin, i, attn)
+            if self.copy_stream is not None:
+                self.used[s].record(torch.cuda.current_stream(self.device))
+        return x
+
+
+class Judge:
+    """Scores (prompt, response) pairs with a judge model on ``device`` (the actor's), many per call."""
+
+    def __init__(self, cfg: JudgeConfig, device: torch.device | str = "cpu"):
+        from transformers import AutoTokenizer
+
+        if not cfg.model_path:
+            raise ValueError("judge.model_path is empty: point it at a Hugging Face model directory")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        for score in range(cfg.max_score + 1):
+            if len(self.tokenizer.encode(str(score), add_special_tokens=False)) != 1:
+                raise ValueError(f"judge.max_score={cfg.max_score}: {str(score)!r} is several tokens for the judge's "
+                                 f"tokenizer; scores must be single tokens (try judge.max_score=9)")
+        model = load_model(cfg.model_path, "cpu", DTYPES[cfg.dtype])
+        blocks = list(model.layers)
+        del model.layers  # what remains: embedding, final norm, output head
+        self.model = model.to(self.device)
+        self.model.tie_weights()
+        self.layers = OffloadedLayers(blocks, model.args, self.device)
+        del blocks  # the host copies in self.layers are all that is left of the layers
+        if cfg.resident_layers > len(self.layers):
+            raise ValueError(f"judge.resident_layers={cfg.resident_layers} but the judge has {len(self.layers)} layers")
+        weights = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied weights once
+        self.fixed_bytes = sum(p.numel() * p.element_size() for p in weights)
+        self.bytes_per_token = activation_bytes_per_token(model.args, self.layers.host[0].dtype)
+
+    def encode(self, prompt: str, response: str) -> list[int]:
+        """Token ids of the judge prompt for one pair."""
+        return self.tokenizer.encode(self.cfg.rubric.format(prompt=prompt, response=response))
+
+    def _budget_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return int(self.cfg.cpu_memory_gib * 2**30)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        held = self.fixed_bytes + self.layers.device_bytes()  # ours to give back
+        return int(self.cfg.memory_fraction * (free + cached + held))
+
+    def num_resident_for(self, seq_lens: list[int]) -> int:
+        """K for a batch: the configured one, or :func:`choose_resident_layers` on memory free now."""
+        if self.cfg.resident_layers >= 0:
+            return self.cfg.resident_layers
+        logits_bytes = len(seq_lens) * self.model.args.vocab_size * 4
+        return choose_resident_layers(
+            num_layers=len(self.layers), layer_bytes=self.layers.layer_bytes,
+            fixed_bytes=self.fixed_bytes + logits_bytes, num_tokens=sum(seq_lens),
+            bytes_per_token=self.bytes_per_token, budget_bytes=self._budget_bytes(),
+        )
+
+    @torch.inference_mode()
+    def last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
+        """Token ids of packed judge prompts -> next-token logits [N, vocab] (fp32) after each."""
+        seq_lens = [len(s) for s in seqs]
+        k = self.num_resident_for(seq_lens)
+        if k != self.layers.num_resident:
+            logger.debug("judge: %d of %d layers resident for %d tokens", k, len(self.layers), sum(seq_lens))
+        self.layers.set_resident(k)
+        tokens = torch.tensor([t for s in seqs for t in s], device=self.device)  # [T]
+        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(self.device)  # [T]
+        x = self.model.embed_tokens(tokens)  # [T, hidden]
+        cos, sin = rope_cos_sin(positions, self.model.inv_freq, x.dtype)
+        x = self.layers(x, cos, sin, CausalAttention(seq_lens, self.device))
+        last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1  # [N]
+        return self.model.logits(self.model.norm(x)[last])
+
+    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float | RewardError]:
+        """Rewards in [0, 1] of (prompt, response) pairs, or the :class:`RewardError` of each pair
+        that could not be scored. Pairs are packed up to ``max_batch_tokens`` per forward."""
+        results: list[float | RewardError | None] = [None] * len(pairs)
+        batches: list[list[int]] = []
+        seqs: dict[int, list[int]] = {}
+        size = 0
+        max_tokens = self.cfg.max_tokens
+        for i, (prompt, response) in enumerate(pairs):
+            ids = self.encode(prompt, response)
+            if len(ids) > max_tokens:
+                results[i] = RewardError(f"judge input is {len(ids)} tokens, over judge.max_tokens={max_tokens}")
+                continue
+            if not batches or size + len(ids) > self.cfg.max_batch_tokens:
+                batches.append([])
+                size = 0
+            batches[-1].append(i)
+            seqs[i] = ids
+            size += len(ids)
+        for batch in batches:
+            try:
+                tokens = self.last_logits([seqs[i] for i in batch]).argmax(-1).tolist()  # the verdicts
+            except torch.OutOfMemoryError as e:
+                tokens = [RewardError(f"judge ran out of device memory on {len(batch)} pairs ({e}); "
+                                      "lower judge.memory_fraction or judge.max_batch_tokens")] * len(batch)
+            except RewardError as e:
+                tokens = [e] * len(batch)
+            for i, token in zip(batch, tokens):
+                results[i] = token if isinstance(token, RewardError) else self._reward(token)
+        return results
+
+    def _reward(self, token: int) -> float | RewardError:
+        try:
+            return parse_verdict(self.tokenizer.decode([token]), self.cfg.max_score)
+        except RewardError as e:
+            return e
