@@ -3,9 +3,10 @@
 Rollout is an exchange repeated a few times per second over the gloo control plane:
 rank 0 broadcasts a :class:`Command` (requests to add, ids to abort); every rank applies what
 concerns its replica and steps its engine ``poll_steps`` times; replica leaders report finished
-and aborted outputs; rank 0 scores each finished response and hands it to the scheduling policy,
-which says what to abort, what to launch and when the round is over. Requests are routed per request, round-robin over the
-replicas, so every group is spread across them.
+and aborted outputs; rank 0 submits each finished response for scoring and hands it to the
+scheduling policy, in finish order, which says what to abort, what to launch and when the round is
+over. Requests are routed per request, round-robin over the replicas, so every group is spread
+across them.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
     """Collective over all ranks. On rank 0, which alone gets the :class:`RoundResult`: the
     ``policy``; the data ``rows`` and ``prompt_ids`` (row index -> token ids); ``rewards``, a
     :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores each response as it
-    finishes (the policy hears of a response once it is scored); ``sampling``."""
+    finishes (a policy that ``needs_rewards`` hears of a response once it is scored); ``sampling``."""
     leader = meshes.rank == 0
     start = time.time()
     base_preemptions = engine.stats().num_preemptions

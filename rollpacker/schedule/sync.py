@@ -19,11 +19,15 @@ class SyncPolicy:
     def __init__(self, sampler, num_prompts: int, group_size: int, *, filter_zero_variance: bool = False,
                  num_epochs: int = 0):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
-        self.needs_rewards = filter_zero_variance
         self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
         self.groups: list[Group] = []
         self.pending = 0
         self.filtered = 0
+
+    @property
+    def needs_rewards(self) -> bool:
+        """The zero-variance filter decides on rewards; nothing else does."""
+        return self.filter_zero_variance
 
     def done(self) -> bool:
         return remaining(self.sampler, self.num_epochs) == 0

@@ -58,7 +58,6 @@ class TailPolicy:
             raise ValueError(f"tail: eta_prompts={eta_prompts} and eta_responses={eta_responses} must be >= 1")
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.eta_prompts, self.eta_responses = eta_prompts, eta_responses
-        self.needs_rewards = filter_zero_variance
         self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
         self.ledger = Ledger()
         self.slots: list[_Launched] = []
@@ -69,6 +68,11 @@ class TailPolicy:
         self._stats: dict[str, Any] = {}
 
     # -- planning ----------------------------------------------------------------------------
+
+    @property
+    def needs_rewards(self) -> bool:
+        """The zero-variance filter decides on rewards; nothing else does."""
+        return self.filter_zero_variance
 
     def done(self) -> bool:
         return remaining(self.sampler, self.num_epochs) == 0 and not self.ledger.queue

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rollpacker.config import POLICIES
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.metrics import bubble_ratio
 from rollpacker.schedule.base import Group, request_id
@@ -37,7 +38,6 @@ from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, read_length_trace
 
-POLICIES = ("sync", "tail")
 
 
 @dataclass(kw_only=True)
