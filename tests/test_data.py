@@ -35,7 +35,7 @@ def test_config_defaults_are_valid():
         ({"num_toy_prompts": 0}, "data.num_toy_prompts must be positive, got 0"),
         ({"num_toy_prompts": -3}, "data.num_toy_prompts must be positive, got -3"),
         ({"shuffle_seed": -1}, "data.shuffle_seed must be >= 0, got -1"),
-        ({"reward": "nope"}, r"data.reward must be one of \['code', 'math', 'toy'\], got 'nope'"),
+        ({"reward": "nope"}, r"data.reward must be one of \['code', 'judge', 'math', 'toy'\], got 'nope'"),
     ],
 )
 def test_config_validation_names_field(kwargs, message):

@@ -1,6 +1,7 @@
 """Prompt datasets and the stateful sampler that draws them.
 
-A dataset is a list of rows ``{"id", "prompt", "answer", ...}``: either the synthetic toy task
+A dataset is a list of rows ``{"id", "prompt", "answer", ...}`` (for the LLM judge ``answer`` is
+optional and a row may carry its own ``rubric``): either the synthetic toy task
 (:mod:`rollpacker.data.toy`, the embedded default) or a JSONL file of real data, one JSON object
 per line. Loading is strict: a bad line raises one error that names ``file:line`` and what is
 wrong; nothing is skipped except blank lines.
@@ -18,19 +19,22 @@ from pathlib import Path
 import numpy as np
 
 from rollpacker.data import toy
+from rollpacker.reward.config import check_rubric
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = ""
     """JSONL file of real data (one object per line: string 'prompt', and string 'answer' or, for code,
-    'tests': [{"input": stdin, "output": expected stdout}, ...]); empty = generate the toy task."""
+    'tests': [{"input": stdin, "output": expected stdout}, ...]; for the judge, 'prompt' and an optional
+    'rubric' template); empty = generate the toy task."""
     num_toy_prompts: int = 2048
     """Number of toy problems to generate (only used when path is empty)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
     reward: str = "toy"
-    """Which reward scores this data: 'toy', 'math' or 'code' (rows with 'tests' are always scored as code)."""
+    """Which reward scores this data: 'toy', 'math', 'code' or 'judge' (the LLM judge of reward.judge);
+    rows with 'tests' are always scored as code."""
     shuffle_seed: int = 0
     """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
     eval_path: str = ""
@@ -45,10 +49,10 @@ class DataConfig:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
             raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
-        from rollpacker.reward.workers import KINDS  # light: math-verify is imported on first use
+        from rollpacker.reward.workers import DATA_KINDS  # light: math-verify is imported on first use
 
-        if self.reward not in KINDS:
-            raise ValueError(f"data.reward must be one of {sorted(KINDS)}, got {self.reward!r}")
+        if self.reward not in DATA_KINDS:
+            raise ValueError(f"data.reward must be one of {sorted(DATA_KINDS)}, got {self.reward!r}")
 
 
 class DatasetError(ValueError):
@@ -59,22 +63,24 @@ def load_rows(config: DataConfig) -> list[dict]:
     """The rows of ``config``'s dataset: the generated toy task, or the JSONL file at ``config.path``."""
     if not config.path:
         return toy.make_dataset(config.num_toy_prompts, config.toy_seed)
-    return read_jsonl(config.path)
+    return read_jsonl(config.path, config.reward)
 
 
 def load_eval_rows(config: DataConfig) -> list[dict]:
     """Held-out rows: the first ``num_eval_prompts`` of ``eval_path``, or fresh toy problems drawn
     with a seed the training set never uses."""
     if config.eval_path:
-        return read_jsonl(config.eval_path)[: config.num_eval_prompts]
+        return read_jsonl(config.eval_path, config.reward)[: config.num_eval_prompts]
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (a JSONL file of held-out prompts)")
     return toy.make_dataset(config.num_eval_prompts, seed=1_000_003 + config.toy_seed)
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, reward: str = "math") -> list[dict]:
     """Rows of a JSONL file; every line must be an object with string ``prompt`` and either string
-    ``answer`` or ``tests``, a non-empty list of ``{"input": str, "output": str}`` (code).
+    ``answer`` or ``tests``, a non-empty list of ``{"input": str, "output": str}`` (code). For
+    ``reward`` judge, ``answer`` is optional and ``rubric``, if there, must be a judge template
+    with ``{prompt}`` and ``{response}``: it replaces ``reward.judge.rubric`` for that row.
 
     ``id`` is optional (a string or an integer, kept as a string); it defaults to
     ``"<file stem>:<line number>"``. Ids must be unique. Other fields are kept as they are.
@@ -87,7 +93,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     first_line_of: dict[str, int] = {}
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
-            row = _parse_line(raw, path, line_no)
+            row = _parse_line(raw, path, line_no, reward)
             if row is None:
                 continue
             row_id = row["id"]
@@ -100,7 +106,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return rows
 
 
-def _parse_line(raw: bytes, path: Path, line_no: int) -> dict | None:
+def _parse_line(raw: bytes, path: Path, line_no: int, reward: str) -> dict | None:
     """One JSONL line as a row with a string id, or None for a blank line."""
     where = f"{path}:{line_no}"
     try:
@@ -115,10 +121,13 @@ def _parse_line(raw: bytes, path: Path, line_no: int) -> dict | None:
         raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
-    for field in ("prompt", "answer") if "tests" not in row else ("prompt",):
+    required = ("prompt",) if "tests" in row or reward == "judge" else ("prompt", "answer")
+    optional = ("answer", "rubric") if reward == "judge" else ()
+    for field in required:
         if field not in row:
             raise DatasetError(f"{where}: missing field {field!r}")
-        if not isinstance(row[field], str):
+    for field in (*required, *optional):
+        if field in row and not isinstance(row[field], str):
             value = json.dumps(row[field])[:40]
             raise DatasetError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__} {value} (quote it: \"...\")")
     tests = row.get("tests")
@@ -126,6 +135,11 @@ def _parse_line(raw: bytes, path: Path, line_no: int) -> dict | None:
             isinstance(t, dict) and isinstance(t.get("output"), str) and isinstance(t.get("input", ""), str)
             for t in tests)):
         raise DatasetError(f'{where}: field \'tests\' must be a non-empty list of {{"input": str, "output": str}} objects')
+    if reward == "judge" and "rubric" in row:
+        try:
+            check_rubric(row["rubric"], "field 'rubric'")
+        except ValueError as e:
+            raise DatasetError(f"{where}: {e} (or drop it to use reward.judge.rubric)") from None
     if "id" not in row:
         row["id"] = f"{path.stem}:{line_no}"
     elif isinstance(row["id"], int) and not isinstance(row["id"], bool):

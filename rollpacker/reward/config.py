@@ -1,4 +1,7 @@
-"""The reward scheduler's config: worker pool, failure policy, adaptive code timeouts, sandbox."""
+"""The reward scheduler's config: worker pool, failure policy, adaptive code timeouts, sandbox, LLM judge.
+
+Plain dataclasses only (no torch): configs are parsed before anything heavy is imported.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,68 @@ from dataclasses import dataclass, field
 from rollpacker.reward.sandbox import SandboxConfig
 
 ON_ERROR = ("zero", "drop")
+JUDGE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_RUBRIC = (
+    "You are grading a response to a task.\n\n"
+    "Task:\n{prompt}\n\nResponse:\n{response}\n\n"
+    "Rate how correct and complete the response is, from 0 (wrong or missing) to 9 (fully correct). "
+    "Answer with one digit.\nScore: "
+)
+
+
+def check_rubric(rubric: str, name: str = "judge.rubric") -> None:
+    """Raise a ValueError naming ``name`` unless ``rubric`` is a template with {prompt} and {response}."""
+    try:
+        rubric.format(prompt="", response="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{name} is not a valid template ({type(e).__name__}: {e}); "
+                         "use only {prompt} and {response}, and double other braces") from None
+    for key in ("{prompt}", "{response}"):
+        if key not in rubric:
+            raise ValueError(f"{name} must contain {key}")
+
+
+@dataclass(kw_only=True)
+class JudgeConfig:
+    model_path: str = ""
+    """Hugging Face directory of the judge model and its tokenizer (any model rollpacker's loader reads);
+    needed when data.reward is judge."""
+    rubric: str = DEFAULT_RUBRIC
+    """The judge prompt: a template with {prompt} and {response} that ends where the score goes (a data row's
+    own 'rubric' replaces it for that row)."""
+    max_score: int = 9
+    """Scores are the integers 0..max_score, each a single token; reward = score / max_score."""
+    dtype: str = "auto"
+    """Judge weights' dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
+    resident_layers: int = -1
+    """Decoder layers kept on the device, the rest streamed from host memory (-1: chosen per batch from memory)."""
+    max_tokens: int = 4096
+    """Longest judge input (rubric, prompt and response) in tokens; a longer one is a reward_error."""
+    max_batch_tokens: int = 16384
+    """Tokens packed into one judge forward: the most one reward poll scores between two rollout exchanges."""
+    memory_fraction: float = 0.8
+    """GPU: share of the device memory available when a batch starts that the judge may use."""
+    cpu_memory_gib: float = 8.0
+    """CPU: the judge's memory budget in GiB (nothing reports free memory there)."""
+
+    def __post_init__(self) -> None:
+        check_rubric(self.rubric)
+        if self.max_score < 1:
+            raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
+        if self.dtype not in JUDGE_DTYPES:
+            raise ValueError(f"judge.dtype must be one of {', '.join(JUDGE_DTYPES)}, got {self.dtype!r}")
+        if self.resident_layers < -1:
+            raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"judge.max_tokens must be positive, got {self.max_tokens}")
+        if self.max_batch_tokens < self.max_tokens:
+            raise ValueError(
+                f"judge.max_batch_tokens ({self.max_batch_tokens}) must be >= judge.max_tokens ({self.max_tokens})"
+            )
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"judge.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.cpu_memory_gib <= 0:
+            raise ValueError(f"judge.cpu_memory_gib must be positive, got {self.cpu_memory_gib}")
 
 
 @dataclass(kw_only=True)
@@ -26,6 +91,8 @@ class RewardConfig:
     """Code: longest timeout of a test case, in seconds."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Isolation and limits of the code sandbox."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The LLM judge (data.reward judge): run in the controller on the actor's device."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:

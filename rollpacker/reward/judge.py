@@ -8,7 +8,14 @@ and stripped of whitespace. :func:`parse_verdict` reads it: it must be an intege
 ``max_score`` (every score must be a single token of the judge's tokenizer), and the reward is
 ``score / max_score`` in [0, 1]. Anything else (a word, EOS, a score above ``max_score``, an
 input over ``max_tokens``, a batch that does not fit in memory) is a :class:`RewardError` for
-that sample (a flagged reward_error upstream), never a silent 0.
+that sample (a flagged reward_error upstream), never a silent 0. A data row may carry its own
+``rubric`` (same rules), which replaces the configured one for that row.
+
+**In the loop** (``--data.reward judge``): the controller's
+:class:`~rollpacker.reward.scheduler.RewardScheduler` loads the judge on its first sample, on the
+device of rank 0 (the actor's), queues each response as it finishes and scores one packed batch
+(at most ``max_batch_tokens``) per poll, so rollout goes on between batches, and the rest when
+the round waits for its rewards.
 
 **Layer-wise offloading** (:class:`OffloadedLayers`). The judge lives in the trainer process on
 the actor's device. Its embedding, final norm and output head stay on the device; of its decoder
@@ -31,7 +38,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -39,65 +45,13 @@ from rollpacker.model.args import ModelArgs
 from rollpacker.model.attention import CausalAttention
 from rollpacker.model.hf import load_model
 from rollpacker.model.transformer import Block, rope_cos_sin
+from rollpacker.reward.config import JudgeConfig
 from rollpacker.reward.rules import RewardError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RUBRIC = (
-    "You are grading a response to a task.\n\n"
-    "Task:\n{prompt}\n\nResponse:\n{response}\n\n"
-    "Rate how correct and complete the response is, from 0 (wrong or missing) to 9 (fully correct). "
-    "Answer with one digit.\nScore: "
-)
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(kw_only=True)
-class JudgeConfig:
-    model_path: str = ""
-    """Hugging Face directory of the judge model and its tokenizer (any model rollpacker's loader reads)."""
-    rubric: str = DEFAULT_RUBRIC
-    """The judge prompt: a template with {prompt} and {response} that ends where the score goes."""
-    max_score: int = 9
-    """Scores are the integers 0..max_score, each a single token; reward = score / max_score."""
-    dtype: str = "auto"
-    """Judge weights' dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
-    resident_layers: int = -1
-    """Decoder layers kept on the device, the rest streamed from host memory (-1: chosen per batch from memory)."""
-    max_tokens: int = 4096
-    """Longest judge input (rubric, prompt and response) in tokens; a longer one is a reward_error."""
-    max_batch_tokens: int = 16384
-    """Tokens packed into one judge forward."""
-    memory_fraction: float = 0.8
-    """GPU: share of the device memory available when a batch starts that the judge may use."""
-    cpu_memory_gib: float = 8.0
-    """CPU: the judge's memory budget in GiB (nothing reports free memory there)."""
-
-    def __post_init__(self) -> None:
-        try:
-            self.rubric.format(prompt="", response="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"judge.rubric is not a valid template ({type(e).__name__}: {e}); "
-                             "use only {prompt} and {response}, and double other braces") from None
-        for key in ("{prompt}", "{response}"):
-            if key not in self.rubric:
-                raise ValueError(f"judge.rubric must contain {key}")
-        if self.max_score < 1:
-            raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"judge.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.resident_layers < -1:
-            raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")
-        if self.max_tokens <= 0:
-            raise ValueError(f"judge.max_tokens must be positive, got {self.max_tokens}")
-        if self.max_batch_tokens < self.max_tokens:
-            raise ValueError(
-                f"judge.max_batch_tokens ({self.max_batch_tokens}) must be >= judge.max_tokens ({self.max_tokens})"
-            )
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"judge.memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.cpu_memory_gib <= 0:
-            raise ValueError(f"judge.cpu_memory_gib must be positive, got {self.cpu_memory_gib}")
+"""torch dtypes of ``JudgeConfig.dtype`` (:data:`~rollpacker.reward.config.JUDGE_DTYPES`)."""
 
 
 def parse_verdict(verdict: str, max_score: int) -> float:
@@ -276,9 +230,9 @@ class Judge:
         self.fixed_bytes = sum(p.numel() * p.element_size() for p in weights)
         self.bytes_per_token = activation_bytes_per_token(model.args, self.layers.host[0].dtype)
 
-    def encode(self, prompt: str, response: str) -> list[int]:
-        """Token ids of the judge prompt for one pair."""
-        return self.tokenizer.encode(self.cfg.rubric.format(prompt=prompt, response=response))
+    def encode(self, prompt: str, response: str, rubric: str | None = None) -> list[int]:
+        """Token ids of the judge prompt for one pair, with ``rubric`` (a data row's own) or the configured one."""
+        return self.tokenizer.encode((rubric or self.cfg.rubric).format(prompt=prompt, response=response))
 
     def _budget_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -315,16 +269,21 @@ class Judge:
         last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1  # [N]
         return self.model.logits(self.model.norm(x)[last])
 
-    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float | RewardError]:
+    def score(self, pairs: Sequence[tuple[str, str]], rubrics: Sequence[str | None] | None = None
+              ) -> list[float | RewardError]:
         """Rewards in [0, 1] of (prompt, response) pairs, or the :class:`RewardError` of each pair
-        that could not be scored. Pairs are packed up to ``max_batch_tokens`` per forward."""
-        results: list[float | RewardError | None] = [None] * len(pairs)
+        that could not be scored. ``rubrics``: a rubric per pair (None: the configured one)."""
+        rubrics = [None] * len(pairs) if rubrics is None else rubrics
+        return self.score_ids([self.encode(p, r, rubric) for (p, r), rubric in zip(pairs, rubrics, strict=True)])
+
+    def score_ids(self, seqs: Sequence[list[int]]) -> list[float | RewardError]:
+        """Like :meth:`score`, for judge prompts already encoded (:meth:`encode`). They are packed
+        in order, a new forward whenever the next would pass ``max_batch_tokens``."""
+        results: list[float | RewardError | None] = [None] * len(seqs)
         batches: list[list[int]] = []
-        seqs: dict[int, list[int]] = {}
         size = 0
         max_tokens = self.cfg.max_tokens
-        for i, (prompt, response) in enumerate(pairs):
-            ids = self.encode(prompt, response)
+        for i, ids in enumerate(seqs):
             if len(ids) > max_tokens:
                 results[i] = RewardError(f"judge input is {len(ids)} tokens, over judge.max_tokens={max_tokens}")
                 continue
@@ -332,7 +291,6 @@ class Judge:
                 batches.append([])
                 size = 0
             batches[-1].append(i)
-            seqs[i] = ids
             size += len(ids)
         for batch in batches:
             try:

@@ -9,12 +9,20 @@ killable worker processes of :class:`~rollpacker.reward.workers.RewardPool` (``n
 hung reward there). A sample whose reward failed comes back as None and is counted; the
 trainer's ``reward.on_error`` says whether it is trained with reward 0 or dropped. Code rows
 (with ``tests``) get the adaptive per-test timeouts, whose anchors go into the checkpoint.
+
+The LLM judge (kind ``judge``, :mod:`rollpacker.reward.judge`) runs here, in the controller, on
+the device it is given (rank 0's, which the actor shares), loaded on first use. Its samples are
+queued at :meth:`submit`; each :meth:`poll` scores one packed batch from the head of the queue (at
+most ``judge.max_batch_tokens`` tokens, one forward), so a poll holds rollout up for one forward
+at most, and :meth:`wait` scores the rest. An unparseable verdict is a reward_error like any other.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from rollpacker.reward.code import AdaptiveTimeout
@@ -26,8 +34,15 @@ logger = logging.getLogger(__name__)
 
 
 class RewardScheduler:
-    def __init__(self, cfg: RewardConfig, kind: str, decode: Callable[[list[int]], str]):
-        self.cfg, self.kind, self.decode = cfg, kind, decode
+    def __init__(self, cfg: RewardConfig, kind: str, decode: Callable[[list[int]], str], device: Any = "cpu"):
+        """``kind``: data.reward; ``device``: where the judge runs (the controller rank's, the actor's)."""
+        if kind == "judge":
+            check_judge_path(cfg.judge.model_path)
+        self.cfg, self.kind, self.decode, self.device = cfg, kind, decode, device
+        self.judge = None
+        """The :class:`~rollpacker.reward.judge.Judge`, loaded on the first judge sample."""
+        self._judge_todo: collections.deque[tuple[Any, tuple | list[int]]] = collections.deque()
+        """Judge samples not scored yet: ``(key, (prompt, response, rubric))``, or ``(key, token ids)`` once encoded."""
         self.timeouts = AdaptiveTimeout.from_config(cfg)
         self.pool = None
         if cfg.num_workers:
@@ -45,6 +60,9 @@ class RewardScheduler:
             self._tests[key] = row["tests"]
             kind, payload = "code", {"response": response, "tests": row["tests"],
                                      "timeouts": self.timeouts.timeouts(row["tests"])}
+        elif self.kind == "judge":
+            self._judge_todo.append((key, (row["prompt"], response, row.get("rubric"))))
+            return
         else:
             kind, payload = self.kind, {"response": response, "answer": row["answer"]}
         if self.pool:
@@ -61,17 +79,50 @@ class RewardScheduler:
         self._inline.append((key, score))
 
     def poll(self) -> list[tuple[Any, float | None]]:
-        """Scores finished since the last call: ``(key, reward or None if it failed)``; never waits."""
+        """Scores finished since the last call: ``(key, reward or None if it failed)``. Never waits for
+        a worker; scores one judge batch (one forward) if judge samples are queued."""
+        done = self._judge_batch() if self._judge_todo else []
+        return self._finished() + done
+
+    def wait(self) -> list[tuple[Any, float | None]]:
+        """Like :meth:`poll`, after every submitted sample is scored."""
+        done = []
+        while self._judge_todo:  # the workers score on meanwhile
+            done += self._judge_batch()
+        if self.pool:
+            return [self._result(s) for s in self.pool.drain()] + done
+        return self._finished() + done
+
+    def _finished(self) -> list[tuple[Any, float | None]]:
         if not self.pool:
             done, self._inline = self._inline, []
             return done
         return [self._result(s) for s in self.pool.poll()]
 
-    def wait(self) -> list[tuple[Any, float | None]]:
-        """Like :meth:`poll`, after every submitted sample is scored."""
-        if self.pool:
-            return [self._result(s) for s in self.pool.drain()]
-        return self.poll()
+    def _judge_batch(self) -> list[tuple[Any, float | None]]:
+        """Score the judge samples at the head of the queue that fit one forward (at least one)."""
+        start = time.perf_counter()
+        if self.judge is None:
+            from rollpacker.reward.judge import Judge
+
+            logger.info("loading the judge %s on %s", self.cfg.judge.model_path, self.device)
+            self.judge = Judge(self.cfg.judge, self.device)
+        cfg = self.judge.cfg
+        keys, seqs, size = [], [], 0
+        while self._judge_todo:
+            key, sample = self._judge_todo[0]
+            ids = sample if isinstance(sample, list) else self.judge.encode(*sample)
+            num_tokens = len(ids) if len(ids) <= cfg.max_tokens else 0  # too long: flagged without a forward
+            if keys and size + num_tokens > cfg.max_batch_tokens:
+                self._judge_todo[0] = (key, ids)  # next poll's first: encoded once
+                break
+            self._judge_todo.popleft()
+            keys.append(key)
+            seqs.append(ids)
+            size += num_tokens
+        results = self.judge.score_ids(seqs)
+        self.seconds += time.perf_counter() - start
+        return [(key, self._failed(key, str(r)) if isinstance(r, RewardError) else r) for key, r in zip(keys, results)]
 
     def _result(self, scored) -> tuple[Any, float | None]:
         self.seconds += scored.seconds
@@ -100,3 +151,14 @@ class RewardScheduler:
     def close(self) -> None:
         if self.pool:
             self.pool.close()
+        self.judge = None
+
+
+def check_judge_path(model_path: str) -> None:
+    """Raise a ValueError naming reward.judge.model_path unless it is a model directory."""
+    if not model_path:
+        raise ValueError("data.reward is judge but reward.judge.model_path is empty: point it at the judge's "
+                         "Hugging Face model directory (--reward.judge.model-path DIR)")
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"reward.judge.model_path={model_path!r} is not a Hugging Face model directory "
+                         "(no config.json in it)")
