@@ -18,7 +18,7 @@ from rollpacker.metrics import MetricsConfig
 from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.schedule.config import ScheduleConfig
-from rollpacker.train.config import TrainConfig
+from rollpacker.train.config import StreamConfig, TrainConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "toy-cpu"
@@ -94,6 +94,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    stream: StreamConfig = field(default_factory=StreamConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
@@ -102,6 +103,15 @@ class Config:
         if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
             raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
+        if self.data.reward == "judge" and not self.reward.judge.model_path:
+            raise ValueError("data.reward is judge but reward.judge.model_path is empty: point it at the judge's "
+                             "Hugging Face model directory (--reward.judge.model-path DIR)")
+        if self.stream.enabled and self.train.advantage_norm != "group":
+            raise ValueError(
+                f"stream.enabled with train.advantage_norm={self.train.advantage_norm!r}: stream training trains each "
+                "group as soon as it completes, so its advantages must be final then; batch-level normalization "
+                "needs the whole step's rewards, known only when rollout ends. Use train.advantage_norm=group "
+                "or turn stream training off")
 
     def check_world(self, world: int) -> None:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""

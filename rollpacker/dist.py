@@ -6,6 +6,9 @@
 - ``rollout``: a 2-D (replica, tp) mesh; ``rollout_tp`` is this rank's engine TP sub-mesh.
 - ``train``: the 2-D (replicate, shard) HSDP mesh of the trainer. Each replica group is a whole
   copy of the model, so a subset of replicas can compute gradients on its own (stream training).
+- With stream training: ``stream``, a gloo group of all ranks for rank 0's point-to-point sends
+  to the ranks it frees, and ``kept_control``, the control plane of the ranks that keep rolling
+  out after a scale-down (the first half of the rollout replicas, rounded up).
 
 World size 1 is not special: ``python -m rollpacker.run`` gets a one-rank gloo group like any
 other run. Nobody else creates process groups.
@@ -51,6 +54,8 @@ class Meshes:
     control: dist.ProcessGroup
     rollout: DeviceMesh
     train: DeviceMesh
+    stream: dist.ProcessGroup | None = None
+    kept_control: dist.ProcessGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -78,29 +83,36 @@ class Meshes:
         """TP rank 0 of its replica: the one that reports the replica's outputs."""
         return self.rollout.get_local_rank("tp") == 0
 
-    def broadcast(self, obj: Any = None) -> Any:
-        """Rank 0's ``obj``, on every rank (control plane)."""
+    def broadcast(self, obj: Any = None, group: dist.ProcessGroup | None = None) -> Any:
+        """Rank 0's ``obj``, on every rank of ``group`` (default: the control plane)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
+        dist.broadcast_object_list(box, src=0, group=group or self.control)
         return box[0]
 
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
-        out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.control)
+    def gather(self, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+        """Every rank's ``obj`` of ``group`` (default: the control plane), in rank order, on rank 0 (None elsewhere)."""
+        group = group or self.control
+        out = [None] * dist.get_world_size(group) if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=group)
         return out
 
 
-def build_meshes(rollout_tp: int, train_shard_size: int) -> Meshes:
+def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False) -> Meshes:
     device = init_distributed()
     world = dist.get_world_size()
     shard = train_shard_size or world
     kind = device.type
     control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    extra = {}
+    if stream:  # new_group is collective over all ranks: built here, used only by some
+        replicas = world // rollout_tp
+        extra = {"stream": dist.new_group(backend="gloo"),
+                 "kept_control": dist.new_group(list(range((replicas - replicas // 2) * rollout_tp)), backend="gloo")}
     return Meshes(
         device=device,
         world=init_device_mesh(kind, (world,), mesh_dim_names=("world",)),
         control=control,
         rollout=init_device_mesh(kind, (world // rollout_tp, rollout_tp), mesh_dim_names=("replica", "tp")),
         train=init_device_mesh(kind, (world // shard, shard), mesh_dim_names=("replicate", "shard")),
+        **extra,
     )

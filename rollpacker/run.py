@@ -38,6 +38,8 @@ class Job:
     metrics: Any = None
     display: Any = None
     start_step: int = 0
+    stream: Any = None
+    """The stream trainer (rollpacker.train.stream), on every rank, when stream.enabled."""
 
 
 def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
@@ -47,20 +49,25 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
     timer, rank0, cfg = Timer(), job.meshes.rank == 0, job.config
     if rank0:
         job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
-    with timer("rollout"):  # the policy plans the round; the engines generate it
+    with timer("rollout"):  # the policy plans the round; the engines generate it (freed ranks stream-train)
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
                            rows=job.rows, prompt_ids=lambda p: encode_prompt(job, job.rows[p]), rewards=job.rewards,
                            sampling=sampling_params(cfg), seed=cfg.seed,
-                           on_progress=job.display.update if rank0 else None)
+                           on_progress=job.display.update if rank0 else None, stream=job.stream,
+                           make_samples=lambda g: group_samples(job, g))
     with timer("reward"):  # advantages of the kept groups (rank 0; responses were scored as they finished)
-        samples, round_stats = score(job, result) if rank0 else (None, {})
+        batch, round_stats = score(job, result) if rank0 else (None, {})
     if rank0:  # the wait for rewards after the last response finished is reward time, not rollout
         timer.times["time/rollout"] -= round_stats["time/reward_exposed"]
         timer.times["time/reward"] += round_stats["time/reward_exposed"]
     stats |= round_stats
-    samples = job.meshes.broadcast(samples)
-    with timer("train"):  # one optimizer step, normalized by global counts
-        stats |= job.trainer.step(samples)
+    with timer("train"):  # one optimizer step on what was not streamed, normalized by global counts
+        samples, normalizer = job.meshes.broadcast(batch)
+        stats |= job.trainer.step(samples, normalizer)
+    if job.stream:
+        hidden = job.meshes.gather(job.stream.seconds)
+        if rank0:
+            stats["stream/train_seconds"] = max(hidden)  # train time hidden under rollout
     with timer("weight_sync"):  # push the new weights into the engines, in-process
         job.engine.update_weights(job.trainer.model.named_parameters())
     if rank0:
@@ -120,36 +127,53 @@ def encode_prompt(job: Job, row: dict) -> list[int]:
     return ids
 
 
-def score(job: Job, result) -> tuple[list, dict[str, float]]:
-    """GRPO advantages of every kept response, and the round's metrics."""
+def group_samples(job: Job, group) -> list:
+    """The trainer samples of a scored group, with their GRPO advantages. A reward_error sample is
+    trained with reward 0 or dropped (``reward.on_error``)."""
     import torch
 
-    from rollpacker.metrics import bubble_ratio, length_stats
     from rollpacker.train.losses import group_advantages
     from rollpacker.train.trainer import Sample
 
+    kept = [(o, r) for o, r in zip(group.outputs, group.rewards) if r is not None or job.config.reward.on_error == "zero"]
+    if not kept:
+        return []
+    adv = group_advantages(torch.tensor([r or 0.0 for _, r in kept])[None], job.config.train.scale_adv_by_std)[0]
+    return [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(kept, adv.tolist())]
+
+
+def score(job: Job, result) -> tuple[tuple[list, int], dict[str, Any]]:
+    """The samples left to train (those the stream trainer has not taken), the step's global
+    normalizer (over every trained sample), and the round's metrics."""
+    import torch
+
+    from rollpacker.metrics import bubble_ratio, length_stats
+
+    cfg = job.config
     errors = sum(r is None for g in result.groups for r in g.rewards)
-    samples, all_rewards = [], []
-    for g in result.groups:  # reward_error samples: trained with reward 0, or dropped (reward.on_error)
-        kept = [(o, r) for o, r in zip(g.outputs, g.rewards) if r is not None or job.config.reward.on_error == "zero"]
-        if not kept:
-            continue
-        rewards = torch.tensor([r or 0.0 for _, r in kept])
-        adv = group_advantages(rewards[None], job.config.train.scale_adv_by_std)[0]
-        samples += [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(kept, adv.tolist())]
-        all_rewards += rewards.tolist()
+    per_group = [(g, group_samples(job, g)) for g in result.groups]
+    every = [s for _, group in per_group for s in group]
+    samples = [s for g, group in per_group if not g.streamed for s in group]
+    if cfg.train.advantage_norm == "batch" and len(samples) > 1:  # REINFORCE++: whiten over the batch
+        adv = torch.tensor([s.advantage for s in samples])
+        for s, a in zip(samples, ((adv - adv.mean()) / (adv.std() + 1e-6)).tolist()):
+            s.advantage = a
+    normalizer = sum(len(s.response_ids) for s in every) if cfg.train.aggregation == "token" else len(every)
+    all_rewards = [r or 0.0 for g in result.groups for r in g.rewards
+                   if r is not None or cfg.reward.on_error == "zero"]
     reward_t = torch.tensor(all_rewards)
-    lengths = [len(s.response_ids) for s in samples]
+    lengths = [len(s.response_ids) for s in every]
     rollout_time = result.end - result.start
     trace = [(result.start, result.num_launched), *result.running_trace]
-    return samples, {
+    return (samples, normalizer), {
         "sched/round_kind": result.kind,
         "sched/trained_prompts": len(result.groups),
         "sched/aborted_responses": result.num_aborted,
         "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
         **job.policy.stats(),
-        "reward/mean": reward_t.mean().item() if samples else 0.0,
-        "reward/accuracy": (reward_t >= 1.0).float().mean().item() if samples else 0.0,
+        **result.stream,
+        "reward/mean": reward_t.mean().item() if every else 0.0,
+        "reward/accuracy": (reward_t >= 1.0).float().mean().item() if every else 0.0,
         "reward/errors": errors,
         "reward/seconds_total": job.rewards.take_seconds(),
         "time/reward_exposed": result.end - result.last_finish,
@@ -170,7 +194,7 @@ def build(config: Config) -> Job:
     from rollpacker.rollout.torch_engine import TorchEngine
     from rollpacker.train.trainer import Trainer
 
-    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size)
+    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=config.stream.enabled)
     config.check_world(meshes.world_size)
     torch.manual_seed(config.seed)
     path = model_path(config)
@@ -181,6 +205,11 @@ def build(config: Config) -> Job:
     trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
                       temperature=config.rollout.temperature or 1.0, reference=reference)
     job = Job(config=config, meshes=meshes, engine=engine, trainer=trainer)
+    if config.stream.enabled:
+        from rollpacker.train.stream import StreamTrainer
+
+        job.stream = StreamTrainer(config.stream, trainer, meshes, max_new_tokens=config.rollout.max_new_tokens,
+                                   kv_capacity_tokens=engine.num_blocks * config.engine.block_size)
     if meshes.rank == 0:
         build_controller(job, path)
     if config.resume:
@@ -204,7 +233,7 @@ def build_controller(job: Job, path: Path) -> None:
     job.eval_rows = load_eval_rows(cfg.data) if cfg.eval_every else None
     job.tokenizer = AutoTokenizer.from_pretrained(path)
     job.rewards = RewardScheduler(cfg.reward, cfg.data.reward,
-                                  lambda ids: job.tokenizer.decode(ids, skip_special_tokens=True))
+                                  lambda ids: job.tokenizer.decode(ids, skip_special_tokens=True), job.meshes.device)
     job.policy = make_policy(cfg, PromptSampler(len(job.rows), cfg.data.shuffle_seed))
     job.metrics = MetricsLogger(Path(cfg.run_dir), cfg.metrics, dataclasses.asdict(cfg))
     job.display = LiveDisplay(cfg.metrics.live)

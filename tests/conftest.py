@@ -43,6 +43,22 @@ def qwen3_tied_dir(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("qwen3"), "qwen3", head_dim=16, tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="session")
+def toy_random_dir(tmp_path_factory):
+    """A random (untrained) model with the toy task's tokenizer: fast, and reward stays near 0."""
+    from rollpacker.data.toy_model import build_tokenizer, model_config
+    from rollpacker.model import ModelArgs, Transformer, save_model
+
+    path = tmp_path_factory.mktemp("toyrand")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_hf(model_config(tokenizer)))
+    model.init_weights()
+    save_model(model, path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
     """Run ``tests/dist/<script>`` on ``nproc`` real gloo ranks; fail the test on a non-zero exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -156,10 +156,10 @@ class OneReplica:
 
     rank, num_replicas, replica, is_replica_leader = 0, 1, 0, True
 
-    def broadcast(self, obj):
+    def broadcast(self, obj, group=None):
         return obj
 
-    def gather(self, obj):
+    def gather(self, obj, group=None):
         return [obj]
 
 

@@ -12,22 +12,6 @@ import torch
 from conftest import torchrun
 
 
-@pytest.fixture(scope="module")
-def toy_random_dir(tmp_path_factory):
-    """A random (untrained) model with the toy task's tokenizer: fast, and reward stays near 0."""
-    from rollpacker.data.toy_model import build_tokenizer, model_config
-    from rollpacker.model import ModelArgs, Transformer, save_model
-
-    path = tmp_path_factory.mktemp("toyrand")
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    model = Transformer(ModelArgs.from_hf(model_config(tokenizer)))
-    model.init_weights()
-    save_model(model, path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_two_rank_step_equals_single_process_reference(toy_random_dir):
     out = torchrun("train_step.py", 2, str(toy_random_dir))
     assert out.count("OK") == 2, out

@@ -1,8 +1,10 @@
-"""``python -m rollpacker.bench schedulers --policies sync,tail``: scheduling policies side by side.
+"""``python -m rollpacker.bench schedulers --policies sync,tail,tail+stream``: scheduling policies side by side.
 
 Runs the same toy job (``--preset``, default toy-cpu) under torchrun once per policy and seed, in
 the order seed 0 of every policy, then seed 1, … so that slow drift of the machine hits every
-policy alike. Every run has the same seed, data order and number of steps (P0 groups of R0
+policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``). Every run
+uses ``--train.train-shard-size`` = ``--train-shard-size`` (default 1: each rank a whole training
+replica, which stream training needs to free a rank), so the policies train alike. Every run has the same seed, data order and number of steps (P0 groups of R0
 responses per step; a tail run's last step flushes its long-prompt queue, so it may train a few
 prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
 
@@ -11,8 +13,15 @@ prompts fewer, which the table shows). Per policy it prints the mean over seeds 
 - bubble ratio, tokens generated then thrown away, samples trained;
 - held-out greedy accuracy before and after training, per seed.
 
-Flags after ``--`` go to every ``rollpacker.run`` unchanged (``-- --num-steps 40``). The last line is JSON: ``speedup_<policy>`` (first policy's step time ÷ this one's), mean step
-times and accuracies.
+With ``--ablations``, it then runs the paper's stream-trainer ablations on seed 0 for
+``--ablation-steps`` steps and prints the average step time of long rounds and of all rounds:
+Table 3 (no scaling, fixed triggers at 20/30/40% of prompts complete, adaptive) and Table 4
+(asynchronous fetching vs one fetch capped at 20/30/40/50% of the round's prompts).
+
+Flags after ``--`` go to every ``rollpacker.run`` unchanged (``-- --num-steps 40``). The last line
+is JSON: ``speedup_<policy>`` (first policy's step time ÷ this one's, ``+`` written ``_``), mean
+step times and accuracies, and with ablations ``table3_<variant>``/``table4_<variant>`` speedups
+of the long-round step time over their tables' first column.
 """
 
 from __future__ import annotations
@@ -40,11 +49,31 @@ class Args:
     """Ranks (torchrun --nproc_per_node)."""
     preset: str = "toy-cpu"
     """Preset of the job (its num_steps and eval settings; rollpacker.run flags after ``--`` override them)."""
+    train_shard_size: int = 1
+    """--train.train-shard-size of every run (stream training frees whole training replicas)."""
+    ablations: bool = False
+    """Also run the stream trainer's Table 3 and Table 4 ablations (seed 0)."""
+    ablation_steps: int = 40
+    """Steps of each ablation run."""
 
 
-def run(args: Args, run_args: list[str], policy: str, seed: int, run_dir: str) -> list[dict]:
+STREAM = ["--stream.enabled"]
+TABLE3 = {"w/o": [], "20%": [*STREAM, "--stream.trigger", "0.2"], "30%": [*STREAM, "--stream.trigger", "0.3"],
+          "40%": [*STREAM, "--stream.trigger", "0.4"], "adaptive": STREAM}
+TABLE4 = {"stream": STREAM, **{f"{c}%": [*STREAM, "--stream.fetch-cap", str(c / 100)] for c in (20, 30, 40, 50)}}
+
+
+def policy_args(policy: str) -> list[str]:
+    name, _, extra = policy.partition("+")
+    if extra not in ("", "stream"):
+        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+stream")
+    return ["--policy", name, *(STREAM if extra else [])]
+
+
+def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--policy", policy,
+           "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, *policy_flags,
+           "--train.train-shard-size", str(args.train_shard_size),
            "--seed", str(seed), "--data.shuffle-seed", str(seed), "--metrics.wandb-mode", "disabled",
            "--metrics.no-live", *run_args]
     print("$", " ".join(cmd[1:]), flush=True)
@@ -64,6 +93,10 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "steps": len(steps),
         "acc_before": evals[0] if evals else float("nan"),
         "acc_after": evals[-1] if evals else float("nan"),
+        "step_time_long": statistics.mean([r["time/step"] for r in timed if r["sched/round_kind"] == "long"]
+                                          or [float("nan")]),
+        "scaled_down": sum(r.get("stream/scaled_down", 0) for r in steps),
+        "hidden_train": statistics.mean(r.get("stream/train_seconds", 0) for r in timed),
     }
     for kind in ("sync", "short", "long"):
         times = [r["time/rollout"] for r in timed if r["sched/round_kind"] == kind]
@@ -80,14 +113,16 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         for policy in policies:
             with tempfile.TemporaryDirectory() as run_dir:
-                results[policy].append(summarize(run(args, run_args, policy, seed, run_dir)))
+                results[policy].append(summarize(run(args, run_args, policy_args(policy), seed, run_dir)))
     mean = {p: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for p, rs in results.items()}
     base = mean[policies[0]]["step_time"]
     print(f"\n{args.preset}, {args.nproc} ranks, mean over seeds {args.seeds}:")
     rows = [
         ("rollout/round sync (s)", "rollout_sync", ".3f"), ("rollout/round short (s)", "rollout_short", ".3f"),
         ("rollout/round long (s)", "rollout_long", ".3f"), ("rounds short/long", None, None),
-        ("step time (s)", "step_time", ".3f"), ("speedup", None, None), ("bubble ratio", "bubble_ratio", ".3f"),
+        ("step time, long rounds (s)", "step_time_long", ".3f"), ("step time (s)", "step_time", ".3f"),
+        ("speedup", None, None), ("bubble ratio", "bubble_ratio", ".3f"), ("scale-downs", "scaled_down", ".0f"),
+        ("train hidden/step (s)", "hidden_train", ".3f"),
         ("tokens wasted", "wasted_tokens", ".0f"), ("samples trained", "samples", ".0f"),
         ("eval acc before", "acc_before", ".3f"), ("eval acc after", "acc_after", ".3f"),
     ]
@@ -103,8 +138,33 @@ def main(argv: list[str] | None = None) -> None:
     for p in policies:
         accs = ", ".join(f"seed {s}: {r['acc_before']:.3f} -> {r['acc_after']:.3f}" for s, r in zip(seeds, results[p]))
         print(f"{p}: {accs}")
-    summary = {f"speedup_{p}": round(base / mean[p]["step_time"], 3) for p in policies[1:]}
-    summary |= {f"step_time_{p}": round(mean[p]["step_time"], 3) for p in policies}
-    summary |= {f"acc_after_{p}": round(mean[p]["acc_after"], 4) for p in policies}
-    summary |= {f"samples_{p}": mean[p]["samples"] for p in policies}
+    key = {p: p.replace("+", "_") for p in policies}
+    summary = {f"speedup_{key[p]}": round(base / mean[p]["step_time"], 3) for p in policies[1:]}
+    summary |= {f"step_time_{key[p]}": round(mean[p]["step_time"], 3) for p in policies}
+    summary |= {f"step_time_long_{key[p]}": round(mean[p]["step_time_long"], 3) for p in policies}
+    summary |= {f"acc_after_{key[p]}": round(mean[p]["acc_after"], 4) for p in policies}
+    summary |= {f"samples_{key[p]}": mean[p]["samples"] for p in policies}
+    if args.ablations:
+        summary |= ablate(args, run_args)
     print(json.dumps(summary))
+
+
+def ablate(args: Args, run_args: list[str]) -> dict[str, float]:
+    """The paper's Tables 3 and 4 on the tail policy, seed 0: step times of long rounds and of all."""
+    out = {}
+    for name, table in (("table3", TABLE3), ("table4", TABLE4)):
+        rows = {}
+        for variant, flags in table.items():
+            with tempfile.TemporaryDirectory() as run_dir:
+                rows[variant] = summarize(run(args, [*run_args, "--num-steps", str(args.ablation_steps)],
+                                              ["--policy", "tail", *flags], 0, run_dir))
+        first = next(iter(rows.values()))
+        print(f"\n{name}: tail, seed 0, {args.ablation_steps} steps")
+        print(f"{'':<26}" + "".join(f"{v:>10}" for v in rows))
+        for label, k in (("step time, long (s)", "step_time_long"), ("step time, all (s)", "step_time")):
+            print(f"{label:<26}" + "".join(f"{r[k]:>10.3f}" for r in rows.values()))
+        print(f"{'speedup, long rounds':<26}" + "".join(f"{first['step_time_long'] / r['step_time_long']:>9.2f}x"
+                                                        for r in rows.values()))
+        out |= {f"{name}_{v.replace('%', 'pct').replace('/', '')}": round(first["step_time_long"] / r["step_time_long"], 3)
+                for v, r in rows.items()}
+    return out

@@ -13,14 +13,16 @@ One round = one RL step. The controller calls, on rank 0 only:
    first, then every ``Decision.launch`` in turn), so one row may appear twice in a round (once
    from each of two epochs);
 2. ``on_finished(slot, response, output, reward) -> Decision`` for every response that finishes,
-   in the order they finished: request ids to abort now, rows to launch, and whether the round
-   is over. A policy whose ``needs_rewards`` is True hears of a response once it is scored
+   in the order they finished: request ids to abort now, rows to launch, groups now complete (final:
+   they will be trained, so the stream trainer may take them at once), and whether the round is
+   over. A policy whose ``needs_rewards`` is True hears of a response once it is scored
    (``reward`` None when scoring failed); otherwise at once, with ``reward`` None. A policy may be
    told about a response it has already asked to abort (it finished in the meantime); it ignores it;
 3. ``end_round(aborted) -> list of groups to train`` once the round is over and every
    still-running request has been aborted (their partial outputs are passed in). The policy
-   accounts for every prompt it launched: trained, deferred or filtered. The controller then
-   fills each group's ``rewards`` from the reward scheduler.
+   accounts for every prompt it launched: trained, deferred or filtered. The groups are the same
+   objects its decisions reported complete. The controller then fills each group's ``rewards``
+   from the reward scheduler.
 
 ``stats()`` gives the round's ``sched/`` metrics; ``done()`` is True once there is nothing left to
 train (the configured epochs are used up). Policies are checkpointed with
@@ -41,16 +43,8 @@ class Round:
     """Dataset rows of the prompts to launch; slot i is ``prompts[i]``."""
     num_responses: int
     """Responses launched per prompt (also for prompts launched later in the round)."""
-
-
-@dataclass
-class Decision:
-    abort: list[str] = field(default_factory=list)
-    """Request ids to abort now."""
-    launch: list[int] = field(default_factory=list)
-    """Dataset rows to launch now, ``Round.num_responses`` responses each; they take the next slots."""
-    round_done: bool = False
-    """True when the round is over: everything still running gets aborted."""
+    keep: int
+    """Prompts the round will complete and train (its progress is measured against this)."""
 
 
 @dataclass
@@ -63,6 +57,20 @@ class Group:
     rewards: list[float | None]
     """One per output; None where scoring failed."""
     epoch: int = 0
+    streamed: bool = False
+    """Set by the controller when the stream trainer took it during the round."""
+
+
+@dataclass
+class Decision:
+    abort: list[str] = field(default_factory=list)
+    """Request ids to abort now."""
+    launch: list[int] = field(default_factory=list)
+    """Dataset rows to launch now, ``Round.num_responses`` responses each; they take the next slots."""
+    complete: list[Group] = field(default_factory=list)
+    """Groups that became complete with this response: final, ``end_round`` returns them."""
+    round_done: bool = False
+    """True when the round is over: everything still running gets aborted."""
 
 
 def request_id(step: int, slot: int, response: int) -> str:

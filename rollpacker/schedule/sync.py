@@ -1,9 +1,10 @@
 """``sync``: the veRL-style synchronous baseline every speedup is measured against.
 
 Each round draws P0 prompts from the seeded sampler, launches R0 responses each and waits for
-all of them: the long tail of the slowest response sets the round's length. With
-``filter_zero_variance``, groups whose rewards are all equal are dropped after the round
-(counted in ``sched/filtered``); with ``num_epochs``, the last round takes what is left.
+all of them: the long tail of the slowest response sets the round's length. A group is complete
+when its R0 responses are in. With ``filter_zero_variance``, a group whose rewards are all equal
+is dropped then instead (counted in ``sched/filtered``); with ``num_epochs``, the last round takes
+what is left.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ class SyncPolicy:
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
         self.groups: list[Group] = []
+        self.dropped: set[int] = set()
         self.pending = 0
-        self.filtered = 0
 
     @property
     def needs_rewards(self) -> bool:
@@ -36,23 +37,29 @@ class SyncPolicy:
         left = remaining(self.sampler, self.num_epochs)
         keys = self.sampler.draw(self.num_prompts if left is None else min(self.num_prompts, left))
         self.groups = [Group(prompt=row, outputs=[], rewards=[], epoch=epoch) for epoch, row in keys]
-        self.pending = len(keys) * self.group_size
-        return Round(kind="sync", prompts=[g.prompt for g in self.groups], num_responses=self.group_size)
+        self.dropped, self.pending = set(), len(keys) * self.group_size
+        return Round(kind="sync", prompts=[g.prompt for g in self.groups], num_responses=self.group_size,
+                     keep=len(keys))
 
     def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
-        self.groups[slot].outputs.append(output)
-        self.groups[slot].rewards.append(reward)
+        group = self.groups[slot]
+        group.outputs.append(output)
+        group.rewards.append(reward)
         self.pending -= 1
-        return Decision(round_done=self.pending == 0)
+        decision = Decision(round_done=self.pending == 0)
+        if len(group.outputs) == self.group_size:
+            if self.filter_zero_variance and zero_variance(group.rewards):
+                self.dropped.add(slot)
+            else:
+                decision.complete = [group]
+        return decision
 
     def end_round(self, aborted: list[Any]) -> list[Group]:
         assert not aborted, "a sync round ends only when every response has finished"
-        keep = [g for g in self.groups if not (self.filter_zero_variance and zero_variance(g.rewards))]
-        self.filtered = len(self.groups) - len(keep)
-        return keep
+        return [g for slot, g in enumerate(self.groups) if slot not in self.dropped]
 
     def stats(self) -> dict[str, Any]:
-        return {"sched/filtered": self.filtered, "sched/epoch": self.sampler.epoch}
+        return {"sched/filtered": len(self.dropped), "sched/epoch": self.sampler.epoch}
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}

@@ -41,8 +41,7 @@ from rollpacker.schedule.ledger import Key, Ledger
 @dataclass
 class _Launched:
     key: Key
-    outputs: list[Any] = field(default_factory=list)
-    rewards: list[float | None] = field(default_factory=list)
+    group: Group
     finished: set[int] = field(default_factory=set)
     state: str = "running"
     """running, complete or filtered."""
@@ -94,14 +93,14 @@ class TailPolicy:
             responses, kind = math.ceil(self.eta_responses * self.group_size), "short"
         for key in keys:
             self._launch(key)
-        self.round = Round(kind=kind, prompts=[k[1] for k in keys], num_responses=responses)
+        self.round = Round(kind=kind, prompts=[k[1] for k in keys], num_responses=responses, keep=self.target)
         self._stats = {"filtered": 0}
         self.closed = False
         return self.round
 
     def _launch(self, key: Key) -> None:
         self.ledger.launch(key)
-        self.slots.append(_Launched(key))
+        self.slots.append(_Launched(key, Group(prompt=key[1], outputs=[], rewards=[], epoch=key[0])))
 
     # -- reacting ----------------------------------------------------------------------------
 
@@ -109,15 +108,15 @@ class TailPolicy:
         p = self.slots[slot]
         if p.state != "running" or self.closed:
             return Decision()  # finished before its abort landed, or after the round's cut-off: thrown away
-        p.outputs.append(output)
-        p.rewards.append(reward)
+        p.group.outputs.append(output)
+        p.group.rewards.append(reward)
         p.finished.add(response)
         decision = Decision()
-        if len(p.outputs) < self.group_size:
+        if len(p.group.outputs) < self.group_size:
             return decision
         decision.abort = [request_id(self.step, slot, k) for k in range(self.round.num_responses)
                           if k not in p.finished]
-        if self.filter_zero_variance and zero_variance(p.rewards):
+        if self.filter_zero_variance and zero_variance(p.group.rewards):
             p.state = "filtered"
             self._stats["filtered"] += 1
             if self.round.kind == "short" and remaining(self.sampler, self.num_epochs) != 0:
@@ -126,6 +125,7 @@ class TailPolicy:
                 decision.launch = [key[1]]
         else:
             p.state = "complete"
+            decision.complete = [p.group]
         complete = sum(s.state == "complete" for s in self.slots)
         running = sum(s.state == "running" for s in self.slots)
         decision.round_done = self.closed = complete >= self.target or running == 0
@@ -141,7 +141,7 @@ class TailPolicy:
                 self.ledger.settle(p.key, "filtered")
             else:
                 self.ledger.settle(p.key, "trained")
-                groups.append(Group(prompt=p.key[1], outputs=p.outputs, rewards=p.rewards, epoch=p.key[0]))
+                groups.append(p.group)
         if self.round.kind == "long" and deferred:
             raise AssertionError("tail: a long round ended with prompts still running")
         self._stats |= {"deferred": deferred, "long_queue_len": len(self.ledger.queue),

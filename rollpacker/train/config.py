@@ -29,6 +29,9 @@ class TrainConfig:
     """Loss aggregation: 'token' (DAPO: over all response tokens of the step) or 'seq-mean'."""
     scale_adv_by_std: bool = True
     """Divide group-centred rewards by the group's std (GRPO); False centres only (Dr. GRPO)."""
+    advantage_norm: str = "group"
+    """group: each group's advantages stand alone; batch: then whiten them over the step's whole batch
+    (REINFORCE++ style: minus the batch mean, over the batch std). Stream training needs group."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the frozen initial policy; 0 keeps no reference model."""
     train_shard_size: int = 0
@@ -37,6 +40,8 @@ class TrainConfig:
     """bf16 compute with fp32 master weights and gradient reduction, on GPU only (CPU stays fp32)."""
 
     def __post_init__(self) -> None:
+        if self.advantage_norm not in ("group", "batch"):
+            raise ValueError(f"train.advantage_norm must be 'group' or 'batch', got {self.advantage_norm!r}")
         if self.aggregation not in ("token", "seq-mean"):
             raise ValueError(f"train.aggregation must be 'token' or 'seq-mean', got {self.aggregation!r}")
         for name in ("lr", "micro_batch_tokens", "adam_eps"):
@@ -46,3 +51,27 @@ class TrainConfig:
                      "train_shard_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class StreamConfig:
+    """Stream training (paper §4.4): ranks freed from rollout train on finished groups meanwhile."""
+
+    enabled: bool = False
+    """Scale rollout down to half its replicas once enough prompts are complete; the freed ranks train."""
+    trigger: float = 0.0
+    """0: adaptive (at each 5% milestone of completed prompts from 20% to 50%, scale down if the
+    remaining requests' projected KV peak fits the remaining engines); else a fixed completed fraction
+    at which to scale down unconditionally (the paper's Table 3 baselines)."""
+    fetch_cap: float = 0.0
+    """0: the freed ranks fetch every group as it completes (asynchronous fetching); else they fetch
+    once, at the scale-down, the groups completed by then, at most this fraction of the round's (Table 4)."""
+    length_quantile: float = 0.9
+    """KV projection: a running request ends at this quantile of past lengths longer than its own so far."""
+
+    def __post_init__(self) -> None:
+        for name in ("trigger", "fetch_cap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"stream.{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 < self.length_quantile <= 1:
+            raise ValueError(f"stream.length_quantile must be in (0, 1], got {self.length_quantile}")

@@ -6,8 +6,14 @@
   packed into micro-batches under a token budget. All ranks run the same number of micro-batches
   (a rank with fewer runs zero-weighted ones: FSDP2's collectives must match), and gradients are
   reduced only after the last one.
-- Every normalizer is global (all response tokens, or all sequences, of the step), so the update
-  equals the one a single process would take on the whole batch.
+- Every normalizer is global (all response tokens, or all sequences, of the step): micro-batch
+  losses are *sums*, and the reduced gradient is divided by the step's global count just before
+  clipping. The update is the one a single process would take on the whole batch, and it does
+  not matter when a sample's gradient was computed.
+- Stream training (``accumulate``, paper §4.4): ranks freed from rollout compute gradients of
+  finished groups while rollout goes on, with no gradient sync and no optimizer step; FSDP2 keeps
+  them in its unsharded accumulators, and the next :meth:`Trainer.step`, which every rank joins,
+  reduces them with the rest. Optimizer state is not touched until then.
 - A non-finite gradient norm skips the step: no weight changes, ``train/skipped`` = 1.
 
 On-policy, one optimizer step per RL step: the "old" log-probs of the PPO ratio are the current
@@ -96,34 +102,39 @@ class Trainer:
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.totals = torch.zeros(5, dtype=torch.float64, device=self.device)
+        """Sums since the last step: loss, clipped tokens, tokens, KL, |log-prob diff|."""
 
-    def step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step on ``samples`` (the whole step's batch, identical on every rank)."""
+    def accumulate(self, samples: list[Sample], ranks: list[int]) -> None:
+        """Gradients of this rank's share of ``samples`` among ``ranks`` (the ranks training now,
+        whole FSDP shard groups), with no gradient sync and no optimizer step: the next
+        :meth:`step` reduces them with everything else."""
+        self._backward(samples, ranks, sync_last=False)
+
+    def step(self, samples: list[Sample], normalizer: int | None = None) -> dict[str, float]:
+        """One optimizer step on ``samples`` (identical on every rank) and whatever :meth:`accumulate`
+        buffered since the last step. ``normalizer`` is the step's global count (response tokens,
+        or sequences for seq-mean), accumulated samples included; None counts ``samples``."""
         cfg = self.config
-        plan = spread([s.num_tokens for s in samples], self.world, cfg.micro_batch_tokens)
-        mine, num_micro = plan[self.rank], max(len(p) for p in plan)
-        normalizer = sum(len(s.response_ids) for s in samples) if cfg.aggregation == "token" else len(samples)
-        totals = torch.zeros(5, dtype=torch.float64, device=self.device)  # loss, clipped, tokens, kl, lp diff
-        self.model.train()
-        for i in range(num_micro):
-            self.model.set_requires_gradient_sync(i == num_micro - 1)
-            if i < len(mine):
-                loss, stats = self._loss([samples[j] for j in mine[i]], normalizer)
-                totals += torch.stack([loss.detach().double(), *stats]).to(totals)
-            else:
-                loss = self._idle_loss()
-            loss.backward()
+        if normalizer is None:
+            normalizer = sum(len(s.response_ids) for s in samples) if cfg.aggregation == "token" else len(samples)
+        normalizer = max(normalizer, 1)
+        num_micro = self._backward(samples, list(range(self.world)), sync_last=True)
+        totals, self.totals = self.totals, torch.zeros_like(self.totals)
         dist.all_reduce(totals)
         params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in params:  # the global normalizer: losses were sums
+            p.grad.div_(normalizer)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        skipped = not math.isfinite(norm) or not math.isfinite(float(totals[0]))
+        loss, clipped, tokens, kl, lp_diff = totals.tolist()
+        loss /= normalizer
+        skipped = not math.isfinite(norm) or not math.isfinite(loss)
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, clipped, tokens, kl, lp_diff = totals.tolist()
         return {
             "train/loss": loss,
             "train/grad_norm": norm,
@@ -134,6 +145,23 @@ class Trainer:
             "train/skipped": float(skipped),
             "train/num_micro_batches": float(num_micro),
         }
+
+    def _backward(self, samples: list[Sample], ranks: list[int], *, sync_last: bool) -> int:
+        """Forward/backward of this rank's micro-batches (losses are sums); the gradients are reduced
+        after the last one only if ``sync_last``. Returns the number of micro-batches each rank ran
+        (at least one, so that a sync reduces what earlier calls accumulated)."""
+        plan = spread([s.num_tokens for s in samples], len(ranks), self.config.micro_batch_tokens)
+        mine, num_micro = plan[ranks.index(self.rank)], max(1, *(len(p) for p in plan))
+        self.model.train()
+        for i in range(num_micro):
+            self.model.set_requires_gradient_sync(sync_last and i == num_micro - 1)
+            if i < len(mine):
+                loss, stats = self._loss([samples[j] for j in mine[i]])
+                self.totals += torch.stack([loss.detach().double(), *stats]).to(self.totals)
+            else:
+                loss = self._idle_loss()
+            loss.backward()
+        return num_micro
 
     def _logprobs(self, model: Transformer, batch: list[Sample]) -> torch.Tensor:
         """Log-probs of every response token of ``batch``, flat [sum of response lengths]."""
@@ -150,7 +178,7 @@ class Trainer:
         return model(tokens, positions, attn,
                      head=lambda h, w: token_logprobs(h[pick_t], w, targets, self.temperature))
 
-    def _loss(self, batch: list[Sample], normalizer: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _loss(self, batch: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lengths = [len(s.response_ids) for s in batch]
         logp_flat = self._logprobs(self.model, batch)
         logp = pad_sequence(logp_flat.split(lengths), batch_first=True)  # [N, T]
@@ -163,7 +191,7 @@ class Trainer:
         cfg = self.config
         loss, stats = policy_loss(
             logp, logp.detach(), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            ref_logprobs=ref, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, normalizer=normalizer)
+            ref_logprobs=ref, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, normalizer=1)
         rollout = torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device)
         lp_diff = (logp_flat.detach() - rollout).abs().sum()
         return loss, [stats["num_clipped_tokens"], stats["num_tokens"], stats["kl_sum"], lp_diff]

@@ -1,0 +1,179 @@
+"""Stream training (paper §4.4, Algorithm 1): ranks freed from rollout train while it goes on.
+
+During a round, the controller (rank 0) watches the fraction of the round's prompts that are
+complete. At each 5% milestone from 20% to 50% (with at least 5% new completions since the last
+look) it considers scaling rollout down to the first half of its replicas:
+
+- **Which ranks**: the second half of the rollout replicas, whole replicas only. The freed ranks
+  must also be whole FSDP shard groups of the trainer, or they could not compute gradients on
+  their own; when the meshes do not allow that, no scale-down is ever attempted (the reason is
+  logged once and :attr:`StreamTrainer.refused` says why).
+- **When**: only if the remaining requests' projected KV peak fits the remaining replicas'
+  caches (:func:`peak_kv_tokens`, from the lengths of past responses). ``stream.trigger`` instead
+  scales down unconditionally at a fixed fraction. At most once per round.
+- **Migration**: the freed replicas' requests are aborted and resumed on the others by
+  recomputation (the engine contract's partial outputs).
+- **Streaming**: the freed ranks release their KV cache and receive the complete, scored groups
+  from rank 0 as they arrive (or once, capped, with ``stream.fetch_cap``), over point-to-point
+  sends that never block the controller. They compute gradients with no gradient sync and no
+  optimizer step (:meth:`Trainer.accumulate`).
+- **Finish**: when rollout ends, the groups not streamed are spread over every rank, and one
+  :meth:`Trainer.step` reduces all gradients and divides them by the step's global count: the
+  update equals the synchronous one.
+
+Stream training needs each group's advantages when the group completes, so batch-level
+advantage normalization is rejected (``Config`` says why).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import pickle
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from rollpacker.train.config import StreamConfig
+
+logger = logging.getLogger(__name__)
+
+MILESTONES = (4, 10)
+"""Scale-down looks happen between 4/20 and 10/20 of the round's prompts complete, in steps of 1/20."""
+
+
+class Trigger:
+    """When rank 0 looks at a scale-down: Algorithm 1's lines 13–15 (adaptive), or once at a fixed fraction."""
+
+    def __init__(self, fixed: float = 0.0):
+        self.fixed = fixed
+        self.reset()
+
+    def reset(self) -> None:
+        self.milestone = 0
+        self.checked = 0
+        self.fired = False
+
+    def due(self, completed: int, total: int) -> bool:
+        if total <= 0 or self.fired:
+            return False
+        if self.fixed:
+            self.fired = completed >= self.fixed * total
+            return self.fired
+        milestone = completed * 20 // total
+        if not MILESTONES[0] <= milestone <= MILESTONES[1] or completed * 20 > total * MILESTONES[1]:
+            return False
+        if milestone <= self.milestone or (completed - self.checked) * 20 < total:
+            return False
+        self.milestone, self.checked = milestone, completed
+        return True
+
+
+def peak_kv_tokens(requests: list[tuple[int, int]], history: list[int], max_new_tokens: int,
+                   quantile: float = 0.9) -> int:
+    """Projected peak of the KV tokens that ``requests`` — ``(prompt tokens, tokens generated so
+    far)`` each, all running from now on — hold together until they finish.
+
+    Each request is projected to end at the ``quantile`` of the past response lengths longer than
+    what it has generated (``max_new_tokens`` when none is longer). A request holds prompt plus
+    generated tokens and grows by one per step until it ends, when it frees everything.
+    """
+    longer = sorted(history)
+    finals = []
+    for prompt, generated in requests:
+        tail = longer[bisect.bisect_right(longer, generated):]
+        end = tail[min(len(tail) - 1, int(quantile * len(tail)))] if tail else max_new_tokens
+        finals.append((prompt + generated, max(1, min(end, max_new_tokens) - generated)))
+    # At t steps from now, the requests with more than t steps left hold sum(held) + t each.
+    finals.sort(key=lambda r: -r[1])
+    peak, held = 0, 0
+    for count, (tokens, left) in enumerate(finals, 1):
+        held += tokens
+        peak = max(peak, held + count * (left - 1))  # just before the count-th longest has left steps
+    return peak
+
+
+class StreamTrainer:
+    """Both ends of stream training: rank 0 decides and feeds; the freed ranks serve."""
+
+    def __init__(self, config: StreamConfig, trainer, meshes, *, kv_capacity_tokens: int, max_new_tokens: int):
+        self.config, self.trainer, self.meshes = config, trainer, meshes
+        self.kv_capacity_tokens, self.max_new_tokens = kv_capacity_tokens, max_new_tokens
+        self.trigger = Trigger(config.trigger)
+        self.history: collections.deque[int] = collections.deque(maxlen=4096)
+        """Lengths of finished responses of past rounds (rank 0)."""
+        replicas, tp = meshes.num_replicas, meshes.rollout_tp.size()
+        self.kept_replicas = replicas - replicas // 2
+        self.ranks = list(range(self.kept_replicas * tp, meshes.world_size))
+        """The ranks a scale-down frees: the second half of the rollout replicas."""
+        shard = meshes.train.size(1)
+        self.refused = ""
+        if replicas < 2:
+            self.refused = f"one rollout replica ({meshes.world_size} ranks, rollout.tp={tp}): nothing to free"
+        elif self.ranks[0] % shard:
+            self.refused = (f"freeing ranks {self.ranks[0]}..{self.ranks[-1]} would split a training shard group of "
+                            f"{shard} ranks: set train.train_shard_size to a divisor of {self.ranks[0]}")
+        if self.refused and meshes.rank == 0:
+            logger.warning("stream training: no scale-down will happen: %s", self.refused)
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self.seconds = 0.0
+        """Training time of this rank during the last round (freed ranks)."""
+
+    @property
+    def freed(self) -> bool:
+        return self.meshes.rank in self.ranks
+
+    # -- rank 0 ------------------------------------------------------------------------------
+
+    def start_round(self) -> None:
+        """Every rank, before a round: the last round's sends are all received by now."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        self.trigger.reset()
+        self.seconds = 0.0
+
+    def consider(self, completed: int, total: int, requests: Callable[[], list[tuple[int, int]]]) -> bool:
+        """Whether to scale down now, given the round's progress and the requests still running
+        (``requests()`` gives ``(prompt tokens, generated tokens)`` of each)."""
+        if self.refused or not self.trigger.due(completed, total):
+            return False
+        if self.config.trigger:
+            return True
+        peak = peak_kv_tokens(requests(), list(self.history), self.max_new_tokens, self.config.length_quantile)
+        fits = peak <= self.kv_capacity_tokens * self.kept_replicas
+        logger.debug("stream: %d/%d complete, projected KV peak %d tokens on %d replicas of %d: %s", completed,
+                     total, peak, self.kept_replicas, self.kv_capacity_tokens, "scale down" if fits else "stay")
+        return fits
+
+    def feed(self, samples: list) -> None:
+        """Send ``samples`` (a list of trainer Samples; None ends the round) to every freed rank, without waiting."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(samples)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        for rank in self.ranks:
+            for t in (size, payload):
+                self._pending.append((dist.isend(t, rank, group=self.meshes.stream), t))
+
+    def close(self) -> None:
+        """End the round's streaming: the freed ranks leave :meth:`serve` once they have trained
+        everything sent before (the train step's first collective waits for them)."""
+        self.feed(None)
+
+    # -- freed ranks -------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Receive groups' samples from rank 0 and accumulate their gradients until the round ends."""
+        while True:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, 0, group=self.meshes.stream)
+            payload = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(payload, 0, group=self.meshes.stream)
+            samples = pickle.loads(payload.numpy().tobytes())
+            if samples is None:
+                return
+            start = time.perf_counter()
+            self.trainer.accumulate(samples, self.ranks)
+            self.seconds += time.perf_counter() - start
