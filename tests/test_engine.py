@@ -14,13 +14,16 @@ PROMPTS = [[1, 2, 3], [5] * 20, [7, 8, 9, 10, 11, 12, 13], list(range(40)), [42]
 NEW = [30, 5, 60, 17, 90, 12]
 
 
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
+def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after ``prompt`` and their log-probs, recomputing the whole context per token."""
+    tokens, logprobs = list(prompt), []
     with torch.no_grad():
         for _ in range(n):
             t = torch.tensor(tokens)
-            tokens.append(int(model.logits(model(t, torch.arange(len(t)), CausalAttention([len(t)])))[-1].argmax()))
-    return tokens[len(prompt):]
+            logits = model.logits(model(t, torch.arange(len(t)), CausalAttention([len(t)])))[-1]
+            tokens.append(int(logits.argmax()))
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[tokens[-1]]))
+    return tokens[len(prompt):], logprobs
 
 
 def greedy_requests(**kw) -> list[Request]:
@@ -40,9 +43,14 @@ def sampled_requests(seed_offset: int = 0) -> list[Request]:
 
 
 @pytest.fixture(scope="module")
-def reference(qwen2_dir):
+def reference_with_logprobs(qwen2_dir):
     model = load_model(qwen2_dir)
     return {f"r{i}": reference_greedy(model, p, n) for i, (p, n) in enumerate(zip(PROMPTS, NEW))}
+
+
+@pytest.fixture(scope="module")
+def reference(reference_with_logprobs):
+    return {k: tokens for k, (tokens, _) in reference_with_logprobs.items()}
 
 
 def engine(path, **kw) -> TorchEngine:
@@ -91,9 +99,9 @@ def test_abort_returns_partial_and_resume_continues_exactly(qwen2_dir, reference
 
 
 def test_running_set_changes_mid_decode_keep_outputs(qwen2_dir, reference):
-    """The decode batch's KV workspace is flushed to the paged pool and rebuilt whenever the
-    running set changes: arrivals between decode steps, an abort and its resume on the same
-    engine, and finishes leave every output equal to the reference."""
+    """The decode workspace follows the running set row by row: arrivals between decode steps,
+    an abort and its resume on the same engine, and finishes leave every output equal to the
+    reference."""
     eng = engine(qwen2_dir)
     reqs = greedy_requests()
     done = {}
@@ -109,6 +117,58 @@ def test_running_set_changes_mid_decode_keep_outputs(qwen2_dir, reference):
     done |= generate(eng, reqs[4:])
     assert {k: o.token_ids for k, o in done.items()} == reference
     assert eng.stats().num_preemptions == 0
+
+
+def ragged_requests() -> list[Request]:
+    """18 requests on the reference prompts, two of each in a row (one greedy, one sampled with a
+    seed), of lengths whose contexts cross the workspace's 16/32/64 capacities while they decode."""
+    reqs = []
+    for i in range(18):
+        p = [2, 0, 5, 1, 4, 3, 2, 0, 1][i // 2]
+        new = NEW[p] - 7 * i % (NEW[p] // 2 + 1)
+        params = (SamplingParams(max_new_tokens=new, temperature=0.8, top_k=30, seed=i, ignore_eos=True) if i % 2
+                  else SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True))
+        reqs.append(Request(id=f"g{i}-r{p}", prompt_ids=PROMPTS[p], params=params))
+    return reqs
+
+
+def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_with_logprobs):
+    """A ragged stream: four requests at first, then two every fourth step (a greedy and a sampled
+    one of one prompt, whose rows outgrow their workspace group together), a running request
+    aborted every seventh step and resumed on the same engine five steps later, preemptions forced
+    by the KV budget, and finishes all along. The decode workspace drops, appends and moves rows
+    (alone and several at once) through all of it, and every output equals its reference (greedy:
+    the full-recompute decode; sampled: the same requests on a fresh engine with room for all of
+    them): the same tokens, and log-probs equal up to float rounding (a wrong K or V column shifts
+    them by more)."""
+    reqs = ragged_requests()
+    sampled = [r for r in reqs if r.params.temperature > 0]
+    expected = {k: (o.token_ids, o.logprobs) for k, o in generate(engine(qwen2_dir), sampled).items()}
+    for r in reqs:
+        if r.params.temperature == 0:
+            tokens, logprobs = reference_with_logprobs[r.id.split("-")[1]]
+            expected[r.id] = tokens[: r.params.max_new_tokens], logprobs[: r.params.max_new_tokens]
+    eng = engine(qwen2_dir, kv_memory_mb=0.07, max_num_seqs=6)  # 34 blocks of 4 tokens
+    arrivals, resumes, done = list(reqs), {}, {}
+    num_aborts = 0
+    for step in range(10_000):
+        for _ in range(4 if step == 0 else 2 if step % 4 == 0 and arrivals else 0):
+            eng.add(arrivals.pop(0))
+        if step % 7 == 6 and step > 12 and num_aborts < 8 and eng.running:
+            seq = eng.running[step % len(eng.running)]
+            resumes[step + 5] = Request(id=seq.req.id, prompt_ids=seq.req.prompt_ids, params=seq.req.params,
+                                        resume_from=eng.abort(seq.req.id))
+            num_aborts += 1
+        if step in resumes:
+            eng.add(resumes.pop(step))
+        done |= {o.id: o for o in eng.step()}
+        if not (arrivals or resumes or eng.has_unfinished()):
+            break
+    assert {k: o.token_ids for k, o in done.items()} == {k: tokens for k, (tokens, _) in expected.items()}
+    for k, o in done.items():
+        torch.testing.assert_close(o.logprobs, expected[k][1], rtol=0, atol=1e-5, msg=k)
+    assert num_aborts == 8 and eng.stats().num_preemptions >= 5, eng.stats()
+    assert not any(g.seqs for g in eng.batch.groups.values())  # every row left with its request
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(qwen2_dir):

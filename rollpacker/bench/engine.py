@@ -1,6 +1,6 @@
 """``python -m rollpacker.bench engine``: TorchEngine against transformers' ``generate``, same model.
 
-One run, one machine, one thread count, three measurements:
+One run, one machine, one thread count, four measurements:
 
 1. **Throughput** at each batch size: ``batch`` prompts of ``prompt_len`` random token ids (no
    EOS or pad ids), each forced to exactly ``max_new_tokens`` greedy fp32 tokens
@@ -23,11 +23,17 @@ One run, one machine, one thread count, three measurements:
    prefilled, then ``decode_steps`` pure decode ``step()`` calls are timed (median reported).
    The context stays in ``prompt_len + 2 .. prompt_len + decode_steps + 1`` tokens. ``--out``
    writes this curve as JSON for the cluster simulator.
+4. **Ragged stream** (TorchEngine alone): ``ragged_requests`` greedy requests of random lengths
+   (prompts of ``prompt_len / 2 .. 2 * prompt_len`` tokens, ``1 .. 2 * max_new_tokens`` new
+   tokens, forced) are queued at once and served with ``ragged_running`` running slots, refilled
+   as requests finish: the running set changes nearly every step, as in RL rollouts.
+   ``ragged tok/s`` is generated tokens over the wall time of serving the whole stream (the
+   fastest of ``repeats``, after a warm-up on a shorter stream).
 
 The last stdout line is one JSON object: ``ratio_vs_hf_batch{B}``, ``tok_s_torchengine_batch{B}``,
 ``tok_s_hf_batch{B}``, ``flop_fraction_batch{B}``, ``same_tokens_batch{B}`` (fraction of rows whose
-greedy tokens agree exactly) for each batch size, ``peak_gflops`` and
-``decode_ms_per_iter`` (N -> ms).
+greedy tokens agree exactly) for each batch size, ``peak_gflops``, ``decode_ms_per_iter``
+(N -> ms) and ``ragged_tok_s_torchengine``.
 """
 
 from __future__ import annotations
@@ -68,6 +74,10 @@ class EngineBenchConfig:
     """Numbers of running requests of the decode-step curve."""
     decode_steps: int = 10
     """Decode steps timed per point of the curve (median reported)."""
+    ragged_requests: int = 192
+    """Requests of the ragged stream (0 skips it)."""
+    ragged_running: int = 64
+    """Running slots (``max_num_seqs``) of the ragged stream, refilled as requests finish."""
     matmul_size: int = 2048
     """Side of the square fp32 matmul that measures the machine's peak FLOP/s."""
     matmul_reps: int = 5
@@ -94,6 +104,10 @@ class EngineBenchConfig:
             )
         if self.num_threads < 0:
             raise ValueError(f"bench.num_threads must be >= 0, got {self.num_threads}")
+        if self.ragged_requests < 0:
+            raise ValueError(f"bench.ragged_requests must be >= 0, got {self.ragged_requests}")
+        if self.ragged_running <= 0:
+            raise ValueError(f"bench.ragged_running must be positive, got {self.ragged_running}")
 
 
 @dataclass(kw_only=True)
@@ -272,6 +286,38 @@ def decode_step_ms(engine: TorchEngine, num_running: int, prompt_len: int, vocab
     return [1e3 * t for t in times]
 
 
+def ragged_stream(num: int, prompt_len: int, new_tokens: int, vocab_size: int, avoid: set[int],
+                  seed: int) -> list:
+    """``num`` greedy requests of ``prompt_len / 2 .. 2 * prompt_len`` prompt tokens and
+    ``1 .. 2 * new_tokens`` new tokens (forced), lengths uniform."""
+    import random
+
+    from rollpacker.rollout.engine import Request, SamplingParams
+
+    rng = random.Random(seed)
+    prompts = random_prompts(num, 2 * prompt_len, vocab_size, avoid, seed)
+    return [
+        Request(id=f"ragged-{i}", prompt_ids=p[: rng.randint(max(1, prompt_len // 2), 2 * prompt_len)],
+                params=SamplingParams(max_new_tokens=rng.randint(1, 2 * new_tokens), temperature=0.0,
+                                      ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
+
+
+def run_ragged(engine: TorchEngine, requests: list) -> tuple[float, int]:
+    """Serve ``requests`` (all queued at once) to the end: (seconds, generated tokens)."""
+    for r in requests:
+        engine.add(r)
+    preempted, generated = engine.stats().num_preemptions, engine.stats().num_generated_tokens
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - start
+    if engine.stats().num_preemptions != preempted:
+        raise RuntimeError("bench: TorchEngine preempted requests; the KV cache is sized wrong")
+    return seconds, engine.stats().num_generated_tokens - generated
+
+
 # ---- the run -------------------------------------------------------------------------------------
 
 
@@ -333,6 +379,14 @@ def run(cfg: EngineBenchConfig) -> dict:
             n: decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid, cfg.decode_steps, cfg.seed)
             for n in cfg.decode_batch_sizes
         }
+
+        ragged = None
+        if cfg.ragged_requests:
+            engine = build_torch_engine(model, cfg.ragged_running, 2 * (cfg.prompt_len + cfg.max_new_tokens))
+            stream = ragged_stream(cfg.ragged_requests, cfg.prompt_len, cfg.max_new_tokens, args.vocab_size, avoid,
+                                   cfg.seed)
+            run_ragged(engine, stream[: max(1, len(stream) // 4)])  # warm-up
+            ragged = min((run_ragged(engine, stream) for _ in range(cfg.repeats)), key=lambda r: r[0])
     curve = {n: statistics.median(ms) for n, ms in step_ms.items()}
 
     table = Table(title="Generate throughput: TorchEngine vs transformers generate (generated tokens only)")
@@ -373,6 +427,14 @@ def run(cfg: EngineBenchConfig) -> dict:
     for n, ms in curve.items():
         curve_table.add_row(str(n), f"{ms:.2f}", f"{min(step_ms[n]):.2f}", f"{1e3 * n / ms:,.0f}")
     console.print(curve_table)
+
+    if ragged is not None:
+        seconds, generated = ragged
+        console.print(
+            f"Ragged stream: {cfg.ragged_requests} requests ({generated:,} generated tokens) through "
+            f"{cfg.ragged_running} running slots: {seconds:.2f} s, {generated / seconds:,.0f} tok/s (TorchEngine)"
+        )
+        summary["ragged_tok_s_torchengine"] = round(generated / seconds, 1)
 
     summary["peak_gflops"] = round(peak / 1e9, 2)
     summary["flops_per_token"] = round(fpt)

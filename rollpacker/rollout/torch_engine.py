@@ -1,11 +1,14 @@
 """TorchEngine: continuous batching over rollpacker's own decoder, on CPU or GPU.
 
-- **Paged KV cache.** K and V live in fixed-size blocks of one preallocated pool sized by a
-  memory budget; each running request holds a list of blocks.
-- **Decode workspace.** Consecutive decode steps over an unchanged running set read and append
-  K/V in a per-row contiguous workspace (:class:`_DecodeBatch`) instead of gathering blocks every
-  step. It is gathered from the pool when the running set changes and flushed back to it before;
-  the pool stays the source of truth for prefill, preemption and abort.
+- **Paged KV cache.** Prefill writes K and V into fixed-size blocks of one preallocated pool
+  sized by a memory budget; each running request holds a list of blocks, charged for its decoded
+  tokens too (the budget behind admission and preemption).
+- **Decode workspace.** Decode steps read and append K/V in a per-row contiguous workspace
+  (:class:`_DecodeBatch`) instead of gathering blocks every step. It follows the running set a
+  row at a time: a request's row is gathered from the pool at its first decode step, dropped when
+  it finishes, is aborted or preempted, and moved when its context outgrows its length group.
+  Decoded K/V live in the workspace only: a request that leaves the running set frees its blocks
+  (a preempted one is recomputed), so nothing ever reads them back from the pool.
 - **Continuous batching.** Each ``step()`` is one forward pass: a prefill of newly admitted
   requests when any can be admitted (prefill first, as vLLM's v0 scheduler), otherwise one decode
   token for every running request. Finished requests leave and free their blocks at once.
@@ -23,8 +26,8 @@
   runs the same schedule on its slice of heads (the layers on local shards, all-reducing the
   row-parallel outputs); TP rank 0's sampled tokens are broadcast so the ranks can never diverge.
 
-What it leaves out for now: prefix sharing across a prompt's group, chunked prefill, CUDA graphs,
-and an incremental workspace update (any change of the running set flushes and regathers it all).
+What it leaves out for now: prefix sharing across a prompt's group, chunked prefill (both would
+need the decoded K/V written back to the pool), and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +45,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from rollpacker.model.attention import Bucket, causal_packed_attention, length_buckets, length_groups
+from rollpacker.model.attention import Bucket, causal_packed_attention, length_buckets
 from rollpacker.model.parallelize import apply_rollout_tp
 from rollpacker.model.transformer import Transformer, rope_cos_sin
 from rollpacker.rollout.config import EngineConfig
@@ -64,6 +67,11 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)
     row: int = -1
     """One of the engine's ``max_num_seqs`` running slots while running; -1 otherwise."""
+    group: _Group | None = None
+    """The decode workspace group holding this request's K/V row; None before its first decode
+    step, and once it leaves the running set."""
+    slot: int = -1
+    """Its row in ``group``."""
 
 
 def _uniform(seed: int, index: int) -> float:
@@ -244,143 +252,270 @@ class _Sampling:
 
 
 class _DecodeBatch:
-    """The running requests of consecutive decode steps, with a per-row contiguous KV workspace.
+    """The running requests of the decode steps, with a per-row contiguous KV workspace that
+    follows the running set a row at a time.
 
-    Rows sit in descending context length and are cut into power-of-two length groups
-    (contiguous row ranges); rows grow together, so a group's padding stays under 2x. A group's
-    rows are right-aligned in its workspace: every row's newest token sits in the same column, so
-    a step appends K and V with one strided copy each, and the additive mask over each row's left
-    padding never changes (a group without padding needs none). Per layer, K is kept transposed,
-    ``[rows * kv_heads, head_dim, capacity]`` (so ``q @ K^T`` is a plain batched matmul), and V
-    as ``[rows * kv_heads, capacity, head_dim]``.
+    Rows sit in power-of-two length groups (:class:`_Group`): a row of context ``L`` (cached
+    tokens + the one decoded this step) lives in the group of capacity ``max(16, 2^ceil(log2
+    L))``, left-aligned (token ``i`` in column ``i``), so its padding stays under 2x and no row
+    depends on where the others are. The workspace changes only where the running set does:
 
-    The paged pool stays the source of truth between batches: a batch is gathered from it when
-    built, and the K/V its steps appended are flushed back to it when it ends (before the
-    running set changes or any block is freed, and before a rebuild). A batch is rebuilt when
-    the running set changes, or when a group runs out of columns: its capacity is twice its
-    power-of-two length bucket (at most the longest context its requests can reach), so a
-    request is regathered O(log length) times. The workspace costs memory on top of the pool:
-    per row, its group's capacity (under 4x its context when built, falling as it grows).
-    Per-step inputs (tokens, positions) are persistent tensors advanced in place.
+    - a finished, aborted or preempted request's row is dropped at once, and its group's last
+      row moves into the hole (one copy), so a group's rows stay contiguous;
+    - a newly admitted request gets a row at its first decode step, gathered from the paged pool
+      (its prefill K/V) for that row alone;
+    - a row that outgrows its group's capacity moves to the group of twice the capacity (one copy
+      of its K/V, batched with the rows that outgrow it at the same step): O(log length) moves
+      per request, amortized O(1) copied columns per token.
+
+    Decoded K/V are written to the workspace only, never to the pool: nothing would read them
+    there, since a request leaving the running set (finish, abort, preemption) frees its blocks
+    and a preempted one is recomputed. So the pool holds each request's prefill K/V, and the
+    blocks charged to its decoded tokens keep the memory accounting (hence admission and
+    preemption) as if they held theirs. The workspace costs memory on top of the pool: per row,
+    its group's capacity (under 2x its context), plus the spare rows of each group: a group's
+    rows grow by doubling and are kept (empty groups too) until ``release_memory``, so a steady
+    workload allocates nothing.
+
+    A step appends the K and V of a group's rows with one ``put_`` per layer (flat indices
+    advanced in place), and attends over the group's longest context with an additive mask over
+    each row's right padding. While a group's rows have the same length (steady batches) it
+    needs neither: their newest tokens share a column, written with one strided copy each.
+    Per layer, K is kept transposed, ``[rows * kv_heads, head_dim, capacity]`` (so ``q @ K^T``
+    is a plain batched matmul), and V as ``[rows * kv_heads, capacity, head_dim]``. Per-step
+    inputs (tokens, positions, indices, masks) are rebuilt on the host after rows change and
+    advanced in place otherwise.
     """
 
-    def __init__(self, seqs: list[_Seq], engine: TorchEngine):
-        self.seqs = seqs = sorted(seqs, key=lambda s: -len(s.tokens))
-        cache, bs = engine.cache, engine.config.block_size
-        num_layers, _, _, kv, d = cache.shape
-        dev = cache.device
-        self.cache, self.block_size, self.scale = cache, bs, d**-0.5
-        contexts = [len(s.tokens) for s in seqs]  # cached tokens + the one decoded this step
-        longest = [s.max_len - 1 for s in seqs]  # the context of each row's last decode step
-        self.groups: list[_Group] = []
-        offset = 0
-        for rows in length_groups(contexts):  # contiguous row ranges, as contexts are sorted
-            width = contexts[rows[0]]
-            bucket = max(16, 1 << (width - 1).bit_length())  # as length_groups
-            g = _Group(start=rows[0], stop=rows[0] + len(rows), width=width,
-                       capacity=min(2 * bucket, max(longest[i] for i in rows)), offset=offset)
-            offset += 2 * len(rows) * kv * d * g.capacity
-            self.groups.append(g)
-        self.steps_left = min(g.capacity - g.width for g in self.groups) + 1
-        """Decode steps this batch can run before a group is out of columns."""
-        workspace = engine._workspace_buffer(num_layers * offset).view(num_layers, offset)
-        # per layer and group: K^T [rows, kv, d, capacity] and V [rows, kv, capacity, d]
-        self.k = [[g.keys(workspace[layer], kv, d) for g in self.groups] for layer in range(num_layers)]
-        self.v = [[g.values(workspace[layer], kv, d) for g in self.groups] for layer in range(num_layers)]
-        # and as batched matrices: K^T [rows * kv, d, capacity], V [rows * kv, capacity, d]
-        self.k_mats = [[k.flatten(0, 1) for k in ks] for ks in self.k]
-        self.v_mats = [[v.flatten(0, 1) for v in vs] for vs in self.v]
-        self.masks = []
-        for i, g in enumerate(self.groups):
-            n, cap, col = g.stop - g.start, g.capacity, g.width - 1
-            pad = g.width - torch.tensor(contexts[g.start:g.stop])  # left padding of each row
-            position = torch.arange(col)[None, :] - pad[:, None]  # [n, col] of every cached column
-            slots = _slots(seqs[g.start:g.stop], position.clamp(min=0), bs).flatten().to(dev)  # padding: masked
-            for layer in range(num_layers):
-                cached_kv = cache[layer].index_select(0, slots).view(n, col, 2, kv, d)
-                self.k[layer][i][..., :col].copy_(cached_kv[:, :, 0].permute(0, 2, 3, 1))
-                self.v[layer][i][:, :, :col].copy_(cached_kv[:, :, 1].permute(0, 2, 1, 3))
-            if int(pad.max()) == 0:
-                self.masks.append(None)  # no row is padded
-                continue
-            valid = torch.arange(cap)[None, :] >= pad[:, None]  # [n, capacity]
-            mask = torch.where(valid, 0.0, float("-inf")).to(cache.dtype)  # additive, over each row's padding
-            self.masks.append(mask.repeat_interleave(kv, dim=0)[:, None, :].to(dev))  # [rows * kv, 1, capacity]
-        self.first_positions = torch.tensor(contexts) - 1  # of each row's first decoded token
-        self.positions = self.first_positions.to(dev, copy=True)  # advanced in place
-        self.tokens = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
-        self.num_steps = 0
-        self.sampling = _Sampling.of(seqs, engine.model.args.vocab_size, dev)
+    def __init__(self, engine: TorchEngine):
+        self.cache, self.block_size = engine.cache, engine.config.block_size
+        self.vocab_size = engine.model.args.vocab_size
+        self.scale = self.cache.shape[-1] ** -0.5
+        self.groups: dict[int, _Group] = {}
+        """By capacity."""
+        self.order: list[_Group] = []
+        """The groups in batch order (longest first), as of the last layout."""
+        self.seqs: list[_Seq] = []
+        """The rows in batch order (each group's rows in turn), as of the last layout."""
+        self.changed = False
+        """Rows were added, dropped or moved since the last layout."""
+
+    def remove(self, seq: _Seq) -> None:
+        """Drop ``seq``'s row: its request leaves the running set, and its K/V are not needed."""
+        seq.group.drop([seq.slot])
+        seq.group, seq.slot = None, -1
+        self.changed = True
+
+    def update(self, running: list[_Seq]) -> None:
+        """Before a decode step over ``running``: move the rows that outgrew their group, add rows
+        for the requests admitted since the last step, and lay the batch out if anything changed."""
+        for group in list(self.groups.values()):
+            if group.seqs and group.width > group.capacity:
+                grown = [s for s in group.seqs if len(s.tokens) > group.capacity]
+                if grown:  # rows grow a token a step: they all fit twice the capacity
+                    self._group(2 * group.capacity).take(grown)
+                self.changed = True
+        if len(running) > sum(len(g.seqs) for g in self.groups.values()):
+            admitted: dict[int, list[_Seq]] = {}
+            for seq in running:
+                if seq.group is None:
+                    admitted.setdefault(_capacity(len(seq.tokens)), []).append(seq)
+            for capacity, seqs in admitted.items():
+                self._group(capacity).gather(seqs, self.cache, self.block_size)
+            self.changed = True
+        if self.changed:
+            self._layout()
+
+    def _group(self, capacity: int) -> _Group:
+        """The group of ``capacity``, created if need be."""
+        if capacity not in self.groups:
+            self.groups[capacity] = _Group(capacity, self.cache)
+        return self.groups[capacity]
+
+    def _layout(self) -> None:
+        dev = self.cache.device
+        self.order = sorted((g for g in self.groups.values() if g.seqs), key=lambda g: -g.capacity)
+        self.seqs, start = [], 0
+        for group in self.order:
+            group.layout(start)
+            self.seqs += group.seqs
+            start += len(group.seqs)
+        self.positions = torch.tensor([len(s.tokens) - 1 for s in self.seqs], device=dev)  # advanced in place
+        self.tokens = torch.tensor([s.tokens[-1] for s in self.seqs], device=dev)
+        self.sampling = _Sampling.of(self.seqs, self.vocab_size, dev)
+        self.changed = False
 
     def advance(self, tokens: torch.Tensor) -> None:
         """After a step that sampled ``tokens`` for every row: move every row one position on."""
         self.tokens = tokens
         self.positions += 1
-        for g in self.groups:
-            g.width += 1
-        self.num_steps += 1
-        self.steps_left -= 1
-
-    def flush(self, leaving: Collection[_Seq] = ()) -> None:
-        """Write the K/V of every token decoded by this batch into the paged pool, but for the
-        requests ``leaving`` the running set."""
-        m, leaving, dev = self.num_steps, set(leaving), self.cache.device
-        if m == 0:
-            return
-        for i, g in enumerate(self.groups):
-            keep = [r for r in range(g.start, g.stop) if self.seqs[r] not in leaving]
-            if not keep:
-                continue
-            position = self.first_positions[keep, None] + torch.arange(m)[None, :]  # [rows kept, m]
-            slots = _slots([self.seqs[r] for r in keep], position, self.block_size).flatten().to(dev)
-            rows = torch.tensor(keep, device=dev) - g.start
-            cols = slice(g.width - 1 - m, g.width - 1)  # the batch's steps (width counts the next one)
-            for layer in range(self.cache.shape[0]):
-                k = self.k[layer][i][..., cols].index_select(0, rows)  # [rows kept, kv, d, m]
-                v = self.v[layer][i][:, :, cols].index_select(0, rows)  # [rows kept, kv, m, d]
-                new_kv = torch.stack((k.permute(0, 3, 1, 2), v.transpose(1, 2)), dim=2)
-                self.cache[layer].index_copy_(0, slots, new_kv.flatten(0, 1))  # new_kv: [rows kept, m, 2, kv, d]
+        for group in self.order:
+            if not group.advance():
+                self.changed = True  # a row outgrew its group: moved at the next update
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Decode attention backend: append K/V to the workspace, attend per length group."""
         group_size = q.shape[1] // kv.shape[2]
         outs = []
-        groups = zip(self.groups, self.k[layer], self.v[layer], self.k_mats[layer], self.v_mats[layer], self.masks)
-        for g, k, v, k_mat, v_mat, mask in groups:
-            rows, w = kv[g.start:g.stop], g.width
-            k[..., w - 1].copy_(rows[:, 0])
-            v[:, :, w - 1].copy_(rows[:, 1])
-            qg = q[g.start:g.stop].mul(self.scale).view(-1, group_size, q.shape[2])  # scaled [rows * kv, group, d]
-            if mask is None:
-                scores = torch.bmm(qg, k_mat[..., :w])
+        for g in self.order:
+            w, rows = g.width, kv[g.start:g.stop]
+            if g.index is None:  # the rows have the same length: their newest tokens share a column
+                g.keys_now[layer][..., w - 1].copy_(rows[:, 0])
+                g.values_now[layer][:, :, w - 1].copy_(rows[:, 1])
             else:
-                scores = torch.baddbmm(mask[..., :w], qg, k_mat[..., :w])
+                g.flat[layer].put_(g.index, rows)
+            qg = q[g.start:g.stop].mul(self.scale).view(-1, group_size, q.shape[2])  # scaled [rows * kv, group, d]
+            if g.mask is None:
+                scores = torch.bmm(qg, g.k_mats[layer][..., :w])
+            else:
+                scores = torch.baddbmm(g.mask[..., :w], qg, g.k_mats[layer][..., :w])
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            outs.append(torch.bmm(probs, v_mat[:, :w]).view(g.stop - g.start, -1))
+            outs.append(torch.bmm(probs, g.v_mats[layer][:, :w]).view(g.stop - g.start, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-@dataclass(kw_only=True)
+def _capacity(context: int) -> int:
+    """The workspace capacity of a row of ``context`` tokens: its power-of-two length bucket, as
+    :func:`~rollpacker.model.attention.length_groups`."""
+    return max(16, 1 << (context - 1).bit_length())
+
+
 class _Group:
-    """Rows ``start:stop`` of a decode batch: their width (longest context, whose newest token
-    is in column ``width - 1``) and workspace capacity; in each layer's flat workspace their K^T
-    then V start at ``offset``."""
+    """The decode rows whose context fits ``capacity`` columns (and, above 16, exceeds half of
+    it), each left-aligned in its own row of the group's workspace ``store``.
 
-    start: int
-    stop: int
-    width: int
-    capacity: int
-    offset: int
+    ``store`` is ``[layers, 2, rows, kv_heads, head_dim * capacity]``: per layer and row, K^T
+    ``[kv_heads, head_dim, capacity]`` then V ``[kv_heads, capacity, head_dim]``; its first
+    ``len(seqs)`` rows are in use, ``seqs[i]`` in row ``i`` (and ``seqs[i].slot == i``)."""
 
-    def keys(self, workspace: torch.Tensor, kv: int, d: int) -> torch.Tensor:
-        """K^T [rows, kv, d, capacity] in one layer's workspace."""
-        size = (self.stop - self.start) * kv * d * self.capacity
-        return workspace[self.offset:self.offset + size].view(-1, kv, d, self.capacity)
+    def __init__(self, capacity: int, cache: torch.Tensor):
+        num_layers, _, _, kv, d = cache.shape
+        self.capacity, self.num_kv_heads, self.head_dim = capacity, kv, d
+        self.store = cache.new_zeros(num_layers, 2, 0, kv, d * capacity)  # zeros: padding is finite
+        self.seqs: list[_Seq] = []
+        self.changed = True
+        """Rows were added or dropped since the last layout."""
+        # per-step state, set by layout(): the group's rows of the batch, its longest context,
+        # the flat positions of every row's newest K and V in a layer's store and the mask
+        # (None while all rows have the same length), per-layer views of the rows in use
+        self.start = self.stop = self.width = 0
+        self.index = self.index_step = self.mask = self.mask_index = None
+        self.flat: list[torch.Tensor] = []
+        self.keys_now: tuple[torch.Tensor, ...] = ()
+        self.values_now: tuple[torch.Tensor, ...] = ()
+        self.k_mats: tuple[torch.Tensor, ...] = ()
+        self.v_mats: tuple[torch.Tensor, ...] = ()
 
-    def values(self, workspace: torch.Tensor, kv: int, d: int) -> torch.Tensor:
-        """V [rows, kv, capacity, d] in one layer's workspace."""
-        size = (self.stop - self.start) * kv * d * self.capacity
-        return workspace[self.offset + size:self.offset + 2 * size].view(-1, kv, self.capacity, d)
+    @property
+    def keys(self) -> torch.Tensor:
+        """K^T [layers, rows, kv_heads, head_dim, capacity] (a view of ``store``)."""
+        layers, _, rows, kv, _ = self.store.shape
+        return self.store[:, 0].view(layers, rows, kv, self.head_dim, self.capacity)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """V [layers, rows, kv_heads, capacity, head_dim] (a view of ``store``)."""
+        layers, _, rows, kv, _ = self.store.shape
+        return self.store[:, 1].view(layers, rows, kv, self.capacity, self.head_dim)
+
+    def append(self, seqs: list[_Seq]) -> int:
+        """Give ``seqs`` the next rows (their K/V still to be written); the first one's index."""
+        first, rows = len(self.seqs), self.store.shape[2]
+        if first + len(seqs) > rows:  # grow by doubling, keeping the rows in use
+            store = self.store.new_zeros(*self.store.shape[:2], max(first + len(seqs), 2 * rows),
+                                         *self.store.shape[3:])
+            store[:, :, :first].copy_(self.store[:, :, :first])
+            self.store = store
+        for i, seq in enumerate(seqs, first):
+            seq.group, seq.slot = self, i
+        self.seqs += seqs
+        self.changed = True
+        return first
+
+    def gather(self, seqs: list[_Seq], cache: torch.Tensor, block_size: int) -> None:
+        """Append rows for ``seqs`` and fill them with their cached K/V from the paged pool."""
+        first = self.append(seqs)
+        cached = [len(s.tokens) - 1 for s in seqs]  # all but the token decoded this step
+        width = max(cached)
+        # [rows, width] positions; past a row's end, its last token again (overwritten or masked)
+        position = torch.minimum(torch.arange(width)[None, :], torch.tensor(cached)[:, None] - 1)
+        slots = _slots(seqs, position, block_size).flatten().to(cache.device)
+        num_layers, _, _, kv, d = cache.shape
+        cached_kv = cache.index_select(1, slots).view(num_layers, len(seqs), width, 2, kv, d)
+        rows = slice(first, first + len(seqs))
+        self.keys[:, rows, ..., :width].copy_(cached_kv[:, :, :, 0].permute(0, 1, 3, 4, 2))
+        self.values[:, rows, :, :width].copy_(cached_kv[:, :, :, 1].permute(0, 1, 3, 2, 4))
+
+    def take(self, seqs: list[_Seq]) -> None:
+        """Move the rows of ``seqs`` here from the (one) smaller group they outgrew."""
+        src, rows = seqs[0].group, [s.slot for s in seqs]
+        num_layers, _, _, kv, _ = src.store.shape
+        d, cap = self.head_dim, src.capacity
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # as when a whole batch grows: no gather
+            kv_rows = src.store[:, :, rows[0]:rows[0] + len(rows)]  # [layers, 2, rows, ...]
+        else:
+            kv_rows = src.store.index_select(2, torch.tensor(rows, device=src.store.device))
+        first = self.append(seqs)
+        moved = slice(first, first + len(seqs))
+        self.keys[:, moved, ..., :cap].copy_(kv_rows[:, 0].view(num_layers, len(rows), kv, d, cap))
+        self.values[:, moved, :, :cap].copy_(kv_rows[:, 1].view(num_layers, len(rows), kv, cap, d))
+        src.drop(rows)
+
+    def drop(self, rows: list[int]) -> None:
+        """Free ``rows``: the last rows still in use move into those of them below the new end."""
+        end, dropped = len(self.seqs) - len(rows), set(rows)
+        holes = sorted(i for i in rows if i < end)
+        movers = [i for i in range(end, len(self.seqs)) if i not in dropped]  # as many as the holes
+        if holes:
+            dev = self.store.device
+            self.store.index_copy_(2, torch.tensor(holes, device=dev),
+                                   self.store.index_select(2, torch.tensor(movers, device=dev)))
+            for i, j in zip(holes, movers):
+                self.seqs[i] = self.seqs[j]
+                self.seqs[i].slot = i
+        del self.seqs[end:]
+        self.changed = True
+
+    def layout(self, start: int) -> None:
+        """Put the group's rows at ``start`` of the batch; rebuild its per-step state if its rows changed."""
+        n, kv, d, cap = len(self.seqs), self.num_kv_heads, self.head_dim, self.capacity
+        self.start, self.stop = start, start + n
+        if not self.changed:
+            return
+        self.changed = False
+        dev = self.store.device
+        lengths = [len(s.tokens) for s in self.seqs]
+        self.width = max(lengths)
+        keys, values = self.keys[:, :n], self.values[:, :n]
+        self.keys_now, self.values_now = keys.unbind(0), values.unbind(0)  # [rows, kv, d | capacity, capacity | d]
+        self.k_mats, self.v_mats = keys.flatten(1, 2).unbind(0), values.flatten(1, 2).unbind(0)
+        if min(lengths) == self.width:
+            self.index = self.index_step = self.mask = self.mask_index = None  # no row is padded
+        else:
+            contexts = torch.tensor(lengths)
+            newest = (contexts - 1)[:, None, None]  # the column of each row's token of this step
+            heads = torch.arange(n * kv).view(n, kv, 1)
+            dims = torch.arange(d)
+            k_index = (heads * d + dims) * cap + newest
+            v_index = self.store.shape[2] * kv * d * cap + (heads * cap + newest) * d + dims
+            self.index = torch.stack((k_index, v_index), dim=1).to(dev)  # [n, 2, kv, d]: flat, in a layer's store
+            self.index_step = torch.tensor([1, d], device=dev).view(1, 2, 1, 1)
+            self.flat = [layer.view(-1) for layer in self.store]
+            valid = torch.arange(cap)[None, :] < contexts[:, None]  # [n, capacity]
+            mask = torch.where(valid, 0.0, float("-inf")).to(self.store.dtype).repeat_interleave(kv, dim=0)
+            self.mask = mask[:, None, :].to(dev)  # additive, over each row's right padding: [rows * kv, 1, capacity]
+            self.mask_index = (torch.arange(n * kv) * cap + newest.flatten().repeat_interleave(kv)).to(dev)
+
+    def advance(self) -> bool:
+        """Move every row one column on; False if a row outgrew the group (and nothing moved)."""
+        self.width += 1
+        if self.width > self.capacity:
+            return False
+        if self.index is not None:
+            self.index += self.index_step
+            self.mask_index += 1
+            self.mask.view(-1).index_fill_(0, self.mask_index, 0.0)
+        return True
 
 
 class TorchEngine:
@@ -412,8 +547,8 @@ class TorchEngine:
         self.resume_memory()
         self.decoder = _Decoder(model, self.tp_group, self.max_model_len)
         self.batch: _DecodeBatch | None = None
-        """The decode batch while the running set stays the same."""
-        self._workspace: torch.Tensor | None = None
+        """The decode rows and their KV workspace; None until the first decode step after
+        ``resume_memory``."""
         self.rng = random.Random(config.seed)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -436,6 +571,7 @@ class TorchEngine:
         max_len = min(len(out.prompt_ids) + p.max_new_tokens, self.max_model_len)
         self.waiting.append(_Seq(request, out, out.prompt_ids + out.token_ids, seed, stop_ids, max_len))
 
+    @torch.inference_mode()  # dropping a row updates the workspace, made under inference mode
     def abort(self, request_id: str) -> Output:
         for queue in (self.running, self.waiting):
             for seq in queue:
@@ -497,7 +633,7 @@ class TorchEngine:
                 f"release_memory with {len(self.running)} running and {len(self.waiting)} waiting "
                 "requests: finish or abort them first"
             )
-        self.cache = self.batch = self._workspace = None
+        self.cache = self.batch = None
 
     def resume_memory(self) -> None:
         if self.cache is None:
@@ -506,14 +642,6 @@ class TorchEngine:
                 args.num_layers, self.num_blocks * self.config.block_size, 2, self.num_kv_heads, args.head_dim,
                 dtype=self.dtype, device=self.device,
             )
-
-    def _workspace_buffer(self, numel: int) -> torch.Tensor:
-        """A flat buffer of ``numel`` elements for a decode batch's KV workspace, kept between
-        batches: allocating a fresh one per batch costs more than the gather into it."""
-        if self._workspace is None or self._workspace.numel() < numel:
-            self._workspace = None
-            self._workspace = torch.zeros(numel * 3 // 2, dtype=self.dtype, device=self.device)
-        return self._workspace[:numel]
 
     # ---- scheduling -----------------------------------------------------------------------
 
@@ -569,21 +697,13 @@ class TorchEngine:
             admitted.append(seq)
             budget -= n
             reserve += 1
-        if admitted:
-            self._end_batch()
-            self.running.extend(admitted)
+        self.running.extend(admitted)
         return admitted
 
-    def _end_batch(self, leaving: Collection[_Seq] = ()) -> None:
-        """Flush the decode batch's K/V into the pool and drop it: the running set changes, and
-        the requests ``leaving`` it need no flush."""
-        if self.batch is not None:
-            self.batch.flush(leaving)
-            self.batch = None
-
     def _free(self, seq: _Seq) -> None:
+        if seq.group is not None:
+            self.batch.remove(seq)
         if seq.row >= 0:
-            self._end_batch(leaving=(seq,))  # before any block can be reused
             self.free_rows.append(seq.row)
             seq.row = -1
         self.free_blocks.extend(seq.blocks)
@@ -627,14 +747,13 @@ class TorchEngine:
                     seq.blocks.append(self.free_blocks.pop())
                 else:
                     self._preempt(self.running[-1])
-        if self.batch is not None and self.batch.steps_left == 0:
-            self._end_batch()
         if self.batch is None:
-            self.batch = _DecodeBatch(self.running, self)
+            self.batch = _DecodeBatch(self)
         batch = self.batch
+        batch.update(self.running)
         logits = self.model.logits(self.decoder(batch.tokens, batch.positions, batch))
         tokens, logprobs = self._sample(batch.seqs, logits, batch.sampling)
-        batch.advance(tokens)  # before a finished request ends the batch (and flushes it)
+        batch.advance(tokens)
         return self._append(batch.seqs, tokens, logprobs)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor,
@@ -675,11 +794,9 @@ class TorchEngine:
                 out.finish_time = now
                 done.append(seq)
         self.num_generated_tokens += len(seqs)
-        if done:
-            self._end_batch(leaving=done)
-            for seq in done:
-                self.running.remove(seq)
-                self._free(seq)
+        for seq in done:
+            self.running.remove(seq)
+            self._free(seq)
         return [seq.out for seq in done]
 
 
