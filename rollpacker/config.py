@@ -15,7 +15,7 @@ from typing import Any
 
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
-from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
@@ -103,9 +103,8 @@ class Config:
         if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
             raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
-        if self.data.reward == "judge" and not self.reward.judge.model_path:
-            raise ValueError("data.reward is judge but reward.judge.model_path is empty: point it at the judge's "
-                             "Hugging Face model directory (--reward.judge.model-path DIR)")
+        if self.data.reward == "judge":
+            check_judge_path(self.reward.judge.model_path)
         if self.stream.enabled and self.train.advantage_norm != "group":
             raise ValueError(
                 f"stream.enabled with train.advantage_norm={self.train.advantage_norm!r}: stream training trains each "

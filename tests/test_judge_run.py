@@ -46,21 +46,25 @@ def test_bad_judge_rows_name_the_line(tmp_path, row, match):
 
 
 def test_judge_config_from_flags_and_toml_without_torch(tmp_path):
+    judge = str(toy_model_dir())
     preset = tmp_path / "judge.toml"
-    preset.write_text('[data]\nreward = "judge"\n[reward.judge]\nmodel_path = "/judge"\nmax_score = 5\n')
+    preset.write_text(f'[data]\nreward = "judge"\n[reward.judge]\nmodel_path = "{judge}"\nmax_score = 5\n')
     cfg = load_preset(str(preset))
-    assert (cfg.data.reward, cfg.reward.judge.model_path, cfg.reward.judge.max_score) == ("judge", "/judge", 5)
+    assert (cfg.data.reward, cfg.reward.judge.model_path, cfg.reward.judge.max_score) == ("judge", judge, 5)
     preset.write_text("[reward.judge]\nmax_score = 0\n")
     with pytest.raises(ValueError, match="judge.toml: judge.max_score must be >= 1, got 0"):
         load_preset(str(preset))
     code = ("import sys\nfrom rollpacker.config import parse\n"
-            "cfg = parse(['--data.reward', 'judge', '--reward.judge.model-path', '/j',"
+            f"cfg = parse(['--data.reward', 'judge', '--reward.judge.model-path', {judge!r},"
             " '--reward.judge.max-batch-tokens', '8192'])\n"
-            "assert (cfg.reward.judge.model_path, cfg.reward.judge.max_batch_tokens) == ('/j', 8192)\n"
+            f"assert (cfg.reward.judge.model_path, cfg.reward.judge.max_batch_tokens) == ({judge!r}, 8192)\n"
             "assert 'torch' not in sys.modules, 'torch imported while parsing'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert parse([]).reward.judge.model_path == ""
+    preset.write_text('[data]\nreward = "judge"\n[reward.judge]\nmodel_path = "/nowhere"\n')
+    with pytest.raises(ValueError, match="model_path='/nowhere' is not a Hugging Face model directory"):
+        load_preset(str(preset))
 
 
 @pytest.mark.timeout(120)

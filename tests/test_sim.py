@@ -337,7 +337,7 @@ def test_cli_preset_run_prints_the_breakdown_and_a_gantt(tmp_path):
 
 def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
     out, figures = sim_cli("table2", "--num-steps", "5")
-    assert out.count("not yet") == 9
+    assert out.count("not yet") == 6
     tail = [rows["+ tail batching"] for rows in figures["rows"].values()]
     assert len(tail) == 3 and all(r["sim"] > 1 for r in tail)
     assert figures["max_rel_error"] == max(abs(r["rel_error"]) for rows in figures["rows"].values() for r in rows.values())
@@ -346,3 +346,17 @@ def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
 def test_cli_workload_shows_the_mixture_beside_the_papers_statistics():
     out, figures = sim_cli("workload")
     assert "P75" in out and figures["cap_hit_rate"] >= 0.9 and figures["loss"] < 0.05
+
+
+def test_reward_scheduler_pieces_by_hand():
+    from rollpacker.sim.workload import RewardModel, adaptive_timeouts, makespan
+
+    assert makespan([(2.0, 0.0), (1.0, 0.0), (3.0, 1.0)], 2) == 4.0  # the third waits for its release at 1
+    assert makespan([2.0, 1.0, 3.0], 2) == 4.0
+    assert adaptive_timeouts([1.0, 30.0, 3.0], 30.0) == [1.0, 4.5, 3.0]  # 1.5 x the slowest finished run
+    assert adaptive_timeouts([0.5, 30.0], 30.0) == [0.5, 2.0]  # at least 2 s
+    assert adaptive_timeouts([30.0, 30.0], 30.0) == [30.0, 30.0]  # nothing finished: no anchor
+    one = RewardModel(tasks=("math",), math_workers=1)
+    # Scored from their finish times 0.5 and 0.6 on one worker: done at 1.5, then 2.5; rollout ended at 1.
+    assert one.exposed_s([("math", 1.0, 0.5), ("math", 1.0, 0.6)], 1.0, gpus=8) == 1.5
+    assert one.exposed_s([("math", 0.1, 0.5)], 1.0, gpus=8) == 0.0

@@ -6,6 +6,7 @@ Plain dataclasses only (no torch): configs are parsed before anything heavy is i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rollpacker.reward.sandbox import SandboxConfig
 
@@ -104,3 +105,13 @@ class RewardConfig:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")
         if self.timeout_max < self.timeout_min:
             raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min ({self.timeout_min})")
+
+
+def check_judge_path(model_path: str) -> None:
+    """Raise a ValueError naming reward.judge.model_path unless it is a model directory."""
+    if not model_path:
+        raise ValueError("data.reward is judge but reward.judge.model_path is empty: point it at the judge's "
+                         "Hugging Face model directory (--reward.judge.model-path DIR)")
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"reward.judge.model_path={model_path!r} is not a Hugging Face model directory "
+                         "(no config.json in it)")

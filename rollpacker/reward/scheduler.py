@@ -22,11 +22,10 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from rollpacker.reward.code import AdaptiveTimeout
-from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.workers import score as score_sample
 
@@ -153,12 +152,3 @@ class RewardScheduler:
             self.pool.close()
         self.judge = None
 
-
-def check_judge_path(model_path: str) -> None:
-    """Raise a ValueError naming reward.judge.model_path unless it is a model directory."""
-    if not model_path:
-        raise ValueError("data.reward is judge but reward.judge.model_path is empty: point it at the judge's "
-                         "Hugging Face model directory (--reward.judge.model-path DIR)")
-    if not (Path(model_path) / "config.json").is_file():
-        raise ValueError(f"reward.judge.model_path={model_path!r} is not a Hugging Face model directory "
-                         "(no config.json in it)")

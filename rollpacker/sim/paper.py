@@ -4,9 +4,10 @@
   runs it; the share of rollout, reward and training in a step against Table 1. The training
   efficiency and the reward constants were set so that these match: this is the calibration.
 - ``table2``: the §6 setups (7B/8k on 16 GPUs with rollout TP 1, 14B/16k on 32 with TP 2, 32B/32k
-  on 64 with TP 2; P0 = 128, R0 = 8, the uniform math/code/judge mix), veRL (``sync``) against tail
-  batching (``tail``), both with synchronous reward. Speedup = mean step time over the same number
-  of steps. Nothing was fitted to Table 2; rows whose parts are not built yet say so.
+  on 64 with TP 2; P0 = 128, R0 = 8, the uniform math/code/judge mix), veRL (``sync``, synchronous
+  reward) against tail batching (``tail``), then tail batching with the reward scheduler
+  (asynchronous scoring, adaptive code timeouts, judge colocated). Speedup = mean step time over the
+  same number of steps. Nothing was fitted to Table 2; rows whose parts are not built yet say so.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ TABLE1 = {"math": (0.72, 0.05, 0.23), "code": (0.66, 0.13, 0.21), "judge": (0.71
 """Table 1: rollout, reward and training shares of a veRL step, Qwen2.5-14B/16k, 32 H800s."""
 
 TABLE2_ROWS = ("veRL baseline", "+ tail batching", "+ reward scheduler", "+ parallelism planner", "+ stream trainer")
-BUILT_ROWS = 2
-"""Rows the simulator can build so far (the others need the reward scheduler, planner, stream trainer)."""
+BUILT_ROWS = 3
+"""Rows the simulator can build so far (the others need the parallelism planner, whose row the stream trainer's builds on)."""
+VARIANTS = {"sync": {}, "tail": {}, "tail+reward": {"reward_scheduler": True}}
+"""The simulated configuration of each built row."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,9 @@ def table2(num_steps: int = 20) -> dict:
     """Table 2 beside the simulated speedups of the built rows; returns the JSON figures."""
     sims: dict[str, dict] = {}
     for s in SETTINGS:
-        means = {p: summarize(simulate(setting_config(s, p, num_steps=num_steps)))["all"] for p in ("sync", "tail")}
-        sims[s.label] = {"speedup": [1.0, means["sync"]["step_s"] / means["tail"]["step_s"]], "means": means}
+        means = {v: summarize(simulate(setting_config(s, v.split("+")[0], num_steps=num_steps, **kw)))["all"]
+                 for v, kw in VARIANTS.items()}
+        sims[s.label] = {"speedup": [means["sync"]["step_s"] / means[v]["step_s"] for v in VARIANTS], "means": means}
     print(f"Table 2: cumulative end-to-end speedup over veRL, paper vs simulated (H800, P0=128, R0=8, math/code/judge "
           f"mix, mean step time over {num_steps} steps)")
     print(f"{'':<24}" + "".join(f"{s.title:>30}" for s in SETTINGS))
@@ -102,12 +106,9 @@ def table2(num_steps: int = 20) -> dict:
             cells += f"{paper:>9.2f}x{sim:>8.2f}x{err:>+10.1%}"
         print(f"{name:<24}{cells}")
     print()
-    print(f"{'mean step (s)':<24}" + "".join(
-        f"{'veRL ' + format(sims[s.label]['means']['sync']['step_s'], '.0f'):>15}"
-        f"{'tail ' + format(sims[s.label]['means']['tail']['step_s'], '.0f'):>15}" for s in SETTINGS))
-    for stage in ("rollout_s", "reward_s", "train_s", "sync_s"):
+    print(f"{'mean step (s)':<24}" + "".join(f"{v:>12}" for s in SETTINGS for v in VARIANTS))
+    for stage in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s"):
         print(f"{'  ' + stage[:-2]:<24}" + "".join(
-            f"{sims[s.label]['means']['sync'][stage]:>15.1f}{sims[s.label]['means']['tail'][stage]:>15.1f}"
-            for s in SETTINGS))
-    step_s = {s.label: {p: round(sims[s.label]["means"][p]["step_s"], 2) for p in ("sync", "tail")} for s in SETTINGS}
+            f"{sims[s.label]['means'][v][stage]:>12.1f}" for s in SETTINGS for v in VARIANTS))
+    step_s = {s.label: {v: round(sims[s.label]["means"][v]["step_s"], 2) for v in VARIANTS} for s in SETTINGS}
     return {"max_rel_error": round(max_err, 4), "rows": rows, "step_s": step_s, "num_steps": num_steps}

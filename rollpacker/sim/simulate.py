@@ -36,7 +36,7 @@ from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
-from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, read_length_trace
+from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 
 
 
@@ -62,6 +62,9 @@ class SimConfig:
     """tail: prompts launched per short round, over P0."""
     eta_responses: float = 1.25
     """tail: responses launched per prompt in short rounds, over R0."""
+    reward_scheduler: bool = False
+    """§4.3: score each response as it finishes (overlapped with rollout), adaptive code timeouts, the
+    judge colocated on every GPU; else scoring starts after rollout."""
     num_steps: int = 20
     """RL steps simulated (20 = four tail-batching periods of 4 short rounds and 1 long round)."""
     num_rows: int = 100_000
@@ -262,10 +265,19 @@ def step_times(step: int, record: RoundRecord, cfg: SimConfig, cost: CostModel, 
     for row, s in kept:
         task = cfg.reward.task(row)
         samples.append((task, cfg.reward.seconds(task, (step, s.slot, s.response), prompt, s.length, judge)))
+    if cfg.reward_scheduler:
+        for row in {row for row, _ in kept if cfg.reward.task(row) == "code"}:
+            mine = [i for i, (r, _) in enumerate(kept) if r == row]
+            for i, t in zip(mine, adaptive_timeouts([samples[i][1] for i in mine], cfg.reward.code_timeout_s)):
+                samples[i] = ("code", t)
+        reward_s = cfg.reward.exposed_s([(t, sec, out.finish_time) for (t, sec), out in zip(samples, outputs)],
+                                        record.rollout_s, cfg.gpus)
+    else:
+        reward_s = cfg.reward.stage_s(samples)
     seq_lens = np.array([prompt + s.length for s in outputs], dtype=np.float64)
     trained = int(sum(s.length for s in outputs))
     return StepResult(
-        step=step, kind=record.kind, rollout_s=record.rollout_s, reward_s=cfg.reward.stage_s(samples),
+        step=step, kind=record.kind, rollout_s=record.rollout_s, reward_s=reward_s,
         train_s=cost.train_s(seq_lens.sum(), (seq_lens**2).sum(), cfg.gpus), sync_s=cost.sync_s(),
         num_preemptions=record.num_preemptions, bubble_ratio=record.bubble_ratio,
         max_length=max((s.length for s in outputs), default=0), trained_tokens=trained,

@@ -311,10 +311,29 @@ class RewardModel:
         return max((makespan([s for t, s in samples if t == task], self.workers(task)) for task in self.tasks),
                    default=0.0)
 
+    def exposed_s(self, samples: list[tuple[str, float, float]], rollout_s: float, gpus: int) -> float:
+        """The reward scheduler: each ``(task, seconds, finish time)`` is scored from the moment its
+        response finishes, on its task's pool, the judge colocated on all ``gpus`` (MPS); returns the
+        scoring time left after the rollout's end."""
+        pools = {"judge": gpus * self.judge_batch}
+        ends = [makespan([(s, at) for t, s, at in samples if t == task], pools.get(task) or self.workers(task))
+                for task in self.tasks]
+        return max(0.0, max(ends, default=0.0) - rollout_s)
 
-def makespan(seconds: list[float], workers: int) -> float:
-    """Greedy list scheduling of jobs in order on ``workers`` identical workers."""
-    free = [0.0] * min(workers, len(seconds))
-    for s in seconds:
-        heapq.heappush(free, heapq.heappop(free) + s)
+
+def adaptive_timeouts(runs: list[float], timeout_s: float, *, factor: float = 1.5, floor_s: float = 2.0) -> list[float]:
+    """Code runs of one prompt's responses under §4.3's adaptive timeout: those that ran into
+    ``timeout_s`` stop at min(max(floor, factor * the slowest run that finished), timeout_s)."""
+    finished = [r for r in runs if r < timeout_s]
+    cut = min(max(floor_s, factor * max(finished, default=timeout_s)), timeout_s)
+    return [r if r < timeout_s else cut for r in runs]
+
+
+def makespan(jobs: list[float] | list[tuple[float, float]], workers: int) -> float:
+    """Greedy list scheduling of jobs in order on ``workers`` identical workers; a job is its
+    seconds, or ``(seconds, release time)`` when it cannot start earlier."""
+    free = [0.0] * min(workers, len(jobs))
+    for job in jobs:
+        seconds, release = job if isinstance(job, tuple) else (job, 0.0)
+        heapq.heappush(free, max(heapq.heappop(free), release) + seconds)
     return max(free, default=0.0)

@@ -9,8 +9,9 @@ look) it considers scaling rollout down to the first half of its replicas:
   their own; when the meshes do not allow that, no scale-down is ever attempted (the reason is
   logged once and :attr:`StreamTrainer.refused` says why).
 - **When**: only if the remaining requests' projected KV peak fits the remaining replicas'
-  caches (:func:`peak_kv_tokens`, from the lengths of past responses). ``stream.trigger`` instead
-  scales down unconditionally at a fixed fraction. At most once per round.
+  caches (:func:`peak_kv_tokens`, from the lengths of the responses finished so far).
+  ``stream.trigger`` instead scales down unconditionally at a fixed fraction. At most once per
+  round.
 - **Migration**: the freed replicas' requests are aborted and resumed on the others by
   recomputation (the engine contract's partial outputs).
 - **Streaming**: the freed ranks release their KV cache and receive the complete, scored groups
@@ -104,7 +105,7 @@ class StreamTrainer:
         self.kv_capacity_tokens, self.max_new_tokens = kv_capacity_tokens, max_new_tokens
         self.trigger = Trigger(config.trigger)
         self.history: collections.deque[int] = collections.deque(maxlen=4096)
-        """Lengths of finished responses of past rounds (rank 0)."""
+        """Lengths of the responses finished so far, this round's included (rank 0)."""
         replicas, tp = meshes.num_replicas, meshes.rollout_tp.size()
         self.kept_replicas = replicas - replicas // 2
         self.ranks = list(range(self.kept_replicas * tp, meshes.world_size))
@@ -126,8 +127,6 @@ class StreamTrainer:
     def freed(self) -> bool:
         return self.meshes.rank in self.ranks
 
-    # -- rank 0 ------------------------------------------------------------------------------
-
     def start_round(self) -> None:
         """Every rank, before a round: the last round's sends are all received by now."""
         for work, _ in self._pending:
@@ -135,6 +134,8 @@ class StreamTrainer:
         self._pending = []
         self.trigger.reset()
         self.seconds = 0.0
+
+    # -- rank 0 ------------------------------------------------------------------------------
 
     def consider(self, completed: int, total: int, requests: Callable[[], list[tuple[int, int]]]) -> bool:
         """Whether to scale down now, given the round's progress and the requests still running
