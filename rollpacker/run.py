@@ -127,19 +127,25 @@ def encode_prompt(job: Job, row: dict) -> list[int]:
     return ids
 
 
+def trained_rewards(job: Job, group) -> list[tuple[Any, float]]:
+    """A scored group's ``(output, reward)`` pairs to train on: a reward_error sample is trained
+    with reward 0 or dropped (``reward.on_error``)."""
+    zero = job.config.reward.on_error == "zero"
+    return [(o, r or 0.0) for o, r in zip(group.outputs, group.rewards) if r is not None or zero]
+
+
 def group_samples(job: Job, group) -> list:
-    """The trainer samples of a scored group, with their GRPO advantages. A reward_error sample is
-    trained with reward 0 or dropped (``reward.on_error``)."""
+    """The trainer samples of a scored group (:func:`trained_rewards`), with their GRPO advantages."""
     import torch
 
     from rollpacker.train.losses import group_advantages
     from rollpacker.train.trainer import Sample
 
-    kept = [(o, r) for o, r in zip(group.outputs, group.rewards) if r is not None or job.config.reward.on_error == "zero"]
-    if not kept:
+    pairs = trained_rewards(job, group)
+    if not pairs:
         return []
-    adv = group_advantages(torch.tensor([r or 0.0 for _, r in kept])[None], job.config.train.scale_adv_by_std)[0]
-    return [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(kept, adv.tolist())]
+    adv = group_advantages(torch.tensor([r for _, r in pairs])[None], job.config.train.scale_adv_by_std)[0]
+    return [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(pairs, adv.tolist())]
 
 
 def score(job: Job, result) -> tuple[tuple[list, int], dict[str, Any]]:
@@ -159,9 +165,7 @@ def score(job: Job, result) -> tuple[tuple[list, int], dict[str, Any]]:
         for s, a in zip(samples, ((adv - adv.mean()) / (adv.std() + 1e-6)).tolist()):
             s.advantage = a
     normalizer = sum(len(s.response_ids) for s in every) if cfg.train.aggregation == "token" else len(every)
-    all_rewards = [r or 0.0 for g in result.groups for r in g.rewards
-                   if r is not None or cfg.reward.on_error == "zero"]
-    reward_t = torch.tensor(all_rewards)
+    reward_t = torch.tensor([r for g in result.groups for _, r in trained_rewards(job, g)])
     lengths = [len(s.response_ids) for s in every]
     rollout_time = result.end - result.start
     trace = [(result.start, result.num_launched), *result.running_trace]

@@ -266,8 +266,11 @@ def step_times(step: int, record: RoundRecord, cfg: SimConfig, cost: CostModel, 
         task = cfg.reward.task(row)
         samples.append((task, cfg.reward.seconds(task, (step, s.slot, s.response), prompt, s.length, judge)))
     if cfg.reward_scheduler:
-        for row in {row for row, _ in kept if cfg.reward.task(row) == "code"}:
-            mine = [i for i, (r, _) in enumerate(kept) if r == row]
+        code: dict[int, list[int]] = {}  # row -> indices of its code samples
+        for i, (row, _) in enumerate(kept):
+            if samples[i][0] == "code":
+                code.setdefault(row, []).append(i)
+        for mine in code.values():
             for i, t in zip(mine, adaptive_timeouts([samples[i][1] for i in mine], cfg.reward.code_timeout_s)):
                 samples[i] = ("code", t)
         reward_s = cfg.reward.exposed_s([(t, sec, out.finish_time) for (t, sec), out in zip(samples, outputs)],
