@@ -15,6 +15,7 @@ from typing import Any
 
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
+from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.schedule.config import ScheduleConfig
@@ -22,7 +23,7 @@ from rollpacker.train.config import StreamConfig, TrainConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "toy-cpu"
-POLICIES = ("sync", "tail")
+POLICIES = ("sync", "tail", "sorted", "sorted_partial")
 
 
 @dataclass(kw_only=True)
@@ -80,7 +81,8 @@ class Config:
     num_epochs: int = 0
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
     policy: str = "sync"
-    """Rollout scheduling policy: sync (the veRL baseline) or tail (tail batching)."""
+    """Rollout scheduling policy: sync (the veRL baseline), tail (tail batching), sorted (SortedRL, on-policy) or
+    sorted_partial (SortedRL resuming partial responses: off-policy, needs train.off_policy is or tis)."""
     eval_every: int = 0
     """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0
@@ -95,6 +97,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
@@ -105,6 +108,12 @@ class Config:
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
         if self.data.reward == "judge":
             check_judge_path(self.reward.judge.model_path)
+        if self.policy == "sorted_partial" and self.train.off_policy == "none":
+            raise ValueError(
+                "policy=sorted_partial with train.off_policy='none': partial mode resumes responses under newer "
+                "weights, so its samples are stale (tokens sampled by earlier steps) and the on-policy loss would "
+                "treat them as the current policy's. Set train.off_policy to 'tis' (truncated importance "
+                "sampling) or 'is', or use policy=sorted")
         if self.stream.enabled and self.train.advantage_norm != "group":
             raise ValueError(
                 f"stream.enabled with train.advantage_norm={self.train.advantage_norm!r}: stream training trains each "

@@ -6,7 +6,8 @@ concerns its replica and steps its engine ``poll_steps`` times; replica leaders 
 and aborted outputs; rank 0 submits each finished response for scoring and hands it to the
 scheduling policy, in finish order, which says what to abort, what to launch and when the round is
 over. Requests are routed per request, round-robin over the replicas, so every group is spread
-across them.
+across them. Responses the policy carries over from an earlier round (``Round.carried``) are
+resumed from their partial output, or, when already finished, only scored again.
 
 With a :class:`~rollpacker.train.stream.StreamTrainer`, rank 0 also watches the round's progress
 and may scale rollout down once: the second half of the replicas abort their requests (resumed on
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from rollpacker.dist import Meshes
 from rollpacker.rollout.engine import Engine, Output, Request, SamplingParams
-from rollpacker.schedule.base import Group, Policy, request_id
+from rollpacker.schedule.base import Group, Policy, Round, request_id
 from rollpacker.train.stream import StreamTrainer
 
 
@@ -57,7 +58,8 @@ class RoundResult:
     num_launched: int
     num_aborted: int
     generated_tokens: int
-    """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus)."""
+    """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus); a response
+    resumed from an earlier round (``Round.carried``) counts only its new tokens."""
     running_trace: list[tuple[float, int]]
     """(time, requests running over all replicas) at every poll: the bubble ratio's input."""
     start: float
@@ -75,19 +77,20 @@ def sampling_seed(seed: int, rid: str) -> int:
 
 def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, policy: Policy | None = None,
               rows=None, prompt_ids=None, rewards=None, sampling: SamplingParams | None = None, seed: int = 0,
-              on_progress=None, stream: StreamTrainer | None = None, make_samples=None) -> RoundResult | None:
+              on_progress=None, stream: StreamTrainer | None = None, make_samples=None,
+              plan: Round | None = None) -> RoundResult | None:
     """Collective over all ranks. On rank 0, which alone gets the :class:`RoundResult`: the
     ``policy``; the data ``rows`` and ``prompt_ids`` (row index -> token ids); ``rewards``, a
     :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores each response as it
     finishes (a policy that ``needs_rewards`` hears of a response once it is scored); ``sampling``;
     with a ``stream`` trainer (on every rank), ``make_samples(group)``: the trainer samples of a
-    complete, scored group."""
+    complete, scored group; ``plan``, the round when the caller already asked the policy for it."""
     leader = meshes.rank == 0
     start = time.time()
     base_preemptions = engine.stats().num_preemptions
     group = None  # the control plane; after a scale-down, the kept replicas' part of it
     if leader:
-        plan = policy.start_round(step)
+        plan = plan or policy.start_round(step)
         owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, slot, response)
         requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
         slots: list[int] = []  # slot -> dataset row
@@ -108,9 +111,13 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
                 ids = prompt_ids(row)
                 for k in range(plan.num_responses):
                     rid = request_id(step, slot, k)
+                    earlier = plan.carried.get((slot, k))
+                    if earlier is not None and earlier.finish_reason != "abort":  # finished in an earlier round:
+                        rewards.submit(earlier.id, rows[row], earlier)  # not run again; scored for this round
+                        continue
                     owner[rid] = (0, slot, k)
                     params = SamplingParams(**{**vars(sampling), "seed": sampling_seed(seed, rid)})
-                    adds.append(route(Request(id=rid, prompt_ids=ids, params=params)))
+                    adds.append(route(Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier)))
             return adds
 
         trace: list[tuple[float, int]] = []
@@ -223,7 +230,8 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         if scaled_at:
             stats["time/migration"] = max(migration, 0.0)
     return RoundResult(kind=plan.kind, groups=groups, num_launched=len(owner), num_aborted=len(aborted),
-                       generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted),
+                       generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted)
+                       - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),
                        running_trace=trace, start=start, last_finish=last_finish, end=time.time(),
                        num_preemptions=sum(preempted.values()), stream=stats)
 

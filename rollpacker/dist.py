@@ -3,7 +3,9 @@
 - ``world``: all ranks (NCCL on GPU, gloo on CPU).
 - ``control``: the gloo control plane. Rank 0 decides; the others follow through object
   collectives on it (a few times per second, never per token).
-- ``rollout``: a 2-D (replica, tp) mesh; ``rollout_tp`` is this rank's engine TP sub-mesh.
+- ``rollout``: a 2-D (replica, tp) mesh; ``rollout_tp`` is this rank's engine TP sub-mesh. The
+  parallelism planner changes the TP between steps (:meth:`Meshes.set_rollout_tp`); each TP's
+  groups are built the first time it is used, then reused.
 - ``train``: the 2-D (replicate, shard) HSDP mesh of the trainer. Each replica group is a whole
   copy of the model, so a subset of replicas can compute gradients on its own (stream training).
 - With stream training: ``stream``, a gloo group of all ranks for rank 0's point-to-point sends
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +58,20 @@ class Meshes:
     train: DeviceMesh
     stream: dist.ProcessGroup | None = None
     kept_control: dist.ProcessGroup | None = None
+    _by_tp: dict[int, tuple[DeviceMesh, dist.ProcessGroup | None]] = field(default_factory=dict, repr=False)
+
+    def set_rollout_tp(self, tp: int) -> None:
+        """Make ``tp`` the rollout TP: the (replica, tp) mesh and, with stream training, the control
+        plane of the replicas kept after a scale-down. Collective over all ranks."""
+        if self.world_size % tp:
+            raise ValueError(f"rollout TP={tp} does not divide the world size {self.world_size}")
+        if tp not in self._by_tp:
+            replicas = self.world_size // tp
+            kept = (dist.new_group(list(range((replicas - replicas // 2) * tp)), backend="gloo")
+                    if self.stream is not None else None)
+            mesh = init_device_mesh(self.device.type, (replicas, tp), mesh_dim_names=("replica", "tp"))
+            self._by_tp[tp] = mesh, kept
+        self.rollout, self.kept_control = self._by_tp[tp]
 
     @property
     def rank(self) -> int:
@@ -103,16 +119,14 @@ def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False) -
     shard = train_shard_size or world
     kind = device.type
     control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    extra = {}
-    if stream:  # new_group is collective over all ranks: built here, used only by some
-        replicas = world // rollout_tp
-        extra = {"stream": dist.new_group(backend="gloo"),
-                 "kept_control": dist.new_group(list(range((replicas - replicas // 2) * rollout_tp)), backend="gloo")}
-    return Meshes(
+    meshes = Meshes(
         device=device,
         world=init_device_mesh(kind, (world,), mesh_dim_names=("world",)),
         control=control,
-        rollout=init_device_mesh(kind, (world // rollout_tp, rollout_tp), mesh_dim_names=("replica", "tp")),
+        rollout=None,
         train=init_device_mesh(kind, (world // shard, shard), mesh_dim_names=("replicate", "shard")),
-        **extra,
+        # new_group is collective over all ranks: built here, used only by some
+        stream=dist.new_group(backend="gloo") if stream else None,
     )
+    meshes.set_rollout_tp(rollout_tp)
+    return meshes

@@ -40,6 +40,8 @@ class Job:
     start_step: int = 0
     stream: Any = None
     """The stream trainer (rollpacker.train.stream), on every rank, when stream.enabled."""
+    planner: Any = None
+    """The parallelism planner (rollpacker.plan.planner), rank 0 only, when plan.enabled."""
 
 
 def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
@@ -47,20 +49,31 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
     from rollpacker.metrics import Timer
 
     timer, rank0, cfg = Timer(), job.meshes.rank == 0, job.config
+    plan = job.policy.start_round(step) if rank0 else None  # the policy plans the round
     if rank0:
         job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
-    with timer("rollout"):  # the policy plans the round; the engines generate it (freed ranks stream-train)
+    if cfg.plan.enabled:  # the planner's TP for this kind of round
+        with timer("tp_switch"):
+            tp = job.meshes.broadcast(job.planner.tp_for(plan.kind) if rank0 else None)
+            stats |= {"plan/rollout_tp": tp, "plan/switched": float(tp != job.meshes.rollout_tp.size())}
+            if stats["plan/switched"]:
+                switch_tp(job, tp)
+    with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
                            rows=job.rows, prompt_ids=lambda p: encode_prompt(job, job.rows[p]), rewards=job.rewards,
                            sampling=sampling_params(cfg), seed=cfg.seed,
                            on_progress=job.display.update if rank0 else None, stream=job.stream,
-                           make_samples=lambda g: group_samples(job, g))
+                           make_samples=lambda g: group_samples(job, g), plan=plan)
     with timer("reward"):  # advantages of the kept groups (rank 0; responses were scored as they finished)
         batch, round_stats = score(job, result) if rank0 else (None, {})
     if rank0:  # the wait for rewards after the last response finished is reward time, not rollout
         timer.times["time/rollout"] -= round_stats["time/reward_exposed"]
         timer.times["time/reward"] += round_stats["time/reward_exposed"]
     stats |= round_stats
+    if rank0 and job.planner:  # the preemption heuristic picks the next TP of this kind of round
+        why = job.planner.observe(plan.kind, round_stats["rollout/preemptions"])
+        if why:
+            logger.info("plan: after step %d: %s", step, why)
     with timer("train"):  # one optimizer step on what was not streamed, normalized by global counts
         samples, normalizer = job.meshes.broadcast(batch)
         stats |= job.trainer.step(samples, normalizer)
@@ -202,28 +215,93 @@ def build(config: Config) -> Job:
     config.check_world(meshes.world_size)
     torch.manual_seed(config.seed)
     path = model_path(config)
-    engine_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        config.model.dtype, torch.bfloat16 if meshes.device.type == "cuda" else torch.float32)
-    engine = TorchEngine(load_model(path, meshes.device, engine_dtype), config.engine, meshes.rollout_tp)
+    engine = TorchEngine(load_model(path, meshes.device, engine_dtype(config, meshes.device)), config.engine,
+                         meshes.rollout_tp)
     reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
     trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
                       temperature=config.rollout.temperature or 1.0, reference=reference)
     job = Job(config=config, meshes=meshes, engine=engine, trainer=trainer)
     if config.stream.enabled:
-        from rollpacker.train.stream import StreamTrainer
-
-        job.stream = StreamTrainer(config.stream, trainer, meshes, max_new_tokens=config.rollout.max_new_tokens,
-                                   kv_capacity_tokens=engine.num_blocks * config.engine.block_size)
+        job.stream = make_stream(job)
     if meshes.rank == 0:
         build_controller(job, path)
+    if config.plan.enabled:
+        build_planner(job, path)
     if config.resume:
         state = checkpoint.load(Path(config.resume), trainer)
         job.start_step = state["step"]
         if job.meshes.rank == 0:
             job.policy.load_state_dict({k: v for k, v in state["policy"].items() if k != "name"})
             job.rewards.load_state_dict(state["rewards"])
-        engine.update_weights(trainer.model.named_parameters())
+            if job.planner:
+                job.planner.load_state_dict(state["planner"])
+        job.engine.update_weights(trainer.model.named_parameters())
     return job
+
+
+def engine_dtype(config: Config, device):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        config.model.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def make_stream(job: Job):
+    from rollpacker.train.stream import StreamTrainer
+
+    cfg = job.config
+    return StreamTrainer(cfg.stream, job.trainer, job.meshes, max_new_tokens=cfg.rollout.max_new_tokens,
+                         kv_capacity_tokens=job.engine.num_blocks * cfg.engine.block_size)
+
+
+def build_planner(job: Job, path: Path) -> None:
+    """The profile (measured now if none is cached for this setup), the planner on rank 0, and the
+    engines rebuilt at its initial TP (collective)."""
+    import os
+
+    from rollpacker.plan.planner import Planner, best_tp, candidate_tps
+    from rollpacker.plan.profile import obtain
+
+    cfg, meshes = job.config, job.meshes
+    profile = obtain(cfg, meshes, path, engine_dtype(cfg, meshes.device))
+    if meshes.rank == 0:
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", meshes.world_size))
+        candidates = candidate_tps(meshes.world_size, job.trainer.model.args.num_kv_heads, cfg.plan.max_tp or node)
+        prompt_len = round(sum(len(encode_prompt(job, r)) for r in job.rows[:64]) / len(job.rows[:64]))
+        initial, estimates = best_tp(profile, candidates, cfg.rollout.num_prompts * cfg.rollout.group_size,
+                                     prompt_len, cfg.rollout.max_new_tokens)
+        initial = cfg.plan.initial_tp or initial
+        logger.info("plan: estimated round without tail batching (s) by TP: %s; starting at TP %d (usable: %s)",
+                    {t: round(v, 3) for t, v in estimates.items()}, initial, candidates)
+        job.planner = Planner(cfg.plan, candidates, initial)
+    tp = meshes.broadcast(job.planner.initial if job.planner else None)
+    if tp != meshes.rollout_tp.size():
+        switch_tp(job, tp)
+
+
+def switch_tp(job: Job, tp: int) -> None:
+    """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective): the old
+    engine's memory is freed first; the new one is loaded from the trainer's live parameters
+    (resharded in memory, not read from disk)."""
+    import gc
+
+    import torch
+
+    from rollpacker.model import empty_model
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    job.engine.release_memory()
+    job.engine = None
+    gc.collect()
+    if job.meshes.device.type == "cuda":
+        torch.cuda.empty_cache()
+    job.meshes.set_rollout_tp(tp)
+    model = empty_model(job.trainer.model.args, job.meshes.device, engine_dtype(job.config, job.meshes.device))
+    job.engine = TorchEngine(model, job.config.engine, job.meshes.rollout_tp)
+    job.engine.update_weights(job.trainer.model.named_parameters())
+    if job.stream:  # its replicas changed; the length history carries over
+        history, job.stream = job.stream.history, make_stream(job)
+        job.stream.history = history
 
 
 def build_controller(job: Job, path: Path) -> None:
@@ -244,6 +322,7 @@ def build_controller(job: Job, path: Path) -> None:
 
 
 def make_policy(cfg: Config, sampler):
+    from rollpacker.schedule.sorted import SortedPolicy
     from rollpacker.schedule.sync import SyncPolicy
     from rollpacker.schedule.tail import TailPolicy
 
@@ -252,6 +331,9 @@ def make_policy(cfg: Config, sampler):
     if cfg.policy == "tail":
         return TailPolicy(sampler, r.num_prompts, r.group_size, eta_prompts=s.eta_prompts,
                           eta_responses=s.eta_responses, last_step=cfg.num_steps - 1, **common)
+    if cfg.policy in ("sorted", "sorted_partial"):
+        return SortedPolicy(sampler, r.num_prompts, r.group_size, num_batches=s.sorted_batches,
+                            partial=cfg.policy == "sorted_partial", **common)
     return SyncPolicy(sampler, r.num_prompts, r.group_size, **common)
 
 
@@ -296,6 +378,8 @@ def save(job: Job, step: int) -> None:
     path = Path(job.config.run_dir) / "checkpoints" / f"step_{step}"
     state = {"policy": {"name": job.policy.name, **job.policy.state_dict()},
              "rewards": job.rewards.state_dict()} if job.meshes.rank == 0 else None
+    if job.planner:
+        state["planner"] = job.planner.state_dict()
     checkpoint.save(path, job.trainer, step, state)
 
 

@@ -263,6 +263,10 @@ def test_calibration_is_fitted_from_a_measured_decode_curve():
     assert calib.decode_flops_efficiency == pytest.approx(0.2)
     cost = CostModel(machine, shape, 1, calib)
     assert 1e3 * cost.iteration_times(64, 64 * 20, 1)[0] == pytest.approx(1.5 + slope_ms * 64, rel=0.01)
+    # The planner's profile holds the same curve per TP and context: its TP=1 curve gives the same fit.
+    planner_profile = {"peak_gflops": peak / 1e9, "tp": {"1": {"decode_ms": {
+        "20": profile["decode_ms_per_iter"], "200": {"1": 99.0, "8": 999.0}}}}}
+    assert fit_calibration(planner_profile, shape)[0] == calib
 
 
 # ---- workloads ----------------------------------------------------------------------------------------
@@ -320,6 +324,25 @@ def test_tail_batching_alternates_short_and_long_rounds_and_shortens_steps():
     assert all(r.step_s == pytest.approx(r.rollout_s + r.reward_s + r.train_s + r.sync_s) for r in tail)
 
 
+def test_the_planner_picks_each_rounds_tp_from_the_simulated_preemptions():
+    from rollpacker.plan.config import PlanConfig
+    from rollpacker.plan.planner import Planner
+
+    cfg = SimConfig(model="qwen2.5-14b", gpus=8, tp=1, num_prompts=256, group_size=8, max_new_tokens=16384,
+                    num_steps=10, planner=True, plan=PlanConfig(quiet_steps=2))
+    results = simulate(cfg)
+    replay = Planner(cfg.plan, [1, 2, 4, 8], 1)  # the same heuristic, fed the simulated counts independently
+    for r in results:
+        assert r.tp == replay.tp_for(r.kind), [(x.kind, x.tp, x.num_preemptions) for x in results]
+        replay.observe(r.kind, r.num_preemptions)
+    assert {1, 2} <= {r.tp for r in results}
+    fixed = simulate(replace(cfg, planner=False, num_steps=1))[0]
+    for before, r in zip(results, results[1:]):  # a switch costs one more weight push, at the new TP
+        push = replace(cfg.cost(), tp=r.tp).sync_s()
+        assert r.sync_s == pytest.approx(push * (1 + (r.tp != before.tp)))
+    assert results[0].sync_s == fixed.sync_s
+
+
 def sim_cli(*args: str) -> tuple[str, dict]:
     proc = subprocess.run([sys.executable, "-m", "rollpacker.sim", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -337,9 +360,11 @@ def test_cli_preset_run_prints_the_breakdown_and_a_gantt(tmp_path):
 
 def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
     out, figures = sim_cli("table2", "--num-steps", "5")
-    assert out.count("not yet") == 6
+    assert out.count("not yet") == 0
     tail = [rows["+ tail batching"] for rows in figures["rows"].values()]
     assert len(tail) == 3 and all(r["sim"] > 1 for r in tail)
+    assert all(len(rows) == 5 for rows in figures["rows"].values())
+    assert all(0 < s["scaled_down"] <= 1 and s["hidden_train_s"] > 0 for s in figures["stream"].values())
     assert figures["max_rel_error"] == max(abs(r["rel_error"]) for rows in figures["rows"].values() for r in rows.values())
 
 
@@ -360,3 +385,128 @@ def test_reward_scheduler_pieces_by_hand():
     # Scored from their finish times 0.5 and 0.6 on one worker: done at 1.5, then 2.5; rollout ended at 1.
     assert one.exposed_s([("math", 1.0, 0.5), ("math", 1.0, 0.6)], 1.0, gpus=8) == 1.5
     assert one.exposed_s([("math", 0.1, 0.5)], 1.0, gpus=8) == 0.0
+
+
+# ---- the stream trainer ----------------------------------------------------------------------------------
+
+
+class TrainCost:
+    """One GPU-second of training per token, rollout TP 1: the freed GPUs' queue by hand."""
+
+    tp = 1
+
+    def train_gpu_s(self, tokens, tokens_sq):
+        return float(tokens)
+
+
+def stream_round(scale_down):
+    """Four prompts of two responses on two replicas (replica 0 runs every response 0, replica 1
+    every response 1), one-token prompts of 2, 4, 10 and 10 tokens, 1 s per iteration plus 0.5 s
+    per prefilled token."""
+    policy = SyncPolicy(PromptSampler(10, seed=0), num_prompts=4, group_size=2)
+    length = dict(zip(policy.sampler._order[:4], (2, 4, 10, 10)))
+    reps = replicas(2, StepCost(1.0, prefill_s=0.5), record=True)
+    rnd = simulate_round(0, policy, reps, Table(lambda row, k: length[row]), max_new_tokens=10, stream=scale_down)
+    return rnd, reps
+
+
+def test_a_scale_down_migrates_by_recomputation_and_the_freed_gpus_train_what_completes():
+    from rollpacker.sim.simulate import streamed_gpu_s
+    from rollpacker.train.config import StreamConfig
+    from rollpacker.train.stream import ScaleDown
+
+    decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=10)
+    rnd, reps = stream_round(decider)
+    # Iteration 1 prefills 4 one-token prompts per replica (1 + 4 x 0.5 = 3 s), iteration 2 ends at 4 s with
+    # prompt 0's responses: 1 of 4 prompts complete, the fixed 25% trigger fires. Replica 1's three requests
+    # (2 tokens each) move to replica 0, which prefills them again (3 x 3 tokens: 1 + 4.5 s) beside its own
+    # three; then prompt 1 finishes after one more iteration (10.5 s), prompts 2 and 3 after six (16.5 s).
+    assert (rnd.scaled_at, rnd.scaled_frac, rnd.num_freed) == (4.0, 0.25, 1)
+    assert reps[1].busy == [(0.0, 4.0, 4)]  # runs of iterations: (start, end, requests running)
+    assert reps[0].busy == [(0.0, 4.0, 4), (4.0, 10.5, 6), (10.5, 16.5, 4)]
+    assert rnd.rollout_s == 16.5 and rnd.num_preemptions == 0
+    assert [t for t, _ in rnd.completions] == [4.0] * 2 + [10.5] * 2 + [16.5] * 4
+    # The migrated responses end with the lengths they would have had; no token is lost or generated twice.
+    assert sorted(sorted(o.length for o in g.outputs) for g in rnd.groups) == [[2, 2], [4, 4], [10, 10], [10, 10]]
+    assert rnd.generated_tokens == 2 * (2 + 4 + 10 + 10)
+    assert list(decider.history) == [2, 2, 4, 4, 10, 10, 10, 10]
+    # Every complete group is fed to the freed GPU as it completes (prompt 0's at the scale-down).
+    assert [(t, sorted(o.length for o in g.outputs)) for t, g in rnd.streamed] == [
+        (4.0, [2, 2]), (10.5, [4, 4]), (16.5, [10, 10]), (16.5, [10, 10])]
+    assert all(g.streamed for g in rnd.groups)
+    # One freed GPU, one GPU-second per token: prompt 0's 2 x 3 tokens train from 4 s to 10 s; prompt 1's
+    # 2 x 5 tokens from 10.5 s, cut at the rollout's end, 16.5 s (6 of 10); prompts 2 and 3 come too late.
+    assert streamed_gpu_s(rnd, TrainCost(), prompt_tokens=1) == 6 + 6
+
+
+def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
+    from rollpacker.sim.simulate import step_times, streamed_gpu_s
+    from rollpacker.train.config import StreamConfig
+    from rollpacker.train.stream import ScaleDown
+
+    rnd, _ = stream_round(ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1,
+                                    max_new_tokens=10))
+    cfg = SimConfig(model="qwen2.5-7b", gpus=2, tp=1, reward_scheduler=True, stream=True)
+    cost = cfg.cost()
+    streamed = step_times(0, rnd, cfg, cost)
+    plain = step_times(0, replace(rnd, scaled_at=None), cfg, cost)
+    hidden = streamed_gpu_s(rnd, cost, cfg.lengths.prompt_tokens)
+    lens = cfg.lengths.prompt_tokens + np.array([2, 2, 4, 4, 10, 10, 10, 10], dtype=np.float64)
+    assert hidden == pytest.approx(cost.train_gpu_s(lens[:4].sum(), (lens[:4] ** 2).sum()))  # prompts 0, 1: in time
+    assert plain.train_s == pytest.approx(cost.train_s(lens.sum(), (lens**2).sum(), cfg.gpus))
+    assert plain.train_s == pytest.approx(cost.train_gpu_s(lens.sum(), (lens**2).sum()) / cfg.gpus
+                                          + cfg.calib.train_overhead_s)
+    assert streamed.train_s == pytest.approx(plain.train_s - hidden / cfg.gpus)
+    assert streamed.hidden_train_s == pytest.approx(hidden / cfg.gpus)
+    assert (streamed.scaled_down, streamed.scaled_frac, plain.scaled_down) == (True, 0.25, False)
+
+
+@pytest.mark.parametrize("capacity,scaled", [(39, None), (40, 0.5), (60, 0.25)])
+def test_a_projected_kv_overflow_cancels_the_scale_down(capacity, scaled):
+    from rollpacker.train.config import StreamConfig
+    from rollpacker.train.stream import ScaleDown
+
+    # The adaptive trigger looks at 1 and 2 of 4 prompts complete. At 1 (4 s): six requests of 1 + 2 tokens,
+    # none of the history [2, 2] longer, so each runs to max_new_tokens (8 more): peak 6 x 3 + 6 x 7 = 60
+    # tokens. At 2 (6 s, without a scale-down): four requests of 1 + 4 tokens, 6 more each: 4 x 5 + 4 x 5 = 40.
+    rnd, _ = stream_round(ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=capacity, max_new_tokens=10))
+    assert (rnd.scaled_at is not None, rnd.scaled_frac) == (scaled is not None, scaled or 0.0)
+    if scaled is None:
+        assert rnd.rollout_s == 12.0 and rnd.streamed == [] and rnd.num_freed == 0  # as without a stream trainer
+
+
+def test_stream_without_the_reward_scheduler_is_refused():
+    with pytest.raises(ValueError, match="sim.stream needs sim.reward_scheduler"):
+        SimConfig(stream=True)
+
+
+def test_the_simulator_drives_the_decision_the_controllers_stream_trainer_uses():
+    from types import SimpleNamespace
+
+    from rollpacker.train.config import StreamConfig
+    from rollpacker.train.stream import ScaleDown, StreamTrainer
+
+    one = SimpleNamespace(size=lambda *dim: 1)  # two ranks, rollout TP 1, training shard groups of 1
+    meshes = SimpleNamespace(num_replicas=2, rollout_tp=one, train=one, world_size=2, rank=0)
+    trainer = StreamTrainer(StreamConfig(), None, meshes, kv_capacity_tokens=50, max_new_tokens=10)
+    assert type(trainer.scale_down) is ScaleDown and trainer.kept_replicas == 1 and not trainer.refused
+    # The controller asks the StreamTrainer (consider, history, kept_replicas, config): driven the same way, it
+    # decides what its ScaleDown decides alone, and its history is the simulator's. With 50 tokens of KV it
+    # scales down at 2 of 4 prompts (6 s); replica 1's two requests of 1 + 4 tokens are prefilled again on
+    # replica 0 (1 + 5 s) and need 5 more iterations: 17 s.
+    alone, _ = stream_round(ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=50, max_new_tokens=10))
+    driven, _ = stream_round(trainer)
+    assert (driven.scaled_at, driven.scaled_frac, driven.rollout_s) == (alone.scaled_at, alone.scaled_frac,
+                                                                          alone.rollout_s) == (6.0, 0.5, 17.0)
+    assert list(trainer.history) == [2, 2, 4, 4, 10, 10, 10, 10] and trainer.trigger.milestone == 10
+
+
+def test_the_whole_job_with_the_stream_trainer_hides_training_under_rollout():
+    cfg = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=16, group_size=4, max_new_tokens=4096,
+                    num_steps=3, policy="sync", reward_scheduler=True, stream=True)
+    stream, plain = simulate(cfg), simulate(replace(cfg, stream=False))
+    assert all(r.scaled_down for r in stream) and not any(r.scaled_down for r in plain)
+    for s, p in zip(stream, plain):
+        assert s.trained_tokens == p.trained_tokens  # the same responses, trained either way
+        assert s.hidden_train_s > 0 and s.train_s == pytest.approx(p.train_s - s.hidden_train_s)
+        assert s.rollout_s >= p.rollout_s  # the kept replicas run the migrated requests too

@@ -10,6 +10,7 @@ BENCHES = {
     "step": "rollpacker.bench.step",
     "schedulers": "rollpacker.bench.schedulers",
     "rewards": "rollpacker.bench.rewards",
+    "planner": "rollpacker.bench.planner",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

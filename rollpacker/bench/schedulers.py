@@ -1,16 +1,18 @@
-"""``python -m rollpacker.bench schedulers --policies sync,tail,tail+stream``: scheduling policies side by side.
+"""``python -m rollpacker.bench schedulers --policies sync,tail,tail+stream,sorted,sorted_partial``: scheduling
+policies side by side.
 
 Runs the same toy job (``--preset``, default toy-cpu) under torchrun once per policy and seed, in
 the order seed 0 of every policy, then seed 1, … so that slow drift of the machine hits every
-policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``). Every run
+policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``);
+``sorted_partial`` trains with truncated importance sampling (``--train.off-policy tis``). Every run
 uses ``--train.train-shard-size`` = ``--train-shard-size`` (default 1: each rank a whole training
 replica, which stream training needs to free a rank), so the policies train alike. Every run has the same seed, data order and number of steps (P0 groups of R0
 responses per step; a tail run's last step flushes its long-prompt queue, so it may train a few
 prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
 
-- rollout time per round, by round kind (sync, short, long);
+- rollout time per round, by round kind (sync, short, long, sorted);
 - average step time (steps after the first, which warms up) and the speedup vs the first policy;
-- bubble ratio, tokens generated then thrown away, samples trained;
+- bubble ratio, tokens generated then thrown away, samples trained, staleness of trained samples (mean, max);
 - held-out greedy accuracy before and after training, per seed.
 
 With ``--ablations``, it then runs the paper's stream-trainer ablations on seed 0 for
@@ -58,6 +60,7 @@ class Args:
 
 
 STREAM = ["--stream.enabled"]
+OFF_POLICY = ["--train.off-policy", "tis"]
 TABLE3 = {"w/o": [], "20%": [*STREAM, "--stream.trigger", "0.2"], "30%": [*STREAM, "--stream.trigger", "0.3"],
           "40%": [*STREAM, "--stream.trigger", "0.4"], "adaptive": STREAM}
 TABLE4 = {"stream": STREAM, **{f"{c}%": [*STREAM, "--stream.fetch-cap", str(c / 100)] for c in (20, 30, 40, 50)}}
@@ -67,7 +70,7 @@ def policy_args(policy: str) -> list[str]:
     name, _, extra = policy.partition("+")
     if extra not in ("", "stream"):
         raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+stream")
-    return ["--policy", name, *(STREAM if extra else [])]
+    return ["--policy", name, *(STREAM if extra else []), *(OFF_POLICY if name == "sorted_partial" else [])]
 
 
 def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:
@@ -97,8 +100,10 @@ def summarize(rows: list[dict]) -> dict[str, float]:
                                           or [float("nan")]),
         "scaled_down": sum(r.get("stream/scaled_down", 0) for r in steps),
         "hidden_train": statistics.mean(r.get("stream/train_seconds", 0) for r in timed),
+        "staleness": statistics.mean(r.get("sched/staleness_mean", 0) for r in steps),
+        "staleness_max": max(r.get("sched/staleness_max", 0) for r in steps),
     }
-    for kind in ("sync", "short", "long"):
+    for kind in ("sync", "short", "long", "sorted"):
         times = [r["time/rollout"] for r in timed if r["sched/round_kind"] == kind]
         out[f"rollout_{kind}"] = statistics.mean(times) if times else float("nan")
         out[f"rounds_{kind}"] = len([r for r in steps if r["sched/round_kind"] == kind])
@@ -119,14 +124,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.preset}, {args.nproc} ranks, mean over seeds {args.seeds}:")
     rows = [
         ("rollout/round sync (s)", "rollout_sync", ".3f"), ("rollout/round short (s)", "rollout_short", ".3f"),
-        ("rollout/round long (s)", "rollout_long", ".3f"), ("rounds short/long", None, None),
+        ("rollout/round long (s)", "rollout_long", ".3f"), ("rollout/round sorted (s)", "rollout_sorted", ".3f"),
+        ("rounds short/long", None, None),
         ("step time, long rounds (s)", "step_time_long", ".3f"), ("step time (s)", "step_time", ".3f"),
         ("speedup", None, None), ("bubble ratio", "bubble_ratio", ".3f"), ("scale-downs", "scaled_down", ".0f"),
         ("train hidden/step (s)", "hidden_train", ".3f"),
         ("tokens wasted", "wasted_tokens", ".0f"), ("samples trained", "samples", ".0f"),
+        ("staleness mean", "staleness", ".3f"), ("staleness max", "staleness_max", ".0f"),
         ("eval acc before", "acc_before", ".3f"), ("eval acc after", "acc_after", ".3f"),
     ]
-    print(f"{'':<26}" + "".join(f"{p:>12}" for p in policies))
+    width = max(12, *(len(p) + 2 for p in policies))
+    print(f"{'':<26}" + "".join(f"{p:>{width}}" for p in policies))
     for label, key, fmt in rows:
         if label == "speedup":
             cells = [f"{base / mean[p]['step_time']:.2f}x" for p in policies]
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             cells = [f"{mean[p]['rounds_short']:.0f}/{mean[p]['rounds_long']:.0f}" for p in policies]
         else:
             cells = [format(mean[p][key], fmt) for p in policies]
-        print(f"{label:<26}" + "".join(f"{c:>12}" for c in cells))
+        print(f"{label:<26}" + "".join(f"{c:>{width}}" for c in cells))
     for p in policies:
         accs = ", ".join(f"seed {s}: {r['acc_before']:.3f} -> {r['acc_after']:.3f}" for s, r in zip(seeds, results[p]))
         print(f"{p}: {accs}")
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     summary |= {f"step_time_long_{key[p]}": round(mean[p]["step_time_long"], 3) for p in policies}
     summary |= {f"acc_after_{key[p]}": round(mean[p]["acc_after"], 4) for p in policies}
     summary |= {f"samples_{key[p]}": mean[p]["samples"] for p in policies}
+    summary |= {f"staleness_{key[p]}": round(mean[p]["staleness"], 3) for p in policies}
     if args.ablations:
         summary |= ablate(args, run_args)
     print(json.dumps(summary))

@@ -83,6 +83,16 @@ def load_model(
     return model
 
 
+def empty_model(args: ModelArgs, device: torch.device | str, dtype: torch.dtype) -> Transformer:
+    """A :class:`Transformer` of ``args`` with uninitialized weights, to be filled in place (an
+    engine rebuilt from the trainer's live weights)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    return model
+
+
 def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = 5 << 30) -> None:
     """Write ``model`` as a Hugging Face directory (``config.json`` is written back unchanged).
 

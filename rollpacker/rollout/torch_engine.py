@@ -538,9 +538,13 @@ class TorchEngine:
         block_bytes = (
             config.block_size * 2 * args.num_layers * self.num_kv_heads * args.head_dim * self.dtype.itemsize
         )
-        self.num_blocks = int(config.kv_memory_mb * 2**20) // block_bytes
+        self.weight_bytes = sum(_local(p).nbytes for p in model.parameters())  # this rank's shard
+        self.budget = "memory_mb" if config.memory_mb else "kv_memory_mb"  # the setting that sizes the KV cache
+        kv_bytes = config.memory_mb * 2**20 - self.weight_bytes if config.memory_mb else config.kv_memory_mb * 2**20
+        self.num_blocks = int(kv_bytes) // block_bytes
         if self.num_blocks < 1:
-            raise ValueError(f"engine.kv_memory_mb={config.kv_memory_mb} holds no {block_bytes}-byte KV block")
+            raise ValueError(f"engine.{self.budget}={getattr(config, self.budget)} (this rank's weights: "
+                             f"{self.weight_bytes / 2**20:.2f} MiB) holds no {block_bytes}-byte KV block")
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.cache: torch.Tensor | None = None
@@ -671,7 +675,7 @@ class TorchEngine:
         if not problems and self._blocks_for(longest) > self.num_blocks:
             problems.append(
                 f"it may need {longest} tokens of KV but the cache holds "
-                f"{self.num_blocks * self.config.block_size}: raise engine.kv_memory_mb"
+                f"{self.num_blocks * self.config.block_size}: raise engine.{self.budget}"
             )
         if problems:
             raise ValueError(f"request {rid!r} rejected: " + "; ".join(problems))

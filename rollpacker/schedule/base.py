@@ -24,6 +24,15 @@ One round = one RL step. The controller calls, on rank 0 only:
    objects its decisions reported complete. The controller then fills each group's ``rewards``
    from the reward scheduler.
 
+A policy that keeps work across rounds (``sorted_partial``) fills two optional, additive fields:
+``Round.carried`` maps ``(slot, response)`` to what an earlier round generated of that response. A
+partial output (``finish_reason`` "abort") is continued by recomputation (``Request.resume_from``,
+same request id scheme, this round's sampling seed); a finished one is not launched again, only
+submitted for scoring again so that the controller can fill its reward (the policy already holds
+it in the group). ``Group.staleness`` gives, per output, the RL steps between the sampling of its
+oldest token and this round's training (empty: all 0, on-policy). Policies that leave both empty
+(sync, tail) see no change.
+
 ``stats()`` gives the round's ``sched/`` metrics; ``done()`` is True once there is nothing left to
 train (the configured epochs are used up). Policies are checkpointed with
 ``state_dict``/``load_state_dict`` (plain Python data).
@@ -38,13 +47,16 @@ from typing import Any, Protocol
 @dataclass
 class Round:
     kind: str
-    """"sync", "short" or "long": how this round was scheduled (logged as sched/round_kind)."""
+    """"sync", "short", "long" or "sorted": how this round was scheduled (logged as sched/round_kind)."""
     prompts: list[int]
     """Dataset rows of the prompts to launch; slot i is ``prompts[i]``."""
     num_responses: int
     """Responses launched per prompt (also for prompts launched later in the round)."""
     keep: int
     """Prompts the round will complete and train (its progress is measured against this)."""
+    carried: dict[tuple[int, int], Any] = field(default_factory=dict)
+    """(slot, response) -> its output from an earlier round: partial ones are resumed, finished ones
+    are not launched (only scored again). Empty: every response starts afresh."""
 
 
 @dataclass
@@ -59,6 +71,8 @@ class Group:
     epoch: int = 0
     streamed: bool = False
     """Set by the controller when the stream trainer took it during the round."""
+    staleness: list[int] = field(default_factory=list)
+    """One per output: RL steps since its oldest token was sampled (empty: all 0, on-policy)."""
 
 
 @dataclass
@@ -88,6 +102,19 @@ def remaining(sampler, num_epochs: int) -> int | None:
     if not num_epochs:
         return None
     return max(0, num_epochs * sampler.num_rows - (sampler.epoch * sampler.num_rows + sampler.position))
+
+
+class QueuedPolicy:
+    """What the policies that hold prompts back in their ledger's queue (tail, sorted) share; they
+    set ``sampler``, ``num_epochs``, ``ledger`` and ``filter_zero_variance``."""
+
+    @property
+    def needs_rewards(self) -> bool:
+        """The zero-variance filter decides on rewards; nothing else does."""
+        return self.filter_zero_variance
+
+    def done(self) -> bool:
+        return remaining(self.sampler, self.num_epochs) == 0 and not self.ledger.queue
 
 
 class Policy(Protocol):

@@ -13,8 +13,12 @@ class ScheduleConfig:
     """tail: η_R, short rounds launch ⌈η_R·R0⌉ responses per prompt (1 = no response speculation)."""
     filter_zero_variance: bool = False
     """Dynamic sampling (DAPO): do not train or queue prompts whose group rewards are all equal."""
+    sorted_batches: int = 4
+    """sorted: n, update batches of P0 prompts loaded at once (a load group); no more until all are consumed."""
 
     def __post_init__(self) -> None:
         if self.eta_prompts < 1 or self.eta_responses < 1:
             raise ValueError(f"schedule.eta_prompts={self.eta_prompts} and schedule.eta_responses="
                              f"{self.eta_responses} must be >= 1")
+        if self.sorted_batches < 1:
+            raise ValueError(f"schedule.sorted_batches must be >= 1, got {self.sorted_batches}")

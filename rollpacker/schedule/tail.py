@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpacker.schedule.base import Decision, Group, Round, remaining, request_id, zero_variance
+from rollpacker.schedule.base import Decision, Group, QueuedPolicy, Round, remaining, request_id, zero_variance
 from rollpacker.schedule.ledger import Key, Ledger
 
 
@@ -47,7 +47,7 @@ class _Launched:
     """running, complete or filtered."""
 
 
-class TailPolicy:
+class TailPolicy(QueuedPolicy):
     name = "tail"
 
     def __init__(self, sampler, num_prompts: int, group_size: int, *, eta_prompts: float = 1.25,
@@ -67,14 +67,6 @@ class TailPolicy:
         self._stats: dict[str, Any] = {}
 
     # -- planning ----------------------------------------------------------------------------
-
-    @property
-    def needs_rewards(self) -> bool:
-        """The zero-variance filter decides on rewards; nothing else does."""
-        return self.filter_zero_variance
-
-    def done(self) -> bool:
-        return remaining(self.sampler, self.num_epochs) == 0 and not self.ledger.queue
 
     def start_round(self, step: int) -> Round:
         left = remaining(self.sampler, self.num_epochs)

@@ -64,13 +64,17 @@ def run(argv: list[str]) -> dict:
           f"{cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.num_prompts}, R0={cfg.group_size}, up to "
           f"{cfg.max_new_tokens} new tokens; policy {cfg.policy}; {cfg.num_steps} steps "
           f"({'trace ' + cfg.trace if cfg.trace else 'length mixture'})")
+    stream = f"{'scaled':>8}{'at':>6}{'hidden':>8}" if cfg.stream else ""
     print(f"{'round':<8}{'steps':>6}{'rollout':>9}{'reward':>8}{'train':>8}{'sync':>7}{'step':>8}{'longest':>9}"
-          f"{'preempt':>9}{'bubble':>8}   (seconds; reward = exposed, after rollout)")
+          f"{'preempt':>9}{'bubble':>8}{stream}   (seconds; reward = exposed, after rollout"
+          + ("; scaled = share of steps the stream trainer scaled down, at = prompts complete then, hidden = "
+             "train time done under rollout)" if cfg.stream else ")"))
     summary = summarize(results)
     for kind, m in summary.items():
+        stream = f"{m['scaled_down']:>8.2f}{m['scaled_frac']:>6.2f}{m['hidden_train_s']:>8.1f}" if cfg.stream else ""
         print(f"{kind:<8}{m['steps']:>6}{m['rollout_s']:>9.1f}{m['reward_s']:>8.1f}{m['train_s']:>8.1f}"
               f"{m['sync_s']:>7.1f}{m['step_s']:>8.1f}{m['max_length']:>9.0f}{m['num_preemptions']:>9.1f}"
-              f"{m['bubble_ratio']:>8.2f}")
+              f"{m['bubble_ratio']:>8.2f}{stream}")
     if gantt:
         from rollpacker.sim.gantt import plot
 
@@ -80,6 +84,8 @@ def run(argv: list[str]) -> dict:
     for kind, m in summary.items():
         prefix = "" if kind == "all" else f"{kind}_"
         figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s")}
+        if cfg.stream:
+            figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("scaled_down", "scaled_frac", "hidden_train_s")}
         figures[f"{prefix}steps"] = m["steps"]
     return figures
 

@@ -32,7 +32,8 @@ Where each default comes from (none is fitted to the paper's Table 2):
 - ``step_overhead_s = 3 ms``, ``seq_overhead_s = 20 us``, ``allreduce_latency_s = 10 us``: vLLM
   0.8 per-iteration scheduling, sampling and Python bookkeeping, and NCCL's small-message latency
   inside a node. :func:`fit_calibration` refits the two overheads and the decode efficiency from a
-  measured decode curve (``python -m rollpacker.bench engine --out profile.json``).
+  measured decode curve (``python -m rollpacker.bench engine --out profile.json``, or the planner's
+  profile, ``python -m rollpacker.plan.profile``).
 - ``memory_utilization = 0.8``, ``activation_reserve_gb = 3``: what the engine may take of HBM
   (vLLM's ``gpu_memory_utilization``) and keeps for activations and CUDA graphs.
 - ``train_efficiency = 0.165``: fitted to the paper's Table 1 (training is 21–23% of a veRL step
@@ -241,12 +242,17 @@ class CostModel:
 
     # -- training and weight sync --------------------------------------------------------------
 
-    def train_s(self, tokens: float, tokens_sq: float, num_gpus: int) -> float:
-        """One training step over sequences of ``tokens`` total (``tokens_sq``: sum of squared
-        lengths) on ``num_gpus``: old and reference log-probs, then forward + backward."""
+    def train_gpu_s(self, tokens: float, tokens_sq: float) -> float:
+        """GPU-seconds of training work on sequences of ``tokens`` total (``tokens_sq``: sum of
+        squared lengths): old and reference log-probs, then forward + backward; no fixed costs."""
         m, c = self.model, self.calib
         forward = 2 * m.matmul_params * tokens + m.attention_flops(tokens_sq / 2)
-        return TRAIN_PASSES * forward / (num_gpus * self.hardware.flops * c.train_efficiency) + c.train_overhead_s
+        return TRAIN_PASSES * forward / (self.hardware.flops * c.train_efficiency)
+
+    def train_s(self, tokens: float, tokens_sq: float, num_gpus: int) -> float:
+        """One training step over those sequences on ``num_gpus``: their work spread evenly, plus
+        the step's fixed cost."""
+        return self.train_gpu_s(tokens, tokens_sq) / num_gpus + self.calib.train_overhead_s
 
     def sync_s(self) -> float:
         """Pushing the trainer's weights into the engines: every GPU receives its TP shard."""
@@ -260,7 +266,8 @@ class CostModel:
 def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibration = Calibration()) -> tuple[
         Calibration, Hardware]:
     """Refit ``step_overhead_s`` and ``decode_flops_efficiency`` to a decode curve measured by
-    ``python -m rollpacker.bench engine --out profile.json`` (TorchEngine, one replica).
+    ``python -m rollpacker.bench engine --out profile.json`` (TorchEngine, one replica), or to the
+    TP=1 curve of a planner profile (``python -m rollpacker.plan.profile``).
 
     The curve gives ms per decode iteration against running requests N at a short context. A line
     ``ms = a + s * N`` is fitted by least squares; ``a`` is the iteration overhead and the slope is
@@ -270,6 +277,11 @@ def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibra
     calibration and the profiled machine as a :class:`Hardware` (a CPU: compute-bound).
     """
     record = profile if isinstance(profile, dict) else json.loads(Path(profile).read_text())
+    if "tp" in record:  # a planner profile (python -m rollpacker.plan.profile): its TP=1 curve, shortest context
+        entry = record["tp"]["1"]
+        context = min(entry["decode_ms"], key=int)
+        record = {"decode_ms_per_iter": entry["decode_ms"][context], "context_len": [int(context)],
+                  "summary": {"peak_gflops": record["peak_gflops"]}}
     curve = {int(n): float(ms) for n, ms in record["decode_ms_per_iter"].items()}
     if len(curve) < 2:
         raise ValueError(f"fit_calibration: the profile needs at least 2 points of decode_ms_per_iter, got {curve}")

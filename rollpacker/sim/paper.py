@@ -6,8 +6,12 @@
 - ``table2``: the §6 setups (7B/8k on 16 GPUs with rollout TP 1, 14B/16k on 32 with TP 2, 32B/32k
   on 64 with TP 2; P0 = 128, R0 = 8, the uniform math/code/judge mix), veRL (``sync``, synchronous
   reward) against tail batching (``tail``), then tail batching with the reward scheduler
-  (asynchronous scoring, adaptive code timeouts, judge colocated). Speedup = mean step time over the
-  same number of steps. Nothing was fitted to Table 2; rows whose parts are not built yet say so.
+  (asynchronous scoring, adaptive code timeouts, judge colocated), then with the parallelism
+  planner (the real :class:`~rollpacker.plan.planner.Planner` picks each round's TP from its
+  simulated preemptions, starting at §6's TP), then with the stream trainer (the real
+  :class:`~rollpacker.train.stream.ScaleDown` decides each round's scale-down; the freed GPUs
+  train on complete groups under the rollout). Speedup = mean step time over the same number of
+  steps. Nothing was fitted to Table 2; rows whose parts are not built yet say so.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ TABLE1 = {"math": (0.72, 0.05, 0.23), "code": (0.66, 0.13, 0.21), "judge": (0.71
 """Table 1: rollout, reward and training shares of a veRL step, Qwen2.5-14B/16k, 32 H800s."""
 
 TABLE2_ROWS = ("veRL baseline", "+ tail batching", "+ reward scheduler", "+ parallelism planner", "+ stream trainer")
-BUILT_ROWS = 3
-"""Rows the simulator can build so far (the others need the parallelism planner, whose row the stream trainer's builds on)."""
-VARIANTS = {"sync": {}, "tail": {}, "tail+reward": {"reward_scheduler": True}}
+BUILT_ROWS = 5
+"""Rows the simulator can build so far: all of them."""
+VARIANTS = {"sync": {}, "tail": {}, "tail+reward": {"reward_scheduler": True},
+            "tail+reward+planner": {"reward_scheduler": True, "planner": True},
+            "tail+reward+planner+stream": {"reward_scheduler": True, "planner": True, "stream": True}}
 """The simulated configuration of each built row."""
 
 
@@ -105,10 +111,17 @@ def table2(num_steps: int = 20) -> dict:
             rows.setdefault(s.label, {})[name] = {"paper": paper, "sim": round(sim, 3), "rel_error": round(err, 4)}
             cells += f"{paper:>9.2f}x{sim:>8.2f}x{err:>+10.1%}"
         print(f"{name:<24}{cells}")
-    print()
-    print(f"{'mean step (s)':<24}" + "".join(f"{v:>12}" for s in SETTINGS for v in VARIANTS))
-    for stage in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s"):
-        print(f"{'  ' + stage[:-2]:<24}" + "".join(
-            f"{sims[s.label]['means'][v][stage]:>12.1f}" for s in SETTINGS for v in VARIANTS))
+    w = max(map(len, VARIANTS)) + 2
+    for s in SETTINGS:
+        print(f"\n{'mean step (s), ' + s.label:<24}" + "".join(f"{v:>{w}}" for v in VARIANTS))
+        for stage in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s", "hidden_train_s"):
+            print(f"{'  ' + stage[:-2]:<24}" + "".join(f"{sims[s.label]['means'][v][stage]:>{w}.1f}" for v in VARIANTS))
+        print(f"{'  scaled down (share)':<24}" + "".join(f"{sims[s.label]['means'][v]['scaled_down']:>{w}.2f}"
+                                                       for v in VARIANTS))
     step_s = {s.label: {v: round(sims[s.label]["means"][v]["step_s"], 2) for v in VARIANTS} for s in SETTINGS}
-    return {"max_rel_error": round(max_err, 4), "rows": rows, "step_s": step_s, "num_steps": num_steps}
+    streamed = [v for v, kw in VARIANTS.items() if kw.get("stream")]
+    stream = {s.label: {k: round(sims[s.label]["means"][v][k], 3) for k in ("scaled_down", "scaled_frac",
+                                                                            "hidden_train_s")}
+              for s in SETTINGS for v in streamed}
+    return {"max_rel_error": round(max_err, 4), "rows": rows, "step_s": step_s, "stream": stream,
+            "num_steps": num_steps}

@@ -34,6 +34,11 @@ class TrainConfig:
     (REINFORCE++ style: minus the batch mean, over the batch std). Stream training needs group."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the frozen initial policy; 0 keeps no reference model."""
+    off_policy: str = "none"
+    """Correction of tokens sampled by older weights, with the engine's log-probs: none (on-policy), is (the
+    PPO ratio against them) or tis (truncated importance weights on the on-policy ratio, capped at tis_cap)."""
+    tis_cap: float = 2.0
+    """tis: the largest per-token importance weight."""
     train_shard_size: int = 0
     """Ranks that FSDP2 shards one training replica over (HSDP: replicas = world / this); 0 = world."""
     mixed_precision: bool = True
@@ -44,6 +49,10 @@ class TrainConfig:
             raise ValueError(f"train.advantage_norm must be 'group' or 'batch', got {self.advantage_norm!r}")
         if self.aggregation not in ("token", "seq-mean"):
             raise ValueError(f"train.aggregation must be 'token' or 'seq-mean', got {self.aggregation!r}")
+        if self.off_policy not in ("none", "is", "tis"):
+            raise ValueError(f"train.off_policy must be 'none', 'is' or 'tis', got {self.off_policy!r}")
+        if self.tis_cap < 1:
+            raise ValueError(f"train.tis_cap must be >= 1, got {self.tis_cap}")
         for name in ("lr", "micro_batch_tokens", "adam_eps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")

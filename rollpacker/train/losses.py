@@ -9,6 +9,10 @@ How this differs from the paper (RollPacker builds on GRPO/DAPO and leaves the l
   are the symmetric 0.2 of PPO/GRPO.
 * The KL penalty to a reference policy is GRPO's k3 estimator added per token, off by default
   (``kl_coef=0``), as in DAPO.
+* Off-policy samples (``sorted_partial``: tokens sampled by earlier weights) are corrected with the
+  engine's log-probs (the *behavior* policy) by :func:`off_policy_correction`: ``is`` takes the PPO
+  ratio against them, ``tis`` keeps the on-policy ratio and weights each token by a truncated
+  importance weight (verl/FlashRL's TIS).
 * The loss is normalized by a **global** count passed in by the caller (all response tokens, or
   all sequences, of the RL step across ranks and micro-batches), not by a per-micro-batch mean,
   so the update does not depend on how samples were spread over ranks and micro-batches.
@@ -20,6 +24,7 @@ import torch
 from torch import Tensor
 
 AGGREGATIONS = ("token", "seq-mean")
+OFF_POLICY = ("none", "is", "tis")
 
 
 def group_advantages(rewards: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
@@ -48,6 +53,33 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+def importance_weights(proximal: Tensor, behavior: Tensor, cap: float | None = None) -> Tensor:
+    """Per-token importance weights ``exp(proximal - behavior)``, truncated at ``cap`` when given, no grad.
+
+    ``proximal``: log-probs of the sampled tokens under the current weights (before this step's update);
+    ``behavior``: under the weights that sampled them (the engine's). Shapes: any, equal.
+    """
+    w = torch.exp(proximal.detach() - behavior)
+    return w if cap is None else w.clamp(max=cap)
+
+
+def off_policy_correction(mode: str, proximal: Tensor, behavior: Tensor,
+                          tis_cap: float) -> tuple[Tensor, Tensor | None]:
+    """The ``old_logprobs`` and per-token ``weights`` of :func:`policy_loss` for ``mode``:
+
+    * ``"none"`` (on-policy): old = ``proximal`` detached (ratio 1 at the step's start), no weights;
+    * ``"is"``: old = ``behavior``: the clipped PPO ratio is taken against the policy that sampled
+      the tokens (its clip bounds the importance weight);
+    * ``"tis"`` (truncated IS, verl/FlashRL): old = ``proximal`` detached as on-policy, and each token's
+      PPO term is weighted by ``min(exp(proximal - behavior), tis_cap)``, detached.
+    """
+    if mode not in OFF_POLICY:
+        raise ValueError(f"off_policy={mode!r}: expected one of {OFF_POLICY}")
+    if mode == "is":
+        return behavior, None
+    return proximal.detach(), importance_weights(proximal, behavior, tis_cap) if mode == "tis" else None
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -60,6 +92,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     aggregation: str = "token",
     normalizer: float | Tensor,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip loss of one micro-batch, normalized so micro-batch losses **sum** to the step loss.
 
@@ -67,8 +100,9 @@ def policy_loss(
     response tokens, float or bool; other positions may hold anything, even inf);
     ``advantages``: [N], one per sequence, broadcast over its tokens.
 
-    Per token: ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``
-    plus ``kl_coef * k3_kl(logprobs, ref_logprobs)`` when a reference is given.
+    Per token: ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``, times ``weights``
+    [N, T] when given (truncated IS, no grad), plus ``kl_coef * k3_kl(logprobs, ref_logprobs)`` when a
+    reference is given.
 
     Aggregation, and the contract on ``normalizer``:
 
@@ -93,6 +127,8 @@ def policy_loss(
     unclipped = -ratio * adv
     clipped = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
     token_loss = torch.maximum(unclipped, clipped)  # = -min(ratio * A, clip(ratio) * A); [N, T]
+    if weights is not None:
+        token_loss = token_loss * torch.where(mask, weights.detach(), 0.0)
     kl = torch.zeros_like(token_loss)
     if ref_logprobs is not None:
         kl = k3_kl(logprobs, torch.where(mask, ref_logprobs, logprobs))  # 0 off the mask

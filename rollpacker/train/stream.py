@@ -11,7 +11,8 @@ look) it considers scaling rollout down to the first half of its replicas:
 - **When**: only if the remaining requests' projected KV peak fits the remaining replicas'
   caches (:func:`peak_kv_tokens`, from the lengths of the responses finished so far).
   ``stream.trigger`` instead scales down unconditionally at a fixed fraction. At most once per
-  round.
+  round. This decision is :class:`ScaleDown`, plain Python: the cluster simulator
+  (``rollpacker.sim``) drives the same class.
 - **Migration**: the freed replicas' requests are aborted and resumed on the others by
   recomputation (the engine contract's partial outputs).
 - **Streaming**: the freed ranks release their KV cache and receive the complete, scored groups
@@ -34,9 +35,6 @@ import logging
 import pickle
 import time
 from typing import Any, Callable
-
-import torch
-import torch.distributed as dist
 
 from rollpacker.train.config import StreamConfig
 
@@ -97,49 +95,31 @@ def peak_kv_tokens(requests: list[tuple[int, int]], history: list[int], max_new_
     return peak
 
 
-class StreamTrainer:
-    """Both ends of stream training: rank 0 decides and feeds; the freed ranks serve."""
+class ScaleDown:
+    """Rank 0's scale-down decision (Algorithm 1, lines 13–17): when to look (:class:`Trigger`) and
+    whether the running requests' projected KV peak fits the kept replicas. No tensors, no ranks:
+    :class:`StreamTrainer` holds one, and the simulator drives the same class."""
 
-    def __init__(self, config: StreamConfig, trainer, meshes, *, kv_capacity_tokens: int, max_new_tokens: int):
-        self.config, self.trainer, self.meshes = config, trainer, meshes
+    def __init__(self, config: StreamConfig, *, num_replicas: int, kv_capacity_tokens: int, max_new_tokens: int,
+                 refused: str = ""):
+        self.config = config
         self.kv_capacity_tokens, self.max_new_tokens = kv_capacity_tokens, max_new_tokens
+        """KV tokens of one replica; the longest response."""
         self.trigger = Trigger(config.trigger)
         self.history: collections.deque[int] = collections.deque(maxlen=4096)
-        """Lengths of the responses finished so far, this round's included (rank 0)."""
-        replicas, tp = meshes.num_replicas, meshes.rollout_tp.size()
-        self.kept_replicas = replicas - replicas // 2
-        self.ranks = list(range(self.kept_replicas * tp, meshes.world_size))
-        """The ranks a scale-down frees: the second half of the rollout replicas."""
-        shard = meshes.train.size(1)
-        self.refused = ""
-        if replicas < 2:
-            self.refused = f"one rollout replica ({meshes.world_size} ranks, rollout.tp={tp}): nothing to free"
-        elif self.ranks[0] % shard:
-            self.refused = (f"freeing ranks {self.ranks[0]}..{self.ranks[-1]} would split a training shard group of "
-                            f"{shard} ranks: set train.train_shard_size to a divisor of {self.ranks[0]}")
-        if self.refused and meshes.rank == 0:
-            logger.warning("stream training: no scale-down will happen: %s", self.refused)
-        self._pending: list[tuple[Any, torch.Tensor]] = []
-        self.seconds = 0.0
-        """Training time of this rank during the last round (freed ranks)."""
-
-    @property
-    def freed(self) -> bool:
-        return self.meshes.rank in self.ranks
+        """Lengths of the responses finished so far, this round's included."""
+        self.kept_replicas = num_replicas - num_replicas // 2
+        """Replicas that go on rolling out after a scale-down: the first half (the second half is freed)."""
+        self.refused = refused or ("" if num_replicas >= 2 else "one rollout replica: nothing to free")
+        """Why no scale-down will ever happen ("" when one may)."""
 
     def start_round(self) -> None:
-        """Every rank, before a round: the last round's sends are all received by now."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending = []
         self.trigger.reset()
-        self.seconds = 0.0
-
-    # -- rank 0 ------------------------------------------------------------------------------
 
     def consider(self, completed: int, total: int, requests: Callable[[], list[tuple[int, int]]]) -> bool:
-        """Whether to scale down now, given the round's progress and the requests still running
-        (``requests()`` gives ``(prompt tokens, generated tokens)`` of each)."""
+        """Whether to scale down now, given the round's progress (``completed`` of ``total``
+        prompts) and the requests still running (``requests()`` gives ``(prompt tokens, generated
+        tokens)`` of each)."""
         if self.refused or not self.trigger.due(completed, total):
             return False
         if self.config.trigger:
@@ -150,8 +130,84 @@ class StreamTrainer:
                      total, peak, self.kept_replicas, self.kv_capacity_tokens, "scale down" if fits else "stay")
         return fits
 
+
+class StreamTrainer:
+    """Both ends of stream training: rank 0 decides (its :class:`ScaleDown`) and feeds; the freed ranks serve."""
+
+    def __init__(self, config: StreamConfig, trainer, meshes, *, kv_capacity_tokens: int, max_new_tokens: int):
+        self.config, self.trainer, self.meshes = config, trainer, meshes
+        replicas, tp = meshes.num_replicas, meshes.rollout_tp.size()
+        kept = replicas - replicas // 2
+        self.ranks = list(range(kept * tp, meshes.world_size))
+        """The ranks a scale-down frees: the second half of the rollout replicas."""
+        shard = meshes.train.size(1)
+        refused = ""
+        if replicas < 2:
+            refused = f"one rollout replica ({meshes.world_size} ranks, rollout.tp={tp}): nothing to free"
+        elif self.ranks[0] % shard:
+            refused = (f"freeing ranks {self.ranks[0]}..{self.ranks[-1]} would split a training shard group of "
+                       f"{shard} ranks: set train.train_shard_size to a divisor of {self.ranks[0]}")
+        if refused and meshes.rank == 0:
+            logger.warning("stream training: no scale-down will happen: %s", refused)
+        self.scale_down = ScaleDown(config, num_replicas=replicas, kv_capacity_tokens=kv_capacity_tokens,
+                                    max_new_tokens=max_new_tokens, refused=refused)
+        """The decision (rank 0): trigger, length history, KV projection."""
+        self._pending: list[tuple[Any, Any]] = []  # (isend work, its tensor)
+        self.seconds = 0.0
+        """Training time of this rank during the last round (freed ranks)."""
+
+    # The decision's state, as the controller and run.py read it (``history`` is carried over a TP switch).
+    @property
+    def history(self) -> collections.deque[int]:
+        return self.scale_down.history
+
+    @history.setter
+    def history(self, lengths) -> None:
+        self.scale_down.history = lengths
+
+    @property
+    def trigger(self) -> Trigger:
+        return self.scale_down.trigger
+
+    @property
+    def kept_replicas(self) -> int:
+        return self.scale_down.kept_replicas
+
+    @property
+    def refused(self) -> str:
+        return self.scale_down.refused
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.scale_down.kv_capacity_tokens
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.scale_down.max_new_tokens
+
+    @property
+    def freed(self) -> bool:
+        return self.meshes.rank in self.ranks
+
+    def start_round(self) -> None:
+        """Every rank, before a round: the last round's sends are all received by now."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+        self.scale_down.start_round()
+        self.seconds = 0.0
+
+    # -- rank 0 ------------------------------------------------------------------------------
+
+    def consider(self, completed: int, total: int, requests: Callable[[], list[tuple[int, int]]]) -> bool:
+        """:meth:`ScaleDown.consider`."""
+        return self.scale_down.consider(completed, total, requests)
+
     def feed(self, samples: list) -> None:
         """Send ``samples`` (a list of trainer Samples; None ends the round) to every freed rank, without waiting."""
+        import torch
+        import torch.distributed as dist
+
         payload = torch.frombuffer(bytearray(pickle.dumps(samples)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for rank in self.ranks:
@@ -167,6 +223,9 @@ class StreamTrainer:
 
     def serve(self) -> None:
         """Receive groups' samples from rank 0 and accumulate their gradients until the round ends."""
+        import torch
+        import torch.distributed as dist
+
         while True:
             size = torch.zeros(1, dtype=torch.int64)
             dist.recv(size, 0, group=self.meshes.stream)

@@ -18,7 +18,9 @@
 
 On-policy, one optimizer step per RL step: the "old" log-probs of the PPO ratio are the current
 policy's own, detached (ratio 1 at the step's start), which is what recomputing them first would
-give. The engines' log-probs are only compared, as ``train/rollout_logprob_diff``.
+give. The engines' log-probs are then only compared, as ``train/rollout_logprob_diff`` and
+``train/is_weight_mean`` (the mean of ``exp(current - engine)``); with ``train.off_policy`` is or
+tis, they correct samples drawn by older weights (``losses.off_policy_correction``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from rollpacker.model.attention import CausalAttention
 from rollpacker.model.transformer import Transformer
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.logprobs import token_logprobs
-from rollpacker.train.losses import policy_loss
+from rollpacker.train.losses import importance_weights, off_policy_correction, policy_loss
 
 
 @dataclass
@@ -102,8 +104,8 @@ class Trainer:
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
-        self.totals = torch.zeros(5, dtype=torch.float64, device=self.device)
-        """Sums since the last step: loss, clipped tokens, tokens, KL, |log-prob diff|."""
+        self.totals = torch.zeros(6, dtype=torch.float64, device=self.device)
+        """Sums since the last step: loss, clipped tokens, tokens, KL, |log-prob diff|, importance weights."""
 
     def accumulate(self, samples: list[Sample], ranks: list[int]) -> None:
         """Gradients of this rank's share of ``samples`` among ``ranks`` (the ranks training now,
@@ -127,7 +129,7 @@ class Trainer:
             p.grad.div_(normalizer)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        loss, clipped, tokens, kl, lp_diff = totals.tolist()
+        loss, clipped, tokens, kl, lp_diff, is_weight = totals.tolist()
         loss /= normalizer
         skipped = not math.isfinite(norm) or not math.isfinite(loss)
         lr = self.scheduler.get_last_lr()[0]
@@ -141,6 +143,7 @@ class Trainer:
             "train/clip_frac": clipped / max(tokens, 1),
             "train/kl": kl / max(tokens, 1),
             "train/rollout_logprob_diff": lp_diff / max(tokens, 1),
+            "train/is_weight_mean": is_weight / max(tokens, 1),
             "train/lr": lr,
             "train/skipped": float(skipped),
             "train/num_micro_batches": float(num_micro),
@@ -188,13 +191,16 @@ class Trainer:
             with torch.no_grad():
                 ref = pad_sequence(self._logprobs(self.reference, batch).split(lengths), batch_first=True)
         adv = torch.tensor([s.advantage for s in batch], device=self.device)
-        cfg = self.config
-        loss, stats = policy_loss(
-            logp, logp.detach(), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-            ref_logprobs=ref, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, normalizer=1)
         rollout = torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device)
+        behavior = pad_sequence(rollout.split(lengths), batch_first=True)  # [N, T]
+        cfg = self.config
+        old, weights = off_policy_correction(cfg.off_policy, logp, behavior, cfg.tis_cap)
+        loss, stats = policy_loss(
+            logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logprobs=ref,
+            kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, normalizer=1, weights=weights)
         lp_diff = (logp_flat.detach() - rollout).abs().sum()
-        return loss, [stats["num_clipped_tokens"], stats["num_tokens"], stats["kl_sum"], lp_diff]
+        is_weight = importance_weights(logp_flat, rollout).sum()
+        return loss, [stats["num_clipped_tokens"], stats["num_tokens"], stats["kl_sum"], lp_diff, is_weight]
 
     def _idle_loss(self) -> torch.Tensor:
         """A zero-weighted forward/backward that joins FSDP2's collectives on a rank with no work."""

@@ -1,0 +1,48 @@
+"""Parallelism planner settings (no torch import here: configs parse before heavy imports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    enabled: bool = False
+    """Choose the rollout TP per step (paper §4.2): the profile's best TP first, then TP doubles on a
+    jump in preemptions and halves after a quiet spell; rollout.tp is then ignored."""
+    profile: str = ""
+    """Profile file written by python -m rollpacker.plan.profile; empty: the cached one under
+    profile_dir, profiled at start when there is none for this (model, device, world)."""
+    profile_dir: str = "runs/profiles"
+    """Where profiles are cached, one file per (model, device, world, engine settings)."""
+    initial_tp: int = 0
+    """TP of the first step; 0 = the profile's best TP without tail batching."""
+    raise_factor: float = 1.05
+    """TP doubles when a step's preemptions exceed this many times the recent level."""
+    recent_steps: int = 3
+    """Steps (of the same round kind) whose mean preemption count is the recent level."""
+    quiet_steps: int = 4
+    """TP halves after this many consecutive steps (of the same round kind) without preemption."""
+    max_tp: int = 0
+    """Largest TP; 0 = the ranks of one node (LOCAL_WORLD_SIZE): TP never crosses a node."""
+    per_kind: bool = True
+    """Short and long rounds keep separate TPs (False: one TP for every round)."""
+    profile_batches: tuple[int, ...] = (1, 4, 16, 64)
+    """Running requests at which the profiler times decode steps."""
+    profile_contexts: tuple[int, ...] = (64, 256)
+    """Context lengths (tokens) at which the profiler times decode steps and prefill."""
+    profile_steps: int = 5
+    """Timed decode steps per point of the profile (the median is kept)."""
+
+    def __post_init__(self) -> None:
+        if self.raise_factor < 1 or self.recent_steps < 1 or self.quiet_steps < 1:
+            raise ValueError(f"plan.raise_factor={self.raise_factor} must be >= 1, plan.recent_steps="
+                             f"{self.recent_steps} and plan.quiet_steps={self.quiet_steps} >= 1")
+        if self.initial_tp < 0 or self.max_tp < 0:
+            raise ValueError(f"plan.initial_tp={self.initial_tp} and plan.max_tp={self.max_tp} must be >= 0")
+        for name in ("profile_batches", "profile_contexts"):
+            values = getattr(self, name)
+            if not values or min(values) <= 0:
+                raise ValueError(f"plan.{name}={values} must be positive numbers")
+        if self.profile_steps <= 0:
+            raise ValueError(f"plan.profile_steps must be positive, got {self.profile_steps}")

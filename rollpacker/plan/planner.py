@@ -1,0 +1,135 @@
+"""The parallelism planner: which rollout TP each step runs at (paper §4.2).
+
+- **Candidates.** A TP must divide the world size and the model's KV heads, and stay within one
+  node (``plan.max_tp``, default the ranks per node): TP groups never cross a node.
+- **Default TP** (:func:`best_tp`): the profile's fastest TP for a round without tail batching,
+  ``P0 x R0`` requests of ``rollout.max_new_tokens`` new tokens spread over ``world / TP``
+  replicas. Each replica runs as many requests at once as its KV capacity holds; the round takes
+  ``waves x max_new_tokens`` decode steps at the profiled step time of that batch and context.
+- **Online heuristic**, after every step, on that step's preemption count:
+
+  - it *jumps* when it exceeds ``raise_factor`` (1.05) times the recent level (the mean of the
+    last ``recent_steps`` steps of the same round kind; 0 before any): TP doubles (the next
+    candidate of at least twice the size);
+  - after ``quiet_steps`` (4) consecutive steps with no preemption, TP halves (the largest
+    candidate of at most half the size).
+
+  The level carries over a TP change: a rise is judged against the pressure before the change.
+- **Round kinds.** Short and long rounds (and sync rounds) keep separate TPs and histories
+  (``plan.per_kind``), since speculation makes short rounds press harder on memory.
+
+Every change comes with a sentence holding the numbers that triggered it, which the run logs.
+The paper gives the thresholds, not the level the rise is measured against; the mean of the
+last few steps is our choice. Pure logic: no torch, no processes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rollpacker.plan.config import PlanConfig
+
+
+def candidate_tps(world: int, num_kv_heads: int, max_tp: int) -> list[int]:
+    """The TP sizes a world of ``world`` ranks can run: divisors of the world and of the KV heads, up to ``max_tp``."""
+    return [t for t in range(1, min(world, max_tp) + 1) if world % t == 0 and num_kv_heads % t == 0]
+
+
+@dataclass
+class _Kind:
+    tp: int
+    history: list[int] = field(default_factory=list)
+    """Preemptions of the last steps of this kind."""
+    quiet: int = 0
+    """Consecutive steps without preemption."""
+
+
+class Planner:
+    def __init__(self, config: PlanConfig, candidates: list[int], initial: int):
+        if initial not in candidates:
+            raise ValueError(f"plan: initial TP {initial} is not one of the usable TPs {candidates}")
+        self.config, self.candidates, self.initial = config, candidates, initial
+        self.kinds: dict[str, _Kind] = {}
+
+    def _state(self, kind: str) -> _Kind:
+        return self.kinds.setdefault(kind if self.config.per_kind else "all", _Kind(self.initial))
+
+    def tp_for(self, kind: str) -> int:
+        """The TP for the next round of ``kind``."""
+        return self._state(kind).tp
+
+    def observe(self, kind: str, preemptions: int) -> str | None:
+        """Take a finished round's preemption count; returns why the TP of ``kind`` rounds changes, or None."""
+        c, s = self.config, self._state(kind)
+        level = statistics.mean(s.history) if s.history else 0.0
+        new, why = s.tp, ""
+        if preemptions > c.raise_factor * level:
+            s.quiet = 0
+            new = next((t for t in self.candidates if t >= 2 * s.tp), s.tp)
+            why = f"{preemptions} preemptions > {c.raise_factor} x recent level {level:.1f}"
+        elif preemptions == 0:
+            s.quiet += 1
+            if s.quiet >= c.quiet_steps:
+                s.quiet = 0
+                new = max((t for t in self.candidates if t <= s.tp // 2), default=s.tp)
+                why = f"{c.quiet_steps} consecutive {kind} rounds without preemption"
+        else:
+            s.quiet = 0
+        s.history = [*s.history, preemptions][-c.recent_steps:]
+        if new == s.tp:
+            return None
+        old, s.tp = s.tp, new
+        return f"{kind} rounds: rollout TP {old} -> {new}: {why}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kinds": {k: asdict(v) for k, v in self.kinds.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kinds = {k: _Kind(**v) for k, v in state["kinds"].items()}
+        for k, s in self.kinds.items():
+            if s.tp not in self.candidates:
+                raise ValueError(f"plan: the checkpoint's TP {s.tp} for {k} rounds is not usable here "
+                                 f"(usable: {self.candidates})")
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through sorted points, extended linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(1, sum(v <= x for v in xs)), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def decode_ms(entry: dict, batch: float, context: float) -> float:
+    """A profiled TP's decode step time at ``batch`` running requests of ``context`` tokens (interpolated)."""
+    points = entry["decode_ms"]  # {context: {batch: ms}}, as written by rollpacker.plan.profile
+    contexts = sorted(int(c) for c in points)
+    per_context = []
+    for c in contexts:
+        batches = sorted(int(b) for b in points[str(c)])
+        per_context.append(_interp(batches, [points[str(c)][str(b)] for b in batches], batch))
+    return _interp(contexts, per_context, context)
+
+
+def round_seconds(entry: dict, world: int, tp: int, num_requests: int, prompt_len: int, new_tokens: int) -> float:
+    """Estimated rollout time of ``num_requests`` requests of ``prompt_len + new_tokens`` tokens at ``tp``."""
+    per_replica = math.ceil(num_requests / (world // tp))
+    fits = max(1, entry["kv_capacity_tokens"] // (prompt_len + new_tokens))
+    batch = min(per_replica, fits)
+    waves = math.ceil(per_replica / batch)
+    return waves * new_tokens * decode_ms(entry, batch, prompt_len + new_tokens / 2) / 1e3
+
+
+def best_tp(profile: dict, candidates: list[int], num_requests: int, prompt_len: int,
+            new_tokens: int) -> tuple[int, dict[int, float]]:
+    """The profiled TP with the shortest estimated round without tail batching, and every estimate."""
+    world = profile["key"]["world"]
+    estimates = {t: round_seconds(profile["tp"][str(t)], world, t, num_requests, prompt_len, new_tokens)
+                 for t in candidates if str(t) in profile["tp"]}
+    if not estimates:
+        raise ValueError(f"plan: the profile has none of the usable TPs {candidates} (it has {sorted(profile['tp'])})")
+    return min(estimates, key=lambda t: (estimates[t], t)), estimates

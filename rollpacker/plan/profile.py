@@ -1,0 +1,230 @@
+"""The planner's offline profiling phase: ``torchrun --nproc_per_node=N -m rollpacker.plan.profile [run flags]``.
+
+Takes the same flags as ``rollpacker.run`` (``--preset``, ``--model.path``, ``--engine.*``,
+``--plan.*``) and measures, on this machine's devices and that model, for every rollout TP the
+world can run (:func:`~rollpacker.plan.planner.candidate_tps`):
+
+- decode step time against running requests (``plan.profile_batches``) and context length
+  (``plan.profile_contexts``): the median of ``plan.profile_steps`` timed ``step()`` calls of a
+  TorchEngine on that TP's sub-mesh, the slowest rank's;
+- prefill throughput at each context length;
+- the per-token KV footprint on one rank and the KV capacity of one replica under the run's
+  engine settings (with ``engine.memory_mb``, what the weight shard leaves: more at a larger TP).
+
+The profile is JSON, written to ``plan.profile`` or cached as ``plan.profile_dir/<key>.json``. Its
+``key`` names what it is valid for: the model's architecture (a hash of ``config.json``), the
+device, the world size, the engine dtype and KV settings, and the format version. A run with the
+planner on reads the cached profile for its key, and profiles first when there is none; a profile
+named with ``plan.profile`` whose key differs is refused with the differences listed, never used.
+The simulator's :func:`~rollpacker.sim.cost.fit_calibration` reads the TP=1 decode curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollpacker.config import Config, parse
+
+logger = logging.getLogger("rollpacker")
+VERSION = 1
+
+
+def profile_key(config: Config, model_dir: Path, device: str, world: int) -> dict[str, Any]:
+    e = config.engine
+    return {
+        "version": VERSION,
+        "model": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16],
+        "device": device,
+        "world": world,
+        "dtype": config.model.dtype,
+        "engine": {"block_size": e.block_size, "kv_memory_mb": e.kv_memory_mb, "memory_mb": e.memory_mb,
+                   "max_model_len": e.max_model_len},
+    }
+
+
+def cache_path(config: Config, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(config.plan.profile_dir) / f"profile-{digest}.json"
+
+
+def device_name(device) -> str:
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.machine()} x{os.cpu_count()}, {torch.get_num_threads()} threads per rank"
+
+
+def check(profile: Any, key: dict, where: str) -> dict:
+    """``profile`` if it is a profile for ``key``; a ValueError naming every difference otherwise."""
+    if not isinstance(profile, dict) or not isinstance(profile.get("key"), dict) or "tp" not in profile:
+        raise ValueError(f"{where}: not a rollpacker profile (write one with python -m rollpacker.plan.profile)")
+    have = profile["key"]
+    diffs = [f"{k}: profile has {have.get(k)!r}, this run {v!r}" for k, v in key.items() if have.get(k) != v]
+    if diffs:
+        raise ValueError(f"{where}: the profile is for another setup ({'; '.join(diffs)}); profile again with "
+                         "python -m rollpacker.plan.profile and the run's flags, or drop --plan.profile to use the cache")
+    return profile
+
+
+def load(path: Path, key: dict) -> dict:
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return check(profile, key, str(path))
+
+
+def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
+    """Profile every usable TP (collective over all ranks); leaves the meshes at the TP they had."""
+    import torch
+
+    from rollpacker.bench.engine import decode_step_ms, peak_flops
+    from rollpacker.model import empty_model, load_model, read_args
+    from rollpacker.plan.planner import candidate_tps
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    p, device, world = config.plan, meshes.device, meshes.world_size
+    args = read_args(model_dir)
+    weights = load_model(model_dir, device, dtype)
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    limit = (config.engine.max_model_len or args.max_position_embeddings) - p.profile_steps - 8
+    contexts = sorted({min(c, limit) for c in p.profile_contexts})
+    batches = sorted(p.profile_batches)
+    avoid = set(args.eos_token_ids)
+    probe_tokens = max(batches) * (max(contexts) + p.profile_steps + 8)
+    out: dict[str, Any] = {"key": key, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "tp": {},
+                           "peak_gflops": peak_flops(512, 5) / 1e9 if device.type == "cpu" else None}
+    before = meshes.rollout_tp.size()
+
+    def slowest(ms: float) -> float:  # the slowest rank's time: a replica is as fast as its slowest rank
+        t = torch.tensor([ms], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=meshes.control)
+        return t.item()
+
+    for tp in candidate_tps(world, args.num_kv_heads, p.max_tp or node):
+        meshes.set_rollout_tp(tp)
+        sized = TorchEngine(empty_model(args, device, dtype), config.engine, meshes.rollout_tp)  # the run's KV budget
+        entry = {"kv_capacity_tokens": sized.num_blocks * config.engine.block_size,
+                 "kv_bytes_per_token": 2 * args.num_layers * sized.num_kv_heads * args.head_dim * dtype.itemsize,
+                 "weight_bytes": sized.weight_bytes, "decode_ms": {}, "prefill_tok_s": {}}
+        del sized
+        per_token = entry["kv_bytes_per_token"]
+        probe = TorchEngine(empty_model(args, device, dtype), EngineConfig(
+            block_size=config.engine.block_size, kv_memory_mb=max(1.0, 2 * probe_tokens * per_token / 2**20),
+            max_num_seqs=max(batches), max_prefill_tokens=max(batches) * max(contexts)), meshes.rollout_tp)
+        probe.update_weights(weights.named_parameters())
+        for c in contexts:
+            entry["decode_ms"][str(c)] = {
+                str(b): slowest(statistics.median(decode_step_ms(probe, b, c, args.vocab_size, avoid,
+                                                                 p.profile_steps, seed=b)))
+                for b in batches}
+            n = max(1, min(max(batches), 2048 // c))
+            entry["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(probe, n, c, args.vocab_size, avoid)) / 1e3)
+        del probe
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        out["tp"][str(tp)] = entry
+    meshes.set_rollout_tp(before)
+    return out
+
+
+def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:
+    """ms of one prefill step of ``num`` prompts of ``context`` tokens (after an untimed one)."""
+    from rollpacker.bench.engine import random_prompts
+    from rollpacker.rollout.engine import Request, SamplingParams
+
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    times = []
+    for rep in range(2):
+        prompts = random_prompts(num, context, vocab_size, avoid, seed=rep)
+        reqs = [Request(id=f"prefill-{rep}-{i}", prompt_ids=q, params=params) for i, q in enumerate(prompts)]
+        for r in reqs:
+            engine.add(r)
+        start = time.perf_counter()
+        engine.step()
+        times.append(1e3 * (time.perf_counter() - start))
+        for r in reqs:
+            engine.abort(r.id)
+    return times[-1]
+
+
+def obtain(config: Config, meshes, model_dir: Path, dtype) -> dict:
+    """The profile for this run (collective): ``plan.profile`` if it matches, else the cached one,
+    else a fresh one, measured now and cached. Every rank gets rank 0's."""
+    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
+    found: Any = None
+    if meshes.rank == 0:
+        path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
+        try:
+            found = load(path, key) if path.is_file() or config.plan.profile else None
+        except (ValueError, OSError) as e:
+            found = e if config.plan.profile else None  # a stale cache entry is measured again
+            if not config.plan.profile:
+                logger.warning("plan: ignoring the cached profile %s (%s); profiling again", path, e)
+    found = meshes.broadcast(found)
+    if isinstance(found, Exception):
+        raise ValueError(str(found))
+    if found is not None:
+        return found
+    if meshes.rank == 0:
+        logger.info("plan: no profile for this setup; profiling every rollout TP first")
+    profile = measure(config, meshes, model_dir, dtype, key)
+    if meshes.rank == 0:
+        save(profile, cache_path(config, key))
+    return meshes.broadcast(profile)
+
+
+def save(profile: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile, indent=1) + "\n")
+    tmp.replace(path)  # never a half-written profile
+
+
+def summary(profile: dict) -> str:
+    lines = [f"profile of {profile['key']['device']}, world {profile['key']['world']}:"]
+    for tp, e in profile["tp"].items():
+        curve = "; ".join(f"ctx {c}: " + ", ".join(f"{b}->{ms:.1f}" for b, ms in row.items())
+                          for c, row in e["decode_ms"].items())
+        lines.append(f"  TP {tp}: KV capacity {e['kv_capacity_tokens']} tokens/replica "
+                     f"({e['kv_bytes_per_token']} B/token/rank); decode ms by batch: {curve}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse(argv)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"rollpacker.plan.profile: config error: {e}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    import torch.distributed as dist
+
+    from rollpacker.dist import build_meshes
+    from rollpacker.run import engine_dtype, model_path
+
+    meshes = build_meshes(1, 0)
+    model_dir = model_path(config)
+    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
+    profile = measure(config, meshes, model_dir, engine_dtype(config, meshes.device), key)
+    if meshes.rank == 0:
+        path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
+        save(profile, path)
+        print(summary(profile))
+        print(f"wrote {path}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""``sorted`` and ``sorted_partial``: SortedRL's online length-aware scheduling (SortedRL §3).
+
+**Cache-aware loading.** The policy draws a *load group* of n·P0 prompts at once (n =
+``schedule.sorted_batches``) into its rollout buffer, and draws no more until every one of them has
+been consumed (trained or filtered). Each round launches every unconsumed prompt of the buffer, R0
+responses each: the engines are fed more than one update batch (oversubscription).
+
+**Early termination.** The round ends as soon as P0 prompts have R0 finished responses; those are
+trained, so updates come in length order within a load group (short first). When fewer than P0
+prompts are left in the buffer, the round completes all of them.
+
+**On-policy mode** (``sorted``): every request still running at the end of the round is aborted and
+its prompt returns to the buffer with its partial tokens *and* its finished sibling responses
+thrown away (sampled by weights about to change), to be generated afresh under the new weights.
+Every trained token was sampled by the current step's weights: staleness 0.
+
+**Partial mode** (``sorted_partial``): the buffer keeps the partial tokens and log-probs of unfinished
+responses and the finished responses of incomplete groups. The next round resumes the partial ones
+under the new weights (``Round.carried``, ``Request.resume_from``) and launches nothing for the
+finished ones. The engine concatenates the log-probs of each segment, so every token keeps the
+log-prob it was sampled with, which ``train.off_policy`` (is, tis) corrects with. Each response
+records the step of each segment; its staleness is the training step minus the step its oldest
+token was sampled at (``Group.staleness``; ``sched/staleness_mean`` and ``sched/staleness_max``).
+
+A buffer entry holds the prompt (epoch, row), per response its trajectory (an engine output:
+tokens and log-probs, finished or partial: the done flag), reward and segment steps, and its
+lifecycle: waiting, running, complete or filtered; a consumed prompt leaves the buffer. The
+:class:`~rollpacker.schedule.ledger.Ledger` holds every prompt's state as for tail (waiting in the
+buffer = deferred, its queue; running = in flight), saved with the sampler and, in partial mode,
+the buffered trajectories as they were when the round started: a save taken mid-round re-queues
+the in-flight prompts and the round is replayed.
+
+How this differs from the paper:
+
+- the early-termination threshold counts complete *groups* (GRPO needs whole groups), not finished
+  trajectories;
+- a response that finishes after the cut-off (in the same exchange as the round's last group) is
+  thrown away in on-policy mode, kept in partial mode unless it would complete its group (then it
+  is generated afresh next round, so that groups complete only inside a round);
+- dynamic sampling (``filter_zero_variance``) and ``num_epochs`` behave as in tail: a filtered group
+  does not count towards P0 (no prompt replaces it: the whole buffer is already running), and
+  the last load group of the last epoch takes what is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from rollpacker.schedule.base import Decision, Group, QueuedPolicy, Round, remaining, request_id, zero_variance
+from rollpacker.schedule.ledger import Key, Ledger
+
+
+def _finished(output: Any) -> bool:
+    return output is not None and output.finish_reason != "abort"
+
+
+@dataclass
+class _Entry:
+    """The rollout buffer's entry of one prompt."""
+
+    key: Key
+    outputs: list[Any]
+    """Per response: None (nothing yet), a partial output (finish_reason "abort") or a finished one."""
+    rewards: list[float | None]
+    segments: list[list[tuple[int, int]]]
+    """Per response: (step, index of its first token) of each stretch of tokens sampled by that step's weights."""
+    state: str = "waiting"
+    """waiting, running, complete or filtered."""
+    group: Group | None = None
+
+
+class SortedPolicy(QueuedPolicy):
+    def __init__(self, sampler, num_prompts: int, group_size: int, *, num_batches: int = 4, partial: bool = False,
+                 filter_zero_variance: bool = False, num_epochs: int = 0):
+        if num_batches < 1:
+            raise ValueError(f"sorted: num_batches={num_batches} must be >= 1")
+        self.name = "sorted_partial" if partial else "sorted"
+        self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
+        self.num_batches, self.partial = num_batches, partial
+        self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
+        self.ledger = Ledger()
+        self.buffer: dict[Key, _Entry] = {}
+        """The unconsumed prompts of the load group."""
+        self.slots: list[_Entry] = []
+        self.where: dict[str, tuple[int, int]] = {}  # request id -> (slot, response), this round
+        self.saved: dict | None = None  # the buffer's trajectories at the round's start, while it runs
+        self.step = self.target = 0
+        self.closed = False
+        self._stats: dict[str, Any] = {}
+
+    def _entry(self, key: Key) -> _Entry:
+        n = self.group_size
+        return _Entry(key, [None] * n, [None] * n, [[] for _ in range(n)])
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def start_round(self, step: int) -> Round:
+        self.step, self.closed, loaded = step, False, 0
+        if not self.ledger.queue:  # the load group is consumed: load the next one
+            left = remaining(self.sampler, self.num_epochs)
+            n = self.num_batches * self.num_prompts
+            keys = self.sampler.draw(n if left is None else min(n, left))
+            if not keys:
+                raise RuntimeError("sorted: no prompt left to launch; check done() before start_round")
+            self.buffer |= {key: self._entry(key) for key in keys}
+            loaded = len(keys)
+        else:
+            keys = list(self.ledger.queue)
+        self.saved = self._snapshot()
+        self.slots = [self.buffer[key] for key in keys]
+        for e in self.slots:
+            self.ledger.launch(e.key)
+            e.state = "running"
+        self.where = {request_id(step, s, k): (s, k) for s in range(len(keys)) for k in range(self.group_size)}
+        carried = {(s, k): out for s, e in enumerate(self.slots) for k, out in enumerate(e.outputs) if out is not None}
+        self.target = min(self.num_prompts, len(keys))
+        self._stats = {"loaded": loaded, "filtered": 0,
+                       "resumed": sum(not _finished(out) for out in carried.values())}
+        return Round(kind="sorted", prompts=[key[1] for key in keys], num_responses=self.group_size,
+                     keep=self.target, carried=carried)
+
+    # -- reacting ----------------------------------------------------------------------------
+
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+        e = self.slots[slot]
+        finished = sum(map(_finished, e.outputs)) + 1
+        if e.state != "running" or self.closed and (not self.partial or finished == self.group_size):
+            return Decision()  # after the round's cut-off (see the module docstring)
+        self._record(e, response, output)
+        e.rewards[response] = reward
+        if finished < self.group_size:
+            return Decision()
+        decision = Decision()
+        if self.filter_zero_variance and zero_variance(e.rewards):
+            e.state = "filtered"
+            self._stats["filtered"] += 1
+        else:
+            e.state = "complete"
+            e.group = Group(prompt=e.key[1], outputs=list(e.outputs), rewards=list(e.rewards), epoch=e.key[0],
+                            staleness=[self.step - (segs[0][0] if segs else self.step) for segs in e.segments])
+            decision.complete = [e.group]
+        complete = sum(s.state == "complete" for s in self.slots)
+        running = sum(s.state == "running" for s in self.slots)
+        decision.round_done = self.closed = complete >= self.target or running == 0
+        return decision
+
+    def _record(self, e: _Entry, k: int, output: Any) -> None:
+        """Response ``k``'s trajectory is now ``output``: the tokens beyond its earlier one were sampled this
+        step. An abort that brought no new token (the request was still queued) changes nothing."""
+        before = len(e.outputs[k].token_ids) if e.outputs[k] is not None else 0
+        if len(output.token_ids) > before:
+            e.segments[k].append((self.step, before))
+        if len(output.token_ids) > before or _finished(output):
+            e.outputs[k] = output
+
+    def end_round(self, aborted: list[Any]) -> list[Group]:
+        if self.partial:  # keep the partial trajectories of the prompts going back to the buffer
+            for out in aborted:
+                slot, k = self.where[out.id]
+                if self.slots[slot].state == "running":
+                    self._record(self.slots[slot], k, out)
+        groups, deferred = [], 0
+        for e in self.slots:
+            if e.state == "running":
+                self.ledger.settle(e.key, "deferred")
+                deferred += 1
+                e.state = "waiting"
+                if not self.partial:  # on-policy: generated afresh under the new weights
+                    self.buffer[e.key] = self._entry(e.key)
+            else:
+                self.ledger.settle(e.key, "trained" if e.state == "complete" else "filtered")
+                del self.buffer[e.key]
+                if e.state == "complete":
+                    groups.append(e.group)
+        staleness = [s for g in groups for s in g.staleness]
+        self._stats |= {"deferred": deferred, "buffer_len": len(self.buffer), "epoch": self.sampler.epoch,
+                        "staleness_mean": sum(staleness) / max(len(staleness), 1),
+                        "staleness_max": max(staleness, default=0)}
+        self.slots, self.where, self.saved = [], {}, None
+        return groups
+
+    def stats(self) -> dict[str, Any]:
+        return {f"sched/{k}": v for k, v in self._stats.items()}
+
+    # -- checkpoint --------------------------------------------------------------------------
+
+    def _snapshot(self) -> dict[Key, tuple[list, list, list]]:
+        """The buffer's trajectories; shallow, as outputs are replaced in an entry, never changed in place."""
+        return {key: (list(e.outputs), list(e.rewards), [list(segs) for segs in e.segments])
+                for key, e in self.buffer.items() if any(out is not None for out in e.outputs)}
+
+    def state_dict(self) -> dict[str, Any]:
+        snapshot = self.saved if self.saved is not None else self._snapshot()
+        buffer = [{"key": list(key), "responses": [
+            {"output": dataclasses.asdict(out) if out is not None else None, "reward": reward,
+             "segments": [list(seg) for seg in segs]} for out, reward, segs in zip(*entry)]}
+            for key, entry in snapshot.items()]
+        return {"sampler": self.sampler.state_dict(), "ledger": self.ledger.state_dict(), "buffer": buffer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from rollpacker.rollout.engine import Output
+
+        self.sampler.load_state_dict(state["sampler"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.ledger.check(self.sampler)
+        self.buffer = {key: self._entry(key) for key in self.ledger.queue}
+        for item in state["buffer"]:
+            key, responses = (int(item["key"][0]), int(item["key"][1])), item["responses"]
+            if key not in self.buffer or len(responses) != self.group_size:
+                raise ValueError(f"sorted checkpoint: buffered prompt {key} with {len(responses)} responses does not "
+                                 f"fit a waiting prompt with rollout.group_size={self.group_size}; resume with the "
+                                 "group size it was saved with")
+            e = self.buffer[key]
+            for k, r in enumerate(responses):
+                e.outputs[k] = Output(**r["output"]) if r["output"] else None
+                e.rewards[k] = r["reward"]
+                e.segments[k] = [(int(step), int(start)) for step, start in r["segments"]]
