@@ -12,7 +12,8 @@ resumed from their partial output, or, when already finished, only scored again.
 With a :class:`~rollpacker.train.stream.StreamTrainer`, rank 0 also watches the round's progress
 and may scale rollout down once: the second half of the replicas abort their requests (resumed on
 the others by recomputation), leave the exchange and train on the complete, scored groups that
-rank 0 sends them until the round ends. Each group fed to them is marked ``streamed``.
+rank 0 sends them until the round ends, a batch whenever they have trained the last one. Each
+group fed to them is marked ``streamed``.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
     else:
         cmd = None
     if stream:
-        stream.start_round()
+        stream.start_round(plan.kind if leader else "")
     while True:
         cmd = meshes.broadcast(cmd, group)
         report = _apply(cmd, meshes, engine, poll_steps, base_preemptions, stream)
@@ -176,17 +177,17 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
             tokens_done += len(out.token_ids)
             rewards.submit(out.id, rows[slots[owner[out.id][1]]], out)
             if stream:
-                stream.history.append(len(out.token_ids))
+                stream.scale_down.history.append(len(out.token_ids))
         undecided += finished
         if finished:
             last_finish = time.time()
         scores |= dict(rewards.wait() if policy.needs_rewards and not outstanding else rewards.poll())
         done = scale_now = False
         to_abort: list[str] = []
-        if stream and not scaled_at and outstanding and stream.consider(num_complete, plan.keep, lambda: [
+        if stream and not scaled_at and outstanding and stream.scale_down.consider(num_complete, plan.keep, lambda: [
                 (len(requests[rid][0].prompt_ids), min(sampling.max_new_tokens, (len(trace) - requests[rid][1]) * poll_steps))
                 for rid in outstanding]):  # generated tokens: at most the engine steps since the request was added
-            scale_now, scaled_at, migration, active = True, time.time(), -1.0, stream.kept_replicas
+            scale_now, scaled_at, migration, active = True, time.time(), -1.0, stream.scale_down.kept_replicas
             migrating = {rid for rid in outstanding if owner[rid][0] >= active}
             to_abort += sorted(migrating)
             fetching = True
@@ -237,8 +238,11 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
 
 
 def _feed(stream: StreamTrainer, complete: list[Group], scores: dict, make_samples, keep: int) -> bool:
-    """Send the complete groups whose responses are all scored to the freed ranks; False once
-    fetching is over (a one-shot fetch, ``stream.fetch_cap``, happens once)."""
+    """Send the complete groups whose responses are all scored to the freed ranks once they have
+    trained the last batch; False once fetching is over (a one-shot fetch, ``stream.fetch_cap``,
+    happens once)."""
+    if not stream.ready():
+        return True
     cap = stream.config.fetch_cap
     ready = [g for g in complete if all(o.id in scores for o in g.outputs)]
     if cap:

@@ -41,7 +41,10 @@ class Job:
     stream: Any = None
     """The stream trainer (rollpacker.train.stream), on every rank, when stream.enabled."""
     planner: Any = None
-    """The parallelism planner (rollpacker.plan.planner), rank 0 only, when plan.enabled."""
+    """The parallelism planner (rollpacker.plan.planner), rank 0 only, when plan.enabled, with the
+    profile it reads and the mean prompt length of the data."""
+    profile: dict | None = None
+    prompt_len: int = 0
 
 
 def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
@@ -52,12 +55,9 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
     plan = job.policy.start_round(step) if rank0 else None  # the policy plans the round
     if rank0:
         job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
-    if cfg.plan.enabled:  # the planner's TP for this kind of round
-        with timer("tp_switch"):
-            tp = job.meshes.broadcast(job.planner.tp_for(plan.kind) if rank0 else None)
-            stats |= {"plan/rollout_tp": tp, "plan/switched": float(tp != job.meshes.rollout_tp.size())}
-            if stats["plan/switched"]:
-                switch_tp(job, tp)
+    if cfg.plan.enabled:
+        with timer("tp_switch"):  # the planner's TP for this kind of round
+            stats |= switch_tp(job, job.meshes.broadcast(job.planner.tp_for(plan.kind) if rank0 else None))
     with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
                            rows=job.rows, prompt_ids=lambda p: encode_prompt(job, job.rows[p]), rewards=job.rewards,
@@ -71,9 +71,7 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         timer.times["time/reward"] += round_stats["time/reward_exposed"]
     stats |= round_stats
     if rank0 and job.planner:  # the preemption heuristic picks the next TP of this kind of round
-        why = job.planner.observe(plan.kind, round_stats["rollout/preemptions"])
-        if why:
-            logger.info("plan: after step %d: %s", step, why)
+        observe_preemptions(job, step, plan.kind, result.num_launched, round_stats)
     with timer("train"):  # one optimizer step on what was not streamed, normalized by global counts
         samples, normalizer = job.meshes.broadcast(batch)
         stats |= job.trainer.step(samples, normalizer)
@@ -267,22 +265,34 @@ def build_planner(job: Job, path: Path) -> None:
     if meshes.rank == 0:
         node = int(os.environ.get("LOCAL_WORLD_SIZE", meshes.world_size))
         candidates = candidate_tps(meshes.world_size, job.trainer.model.args.num_kv_heads, cfg.plan.max_tp or node)
-        prompt_len = round(sum(len(encode_prompt(job, r)) for r in job.rows[:64]) / len(job.rows[:64]))
+        job.profile = profile
+        job.prompt_len = round(sum(len(encode_prompt(job, r)) for r in job.rows[:64]) / len(job.rows[:64]))
         initial, estimates = best_tp(profile, candidates, cfg.rollout.num_prompts * cfg.rollout.group_size,
-                                     prompt_len, cfg.rollout.max_new_tokens)
+                                     job.prompt_len, cfg.rollout.max_new_tokens)
         initial = cfg.plan.initial_tp or initial
         logger.info("plan: estimated round without tail batching (s) by TP: %s; starting at TP %d (usable: %s)",
                     {t: round(v, 3) for t, v in estimates.items()}, initial, candidates)
         job.planner = Planner(cfg.plan, candidates, initial)
-    tp = meshes.broadcast(job.planner.initial if job.planner else None)
-    if tp != meshes.rollout_tp.size():
-        switch_tp(job, tp)
+    switch_tp(job, meshes.broadcast(job.planner.initial if job.planner else None))
 
 
-def switch_tp(job: Job, tp: int) -> None:
-    """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective): the old
-    engine's memory is freed first; the new one is loaded from the trainer's live parameters
-    (resharded in memory, not read from disk)."""
+def observe_preemptions(job: Job, step: int, kind: str, num_requests: int, round_stats: dict[str, Any]) -> None:
+    """Rank 0: the planner takes the round's preemptions, with the profile's estimate of the same
+    round (its requests, the data's prompt length, its mean response length) at each TP."""
+    from rollpacker.plan.planner import round_seconds
+
+    lengths = round_stats["rollout/response_lengths"] or [1]
+    why = job.planner.observe(kind, round_stats["rollout/preemptions"], lambda tp: round_seconds(
+        job.profile["tp"][str(tp)], job.meshes.world_size, tp, num_requests, job.prompt_len,
+        round(sum(lengths) / len(lengths))))
+    if why:
+        logger.info("plan: after step %d: %s", step, why)
+
+
+def switch_tp(job: Job, tp: int) -> dict[str, float]:
+    """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
+    ``tp`` is not the current TP: the old engine's memory is freed first; the new one is loaded from
+    the trainer's live parameters (resharded in memory, not read from disk)."""
     import gc
 
     import torch
@@ -290,6 +300,9 @@ def switch_tp(job: Job, tp: int) -> None:
     from rollpacker.model import empty_model
     from rollpacker.rollout.torch_engine import TorchEngine
 
+    stats = {"plan/rollout_tp": tp, "plan/switched": float(tp != job.meshes.rollout_tp.size())}
+    if not stats["plan/switched"]:
+        return stats
     job.engine.release_memory()
     job.engine = None
     gc.collect()
@@ -299,9 +312,10 @@ def switch_tp(job: Job, tp: int) -> None:
     model = empty_model(job.trainer.model.args, job.meshes.device, engine_dtype(job.config, job.meshes.device))
     job.engine = TorchEngine(model, job.config.engine, job.meshes.rollout_tp)
     job.engine.update_weights(job.trainer.model.named_parameters())
-    if job.stream:  # its replicas changed; the length history carries over
-        history, job.stream = job.stream.history, make_stream(job)
-        job.stream.history = history
+    if job.stream:  # its replicas changed; the length histories carry over
+        histories, job.stream = job.stream.scale_down.histories, make_stream(job)
+        job.stream.scale_down.histories = histories
+    return stats
 
 
 def build_controller(job: Job, path: Path) -> None:

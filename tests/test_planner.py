@@ -46,6 +46,17 @@ def test_the_reason_holds_the_numbers():
     assert p.observe("short", 6) == "short rounds: rollout TP 2 -> 4: 6 preemptions > 1.05 x recent level 4.0"
 
 
+def test_the_profile_guard_vetoes_a_change_it_estimates_slower():
+    p = Planner(PlanConfig(), [1, 2], initial=1)
+    slower = {1: 1.0, 2: 3.0}.__getitem__  # seconds of the round just seen, by TP
+    assert p.observe("short", 5, slower) == ("short rounds: rollout TP stays 1 (5 preemptions > 1.05 x recent level "
+                                             "0.0): the profile estimates the round at 3 s at TP 2 against 1 s")
+    assert p.tp_for("short") == 1
+    assert p.observe("short", 9, {1: 2.0, 2: 1.5}.__getitem__).startswith("short rounds: rollout TP 1 -> 2")
+    assert Planner(PlanConfig(profile_guard=False), [1, 2], 1).observe("short", 5, slower).startswith(
+        "short rounds: rollout TP 1 -> 2")
+
+
 def test_tp_stays_within_a_node_and_odd_worlds_use_their_divisors():
     assert candidate_tps(16, 8, 8) == [1, 2, 4, 8]  # 2 nodes of 8: never 16
     p = Planner(PlanConfig(), candidate_tps(16, 8, 8), initial=8)
@@ -142,9 +153,10 @@ def test_switching_tp_between_steps_rolls_out_like_a_fixed_tp(tmp_path):
 
 def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
     # A KV budget that TP 1 overflows (2 MiB less 1.65 MiB of weights per rank): the first
-    # preemptions double TP; one quiet step (quiet_steps 1) halves it again.
+    # preemptions double TP; one quiet step (quiet_steps 1) halves it again. Without the profile
+    # guard, which would keep TP 1 here: on CPU gloo, TP 2 is the slower one.
     proc = launch("-m", "rollpacker.run", "--run-dir", str(tmp_path / "run"), "--num-steps", "5", *RUN,
-                  "--plan.enabled", "--plan.initial-tp", "1", "--plan.quiet-steps", "1",
+                  "--plan.enabled", "--plan.initial-tp", "1", "--plan.quiet-steps", "1", "--plan.no-profile-guard",
                   "--plan.profile-dir", str(tmp_path / "profiles"), "--engine.memory-mb", "2.0")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

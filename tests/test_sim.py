@@ -489,16 +489,17 @@ def test_the_simulator_drives_the_decision_the_controllers_stream_trainer_uses()
     one = SimpleNamespace(size=lambda *dim: 1)  # two ranks, rollout TP 1, training shard groups of 1
     meshes = SimpleNamespace(num_replicas=2, rollout_tp=one, train=one, world_size=2, rank=0)
     trainer = StreamTrainer(StreamConfig(), None, meshes, kv_capacity_tokens=50, max_new_tokens=10)
-    assert type(trainer.scale_down) is ScaleDown and trainer.kept_replicas == 1 and not trainer.refused
-    # The controller asks the StreamTrainer (consider, history, kept_replicas, config): driven the same way, it
-    # decides what its ScaleDown decides alone, and its history is the simulator's. With 50 tokens of KV it
+    decider = trainer.scale_down
+    assert type(decider) is ScaleDown and decider.kept_replicas == 1 and not decider.refused
+    # The controller asks the StreamTrainer's ScaleDown (consider, history, kept_replicas): driven the same way,
+    # it decides what a ScaleDown decides alone, and its history is the simulator's. With 50 tokens of KV it
     # scales down at 2 of 4 prompts (6 s); replica 1's two requests of 1 + 4 tokens are prefilled again on
     # replica 0 (1 + 5 s) and need 5 more iterations: 17 s.
     alone, _ = stream_round(ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=50, max_new_tokens=10))
-    driven, _ = stream_round(trainer)
+    driven, _ = stream_round(decider)
     assert (driven.scaled_at, driven.scaled_frac, driven.rollout_s) == (alone.scaled_at, alone.scaled_frac,
                                                                           alone.rollout_s) == (6.0, 0.5, 17.0)
-    assert list(trainer.history) == [2, 2, 4, 4, 10, 10, 10, 10] and trainer.trigger.milestone == 10
+    assert list(decider.history) == [2, 2, 4, 4, 10, 10, 10, 10] and decider.trigger.milestone == 10
 
 
 def test_the_whole_job_with_the_stream_trainer_hides_training_under_rollout():

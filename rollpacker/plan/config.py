@@ -25,6 +25,9 @@ class PlanConfig:
     """TP halves after this many consecutive steps (of the same round kind) without preemption."""
     max_tp: int = 0
     """Largest TP; 0 = the ranks of one node (LOCAL_WORLD_SIZE): TP never crosses a node."""
+    profile_guard: bool = True
+    """Veto a TP change that the profile estimates slower for the round just seen (its requests and
+    response lengths); False: the paper's preemption heuristic alone."""
     per_kind: bool = True
     """Short and long rounds keep separate TPs (False: one TP for every round)."""
     profile_batches: tuple[int, ...] = (1, 4, 16, 64)

@@ -15,6 +15,11 @@
     candidate of at most half the size).
 
   The level carries over a TP change: a rise is judged against the pressure before the change.
+- **Profile guard** (ours, ``plan.profile_guard``): a change the profile estimates slower for the
+  round just seen (its requests, prompt and mean response lengths, by :func:`round_seconds`) is
+  vetoed, and the veto logged. Where communication is cheap against KV pressure (NVLink) the
+  guard lets the paper's heuristic act; where a larger TP costs more than preemptions save (gloo
+  on CPU) it keeps the TP. Off, the heuristic is the paper's alone.
 - **Round kinds.** Short and long rounds (and sync rounds) keep separate TPs and histories
   (``plan.per_kind``), since speculation makes short rounds press harder on memory.
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -61,8 +67,10 @@ class Planner:
         """The TP for the next round of ``kind``."""
         return self._state(kind).tp
 
-    def observe(self, kind: str, preemptions: int) -> str | None:
-        """Take a finished round's preemption count; returns why the TP of ``kind`` rounds changes, or None."""
+    def observe(self, kind: str, preemptions: int, estimate: Callable[[int], float] | None = None) -> str | None:
+        """Take a finished round's preemption count; returns why the TP of ``kind`` rounds changes (or
+        why the change was vetoed), or None. ``estimate(tp)``, the profile's seconds for the round at
+        ``tp``, vetoes a change it says is slower (``plan.profile_guard``)."""
         c, s = self.config, self._state(kind)
         level = statistics.mean(s.history) if s.history else 0.0
         new, why = s.tp, ""
@@ -81,6 +89,9 @@ class Planner:
         s.history = [*s.history, preemptions][-c.recent_steps:]
         if new == s.tp:
             return None
+        if estimate is not None and c.profile_guard and estimate(new) > estimate(s.tp):
+            return (f"{kind} rounds: rollout TP stays {s.tp} ({why}): the profile estimates the round at "
+                    f"{estimate(new):.3g} s at TP {new} against {estimate(s.tp):.3g} s")
         old, s.tp = s.tp, new
         return f"{kind} rounds: rollout TP {old} -> {new}: {why}"
 

@@ -243,7 +243,7 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     scaled_at, scaled_frac, fetching = None, 0.0, False
     streamed: list[tuple[float, Group]] = []
     if stream:
-        stream.start_round()
+        stream.start_round(plan.kind)
     while True:
         if not events:
             raise RuntimeError(f"step {step}: {len(outstanding)} requests outstanding but no replica is running")
@@ -432,11 +432,11 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
         cost = replace(base, tp=tp)
         replicas = build_replicas(cost, cfg.gpus // tp, max_num_seqs=cfg.max_num_seqs,
                                   max_prefill_tokens=cfg.max_prefill_tokens, record=record)
-        if cfg.stream and (stream is None or switched):  # as run.py: rebuilt on a TP switch, the history kept
-            history = stream.history if stream else ()
+        if cfg.stream and (stream is None or switched):  # as run.py: rebuilt on a TP switch, the histories kept
+            histories = stream.histories if stream else {}
             stream = ScaleDown(cfg.stream_config, num_replicas=len(replicas), max_new_tokens=cfg.max_new_tokens,
                                kv_capacity_tokens=cost.kv_capacity_tokens())
-            stream.history.extend(history)
+            stream.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.max_new_tokens,
                              reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=stream)
         result = step_times(step, rnd, cfg, cost, keep=record)

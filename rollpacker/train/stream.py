@@ -9,17 +9,19 @@ look) it considers scaling rollout down to the first half of its replicas:
   their own; when the meshes do not allow that, no scale-down is ever attempted (the reason is
   logged once and :attr:`StreamTrainer.refused` says why).
 - **When**: only if the remaining requests' projected KV peak fits the remaining replicas'
-  caches (:func:`peak_kv_tokens`, from the lengths of the responses finished so far).
+  caches (:func:`peak_kv_tokens`, from the lengths of the responses finished so far in rounds of
+  the same kind).
   ``stream.trigger`` instead scales down unconditionally at a fixed fraction. At most once per
   round. This decision is :class:`ScaleDown`, plain Python: the cluster simulator
   (``rollpacker.sim``) drives the same class.
 - **Migration**: the freed replicas' requests are aborted and resumed on the others by
   recomputation (the engine contract's partial outputs).
-- **Streaming**: the freed ranks release their KV cache and receive the complete, scored groups
-  from rank 0 as they arrive (or once, capped, with ``stream.fetch_cap``), over point-to-point
-  sends that never block the controller. They compute gradients with no gradient sync and no
+- **Streaming**: the freed ranks release their KV cache and fetch the complete, scored groups
+  from rank 0 as they arrive: whenever they have trained the last batch, rank 0 sends every group
+  completed since (or once, capped, with ``stream.fetch_cap``), over point-to-point sends that
+  never block the controller. They compute gradients with no gradient sync and no
   optimizer step (:meth:`Trainer.accumulate`).
-- **Finish**: when rollout ends, the groups not streamed are spread over every rank, and one
+- **Finish**: when rollout ends, the groups not fetched yet are spread over every rank, and one
   :meth:`Trainer.step` reduces all gradients and divides them by the step's global count: the
   update equals the synchronous one.
 
@@ -106,15 +108,19 @@ class ScaleDown:
         self.kv_capacity_tokens, self.max_new_tokens = kv_capacity_tokens, max_new_tokens
         """KV tokens of one replica; the longest response."""
         self.trigger = Trigger(config.trigger)
-        self.history: collections.deque[int] = collections.deque(maxlen=4096)
-        """Lengths of the responses finished so far, this round's included."""
+        self.histories: dict[str, collections.deque[int]] = {}
+        """Per round kind: lengths of the responses finished so far, this round's included (short
+        rounds cut their tail, long rounds are the tail: their lengths do not predict each other)."""
+        self.history: collections.deque[int] = collections.deque()
+        """The history of the current round's kind."""
         self.kept_replicas = num_replicas - num_replicas // 2
         """Replicas that go on rolling out after a scale-down: the first half (the second half is freed)."""
         self.refused = refused or ("" if num_replicas >= 2 else "one rollout replica: nothing to free")
         """Why no scale-down will ever happen ("" when one may)."""
 
-    def start_round(self) -> None:
+    def start_round(self, kind: str) -> None:
         self.trigger.reset()
+        self.history = self.histories.setdefault(kind, collections.deque(maxlen=4096))
 
     def consider(self, completed: int, total: int, requests: Callable[[], list[tuple[int, int]]]) -> bool:
         """Whether to scale down now, given the round's progress (``completed`` of ``total``
@@ -152,59 +158,36 @@ class StreamTrainer:
         self.scale_down = ScaleDown(config, num_replicas=replicas, kv_capacity_tokens=kv_capacity_tokens,
                                     max_new_tokens=max_new_tokens, refused=refused)
         """The decision (rank 0): trigger, length history, KV projection."""
-        self._pending: list[tuple[Any, Any]] = []  # (isend work, its tensor)
+        self._pending: list[tuple[Any, Any]] = []  # (isend/irecv work, its tensor)
+        self._ack: Any = None
+        """The freed ranks' "send more" for the batch in flight (rank 0), None when none is in flight."""
         self.seconds = 0.0
         """Training time of this rank during the last round (freed ranks)."""
-
-    # The decision's state, as the controller and run.py read it (``history`` is carried over a TP switch).
-    @property
-    def history(self) -> collections.deque[int]:
-        return self.scale_down.history
-
-    @history.setter
-    def history(self, lengths) -> None:
-        self.scale_down.history = lengths
-
-    @property
-    def trigger(self) -> Trigger:
-        return self.scale_down.trigger
-
-    @property
-    def kept_replicas(self) -> int:
-        return self.scale_down.kept_replicas
-
-    @property
-    def refused(self) -> str:
-        return self.scale_down.refused
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.scale_down.kv_capacity_tokens
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.scale_down.max_new_tokens
 
     @property
     def freed(self) -> bool:
         return self.meshes.rank in self.ranks
 
-    def start_round(self) -> None:
-        """Every rank, before a round: the last round's sends are all received by now."""
+    def start_round(self, kind: str) -> None:
+        """Every rank, before a round of ``kind`` (rank 0 knows it): the last round's sends are all
+        received by now."""
         for work, _ in self._pending:
             work.wait()
-        self._pending = []
-        self.scale_down.start_round()
+        self._pending, self._ack = [], None
+        self.scale_down.start_round(kind)
         self.seconds = 0.0
 
     # -- rank 0 ------------------------------------------------------------------------------
 
-    def consider(self, completed: int, total: int, requests: Callable[[], list[tuple[int, int]]]) -> bool:
-        """:meth:`ScaleDown.consider`."""
-        return self.scale_down.consider(completed, total, requests)
+    def ready(self) -> bool:
+        """Whether the freed ranks have trained the last batch sent (asynchronous fetching: one
+        batch in flight at a time, so what they have not fetched when rollout ends is trained by
+        every rank)."""
+        return self._ack is None or self._ack.is_completed()
 
     def feed(self, samples: list) -> None:
-        """Send ``samples`` (a list of trainer Samples; None ends the round) to every freed rank, without waiting."""
+        """Send ``samples`` (a list of trainer Samples; None ends the round) to every freed rank,
+        without waiting; for a batch, also post the receive of the freed ranks' "send more"."""
         import torch
         import torch.distributed as dist
 
@@ -213,6 +196,10 @@ class StreamTrainer:
         for rank in self.ranks:
             for t in (size, payload):
                 self._pending.append((dist.isend(t, rank, group=self.meshes.stream), t))
+        if samples is not None:
+            ack = torch.zeros(1, dtype=torch.int64)
+            self._ack = dist.irecv(ack, self.ranks[0], group=self.meshes.stream)
+            self._pending.append((self._ack, ack))
 
     def close(self) -> None:
         """End the round's streaming: the freed ranks leave :meth:`serve` once they have trained
@@ -237,3 +224,5 @@ class StreamTrainer:
             start = time.perf_counter()
             self.trainer.accumulate(samples, self.ranks)
             self.seconds += time.perf_counter() - start
+            if self.meshes.rank == self.ranks[0]:  # send more (rank 0 has posted its receive)
+                dist.send(torch.ones(1, dtype=torch.int64), 0, group=self.meshes.stream)

@@ -24,8 +24,7 @@ def job_run(run_dir: str, tps: list[int]) -> tuple[list[dict], list[float], floa
     first = [p.full_tensor().clone() for p in job.trainer.model.parameters()]
     greedy, losses, engines = [], [], []
     for step, tp in enumerate(tps):
-        if tp != job.meshes.rollout_tp.size():
-            switch_tp(job, tp)
+        switch_tp(job, tp)
         engines.append((job.meshes.rollout_tp.size(), job.meshes.num_replicas, job.engine.tp_group is not None))
         stats = {}
         rl_step(job, step, stats)
