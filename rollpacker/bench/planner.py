@@ -1,16 +1,17 @@
 """``python -m rollpacker.bench planner``: fixed rollout TP 1, fixed TP 2 and the parallelism planner, side by side.
 
 Runs the toy job (``--preset``, default toy-cpu) under torchrun on ``--nproc`` ranks with the tail
-policy, three times with the same seed: ``--rollout.tp 1``, ``--rollout.tp 2`` and
-``--plan.enabled`` (profiled first, into a temporary cache, then started at the profile's best
-TP). The engine memory per rank is ``--memory-mb`` MiB, weights included (``--engine.memory-mb``):
+policy, four times with the same seed: ``--rollout.tp 1``, ``--rollout.tp 2``, ``--plan.enabled``
+(profiled first, into a temporary cache, then started at the profile's best TP) and the planner
+without its profile guard (``paper``: the paper's preemption heuristic alone). The engine memory per rank is ``--memory-mb`` MiB, weights included (``--engine.memory-mb``):
 tight enough that short rounds preempt at TP 1, while TP 2 leaves more of it to the KV cache.
 Per variant it prints preemptions and rollout time per short and per long round, the step time,
 the TP each round kind ran at and the in-process TP switches with their mean cost.
 
 Flags after ``--`` go to every ``rollpacker.run`` unchanged. The last line is JSON: ``tp_switches``
-(the planner run's TP changes), ``speedup_planner`` and ``speedup_tp2`` (step time of TP 1 over
-theirs), preemptions and rollout times per round kind of each variant.
+and ``tp_switches_paper`` (the planner runs' in-process TP changes), ``speedup_planner``,
+``speedup_paper`` and ``speedup_tp2`` (step time of TP 1 over theirs), preemptions and rollout
+times per round kind of each variant.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class Args:
 
 
 def variants(profile_dir: str) -> dict[str, list[str]]:
-    return {"tp1": ["--rollout.tp", "1"], "tp2": ["--rollout.tp", "2"],
-            "planner": ["--plan.enabled", "--plan.profile-dir", profile_dir]}
+    planner = ["--plan.enabled", "--plan.profile-dir", profile_dir]
+    return {"tp1": ["--rollout.tp", "1"], "tp2": ["--rollout.tp", "2"], "planner": planner,
+            "paper": [*planner, "--plan.no-profile-guard"]}
 
 
 def by_kind(rows: list[dict], key: str, kind: str) -> float:
@@ -85,9 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, key, fmt in rows:
         print(f"{label:<26}" + "".join(f"{format(t[key], fmt):>12}" for t in table.values()))
     base = table["tp1"]["step_time"]
-    summary = {"tp_switches": table["planner"]["tp_switches"],
-               "speedup_planner": round(base / table["planner"]["step_time"], 3),
-               "speedup_tp2": round(base / table["tp2"]["step_time"], 3)}
+    summary = {"tp_switches": table["planner"]["tp_switches"], "tp_switches_paper": table["paper"]["tp_switches"],
+               **{f"speedup_{v}": round(base / table[v]["step_time"], 3) for v in ("planner", "paper", "tp2")}}
     for name, t in table.items():
         summary |= {f"{k}_{name}": round(t[k], 3) for k in ("preemptions_short", "preemptions_long",
                                                              "rollout_short", "rollout_long", "step_time")}
