@@ -343,6 +343,24 @@ def test_the_planner_picks_each_rounds_tp_from_the_simulated_preemptions():
     assert results[0].sync_s == fixed.sync_s
 
 
+@pytest.mark.parametrize("policy", ["sorted", "sorted_partial"])
+def test_sortedrl_runs_in_the_simulator_and_partial_mode_resumes_what_it_cut(policy):
+    cfg = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=8, group_size=4, max_new_tokens=4096,
+                    num_steps=4, policy=policy, sorted_batches=2)
+    results = simulate(cfg, record=True)
+    assert [r.kind for r in results] == ["sorted"] * 4
+    assert all(len(r.record.groups) == 8 for r in results)  # P0 groups every round
+    staleness = [s for r in results for g in r.record.groups for s in g.staleness]
+    if policy == "sorted":  # cut responses are generated afresh: tokens thrown away, nothing stale
+        assert sum(r.wasted_tokens for r in results) > 0 and not any(staleness)
+    else:  # cut responses resume next round; 4 steps consume 2 load groups whole: nothing is thrown away
+        assert sum(r.wasted_tokens for r in results) == 0 and max(staleness) >= 1
+    # The second round of each load group launches its 8 prompts left, 4 responses each, less (in partial
+    # mode) the responses that had finished in the first.
+    launched = [results[i].record.num_launched for i in (1, 3)]
+    assert all(n < 8 * 4 for n in launched) if policy == "sorted_partial" else launched == [8 * 4] * 2
+
+
 def sim_cli(*args: str) -> tuple[str, dict]:
     proc = subprocess.run([sys.executable, "-m", "rollpacker.sim", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

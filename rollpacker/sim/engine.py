@@ -54,6 +54,15 @@ class Seq:
         """Tokens generated, once it has left its replica (finished or aborted)."""
         return self.generated
 
+    # What a policy reads of an engine output (sorted_partial keeps partial ones across rounds).
+    @property
+    def token_ids(self) -> range:
+        return range(self.generated)
+
+    @property
+    def finish_reason(self) -> str:
+        return "abort" if self.finish_time is None else "stop"
+
 
 class Replica:
     def __init__(self, index: int, cost, kv_capacity: int, max_num_seqs: int = 1024,

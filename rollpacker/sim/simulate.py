@@ -52,6 +52,7 @@ from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.schedule.base import Group, Round, request_id
+from rollpacker.schedule.sorted import SortedPolicy
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
@@ -62,8 +63,8 @@ from rollpacker.train.stream import ScaleDown
 
 
 
-POLICIES = ("sync", "tail")
-"""The policies the simulator drives (sorted needs resumable outputs in the simulated engine)."""
+POLICIES = ("sync", "tail", "sorted", "sorted_partial")
+"""The policies the simulator drives."""
 
 
 @dataclass(kw_only=True)
@@ -83,11 +84,13 @@ class SimConfig:
     max_new_tokens: int = 16384
     """Longest response (longer natural lengths are cut here)."""
     policy: str = "tail"
-    """Scheduling policy: sync (veRL) or tail (tail batching)."""
+    """Scheduling policy: sync (veRL), tail (tail batching), sorted or sorted_partial (SortedRL)."""
     eta_prompts: float = 1.25
     """tail: prompts launched per short round, over P0."""
     eta_responses: float = 1.25
     """tail: responses launched per prompt in short rounds, over R0."""
+    sorted_batches: int = 4
+    """sorted, sorted_partial: batches of P0 prompts loaded at once (SortedRL's oversubscription)."""
     reward_scheduler: bool = False
     """§4.3: score each response as it finishes (overlapped with rollout), adaptive code timeouts, the
     judge colocated on every GPU; else scoring starts after rollout."""
@@ -124,8 +127,7 @@ class SimConfig:
         if self.hardware not in HARDWARE:
             raise ValueError(f"sim.hardware must be one of {sorted(HARDWARE)}, got {self.hardware!r}")
         if self.policy not in POLICIES:
-            raise ValueError(f"sim.policy must be one of {POLICIES} (the simulator drives these so far), "
-                             f"got {self.policy!r}")
+            raise ValueError(f"sim.policy must be one of {POLICIES}, got {self.policy!r}")
         for name in ("gpus", "tp", "num_prompts", "group_size", "max_new_tokens", "num_steps", "num_rows",
                      "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
@@ -154,6 +156,9 @@ class SimConfig:
         sampler = PromptSampler(self.num_rows, seed=self.seed)
         if self.policy == "sync":
             return SyncPolicy(sampler, self.num_prompts, self.group_size)
+        if self.policy.startswith("sorted"):
+            return SortedPolicy(sampler, self.num_prompts, self.group_size, num_batches=self.sorted_batches,
+                                partial=self.policy == "sorted_partial")
         return TailPolicy(sampler, self.num_prompts, self.group_size, eta_prompts=self.eta_prompts,
                           eta_responses=self.eta_responses)
 
@@ -218,8 +223,13 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
             rows.append(row)
             targets = np.minimum(lengths.lengths(row, step, slot, plan.num_responses), max_new_tokens)
             for k, target in enumerate(targets.tolist()):
-                rid = request_id(step, slot, k)
-                seqs[rid] = seq = Seq(rid, slot, k, lengths.prompt_tokens, target)
+                rid, earlier = request_id(step, slot, k), plan.carried.get((slot, k))
+                if earlier is not None and earlier.finish_reason != "abort":
+                    continue  # finished in an earlier round (sorted_partial): not run again
+                if earlier is not None:  # a partial response: resumed by recomputation, towards its own length
+                    target = earlier.target
+                seqs[rid] = seq = Seq(rid, slot, k, lengths.prompt_tokens, target,
+                                      generated=earlier.generated if earlier else 0)
                 adds[route(seq)].append(seq)
         return adds
 
@@ -314,7 +324,8 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         g.rewards = [reward(g.prompt, out) for out in g.outputs]
     return RoundRecord(
         kind=plan.kind, rollout_s=now, groups=groups, num_launched=len(owner), aborted=aborted,
-        generated_tokens=tokens_done + sum(s.length for s in aborted),
+        generated_tokens=tokens_done + sum(s.length for s in aborted)
+        - sum(s.generated for s in plan.carried.values() if s.finish_reason == "abort"),
         num_preemptions=sum(r.num_preemptions for r in replicas),
         bubble_ratio=bubble_ratio(trace, len(owner), now), completions=completions,
         busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
