@@ -194,3 +194,18 @@ def test_planner_bench_smoke(capsys):
     assert summary["speedup_planner"] > 0 and summary["speedup_paper"] > 0 and summary["speedup_tp2"] > 0
     assert {"preemptions_short_tp1", "rollout_short_tp2", "step_time_planner"} <= set(summary)
     assert any(line.startswith("TP of short rounds") for line in lines)
+
+
+def test_engine_memory_mb_gives_the_kv_cache_what_the_weights_leave():
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model import load_model
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    model = load_model(toy_model_dir())
+    weights = sum(p.nbytes for p in model.parameters())  # tied embedding counted once
+    block = 16 * 2 * 4 * 2 * 24 * 4  # tokens x (K, V) x layers x KV heads x head dim x fp32
+    engine = TorchEngine(model, EngineConfig(memory_mb=3.0))
+    assert engine.weight_bytes == weights and engine.num_blocks == (3 * 2**20 - weights) // block
+    with pytest.raises(ValueError, match=r"engine.memory_mb=1.5 \(this rank's weights: 1.65 MiB\) holds no"):
+        TorchEngine(load_model(toy_model_dir()), EngineConfig(memory_mb=1.5))
