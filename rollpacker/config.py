@@ -82,7 +82,8 @@ class Config:
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
     policy: str = "sync"
     """Rollout scheduling policy: sync (the veRL baseline), tail (tail batching), sorted (SortedRL, on-policy) or
-    sorted_partial (SortedRL resuming partial responses: off-policy, needs train.off_policy is or tis)."""
+    sorted_partial (SortedRL resuming partial responses: off-policy, needs train.off_policy is or tis). RolloutPipe
+    is schedule.pipe on top of sync or tail."""
     eval_every: int = 0
     """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0
@@ -114,12 +115,35 @@ class Config:
                 "weights, so its samples are stale (tokens sampled by earlier steps) and the on-policy loss would "
                 "treat them as the current policy's. Set train.off_policy to 'tis' (truncated importance "
                 "sampling) or 'is', or use policy=sorted")
-        if self.stream.enabled and self.train.advantage_norm != "group":
+        if self.schedule.pipe:
+            self._check_pipe()
+        streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.schedule.pipe else ""
+        if streaming and self.train.advantage_norm != "group":
             raise ValueError(
-                f"stream.enabled with train.advantage_norm={self.train.advantage_norm!r}: stream training trains each "
+                f"{streaming} with train.advantage_norm={self.train.advantage_norm!r}: stream training trains each "
                 "group as soon as it completes, so its advantages must be final then; batch-level normalization "
                 "needs the whole step's rewards, known only when rollout ends. Use train.advantage_norm=group "
-                "or turn stream training off")
+                f"or turn {streaming} off")
+
+    def _check_pipe(self) -> None:
+        """schedule.pipe composes with the on-policy policies whose complete groups are final when they
+        complete (sync: ``pipe``, tail: ``tail+pipe``); everything else is refused here."""
+        if self.policy not in ("sync", "tail"):
+            why = ("sorted_partial resumes responses under newer weights (off-policy), while RolloutPipe keeps "
+                   "the weights fixed during a step" if self.policy == "sorted_partial" else
+                   "SortedRL oversubscribes the engines so that short responses of any loaded batch finish "
+                   "first; frontier-group dispatch admits the earliest groups first and would undo that")
+            raise ValueError(f"schedule.pipe with policy={self.policy!r}: {why}. Use policy sync or tail with "
+                             "schedule.pipe, or turn schedule.pipe off")
+        if self.stream.enabled:
+            raise ValueError(
+                "schedule.pipe with stream.enabled: pipe's train pool already trains complete groups from the "
+                "round's start (the stream trainer's freed ranks, scaled down for the whole run), so a "
+                "scale-down decision has nothing to free. Turn one of them off")
+        if self.plan.enabled:
+            raise ValueError(
+                "schedule.pipe with plan.enabled: the parallelism planner sizes rollout TP for every rank "
+                "rolling out, and pipe rolls out on half of them. Turn one of them off")
 
     def check_world(self, world: int) -> None:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""

@@ -14,6 +14,12 @@ and may scale rollout down once: the second half of the replicas abort their req
 the others by recomputation), leave the exchange and train on the complete, scored groups that
 rank 0 sends them until the round ends, a batch whenever they have trained the last one. Each
 group fed to them is marked ``streamed``.
+
+With a RolloutPipe stream trainer (``schedule.pipe``), the scale-down happens at the round's first
+exchange, with nothing to migrate: requests are routed to the rollout pool (the kept replicas)
+only, the train pool leaves at once and is fed complete groups all round, and its engines stay
+released. Each request's ``priority`` is its slot (frontier-group dispatch): an engine with more
+requests than it can run admits those of the earliest groups, the ones training needs next.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
     with a ``stream`` trainer (on every rank), ``make_samples(group)``: the trainer samples of a
     complete, scored group; ``plan``, the round when the caller already asked the policy for it."""
     leader = meshes.rank == 0
+    pipe = bool(stream and stream.pipe)  # RolloutPipe: fixed pools, the train pool serves from the start
     start = time.time()
     base_preemptions = engine.stats().num_preemptions
     group = None  # the control plane; after a scale-down, the kept replicas' part of it
@@ -95,7 +102,8 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, slot, response)
         requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
         slots: list[int] = []  # slot -> dataset row
-        active = meshes.num_replicas  # replicas rolling out: all, or the first half after a scale-down
+        # replicas rolling out: all, or the first half after a scale-down (pipe: from the start)
+        active = stream.scale_down.kept_replicas if pipe else meshes.num_replicas
         routed = itertools.count()
 
         def route(req: Request) -> tuple[int, Request]:
@@ -118,11 +126,12 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
                         continue
                     owner[rid] = (0, slot, k)
                     params = SamplingParams(**{**vars(sampling), "seed": sampling_seed(seed, rid)})
-                    adds.append(route(Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier)))
+                    adds.append(route(Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
+                                              priority=slot if pipe else 0)))
             return adds
 
         trace: list[tuple[float, int]] = []
-        cmd = Command(add=launch(plan.prompts))
+        cmd = Command(add=launch(plan.prompts), scale_down=pipe)
         outstanding = set(owner)
         undecided: collections.deque[Output] = collections.deque()  # finished, not yet shown to the policy
         scores: dict[str, float | None] = {}
@@ -132,8 +141,9 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         complete: list[Group] = []  # complete groups not streamed yet
         num_complete = 0
         migrating: set[str] = set()
-        scaled_at = migration = 0.0
-        fetching = False
+        scaled_at = start if pipe else 0.0
+        migration = 0.0
+        fetching = pipe
         stats: dict[str, float] = {}
         preempted: dict[int, int] = {}  # rank -> preemptions this round
     else:
@@ -148,7 +158,8 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
             if stream.freed:  # migrated: now train on what rank 0 streams until the round ends
                 engine.release_memory()
                 stream.serve()
-                engine.resume_memory()
+                if not pipe:  # pipe: released until the engine rolls out again (evaluation)
+                    engine.resume_memory()
                 return None
             group = meshes.kept_control
         if cmd.final:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ class Job:
     display: Any = None
     start_step: int = 0
     stream: Any = None
-    """The stream trainer (rollpacker.train.stream), on every rank, when stream.enabled."""
+    """The stream trainer (rollpacker.train.stream), on every rank, when stream.enabled or schedule.pipe."""
     planner: Any = None
     """The parallelism planner (rollpacker.plan.planner), rank 0 only, when plan.enabled, with the
     profile it reads and the mean prompt length of the data."""
@@ -79,6 +80,8 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         hidden = job.meshes.gather(job.stream.seconds)
         if rank0:
             stats["stream/train_seconds"] = max(hidden)  # train time hidden under rollout
+            if cfg.schedule.pipe:
+                stats |= pipe_stats(time.time() - result.start, max(hidden), timer.times["time/train"])
     with timer("weight_sync"):  # push the new weights into the engines, in-process
         job.engine.update_weights(job.trainer.model.named_parameters())
     if rank0:
@@ -87,6 +90,16 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         stats |= times
         job.metrics.log(step, stats)
         job.display.end_step(stats)
+
+
+def pipe_stats(rollout_to_train_end: float, hidden: float, final_train: float) -> dict[str, float]:
+    """RolloutPipe's metrics: ``pipe/rollout_to_train_end``, seconds from the round's start (rollout
+    start) to the end of the optimizer step; ``pipe/trainer_wait_ratio``, the fraction of that span
+    the train pool was not training: neither on streamed groups (``hidden``, its busiest rank) nor in
+    the final step (``final_train``, which every rank joins)."""
+    busy = min(hidden + final_train, rollout_to_train_end)
+    return {"pipe/rollout_to_train_end": rollout_to_train_end,
+            "pipe/trainer_wait_ratio": 1.0 - busy / rollout_to_train_end if rollout_to_train_end > 0 else 0.0}
 
 
 def sampling_params(cfg: Config):
@@ -104,6 +117,7 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     cfg, rank0 = job.config, job.meshes.rank == 0
     policy = SyncPolicy(_AllRows(len(job.eval_rows)), len(job.eval_rows), 1) if rank0 else None
     greedy = dataclasses.replace(sampling_params(cfg), temperature=0.0)
+    job.engine.resume_memory()  # a pipe train-pool rank's engine is released between its rounds
     result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=policy,
                        rows=job.eval_rows, prompt_ids=lambda p: encode_prompt(job, job.eval_rows[p]),
                        rewards=job.rewards, sampling=greedy)
@@ -209,7 +223,8 @@ def build(config: Config) -> Job:
     from rollpacker.rollout.torch_engine import TorchEngine
     from rollpacker.train.trainer import Trainer
 
-    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=config.stream.enabled)
+    streaming = config.stream.enabled or config.schedule.pipe
+    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming)
     config.check_world(meshes.world_size)
     torch.manual_seed(config.seed)
     path = model_path(config)
@@ -219,7 +234,7 @@ def build(config: Config) -> Job:
     trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
                       temperature=config.rollout.temperature or 1.0, reference=reference)
     job = Job(config=config, meshes=meshes, engine=engine, trainer=trainer)
-    if config.stream.enabled:
+    if streaming:
         job.stream = make_stream(job)
     if meshes.rank == 0:
         build_controller(job, path)
@@ -231,7 +246,7 @@ def build(config: Config) -> Job:
         if job.meshes.rank == 0:
             job.policy.load_state_dict({k: v for k, v in state["policy"].items() if k != "name"})
             job.rewards.load_state_dict(state["rewards"])
-            if job.planner:
+            if job.planner and "planner" in state:  # a checkpoint saved without the planner: start afresh
                 job.planner.load_state_dict(state["planner"])
         job.engine.update_weights(trainer.model.named_parameters())
     return job
@@ -249,7 +264,7 @@ def make_stream(job: Job):
 
     cfg = job.config
     return StreamTrainer(cfg.stream, job.trainer, job.meshes, max_new_tokens=cfg.rollout.max_new_tokens,
-                         kv_capacity_tokens=job.engine.num_blocks * cfg.engine.block_size)
+                         kv_capacity_tokens=job.engine.num_blocks * cfg.engine.block_size, pipe=cfg.schedule.pipe)
 
 
 def build_planner(job: Job, path: Path) -> None:

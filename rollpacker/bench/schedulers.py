@@ -1,9 +1,11 @@
 """``python -m rollpacker.bench schedulers --policies sync,tail,tail+stream,sorted,sorted_partial``: scheduling
-policies side by side.
+policies side by side (also ``pipe`` and ``tail+pipe``).
 
 Runs the same toy job (``--preset``, default toy-cpu) under torchrun once per policy and seed, in
 the order seed 0 of every policy, then seed 1, … so that slow drift of the machine hits every
-policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``);
+policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``); ``pipe`` is
+RolloutPipe (``sync`` with ``--schedule.pipe``: 1 rollout rank, 1 train rank on 2 ranks) and
+``tail+pipe`` tail batching's rounds with it;
 ``sorted_partial`` trains with truncated importance sampling (``--train.off-policy tis``). Every run
 uses ``--train.train-shard-size`` = ``--train-shard-size`` (default 1: each rank a whole training
 replica, which stream training needs to free a rank), so the policies train alike. Every run has the same seed, data order and number of steps (P0 groups of R0
@@ -13,6 +15,8 @@ prompts fewer, which the table shows). Per policy it prints the mean over seeds 
 - rollout time per round, by round kind (sync, short, long, sorted);
 - average step time (steps after the first, which warms up) and the speedup vs the first policy;
 - bubble ratio, tokens generated then thrown away, samples trained, staleness of trained samples (mean, max);
+- rollout start to train end per step (``pipe/rollout_to_train_end``; rollout + reward + train time for
+  the colocated policies) and, with pipe, the train pool's waiting ratio;
 - held-out greedy accuracy before and after training, per seed.
 
 With ``--ablations``, it then runs the paper's stream-trainer ablations on seed 0 for
@@ -60,6 +64,7 @@ class Args:
 
 
 STREAM = ["--stream.enabled"]
+PIPE = ["--schedule.pipe"]
 OFF_POLICY = ["--train.off-policy", "tis"]
 TABLE3 = {"w/o": [], "20%": [*STREAM, "--stream.trigger", "0.2"], "30%": [*STREAM, "--stream.trigger", "0.3"],
           "40%": [*STREAM, "--stream.trigger", "0.4"], "adaptive": STREAM}
@@ -67,10 +72,11 @@ TABLE4 = {"stream": STREAM, **{f"{c}%": [*STREAM, "--stream.fetch-cap", str(c / 
 
 
 def policy_args(policy: str) -> list[str]:
-    name, _, extra = policy.partition("+")
-    if extra not in ("", "stream"):
-        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+stream")
-    return ["--policy", name, *(STREAM if extra else []), *(OFF_POLICY if name == "sorted_partial" else [])]
+    name, _, extra = ("sync+pipe" if policy == "pipe" else policy).partition("+")
+    if extra not in ("", "stream", "pipe"):
+        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY, POLICY+stream or POLICY+pipe")
+    return ["--policy", name, *({"stream": STREAM, "pipe": PIPE}.get(extra, [])),
+            *(OFF_POLICY if name == "sorted_partial" else [])]
 
 
 def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:
@@ -102,6 +108,9 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "hidden_train": statistics.mean(r.get("stream/train_seconds", 0) for r in timed),
         "staleness": statistics.mean(r.get("sched/staleness_mean", 0) for r in steps),
         "staleness_max": max(r.get("sched/staleness_max", 0) for r in steps),
+        "rollout_to_train_end": statistics.mean(
+            r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r["time/train"]) for r in timed),
+        "trainer_wait": statistics.mean(r.get("pipe/trainer_wait_ratio", float("nan")) for r in timed),
     }
     for kind in ("sync", "short", "long", "sorted"):
         times = [r["time/rollout"] for r in timed if r["sched/round_kind"] == kind]
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         ("step time, long rounds (s)", "step_time_long", ".3f"), ("step time (s)", "step_time", ".3f"),
         ("speedup", None, None), ("bubble ratio", "bubble_ratio", ".3f"), ("scale-downs", "scaled_down", ".0f"),
         ("train hidden/step (s)", "hidden_train", ".3f"),
+        ("rollout->train end (s)", "rollout_to_train_end", ".3f"), ("trainer wait ratio", "trainer_wait", ".3f"),
         ("tokens wasted", "wasted_tokens", ".0f"), ("samples trained", "samples", ".0f"),
         ("staleness mean", "staleness", ".3f"), ("staleness max", "staleness_max", ".0f"),
         ("eval acc before", "acc_before", ".3f"), ("eval acc after", "acc_after", ".3f"),

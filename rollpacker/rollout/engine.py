@@ -9,6 +9,8 @@ calls in the same order; the engine never knows which scheduling policy drives i
 - ``step()`` advances every running request by one forward pass and returns the requests that
   finished in it. ``stats()`` reports progress counters; ``has_unfinished()`` says whether any
   request is still queued or running.
+- Waiting requests are admitted by ``Request.priority`` (lower first), FIFO among equals; a
+  request preempted for lack of KV memory goes back ahead of its equals.
 - ``abort(request_id)`` removes a request at once, frees its KV and returns its partial
   :class:`Output` (tokens and log-probs so far, ``finish_reason="abort"``).
 - ``Request.resume_from`` continues a partial output by recomputation: the engine prefills the
@@ -73,6 +75,9 @@ class Request:
     params: SamplingParams
     resume_from: Output | None = None
     """A partial output (from ``abort``) to continue by recomputation."""
+    priority: int = 0
+    """Admission order: lower first, FIFO among equals (the controller's frontier-group dispatch sets the
+    request's slot, so the groups the trainer needs next run first)."""
 
 
 @dataclass(kw_only=True)

@@ -12,9 +12,12 @@
 - **Continuous batching.** Each ``step()`` is one forward pass: a prefill of newly admitted
   requests when any can be admitted (prefill first, as vLLM's v0 scheduler), otherwise one decode
   token for every running request. Finished requests leave and free their blocks at once.
+- **Admission by priority.** Waiting requests are admitted lowest ``Request.priority`` first,
+  FIFO among equals (all equal by default: plain FIFO).
 - **Preemption by recomputation.** When a decode needs a block and none is free, the most
-  recently admitted request is evicted: its blocks are freed, its tokens kept, and it is
-  re-prefilled later. Each eviction is counted (the parallelism planner's signal).
+  recently admitted request of the worst priority is evicted: its blocks are freed, its tokens
+  kept, and it is re-prefilled later, ahead of its equals. Each eviction is counted (the
+  parallelism planner's signal).
 - **Ragged attention without a long-tail penalty.** Decode rows are grouped by context length
   (power-of-two buckets), so one long request does not pad every short one to its length.
 - **Inference layout.** q/k/v and gate/up each run as one matmul over fused, transposed weights
@@ -573,7 +576,7 @@ class TorchEngine:
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         max_len = min(len(out.prompt_ids) + p.max_new_tokens, self.max_model_len)
-        self.waiting.append(_Seq(request, out, out.prompt_ids + out.token_ids, seed, stop_ids, max_len))
+        self._enqueue(_Seq(request, out, out.prompt_ids + out.token_ids, seed, stop_ids, max_len))
 
     @torch.inference_mode()  # dropping a row updates the workspace, made under inference mode
     def abort(self, request_id: str) -> Output:
@@ -713,10 +716,17 @@ class TorchEngine:
         self.free_blocks.extend(seq.blocks)
         seq.blocks = []
 
+    def _enqueue(self, seq: _Seq, *, ahead: bool = False) -> None:
+        """Queue ``seq`` by priority (lower first): after its equals, or ``ahead`` of them (preempted)."""
+        p, i = seq.req.priority, len(self.waiting)
+        while i and (self.waiting[i - 1].req.priority > p or ahead and self.waiting[i - 1].req.priority == p):
+            i -= 1
+        self.waiting.insert(i, seq)
+
     def _preempt(self, seq: _Seq) -> None:
         self.running.remove(seq)
         self._free(seq)
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, ahead=True)
         seq.out.num_preemptions += 1
         self.num_preemptions += 1
 
@@ -742,15 +752,15 @@ class TorchEngine:
         return self._append(seqs, tokens, logprobs)
 
     def _decode(self) -> list[Output]:
-        # Every running request needs a slot for its newest token; evict the newest requests
-        # (LIFO, as vLLM) until the older ones fit.
+        # Every running request needs a slot for its newest token; evict the newest requests of the
+        # worst priority (LIFO, as vLLM) until the others fit.
         bs = self.config.block_size
         for seq in [s for s in self.running if len(s.tokens) > len(s.blocks) * bs]:
             while seq.row >= 0 and len(seq.tokens) > len(seq.blocks) * bs:  # unless evicted by this loop
                 if self.free_blocks:
                     seq.blocks.append(self.free_blocks.pop())
                 else:
-                    self._preempt(self.running[-1])
+                    self._preempt(max(reversed(self.running), key=lambda s: s.req.priority))
         if self.batch is None:
             self.batch = _DecodeBatch(self)
         batch = self.batch

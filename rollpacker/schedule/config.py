@@ -15,6 +15,10 @@ class ScheduleConfig:
     """Dynamic sampling (DAPO): do not train or queue prompts whose group rewards are all equal."""
     sorted_batches: int = 4
     """sorted: n, update batches of P0 prompts loaded at once (a load group); no more until all are consumed."""
+    pipe: bool = False
+    """RolloutPipe on top of sync or tail: a fixed rollout pool (first half of the replicas) and train pool (the
+    rest); each complete, scored group goes FIFO to the train pool as it materializes (complete-group
+    pipelining), and engines admit the requests of the earliest groups first (frontier-group dispatch)."""
 
     def __post_init__(self) -> None:
         if self.eta_prompts < 1 or self.eta_responses < 1:

@@ -27,6 +27,23 @@ look) it considers scaling rollout down to the first half of its replicas:
 
 Stream training needs each group's advantages when the group completes, so batch-level
 advantage normalization is rejected (``Config`` says why).
+
+**RolloutPipe** (``schedule.pipe``, ``pipe=True`` here) is the same machinery with the pools fixed
+for the whole run: the ranks a scale-down would free are the train pool, which never rolls out
+(their engines stay released) and serves from every round's start; there is no scale-down
+decision and no migration (the controller routes requests to the rollout pool only), and the
+same pull protocol feeds each complete, scored group FIFO as soon as the train pool is free.
+How it differs from the paper (which has no public code):
+
+- groups that complete while the train pool is busy wait at rank 0, in completion order, and go
+  as one batch when it is free; those not taken when rollout ends are trained by every rank in
+  the step's final :meth:`Trainer.step` rather than by the train pool alone;
+- the rollout pool joins that final step (its gradient all-reduce and optimizer step): FSDP2/HSDP
+  needs every rank, and it keeps one copy of the weights, pushed in-process to the engines, with
+  no trainer-to-rollout transfer. So the train pool must be whole training replicas
+  (``train.train_shard_size`` dividing its first rank), or the run is refused at start;
+- frontier-group dispatch is the engines' admission order (``Request.priority`` = the group's
+  slot); an engine with room for the whole round admits everything at once and it changes nothing.
 """
 
 from __future__ import annotations
@@ -140,8 +157,11 @@ class ScaleDown:
 class StreamTrainer:
     """Both ends of stream training: rank 0 decides (its :class:`ScaleDown`) and feeds; the freed ranks serve."""
 
-    def __init__(self, config: StreamConfig, trainer, meshes, *, kv_capacity_tokens: int, max_new_tokens: int):
+    def __init__(self, config: StreamConfig, trainer, meshes, *, kv_capacity_tokens: int, max_new_tokens: int,
+                 pipe: bool = False):
         self.config, self.trainer, self.meshes = config, trainer, meshes
+        self.pipe = pipe
+        """RolloutPipe: the freed ranks are a train pool that serves from every round's start."""
         replicas, tp = meshes.num_replicas, meshes.rollout_tp.size()
         kept = replicas - replicas // 2
         self.ranks = list(range(kept * tp, meshes.world_size))
@@ -153,6 +173,8 @@ class StreamTrainer:
         elif self.ranks[0] % shard:
             refused = (f"freeing ranks {self.ranks[0]}..{self.ranks[-1]} would split a training shard group of "
                        f"{shard} ranks: set train.train_shard_size to a divisor of {self.ranks[0]}")
+        if refused and pipe:
+            raise ValueError(f"schedule.pipe needs a train pool of whole training replicas: {refused}")
         if refused and meshes.rank == 0:
             logger.warning("stream training: no scale-down will happen: %s", refused)
         self.scale_down = ScaleDown(config, num_replicas=replicas, kv_capacity_tokens=kv_capacity_tokens,

@@ -1,0 +1,151 @@
+"""RolloutPipe (``schedule.pipe``): complete-group pipelining on scripted completion orders, the
+engine's frontier-first admission, the composition rules, and real 2-rank runs (1 rollout rank,
+1 train rank): the train pool never rolls out, every step streams groups, the losses are the plain
+sync run's, and tail+pipe trains every prompt exactly once per epoch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import torchrun
+from rollpacker.bench.schedulers import policy_args
+from rollpacker.config import Config
+from rollpacker.controller import _feed
+from rollpacker.plan.config import PlanConfig
+from rollpacker.schedule.base import Group
+from rollpacker.schedule.config import ScheduleConfig
+from rollpacker.train.config import StreamConfig, TrainConfig
+from test_stream import per_group, run
+from test_tail_run import NUM_ROWS, finish, launch, steps, trained
+
+
+class FakeStream:
+    """The rank-0 end of the stream trainer: ``ready`` when the train pool has trained the last batch."""
+
+    def __init__(self):
+        self.config, self.busy, self.batches = StreamConfig(), False, []
+
+    def ready(self) -> bool:
+        return not self.busy
+
+    def feed(self, samples) -> None:
+        self.batches.append(samples)
+        self.busy = True
+
+
+def group(slot: int) -> Group:
+    return Group(prompt=slot, outputs=[SimpleNamespace(id=f"{slot}:{k}") for k in range(2)], rewards=[])
+
+
+def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
+    """Scripted: groups complete in the order 2, 0, 1, 3; group 0's second response is scored late."""
+    stream, complete, scores = FakeStream(), [], {}
+    make = lambda g: [g.prompt]  # noqa: E731: one "sample" per group, its slot
+    groups = {s: group(s) for s in range(4)}
+
+    def completes(slot: int, scored: bool = True) -> None:
+        complete.append(groups[slot])
+        scores.update({o.id: 1.0 for o in groups[slot].outputs[:2 if scored else 1]})
+        assert _feed(stream, complete, scores, make, keep=4)  # fetching goes on all round
+
+    completes(2)  # the train pool is idle: group 2 goes at once, alone
+    assert stream.batches == [[2]] and groups[2].streamed and groups[2].rewards == [1.0, 1.0]
+    completes(0, scored=False)
+    completes(1)  # the train pool is busy: both wait, in completion order
+    assert stream.batches == [[2]] and complete == [groups[0], groups[1]]
+    stream.busy = False  # it has trained group 2: everything complete and scored goes, FIFO
+    completes(3)
+    assert stream.batches == [[2], [1, 3]] and complete == [groups[0]]  # group 0 is not scored yet
+    scores["0:1"] = 0.0
+    stream.busy = False
+    _feed(stream, complete, scores, make, keep=4)
+    assert stream.batches == [[2], [1, 3], [0]] and not complete and groups[0].rewards == [1.0, 0.0]
+
+
+def test_engine_admits_the_best_priority_first():
+    import torch
+
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model import load_model
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.engine import Request, SamplingParams
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32),
+                         EngineConfig(kv_memory_mb=1, block_size=4, max_num_seqs=1), None)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for rid, priority in (("late-group", 5), ("frontier", 1), ("late-group-2", 5), ("frontier-2", 1)):
+        engine.add(Request(id=rid, prompt_ids=[5, 6, 7], params=params, priority=priority))
+    order = []
+    while engine.has_unfinished():
+        order += [o.id for o in engine.step()]
+    assert order == ["frontier", "frontier-2", "late-group", "late-group-2"]  # FIFO among equals
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"policy": "sorted_partial", "train": TrainConfig(off_policy="tis")}, "off-policy"),
+    ({"policy": "sorted"}, "frontier-group dispatch"),
+    ({"stream": StreamConfig(enabled=True)}, "stream.enabled"),
+    ({"plan": PlanConfig(enabled=True)}, "plan.enabled"),
+    ({"train": TrainConfig(advantage_norm="batch")}, "schedule.pipe with train.advantage_norm='batch'"),
+])
+def test_pipe_composition_is_explicit(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Config(schedule=ScheduleConfig(pipe=True), **kwargs)
+    for policy in ("sync", "tail"):
+        Config(policy=policy, schedule=ScheduleConfig(pipe=True))
+
+
+def test_bench_names():
+    assert policy_args("pipe") == ["--policy", "sync", "--schedule.pipe"]
+    assert policy_args("tail+pipe") == ["--policy", "tail", "--schedule.pipe"]
+
+
+def test_pipe_refuses_a_train_pool_that_splits_a_shard_group(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rollpacker.run",
+           "--schedule.pipe", "--num-steps", "1", "--eval-every", "0", "--run-dir", str(tmp_path),
+           "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "schedule.pipe needs a train pool of whole training replicas" in proc.stderr
+    assert "train.train_shard_size" in proc.stderr
+
+
+def test_the_train_pool_never_rolls_out(tmp_path):
+    out = torchrun("pipe_pools.py", 2, str(tmp_path), timeout=300)
+    assert out.count("OK") == 2, out
+
+
+def test_pipe_run_trains_what_the_sync_run_trains(tmp_path):
+    """Seeded sampling: the same responses wherever they run, so the steps match the colocated
+    sync run's; the train pool takes groups in most steps. Temperature 1.5: the shipped toy model
+    solves nearly everything at 1, and groups whose rewards all agree train nothing. A group's
+    responses finish in another order on one rollout rank than on two, so the samples are summed in
+    another order; ``adam_eps`` 1 keeps AdamW from blowing that rounding noise up into different
+    weights (see tests/dist/stream_step.py)."""
+    args = ("--policy", "sync", "--train.train-shard-size", "1", "--rollout.temperature", "1.5",
+            "--train.adam-eps", "1")
+    plain = run(tmp_path / "plain", *args)
+    pipe = run(tmp_path / "pipe", *args, "--schedule.pipe")
+    assert {r["sched/round_kind"] for r in plain + pipe} == {"sync"}
+    assert sum(r["stream/streamed_groups"] > 0 for r in pipe) >= len(pipe) - 1
+    assert all(0 <= r["pipe/trainer_wait_ratio"] <= 1 and r["pipe/rollout_to_train_end"] > 0 for r in pipe)
+    assert all(r["train/grad_norm"] > 0 for r in plain)
+    for a, b in zip(plain, pipe, strict=True):
+        assert per_group(a["rollout/response_lengths"]) == per_group(b["rollout/response_lengths"]), a["step"]
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4, abs=1e-7)
+
+
+def test_tail_pipe_trains_every_prompt_exactly_once_per_epoch(tmp_path):
+    finish(launch(tmp_path, "--schedule.pipe", "--train.train-shard-size", "1"))
+    assert trained(tmp_path) == {0: list(range(NUM_ROWS)), 1: list(range(NUM_ROWS))}
+    records = steps(tmp_path).values()
+    assert {"short", "long"} <= {r["sched/round_kind"] for r in records}
+    assert sum(r["sched/trained_prompts"] for r in records) == 2 * NUM_ROWS
+    assert sum(r["stream/streamed_groups"] > 0 for r in records) >= len(records) // 2
