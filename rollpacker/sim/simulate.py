@@ -27,8 +27,9 @@ controller: it looks at the same instant as the decisions, not one poll later, w
 progress instead of an upper bound; scoring and feeding are instant; the freed GPUs' switch from
 engine to trainer costs nothing; the training shard groups are assumed to allow the scale-down;
 what the freed GPUs have not trained by rollout end is spread over every GPU, as the paper
-describes (the controller pushes every complete group to the freed ranks, which then finish that
-backlog on their own before the step's last collective).
+describes (the controller's freed ranks fetch a batch only once they have trained the last, so
+what they have not fetched is trained by every rank; a fetched batch they are still training is
+the one difference).
 
 :func:`step_times` turns a round into the stages of an RL step, in veRL's synchronous order:
 rollout, then scoring the kept responses (:meth:`RewardModel.stage_s`), training on them
