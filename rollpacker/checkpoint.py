@@ -25,20 +25,25 @@ from torch.distributed.checkpoint.state_dict import (
 MARKER = "COMMITTED"
 
 
-def save(path: Path, trainer, step: int, controller: dict[str, Any] | None) -> None:
+def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trainer_rank: int = 0) -> None:
     """Collective. ``controller`` (rank 0's plain-data state: the policy's sampler and ledger, the
-    reward timeouts' anchors) matters on rank 0 only. Saving over a committed checkpoint
-    first takes its marker away, so a crash midway leaves it marked interrupted."""
+    reward timeouts' anchors) matters on rank 0 only. ``trainer`` is None on ranks that do not
+    train (one_step_off's rollout pool); ``trainer_rank``, the first rank that does, sends its LR
+    schedule to rank 0. Saving over a committed checkpoint first takes its marker away, so a crash
+    midway leaves it marked interrupted."""
     if dist.get_rank() == 0:
         (path / MARKER).unlink(missing_ok=True)
     dist.barrier()
-    state = {
-        "model": get_model_state_dict(trainer.model),
-        "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
-    }
-    dcp.save(state, checkpoint_id=str(path))
+    if trainer is not None:
+        state = {
+            "model": get_model_state_dict(trainer.model),
+            "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
+        }
+        dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
+    schedule = [trainer.scheduler.state_dict() if trainer is not None else None]
+    dist.broadcast_object_list(schedule, src=trainer_rank)
     if dist.get_rank() == 0:
-        meta = {"step": step, "scheduler": trainer.scheduler.state_dict(), **(controller or {})}
+        meta = {"step": step, "scheduler": schedule[0], **(controller or {})}
         (path / "train_state.json").write_text(json.dumps(meta))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -64,15 +69,17 @@ def check(path: Path, policy: str | None = None) -> None:
 
 
 def load(path: Path, trainer) -> dict[str, Any]:
-    """Collective: restores the trainer in place; returns the saved train state (step, controller state)."""
+    """Collective over the trainer's ranks: restores the trainer in place (None on a rank that does
+    not train); returns the saved train state (step, controller state)."""
     check(path)
-    state = {
-        "model": get_model_state_dict(trainer.model),
-        "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
-    }
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(trainer.model, state["model"])
-    set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
     meta = json.loads((path / "train_state.json").read_text())
-    trainer.scheduler.load_state_dict(meta["scheduler"])
+    if trainer is not None:
+        state = {
+            "model": get_model_state_dict(trainer.model),
+            "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
+        }
+        dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
+        set_model_state_dict(trainer.model, state["model"])
+        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+        trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta

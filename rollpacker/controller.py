@@ -96,7 +96,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
     pipe = bool(stream and stream.pipe)  # RolloutPipe: fixed pools, the train pool serves from the start
     start = time.time()
     base_preemptions = engine.stats().num_preemptions
-    group = None  # the control plane; after a scale-down, the kept replicas' part of it
+    group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
     if leader:
         plan = plan or policy.start_round(step)
         owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, slot, response)

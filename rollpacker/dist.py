@@ -11,6 +11,11 @@
 - With stream training: ``stream``, a gloo group of all ranks for rank 0's point-to-point sends
   to the ranks it frees, and ``kept_control``, the control plane of the ranks that keep rolling
   out after a scale-down (the first half of the rollout replicas, rounded up).
+- Disaggregated pools (``one_step_off``, ``rollout_ranks`` > 0): the rollout mesh covers the first
+  ``rollout_ranks`` ranks only and the training mesh the rest; ``rollout_control`` is the rollout
+  pool's control plane, ``train_group`` the training pool's group (the trainer's metric sums), and
+  ``weights`` the data-plane group (NCCL on GPU) of the first training rank and the rollout pool,
+  over which new weights are broadcast. Without pools the first two are ``control`` and the world.
 
 World size 1 is not special: ``python -m rollpacker.run`` gets a one-rank gloo group like any
 other run. Nobody else creates process groups.
@@ -58,20 +63,32 @@ class Meshes:
     train: DeviceMesh
     stream: dist.ProcessGroup | None = None
     kept_control: dist.ProcessGroup | None = None
+    rollout_ranks: list[int] = field(default_factory=list)
+    """The ranks that roll out (all of them unless the pools are disaggregated); rank 0 is one."""
+    train_ranks: list[int] = field(default_factory=list)
+    """The ranks that train (all of them unless the pools are disaggregated)."""
+    rollout_control: dist.ProcessGroup | None = None
+    train_group: dist.ProcessGroup | None = None
+    weights: dist.ProcessGroup | None = None
     _by_tp: dict[int, tuple[DeviceMesh, dist.ProcessGroup | None]] = field(default_factory=dict, repr=False)
 
     def set_rollout_tp(self, tp: int) -> None:
         """Make ``tp`` the rollout TP: the (replica, tp) mesh and, with stream training, the control
         plane of the replicas kept after a scale-down. Collective over all ranks."""
-        if self.world_size % tp:
-            raise ValueError(f"rollout TP={tp} does not divide the world size {self.world_size}")
+        size = len(self.rollout_ranks)
+        if size % tp:
+            raise ValueError(f"rollout TP={tp} does not divide the {size} rollout ranks")
         if tp not in self._by_tp:
-            replicas = self.world_size // tp
+            replicas = size // tp
             kept = (dist.new_group(list(range((replicas - replicas // 2) * tp)), backend="gloo")
                     if self.stream is not None else None)
-            mesh = init_device_mesh(self.device.type, (replicas, tp), mesh_dim_names=("replica", "tp"))
+            mesh = DeviceMesh(self.device.type, torch.arange(size).view(replicas, tp), mesh_dim_names=("replica", "tp"))
             self._by_tp[tp] = mesh, kept
         self.rollout, self.kept_control = self._by_tp[tp]
+
+    @property
+    def disaggregated(self) -> bool:
+        return len(self.rollout_ranks) < self.world_size
 
     @property
     def rank(self) -> int:
@@ -113,20 +130,31 @@ class Meshes:
         return out
 
 
-def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False) -> Meshes:
+def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, rollout_ranks: int = 0) -> Meshes:
+    """``rollout_ranks`` > 0 disaggregates the pools: the first ``rollout_ranks`` ranks roll out,
+    the others train (``train_shard_size`` then counts training ranks)."""
     device = init_distributed()
     world = dist.get_world_size()
-    shard = train_shard_size or world
+    pools = 0 < rollout_ranks < world
+    rollout = train = list(range(world))
+    if pools:
+        rollout, train = rollout[:rollout_ranks], rollout[rollout_ranks:]
+    shard = train_shard_size or len(train)
     kind = device.type
     control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    # new_group is collective over all ranks: built here, used only by some
     meshes = Meshes(
         device=device,
         world=init_device_mesh(kind, (world,), mesh_dim_names=("world",)),
         control=control,
         rollout=None,
-        train=init_device_mesh(kind, (world // shard, shard), mesh_dim_names=("replicate", "shard")),
-        # new_group is collective over all ranks: built here, used only by some
+        train=DeviceMesh(kind, torch.tensor(train).view(-1, shard), mesh_dim_names=("replicate", "shard")),
         stream=dist.new_group(backend="gloo") if stream else None,
+        rollout_ranks=rollout,
+        train_ranks=train,
+        rollout_control=dist.new_group(rollout, backend="gloo") if pools else control,
+        train_group=dist.new_group(train) if pools else dist.group.WORLD,
+        weights=dist.new_group([train[0], *rollout]) if pools else None,
     )
     meshes.set_rollout_tp(rollout_tp)
     return meshes

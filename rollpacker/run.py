@@ -49,27 +49,14 @@ class Job:
 
 
 def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
-    from rollpacker.controller import run_round
     from rollpacker.metrics import Timer
 
     timer, rank0, cfg = Timer(), job.meshes.rank == 0, job.config
     plan = job.policy.start_round(step) if rank0 else None  # the policy plans the round
-    if rank0:
-        job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
     if cfg.plan.enabled:
         with timer("tp_switch"):  # the planner's TP for this kind of round
             stats |= switch_tp(job, job.meshes.broadcast(job.planner.tp_for(plan.kind) if rank0 else None))
-    with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
-        result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
-                           rows=job.rows, prompt_ids=lambda p: encode_prompt(job, job.rows[p]), rewards=job.rewards,
-                           sampling=sampling_params(cfg), seed=cfg.seed,
-                           on_progress=job.display.update if rank0 else None, stream=job.stream,
-                           make_samples=lambda g: group_samples(job, g), plan=plan)
-    with timer("reward"):  # advantages of the kept groups (rank 0; responses were scored as they finished)
-        batch, round_stats = score(job, result) if rank0 else (None, {})
-    if rank0:  # the wait for rewards after the last response finished is reward time, not rollout
-        timer.times["time/rollout"] -= round_stats["time/reward_exposed"]
-        timer.times["time/reward"] += round_stats["time/reward_exposed"]
+    batch, result, round_stats = generate(job, step, plan, timer)
     stats |= round_stats
     if rank0 and job.planner:  # the preemption heuristic picks the next TP of this kind of round
         observe_preemptions(job, step, plan.kind, result.num_launched, round_stats)
@@ -90,6 +77,30 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         stats |= times
         job.metrics.log(step, stats)
         job.display.end_step(stats)
+
+
+def generate(job: Job, step: int, plan, timer) -> tuple[Any, Any, dict[str, Any]]:
+    """Roll out round ``plan`` of ``step`` and score it: collective over the ranks rolling out
+    (freed ranks stream-train meanwhile). On rank 0: the batch to train (:func:`score`), the
+    :class:`~rollpacker.controller.RoundResult` and the round's metrics; ``timer`` gets the
+    rollout time and the reward time (the wait for rewards after the last response finished)."""
+    from rollpacker.controller import run_round
+
+    cfg, rank0 = job.config, job.meshes.rank == 0
+    if rank0:
+        job.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+    with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
+        result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, policy=job.policy,
+                           rows=job.rows, prompt_ids=lambda p: encode_prompt(job, job.rows[p]), rewards=job.rewards,
+                           sampling=sampling_params(cfg), seed=cfg.seed,
+                           on_progress=job.display.update if rank0 else None, stream=job.stream,
+                           make_samples=lambda g: group_samples(job, g), plan=plan)
+    with timer("reward"):  # advantages of the kept groups (rank 0; responses were scored as they finished)
+        batch, round_stats = score(job, result) if rank0 else (None, {})
+    if rank0:  # the wait for rewards after the last response finished is reward time, not rollout
+        timer.times["time/rollout"] -= round_stats["time/reward_exposed"]
+        timer.times["time/reward"] += round_stats["time/reward_exposed"]
+    return batch, result, round_stats
 
 
 def pipe_stats(rollout_to_train_end: float, hidden: float, final_train: float) -> dict[str, float]:
@@ -218,21 +229,28 @@ def build(config: Config) -> Job:
     import torch
 
     from rollpacker import checkpoint
-    from rollpacker.dist import build_meshes
+    from rollpacker.dist import build_meshes, init_distributed
     from rollpacker.model import load_model
     from rollpacker.rollout.torch_engine import TorchEngine
     from rollpacker.train.trainer import Trainer
 
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    config.check_world(world)
     streaming = config.stream.enabled or config.schedule.pipe
-    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming)
-    config.check_world(meshes.world_size)
+    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
+                          rollout_ranks=config.rollout_ranks(world))
     torch.manual_seed(config.seed)
     path = model_path(config)
-    engine = TorchEngine(load_model(path, meshes.device, engine_dtype(config, meshes.device)), config.engine,
-                         meshes.rollout_tp)
-    reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
-    trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
-                      temperature=config.rollout.temperature or 1.0, reference=reference)
+    engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
+    if meshes.rank in meshes.rollout_ranks:
+        engine = TorchEngine(load_model(path, meshes.device, engine_dtype(config, meshes.device)), config.engine,
+                             meshes.rollout_tp)
+    if meshes.rank in meshes.train_ranks:
+        reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
+        trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
+                          temperature=config.rollout.temperature or 1.0, reference=reference,
+                          group=meshes.train_group)
     job = Job(config=config, meshes=meshes, engine=engine, trainer=trainer)
     if streaming:
         job.stream = make_stream(job)
@@ -248,7 +266,8 @@ def build(config: Config) -> Job:
             job.rewards.load_state_dict(state["rewards"])
             if job.planner and "planner" in state:  # a checkpoint saved without the planner: start afresh
                 job.planner.load_state_dict(state["planner"])
-        job.engine.update_weights(trainer.model.named_parameters())
+        if not meshes.disaggregated:  # else the training pool pushes them (rollpacker.overlap)
+            job.engine.update_weights(trainer.model.named_parameters())
     return job
 
 
@@ -351,6 +370,7 @@ def build_controller(job: Job, path: Path) -> None:
 
 
 def make_policy(cfg: Config, sampler):
+    from rollpacker.schedule.one_step_off import OneStepOffPolicy
     from rollpacker.schedule.sorted import SortedPolicy
     from rollpacker.schedule.sync import SyncPolicy
     from rollpacker.schedule.tail import TailPolicy
@@ -363,6 +383,8 @@ def make_policy(cfg: Config, sampler):
     if cfg.policy in ("sorted", "sorted_partial"):
         return SortedPolicy(sampler, r.num_prompts, r.group_size, num_batches=s.sorted_batches,
                             partial=cfg.policy == "sorted_partial", **common)
+    if cfg.policy == "one_step_off":
+        return OneStepOffPolicy(sampler, r.num_prompts, r.group_size, **common)
     return SyncPolicy(sampler, r.num_prompts, r.group_size, **common)
 
 
@@ -377,16 +399,21 @@ def model_path(config: Config) -> Path:
 def train(config: Config) -> None:
     job = build(config)
     rank0 = job.meshes.rank == 0
-    step = job.start_step
-    while step < config.num_steps and not job.meshes.broadcast(job.policy.done() if rank0 else None):
-        due = config.eval_every and step % config.eval_every == 0
-        rl_step(job, step, evaluate(job, step) if due else {})
-        step += 1
-        if config.checkpoint_every and step % config.checkpoint_every == 0:
-            save(job, step)
+    if job.meshes.disaggregated:  # one_step_off: the rollout pool generates the next batch while this one trains
+        from rollpacker import overlap
+
+        step = overlap.train(job)
+    else:
+        step = job.start_step
+        while step < config.num_steps and not job.meshes.broadcast(job.policy.done() if rank0 else None):
+            due = config.eval_every and step % config.eval_every == 0
+            rl_step(job, step, evaluate(job, step) if due else {})
+            step += 1
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                save(job, step)
     if step > job.start_step and not (config.checkpoint_every and step % config.checkpoint_every == 0):
         save(job, step)  # the final state, also when the data ran out before num_steps (num_epochs)
-    if config.eval_every:
+    if config.eval_every and job.engine is not None:
         final = evaluate(job, step)
         if rank0:
             job.metrics.log(step, final)
@@ -401,15 +428,18 @@ def train(config: Config) -> None:
     dist.destroy_process_group()
 
 
-def save(job: Job, step: int) -> None:
+def save(job: Job, step: int, policy_state: dict[str, Any] | None = None) -> None:
+    """Collective: the checkpoint of ``step``, with the policy's current state or ``policy_state``."""
     from rollpacker import checkpoint
 
     path = Path(job.config.run_dir) / "checkpoints" / f"step_{step}"
-    state = {"policy": {"name": job.policy.name, **job.policy.state_dict()},
-             "rewards": job.rewards.state_dict()} if job.meshes.rank == 0 else None
-    if job.planner:
-        state["planner"] = job.planner.state_dict()
-    checkpoint.save(path, job.trainer, step, state)
+    state = None
+    if job.meshes.rank == 0:
+        state = {"policy": {"name": job.policy.name, **(policy_state or job.policy.state_dict())},
+                 "rewards": job.rewards.state_dict()}
+        if job.planner:
+            state["planner"] = job.planner.state_dict()
+    checkpoint.save(path, job.trainer, step, state, trainer_rank=job.meshes.train_ranks[0])
 
 
 def main(argv: list[str] | None = None) -> None:

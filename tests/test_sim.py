@@ -154,7 +154,7 @@ class InstantRewards:
 class OneReplica:
     """The controller's view of a one-rank world (what :class:`rollpacker.dist.Meshes` offers)."""
 
-    rank, num_replicas, replica, is_replica_leader = 0, 1, 0, True
+    rank, num_replicas, replica, is_replica_leader, rollout_control = 0, 1, 0, True, None
 
     def broadcast(self, obj, group=None):
         return obj

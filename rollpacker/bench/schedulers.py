@@ -5,15 +5,17 @@ Runs the same toy job (``--preset``, default toy-cpu) under torchrun once per po
 the order seed 0 of every policy, then seed 1, … so that slow drift of the machine hits every
 policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``); ``pipe`` is
 RolloutPipe (``sync`` with ``--schedule.pipe``: 1 rollout rank, 1 train rank on 2 ranks) and
-``tail+pipe`` tail batching's rounds with it;
-``sorted_partial`` trains with truncated importance sampling (``--train.off-policy tis``). Every run
+``tail+pipe`` tail batching's rounds with it; ``one_step_off`` is verl's recipe (1 rollout rank, 1
+training rank on 2 ranks); ``sorted_partial`` and ``one_step_off`` train with truncated importance
+sampling (``--train.off-policy tis``). Every run
 uses ``--train.train-shard-size`` = ``--train-shard-size`` (default 1: each rank a whole training
 replica, which stream training needs to free a rank), so the policies train alike. Every run has the same seed, data order and number of steps (P0 groups of R0
 responses per step; a tail run's last step flushes its long-prompt queue, so it may train a few
 prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
 
 - rollout time per round, by round kind (sync, short, long, sorted);
-- average step time (steps after the first, which warms up) and the speedup vs the first policy;
+- average step time (steps after the first, which warms up), the speedup vs the first policy, and
+  trained samples per second over those steps;
 - bubble ratio, tokens generated then thrown away, samples trained, staleness of trained samples (mean, max);
 - rollout start to train end per step (``pipe/rollout_to_train_end``; rollout + reward + train time for
   the colocated policies) and, with pipe, the train pool's waiting ratio;
@@ -76,7 +78,7 @@ def policy_args(policy: str) -> list[str]:
     if extra not in ("", "stream", "pipe"):
         raise SystemExit(f"unknown policy variant {policy!r}: write POLICY, POLICY+stream or POLICY+pipe")
     return ["--policy", name, *({"stream": STREAM, "pipe": PIPE}.get(extra, [])),
-            *(OFF_POLICY if name == "sorted_partial" else [])]
+            *(OFF_POLICY if name in ("sorted_partial", "one_step_off") else [])]
 
 
 def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:
@@ -99,6 +101,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "bubble_ratio": statistics.mean(r["rollout/bubble_ratio"] for r in timed),
         "wasted_tokens": sum(r["rollout/wasted_tokens"] for r in steps),
         "samples": sum(len(r["rollout/response_lengths"]) for r in steps),
+        "samples_per_s": sum(len(r["rollout/response_lengths"]) for r in timed) / sum(r["time/step"] for r in timed),
         "steps": len(steps),
         "acc_before": evals[0] if evals else float("nan"),
         "acc_after": evals[-1] if evals else float("nan"),
@@ -110,6 +113,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "staleness_max": max(r.get("sched/staleness_max", 0) for r in steps),
         "rollout_to_train_end": statistics.mean(
             r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r["time/train"]) for r in timed),
+        "wait_prev_gen": statistics.mean(r.get("time/wait_prev_gen", float("nan")) for r in timed),
         "trainer_wait": statistics.mean(r.get("pipe/trainer_wait_ratio", float("nan")) for r in timed),
     }
     for kind in ("sync", "short", "long", "sorted"):
@@ -136,9 +140,10 @@ def main(argv: list[str] | None = None) -> None:
         ("rollout/round long (s)", "rollout_long", ".3f"), ("rollout/round sorted (s)", "rollout_sorted", ".3f"),
         ("rounds short/long", None, None),
         ("step time, long rounds (s)", "step_time_long", ".3f"), ("step time (s)", "step_time", ".3f"),
-        ("speedup", None, None), ("bubble ratio", "bubble_ratio", ".3f"), ("scale-downs", "scaled_down", ".0f"),
+        ("speedup", None, None), ("samples/s", "samples_per_s", ".1f"), ("bubble ratio", "bubble_ratio", ".3f"), ("scale-downs", "scaled_down", ".0f"),
         ("train hidden/step (s)", "hidden_train", ".3f"),
         ("rollout->train end (s)", "rollout_to_train_end", ".3f"), ("trainer wait ratio", "trainer_wait", ".3f"),
+        ("wait for prev gen (s)", "wait_prev_gen", ".3f"),
         ("tokens wasted", "wasted_tokens", ".0f"), ("samples trained", "samples", ".0f"),
         ("staleness mean", "staleness", ".3f"), ("staleness max", "staleness_max", ".0f"),
         ("eval acc before", "acc_before", ".3f"), ("eval acc after", "acc_after", ".3f"),
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     summary |= {f"acc_after_{key[p]}": round(mean[p]["acc_after"], 4) for p in policies}
     summary |= {f"samples_{key[p]}": mean[p]["samples"] for p in policies}
     summary |= {f"staleness_{key[p]}": round(mean[p]["staleness"], 3) for p in policies}
+    summary |= {f"samples_per_s_{key[p]}": round(mean[p]["samples_per_s"], 2) for p in policies}
     if args.ablations:
         summary |= ablate(args, run_args)
     print(json.dumps(summary))

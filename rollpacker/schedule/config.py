@@ -15,6 +15,9 @@ class ScheduleConfig:
     """Dynamic sampling (DAPO): do not train or queue prompts whose group rewards are all equal."""
     sorted_batches: int = 4
     """sorted: n, update batches of P0 prompts loaded at once (a load group); no more until all are consumed."""
+    rollout_ranks: int = 0
+    """one_step_off: the ranks that roll out (the first ones; rank 0, the controller, is one of them); the others
+    train. 0 = half of the world."""
     pipe: bool = False
     """RolloutPipe on top of sync or tail: a fixed rollout pool (first half of the replicas) and train pool (the
     rest); each complete, scored group goes FIFO to the train pool as it materializes (complete-group
@@ -24,5 +27,7 @@ class ScheduleConfig:
         if self.eta_prompts < 1 or self.eta_responses < 1:
             raise ValueError(f"schedule.eta_prompts={self.eta_prompts} and schedule.eta_responses="
                              f"{self.eta_responses} must be >= 1")
+        if self.rollout_ranks < 0:
+            raise ValueError(f"schedule.rollout_ranks must be >= 0, got {self.rollout_ranks}")
         if self.sorted_batches < 1:
             raise ValueError(f"schedule.sorted_batches must be >= 1, got {self.sorted_batches}")

@@ -88,8 +88,11 @@ def shard_model(model: Transformer, mesh: DeviceMesh, mixed_precision: bool) -> 
 
 
 class Trainer:
+    """Lives on the ranks of ``mesh`` (every rank, or the training pool of disaggregated pools,
+    whose process group is ``group``)."""
+
     def __init__(self, model: Transformer, config: TrainConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
-                 reference: Transformer | None = None):
+                 reference: Transformer | None = None, group: dist.ProcessGroup | None = None):
         self.config, self.temperature = config, temperature
         self.device = model.norm.weight.device
         mixed = config.mixed_precision and self.device.type == "cuda"
@@ -98,7 +101,7 @@ class Trainer:
         self.reference = reference
         if reference is not None:
             shard_model(reference.requires_grad_(False), mesh, mixed)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.ranks, self.group = dist.get_rank(), mesh.mesh.flatten().tolist(), group
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
         warmup = config.warmup_steps
@@ -121,9 +124,9 @@ class Trainer:
         if normalizer is None:
             normalizer = sum(len(s.response_ids) for s in samples) if cfg.aggregation == "token" else len(samples)
         normalizer = max(normalizer, 1)
-        num_micro = self._backward(samples, list(range(self.world)), sync_last=True)
+        num_micro = self._backward(samples, self.ranks, sync_last=True)
         totals, self.totals = self.totals, torch.zeros_like(self.totals)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.group)
         params = [p for p in self.model.parameters() if p.grad is not None]
         for p in params:  # the global normalizer: losses were sums
             p.grad.div_(normalizer)
