@@ -143,6 +143,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         migrating: set[str] = set()
         scaled_at = start if pipe else 0.0
         migration = 0.0
+        migrated_tokens = 0
         fetching = pipe
         stats: dict[str, float] = {}
         preempted: dict[int, int] = {}  # rank -> preemptions this round
@@ -172,11 +173,14 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         preempted |= {rank: r.num_preemptions for rank, r in enumerate(reports) if r}  # freed replicas: their last count
         reports = [r for r in reports if r]
         trace.append((time.time(), sum(r.num_running for r in reports)))
+        if stream and len(trace) > 1:  # seconds per engine step, by requests per replica (the throughput criterion)
+            stream.scale_down.step_cost.observe(trace[-2][1] / active, (trace[-1][0] - trace[-2][0]) / poll_steps)
         adds: list[tuple[int, Request]] = []
         if migration < 0 and not any(o.id in migrating for r in reports for o in r.aborted):
             migration = time.time() - scaled_at  # the migrated requests are back and prefilled
         for out in (o for r in reports for o in r.aborted):
             if out.id in migrating and out.id in outstanding:  # resumed on a kept replica by recomputation
+                migrated_tokens += len(out.prompt_ids) + len(out.token_ids)
                 req = requests[out.id][0]
                 adds.append(route(Request(id=req.id, prompt_ids=req.prompt_ids, params=req.params, resume_from=out)))
             else:
@@ -241,6 +245,8 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         stats |= {"stream/streamed_groups": float(sum(g.streamed for g in groups))}
         if scaled_at:
             stats["time/migration"] = max(migration, 0.0)
+            stream.scale_down.learn_migration(stats["time/migration"], migrated_tokens)
+        stats |= {f"stream/projected_{k}_s": v for k, v in stream.scale_down.last.items()}  # the last look's
     return RoundResult(kind=plan.kind, groups=groups, num_launched=len(owner), num_aborted=len(aborted),
                        generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted)
                        - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),

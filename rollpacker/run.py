@@ -67,6 +67,9 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         hidden = job.meshes.gather(job.stream.seconds)
         if rank0:
             stats["stream/train_seconds"] = max(hidden)  # train time hidden under rollout
+            saved = max(hidden) * len(job.stream.ranks) / job.meshes.world_size  # taken off the final step
+            job.stream.scale_down.learn(plan.kind, timer.times["time/train"] + saved,
+                                        saved if stats.get("stream/scaled_down") else None)
             if cfg.schedule.pipe:
                 stats |= pipe_stats(time.time() - result.start, max(hidden), timer.times["time/train"])
     with timer("weight_sync"):  # push the new weights into the engines, in-process

@@ -3,7 +3,8 @@ policies side by side (also ``pipe`` and ``tail+pipe``).
 
 Runs the same toy job (``--preset``, default toy-cpu) under torchrun once per policy and seed, in
 the order seed 0 of every policy, then seed 1, … so that slow drift of the machine hits every
-policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``); ``pipe`` is
+policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``; ``+stream_kv`` and
+``+stream_throughput`` pick its scale-down criterion); ``pipe`` is
 RolloutPipe (``sync`` with ``--schedule.pipe``: 1 rollout rank, 1 train rank on 2 ranks) and
 ``tail+pipe`` tail batching's rounds with it; ``one_step_off`` is verl's recipe (1 rollout rank, 1
 training rank on 2 ranks); ``sorted_partial`` and ``one_step_off`` train with truncated importance
@@ -23,7 +24,8 @@ prompts fewer, which the table shows). Per policy it prints the mean over seeds 
 
 With ``--ablations``, it then runs the paper's stream-trainer ablations on seed 0 for
 ``--ablation-steps`` steps and prints the average step time of long rounds and of all rounds:
-Table 3 (no scaling, fixed triggers at 20/30/40% of prompts complete, adaptive) and Table 4
+Table 3 (no scaling, fixed triggers at 20/30/40% of prompts complete, adaptive with the paper's
+KV-fit criterion) and Table 4
 (asynchronous fetching vs one fetch capped at 20/30/40/50% of the round's prompts).
 
 Flags after ``--`` go to every ``rollpacker.run`` unchanged (``-- --num-steps 40``). The last line
@@ -68,16 +70,22 @@ class Args:
 STREAM = ["--stream.enabled"]
 PIPE = ["--schedule.pipe"]
 OFF_POLICY = ["--train.off-policy", "tis"]
+PAPER = [*STREAM, "--stream.criterion", "kv"]  # the ablations are the paper's, with its KV-fit criterion
 TABLE3 = {"w/o": [], "20%": [*STREAM, "--stream.trigger", "0.2"], "30%": [*STREAM, "--stream.trigger", "0.3"],
-          "40%": [*STREAM, "--stream.trigger", "0.4"], "adaptive": STREAM}
-TABLE4 = {"stream": STREAM, **{f"{c}%": [*STREAM, "--stream.fetch-cap", str(c / 100)] for c in (20, 30, 40, 50)}}
+          "40%": [*STREAM, "--stream.trigger", "0.4"], "adaptive": PAPER}
+TABLE4 = {"stream": PAPER, **{f"{c}%": [*PAPER, "--stream.fetch-cap", str(c / 100)] for c in (20, 30, 40, 50)}}
+
+
+VARIANTS = {"": [], "stream": STREAM, "pipe": PIPE, **{f"stream_{c}": [*STREAM, "--stream.criterion", c]
+                                                         for c in ("kv", "throughput")}}
 
 
 def policy_args(policy: str) -> list[str]:
     name, _, extra = ("sync+pipe" if policy == "pipe" else policy).partition("+")
-    if extra not in ("", "stream", "pipe"):
-        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY, POLICY+stream or POLICY+pipe")
-    return ["--policy", name, *({"stream": STREAM, "pipe": PIPE}.get(extra, [])),
+    if extra not in VARIANTS:
+        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+V, V one of "
+                         f"{', '.join(v for v in VARIANTS if v)}")
+    return ["--policy", name, *VARIANTS[extra],
             *(OFF_POLICY if name in ("sorted_partial", "one_step_off") else [])]
 
 
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     summary |= {f"samples_per_s_{key[p]}": round(mean[p]["samples_per_s"], 2) for p in policies}
     if args.ablations:
         summary |= ablate(args, run_args)
-    print(json.dumps(summary))
+    print(json.dumps({k: v for k, v in summary.items() if v == v}))  # NaN (no such round) is not JSON
 
 
 def ablate(args: Args, run_args: list[str]) -> dict[str, float]:

@@ -446,7 +446,9 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
                                   max_prefill_tokens=cfg.max_prefill_tokens, record=record)
         if cfg.stream and (stream is None or switched):  # as run.py: rebuilt on a TP switch, the histories kept
             histories = stream.histories if stream else {}
-            stream = ScaleDown(cfg.stream_config, num_replicas=len(replicas), max_new_tokens=cfg.max_new_tokens,
+            # the paper's KV-fit criterion: the throughput one learns from measured polls, which a simulation has not
+            stream = ScaleDown(replace(cfg.stream_config, criterion="kv"), num_replicas=len(replicas),
+                               max_new_tokens=cfg.max_new_tokens,
                                kv_capacity_tokens=cost.kv_capacity_tokens())
             stream.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.max_new_tokens,

@@ -77,10 +77,17 @@ class StreamConfig:
     once, at the scale-down, the groups completed by then, at most this fraction of the round's (Table 4)."""
     length_quantile: float = 0.9
     """KV projection: a running request ends at this quantile of past lengths longer than its own so far."""
+    criterion: str = "throughput"
+    """Adaptive trigger: throughput (scale down once the remaining requests' projected KV peak fits the kept
+    replicas and the rollout time it adds, projected from the engine step and migration times measured during
+    the run, is less than the training the freed ranks take off the step's end) or kv (the paper's: the KV fit
+    alone)."""
 
     def __post_init__(self) -> None:
         for name in ("trigger", "fetch_cap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"stream.{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.criterion not in ("kv", "throughput"):
+            raise ValueError(f"stream.criterion must be 'kv' or 'throughput', got {self.criterion!r}")
         if not 0 < self.length_quantile <= 1:
             raise ValueError(f"stream.length_quantile must be in (0, 1], got {self.length_quantile}")

@@ -12,7 +12,13 @@ look) it considers scaling rollout down to the first half of its replicas:
   caches (:func:`peak_kv_tokens`, from the lengths of the responses finished so far in rounds of
   the same kind).
   ``stream.trigger`` instead scales down unconditionally at a fixed fraction. At most once per
-  round. This decision is :class:`ScaleDown`, plain Python: the cluster simulator
+  round. ``stream.criterion throughput`` (ours, not the paper's) also asks whether it pays: the
+  rollout time that consolidating the running requests on the kept replicas adds, projected from
+  the engine step times the controller measured at its polls (:class:`StepCost`, a + c·batch) and
+  the same length projection, must be less than the training the freed ranks take off the step's
+  end. The paper's GPUs decode memory-bound, where a step barely grows with the batch and the KV
+  fit is the binding limit; on CPU cores a step grows with the batch and the KV fit alone scales
+  down into a slower round. This decision is :class:`ScaleDown`, plain Python: the cluster simulator
   (``rollpacker.sim``) drives the same class.
 - **Migration**: the freed replicas' requests are aborted and resumed on the others by
   recomputation (the engine contract's partial outputs).
@@ -51,6 +57,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import math
 import pickle
 import time
 from typing import Any, Callable
@@ -90,6 +97,59 @@ class Trigger:
         return True
 
 
+def steps_left(requests: list[tuple[int, int]], history: list[int], max_new_tokens: int,
+               quantile: float = 0.9) -> list[int]:
+    """Decode steps each of ``requests`` — ``(prompt tokens, tokens generated so far)`` — is projected
+    to run: to the ``quantile`` of the past response lengths longer than what it has generated
+    (``max_new_tokens`` when none is longer)."""
+    longer = sorted(history)
+    left = []
+    for _, generated in requests:
+        tail = longer[bisect.bisect_right(longer, generated):]
+        end = tail[min(len(tail) - 1, int(quantile * len(tail)))] if tail else max_new_tokens
+        left.append(max(1, min(end, max_new_tokens) - generated))
+    return left
+
+
+def decode_seconds(left: list[int], replicas: int, step_seconds: Callable[[float], float]) -> float:
+    """Seconds until the last request finishes when requests with ``left`` decode steps each run
+    spread evenly over ``replicas`` replicas, every engine step costing ``step_seconds(requests
+    running on one replica)``."""
+    total, done = 0.0, 0
+    for i, end in enumerate(sorted(left)):
+        if end > done:  # from step `done` to `end`, the requests from the i-th shortest on run
+            total += (end - done) * step_seconds(math.ceil((len(left) - i) / replicas))
+            done = end
+    return total
+
+
+class StepCost:
+    """An engine step's seconds as a function of the requests running on a replica, ``a + c·b``,
+    fitted by least squares to what the controller measured at its recent polls (on CPU a decode
+    step grows with the batch; on GPU it barely does, until compute binds)."""
+
+    def __init__(self, maxlen: int = 512):
+        self.points: collections.deque[tuple[float, float]] = collections.deque(maxlen=maxlen)
+
+    def observe(self, running: float, seconds: float) -> None:
+        """One poll: ``seconds`` per engine step with ``running`` requests per replica."""
+        if running > 0 and seconds > 0:
+            self.points.append((running, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(a, c)``, or None until the polls span at least two batch sizes."""
+        if len(self.points) < 4:
+            return None
+        n = len(self.points)
+        mb = sum(b for b, _ in self.points) / n
+        mt = sum(t for _, t in self.points) / n
+        var = sum((b - mb) ** 2 for b, _ in self.points)
+        if var <= 0:
+            return None
+        c = max(0.0, sum((b - mb) * (t - mt) for b, t in self.points) / var)
+        return max(0.0, mt - c * mb), c
+
+
 def peak_kv_tokens(requests: list[tuple[int, int]], history: list[int], max_new_tokens: int,
                    quantile: float = 0.9) -> int:
     """Projected peak of the KV tokens that ``requests`` — ``(prompt tokens, tokens generated so
@@ -99,12 +159,8 @@ def peak_kv_tokens(requests: list[tuple[int, int]], history: list[int], max_new_
     what it has generated (``max_new_tokens`` when none is longer). A request holds prompt plus
     generated tokens and grows by one per step until it ends, when it frees everything.
     """
-    longer = sorted(history)
-    finals = []
-    for prompt, generated in requests:
-        tail = longer[bisect.bisect_right(longer, generated):]
-        end = tail[min(len(tail) - 1, int(quantile * len(tail)))] if tail else max_new_tokens
-        finals.append((prompt + generated, max(1, min(end, max_new_tokens) - generated)))
+    finals = [(prompt + generated, left) for (prompt, generated), left in
+              zip(requests, steps_left(requests, history, max_new_tokens, quantile))]
     # At t steps from now, the requests with more than t steps left hold sum(held) + t each.
     finals.sort(key=lambda r: -r[1])
     peak, held = 0, 0
@@ -134,9 +190,23 @@ class ScaleDown:
         """Replicas that go on rolling out after a scale-down: the first half (the second half is freed)."""
         self.refused = refused or ("" if num_replicas >= 2 else "one rollout replica: nothing to free")
         """Why no scale-down will ever happen ("" when one may)."""
+        self.num_replicas = num_replicas
+        self.step_cost = StepCost()
+        """Engine step seconds by running requests per replica, measured by the controller (``criterion`` throughput)."""
+        # What the throughput criterion learns from the run (see learn and pays):
+        self.train_seconds = 0.0
+        """The last step's training time on every rank, had nothing been streamed."""
+        self.realized: dict[str, float] = {}
+        """Per round kind: the training the last scale-down took off the step's end."""
+        self.migration_seconds_per_token = 0.0
+        """The last migration's time over the tokens it recomputed (prompt and generated)."""
+        self.kind = ""
+        self.last: dict[str, float] = {}
+        """The last look's projections (seconds): rollout left as it is and scaled down, migration, training saved."""
 
     def start_round(self, kind: str) -> None:
         self.trigger.reset()
+        self.kind, self.last = kind, {}
         self.history = self.histories.setdefault(kind, collections.deque(maxlen=4096))
 
     def consider(self, completed: int, total: int, requests: Callable[[], list[tuple[int, int]]]) -> bool:
@@ -147,11 +217,49 @@ class ScaleDown:
             return False
         if self.config.trigger:
             return True
-        peak = peak_kv_tokens(requests(), list(self.history), self.max_new_tokens, self.config.length_quantile)
+        running = requests()
+        peak = peak_kv_tokens(running, list(self.history), self.max_new_tokens, self.config.length_quantile)
         fits = peak <= self.kv_capacity_tokens * self.kept_replicas
         logger.debug("stream: %d/%d complete, projected KV peak %d tokens on %d replicas of %d: %s", completed,
-                     total, peak, self.kept_replicas, self.kv_capacity_tokens, "scale down" if fits else "stay")
-        return fits
+                     total, peak, self.kept_replicas, self.kv_capacity_tokens, "fits" if fits else "stay")
+        if not fits or self.config.criterion == "kv":
+            return fits
+        return self.pays(running)
+
+    def pays(self, running: list[tuple[int, int]]) -> bool:
+        """``criterion`` throughput: whether the rollout time the scale-down adds is less than the
+        training it takes off the step's end. Added: the running requests' projected decode on the
+        kept replicas against all of them (:func:`decode_seconds` at the measured step costs), plus
+        recomputing the freed replicas' share of their tokens at the last migration's rate.
+        Saved: what the freed share of the ranks trains meanwhile, at most the step's training, and
+        at most what the last scale-down of this round kind really saved (groups complete late in
+        a round, so the freed ranks idle at first). Without two measured batch sizes yet, it scales
+        down (the KV criterion alone); a kind that has not scaled down yet has nothing realized."""
+        fit = self.step_cost.fit()
+        if fit is None:
+            return True
+        a, c = fit
+        freed = (self.num_replicas - self.kept_replicas) / self.num_replicas
+        left = steps_left(running, list(self.history), self.max_new_tokens, self.config.length_quantile)
+        stay = decode_seconds(left, self.num_replicas, lambda b: a + c * b)
+        scaled = decode_seconds(left, self.kept_replicas, lambda b: a + c * b)
+        migration = self.migration_seconds_per_token * freed * sum(p + g for p, g in running)
+        saved = min(self.train_seconds, scaled * freed, self.realized.get(self.kind, math.inf))
+        self.last = {"stay": stay, "scaled": scaled, "migration": migration, "saved": saved}
+        logger.debug("stream: rollout left %.3f s, %.3f s + %.3f s migration scaled down; training saved %.3f s",
+                     stay, scaled, migration, saved)
+        return scaled + migration - stay < saved
+
+    def learn(self, kind: str, train_seconds: float, saved: float | None) -> None:
+        """After a round of ``kind``: the step's training time on every rank had nothing been
+        streamed, and, when it scaled down, the training the freed ranks took off the step's end."""
+        self.train_seconds = train_seconds
+        if saved is not None:
+            self.realized[kind] = saved
+
+    def learn_migration(self, seconds: float, tokens: int) -> None:
+        if tokens:
+            self.migration_seconds_per_token = seconds / tokens
 
 
 class StreamTrainer:
