@@ -11,7 +11,7 @@
 - With stream training: ``stream``, a gloo group of all ranks for rank 0's point-to-point sends
   to the ranks it frees, and ``kept_control``, the control plane of the ranks that keep rolling
   out after a scale-down (the first half of the rollout replicas, rounded up).
-- Disaggregated pools (``one_step_off``, ``rollout_ranks`` > 0): the rollout mesh covers the first
+- Disaggregated pools (``one_step_off``, ``rollout_ranks`` < world): the rollout mesh covers the first
   ``rollout_ranks`` ranks only and the training mesh the rest; ``rollout_control`` is the rollout
   pool's control plane, ``train_group`` the training pool's group (the trainer's metric sums), and
   ``weights`` the data-plane group (NCCL on GPU) of the first training rank and the rollout pool,
@@ -131,8 +131,9 @@ class Meshes:
 
 
 def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, rollout_ranks: int = 0) -> Meshes:
-    """``rollout_ranks`` > 0 disaggregates the pools: the first ``rollout_ranks`` ranks roll out,
-    the others train (``train_shard_size`` then counts training ranks)."""
+    """``rollout_ranks`` from 1 to world − 1 disaggregates the pools: the first ``rollout_ranks``
+    ranks roll out, the others train (``train_shard_size`` then counts training ranks); 0 or the
+    world size keeps every rank in both."""
     device = init_distributed()
     world = dist.get_world_size()
     pools = 0 < rollout_ranks < world
