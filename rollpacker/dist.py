@@ -13,7 +13,8 @@
   out after a scale-down (the first half of the rollout replicas, rounded up).
 - Disaggregated pools (``one_step_off``, ``rollout_ranks`` < world): the rollout mesh covers the first
   ``rollout_ranks`` ranks only and the training mesh the rest; ``rollout_control`` is the rollout
-  pool's control plane, ``train_group`` the training pool's group (the trainer's metric sums), and
+  pool's control plane, ``train_group`` the training pool's group (the trainer's metric sums),
+  ``handoff`` the gloo group of rank 0 and the training pool (each batch goes over it), and
   ``weights`` the data-plane group (NCCL on GPU) of the first training rank and the rollout pool,
   over which new weights are broadcast. Without pools the first two are ``control`` and the world.
 
@@ -69,6 +70,7 @@ class Meshes:
     """The ranks that train (all of them unless the pools are disaggregated)."""
     rollout_control: dist.ProcessGroup | None = None
     train_group: dist.ProcessGroup | None = None
+    handoff: dist.ProcessGroup | None = None
     weights: dist.ProcessGroup | None = None
     _by_tp: dict[int, tuple[DeviceMesh, dist.ProcessGroup | None]] = field(default_factory=dict, repr=False)
 
@@ -155,6 +157,7 @@ def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, r
         train_ranks=train,
         rollout_control=dist.new_group(rollout, backend="gloo") if pools else control,
         train_group=dist.new_group(train) if pools else dist.group.WORLD,
+        handoff=dist.new_group([0, *train], backend="gloo") if pools else None,
         weights=dist.new_group([train[0], *rollout]) if pools else None,
     )
     meshes.set_rollout_tp(rollout_tp)

@@ -6,7 +6,8 @@ the others hold the FSDP2 trainer, sharded over them alone (``Meshes.train``). E
 :func:`train`. Step k, from the step boundary:
 
 1. **Boundary** (collective over all ranks): rank 0 sends batch k (generated during step k−1,
-   scored, with its advantages) to the training pool; the training pool's first rank sends the
+   scored, with its advantages) to the training pool (``Meshes.handoff``: the other rollout ranks
+   only hear whether there is one); the training pool's first rank sends the
    metrics of its step k−1 to rank 0, which logs that step; the training pool broadcasts the
    weights of its k optimizer steps to the rollout pool over the data-plane group
    (``Meshes.weights``: NCCL on GPU, gloo on CPU), straight from its FSDP2 parameters.
@@ -80,7 +81,10 @@ def train(job) -> int:
             pending.stats |= evaluated
     while True:
         # 1. the boundary: batch `step` to the training pool, the last step's metrics to rank 0, weights out
-        batch = meshes.broadcast(pending.batch if rank0 and pending else None)
+        more = meshes.broadcast(pending is not None if rank0 else None)
+        batch = None
+        if more and (rank0 or not rolls):
+            batch = meshes.broadcast(pending.batch if rank0 else None, meshes.handoff)
         arrived = time.perf_counter()
         report = _broadcast_from(lead, report, meshes.control)
         if rank0 and report:
@@ -91,7 +95,7 @@ def train(job) -> int:
                 weights_step = step
         if cfg.checkpoint_every and step > job.start_step and step % cfg.checkpoint_every == 0:
             save(job, step, policy_state=pending.policy_state if rank0 and pending else None)
-        if batch is None:
+        if not more:
             return step
         # 2. both pools at once: the rollout pool generates batch step+1, the training pool trains batch step
         if rolls:

@@ -529,3 +529,24 @@ def test_the_whole_job_with_the_stream_trainer_hides_training_under_rollout():
         assert s.trained_tokens == p.trained_tokens  # the same responses, trained either way
         assert s.hidden_train_s > 0 and s.train_s == pytest.approx(p.train_s - s.hidden_train_s)
         assert s.rollout_s >= p.rollout_s  # the kept replicas run the migrated requests too
+
+
+def test_one_step_off_overlaps_the_next_rollout_with_training_on_its_own_gpus():
+    """Half the GPUs roll out, half train: the same sync batches (every response of every prompt,
+    the same lengths) train in twice the GPU time share; each batch after the first is one step
+    stale, and a step is the training GPUs' wait for the batch (its rollout and scoring, less the
+    previous step's training they ran under), training and the weight sync."""
+    base = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=8, group_size=2, max_new_tokens=2048,
+                     num_steps=4)
+    sync, off = simulate(replace(base, policy="sync")), simulate(replace(base, policy="one_step_off"), record=True)
+    overhead = base.cost().calib.train_overhead_s
+    for a, b in zip(sync, off, strict=True):
+        assert b.trained_tokens == a.trained_tokens
+        assert b.train_s - overhead == pytest.approx(2 * (a.train_s - overhead))
+    assert [{s for g in r.record.groups for s in g.staleness} for r in off] == [{0}, {1}, {1}, {1}]
+    assert off[0].step_s == pytest.approx(off[0].rollout_s + off[0].reward_s + off[0].train_s + off[0].sync_s)
+    for prev, r in zip(off, off[1:]):
+        wait = max(0.0, r.rollout_s + r.reward_s - prev.train_s)
+        assert r.wait_s == pytest.approx(wait) and r.step_s == pytest.approx(wait + r.train_s + r.sync_s)
+    with pytest.raises(ValueError, match="does not divide the 3 GPUs rolling out"):
+        SimConfig(policy="one_step_off", gpus=6, tp=2, rollout_gpus=3)

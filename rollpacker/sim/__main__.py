@@ -60,13 +60,15 @@ def run(argv: list[str]) -> dict:
                                "--gantt-steps N, or a command: table2, table1, workload).")
     cost = cfg.cost()
     results = simulate(cfg, record=bool(gantt))
-    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp} (KV cache "
+    pools = f" ({cfg.train_pool} of them train)" if cfg.train_pool < cfg.gpus else ""
+    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp}{pools} (KV cache "
           f"{cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.num_prompts}, R0={cfg.group_size}, up to "
           f"{cfg.max_new_tokens} new tokens; policy {cfg.policy}; {cfg.num_steps} steps "
           f"({'trace ' + cfg.trace if cfg.trace else 'length mixture'})")
     stream = f"{'scaled':>8}{'at':>6}{'hidden':>8}" if cfg.stream else ""
     print(f"{'round':<8}{'steps':>6}{'rollout':>9}{'reward':>8}{'train':>8}{'sync':>7}{'step':>8}{'longest':>9}"
           f"{'preempt':>9}{'bubble':>8}{stream}   (seconds; reward = exposed, after rollout"
+          + ("; one_step_off: step = wait for the batch + train + sync" if cfg.policy == "one_step_off" else "")
           + ("; scaled = share of steps the stream trainer scaled down, at = prompts complete then, hidden = "
              "train time done under rollout)" if cfg.stream else ")"))
     summary = summarize(results)
@@ -86,6 +88,8 @@ def run(argv: list[str]) -> dict:
         figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s")}
         if cfg.stream:
             figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("scaled_down", "scaled_frac", "hidden_train_s")}
+        if cfg.policy == "one_step_off":
+            figures[f"{prefix}wait_s"] = round(m["wait_s"], 3)
         figures[f"{prefix}steps"] = m["steps"]
     return figures
 

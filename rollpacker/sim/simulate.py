@@ -31,6 +31,10 @@ describes (the controller's freed ranks fetch a batch only once they have traine
 what they have not fetched is trained by every rank; a fetched batch they are still training is
 the one difference).
 
+``one_step_off`` rolls out on its own GPUs (``SimConfig.rollout_gpus``) and trains on the others,
+the next batch's rollout and scoring under this batch's training: a step is the training GPUs'
+wait for their batch (``StepResult.wait_s``), its training and the weight sync.
+
 :func:`step_times` turns a round into the stages of an RL step, in veRL's synchronous order:
 rollout, then scoring the kept responses (:meth:`RewardModel.stage_s`), training on them
 (:meth:`CostModel.train_s`), and the weight sync. A policy or stage optimization that overlaps
@@ -53,6 +57,7 @@ from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.schedule.base import Group, Round, request_id
+from rollpacker.schedule.one_step_off import OneStepOffPolicy
 from rollpacker.schedule.sorted import SortedPolicy
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
@@ -64,7 +69,7 @@ from rollpacker.train.stream import ScaleDown
 
 
 
-POLICIES = ("sync", "tail", "sorted", "sorted_partial")
+POLICIES = ("sync", "tail", "sorted", "sorted_partial", "one_step_off")
 """The policies the simulator drives."""
 
 
@@ -75,7 +80,7 @@ class SimConfig:
     hardware: str = "H800"
     """GPU kind: one of rollpacker.sim.cost.HARDWARE (the paper's cluster is H800)."""
     gpus: int = 32
-    """GPUs of the job: rollout replicas of TP size tp, then all of them train."""
+    """GPUs of the job: rollout replicas of TP size tp, then all of them train (one_step_off: see rollout_gpus)."""
     tp: int = 2
     """Rollout TP size of every engine replica."""
     num_prompts: int = 128
@@ -85,7 +90,10 @@ class SimConfig:
     max_new_tokens: int = 16384
     """Longest response (longer natural lengths are cut here)."""
     policy: str = "tail"
-    """Scheduling policy: sync (veRL), tail (tail batching), sorted or sorted_partial (SortedRL)."""
+    """Scheduling policy: sync (veRL), tail (tail batching), sorted or sorted_partial (SortedRL), one_step_off
+    (verl's recipe: rollout_gpus generate the next batch while the other GPUs train this one)."""
+    rollout_gpus: int = 0
+    """one_step_off: the GPUs that roll out (0 = half); the others train."""
     eta_prompts: float = 1.25
     """tail: prompts launched per short round, over P0."""
     eta_responses: float = 1.25
@@ -133,16 +141,33 @@ class SimConfig:
                      "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sim.{name} must be positive, got {getattr(self, name)}")
-        if self.gpus % self.tp:
-            raise ValueError(f"sim.tp={self.tp} does not divide sim.gpus={self.gpus}")
+        if self.rollout_gpus < 0 or self.rollout_gpus >= self.gpus:
+            raise ValueError(f"sim.rollout_gpus={self.rollout_gpus} must be in [0, sim.gpus={self.gpus})")
+        if self.rollout_pool % self.tp:
+            raise ValueError(f"sim.tp={self.tp} does not divide the {self.rollout_pool} GPUs rolling out")
+        if self.policy == "one_step_off" and (self.stream or self.planner):
+            raise ValueError("sim.policy one_step_off has its own rollout and training GPUs: turn sim.stream and "
+                             "sim.planner off")
         self.stream = self.stream or self.stream_config.enabled
         if self.stream and not self.reward_scheduler:
             raise ValueError("sim.stream needs sim.reward_scheduler: the freed GPUs train each group once it is "
                              "scored, and without the reward scheduler nothing is scored before rollout ends")
 
     @property
+    def rollout_pool(self) -> int:
+        """GPUs rolling out: all of them, or one_step_off's rollout pool."""
+        if self.policy != "one_step_off":
+            return self.gpus
+        return self.rollout_gpus or self.gpus // 2
+
+    @property
+    def train_pool(self) -> int:
+        """GPUs training: all of them, or the ones one_step_off does not roll out on."""
+        return self.gpus - self.rollout_pool if self.policy == "one_step_off" else self.gpus
+
+    @property
     def num_replicas(self) -> int:
-        return self.gpus // self.tp
+        return self.rollout_pool // self.tp
 
     def cost(self) -> CostModel:
         return CostModel(HARDWARE[self.hardware], MODELS[self.model], self.tp, self.calib)
@@ -157,6 +182,8 @@ class SimConfig:
         sampler = PromptSampler(self.num_rows, seed=self.seed)
         if self.policy == "sync":
             return SyncPolicy(sampler, self.num_prompts, self.group_size)
+        if self.policy == "one_step_off":
+            return OneStepOffPolicy(sampler, self.num_prompts, self.group_size)
         if self.policy.startswith("sorted"):
             return SortedPolicy(sampler, self.num_prompts, self.group_size, num_batches=self.sorted_batches,
                                 partial=self.policy == "sorted_partial")
@@ -357,10 +384,15 @@ class StepResult:
     """Fraction of the round's prompts complete at the scale-down."""
     hidden_train_s: float = 0.0
     """Seconds taken off the train stage: training the freed GPUs finished before rollout ended, over all GPUs."""
+    wait_s: float | None = None
+    """one_step_off: the training GPUs' wait for this step's batch, whose rollout and reward ran under the
+    previous step's training (``time/wait_prev_gen``); the step is this wait, training and the weight sync."""
     record: RoundRecord | None = None
 
     @property
     def step_s(self) -> float:
+        if self.wait_s is not None:
+            return self.wait_s + self.train_s + self.sync_s
         return self.rollout_s + self.reward_s + self.train_s + self.sync_s
 
 
@@ -385,19 +417,19 @@ def step_times(step: int, record: RoundRecord, cfg: SimConfig, cost: CostModel, 
             for i, t in zip(mine, adaptive_timeouts([samples[i][1] for i in mine], cfg.reward.code_timeout_s)):
                 samples[i] = ("code", t)
         reward_s = cfg.reward.exposed_s([(t, sec, out.finish_time) for (t, sec), out in zip(samples, outputs)],
-                                        record.rollout_s, cfg.gpus)
+                                        record.rollout_s, cfg.rollout_pool)
     else:
         reward_s = cfg.reward.stage_s(samples)
     seq_lens = np.array([prompt + s.length for s in outputs], dtype=np.float64)
     trained = int(sum(s.length for s in outputs))
     hidden = streamed_gpu_s(record, cost, prompt)
-    train_s = (cost.train_gpu_s(seq_lens.sum(), (seq_lens**2).sum()) - hidden) / cfg.gpus + cost.calib.train_overhead_s
+    train_s = (cost.train_gpu_s(seq_lens.sum(), (seq_lens**2).sum()) - hidden) / cfg.train_pool + cost.calib.train_overhead_s
     return StepResult(
         step=step, kind=record.kind, rollout_s=record.rollout_s, reward_s=reward_s, train_s=train_s,
         sync_s=cost.sync_s(), num_preemptions=record.num_preemptions, bubble_ratio=record.bubble_ratio, tp=cost.tp,
         max_length=max((s.length for s in outputs), default=0), trained_tokens=trained,
         wasted_tokens=record.generated_tokens - trained, scaled_down=record.scaled_at is not None,
-        scaled_frac=record.scaled_frac, hidden_train_s=hidden / cfg.gpus, record=record if keep else None)
+        scaled_frac=record.scaled_frac, hidden_train_s=hidden / cfg.train_pool, record=record if keep else None)
 
 
 def streamed_gpu_s(record: RoundRecord, cost: CostModel, prompt_tokens: int) -> float:
@@ -438,11 +470,13 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, stream = [], cfg.tp, None
     for step in range(cfg.num_steps):
+        if cfg.policy == "one_step_off":  # batch k is generated while batch k-1 trains, with the weights before it
+            policy.weights_step = max(step - 1, 0)
         plan = policy.start_round(step)
         switched = planner is not None and planner.tp_for(plan.kind) != tp
         tp = planner.tp_for(plan.kind) if planner else tp
         cost = replace(base, tp=tp)
-        replicas = build_replicas(cost, cfg.gpus // tp, max_num_seqs=cfg.max_num_seqs,
+        replicas = build_replicas(cost, cfg.rollout_pool // tp, max_num_seqs=cfg.max_num_seqs,
                                   max_prefill_tokens=cfg.max_prefill_tokens, record=record)
         if cfg.stream and (stream is None or switched):  # as run.py: rebuilt on a TP switch, the histories kept
             histories = stream.histories if stream else {}
@@ -458,6 +492,8 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
             result.sync_s += cost.sync_s()
         if planner:
             planner.observe(plan.kind, rnd.num_preemptions)
+        if cfg.policy == "one_step_off":  # generated and scored from the last boundary, while the last batch trained
+            result.wait_s = max(0.0, result.rollout_s + result.reward_s - (results[-1].train_s if results else 0.0))
         results.append(result)
     return results
 
@@ -472,6 +508,7 @@ def summarize(results: list[StepResult]) -> dict[str, dict[str, float]]:
         out[kind] = {"steps": len(rs), **{k: float(np.mean([getattr(r, k) for r in rs])) for k in (
             "rollout_s", "reward_s", "train_s", "sync_s", "step_s", "num_preemptions", "bubble_ratio", "max_length",
             "scaled_down", "hidden_train_s")}}
+        out[kind]["wait_s"] = float(np.mean([r.wait_s or 0.0 for r in rs]))  # one_step_off
         scaled = [r.scaled_frac for r in rs if r.scaled_down]
         out[kind]["scaled_frac"] = float(np.mean(scaled)) if scaled else 0.0
     return out
