@@ -173,9 +173,12 @@ class Config:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""
         r, t = self.rollout, self.train
         rollout = self.rollout_ranks(world)
+        if self.policy == "one_step_off" and world < 2:
+            raise ValueError(f"policy=one_step_off needs a rollout pool and a training pool, so at least 2 ranks; "
+                             f"this run has {world}: launch it with torchrun --nproc_per_node=2 or more")
         if self.policy == "one_step_off" and not 0 < rollout < world:
-            raise ValueError(f"policy=one_step_off needs a rollout pool and a training pool: schedule.rollout_ranks="
-                             f"{rollout} must be between 1 and {world - 1} ({world} ranks; at least 2 needed)")
+            raise ValueError(f"schedule.rollout_ranks={rollout} must be between 1 and {world - 1} on {world} ranks "
+                             "(policy=one_step_off trains on the others)")
         pools = rollout < world
         if rollout % r.tp:
             where = f"the {rollout} rollout ranks (schedule.rollout_ranks)" if pools else f"the world size {world}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -292,8 +293,6 @@ def make_stream(job: Job):
 def build_planner(job: Job, path: Path) -> None:
     """The profile (measured now if none is cached for this setup), the planner on rank 0, and the
     engines rebuilt at its initial TP (collective)."""
-    import os
-
     from rollpacker.plan.planner import Planner, best_tp, candidate_tps
     from rollpacker.plan.profile import obtain
 
@@ -456,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
                 config.resume = str(newest) if newest else ""
             if config.resume:
                 checkpoint.check(Path(config.resume), config.policy)
+        config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"rollpacker: config error: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -58,8 +58,11 @@ def test_pools_must_fit_the_world():
     config = Config(policy="one_step_off", train=TrainConfig(off_policy="tis"))
     config.check_world(2)
     assert config.rollout_ranks(4) == 2 and Config().rollout_ranks(4) == 4
-    with pytest.raises(ValueError, match="at least 2 needed"):
+    with pytest.raises(ValueError, match="at least 2 ranks"):
         config.check_world(1)
+    with pytest.raises(ValueError, match="rollout_ranks=2 must be between 1 and 1 on 2 ranks"):
+        Config(policy="one_step_off", train=TrainConfig(off_policy="tis"),
+               schedule=ScheduleConfig(rollout_ranks=2)).check_world(2)
     with pytest.raises(ValueError, match=r"rollout.tp=2 does not divide the 1 rollout ranks"):
         Config(policy="one_step_off", train=TrainConfig(off_policy="tis"),
                rollout=Config().rollout.__class__(tp=2)).check_world(2)
