@@ -118,10 +118,10 @@ class Meshes:
         """TP rank 0 of its replica: the one that reports the replica's outputs."""
         return self.rollout.get_local_rank("tp") == 0
 
-    def broadcast(self, obj: Any = None, group: dist.ProcessGroup | None = None) -> Any:
-        """Rank 0's ``obj``, on every rank of ``group`` (default: the control plane)."""
+    def broadcast(self, obj: Any = None, group: dist.ProcessGroup | None = None, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj``, on every rank of ``group`` (default: the control plane)."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group or self.control)
+        dist.broadcast_object_list(box, src=src, group=group or self.control)
         return box[0]
 
     def gather(self, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:

@@ -37,7 +37,6 @@ so no prompt is lost or trained twice.
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,8 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
-
+from rollpacker.metrics import Timer
 
 @dataclass
 class Pending:
@@ -72,6 +70,7 @@ def train(job) -> int:
     rank0, rolls = meshes.rank == 0, meshes.rank in meshes.rollout_ranks
     lead = meshes.train_ranks[0]
     step = weights_step = job.start_step
+    check_weights(job)
     if job.start_step:  # resumed: the engines get the checkpoint's weights before batch start_step
         push_weights(job)
     report, idle_since, previous, pending = None, time.perf_counter(), None, None
@@ -86,10 +85,11 @@ def train(job) -> int:
         if more and (rank0 or not rolls):
             batch = meshes.broadcast(pending.batch if rank0 else None, meshes.handoff)
         arrived = time.perf_counter()
-        report = _broadcast_from(lead, report, meshes.control)
+        report = meshes.broadcast(report, src=lead)
         if rank0 and report:
             _log(job, step - 1, previous, report)
-        with _Clock() as sync:
+        timer = Timer()
+        with timer("weight_sync"):
             if step > weights_step:
                 push_weights(job)
                 weights_step = step
@@ -104,10 +104,9 @@ def train(job) -> int:
             if rank0:
                 previous.stats |= evaluated
         else:
-            with _Clock() as train_time:
+            with timer("train"):
                 stats = job.trainer.step(*batch)
-            report = stats | {"time/wait_prev_gen": arrived - idle_since, "time/weight_sync": sync.seconds,
-                              "time/train": train_time.seconds}
+            report = stats | timer.pop() | {"time/wait_prev_gen": arrived - idle_since}
             idle_since = time.perf_counter()
         step += 1
 
@@ -117,11 +116,11 @@ def _evaluate_and_generate(job, step: int, weights_step: int,
     """Collective over the rollout pool: with ``evaluate_first``, the evaluation of the weights of
     ``weights_step`` when that step is due for one (its metrics belong to step ``weights_step``);
     then, if rank 0 says round ``step`` is due, the round generated and scored, on rank 0."""
-    from rollpacker.metrics import Timer
     from rollpacker.run import evaluate, generate
 
     cfg, meshes, rank0 = job.config, job.meshes, job.meshes.rank == 0
-    with _Clock() as paused:
+    timer = Timer()
+    with timer("paused"):
         due = evaluate_first and cfg.eval_every and weights_step % cfg.eval_every == 0
         evaluated = evaluate(job, weights_step) if due else {}
     due = step < cfg.num_steps and not job.policy.done() if rank0 else None
@@ -132,13 +131,12 @@ def _evaluate_and_generate(job, step: int, weights_step: int,
         state = copy.deepcopy(job.policy.state_dict())
         job.policy.weights_step = weights_step
         plan = job.policy.start_round(step)
-    timer = Timer()
     batch, _, stats = generate(job, step, plan, timer)
     if not rank0:
         return evaluated, None
     times = timer.pop()
-    return evaluated, Pending(step, batch, stats | {"time/rollout": times["time/rollout"],
-                                                   "time/reward": times["time/reward"]}, state, paused.seconds)
+    return evaluated, Pending(step, batch, stats | {k: times[k] for k in ("time/rollout", "time/reward")}, state,
+                              times["time/paused"])
 
 
 def _log(job, step: int, pending: Pending, report: dict[str, float]) -> None:
@@ -151,6 +149,17 @@ def _log(job, step: int, pending: Pending, report: dict[str, float]) -> None:
     job.display.end_step(stats)
 
 
+def check_weights(job) -> None:
+    """Collective, once: the training pool's parameters must be the engines' (names and shapes, in
+    order), since :func:`push_weights` sends them by position."""
+    meshes = job.meshes
+    model = job.trainer.model if job.trainer is not None else job.engine.model
+    names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    theirs = meshes.broadcast(names, src=meshes.train_ranks[0])
+    if theirs != names:
+        raise RuntimeError(f"one_step_off: the trainer's parameters {theirs} are not the engine's {names}")
+
+
 def push_weights(job) -> None:
     """Collective over all ranks: every parameter of the training pool's model, gathered whole from
     its FSDP2 shards (``full_tensor``, collective over the training pool), is broadcast by the
@@ -161,36 +170,12 @@ def push_weights(job) -> None:
     meshes = job.meshes
     lead, dtype = meshes.train_ranks[0], engine_dtype(job.config, meshes.device)
     if job.trainer is not None:
-        names = [(n, tuple(p.shape)) for n, p in job.trainer.model.named_parameters()]
-    else:
-        names = [(n, tuple(p.shape)) for n, p in job.engine.model.named_parameters()]
-    theirs = _broadcast_from(lead, names, meshes.control)
-    if theirs != names:
-        raise RuntimeError(f"one_step_off: the trainer's parameters {theirs} are not the engine's {names}")
-    if job.trainer is not None:
         for _, param in job.trainer.model.named_parameters():
             full = param.full_tensor()
             if meshes.rank == lead:
                 dist.broadcast(full.to(dtype).contiguous(), lead, group=meshes.weights)
     else:
-        for name, shape in names:
-            buffer = torch.empty(shape, dtype=dtype, device=meshes.device)
+        for name, param in job.engine.model.named_parameters():
+            buffer = torch.empty(param.shape, dtype=dtype, device=meshes.device)
             dist.broadcast(buffer, lead, group=meshes.weights)
             job.engine.update_weights([(name, buffer)])
-
-
-def _broadcast_from(src: int, obj: Any, group) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-class _Clock:
-    """``with _Clock() as c: ...`` then ``c.seconds``."""
-
-    def __enter__(self):
-        self.start, self.seconds = time.perf_counter(), 0.0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.start

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollpacker.bench.schedulers import policy_args
-from rollpacker.config import Config
+from rollpacker.config import Config, RolloutConfig
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.plan.config import PlanConfig
 from rollpacker.schedule.config import ScheduleConfig
@@ -65,7 +65,7 @@ def test_pools_must_fit_the_world():
                schedule=ScheduleConfig(rollout_ranks=2)).check_world(2)
     with pytest.raises(ValueError, match=r"rollout.tp=2 does not divide the 1 rollout ranks"):
         Config(policy="one_step_off", train=TrainConfig(off_policy="tis"),
-               rollout=Config().rollout.__class__(tp=2)).check_world(2)
+               rollout=RolloutConfig(tp=2)).check_world(2)
     with pytest.raises(ValueError, match="train.train_shard_size=2 does not divide the 3 training ranks"):
         Config(policy="one_step_off", train=TrainConfig(off_policy="tis", train_shard_size=2),
                schedule=ScheduleConfig(rollout_ranks=1)).check_world(4)
