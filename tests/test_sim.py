@@ -386,6 +386,15 @@ def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
     assert figures["max_rel_error"] == max(abs(r["rel_error"]) for rows in figures["rows"].values() for r in rows.values())
 
 
+def test_cli_fig13c_adaptive_timeouts_only_shorten_the_exposed_scoring():
+    out, figures = sim_cli("fig13c", "--num-steps", "5")
+    assert "paper 1.6x" in out and figures["paper"] == 1.6
+    for kind in ("short", "long", "all"):  # same rollout both ways: only the code runs cut early differ
+        assert figures[f"adaptive_{kind}_s"] <= figures[f"fixed_{kind}_s"]
+    assert figures["adaptive_short_s"] < figures["fixed_short_s"] - 5  # a 30 s timeout cut to a few seconds
+    assert figures["speedup"] == pytest.approx(figures["fixed_all_s"] / figures["adaptive_all_s"], rel=1e-2)
+
+
 def test_cli_workload_shows_the_mixture_beside_the_papers_statistics():
     out, figures = sim_cli("workload")
     assert "P75" in out and figures["cap_hit_rate"] >= 0.9 and figures["loss"] < 0.05

@@ -3,6 +3,7 @@
     python -m rollpacker.sim --preset qwen2.5-14b-16k --gpus 32 --policy tail [--gantt out.png]
     python -m rollpacker.sim table2 [--num-steps 20]     the paper's Table 2 beside the simulator's
     python -m rollpacker.sim table1 [--num-steps 10]     the calibration against Table 1
+    python -m rollpacker.sim fig13c [--num-steps 20]     the calibration against Fig. 13c (adaptive code timeout)
     python -m rollpacker.sim workload [--fit]            the length mixture against the paper's statistics
 
 The first form takes P0, R0, max_new_tokens and the rollout TP from the preset; ``--gpus``
@@ -57,7 +58,7 @@ def run(argv: list[str]) -> dict:
     gantt_steps = int(_pop_flag(args, "--gantt-steps", "5"))
     cfg = tyro.cli(SimConfig, default=preset_config(preset), args=args, prog="python -m rollpacker.sim",
                    description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, "
-                               "--gantt-steps N, or a command: table2, table1, workload).")
+                               "--gantt-steps N, or a command: table2, table1, fig13c, workload).")
     cost = cfg.cost()
     results = simulate(cfg, record=bool(gantt))
     pools = f" ({cfg.train_pool} of them train)" if cfg.train_pool < cfg.gpus else ""
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else ""
-    if command in ("table1", "table2"):
+    if command in ("table1", "table2", "fig13c"):
         from rollpacker.sim import paper
 
         args = tyro.cli(TableArgs, args=argv[1:], prog=f"python -m rollpacker.sim {command}")
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "workload":
         figures = workload(argv[1:])
     elif command:
-        raise SystemExit(f"unknown command {command!r}: use table2, table1, workload, or flags (--help)")
+        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, or flags (--help)")
     else:
         try:
             figures = run(argv)

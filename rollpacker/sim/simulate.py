@@ -103,6 +103,8 @@ class SimConfig:
     reward_scheduler: bool = False
     """§4.3: score each response as it finishes (overlapped with rollout), adaptive code timeouts, the
     judge colocated on every GPU; else scoring starts after rollout."""
+    adaptive_timeouts: bool = True
+    """reward_scheduler: cut code runs at §4.3's adaptive timeout; False keeps the fixed one (Fig. 13c's baseline)."""
     planner: bool = False
     """§4.2: the parallelism planner picks each round's TP (``tp`` is the first) from its preemptions,
     per round kind (rollpacker.plan.planner, driven as the real run drives it; a switch costs a weight sync)."""
@@ -411,7 +413,7 @@ def step_times(step: int, record: RoundRecord, cfg: SimConfig, cost: CostModel, 
     if cfg.reward_scheduler:
         code: dict[int, list[int]] = {}  # row -> indices of its code samples
         for i, (row, _) in enumerate(kept):
-            if samples[i][0] == "code":
+            if samples[i][0] == "code" and cfg.adaptive_timeouts:
                 code.setdefault(row, []).append(i)
         for mine in code.values():
             for i, t in zip(mine, adaptive_timeouts([samples[i][1] for i in mine], cfg.reward.code_timeout_s)):
