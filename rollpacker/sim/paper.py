@@ -4,8 +4,8 @@
   runs it; the share of rollout, reward and training in a step against Table 1. The training
   efficiency and the reward constants were set so that these match: this is the calibration.
 - ``fig13c``: Fig. 13c's adaptive code timeout, Qwen2.5-7B/8k on 16 H800s, code only, tail
-  batching with asynchronous scoring: the mean of rollout plus the scoring left after it, with
-  the fixed 30 s timeout over with the adaptive one, against the paper's 1.6x. The spread of
+  batching with asynchronous scoring: the mean of rollout plus the scoring left after it under
+  the fixed 30 s timeout, over the same under the adaptive one, against the paper's 1.6x. The spread of
   sandbox run times (``RewardModel.code_sigma``) was fitted to it (calibration too).
 - ``table2``: the §6 setups (7B/8k on 16 GPUs with rollout TP 1, 14B/16k on 32 with TP 2, 32B/32k
   on 64 with TP 2; P0 = 128, R0 = 8, the uniform math/code/judge mix), veRL (``sync``, synchronous

@@ -411,9 +411,9 @@ def step_times(step: int, record: RoundRecord, cfg: SimConfig, cost: CostModel, 
         task = cfg.reward.task(row)
         samples.append((task, cfg.reward.seconds(task, (step, s.slot, s.response), prompt, s.length, judge)))
     if cfg.reward_scheduler:
-        code: dict[int, list[int]] = {}  # row -> indices of its code samples
-        for i, (row, _) in enumerate(kept):
-            if samples[i][0] == "code" and cfg.adaptive_timeouts:
+        code: dict[int, list[int]] = {}  # row -> indices of its code samples, to cut at the adaptive timeout
+        for i, (row, _) in enumerate(kept if cfg.adaptive_timeouts else []):
+            if samples[i][0] == "code":
                 code.setdefault(row, []).append(i)
         for mine in code.values():
             for i, t in zip(mine, adaptive_timeouts([samples[i][1] for i in mine], cfg.reward.code_timeout_s)):
