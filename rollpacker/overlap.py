@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from rollpacker.metrics import Timer
 
+
 @dataclass
 class Pending:
     """Rank 0: a batch generated and scored, waiting for its training step."""
