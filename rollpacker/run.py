@@ -400,22 +400,30 @@ def model_path(config: Config) -> Path:
 
 def train(config: Config) -> None:
     job = build(config)
-    rank0 = job.meshes.rank == 0
+    rank0, stop = job.meshes.rank == 0, None
     if job.meshes.disaggregated:  # one_step_off: the rollout pool generates the next batch while this one trains
         from rollpacker import overlap
 
         step = overlap.train(job)
     else:
+        from rollpacker import preempt
+
+        preempt.install()  # SIGUSR1/SIGTERM (Slurm): save after the current step and exit
         step = job.start_step
-        while step < config.num_steps and not job.meshes.broadcast(job.policy.done() if rank0 else None):
+        while step < config.num_steps:
+            done, stop = job.meshes.broadcast((job.policy.done(), preempt.requested()) if rank0 else None)
+            if done or stop:
+                break
             due = config.eval_every and step % config.eval_every == 0
             rl_step(job, step, evaluate(job, step) if due else {})
             step += 1
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 save(job, step)
     if step > job.start_step and not (config.checkpoint_every and step % config.checkpoint_every == 0):
-        save(job, step)  # the final state, also when the data ran out before num_steps (num_epochs)
-    if config.eval_every and job.engine is not None:
+        save(job, step)  # the final state, also when the data ran out before num_steps (num_epochs) or on a stop
+    if stop and rank0:
+        logger.info("stopped on %s after %d steps: checkpoint saved, resume with --resume auto", stop, step)
+    if config.eval_every and job.engine is not None and not stop:
         final = evaluate(job, step)
         if rank0:
             job.metrics.log(step, final)

@@ -86,6 +86,7 @@ def _work(conn: mp.connection.Connection, sandbox: SandboxConfig) -> None:
     """A worker's life: warm up, say ready (None), then score ``(kind, payload)`` until told None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwinds a sandbox run, which kills its sandbox
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's stop warning reaches every process: the trainer's (preempt)
     import math_verify  # noqa: F401  (sympy behind it: a second, not part of the first sample's time)
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is the kill
