@@ -467,6 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"rollpacker: config error: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if config.resume and os.environ.get("RANK", "0") == "0":
+        logger.info("resuming from %s", config.resume)
     train(config)
 
 
