@@ -1,10 +1,10 @@
 """The cluster path for real: launch/slurm/train.sbatch on a two-node Slurm brought up on this machine
-(launch/slurm/local-cluster.sh), 2 nodes x 1 rank with the toy model and tail batching. The job loses a
-training rank after its first checkpoint (SIGKILL: torchrun restarts the group), is then
-requeued (``scontrol requeue``: SIGTERM to every process, SIGKILL 10 s later), then sent the
+(launch/slurm/local-cluster.sh), 2 nodes x 1 rank with the toy model and tail batching. The job is
+requeued after its first checkpoint (``scontrol requeue``: SIGTERM to every process, SIGKILL 10 s later), then sent the
 time-limit warning (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@120``
 does): the workers save after the current step, exit and the script requeues the job. Each attempt
-resumes from the newest committed checkpoint; every prompt is trained exactly once.
+resumes from the newest committed checkpoint; every prompt is trained exactly once. A second job
+(one node, 2 ranks) loses a rank to SIGKILL: torchrun restarts the group, which resumes.
 
 Marked ``slurm`` (run by .ci/run after the default tier); skipped unless Slurm is installed and we
 are root. Also here, unmarked: the script's argument handling, through its dry run.
@@ -117,17 +117,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def cluster(tmp_path):
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The two-node cluster, up for this module's Slurm tests; its environment for sbatch."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
+    tmp_path = tmp_path_factory.mktemp("slurm")
     env = {**os.environ, "SLURM_LOCAL_DIR": str(tmp_path / "slurm")}
     up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=60)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        env["SLURM_CONF"] = str(tmp_path / "slurm" / "slurm.conf")
-        yield env
+        yield {**env, "SLURM_CONF": str(tmp_path / "slurm" / "slurm.conf"), "PYTHONPATH": str(ROOT),
+               "PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "OMP_NUM_THREADS": "1"}
     finally:
         subprocess.run(["bash", str(CLUSTER), "down"], env=env, capture_output=True, text=True, timeout=120)
 
@@ -169,7 +171,7 @@ def _events(log: str) -> list[tuple[str, int]]:
 def _job_processes(job: str, rank: int | None = None) -> dict[int, str]:
     """Processes whose environment says they belong to ``job`` (every process Slurm started for it),
     or only its training rank ``rank``: pid -> command line."""
-    wanted = {f"SLURM_JOB_ID={job}".encode()} | ({f"RANK={rank}".encode(), b"LOCAL_RANK=0"} if rank is not None else set())
+    wanted = {f"SLURM_JOB_ID={job}".encode()} | ({f"RANK={rank}".encode()} if rank is not None else set())
     found = {}
     for proc in Path("/proc").iterdir():
         try:
@@ -180,82 +182,108 @@ def _job_processes(job: str, rank: int | None = None) -> dict[int, str]:
     return found
 
 
+class Job:
+    """A toy run submitted with the real train.sbatch: its job id, run dir and log."""
+
+    def __init__(self, env: dict, tmp_path: Path, *sbatch_flags: str, **script_env: str):
+        self.env = {**env, "RDZV_PORT": str(_free_port()), **script_env}
+        self.run_dir, self.log_path = tmp_path / "run", tmp_path / "train.out"
+        submit = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=1", f"--output={self.log_path}",
+                                 *sbatch_flags, str(SBATCH), *ARGS, "--run-dir", str(self.run_dir)],
+                                cwd=tmp_path, env=self.env, capture_output=True, text=True)
+        assert submit.returncode == 0, submit.stderr
+        self.id = submit.stdout.strip().split(";")[0]
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def after_new_checkpoint(self, what: str, timeout: float = 120) -> None:
+        seen = set(_committed(self.run_dir))
+        _wait(f"a checkpoint after {what}", lambda: set(_committed(self.run_dir)) - seen, timeout)
+
+    def slurm(self, *argv: str) -> None:
+        run = subprocess.run([*argv, self.id], env=self.env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr + self.log()[-3000:]
+
+    def wait_end(self, timeout: float = 240) -> dict[str, str]:
+        _wait("the job to end", lambda: _job(self.env, self.id).get("JobState") in {"COMPLETED", "FAILED", "CANCELLED"},
+              timeout, poll=0.5)
+        return _job(self.env, self.id)
+
+    def check_resumes_and_ledger(self) -> list[tuple[str, int]]:
+        """Each resume went on from a committed checkpoint that the run had reached; the run ended
+        with every prompt trained exactly once and one metrics record per step. The log's events."""
+        events, committed = _events(self.log()), set(_committed(self.run_dir))
+        resumes = [i for i, (kind, _) in enumerate(events) if kind == "resume"]
+        for i, j in zip(resumes, [*resumes[1:], len(events)]):
+            k = events[i][1]
+            before = [n for kind, n in events[:i] if kind == "step"]
+            after = [n for kind, n in events[i:j] if kind == "step"]
+            assert k >= 1 and k in committed and before and before[-1] >= k - 1 and after and after[0] == k, (k, events)
+        num_steps = events[-1][1]
+        assert events[-1] == ("done", num_steps) and num_steps == max(committed), events
+        newest = self.run_dir / "checkpoints" / f"step_{num_steps}"
+        ledger = json.loads((newest / "train_state.json").read_text())["policy"]["ledger"]
+        rows = [row for _, row in ledger["trained"] + ledger["filtered"]]
+        assert sorted(rows) == list(range(NUM_ROWS)) and ledger["queue"] == [], ledger
+        records = {r["step"]: r for r in map(json.loads, (self.run_dir / "metrics.jsonl").read_text().splitlines())}
+        assert sorted(records) == list(range(num_steps))
+        assert sum(r["sched/trained_prompts"] for r in records.values()) == NUM_ROWS
+        assert _job_processes(self.id) == {}
+        return events
+
+
 @pytest.mark.slurm
-@pytest.mark.timeout(480)
-def test_two_node_job_survives_a_worker_kill_and_two_requeues(cluster, tmp_path):
-    env, run_dir, log_path = cluster, tmp_path / "run", tmp_path / "train.out"
-    env = {**env, "PYTHONPATH": str(ROOT), "PATH": f"{Path(sys.executable).parent}:{env['PATH']}",
-           "RDZV_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+@pytest.mark.timeout(420)
+def test_two_node_job_requeued_then_warned_resumes_and_trains_every_prompt_once(cluster, tmp_path):
     start = time.monotonic()
-    submit = subprocess.run(
-        ["sbatch", "--parsable", "--gpus-per-node=1", f"--output={log_path}", str(SBATCH), *ARGS,
-         "--run-dir", str(run_dir)], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
-    log = lambda: log_path.read_text() if log_path.exists() else ""  # noqa: E731
-
-    def after_new_checkpoint(what: str, timeout: float = 120) -> None:
-        seen = set(_committed(run_dir))
-        _wait(f"a checkpoint after {what}", lambda: set(_committed(run_dir)) - seen, timeout)
-
+    job = Job(cluster, tmp_path)
     try:
-        # attempt 1: SIGKILL training rank 1 (node 2) after the first checkpoint: torchrun restarts the group
-        _wait("the first committed checkpoint", lambda: _committed(run_dir), 240)
-        victim = _wait("rank 1's process", lambda: [pid for pid, cmd in _job_processes(job, rank=1).items()
-                                                     if "rollpacker.run" in cmd], 30)
-        for pid in victim:
-            os.kill(pid, 9)
-        _wait("the restarted group to resume", lambda: any(kind == "resume" for kind, _ in _events(log())), 120)
-        # then a requeue (SIGTERM to every process of the job, SIGKILL KillWait = 10 s later)
-        after_new_checkpoint("the restart")
-        requeue = subprocess.run(["scontrol", "requeue", job], env=env, capture_output=True, text=True)
-        assert requeue.returncode == 0, requeue.stderr + log()
+        # attempt 1: requeued after its first checkpoint (SIGTERM to every process, SIGKILL 10 s later)
+        _wait("the first committed checkpoint", lambda: _committed(job.run_dir), 240)
+        job.slurm("scontrol", "requeue")
         requeued_at = time.monotonic()
         # attempt 2: the time-limit warning (what --signal=B:USR1@120 sends), once it has saved a checkpoint
-        _wait("attempt 2", lambda: ("attempt", 2) in _events(log()), 120)
-        after_new_checkpoint("attempt 2 started")
-        warn = subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, capture_output=True, text=True)
-        assert warn.returncode == 0, warn.stderr + log()
-        _wait("the job to end", lambda: _job(env, job).get("JobState") in {"COMPLETED", "FAILED", "CANCELLED"},
-              240, poll=0.5)
+        _wait("attempt 2", lambda: ("attempt", 2) in _events(job.log()), 120)
+        job.after_new_checkpoint("attempt 2 started")
+        job.slurm("scancel", "--signal=USR1", "--batch")
+        info = job.wait_end()
         done_at = time.monotonic()
     finally:
-        subprocess.run(["scancel", job], env=env, capture_output=True)
-    text = log()
-    info = _job(env, job)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", (info, text[-5000:])
-
-    events = _events(text)
+        subprocess.run(["scancel", job.id], env=job.env, capture_output=True)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", (info, job.log()[-5000:])
+    events = job.check_resumes_and_ledger()
     attempts = [i for i, (kind, _) in enumerate(events) if kind == "attempt"]
-    assert [events[i][1] for i in attempts] == [1, 2, 3], events
     resumes = [i for i, (kind, _) in enumerate(events) if kind == "resume"]
-    # attempt 1 resumes once or more (the restarted group; a round whose peer was not back yet fails
-    # to connect and is restarted again), attempts 2 and 3 once each
-    assert attempts[0] < resumes[0] < attempts[1] < resumes[-2] < attempts[2] < resumes[-1], events
-    committed = set(_committed(run_dir))
-    for i, j in zip(resumes, [*resumes[1:], len(events)]):  # each went on from a committed checkpoint...
-        k = events[i][1]
-        before = [n for kind, n in events[:i] if kind == "step"]
-        after = [n for kind, n in events[i:j] if kind == "step"]
-        assert k >= 1 and k in committed and before and before[-1] >= k - 1, (k, events)  # ...the run had reached
-        assert not after or after[0] == k, (k, events)
+    assert [events[i][1] for i in attempts] == [1, 2, 3], events  # the log holds every attempt
+    assert attempts[0] < attempts[1] < resumes[0] < attempts[2] < resumes[1] and len(resumes) == 2, events
     stop = next(i for i, (kind, _) in enumerate(events) if kind == "usr1_stop")
-    saved = events[stop][1]  # the time-limit warning's save, in attempt 2, is where attempt 3 starts
+    saved = events[stop][1]  # the warning's save, in attempt 2, is where attempt 3 starts
     assert attempts[1] < stop < attempts[2] and events[stop + 1:stop + 4] == [
         ("done", saved), ("attempt", 3), ("resume", saved)], events
-    assert "requeueing job" in text
-    num_steps = events[-1][1]
-    assert events[-1] == ("done", num_steps) and num_steps == max(committed), events
+    assert "requeueing job" in job.log()
+    print(f"slurm requeue test: submit->done {done_at - start:.0f} s (requeue->done {done_at - requeued_at:.0f} s), "
+          f"{events[-1][1]} steps, resumed at {[events[i][1] for i in resumes]}")
 
-    newest = run_dir / "checkpoints" / f"step_{num_steps}"
-    ledger = json.loads((newest / "train_state.json").read_text())["policy"]["ledger"]
-    rows = [row for _, row in ledger["trained"] + ledger["filtered"]]
-    assert sorted(rows) == list(range(NUM_ROWS)) and ledger["queue"] == [], ledger
-    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-    assert sorted(records) == list(range(num_steps))
-    assert sum(r["sched/trained_prompts"] for r in records.values()) == NUM_ROWS
 
-    assert _job_processes(job) == {}
-    print(f"slurm test: submit->done {done_at - start:.0f} s (requeue->done {done_at - requeued_at:.0f} s), "
-          f"{num_steps} steps, resumed at {[events[i][1] for i in resumes]}, "
-          f"{len(resumes) - 2} round(s) for the worker restart")
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_killed_worker_is_restarted_by_torchrun_and_resumes(cluster, tmp_path):
+    """Rank 1 (the second node's) SIGKILLed after the first checkpoint: both nodes' torchrun restart
+    their workers in a new rendezvous round (no requeue), and the new group resumes."""
+    start = time.monotonic()
+    job = Job(cluster, tmp_path)
+    try:
+        _wait("the first committed checkpoint", lambda: _committed(job.run_dir), 240)
+        victim = _wait("rank 1's process", lambda: [pid for pid, cmd in _job_processes(job.id, rank=1).items()
+                                                     if "rollpacker.run" in cmd], 30)
+        for pid in victim:
+            os.kill(pid, signal.SIGKILL)
+        info = job.wait_end()
+    finally:
+        subprocess.run(["scancel", job.id], env=job.env, capture_output=True)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", (info, job.log()[-5000:])
+    events = job.check_resumes_and_ledger()
+    assert [kind for kind, _ in events].count("resume") == 1 and ("attempt", 2) not in events, events
+    print(f"slurm worker-restart test: submit->done {time.monotonic() - start:.0f} s, resumed at "
+          f"{[n for kind, n in events if kind == 'resume']}")
