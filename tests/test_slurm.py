@@ -4,7 +4,7 @@ requeued after its first checkpoint (``scontrol requeue``: SIGTERM to every proc
 time-limit warning (``scancel --signal=USR1 --batch``, what ``--signal=B:USR1@120``
 does): the workers save after the current step, exit and the script requeues the job. Each attempt
 resumes from the newest committed checkpoint; every prompt is trained exactly once. A second job
-(one node, 2 ranks) loses a rank to SIGKILL: torchrun restarts the group, which resumes.
+loses rank 1 (the second node's) to SIGKILL: torchrun restarts the group, which resumes.
 
 Marked ``slurm`` (run by .ci/run after the default tier); skipped unless Slurm is installed and we
 are root. Also here, unmarked: the script's argument handling, through its dry run.
@@ -157,8 +157,9 @@ def _events(log: str) -> list[tuple[str, int]]:
     """What the log says happened, in order: ("attempt", n) (train.sbatch's first line of an attempt),
     ("resume", k) (rank 0 resuming from checkpoints/step_k), ("step", n) (step n done), ("usr1_stop", n) (the
     time-limit warning's save after n steps) and ("done", n)."""
-    patterns = {"attempt": r"^train\.sbatch: job \d+ attempt (\d+)", "resume": r"rollpacker: resuming from \S*step_(\d+)$",
-                "step": r"^step (\d+) \|", "usr1_stop": r"rollpacker: stopped on SIGUSR1 after (\d+) steps",
+    patterns = {"attempt": r"^train\.sbatch: job \d+ attempt (\d+)",
+                "resume": r"rollpacker: resuming from \S*step_(\d+)$", "step": r"^step (\d+) \|",
+                "usr1_stop": r"rollpacker: stopped on SIGUSR1 after (\d+) steps",
                 "done": r"rollpacker: done after (\d+) steps"}
     events = []
     for line in log.splitlines():
