@@ -18,13 +18,13 @@ if not triton_available():
     pytest.skip("triton is not installed (launch/install.sh dev installs it)", allow_module_level=True)
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it once, on import: before anything imports it
-from rollpacker.kernels.logprobs import fused_token_logprobs  # noqa: E402
-from rollpacker.train.logprobs import resolve_impl, token_logprobs  # noqa: E402
+from conftest import torchrun
 
-from conftest import torchrun  # noqa: E402
+from rollpacker.kernels.logprobs import fused_token_logprobs
+from rollpacker.train.logprobs import resolve_impl, token_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCKS = dict(block_t=16, block_v=64, block_d=16)  # T=37, V=333, D=40 leave partial blocks on every axis
+BLOCKS = {"block_t": 16, "block_v": 64, "block_d": 16}  # T=37, V=333, D=40 leave partial blocks on every axis
 
 
 def reference(hidden, weight, targets, temperature, ignore_index=-100):
@@ -87,7 +87,7 @@ def test_logprobs_only_frozen_head_and_one_block():
 def test_bf16_inputs_give_fp32_logprobs_and_bf16_grads():
     hidden, weight, targets, (g_logp, _) = problem(seed=2, dtype=torch.bfloat16)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp, _ = fused_token_logprobs(h, w, targets, 1.0, **BLOCKS)
+    logp, _ = fused_token_logprobs(h, w, targets, 1.0, **BLOCKS, grad_weight_rows=100)  # 3 chunks and a part
     (logp.double().cpu() @ g_logp).backward()
     assert logp.dtype == torch.float32 and h.grad.dtype == w.grad.dtype == torch.bfloat16
     h64, w64 = hidden.double().cpu().requires_grad_(), weight.double().cpu().requires_grad_()
@@ -111,11 +111,18 @@ def test_trainer_hook_triton_equals_torch():
         close(a, b, name)
 
 
-def test_impl_choice_and_errors():
+def test_impl_choice_and_errors(monkeypatch):
+    from rollpacker.train.config import TrainConfig
+
     assert resolve_impl("auto", torch.device("cpu")) == "torch"
     assert resolve_impl("auto", torch.device("cuda")) == "triton"  # triton is installed here
     with pytest.raises(ValueError, match="logprobs_impl"):
         resolve_impl("cuda", torch.device("cpu"))
+    with pytest.raises(ValueError, match="train.logprobs_impl"):
+        TrainConfig(logprobs_impl="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="Triton needs CUDA"):
+        resolve_impl("triton", torch.device("cpu"))
     hidden, weight, targets, _ = problem()
     with pytest.raises(ValueError, match="block_v=48"):
         fused_token_logprobs(hidden, weight, targets, block_v=48)
@@ -126,3 +133,27 @@ def test_impl_choice_and_errors():
 def test_vocab_parallel_two_ranks():
     """The head split unevenly over 2 gloo ranks: same values and grads as the unsplit head."""
     assert "ok" in torchrun("kernels_tp.py", 2, timeout=240)
+
+
+def test_trainer_grads_with_the_kernel_equal_torch(toy_random_dir):
+    """The real trainer's gradients (toy model, tied head, temperature 0.8) with each impl."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Sample, Trainer
+
+    meshes = build_meshes(1, 0)
+    g = torch.Generator().manual_seed(0)
+    def ids(n: int) -> list[int]:
+        return torch.randint(2, 250, (n,), generator=g).tolist()
+
+    samples = [Sample(ids(p), ids(r), adv, [-1.0] * r) for p, r, adv in ((5, 9, 1.0), (3, 14, -0.5), (7, 4, 0.25))]
+    grads = {}
+    for impl in ("torch", "triton"):
+        trainer = Trainer(load_model(toy_random_dir), TrainConfig(logprobs_impl=impl), meshes.train, temperature=0.8)
+        trainer._backward(samples, trainer.ranks, sync_last=True)  # step() up to its optimizer step
+        grads[impl] = {k: p.grad.full_tensor() for k, p in trainer.model.named_parameters()}
+    head = "embed_tokens.weight"  # tied: the head's grad comes from the kernel
+    assert not torch.equal(grads["triton"][head], grads["torch"][head]), "the kernel did not run"
+    for name, expected in grads["torch"].items():
+        close(grads["triton"][name], expected, f"grad of {name}")

@@ -6,6 +6,9 @@ owns a block of tokens (forward, grad of hidden) or of vocab rows (grad of weigh
 ``[BLOCK_T, BLOCK_V]`` logit tiles from ``BLOCK_D`` slices of both operands, and keeps online
 max / sum-exp statistics (flash-attention style). Backward recomputes the tiles (three logit
 passes in all: forward, grad of hidden, grad of weight), so nothing ``[T, V]``-sized is saved.
+Extra memory: fp32 per-token statistics, an fp32 ``[T, D]`` hidden-grad accumulator, and for a
+bf16/fp16 head an fp32 scratch of ``grad_weight_rows`` vocab rows (an fp32 head's grad is its own
+accumulator): no fp32 copy of the weight, no ``[V, D]`` fp32 grad.
 The gradient of a tile is ``d/dz = g_logp * (onehot - p) - g_entropy * p * (z - E_p[z])``.
 
 Vocab-parallel: with ``group``, ``weight`` is this rank's contiguous slice of the vocab rows
@@ -28,8 +31,6 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 from torch import Tensor
-
-
 
 
 @triton.jit
@@ -156,7 +157,7 @@ def vocab_start(weight: Tensor, group: dist.ProcessGroup | None) -> int:
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, blocks):
+    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, blocks, grad_weight_rows):
         block_t, block_v, block_d = blocks
         (num_tokens, dim), vocab = hidden.shape, weight.shape[0]
         offset = vocab_start(weight, group)
@@ -179,6 +180,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         mean = lse - entropy  # E_p[z]
         ctx.save_for_backward(hidden, weight, targets, lse, mean, valid)
         ctx.temperature, ctx.group, ctx.offset, ctx.blocks = temperature, group, offset, blocks
+        ctx.grad_weight_rows = grad_weight_rows
         zero = torch.zeros_like(lse)
         return torch.where(valid, tgt - lse, zero), torch.where(valid, entropy, zero)
 
@@ -191,7 +193,8 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         glp = zero if grad_logp is None else torch.where(valid, grad_logp.float(), zero).contiguous()
         gent = zero if grad_entropy is None else torch.where(valid, grad_entropy.float(), zero).contiguous()
         args = (targets, lse, mean, glp, gent)
-        scalars = (hidden.stride(0), weight.stride(0), ctx.offset, 1.0 / ctx.temperature)
+        inv_temp = 1.0 / ctx.temperature
+        scalars = (hidden.stride(0), weight.stride(0), ctx.offset, inv_temp)
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_hidden = torch.zeros(num_tokens, dim, dtype=torch.float32, device=hidden.device)
@@ -201,24 +204,33 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             if ctx.group is not None:
                 dist.all_reduce(grad_hidden, group=ctx.group)
             grad_hidden = grad_hidden.to(hidden.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_weight = torch.zeros(vocab, dim, dtype=torch.float32, device=weight.device)
-            _grad_weight_kernel[(triton.cdiv(vocab, block_v),)](
-                hidden, weight, *args, grad_weight, num_tokens, vocab, dim, *scalars,
-                BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d)
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        if ctx.needs_input_grad[1]:  # fp32 accumulation; a non-fp32 weight's grad goes through a row-chunk scratch
+            fp32 = weight.dtype == torch.float32
+            grad_weight = torch.zeros_like(weight) if fp32 else torch.empty_like(weight)
+            step = vocab if fp32 else ctx.grad_weight_rows
+            scratch = grad_weight if fp32 else torch.empty(min(step, vocab), dim, dtype=torch.float32,
+                                                            device=weight.device)
+            for start in range(0, vocab, step):
+                rows = min(step, vocab - start)
+                out = scratch[:rows].zero_()
+                _grad_weight_kernel[(triton.cdiv(rows, block_v),)](
+                    hidden, weight[start:start + rows], *args, out, num_tokens, rows, dim, hidden.stride(0),
+                    weight.stride(0), ctx.offset + start, inv_temp, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d)
+                if not fp32:
+                    grad_weight[start:start + rows] = out
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
     group: dist.ProcessGroup | None = None, ignore_index: int = -100,
-    block_t: int = 64, block_v: int = 128, block_d: int = 64,
+    block_t: int = 64, block_v: int = 128, block_d: int = 64, grad_weight_rows: int = 8192,
 ) -> tuple[Tensor, Tensor]:
     """hidden [T, D], weight [V, D] (the output head, or this rank's vocab slice of it with ``group``),
     targets [T] (global ids) -> (log p(target) [T], entropy [T]), fp32; 0 where target == ignore_index.
 
-    Blocks are powers of two >= 16 (``tl.dot``'s minimum); any T, V, D work.
+    Blocks are powers of two >= 16 (``tl.dot``'s minimum); any T, V, D work. A bf16/fp16 weight's
+    grad is accumulated in fp32 ``grad_weight_rows`` vocab rows at a time (that much fp32 scratch).
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_token_logprobs: expected hidden [T, D] and weight [V, D], "
@@ -232,7 +244,10 @@ def fused_token_logprobs(
     for b, name in ((block_t, "block_t"), (block_v, "block_v"), (block_d, "block_d")):
         if b < 16 or b & (b - 1):
             raise ValueError(f"fused_token_logprobs: {name}={b} must be a power of two >= 16")
+    if grad_weight_rows < 1:
+        raise ValueError(f"fused_token_logprobs: grad_weight_rows={grad_weight_rows} must be >= 1")
     if temperature <= 0:
         raise ValueError(f"fused_token_logprobs: temperature={temperature} must be > 0")
     return _FusedTokenLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
-                                     float(temperature), group, ignore_index, (block_t, block_v, block_d))
+                                     float(temperature), group, ignore_index, (block_t, block_v, block_d),
+                                     grad_weight_rows)

@@ -4,10 +4,10 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors: before the kernels are defined
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from rollpacker.kernels.logprobs import fused_token_logprobs  # noqa: E402
+from rollpacker.kernels.logprobs import fused_token_logprobs
 
 
 def main() -> None:
