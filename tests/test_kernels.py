@@ -157,3 +157,22 @@ def test_trainer_grads_with_the_kernel_equal_torch(toy_random_dir):
     assert not torch.equal(grads["triton"][head], grads["torch"][head]), "the kernel did not run"
     for name, expected in grads["torch"].items():
         close(grads["triton"][name], expected, f"grad of {name}")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_bench_formulas_match_measured_bytes(dtype):
+    """The bench's bytes-from-shapes, against MemTracker on CPU: the kernel's within 1% (plus the
+    interpreter's host copies), the torch paths' in bf16 within 10% (small temporaries the formulas
+    leave out; in fp32 CPU matmuls add a transposed copy of the weight, which GPU ones do not)."""
+    from rollpacker.bench.logprobs import computed_bytes, interpreter_copy_bytes, run_path
+
+    elem = 2 if dtype == "bf16" else 4
+    sizes = (64, 32, 1024)  # tokens, hidden, vocab
+    for path in ("kernel", "torch", "reference"):
+        measured = run_path(path, *sizes, 16, dtype, "cpu")["peak_bytes"]
+        computed = computed_bytes(path, *sizes, 16, 8192, elem)
+        if path == "kernel":
+            computed += interpreter_copy_bytes(*sizes, elem)
+            assert abs(measured - computed) <= 0.01 * computed, (path, measured, computed)
+        elif dtype == "bf16":
+            assert abs(measured - computed) <= 0.1 * computed, (path, measured, computed)

@@ -6,12 +6,11 @@ tokens (8k), forward + backward of: ``reference`` (full ``[T, V]`` logits and au
 (``rollpacker.kernels``, vocab-tiled Triton). Bytes beyond the inputs are
 
 - computed from the shapes at the full size: the buffers each path allocates by design, in the
-  inputs' ``--dtype`` (bf16, as FSDP2 trains on GPU). For the torch paths this is a lower bound:
-  autograd and the allocator add a few more ``[chunk, V]`` temporaries (see the measured rows);
-- measured on CPU at ``--measure-*`` sizes, in fp32, with torch's ``MemTracker`` (every tensor
-  allocated inside, peak of the live total). The kernel runs under Triton's interpreter there,
-  which copies each launch's argument storages to host memory (about hidden + weight + the output
-  buffer at once), so its CPU number includes that; a GPU launch copies nothing;
+  inputs' ``--dtype`` (bf16, as FSDP2 trains on GPU; the torch paths upcast to fp32);
+- measured on CPU at ``--measure-*`` sizes with torch's ``MemTracker`` (every tensor allocated
+  inside; peak of the live total). The kernel runs under Triton's interpreter there, which holds a
+  host copy of the launch's hidden and weight storages during each launch, so its CPU number is
+  the computed one plus those copies (``interpreter_copy_bytes``); a GPU launch copies nothing;
 - on CUDA, measured at the full size with ``torch.cuda.max_memory_allocated``, with the time of
   forward + backward.
 
@@ -118,7 +117,7 @@ def run_path(path: str, tokens: int, hidden: int, vocab: int, chunk_size: int, d
 def measure(path: str, args: Args, *, full: bool, device: str) -> dict:
     """:func:`run_path` in a fresh process (kernel off CUDA: under TRITON_INTERPRET=1)."""
     sizes = ((args.tokens, args.hidden, args.vocab, args.chunk_size, args.dtype) if full else
-             (args.measure_tokens, args.measure_hidden, args.measure_vocab, args.measure_chunk_size, "fp32"))
+             (args.measure_tokens, args.measure_hidden, args.measure_vocab, args.measure_chunk_size, args.dtype))
     code = ("import json, sys; from rollpacker.bench.logprobs import run_path; "
             f"print(json.dumps(run_path({path!r}, *{sizes!r}, {device!r})))")
     env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
@@ -126,6 +125,11 @@ def measure(path: str, args: Args, *, full: bool, device: str) -> dict:
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interpreter_copy_bytes(tokens: int, hidden: int, vocab: int, elem: int) -> int:
+    """What Triton's interpreter adds to the kernel path on CPU: host copies of hidden and weight."""
+    return (tokens + vocab) * hidden * elem
 
 
 def gib(n: float) -> str:
@@ -151,17 +155,16 @@ def main(argv: list[str] | None = None) -> None:
               "peak_bytes_reference": full["reference"], "source": "computed", **asdict(args)}
 
     small = (args.measure_tokens, args.measure_hidden, args.measure_vocab, args.measure_chunk_size)
-    print(f"measured on CPU (MemTracker), fp32, {small[0]} tokens, head {small[1]} x {small[2]}, chunk {small[3]}:")
+    print(f"measured on CPU (MemTracker), {args.dtype}, {small[0]} tokens, head {small[1]} x {small[2]}, "
+          f"chunk {small[3]}:")
     measured_cpu = {}
     for p in PATHS:
         if p == "kernel" and not triton_available():
             print("  kernel: skipped (triton is not installed)")
             continue
         measured_cpu[p] = measure(p, args, full=False, device="cpu")
-        computed = computed_bytes(p, *small, args.grad_weight_rows, 4)
-        note = ""
-        if p == "kernel":  # the interpreter's host copies of hidden and weight, alive during a launch
-            note = f" + interpreter copies {(small[0] + small[2]) * small[1] * 4} bytes"
+        computed = computed_bytes(p, *small, args.grad_weight_rows, elem)
+        note = f" + interpreter copies {interpreter_copy_bytes(*small[:3], elem)}" if p == "kernel" else ""
         got = measured_cpu[p].get("peak_bytes")
         print(f"  {p:9s} measured {got if got is not None else measured_cpu[p]} bytes, "
               f"computed {computed} bytes{note}")
