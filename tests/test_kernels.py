@@ -8,6 +8,7 @@ of the blocks. The 2-rank vocab-parallel case runs on real gloo ranks (``tests/d
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -17,13 +18,18 @@ from rollpacker.kernels import triton_available
 if not triton_available():
     pytest.skip("triton is not installed (launch/install.sh dev installs it)", allow_module_level=True)
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it once, on import: before anything imports it
+    # Triton decorates its own jit helpers (tl.sum, tl.max) when imported: it must see this first.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("tests/test_kernels.py: triton was imported before TRITON_INTERPRET=1 could be set; "
+                           "set TRITON_INTERPRET=1 in the environment, or find the earlier import of triton")
+    os.environ["TRITON_INTERPRET"] = "1"
 from conftest import torchrun
 
 from rollpacker.kernels.logprobs import fused_token_logprobs
 from rollpacker.train.logprobs import resolve_impl, token_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="runs CPU tensors through Triton's interpreter")
 BLOCKS = {"block_t": 16, "block_v": 64, "block_d": 16}  # T=37, V=333, D=40 leave partial blocks on every axis
 
 
@@ -135,6 +141,7 @@ def test_vocab_parallel_two_ranks():
     assert "ok" in torchrun("kernels_tp.py", 2, timeout=240)
 
 
+@CPU_ONLY
 def test_trainer_grads_with_the_kernel_equal_torch(toy_random_dir):
     """The real trainer's gradients (toy model, tied head, temperature 0.8) with each impl."""
     from rollpacker.dist import build_meshes
@@ -159,6 +166,7 @@ def test_trainer_grads_with_the_kernel_equal_torch(toy_random_dir):
         close(grads["triton"][name], expected, f"grad of {name}")
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_bench_formulas_match_measured_bytes(dtype):
     """The bench's bytes-from-shapes, against MemTracker on CPU: the kernel's within 1% (plus the

@@ -2,7 +2,7 @@
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors: before the kernels are defined
+os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors; before triton is imported (it jit-decorates its helpers then)
 
 import torch
 import torch.distributed as dist
