@@ -12,16 +12,18 @@ accumulator): no fp32 copy of the weight, no ``[V, D]`` fp32 grad.
 The gradient of a tile is ``d/dz = g_logp * (onehot - p) - g_entropy * p * (z - E_p[z])``.
 
 Vocab-parallel: with ``group``, ``weight`` is this rank's contiguous slice of the vocab rows
-(ranks in order; slices may differ in size) and ``targets`` are global ids. Each rank's partial
-max, sum-exp, ``sum p * (z - max)`` and target logit are reduced across the group (one MAX, one
-SUM all-reduce of ``[3, T]``); backward all-reduces the hidden grad, whose vocab sum is split over
-ranks. ``hidden`` must be the same on every rank of the group.
+(ranks in order; slices may differ in size, found by one all-gather) and ``targets`` are global
+ids. Each rank's partial max, sum-exp, ``sum p * (z - max)`` and target logit are reduced across
+the group (a MAX all-reduce of ``[T]``, a SUM of ``[3, T]``); backward all-reduces the hidden
+grad, whose vocab sum is split over ranks. ``hidden`` must be the same on every rank of the group.
 
-How it differs from Liger-Kernel's fused linear cross-entropy (which we read, not copied): that
-one chunks tokens and materializes a ``[chunk, V]`` logits block in the input dtype (bf16 logits on
-GPU, which the trainer's importance ratios cannot afford), computes the gradient inside forward,
-and has no temperature, entropy or vocab-parallel head. Here logits are fp32 tiles in registers;
-operands are read in their own dtype. Targets equal to ``ignore_index`` give 0 and no gradient.
+How it differs from Liger-Kernel 0.8.5 (read, not copied): its fused linear cross-entropy chunks
+tokens only and materializes a ``[chunk, V]`` logits block in the input dtype (bf16 logits on GPU,
+~0.1-nat errors the trainer's importance ratios cannot afford), with no temperature, entropy or
+vocab-parallel head; its vocab-parallel cross-entropy starts from materialized logits; its fused
+GRPO loss (torch, seq x vocab chunks) owns the whole loss and its normalization. Here operands are
+read in their own dtype and multiplied in fp32 (no TF32). Targets equal to ``ignore_index`` give 0
+and no gradient.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w
         d_ok = dd < D
         h = tl.load(h_ptr + rows[:, None] * stride_h + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_w + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        # fp32 operands, no TF32. Native bf16 dots (exact products, fp32 accumulation) would use tensor
+        # cores, but Triton 3.9's interpreter computes them wrongly, so that path could not be tested here.
         acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     return acc * inv_temp
 
