@@ -11,6 +11,7 @@ BENCHES = {
     "schedulers": "rollpacker.bench.schedulers",
     "rewards": "rollpacker.bench.rewards",
     "planner": "rollpacker.bench.planner",
+    "logprobs": "rollpacker.bench.logprobs",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(kw_only=True)
@@ -43,6 +44,9 @@ class TrainConfig:
     """Ranks that FSDP2 shards one training replica over (HSDP: replicas = world / this); 0 = world."""
     mixed_precision: bool = True
     """bf16 compute with fp32 master weights and gradient reduction, on GPU only (CPU stays fp32)."""
+    logprobs_impl: Literal["auto", "triton", "torch"] = "auto"
+    """Token log-probs from the output head: triton (rollpacker.kernels, fused, vocab-tiled), torch
+    (chunked over tokens), auto (triton on CUDA when Triton is installed, torch elsewhere)."""
 
     def __post_init__(self) -> None:
         if self.advantage_norm not in ("group", "batch"):
@@ -51,6 +55,8 @@ class TrainConfig:
             raise ValueError(f"train.aggregation must be 'token' or 'seq-mean', got {self.aggregation!r}")
         if self.off_policy not in ("none", "is", "tis"):
             raise ValueError(f"train.off_policy must be 'none', 'is' or 'tis', got {self.off_policy!r}")
+        if self.logprobs_impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {self.logprobs_impl!r}")
         if self.tis_cap < 1:
             raise ValueError(f"train.tis_cap must be >= 1, got {self.tis_cap}")
         for name in ("lr", "micro_batch_tokens", "adam_eps"):

@@ -7,9 +7,10 @@ Materializing the fp32 logits of a whole micro-batch does not fit: a 152k vocabu
 forward (logits -> logsumexp and target logit, then discard) and in backward (recompute the chunk's
 logits, ``grad_logits = (onehot - softmax) * grad_out / temperature``, accumulate the hidden and
 weight grads), so peak extra memory is one ``[chunk_size, V]`` block plus one compute-dtype copy
-of ``weight`` and its grad accumulator (``[V, D]`` each; a vocab-tiled Triton kernel in
-``kernels/`` can avoid those). :func:`reference_token_logprobs` is the plain, full-materializing
-version the tests (and that kernel) compare against.
+of ``weight`` and its grad accumulator (``[V, D]`` each). ``impl="triton"`` runs the vocab-tiled
+kernel of :mod:`rollpacker.kernels.logprobs` instead (no logits block, no weight copy; fp32 grad
+accumulators only); ``auto`` picks it on CUDA when Triton is installed, this torch path elsewhere.
+:func:`reference_token_logprobs` is the plain, full-materializing version both are tested against.
 
 Logits are computed in fp32 (fp64 if the inputs are fp64, for gradcheck) whatever the input
 dtype: bf16 logits would put errors of ~0.1 nats into importance ratios. Grads come back in the
@@ -72,13 +73,35 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """``auto`` -> triton on CUDA when Triton is installed, else torch; triton is checked to be runnable."""
+    from rollpacker.kernels import interpreting, triton_available
+
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if impl == "triton" and not triton_available():
+        raise ValueError("train.logprobs_impl=triton: Triton is not installed (pip install triton), or use torch")
+    if impl == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(f"train.logprobs_impl=triton: tensors are on {device}; Triton needs CUDA "
+                         "(or TRITON_INTERPRET=1, the slow interpreter) -- use torch or auto")
+    return impl
+
+
 def token_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024,
+    impl: str = "torch",
 ) -> Tensor:
     """hidden [T, D], weight [V, D] (the LM head), targets [T] (int64) -> log p(target) [T] in fp32.
 
-    Same values and grads as :func:`reference_token_logprobs`, ``chunk_size`` rows at a time.
+    Same values and grads as :func:`reference_token_logprobs`: ``impl`` torch, ``chunk_size`` rows at
+    a time; triton, the fused kernel; auto, see :func:`resolve_impl`.
     """
+    if resolve_impl(impl, hidden.device) == "triton":
+        from rollpacker.kernels.logprobs import fused_token_logprobs
+
+        return fused_token_logprobs(hidden, weight, targets, temperature)[0]
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"expected hidden [T, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}"

@@ -182,7 +182,8 @@ class Trainer:
         targets = tokens[pick_t + 1]
         attn = CausalAttention([s.num_tokens for s in batch], self.device)
         return model(tokens, positions, attn,
-                     head=lambda h, w: token_logprobs(h[pick_t], w, targets, self.temperature))
+                     head=lambda h, w: token_logprobs(h[pick_t], w, targets, self.temperature,
+                                                     impl=self.config.logprobs_impl))
 
     def _loss(self, batch: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lengths = [len(s.response_ids) for s in batch]
