@@ -20,6 +20,7 @@ from pathlib import Path
 STAGES = ("time/rollout", "time/reward", "time/train", "time/weight_sync")
 LENGTHS = "rollout/response_lengths"
 REWARDS = ("reward/mean", "reward/accuracy", "eval/accuracy")
+SMOOTH = 10
 
 
 class ReportError(Exception):
@@ -104,16 +105,25 @@ def plot_response_lengths(records: list[dict], ax) -> bool:
 
 
 def plot_reward(records: list[dict], ax) -> bool:
-    drawn = False
+    """Each reward series against step; a long per-step series faint, with its running mean over
+    ``SMOOTH`` steps drawn over it (one step's batch is too small to read a trend from)."""
+    drawn = []
     for key in REWARDS:
         points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
-        if points:
-            ax.plot(*zip(*points), marker="o" if len(points) <= 50 else None, label=key)
-            drawn = True
+        if not points or points in drawn:  # reward/mean is reward/accuracy when rewards are 0 or 1
+            continue
+        steps, values = zip(*points)
+        if len(points) <= 50:
+            ax.plot(steps, values, marker="o", label=key)
+        else:
+            [line] = ax.plot(steps, values, alpha=0.3, lw=0.8)
+            means = [sum(values[max(0, i - SMOOTH + 1) : i + 1]) / min(i + 1, SMOOTH) for i in range(len(values))]
+            ax.plot(steps, means, color=line.get_color(), lw=2, label=f"{key} ({SMOOTH}-step mean)")
+        drawn.append(points)
     if drawn:
         ax.set(xlabel="step", title="reward")
         ax.legend(fontsize="small")
-    return drawn
+    return bool(drawn)
 
 
 PLOTS = {

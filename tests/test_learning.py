@@ -18,4 +18,9 @@ def test_default_toy_job_raises_heldout_accuracy(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     assert len(evals) >= 2
-    assert evals[-1] >= evals[0] + 0.03, f"held-out accuracy went {evals[0]:.3f} -> {evals[-1]:.3f}"
+    # Seed 0 measured +0.097 and +0.042 (README); the toy-model issue's targets are +0.15 and +0.10.
+    assert evals[-1] >= evals[0] + 0.06, f"held-out accuracy went {evals[0]:.3f} -> {evals[-1]:.3f}"
+    rewards = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r]
+    quarter = len(rewards) // 4
+    first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
+    assert last >= first + 0.02, f"training reward went {first:.3f} -> {last:.3f} (first -> last quarter)"

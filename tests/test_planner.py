@@ -142,7 +142,7 @@ def test_the_profiler_cli_writes_a_profile_the_planner_reads(tmp_path):
     assert profile["key"]["world"] == 1 and list(profile["tp"]) == ["1"]
     entry = profile["tp"]["1"]
     assert set(entry["decode_ms"]) == {"16", "40"} and set(entry["decode_ms"]["16"]) == {"1", "2"}
-    assert entry["kv_capacity_tokens"] > 0 and entry["kv_bytes_per_token"] == 2 * 4 * 2 * 24 * 4  # toy model, fp32
+    assert entry["kv_capacity_tokens"] > 0 and entry["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 4  # toy model, fp32
     assert best_tp(profile, [1], 16, 20, 50)[0] == 1
 
 
@@ -152,12 +152,12 @@ def test_switching_tp_between_steps_rolls_out_like_a_fixed_tp(tmp_path):
 
 
 def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
-    # A KV budget that TP 1 overflows (2 MiB less 1.65 MiB of weights per rank): the first
+    # A KV budget that TP 1 overflows (3.35 MiB less 2.90 MiB of weights per rank: 14 blocks): the first
     # preemptions double TP; one quiet step (quiet_steps 1) halves it again. Without the profile
     # guard, which would keep TP 1 here: on CPU gloo, TP 2 is the slower one.
     proc = launch("-m", "rollpacker.run", "--run-dir", str(tmp_path / "run"), "--num-steps", "5", *RUN,
                   "--plan.enabled", "--plan.initial-tp", "1", "--plan.quiet-steps", "1", "--plan.no-profile-guard",
-                  "--plan.profile-dir", str(tmp_path / "profiles"), "--engine.memory-mb", "2.0")
+                  "--plan.profile-dir", str(tmp_path / "profiles"), "--engine.memory-mb", "3.35")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     tps = [r["plan/rollout_tp"] for r in rows]
@@ -186,7 +186,7 @@ def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
 def test_planner_bench_smoke(capsys):
     from rollpacker.bench.__main__ import main
 
-    main(["planner", "--steps", "2", "--memory-mb", "2.0", "--", *RUN[:8], "--plan.profile-batches", "1", "4",
+    main(["planner", "--steps", "2", "--memory-mb", "3.35", "--", *RUN[:8], "--plan.profile-batches", "1", "4",
           "--plan.profile-contexts", "32", "--plan.profile-steps", "2"])
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
@@ -204,8 +204,8 @@ def test_engine_memory_mb_gives_the_kv_cache_what_the_weights_leave():
 
     model = load_model(toy_model_dir())
     weights = sum(p.nbytes for p in model.parameters())  # tied embedding counted once
-    block = 16 * 2 * 4 * 2 * 24 * 4  # tokens x (K, V) x layers x KV heads x head dim x fp32
-    engine = TorchEngine(model, EngineConfig(memory_mb=3.0))
-    assert engine.weight_bytes == weights and engine.num_blocks == (3 * 2**20 - weights) // block
-    with pytest.raises(ValueError, match=r"engine.memory_mb=1.5 \(this rank's weights: 1.65 MiB\) holds no"):
-        TorchEngine(load_model(toy_model_dir()), EngineConfig(memory_mb=1.5))
+    block = 16 * 2 * 4 * 2 * 32 * 4  # tokens x (K, V) x layers x KV heads x head dim x fp32
+    engine = TorchEngine(model, EngineConfig(memory_mb=4.0))
+    assert engine.weight_bytes == weights and engine.num_blocks == (4 * 2**20 - weights) // block
+    with pytest.raises(ValueError, match=r"engine.memory_mb=2.9 \(this rank's weights: 2.90 MiB\) holds no"):
+        TorchEngine(load_model(toy_model_dir()), EngineConfig(memory_mb=2.9))

@@ -113,3 +113,36 @@ def test_missing_toy_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
     report = toy_model.evaluate(path, num=4)
     assert [name for name, *_ in report] == ["2-3", "4-6", "7-12", "13-24", "25-48", "overall"]
     assert report[-1][1] == 4
+
+
+def test_shipped_model_logits_agree_across_engine_trainer_and_transformers():
+    """The shipped model is served identically by TorchEngine, the trainer's decoder and transformers'
+    Qwen2ForCausalLM: greedy tokens, engine log-probs and logits (fp32, CPU)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollpacker.model import CausalAttention
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.engine import Request, SamplingParams, generate
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    config = json.loads((TOY_MODEL_DIR / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] in (32, 64)  # vLLM's CPU attention sizes
+    tok = AutoTokenizer.from_pretrained(TOY_MODEL_DIR)
+    hf = AutoModelForCausalLM.from_pretrained(TOY_MODEL_DIR, dtype=torch.float32).eval()
+    ours = load_model(TOY_MODEL_DIR)
+    rows = toy.make_dataset(6, seed=11)
+    params = SamplingParams(max_new_tokens=80, temperature=0.0)
+    outs = generate(TorchEngine(load_model(TOY_MODEL_DIR), EngineConfig()),
+                    [Request(id=r["id"], prompt_ids=tok.encode(r["prompt"]), params=params) for r in rows])
+    for r in rows:
+        out = outs[r["id"]]
+        ids = torch.tensor(out.prompt_ids + out.token_ids)
+        with torch.no_grad():
+            hf_logits = hf(ids[None]).logits[0]
+            our_logits = ours.logits(ours(ids, torch.arange(len(ids)), CausalAttention([len(ids)])))
+        torch.testing.assert_close(our_logits, hf_logits, rtol=1e-5, atol=1e-4)
+        response = slice(len(out.prompt_ids) - 1, len(ids) - 1)  # positions that predict the response
+        assert hf_logits[response].argmax(-1).tolist() == out.token_ids
+        hf_logprobs = hf_logits[response].log_softmax(-1).gather(1, ids[1:, None][response]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs, rtol=0, atol=1e-4)

@@ -38,7 +38,7 @@ class Args:
     """RL steps per variant."""
     seed: int = 0
     """Seed of every variant (sampling, data order)."""
-    memory_mb: float = 3.0
+    memory_mb: float = 4.25
     """Engine memory per rank in MiB, weights included (--engine.memory-mb)."""
     train_shard_size: int = 0
     """--train.train-shard-size of every run (0 = FSDP over all ranks)."""
