@@ -24,15 +24,14 @@ requests than it can run admits those of the earliest groups, the ones training 
 
 from __future__ import annotations
 
-import collections
-import itertools
 import random
 import time
 from dataclasses import dataclass, field
 
 from rollpacker.dist import Meshes
 from rollpacker.rollout.engine import Engine, Output, Request, SamplingParams
-from rollpacker.schedule.base import Group, Policy, Round, request_id
+from rollpacker.schedule.base import Group, Policy, Round
+from rollpacker.schedule.round import Launch, RoundState
 from rollpacker.train.stream import StreamTrainer
 
 
@@ -99,48 +98,29 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
     group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
     if leader:
         plan = plan or policy.start_round(step)
-        owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, slot, response)
-        requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
-        slots: list[int] = []  # slot -> dataset row
         # replicas rolling out: all, or the first half after a scale-down (pipe: from the start)
-        active = stream.scale_down.kept_replicas if pipe else meshes.num_replicas
-        routed = itertools.count()
+        state = RoundState(step, plan, policy, stream.scale_down.kept_replicas if pipe else meshes.num_replicas)
+        requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
 
-        def route(req: Request) -> tuple[int, Request]:
-            replica = next(routed) % active
-            owner[req.id] = (replica, *owner[req.id][1:])
-            requests[req.id] = (req, len(trace))
-            return replica, req
-
-        def launch(new_rows: list[int]) -> list[tuple[int, Request]]:
+        def launch(launches: list[Launch]) -> list[tuple[int, Request]]:
             adds = []
-            for row in new_rows:
-                slot = len(slots)
-                slots.append(row)
-                ids = prompt_ids(row)
-                for k in range(plan.num_responses):
-                    rid = request_id(step, slot, k)
-                    earlier = plan.carried.get((slot, k))
-                    if earlier is not None and earlier.finish_reason != "abort":  # finished in an earlier round:
-                        rewards.submit(earlier.id, rows[row], earlier)  # not run again; scored for this round
-                        continue
-                    owner[rid] = (0, slot, k)
+            for new in launches:
+                ids = prompt_ids(new.row)
+                for earlier in new.rescore:  # finished in an earlier round: not run again; scored for this round
+                    rewards.submit(earlier.id, rows[new.row], earlier)
+                for _, rid, earlier in new.run:
                     params = SamplingParams(**{**vars(sampling), "seed": sampling_seed(seed, rid)})
-                    adds.append(route(Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
-                                              priority=slot if pipe else 0)))
+                    req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
+                                  priority=new.slot if pipe else 0)
+                    requests[rid] = (req, len(trace))
+                    adds.append((state.replica(rid), req))
             return adds
 
         trace: list[tuple[float, int]] = []
-        cmd = Command(add=launch(plan.prompts), scale_down=pipe)
-        outstanding = set(owner)
-        undecided: collections.deque[Output] = collections.deque()  # finished, not yet shown to the policy
-        scores: dict[str, float | None] = {}
+        cmd = Command(add=launch(state.launch(plan.prompts)), scale_down=pipe)
         last_finish = start
         tokens_done = 0
         aborted: list[Output] = []
-        complete: list[Group] = []  # complete groups not streamed yet
-        num_complete = 0
-        migrating: set[str] = set()
         scaled_at = start if pipe else 0.0
         migration = 0.0
         migrated_tokens = 0
@@ -174,72 +154,57 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         reports = [r for r in reports if r]
         trace.append((time.time(), sum(r.num_running for r in reports)))
         if stream and len(trace) > 1:  # seconds per engine step, by requests per replica (the throughput criterion)
-            stream.scale_down.step_cost.observe(trace[-2][1] / active, (trace[-1][0] - trace[-2][0]) / poll_steps)
+            stream.scale_down.step_cost.observe(trace[-2][1] / state.active,
+                                                (trace[-1][0] - trace[-2][0]) / poll_steps)
         adds: list[tuple[int, Request]] = []
-        if migration < 0 and not any(o.id in migrating for r in reports for o in r.aborted):
+        if migration < 0 and not any(o.id in state.migrating for r in reports for o in r.aborted):
             migration = time.time() - scaled_at  # the migrated requests are back and prefilled
         for out in (o for r in reports for o in r.aborted):
-            if out.id in migrating and out.id in outstanding:  # resumed on a kept replica by recomputation
+            if out.id in state.migrating and out.id in state.outstanding:  # resumed on a kept replica by recomputation
                 migrated_tokens += len(out.prompt_ids) + len(out.token_ids)
                 req = requests[out.id][0]
-                adds.append(route(Request(id=req.id, prompt_ids=req.prompt_ids, params=req.params, resume_from=out)))
+                req = Request(id=req.id, prompt_ids=req.prompt_ids, params=req.params, resume_from=out)
+                requests[req.id] = (req, len(trace))
+                adds.append((state.route(req.id), req))
             else:
                 aborted.append(out)
-            migrating.discard(out.id)
+            state.migrating.discard(out.id)
         finished = [out for r in reports for out in r.finished]
-        outstanding -= {out.id for out in finished}
+        state.finished(finished)
         for out in finished:
             tokens_done += len(out.token_ids)
-            rewards.submit(out.id, rows[slots[owner[out.id][1]]], out)
+            rewards.submit(out.id, rows[state.row(out.id)], out)
             if stream:
                 stream.scale_down.history.append(len(out.token_ids))
-        undecided += finished
         if finished:
             last_finish = time.time()
-        scores |= dict(rewards.wait() if policy.needs_rewards and not outstanding else rewards.poll())
-        done = scale_now = False
+        state.scored(rewards.wait() if state.needs_all_scores else rewards.poll())
+        scale_now = False
         to_abort: list[str] = []
-        if stream and not scaled_at and outstanding and stream.scale_down.consider(num_complete, plan.keep, lambda: [
+        if stream and not scaled_at and state.outstanding and stream.scale_down.consider(
+                state.num_complete, plan.keep, lambda: [
                 (len(requests[rid][0].prompt_ids), min(sampling.max_new_tokens, (len(trace) - requests[rid][1]) * poll_steps))
-                for rid in outstanding]):  # generated tokens: at most the engine steps since the request was added
-            scale_now, scaled_at, migration, active = True, time.time(), -1.0, stream.scale_down.kept_replicas
-            migrating = {rid for rid in outstanding if owner[rid][0] >= active}
-            to_abort += sorted(migrating)
+                for rid in state.outstanding]):  # generated tokens: at most the engine steps since the request was added
+            scale_now, scaled_at, migration = True, time.time(), -1.0
+            to_abort += state.scale_down(stream.scale_down.kept_replicas)
             fetching = True
-            stats = {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": num_complete / plan.keep}
+            stats = {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": state.num_complete / plan.keep}
         # The policy hears of responses in the order they finished (deterministic: the engines run
         # in lockstep), once scored if it needs rewards to decide (the zero-variance filter).
-        while undecided and (not policy.needs_rewards or undecided[0].id in scores):
-            out = undecided.popleft()
-            _, slot, k = owner[out.id]
-            decision = policy.on_finished(slot, k, out, scores.get(out.id) if policy.needs_rewards else None)
-            to_abort += [rid for rid in decision.abort if rid in outstanding and rid not in migrating]
-            outstanding -= set(decision.abort)
-            new = launch(decision.launch)
-            adds += new
-            outstanding |= {req.id for _, req in new}
-            complete += decision.complete
-            num_complete += len(decision.complete)
-            done |= decision.round_done
+        decisions = state.decide(resuming=bool(adds))
+        to_abort += decisions.abort
+        adds += launch(decisions.launch)
         if fetching:
-            fetching = _feed(stream, complete, scores, make_samples, plan.keep)
-        if not outstanding and not adds and not undecided:
-            done = True  # nothing left to run or decide: a policy that forgot to say so still ends its round
-        if done:
-            to_abort += sorted(outstanding - migrating)
-            outstanding.clear()
-        cmd = Command(add=adds, abort=[(owner[rid][0], rid) for rid in to_abort], final=done, scale_down=scale_now)
+            fetching = _feed(stream, state, make_samples)
+        cmd = Command(add=adds, abort=[(state.replica(rid), rid) for rid in to_abort], final=decisions.done,
+                      scale_down=scale_now)
         if on_progress:
-            on_progress(len(owner) - len(outstanding), tokens_done / (time.time() - start))
+            on_progress(state.num_launched - len(state.outstanding), tokens_done / (time.time() - start))
     if not leader:
         return None
     if stream and scaled_at:
         stream.close()
-    groups = policy.end_round(aborted)
-    if any(o.id not in scores for g in groups for o in g.outputs):
-        scores |= dict(rewards.wait())  # the exposed reward time: scoring what finished last
-    for g in groups:
-        g.rewards = [scores[o.id] for o in g.outputs]
+    groups = state.finish(aborted, wait=rewards.wait)  # the exposed reward time: scoring what finished last
     if stream:
         stats = {"stream/scaled_down": 0.0, "stream/trigger_completed_frac": 0.0, "time/migration": 0.0} | stats
         stats |= {"stream/streamed_groups": float(sum(g.streamed for g in groups))}
@@ -247,34 +212,24 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
             stats["time/migration"] = max(migration, 0.0)
             stream.scale_down.learn_migration(stats["time/migration"], migrated_tokens)
         stats |= {f"stream/projected_{k}_s": v for k, v in stream.scale_down.last.items()}  # the last look's
-    return RoundResult(kind=plan.kind, groups=groups, num_launched=len(owner), num_aborted=len(aborted),
+    return RoundResult(kind=plan.kind, groups=groups, num_launched=state.num_launched, num_aborted=len(aborted),
                        generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted)
                        - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),
                        running_trace=trace, start=start, last_finish=last_finish, end=time.time(),
                        num_preemptions=sum(preempted.values()), stream=stats)
 
 
-def _feed(stream: StreamTrainer, complete: list[Group], scores: dict, make_samples, keep: int) -> bool:
+def _feed(stream: StreamTrainer, state: RoundState, make_samples) -> bool:
     """Send the complete groups whose responses are all scored to the freed ranks once they have
     trained the last batch; False once fetching is over (a one-shot fetch, ``stream.fetch_cap``,
     happens once)."""
     if not stream.ready():
         return True
     cap = stream.config.fetch_cap
-    ready = [g for g in complete if all(o.id in scores for o in g.outputs)]
-    if cap:
-        ready = ready[:int(cap * keep)]
+    ready = state.take_complete(cap)
     if ready:
-        samples = []
-        for g in ready:
-            g.rewards = [scores[o.id] for o in g.outputs]
-            g.streamed = True
-            samples += make_samples(g)
-            complete.remove(g)
-        stream.feed(samples)
+        stream.feed([s for g in ready for s in make_samples(g)])
     return not cap
-
-
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base_preemptions: int,
            stream: StreamTrainer | None) -> Report:
     mine = meshes.replica

@@ -14,7 +14,10 @@ from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config
 from rollpacker.controller import _feed
 from rollpacker.plan.config import PlanConfig
-from rollpacker.schedule.base import Group
+from rollpacker.data.dataset import PromptSampler
+from rollpacker.schedule.base import Group, Round
+from rollpacker.schedule.round import RoundState
+from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
 from test_stream import per_group, run
@@ -41,14 +44,16 @@ def group(slot: int) -> Group:
 
 def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     """Scripted: groups complete in the order 2, 0, 1, 3; group 0's second response is scored late."""
-    stream, complete, scores = FakeStream(), [], {}
+    stream = FakeStream()
+    state = RoundState(0, Round("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
+    complete, scores = state.complete, state.scores
     make = lambda g: [g.prompt]  # noqa: E731: one "sample" per group, its slot
     groups = {s: group(s) for s in range(4)}
 
     def completes(slot: int, scored: bool = True) -> None:
         complete.append(groups[slot])
         scores.update({o.id: 1.0 for o in groups[slot].outputs[:2 if scored else 1]})
-        assert _feed(stream, complete, scores, make, keep=4)  # fetching goes on all round
+        assert _feed(stream, state, make)  # fetching goes on all round
 
     completes(2)  # the train pool is idle: group 2 goes at once, alone
     assert stream.batches == [[2]] and groups[2].streamed and groups[2].rewards == [1.0, 1.0]
@@ -60,7 +65,7 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     assert stream.batches == [[2], [1, 3]] and complete == [groups[0]]  # group 0 is not scored yet
     scores["0:1"] = 0.0
     stream.busy = False
-    _feed(stream, complete, scores, make, keep=4)
+    _feed(stream, state, make)
     assert stream.batches == [[2], [1, 3], [0]] and not complete and groups[0].rewards == [1.0, 0.0]
 
 
