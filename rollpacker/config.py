@@ -18,12 +18,12 @@ from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.rollout.config import EngineConfig
+from rollpacker.schedule import POLICIES
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "toy-cpu"
-POLICIES = ("sync", "tail", "sorted", "sorted_partial", "one_step_off")
 
 
 @dataclass(kw_only=True)
@@ -38,6 +38,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+
+    def directory(self) -> Path:
+        """``path``, or the shipped toy model's directory when it is empty."""
+        if self.path:
+            return Path(self.path)
+        from rollpacker.data.toy_model import toy_model_dir
+
+        return toy_model_dir()
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ import pytest
 from conftest import torchrun
 from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config
-from rollpacker.controller import _feed
+from rollpacker.round import _feed
 from rollpacker.plan.config import PlanConfig
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.schedule.base import Group, Round

@@ -248,7 +248,7 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
     """Through the real controller (one rank, an engine that adds one token per step)."""
     from test_sim import InstantRewards, LengthTableEngine, OneReplica
 
-    from rollpacker.controller import run_round
+    from rollpacker.round import run_round
     from rollpacker.rollout.engine import SamplingParams
 
     class ResumingEngine(LengthTableEngine):

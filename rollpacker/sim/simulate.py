@@ -1,7 +1,8 @@
 """The simulated job: the real scheduling policies driven through simulated engine replicas.
 
-:func:`simulate_round` is :func:`rollpacker.controller.run_round` with simulated time: the same
-policy object gets the same calls in the same order. Requests are routed round-robin per request
+:func:`simulate_round` is :func:`rollpacker.round.run_round` with simulated time: both drive a
+:class:`~rollpacker.schedule.round.RoundState`, so the same policy object gets the same calls in the
+same order. Requests are routed round-robin per request
 over the replicas; every finished response is handed to ``policy.on_finished`` in completion-time
 order (responses finishing at the same instant in replica order, as the controller gathers
 them), with its reward when the policy ``needs_rewards`` and None otherwise; the policy's aborts
@@ -450,7 +451,7 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
         cost = replace(base, tp=tp)
         replicas = build_replicas(cost, cfg.rollout_pool // tp, max_num_seqs=cfg.max_num_seqs,
                                   max_prefill_tokens=cfg.max_prefill_tokens, record=record)
-        if cfg.stream and (stream is None or switched):  # as run.py: rebuilt on a TP switch, the histories kept
+        if cfg.stream and (stream is None or switched):  # as Job.switch_tp: rebuilt on a TP switch, the histories kept
             histories = stream.histories if stream else {}
             # the paper's KV-fit criterion: the throughput one learns from measured polls, which a simulation has not
             stream = ScaleDown(replace(cfg.stream_config, criterion="kv"), num_replicas=len(replicas),

@@ -1,6 +1,6 @@
 """Run on 2 gloo ranks by tests/test_pipe.py: under ``schedule.pipe`` the train pool never rolls out.
 
-Two RL steps of the real job (``rollpacker.run.build`` and ``rl_step``, the shipped toy model);
+Two RL steps of the real job (``rollpacker.job.build`` and ``rl_step``, the shipped toy model);
 then rank 1 (the train pool) has generated no token and holds no KV cache, rank 0 (the rollout
 pool) generated the round and its stream trainer fed rank 1 something.
 """
@@ -10,7 +10,8 @@ import sys
 import torch.distributed as dist
 
 from rollpacker.config import parse
-from rollpacker.run import build, rl_step
+from rollpacker.job import build
+from rollpacker.loops.colocated import rl_step
 
 
 def main(run_dir: str) -> None:
@@ -26,8 +27,7 @@ def main(run_dir: str) -> None:
     rank = job.meshes.rank
     if rank == 0:
         assert job.engine.num_generated_tokens > 0
-        for close in (job.rewards.close, job.metrics.close, job.display.close):
-            close()
+        job.close()
     else:
         assert job.engine.num_generated_tokens == 0, job.engine.num_generated_tokens
         assert job.engine.cache is None, "the train pool's KV cache should stay released"

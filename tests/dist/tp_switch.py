@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from rollpacker.config import parse
 from rollpacker.rollout.engine import Request, SamplingParams, generate
-from rollpacker.run import build, rl_step, switch_tp
+from rollpacker.job import build
+from rollpacker.loops.colocated import rl_step
 
 
 def job_run(run_dir: str, tps: list[int]) -> tuple[list[dict], list[float], float, list[tuple]]:
@@ -24,7 +25,7 @@ def job_run(run_dir: str, tps: list[int]) -> tuple[list[dict], list[float], floa
     first = [p.full_tensor().clone() for p in job.trainer.model.parameters()]
     greedy, losses, engines = [], [], []
     for step, tp in enumerate(tps):
-        switch_tp(job, tp)
+        job.switch_tp(tp)
         engines.append((job.meshes.rollout_tp.size(), job.meshes.num_replicas, job.engine.tp_group is not None))
         stats = {}
         rl_step(job, step, stats)
@@ -33,9 +34,7 @@ def job_run(run_dir: str, tps: list[int]) -> tuple[list[dict], list[float], floa
         reqs = [Request(id=str(i), prompt_ids=list(range(3, 9 + 3 * i)), params=params) for i in range(4)]
         greedy.append({k: o.token_ids for k, o in generate(job.engine, reqs).items()})
     moved = max((p.full_tensor() - q).abs().max().item() for p, q in zip(job.trainer.model.parameters(), first))
-    if job.meshes.rank == 0:
-        job.rewards.close()
-        job.metrics.close()
+    job.close()
     return greedy, losses, moved, engines
 
 

@@ -3,7 +3,7 @@ next batch while a training pool trains this one.
 
 The first ``schedule.rollout_ranks`` ranks (rank 0, the controller, among them) hold the engines;
 the others hold the FSDP2 trainer, sharded over them alone (``Meshes.train``). Every rank runs
-:func:`train`. Step k, from the step boundary:
+:func:`run`. Step k, from the step boundary:
 
 1. **Boundary** (collective over all ranks): rank 0 sends batch k (generated during step k−1,
    scored, with its advantages) to the training pool (``Meshes.handoff``: the other rollout ranks
@@ -44,7 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rollpacker.job import Job
+from rollpacker.loops.colocated import evaluate, generate
 from rollpacker.metrics import Timer
+from rollpacker.model import engine_dtype
 
 
 @dataclass
@@ -62,11 +65,9 @@ class Pending:
     """Seconds the rollout pool evaluated before generating the batch."""
 
 
-def train(job) -> int:
+def run(job: Job) -> int:
     """Run ``one_step_off`` from ``job.start_step``; returns the number of steps taken (the
     engines then hold the final weights)."""
-    from rollpacker.run import save
-
     cfg, meshes = job.config, job.meshes
     rank0, rolls = meshes.rank == 0, meshes.rank in meshes.rollout_ranks
     lead = meshes.train_ranks[0]
@@ -95,7 +96,7 @@ def train(job) -> int:
                 push_weights(job)
                 weights_step = step
         if cfg.checkpoint_every and step > job.start_step and step % cfg.checkpoint_every == 0:
-            save(job, step, policy_state=pending.policy_state if rank0 and pending else None)
+            job.save(step, policy_state=pending.policy_state if rank0 and pending else None)
         if not more:
             return step
         # 2. both pools at once: the rollout pool generates batch step+1, the training pool trains batch step
@@ -112,45 +113,43 @@ def train(job) -> int:
         step += 1
 
 
-def _evaluate_and_generate(job, step: int, weights_step: int,
+def _evaluate_and_generate(job: Job, step: int, weights_step: int,
                            evaluate_first: bool) -> tuple[dict[str, float], Pending | None]:
     """Collective over the rollout pool: with ``evaluate_first``, the evaluation of the weights of
     ``weights_step`` when that step is due for one (its metrics belong to step ``weights_step``);
     then, if rank 0 says round ``step`` is due, the round generated and scored, on rank 0."""
-    from rollpacker.run import evaluate, generate
-
-    cfg, meshes, rank0 = job.config, job.meshes, job.meshes.rank == 0
+    cfg, meshes, ctl = job.config, job.meshes, job.controller
     timer = Timer()
     with timer("paused"):
         due = evaluate_first and cfg.eval_every and weights_step % cfg.eval_every == 0
         evaluated = evaluate(job, weights_step) if due else {}
-    due = step < cfg.num_steps and not job.policy.done() if rank0 else None
+    due = step < cfg.num_steps and not ctl.policy.done() if ctl else None
     if not meshes.broadcast(due, meshes.rollout_control):
         return evaluated, None
     plan = state = None
-    if rank0:
-        state = copy.deepcopy(job.policy.state_dict())
-        job.policy.weights_step = weights_step
-        plan = job.policy.start_round(step)
+    if ctl:
+        state = copy.deepcopy(ctl.policy.state_dict())
+        ctl.policy.weights_step = weights_step
+        plan = ctl.policy.start_round(step)
     batch, _, stats = generate(job, step, plan, timer)
-    if not rank0:
+    if not ctl:
         return evaluated, None
     times = timer.pop()
     return evaluated, Pending(step, batch, stats | {k: times[k] for k in ("time/rollout", "time/reward")}, state,
                               times["time/paused"])
 
 
-def _log(job, step: int, pending: Pending, report: dict[str, float]) -> None:
+def _log(job: Job, step: int, pending: Pending, report: dict[str, float]) -> None:
     """Rank 0: step ``step``'s metrics, its batch's and the training pool's. The evaluation that
     paused the rollout pool before generating the batch is taken off the training pool's wait."""
     stats = pending.stats | report
     stats["time/wait_prev_gen"] = max(0.0, report["time/wait_prev_gen"] - pending.paused)
     stats["time/step"] = stats["time/wait_prev_gen"] + report["time/weight_sync"] + report["time/train"]
-    job.metrics.log(step, stats)
-    job.display.end_step(stats)
+    job.controller.metrics.log(step, stats)
+    job.controller.display.end_step(stats)
 
 
-def check_weights(job) -> None:
+def check_weights(job: Job) -> None:
     """Collective, once: the training pool's parameters must be the engines' (names and shapes, in
     order), since :func:`push_weights` sends them by position."""
     meshes = job.meshes
@@ -161,15 +160,13 @@ def check_weights(job) -> None:
         raise RuntimeError(f"one_step_off: the trainer's parameters {theirs} are not the engine's {names}")
 
 
-def push_weights(job) -> None:
+def push_weights(job: Job) -> None:
     """Collective over all ranks: every parameter of the training pool's model, gathered whole from
     its FSDP2 shards (``full_tensor``, collective over the training pool), is broadcast by the
     pool's first rank to the rollout pool over ``Meshes.weights`` in the engines' dtype, where each
     engine keeps its TP slice."""
-    from rollpacker.run import engine_dtype
-
     meshes = job.meshes
-    lead, dtype = meshes.train_ranks[0], engine_dtype(job.config, meshes.device)
+    lead, dtype = meshes.train_ranks[0], engine_dtype(job.config.model.dtype, meshes.device)
     if job.trainer is not None:
         for _, param in job.trainer.model.named_parameters():
             full = param.full_tensor()
