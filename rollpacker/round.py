@@ -92,52 +92,23 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
               on_progress=None, stream: StreamTrainer | None = None, make_samples=None,
               plan: Round | None = None) -> RoundResult | str | None:
     """Collective over all ranks. Rank 0 gets the :class:`RoundResult`, freed ranks :data:`FREED`,
-    the others None. On rank 0: the
-    ``policy``; the data ``rows`` and ``prompt_ids`` (row index -> token ids); ``rewards``, a
-    :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores each response as it
-    finishes (a policy that ``needs_rewards`` hears of a response once it is scored); ``sampling``;
-    with a ``stream`` trainer (on every rank), ``make_samples(group)``: the trainer samples of a
-    complete, scored group; ``plan``, the round when the caller already asked the policy for it."""
-    leader = meshes.rank == 0
-    pipe = bool(stream and stream.pipe)  # RolloutPipe: fixed pools, the train pool serves from the start
+    the others None. On rank 0: the ``policy``; the data ``rows`` and ``prompt_ids`` (row index ->
+    token ids); ``rewards``, a :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores
+    each response as it finishes (a policy that ``needs_rewards`` hears of a response once it is
+    scored); ``sampling``; with a ``stream`` trainer (on every rank), ``make_samples(group)``: the
+    trainer samples of a complete, scored group; ``plan``, the round when the caller already asked
+    the policy for it."""
     start = time.time()
     base_preemptions = engine.stats().num_preemptions
-    group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
-    if leader:
-        plan = plan or policy.start_round(step)
-        # replicas rolling out: all, or the first half after a scale-down (pipe: from the start)
-        state = RoundState(step, plan, policy, stream.scale_down.kept_replicas if pipe else meshes.num_replicas)
-        requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
-
-        def launch(launches: list[Launch]) -> list[tuple[int, Request]]:
-            adds = []
-            for new in launches:
-                ids = prompt_ids(new.row)
-                for earlier in new.rescore:  # finished in an earlier round: not run again; scored for this round
-                    rewards.submit(earlier.id, rows[new.row], earlier)
-                for _, rid, earlier in new.run:
-                    params = SamplingParams(**{**vars(sampling), "seed": sampling_seed(seed, rid)})
-                    req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
-                                  priority=new.slot if pipe else 0)
-                    requests[rid] = (req, len(trace))
-                    adds.append((state.replica(rid), req))
-            return adds
-
-        trace: list[tuple[float, int]] = []
-        cmd = Command(add=launch(state.launch(plan.prompts)), scale_down=pipe)
-        last_finish = start
-        tokens_done = 0
-        aborted: list[Output] = []
-        scaled_at = start if pipe else 0.0
-        migration = 0.0
-        migrated_tokens = 0
-        fetching = pipe
-        stats: dict[str, float] = {}
-        preempted: dict[int, int] = {}  # rank -> preemptions this round
-    else:
-        cmd = None
+    leader = None
+    if meshes.rank == 0:
+        leader = _Leader(step, plan or policy.start_round(step), policy, meshes.num_replicas, poll_steps, start,
+                         rows=rows, prompt_ids=prompt_ids, rewards=rewards, sampling=sampling, seed=seed,
+                         on_progress=on_progress, stream=stream, make_samples=make_samples)
+    cmd = leader.first_command() if leader else None
     if stream:
-        stream.start_round(plan.kind if leader else "")
+        stream.start_round(leader.state.plan.kind if leader else "")
+    group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
     while True:
         cmd = meshes.broadcast(cmd, group)
         report = _apply(cmd, meshes, engine, poll_steps, base_preemptions, stream)
@@ -147,79 +118,130 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
                 return FREED
             group = meshes.kept_control
         if cmd.final:
-            if leader:
-                aborted += [o for r in reports if r for o in r.aborted]
-            break
-        if not leader:
-            cmd = None
-            continue
-        preempted |= {rank: r.num_preemptions for rank, r in enumerate(reports) if r}  # freed replicas: their last count
+            return leader.finish(reports) if leader else None
+        cmd = leader.on_reports(reports) if leader else None
+
+
+class _Leader:
+    """Rank 0's side of a round: the :class:`RoundState`, the engine requests, the running trace,
+    and, with a stream trainer, its scale-down, the migration and the feeding of the freed ranks."""
+
+    def __init__(self, step: int, plan: Round, policy: Policy, num_replicas: int, poll_steps: int, start: float, *,
+                 rows, prompt_ids, rewards, sampling, seed, on_progress, stream, make_samples):
+        self.pipe = bool(stream and stream.pipe)  # RolloutPipe: fixed pools, the train pool serves from the start
+        # replicas rolling out: all, or the first half after a scale-down (pipe: from the start)
+        self.state = RoundState(step, plan, policy, stream.scale_down.kept_replicas if self.pipe else num_replicas)
+        self.poll_steps, self.rows, self.prompt_ids, self.rewards = poll_steps, rows, prompt_ids, rewards
+        self.sampling, self.seed, self.on_progress = sampling, seed, on_progress
+        self.stream, self.make_samples = stream, make_samples
+        self.requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
+        self.trace: list[tuple[float, int]] = []
+        self.start = self.last_finish = start
+        self.tokens_done = 0
+        self.aborted: list[Output] = []
+        self.preempted: dict[int, int] = {}  # rank -> preemptions this round
+        # the stream trainer's side
+        self.scaled_at = start if self.pipe else 0.0
+        self.migration = 0.0  # -1: migrated requests not back yet
+        self.migrated_tokens = 0
+        self.fetching = self.pipe
+        self.stats: dict[str, float] = {}
+
+    def first_command(self) -> Command:
+        return Command(add=self.launch(self.state.launch(self.state.plan.prompts)), scale_down=self.pipe)
+
+    def launch(self, launches: list[Launch]) -> list[tuple[int, Request]]:
+        adds = []
+        for new in launches:
+            ids = self.prompt_ids(new.row)
+            for earlier in new.rescore:  # finished in an earlier round: not run again; scored for this round
+                self.rewards.submit(earlier.id, self.rows[new.row], earlier)
+            for _, rid, earlier in new.run:
+                params = SamplingParams(**{**vars(self.sampling), "seed": sampling_seed(self.seed, rid)})
+                req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
+                              priority=new.slot if self.pipe else 0)
+                self.requests[rid] = (req, len(self.trace))
+                adds.append((self.state.replica(rid), req))
+        return adds
+
+    def on_reports(self, reports: list[Report | None]) -> Command:
+        """The next command, from the replica leaders' reports (None from the other ranks)."""
+        state, stream = self.state, self.stream
+        self.preempted |= {rank: r.num_preemptions for rank, r in enumerate(reports) if r}  # freed: their last count
         reports = [r for r in reports if r]
-        trace.append((time.time(), sum(r.num_running for r in reports)))
-        if stream and len(trace) > 1:  # seconds per engine step, by requests per replica (the throughput criterion)
-            stream.scale_down.step_cost.observe(trace[-2][1] / state.active,
-                                                (trace[-1][0] - trace[-2][0]) / poll_steps)
-        adds: list[tuple[int, Request]] = []
-        if migration < 0 and not any(o.id in state.migrating for r in reports for o in r.aborted):
-            migration = time.time() - scaled_at  # the migrated requests are back and prefilled
-        for out in (o for r in reports for o in r.aborted):
-            if out.id in state.migrating and out.id in state.outstanding:  # resumed on a kept replica by recomputation
-                migrated_tokens += len(out.prompt_ids) + len(out.token_ids)
-                req = requests[out.id][0]
-                req = Request(id=req.id, prompt_ids=req.prompt_ids, params=req.params, resume_from=out)
-                requests[req.id] = (req, len(trace))
-                adds.append((state.route(req.id), req))
-            else:
-                aborted.append(out)
-            state.migrating.discard(out.id)
+        self.trace.append((time.time(), sum(r.num_running for r in reports)))
+        if stream and len(self.trace) > 1:  # seconds per engine step, by requests per replica (throughput criterion)
+            (t0, running), (t1, _) = self.trace[-2:]
+            stream.scale_down.step_cost.observe(running / state.active, (t1 - t0) / self.poll_steps)
+        aborted = [o for r in reports for o in r.aborted]
+        if self.migration < 0 and not any(o.id in state.migrating for o in aborted):
+            self.migration = time.time() - self.scaled_at  # the migrated requests are back and prefilled
+        adds = [self.resume(out) for out in aborted if out.id in state.migrating and out.id in state.outstanding]
+        self.aborted += [out for out in aborted if not (out.id in state.migrating and out.id in state.outstanding)]
+        state.migrating -= {out.id for out in aborted}
         finished = [out for r in reports for out in r.finished]
         state.finished(finished)
         for out in finished:
-            tokens_done += len(out.token_ids)
-            rewards.submit(out.id, rows[state.row(out.id)], out)
+            self.tokens_done += len(out.token_ids)
+            self.rewards.submit(out.id, self.rows[state.row(out.id)], out)
             if stream:
                 stream.scale_down.history.append(len(out.token_ids))
         if finished:
-            last_finish = time.time()
-        state.scored(rewards.wait() if state.needs_all_scores else rewards.poll())
-        scale_now = False
-        to_abort: list[str] = []
-        if stream and not scaled_at and state.outstanding and stream.scale_down.consider(
-                state.num_complete, plan.keep, lambda: [
-                (len(requests[rid][0].prompt_ids), min(sampling.max_new_tokens, (len(trace) - requests[rid][1]) * poll_steps))
-                for rid in state.outstanding]):  # generated tokens: at most the engine steps since the request was added
-            scale_now, scaled_at, migration = True, time.time(), -1.0
-            to_abort += state.scale_down(stream.scale_down.kept_replicas)
-            fetching = True
-            stats = {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": state.num_complete / plan.keep}
+            self.last_finish = time.time()
+        state.scored(self.rewards.wait() if state.needs_all_scores else self.rewards.poll())
+        scale_now = bool(stream and not self.scaled_at and state.outstanding and self.consider_scale_down())
+        to_abort = state.scale_down(stream.scale_down.kept_replicas) if scale_now else []
         # The policy hears of responses in the order they finished (deterministic: the engines run
         # in lockstep), once scored if it needs rewards to decide (the zero-variance filter).
         decisions = state.decide(resuming=bool(adds))
-        to_abort += decisions.abort
-        adds += launch(decisions.launch)
-        if fetching:
-            fetching = _feed(stream, state, make_samples)
-        cmd = Command(add=adds, abort=[(state.replica(rid), rid) for rid in to_abort], final=decisions.done,
-                      scale_down=scale_now)
-        if on_progress:
-            on_progress(state.num_launched - len(state.outstanding), tokens_done / (time.time() - start))
-    if not leader:
-        return None
-    if stream and scaled_at:
-        stream.close()
-    groups = state.finish(aborted, wait=rewards.wait)  # the exposed reward time: scoring what finished last
-    if stream:
-        stats = {"stream/scaled_down": 0.0, "stream/trigger_completed_frac": 0.0, "time/migration": 0.0} | stats
-        stats |= {"stream/streamed_groups": float(sum(g.streamed for g in groups))}
-        if scaled_at:
-            stats["time/migration"] = max(migration, 0.0)
-            stream.scale_down.learn_migration(stats["time/migration"], migrated_tokens)
-        stats |= {f"stream/projected_{k}_s": v for k, v in stream.scale_down.last.items()}  # the last look's
-    return RoundResult(kind=plan.kind, groups=groups, num_launched=state.num_launched, num_aborted=len(aborted),
-                       generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted)
-                       - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),
-                       running_trace=trace, start=start, last_finish=last_finish, end=time.time(),
-                       num_preemptions=sum(preempted.values()), stream=stats)
+        adds += self.launch(decisions.launch)
+        if self.fetching:
+            self.fetching = _feed(stream, state, self.make_samples)
+        if self.on_progress:
+            self.on_progress(state.num_launched - len(state.outstanding), self.tokens_done / (time.time() - self.start))
+        return Command(add=adds, abort=[(state.replica(rid), rid) for rid in to_abort + decisions.abort],
+                       final=decisions.done, scale_down=scale_now)
+
+    def resume(self, out: Output) -> tuple[int, Request]:
+        """A migrated request, resumed on a kept replica by recomputation."""
+        self.migrated_tokens += len(out.prompt_ids) + len(out.token_ids)
+        old = self.requests[out.id][0]
+        req = Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out)
+        self.requests[req.id] = (req, len(self.trace))
+        return self.state.route(req.id), req
+
+    def consider_scale_down(self) -> bool:
+        """Whether the stream trainer scales rollout down now; if so, the migration starts."""
+        state, limit, polls = self.state, self.sampling.max_new_tokens, len(self.trace)
+        if not self.stream.scale_down.consider(state.num_complete, state.plan.keep, lambda: [
+                (len(self.requests[rid][0].prompt_ids), min(limit, (polls - self.requests[rid][1]) * self.poll_steps))
+                for rid in state.outstanding]):  # generated tokens: at most the engine steps since the request was added
+            return False
+        self.scaled_at, self.migration, self.fetching = time.time(), -1.0, True
+        self.stats = {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": state.num_complete / state.plan.keep}
+        return True
+
+    def finish(self, reports: list[Report | None]) -> RoundResult:
+        """The round's result, once the final command's aborts are reported."""
+        state, stream, plan = self.state, self.stream, self.state.plan
+        self.aborted += [o for r in reports if r for o in r.aborted]
+        if stream and self.scaled_at:
+            stream.close()
+        groups = state.finish(self.aborted, wait=self.rewards.wait)  # the exposed reward time: what finished last
+        stats = {}
+        if stream:
+            stats = {"stream/scaled_down": 0.0, "stream/trigger_completed_frac": 0.0, "time/migration": 0.0} | self.stats
+            stats |= {"stream/streamed_groups": float(sum(g.streamed for g in groups))}
+            if self.scaled_at:
+                stats["time/migration"] = max(self.migration, 0.0)
+                stream.scale_down.learn_migration(stats["time/migration"], self.migrated_tokens)
+            stats |= {f"stream/projected_{k}_s": v for k, v in stream.scale_down.last.items()}  # the last look's
+        return RoundResult(kind=plan.kind, groups=groups, num_launched=state.num_launched,
+                           num_aborted=len(self.aborted),
+                           generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.aborted)
+                           - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),
+                           running_trace=self.trace, start=self.start, last_finish=self.last_finish, end=time.time(),
+                           num_preemptions=sum(self.preempted.values()), stream=stats)
 
 
 def _feed(stream: StreamTrainer, state: RoundState, make_samples) -> bool:
@@ -233,6 +255,8 @@ def _feed(stream: StreamTrainer, state: RoundState, make_samples) -> bool:
     if ready:
         stream.feed([s for g in ready for s in make_samples(g)])
     return not cap
+
+
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base_preemptions: int,
            stream: StreamTrainer | None) -> Report:
     mine = meshes.replica
