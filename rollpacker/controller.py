@@ -63,7 +63,9 @@ class Controller:
                    tokenizer=tokenizer,
                    rewards=RewardScheduler(config.reward, config.data.reward,
                                            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), meshes.device),
-                   policy=build_policy(config, PromptSampler(len(rows), config.data.shuffle_seed)),
+                   policy=build_policy(config.policy, PromptSampler(len(rows), config.data.shuffle_seed),
+                                       config.rollout.num_prompts, config.rollout.group_size, config.schedule,
+                                       num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, dataclasses.asdict(config)),
                    display=LiveDisplay(config.metrics.live), max_model_len=max_model_len)
 

@@ -18,8 +18,8 @@ def test_presets_exist():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_builds(name):
-    config = load_preset(name)
-    assert isinstance(config, Config)
+    config = parse(["--preset", name])  # through the real CLI, as `rollpacker.run --preset NAME` reads it
+    assert config == load_preset(name)
     if name.startswith("qwen2.5"):
         assert (config.rollout.num_prompts, config.rollout.group_size) == (128, 8)
         config.check_world(config.rollout.tp * 2)
@@ -53,3 +53,12 @@ def test_help_and_errors_return_before_torch_is_imported():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "temperature" in proc.stderr
+
+
+def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--policy", "tial"])
+    assert "tial" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--train.off-policy", "maybe"])
+    assert parse(["--policy", "tail", "--stream.criterion", "kv"]).stream.criterion == "kv"

@@ -57,11 +57,9 @@ from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.schedule.base import Group, Round
+from rollpacker.schedule import POLICIES, PolicyName, build_policy
+from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.schedule.round import Launch, RoundState
-from rollpacker.schedule.one_step_off import OneStepOffPolicy
-from rollpacker.schedule.sorted import SortedPolicy
-from rollpacker.schedule.sync import SyncPolicy
-from rollpacker.schedule.tail import TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
@@ -70,8 +68,6 @@ from rollpacker.train.stream import ScaleDown
 
 
 
-POLICIES = ("sync", "tail", "sorted", "sorted_partial", "one_step_off")
-"""The policies the simulator drives."""
 
 
 @dataclass(kw_only=True)
@@ -90,7 +86,7 @@ class SimConfig:
     """R0: responses per prompt."""
     max_new_tokens: int = 16384
     """Longest response (longer natural lengths are cut here)."""
-    policy: str = "tail"
+    policy: PolicyName = "tail"
     """Scheduling policy: sync (veRL), tail (tail batching), sorted or sorted_partial (SortedRL), one_step_off
     (verl's recipe: rollout_gpus generate the next batch while the other GPUs train this one)."""
     rollout_gpus: int = 0
@@ -182,16 +178,11 @@ class SimConfig:
         return TraceLengths(tuple(map(tuple, groups)), self.lengths.prompt_tokens, self.seed)
 
     def build_policy(self):
-        sampler = PromptSampler(self.num_rows, seed=self.seed)
-        if self.policy == "sync":
-            return SyncPolicy(sampler, self.num_prompts, self.group_size)
-        if self.policy == "one_step_off":
-            return OneStepOffPolicy(sampler, self.num_prompts, self.group_size)
-        if self.policy.startswith("sorted"):
-            return SortedPolicy(sampler, self.num_prompts, self.group_size, num_batches=self.sorted_batches,
-                                partial=self.policy == "sorted_partial")
-        return TailPolicy(sampler, self.num_prompts, self.group_size, eta_prompts=self.eta_prompts,
-                          eta_responses=self.eta_responses)
+        """The policy, from the run's registry, flushing tail's queue at the last step as the run does."""
+        schedule = ScheduleConfig(eta_prompts=self.eta_prompts, eta_responses=self.eta_responses,
+                                  sorted_batches=self.sorted_batches)
+        return build_policy(self.policy, PromptSampler(self.num_rows, seed=self.seed), self.num_prompts,
+                            self.group_size, schedule, last_step=self.num_steps - 1)
 
 
 @dataclass
