@@ -60,8 +60,18 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert (tmp_path / "checkpoints" / "step_2" / "COMMITTED").exists()
     proc = run(*common, "--num-steps", "3", "--resume", str(tmp_path / "checkpoints" / "step_2"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 2]
+    resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 2]
+    # the resumed step 2 is the uninterrupted run's step 2, bit for bit (seeded sampling, exact fp32 state)
+    straight = tmp_path / "straight"
+    proc = run(*common[:3], str(straight), *common[4:], "--num-steps", "3", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reference = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in reference] == [0, 1, 2]
+    timing = ("time/", "_per_s", "seconds", "wait_ratio", "bubble_ratio")  # wall-clock measurements
+    same = {k: v for k, v in reference[2].items() if not any(t in k for t in timing)}
+    assert {k: resumed[3].get(k) for k in same} == same
+    assert "train/loss" in same and "train/grad_norm" in same and "rollout/response_lengths" in same
 
 
 def test_missing_checkpoint_and_bad_world_are_clear_errors(toy_random_dir, tmp_path):
