@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/test_engine.py: TP=2 engines against TP=1, and FSDP2 weight push."""
+"""Run on 2 gloo ranks by tests/dist/test_engine.py: TP=2 engines against TP=1, and FSDP2 weight push."""
 
 import sys
 

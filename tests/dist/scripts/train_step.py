@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/test_train.py: one FSDP2 step equals a plain single-process step."""
+"""Run on 2 gloo ranks by tests/dist/test_train.py: one FSDP2 step equals a plain single-process step."""
 
 import sys
 

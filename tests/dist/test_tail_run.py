@@ -3,32 +3,16 @@ and SIGKILLs mid-round and mid-save followed by ``--resume auto``."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-NUM_ROWS = 24
-ARGS = ["--policy", "tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
-        "--rollout.group-size", "2", "--rollout.max-new-tokens", "96", "--num-epochs", "2", "--num-steps", "100",
-        "--checkpoint-every", "1", "--eval-every", "0", "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
-
-
-def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "rollpacker.run", *ARGS, "--run-dir", str(run_dir), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def finish(proc: subprocess.Popen) -> None:
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-4000:]
+from conftest import NUM_ROWS, finish, ledger, steps, trained
+from conftest import start_job as launch
 
 
 def kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
@@ -42,24 +26,6 @@ def kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
         time.sleep(0.002)
     proc.communicate()
     return False
-
-
-def ledger(run_dir: Path) -> dict:
-    newest = max((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    assert (newest / "COMMITTED").exists()
-    return json.loads((newest / "train_state.json").read_text())["policy"]["ledger"]
-
-
-def trained(run_dir: Path) -> dict[int, list[int]]:
-    per_epoch: dict[int, list[int]] = {}
-    for epoch, row in ledger(run_dir)["trained"]:
-        per_epoch.setdefault(epoch, []).append(row)
-    return {e: sorted(rows) for e, rows in per_epoch.items()}
-
-
-def steps(run_dir: Path) -> dict[int, dict]:
-    """The metrics of every step; a step redone after a resume keeps its last record."""
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
 @pytest.fixture(scope="module")
@@ -105,29 +71,6 @@ def test_sigkill_mid_round_and_mid_save_then_resume_loses_and_repeats_nothing(re
     for step in want:
         assert got[step]["sched/round_kind"] == want[step]["sched/round_kind"]
         assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-6, abs=1e-9), step
-
-
-def test_abort_frees_engine_memory():
-    import torch
-
-    from rollpacker.data.toy_model import toy_model_dir
-    from rollpacker.model import load_model
-    from rollpacker.rollout.config import EngineConfig
-    from rollpacker.rollout.engine import Request, SamplingParams
-    from rollpacker.rollout.torch_engine import TorchEngine
-
-    engine = TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32),
-                         EngineConfig(kv_memory_mb=1, block_size=4), None)
-    engine.step()  # allocate the cache
-    free = len(engine.free_blocks)
-    for i in range(6):
-        engine.add(Request(id=str(i), prompt_ids=[5, 6, 7, 8, 9], params=SamplingParams(max_new_tokens=64, ignore_eos=True)))
-    for _ in range(10):
-        engine.step()
-    assert len(engine.free_blocks) < free
-    outs = [engine.abort(str(i)) for i in range(6)]
-    assert all(o.finish_reason == "abort" and o.token_ids for o in outs)
-    assert len(engine.free_blocks) == free and not engine.has_unfinished()
 
 
 def test_zero_variance_filter_accounts_for_every_prompt(tmp_path):

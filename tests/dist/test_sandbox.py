@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import sandboxed_pids
 from rollpacker.reward import sandbox as sandbox_module
 from rollpacker.reward import RewardConfig, RewardError
 from rollpacker.reward.code import AdaptiveTimeout, case_key, code_reward, extract_code
@@ -27,23 +28,6 @@ from rollpacker.reward.sandbox import Run, Sandbox, SandboxConfig, SandboxUnavai
 TIMEOUT = 1.0  # per test case; every case must be over well within TIMEOUT + SLACK
 SLACK = 4.0
 SECRET = "rollpacker-test-secret-7f3a9c"
-
-
-def _own_pid_ns() -> int:
-    return os.stat("/proc/self/ns/pid").st_ino
-
-
-def sandboxed_pids() -> set[int]:
-    """Processes on this machine that live in another pid namespace than ours: sandboxes."""
-    pids = set()
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.stat(f"/proc/{entry.name}/ns/pid").st_ino != _own_pid_ns():
-                    pids.add(int(entry.name))
-            except OSError:
-                pass  # exited meanwhile, or not ours to inspect
-    return pids
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+
+from conftest import QUIET, launch_job
 
 
 @pytest.mark.slow
 def test_default_toy_job_raises_heldout_accuracy(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rollpacker.run",
-           "--run-dir", str(tmp_path), "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    proc = launch_job("--run-dir", str(tmp_path), *QUIET, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -170,10 +169,3 @@ def test_report_malformed_line_names_file_and_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rollout/response_lengths": 7}\n')
     assert report.main([str(tmp_path)]) == 2
     assert f"{tmp_path / 'metrics.jsonl'}:1" in capsys.readouterr().err
-
-
-def test_report_module_entry_point_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "rollpacker.report", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "does not exist" in proc.stderr

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-import pytest
-import torch
 
-from conftest import torchrun
+from conftest import launch_job, torchrun
 
 
 def test_two_rank_step_equals_single_process_reference(toy_random_dir):
@@ -17,35 +13,11 @@ def test_two_rank_step_equals_single_process_reference(toy_random_dir):
     assert out.count("OK") == 2, out
 
 
-def test_nonfinite_loss_skips_the_step(toy_random_dir):
-    from rollpacker.dist import build_meshes
-    from rollpacker.model import load_model
-    from rollpacker.train.config import TrainConfig
-    from rollpacker.train.trainer import Sample, Trainer
-
-    meshes = build_meshes(1, 0)
-    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2), meshes.train)
-    before = {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
-    stats = trainer.step([Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0])])
-    assert stats["train/skipped"] == 1.0
-    after = trainer.model.state_dict()
-    assert all(torch.equal(before[k], after[k].full_tensor()) for k in before)
-    stats = trainer.step([Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])])
-    assert stats["train/skipped"] == 0.0
-    assert not torch.equal(before["norm.weight"], trainer.model.state_dict()["norm.weight"].full_tensor())
-
-
-def run(*args: str, nproc: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", "rollpacker.run"] if nproc > 1 else [sys.executable, "-m", "rollpacker.run"]
-    return subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=timeout)
-
-
 def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp_path):
     common = ["--model.path", str(toy_random_dir), "--run-dir", str(tmp_path), "--rollout.num-prompts", "4",
               "--rollout.group-size", "4", "--rollout.max-new-tokens", "24", "--metrics.wandb-mode", "disabled",
               "--checkpoint-every", "1", "--eval-every", "0"]
-    proc = run(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8", nproc=2)
+    proc = launch_job(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]  # step 2: the final evaluation
@@ -58,13 +30,13 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert len(lines[0]["rollout/response_lengths"]) == 16
     assert lines[0]["train/rollout_logprob_diff"] < 1e-3  # engine and trainer agree on the policy
     assert (tmp_path / "checkpoints" / "step_2" / "COMMITTED").exists()
-    proc = run(*common, "--num-steps", "3", "--resume", str(tmp_path / "checkpoints" / "step_2"), nproc=2)
+    proc = launch_job(*common, "--num-steps", "3", "--resume", str(tmp_path / "checkpoints" / "step_2"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [0, 1, 2, 2]
     # the resumed step 2 is the uninterrupted run's step 2, bit for bit (seeded sampling, exact fp32 state)
     straight = tmp_path / "straight"
-    proc = run(*common[:3], str(straight), *common[4:], "--num-steps", "3", nproc=2)
+    proc = launch_job(*common[:3], str(straight), *common[4:], "--num-steps", "3", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reference = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in reference] == [0, 1, 2]
@@ -75,9 +47,9 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
 
 
 def test_missing_checkpoint_and_bad_world_are_clear_errors(toy_random_dir, tmp_path):
-    proc = run("--resume", str(tmp_path / "nowhere"))
+    proc = launch_job("--resume", str(tmp_path / "nowhere"), nproc=1)
     assert proc.returncode != 0 and str(tmp_path / "nowhere") in proc.stderr
-    proc = run("--model.path", str(toy_random_dir), "--rollout.num-prompts", "3", "--rollout.group-size", "1",
-               "--metrics.wandb-mode", "disabled", "--run-dir", str(tmp_path), nproc=2)
+    proc = launch_job("--model.path", str(toy_random_dir), "--rollout.num-prompts", "3", "--rollout.group-size", "1",
+                      "--metrics.wandb-mode", "disabled", "--run-dir", str(tmp_path), nproc=2)
     assert proc.returncode != 0
     assert "rollout.num_prompts x rollout.group_size" in proc.stderr

@@ -151,18 +151,6 @@ def test_state_dict_mid_round_requeues_in_flight_prompts_first():
     resumed.ledger.check(resumed.sampler)
 
 
-def test_ledger_refuses_double_launch_and_duplicate_checkpoint_entries():
-    ledger = Ledger()
-    ledger.launch((0, 1))
-    with pytest.raises(ValueError, match="in_flight"):
-        ledger.launch((0, 1))
-    ledger.settle((0, 1), "trained")
-    with pytest.raises(ValueError, match="not in flight"):
-        ledger.settle((0, 1), "trained")
-    with pytest.raises(ValueError, match="twice"):
-        Ledger().load_state_dict({"trained": [[0, 1]], "filtered": [], "queue": [[0, 1]]})
-
-
 def test_sync_stops_at_the_epoch_limit_and_filters_after_the_round():
     policy = SyncPolicy(PromptSampler(10, seed=0), 4, 2, num_epochs=1, filter_zero_variance=True)
     seen = []
@@ -192,3 +180,15 @@ def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
     checkpoint.check(tmp_path, "sync")
     with pytest.raises(ValueError, match="--policy sync"):
         checkpoint.check(tmp_path, "tail")
+
+
+def test_ledger_refuses_double_launch_and_duplicate_checkpoint_entries():
+    ledger = Ledger()
+    ledger.launch((0, 1))
+    with pytest.raises(ValueError, match="in_flight"):
+        ledger.launch((0, 1))
+    ledger.settle((0, 1), "trained")
+    with pytest.raises(ValueError, match="not in flight"):
+        ledger.settle((0, 1), "trained")
+    with pytest.raises(ValueError, match="twice"):
+        Ledger().load_state_dict({"trained": [[0, 1]], "filtered": [], "queue": [[0, 1]]})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rollpacker.bench.__main__ import main
 
 
@@ -20,6 +22,8 @@ def test_engine_bench_smoke(qwen2_dir, tmp_path, capsys):
     for b in (1, 2):
         for key in ("ratio_vs_hf_batch", "tok_s_torchengine_batch", "tok_s_hf_batch", "flop_fraction_batch"):
             assert summary[f"{key}{b}"] > 0, key
+        assert summary[f"ratio_vs_hf_batch{b}"] == pytest.approx(
+            summary[f"tok_s_torchengine_batch{b}"] / summary[f"tok_s_hf_batch{b}"], rel=0.02)
     assert set(summary["decode_ms_per_iter"]) == {"1", "2"}
     assert summary["peak_gflops"] > 0
     assert json.loads(out.read_text())["decode_ms_per_iter"] == summary["decode_ms_per_iter"]

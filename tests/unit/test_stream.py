@@ -3,21 +3,10 @@ equivalence with synchronous steps and for whole runs with scale-downs."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from conftest import torchrun
 from rollpacker.train.config import StreamConfig
 from rollpacker.train.stream import ScaleDown, StepCost, Trigger, decode_seconds, peak_kv_tokens, steps_left
-
-
-@pytest.mark.parametrize("nproc,shard,aggregation", [(2, 1, "token"), (4, 2, "token"), (4, 1, "seq-mean")])
-def test_stream_step_equals_sync_step(toy_random_dir, nproc, shard, aggregation):
-    out = torchrun("stream_step.py", nproc, str(toy_random_dir), str(shard), aggregation, timeout=600)
-    assert out.count("OK") == nproc, out
 
 
 def test_adaptive_trigger_looks_at_5_percent_milestones_between_20_and_50():
@@ -42,23 +31,6 @@ def test_peak_kv_projection_by_hand():
     # second (at 6) has outgrown the history and runs to the maximum.
     assert peak_kv_tokens([(5, 2), (3, 6)], [4, 4, 4], 10) == (7 + 1) + (9 + 1)
     assert peak_kv_tokens([], [1, 2], 10) == 0
-
-
-def run(run_dir, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rollpacker.run",
-           "--policy", "tail", "--data.num-toy-prompts", "32", "--rollout.num-prompts", "4", "--rollout.group-size",
-           "4", "--rollout.max-new-tokens", "96", "--num-steps", "4", "--eval-every", "0", "--run-dir", str(run_dir),
-           "--metrics.wandb-mode", "disabled", "--metrics.no-live", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1")  # the paper's: it scales down
-
-
-def per_group(lengths: list[int]) -> list[list[int]]:
-    return [sorted(lengths[i:i + 4]) for i in range(0, len(lengths), 4)]
 
 
 def test_decode_projection_by_hand():
@@ -120,36 +92,3 @@ def test_throughput_criterion_learns_migration_and_realized_savings():
     assert decider.pays([(5, 0)] * 4) and decider.last["migration"] == pytest.approx(0.5)
     decider.start_round("short")
     assert not decider.pays([(5, 0)] * 4) and decider.last["saved"] == 0.5
-
-
-@pytest.mark.parametrize("sampling", [["--rollout.temperature", "0"],
-                                      ["--schedule.eta-prompts", "1", "--schedule.eta-responses", "1"]])
-def test_stream_run_trains_what_the_plain_run_trains(tmp_path, sampling):
-    """Migrated requests finish as if never moved: greedy, and seeded sampling (there without
-    speculation, which keeps whichever responses finish first, and migration changes that order).
-    The stream-trained steps match the plain ones."""
-    plain = run(tmp_path / "plain", *sampling, "--train.train-shard-size", "1")
-    stream = run(tmp_path / "stream", *sampling, *STREAM)
-    assert sum(r["stream/scaled_down"] for r in stream) >= 2
-    assert sum(r["stream/streamed_groups"] for r in stream) > 0
-    assert all(r["time/migration"] >= 0 and r["stream/train_seconds"] >= 0 for r in stream)
-    for a, b in zip(plain, stream):
-        assert per_group(a["rollout/response_lengths"]) == per_group(b["rollout/response_lengths"]), a["step"]
-        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
-
-
-def test_scale_down_is_refused_when_it_would_split_a_shard_group_or_overflow_kv(tmp_path):
-    # FSDP over both ranks (train_shard_size 0 = world): freeing rank 1 would split the shard group.
-    rows = run(tmp_path / "split", "--stream.enabled", "--stream.criterion", "kv")
-    assert all(r["stream/scaled_down"] == 0 and r["stream/streamed_groups"] == 0 for r in rows)
-    # A KV cache so small that the remaining requests cannot fit on one replica: no scale-down.
-    rows = run(tmp_path / "kv", *STREAM, "--engine.kv-memory-mb", "0.5")
-    assert all(r["stream/scaled_down"] == 0 for r in rows)
-    assert sum(r["rollout/preemptions"] for r in rows) > 0  # the cache really is that small
-
-
-def test_stream_with_batch_advantage_normalization_is_rejected():
-    proc = subprocess.run([sys.executable, "-m", "rollpacker.run", "--stream.enabled", "--train.advantage-norm", "batch"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "batch-level normalization" in proc.stderr and "stream" in proc.stderr

@@ -10,7 +10,7 @@ import os
 import time
 
 import pytest
-from test_sandbox import sandboxed_pids
+from conftest import sandboxed_pids
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig

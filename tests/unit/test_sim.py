@@ -4,16 +4,15 @@ the cost model's arithmetic, workloads, and the CLI."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import InstantRewards, LengthTableEngine, OneReplica
 from rollpacker.data.dataset import PromptSampler
-from rollpacker.rollout.engine import EngineStats, Output, SamplingParams
+from rollpacker.rollout.engine import SamplingParams
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelShape, fit_calibration
@@ -135,66 +134,6 @@ class Recorder:
         return groups
 
 
-class InstantRewards:
-    """The reward scheduler's interface, scoring at once (what the simulator assumes for decisions)."""
-
-    def __init__(self, reward):
-        self.reward, self.done = reward, []
-
-    def submit(self, key, row, output):
-        self.done.append((key, self.reward(row, key)))
-
-    def poll(self):
-        done, self.done = self.done, []
-        return done
-
-    wait = poll
-
-
-class OneReplica:
-    """The controller's view of a one-rank world (what :class:`rollpacker.dist.Meshes` offers)."""
-
-    rank, num_replicas, replica, is_replica_leader, rollout_control = 0, 1, 0, True, None
-
-    def broadcast(self, obj, group=None):
-        return obj
-
-    def gather(self, obj, group=None):
-        return [obj]
-
-
-class LengthTableEngine:
-    """The engine edge (no model here): each step adds a token to every running request; a request
-    finishes at ``length(row, response)`` tokens, the row being its one prompt token."""
-
-    def __init__(self, length):
-        self.length, self.running = length, {}
-
-    def add(self, req):
-        self.running[req.id] = Output(id=req.id, prompt_ids=req.prompt_ids)
-
-    def abort(self, rid):
-        out = self.running.pop(rid)
-        out.finish_reason = "abort"
-        return out
-
-    def step(self):
-        done = []
-        for rid, out in list(self.running.items()):
-            out.token_ids.append(1)
-            if len(out.token_ids) == self.length(out.prompt_ids[0], int(rid.split(":")[2])):
-                out.finish_reason = "length"
-                done.append(self.running.pop(rid))
-        return done
-
-    def has_unfinished(self):
-        return bool(self.running)
-
-    def stats(self):
-        return EngineStats(num_running=len(self.running), num_waiting=0, num_preemptions=0, num_generated_tokens=0,
-                           num_prefill_tokens=0)
-
-
 @pytest.mark.parametrize("filter_zero_variance", [False, True])
 def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controller(filter_zero_variance):
     from rollpacker.round import run_round
@@ -252,7 +191,7 @@ def test_kv_capacity_shrinks_with_the_weights_and_grows_with_tp():
 
 
 def test_calibration_is_fitted_from_a_measured_decode_curve():
-    shape = ModelShape.from_hf_config(Path(__file__).parents[1] / "rollpacker/data/toy_model/config.json")
+    shape = ModelShape.from_hf_config(Path(__file__).parents[2] / "rollpacker/data/toy_model/config.json")
     peak, context = 50e9, 20.0
     per_token = 2 * shape.matmul_params + shape.attention_flops(context)
     slope_ms = per_token / (peak * 0.2) * 1e3  # 20% of peak per request
@@ -359,45 +298,6 @@ def test_sortedrl_runs_in_the_simulator_and_partial_mode_resumes_what_it_cut(pol
     # mode) the responses that had finished in the first.
     launched = [results[i].record.num_launched for i in (1, 3)]
     assert all(n < 8 * 4 for n in launched) if policy == "sorted_partial" else launched == [8 * 4] * 2
-
-
-def sim_cli(*args: str) -> tuple[str, dict]:
-    proc = subprocess.run([sys.executable, "-m", "rollpacker.sim", *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_cli_preset_run_prints_the_breakdown_and_a_gantt(tmp_path):
-    out, figures = sim_cli("--preset", "qwen2.5-7b-8k", "--gpus", "16", "--policy", "tail", "--num-steps", "5",
-                           "--gantt", str(tmp_path / "gantt.png"))
-    assert "short" in out and "long" in out and (tmp_path / "gantt.png").stat().st_size > 0
-    assert figures["policy"] == "tail" and figures["short_steps"] == 4 and figures["long_steps"] == 1
-    assert figures["step_s"] == pytest.approx(
-        sum(figures[k] for k in ("rollout_s", "reward_s", "train_s", "sync_s")), rel=1e-3)
-
-
-def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
-    out, figures = sim_cli("table2", "--num-steps", "5")
-    assert out.count("not yet") == 0
-    tail = [rows["+ tail batching"] for rows in figures["rows"].values()]
-    assert len(tail) == 3 and all(r["sim"] > 1 for r in tail)
-    assert all(len(rows) == 5 for rows in figures["rows"].values())
-    assert all(0 < s["scaled_down"] <= 1 and s["hidden_train_s"] > 0 for s in figures["stream"].values())
-    assert figures["max_rel_error"] == max(abs(r["rel_error"]) for rows in figures["rows"].values() for r in rows.values())
-
-
-def test_cli_fig13c_adaptive_timeouts_only_shorten_the_exposed_scoring():
-    out, figures = sim_cli("fig13c", "--num-steps", "5")
-    assert "paper 1.6x" in out and figures["paper"] == 1.6
-    for kind in ("short", "long", "all"):  # same rollout both ways: only the code runs cut early differ
-        assert figures[f"adaptive_{kind}_s"] <= figures[f"fixed_{kind}_s"]
-    assert figures["adaptive_short_s"] < figures["fixed_short_s"] - 5  # a 30 s timeout cut to a few seconds
-    assert figures["speedup"] == pytest.approx(figures["fixed_all_s"] / figures["adaptive_all_s"], rel=1e-2)
-
-
-def test_cli_workload_shows_the_mixture_beside_the_papers_statistics():
-    out, figures = sim_cli("workload")
-    assert "P75" in out and figures["cap_hit_rate"] >= 0.9 and figures["loss"] < 0.05
 
 
 def test_reward_scheduler_pieces_by_hand():

@@ -47,8 +47,12 @@ def test_rewards_bench_smoke(capsys):
     main(["--responses", "4", "--rollout-seconds", "0.5", "--fixed-timeout", "3", "--loop-fraction", "0",
           "--slow-fraction", "0", "--wrong-fraction", "0.3"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):
-        assert summary[f"step_{name}"] >= 0.5 and summary[f"exposed_{name}"] >= 0
+    for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):  # step = rollout + exposed scoring
+        assert summary[f"exposed_{name}"] >= 0
+        assert summary[f"step_{name}"] == pytest.approx(0.5 + summary[f"exposed_{name}"], abs=0.05)
+    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"], abs=0.02)
+    assert summary["exposed_ratio"] == pytest.approx(
+        summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

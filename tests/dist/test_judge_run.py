@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import launch_job
 from rollpacker.config import load_preset, parse
-from rollpacker.data.dataset import DataConfig, DatasetError, load_rows
 from rollpacker.data.toy_model import toy_model_dir
 
 SCORES_2 = "{prompt}{response}\nQ: 1+1\nA: 1+1="  # the toy model's verdict: "2"
@@ -21,28 +21,6 @@ UNPARSEABLE = "{prompt}{response}\nQ: 1+1\nA:"  # the toy model's verdict: " " (
 def write_jsonl(path: Path, rows: list) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
-
-
-def test_judge_rows_need_only_a_prompt_and_may_carry_a_rubric(tmp_path):
-    path = write_jsonl(tmp_path / "j.jsonl", [{"prompt": "a"}, {"prompt": "b", "rubric": SCORES_2, "answer": "2"}])
-    rows = load_rows(DataConfig(path=path, reward="judge"))
-    assert [(r["id"], r.get("rubric")) for r in rows] == [("j:1", None), ("j:2", SCORES_2)]
-    with pytest.raises(DatasetError, match=r"j.jsonl:1: missing field 'answer'"):
-        load_rows(DataConfig(path=path, reward="math"))
-
-
-@pytest.mark.parametrize("row, match", [
-    ({"answer": "1"}, r"bad.jsonl:2: missing field 'prompt'"),
-    ({"prompt": "p", "rubric": 3}, r"bad.jsonl:2: field 'rubric' must be a string, got int 3"),
-    ({"prompt": "p", "rubric": "{prompt} only"}, r"bad.jsonl:2: field 'rubric' must contain \{response\} "
-                                                 r"\(or drop it to use reward.judge.rubric\)"),
-    ({"prompt": "p", "rubric": "{prompt}{response}{x}"}, r"bad.jsonl:2: field 'rubric' is not a valid template"),
-    ({"prompt": "p", "answer": 4}, r"bad.jsonl:2: field 'answer' must be a string"),
-])
-def test_bad_judge_rows_name_the_line(tmp_path, row, match):
-    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, row])
-    with pytest.raises(DatasetError, match=match):
-        load_rows(DataConfig(path=path, reward="judge"))
 
 
 def test_judge_config_from_flags_and_toml_without_torch(tmp_path):
@@ -73,12 +51,12 @@ def test_one_rank_run_with_the_judge(tmp_path):
     data = write_jsonl(tmp_path / "judge.jsonl", [{"prompt": "Q: 3+4\nA:", "rubric": SCORES_2},
                                                   {"prompt": "Q: 2+5-1\nA:", "rubric": UNPARSEABLE}])
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rollpacker.run", "--data.path", data, "--data.reward", "judge",
-           "--reward.judge.model-path", str(toy_model_dir()), "--reward.on-error", "drop", "--reward.num-workers", "0",
-           "--num-steps", "1", "--rollout.num-prompts", "2", "--rollout.group-size", "2",
-           "--rollout.max-new-tokens", "32", "--eval-every", "0", "--metrics.wandb-mode", "disabled",
-           "--metrics.no-live", "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = launch_job("--data.path", data, "--data.reward", "judge",
+                      "--reward.judge.model-path", str(toy_model_dir()), "--reward.on-error", "drop",
+                      "--reward.num-workers", "0",
+                      "--num-steps", "1", "--rollout.num-prompts", "2", "--rollout.group-size", "2",
+                      "--rollout.max-new-tokens", "32", "--eval-every", "0", "--metrics.wandb-mode", "disabled",
+                      "--metrics.no-live", "--run-dir", str(run_dir), nproc=1, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     [record] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert record["reward/errors"] == 2  # row 2's group, flagged and dropped

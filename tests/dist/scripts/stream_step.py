@@ -1,4 +1,4 @@
-"""Run on 2 and 4 gloo ranks by tests/test_stream.py: stream-trained steps equal synchronous ones.
+"""Run on 2 and 4 gloo ranks by tests/dist/test_stream.py: stream-trained steps equal synchronous ones.
 
 Two trainers start from the same weights. The synchronous one takes ``Trainer.step`` on each
 step's whole batch. For the stream one, rank 0 feeds some groups' samples, in several messages,
