@@ -3,6 +3,12 @@
 Presets are TOML files in the repository's ``configs/`` directory (``--preset NAME``) or any TOML
 file (``--preset path/to/file.toml``); flags override them: ``--rollout.num-prompts 32``.
 Nothing here imports torch, so ``--help`` and config errors come back at once.
+
+``policy``: sync (the veRL baseline), tail (tail batching), sorted (SortedRL, on-policy),
+sorted_partial (SortedRL resuming partial responses: off-policy, needs ``train.off_policy`` is or
+tis) or one_step_off (verl's recipe: a rollout pool generates the next batch while a training pool
+trains this one; staleness 1, needs ``train.off_policy`` is or tis). RolloutPipe is
+``schedule.pipe`` on top of sync or tail.
 """
 
 from __future__ import annotations
@@ -11,26 +17,26 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.rollout.config import EngineConfig
+from rollpacker.schedule import POLICIES, PolicyName
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "toy-cpu"
-POLICIES = ("sync", "tail", "sorted", "sorted_partial", "one_step_off")
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = ""
     """Hugging Face model directory (config.json + safetensors + tokenizer); empty = the shipped toy model."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Engine weights: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16; the trainer keeps fp32 masters."""
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
@@ -38,6 +44,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+
+    def directory(self) -> Path:
+        """``path``, or the shipped toy model's directory when it is empty."""
+        if self.path:
+            return Path(self.path)
+        from rollpacker.data.toy_model import toy_model_dir
+
+        return toy_model_dir()
 
 
 @dataclass(kw_only=True)
@@ -80,11 +94,8 @@ class Config:
     """RL steps to run (one optimizer step each)."""
     num_epochs: int = 0
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
-    policy: str = "sync"
-    """Rollout scheduling policy: sync (the veRL baseline), tail (tail batching), sorted (SortedRL, on-policy),
-    sorted_partial (SortedRL resuming partial responses: off-policy, needs train.off_policy is or tis) or
-    one_step_off (verl's recipe: a rollout pool generates the next batch while a training pool trains this one;
-    staleness 1, needs train.off_policy is or tis). RolloutPipe is schedule.pipe on top of sync or tail."""
+    policy: PolicyName = "sync"
+    """Rollout scheduling policy (see this module's docstring); RolloutPipe is schedule.pipe on sync or tail."""
     eval_every: int = 0
     """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0

@@ -1,294 +1,188 @@
-"""One RL step across the job: rank 0 decides, every rank steps its slice of an engine replica.
+"""The controller: rank 0's part of the job.
 
-Rollout is an exchange repeated a few times per second over the gloo control plane:
-rank 0 broadcasts a :class:`Command` (requests to add, ids to abort); every rank applies what
-concerns its replica and steps its engine ``poll_steps`` times; replica leaders report finished
-and aborted outputs; rank 0 submits each finished response for scoring and hands it to the
-scheduling policy, in finish order, which says what to abort, what to launch and when the round is
-over. Requests are routed per request, round-robin over the replicas, so every group is spread
-across them. Responses the policy carries over from an earlier round (``Round.carried``) are
-resumed from their partial output, or, when already finished, only scored again.
-
-With a :class:`~rollpacker.train.stream.StreamTrainer`, rank 0 also watches the round's progress
-and may scale rollout down once: the second half of the replicas abort their requests (resumed on
-the others by recomputation), leave the exchange and train on the complete, scored groups that
-rank 0 sends them until the round ends, a batch whenever they have trained the last one. Each
-group fed to them is marked ``streamed``.
-
-With a RolloutPipe stream trainer (``schedule.pipe``), the scale-down happens at the round's first
-exchange, with nothing to migrate: requests are routed to the rollout pool (the kept replicas)
-only, the train pool leaves at once and is fed complete groups all round, and its engines stay
-released. Each request's ``priority`` is its slot (frontier-group dispatch): an engine with more
-requests than it can run admits those of the earliest groups, the ones training needs next.
+It holds what only rank 0 has — the data rows, the tokenizer, the scheduling policy, the reward
+scheduler, the metrics sinks and live display, and the parallelism planner — and turns a round's
+result into the batch to train (GRPO advantages, the step's global normalizer) and its metrics.
+The exchange with the other ranks is :func:`rollpacker.round.run_round`; the loops that call both
+are in :mod:`rollpacker.loops`.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
-import random
-import time
-from dataclasses import dataclass, field
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from rollpacker.dist import Meshes
-from rollpacker.rollout.engine import Engine, Output, Request, SamplingParams
-from rollpacker.schedule.base import Group, Policy, Round, request_id
-from rollpacker.train.stream import StreamTrainer
+from rollpacker.config import Config
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-@dataclass
-class Command:
-    add: list[tuple[int, Request]] = field(default_factory=list)
-    """(replica, request) pairs to add."""
-    abort: list[tuple[int, str]] = field(default_factory=list)
-    """(replica, request id) pairs to abort."""
-    final: bool = False
-    """Apply the aborts, report, and leave the round (no more engine steps)."""
-    scale_down: bool = False
-    """The stream trainer's freed replicas apply the aborts (all their requests), report, and leave to train."""
+    from rollpacker.dist import Meshes
+    from rollpacker.metrics import LiveDisplay, MetricsLogger
+    from rollpacker.plan.planner import Planner
+    from rollpacker.reward.scheduler import RewardScheduler
+    from rollpacker.round import RoundResult
+    from rollpacker.schedule.base import Group, Policy
+    from rollpacker.train.trainer import Sample
+
+logger = logging.getLogger("rollpacker")
 
 
-@dataclass
-class Report:
-    finished: list[Output]
-    aborted: list[Output]
-    num_running: int
-    num_preemptions: int
+@dataclasses.dataclass
+class Controller:
+    config: Config
+    rows: list[dict]
+    eval_rows: list[dict] | None
+    """Held-out prompts (``eval_every``), None without evaluation."""
+    tokenizer: PreTrainedTokenizerBase
+    rewards: RewardScheduler
+    """Scores each response as it finishes."""
+    policy: Policy
+    metrics: MetricsLogger
+    display: LiveDisplay
+    max_model_len: int
+    """The engines' context length: a longer prompt is a data error."""
+    planner: Planner | None = None
+    """The parallelism planner, with ``plan.enabled``."""
 
+    @classmethod
+    def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int) -> Controller:
+        from transformers import AutoTokenizer
 
-@dataclass
-class RoundResult:
-    """What rank 0 knows at the end of a round."""
+        from rollpacker.data.dataset import PromptSampler, load_eval_rows, load_rows
+        from rollpacker.metrics import LiveDisplay, MetricsLogger
+        from rollpacker.reward.scheduler import RewardScheduler
+        from rollpacker.schedule import build_policy
 
-    kind: str
-    groups: list[Group]
-    num_launched: int
-    num_aborted: int
-    generated_tokens: int
-    """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus); a response
-    resumed from an earlier round (``Round.carried``) counts only its new tokens."""
-    running_trace: list[tuple[float, int]]
-    """(time, requests running over all replicas) at every poll: the bubble ratio's input."""
-    start: float
-    last_finish: float
-    """When the last response the round waited for came back; ``end - last_finish`` is the exposed reward time."""
-    end: float
-    num_preemptions: int
-    stream: dict[str, float] = field(default_factory=dict)
-    """``stream/`` and ``time/migration`` metrics, with a stream trainer."""
+        rows = load_rows(config.data)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return cls(config=config, rows=rows, eval_rows=load_eval_rows(config.data) if config.eval_every else None,
+                   tokenizer=tokenizer,
+                   rewards=RewardScheduler(config.reward, config.data.reward,
+                                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True), meshes.device),
+                   policy=build_policy(config.policy, PromptSampler(len(rows), config.data.shuffle_seed),
+                                       config.rollout.num_prompts, config.rollout.group_size, config.schedule,
+                                       num_epochs=config.num_epochs, last_step=config.num_steps - 1),
+                   metrics=MetricsLogger(Path(config.run_dir), config.metrics, dataclasses.asdict(config)),
+                   display=LiveDisplay(config.metrics.live), max_model_len=max_model_len)
 
+    def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
+        """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
+        the profile's best TP for a round without tail batching."""
+        from rollpacker.plan.planner import Planner, best_tp, candidate_tps
 
-def sampling_seed(seed: int, rid: str) -> int:
-    return random.Random(f"{seed}/{rid}").getrandbits(63)
+        cfg = self.config
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        candidates = candidate_tps(world, num_kv_heads, cfg.plan.max_tp or node)
+        prompt_len = round(sum(len(self.encode_prompt(r)) for r in self.rows[:64]) / len(self.rows[:64]))
+        initial, estimates = best_tp(profile, candidates, cfg.rollout.num_prompts * cfg.rollout.group_size,
+                                     prompt_len, cfg.rollout.max_new_tokens)
+        initial = cfg.plan.initial_tp or initial
+        logger.info("plan: estimated round without tail batching (s) by TP: %s; starting at TP %d (usable: %s)",
+                    {t: round(v, 3) for t, v in estimates.items()}, initial, candidates)
+        self.planner = Planner(cfg.plan, candidates, initial, profile=profile, world=world, prompt_len=prompt_len)
 
+    def encode_prompt(self, row: dict) -> list[int]:
+        tok = self.tokenizer
+        if self.config.model.chat_template:
+            ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                          tokenize=True)
+        else:
+            ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        if not ids or len(ids) >= self.max_model_len:
+            raise ValueError(f"data row {row['id']!r}: its prompt is {len(ids)} tokens; the context length is "
+                             f"{self.max_model_len}")
+        return ids
 
-def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, policy: Policy | None = None,
-              rows=None, prompt_ids=None, rewards=None, sampling: SamplingParams | None = None, seed: int = 0,
-              on_progress=None, stream: StreamTrainer | None = None, make_samples=None,
-              plan: Round | None = None) -> RoundResult | None:
-    """Collective over all ranks. On rank 0, which alone gets the :class:`RoundResult`: the
-    ``policy``; the data ``rows`` and ``prompt_ids`` (row index -> token ids); ``rewards``, a
-    :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores each response as it
-    finishes (a policy that ``needs_rewards`` hears of a response once it is scored); ``sampling``;
-    with a ``stream`` trainer (on every rank), ``make_samples(group)``: the trainer samples of a
-    complete, scored group; ``plan``, the round when the caller already asked the policy for it."""
-    leader = meshes.rank == 0
-    pipe = bool(stream and stream.pipe)  # RolloutPipe: fixed pools, the train pool serves from the start
-    start = time.time()
-    base_preemptions = engine.stats().num_preemptions
-    group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
-    if leader:
-        plan = plan or policy.start_round(step)
-        owner: dict[str, tuple[int, int, int]] = {}  # request id -> (replica, slot, response)
-        requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
-        slots: list[int] = []  # slot -> dataset row
-        # replicas rolling out: all, or the first half after a scale-down (pipe: from the start)
-        active = stream.scale_down.kept_replicas if pipe else meshes.num_replicas
-        routed = itertools.count()
+    def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:
+        """A scored group's ``(output, reward)`` pairs to train on: a reward_error sample is trained
+        with reward 0 or dropped (``reward.on_error``)."""
+        zero = self.config.reward.on_error == "zero"
+        return [(o, r or 0.0) for o, r in zip(group.outputs, group.rewards) if r is not None or zero]
 
-        def route(req: Request) -> tuple[int, Request]:
-            replica = next(routed) % active
-            owner[req.id] = (replica, *owner[req.id][1:])
-            requests[req.id] = (req, len(trace))
-            return replica, req
+    def group_samples(self, group: Group) -> list[Sample]:
+        """The trainer samples of a scored group (:meth:`trained_rewards`), with their GRPO advantages."""
+        import torch
 
-        def launch(new_rows: list[int]) -> list[tuple[int, Request]]:
-            adds = []
-            for row in new_rows:
-                slot = len(slots)
-                slots.append(row)
-                ids = prompt_ids(row)
-                for k in range(plan.num_responses):
-                    rid = request_id(step, slot, k)
-                    earlier = plan.carried.get((slot, k))
-                    if earlier is not None and earlier.finish_reason != "abort":  # finished in an earlier round:
-                        rewards.submit(earlier.id, rows[row], earlier)  # not run again; scored for this round
-                        continue
-                    owner[rid] = (0, slot, k)
-                    params = SamplingParams(**{**vars(sampling), "seed": sampling_seed(seed, rid)})
-                    adds.append(route(Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
-                                              priority=slot if pipe else 0)))
-            return adds
+        from rollpacker.train.losses import group_advantages
+        from rollpacker.train.trainer import Sample
 
-        trace: list[tuple[float, int]] = []
-        cmd = Command(add=launch(plan.prompts), scale_down=pipe)
-        outstanding = set(owner)
-        undecided: collections.deque[Output] = collections.deque()  # finished, not yet shown to the policy
-        scores: dict[str, float | None] = {}
-        last_finish = start
-        tokens_done = 0
-        aborted: list[Output] = []
-        complete: list[Group] = []  # complete groups not streamed yet
-        num_complete = 0
-        migrating: set[str] = set()
-        scaled_at = start if pipe else 0.0
-        migration = 0.0
-        migrated_tokens = 0
-        fetching = pipe
-        stats: dict[str, float] = {}
-        preempted: dict[int, int] = {}  # rank -> preemptions this round
-    else:
-        cmd = None
-    if stream:
-        stream.start_round(plan.kind if leader else "")
-    while True:
-        cmd = meshes.broadcast(cmd, group)
-        report = _apply(cmd, meshes, engine, poll_steps, base_preemptions, stream)
-        reports = meshes.gather(report if meshes.is_replica_leader else None, group)
-        if cmd.scale_down:
-            if stream.freed:  # migrated: now train on what rank 0 streams until the round ends
-                engine.release_memory()
-                stream.serve()
-                if not pipe:  # pipe: released until the engine rolls out again (evaluation)
-                    engine.resume_memory()
-                return None
-            group = meshes.kept_control
-        if cmd.final:
-            if leader:
-                aborted += [o for r in reports if r for o in r.aborted]
-            break
-        if not leader:
-            cmd = None
-            continue
-        preempted |= {rank: r.num_preemptions for rank, r in enumerate(reports) if r}  # freed replicas: their last count
-        reports = [r for r in reports if r]
-        trace.append((time.time(), sum(r.num_running for r in reports)))
-        if stream and len(trace) > 1:  # seconds per engine step, by requests per replica (the throughput criterion)
-            stream.scale_down.step_cost.observe(trace[-2][1] / active, (trace[-1][0] - trace[-2][0]) / poll_steps)
-        adds: list[tuple[int, Request]] = []
-        if migration < 0 and not any(o.id in migrating for r in reports for o in r.aborted):
-            migration = time.time() - scaled_at  # the migrated requests are back and prefilled
-        for out in (o for r in reports for o in r.aborted):
-            if out.id in migrating and out.id in outstanding:  # resumed on a kept replica by recomputation
-                migrated_tokens += len(out.prompt_ids) + len(out.token_ids)
-                req = requests[out.id][0]
-                adds.append(route(Request(id=req.id, prompt_ids=req.prompt_ids, params=req.params, resume_from=out)))
-            else:
-                aborted.append(out)
-            migrating.discard(out.id)
-        finished = [out for r in reports for out in r.finished]
-        outstanding -= {out.id for out in finished}
-        for out in finished:
-            tokens_done += len(out.token_ids)
-            rewards.submit(out.id, rows[slots[owner[out.id][1]]], out)
-            if stream:
-                stream.scale_down.history.append(len(out.token_ids))
-        undecided += finished
-        if finished:
-            last_finish = time.time()
-        scores |= dict(rewards.wait() if policy.needs_rewards and not outstanding else rewards.poll())
-        done = scale_now = False
-        to_abort: list[str] = []
-        if stream and not scaled_at and outstanding and stream.scale_down.consider(num_complete, plan.keep, lambda: [
-                (len(requests[rid][0].prompt_ids), min(sampling.max_new_tokens, (len(trace) - requests[rid][1]) * poll_steps))
-                for rid in outstanding]):  # generated tokens: at most the engine steps since the request was added
-            scale_now, scaled_at, migration, active = True, time.time(), -1.0, stream.scale_down.kept_replicas
-            migrating = {rid for rid in outstanding if owner[rid][0] >= active}
-            to_abort += sorted(migrating)
-            fetching = True
-            stats = {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": num_complete / plan.keep}
-        # The policy hears of responses in the order they finished (deterministic: the engines run
-        # in lockstep), once scored if it needs rewards to decide (the zero-variance filter).
-        while undecided and (not policy.needs_rewards or undecided[0].id in scores):
-            out = undecided.popleft()
-            _, slot, k = owner[out.id]
-            decision = policy.on_finished(slot, k, out, scores.get(out.id) if policy.needs_rewards else None)
-            to_abort += [rid for rid in decision.abort if rid in outstanding and rid not in migrating]
-            outstanding -= set(decision.abort)
-            new = launch(decision.launch)
-            adds += new
-            outstanding |= {req.id for _, req in new}
-            complete += decision.complete
-            num_complete += len(decision.complete)
-            done |= decision.round_done
-        if fetching:
-            fetching = _feed(stream, complete, scores, make_samples, plan.keep)
-        if not outstanding and not adds and not undecided:
-            done = True  # nothing left to run or decide: a policy that forgot to say so still ends its round
-        if done:
-            to_abort += sorted(outstanding - migrating)
-            outstanding.clear()
-        cmd = Command(add=adds, abort=[(owner[rid][0], rid) for rid in to_abort], final=done, scale_down=scale_now)
-        if on_progress:
-            on_progress(len(owner) - len(outstanding), tokens_done / (time.time() - start))
-    if not leader:
-        return None
-    if stream and scaled_at:
-        stream.close()
-    groups = policy.end_round(aborted)
-    if any(o.id not in scores for g in groups for o in g.outputs):
-        scores |= dict(rewards.wait())  # the exposed reward time: scoring what finished last
-    for g in groups:
-        g.rewards = [scores[o.id] for o in g.outputs]
-    if stream:
-        stats = {"stream/scaled_down": 0.0, "stream/trigger_completed_frac": 0.0, "time/migration": 0.0} | stats
-        stats |= {"stream/streamed_groups": float(sum(g.streamed for g in groups))}
-        if scaled_at:
-            stats["time/migration"] = max(migration, 0.0)
-            stream.scale_down.learn_migration(stats["time/migration"], migrated_tokens)
-        stats |= {f"stream/projected_{k}_s": v for k, v in stream.scale_down.last.items()}  # the last look's
-    return RoundResult(kind=plan.kind, groups=groups, num_launched=len(owner), num_aborted=len(aborted),
-                       generated_tokens=tokens_done + sum(len(o.token_ids) for o in aborted)
-                       - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),
-                       running_trace=trace, start=start, last_finish=last_finish, end=time.time(),
-                       num_preemptions=sum(preempted.values()), stream=stats)
+        pairs = self.trained_rewards(group)
+        if not pairs:
+            return []
+        adv = group_advantages(torch.tensor([r for _, r in pairs])[None], self.config.train.scale_adv_by_std)[0]
+        return [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(pairs, adv.tolist())]
 
+    def score(self, result: RoundResult) -> tuple[tuple[list[Sample], int], dict[str, Any]]:
+        """The samples left to train (those the stream trainer has not taken), the step's global
+        normalizer (over every trained sample), and the round's metrics."""
+        import torch
 
-def _feed(stream: StreamTrainer, complete: list[Group], scores: dict, make_samples, keep: int) -> bool:
-    """Send the complete groups whose responses are all scored to the freed ranks once they have
-    trained the last batch; False once fetching is over (a one-shot fetch, ``stream.fetch_cap``,
-    happens once)."""
-    if not stream.ready():
-        return True
-    cap = stream.config.fetch_cap
-    ready = [g for g in complete if all(o.id in scores for o in g.outputs)]
-    if cap:
-        ready = ready[:int(cap * keep)]
-    if ready:
-        samples = []
-        for g in ready:
-            g.rewards = [scores[o.id] for o in g.outputs]
-            g.streamed = True
-            samples += make_samples(g)
-            complete.remove(g)
-        stream.feed(samples)
-    return not cap
+        from rollpacker.metrics import bubble_ratio, length_stats
 
+        cfg = self.config
+        errors = sum(r is None for g in result.groups for r in g.rewards)
+        per_group = [(g, self.group_samples(g)) for g in result.groups]
+        every = [s for _, group in per_group for s in group]
+        samples = [s for g, group in per_group if not g.streamed for s in group]
+        if cfg.train.advantage_norm == "batch" and len(samples) > 1:  # REINFORCE++: whiten over the batch
+            adv = torch.tensor([s.advantage for s in samples])
+            for s, a in zip(samples, ((adv - adv.mean()) / (adv.std() + 1e-6)).tolist()):
+                s.advantage = a
+        normalizer = sum(len(s.response_ids) for s in every) if cfg.train.aggregation == "token" else len(every)
+        reward_t = torch.tensor([r for g in result.groups for _, r in self.trained_rewards(g)])
+        lengths = [len(s.response_ids) for s in every]
+        rollout_time = result.end - result.start
+        trace = [(result.start, result.num_launched), *result.running_trace]
+        return (samples, normalizer), {
+            "sched/round_kind": result.kind,
+            "sched/trained_prompts": len(result.groups),
+            "sched/aborted_responses": result.num_aborted,
+            "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
+            **self.policy.stats(),
+            **result.stream,
+            "reward/mean": reward_t.mean().item() if every else 0.0,
+            "reward/accuracy": (reward_t >= 1.0).float().mean().item() if every else 0.0,
+            "reward/errors": errors,
+            "reward/seconds_total": self.rewards.take_seconds(),
+            "time/reward_exposed": result.end - result.last_finish,
+            "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
+            "rollout/tokens_per_s": result.generated_tokens / rollout_time,
+            "rollout/preemptions": result.num_preemptions,
+            "rollout/response_lengths": lengths,
+            **length_stats(lengths),
+        }
 
-def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base_preemptions: int,
-           stream: StreamTrainer | None) -> Report:
-    mine = meshes.replica
-    for replica, req in cmd.add:
-        if replica == mine:
-            engine.add(req)
-    aborted = [engine.abort(rid) for replica, rid in cmd.abort if replica == mine]
-    finished: list[Output] = []
-    if not cmd.final and not (cmd.scale_down and stream.freed):
-        for _ in range(poll_steps):
-            if not engine.has_unfinished():
-                break
-            finished += engine.step()
-    stats = engine.stats()
-    return Report(finished, aborted, stats.num_running + stats.num_waiting,
-                  stats.num_preemptions - base_preemptions)
+    def end_step(self, step: int, kind: str, num_requests: int, stats: dict[str, Any]) -> None:
+        """Log the step; the planner takes the round's preemptions (for the next round of ``kind``)."""
+        if self.planner:
+            lengths = stats["rollout/response_lengths"] or [1]
+            why = self.planner.observe_round(kind, stats["rollout/preemptions"], num_requests,
+                                             round(sum(lengths) / len(lengths)))
+            if why:
+                logger.info("plan: after step %d: %s", step, why)
+        self.metrics.log(step, stats)
+        self.display.end_step(stats)
 
+    def state_dict(self, policy_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint keeps of rank 0: the policy's state (or ``policy_state``), the reward
+        scheduler's and the planner's."""
+        state = {"policy": {"name": self.policy.name, **(policy_state or self.policy.state_dict())},
+                 "rewards": self.rewards.state_dict()}
+        if self.planner:
+            state["planner"] = self.planner.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict({k: v for k, v in state["policy"].items() if k != "name"})
+        self.rewards.load_state_dict(state["rewards"])
+        if self.planner and "planner" in state:  # a checkpoint saved without the planner: start afresh
+            self.planner.load_state_dict(state["planner"])
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.metrics.close()
+        self.display.close()

@@ -26,13 +26,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO, get_args
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
-WANDB_MODES = ("offline", "online", "disabled")
+WandbMode = Literal["offline", "online", "disabled"]
+WANDB_MODES = get_args(WandbMode)
 SUMMARY_KEYS = (
     "time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean", "eval/accuracy",
 )
@@ -40,7 +41,7 @@ SUMMARY_KEYS = (
 
 @dataclass(kw_only=True)
 class MetricsConfig:
-    wandb_mode: str = "offline"
+    wandb_mode: WandbMode = "offline"
     """wandb mode: "offline" (files under the run dir, no network), "online" or "disabled"."""
     wandb_project: str = "rollpacker"
     """wandb project name."""

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollpacker.rollout.probe import decode_step_ms, greedy_requests, peak_flops, random_prompts
+
 if TYPE_CHECKING:
     import torch
 
@@ -157,31 +159,7 @@ def flops_per_token(model: Transformer, context: float) -> float:
     return 2 * matmul_params(model) + 4 * args.num_layers * context * args.num_heads * args.head_dim
 
 
-def peak_flops(size: int, reps: int) -> float:
-    """Best FLOP/s of a ``size``-square fp32 matmul on this machine and thread count."""
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    c = torch.empty(size, size)
-    torch.mm(a, b, out=c)  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.mm(a, b, out=c)
-        best = min(best, time.perf_counter() - t)
-    return 2 * size**3 / best
-
-
 # ---- the two engines -----------------------------------------------------------------------------
-
-
-def random_prompts(num: int, length: int, vocab_size: int, avoid: set[int], seed: int) -> list[list[int]]:
-    """``num`` prompts of ``length`` ids drawn uniformly from the vocabulary minus ``avoid``."""
-    import torch
-
-    allowed = torch.tensor([t for t in range(vocab_size) if t not in avoid])
-    g = torch.Generator().manual_seed(seed)
-    return allowed[torch.randint(len(allowed), (num, length), generator=g)].tolist()
 
 
 def build_torch_engine(model: Transformer, max_num_seqs: int, max_len: int) -> TorchEngine:
@@ -199,16 +177,9 @@ def build_torch_engine(model: Transformer, max_num_seqs: int, max_len: int) -> T
     return TorchEngine(model, config)
 
 
-def _requests(prompts: list[list[int]], new_tokens: int, tag: str) -> list:
-    from rollpacker.rollout.engine import Request, SamplingParams
-
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    return [Request(id=f"{tag}-{i}", prompt_ids=p, params=params) for i, p in enumerate(prompts)]
-
-
 def run_torch_engine(engine: TorchEngine, prompts: list[list[int]], new_tokens: int) -> Throughput:
     """Generate ``new_tokens`` greedy tokens for every prompt; the first step is their prefill."""
-    for r in _requests(prompts, new_tokens, "tput"):
+    for r in greedy_requests(prompts, new_tokens, "tput"):
         engine.add(r)
     preempted = engine.stats().num_preemptions
     start = time.perf_counter()
@@ -260,30 +231,6 @@ def load_hf(path: Path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # forced length: nothing may stop a row early
     return model
-
-
-def decode_step_ms(engine: TorchEngine, num_running: int, prompt_len: int, vocab_size: int, avoid: set[int],
-                   steps: int, seed: int) -> list[float]:
-    """ms of each of ``steps`` pure decode ``step()`` calls with ``num_running`` requests in flight."""
-    prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
-    reqs = _requests(prompts, steps + 3, f"curve{num_running}")  # none finishes while timed
-    for r in reqs:
-        engine.add(r)
-    engine.step()  # prefill of all of them
-    engine.step()  # one untimed decode step
-    if engine.stats().num_running != num_running:
-        raise RuntimeError(f"bench: {engine.stats().num_running} running, expected {num_running}")
-    prefilled = engine.stats().num_prefill_tokens
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    if engine.stats().num_prefill_tokens != prefilled:
-        raise RuntimeError("bench: a timed step was a prefill, not a decode")
-    for r in reqs:
-        engine.abort(r.id)
-    return [1e3 * t for t in times]
 
 
 def ragged_stream(num: int, prompt_len: int, new_tokens: int, vocab_size: int, avoid: set[int],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ class DataConfig:
     """Number of toy problems to generate (only used when path is empty)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
-    reward: str = "toy"
+    reward: Literal["toy", "math", "code", "judge"] = "toy"
     """Which reward scores this data: 'toy', 'math', 'code' or 'judge' (the LLM judge of reward.judge);
     rows with 'tests' are always scored as code."""
     shuffle_seed: int = 0

@@ -128,3 +128,9 @@ def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = 5 <<
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in state.values())
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def engine_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``model.dtype`` as a torch dtype: auto is bfloat16 on GPU, float32 on CPU."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        name, torch.bfloat16 if device.type == "cuda" else torch.float32)

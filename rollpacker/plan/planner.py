@@ -54,11 +54,23 @@ class _Kind:
 
 
 class Planner:
-    def __init__(self, config: PlanConfig, candidates: list[int], initial: int):
+    def __init__(self, config: PlanConfig, candidates: list[int], initial: int, *, profile: dict | None = None,
+                 world: int = 0, prompt_len: int = 0):
         if initial not in candidates:
             raise ValueError(f"plan: initial TP {initial} is not one of the usable TPs {candidates}")
         self.config, self.candidates, self.initial = config, candidates, initial
         self.kinds: dict[str, _Kind] = {}
+        self.profile, self.world, self.prompt_len = profile, world, prompt_len
+        """The profile the planner estimates rounds from (None: no estimates), the world size and the
+        data's mean prompt length."""
+
+    def observe_round(self, kind: str, preemptions: int, num_requests: int, mean_length: int) -> str | None:
+        """:meth:`observe`, with the profile's estimate of the same round (its requests, the data's
+        prompt length, its mean response length) at each TP."""
+        profile = self.profile
+        estimate = None if profile is None else lambda tp: round_seconds(
+            profile["tp"][str(tp)], self.world, tp, num_requests, self.prompt_len, mean_length)
+        return self.observe(kind, preemptions, estimate)
 
     def _state(self, kind: str) -> _Kind:
         return self.kinds.setdefault(kind if self.config.per_kind else "all", _Kind(self.initial))

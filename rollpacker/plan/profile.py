@@ -89,7 +89,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     """Profile every usable TP (collective over all ranks); leaves the meshes at the TP they had."""
     import torch
 
-    from rollpacker.bench.engine import decode_step_ms, peak_flops
+    from rollpacker.rollout.probe import decode_step_ms, peak_flops
     from rollpacker.model import empty_model, load_model, read_args
     from rollpacker.plan.planner import candidate_tps
     from rollpacker.rollout.config import EngineConfig
@@ -142,7 +142,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
 
 def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:
     """ms of one prefill step of ``num`` prompts of ``context`` tokens (after an untimed one)."""
-    from rollpacker.bench.engine import random_prompts
+    from rollpacker.rollout.probe import random_prompts
     from rollpacker.rollout.engine import Request, SamplingParams
 
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
@@ -212,12 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from rollpacker.dist import build_meshes
-    from rollpacker.run import engine_dtype, model_path
+    from rollpacker.model import engine_dtype
 
     meshes = build_meshes(1, 0)
-    model_dir = model_path(config)
+    model_dir = config.model.directory()
     key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
-    profile = measure(config, meshes, model_dir, engine_dtype(config, meshes.device), key)
+    profile = measure(config, meshes, model_dir, engine_dtype(config.model.dtype, meshes.device), key)
     if meshes.rank == 0:
         path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
         save(profile, path)

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from rollpacker.reward.sandbox import SandboxConfig
 
-ON_ERROR = ("zero", "drop")
-JUDGE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+OnError = Literal["zero", "drop"]
+ON_ERROR = get_args(OnError)
+JudgeDtype = Literal["auto", "float32", "bfloat16", "float16"]
+JUDGE_DTYPES = get_args(JudgeDtype)
 DEFAULT_RUBRIC = (
     "You are grading a response to a task.\n\n"
     "Task:\n{prompt}\n\nResponse:\n{response}\n\n"
@@ -42,7 +45,7 @@ class JudgeConfig:
     own 'rubric' replaces it for that row)."""
     max_score: int = 9
     """Scores are the integers 0..max_score, each a single token; reward = score / max_score."""
-    dtype: str = "auto"
+    dtype: JudgeDtype = "auto"
     """Judge weights' dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
     resident_layers: int = -1
     """Decoder layers kept on the device, the rest streamed from host memory (-1: chosen per batch from memory)."""
@@ -82,7 +85,7 @@ class RewardConfig:
     inline in the controller, for debugging: nothing can stop a hung reward there)."""
     timeout: float = 10.0
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
-    on_error: str = "zero"
+    on_error: OnError = "zero"
     """A sample whose reward failed (flagged reward_error): zero (train on it with reward 0) or drop it."""
     timeout_factor: float = 1.5
     """Code: lambda, a test's timeout is lambda times the slowest correct run seen on it (RollPacker's code uses 2)."""

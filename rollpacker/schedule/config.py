@@ -1,4 +1,10 @@
-"""Scheduling-policy settings (no torch import here: configs parse before heavy imports)."""
+"""Scheduling-policy settings (no torch import here: configs parse before heavy imports).
+
+``pipe``: RolloutPipe on top of sync or tail: a fixed rollout pool (the first half of the replicas)
+and train pool (the rest); each complete, scored group goes FIFO to the train pool as it
+materializes (complete-group pipelining), and engines admit the requests of the earliest groups
+first (frontier-group dispatch).
+"""
 
 from __future__ import annotations
 
@@ -19,9 +25,7 @@ class ScheduleConfig:
     """one_step_off: the ranks that roll out (the first ones; rank 0, the controller, is one of them); the others
     train. 0 = half of the world."""
     pipe: bool = False
-    """RolloutPipe on top of sync or tail: a fixed rollout pool (first half of the replicas) and train pool (the
-    rest); each complete, scored group goes FIFO to the train pool as it materializes (complete-group
-    pipelining), and engines admit the requests of the earliest groups first (frontier-group dispatch)."""
+    """RolloutPipe on top of sync or tail: fixed rollout and train pools (see this module's docstring)."""
 
     def __post_init__(self) -> None:
         if self.eta_prompts < 1 or self.eta_responses < 1:

@@ -3,7 +3,7 @@
 A rollout pool and a training pool (``schedule.rollout_ranks``) run at once: while the training
 pool takes step k on batch k, the rollout pool generates batch k+1 with the weights of step k−1's
 end; at the step boundary the training pool's new weights are broadcast to the rollout pool and
-batch k+1 moves to the training pool. The loop is ``rollpacker.overlap``; this policy plans the
+batch k+1 moves to the training pool. The loop is ``rollpacker.loops.one_step_off``; this policy plans the
 rounds, which are ``sync`` rounds (P0 prompts, R0 responses each, run to completion), and says how
 stale their samples are.
 

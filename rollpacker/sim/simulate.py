@@ -1,7 +1,8 @@
 """The simulated job: the real scheduling policies driven through simulated engine replicas.
 
-:func:`simulate_round` is :func:`rollpacker.controller.run_round` with simulated time: the same
-policy object gets the same calls in the same order. Requests are routed round-robin per request
+:func:`simulate_round` is :func:`rollpacker.round.run_round` with simulated time: both drive a
+:class:`~rollpacker.schedule.round.RoundState`, so the same policy object gets the same calls in the
+same order. Requests are routed round-robin per request
 over the replicas; every finished response is handed to ``policy.on_finished`` in completion-time
 order (responses finishing at the same instant in replica order, as the controller gathers
 them), with its reward when the policy ``needs_rewards`` and None otherwise; the policy's aborts
@@ -46,7 +47,6 @@ what part of each stage is exposed.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -56,11 +56,10 @@ from rollpacker.data.dataset import PromptSampler
 from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
-from rollpacker.schedule.base import Group, Round, request_id
-from rollpacker.schedule.one_step_off import OneStepOffPolicy
-from rollpacker.schedule.sorted import SortedPolicy
-from rollpacker.schedule.sync import SyncPolicy
-from rollpacker.schedule.tail import TailPolicy
+from rollpacker.schedule.base import Group, Round
+from rollpacker.schedule import POLICIES, PolicyName, build_policy
+from rollpacker.schedule.config import ScheduleConfig
+from rollpacker.schedule.round import Launch, RoundState
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
@@ -69,8 +68,6 @@ from rollpacker.train.stream import ScaleDown
 
 
 
-POLICIES = ("sync", "tail", "sorted", "sorted_partial", "one_step_off")
-"""The policies the simulator drives."""
 
 
 @dataclass(kw_only=True)
@@ -89,7 +86,7 @@ class SimConfig:
     """R0: responses per prompt."""
     max_new_tokens: int = 16384
     """Longest response (longer natural lengths are cut here)."""
-    policy: str = "tail"
+    policy: PolicyName = "tail"
     """Scheduling policy: sync (veRL), tail (tail batching), sorted or sorted_partial (SortedRL), one_step_off
     (verl's recipe: rollout_gpus generate the next batch while the other GPUs train this one)."""
     rollout_gpus: int = 0
@@ -181,16 +178,11 @@ class SimConfig:
         return TraceLengths(tuple(map(tuple, groups)), self.lengths.prompt_tokens, self.seed)
 
     def build_policy(self):
-        sampler = PromptSampler(self.num_rows, seed=self.seed)
-        if self.policy == "sync":
-            return SyncPolicy(sampler, self.num_prompts, self.group_size)
-        if self.policy == "one_step_off":
-            return OneStepOffPolicy(sampler, self.num_prompts, self.group_size)
-        if self.policy.startswith("sorted"):
-            return SortedPolicy(sampler, self.num_prompts, self.group_size, num_batches=self.sorted_batches,
-                                partial=self.policy == "sorted_partial")
-        return TailPolicy(sampler, self.num_prompts, self.group_size, eta_prompts=self.eta_prompts,
-                          eta_responses=self.eta_responses)
+        """The policy, from the run's registry, flushing tail's queue at the last step as the run does."""
+        schedule = ScheduleConfig(eta_prompts=self.eta_prompts, eta_responses=self.eta_responses,
+                                  sorted_batches=self.sorted_batches)
+        return build_policy(self.policy, PromptSampler(self.num_rows, seed=self.seed), self.num_prompts,
+                            self.group_size, schedule, last_step=self.num_steps - 1)
 
 
 @dataclass
@@ -234,33 +226,21 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     of a response (handed to the policy when it ``needs_rewards``, and set on the kept groups);
     ``plan``, the round when the caller already asked the policy for it; ``stream``, the stream
     trainer's decision, when streaming (see the module docstring)."""
-    needs_rewards = getattr(policy, "needs_rewards", False)
     plan = plan or policy.start_round(step)
-    rows: list[int] = []
-    owner: dict[str, int] = {}  # request id -> replica
+    state = RoundState(step, plan, policy, len(replicas))
     seqs: dict[str, Seq] = {}
-    active = len(replicas)  # replicas rolling out: all, or the kept ones after a scale-down
-    routed = itertools.count()
 
-    def route(seq: Seq) -> int:
-        owner[seq.id] = next(routed) % active
-        return owner[seq.id]
-
-    def launch(new_rows: list[int]) -> dict[int, list[Seq]]:
+    def launch(launches: list[Launch]) -> dict[int, list[Seq]]:
         adds: dict[int, list[Seq]] = defaultdict(list)
-        for row in new_rows:
-            slot = len(rows)
-            rows.append(row)
-            targets = np.minimum(lengths.lengths(row, step, slot, plan.num_responses), max_new_tokens)
-            for k, target in enumerate(targets.tolist()):
-                rid, earlier = request_id(step, slot, k), plan.carried.get((slot, k))
-                if earlier is not None and earlier.finish_reason != "abort":
-                    continue  # finished in an earlier round (sorted_partial): not run again
-                if earlier is not None:  # a partial response: resumed by recomputation, towards its own length
-                    target = earlier.target
-                seqs[rid] = seq = Seq(rid, slot, k, lengths.prompt_tokens, target,
+        for new in launches:
+            targets = np.minimum(lengths.lengths(new.row, step, new.slot, plan.num_responses), max_new_tokens).tolist()
+            state.scored((out.id, reward(new.row, out)) for out in new.rescore)  # finished in an earlier round
+            for k, rid, earlier in new.run:
+                # a partial response (sorted_partial) is resumed by recomputation, towards its own length
+                target = earlier.target if earlier is not None else targets[k]
+                seqs[rid] = seq = Seq(rid, new.slot, k, lengths.prompt_tokens, target,
                                       generated=earlier.generated if earlier else 0)
-                adds[route(seq)].append(seq)
+                adds[state.replica(rid)].append(seq)
         return adds
 
     events: list[tuple[float, int, int]] = []
@@ -271,22 +251,19 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         if replica.plan is None and replica.replan() is not None:
             heapq.heappush(events, (replica.next_event(), replica.index, replica.version))
 
-    for i, new in launch(plan.prompts).items():
+    for i, new in launch(state.launch(plan.prompts)).items():
         command(0.0, replicas[i], [], new)
-    outstanding = set(owner)
     completions: list[tuple[float, str]] = []
-    trace = [(0.0, len(owner))]
+    trace = [(0.0, state.num_launched)]
     tokens_done = 0
     now = 0.0
-    complete: list[Group] = []  # complete groups not fed to the freed GPUs yet
-    num_complete = 0
     scaled_at, scaled_frac, fetching = None, 0.0, False
     streamed: list[tuple[float, Group]] = []
     if stream:
         stream.start_round(plan.kind)
     while True:
         if not events:
-            raise RuntimeError(f"step {step}: {len(outstanding)} requests outstanding but no replica is running")
+            raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica is running")
         now = events[0][0]
         due = set()
         while events and events[0][0] == now:
@@ -298,68 +275,53 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
             done_here, aborted_here = replicas[i].advance()
             finished += done_here
             aborted += aborted_here
-        outstanding -= {s.id for s in finished}
-        to_abort: dict[int, list[str]] = defaultdict(list)
-        adds: dict[int, list[Seq]] = defaultdict(list)
-        done = False
+        state.finished(finished)
         if stream:
             stream.history.extend(seq.length for seq in finished)
-        for seq in finished:
-            completions.append((now, seq.id))
-            tokens_done += seq.length
-            score = reward(rows[seq.slot], seq) if needs_rewards else None
-            decision = policy.on_finished(seq.slot, seq.response, seq, score)
-            for rid in decision.abort:
-                if rid in outstanding:
-                    to_abort[owner[rid]].append(rid)
-            outstanding -= set(decision.abort)
-            for i, new in launch(decision.launch).items():
-                adds[i] += new
-                outstanding |= {s.id for s in new}
-            complete += decision.complete
-            num_complete += len(decision.complete)
-            done |= decision.round_done
-        if not outstanding and not adds:
-            done = True  # nothing left to run: a policy that forgot to say so still ends its round
-        if stream and not done and scaled_at is None and outstanding and stream.consider(
-                num_complete, plan.keep,
-                lambda: [(seqs[rid].prompt_tokens, replicas[owner[rid]].generated_at(seqs[rid], now))
-                         for rid in outstanding]):
-            scaled_at, scaled_frac, active, fetching = now, num_complete / plan.keep, stream.kept_replicas, True
-            for replica in replicas[active:]:  # freed: everything leaves, the outstanding requests migrate
+        completions += [(now, seq.id) for seq in finished]
+        tokens_done += sum(seq.length for seq in finished)
+        state.scored((seq.id, reward(state.slots[seq.slot], seq)) for seq in finished)  # scoring is instant
+        decisions = state.decide()
+        to_abort: dict[int, list[str]] = defaultdict(list)
+        for rid in decisions.abort:
+            to_abort[state.replica(rid)].append(rid)
+        adds = launch(decisions.launch)
+        if stream and not decisions.done and scaled_at is None and state.outstanding and stream.consider(
+                state.num_complete, plan.keep,
+                lambda: [(seqs[rid].prompt_tokens, replicas[state.replica(rid)].generated_at(seqs[rid], now))
+                         for rid in state.outstanding]):
+            scaled_at, scaled_frac, fetching = now, state.num_complete / plan.keep, True
+            state.scale_down(stream.kept_replicas)
+            state.migrating.clear()  # migrated at once: aborted and added again in this same instant
+            for replica in replicas[state.active:]:  # freed: everything leaves, the outstanding requests migrate
                 to_abort.pop(replica.index, None)
                 leaving = replica.abort_all(now) + adds.pop(replica.index, [])
                 for seq in sorted(leaving, key=lambda s: s.id):
-                    if seq.id in outstanding:  # prefilled again with its prompt and generated tokens
-                        adds[route(seq)].append(seq)
+                    if seq.id in state.outstanding:  # prefilled again with its prompt and generated tokens
+                        adds[state.route(seq.id)].append(seq)
                     else:
                         aborted.append(seq)
         if fetching:  # the complete groups go to the freed GPUs (once, capped, with a fetch cap)
             cap = stream.config.fetch_cap
-            fed = complete[:int(cap * plan.keep)] if cap else complete
-            for g in fed:
-                g.streamed = True
-            streamed += [(now, g) for g in fed]
-            complete, fetching = [], not cap
-        if done:
+            streamed += [(now, g) for g in state.take_complete(cap)]
+            fetching = not cap
+        if decisions.done:
             for replica in replicas:
                 aborted += replica.abort_all(now)
             break
-        for i in sorted(i for i in due | set(to_abort) | set(adds) if i < active):
+        for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
             command(now, replicas[i], to_abort.get(i, []), adds.get(i, []))
         if due:
             trace.append((now, sum(r.num_requests() for r in replicas)))
-    groups = policy.end_round(aborted)
-    for g in groups:
-        g.rewards = [reward(g.prompt, out) for out in g.outputs]
+    groups = state.finish(aborted)
     return RoundRecord(
-        kind=plan.kind, rollout_s=now, groups=groups, num_launched=len(owner), aborted=aborted,
+        kind=plan.kind, rollout_s=now, groups=groups, num_launched=state.num_launched, aborted=aborted,
         generated_tokens=tokens_done + sum(s.length for s in aborted)
         - sum(s.generated for s in plan.carried.values() if s.finish_reason == "abort"),
         num_preemptions=sum(r.num_preemptions for r in replicas),
-        bubble_ratio=bubble_ratio(trace, len(owner), now), completions=completions,
+        bubble_ratio=bubble_ratio(trace, state.num_launched, now), completions=completions,
         busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
-        scaled_at=scaled_at, scaled_frac=scaled_frac, num_freed=len(replicas) - active, streamed=streamed)
+        scaled_at=scaled_at, scaled_frac=scaled_frac, num_freed=len(replicas) - state.active, streamed=streamed)
 
 
 @dataclass
@@ -480,7 +442,7 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
         cost = replace(base, tp=tp)
         replicas = build_replicas(cost, cfg.rollout_pool // tp, max_num_seqs=cfg.max_num_seqs,
                                   max_prefill_tokens=cfg.max_prefill_tokens, record=record)
-        if cfg.stream and (stream is None or switched):  # as run.py: rebuilt on a TP switch, the histories kept
+        if cfg.stream and (stream is None or switched):  # as Job.switch_tp: rebuilt on a TP switch, the histories kept
             histories = stream.histories if stream else {}
             # the paper's KV-fit criterion: the throughput one learns from measured polls, which a simulation has not
             stream = ScaleDown(replace(cfg.stream_config, criterion="kv"), num_replicas=len(replicas),

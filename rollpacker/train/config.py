@@ -1,4 +1,15 @@
-"""Trainer settings (no torch import here: configs parse before heavy imports)."""
+"""Trainer settings (no torch import here: configs parse before heavy imports).
+
+Stream trainer (``StreamConfig``, :mod:`rollpacker.train.stream`): with ``trigger`` 0 the trigger is
+adaptive: at each 5% milestone of completed prompts from 20% to 50%, rollout scales down if the
+remaining requests' projected KV peak fits the kept replicas (``criterion`` kv, the paper's); with
+``criterion`` throughput it must also pay: the rollout time the scale-down adds, projected from the
+engine step and migration times measured during the run, must be less than the training the freed
+ranks take off the step's end. A nonzero ``trigger`` scales down unconditionally at that completed
+fraction (the paper's Table 3 baselines). ``fetch_cap`` 0: the freed ranks fetch every group as it
+completes (asynchronous fetching); else they fetch once, at the scale-down, the groups completed by
+then, at most this fraction of the round's (Table 4).
+"""
 
 from __future__ import annotations
 
@@ -26,16 +37,16 @@ class TrainConfig:
     """PPO ratio clip below 1 (1 - clip_low)."""
     clip_high: float = 0.28
     """PPO ratio clip above 1 (1 + clip_high), DAPO's clip-higher."""
-    aggregation: str = "token"
+    aggregation: Literal["token", "seq-mean"] = "token"
     """Loss aggregation: 'token' (DAPO: over all response tokens of the step) or 'seq-mean'."""
     scale_adv_by_std: bool = True
     """Divide group-centred rewards by the group's std (GRPO); False centres only (Dr. GRPO)."""
-    advantage_norm: str = "group"
+    advantage_norm: Literal["group", "batch"] = "group"
     """group: each group's advantages stand alone; batch: then whiten them over the step's whole batch
     (REINFORCE++ style: minus the batch mean, over the batch std). Stream training needs group."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the frozen initial policy; 0 keeps no reference model."""
-    off_policy: str = "none"
+    off_policy: Literal["none", "is", "tis"] = "none"
     """Correction of tokens sampled by older weights, with the engine's log-probs: none (on-policy), is (the
     PPO ratio against them) or tis (truncated importance weights on the on-policy ratio, capped at tis_cap)."""
     tis_cap: float = 2.0
@@ -75,19 +86,13 @@ class StreamConfig:
     enabled: bool = False
     """Scale rollout down to half its replicas once enough prompts are complete; the freed ranks train."""
     trigger: float = 0.0
-    """0: adaptive (at each 5% milestone of completed prompts from 20% to 50%, scale down if the
-    remaining requests' projected KV peak fits the remaining engines); else a fixed completed fraction
-    at which to scale down unconditionally (the paper's Table 3 baselines)."""
+    """0: adaptive (see this module's docstring); else scale down unconditionally at this completed fraction."""
     fetch_cap: float = 0.0
-    """0: the freed ranks fetch every group as it completes (asynchronous fetching); else they fetch
-    once, at the scale-down, the groups completed by then, at most this fraction of the round's (Table 4)."""
+    """0: fetch every group as it completes; else fetch once, at most this fraction of the round's groups."""
     length_quantile: float = 0.9
     """KV projection: a running request ends at this quantile of past lengths longer than its own so far."""
-    criterion: str = "throughput"
-    """Adaptive trigger: throughput (scale down once the remaining requests' projected KV peak fits the kept
-    replicas and the rollout time it adds, projected from the engine step and migration times measured during
-    the run, is less than the training the freed ranks take off the step's end) or kv (the paper's: the KV fit
-    alone)."""
+    criterion: Literal["kv", "throughput"] = "throughput"
+    """Adaptive trigger: kv (the paper's KV fit) or throughput (the KV fit, and it must pay; see the docstring)."""
 
     def __post_init__(self) -> None:
         for name in ("trigger", "fetch_cap"):

@@ -338,6 +338,15 @@ class StreamTrainer:
 
     # -- freed ranks -------------------------------------------------------------------------
 
+    def serve_freed(self, engine) -> None:
+        """A rank the scale-down freed (it left the round): its engine's memory released, train on
+        what rank 0 streams until the round ends (:meth:`serve`), then the memory back (pipe: kept
+        released until the engine rolls out again, for an evaluation)."""
+        engine.release_memory()
+        self.serve()
+        if not self.pipe:
+            engine.resume_memory()
+
     def serve(self) -> None:
         """Receive groups' samples from rank 0 and accumulate their gradients until the round ends."""
         import torch
@@ -356,3 +365,31 @@ class StreamTrainer:
             self.seconds += time.perf_counter() - start
             if self.meshes.rank == self.ranks[0]:  # send more (rank 0 has posted its receive)
                 dist.send(torch.ones(1, dtype=torch.int64), 0, group=self.meshes.stream)
+
+    # -- every rank ----------------------------------------------------------------------------
+
+    def after_step(self, kind: str, train_seconds: float, round_seconds: float, scaled_down: bool) -> dict[str, float]:
+        """Collective, after the step's optimizer step: the training the freed ranks did under
+        rollout. On rank 0 (which knows the round's ``kind``, the final step's ``train_seconds``, the
+        ``round_seconds`` from rollout start to now and whether it ``scaled_down``), the scale-down
+        learns what the step saved, and the ``stream/`` and ``pipe/`` metrics come back."""
+        hidden = self.meshes.gather(self.seconds)
+        if self.meshes.rank != 0:
+            return {}
+        hidden = max(hidden)
+        saved = hidden * len(self.ranks) / self.meshes.world_size  # taken off the final step
+        self.scale_down.learn(kind, train_seconds + saved, saved if scaled_down else None)
+        stats = {"stream/train_seconds": hidden}  # train time hidden under rollout
+        if self.pipe:
+            stats |= pipe_stats(round_seconds, hidden, train_seconds)
+        return stats
+
+
+def pipe_stats(rollout_to_train_end: float, hidden: float, final_train: float) -> dict[str, float]:
+    """RolloutPipe's metrics: ``pipe/rollout_to_train_end``, seconds from the round's start (rollout
+    start) to the end of the optimizer step; ``pipe/trainer_wait_ratio``, the fraction of that span
+    the train pool was not training: neither on streamed groups (``hidden``, its busiest rank) nor in
+    the final step (``final_train``, which every rank joins)."""
+    busy = min(hidden + final_train, rollout_to_train_end)
+    return {"pipe/rollout_to_train_end": rollout_to_train_end,
+            "pipe/trainer_wait_ratio": 1.0 - busy / rollout_to_train_end if rollout_to_train_end > 0 else 0.0}

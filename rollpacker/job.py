@@ -1,0 +1,136 @@
+"""The job: every rank's parts, built once.
+
+Each rank holds the meshes, its slice of a rollout engine replica and of the FSDP2 trainer (one
+of the two on one_step_off's disaggregated pools), the stream trainer when stream training or
+RolloutPipe is on, and, on rank 0, the :class:`~rollpacker.controller.Controller`. :func:`build`
+makes them (collective), restores a checkpoint, and, with the parallelism planner, rebuilds the
+engines at its initial TP. A job also switches rollout TP (:meth:`Job.switch_tp`) and saves a
+checkpoint (:meth:`Job.save`); the loops in :mod:`rollpacker.loops` run it.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollpacker import checkpoint
+from rollpacker.config import Config
+from rollpacker.controller import Controller
+from rollpacker.dist import Meshes, build_meshes, init_distributed
+from rollpacker.model import empty_model, engine_dtype, load_model
+from rollpacker.rollout.torch_engine import TorchEngine
+from rollpacker.train.stream import StreamTrainer
+from rollpacker.train.trainer import Trainer
+
+logger = logging.getLogger("rollpacker")
+
+
+@dataclass
+class Job:
+    config: Config
+    meshes: Meshes
+    model_dir: Path
+    engine: TorchEngine | None
+    """This rank's slice of a rollout replica; None on one_step_off's training pool."""
+    trainer: Trainer | None
+    """This rank's shard of the trainer; None on one_step_off's rollout pool."""
+    controller: Controller | None = None
+    """Rank 0's parts; None elsewhere."""
+    stream: StreamTrainer | None = None
+    """The stream trainer (every rank), with stream.enabled or schedule.pipe."""
+    start_step: int = 0
+
+    @property
+    def rank0(self) -> bool:
+        return self.meshes.rank == 0
+
+    def make_stream(self) -> StreamTrainer:
+        cfg = self.config
+        return StreamTrainer(cfg.stream, self.trainer, self.meshes, max_new_tokens=cfg.rollout.max_new_tokens,
+                             kv_capacity_tokens=self.engine.num_blocks * cfg.engine.block_size,
+                             pipe=cfg.schedule.pipe)
+
+    def switch_tp(self, tp: int) -> dict[str, float]:
+        """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
+        ``tp`` is not the current TP: the old engine's memory is freed first; the new one is loaded from
+        the trainer's live parameters (resharded in memory, not read from disk)."""
+        stats = {"plan/rollout_tp": tp, "plan/switched": float(tp != self.meshes.rollout_tp.size())}
+        if not stats["plan/switched"]:
+            return stats
+        self.engine.release_memory()
+        self.engine = None
+        gc.collect()
+        if self.meshes.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.meshes.set_rollout_tp(tp)
+        dtype = engine_dtype(self.config.model.dtype, self.meshes.device)
+        self.engine = TorchEngine(empty_model(self.trainer.model.args, self.meshes.device, dtype), self.config.engine,
+                                  self.meshes.rollout_tp)
+        self.engine.update_weights(self.trainer.model.named_parameters())
+        if self.stream:  # its replicas changed; the length histories carry over
+            histories, self.stream = self.stream.scale_down.histories, self.make_stream()
+            self.stream.scale_down.histories = histories
+        return stats
+
+    def save(self, step: int, policy_state: dict[str, Any] | None = None) -> None:
+        """Collective: the checkpoint of ``step``, with the policy's current state or ``policy_state``."""
+        path = Path(self.config.run_dir) / "checkpoints" / f"step_{step}"
+        state = self.controller.state_dict(policy_state) if self.controller else None
+        checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0])
+
+    def close(self) -> None:
+        if self.controller:
+            self.controller.close()
+
+
+def build(config: Config) -> Job:
+    """Every rank's parts (collective)."""
+    init_distributed()
+    world = torch.distributed.get_world_size()
+    config.check_world(world)
+    streaming = config.stream.enabled or config.schedule.pipe
+    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
+                          rollout_ranks=config.rollout_ranks(world))
+    torch.manual_seed(config.seed)
+    path = config.model.directory()
+    engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
+    if meshes.rank in meshes.rollout_ranks:
+        engine = TorchEngine(load_model(path, meshes.device, engine_dtype(config.model.dtype, meshes.device)),
+                             config.engine, meshes.rollout_tp)
+    if meshes.rank in meshes.train_ranks:
+        reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
+        trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
+                          temperature=config.rollout.temperature or 1.0, reference=reference,
+                          group=meshes.train_group)
+    job = Job(config=config, meshes=meshes, model_dir=path, engine=engine, trainer=trainer)
+    if streaming:
+        job.stream = job.make_stream()
+    if job.rank0:
+        job.controller = Controller.build(config, path, meshes, engine.max_model_len)
+    if config.plan.enabled:
+        build_planner(job)
+    if config.resume:
+        state = checkpoint.load(Path(config.resume), trainer)
+        job.start_step = state["step"]
+        if job.controller:
+            job.controller.load_state_dict(state)
+        if not meshes.disaggregated:  # else the training pool pushes them (rollpacker.loops.one_step_off)
+            job.engine.update_weights(trainer.model.named_parameters())
+    return job
+
+
+def build_planner(job: Job) -> None:
+    """The profile (measured now if none is cached for this setup), the planner on rank 0, and the
+    engines rebuilt at its initial TP (collective)."""
+    from rollpacker.plan.profile import obtain
+
+    cfg, meshes = job.config, job.meshes
+    profile = obtain(cfg, meshes, job.model_dir, engine_dtype(cfg.model.dtype, meshes.device))
+    if job.controller:
+        job.controller.build_planner(profile, meshes.world_size, job.trainer.model.args.num_kv_heads)
+    job.switch_tp(meshes.broadcast(job.controller.planner.initial if job.controller else None))

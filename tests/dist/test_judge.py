@@ -1,0 +1,63 @@
+"""The LLM judge: verdict parsing, the choice of resident layers, layer-wise offloading equal to
+the resident model bit for bit (CPU; overlap on GPU), and launch/mps.sh.
+
+The toy model stands in for a judge: it adds single digits, so with the rubric ``ADDER`` its
+verdict on the pair ("3", "4") is the token "7".
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+MPS_SH = Path(__file__).parents[2] / "launch" / "mps.sh"
+
+
+# --- verdicts ---------------------------------------------------------------------------------
+
+
+# --- choosing K -------------------------------------------------------------------------------
+
+
+# --- offloading equals the resident path, bit for bit ------------------------------------------
+
+
+# --- scoring ----------------------------------------------------------------------------------
+
+
+# --- GPU: prefetch overlaps compute -------------------------------------------------------------
+
+
+# --- launch/mps.sh ----------------------------------------------------------------------------
+
+
+def run_mps(tmp_path: Path, *cmd: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path), **env}
+    return subprocess.run(["bash", str(MPS_SH), *cmd], env=full_env, capture_output=True, text=True, timeout=30)
+
+
+def test_mps_off_by_default_and_without_the_daemon(tmp_path):
+    off = run_mps(tmp_path, "sh", "-c", "echo ran; exit 3")
+    assert (off.returncode, off.stdout, off.stderr) == (3, "ran\n", "")
+    missing = run_mps(tmp_path, "sh", "-c", "echo ran", ROLLPACKER_MPS="1", PATH="/usr/bin:/bin")
+    assert missing.returncode == 0 and missing.stdout == "ran\n"
+    assert "nvidia-cuda-mps-control not found; running without MPS" in missing.stderr
+
+
+def test_mps_starts_and_stops_the_daemon(tmp_path):
+    """A stand-in ``nvidia-cuda-mps-control`` logs how it is called; the real one needs a GPU."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-cuda-mps-control"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -d ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {log}; '
+                    f'else read cmd; echo "$cmd" >> {log}; fi\n')
+    fake.chmod(0o755)
+    result = run_mps(tmp_path, "sh", "-c", 'echo "$CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY"; exit 5',
+                     ROLLPACKER_MPS="1", PATH=f"{bin_dir}:/usr/bin:/bin", SLURM_JOB_ID="42")
+    assert result.returncode == 5, result.stderr
+    pipe, logs = result.stdout.split()
+    assert pipe.startswith(str(tmp_path)) and "42" in pipe and logs.startswith(str(tmp_path))
+    assert log.read_text().splitlines() == [f"start {pipe}", "quit"]
+    assert not Path(pipe).exists()  # the job-local directory is removed with the daemon

@@ -1,0 +1,84 @@
+"""The parallelism planner: its heuristic on scripted preemption counts, the default TP from a
+profile by hand, the profile file's round trip and refusals, and real gloo ranks switching TP."""
+
+from __future__ import annotations
+
+import json
+
+
+from conftest import launch_job, torchrun
+from rollpacker.plan.planner import best_tp
+
+
+def entry(capacity: int, ms_at_1: float, ms_at_4: float) -> dict:
+    return {"kv_capacity_tokens": capacity, "decode_ms": {"100": {"1": ms_at_1, "4": ms_at_4}}}
+
+
+RUN = ["--data.num-toy-prompts", "32", "--rollout.num-prompts", "4", "--rollout.group-size", "4",
+       "--rollout.max-new-tokens", "64", "--eval-every", "0", "--metrics.wandb-mode", "disabled", "--metrics.no-live",
+       "--plan.profile-batches", "1", "4", "--plan.profile-contexts", "32", "--plan.profile-steps", "2"]
+
+
+def test_the_profiler_cli_writes_a_profile_the_planner_reads(tmp_path):
+    path = tmp_path / "profile.json"
+    flags = ["--plan.profile", str(path), "--plan.profile-batches", "1", "2", "--plan.profile-contexts", "16", "40",
+             "--plan.profile-steps", "2"]
+    proc = launch_job(*flags, nproc=1, module="rollpacker.plan.profile", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"wrote {path}" in proc.stdout and "TP 1: KV capacity" in proc.stdout
+    profile = json.loads(path.read_text())
+    assert profile["key"]["world"] == 1 and list(profile["tp"]) == ["1"]
+    entry = profile["tp"]["1"]
+    assert set(entry["decode_ms"]) == {"16", "40"} and set(entry["decode_ms"]["16"]) == {"1", "2"}
+    assert entry["kv_capacity_tokens"] > 0 and entry["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 4  # toy model, fp32
+    assert best_tp(profile, [1], 16, 20, 50)[0] == 1
+
+
+def test_switching_tp_between_steps_rolls_out_like_a_fixed_tp(tmp_path):
+    out = torchrun("tp_switch.py", 2, str(tmp_path), timeout=600)
+    assert out.count("OK") == 2, out
+
+
+def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
+    # A KV budget that TP 1 overflows (3.35 MiB less 2.90 MiB of weights per rank: 14 blocks): the first
+    # preemptions double TP; one quiet step (quiet_steps 1) halves it again. Without the profile
+    # guard, which would keep TP 1 here: on CPU gloo, TP 2 is the slower one.
+    proc = launch_job("--run-dir", str(tmp_path / "run"), "--num-steps", "5", *RUN,
+                      "--plan.enabled", "--plan.initial-tp", "1", "--plan.quiet-steps", "1", "--plan.no-profile-guard",
+                      "--plan.profile-dir", str(tmp_path / "profiles"), "--engine.memory-mb", "3.35")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tps = [r["plan/rollout_tp"] for r in rows]
+    assert tps[0] == 1 and 2 in tps, tps
+    for before, after in zip(rows, rows[1:]):  # each step's preemptions decide the next step's TP
+        if before["plan/rollout_tp"] == 1 and before["rollout/preemptions"] > 0:
+            assert after["plan/rollout_tp"] == 2
+        if before["plan/rollout_tp"] == 2 and before["rollout/preemptions"] == 0:
+            assert after["plan/rollout_tp"] == 1
+    switched = [r for r in rows if r["plan/switched"]]
+    assert switched and all(r["time/tp_switch"] > 0 for r in switched)
+    assert "rollout TP 1 -> 2" in proc.stderr and "preemptions > 1.05 x recent level" in proc.stderr
+    assert len(list((tmp_path / "profiles").glob("profile-*.json"))) == 1  # profiled once, cached
+
+    # The profile is reused, and one made for another setup is refused with the difference named.
+    wrong = tmp_path / "wrong.json"
+    profile = json.loads(next((tmp_path / "profiles").glob("profile-*.json")).read_text())
+    profile["key"]["world"] = 8
+    wrong.write_text(json.dumps(profile))
+    proc = launch_job("--run-dir", str(tmp_path / "run2"), "--num-steps", "1", *RUN,
+                      "--plan.enabled", "--plan.profile", str(wrong))
+    assert proc.returncode != 0
+    assert "world: profile has 8, this run 2" in proc.stderr
+
+
+def test_planner_bench_smoke(capsys):
+    from rollpacker.bench.__main__ import main
+
+    main(["planner", "--steps", "2", "--memory-mb", "3.35", "--", *RUN[:8], "--plan.profile-batches", "1", "4",
+          "--plan.profile-contexts", "32", "--plan.profile-steps", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["tp_switches"] >= 0 and summary["tp_switches_paper"] >= 0
+    assert summary["speedup_planner"] > 0 and summary["speedup_paper"] > 0 and summary["speedup_tp2"] > 0
+    assert {"preemptions_short_tp1", "rollout_short_tp2", "step_time_planner"} <= set(summary)
+    assert any(line.startswith("TP of short rounds") for line in lines)

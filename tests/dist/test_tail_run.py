@@ -1,0 +1,83 @@
+"""Tail batching for real: 2 gloo ranks, the shipped toy model, two epochs of a small dataset,
+and SIGKILLs mid-round and mid-save followed by ``--resume auto``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import NUM_ROWS, finish, ledger, steps, trained
+from conftest import start_job as launch
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
+    """SIGKILL the whole run (torchrun and its ranks) as soon as ``ready()``; False if it ended first."""
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        if ready():
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.002)
+    proc.communicate()
+    return False
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tail_reference")
+    finish(launch(run_dir))
+    return run_dir
+
+
+def test_two_epochs_train_every_prompt_exactly_once(reference):
+    assert trained(reference) == {0: list(range(NUM_ROWS)), 1: list(range(NUM_ROWS))}
+    state = ledger(reference)
+    assert state["queue"] == [] and state["filtered"] == []
+    records = steps(reference).values()
+    kinds = [r["sched/round_kind"] for r in records]
+    assert "long" in kinds and "short" in kinds, kinds
+    assert sum(r["sched/trained_prompts"] for r in records) == 2 * NUM_ROWS
+    assert any(r["sched/deferred"] for r in records) and any(r["rollout/wasted_tokens"] for r in records)
+    for r in records:
+        assert len(r["rollout/response_lengths"]) == 2 * r["sched/trained_prompts"]
+
+
+def test_sigkill_mid_round_and_mid_save_then_resume_loses_and_repeats_nothing(reference, tmp_path):
+    def lines() -> int:
+        path = tmp_path / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def saving() -> bool:  # a checkpoint directory without its commit marker: a save in progress
+        return any(not (p / "COMMITTED").exists() for p in (tmp_path / "checkpoints").glob("step_*"))
+
+    # 1. mid-round: step 3's metrics are out, step 4's round is running
+    assert kill_when(launch(tmp_path), lambda: lines() >= 3 and (time.sleep(0.2) or True))
+    # 2. mid-save, after resuming: caught while a checkpoint directory has no marker yet
+    start = lines()
+    caught = kill_when(launch(tmp_path, "--resume", "auto"), lambda: lines() > start and saving())
+    assert caught, "the run ended before a save could be interrupted"
+    assert saving()  # the interrupted save is on disk; --resume auto must skip it
+    finish(launch(tmp_path, "--resume", "auto"))
+
+    assert trained(tmp_path) == trained(reference)
+    got, want = steps(tmp_path), steps(reference)
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step]["sched/round_kind"] == want[step]["sched/round_kind"]
+        assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-6, abs=1e-9), step
+
+
+def test_zero_variance_filter_accounts_for_every_prompt(tmp_path):
+    finish(launch(tmp_path, "--schedule.filter-zero-variance", "--num-epochs", "1", "--rollout.group-size", "4"))
+    state = ledger(tmp_path)
+    rows = sorted(row for _, row in state["trained"] + state["filtered"])
+    assert rows == list(range(NUM_ROWS)) and state["queue"] == []
+    records = steps(tmp_path).values()
+    assert sum(r["sched/filtered"] for r in records) == len(state["filtered"]) > 0
+    assert sum(r["sched/trained_prompts"] for r in records) == len(state["trained"])

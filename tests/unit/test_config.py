@@ -1,0 +1,53 @@
+"""Presets, flags and config errors: all before torch is imported."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from rollpacker.config import CONFIGS_DIR, load_preset, parse
+
+PRESETS = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
+
+
+def test_presets_exist():
+    assert {"toy-cpu", "qwen2.5-7b-8k", "qwen2.5-14b-16k", "qwen2.5-32b-32k"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_builds(name):
+    config = parse(["--preset", name])  # through the real CLI, as `rollpacker.run --preset NAME` reads it
+    assert config == load_preset(name)
+    if name.startswith("qwen2.5"):
+        assert (config.rollout.num_prompts, config.rollout.group_size) == (128, 8)
+        config.check_world(config.rollout.tp * 2)
+
+
+def test_flags_override_the_preset():
+    config = parse(["--preset", "qwen2.5-7b-8k", "--rollout.num-prompts", "64", "--train.lr", "2e-6"])
+    assert config.rollout.num_prompts == 64 and config.train.lr == 2e-6
+    assert config.rollout.max_new_tokens == 8192
+
+
+def test_bad_settings_name_the_field(tmp_path):
+    with pytest.raises(SystemExit):
+        parse(["--rollout.group-size", "0"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlrr = 1.0\n")
+    with pytest.raises(ValueError, match="bad.toml.*'lrr'"):
+        load_preset(str(bad))
+    with pytest.raises(FileNotFoundError, match="known presets"):
+        load_preset("no-such-preset")
+    with pytest.raises(ValueError, match="rollout.tp=2 does not divide the world size 3"):
+        parse(["--rollout.tp", "2"]).check_world(3)
+    with pytest.raises(ValueError, match=r"rollout.num_prompts x rollout.group_size = 3 x 3"):
+        parse(["--rollout.num-prompts", "3", "--rollout.group-size", "3"]).check_world(2)
+
+
+def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--policy", "tial"])
+    assert "tial" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--train.off-policy", "maybe"])
+    assert parse(["--policy", "tail", "--stream.criterion", "kv"]).stream.criterion == "kv"

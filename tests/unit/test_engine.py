@@ -1,0 +1,275 @@
+"""TorchEngine against a plain full-recompute decode, on real (tiny, random) models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollpacker.model import CausalAttention, load_model
+from rollpacker.rollout.engine import Request, SamplingParams, generate
+from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
+
+PROMPTS = [[1, 2, 3], [5] * 20, [7, 8, 9, 10, 11, 12, 13], list(range(40)), [42], list(range(60, 90))]
+NEW = [30, 5, 60, 17, 90, 12]
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """``n`` greedy tokens after ``prompt`` and their log-probs, recomputing the whole context per token."""
+    tokens, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            t = torch.tensor(tokens)
+            logits = model.logits(model(t, torch.arange(len(t)), CausalAttention([len(t)])))[-1]
+            tokens.append(int(logits.argmax()))
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[tokens[-1]]))
+    return tokens[len(prompt):], logprobs
+
+
+def greedy_requests(**kw) -> list[Request]:
+    return [
+        Request(id=f"r{i}", prompt_ids=p, params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **kw))
+        for i, (p, n) in enumerate(zip(PROMPTS, NEW))
+    ]
+
+
+def sampled_requests(seed_offset: int = 0) -> list[Request]:
+    return [
+        Request(id=f"s{i}", prompt_ids=p, params=SamplingParams(
+            max_new_tokens=n, temperature=0.9, top_p=0.9 if i % 2 else 1.0, top_k=20 if i % 3 == 0 else 0,
+            seed=1000 + i + seed_offset, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(PROMPTS, NEW))
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference_with_logprobs(qwen2_dir):
+    model = load_model(qwen2_dir)
+    return {f"r{i}": reference_greedy(model, p, n) for i, (p, n) in enumerate(zip(PROMPTS, NEW))}
+
+
+@pytest.fixture(scope="module")
+def reference(reference_with_logprobs):
+    return {k: tokens for k, (tokens, _) in reference_with_logprobs.items()}
+
+
+def engine(path, **kw) -> TorchEngine:
+    return TorchEngine(load_model(path), EngineConfig(block_size=4, **kw))
+
+
+def test_greedy_batch_equals_reference_decode(qwen2_dir, reference):
+    eng = engine(qwen2_dir)
+    outs = generate(eng, greedy_requests())
+    assert {k: o.token_ids for k, o in outs.items()} == reference
+    for o in outs.values():
+        assert o.finish_reason == "length" and len(o.logprobs) == len(o.token_ids)
+        assert o.first_token_time <= o.finish_time
+        assert all(lp <= 0 for lp in o.logprobs)
+    assert eng.stats().num_preemptions == 0
+    assert eng.stats().num_generated_tokens == sum(NEW)
+
+
+def test_tiny_kv_budget_preempts_and_keeps_outputs(qwen2_dir, reference):
+    eng = engine(qwen2_dir, kv_memory_mb=0.07)  # 34 blocks of 4 tokens: not all requests fit
+    outs = generate(eng, greedy_requests())
+    assert {k: o.token_ids for k, o in outs.items()} == reference
+    assert eng.stats().num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs.values()) == eng.stats().num_preemptions
+
+
+def test_abort_returns_partial_and_resume_continues_exactly(qwen2_dir, reference):
+    eng = engine(qwen2_dir)
+    for r in greedy_requests():
+        eng.add(r)
+    early = {o.id: o for _ in range(8) for o in eng.step()}
+    partial = eng.abort("r2")
+    assert partial.finish_reason == "abort"
+    assert 0 < len(partial.token_ids) < NEW[2] and len(partial.logprobs) == len(partial.token_ids)
+    assert partial.token_ids == reference["r2"][: len(partial.token_ids)]
+    with pytest.raises(KeyError, match="r2"):
+        eng.abort("r2")
+    # resume on another engine (a migration), by recomputation
+    other = engine(qwen2_dir)
+    resumed = generate(other, [Request(id="r2", prompt_ids=PROMPTS[2], params=greedy_requests()[2].params,
+                                       resume_from=partial)])["r2"]
+    assert resumed.token_ids == reference["r2"]
+    assert resumed.logprobs[: len(partial.logprobs)] == partial.logprobs
+    rest = early | generate(eng, [])
+    assert {k: o.token_ids for k, o in rest.items()} == {k: v for k, v in reference.items() if k != "r2"}
+
+
+def test_running_set_changes_mid_decode_keep_outputs(qwen2_dir, reference):
+    """The decode workspace follows the running set row by row: arrivals between decode steps,
+    an abort and its resume on the same engine, and finishes leave every output equal to the
+    reference."""
+    eng = engine(qwen2_dir)
+    reqs = greedy_requests()
+    done = {}
+    for r in reqs[:4]:  # a new request after every three decode steps
+        eng.add(r)
+        for _ in range(4):
+            done |= {o.id: o for o in eng.step()}
+    partial = eng.abort("r3")
+    assert 0 < len(partial.token_ids) < NEW[3]
+    for _ in range(5):
+        done |= {o.id: o for o in eng.step()}
+    eng.add(Request(id="r3", prompt_ids=PROMPTS[3], params=reqs[3].params, resume_from=partial))
+    done |= generate(eng, reqs[4:])
+    assert {k: o.token_ids for k, o in done.items()} == reference
+    assert eng.stats().num_preemptions == 0
+
+
+def ragged_requests() -> list[Request]:
+    """18 requests on the reference prompts, two of each in a row (one greedy, one sampled with a
+    seed), of lengths whose contexts cross the workspace's 16/32/64 capacities while they decode."""
+    reqs = []
+    for i in range(18):
+        p = [2, 0, 5, 1, 4, 3, 2, 0, 1][i // 2]
+        new = NEW[p] - 7 * i % (NEW[p] // 2 + 1)
+        params = (SamplingParams(max_new_tokens=new, temperature=0.8, top_k=30, seed=i, ignore_eos=True) if i % 2
+                  else SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True))
+        reqs.append(Request(id=f"g{i}-r{p}", prompt_ids=PROMPTS[p], params=params))
+    return reqs
+
+
+def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_with_logprobs):
+    """A ragged stream: four requests at first, then two every fourth step (a greedy and a sampled
+    one of one prompt, whose rows outgrow their workspace group together), a running request
+    aborted every seventh step and resumed on the same engine five steps later, preemptions forced
+    by the KV budget, and finishes all along. The decode workspace drops, appends and moves rows
+    (alone and several at once) through all of it, and every output equals its reference (greedy:
+    the full-recompute decode; sampled: the same requests on a fresh engine with room for all of
+    them): the same tokens, and log-probs equal up to float rounding (a wrong K or V column shifts
+    them by more)."""
+    reqs = ragged_requests()
+    sampled = [r for r in reqs if r.params.temperature > 0]
+    expected = {k: (o.token_ids, o.logprobs) for k, o in generate(engine(qwen2_dir), sampled).items()}
+    for r in reqs:
+        if r.params.temperature == 0:
+            tokens, logprobs = reference_with_logprobs[r.id.split("-")[1]]
+            expected[r.id] = tokens[: r.params.max_new_tokens], logprobs[: r.params.max_new_tokens]
+    eng = engine(qwen2_dir, kv_memory_mb=0.07, max_num_seqs=6)  # 34 blocks of 4 tokens
+    arrivals, resumes, done = list(reqs), {}, {}
+    num_aborts = 0
+    for step in range(10_000):
+        for _ in range(4 if step == 0 else 2 if step % 4 == 0 and arrivals else 0):
+            eng.add(arrivals.pop(0))
+        if step % 7 == 6 and step > 12 and num_aborts < 8 and eng.running:
+            seq = eng.running[step % len(eng.running)]
+            resumes[step + 5] = Request(id=seq.req.id, prompt_ids=seq.req.prompt_ids, params=seq.req.params,
+                                        resume_from=eng.abort(seq.req.id))
+            num_aborts += 1
+        if step in resumes:
+            eng.add(resumes.pop(step))
+        done |= {o.id: o for o in eng.step()}
+        if not (arrivals or resumes or eng.has_unfinished()):
+            break
+    assert {k: o.token_ids for k, o in done.items()} == {k: tokens for k, (tokens, _) in expected.items()}
+    for k, o in done.items():
+        torch.testing.assert_close(o.logprobs, expected[k][1], rtol=0, atol=1e-5, msg=k)
+    assert num_aborts == 8 and eng.stats().num_preemptions >= 5, eng.stats()
+    assert not any(g.seqs for g in eng.batch.groups.values())  # every row left with its request
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(qwen2_dir):
+    first = generate(engine(qwen2_dir), sampled_requests())
+    # a different batch composition and cache pressure: same samples
+    eng = engine(qwen2_dir, kv_memory_mb=0.07, max_num_seqs=3)
+    second = generate(eng, sampled_requests()[::-1])
+    assert {k: o.token_ids for k, o in first.items()} == {k: o.token_ids for k, o in second.items()}
+    greedy = generate(engine(qwen2_dir), greedy_requests())
+    assert any(first[f"s{i}"].token_ids != greedy[f"r{i}"].token_ids for i in range(len(PROMPTS)))
+    other_seeds = generate(engine(qwen2_dir), sampled_requests(seed_offset=7))
+    assert any(first[k].token_ids != other_seeds[k].token_ids for k in first)
+
+
+def test_sampled_resume_continues_the_same_draws(qwen2_dir):
+    req = sampled_requests()[4]
+    whole = generate(engine(qwen2_dir), [req])[req.id]
+    eng = engine(qwen2_dir)
+    eng.add(req)
+    for _ in range(30):
+        eng.step()
+    partial = eng.abort(req.id)
+    resumed = generate(engine(qwen2_dir), [Request(id=req.id, prompt_ids=req.prompt_ids, params=req.params,
+                                                    resume_from=partial)])[req.id]
+    assert resumed.token_ids == whole.token_ids
+
+
+def test_top_k_one_is_greedy(qwen2_dir, reference):
+    reqs = [Request(id=r.id, prompt_ids=r.prompt_ids, params=SamplingParams(
+        max_new_tokens=r.params.max_new_tokens, temperature=1.5, top_k=1, seed=3, ignore_eos=True))
+        for r in greedy_requests()]
+    assert {k: o.token_ids for k, o in generate(engine(qwen2_dir), reqs).items()} == reference
+
+
+def test_stop_tokens_and_eos(qwen2_dir, reference):
+    stop = reference["r0"][5]
+    first = reference["r0"].index(stop)
+    out = generate(engine(qwen2_dir), [Request(id="a", prompt_ids=PROMPTS[0], params=SamplingParams(
+        max_new_tokens=30, temperature=0, stop_token_ids=(stop,)))])["a"]
+    assert out.finish_reason == "stop" and out.token_ids == reference["r0"][: first + 1]
+    # EOS ends a request unless ignore_eos: make the model's EOS the token greedy emits first
+    eos_model = load_model(qwen2_dir)
+    eos_model.args.eos_token_ids = (reference["r3"][0],)
+    out = generate(TorchEngine(eos_model), [Request(id="b", prompt_ids=PROMPTS[3], params=SamplingParams(
+        max_new_tokens=10, temperature=0))])["b"]
+    assert out.finish_reason == "stop" and out.token_ids == reference["r3"][:1]
+
+
+def test_context_length_ends_generation(qwen2_dir, reference):
+    out = generate(engine(qwen2_dir, max_model_len=50), [greedy_requests()[3]])["r3"]
+    assert out.finish_reason == "length" and out.token_ids == reference["r3"][:10]
+
+
+def test_bad_requests_are_rejected_and_the_engine_keeps_serving(qwen2_dir, reference):
+    eng = engine(qwen2_dir, max_model_len=64)
+    eng.add(greedy_requests()[0])
+    cases = {
+        "empty": ([], 5, "prompt is empty"),
+        "too-long": (list(range(64)), 5, "context length 64"),
+        "zero-new": ([1, 2], 0, "max_new_tokens=0"),
+        "bad-token": ([1, 500], 5, "outside the vocabulary"),
+    }
+    for rid, (prompt, n, msg) in cases.items():
+        with pytest.raises(ValueError, match=f"'{rid}'.*{msg}"):
+            eng.add(Request(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=n)))
+    with pytest.raises(ValueError, match="already queued"):
+        eng.add(greedy_requests()[0])
+    with pytest.raises(ValueError, match="raise engine.kv_memory_mb"):
+        engine(qwen2_dir, kv_memory_mb=0.01).add(greedy_requests()[2])
+    with pytest.raises(ValueError, match="engine.block_size"):
+        EngineConfig(block_size=0)
+    assert generate(eng, [])["r0"].token_ids == reference["r0"]
+
+
+def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path):
+    from conftest import make_hf_model
+
+    other_dir = make_hf_model(tmp_path / "other", "qwen2", initializer_range=0.05)
+    eng = engine(qwen2_dir)
+    target = generate(engine(other_dir), greedy_requests())
+    eng.release_memory()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        eng.step()
+    eng.update_weights(load_model(other_dir).state_dict().items())
+    eng.resume_memory()
+    assert {k: o.token_ids for k, o in generate(eng, greedy_requests()).items()} == \
+        {k: o.token_ids for k, o in target.items()}
+    eng.add(greedy_requests()[0])
+    with pytest.raises(RuntimeError, match="1 waiting"):
+        eng.release_memory()
+    with pytest.raises(KeyError, match="not a parameter"):
+        eng.update_weights([("layers.9.mlp.up_proj.weight", torch.zeros(1))])
+
+
+def test_engine_rms_norm_is_the_models():
+    from rollpacker.model.transformer import RMSNorm
+    from rollpacker.rollout.torch_engine import _rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(1, 64), (37, 96), (5, 4, 16)]:
+        norm = RMSNorm(shape[-1], eps=1e-6)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=gen)
+            x = torch.randn(shape, generator=gen) * 3
+            assert torch.equal(_rms_norm(x, norm.weight, norm.eps), norm(x))

@@ -1,0 +1,264 @@
+"""The LLM judge: verdict parsing, the choice of resident layers, layer-wise offloading equal to
+the resident model bit for bit (CPU; overlap on GPU), and launch/mps.sh.
+
+The toy model stands in for a judge: it adds single digits, so with the rubric ``ADDER`` its
+verdict on the pair ("3", "4") is the token "7".
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from rollpacker.data.toy_model import toy_model_dir
+from rollpacker.model import CausalAttention, ModelArgs, Transformer, load_model
+from rollpacker.reward.judge import (
+    Judge, JudgeConfig, OffloadedLayers, activation_bytes_per_token, choose_resident_layers, parse_verdict,
+)
+from rollpacker.reward.rules import RewardError
+
+ADDER = "Q: {prompt}+{response}\nA: {prompt}+{response}="
+PAIRS = [("3", "4"), ("2", "5"), ("1", "1"), ("40", "6"), ("8", "1+2+3+4+5+6+7+8+9-9-8-7-6")]
+
+
+def toy_judge(**overrides) -> Judge:
+    return Judge(JudgeConfig(model_path=str(toy_model_dir()), rubric=ADDER, **overrides))
+
+
+def packed(seqs: list[list[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, positions [T] and the index of each sequence's last token [N]."""
+    lens = torch.tensor([len(s) for s in seqs])
+    tokens = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(n) for n in lens.tolist()]).to(device)
+    return tokens, positions, (lens.cumsum(0) - 1).to(device)
+
+
+def resident_logits(model: Transformer, seqs: list[list[int]]) -> torch.Tensor:
+    """The resident path: the whole model on its device, through ``Transformer.forward``."""
+    device = model.embed_tokens.weight.device
+    tokens, positions, last = packed(seqs, device)
+    with torch.inference_mode():
+        hidden = model(tokens, positions, CausalAttention([len(s) for s in seqs], device))
+        return model.logits(hidden[last])
+
+
+def offloaded_hidden(layers: OffloadedLayers, model: Transformer, seqs: list[list[int]]) -> torch.Tensor:
+    """The offloaded path over ``layers`` with ``model``'s embedding and final norm (all tokens)."""
+    from rollpacker.model.transformer import rope_cos_sin
+
+    device = layers.device
+    tokens, positions, _ = packed(seqs, device)
+    with torch.inference_mode():
+        x = model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, model.inv_freq, x.dtype)
+        return model.norm(layers(x, cos, sin, CausalAttention([len(s) for s in seqs], device)))
+
+
+# --- verdicts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verdict, reward", [("7", 7 / 9), (" 3\n", 3 / 9), ("0", 0.0), ("9", 1.0)])
+def test_parse_verdict_accepts_integers_in_range(verdict, reward):
+    assert parse_verdict(verdict, 9) == reward
+
+
+@pytest.mark.parametrize("verdict", ["", " ", "seven", "-1", "7.5", "<|endoftext|>", "\u0663", "Score: 7"])
+def test_parse_verdict_rejects_non_scores(verdict):
+    with pytest.raises(RewardError, match="is not a score: expected an integer from 0 to 9"):
+        parse_verdict(verdict, 9)
+
+
+def test_parse_verdict_rejects_out_of_range():
+    with pytest.raises(RewardError, match="verdict 6 is out of range: expected an integer from 0 to 5"):
+        parse_verdict("6", 5)
+
+
+# --- choosing K -------------------------------------------------------------------------------
+
+SIZES = dict(num_layers=4, layer_bytes=100, fixed_bytes=50, num_tokens=10, bytes_per_token=5)  # activations: 50
+
+
+@pytest.mark.parametrize("budget, k", [
+    (500, 4),  # room 400 = 4 layers: all resident, no buffers
+    (10_000, 4),
+    (499, 1),  # room 399: 3 layers' worth = 1 resident + 2 buffers (3 resident would need 400)
+    (400, 1),  # room 300
+    (399, 0),  # room 299
+    (300, 0),  # room 200: both buffers, nothing resident
+])
+def test_choose_resident_layers(budget, k):
+    assert choose_resident_layers(**SIZES, budget_bytes=budget) == k
+
+
+def test_choose_resident_layers_says_what_to_do_when_nothing_fits():
+    with pytest.raises(RewardError, match=r"batch of 10 tokens .* lower judge.max_batch_tokens"):
+        choose_resident_layers(**SIZES, budget_bytes=299)
+
+
+def test_activation_bytes_per_token():
+    args = ModelArgs.from_hf(dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4))
+    # 4 * 8 (hidden) + 6 * (2 + 2 * 1) * 4 (q, k, v) + 3 * 16 (intermediate) = 32 + 96 + 48 elements
+    assert activation_bytes_per_token(args, torch.bfloat16) == 176 * 2
+
+
+# --- offloading equals the resident path, bit for bit ------------------------------------------
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_judge_offloaded_equals_resident_bitwise(k):
+    judge = toy_judge(resident_layers=k)
+    seqs = [judge.encode(p, r) for p, r in PAIRS]
+    logits = judge.last_logits(seqs)
+    assert judge.layers.num_resident == k and len(judge.layers.buffers) == min(2, 4 - k)
+    assert torch.equal(logits, resident_logits(load_model(toy_model_dir()), seqs))
+    assert torch.equal(judge.last_logits(seqs), logits)  # the reused buffers hold no stale state
+
+
+@pytest.mark.parametrize("model_dir", ["qwen2_dir", "qwen3_tied_dir"])
+def test_offloaded_layers_equal_resident_bitwise(model_dir, request):
+    model = load_model(request.getfixturevalue(model_dir))
+    seqs = [[5, 7, 9, 11], list(range(1, 40)), [3]]
+    ref = resident_logits(model, seqs)
+    layers = OffloadedLayers(list(model.layers), model.args, "cpu")
+    _, _, last = packed(seqs)
+    for k in range(len(layers) + 1):
+        layers.set_resident(k)
+        assert torch.equal(model.logits(offloaded_hidden(layers, model, seqs)[last]), ref), f"K={k}"
+
+
+def test_auto_k_follows_the_batch_length():
+    judge = toy_judge()
+    layer, per_token = judge.layers.layer_bytes, judge.bytes_per_token
+    short = [judge.encode(p, r) for p, r in PAIRS[:2]]
+    long = short + [judge.encode("1", "1" * (layer // per_token // 2))]  # ADDER has it twice: one layer more
+
+    def fixed(seqs):  # weights outside the layers, logits and activations
+        return judge.fixed_bytes + len(seqs) * judge.model.args.vocab_size * 4 + sum(map(len, seqs)) * per_token
+
+    # room for 3.5 layers with the short batch: K = 3 - 2 = 1; about 2.5 with the long one: K = 0
+    assert 0.5 * layer < fixed(long) - fixed(short) < 1.5 * layer
+    judge.cfg.cpu_memory_gib = (fixed(short) + 3.5 * layer) / 2**30
+    reference = load_model(toy_model_dir())
+    for seqs, k in [(short, 1), (long, 0), (short, 1)]:
+        logits = judge.last_logits(seqs)
+        assert judge.layers.num_resident == k
+        assert torch.equal(logits, resident_logits(reference, seqs))
+    judge.cfg.cpu_memory_gib = 100 * 2**30  # plenty: everything resident
+    judge.last_logits(long)
+    assert judge.layers.num_resident == 4 and judge.layers.buffers == []
+
+
+# --- scoring ----------------------------------------------------------------------------------
+
+
+def test_score_reads_the_verdict_token():
+    judge = toy_judge(resident_layers=0)
+    assert judge.score(PAIRS[:3]) == [7 / 9, 7 / 9, 2 / 9]
+
+
+def test_score_flags_bad_verdicts_per_pair():
+    judge = toy_judge(max_score=7, max_tokens=20)
+    results = judge.score([("3", "4"), ("4", "4"), ("3", "4" * 20)])
+    assert results[0] == 1.0
+    assert isinstance(results[1], RewardError) and "verdict 8 is out of range" in str(results[1])
+    assert isinstance(results[2], RewardError) and "over judge.max_tokens=20" in str(results[2])
+    unparseable = Judge(JudgeConfig(model_path=str(toy_model_dir()), rubric="Q: {prompt}+{response}\nA:"))
+    [result] = unparseable.score([("3", "4")])  # the toy model answers " 3+4=7": a space comes first
+    assert isinstance(result, RewardError) and "verdict ' ' is not a score" in str(result)
+
+
+def test_score_packs_batches_and_flags_what_does_not_fit():
+    judge = toy_judge(max_tokens=40, max_batch_tokens=40)  # one pair per forward
+    assert judge.score(PAIRS[:3]) == toy_judge().score(PAIRS[:3])
+    judge.cfg.cpu_memory_gib = 1e-6
+    assert all(isinstance(r, RewardError) and "lower judge.max_batch_tokens" in str(r) for r in judge.score(PAIRS[:4]))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(rubric="{prompt} only"), "must contain {response}"),
+    (dict(rubric="{prompt} {response} {x}"), "not a valid template"),
+    (dict(rubric="{prompt} {response} {"), "not a valid template"),
+    (dict(max_score=0), "judge.max_score must be >= 1"),
+    (dict(resident_layers=-2), "judge.resident_layers"),
+    (dict(max_batch_tokens=10, max_tokens=20), "judge.max_batch_tokens"),
+    (dict(memory_fraction=0.0), "judge.memory_fraction"),
+    (dict(dtype="fp8"), "judge.dtype"),
+])
+def test_config_names_the_bad_field(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        JudgeConfig(**overrides)
+
+
+def test_judge_refuses_multi_token_scores_and_too_many_layers():
+    with pytest.raises(ValueError, match="'10' is several tokens.*judge.max_score=9"):
+        toy_judge(max_score=10)
+    with pytest.raises(ValueError, match="judge.resident_layers=5 but the judge has 4 layers"):
+        toy_judge(resident_layers=5)
+
+
+# --- GPU: prefetch overlaps compute -------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (layer streaming on a side stream)"
+)
+
+
+def _time_ms(fn, repeat: int = 5) -> float:
+    """Median milliseconds of ``fn`` on the current stream, after a warmup."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_prefetch_overlaps_compute_and_matches_resident():
+    device = torch.device("cuda")
+    cfg = dict(model_type="qwen2", vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_hidden_layers=6,
+               num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_hf(cfg))
+    model.init_weights()
+    model = model.to(torch.bfloat16)
+    layers = OffloadedLayers(list(model.layers), model.args, device)
+    del model.layers
+    model.to(device)
+    seqs = [list(range(1, 1025))] * 8  # 8192 tokens: a layer's compute is about as long as its copy
+    n = len(layers)
+
+    layers.set_resident(n)
+    resident = offloaded_hidden(layers, model, seqs)
+    compute_ms = _time_ms(lambda: offloaded_hidden(layers, model, seqs))
+    layers.set_resident(0)
+    buffer = torch.empty_like(layers.host[0], device=device)
+    copy_ms = _time_ms(lambda: [buffer.copy_(h, non_blocking=True) for h in layers.host])
+    assert torch.equal(offloaded_hidden(layers, model, seqs), resident)
+    offloaded_ms = _time_ms(lambda: offloaded_hidden(layers, model, seqs))
+    hidden = compute_ms + copy_ms - offloaded_ms
+    print(f"{n} layers: compute {compute_ms:.1f} ms, copies {copy_ms:.1f} ms, offloaded {offloaded_ms:.1f} ms "
+          f"({hidden:.1f} ms hidden of the shorter {min(compute_ms, copy_ms):.1f} ms)")
+    assert hidden > 0.5 * min(compute_ms, copy_ms), "layer copies did not overlap compute"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_judge_offloaded_equals_resident():
+    scores = {}
+    for k in (0, 1, 4):
+        judge = Judge(JudgeConfig(model_path=str(toy_model_dir()), rubric=ADDER, resident_layers=k), "cuda")
+        seqs = [judge.encode(p, r) for p, r in PAIRS]
+        scores[k] = (judge.last_logits(seqs), judge.score(PAIRS))
+        assert torch.equal(scores[k][0], resident_logits(load_model(toy_model_dir(), "cuda"), seqs))
+    assert scores[0][1] == scores[1][1] == scores[4][1]
+
+
+# --- launch/mps.sh ----------------------------------------------------------------------------

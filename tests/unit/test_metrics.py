@@ -1,0 +1,171 @@
+"""Metrics helpers against hand-computed values, the JSONL/wandb sink, the live display, the report."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from rollpacker import report
+from rollpacker.metrics import LiveDisplay, MetricsConfig, MetricsLogger, Timer, bubble_ratio, length_stats
+
+
+def test_bubble_ratio_hand_computed():
+    # capacity 4: 4 running for 1 s, then 1 running for 3 s -> (0*1 + 3*3) / (4*4)
+    assert bubble_ratio([(0.0, 4), (1.0, 1)], capacity=4, end_time=4.0) == pytest.approx(0.5625)
+    # starts at the first timestamp, not at 0; 2 of 2 busy for 1 s, then idle for 1 s -> 2 / 4
+    assert bubble_ratio([(10.0, 2), (11.0, 0)], capacity=2, end_time=12.0) == pytest.approx(0.5)
+    assert bubble_ratio([(0.0, 3)], capacity=3, end_time=5.0) == 0.0  # always full
+    assert bubble_ratio([], capacity=3, end_time=5.0) == 0.0
+    assert bubble_ratio([(1.0, 2)], capacity=3, end_time=1.0) == 0.0  # no time passed
+
+
+@pytest.mark.parametrize(
+    "samples, capacity, end_time",
+    [([(0.0, 1)], 0, 1.0), ([(0.0, 5)], 4, 1.0), ([(1.0, 1), (0.5, 1)], 4, 2.0), ([(0.0, 1)], 4, -1.0)],
+)
+def test_bubble_ratio_rejects_bad_input(samples, capacity, end_time):
+    with pytest.raises(ValueError, match="bubble_ratio"):
+        bubble_ratio(samples, capacity, end_time)
+
+
+def test_length_stats():
+    stats = length_stats(list(range(1, 11)))  # 1..10
+    assert stats == {
+        "rollout/response_len_mean": pytest.approx(5.5),
+        "rollout/response_len_p50": pytest.approx(5.5),
+        "rollout/response_len_p90": pytest.approx(9.1),  # linear interpolation: 1 + 0.9 * 9
+        "rollout/response_len_p99": pytest.approx(9.91),
+        "rollout/response_len_max": 10,
+    }
+    assert length_stats([]) == {}
+
+
+def test_timer_accumulates_and_pops():
+    timer = Timer()
+    for _ in range(2):
+        with timer("rollout"):
+            time.sleep(0.01)
+    with pytest.raises(RuntimeError), timer("train"):  # time is kept when the stage raises
+        raise RuntimeError("boom")
+    times = timer.pop()
+    assert set(times) == {"time/rollout", "time/train"}
+    assert times["time/rollout"] >= 0.02
+    assert timer.pop() == {}
+
+
+def test_config_validates():
+    with pytest.raises(ValueError, match="wandb_mode"):
+        MetricsConfig(wandb_mode="cloud")
+    with pytest.raises(ValueError, match="wandb_project"):
+        MetricsConfig(wandb_project="")
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_logger_disabled_writes_jsonl_without_wandb(tmp_path):
+    np = pytest.importorskip("numpy")
+    wandb_loaded = "wandb" in sys.modules
+    logger = MetricsLogger(tmp_path / "run", MetricsConfig(wandb_mode="disabled"), {"seed": 0})
+    logger.log(0, {"reward/mean": 0.5, "rollout/response_lengths": [3, 5, 8], "train/loss": np.float32(1.5)})
+    logger.log(1, {"reward/mean": 0.75, "rollout/response_lengths": np.array([2, 4])})
+    logger.close()
+    logger.close()  # idempotent
+    assert _read_jsonl(tmp_path / "run" / "metrics.jsonl") == [
+        {"step": 0, "reward/mean": 0.5, "rollout/response_lengths": [3, 5, 8], "train/loss": 1.5},
+        {"step": 1, "reward/mean": 0.75, "rollout/response_lengths": [2, 4]},
+    ]
+    assert not (tmp_path / "run" / "wandb").exists()
+    assert ("wandb" in sys.modules) == wandb_loaded  # disabled mode never imports wandb
+    with pytest.raises(RuntimeError, match="closed"):
+        logger.log(2, {})
+
+
+def test_logger_offline_writes_jsonl_and_wandb_files(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ERROR_REPORTING"):
+        monkeypatch.setenv(var, "")  # recorded, so the test's changes are undone afterwards
+        monkeypatch.delenv(var)
+    run_dir = tmp_path / "run"
+    with MetricsLogger(run_dir, MetricsConfig(wandb_mode="offline", wandb_run_name="t"), {"lr": 1e-6}) as logger:
+        logger.log(0, {"reward/mean": 0.25, "rollout/response_lengths": [1, 2, 3], "sched/round_kind": "short"})
+        logger.log(1, {"reward/mean": 0.5, "rollout/response_lengths": []})
+        assert os.environ["WANDB_ERROR_REPORTING"] == "false"  # no usage telemetry sent anywhere
+    records = _read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[0]["rollout/response_lengths"] == [1, 2, 3]
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline wandb run written"
+
+
+def test_live_display_plain_lines_when_not_a_terminal():
+    out = io.StringIO()
+    display = LiveDisplay(enabled=True, stream=out)
+    for step in range(2):
+        display.start_step(step, num_launched=8)
+        display.update(4, tokens_per_s=100.0)
+        display.end_step({"time/step": 1.5, "reward/mean": 0.25, "reward/accuracy": 0.5,
+                          "rollout/response_len_mean": 12.0, "train/loss": 3.0})
+    display.close()
+    lines = out.getvalue().splitlines()
+    expected = "step {} | time/step 1.5s | reward/mean 0.25 | reward/accuracy 0.5 | rollout/response_len_mean 12"
+    assert lines == [expected.format(s) for s in range(2)]
+
+
+def test_live_display_on_a_terminal_prints_the_summary():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    display = LiveDisplay(enabled=True, stream=out)
+    display.start_step(3, num_launched=4)
+    display.update(2, tokens_per_s=50.0)
+    display.end_step({"reward/mean": 1.0})
+    display.close()
+    assert "step 3 | reward/mean 1" in out.getvalue()
+
+
+def _write_metrics(run_dir, num_steps=4):
+    run_dir.mkdir()
+    lines = []
+    for step in range(num_steps):
+        record = {"step": step, "time/rollout": 2.0 + step, "time/train": 1.0, "time/weight_sync": 0.1,
+                  "time/ref_logprobs": 0.5, "time/step": 4.0 + step, "reward/mean": 0.1 * step,
+                  "reward/accuracy": 0.2 * step, "rollout/response_lengths": [10, 20, 30 + step, 200]}
+        if step == 1:
+            record.pop("time/weight_sync")  # a missing stage counts as 0
+        lines.append(json.dumps(record))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_report_writes_three_plots(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _write_metrics(run_dir)
+    assert report.main([str(run_dir)]) == 0
+    names = ("step_time.png", "response_lengths.png", "reward.png")
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(run_dir / "plots" / n) for n in names]
+    for name in names:
+        assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_missing_dir_and_file(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert str(tmp_path / "nope") in capsys.readouterr().err
+    assert report.main([str(tmp_path)]) == 2
+    assert str(tmp_path / "metrics.jsonl") in capsys.readouterr().err
+
+
+def test_report_malformed_line_names_file_and_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.5}\n{"step": 1, "reward\n')
+    assert report.main([str(tmp_path)]) == 2
+    assert f"{tmp_path / 'metrics.jsonl'}:2" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rollout/response_lengths": 7}\n')
+    assert report.main([str(tmp_path)]) == 2
+    assert f"{tmp_path / 'metrics.jsonl'}:1" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""RolloutPipe (``schedule.pipe``): complete-group pipelining on scripted completion orders, the
+engine's frontier-first admission, the composition rules, and real 2-rank runs (1 rollout rank,
+1 train rank): the train pool never rolls out, every step streams groups, the losses are the plain
+sync run's, and tail+pipe trains every prompt exactly once per epoch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rollpacker.bench.schedulers import policy_args
+from rollpacker.config import Config
+from rollpacker.round import _feed
+from rollpacker.plan.config import PlanConfig
+from rollpacker.data.dataset import PromptSampler
+from rollpacker.schedule.base import Group, Round
+from rollpacker.schedule.round import RoundState
+from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.config import ScheduleConfig
+from rollpacker.train.config import StreamConfig, TrainConfig
+
+
+class FakeStream:
+    """The rank-0 end of the stream trainer: ``ready`` when the train pool has trained the last batch."""
+
+    def __init__(self):
+        self.config, self.busy, self.batches = StreamConfig(), False, []
+
+    def ready(self) -> bool:
+        return not self.busy
+
+    def feed(self, samples) -> None:
+        self.batches.append(samples)
+        self.busy = True
+
+
+def group(slot: int) -> Group:
+    return Group(prompt=slot, outputs=[SimpleNamespace(id=f"{slot}:{k}") for k in range(2)], rewards=[])
+
+
+def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
+    """Scripted: groups complete in the order 2, 0, 1, 3; group 0's second response is scored late."""
+    stream = FakeStream()
+    state = RoundState(0, Round("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
+    complete, scores = state.complete, state.scores
+    make = lambda g: [g.prompt]  # noqa: E731: one "sample" per group, its slot
+    groups = {s: group(s) for s in range(4)}
+
+    def completes(slot: int, scored: bool = True) -> None:
+        complete.append(groups[slot])
+        scores.update({o.id: 1.0 for o in groups[slot].outputs[:2 if scored else 1]})
+        assert _feed(stream, state, make)  # fetching goes on all round
+
+    completes(2)  # the train pool is idle: group 2 goes at once, alone
+    assert stream.batches == [[2]] and groups[2].streamed and groups[2].rewards == [1.0, 1.0]
+    completes(0, scored=False)
+    completes(1)  # the train pool is busy: both wait, in completion order
+    assert stream.batches == [[2]] and complete == [groups[0], groups[1]]
+    stream.busy = False  # it has trained group 2: everything complete and scored goes, FIFO
+    completes(3)
+    assert stream.batches == [[2], [1, 3]] and complete == [groups[0]]  # group 0 is not scored yet
+    scores["0:1"] = 0.0
+    stream.busy = False
+    _feed(stream, state, make)
+    assert stream.batches == [[2], [1, 3], [0]] and not complete and groups[0].rewards == [1.0, 0.0]
+
+
+def test_engine_admits_the_best_priority_first():
+    import torch
+
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model import load_model
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.engine import Request, SamplingParams
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32),
+                         EngineConfig(kv_memory_mb=1, block_size=4, max_num_seqs=1), None)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for rid, priority in (("late-group", 5), ("frontier", 1), ("late-group-2", 5), ("frontier-2", 1)):
+        engine.add(Request(id=rid, prompt_ids=[5, 6, 7], params=params, priority=priority))
+    order = []
+    while engine.has_unfinished():
+        order += [o.id for o in engine.step()]
+    assert order == ["frontier", "frontier-2", "late-group", "late-group-2"]  # FIFO among equals
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"policy": "sorted_partial", "train": TrainConfig(off_policy="tis")}, "off-policy"),
+    ({"policy": "sorted"}, "frontier-group dispatch"),
+    ({"stream": StreamConfig(enabled=True)}, "stream.enabled"),
+    ({"plan": PlanConfig(enabled=True)}, "plan.enabled"),
+    ({"train": TrainConfig(advantage_norm="batch")}, "schedule.pipe with train.advantage_norm='batch'"),
+])
+def test_pipe_composition_is_explicit(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Config(schedule=ScheduleConfig(pipe=True), **kwargs)
+    for policy in ("sync", "tail"):
+        Config(policy=policy, schedule=ScheduleConfig(pipe=True))
+
+
+def test_bench_names():
+    assert policy_args("pipe") == ["--policy", "sync", "--schedule.pipe"]
+    assert policy_args("tail+pipe") == ["--policy", "tail", "--schedule.pipe"]

@@ -1,0 +1,130 @@
+"""The reward scheduler the controller drives: scores come back per sample, failures as None."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.scheduler import RewardScheduler
+
+ROWS = [{"answer": "4"}, {"answer": "4"}, {"answer": "\\frac{1}{2}"}]
+RESPONSES = ["so \\boxed{4}", "so \\boxed{5}", "\\boxed{10^{10^{10^{10}}}}"]
+
+
+def score_all(cfg: RewardConfig) -> dict:
+    scheduler = RewardScheduler(cfg, "math", lambda ids: RESPONSES[ids[0]])
+    try:
+        for i, row in enumerate(ROWS[:2]):
+            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+        got = dict(scheduler.poll()) | dict(scheduler.wait())
+        assert scheduler.take_seconds() > 0 and scheduler.take_seconds() == 0
+        return got
+    finally:
+        scheduler.close()
+
+
+def test_pool_and_inline_scoring_agree():
+    assert score_all(RewardConfig(num_workers=2)) == score_all(RewardConfig(num_workers=0)) == {0: 1.0, 1: 0.0}
+
+
+@pytest.mark.timeout(60)
+def test_a_hanging_reward_comes_back_flagged_and_the_pool_goes_on():
+    scheduler = RewardScheduler(RewardConfig(num_workers=1, timeout=2.0), "math", lambda ids: RESPONSES[ids[0]])
+    try:
+        scheduler.submit("hang", ROWS[2], SimpleNamespace(token_ids=[2]))
+        scheduler.submit("ok", ROWS[0], SimpleNamespace(token_ids=[0]))
+        assert dict(scheduler.wait()) == {"hang": None, "ok": 1.0}
+    finally:
+        scheduler.close()
+
+
+def test_rewards_bench_smoke(capsys):
+    from rollpacker.bench.rewards import main
+
+    main(["--responses", "4", "--rollout-seconds", "0.5", "--fixed-timeout", "3", "--loop-fraction", "0",
+          "--slow-fraction", "0", "--wrong-fraction", "0.3"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):  # step = rollout + exposed scoring
+        assert summary[f"exposed_{name}"] >= 0
+        assert summary[f"step_{name}"] == pytest.approx(0.5 + summary[f"exposed_{name}"], abs=0.05)
+    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"], abs=0.02)
+    assert summary["exposed_ratio"] == pytest.approx(
+        summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_code_rows_are_sandboxed_and_teach_the_adaptive_timeout(workers):
+    row = {"prompt": "add", "tests": [{"input": "1 2\n", "output": "3\n"}]}
+    programs = ["```python\nprint(sum(map(int, input().split())))\n```", "```python\nprint(4)\n```"]
+    scheduler = RewardScheduler(RewardConfig(num_workers=workers), "code", lambda ids: programs[ids[0]])
+    try:
+        for i in range(2):
+            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+        assert dict(scheduler.wait()) == {0: 1.0, 1: 0.0}
+        [anchor] = scheduler.state_dict()["timeouts"]["anchors"].values()
+        assert 0 < anchor < 2.0
+    finally:
+        scheduler.close()
+
+
+# --- the LLM judge: the toy model adds the digits of ADDER, so its verdict on ("3", "4") is "7" ---
+
+ADDER = "Q: {prompt}+{response}\nA: {prompt}+{response}="  # 14 tokens for one-digit pairs (one per character)
+UNPARSEABLE = "Q: {prompt}+{response}\nA:"  # 9 tokens; the toy model answers " 3+4=7": a space comes first
+JUDGED = [  # (row, response, reward with max_score 7; None: a reward_error)
+    ({"prompt": "3"}, "4", 1.0),
+    ({"prompt": "2"}, "5", 1.0),
+    ({"prompt": "4"}, "4", None),  # verdict 8 > max_score
+    ({"prompt": "3", "rubric": UNPARSEABLE}, "4", None),  # verdict " "
+    ({"prompt": "1"}, "1", 2 / 7),
+    ({"prompt": "3"}, "3", 6 / 7),
+    ({"prompt": "3"}, "4" * 20, None),  # over judge.max_tokens: flagged without a forward
+]
+
+
+def judge_config(**overrides):
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.reward.config import JudgeConfig
+
+    return JudgeConfig(model_path=str(toy_model_dir()), rubric=ADDER, max_score=7, max_tokens=14, **overrides)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_judge_scores_one_bounded_batch_per_poll_and_the_rest_in_wait(workers, caplog):
+    from rollpacker.reward.judge import Judge
+
+    cfg = RewardConfig(num_workers=workers, judge=judge_config(max_batch_tokens=28))  # two pairs per forward
+    scheduler = RewardScheduler(cfg, "judge", lambda ids: JUDGED[ids[0]][1])
+    try:
+        for i, (row, _, _) in enumerate(JUDGED):
+            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+        assert scheduler.judge is None  # loaded on the first poll, not at submit
+        polls = [scheduler.poll(), scheduler.poll()]
+        assert scheduler.take_seconds() > 0
+        polls.append(scheduler.wait())
+        assert scheduler.take_seconds() > 0 and scheduler.wait() == scheduler.poll() == []
+        # packed in order: 14 + 14 tokens; 14 + 9 (the next 14 would pass 28); the rest (the long one costs 0)
+        assert [[key for key, _ in done] for done in polls] == [[0, 1], [2, 3], [4, 5, 6]]
+        got = dict(polls[0] + polls[1] + polls[2])
+        assert got == {i: reward for i, (_, _, reward) in enumerate(JUDGED)}
+        direct = Judge(cfg.judge).score([(row["prompt"], response) for row, response, _ in JUDGED],
+                                        [row.get("rubric") for row, _, _ in JUDGED])
+        assert got == {i: None if isinstance(r, Exception) else r for i, r in enumerate(direct)}
+        errors = [r.getMessage() for r in caplog.records if "reward_error" in r.getMessage()]
+        assert len(errors) == 3 and "verdict 8 is out of range" in errors[0] and "verdict ' '" in errors[1]
+        assert "over judge.max_tokens=14" in errors[2]
+    finally:
+        scheduler.close()
+
+
+def test_judge_needs_a_model_directory(tmp_path):
+    from rollpacker.reward.config import JudgeConfig
+
+    with pytest.raises(ValueError, match="reward.judge.model_path is empty.*--reward.judge.model-path"):
+        RewardScheduler(RewardConfig(num_workers=0), "judge", str)
+    with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
+        RewardScheduler(RewardConfig(num_workers=0, judge=JudgeConfig(model_path=str(tmp_path))), "judge", str)
+    RewardScheduler(RewardConfig(num_workers=0), "math", str).close()  # other kinds need no judge

@@ -1,0 +1,94 @@
+"""Stream training: the trigger and KV projection (pure logic), and real gloo ranks for the
+equivalence with synchronous steps and for whole runs with scale-downs."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollpacker.train.config import StreamConfig
+from rollpacker.train.stream import ScaleDown, StepCost, Trigger, decode_seconds, peak_kv_tokens, steps_left
+
+
+def test_adaptive_trigger_looks_at_5_percent_milestones_between_20_and_50():
+    t = Trigger()
+    seen = [done for done in range(0, 101) if t.due(done, 100)]
+    assert seen == [20, 25, 30, 35, 40, 45, 50]
+    t.reset()  # jumps: a look needs a new milestone and 5% new completions since the last look
+    assert [t.due(d, 100) for d in (10, 22, 24, 26, 31, 60)] == [False, True, False, False, True, False]
+
+
+def test_fixed_trigger_fires_once():
+    t = Trigger(fixed=0.3)
+    assert [t.due(d, 10) for d in (2, 3, 4, 5)] == [False, True, False, False]
+
+
+def test_peak_kv_projection_by_hand():
+    # No history: every request runs to max_new_tokens=10. Two requests (prompt 5, generated 2) and
+    # (prompt 3, generated 6): 8 and 4 steps left; the peak is just before the shorter one ends:
+    # 7 + 3 steps + 9 + 3 steps = 22 tokens (then only the first is left: 7 + 7 = 14).
+    assert peak_kv_tokens([(5, 2), (3, 6)], [], 10) == 22
+    # History says responses end at 4 tokens: the first request (at 2) is projected to end at 4; the
+    # second (at 6) has outgrown the history and runs to the maximum.
+    assert peak_kv_tokens([(5, 2), (3, 6)], [4, 4, 4], 10) == (7 + 1) + (9 + 1)
+    assert peak_kv_tokens([], [1, 2], 10) == 0
+
+
+def test_decode_projection_by_hand():
+    # No history: every request runs to max_new_tokens; with history [4, 8], a request at 2 tokens
+    # ends at 8 (the 0.9 quantile of the longer ones), one at 5 also at 8, one at 9 at the max.
+    assert steps_left([(3, 2), (3, 5), (3, 9)], [4, 8], 10) == [6, 3, 1]
+    # Requests with 1, 2 and 3 steps left, a step costing b (requests per replica): on one replica
+    # 3 + 2 + 1 = 6 s; on two, ceil(3/2) + 1 + 1 = 4 s.
+    assert decode_seconds([3, 1, 2], 1, lambda b: b) == 6
+    assert decode_seconds([3, 1, 2], 2, lambda b: b) == 4
+
+
+def test_step_cost_fit_by_hand():
+    cost = StepCost()
+    for b, t in ((1, 1.5), (2, 2.0), (3, 2.5)):
+        cost.observe(b, t)
+    assert cost.fit() is None  # too few polls
+    cost.observe(4, 3.0)
+    cost.observe(0, 9.0)  # an idle poll says nothing
+    assert cost.fit() == pytest.approx((1.0, 0.5))
+    flat = StepCost()
+    for _ in range(5):
+        flat.observe(2, 1.0)
+    assert flat.fit() is None  # one batch size: no slope
+
+
+@pytest.mark.parametrize("a,c,scales", [(0.0, 1.0, False), (1.0, 0.0, True)])
+def test_throughput_criterion_weighs_the_slowdown_against_the_training_it_hides(a, c, scales):
+    """Four requests with 10 steps left on 2 replicas. Compute-bound steps (a step costs its batch,
+    as on these cores): 20 s left as they are, 40 s on one replica; the freed half trains 20 s of
+    the 30 s step, which does not beat the 20 s lost. Memory-bound steps (a fixed cost, as on a
+    GPU): 10 s either way, so the scale-down pays."""
+    decider = ScaleDown(StreamConfig(criterion="throughput"), num_replicas=2, kv_capacity_tokens=10 ** 6,
+                        max_new_tokens=10)
+    decider.start_round("short")
+    decider.train_seconds = 30.0
+    for b in (1, 2, 3, 4):
+        decider.step_cost.observe(b, a + c * b)
+    assert decider.pays([(5, 0)] * 4) == scales
+    assert decider.last == pytest.approx({"stay": 10 * (a + 2 * c), "scaled": 10 * (a + 4 * c), "migration": 0.0,
+                                          "saved": min(30.0, 5 * (a + 4 * c))})
+
+
+def test_throughput_criterion_learns_migration_and_realized_savings():
+    """Memory-bound steps (1 s each, 10 steps left either way, 5 s of training saved by the freed
+    half): it pays until the run shows that recomputing the freed half's 10 tokens costs as much
+    (at 0.5 s a token), or, for a round kind whose last scale-down saved only 0.5 s, that a cheaper
+    recomputation (at 0.05 s a token) costs as much as that."""
+    decider = ScaleDown(StreamConfig(criterion="throughput"), num_replicas=2, kv_capacity_tokens=10 ** 6,
+                        max_new_tokens=10)
+    for b in (1, 2, 3, 4):
+        decider.step_cost.observe(b, 1.0)
+    decider.start_round("long")
+    decider.learn("short", train_seconds=30.0, saved=0.5)  # realized by short rounds only
+    assert decider.pays([(5, 0)] * 4) and decider.last["saved"] == 5.0
+    decider.learn_migration(seconds=2.0, tokens=4)
+    assert not decider.pays([(5, 0)] * 4) and decider.last["migration"] == 5.0
+    decider.learn_migration(seconds=0.2, tokens=4)
+    assert decider.pays([(5, 0)] * 4) and decider.last["migration"] == pytest.approx(0.5)
+    decider.start_round("short")
+    assert not decider.pays([(5, 0)] * 4) and decider.last["saved"] == 0.5

@@ -1,0 +1,194 @@
+"""Tail batching's policy on scripted completion orders, with the ledger checked after every event."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from rollpacker.data.dataset import PromptSampler
+from rollpacker.schedule.base import request_id
+from rollpacker.schedule.ledger import Ledger
+from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.tail import TailPolicy
+
+
+def play(policy, step, length, reward=lambda row, k: float(k % 2)):
+    """Drive one round like the controller: responses finish in order of ``length(row, k)``.
+
+    Returns (round, groups, finished (slot, k) in order, aborted request ids)."""
+    rnd = policy.start_round(step)
+    rows = list(rnd.prompts)
+    running = {(s, k) for s in range(len(rows)) for k in range(rnd.num_responses)}
+    finished, aborted = [], []
+    while running:
+        slot, k = min(running, key=lambda sk: (length(rows[sk[0]], sk[1]), sk))
+        running.discard((slot, k))
+        finished.append((slot, k))
+        decision = policy.on_finished(slot, k, f"out{slot}.{k}", reward(rows[slot], k))
+        policy.ledger.check(policy.sampler) if hasattr(policy, "ledger") else None
+        for rid in decision.abort:
+            _, s, kk = map(int, rid.split(":"))
+            if (s, kk) in running:
+                running.discard((s, kk))
+                aborted.append(rid)
+        for row in decision.launch:
+            rows.append(row)
+            running |= {(len(rows) - 1, kk) for kk in range(rnd.num_responses)}
+        if decision.round_done:
+            aborted += [request_id(step, s, kk) for s, kk in sorted(running)]
+            break
+    groups = policy.end_round([None] * len(aborted))
+    return rnd, groups, finished, aborted
+
+
+def tail(num_rows=40, p0=4, r0=2, **kw):
+    return TailPolicy(PromptSampler(num_rows, seed=1), p0, r0, **kw)
+
+
+def test_short_round_launches_eta_and_cuts_off_at_p0_completions():
+    policy = tail(p0=4, r0=4)
+    long_row = None
+
+    def length(row, k):
+        return 1000 if row == long_row else 10 * row + k
+
+    rnd = policy.start_round(0)
+    assert (rnd.kind, len(rnd.prompts), rnd.num_responses) == ("short", 5, 5)  # ceil(1.25*4), ceil(1.25*4)
+    long_row = max(rnd.prompts)
+    policy = tail(p0=4, r0=4)
+    rnd, groups, _, aborted = play(policy, 0, length)
+    assert sorted(g.prompt for g in groups) == sorted(r for r in rnd.prompts if r != long_row)
+    assert all(len(g.outputs) == 4 for g in groups)
+    assert list(policy.ledger.queue) == [(0, long_row)]
+    stats = policy.stats()
+    assert stats["sched/deferred"] == 1 and stats["sched/long_queue_len"] == 1
+    assert len(aborted) == 4 + 5  # one surplus response of each trained prompt, all 5 of the deferred one
+
+
+def test_each_prompt_keeps_its_first_r0_responses_and_aborts_the_rest_at_once():
+    policy = tail(p0=1, r0=2, eta_prompts=1.0, eta_responses=2.0)
+    rnd = policy.start_round(3)
+    assert rnd.num_responses == 4
+    assert policy.on_finished(0, 2, "a", 1.0).abort == []
+    decision = policy.on_finished(0, 0, "b", 0.0)
+    assert decision.abort == [request_id(3, 0, 1), request_id(3, 0, 3)] and decision.round_done
+    assert policy.on_finished(0, 1, "late", 1.0).abort == []  # finished before its abort landed: ignored
+    [group] = policy.end_round([None, None])
+    assert group.outputs == ["a", "b"] and group.rewards == [1.0, 0.0]
+
+
+def test_queue_grows_until_p0_then_a_long_round_takes_the_oldest_p0_without_speculation():
+    policy = tail(num_rows=100, p0=4, r0=2)
+    deferred = []
+    for step in range(4):
+        slow = {}
+
+        def length(row, k):
+            slow.setdefault("row", row)  # the first prompt asked about is the slow one
+            return 1000 if row == slow["row"] else row + k
+
+        rnd, groups, _, _ = play(policy, step, length)
+        assert rnd.kind == "short" and len(groups) == 4
+        deferred += list(policy.ledger.queue)[len(deferred):]
+    assert len(policy.ledger.queue) == 4 and list(policy.ledger.queue) == deferred
+    rnd, groups, _, aborted = play(policy, 4, lambda row, k: 1000 + row)
+    assert rnd.kind == "long" and rnd.num_responses == 2 and rnd.prompts == [r for _, r in deferred]
+    assert len(groups) == 4 and not aborted and not policy.ledger.queue
+    assert policy.ledger.counts() == Counter(trained=20)
+
+
+def test_epoch_limit_trains_every_prompt_exactly_once_and_flushes_the_queue():
+    num_rows, policy = 22, tail(num_rows=22, p0=4, r0=2, num_epochs=2)
+    step = 0
+    while not policy.done():
+        play(policy, step, lambda row, k: 1000 if row % 5 == 0 else row + k)
+        step += 1
+        assert step < 100
+    for epoch in (0, 1):
+        assert policy.ledger.rows(epoch, "trained") == list(range(num_rows))
+    assert not policy.ledger.queue and policy.ledger.counts() == Counter(trained=2 * num_rows)
+    with pytest.raises(RuntimeError, match="no prompt left"):
+        policy.start_round(step)
+
+
+def test_last_step_flushes_the_whole_queue_in_one_long_round():
+    policy = tail(p0=4, r0=2, last_step=1)
+    play(policy, 0, lambda row, k: 1000 if row % 2 else row + k)
+    queued = list(policy.ledger.queue)
+    assert 0 < len(queued) < 4
+    rnd, groups, _, _ = play(policy, 1, lambda row, k: row + k)
+    assert rnd.kind == "long" and [(g.epoch, g.prompt) for g in groups] == queued
+
+
+def test_zero_variance_groups_are_filtered_counted_and_replaced():
+    policy = tail(p0=4, r0=2, filter_zero_variance=True)
+    flat = set()
+
+    def reward(row, k):
+        return 1.0 if row in flat else float(k % 2)
+
+    rnd = policy.start_round(0)
+    flat.add(rnd.prompts[0])
+    policy = tail(p0=4, r0=2, filter_zero_variance=True)
+    rnd, groups, _, _ = play(policy, 0, lambda row, k: row + k, reward)
+    assert len(rnd.prompts) == 5
+    assert len(groups) == 4 and flat.isdisjoint(g.prompt for g in groups)
+    assert policy.stats()["sched/filtered"] == 1
+    assert policy.ledger.counts()["filtered"] == 1
+    assert all(key[1] not in flat for key in policy.ledger.queue)
+
+
+def test_state_dict_mid_round_requeues_in_flight_prompts_first():
+    policy = tail(p0=4, r0=2)
+    play(policy, 0, lambda row, k: 1000 if row % 3 == 0 else row + k)
+    rnd = policy.start_round(1)
+    state = policy.state_dict()
+    resumed = tail(p0=4, r0=2)
+    resumed.load_state_dict(state)
+    in_flight = [(policy.sampler.epoch, r) for r in rnd.prompts]
+    assert list(resumed.ledger.queue)[:len(in_flight)] == in_flight
+    resumed.ledger.check(resumed.sampler)
+
+
+def test_sync_stops_at_the_epoch_limit_and_filters_after_the_round():
+    policy = SyncPolicy(PromptSampler(10, seed=0), 4, 2, num_epochs=1, filter_zero_variance=True)
+    seen = []
+    while not policy.done():
+        rnd, groups, _, _ = play(policy, 0, lambda row, k: row + k, lambda row, k: float(row % 2 and k))
+        seen += rnd.prompts
+    assert sorted(seen) == list(range(10)) and len(rnd.prompts) == 2
+
+
+def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
+    from rollpacker.config import parse
+    from rollpacker.schedule.config import ScheduleConfig
+
+    config = parse(["--policy", "tail", "--schedule.eta-prompts", "1.0", "--num-epochs", "2"])
+    assert (config.policy, config.schedule.eta_prompts, config.schedule.eta_responses) == ("tail", 1.0, 1.25)
+    with pytest.raises(ValueError, match="schedule.eta_prompts"):
+        ScheduleConfig(eta_prompts=0.8)
+
+
+def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
+    import json
+
+    from rollpacker import checkpoint
+
+    (tmp_path / "train_state.json").write_text(json.dumps({"step": 1, "policy": {"name": "sync"}}))
+    (tmp_path / checkpoint.MARKER).write_text("")
+    checkpoint.check(tmp_path, "sync")
+    with pytest.raises(ValueError, match="--policy sync"):
+        checkpoint.check(tmp_path, "tail")
+
+
+def test_ledger_refuses_double_launch_and_duplicate_checkpoint_entries():
+    ledger = Ledger()
+    ledger.launch((0, 1))
+    with pytest.raises(ValueError, match="in_flight"):
+        ledger.launch((0, 1))
+    ledger.settle((0, 1), "trained")
+    with pytest.raises(ValueError, match="not in flight"):
+        ledger.settle((0, 1), "trained")
+    with pytest.raises(ValueError, match="twice"):
+        Ledger().load_state_dict({"trained": [[0, 1]], "filtered": [], "queue": [[0, 1]]})

@@ -1,0 +1,27 @@
+"""Tail batching for real: 2 gloo ranks, the shipped toy model, two epochs of a small dataset,
+and SIGKILLs mid-round and mid-save followed by ``--resume auto``."""
+
+from __future__ import annotations
+
+
+def test_abort_frees_engine_memory():
+    import torch
+
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model import load_model
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.engine import Request, SamplingParams
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32),
+                         EngineConfig(kv_memory_mb=1, block_size=4), None)
+    engine.step()  # allocate the cache
+    free = len(engine.free_blocks)
+    for i in range(6):
+        engine.add(Request(id=str(i), prompt_ids=[5, 6, 7, 8, 9], params=SamplingParams(max_new_tokens=64, ignore_eos=True)))
+    for _ in range(10):
+        engine.step()
+    assert len(engine.free_blocks) < free
+    outs = [engine.abort(str(i)) for i in range(6)]
+    assert all(o.finish_reason == "abort" and o.token_ids for o in outs)
+    assert len(engine.free_blocks) == free and not engine.has_unfinished()

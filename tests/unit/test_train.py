@@ -1,0 +1,24 @@
+"""The trainer and the RL loop on real gloo ranks."""
+
+from __future__ import annotations
+
+
+import torch
+
+
+def test_nonfinite_loss_skips_the_step(toy_random_dir):
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Sample, Trainer
+
+    meshes = build_meshes(1, 0)
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2), meshes.train)
+    before = {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
+    stats = trainer.step([Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0])])
+    assert stats["train/skipped"] == 1.0
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k].full_tensor()) for k in before)
+    stats = trainer.step([Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])])
+    assert stats["train/skipped"] == 0.0
+    assert not torch.equal(before["norm.weight"], trainer.model.state_dict()["norm.weight"].full_tensor())
