@@ -10,6 +10,7 @@ marker is an interrupted save: resuming from it is refused, and ``latest`` skips
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,11 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
-    schedule = [trainer.scheduler.state_dict() if trainer is not None else None]
+    schedule = [(trainer.scheduler.state_dict(), model_shapes(trainer)) if trainer is not None else None]
     dist.broadcast_object_list(schedule, src=trainer_rank)
     if dist.get_rank() == 0:
-        meta = {"step": step, "scheduler": schedule[0], **(controller or {})}
+        meta = {"step": step, "scheduler": schedule[0][0], "world_size": dist.get_world_size(),
+                "model": schedule[0][1], **(controller or {})}
         (path / "train_state.json").write_text(json.dumps(meta))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -56,16 +58,41 @@ def latest(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def check(path: Path, policy: str | None = None) -> None:
-    """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy."""
+def model_shapes(trainer) -> dict[str, list[int]]:
+    """The trained model's parameter names and (global) shapes: what a checkpoint must match."""
+    return {name: list(p.shape) for name, p in trainer.model.named_parameters()}
+
+
+def check(path: Path, policy: str | None = None, world_size: int | None = None) -> None:
+    """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy or
+    another world size (``world_size``: this run's, by default torchrun's ``WORLD_SIZE``)."""
     if not path.is_dir():
         raise FileNotFoundError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
         raise ValueError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
-    saved = (json.loads((path / "train_state.json").read_text()).get("policy") or {}).get("name")
+    meta = json.loads((path / "train_state.json").read_text())
+    saved = (meta.get("policy") or {}).get("name")
     if policy and saved and saved != policy:
         raise ValueError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
                          f"resume with --policy {saved}")
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if meta.get("world_size", world_size) != world_size:
+        raise ValueError(f"resume: {path} was written by {meta['world_size']} ranks, this run has {world_size}: "
+                         f"launch it with {meta['world_size']} ranks (torchrun --nproc_per_node), or start afresh")
+
+
+def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, list[int]]) -> None:
+    """Refuse a checkpoint of another model, listing the parameters that differ (a few of each kind)."""
+    if saved is None or saved == mine:
+        return
+    missing = [n for n in mine if n not in saved]
+    extra = [n for n in saved if n not in mine]
+    shapes = [f"{n} {saved[n]} vs {mine[n]}" for n in mine if n in saved and saved[n] != mine[n]]
+    diffs = [f"{len(items)} {what}: {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
+             for what, items in (("not in the checkpoint", missing), ("only in the checkpoint", extra),
+                                 ("with other shapes (checkpoint vs this model)", shapes)) if items]
+    raise ValueError(f"resume: {path} was written by a different model: parameters {'; '.join(diffs)}. "
+                     "Resume with the model the run started with (model.path), or start afresh")
 
 
 def load(path: Path, trainer) -> dict[str, Any]:
@@ -74,6 +101,7 @@ def load(path: Path, trainer) -> dict[str, Any]:
     check(path)
     meta = json.loads((path / "train_state.json").read_text())
     if trainer is not None:
+        check_model(path, meta.get("model"), model_shapes(trainer))
         state = {
             "model": get_model_state_dict(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),

@@ -154,7 +154,7 @@ class _AllRows:
         return [(0, i) for i in range(n)]
 
 
-def encode_prompt(job: Job, row: dict) -> list[int]:
+def encode_prompt(job: Job, row: dict, check: bool = True) -> list[int]:
     tok = job.tokenizer
     if job.config.model.chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
@@ -162,7 +162,7 @@ def encode_prompt(job: Job, row: dict) -> list[int]:
     else:
         ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
     limit = job.engine.max_model_len
-    if not ids or len(ids) >= limit:
+    if check and (not ids or len(ids) >= limit):
         raise ValueError(f"data row {row['id']!r}: its prompt is {len(ids)} tokens; the context length is {limit}")
     return ids
 
@@ -357,13 +357,18 @@ def switch_tp(job: Job, tp: int) -> dict[str, float]:
 def build_controller(job: Job, path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from rollpacker.data.dataset import PromptSampler, load_eval_rows, load_rows
+    from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.reward.scheduler import RewardScheduler
     cfg = job.config
     job.rows = load_rows(cfg.data)
     job.eval_rows = load_eval_rows(cfg.data) if cfg.eval_every else None
     job.tokenizer = AutoTokenizer.from_pretrained(path)
+    if job.engine is not None:  # faults: prompts the engines would reject are left out and counted
+        fit = dict(encode=lambda r: encode_prompt(job, r, check=False), max_model_len=job.engine.max_model_len,
+                   kv_tokens=job.engine.num_blocks * cfg.engine.block_size, max_new_tokens=cfg.rollout.max_new_tokens)
+        job.rows = fit_rows(job.rows, **fit)
+        job.eval_rows = job.eval_rows and fit_rows(job.eval_rows, **fit)
     job.rewards = RewardScheduler(cfg.reward, cfg.data.reward,
                                   lambda ids: job.tokenizer.decode(ids, skip_special_tokens=True), job.meshes.device)
     job.policy = make_policy(cfg, PromptSampler(len(job.rows), cfg.data.shuffle_seed))
