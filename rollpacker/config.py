@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollpacker.checkpoint import CheckpointConfig  # faults
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
@@ -91,6 +92,7 @@ class Config:
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: str = ""
     """Checkpoint directory to resume from, or "auto": the newest committed one under run_dir (none: start afresh)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # faults
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

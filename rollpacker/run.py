@@ -454,7 +454,8 @@ def save(job: Job, step: int, policy_state: dict[str, Any] | None = None) -> Non
                  "rewards": job.rewards.state_dict()}
         if job.planner:
             state["planner"] = job.planner.state_dict()
-    checkpoint.save(path, job.trainer, step, state, trainer_rank=job.meshes.train_ranks[0])
+    checkpoint.save(path, job.trainer, step, state, trainer_rank=job.meshes.train_ranks[0],
+                    keep=job.config.checkpoint.keep)
 
 
 def main(argv: list[str] | None = None) -> None:

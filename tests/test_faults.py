@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +100,70 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
         f"resume: {tmp_path} was written by a different model: parameters 1 not in the checkpoint: norm.weight; "
         "1 only in the checkpoint: layers.1.w; 1 with other shapes (checkpoint vs this model): "
         "embed.weight [32, 8] vs [64, 8]. Resume with the model the run started with (model.path), or start afresh")
+
+
+# --- the real job, 2 gloo ranks ---------------------------------------------------------------------
+
+ARGS = ["--policy", "tail", "--data.num-toy-prompts", "24", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+        "--rollout.max-new-tokens", "32", "--checkpoint-every", "1", "--eval-every", "0",
+        "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
+
+
+def torchrun(run_dir, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "rollpacker.run", *ARGS, "--run-dir", str(run_dir), *extra]
+
+
+def trained_rows(run_dir) -> list[list[int]]:
+    newest = checkpoint.latest(run_dir)
+    return json.loads((newest / "train_state.json").read_text())["policy"]["ledger"]["trained"]
+
+
+def can_mount_tmpfs() -> bool:
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs $d && umount $d"
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare -m and a tmpfs mount (root or user namespaces)")
+def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    # an 8 MiB disk holds one checkpoint of the toy model (5.5 MiB), not two: step 2's save fills it
+    script = (f"mount -t tmpfs -o size=8m tmpfs {disk} && {shlex.join(torchrun(disk, '--num-steps', '3', '--checkpoint.keep', '1'))}"
+              f"; rc=$?; cp -a {disk} {copy}; exit $rc")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0
+    message = re.search(r"CheckpointError: (checkpoint: saving step 2 .*)", proc.stderr)
+    assert message, proc.stderr[-4000:]
+    assert re.fullmatch(
+        rf"checkpoint: saving step 2 to {disk}/checkpoints/step_2 failed on rank\(s\) \[[01, ]+\] \(rank \d: .*; "
+        r"\d+\.\d MiB free there on rank \d\)\. The partial save was removed; the newest committed checkpoint is "
+        rf"{disk}/checkpoints/step_1, which --resume auto picks\. Free disk space or fix the permissions under "
+        rf"{disk}/checkpoints, then resume", message.group(1)), message.group(1)
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_1"]
+    assert (copy / "checkpoints" / "step_1" / checkpoint.MARKER).exists()
+    # the copy resumes from step 1 on a disk with room and trains every prompt once
+    done = subprocess.run(torchrun(copy, "--num-steps", "3", "--resume", "auto"), capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resuming from {copy}/checkpoints/step_1" in done.stderr
+    assert sorted(steps(copy)) == [0, 1, 2]
+    rows = trained_rows(copy)
+    assert len({tuple(r) for r in rows}) == len(rows) == sum(r["sched/trained_prompts"] for r in steps(copy).values())
+
+
+def steps(run_dir) -> dict[int, dict]:
+    """The metrics of every step; a step redone after a resume keeps its last record."""
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in r}
+
+
+def test_keep_deletes_the_oldest_committed_checkpoints_and_stale_interrupted_ones(tmp_path):
+    for step, done in ((1, True), (2, False), (3, True), (4, True), (5, False)):
+        (tmp_path / f"step_{step}").mkdir()
+        if done:
+            (tmp_path / f"step_{step}" / checkpoint.MARKER).write_text("")
+    assert [p.name for p in checkpoint.prune(tmp_path, keep=2)] == ["step_1", "step_2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4", "step_5"]  # step_5: a save under way
+    with pytest.raises(ValueError, match="checkpoint.keep must be >= 0 \\(0 keeps every checkpoint\\), got -1"):
+        checkpoint.CheckpointConfig(keep=-1)
