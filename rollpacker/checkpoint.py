@@ -10,6 +10,7 @@ marker is an interrupted save: resuming from it is refused, and ``latest`` skips
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import traceback
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 MARKER = "COMMITTED"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -40,7 +42,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     reward timeouts' anchors) matters on rank 0 only. ``trainer`` is None on ranks that do not
     train (one_step_off's rollout pool); ``trainer_rank``, the first rank that does, sends its LR
     schedule to rank 0. Saving over a committed checkpoint first takes its marker away, so a crash
-    midway leaves it marked interrupted.
+    midway leaves it marked interrupted. Nothing is saved right after a step skipped for a
+    non-finite update (``trainer.skipping``).
 
     A write that fails on any rank removes the partial directory and raises :class:`CheckpointError`
     on every rank, naming the ranks and the error; earlier checkpoints are untouched. Once the new
@@ -51,6 +54,13 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     rank = dist.get_rank()
+    skipping = [trainer.skipping if trainer is not None else 0]
+    dist.broadcast_object_list(skipping, src=trainer_rank)
+    if skipping[0]:  # these weights just produced a non-finite update: keep the previous checkpoint newest
+        if rank == 0:
+            logger.warning("checkpoint: not saving step %d: the last %d step(s) were skipped for a non-finite update; "
+                           "the newest committed checkpoint stays %s", step, skipping[0], latest(path.parent.parent))
+        return
     if rank == 0:
         (path / MARKER).unlink(missing_ok=True)
     dist.barrier()

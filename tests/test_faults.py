@@ -167,3 +167,29 @@ def test_keep_deletes_the_oldest_committed_checkpoints_and_stale_interrupted_one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4", "step_5"]  # step_5: a save under way
     with pytest.raises(ValueError, match="checkpoint.keep must be >= 0 \\(0 keeps every checkpoint\\), got -1"):
         checkpoint.CheckpointConfig(keep=-1)
+
+
+def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(toy_random_dir, tmp_path):
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import NonFiniteError, Sample, Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, max_skipped_steps=2), build_meshes(1, 0).train)
+    bad, good = Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0]), Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])
+    assert trainer.step([bad])["train/skipped_steps"] == 1.0
+    checkpoint.save(tmp_path / "checkpoints" / "step_1", trainer, 1, {})
+    assert checkpoint.latest(tmp_path) is None  # the weights that just produced a non-finite update
+    assert trainer.step([good])["train/skipped_steps"] == 1.0
+    checkpoint.save(tmp_path / "checkpoints" / "step_2", trainer, 2, {})
+    assert checkpoint.latest(tmp_path) == tmp_path / "checkpoints" / "step_2"
+    assert trainer.step([bad])["train/skipped_steps"] == 2.0  # one in a row: the run goes on
+    with pytest.raises(NonFiniteError) as e:
+        trainer.step([bad])
+    assert str(e.value) == (
+        "train: 2 consecutive steps skipped for a non-finite update (last: loss=nan, grad_norm=nan; "
+        "train.max_skipped_steps=2). Stopping without saving these weights: the newest committed checkpoint "
+        "predates them. Lower train.lr, raise train.adam_eps, check the rewards and data, then resume from that "
+        "checkpoint")
+    with pytest.raises(ValueError, match="train.max_skipped_steps must be"):
+        TrainConfig(max_skipped_steps=-1)

@@ -43,6 +43,8 @@ class TrainConfig:
     """Ranks that FSDP2 shards one training replica over (HSDP: replicas = world / this); 0 = world."""
     mixed_precision: bool = True
     """bf16 compute with fp32 master weights and gradient reduction, on GPU only (CPU stays fp32)."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many consecutive steps skipped for a non-finite loss or gradient (0 = never stop)."""
 
     def __post_init__(self) -> None:
         if self.advantage_norm not in ("group", "batch"):
@@ -57,7 +59,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",
-                     "train_shard_size"):
+                     "train_shard_size", "max_skipped_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
