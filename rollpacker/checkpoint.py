@@ -53,6 +53,9 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    from rollpacker import watchdog
+
+    watchdog.phase("checkpoint")
     rank = dist.get_rank()
     skipping = [trainer.skipping if trainer is not None else 0]
     dist.broadcast_object_list(skipping, src=trainer_rank)

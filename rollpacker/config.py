@@ -21,6 +21,7 @@ from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
+from rollpacker.watchdog import DistConfig  # faults
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "toy-cpu"
@@ -93,6 +94,7 @@ class Config:
     resume: str = ""
     """Checkpoint directory to resume from, or "auto": the newest committed one under run_dir (none: start afresh)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # faults
+    dist: DistConfig = field(default_factory=DistConfig)  # faults
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

@@ -232,7 +232,7 @@ def score(job: Job, result) -> tuple[tuple[list, int], dict[str, Any]]:
 def build(config: Config) -> Job:
     import torch
 
-    from rollpacker import checkpoint
+    from rollpacker import checkpoint, watchdog
     from rollpacker.dist import build_meshes, init_distributed
     from rollpacker.model import load_model
     from rollpacker.rollout.torch_engine import TorchEngine
@@ -244,6 +244,7 @@ def build(config: Config) -> Job:
     streaming = config.stream.enabled or config.schedule.pipe
     meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
                           rollout_ranks=config.rollout_ranks(world))
+    watchdog.start(config.dist)  # faults: collective timeouts, heartbeats, a timeout names the silent ranks
     torch.manual_seed(config.seed)
     path = model_path(config)
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
@@ -411,11 +412,12 @@ def train(config: Config) -> None:
 
         step = overlap.train(job)
     else:
-        from rollpacker import preempt
+        from rollpacker import preempt, watchdog
 
         preempt.install()  # SIGUSR1/SIGTERM (Slurm): save after the current step and exit
         step = job.start_step
         while step < config.num_steps:
+            watchdog.at_step(step)  # faults: dist.timeout_s once the first step is done
             done, stop = job.meshes.broadcast((job.policy.done(), preempt.requested()) if rank0 else None)
             if done or stop:
                 break

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +197,43 @@ def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(
         "checkpoint")
     with pytest.raises(ValueError, match="train.max_skipped_steps must be"):
         TrainConfig(max_skipped_steps=-1)
+
+
+def worker_pid(run_dir, rank: int) -> int | None:
+    """The pid of the torchrun worker of ``rank`` running ``rollpacker.run`` with ``run_dir``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or str(run_dir).encode() not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID=" in b" ".join(env):
+            return int(entry.name)
+    return None
+
+
+def metric_lines(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_stopped_rank_makes_the_job_exit_naming_it(tmp_path):
+    timeout_s = 20
+    proc = subprocess.Popen(torchrun(tmp_path, "--num-steps", "50", "--dist.timeout-s", str(timeout_s)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while metric_lines(tmp_path) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)  # step 1 is done: collectives now wait dist.timeout_s
+        pid = worker_pid(tmp_path, 1)
+        assert pid and proc.poll() is None, "the run ended before rank 1 could be stopped"
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.time()
+        _, err = proc.communicate(timeout=600)  # far below gloo's default of 30 minutes
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode != 0
+    assert re.search(rf"rollpacker: rank 0 timed out after {timeout_s}s at step \d+, phase \w+: rank\(s\) \[1\] did not "
+                     r"answer \(rank 1: last heartbeat \d+s ago, at step \d+, phase \w+\)\. Exiting non-zero", err), err[-4000:]
+    print(f"exited {time.time() - stopped:.0f}s after the SIGSTOP (dist.timeout_s={timeout_s})")
