@@ -237,3 +237,29 @@ def test_a_stopped_rank_makes_the_job_exit_naming_it(tmp_path):
     assert re.search(rf"rollpacker: rank 0 timed out after {timeout_s}s at step \d+, phase \w+: rank\(s\) \[1\] did not "
                      r"answer \(rank 1: last heartbeat \d+s ago, at step \d+, phase \w+\)\. Exiting non-zero", err), err[-4000:]
     print(f"exited {time.time() - stopped:.0f}s after the SIGSTOP (dist.timeout_s={timeout_s})")
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_path):
+    """The README's launch line on one node: torchrun --max-restarts with --resume auto."""
+    cmd = torchrun(tmp_path, "--num-steps", "100", "--num-epochs", "1", "--resume", "auto")
+    cmd.insert(cmd.index("--nproc_per_node=2") + 1, "--max-restarts=2")
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch#135712, as in train.sbatch
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        deadline = time.time() + 600
+        while metric_lines(tmp_path) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # into step 2's round
+        pid = worker_pid(tmp_path, 1)
+        assert pid and proc.poll() is None, "the run ended before rank 1 could be killed"
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 0, err[-4000:]
+    assert "Worker group FAILED" in err or "restart" in err.lower(), err[-4000:]
+    assert f"resuming from {tmp_path}/checkpoints/step_" in err  # the restarted group resumed
+    rows = trained_rows(tmp_path)
+    assert sorted(row for _, row in rows) == list(range(24)) and {e for e, _ in rows} == {0}  # every prompt once
+    assert sum(r["sched/trained_prompts"] for r in steps(tmp_path).values()) == 24
