@@ -54,8 +54,12 @@ def set_timeout(seconds: float) -> None:
 
 def start(config: DistConfig) -> None:
     """After the process groups exist: the first-step timeout, the heartbeat and the diagnosis of a timeout."""
+    import signal
+
     global _config
     _config = config
+    # a file-size limit (quota) then fails the write with EFBIG, reported like a full disk, instead of killing us
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     set_timeout(config.first_step_timeout_s)
     store = _store()
     if store is None:

@@ -11,6 +11,7 @@ BENCHES = {
     "schedulers": "rollpacker.bench.schedulers",
     "rewards": "rollpacker.bench.rewards",
     "planner": "rollpacker.bench.planner",
+    "faults": "rollpacker.bench.faults",
 }
 """Subcommand -> module with a ``main(argv)``."""
 
