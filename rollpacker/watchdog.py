@@ -70,8 +70,15 @@ def start(config: DistConfig) -> None:
 
     def hook(kind, error, tb):
         previous(kind, error, tb)
-        if _is_timeout(error):
-            print(f"rollpacker: {diagnose(rank)}", file=sys.stderr, flush=True)
+        if _is_timeout(error):  # in a thread: a store hosted by a stopped rank 0 may never answer
+            report = threading.Thread(target=lambda: print(f"rollpacker: {diagnose(rank)}", file=sys.stderr,
+                                                           flush=True), daemon=True)
+            report.start()
+            report.join(timeout=20)
+            if report.is_alive():
+                print(f"rollpacker: rank {rank} timed out after {_state['timeout']:g}s at step {_state['step']}, "
+                      f"phase {_state['phase']}; the heartbeat store (hosted by rank 0 or torchrun) did not answer "
+                      "either: rank 0 or the launcher is stalled", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(1)  # never linger in a half-dead process group: torchrun sees the failure now
 
