@@ -110,9 +110,13 @@ def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, 
             resumed = time.time()
         time.sleep(0.05)
     hang = proc.poll() is None
-    if hang:
+    if hang:  # torchrun's workers run in sessions of their own: kill them too
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        for rank in (0, 1):
+            while (pid := worker_pid(run_dir, rank)) is not None:
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.1)
     got, want = Counter(trained(run_dir)), Counter(reference)
     lost = sum((want - got).values())
     twice = sum(n - 1 for n in got.values() if n > 1)
