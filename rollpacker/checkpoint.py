@@ -10,70 +10,183 @@ marker is an interrupted save: resuming from it is refused, and ``latest`` skips
 from __future__ import annotations
 
 import json
+import logging
+import os
+import shutil
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-
 MARKER = "COMMITTED"
+logger = logging.getLogger(__name__)
 
 
-def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trainer_rank: int = 0) -> None:
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    keep: int = 0
+    """Keep the newest this many committed checkpoints, deleting older ones once a new one is committed (0 = all)."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 0:
+            raise ValueError(f"checkpoint.keep must be >= 0 (0 keeps every checkpoint), got {self.keep}")
+
+
+class CheckpointError(RuntimeError):
+    """A save that failed on some rank (disk full, quota, permission); raised on every rank."""
+
+
+def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trainer_rank: int = 0,
+         keep: int = 0) -> None:
     """Collective. ``controller`` (rank 0's plain-data state: the policy's sampler and ledger, the
     reward timeouts' anchors) matters on rank 0 only. ``trainer`` is None on ranks that do not
     train (one_step_off's rollout pool); ``trainer_rank``, the first rank that does, sends its LR
     schedule to rank 0. Saving over a committed checkpoint first takes its marker away, so a crash
-    midway leaves it marked interrupted."""
-    if dist.get_rank() == 0:
+    midway leaves it marked interrupted. Nothing is saved right after a step skipped for a
+    non-finite update (``trainer.skipping``).
+
+    A write that fails on any rank removes the partial directory and raises :class:`CheckpointError`
+    on every rank, naming the ranks and the error; earlier checkpoints are untouched. Once the new
+    one is committed, all but the newest ``keep`` committed checkpoints (0: all) are deleted."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from rollpacker import watchdog
+
+    watchdog.phase("checkpoint")
+    rank = dist.get_rank()
+    skipping = [trainer.skipping if trainer is not None else 0]
+    dist.broadcast_object_list(skipping, src=trainer_rank)
+    if skipping[0]:  # these weights just produced a non-finite update: keep the previous checkpoint newest
+        if rank == 0:
+            logger.warning("checkpoint: not saving step %d: the last %d step(s) were skipped for a non-finite update; "
+                           "the newest committed checkpoint stays %s", step, skipping[0], latest(path.parent.parent))
+        return
+    if rank == 0:
         (path / MARKER).unlink(missing_ok=True)
     dist.barrier()
+    failed: dict[int, str] = {}
     if trainer is not None:
         state = {
             "model": get_model_state_dict(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
-        dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
-    schedule = [trainer.scheduler.state_dict() if trainer is not None else None]
-    dist.broadcast_object_list(schedule, src=trainer_rank)
-    if dist.get_rank() == 0:
-        meta = {"step": step, "scheduler": schedule[0], **(controller or {})}
-        (path / "train_state.json").write_text(json.dumps(meta))
+        try:
+            dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
+        except CheckpointException as e:  # every rank of the group gets every rank's failure
+            to_global = (lambda r: dist.get_global_rank(trainer.group, r)) if trainer.group is not None else int
+            failed = {to_global(r): _first_line(exc) for r, (exc, _) in e.failures.items()}
+        except OSError as e:
+            failed = {rank: _first_line(e)}
+    info = [(trainer.scheduler.state_dict(), model_shapes(trainer)) if trainer is not None else None]
+    dist.broadcast_object_list(info, src=trainer_rank)
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failed)
+    failed = {r: why for f in failures for r, why in f.items()}
+    if rank == 0 and not failed:
+        meta = {"step": step, "scheduler": info[0][0], "world_size": dist.get_world_size(), "model": info[0][1],
+                **(controller or {})}
+        try:
+            (path / "train_state.json").write_text(json.dumps(meta))
+            (path / MARKER).write_text("")
+        except OSError as e:
+            (path / MARKER).unlink(missing_ok=True)
+            failed = {0: _first_line(e)}
+    verdict = [failed]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        newest = latest(path.parent.parent)
+        whys = "; ".join(f"rank {r}: {why}" for r, why in sorted(verdict[0].items()))
+        free = shutil.disk_usage(path.parent).free / 2**20
+        raise CheckpointError(
+            f"checkpoint: saving step {step} to {path} failed on rank(s) {sorted(verdict[0])} ({whys}; "
+            f"{free:.1f} MiB free there on rank {rank}). The partial "
+            f"save was removed; the newest committed checkpoint is {newest or 'none'}, which --resume auto picks. "
+            f"Free disk space or fix the permissions under {path.parent}, then resume")
+    if rank == 0 and keep:
+        prune(path.parent, keep)
     dist.barrier()
-    if dist.get_rank() == 0:
-        (path / MARKER).write_text("")
+
+
+def _first_line(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1][:300]
+
+
+def prune(checkpoints: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` committed checkpoints under ``checkpoints``, and the
+    interrupted saves older than the newest committed one; returns what was deleted."""
+    steps = sorted((int(p.name.split("_")[1]), p) for p in checkpoints.glob("step_*") if p.name[5:].isdigit())
+    committed = [p for _, p in steps if (p / MARKER).exists()]
+    newest = int(committed[-1].name.split("_")[1]) if committed else -1
+    doomed = committed[:-keep] + [p for n, p in steps if not (p / MARKER).exists() and n < newest]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
 
 
 def latest(run_dir: Path) -> Path | None:
     """The newest committed checkpoint under ``run_dir/checkpoints``."""
-    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / MARKER).exists()]
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit() and (p / MARKER).exists()]
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def check(path: Path, policy: str | None = None) -> None:
-    """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy."""
+def model_shapes(trainer) -> dict[str, list[int]]:
+    """The trained model's parameter names and (global) shapes: what a checkpoint must match."""
+    return {name: list(p.shape) for name, p in trainer.model.named_parameters()}
+
+
+def check(path: Path, policy: str | None = None, world_size: int | None = None) -> None:
+    """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy or
+    another world size (``world_size``: this run's, by default torchrun's ``WORLD_SIZE``)."""
     if not path.is_dir():
         raise FileNotFoundError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
         raise ValueError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
-    saved = (json.loads((path / "train_state.json").read_text()).get("policy") or {}).get("name")
+    meta = json.loads((path / "train_state.json").read_text())
+    saved = (meta.get("policy") or {}).get("name")
     if policy and saved and saved != policy:
         raise ValueError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
                          f"resume with --policy {saved}")
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if meta.get("world_size", world_size) != world_size:
+        raise ValueError(f"resume: {path} was written by {meta['world_size']} ranks, this run has {world_size}: "
+                         f"launch it with {meta['world_size']} ranks (torchrun --nproc_per_node), or start afresh")
+
+
+def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, list[int]]) -> None:
+    """Refuse a checkpoint of another model, listing the parameters that differ (a few of each kind)."""
+    if saved is None or saved == mine:
+        return
+    missing = [n for n in mine if n not in saved]
+    extra = [n for n in saved if n not in mine]
+    shapes = [f"{n} {saved[n]} vs {mine[n]}" for n in mine if n in saved and saved[n] != mine[n]]
+    diffs = [f"{len(items)} {what}: {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
+             for what, items in (("not in the checkpoint", missing), ("only in the checkpoint", extra),
+                                 ("with other shapes (checkpoint vs this model)", shapes)) if items]
+    raise ValueError(f"resume: {path} was written by a different model: parameters {'; '.join(diffs)}. "
+                     "Resume with the model the run started with (model.path), or start afresh")
 
 
 def load(path: Path, trainer) -> dict[str, Any]:
     """Collective over the trainer's ranks: restores the trainer in place (None on a rank that does
     not train); returns the saved train state (step, controller state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     check(path)
     meta = json.loads((path / "train_state.json").read_text())
     if trainer is not None:
+        check_model(path, meta.get("model"), model_shapes(trainer))
         state = {
             "model": get_model_state_dict(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),

@@ -10,6 +10,7 @@ are in :mod:`rollpacker.loops`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from pathlib import Path
@@ -49,17 +50,22 @@ class Controller:
     """The parallelism planner, with ``plan.enabled``."""
 
     @classmethod
-    def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int) -> Controller:
+    def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int) -> Controller:
+        """Rank 0's parts; ``max_model_len`` and ``kv_tokens`` (KV cache capacity) are the engines':
+        prompts they would reject are left out of the data and counted."""
         from transformers import AutoTokenizer
 
-        from rollpacker.data.dataset import PromptSampler, load_eval_rows, load_rows
+        from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler
         from rollpacker.schedule import build_policy
 
-        rows = load_rows(config.data)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        return cls(config=config, rows=rows, eval_rows=load_eval_rows(config.data) if config.eval_every else None,
+        fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config.model.chat_template, row["prompt"]),
+                                max_model_len=max_model_len, kv_tokens=kv_tokens,
+                                max_new_tokens=config.rollout.max_new_tokens)
+        rows = fit(load_rows(config.data))
+        return cls(config=config, rows=rows, eval_rows=fit(load_eval_rows(config.data)) if config.eval_every else None,
                    tokenizer=tokenizer,
                    rewards=RewardScheduler(config.reward, config.data.reward,
                                            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), meshes.device),
@@ -86,12 +92,7 @@ class Controller:
         self.planner = Planner(cfg.plan, candidates, initial, profile=profile, world=world, prompt_len=prompt_len)
 
     def encode_prompt(self, row: dict) -> list[int]:
-        tok = self.tokenizer
-        if self.config.model.chat_template:
-            ids = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
-                                          tokenize=True)
-        else:
-            ids = tok(row["prompt"], add_special_tokens=False)["input_ids"]
+        ids = encode(self.tokenizer, self.config.model.chat_template, row["prompt"])
         if not ids or len(ids) >= self.max_model_len:
             raise ValueError(f"data row {row['id']!r}: its prompt is {len(ids)} tokens; the context length is "
                              f"{self.max_model_len}")
@@ -186,3 +187,11 @@ class Controller:
         self.rewards.close()
         self.metrics.close()
         self.display.close()
+
+
+def encode(tokenizer, chat_template: bool, prompt: str) -> list[int]:
+    """The token ids of ``prompt``, as a user turn of the tokenizer's chat template if ``chat_template``."""
+    if chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=True)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rollpacker import checkpoint
+from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.dist import Meshes, build_meshes, init_distributed
@@ -81,7 +81,8 @@ class Job:
         """Collective: the checkpoint of ``step``, with the policy's current state or ``policy_state``."""
         path = Path(self.config.run_dir) / "checkpoints" / f"step_{step}"
         state = self.controller.state_dict(policy_state) if self.controller else None
-        checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0])
+        checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
+                        keep=self.config.checkpoint.keep)
 
     def close(self) -> None:
         if self.controller:
@@ -96,6 +97,7 @@ def build(config: Config) -> Job:
     streaming = config.stream.enabled or config.schedule.pipe
     meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
                           rollout_ranks=config.rollout_ranks(world))
+    watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
     torch.manual_seed(config.seed)
     path = config.model.directory()
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
@@ -111,7 +113,8 @@ def build(config: Config) -> Job:
     if streaming:
         job.stream = job.make_stream()
     if job.rank0:
-        job.controller = Controller.build(config, path, meshes, engine.max_model_len)
+        job.controller = Controller.build(config, path, meshes, engine.max_model_len,
+                                          engine.num_blocks * config.engine.block_size)
     if config.plan.enabled:
         build_planner(job)
     if config.resume:

@@ -106,6 +106,9 @@ class Timer:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        from rollpacker import watchdog
+
+        watchdog.phase(name)  # named by a collective timeout
         start = time.perf_counter()
         try:
             yield

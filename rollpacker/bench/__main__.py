@@ -12,6 +12,7 @@ BENCHES = {
     "rewards": "rollpacker.bench.rewards",
     "planner": "rollpacker.bench.planner",
     "logprobs": "rollpacker.bench.logprobs",
+    "faults": "rollpacker.bench.faults",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

@@ -4,7 +4,8 @@ A dataset is a list of rows ``{"id", "prompt", "answer", ...}`` (for the LLM jud
 optional and a row may carry its own ``rubric``): either the synthetic toy task
 (:mod:`rollpacker.data.toy`, the embedded default) or a JSONL file of real data, one JSON object
 per line. Loading is strict: a bad line raises one error that names ``file:line`` and what is
-wrong; nothing is skipped except blank lines.
+wrong; nothing is skipped except blank lines, unless ``data.skip_bad_lines`` asks to skip bad lines
+with a warning that counts them and names the first few.
 
 :class:`PromptSampler` hands out row indices in a seeded permutation per epoch. Its whole state
 is a few ints, so a checkpoint can hold it and a resumed run draws exactly the same prompts.
@@ -13,6 +14,7 @@ is a few ints, so a checkpoint can hold it and a resumed run draws exactly the s
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Literal
 from pathlib import Path
@@ -21,6 +23,8 @@ import numpy as np
 
 from rollpacker.data import toy
 from rollpacker.reward.config import check_rubric
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -42,6 +46,8 @@ class DataConfig:
     """JSONL file of held-out prompts for evaluation; empty = held-out toy problems (toy data only)."""
     num_eval_prompts: int = 128
     """Held-out prompts per evaluation (the first this many of the eval set)."""
+    skip_bad_lines: bool = False
+    """Skip JSONL lines that are not valid rows (logging how many and where) instead of stopping at the first."""
 
     def __post_init__(self) -> None:
         if self.num_eval_prompts <= 0:
@@ -64,20 +70,20 @@ def load_rows(config: DataConfig) -> list[dict]:
     """The rows of ``config``'s dataset: the generated toy task, or the JSONL file at ``config.path``."""
     if not config.path:
         return toy.make_dataset(config.num_toy_prompts, config.toy_seed)
-    return read_jsonl(config.path, config.reward)
+    return read_jsonl(config.path, config.reward, skip_bad=config.skip_bad_lines)
 
 
 def load_eval_rows(config: DataConfig) -> list[dict]:
     """Held-out rows: the first ``num_eval_prompts`` of ``eval_path``, or fresh toy problems drawn
     with a seed the training set never uses."""
     if config.eval_path:
-        return read_jsonl(config.eval_path, config.reward)[: config.num_eval_prompts]
+        return read_jsonl(config.eval_path, config.reward, skip_bad=config.skip_bad_lines)[: config.num_eval_prompts]
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (a JSONL file of held-out prompts)")
     return toy.make_dataset(config.num_eval_prompts, seed=1_000_003 + config.toy_seed)
 
 
-def read_jsonl(path: str | Path, reward: str = "math") -> list[dict]:
+def read_jsonl(path: str | Path, reward: str = "math", skip_bad: bool = False) -> list[dict]:
     """Rows of a JSONL file; every line must be an object with string ``prompt`` and either string
     ``answer`` or ``tests``, a non-empty list of ``{"input": str, "output": str}`` (code). For
     ``reward`` judge, ``answer`` is optional and ``rubric``, if there, must be a judge template
@@ -85,25 +91,36 @@ def read_jsonl(path: str | Path, reward: str = "math") -> list[dict]:
 
     ``id`` is optional (a string or an integer, kept as a string); it defaults to
     ``"<file stem>:<line number>"``. Ids must be unique. Other fields are kept as they are.
-    Blank lines are skipped; any other bad line raises :class:`DatasetError` naming ``file:line``.
+    Blank lines are skipped; any other bad line raises :class:`DatasetError` naming ``file:line``,
+    or, with ``skip_bad``, is left out and counted in one warning.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data.path: no such file: {path} (give a JSONL file, or leave it empty for the toy task)")
     rows: list[dict] = []
     first_line_of: dict[str, int] = {}
+    bad: list[str] = []
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, start=1):
-            row = _parse_line(raw, path, line_no, reward)
-            if row is None:
+            try:
+                row = _parse_line(raw, path, line_no, reward)
+                if row is None:
+                    continue
+                row_id = row["id"]
+                if row_id in first_line_of:
+                    raise DatasetError(f"{path}:{line_no}: duplicate id {row_id!r} (first on line {first_line_of[row_id]}); ids must be unique")
+            except DatasetError as e:
+                if not skip_bad:
+                    raise DatasetError(f"{e} (fix the line, or set data.skip_bad_lines to skip bad lines)") from None
+                bad.append(str(e))
                 continue
-            row_id = row["id"]
-            if row_id in first_line_of:
-                raise DatasetError(f"{path}:{line_no}: duplicate id {row_id!r} (first on line {first_line_of[row_id]}); ids must be unique")
             first_line_of[row_id] = line_no
             rows.append(row)
+    if bad:
+        logger.warning("%s: skipped %d bad line(s) of %d (data.skip_bad_lines); first: %s",
+                       path, len(bad), len(bad) + len(rows), "; ".join(bad[:3]))
     if not rows:
-        raise DatasetError(f"{path}: no rows (the file is empty or holds only blank lines)")
+        raise DatasetError(f"{path}: no rows (the file is empty or holds only blank {'or bad ' if bad else ''}lines)")
     return rows
 
 
@@ -222,3 +239,26 @@ class PromptSampler:
             raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and 0 <= position <= {self.num_rows}")
         self._epoch, self._position = epoch, position
         self._order = self._permutation(epoch)
+
+
+def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int) -> list[dict]:
+    """The rows whose prompt the engines can serve: ``encode(row)`` (its token ids) is non-empty,
+    shorter than the context ``max_model_len``, and with up to ``max_new_tokens`` more fits the KV
+    cache of ``kv_tokens``. The others are left out (the engine would reject their requests) and
+    counted in one warning naming the first few; an error if none is left."""
+    kept, dropped = [], []
+    for row in rows:
+        n = len(encode(row))
+        if n == 0 or n >= max_model_len or min(n + max_new_tokens, max_model_len) > kv_tokens:
+            dropped.append(f"{row['id']!r} ({n} tokens)")
+        else:
+            kept.append(row)
+    if dropped:
+        logger.warning("left out %d of %d prompts that are empty or do not fit the context length %d or the KV "
+                       "cache of %d tokens (with rollout.max_new_tokens=%d): %s", len(dropped), len(rows),
+                       max_model_len, kv_tokens, max_new_tokens, ", ".join(dropped[:5]))
+    if not kept:
+        raise DatasetError(f"no prompt fits the context length {max_model_len} and the KV cache of {kv_tokens} tokens "
+                           f"with rollout.max_new_tokens={max_new_tokens}: shorten the prompts or raise "
+                           "engine.kv_memory_mb / the model's context")
+    return kept

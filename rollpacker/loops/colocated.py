@@ -14,7 +14,7 @@ import dataclasses
 import time
 from typing import Any
 
-from rollpacker import preempt
+from rollpacker import preempt, watchdog
 from rollpacker.job import Job
 from rollpacker.metrics import Timer
 from rollpacker.rollout.engine import SamplingParams
@@ -29,6 +29,7 @@ def run(job: Job) -> int:
     preempt.install()  # SIGUSR1/SIGTERM (Slurm): stop after the current step, saved
     step = job.start_step
     while step < cfg.num_steps:
+        watchdog.at_step(step)  # dist.timeout_s once the first step is done
         done, stop = job.meshes.broadcast((ctl.policy.done(), preempt.requested()) if ctl else None)
         if done or stop:
             break

@@ -58,6 +58,8 @@ class TrainConfig:
     logprobs_impl: Literal["auto", "triton", "torch"] = "auto"
     """Token log-probs from the output head: triton (rollpacker.kernels, fused, vocab-tiled), torch
     (chunked over tokens), auto (triton on CUDA when Triton is installed, torch elsewhere)."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many consecutive steps skipped for a non-finite loss or gradient (0 = never stop)."""
 
     def __post_init__(self) -> None:
         if self.advantage_norm not in ("group", "batch"):
@@ -74,7 +76,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",
-                     "train_shard_size"):
+                     "train_shard_size", "max_skipped_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 

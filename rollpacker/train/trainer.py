@@ -14,7 +14,10 @@
   finished groups while rollout goes on, with no gradient sync and no optimizer step; FSDP2 keeps
   them in its unsharded accumulators, and the next :meth:`Trainer.step`, which every rank joins,
   reduces them with the rest. Optimizer state is not touched until then.
-- A non-finite gradient norm skips the step: no weight changes, ``train/skipped`` = 1.
+- A non-finite gradient norm skips the step: no weight changes, ``train/skipped`` = 1, and
+  ``train/skipped_steps`` counts them over the run; ``train.max_skipped_steps`` in a row raise
+  :class:`NonFiniteError` (the run stops), and while a run of skipped steps lasts,
+  :attr:`Trainer.skipping` tells the checkpoint not to save weights that produced it.
 
 On-policy, one optimizer step per RL step: the "old" log-probs of the PPO ratio are the current
 policy's own, detached (ratio 1 at the step's start), which is what recomputing them first would
@@ -87,6 +90,10 @@ def shard_model(model: Transformer, mesh: DeviceMesh, mixed_precision: bool) -> 
     fully_shard(model, **kw)
 
 
+class NonFiniteError(RuntimeError):
+    """``train.max_skipped_steps`` consecutive steps had a non-finite loss or gradient norm."""
+
+
 class Trainer:
     """Lives on the ranks of ``mesh`` (every rank, or the training pool of disaggregated pools,
     whose process group is ``group``)."""
@@ -107,6 +114,10 @@ class Trainer:
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.skipped_steps = 0
+        """Steps skipped for a non-finite loss or gradient norm, over the run (since this process started)."""
+        self.skipping = 0
+        """Consecutive skipped steps up to the last one (0: the last step was taken)."""
         self.totals = torch.zeros(6, dtype=torch.float64, device=self.device)
         """Sums since the last step: loss, clipped tokens, tokens, KL, |log-prob diff|, importance weights."""
 
@@ -140,6 +151,15 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += skipped
+        self.skipping = self.skipping + 1 if skipped else 0
+        limit = cfg.max_skipped_steps
+        if limit and self.skipping >= limit:  # loss and norm are global: every training rank raises
+            raise NonFiniteError(
+                f"train: {self.skipping} consecutive steps skipped for a non-finite update (last: loss={loss}, "
+                f"grad_norm={norm}; train.max_skipped_steps={limit}). Stopping without saving these weights: the "
+                "newest committed checkpoint predates them. Lower train.lr, raise train.adam_eps, check the "
+                "rewards and data, then resume from that checkpoint")
         return {
             "train/loss": loss,
             "train/grad_norm": norm,
@@ -149,6 +169,7 @@ class Trainer:
             "train/is_weight_mean": is_weight / max(tokens, 1),
             "train/lr": lr,
             "train/skipped": float(skipped),
+            "train/skipped_steps": float(self.skipped_steps),
             "train/num_micro_batches": float(num_micro),
         }
 

@@ -1,0 +1,161 @@
+"""``python -m rollpacker.bench faults --runs 20``: the chaos benchmark.
+
+Each run is the 2-rank toy job (tail batching, one epoch of a small dataset, a checkpoint every
+step) under ``torchrun --max-restarts`` with ``--resume auto``, and one fault injected at a seeded
+random point: SIGKILL of a random rank mid-round, SIGKILL of a random rank during a save, SIGSTOP
+of a random rank (the collective timeout fires, torchrun restarts the group), or a full disk during
+a save (a random rank's file-size limit drops to 1 MiB with ``prlimit``, so its next shard write
+fails with EFBIG; the restarted group has the normal limit again). The final ledger is compared
+with an uninterrupted run's. Last line JSON: ``runs``, ``recovered`` (exit 0 and the ledger
+matches), ``prompts_lost``, ``prompts_trained_twice``, ``hangs`` (runs killed at the outer time
+limit) and ``mean_recovery_s`` (from the fault to the first step the restarted group trains: fault
+detection, torchrun's restart, model loading, the resume and one step; over recovered runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+FAULTS = ("kill_rank", "kill_during_save", "stop_rank", "disk_full")
+NUM_ROWS = 24
+ARGS = ["--policy", "tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
+        "--rollout.group-size", "2", "--rollout.max-new-tokens", "32", "--num-steps", "100", "--num-epochs", "1",
+        "--checkpoint-every", "1", "--eval-every", "0", "--metrics.wandb-mode", "disabled", "--metrics.no-live",
+        "--resume", "auto", "--dist.timeout-s", "15", "--dist.first-step-timeout-s", "90"]
+"""A fault during step 0 or its checkpoint meets the first-step timeout: 90 s fits the toy model's loading."""
+
+
+def launch(run_dir: Path) -> tuple[subprocess.Popen, Path]:
+    log = run_dir.with_suffix(".log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
+           "-m", "rollpacker.run", *ARGS, "--run-dir", str(run_dir)]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch#135712, as in train.sbatch
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True, env=env)
+    return proc, log
+
+
+def worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The live torchrun worker of ``rank`` running with ``run_dir``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or str(run_dir).encode() not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"TORCHELASTIC_RUN_ID=") for e in env):
+            return int(entry.name)
+    return None
+
+
+def lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def saving(run_dir: Path) -> bool:
+    return any(not (p / "COMMITTED").exists() for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+def trained(run_dir: Path) -> list[tuple[int, int]]:
+    from rollpacker import checkpoint
+
+    newest = checkpoint.latest(run_dir)
+    if newest is None:
+        return []
+    return [tuple(r) for r in json.loads((newest / "train_state.json").read_text())["policy"]["ledger"]["trained"]]
+
+
+def inject(fault: str, run_dir: Path, proc: subprocess.Popen, rng: random.Random, deadline: float) -> float | None:
+    """Wait for the fault's random point and inject it; the time it was injected, or None if the run ended first."""
+    after, rank, delay = rng.randint(1, 3), rng.randint(0, 1), rng.uniform(0.0, 0.5)
+    while proc.poll() is None and time.time() < deadline:
+        ready = lines(run_dir) >= after and (fault != "kill_during_save" or saving(run_dir))
+        if ready:
+            if fault != "kill_during_save":
+                time.sleep(delay)
+            pid = worker_pid(run_dir, rank)
+            if pid is None:
+                continue
+            if fault == "disk_full":
+                subprocess.run(["prlimit", f"--pid={pid}", "--fsize=1048576"], check=True)
+            else:
+                os.kill(pid, signal.SIGSTOP if fault == "stop_rank" else signal.SIGKILL)
+            return time.time()
+        time.sleep(0.002)
+    return None
+
+
+def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, reference: list) -> dict:
+    run_dir = work / f"run_{i:02d}"
+    proc, log = launch(run_dir)
+    deadline = time.time() + limit_s
+    injected = inject(fault, run_dir, proc, rng, deadline)
+    failed_at_line = resumed = None  # metrics lines when torchrun saw the group fail; when the next one came
+    while proc.poll() is None and time.time() < deadline:
+        if injected and failed_at_line is None and "failed (exitcode" in log.read_text():
+            failed_at_line = lines(run_dir)
+        if failed_at_line is not None and resumed is None and lines(run_dir) > failed_at_line:
+            resumed = time.time()
+        time.sleep(0.05)
+    hang = proc.poll() is None
+    if hang:  # torchrun's workers run in sessions of their own: kill them too
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for rank in (0, 1):
+            while (pid := worker_pid(run_dir, rank)) is not None:
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.1)
+    got, want = Counter(trained(run_dir)), Counter(reference)
+    lost = sum((want - got).values())
+    twice = sum(n - 1 for n in got.values() if n > 1)
+    ok = proc.returncode == 0 and not hang and got == want
+    return {"run": i, "fault": fault, "injected": injected is not None, "exit": proc.returncode, "hang": hang,
+            "recovered": ok, "prompts_lost": lost, "prompts_trained_twice": twice,
+            "recovery_s": round(resumed - injected, 1) if resumed and injected else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rollpacker.bench faults", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20, help="faulty runs")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the faults, ranks and points")
+    parser.add_argument("--limit-s", type=float, default=900.0, help="outer time limit of one run (a hang)")
+    parser.add_argument("--work-dir", default="", help="where runs go (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollpacker-faults-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    proc, log = launch(work / "reference")
+    if proc.wait(timeout=args.limit_s) != 0:
+        sys.exit(f"bench faults: the uninterrupted reference run failed; see {log}")
+    reference = trained(work / "reference")
+    rng = random.Random(args.seed)
+    results = []
+    for i in range(args.runs):
+        fault = FAULTS[i % len(FAULTS)] if args.runs >= len(FAULTS) else rng.choice(FAULTS)
+        result = one_run(i, fault, work, rng, args.limit_s, reference)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    recoveries = [r["recovery_s"] for r in results if r["recovered"] and r["recovery_s"] is not None]
+    print(json.dumps({
+        "runs": len(results),
+        "recovered": sum(r["recovered"] for r in results),
+        "prompts_lost": sum(r["prompts_lost"] for r in results),
+        "prompts_trained_twice": sum(r["prompts_trained_twice"] for r in results),
+        "hangs": sum(r["hang"] for r in results),
+        "mean_recovery_s": round(sum(recoveries) / len(recoveries), 1) if recoveries else None,
+    }))
+
+
+if __name__ == "__main__":
+    main()

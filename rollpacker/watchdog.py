@@ -1,0 +1,157 @@
+"""Stalled ranks are detected, never waited on forever.
+
+Every process group gets a timeout from :class:`DistConfig` (a longer one until the first step
+is done: model loading, first-step compilation), so a collective that a rank never joins raises
+on the ranks that wait. Each rank also writes a heartbeat (time, step, phase) into the job's
+TCPStore every second from a thread; a SIGSTOPped or wedged rank stops beating. When a timeout
+fires, the error names this rank's step and phase and the ranks whose heartbeat went stale (or
+never came), then the process exits non-zero so torchrun ``--max-restarts`` (or Slurm's requeue)
+restarts the job. Nothing here imports torch at module level: :class:`DistConfig` is part of the
+config tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+BEAT_S = 1.0
+"""Seconds between two heartbeats; a rank silent for 5 of them counts as not answering."""
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    timeout_s: float = 120.0
+    """Seconds a collective waits for a rank before the job fails naming it (after the first step)."""
+    first_step_timeout_s: float = 900.0
+    """The same until the first step is done: model loading and first-step compilation take longer."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.timeout_s <= self.first_step_timeout_s:
+            raise ValueError(f"dist.timeout_s={self.timeout_s} must be positive and at most "
+                             f"dist.first_step_timeout_s={self.first_step_timeout_s}")
+
+
+_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True}
+_config: DistConfig | None = None
+
+
+def set_timeout(seconds: float) -> None:
+    """Every process group's collectives (those built so far) wait at most ``seconds``."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    _state["timeout"] = seconds
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def start(config: DistConfig) -> None:
+    """After the process groups exist: the first-step timeout, the heartbeat and the diagnosis of a timeout."""
+    import signal
+
+    global _config
+    _config = config
+    # a file-size limit (quota) then fails the write with EFBIG, reported like a full disk, instead of killing us
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    set_timeout(config.first_step_timeout_s)
+    store = _store()
+    if store is None:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    threading.Thread(target=_beat, args=(store, rank), daemon=True, name="rollpacker-heartbeat").start()
+    previous = sys.excepthook
+
+    def hook(kind, error, tb):
+        previous(kind, error, tb)
+        if _is_timeout(error):  # in a thread: a store hosted by a stopped rank 0 may never answer
+            report = threading.Thread(target=lambda: print(f"rollpacker: {diagnose(rank)}", file=sys.stderr,
+                                                           flush=True), daemon=True)
+            report.start()
+            report.join(timeout=20)
+            if report.is_alive():
+                print(f"rollpacker: rank {rank} timed out after {_state['timeout']:g}s at step {_state['step']}, "
+                      f"phase {_state['phase']}; the heartbeat store (hosted by rank 0 or torchrun) did not answer "
+                      "either: rank 0 or the launcher is stalled", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)  # never linger in a half-dead process group: torchrun sees the failure now
+
+    sys.excepthook = hook
+
+
+def at_step(step: int, phase: str = "step") -> None:
+    """The loop reached ``step``; after the first step is done, collectives get ``dist.timeout_s``."""
+    if _config and _state["first"] and _state["step"] >= 0 and step > _state["step"]:
+        _state["first"] = False
+        set_timeout(_config.timeout_s)
+    _state["step"] = step
+    _state["phase"] = phase
+
+
+def phase(name: str) -> None:
+    """This rank's current phase (rollout, train, weight_sync, checkpoint, ...), reported on a timeout."""
+    _state["phase"] = name
+
+
+def _key(rank: int) -> str:
+    return f"rollpacker/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _store():
+    """A client of the job's TCPStore (torchrun's MASTER_ADDR:MASTER_PORT), or None outside torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_PORT" not in os.environ:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=10), wait_for_workers=False)
+
+
+def _beat(store, rank: int) -> None:
+    while True:
+        try:
+            store.set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"]}))
+        except Exception:  # the store's host is gone: the job is ending anyway
+            return
+        time.sleep(BEAT_S)
+
+
+def diagnose(rank: int) -> str:
+    """What a rank that timed out knows: its step and phase, and the ranks that stopped answering."""
+    from datetime import timedelta
+
+    where = f"rank {rank} timed out after {_state['timeout']:g}s at step {_state['step']}, phase {_state['phase']}"
+    silent = []
+    try:
+        store = _store()
+        store.set_timeout(timedelta(seconds=3))
+        now = time.time()
+        for r in range(int(os.environ["WORLD_SIZE"])):
+            try:
+                beat = json.loads(store.get(_key(r)))
+            except Exception:
+                silent.append((r, "no heartbeat at all"))
+                continue
+            if now - beat["t"] > 5 * BEAT_S:
+                silent.append((r, f"last heartbeat {now - beat['t']:.0f}s ago, at step {beat['step']}, "
+                                  f"phase {beat['phase']}"))
+    except Exception as e:  # the store lives in rank 0 (or torchrun's agent): it may be the one stalled
+        return f"{where}; the heartbeat store did not answer either ({type(e).__name__}): rank 0 or the launcher is stalled"
+    if not silent:
+        return f"{where}; every rank's heartbeat is live: a slow collective, raise dist.timeout_s"
+    who = "; ".join(f"rank {r}: {why}" for r, why in silent)
+    return (f"{where}: rank(s) {[r for r, _ in silent]} did not answer ({who}). Exiting non-zero so torchrun "
+            "--max-restarts or Slurm's requeue restarts the job (--resume auto)")
+
+
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(s in text for s in ("timed out", "timeout", "connection closed by peer", "connection reset by peer"))

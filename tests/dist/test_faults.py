@@ -1,0 +1,145 @@
+"""Faults on the real 2-rank job (issue #22): a full disk during a save, a stopped rank, a killed rank."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import job_env
+
+from rollpacker import checkpoint
+
+
+# --- the real job, 2 gloo ranks ---------------------------------------------------------------------
+
+ARGS = ["--policy", "tail", "--data.num-toy-prompts", "24", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+        "--rollout.max-new-tokens", "32", "--checkpoint-every", "1", "--eval-every", "0",
+        "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
+
+
+def job(run_dir, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "rollpacker.run", *ARGS, "--run-dir", str(run_dir), *extra]
+
+
+def trained_rows(run_dir) -> list[list[int]]:
+    newest = checkpoint.latest(run_dir)
+    return json.loads((newest / "train_state.json").read_text())["policy"]["ledger"]["trained"]
+
+
+def can_mount_tmpfs() -> bool:
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs $d && umount $d"
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare -m and a tmpfs mount (root or user namespaces)")
+def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    disk, copy = tmp_path / "disk", tmp_path / "copy"
+    disk.mkdir()
+    # an 8 MiB disk holds one checkpoint of the toy model (5.5 MiB), not two: step 2's save fills it
+    script = (f"mount -t tmpfs -o size=8m tmpfs {disk} && {shlex.join(job(disk, '--num-steps', '3', '--checkpoint.keep', '1'))}"
+              f"; rc=$?; cp -a {disk} {copy}; exit $rc")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=900,
+                          env=job_env())
+    assert proc.returncode != 0
+    message = re.search(r"CheckpointError: (checkpoint: saving step 2 .*)", proc.stderr)
+    assert message, proc.stderr[-4000:]
+    assert re.fullmatch(
+        rf"checkpoint: saving step 2 to {disk}/checkpoints/step_2 failed on rank\(s\) \[[01, ]+\] \(rank \d: .*; "
+        r"\d+\.\d MiB free there on rank \d\)\. The partial save was removed; the newest committed checkpoint is "
+        rf"{disk}/checkpoints/step_1, which --resume auto picks\. Free disk space or fix the permissions under "
+        rf"{disk}/checkpoints, then resume", message.group(1)), message.group(1)
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_1"]
+    assert (copy / "checkpoints" / "step_1" / checkpoint.MARKER).exists()
+    # the copy resumes from step 1 on a disk with room and trains every prompt once
+    done = subprocess.run(job(copy, "--num-steps", "3", "--resume", "auto"), capture_output=True, text=True,
+                          timeout=900, env=job_env())
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resuming from {copy}/checkpoints/step_1" in done.stderr
+    assert sorted(steps(copy)) == [0, 1, 2]
+    rows = trained_rows(copy)
+    assert len({tuple(r) for r in rows}) == len(rows) == sum(r["sched/trained_prompts"] for r in steps(copy).values())
+
+
+def steps(run_dir) -> dict[int, dict]:
+    """The metrics of every step; a step redone after a resume keeps its last record."""
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in r}
+
+
+def worker_pid(run_dir, rank: int) -> int | None:
+    """The pid of the torchrun worker of ``rank`` running ``rollpacker.run`` with ``run_dir``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or str(run_dir).encode() not in (entry / "cmdline").read_bytes():
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID=" in b" ".join(env):
+            return int(entry.name)
+    return None
+
+
+def metric_lines(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_stopped_rank_makes_the_job_exit_naming_it(tmp_path):
+    timeout_s = 20
+    proc = subprocess.Popen(job(tmp_path, "--num-steps", "50", "--dist.timeout-s", str(timeout_s)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=job_env())
+    try:
+        deadline = time.time() + 600
+        while metric_lines(tmp_path) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)  # step 1 is done: collectives now wait dist.timeout_s
+        pid = worker_pid(tmp_path, 1)
+        assert pid and proc.poll() is None, "the run ended before rank 1 could be stopped"
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.time()
+        _, err = proc.communicate(timeout=600)  # far below gloo's default of 30 minutes
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode != 0
+    assert re.search(rf"rollpacker: rank 0 timed out after {timeout_s}s at step \d+, phase \w+: rank\(s\) \[1\] did not "
+                     r"answer \(rank 1: last heartbeat \d+s ago, at step \d+, phase \w+\)\. Exiting non-zero", err), err[-4000:]
+    print(f"exited {time.time() - stopped:.0f}s after the SIGSTOP (dist.timeout_s={timeout_s})")
+
+
+def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_path):
+    """The README's launch line on one node: torchrun --max-restarts with --resume auto."""
+    cmd = job(tmp_path, "--num-steps", "100", "--num-epochs", "1", "--resume", "auto")
+    cmd.insert(cmd.index("--nproc_per_node=2") + 1, "--max-restarts=2")
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # pytorch#135712, as in train.sbatch
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        deadline = time.time() + 600
+        while metric_lines(tmp_path) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # into step 2's round
+        pid = worker_pid(tmp_path, 1)
+        assert pid and proc.poll() is None, "the run ended before rank 1 could be killed"
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 0, err[-4000:]
+    assert "Worker group FAILED" in err or "restart" in err.lower(), err[-4000:]
+    assert f"resuming from {tmp_path}/checkpoints/step_" in err  # the restarted group resumed
+    rows = trained_rows(tmp_path)
+    assert sorted(row for _, row in rows) == list(range(24)) and {e for e, _ in rows} == {0}  # every prompt once
+    assert sum(r["sched/trained_prompts"] for r in steps(tmp_path).values()) == 24

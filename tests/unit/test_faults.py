@@ -1,0 +1,143 @@
+"""Faults (issue #22): bad inputs refused with one error naming the place, or skipped and counted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollpacker import checkpoint
+from rollpacker.config import load_preset
+from rollpacker.data.dataset import DataConfig, DatasetError, fit_rows, load_rows
+
+
+def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+GOOD = json.dumps({"prompt": "1+1?", "answer": "2"})
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("{not json", "invalid JSON (Expecting property name enclosed in double quotes at column 2)"),
+    (json.dumps({"answer": "2"}), "missing field 'prompt'"),
+    (json.dumps({"prompt": "x"}), "missing field 'answer'"),
+    (json.dumps({"prompt": "x", "tests": []}), "field 'tests' must be a non-empty list"),
+    (json.dumps({"prompt": ["x"], "answer": "2"}), "field 'prompt' must be a string, got list"),
+])
+def test_a_bad_line_names_file_and_line_and_the_way_out(tmp_path, line, message):
+    path = write(tmp_path, [GOOD, line])
+    with pytest.raises(DatasetError) as e:
+        load_rows(DataConfig(path=path, reward="math"))
+    assert str(e.value).startswith(f"{path}:2: {message}")
+    assert str(e.value).endswith("(fix the line, or set data.skip_bad_lines to skip bad lines)")
+
+
+def test_skip_bad_lines_keeps_the_good_ones_and_counts_the_rest(tmp_path, caplog):
+    path = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": "x"}), "", json.dumps({"prompt": "3", "answer": "3"})])
+    with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
+        rows = load_rows(DataConfig(path=path, reward="math", skip_bad_lines=True))
+    assert [r["prompt"] for r in rows] == ["1+1?", "3"]
+    assert f"{path}: skipped 2 bad line(s) of 4 (data.skip_bad_lines); first: {path}:2: invalid JSON" in caplog.text
+    assert f"{path}:3: missing field 'answer'" in caplog.text
+    only_bad = write(tmp_path, ["{", "[]"], "bad.jsonl")
+    with pytest.raises(DatasetError, match=re.escape(f"{only_bad}: no rows (the file is empty or holds only blank or bad lines)")):
+        load_rows(DataConfig(path=only_bad, reward="math", skip_bad_lines=True))
+
+
+def test_an_unknown_key_in_a_preset_is_refused_by_name(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("num_steps = 3\n[rollout]\nnum_prompt = 4\n")
+    with pytest.raises(ValueError) as e:
+        load_preset(str(bad))
+    assert str(e.value).startswith(f"{bad}: bad.toml.rollout: unknown setting 'num_prompt' (valid: num_prompts, ")
+
+
+def test_prompts_that_do_not_fit_are_left_out_and_counted(caplog):
+    rows = [{"id": str(n), "n": n} for n in (0, 3, 10, 16, 30)]
+    with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
+        kept = fit_rows(rows, lambda r: [1] * r["n"], max_model_len=16, kv_tokens=24, max_new_tokens=4)
+    assert [r["n"] for r in kept] == [3, 10]
+    assert ("left out 3 of 5 prompts that are empty or do not fit the context length 16 or the KV cache of 24 tokens "
+            "(with rollout.max_new_tokens=4): '0' (0 tokens), '16' (16 tokens), '30' (30 tokens)") in caplog.text
+    # the KV cache, not the context, limits: 10 prompt + 8 new tokens need 18 > 16 tokens of KV
+    assert [r["n"] for r in fit_rows(rows, lambda r: [1] * r["n"], 64, 16, 8)] == [3]
+    with pytest.raises(DatasetError, match="no prompt fits the context length 16 and the KV cache of 2 tokens"):
+        fit_rows(rows, lambda r: [1] * r["n"], 16, 2, 4)
+
+
+def committed(tmp_path, **meta):
+    (tmp_path / "train_state.json").write_text(json.dumps({"step": 1, "policy": {"name": "sync"}, **meta}))
+    (tmp_path / checkpoint.MARKER).write_text("")
+    return tmp_path
+
+
+def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
+    path = committed(tmp_path, world_size=2)
+    checkpoint.check(path, "sync", world_size=2)
+    with pytest.raises(ValueError) as e:
+        checkpoint.check(path, "sync", world_size=4)
+    assert str(e.value) == (f"resume: {path} was written by 2 ranks, this run has 4: launch it with 2 ranks "
+                            "(torchrun --nproc_per_node), or start afresh")
+
+
+def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_path):
+    mine = {"embed.weight": [64, 8], "layers.0.w": [8, 8], "norm.weight": [8]}
+    checkpoint.check_model(tmp_path, dict(mine), mine)
+    checkpoint.check_model(tmp_path, None, mine)  # written before shapes were recorded
+    saved = {"embed.weight": [32, 8], "layers.0.w": [8, 8], "layers.1.w": [8, 8]}
+    with pytest.raises(ValueError) as e:
+        checkpoint.check_model(tmp_path, saved, mine)
+    assert str(e.value) == (
+        f"resume: {tmp_path} was written by a different model: parameters 1 not in the checkpoint: norm.weight; "
+        "1 only in the checkpoint: layers.1.w; 1 with other shapes (checkpoint vs this model): "
+        "embed.weight [32, 8] vs [64, 8]. Resume with the model the run started with (model.path), or start afresh")
+
+
+def test_keep_deletes_the_oldest_committed_checkpoints_and_stale_interrupted_ones(tmp_path):
+    for step, done in ((1, True), (2, False), (3, True), (4, True), (5, False)):
+        (tmp_path / f"step_{step}").mkdir()
+        if done:
+            (tmp_path / f"step_{step}" / checkpoint.MARKER).write_text("")
+    assert [p.name for p in checkpoint.prune(tmp_path, keep=2)] == ["step_1", "step_2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4", "step_5"]  # step_5: a save under way
+    with pytest.raises(ValueError, match="checkpoint.keep must be >= 0 \\(0 keeps every checkpoint\\), got -1"):
+        checkpoint.CheckpointConfig(keep=-1)
+
+
+def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(toy_random_dir, tmp_path):
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import NonFiniteError, Sample, Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, max_skipped_steps=2), build_meshes(1, 0).train)
+    bad, good = Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0]), Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])
+    assert trainer.step([bad])["train/skipped_steps"] == 1.0
+    checkpoint.save(tmp_path / "checkpoints" / "step_1", trainer, 1, {})
+    assert checkpoint.latest(tmp_path) is None  # the weights that just produced a non-finite update
+    assert trainer.step([good])["train/skipped_steps"] == 1.0
+    checkpoint.save(tmp_path / "checkpoints" / "step_2", trainer, 2, {})
+    assert checkpoint.latest(tmp_path) == tmp_path / "checkpoints" / "step_2"
+    assert trainer.step([bad])["train/skipped_steps"] == 2.0  # one in a row: the run goes on
+    with pytest.raises(NonFiniteError) as e:
+        trainer.step([bad])
+    assert str(e.value) == (
+        "train: 2 consecutive steps skipped for a non-finite update (last: loss=nan, grad_norm=nan; "
+        "train.max_skipped_steps=2). Stopping without saving these weights: the newest committed checkpoint "
+        "predates them. Lower train.lr, raise train.adam_eps, check the rewards and data, then resume from that "
+        "checkpoint")
+    with pytest.raises(ValueError, match="train.max_skipped_steps must be"):
+        TrainConfig(max_skipped_steps=-1)
