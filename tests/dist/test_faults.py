@@ -48,8 +48,9 @@ def can_mount_tmpfs() -> bool:
 def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     disk, copy = tmp_path / "disk", tmp_path / "copy"
     disk.mkdir()
-    # an 8 MiB disk holds one checkpoint of the toy model (5.5 MiB), not two: step 2's save fills it
-    script = (f"mount -t tmpfs -o size=8m tmpfs {disk} && {shlex.join(job(disk, '--num-steps', '3', '--checkpoint.keep', '1'))}"
+    # a 14 MiB disk holds one checkpoint of the toy model (weights and two AdamW moments: 9.1 MB), not two:
+    # step 2's save fills it
+    script = (f"mount -t tmpfs -o size=14m tmpfs {disk} && {shlex.join(job(disk, '--num-steps', '3', '--checkpoint.keep', '1'))}"
               f"; rc=$?; cp -a {disk} {copy}; exit $rc")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=900,
                           env=job_env())
