@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Literal
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 

@@ -89,10 +89,10 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     """Profile every usable TP (collective over all ranks); leaves the meshes at the TP they had."""
     import torch
 
-    from rollpacker.rollout.probe import decode_step_ms, peak_flops
     from rollpacker.model import empty_model, load_model, read_args
     from rollpacker.plan.planner import candidate_tps
     from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.probe import decode_step_ms, peak_flops
     from rollpacker.rollout.torch_engine import TorchEngine
 
     p, device, world = config.plan, meshes.device, meshes.world_size
@@ -142,8 +142,8 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
 
 def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:
     """ms of one prefill step of ``num`` prompts of ``context`` tokens (after an untimed one)."""
-    from rollpacker.rollout.probe import random_prompts
     from rollpacker.rollout.engine import Request, SamplingParams
+    from rollpacker.rollout.probe import random_prompts
 
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     times = []

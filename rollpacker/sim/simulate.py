@@ -56,8 +56,8 @@ from rollpacker.data.dataset import PromptSampler
 from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
-from rollpacker.schedule.base import Group, Round
 from rollpacker.schedule import POLICIES, PolicyName, build_policy
+from rollpacker.schedule.base import Group, Round
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.schedule.round import Launch, RoundState
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
@@ -65,9 +65,6 @@ from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 from rollpacker.train.config import StreamConfig
 from rollpacker.train.stream import ScaleDown
-
-
-
 
 
 @dataclass(kw_only=True)

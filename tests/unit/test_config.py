@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from rollpacker.config import CONFIGS_DIR, load_preset, parse

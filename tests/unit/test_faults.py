@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shlex
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 

@@ -7,14 +7,18 @@ verdict on the pair ("3", "4") is the token "7".
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from rollpacker.data.toy_model import toy_model_dir
 from rollpacker.model import CausalAttention, ModelArgs, Transformer, load_model
 from rollpacker.reward.judge import (
-    Judge, JudgeConfig, OffloadedLayers, activation_bytes_per_token, choose_resident_layers, parse_verdict,
+    Judge,
+    JudgeConfig,
+    OffloadedLayers,
+    activation_bytes_per_token,
+    choose_resident_layers,
+    parse_verdict,
 )
 from rollpacker.reward.rules import RewardError
 

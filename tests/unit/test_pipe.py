@@ -11,13 +11,13 @@ import pytest
 
 from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config
-from rollpacker.round import _feed
-from rollpacker.plan.config import PlanConfig
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.plan.config import PlanConfig
+from rollpacker.round import _feed
 from rollpacker.schedule.base import Group, Round
+from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.schedule.round import RoundState
 from rollpacker.schedule.sync import SyncPolicy
-from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
 
 
@@ -44,7 +44,7 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     stream = FakeStream()
     state = RoundState(0, Round("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
     complete, scores = state.complete, state.scores
-    make = lambda g: [g.prompt]  # noqa: E731: one "sample" per group, its slot
+    make = lambda g: [g.prompt]  # noqa: E731 (one "sample" per group, its slot)
     groups = {s: group(s) for s in range(4)}
 
     def completes(slot: int, scored: bool = True) -> None:

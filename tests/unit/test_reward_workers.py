@@ -10,11 +10,12 @@ import os
 import time
 
 import pytest
-from conftest import sandboxed_pids
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.workers import STOP_GRACE, RewardPool
+
+from conftest import sandboxed_pids
 
 TOWER = "\\boxed{10^{10^{10^{10^{10}}}}}"  # math-verify tries to evaluate it: hangs
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import InstantRewards, LengthTableEngine, OneReplica
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.schedule.sync import SyncPolicy
@@ -19,6 +18,8 @@ from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelS
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.simulate import SimConfig, simulate, simulate_round, summarize
 from rollpacker.sim.workload import LengthModel, length_stats, read_length_trace
+
+from conftest import InstantRewards, LengthTableEngine, OneReplica
 
 
 class StepCost:
