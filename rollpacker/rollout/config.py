@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(kw_only=True)
 class EngineConfig:
+    kind: Literal["torch", "vllm", "sglang"] = "torch"
+    """Rollout engine: rollpacker's TorchEngine, vLLM in-process (CPU or GPU; ``bash launch/install.sh
+    vllm``), or SGLang (GPU only). All implement ``rollout/engine.py``'s contract."""
+    memory_fraction: float = 0.1
+    """vllm/sglang: fraction of device memory the engine may take (vLLM's gpu_memory_utilization; on
+    CPU a fraction of the machine's RAM per rank). vLLM's KV cache itself is sized by kv_memory_mb."""
+    enforce_eager: bool = True
+    """vllm: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
     block_size: int = 16
     """Tokens per KV block."""
     kv_memory_mb: float = 512.0
@@ -30,5 +39,9 @@ class EngineConfig:
         if self.kv_memory_mb <= 0 or self.memory_mb < 0:
             raise ValueError(f"engine.kv_memory_mb={self.kv_memory_mb} must be positive and "
                              f"engine.memory_mb={self.memory_mb} >= 0")
+        if self.kind not in ("torch", "vllm", "sglang"):
+            raise ValueError(f"engine.kind must be torch, vllm or sglang, got {self.kind!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.max_model_len < 0:
             raise ValueError(f"engine.max_model_len must be >= 0, got {self.max_model_len}")

@@ -25,11 +25,18 @@ calls in the same order; the engine never knows which scheduling policy drives i
 
 Log-probs are those of the sampled token under ``softmax(logits / temperature)`` (temperature 1
 for greedy), before top-k/top-p truncation: the policy's own probability, what the trainer's
-importance ratio needs.
+importance ratio needs. An engine whose kernels only report the truncated distribution (vLLM's
+``processed_logprobs``: renormalized over the top-k/top-p set) says so with
+``logprobs_truncated = True``; both conventions agree when ``top_k == 0`` and ``top_p == 1``.
+:func:`reference_logprobs` recomputes either from logits, for tests and the trainer.
+
+Bookkeeping every engine shares (the output a request starts from, resumed or not; appending a
+token; finishing) lives here once: :func:`start_output`, :func:`append_token`, :func:`finish`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -91,6 +98,9 @@ class EngineStats:
 
 
 class Engine(Protocol):
+    logprobs_truncated: bool
+    """True when log-probs are renormalized over the top-k/top-p set (see the module docstring)."""
+
     def add(self, request: Request) -> None: ...
 
     def abort(self, request_id: str) -> Output: ...
@@ -106,6 +116,51 @@ class Engine(Protocol):
     def release_memory(self) -> None: ...
 
     def resume_memory(self) -> None: ...
+
+
+def start_output(request: Request) -> Output:
+    """The output ``request`` accumulates into: empty, or a copy of its ``resume_from`` partial
+    output (tokens, log-probs, first-token time and preemptions carry over)."""
+    out = Output(id=request.id, prompt_ids=list(request.prompt_ids))
+    partial = request.resume_from
+    if partial is not None:
+        out.token_ids, out.logprobs = list(partial.token_ids), list(partial.logprobs)
+        out.first_token_time, out.num_preemptions = partial.first_token_time, partial.num_preemptions
+    return out
+
+
+def append_token(out: Output, token: int, logprob: float, now: float) -> None:
+    out.token_ids.append(token)
+    out.logprobs.append(logprob)
+    if out.first_token_time is None:
+        out.first_token_time = now
+
+
+def finish(out: Output, reason: str, now: float | None = None) -> Output:
+    out.finish_reason = reason
+    out.finish_time = time.time() if now is None else now
+    return out
+
+
+def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                       truncated: bool = False) -> torch.Tensor:
+    """Log-probs of ``tokens`` [N] under ``logits`` [N, vocab] by the contract's convention:
+    ``log_softmax(logits / T)`` (T = 1 when greedy); ``truncated`` renormalizes over the top-k
+    (then top-p) set first, as vLLM's ``processed_logprobs`` does."""
+    logits = logits.float()
+    if params.temperature > 0:
+        logits = logits / params.temperature
+    if truncated and params.temperature > 0:
+        if 0 < params.top_k < logits.shape[-1]:
+            kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if params.top_p < 1:
+            probs, order = logits.softmax(-1).sort(dim=-1, descending=False)
+            drop_sorted = probs.cumsum(-1) <= 1 - params.top_p
+            drop_sorted[..., -1] = False
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def generate(engine: Engine, requests: Iterable[Request]) -> dict[str, Output]:

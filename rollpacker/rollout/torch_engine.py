@@ -52,7 +52,7 @@ from rollpacker.model.attention import Bucket, causal_packed_attention, length_b
 from rollpacker.model.parallelize import apply_rollout_tp
 from rollpacker.model.transformer import Transformer, rope_cos_sin
 from rollpacker.rollout.config import EngineConfig
-from rollpacker.rollout.engine import EngineStats, Output, Request
+from rollpacker.rollout.engine import EngineStats, Output, Request, append_token, finish, start_output
 
 _MASK64 = (1 << 64) - 1
 
@@ -524,6 +524,8 @@ class _Group:
 class TorchEngine:
     """Continuous-batching engine over :class:`Transformer`; see the module docstring."""
 
+    logprobs_truncated = False
+
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tp_mesh: DeviceMesh | None = None):
         self.config = config = config or EngineConfig()
         self.model = model.eval().requires_grad_(False)
@@ -568,11 +570,7 @@ class TorchEngine:
     def add(self, request: Request) -> None:
         self._validate(request)
         p = request.params
-        partial = request.resume_from
-        out = Output(id=request.id, prompt_ids=list(request.prompt_ids))
-        if partial is not None:
-            out.token_ids, out.logprobs = list(partial.token_ids), list(partial.logprobs)
-            out.first_token_time, out.num_preemptions = partial.first_token_time, partial.num_preemptions
+        out = start_output(request)
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         max_len = min(len(out.prompt_ids) + p.max_new_tokens, self.max_model_len)
@@ -585,9 +583,7 @@ class TorchEngine:
                 if seq.req.id == request_id:
                     queue.remove(seq)
                     self._free(seq)
-                    seq.out.finish_reason = "abort"
-                    seq.out.finish_time = time.time()
-                    return seq.out
+                    return finish(seq.out, "abort")
         raise KeyError(f"abort: no request {request_id!r} is queued or running")
 
     def has_unfinished(self) -> bool:
@@ -796,10 +792,7 @@ class TorchEngine:
         for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
             out = seq.out
             seq.tokens.append(tok)
-            out.token_ids.append(tok)
-            out.logprobs.append(lp)
-            if out.first_token_time is None:
-                out.first_token_time = now
+            append_token(out, tok, lp, now)
             if tok in seq.stop_ids:
                 out.finish_reason = "stop"
             elif len(seq.tokens) >= seq.max_len:

