@@ -16,6 +16,9 @@ import torch
 from rollpacker.rollout.engine import EngineStats, Output
 
 DIST_SCRIPTS = Path(__file__).parent / "dist" / "scripts"
+
+if not torch.cuda.is_available():  # the Triton kernels' tests run on CPU under Triton's interpreter, which must be
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before anything imports triton (a unit test may, first)
 QUIET = ("--metrics.wandb-mode", "disabled", "--metrics.no-live")
 """Flags every test job takes: no wandb, no live display."""
 NUM_ROWS = 24
