@@ -19,6 +19,7 @@ import pytest
 from conftest import job_env
 
 from rollpacker import checkpoint
+from rollpacker.bench.faults import worker_pid
 
 
 # --- the real job, 2 gloo ranks ---------------------------------------------------------------------
@@ -77,20 +78,6 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_p
 def steps(run_dir) -> dict[int, dict]:
     """The metrics of every step; a step redone after a resume keeps its last record."""
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in r}
-
-
-def worker_pid(run_dir, rank: int) -> int | None:
-    """The pid of the torchrun worker of ``rank`` running ``rollpacker.run`` with ``run_dir``."""
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or str(run_dir).encode() not in (entry / "cmdline").read_bytes():
-                continue
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID=" in b" ".join(env):
-            return int(entry.name)
-    return None
 
 
 def metric_lines(run_dir) -> int:
