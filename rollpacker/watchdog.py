@@ -12,6 +12,7 @@ config tree.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -38,6 +39,8 @@ class DistConfig:
 
 _state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True}
 _config: DistConfig | None = None
+_stop = threading.Event()
+_beats: list[threading.Thread] = []
 
 
 def set_timeout(seconds: float) -> None:
@@ -65,7 +68,10 @@ def start(config: DistConfig) -> None:
     if store is None:
         return
     rank = int(os.environ.get("RANK", "0"))
-    threading.Thread(target=_beat, args=(store, rank), daemon=True, name="rollpacker-heartbeat").start()
+    _stop.clear()
+    atexit.register(stop)  # a daemon thread inside a store call at interpreter exit aborts the process
+    _beats.append(threading.Thread(target=_beat, args=(store, rank), daemon=True, name="rollpacker-heartbeat"))
+    _beats[-1].start()
     previous = sys.excepthook
 
     def hook(kind, error, tb):
@@ -115,13 +121,21 @@ def _store():
                          timeout=timedelta(seconds=10), wait_for_workers=False)
 
 
+def stop() -> None:
+    """The heartbeat stops and its thread is joined."""
+    _stop.set()
+    while _beats:
+        _beats.pop().join(timeout=30)
+
+
 def _beat(store, rank: int) -> None:
-    while True:
+    while not _stop.is_set():
         try:
+            store = store or _store()
             store.set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"]}))
-        except Exception:  # the store's host is gone: the job is ending anyway
-            return
-        time.sleep(BEAT_S)
+        except Exception:  # a busy machine or a restarting store: a new client at the next beat
+            store = None
+        _stop.wait(BEAT_S)
 
 
 def diagnose(rank: int) -> str:
