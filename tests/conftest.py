@@ -78,7 +78,9 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
     """Run ``tests/dist/scripts/<script>`` on ``nproc`` real gloo ranks; fail the test on a non-zero exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DIST_SCRIPTS / script), *args]
-    env = job_env(OMP_NUM_THREADS="1")
+    # the scripts import the tests' shared helpers (vllm_common) as the tests do: tests/ on the path
+    env = job_env(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(DIST_SCRIPTS.parents[1]),
+                                                                            os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}")

@@ -1,39 +1,47 @@
-"""``python -m rollpacker.bench engine``: TorchEngine against transformers' ``generate``, same model.
+"""``python -m rollpacker.bench engine``: rollout engines side by side on the same model and tokens:
+TorchEngine, vLLM in-process (``VLLMEngine``, ``--engines torch,vllm,hf``; needs ``bash
+launch/install.sh vllm``) and transformers' ``generate``.
 
-One run, one machine, one thread count, four measurements:
+One run, one machine, one thread count, five measurements:
 
 1. **Throughput** at each batch size: ``batch`` prompts of ``prompt_len`` random token ids (no
    EOS or pad ids), each forced to exactly ``max_new_tokens`` greedy fp32 tokens
-   (``ignore_eos=True`` for TorchEngine; EOS switched off in HF's generation config), under
-   ``torch.inference_mode()``. HF runs ``generate`` with its default (dynamic) cache; every prompt
-   has the same length, so left padding never adds work. ``tok/s`` counts generated tokens only,
-   over the wall time of the whole call (prefill included). Prefill is also timed on its own:
-   TorchEngine's first ``step()`` (every prompt fits one prefill), and for HF a separate
+   (``ignore_eos=True`` for the contract engines; EOS switched off in HF's generation config),
+   under ``torch.inference_mode()``. HF runs ``generate`` with its default (dynamic) cache; every
+   prompt has the same length, so left padding never adds work. ``tok/s`` counts generated tokens
+   only, over the wall time of the whole call (prefill included). Prefill is also timed on its own:
+   a contract engine's first ``step()`` (every prompt fits one prefill), and for HF a separate
    ``generate`` call with one new token; ``decode tok/s`` is ``batch * (new - 1)`` over the rest.
-   Each engine is warmed up once per batch size with a short call, then the two alternate for
+   Each engine is warmed up once per batch size with a short call, then the engines alternate for
    ``repeats`` timed calls each and the fastest call of each counts (robust to a shared machine).
-2. **Fraction of the FLOP limit**: ``achieved = decode tok/s * flops_per_token``, where
-   ``flops_per_token = 2 * P_matmul + 4 * num_layers * ctx * num_heads * head_dim`` with
+2. **Fraction of the FLOP limit** (TorchEngine): ``achieved = decode tok/s * flops_per_token``,
+   where ``flops_per_token = 2 * P_matmul + 4 * num_layers * ctx * num_heads * head_dim`` with
    ``P_matmul`` every matmul weight (q/k/v/o, MLP and the LM head even when tied; no embedding
    lookup, norms or biases) and ``ctx`` the mean context length of the decode steps
    (``prompt_len + new / 2``); the second term is ``q.k`` and ``p.v`` over the context. The peak
    is the best of a few ``matmul_size``-square fp32 matmuls (``2 n^3`` FLOPs each) timed in the
    same run with the same threads.
-3. **Decode step time against running requests**: N requests of ``prompt_len`` tokens are
-   prefilled, then ``decode_steps`` pure decode ``step()`` calls are timed (median reported).
-   The context stays in ``prompt_len + 2 .. prompt_len + decode_steps + 1`` tokens. ``--out``
-   writes this curve as JSON for the cluster simulator.
-4. **Ragged stream** (TorchEngine alone): ``ragged_requests`` greedy requests of random lengths
+3. **The vLLM adapter's overhead**: the same requests through vLLM's ``LLMEngine`` called directly
+   (same sampling settings, DELTA outputs kept), the fastest of ``repeats``; overhead = adapter
+   time / direct time - 1.
+4. **Decode step time against running requests** (each contract engine): N requests of
+   ``prompt_len`` tokens are prefilled, then ``decode_steps`` pure decode ``step()`` calls are
+   timed (median reported). The context stays in ``prompt_len + 2 .. prompt_len + decode_steps +
+   1`` tokens. ``--out`` writes the first engine's curve as JSON for the cluster simulator.
+5. **Ragged stream** (each contract engine): ``ragged_requests`` greedy requests of random lengths
    (prompts of ``prompt_len / 2 .. 2 * prompt_len`` tokens, ``1 .. 2 * max_new_tokens`` new
    tokens, forced) are queued at once and served with ``ragged_running`` running slots, refilled
    as requests finish: the running set changes nearly every step, as in RL rollouts.
    ``ragged tok/s`` is generated tokens over the wall time of serving the whole stream (the
    fastest of ``repeats``, after a warm-up on a shorter stream).
 
-The last stdout line is one JSON object: ``ratio_vs_hf_batch{B}``, ``tok_s_torchengine_batch{B}``,
-``tok_s_hf_batch{B}``, ``flop_fraction_batch{B}``, ``same_tokens_batch{B}`` (fraction of rows whose
-greedy tokens agree exactly) for each batch size, ``peak_gflops``, ``decode_ms_per_iter``
-(N -> ms) and ``ragged_tok_s_torchengine``.
+The last stdout line is one JSON object: per batch size ``tok_s_{engine}_batch{B}`` (engine
+``torchengine``, ``vllm``, ``hf``), ``ratio_vs_hf_batch{B}`` (TorchEngine / HF),
+``ratio_torch_vs_vllm_batch{B}``, ``same_tokens_{engine}_batch{B}`` (fraction of rows whose greedy
+tokens agree exactly with the first engine's), ``flop_fraction_batch{B}``,
+``vllm_adapter_overhead`` (at batch 32, or the largest below), ``peak_gflops``,
+``decode_ms_per_iter`` (first engine, N -> ms; ``decode_ms_per_iter_vllm`` after it) and
+``ragged_tok_s_{engine}``.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from rollpacker.rollout.probe import decode_step_ms, greedy_requests, peak_flops, random_prompts
 
@@ -53,7 +61,6 @@ if TYPE_CHECKING:
     import torch
 
     from rollpacker.model import Transformer
-    from rollpacker.rollout.torch_engine import TorchEngine
 
 PROG = "python -m rollpacker.bench engine"
 
@@ -62,8 +69,10 @@ PROG = "python -m rollpacker.bench engine"
 class EngineBenchConfig:
     model: str = ""
     """Hugging Face model directory; empty means the toy model (rollpacker.data.toy_model)."""
+    engines: tuple[Literal["torch", "vllm", "hf"], ...] = ("torch", "hf")
+    """Engines compared on the same prompts: TorchEngine, vLLM in-process (VLLMEngine), transformers' generate."""
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
-    """Batch sizes of the TorchEngine-vs-HF throughput comparison."""
+    """Batch sizes of the throughput comparison."""
     prompt_len: int = 16
     """Tokens per prompt (random ids, the same for both engines)."""
     max_new_tokens: int = 128
@@ -92,6 +101,8 @@ class EngineBenchConfig:
     """Write the decode-step curve (and the summary) as JSON here."""
 
     def __post_init__(self) -> None:
+        if not self.engines or len(set(self.engines)) != len(self.engines):
+            raise ValueError(f"bench.engines must be distinct and non-empty, got {self.engines}")
         for name in ("batch_sizes", "decode_batch_sizes"):
             sizes = getattr(self, name)
             if not sizes or min(sizes) <= 0:
@@ -159,25 +170,34 @@ def flops_per_token(model: Transformer, context: float) -> float:
     return 2 * matmul_params(model) + 4 * args.num_layers * context * args.num_heads * args.head_dim
 
 
-# ---- the two engines -----------------------------------------------------------------------------
+# ---- the engines ---------------------------------------------------------------------------------
 
 
-def build_torch_engine(model: Transformer, max_num_seqs: int, max_len: int) -> TorchEngine:
-    """An engine whose KV cache holds ``max_num_seqs`` sequences of ``max_len`` tokens (no preemption)."""
+def kv_tokens(max_num_seqs: int, max_len: int, block: int) -> int:
+    """KV tokens for ``max_num_seqs`` sequences of ``max_len`` tokens in ``block``-token blocks, plus one block each."""
+    return max_num_seqs * (-(-max_len // block) + 1) * block
+
+
+def build_engine(kind: str, path: Path, model: Transformer, max_num_seqs: int, max_len: int):
+    """A contract engine (``torch`` or ``vllm``) whose KV cache holds ``max_num_seqs`` sequences of
+    ``max_len`` tokens (no preemption)."""
     from rollpacker.rollout.config import EngineConfig
-    from rollpacker.rollout.torch_engine import TorchEngine
 
-    args, block = model.args, 16
-    blocks = max_num_seqs * (-(-max_len // block) + 1)
-    kv_mb = blocks * block * args.kv_elements_per_token * model.norm.weight.element_size() / 2**20
-    config = EngineConfig(
-        block_size=block, kv_memory_mb=max(kv_mb, 1.0), max_num_seqs=max_num_seqs,
-        max_prefill_tokens=max_num_seqs * max_len,
-    )
-    return TorchEngine(model, config)
+    args = model.args
+    block = 16 if kind == "torch" else 128  # vLLM's CPU block size
+    kv_mb = kv_tokens(max_num_seqs, max_len, block) * args.kv_elements_per_token * model.norm.weight.element_size()
+    config = EngineConfig(kind=kind, block_size=block, kv_memory_mb=max(kv_mb / 2**20, 1.0), max_num_seqs=max_num_seqs,
+                          max_prefill_tokens=max_num_seqs * max_len, max_model_len=max_len, memory_fraction=0.2)
+    if kind == "torch":
+        from rollpacker.rollout.torch_engine import TorchEngine
+
+        return TorchEngine(model, config)
+    from rollpacker.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(path, config)
 
 
-def run_torch_engine(engine: TorchEngine, prompts: list[list[int]], new_tokens: int) -> Throughput:
+def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> Throughput:
     """Generate ``new_tokens`` greedy tokens for every prompt; the first step is their prefill."""
     for r in greedy_requests(prompts, new_tokens, "tput"):
         engine.add(r)
@@ -191,10 +211,33 @@ def run_torch_engine(engine: TorchEngine, prompts: list[list[int]], new_tokens: 
         done += engine.step()
     total = time.perf_counter() - start
     if engine.stats().num_preemptions != preempted:
-        raise RuntimeError("bench: TorchEngine preempted requests; the KV cache is sized wrong")
+        raise RuntimeError(f"bench: {type(engine).__name__} preempted requests; the KV cache is sized wrong")
     by_id = {o.id: o.token_ids for o in done}
     tokens = [by_id[f"tput-{i}"] for i in range(len(prompts))]
     return Throughput(batch=len(prompts), new_tokens=new_tokens, total_s=total, prefill_s=prefill, tokens=tokens)
+
+
+def run_vllm_direct(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """The same work as :func:`run_engine` on VLLMEngine, calling vLLM's ``LLMEngine`` directly (the
+    adapter's sampling settings, outputs kept as they come): seconds, for the adapter's overhead."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = engine.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=0, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+    tokens: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        llm.add_request(f"direct-{i}", {"prompt_token_ids": p}, params)
+        tokens[f"direct-{i}"] = []
+    start = time.perf_counter()
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            tokens[o.request_id] += o.outputs[0].token_ids
+    seconds = time.perf_counter() - start
+    if any(len(t) != new_tokens for t in tokens.values()):
+        raise RuntimeError("bench: vLLM driven directly generated the wrong number of tokens")
+    return seconds
 
 
 def run_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> Throughput:
@@ -251,9 +294,11 @@ def ragged_stream(num: int, prompt_len: int, new_tokens: int, vocab_size: int, a
     ]
 
 
-def run_ragged(engine: TorchEngine, requests: list) -> tuple[float, int]:
+def run_ragged(engine, requests: list) -> tuple[float, int]:
     """Serve ``requests`` (all queued at once) to the end: (seconds, generated tokens)."""
-    for r in requests:
+    import copy
+
+    for r in copy.deepcopy(requests):
         engine.add(r)
     preempted, generated = engine.stats().num_preemptions, engine.stats().num_generated_tokens
     start = time.perf_counter()
@@ -261,11 +306,15 @@ def run_ragged(engine: TorchEngine, requests: list) -> tuple[float, int]:
         engine.step()
     seconds = time.perf_counter() - start
     if engine.stats().num_preemptions != preempted:
-        raise RuntimeError("bench: TorchEngine preempted requests; the KV cache is sized wrong")
+        raise RuntimeError(f"bench: {type(engine).__name__} preempted requests; the KV cache is sized wrong")
     return seconds, engine.stats().num_generated_tokens - generated
 
 
 # ---- the run -------------------------------------------------------------------------------------
+
+NAMES = {"torch": "TorchEngine", "vllm": "vLLM", "hf": "HF"}
+KEYS = {"torch": "torchengine", "vllm": "vllm", "hf": "hf"}
+"""Engine kind -> its name in the tables and in the JSON keys."""
 
 
 def run(cfg: EngineBenchConfig) -> dict:
@@ -287,14 +336,16 @@ def run(cfg: EngineBenchConfig) -> dict:
     console = Console(highlight=False)
     if not console.is_terminal:
         console.width = 160  # piped to a file: do not squeeze the tables to 80 columns
-    threads = torch.get_num_threads()
     model = load_model(path, dtype=torch.float32)
     hf = load_hf(path)
     args = model.args
     avoid = set(args.eos_token_ids) | {hf.generation_config.pad_token_id, hf.config.pad_token_id} - {None}
     pad_id = min(avoid) if avoid else 0
     max_seqs = max(*cfg.batch_sizes, *cfg.decode_batch_sizes)
-    engine = build_torch_engine(model, max_seqs, cfg.prompt_len + max(cfg.max_new_tokens, cfg.decode_steps + 3))
+    max_len = cfg.prompt_len + max(cfg.max_new_tokens, cfg.decode_steps + 3)
+    kinds = [k for k in cfg.engines if k != "hf"]  # the contract engines
+    engines = {k: build_engine(k, path, model, max_seqs, max_len) for k in kinds}
+    threads = torch.get_num_threads()
     load = os.getloadavg()[0]
     if load > 0.5:
         console.print(
@@ -304,99 +355,146 @@ def run(cfg: EngineBenchConfig) -> dict:
     console.print(
         f"[bold]engine bench[/bold]: {path.name} ({args.model_type}, {matmul_params(model) / 1e6:.2f}M matmul params, "
         f"{args.num_layers} layers, hidden {args.hidden_size}), fp32, {threads} threads, torch {torch.__version__}, "
-        f"prompt {cfg.prompt_len} tokens, {cfg.max_new_tokens} new tokens"
+        f"prompt {cfg.prompt_len} tokens, {cfg.max_new_tokens} new tokens, engines {', '.join(cfg.engines)}"
     )
 
     peak = peak_flops(cfg.matmul_size, cfg.matmul_reps)
     context = cfg.prompt_len + cfg.max_new_tokens / 2
     fpt = flops_per_token(model, context)
-    results: dict[int, tuple[Throughput, Throughput]] = {}
+    results: dict[int, dict[str, Throughput]] = {}
+    direct: dict[int, float] = {}
     with torch.inference_mode():
         for b in cfg.batch_sizes:
             prompts = random_prompts(b, cfg.prompt_len, args.vocab_size, avoid, cfg.seed + b)
             warm = min(cfg.warmup_tokens, cfg.max_new_tokens)
-            run_torch_engine(engine, prompts, warm)
-            run_hf(hf, prompts, warm, pad_id)
-            runs = [(run_torch_engine(engine, prompts, cfg.max_new_tokens),
-                     run_hf(hf, prompts, cfg.max_new_tokens, pad_id)) for _ in range(cfg.repeats)]
-            results[b] = (min((r[0] for r in runs), key=lambda r: r.total_s),
-                          min((r[1] for r in runs), key=lambda r: r.total_s))
+
+            def call(kind: str, n: int) -> Throughput:
+                return run_hf(hf, prompts, n, pad_id) if kind == "hf" else run_engine(engines[kind], prompts, n)
+
+            for kind in cfg.engines:
+                call(kind, warm)
+            runs = [{kind: call(kind, cfg.max_new_tokens) for kind in cfg.engines} for _ in range(cfg.repeats)]
+            results[b] = {kind: min((r[kind] for r in runs), key=lambda r: r.total_s) for kind in cfg.engines}
+            if "vllm" in engines:  # the adapter against vLLM driven directly, alternating
+                direct[b] = min(run_vllm_direct(engines["vllm"], prompts, cfg.max_new_tokens)
+                                for _ in range(cfg.repeats))
 
         step_ms = {
-            n: decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid, cfg.decode_steps, cfg.seed)
-            for n in cfg.decode_batch_sizes
+            kind: {n: decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid, cfg.decode_steps, cfg.seed)
+                   for n in cfg.decode_batch_sizes}
+            for kind, engine in engines.items()
         }
 
-        ragged = None
+        ragged = {}
         if cfg.ragged_requests:
-            engine = build_torch_engine(model, cfg.ragged_running, 2 * (cfg.prompt_len + cfg.max_new_tokens))
             stream = ragged_stream(cfg.ragged_requests, cfg.prompt_len, cfg.max_new_tokens, args.vocab_size, avoid,
                                    cfg.seed)
-            run_ragged(engine, stream[: max(1, len(stream) // 4)])  # warm-up
-            ragged = min((run_ragged(engine, stream) for _ in range(cfg.repeats)), key=lambda r: r[0])
-    curve = {n: statistics.median(ms) for n, ms in step_ms.items()}
+            for kind in kinds:
+                engines[kind].shutdown()  # vLLM: one engine per process at a time
+                engines[kind] = build_engine(kind, path, model, cfg.ragged_running,
+                                             2 * (cfg.prompt_len + cfg.max_new_tokens))
+                run_ragged(engines[kind], stream[: max(1, len(stream) // 4)])  # warm-up
+                ragged[kind] = min((run_ragged(engines[kind], stream) for _ in range(cfg.repeats)),
+                                   key=lambda r: r[0])
+        for engine in engines.values():
+            engine.shutdown()
 
-    table = Table(title="Generate throughput: TorchEngine vs transformers generate (generated tokens only)")
-    for col in ("batch", "TE tok/s", "HF tok/s", "TE/HF", "TE prefill ms", "HF prefill ms",
-                "TE decode tok/s", "HF decode tok/s", "TE GFLOP/s", "of peak", "same tokens"):
-        table.add_column(col, justify="right")
-    summary: dict = {}
-    for b, (ours, theirs) in results.items():
-        ratio = ours.tok_s / theirs.tok_s
-        achieved = ours.decode_tok_s * fpt
-        same = sum(x == y for x, y in zip(ours.tokens, theirs.tokens)) / b
-        table.add_row(
-            str(b), f"{ours.tok_s:,.0f}", f"{theirs.tok_s:,.0f}", f"{ratio:.2f}x",
-            f"{1e3 * ours.prefill_s:.1f}", f"{1e3 * theirs.prefill_s:.1f}",
-            f"{ours.decode_tok_s:,.0f}", f"{theirs.decode_tok_s:,.0f}",
-            f"{achieved / 1e9:.2f}", f"{achieved / peak:.2%}", f"{same:.0%}",
-        )
-        summary[f"ratio_vs_hf_batch{b}"] = round(ratio, 3)
-        summary[f"tok_s_torchengine_batch{b}"] = round(ours.tok_s, 1)
-        summary[f"tok_s_hf_batch{b}"] = round(theirs.tok_s, 1)
-        summary[f"decode_tok_s_torchengine_batch{b}"] = round(ours.decode_tok_s, 1)
-        summary[f"decode_tok_s_hf_batch{b}"] = round(theirs.decode_tok_s, 1)
-        summary[f"flop_fraction_batch{b}"] = round(achieved / peak, 5)
-        summary[f"same_tokens_batch{b}"] = round(same, 4)
-    console.print(table)
+    summary = throughput_table(console, cfg, results, direct, fpt, peak)
     console.print(
         f"tok/s = batch * new tokens / wall time of the whole call (prefill included); decode tok/s "
         f"excludes the prefill. FLOPs/token = 2 * {matmul_params(model):,} matmul params + 4 * "
         f"{args.num_layers} layers * {context:.0f} mean context * {args.num_heads * args.head_dim} "
-        f"= {fpt / 1e6:.2f} MFLOP; TE = TorchEngine; peak = best {cfg.matmul_size}^2 fp32 matmul = "
-        f"{peak / 1e9:.1f} GFLOP/s ({threads} threads). 'same tokens': rows whose greedy tokens match exactly."
+        f"= {fpt / 1e6:.2f} MFLOP; peak = best {cfg.matmul_size}^2 fp32 matmul = {peak / 1e9:.1f} GFLOP/s "
+        f"({threads} threads). 'same tokens': rows whose greedy tokens match the {NAMES[cfg.engines[0]]}'s exactly."
     )
 
-    curve_table = Table(title=f"TorchEngine decode step vs running requests (context {cfg.prompt_len + 2}.."
+    curves = {kind: {n: statistics.median(ms) for n, ms in by_n.items()} for kind, by_n in step_ms.items()}
+    curve_table = Table(title=f"Decode step vs running requests (context {cfg.prompt_len + 2}.."
                               f"{cfg.prompt_len + cfg.decode_steps + 1} tokens, median of {cfg.decode_steps})")
-    for col in ("running", "ms / step (median)", "ms / step (min)", "tok/s (median)"):
-        curve_table.add_column(col, justify="right")
-    for n, ms in curve.items():
-        curve_table.add_row(str(n), f"{ms:.2f}", f"{min(step_ms[n]):.2f}", f"{1e3 * n / ms:,.0f}")
+    curve_table.add_column("running", justify="right")
+    for kind in curves:
+        for col in ("ms / step", "vs 1 running", "tok/s"):
+            curve_table.add_column(f"{NAMES[kind]} {col}", justify="right")
+    for n in cfg.decode_batch_sizes:
+        row = [str(n)]
+        for curve in curves.values():
+            row += [f"{curve[n]:.2f}", f"{curve[n] / curve[min(curve)]:.2f}x", f"{1e3 * n / curve[n]:,.0f}"]
+        curve_table.add_row(*row)
     console.print(curve_table)
 
-    if ragged is not None:
-        seconds, generated = ragged
+    for kind, (seconds, generated) in ragged.items():
         console.print(
             f"Ragged stream: {cfg.ragged_requests} requests ({generated:,} generated tokens) through "
-            f"{cfg.ragged_running} running slots: {seconds:.2f} s, {generated / seconds:,.0f} tok/s (TorchEngine)"
+            f"{cfg.ragged_running} running slots: {seconds:.2f} s, {generated / seconds:,.0f} tok/s ({NAMES[kind]})"
         )
-        summary["ragged_tok_s_torchengine"] = round(generated / seconds, 1)
+        summary[f"ragged_tok_s_{KEYS[kind]}"] = round(generated / seconds, 1)
 
     summary["peak_gflops"] = round(peak / 1e9, 2)
     summary["flops_per_token"] = round(fpt)
     summary["num_threads"] = threads
     summary["loadavg_before"] = round(load, 2)
-    summary["decode_ms_per_iter"] = {str(n): round(ms, 3) for n, ms in curve.items()}
-    if cfg.out is not None:
+    for kind, curve in curves.items():
+        key = "decode_ms_per_iter" if kind == kinds[0] else f"decode_ms_per_iter_{KEYS[kind]}"
+        summary[key] = {str(n): round(ms, 3) for n, ms in curve.items()}
+    if cfg.out is not None and curves:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "model": path.name, "dtype": "float32", "num_threads": threads, "prompt_len": cfg.prompt_len,
-            "context_len": [cfg.prompt_len + 2, cfg.prompt_len + cfg.decode_steps + 1],
+            "context_len": [cfg.prompt_len + 2, cfg.prompt_len + cfg.decode_steps + 1], "engine": kinds[0],
             "decode_ms_per_iter": summary["decode_ms_per_iter"], "summary": summary,
         }
         cfg.out.write_text(json.dumps(record, indent=2) + "\n")
-        console.print(f"decode curve written to {cfg.out}")
+        console.print(f"decode curve ({NAMES[kinds[0]]}) written to {cfg.out}")
+    return summary
+
+
+def throughput_table(console, cfg: EngineBenchConfig, results: dict[int, dict[str, Throughput]],
+                     direct: dict[int, float], fpt: float, peak: float) -> dict:
+    """Print the throughput table; its figures for the summary."""
+    from rich.table import Table
+
+    first = cfg.engines[0]
+    table = Table(title="Generate throughput, same prompts and tokens (generated tokens only)")
+    table.add_column("batch", justify="right")
+    for kind in cfg.engines:
+        for col in ("tok/s", "decode tok/s") + (("same tokens",) if kind != first else ()):
+            table.add_column(f"{NAMES[kind]} {col}", justify="right")
+    pairs = [(a, b) for a, b in (("torch", "hf"), ("torch", "vllm"), ("vllm", "hf")) if {a, b} <= set(cfg.engines)]
+    for a, b in pairs:
+        table.add_column(f"{NAMES[a]}/{NAMES[b]}", justify="right")
+    if "torch" in cfg.engines:
+        table.add_column("TorchEngine GFLOP/s (of peak)", justify="right")
+    if direct:
+        table.add_column("vLLM adapter overhead", justify="right")
+    summary: dict = {}
+    for b, by_kind in results.items():
+        row = [str(b)]
+        for kind, t in by_kind.items():
+            same = sum(x == y for x, y in zip(t.tokens, by_kind[first].tokens)) / b
+            row += [f"{t.tok_s:,.0f}", f"{t.decode_tok_s:,.0f}"]
+            summary[f"tok_s_{KEYS[kind]}_batch{b}"] = round(t.tok_s, 1)
+            summary[f"decode_tok_s_{KEYS[kind]}_batch{b}"] = round(t.decode_tok_s, 1)
+            if kind != first:
+                row.append(f"{same:.0%}")
+                summary[f"same_tokens_{KEYS[kind]}_batch{b}"] = round(same, 4)
+        for a, c in pairs:
+            ratio = by_kind[a].tok_s / by_kind[c].tok_s
+            row.append(f"{ratio:.2f}x")
+            key = f"ratio_vs_hf_batch{b}" if (a, c) == ("torch", "hf") else f"ratio_{a}_vs_{c}_batch{b}"
+            summary[key] = round(ratio, 3)
+        if "torch" in by_kind:
+            achieved = by_kind["torch"].decode_tok_s * fpt
+            row.append(f"{achieved / 1e9:.2f} ({achieved / peak:.2%})")
+            summary[f"flop_fraction_batch{b}"] = round(achieved / peak, 5)
+        if b in direct:
+            overhead = by_kind["vllm"].total_s / direct[b] - 1
+            row.append(f"{overhead:+.1%}")
+            summary[f"vllm_adapter_overhead_batch{b}"] = round(overhead, 4)
+        table.add_row(*row)
+    console.print(table)
+    if direct:
+        b = 32 if 32 in direct else max(direct)
+        summary["vllm_adapter_overhead"] = summary[f"vllm_adapter_overhead_batch{b}"]
     return summary
 
 

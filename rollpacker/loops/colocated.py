@@ -50,6 +50,9 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
             stats |= job.switch_tp(meshes.broadcast(ctl.planner.tp_for(plan.kind) if ctl else None))
     batch, result, round_stats = generate(job, step, plan, timer)  # roll out and score
     stats |= round_stats
+    offload = meshes.device.type == "cuda" and not job.engine.released  # a released engine stays released
+    if offload:  # GPU: the engines' memory goes to the trainer while it trains
+        job.engine.release_memory()
     with timer("train"):  # one optimizer step on what was not streamed, normalized by global counts
         samples, normalizer = meshes.broadcast(batch)
         stats |= job.trainer.step(samples, normalizer)
@@ -59,6 +62,8 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
                                        bool(stats.get("stream/scaled_down")))
     with timer("weight_sync"):  # push the new weights into the engines, in-process
         job.engine.update_weights(job.trainer.model.named_parameters())
+    if offload:
+        job.engine.resume_memory()
     if ctl:
         times = timer.pop()
         times["time/step"] = sum(times.values())

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from rollpacker.job import Job
 from rollpacker.loops.colocated import evaluate, generate
 from rollpacker.metrics import Timer
-from rollpacker.model import engine_dtype
+from rollpacker.model import empty_model, engine_dtype, read_args
 
 
 @dataclass
@@ -153,8 +153,7 @@ def check_weights(job: Job) -> None:
     """Collective, once: the training pool's parameters must be the engines' (names and shapes, in
     order), since :func:`push_weights` sends them by position."""
     meshes = job.meshes
-    model = job.trainer.model if job.trainer is not None else job.engine.model
-    names = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    names = _parameter_shapes(job)
     theirs = meshes.broadcast(names, src=meshes.train_ranks[0])
     if theirs != names:
         raise RuntimeError(f"one_step_off: the trainer's parameters {theirs} are not the engine's {names}")
@@ -172,8 +171,19 @@ def push_weights(job: Job) -> None:
             full = param.full_tensor()
             if meshes.rank == lead:
                 dist.broadcast(full.to(dtype).contiguous(), lead, group=meshes.weights)
-    else:
-        for name, param in job.engine.model.named_parameters():
-            buffer = torch.empty(param.shape, dtype=dtype, device=meshes.device)
-            dist.broadcast(buffer, lead, group=meshes.weights)
-            job.engine.update_weights([(name, buffer)])
+    else:  # one stream into the engine: vLLM reloads layer by layer, all of a layer's tensors at once
+        def received():
+            for name, shape in _parameter_shapes(job):
+                buffer = torch.empty(shape, dtype=dtype, device=meshes.device)
+                dist.broadcast(buffer, lead, group=meshes.weights)
+                yield name, buffer
+
+        job.engine.update_weights(received())
+
+
+def _parameter_shapes(job: Job) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's parameter names and shapes, in order: the trainer's, or on the rollout pool those
+    of the model directory's architecture (any engine)."""
+    model = job.trainer.model if job.trainer is not None else empty_model(read_args(job.model_dir), "meta",
+                                                                             torch.float32)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]

@@ -116,7 +116,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     for tp in candidate_tps(world, args.num_kv_heads, p.max_tp or node):
         meshes.set_rollout_tp(tp)
         sized = TorchEngine(empty_model(args, device, dtype), config.engine, meshes.rollout_tp)  # the run's KV budget
-        entry = {"kv_capacity_tokens": sized.num_blocks * config.engine.block_size,
+        entry = {"kv_capacity_tokens": sized.kv_capacity_tokens,
                  "kv_bytes_per_token": 2 * args.num_layers * sized.num_kv_heads * args.head_dim * dtype.itemsize,
                  "weight_bytes": sized.weight_bytes, "decode_ms": {}, "prefill_tok_s": {}}
         del sized

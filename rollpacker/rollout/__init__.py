@@ -16,18 +16,24 @@ if TYPE_CHECKING:
 
 def build_engine(config: EngineConfig, model_path: str | Path, device: torch.device | str,
                  dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> Engine:
-    """This rank's rollout engine (replica or TP shard) of ``config.kind``, loaded from the Hugging
-    Face directory ``model_path``. Imports the chosen engine only."""
+    """This rank's rollout engine (replica or TP shard) of ``config.kind`` (``auto``: see
+    :func:`~rollpacker.rollout.config.resolve_kind`), loaded from the Hugging Face directory
+    ``model_path``. Imports the chosen engine only."""
+    import torch
+
+    from rollpacker.rollout.config import resolve_kind
+
     tp = tp_mesh.size() if tp_mesh is not None else 1
-    if config.kind == "torch":
+    kind = resolve_kind(config.kind, torch.device(device).type)
+    if kind == "torch":
         from rollpacker.model import load_model
         from rollpacker.rollout.torch_engine import TorchEngine
 
         return TorchEngine(load_model(model_path, device, dtype), config, tp_mesh)
-    if config.kind == "vllm":
+    if kind == "vllm":
         from rollpacker.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, config, tp_size=tp, dtype=dtype)
-    if config.kind == "sglang":
+    if kind == "sglang":
         raise NotImplementedError("engine.kind='sglang': the SGLang adapter is not written yet (issue #17)")
-    raise ValueError(f"engine.kind must be torch, vllm or sglang, got {config.kind!r}")
+    raise ValueError(f"engine.kind must be auto, torch, vllm or sglang, got {config.kind!r}")

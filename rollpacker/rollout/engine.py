@@ -21,7 +21,10 @@ calls in the same order; the engine never knows which scheduling policy drives i
   named like the model's ``state_dict``: plain tensors or DTensors (FSDP2/TP shards, gathered
   with ``full_tensor()``, a collective every rank of their mesh must join). No disk.
 - ``release_memory()`` frees the KV cache (no request may be in flight); ``resume_memory()``
-  allocates it again.
+  allocates it again. ``shutdown()`` stops the engine for good (called last: vLLM's destroys the
+  default process group).
+- ``max_model_len`` (longest prompt + response) and ``kv_capacity_tokens`` (tokens the KV cache
+  holds) size the controller's admission and the stream trainer's scale-down.
 
 Log-probs are those of the sampled token under ``softmax(logits / temperature)`` (temperature 1
 for greedy), before top-k/top-p truncation: the policy's own probability, what the trainer's
@@ -100,6 +103,10 @@ class EngineStats:
 class Engine(Protocol):
     logprobs_truncated: bool
     """True when log-probs are renormalized over the top-k/top-p set (see the module docstring)."""
+    max_model_len: int
+    kv_capacity_tokens: int
+    released: bool
+    """Between ``release_memory()`` and ``resume_memory()``."""
 
     def add(self, request: Request) -> None: ...
 
@@ -116,6 +123,8 @@ class Engine(Protocol):
     def release_memory(self) -> None: ...
 
     def resume_memory(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 def start_output(request: Request) -> Output:

@@ -547,6 +547,7 @@ class TorchEngine:
         self.budget = "memory_mb" if config.memory_mb else "kv_memory_mb"  # the setting that sizes the KV cache
         kv_bytes = config.memory_mb * 2**20 - self.weight_bytes if config.memory_mb else config.kv_memory_mb * 2**20
         self.num_blocks = int(kv_bytes) // block_bytes
+        self.kv_capacity_tokens = self.num_blocks * config.block_size
         if self.num_blocks < 1:
             raise ValueError(f"engine.{self.budget}={getattr(config, self.budget)} (this rank's weights: "
                              f"{self.weight_bytes / 2**20:.2f} MiB) holds no {block_bytes}-byte KV block")
@@ -642,9 +643,16 @@ class TorchEngine:
         if self.cache is None:
             args = self.model.args
             self.cache = torch.zeros(
-                args.num_layers, self.num_blocks * self.config.block_size, 2, self.num_kv_heads, args.head_dim,
+                args.num_layers, self.kv_capacity_tokens, 2, self.num_kv_heads, args.head_dim,
                 dtype=self.dtype, device=self.device,
             )
+
+    @property
+    def released(self) -> bool:
+        return self.cache is None
+
+    def shutdown(self) -> None:
+        self.cache = self.batch = None
 
     # ---- scheduling -----------------------------------------------------------------------
 
@@ -674,7 +682,7 @@ class TorchEngine:
         if not problems and self._blocks_for(longest) > self.num_blocks:
             problems.append(
                 f"it may need {longest} tokens of KV but the cache holds "
-                f"{self.num_blocks * self.config.block_size}: raise engine.{self.budget}"
+                f"{self.kv_capacity_tokens}: raise engine.{self.budget}"
             )
         if problems:
             raise ValueError(f"request {rid!r} rejected: " + "; ".join(problems))

