@@ -183,6 +183,10 @@ def build(out: Path, cfg: SFTConfig | None = None) -> None:
     with single_thread():
         train(model, tokenizer, cfg)
     save_model(model, out)
+    save_tokenizer(tokenizer, out)
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     tokenizer.save_pretrained(out)
     # Name the class every transformers version knows (v5 writes its new alias TokenizersBackend).
     tok_cfg = out / "tokenizer_config.json"
