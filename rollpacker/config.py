@@ -74,6 +74,8 @@ class RolloutConfig:
     """Rollout tensor-parallel size: each engine replica spans this many ranks."""
     poll_steps: int = 8
     """Engine steps between two control-plane exchanges with the controller."""
+    replay_lengths: bool = False
+    """Force every response to a length from the paper's long-tailed mix (rollpacker.round.length_replay)."""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):
@@ -125,6 +127,9 @@ class Config:
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
         if self.data.reward == "judge":
             check_judge_path(self.reward.judge.model_path)
+        if self.train.skip and (self.stream.enabled or self.schedule.pipe or self.policy == "one_step_off"):
+            raise ValueError("train.skip (rollout alone) with stream.enabled, schedule.pipe or "
+                             "policy=one_step_off: they train during rollout; use sync, tail, sorted or sorted_partial")
         if self.engine.kind in ("vllm", "sglang") and self.plan.enabled:
             raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: a TP switch rebuilds the engines "
                              "in-process, and vLLM's TP groups are process-wide state built once from the whole world "

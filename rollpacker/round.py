@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollpacker.dist import Meshes
@@ -87,15 +88,28 @@ def sampling_seed(seed: int, rid: str) -> int:
     return random.Random(f"{seed}/{rid}").getrandbits(63)
 
 
+def length_replay(seed: int, max_new_tokens: int) -> Callable[[int, int, int, int], int]:
+    """``(row, step, slot, response) -> length``: response lengths drawn from the paper's long-tailed
+    mixture (the simulator's :class:`~rollpacker.sim.workload.LengthModel`: hard prompts stay long,
+    longest / median ~30, scaled to ``max_new_tokens`` and cut there), for forcing through the
+    engine (``ignore_eos``): a random model then rolls out the tail a trained one would, and the
+    simulator replays the very same lengths."""
+    from rollpacker.sim.workload import LengthModel
+
+    model = LengthModel(seed=seed).for_cap(max_new_tokens)
+    return lambda row, step, slot, k: min(max_new_tokens, int(model.lengths(row, step, slot, k + 1)[k]))
+
+
 def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, policy: Policy | None = None,
               rows=None, prompt_ids=None, rewards=None, sampling: SamplingParams | None = None, seed: int = 0,
-              on_progress=None, stream: StreamTrainer | None = None, make_samples=None,
+              lengths: Callable[[int, int, int, int], int] | None = None, on_progress=None,
+              stream: StreamTrainer | None = None, make_samples=None,
               plan: Round | None = None) -> RoundResult | str | None:
     """Collective over all ranks. Rank 0 gets the :class:`RoundResult`, freed ranks :data:`FREED`,
     the others None. On rank 0: the ``policy``; the data ``rows`` and ``prompt_ids`` (row index ->
     token ids); ``rewards``, a :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores
     each response as it finishes (a policy that ``needs_rewards`` hears of a response once it is
-    scored); ``sampling``; with a ``stream`` trainer (on every rank), ``make_samples(group)``: the
+    scored); ``sampling``; ``lengths`` (:func:`length_replay`) forces each response's length; with a ``stream`` trainer (on every rank), ``make_samples(group)``: the
     trainer samples of a complete, scored group; ``plan``, the round when the caller already asked
     the policy for it."""
     start = time.time()
@@ -104,7 +118,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
     if meshes.rank == 0:
         leader = _Leader(step, plan or policy.start_round(step), policy, meshes.num_replicas, poll_steps, start,
                          rows=rows, prompt_ids=prompt_ids, rewards=rewards, sampling=sampling, seed=seed,
-                         on_progress=on_progress, stream=stream, make_samples=make_samples)
+                         lengths=lengths, on_progress=on_progress, stream=stream, make_samples=make_samples)
     cmd = leader.first_command() if leader else None
     if stream:
         stream.start_round(leader.state.plan.kind if leader else "")
@@ -127,12 +141,12 @@ class _Leader:
     and, with a stream trainer, its scale-down, the migration and the feeding of the freed ranks."""
 
     def __init__(self, step: int, plan: Round, policy: Policy, num_replicas: int, poll_steps: int, start: float, *,
-                 rows, prompt_ids, rewards, sampling, seed, on_progress, stream, make_samples):
+                 rows, prompt_ids, rewards, sampling, seed, lengths, on_progress, stream, make_samples):
         self.pipe = bool(stream and stream.pipe)  # RolloutPipe: fixed pools, the train pool serves from the start
         # replicas rolling out: all, or the first half after a scale-down (pipe: from the start)
         self.state = RoundState(step, plan, policy, stream.scale_down.kept_replicas if self.pipe else num_replicas)
         self.poll_steps, self.rows, self.prompt_ids, self.rewards = poll_steps, rows, prompt_ids, rewards
-        self.sampling, self.seed, self.on_progress = sampling, seed, on_progress
+        self.sampling, self.seed, self.lengths, self.on_progress = sampling, seed, lengths, on_progress
         self.stream, self.make_samples = stream, make_samples
         self.requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
         self.trace: list[tuple[float, int]] = []
@@ -156,8 +170,12 @@ class _Leader:
             ids = self.prompt_ids(new.row)
             for earlier in new.rescore:  # finished in an earlier round: not run again; scored for this round
                 self.rewards.submit(earlier.id, self.rows[new.row], earlier)
-            for _, rid, earlier in new.run:
+            for k, rid, earlier in new.run:
                 params = SamplingParams(**{**vars(self.sampling), "seed": sampling_seed(self.seed, rid)})
+                if self.lengths:  # a resumed partial (sorted_partial) draws anew, at least one more token
+                    length = self.lengths(new.row, self.state.step, new.slot, k)
+                    params.max_new_tokens = max(length, len(earlier.token_ids) + 1) if earlier else length
+                    params.ignore_eos = True
                 req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
                               priority=new.slot if self.pipe else 0)
                 self.requests[rid] = (req, len(self.trace))

@@ -13,6 +13,7 @@ BENCHES = {
     "planner": "rollpacker.bench.planner",
     "logprobs": "rollpacker.bench.logprobs",
     "faults": "rollpacker.bench.faults",
+    "regime": "rollpacker.bench.regime",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

@@ -120,7 +120,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "staleness": statistics.mean(r.get("sched/staleness_mean", 0) for r in steps),
         "staleness_max": max(r.get("sched/staleness_max", 0) for r in steps),
         "rollout_to_train_end": statistics.mean(
-            r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r["time/train"]) for r in timed),
+            r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r.get("time/train", 0.0)) for r in timed),
         "wait_prev_gen": statistics.mean(r.get("time/wait_prev_gen", float("nan")) for r in timed),
         "trainer_wait": statistics.mean(r.get("pipe/trainer_wait_ratio", float("nan")) for r in timed),
     }

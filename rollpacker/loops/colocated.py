@@ -18,7 +18,7 @@ from rollpacker import preempt, watchdog
 from rollpacker.job import Job
 from rollpacker.metrics import Timer
 from rollpacker.rollout.engine import SamplingParams
-from rollpacker.round import FREED, RoundResult, run_round
+from rollpacker.round import FREED, RoundResult, length_replay, run_round
 from rollpacker.schedule.base import Round
 from rollpacker.schedule.sync import SyncPolicy
 
@@ -50,6 +50,19 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
             stats |= job.switch_tp(meshes.broadcast(ctl.planner.tp_for(plan.kind) if ctl else None))
     batch, result, round_stats = generate(job, step, plan, timer)  # roll out and score
     stats |= round_stats
+    if not job.config.train.skip:
+        train_step(job, timer, batch, stats, plan, result)  # train, then sync the engines' weights
+    if ctl:
+        times = timer.pop()
+        times["time/step"] = sum(times.values())
+        ctl.end_step(step, plan.kind, result.num_launched, stats | times)
+
+
+def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: Round | None,
+               result: RoundResult | None) -> None:
+    """Train on the round's batch (the freed ranks' stream training accounted for) and push the new
+    weights into the engines (collective)."""
+    meshes, ctl = job.meshes, job.controller
     offload = meshes.device.type == "cuda" and not job.engine.released  # a released engine stays released
     if offload:  # GPU: the engines' memory goes to the trainer while it trains
         job.engine.release_memory()
@@ -64,10 +77,6 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         job.engine.update_weights(job.trainer.model.named_parameters())
     if offload:
         job.engine.resume_memory()
-    if ctl:
-        times = timer.pop()
-        times["time/step"] = sum(times.values())
-        ctl.end_step(step, plan.kind, result.num_launched, stats | times)
 
 
 def generate(job: Job, step: int, plan: Round | None, timer: Timer
@@ -84,6 +93,7 @@ def generate(job: Job, step: int, plan: Round | None, timer: Timer
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, stream=job.stream, **(dict(
             policy=ctl.policy, plan=plan, rows=ctl.rows, prompt_ids=lambda p: ctl.encode_prompt(ctl.rows[p]),
             rewards=ctl.rewards, sampling=sampling_params(cfg), seed=cfg.seed, on_progress=ctl.display.update,
+            lengths=length_replay(cfg.seed, cfg.rollout.max_new_tokens) if cfg.rollout.replay_lengths else None,
             make_samples=ctl.group_samples) if ctl else {}))
         if result is FREED:
             job.stream.serve_freed(job.engine)

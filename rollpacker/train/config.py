@@ -19,6 +19,8 @@ from typing import Literal
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    skip: bool = False
+    """Roll out and score only: no optimizer step, no weight push (rollout measured alone)."""
     lr: float = 1e-5
     """Peak AdamW learning rate."""
     warmup_steps: int = 0

@@ -73,3 +73,24 @@ def test_engine_bench_compares_torch_vllm_and_hf_on_the_same_tokens(tmp_path):
             summary[f"tok_s_torchengine_batch{b}"] / summary[f"tok_s_vllm_batch{b}"], rel=0.02)
     assert summary["vllm_adapter_overhead"] == summary["vllm_adapter_overhead_batch4"] > -1
     assert set(summary["decode_ms_per_iter_vllm"]) == {"1", "4"} and summary["ragged_tok_s_vllm"] > 0
+
+
+def test_regime_bench_runs_the_policies_on_forced_lengths(tmp_path):
+    """``bench regime`` plumbing at tiny sizes: a random model written, rollout alone on vLLM with
+    replayed lengths, every policy's figures in the JSON line (no timing asserted)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollpacker.bench", "regime", "--policies", "sync,tail", "--model-dir",
+         str(tmp_path / "m"), "--num-layers", "2", "--hidden-size", "128", "--num-heads", "4", "--num-kv-heads", "2",
+         "--intermediate-size", "256", "--num-steps", "2", "--max-new-tokens", "64"],
+        capture_output=True, text=True, timeout=600, env=job_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["rollout_speedup_tail"] == pytest.approx(summary["rollout_s_sync"] / summary["rollout_s_tail"],
+                                                            rel=0.05)  # of the seconds rounded to ms
+    assert (tmp_path / "m" / "config.json").exists()
