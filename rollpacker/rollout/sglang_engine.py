@@ -148,7 +148,8 @@ class SGLangEngine:
     logprobs_truncated = False
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, *, tp_mesh=None,
-                 dtype: torch.dtype = torch.bfloat16, bucket_mb: float = 512.0):
+                 dtype: torch.dtype = torch.bfloat16, bucket_mb: float = 512.0, **server_args):
+        """``server_args`` override or extend SGLang's ``ServerArgs`` (e.g. ``attention_backend``)."""
         self.config = config = config or EngineConfig()
         sgl = _import_sglang()
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") not in ("", "0", "false"):
@@ -173,7 +174,7 @@ class SGLangEngine:
         if self.owner:
             rank = dist.get_rank() if dist.is_initialized() else 0
             port = 30000 + 8 * (rank % 1000)
-            self.engine = sgl.Engine(
+            self.engine = sgl.Engine(**dict(
                 model_path=str(model_path), tp_size=self.tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
                 port=port, nccl_port=port + 1, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
                 random_seed=config.seed, context_length=self.max_model_len, mem_fraction_static=config.memory_fraction,
@@ -183,7 +184,7 @@ class SGLangEngine:
                 enable_deterministic_inference=True, sampling_backend="pytorch",
                 enable_priority_scheduling=True, schedule_low_priority_values_first=True,
                 disable_priority_preemption=True,
-            )
+            ) | server_args)
             num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop moves to its thread
             self.loop = self.engine.loop
             self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
