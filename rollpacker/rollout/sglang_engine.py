@@ -107,7 +107,10 @@ def apply_chunk(track: Track, chunk: dict, now: float) -> tuple[int, int]:
 
 
 def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], seed: int) -> dict:
-    """SGLang's ``sampling_params`` dict for ``p`` with ``remaining`` tokens left to generate."""
+    """SGLang's ``sampling_params`` dict for ``p`` with ``remaining`` tokens left to generate. SGLang's
+    ``ignore_eos`` ignores stop tokens too, so the contract's ignore_eos + stop_token_ids is refused."""
+    if p.ignore_eos and p.stop_token_ids:
+        raise ValueError("SGLang's ignore_eos also ignores stop_token_ids: set one of ignore_eos and stop_token_ids")
     stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
     return {"max_new_tokens": remaining, "temperature": p.temperature, "top_p": p.top_p,
             "top_k": p.top_k if p.top_k > 0 else -1, "stop_token_ids": stop, "ignore_eos": p.ignore_eos,
@@ -215,7 +218,7 @@ class SGLangEngine:
                     self.num_generated_tokens += tokens
                     self.num_preemptions += retracted
                 self.arrived.set()
-        except BaseException as e:  # surfaced by step() or abort()
+        except Exception as e:  # surfaced by step()
             track.error = e
         finally:
             if track.out.finish_reason is None and track.error is None:
@@ -242,22 +245,31 @@ class SGLangEngine:
         if problems:
             raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
+        try:
+            params = sglang_params(p, remaining, self.eos_ids, seed)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
         track = self.live[rid] = Track(out)
         self.num_prefill_tokens += len(prompt)
         if self.owner:
-            coro = self._consume(track, prompt, sglang_params(p, remaining, self.eos_ids, seed), request.priority)
+            coro = self._consume(track, prompt, params, request.priority)
             self.tasks[rid] = asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def abort(self, request_id: str) -> Output:
         if request_id not in self.live:
             raise KeyError(f"abort: no request {request_id!r} is queued or running")
-        out = None
-        if self.owner:
+        result = None
+        if self.owner:  # SGLang ends the stream with the partial output; wait for it
             self.loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, request_id)
-            self.tasks.pop(request_id).result(timeout=_ABORT_TIMEOUT_S)
-            with self.lock:
-                out = self.live[request_id].out
-        out = self._broadcast(out)
+            try:
+                self.tasks.pop(request_id).result(timeout=_ABORT_TIMEOUT_S)
+                with self.lock:
+                    result = (None, self.live[request_id].out)
+            except TimeoutError:
+                result = (f"abort: SGLang did not end request {request_id!r} within {_ABORT_TIMEOUT_S:.0f} s", None)
+        error, out = self._broadcast(result)
+        if error:
+            raise RuntimeError(error)
         del self.live[request_id]
         return finish(out, "abort")
 
@@ -275,7 +287,7 @@ class SGLangEngine:
                 done = [t.out for t in self.live.values() if t.out.finish_reason is not None]
                 result = (f"SGLang request {failed[0].out.id!r} failed: {failed[0].error!r}" if failed else None, done,
                           self.num_preemptions, self.num_generated_tokens,
-                          sum(t.seen > 0 for t in self.live.values()) - len(done))
+                          sum(t.seen > 0 and t.out.finish_reason is None for t in self.live.values()))
         error, done, self.num_preemptions, self.num_generated_tokens, self.num_started = self._broadcast(result)
         if error:
             raise RuntimeError(error)

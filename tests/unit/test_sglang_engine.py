@@ -74,6 +74,8 @@ def test_sampling_params():
     assert got["stop_token_ids"] == [5, 257] and got["temperature"] == 0.7 and got["top_p"] == 0.9
     got = sglang_params(SamplingParams(max_new_tokens=4, top_k=20, ignore_eos=True), 4, (257,), 0)
     assert got["stop_token_ids"] == [] and got["ignore_eos"] and got["top_k"] == 20
+    with pytest.raises(ValueError, match="ignore_eos also ignores stop_token_ids"):
+        sglang_params(SamplingParams(max_new_tokens=4, ignore_eos=True, stop_token_ids=(5,)), 4, (257,), 0)
 
 
 def test_buckets_bound_their_size_and_keep_order():
