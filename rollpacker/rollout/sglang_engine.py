@@ -28,10 +28,13 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 
   parameters whole (``full_tensor()``, HF-named by :func:`hf_names`) in buckets of
   ``bucket_mb``; each rank's bucket goes to the first rank as CUDA-IPC handles (``gather_object``),
   which hands SGLang one ``LocalSerializedTensor`` per tensor (each scheduler reads its own GPU's
-  copy). Then ``flush_cache``. The engine must be idle (SGLang flushes only then).
+  copy). Then ``flush_cache``. The engine must be idle (SGLang flushes only then) and not released.
+  An SGLang error raises on the first rank only (the others then wait at the group's barrier).
 - **Memory**: ``enable_memory_saver``; ``release_memory`` releases KV cache, weights and CUDA graphs;
   ``resume_memory`` resumes the weights first, then the KV cache and graphs (verl/slime's order).
   The weights come back as they were (``enable_weights_cpu_backup``: a host copy).
+- **Stop tokens**: SGLang's ``ignore_eos`` ignores ``stop_token_ids`` too, so a request with both is
+  refused (ValueError); otherwise the model's EOS ids are passed as stop tokens, kept in the output.
 - **Preemptions** are SGLang's retractions (``meta_info["num_retractions"]``, cumulative per request).
 
 Not provided (the job reads them from TorchEngine; ``rollpacker/config.py`` refuses this kind until it
@@ -317,12 +320,15 @@ class SGLangEngine:
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         self._check_idle("update_weights")
+        if self.released:
+            raise RuntimeError("update_weights after release_memory(): call resume_memory() first")
         monkey_patch_torch_reductions()  # CUDA-IPC handles name devices by UUID
         tm = self.engine.tokenizer_manager if self.owner else None
         if self.owner:
             self._check(self._call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
         for bucket in buckets(hf_names(named_tensors, self.tied), self.bucket_bytes):
-            mine = [(name, MultiprocessingSerializer.serialize(t.to(self.dtype).contiguous())) for name, t in bucket]
+            bucket = [(name, t.to(self.dtype).contiguous()) for name, t in bucket]  # alive until loaded
+            mine = [(name, MultiprocessingSerializer.serialize(t)) for name, t in bucket]
             everyone = [mine]
             if self.group is not None:
                 everyone = [None] * self.tp if self.owner else None
@@ -334,7 +340,7 @@ class SGLangEngine:
                 req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=False)
                 self._check(self._call(tm.update_weights_from_tensor(req, None)), "update_weights_from_tensor")
             if self.group is not None:
-                dist.barrier(group=self.group)  # this rank's IPC-shared tensors stay alive until loaded
+                dist.barrier(group=self.group)  # the others' IPC-shared bucket stays alive until loaded
         if self.owner:
             self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
             if not self._call(tm.flush_cache()).success:
