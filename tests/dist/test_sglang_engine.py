@@ -13,9 +13,9 @@ pytest.importorskip("sglang", reason="SGLang not installed: pip install sglang==
 
 from rollpacker.data.toy_model import toy_model_dir  # noqa: E402
 from rollpacker.model import load_model  # noqa: E402
-from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs  # noqa: E402
+from rollpacker.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from tests.vllm_common import hf_greedy, hf_logits, hf_model, prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -38,8 +38,10 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    eng = build_engine(EngineConfig(kind="sglang", memory_fraction=0.3, max_num_seqs=16), models[0], "cuda",
-                       torch.float32)
+    """fp32 to compare with transformers exactly: triton attention (flashinfer's kernels are half precision).
+    ``build_engine`` makes the same engine with SGLang's default attention backend."""
+    eng = SGLangEngine(models[0], EngineConfig(kind="sglang", memory_fraction=0.3, max_num_seqs=16),
+                       dtype=torch.float32, attention_backend="triton")
     yield eng
     eng.shutdown()
 
