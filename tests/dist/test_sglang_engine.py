@@ -16,7 +16,7 @@ from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs  # noqa: E402
 from rollpacker.rollout.sglang_engine import SGLangEngine  # noqa: E402
-from tests.vllm_common import hf_greedy, hf_logits, hf_model, prompts  # noqa: E402
+from tests.vllm_common import hf_greedy, hf_logits, hf_model, perturbed, prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -24,16 +24,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The toy model and a copy with other weights."""
-    from transformers import AutoModelForCausalLM
-
-    other = tmp_path_factory.mktemp("sglang") / "toy_b"
-    model = AutoModelForCausalLM.from_pretrained(toy_model_dir(), dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(other)
-    return toy_model_dir(), other
+    return toy_model_dir(), perturbed(toy_model_dir(), tmp_path_factory.mktemp("sglang") / "toy_b")
 
 
 @pytest.fixture(scope="module")
