@@ -123,7 +123,7 @@ def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], s
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of ``named_tensors`` of at most ``bucket_bytes`` (a larger tensor alone),
-    pulled lazily: at most one bucket of gathered tensors is alive at a time."""
+    pulled lazily: at most one bucket (and the tensor that closed it) is gathered at a time."""
     bucket, size = [], 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
