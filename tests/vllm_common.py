@@ -1,4 +1,4 @@
-"""Shared by the vLLM tests and their torchrun scripts: the head_dim-32 model pair and HF references."""
+"""Shared by the vLLM and SGLang tests and their torchrun scripts: the head_dim-32 model pair and HF references."""
 
 from __future__ import annotations
 
@@ -12,18 +12,23 @@ MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, inte
 
 def make_pair(root: Path) -> tuple[Path, Path]:
     """A tiny random Qwen2 (head_dim 32, tied head) and a copy with other weights."""
-    from transformers import AutoModelForCausalLM
-
     from conftest import make_hf_model
 
     a = make_hf_model(root / "m32", "qwen2", **MODEL)
-    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    return a, perturbed(a, root / "m32b")
+
+
+def perturbed(src: Path, dst: Path) -> Path:
+    """A copy of the HF model ``src`` at ``dst`` with other weights (seeded noise)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(root / "m32b")
-    return a, root / "m32b"
+    model.save_pretrained(dst)
+    return dst
 
 
 def hf_model(path: Path):

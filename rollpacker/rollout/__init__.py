@@ -35,5 +35,7 @@ def build_engine(config: EngineConfig, model_path: str | Path, device: torch.dev
 
         return VLLMEngine(model_path, config, tp_size=tp, dtype=dtype)
     if kind == "sglang":
-        raise NotImplementedError("engine.kind='sglang': the SGLang adapter is not written yet (issue #17)")
+        from rollpacker.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(model_path, config, tp_mesh=tp_mesh, dtype=dtype)
     raise ValueError(f"engine.kind must be auto, torch, vllm or sglang, got {config.kind!r}")

@@ -34,13 +34,14 @@ importance ratio needs. An engine whose kernels only report the truncated distri
 :func:`reference_logprobs` recomputes either from logits, for tests and the trainer.
 
 Bookkeeping every engine shares (the output a request starts from, resumed or not; appending a
-token; finishing) lives here once: :func:`start_output`, :func:`append_token`, :func:`finish`.
+token; finishing; the HF names production engines load weights by) lives here once: :func:`start_output`,
+:func:`append_token`, :func:`finish`, :func:`hf_names`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -149,6 +150,18 @@ def finish(out: Output, reason: str, now: float | None = None) -> Output:
     out.finish_reason = reason
     out.finish_time = time.time() if now is None else now
     return out
+
+
+def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """rollpacker parameter names (HF minus ``model.``) -> HF checkpoint names, DTensors gathered
+    one at a time (``full_tensor()``: a collective of their mesh), the tied head skipped."""
+    for name, tensor in named_tensors:
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and tied:
+            continue
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield (name if name == "lm_head.weight" else f"model.{name}"), tensor.detach()
 
 
 def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -46,21 +46,9 @@ import torch.distributed as dist
 
 from rollpacker.model.hf import read_args
 from rollpacker.rollout.config import EngineConfig
-from rollpacker.rollout.engine import EngineStats, Output, Request, append_token, finish, start_output
+from rollpacker.rollout.engine import EngineStats, Output, Request, append_token, finish, hf_names, start_output
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """rollpacker parameter names (HF minus ``model.``) -> HF checkpoint names, DTensors gathered
-    one at a time (``full_tensor()``: a collective of their mesh), the tied head skipped."""
-    for name, tensor in named_tensors:
-        name = name.removeprefix("model.")
-        if name == "lm_head.weight" and tied:
-            continue
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        yield (name if name == "lm_head.weight" else f"model.{name}"), tensor.detach()
 
 
 def _repack_tied_head(worker) -> None:

@@ -1,0 +1,385 @@
+"""SGLangEngine: SGLang's offline ``sgl.Engine`` behind the engine contract (GPU only), pinned to
+:data:`SGLANG_VERSION`. Written against that version's source; it has **not run** (no GPU here).
+
+Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 3 and 4.
+
+- **One Engine per TP group, on its first rank** (verl's SPMD pattern). SGLang spawns its own
+  scheduler process per TP rank (GPUs ``base_gpu_id .. base_gpu_id + TP - 1``: the group must be
+  contiguous ranks of one node). Every rank of the group makes the same contract calls; the first
+  rank serves them and broadcasts what they return (finished outputs, aborted partials, counters)
+  over the TP group, so the others mirror its state.
+- **No step() API in SGLang**: the Engine's event loop runs in a background thread; each request is
+  an ``async_generate(stream=True, rid=...)`` task whose cumulative chunks (SGLang's default; its
+  incremental mode repeats the last token in an abort's echo) :func:`apply_chunk` turns into DELTA
+  updates of our :class:`Output` with the shared helpers. ``step()`` waits until something arrived
+  and returns the requests that finished; timestamps are arrival times in this process.
+- **Abort** goes through ``tokenizer_manager.abort_request``: the stream then ends normally with
+  the partial tokens and log-probs, which ``abort`` waits for and returns.
+- **Resume by recomputation**: a new SGLang request with prompt + partial tokens and the remaining
+  budget (:func:`~rollpacker.rollout.engine.start_output` carries the partial over).
+- **Log-probs** are SGLang's default ``log_softmax(logits / T)`` (unscaled when greedy), before
+  top-k/top-p: the contract's convention, so ``logprobs_truncated = False`` and the trainer needs
+  no recomputation for the importance ratio. ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would change that
+  to T = 1: the adapter refuses to start with it set.
+- **Seeding**: ``sampling_seed`` is honoured only with ``enable_deterministic_inference`` and the
+  pytorch sampling backend, which the adapter sets. SGLang's seeded sampling is keyed by position,
+  so a resumed seeded request should continue as if never interrupted (not verified).
+- **Weights**: inside ``begin_weight_update``/``end_weight_update``, every TP rank gathers its
+  parameters whole (``full_tensor()``, HF-named by :func:`hf_names`) in buckets of
+  ``bucket_mb``; each rank's bucket goes to the first rank as CUDA-IPC handles (``gather_object``),
+  which hands SGLang one ``LocalSerializedTensor`` per tensor (each scheduler reads its own GPU's
+  copy). Then ``flush_cache`` (unless released). The engine must be idle (SGLang flushes only then).
+  An SGLang error raises on the first rank only (the others then wait at the group's barrier).
+- **Memory**: ``enable_memory_saver``; ``release_memory`` releases KV cache, weights and CUDA graphs;
+  ``resume_memory`` resumes the weights first, then the KV cache and graphs (verl/slime's order);
+  a weight push while released resumes the weights, loads them, and leaves the KV to ``resume_memory``.
+  The weights come back as they were (``enable_weights_cpu_backup``: a host copy).
+- **Stop tokens**: SGLang's ``ignore_eos`` ignores ``stop_token_ids`` too, so a request with both is
+  refused (ValueError); otherwise the model's EOS ids are passed as stop tokens, kept in the output.
+- **Preemptions** are SGLang's retractions (``meta_info["num_retractions"]``, cumulative per request).
+
+``kv_capacity_tokens`` is SGLang's token capacity. ``num_running``/``num_waiting`` count requests
+with and without a first token, a guess: SGLang does not report them per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rollpacker.model.hf import read_args
+from rollpacker.rollout.config import EngineConfig
+from rollpacker.rollout.engine import (
+    EngineStats,
+    Output,
+    Request,
+    SamplingParams,
+    append_token,
+    finish,
+    hf_names,
+    start_output,
+)
+
+SGLANG_VERSION = "0.5.23"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_ABORT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Track:
+    """One SGLang request feeding ``out``: how many of its tokens and retractions were applied."""
+    out: Output
+    seen: int = 0
+    retractions: int = 0
+    error: BaseException | None = None
+
+
+def apply_chunk(track: Track, chunk: dict, now: float) -> tuple[int, int]:
+    """Apply one cumulative streamed ``chunk`` of SGLang (``output_ids``, ``meta_info`` with
+    ``output_token_logprobs`` as ``(logprob, token, text)``, ``finish_reason`` None or a dict with
+    ``type``, ``num_retractions``) to ``track``, finishing its output at the last one; returns
+    (new tokens, new retractions)."""
+    meta = chunk["meta_info"]
+    ids, logprobs = chunk["output_ids"], meta.get("output_token_logprobs") or []
+    if len(logprobs) < len(ids):
+        raise RuntimeError(f"request {track.out.id!r}: SGLang sent {len(ids)} tokens but {len(logprobs)} log-probs "
+                           "(was it started with return_logprob=True?)")
+    new = ids[track.seen:]
+    for token, (logprob, lp_token, _) in zip(new, logprobs[track.seen:len(ids)], strict=True):
+        if lp_token != token:
+            raise RuntimeError(f"request {track.out.id!r}: log-prob of token {lp_token} for token {token}")
+        append_token(track.out, token, logprob, now)
+    track.seen += len(new)
+    retracted = max(meta.get("num_retractions", track.retractions) - track.retractions, 0)
+    track.retractions += retracted
+    track.out.num_preemptions += retracted
+    reason = meta.get("finish_reason")
+    if reason is not None:
+        finish(track.out, _FINISH.get(reason["type"], "stop"), now)
+    return len(new), retracted
+
+
+def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], seed: int) -> dict:
+    """SGLang's ``sampling_params`` dict for ``p`` with ``remaining`` tokens left to generate. SGLang's
+    ``ignore_eos`` ignores stop tokens too, so the contract's ignore_eos + stop_token_ids is refused."""
+    if p.ignore_eos and p.stop_token_ids:
+        raise ValueError("SGLang's ignore_eos also ignores stop_token_ids: set one of ignore_eos and stop_token_ids")
+    stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
+    return {"max_new_tokens": remaining, "temperature": p.temperature, "top_p": p.top_p,
+            "top_k": p.top_k if p.top_k > 0 else -1, "stop_token_ids": stop, "ignore_eos": p.ignore_eos,
+            "sampling_seed": seed, "no_stop_trim": True}
+
+
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of ``named_tensors`` of at most ``bucket_bytes`` (a larger tensor alone),
+    pulled lazily: at most one bucket (and the tensor that closed it) is gathered at a time."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _import_sglang():
+    try:
+        import sglang
+    except ImportError as e:
+        raise ImportError(f"engine.kind=sglang needs SGLang ({e}): pip install sglang=={SGLANG_VERSION} "
+                          "on a GPU machine") from None
+    if sglang.__version__ != SGLANG_VERSION:
+        raise ImportError(f"engine.kind=sglang is written against SGLang {SGLANG_VERSION}, found "
+                          f"{sglang.__version__}: pip install sglang=={SGLANG_VERSION}")
+    return sglang
+
+
+class SGLangEngine:
+    """SGLang's ``Engine`` on the TP group's first rank; see the module docstring."""
+
+    logprobs_truncated = False
+
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, *, tp_mesh=None,
+                 dtype: torch.dtype = torch.bfloat16, bucket_mb: float = 512.0, **server_args):
+        """``server_args`` override or extend SGLang's ``ServerArgs`` (e.g. ``attention_backend``)."""
+        self.config = config = config or EngineConfig()
+        sgl = _import_sglang()
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") not in ("", "0", "false"):
+            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report T = 1 log-probs, not the "
+                             "contract's log_softmax(logits / T); unset it")
+        args = read_args(model_path)
+        self.tied, self.eos_ids, self.dtype = args.tie_word_embeddings, tuple(args.eos_token_ids), dtype
+        self.max_model_len = config.max_model_len or args.max_position_embeddings
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.tp = tp_mesh.size() if tp_mesh is not None else 1
+        self.owner = self.group is None or tp_mesh.get_local_rank() == 0
+        self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self.live: dict[str, Track] = {}
+        self.tasks: dict[str, asyncio.Future] = {}
+        self.rng = random.Random(config.seed)
+        self.num_preemptions = self.num_generated_tokens = self.num_prefill_tokens = self.num_started = 0
+        self.released = self.weights_awake = False
+        self.lock, self.arrived = threading.Lock(), threading.Event()
+        self.engine = None
+        num_tokens = 0
+        if self.owner:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            port = 30000 + 8 * (rank % 1000)
+            self.engine = sgl.Engine(**dict(
+                model_path=str(model_path), tp_size=self.tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
+                port=port, nccl_port=port + 1, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
+                random_seed=config.seed, context_length=self.max_model_len, mem_fraction_static=config.memory_fraction,
+                max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
+                page_size=config.block_size, disable_cuda_graph=config.enforce_eager,
+                enable_memory_saver=True, enable_weights_cpu_backup=True,
+                enable_deterministic_inference=True, sampling_backend="pytorch",
+                enable_priority_scheduling=True, schedule_low_priority_values_first=True,
+                disable_priority_preemption=True,
+            ) | server_args)
+            num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop moves to its thread
+            self.loop = self.engine.loop
+            self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
+            self.thread.start()
+        self.kv_capacity_tokens = self._broadcast(num_tokens)
+
+    # ---- plumbing -----------------------------------------------------------------------
+
+    def _broadcast(self, obj):
+        """``obj`` of the group's first rank, on every rank of the group."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def _call(self, coro):
+        """Run a tokenizer-manager coroutine on the Engine's loop thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _consume(self, track: Track, prompt: list[int], params: dict, priority: int) -> None:
+        try:
+            stream = await self.engine.async_generate(input_ids=prompt, sampling_params=params, return_logprob=True,
+                                                      rid=track.out.id, stream=True, priority=priority)
+            async for chunk in stream:
+                with self.lock:
+                    tokens, retracted = apply_chunk(track, chunk, time.time())
+                    self.num_generated_tokens += tokens
+                    self.num_preemptions += retracted
+                self.arrived.set()
+        except Exception as e:  # surfaced by step()
+            track.error = e
+        finally:
+            if track.out.finish_reason is None and track.error is None:
+                track.error = RuntimeError(f"request {track.out.id!r}: SGLang's stream ended without a finish reason")
+            self.arrived.set()
+
+    # ---- the contract -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        p, rid = request.params, request.id
+        out = start_output(request)
+        prompt = out.prompt_ids + out.token_ids
+        remaining = min(p.max_new_tokens - len(out.token_ids), self.max_model_len - len(prompt))
+        problems = []
+        if rid in self.live:
+            problems.append("its id is already queued or running")
+        if not request.prompt_ids:
+            problems.append("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            problems.append(f"prompt (+ partial) of {len(prompt)} tokens leaves no room in max_model_len "
+                            f"{self.max_model_len}")
+        elif remaining <= 0:
+            problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
+        if problems:
+            raise ValueError(f"request {rid!r}: " + "; ".join(problems))
+        seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
+        try:
+            params = sglang_params(p, remaining, self.eos_ids, seed)
+        except ValueError as e:
+            raise ValueError(f"request {rid!r}: {e}") from None
+        track = self.live[rid] = Track(out)
+        self.num_prefill_tokens += len(prompt)
+        if self.owner:
+            coro = self._consume(track, prompt, params, request.priority)
+            self.tasks[rid] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def abort(self, request_id: str) -> Output:
+        if request_id not in self.live:
+            raise KeyError(f"abort: no request {request_id!r} is queued or running")
+        result = None
+        if self.owner:  # SGLang ends the stream with the partial output; wait for it
+            self.loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, request_id)
+            try:
+                self.tasks.pop(request_id).result(timeout=_ABORT_TIMEOUT_S)
+                with self.lock:
+                    result = (None, self.live[request_id].out)
+            except TimeoutError:
+                result = (f"abort: SGLang did not end request {request_id!r} within {_ABORT_TIMEOUT_S:.0f} s", None)
+        error, out = self._broadcast(result)
+        if error:
+            raise RuntimeError(error)
+        del self.live[request_id]
+        return finish(out, "abort")
+
+    def step(self) -> list[Output]:
+        if self.released:
+            raise RuntimeError("step() after release_memory(): call resume_memory() first")
+        if not self.live:
+            return []
+        result = None
+        if self.owner:
+            self.arrived.wait()
+            with self.lock:
+                self.arrived.clear()
+                failed = [t for t in self.live.values() if t.error is not None]
+                done = [t.out for t in self.live.values() if t.out.finish_reason is not None]
+                result = (f"SGLang request {failed[0].out.id!r} failed: {failed[0].error!r}" if failed else None, done,
+                          self.num_preemptions, self.num_generated_tokens,
+                          sum(t.seen > 0 and t.out.finish_reason is None for t in self.live.values()))
+        error, done, self.num_preemptions, self.num_generated_tokens, self.num_started = self._broadcast(result)
+        if error:
+            raise RuntimeError(error)
+        for out in done:
+            del self.live[out.id]
+            self.tasks.pop(out.id, None)
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def stats(self) -> EngineStats:
+        running = min(self.num_started, len(self.live))
+        return EngineStats(num_running=running, num_waiting=len(self.live) - running,
+                           num_preemptions=self.num_preemptions, num_generated_tokens=self.num_generated_tokens,
+                           num_prefill_tokens=self.num_prefill_tokens)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            EndWeightUpdateReqInput,
+            ResumeMemoryOccupationReqInput,
+            UpdateWeightsFromTensorReqInput,
+        )
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        self._check_idle("update_weights")
+        tm = self.engine.tokenizer_manager if self.owner else None
+        if self.released and not self.weights_awake:  # verl/slime: the weights back first, then loaded, then KV
+            if self.owner:
+                self._call(tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["weights"]), None))
+            self.weights_awake = True
+        monkey_patch_torch_reductions()  # CUDA-IPC handles name devices by UUID
+        if self.owner:
+            self._check(self._call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
+        for bucket in buckets(hf_names(named_tensors, self.tied), self.bucket_bytes):
+            bucket = [(name, t.to(self.dtype).contiguous()) for name, t in bucket]  # alive until loaded
+            mine = [(name, MultiprocessingSerializer.serialize(t)) for name, t in bucket]
+            everyone = [mine]
+            if self.group is not None:
+                everyone = [None] * self.tp if self.owner else None
+                dist.gather_object(mine, everyone, dst=self.src, group=self.group)
+            if self.owner:
+                named = [(rows[0][0], LocalSerializedTensor(values=[row[1] for row in rows]))
+                         for rows in zip(*everyone, strict=True)]
+                payload = [MultiprocessingSerializer.serialize(named) for _ in range(self.tp)]
+                req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, flush_cache=False)
+                self._check(self._call(tm.update_weights_from_tensor(req, None)), "update_weights_from_tensor")
+            if self.group is not None:
+                dist.barrier(group=self.group)  # the others' IPC-shared bucket stays alive until loaded
+        if self.owner:
+            self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
+            if not self.released and not self._call(tm.flush_cache()).success:  # released: the KV comes back empty
+                raise RuntimeError("SGLang did not flush its cache after the weight update (requests pending?)")
+
+    def release_memory(self) -> None:
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        self._check_idle("release_memory")
+        if self.owner and not self.released:
+            tm = self.engine.tokenizer_manager
+            self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None))
+        self.released, self.weights_awake = True, False
+
+    def resume_memory(self) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        if self.owner and self.released:
+            tm = self.engine.tokenizer_manager
+            for tags in ([] if self.weights_awake else [["weights"]]) + [["kv_cache", "cuda_graph"]]:
+                self._call(tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
+        self.released = False
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and SGLang's subprocesses (the first rank of the group)."""
+        if self.owner and self.engine is not None:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+            self.engine.shutdown()
+            self.engine = None
+
+    def _check_idle(self, what: str) -> None:
+        if self.live:
+            raise RuntimeError(f"{what} with {len(self.live)} requests in flight: finish or abort them first")
+
+    @staticmethod
+    def _check(result, what: str) -> None:
+        success, message = (result.success, result.message) if hasattr(result, "success") else result[:2]
+        if not success:
+            raise RuntimeError(f"SGLang {what} failed: {message}")
