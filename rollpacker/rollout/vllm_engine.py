@@ -104,16 +104,17 @@ class VLLMEngine:
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, *,
                  tp_size: int = 1, dtype: torch.dtype = torch.float32):
+        self.config = config = config or EngineConfig()
+        vllm_args = engine_args(model_path, config, tp_size, dtype)  # imports vLLM, in-process mode set first
         from vllm import LLMEngine
 
-        self.config = config = config or EngineConfig()
         args = read_args(model_path)
         self.tied = args.tie_word_embeddings
         self.eos_ids = tuple(args.eos_token_ids)
         self.max_model_len = config.max_model_len or args.max_position_embeddings
         self.on_cpu = not torch.cuda.is_available()
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        self.engine = LLMEngine.from_engine_args(engine_args(model_path, config, tp_size, dtype))
+        self.engine = LLMEngine.from_engine_args(vllm_args)
         cache = self.engine.vllm_config.cache_config
         self.kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size
         torch.set_num_threads = set_threads  # vLLM's CPU worker swaps in a process-wide no-op
