@@ -15,6 +15,7 @@ gradient, so the comparison measures the gradients, which is what streaming chan
 import sys
 
 import torch
+import torch.distributed as dist
 
 from rollpacker.dist import build_meshes
 from rollpacker.model import load_model
@@ -71,6 +72,7 @@ def main(path: str, shard: int, aggregation: str) -> None:
         assert moved > 1e-3, moved  # the steps change the weights by far more than the tolerance
         print(f"rank {meshes.rank} step {step}: streamed {num_streamed} groups, max rel err {worst:.2e}", flush=True)
     print("OK")
+    dist.destroy_process_group()  # gloo threads left to interpreter teardown can abort the process
 
 
 if __name__ == "__main__":
