@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
     from rollpacker.reward.scheduler import RewardScheduler
-    from rollpacker.round import RoundResult
+    from rollpacker.round import LengthReplay, RoundResult
     from rollpacker.schedule.base import Group, Policy
     from rollpacker.train.trainer import Sample
 
@@ -48,6 +48,8 @@ class Controller:
     """The engines' context length: a longer prompt is a data error."""
     planner: Planner | None = None
     """The parallelism planner, with ``plan.enabled``."""
+    replay: LengthReplay | None = None
+    """With ``rollout.replay_lengths``: the forced response lengths."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int) -> Controller:
@@ -58,6 +60,7 @@ class Controller:
         from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler
+        from rollpacker.round import LengthReplay
         from rollpacker.schedule import build_policy
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -73,7 +76,9 @@ class Controller:
                                        config.rollout.num_prompts, config.rollout.group_size, config.schedule,
                                        num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, dataclasses.asdict(config)),
-                   display=LiveDisplay(config.metrics.live), max_model_len=max_model_len)
+                   display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
+                   replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
+                   else None)
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or

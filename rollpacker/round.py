@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollpacker.dist import Meshes
@@ -88,28 +87,41 @@ def sampling_seed(seed: int, rid: str) -> int:
     return random.Random(f"{seed}/{rid}").getrandbits(63)
 
 
-def length_replay(seed: int, max_new_tokens: int) -> Callable[[int, int, int, int], int]:
-    """``(row, step, slot, response) -> length``: response lengths drawn from the paper's long-tailed
+class LengthReplay:
+    """Forced response lengths (``--rollout.replay-lengths``), drawn from the paper's long-tailed
     mixture (the simulator's :class:`~rollpacker.sim.workload.LengthModel`: hard prompts stay long,
-    longest / median ~30, scaled to ``max_new_tokens`` and cut there), for forcing through the
-    engine (``ignore_eos``): a random model then rolls out the tail a trained one would, and the
-    simulator replays the very same lengths."""
-    from rollpacker.sim.workload import LengthModel
+    longest / median ~30, scaled to ``max_new_tokens`` and cut there) and forced through the engine
+    (``ignore_eos``): a random model then rolls out the tail a trained one would, and the
+    simulator replays the very same lengths. A partial response resumed in a later round
+    (sorted_partial) keeps the length it was first given, as in the simulator. One per run."""
 
-    model = LengthModel(seed=seed).for_cap(max_new_tokens)
-    return lambda row, step, slot, k: min(max_new_tokens, int(model.lengths(row, step, slot, k + 1)[k]))
+    def __init__(self, seed: int, max_new_tokens: int):
+        from rollpacker.sim.workload import LengthModel
+
+        self.model, self.cap = LengthModel(seed=seed).for_cap(max_new_tokens), max_new_tokens
+        self.given: dict[str, int] = {}
+        """Request id -> its forced length, for the partials a later round resumes."""
+
+    def draw(self, row: int, step: int, slot: int, response: int) -> int:
+        """The length of response ``response`` of the prompt ``row`` launched in ``slot`` at ``step``."""
+        return min(self.cap, int(self.model.lengths(row, step, slot, response + 1)[response]))
+
+    def __call__(self, rid: str, row: int, step: int, slot: int, response: int, earlier=None) -> int:
+        length = self.given.pop(earlier.id, None) if earlier is not None else None
+        self.given[rid] = length = self.draw(row, step, slot, response) if length is None else length
+        return length
 
 
 def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, policy: Policy | None = None,
               rows=None, prompt_ids=None, rewards=None, sampling: SamplingParams | None = None, seed: int = 0,
-              lengths: Callable[[int, int, int, int], int] | None = None, on_progress=None,
+              lengths: LengthReplay | None = None, on_progress=None,
               stream: StreamTrainer | None = None, make_samples=None,
               plan: Round | None = None) -> RoundResult | str | None:
     """Collective over all ranks. Rank 0 gets the :class:`RoundResult`, freed ranks :data:`FREED`,
     the others None. On rank 0: the ``policy``; the data ``rows`` and ``prompt_ids`` (row index ->
     token ids); ``rewards``, a :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores
     each response as it finishes (a policy that ``needs_rewards`` hears of a response once it is
-    scored); ``sampling``; ``lengths`` (:func:`length_replay`) forces each response's length; with a ``stream`` trainer (on every rank), ``make_samples(group)``: the
+    scored); ``sampling``; ``lengths`` (:class:`LengthReplay`) forces each response's length; with a ``stream`` trainer (on every rank), ``make_samples(group)``: the
     trainer samples of a complete, scored group; ``plan``, the round when the caller already asked
     the policy for it."""
     start = time.time()
@@ -172,8 +184,8 @@ class _Leader:
                 self.rewards.submit(earlier.id, self.rows[new.row], earlier)
             for k, rid, earlier in new.run:
                 params = SamplingParams(**{**vars(self.sampling), "seed": sampling_seed(self.seed, rid)})
-                if self.lengths:  # a resumed partial (sorted_partial) draws anew, at least one more token
-                    length = self.lengths(new.row, self.state.step, new.slot, k)
+                if self.lengths:
+                    length = self.lengths(rid, new.row, self.state.step, new.slot, k, earlier)
                     params.max_new_tokens = max(length, len(earlier.token_ids) + 1) if earlier else length
                     params.ignore_eos = True
                 req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,

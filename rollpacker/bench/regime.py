@@ -56,19 +56,24 @@ class Args:
     seed: int = 0
 
 
-def main(argv: list[str] | None = None) -> dict:
-    own, extra = split_run_args(sys.argv[1:] if argv is None else argv)
-    args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench regime")
+def job_flags(args: Args) -> list[str]:
+    """The ``rollpacker.run`` flags of the regime (the random model written first if missing)."""
     if not (args.model_dir / "config.json").exists():
         from rollpacker.data.random_model import RandomModelConfig, write
 
         write(RandomModelConfig(out=args.model_dir, num_layers=args.num_layers, hidden_size=args.hidden_size,
                                 num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                                 intermediate_size=args.intermediate_size))
-    run_args = ["--engine.kind", "vllm", "--model.path", str(args.model_dir), "--rollout.replay-lengths",
-                "--train.skip", "--rollout.max-new-tokens", str(args.max_new_tokens), "--rollout.num-prompts",
-                str(args.num_prompts), "--rollout.group-size", str(args.group_size), "--num-steps",
-                str(args.num_steps), "--eval-every", "0", "--checkpoint-every", "0", *extra]
+    return ["--engine.kind", "vllm", "--model.path", str(args.model_dir), "--rollout.replay-lengths",
+            "--train.skip", "--rollout.max-new-tokens", str(args.max_new_tokens), "--rollout.num-prompts",
+            str(args.num_prompts), "--rollout.group-size", str(args.group_size), "--num-steps",
+            str(args.num_steps), "--eval-every", "0", "--checkpoint-every", "0"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    own, extra = split_run_args(sys.argv[1:] if argv is None else argv)
+    args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench regime")
+    run_args = job_flags(args) + extra
     policies = args.policies.split(",")
     rows = {}
     for policy in policies:

@@ -89,12 +89,17 @@ def policy_args(policy: str) -> list[str]:
             *(OFF_POLICY if name in ("sorted_partial", "one_step_off") else [])]
 
 
+def job_argv(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[str]:
+    """The ``rollpacker.run`` flags of one benchmark run."""
+    return ["--preset", args.preset, "--run-dir", run_dir, *policy_flags,
+            "--train.train-shard-size", str(args.train_shard_size),
+            "--seed", str(seed), "--data.shuffle-seed", str(seed), "--metrics.wandb-mode", "disabled",
+            "--metrics.no-live", *run_args]
+
+
 def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, *policy_flags,
-           "--train.train-shard-size", str(args.train_shard_size),
-           "--seed", str(seed), "--data.shuffle-seed", str(seed), "--metrics.wandb-mode", "disabled",
-           "--metrics.no-live", *run_args]
+           "-m", "rollpacker.run", *job_argv(args, run_args, policy_flags, seed, run_dir)]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

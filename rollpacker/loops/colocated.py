@@ -18,7 +18,7 @@ from rollpacker import preempt, watchdog
 from rollpacker.job import Job
 from rollpacker.metrics import Timer
 from rollpacker.rollout.engine import SamplingParams
-from rollpacker.round import FREED, RoundResult, length_replay, run_round
+from rollpacker.round import FREED, RoundResult, run_round
 from rollpacker.schedule.base import Round
 from rollpacker.schedule.sync import SyncPolicy
 
@@ -93,7 +93,7 @@ def generate(job: Job, step: int, plan: Round | None, timer: Timer
         result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, stream=job.stream, **(dict(
             policy=ctl.policy, plan=plan, rows=ctl.rows, prompt_ids=lambda p: ctl.encode_prompt(ctl.rows[p]),
             rewards=ctl.rewards, sampling=sampling_params(cfg), seed=cfg.seed, on_progress=ctl.display.update,
-            lengths=length_replay(cfg.seed, cfg.rollout.max_new_tokens) if cfg.rollout.replay_lengths else None,
+            lengths=ctl.replay,
             make_samples=ctl.group_samples) if ctl else {}))
         if result is FREED:
             job.stream.serve_freed(job.engine)

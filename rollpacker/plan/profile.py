@@ -16,7 +16,10 @@ The profile is JSON, written to ``plan.profile`` or cached as ``plan.profile_dir
 device, the world size, the engine dtype and KV settings, and the format version. A run with the
 planner on reads the cached profile for its key, and profiles first when there is none; a profile
 named with ``plan.profile`` whose key differs is refused with the differences listed, never used.
-The simulator's :func:`~rollpacker.sim.cost.fit_calibration` reads the TP=1 decode curve.
+The simulator's :func:`~rollpacker.sim.cost.fit_calibration` reads the TP=1 decode curve, and
+:class:`~rollpacker.sim.cost.ProfiledCost` the whole profile. With ``engine.kind`` vllm (or
+sglang) the run's own engine is profiled, at the run's ``rollout.tp`` only (the planner, which
+switches TP, drives TorchEngine alone).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def profile_key(config: Config, model_dir: Path, device: str, world: int) -> dic
         "device": device,
         "world": world,
         "dtype": config.model.dtype,
-        "engine": {"block_size": e.block_size, "kv_memory_mb": e.kv_memory_mb, "memory_mb": e.memory_mb,
+        "engine": {"kind": e.kind, "block_size": e.block_size, "kv_memory_mb": e.kv_memory_mb, "memory_mb": e.memory_mb,
                    "max_model_len": e.max_model_len},
     }
 
@@ -91,13 +94,13 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
 
     from rollpacker.model import empty_model, load_model, read_args
     from rollpacker.plan.planner import candidate_tps
-    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout import build_engine
+    from rollpacker.rollout.config import EngineConfig, resolve_kind
     from rollpacker.rollout.probe import decode_step_ms, peak_flops
     from rollpacker.rollout.torch_engine import TorchEngine
 
     p, device, world = config.plan, meshes.device, meshes.world_size
     args = read_args(model_dir)
-    weights = load_model(model_dir, device, dtype)
     node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     limit = (config.engine.max_model_len or args.max_position_embeddings) - p.profile_steps - 8
     contexts = sorted({min(c, limit) for c in p.profile_contexts})
@@ -113,6 +116,33 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=meshes.control)
         return t.item()
 
+    def curves(engine) -> dict[str, dict]:
+        """Decode ms by context and batch, and prefill tokens/s by context, of ``engine``."""
+        found: dict[str, dict] = {"decode_ms": {}, "prefill_tok_s": {}}
+        for c in contexts:
+            found["decode_ms"][str(c)] = {
+                str(b): slowest(statistics.median(decode_step_ms(engine, b, c, args.vocab_size, avoid,
+                                                                 p.profile_steps, seed=b)))
+                for b in batches}
+            n = max(1, min(max(batches), 2048 // c))
+            found["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(engine, n, c, args.vocab_size, avoid)) / 1e3)
+        return found
+
+    kind = resolve_kind(config.engine.kind, device.type)
+    if kind != "torch":  # a production engine: the run's own, at the run's TP (the planner drives TorchEngine only)
+        engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
+        tp = meshes.rollout_tp.size()
+        shapes = empty_model(args, "meta", dtype)
+        entry = {"kv_capacity_tokens": engine.kv_capacity_tokens,
+                 "kv_bytes_per_token": 2 * args.num_layers * max(1, args.num_kv_heads // tp) * args.head_dim
+                 * dtype.itemsize,
+                 "weight_bytes": sum(p.numel() for p in shapes.parameters()) * dtype.itemsize // tp,
+                 **curves(engine)}
+        engine.shutdown()  # last: vLLM's destroys the default process group (the planner never gets here)
+        out["engine"] = kind
+        out["tp"][str(tp)] = entry
+        return out
+    weights = load_model(model_dir, device, dtype)
     for tp in candidate_tps(world, args.num_kv_heads, p.max_tp or node):
         meshes.set_rollout_tp(tp)
         sized = TorchEngine(empty_model(args, device, dtype), config.engine, meshes.rollout_tp)  # the run's KV budget
@@ -125,13 +155,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
             block_size=config.engine.block_size, kv_memory_mb=max(1.0, 2 * probe_tokens * per_token / 2**20),
             max_num_seqs=max(batches), max_prefill_tokens=max(batches) * max(contexts)), meshes.rollout_tp)
         probe.update_weights(weights.named_parameters())
-        for c in contexts:
-            entry["decode_ms"][str(c)] = {
-                str(b): slowest(statistics.median(decode_step_ms(probe, b, c, args.vocab_size, avoid,
-                                                                 p.profile_steps, seed=b)))
-                for b in batches}
-            n = max(1, min(max(batches), 2048 // c))
-            entry["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(probe, n, c, args.vocab_size, avoid)) / 1e3)
+        entry |= curves(probe)
         del probe
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -223,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         save(profile, path)
         print(summary(profile))
         print(f"wrote {path}")
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a profiled vLLM engine destroyed it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     python -m rollpacker.sim table1 [--num-steps 10]     the calibration against Table 1
     python -m rollpacker.sim fig13c [--num-steps 20]     the calibration against Fig. 13c (adaptive code timeout)
     python -m rollpacker.sim workload [--fit]            the length mixture against the paper's statistics
+    python -m rollpacker.sim validate                    the simulator against rollouts measured here
 
 The first form takes P0, R0, max_new_tokens and the rollout TP from the preset; ``--gpus``
 defaults to the paper's GPU count for the model; every field of :class:`SimConfig` is a flag
@@ -146,8 +147,13 @@ def main(argv: list[str] | None = None) -> None:
         figures = getattr(paper, command)(args.num_steps)
     elif command == "workload":
         figures = workload(argv[1:])
+    elif command == "validate":
+        from rollpacker.sim import validate
+
+        figures = validate.main(argv[1:])
     elif command:
-        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, or flags (--help)")
+        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, or flags "
+                         "(--help)")
     else:
         try:
             figures = run(argv)

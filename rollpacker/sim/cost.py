@@ -296,3 +296,66 @@ def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibra
                     decode_flops_efficiency=efficiency)
     machine = Hardware(name="profiled", hbm_bytes=64 * GB, hbm_bw=1e15, flops=peak, nvlink_bw=10 * GB, net_bw=10 * GB)
     return calib, machine
+
+
+# ---- the profiled machine itself ---------------------------------------------------------------------
+
+
+def _interp(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xs, ys), extended along the end segments (one point: flat)."""
+    if len(xs) == 1:
+        return np.full_like(x, ys[0], dtype=np.float64)
+    inner = np.interp(x, xs, ys)
+    low = ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
+    high = ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x < xs[0], low, np.where(x > xs[-1], high, inner))
+
+
+@dataclass(frozen=True)
+class ProfiledCost:
+    """One replica's rollout costs read off a measured profile (``python -m rollpacker.plan.profile``)
+    instead of a roofline: the cost model of the machine that was profiled, for checking the
+    simulator against runs there (``python -m rollpacker.sim validate``). Nothing is fitted: a
+    decode iteration costs the profile's time for that many running requests at that mean context
+    per request (linear between the measured points; linear beyond the largest batch, whose
+    slope is the curve's last; flat beyond the contexts), and an iteration that prefills adds its
+    tokens at the measured prefill throughput of the nearest context."""
+
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    decode_ms: tuple[tuple[float, ...], ...]
+    """[context][batch]: ms of one decode iteration."""
+    prefill_tok_s: tuple[float, ...]
+    """Per context: prompt tokens prefilled per second."""
+    kv_capacity: int
+    tp: int = 1
+
+    @classmethod
+    def from_profile(cls, profile: dict, tp: int = 1) -> ProfiledCost:
+        entry = profile["tp"][str(tp)]
+        contexts = sorted(entry["decode_ms"], key=int)
+        batches = sorted(entry["decode_ms"][contexts[0]], key=int)
+        return cls(batches=tuple(map(int, batches)), contexts=tuple(map(int, contexts)),
+                   decode_ms=tuple(tuple(float(entry["decode_ms"][c][b]) for b in batches) for c in contexts),
+                   prefill_tok_s=tuple(float(entry["prefill_tok_s"][c]) for c in contexts),
+                   kv_capacity=int(entry["kv_capacity_tokens"]), tp=tp)
+
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_capacity
+
+    def decode_s(self, num_running: int, mean_context: np.ndarray) -> np.ndarray:
+        """Seconds of decode iterations of ``num_running`` requests at each mean context per request."""
+        batches, contexts = np.array(self.batches, dtype=np.float64), np.array(self.contexts, dtype=np.float64)
+        at_batch = np.array([_interp(np.array([float(num_running)]), batches, np.array(row))[0]
+                             for row in self.decode_ms])  # per measured context
+        return np.interp(mean_context, contexts, at_batch) / 1e3
+
+    def iteration_times(self, num_running: int, context: int, num_iters: int, prefill_tokens: int = 0,
+                        prefill_sq: int = 0) -> np.ndarray:
+        """As :meth:`CostModel.iteration_times` (``context``: the requests' contexts summed at the first)."""
+        ctx = (context + num_running * np.arange(num_iters, dtype=np.float64)) / max(num_running, 1)
+        times = self.decode_s(num_running, ctx)
+        if prefill_tokens:
+            nearest = int(np.argmin([abs(c - prefill_sq / prefill_tokens) for c in self.contexts]))
+            times[0] += prefill_tokens / self.prefill_tok_s[nearest]
+        return times

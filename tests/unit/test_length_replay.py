@@ -5,22 +5,36 @@ from __future__ import annotations
 
 import statistics
 
-from rollpacker.round import length_replay
+from rollpacker.round import LengthReplay
 from rollpacker.sim.workload import LengthModel
 
 
 def test_lengths_are_the_simulators_draws_cut_at_the_cap():
-    lengths = length_replay(seed=3, max_new_tokens=512)
+    lengths = LengthReplay(seed=3, max_new_tokens=512).draw
     model = LengthModel(seed=3).for_cap(512)
     for row, step, slot in [(0, 0, 0), (7, 2, 5), (123, 9, 1)]:
         group = [min(512, int(x)) for x in model.lengths(row, step, slot, 8)]
         assert [lengths(row, step, slot, k) for k in range(8)] == group  # prefix-stable: any group size
-    assert length_replay(seed=4, max_new_tokens=512)(7, 2, 5, 0) != lengths(7, 2, 5, 0) or \
-        length_replay(seed=4, max_new_tokens=512)(7, 2, 5, 1) != lengths(7, 2, 5, 1)
+    other = LengthReplay(seed=4, max_new_tokens=512).draw
+    assert other(7, 2, 5, 0) != lengths(7, 2, 5, 0) or other(7, 2, 5, 1) != lengths(7, 2, 5, 1)
 
 
 def test_the_tail_is_the_papers():
-    lengths = length_replay(seed=0, max_new_tokens=512)
+    lengths = LengthReplay(seed=0, max_new_tokens=512).draw
     draws = [lengths(row, 0, row, k) for row in range(128) for k in range(8)]
     assert 1 <= min(draws) and max(draws) == 512
     assert max(draws) / statistics.median(draws) >= 20  # Fig. 2a: the longest is 25-32x the median
+
+
+def test_a_resumed_partial_keeps_its_first_length():
+    """sorted_partial resumes a partial in a later round under a new request id: it keeps the length
+    it was launched with (the simulator resumes a partial towards its own target), however often."""
+    from types import SimpleNamespace
+
+    replay = LengthReplay(seed=1, max_new_tokens=512)
+    first = replay("0:3:1", row=9, step=0, slot=3, response=1)
+    assert first == replay.draw(9, 0, 3, 1)
+    again = replay("2:0:1", row=9, step=2, slot=0, response=1, earlier=SimpleNamespace(id="0:3:1"))
+    third = replay("5:4:1", row=9, step=5, slot=4, response=1, earlier=SimpleNamespace(id="2:0:1"))
+    assert again == third == first
+    assert any(replay.draw(9, s, 0, 1) != first for s in (2, 3, 4))  # a fresh draw would differ

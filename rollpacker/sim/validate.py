@@ -1,0 +1,174 @@
+"""``python -m rollpacker.sim validate``: the simulator against rollouts measured on this machine.
+
+Two regimes, each a 2-rank job whose rollout runs alone (``--train.skip``) with every response
+forced to a length of the simulator's own long-tailed mixture (``--rollout.replay-lengths``, the
+very lengths :class:`~rollpacker.sim.workload.LengthModel` gives the simulator for the same seed):
+
+- ``compute``: the toy model on TorchEngine (the ``toy-cpu`` preset: P0=16, R0=8, cap 400), where
+  a decode step grows with the running requests (compute-bound, as CPUs are with small models);
+- ``memory``: ``bench regime``'s job, a 51M random model on vLLM (P0=4, R0=2, cap 1024), where
+  it barely does (memory-bound, as GPUs are).
+
+For each regime: the engine is profiled under torchrun with the job's own flags
+(``python -m rollpacker.plan.profile``: decode ms by running requests and context, prefill
+throughput, KV capacity), each policy's job runs (``bench schedulers``' launcher), and the
+simulator drives the same policy objects through :class:`~rollpacker.sim.cost.ProfiledCost`
+replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout time per step
+(rollout and the scoring after it, steps after the first) is compared per (regime, policy); the
+profile is the only thing the simulator learns from this machine. Runs and profiles are kept in
+``--work-dir`` and reused (``--fresh`` measures again). Last line JSON: ``sim_max_rel_error`` and
+``measured_s_<regime>_<policy>`` / ``simulated_s_<regime>_<policy>``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+REGIMES = ("compute", "memory")
+
+
+@dataclass(kw_only=True)
+class ValidateArgs:
+    regimes: tuple[Literal["compute", "memory"], ...] = REGIMES
+    """Regimes to check (memory needs vLLM: bash launch/install.sh vllm)."""
+    policies: tuple[Literal["sync", "tail", "sorted", "sorted_partial"], ...] = ("sync", "tail", "sorted",
+                                                                                "sorted_partial")
+    """Policies run and simulated in each regime."""
+    num_steps: int = 8
+    """Steps per run (the first warms the engines up and is not compared)."""
+    seed: int = 0
+    """Seed of the runs: data order, sampling and the replayed lengths."""
+    work_dir: Path = Path("runs/validate")
+    """Profiles and runs are kept here and reused."""
+    fresh: bool = False
+    """Profile and run again even when work_dir holds results."""
+    compute_flags: tuple[str, ...] = ()
+    """Extra rollpacker.run flags of the compute regime's jobs (e.g. --rollout.num-prompts 8)."""
+    memory_flags: tuple[str, ...] = ()
+    """Extra rollpacker.run flags of the memory regime's jobs."""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 2:
+            raise ValueError(f"--num-steps must be >= 2 (the first step is not compared), got {self.num_steps}")
+
+
+def regime_flags(regime: str, args: ValidateArgs) -> list[str]:
+    """The ``rollpacker.run`` flags (besides the policy's) of every job of ``regime``."""
+    if regime == "memory":
+        from rollpacker.bench.regime import Args as RegimeArgs
+        from rollpacker.bench.regime import job_flags
+
+        flags = job_flags(RegimeArgs(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps))
+        return flags + list(args.memory_flags)
+    return ["--engine.kind", "torch", "--rollout.replay-lengths", "--train.skip", "--num-steps", str(args.num_steps),
+            "--eval-every", "0", "--checkpoint-every", "0", *args.compute_flags]
+
+
+PROFILE_FLAGS = {"compute": ["--plan.profile-batches", "1", "4", "16", "64", "128",
+                             "--plan.profile-contexts", "32", "128", "384"],
+                 "memory": ["--plan.profile-batches", "1", "2", "4", "8", "16",
+                            "--plan.profile-contexts", "64", "256", "1024"]}
+"""What to profile: up to the running requests of a replica in each regime, over the contexts its
+requests reach (a tail round's speculative short round runs ~η_P·η_R more than a sync one)."""
+
+
+def torchrun(module: str, argv: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", module, *argv]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def measure(regime: str, policy: str, args: ValidateArgs) -> tuple[list[str], list[dict], dict]:
+    """The job's flags, its metrics records and the regime's profile (measured unless kept)."""
+    from rollpacker.bench.schedulers import Args as JobArgs
+    from rollpacker.bench.schedulers import job_argv, policy_args
+
+    where = args.work_dir / regime
+    flags = regime_flags(regime, args)
+    profile = where / "profile.json"
+    if args.fresh or not profile.exists():
+        where.mkdir(parents=True, exist_ok=True)
+        torchrun("rollpacker.plan.profile", ["--preset", "toy-cpu", *flags, "--plan.profile", str(profile),
+                                             *PROFILE_FLAGS[regime]])
+    run_dir = where / policy
+    argv = job_argv(JobArgs(), flags, policy_args(policy), args.seed, str(run_dir))
+    metrics = run_dir / "metrics.jsonl"
+    if args.fresh or not metrics.exists() or not any("time/rollout" in line for line in metrics.read_text().splitlines()):
+        if metrics.exists():
+            metrics.unlink()
+        torchrun("rollpacker.run", argv)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return argv, records, json.loads(profile.read_text())
+
+
+def simulate_run(argv: list[str], profile: dict) -> list[float]:
+    """Rollout seconds of every step of the job ``argv`` (``rollpacker.run`` flags), simulated on
+    replicas of ``profile``: the run's own policy, rows, lengths and engine limits."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.config import parse
+    from rollpacker.controller import encode
+    from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
+    from rollpacker.model import read_args
+    from rollpacker.schedule import build_policy
+    from rollpacker.sim.cost import ProfiledCost
+    from rollpacker.sim.simulate import build_replicas, simulate_round
+    from rollpacker.sim.workload import LengthModel
+
+    cfg = parse(argv)
+    model_dir = cfg.model.directory()
+    cost = ProfiledCost.from_profile(profile, cfg.rollout.tp)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = {}
+
+    def encoded(row: dict) -> list[int]:
+        prompt[row["id"]] = ids = encode(tokenizer, cfg.model.chat_template, row["prompt"])
+        return ids
+
+    max_model_len = cfg.engine.max_model_len or read_args(model_dir).max_position_embeddings
+    rows = fit_rows(load_rows(cfg.data), encoded, max_model_len, cost.kv_capacity, cfg.rollout.max_new_tokens)
+    lengths = LengthModel(seed=cfg.seed).for_cap(cfg.rollout.max_new_tokens)
+    lengths = replace(lengths, prompt_tokens=round(statistics.mean(len(prompt[r["id"]]) for r in rows)))
+    policy = build_policy(cfg.policy, PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
+                          cfg.rollout.group_size, cfg.schedule, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
+    times = []
+    for step in range(cfg.num_steps):
+        if policy.done():
+            break
+        replicas = build_replicas(cost, 2 // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
+                                  max_prefill_tokens=cfg.engine.max_prefill_tokens)
+        times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens).rollout_s)
+    return times
+
+
+def rollout_per_step(times: list[float]) -> float:
+    return statistics.mean(times[1:] or times)  # the first step warms the engines up
+
+
+def main(argv: list[str]) -> dict:
+    import tyro
+
+    args = tyro.cli(ValidateArgs, args=argv, prog="python -m rollpacker.sim validate")
+    figures: dict[str, float] = {}
+    rows = []
+    for regime in args.regimes:
+        for policy in args.policies:
+            run_argv, records, profile = measure(regime, policy, args)
+            measured = [r["time/rollout"] + r["time/reward"] for r in records if "time/rollout" in r]
+            simulated = simulate_run(run_argv, profile)
+            m, s = rollout_per_step(measured), rollout_per_step(simulated)
+            rows.append((regime, policy, m, s, s / m - 1))
+            figures[f"measured_s_{regime}_{policy}"] = round(m, 4)
+            figures[f"simulated_s_{regime}_{policy}"] = round(s, 4)
+    print(f"\nrollout seconds per step (steps 1-{args.num_steps - 1}), 2 ranks, seed {args.seed}; the simulator "
+          "on each regime's profile")
+    print(f"{'regime':<10}{'policy':<16}{'measured':>10}{'simulated':>11}{'error':>9}")
+    for regime, policy, m, s, err in rows:
+        print(f"{regime:<10}{policy:<16}{m:>10.3f}{s:>11.3f}{err:>+9.1%}")
+    return {"sim_max_rel_error": round(max(abs(r[4]) for r in rows), 4), **figures}

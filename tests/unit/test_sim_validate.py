@@ -1,0 +1,59 @@
+"""The simulator on a measured profile (rollpacker.sim.cost.ProfiledCost, rollpacker.sim.validate)."""
+
+import numpy as np
+import pytest
+
+from rollpacker.sim.cost import ProfiledCost
+
+PROFILE = {"tp": {"1": {"kv_capacity_tokens": 100_000,
+                        "decode_ms": {"64": {"1": 10.0, "4": 12.0, "16": 20.0}, "256": {"1": 12.0, "4": 14.0, "16": 30.0}},
+                        "prefill_tok_s": {"64": 1000.0, "256": 800.0}}}}
+
+
+def test_profiled_cost_interpolates_batches_and_contexts_and_adds_prefill():
+    cost = ProfiledCost.from_profile(PROFILE)
+    assert cost.kv_capacity_tokens() == 100_000
+    # 4 running at mean context 64, then 65, 66: the measured point (contexts below 256 interpolate)
+    assert cost.iteration_times(4, 4 * 64, 3) == pytest.approx([0.012, 0.012 + 2e-3 / 192, 0.012 + 4e-3 / 192])
+    # batch 10 at context 160 (half way): 16 ms at context 64, 22 at 256 -> 19
+    assert cost.iteration_times(10, 10 * 160, 1)[0] == pytest.approx(0.019)
+    # beyond the largest batch: the last slope (30 - 14) / 12 per request at context 256; contexts clamp
+    assert cost.iteration_times(32, 32 * 4096, 1)[0] == pytest.approx((30 + 16 * 16 / 12) / 1e3)
+    # a prefill of 100 tokens of mean length 64 adds them at 1000 tok/s to the first iteration only
+    times = cost.iteration_times(4, 4 * 64, 2, prefill_tokens=100, prefill_sq=100 * 64)
+    assert times[0] - 0.012 == pytest.approx(0.1) and times[1] < 0.013
+
+
+def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
+    """On a flat profile (d ms per iteration, free prefill) a sync round lasts d x its longest response,
+    whose length is the one the real run forces (rollpacker.round.LengthReplay) for that slot."""
+    from rollpacker.bench.schedulers import Args, job_argv, policy_args
+    from rollpacker.config import parse
+    from rollpacker.data.dataset import PromptSampler
+    from rollpacker.round import LengthReplay
+    from rollpacker.schedule import build_policy
+    from rollpacker.sim.validate import ValidateArgs, regime_flags, simulate_run
+
+    flat = {"tp": {"1": {"kv_capacity_tokens": 1_000_000, "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
+                         "prefill_tok_s": {"32": 1e12}}}}
+    argv = job_argv(Args(), regime_flags("compute", ValidateArgs(num_steps=3)), policy_args("sync"), 0, str(tmp_path))
+    times = simulate_run(argv, flat)
+    cfg = parse(argv)
+    assert len(times) == 3
+    policy = build_policy("sync", PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
+                          cfg.rollout.num_prompts, cfg.rollout.group_size, cfg.schedule)
+    forced = LengthReplay(cfg.seed, cfg.rollout.max_new_tokens).draw
+    for step, seconds in enumerate(times):
+        plan = policy.start_round(step)
+        longest = max(forced(row, step, slot, k) for slot, row in enumerate(plan.prompts)
+                      for k in range(plan.num_responses))
+        assert seconds == pytest.approx(5e-3 * longest)
+        policy.end_round([])  # nothing kept: the next plan draws the next prompts
+    assert np.std(times) > 0  # the steps differ: their longest responses do
+
+
+def test_validate_refuses_a_single_step():
+    from rollpacker.sim.validate import ValidateArgs
+
+    with pytest.raises(ValueError, match="num-steps must be >= 2"):
+        ValidateArgs(num_steps=1)
