@@ -6,10 +6,13 @@ world can run (:func:`~rollpacker.plan.planner.candidate_tps`):
 
 - decode step time against running requests (``plan.profile_batches``) and context length
   (``plan.profile_contexts``): the median of ``plan.profile_steps`` timed ``step()`` calls of a
-  TorchEngine on that TP's sub-mesh, the slowest rank's;
+  TorchEngine on that TP's sub-mesh, the slowest rank's, sampling as the run does (its
+  temperature, top-p and top-k);
 - prefill throughput at each context length;
 - the per-token KV footprint on one rank and the KV capacity of one replica under the run's
-  engine settings (with ``engine.memory_mb``, what the weight shard leaves: more at a larger TP).
+  engine settings (with ``engine.memory_mb``, what the weight shard leaves: more at a larger TP);
+- the control exchange the rollout loop makes every ``rollout.poll_steps`` engine steps
+  (``exchange_ms``: a command broadcast, the reports gathered).
 
 The profile is JSON, written to ``plan.profile`` or cached as ``plan.profile_dir/<key>.json``. Its
 ``key`` names what it is valid for: the model's architecture (a hash of ``config.json``), the
@@ -96,6 +99,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     from rollpacker.plan.planner import candidate_tps
     from rollpacker.rollout import build_engine
     from rollpacker.rollout.config import EngineConfig, resolve_kind
+    from rollpacker.rollout.engine import SamplingParams
     from rollpacker.rollout.probe import decode_step_ms, peak_flops
     from rollpacker.rollout.torch_engine import TorchEngine
 
@@ -110,6 +114,8 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     out: dict[str, Any] = {"key": key, "created": time.strftime("%Y-%m-%d %H:%M:%S"), "tp": {},
                            "peak_gflops": peak_flops(512, 5) / 1e9 if device.type == "cpu" else None}
     before = meshes.rollout_tp.size()
+    r = config.rollout  # decode steps sample as the run's do
+    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
     def slowest(ms: float) -> float:  # the slowest rank's time: a replica is as fast as its slowest rank
         t = torch.tensor([ms], dtype=torch.float64)
@@ -122,12 +128,26 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
         for c in contexts:
             found["decode_ms"][str(c)] = {
                 str(b): slowest(statistics.median(decode_step_ms(engine, b, c, args.vocab_size, avoid,
-                                                                 p.profile_steps, seed=b)))
+                                                                 p.profile_steps, seed=b, sampling=sampling)))
                 for b in batches}
             n = max(1, min(max(batches), 2048 // c))
             found["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(engine, n, c, args.vocab_size, avoid)) / 1e3)
         return found
 
+    def exchange_ms(reps: int = 30) -> float:
+        """One control exchange as the rollout loop makes one every poll: a command broadcast from
+        rank 0, a report gathered back (empty ones: the fixed cost)."""
+        from rollpacker.round import Command, Report
+
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            meshes.broadcast(Command() if meshes.rank == 0 else None)
+            meshes.gather(Report([], [], 0, 0))
+            times.append(1e3 * (time.perf_counter() - start))
+        return slowest(statistics.median(times))
+
+    out["exchange_ms"] = exchange_ms()
     kind = resolve_kind(config.engine.kind, device.type)
     if kind != "torch":  # a production engine: the run's own, at the run's TP (the planner drives TorchEngine only)
         engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
@@ -241,8 +261,9 @@ def main(argv: list[str] | None = None) -> None:
     meshes = build_meshes(1, 0)
     model_dir = config.model.directory()
     key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
+    rank = meshes.rank  # a profiled vLLM engine's shutdown destroys the process group
     profile = measure(config, meshes, model_dir, engine_dtype(config.model.dtype, meshes.device), key)
-    if meshes.rank == 0:
+    if rank == 0:
         path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
         save(profile, path)
         print(summary(profile))

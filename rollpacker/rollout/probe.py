@@ -42,10 +42,16 @@ def greedy_requests(prompts: list[list[int]], new_tokens: int, tag: str) -> list
 
 
 def decode_step_ms(engine, num_running: int, prompt_len: int, vocab_size: int, avoid: set[int],
-                   steps: int, seed: int) -> list[float]:
-    """ms of each of ``steps`` pure decode ``step()`` calls with ``num_running`` requests in flight."""
+                   steps: int, seed: int, sampling=None) -> list[float]:
+    """ms of each of ``steps`` pure decode ``step()`` calls with ``num_running`` requests in flight,
+    greedy or with ``sampling``'s temperature, top-p and top-k (a seed per request, as a run's)."""
+    import dataclasses
+
     prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
     reqs = greedy_requests(prompts, steps + 3, f"curve{num_running}")  # none finishes while timed
+    if sampling is not None:
+        for i, r in enumerate(reqs):
+            r.params = dataclasses.replace(sampling, max_new_tokens=steps + 3, ignore_eos=True, seed=seed * 100_003 + i)
     for r in reqs:
         engine.add(r)
     engine.step()  # prefill of all of them

@@ -141,6 +141,20 @@ class Replica:
         self._pending_add, self._pending_abort = [], []
         return seqs
 
+    def run_steps(self, now: float, num_iters: int) -> tuple[list[Seq], list[Seq]]:
+        """Lockstep polling (the controller's ``rollout.poll_steps``): from ``now``, up to
+        ``num_iters`` iterations (fewer once nothing runs); returns (finished, aborted) and leaves
+        ``clock`` at the end of the last one."""
+        assert self.plan is None, "polled replicas run no plan between polls"
+        self.clock = now
+        finished, aborted = [], self._apply_aborts()
+        end = self.iters + num_iters
+        while self.iters < end and self.replan() is not None:
+            now_finished, now_aborted = self._execute(min(len(self.plan[1]), end - self.iters))
+            finished += now_finished
+            aborted += now_aborted
+        return finished, aborted
+
     # -- the replica's side ----------------------------------------------------------------------
 
     def advance(self) -> tuple[list[Seq], list[Seq]]:

@@ -215,14 +215,19 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: Round | None = None,
-                   stream: ScaleDown | None = None) -> RoundRecord:
+                   stream: ScaleDown | None = None, poll: tuple[int, float] | None = None) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0), as the controller runs it.
 
     ``lengths.lengths(row, step, slot, n)`` gives the natural lengths of a launch (cut at
     ``max_new_tokens``), ``lengths.prompt_tokens`` the prompt size; ``reward(row, seq)`` the reward
     of a response (handed to the policy when it ``needs_rewards``, and set on the kept groups);
     ``plan``, the round when the caller already asked the policy for it; ``stream``, the stream
-    trainer's decision, when streaming (see the module docstring)."""
+    trainer's decision, when streaming (see the module docstring). ``poll = (steps, exchange_s)``
+    runs the replicas in lockstep as the controller's exchange loop does (``rollout.poll_steps``
+    iterations each, then an exchange of ``exchange_s`` in which the finished responses are seen and
+    the commands sent, once more at the end), instead of reacting at the instant of each finish."""
+    if poll and stream:
+        raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
     state = RoundState(step, plan, policy, len(replicas))
     seqs: dict[str, Seq] = {}
@@ -249,7 +254,10 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
             heapq.heappush(events, (replica.next_event(), replica.index, replica.version))
 
     for i, new in launch(state.launch(plan.prompts)).items():
-        command(0.0, replicas[i], [], new)
+        if poll:
+            replicas[i].command(0.0, [], new)
+        else:
+            command(0.0, replicas[i], [], new)
     completions: list[tuple[float, str]] = []
     trace = [(0.0, state.num_launched)]
     tokens_done = 0
@@ -259,19 +267,31 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     if stream:
         stream.start_round(plan.kind)
     while True:
-        if not events:
-            raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica is running")
-        now = events[0][0]
-        due = set()
-        while events and events[0][0] == now:
-            _, i, version = heapq.heappop(events)
-            if replicas[i].version == version and replicas[i].plan is not None:
-                due.add(i)
         finished: list[Seq] = []
-        for i in sorted(due):
-            done_here, aborted_here = replicas[i].advance()
-            finished += done_here
-            aborted += aborted_here
+        if poll:  # every replica runs its poll; then the exchange, where the finished ones are seen
+            for replica in replicas[:state.active]:
+                done_here, aborted_here = replica.run_steps(now, poll[0])
+                finished += done_here
+                aborted += aborted_here
+            if not finished and not any(r.num_requests() for r in replicas):
+                raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica "
+                                   "is running")
+            now = max(r.clock for r in replicas[:state.active]) + poll[1]
+            due = set(range(state.active))
+        else:
+            if not events:
+                raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica is "
+                                   "running")
+            now = events[0][0]
+            due = set()
+            while events and events[0][0] == now:
+                _, i, version = heapq.heappop(events)
+                if replicas[i].version == version and replicas[i].plan is not None:
+                    due.add(i)
+            for i in sorted(due):
+                done_here, aborted_here = replicas[i].advance()
+                finished += done_here
+                aborted += aborted_here
         state.finished(finished)
         if stream:
             stream.history.extend(seq.length for seq in finished)
@@ -303,11 +323,15 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
             streamed += [(now, g) for g in state.take_complete(cap)]
             fetching = not cap
         if decisions.done:
+            now += poll[1] if poll else 0.0  # the final command (its aborts) and the last reports
             for replica in replicas:
                 aborted += replica.abort_all(now)
             break
         for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
-            command(now, replicas[i], to_abort.get(i, []), adds.get(i, []))
+            if poll:
+                aborted.extend(replicas[i].command(now, to_abort.get(i, []), adds.get(i, [])))
+            else:
+                command(now, replicas[i], to_abort.get(i, []), adds.get(i, []))
         if due:
             trace.append((now, sum(r.num_requests() for r in replicas)))
     groups = state.finish(aborted)

@@ -72,7 +72,7 @@ def regime_flags(regime: str, args: ValidateArgs) -> list[str]:
 
 PROFILE_FLAGS = {"compute": ["--plan.profile-batches", "1", "4", "16", "64", "128",
                              "--plan.profile-contexts", "32", "128", "384"],
-                 "memory": ["--plan.profile-batches", "1", "2", "4", "8", "16",
+                 "memory": ["--plan.profile-batches", "1", "2", "4", "8", "12",
                             "--plan.profile-contexts", "64", "256", "1024"]}
 """What to profile: up to the running requests of a replica in each regime, over the contexts its
 requests reach (a tail round's speculative short round runs ~η_P·η_R more than a sync one)."""
@@ -143,7 +143,8 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
             break
         replicas = build_replicas(cost, 2 // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
-        times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens).rollout_s)
+        times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
+                                    poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3)).rollout_s)
     return times
 
 

@@ -26,7 +26,8 @@ def test_profiled_cost_interpolates_batches_and_contexts_and_adds_prefill():
 
 def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     """On a flat profile (d ms per iteration, free prefill) a sync round lasts d x its longest response,
-    whose length is the one the real run forces (rollpacker.round.LengthReplay) for that slot."""
+    whose length is the one the real run forces (rollpacker.round.LengthReplay) for that slot, plus
+    one exchange per poll of rollout.poll_steps iterations and a last one for the final command."""
     from rollpacker.bench.schedulers import Args, job_argv, policy_args
     from rollpacker.config import parse
     from rollpacker.data.dataset import PromptSampler
@@ -34,8 +35,8 @@ def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     from rollpacker.schedule import build_policy
     from rollpacker.sim.validate import ValidateArgs, regime_flags, simulate_run
 
-    flat = {"tp": {"1": {"kv_capacity_tokens": 1_000_000, "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
-                         "prefill_tok_s": {"32": 1e12}}}}
+    flat = {"exchange_ms": 1.0, "tp": {"1": {"kv_capacity_tokens": 1_000_000, "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
+                                             "prefill_tok_s": {"32": 1e12}}}}
     argv = job_argv(Args(), regime_flags("compute", ValidateArgs(num_steps=3)), policy_args("sync"), 0, str(tmp_path))
     times = simulate_run(argv, flat)
     cfg = parse(argv)
@@ -47,7 +48,8 @@ def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
         plan = policy.start_round(step)
         longest = max(forced(row, step, slot, k) for slot, row in enumerate(plan.prompts)
                       for k in range(plan.num_responses))
-        assert seconds == pytest.approx(5e-3 * longest)
+        polls = -(-longest // cfg.rollout.poll_steps)
+        assert seconds == pytest.approx(5e-3 * longest + 1e-3 * (polls + 1))
         policy.end_round([])  # nothing kept: the next plan draws the next prompts
     assert np.std(times) > 0  # the steps differ: their longest responses do
 
