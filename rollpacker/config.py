@@ -86,6 +86,14 @@ class RolloutConfig:
                 f"rollout sampling: temperature={self.temperature} must be >= 0, top_p={self.top_p} "
                 f"in (0, 1], top_k={self.top_k} >= 0"
             )
+        if self.replay_lengths:
+            from rollpacker.sim.workload import LengthModel
+
+            try:  # the mixture scales with the cap: a tiny cap has no lengths left to draw
+                LengthModel().for_cap(self.max_new_tokens)
+            except ValueError as e:
+                raise ValueError(f"rollout.replay_lengths with rollout.max_new_tokens={self.max_new_tokens}: {e}; "
+                                 "use a larger max_new_tokens") from None
 
 
 @dataclass(kw_only=True)

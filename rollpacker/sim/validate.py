@@ -17,7 +17,8 @@ replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout 
 (rollout and the scoring after it, steps after the first) is compared per (regime, policy); the
 profile is the only thing the simulator learns from this machine. Runs and profiles are kept in
 ``--work-dir`` and reused (``--fresh`` measures again). Last line JSON: ``sim_max_rel_error`` and
-``measured_s_<regime>_<policy>`` / ``simulated_s_<regime>_<policy>``.
+``measured_s_<regime>_<policy>`` / ``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every
+job and profile (``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there override the profiled points).
 """
 
 from __future__ import annotations
@@ -48,26 +49,22 @@ class ValidateArgs:
     """Profiles and runs are kept here and reused."""
     fresh: bool = False
     """Profile and run again even when work_dir holds results."""
-    compute_flags: tuple[str, ...] = ()
-    """Extra rollpacker.run flags of the compute regime's jobs (e.g. --rollout.num-prompts 8)."""
-    memory_flags: tuple[str, ...] = ()
-    """Extra rollpacker.run flags of the memory regime's jobs."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 2:
             raise ValueError(f"--num-steps must be >= 2 (the first step is not compared), got {self.num_steps}")
 
 
-def regime_flags(regime: str, args: ValidateArgs) -> list[str]:
-    """The ``rollpacker.run`` flags (besides the policy's) of every job of ``regime``."""
+def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list[str]:
+    """The ``rollpacker.run`` flags (besides the policy's) of every job of ``regime``, then ``extra``."""
     if regime == "memory":
         from rollpacker.bench.regime import Args as RegimeArgs
         from rollpacker.bench.regime import job_flags
 
         flags = job_flags(RegimeArgs(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps))
-        return flags + list(args.memory_flags)
+        return flags + list(extra)
     return ["--engine.kind", "torch", "--rollout.replay-lengths", "--train.skip", "--num-steps", str(args.num_steps),
-            "--eval-every", "0", "--checkpoint-every", "0", *args.compute_flags]
+            "--eval-every", "0", "--checkpoint-every", "0", *extra]
 
 
 PROFILE_FLAGS = {"compute": ["--plan.profile-batches", "1", "4", "16", "64", "128",
@@ -84,18 +81,18 @@ def torchrun(module: str, argv: list[str]) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def measure(regime: str, policy: str, args: ValidateArgs) -> tuple[list[str], list[dict], dict]:
+def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = ()) -> tuple[list[str], list[dict], dict]:
     """The job's flags, its metrics records and the regime's profile (measured unless kept)."""
     from rollpacker.bench.schedulers import Args as JobArgs
     from rollpacker.bench.schedulers import job_argv, policy_args
 
     where = args.work_dir / regime
-    flags = regime_flags(regime, args)
+    flags = regime_flags(regime, args, extra)
     profile = where / "profile.json"
     if args.fresh or not profile.exists():
         where.mkdir(parents=True, exist_ok=True)
-        torchrun("rollpacker.plan.profile", ["--preset", "toy-cpu", *flags, "--plan.profile", str(profile),
-                                             *PROFILE_FLAGS[regime]])
+        torchrun("rollpacker.plan.profile", ["--preset", "toy-cpu", *PROFILE_FLAGS[regime], *flags,
+                                             "--plan.profile", str(profile)])  # the regime's flags may override
     run_dir = where / policy
     argv = job_argv(JobArgs(), flags, policy_args(policy), args.seed, str(run_dir))
     metrics = run_dir / "metrics.jsonl"
@@ -155,12 +152,15 @@ def rollout_per_step(times: list[float]) -> float:
 def main(argv: list[str]) -> dict:
     import tyro
 
-    args = tyro.cli(ValidateArgs, args=argv, prog="python -m rollpacker.sim validate")
+    from rollpacker.bench import split_run_args
+
+    own, extra = split_run_args(argv)
+    args = tyro.cli(ValidateArgs, args=own, prog="python -m rollpacker.sim validate")
     figures: dict[str, float] = {}
     rows = []
     for regime in args.regimes:
         for policy in args.policies:
-            run_argv, records, profile = measure(regime, policy, args)
+            run_argv, records, profile = measure(regime, policy, args, extra)
             measured = [r["time/rollout"] + r["time/reward"] for r in records if "time/rollout" in r]
             simulated = simulate_run(run_argv, profile)
             m, s = rollout_per_step(measured), rollout_per_step(simulated)

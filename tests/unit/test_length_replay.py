@@ -38,3 +38,13 @@ def test_a_resumed_partial_keeps_its_first_length():
     third = replay("5:4:1", row=9, step=5, slot=4, response=1, earlier=SimpleNamespace(id="2:0:1"))
     assert again == third == first
     assert any(replay.draw(9, s, 0, 1) != first for s in (2, 3, 4))  # a fresh draw would differ
+
+
+def test_a_cap_too_small_for_the_mixture_is_a_config_error():
+    import pytest
+
+    from rollpacker.config import RolloutConfig
+
+    with pytest.raises(ValueError, match=r"replay_lengths with rollout.max_new_tokens=32: .* use a larger max_new_tokens"):
+        RolloutConfig(replay_lengths=True, max_new_tokens=32)
+    assert RolloutConfig(replay_lengths=True, max_new_tokens=64).max_new_tokens == 64
