@@ -128,7 +128,8 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
         for c in contexts:
             found["decode_ms"][str(c)] = {
                 str(b): slowest(statistics.median(decode_step_ms(engine, b, c, args.vocab_size, avoid,
-                                                                 p.profile_steps, seed=b, sampling=sampling)))
+                                                                 p.profile_steps, seed=b, sampling=sampling,
+                                                                 ragged=limit)))
                 for b in batches}
             n = max(1, min(max(batches), 2048 // c))
             found["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(engine, n, c, args.vocab_size, avoid)) / 1e3)

@@ -42,12 +42,19 @@ def greedy_requests(prompts: list[list[int]], new_tokens: int, tag: str) -> list
 
 
 def decode_step_ms(engine, num_running: int, prompt_len: int, vocab_size: int, avoid: set[int],
-                   steps: int, seed: int, sampling=None) -> list[float]:
+                   steps: int, seed: int, sampling=None, ragged: int = 0) -> list[float]:
     """ms of each of ``steps`` pure decode ``step()`` calls with ``num_running`` requests in flight,
-    greedy or with ``sampling``'s temperature, top-p and top-k (a seed per request, as a run's)."""
+    greedy or with ``sampling``'s temperature, top-p and top-k (a seed per request, as a run's).
+    Every prompt has ``prompt_len`` tokens, or with ``ragged`` (the longest allowed) lengths spread
+    evenly over ``prompt_len / 4 .. 7 * prompt_len / 4`` (mean ``prompt_len``), as a rollout's running
+    requests are."""
     import dataclasses
 
-    prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
+    if ragged and num_running > 1:
+        lengths = [min(ragged, round(prompt_len * (0.25 + 1.5 * i / (num_running - 1)))) for i in range(num_running)]
+        prompts = [random_prompts(1, n, vocab_size, avoid, seed * 7919 + i)[0] for i, n in enumerate(lengths)]
+    else:
+        prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
     reqs = greedy_requests(prompts, steps + 3, f"curve{num_running}")  # none finishes while timed
     if sampling is not None:
         for i, r in enumerate(reqs):

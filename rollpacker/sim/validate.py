@@ -70,7 +70,7 @@ def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list
 PROFILE_FLAGS = {"compute": ["--plan.profile-batches", "1", "4", "16", "64", "128",
                              "--plan.profile-contexts", "32", "128", "384"],
                  "memory": ["--plan.profile-batches", "1", "2", "4", "8", "12",
-                            "--plan.profile-contexts", "64", "256", "1024"]}
+                            "--plan.profile-contexts", "64", "256", "640"]}
 """What to profile: up to the running requests of a replica in each regime, over the contexts its
 requests reach (a tail round's speculative short round runs ~η_P·η_R more than a sync one)."""
 
