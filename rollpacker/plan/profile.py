@@ -117,10 +117,8 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     r = config.rollout  # decode steps sample as the run's do
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
-    def slowest(ms: float) -> float:  # the slowest rank's time: a replica is as fast as its slowest rank
-        t = torch.tensor([ms], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=meshes.control)
-        return t.item()
+    def slowest(ms: float) -> float:
+        return _slowest(meshes, ms)
 
     def curves(engine) -> dict[str, dict]:
         """Decode ms by context and batch, and prefill tokens/s by context, of ``engine``."""
@@ -135,20 +133,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
             found["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(engine, n, c, args.vocab_size, avoid)) / 1e3)
         return found
 
-    def exchange_ms(reps: int = 30) -> float:
-        """One control exchange as the rollout loop makes one every poll: a command broadcast from
-        rank 0, a report gathered back (empty ones: the fixed cost)."""
-        from rollpacker.round import Command, Report
-
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            meshes.broadcast(Command() if meshes.rank == 0 else None)
-            meshes.gather(Report([], [], 0, 0))
-            times.append(1e3 * (time.perf_counter() - start))
-        return slowest(statistics.median(times))
-
-    out["exchange_ms"] = exchange_ms()
+    out["exchange_ms"] = _exchange_ms(meshes)
     kind = resolve_kind(config.engine.kind, device.type)
     if kind != "torch":  # a production engine: the run's own, at the run's TP (the planner drives TorchEngine only)
         engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
@@ -183,6 +168,29 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
         out["tp"][str(tp)] = entry
     meshes.set_rollout_tp(before)
     return out
+
+
+def _slowest(meshes, ms: float) -> float:
+    """The slowest rank's time (collective): a replica is as fast as its slowest rank."""
+    import torch
+
+    t = torch.tensor([ms], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=meshes.control)
+    return t.item()
+
+
+def _exchange_ms(meshes, reps: int = 100) -> float:
+    """One control exchange as the rollout loop makes one every poll: a command broadcast from rank
+    0, a report gathered back (empty ones: the fixed cost); the median, the slowest rank's."""
+    from rollpacker.round import Command, Report
+
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        meshes.broadcast(Command() if meshes.rank == 0 else None)
+        meshes.gather(Report([], [], 0, 0))
+        times.append(1e3 * (time.perf_counter() - start))
+    return _slowest(meshes, statistics.median(times))
 
 
 def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:

@@ -268,15 +268,11 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         stream.start_round(plan.kind)
     while True:
         finished: list[Seq] = []
-        if poll:  # every replica runs its poll; then the exchange, where the finished ones are seen
-            for replica in replicas[:state.active]:
-                done_here, aborted_here = replica.run_steps(now, poll[0])
-                finished += done_here
-                aborted += aborted_here
+        if poll:
+            now = _poll(replicas[:state.active], now, *poll, finished, aborted)
             if not finished and not any(r.num_requests() for r in replicas):
                 raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica "
                                    "is running")
-            now = max(r.clock for r in replicas[:state.active]) + poll[1]
             due = set(range(state.active))
         else:
             if not events:
@@ -343,6 +339,17 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         bubble_ratio=bubble_ratio(trace, state.num_launched, now), completions=completions,
         busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
         scaled_at=scaled_at, scaled_frac=scaled_frac, num_freed=len(replicas) - state.active, streamed=streamed)
+
+
+def _poll(replicas: list[Replica], now: float, steps: int, exchange_s: float, finished: list[Seq],
+          aborted: list[Seq]) -> float:
+    """Every replica runs ``steps`` iterations from ``now`` (adding to ``finished`` and ``aborted``);
+    then the exchange, where the controller sees them. Returns its end."""
+    for replica in replicas:
+        done_here, aborted_here = replica.run_steps(now, steps)
+        finished += done_here
+        aborted += aborted_here
+    return max(r.clock for r in replicas) + exchange_s
 
 
 @dataclass

@@ -41,7 +41,7 @@ class ValidateArgs:
     policies: tuple[Literal["sync", "tail", "sorted", "sorted_partial"], ...] = ("sync", "tail", "sorted",
                                                                                 "sorted_partial")
     """Policies run and simulated in each regime."""
-    num_steps: int = 8
+    num_steps: int = 16
     """Steps per run (the first warms the engines up and is not compared)."""
     seed: int = 0
     """Seed of the runs: data order, sampling and the replayed lengths."""
@@ -67,12 +67,13 @@ def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list
             "--eval-every", "0", "--checkpoint-every", "0", *extra]
 
 
-PROFILE_FLAGS = {"compute": ["--plan.profile-batches", "1", "4", "16", "64", "128",
+PROFILE_FLAGS = {"compute": ["--plan.profile-steps", "20", "--plan.profile-batches", "1", "4", "16", "64", "128",
                              "--plan.profile-contexts", "32", "128", "384"],
-                 "memory": ["--plan.profile-batches", "1", "2", "4", "8", "12",
+                 "memory": ["--plan.profile-steps", "20", "--plan.profile-batches", "1", "2", "4", "8", "12",
                             "--plan.profile-contexts", "64", "256", "640"]}
 """What to profile: up to the running requests of a replica in each regime, over the contexts its
-requests reach (a tail round's speculative short round runs ~η_P·η_R more than a sync one)."""
+requests reach (a tail round's speculative short round runs ~η_P·η_R more than a sync one), with
+medians of 20 steps (5, the planner's default, left the simulated times ±30% apart between profiles)."""
 
 
 def torchrun(module: str, argv: list[str]) -> None:
