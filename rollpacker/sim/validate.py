@@ -16,7 +16,7 @@ simulator drives the same policy objects through :class:`~rollpacker.sim.cost.Pr
 replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout time per step
 (rollout and the scoring after it, steps after the first) is compared per (regime, policy); the
 profile is the only thing the simulator learns from this machine. Runs and profiles are kept in
-``--work-dir`` and reused (``--fresh`` measures again). Last line JSON: ``sim_max_rel_error`` and
+``--work-dir`` and reused when their flags are the same (``--fresh`` measures again). Last line JSON: ``sim_max_rel_error`` and
 ``measured_s_<regime>_<policy>`` / ``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every
 job and profile (``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there override the profiled points).
 """
@@ -24,6 +24,7 @@ job and profile (``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there over
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,7 @@ class ValidateArgs:
     seed: int = 0
     """Seed of the runs: data order, sampling and the replayed lengths."""
     work_dir: Path = Path("runs/validate")
-    """Profiles and runs are kept here and reused."""
+    """Profiles and runs are kept here and reused while their flags stay the same."""
     fresh: bool = False
     """Profile and run again even when work_dir holds results."""
 
@@ -76,10 +77,22 @@ requests reach (a tail round's speculative short round runs ~η_P·η_R more tha
 medians of 20 steps (5, the planner's default, left the simulated times ±30% apart between profiles)."""
 
 
-def torchrun(module: str, argv: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", module, *argv]
+RANKS = 2
+
+
+def torchrun(module: str, argv: list[str], done: Path) -> None:
+    """``module`` on RANKS ranks; ``done`` records ``argv`` once it has run."""
+    done.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", "-m", module,
+           *argv]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    done.write_text(json.dumps(argv))
+
+
+def kept(done: Path, argv: list[str], fresh: bool) -> bool:
+    """A result of ``argv`` is there to reuse."""
+    return not fresh and done.exists() and json.loads(done.read_text()) == argv
 
 
 def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = ()) -> tuple[list[str], list[dict], dict]:
@@ -88,20 +101,18 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = ())
     from rollpacker.bench.schedulers import job_argv, policy_args
 
     where = args.work_dir / regime
+    where.mkdir(parents=True, exist_ok=True)
     flags = regime_flags(regime, args, extra)
     profile = where / "profile.json"
-    if args.fresh or not profile.exists():
-        where.mkdir(parents=True, exist_ok=True)
-        torchrun("rollpacker.plan.profile", ["--preset", "toy-cpu", *PROFILE_FLAGS[regime], *flags,
-                                             "--plan.profile", str(profile)])  # the regime's flags may override
+    profile_argv = ["--preset", "toy-cpu", *PROFILE_FLAGS[regime], *flags, "--plan.profile", str(profile)]
+    if not kept(where / "profile.argv.json", profile_argv, args.fresh):  # the regime's flags override the points
+        torchrun("rollpacker.plan.profile", profile_argv, where / "profile.argv.json")
     run_dir = where / policy
     argv = job_argv(JobArgs(), flags, policy_args(policy), args.seed, str(run_dir))
-    metrics = run_dir / "metrics.jsonl"
-    if args.fresh or not metrics.exists() or not any("time/rollout" in line for line in metrics.read_text().splitlines()):
-        if metrics.exists():
-            metrics.unlink()
-        torchrun("rollpacker.run", argv)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    if not kept(where / f"{policy}.argv.json", argv, args.fresh):
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not appended to an earlier one
+        torchrun("rollpacker.run", argv, where / f"{policy}.argv.json")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return argv, records, json.loads(profile.read_text())
 
 
@@ -139,7 +150,7 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     for step in range(cfg.num_steps):
         if policy.done():
             break
-        replicas = build_replicas(cost, 2 // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
+        replicas = build_replicas(cost, RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                                     poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3)).rollout_s)

@@ -24,4 +24,9 @@ def test_validate_profiles_runs_and_simulates(tmp_path):
         assert max(n for r in records if "time/rollout" in r for n in r["rollout/response_lengths"]) <= 64  # the cap
     errors = [abs(figures[f"simulated_s_compute_{p}"] / figures[f"measured_s_compute_{p}"] - 1) for p in ("sync", "tail")]
     assert abs(figures["sim_max_rel_error"] - max(errors)) < 1e-3  # from the rounded figures
-    assert "compute   tail" in proc.stdout
+    assert "compute   tail" in proc.stdout and "$ -m torch.distributed.run" in proc.stdout
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # same flags: nothing runs again
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "$ " not in again.stdout
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == figures
