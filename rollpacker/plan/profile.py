@@ -27,6 +27,7 @@ switches TP, drives TorchEngine alone).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -117,8 +118,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     r = config.rollout  # decode steps sample as the run's do
     sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
-    def slowest(ms: float) -> float:
-        return _slowest(meshes, ms)
+    slowest = functools.partial(_slowest, meshes)
 
     def curves(engine) -> dict[str, dict]:
         """Decode ms by context and batch, and prefill tokens/s by context, of ``engine``."""

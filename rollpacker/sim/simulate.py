@@ -278,16 +278,7 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
             if not events:
                 raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica is "
                                    "running")
-            now = events[0][0]
-            due = set()
-            while events and events[0][0] == now:
-                _, i, version = heapq.heappop(events)
-                if replicas[i].version == version and replicas[i].plan is not None:
-                    due.add(i)
-            for i in sorted(due):
-                done_here, aborted_here = replicas[i].advance()
-                finished += done_here
-                aborted += aborted_here
+            now, due = _next_event(events, replicas, finished, aborted)
         state.finished(finished)
         if stream:
             stream.history.extend(seq.length for seq in finished)
@@ -339,6 +330,22 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         bubble_ratio=bubble_ratio(trace, state.num_launched, now), completions=completions,
         busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
         scaled_at=scaled_at, scaled_frac=scaled_frac, num_freed=len(replicas) - state.active, streamed=streamed)
+
+
+def _next_event(events: list[tuple[float, int, int]], replicas: list[Replica], finished: list[Seq],
+                aborted: list[Seq]) -> tuple[float, set[int]]:
+    """The replicas whose planned runs end first advance to that instant (adding to ``finished``
+    and ``aborted``); returns it and their indices."""
+    now, due = events[0][0], set()
+    while events and events[0][0] == now:
+        _, i, version = heapq.heappop(events)
+        if replicas[i].version == version and replicas[i].plan is not None:
+            due.add(i)
+    for i in sorted(due):
+        done_here, aborted_here = replicas[i].advance()
+        finished += done_here
+        aborted += aborted_here
+    return now, due
 
 
 def _poll(replicas: list[Replica], now: float, steps: int, exchange_s: float, finished: list[Seq],
