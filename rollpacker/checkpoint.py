@@ -151,7 +151,7 @@ def check(path: Path, policy: str | None = None, world_size: int | None = None) 
     saved = (meta.get("policy") or {}).get("name")
     if policy and saved and saved != policy:
         raise ValueError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
-                         f"resume with --policy {saved}")
+                         f"resume with schedule:{saved}")
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if meta.get("world_size", world_size) != world_size:
         raise ValueError(f"resume: {path} was written by {meta['world_size']} ranks, this run has {world_size}: "

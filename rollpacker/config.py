@@ -4,11 +4,13 @@ Presets are TOML files in the repository's ``configs/`` directory (``--preset NA
 file (``--preset path/to/file.toml``); flags override them: ``--rollout.num-prompts 32``.
 Nothing here imports torch, so ``--help`` and config errors come back at once.
 
-``policy``: sync (the veRL baseline), tail (tail batching), sorted (SortedRL, on-policy),
-sorted_partial (SortedRL resuming partial responses: off-policy, needs ``train.off_policy`` is or
-tis) or one_step_off (verl's recipe: a rollout pool generates the next batch while a training pool
-trains this one; staleness 1, needs ``train.off_policy`` is or tis). RolloutPipe is
-``schedule.pipe`` on top of sync or tail.
+``schedule`` is the scheduling policy with its own settings, a tagged union
+(:mod:`rollpacker.schedule.config`): ``schedule:sync`` (the veRL baseline), ``schedule:tail`` (tail
+batching), ``schedule:sorted`` (SortedRL, on-policy), ``schedule:sorted_partial`` (SortedRL resuming
+partial responses: off-policy, needs ``train.off_policy`` is or tis) or ``schedule:one_step_off``
+(verl's recipe: a rollout pool generates the next batch while a training pool trains this one;
+staleness 1, needs ``train.off_policy`` is or tis). RolloutPipe is ``--schedule.pipe`` on sync or
+tail. The flag spelling before the union, ``--policy NAME``, is read as ``schedule:NAME``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig, check_judge_path
-from rollpacker.rollout.config import EngineConfig
-from rollpacker.schedule import POLICIES, PolicyName
-from rollpacker.schedule.config import ScheduleConfig
+from rollpacker.rollout.config import EngineConfig, RolloutConfig
+from rollpacker.schedule.config import ScheduleConfig, SyncConfig, policy_args, schedule_config
 from rollpacker.train.config import StreamConfig, TrainConfig
 from rollpacker.watchdog import DistConfig
 
@@ -57,46 +58,6 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
-    num_prompts: int = 16
-    """P0: prompts trained per step."""
-    group_size: int = 8
-    """R0: responses per prompt (the GRPO group)."""
-    max_new_tokens: int = 512
-    """Longest response."""
-    temperature: float = 1.0
-    """Sampling temperature (the trainer's log-probs use the same)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = 0
-    """Top-k sampling (0 = off)."""
-    tp: int = 1
-    """Rollout tensor-parallel size: each engine replica spans this many ranks."""
-    poll_steps: int = 8
-    """Engine steps between two control-plane exchanges with the controller."""
-    replay_lengths: bool = False
-    """Force every response to a length from the paper's long-tailed mix (rollpacker.round.LengthReplay)."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(
-                f"rollout sampling: temperature={self.temperature} must be >= 0, top_p={self.top_p} "
-                f"in (0, 1], top_k={self.top_k} >= 0"
-            )
-        if self.replay_lengths:
-            from rollpacker.sim.workload import LengthModel
-
-            try:  # the mixture scales with the cap: a tiny cap has no lengths left to draw
-                LengthModel().for_cap(self.max_new_tokens)
-            except ValueError as e:
-                raise ValueError(f"rollout.replay_lengths with rollout.max_new_tokens={self.max_new_tokens}: {e}; "
-                                 "use a larger max_new_tokens") from None
-
-
-@dataclass(kw_only=True)
 class Config:
     run_dir: str = "runs/toy-cpu"
     """Where metrics, checkpoints and plots go."""
@@ -106,8 +67,6 @@ class Config:
     """RL steps to run (one optimizer step each)."""
     num_epochs: int = 0
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
-    policy: PolicyName = "sync"
-    """Rollout scheduling policy (see this module's docstring); RolloutPipe is schedule.pipe on sync or tail."""
     eval_every: int = 0
     """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0
@@ -119,7 +78,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    schedule: ScheduleConfig = field(default_factory=SyncConfig)
+    """The scheduling policy and its settings (schedule:NAME; see this module's docstring)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -128,14 +88,12 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
             raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
         if self.data.reward == "judge":
             check_judge_path(self.reward.judge.model_path)
-        if self.train.skip and (self.stream.enabled or self.schedule.pipe or self.policy == "one_step_off"):
+        if self.train.skip and (self.stream.enabled or self.pipe or self.policy == "one_step_off"):
             raise ValueError("train.skip (rollout alone) with stream.enabled, schedule.pipe or "
                              "policy=one_step_off: they train during rollout; use sync, tail, sorted or sorted_partial")
         if self.engine.kind in ("vllm", "sglang") and self.plan.enabled:
@@ -148,14 +106,14 @@ class Config:
         if self.policy in stale and self.train.off_policy == "none":
             why, instead = stale[self.policy]
             raise ValueError(
-                f"policy={self.policy} with train.off_policy='none': {why}, so its samples are stale (tokens "
+                f"schedule:{self.policy} with train.off_policy='none': {why}, so its samples are stale (tokens "
                 "sampled by earlier steps) and the on-policy loss would treat them as the current policy's. Set "
-                f"train.off_policy to 'tis' (truncated importance sampling) or 'is', or use policy={instead}")
+                f"train.off_policy to 'tis' (truncated importance sampling) or 'is', or use schedule:{instead}")
         if self.policy == "one_step_off":
             self._check_one_step_off()
-        if self.schedule.pipe:
+        if self.pipe:
             self._check_pipe()
-        streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.schedule.pipe else ""
+        streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.pipe else ""
         if streaming and self.train.advantage_norm != "group":
             raise ValueError(
                 f"{streaming} with train.advantage_norm={self.train.advantage_norm!r}: stream training trains each "
@@ -163,16 +121,26 @@ class Config:
                 "needs the whole step's rewards, known only when rollout ends. Use train.advantage_norm=group "
                 f"or turn {streaming} off")
 
+    @property
+    def policy(self) -> str:
+        """The scheduling policy's name (``schedule``'s tag)."""
+        return self.schedule.name
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting as plain data, in a preset's layout (the policy's name in ``schedule.policy``)."""
+        values = dataclasses.asdict(self)
+        values["schedule"] = {"policy": self.policy, **values["schedule"]}
+        return values
+
+    @property
+    def pipe(self) -> bool:
+        """RolloutPipe on: a setting of sync and tail only, whose complete groups are final when they
+        complete (sorted_partial resumes responses under newer weights, SortedRL's oversubscription
+        would be undone by frontier-group dispatch, and one_step_off has pools of its own)."""
+        return getattr(self.schedule, "pipe", False)
+
     def _check_pipe(self) -> None:
-        """schedule.pipe composes with the on-policy policies whose complete groups are final when they
-        complete (sync: ``pipe``, tail: ``tail+pipe``); everything else is refused here."""
-        if self.policy not in ("sync", "tail"):
-            why = ("sorted_partial resumes responses under newer weights (off-policy), while RolloutPipe keeps "
-                   "the weights fixed during a step" if self.policy == "sorted_partial" else
-                   "SortedRL oversubscribes the engines so that short responses of any loaded batch finish "
-                   "first; frontier-group dispatch admits the earliest groups first and would undo that")
-            raise ValueError(f"schedule.pipe with policy={self.policy!r}: {why}. Use policy sync or tail with "
-                             "schedule.pipe, or turn schedule.pipe off")
+        """What schedule.pipe does not compose with besides the policies that lack it."""
         if self.stream.enabled:
             raise ValueError(
                 "schedule.pipe with stream.enabled: pipe's train pool already trains complete groups from the "
@@ -187,14 +155,12 @@ class Config:
         """one_step_off has its own rank pools and its own loop: the features that reshape rollout
         inside a step, or share ranks between rollout and training, do not apply."""
         for on, name, why in (
-                (self.schedule.pipe, "schedule.pipe", "RolloutPipe's train pool trains the step's own groups "
-                 "during its rollout, one_step_off's trains the previous step's batch"),
                 (self.stream.enabled, "stream.enabled", "the training pool is separate already; there is no "
                  "rollout rank to free"),
                 (self.plan.enabled, "plan.enabled", "the parallelism planner sizes rollout TP for every rank "
                  "rolling out; set rollout.tp for the rollout pool instead")):
             if on:
-                raise ValueError(f"policy=one_step_off with {name}: {why}. Turn {name} off")
+                raise ValueError(f"schedule:one_step_off with {name}: {why}. Turn {name} off")
 
     def rollout_ranks(self, world: int) -> int:
         """The ranks that roll out: all of them, or one_step_off's rollout pool."""
@@ -207,11 +173,11 @@ class Config:
         r, t = self.rollout, self.train
         rollout = self.rollout_ranks(world)
         if self.policy == "one_step_off" and world < 2:
-            raise ValueError(f"policy=one_step_off needs a rollout pool and a training pool, so at least 2 ranks; "
+            raise ValueError(f"schedule:one_step_off needs a rollout pool and a training pool, so at least 2 ranks; "
                              f"this run has {world}: launch it with torchrun --nproc_per_node=2 or more")
         if self.policy == "one_step_off" and not 0 < rollout < world:
             raise ValueError(f"schedule.rollout_ranks={rollout} must be between 1 and {world - 1} on {world} ranks "
-                             "(policy=one_step_off trains on the others)")
+                             "(schedule:one_step_off trains on the others)")
         pools = rollout < world
         if rollout % r.tp:
             where = f"the {rollout} rollout ranks (schedule.rollout_ranks)" if pools else f"the world size {world}"
@@ -232,13 +198,18 @@ class Config:
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     """A dataclass from nested dicts, refusing unknown keys by name."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if cls is Config and "policy" in values:
+        raise ValueError(f"{where}: policy = {values['policy']!r} is spelled [schedule] policy = "
+                         f"{values['policy']!r} now (the policy's settings go in the same table)")
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
         ftype = fields[key].type
         sub = globals().get(ftype) or getattr(sys.modules[cls.__module__], ftype, None)
-        if isinstance(value, dict) and dataclasses.is_dataclass(sub):
+        if ftype == "ScheduleConfig":
+            value = schedule_config(value, f"{where}.{key}")
+        elif isinstance(value, dict) and dataclasses.is_dataclass(sub):
             value = _build(sub, value, f"{where}.{key}")
         elif isinstance(value, list):
             value = tuple(value)
@@ -283,5 +254,8 @@ def parse(argv: list[str] | None = None) -> Config:
             raise SystemExit("--preset needs a name (or a .toml path)")
         preset = args.pop(i + 1)
         args.pop(i)
-    return tyro.cli(Config, default=load_preset(preset), args=args,
+    default = load_preset(preset)
+    args = policy_args(args, default.policy)
+    return tyro.cli(Config, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                     description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")
+

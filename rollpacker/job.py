@@ -56,7 +56,7 @@ class Job:
         cfg = self.config
         return StreamTrainer(cfg.stream, self.trainer, self.meshes, max_new_tokens=cfg.rollout.max_new_tokens,
                              kv_capacity_tokens=self.engine.kv_capacity_tokens,
-                             pipe=cfg.schedule.pipe)
+                             pipe=cfg.pipe)
 
     def switch_tp(self, tp: int) -> dict[str, float]:
         """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
@@ -98,7 +98,7 @@ def build(config: Config) -> Job:
     init_distributed()
     world = torch.distributed.get_world_size()
     config.check_world(world)
-    streaming = config.stream.enabled or config.schedule.pipe
+    streaming = config.stream.enabled or config.pipe
     meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
                           rollout_ranks=config.rollout_ranks(world))
     watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks

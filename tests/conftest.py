@@ -22,7 +22,7 @@ if not torch.cuda.is_available():  # the Triton kernels' tests run on CPU under 
 QUIET = ("--metrics.wandb-mode", "disabled", "--metrics.no-live")
 """Flags every test job takes: no wandb, no live display."""
 NUM_ROWS = 24
-TWO_EPOCHS = ("--policy", "tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
+TWO_EPOCHS = ("schedule:tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
               "--rollout.group-size", "2", "--rollout.max-new-tokens", "96", "--num-epochs", "2", "--num-steps", "100",
               "--checkpoint-every", "1", "--eval-every", "0", *QUIET)
 """The small job of the tail, one_step_off and pipe run tests: two epochs of NUM_ROWS prompts, 4 per step."""
@@ -109,7 +109,7 @@ def launch_job(*args: str, nproc: int = 2, module: str = "rollpacker.run",
                           timeout=timeout, env=job_env())
 
 
-FOUR_STEPS = ("--policy", "tail", "--data.num-toy-prompts", "32", "--rollout.num-prompts", "4",
+FOUR_STEPS = ("schedule:tail", "--data.num-toy-prompts", "32", "--rollout.num-prompts", "4",
               "--rollout.group-size", "4", "--rollout.max-new-tokens", "96", "--num-steps", "4", "--eval-every", "0",
               *QUIET)
 """The small job of the stream and pipe run tests: 4 steps of 4 prompts x 4 responses."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 FAULTS = ("kill_rank", "kill_during_save", "stop_rank", "disk_full")
 NUM_ROWS = 24
-ARGS = ["--policy", "tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
+ARGS = ["schedule:tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
         "--rollout.group-size", "2", "--rollout.max-new-tokens", "32", "--num-steps", "100", "--num-epochs", "1",
         "--checkpoint-every", "1", "--eval-every", "0", "--metrics.wandb-mode", "disabled", "--metrics.no-live",
         "--resume", "auto", "--dist.timeout-s", "15", "--dist.first-step-timeout-s", "90"]

@@ -85,7 +85,7 @@ def policy_args(policy: str) -> list[str]:
     if extra not in VARIANTS:
         raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+V, V one of "
                          f"{', '.join(v for v in VARIANTS if v)}")
-    return ["--policy", name, *VARIANTS[extra],
+    return [f"schedule:{name}", *VARIANTS[extra],
             *(OFF_POLICY if name in ("sorted_partial", "one_step_off") else [])]
 
 
@@ -195,7 +195,7 @@ def ablate(args: Args, run_args: list[str]) -> dict[str, float]:
         for variant, flags in table.items():
             with tempfile.TemporaryDirectory() as run_dir:
                 rows[variant] = summarize(run(args, [*run_args, "--num-steps", str(args.ablation_steps)],
-                                              ["--policy", "tail", *flags], 0, run_dir))
+                                              ["schedule:tail", *flags], 0, run_dir))
         first = next(iter(rows.values()))
         print(f"\n{name}: tail, seed 0, {args.ablation_steps} steps")
         print(f"{'':<26}" + "".join(f"{v:>10}" for v in rows))

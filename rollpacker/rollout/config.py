@@ -1,9 +1,50 @@
-"""Rollout engine settings (no torch import here: configs parse before heavy imports)."""
+"""Rollout settings: the batch and sampling of a step, and the engine (no torch import here: configs parse
+before heavy imports)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    num_prompts: int = 16
+    """P0: prompts trained per step."""
+    group_size: int = 8
+    """R0: responses per prompt (the GRPO group)."""
+    max_new_tokens: int = 512
+    """Longest response."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs use the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    tp: int = 1
+    """Rollout tensor-parallel size: each engine replica spans this many ranks."""
+    poll_steps: int = 8
+    """Engine steps between two control-plane exchanges with the controller."""
+    replay_lengths: bool = False
+    """Force every response to a length from the paper's long-tailed mix (rollpacker.round.LengthReplay)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"rollout sampling: temperature={self.temperature} must be >= 0, top_p={self.top_p} "
+                f"in (0, 1], top_k={self.top_k} >= 0"
+            )
+        if self.replay_lengths:
+            from rollpacker.sim.workload import LengthModel
+
+            try:  # the mixture scales with the cap: a tiny cap has no lengths left to draw
+                LengthModel().for_cap(self.max_new_tokens)
+            except ValueError as e:
+                raise ValueError(f"rollout.replay_lengths with rollout.max_new_tokens={self.max_new_tokens}: {e}; "
+                                 "use a larger max_new_tokens") from None
 
 
 @dataclass(kw_only=True)

@@ -14,20 +14,20 @@ if TYPE_CHECKING:
 
 PolicyName = Literal["sync", "tail", "sorted", "sorted_partial", "one_step_off"]
 POLICIES = get_args(PolicyName)
-"""Every policy's name (``Config.policy``, ``SimConfig.policy``)."""
+"""Every policy's name (the tags of rollpacker.schedule.config.ScheduleConfig)."""
 
 
-def build_policy(name: PolicyName, sampler, num_prompts: int, group_size: int, schedule: ScheduleConfig, *,
-                 num_epochs: int = 0, last_step: int | None = None) -> Policy:
-    """The policy ``name`` over ``sampler``, P0 = ``num_prompts``, R0 = ``group_size``, with its
-    settings from ``schedule``; ``num_epochs`` (0: unlimited) and ``last_step`` (tail flushes its
-    queue there; None: never) bound the run."""
+def build_policy(schedule: ScheduleConfig, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+                 last_step: int | None = None) -> Policy:
+    """The policy ``schedule`` names, with its settings, over ``sampler``, P0 = ``num_prompts``, R0 =
+    ``group_size``; ``num_epochs`` (0: unlimited) and ``last_step`` (tail flushes its queue there;
+    None: never) bound the run."""
     from rollpacker.schedule.one_step_off import OneStepOffPolicy
     from rollpacker.schedule.sorted import SortedPolicy
     from rollpacker.schedule.sync import SyncPolicy
     from rollpacker.schedule.tail import TailPolicy
 
-    s = schedule
+    s, name = schedule, schedule.name
     common = {"filter_zero_variance": s.filter_zero_variance, "num_epochs": num_epochs}
     if name == "tail":
         return TailPolicy(sampler, num_prompts, group_size, eta_prompts=s.eta_prompts, eta_responses=s.eta_responses,
@@ -37,6 +37,4 @@ def build_policy(name: PolicyName, sampler, num_prompts: int, group_size: int, s
                             partial=name == "sorted_partial", **common)
     if name == "one_step_off":
         return OneStepOffPolicy(sampler, num_prompts, group_size, **common)
-    if name == "sync":
-        return SyncPolicy(sampler, num_prompts, group_size, **common)
-    raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
+    return SyncPolicy(sampler, num_prompts, group_size, **common)

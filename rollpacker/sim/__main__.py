@@ -1,15 +1,19 @@
 """``python -m rollpacker.sim``: simulate an RL job at cluster scale; every command ends with a JSON line.
 
-    python -m rollpacker.sim --preset qwen2.5-14b-16k --gpus 32 --policy tail [--gantt out.png]
+    python -m rollpacker.sim --preset qwen2.5-14b-16k --gpus 32 schedule:tail [--gantt out.png]
     python -m rollpacker.sim table2 [--num-steps 20]     the paper's Table 2 beside the simulator's
     python -m rollpacker.sim table1 [--num-steps 10]     the calibration against Table 1
     python -m rollpacker.sim fig13c [--num-steps 20]     the calibration against Fig. 13c (adaptive code timeout)
     python -m rollpacker.sim workload [--fit]            the length mixture against the paper's statistics
     python -m rollpacker.sim validate                    the simulator against rollouts measured here
 
-The first form takes P0, R0, max_new_tokens and the rollout TP from the preset; ``--gpus``
+The first form takes the rollout settings (P0, R0, max_new_tokens, TP) from the preset; ``--gpus``
 defaults to the paper's GPU count for the model; every field of :class:`SimConfig` is a flag
-(``--calib.hbm-efficiency 0.7``, ``--lengths.long-fraction 0.1``, ``--trace metrics.jsonl``).
+(``--rollout.num-prompts 64``, ``schedule:sorted --schedule.sorted-batches 2``,
+``--calib.hbm-efficiency 0.7``, ``--lengths.long-fraction 0.1``, ``--trace metrics.jsonl``). The
+flags from before the simulator embedded the run's rollout and schedule settings are read in their
+new spelling (``--tp`` as ``--rollout.tp``, ``--policy tail`` as ``schedule:tail``, ``--rollout-gpus``
+as ``--schedule.rollout-ranks``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from dataclasses import dataclass
 
 PAPER_GPUS = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
 """GPUs of the paper's §6 runs, per model: the default of --gpus."""
+RENAMED = {"--tp": "--rollout.tp", "--num-prompts": "--rollout.num-prompts", "--group-size": "--rollout.group-size",
+           "--max-new-tokens": "--rollout.max-new-tokens", "--eta-prompts": "--schedule.eta-prompts",
+           "--eta-responses": "--schedule.eta-responses", "--sorted-batches": "--schedule.sorted-batches",
+           "--rollout-gpus": "--schedule.rollout-ranks"}
+"""The simulator's flags before it embedded the run's rollout and schedule configs, and their spelling now."""
 
 
 def preset_config(name: str):
@@ -28,13 +37,11 @@ def preset_config(name: str):
     from rollpacker.sim.cost import MODELS
     from rollpacker.sim.simulate import SimConfig
 
-    rollout = load_preset(name).rollout
     stem = name.rsplit("/", 1)[-1].removesuffix(".toml")
     model = max((m for m in MODELS if stem.startswith(m)), key=len, default=None)
     if model is None:
         raise SystemExit(f"preset {name!r} names no known model ({', '.join(MODELS)}): pass --model")
-    return SimConfig(model=model, gpus=PAPER_GPUS[model], tp=rollout.tp, num_prompts=rollout.num_prompts,
-                     group_size=rollout.group_size, max_new_tokens=rollout.max_new_tokens)
+    return SimConfig(model=model, gpus=PAPER_GPUS[model], rollout=load_preset(name).rollout)
 
 
 def _pop_flag(args: list[str], flag: str, default: str) -> str:
@@ -48,24 +55,37 @@ def _pop_flag(args: list[str], flag: str, default: str) -> str:
     return value
 
 
-def run(argv: list[str]) -> dict:
+def parse(argv: list[str]):
+    """The :class:`SimConfig` of ``argv`` (``--preset`` then flags; the old flags in their new
+    spelling), and its ``--gantt`` path and step count."""
     import tyro
 
-    from rollpacker.sim.simulate import SimConfig, simulate, summarize
+    from rollpacker.schedule.config import policy_args
+    from rollpacker.sim.simulate import SimConfig
 
     args = list(argv)
     preset = _pop_flag(args, "--preset", "qwen2.5-14b-16k")
     gantt = _pop_flag(args, "--gantt", "")
     gantt_steps = int(_pop_flag(args, "--gantt-steps", "5"))
-    cfg = tyro.cli(SimConfig, default=preset_config(preset), args=args, prog="python -m rollpacker.sim",
+    default = preset_config(preset)
+    args = policy_args([RENAMED.get(a, a) for a in args], default.policy)
+    cfg = tyro.cli(SimConfig, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
+                   prog="python -m rollpacker.sim",
                    description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, "
                                "--gantt-steps N, or a command: table2, table1, fig13c, workload).")
+    return cfg, gantt, gantt_steps
+
+
+def run(argv: list[str]) -> dict:
+    from rollpacker.sim.simulate import simulate, summarize
+
+    cfg, gantt, gantt_steps = parse(argv)
     cost = cfg.cost()
     results = simulate(cfg, record=bool(gantt))
     pools = f" ({cfg.train_pool} of them train)" if cfg.train_pool < cfg.gpus else ""
     print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp}{pools} (KV cache "
-          f"{cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.num_prompts}, R0={cfg.group_size}, up to "
-          f"{cfg.max_new_tokens} new tokens; policy {cfg.policy}; {cfg.num_steps} steps "
+          f"{cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.rollout.num_prompts}, R0={cfg.rollout.group_size}, "
+          f"up to {cfg.rollout.max_new_tokens} new tokens; policy {cfg.policy}; {cfg.num_steps} steps "
           f"({'trace ' + cfg.trace if cfg.trace else 'length mixture'})")
     stream = f"{'scaled':>8}{'at':>6}{'hidden':>8}" if cfg.stream else ""
     print(f"{'round':<8}{'steps':>6}{'rollout':>9}{'reward':>8}{'train':>8}{'sync':>7}{'step':>8}{'longest':>9}"

@@ -24,6 +24,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from rollpacker.config import load_preset
+from rollpacker.schedule.config import POLICY_CONFIGS
 from rollpacker.sim.simulate import SimConfig, simulate, summarize
 
 TABLE1 = {"math": (0.72, 0.05, 0.23), "code": (0.66, 0.13, 0.21), "judge": (0.71, 0.07, 0.22)}
@@ -71,8 +72,8 @@ SETTINGS = (
 def setting_config(setting: Setting, policy: str, **overrides) -> SimConfig:
     """The simulator's config of a §6 setup: P0, R0 and max_new_tokens from the repo's preset."""
     rollout = load_preset(setting.preset).rollout
-    return SimConfig(model=setting.model, gpus=setting.gpus, tp=setting.tp, num_prompts=rollout.num_prompts,
-                     group_size=rollout.group_size, max_new_tokens=rollout.max_new_tokens, policy=policy, **overrides)
+    return SimConfig(model=setting.model, gpus=setting.gpus, rollout=replace(rollout, tp=setting.tp),
+                     schedule=POLICY_CONFIGS[policy](), **overrides)
 
 
 def table1(num_steps: int = 10) -> dict:

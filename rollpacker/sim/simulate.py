@@ -56,9 +56,10 @@ from rollpacker.data.dataset import PromptSampler
 from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
-from rollpacker.schedule import POLICIES, PolicyName, build_policy
+from rollpacker.rollout.config import RolloutConfig
+from rollpacker.schedule import build_policy
 from rollpacker.schedule.base import Group, Round
-from rollpacker.schedule.config import ScheduleConfig
+from rollpacker.schedule.config import ScheduleConfig, TailConfig
 from rollpacker.schedule.round import Launch, RoundState
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
@@ -74,26 +75,11 @@ class SimConfig:
     hardware: str = "H800"
     """GPU kind: one of rollpacker.sim.cost.HARDWARE (the paper's cluster is H800)."""
     gpus: int = 32
-    """GPUs of the job: rollout replicas of TP size tp, then all of them train (one_step_off: see rollout_gpus)."""
-    tp: int = 2
-    """Rollout TP size of every engine replica."""
-    num_prompts: int = 128
-    """P0: prompts trained per step."""
-    group_size: int = 8
-    """R0: responses per prompt."""
-    max_new_tokens: int = 16384
-    """Longest response (longer natural lengths are cut here)."""
-    policy: PolicyName = "tail"
-    """Scheduling policy: sync (veRL), tail (tail batching), sorted or sorted_partial (SortedRL), one_step_off
-    (verl's recipe: rollout_gpus generate the next batch while the other GPUs train this one)."""
-    rollout_gpus: int = 0
-    """one_step_off: the GPUs that roll out (0 = half); the others train."""
-    eta_prompts: float = 1.25
-    """tail: prompts launched per short round, over P0."""
-    eta_responses: float = 1.25
-    """tail: responses launched per prompt in short rounds, over R0."""
-    sorted_batches: int = 4
-    """sorted, sorted_partial: batches of P0 prompts loaded at once (SortedRL's oversubscription)."""
+    """GPUs of the job: rollout replicas of TP size rollout.tp, then all of them train (one_step_off: its pools)."""
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(num_prompts=128, max_new_tokens=16384, tp=2))
+    """The run's rollout settings; the simulator reads P0, R0, max_new_tokens and tp (natural lengths cut at the cap)."""
+    schedule: ScheduleConfig = field(default_factory=TailConfig)
+    """The run's scheduling policy and its settings (schedule:NAME; one_step_off's rollout_ranks are GPUs here)."""
     reward_scheduler: bool = False
     """§4.3: score each response as it finishes (overlapped with rollout), adaptive code timeouts, the
     judge colocated on every GPU; else scoring starts after rollout."""
@@ -131,30 +117,35 @@ class SimConfig:
             raise ValueError(f"sim.model must be one of {sorted(MODELS)}, got {self.model!r}")
         if self.hardware not in HARDWARE:
             raise ValueError(f"sim.hardware must be one of {sorted(HARDWARE)}, got {self.hardware!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"sim.policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("gpus", "tp", "num_prompts", "group_size", "max_new_tokens", "num_steps", "num_rows",
-                     "max_num_seqs", "max_prefill_tokens"):
+        for name in ("gpus", "num_steps", "num_rows", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sim.{name} must be positive, got {getattr(self, name)}")
-        if self.rollout_gpus < 0 or self.rollout_gpus >= self.gpus:
-            raise ValueError(f"sim.rollout_gpus={self.rollout_gpus} must be in [0, sim.gpus={self.gpus})")
+        if self.policy == "one_step_off" and not 0 <= self.schedule.rollout_ranks < self.gpus:
+            raise ValueError(f"schedule.rollout_ranks={self.schedule.rollout_ranks} must be in [0, gpus={self.gpus})")
         if self.rollout_pool % self.tp:
-            raise ValueError(f"sim.tp={self.tp} does not divide the {self.rollout_pool} GPUs rolling out")
+            raise ValueError(f"rollout.tp={self.tp} does not divide the {self.rollout_pool} GPUs rolling out")
         if self.policy == "one_step_off" and (self.stream or self.planner):
-            raise ValueError("sim.policy one_step_off has its own rollout and training GPUs: turn sim.stream and "
-                             "sim.planner off")
+            raise ValueError("schedule:one_step_off has its own rollout and training GPUs: turn stream and "
+                             "planner off")
         self.stream = self.stream or self.stream_config.enabled
         if self.stream and not self.reward_scheduler:
             raise ValueError("sim.stream needs sim.reward_scheduler: the freed GPUs train each group once it is "
                              "scored, and without the reward scheduler nothing is scored before rollout ends")
 
     @property
+    def policy(self) -> str:
+        return self.schedule.name
+
+    @property
+    def tp(self) -> int:
+        return self.rollout.tp
+
+    @property
     def rollout_pool(self) -> int:
         """GPUs rolling out: all of them, or one_step_off's rollout pool."""
         if self.policy != "one_step_off":
             return self.gpus
-        return self.rollout_gpus or self.gpus // 2
+        return self.schedule.rollout_ranks or self.gpus // 2
 
     @property
     def train_pool(self) -> int:
@@ -170,16 +161,14 @@ class SimConfig:
 
     def workload(self):
         if not self.trace:
-            return self.lengths.for_cap(self.max_new_tokens)
-        groups = read_length_trace(self.trace, self.group_size)
+            return self.lengths.for_cap(self.rollout.max_new_tokens)
+        groups = read_length_trace(self.trace, self.rollout.group_size)
         return TraceLengths(tuple(map(tuple, groups)), self.lengths.prompt_tokens, self.seed)
 
     def build_policy(self):
         """The policy, from the run's registry, flushing tail's queue at the last step as the run does."""
-        schedule = ScheduleConfig(eta_prompts=self.eta_prompts, eta_responses=self.eta_responses,
-                                  sorted_batches=self.sorted_batches)
-        return build_policy(self.policy, PromptSampler(self.num_rows, seed=self.seed), self.num_prompts,
-                            self.group_size, schedule, last_step=self.num_steps - 1)
+        return build_policy(self.schedule, PromptSampler(self.num_rows, seed=self.seed), self.rollout.num_prompts,
+                            self.rollout.group_size, last_step=self.num_steps - 1)
 
 
 @dataclass
@@ -462,7 +451,7 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
     lengths = cfg.workload()
     planner = None
     if cfg.planner:
-        longest = cfg.lengths.prompt_tokens + cfg.max_new_tokens  # a TP whose KV cannot hold one request is out
+        longest = cfg.lengths.prompt_tokens + cfg.rollout.max_new_tokens  # a TP whose KV cannot hold one request is out
         candidates = [t for t in candidate_tps(cfg.gpus, base.model.num_kv_heads,
                                                cfg.plan.max_tp or base.hardware.gpus_per_node)
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
@@ -481,10 +470,10 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
             histories = stream.histories if stream else {}
             # the paper's KV-fit criterion: the throughput one learns from measured polls, which a simulation has not
             stream = ScaleDown(replace(cfg.stream_config, criterion="kv"), num_replicas=len(replicas),
-                               max_new_tokens=cfg.max_new_tokens,
+                               max_new_tokens=cfg.rollout.max_new_tokens,
                                kv_capacity_tokens=cost.kv_capacity_tokens())
             stream.histories = histories
-        rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.max_new_tokens,
+        rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                              reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=stream)
         result = step_times(step, rnd, cfg, cost, keep=record)
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push

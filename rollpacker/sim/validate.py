@@ -144,8 +144,8 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     rows = fit_rows(load_rows(cfg.data), encoded, max_model_len, cost.kv_capacity, cfg.rollout.max_new_tokens)
     lengths = LengthModel(seed=cfg.seed).for_cap(cfg.rollout.max_new_tokens)
     lengths = replace(lengths, prompt_tokens=round(statistics.mean(len(prompt[r["id"]]) for r in rows)))
-    policy = build_policy(cfg.policy, PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
-                          cfg.rollout.group_size, cfg.schedule, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
+    policy = build_policy(cfg.schedule, PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
+                          cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
     times = []
     for step in range(cfg.num_steps):
         if policy.done():

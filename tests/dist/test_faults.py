@@ -24,7 +24,7 @@ from rollpacker.bench.faults import worker_pid
 
 # --- the real job, 2 gloo ranks ---------------------------------------------------------------------
 
-ARGS = ["--policy", "tail", "--data.num-toy-prompts", "24", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+ARGS = ["schedule:tail", "--data.num-toy-prompts", "24", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
         "--rollout.max-new-tokens", "32", "--checkpoint-every", "1", "--eval-every", "0",
         "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
 

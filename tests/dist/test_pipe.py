@@ -33,7 +33,7 @@ def test_pipe_run_trains_what_the_sync_run_trains(tmp_path):
     responses finish in another order on one rollout rank than on two, so the samples are summed in
     another order; ``adam_eps`` 1 keeps AdamW from blowing that rounding noise up into different
     weights (see tests/dist/scripts/stream_step.py)."""
-    args = ("--policy", "sync", "--train.train-shard-size", "1", "--rollout.temperature", "1.5",
+    args = ("schedule:sync", "--train.train-shard-size", "1", "--rollout.temperature", "1.5",
             "--train.adam-eps", "1")
     plain = run(tmp_path / "plain", *args)
     pipe = run(tmp_path / "pipe", *args, "--schedule.pipe")

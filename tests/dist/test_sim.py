@@ -32,7 +32,7 @@ def sim_cli(*args: str) -> tuple[str, dict]:
 
 
 def test_cli_preset_run_prints_the_breakdown_and_a_gantt(tmp_path):
-    out, figures = sim_cli("--preset", "qwen2.5-7b-8k", "--gpus", "16", "--policy", "tail", "--num-steps", "5",
+    out, figures = sim_cli("--preset", "qwen2.5-7b-8k", "--gpus", "16", "schedule:tail", "--num-steps", "5",
                            "--gantt", str(tmp_path / "gantt.png"))
     assert "short" in out and "long" in out and (tmp_path / "gantt.png").stat().st_size > 0
     assert figures["policy"] == "tail" and figures["short_steps"] == 4 and figures["long_steps"] == 1

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
 CLUSTER = ROOT / "launch" / "slurm" / "local-cluster.sh"
 NUM_ROWS = 48
-ARGS = ["--policy", "tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
+ARGS = ["schedule:tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
         "--rollout.group-size", "4", "--rollout.max-new-tokens", "96", "--num-epochs", "1", "--num-steps", "100",
         "--checkpoint-every", "1", "--eval-every", "0", "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
 

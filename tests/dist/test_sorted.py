@@ -32,7 +32,7 @@ def test_two_rank_runs_train_every_prompt_once_per_epoch(policy, tmp_path):
     from conftest import start_job as launch  # the tail job's flags; later flags win
 
     num_rows = 16  # two load groups of 2 x 4 prompts per epoch
-    extra = ["--policy", policy, "--schedule.sorted-batches", "2", "--data.num-toy-prompts", str(num_rows)]
+    extra = [f"schedule:{policy}", "--schedule.sorted-batches", "2", "--data.num-toy-prompts", str(num_rows)]
     if policy == "sorted_partial":
         extra += ["--train.off-policy", "tis"]
     finish(launch(tmp_path, *extra))

@@ -15,13 +15,13 @@ ONE_EPOCH = ("--engine.kind", "vllm", "--num-epochs", "1")
 """After conftest's TWO_EPOCHS flags (later flags win): one epoch of NUM_ROWS prompts, 4 per step."""
 
 POLICIES = {
-    "sync": ("--policy", "sync"),
-    "tail": ("--policy", "tail"),
-    "sorted": ("--policy", "sorted", "--schedule.sorted-batches", "2"),
-    "sorted_partial": ("--policy", "sorted_partial", "--schedule.sorted-batches", "2", "--train.off-policy", "tis"),
-    "one_step_off": ("--policy", "one_step_off", "--train.off-policy", "tis"),
-    "pipe": ("--policy", "tail", "--schedule.pipe", "--train.train-shard-size", "1"),
-    "stream": ("--policy", "tail", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),
+    "sync": ("schedule:sync"),
+    "tail": ("schedule:tail"),
+    "sorted": ("schedule:sorted", "--schedule.sorted-batches", "2"),
+    "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.off-policy", "tis"),
+    "one_step_off": ("schedule:one_step_off", "--train.off-policy", "tis"),
+    "pipe": ("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"),
+    "stream": ("schedule:tail", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollpacker.config import CONFIGS_DIR, load_preset, parse
+from rollpacker.schedule.config import TailConfig
 
 PRESETS = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
 
@@ -44,9 +45,29 @@ def test_bad_settings_name_the_field(tmp_path):
 
 
 def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
-    with pytest.raises(SystemExit):
-        parse(["--policy", "tial"])
-    assert "tial" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="schedule:tial: no such policy"):
+        parse(["schedule:tial"])
     with pytest.raises(SystemExit):
         parse(["--train.off-policy", "maybe"])
-    assert parse(["--policy", "tail", "--stream.criterion", "kv"]).stream.criterion == "kv"
+    assert parse(["schedule:tail", "--stream.criterion", "kv"]).stream.criterion == "kv"
+
+
+def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
+    tail = parse(["--seed", "3", "schedule:tail", "--schedule.eta-prompts", "1.5", "--num-steps", "4"])
+    assert (tail.policy, tail.schedule, tail.seed, tail.num_steps) == ("tail", TailConfig(eta_prompts=1.5), 3, 4)
+    assert parse(["--policy", "tail", "--schedule.eta-prompts", "1.5"]) == parse(["schedule:tail", "--schedule."
+                                                                                  "eta-prompts", "1.5"])  # old flag
+    assert parse(["--policy=sorted-partial", "--train.off-policy", "tis"]).policy == "sorted_partial"
+    with pytest.raises(SystemExit, match=r"schedule.eta_prompts does not apply to policy sync \(it is a setting "
+                                         r"of tail\)"):
+        parse(["--schedule.eta-prompts", "1.5"])  # the preset's policy is sync
+    preset = tmp_path / "tail.toml"
+    preset.write_text('[schedule]\npolicy = "tail"\neta_responses = 2.0\n')
+    assert parse(["--preset", str(preset), "--schedule.eta-prompts", "1.5"]).schedule == TailConfig(
+        eta_prompts=1.5, eta_responses=2.0)  # a --schedule flag alone applies to the preset's policy
+    preset.write_text('[schedule]\npolicy = "sorted"\neta_prompts = 2.0\n')
+    with pytest.raises(ValueError, match="schedule.eta_prompts does not apply to policy sorted"):
+        load_preset(str(preset))
+    preset.write_text('policy = "tail"\n')
+    with pytest.raises(ValueError, match=r"\[schedule\] policy = 'tail'"):
+        load_preset(str(preset))

@@ -43,7 +43,7 @@ def test_a_resumed_partial_keeps_its_first_length():
 def test_a_cap_too_small_for_the_mixture_is_a_config_error():
     import pytest
 
-    from rollpacker.config import RolloutConfig
+    from rollpacker.rollout.config import RolloutConfig
 
     with pytest.raises(ValueError, match=r"replay_lengths with rollout.max_new_tokens=32: .* use a larger max_new_tokens"):
         RolloutConfig(replay_lengths=True, max_new_tokens=32)

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from rollpacker.bench.schedulers import policy_args
-from rollpacker.config import Config
+from rollpacker.config import Config, parse
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.plan.config import PlanConfig
 from rollpacker.round import _feed
 from rollpacker.schedule.base import Group, Round
-from rollpacker.schedule.config import ScheduleConfig
+from rollpacker.schedule.config import SyncConfig, TailConfig
 from rollpacker.schedule.round import RoundState
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.train.config import StreamConfig, TrainConfig
@@ -87,19 +87,23 @@ def test_engine_admits_the_best_priority_first():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"policy": "sorted_partial", "train": TrainConfig(off_policy="tis")}, "off-policy"),
-    ({"policy": "sorted"}, "frontier-group dispatch"),
     ({"stream": StreamConfig(enabled=True)}, "stream.enabled"),
     ({"plan": PlanConfig(enabled=True)}, "plan.enabled"),
     ({"train": TrainConfig(advantage_norm="batch")}, "schedule.pipe with train.advantage_norm='batch'"),
 ])
 def test_pipe_composition_is_explicit(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        Config(schedule=ScheduleConfig(pipe=True), **kwargs)
-    for policy in ("sync", "tail"):
-        Config(policy=policy, schedule=ScheduleConfig(pipe=True))
+        Config(schedule=SyncConfig(pipe=True), **kwargs)
+    assert Config(schedule=SyncConfig(pipe=True)).pipe and Config(schedule=TailConfig(pipe=True)).pipe
+
+
+@pytest.mark.parametrize("policy", ["sorted", "sorted_partial", "one_step_off"])
+def test_pipe_is_a_setting_of_sync_and_tail_alone(policy, capsys):
+    with pytest.raises(SystemExit, match=rf"schedule.pipe does not apply to policy {policy} \(it is a setting "
+                                         r"of sync, tail\)"):
+        parse([f"schedule:{policy}", "--schedule.pipe", "--train.off-policy", "tis"])
 
 
 def test_bench_names():
-    assert policy_args("pipe") == ["--policy", "sync", "--schedule.pipe"]
-    assert policy_args("tail+pipe") == ["--policy", "tail", "--schedule.pipe"]
+    assert policy_args("pipe") == ["schedule:sync", "--schedule.pipe"]
+    assert policy_args("tail+pipe") == ["schedule:tail", "--schedule.pipe"]

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import SamplingParams
+from rollpacker.schedule.config import POLICY_CONFIGS, OneStepOffConfig, SyncConfig
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelShape, fit_calibration
@@ -20,6 +22,10 @@ from rollpacker.sim.simulate import SimConfig, simulate, simulate_round, summari
 from rollpacker.sim.workload import LengthModel, length_stats, read_length_trace
 
 from conftest import InstantRewards, LengthTableEngine, OneReplica
+
+
+def rollout(num_prompts: int, group_size: int, max_new_tokens: int) -> RolloutConfig:
+    return RolloutConfig(num_prompts=num_prompts, group_size=group_size, max_new_tokens=max_new_tokens)
 
 
 class StepCost:
@@ -245,8 +251,8 @@ def test_length_trace_reads_a_runs_metrics_jsonl(tmp_path):
 def test_a_trace_replays_through_the_simulator(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps({"lengths": [50, 60, 70, 80]}) + "\n" for _ in range(3)))
-    cfg = SimConfig(model="qwen2.5-7b", gpus=2, tp=1, num_prompts=4, group_size=4, max_new_tokens=64,
-                    num_steps=2, policy="sync", trace=str(path))
+    cfg = SimConfig(model="qwen2.5-7b", gpus=2, rollout=rollout(4, 4, 64),
+                    num_steps=2, schedule=SyncConfig(), trace=str(path))
     results = simulate(cfg)
     assert [r.max_length for r in results] == [64, 64]
     assert summarize(results)["all"]["steps"] == 2
@@ -256,9 +262,9 @@ def test_a_trace_replays_through_the_simulator(tmp_path):
 
 
 def test_tail_batching_alternates_short_and_long_rounds_and_shortens_steps():
-    cfg = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=16, group_size=4, max_new_tokens=4096, num_steps=5)
+    cfg = SimConfig(model="qwen2.5-7b", gpus=4, rollout=rollout(16, 4, 4096), num_steps=5)
     tail = simulate(cfg)
-    sync = simulate(replace(cfg, policy="sync"))
+    sync = simulate(replace(cfg, schedule=SyncConfig()))
     assert [r.kind for r in tail] == ["short"] * 4 + ["long"]
     assert np.mean([r.rollout_s for r in tail]) < np.mean([r.rollout_s for r in sync])
     assert all(r.step_s == pytest.approx(r.rollout_s + r.reward_s + r.train_s + r.sync_s) for r in tail)
@@ -268,7 +274,7 @@ def test_the_planner_picks_each_rounds_tp_from_the_simulated_preemptions():
     from rollpacker.plan.config import PlanConfig
     from rollpacker.plan.planner import Planner
 
-    cfg = SimConfig(model="qwen2.5-14b", gpus=8, tp=1, num_prompts=256, group_size=8, max_new_tokens=16384,
+    cfg = SimConfig(model="qwen2.5-14b", gpus=8, rollout=rollout(256, 8, 16384),
                     num_steps=10, planner=True, plan=PlanConfig(quiet_steps=2))
     results = simulate(cfg)
     replay = Planner(cfg.plan, [1, 2, 4, 8], 1)  # the same heuristic, fed the simulated counts independently
@@ -285,8 +291,8 @@ def test_the_planner_picks_each_rounds_tp_from_the_simulated_preemptions():
 
 @pytest.mark.parametrize("policy", ["sorted", "sorted_partial"])
 def test_sortedrl_runs_in_the_simulator_and_partial_mode_resumes_what_it_cut(policy):
-    cfg = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=8, group_size=4, max_new_tokens=4096,
-                    num_steps=4, policy=policy, sorted_batches=2)
+    cfg = SimConfig(model="qwen2.5-7b", gpus=4, rollout=rollout(8, 4, 4096),
+                    num_steps=4, schedule=POLICY_CONFIGS[policy](sorted_batches=2))
     results = simulate(cfg, record=True)
     assert [r.kind for r in results] == ["sorted"] * 4
     assert all(len(r.record.groups) == 8 for r in results)  # P0 groups every round
@@ -374,7 +380,7 @@ def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
 
     rnd, _ = stream_round(ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1,
                                     max_new_tokens=10))
-    cfg = SimConfig(model="qwen2.5-7b", gpus=2, tp=1, reward_scheduler=True, stream=True)
+    cfg = SimConfig(model="qwen2.5-7b", gpus=2, rollout=RolloutConfig(tp=1), reward_scheduler=True, stream=True)
     cost = cfg.cost()
     streamed = step_times(0, rnd, cfg, cost)
     plain = step_times(0, replace(rnd, scaled_at=None), cfg, cost)
@@ -431,8 +437,8 @@ def test_the_simulator_drives_the_decision_the_controllers_stream_trainer_uses()
 
 
 def test_the_whole_job_with_the_stream_trainer_hides_training_under_rollout():
-    cfg = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=16, group_size=4, max_new_tokens=4096,
-                    num_steps=3, policy="sync", reward_scheduler=True, stream=True)
+    cfg = SimConfig(model="qwen2.5-7b", gpus=4, rollout=rollout(16, 4, 4096),
+                    num_steps=3, schedule=SyncConfig(), reward_scheduler=True, stream=True)
     stream, plain = simulate(cfg), simulate(replace(cfg, stream=False))
     assert all(r.scaled_down for r in stream) and not any(r.scaled_down for r in plain)
     for s, p in zip(stream, plain):
@@ -446,9 +452,10 @@ def test_one_step_off_overlaps_the_next_rollout_with_training_on_its_own_gpus():
     the same lengths) train in twice the GPU time share; each batch after the first is one step
     stale, and a step is the training GPUs' wait for the batch (its rollout and scoring, less the
     previous step's training they ran under), training and the weight sync."""
-    base = SimConfig(model="qwen2.5-7b", gpus=4, tp=1, num_prompts=8, group_size=2, max_new_tokens=2048,
+    base = SimConfig(model="qwen2.5-7b", gpus=4, rollout=rollout(8, 2, 2048),
                      num_steps=4)
-    sync, off = simulate(replace(base, policy="sync")), simulate(replace(base, policy="one_step_off"), record=True)
+    sync, off = simulate(replace(base, schedule=SyncConfig())), simulate(replace(base, schedule=OneStepOffConfig()),
+                                                                    record=True)
     overhead = base.cost().calib.train_overhead_s
     for a, b in zip(sync, off, strict=True):
         assert b.trained_tokens == a.trained_tokens
@@ -459,4 +466,18 @@ def test_one_step_off_overlaps_the_next_rollout_with_training_on_its_own_gpus():
         wait = max(0.0, r.rollout_s + r.reward_s - prev.train_s)
         assert r.wait_s == pytest.approx(wait) and r.step_s == pytest.approx(wait + r.train_s + r.sync_s)
     with pytest.raises(ValueError, match="does not divide the 3 GPUs rolling out"):
-        SimConfig(policy="one_step_off", gpus=6, tp=2, rollout_gpus=3)
+        SimConfig(schedule=OneStepOffConfig(rollout_ranks=3), gpus=6, rollout=RolloutConfig(tp=2))
+
+
+def test_the_cli_embeds_the_runs_rollout_and_schedule_settings_and_reads_the_old_flags():
+    from rollpacker.schedule.config import TailConfig
+    from rollpacker.sim.__main__ import parse
+
+    cfg, _, _ = parse(["--preset", "qwen2.5-7b-8k", "schedule:tail", "--schedule.eta-prompts", "1.5",
+                       "--rollout.num-prompts", "64", "--gpus", "8"])
+    assert cfg.schedule == TailConfig(eta_prompts=1.5) and cfg.gpus == 8
+    assert (cfg.rollout.num_prompts, cfg.rollout.group_size, cfg.rollout.max_new_tokens) == (64, 8, 8192)
+    old, _, _ = parse(["--preset", "qwen2.5-7b-8k", "--policy", "one_step_off", "--rollout-gpus", "8", "--tp", "2"])
+    new, _, _ = parse(["--preset", "qwen2.5-7b-8k", "schedule:one_step_off", "--schedule.rollout-ranks", "8",
+                       "--rollout.tp", "2"])
+    assert old == new and (new.rollout_pool, new.train_pool, new.num_replicas) == (8, 8, 4)

@@ -41,8 +41,8 @@ def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     times = simulate_run(argv, flat)
     cfg = parse(argv)
     assert len(times) == 3
-    policy = build_policy("sync", PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
-                          cfg.rollout.num_prompts, cfg.rollout.group_size, cfg.schedule)
+    policy = build_policy(cfg.schedule, PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
+                          cfg.rollout.num_prompts, cfg.rollout.group_size)
     forced = LengthReplay(cfg.seed, cfg.rollout.max_new_tokens).draw
     for step, seconds in enumerate(times):
         plan = policy.start_round(step)

@@ -290,16 +290,16 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
 
 def test_config_accepts_sorted_and_asks_partial_mode_for_a_correction():
     from rollpacker.config import Config, parse
-    from rollpacker.schedule.config import ScheduleConfig
+    from rollpacker.schedule.config import SortedConfig, SortedPartialConfig
     from rollpacker.train.config import TrainConfig
 
-    config = parse(["--policy", "sorted", "--schedule.sorted-batches", "2"])
+    config = parse(["schedule:sorted", "--schedule.sorted-batches", "2"])
     assert (config.policy, config.schedule.sorted_batches, config.train.off_policy) == ("sorted", 2, "none")
     with pytest.raises(ValueError, match="sorted_partial with train.off_policy='none'"):
-        Config(policy="sorted_partial")
-    assert parse(["--policy", "sorted_partial", "--train.off-policy", "tis"]).train.tis_cap == 2.0
+        Config(schedule=SortedPartialConfig())
+    assert parse(["schedule:sorted_partial", "--train.off-policy", "tis"]).train.tis_cap == 2.0
     with pytest.raises(ValueError, match="schedule.sorted_batches"):
-        ScheduleConfig(sorted_batches=0)
+        SortedConfig(sorted_batches=0)
     with pytest.raises(ValueError, match="train.off_policy"):
         TrainConfig(off_policy="vtrace")
     with pytest.raises(ValueError, match="train.tis_cap"):
