@@ -11,11 +11,13 @@ When a step was logged twice (a resumed run), its last line wins.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from numbers import Real
 from pathlib import Path
+
+import tyro
 
 STAGES = ("time/rollout", "time/reward", "time/train", "time/weight_sync")
 LENGTHS = "rollout/response_lengths"
@@ -165,14 +167,18 @@ def write_report(run_dir: Path) -> list[Path]:
     return written
 
 
+@dataclass
+class Args:
+    """Plot a run's metrics.jsonl into RUN_DIR/plots/."""
+
+    run_dir: tyro.conf.Positional[Path]
+    """A run directory holding metrics.jsonl."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rollpacker.report", description="Plot a run's metrics.jsonl into RUN_DIR/plots/."
-    )
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory holding metrics.jsonl")
-    args = parser.parse_args(argv)
+    run_dir = tyro.cli(Args, args=argv, prog="python -m rollpacker.report").run_dir
     try:
-        paths = write_report(args.run_dir)
+        paths = write_report(run_dir)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

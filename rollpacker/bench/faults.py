@@ -14,7 +14,6 @@ detection, torchrun's restart, model loading, the resume and one step; over reco
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -24,7 +23,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+
+import tyro
 
 FAULTS = ("kill_rank", "kill_during_save", "stop_rank", "disk_full")
 NUM_ROWS = 24
@@ -126,13 +128,20 @@ def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, 
             "recovery_s": round(resumed - injected, 1) if resumed and injected else None}
 
 
+@dataclass
+class Args:
+    runs: int = 20
+    """Faulty runs."""
+    seed: int = 0
+    """Seeds the faults, ranks and points."""
+    limit_s: float = 900.0
+    """Outer time limit of one run (past it: a hang)."""
+    work_dir: str = ""
+    """Where runs go (empty: a temporary directory)."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rollpacker.bench faults", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=20, help="faulty runs")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the faults, ranks and points")
-    parser.add_argument("--limit-s", type=float, default=900.0, help="outer time limit of one run (a hang)")
-    parser.add_argument("--work-dir", default="", help="where runs go (default: a temporary directory)")
-    args = parser.parse_args(argv)
+    args = tyro.cli(Args, args=argv, prog="python -m rollpacker.bench faults", description=__doc__.split("\n\n")[0])
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollpacker-faults-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     proc, log = launch(work / "reference")

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import tyro
 
@@ -43,7 +44,7 @@ class Args:
     """Tokens per chunk of the torch path (the trainer's default)."""
     grad_weight_rows: int = 8192
     """Vocab rows of the kernel's fp32 scratch for a bf16 head's grad (its default)."""
-    dtype: str = "bf16"
+    dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of hidden and weight in the computed (and CUDA-measured) figures: bf16 or fp32."""
     measure_tokens: int = 128
     """T of the CPU measurement (the kernel runs under the slow interpreter there)."""
@@ -138,8 +139,6 @@ def gib(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv)
-    if args.dtype not in ("bf16", "fp32"):
-        raise SystemExit(f"--dtype must be bf16 or fp32, got {args.dtype!r}")
     import torch
 
     from rollpacker.kernels import triton_available

@@ -19,15 +19,15 @@ CLI, for debugging a reward by hand (prints one JSON line, exits 1 unless every 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollpacker.reward.rules import RewardError
-from rollpacker.reward.sandbox import ISOLATIONS, Sandbox, SandboxConfig, SandboxUnavailable
+from rollpacker.reward.sandbox import Isolation, Sandbox, SandboxConfig, SandboxUnavailable
 
 _CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -104,18 +104,29 @@ class AdaptiveTimeout:
         self.anchors = {str(k): float(v) for k, v in state["anchors"].items()}
 
 
+@dataclass(kw_only=True)
+class CheckArgs:
+    code: Path
+    """The Python program to run."""
+    tests: Path
+    """JSON list of {"input": stdin, "output": expected stdout}."""
+    timeout: float = 2.0
+    """Seconds per test."""
+    isolation: Isolation = "auto"
+    """OS isolation (none: no isolation, only for code you trust)."""
+    python: str = ""
+    """Interpreter for the program (empty: this one if the sandbox can run it)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rollpacker.reward.code", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--code", required=True, help="the Python program to run")
-    parser.add_argument("--tests", required=True, help='JSON list of {"input": stdin, "output": expected stdout}')
-    parser.add_argument("--timeout", type=float, default=2.0, help="seconds per test (default 2)")
-    parser.add_argument("--isolation", default="auto", choices=ISOLATIONS, help="none: no isolation (default: auto)")
-    parser.add_argument("--python", default="", help="interpreter for the program (default: this one if the sandbox can run it)")
-    args = parser.parse_args(argv)
-    program = Path(args.code).read_text()
-    tests = json.loads(Path(args.tests).read_text())
+    import tyro
+
+    args = tyro.cli(CheckArgs, args=argv, prog="python -m rollpacker.reward.code", description=__doc__.split("\n\n")[0])
+    program = args.code.read_text()
+    tests = json.loads(args.tests.read_text())
     if not isinstance(tests, list) or not all(isinstance(t, dict) and "output" in t for t in tests):
-        parser.error(f'{args.tests}: expected a JSON list of {{"input": ..., "output": ...}} objects')
+        print(f'{args.tests}: expected a JSON list of {{"input": ..., "output": ...}} objects', file=sys.stderr)
+        return 2
     try:
         box = Sandbox(SandboxConfig(isolation=args.isolation, python=args.python))
     except SandboxUnavailable as e:

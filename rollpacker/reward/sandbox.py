@@ -42,10 +42,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 logger = logging.getLogger(__name__)
 
-ISOLATIONS = ("auto", "bwrap", "unshare", "none")
+Isolation = Literal["auto", "bwrap", "unshare", "none"]
+ISOLATIONS = get_args(Isolation)
 VERDICTS = ("PASS", "WRONG", "TIMEOUT", "MEMORY", "OUTPUT_LIMIT", "RUNTIME_ERROR", "SANDBOX_ERROR")
 NOBODY = 65534
 MASKED = ("/root", "/home", "/run")
@@ -58,7 +60,7 @@ INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
 
 @dataclass(kw_only=True)
 class SandboxConfig:
-    isolation: str = "auto"
+    isolation: Isolation = "auto"
     """OS isolation for code rewards: auto (bwrap, else unshare), bwrap, unshare, or none (no isolation: only for code you trust)."""
     python: str = ""
     """Interpreter that runs the programs; empty = this one, or /usr/bin/python3 if the sandbox user cannot run this one."""

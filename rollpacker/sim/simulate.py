@@ -49,6 +49,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 
@@ -70,9 +71,9 @@ from rollpacker.train.stream import ScaleDown
 
 @dataclass(kw_only=True)
 class SimConfig:
-    model: str = "qwen2.5-14b"
+    model: Literal["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"] = "qwen2.5-14b"
     """Actor model: one of rollpacker.sim.cost.MODELS."""
-    hardware: str = "H800"
+    hardware: Literal["H800", "H100", "H200"] = "H800"
     """GPU kind: one of rollpacker.sim.cost.HARDWARE (the paper's cluster is H800)."""
     gpus: int = 32
     """GPUs of the job: rollout replicas of TP size rollout.tp, then all of them train (one_step_off: its pools)."""
