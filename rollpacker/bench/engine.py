@@ -321,7 +321,6 @@ def run(cfg: EngineBenchConfig) -> dict:
     """Every measurement; prints the tables and returns the summary (the JSON line)."""
     import torch
     from rich.console import Console
-    from rich.table import Table
 
     from rollpacker.model import load_model
 
@@ -361,41 +360,15 @@ def run(cfg: EngineBenchConfig) -> dict:
     peak = peak_flops(cfg.matmul_size, cfg.matmul_reps)
     context = cfg.prompt_len + cfg.max_new_tokens / 2
     fpt = flops_per_token(model, context)
-    results: dict[int, dict[str, Throughput]] = {}
-    direct: dict[int, float] = {}
     with torch.inference_mode():
-        for b in cfg.batch_sizes:
-            prompts = random_prompts(b, cfg.prompt_len, args.vocab_size, avoid, cfg.seed + b)
-            warm = min(cfg.warmup_tokens, cfg.max_new_tokens)
-
-            def call(kind: str, n: int) -> Throughput:
-                return run_hf(hf, prompts, n, pad_id) if kind == "hf" else run_engine(engines[kind], prompts, n)
-
-            for kind in cfg.engines:
-                call(kind, warm)
-            runs = [{kind: call(kind, cfg.max_new_tokens) for kind in cfg.engines} for _ in range(cfg.repeats)]
-            results[b] = {kind: min((r[kind] for r in runs), key=lambda r: r.total_s) for kind in cfg.engines}
-            if "vllm" in engines:  # the adapter against vLLM driven directly, alternating
-                direct[b] = min(run_vllm_direct(engines["vllm"], prompts, cfg.max_new_tokens)
-                                for _ in range(cfg.repeats))
-
+        results, direct = measure_batches(cfg, engines, hf, args.vocab_size, avoid, pad_id)
         step_ms = {
             kind: {n: decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid, cfg.decode_steps, cfg.seed)
                    for n in cfg.decode_batch_sizes}
             for kind, engine in engines.items()
         }
-
-        ragged = {}
-        if cfg.ragged_requests:
-            stream = ragged_stream(cfg.ragged_requests, cfg.prompt_len, cfg.max_new_tokens, args.vocab_size, avoid,
-                                   cfg.seed)
-            for kind in kinds:
-                engines[kind].shutdown()  # vLLM: one engine per process at a time
-                engines[kind] = build_engine(kind, path, model, cfg.ragged_running,
-                                             2 * (cfg.prompt_len + cfg.max_new_tokens))
-                run_ragged(engines[kind], stream[: max(1, len(stream) // 4)])  # warm-up
-                ragged[kind] = min((run_ragged(engines[kind], stream) for _ in range(cfg.repeats)),
-                                   key=lambda r: r[0])
+        ragged = measure_ragged(cfg, engines, lambda kind, seqs, length: build_engine(kind, path, model, seqs, length),
+                                args.vocab_size, avoid) if cfg.ragged_requests else {}
         for engine in engines.values():
             engine.shutdown()
 
@@ -409,18 +382,7 @@ def run(cfg: EngineBenchConfig) -> dict:
     )
 
     curves = {kind: {n: statistics.median(ms) for n, ms in by_n.items()} for kind, by_n in step_ms.items()}
-    curve_table = Table(title=f"Decode step vs running requests (context {cfg.prompt_len + 2}.."
-                              f"{cfg.prompt_len + cfg.decode_steps + 1} tokens, median of {cfg.decode_steps})")
-    curve_table.add_column("running", justify="right")
-    for kind in curves:
-        for col in ("ms / step", "vs 1 running", "tok/s"):
-            curve_table.add_column(f"{NAMES[kind]} {col}", justify="right")
-    for n in cfg.decode_batch_sizes:
-        row = [str(n)]
-        for curve in curves.values():
-            row += [f"{curve[n]:.2f}", f"{curve[n] / curve[min(curve)]:.2f}x", f"{1e3 * n / curve[n]:,.0f}"]
-        curve_table.add_row(*row)
-    console.print(curve_table)
+    console.print(curve_table(cfg, curves))
 
     for kind, (seconds, generated) in ragged.items():
         console.print(
@@ -446,6 +408,59 @@ def run(cfg: EngineBenchConfig) -> dict:
         cfg.out.write_text(json.dumps(record, indent=2) + "\n")
         console.print(f"decode curve ({NAMES[kinds[0]]}) written to {cfg.out}")
     return summary
+
+
+def measure_batches(cfg: EngineBenchConfig, engines: dict, hf, vocab_size: int, avoid: set[int], pad_id: int
+                    ) -> tuple[dict[int, dict[str, Throughput]], dict[int, float]]:
+    """Per batch size, every engine's best of ``cfg.repeats`` generate calls on the same prompts (after
+    a warm-up call each), and vLLM driven directly (alternating with its adapter) when it runs."""
+    results: dict[int, dict[str, Throughput]] = {}
+    direct: dict[int, float] = {}
+    for b in cfg.batch_sizes:
+        prompts = random_prompts(b, cfg.prompt_len, vocab_size, avoid, cfg.seed + b)
+
+        def call(kind: str, n: int) -> Throughput:
+            return run_hf(hf, prompts, n, pad_id) if kind == "hf" else run_engine(engines[kind], prompts, n)
+
+        for kind in cfg.engines:
+            call(kind, min(cfg.warmup_tokens, cfg.max_new_tokens))
+        runs = [{kind: call(kind, cfg.max_new_tokens) for kind in cfg.engines} for _ in range(cfg.repeats)]
+        results[b] = {kind: min((r[kind] for r in runs), key=lambda r: r.total_s) for kind in cfg.engines}
+        if "vllm" in engines:
+            direct[b] = min(run_vllm_direct(engines["vllm"], prompts, cfg.max_new_tokens) for _ in range(cfg.repeats))
+    return results, direct
+
+
+def measure_ragged(cfg: EngineBenchConfig, engines: dict, build, vocab_size: int, avoid: set[int]
+                   ) -> dict[str, tuple[float, int]]:
+    """Each engine, rebuilt by ``build(kind, max_seqs, max_len)`` with ``cfg.ragged_running`` slots
+    (replacing ``engines[kind]``), on the same ragged stream: its best (seconds, generated tokens)."""
+    stream = ragged_stream(cfg.ragged_requests, cfg.prompt_len, cfg.max_new_tokens, vocab_size, avoid, cfg.seed)
+    ragged = {}
+    for kind in list(engines):
+        engines[kind].shutdown()  # vLLM: one engine per process at a time
+        engines[kind] = build(kind, cfg.ragged_running, 2 * (cfg.prompt_len + cfg.max_new_tokens))
+        run_ragged(engines[kind], stream[: max(1, len(stream) // 4)])  # warm-up
+        ragged[kind] = min((run_ragged(engines[kind], stream) for _ in range(cfg.repeats)), key=lambda r: r[0])
+    return ragged
+
+
+def curve_table(cfg: EngineBenchConfig, curves: dict[str, dict[int, float]]):
+    """The decode step's cost by running requests, per engine, and against 1 running."""
+    from rich.table import Table
+
+    table = Table(title=f"Decode step vs running requests (context {cfg.prompt_len + 2}.."
+                        f"{cfg.prompt_len + cfg.decode_steps + 1} tokens, median of {cfg.decode_steps})")
+    table.add_column("running", justify="right")
+    for kind in curves:
+        for col in ("ms / step", "vs 1 running", "tok/s"):
+            table.add_column(f"{NAMES[kind]} {col}", justify="right")
+    for n in cfg.decode_batch_sizes:
+        row = [str(n)]
+        for curve in curves.values():
+            row += [f"{curve[n]:.2f}", f"{curve[n] / curve[min(curve)]:.2f}x", f"{1e3 * n / curve[n]:,.0f}"]
+        table.add_row(*row)
+    return table
 
 
 def throughput_table(console, cfg: EngineBenchConfig, results: dict[int, dict[str, Throughput]],
