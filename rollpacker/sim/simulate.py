@@ -285,16 +285,7 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
                 lambda: [(seqs[rid].prompt_tokens, replicas[state.replica(rid)].generated_at(seqs[rid], now))
                          for rid in state.outstanding]):
             scaled_at, scaled_frac, fetching = now, state.num_complete / plan.keep, True
-            state.scale_down(stream.kept_replicas)
-            state.migrating.clear()  # migrated at once: aborted and added again in this same instant
-            for replica in replicas[state.active:]:  # freed: everything leaves, the outstanding requests migrate
-                to_abort.pop(replica.index, None)
-                leaving = replica.abort_all(now) + adds.pop(replica.index, [])
-                for seq in sorted(leaving, key=lambda s: s.id):
-                    if seq.id in state.outstanding:  # prefilled again with its prompt and generated tokens
-                        adds[state.route(seq.id)].append(seq)
-                    else:
-                        aborted.append(seq)
+            _scale_down(state, stream.kept_replicas, replicas, now, to_abort, adds, aborted)
         if fetching:  # the complete groups go to the freed GPUs (once, capped, with a fetch cap)
             cap = stream.config.fetch_cap
             streamed += [(now, g) for g in state.take_complete(cap)]
@@ -320,6 +311,23 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         bubble_ratio=bubble_ratio(trace, state.num_launched, now), completions=completions,
         busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
         scaled_at=scaled_at, scaled_frac=scaled_frac, num_freed=len(replicas) - state.active, streamed=streamed)
+
+
+def _scale_down(state: RoundState, kept: int, replicas: list[Replica], now: float, to_abort: dict[int, list[str]],
+                adds: dict[int, list[Seq]], aborted: list[Seq]) -> None:
+    """The stream trainer frees the replicas past ``kept`` at ``now``: everything leaves them, and the
+    outstanding requests migrate at once (aborted and added again in this same instant, prefilled
+    again with their prompt and generated tokens); ``to_abort`` and ``adds`` lose the freed ones'."""
+    state.scale_down(kept)
+    state.migrating.clear()
+    for replica in replicas[state.active:]:
+        to_abort.pop(replica.index, None)
+        leaving = replica.abort_all(now) + adds.pop(replica.index, [])
+        for seq in sorted(leaving, key=lambda s: s.id):
+            if seq.id in state.outstanding:
+                adds[state.route(seq.id)].append(seq)
+            else:
+                aborted.append(seq)
 
 
 def _next_event(events: list[tuple[float, int, int]], replicas: list[Replica], finished: list[Seq],
