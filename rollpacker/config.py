@@ -63,11 +63,11 @@ class Config:
     """Where metrics, checkpoints and plots go."""
     seed: int = 0
     """Seeds sampling and everything else random."""
-    num_steps: int = 20
+    num_steps: int = 200
     """RL steps to run (one optimizer step each)."""
     num_epochs: int = 0
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
-    eval_every: int = 0
+    eval_every: int = 25
     """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""

@@ -44,7 +44,7 @@ class DataConfig:
     """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
     eval_path: str = ""
     """JSONL file of held-out prompts for evaluation; empty = held-out toy problems (toy data only)."""
-    num_eval_prompts: int = 128
+    num_eval_prompts: int = 256
     """Held-out prompts per evaluation (the first this many of the eval set)."""
     skip_bad_lines: bool = False
     """Skip JSONL lines that are not valid rows (logging how many and where) instead of stopping at the first."""

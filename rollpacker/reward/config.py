@@ -80,7 +80,7 @@ class JudgeConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    num_workers: int = 4
+    num_workers: int = 2
     """Reward worker processes: each scores one sample at a time and is killed if it hangs (0: score
     inline in the controller, for debugging: nothing can stop a hung reward there)."""
     timeout: float = 10.0

@@ -13,7 +13,7 @@ class RolloutConfig:
     """P0: prompts trained per step."""
     group_size: int = 8
     """R0: responses per prompt (the GRPO group)."""
-    max_new_tokens: int = 512
+    max_new_tokens: int = 400
     """Longest response."""
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same)."""
@@ -58,7 +58,7 @@ class EngineConfig:
     """vllm: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
     block_size: int = 16
     """Tokens per KV block."""
-    kv_memory_mb: float = 512.0
+    kv_memory_mb: float = 256.0
     """KV cache budget per rank in MiB; when it is full, requests are preempted."""
     memory_mb: float = 0.0
     """Engine memory per rank in MiB, weights included: when set, the KV cache gets what this rank's

@@ -21,9 +21,9 @@ from typing import Literal
 class TrainConfig:
     skip: bool = False
     """Roll out and score only: no optimizer step, no weight push (rollout measured alone)."""
-    lr: float = 1e-5
+    lr: float = 2e-4
     """Peak AdamW learning rate."""
-    warmup_steps: int = 0
+    warmup_steps: int = 10
     """Linear warm-up from 0 to lr over this many optimizer steps."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
@@ -33,7 +33,7 @@ class TrainConfig:
     """AdamW betas."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int = 4096
     """Token budget of one forward/backward micro-batch per rank (a longer sample goes alone)."""
     clip_low: float = 0.2
     """PPO ratio clip below 1 (1 - clip_low)."""

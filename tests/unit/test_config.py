@@ -23,6 +23,12 @@ def test_every_preset_builds(name):
         config.check_world(config.rollout.tp * 2)
 
 
+def test_one_set_of_defaults_a_bare_config_is_the_default_job():
+    from rollpacker.config import Config
+
+    assert parse([]) == load_preset("toy-cpu") == Config()
+
+
 def test_flags_override_the_preset():
     config = parse(["--preset", "qwen2.5-7b-8k", "--rollout.num-prompts", "64", "--train.lr", "2e-6"])
     assert config.rollout.num_prompts == 64 and config.train.lr == 2e-6
