@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from conftest import launch_job, torchrun
 from rollpacker.plan.planner import best_tp
@@ -79,8 +78,10 @@ def test_planner_bench_smoke(capsys):
           "--plan.profile-contexts", "32", "--plan.profile-steps", "2"])
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
-    for v in ("planner", "paper", "tp2"):  # speedups are the fixed-TP-1 step time over the variant's
-        assert summary[f"speedup_{v}"] == pytest.approx(summary["step_time_tp1"] / summary[f"step_time_{v}"], abs=2e-3)
+    base = summary["step_time_tp1"]
+    for v in ("planner", "paper", "tp2"):  # the fixed-TP-1 step time over the variant's, both rounded to 1e-3
+        t = summary[f"step_time_{v}"]
+        assert (base - 5e-4) / (t + 5e-4) - 5e-4 <= summary[f"speedup_{v}"] <= (base + 5e-4) / (t - 5e-4) + 5e-4
     assert summary["tp_switches"] in (0, 1, 2) and summary["tp_switches_paper"] in (0, 1, 2)  # one per step at most
     assert {"preemptions_short_tp1", "rollout_short_tp2", "step_time_planner"} <= set(summary)
     assert any(line.startswith("TP of short rounds") for line in lines)
