@@ -15,8 +15,8 @@ ONE_EPOCH = ("--engine.kind", "vllm", "--num-epochs", "1")
 """After conftest's TWO_EPOCHS flags (later flags win): one epoch of NUM_ROWS prompts, 4 per step."""
 
 POLICIES = {
-    "sync": ("schedule:sync"),
-    "tail": ("schedule:tail"),
+    "sync": ("schedule:sync",),
+    "tail": ("schedule:tail",),
     "sorted": ("schedule:sorted", "--schedule.sorted-batches", "2"),
     "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.off-policy", "tis"),
     "one_step_off": ("schedule:one_step_off", "--train.off-policy", "tis"),

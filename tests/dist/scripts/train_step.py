@@ -52,7 +52,7 @@ def main(path: str) -> None:
         # a small token budget: several micro-batches, and unequal counts over the 2 ranks
         # adam_eps=1 keeps Adam's first step linear in the gradient: elements whose true gradient is
         # ~0 (e.g. key biases under RoPE) would otherwise turn float noise into +-lr updates.
-        cfg = TrainConfig(lr=1e-2, micro_batch_tokens=40, aggregation=aggregation, grad_clip=0.5,
+        cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40, aggregation=aggregation, grad_clip=0.5,
                           weight_decay=0.01, adam_eps=1.0)
         trainer = Trainer(load_model(path), cfg, meshes.train, temperature=0.8)
         stats = trainer.step(samples)
