@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 class CheckpointConfig:
     keep: int = 0
     """Keep the newest this many committed checkpoints, deleting older ones once a new one is committed (0 = all)."""
+    export_hf: bool = True
+    """At the run's end, also write the policy as a Hugging Face model (weights, config, tokenizer) in run_dir/hf."""
 
     def __post_init__(self) -> None:
         if self.keep < 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.dist import Meshes, build_meshes, init_distributed
-from rollpacker.model import empty_model, engine_dtype, load_model
+from rollpacker.model import INDEX, checkpoint_dtype, empty_model, engine_dtype, load_model, save_model
 from rollpacker.rollout import build_engine
 from rollpacker.rollout.config import resolve_kind
 from rollpacker.rollout.engine import Engine
@@ -86,6 +87,20 @@ class Job:
         state = self.controller.state_dict(policy_state) if self.controller else None
         checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
                         keep=self.config.checkpoint.keep)
+
+    def export(self, path: Path) -> None:
+        """Collective over the training ranks: the policy as a Hugging Face directory (weights in the
+        dtype of the model's ``config.json``, its config and tokenizer), to serve or evaluate."""
+        if self.trainer is None:
+            return
+        writer = self.meshes.rank == self.meshes.train_ranks[0]
+        model = self.trainer.model
+        save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args))
+        if writer:
+            for file in self.model_dir.iterdir():  # the tokenizer, and whatever else is not weights or config
+                if file.is_file() and file.name not in ("config.json", INDEX) and file.suffix != ".safetensors":
+                    shutil.copy2(file, path / file.name)
+            logger.info("the policy as a Hugging Face model: %s", path)
 
     def close(self) -> None:
         """The engine shut down, last: vLLM's shutdown destroys the default process group."""

@@ -30,16 +30,13 @@ logger = logging.getLogger(__name__)
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = ""
-    """JSONL file of real data (one object per line: string 'prompt', and string 'answer' or, for code,
-    'tests': [{"input": stdin, "output": expected stdout}, ...]; for the judge, 'prompt' and an optional
-    'rubric' template); empty = generate the toy task."""
+    """JSONL of real data: 'prompt' and 'answer' (math), or 'tests' (code); empty = generate the toy task."""
     num_toy_prompts: int = 2048
     """Number of toy problems to generate (only used when path is empty)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
     reward: Literal["toy", "math", "code", "judge"] = "toy"
-    """Which reward scores this data: 'toy', 'math', 'code' or 'judge' (the LLM judge of reward.judge);
-    rows with 'tests' are always scored as code."""
+    """Which reward scores this data (judge: reward.judge's LLM); rows with 'tests' are always scored as code."""
     shuffle_seed: int = 0
     """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
     eval_path: str = ""

@@ -23,6 +23,8 @@ def train(job) -> int:
         job.save(step)  # the final state, also when the data ran out before num_steps (num_epochs) or on a stop
     if stop and ctl:
         logger.info("stopped on %s after %d steps: checkpoint saved, resume with --resume auto", stop, step)
+    if cfg.checkpoint.export_hf and not stop:
+        job.export(Path(cfg.run_dir) / "hf")
     if cfg.eval_every and job.engine is not None and not stop:
         final = colocated.evaluate(job, step)
         if ctl:

@@ -93,21 +93,26 @@ def empty_model(args: ModelArgs, device: torch.device | str, dtype: torch.dtype)
     return model
 
 
-def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = 5 << 30) -> None:
-    """Write ``model`` as a Hugging Face directory (``config.json`` is written back unchanged).
+def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = 5 << 30, *, write: bool = True,
+               dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` as a Hugging Face directory (``config.json`` is written back unchanged), its
+    tensors in ``dtype`` (None: as they are).
 
     DTensor parameters are gathered with ``full_tensor()``, a collective: call it on every rank
-    of their mesh (only the files of the calling rank are written).
+    of their mesh, with ``write`` True on the one rank that writes (the others keep no copy).
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and model.args.tie_word_embeddings:
             continue
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        state[name if name == "lm_head.weight" else f"model.{name}"] = t.detach().cpu().contiguous()
+        if write:
+            state[name if name == "lm_head.weight" else f"model.{name}"] = t.detach().to("cpu", dtype).contiguous()
+    if not write:
+        return
+    path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, t in state.items():
@@ -128,6 +133,13 @@ def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = 5 <<
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in state.values())
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def checkpoint_dtype(args: ModelArgs) -> torch.dtype | None:
+    """The dtype ``config.json`` names for the weights (``dtype``, or ``torch_dtype`` before transformers
+    v5), or None when it names none."""
+    name = args.hf_config.get("dtype") or args.hf_config.get("torch_dtype")
+    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else None
 
 
 def engine_dtype(name: str, device: torch.device) -> torch.dtype:

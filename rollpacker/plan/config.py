@@ -1,4 +1,10 @@
-"""Parallelism planner settings (no torch import here: configs parse before heavy imports)."""
+"""Parallelism planner settings (no torch import here: configs parse before heavy imports).
+
+With ``enabled``, the first step runs at the profile's best TP (or ``initial_tp``); then, per round
+kind, TP doubles when a step's preemptions jump above ``raise_factor`` times the recent level and
+halves after ``quiet_steps`` steps without preemption, and ``profile_guard`` vetoes a change the
+profile estimates slower for the round just seen (:mod:`rollpacker.plan.planner`).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,9 @@ from dataclasses import dataclass
 @dataclass(kw_only=True)
 class PlanConfig:
     enabled: bool = False
-    """Choose the rollout TP per step (paper §4.2): the profile's best TP first, then TP doubles on a
-    jump in preemptions and halves after a quiet spell; rollout.tp is then ignored."""
+    """Choose the rollout TP per step from the profile and the preemptions (paper §4.2); rollout.tp is then ignored."""
     profile: str = ""
-    """Profile file written by python -m rollpacker.plan.profile; empty: the cached one under
-    profile_dir, profiled at start when there is none for this (model, device, world)."""
+    """Profile file from python -m rollpacker.plan.profile; empty: the one cached under profile_dir (made at start)."""
     profile_dir: str = "runs/profiles"
     """Where profiles are cached, one file per (model, device, world, engine settings)."""
     initial_tp: int = 0
@@ -26,8 +30,7 @@ class PlanConfig:
     max_tp: int = 0
     """Largest TP; 0 = the ranks of one node (LOCAL_WORLD_SIZE): TP never crosses a node."""
     profile_guard: bool = True
-    """Veto a TP change that the profile estimates slower for the round just seen (its requests and
-    response lengths); False: the paper's preemption heuristic alone."""
+    """Veto a TP change the profile estimates slower for the round just seen; False: the paper's heuristic alone."""
     per_kind: bool = True
     """Short and long rounds keep separate TPs (False: one TP for every round)."""
     profile_batches: tuple[int, ...] = (1, 4, 16, 64)

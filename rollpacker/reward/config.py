@@ -38,11 +38,9 @@ def check_rubric(rubric: str, name: str = "judge.rubric") -> None:
 @dataclass(kw_only=True)
 class JudgeConfig:
     model_path: str = ""
-    """Hugging Face directory of the judge model and its tokenizer (any model rollpacker's loader reads);
-    needed when data.reward is judge."""
+    """Hugging Face directory of the judge model and its tokenizer; needed when data.reward is judge."""
     rubric: str = DEFAULT_RUBRIC
-    """The judge prompt: a template with {prompt} and {response} that ends where the score goes (a data row's
-    own 'rubric' replaces it for that row)."""
+    """The judge prompt: {prompt} and {response} in a template ending where the score goes (a row's 'rubric' wins)."""
     max_score: int = 9
     """Scores are the integers 0..max_score, each a single token; reward = score / max_score."""
     dtype: JudgeDtype = "auto"
@@ -81,8 +79,7 @@ class JudgeConfig:
 @dataclass(kw_only=True)
 class RewardConfig:
     num_workers: int = 2
-    """Reward worker processes: each scores one sample at a time and is killed if it hangs (0: score
-    inline in the controller, for debugging: nothing can stop a hung reward there)."""
+    """Reward worker processes, killed if they hang (0: score inline in the controller, for debugging)."""
     timeout: float = 10.0
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
     on_error: OnError = "zero"

@@ -52,8 +52,7 @@ class EngineConfig:
     kind: Literal["auto", "torch", "vllm", "sglang"] = "auto"
     """Rollout engine: TorchEngine, vLLM in-process, SGLang (GPU), or auto (see :func:`resolve_kind`)."""
     memory_fraction: float = 0.1
-    """vllm/sglang: fraction of device memory the engine may take (vLLM's gpu_memory_utilization; on
-    CPU a fraction of the machine's RAM per rank). vLLM's KV cache itself is sized by kv_memory_mb."""
+    """vllm/sglang: share of device memory (CPU: of RAM, per rank) the engine may take; vLLM's KV: kv_memory_mb."""
     enforce_eager: bool = True
     """vllm: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
     block_size: int = 16
@@ -61,8 +60,7 @@ class EngineConfig:
     kv_memory_mb: float = 256.0
     """KV cache budget per rank in MiB; when it is full, requests are preempted."""
     memory_mb: float = 0.0
-    """Engine memory per rank in MiB, weights included: when set, the KV cache gets what this rank's
-    weight shard leaves (as GPU engines size theirs), so a larger TP leaves more; 0 = kv_memory_mb."""
+    """Engine MiB per rank, weights included (the KV cache gets what the weight shard leaves); 0 = kv_memory_mb."""
     max_num_seqs: int = 256
     """Most requests running at once."""
     max_prefill_tokens: int = 8192

@@ -82,18 +82,13 @@ class SimConfig:
     schedule: ScheduleConfig = field(default_factory=TailConfig)
     """The run's scheduling policy and its settings (schedule:NAME; one_step_off's rollout_ranks are GPUs here)."""
     reward_scheduler: bool = False
-    """§4.3: score each response as it finishes (overlapped with rollout), adaptive code timeouts, the
-    judge colocated on every GPU; else scoring starts after rollout."""
+    """§4.3: score each response as it finishes, adaptive code timeouts, judge on every GPU; else score after rollout."""
     adaptive_timeouts: bool = True
     """reward_scheduler: cut code runs at §4.3's adaptive timeout; False keeps the fixed one (Fig. 13c's baseline)."""
     planner: bool = False
-    """§4.2: the parallelism planner picks each round's TP (``tp`` is the first) from its preemptions,
-    per round kind (rollpacker.plan.planner, driven as the real run drives it; a switch costs a weight sync)."""
+    """§4.2: the real parallelism planner picks each round's TP from its preemptions (a switch costs a weight sync)."""
     stream: bool = False
-    """§4.4: the stream trainer. Once enough prompts are complete and the projected KV peak fits, the
-    second half of the rollout replicas is freed (rollpacker.train.stream.ScaleDown decides, as in the
-    real run); their requests resume on the others by recomputation and the freed GPUs train on each
-    complete group as it arrives. Needs reward_scheduler (groups are trained once scored)."""
+    """§4.4: the stream trainer frees half the replicas to train complete groups (needs reward_scheduler)."""
     stream_config: StreamConfig = field(default_factory=StreamConfig)
     """The stream trainer's trigger, fetch cap and KV projection quantile (its ``enabled`` also turns ``stream`` on)."""
     num_steps: int = 20

@@ -44,13 +44,11 @@ class TrainConfig:
     scale_adv_by_std: bool = True
     """Divide group-centred rewards by the group's std (GRPO); False centres only (Dr. GRPO)."""
     advantage_norm: Literal["group", "batch"] = "group"
-    """group: each group's advantages stand alone; batch: then whiten them over the step's whole batch
-    (REINFORCE++ style: minus the batch mean, over the batch std). Stream training needs group."""
+    """group: per-group advantages; batch: then whitened over the step's batch (REINFORCE++); streaming needs group."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the frozen initial policy; 0 keeps no reference model."""
     off_policy: Literal["none", "is", "tis"] = "none"
-    """Correction of tokens sampled by older weights, with the engine's log-probs: none (on-policy), is (the
-    PPO ratio against them) or tis (truncated importance weights on the on-policy ratio, capped at tis_cap)."""
+    """Correct tokens sampled by older weights: none (on-policy), is (PPO ratio) or tis (truncated IS weights)."""
     tis_cap: float = 2.0
     """tis: the largest per-token importance weight."""
     train_shard_size: int = 0
@@ -58,8 +56,7 @@ class TrainConfig:
     mixed_precision: bool = True
     """bf16 compute with fp32 master weights and gradient reduction, on GPU only (CPU stays fp32)."""
     logprobs_impl: Literal["auto", "triton", "torch"] = "auto"
-    """Token log-probs from the output head: triton (rollpacker.kernels, fused, vocab-tiled), torch
-    (chunked over tokens), auto (triton on CUDA when Triton is installed, torch elsewhere)."""
+    """Token log-probs: triton (fused, vocab-tiled kernel), torch (chunked over tokens), auto (triton on CUDA)."""
     max_skipped_steps: int = 3
     """Stop the run after this many consecutive steps skipped for a non-finite loss or gradient (0 = never stop)."""
 

@@ -48,6 +48,27 @@ def test_two_epochs_train_every_prompt_exactly_once(reference):
         assert len(r["rollout/response_lengths"]) == 2 * r["sched/trained_prompts"]
 
 
+def test_the_run_ends_with_its_policy_as_a_hugging_face_model(reference, tmp_path):
+    """``run_dir/hf``: the final checkpoint's weights (trained away from the start), the shipped tokenizer."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoTokenizer
+
+    from rollpacker.checkpoint import latest
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model import load_model
+
+    dcp_to_torch_save(latest(reference), tmp_path / "final.pt")
+    final = torch.load(tmp_path / "final.pt")["model"]
+    exported = load_model(reference / "hf").state_dict()
+    assert set(exported) == set(final) and all(torch.equal(exported[k], final[k]) for k in final)
+    start = load_model(toy_model_dir()).state_dict()
+    assert not all(torch.equal(exported[k], start[k]) for k in start)
+    text = "Q: 3+5-2\nA:"
+    assert AutoTokenizer.from_pretrained(reference / "hf").encode(text) == AutoTokenizer.from_pretrained(
+        toy_model_dir()).encode(text)
+
+
 def test_sigkill_mid_round_and_mid_save_then_resume_loses_and_repeats_nothing(reference, tmp_path):
     def lines() -> int:
         path = tmp_path / "metrics.jsonl"
