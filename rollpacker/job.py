@@ -132,7 +132,7 @@ def build(config: Config) -> Job:
         reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
         trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
                           temperature=config.rollout.temperature or 1.0, reference=reference,
-                          group=meshes.train_group)
+                          group=meshes.train_group, num_steps=config.num_steps)
     job = Job(config=config, meshes=meshes, model_dir=path, engine=engine, trainer=trainer)
     if streaming:
         job.stream = job.make_stream()

@@ -25,6 +25,10 @@ class TrainConfig:
     """Peak AdamW learning rate."""
     warmup_steps: int = 10
     """Linear warm-up from 0 to lr over this many optimizer steps."""
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    """After the warm-up: constant lr, or cosine decay to min_lr_ratio x lr at the run's last step (num_steps)."""
+    min_lr_ratio: float = 0.1
+    """cosine: the lr at the last step, as a fraction of lr."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.0
@@ -69,6 +73,10 @@ class TrainConfig:
             raise ValueError(f"train.off_policy must be 'none', 'is' or 'tis', got {self.off_policy!r}")
         if self.logprobs_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {self.logprobs_impl!r}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"train.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.tis_cap < 1:
             raise ValueError(f"train.tis_cap must be >= 1, got {self.tis_cap}")
         for name in ("lr", "micro_batch_tokens", "adam_eps"):

@@ -81,6 +81,19 @@ def spread(lengths: list[int], num_ranks: int, budget: int) -> list[list[list[in
     return plan
 
 
+def lr_factor(step: int, config: TrainConfig, num_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``config.lr``: linear
+    warm-up over ``warmup_steps``, then constant, or a cosine from 1 down to ``min_lr_ratio`` at step
+    ``num_steps - 1`` (held there after)."""
+    warmup = config.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if config.lr_schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, num_steps - 1 - warmup))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def shard_model(model: Transformer, mesh: DeviceMesh, mixed_precision: bool) -> None:
     """FSDP2 per block, then the root (embedding, final norm, output head)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
@@ -99,7 +112,7 @@ class Trainer:
     whose process group is ``group``)."""
 
     def __init__(self, model: Transformer, config: TrainConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
-                 reference: Transformer | None = None, group: dist.ProcessGroup | None = None):
+                 reference: Transformer | None = None, group: dist.ProcessGroup | None = None, num_steps: int):
         self.config, self.temperature = config, temperature
         self.device = model.norm.weight.device
         mixed = config.mixed_precision and self.device.type == "cuda"
@@ -111,9 +124,7 @@ class Trainer:
         self.rank, self.ranks, self.group = dist.get_rank(), mesh.mesh.flatten().tolist(), group
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
-        warmup = config.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config, num_steps))
         self.skipped_steps = 0
         """Steps skipped for a non-finite loss or gradient norm, over the run (since this process started)."""
         self.skipping = 0

@@ -157,7 +157,8 @@ def test_trainer_grads_with_the_kernel_equal_torch(toy_random_dir):
     samples = [Sample(ids(p), ids(r), adv, [-1.0] * r) for p, r, adv in ((5, 9, 1.0), (3, 14, -0.5), (7, 4, 0.25))]
     grads = {}
     for impl in ("torch", "triton"):
-        trainer = Trainer(load_model(toy_random_dir), TrainConfig(logprobs_impl=impl), meshes.train, temperature=0.8)
+        trainer = Trainer(load_model(toy_random_dir), TrainConfig(logprobs_impl=impl), meshes.train, temperature=0.8,
+                          num_steps=1)
         trainer._backward(samples, trainer.ranks, sync_last=True)  # step() up to its optimizer step
         grads[impl] = {k: p.grad.full_tensor() for k, p in trainer.model.named_parameters()}
     head = "embed_tokens.weight"  # tied: the head's grad comes from the kernel

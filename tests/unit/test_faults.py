@@ -115,7 +115,8 @@ def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(
     from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import NonFiniteError, Sample, Trainer
 
-    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, max_skipped_steps=2), build_meshes(1, 0).train)
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, max_skipped_steps=2), build_meshes(1, 0).train,
+                      num_steps=4)
     bad, good = Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0]), Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])
     assert trainer.step([bad])["train/skipped_steps"] == 1.0
     checkpoint.save(tmp_path / "checkpoints" / "step_1", trainer, 1, {})

@@ -41,8 +41,8 @@ def groups(seed: int, num: int = 8, size: int = 3) -> list[list[Sample]]:
 def main(path: str, shard: int, aggregation: str) -> None:
     meshes = build_meshes(rollout_tp=1, train_shard_size=shard, stream=True)
     cfg = TrainConfig(lr=1.0, warmup_steps=0, adam_eps=1.0, micro_batch_tokens=64, aggregation=aggregation)  # several micro-batches per rank
-    sync = Trainer(load_model(path), cfg, meshes.train)
-    streamed = Trainer(load_model(path), cfg, meshes.train)
+    sync = Trainer(load_model(path), cfg, meshes.train, num_steps=4)
+    streamed = Trainer(load_model(path), cfg, meshes.train, num_steps=4)
     stream = StreamTrainer(StreamConfig(enabled=True), streamed, meshes, kv_capacity_tokens=1, max_new_tokens=1)
     assert not stream.scale_down.refused, stream.scale_down.refused
     # (groups streamed, in how many messages) per step: uneven, nothing, almost everything, everything.
