@@ -35,6 +35,8 @@ class DataConfig:
     """Number of toy problems to generate (only used when path is empty)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
+    toy_tail_alpha: float = 1.6
+    """Pareto exponent of the toy problems' term count (their length tail): larger is thinner; the task's own: 1.3."""
     reward: Literal["toy", "math", "code", "judge"] = "toy"
     """Which reward scores this data (judge: reward.judge's LLM); rows with 'tests' are always scored as code."""
     shuffle_seed: int = 0
@@ -49,6 +51,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.num_eval_prompts <= 0:
             raise ValueError(f"data.num_eval_prompts must be positive, got {self.num_eval_prompts}")
+        if self.toy_tail_alpha <= 0:
+            raise ValueError(f"data.toy_tail_alpha must be positive, got {self.toy_tail_alpha}")
         if self.num_toy_prompts <= 0:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
@@ -66,7 +70,7 @@ class DatasetError(ValueError):
 def load_rows(config: DataConfig) -> list[dict]:
     """The rows of ``config``'s dataset: the generated toy task, or the JSONL file at ``config.path``."""
     if not config.path:
-        return toy.make_dataset(config.num_toy_prompts, config.toy_seed)
+        return toy.make_dataset(config.num_toy_prompts, config.toy_seed, config.toy_tail_alpha)
     return read_jsonl(config.path, config.reward, skip_bad=config.skip_bad_lines)
 
 
@@ -77,7 +81,7 @@ def load_eval_rows(config: DataConfig) -> list[dict]:
         return read_jsonl(config.eval_path, config.reward, skip_bad=config.skip_bad_lines)[: config.num_eval_prompts]
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (a JSONL file of held-out prompts)")
-    return toy.make_dataset(config.num_eval_prompts, seed=1_000_003 + config.toy_seed)
+    return toy.make_dataset(config.num_eval_prompts, 1_000_003 + config.toy_seed, config.toy_tail_alpha)
 
 
 def read_jsonl(path: str | Path, reward: str = "math", skip_bad: bool = False) -> list[dict]:

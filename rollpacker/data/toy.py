@@ -36,14 +36,14 @@ PROMPT_SUFFIX = "\nA:"
 ANSWER_MARK = "####"
 
 
-def num_terms(rng: random.Random) -> int:
-    """A heavy-tailed term count in ``MIN_TERMS..MAX_TERMS`` (median 4)."""
-    return max(MIN_TERMS, min(MAX_TERMS, int(PARETO_SCALE * rng.paretovariate(PARETO_ALPHA))))
+def num_terms(rng: random.Random, alpha: float = PARETO_ALPHA) -> int:
+    """A heavy-tailed term count in ``MIN_TERMS..MAX_TERMS`` (median 4 at the default ``alpha``; 3 at 1.6)."""
+    return max(MIN_TERMS, min(MAX_TERMS, int(PARETO_SCALE * rng.paretovariate(alpha))))
 
 
-def make_problem(rng: random.Random, terms: int | None = None) -> dict:
-    """One problem with ``terms`` terms (drawn by :func:`num_terms` when None); no id yet."""
-    terms = num_terms(rng) if terms is None else terms
+def make_problem(rng: random.Random, terms: int | None = None, alpha: float = PARETO_ALPHA) -> dict:
+    """One problem with ``terms`` terms (drawn by :func:`num_terms` with ``alpha`` when None); no id yet."""
+    terms = num_terms(rng, alpha) if terms is None else terms
     total = rng.randint(1, 9)
     expr = str(total)
     for _ in range(terms - 1):
@@ -54,10 +54,11 @@ def make_problem(rng: random.Random, terms: int | None = None) -> dict:
     return {"prompt": f"{PROMPT_PREFIX}{expr}{PROMPT_SUFFIX}", "answer": str(total), "num_terms": terms}
 
 
-def make_dataset(n: int, seed: int) -> list[dict]:
-    """``n`` problems as rows of the dataset schema ``{"id", "prompt", "answer", "num_terms"}``."""
+def make_dataset(n: int, seed: int, alpha: float = PARETO_ALPHA) -> list[dict]:
+    """``n`` problems as rows of the dataset schema ``{"id", "prompt", "answer", "num_terms"}``, their
+    term counts drawn with tail exponent ``alpha``."""
     rng = random.Random(seed)
-    return [{"id": f"toy-{seed}-{i}", **make_problem(rng)} for i in range(n)]
+    return [{"id": f"toy-{seed}-{i}", **make_problem(rng, alpha=alpha)} for i in range(n)]
 
 
 def solution(problem: dict) -> str:
@@ -107,15 +108,16 @@ def write_jsonl(rows: list[dict], path: str | Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def main(out: Path, num: int = 1000, seed: int = 0) -> None:
+def main(out: Path, num: int = 1000, seed: int = 0, alpha: float = PARETO_ALPHA) -> None:
     """Write ``num`` toy problems as JSONL to ``out`` and print their response-length statistics.
 
     Args:
         out: JSONL file to write.
         num: Number of problems.
         seed: Seed of the problem generator.
+        alpha: Pareto exponent of the term count (the default job trains on 1.6).
     """
-    rows = make_dataset(num, seed)
+    rows = make_dataset(num, seed, alpha)
     write_jsonl(rows, out)
     stats = length_stats(rows)
     print(f"wrote {num} problems to {out}")

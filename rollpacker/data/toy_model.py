@@ -4,14 +4,15 @@ It is the default policy for CPU runs and tests: a real Hugging Face model direc
 (``config.json``, ``model.safetensors``, a byte-level tokenizer without merges, so one token per
 character) that any engine can load — head_dim 32, a size vLLM's CPU attention accepts — and small
 enough (0.76M parameters, 3 MB) to generate fast on two CPU cores. Supervised fine-tuning on worked
-solutions of :mod:`rollpacker.data.toy` stops early on purpose, part-way down its learning-rate
-schedule: the model follows the format at every length and is mostly right on two or three terms,
-but it still slips on single-digit sums and on finding the later terms of longer prompts, so its
-sampled answers are often right where its greedy one is wrong. That is the room RL has: the
-default job raises greedy accuracy on short and middle-length problems within minutes (README).
+solutions of :mod:`rollpacker.data.toy` stops early on purpose, at step 600 of a 1750-step
+learning-rate schedule: the model follows the format at every length and is mostly right on two
+terms, but it still slips on single-digit sums and on finding the later terms of longer prompts, so
+one of eight sampled answers is often right where its greedy one is wrong. That is the room RL has:
+the default job raises greedy accuracy on two- to four-term problems within minutes (README says
+why step 600).
 
 ``python -m rollpacker.data.toy_model build`` regenerates the artifacts deterministically (about
-a minute and a half on one idle core); ``eval`` reports greedy accuracy by problem length through the rollout
+a minute on one idle core); ``eval`` reports greedy accuracy by problem length through the rollout
 engine. :func:`toy_model_dir` returns the shipped directory, or builds one into a cache once if
 the package was installed without it.
 """
@@ -55,7 +56,7 @@ MAX_NEW_TOKENS = 448
 
 @dataclass(kw_only=True)
 class SFTConfig:
-    num_steps: int = 1000
+    num_steps: int = 600
     """Optimizer steps: stops early on purpose (see the module docstring)."""
     schedule_steps: int = 1750
     """Length of the warmup-cosine learning-rate schedule; training stops at num_steps, part-way down it."""

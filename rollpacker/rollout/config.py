@@ -15,7 +15,7 @@ class RolloutConfig:
     """R0: responses per prompt (the GRPO group)."""
     max_new_tokens: int = 400
     """Longest response."""
-    temperature: float = 1.0
+    temperature: float = 0.8
     """Sampling temperature (the trainer's log-probs use the same)."""
     top_p: float = 1.0
     """Nucleus sampling mass."""

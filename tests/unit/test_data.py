@@ -35,6 +35,7 @@ def test_config_defaults_are_valid():
         ({"num_toy_prompts": 0}, "data.num_toy_prompts must be positive, got 0"),
         ({"num_toy_prompts": -3}, "data.num_toy_prompts must be positive, got -3"),
         ({"shuffle_seed": -1}, "data.shuffle_seed must be >= 0, got -1"),
+        ({"toy_tail_alpha": 0.0}, "data.toy_tail_alpha must be positive, got 0.0"),
         ({"reward": "nope"}, r"data.reward must be one of \['code', 'judge', 'math', 'toy'\], got 'nope'"),
     ],
 )
@@ -48,7 +49,8 @@ def test_config_validation_names_field(kwargs, message):
 
 def test_toy_rows_when_no_path():
     rows = load_rows(DataConfig(num_toy_prompts=7, toy_seed=3))
-    assert rows == toy.make_dataset(7, 3)
+    assert rows == toy.make_dataset(7, 3, alpha=1.6)
+    assert load_rows(DataConfig(num_toy_prompts=7, toy_seed=3, toy_tail_alpha=1.3)) == toy.make_dataset(7, 3)
     assert all({"id", "prompt", "answer"} <= row.keys() for row in rows)
 
 

@@ -80,7 +80,7 @@ JUDGED = [  # (row, response, reward with max_score 7; None: a reward_error)
     ({"prompt": "4"}, "4", None),  # verdict 8 > max_score
     ({"prompt": "3", "rubric": UNPARSEABLE}, "4", None),  # verdict " "
     ({"prompt": "1"}, "1", 2 / 7),
-    ({"prompt": "3"}, "3", 6 / 7),
+    ({"prompt": "4"}, "2", 6 / 7),
     ({"prompt": "3"}, "4" * 20, None),  # over judge.max_tokens: flagged without a forward
 ]
 

@@ -36,6 +36,16 @@ def test_response_length_is_heavy_tailed():
     assert 20 <= stats["median"] <= 40 and stats["max"] <= 400
 
 
+def test_the_default_jobs_thinner_tail_keeps_the_long_responses():
+    """data.toy_tail_alpha=1.6 (the default job's mix): fewer long problems, the same longest ones."""
+    default, thinner = toy.make_dataset(2048, seed=0), toy.make_dataset(2048, seed=0, alpha=1.6)
+    def long(rows):
+        return sum(r["num_terms"] >= 7 for r in rows)
+    assert long(thinner) < 0.8 * long(default)
+    stats = toy.length_stats(thinner)
+    assert stats["max"] >= 10 * stats["median"] and stats["max"] <= 400
+
+
 def test_solution_lines_are_correct_arithmetic():
     for r in toy.make_dataset(200, seed=1):
         *steps, final = toy.solution(r).lstrip(" ").split("\n")
