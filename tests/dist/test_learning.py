@@ -1,4 +1,5 @@
-"""The default toy job learns: held-out greedy accuracy rises (slow tier: run by .ci/run if time allows)."""
+"""The default toy job learns: held-out greedy accuracy and the training reward rise through the run (slow tier:
+run by .ci/run if time allows)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ def test_default_toy_job_raises_heldout_accuracy(tmp_path):
     proc = launch_job("--run-dir", str(tmp_path), *QUIET, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    assert len(evals) >= 2
-    # Seed 0 measured +0.097 and +0.042 (README); the toy-model issue's targets are +0.15 and +0.10.
-    assert evals[-1] >= evals[0] + 0.06, f"held-out accuracy went {evals[0]:.3f} -> {evals[-1]:.3f}"
+    evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+    accuracy = [a for _, a in evals]
+    # The toy-model issue's targets; seed 0 measured +0.219 and +0.139 (README), and runs are deterministic here.
+    assert accuracy[-1] >= accuracy[0] + 0.15, f"held-out accuracy went {accuracy[0]:.3f} -> {accuracy[-1]:.3f}"
     rewards = [r["reward/accuracy"] for r in rows if "reward/accuracy" in r]
     quarter = len(rewards) // 4
     first, last = sum(rewards[:quarter]) / quarter, sum(rewards[-quarter:]) / quarter
-    assert last >= first + 0.02, f"training reward went {first:.3f} -> {last:.3f} (first -> last quarter)"
+    assert last >= first + 0.10, f"training reward went {first:.3f} -> {last:.3f} (first -> last quarter)"
+    # still rising after the first quarter: the last two evaluations beat every one of the first quarter
+    early = max(a for step, a in evals if step <= rows[-1]["step"] // 4)
+    assert (accuracy[-1] + accuracy[-2]) / 2 >= early + 0.05, f"flat after the first quarter: {evals}"
