@@ -94,7 +94,7 @@ def job_argv(args: Args, run_args: list[str], policy_flags: list[str], seed: int
     return ["--preset", args.preset, "--run-dir", run_dir, *policy_flags,
             "--train.train-shard-size", str(args.train_shard_size),
             "--seed", str(seed), "--data.shuffle-seed", str(seed), "--metrics.wandb-mode", "disabled",
-            "--metrics.no-live", *run_args]
+            "--metrics.no-live", "--checkpoint.no-export-hf", *run_args]
 
 
 def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:
