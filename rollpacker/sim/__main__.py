@@ -6,6 +6,7 @@
     python -m rollpacker.sim fig13c [--num-steps 20]     the calibration against Fig. 13c (adaptive code timeout)
     python -m rollpacker.sim workload [--fit]            the length mixture against the paper's statistics
     python -m rollpacker.sim validate                    the simulator against rollouts measured here
+    python -m rollpacker.sim growth                      tail's speedup against the decode step's growth with the batch
 
 The first form takes the rollout settings (P0, R0, max_new_tokens, TP) from the preset; ``--gpus``
 defaults to the paper's GPU count for the model; every field of :class:`SimConfig` is a flag
@@ -72,7 +73,7 @@ def parse(argv: list[str]):
     cfg = tyro.cli(SimConfig, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                    prog="python -m rollpacker.sim",
                    description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, "
-                               "--gantt-steps N, or a command: table2, table1, fig13c, workload).")
+                               "--gantt-steps N, or a command: table2, table1, fig13c, workload, validate, growth).")
     return cfg, gantt, gantt_steps
 
 
@@ -171,8 +172,12 @@ def main(argv: list[str] | None = None) -> None:
         from rollpacker.sim import validate
 
         figures = validate.main(argv[1:])
+    elif command == "growth":
+        from rollpacker.sim import growth
+
+        figures = growth.main(argv[1:])
     elif command:
-        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, or flags "
+        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, or flags "
                          "(--help)")
     else:
         try:

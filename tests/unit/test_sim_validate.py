@@ -59,3 +59,32 @@ def test_validate_refuses_a_single_step():
 
     with pytest.raises(ValueError, match="num-steps must be >= 2"):
         ValidateArgs(num_steps=1)
+
+
+def test_growth_profile_costs_a_step_that_grows_linearly_with_the_running_requests():
+    from rollpacker.sim.growth import STEP_MS, linear_profile
+
+    cost = ProfiledCost.from_profile(linear_profile(0.1))
+    for running in (1, 3, 8, 100, 2000):  # measured, between and beyond the profile's batches
+        assert cost.iteration_times(running, running * 500, 1)[0] == pytest.approx(STEP_MS * (1 + 0.1 * (running - 1)) / 1e3)
+    flat = ProfiledCost.from_profile(linear_profile(0.0))
+    assert flat.iteration_times(64, 64 * 30, 1, prefill_tokens=4096, prefill_sq=4096 * 30)[0] == pytest.approx(STEP_MS / 1e3)
+
+
+def test_growth_refuses_a_shape_that_is_not_p0_x_r0():
+    from rollpacker.sim.growth import GrowthArgs
+
+    with pytest.raises(ValueError, match="'16-8' is not P0xR0"):
+        GrowthArgs(shapes=("16-8",))
+
+
+def test_tail_gains_less_on_a_step_that_grows_with_the_batch(tmp_path):
+    """The simulated speedup of tail over sync on one workload: an ideal flat step, then one whose
+    cost is proportional to the running requests (compute-bound), where tail's speculative requests
+    cost what they decode."""
+    from rollpacker.sim.growth import main
+
+    figures = main(["--shapes", "4x2", "--growths", "0", "1", "--seeds", "0", "--num-steps", "6",
+                    "--work-dir", str(tmp_path)])
+    assert set(figures) == {"speedup_tail_4x2_g0", "speedup_tail_4x2_g1"}
+    assert figures["speedup_tail_4x2_g0"] > 1.2 and figures["speedup_tail_4x2_g1"] < figures["speedup_tail_4x2_g0"]
