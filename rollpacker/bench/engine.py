@@ -322,30 +322,18 @@ def run(cfg: EngineBenchConfig) -> dict:
     import torch
     from rich.console import Console
 
-    from rollpacker.model import load_model
-
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    if cfg.model:
-        path = Path(cfg.model)
-    else:
-        from rollpacker.data.toy_model import toy_model_dir
-
-        path = toy_model_dir()
     console = Console(highlight=False)
     if not console.is_terminal:
         console.width = 160  # piped to a file: do not squeeze the tables to 80 columns
-    model = load_model(path, dtype=torch.float32)
-    hf = load_hf(path)
+    path, model, hf, avoid, pad_id = open_model(cfg)
     args = model.args
-    avoid = set(args.eos_token_ids) | {hf.generation_config.pad_token_id, hf.config.pad_token_id} - {None}
-    pad_id = min(avoid) if avoid else 0
-    max_seqs = max(*cfg.batch_sizes, *cfg.decode_batch_sizes)
     max_len = cfg.prompt_len + max(cfg.max_new_tokens, cfg.decode_steps + 3)
     kinds = [k for k in cfg.engines if k != "hf"]  # the contract engines
-    engines = {k: build_engine(k, path, model, max_seqs, max_len) for k in kinds}
-    threads = torch.get_num_threads()
-    load = os.getloadavg()[0]
+    engines = {k: build_engine(k, path, model, max(*cfg.batch_sizes, *cfg.decode_batch_sizes), max_len)
+               for k in kinds}
+    threads, load = torch.get_num_threads(), os.getloadavg()[0]
     if load > 0.5:
         console.print(
             f"[yellow]warning[/yellow]: load average {load:.1f} before the bench on {os.cpu_count()} cores: other "
@@ -362,11 +350,10 @@ def run(cfg: EngineBenchConfig) -> dict:
     fpt = flops_per_token(model, context)
     with torch.inference_mode():
         results, direct = measure_batches(cfg, engines, hf, args.vocab_size, avoid, pad_id)
-        step_ms = {
-            kind: {n: decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid, cfg.decode_steps, cfg.seed)
-                   for n in cfg.decode_batch_sizes}
-            for kind, engine in engines.items()
-        }
+        curves = {kind: {n: statistics.median(decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid,
+                                                             cfg.decode_steps, cfg.seed))
+                         for n in cfg.decode_batch_sizes}
+                  for kind, engine in engines.items()}
         ragged = measure_ragged(cfg, engines, lambda kind, seqs, length: build_engine(kind, path, model, seqs, length),
                                 args.vocab_size, avoid) if cfg.ragged_requests else {}
         for engine in engines.values():
@@ -380,34 +367,53 @@ def run(cfg: EngineBenchConfig) -> dict:
         f"= {fpt / 1e6:.2f} MFLOP; peak = best {cfg.matmul_size}^2 fp32 matmul = {peak / 1e9:.1f} GFLOP/s "
         f"({threads} threads). 'same tokens': rows whose greedy tokens match the {NAMES[cfg.engines[0]]}'s exactly."
     )
-
-    curves = {kind: {n: statistics.median(ms) for n, ms in by_n.items()} for kind, by_n in step_ms.items()}
     console.print(curve_table(cfg, curves))
-
     for kind, (seconds, generated) in ragged.items():
         console.print(
             f"Ragged stream: {cfg.ragged_requests} requests ({generated:,} generated tokens) through "
             f"{cfg.ragged_running} running slots: {seconds:.2f} s, {generated / seconds:,.0f} tok/s ({NAMES[kind]})"
         )
         summary[f"ragged_tok_s_{KEYS[kind]}"] = round(generated / seconds, 1)
-
-    summary["peak_gflops"] = round(peak / 1e9, 2)
-    summary["flops_per_token"] = round(fpt)
-    summary["num_threads"] = threads
-    summary["loadavg_before"] = round(load, 2)
+    summary |= {"peak_gflops": round(peak / 1e9, 2), "flops_per_token": round(fpt), "num_threads": threads,
+                "loadavg_before": round(load, 2)}
     for kind, curve in curves.items():
         key = "decode_ms_per_iter" if kind == kinds[0] else f"decode_ms_per_iter_{KEYS[kind]}"
         summary[key] = {str(n): round(ms, 3) for n, ms in curve.items()}
     if cfg.out is not None and curves:
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "model": path.name, "dtype": "float32", "num_threads": threads, "prompt_len": cfg.prompt_len,
-            "context_len": [cfg.prompt_len + 2, cfg.prompt_len + cfg.decode_steps + 1], "engine": kinds[0],
-            "decode_ms_per_iter": summary["decode_ms_per_iter"], "summary": summary,
-        }
-        cfg.out.write_text(json.dumps(record, indent=2) + "\n")
+        write_curve(cfg, path.name, threads, kinds[0], summary)
         console.print(f"decode curve ({NAMES[kinds[0]]}) written to {cfg.out}")
     return summary
+
+
+def open_model(cfg: EngineBenchConfig):
+    """The benched model: its directory, our fp32 ``Transformer``, transformers' model, the token ids
+    random prompts avoid (EOS and padding), and the padding id."""
+    import torch
+
+    from rollpacker.model import load_model
+
+    if cfg.model:
+        path = Path(cfg.model)
+    else:
+        from rollpacker.data.toy_model import toy_model_dir
+
+        path = toy_model_dir()
+    model = load_model(path, dtype=torch.float32)
+    hf = load_hf(path)
+    avoid = set(model.args.eos_token_ids) | {hf.generation_config.pad_token_id, hf.config.pad_token_id} - {None}
+    return path, model, hf, avoid, min(avoid) if avoid else 0
+
+
+def write_curve(cfg: EngineBenchConfig, model_name: str, threads: int, engine: str, summary: dict) -> None:
+    """``--out``: the first contract engine's decode curve and the summary, as JSON (the cost model's
+    ``fit_calibration`` input)."""
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "model": model_name, "dtype": "float32", "num_threads": threads, "prompt_len": cfg.prompt_len,
+        "context_len": [cfg.prompt_len + 2, cfg.prompt_len + cfg.decode_steps + 1], "engine": engine,
+        "decode_ms_per_iter": summary["decode_ms_per_iter"], "summary": summary,
+    }
+    cfg.out.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def measure_batches(cfg: EngineBenchConfig, engines: dict, hf, vocab_size: int, avoid: set[int], pad_id: int
