@@ -49,7 +49,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -214,98 +214,135 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     if poll and stream:
         raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
-    state = RoundState(step, plan, policy, len(replicas))
-    seqs: dict[str, Seq] = {}
+    return _SimRound(step, plan, RoundState(step, plan, policy, len(replicas)), replicas, lengths, max_new_tokens,
+                     reward, stream, poll).run()
 
-    def launch(launches: list[Launch]) -> dict[int, list[Seq]]:
+
+@dataclass
+class _SimRound:
+    """:func:`simulate_round`'s state: the :class:`RoundState` the controller shares, the simulated
+    requests and replicas, and what the round records."""
+
+    step: int
+    plan: Round
+    state: RoundState
+    replicas: list[Replica]
+    lengths: LengthModel | TraceLengths
+    max_new_tokens: int
+    reward: Callable[[int, Seq], float | None]
+    stream: ScaleDown | None
+    poll: tuple[int, float] | None
+    seqs: dict[str, Seq] = field(default_factory=dict)
+    events: list[tuple[float, int, int]] = field(default_factory=list)
+    """(end of a replica's planned run, replica, its plan's version): event-driven mode's queue."""
+    aborted: list[Seq] = field(default_factory=list)
+    completions: list[tuple[float, str]] = field(default_factory=list)
+    trace: list[tuple[float, int]] = field(default_factory=list)
+    tokens_done: int = 0
+    now: float = 0.0
+    scaled_at: float | None = None
+    scaled_frac: float = 0.0
+    fetching: bool = False
+    streamed: list[tuple[float, Group]] = field(default_factory=list)
+
+    def run(self) -> RoundRecord:
+        state = self.state
+        for i, new in self.launch(state.launch(self.plan.prompts)).items():
+            self.send(i, [], new)
+        self.trace.append((0.0, state.num_launched))
+        if self.stream:
+            self.stream.start_round(self.plan.kind)
+        while True:
+            due = self.advance()
+            decisions = state.decide()
+            to_abort: dict[int, list[str]] = defaultdict(list)
+            for rid in decisions.abort:
+                to_abort[state.replica(rid)].append(rid)
+            adds = self.launch(decisions.launch)
+            if self.stream:
+                self.stream_step(decisions.done, to_abort, adds)
+            if decisions.done:
+                self.now += self.poll[1] if self.poll else 0.0  # the final command (its aborts) and the last reports
+                for replica in self.replicas:
+                    self.aborted += replica.abort_all(self.now)
+                return self.record()
+            for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
+                self.send(i, to_abort.get(i, []), adds.get(i, []))
+            if due:
+                self.trace.append((self.now, sum(r.num_requests() for r in self.replicas)))
+
+    def launch(self, launches: list[Launch]) -> dict[int, list[Seq]]:
+        """The requests of the policy's launches, by the replica they are routed to."""
         adds: dict[int, list[Seq]] = defaultdict(list)
         for new in launches:
-            targets = np.minimum(lengths.lengths(new.row, step, new.slot, plan.num_responses), max_new_tokens).tolist()
-            state.scored((out.id, reward(new.row, out)) for out in new.rescore)  # finished in an earlier round
+            targets = np.minimum(self.lengths.lengths(new.row, self.step, new.slot, self.plan.num_responses),
+                                 self.max_new_tokens).tolist()
+            self.state.scored((out.id, self.reward(new.row, out)) for out in new.rescore)  # finished in an earlier round
             for k, rid, earlier in new.run:
                 # a partial response (sorted_partial) is resumed by recomputation, towards its own length
                 target = earlier.target if earlier is not None else targets[k]
-                seqs[rid] = seq = Seq(rid, new.slot, k, lengths.prompt_tokens, target,
-                                      generated=earlier.generated if earlier else 0)
-                adds[state.replica(rid)].append(seq)
+                self.seqs[rid] = seq = Seq(rid, new.slot, k, self.lengths.prompt_tokens, target,
+                                           generated=earlier.generated if earlier else 0)
+                adds[self.state.replica(rid)].append(seq)
         return adds
 
-    events: list[tuple[float, int, int]] = []
-    aborted: list[Seq] = []
+    def send(self, i: int, abort: list[str], add: list[Seq]) -> None:
+        """Replica ``i`` gets aborts and requests now (event-driven: its next run is queued)."""
+        replica = self.replicas[i]
+        self.aborted.extend(replica.command(self.now, abort, add))
+        if not self.poll and replica.plan is None and replica.replan() is not None:
+            heapq.heappush(self.events, (replica.next_event(), replica.index, replica.version))
 
-    def command(now: float, replica: Replica, abort: list[str], add: list[Seq]) -> None:
-        aborted.extend(replica.command(now, abort, add))
-        if replica.plan is None and replica.replan() is not None:
-            heapq.heappush(events, (replica.next_event(), replica.index, replica.version))
-
-    for i, new in launch(state.launch(plan.prompts)).items():
-        if poll:
-            replicas[i].command(0.0, [], new)
-        else:
-            command(0.0, replicas[i], [], new)
-    completions: list[tuple[float, str]] = []
-    trace = [(0.0, state.num_launched)]
-    tokens_done = 0
-    now = 0.0
-    scaled_at, scaled_frac, fetching = None, 0.0, False
-    streamed: list[tuple[float, Group]] = []
-    if stream:
-        stream.start_round(plan.kind)
-    while True:
+    def advance(self) -> set[int]:
+        """To the next poll's exchange (lockstep) or the next replica event; the responses finished
+        by then go to the round state, scored at once. Returns the replicas due a command."""
         finished: list[Seq] = []
-        if poll:
-            now = _poll(replicas[:state.active], now, *poll, finished, aborted)
-            if not finished and not any(r.num_requests() for r in replicas):
-                raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica "
-                                   "is running")
-            due = set(range(state.active))
+        outstanding = f"step {self.step}: {len(self.state.outstanding)} requests outstanding but no replica is running"
+        if self.poll:
+            self.now = _poll(self.replicas[:self.state.active], self.now, *self.poll, finished, self.aborted)
+            if not finished and not any(r.num_requests() for r in self.replicas):
+                raise RuntimeError(outstanding)
+            due = set(range(self.state.active))
         else:
-            if not events:
-                raise RuntimeError(f"step {step}: {len(state.outstanding)} requests outstanding but no replica is "
-                                   "running")
-            now, due = _next_event(events, replicas, finished, aborted)
-        state.finished(finished)
-        if stream:
-            stream.history.extend(seq.length for seq in finished)
-        completions += [(now, seq.id) for seq in finished]
-        tokens_done += sum(seq.length for seq in finished)
-        state.scored((seq.id, reward(state.slots[seq.slot], seq)) for seq in finished)  # scoring is instant
-        decisions = state.decide()
-        to_abort: dict[int, list[str]] = defaultdict(list)
-        for rid in decisions.abort:
-            to_abort[state.replica(rid)].append(rid)
-        adds = launch(decisions.launch)
-        if stream and not decisions.done and scaled_at is None and state.outstanding and stream.consider(
-                state.num_complete, plan.keep,
-                lambda: [(seqs[rid].prompt_tokens, replicas[state.replica(rid)].generated_at(seqs[rid], now))
+            if not self.events:
+                raise RuntimeError(outstanding)
+            self.now, due = _next_event(self.events, self.replicas, finished, self.aborted)
+        self.state.finished(finished)
+        if self.stream:
+            self.stream.history.extend(seq.length for seq in finished)
+        self.completions += [(self.now, seq.id) for seq in finished]
+        self.tokens_done += sum(seq.length for seq in finished)
+        self.state.scored((seq.id, self.reward(self.state.slots[seq.slot], seq)) for seq in finished)  # instant
+        return due
+
+    def stream_step(self, done: bool, to_abort: dict[int, list[str]], adds: dict[int, list[Seq]]) -> None:
+        """The stream trainer's turn: scale down once when it says so, then feed the complete groups
+        to the freed GPUs (once, capped, with a fetch cap)."""
+        state, stream = self.state, self.stream
+        if not done and self.scaled_at is None and state.outstanding and stream.consider(
+                state.num_complete, self.plan.keep,
+                lambda: [(self.seqs[rid].prompt_tokens,
+                          self.replicas[state.replica(rid)].generated_at(self.seqs[rid], self.now))
                          for rid in state.outstanding]):
-            scaled_at, scaled_frac, fetching = now, state.num_complete / plan.keep, True
-            _scale_down(state, stream.kept_replicas, replicas, now, to_abort, adds, aborted)
-        if fetching:  # the complete groups go to the freed GPUs (once, capped, with a fetch cap)
+            self.scaled_at, self.scaled_frac, self.fetching = self.now, state.num_complete / self.plan.keep, True
+            _scale_down(state, stream.kept_replicas, self.replicas, self.now, to_abort, adds, self.aborted)
+        if self.fetching:
             cap = stream.config.fetch_cap
-            streamed += [(now, g) for g in state.take_complete(cap)]
-            fetching = not cap
-        if decisions.done:
-            now += poll[1] if poll else 0.0  # the final command (its aborts) and the last reports
-            for replica in replicas:
-                aborted += replica.abort_all(now)
-            break
-        for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
-            if poll:
-                aborted.extend(replicas[i].command(now, to_abort.get(i, []), adds.get(i, [])))
-            else:
-                command(now, replicas[i], to_abort.get(i, []), adds.get(i, []))
-        if due:
-            trace.append((now, sum(r.num_requests() for r in replicas)))
-    groups = state.finish(aborted)
-    return RoundRecord(
-        kind=plan.kind, rollout_s=now, groups=groups, num_launched=state.num_launched, aborted=aborted,
-        generated_tokens=tokens_done + sum(s.length for s in aborted)
-        - sum(s.generated for s in plan.carried.values() if s.finish_reason == "abort"),
-        num_preemptions=sum(r.num_preemptions for r in replicas),
-        bubble_ratio=bubble_ratio(trace, state.num_launched, now), completions=completions,
-        busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
-        scaled_at=scaled_at, scaled_frac=scaled_frac, num_freed=len(replicas) - state.active, streamed=streamed)
+            self.streamed += [(self.now, g) for g in state.take_complete(cap)]
+            self.fetching = not cap
+
+    def record(self) -> RoundRecord:
+        state, replicas, now = self.state, self.replicas, self.now
+        return RoundRecord(
+            kind=self.plan.kind, rollout_s=now, groups=state.finish(self.aborted), num_launched=state.num_launched,
+            aborted=self.aborted,
+            generated_tokens=self.tokens_done + sum(s.length for s in self.aborted)
+            - sum(s.generated for s in self.plan.carried.values() if s.finish_reason == "abort"),
+            num_preemptions=sum(r.num_preemptions for r in replicas),
+            bubble_ratio=bubble_ratio(self.trace, state.num_launched, now), completions=self.completions,
+            busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
+            scaled_at=self.scaled_at, scaled_frac=self.scaled_frac, num_freed=len(replicas) - state.active,
+            streamed=self.streamed)
 
 
 def _scale_down(state: RoundState, kept: int, replicas: list[Replica], now: float, to_abort: dict[int, list[str]],
