@@ -11,16 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from rollpacker.bench.faults import worker_pid
+
 from conftest import NUM_ROWS, finish, ledger, steps, trained
 from conftest import start_job as launch
 
 
-def kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> bool:
-    """SIGKILL the whole run (torchrun and its ranks) as soon as ``ready()``; False if it ended first."""
+def kill_when(proc: subprocess.Popen, run_dir: Path, ready, timeout: float = 300) -> bool:
+    """SIGKILL the whole run as soon as ``ready()``; False if it ended first. Torchrun starts its
+    ranks in sessions of their own, which a SIGKILLed torchrun cannot stop: killing its group alone
+    leaves them training on into the run directory, beside the resumed run. So each rank's
+    session (the rank and its reward workers) is killed too, right after torchrun's group."""
     deadline = time.time() + timeout
+    ranks: list[int] = []
     while proc.poll() is None and time.time() < deadline:
-        if ready():
-            os.killpg(proc.pid, signal.SIGKILL)
+        if len(ranks) < 2:
+            ranks = [pid for pid in (worker_pid(run_dir, rank) for rank in (0, 1)) if pid]
+        elif ready():
+            for group in (proc.pid, *ranks):
+                os.killpg(group, signal.SIGKILL)
             proc.wait()
             return True
         time.sleep(0.002)
@@ -78,10 +87,10 @@ def test_sigkill_mid_round_and_mid_save_then_resume_loses_and_repeats_nothing(re
         return any(not (p / "COMMITTED").exists() for p in (tmp_path / "checkpoints").glob("step_*"))
 
     # 1. mid-round: step 3's metrics are out, step 4's round is running
-    assert kill_when(launch(tmp_path), lambda: lines() >= 3 and (time.sleep(0.2) or True))
+    assert kill_when(launch(tmp_path), tmp_path, lambda: lines() >= 3 and (time.sleep(0.2) or True))
     # 2. mid-save, after resuming: caught while a checkpoint directory has no marker yet
     start = lines()
-    caught = kill_when(launch(tmp_path, "--resume", "auto"), lambda: lines() > start and saving())
+    caught = kill_when(launch(tmp_path, "--resume", "auto"), tmp_path, lambda: lines() > start and saving())
     assert caught, "the run ended before a save could be interrupted"
     assert saving()  # the interrupted save is on disk; --resume auto must skip it
     finish(launch(tmp_path, "--resume", "auto"))
