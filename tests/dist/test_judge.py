@@ -11,7 +11,6 @@ import os
 import subprocess
 from pathlib import Path
 
-
 MPS_SH = Path(__file__).parents[2] / "launch" / "mps.sh"
 
 

@@ -5,7 +5,6 @@ sync run's, and tail+pipe trains every prompt exactly once per epoch."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import NUM_ROWS, QUIET, finish, launch_job, per_group, steps, torchrun, trained

@@ -16,6 +16,7 @@ from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs  # noqa: E402
 from rollpacker.rollout.sglang_engine import SGLangEngine  # noqa: E402
+
 from vllm_common import hf_greedy, hf_logits, hf_model, perturbed, prompts  # noqa: E402
 
 pytestmark = pytest.mark.gpu

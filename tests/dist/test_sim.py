@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-
 # ---- hand-computed timings -----------------------------------------------------------------------
 
 

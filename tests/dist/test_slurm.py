@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import job_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,9 +4,7 @@ change on the real toy model; and two epochs on 2 gloo ranks."""
 
 from __future__ import annotations
 
-
 import pytest
-
 
 # --- load groups and early termination ----------------------------------------------------------
 

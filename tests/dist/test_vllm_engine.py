@@ -16,6 +16,7 @@ from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs  # noqa: E402
+
 from conftest import torchrun  # noqa: E402
 from vllm_common import hf_greedy, hf_logits, hf_model, make_pair, prompts  # noqa: E402
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.config import parse
-from rollpacker.rollout.engine import Request, SamplingParams, generate
 from rollpacker.job import build
 from rollpacker.loops.colocated import rl_step
+from rollpacker.rollout.engine import Request, SamplingParams, generate
 
 
 def job_run(run_dir: str, tps: list[int]) -> tuple[list[dict], list[float], float, list[tuple]]:
