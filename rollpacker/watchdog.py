@@ -6,8 +6,10 @@ on the ranks that wait. Each rank also writes a heartbeat (time, step, phase) in
 TCPStore every second from a thread; a SIGSTOPped or wedged rank stops beating. When a timeout
 fires, the error names this rank's step and phase and the ranks whose heartbeat went stale (or
 never came), then the process exits non-zero so torchrun ``--max-restarts`` (or Slurm's requeue)
-restarts the job. Nothing here imports torch at module level: :class:`DistConfig` is part of the
-config tree.
+restarts the job. The same thread ends a rank whose launcher died: torchrun starts its ranks in
+sessions of their own, so a SIGKILLed (or OOM-killed) torchrun would leave them training on into
+the run directory beside the job that resumes there. Nothing here imports torch at module level:
+:class:`DistConfig` is part of the config tree.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def start(config: DistConfig) -> None:
     rank = int(os.environ.get("RANK", "0"))
     _stop.clear()
     atexit.register(stop)  # a daemon thread inside a store call at interpreter exit aborts the process
-    _beats.append(threading.Thread(target=_beat, args=(store, rank), daemon=True, name="rollpacker-heartbeat"))
+    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+    _beats.append(threading.Thread(target=_beat, args=(store, rank, launcher), daemon=True,
+                                   name="rollpacker-heartbeat"))
     _beats[-1].start()
     previous = sys.excepthook
 
@@ -128,8 +132,12 @@ def stop() -> None:
         _beats.pop().join(timeout=30)
 
 
-def _beat(store, rank: int) -> None:
+def _beat(store, rank: int, launcher: int | None) -> None:
     while not _stop.is_set():
+        if launcher is not None and os.getppid() != launcher:  # reparented: torchrun is gone
+            print(f"rollpacker: rank {rank}: its launcher (torchrun, pid {launcher}) died at step {_state['step']}, "
+                  f"phase {_state['phase']}; exiting", file=sys.stderr, flush=True)
+            os._exit(1)
         try:
             store = store or _store()
             store.set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"]}))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import os
 import re
 import shlex
@@ -12,15 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-from conftest import job_env
 
 from rollpacker import checkpoint
 from rollpacker.bench.faults import worker_pid
 
+from conftest import job_env
 
 # --- the real job, 2 gloo ranks ---------------------------------------------------------------------
 
@@ -131,3 +129,30 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_p
     rows = trained_rows(tmp_path)
     assert sorted(row for _, row in rows) == list(range(24)) and {e for e, _ in rows} == {0}  # every prompt once
     assert sum(r["sched/trained_prompts"] for r in steps(tmp_path).values()) == 24
+
+
+def test_ranks_exit_when_their_torchrun_is_killed(tmp_path):
+    """Torchrun starts its ranks in sessions of their own; SIGKILLed, it cannot stop them, so each
+    rank's heartbeat thread sees its parent gone and exits instead of training on into the run
+    directory."""
+    proc = subprocess.Popen(job(tmp_path, "--num-steps", "200"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=job_env())
+    ranks = []
+    try:
+        deadline = time.time() + 600
+        while metric_lines(tmp_path) < 2 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        ranks = [worker_pid(tmp_path, rank) for rank in (0, 1)]
+        assert all(ranks) and proc.poll() is None, "the run ended before its torchrun could be killed"
+        os.kill(proc.pid, signal.SIGKILL)  # torchrun alone
+        proc.wait()
+        killed, deadline = metric_lines(tmp_path), time.time() + 30
+        while any(worker_pid(tmp_path, rank) for rank in (0, 1)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(worker_pid(tmp_path, rank) for rank in (0, 1)), "ranks outlived their torchrun by 30 s"
+        assert metric_lines(tmp_path) <= killed + 10  # a step or a few, not the run's 200
+    finally:
+        for pid in ranks:
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
