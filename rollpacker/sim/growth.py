@@ -8,8 +8,8 @@ simulates ``sync`` and ``tail`` on ``bench regime``'s workload (the 51M random m
 replayed lengths from the paper's mixture, cap 1024, 2 ranks; :func:`rollpacker.sim.validate.
 simulate_run`, the same simulator ``validate`` checks against runs here) on engines whose decode
 iteration costs ``d * (1 + growth * (running - 1))``: growth 0 is an ideal HBM-bound GPU replica,
-and this CPU's 2-rank vLLM job, one core per rank, grows by about 0.1-0.16 per request (its
-step(8)/step(1) measured 1.7-2.1). Prefill and the control exchange cost nothing, the KV cache is
+and this CPU's 2-rank vLLM job, one core per rank, grows by about 0.09-0.16 per request (its
+step(8)/step(1) measured 1.6-2.1). Prefill and the control exchange cost nothing, the KV cache is
 unbounded: only the step's growth and the batch shape vary. Last line JSON:
 ``speedup_tail_<P0>x<R0>_g<growth>`` (mean over seeds).
 """
