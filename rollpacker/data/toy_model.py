@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -41,6 +40,7 @@ from rollpacker.model import CausalAttention, ModelArgs, Transformer, load_model
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate
 from rollpacker.rollout.torch_engine import TorchEngine
+from rollpacker.train.trainer import warmup_cosine
 
 logger = logging.getLogger(__name__)
 
@@ -134,19 +134,12 @@ def sft_batch(
     return torch.tensor(tokens), torch.tensor(positions), torch.tensor(targets), seq_lens
 
 
-def lr_factor(step: int, cfg: SFTConfig) -> float:
-    """Linear warmup to 1, then cosine decay to 0.1."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.schedule_steps - cfg.warmup_steps)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-
 def train(model: Transformer, tokenizer: PreTrainedTokenizerFast, cfg: SFTConfig) -> None:
     """Supervised fine-tuning on worked solutions, loss on response tokens only."""
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(  # warm-up, then a cosine to 10% that stops part-way down
+        opt, lambda step: warmup_cosine(step, cfg.warmup_steps, cfg.schedule_steps, 0.1))
     start = time.perf_counter()
     for step in range(cfg.num_steps):
         tokens, positions, targets, seq_lens = sft_batch(rng, tokenizer, cfg.batch_tokens)

@@ -81,17 +81,22 @@ def spread(lengths: list[int], num_ranks: int, budget: int) -> list[list[list[in
     return plan
 
 
-def lr_factor(step: int, config: TrainConfig, num_steps: int) -> float:
-    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``config.lr``: linear
-    warm-up over ``warmup_steps``, then constant, or a cosine from 1 down to ``min_lr_ratio`` at step
-    ``num_steps - 1`` (held there after)."""
-    warmup = config.warmup_steps
+def warmup_cosine(step: int, warmup: int, last: int, floor: float) -> float:
+    """A learning-rate factor: linear warm-up to 1 over ``warmup`` steps (0-based ``step``), then a
+    cosine down to ``floor`` at step ``last``, held there after."""
     if step < warmup:
         return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, last - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_factor(step: int, config: TrainConfig, num_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of ``config.lr``: linear
+    warm-up over ``warmup_steps``, then constant, or a cosine down to ``min_lr_ratio`` at the run's
+    last step, ``num_steps - 1``."""
     if config.lr_schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, num_steps - 1 - warmup))
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+    return warmup_cosine(step, config.warmup_steps, num_steps - 1, config.min_lr_ratio)
 
 
 def shard_model(model: Transformer, mesh: DeviceMesh, mixed_precision: bool) -> None:
