@@ -297,16 +297,17 @@ class _SimRound:
         """To the next poll's exchange (lockstep) or the next replica event; the responses finished
         by then go to the round state, scored at once. Returns the replicas due a command."""
         finished: list[Seq] = []
-        outstanding = f"step {self.step}: {len(self.state.outstanding)} requests outstanding but no replica is running"
         if self.poll:
             self.now = _poll(self.replicas[:self.state.active], self.now, *self.poll, finished, self.aborted)
-            if not finished and not any(r.num_requests() for r in self.replicas):
-                raise RuntimeError(outstanding)
+            stalled = not finished and not any(r.num_requests() for r in self.replicas)
             due = set(range(self.state.active))
         else:
-            if not self.events:
-                raise RuntimeError(outstanding)
-            self.now, due = _next_event(self.events, self.replicas, finished, self.aborted)
+            stalled = not self.events
+            if not stalled:
+                self.now, due = _next_event(self.events, self.replicas, finished, self.aborted)
+        if stalled:
+            raise RuntimeError(f"step {self.step}: {len(self.state.outstanding)} requests outstanding but no replica "
+                               "is running")
         self.state.finished(finished)
         if self.stream:
             self.stream.history.extend(seq.length for seq in finished)
