@@ -1,4 +1,4 @@
-"""The engine contract: what every rollout engine (TorchEngine, SGLangEngine) offers the controller.
+"""The engine contract: what every rollout engine (TorchEngine, VLLMEngine, SGLangEngine) offers the controller.
 
 A small protocol, SPMD-friendly: every rank of one engine replica (its TP group) makes the same
 calls in the same order; the engine never knows which scheduling policy drives it.
