@@ -79,7 +79,7 @@ def committed(tmp_path, **meta):
 def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
     path = committed(tmp_path, world_size=2)
     checkpoint.check(path, "sync", world_size=2)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.check(path, "sync", world_size=4)
     assert str(e.value) == (f"resume: {path} was written by 2 ranks, this run has 4: launch it with 2 ranks "
                             "(torchrun --nproc_per_node), or start afresh")
@@ -90,7 +90,7 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
     checkpoint.check_model(tmp_path, dict(mine), mine)
     checkpoint.check_model(tmp_path, None, mine)  # written before shapes were recorded
     saved = {"embed.weight": [32, 8], "layers.0.w": [8, 8], "layers.1.w": [8, 8]}
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.check_model(tmp_path, saved, mine)
     assert str(e.value) == (
         f"resume: {tmp_path} was written by a different model: parameters 1 not in the checkpoint: norm.weight; "
