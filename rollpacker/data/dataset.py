@@ -252,7 +252,7 @@ def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     ``answer`` from ``answer_key`` or verl's ``reward_model.ground_truth`` (a string), ``id`` a string.
     Raises ValueError saying what is wrong."""
     row = dict(record)
-    if config.prompt_key not in row:
+    if row.get(config.prompt_key) is None:  # datasets fills a column a record lacks with None
         raise ValueError(f"missing field {config.prompt_key!r} (the prompt; data.prompt_key names its column)")
     row["prompt"] = check_prompt(row[config.prompt_key], config.prompt_key)
     answer = _lookup(row, config.answer_key)

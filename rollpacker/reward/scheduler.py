@@ -127,8 +127,11 @@ class JudgeFunction(RewardFunction):
 
         if row.get("rubric") is not None:
             if not isinstance(row["rubric"], str):
-                raise ValueError(f"field 'rubric' must be a string, got {type(row['rubric']).__name__}")
-            check_rubric(row["rubric"], "field 'rubric'")
+                raise ValueError(f"field 'rubric' must be a string, got {type(row['rubric']).__name__} {row['rubric']!r}")
+            try:
+                check_rubric(row["rubric"], "field 'rubric'")
+            except ValueError as e:
+                raise ValueError(f"{e} (or drop it to use reward.judge.rubric)") from None
 
 
 def build_functions(cfg: RewardConfig) -> list[RewardFunction]:
@@ -162,7 +165,8 @@ class _Scoring:
 
     row: dict
     values: dict[str, float | None] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Function name -> what went wrong."""
 
 
 class RewardScheduler:
@@ -264,7 +268,7 @@ class RewardScheduler:
             self.seconds += s.seconds
             scoring = self._scoring[key]
             if s.error is not None:
-                scoring.errors.append(f"reward function {name!r} failed on row {scoring.row['id']!r}: {s.error}")
+                scoring.errors[name] = f"reward function {name!r} failed on row {scoring.row['id']!r}: {s.error}"
             else:
                 self._by_name[name].observe(scoring.row, s.info)
                 for metric, value in ({name: s.score} | {f"{name}/{k}": v for k, v in s.metrics.items()}).items():
@@ -279,12 +283,13 @@ class RewardScheduler:
     def _reward(self, scoring: _Scoring) -> float:
         """The weighted sum over the functions that apply; an error is raised (fail) or scored 0 (skip)."""
         applied = [(f.weight, scoring.values[f.name]) for f in self.functions if scoring.values[f.name] is not None]
-        if not scoring.errors and not applied:
-            scoring.errors.append(f"no reward function scores row {scoring.row['id']!r}: "
-                                  f"{', '.join(f.name for f in self.functions)} returned None (does not apply); "
-                                  "add a function that scores it, or take the row out of the data")
-        if scoring.errors:
-            error = "; ".join(scoring.errors)
+        errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]
+        if not errors and not applied:
+            errors = [f"no reward function scores row {scoring.row['id']!r}: "
+                      f"{', '.join(f.name for f in self.functions)} returned None (does not apply); "
+                      "add a function that scores it, or take the row out of the data"]
+        if errors:
+            error = "; ".join(errors)
             if self.cfg.on_error == "fail":
                 raise RewardFunctionError(f"{error} (reward.on_error=fail stops the run; skip scores such a "
                                           "response 0 and counts it in reward/errors)")

@@ -269,8 +269,6 @@ class RewardPool:
                     w.conn.send((task.ref, task.sample))
 
     def _finish(self, scored: Scored) -> None:
-        if scored.error is not None:
-            logger.warning("reward_error on %r: %s", scored.key, scored.error)
         with self._cond:
             self._done.append(scored)
             self._num_unfinished -= 1

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollpacker.data import toy
-from rollpacker.reward import RewardError, math_reward, toy_reward
-from rollpacker.reward import rules
+from rollpacker.reward import RewardError, math_reward, rules, toy_reward
 
 
 @pytest.mark.parametrize(
