@@ -25,7 +25,7 @@ from rollpacker.checkpoint import CheckpointConfig
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
-from rollpacker.reward.config import RewardConfig, check_judge_path
+from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
 from rollpacker.schedule.config import ScheduleConfig, SyncConfig, policy_args, schedule_config
 from rollpacker.train.config import StreamConfig, TrainConfig
@@ -42,7 +42,9 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Engine weights: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16; the trainer keeps fp32 masters."""
     chat_template: bool = False
-    """Wrap each prompt in the tokenizer's chat template as a user turn."""
+    """Wrap each string prompt in the tokenizer's chat template as a user turn (message lists always are)."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Keyword arguments of the tokenizer's apply_chat_template, e.g. enable_thinking False for Qwen3."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -91,8 +93,6 @@ class Config:
         if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
             raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
-        if self.data.reward == "judge":
-            check_judge_path(self.reward.judge.model_path)
         if self.train.skip and (self.stream.enabled or self.pipe or self.policy == "one_step_off"):
             raise ValueError("train.skip (rollout alone) with stream.enabled, schedule.pipe or "
                              "policy=one_step_off: they train during rollout; use sync, tail, sorted or sorted_partial")

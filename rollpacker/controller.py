@@ -59,19 +59,21 @@ class Controller:
 
         from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
         from rollpacker.metrics import LiveDisplay, MetricsLogger
-        from rollpacker.reward.scheduler import RewardScheduler
+        from rollpacker.reward.scheduler import RewardScheduler, build_functions, check_row
         from rollpacker.round import LengthReplay
         from rollpacker.schedule import build_policy
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config.model.chat_template, row["prompt"]),
+        functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
+        check = functools.partial(check_row, functions)  # a row no function can score is a data error
+        fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,
                                 max_new_tokens=config.rollout.max_new_tokens)
-        rows = fit(load_rows(config.data))
-        return cls(config=config, rows=rows, eval_rows=fit(load_eval_rows(config.data)) if config.eval_every else None,
-                   tokenizer=tokenizer,
-                   rewards=RewardScheduler(config.reward, config.data.reward,
-                                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True), meshes.device),
+        rows = fit(load_rows(config.data, check))
+        eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
+        return cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
+                   rewards=RewardScheduler(config.reward, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                           meshes.device, functions=functions),
                    policy=build_policy(config.schedule, PromptSampler(len(rows), config.data.shuffle_seed),
                                        config.rollout.num_prompts, config.rollout.group_size,
                                        num_epochs=config.num_epochs, last_step=config.num_steps - 1),
@@ -97,17 +99,15 @@ class Controller:
         self.planner = Planner(cfg.plan, candidates, initial, profile=profile, world=world, prompt_len=prompt_len)
 
     def encode_prompt(self, row: dict) -> list[int]:
-        ids = encode(self.tokenizer, self.config.model.chat_template, row["prompt"])
+        ids = encode(self.tokenizer, self.config, row["prompt"])
         if not ids or len(ids) >= self.max_model_len:
             raise ValueError(f"data row {row['id']!r}: its prompt is {len(ids)} tokens; the context length is "
                              f"{self.max_model_len}")
         return ids
 
     def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:
-        """A scored group's ``(output, reward)`` pairs to train on: a reward_error sample is trained
-        with reward 0 or dropped (``reward.on_error``)."""
-        zero = self.config.reward.on_error == "zero"
-        return [(o, r or 0.0) for o, r in zip(group.outputs, group.rewards) if r is not None or zero]
+        """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already, ``reward.on_error``)."""
+        return list(zip(group.outputs, group.rewards))
 
     def group_samples(self, group: Group) -> list[Sample]:
         """The trainer samples of a scored group (:meth:`trained_rewards`), with their GRPO advantages."""
@@ -130,7 +130,6 @@ class Controller:
         from rollpacker.metrics import bubble_ratio, length_stats
 
         cfg = self.config
-        errors = sum(r is None for g in result.groups for r in g.rewards)
         per_group = [(g, self.group_samples(g)) for g in result.groups]
         every = [s for _, group in per_group for s in group]
         samples = [s for g, group in per_group if not g.streamed for s in group]
@@ -152,8 +151,7 @@ class Controller:
             **result.stream,
             "reward/mean": reward_t.mean().item() if every else 0.0,
             "reward/accuracy": (reward_t >= 1.0).float().mean().item() if every else 0.0,
-            "reward/errors": errors,
-            "reward/seconds_total": self.rewards.take_seconds(),
+            **self.rewards.take_metrics(),  # reward/NAME per function, reward/errors, reward/seconds_total
             "time/reward_exposed": result.end - result.last_finish,
             "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
             "rollout/tokens_per_s": result.generated_tokens / rollout_time,
@@ -194,9 +192,9 @@ class Controller:
         self.display.close()
 
 
-def encode(tokenizer, chat_template: bool, prompt: str) -> list[int]:
-    """The token ids of ``prompt``, as a user turn of the tokenizer's chat template if ``chat_template``."""
-    if chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=True)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+def encode(tokenizer, config: Config, prompt: str | list[dict]) -> list[int]:
+    """The token ids of ``prompt`` (a string or chat messages), as :func:`rollpacker.data.chat.encode` makes them."""
+    from rollpacker.data.chat import encode as encode_prompt
+
+    return encode_prompt(tokenizer, prompt, chat_template=config.model.chat_template,
+                         system_prompt=config.data.system_prompt, template_kwargs=config.model.chat_template_kwargs)

@@ -46,6 +46,13 @@ logger = logging.getLogger(__name__)
 
 TOY_MODEL_DIR = Path(__file__).parent / "toy_model"
 EOS, PAD = "<|endoftext|>", "<|pad|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ 'A:' + m['content'] + '\\n' }}{% else %}{{ m['content'] + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'A:' }}{% endif %}"
+)
+"""Chat turns written as the toy task writes a problem: a user turn "3+5" becomes the prompt "Q: 3+5\\nA:";
+a system turn is its own line before it. String prompts do not use it: their tokens are as they were."""
 EVAL_SEED = 1_000_003
 """Seed of ``eval``'s held-out problems (training draws its own from ``SFTConfig.seed``)."""
 BUCKETS = ((2, 3), (4, 6), (7, 12), (13, 24), (25, toy.MAX_TERMS))
@@ -91,7 +98,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([EOS, PAD])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1024)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1024)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def model_config(tokenizer: PreTrainedTokenizerFast) -> dict:

@@ -125,7 +125,7 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     result = run_round(step, job.meshes, job.engine, job.config.rollout.poll_steps, **kwargs)
     if not ctl:
         return {}
-    ctl.rewards.take_seconds()  # held-out scoring is not the next step's reward time
+    ctl.rewards.take_metrics()  # held-out scoring is not the next step's reward time or reward/NAME
     rewards = [g.rewards[0] or 0.0 for g in result.groups]
     return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards)}

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from rollpacker.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
@@ -85,7 +87,7 @@ class SandboxConfig:
                 raise ValueError(f"reward.sandbox.{name} must be positive, got {getattr(self, name)}")
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(UserError, RuntimeError):
     """No OS isolation works on this machine; the message says how to enable it."""
 
 

@@ -137,7 +137,7 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     prompt = {}
 
     def encoded(row: dict) -> list[int]:
-        prompt[row["id"]] = ids = encode(tokenizer, cfg.model.chat_template, row["prompt"])
+        prompt[row["id"]] = ids = encode(tokenizer, cfg, row["prompt"])
         return ids
 
     max_model_len = cfg.engine.max_model_len or read_args(model_dir).max_position_embeddings

@@ -54,8 +54,9 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_p
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=900,
                           env=job_env())
     assert proc.returncode != 0
-    message = re.search(r"CheckpointError: (checkpoint: saving step 2 .*)", proc.stderr)
+    message = re.search(r"rollpacker: (checkpoint: saving step 2 .*)", proc.stderr)
     assert message, proc.stderr[-4000:]
+    assert proc.stderr.count("checkpoint: saving step 2") == 1  # said once
     assert re.fullmatch(
         rf"checkpoint: saving step 2 to {disk}/checkpoints/step_2 failed on rank\(s\) \[[01, ]+\] \(rank \d: .*; "
         r"\d+\.\d MiB free there on rank \d\)\. The partial save was removed; the newest committed checkpoint is "

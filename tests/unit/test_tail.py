@@ -178,7 +178,7 @@ def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
     (tmp_path / "train_state.json").write_text(json.dumps({"step": 1, "policy": {"name": "sync"}}))
     (tmp_path / checkpoint.MARKER).write_text("")
     checkpoint.check(tmp_path, "sync")
-    with pytest.raises(ValueError, match="schedule:sync"):
+    with pytest.raises(checkpoint.CheckpointError, match="schedule:sync"):
         checkpoint.check(tmp_path, "tail")
 
 
