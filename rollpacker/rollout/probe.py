@@ -1,7 +1,7 @@
 """Measuring an engine on this machine: random prompts, decode-step timings, peak matmul FLOP/s.
 
-Shared by the planner's profiler (``rollpacker.plan.profile``) and the engine benchmark
-(``rollpacker.bench.engine``).
+Shared by the planner's profiler (``rollpacker.plan.profile``), the engine benchmark
+(``rollpacker.bench.engine``) and TorchEngine's speculation cost (:func:`measure_spec_cost`).
 """
 
 from __future__ import annotations
@@ -76,3 +76,48 @@ def decode_step_ms(engine, num_running: int, prompt_len: int, vocab_size: int, a
     for r in reqs:
         engine.abort(r.id)
     return [1e3 * t for t in times]
+
+
+def verify_step_ms(engine, num_running: int, draft_lens: list[int], prompt_len: int, vocab_size: int,
+                   avoid: set[int], steps: int, seed: int) -> list[float]:
+    """Per draft length in ``draft_lens``: the fastest of ``steps`` TorchEngine verify steps, in ms
+    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`) of ``num_running`` greedy
+    requests of ``prompt_len`` prompt tokens, each verifying that many draft tokens (after one
+    untimed step). The requests carry a seed, so the engine's own seed generator is left alone."""
+    import dataclasses
+
+    prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
+    new = 3 + (steps + 1) * sum(k + 1 for k in draft_lens)
+    reqs = greedy_requests(prompts, new, f"spec-probe{num_running}")
+    for r in reqs:
+        r.params = dataclasses.replace(r.params, seed=0)
+        engine.add(r)
+    engine.step()  # prefill of all of them
+    engine.step()  # their first decode step
+    if engine.stats().num_running != num_running:
+        raise RuntimeError(f"probe: {engine.stats().num_running} running, expected {num_running}")
+    fastest = []
+    for k in draft_lens:
+        times = []
+        for _ in range(steps + 1):
+            drafts = {r.id: [prompts[i][-1]] * k for i, r in enumerate(reqs)}
+            start = time.perf_counter()
+            engine.verify_step(drafts)
+            times.append(time.perf_counter() - start)
+        fastest.append(1e3 * min(times[1:]))  # robust to a shared machine
+    for r in reqs:
+        engine.abort(r.id)
+    return fastest
+
+
+def measure_spec_cost(engine, max_rows: int, max_draft: int, prompt_len: int, steps: int = 5):
+    """TorchEngine's :class:`~rollpacker.rollout.spec_cost.SpecCost`: verify-step time at 1, 2, 4, ...
+    ``max_rows`` running requests and 0, 1, 2, 4, ... ``max_draft`` draft tokens each."""
+    from rollpacker.rollout.spec_cost import SpecCost
+
+    rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows] or [1]
+    lens = sorted({0, max_draft, *(k for k in (1, 2, 4, 8, 16) if k < max_draft)})
+    args = engine.model.args
+    ms = [verify_step_ms(engine, n, lens, prompt_len, args.vocab_size, set(args.eos_token_ids), steps, seed=n)
+          for n in rows]
+    return SpecCost.smoothed(tuple(rows), tuple(lens), ms)

@@ -1,0 +1,102 @@
+"""When speculation pays: the engine's measured verify-step cost and the draft length it implies.
+
+A verify step runs ``k + 1`` queries for each of ``n`` running requests. Its time, measured on the
+engine itself (:func:`~rollpacker.rollout.probe.verify_step_ms`), is a table over ``n`` and ``k``
+(``k = 0`` is a plain decode step). A request whose drafts are accepted at rate ``a`` emits
+``1 + a + ... + a^k`` tokens per step in expectation (each draft token is kept while all before
+it were). Each step takes the ``k`` that maximizes expected tokens per millisecond over the running
+requests, ``0`` included; above ``max_rows`` (where even a sure one-token draft would not pay) the
+engine does not draft at all.
+
+The acceptance rate of a request is its own, measured: hits over trials of its recent verify steps
+(a trial is a draft token verified up to and including the first rejected one), with a prior of
+one hit in two trials and old steps decayed.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+DECAY = 0.8
+"""Weight of a request's earlier verify steps in its acceptance rate, per step."""
+
+
+@dataclass(frozen=True)
+class SpecCost:
+    """Verify-step milliseconds against running requests and draft tokens per request."""
+
+    rows: tuple[int, ...]
+    """Running requests measured, increasing."""
+    draft_lens: tuple[int, ...]
+    """Draft tokens per request measured, increasing, from 0 (a plain decode step)."""
+    ms: tuple[tuple[float, ...], ...]
+    """``ms[i][j]``: one step of ``rows[i]`` requests with ``draft_lens[j]`` draft tokens each."""
+
+    def __post_init__(self) -> None:
+        if not self.draft_lens or self.draft_lens[0] != 0 or len(self.ms) != len(self.rows):
+            raise ValueError(f"SpecCost: draft_lens must start at 0 and ms have one row per rows entry, got {self}")
+
+    @classmethod
+    def smoothed(cls, rows: tuple[int, ...], draft_lens: tuple[int, ...], ms: list[list[float]]) -> SpecCost:
+        """A table made non-decreasing in both directions (more work never measures as cheaper)."""
+        table = [list(r) for r in ms]
+        for i, r in enumerate(table):
+            for j in range(len(r)):
+                r[j] = max(r[j], r[j - 1] if j else 0.0, table[i - 1][j] if i else 0.0)
+        return cls(tuple(rows), tuple(draft_lens), tuple(tuple(r) for r in table))
+
+    def step_ms(self, n: int, k: int) -> float:
+        """Interpolated time of a step of ``n`` requests with ``k`` draft tokens each."""
+        return _interpolate(self.rows, n, [_interpolate(self.draft_lens, k, r) for r in self.ms])
+
+    @property
+    def max_rows(self) -> int:
+        """The most running requests at which some draft, always accepted, pays (0: never)."""
+        paying = [n for n, r in zip(self.rows, self.ms) if any(t < (k + 1) * r[0] for k, t in zip(self.draft_lens[1:], r[1:]))]
+        return max(paying, default=0)
+
+    def draft_len(self, num_running: int, drafts: list[tuple[int, float]], k_max: int) -> int:
+        """The draft tokens per request that maximize expected tokens per millisecond this step.
+
+        ``drafts``: ``(draft length, acceptance rate)`` of the requests that have a draft; the other
+        running requests emit one token whatever ``k`` is."""
+        best_k, best = 0, num_running / self.step_ms(num_running, 0)
+        for k in range(1, k_max + 1):
+            tokens = num_running - len(drafts) + sum(expected_tokens(a, min(k, n)) for n, a in drafts)
+            rate = tokens / self.step_ms(num_running, k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+
+def _interpolate(xs: tuple[int, ...], x: float, values) -> float:
+    """Piecewise-linear ``values`` at ``x``, held constant beyond the ends of ``xs``."""
+    if x <= xs[0]:
+        return values[0]
+    if x >= xs[-1]:
+        return values[-1]
+    i = bisect_right(xs, x) - 1
+    return values[i] + (x - xs[i]) / (xs[i + 1] - xs[i]) * (values[i + 1] - values[i])
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one request emits from a ``k``-token draft: ``1 + a + ... + a^k``."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+@dataclass
+class Acceptance:
+    """One request's decayed draft hits and trials."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.hits + 1) / (self.trials + 2)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a verify step in which ``accepted`` of ``drafted`` draft tokens were kept."""
+        self.hits = DECAY * self.hits + accepted
+        self.trials = DECAY * self.trials + accepted + (accepted < drafted)
