@@ -67,7 +67,7 @@ class _PromptIndex:
 class Drafter:
     """Drafts per request from the sequences of its prompt; see the module docstring."""
 
-    def __init__(self, *, min_n: int = 2, max_n: int = 8, max_matches: int = 16, max_tokens: int = 16384):
+    def __init__(self, *, min_n: int = 2, max_n: int = 8, max_matches: int = 8, max_tokens: int = 16384):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"Drafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n, self.max_n, self.max_matches, self.max_tokens = min_n, max_n, max_matches, max_tokens
@@ -103,13 +103,10 @@ class Drafter:
         self._catch_up(index)
         seq = index.seqs[me]
         for n in range(min(self.max_n, len(seq)), self.min_n - 1, -1):
-            window = seq[-n:]
-            matches = []
-            for packed in reversed(index.table.get(hash(tuple(window)), ())):  # latest first
-                i, end = packed >> _END_BITS, packed & _END_MASK
-                other = index.seqs[i]
-                if end < len(other) and other[end - n:end] == window:
-                    matches.append((i, end))
+            occurrences = index.table.get(hash(tuple(seq[-n:])), ())
+            # the latest first; a hash collision only costs a rejected draft (verification decides)
+            matches = [(p >> _END_BITS, p & _END_MASK) for p in reversed(occurrences[-self.max_matches:])]
+            matches = [(i, end) for i, end in matches if end < len(index.seqs[i])]
             if matches:
                 return self._vote(index, me, matches, k)
         return None
@@ -120,21 +117,21 @@ class Drafter:
 
     def _vote(self, index: _PromptIndex, me: int, matches: list[tuple[int, int]], k: int) -> Draft:
         """The continuation most ``matches`` share, token by token, up to ``k`` tokens."""
+        follows = [(index.seqs[i][end:end + k], i) for i, end in matches]
         tokens: list[int] = []
-        while len(tokens) < k:
-            d = len(tokens)
+        for d in range(k):
             votes: dict[int, int] = {}
-            for i, end in matches:
-                if end + d < len(index.seqs[i]):
-                    t = index.seqs[i][end + d]
-                    votes[t] = votes.get(t, 0) + 1
+            for f, _ in follows:
+                if d < len(f):
+                    votes[f[d]] = votes.get(f[d], 0) + 1
             if not votes:
                 break
             best = max(votes, key=votes.__getitem__)  # ties: the latest occurrence's token
             tokens.append(best)
-            matches = [(i, end) for i, end in matches if end + d < len(index.seqs[i]) and index.seqs[i][end + d] == best]
+            if votes[best] < len(follows):
+                follows = [(f, i) for f, i in follows if d < len(f) and f[d] == best]
         sources: dict[str, int] = {}
-        for i, _ in matches:
+        for _, i in follows:
             s = index.sources[i] or ("self" if i == me else "sibling")
             sources[s] = sources.get(s, 0) + 1
         return Draft(tokens, max(sources, key=sources.__getitem__))

@@ -78,10 +78,25 @@ def decode_step_ms(engine, num_running: int, prompt_len: int, vocab_size: int, a
     return [1e3 * t for t in times]
 
 
+def _step_clock(device):
+    """The clock that times an engine step: on CPU this process's CPU time (the engine's own work,
+    whatever else runs on a shared machine), on a GPU the wall time after synchronizing."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return time.process_time
+
+    def wall() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return wall
+
+
 def verify_step_ms(engine, num_running: int, draft_lens: list[int], prompt_len: int, vocab_size: int,
                    avoid: set[int], steps: int, seed: int) -> list[float]:
     """Per draft length in ``draft_lens``: the fastest of ``steps`` TorchEngine verify steps, in ms
-    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`) of ``num_running`` greedy
+    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`; see :func:`_step_clock`) of ``num_running`` greedy
     requests of ``prompt_len`` prompt tokens, each verifying that many draft tokens (after one
     untimed step). The requests carry a seed, so the engine's own seed generator is left alone."""
     import dataclasses
@@ -96,15 +111,15 @@ def verify_step_ms(engine, num_running: int, draft_lens: list[int], prompt_len: 
     engine.step()  # their first decode step
     if engine.stats().num_running != num_running:
         raise RuntimeError(f"probe: {engine.stats().num_running} running, expected {num_running}")
-    fastest = []
-    for k in draft_lens:
-        times = []
-        for _ in range(steps + 1):
+    clock = _step_clock(engine.device)
+    times: dict[int, list[float]] = {k: [] for k in draft_lens}
+    for _ in range(steps + 1):  # the draft lengths interleaved: a shared machine's load hits them alike
+        for k in draft_lens:
             drafts = {r.id: [prompts[i][-1]] * k for i, r in enumerate(reqs)}
-            start = time.perf_counter()
+            start = clock()
             engine.verify_step(drafts)
-            times.append(time.perf_counter() - start)
-        fastest.append(1e3 * min(times[1:]))  # robust to a shared machine
+            times[k].append(clock() - start)
+    fastest = [1e3 * min(times[k][1:]) for k in draft_lens]  # the first round warms up
     for r in reqs:
         engine.abort(r.id)
     return fastest

@@ -10,7 +10,8 @@ engine does not draft at all.
 
 The acceptance rate of a request is its own, measured: hits over trials of its recent verify steps
 (a trial is a draft token verified up to and including the first rejected one), with a prior of
-one hit in two trials and old steps decayed.
+one hit in two trials and old steps decayed (also while it is not verified, so that a request
+whose drafts failed early gets drafts again later).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 DECAY = 0.8
-"""Weight of a request's earlier verify steps in its acceptance rate, per step."""
+"""Weight of a request's earlier verify steps in its acceptance rate, per verify step."""
+FADE = 0.95
+"""The same, per step that verified nothing for it: old evidence fades, so a request is drafted for again."""
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,11 @@ class SpecCost:
 
     @classmethod
     def smoothed(cls, rows: tuple[int, ...], draft_lens: tuple[int, ...], ms: list[list[float]]) -> SpecCost:
-        """A table made non-decreasing in both directions (more work never measures as cheaper)."""
+        """A table made non-decreasing in the draft length (a longer draft never measures as cheaper)."""
         table = [list(r) for r in ms]
-        for i, r in enumerate(table):
-            for j in range(len(r)):
-                r[j] = max(r[j], r[j - 1] if j else 0.0, table[i - 1][j] if i else 0.0)
+        for r in table:
+            for j in range(1, len(r)):
+                r[j] = max(r[j], r[j - 1])
         return cls(tuple(rows), tuple(draft_lens), tuple(tuple(r) for r in table))
 
     def step_ms(self, n: int, k: int) -> float:
@@ -100,3 +103,8 @@ class Acceptance:
         """After a verify step in which ``accepted`` of ``drafted`` draft tokens were kept."""
         self.hits = DECAY * self.hits + accepted
         self.trials = DECAY * self.trials + accepted + (accepted < drafted)
+
+    def fade(self) -> None:
+        """After a step that verified no draft for this request."""
+        self.hits *= FADE
+        self.trials *= FADE

@@ -906,16 +906,24 @@ class TorchEngine:
             seq.draft = None
         if mode == "off" or mode == "auto" and (cost is None or n > cost.max_rows):
             return 0
+        k_max = self.config.spec_max_tokens
+        if mode == "auto" and not cost.draft_len(n, [(k_max, s.acceptance.rate) for s in self.running], k_max):
+            for seq in self.running:  # not even full drafts would pay at their acceptance: don't draft
+                seq.acceptance.fade()
+            return 0
         for seq in self.running:
             room = seq.max_len - len(seq.tokens) - 1  # a verify step appends up to draft + 1 tokens
             if room > 0:
-                seq.draft = self.drafter.propose(seq.req.id, min(self.config.spec_max_tokens, room))
+                seq.draft = self.drafter.propose(seq.req.id, min(k_max, room))
         drafted = [s for s in self.running if s.draft is not None]
         k = max((len(s.draft.tokens) for s in drafted), default=0)
         if mode == "auto" and drafted:
             k = cost.draft_len(n, [(len(s.draft.tokens), s.acceptance.rate) for s in drafted], k)
             for s in drafted:
                 s.draft = Draft(s.draft.tokens[:k], s.draft.source) if k else None
+        for seq in self.running:
+            if seq.draft is None:
+                seq.acceptance.fade()
         return k
 
     def _force(self, drafts: dict[str, list[int]]) -> int:

@@ -100,7 +100,7 @@ def test_cost_table_interpolates_and_says_when_drafts_pay():
     assert 0 < c.draft_len(1, [(8, 0.6)], 8) < 8
     assert c.draft_len(16, [(8, 0.6)] * 16, 8) < c.draft_len(2, [(8, 0.6)] * 2, 8)
     smoothed = SpecCost.smoothed((1, 2), (0, 1), [[2.0, 1.5], [1.0, 3.0]])
-    assert smoothed.ms == ((2.0, 2.0), (2.0, 3.0))
+    assert smoothed.ms == ((2.0, 2.0), (1.0, 3.0))
 
 
 def test_acceptance_counts_trials_up_to_the_first_rejection():
