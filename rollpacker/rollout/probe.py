@@ -130,9 +130,33 @@ def measure_spec_cost(engine, max_rows: int, max_draft: int, prompt_len: int, st
     ``max_rows`` running requests and 0, 1, 2, 4, ... ``max_draft`` draft tokens each."""
     from rollpacker.rollout.spec_cost import SpecCost
 
-    rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_rows] or [1]
     lens = sorted({0, max_draft, *(k for k in (1, 2, 4, 8, 16) if k < max_draft)})
+    new = 3 + (steps + 1) * sum(k + 1 for k in lens)  # tokens each probe request generates
+    prompt_len = max(1, min(prompt_len, engine.max_model_len - new - 1))
+    fits = engine.num_blocks // -(-(prompt_len + new) // engine.config.block_size)  # requests the KV cache holds
+    rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= min(max_rows, fits)] or [1]
     args = engine.model.args
     ms = [verify_step_ms(engine, n, lens, prompt_len, args.vocab_size, set(args.eos_token_ids), steps, seed=n)
           for n in rows]
-    return SpecCost.smoothed(tuple(rows), tuple(lens), ms)
+    return SpecCost.smoothed(tuple(rows), tuple(lens), ms, draft_ms(max_draft, _step_clock("cpu")))
+
+
+def draft_ms(k: int, clock, num_siblings: int = 4, length: int = 256) -> float:
+    """The drafter's mean ms per ``k``-token draft, indexing included: ``num_siblings`` requests of
+    one prompt, each a noisy copy of one text from a small vocabulary, drafted for at every token."""
+    import random
+
+    from rollpacker.rollout.drafter import Drafter
+
+    rng = random.Random(0)
+    drafter, text = Drafter(), [rng.randrange(16) for _ in range(length)]
+    prompt = [rng.randrange(16) for _ in range(32)]
+    seqs = [list(prompt) for _ in range(num_siblings)]
+    for i, seq in enumerate(seqs):
+        drafter.add(f"s{i}", prompt, seq)
+    start = clock()
+    for t in text:
+        for i, seq in enumerate(seqs):
+            seq.append(t if rng.random() < 0.9 else rng.randrange(16))
+            drafter.propose(f"s{i}", k)
+    return 1e3 * (clock() - start) / (length * num_siblings)

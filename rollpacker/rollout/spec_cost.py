@@ -5,8 +5,9 @@ engine itself (:func:`~rollpacker.rollout.probe.verify_step_ms`), is a table ove
 (``k = 0`` is a plain decode step). A request whose drafts are accepted at rate ``a`` emits
 ``1 + a + ... + a^k`` tokens per step in expectation (each draft token is kept while all before
 it were). Each step takes the ``k`` that maximizes expected tokens per millisecond over the running
-requests, ``0`` included; above ``max_rows`` (where even a sure one-token draft would not pay) the
-engine does not draft at all.
+requests, ``0`` included. Drafting has its own measured cost per request (``draft_ms``): the engine
+asks the drafter only when full-length drafts at the requests' acceptance would pay it too, and
+never above ``max_rows`` running requests (where not even sure drafts would).
 
 The acceptance rate of a request is its own, measured: hits over trials of its recent verify steps
 (a trial is a draft token verified up to and including the first rejected one), with a prior of
@@ -35,19 +36,22 @@ class SpecCost:
     """Draft tokens per request measured, increasing, from 0 (a plain decode step)."""
     ms: tuple[tuple[float, ...], ...]
     """``ms[i][j]``: one step of ``rows[i]`` requests with ``draft_lens[j]`` draft tokens each."""
+    draft_ms: float = 0.0
+    """The drafter's time for one request's draft."""
 
     def __post_init__(self) -> None:
         if not self.draft_lens or self.draft_lens[0] != 0 or len(self.ms) != len(self.rows):
             raise ValueError(f"SpecCost: draft_lens must start at 0 and ms have one row per rows entry, got {self}")
 
     @classmethod
-    def smoothed(cls, rows: tuple[int, ...], draft_lens: tuple[int, ...], ms: list[list[float]]) -> SpecCost:
+    def smoothed(cls, rows: tuple[int, ...], draft_lens: tuple[int, ...], ms: list[list[float]],
+                 draft_ms: float = 0.0) -> SpecCost:
         """A table made non-decreasing in the draft length (a longer draft never measures as cheaper)."""
         table = [list(r) for r in ms]
         for r in table:
             for j in range(1, len(r)):
                 r[j] = max(r[j], r[j - 1])
-        return cls(tuple(rows), tuple(draft_lens), tuple(tuple(r) for r in table))
+        return cls(tuple(rows), tuple(draft_lens), tuple(tuple(r) for r in table), draft_ms)
 
     def step_ms(self, n: int, k: int) -> float:
         """Interpolated time of a step of ``n`` requests with ``k`` draft tokens each."""
@@ -55,9 +59,18 @@ class SpecCost:
 
     @property
     def max_rows(self) -> int:
-        """The most running requests at which some draft, always accepted, pays (0: never)."""
-        paying = [n for n, r in zip(self.rows, self.ms) if any(t < (k + 1) * r[0] for k, t in zip(self.draft_lens[1:], r[1:]))]
+        """The most running requests at which some draft, always accepted, pays its step and drafting (0: never)."""
+        paying = [n for n, r in zip(self.rows, self.ms)
+                  if any(t + n * self.draft_ms < (k + 1) * r[0] for k, t in zip(self.draft_lens[1:], r[1:]))]
         return max(paying, default=0)
+
+    def worth_drafting(self, num_running: int, acceptance: list[float], k_max: int) -> bool:
+        """Whether ``k_max``-token drafts for every running request, accepted at these rates, would
+        pay for their drafting and their verify step at the best draft length."""
+        n = num_running
+        plain = n / self.step_ms(n, 0)
+        return any(sum(expected_tokens(a, k) for a in acceptance) / (self.step_ms(n, k) + n * self.draft_ms) > plain
+                   for k in range(1, k_max + 1))
 
     def draft_len(self, num_running: int, drafts: list[tuple[int, float]], k_max: int) -> int:
         """The draft tokens per request that maximize expected tokens per millisecond this step.

@@ -29,6 +29,13 @@
   runs the same schedule on its slice of heads (the layers on local shards, all-reducing the
   row-parallel outputs); TP rank 0's sampled tokens are broadcast so the ranks can never diverge.
 
+- **Speculative decoding** (``engine.speculative``; ``docs/speculative.md``): a decode step may
+  verify model-free drafts (:mod:`~rollpacker.rollout.drafter`) in one forward over each row's
+  newest token and draft (:class:`_VerifyAttention`). At each draft position it samples the token
+  a plain step would, with that position's own draw, and keeps the draft while it matches, then
+  that token: the output is exactly plain decoding's. ``auto`` drafts where the engine's measured
+  step cost (:mod:`~rollpacker.rollout.spec_cost`) says it pays.
+
 What it leaves out for now: prefix sharing across a prompt's group, chunked prefill (both would
 need the decoded K/V written back to the pool), and CUDA graphs.
 """
@@ -907,7 +914,7 @@ class TorchEngine:
         if mode == "off" or mode == "auto" and (cost is None or n > cost.max_rows):
             return 0
         k_max = self.config.spec_max_tokens
-        if mode == "auto" and not cost.draft_len(n, [(k_max, s.acceptance.rate) for s in self.running], k_max):
+        if mode == "auto" and not cost.worth_drafting(n, [s.acceptance.rate for s in self.running], k_max):
             for seq in self.running:  # not even full drafts would pay at their acceptance: don't draft
                 seq.acceptance.fade()
             return 0
@@ -988,8 +995,7 @@ class TorchEngine:
             self.waiting, self.calibrating, self.spec = deque(), True, SpecStats()
             try:
                 context = min(128, self.max_model_len // 4)
-                rows = min(32, self.config.max_num_seqs, self.num_blocks // self._blocks_for(2 * context))
-                cost = measure_spec_cost(self, rows, self.config.spec_max_tokens, context)
+                cost = measure_spec_cost(self, min(32, self.config.max_num_seqs), self.config.spec_max_tokens, context)
             finally:
                 self.calibrating = False
                 self.waiting, self.num_preemptions, self.num_generated_tokens, self.num_prefill_tokens, self.spec = saved

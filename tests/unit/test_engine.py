@@ -180,7 +180,7 @@ def sibling_requests(draft_context: dict[str, tuple[int, ...]] | None = None) ->
     """Three siblings per prompt (greedy; T 0.9 top-p 0.9; T 0.7 top-k 20), each offered
     ``draft_context[id]`` as an earlier epoch's response when given."""
     reqs = []
-    for i, (p, n) in enumerate(zip(PROMPTS[:4], (40, 20, 60, 30))):
+    for i, (p, n) in enumerate(zip(PROMPTS[:4], (24, 12, 32, 16))):
         for j, (t, top_p, top_k) in enumerate([(0, 1, 0), (0.9, 0.9, 0), (0.7, 1, 20)]):
             rid = f"p{i}-{j}"
             context = (DraftContext(source="epoch", token_ids=draft_context[rid]),) if draft_context else ()

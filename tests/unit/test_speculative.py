@@ -99,6 +99,9 @@ def test_cost_table_interpolates_and_says_when_drafts_pay():
     assert c.draft_len(1, [(8, 0.05)], 8) == 0
     assert 0 < c.draft_len(1, [(8, 0.6)], 8) < 8
     assert c.draft_len(16, [(8, 0.6)] * 16, 8) < c.draft_len(2, [(8, 0.6)] * 2, 8)
+    slow_drafter = SpecCost(c.rows, c.draft_lens, c.ms, draft_ms=10.0)  # drafting dearer than any gain
+    assert c.worth_drafting(1, [0.9], 8) and not slow_drafter.worth_drafting(1, [0.9], 8)
+    assert slow_drafter.max_rows == 0 and not c.worth_drafting(16, [0.05] * 16, 8)
     smoothed = SpecCost.smoothed((1, 2), (0, 1), [[2.0, 1.5], [1.0, 3.0]])
     assert smoothed.ms == ((2.0, 2.0), (1.0, 3.0))
 
