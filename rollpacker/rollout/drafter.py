@@ -57,8 +57,8 @@ class _PromptIndex:
         """Per sequence, the next n-gram end position to index."""
         self.table: dict[int, list[int]] = {}
         """hash of an n-gram -> its occurrences, packed ``seq << 32 | end`` (the continuation starts at end)."""
-        self.contexts: set[int] = set()
-        """Hashes of the draft contexts indexed (the siblings of a request bring the same ones)."""
+        self.contexts: set[tuple[str, tuple[int, ...]]] = set()
+        """The draft contexts indexed (the siblings of a request bring the same ones)."""
         self.members: dict[str, int] = {}
         """Request id -> its sequence."""
         self.num_indexed = 0
@@ -83,9 +83,9 @@ class Drafter:
         if index is None:
             index = self.prompts[key] = _PromptIndex(prompt)
         for c in context:
-            h = hash((c.source, c.token_ids))
-            if h not in index.contexts and c.token_ids:
-                index.contexts.add(h)
+            key = (c.source, tuple(c.token_ids))
+            if key not in index.contexts and c.token_ids:
+                index.contexts.add(key)
                 self._append(index, [*prompt, *c.token_ids], c.source)
         index.members[request_id] = self._append(index, tokens, None)
         self.requests[request_id] = index, index.members[request_id]
