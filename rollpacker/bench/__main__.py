@@ -14,6 +14,7 @@ BENCHES = {
     "logprobs": "rollpacker.bench.logprobs",
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
+    "spec-engine": "rollpacker.bench.spec_engine",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

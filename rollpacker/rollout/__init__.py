@@ -37,5 +37,18 @@ def build_engine(config: EngineConfig, model_path: str | Path, device: torch.dev
     if kind == "sglang":
         from rollpacker.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_path, config, tp_mesh=tp_mesh, dtype=dtype)
+        return SGLangEngine(model_path, config, tp_mesh=tp_mesh, dtype=dtype,
+                            **sglang_speculative_args(config, torch.device(device).type))
     raise ValueError(f"engine.kind must be auto, torch, vllm or sglang, got {config.kind!r}")
+
+
+def sglang_speculative_args(config: EngineConfig, device_type: str) -> dict:
+    """SGLang server arguments for ``engine.speculative``: its NGRAM drafts (the request's own
+    context), ``engine.spec_max_tokens`` per step. SGLang runs NGRAM on CUDA only."""
+    if config.speculative == "off":
+        return {}
+    if device_type != "cuda":
+        raise ValueError(f"engine.speculative={config.speculative!r} with engine.kind=sglang on {device_type}: "
+                         "SGLang's NGRAM speculative decoding runs on CUDA only; set engine.speculative=off")
+    return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": config.spec_max_tokens,
+            "speculative_ngram_max_match_window_size": 8}

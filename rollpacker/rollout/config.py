@@ -47,6 +47,10 @@ class RolloutConfig:
                                  "use a larger max_new_tokens") from None
 
 
+MAX_SPEC_TOKENS = 32
+"""Upper bound of ``engine.spec_max_tokens``: a verify step's queries per request."""
+
+
 @dataclass(kw_only=True)
 class EngineConfig:
     kind: Literal["auto", "torch", "vllm", "sglang"] = "auto"
@@ -69,8 +73,16 @@ class EngineConfig:
     """Longest prompt + response; 0 takes the model's max_position_embeddings."""
     seed: int = 0
     """Seeds the per-request seeds of requests that bring none."""
+    speculative: Literal["off", "auto", "on"] = "off"
+    """Verify model-free drafts (docs/speculative.md): auto where the engine's measured step cost says it pays."""
+    spec_max_tokens: int = 8
+    """Most draft tokens verified per request and step."""
 
     def __post_init__(self) -> None:
+        if self.speculative not in ("off", "auto", "on"):
+            raise ValueError(f"engine.speculative must be off, auto or on, got {self.speculative!r}")
+        if not 1 <= self.spec_max_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"engine.spec_max_tokens must be in 1..{MAX_SPEC_TOKENS}, got {self.spec_max_tokens}")
         for name in ("block_size", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine.{name} must be positive, got {getattr(self, name)}")
