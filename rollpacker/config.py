@@ -19,9 +19,10 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
 from rollpacker.checkpoint import CheckpointConfig
+from rollpacker.choices import check_choices
 from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
@@ -45,8 +46,7 @@ class ModelConfig:
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        check_choices(self, "model")
 
     def directory(self) -> Path:
         """``path``, or the shipped toy model's directory when it is empty."""
@@ -197,7 +197,8 @@ class Config:
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     """A dataclass from nested dicts, refusing unknown keys by name."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = get_type_hints(cls, include_extras=True)
+    fields = [f.name for f in dataclasses.fields(cls)]
     if cls is Config and "policy" in values:
         raise ValueError(f"{where}: policy = {values['policy']!r} is spelled [schedule] policy = "
                          f"{values['policy']!r} now (the policy's settings go in the same table)")
@@ -205,12 +206,10 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
-        ftype = fields[key].type
-        sub = globals().get(ftype) or getattr(sys.modules[cls.__module__], ftype, None)
-        if ftype == "ScheduleConfig":
+        if hints[key] is ScheduleConfig:
             value = schedule_config(value, f"{where}.{key}")
-        elif isinstance(value, dict) and dataclasses.is_dataclass(sub):
-            value = _build(sub, value, f"{where}.{key}")
+        elif isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
+            value = _build(hints[key], value, f"{where}.{key}")
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[key] = value

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from rollpacker.bench import split_run_args
 from rollpacker.bench.schedulers import run, summarize
+from rollpacker.jobflags import split_run_args
 
 
 @dataclass

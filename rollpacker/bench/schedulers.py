@@ -46,55 +46,27 @@ from pathlib import Path
 
 import tyro
 
-from rollpacker.bench import split_run_args
+from rollpacker.jobflags import STREAM, JobArgs, job_argv, policy_args, split_run_args
 
 
 @dataclass
-class Args:
+class Args(JobArgs):
     policies: str = "sync,tail"
     """Comma-separated policies; the first is the baseline of the speedups."""
     seeds: str = "0,1,2"
     """Comma-separated seeds (sampling, data order and init of everything random)."""
     nproc: int = 2
     """Ranks (torchrun --nproc_per_node)."""
-    preset: str = "toy-cpu"
-    """Preset of the job (its num_steps and eval settings; rollpacker.run flags after ``--`` override them)."""
-    train_shard_size: int = 1
-    """--train.train-shard-size of every run (stream training frees whole training replicas)."""
     ablations: bool = False
     """Also run the stream trainer's Table 3 and Table 4 ablations (seed 0)."""
     ablation_steps: int = 40
     """Steps of each ablation run."""
 
 
-STREAM = ["--stream.enabled"]
-PIPE = ["--schedule.pipe"]
-OFF_POLICY = ["--train.off-policy", "tis"]
 PAPER = [*STREAM, "--stream.criterion", "kv"]  # the ablations are the paper's, with its KV-fit criterion
 TABLE3 = {"w/o": [], "20%": [*STREAM, "--stream.trigger", "0.2"], "30%": [*STREAM, "--stream.trigger", "0.3"],
           "40%": [*STREAM, "--stream.trigger", "0.4"], "adaptive": PAPER}
 TABLE4 = {"stream": PAPER, **{f"{c}%": [*PAPER, "--stream.fetch-cap", str(c / 100)] for c in (20, 30, 40, 50)}}
-
-
-VARIANTS = {"": [], "stream": STREAM, "pipe": PIPE, **{f"stream_{c}": [*STREAM, "--stream.criterion", c]
-                                                         for c in ("kv", "throughput")}}
-
-
-def policy_args(policy: str) -> list[str]:
-    name, _, extra = ("sync+pipe" if policy == "pipe" else policy).partition("+")
-    if extra not in VARIANTS:
-        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+V, V one of "
-                         f"{', '.join(v for v in VARIANTS if v)}")
-    return [f"schedule:{name}", *VARIANTS[extra],
-            *(OFF_POLICY if name in ("sorted_partial", "one_step_off") else [])]
-
-
-def job_argv(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[str]:
-    """The ``rollpacker.run`` flags of one benchmark run."""
-    return ["--preset", args.preset, "--run-dir", run_dir, *policy_flags,
-            "--train.train-shard-size", str(args.train_shard_size),
-            "--seed", str(seed), "--data.shuffle-seed", str(seed), "--metrics.wandb-mode", "disabled",
-            "--metrics.no-live", "--checkpoint.no-export-hf", *run_args]
 
 
 def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:

@@ -21,8 +21,8 @@ from typing import Literal
 
 import numpy as np
 
+from rollpacker.choices import check_choices
 from rollpacker.data import toy
-from rollpacker.reward.config import check_rubric
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class DataConfig:
     """Skip JSONL lines that are not valid rows (logging how many and where) instead of stopping at the first."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "data")
         if self.num_eval_prompts <= 0:
             raise ValueError(f"data.num_eval_prompts must be positive, got {self.num_eval_prompts}")
         if self.toy_tail_alpha <= 0:
@@ -57,10 +58,18 @@ class DataConfig:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
             raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
-        from rollpacker.reward.workers import DATA_KINDS  # light: math-verify is imported on first use
 
-        if self.reward not in DATA_KINDS:
-            raise ValueError(f"data.reward must be one of {sorted(DATA_KINDS)}, got {self.reward!r}")
+
+def check_rubric(rubric: str, name: str = "judge.rubric") -> None:
+    """Raise a ValueError naming ``name`` unless ``rubric`` is a template with {prompt} and {response}."""
+    try:
+        rubric.format(prompt="", response="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{name} is not a valid template ({type(e).__name__}: {e}); "
+                         "use only {prompt} and {response}, and double other braces") from None
+    for key in ("{prompt}", "{response}"):
+        if key not in rubric:
+            raise ValueError(f"{name} must contain {key}")
 
 
 class DatasetError(ValueError):

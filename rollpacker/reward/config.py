@@ -7,32 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
+from rollpacker.choices import check_choices
+from rollpacker.data.dataset import check_rubric
 from rollpacker.reward.sandbox import SandboxConfig
 
 OnError = Literal["zero", "drop"]
-ON_ERROR = get_args(OnError)
 JudgeDtype = Literal["auto", "float32", "bfloat16", "float16"]
-JUDGE_DTYPES = get_args(JudgeDtype)
 DEFAULT_RUBRIC = (
     "You are grading a response to a task.\n\n"
     "Task:\n{prompt}\n\nResponse:\n{response}\n\n"
     "Rate how correct and complete the response is, from 0 (wrong or missing) to 9 (fully correct). "
     "Answer with one digit.\nScore: "
 )
-
-
-def check_rubric(rubric: str, name: str = "judge.rubric") -> None:
-    """Raise a ValueError naming ``name`` unless ``rubric`` is a template with {prompt} and {response}."""
-    try:
-        rubric.format(prompt="", response="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"{name} is not a valid template ({type(e).__name__}: {e}); "
-                         "use only {prompt} and {response}, and double other braces") from None
-    for key in ("{prompt}", "{response}"):
-        if key not in rubric:
-            raise ValueError(f"{name} must contain {key}")
 
 
 @dataclass(kw_only=True)
@@ -57,11 +45,10 @@ class JudgeConfig:
     """CPU: the judge's memory budget in GiB (nothing reports free memory there)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "judge")
         check_rubric(self.rubric)
         if self.max_score < 1:
             raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
-        if self.dtype not in JUDGE_DTYPES:
-            raise ValueError(f"judge.dtype must be one of {', '.join(JUDGE_DTYPES)}, got {self.dtype!r}")
         if self.resident_layers < -1:
             raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")
         if self.max_tokens <= 0:
@@ -96,10 +83,9 @@ class RewardConfig:
     """The LLM judge (data.reward judge): run in the controller on the actor's device."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "reward")
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"reward.on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         for name in ("timeout", "timeout_factor", "timeout_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")

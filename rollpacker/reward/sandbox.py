@@ -42,12 +42,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
+
+from rollpacker.choices import check_choices
 
 logger = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
-ISOLATIONS = get_args(Isolation)
 VERDICTS = ("PASS", "WRONG", "TIMEOUT", "MEMORY", "OUTPUT_LIMIT", "RUNTIME_ERROR", "SANDBOX_ERROR")
 NOBODY = 65534
 MASKED = ("/root", "/home", "/run")
@@ -78,8 +79,7 @@ class SandboxConfig:
     """Processes and threads in the sandbox (RLIMIT_NPROC)."""
 
     def __post_init__(self) -> None:
-        if self.isolation not in ISOLATIONS:
-            raise ValueError(f"reward.sandbox.isolation must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
+        check_choices(self, "reward.sandbox")
         for name in ("memory_mb", "max_output_mb", "file_size_mb", "tmpfs_mb", "num_files", "num_procs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.sandbox.{name} must be positive, got {getattr(self, name)}")

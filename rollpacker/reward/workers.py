@@ -46,9 +46,6 @@ STOP_GRACE = 2.0
 KINDS = ("code", *REWARDS)
 """What a worker can score. Payloads: ``{"response", "answer"}`` for math and toy,
 ``{"response", "tests", "timeouts"}`` for code (see :func:`rollpacker.reward.code.code_reward`)."""
-DATA_KINDS = (*KINDS, "judge")
-"""What ``data.reward`` may name: a worker's kinds, or the LLM judge, which the controller's
-:class:`~rollpacker.reward.scheduler.RewardScheduler` runs on the actor's device."""
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rollpacker.choices import check_choices
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
@@ -38,7 +40,7 @@ class RolloutConfig:
                 f"in (0, 1], top_k={self.top_k} >= 0"
             )
         if self.replay_lengths:
-            from rollpacker.sim.workload import LengthModel
+            from rollpacker.data.lengths import LengthModel
 
             try:  # the mixture scales with the cap: a tiny cap has no lengths left to draw
                 LengthModel().for_cap(self.max_new_tokens)
@@ -71,14 +73,13 @@ class EngineConfig:
     """Seeds the per-request seeds of requests that bring none."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "engine")
         for name in ("block_size", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine.{name} must be positive, got {getattr(self, name)}")
         if self.kv_memory_mb <= 0 or self.memory_mb < 0:
             raise ValueError(f"engine.kv_memory_mb={self.kv_memory_mb} must be positive and "
                              f"engine.memory_mb={self.memory_mb} >= 0")
-        if self.kind not in ("auto", "torch", "vllm", "sglang"):
-            raise ValueError(f"engine.kind must be auto, torch, vllm or sglang, got {self.kind!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.max_model_len < 0:

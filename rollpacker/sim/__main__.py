@@ -139,7 +139,8 @@ class WorkloadArgs:
 def workload(argv: list[str]) -> dict:
     import tyro
 
-    from rollpacker.sim.workload import PAPER_LENGTHS, LengthModel, fit_length_model, length_loss, length_stats
+    from rollpacker.data.lengths import LengthModel
+    from rollpacker.sim.workload import PAPER_LENGTHS, fit_length_model, length_loss, length_stats
 
     args = tyro.cli(WorkloadArgs, args=argv, prog="python -m rollpacker.sim workload")
     model = fit_length_model(args.num_candidates)[0] if args.fit else LengthModel()

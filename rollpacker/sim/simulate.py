@@ -54,6 +54,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.data.lengths import LengthModel
 from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
@@ -64,7 +65,7 @@ from rollpacker.schedule.config import ScheduleConfig, TailConfig
 from rollpacker.schedule.round import Launch, RoundState
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
-from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
+from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 from rollpacker.train.config import StreamConfig
 from rollpacker.train.stream import ScaleDown
 

@@ -2,7 +2,7 @@
 
 Two regimes, each a 2-rank job whose rollout runs alone (``--train.skip``) with every response
 forced to a length of the simulator's own long-tailed mixture (``--rollout.replay-lengths``, the
-very lengths :class:`~rollpacker.sim.workload.LengthModel` gives the simulator for the same seed):
+very lengths :class:`~rollpacker.data.lengths.LengthModel` gives the simulator for the same seed):
 
 - ``compute``: the toy model on TorchEngine (the ``toy-cpu`` preset: P0=16, R0=8, cap 400), where
   a decode step grows with the running requests (compute-bound, as CPUs are with small models);
@@ -59,10 +59,9 @@ class ValidateArgs:
 def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list[str]:
     """The ``rollpacker.run`` flags (besides the policy's) of every job of ``regime``, then ``extra``."""
     if regime == "memory":
-        from rollpacker.bench.regime import Args as RegimeArgs
-        from rollpacker.bench.regime import job_flags
+        from rollpacker.jobflags import MemoryRegime, memory_regime_flags
 
-        flags = job_flags(RegimeArgs(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps))
+        flags = memory_regime_flags(MemoryRegime(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps))
         return flags + list(extra)
     return ["--engine.kind", "torch", "--rollout.replay-lengths", "--train.skip", "--num-steps", str(args.num_steps),
             "--eval-every", "0", "--checkpoint-every", "0", *extra]
@@ -97,8 +96,7 @@ def kept(done: Path, argv: list[str], fresh: bool) -> bool:
 
 def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = ()) -> tuple[list[str], list[dict], dict]:
     """The job's flags, its metrics records and the regime's profile (measured unless kept)."""
-    from rollpacker.bench.schedulers import Args as JobArgs
-    from rollpacker.bench.schedulers import job_argv, policy_args
+    from rollpacker.jobflags import JobArgs, job_argv, policy_args
 
     where = args.work_dir / regime
     where.mkdir(parents=True, exist_ok=True)
@@ -124,11 +122,11 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     from rollpacker.config import parse
     from rollpacker.controller import encode
     from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
+    from rollpacker.data.lengths import LengthModel
     from rollpacker.model import read_args
     from rollpacker.schedule import build_policy
     from rollpacker.sim.cost import ProfiledCost
     from rollpacker.sim.simulate import build_replicas, simulate_round
-    from rollpacker.sim.workload import LengthModel
 
     cfg = parse(argv)
     model_dir = cfg.model.directory()
@@ -164,7 +162,7 @@ def rollout_per_step(times: list[float]) -> float:
 def main(argv: list[str]) -> dict:
     import tyro
 
-    from rollpacker.bench import split_run_args
+    from rollpacker.jobflags import split_run_args
 
     own, extra = split_run_args(argv)
     args = tyro.cli(ValidateArgs, args=own, prog="python -m rollpacker.sim validate")

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config, parse
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.round import _feed
 from rollpacker.schedule.base import Group, Round
