@@ -61,7 +61,6 @@ class Controller:
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler
         from rollpacker.round import LengthReplay
-        from rollpacker.schedule import build_policy
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config.model.chat_template, row["prompt"]),
@@ -72,9 +71,9 @@ class Controller:
                    tokenizer=tokenizer,
                    rewards=RewardScheduler(config.reward, config.data.reward,
                                            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), meshes.device),
-                   policy=build_policy(config.schedule, PromptSampler(len(rows), config.data.shuffle_seed),
-                                       config.rollout.num_prompts, config.rollout.group_size,
-                                       num_epochs=config.num_epochs, last_step=config.num_steps - 1),
+                   policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed),
+                                                config.rollout.num_prompts, config.rollout.group_size,
+                                                num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
                    display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollpacker.schedule.config import POLICY_CONFIGS
+from rollpacker.schedule.sync import SyncConfig
+
 
 def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """A tool's own flags, and the ``rollpacker.run`` flags that follow ``--``."""
@@ -30,12 +33,11 @@ VARIANTS = {"": [], "stream": STREAM, "pipe": PIPE, **{f"stream_{c}": [*STREAM, 
 def policy_args(policy: str) -> list[str]:
     """The flags of ``POLICY`` or ``POLICY+VARIANT`` (``pipe`` alone: sync with RolloutPipe); a policy
     whose samples are stale trains with truncated importance sampling."""
-    name, _, extra = ("sync+pipe" if policy == "pipe" else policy).partition("+")
-    if extra not in VARIANTS:
-        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+V, V one of "
-                         f"{', '.join(v for v in VARIANTS if v)}")
-    return [f"schedule:{name}", *VARIANTS[extra],
-            *(OFF_POLICY if name in ("sorted_partial", "one_step_off") else [])]
+    name, _, extra = (f"{SyncConfig.name}+pipe" if policy == "pipe" else policy).partition("+")
+    if extra not in VARIANTS or name not in POLICY_CONFIGS:
+        raise SystemExit(f"unknown policy {policy!r}: write POLICY or POLICY+V, POLICY one of "
+                         f"{', '.join(POLICY_CONFIGS)}, V one of {', '.join(v for v in VARIANTS if v)}")
+    return [f"schedule:{name}", *VARIANTS[extra], *(OFF_POLICY if POLICY_CONFIGS[name].stale_samples else [])]
 
 
 @dataclass

@@ -47,6 +47,7 @@ from pathlib import Path
 import tyro
 
 from rollpacker.jobflags import STREAM, JobArgs, job_argv, policy_args, split_run_args
+from rollpacker.schedule.tail import TailConfig
 
 
 @dataclass
@@ -167,7 +168,7 @@ def ablate(args: Args, run_args: list[str]) -> dict[str, float]:
         for variant, flags in table.items():
             with tempfile.TemporaryDirectory() as run_dir:
                 rows[variant] = summarize(run(args, [*run_args, "--num-steps", str(args.ablation_steps)],
-                                              ["schedule:tail", *flags], 0, run_dir))
+                                              [f"schedule:{TailConfig.name}", *flags], 0, run_dir))
         first = next(iter(rows.values()))
         print(f"\n{name}: tail, seed 0, {args.ablation_steps} steps")
         print(f"{'':<26}" + "".join(f"{v:>10}" for v in rows))

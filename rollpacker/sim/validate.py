@@ -32,15 +32,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from rollpacker.schedule.config import names
+
 REGIMES = ("compute", "memory")
+ROLLOUT_ALONE = tuple(names(lambda c: not c.own_pools))
+"""The policies whose rollout a job measures alone (``--train.skip``): all but those with pools of their own."""
 
 
 @dataclass(kw_only=True)
 class ValidateArgs:
     regimes: tuple[Literal["compute", "memory"], ...] = REGIMES
     """Regimes to check (memory needs vLLM: bash launch/install.sh vllm)."""
-    policies: tuple[Literal["sync", "tail", "sorted", "sorted_partial"], ...] = ("sync", "tail", "sorted",
-                                                                                "sorted_partial")
+    policies: tuple[Literal[ROLLOUT_ALONE], ...] = ROLLOUT_ALONE
     """Policies run and simulated in each regime."""
     num_steps: int = 16
     """Steps per run (the first warms the engines up and is not compared)."""
@@ -124,7 +127,6 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
     from rollpacker.data.lengths import LengthModel
     from rollpacker.model import read_args
-    from rollpacker.schedule import build_policy
     from rollpacker.sim.cost import ProfiledCost
     from rollpacker.sim.simulate import build_replicas, simulate_round
 
@@ -142,8 +144,8 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     rows = fit_rows(load_rows(cfg.data), encoded, max_model_len, cost.kv_capacity, cfg.rollout.max_new_tokens)
     lengths = LengthModel(seed=cfg.seed).for_cap(cfg.rollout.max_new_tokens)
     lengths = replace(lengths, prompt_tokens=round(statistics.mean(len(prompt[r["id"]]) for r in rows)))
-    policy = build_policy(cfg.schedule, PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
-                          cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
+    policy = cfg.schedule.build(PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
+                                cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
     times = []
     for step in range(cfg.num_steps):
         if policy.done():

@@ -15,9 +15,9 @@ from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.round import _feed
 from rollpacker.schedule.base import Group, Round
-from rollpacker.schedule.config import SyncConfig, TailConfig
 from rollpacker.schedule.round import RoundState
-from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.sync import SyncConfig, SyncPolicy
+from rollpacker.schedule.tail import TailConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
 
 

@@ -33,7 +33,6 @@ def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     from rollpacker.jobflags import JobArgs as Args
     from rollpacker.jobflags import job_argv, policy_args
     from rollpacker.round import LengthReplay
-    from rollpacker.schedule import build_policy
     from rollpacker.sim.validate import ValidateArgs, regime_flags, simulate_run
 
     flat = {"exchange_ms": 1.0, "tp": {"1": {"kv_capacity_tokens": 1_000_000, "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
@@ -42,8 +41,8 @@ def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     times = simulate_run(argv, flat)
     cfg = parse(argv)
     assert len(times) == 3
-    policy = build_policy(cfg.schedule, PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
-                          cfg.rollout.num_prompts, cfg.rollout.group_size)
+    policy = cfg.schedule.build(PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
+                                cfg.rollout.num_prompts, cfg.rollout.group_size)
     forced = LengthReplay(cfg.seed, cfg.rollout.max_new_tokens).draw
     for step, seconds in enumerate(times):
         plan = policy.start_round(step)
