@@ -214,10 +214,6 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist()
 
-    def next_batch(self, n: int) -> list[int]:
-        """The next ``n`` indices, continuing into the next epoch(s) when this one runs out."""
-        return [row for _, row in self.draw(n)]
-
     def draw(self, n: int) -> list[tuple[int, int]]:
         """The next ``n`` indices as ``(epoch, index)`` pairs: a prompt's identity in the ledger."""
         if n < 0:

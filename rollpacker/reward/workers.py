@@ -178,15 +178,6 @@ class RewardPool:
                 raise TimeoutError(f"reward pool: {self._num_unfinished} samples still unscored after {timeout} s")
         return self.poll()
 
-    @property
-    def num_pending(self) -> int:
-        """Samples submitted and not finished yet."""
-        return self._num_unfinished
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self._workers]
-
     def close(self) -> None:
         """Stop the manager, every worker and their sandboxes; unfinished samples are dropped."""
         if self._closing:

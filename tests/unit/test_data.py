@@ -163,8 +163,13 @@ def test_empty_dataset_is_an_error(tmp_path, lines):
 # --- sampler -------------------------------------------------------------------------------------
 
 
+def next_batch(sampler: PromptSampler, n: int) -> list[int]:
+    """The next ``n`` rows (the sampler draws (epoch, row) keys)."""
+    return [row for _, row in sampler.draw(n)]
+
+
 def draw(sampler: PromptSampler, sizes: list[int]) -> list[int]:
-    return [i for n in sizes for i in sampler.next_batch(n)]
+    return [i for n in sizes for i in next_batch(sampler, n)]
 
 
 def test_sampler_deterministic_for_a_seed():
@@ -175,8 +180,8 @@ def test_sampler_deterministic_for_a_seed():
 
 def test_sampler_seeds_and_epochs_differ():
     a, b = PromptSampler(50, seed=0), PromptSampler(50, seed=1)
-    assert a.next_batch(50) != b.next_batch(50)
-    assert a.next_batch(50) != PromptSampler(50, seed=0).next_batch(50)  # epoch 1 != epoch 0
+    assert next_batch(a, 50) != next_batch(b, 50)
+    assert next_batch(a, 50) != next_batch(PromptSampler(50, seed=0), 50)  # epoch 1 != epoch 0
 
 
 def test_every_index_once_per_epoch():
@@ -192,9 +197,9 @@ def test_epoch_rollover_mid_batch():
     whole = draw(PromptSampler(n, seed=2), [n, n])  # epoch 0 then epoch 1
     sampler = PromptSampler(n, seed=2)
     assert (sampler.epoch, sampler.position) == (0, 0)
-    first = sampler.next_batch(7)
+    first = next_batch(sampler, 7)
     assert (sampler.epoch, sampler.position) == (0, 7)
-    straddle = sampler.next_batch(6)  # 3 from epoch 0, 3 from epoch 1
+    straddle = next_batch(sampler, 6)  # 3 from epoch 0, 3 from epoch 1
     assert (sampler.epoch, sampler.position) == (1, 3)
     assert first + straddle == whole[:13]
     assert sorted(first + straddle[:3]) == list(range(n))
@@ -202,17 +207,17 @@ def test_epoch_rollover_mid_batch():
 
 def test_batch_longer_than_an_epoch():
     sampler = PromptSampler(4, seed=0)
-    batch = sampler.next_batch(10)
+    batch = next_batch(sampler, 10)
     assert len(batch) == 10 and (sampler.epoch, sampler.position) == (2, 2)
     assert sorted(batch[:4]) == sorted(batch[4:8]) == [0, 1, 2, 3]
-    assert sampler.next_batch(0) == []
+    assert next_batch(sampler, 0) == []
 
 
 @pytest.mark.parametrize("consumed", [0, 5, 13, 20, 21, 40])
 def test_state_dict_round_trip(consumed):
     """Resuming from a saved state continues exactly, also right at and across epoch boundaries."""
     sampler = PromptSampler(20, seed=9)
-    sampler.next_batch(consumed)
+    next_batch(sampler, consumed)
     state = sampler.state_dict()
     assert all(type(v) is int for v in state.values())
     expected = draw(sampler, [6] * 8)  # crosses at least two epoch boundaries
@@ -235,4 +240,4 @@ def test_sampler_argument_errors():
     with pytest.raises(ValueError, match="num_rows=0"):
         PromptSampler(0)
     with pytest.raises(ValueError, match="batch size must be >= 0"):
-        PromptSampler(3).next_batch(-1)
+        PromptSampler(3).draw(-1)
