@@ -24,6 +24,7 @@ from rollpacker.data.dataset import DataConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig, check_judge_path
+from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
 from rollpacker.schedule.config import ScheduleConfig, names, schedule_args, schedule_config
 from rollpacker.schedule.sync import SyncConfig
@@ -95,11 +96,13 @@ class Config:
             pools = ", ".join(f"schedule:{name}" for name in names(lambda c: c.own_pools))
             raise ValueError(f"train.skip (rollout alone) with stream.enabled, schedule.pipe or {pools}: they train "
                              f"during rollout; use {', '.join(names(lambda c: not c.own_pools))}")
-        if self.engine.kind in ("vllm", "sglang") and self.plan.enabled:
+        engine = ENGINES.get(self.engine.kind)  # auto: resolved at build time, to one the planner can switch
+        if self.plan.enabled and engine and not engine.supports_tp_switch:
+            switchable = " or ".join(repr(k) for k, e in ENGINES.items() if e.supports_tp_switch)
             raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: a TP switch rebuilds the engines "
-                             "in-process, and vLLM's TP groups are process-wide state built once from the whole world "
-                             "(its shutdown destroys the trainer's default process group); use engine.kind='torch' "
-                             "with the planner, or a fixed rollout.tp")
+                             "in-process, which this engine cannot do (its TP groups are process-wide state built "
+                             f"once from the whole world); use engine.kind={switchable} with the planner, or a fixed "
+                             "rollout.tp")
         s = self.schedule
         if s.stale_samples and self.train.off_policy == "none":
             raise ValueError(

@@ -75,3 +75,21 @@ def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     preset.write_text('policy = "tail"\n')
     with pytest.raises(ValueError, match="tail.toml: unknown setting 'policy'"):
         load_preset(str(preset))
+
+
+def test_engine_rules_ask_the_engine_registry():
+    from rollpacker.choices import choices
+    from rollpacker.config import Config
+    from rollpacker.plan.config import PlanConfig
+    from rollpacker.rollout import ENGINES
+    from rollpacker.rollout.config import EngineConfig
+
+    assert set(choices(EngineConfig)["kind"]) == {"auto", *ENGINES}
+    assert ENGINES["torch"].supports_tp_switch and ENGINES["vllm"].needs_world_groups
+    Config(engine=EngineConfig(kind="auto"), plan=PlanConfig(enabled=True))  # auto picks one the planner can switch
+    for kind, engine in ENGINES.items():
+        if engine.supports_tp_switch:
+            Config(engine=EngineConfig(kind=kind), plan=PlanConfig(enabled=True))
+        else:
+            with pytest.raises(ValueError, match=f"plan.enabled with engine.kind='{kind}': a TP switch"):
+                Config(engine=EngineConfig(kind=kind), plan=PlanConfig(enabled=True))
