@@ -8,11 +8,11 @@ policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabl
 RolloutPipe (``sync`` with ``--schedule.pipe``: 1 rollout rank, 1 train rank on 2 ranks) and
 ``tail+pipe`` tail batching's rounds with it; ``one_step_off`` is verl's recipe (1 rollout rank, 1
 training rank on 2 ranks); ``sorted_partial`` and ``one_step_off`` train with truncated importance
-sampling (``--train.off-policy tis``). Every run
-uses ``--train.train-shard-size`` = ``--train-shard-size`` (default 1: each rank a whole training
-replica, which stream training needs to free a rank), so the policies train alike. Every run has the same seed, data order and number of steps (P0 groups of R0
-responses per step; a tail run's last step flushes its long-prompt queue, so it may train a few
-prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
+sampling (``--train.off-policy tis``). Every run uses ``--train.train-shard-size`` =
+``--train-shard-size`` (default 1: each rank a whole training replica, which stream training needs
+to free a rank), so the policies train alike. Every run has the same seed, data order and number
+of steps (P0 groups of R0 responses per step; a tail run's last step flushes its long-prompt
+queue, so it may train a few prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
 
 - rollout time per round, by round kind (sync, short, long, sorted);
 - average step time (steps after the first, which warms up), the speedup vs the first policy, and
@@ -98,7 +98,8 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "staleness": statistics.mean(r.get("sched/staleness_mean", 0) for r in steps),
         "staleness_max": max(r.get("sched/staleness_max", 0) for r in steps),
         "rollout_to_train_end": statistics.mean(
-            r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r.get("time/train", 0.0)) for r in timed),
+            r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r.get("time/train", 0.0))
+            for r in timed),
         "wait_prev_gen": statistics.mean(r.get("time/wait_prev_gen", float("nan")) for r in timed),
         "trainer_wait": statistics.mean(r.get("pipe/trainer_wait_ratio", float("nan")) for r in timed),
     }
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         ("rollout/round long (s)", "rollout_long", ".3f"), ("rollout/round sorted (s)", "rollout_sorted", ".3f"),
         ("rounds short/long", None, None),
         ("step time, long rounds (s)", "step_time_long", ".3f"), ("step time (s)", "step_time", ".3f"),
-        ("speedup", None, None), ("samples/s", "samples_per_s", ".1f"), ("bubble ratio", "bubble_ratio", ".3f"), ("scale-downs", "scaled_down", ".0f"),
+        ("speedup", None, None), ("samples/s", "samples_per_s", ".1f"), ("bubble ratio", "bubble_ratio", ".3f"),
+        ("scale-downs", "scaled_down", ".0f"),
         ("train hidden/step (s)", "hidden_train", ".3f"),
         ("rollout->train end (s)", "rollout_to_train_end", ".3f"), ("trainer wait ratio", "trainer_wait", ".3f"),
         ("wait for prev gen (s)", "wait_prev_gen", ".3f"),
@@ -176,6 +178,6 @@ def ablate(args: Args, run_args: list[str]) -> dict[str, float]:
             print(f"{label:<26}" + "".join(f"{r[k]:>10.3f}" for r in rows.values()))
         print(f"{'speedup, long rounds':<26}" + "".join(f"{first['step_time_long'] / r['step_time_long']:>9.2f}x"
                                                         for r in rows.values()))
-        out |= {f"{name}_{v.replace('%', 'pct').replace('/', '')}": round(first["step_time_long"] / r["step_time_long"], 3)
-                for v, r in rows.items()}
+        out |= {f"{name}_{v.replace('%', 'pct').replace('/', '')}":
+                round(first["step_time_long"] / r["step_time_long"], 3) for v, r in rows.items()}
     return out

@@ -106,7 +106,8 @@ def read_jsonl(path: str | Path, reward: str = "math", skip_bad: bool = False) -
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data.path: no such file: {path} (give a JSONL file, or leave it empty for the toy task)")
+        raise FileNotFoundError(f"data.path: no such file: {path} (give a JSONL file, or leave it empty for the "
+                                "toy task)")
     rows: list[dict] = []
     first_line_of: dict[str, int] = {}
     bad: list[str] = []
@@ -118,7 +119,8 @@ def read_jsonl(path: str | Path, reward: str = "math", skip_bad: bool = False) -
                     continue
                 row_id = row["id"]
                 if row_id in first_line_of:
-                    raise DatasetError(f"{path}:{line_no}: duplicate id {row_id!r} (first on line {first_line_of[row_id]}); ids must be unique")
+                    raise DatasetError(f"{path}:{line_no}: duplicate id {row_id!r} (first on line "
+                                       f"{first_line_of[row_id]}); ids must be unique")
             except DatasetError as e:
                 if not skip_bad:
                     raise DatasetError(f"{e} (fix the line, or set data.skip_bad_lines to skip bad lines)") from None
@@ -157,12 +159,14 @@ def _parse_line(raw: bytes, path: Path, line_no: int, reward: str) -> dict | Non
     for field in (*required, *optional):
         if field in row and not isinstance(row[field], str):
             value = json.dumps(row[field])[:40]
-            raise DatasetError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__} {value} (quote it: \"...\")")
+            raise DatasetError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__} {value} "
+                               "(quote it: \"...\")")
     tests = row.get("tests")
     if "tests" in row and not (isinstance(tests, list) and tests and all(
             isinstance(t, dict) and isinstance(t.get("output"), str) and isinstance(t.get("input", ""), str)
             for t in tests)):
-        raise DatasetError(f'{where}: field \'tests\' must be a non-empty list of {{"input": str, "output": str}} objects')
+        raise DatasetError(f"{where}: field 'tests' must be a non-empty list of "
+                           '{"input": str, "output": str} objects')
     if reward == "judge" and "rubric" in row:
         try:
             check_rubric(row["rubric"], "field 'rubric'")
@@ -242,7 +246,8 @@ class PromptSampler:
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.num_rows:
-            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and 0 <= position <= {self.num_rows}")
+            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and "
+                             f"0 <= position <= {self.num_rows}")
         self._epoch, self._position = epoch, position
         self._order = self._permutation(epoch)
 

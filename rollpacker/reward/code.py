@@ -53,7 +53,8 @@ def code_reward(response: str, tests: list[dict], timeouts: list[float],
     a reward_error, not a wrong answer.
     """
     if not tests or len(timeouts) != len(tests):
-        raise RewardError(f"code reward: {len(tests)} tests and {len(timeouts)} timeouts; a row needs at least one test")
+        raise RewardError(f"code reward: {len(tests)} tests and {len(timeouts)} timeouts; "
+                          "a row needs at least one test")
     program = extract_code(response)
     if program is None:
         return 0.0, {"verdicts": [], "seconds": []}
@@ -81,7 +82,8 @@ class AdaptiveTimeout:
 
     @classmethod
     def from_config(cls, cfg) -> AdaptiveTimeout:
-        """From a :class:`rollpacker.reward.config.RewardConfig`'s ``timeout_factor``, ``timeout_min``, ``timeout_max``."""
+        """From a :class:`rollpacker.reward.config.RewardConfig`'s ``timeout_factor``, ``timeout_min`` and
+        ``timeout_max``."""
         return cls(cfg.timeout_factor, cfg.timeout_min, cfg.timeout_max)
 
     def timeouts(self, tests: list[dict]) -> list[float]:

@@ -90,7 +90,8 @@ class RewardConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")
         if self.timeout_max < self.timeout_min:
-            raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min ({self.timeout_min})")
+            raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min "
+                             f"({self.timeout_min})")
 
 
 def check_judge_path(model_path: str) -> None:

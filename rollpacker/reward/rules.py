@@ -37,12 +37,14 @@ def math_reward(response: str, answer: str) -> float:
     except Exception as e:
         raise RewardError(f"math reward: cannot parse the gold answer {answer[:80]!r}: {type(e).__name__}: {e}") from e
     if not gold:
-        raise RewardError(f"math reward: the gold answer {answer[:80]!r} holds no parsable expression; fix the dataset's 'answer'")
+        raise RewardError(f"math reward: the gold answer {answer[:80]!r} holds no parsable expression; "
+                          "fix the dataset's 'answer'")
     try:
         pred = parse(response, parsing_timeout=None, raise_on_error=True)
         return float(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
     except Exception as e:
-        raise RewardError(f"math reward: math-verify failed on response ...{response[-80:]!r}: {type(e).__name__}: {e}") from e
+        raise RewardError(f"math reward: math-verify failed on response ...{response[-80:]!r}: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def toy_reward(response: str, answer: str) -> float:

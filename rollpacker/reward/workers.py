@@ -252,7 +252,8 @@ class RewardPool:
             w.process.join(timeout=1)
             if not w.ready:
                 raise RuntimeError(f"a reward worker exited while starting (exit code {w.process.exitcode}); see its "
-                                   "traceback above (a script that starts a RewardPool needs if __name__ == '__main__':)")
+                                   "traceback above (a script that starts a RewardPool needs "
+                                   "if __name__ == '__main__':)")
             self._replace(i, f"its reward worker died (exit code {w.process.exitcode})")
         elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
             self._replace(i, f"{w.task.kind} reward timed out after {w.task.timeout:g} s; its worker was replaced")
@@ -287,7 +288,8 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         conn, child_conn = self._ctx.Pipe()
-        process = self._ctx.Process(target=_work, args=(child_conn, self.cfg.sandbox), name="reward-worker", daemon=True)
+        process = self._ctx.Process(target=_work, args=(child_conn, self.cfg.sandbox), name="reward-worker",
+                                    daemon=True)
         process.start()
         child_conn.close()
         return _Worker(process, conn)

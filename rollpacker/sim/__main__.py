@@ -75,8 +75,9 @@ def run(argv: list[str]) -> dict:
     cost = cfg.cost()
     results = simulate(cfg, record=bool(gantt))
     pools = f" ({cfg.train_pool} of them train)" if cfg.train_pool < cfg.gpus else ""
-    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp}{pools} (KV cache "
-          f"{cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.rollout.num_prompts}, R0={cfg.rollout.group_size}, "
+    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp}{pools} "
+          f"(KV cache {cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.rollout.num_prompts}, "
+          f"R0={cfg.rollout.group_size}, "
           f"up to {cfg.rollout.max_new_tokens} new tokens; policy {cfg.policy}; {cfg.num_steps} steps "
           f"({'trace ' + cfg.trace if cfg.trace else 'length mixture'})")
     stream = f"{'scaled':>8}{'at':>6}{'hidden':>8}" if cfg.stream else ""
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
 
         figures = growth.main(argv[1:])
     elif command:
-        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, or flags "
-                         "(--help)")
+        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, "
+                         "or flags (--help)")
     else:
         try:
             figures = run(argv)

@@ -16,9 +16,10 @@ simulator drives the same policy objects through :class:`~rollpacker.sim.cost.Pr
 replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout time per step
 (rollout and the scoring after it, steps after the first) is compared per (regime, policy); the
 profile is the only thing the simulator learns from this machine. Runs and profiles are kept in
-``--work-dir`` and reused when their flags are the same (``--fresh`` measures again). Last line JSON: ``sim_max_rel_error`` and
-``measured_s_<regime>_<policy>`` / ``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every
-job and profile (``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there override the profiled points).
+``--work-dir`` and reused when their flags are the same (``--fresh`` measures again). Last line
+JSON: ``sim_max_rel_error`` and ``measured_s_<regime>_<policy>`` /
+``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every job and profile
+(``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there override the profiled points).
 """
 
 from __future__ import annotations

@@ -235,7 +235,8 @@ class RewardModel:
             return min(self.code_timeout_s, self.code_median_s * math.exp(self.code_sigma * rng.standard_normal()))
         context = prompt_tokens + length
         prefill = judge.prefill_s(context, context**2)
-        decode = judge.iteration_times(self.judge_batch, self.judge_batch * (context + self.judge_output_tokens // 2), 1)
+        mean_context = context + self.judge_output_tokens // 2
+        decode = judge.iteration_times(self.judge_batch, self.judge_batch * mean_context, 1)
         return prefill + self.judge_output_tokens * float(decode[0])
 
     def workers(self, task: str) -> int:

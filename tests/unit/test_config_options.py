@@ -28,7 +28,8 @@ def options(cls: type | None = None, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if hint is ScheduleConfig:
-            names += [o for name, policy in POLICY_CONFIGS.items() for o in options(policy, f"{prefix}schedule:{name}.")]
+            names += [o for name, policy in POLICY_CONFIGS.items()
+                      for o in options(policy, f"{prefix}schedule:{name}.")]
         elif dataclasses.is_dataclass(hint):
             names += options(hint, f"{prefix}{f.name}.")
         else:

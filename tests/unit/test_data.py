@@ -72,7 +72,8 @@ def test_valid_jsonl_loads(tmp_path):
 
 def test_jsonl_with_bom_and_unicode(tmp_path):
     path = tmp_path / "u.jsonl"
-    path.write_bytes("\ufeff".encode() + json.dumps({"prompt": "π≈?", "answer": "3.14"}, ensure_ascii=False).encode() + b"\n")
+    line = json.dumps({"prompt": "π≈?", "answer": "3.14"}, ensure_ascii=False)
+    path.write_bytes("\ufeff".encode() + line.encode() + b"\n")
     assert load(str(path)) == [{"id": "u:1", "prompt": "π≈?", "answer": "3.14"}]
 
 
@@ -135,7 +136,8 @@ def test_duplicate_id(tmp_path):
 
 
 def test_default_id_collides_with_explicit_id(tmp_path):
-    path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}), json.dumps({"prompt": "q", "answer": "y"})])
+    path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}),
+                            json.dumps({"prompt": "q", "answer": "y"})])
     with pytest.raises(DatasetError, match=r"train\.jsonl:2: duplicate id 'train:2'"):
         load(path)
 

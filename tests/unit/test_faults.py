@@ -38,14 +38,16 @@ def test_a_bad_line_names_file_and_line_and_the_way_out(tmp_path, line, message)
 
 
 def test_skip_bad_lines_keeps_the_good_ones_and_counts_the_rest(tmp_path, caplog):
-    path = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": "x"}), "", json.dumps({"prompt": "3", "answer": "3"})])
+    path = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": "x"}), "",
+                            json.dumps({"prompt": "3", "answer": "3"})])
     with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
         rows = load_rows(DataConfig(path=path, reward="math", skip_bad_lines=True))
     assert [r["prompt"] for r in rows] == ["1+1?", "3"]
     assert f"{path}: skipped 2 bad line(s) of 4 (data.skip_bad_lines); first: {path}:2: invalid JSON" in caplog.text
     assert f"{path}:3: missing field 'answer'" in caplog.text
     only_bad = write(tmp_path, ["{", "[]"], "bad.jsonl")
-    with pytest.raises(DatasetError, match=re.escape(f"{only_bad}: no rows (the file is empty or holds only blank or bad lines)")):
+    with pytest.raises(DatasetError,
+                       match=re.escape(f"{only_bad}: no rows (the file is empty or holds only blank or bad lines)")):
         load_rows(DataConfig(path=only_bad, reward="math", skip_bad_lines=True))
 
 

@@ -50,7 +50,8 @@ def test_rewards_bench_smoke(capsys):
     for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):  # step = rollout + exposed scoring
         assert summary[f"exposed_{name}"] >= 0
         assert summary[f"step_{name}"] == pytest.approx(0.5 + summary[f"exposed_{name}"], abs=0.05)
-    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"], abs=0.02)
+    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"],
+                                                    abs=0.02)
     assert summary["exposed_ratio"] == pytest.approx(
         summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02)
 

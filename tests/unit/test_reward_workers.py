@@ -130,7 +130,8 @@ def test_hostile_code_through_the_pool(pool):
         "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
         "busy": "while True:\n    pass",
         "flood": "while True:\n    print('x' * 4096)",
-        "kill_parent": "import os\nfor pid in (-1, 1, os.getppid()):\n    try:\n        os.kill(pid, 9)\n    except OSError:\n        pass",
+        "kill_parent": "import os\nfor pid in (-1, 1, os.getppid()):\n    try:\n        os.kill(pid, 9)\n"
+                       "    except OSError:\n        pass",
     }
     start = time.monotonic()
     for name, program in programs.items():
