@@ -93,3 +93,18 @@ def test_engine_rules_ask_the_engine_registry():
         else:
             with pytest.raises(ValueError, match=f"plan.enabled with engine.kind='{kind}': a TP switch"):
                 Config(engine=EngineConfig(kind=kind), plan=PlanConfig(enabled=True))
+
+
+def test_choice_fields_are_checked_once_on_every_path(tmp_path):
+    """A Literal field is refused by the same check from a preset, from Python and (tyro first) from a flag."""
+    from rollpacker.config import Config
+    from rollpacker.train.config import TrainConfig
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[train]\noff_policy = "maybe"\n')
+    with pytest.raises(ValueError, match="bad.toml: train.off_policy must be one of none, is, tis, got 'maybe'"):
+        load_preset(str(bad))
+    with pytest.raises(ValueError, match="train.off_policy must be one of none, is, tis, got 'maybe'"):
+        Config(train=TrainConfig(off_policy="maybe"))
+    with pytest.raises(SystemExit):
+        parse(["--train.off-policy", "maybe"])
