@@ -23,6 +23,7 @@ import numpy as np
 
 from rollpacker.choices import check_choices
 from rollpacker.data import toy
+from rollpacker.data.rubric import check_rubric
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +59,6 @@ class DataConfig:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
             raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
-
-
-def check_rubric(rubric: str, name: str = "judge.rubric") -> None:
-    """Raise a ValueError naming ``name`` unless ``rubric`` is a template with {prompt} and {response}."""
-    try:
-        rubric.format(prompt="", response="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"{name} is not a valid template ({type(e).__name__}: {e}); "
-                         "use only {prompt} and {response}, and double other braces") from None
-    for key in ("{prompt}", "{response}"):
-        if key not in rubric:
-            raise ValueError(f"{name} must contain {key}")
 
 
 class DatasetError(ValueError):

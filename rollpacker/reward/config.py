@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from rollpacker.choices import check_choices
-from rollpacker.data.dataset import check_rubric
+from rollpacker.data.rubric import check_rubric
 from rollpacker.reward.sandbox import SandboxConfig
 
 OnError = Literal["zero", "drop"]

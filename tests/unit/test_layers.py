@@ -4,6 +4,7 @@ the simulator does not import the benchmarks, and the kernels stand alone."""
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ TOOLS = ("rollpacker.sim", "rollpacker.bench")
 """Packages that measure or model the trainer; nothing else may import them."""
 
 
+@cache
 def imports(package: str) -> dict[str, set[str]]:
     """Every module of ``package`` and what it imports, inside functions too."""
     found = {}
