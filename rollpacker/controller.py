@@ -61,7 +61,6 @@ class Controller:
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler, build_functions, check_row
         from rollpacker.round import LengthReplay
-        from rollpacker.schedule import build_policy
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
@@ -74,9 +73,9 @@ class Controller:
         return cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=RewardScheduler(config.reward, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                                            meshes.device, functions=functions),
-                   policy=build_policy(config.schedule, PromptSampler(len(rows), config.data.shuffle_seed),
-                                       config.rollout.num_prompts, config.rollout.group_size,
-                                       num_epochs=config.num_epochs, last_step=config.num_steps - 1),
+                   policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed),
+                                                 config.rollout.num_prompts, config.rollout.group_size,
+                                                 num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
                    display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths

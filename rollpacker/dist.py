@@ -34,6 +34,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
+def kept_replicas(num_replicas: int) -> int:
+    """The rollout replicas that keep rolling out when stream training scales down (or RolloutPipe
+    splits the pools): the first half, rounded up; the others are freed to train."""
+    return num_replicas - num_replicas // 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -82,7 +88,7 @@ class Meshes:
             raise ValueError(f"rollout TP={tp} does not divide the {size} rollout ranks")
         if tp not in self._by_tp:
             replicas = size // tp
-            kept = (dist.new_group(list(range((replicas - replicas // 2) * tp)), backend="gloo")
+            kept = (dist.new_group(list(range(kept_replicas(replicas) * tp)), backend="gloo")
                     if self.stream is not None else None)
             mesh = DeviceMesh(self.device.type, torch.arange(size).view(replicas, tp), mesh_dim_names=("replica", "tp"))
             self._by_tp[tp] = mesh, kept

@@ -23,11 +23,10 @@ from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.dist import Meshes, build_meshes, init_distributed
-from rollpacker.model import INDEX, checkpoint_dtype, empty_model, engine_dtype, load_model, save_model
-from rollpacker.rollout import build_engine
+from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, load_model, save_model
+from rollpacker.rollout import ENGINES, build_engine
 from rollpacker.rollout.config import resolve_kind
 from rollpacker.rollout.engine import Engine
-from rollpacker.rollout.torch_engine import TorchEngine
 from rollpacker.train.stream import StreamTrainer
 from rollpacker.train.trainer import Trainer
 
@@ -73,8 +72,8 @@ class Job:
             torch.cuda.empty_cache()
         self.meshes.set_rollout_tp(tp)
         dtype = engine_dtype(self.config.model.dtype, self.meshes.device)
-        self.engine = TorchEngine(empty_model(self.trainer.model.args, self.meshes.device, dtype), self.config.engine,
-                                  self.meshes.rollout_tp)
+        self.engine = ENGINES[self.config.engine.kind].empty(self.trainer.model.args, self.config.engine,
+                                                             self.meshes.device, dtype, self.meshes.rollout_tp)
         self.engine.update_weights(self.trainer.model.named_parameters())
         if self.stream:  # its replicas changed; the length histories carry over
             histories, self.stream = self.stream.scale_down.histories, self.make_stream()
@@ -124,10 +123,8 @@ def build(config: Config) -> Job:
     config.engine.kind = resolve_kind(config.engine.kind, meshes.device.type, config.plan.enabled)
     if meshes.rank in meshes.rollout_ranks:
         engine = build_engine(config.engine, path, meshes.device, dtype, meshes.rollout_tp)
-    elif config.engine.kind == "vllm":  # vLLM's engines make their process groups over the whole world
-        from rollpacker.rollout.vllm_engine import join_parallel_state
-
-        join_parallel_state(path, config.engine, config.rollout.tp, dtype)
+    elif ENGINES[config.engine.kind].needs_world_groups:  # the engines' start makes groups over the whole world
+        ENGINES[config.engine.kind].join_world(path, config.engine, config.rollout.tp, dtype)
     if meshes.rank in meshes.train_ranks:
         reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
         trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,

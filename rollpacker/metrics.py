@@ -27,14 +27,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TextIO, get_args
+from typing import Any, Literal, TextIO
 
 import numpy as np
+
+from rollpacker.choices import check_choices
 
 logger = logging.getLogger(__name__)
 
 WandbMode = Literal["offline", "online", "disabled"]
-WANDB_MODES = get_args(WandbMode)
 SUMMARY_KEYS = (
     "time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean", "eval/accuracy",
 )
@@ -52,8 +53,7 @@ class MetricsConfig:
     """Show a live progress bar on rank 0 when stdout is a terminal."""
 
     def __post_init__(self) -> None:
-        if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"metrics.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
+        check_choices(self, "metrics")
         if not self.wandb_project:
             raise ValueError("metrics.wandb_project must not be empty")
 

@@ -89,14 +89,14 @@ def sampling_seed(seed: int, rid: str) -> int:
 
 class LengthReplay:
     """Forced response lengths (``--rollout.replay-lengths``), drawn from the paper's long-tailed
-    mixture (the simulator's :class:`~rollpacker.sim.workload.LengthModel`: hard prompts stay long,
+    mixture (the simulator's :class:`~rollpacker.data.lengths.LengthModel`: hard prompts stay long,
     longest / median ~30, scaled to ``max_new_tokens`` and cut there) and forced through the engine
     (``ignore_eos``): a random model then rolls out the tail a trained one would, and the
     simulator replays the very same lengths. A partial response resumed in a later round
     (sorted_partial) keeps the length it was first given, as in the simulator. One per run."""
 
     def __init__(self, seed: int, max_new_tokens: int):
-        from rollpacker.sim.workload import LengthModel
+        from rollpacker.data.lengths import LengthModel
 
         self.model, self.cap = LengthModel(seed=seed).for_cap(max_new_tokens), max_new_tokens
         self.given: dict[str, int] = {}

@@ -190,7 +190,8 @@ def diagnose(rank: int) -> str:
                 silent.append((r, f"last heartbeat {now - beat['t']:.0f}s ago, at step {beat['step']}, "
                                   f"phase {beat['phase']}"))
     except Exception as e:  # the store lives in rank 0 (or torchrun's agent): it may be the one stalled
-        return f"{where}; the heartbeat store did not answer either ({type(e).__name__}): rank 0 or the launcher is stalled"
+        return (f"{where}; the heartbeat store did not answer either ({type(e).__name__}): rank 0 or the launcher "
+                "is stalled")
     if not silent:
         return f"{where}; every rank's heartbeat is live: a slow collective, raise dist.timeout_s"
     who = "; ".join(f"rank {r}: {why}" for r, why in silent)

@@ -11,7 +11,7 @@ BENCHES = {
     "schedulers": "rollpacker.bench.schedulers",
     "rewards": "rollpacker.bench.rewards",
     "planner": "rollpacker.bench.planner",
-    "logprobs": "rollpacker.bench.logprobs",
+    "logprobs": "rollpacker_kernels.bench",
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
     "spec-engine": "rollpacker.bench.spec_engine",

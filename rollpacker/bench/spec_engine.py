@@ -18,7 +18,8 @@ Each mode's cost table is measured once before timing (:meth:`TorchEngine.calibr
 batch runs each mode ``repeats`` times, alternating; the fastest run counts (a shared machine).
 Per mode: the rollout's wall time, the time in its tail (steps that start with at most
 ``tail_running`` requests queued or running), both also as this process's CPU time (the engine runs
-one thread: CPU time is what a loaded, shared machine distorts least), engine steps, acceptance and tokens per verified row
+one thread: CPU time is what a loaded, shared machine distorts least), engine steps, acceptance and tokens per
+verified row
 by draft source, and tokens that differ from ``off`` (position by position, plus length
 differences; must be 0). The cost table is printed as the ratio of a verify step with ``k`` draft
 tokens to a plain step: how much more a multi-token forward costs at each batch size.
@@ -47,7 +48,8 @@ class SpecBenchConfig:
     group_size: int = 8
     """Responses per prompt in the job (the default job's rollout.group_size)."""
     replicas: int = 2
-    """Engine replicas the job routes a group over (the default job: 2 ranks); this engine gets group_size / replicas."""
+    """Engine replicas the job routes a group over (the default job: 2 ranks); this engine gets group_size / replicas
+    of each group."""
     batches: int = 3
     """Batches of prompts, each drawn with its own seed."""
     repeats: int = 2

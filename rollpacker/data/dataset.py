@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollpacker.choices import check_choices
 from rollpacker.data import toy
 from rollpacker.errors import UserError
 
@@ -71,6 +72,7 @@ class DataConfig:
     """Skip rows (and JSON lines) that are not valid, logging how many and where, instead of stopping at the first."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "data")
         if self.num_eval_prompts <= 0:
             raise ValueError(f"data.num_eval_prompts must be positive, got {self.num_eval_prompts}")
         if self.toy_tail_alpha <= 0:
@@ -161,7 +163,8 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[dict
         try:
             data = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError) as e:
-            raise DatasetError(f"{field}: {path} is a directory but not a dataset saved with save_to_disk ({e})") from None
+            raise DatasetError(f"{field}: {path} is a directory but not a dataset saved with save_to_disk "
+                               f"({e})") from None
         if isinstance(data, datasets.DatasetDict):
             if split not in data:
                 raise DatasetError(f"{field}: {path} has no split {split!r}; it has {', '.join(data)} (set data.split)")
@@ -342,10 +345,6 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist()
 
-    def next_batch(self, n: int) -> list[int]:
-        """The next ``n`` indices, continuing into the next epoch(s) when this one runs out."""
-        return [row for _, row in self.draw(n)]
-
     def draw(self, n: int) -> list[tuple[int, int]]:
         """The next ``n`` indices as ``(epoch, index)`` pairs: a prompt's identity in the ledger."""
         if n < 0:
@@ -374,7 +373,8 @@ class PromptSampler:
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.num_rows:
-            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and 0 <= position <= {self.num_rows}")
+            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and "
+                             f"0 <= position <= {self.num_rows}")
         self._epoch, self._position = epoch, position
         self._order = self._permutation(epoch)
 

@@ -160,7 +160,8 @@ def train(model: Transformer, tokenizer: PreTrainedTokenizerFast, cfg: SFTConfig
         opt.step()
         sched.step()
         if step % 100 == 0 or step == cfg.num_steps - 1:
-            logger.info("step %d/%d loss %.4f (%.0fs)", step + 1, cfg.num_steps, loss.item(), time.perf_counter() - start)
+            logger.info("step %d/%d loss %.4f (%.0fs)", step + 1, cfg.num_steps, loss.item(),
+                        time.perf_counter() - start)
 
 
 @contextmanager
@@ -205,7 +206,8 @@ def evaluate(path: Path, num: int, seed: int = EVAL_SEED) -> list[tuple[str, int
     rows = toy.make_dataset(num, seed)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
     with single_thread():
-        outs = generate(engine, [Request(id=r["id"], prompt_ids=tokenizer.encode(r["prompt"]), params=params) for r in rows])
+        outs = generate(engine, [Request(id=r["id"], prompt_ids=tokenizer.encode(r["prompt"]), params=params)
+                                 for r in rows])
     report = []
     for name, lo, hi in [*((f"{lo}-{hi}", lo, hi) for lo, hi in BUCKETS), ("overall", toy.MIN_TERMS, toy.MAX_TERMS)]:
         picked = [r for r in rows if lo <= r["num_terms"] <= hi]

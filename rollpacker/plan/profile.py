@@ -80,7 +80,8 @@ def check(profile: Any, key: dict, where: str) -> dict:
     diffs = [f"{k}: profile has {have.get(k)!r}, this run {v!r}" for k, v in key.items() if have.get(k) != v]
     if diffs:
         raise ValueError(f"{where}: the profile is for another setup ({'; '.join(diffs)}); profile again with "
-                         "python -m rollpacker.plan.profile and the run's flags, or drop --plan.profile to use the cache")
+                         "python -m rollpacker.plan.profile and the run's flags, or drop --plan.profile to use the "
+                         "cache")
     return profile
 
 

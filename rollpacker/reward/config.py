@@ -8,32 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
+from rollpacker.choices import check_choices
+from rollpacker.data.rubric import check_rubric
 from rollpacker.reward.sandbox import SandboxConfig
 
 OnError = Literal["skip", "fail"]
-ON_ERROR = get_args(OnError)
 JudgeDtype = Literal["auto", "float32", "bfloat16", "float16"]
-JUDGE_DTYPES = get_args(JudgeDtype)
 DEFAULT_RUBRIC = (
     "You are grading a response to a task.\n\n"
     "Task:\n{prompt}\n\nResponse:\n{response}\n\n"
     "Rate how correct and complete the response is, from 0 (wrong or missing) to 9 (fully correct). "
     "Answer with one digit.\nScore: "
 )
-
-
-def check_rubric(rubric: str, name: str = "judge.rubric") -> None:
-    """Raise a ValueError naming ``name`` unless ``rubric`` is a template with {prompt} and {response}."""
-    try:
-        rubric.format(prompt="", response="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"{name} is not a valid template ({type(e).__name__}: {e}); "
-                         "use only {prompt} and {response}, and double other braces") from None
-    for key in ("{prompt}", "{response}"):
-        if key not in rubric:
-            raise ValueError(f"{name} must contain {key}")
 
 
 @dataclass(kw_only=True)
@@ -58,11 +46,10 @@ class JudgeConfig:
     """CPU: the judge's memory budget in GiB (nothing reports free memory there)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "judge")
         check_rubric(self.rubric)
         if self.max_score < 1:
             raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
-        if self.dtype not in JUDGE_DTYPES:
-            raise ValueError(f"judge.dtype must be one of {', '.join(JUDGE_DTYPES)}, got {self.dtype!r}")
         if self.resident_layers < -1:
             raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")
         if self.max_tokens <= 0:
@@ -80,7 +67,7 @@ class JudgeConfig:
 @dataclass(kw_only=True)
 class RewardConfig:
     funcs: tuple[str, ...] = ("toy",)
-    """Reward functions, summed: built-ins (toy, math, code, judge) or package.module:function or path/file.py:function."""
+    """Reward functions, summed: a built-in (toy, math, code, judge), package.module:function or file.py:function."""
     weights: tuple[float, ...] = ()
     """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
     num_workers: int = 2
@@ -88,7 +75,7 @@ class RewardConfig:
     timeout: float = 10.0
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
     on_error: OnError = "skip"
-    """A reward function that raises, hangs or returns a bad value: skip (reward 0, counted in reward/errors) or fail (stop)."""
+    """A reward function that raises, hangs or returns a bad value: skip (reward 0, in reward/errors) or fail (stop)."""
     timeout_factor: float = 1.5
     """Code: lambda, a test's timeout is lambda times the slowest correct run seen on it (RollPacker's code uses 2)."""
     timeout_min: float = 2.0
@@ -101,6 +88,7 @@ class RewardConfig:
     """The LLM judge (reward.funcs judge): run in the controller on the actor's device."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "reward")
         from rollpacker.reward.functions import check_spec, names
 
         if not self.funcs:
@@ -121,7 +109,8 @@ class RewardConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")
         if self.timeout_max < self.timeout_min:
-            raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min ({self.timeout_min})")
+            raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min "
+                             f"({self.timeout_min})")
 
 
 def check_judge_path(model_path: str) -> None:

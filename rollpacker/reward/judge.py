@@ -51,7 +51,7 @@ from rollpacker.reward.rules import RewardError
 logger = logging.getLogger(__name__)
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""torch dtypes of ``JudgeConfig.dtype`` (:data:`~rollpacker.reward.config.JUDGE_DTYPES`)."""
+"""torch dtypes of ``JudgeConfig.dtype`` (:data:`~rollpacker.reward.config.JudgeDtype`)."""
 
 
 def parse_verdict(verdict: str, max_score: int) -> float:

@@ -37,12 +37,14 @@ def math_reward(response: str, answer: str) -> float:
     except Exception as e:
         raise RewardError(f"math reward: cannot parse the gold answer {answer[:80]!r}: {type(e).__name__}: {e}") from e
     if not gold:
-        raise RewardError(f"math reward: the gold answer {answer[:80]!r} holds no parsable expression; fix the dataset's 'answer'")
+        raise RewardError(f"math reward: the gold answer {answer[:80]!r} holds no parsable expression; "
+                          "fix the dataset's 'answer'")
     try:
         pred = parse(response, parsing_timeout=None, raise_on_error=True)
         return float(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
     except Exception as e:
-        raise RewardError(f"math reward: math-verify failed on response ...{response[-80:]!r}: {type(e).__name__}: {e}") from e
+        raise RewardError(f"math reward: math-verify failed on response ...{response[-80:]!r}: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def toy_reward(response: str, answer: str) -> float:
@@ -52,12 +54,14 @@ def toy_reward(response: str, answer: str) -> float:
 
 def toy(completions: list, answer: list[str] | None = None, **_) -> list[float | None]:
     """The built-in ``toy``: :func:`toy_reward` of each completion (None without an answer)."""
-    return [None if a is None else toy_reward(completion_text(c), a) for c, a in zip(completions, _or_none(answer, completions))]
+    return [None if a is None else toy_reward(completion_text(c), a)
+            for c, a in zip(completions, _or_none(answer, completions))]
 
 
 def math(completions: list, answer: list[str] | None = None, **_) -> list[float | None]:
     """The built-in ``math``: :func:`math_reward` of each completion (None without an answer)."""
-    return [None if a is None else math_reward(completion_text(c), a) for c, a in zip(completions, _or_none(answer, completions))]
+    return [None if a is None else math_reward(completion_text(c), a)
+            for c, a in zip(completions, _or_none(answer, completions))]
 
 
 def _or_none(column: list | None, completions: list) -> list:

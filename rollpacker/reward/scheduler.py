@@ -101,7 +101,9 @@ class CodeFunction(RewardFunction):
             raise ValueError('field \'tests\' must be a non-empty list of {"input": str, "output": str} objects')
 
     def extra(self, row: dict) -> dict:
-        return {"timeouts": self.timeouts.timeouts(row["tests"]), "sandbox": self.cfg.sandbox} if row.get("tests") else {}
+        if not row.get("tests"):
+            return {}
+        return {"timeouts": self.timeouts.timeouts(row["tests"]), "sandbox": self.cfg.sandbox}
 
     def timeout(self, extra: dict) -> float:
         return self.cfg.timeout + sum(extra.get("timeouts", ()))
@@ -123,11 +125,12 @@ class JudgeFunction(RewardFunction):
     on_controller = True
 
     def check_row(self, row: dict) -> None:
-        from rollpacker.reward.config import check_rubric
+        from rollpacker.data.rubric import check_rubric
 
         if row.get("rubric") is not None:
             if not isinstance(row["rubric"], str):
-                raise ValueError(f"field 'rubric' must be a string, got {type(row['rubric']).__name__} {row['rubric']!r}")
+                raise ValueError(f"field 'rubric' must be a string, got {type(row['rubric']).__name__} "
+                                 f"{row['rubric']!r}")
             try:
                 check_rubric(row["rubric"], "field 'rubric'")
             except ValueError as e:

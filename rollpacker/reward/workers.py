@@ -169,15 +169,6 @@ class RewardPool:
                 raise TimeoutError(f"reward pool: {self._num_unfinished} samples still unscored after {timeout} s")
         return self.poll()
 
-    @property
-    def num_pending(self) -> int:
-        """Samples submitted and not finished yet."""
-        return self._num_unfinished
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self._workers]
-
     def close(self) -> None:
         """Stop the manager, every worker and their sandboxes; unfinished samples are dropped."""
         if self._closing:
@@ -252,7 +243,8 @@ class RewardPool:
             w.process.join(timeout=1)
             if not w.ready:
                 raise RuntimeError(f"a reward worker exited while starting (exit code {w.process.exitcode}); see its "
-                                   "traceback above (a script that starts a RewardPool needs if __name__ == '__main__':)")
+                                   "traceback above (a script that starts a RewardPool needs "
+                                   "if __name__ == '__main__':)")
             self._replace(i, f"its reward worker died (exit code {w.process.exitcode})")
         elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
             self._replace(i, f"timed out after {w.task.timeout:g} s (reward.timeout); its worker was replaced")

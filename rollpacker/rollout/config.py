@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rollpacker.choices import check_choices
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
@@ -38,7 +40,7 @@ class RolloutConfig:
                 f"in (0, 1], top_k={self.top_k} >= 0"
             )
         if self.replay_lengths:
-            from rollpacker.sim.workload import LengthModel
+            from rollpacker.data.lengths import LengthModel
 
             try:  # the mixture scales with the cap: a tiny cap has no lengths left to draw
                 LengthModel().for_cap(self.max_new_tokens)
@@ -79,8 +81,7 @@ class EngineConfig:
     """Most draft tokens verified per request and step."""
 
     def __post_init__(self) -> None:
-        if self.speculative not in ("off", "auto", "on"):
-            raise ValueError(f"engine.speculative must be off, auto or on, got {self.speculative!r}")
+        check_choices(self, "engine")
         if not 1 <= self.spec_max_tokens <= MAX_SPEC_TOKENS:
             raise ValueError(f"engine.spec_max_tokens must be in 1..{MAX_SPEC_TOKENS}, got {self.spec_max_tokens}")
         for name in ("block_size", "max_num_seqs", "max_prefill_tokens"):
@@ -89,8 +90,6 @@ class EngineConfig:
         if self.kv_memory_mb <= 0 or self.memory_mb < 0:
             raise ValueError(f"engine.kv_memory_mb={self.kv_memory_mb} must be positive and "
                              f"engine.memory_mb={self.memory_mb} >= 0")
-        if self.kind not in ("auto", "torch", "vllm", "sglang"):
-            raise ValueError(f"engine.kind must be auto, torch, vllm or sglang, got {self.kind!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.max_model_len < 0:

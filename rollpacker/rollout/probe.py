@@ -96,7 +96,8 @@ def _step_clock(device):
 def verify_step_ms(engine, num_running: int, draft_lens: list[int], prompt_len: int, vocab_size: int,
                    avoid: set[int], steps: int, seed: int) -> list[float]:
     """Per draft length in ``draft_lens``: the fastest of ``steps`` TorchEngine verify steps, in ms
-    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`; see :func:`_step_clock`) of ``num_running`` greedy
+    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`; see :func:`_step_clock`) of ``num_running``
+    greedy
     requests of ``prompt_len`` prompt tokens, each verifying that many draft tokens (after one
     untimed step). The requests carry a seed, so the engine's own seed generator is left alone."""
     import dataclasses

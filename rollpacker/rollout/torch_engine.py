@@ -998,7 +998,8 @@ class TorchEngine:
                 cost = measure_spec_cost(self, min(32, self.config.max_num_seqs), self.config.spec_max_tokens, context)
             finally:
                 self.calibrating = False
-                self.waiting, self.num_preemptions, self.num_generated_tokens, self.num_prefill_tokens, self.spec = saved
+                (self.waiting, self.num_preemptions, self.num_generated_tokens, self.num_prefill_tokens,
+                 self.spec) = saved
             if self.tp_group is not None:
                 box = [cost]
                 dist.broadcast_object_list(box, group=self.tp_group, group_src=0)

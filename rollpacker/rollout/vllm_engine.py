@@ -114,8 +114,8 @@ def join_parallel_state(model_path: str | Path, config: EngineConfig, tp_size: i
 
     vllm_config = engine_args(model_path, config, tp_size, dtype).create_engine_config()
     with set_current_vllm_config(vllm_config):
-        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", int(os.environ.get("LOCAL_RANK", 0)),
-                                            current_platform.dist_backend)
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://",
+                                            int(os.environ.get("LOCAL_RANK", 0)), current_platform.dist_backend)
     no_limit = torch.tensor([torch.iinfo(torch.int64).max])
     dist.all_reduce(no_limit, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
 

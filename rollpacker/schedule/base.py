@@ -3,8 +3,8 @@
 A policy decides which prompts a round launches and how many responses each, reacts to every
 finished and scored response (keep it, abort its siblings, launch more prompts, end the round),
 and says at the end of the round which groups are trained. It never touches tensors or engines:
-the controller (``round.py``, through ``schedule/round.py``) turns its decisions into engine calls on the right replicas,
-and the trainer never learns how samples were scheduled.
+the controller (``round.py``, through ``schedule/round.py``) turns its decisions into engine calls
+on the right replicas, and the trainer never learns how samples were scheduled.
 
 One round = one RL step. The controller calls, on rank 0 only:
 
@@ -36,12 +36,20 @@ oldest token and this round's training (empty: all 0, on-policy). Policies that 
 ``stats()`` gives the round's ``sched/`` metrics; ``done()`` is True once there is nothing left to
 train (the configured epochs are used up). Policies are checkpointed with
 ``state_dict``/``load_state_dict`` (plain Python data).
+
+A policy's settings are a :class:`PolicyConfig` beside it, in the same module: its own settings,
+its capabilities (what the rest of the job asks instead of its name), its builder and its own
+composition rules. ``rollpacker.schedule.config.POLICY_CONFIGS`` registers it
+(``docs/extending.md``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from rollpacker.config import Config
 
 
 @dataclass
@@ -135,3 +143,36 @@ class Policy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """A policy's settings, capabilities and builder (no torch import: configs parse first)."""
+
+    name: ClassVar[str]
+    """Its name: the ``schedule:NAME`` subcommand, ``[schedule] policy = NAME`` in a preset."""
+    stale_samples: ClassVar[str | None] = None
+    """Why its samples can be older than the step that trains them; None: on-policy. Stale samples
+    need ``train.off_policy`` (is or tis)."""
+    on_policy_alternative: ClassVar[str] = "sync"
+    """With stale_samples: the on-policy policy that the error suggests instead."""
+    own_pools: ClassVar[bool] = False
+    """It rolls out on ranks of its own (:meth:`rollout_pool`) while the others train the batch
+    before, in its own loop (``rollpacker.loops.one_step_off``)."""
+
+    filter_zero_variance: bool = False
+    """Dynamic sampling (DAPO): do not train or queue prompts whose group rewards are all equal."""
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> Policy:
+        """The policy with these settings over ``sampler``, P0 = ``num_prompts``, R0 = ``group_size``.
+        ``num_epochs`` (0: unlimited) and ``last_step`` (None: none known) bound the run."""
+        raise NotImplementedError(f"{type(self).__name__}.build")
+
+    def rollout_pool(self, world: int) -> int:
+        """The ranks (the simulator: GPUs) of ``world`` that roll out: all, unless it has pools."""
+        return world
+
+    def check(self, config: Config, world: int | None = None) -> None:
+        """Refuse the root settings this policy does not compose with, naming them; with ``world``,
+        also those that do not fit ``world`` ranks. Config calls it when parsed and in check_world."""

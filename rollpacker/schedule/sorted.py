@@ -46,10 +46,54 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Decision, Group, QueuedPolicy, Round, remaining, request_id, zero_variance
+from rollpacker.schedule.base import (
+    Decision,
+    Group,
+    PolicyConfig,
+    QueuedPolicy,
+    Round,
+    remaining,
+    request_id,
+    zero_variance,
+)
 from rollpacker.schedule.ledger import Key, Ledger
+
+
+@dataclass(kw_only=True)
+class _LoadGroups(PolicyConfig):
+    partial: ClassVar[bool] = False
+    """Partial mode: keep what a cut round generated, to resume it under newer weights."""
+    sorted_batches: int = 4
+    """n: update batches of P0 prompts loaded at once (a load group); no more until all are consumed."""
+
+    def __post_init__(self) -> None:
+        if self.sorted_batches < 1:
+            raise ValueError(f"schedule.sorted_batches must be >= 1, got {self.sorted_batches}")
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> SortedPolicy:
+        return SortedPolicy(sampler, num_prompts, group_size, num_batches=self.sorted_batches,
+                            partial=self.partial, filter_zero_variance=self.filter_zero_variance,
+                            num_epochs=num_epochs)
+
+
+@dataclass(kw_only=True)
+class SortedConfig(_LoadGroups):
+    """sorted: SortedRL on-policy, unfinished responses are generated afresh."""
+
+    name: ClassVar[str] = "sorted"
+
+
+@dataclass(kw_only=True)
+class SortedPartialConfig(_LoadGroups):
+    """sorted_partial: SortedRL resuming partial responses (off-policy: needs train.off_policy is or tis)."""
+
+    name: ClassVar[str] = "sorted_partial"
+    partial: ClassVar[bool] = True
+    stale_samples: ClassVar[str | None] = "partial mode resumes responses under newer weights"
+    on_policy_alternative: ClassVar[str] = SortedConfig.name
 
 
 def _finished(output: Any) -> bool:
@@ -74,9 +118,7 @@ class _Entry:
 class SortedPolicy(QueuedPolicy):
     def __init__(self, sampler, num_prompts: int, group_size: int, *, num_batches: int = 4, partial: bool = False,
                  filter_zero_variance: bool = False, num_epochs: int = 0):
-        if num_batches < 1:
-            raise ValueError(f"sorted: num_batches={num_batches} must be >= 1")
-        self.name = "sorted_partial" if partial else "sorted"
+        self.name = SortedPartialConfig.name if partial else SortedConfig.name
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.num_batches, self.partial = num_batches, partial
         self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs

@@ -9,9 +9,24 @@ what is left.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Decision, Group, Round, remaining, zero_variance
+from rollpacker.schedule.base import Decision, Group, PolicyConfig, Round, remaining, zero_variance
+
+
+@dataclass(kw_only=True)
+class SyncConfig(PolicyConfig):
+    """sync: the veRL baseline, P0 prompts x R0 responses, rollout waits for the longest."""
+
+    name: ClassVar[str] = "sync"
+    pipe: bool = False
+    """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> SyncPolicy:
+        return SyncPolicy(sampler, num_prompts, group_size, filter_zero_variance=self.filter_zero_variance,
+                          num_epochs=num_epochs)
 
 
 class SyncPolicy:

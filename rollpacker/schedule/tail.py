@@ -32,10 +32,44 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Decision, Group, QueuedPolicy, Round, remaining, request_id, zero_variance
+from rollpacker.schedule.base import (
+    Decision,
+    Group,
+    PolicyConfig,
+    QueuedPolicy,
+    Round,
+    remaining,
+    request_id,
+    zero_variance,
+)
 from rollpacker.schedule.ledger import Key, Ledger
+
+
+@dataclass(kw_only=True)
+class TailConfig(PolicyConfig):
+    """tail: RollPacker's tail batching, speculative short rounds and a long-prompt queue."""
+
+    name: ClassVar[str] = "tail"
+    eta_prompts: float = 1.25
+    """η_P: short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation)."""
+    eta_responses: float = 1.25
+    """η_R: short rounds launch ⌈η_R·R0⌉ responses per prompt (1 = no response speculation)."""
+    pipe: bool = False
+    """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
+
+    def __post_init__(self) -> None:
+        if self.eta_prompts < 1 or self.eta_responses < 1:
+            raise ValueError(f"schedule.eta_prompts={self.eta_prompts} and schedule.eta_responses="
+                             f"{self.eta_responses} must be >= 1")
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> TailPolicy:
+        """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
+        return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts,
+                          eta_responses=self.eta_responses, filter_zero_variance=self.filter_zero_variance,
+                          num_epochs=num_epochs, last_step=last_step)
 
 
 @dataclass
@@ -53,8 +87,6 @@ class TailPolicy(QueuedPolicy):
     def __init__(self, sampler, num_prompts: int, group_size: int, *, eta_prompts: float = 1.25,
                  eta_responses: float = 1.25, filter_zero_variance: bool = False, num_epochs: int = 0,
                  last_step: int | None = None):
-        if eta_prompts < 1 or eta_responses < 1:
-            raise ValueError(f"tail: eta_prompts={eta_prompts} and eta_responses={eta_responses} must be >= 1")
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.eta_prompts, self.eta_responses = eta_prompts, eta_responses
         self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step

@@ -53,18 +53,20 @@ from typing import Callable, Literal
 
 import numpy as np
 
+from rollpacker.choices import check_choices
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.data.lengths import LengthModel
 from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.schedule import build_policy
 from rollpacker.schedule.base import Group, Round
-from rollpacker.schedule.config import ScheduleConfig, TailConfig
+from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.schedule.round import Launch, RoundState
+from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
-from rollpacker.sim.workload import LengthModel, RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
+from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 from rollpacker.train.config import StreamConfig
 from rollpacker.train.stream import ScaleDown
 
@@ -109,19 +111,16 @@ class SimConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"sim.model must be one of {sorted(MODELS)}, got {self.model!r}")
-        if self.hardware not in HARDWARE:
-            raise ValueError(f"sim.hardware must be one of {sorted(HARDWARE)}, got {self.hardware!r}")
+        check_choices(self, "sim")
         for name in ("gpus", "num_steps", "num_rows", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sim.{name} must be positive, got {getattr(self, name)}")
-        if self.policy == "one_step_off" and not 0 <= self.schedule.rollout_ranks < self.gpus:
-            raise ValueError(f"schedule.rollout_ranks={self.schedule.rollout_ranks} must be in [0, gpus={self.gpus})")
+        if self.schedule.own_pools and not 0 < self.rollout_pool < self.gpus:
+            raise ValueError(f"schedule.rollout_ranks={self.rollout_pool} must be in [1, gpus={self.gpus})")
         if self.rollout_pool % self.tp:
             raise ValueError(f"rollout.tp={self.tp} does not divide the {self.rollout_pool} GPUs rolling out")
-        if self.policy == "one_step_off" and (self.stream or self.planner):
-            raise ValueError("schedule:one_step_off has its own rollout and training GPUs: turn stream and "
+        if self.schedule.own_pools and (self.stream or self.planner):
+            raise ValueError(f"schedule:{self.policy} has its own rollout and training GPUs: turn stream and "
                              "planner off")
         self.stream = self.stream or self.stream_config.enabled
         if self.stream and not self.reward_scheduler:
@@ -138,15 +137,13 @@ class SimConfig:
 
     @property
     def rollout_pool(self) -> int:
-        """GPUs rolling out: all of them, or one_step_off's rollout pool."""
-        if self.policy != "one_step_off":
-            return self.gpus
-        return self.schedule.rollout_ranks or self.gpus // 2
+        """GPUs rolling out: all of them, or the rollout pool of a policy with pools of its own."""
+        return self.schedule.rollout_pool(self.gpus)
 
     @property
     def train_pool(self) -> int:
-        """GPUs training: all of them, or the ones one_step_off does not roll out on."""
-        return self.gpus - self.rollout_pool if self.policy == "one_step_off" else self.gpus
+        """GPUs training: all of them, or the ones a policy with pools of its own does not roll out on."""
+        return self.gpus - self.rollout_pool if self.schedule.own_pools else self.gpus
 
     @property
     def num_replicas(self) -> int:
@@ -162,9 +159,9 @@ class SimConfig:
         return TraceLengths(tuple(map(tuple, groups)), self.lengths.prompt_tokens, self.seed)
 
     def build_policy(self):
-        """The policy, from the run's registry, flushing tail's queue at the last step as the run does."""
-        return build_policy(self.schedule, PromptSampler(self.num_rows, seed=self.seed), self.rollout.num_prompts,
-                            self.rollout.group_size, last_step=self.num_steps - 1)
+        """The policy, built as the run builds it (the last step is the run's last)."""
+        return self.schedule.build(PromptSampler(self.num_rows, seed=self.seed), self.rollout.num_prompts,
+                                   self.rollout.group_size, last_step=self.num_steps - 1)
 
 
 @dataclass
@@ -500,7 +497,7 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, stream = [], cfg.tp, None
     for step in range(cfg.num_steps):
-        if cfg.policy == "one_step_off":  # batch k is generated while batch k-1 trains, with the weights before it
+        if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
             policy.weights_step = max(step - 1, 0)
         plan = policy.start_round(step)
         switched = planner is not None and planner.tp_for(plan.kind) != tp
@@ -522,7 +519,7 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
             result.sync_s += cost.sync_s()
         if planner:
             planner.observe(plan.kind, rnd.num_preemptions)
-        if cfg.policy == "one_step_off":  # generated and scored from the last boundary, while the last batch trained
+        if cfg.schedule.own_pools:  # generated and scored from the last boundary, while the last batch trained
             result.wait_s = max(0.0, result.rollout_s + result.reward_s - (results[-1].train_s if results else 0.0))
         results.append(result)
     return results

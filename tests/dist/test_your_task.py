@@ -56,8 +56,10 @@ def make_task(tmp_path: Path) -> tuple[Path, Path, Path]:
     rows = toy.make_dataset(NUM_ROWS, seed=5)
     data = tmp_path / "rl.parquet"
     pd.DataFrame({
-        "prompt": [[{"role": "system", "content": "Add."}, {"role": "user", "content": r["prompt"][3:-3]}] for r in rows],
-        "data_source": ["toy"] * NUM_ROWS, "reward_model": [{"style": "rule", "ground_truth": r["answer"]} for r in rows],
+        "prompt": [[{"role": "system", "content": "Add."}, {"role": "user", "content": r["prompt"][3:-3]}]
+                   for r in rows],
+        "data_source": ["toy"] * NUM_ROWS,
+        "reward_model": [{"style": "rule", "ground_truth": r["answer"]} for r in rows],
         "extra_info": [{"index": i} for i in range(NUM_ROWS)]}).to_parquet(data)
     log = tmp_path / "calls.jsonl"
     funcs = tmp_path / "my_rewards.py"

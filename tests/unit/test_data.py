@@ -21,7 +21,8 @@ def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
 
 def load(path: str, funcs: tuple[str, ...] = ("math", "code"), **config) -> list[dict]:
     """The rows of ``path`` as a run scoring them with ``funcs`` loads them."""
-    return load_rows(DataConfig(path=path, **config), lambda row: check_row(build_functions(RewardConfig(funcs=funcs)), row))
+    functions = build_functions(RewardConfig(funcs=funcs))
+    return load_rows(DataConfig(path=path, **config), lambda row: check_row(functions, row))
 
 
 # --- config --------------------------------------------------------------------------------------
@@ -75,7 +76,8 @@ def test_valid_jsonl_loads(tmp_path):
 
 def test_jsonl_with_bom_and_unicode(tmp_path):
     path = tmp_path / "u.jsonl"
-    path.write_bytes("\ufeff".encode() + json.dumps({"prompt": "π≈?", "answer": "3.14"}, ensure_ascii=False).encode() + b"\n")
+    line = json.dumps({"prompt": "π≈?", "answer": "3.14"}, ensure_ascii=False)
+    path.write_bytes("\ufeff".encode() + line.encode() + b"\n")
     assert load(str(path)) == [{"id": "u:1", "prompt": "π≈?", "answer": "3.14"}]
 
 
@@ -114,7 +116,8 @@ def test_non_string_prompt(tmp_path):
     with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'prompt' must be a string or a list of chat "
                                            r"messages \(\{\"role\", \"content\"\}\), got int 12"):
         load(path)
-    path = write(tmp_path, [json.dumps({"prompt": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]})])
+    messages = [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]
+    path = write(tmp_path, [json.dumps({"prompt": messages})])
     with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'prompt': message 1 has role 'bot'; expected one of "
                                            "system, user, assistant, tool"):
         load(path)
@@ -144,7 +147,8 @@ def test_duplicate_id(tmp_path):
 
 
 def test_default_id_collides_with_explicit_id(tmp_path):
-    path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}), json.dumps({"prompt": "q", "answer": "y"})])
+    path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}),
+                            json.dumps({"prompt": "q", "answer": "y"})])
     with pytest.raises(DatasetError, match=r"train\.jsonl:2: duplicate id 'train:2'"):
         load(path)
 
@@ -172,8 +176,13 @@ def test_empty_dataset_is_an_error(tmp_path, lines):
 # --- sampler -------------------------------------------------------------------------------------
 
 
+def next_batch(sampler: PromptSampler, n: int) -> list[int]:
+    """The next ``n`` rows (the sampler draws (epoch, row) keys)."""
+    return [row for _, row in sampler.draw(n)]
+
+
 def draw(sampler: PromptSampler, sizes: list[int]) -> list[int]:
-    return [i for n in sizes for i in sampler.next_batch(n)]
+    return [i for n in sizes for i in next_batch(sampler, n)]
 
 
 def test_sampler_deterministic_for_a_seed():
@@ -184,8 +193,8 @@ def test_sampler_deterministic_for_a_seed():
 
 def test_sampler_seeds_and_epochs_differ():
     a, b = PromptSampler(50, seed=0), PromptSampler(50, seed=1)
-    assert a.next_batch(50) != b.next_batch(50)
-    assert a.next_batch(50) != PromptSampler(50, seed=0).next_batch(50)  # epoch 1 != epoch 0
+    assert next_batch(a, 50) != next_batch(b, 50)
+    assert next_batch(a, 50) != next_batch(PromptSampler(50, seed=0), 50)  # epoch 1 != epoch 0
 
 
 def test_every_index_once_per_epoch():
@@ -201,9 +210,9 @@ def test_epoch_rollover_mid_batch():
     whole = draw(PromptSampler(n, seed=2), [n, n])  # epoch 0 then epoch 1
     sampler = PromptSampler(n, seed=2)
     assert (sampler.epoch, sampler.position) == (0, 0)
-    first = sampler.next_batch(7)
+    first = next_batch(sampler, 7)
     assert (sampler.epoch, sampler.position) == (0, 7)
-    straddle = sampler.next_batch(6)  # 3 from epoch 0, 3 from epoch 1
+    straddle = next_batch(sampler, 6)  # 3 from epoch 0, 3 from epoch 1
     assert (sampler.epoch, sampler.position) == (1, 3)
     assert first + straddle == whole[:13]
     assert sorted(first + straddle[:3]) == list(range(n))
@@ -211,17 +220,17 @@ def test_epoch_rollover_mid_batch():
 
 def test_batch_longer_than_an_epoch():
     sampler = PromptSampler(4, seed=0)
-    batch = sampler.next_batch(10)
+    batch = next_batch(sampler, 10)
     assert len(batch) == 10 and (sampler.epoch, sampler.position) == (2, 2)
     assert sorted(batch[:4]) == sorted(batch[4:8]) == [0, 1, 2, 3]
-    assert sampler.next_batch(0) == []
+    assert next_batch(sampler, 0) == []
 
 
 @pytest.mark.parametrize("consumed", [0, 5, 13, 20, 21, 40])
 def test_state_dict_round_trip(consumed):
     """Resuming from a saved state continues exactly, also right at and across epoch boundaries."""
     sampler = PromptSampler(20, seed=9)
-    sampler.next_batch(consumed)
+    next_batch(sampler, consumed)
     state = sampler.state_dict()
     assert all(type(v) is int for v in state.values())
     expected = draw(sampler, [6] * 8)  # crosses at least two epoch boundaries
@@ -244,7 +253,7 @@ def test_sampler_argument_errors():
     with pytest.raises(ValueError, match="num_rows=0"):
         PromptSampler(0)
     with pytest.raises(ValueError, match="batch size must be >= 0"):
-        PromptSampler(3).next_batch(-1)
+        PromptSampler(3).draw(-1)
 
 
 # --- formats and chat prompts ----------------------------------------------------------------------

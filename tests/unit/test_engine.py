@@ -223,8 +223,8 @@ def test_speculation_changes_no_token(qwen2_dir):
 
 def test_auto_speculates_where_the_measured_cost_says_it_pays(qwen2_dir):
     """``auto`` verifies drafts only with at most ``max_rows`` running (4 in a hand-made table, so
-    only the last group of three; in a measured one, whatever it says), tokens unchanged; without a table it measures one at its
-    first step, with the requests already queued set aside and the counters left alone."""
+    only the last group of three; in a measured one, whatever it says), tokens unchanged; without a table it measures
+    one at its first step, with the requests already queued set aside and the counters left alone."""
     plain, _ = run(engine(qwen2_dir), sibling_requests())
     context = {k: tuple(o.token_ids) for k, o in plain.items()}
     cheap_up_to_4 = SpecCost((1, 4, 8), (0, 1, 2, 4), ((1, 1.1, 1.2, 1.4), (1.2, 1.3, 1.4, 1.6), (2, 5, 8, 14)))

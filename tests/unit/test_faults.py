@@ -45,14 +45,16 @@ def test_a_bad_line_names_file_and_line_and_the_way_out(tmp_path, line, message)
 
 
 def test_skip_bad_lines_keeps_the_good_ones_and_counts_the_rest(tmp_path, caplog):
-    path = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": "x"}), "", json.dumps({"prompt": "3", "answer": "3"})])
+    path = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": "x"}), "",
+                            json.dumps({"prompt": "3", "answer": "3"})])
     with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
         rows = load(path, skip_bad_lines=True)
     assert [(r["id"], r["prompt"]) for r in rows] == [("train:1", "1+1?"), ("train:5", "3")]  # ids: their lines
     assert f"{path}: skipped 2 bad row(s) of 4 (data.skip_bad_lines); first: {path}:2: invalid JSON" in caplog.text
     assert f"{path}:3: missing field 'answer'" in caplog.text
     only_bad = write(tmp_path, ["{", "[]"], "bad.jsonl")
-    with pytest.raises(DatasetError, match=re.escape(f"{only_bad}: no rows (the data is empty or holds only blank or bad rows)")):
+    with pytest.raises(DatasetError,
+                       match=re.escape(f"{only_bad}: no rows (the data is empty or holds only blank or bad rows)")):
         load(only_bad, skip_bad_lines=True)
 
 

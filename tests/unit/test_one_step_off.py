@@ -8,13 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.schedule.config import OneStepOffConfig
-from rollpacker.schedule.one_step_off import OneStepOffPolicy
+from rollpacker.schedule.one_step_off import OneStepOffConfig, OneStepOffPolicy
 from rollpacker.train.config import StreamConfig, TrainConfig
 
 

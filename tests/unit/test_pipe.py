@@ -9,15 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config, parse
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.round import _feed
 from rollpacker.schedule.base import Group, Round
-from rollpacker.schedule.config import SyncConfig, TailConfig
 from rollpacker.schedule.round import RoundState
-from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.sync import SyncConfig, SyncPolicy
+from rollpacker.schedule.tail import TailConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
 
 

@@ -35,7 +35,8 @@ def test_pool_and_inline_scoring_agree():
 
 @pytest.mark.timeout(60)
 def test_a_hanging_reward_is_scored_0_and_counted_and_the_pool_goes_on(caplog):
-    scheduler = RewardScheduler(RewardConfig(funcs=("math",), num_workers=1, timeout=2.0), lambda ids: RESPONSES[ids[0]])
+    scheduler = RewardScheduler(RewardConfig(funcs=("math",), num_workers=1, timeout=2.0),
+                                lambda ids: RESPONSES[ids[0]])
     try:
         scheduler.submit("hang", ROWS[2], SimpleNamespace(token_ids=[2]))
         scheduler.submit("ok", ROWS[0], SimpleNamespace(token_ids=[0]))
@@ -57,7 +58,8 @@ def test_rewards_bench_smoke(capsys):
     for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):  # step = rollout + exposed scoring
         assert summary[f"exposed_{name}"] >= 0
         assert summary[f"step_{name}"] == pytest.approx(0.5 + summary[f"exposed_{name}"], abs=0.05)
-    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"], abs=0.02)
+    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"],
+                                                    abs=0.02)
     assert summary["exposed_ratio"] == pytest.approx(
         summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02)
 

@@ -36,6 +36,10 @@ def by_key(results):
     return {r.key: r for r in results}
 
 
+def worker_pids(pool: RewardPool) -> list[int]:
+    return [w.process.pid for w in pool._workers]
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -56,13 +60,14 @@ def test_scores_every_kind(pool):
     pool.submit("math-right", *task("math", {"response": "so \\boxed{\\frac{1}{2}}", "answer": "0.5"}))
     pool.submit("math-wrong", *task("math", {"response": "\\boxed{3}", "answer": "2"}))
     pool.submit("toy", *task("toy", {"response": " 1+1=2\n#### 2", "answer": "2"}))
-    pool.submit("code", *task("code", {"response": code, "tests": [{"input": "2 3", "output": "5"}], "timeouts": [5.0]}))
+    pool.submit("code", *task("code", {"response": code, "tests": [{"input": "2 3", "output": "5"}],
+                                       "timeouts": [5.0]}))
     assert time.monotonic() - start < 1.0  # submit returns at once (one sandbox check for the first code sample)
     results = by_key(pool.drain(timeout=60))
     assert {k: r.score for k, r in results.items()} == {"math-right": 1.0, "math-wrong": 0.0, "toy": 1.0, "code": 1.0}
     assert all(r.error is None and r.seconds > 0 and r.cpu_seconds >= 0 for r in results.values())
     assert results["code"].info["verdicts"] == ["PASS"]
-    assert pool.num_pending == 0 and pool.poll() == []
+    assert pool._num_unfinished == 0 and pool.poll() == []
 
 
 def test_a_reward_that_raises_is_flagged(pool):
@@ -93,7 +98,7 @@ def test_hung_tasks_are_killed_and_capacity_recovers():
     with RewardPool(RewardConfig(num_workers=2, timeout=1.5)) as pool:
         pool.submit("warm", *task("toy", {"response": "#### 1", "answer": "1"}))
         pool.drain(timeout=60)
-        old_pids = pool.worker_pids
+        old_pids = worker_pids(pool)
         pool.submit("hang-1", *task("math", {"response": TOWER, "answer": "1"}))
         pool.submit("hang-2", *task("math", {"response": TOWER, "answer": "1"}))
         for i in range(6):
@@ -106,17 +111,17 @@ def test_hung_tasks_are_killed_and_capacity_recovers():
             assert results[key].score is None and "timed out after 1.5 s" in results[key].error
             assert 1.5 <= results[key].seconds < 3
         assert all(results[i].score == 1.0 and results[i].error is None for i in range(6))
-        assert not set(pool.worker_pids) & set(old_pids)
+        assert not set(worker_pids(pool)) & set(old_pids)
         time.sleep(STOP_GRACE + 0.5)
         assert not any(alive(pid) for pid in old_pids)
-        assert len(pool.worker_pids) == 2 and all(alive(pid) for pid in pool.worker_pids)
+        assert len(worker_pids(pool)) == 2 and all(alive(pid) for pid in worker_pids(pool))
 
 
 def test_crashed_worker_is_flagged_and_replaced():
     with RewardPool(RewardConfig(num_workers=1, timeout=60)) as pool:
         pool.submit("warm", *task("toy", {"response": "#### 1", "answer": "1"}))
         pool.drain(timeout=60)
-        [pid] = pool.worker_pids
+        [pid] = worker_pids(pool)
         pool.submit("victim", *task("math", {"response": TOWER, "answer": "1"}))
         time.sleep(0.5)
         os.kill(pid, 9)
@@ -124,7 +129,7 @@ def test_crashed_worker_is_flagged_and_replaced():
         assert result.key == "victim" and result.score is None and "worker died (exit code -9)" in result.error
         pool.submit("after", *task("math", {"response": "\\boxed{2}", "answer": "2"}))
         [result] = pool.drain(timeout=60)
-        assert result.score == 1.0 and pool.worker_pids != [pid]
+        assert result.score == 1.0 and worker_pids(pool) != [pid]
 
 
 def test_hostile_code_through_the_pool(pool):
@@ -133,12 +138,13 @@ def test_hostile_code_through_the_pool(pool):
         "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
         "busy": "while True:\n    pass",
         "flood": "while True:\n    print('x' * 4096)",
-        "kill_parent": "import os\nfor pid in (-1, 1, os.getppid()):\n    try:\n        os.kill(pid, 9)\n    except OSError:\n        pass",
+        "kill_parent": "import os\nfor pid in (-1, 1, os.getppid()):\n    try:\n        os.kill(pid, 9)\n"
+                       "    except OSError:\n        pass",
     }
     start = time.monotonic()
     for name, program in programs.items():
-        pool.submit(name, *task("code", {"response": f"```python\n{program}\n```", "tests": [{"input": "", "output": "1"}],
-                                   "timeouts": [1.0]}))
+        pool.submit(name, *task("code", {"response": f"```python\n{program}\n```",
+                                         "tests": [{"input": "", "output": "1"}], "timeouts": [1.0]}))
     results = by_key(pool.drain(timeout=60))
     assert {k: r.score for k, r in results.items()} == dict.fromkeys(programs, 0.0)
     assert results["busy"].info["verdicts"] == ["TIMEOUT"] and results["flood"].info["verdicts"] == ["OUTPUT_LIMIT"]
@@ -171,7 +177,7 @@ def test_close_stops_every_process():
     pool.submit("hung-code", *task("code", {"response": "```python\nimport time\ntime.sleep(1e6)\n```",
                                       "tests": [{"input": "", "output": "1"}], "timeouts": [60.0]}))
     time.sleep(1.0)
-    pids = pool.worker_pids
+    pids = worker_pids(pool)
     pool.close()
     assert not any(alive(pid) for pid in pids)
     assert sandboxed_pids() <= before

@@ -13,8 +13,9 @@ import pytest
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import SamplingParams
-from rollpacker.schedule.config import POLICY_CONFIGS, OneStepOffConfig, SyncConfig
-from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.config import POLICY_CONFIGS
+from rollpacker.schedule.one_step_off import OneStepOffConfig
+from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelShape, fit_calibration
 from rollpacker.sim.engine import Replica, Seq
@@ -469,15 +470,14 @@ def test_one_step_off_overlaps_the_next_rollout_with_training_on_its_own_gpus():
         SimConfig(schedule=OneStepOffConfig(rollout_ranks=3), gpus=6, rollout=RolloutConfig(tp=2))
 
 
-def test_the_cli_embeds_the_runs_rollout_and_schedule_settings_and_reads_the_old_flags():
-    from rollpacker.schedule.config import TailConfig
+def test_the_cli_embeds_the_runs_rollout_and_schedule_settings():
+    from rollpacker.schedule.tail import TailConfig
     from rollpacker.sim.__main__ import parse
 
     cfg, _, _ = parse(["--preset", "qwen2.5-7b-8k", "schedule:tail", "--schedule.eta-prompts", "1.5",
                        "--rollout.num-prompts", "64", "--gpus", "8"])
     assert cfg.schedule == TailConfig(eta_prompts=1.5) and cfg.gpus == 8
     assert (cfg.rollout.num_prompts, cfg.rollout.group_size, cfg.rollout.max_new_tokens) == (64, 8, 8192)
-    old, _, _ = parse(["--preset", "qwen2.5-7b-8k", "--policy", "one_step_off", "--rollout-gpus", "8", "--tp", "2"])
     new, _, _ = parse(["--preset", "qwen2.5-7b-8k", "schedule:one_step_off", "--schedule.rollout-ranks", "8",
                        "--rollout.tp", "2"])
-    assert old == new and (new.rollout_pool, new.train_pool, new.num_replicas) == (8, 8, 4)
+    assert (new.rollout_pool, new.train_pool, new.num_replicas) == (8, 8, 4)

@@ -290,7 +290,7 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
 
 def test_config_accepts_sorted_and_asks_partial_mode_for_a_correction():
     from rollpacker.config import Config, parse
-    from rollpacker.schedule.config import SortedConfig, SortedPartialConfig
+    from rollpacker.schedule.sorted import SortedConfig, SortedPartialConfig
     from rollpacker.train.config import TrainConfig
 
     config = parse(["schedule:sorted", "--schedule.sorted-batches", "2"])
