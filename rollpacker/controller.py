@@ -3,7 +3,7 @@
 It holds what only rank 0 has — the data rows, the tokenizer, the scheduling policy, the reward
 scheduler, the metrics sinks and live display, and the parallelism planner — and turns a round's
 result into the batch to train (GRPO advantages, the step's global normalizer) and its metrics.
-The exchange with the other ranks is :func:`rollpacker.round.run_round`; the loops that call both
+The exchange with the other ranks is :func:`rollpacker.exchange.run_round`; the loops that call both
 are in :mod:`rollpacker.loops`.
 """
 
@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rollpacker.dist import Meshes
+    from rollpacker.exchange import LengthReplay, RoundResult
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
     from rollpacker.reward.scheduler import RewardScheduler
-    from rollpacker.round import LengthReplay, RoundResult
     from rollpacker.schedule.base import Group, Policy
     from rollpacker.train.trainer import Sample
 
@@ -58,9 +58,9 @@ class Controller:
         from transformers import AutoTokenizer
 
         from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
+        from rollpacker.exchange import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler
-        from rollpacker.round import LengthReplay
         from rollpacker.schedule import build_policy
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -15,11 +15,11 @@ import time
 from typing import Any
 
 from rollpacker import preempt, watchdog
+from rollpacker.exchange import Freed, RoundResult, run_round
 from rollpacker.job import Job
 from rollpacker.metrics import Timer
 from rollpacker.rollout.engine import SamplingParams
-from rollpacker.round import FREED, RoundResult, run_round
-from rollpacker.schedule.base import Round
+from rollpacker.schedule.base import RoundPlan
 from rollpacker.schedule.sync import SyncPolicy
 
 
@@ -58,7 +58,7 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         ctl.end_step(step, plan.kind, result.num_launched, stats | times)
 
 
-def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: Round | None,
+def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: RoundPlan | None,
                result: RoundResult | None) -> None:
     """Train on the round's batch (the freed ranks' stream training accounted for) and push the new
     weights into the engines (collective)."""
@@ -79,7 +79,7 @@ def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: Round
         job.engine.resume_memory()
 
 
-def generate(job: Job, step: int, plan: Round | None, timer: Timer
+def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
              ) -> tuple[tuple[list, int] | None, RoundResult | None, dict[str, Any]]:
     """Roll out round ``plan`` of ``step`` and score it: collective over the ranks rolling out
     (freed ranks stream-train meanwhile). On rank 0: the batch to train
@@ -95,7 +95,7 @@ def generate(job: Job, step: int, plan: Round | None, timer: Timer
             rewards=ctl.rewards, sampling=sampling_params(cfg), seed=cfg.seed, on_progress=ctl.display.update,
             lengths=ctl.replay,
             make_samples=ctl.group_samples) if ctl else {}))
-        if result is FREED:
+        if isinstance(result, Freed):
             job.stream.serve_freed(job.engine)
     if not ctl:
         return None, None, {}

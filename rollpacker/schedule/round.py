@@ -4,7 +4,7 @@
 order), which replica runs each request, the requests still outstanding, the finished responses
 not yet shown to the policy, their scores and the groups complete so far — and turns the policy's
 decisions into request ids to abort and requests to launch. It sends nothing and measures no
-time: the controller (:func:`rollpacker.round.run_round`) drives it with the engines' reports over
+time: the controller (:func:`rollpacker.exchange.run_round`) drives it with the engines' reports over
 the control plane, the simulator (:func:`rollpacker.sim.simulate.simulate_round`) with simulated
 replicas. So both make the same calls on the policy in the same order by construction.
 
@@ -15,7 +15,7 @@ A round, from the driver's side:
    request over the active replicas, ``owner``), and the carried outputs to score again;
 2. for every batch of finished responses: :meth:`finished`, :meth:`scored` as scores arrive, then
    :meth:`decide`, which shows the policy every finished response in finish order (once scored, when
-   it ``needs_rewards``) and returns a :class:`Decisions`: request ids to abort, launches, and
+   it ``needs_rewards``) and returns a :class:`RoundActions`: request ids to abort, launches, and
    whether the round is over (also when nothing is left to run or decide: a policy that forgot to
    say so still ends its round);
 3. with a stream trainer, :meth:`take_complete` hands out the complete, scored groups to stream;
@@ -30,7 +30,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rollpacker.schedule.base import Group, Policy, Round, request_id
+from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
 
 
 @dataclass
@@ -42,11 +42,11 @@ class Launch:
     run: list[tuple[int, str, Any]] = field(default_factory=list)
     """(response, request id, partial output to resume from or None) of the responses to run, in order."""
     rescore: list[Any] = field(default_factory=list)
-    """Outputs an earlier round finished (``Round.carried``): not run again, only scored again."""
+    """Outputs an earlier round finished (``RoundPlan.carried``): not run again, only scored again."""
 
 
 @dataclass
-class Decisions:
+class RoundActions:
     abort: list[str] = field(default_factory=list)
     """Request ids to abort now (only outstanding ones, none migrating)."""
     launch: list[Launch] = field(default_factory=list)
@@ -57,7 +57,7 @@ class Decisions:
 class RoundState:
     """One round of ``policy`` (see the module docstring). Outputs need an ``id``."""
 
-    def __init__(self, step: int, plan: Round, policy: Policy, num_replicas: int):
+    def __init__(self, step: int, plan: RoundPlan, policy: Policy, num_replicas: int):
         self.step, self.plan, self.policy = step, plan, policy
         self.active = num_replicas
         """Replicas new requests are routed to: all, or the kept ones after a scale-down."""
@@ -122,10 +122,10 @@ class RoundState:
         """The policy waits for rewards and nothing is left running: only scores can move the round on."""
         return self.policy.needs_rewards and not self.outstanding
 
-    def decide(self, resuming: bool = False) -> Decisions:
+    def decide(self, resuming: bool = False) -> RoundActions:
         """Show the policy what finished (in finish order; once scored if it ``needs_rewards``);
         ``resuming``: the driver is adding requests of its own now (migrated ones), so the round goes on."""
-        out = Decisions()
+        out = RoundActions()
         needs = self.policy.needs_rewards
         while self.undecided and (not needs or self.undecided[0].id in self.scores):
             output = self.undecided.popleft()

@@ -325,10 +325,10 @@ class StreamTrainer:
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for rank in self.ranks:
             for t in (size, payload):
-                self._pending.append((dist.isend(t, rank, group=self.meshes.stream), t))
+                self._pending.append((dist.isend(t, rank, group=self.meshes.stream_group), t))
         if samples is not None:
             ack = torch.zeros(1, dtype=torch.int64)
-            self._ack = dist.irecv(ack, self.ranks[0], group=self.meshes.stream)
+            self._ack = dist.irecv(ack, self.ranks[0], group=self.meshes.stream_group)
             self._pending.append((self._ack, ack))
 
     def close(self) -> None:
@@ -354,9 +354,9 @@ class StreamTrainer:
 
         while True:
             size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, 0, group=self.meshes.stream)
+            dist.recv(size, 0, group=self.meshes.stream_group)
             payload = torch.empty(int(size), dtype=torch.uint8)
-            dist.recv(payload, 0, group=self.meshes.stream)
+            dist.recv(payload, 0, group=self.meshes.stream_group)
             samples = pickle.loads(payload.numpy().tobytes())
             if samples is None:
                 return
@@ -364,7 +364,7 @@ class StreamTrainer:
             self.trainer.accumulate(samples, self.ranks)
             self.seconds += time.perf_counter() - start
             if self.meshes.rank == self.ranks[0]:  # send more (rank 0 has posted its receive)
-                dist.send(torch.ones(1, dtype=torch.int64), 0, group=self.meshes.stream)
+                dist.send(torch.ones(1, dtype=torch.int64), 0, group=self.meshes.stream_group)
 
     # -- every rank ----------------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ import pytest
 from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config, parse
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.exchange import _feed
 from rollpacker.plan.config import PlanConfig
-from rollpacker.round import _feed
-from rollpacker.schedule.base import Group, Round
+from rollpacker.schedule.base import Group, RoundPlan
 from rollpacker.schedule.config import SyncConfig, TailConfig
 from rollpacker.schedule.round import RoundState
 from rollpacker.schedule.sync import SyncPolicy
@@ -42,7 +42,7 @@ def group(slot: int) -> Group:
 def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     """Scripted: groups complete in the order 2, 0, 1, 3; group 0's second response is scored late."""
     stream = FakeStream()
-    state = RoundState(0, Round("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
+    state = RoundState(0, RoundPlan("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
     complete, scores = state.complete, state.scores
     make = lambda g: [g.prompt]  # noqa: E731 (one "sample" per group, its slot)
     groups = {s: group(s) for s in range(4)}

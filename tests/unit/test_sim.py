@@ -143,7 +143,7 @@ class Recorder:
 
 @pytest.mark.parametrize("filter_zero_variance", [False, True])
 def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controller(filter_zero_variance):
-    from rollpacker.round import run_round
+    from rollpacker.exchange import run_round
 
     def length(row, k):  # every 5th row is a long prompt, response after response
         return 2 + (7 * row + 5 * k) % 13 + (40 if row % 5 == 0 else 0)

@@ -246,8 +246,8 @@ def test_state_dict_round_trip_mid_load_group():
 
 def test_the_controller_resumes_partials_and_scores_kept_responses_again():
     """Through the real controller (one rank, an engine that adds one token per step)."""
+    from rollpacker.exchange import run_round
     from rollpacker.rollout.engine import SamplingParams
-    from rollpacker.round import run_round
 
     from conftest import InstantRewards, LengthTableEngine, OneReplica
 

@@ -7,14 +7,14 @@ and aborted outputs; rank 0 submits each finished response for scoring and hands
 scheduling policy, in finish order, which says what to abort, what to launch and when the round is
 over (the bookkeeping is :class:`~rollpacker.schedule.round.RoundState`, which the simulator drives
 too). Requests are routed per request, round-robin over the replicas, so every group is spread
-across them. Responses the policy carries over from an earlier round (``Round.carried``) are
+across them. Responses the policy carries over from an earlier round (``RoundPlan.carried``) are
 resumed from their partial output, or, when already finished, only scored again.
 
 With a :class:`~rollpacker.train.stream.StreamTrainer`, rank 0 also watches the round's progress
 and may scale rollout down once: the second half of the replicas abort their requests (resumed on
 the others by recomputation), leave the exchange and train on the complete, scored groups that
 rank 0 sends them until the round ends, a batch whenever they have trained the last one: on
-those ranks :func:`run_round` returns :data:`FREED` and the caller serves
+those ranks :func:`run_round` returns :class:`Freed` and the caller serves
 (:meth:`~rollpacker.train.stream.StreamTrainer.serve_freed`). Each group fed to them is marked ``streamed``.
 
 With a RolloutPipe stream trainer (``schedule.pipe``), the scale-down happens at the round's first
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from rollpacker.dist import Meshes
 from rollpacker.rollout.engine import Engine, Output, Request, SamplingParams
-from rollpacker.schedule.base import Group, Policy, Round
+from rollpacker.schedule.base import Group, Policy, RoundPlan
 from rollpacker.schedule.round import Launch, RoundState
 from rollpacker.train.stream import StreamTrainer
 
@@ -67,7 +67,7 @@ class RoundResult:
     num_aborted: int
     generated_tokens: int
     """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus); a response
-    resumed from an earlier round (``Round.carried``) counts only its new tokens."""
+    resumed from an earlier round (``RoundPlan.carried``) counts only its new tokens."""
     running_trace: list[tuple[float, int]]
     """(time, requests running over all replicas) at every poll: the bubble ratio's input."""
     start: float
@@ -79,8 +79,9 @@ class RoundResult:
     """``stream/`` and ``time/migration`` metrics, with a stream trainer."""
 
 
-FREED = "freed"
-"""What :func:`run_round` returns on the ranks a stream trainer's scale-down freed."""
+@dataclass(frozen=True)
+class Freed:
+    """What :func:`run_round` returns on the ranks a scale-down freed: they left the round to train."""
 
 
 def sampling_seed(seed: int, rid: str) -> int:
@@ -116,8 +117,8 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
               rows=None, prompt_ids=None, rewards=None, sampling: SamplingParams | None = None, seed: int = 0,
               lengths: LengthReplay | None = None, on_progress=None,
               stream: StreamTrainer | None = None, make_samples=None,
-              plan: Round | None = None) -> RoundResult | str | None:
-    """Collective over all ranks. Rank 0 gets the :class:`RoundResult`, freed ranks :data:`FREED`,
+              plan: RoundPlan | None = None) -> RoundResult | Freed | None:
+    """Collective over all ranks. Rank 0 gets the :class:`RoundResult`, freed ranks :class:`Freed`,
     the others None. On rank 0: the ``policy``; the data ``rows`` and ``prompt_ids`` (row index ->
     token ids); ``rewards``, a :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores
     each response as it finishes (a policy that ``needs_rewards`` hears of a response once it is
@@ -141,7 +142,7 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         reports = meshes.gather(report if meshes.is_replica_leader else None, group)
         if cmd.scale_down:
             if stream.freed:  # migrated: the caller trains on what rank 0 streams until the round ends
-                return FREED
+                return Freed()
             group = meshes.kept_control
         if cmd.final:
             return leader.finish(reports) if leader else None
@@ -152,7 +153,7 @@ class _Leader:
     """Rank 0's side of a round: the :class:`RoundState`, the engine requests, the running trace,
     and, with a stream trainer, its scale-down, the migration and the feeding of the freed ranks."""
 
-    def __init__(self, step: int, plan: Round, policy: Policy, num_replicas: int, poll_steps: int, start: float, *,
+    def __init__(self, step: int, plan: RoundPlan, policy: Policy, num_replicas: int, poll_steps: int, start: float, *,
                  rows, prompt_ids, rewards, sampling, seed, lengths, on_progress, stream, make_samples):
         self.pipe = bool(stream and stream.pipe)  # RolloutPipe: fixed pools, the train pool serves from the start
         # replicas rolling out: all, or the first half after a scale-down (pipe: from the start)
