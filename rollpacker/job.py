@@ -53,12 +53,6 @@ class Job:
     def rank0(self) -> bool:
         return self.meshes.rank == 0
 
-    def make_stream(self) -> StreamTrainer:
-        cfg = self.config
-        return StreamTrainer(cfg.stream, self.trainer, self.meshes, max_new_tokens=cfg.rollout.max_new_tokens,
-                             kv_capacity_tokens=self.engine.kv_capacity_tokens,
-                             pipe=cfg.pipe)
-
     def switch_tp(self, tp: int) -> dict[str, float]:
         """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
         ``tp`` is not the current TP: the old engine's memory is freed first; the new one is loaded from
@@ -76,9 +70,8 @@ class Job:
         self.engine = TorchEngine(empty_model(self.trainer.model.args, self.meshes.device, dtype), self.config.engine,
                                   self.meshes.rollout_tp)
         self.engine.update_weights(self.trainer.model.named_parameters())
-        if self.stream:  # its replicas changed; the length histories carry over
-            histories, self.stream = self.stream.scale_down.histories, self.make_stream()
-            self.stream.scale_down.histories = histories
+        if self.stream:
+            self.stream = self.stream.rebuild(self.engine.kv_capacity_tokens)
         return stats
 
     def save(self, step: int, policy_state: dict[str, Any] | None = None) -> None:
@@ -135,7 +128,8 @@ def build(config: Config) -> Job:
                           group=meshes.train_group, num_steps=config.num_steps)
     job = Job(config=config, meshes=meshes, model_dir=path, engine=engine, trainer=trainer)
     if streaming:
-        job.stream = job.make_stream()
+        job.stream = StreamTrainer(config.stream, trainer, meshes, max_new_tokens=config.rollout.max_new_tokens,
+                                   kv_capacity_tokens=engine.kv_capacity_tokens, pipe=config.pipe)
     if job.rank0:
         job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens)
     if config.plan.enabled:

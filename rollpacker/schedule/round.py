@@ -18,8 +18,9 @@ A round, from the driver's side:
    it ``needs_rewards``) and returns a :class:`RoundActions`: request ids to abort, launches, and
    whether the round is over (also when nothing is left to run or decide: a policy that forgot to
    say so still ends its round);
-3. with a stream trainer, :meth:`take_complete` hands out the complete, scored groups to stream;
-   :meth:`scale_down` narrows routing to the kept replicas;
+3. the round's :class:`RoundHooks` (stream training, RolloutPipe) hear of polls, finished and
+   aborted responses; they may narrow routing to the kept replicas (:meth:`scale_down`) and take
+   the complete, scored groups (:meth:`take_complete`);
 4. :meth:`finish` with the aborted partial outputs: the policy's groups, with their rewards.
 """
 
@@ -176,3 +177,53 @@ class RoundState:
         for g in groups:
             g.rewards = [self.scores[o.id] for o in g.outputs]
         return groups
+
+
+class RoundHooks:
+    """How a feature joins a round: what it hears and what it may change. The base does nothing:
+    a round without a stream trainer. Both drivers call, on rank 0:
+
+    - ``priority(slot)`` for each request launched: engines admit lower values first;
+    - ``on_poll(running, step_seconds)`` at each poll after the first: requests running per
+      active replica, and the seconds an engine step took;
+    - ``on_finished(lengths)`` with the lengths of the responses that just finished;
+    - ``on_aborted(state, outputs)`` with the partial outputs the replicas aborted: it returns
+      those to resume on another replica (migrated);
+    - ``maybe_scale_down(state, generated)`` before the policy decides: the request ids to abort
+      to move rollout onto the kept replicas, or None;
+    - ``feed(state)`` after the policy decided: it may take complete groups;
+    - ``finish()`` when the round ends: the round's metrics.
+
+    The stream trainer's hooks are in :mod:`rollpacker.train.stream`.
+    """
+
+    scaled_at: float | None = None
+    """When rollout moved onto the kept replicas (None: it has not; RolloutPipe: at the start)."""
+    completed_frac: float | None = None
+    """The fraction of the round's prompts complete when :meth:`maybe_scale_down` scaled down (None: it did not)."""
+
+    @property
+    def scaled_down(self) -> bool:
+        return self.scaled_at is not None
+
+    def priority(self, slot: int) -> int:
+        return 0
+
+    def on_poll(self, running: float, step_seconds: float) -> None:
+        pass
+
+    def on_finished(self, lengths: list[int]) -> None:
+        pass
+
+    def on_aborted(self, state: RoundState, outputs: list[Any]) -> list[Any]:
+        return []
+
+    def maybe_scale_down(self, state: RoundState, generated: Callable[[], list[tuple[int, int]]]) -> list[str] | None:
+        """``generated()`` gives (prompt tokens, tokens generated so far) of each outstanding request."""
+        return None
+
+    def feed(self, state: RoundState) -> None:
+        pass
+
+    def finish(self) -> dict[str, float]:
+        return {}
