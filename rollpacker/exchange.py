@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
 
 from rollpacker.dist import Meshes
 from rollpacker.rollout.engine import Engine, Output, Request, SamplingParams
@@ -74,6 +75,11 @@ class RoundResult:
     stream: dict[str, float] = field(default_factory=dict)
     """The round hooks' metrics (``stream/``, ``time/migration``); empty without a stream trainer."""
 
+    @property
+    def reward_exposed_s(self) -> float:
+        """The wait for rewards after the last response finished: reward time, not rollout."""
+        return self.end - self.last_finish
+
 
 @dataclass(frozen=True)
 class Freed:
@@ -109,29 +115,31 @@ class LengthReplay:
         return length
 
 
-def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, policy: Policy | None = None,
-              rows=None, prompt_ids=None, rewards=None, sampling: SamplingParams | None = None, seed: int = 0,
-              lengths: LengthReplay | None = None, on_progress=None,
-              stream: StreamTrainer | None = None, make_samples=None,
-              plan: RoundPlan | None = None) -> RoundResult | Freed | None:
-    """Collective over all ranks. Rank 0 gets the :class:`RoundResult`, freed ranks :class:`Freed`,
-    the others None. On rank 0: the ``policy``; the data ``rows`` and ``prompt_ids`` (row index ->
-    token ids); ``rewards``, a :class:`~rollpacker.reward.scheduler.RewardScheduler` that scores
-    each response as it finishes (a policy that ``needs_rewards`` hears of a response once it is
-    scored); ``sampling``; ``lengths`` (:class:`LengthReplay`) forces each response's length; with a ``stream`` trainer (on every rank), ``make_samples(group)``: the
-    trainer samples of a complete, scored group; ``plan``, the round when the caller already asked
-    the policy for it."""
-    start = time.time()
+class Scorer(Protocol):
+    """Scores each response as it finishes (:class:`~rollpacker.reward.scheduler.RewardScheduler`)."""
+
+    def submit(self, key: str, row: Any, output: Output) -> None: ...
+
+    def poll(self) -> list[tuple[str, float | None]]:
+        """The scores ready now."""
+        ...
+
+    def wait(self) -> list[tuple[str, float | None]]:
+        """Every score still missing."""
+        ...
+
+
+def run_round(meshes: Meshes, engine: Engine, poll_steps: int, leader: RoundLeader | None,
+              stream: StreamTrainer | None = None) -> RoundResult | Freed | None:
+    """One round, collective over all ranks. Rank 0 passes its :class:`RoundLeader`, the others None.
+
+    Rank 0 gets the :class:`RoundResult`, the ranks a scale-down frees :class:`Freed`, the others
+    None. ``stream`` is the stream trainer (on every rank), or None."""
     base_preemptions = engine.stats().num_preemptions
     freed = bool(stream and stream.freed)
     if stream:
         stream.start_round()
-    leader = None
-    if meshes.rank == 0:
-        leader = _Leader(step, plan or policy.start_round(step), policy, meshes.num_replicas, poll_steps, start,
-                         rows=rows, prompt_ids=prompt_ids, rewards=rewards, sampling=sampling, seed=seed,
-                         lengths=lengths, on_progress=on_progress, stream=stream, make_samples=make_samples)
-    cmd = leader.first_command() if leader else None
+    cmd = leader.begin(meshes.num_replicas, poll_steps, stream) if leader else None
     group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
     while True:
         cmd = meshes.broadcast(cmd, group)
@@ -146,37 +154,65 @@ def run_round(step: int, meshes: Meshes, engine: Engine, poll_steps: int, *, pol
         cmd = leader.on_reports(reports) if leader else None
 
 
-class _Leader:
-    """Rank 0's side of a round: the :class:`RoundState`, the engine requests, the running trace.
+@dataclass(kw_only=True)
+class RoundLeader:
+    """Rank 0's side of a round: what the exchange needs from the controller
+    (:meth:`~rollpacker.controller.Controller.leader` builds it), then the round as it runs.
+
+    It turns the replicas' reports into the policy's :class:`RoundState` and the next command.
     Stream training and RolloutPipe join through the round's :class:`RoundHooks`."""
 
-    def __init__(self, step: int, plan: RoundPlan, policy: Policy, num_replicas: int, poll_steps: int, start: float, *,
-                 rows, prompt_ids, rewards, sampling, seed, lengths, on_progress, stream, make_samples):
-        self.state = RoundState(step, plan, policy, num_replicas)
-        self.hooks = stream.begin_round(self.state, make_samples) if stream else RoundHooks()
-        self.poll_steps, self.rows, self.prompt_ids, self.rewards = poll_steps, rows, prompt_ids, rewards
-        self.sampling, self.seed, self.lengths, self.on_progress = sampling, seed, lengths, on_progress
-        self.requests: dict[str, tuple[Request, int]] = {}  # request id -> (request, poll it was added at)
-        self.trace: list[tuple[float, int]] = []
-        self.start = self.last_finish = start
-        self.tokens_done = 0
-        self.aborted: list[Output] = []
-        self.preempted: dict[int, int] = {}  # rank -> preemptions this round
+    step: int
+    plan: RoundPlan
+    policy: Policy
+    rows: Sequence[Any]
+    """The data rows; a launch names one by index."""
+    encode: Callable[[Any], list[int]]
+    """A row's prompt token ids."""
+    rewards: Scorer
+    sampling: SamplingParams
+    seed: int = 0
+    """Seeds each request's sampling (with its id)."""
+    lengths: LengthReplay | None = None
+    """Forces each response's length (``rollout.replay_lengths``)."""
+    progress: Callable[[int, float], None] | None = None
+    """Told after each poll: responses finished, tokens per second."""
+    make_samples: Callable[[Group], list] | None = None
+    """A complete, scored group's trainer samples: what stream training feeds the freed ranks."""
+    # the round as it runs (set by begin)
+    state: RoundState = field(init=False)
+    hooks: RoundHooks = field(init=False)
+    poll_steps: int = field(init=False)
+    requests: dict[str, tuple[Request, int]] = field(init=False, default_factory=dict)
+    """Request id -> (request, poll it was added at)."""
+    trace: list[tuple[float, int]] = field(init=False, default_factory=list)
+    """(time, requests running) at every poll."""
+    start: float = field(init=False, default=0.0)
+    last_finish: float = field(init=False, default=0.0)
+    tokens_done: int = field(init=False, default=0)
+    aborted: list[Output] = field(init=False, default_factory=list)
+    preempted: dict[int, int] = field(init=False, default_factory=dict)
+    """Rank -> its preemptions this round."""
 
-    def first_command(self) -> Command:
-        """Launch the plan's prompts (RolloutPipe: and free the train pool at once)."""
-        return Command(add=self.launch(self.state.launch(self.state.plan.prompts)), scale_down=self.hooks.scaled_down)
+    def begin(self, num_replicas: int, poll_steps: int, stream: StreamTrainer | None) -> Command:
+        """The round's state and hooks; the first command launches the plan's prompts (RolloutPipe:
+        and frees the train pool at once)."""
+        self.start = self.last_finish = time.time()
+        self.poll_steps = poll_steps
+        self.state = RoundState(self.step, self.plan, self.policy, num_replicas)
+        self.hooks = stream.begin_round(self.state, self.make_samples) if stream else RoundHooks()
+        return Command(add=self.launch(self.state.launch(self.plan.prompts)), scale_down=self.hooks.scaled_down)
 
     def launch(self, launches: list[Launch]) -> list[tuple[int, Request]]:
         adds = []
         for new in launches:
-            ids = self.prompt_ids(new.row)
+            ids = self.encode(self.rows[new.row])
             for earlier in new.rescore:  # finished in an earlier round: not run again; scored for this round
                 self.rewards.submit(earlier.id, self.rows[new.row], earlier)
             for k, rid, earlier in new.run:
                 params = SamplingParams(**{**vars(self.sampling), "seed": sampling_seed(self.seed, rid)})
                 if self.lengths:
-                    length = self.lengths(rid, new.row, self.state.step, new.slot, k, earlier)
+                    length = self.lengths(rid, new.row, self.step, new.slot, k, earlier)
                     params.max_new_tokens = max(length, len(earlier.token_ids) + 1) if earlier else length
                     params.ignore_eos = True
                 req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
@@ -213,8 +249,8 @@ class _Leader:
         actions = state.decide(resuming=bool(adds))
         adds += self.launch(actions.launch)
         hooks.feed(state)
-        if self.on_progress:
-            self.on_progress(state.num_launched - len(state.outstanding), self.tokens_done / (time.time() - self.start))
+        if self.progress:
+            self.progress(state.num_launched - len(state.outstanding), self.tokens_done / (time.time() - self.start))
         return Command(add=adds, abort=[(state.replica(rid), rid) for rid in (to_abort or []) + actions.abort],
                        final=actions.done, scale_down=to_abort is not None)
 
@@ -234,7 +270,7 @@ class _Leader:
 
     def finish(self, reports: list[Report | None]) -> RoundResult:
         """The round's result, once the final command's aborts are reported."""
-        state, plan = self.state, self.state.plan
+        state, plan = self.state, self.plan
         self.aborted += [o for r in reports if r for o in r.aborted]
         stats = self.hooks.finish()
         groups = state.finish(self.aborted, wait=self.rewards.wait)  # the exposed reward time: what finished last
