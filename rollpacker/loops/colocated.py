@@ -71,7 +71,7 @@ def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: Round
                                        time.time() - result.start if ctl else 0.0,
                                        bool(stats.get("stream/scaled_down")))
     with timer("weight_sync"):  # push the new weights into the engines, in-process
-        job.engine.update_weights(job.trainer.model.named_parameters())
+        job.push_weights()
     if offload:
         job.engine.resume_memory()
 

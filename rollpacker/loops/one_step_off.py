@@ -10,7 +10,8 @@ the others hold the FSDP2 trainer, sharded over them alone (``Meshes.train``). E
    only hear whether there is one); the training pool's first rank sends the
    metrics of its step k−1 to rank 0, which logs that step; the training pool broadcasts the
    weights of its k optimizer steps to the rollout pool over the data-plane group
-   (``Meshes.weights``: NCCL on GPU, gloo on CPU), straight from its FSDP2 parameters.
+   (``Meshes.weights``: NCCL on GPU, gloo on CPU), straight from its FSDP2 parameters
+   (:class:`~rollpacker.rollout.weights.Broadcast`).
 2. **Both pools at once**: the rollout pool evaluates when due and generates batch k+1 with those
    weights, so batch k+1 is trained one step later than its weights (staleness 1,
    ``OneStepOffPolicy``); the training pool takes step k on batch k and then waits at the next
@@ -41,13 +42,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from rollpacker.job import Job
 from rollpacker.loops.colocated import evaluate, generate
 from rollpacker.metrics import Timer
-from rollpacker.model import empty_model, engine_dtype, read_args
 
 
 @dataclass
@@ -72,9 +69,6 @@ def run(job: Job) -> int:
     rank0, rolls = meshes.rank == 0, meshes.rank in meshes.rollout_ranks
     lead = meshes.train_ranks[0]
     step = weights_step = job.start_step
-    check_weights(job)
-    if job.start_step:  # resumed: the engines get the checkpoint's weights before batch start_step
-        push_weights(job)
     report, idle_since, previous, pending = None, time.perf_counter(), None, None
     if rolls:
         evaluated, pending = _evaluate_and_generate(job, step, weights_step, evaluate_first=True)
@@ -93,7 +87,7 @@ def run(job: Job) -> int:
         timer = Timer()
         with timer("weight_sync"):
             if step > weights_step:
-                push_weights(job)
+                job.push_weights()
                 weights_step = step
         if cfg.checkpoint_every and step > job.start_step and step % cfg.checkpoint_every == 0:
             job.save(step, policy_state=pending.policy_state if rank0 and pending else None)
@@ -147,43 +141,3 @@ def _log(job: Job, step: int, pending: Pending, report: dict[str, float]) -> Non
     stats["time/step"] = stats["time/wait_prev_gen"] + report["time/weight_sync"] + report["time/train"]
     job.controller.metrics.log(step, stats)
     job.controller.display.end_step(stats)
-
-
-def check_weights(job: Job) -> None:
-    """Collective, once: the training pool's parameters must be the engines' (names and shapes, in
-    order), since :func:`push_weights` sends them by position."""
-    meshes = job.meshes
-    names = _parameter_shapes(job)
-    theirs = meshes.broadcast(names, src=meshes.train_ranks[0])
-    if theirs != names:
-        raise RuntimeError(f"one_step_off: the trainer's parameters {theirs} are not the engine's {names}")
-
-
-def push_weights(job: Job) -> None:
-    """Collective over all ranks: every parameter of the training pool's model, gathered whole from
-    its FSDP2 shards (``full_tensor``, collective over the training pool), is broadcast by the
-    pool's first rank to the rollout pool over ``Meshes.weights`` in the engines' dtype, where each
-    engine keeps its TP slice."""
-    meshes = job.meshes
-    lead, dtype = meshes.train_ranks[0], engine_dtype(job.config.model.dtype, meshes.device)
-    if job.trainer is not None:
-        for _, param in job.trainer.model.named_parameters():
-            full = param.full_tensor()
-            if meshes.rank == lead:
-                dist.broadcast(full.to(dtype).contiguous(), lead, group=meshes.weights)
-    else:  # one stream into the engine: vLLM reloads layer by layer, all of a layer's tensors at once
-        def received():
-            for name, shape in _parameter_shapes(job):
-                buffer = torch.empty(shape, dtype=dtype, device=meshes.device)
-                dist.broadcast(buffer, lead, group=meshes.weights)
-                yield name, buffer
-
-        job.engine.update_weights(received())
-
-
-def _parameter_shapes(job: Job) -> list[tuple[str, tuple[int, ...]]]:
-    """The model's parameter names and shapes, in order: the trainer's, or on the rollout pool those
-    of the model directory's architecture (any engine)."""
-    model = job.trainer.model if job.trainer is not None else empty_model(read_args(job.model_dir), "meta",
-                                                                             torch.float32)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
