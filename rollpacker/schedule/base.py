@@ -3,8 +3,8 @@
 A policy decides which prompts a round launches and how many responses each, reacts to every
 finished and scored response (keep it, abort its siblings, launch more prompts, end the round),
 and says at the end of the round which groups are trained. It never touches tensors or engines:
-the controller (``exchange.py``, through ``schedule/round.py``) turns its decisions into engine calls on the right replicas,
-and the trainer never learns how samples were scheduled.
+the controller (``exchange.py``, through ``schedule/round.py``) turns its decisions into engine
+calls on the right replicas, and the trainer never learns how samples were scheduled.
 
 One round = one RL step. The controller calls, on rank 0 only:
 

@@ -346,7 +346,8 @@ class _SimRound:
 
     def generated(self) -> list[tuple[int, int]]:
         """(prompt tokens, tokens generated) of each outstanding request, exactly."""
-        return [(self.seqs[rid].prompt_tokens, self.replicas[self.state.replica(rid)].generated_at(self.seqs[rid], self.now))
+        seqs, replicas = self.seqs, self.replicas
+        return [(seqs[rid].prompt_tokens, replicas[self.state.replica(rid)].generated_at(seqs[rid], self.now))
                 for rid in self.state.outstanding]
 
     def record(self) -> RoundRecord:
