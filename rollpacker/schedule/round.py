@@ -1,12 +1,16 @@
 """A rollout round as plain state: what rank 0's controller and the simulator both drive.
 
-:class:`RoundState` holds one round of a scheduling policy — the slots (dataset rows in launch
-order), which replica runs each request, the requests still outstanding, the finished responses
-not yet shown to the policy, their scores and the groups complete so far — and turns the policy's
-decisions into request ids to abort and requests to launch. It sends nothing and measures no
-time: the controller (:func:`rollpacker.exchange.run_round`) drives it with the engines' reports over
-the control plane, the simulator (:func:`rollpacker.sim.simulate.simulate_round`) with simulated
-replicas. So both make the same calls on the policy in the same order by construction.
+:class:`RoundState` holds one round of a scheduling policy:
+
+- the slots (dataset rows in launch order) and which replica runs each request;
+- the requests still outstanding;
+- the finished responses not yet shown to the policy, and their scores;
+- the groups complete so far.
+
+It turns the policy's decisions into request ids to abort and requests to launch. It sends
+nothing and measures no time. The controller (:func:`rollpacker.exchange.run_round`) drives it
+with the engines' reports; the simulator (:func:`rollpacker.sim.simulate.simulate_round`) with
+simulated replicas. So both make the same calls on the policy in the same order.
 
 A round, from the driver's side:
 
