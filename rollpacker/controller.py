@@ -1,9 +1,10 @@
 """The controller: rank 0's part of the job.
 
-It holds what only rank 0 has — the data rows, the tokenizer, the scheduling policy, the reward
-scheduler, the metrics sinks and live display, and the parallelism planner — and turns a round's
-result into the batch to train (GRPO advantages, the step's global normalizer) and its metrics.
-The exchange with the other ranks is :func:`rollpacker.round.run_round`; the loops that call both
+It holds what only rank 0 has: the data rows, the tokenizer, the scheduling policy, the reward
+scheduler, the metrics sinks and live display, and the parallelism planner. For each round it
+builds the :class:`~rollpacker.exchange.RoundLeader` that the exchange
+(:func:`~rollpacker.exchange.run_round`) drives. It turns the round's result into the batch to
+train (GRPO advantages, the step's global normalizer) and its metrics. The loops that call both
 are in :mod:`rollpacker.loops`.
 """
 
@@ -22,11 +23,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rollpacker.dist import Meshes
+    from rollpacker.exchange import LengthReplay, RoundLeader, RoundResult
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
     from rollpacker.reward.scheduler import RewardScheduler
-    from rollpacker.round import LengthReplay, RoundResult
-    from rollpacker.schedule.base import Group, Policy
+    from rollpacker.rollout.engine import SamplingParams
+    from rollpacker.schedule.base import Group, Policy, RoundPlan
     from rollpacker.train.trainer import Sample
 
 logger = logging.getLogger("rollpacker")
@@ -58,9 +60,9 @@ class Controller:
         from transformers import AutoTokenizer
 
         from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
+        from rollpacker.exchange import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler, build_functions, check_row
-        from rollpacker.round import LengthReplay
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
@@ -97,6 +99,35 @@ class Controller:
                     {t: round(v, 3) for t, v in estimates.items()}, initial, candidates)
         self.planner = Planner(cfg.plan, candidates, initial, profile=profile, world=world, prompt_len=prompt_len)
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The rollout's sampling settings."""
+        from rollpacker.rollout.engine import SamplingParams
+
+        r = self.config.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+    def leader(self, step: int, plan: RoundPlan) -> RoundLeader:
+        """Rank 0's side of round ``plan`` of ``step``, for the exchange; the live display starts the step."""
+        from rollpacker.exchange import RoundLeader
+
+        cfg = self.config
+        self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+        return RoundLeader(step=step, plan=plan, policy=self.policy, rows=self.rows, encode=self.encode_prompt,
+                           rewards=self.rewards, sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
+                           progress=self.display.update, make_samples=self.group_samples)
+
+    def eval_leader(self, step: int, num_responses: int = 1, sampling: SamplingParams | None = None) -> RoundLeader:
+        """Rank 0's side of a held-out round: every eval row once, ``num_responses`` responses each,
+        greedy unless ``sampling`` says otherwise."""
+        from rollpacker.exchange import RoundLeader
+        from rollpacker.schedule.eval import EvalPolicy
+
+        policy = EvalPolicy(len(self.eval_rows), num_responses)
+        return RoundLeader(step=step, plan=policy.start_round(step), policy=policy, rows=self.eval_rows,
+                           encode=self.encode_prompt, rewards=self.rewards,
+                           sampling=sampling or dataclasses.replace(self.sampling, temperature=0.0))
+
     def encode_prompt(self, row: dict) -> list[int]:
         ids = encode(self.tokenizer, self.config, row["prompt"])
         if not ids or len(ids) >= self.max_model_len:
@@ -105,7 +136,7 @@ class Controller:
         return ids
 
     def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:
-        """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already, ``reward.on_error``)."""
+        """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already: reward.on_error)."""
         return list(zip(group.outputs, group.rewards))
 
     def group_samples(self, group: Group) -> list[Sample]:

@@ -117,6 +117,11 @@ class Timer:
             key = f"time/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
 
+    def move(self, seconds: float, src: str, dst: str) -> None:
+        """Count ``seconds`` timed in stage ``src`` as stage ``dst``'s."""
+        self.times[f"time/{src}"] -= seconds
+        self.times[f"time/{dst}"] = self.times.get(f"time/{dst}", 0.0) + seconds
+
     def pop(self) -> dict[str, float]:
         """The accumulated times, resetting them to nothing."""
         times, self.times = self.times, {}

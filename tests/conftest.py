@@ -180,7 +180,7 @@ def sandboxed_pids() -> set[int]:
     return pids
 
 
-# ---- the edge of a real controller round, without a model or ranks (rollpacker.round.run_round) ----
+# ---- the edge of a real controller round, without a model or ranks (rollpacker.exchange.run_round) ----
 
 
 class InstantRewards:

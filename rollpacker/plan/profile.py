@@ -183,7 +183,7 @@ def _slowest(meshes, ms: float) -> float:
 def _exchange_ms(meshes, reps: int = 100) -> float:
     """One control exchange as the rollout loop makes one every poll: a command broadcast from rank
     0, a report gathered back (empty ones: the fixed cost); the median, the slowest rank's."""
-    from rollpacker.round import Command, Report
+    from rollpacker.exchange import Command, Report
 
     times = []
     for _ in range(reps):

@@ -28,7 +28,7 @@ class RolloutConfig:
     poll_steps: int = 8
     """Engine steps between two control-plane exchanges with the controller."""
     replay_lengths: bool = False
-    """Force every response to a length from the paper's long-tailed mix (rollpacker.round.LengthReplay)."""
+    """Force every response to a length from the paper's long-tailed mix (rollpacker.exchange.LengthReplay)."""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):

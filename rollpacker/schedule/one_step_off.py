@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from rollpacker.schedule.base import Group, PolicyConfig, Round
+from rollpacker.schedule.base import Group, PolicyConfig, RoundPlan
 from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class OneStepOffPolicy(SyncPolicy):
         """The optimizer step whose weights the engines hold (set by the loop before each round)."""
         self.lag = 0
 
-    def start_round(self, step: int) -> Round:
+    def start_round(self, step: int) -> RoundPlan:
         if self.weights_step > step:
             raise ValueError(f"round of step {step} planned with the weights of step {self.weights_step}")
         self.lag = step - self.weights_step

@@ -16,7 +16,7 @@ Every trained token was sampled by the current step's weights: staleness 0.
 
 **Partial mode** (``sorted_partial``): the buffer keeps the partial tokens and log-probs of unfinished
 responses and the finished responses of incomplete groups. The next round resumes the partial ones
-under the new weights (``Round.carried``, ``Request.resume_from``) and launches nothing for the
+under the new weights (``RoundPlan.carried``, ``Request.resume_from``) and launches nothing for the
 finished ones. The engine concatenates the log-probs of each segment, so every token keeps the
 log-prob it was sampled with, which ``train.off_policy`` (is, tis) corrects with. Each response
 records the step of each segment; its staleness is the training step minus the step its oldest
@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rollpacker.schedule.base import (
-    Decision,
     Group,
     PolicyConfig,
+    PolicyDecision,
     QueuedPolicy,
-    Round,
+    RoundPlan,
     remaining,
     request_id,
     zero_variance,
@@ -138,7 +138,7 @@ class SortedPolicy(QueuedPolicy):
 
     # -- planning ----------------------------------------------------------------------------
 
-    def start_round(self, step: int) -> Round:
+    def start_round(self, step: int) -> RoundPlan:
         self.step, self.closed, loaded = step, False, 0
         if not self.ledger.queue:  # the load group is consumed: load the next one
             left = remaining(self.sampler, self.num_epochs)
@@ -160,21 +160,21 @@ class SortedPolicy(QueuedPolicy):
         self.target = min(self.num_prompts, len(keys))
         self._stats = {"loaded": loaded, "filtered": 0,
                        "resumed": sum(not _finished(out) for out in carried.values())}
-        return Round(kind="sorted", prompts=[key[1] for key in keys], num_responses=self.group_size,
+        return RoundPlan(kind="sorted", prompts=[key[1] for key in keys], num_responses=self.group_size,
                      keep=self.target, carried=carried)
 
     # -- reacting ----------------------------------------------------------------------------
 
-    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         e = self.slots[slot]
         finished = sum(map(_finished, e.outputs)) + 1
         if e.state != "running" or self.closed and (not self.partial or finished == self.group_size):
-            return Decision()  # after the round's cut-off (see the module docstring)
+            return PolicyDecision()  # after the round's cut-off (see the module docstring)
         self._record(e, response, output)
         e.rewards[response] = reward
         if finished < self.group_size:
-            return Decision()
-        decision = Decision()
+            return PolicyDecision()
+        decision = PolicyDecision()
         if self.filter_zero_variance and zero_variance(e.rewards):
             e.state = "filtered"
             self._stats["filtered"] += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Decision, Group, PolicyConfig, Round, remaining, zero_variance
+from rollpacker.schedule.base import Group, PolicyConfig, PolicyDecision, RoundPlan, remaining, zero_variance
 
 
 @dataclass(kw_only=True)
@@ -48,20 +48,20 @@ class SyncPolicy:
     def done(self) -> bool:
         return remaining(self.sampler, self.num_epochs) == 0
 
-    def start_round(self, step: int) -> Round:
+    def start_round(self, step: int) -> RoundPlan:
         left = remaining(self.sampler, self.num_epochs)
         keys = self.sampler.draw(self.num_prompts if left is None else min(self.num_prompts, left))
         self.groups = [Group(prompt=row, outputs=[], rewards=[], epoch=epoch) for epoch, row in keys]
         self.dropped, self.pending = set(), len(keys) * self.group_size
-        return Round(kind="sync", prompts=[g.prompt for g in self.groups], num_responses=self.group_size,
+        return RoundPlan(kind="sync", prompts=[g.prompt for g in self.groups], num_responses=self.group_size,
                      keep=len(keys))
 
-    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         group = self.groups[slot]
         group.outputs.append(output)
         group.rewards.append(reward)
         self.pending -= 1
-        decision = Decision(round_done=self.pending == 0)
+        decision = PolicyDecision(round_done=self.pending == 0)
         if len(group.outputs) == self.group_size:
             if self.filter_zero_variance and zero_variance(group.rewards):
                 self.dropped.add(slot)

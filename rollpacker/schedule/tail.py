@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rollpacker.schedule.base import (
-    Decision,
     Group,
     PolicyConfig,
+    PolicyDecision,
     QueuedPolicy,
-    Round,
+    RoundPlan,
     remaining,
     request_id,
     zero_variance,
@@ -92,7 +92,7 @@ class TailPolicy(QueuedPolicy):
         self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
         self.ledger = Ledger()
         self.slots: list[_Launched] = []
-        self.round: Round | None = None
+        self.round: RoundPlan | None = None
         self.step = 0
         self.target = 0
         self.closed = False
@@ -100,7 +100,7 @@ class TailPolicy(QueuedPolicy):
 
     # -- planning ----------------------------------------------------------------------------
 
-    def start_round(self, step: int) -> Round:
+    def start_round(self, step: int) -> RoundPlan:
         left = remaining(self.sampler, self.num_epochs)
         queue = self.ledger.queue
         self.step, self.slots = step, []
@@ -117,7 +117,7 @@ class TailPolicy(QueuedPolicy):
             responses, kind = math.ceil(self.eta_responses * self.group_size), "short"
         for key in keys:
             self._launch(key)
-        self.round = Round(kind=kind, prompts=[k[1] for k in keys], num_responses=responses, keep=self.target)
+        self.round = RoundPlan(kind=kind, prompts=[k[1] for k in keys], num_responses=responses, keep=self.target)
         self._stats = {"filtered": 0}
         self.closed = False
         return self.round
@@ -128,14 +128,14 @@ class TailPolicy(QueuedPolicy):
 
     # -- reacting ----------------------------------------------------------------------------
 
-    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         p = self.slots[slot]
         if p.state != "running" or self.closed:
-            return Decision()  # finished before its abort landed, or after the round's cut-off: thrown away
+            return PolicyDecision()  # finished before its abort landed, or after the round's cut-off: thrown away
         p.group.outputs.append(output)
         p.group.rewards.append(reward)
         p.finished.add(response)
-        decision = Decision()
+        decision = PolicyDecision()
         if len(p.group.outputs) < self.group_size:
             return decision
         decision.abort = [request_id(self.step, slot, k) for k in range(self.round.num_responses)

@@ -56,6 +56,9 @@ def test_timer_accumulates_and_pops():
     assert set(times) == {"time/rollout", "time/train"}
     assert times["time/rollout"] >= 0.02
     assert timer.pop() == {}
+    timer.times = {"time/rollout": 5.0}
+    timer.move(1.5, "rollout", "reward")  # the rollout's wait for its last scores is reward time
+    assert timer.pop() == {"time/rollout": 3.5, "time/reward": 1.5}
 
 
 def test_config_validates():

@@ -144,7 +144,7 @@ class Recorder:
 
 @pytest.mark.parametrize("filter_zero_variance", [False, True])
 def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controller(filter_zero_variance):
-    from rollpacker.round import run_round
+    from rollpacker.exchange import RoundLeader, run_round
 
     def length(row, k):  # every 5th row is a long prompt, response after response
         return 2 + (7 * row + 5 * k) % 13 + (40 if row % 5 == 0 else 0)
@@ -159,9 +159,9 @@ def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controlle
     for step in range(7):
         simulate_round(step, simulated, replicas(1, StepCost(1.0)), Table(length), max_new_tokens=1000,
                        reward=lambda row, seq: reward(row, seq.id))
-        run_round(step, OneReplica(), LengthTableEngine(length), poll_steps=1, policy=real, rows=list(range(40)),
-                  prompt_ids=lambda row: [row], rewards=InstantRewards(reward),
-                  sampling=SamplingParams(max_new_tokens=1000))
+        run_round(OneReplica(), LengthTableEngine(length), 1, RoundLeader(
+            step=step, plan=real.start_round(step), policy=real, rows=list(range(40)), encode=lambda row: [row],
+            rewards=InstantRewards(reward), sampling=SamplingParams(max_new_tokens=1000)))
     kinds = [entry[2] for entry in real.log if entry[0] == "start"]
     assert "long" in kinds and "short" in kinds
     assert any(entry[4] for entry in real.log if entry[0] == "finished")  # some decisions aborted siblings

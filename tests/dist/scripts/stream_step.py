@@ -45,7 +45,7 @@ def main(path: str, shard: int, aggregation: str) -> None:
     sync = Trainer(load_model(path), cfg, meshes.train, num_steps=4)
     streamed = Trainer(load_model(path), cfg, meshes.train, num_steps=4)
     stream = StreamTrainer(StreamConfig(enabled=True), streamed, meshes, kv_capacity_tokens=1, max_new_tokens=1)
-    assert not stream.scale_down.refused, stream.scale_down.refused
+    assert not stream.refused, stream.refused
     # (groups streamed, in how many messages) per step: uneven, nothing, almost everything, everything.
     plans = [(3, 2), (0, 0), (7, 3), (8, 1)]
     initial = {k: v.full_tensor().clone() for k, v in sync.model.state_dict().items()}
@@ -53,7 +53,7 @@ def main(path: str, shard: int, aggregation: str) -> None:
         batch = groups(step)
         every = [s for g in batch for s in g]
         sync_stats = sync.step(every)
-        stream.start_round("sync")
+        stream.start_round()
         if stream.freed:
             stream.serve()
         elif meshes.rank == 0:
