@@ -189,7 +189,7 @@ def build_engine(kind: str, path: Path, model: Transformer, max_num_seqs: int, m
     from rollpacker.rollout.config import EngineConfig
 
     args = model.args
-    block = 16 if kind == "torch" else 128  # vLLM's CPU block size
+    block = 128 if kind == "vllm" else 16  # vLLM's CPU block size
     kv_mb = kv_tokens(max_num_seqs, max_len, block) * args.kv_elements_per_token * model.norm.weight.element_size()
     config = EngineConfig(kind=kind, block_size=block, kv_memory_mb=max(kv_mb / 2**20, 1.0), max_num_seqs=max_num_seqs,
                           max_prefill_tokens=max_num_seqs * max_len, max_model_len=max_len, memory_fraction=0.2)

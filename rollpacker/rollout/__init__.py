@@ -1,5 +1,6 @@
 """Rollout engines behind one contract (``engine.py``): TorchEngine, VLLMEngine (in-process, CPU or
-GPU), SGLangEngine (GPU). :func:`build_engine` picks one by ``EngineConfig.kind``."""
+GPU), SGLangEngine (GPU; CPU for tests, docs/sglang.md). :func:`build_engine` picks one by
+``EngineConfig.kind``."""
 
 from __future__ import annotations
 

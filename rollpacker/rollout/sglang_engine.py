@@ -208,13 +208,14 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
                 ) -> dict:
     """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's :class:`ModelArgs`). Its
     KV holds ``engine.kv_memory_mb`` per rank, as TorchEngine's and vLLM's; on CPU, SGLang's CPU
-    device and torch_native attention, no memory saver (it is CUDA-only)."""
+    device and torch_native attention, no memory saver (it is CUDA-only). SGLang picks a free port
+    for its schedulers' process group (a fixed one collides with another job's on the machine)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     port = 30000 + 8 * (rank % 1000)
     kv_bytes_per_token = 2 * args.num_layers * max(1, args.num_kv_heads // tp) * args.head_dim * dtype.itemsize
     return dict(
         model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
-        port=port, nccl_port=port + 1, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
+        port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
         random_seed=config.seed, context_length=config.max_model_len or args.max_position_embeddings,
         mem_fraction_static=config.memory_fraction,
         max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,

@@ -42,10 +42,11 @@ def policy_runs(tmp_path_factory):
     runs = json.dumps([[name, [*flags, *JOB]] for name, flags in POLICIES.items()])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(DIST_SCRIPTS / "sglang_policies.py"), str(root), runs]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=sglang_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=sglang_env())
     return root, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
+@pytest.mark.timeout(1800)  # the fixture's seven jobs count against the first test's limit
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_every_policy_trains_every_prompt_once_on_sglang(policy_runs, policy):
     root, log = policy_runs
@@ -60,6 +61,7 @@ def test_every_policy_trains_every_prompt_once_on_sglang(policy_runs, policy):
         assert sum(r["stream/streamed_groups"] for r in records) > 0
 
 
+@pytest.mark.timeout(1800)
 def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_path):
     """SIGKILL rank 1's SGLang scheduler after the first step: rank 1 exits with EngineDied (not
     SGLang's SIGKILL of it), torchrun restarts the group, which resumes from the newest checkpoint
