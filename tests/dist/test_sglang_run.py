@@ -1,8 +1,8 @@
 """The training job on SGLang (``--engine.kind sglang``, CPU): every policy runs a real 2-rank job
 to the end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep
-one); a scheduler killed mid-run ends its rank with one error naming it, and torchrun's restart
-resumes the job losing nothing; the planner is refused with the reason. The ``sglang`` tier
-(``pytest -m sglang``, after ``bash launch/install.sh sglang``)."""
+one); a scheduler killed mid-run (the tail job) ends its rank with one error naming it, and
+torchrun's restart resumes the job losing nothing. The ``sglang`` tier (``pytest -m sglang``, after
+``bash launch/install.sh sglang``); the planner's refusal is a unit test."""
 
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ JOB = ("--engine.kind", "sglang", "--data.num-toy-prompts", str(NUM_ROWS), "--ro
        "--checkpoint-every", "1", "--eval-every", "0", *QUIET)
 """One epoch of NUM_ROWS toy prompts, 4 per step, on SGLang."""
 
-POLICIES = {  # one_step_off first: see tests/dist/scripts/sglang_policies.py
+POLICIES = {  # one_step_off first: see tests/dist/scripts/sglang_policies.py; tail: the killed-scheduler test's job
     "one_step_off": ("schedule:one_step_off", "--train.off-policy", "tis"),
     "sync": ("schedule:sync",),
-    "tail": ("schedule:tail",),
     "sorted": ("schedule:sorted", "--schedule.sorted-batches", "2"),
     "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.off-policy", "tis"),
     "pipe": ("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"),
@@ -63,9 +62,9 @@ def test_every_policy_trains_every_prompt_once_on_sglang(policy_runs, policy):
 
 @pytest.mark.timeout(1800)
 def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_path):
-    """SIGKILL rank 1's SGLang scheduler after the first step: rank 1 exits with EngineDied (not
-    SGLang's SIGKILL of it), torchrun restarts the group, which resumes from the newest checkpoint
-    (--resume auto) and trains every prompt once."""
+    """The tail job; SIGKILL rank 1's SGLang scheduler after the first step: rank 1 exits with
+    EngineDied (not SGLang's SIGKILL of it), torchrun restarts the group, which resumes from the
+    newest checkpoint (--resume auto) and trains every prompt once (the ledger)."""
     import psutil
 
     from rollpacker.bench.faults import worker_pid
