@@ -98,6 +98,17 @@ class EngineDied(RuntimeError):
     """SGLang's scheduler or detokenizer process failed; the engine is gone."""
 
 
+_STARTED: dict[int, str] = {}
+"""pid -> title of every SGLang process this one started (SGLang reaps a dead one before SIGQUIT)."""
+
+
+def _sglang_processes() -> dict:
+    """This process's live SGLang descendants (``sglang::...``), by pid."""
+    import psutil
+
+    return {p.pid: p for p in psutil.Process().children(recursive=True) if _title(p).startswith("sglang::")}
+
+
 def _title(process) -> str:
     """A process's title (SGLang names its own ``sglang::...``); empty once it is gone."""
     try:
@@ -111,9 +122,10 @@ def engine_died(signum, frame) -> None:
     process, leaving no message): stop SGLang's processes and raise one error naming them."""
     import psutil
 
-    procs = [p for p in psutil.Process().children(recursive=True) if _title(p).startswith("sglang::")]
-    gone = [f"{_title(p)} (pid {p.pid})" for p in procs if p.status() == psutil.STATUS_ZOMBIE]
-    for p in procs:
+    procs = _sglang_processes()
+    gone = [f"{name} (pid {pid})" for pid, name in _STARTED.items()
+            if pid not in procs or procs[pid].status() == psutil.STATUS_ZOMBIE]
+    for p in procs.values():
         with contextlib.suppress(psutil.Error):
             p.kill()
     what = f"{', '.join(gone)} exited" if gone else "one of its processes reported an error"
@@ -208,8 +220,10 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
                 ) -> dict:
     """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's :class:`ModelArgs`). Its
     KV holds ``engine.kv_memory_mb`` per rank, as TorchEngine's and vLLM's; on CPU, SGLang's CPU
-    device and torch_native attention, no memory saver (it is CUDA-only). SGLang picks a free port
-    for its schedulers' process group (a fixed one collides with another job's on the machine)."""
+    device and torch_native attention, no memory saver (it is CUDA-only), and a static memory
+    fraction of 0.9: SGLang checks it against the host's free RAM, which other processes move (it
+    failed with 0.1 while another rank's engine loaded; the KV stays ``max_total_tokens``). SGLang
+    picks a free port for its schedulers' process group (a fixed one collides with another job's)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     port = 30000 + 8 * (rank % 1000)
     kv_bytes_per_token = 2 * args.num_layers * max(1, args.num_kv_heads // tp) * args.head_dim * dtype.itemsize
@@ -217,7 +231,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
         model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
         port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
         random_seed=config.seed, context_length=config.max_model_len or args.max_position_embeddings,
-        mem_fraction_static=config.memory_fraction,
+        mem_fraction_static=0.9 if on_cpu else config.memory_fraction,  # on CPU: see below
         max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,
         max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
         page_size=config.block_size, disable_cuda_graph=config.enforce_eager,
@@ -311,6 +325,7 @@ class SGLangEngine:
                                          | server_args)
                 num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop's thread
                 restore(self.engine.loop)
+            _STARTED.update((pid, _title(p)) for pid, p in _sglang_processes().items())
             self.loop = self.engine.loop
             self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
             self.thread.start()
@@ -473,9 +488,11 @@ class SGLangEngine:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
         self._check_idle("release_memory")
-        if self.owner and not self.released:
+        # released already: only weights a push woke go back (SGLang's resume of a held tag kills its scheduler)
+        tags = ["weights"] if self.weights_awake else [] if self.released else None
+        if self.owner and tags != []:
             tm = self.engine.tokenizer_manager
-            self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None))
+            self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None))
         self.released, self.weights_awake = True, False
 
     def resume_memory(self) -> None:
@@ -495,6 +512,7 @@ class SGLangEngine:
             self.thread.join(timeout=30)
             self.engine.shutdown()
             self.engine = None
+            _STARTED.clear()
 
     def _check_idle(self, what: str) -> None:
         if self.live:

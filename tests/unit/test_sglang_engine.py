@@ -151,9 +151,10 @@ def test_engine_args_size_the_kv_like_the_other_engines_and_pick_the_cpu_path():
     per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4
     assert cpu["max_total_tokens"] == 4 * 2**20 // per_token and cpu["max_running_requests"] == 8
     assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native"
-    assert not cpu["enable_memory_saver"] and cpu["enable_deterministic_inference"]
+    assert not cpu["enable_memory_saver"] and cpu["enable_deterministic_inference"] and cpu["mem_fraction_static"] == 0.9
     gpu = engine_args(toy_model_dir(), config, args, 2, torch.bfloat16, on_cpu=False)
     assert gpu["enable_memory_saver"] and "device" not in gpu and gpu["tp_size"] == 2
+    assert gpu["mem_fraction_static"] == config.memory_fraction
     half_heads = 2 * args.num_layers * max(1, args.num_kv_heads // 2) * args.head_dim * 2  # bf16, TP 2
     assert gpu["max_total_tokens"] == 4 * 2**20 // half_heads
 

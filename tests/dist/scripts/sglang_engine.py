@@ -128,6 +128,7 @@ def update_weights_then_release_and_resume(engine, a, b):
     except RuntimeError as e:
         assert "release_memory" in str(e)
     engine.update_weights(load_model(b).named_parameters())  # while released: the weights come back first
+    engine.release_memory()  # again (a RolloutPipe training rank does this): the woken weights go back
     engine.resume_memory()
     assert tokens(generate(engine, reqs)) == expected
     engine.update_weights(load_model(a).named_parameters())
