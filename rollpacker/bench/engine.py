@@ -270,7 +270,8 @@ def run_sglang_direct(engine, prompts: list[list[int]], new_tokens: int) -> floa
     outs = asyncio.run_coroutine_threadsafe(call, engine.loop).result()
     seconds = time.perf_counter() - start
     if any(len(o["output_ids"]) != new_tokens for o in outs):
-        raise RuntimeError("bench: SGLang driven directly generated the wrong number of tokens")
+        raise RuntimeError(f"bench: SGLang driven directly generated {[len(o['output_ids']) for o in outs]} tokens, "
+                           f"not {new_tokens} each")
     return seconds
 
 

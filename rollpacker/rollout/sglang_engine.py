@@ -230,7 +230,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
     return dict(
         model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
         port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-        random_seed=config.seed, context_length=config.max_model_len or args.max_position_embeddings,
+        random_seed=config.seed, context_length=max_model_len(config, args) + 1,
         mem_fraction_static=0.9 if on_cpu else config.memory_fraction,  # on CPU: see below
         max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,
         max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
@@ -240,6 +240,12 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
         enable_priority_scheduling=True, schedule_low_priority_values_first=True, disable_priority_preemption=True,
         custom_sigquit_handler=engine_died,
     ) | ({"device": "cpu", "attention_backend": "torch_native"} if on_cpu else {})
+
+
+def max_model_len(config: EngineConfig, args) -> int:
+    """Longest prompt + response: ``engine.max_model_len``, at most one below the model's positions.
+    SGLang ends a request one token before its context length, so the engine gets this + 1."""
+    return min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings - 1)
 
 
 def cpu_binding(cpus: list[int], num_local_ranks: int) -> str:
@@ -301,7 +307,7 @@ class SGLangEngine:
                              "contract's log_softmax(logits / T); unset it")
         args = read_args(model_path)
         self.tied, self.eos_ids, self.dtype = args.tie_word_embeddings, tuple(args.eos_token_ids), dtype
-        self.max_model_len = config.max_model_len or args.max_position_embeddings
+        self.max_model_len = max_model_len(config, args)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
