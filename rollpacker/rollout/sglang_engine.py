@@ -230,7 +230,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
     return dict(
         model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
         port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-        random_seed=config.seed, context_length=max_model_len(config, args) + 1,
+        random_seed=config.seed, context_length=max_model_len(config, args) + 2,
         mem_fraction_static=0.9 if on_cpu else config.memory_fraction,  # on CPU: see below
         max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,
         max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
@@ -243,9 +243,10 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
 
 
 def max_model_len(config: EngineConfig, args) -> int:
-    """Longest prompt + response: ``engine.max_model_len``, at most one below the model's positions.
-    SGLang ends a request one token before its context length, so the engine gets this + 1."""
-    return min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings - 1)
+    """Longest prompt + response: ``engine.max_model_len``, at most the model's positions - 2. SGLang
+    caps a request's new tokens at its context length - 2 (its scheduler's ``max_req_len - 1``), so
+    the engine's context is this + 2."""
+    return min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings - 2)
 
 
 def cpu_binding(cpus: list[int], num_local_ranks: int) -> str:
