@@ -496,7 +496,7 @@ class SGLangEngine:
 
         self._check_idle("release_memory")
         # released already: only weights a push woke go back (SGLang's resume of a held tag kills its scheduler)
-        tags = ["weights"] if self.weights_awake else [] if self.released else None
+        tags = None if not self.released else ["weights"] if self.weights_awake else []
         if self.owner and tags != []:
             tm = self.engine.tokenizer_manager
             self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None))
@@ -509,7 +509,7 @@ class SGLangEngine:
             tm = self.engine.tokenizer_manager
             for tags in ([] if self.weights_awake else [["weights"]]) + [["kv_cache", "cuda_graph"]]:
                 self._call(tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
-        self.released = False
+        self.released = self.weights_awake = False
 
     def shutdown(self) -> None:
         """Stop the loop thread and SGLang's subprocesses (the first rank of the group). SGLang's

@@ -131,6 +131,8 @@ def update_weights_then_release_and_resume(engine, a, b):
     engine.release_memory()  # again (a RolloutPipe training rank does this): the woken weights go back
     engine.resume_memory()
     assert tokens(generate(engine, reqs)) == expected
+    engine.release_memory()  # and once more from awake (a stream-freed rank after a pipe job did this)
+    engine.resume_memory()
     engine.update_weights(load_model(a).named_parameters())
     assert generate(engine, reqs[:1])[reqs[0].id].token_ids == hf_greedy(hf_model(a), reqs[0].prompt_ids, 12)
 
