@@ -62,11 +62,12 @@ def test_every_policy_trains_every_prompt_once_on_sglang(policy_runs, policy):
 
 @pytest.mark.timeout(1800)
 def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_path):
-    """The tail job; SIGKILL rank 1's SGLang scheduler after the first step: rank 1 exits with
+    """The tail job; SIGKILL rank 1's SGLang scheduler once a checkpoint is committed: rank 1 exits with
     EngineDied (not SGLang's SIGKILL of it), torchrun restarts the group, which resumes from the
     newest checkpoint (--resume auto) and trains every prompt once (the ledger)."""
     import psutil
 
+    from rollpacker import checkpoint
     from rollpacker.bench.faults import worker_pid
 
     cmd = job_command("schedule:tail", *JOB, "--run-dir", str(tmp_path), "--resume", "auto")
@@ -75,10 +76,8 @@ def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_p
                             start_new_session=True, env=sglang_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     try:
         deadline = time.time() + 900
-        metrics = tmp_path / "metrics.jsonl"
-        while (not metrics.exists() or not metrics.read_text().strip()) and proc.poll() is None \
-                and time.time() < deadline:
-            time.sleep(0.2)
+        while checkpoint.latest(tmp_path) is None and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)  # step 1's checkpoint committed: the restart resumes from it
         rank1 = worker_pid(tmp_path, 1)
         assert rank1 and proc.poll() is None, "the run ended before its scheduler could be killed"
         scheduler = next(p for p in psutil.Process(rank1).children(recursive=True)
