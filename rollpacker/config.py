@@ -99,10 +99,8 @@ class Config:
         engine = ENGINES.get(self.engine.kind)  # auto: resolved at build time, to one the planner can switch
         if self.plan.enabled and engine and not engine.supports_tp_switch:
             switchable = " or ".join(repr(k) for k, e in ENGINES.items() if e.supports_tp_switch)
-            raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: a TP switch rebuilds the engines "
-                             "in-process, which this engine cannot do (its TP groups are process-wide state built "
-                             f"once from the whole world); use engine.kind={switchable} with the planner, or a fixed "
-                             "rollout.tp")
+            raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: {engine.no_tp_switch}; use "
+                             f"engine.kind={switchable} with the planner, or a fixed rollout.tp")
         s = self.schedule
         if s.stale_samples and self.train.off_policy == "none":
             raise ValueError(

@@ -1,5 +1,5 @@
 """Rollout engines behind one contract (``engine.py``): TorchEngine, VLLMEngine (in-process, CPU or
-GPU), SGLangEngine (GPU).
+GPU), SGLangEngine (GPU; CPU for tests, docs/sglang.md).
 
 :data:`ENGINES` is the one registry: ``EngineConfig.kind`` names an entry, which says how to build
 the engine and what the rest of the job may ask of it (a TP switch, process groups over the whole
@@ -35,6 +35,8 @@ class EngineKind:
     join_world: Callable[..., None] | None = None
     """``(model_path, config, tp, dtype)``, called on a rank that hosts no engine: join the process
     groups over the whole world that the engines' start makes. None: the start makes none."""
+    no_tp_switch: str = ""
+    """Why the planner cannot rebuild it at another TP (an engine without ``empty``)."""
 
     @property
     def supports_tp_switch(self) -> bool:
@@ -84,8 +86,12 @@ def _load_sglang(config: EngineConfig, model_path, device, dtype, tp_mesh) -> En
 
 ENGINES: dict[str, EngineKind] = {
     "torch": EngineKind(load=_load_torch, empty=_empty_torch),
-    "vllm": EngineKind(load=_load_vllm, join_world=_join_vllm),
-    "sglang": EngineKind(load=_load_sglang),
+    "vllm": EngineKind(load=_load_vllm, join_world=_join_vllm, no_tp_switch=(
+        "a TP switch rebuilds the engines in-process, and vLLM's TP groups are process-wide state built once from "
+        "the whole world (its shutdown destroys the trainer's default process group)")),
+    "sglang": EngineKind(load=_load_sglang, no_tp_switch=(
+        "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
+        "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }
 """Every engine by ``engine.kind``: a new engine is its module and one entry here."""
 

@@ -61,7 +61,7 @@ MAX_SPEC_TOKENS = 32
 @dataclass(kw_only=True)
 class EngineConfig:
     kind: Literal["auto", "torch", "vllm", "sglang"] = "auto"
-    """Rollout engine: TorchEngine, vLLM in-process, SGLang (GPU), or auto (see :func:`resolve_kind`)."""
+    """Rollout engine: TorchEngine, vLLM in-process, SGLang (GPU; on CPU see docs/sglang.md), or auto."""
     memory_fraction: float = 0.1
     """vllm/sglang: share of device memory (CPU: of RAM, per rank) the engine may take; vLLM's KV: kv_memory_mb."""
     enforce_eager: bool = True

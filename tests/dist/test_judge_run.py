@@ -27,7 +27,7 @@ def write_jsonl(path: Path, rows: list) -> str:
 def test_judge_config_from_flags_and_toml_without_torch(tmp_path):
     judge = str(toy_model_dir())
     preset = tmp_path / "judge.toml"
-    preset.write_text(f'[data]\nreward = "judge"\n[reward.judge]\nmodel_path = "{judge}"\nmax_score = 5\n')
+    preset.write_text(f'[reward]\nfuncs = ["judge"]\n[reward.judge]\nmodel_path = "{judge}"\nmax_score = 5\n')
     cfg = load_preset(str(preset))
     assert (cfg.reward.funcs, cfg.reward.judge.model_path, cfg.reward.judge.max_score) == (("judge",), judge, 5)
     preset.write_text("[reward.judge]\nmax_score = 0\n")
@@ -41,7 +41,7 @@ def test_judge_config_from_flags_and_toml_without_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert parse([]).reward.judge.model_path == ""
-    preset.write_text('[data]\nreward = "judge"\n[reward.judge]\nmodel_path = "/nowhere"\n')
+    preset.write_text('[reward]\nfuncs = ["judge"]\n[reward.judge]\nmodel_path = "/nowhere"\n')
     with pytest.raises(ValueError, match="model_path='/nowhere' is not a Hugging Face model directory"):
         load_preset(str(preset))
 
