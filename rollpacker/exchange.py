@@ -39,7 +39,7 @@ from rollpacker.dist import Meshes
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
 from rollpacker.schedule.base import Group, Policy, RoundPlan
 from rollpacker.schedule.drafts import DraftMemory
-from rollpacker.schedule.round import Launch, RoundHooks, Routing, RoundState
+from rollpacker.schedule.round import Launch, RoundHooks, RoundState, Routing
 from rollpacker.train.stream import StreamTrainer
 
 

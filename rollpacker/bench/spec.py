@@ -7,7 +7,7 @@ alone (``--train.skip``: every step samples from the shipped model, so two runs 
 by token; with training, a run that keeps other responses trains other weights). Variants are flag
 sets, joined with ``+``:
 
-- ``off``: no speculation (the baseline: the first variant);
+- ``off``: no speculation, today's order (the baseline: the first variant);
 - ``spec``: ``--engine.speculative auto`` (drafts where the engine's measured cost says they pay);
 - ``on``: ``--engine.speculative on`` (every draft verified);
 - ``group``: ``--rollout.routing group`` (a prompt's requests on one replica: all siblings for its drafter);
@@ -23,8 +23,10 @@ and the tokens that differ from the first variant's run of the same seed, respon
 tokens). The jobs run under :mod:`rollpacker.bench.spec_job`, which records every round's responses.
 
 Flags after ``--`` go to every run. The last line is JSON: ``rollout_speedup_spec``,
-``tail_speedup_spec``, ``spec_acceptance`` and ``tokens_changed`` of the first policy's last variant
-against its first, their ``*_cpu`` twins, and ``<figure>_<policy>_<variant>`` for every pair.
+``tail_speedup_spec``, ``spec_acceptance`` of the first policy's ``--headline`` variant against its
+first, ``tokens_changed`` over all runs, their ``*_cpu`` twins, ``long_speedup_longest_first`` (long
+rounds of the first ``lf`` variant against the same without ``lf``: today's order), and
+``<figure>_<policy>_<variant>`` for every pair.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ ROLLOUT_ALONE = ["--train.skip", "--eval-every", "0", "--checkpoint-every", "0"]
 class Args(JobArgs):
     policies: str = "tail,sync"
     """Comma-separated policies (the first gives the headline figures)."""
-    variants: str = "off,spec"
+    variants: str = "off,lf,spec,spec+lf"
     """Comma-separated variants (parts joined with +); the first is the baseline."""
+    headline: str = "spec"
+    """The variant whose figures against the first are the headline ``*_spec`` ones."""
     seeds: str = "0"
     """Comma-separated seeds (sampling and data order)."""
     num_steps: int = 11
@@ -65,7 +69,10 @@ class Args(JobArgs):
         for variant in self.variants.split(","):
             for part in variant.split("+"):
                 if part not in FLAGS:
-                    raise SystemExit(f"{PROG}: unknown variant part {part!r} in {variant!r} (parts: {', '.join(FLAGS)})")
+                    raise SystemExit(f"{PROG}: unknown variant part {part!r} in {variant!r}"
+                                     f" (parts: {', '.join(FLAGS)})")
+        if self.headline not in self.variants.split(","):
+            raise SystemExit(f"{PROG}: --headline {self.headline!r} is not one of --variants {self.variants!r}")
         if self.num_steps < 2:
             raise SystemExit(f"{PROG}: --num-steps must be >= 2 (the first step is not counted)")
 
@@ -150,7 +157,12 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b > 0 else float("nan")
 
 
-def report(policies: list[str], variants: list[str], totals: dict[tuple[str, str], Totals]) -> dict:
+def without_lf(variant: str) -> str:
+    return "+".join(p for p in variant.split("+") if p != "lf") or "off"
+
+
+def report(policies: list[str], variants: list[str], headline: str,
+           totals: dict[tuple[str, str], Totals]) -> dict:
     """The table and the figures."""
     print(f"\n{'policy':<7}{'variant':<16}{'rollout s':>10}{'tail s':>8}{'long s':>8}{'cpu s':>8}{'tail cpu':>9}"
           f"{'speedup':>8}{'tail x':>7}{'long x':>7}{'cpu x':>7}{'tail cpu x':>11}{'accept':>8}{'tok/row':>8}"
@@ -180,13 +192,20 @@ def report(policies: list[str], variants: list[str], totals: dict[tuple[str, str
             figures |= {f"spec_acceptance_{name}": round(accept, 3), f"spec_tokens_per_row_{name}": round(per_row, 3),
                         f"tokens_changed_{name}": t.tokens_changed, f"responses_compared_{name}": t.responses_compared,
                         f"rollout_s_{name}": round(t.rollout_s / t.steps, 3)}
-    head = f"{policies[0]}_{variants[-1].replace('+', '_')}"
+            if "lf" in variant.split("+") and without_lf(variant) in variants:  # longest first against today's order
+                plain = totals[policy, without_lf(variant)]
+                figures[f"long_speedup_longest_first_{name}"] = ratio(plain.long_s, t.long_s)
+                figures[f"long_speedup_longest_first_cpu_{name}"] = ratio(plain.long_cpu_s, t.long_cpu_s)
+    head = f"{policies[0]}_{headline.replace('+', '_')}"
+    lf = next((v for v in variants if "lf" in v.split("+") and without_lf(v) in variants), None)
     return {"rollout_speedup_spec": figures[f"rollout_speedup_{head}"],
             "tail_speedup_spec": figures[f"tail_speedup_{head}"],
             "spec_acceptance": figures[f"spec_acceptance_{head}"],
             "tokens_changed": sum(t.tokens_changed for t in totals.values()),
             "rollout_speedup_spec_cpu": figures[f"rollout_speedup_cpu_{head}"],
-            "tail_speedup_spec_cpu": figures[f"tail_speedup_cpu_{head}"], **figures}
+            "tail_speedup_spec_cpu": figures[f"tail_speedup_cpu_{head}"],
+            **({"long_speedup_longest_first":
+                figures[f"long_speedup_longest_first_{policies[0]}_{lf.replace('+', '_')}"]} if lf else {}), **figures}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -206,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
                 tokens, responses, compared = changed(runs[variants[0]][1], runs[variant][1])
                 t.tokens_changed, t.responses_changed = t.tokens_changed + tokens, t.responses_changed + responses
                 t.responses_compared += compared
-    summary = report(policies, variants, totals)
+    summary = report(policies, variants, args.headline, totals)
     sys.stdout.flush()
     print(json.dumps(summary), flush=True)
     return summary

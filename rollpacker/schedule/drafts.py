@@ -15,13 +15,15 @@ replaces its ``epoch`` responses and clears its ``partial`` ones. The longest ``
 the prompt's length estimate (:meth:`DraftMemory.length_bound`): its responses had reached that
 length when they were cut (Seer's estimate for longest-first).
 
-Bounded: at most ``max_tokens`` tokens in all; the rows recorded longest ago are dropped first. The
-memory is saved in the controller's checkpoint, so a resumed run offers the engines the same drafts
-(and dispatches in the same order) as an uninterrupted one.
+Bounded: at most ``max_tokens`` tokens in all, stored as 4-byte ints (16 MiB at the default 4M
+tokens). The rows recorded longest ago are dropped first. The memory is saved in the controller's
+checkpoint, so a resumed run offers the engines the same drafts (and dispatches in the same order) as
+an uninterrupted one.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Any, Iterable
 
@@ -34,14 +36,14 @@ class DraftMemory:
         if max_responses < 1 or max_tokens < 1:
             raise ValueError(f"DraftMemory: max_responses={max_responses} and max_tokens={max_tokens} must be >= 1")
         self.max_responses, self.max_tokens, self.keep_tokens = max_responses, max_tokens, keep_tokens
-        self.rows: OrderedDict[int, dict[str, list[tuple[int, ...]]]] = OrderedDict()
-        """Row -> source -> responses (token ids; without ``keep_tokens``, ``(length,)``), longest first."""
+        self.rows: OrderedDict[int, dict[str, list[array]]] = OrderedDict()
+        """Row -> source -> responses (token ids; without ``keep_tokens``, ``[length]``), longest first."""
         self.num_tokens = 0
 
     def contexts(self, row: int) -> list[tuple[str, tuple[int, ...]]]:
         """``(source, token ids)`` of every response kept for ``row``."""
         kept = self.rows.get(row, {})
-        return [(source, tokens) for source in SOURCES for tokens in kept.get(source, ())]
+        return [(source, tuple(tokens)) for source in SOURCES for tokens in kept.get(source, ())]
 
     def length_bound(self, row: int) -> int:
         """The longest ``partial`` response of ``row`` (0: none)."""
@@ -70,21 +72,22 @@ class DraftMemory:
             _, dropped = self.rows.popitem(last=False)
             self.num_tokens -= sum(self._size(t) for ts in dropped.values() for t in ts)
 
-    def _keep(self, out: Any) -> tuple[int, ...]:
-        return tuple(out.token_ids) if self.keep_tokens else (len(out.token_ids),)
+    def _keep(self, out: Any) -> array:
+        return array("i", out.token_ids if self.keep_tokens else [len(out.token_ids)])
 
-    def _size(self, tokens: tuple[int, ...]) -> int:
+    def _size(self, tokens: array) -> int:
         return _length(tokens, self.keep_tokens)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: ``[row, {source: [token ids, ...]}]`` oldest first."""
-        return {"rows": [[row, {s: [list(t) for t in ts] for s, ts in kept.items()}] for row, kept in self.rows.items()]}
+        return {"rows": [[row, {s: [list(t) for t in ts] for s, ts in kept.items()}]
+                         for row, kept in self.rows.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rows = OrderedDict((int(row), {s: [tuple(t) for t in ts] for s, ts in kept.items()})
+        self.rows = OrderedDict((int(row), {s: [array("i", t) for t in ts] for s, ts in kept.items()})
                                 for row, kept in state["rows"])
         self.num_tokens = sum(self._size(t) for kept in self.rows.values() for ts in kept.values() for t in ts)
 
 
-def _length(tokens: tuple[int, ...], keep_tokens: bool) -> int:
+def _length(tokens: array, keep_tokens: bool) -> int:
     return len(tokens) if keep_tokens else tokens[0]
