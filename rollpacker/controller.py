@@ -69,6 +69,7 @@ class Controller:
         from rollpacker.schedule.drafts import DraftMemory
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        drafting = config.engine.speculative != "off" and config.engine.kind == "torch"  # vLLM, SGLang: own drafts
         functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
         check = functools.partial(check_row, functions)  # a row no function can score is a data error
         fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
@@ -86,8 +87,7 @@ class Controller:
                    display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
-                   drafts=DraftMemory(keep_tokens=config.engine.speculative != "off")
-                   if config.engine.speculative != "off" or config.rollout.longest_first else None)
+                   drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
@@ -125,7 +125,7 @@ class Controller:
                            progress=self.display.update, make_samples=self.group_samples,
                            routing=Routing(by_group=cfg.rollout.routing == "group",
                                            longest_first=cfg.rollout.longest_first),
-                           memory=self.drafts, draft_context=cfg.engine.speculative != "off")
+                           memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
 
     def eval_leader(self, step: int, num_responses: int = 1, sampling: SamplingParams | None = None) -> RoundLeader:
         """Rank 0's side of a held-out round: every eval row once, ``num_responses`` responses each,

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t.responses_compared += compared
     summary = report(policies, variants, args.headline, totals)
     sys.stdout.flush()
-    print(json.dumps(summary), flush=True)
+    print(json.dumps({k: None if v != v else v for k, v in summary.items()}), flush=True)  # NaN (no long round): null
     return summary
 
 
