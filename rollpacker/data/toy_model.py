@@ -8,8 +8,8 @@ solutions of :mod:`rollpacker.data.toy` stops early on purpose, at step 600 of a
 learning-rate schedule: the model follows the format at every length and is mostly right on two
 terms, but it still slips on single-digit sums and on finding the later terms of longer prompts, so
 one of eight sampled answers is often right where its greedy one is wrong. That is the room RL has:
-the default job raises greedy accuracy on two- to four-term problems within minutes (README says
-why step 600).
+the default job raises greedy accuracy on two- to four-term problems within minutes (docs/results.md,
+"Why these settings", says why step 600).
 
 ``python -m rollpacker.data.toy_model build`` regenerates the artifacts deterministically (about
 a minute on one idle core); ``eval`` reports greedy accuracy by problem length through the rollout

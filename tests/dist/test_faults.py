@@ -109,7 +109,7 @@ def test_a_stopped_rank_makes_the_job_exit_naming_it(tmp_path):
 
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_path):
-    """The README's launch line on one node: torchrun --max-restarts with --resume auto."""
+    """The launch line of docs/cluster-and-faults.md on one node: torchrun --max-restarts with --resume auto."""
     cmd = job(tmp_path, "--num-steps", "100", "--num-epochs", "1", "--resume", "auto")
     cmd.insert(cmd.index("--nproc_per_node=2") + 1, "--max-restarts=2")
     env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # pytorch#135712, as in train.sbatch
