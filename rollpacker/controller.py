@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from rollpacker.reward.scheduler import RewardScheduler
     from rollpacker.rollout.engine import SamplingParams
     from rollpacker.schedule.base import Group, Policy, RoundPlan
+    from rollpacker.schedule.drafts import DraftMemory
     from rollpacker.train.trainer import Sample
 
 logger = logging.getLogger("rollpacker")
@@ -52,6 +53,8 @@ class Controller:
     """The parallelism planner, with ``plan.enabled``."""
     replay: LengthReplay | None = None
     """With ``rollout.replay_lengths``: the forced response lengths."""
+    drafts: DraftMemory | None = None
+    """What earlier rounds generated per prompt: drafts (``engine.speculative``) and longest-first estimates."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int) -> Controller:
@@ -63,8 +66,10 @@ class Controller:
         from rollpacker.exchange import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler, build_functions, check_row
+        from rollpacker.schedule.drafts import DraftMemory
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        drafting = config.engine.speculative != "off" and config.engine.kind == "torch"  # vLLM, SGLang: own drafts
         functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
         check = functools.partial(check_row, functions)  # a row no function can score is a data error
         fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
@@ -81,7 +86,8 @@ class Controller:
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
                    display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
-                   else None)
+                   else None,
+                   drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
@@ -110,12 +116,16 @@ class Controller:
     def leader(self, step: int, plan: RoundPlan) -> RoundLeader:
         """Rank 0's side of round ``plan`` of ``step``, for the exchange; the live display starts the step."""
         from rollpacker.exchange import RoundLeader
+        from rollpacker.schedule.round import Routing
 
         cfg = self.config
         self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
         return RoundLeader(step=step, plan=plan, policy=self.policy, rows=self.rows, encode=self.encode_prompt,
                            rewards=self.rewards, sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
-                           progress=self.display.update, make_samples=self.group_samples)
+                           progress=self.display.update, make_samples=self.group_samples,
+                           routing=Routing(by_group=cfg.rollout.routing == "group",
+                                           longest_first=cfg.rollout.longest_first),
+                           memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
 
     def eval_leader(self, step: int, num_responses: int = 1, sampling: SamplingParams | None = None) -> RoundLeader:
         """Rank 0's side of a held-out round: every eval row once, ``num_responses`` responses each,
@@ -158,6 +168,7 @@ class Controller:
         import torch
 
         from rollpacker.metrics import bubble_ratio, length_stats
+        from rollpacker.rollout.engine import spec_metrics
 
         cfg = self.config
         per_group = [(g, self.group_samples(g)) for g in result.groups]
@@ -186,6 +197,10 @@ class Controller:
             "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
             "rollout/tokens_per_s": result.generated_tokens / rollout_time,
             "rollout/preemptions": result.num_preemptions,
+            "rollout/tail_seconds": result.tail_s,
+            "rollout/cpu_seconds": result.cpu_s,
+            "rollout/tail_cpu_seconds": result.tail_cpu_s,
+            **spec_metrics(result.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
         }
@@ -208,6 +223,8 @@ class Controller:
                  "rewards": self.rewards.state_dict()}
         if self.planner:
             state["planner"] = self.planner.state_dict()
+        if self.drafts:
+            state["drafts"] = self.drafts.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -215,6 +232,8 @@ class Controller:
         self.rewards.load_state_dict(state["rewards"])
         if self.planner and "planner" in state:  # a checkpoint saved without the planner: start afresh
             self.planner.load_state_dict(state["planner"])
+        if self.drafts and "drafts" in state:  # saved without speculation or longest-first: start empty
+            self.drafts.load_state_dict(state["drafts"])
 
     def close(self) -> None:
         self.rewards.close()

@@ -10,8 +10,15 @@ Rollout is an exchange repeated a few times per second over the gloo control pla
 
 The bookkeeping is :class:`~rollpacker.schedule.round.RoundState`, which the simulator drives too.
 Requests are routed per request, round-robin over the replicas, so every group is spread across
-them. Responses carried over from an earlier round (``RoundPlan.carried``) are resumed from their
+them; or a group to one replica, or longest first (``rollout.routing``, ``rollout.longest_first``).
+Responses carried over from an earlier round (``RoundPlan.carried``) are resumed from their
 partial output, or, when already finished, only scored again.
+
+With speculative decoding (``engine.speculative``), each request carries what earlier rounds
+generated for its prompt (:class:`~rollpacker.schedule.drafts.DraftMemory`: a deferred prompt's cut
+responses, an earlier epoch's) as ``Request.draft_context``; the requests of one prompt share one
+tuple, so a command pickles it once. Each replica leader reports its engine's speculation counters
+for the round, summed on rank 0 (``RoundResult.spec``).
 
 Stream training and RolloutPipe join the round through its
 :class:`~rollpacker.schedule.round.RoundHooks`. When the hooks scale rollout down, the freed
@@ -22,15 +29,17 @@ replicas abort their requests (resumed on the others), leave the exchange and tr
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from rollpacker.dist import Meshes
-from rollpacker.rollout.engine import Engine, Output, Request, SamplingParams
+from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
 from rollpacker.schedule.base import Group, Policy, RoundPlan
-from rollpacker.schedule.round import Launch, RoundHooks, RoundState
+from rollpacker.schedule.drafts import DraftMemory
+from rollpacker.schedule.round import Launch, RoundHooks, RoundState, Routing
 from rollpacker.train.stream import StreamTrainer
 
 
@@ -46,12 +55,20 @@ class Command:
     """Rollout scales down: the freed replicas apply the aborts (all their requests), report, and leave to train."""
 
 
+TAIL_RUNNING = 8
+"""A poll is in the round's tail when every replica ran at most this many requests (``RoundResult.tail_s``)."""
+
+
 @dataclass
 class Report:
     finished: list[Output]
     aborted: list[Output]
     num_running: int
     num_preemptions: int
+    """Since the round began, as the next two."""
+    spec: SpecStats = field(default_factory=SpecStats)
+    cpu_s: float = 0.0
+    """This process's CPU seconds."""
 
 
 @dataclass
@@ -74,6 +91,14 @@ class RoundResult:
     num_preemptions: int
     stream: dict[str, float] = field(default_factory=dict)
     """The round hooks' metrics (``stream/``, ``time/migration``); empty without a stream trainer."""
+    spec: SpecStats = field(default_factory=SpecStats)
+    """The engines' speculation counters over the round, summed over the replicas."""
+    tail_s: float = 0.0
+    """Seconds of polls that began with at most TAIL_RUNNING requests on every replica (the tail phase)."""
+    cpu_s: float = 0.0
+    """CPU seconds of the replica leaders' processes over the round, summed (what a loaded machine distorts least)."""
+    tail_cpu_s: float = 0.0
+    """The same over the tail phase's polls."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -135,7 +160,7 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int, leader: RoundLead
 
     Rank 0 gets the :class:`RoundResult`, the ranks a scale-down frees :class:`Freed`, the others
     None. ``stream`` is the stream trainer (on every rank), or None."""
-    base_preemptions = engine.stats().num_preemptions
+    base = engine.stats(), time.process_time()
     freed = bool(stream and stream.freed)
     if stream:
         stream.start_round()
@@ -143,7 +168,7 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int, leader: RoundLead
     group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
     while True:
         cmd = meshes.broadcast(cmd, group)
-        report = _apply(cmd, meshes, engine, poll_steps, base_preemptions, freed)
+        report = _apply(cmd, meshes, engine, poll_steps, base, freed)
         reports = meshes.gather(report if meshes.is_replica_leader else None, group)
         if cmd.scale_down:
             if freed:  # migrated: the caller trains on what rank 0 streams until the round ends
@@ -179,6 +204,12 @@ class RoundLeader:
     """Told after each poll: responses finished, tokens per second."""
     make_samples: Callable[[Group], list] | None = None
     """A complete, scored group's trainer samples: what stream training feeds the freed ranks."""
+    routing: Routing = Routing()
+    """Which replica runs each request."""
+    memory: DraftMemory | None = None
+    """What earlier rounds generated per prompt; this round's outputs go into it."""
+    draft_context: bool = False
+    """Offer the memory's responses of each prompt to the engines' drafters (``Request.draft_context``)."""
     # the round as it runs (set by begin)
     state: RoundState = field(init=False)
     hooks: RoundHooks = field(init=False)
@@ -191,15 +222,20 @@ class RoundLeader:
     last_finish: float = field(init=False, default=0.0)
     tokens_done: int = field(init=False, default=0)
     aborted: list[Output] = field(init=False, default_factory=list)
-    preempted: dict[int, int] = field(init=False, default_factory=dict)
-    """Rank -> its preemptions this round."""
+    counters: dict[int, Report] = field(init=False, default_factory=dict)
+    """Rank -> its last report (a freed rank's: its last before leaving): the round's counters."""
+    tail_s: float = field(init=False, default=0.0)
+    tail_cpu_s: float = field(init=False, default=0.0)
+    in_tail: bool = field(init=False, default=False)
+    """The last report had at most TAIL_RUNNING requests on every replica: the next poll is in the tail."""
 
     def begin(self, num_replicas: int, poll_steps: int, stream: StreamTrainer | None) -> Command:
         """The round's state and hooks; the first command launches the plan's prompts (RolloutPipe:
         and frees the train pool at once)."""
         self.start = self.last_finish = time.time()
         self.poll_steps = poll_steps
-        self.state = RoundState(self.step, self.plan, self.policy, num_replicas)
+        self.state = RoundState(self.step, self.plan, self.policy, num_replicas, routing=self.routing,
+                                memory=self.memory)
         self.hooks = stream.begin_round(self.state, self.make_samples) if stream else RoundHooks()
         return Command(add=self.launch(self.state.launch(self.plan.prompts)), scale_down=self.hooks.scaled_down)
 
@@ -209,6 +245,8 @@ class RoundLeader:
             ids = self.encode(self.rows[new.row])
             for earlier in new.rescore:  # finished in an earlier round: not run again; scored for this round
                 self.rewards.submit(earlier.id, self.rows[new.row], earlier)
+            context = tuple(DraftContext(source=source, token_ids=tokens)  # one tuple for the whole group
+                            for source, tokens in self.memory.contexts(new.row)) if self.draft_context else ()
             for k, rid, earlier in new.run:
                 params = SamplingParams(**{**vars(self.sampling), "seed": sampling_seed(self.seed, rid)})
                 if self.lengths:
@@ -216,7 +254,7 @@ class RoundLeader:
                     params.max_new_tokens = max(length, len(earlier.token_ids) + 1) if earlier else length
                     params.ignore_eos = True
                 req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
-                              priority=self.hooks.priority(new.slot))
+                              priority=self.hooks.priority(new.slot), draft_context=context)
                 self.requests[rid] = (req, len(self.trace))
                 adds.append((self.state.replica(rid), req))
         return adds
@@ -224,7 +262,7 @@ class RoundLeader:
     def on_reports(self, reports: list[Report | None]) -> Command:
         """The next command, from the replica leaders' reports (None from the other ranks)."""
         state, hooks = self.state, self.hooks
-        self.preempted |= {rank: r.num_preemptions for rank, r in enumerate(reports) if r}  # freed: their last count
+        self.count(reports)
         reports = [r for r in reports if r]
         self.trace.append((time.time(), sum(r.num_running for r in reports)))
         if len(self.trace) > 1:  # seconds per engine step, by requests per replica
@@ -254,6 +292,16 @@ class RoundLeader:
         return Command(add=adds, abort=[(state.replica(rid), rid) for rid in (to_abort or []) + actions.abort],
                        final=actions.done, scale_down=to_abort is not None)
 
+    def count(self, reports: list[Report | None]) -> None:
+        """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
+        ended to the tail phase if it began there."""
+        now, cpu = time.time(), sum(r.cpu_s for r in self.counters.values())
+        self.counters |= {rank: r for rank, r in enumerate(reports) if r}
+        if self.in_tail:
+            self.tail_s += now - self.trace[-1][0] if self.trace else 0.0
+            self.tail_cpu_s += sum(r.cpu_s for r in self.counters.values()) - cpu
+        self.in_tail = max((r.num_running for r in reports if r), default=0) <= TAIL_RUNNING
+
     def resume(self, out: Output) -> tuple[int, Request]:
         """A migrated request, resumed on a kept replica by recomputation."""
         old = self.requests[out.id][0]
@@ -271,6 +319,7 @@ class RoundLeader:
     def finish(self, reports: list[Report | None]) -> RoundResult:
         """The round's result, once the final command's aborts are reported."""
         state, plan = self.state, self.plan
+        self.count(reports)
         self.aborted += [o for r in reports if r for o in r.aborted]
         stats = self.hooks.finish()
         groups = state.finish(self.aborted, wait=self.rewards.wait)  # the exposed reward time: what finished last
@@ -279,10 +328,13 @@ class RoundLeader:
                            generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.aborted)
                            - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),
                            running_trace=self.trace, start=self.start, last_finish=self.last_finish, end=time.time(),
-                           num_preemptions=sum(self.preempted.values()), stream=stats)
+                           num_preemptions=sum(r.num_preemptions for r in self.counters.values()), stream=stats,
+                           spec=functools.reduce(SpecStats.plus, (r.spec for r in self.counters.values()), SpecStats()),
+                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in self.counters.values()),
+                           tail_cpu_s=self.tail_cpu_s)
 
 
-def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base_preemptions: int,
+def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float],
            freed: bool) -> Report:
     mine = meshes.replica
     for replica, req in cmd.add:
@@ -297,4 +349,5 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base_p
             finished += engine.step()
     stats = engine.stats()
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
-                  stats.num_preemptions - base_preemptions)
+                  stats.num_preemptions - base[0].num_preemptions, stats.spec.since(base[0].spec),
+                  time.process_time() - base[1])

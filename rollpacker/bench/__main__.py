@@ -15,6 +15,7 @@ BENCHES = {
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
     "spec-engine": "rollpacker.bench.spec_engine",
+    "spec": "rollpacker.bench.spec",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

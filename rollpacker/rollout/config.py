@@ -29,8 +29,13 @@ class RolloutConfig:
     """Engine steps between two control-plane exchanges with the controller."""
     replay_lengths: bool = False
     """Force every response to a length from the paper's long-tailed mix (rollpacker.exchange.LengthReplay)."""
+    routing: Literal["request", "group"] = "request"
+    """Replica of each request: round-robin per request, or every request of a prompt on one replica."""
+    longest_first: bool = False
+    """Dispatch a deferred prompt's requests longest first (its cut responses' length), to the least-loaded replica."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "rollout")
         for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")

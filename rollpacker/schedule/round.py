@@ -15,8 +15,8 @@ simulated replicas. So both make the same calls on the policy in the same order.
 A round, from the driver's side:
 
 1. ``RoundState(step, plan, policy, num_replicas)``, then :meth:`launch` of ``plan.prompts``:
-   one :class:`Launch` per prompt with the responses to run, each already routed (round-robin per
-   request over the active replicas, ``owner``), and the carried outputs to score again;
+   one :class:`Launch` per prompt with the responses to run, each already routed (``owner``; see
+   *Routing*), and the carried outputs to score again;
 2. for every batch of finished responses: :meth:`finished`, :meth:`scored` as scores arrive, then
    :meth:`decide`, which shows the policy every finished response in finish order (once scored, when
    it ``needs_rewards``) and returns a :class:`RoundActions`: request ids to abort, launches, and
@@ -25,7 +25,16 @@ A round, from the driver's side:
 3. the round's :class:`RoundHooks` (stream training, RolloutPipe) hear of polls, finished and
    aborted responses; they may narrow routing to the kept replicas (:meth:`scale_down`) and take
    the complete, scored groups (:meth:`take_complete`);
-4. :meth:`finish` with the aborted partial outputs: the policy's groups, with their rewards.
+4. :meth:`finish` with the aborted partial outputs: the policy's groups, with their rewards. With a
+   :class:`~rollpacker.schedule.drafts.DraftMemory`, what the round generated goes into it.
+
+**Routing** (:class:`Routing`). By default each request goes to the next active replica, round-robin,
+so a group is spread over the replicas. ``by_group`` sends every request of a prompt to one replica,
+so its drafter sees all the siblings (speculative decoding). ``longest_first`` dispatches the
+requests of one launch longest first by the draft memory's estimate (a deferred prompt's longest
+partial response), each to the replica with the least estimated work routed so far (LPT: the
+estimate plus one token per request). Migrated requests (a scale-down) follow the same rules over
+the kept replicas; a group routed by group moves as one.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
+from rollpacker.schedule.drafts import DraftMemory
 
 
 def kept_replicas(num_replicas: int) -> int:
@@ -56,6 +66,16 @@ class Launch:
     """Outputs an earlier round finished (``RoundPlan.carried``): not run again, only scored again."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Routing:
+    """Which replica runs each request (see the module docstring)."""
+
+    by_group: bool = False
+    """Every request of a prompt on one replica (its drafter sees all the siblings)."""
+    longest_first: bool = False
+    """Dispatch longest first by the draft memory's estimate, each request to the least-loaded replica (LPT)."""
+
+
 @dataclass
 class RoundActions:
     abort: list[str] = field(default_factory=list)
@@ -68,8 +88,11 @@ class RoundActions:
 class RoundState:
     """One round of ``policy`` (see the module docstring). Outputs need an ``id``."""
 
-    def __init__(self, step: int, plan: RoundPlan, policy: Policy, num_replicas: int):
+    def __init__(self, step: int, plan: RoundPlan, policy: Policy, num_replicas: int, *,
+                 routing: Routing = Routing(), memory: DraftMemory | None = None):
         self.step, self.plan, self.policy = step, plan, policy
+        self.routing, self.memory = routing, memory
+        """``memory``: what earlier rounds generated per row; this round's outputs go into it at :meth:`finish`."""
         self.active = num_replicas
         """Replicas new requests are routed to: all, or the kept ones after a scale-down."""
         self.slots: list[int] = []
@@ -86,10 +109,17 @@ class RoundState:
         self.complete: list[Group] = []
         """Complete groups not taken by :meth:`take_complete` yet."""
         self.num_complete = 0
+        self.outputs: list[Any] = []
+        """Every finished response, in finish order."""
         self._routed = itertools.count()
+        self._load = [0] * num_replicas
+        """Per replica: estimated tokens routed to it this round (longest_first, by_group)."""
+        self._group_replica: dict[int, int] = {}
+        """Slot -> its replica (by_group)."""
 
     def launch(self, rows: list[int]) -> list[Launch]:
-        """Take the next slots for ``rows``: ``plan.num_responses`` requests each, routed, outstanding."""
+        """Take the next slots for ``rows``: ``plan.num_responses`` requests each, routed, outstanding.
+        The launches come in dispatch order: slot order, or longest first (``longest_first``)."""
         launches = []
         for row in rows:
             new = Launch(len(self.slots), row)
@@ -100,15 +130,29 @@ class RoundState:
                     new.rescore.append(earlier)
                     continue
                 self.owner[rid] = (0, new.slot, k)
-                self.route(rid)
                 self.outstanding.add(rid)
                 new.run.append((k, rid, earlier))
             launches.append(new)
+        if self.routing.longest_first and self.memory is not None:
+            launches.sort(key=lambda new: -self.memory.length_bound(new.row))  # stable: slot order among equals
+        for new in launches:
+            for _, rid, _ in new.run:
+                self.route(rid)
         return launches
 
     def route(self, rid: str) -> int:
-        """The replica request ``rid`` goes to (next in round-robin over the active ones), recorded."""
-        replica = next(self._routed) % self.active
+        """The replica request ``rid`` goes to, recorded: round-robin over the active replicas, or by
+        the routing's rules (the module docstring)."""
+        _, slot, _ = self.owner[rid]
+        if not (self.routing.by_group or self.routing.longest_first):
+            replica = next(self._routed) % self.active
+        else:
+            replica = self._group_replica.get(slot, self.active) if self.routing.by_group else self.active
+            if replica >= self.active:  # a new group, or one moving off a freed replica
+                replica = min(range(self.active), key=lambda r: (self._load[r], r))
+            self._group_replica[slot] = replica
+            estimate = self.memory.length_bound(self.slots[slot]) if self.routing.longest_first and self.memory else 0
+            self._load[replica] += estimate + 1
         self.owner[rid] = (replica, *self.owner[rid][1:])
         return replica
 
@@ -123,6 +167,7 @@ class RoundState:
         """Responses that finished, in finish order."""
         self.outstanding -= {out.id for out in outputs}
         self.undecided += outputs
+        self.outputs += outputs
 
     def scored(self, scores) -> None:
         """``(request id, reward or None)`` pairs."""
@@ -186,6 +231,9 @@ class RoundState:
             self.scored(wait())
         for g in groups:
             g.rewards = [self.scores[o.id] for o in g.outputs]
+        if self.memory is not None:
+            self.memory.end_round(((self.row(o.id), o) for o in [*self.outputs, *aborted] if o.id in self.owner),
+                                  {g.prompt for g in groups})
         return groups
 
 

@@ -1,5 +1,7 @@
 """Tail batching for real: 2 gloo ranks, the shipped toy model, two epochs of a small dataset,
-and SIGKILLs mid-round and mid-save followed by ``--resume auto``."""
+and SIGKILLs mid-round and mid-save followed by ``--resume auto``. The reference and the killed run
+decode speculatively, with drafts from deferred prompts' cut responses and the first epoch's, and
+dispatch long rounds longest first (#30): the ledger and the resume equality hold unchanged."""
 
 from __future__ import annotations
 
@@ -37,10 +39,14 @@ def kill_when(proc: subprocess.Popen, run_dir: Path, ready, timeout: float = 300
     return False
 
 
+SPEC = ("--engine.speculative", "on", "--rollout.longest-first")
+"""Every draft verified (``on``, not ``auto``: no measured cost table, so the kill and resume decode alike)."""
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("tail_reference")
-    finish(launch(run_dir))
+    finish(launch(run_dir, *SPEC))
     return run_dir
 
 
@@ -55,6 +61,8 @@ def test_two_epochs_train_every_prompt_exactly_once(reference):
     assert any(r["sched/deferred"] for r in records) and any(r["rollout/wasted_tokens"] for r in records)
     for r in records:
         assert len(r["rollout/response_lengths"]) == 2 * r["sched/trained_prompts"]
+    accepted = lambda source: sum(r.get(f"rollout/spec_acceptance/{source}", 0) for r in records)  # noqa: E731
+    assert accepted("partial") > 0 and accepted("epoch") > 0  # the controller's drafts reached the engines
 
 
 def test_the_run_ends_with_its_policy_as_a_hugging_face_model(reference, tmp_path):
@@ -87,13 +95,13 @@ def test_sigkill_mid_round_and_mid_save_then_resume_loses_and_repeats_nothing(re
         return any(not (p / "COMMITTED").exists() for p in (tmp_path / "checkpoints").glob("step_*"))
 
     # 1. mid-round: step 3's metrics are out, step 4's round is running
-    assert kill_when(launch(tmp_path), tmp_path, lambda: lines() >= 3 and (time.sleep(0.2) or True))
+    assert kill_when(launch(tmp_path, *SPEC), tmp_path, lambda: lines() >= 3 and (time.sleep(0.2) or True))
     # 2. mid-save, after resuming: caught while a checkpoint directory has no marker yet
     start = lines()
-    caught = kill_when(launch(tmp_path, "--resume", "auto"), tmp_path, lambda: lines() > start and saving())
+    caught = kill_when(launch(tmp_path, *SPEC, "--resume", "auto"), tmp_path, lambda: lines() > start and saving())
     assert caught, "the run ended before a save could be interrupted"
     assert saving()  # the interrupted save is on disk; --resume auto must skip it
-    finish(launch(tmp_path, "--resume", "auto"))
+    finish(launch(tmp_path, *SPEC, "--resume", "auto"))
 
     assert trained(tmp_path) == trained(reference)
     got, want = steps(tmp_path), steps(reference)

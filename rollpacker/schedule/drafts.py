@@ -1,0 +1,93 @@
+"""What earlier rounds generated for each prompt: drafts for speculative decoding, and a length estimate
+for longest-first dispatch.
+
+Plain data on rank 0 (token ids, no tensors, no engine). Per dataset row, a few responses under two
+sources, named as the drafter counts them (``docs/speculative.md``):
+
+- ``partial``: what earlier rounds generated for the prompt while it was *not* trained: the responses
+  a short round aborted or threw away when it deferred the prompt (tail), returned it to its buffer
+  (sorted) or filtered it (zero reward variance);
+- ``epoch``: the finished responses of the round that last trained the prompt. A trained prompt comes
+  back only in a later epoch, so these are an earlier epoch's responses.
+
+A row keeps the ``max_responses`` longest responses of each source. A round that trains the prompt
+replaces its ``epoch`` responses and clears its ``partial`` ones. The longest ``partial`` response is
+the prompt's length estimate (:meth:`DraftMemory.length_bound`): its responses had reached that
+length when they were cut (Seer's estimate for longest-first).
+
+Bounded: at most ``max_tokens`` tokens in all, stored as 4-byte ints (16 MiB at the default 4M
+tokens). The rows recorded longest ago are dropped first. The memory is saved in the controller's
+checkpoint, so a resumed run offers the engines the same drafts (and dispatches in the same order) as
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Any, Iterable
+
+SOURCES = ("partial", "epoch")
+
+
+class DraftMemory:
+    def __init__(self, *, max_responses: int = 4, max_tokens: int = 1 << 22, keep_tokens: bool = True):
+        """``keep_tokens`` False keeps only lengths (the simulator: no tokens, longest-first only)."""
+        if max_responses < 1 or max_tokens < 1:
+            raise ValueError(f"DraftMemory: max_responses={max_responses} and max_tokens={max_tokens} must be >= 1")
+        self.max_responses, self.max_tokens, self.keep_tokens = max_responses, max_tokens, keep_tokens
+        self.rows: OrderedDict[int, dict[str, list[array]]] = OrderedDict()
+        """Row -> source -> responses (token ids; without ``keep_tokens``, ``[length]``), longest first."""
+        self.num_tokens = 0
+
+    def contexts(self, row: int) -> list[tuple[str, tuple[int, ...]]]:
+        """``(source, token ids)`` of every response kept for ``row``."""
+        kept = self.rows.get(row, {})
+        return [(source, tuple(tokens)) for source in SOURCES for tokens in kept.get(source, ())]
+
+    def length_bound(self, row: int) -> int:
+        """The longest ``partial`` response of ``row`` (0: none)."""
+        return max((_length(t, self.keep_tokens) for t in self.rows.get(row, {}).get("partial", ())), default=0)
+
+    def end_round(self, outputs: Iterable[tuple[int, Any]], trained: set[int]) -> None:
+        """A round ended: ``(row, output)`` of every response it generated (finished or aborted; an
+        output has ``token_ids`` and ``finish_reason``), and the rows it trained."""
+        by_row: dict[int, list[Any]] = {}
+        for row, out in outputs:
+            if len(out.token_ids):
+                by_row.setdefault(row, []).append(out)
+        for row, outs in by_row.items():
+            kept = self.rows.pop(row, {})
+            self.num_tokens -= sum(self._size(t) for ts in kept.values() for t in ts)
+            if row in trained:
+                kept = {"epoch": [self._keep(o) for o in outs if o.finish_reason != "abort"]}
+            else:
+                kept["partial"] = kept.get("partial", []) + [self._keep(o) for o in outs]
+            kept = {s: sorted(ts, key=lambda t: -_length(t, self.keep_tokens))[:self.max_responses]
+                    for s, ts in kept.items() if ts}
+            if kept:
+                self.rows[row] = kept  # the newest last
+                self.num_tokens += sum(self._size(t) for ts in kept.values() for t in ts)
+        while self.num_tokens > self.max_tokens and self.rows:
+            _, dropped = self.rows.popitem(last=False)
+            self.num_tokens -= sum(self._size(t) for ts in dropped.values() for t in ts)
+
+    def _keep(self, out: Any) -> array:
+        return array("i", out.token_ids if self.keep_tokens else [len(out.token_ids)])
+
+    def _size(self, tokens: array) -> int:
+        return _length(tokens, self.keep_tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: ``[row, {source: [token ids, ...]}]`` oldest first."""
+        return {"rows": [[row, {s: [list(t) for t in ts] for s, ts in kept.items()}]
+                         for row, kept in self.rows.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rows = OrderedDict((int(row), {s: [array("i", t) for t in ts] for s, ts in kept.items()})
+                                for row, kept in state["rows"])
+        self.num_tokens = sum(self._size(t) for kept in self.rows.values() for ts in kept.values() for t in ts)
+
+
+def _length(tokens: array, keep_tokens: bool) -> int:
+    return len(tokens) if keep_tokens else tokens[0]
