@@ -73,7 +73,8 @@ class Controller:
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
         return cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
-                   rewards=RewardScheduler(config.reward, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                   rewards=RewardScheduler(config.reward, functools.partial(response_text, tokenizer,
+                                                                            config.rollout.stop),
                                            meshes.device, functions=functions),
                    policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed),
                                                  config.rollout.num_prompts, config.rollout.group_size,
@@ -105,7 +106,8 @@ class Controller:
         from rollpacker.rollout.engine import SamplingParams
 
         r = self.config.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              stop=r.stop, stop_token_ids=r.stop_token_ids)
 
     def leader(self, step: int, plan: RoundPlan) -> RoundLeader:
         """Rank 0's side of round ``plan`` of ``step``, for the exchange; the live display starts the step."""
@@ -220,6 +222,13 @@ class Controller:
         self.rewards.close()
         self.metrics.close()
         self.display.close()
+
+
+def response_text(tokenizer, stop: tuple[str, ...], token_ids: list[int]) -> str:
+    """What the reward and the samples see of a response: its text, cut before a stop string."""
+    from rollpacker.rollout.engine import cut_at_stop
+
+    return cut_at_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stop)
 
 
 def encode(tokenizer, config: Config, prompt: str | list[dict]) -> list[int]:
