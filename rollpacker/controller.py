@@ -192,6 +192,21 @@ class Controller:
             **length_stats(lengths),
         }
 
+    def write_samples(self, step: int, result: RoundResult, rows: list[dict] | None = None, name: str = "") -> None:
+        """Every response of ``result`` to ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when
+        ``metrics.samples_every`` says the step is due; ``rows``: the round's data (the training rows)."""
+        rows = self.rows if rows is None else rows
+        values = self.rewards.take_values([o.id for g in result.groups for o in g.outputs])
+        every = self.config.metrics.samples_every
+        if not every or step % every:
+            return
+        self.metrics.log_samples(step, name or f"step_{step}", [
+            {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
+             "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
+             "completion": self.rewards.decode(o.token_ids), "reward": reward, "rewards": values.get(o.id, {}),
+             "length": len(o.token_ids), "finish_reason": o.finish_reason}
+            for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
+
     def end_step(self, step: int, kind: str, num_requests: int, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of ``kind``)."""
         if self.planner:
