@@ -203,8 +203,9 @@ class Controller:
         self.metrics.log_samples(step, name or f"step_{step}", [
             {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
              "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
-             "completion": self.rewards.decode(o.token_ids), "reward": reward, "rewards": values.get(o.id, {}),
-             "length": len(o.token_ids), "finish_reason": o.finish_reason}
+             "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
+             "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
+             "finish_reason": o.finish_reason}
             for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
 
     def end_step(self, step: int, kind: str, num_requests: int, stats: dict[str, Any]) -> None:
