@@ -27,6 +27,7 @@ from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
 from rollpacker.schedule.config import ScheduleConfig, names, schedule_args, schedule_config
+from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.sync import SyncConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
 from rollpacker.watchdog import DistConfig
@@ -69,11 +70,13 @@ class Config:
     num_epochs: int = 0
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
     eval_every: int = 25
-    """Greedy accuracy on held-out prompts (eval/accuracy) before step 0 and every this many steps; 0 = never."""
+    """Evaluate on held-out prompts (eval/accuracy; see eval) before step 0 and every this many steps; 0 = never."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     resume: str = ""
     """Checkpoint directory to resume from, or "auto": the newest committed one under run_dir (none: start afresh)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The held-out evaluation: responses per prompt and temperature (greedy, one each by default)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -78,7 +78,8 @@ class Controller:
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
         return cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
-                   rewards=RewardScheduler(config.reward, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                   rewards=RewardScheduler(config.reward, functools.partial(response_text, tokenizer,
+                                                                            config.rollout.stop),
                                            meshes.device, functions=functions),
                    policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed),
                                                  config.rollout.num_prompts, config.rollout.group_size,
@@ -111,7 +112,8 @@ class Controller:
         from rollpacker.rollout.engine import SamplingParams
 
         r = self.config.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              stop=r.stop, stop_token_ids=r.stop_token_ids)
 
     def leader(self, step: int, plan: RoundPlan) -> RoundLeader:
         """Rank 0's side of round ``plan`` of ``step``, for the exchange; the live display starts the step."""
@@ -205,6 +207,22 @@ class Controller:
             **length_stats(lengths),
         }
 
+    def write_samples(self, step: int, result: RoundResult, rows: list[dict] | None = None, name: str = "") -> None:
+        """Every response of ``result`` to ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when
+        ``metrics.samples_every`` says the step is due; ``rows``: the round's data (the training rows)."""
+        rows = self.rows if rows is None else rows
+        values = self.rewards.take_values([o.id for g in result.groups for o in g.outputs])
+        every = self.config.metrics.samples_every
+        if not every or step % every:
+            return
+        self.metrics.log_samples(step, name or f"step_{step}", [
+            {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
+             "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
+             "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
+             "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
+             "finish_reason": o.finish_reason}
+            for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
+
     def end_step(self, step: int, kind: str, num_requests: int, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of ``kind``)."""
         if self.planner:
@@ -239,6 +257,13 @@ class Controller:
         self.rewards.close()
         self.metrics.close()
         self.display.close()
+
+
+def response_text(tokenizer, stop: tuple[str, ...], token_ids: list[int]) -> str:
+    """What the reward and the samples see of a response: its text, cut before a stop string."""
+    from rollpacker.rollout.engine import cut_at_stop
+
+    return cut_at_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stop)
 
 
 def encode(tokenizer, config: Config, prompt: str | list[dict]) -> list[int]:

@@ -28,7 +28,7 @@ from rollpacker.dist import Meshes, build_meshes, init_distributed
 from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, load_model, save_model
 from rollpacker.rollout import ENGINES, build_engine
 from rollpacker.rollout.config import resolve_kind
-from rollpacker.rollout.engine import Engine
+from rollpacker.rollout.engine import Engine, text_decoder
 from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
 from rollpacker.train.stream import StreamTrainer
 from rollpacker.train.trainer import Trainer
@@ -77,6 +77,7 @@ class Job:
         dtype = engine_dtype(self.config.model.dtype, self.meshes.device)
         self.engine = ENGINES[self.config.engine.kind].empty(self.trainer.model.args, self.config.engine,
                                                              self.meshes.device, dtype, self.meshes.rollout_tp)
+        self.engine.decode = stop_decoder(self.config, self.model_dir)
         self.push_weights()
         if self.stream:
             self.stream = self.stream.rebuild(self.engine.kv_capacity_tokens)
@@ -109,6 +110,11 @@ class Job:
             self.engine.shutdown()
 
 
+def stop_decoder(config: Config, model_dir: Path):
+    """The engines' token ids -> text for ``rollout.stop``; None without stop strings (no tokenizer loaded)."""
+    return text_decoder(model_dir) if config.rollout.stop else None
+
+
 def build(config: Config) -> Job:
     """Every rank's parts (collective)."""
     init_distributed()
@@ -125,6 +131,7 @@ def build(config: Config) -> Job:
     config.engine.kind = resolve_kind(config.engine.kind, meshes.device.type, config.plan.enabled)
     if meshes.rank in meshes.rollout_ranks:
         engine = build_engine(config.engine, path, meshes.device, dtype, meshes.rollout_tp)
+        engine.decode = stop_decoder(config, path)
     elif ENGINES[config.engine.kind].needs_world_groups:  # the engines' start makes groups over the whole world
         ENGINES[config.engine.kind].join_world(path, config.engine, config.rollout.tp, dtype)
     if meshes.rank in meshes.train_ranks:

@@ -51,9 +51,13 @@ class MetricsConfig:
     """wandb run name; empty lets wandb pick one."""
     live: bool = True
     """Show a live progress bar on rank 0 when stdout is a terminal."""
+    samples_every: int = 0
+    """Write every scored response of every this many steps to run_dir/samples/step_N.jsonl; 0 = never."""
 
     def __post_init__(self) -> None:
         check_choices(self, "metrics")
+        if self.samples_every < 0:
+            raise ValueError(f"metrics.samples_every must be >= 0 (0 = never), got {self.samples_every}")
         if not self.wandb_project:
             raise ValueError("metrics.wandb_project must not be empty")
 
@@ -172,6 +176,21 @@ class MetricsLogger:
                 elif value is not None:
                     data[key] = value
             self._wandb_run.log(data, step=step)
+
+    def log_samples(self, step: int, name: str, samples: list[dict[str, Any]]) -> Path:
+        """Write ``samples`` (one JSON object per response) to ``run_dir/samples/NAME.jsonl``, replacing it,
+        and to the wandb table ``samples`` at ``step``."""
+        path = self.run_dir / "samples" / f"{name}.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps(s) + "\n" for s in samples), encoding="utf-8")
+        if self._wandb_run is not None and samples:
+            import wandb
+
+            columns = list(samples[0])
+            rows = [[v if isinstance(v, (int, float, str)) or v is None else json.dumps(v) for v in s.values()]
+                    for s in samples]
+            self._wandb_run.log({"samples": wandb.Table(columns=columns, data=rows)}, step=step)
+        return path
 
     def close(self) -> None:
         """Flush and close the JSONL file and finish the wandb run; safe to call twice."""

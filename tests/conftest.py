@@ -118,10 +118,10 @@ def job_command(*args: str, nproc: int = 2, module: str = "rollpacker.run") -> l
 
 
 def launch_job(*args: str, nproc: int = 2, module: str = "rollpacker.run",
-               timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a real job (:func:`job_command`) to its end; its output captured."""
+               timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a real job (:func:`job_command`) to its end, in ``cwd``; its output captured."""
     return subprocess.run(job_command(*args, nproc=nproc, module=module), capture_output=True, text=True,
-                          timeout=timeout, env=job_env())
+                          timeout=timeout, env=job_env(), cwd=cwd)
 
 
 FOUR_STEPS = ("schedule:tail", "--data.num-toy-prompts", "32", "--rollout.num-prompts", "4",

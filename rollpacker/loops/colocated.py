@@ -10,6 +10,7 @@ and accounts for it after the step (:meth:`~rollpacker.train.stream.StreamTraine
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -92,18 +93,24 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
         return None, None, {}
     with timer("reward"):  # advantages of the kept groups (responses were scored as they finished)
         batch, round_stats = ctl.score(result)
+        ctl.write_samples(step, result)
     timer.move(result.reward_exposed_s, "rollout", "reward")  # the wait for the last scores is reward time
     return batch, result, round_stats
 
 
 def evaluate(job: Job, step: int) -> dict[str, float]:
-    """Accuracy on the held-out prompts, through the same engines (greedy, one response each)."""
-    ctl = job.controller
+    """The held-out metrics (:func:`~rollpacker.schedule.eval.eval_metrics`), through the same engines:
+    ``eval.n`` responses per prompt at ``eval.temperature`` (greedy, one each by default)."""
+    from rollpacker.schedule.eval import eval_metrics
+
+    ctl, cfg = job.controller, job.config.eval
     job.engine.resume_memory()  # a pipe train-pool rank's engine is released between its rounds
-    result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, ctl.eval_leader(step) if ctl else None)
+    sampling = dataclasses.replace(ctl.sampling, temperature=cfg.temperature) if ctl and cfg.temperature else None
+    leader = ctl.eval_leader(step, cfg.n, sampling) if ctl else None
+    result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, leader)
     if not ctl:
         return {}
+    ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
     ctl.rewards.take_metrics()  # held-out scoring is not the next step's reward time or reward/NAME
-    rewards = [r or 0.0 for g in result.groups for r in g.rewards]
-    return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "eval/reward_mean": sum(rewards) / len(rewards)}
+    return eval_metrics([[r or 0.0 for r in g.rewards] for g in result.groups],
+                        [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups])

@@ -172,6 +172,10 @@ class _Scoring:
     """Function name -> what went wrong."""
 
 
+MAX_VALUES = 1 << 16
+"""Most per-function values :class:`RewardScheduler` keeps for responses not taken yet."""
+
+
 class RewardScheduler:
     def __init__(self, cfg: RewardConfig, decode: Callable[[list[int]], str], device: Any = "cpu",
                  functions: list[RewardFunction] | None = None):
@@ -192,6 +196,8 @@ class RewardScheduler:
         self._inline: list[Scored] = []
         self.seconds = 0.0
         """Scoring time of the samples scored since :meth:`take_metrics`, summed (workers run in parallel)."""
+        self.values: dict[Any, dict[str, float | None]] = {}
+        """Each scored response's value per function (None: did not apply or failed), until :meth:`take_values`."""
         self._sums: collections.Counter[str] = collections.Counter()
         self._counts: collections.Counter[str] = collections.Counter()
         self.errors = 0
@@ -281,6 +287,9 @@ class RewardScheduler:
             scoring.values[name] = s.score
             if len(scoring.values) == len(self.functions):
                 done.append((key, self._reward(self._scoring.pop(key))))
+                self.values[key] = scoring.values
+                if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
+                    del self.values[next(iter(self.values))]
         return done
 
     def _reward(self, scoring: _Scoring) -> float:
@@ -300,6 +309,10 @@ class RewardScheduler:
             self.errors += 1
             return 0.0
         return sum(w * v for w, v in applied)
+
+    def take_values(self, keys: list[Any]) -> dict[Any, dict[str, float | None]]:
+        """The per-function values of the responses ``keys`` (those scored), forgotten here."""
+        return {k: self.values.pop(k) for k in keys if k in self.values}
 
     def take_metrics(self) -> dict[str, float]:
         """Since the last call: ``reward/NAME`` (each function's mean where it applied, and of the other

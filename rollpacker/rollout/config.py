@@ -23,6 +23,10 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response; the reward sees its text cut before the first (vLLM's default)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response besides the model's EOS (kept, as EOS is)."""
     tp: int = 1
     """Rollout tensor-parallel size: each engine replica spans this many ranks."""
     poll_steps: int = 8
@@ -44,6 +48,9 @@ class RolloutConfig:
                 f"rollout sampling: temperature={self.temperature} must be >= 0, top_p={self.top_p} "
                 f"in (0, 1], top_k={self.top_k} >= 0"
             )
+        if any(not s for s in self.stop) or any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"rollout.stop={self.stop} holds an empty string or rollout.stop_token_ids="
+                             f"{self.stop_token_ids} a negative id: remove it")
         if self.replay_lengths:
             from rollpacker.data.lengths import LengthModel
 

@@ -44,8 +44,9 @@ token; finishing; the HF names production engines load weights by) lives here on
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,6 +64,9 @@ class SamplingParams:
     """0 means no top-k truncation."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end the response besides the model's EOS tokens."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the response: the token completing one is the last kept.
+    Its text is cut before the string (:func:`cut_at_stop`), as vLLM does."""
     ignore_eos: bool = False
     """Do not stop at EOS (stop_token_ids still apply): replays a recorded length exactly."""
     seed: int | None = None
@@ -171,6 +175,8 @@ class Engine(Protocol):
     kv_capacity_tokens: int
     released: bool
     """Between ``release_memory()`` and ``resume_memory()``."""
+    decode: Callable[[list[int]], str] | None
+    """Response token ids -> text, for stop strings (:func:`text_decoder`); None refuses them."""
 
     def add(self, request: Request) -> None: ...
 
@@ -213,6 +219,37 @@ def finish(out: Output, reason: str, now: float | None = None) -> Output:
     out.finish_reason = reason
     out.finish_time = time.time() if now is None else now
     return out
+
+
+def text_decoder(model_dir) -> Callable[[list[int]], str]:
+    """The tokenizer of ``model_dir`` as token ids -> text (special tokens skipped), for stop strings."""
+    from transformers import AutoTokenizer
+
+    return functools.partial(AutoTokenizer.from_pretrained(model_dir).decode, skip_special_tokens=True)
+
+
+def stop_string_hit(decode: Callable[[list[int]], str] | None, token_ids: list[int], stop: tuple[str, ...]) -> bool:
+    """Whether the last tokens of a response spell one of ``stop``.
+
+    Called after each new token, so the token completing a stop string ends the response.
+    Only a short tail is decoded: a token is at least one character.
+    """
+    if not stop:
+        return False
+    text = decode(token_ids[-(max(map(len, stop)) + 2):])
+    return any(s in text for s in stop)
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """``text`` up to its first stop string, which is left out (vLLM's default)."""
+    return text[:min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))]
+
+
+def check_stop(engine: Engine, request: Request) -> list[str]:
+    """The problem with ``request``'s stop strings on ``engine``: none, or that it has no decoder."""
+    if request.params.stop and engine.decode is None:
+        return ["stop strings need the engine's decoder (engine.decode = text_decoder(model_dir))"]
+    return []
 
 
 def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:

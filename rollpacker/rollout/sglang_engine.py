@@ -39,6 +39,8 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 
   The weights come back as they were (``enable_weights_cpu_backup``: a host copy).
 - **Stop tokens**: SGLang's ``ignore_eos`` ignores ``stop_token_ids`` too, so a request with both is
   refused (ValueError); otherwise the model's EOS ids are passed as stop tokens, kept in the output.
+  Stop strings need a tokenizer, which SGLang runs without: the adapter matches them on the streamed
+  tokens (:func:`~rollpacker.rollout.engine.stop_string_hit`, as TorchEngine and vLLM) and aborts.
 - **Preemptions** are SGLang's retractions (``meta_info["num_retractions"]``, cumulative per request).
 
 ``kv_capacity_tokens`` is SGLang's token capacity (``engine.kv_memory_mb`` per rank, as the other
@@ -69,7 +71,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +86,11 @@ from rollpacker.rollout.engine import (
     Request,
     SamplingParams,
     append_token,
+    check_stop,
     finish,
     hf_names,
     start_output,
+    stop_string_hit,
 )
 
 SGLANG_VERSION = "0.5.23"
@@ -141,31 +145,38 @@ class Track:
     seen: int = 0
     retractions: int = 0
     error: BaseException | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched by the adapter (SGLang runs without a tokenizer)."""
+    decode: Callable[[list[int]], str] | None = None
 
 
 def apply_chunk(track: Track, chunk: dict, now: float) -> tuple[int, int]:
     """Apply one cumulative streamed ``chunk`` of SGLang (``output_ids``, ``meta_info`` with
     ``output_token_logprobs`` as ``(logprob, token, text)``, ``finish_reason`` None or a dict with
-    ``type``, ``num_retractions``) to ``track``, finishing its output at the last one; returns
+    ``type``, ``num_retractions``) to ``track``, finishing its output at the last one or at the
+    token completing a stop string (the caller then aborts the SGLang request); returns
     (new tokens, new retractions)."""
     meta = chunk["meta_info"]
     ids, logprobs = chunk["output_ids"], meta.get("output_token_logprobs") or []
     if len(logprobs) < len(ids):
         raise RuntimeError(f"request {track.out.id!r}: SGLang sent {len(ids)} tokens but {len(logprobs)} log-probs "
                            "(was it started with return_logprob=True?)")
-    new = ids[track.seen:]
-    for token, (logprob, lp_token, _) in zip(new, logprobs[track.seen:len(ids)], strict=True):
+    added, reason = 0, meta.get("finish_reason")
+    for token, (logprob, lp_token, _) in zip(ids[track.seen:], logprobs[track.seen:len(ids)], strict=True):
         if lp_token != token:
             raise RuntimeError(f"request {track.out.id!r}: log-prob of token {lp_token} for token {token}")
         append_token(track.out, token, logprob, now)
-    track.seen += len(new)
+        added += 1
+        if stop_string_hit(track.decode, track.out.token_ids, track.stop):
+            reason = {"type": "stop"}
+            break
+    track.seen += added
     retracted = max(meta.get("num_retractions", track.retractions) - track.retractions, 0)
     track.retractions += retracted
     track.out.num_preemptions += retracted
-    reason = meta.get("finish_reason")
     if reason is not None:
         finish(track.out, _FINISH.get(reason["type"], "stop"), now)
-    return len(new), retracted
+    return added, retracted
 
 
 def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], seed: int) -> dict:
@@ -314,6 +325,8 @@ class SGLangEngine:
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
         self.owner = self.group is None or tp_mesh.get_local_rank() == 0
         self.src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        self.decode = None
+        """Token ids -> text, for stop strings (set by the job)."""
         self.live: dict[str, Track] = {}
         self.tasks: dict[str, asyncio.Future] = {}
         self.rng = random.Random(config.seed)
@@ -362,6 +375,9 @@ class SGLangEngine:
                     self.num_generated_tokens += tokens
                     self.num_preemptions += retracted
                 self.arrived.set()
+                if track.out.finish_reason is not None and chunk["meta_info"].get("finish_reason") is None:
+                    self.engine.tokenizer_manager.abort_request(track.out.id)  # a stop string: SGLang goes on
+                    break
         except Exception as e:  # surfaced by step()
             track.error = e
         finally:
@@ -386,6 +402,7 @@ class SGLangEngine:
                             f"{self.max_model_len}")
         elif remaining <= 0:
             problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
+        problems += check_stop(self, request)
         if problems:
             raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
@@ -393,7 +410,7 @@ class SGLangEngine:
             params = sglang_params(p, remaining, self.eos_ids, seed)
         except ValueError as e:
             raise ValueError(f"request {rid!r}: {e}") from None
-        track = self.live[rid] = Track(out)
+        track = self.live[rid] = Track(out, stop=p.stop, decode=self.decode)
         self.num_prefill_tokens += len(prompt)
         if self.owner:
             coro = self._consume(track, prompt, params, request.priority)

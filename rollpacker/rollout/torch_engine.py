@@ -67,8 +67,10 @@ from rollpacker.rollout.engine import (
     Request,
     SpecStats,
     append_token,
+    check_stop,
     finish,
     start_output,
+    stop_string_hit,
 )
 from rollpacker.rollout.spec_cost import Acceptance, SpecCost
 
@@ -623,10 +625,11 @@ class TorchEngine:
     logprobs_truncated = False
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tp_mesh: DeviceMesh | None = None,
-                 spec_cost: SpecCost | None = None):
+                 spec_cost: SpecCost | None = None, decode: Callable[[list[int]], str] | None = None):
         """``spec_cost``: the verify-step cost ``engine.speculative=auto`` decides by; None measures it
-        at the first step that finds the engine idle (see :meth:`calibrate`)."""
+        at the first step that finds the engine idle (see :meth:`calibrate`). ``decode``: for stop strings."""
         self.config = config = config or EngineConfig()
+        self.decode = decode
         self.model = model.eval().requires_grad_(False)
         args = model.args
         self.tp_group = None
@@ -787,6 +790,7 @@ class TorchEngine:
             problems.append(f"the resumed output already has {done} >= max_new_tokens tokens")
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
             problems.append(f"bad sampling: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}")
+        problems += check_stop(self, request)
         for c in request.draft_context:
             if not c.source or c.source in ENGINE_DRAFT_SOURCES or c.source == "none":
                 problems.append(f"draft_context source {c.source!r} is empty or one of the engine's own "
@@ -1039,7 +1043,7 @@ class TorchEngine:
                 seq.tokens.append(tok)
                 append_token(out, tok, lp, now)
                 self.num_generated_tokens += 1
-                if tok in seq.stop_ids:
+                if tok in seq.stop_ids or stop_string_hit(self.decode, out.token_ids, seq.req.params.stop):
                     out.finish_reason = "stop"
                 elif len(seq.tokens) >= seq.max_len:
                     out.finish_reason = "length"

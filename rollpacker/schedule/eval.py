@@ -2,13 +2,55 @@
 
 It is not a training policy: nothing is filtered, deferred or trained, and it keeps no state
 across rounds. The controller builds one per evaluation (:meth:`Controller.eval_leader`).
+:func:`eval_metrics` turns the round's rewards into ``eval/`` metrics: mean@n and unbiased
+pass@k, overall and per ``data_source``. A response counts as correct at reward >= 1, as
+``reward/accuracy`` does.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rollpacker.schedule.base import Group, PolicyDecision, RoundPlan
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    n: int = 1
+    """Responses per held-out prompt: eval/mean@n, and eval/pass@k for k in 1 and n."""
+    temperature: float = 0.0
+    """Sampling temperature of the evaluation (top_p, top_k and stop as rollout's); 0 = greedy."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.temperature < 0:
+            raise ValueError(f"eval.n={self.n} must be >= 1 and eval.temperature={self.temperature} >= 0")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(f"eval.n={self.n} with eval.temperature=0: greedy gives {self.n} copies of one response; "
+                             "set eval.temperature (e.g. 0.6) or eval.n=1")
+
+
+def eval_metrics(rewards: list[list[float]], sources: list[str | None]) -> dict[str, float]:
+    """``eval/`` metrics of each prompt's rewards (``sources``: its data_source, or None).
+
+    ``eval/accuracy`` and ``eval/reward_mean`` over every response; ``eval/mean@n`` (the mean
+    reward) and ``eval/pass@k`` for k in {1, n}; the same under ``eval/SOURCE/`` per data_source.
+    """
+    from rollpacker.metrics import pass_at_k
+
+    n = len(rewards[0])
+    if any(len(r) != n for r in rewards):
+        raise ValueError(f"eval_metrics: every prompt needs {n} rewards, got {sorted({len(r) for r in rewards})}")
+    every = [x for r in rewards for x in r]
+    out = {"eval/accuracy": sum(x >= 1.0 for x in every) / len(every), "eval/reward_mean": sum(every) / len(every)}
+    groups = {"eval": rewards}
+    for source in sorted({s for s in sources if s is not None}):
+        groups[f"eval/{source}"] = [r for r, s in zip(rewards, sources) if s == source]
+    for prefix, group in groups.items():
+        out[f"{prefix}/mean@{n}"] = sum(map(sum, group)) / (n * len(group))
+        for k in sorted({1, n}):
+            out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r), k) for r in group) / len(group)
+    return out
 
 
 class EvalPolicy:

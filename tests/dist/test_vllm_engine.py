@@ -90,6 +90,26 @@ def test_abort_then_resume_continues_greedy(engine):
     assert len(done[other.id].token_ids) == 30
 
 
+def test_stop_string_ends_generation_as_on_torch_engine(pair, engine):
+    """The adapter matches stop strings itself (vLLM runs without a tokenizer): the same tokens as TorchEngine."""
+    def decode(ids: list[int]) -> str:  # the random model has no tokenizer: one letter per token
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    prompt = prompts(1, 12, seed=4)[0]
+    full = generate(engine, [greedy(7, prompt, 24)])["g7"].token_ids
+    stop = decode(full)[10:12]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
+    torch_engine = build_engine(EngineConfig(), pair[0], "cpu", torch.float32)
+    outs = []
+    for eng in (engine, torch_engine):
+        eng.decode = decode
+        outs.append(generate(eng, [Request(id="stop", prompt_ids=prompt, params=params)])["stop"])
+    engine.decode = None
+    first = next(n for n in range(1, 25) if stop in decode(full[:n]))
+    assert [o.token_ids for o in outs] == [full[:first]] * 2 and first < 24
+    assert [o.finish_reason for o in outs] == ["stop"] * 2 and not engine.has_unfinished()
+
+
 def test_bad_requests_raise(engine):
     with pytest.raises(ValueError, match="empty"):
         engine.add(greedy(9, [], 4))

@@ -1,140 +1,160 @@
-"""Bring your own task on 2 real ranks: a verl-layout parquet file (chat prompts with a system turn,
-data_source, reward_model.ground_truth) scored by a TRL-convention function, a verl-convention one
-and one that raises, miscounts and hangs on three rows (reward.on_error skip); then resumed from
-a checkpoint; then a failing function with on_error fail, said once."""
+"""Bring your own task on 2 real ranks, as ``docs/your-task.md`` tells a newcomer: its blocks run as
+written (a verl-layout parquet file with chat prompts, a system turn, data_source and
+reward_model.ground_truth; a reward file with a TRL-convention and a verl-convention function; the
+launch, with a stop string, samples every step and eval.n 2). The samples hold what the functions
+scored, and the metrics are their means. Then the run is resumed from its step-2 checkpoint with a
+third function that raises and miscounts on rows of those steps (reward.on_error skip): the same
+prompts, the errors counted and named. Last, a failing function with on_error fail, said once.
+
+The hang of a reward function and a missing data file are unit-tested (tests/unit/test_reward_functions.py,
+tests/unit/test_data.py): a launch each cost more than what they add here."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import shlex
 import textwrap
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from conftest import QUIET, launch_job, steps
 
-NUM_ROWS, PROMPTS, GROUP = 16, 4, 2
-BAD = {3: "raises", 5: "miscounts", 7: "hangs"}  # extra_info.index -> what the flaky function does there
+DOC = Path(__file__).resolve().parents[2] / "docs" / "your-task.md"
+PROMPTS, GROUP, NUM_STEPS, EVAL_ROWS, EVAL_N = 4, 2, 4, 8, 2
+WEIGHTS = {"correct": 1.0, "compute_score": 0.1}
 
-REWARDS = '''
-import json, time
+FLAKY = '''
+BAD = {bad!r}
 
-LOG = {log!r}
-
-def _log(fn, row, value, completion):
-    with open(LOG, "a") as f:
-        f.write(json.dumps({{"fn": fn, "row": row, "value": value, "completion": completion}}) + "\\n")
-
-def length(prompts, completions, completion_ids, id, **kwargs):  # TRL's convention
-    value = len(completion_ids[0]) / 100
-    _log("length", id[0], value, completions[0][0]["content"])
-    return [value]
-
-def compute_score(data_source, solution_str, ground_truth, extra_info):  # verl's
-    value = 0.5 * (ground_truth in solution_str) + 0.01 * extra_info["index"]
-    _log("compute_score", extra_info["index"], value, solution_str)
-    return value
-
-def flaky(completions, extra_info, **kwargs):
-    index = extra_info[0]["index"]
-    if index == 3:
-        raise ValueError("row three")
-    if index == 5:
+def flaky(completions, id, **kwargs):
+    what = BAD.get(id[0])
+    if what == "raises":
+        raise ValueError("bad row")
+    if what == "miscounts":
         return [1.0, 2.0]
-    if index == 7:
-        time.sleep(60)
     return [None]
 '''
 
 
-def make_task(tmp_path: Path) -> tuple[Path, Path, Path]:
-    import pandas as pd
-
-    from rollpacker.data import toy
-
-    rows = toy.make_dataset(NUM_ROWS, seed=5)
-    data = tmp_path / "rl.parquet"
-    pd.DataFrame({
-        "prompt": [[{"role": "system", "content": "Add."}, {"role": "user", "content": r["prompt"][3:-3]}]
-                   for r in rows],
-        "data_source": ["toy"] * NUM_ROWS,
-        "reward_model": [{"style": "rule", "ground_truth": r["answer"]} for r in rows],
-        "extra_info": [{"index": i} for i in range(NUM_ROWS)]}).to_parquet(data)
-    log = tmp_path / "calls.jsonl"
-    funcs = tmp_path / "my_rewards.py"
-    funcs.write_text(textwrap.dedent(REWARDS.format(log=str(log))))
-    return data, funcs, log
+def doc_blocks() -> dict[str, str]:
+    """The code blocks of docs/your-task.md marked ``<!-- test: NAME -->``, by name."""
+    found = re.findall(r"<!-- test: (\S+) -->\n```\w+\n(.*?)```", DOC.read_text(), re.S)
+    return {name: code for name, code in found}
 
 
-def run(data: Path, funcs: Path, run_dir: Path, *args: str):
-    return launch_job("--data.path", str(data), "--reward.funcs", f"{funcs}:length", f"{funcs}:compute_score",
-                      f"{funcs}:flaky", "--reward.weights", "1", "2", "1", "--reward.timeout", "3",
-                      "--rollout.num-prompts", str(PROMPTS), "--rollout.group-size", str(GROUP),
-                      "--rollout.max-new-tokens", "24", "--num-steps", "4", "--eval-every", "0",
-                      "--run-dir", str(run_dir), *QUIET, *args)
+def doc_args(command: str) -> list[str]:
+    """The flags of the doc's torchrun command."""
+    words = shlex.split(command.replace("\\\n", " "))
+    assert words[:4] == ["torchrun", "--nproc_per_node=2", "-m", "rollpacker.run"], words
+    return words[4:]
 
 
-def blocks(log: Path, fn: str) -> list[list[dict]]:
-    """``fn``'s calls step by step: a sync round waits for every reward before the next starts."""
-    calls = [c for c in map(json.loads, log.read_text().splitlines()) if c["fn"] == fn]
-    assert len(calls) % (PROMPTS * GROUP) == 0, len(calls)
-    return [calls[i:i + PROMPTS * GROUP] for i in range(0, len(calls), PROMPTS * GROUP)]
+def override(args: list[str], flag: str, *values: str) -> list[str]:
+    """``args`` with ``flag``'s values replaced (the flag added when absent)."""
+    if flag not in args:
+        return [*args, flag, *values]
+    i = args.index(flag)
+    end = next((j for j in range(i + 1, len(args)) if args[j].startswith("--")), len(args))
+    return [*args[:i + 1], *values, *args[end:]]
 
 
-@pytest.mark.timeout(900)
-def test_user_reward_functions_on_verl_parquet_logged_exactly_and_resumed(tmp_path):
-    data, funcs, log = make_task(tmp_path)
-    proc = run(data, funcs, tmp_path / "a", "--checkpoint-every", "2")
+def samples(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "samples" / f"{name}.jsonl").read_text().splitlines()]
+
+
+def rescore(funcs, sample: dict) -> dict[str, float]:
+    """The doc's functions called again on a saved sample, as rollpacker calls them."""
+    completion = [[{"role": "assistant", "content": sample["completion"]}]]
+    return {"correct": funcs.correct([sample["prompt"]], completion, [sample["answer"]])[0],
+            "compute_score": funcs.compute_score(sample["data_source"], sample["completion"], sample["answer"], {})}
+
+
+@pytest.mark.timeout(1200)
+def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and_it_resumes(tmp_path, monkeypatch):
+    blocks = doc_blocks()
+    assert sorted(blocks) == ["launch", "make_data.py", "my_rewards.py"]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks["make_data.py"], "make_data.py", "exec"), {})  # noqa: S102 - the doc's own snippet
+    (tmp_path / "my_rewards.py").write_text(blocks["my_rewards.py"])
+    spec = importlib.util.spec_from_file_location("my_rewards", tmp_path / "my_rewards.py")
+    funcs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(funcs)
+    args = doc_args(blocks["launch"])
+    proc = launch_job(*args, *QUIET, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = steps(tmp_path / "a")
-    lengths, scores = blocks(log, "length"), blocks(log, "compute_score")
-    assert len(lengths) == len(scores) == 4
-    for step, (length, score) in enumerate(zip(lengths, scores)):
-        m = metrics[step]
-        by_row = Counter(c["row"] for c in score)
-        assert sorted(int(c["row"].split(":")[1]) - 1 for c in length) == sorted(by_row.elements())  # same responses
-        # the functions' own values are what is logged, per function and in the weighted total
-        assert m["reward/length"] == pytest.approx(sum(c["value"] for c in length) / len(length))
-        assert m["reward/compute_score"] == pytest.approx(sum(c["value"] for c in score) / len(score))
-        errors = sum(n for row, n in by_row.items() if row in BAD)
-        assert m["reward/errors"] == errors
-        by_completion = Counter()  # a response's weighted reward: length + 2 x compute_score, 0 where flaky failed
-        for c in length:
-            by_completion[(c["row"], c["completion"])] += c["value"]
-        for c in score:
-            by_completion[(f"rl:{c['row'] + 1}", c["completion"])] += 2 * c["value"]
-        total = sum(v for (row, _), v in by_completion.items() if int(row.split(":")[1]) - 1 not in BAD)
-        assert m["reward/mean"] == pytest.approx(total / (PROMPTS * GROUP), abs=1e-6)
-        assert m["sched/trained_prompts"] == PROMPTS  # nothing lost: the failed responses trained with 0
-    assert sum(metrics[s]["reward/errors"] for s in range(4)) == len(BAD) * GROUP  # one epoch: each row once
-    assert "reward function 'flaky' failed on row 'rl:4': raised ValueError: row three" in proc.stderr
-    assert "reward function 'flaky' failed on row 'rl:8': timed out after 3 s" in proc.stderr
-    # resumed from step 2's checkpoint: the same prompts as the uninterrupted run's steps 2 and 3
-    resumed_log = log.with_name("first.jsonl")
-    log.rename(resumed_log)
-    proc = run(data, funcs, tmp_path / "b", "--resume", str(tmp_path / "a" / "checkpoints" / "step_2"))
+    run_dir = tmp_path / "runs" / "my-task"
+    metrics = steps(run_dir)
+    for step in range(NUM_STEPS):  # every scored response of every step, as the functions scored it
+        m, got = metrics[step], samples(run_dir, f"step_{step}")
+        assert len(got) == PROMPTS * GROUP and {s["step"] for s in got} == {step}
+        for s in got:
+            assert s["rewards"] == pytest.approx(rescore(funcs, s)), s
+            assert s["reward"] == pytest.approx(sum(WEIGHTS[k] * v for k, v in s["rewards"].items()))
+            assert "Q:" not in s["completion"] and s["finish_reason"] in ("stop", "length") and s["length"] > 0
+            assert s["prompt"][0] == {"role": "system", "content": "Add."} and s["row"].startswith("train:")
+        for name in WEIGHTS:
+            assert m[f"reward/{name}"] == pytest.approx(sum(s["rewards"][name] for s in got) / len(got))
+        assert m["reward/mean"] == pytest.approx(sum(s["reward"] for s in got) / len(got), abs=1e-6)
+    stopped = [s for step in range(NUM_STEPS) for s in samples(run_dir, f"step_{step}") if s["finish_reason"] == "stop"]
+    assert stopped, "no response ended by EOS or the stop string"
+    from rollpacker.metrics import pass_at_k
+
+    for step in (0, NUM_STEPS):  # before step 0 and at the end: eval.n responses per held-out prompt
+        evaluated = samples(run_dir, f"eval_step_{step}")
+        assert len(evaluated) == EVAL_ROWS * EVAL_N and {s["kind"] for s in evaluated} == {"eval"}
+        by_row = defaultdict(list)
+        for s in evaluated:
+            by_row[(s["data_source"], s["row"])].append(s["reward"] >= 1.0)
+        for source in {"", *(src for src, _ in by_row)}:
+            rows = [c for (src, _), c in by_row.items() if source in ("", src)]
+            prefix = f"eval/{source}/" if source else "eval/"
+            for k in (1, EVAL_N):
+                expected = sum(pass_at_k(EVAL_N, sum(c), k) for c in rows) / len(rows)
+                assert metrics[step][f"{prefix}pass@{k}"] == pytest.approx(expected), (step, prefix, k)
+        assert metrics[step]["eval/mean@2"] == pytest.approx(sum(s["reward"] for s in evaluated) / len(evaluated))
+    assert {"eval/toy/short/pass@2", "eval/toy/long/pass@2"} <= set(metrics[0])
+
+    # resumed from step 2's checkpoint with a third function that fails on a row of each resumed step
+    first = {step: samples(run_dir, f"step_{step}") for step in (2, 3)}
+    bad = {first[2][0]["row"]: "raises", first[3][0]["row"]: "miscounts"}
+    (tmp_path / "flaky.py").write_text(textwrap.dedent(FLAKY.format(bad=bad)))
+    resumed = override(args, "--run-dir", "runs/resumed")
+    resumed = override(resumed, "--reward.funcs", *(f"my_rewards.py:{name}" for name in WEIGHTS), "flaky.py:flaky")
+    resumed = override(resumed, "--reward.weights", *map(str, WEIGHTS.values()), "1")
+    resumed = [*override(resumed, "--eval-every", "0"), "--resume", str(run_dir / "checkpoints" / "step_2")]
+    proc = launch_job(*resumed, *QUIET, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    again = blocks(log, "length")
-    assert [sorted(c["row"] for c in b) for b in again] == [sorted(c["row"] for c in b) for b in lengths[2:]]
-    assert sorted(steps(tmp_path / "b")) == [2, 3]
+    again = steps(tmp_path / "runs" / "resumed")
+    assert sorted(again) == [2, 3]
+    for step in (2, 3):
+        got = samples(tmp_path / "runs" / "resumed", f"step_{step}")
+        assert sorted(s["row"] for s in got) == sorted(s["row"] for s in first[step])  # the same prompts
+        for s in got:
+            failed = s["row"] in bad
+            assert s["rewards"]["flaky"] is None and s["reward"] == pytest.approx(
+                0.0 if failed else sum(WEIGHTS[k] * s["rewards"][k] for k in WEIGHTS))
+        assert again[step]["reward/errors"] == sum(s["row"] in bad for s in got) == GROUP
+        assert again[step]["sched/trained_prompts"] == PROMPTS  # nothing lost: the failed responses trained with 0
+    row = first[2][0]["row"]
+    assert f"reward function 'flaky' failed on row '{row}': raised ValueError: bad row" in proc.stderr
+    assert f"reward function 'flaky' failed on row '{first[3][0]['row']}': returned 2 values" in proc.stderr
 
 
 @pytest.mark.timeout(600)
-def test_a_failing_function_with_on_error_fail_stops_the_run_with_one_message(tmp_path):
-    data, funcs, _ = make_task(tmp_path)
-    proc = launch_job("--data.path", str(data), "--reward.funcs", f"{funcs}:flaky", "--reward.on-error", "fail",
-                      "--rollout.num-prompts", str(NUM_ROWS), "--rollout.group-size", "1", "--rollout.max-new-tokens",
-                      "8", "--num-steps", "1", "--eval-every", "0", "--run-dir", str(tmp_path / "r"), *QUIET)
+def test_a_failing_function_with_on_error_fail_stops_the_run_with_one_message(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(doc_blocks()["make_data.py"], "make_data.py", "exec"), {})  # noqa: S102
+    (tmp_path / "flaky.py").write_text(textwrap.dedent(FLAKY.format(bad={f"train:{i}": "raises" for i in (4, 6)})))
+    proc = launch_job("--data.path", "train.parquet", "--reward.funcs", "flaky.py:flaky", "--reward.on-error",
+                      "fail", "--rollout.num-prompts", "16", "--rollout.group-size", "1", "--rollout.max-new-tokens",
+                      "8", "--num-steps", "1", "--eval-every", "0", "--run-dir", "r", *QUIET, cwd=tmp_path)
     assert proc.returncode != 0
     said = [line for line in proc.stderr.splitlines() if "reward.on_error=fail stops the run" in line]
-    assert len(said) == 1, proc.stderr[-4000:]  # the first response settled: a None row or one of BAD's
-    assert said[0].startswith(("rollpacker: reward function 'flaky' failed on row 'rl:",
-                               "rollpacker: no reward function scores row 'rl:")), said
+    assert len(said) == 1, proc.stderr[-4000:]  # the first response settled: a None row or a failing one
+    assert said[0].startswith(("rollpacker: reward function 'flaky' failed on row 'train:",
+                               "rollpacker: no reward function scores row 'train:")), said
     assert "rollpacker/" not in "".join(line for line in proc.stderr.splitlines() if line.strip().startswith("File"))
-    missing = launch_job("--data.path", str(tmp_path / "nope.parquet"), "--run-dir", str(tmp_path / "m"), *QUIET)
-    assert missing.returncode != 0
-    said = [line for line in missing.stderr.splitlines() if "no such file" in line]
-    assert "rollpacker/" not in "".join(line for line in missing.stderr.splitlines() if line.strip().startswith("File"))
-    assert said == [f"rollpacker: data.path: no such file: {tmp_path / 'nope.parquet'} (give a dataset file, or "
-                    "leave data.path empty for the toy task)"], missing.stderr[-4000:]

@@ -287,6 +287,32 @@ def test_stop_tokens_and_eos(qwen2_dir, reference):
     assert out.finish_reason == "stop" and out.token_ids == reference["r3"][:1]
 
 
+def test_stop_string_ends_generation_on_the_toy_model():
+    """A stop string ends the response at the token completing it; the text is cut before it."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.data import toy
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.rollout.engine import cut_at_stop, text_decoder
+
+    path = toy_model_dir()
+    decode = text_decoder(path)
+    eng = TorchEngine(load_model(path), EngineConfig(kv_memory_mb=4), decode=decode)
+    prompt = AutoTokenizer.from_pretrained(path).encode(toy.make_dataset(1, seed=3)[0]["prompt"])
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    full = generate(eng, [Request(id="full", prompt_ids=prompt, params=params)])["full"].token_ids
+    text = decode(full)
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle of the greedy response
+    first = next(n for n in range(1, len(full) + 1) if stop in decode(full[:n]))
+    out = generate(eng, [Request(id="s", prompt_ids=prompt, params=SamplingParams(**{**vars(params), "stop": (
+        "never said", stop)}))])["s"]
+    assert out.finish_reason == "stop" and out.token_ids == full[:first] and first < len(full), (text, stop)
+    assert cut_at_stop(decode(out.token_ids), ("never said", stop)) == text[:text.index(stop)]
+    eng.decode = None
+    with pytest.raises(ValueError, match="stop strings need the engine's decoder"):
+        eng.add(Request(id="x", prompt_ids=prompt, params=SamplingParams(max_new_tokens=4, stop=("a",))))
+
+
 def test_context_length_ends_generation(qwen2_dir, reference):
     out = generate(engine(qwen2_dir, max_model_len=50), [greedy_requests()[3]])["r3"]
     assert out.finish_reason == "length" and out.token_ids == reference["r3"][:10]

@@ -37,3 +37,25 @@ def test_every_held_out_row_once_with_its_responses(num_responses):
 def test_an_empty_eval_set_is_refused():
     with pytest.raises(ValueError, match="0 rows"):
         EvalPolicy(0)
+
+
+def test_eval_metrics_mean_and_unbiased_pass_at_k_per_data_source():
+    from rollpacker.schedule.eval import eval_metrics
+
+    rewards = [[1.0, 0.0, 0.0], [1.0, 1.0, 0.5], [0.0, 0.0, 0.0]]  # c = 1, 2, 0 of n = 3
+    m = eval_metrics(rewards, ["a", "b", "a"])
+    assert m["eval/mean@3"] == pytest.approx(3.5 / 9) and m["eval/reward_mean"] == pytest.approx(3.5 / 9)
+    assert m["eval/pass@1"] == pytest.approx((1 / 3 + 2 / 3 + 0) / 3) and m["eval/accuracy"] == pytest.approx(3 / 9)
+    assert m["eval/pass@3"] == pytest.approx(2 / 3)  # n = k: a prompt passes when any response is correct
+    assert m["eval/a/pass@3"] == pytest.approx(0.5) and m["eval/b/pass@1"] == pytest.approx(2 / 3)
+    assert m["eval/a/mean@3"] == pytest.approx(1 / 6) and m["eval/b/mean@3"] == pytest.approx(2.5 / 3)
+    greedy = eval_metrics([[1.0], [0.0]], [None, None])  # the default: one greedy response, no data_source
+    assert greedy == {"eval/accuracy": 0.5, "eval/reward_mean": 0.5, "eval/mean@1": 0.5, "eval/pass@1": 0.5}
+
+
+def test_eval_config_refuses_copies_of_one_greedy_response():
+    from rollpacker.schedule.eval import EvalConfig
+
+    with pytest.raises(ValueError, match="eval.n=2 with eval.temperature=0: greedy gives 2 copies"):
+        EvalConfig(n=2)
+    assert EvalConfig(n=2, temperature=0.6).n == 2

@@ -41,6 +41,12 @@ def test_cumulative_chunks_append_only_the_new_tokens():
     assert out.num_preemptions == 1 and track.seen == 4
 
 
+def test_a_stop_string_finishes_at_the_token_completing_it():
+    track = Track(Output(id="r", prompt_ids=[1]), stop=("cd",), decode=lambda ids: "".join(chr(97 + t) for t in ids))
+    assert apply_chunk(track, chunk([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4]), now=1.0) == (3, 0)  # b c d: stop
+    assert track.out.token_ids == [1, 2, 3] and track.out.finish_reason == "stop" and track.seen == 3
+
+
 @pytest.mark.parametrize("kind,ours", [("length", "length"), ("abort", "abort"), ("stop", "stop")])
 def test_finish_reasons(kind, ours):
     track = Track(Output(id="r", prompt_ids=[1]))
