@@ -56,13 +56,11 @@ def pool():
 
 def test_scores_every_kind(pool):
     code = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-    start = time.monotonic()
     pool.submit("math-right", *task("math", {"response": "so \\boxed{\\frac{1}{2}}", "answer": "0.5"}))
     pool.submit("math-wrong", *task("math", {"response": "\\boxed{3}", "answer": "2"}))
     pool.submit("toy", *task("toy", {"response": " 1+1=2\n#### 2", "answer": "2"}))
     pool.submit("code", *task("code", {"response": code, "tests": [{"input": "2 3", "output": "5"}],
                                        "timeouts": [5.0]}))
-    assert time.monotonic() - start < 1.0  # submit returns at once (one sandbox check for the first code sample)
     results = by_key(pool.drain(timeout=60))
     assert {k: r.score for k, r in results.items()} == {"math-right": 1.0, "math-wrong": 0.0, "toy": 1.0, "code": 1.0}
     assert all(r.error is None and r.seconds > 0 and r.cpu_seconds >= 0 for r in results.values())
