@@ -43,10 +43,14 @@ class ModelConfig:
     """Engine weights: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16; the trainer keeps fp32 masters."""
     chat_template: bool = False
     """Wrap each prompt in the tokenizer's chat template as a user turn."""
+    impl: Literal["auto", "native", "hf"] = "auto"
+    """Trainer's model: native (Llama, Qwen2, Qwen3), hf (any transformers decoder; rollout on vLLM/SGLang), auto."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"model.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.impl not in ("auto", "native", "hf"):
+            raise ValueError(f"model.impl must be auto, native or hf, got {self.impl!r}")
 
     def directory(self) -> Path:
         """``path``, or the shipped toy model's directory when it is empty."""

@@ -14,6 +14,7 @@ BENCHES = {
     "logprobs": "rollpacker.bench.logprobs",
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
+    "memory": "rollpacker.bench.memory",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

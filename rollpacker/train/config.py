@@ -63,6 +63,17 @@ class TrainConfig:
     """Token log-probs: triton (fused, vocab-tiled kernel), torch (chunked over tokens), auto (triton on CUDA)."""
     max_skipped_steps: int = 3
     """Stop the run after this many consecutive steps skipped for a non-finite loss or gradient (0 = never stop)."""
+    # ---- memory (rollpacker.model.parallelize, rollpacker.plan.memory) ----
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, full (every block) or selective (see ac_every and ac_part)."""
+    ac_every: int = 2
+    """selective: checkpoint every this many blocks (1: all of them)."""
+    ac_part: Literal["block", "attention", "mlp"] = "block"
+    """selective: what a checkpointed block recomputes: the whole block, its attention or its MLP."""
+    offload: bool = False
+    """Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); the KL reference too."""
+    reduce_every_micro_batch: bool = False
+    """Reduce-scatter gradients after every micro-batch: kept sharded (4/N bytes a parameter, not 4), more traffic."""
 
     def __post_init__(self) -> None:
         if self.advantage_norm not in ("group", "batch"):
@@ -73,19 +84,35 @@ class TrainConfig:
             raise ValueError(f"train.off_policy must be 'none', 'is' or 'tis', got {self.off_policy!r}")
         if self.logprobs_impl not in ("auto", "triton", "torch"):
             raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {self.logprobs_impl!r}")
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError("train.activation_checkpointing must be 'none', 'full' or 'selective', "
+                             f"got {self.activation_checkpointing!r}")
+        if self.ac_part not in ("block", "attention", "mlp"):
+            raise ValueError(f"train.ac_part must be 'block', 'attention' or 'mlp', got {self.ac_part!r}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"train.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.tis_cap < 1:
             raise ValueError(f"train.tis_cap must be >= 1, got {self.tis_cap}")
-        for name in ("lr", "micro_batch_tokens", "adam_eps"):
+        for name in ("lr", "micro_batch_tokens", "adam_eps", "ac_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",
                      "train_shard_size", "max_skipped_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+
+def checkpointed(num_layers: int, mode: str, every: int, part: str) -> list[tuple[int, str]]:
+    """(block index, part) of every module that ``train.activation_checkpointing`` recomputes in
+    backward: none; full, every block whole; selective, blocks 0, k, 2k, ... (k = ``ac_every``), the
+    whole block or its ``ac_part``."""
+    if mode == "none":
+        return []
+    if mode == "full":
+        every, part = 1, "block"
+    return [(i, part) for i in range(0, num_layers, every)]
 
 
 @dataclass(kw_only=True)

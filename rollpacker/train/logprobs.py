@@ -12,6 +12,9 @@ kernel of :mod:`rollpacker.kernels.logprobs` instead (no logits block, no weight
 accumulators only); ``auto`` picks it on CUDA when Triton is installed, this torch path elsewhere.
 :func:`reference_token_logprobs` is the plain, full-materializing version both are tested against.
 
+``softcap`` (Gemma-2's ``final_logit_softcapping``) caps the logits as ``softcap * tanh(logits /
+softcap)`` before the temperature, as Hugging Face and vLLM do; the torch path only.
+
 Logits are computed in fp32 (fp64 if the inputs are fp64, for gradcheck) whatever the input
 dtype: bf16 logits would put errors of ~0.1 nats into importance ratios. Grads come back in the
 inputs' dtypes. This is numerics plumbing, not part of the paper's method.
@@ -27,9 +30,19 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
 
 
+def _capped(raw: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """``raw`` logits capped in place (``softcap * tanh(raw / softcap)``), and ``tanh`` for the backward
+    (None without a cap)."""
+    if softcap is None:
+        return raw, None
+    t = raw.div_(softcap).tanh_()
+    return t * softcap, t
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int,
+                softcap: float | None):
         dtype = _compute_dtype(hidden, weight)
         w = weight.to(dtype)  # [V, D]
         num_tokens = hidden.shape[0]
@@ -37,11 +50,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         target_logit = torch.empty_like(lse)  # [T]
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            logits = (hidden[start:end].to(dtype) @ w.T).div_(temperature)  # [C, V]
+            logits = _capped(hidden[start:end].to(dtype) @ w.T, softcap)[0].div_(temperature)  # [C, V]
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             target_logit[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.softcap = temperature, chunk_size, softcap
         return target_logit - lse
 
     @staticmethod
@@ -58,29 +71,36 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             h = hidden[start:end].to(dtype)  # [C, D]
-            logits = (h @ w.T).div_(temperature)  # [C, V]
+            logits, tanh = _capped(h @ w.T, ctx.softcap)
+            logits = logits.div_(temperature)  # [C, V]
             # d logp / d logits = onehot - softmax, built in place in the logits buffer.
             grad_logits = logits.sub_(lse[start:end, None]).exp_().neg_()
             rows = torch.arange(end - start, device=h.device)
             grad_logits[rows, targets[start:end]] += 1
             grad_logits.mul_(grad_out[start:end, None])  # [C, V]
+            if tanh is not None:  # through the cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+                grad_logits.mul_(tanh.square_().neg_().add_(1))
             if need_hidden:
                 grad_hidden[start:end] = grad_logits @ w
             if need_weight:
                 grad_weight.addmm_(grad_logits.T, h)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """``auto`` -> triton on CUDA when Triton is installed, else torch; triton is checked to be runnable."""
+def resolve_impl(impl: str, device: torch.device, softcap: float | None = None) -> str:
+    """``auto`` -> triton on CUDA when Triton is installed (and no ``softcap``), else torch; triton is
+    checked to be runnable."""
     from rollpacker.kernels import interpreting, triton_available
 
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        return "triton" if device.type == "cuda" and triton_available() and softcap is None else "torch"
+    if impl == "triton" and softcap is not None:
+        raise ValueError(f"train.logprobs_impl=triton: the model caps its logits (final_logit_softcapping={softcap}), "
+                         "which the fused kernel does not; use torch or auto")
     if impl == "triton" and not triton_available():
         raise ValueError("train.logprobs_impl=triton: Triton is not installed (pip install triton), or use torch")
     if impl == "triton" and device.type != "cuda" and not interpreting():
@@ -91,14 +111,14 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024,
-    impl: str = "torch",
+    impl: str = "torch", softcap: float | None = None,
 ) -> Tensor:
     """hidden [T, D], weight [V, D] (the LM head), targets [T] (int64) -> log p(target) [T] in fp32.
 
     Same values and grads as :func:`reference_token_logprobs`: ``impl`` torch, ``chunk_size`` rows at
     a time; triton, the fused kernel; auto, see :func:`resolve_impl`.
     """
-    if resolve_impl(impl, hidden.device) == "triton":
+    if resolve_impl(impl, hidden.device, softcap) == "triton":
         from rollpacker.kernels.logprobs import fused_token_logprobs
 
         return fused_token_logprobs(hidden, weight, targets, temperature)[0]
@@ -110,12 +130,16 @@ def token_logprobs(
         raise ValueError(f"expected targets [{hidden.shape[0]}], got {tuple(targets.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1")
-    return _ChunkedTokenLogprobs.apply(hidden, weight, targets.long(), temperature, chunk_size)
+    return _ChunkedTokenLogprobs.apply(hidden, weight, targets.long(), temperature, chunk_size, softcap)
 
 
-def reference_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+def reference_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                             softcap: float | None = None) -> Tensor:
     """The plain version: materializes all ``[T, V]`` logits. Same shapes and dtypes as
     :func:`token_logprobs`."""
     dtype = _compute_dtype(hidden, weight)
-    logits = (hidden.to(dtype) @ weight.to(dtype).T) / temperature  # [T, V]
+    logits = hidden.to(dtype) @ weight.to(dtype).T  # [T, V]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, targets.long()[:, None]).squeeze(1)
