@@ -128,6 +128,10 @@ def build(config: Config) -> Job:
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
     dtype = engine_dtype(config.model.dtype, meshes.device)
     impl = resolve_impl(config.model.impl, path)
+    if impl == "hf" and config.policy == "one_step_off":
+        raise ValueError("model.impl=hf with schedule:one_step_off: its rollout pool lists the native decoder's "
+                         "parameters to receive the weights; use schedule sync, tail or sorted with a Hugging Face "
+                         "model, or model.impl native (Llama, Qwen2, Qwen3)")
     config.engine.kind = model_engine(impl, config.engine.kind, meshes.device.type, config.plan.enabled)
     if meshes.device.type == "cuda":  # the memory plan: refuse a config that cannot fit (rollpacker.plan.memory)
         plan = check_fits(config, Shape.from_hf(read_config(path)), world,

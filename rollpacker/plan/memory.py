@@ -78,6 +78,8 @@ class Shape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    norms_per_block: int = 2
+    """RMSNorms per block: 2, or 4 with Gemma-2/3's norms after attention and after the MLP too."""
     num_experts: int = 0
     """MoE: experts per layer (0: dense)."""
     experts_per_token: int = 0
@@ -96,6 +98,7 @@ class Shape:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
+            norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma3") else 2,
             num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
@@ -118,7 +121,7 @@ class Shape:
             mlp = self.num_experts * 3 * d * self.moe_intermediate_size + self.num_experts * d
         else:
             mlp = 3 * d * self.intermediate_size
-        return attn + mlp + 2 * d
+        return attn + mlp + self.norms_per_block * d
 
     @property
     def root_params(self) -> int:
@@ -218,9 +221,11 @@ def attention_saved(s: Shape, b: int, pad: float) -> float:
 
 def mlp_saved(s: Shape, b: int) -> float:
     """Bytes per token inside the SwiGLU MLP: gate, silu(gate), up and their product (MoE: for each
-    of the token's experts, plus the router's logits and probabilities)."""
+    of the token's experts, these and the token's input and output rows; plus the router's logits
+    and probabilities)."""
     if s.num_experts:
-        return s.experts_per_token * 4 * b * s.moe_intermediate_size + s.num_experts * (b + 4)
+        per_expert = b * (4 * s.moe_intermediate_size + 2 * s.hidden_size)
+        return s.experts_per_token * per_expert + s.num_experts * (b + 4)
     return 4 * b * s.intermediate_size
 
 
@@ -231,7 +236,7 @@ def block_saved(s: Shape, b: int, pad: float, part: str = "none") -> float:
         return b * s.hidden_size
     attn = 0 if part == "attention" else attention_saved(s, b, pad)
     mlp = 0 if part == "mlp" else mlp_saved(s, b)
-    return 2 * norm_saved(s.hidden_size, b) + attn + mlp
+    return s.norms_per_block * norm_saved(s.hidden_size, b) + attn + mlp
 
 
 def activations(s: Shape, t: TrainSetup) -> dict[str, float]:
