@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -26,14 +27,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TextIO, get_args
+from typing import Any, Literal, TextIO
 
 import numpy as np
+
+from rollpacker.choices import check_choices
 
 logger = logging.getLogger(__name__)
 
 WandbMode = Literal["offline", "online", "disabled"]
-WANDB_MODES = get_args(WandbMode)
 SUMMARY_KEYS = (
     "time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean", "eval/accuracy",
 )
@@ -51,8 +53,7 @@ class MetricsConfig:
     """Show a live progress bar on rank 0 when stdout is a terminal."""
 
     def __post_init__(self) -> None:
-        if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"metrics.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
+        check_choices(self, "metrics")
         if not self.wandb_project:
             raise ValueError("metrics.wandb_project must not be empty")
 
@@ -115,6 +116,11 @@ class Timer:
         finally:
             key = f"time/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+
+    def move(self, seconds: float, src: str, dst: str) -> None:
+        """Count ``seconds`` timed in stage ``src`` as stage ``dst``'s."""
+        self.times[f"time/{src}"] -= seconds
+        self.times[f"time/{dst}"] = self.times.get(f"time/{dst}", 0.0) + seconds
 
     def pop(self) -> dict[str, float]:
         """The accumulated times, resetting them to nothing."""
@@ -272,3 +278,13 @@ class LiveDisplay:
             self._progress.stop()
             self._progress = None
             self._task = None
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt (Chen et al. 2021): the chance that k of its n samples, drawn
+    without replacement, hold at least one of its c correct ones: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -11,9 +11,10 @@ BENCHES = {
     "schedulers": "rollpacker.bench.schedulers",
     "rewards": "rollpacker.bench.rewards",
     "planner": "rollpacker.bench.planner",
-    "logprobs": "rollpacker.bench.logprobs",
+    "logprobs": "rollpacker_kernels.bench",
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
+    "spec-engine": "rollpacker.bench.spec_engine",
     "memory": "rollpacker.bench.memory",
 }
 """Subcommand -> module with a ``main(argv)``."""

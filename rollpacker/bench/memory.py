@@ -58,7 +58,8 @@ class Case:
     @property
     def name(self) -> str:
         ac = self.checkpointing + (f"/{self.ac_part}" if self.checkpointing == "selective" else "")
-        micro = f" x{self.micro_batches}{' reduce-every' if self.reduce_every else ''}" if self.micro_batches > 1 else ""
+        every = " reduce-every" if self.reduce_every else ""
+        micro = f" x{self.micro_batches}{every}" if self.micro_batches > 1 else ""
         return f"{self.model} {len(self.seq_lens)}x{self.seq_lens[0]}{micro} ac={ac} ranks={self.world}"
 
 
@@ -185,12 +186,14 @@ def main(argv: list[str] | None = None) -> None:
             "activations_plan_gb": (plan["peak"] - plan["before"]) / 1e9, "plan_phase": plan["phase"],
             "missed_frees_gb": measured["missed_frees"] / 1e9}
         print(f"{case.name:<44} {row['measured_gb']:>11.3f} {row['plan_gb']:>8.3f} {100 * row['rel_error']:>6.1f}% "
-              f"{row['activations_measured_gb']:>11.3f} {row['activations_plan_gb']:>8.3f}  {plan['phase']}", flush=True)
+              f"{row['activations_measured_gb']:>11.3f} {row['activations_plan_gb']:>8.3f}  {plan['phase']}",
+              flush=True)
     summary = {"plan_max_rel_error": round(max(abs(r["rel_error"]) for r in rows.values()), 4)}
     if all(c in rows for c in FACTOR_CASES):
         off, full = (rows[c] for c in FACTOR_CASES)
         for key in ("measured", "plan"):
-            summary[f"checkpointing_factor_{key}"] = round(full[f"activations_{key}_gb"] / off[f"activations_{key}_gb"], 4)
+            ratio = full[f"activations_{key}_gb"] / off[f"activations_{key}_gb"]
+            summary[f"checkpointing_factor_{key}"] = round(ratio, 4)
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     summary |= {"seconds": round(time.time() - start, 1), "cpu_seconds": round(cpu.ru_utime + cpu.ru_stime, 1),
                 "rows": list(rows.values())}

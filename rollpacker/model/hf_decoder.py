@@ -72,7 +72,8 @@ def config_dtype(path: str | Path) -> torch.dtype | None:
     """The weights' dtype ``config.json`` names (``dtype``, or ``torch_dtype`` before transformers v5)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype")
-    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def resolve_impl(impl: str, path: str | Path) -> str:

@@ -35,7 +35,18 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from rollpacker.model.transformer import Transformer
-from rollpacker.train.config import TrainConfig, checkpointed
+from rollpacker.train.config import TrainConfig
+
+
+def checkpointed(num_layers: int, mode: str, every: int, part: str) -> list[tuple[int, str]]:
+    """(block index, part) of every module that ``train.activation_checkpointing`` recomputes in
+    backward: none; full, every block whole; selective, blocks 0, k, 2k, ... (k = ``ac_every``), the
+    whole block or its ``ac_part``."""
+    if mode == "none":
+        return []
+    if mode == "full":
+        every, part = 1, "block"
+    return [(i, part) for i in range(0, num_layers, every)]
 
 
 def apply_rollout_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollpacker.train.config import checkpointed
+from rollpacker.model.parallelize import checkpointed
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 2.0 * GB
@@ -323,9 +323,11 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
     head_fix = "train.logprobs-impl triton" if t.head == "torch" else ""
     phases = [
         Phase(name="forward (log-prob head)", terms=[
-            *state, root, saved, Term(name=f"log-prob head forward ({t.head})", bytes=head_forward(s, t), fix=head_fix)]),
+            *state, root, saved,
+            Term(name=f"log-prob head forward ({t.head})", bytes=head_forward(s, t), fix=head_fix)]),
         Phase(name="backward (log-prob head)", terms=[
-            *state, root, saved, Term(name=f"log-prob head backward ({t.head})", bytes=head_backward(s, t), fix=head_fix)]),
+            *state, root, saved,
+            Term(name=f"log-prob head backward ({t.head})", bytes=head_backward(s, t), fix=head_fix)]),
         Phase(name="backward (blocks)", terms=[
             *state, root, Term(name="saved activations", bytes=acts["blocks"], fix=fix),
             Term(name="head gradient (unsharded)", bytes=b * s.vocab_size * s.hidden_size),
@@ -481,7 +483,8 @@ def setups(config, world_size: int, device: str = "cuda") -> tuple[TrainSetup, R
                        streaming=config.stream.enabled or config.pipe, gloo=device != "cuda")
     kind = e.kind if e.kind != "auto" else ("torch" if device != "cuda" or config.plan.enabled else "vllm")
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
-    rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes, kv_bytes=e.kv_memory_mb * 2**20,
+    rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
+                           kv_bytes=e.kv_memory_mb * 2**20,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
                            released=device == "cuda" and kind in ("vllm", "sglang"))
     return train, rollout

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rollpacker.choices import check_choices
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -76,21 +78,7 @@ class TrainConfig:
     """Reduce-scatter gradients after every micro-batch: kept sharded (4/N bytes a parameter, not 4), more traffic."""
 
     def __post_init__(self) -> None:
-        if self.advantage_norm not in ("group", "batch"):
-            raise ValueError(f"train.advantage_norm must be 'group' or 'batch', got {self.advantage_norm!r}")
-        if self.aggregation not in ("token", "seq-mean"):
-            raise ValueError(f"train.aggregation must be 'token' or 'seq-mean', got {self.aggregation!r}")
-        if self.off_policy not in ("none", "is", "tis"):
-            raise ValueError(f"train.off_policy must be 'none', 'is' or 'tis', got {self.off_policy!r}")
-        if self.logprobs_impl not in ("auto", "triton", "torch"):
-            raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {self.logprobs_impl!r}")
-        if self.activation_checkpointing not in ("none", "full", "selective"):
-            raise ValueError("train.activation_checkpointing must be 'none', 'full' or 'selective', "
-                             f"got {self.activation_checkpointing!r}")
-        if self.ac_part not in ("block", "attention", "mlp"):
-            raise ValueError(f"train.ac_part must be 'block', 'attention' or 'mlp', got {self.ac_part!r}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"train.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        check_choices(self, "train")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.tis_cap < 1:
@@ -102,17 +90,6 @@ class TrainConfig:
                      "train_shard_size", "max_skipped_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-
-
-def checkpointed(num_layers: int, mode: str, every: int, part: str) -> list[tuple[int, str]]:
-    """(block index, part) of every module that ``train.activation_checkpointing`` recomputes in
-    backward: none; full, every block whole; selective, blocks 0, k, 2k, ... (k = ``ac_every``), the
-    whole block or its ``ac_part``."""
-    if mode == "none":
-        return []
-    if mode == "full":
-        every, part = 1, "block"
-    return [(i, part) for i in range(0, num_layers, every)]
 
 
 @dataclass(kw_only=True)
@@ -131,10 +108,9 @@ class StreamConfig:
     """Adaptive trigger: kv (the paper's KV fit) or throughput (the KV fit, and it must pay; see the docstring)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "stream")
         for name in ("trigger", "fetch_cap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"stream.{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.criterion not in ("kv", "throughput"):
-            raise ValueError(f"stream.criterion must be 'kv' or 'throughput', got {self.criterion!r}")
         if not 0 < self.length_quantile <= 1:
             raise ValueError(f"stream.length_quantile must be in (0, 1], got {self.length_quantile}")

@@ -1,10 +1,10 @@
-"""Hugging Face decoders the native one does not implement, trained for real: a 2-rank job rolls out on
-vLLM's CPU build and trains on the ``--model.impl hf`` path, 2 steps (Llama too, which auto would
-train natively). vLLM 0.32's CPU build
-serves every architecture here (Qwen3-MoE's fused MoE, Gemma-2/3's sliding windows and Gemma-2's
-capped logits). The engine's log-probs agreeing with the trainer's at the second step shows the
-first step's weights (2% smaller, by weight decay) reached vLLM (Qwen3-MoE's experts split back per expert); the run's Hugging Face
-export loads in transformers. Qwen3-MoE runs in the default tier, the others in the slow one."""
+"""Hugging Face decoders the native one does not implement, trained for real: a 2-rank job rolls
+out on vLLM's CPU build and trains on the ``--model.impl hf`` path, 2 steps (Llama too, which auto
+would train natively). vLLM 0.32's CPU build serves every architecture here (Qwen3-MoE's fused MoE,
+Gemma-2/3's sliding windows and Gemma-2's capped logits). The engine's log-probs agreeing with the
+trainer's at the second step shows the first step's weights (2% smaller, by weight decay) reached
+vLLM (Qwen3-MoE's experts split back per expert); the run's Hugging Face export loads in
+transformers. Qwen3-MoE runs in the default tier, the others in the slow one."""
 
 from __future__ import annotations
 

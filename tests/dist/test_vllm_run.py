@@ -1,6 +1,6 @@
 """The training job on vLLM (``--engine.kind vllm``): every policy runs a real 2-rank job to the
-end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep one), and a run stopped after 2 steps
-resumes from its checkpoint losing nothing. Skipped when vLLM is not installed
+end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep one),
+and a run stopped after 2 steps resumes from its checkpoint losing nothing. Skipped when vLLM is not installed
 (``bash launch/install.sh vllm``)."""
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ def test_qwen3_moe_weights_pushed_under_the_checkpoints_names(model_dirs):
 
 
 def test_capped_logprobs_match_the_plain_version_values_and_grads():
-    from rollpacker.train.logprobs import reference_token_logprobs, token_logprobs
+    from rollpacker.train.logprobs import token_logprobs
+    from rollpacker_kernels.reference import reference_token_logprobs
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from rollpacker.train.logprobs import reference_token_logprobs, token_logprobs
+from rollpacker.train.logprobs import token_logprobs
 from rollpacker.train.losses import group_advantages, k3_kl, policy_loss
+from rollpacker_kernels.reference import reference_token_logprobs
 
 # --- advantages ---------------------------------------------------------------------------------
 

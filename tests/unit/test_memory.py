@@ -56,8 +56,8 @@ def test_block_saved_is_what_autograd_keeps(kind, dtype):
     x = torch.randn(tokens, 64, dtype=dtype, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(tokens), model.inv_freq, dtype)
     attn = CausalAttention([tokens])
-    shared = {t.untyped_storage().data_ptr() for t in (cos, sin, *(b.index for b in attn.buckets),
-                                                        *(b.valid for b in attn.buckets), *(b.rows for b in attn.buckets))}
+    kept = [(b.index, b.valid, b.rows) for b in attn.buckets]
+    shared = {t.untyped_storage().data_ptr() for t in (cos, sin, *(x for k in kept for x in k))}
     shared |= {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -97,7 +97,7 @@ def test_a_preset_that_cannot_fit_is_refused_naming_the_largest_term_and_the_fix
 
 
 def test_checkpointed_blocks_follow_the_mode():
-    from rollpacker.train.config import checkpointed
+    from rollpacker.model.parallelize import checkpointed
 
     assert checkpointed(5, "none", 2, "block") == []
     assert checkpointed(3, "full", 2, "mlp") == [(0, "block"), (1, "block"), (2, "block")]
