@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_memory.py: the Hugging Face model path trains like the reference.
+"""Run by memory_step.py (on 2 gloo ranks, one launch): the Hugging Face model path trains like the reference.
 
 For each model directory after the first argument (one architecture each): one FSDP2 step of
 ``--model.impl hf`` (each decoder layer sharded and checkpointed, then the root; the fused log-prob
@@ -7,13 +7,10 @@ The first argument is a Qwen2 model both paths load: one RL step of the hf path 
 path's.
 """
 
-import sys
-
 import torch
 import torch.distributed as dist
 from train_step import batch
 
-from rollpacker.dist import build_meshes
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.losses import policy_loss
@@ -65,8 +62,7 @@ def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in a)
 
 
-def main(qwen2: str, *paths: str) -> None:
-    meshes = build_meshes(rollout_tp=1, train_shard_size=0)
+def check(meshes, qwen2: str, *paths: str) -> None:
     for path in paths:
         stats, weights = fsdp_step(path, "hf", meshes)
         worst = largest_difference(weights, reference_step(path))
@@ -83,9 +79,3 @@ def main(qwen2: str, *paths: str) -> None:
     if dist.get_rank() == 0:
         print(f"qwen2: one RL step, hf path vs native path: loss {hf_stats['train/loss']:.6f} vs "
               f"{native_stats['train/loss']:.6f}, largest relative weight difference {worst:.1e}")
-    print("OK", dist.get_rank(), flush=True)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

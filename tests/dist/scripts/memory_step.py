@@ -4,13 +4,17 @@
 - activation checkpointing (full; selective attention; selective MLP every 2nd block) gives the
   loss and gradients of none, within 1e-6;
 - reduce-scatter every micro-batch, and offload (FSDP2 CPUOffloadPolicy, the KL reference streamed
-  layer by layer from host memory) give the update of the defaults, over two steps with a KL term.
+  layer by layer from host memory) give the update of the defaults, over two steps with a KL term;
+- then, in the same launch, the Hugging Face model path (hf_step.py), given its model directories.
+
+Arguments: the native model's directory, then hf_step.py's (a Qwen2 model, one per architecture).
 """
 
 import sys
 
 import torch
 import torch.distributed as dist
+from hf_step import check as check_hf_path
 from train_step import batch
 
 from rollpacker.dist import build_meshes
@@ -43,7 +47,7 @@ def two_steps(path: str, meshes, **settings) -> tuple[list[dict], dict[str, torc
     return stats, {n: p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
 
 
-def main(path: str) -> None:
+def main(path: str, *hf_paths: str) -> None:
     meshes = build_meshes(rollout_tp=1, train_shard_size=0)
     built = build(path, meshes, TrainConfig()).model
     loaded = dict(load_model(path).named_parameters())
@@ -70,9 +74,10 @@ def main(path: str) -> None:
         assert worst <= 1e-6, (settings, worst)
         if dist.get_rank() == 0:
             print(f"{settings}: step 2 kl {other_stats[1]['train/kl']:.3e}, largest weight difference {worst:.1e}")
+    check_hf_path(meshes, *hf_paths)
     print("OK", dist.get_rank(), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
