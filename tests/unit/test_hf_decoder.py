@@ -92,3 +92,16 @@ def test_capped_logprobs_match_the_plain_version_values_and_grads():
                                     small)
     with pytest.raises(ValueError, match="final_logit_softcapping=3.0"):
         token_logprobs(hidden, weight, targets, softcap=3.0, impl="triton")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["schedule:one_step_off", "--train.off-policy", "tis"], "model.impl=hf with schedule:one_step_off"),
+    (["--plan.enabled"], "model.impl=hf with plan.enabled"),
+])
+def test_hf_path_refuses_pools_of_their_own_and_the_planner(argv, message):
+    from rollpacker.config import parse
+    from rollpacker.job import check_hf
+
+    check_hf(parse([]))
+    with pytest.raises(ValueError, match=message):
+        check_hf(parse(argv))
