@@ -56,6 +56,10 @@ class DecoderFacts:
     max_position_embeddings: int
     moe: bool
     """A mixture of experts."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    """The KV cache's shape: what an engine's KV budget holds per token."""
 
 
 def decoder_facts(path: str | Path) -> DecoderFacts:
@@ -65,7 +69,10 @@ def decoder_facts(path: str | Path) -> DecoderFacts:
     return DecoderFacts(model_type=text["model_type"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
                         eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
                         max_position_embeddings=text.get("max_position_embeddings") or 4096,
-                        moe=bool(text.get("num_experts") or text.get("num_local_experts")))
+                        moe=bool(text.get("num_experts") or text.get("num_local_experts")),
+                        num_layers=text["num_hidden_layers"],
+                        num_kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
+                        head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
 
 
 def config_dtype(path: str | Path) -> torch.dtype | None:

@@ -218,7 +218,8 @@ def _import_sglang(on_cpu: bool):
 
 def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dtype: torch.dtype, on_cpu: bool
                 ) -> dict:
-    """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's :class:`ModelArgs`). Its
+    """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's
+    :class:`~rollpacker.model.hf_decoder.DecoderFacts`). Its
     KV holds ``engine.kv_memory_mb`` per rank, as TorchEngine's and vLLM's; on CPU, SGLang's CPU
     device and torch_native attention, no memory saver (it is CUDA-only), and a static memory
     fraction of 0.9: SGLang checks it against the host's free RAM, which other processes move (it
