@@ -46,6 +46,8 @@ class ModelConfig:
     """Wrap each string prompt in the tokenizer's chat template as a user turn (message lists always are)."""
     chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
     """Keyword arguments of the tokenizer's apply_chat_template, e.g. enable_thinking False for Qwen3."""
+    impl: Literal["auto", "native", "hf"] = "auto"
+    """Trainer's model: native (Llama, Qwen2, Qwen3), hf (any transformers decoder; rollout on vLLM/SGLang), auto."""
 
     def __post_init__(self) -> None:
         check_choices(self, "model")

@@ -25,13 +25,16 @@ from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.dist import Meshes, build_meshes, init_distributed
-from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, load_model, save_model
+from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, save_model
+from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
+from rollpacker.model.parallelize import build_for_training
+from rollpacker.plan.memory import Shape, check_fits
 from rollpacker.rollout import ENGINES, build_engine
 from rollpacker.rollout.config import resolve_kind
 from rollpacker.rollout.engine import Engine, text_decoder
 from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
 from rollpacker.train.stream import StreamTrainer
-from rollpacker.train.trainer import Trainer
+from rollpacker.train.trainer import Trainer, compute_device
 
 logger = logging.getLogger("rollpacker")
 
@@ -97,7 +100,10 @@ class Job:
             return
         writer = self.meshes.rank == self.meshes.train_ranks[0]
         model = self.trainer.model
-        save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args))
+        if isinstance(model, HFDecoder):
+            save_hf(model, path, write=writer, dtype=config_dtype(self.model_dir))
+        else:
+            save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args))
         if writer:
             for file in self.model_dir.iterdir():  # the tokenizer, and whatever else is not weights or config
                 if file.is_file() and file.name not in ("config.json", INDEX) and file.suffix != ".safetensors":
@@ -128,17 +134,22 @@ def build(config: Config) -> Job:
     path = config.model.directory()
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
     dtype = engine_dtype(config.model.dtype, meshes.device)
-    config.engine.kind = resolve_kind(config.engine.kind, meshes.device.type, config.plan.enabled)
+    impl = resolve_impl(config.model.impl, path)
+    if impl == "hf":
+        check_hf(config)
+    config.engine.kind = model_engine(impl, config.engine.kind, meshes.device.type, config.plan.enabled)
+    if meshes.device.type == "cuda":  # the memory plan: refuse a config that cannot fit (rollpacker.plan.memory)
+        plan = check_fits(config, Shape.from_hf(read_config(path)), world,
+                          torch.cuda.get_device_properties(meshes.device).total_memory)
+        logger.info("memory plan: peak %.1f GB per GPU (%s), headroom %.0f%%", plan.peak / 1e9,
+                    plan.peak_phase.name, 100 * plan.headroom)
     if meshes.rank in meshes.rollout_ranks:
         engine = build_engine(config.engine, path, meshes.device, dtype, meshes.rollout_tp)
         engine.decode = stop_decoder(config, path)
     elif ENGINES[config.engine.kind].needs_world_groups:  # the engines' start makes groups over the whole world
         ENGINES[config.engine.kind].join_world(path, config.engine, config.rollout.tp, dtype)
     if meshes.rank in meshes.train_ranks:
-        reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
-        trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
-                          temperature=config.rollout.temperature or 1.0, reference=reference,
-                          group=meshes.train_group, num_steps=config.num_steps)
+        trainer = build_trainer(config, impl, meshes)
     job = Job(config=config, meshes=meshes, model_dir=path, engine=engine, trainer=trainer)
     if meshes.disaggregated:  # one_step_off: the training pool broadcasts its weights to the rollout pool
         job.weights = Broadcast.connect(meshes, dtype, trainer.model if trainer else None, path)
@@ -156,6 +167,42 @@ def build(config: Config) -> Job:
             job.controller.load_state_dict(state)
         job.push_weights()  # the engines get the checkpoint's weights
     return job
+
+
+def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
+    """The engine kind for a model of ``impl``: TorchEngine runs the native decoder only, so a Hugging
+    Face model rolls out on vLLM (auto: SGLang or vLLM on GPU, vLLM on CPU)."""
+    if impl == "native":
+        return resolve_kind(kind, device_type, planner)
+    if kind == "auto":
+        kind = resolve_kind(kind, device_type) if device_type == "cuda" else "vllm"
+    if kind == "torch":
+        raise ValueError("model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
+                         "use engine.kind vllm (or sglang on GPU), or model.impl native if the model is one of those")
+    return kind
+
+
+def check_hf(config: Config) -> None:
+    """What a Hugging Face model (model.impl hf) does not run with, named with the fix."""
+    if config.schedule.own_pools:
+        raise ValueError(f"model.impl=hf with schedule:{config.policy}: its rollout pool builds the native decoder "
+                         "to receive the weights; use a policy without pools of its own, or model.impl native "
+                         "(Llama, Qwen2, Qwen3)")
+    if config.plan.enabled:
+        raise ValueError("model.impl=hf with plan.enabled: the parallelism planner profiles and rebuilds the native "
+                         "decoder's engines; turn plan.enabled off, or use model.impl native (Llama, Qwen2, Qwen3)")
+
+
+def build_trainer(config: Config, impl: str, meshes: Meshes) -> Trainer:
+    """This rank's shard of the trainer: the policy and the KL reference (when train.kl_coef > 0) built
+    on the meta device and filled from the first training rank's host copy (collective over the pool)."""
+    kw = dict(src=meshes.train_ranks[0], group=meshes.train_group, device=compute_device(meshes.train))
+    path = str(config.model.directory())
+    policy = build_for_training(path, impl, meshes.train, config.train, **kw)
+    reference = build_for_training(path, impl, meshes.train, config.train, reference=True, **kw) \
+        if config.train.kl_coef else None
+    return Trainer(policy, config.train, meshes.train, temperature=config.rollout.temperature or 1.0,
+                   reference=reference, group=meshes.train_group, num_steps=config.num_steps)
 
 
 def build_planner(job: Job) -> None:

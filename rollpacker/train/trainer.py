@@ -1,7 +1,8 @@
 """The FSDP2 trainer: one optimizer step per RL step, whatever the spread of samples over ranks.
 
 - FSDP2 ``fully_shard`` per block, then the root, over the training mesh (2-D replicate x shard
-  = HSDP; a 1-D mesh is plain FSDP); bf16 compute with fp32 reduction on GPU.
+  = HSDP; a 1-D mesh is plain FSDP); bf16 compute with fp32 reduction on GPU; activation
+  checkpointing and CPU offload as configured (:func:`~rollpacker.model.parallelize.parallelize`).
 - Samples are spread over ranks longest-first onto the least-loaded rank (by tokens), then
   packed into micro-batches under a token budget. All ranks run the same number of micro-batches
   (a rank with fewer runs zero-weighted ones: FSDP2's collectives must match), and gradients are
@@ -33,12 +34,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 
 from rollpacker.model.attention import CausalAttention
-from rollpacker.model.transformer import Transformer
+from rollpacker.model.offload import StreamedModel
+from rollpacker.model.parallelize import parallelize, prepare_reference
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.logprobs import token_logprobs
 from rollpacker.train.losses import importance_weights, off_policy_correction, policy_loss
@@ -99,13 +102,11 @@ def lr_factor(step: int, config: TrainConfig, num_steps: int) -> float:
     return warmup_cosine(step, config.warmup_steps, num_steps - 1, config.min_lr_ratio)
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh, mixed_precision: bool) -> None:
-    """FSDP2 per block, then the root (embedding, final norm, output head)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-    kw = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+def compute_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on (parameters may live in host memory with ``train.offload``)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 class NonFiniteError(RuntimeError):
@@ -116,16 +117,19 @@ class Trainer:
     """Lives on the ranks of ``mesh`` (every rank, or the training pool of disaggregated pools,
     whose process group is ``group``)."""
 
-    def __init__(self, model: Transformer, config: TrainConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
-                 reference: Transformer | None = None, group: dist.ProcessGroup | None = None, num_steps: int):
+    def __init__(self, model: nn.Module, config: TrainConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
+                 reference: nn.Module | None = None, group: dist.ProcessGroup | None = None, num_steps: int):
+        """``model``: the policy, sharded by :func:`~rollpacker.model.parallelize.parallelize` (or whole,
+        then sharded here); ``reference``: the KL reference, sharded, streamed or whole (then sharded)."""
         self.config, self.temperature = config, temperature
-        self.device = model.norm.weight.device
+        self.device = compute_device(mesh)
         mixed = config.mixed_precision and self.device.type == "cuda"
-        shard_model(model, mesh, mixed)
+        if not isinstance(model, FSDPModule):
+            parallelize(model, mesh, config, mixed_precision=mixed)
         self.model = model
+        if reference is not None and not isinstance(reference, (FSDPModule, StreamedModel)):
+            reference = prepare_reference(reference, mesh, config, mixed_precision=mixed, device=self.device)
         self.reference = reference
-        if reference is not None:
-            shard_model(reference.requires_grad_(False), mesh, mixed)
         self.rank, self.ranks, self.group = dist.get_rank(), mesh.mesh.flatten().tolist(), group
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
@@ -196,9 +200,10 @@ class Trainer:
         (at least one, so that a sync reduces what earlier calls accumulated)."""
         plan = spread([s.num_tokens for s in samples], len(ranks), self.config.micro_batch_tokens)
         mine, num_micro = plan[ranks.index(self.rank)], max(1, *(len(p) for p in plan))
+        reduce_every = self.config.reduce_every_micro_batch
         self.model.train()
         for i in range(num_micro):
-            self.model.set_requires_gradient_sync(sync_last and i == num_micro - 1)
+            self.model.set_requires_gradient_sync(sync_last and (i == num_micro - 1 or reduce_every))
             if i < len(mine):
                 loss, stats = self._loss([samples[j] for j in mine[i]])
                 self.totals += torch.stack([loss.detach().double(), *stats]).to(self.totals)
@@ -207,7 +212,7 @@ class Trainer:
             loss.backward()
         return num_micro
 
-    def _logprobs(self, model: Transformer, batch: list[Sample]) -> torch.Tensor:
+    def _logprobs(self, model: nn.Module, batch: list[Sample]) -> torch.Tensor:
         """Log-probs of every response token of ``batch``, flat [sum of response lengths]."""
         tokens = torch.tensor([t for s in batch for t in (*s.prompt_ids, *s.response_ids)], device=self.device)
         positions = torch.cat([torch.arange(s.num_tokens) for s in batch]).to(self.device)
@@ -221,7 +226,7 @@ class Trainer:
         attn = CausalAttention([s.num_tokens for s in batch], self.device)
         return model(tokens, positions, attn,
                      head=lambda h, w: token_logprobs(h[pick_t], w, targets, self.temperature,
-                                                     impl=self.config.logprobs_impl))
+                                                     impl=self.config.logprobs_impl, softcap=model.logit_softcap))
 
     def _loss(self, batch: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         lengths = [len(s.response_ids) for s in batch]

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from rollpacker.model import load_model
+from rollpacker.model.parallelize import shard_model
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate
 from rollpacker.rollout.sglang_engine import SGLangEngine
 from rollpacker.rollout.torch_engine import TorchEngine
-from rollpacker.train.trainer import shard_model
 
 from vllm_common import prompts
 

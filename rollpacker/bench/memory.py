@@ -1,0 +1,204 @@
+"""``python -m rollpacker.bench memory [MODEL ...]``: the memory plan's training peak against real steps.
+
+Each case builds a random native decoder (5M, 33M or 125M parameters) on the meta device, shards it
+with FSDP2 on 1 or 2 gloo ranks, and runs two real trainer steps: a small one that creates AdamW's
+state, then the measured one (one or two micro-batches of the case's sequences per rank), with
+activation checkpointing off, full or selective. Each case runs in fresh processes.
+
+**How CPU memory is measured.** torch 2.13 has no CPU counterpart of
+``torch.cuda.max_memory_allocated``. ``torch.profiler.profile(profile_memory=True)`` records every
+allocation and free of the CPU allocator on the profiled thread (c10's profiled memory reporter),
+each with the running total allocated since profiling began. Everything is allocated inside the
+profile, so the largest total during the measured step is its peak. Frees on gloo's worker threads
+are not recorded (its reduce-scatter buffers, a block's worth): the total drifts up by them. At the
+start of the measured step the truth is known exactly (the parameters' and optimizer state's
+storages), so the peak is corrected by the drift up to then (``profile_all_threads`` would see them,
+but in torch 2.13 it records no memory events at all).
+
+The plan's number is :func:`rollpacker.plan.memory.train_phases` for the same shapes with CPU's
+settings (fp32, the torch log-prob head, the optimizer one tensor at a time, gloo), without the
+GPU-only allowances. ``activations`` is the peak less the state at the step's start, measured and
+planned. The last line is JSON: ``plan_max_rel_error`` (the largest ``|plan - measured| / measured``
+of the peaks), the checkpointing factor (activations with full checkpointing over without, 5M model
+at 2048 tokens) measured and planned, and the rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+MODELS = {
+    "5M": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=688, vocab_size=4096),
+    "33M": dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                intermediate_size=1376, vocab_size=16384),
+    "125M": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32000),
+}
+"""Random Qwen2-shaped decoders (qkv biases, untied head), by parameter count."""
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    seq_lens: tuple[int, ...]
+    """One micro-batch's sequences on each rank (half prompt, half response)."""
+    checkpointing: str = "none"
+    world: int = 1
+    ac_part: str = "block"
+    micro_batches: int = 1
+    reduce_every: bool = False
+
+    @property
+    def name(self) -> str:
+        ac = self.checkpointing + (f"/{self.ac_part}" if self.checkpointing == "selective" else "")
+        every = " reduce-every" if self.reduce_every else ""
+        micro = f" x{self.micro_batches}{every}" if self.micro_batches > 1 else ""
+        return f"{self.model} {len(self.seq_lens)}x{self.seq_lens[0]}{micro} ac={ac} ranks={self.world}"
+
+
+CASES = (
+    Case("5M", (512,) * 2),
+    Case("5M", (512,) * 2, "full"),
+    Case("5M", (2048,)),
+    Case("5M", (2048,), "full"),
+    Case("33M", (512,) * 2, "full", world=2),
+    Case("33M", (256,) * 4, "selective", world=2, ac_part="mlp"),
+    Case("33M", (512,), world=2, micro_batches=2),
+    Case("33M", (512,), world=2, micro_batches=2, reduce_every=True),
+    Case("125M", (256,)),
+    Case("125M", (128,), world=2),
+)
+FACTOR_CASES = (CASES[2], CASES[3])
+"""Checkpointing off and full at 2048 tokens: the factor by which full checkpointing shrinks activations."""
+
+
+def model_config(case: Case) -> dict:
+    return dict(model_type="qwen2", max_position_embeddings=4096, **MODELS[case.model])
+
+
+def planned(case: Case) -> dict:
+    """The plan's peak, its phase and the state at the step's start for ``case`` (CPU settings)."""
+    from rollpacker.plan.memory import Shape, TrainSetup, train_phases
+
+    setup = TrainSetup(shard_size=case.world, seq_lens=case.seq_lens, response_tokens=sum(case.seq_lens) // 2,
+                       compute_bytes=4, checkpointing=case.checkpointing, ac_every=2, ac_part=case.ac_part,
+                       head="torch", foreach=False, micro_batches=case.micro_batches, reduce_every=case.reduce_every,
+                       gloo=True)
+    phases = train_phases(Shape.from_hf(model_config(case)), setup)
+    before = sum(t.bytes for t in phases[0].terms if t.name.startswith(("parameters", "optimizer")))
+    peak = max(phases, key=lambda p: p.total)
+    return {"peak": peak.total, "before": before, "phase": peak.name}
+
+
+def worker(case: Case) -> dict[str, float]:
+    """On every rank: two real steps under the profiler; this rank's peak, corrected (see the docstring)."""
+    import torch
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import ModelArgs, Transformer
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Sample, Trainer
+
+    meshes = build_meshes(rollout_tp=1, train_shard_size=0)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_hf(model_config(case)))
+    cfg = TrainConfig(lr=1e-4, warmup_steps=0, micro_batch_tokens=sum(case.seq_lens),
+                      activation_checkpointing=case.checkpointing, ac_every=2, ac_part=case.ac_part,
+                      reduce_every_micro_batch=case.reduce_every)
+    g = torch.Generator().manual_seed(0)
+
+    def samples(lengths: list[int]) -> list[Sample]:  # identical on every rank
+        token = lambda n: torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+        return [Sample(token(n // 2), token(n - n // 2), 1.0, [-1.0] * (n - n // 2)) for n in lengths]
+
+    warmup, measured = samples([16] * case.world), samples(list(case.seq_lens) * case.world * case.micro_batches)
+    torch.manual_seed(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model.to_empty(device="cpu")
+        model.init_weights()
+        trainer = Trainer(model, cfg, meshes.train, num_steps=2)
+        trainer.step(warmup)
+        with record_function("measured_step"):
+            trainer.step(measured)
+    window, totals = None, []
+
+    def walk(node) -> None:
+        nonlocal window
+        if node.tag == _EventType.Allocation:
+            totals.append((node.start_time_ns, node.extra_fields.total_allocated))
+        elif node.name == "measured_step":
+            window = (node.start_time_ns, node.end_time_ns)
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    totals.sort()
+    before = next(total for t, total in reversed(totals) if t < window[0])
+    peak = max(total for t, total in totals if window[0] <= t <= window[1])
+    state = [*trainer.model.parameters(), *(v for s in trainer.optimizer.state.values() for v in s.values())]
+    state_bytes = sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes() for t in state)
+    return {"peak": peak - (before - state_bytes), "before": state_bytes, "missed_frees": before - state_bytes}
+
+
+def run_case(case: Case) -> dict[str, float]:
+    """``case`` in fresh processes (torchrun for 2 ranks): the measurement of the rank with the larger peak."""
+    cmd = [sys.executable, "-m", "rollpacker.bench.memory", "--worker", json.dumps(asdict(case))]
+    if case.world > 1:
+        cmd[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.world}", "-m"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env | {"OMP_NUM_THREADS": "1"})
+    if proc.returncode:
+        raise RuntimeError(f"bench memory: {case.name} failed:\n{proc.stderr[-4000:]}")
+    ranks = [json.loads(line.removeprefix("MEASURED ")) for line in proc.stdout.splitlines()
+             if line.startswith("MEASURED ")]
+    return max(ranks, key=lambda m: m["peak"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        raw = json.loads(argv[1])
+        print("MEASURED " + json.dumps(worker(Case(**{**raw, "seq_lens": tuple(raw["seq_lens"])}))), flush=True)
+        return
+    unknown = [a for a in argv if a not in MODELS]
+    if unknown:
+        sys.exit(f"usage: python -m rollpacker.bench memory [{' '.join(MODELS)}]: unknown {unknown}")
+    start = time.time()
+    print(f"{'case':<44} {'measured GB':>11} {'plan GB':>8} {'error':>7} {'activations':>11} {'planned':>8}  "
+          "plan's peak phase")
+    rows = {}
+    for case in (c for c in CASES if not argv or c.model in argv):
+        measured, plan = run_case(case), planned(case)
+        rows[case] = row = {
+            "case": case.name, "measured_gb": measured["peak"] / 1e9, "plan_gb": plan["peak"] / 1e9,
+            "rel_error": (plan["peak"] - measured["peak"]) / measured["peak"],
+            "activations_measured_gb": (measured["peak"] - measured["before"]) / 1e9,
+            "activations_plan_gb": (plan["peak"] - plan["before"]) / 1e9, "plan_phase": plan["phase"],
+            "missed_frees_gb": measured["missed_frees"] / 1e9}
+        print(f"{case.name:<44} {row['measured_gb']:>11.3f} {row['plan_gb']:>8.3f} {100 * row['rel_error']:>6.1f}% "
+              f"{row['activations_measured_gb']:>11.3f} {row['activations_plan_gb']:>8.3f}  {plan['phase']}",
+              flush=True)
+    summary = {"plan_max_rel_error": round(max(abs(r["rel_error"]) for r in rows.values()), 4)}
+    if all(c in rows for c in FACTOR_CASES):
+        off, full = (rows[c] for c in FACTOR_CASES)
+        for key in ("measured", "plan"):
+            ratio = full[f"activations_{key}_gb"] / off[f"activations_{key}_gb"]
+            summary[f"checkpointing_factor_{key}"] = round(ratio, 4)
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    summary |= {"seconds": round(time.time() - start, 1), "cpu_seconds": round(cpu.ru_utime + cpu.ru_stime, 1),
+                "rows": list(rows.values())}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Any Hugging Face decoder as the trainer's model (``--model.impl hf``).
+
+:class:`HFDecoder` holds a ``transformers`` ``AutoModelForCausalLM``'s decoder (``model``) and output
+head (``lm_head``) as its own submodules, so its parameter names are the Hugging Face ones, and
+runs them with the native decoder's calling convention: packed tokens and positions in, the final
+hidden states (or ``head(hidden, lm_head.weight)``, the trainer's fused log-prob head) out. The
+packing is read from the positions: ``transformers`` builds a block-causal mask (a sliding window
+where the architecture has one) for sequences whose positions restart at 0. Gemma-2's capped
+logits are applied by the log-prob head (``logit_softcap``).
+
+``model.impl`` auto picks the native decoder for what it implements (Llama, Qwen2, Qwen3 without
+sliding windows) and this one otherwise (Qwen3-MoE, Gemma-2/3, Mistral, ...). Rollout then runs on
+vLLM (or SGLang on GPU): TorchEngine runs the native decoder only. Weights are pushed under the
+checkpoint's names (:func:`checkpoint_format`: ``transformers`` 5 fuses a MoE layer's experts into
+one tensor; vLLM loads them per expert).
+
+How it differs from the native path: the MoE router's auxiliary load-balancing loss is not added
+(RL fine-tuning with a frozen-ish router, as verl's defaults do); attention is ``transformers``'
+own (SDPA with a ``[T, T]`` mask on CPU, FlashAttention's variable-length kernel when installed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollpacker.model.args import ModelArgs
+
+UNSUPPORTED_HEADS = ("logit_scale", "logits_scaling")
+"""Config keys of architectures whose output head does more than a matmul (and a softcap): refused."""
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A model directory's ``config.json`` as a dict, with ``transformers``' defaults filled in."""
+    from transformers import AutoConfig
+
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} not found: point at a Hugging Face model directory")
+    return AutoConfig.from_pretrained(path).to_dict()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderFacts:
+    """What an engine needs of any decoder's config."""
+
+    model_type: str
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    moe: bool
+    """A mixture of experts."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    """The KV cache's shape: what an engine's KV budget holds per token."""
+
+
+def decoder_facts(path: str | Path) -> DecoderFacts:
+    cfg = read_config(path)
+    text = cfg.get("text_config") or cfg
+    eos = text.get("eos_token_id", cfg.get("eos_token_id"))
+    return DecoderFacts(model_type=text["model_type"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
+                        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+                        max_position_embeddings=text.get("max_position_embeddings") or 4096,
+                        moe=bool(text.get("num_experts") or text.get("num_local_experts")),
+                        num_layers=text["num_hidden_layers"],
+                        num_kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
+                        head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+
+
+def config_dtype(path: str | Path) -> torch.dtype | None:
+    """The weights' dtype ``config.json`` names (``dtype``, or ``torch_dtype`` before transformers v5)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def resolve_impl(impl: str, path: str | Path) -> str:
+    """``model.impl``: native or hf; auto is native when the native decoder implements the model."""
+    if impl not in ("auto", "native", "hf"):
+        raise ValueError(f"model.impl must be auto, native or hf, got {impl!r}")
+    if impl != "auto":
+        return impl
+    cfg_file = Path(path) / "config.json"
+    try:
+        ModelArgs.from_hf(json.loads(cfg_file.read_text()), where=str(cfg_file))
+    except ValueError:
+        return "hf"
+    return "native"
+
+
+class HFDecoder(nn.Module):
+    """A ``transformers`` causal LM's decoder and head, called like the native
+    :class:`~rollpacker.model.transformer.Transformer` (see the module docstring)."""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        cfg = causal_lm.config.get_text_config()
+        for key in UNSUPPORTED_HEADS:
+            if getattr(cfg, key, None) not in (None, 1, 1.0):
+                raise ValueError(f"{cfg.model_type}: {key}={getattr(cfg, key)} scales the output logits, which "
+                                 "rollpacker's log-prob head does not; this architecture is not supported")
+        decoder, head = getattr(causal_lm, "model", None), causal_lm.get_output_embeddings()
+        if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or head is None:
+            raise ValueError(f"{type(causal_lm).__name__}: expected a decoder at .model with .layers and an output "
+                             "head; not a decoder-only causal LM that rollpacker can train")
+        self.model, self.lm_head = decoder, head
+        self.config = causal_lm.config
+        self.__dict__["causal_lm"] = causal_lm  # shares the submodules; not registered (no second names)
+        self.logit_softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: Any = None,
+                head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """tokens, positions: [T] (packed sequences, positions restarting at 0) -> final hidden states
+        [T, hidden], or ``head(hidden, lm_head.weight)``. ``attn`` is unused: the mask comes from the
+        positions."""
+        out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False)
+        hidden = out.last_hidden_state[0]
+        return hidden if head is None else head(hidden, self.lm_head.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> [N, vocab_size] in fp32, capped like the model's own."""
+        logits = self.lm_head(hidden).float()
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+        return logits
+
+
+def load_hf(path: str | Path, *, meta: bool = False, dtype: torch.dtype = torch.float32) -> HFDecoder:
+    """The model at ``path``: its weights in host memory, or (``meta``) its structure only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if meta:
+        with torch.device("meta"):
+            causal_lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    else:
+        causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return HFDecoder(causal_lm.train())
+
+
+def save_hf(model: HFDecoder, path: str | Path, *, write: bool = True, dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` as a Hugging Face directory with ``transformers``' own ``save_pretrained`` (the
+    checkpoint's names, fused experts split back). DTensor parameters are gathered with
+    ``full_tensor()``, a collective: call it on every rank, ``write`` on the one that writes."""
+    state = {}
+    for name, t in model.state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if write:
+            state[name] = t.detach().to("cpu", dtype).contiguous()
+    if write:
+        model.causal_lm.save_pretrained(path, state_dict=state)
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a whole (unsharded) model by name: the source of
+    :func:`~rollpacker.model.parallelize.load_sharded`."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def checkpoint_format(path: str | Path) -> Callable[[Iterable[tuple[str, torch.Tensor]]],
+                                                    Iterator[tuple[str, torch.Tensor]]]:
+    """A map from the ``transformers`` model's parameter names to the checkpoint's (fused MoE
+    experts split per expert), tensor by tensor; the identity for the native decoder's models."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if resolve_impl("auto", path) == "native":
+        return lambda named: iter(named)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+
+    def convert(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in named:
+            yield from revert_weight_conversion(skeleton, {name: tensor}).items()
+
+    return convert

@@ -1,0 +1,543 @@
+"""The memory plan: what one GPU holds at the peak of training and of rollout, term by term.
+
+``python -m rollpacker.plan.memory [--preset NAME] [--gpu-memory-gb 80] [--world-size 8]`` prints the
+terms, the two peaks and whether the larger fits, with its headroom; the last line is JSON with
+``fits`` and ``peak_gb``. On GPU the job runs the same computation at start-up
+(:func:`check_fits`) and refuses a config that cannot fit, naming the largest term and the
+setting that shrinks it.
+
+Training peak, per rank (N = the ranks one FSDP2 replica is sharded over, b = bytes of the
+compute dtype: 2 with bf16 mixed precision on GPU, 4 in fp32):
+
+- parameters, gradients and AdamW's two moments in fp32, sharded: 4 + 4 + 8 bytes per parameter
+  over N (in host memory with ``train.offload``); the optimizer step adds one fp32 temporary per
+  parameter (``torch._foreach`` on GPU; one tensor at a time on CPU);
+- FSDP2's unsharded copies: the root (embedding, final norm, output head) for the whole
+  forward and backward, and the blocks being gathered (the current one and the prefetched one);
+- saved activations: a hand count of what autograd keeps per token in one block
+  (:func:`block_saved`; exact for the native decoder, checked against ``saved_tensors_hooks``), over
+  the micro-batch's tokens (attention's per-bucket gathers at their padded length), times the
+  blocks, with activation checkpointing only each checkpointed module's input, plus one block
+  recomputed in backward;
+- the log-prob head's backward: the torch path's ``[chunk, V]`` fp32 logits block, fp32 copy of the
+  head and fp32 head gradient, or the fused kernel's fp32 ``[T, D]`` accumulator and scratch rows;
+- the KL reference (``train.kl_coef > 0``): sharded like the policy, or streamed from host memory.
+
+Rollout peak: the trainer's parameters and optimizer state (gradients are freed after the step),
+the engine's weights per TP shard, its KV budget and its activations. During training the engines
+release their memory on GPU (vLLM's and SGLang's weights and KV cache; TorchEngine its KV cache).
+A fixed allowance covers the CUDA context, NCCL and cuBLAS workspaces.
+
+This is a model of the code, not of the allocator: fragmentation and the caching allocator's
+reserve are not counted (keep 10% headroom). ``python -m rollpacker.bench memory`` checks the
+training peak against CPU measurements of real steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollpacker.model.parallelize import checkpointed
+
+GB = 1e9
+CUDA_CONTEXT_BYTES = 2.0 * GB
+"""CUDA context, NCCL buffers and cuBLAS workspaces: an allowance, not computed."""
+PROMPT_TOKENS = 1024
+"""The prompt length the plan assumes for the longest sample (prompts are not capped)."""
+
+QWEN2_5 = {
+    "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6,
+                       rope_theta=1e6, max_position_embeddings=131072, tie_word_embeddings=False),
+    "Qwen2.5-14B": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5,
+                        rope_theta=1e6, max_position_embeddings=131072, tie_word_embeddings=False),
+    "Qwen2.5-32B": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5,
+                        rope_theta=1e6, max_position_embeddings=131072, tie_word_embeddings=False),
+}
+"""config.json values of the released base checkpoints (the -Instruct ones have the same shapes)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """What the plan needs of a decoder, from its Hugging Face config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norms_per_block: int = 2
+    """RMSNorms per block: 2, or 4 with Gemma-2/3's norms after attention and after the MLP too."""
+    num_experts: int = 0
+    """MoE: experts per layer (0: dense)."""
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> Shape:
+        cfg = cfg.get("text_config") or cfg
+        heads = cfg["num_attention_heads"]
+        kind = cfg.get("model_type", "")
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0, num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
+            norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma3") else 2,
+            num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
+            experts_per_token=cfg.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        d = self.hidden_size
+        attn = d * (self.q_dim + 2 * self.kv_dim) + self.q_dim * d
+        attn += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        if self.num_experts:
+            mlp = self.num_experts * 3 * d * self.moe_intermediate_size + self.num_experts * d
+        else:
+            mlp = 3 * d * self.intermediate_size
+        return attn + mlp + self.norms_per_block * d
+
+    @property
+    def root_params(self) -> int:
+        """Embedding, final norm and output head (counted once when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.layer_params + self.root_params
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSetup:
+    """How one training rank runs (what the plan needs of the config, the world and the device)."""
+
+    shard_size: int
+    """N: ranks one FSDP2 replica is sharded over."""
+    seq_lens: tuple[int, ...]
+    """The largest micro-batch: its sequences' lengths (prompt + response)."""
+    response_tokens: int
+    """Tokens of the micro-batch whose log-probs are trained on."""
+    compute_bytes: int = 2
+    """b: 2 (bf16 mixed precision) or 4 (fp32)."""
+    checkpointing: str = "none"
+    ac_every: int = 2
+    ac_part: str = "block"
+    offload: bool = False
+    head: str = "fused"
+    """The log-prob head: fused (Triton kernel) or torch (chunked)."""
+    chunk_size: int = 1024
+    foreach: bool = True
+    """The optimizer steps all tensors at once (GPU) or one at a time (CPU)."""
+    reference: str = "none"
+    """The KL reference: none, sharded (FSDP2 like the policy) or streamed (host memory, layer by layer)."""
+    softcap: bool = False
+    micro_batches: int = 2
+    """Micro-batches per rank per step (1: gradients exist only from the backward on)."""
+    reduce_every: bool = False
+    """Gradients are reduce-scattered after every micro-batch (else only after the last one)."""
+    streaming: bool = False
+    """Stream training: gradients accumulate unsharded while rollout goes on."""
+    gloo: bool = False
+    """Collectives run on gloo (CPU), whose reduce-scatter copies its input."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seq_lens)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens after attention's per-bucket padding (:func:`~rollpacker.model.attention.length_groups`)."""
+        groups: dict[int, list[int]] = {}
+        for n in self.seq_lens:
+            groups.setdefault(max(16, 1 << (n - 1).bit_length()), []).append(n)
+        return sum(len(g) * max(g) for g in groups.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Term:
+    name: str
+    bytes: float
+    fix: str = ""
+    """The setting that shrinks this term."""
+
+
+@dataclass(kw_only=True)
+class Phase:
+    name: str
+    terms: list[Term] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(t.bytes for t in self.terms)
+
+    def largest(self) -> Term:
+        return max(self.terms, key=lambda t: t.bytes)
+
+
+# ---- activations --------------------------------------------------------------------------------
+
+
+def norm_saved(width: int, b: int) -> int:
+    """Bytes per token an RMSNorm keeps: its fp32 input (the input itself in fp32), 1/rms, the normed
+    value and the scaled output in the compute dtype (the next op saves it)."""
+    return 4 * width + 2 * b * width + 4
+
+
+def attention_saved(s: Shape, b: int, pad: float) -> float:
+    """Bytes per token inside attention: q, k, v gathered per length bucket and SDPA's output and
+    log-sum-exp (padded), the output scattered back (the o projection's input) and its int64 indices;
+    Qwen3's q/k norms."""
+    saved = pad * (b * (2 * s.q_dim + 2 * s.kv_dim) + 4 * s.num_heads) + b * s.q_dim + 8
+    if s.qk_norm:
+        saved += (4 + b) * (s.q_dim + s.kv_dim) + 4 * (s.num_heads + s.num_kv_heads)
+    return saved
+
+
+def mlp_saved(s: Shape, b: int) -> float:
+    """Bytes per token inside the SwiGLU MLP: gate, silu(gate), up and their product (MoE: for each
+    of the token's experts, these and the token's input and output rows; plus the router's logits
+    and probabilities)."""
+    if s.num_experts:
+        per_expert = b * (4 * s.moe_intermediate_size + 2 * s.hidden_size)
+        return s.experts_per_token * per_expert + s.num_experts * (b + 4)
+    return 4 * b * s.intermediate_size
+
+
+def block_saved(s: Shape, b: int, pad: float, part: str = "none") -> float:
+    """Bytes per token one block keeps for backward; ``part`` is the checkpointed part (none, block,
+    attention or mlp): a checkpointed module keeps only its input."""
+    if part == "block":
+        return b * s.hidden_size
+    attn = 0 if part == "attention" else attention_saved(s, b, pad)
+    mlp = 0 if part == "mlp" else mlp_saved(s, b)
+    return s.norms_per_block * norm_saved(s.hidden_size, b) + attn + mlp
+
+
+def activations(s: Shape, t: TrainSetup) -> dict[str, float]:
+    """Bytes the forward keeps for backward: ``blocks`` (the decoder's, with checkpointing only each
+    checkpointed module's input), ``head`` (the final norm's and the log-prob head's), and
+    ``recompute``, the most one checkpointed module rebuilds in backward."""
+    b, pad = t.compute_bytes, t.padded_tokens / t.tokens
+    parts = dict(checkpointed(s.num_layers, t.checkpointing, t.ac_every, t.ac_part))
+    per_token = sum(block_saved(s, b, pad, parts.get(i, "none")) for i in range(s.num_layers))
+    per_token += 2 * b * s.head_dim + 9  # RoPE's cos and sin, the buckets' index and mask (shared by the blocks)
+    head = t.tokens * (norm_saved(s.hidden_size, b) - b * s.hidden_size)  # the final norm (its output is not kept)
+    head += t.response_tokens * (b * s.hidden_size + 4 + 8)  # the head's hidden rows, log-sum-exp and targets
+    recompute = max((block_saved(s, b, pad) - block_saved(s, b, pad, p) for p in set(parts.values())), default=0)
+    return {"blocks": t.tokens * per_token, "head": head, "recompute": t.tokens * recompute}
+
+
+def head_forward(s: Shape, t: TrainSetup) -> float:
+    """Transient bytes of the log-prob head's forward: the torch path's fp32 ``[chunk, V]`` logits and
+    log-sum-exp's temporary of the same size (and an fp32 copy of a bf16 head); the fused kernel's
+    per-token statistics."""
+    if t.head == "fused":
+        return 16 * t.response_tokens
+    chunk, b, v, d = min(t.chunk_size, t.response_tokens), t.compute_bytes, s.vocab_size, s.hidden_size
+    return (2 + t.softcap) * chunk * v * 4 + (4 * v * d + 4 * chunk * d if b != 4 else 0)
+
+
+def head_backward(s: Shape, t: TrainSetup) -> float:
+    """Bytes of the log-prob head's backward, its weight's gradient included: the torch path's fp32
+    gradient (and fp32 copy of a bf16 head), ``[chunk, V]`` logits block and hidden gradient; the
+    fused kernel's fp32 hidden-gradient accumulator and weight-gradient scratch rows."""
+    b, d, v, r = t.compute_bytes, s.hidden_size, s.vocab_size, t.response_tokens
+    if t.head == "fused":
+        return 16 * r + 4 * r * d + (4 * min(8192, v) * d if b != 4 else 0) + b * r * d + b * v * d
+    chunk = min(t.chunk_size, r)
+    logits = (1 + t.softcap) * chunk * v * 4
+    if b == 4:
+        return 4 * v * d + logits + 4 * r * d
+    return 2 * 4 * v * d + max(logits + 4 * chunk * d, b * v * d) + b * r * d
+
+
+def block_backward(s: Shape, t: TrainSetup) -> float:
+    """Transient bytes at the peak of one block's backward, its MLP's: the activation gradients
+    (three ``[T, I]``), the gradient flowing between blocks (two ``[T, D]``) and the down
+    projection's weight gradient. (The block's reduce-scatter comes after, with less alive.)"""
+    b, width = t.compute_bytes, max(s.intermediate_size, s.experts_per_token * s.moe_intermediate_size)
+    return t.tokens * (3 * width + 2 * s.hidden_size) * b + b * s.hidden_size * width
+
+
+def reduce_scatter(num_params: int, t: TrainSetup, held: float = 0.0) -> float:
+    """FSDP2's reduce-scatter of a group's gradients, the larger of two moments: the unsharded
+    gradients beside their flat copy in the fp32 reduce dtype, then that copy beside the output shard
+    (and gloo's own copy of its input, on CPU) and ``held``, a gradient autograd still holds."""
+    n = t.shard_size
+    copy_in = num_params * (t.compute_bytes + 4)
+    return max(copy_in, num_params * (4 + 4 / n + (4 if t.gloo and n > 1 else 0)) + held)
+
+
+def gradients(s: Shape, t: TrainSetup) -> Term:
+    """The gradients held before a micro-batch's backward: none in a step's only micro-batch; else
+    the earlier ones', sharded in fp32 when every micro-batch reduces, else unsharded (FSDP2 keeps
+    gradients it does not reduce-scatter whole, in fp32), as stream training's always are."""
+    if t.micro_batches == 1 and not t.streaming:
+        return Term(name="gradients of earlier micro-batches", bytes=0)
+    if t.reduce_every and not t.streaming:
+        return Term(name="gradients (fp32, sharded)", bytes=(not t.offload) * 4 * s.num_params / t.shard_size,
+                    fix="train.offload")
+    return Term(name="gradients accumulated unsharded (fp32)", bytes=4 * s.num_params,
+                fix="train.reduce-every-micro-batch" if not t.streaming else "stream.enabled false")
+
+
+def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
+    """The training peaks, per rank: the forward (at the log-prob head), the head's backward, the
+    blocks' backward (the last block first), the KL reference's forward, and the optimizer step."""
+    b, n, device = t.compute_bytes, t.shard_size, 0 if t.offload else 1
+    off = "train.offload"
+    state = [Term(name="parameters (fp32, sharded)", bytes=device * 4 * s.num_params / n, fix=off),
+             Term(name="optimizer state (AdamW, fp32, sharded)", bytes=device * 8 * s.num_params / n, fix=off),
+             gradients(s, t), *reference_state(s, t)]
+    root = Term(name="unsharded root (embedding, norm, head)", bytes=b * s.root_params)
+    sharded_grads = 0 if state[2].bytes else device * 4 * s.num_layers * s.layer_params / n  # first micro-batch
+    acts = activations(s, t)
+    fix = "train.activation-checkpointing full" if t.checkpointing == "none" else "a smaller train.micro_batch_tokens"
+    saved = Term(name="saved activations", bytes=acts["blocks"] + acts["head"], fix=fix)
+    head_fix = "train.logprobs-impl triton" if t.head == "torch" else ""
+    phases = [
+        Phase(name="forward (log-prob head)", terms=[
+            *state, root, saved,
+            Term(name=f"log-prob head forward ({t.head})", bytes=head_forward(s, t), fix=head_fix)]),
+        Phase(name="backward (log-prob head)", terms=[
+            *state, root, saved,
+            Term(name=f"log-prob head backward ({t.head})", bytes=head_backward(s, t), fix=head_fix)]),
+        Phase(name="backward (blocks)", terms=[
+            *state, root, Term(name="saved activations", bytes=acts["blocks"], fix=fix),
+            Term(name="head gradient (unsharded)", bytes=b * s.vocab_size * s.hidden_size),
+            Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
+            Term(name="unsharded blocks in flight (2)", bytes=2 * b * s.layer_params),
+            Term(name="block backward (activation and weight gradients)", bytes=block_backward(s, t))]),
+        Phase(name="backward (root reduce-scatter)", terms=[
+            *state, Term(name="the blocks' gradients (fp32, sharded)", bytes=sharded_grads, fix=off),
+            Term(name="root gradients reduce-scatter (the embedding's gradient held)",
+                 bytes=reduce_scatter(s.root_params, t, held=b * s.vocab_size * s.hidden_size))])]
+    if t.reference != "none":
+        phases.append(Phase(name="forward (KL reference)", terms=[
+            *state, root, saved, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
+                                bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t))]))
+    largest = max(s.vocab_size * s.hidden_size, s.layer_params) / n
+    temp = 4 * s.num_params / n if t.foreach else 2 * 4 * largest
+    phases.append(Phase(name="optimizer step", terms=[
+        *state[:2], Term(name="gradients (fp32, sharded)", bytes=device * 4 * s.num_params / n, fix=off),
+        *reference_state(s, t), Term(name="AdamW temporaries", bytes=device * temp, fix=off)]))
+    return phases
+
+
+def reference_state(s: Shape, t: TrainSetup) -> list[Term]:
+    """What the KL reference keeps on the device: its fp32 shards, or (streamed) its root."""
+    if t.reference == "sharded":
+        return [Term(name="KL reference (fp32, sharded)", bytes=4 * s.num_params / t.shard_size, fix="train.offload")]
+    if t.reference == "streamed":
+        return [Term(name="KL reference root (streamed layers)", bytes=t.compute_bytes * s.root_params)]
+    return []
+
+
+def reference_activations(s: Shape, t: TrainSetup) -> float:
+    """A no-grad forward keeps one block's transients: ~ q, k, v, the MLP's three [T, I], and the
+    head's logits chunk."""
+    width = max(s.intermediate_size, s.experts_per_token * s.moe_intermediate_size)
+    chunk = min(t.chunk_size, t.response_tokens) * s.vocab_size * 4 * 2 if t.head == "torch" else 0
+    return t.tokens * t.compute_bytes * (3 * s.hidden_size + s.q_dim + 2 * s.kv_dim + 3 * width) + chunk
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSetup:
+    engine: str
+    """torch, vllm or sglang."""
+    tp: int
+    weight_bytes: int
+    """Bytes per engine weight element (bf16 2, fp32 4)."""
+    kv_bytes: float
+    """The engine's KV cache budget per rank."""
+    max_num_seqs: int
+    prefill_tokens: int
+    released: bool
+    """The engine frees its weights and KV cache while the trainer trains (vLLM/SGLang on GPU)."""
+
+
+def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
+    n, device = t.shard_size, 0 if t.offload else 1
+    d, inner = s.hidden_size, (s.q_dim + 2 * s.kv_dim + 3 * max(s.intermediate_size, s.moe_intermediate_size)) / r.tp
+    acts = r.prefill_tokens * (3 * d + inner) * r.weight_bytes + 3 * r.max_num_seqs * s.vocab_size * 4
+    terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=device * 12 * s.num_params / n,
+                  fix="train.offload"),
+             Term(name=f"engine weights (TP {r.tp} shard)", bytes=engine_weights(s, r),
+                  fix="a larger rollout.tp"),
+             Term(name="engine KV cache budget", bytes=r.kv_bytes, fix="a smaller engine.kv_memory_mb"),
+             Term(name="engine activations and logits", bytes=acts, fix="a smaller engine.max_prefill_tokens")]
+    return Phase(name="rollout", terms=terms + reference_state(s, t))
+
+
+def engine_weights(s: Shape, r: RolloutSetup) -> float:
+    return s.num_params * r.weight_bytes / r.tp
+
+
+# ---- a config's plan ----------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Plan:
+    shape: Shape
+    phases: list[Phase]
+    capacity: float
+    """Bytes of one GPU."""
+    host_bytes: float
+    """Host memory per rank for offloaded state."""
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def peak(self) -> float:
+        return self.peak_phase.total
+
+    @property
+    def headroom(self) -> float:
+        return 1 - self.peak / self.capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    def refusal(self) -> str:
+        """Why a config that does not fit is refused, and what to change."""
+        phase = self.peak_phase
+        term = phase.largest()
+        fix = f"; set {term.fix} to shrink it" if term.fix else ""
+        return (f"memory plan: the {phase.name} peak is {self.peak / GB:.1f} GB per GPU, over the "
+                f"{self.capacity / GB:.1f} GB this GPU has. Largest term: {term.name}, {term.bytes / GB:.1f} GB"
+                f"{fix} (python -m rollpacker.plan.memory shows every term)")
+
+    def table(self) -> str:
+        lines = [f"{'term':<52} {'GB':>8}"]
+        for phase in self.phases:
+            lines.append(f"-- {phase.name} --")
+            lines += [f"{t.name:<52} {t.bytes / GB:>8.2f}" for t in phase.terms if t.bytes]
+            lines.append(f"{'= ' + phase.name + ' peak':<52} {phase.total / GB:>8.2f}")
+        lines.append(f"peak {self.peak / GB:.2f} GB of {self.capacity / GB:.1f} GB: "
+                     f"{'fits' if self.fits else 'DOES NOT FIT'}, headroom {100 * self.headroom:.1f}%"
+                     + (f"; host memory per rank for offloaded state {self.host_bytes / GB:.1f} GB"
+                        if self.host_bytes else ""))
+        return "\n".join(lines)
+
+    def summary(self) -> dict[str, Any]:
+        return {"fits": self.fits, "peak_gb": round(self.peak / GB, 2), "headroom": round(self.headroom, 4),
+                "peak_phase": self.peak_phase.name, "capacity_gb": round(self.capacity / GB, 2),
+                **{f"{p.name.replace(' ', '_')}_gb": round(p.total / GB, 2) for p in self.phases}}
+
+
+def model_shape(path: str) -> Shape:
+    """The shape of the model at ``path``: its config.json, or a known checkpoint named like its last
+    component (the presets name ``Qwen/Qwen2.5-7B`` and the like)."""
+    cfg_file = Path(path) / "config.json"
+    if cfg_file.is_file():
+        return Shape.from_hf(json.loads(cfg_file.read_text()))
+    name = Path(path).name.removesuffix("-Instruct")
+    if name in QWEN2_5:
+        return Shape.from_hf(QWEN2_5[name])
+    raise FileNotFoundError(f"memory plan: {cfg_file} not found and {Path(path).name!r} is not a known checkpoint "
+                            f"({', '.join(QWEN2_5)}); point model.path at a Hugging Face model directory")
+
+
+def setups(config, world_size: int, device: str = "cuda") -> tuple[TrainSetup, RolloutSetup]:
+    """What the plan needs of ``config`` on ``world_size`` ranks of ``device``."""
+    t, e = config.train, config.engine
+    mixed = t.mixed_precision and device == "cuda"
+    longest = config.rollout.max_new_tokens + PROMPT_TOKENS
+    tokens = max(t.micro_batch_tokens, longest)
+    seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
+    head = "fused" if t.logprobs_impl == "triton" or (t.logprobs_impl == "auto" and device == "cuda") else "torch"
+    reference = "none" if not t.kl_coef else "streamed" if t.offload else "sharded"
+    train = TrainSetup(shard_size=t.train_shard_size or world_size, seq_lens=seq_lens, response_tokens=tokens,
+                       compute_bytes=2 if mixed else 4, checkpointing=t.activation_checkpointing,
+                       ac_every=t.ac_every, ac_part=t.ac_part, offload=t.offload, head=head,
+                       foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
+                       streaming=config.stream.enabled or config.pipe, gloo=device != "cuda")
+    kind = e.kind if e.kind != "auto" else ("torch" if device != "cuda" or config.plan.enabled else "vllm")
+    weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
+    rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
+                           kv_bytes=e.kv_memory_mb * 2**20,
+                           max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
+                           released=device == "cuda" and kind in ("vllm", "sglang"))
+    return train, rollout
+
+
+def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float, *,
+         context: float = CUDA_CONTEXT_BYTES) -> Plan:
+    phases = train_phases(shape, train)
+    kept = 0.0 if rollout.released else engine_weights(shape, rollout)
+    for phase in phases:
+        phase.terms.append(Term(name="engine weights kept while training", bytes=kept,
+                                fix="engine.kind vllm or sglang (they release it)"))
+    phases.append(rollout_phase(shape, train, rollout))
+    for phase in phases:
+        phase.terms.append(Term(name="CUDA context, NCCL, cuBLAS (allowance)", bytes=context))
+    host = 16 * shape.num_params / train.shard_size if train.offload else 0.0
+    if train.reference == "streamed":
+        host += train.compute_bytes * shape.num_params
+    return Plan(shape=shape, phases=phases, capacity=capacity, host_bytes=host)
+
+
+def config_plan(config, world_size: int, capacity: float, shape: Shape | None = None) -> Plan:
+    """The plan of ``config`` on ``world_size`` GPUs of ``capacity`` bytes each."""
+    shape = shape or model_shape(str(config.model.directory()))
+    train, rollout = setups(config, world_size)
+    return plan(shape, train, rollout, capacity)
+
+
+def check_fits(config, shape: Shape, world_size: int, capacity: float) -> Plan:
+    """The job's start-up check on GPU: the plan, or a ValueError naming what does not fit."""
+    p = config_plan(config, world_size, capacity, shape)
+    if not p.fits:
+        raise ValueError(p.refusal())
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rollpacker.plan.memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="qwen2.5-7b-8k", help="a preset name or .toml path")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GB (1e9 bytes)")
+    parser.add_argument("--world-size", type=int, default=8, help="GPUs of the job (FSDP2 shards over them)")
+    args, overrides = parser.parse_known_args(argv)
+    from rollpacker.config import parse
+
+    config = parse(["--preset", args.preset, *overrides])
+    p = config_plan(config, args.world_size, args.gpu_memory_gb * GB)
+    s = p.shape
+    print(f"{args.preset}: {s.num_params / 1e9:.2f}B parameters ({s.num_layers} layers, hidden {s.hidden_size}), "
+          f"{args.world_size} GPUs of {args.gpu_memory_gb:g} GB")
+    print(p.table())
+    print(json.dumps({"preset": args.preset, "world_size": args.world_size, **p.summary()}))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The Hugging Face model path (``--model.impl hf``): any transformers decoder behind the trainer's
+calling convention, per architecture (``pytest -k qwen3_moe`` selects the Qwen3-MoE ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_hf_model
+
+HF_ONLY = ("qwen3_moe", "gemma2", "gemma3", "mistral")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: make_hf_model(root / kind, kind) for kind in (*HF_ONLY, "llama", "qwen2")}
+
+
+@pytest.mark.parametrize("kind", [*HF_ONLY, "llama"])
+def test_packed_logits_equal_transformers_own(kind, model_dirs):
+    """Two sequences packed in one call (positions restarting at 0; longer than Gemma's sliding window)
+    give, through the output head and Gemma-2's logit cap, the logits transformers computes for each
+    sequence alone."""
+    from transformers import AutoModelForCausalLM
+
+    from rollpacker.model.hf_decoder import load_hf
+
+    decoder = load_hf(model_dirs[kind]).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dirs[kind], dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 100, (n,), generator=g) for n in (21, 13)]
+    with torch.no_grad():
+        hidden = decoder(torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs]))
+        ours = decoder.logits(hidden).split([len(s) for s in seqs])
+        for seq, logits in zip(seqs, ours, strict=True):
+            torch.testing.assert_close(logits, reference(seq[None]).logits[0].float(), atol=2e-5, rtol=1e-5)
+    if kind == "gemma2":
+        assert decoder.logit_softcap == 30.0  # transformers' default for Gemma-2: the cap is exercised
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3_moe", "gemma2", "gemma3", "mistral"])
+def test_auto_picks_native_for_what_it_implements(kind, model_dirs):
+    from rollpacker.model.hf_decoder import resolve_impl
+
+    assert resolve_impl("auto", model_dirs[kind]) == ("native" if kind in ("llama", "qwen2") else "hf")
+    assert resolve_impl("hf", model_dirs[kind]) == "hf"
+
+
+def test_hf_models_roll_out_on_vllm_not_torch_engine():
+    from rollpacker.job import model_engine
+
+    assert model_engine("hf", "auto", "cpu", False) == "vllm"
+    assert model_engine("native", "auto", "cpu", False) == "torch"
+    with pytest.raises(ValueError, match="model.impl=hf: TorchEngine runs rollpacker's native decoder only"):
+        model_engine("hf", "torch", "cpu", False)
+
+
+def test_qwen3_moe_weights_pushed_under_the_checkpoints_names(model_dirs):
+    """transformers 5 fuses a layer's experts into one tensor; what is pushed to vLLM is the
+    checkpoint's per-expert tensors, value for value."""
+    from safetensors.torch import load_file
+
+    from rollpacker.model.hf_decoder import checkpoint_format, load_hf
+    from rollpacker.rollout.engine import hf_names
+
+    path = model_dirs["qwen3_moe"]
+    decoder = load_hf(path)
+    assert any("experts.gate_up_proj" in n for n, _ in decoder.named_parameters())
+    pushed = dict(checkpoint_format(path)(hf_names(decoder.named_parameters(), tied=False)))
+    on_disk = load_file(path / "model.safetensors")
+    assert pushed.keys() == on_disk.keys()
+    assert all(torch.equal(pushed[k], on_disk[k]) for k in on_disk)
+
+
+def test_capped_logprobs_match_the_plain_version_values_and_grads():
+    from rollpacker.train.logprobs import token_logprobs
+    from rollpacker_kernels.reference import reference_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    out = token_logprobs(hidden, weight, targets, 0.7, chunk_size=8, softcap=3.0)
+    ref = reference_token_logprobs(hidden, weight, targets, 0.7, softcap=3.0)
+    torch.testing.assert_close(out, ref)
+    upstream = torch.randn(37, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(grads, torch.autograd.grad((ref * upstream).sum(), (hidden, weight)))
+    small = (hidden[:5].detach().requires_grad_(), weight[:9].detach().requires_grad_())
+    assert torch.autograd.gradcheck(lambda h, w: token_logprobs(h, w, targets[:5] % 9, 0.7, chunk_size=2, softcap=3.0),
+                                    small)
+    with pytest.raises(ValueError, match="final_logit_softcapping=3.0"):
+        token_logprobs(hidden, weight, targets, softcap=3.0, impl="triton")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["schedule:one_step_off", "--train.off-policy", "tis"], "model.impl=hf with schedule:one_step_off"),
+    (["--plan.enabled"], "model.impl=hf with plan.enabled"),
+])
+def test_hf_path_refuses_pools_of_their_own_and_the_planner(argv, message):
+    from rollpacker.config import parse
+    from rollpacker.job import check_hf
+
+    check_hf(parse([]))
+    with pytest.raises(ValueError, match=message):
+        check_hf(parse(argv))
