@@ -2,7 +2,9 @@
 
 It holds what only rank 0 has — the data rows, the tokenizer, the scheduling policy, the reward
 scheduler, the metrics sinks and live display, and the parallelism planner — and turns a round's
-result into the batch to train (GRPO advantages, the step's global normalizer) and its metrics.
+result into the batch to train (each response's reward and group, the step's global normalizer)
+and its metrics (:func:`rollpacker.metrics.round_metrics`). The RL math (advantages, the loss)
+is the trainer's: :mod:`rollpacker.train`.
 The exchange with the other ranks is :func:`rollpacker.round.run_round`; the loops that call both
 are in :mod:`rollpacker.loops`.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -50,6 +53,8 @@ class Controller:
     """The parallelism planner, with ``plan.enabled``."""
     replay: LengthReplay | None = None
     """With ``rollout.replay_lengths``: the forced response lengths."""
+    group_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
+    """Numbers each trained group's samples (the trainer's advantage groups)."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int) -> Controller:
@@ -109,58 +114,43 @@ class Controller:
         zero = self.config.reward.on_error == "zero"
         return [(o, r or 0.0) for o, r in zip(group.outputs, group.rewards) if r is not None or zero]
 
-    def group_samples(self, group: Group) -> list[Sample]:
-        """The trainer samples of a scored group (:meth:`trained_rewards`), with their GRPO advantages."""
-        import torch
+    def overlong(self, output: Any) -> float:
+        """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off)."""
+        from rollpacker.train.advantages import overlong_penalty
 
-        from rollpacker.train.losses import group_advantages
+        t = self.config.train
+        return overlong_penalty(len(output.token_ids), self.config.rollout.max_new_tokens, t.overlong_buffer,
+                                t.overlong_penalty)
+
+    def group_samples(self, group: Group) -> list[Sample]:
+        """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards with the
+        overlong punishment, one group number for all of them."""
         from rollpacker.train.trainer import Sample
 
-        pairs = self.trained_rewards(group)
-        if not pairs:
-            return []
-        adv = group_advantages(torch.tensor([r for _, r in pairs])[None], self.config.train.scale_adv_by_std)[0]
-        return [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(pairs, adv.tolist())]
+        number = next(self.group_ids)
+        return [Sample(o.prompt_ids, o.token_ids, r + self.overlong(o), o.logprobs, group=number,
+                       truncated=o.finish_reason == "length") for o, r in self.trained_rewards(group)]
 
-    def score(self, result: RoundResult) -> tuple[tuple[list[Sample], int], dict[str, Any]]:
-        """The samples left to train (those the stream trainer has not taken), the step's global
-        normalizer (over every trained sample), and the round's metrics."""
-        import torch
-
-        from rollpacker.metrics import bubble_ratio, length_stats
+    def make_batch(self, result: RoundResult) -> tuple[list[Sample], int]:
+        """The samples left to train (those the stream trainer has not taken) and the step's global
+        normalizer, over every sample trained in the step (:func:`rollpacker.train.losses.normalizer`)."""
+        from rollpacker.train.losses import normalizer
 
         cfg = self.config
-        errors = sum(r is None for g in result.groups for r in g.rewards)
         per_group = [(g, self.group_samples(g)) for g in result.groups]
-        every = [s for _, group in per_group for s in group]
         samples = [s for g, group in per_group if not g.streamed for s in group]
-        if cfg.train.advantage_norm == "batch" and len(samples) > 1:  # REINFORCE++: whiten over the batch
-            adv = torch.tensor([s.advantage for s in samples])
-            for s, a in zip(samples, ((adv - adv.mean()) / (adv.std() + 1e-6)).tolist()):
-                s.advantage = a
-        normalizer = sum(len(s.response_ids) for s in every) if cfg.train.aggregation == "token" else len(every)
-        reward_t = torch.tensor([r for g in result.groups for _, r in self.trained_rewards(g)])
-        lengths = [len(s.response_ids) for s in every]
-        rollout_time = result.end - result.start
-        trace = [(result.start, result.num_launched), *result.running_trace]
-        return (samples, normalizer), {
-            "sched/round_kind": result.kind,
-            "sched/trained_prompts": len(result.groups),
-            "sched/aborted_responses": result.num_aborted,
-            "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
-            **self.policy.stats(),
-            **result.stream,
-            "reward/mean": reward_t.mean().item() if every else 0.0,
-            "reward/accuracy": (reward_t >= 1.0).float().mean().item() if every else 0.0,
-            "reward/errors": errors,
-            "reward/seconds_total": self.rewards.take_seconds(),
-            "time/reward_exposed": result.end - result.last_finish,
-            "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
-            "rollout/tokens_per_s": result.generated_tokens / rollout_time,
-            "rollout/preemptions": result.num_preemptions,
-            "rollout/response_lengths": lengths,
-            **length_stats(lengths),
-        }
+        lengths = [len(s.response_ids) for _, group in per_group for s in group
+                   if not (cfg.train.mask_truncated and s.truncated)]
+        return samples, normalizer(cfg.train.aggregation, lengths, cfg.rollout.max_new_tokens)
+
+    def round_stats(self, result: RoundResult) -> dict[str, Any]:
+        """The round's metrics (:func:`rollpacker.metrics.round_metrics`), the policy's, and the
+        reward workers' seconds since the last step."""
+        from rollpacker.metrics import round_metrics
+
+        trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
+        return {**round_metrics(result, trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
+                **result.stream, "reward/seconds_total": self.rewards.take_seconds()}
 
     def end_step(self, step: int, kind: str, num_requests: int, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of ``kind``)."""

@@ -26,9 +26,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TextIO, get_args
+from typing import TYPE_CHECKING, Any, Literal, TextIO, get_args
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rollpacker.round import RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +101,34 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
     }
 
 
+def round_metrics(result: RoundResult, trained: list[tuple[Any, float]], penalties: list[float]) -> dict[str, Any]:
+    """A round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``, the
+    wait for rewards after the last response finished). ``trained``: the ``(output, reward)`` of
+    every response trained in the step (streamed ones too); ``penalties``: the overlong
+    punishment added to each reward (``reward/mean`` is without it)."""
+    lengths = [len(o.token_ids) for o, _ in trained]
+    rewards = [r for _, r in trained]
+    rollout_time = result.end - result.start
+    trace = [(result.start, result.num_launched), *result.running_trace]
+    return {
+        "sched/round_kind": result.kind,
+        "sched/trained_prompts": len(result.groups),
+        "sched/aborted_responses": result.num_aborted,
+        "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
+        "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "reward/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
+        "reward/errors": sum(r is None for g in result.groups for r in g.rewards),
+        "reward/overlong_penalty_mean": sum(penalties) / len(penalties) if penalties else 0.0,
+        "time/reward_exposed": result.end - result.last_finish,
+        "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
+        "rollout/tokens_per_s": result.generated_tokens / rollout_time,
+        "rollout/preemptions": result.num_preemptions,
+        "rollout/truncated": sum(o.finish_reason == "length" for o, _ in trained),
+        "rollout/response_lengths": lengths,
+        **length_stats(lengths),
+    }
+
+
 class Timer:
     """Accumulates wall time per stage: ``with timer("rollout"): ...`` adds to ``time/rollout``."""
 
@@ -120,7 +151,6 @@ class Timer:
         """The accumulated times, resetting them to nothing."""
         times, self.times = self.times, {}
         return times
-
 
 # ---------------------------------------------------------------------------------------------
 # Sinks

@@ -14,6 +14,7 @@ BENCHES = {
     "logprobs": "rollpacker.bench.logprobs",
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
+    "algorithms": "rollpacker.bench.algorithms",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

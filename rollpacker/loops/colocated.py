@@ -83,7 +83,7 @@ def generate(job: Job, step: int, plan: Round | None, timer: Timer
              ) -> tuple[tuple[list, int] | None, RoundResult | None, dict[str, Any]]:
     """Roll out round ``plan`` of ``step`` and score it: collective over the ranks rolling out
     (freed ranks stream-train meanwhile). On rank 0: the batch to train
-    (:meth:`~rollpacker.controller.Controller.score`), the round's result and its metrics;
+    (:meth:`~rollpacker.controller.Controller.make_batch`), the round's result and its metrics;
     ``timer`` gets the rollout time and the reward time (the wait for rewards after the last
     response finished)."""
     cfg, ctl = job.config, job.controller
@@ -99,8 +99,8 @@ def generate(job: Job, step: int, plan: Round | None, timer: Timer
             job.stream.serve_freed(job.engine)
     if not ctl:
         return None, None, {}
-    with timer("reward"):  # advantages of the kept groups (responses were scored as they finished)
-        batch, round_stats = ctl.score(result)
+    with timer("reward"):  # the batch of the kept groups (responses were scored as they finished)
+        batch, round_stats = ctl.make_batch(result), ctl.round_stats(result)
     # the wait for rewards after the last response finished is reward time, not rollout
     timer.times["time/rollout"] -= round_stats["time/reward_exposed"]
     timer.times["time/reward"] += round_stats["time/reward_exposed"]

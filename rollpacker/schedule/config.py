@@ -75,7 +75,7 @@ class SortedConfig(_Loaded):
 
 @dataclass(kw_only=True)
 class SortedPartialConfig(_Loaded):
-    """sorted_partial: SortedRL resuming partial responses (off-policy: needs train.off_policy is or tis)."""
+    """sorted_partial: SortedRL resuming partial responses (off-policy: needs a train.rollout_correction)."""
 
     name: ClassVar[str] = "sorted_partial"
 
