@@ -86,7 +86,8 @@ def summarize(rows: list[dict], wall: float) -> dict[str, float]:
         "eval_before": evals[0],
         "eval_after": evals[-1],
         "eval_gain": evals[-1] - evals[0],
-        "reward_gain": statistics.mean(r["reward/mean"] for r in last) - statistics.mean(r["reward/mean"] for r in first),
+        "reward_gain": statistics.mean(r["reward/mean"] for r in last)
+        - statistics.mean(r["reward/mean"] for r in first),
         "entropy_first": statistics.mean(r["train/entropy"] for r in first),
         "entropy": statistics.mean(r["train/entropy"] for r in last),
         "wall_s": wall,
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         per_seed = " / ".join(f"{r['eval_gain']:+.3f}" for r in results[n])
         print(f"{n:<12}{m['eval_gain']:>+10.3f}{m['reward_gain']:>+13.3f}"
               f"{m['entropy_first']:>12.3f} -> {m['entropy']:.3f}{m['wall_s']:>8.0f}  {per_seed}")
-    print(f"bar: every algorithm's mean eval gain > 0: {'yes' if all(mean[n]['eval_gain'] > 0 for n in names) else 'NO'}")
+    passed = all(mean[n]["eval_gain"] > 0 for n in names)
+    print(f"bar: every algorithm's mean eval gain > 0: {'yes' if passed else 'NO'}")
     summary = {f"eval_gain_{n}": round(mean[n]["eval_gain"], 4) for n in names}
     summary |= {f"reward_gain_{n}": round(mean[n]["reward_gain"], 4) for n in names}
     summary |= {f"entropy_{n}": round(mean[n]["entropy"], 4) for n in names}

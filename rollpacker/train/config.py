@@ -42,7 +42,7 @@ class TrainConfig:
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
     """Advantage estimator (rollpacker.train.advantages; docs/algorithms.md)."""
     loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """Policy loss (rollpacker.train.losses): ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight)."""
+    """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean")
     """How token losses become the step's loss; always over the step's global counts (docs/algorithms.md)."""
@@ -57,7 +57,7 @@ class TrainConfig:
     epochs: int = 1
     """Passes over the batch's mini-batches per RL step (old log-probs frozen before the first)."""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: its buffer, the last this many tokens before rollout.max_new_tokens (0 = off)."""
+    """DAPO's overlong punishment: its buffer, the last this many tokens up to rollout.max_new_tokens (0 = off)."""
     overlong_penalty: float = 1.0
     """The punishment at rollout.max_new_tokens, rising linearly from 0 over the buffer."""
     mask_truncated: bool = False
@@ -71,7 +71,7 @@ class TrainConfig:
     kl_in_reward: bool = False
     """Put -kl_coef x KL in each token's reward (REINFORCE++) instead of in the loss."""
     rollout_correction: Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"] = "none"
-    """Weights for the gap between the engine's log-probs and the trainer's (mismatch, staleness); see docs/algorithms.md."""
+    """Weights for the gap between the engine's log-probs and the trainer's (mismatch, staleness)."""
     rollout_is_low: float = 0.5
     """token_mask, seq_mask: ratios below this contribute nothing."""
     rollout_is_high: float = 2.0

@@ -182,7 +182,7 @@ def token_mask(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tupl
 
 
 def seq_mask(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tuple[Tensor | None, Tensor]:
-    """Masked IS per response: weight ``prod_t rho_t`` inside ``[low, high]``; outside, the response contributes nothing."""
+    """Masked IS per response: weight ``prod_t rho_t`` inside ``[low, high]``; outside, nothing."""
     rho = torch.exp(log_ratio.sum(dim=1, keepdim=True)).expand_as(log_ratio)
     keep = mask & (rho >= low) & (rho <= high)
     return torch.where(keep, rho, 0.0), keep

@@ -8,7 +8,8 @@
   reduced only after the last one.
 - Every normalizer is global (all response tokens, or all sequences, of the step): micro-batch
   losses are *sums*, and the reduced gradient is divided by the step's global count just before
-  clipping (times the number of ranks, since FSDP2's reduction averages over them). The update is the one a single process would take on the whole batch, and it does
+  clipping (times the number of ranks, since FSDP2's reduction averages over them). The update
+  is the one a single process would take on the whole batch, and it does
   not matter when a sample's gradient was computed.
 - Stream training (``accumulate``, paper §4.4): ranks freed from rollout compute gradients of
   finished groups while rollout goes on, with no gradient sync and no optimizer step; FSDP2 keeps
@@ -209,7 +210,8 @@ class Trainer:
         updates = []
         for _ in range(cfg.epochs):
             for batch, plan in zip(batches, plans):
-                share = normalizer * self._units([samples[i] for i in batch]) / total if several and total else normalizer
+                share = normalizer * self._units([samples[i] for i in batch]) / total if several and total else (
+                    normalizer)
                 updates.append(self._update([samples[i] for i in batch], [prepared[i] for i in batch], plan,
                                             share))
         if not all(u["train/skipped"] for u in updates):
@@ -284,7 +286,7 @@ class Trainer:
         with the frozen log-probs of ``frozen`` (index -> (old, ref), this rank's samples)."""
         cfg, frozen = self.config, frozen or {}
         lengths = [len(s.response_ids) for s in samples]
-        mask = torch.arange(max(1, *lengths, 0))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+        mask = torch.arange(max([1, *lengths]))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
         token_rewards = self._kl_rewards(samples, frozen, mask) if cfg.kl_in_reward else None
         returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, token_rewards)  # [N, T]
         adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))

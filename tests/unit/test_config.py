@@ -97,9 +97,9 @@ def test_every_registered_algorithm_piece_is_a_cli_choice():
             assert getattr(config.train, field) == name
     with pytest.raises(SystemExit):
         parse(["--train.advantage", "ppo"])
-    config = parse(["--train.mini-batches", "4", "--train.epochs", "2", "--train.kl-coef", "0.01", "--train.kl-in-reward",
-                    "--train.overlong-buffer", "64", "--train.mask-truncated", "--train.entropy-coef", "0.001",
-                    "--train.dual-clip", "3"])
+    config = parse(["--train.mini-batches", "4", "--train.epochs", "2", "--train.kl-coef", "0.01",
+                    "--train.kl-in-reward", "--train.overlong-buffer", "64", "--train.mask-truncated",
+                    "--train.entropy-coef", "0.001", "--train.dual-clip", "3"])
     t = config.train
     assert (t.mini_batches, t.epochs, t.kl_in_reward, t.overlong_buffer, t.mask_truncated, t.entropy_coef,
             t.dual_clip) == (4, 2, True, 64, True, 0.001, 3.0)

@@ -171,7 +171,8 @@ def test_micro_batches_sum_to_full_batch(loss, aggregation):
     adv = torch.randn(n, 1, generator=g).expand(n, t)
     lengths = torch.tensor([5, 1, 3, 4, 2, 5])
     mask = torch.arange(t)[None, :] < lengths[:, None]  # [N, T]
-    cfg = TrainConfig(loss=loss, aggregation=aggregation, kl_coef=0.05, entropy_coef=0.01, rollout_correction="token_tis")
+    cfg = TrainConfig(loss=loss, aggregation=aggregation, kl_coef=0.05, entropy_coef=0.01,
+                      rollout_correction="token_tis")
 
     def part(s):
         return policy_objective(logprobs[s], old[s], behavior[s], adv[s], mask[s], cfg, entropy=entropy[s], ref=ref[s])

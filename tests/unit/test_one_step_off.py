@@ -53,7 +53,8 @@ def test_pools_must_fit_the_world():
     with pytest.raises(ValueError, match="at least 2 ranks"):
         config.check_world(1)
     with pytest.raises(ValueError, match="rollout_ranks=2 must be between 1 and 1 on 2 ranks"):
-        Config(schedule=OneStepOffConfig(rollout_ranks=2), train=TrainConfig(rollout_correction="token_tis")).check_world(2)
+        Config(schedule=OneStepOffConfig(rollout_ranks=2),
+               train=TrainConfig(rollout_correction="token_tis")).check_world(2)
     with pytest.raises(ValueError, match=r"rollout.tp=2 does not divide the 1 rollout ranks"):
         Config(schedule=OneStepOffConfig(), train=TrainConfig(rollout_correction="token_tis"),
                rollout=RolloutConfig(tp=2)).check_world(2)

@@ -315,12 +315,13 @@ def test_stale_tokens_are_weighted_by_truncated_importance_sampling():
     mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)  # the last token is padding
     for adv in (1.0, -1.0):
         # token_tis: ratio 1 vs the proximal policy, each token's -A weighted by (1, min(3, 2), 0.5): -3.5 A.
-        for mode, want, grad in (("token_tis", -3.5 * adv, [-adv, -2 * adv, -0.5 * adv]), ("none", -3.0 * adv, [-adv] * 3)):
+        for mode, want, grad in (("token_tis", -3.5 * adv, [-adv, -2 * adv, -0.5 * adv]),
+                                 ("none", -3.0 * adv, [-adv] * 3)):
             logp = proximal.clone().requires_grad_(True)
             loss, stats = policy_objective(logp, logp.detach(), behavior, torch.full((1, 4), adv), mask,
                                            TrainConfig(rollout_correction=mode))
             torch.testing.assert_close(loss, torch.tensor(want), msg=f"{mode} A={adv}")
-            torch.testing.assert_close(stats["rollout_ratio"], torch.tensor(4.5))  # exp(proximal - behavior) = 1, 3, 0.5
+            torch.testing.assert_close(stats["rollout_ratio"], torch.tensor(4.5))  # exp(proximal - behavior): 1, 3, 0.5
             loss.backward()
             torch.testing.assert_close(logp.grad, torch.tensor([[*grad, 0.0]]), msg=f"{mode} A={adv}")
 

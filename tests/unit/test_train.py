@@ -38,15 +38,15 @@ def test_lr_warms_up_then_decays_by_cosine_to_its_floor_at_the_last_step():
 
 
 def algorithm_batch() -> list:
-    """Three groups of four responses to one prompt each, rewards 0/1 (tokens within the toy vocabulary)."""
+    """Two groups of three responses to one prompt each, rewards 0/1 (tokens within the toy vocabulary)."""
     from rollpacker.train.trainer import Sample
 
     g = torch.Generator().manual_seed(0)
     samples = []
-    for group in range(3):
+    for group in range(2):
         prompt = torch.randint(2, 60, (int(torch.randint(3, 9, (), generator=g)),), generator=g).tolist()
-        for reward in (1.0, 0.0, 0.0, float(group % 2)):
-            n = int(torch.randint(1, 20, (), generator=g))
+        for reward in (1.0, 0.0, float(group % 2)):
+            n = int(torch.randint(1, 12, (), generator=g))
             samples.append(Sample(prompt, torch.randint(2, 60, (n,), generator=g).tolist(), reward,
                                   (-torch.rand(n, generator=g)).tolist(), group=group))
     return samples
@@ -68,14 +68,14 @@ def test_one_mini_batch_one_epoch_is_bitwise_the_plain_ppo_step(toy_random_dir):
     from rollpacker.train.trainer import Trainer, spread
 
     meshes = build_meshes(1, 0)
-    cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=24)
     samples = algorithm_batch()
     count = sum(len(s.response_ids) for s in samples)
     trainer = Trainer(load_model(toy_random_dir), cfg, meshes.train, temperature=0.8, num_steps=2)
     stats = trainer.step(samples, count)
     plain = Trainer(load_model(toy_random_dir), cfg, meshes.train, temperature=0.8, num_steps=2)
     adv = []
-    for k in range(3):
+    for k in range(2):
         r = torch.tensor([s.reward for s in samples if s.group == k])[None]
         adv += ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6))[0].tolist()
     (micro_batches,) = spread([s.num_tokens for s in samples], 1, cfg.micro_batch_tokens)
@@ -100,26 +100,25 @@ def test_one_mini_batch_one_epoch_is_bitwise_the_plain_ppo_step(toy_random_dir):
     assert all(torch.equal(after[k], want[k]) for k in want)
 
 
-@pytest.mark.parametrize("mini_batches,epochs", [(2, 1), (1, 2)])
-def test_several_updates_freeze_the_old_logprobs_first(toy_random_dir, mini_batches, epochs):
-    """Two optimizer steps per RL step: the first update's ratios are exactly 1 (the frozen log-probs
-    are the ones the update recomputes), the second's are not (the weights moved); the learning-rate
-    schedule advances once."""
+def test_several_updates_freeze_the_old_logprobs_first(toy_random_dir):
+    """Two mini-batches, two epochs: four optimizer steps. The first update's ratios are exactly 1
+    (the frozen log-probs are the ones it recomputes), the later ones' are not (the weights moved);
+    the learning-rate schedule advances once."""
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
     from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import Trainer
 
-    cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40, mini_batches=mini_batches, epochs=epochs)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, mini_batches=2, epochs=2)
     trainer = Trainer(load_model(toy_random_dir), cfg, build_meshes(1, 0).train, temperature=0.8, num_steps=4)
     samples = algorithm_batch()
     stats = trainer.step(samples, sum(len(s.response_ids) for s in samples))
-    first, second = trainer.updates
-    assert stats["train/num_updates"] == 2.0
-    assert first["train/ratio_dev"] == 0.0 and second["train/ratio_dev"] > 1e-4, (first, second)
-    assert {s["step"].item() for s in trainer.optimizer.state.values()} == {2.0}
+    ratio_dev = [u["train/ratio_dev"] for u in trainer.updates]
+    assert stats["train/num_updates"] == 4.0
+    assert ratio_dev[0] == 0.0 and min(ratio_dev[1:]) > 1e-4, ratio_dev
+    assert {s["step"].item() for s in trainer.optimizer.state.values()} == {4.0}
     assert trainer.scheduler.last_epoch == 1
-    assert first["train/num_micro_batches"] >= 1 and 0 < first["train/entropy"] < 10
+    assert 0 < stats["train/entropy"] < 10
 
 
 def test_mini_batches_split_whole_groups():

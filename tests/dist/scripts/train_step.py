@@ -82,8 +82,9 @@ def reference_steps(path: str, cfg: TrainConfig, samples: list[Sample], temperat
     for b in parts:
         logp, entropy = plain_logprobs(model, [samples[i] for i in b], temperature)
         t = logp.shape[1]
-        loss, _ = policy_objective(logp, logp.detach() if len(parts) == 1 else old[b, :t], behavior[b, :t],
-                                   adv[b, :t], mask[b, :t], cfg, entropy=entropy, ref=None if ref is None else ref[b, :t])
+        frozen = logp.detach() if len(parts) == 1 else old[b, :t]
+        loss, _ = policy_objective(logp, frozen, behavior[b, :t], adv[b, :t], mask[b, :t], cfg, entropy=entropy,
+                                   ref=None if ref is None else ref[b, :t])
         share = total * units(cfg.aggregation, [lengths[i] for i in b]) / units(cfg.aggregation, lengths)
         (loss / share).backward()
         losses.append(loss.item() / share)
