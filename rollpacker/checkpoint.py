@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollpacker.errors import UserError
+
 MARKER = "COMMITTED"
 logger = logging.getLogger(__name__)
 
@@ -34,8 +36,9 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep must be >= 0 (0 keeps every checkpoint), got {self.keep}")
 
 
-class CheckpointError(RuntimeError):
-    """A save that failed on some rank (disk full, quota, permission); raised on every rank."""
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used (missing, interrupted, another run's) or a save that failed on some
+    rank (disk full, quota, permission; then raised on every rank)."""
 
 
 def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trainer_rank: int = 0,
@@ -146,17 +149,17 @@ def check(path: Path, policy: str | None = None, world_size: int | None = None) 
     """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy or
     another world size (``world_size``: this run's, by default torchrun's ``WORLD_SIZE``)."""
     if not path.is_dir():
-        raise FileNotFoundError(f"resume: checkpoint directory {path} does not exist")
+        raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
-        raise ValueError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
+        raise CheckpointError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
     meta = json.loads((path / "train_state.json").read_text())
     saved = (meta.get("policy") or {}).get("name")
     if policy and saved and saved != policy:
-        raise ValueError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
+        raise CheckpointError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
                          f"resume with schedule:{saved}")
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if meta.get("world_size", world_size) != world_size:
-        raise ValueError(f"resume: {path} was written by {meta['world_size']} ranks, this run has {world_size}: "
+        raise CheckpointError(f"resume: {path} was written by {meta['world_size']} ranks, this run has {world_size}: "
                          f"launch it with {meta['world_size']} ranks (torchrun --nproc_per_node), or start afresh")
 
 
@@ -170,7 +173,7 @@ def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, 
     diffs = [f"{len(items)} {what}: {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
              for what, items in (("not in the checkpoint", missing), ("only in the checkpoint", extra),
                                  ("with other shapes (checkpoint vs this model)", shapes)) if items]
-    raise ValueError(f"resume: {path} was written by a different model: parameters {'; '.join(diffs)}. "
+    raise CheckpointError(f"resume: {path} was written by a different model: parameters {'; '.join(diffs)}. "
                      "Resume with the model the run started with (model.path), or start afresh")
 
 

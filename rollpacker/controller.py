@@ -1,11 +1,12 @@
 """The controller: rank 0's part of the job.
 
-It holds what only rank 0 has — the data rows, the tokenizer, the scheduling policy, the reward
-scheduler, the metrics sinks and live display, and the parallelism planner — and turns a round's
-result into the batch to train (each response's reward and group, the step's global normalizer)
-and its metrics (:func:`rollpacker.metrics.round_metrics`). The RL math (advantages, the loss)
-is the trainer's: :mod:`rollpacker.train`.
-The exchange with the other ranks is :func:`rollpacker.round.run_round`; the loops that call both
+It holds what only rank 0 has: the data rows, the tokenizer, the scheduling policy, the reward
+scheduler, the metrics sinks and live display, and the parallelism planner. For each round it
+builds the :class:`~rollpacker.exchange.RoundLeader` that the exchange
+(:func:`~rollpacker.exchange.run_round`) drives. It turns the round's result into the batch to
+train (each response's reward and group, the step's global normalizer) and its metrics
+(:func:`rollpacker.metrics.round_metrics`). The RL math (advantages, the loss) is the trainer's:
+:mod:`rollpacker.train`. The loops that call both
 are in :mod:`rollpacker.loops`.
 """
 
@@ -25,11 +26,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rollpacker.dist import Meshes
+    from rollpacker.exchange import LengthReplay, RoundLeader, RoundResult
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
     from rollpacker.reward.scheduler import RewardScheduler
-    from rollpacker.round import LengthReplay, RoundResult
-    from rollpacker.schedule.base import Group, Policy
+    from rollpacker.rollout.engine import SamplingParams
+    from rollpacker.schedule.base import Group, Policy, RoundPlan
     from rollpacker.train.trainer import Sample
 
 logger = logging.getLogger("rollpacker")
@@ -63,23 +65,24 @@ class Controller:
         from transformers import AutoTokenizer
 
         from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
+        from rollpacker.exchange import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
-        from rollpacker.reward.scheduler import RewardScheduler
-        from rollpacker.round import LengthReplay
-        from rollpacker.schedule import build_policy
+        from rollpacker.reward.scheduler import RewardScheduler, build_functions, check_row
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config.model.chat_template, row["prompt"]),
+        functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
+        check = functools.partial(check_row, functions)  # a row no function can score is a data error
+        fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,
                                 max_new_tokens=config.rollout.max_new_tokens)
-        rows = fit(load_rows(config.data))
-        return cls(config=config, rows=rows, eval_rows=fit(load_eval_rows(config.data)) if config.eval_every else None,
-                   tokenizer=tokenizer,
-                   rewards=RewardScheduler(config.reward, config.data.reward,
-                                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True), meshes.device),
-                   policy=build_policy(config.schedule, PromptSampler(len(rows), config.data.shuffle_seed),
-                                       config.rollout.num_prompts, config.rollout.group_size,
-                                       num_epochs=config.num_epochs, last_step=config.num_steps - 1),
+        rows = fit(load_rows(config.data, check))
+        eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
+        return cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
+                   rewards=RewardScheduler(config.reward, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                           meshes.device, functions=functions),
+                   policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed),
+                                                 config.rollout.num_prompts, config.rollout.group_size,
+                                                 num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
                    display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
@@ -101,18 +104,45 @@ class Controller:
                     {t: round(v, 3) for t, v in estimates.items()}, initial, candidates)
         self.planner = Planner(cfg.plan, candidates, initial, profile=profile, world=world, prompt_len=prompt_len)
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The rollout's sampling settings."""
+        from rollpacker.rollout.engine import SamplingParams
+
+        r = self.config.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+    def leader(self, step: int, plan: RoundPlan) -> RoundLeader:
+        """Rank 0's side of round ``plan`` of ``step``, for the exchange; the live display starts the step."""
+        from rollpacker.exchange import RoundLeader
+
+        cfg = self.config
+        self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+        return RoundLeader(step=step, plan=plan, policy=self.policy, rows=self.rows, encode=self.encode_prompt,
+                           rewards=self.rewards, sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
+                           progress=self.display.update, make_samples=self.group_samples)
+
+    def eval_leader(self, step: int, num_responses: int = 1, sampling: SamplingParams | None = None) -> RoundLeader:
+        """Rank 0's side of a held-out round: every eval row once, ``num_responses`` responses each,
+        greedy unless ``sampling`` says otherwise."""
+        from rollpacker.exchange import RoundLeader
+        from rollpacker.schedule.eval import EvalPolicy
+
+        policy = EvalPolicy(len(self.eval_rows), num_responses)
+        return RoundLeader(step=step, plan=policy.start_round(step), policy=policy, rows=self.eval_rows,
+                           encode=self.encode_prompt, rewards=self.rewards,
+                           sampling=sampling or dataclasses.replace(self.sampling, temperature=0.0))
+
     def encode_prompt(self, row: dict) -> list[int]:
-        ids = encode(self.tokenizer, self.config.model.chat_template, row["prompt"])
+        ids = encode(self.tokenizer, self.config, row["prompt"])
         if not ids or len(ids) >= self.max_model_len:
             raise ValueError(f"data row {row['id']!r}: its prompt is {len(ids)} tokens; the context length is "
                              f"{self.max_model_len}")
         return ids
 
     def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:
-        """A scored group's ``(output, reward)`` pairs to train on: a reward_error sample is trained
-        with reward 0 or dropped (``reward.on_error``)."""
-        zero = self.config.reward.on_error == "zero"
-        return [(o, r or 0.0) for o, r in zip(group.outputs, group.rewards) if r is not None or zero]
+        """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already: reward.on_error)."""
+        return list(zip(group.outputs, group.rewards))
 
     def overlong(self, output: Any) -> float:
         """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off)."""
@@ -145,12 +175,12 @@ class Controller:
 
     def round_stats(self, result: RoundResult) -> dict[str, Any]:
         """The round's metrics (:func:`rollpacker.metrics.round_metrics`), the policy's, and the
-        reward workers' seconds since the last step."""
+        reward functions' (:meth:`~rollpacker.reward.scheduler.RewardScheduler.take_metrics`)."""
         from rollpacker.metrics import round_metrics
 
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
         return {**round_metrics(result, trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
-                **result.stream, "reward/seconds_total": self.rewards.take_seconds()}
+                **result.stream, **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 
     def end_step(self, step: int, kind: str, num_requests: int, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of ``kind``)."""
@@ -184,9 +214,9 @@ class Controller:
         self.display.close()
 
 
-def encode(tokenizer, chat_template: bool, prompt: str) -> list[int]:
-    """The token ids of ``prompt``, as a user turn of the tokenizer's chat template if ``chat_template``."""
-    if chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=True)
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+def encode(tokenizer, config: Config, prompt: str | list[dict]) -> list[int]:
+    """The token ids of ``prompt`` (a string or chat messages), as :func:`rollpacker.data.chat.encode` makes them."""
+    from rollpacker.data.chat import encode as encode_prompt
+
+    return encode_prompt(tokenizer, prompt, chat_template=config.model.chat_template,
+                         system_prompt=config.data.system_prompt, template_kwargs=config.model.chat_template_kwargs)

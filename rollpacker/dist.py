@@ -8,7 +8,7 @@
   groups are built the first time it is used, then reused.
 - ``train``: the 2-D (replicate, shard) HSDP mesh of the trainer. Each replica group is a whole
   copy of the model, so a subset of replicas can compute gradients on its own (stream training).
-- With stream training: ``stream``, a gloo group of all ranks for rank 0's point-to-point sends
+- With stream training: ``stream_group``, a gloo group of all ranks for rank 0's point-to-point sends
   to the ranks it frees, and ``kept_control``, the control plane of the ranks that keep rolling
   out after a scale-down (the first half of the rollout replicas, rounded up).
 - Disaggregated pools (``one_step_off``, ``rollout_ranks`` < world): the rollout mesh covers the first
@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from rollpacker.schedule.round import kept_replicas
 
 
 def _free_port() -> int:
@@ -62,7 +64,8 @@ class Meshes:
     control: dist.ProcessGroup
     rollout: DeviceMesh
     train: DeviceMesh
-    stream: dist.ProcessGroup | None = None
+    stream_group: dist.ProcessGroup | None = None
+    """With stream training: rank 0's point-to-point sends to the ranks it frees (gloo, all ranks)."""
     kept_control: dist.ProcessGroup | None = None
     rollout_ranks: list[int] = field(default_factory=list)
     """The ranks that roll out (all of them unless the pools are disaggregated); rank 0 is one."""
@@ -82,8 +85,8 @@ class Meshes:
             raise ValueError(f"rollout TP={tp} does not divide the {size} rollout ranks")
         if tp not in self._by_tp:
             replicas = size // tp
-            kept = (dist.new_group(list(range((replicas - replicas // 2) * tp)), backend="gloo")
-                    if self.stream is not None else None)
+            kept = (dist.new_group(list(range(kept_replicas(replicas) * tp)), backend="gloo")
+                    if self.stream_group is not None else None)
             mesh = DeviceMesh(self.device.type, torch.arange(size).view(replicas, tp), mesh_dim_names=("replica", "tp"))
             self._by_tp[tp] = mesh, kept
         self.rollout, self.kept_control = self._by_tp[tp]
@@ -152,7 +155,7 @@ def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, r
         control=control,
         rollout=None,
         train=DeviceMesh(kind, torch.tensor(train).view(-1, shard), mesh_dim_names=("replicate", "shard")),
-        stream=dist.new_group(backend="gloo") if stream else None,
+        stream_group=dist.new_group(backend="gloo") if stream else None,
         rollout_ranks=rollout,
         train_ranks=train,
         rollout_control=dist.new_group(rollout, backend="gloo") if pools else control,

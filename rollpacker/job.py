@@ -4,8 +4,10 @@ Each rank holds the meshes, its slice of a rollout engine replica and of the FSD
 of the two on one_step_off's disaggregated pools), the stream trainer when stream training or
 RolloutPipe is on, and, on rank 0, the :class:`~rollpacker.controller.Controller`. :func:`build`
 makes them (collective), restores a checkpoint, and, with the parallelism planner, rebuilds the
-engines at its initial TP. A job also switches rollout TP (:meth:`Job.switch_tp`) and saves a
-checkpoint (:meth:`Job.save`); the loops in :mod:`rollpacker.loops` run it.
+engines at its initial TP. A job also pushes the trainer's weights into the engines
+(:meth:`Job.push_weights`, through a :mod:`rollpacker.rollout.weights` transport), switches
+rollout TP (:meth:`Job.switch_tp`) and saves a checkpoint (:meth:`Job.save`). The loops in
+:mod:`rollpacker.loops` run it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,11 @@ from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.dist import Meshes, build_meshes, init_distributed
-from rollpacker.model import INDEX, checkpoint_dtype, empty_model, engine_dtype, load_model, save_model
-from rollpacker.rollout import build_engine
+from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, load_model, save_model
+from rollpacker.rollout import ENGINES, build_engine
 from rollpacker.rollout.config import resolve_kind
 from rollpacker.rollout.engine import Engine
-from rollpacker.rollout.torch_engine import TorchEngine
+from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
 from rollpacker.train.stream import StreamTrainer
 from rollpacker.train.trainer import Trainer
 
@@ -47,17 +49,17 @@ class Job:
     """Rank 0's parts; None elsewhere."""
     stream: StreamTrainer | None = None
     """The stream trainer (every rank), with stream.enabled or schedule.pipe."""
+    weights: WeightSync = field(default_factory=InProcess)
+    """How the trainer's weights reach the engines: in-process, or broadcast between one_step_off's pools."""
     start_step: int = 0
 
     @property
     def rank0(self) -> bool:
         return self.meshes.rank == 0
 
-    def make_stream(self) -> StreamTrainer:
-        cfg = self.config
-        return StreamTrainer(cfg.stream, self.trainer, self.meshes, max_new_tokens=cfg.rollout.max_new_tokens,
-                             kv_capacity_tokens=self.engine.kv_capacity_tokens,
-                             pipe=cfg.pipe)
+    def push_weights(self) -> None:
+        """The trainer's current weights into the engines (collective), through :attr:`weights`."""
+        self.weights.push(self.engine, self.trainer.model if self.trainer is not None else None)
 
     def switch_tp(self, tp: int) -> dict[str, float]:
         """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
@@ -73,12 +75,11 @@ class Job:
             torch.cuda.empty_cache()
         self.meshes.set_rollout_tp(tp)
         dtype = engine_dtype(self.config.model.dtype, self.meshes.device)
-        self.engine = TorchEngine(empty_model(self.trainer.model.args, self.meshes.device, dtype), self.config.engine,
-                                  self.meshes.rollout_tp)
-        self.engine.update_weights(self.trainer.model.named_parameters())
-        if self.stream:  # its replicas changed; the length histories carry over
-            histories, self.stream = self.stream.scale_down.histories, self.make_stream()
-            self.stream.scale_down.histories = histories
+        self.engine = ENGINES[self.config.engine.kind].empty(self.trainer.model.args, self.config.engine,
+                                                             self.meshes.device, dtype, self.meshes.rollout_tp)
+        self.push_weights()
+        if self.stream:
+            self.stream = self.stream.rebuild(self.engine.kv_capacity_tokens)
         return stats
 
     def save(self, step: int, policy_state: dict[str, Any] | None = None) -> None:
@@ -124,18 +125,19 @@ def build(config: Config) -> Job:
     config.engine.kind = resolve_kind(config.engine.kind, meshes.device.type, config.plan.enabled)
     if meshes.rank in meshes.rollout_ranks:
         engine = build_engine(config.engine, path, meshes.device, dtype, meshes.rollout_tp)
-    elif config.engine.kind == "vllm":  # vLLM's engines make their process groups over the whole world
-        from rollpacker.rollout.vllm_engine import join_parallel_state
-
-        join_parallel_state(path, config.engine, config.rollout.tp, dtype)
+    elif ENGINES[config.engine.kind].needs_world_groups:  # the engines' start makes groups over the whole world
+        ENGINES[config.engine.kind].join_world(path, config.engine, config.rollout.tp, dtype)
     if meshes.rank in meshes.train_ranks:
         reference = load_model(path, meshes.device, torch.float32) if config.train.kl_coef else None
         trainer = Trainer(load_model(path, meshes.device, torch.float32), config.train, meshes.train,
                           temperature=config.rollout.temperature or 1.0, reference=reference,
                           group=meshes.train_group, num_steps=config.num_steps)
     job = Job(config=config, meshes=meshes, model_dir=path, engine=engine, trainer=trainer)
+    if meshes.disaggregated:  # one_step_off: the training pool broadcasts its weights to the rollout pool
+        job.weights = Broadcast.connect(meshes, dtype, trainer.model if trainer else None, path)
     if streaming:
-        job.stream = job.make_stream()
+        job.stream = StreamTrainer(config.stream, trainer, meshes, max_new_tokens=config.rollout.max_new_tokens,
+                                   kv_capacity_tokens=engine.kv_capacity_tokens, pipe=config.pipe)
     if job.rank0:
         job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens)
     if config.plan.enabled:
@@ -145,8 +147,7 @@ def build(config: Config) -> Job:
         job.start_step = state["step"]
         if job.controller:
             job.controller.load_state_dict(state)
-        if not meshes.disaggregated:  # else the training pool pushes them (rollpacker.loops.one_step_off)
-            job.engine.update_weights(trainer.model.named_parameters())
+        job.push_weights()  # the engines get the checkpoint's weights
     return job
 
 

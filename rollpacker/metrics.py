@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -26,17 +27,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO, get_args
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import numpy as np
 
+from rollpacker.choices import check_choices
+
 if TYPE_CHECKING:
-    from rollpacker.round import RoundResult
+    from rollpacker.exchange import RoundResult
 
 logger = logging.getLogger(__name__)
 
 WandbMode = Literal["offline", "online", "disabled"]
-WANDB_MODES = get_args(WandbMode)
 SUMMARY_KEYS = (
     "time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean", "eval/accuracy",
 )
@@ -54,8 +56,7 @@ class MetricsConfig:
     """Show a live progress bar on rank 0 when stdout is a terminal."""
 
     def __post_init__(self) -> None:
-        if self.wandb_mode not in WANDB_MODES:
-            raise ValueError(f"metrics.wandb_mode must be one of {', '.join(WANDB_MODES)}, got {self.wandb_mode!r}")
+        check_choices(self, "metrics")
         if not self.wandb_project:
             raise ValueError("metrics.wandb_project must not be empty")
 
@@ -105,7 +106,8 @@ def round_metrics(result: RoundResult, trained: list[tuple[Any, float]], penalti
     """A round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``, the
     wait for rewards after the last response finished). ``trained``: the ``(output, reward)`` of
     every response trained in the step (streamed ones too); ``penalties``: the overlong
-    punishment added to each reward (``reward/mean`` is without it)."""
+    punishment added to each reward (``reward/mean`` is without it). The reward functions'
+    metrics (``reward/NAME``, ``reward/errors``) are the reward scheduler's."""
     lengths = [len(o.token_ids) for o, _ in trained]
     rewards = [r for _, r in trained]
     rollout_time = result.end - result.start
@@ -117,9 +119,8 @@ def round_metrics(result: RoundResult, trained: list[tuple[Any, float]], penalti
         "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
         "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "reward/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
-        "reward/errors": sum(r is None for g in result.groups for r in g.rewards),
         "reward/overlong_penalty_mean": sum(penalties) / len(penalties) if penalties else 0.0,
-        "time/reward_exposed": result.end - result.last_finish,
+        "time/reward_exposed": result.reward_exposed_s,
         "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
         "rollout/tokens_per_s": result.generated_tokens / rollout_time,
         "rollout/preemptions": result.num_preemptions,
@@ -146,6 +147,11 @@ class Timer:
         finally:
             key = f"time/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - start
+
+    def move(self, seconds: float, src: str, dst: str) -> None:
+        """Count ``seconds`` timed in stage ``src`` as stage ``dst``'s."""
+        self.times[f"time/{src}"] -= seconds
+        self.times[f"time/{dst}"] = self.times.get(f"time/{dst}", 0.0) + seconds
 
     def pop(self) -> dict[str, float]:
         """The accumulated times, resetting them to nothing."""
@@ -302,3 +308,13 @@ class LiveDisplay:
             self._progress.stop()
             self._progress = None
             self._task = None
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt (Chen et al. 2021): the chance that k of its n samples, drawn
+    without replacement, hold at least one of its c correct ones: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

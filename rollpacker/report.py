@@ -4,8 +4,9 @@
 
 writes ``RUN_DIR/plots/step_time.png`` (stacked ``time/*`` stages per step, ``time/step`` as a
 dot above them), ``response_lengths.png`` (a box per step of ``rollout/response_lengths``, on a
-log scale when all are positive, tail batching's long rounds marked red: the paper's Fig. 4a) and ``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs
-step), and prints their paths. A plot whose metrics appear in no step is skipped with a note.
+log scale when all are positive, tail batching's long rounds marked red: the paper's Fig. 4a) and
+``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs step), and
+prints their paths. A plot whose metrics appear in no step is skipped with a note.
 When a step was logged twice (a resumed run), its last line wins.
 """
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from rollpacker.config import Config, parse
+from rollpacker.errors import UserError, fail
 
 
 def resolve_resume(config: Config) -> None:
@@ -28,14 +29,31 @@ def resolve_resume(config: Config) -> None:
         checkpoint.check(Path(config.resume), config.policy)
 
 
+def check_model_dir(path: Path) -> None:
+    """Refuse a model directory without a model config or a tokenizer, naming what is missing."""
+    if not path.is_dir():
+        raise UserError(f"model.path: {path} is not a directory: point it at a Hugging Face model directory "
+                        "(config.json, safetensors weights, tokenizer), or leave it empty for the toy model")
+    missing = [name for name in ("config.json",) if not (path / name).is_file()]
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
+    if missing:
+        raise UserError(f"model.path: {path} has no {' and no '.join(missing)}: it is not a Hugging Face model "
+                        "directory (save one with save_pretrained, or leave model.path empty for the toy model)")
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         config = parse(argv)
         if config.resume:
             resolve_resume(config)
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"rollpacker: config error: {e}")
+        if config.model.path:
+            check_model_dir(Path(config.model.path))
+    except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"rollpacker: config error: {e}", file=sys.stderr)
+        sys.exit(1)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if config.resume and os.environ.get("RANK", "0") == "0":
         logging.getLogger("rollpacker").info("resuming from %s", config.resume)
@@ -44,8 +62,14 @@ def main(argv: list[str] | None = None) -> None:
     from rollpacker.job import build
     from rollpacker.loops import train
 
-    job = build(config)
-    train(job)
+    job = None
+    try:
+        job = build(config)
+        train(job)
+    except UserError as e:  # bad data, a failing reward function, an unusable checkpoint: said once
+        if job is not None and job.controller is not None:
+            job.controller.close()  # the reward workers stopped
+        fail(e)
     job.close()
     if dist.is_initialized():  # vLLM's shutdown destroys it
         dist.destroy_process_group()

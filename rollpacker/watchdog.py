@@ -79,6 +79,8 @@ def start(config: DistConfig) -> None:
     previous = sys.excepthook
 
     def hook(kind, error, tb):
+        if reported_elsewhere(rank):  # another rank printed a user error and left: nothing to add
+            os._exit(1)
         previous(kind, error, tb)
         if _is_timeout(error):  # in a thread: a store hosted by a stopped rank 0 may never answer
             report = threading.Thread(target=lambda: print(f"rollpacker: {diagnose(rank)}", file=sys.stderr,
@@ -111,6 +113,28 @@ def phase(name: str) -> None:
 
 def _key(rank: int) -> str:
     return f"rollpacker/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _report_key() -> str:
+    return f"rollpacker/reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def claim_report(rank: int) -> bool:
+    """Whether this rank is the first to report a user error (always, outside torchrun or if the store is gone)."""
+    try:
+        store = _store()
+        return store is None or store.compare_set(_report_key(), "", str(rank)).decode() == str(rank)
+    except Exception:  # the store's host went first: print rather than say nothing
+        return True
+
+
+def reported_elsewhere(rank: int) -> bool:
+    """Whether another rank reported a user error (then this rank's failure is its echo)."""
+    try:
+        store = _store()
+        return store is not None and store.check([_report_key()]) and store.get(_report_key()).decode() != str(rank)
+    except Exception:
+        return False
 
 
 def _store():
@@ -166,7 +190,8 @@ def diagnose(rank: int) -> str:
                 silent.append((r, f"last heartbeat {now - beat['t']:.0f}s ago, at step {beat['step']}, "
                                   f"phase {beat['phase']}"))
     except Exception as e:  # the store lives in rank 0 (or torchrun's agent): it may be the one stalled
-        return f"{where}; the heartbeat store did not answer either ({type(e).__name__}): rank 0 or the launcher is stalled"
+        return (f"{where}; the heartbeat store did not answer either ({type(e).__name__}): rank 0 or the launcher "
+                "is stalled")
     if not silent:
         return f"{where}; every rank's heartbeat is live: a slow collective, raise dist.timeout_s"
     who = "; ".join(f"rank {r}: {why}" for r, why in silent)

@@ -87,6 +87,21 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
     return proc.stdout
 
 
+SGLANG_STUBS = Path(__file__).parent / "support" / "sglang_stubs"
+"""Test-only stand-ins that SGLang's CPU path imports but never calls (docs/sglang.md)."""
+
+
+def sglang_env(**extra: str) -> dict[str, str]:
+    """The environment of an SGLang test's processes (and SGLang's own, which inherit it): the stubs
+    and tests/ on PYTHONPATH, one thread per process, Triton's interpreter off (SGLang runs no
+    Triton kernel on CPU)."""
+    path = os.pathsep.join(filter(None, [str(SGLANG_STUBS), str(DIST_SCRIPTS.parents[1]),
+                                         os.environ.get("PYTHONPATH")]))
+    env = job_env(OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
 def job_env(**extra: str) -> dict[str, str]:
     """This process's environment without the distributed variables that an in-process test's
     one-rank group set here (its MASTER_PORT is taken), plus ``extra``."""
@@ -180,7 +195,7 @@ def sandboxed_pids() -> set[int]:
     return pids
 
 
-# ---- the edge of a real controller round, without a model or ranks (rollpacker.round.run_round) ----
+# ---- the edge of a real controller round, without a model or ranks (rollpacker.exchange.run_round) ----
 
 
 class InstantRewards:

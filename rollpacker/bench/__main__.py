@@ -11,10 +11,11 @@ BENCHES = {
     "schedulers": "rollpacker.bench.schedulers",
     "rewards": "rollpacker.bench.rewards",
     "planner": "rollpacker.bench.planner",
-    "logprobs": "rollpacker.bench.logprobs",
+    "logprobs": "rollpacker_kernels.bench",
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
     "algorithms": "rollpacker.bench.algorithms",
+    "spec-engine": "rollpacker.bench.spec_engine",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

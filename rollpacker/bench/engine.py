@@ -1,6 +1,8 @@
 """``python -m rollpacker.bench engine``: rollout engines side by side on the same model and tokens:
-TorchEngine, vLLM in-process (``VLLMEngine``, ``--engines torch,vllm,hf``; needs ``bash
-launch/install.sh vllm``) and transformers' ``generate``.
+TorchEngine, vLLM in-process (``VLLMEngine``, ``--engines torch vllm hf``; needs ``bash
+launch/install.sh vllm``), SGLang (``SGLangEngine``, ``--engines torch sglang``; needs ``bash
+launch/install.sh sglang``, and on CPU the test stubs on PYTHONPATH, docs/sglang.md) and
+transformers' ``generate``.
 
 One run, one machine, one thread count, five measurements:
 
@@ -21,14 +23,17 @@ One run, one machine, one thread count, five measurements:
    (``prompt_len + new / 2``); the second term is ``q.k`` and ``p.v`` over the context. The peak
    is the best of a few ``matmul_size``-square fp32 matmuls (``2 n^3`` FLOPs each) timed in the
    same run with the same threads.
-3. **The vLLM adapter's overhead**: the same requests through vLLM's ``LLMEngine`` called directly
-   (same sampling settings, DELTA outputs kept), the fastest of ``repeats``; overhead = adapter
-   time / direct time - 1.
-4. **Decode step time against running requests** (each contract engine): N requests of
+3. **The adapters' overhead**: the same requests through vLLM's ``LLMEngine`` called directly
+   (same sampling settings, DELTA outputs kept), and through ``sgl.Engine.async_generate`` as one
+   batch (the adapter's sampling settings and log-probs, on the adapter's own engine and event-loop
+   thread), the fastest of ``repeats``; overhead = adapter time / direct time - 1. SGLang's
+   "prefill" is the time until every request has its first token.
+4. **Decode step time against running requests** (each contract engine but SGLang, whose
+   ``step()`` is not one decode step): N requests of
    ``prompt_len`` tokens are prefilled, then ``decode_steps`` pure decode ``step()`` calls are
    timed (median reported). The context stays in ``prompt_len + 2 .. prompt_len + decode_steps +
    1`` tokens. ``--out`` writes the first engine's curve as JSON for the cluster simulator.
-5. **Ragged stream** (each contract engine): ``ragged_requests`` greedy requests of random lengths
+5. **Ragged stream** (each contract engine but SGLang): ``ragged_requests`` greedy requests of random lengths
    (prompts of ``prompt_len / 2 .. 2 * prompt_len`` tokens, ``1 .. 2 * max_new_tokens`` new
    tokens, forced) are queued at once and served with ``ragged_running`` running slots, refilled
    as requests finish: the running set changes nearly every step, as in RL rollouts.
@@ -36,10 +41,10 @@ One run, one machine, one thread count, five measurements:
    fastest of ``repeats``, after a warm-up on a shorter stream).
 
 The last stdout line is one JSON object: per batch size ``tok_s_{engine}_batch{B}`` (engine
-``torchengine``, ``vllm``, ``hf``), ``ratio_vs_hf_batch{B}`` (TorchEngine / HF),
+``torchengine``, ``vllm``, ``sglang``, ``hf``), ``ratio_vs_hf_batch{B}`` (TorchEngine / HF),
 ``ratio_torch_vs_vllm_batch{B}``, ``same_tokens_{engine}_batch{B}`` (fraction of rows whose greedy
 tokens agree exactly with the first engine's), ``flop_fraction_batch{B}``,
-``vllm_adapter_overhead`` (at batch 32, or the largest below), ``peak_gflops``,
+``vllm_adapter_overhead`` and ``sglang_adapter_overhead`` (at batch 32, or the largest below), ``peak_gflops``,
 ``decode_ms_per_iter`` (first engine, N -> ms; ``decode_ms_per_iter_vllm`` after it) and
 ``ragged_tok_s_{engine}``.
 """
@@ -69,8 +74,8 @@ PROG = "python -m rollpacker.bench engine"
 class EngineBenchConfig:
     model: str = ""
     """Hugging Face model directory; empty means the toy model (rollpacker.data.toy_model)."""
-    engines: tuple[Literal["torch", "vllm", "hf"], ...] = ("torch", "hf")
-    """Engines compared on the same prompts: TorchEngine, vLLM in-process (VLLMEngine), transformers' generate."""
+    engines: tuple[Literal["torch", "vllm", "sglang", "hf"], ...] = ("torch", "hf")
+    """Engines compared on the same prompts: TorchEngine, vLLM in-process, SGLang, transformers' generate."""
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
     """Batch sizes of the throughput comparison."""
     prompt_len: int = 16
@@ -179,12 +184,12 @@ def kv_tokens(max_num_seqs: int, max_len: int, block: int) -> int:
 
 
 def build_engine(kind: str, path: Path, model: Transformer, max_num_seqs: int, max_len: int):
-    """A contract engine (``torch`` or ``vllm``) whose KV cache holds ``max_num_seqs`` sequences of
-    ``max_len`` tokens (no preemption)."""
+    """A contract engine (``torch``, ``vllm`` or ``sglang``) whose KV cache holds ``max_num_seqs``
+    sequences of ``max_len`` tokens (no preemption)."""
     from rollpacker.rollout.config import EngineConfig
 
     args = model.args
-    block = 16 if kind == "torch" else 128  # vLLM's CPU block size
+    block = 128 if kind == "vllm" else 16  # vLLM's CPU block size
     kv_mb = kv_tokens(max_num_seqs, max_len, block) * args.kv_elements_per_token * model.norm.weight.element_size()
     config = EngineConfig(kind=kind, block_size=block, kv_memory_mb=max(kv_mb / 2**20, 1.0), max_num_seqs=max_num_seqs,
                           max_prefill_tokens=max_num_seqs * max_len, max_model_len=max_len, memory_fraction=0.2)
@@ -192,6 +197,12 @@ def build_engine(kind: str, path: Path, model: Transformer, max_num_seqs: int, m
         from rollpacker.rollout.torch_engine import TorchEngine
 
         return TorchEngine(model, config)
+    if kind == "sglang":
+        import torch
+
+        from rollpacker.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(path, config, dtype=torch.float32, log_level="warning")
     from rollpacker.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(path, config)
@@ -204,6 +215,9 @@ def run_engine(engine, prompts: list[list[int]], new_tokens: int) -> Throughput:
     preempted = engine.stats().num_preemptions
     start = time.perf_counter()
     done = engine.step()
+    if type(engine).__name__ == "SGLangEngine":  # its step() returns on the first arrival: wait for every first token
+        while engine.stats().num_waiting and engine.has_unfinished():
+            done += engine.step()
     prefill = time.perf_counter() - start
     if engine.stats().num_waiting:
         raise RuntimeError("bench: the prompts did not fit one prefill; the engine is sized wrong")
@@ -237,6 +251,27 @@ def run_vllm_direct(engine, prompts: list[list[int]], new_tokens: int) -> float:
     seconds = time.perf_counter() - start
     if any(len(t) != new_tokens for t in tokens.values()):
         raise RuntimeError("bench: vLLM driven directly generated the wrong number of tokens")
+    return seconds
+
+
+def run_sglang_direct(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """The same work as :func:`run_engine` on SGLangEngine, as one ``async_generate`` batch of the
+    adapter's own ``sgl.Engine`` (the adapter's sampling settings, log-probs returned, no streaming),
+    on its event-loop thread: seconds, for the adapter's overhead."""
+    import asyncio
+
+    from rollpacker.rollout.engine import SamplingParams
+    from rollpacker.rollout.sglang_engine import sglang_params
+
+    params = sglang_params(SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True), new_tokens,
+                           engine.eos_ids, seed=0)
+    call = engine.engine.async_generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    start = time.perf_counter()
+    outs = asyncio.run_coroutine_threadsafe(call, engine.loop).result()
+    seconds = time.perf_counter() - start
+    if any(len(o["output_ids"]) != new_tokens for o in outs):
+        raise RuntimeError(f"bench: SGLang driven directly generated {[len(o['output_ids']) for o in outs]} tokens, "
+                           f"not {new_tokens} each")
     return seconds
 
 
@@ -312,8 +347,10 @@ def run_ragged(engine, requests: list) -> tuple[float, int]:
 
 # ---- the run -------------------------------------------------------------------------------------
 
-NAMES = {"torch": "TorchEngine", "vllm": "vLLM", "hf": "HF"}
-KEYS = {"torch": "torchengine", "vllm": "vllm", "hf": "hf"}
+NAMES = {"torch": "TorchEngine", "vllm": "vLLM", "sglang": "SGLang", "hf": "HF"}
+KEYS = {"torch": "torchengine", "vllm": "vllm", "sglang": "sglang", "hf": "hf"}
+DIRECT = {"vllm": run_vllm_direct, "sglang": run_sglang_direct}
+"""Engine kind -> the same work driven through the library directly (the adapter's overhead)."""
 """Engine kind -> its name in the tables and in the JSON keys."""
 
 
@@ -350,12 +387,14 @@ def run(cfg: EngineBenchConfig) -> dict:
     fpt = flops_per_token(model, context)
     with torch.inference_mode():
         results, direct = measure_batches(cfg, engines, hf, args.vocab_size, avoid, pad_id)
+        stepped = {k: e for k, e in engines.items() if k != "sglang"}  # SGLang's step() is not one decode step
         curves = {kind: {n: statistics.median(decode_step_ms(engine, n, cfg.prompt_len, args.vocab_size, avoid,
                                                              cfg.decode_steps, cfg.seed))
                          for n in cfg.decode_batch_sizes}
-                  for kind, engine in engines.items()}
-        ragged = measure_ragged(cfg, engines, lambda kind, seqs, length: build_engine(kind, path, model, seqs, length),
+                  for kind, engine in stepped.items()}
+        ragged = measure_ragged(cfg, stepped, lambda kind, seqs, length: build_engine(kind, path, model, seqs, length),
                                 args.vocab_size, avoid) if cfg.ragged_requests else {}
+        engines |= stepped  # the ragged stream rebuilt them
         for engine in engines.values():
             engine.shutdown()
 
@@ -377,11 +416,11 @@ def run(cfg: EngineBenchConfig) -> dict:
     summary |= {"peak_gflops": round(peak / 1e9, 2), "flops_per_token": round(fpt), "num_threads": threads,
                 "loadavg_before": round(load, 2)}
     for kind, curve in curves.items():
-        key = "decode_ms_per_iter" if kind == kinds[0] else f"decode_ms_per_iter_{KEYS[kind]}"
+        key = "decode_ms_per_iter" if kind == next(iter(curves)) else f"decode_ms_per_iter_{KEYS[kind]}"
         summary[key] = {str(n): round(ms, 3) for n, ms in curve.items()}
     if cfg.out is not None and curves:
-        write_curve(cfg, path.name, threads, kinds[0], summary)
-        console.print(f"decode curve ({NAMES[kinds[0]]}) written to {cfg.out}")
+        write_curve(cfg, path.name, threads, next(iter(curves)), summary)
+        console.print(f"decode curve ({NAMES[next(iter(curves))]}) written to {cfg.out}")
     return summary
 
 
@@ -419,9 +458,9 @@ def write_curve(cfg: EngineBenchConfig, model_name: str, threads: int, engine: s
 def measure_batches(cfg: EngineBenchConfig, engines: dict, hf, vocab_size: int, avoid: set[int], pad_id: int
                     ) -> tuple[dict[int, dict[str, Throughput]], dict[int, float]]:
     """Per batch size, every engine's best of ``cfg.repeats`` generate calls on the same prompts (after
-    a warm-up call each), and vLLM driven directly (alternating with its adapter) when it runs."""
+    a warm-up call each), and vLLM and SGLang driven directly when they run: per kind, per batch size, seconds."""
     results: dict[int, dict[str, Throughput]] = {}
-    direct: dict[int, float] = {}
+    direct: dict[str, dict[int, float]] = {k: {} for k in DIRECT if k in engines}
     for b in cfg.batch_sizes:
         prompts = random_prompts(b, cfg.prompt_len, vocab_size, avoid, cfg.seed + b)
 
@@ -432,8 +471,8 @@ def measure_batches(cfg: EngineBenchConfig, engines: dict, hf, vocab_size: int, 
             call(kind, min(cfg.warmup_tokens, cfg.max_new_tokens))
         runs = [{kind: call(kind, cfg.max_new_tokens) for kind in cfg.engines} for _ in range(cfg.repeats)]
         results[b] = {kind: min((r[kind] for r in runs), key=lambda r: r.total_s) for kind in cfg.engines}
-        if "vllm" in engines:
-            direct[b] = min(run_vllm_direct(engines["vllm"], prompts, cfg.max_new_tokens) for _ in range(cfg.repeats))
+        for kind in direct:
+            direct[kind][b] = min(DIRECT[kind](engines[kind], prompts, cfg.max_new_tokens) for _ in range(cfg.repeats))
     return results, direct
 
 
@@ -470,7 +509,7 @@ def curve_table(cfg: EngineBenchConfig, curves: dict[str, dict[int, float]]):
 
 
 def throughput_table(console, cfg: EngineBenchConfig, results: dict[int, dict[str, Throughput]],
-                     direct: dict[int, float], fpt: float, peak: float) -> dict:
+                     direct: dict[str, dict[int, float]], fpt: float, peak: float) -> dict:
     """Print the throughput table; its figures for the summary."""
     from rich.table import Table
 
@@ -480,13 +519,14 @@ def throughput_table(console, cfg: EngineBenchConfig, results: dict[int, dict[st
     for kind in cfg.engines:
         for col in ("tok/s", "decode tok/s") + (("same tokens",) if kind != first else ()):
             table.add_column(f"{NAMES[kind]} {col}", justify="right")
-    pairs = [(a, b) for a, b in (("torch", "hf"), ("torch", "vllm"), ("vllm", "hf")) if {a, b} <= set(cfg.engines)]
+    pairs = [(a, b) for a, b in (("torch", "hf"), ("torch", "vllm"), ("vllm", "hf"), ("torch", "sglang"))
+             if {a, b} <= set(cfg.engines)]
     for a, b in pairs:
         table.add_column(f"{NAMES[a]}/{NAMES[b]}", justify="right")
     if "torch" in cfg.engines:
         table.add_column("TorchEngine GFLOP/s (of peak)", justify="right")
-    if direct:
-        table.add_column("vLLM adapter overhead", justify="right")
+    for kind in direct:
+        table.add_column(f"{NAMES[kind]} adapter overhead", justify="right")
     summary: dict = {}
     for b, by_kind in results.items():
         row = [str(b)]
@@ -507,15 +547,15 @@ def throughput_table(console, cfg: EngineBenchConfig, results: dict[int, dict[st
             achieved = by_kind["torch"].decode_tok_s * fpt
             row.append(f"{achieved / 1e9:.2f} ({achieved / peak:.2%})")
             summary[f"flop_fraction_batch{b}"] = round(achieved / peak, 5)
-        if b in direct:
-            overhead = by_kind["vllm"].total_s / direct[b] - 1
+        for kind, seconds in direct.items():
+            overhead = by_kind[kind].total_s / seconds[b] - 1
             row.append(f"{overhead:+.1%}")
-            summary[f"vllm_adapter_overhead_batch{b}"] = round(overhead, 4)
+            summary[f"{kind}_adapter_overhead_batch{b}"] = round(overhead, 4)
         table.add_row(*row)
     console.print(table)
-    if direct:
-        b = 32 if 32 in direct else max(direct)
-        summary["vllm_adapter_overhead"] = summary[f"vllm_adapter_overhead_batch{b}"]
+    for kind, seconds in direct.items():
+        b = 32 if 32 in seconds else max(seconds)
+        summary[f"{kind}_adapter_overhead"] = summary[f"{kind}_adapter_overhead_batch{b}"]
     return summary
 
 

@@ -3,8 +3,9 @@
 Runs the toy job (``--preset``, default toy-cpu) under torchrun on ``--nproc`` ranks with the tail
 policy, four times with the same seed: ``--rollout.tp 1``, ``--rollout.tp 2``, ``--plan.enabled``
 (profiled first, into a temporary cache, then started at the profile's best TP) and the planner
-without its profile guard (``paper``: the paper's preemption heuristic alone). The engine memory per rank is ``--memory-mb`` MiB, weights included (``--engine.memory-mb``):
-tight enough that short rounds preempt at TP 1, while TP 2 leaves more of it to the KV cache.
+without its profile guard (``paper``: the paper's preemption heuristic alone). The engine memory
+per rank is ``--memory-mb`` MiB, weights included (``--engine.memory-mb``): tight enough that
+short rounds preempt at TP 1, while TP 2 leaves more of it to the KV cache.
 Per variant it prints preemptions and rollout time per short and per long round, the step time,
 the TP each round kind ran at and the in-process TP switches with their mean cost.
 
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 
 import tyro
 
-from rollpacker.bench import split_run_args
 from rollpacker.bench.schedulers import run, summarize
+from rollpacker.jobflags import split_run_args
 
 
 @dataclass
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
             table[name] = out
     print(f"\n{args.preset}, {args.nproc} ranks, tail policy, seed {args.seed}, {args.steps} steps, "
           f"engine memory {args.memory_mb} MiB per rank:")
-    rows = [("preemptions/short round", "preemptions_short", ".1f"), ("preemptions/long round", "preemptions_long", ".1f"),
+    rows = [("preemptions/short round", "preemptions_short", ".1f"),
+            ("preemptions/long round", "preemptions_long", ".1f"),
             ("rollout/short round (s)", "rollout_short", ".3f"), ("rollout/long round (s)", "rollout_long", ".3f"),
             ("step time (s)", "step_time", ".3f"), ("TP of short rounds", "tp_short", ""),
             ("TP of long rounds", "tp_long", ""), ("TP switches", "tp_switches", "d"),

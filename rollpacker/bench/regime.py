@@ -25,55 +25,24 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import tyro
 
-from rollpacker.bench import split_run_args
 from rollpacker.bench.schedulers import Args as RunArgs
-from rollpacker.bench.schedulers import policy_args, run
+from rollpacker.bench.schedulers import run
+from rollpacker.jobflags import MemoryRegime, memory_regime_flags, policy_args, split_run_args
 
 
 @dataclass
-class Args:
+class Args(MemoryRegime):
     policies: str = "sync,tail,sorted,sorted_partial"
     """Comma-separated policies; the first is the baseline of the speedups."""
-    model_dir: Path = Path("runs/regime-model")
-    """The random model (written there if missing; see the hidden/layers flags)."""
-    num_layers: int = 8
-    hidden_size: int = 768
-    num_heads: int = 12
-    num_kv_heads: int = 4
-    intermediate_size: int = 2048
-    num_steps: int = 8
-    """Steps per policy (a tail run's long rounds included)."""
-    num_prompts: int = 4
-    """P0 (per step, over both ranks)."""
-    group_size: int = 2
-    """R0: with P0, 4 requests per rank in a sync round (8 in tail's speculative short rounds)."""
-    max_new_tokens: int = 1024
-    """The response cap the replayed lengths are scaled to (median ~30 tokens, longest = cap)."""
-    seed: int = 0
-
-
-def job_flags(args: Args) -> list[str]:
-    """The ``rollpacker.run`` flags of the regime (the random model written first if missing)."""
-    if not (args.model_dir / "config.json").exists():
-        from rollpacker.data.random_model import RandomModelConfig, write
-
-        write(RandomModelConfig(out=args.model_dir, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                                intermediate_size=args.intermediate_size))
-    return ["--engine.kind", "vllm", "--model.path", str(args.model_dir), "--rollout.replay-lengths",
-            "--train.skip", "--rollout.max-new-tokens", str(args.max_new_tokens), "--rollout.num-prompts",
-            str(args.num_prompts), "--rollout.group-size", str(args.group_size), "--num-steps",
-            str(args.num_steps), "--eval-every", "0", "--checkpoint-every", "0"]
 
 
 def main(argv: list[str] | None = None) -> dict:
     own, extra = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench regime")
-    run_args = job_flags(args) + extra
+    run_args = memory_regime_flags(args) + extra
     policies = args.policies.split(",")
     rows = {}
     for policy in policies:

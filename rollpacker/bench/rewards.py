@@ -71,7 +71,7 @@ def workload(args: Args) -> tuple[list[str], list[float]]:
 
 
 def one_round(scheduler: RewardScheduler, responses: list[str], finish: list[float], overlap: bool) -> dict:
-    row = {"tests": TESTS}
+    row = {"id": "bench", "prompt": "", "tests": TESTS}
     start = time.perf_counter()
     for i, (text, at) in enumerate(zip(responses, finish)):
         if overlap:
@@ -84,8 +84,9 @@ def one_round(scheduler: RewardScheduler, responses: list[str], finish: list[flo
             scheduler.submit(i, row, SimpleNamespace(token_ids=text))  # already text: decode is the identity
     scores = dict(scheduler.wait())
     end = time.perf_counter()
-    return {"exposed": end - rollout_end, "step": end - start, "reward_seconds": scheduler.take_seconds(),
-            "passed": sum(s == 1.0 for s in scores.values()), "errors": sum(s is None for s in scores.values())}
+    metrics = scheduler.take_metrics()
+    return {"exposed": end - rollout_end, "step": end - start, "reward_seconds": metrics["reward/seconds_total"],
+            "passed": sum(s == 1.0 for s in scores.values()), "errors": metrics["reward/errors"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,9 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for timeout in ("fixed", "adaptive"):
         fixed = args.fixed_timeout
-        cfg = RewardConfig(num_workers=args.workers, timeout=5.0,
+        cfg = RewardConfig(funcs=("code",), num_workers=args.workers, timeout=5.0,
                            **({"timeout_min": fixed, "timeout_max": fixed} if timeout == "fixed" else {}))
-        scheduler = RewardScheduler(cfg, "code", decode=lambda text: text)
+        scheduler = RewardScheduler(cfg, decode=lambda text: text)
         try:
             one_round(scheduler, warmup, [0.0] * len(warmup), overlap=False)  # anchors from correct runs
             for overlap in (False, True):

@@ -8,11 +8,11 @@ policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabl
 RolloutPipe (``sync`` with ``--schedule.pipe``: 1 rollout rank, 1 train rank on 2 ranks) and
 ``tail+pipe`` tail batching's rounds with it; ``one_step_off`` is verl's recipe (1 rollout rank, 1
 training rank on 2 ranks); ``sorted_partial`` and ``one_step_off`` train with truncated importance
-sampling (``--train.rollout-correction token_tis``). Every run
-uses ``--train.train-shard-size`` = ``--train-shard-size`` (default 1: each rank a whole training
-replica, which stream training needs to free a rank), so the policies train alike. Every run has the same seed, data order and number of steps (P0 groups of R0
-responses per step; a tail run's last step flushes its long-prompt queue, so it may train a few
-prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
+sampling (``--train.rollout-correction token_tis``). Every run uses ``--train.train-shard-size`` =
+``--train-shard-size`` (default 1: each rank a whole training replica, which stream training needs
+to free a rank), so the policies train alike. Every run has the same seed, data order and number
+of steps (P0 groups of R0 responses per step; a tail run's last step flushes its long-prompt
+queue, so it may train a few prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
 
 - rollout time per round, by round kind (sync, short, long, sorted);
 - average step time (steps after the first, which warms up), the speedup vs the first policy, and
@@ -46,55 +46,28 @@ from pathlib import Path
 
 import tyro
 
-from rollpacker.bench import split_run_args
+from rollpacker.jobflags import STREAM, JobArgs, job_argv, policy_args, split_run_args
+from rollpacker.schedule.tail import TailConfig
 
 
 @dataclass
-class Args:
+class Args(JobArgs):
     policies: str = "sync,tail"
     """Comma-separated policies; the first is the baseline of the speedups."""
     seeds: str = "0,1,2"
     """Comma-separated seeds (sampling, data order and init of everything random)."""
     nproc: int = 2
     """Ranks (torchrun --nproc_per_node)."""
-    preset: str = "toy-cpu"
-    """Preset of the job (its num_steps and eval settings; rollpacker.run flags after ``--`` override them)."""
-    train_shard_size: int = 1
-    """--train.train-shard-size of every run (stream training frees whole training replicas)."""
     ablations: bool = False
     """Also run the stream trainer's Table 3 and Table 4 ablations (seed 0)."""
     ablation_steps: int = 40
     """Steps of each ablation run."""
 
 
-STREAM = ["--stream.enabled"]
-PIPE = ["--schedule.pipe"]
-OFF_POLICY = ["--train.rollout-correction", "token_tis"]
 PAPER = [*STREAM, "--stream.criterion", "kv"]  # the ablations are the paper's, with its KV-fit criterion
 TABLE3 = {"w/o": [], "20%": [*STREAM, "--stream.trigger", "0.2"], "30%": [*STREAM, "--stream.trigger", "0.3"],
           "40%": [*STREAM, "--stream.trigger", "0.4"], "adaptive": PAPER}
 TABLE4 = {"stream": PAPER, **{f"{c}%": [*PAPER, "--stream.fetch-cap", str(c / 100)] for c in (20, 30, 40, 50)}}
-
-
-VARIANTS = {"": [], "stream": STREAM, "pipe": PIPE, **{f"stream_{c}": [*STREAM, "--stream.criterion", c]
-                                                         for c in ("kv", "throughput")}}
-
-
-def policy_args(policy: str) -> list[str]:
-    name, _, extra = ("sync+pipe" if policy == "pipe" else policy).partition("+")
-    if extra not in VARIANTS:
-        raise SystemExit(f"unknown policy variant {policy!r}: write POLICY or POLICY+V, V one of "
-                         f"{', '.join(v for v in VARIANTS if v)}")
-    return [f"schedule:{name}", *VARIANTS[extra],
-            *(OFF_POLICY if name in ("sorted_partial", "one_step_off") else [])]
-
-
-def job_argv(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[str]:
-    """The ``rollpacker.run`` flags of one benchmark run."""
-    return ["--preset", args.preset, "--run-dir", run_dir, *policy_flags,
-            "--train.train-shard-size", str(args.train_shard_size),
-            "--seed", str(seed), "--data.shuffle-seed", str(seed), "--metrics.wandb-mode", "disabled",
-            "--metrics.no-live", "--checkpoint.no-export-hf", *run_args]
 
 
 def run(args: Args, run_args: list[str], policy_flags: list[str], seed: int, run_dir: str) -> list[dict]:
@@ -125,7 +98,8 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "staleness": statistics.mean(r.get("sched/staleness_mean", 0) for r in steps),
         "staleness_max": max(r.get("sched/staleness_max", 0) for r in steps),
         "rollout_to_train_end": statistics.mean(
-            r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r.get("time/train", 0.0)) for r in timed),
+            r.get("pipe/rollout_to_train_end", r["time/rollout"] + r["time/reward"] + r.get("time/train", 0.0))
+            for r in timed),
         "wait_prev_gen": statistics.mean(r.get("time/wait_prev_gen", float("nan")) for r in timed),
         "trainer_wait": statistics.mean(r.get("pipe/trainer_wait_ratio", float("nan")) for r in timed),
     }
@@ -153,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         ("rollout/round long (s)", "rollout_long", ".3f"), ("rollout/round sorted (s)", "rollout_sorted", ".3f"),
         ("rounds short/long", None, None),
         ("step time, long rounds (s)", "step_time_long", ".3f"), ("step time (s)", "step_time", ".3f"),
-        ("speedup", None, None), ("samples/s", "samples_per_s", ".1f"), ("bubble ratio", "bubble_ratio", ".3f"), ("scale-downs", "scaled_down", ".0f"),
+        ("speedup", None, None), ("samples/s", "samples_per_s", ".1f"), ("bubble ratio", "bubble_ratio", ".3f"),
+        ("scale-downs", "scaled_down", ".0f"),
         ("train hidden/step (s)", "hidden_train", ".3f"),
         ("rollout->train end (s)", "rollout_to_train_end", ".3f"), ("trainer wait ratio", "trainer_wait", ".3f"),
         ("wait for prev gen (s)", "wait_prev_gen", ".3f"),
@@ -195,7 +170,7 @@ def ablate(args: Args, run_args: list[str]) -> dict[str, float]:
         for variant, flags in table.items():
             with tempfile.TemporaryDirectory() as run_dir:
                 rows[variant] = summarize(run(args, [*run_args, "--num-steps", str(args.ablation_steps)],
-                                              ["schedule:tail", *flags], 0, run_dir))
+                                              [f"schedule:{TailConfig.name}", *flags], 0, run_dir))
         first = next(iter(rows.values()))
         print(f"\n{name}: tail, seed 0, {args.ablation_steps} steps")
         print(f"{'':<26}" + "".join(f"{v:>10}" for v in rows))
@@ -203,6 +178,6 @@ def ablate(args: Args, run_args: list[str]) -> dict[str, float]:
             print(f"{label:<26}" + "".join(f"{r[k]:>10.3f}" for r in rows.values()))
         print(f"{'speedup, long rounds':<26}" + "".join(f"{first['step_time_long'] / r['step_time_long']:>9.2f}x"
                                                         for r in rows.values()))
-        out |= {f"{name}_{v.replace('%', 'pct').replace('/', '')}": round(first["step_time_long"] / r["step_time_long"], 3)
-                for v, r in rows.items()}
+        out |= {f"{name}_{v.replace('%', 'pct').replace('/', '')}":
+                round(first["step_time_long"] / r["step_time_long"], 3) for v, r in rows.items()}
     return out

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import tyro
 
-from rollpacker.bench import split_run_args
+from rollpacker.jobflags import split_run_args
 
 STAGES = ("rollout", "reward", "train", "weight_sync")
 

@@ -1,11 +1,20 @@
 """Prompt datasets and the stateful sampler that draws them.
 
-A dataset is a list of rows ``{"id", "prompt", "answer", ...}`` (for the LLM judge ``answer`` is
-optional and a row may carry its own ``rubric``): either the synthetic toy task
-(:mod:`rollpacker.data.toy`, the embedded default) or a JSONL file of real data, one JSON object
-per line. Loading is strict: a bad line raises one error that names ``file:line`` and what is
-wrong; nothing is skipped except blank lines, unless ``data.skip_bad_lines`` asks to skip bad lines
-with a warning that counts them and names the first few.
+A dataset is a list of rows ``{"id", "prompt", ...}``: the synthetic toy task
+(:mod:`rollpacker.data.toy`, the embedded default) or a file read with Hugging Face ``datasets``
+(JSON lines, JSON, parquet, arrow, a directory written by ``save_to_disk``, or a Hub id). A
+prompt is a string or a list of chat messages. ``answer`` is the reference answer, read from
+``data.answer_key`` or, in verl's RL layout, from ``reward_model.ground_truth``. Every other
+column is kept as it is, for the reward functions.
+
+Loading is strict: a bad row raises one :class:`DatasetError` naming the file and the row (the
+line, in a JSON lines file) and what is wrong. ``data.skip_bad_lines`` skips bad rows instead,
+with one warning that counts them and names the first few. The reward functions add their own
+checks (:meth:`rollpacker.reward.scheduler.RewardScheduler.check_row`): a row none of them can
+score is refused here, before the run starts.
+
+A row's id is its ``id`` column (a string or an integer), else ``"<file stem>:<n>"``, with n its
+line in a JSON lines file and its 1-based position in any other: stable for a given file.
 
 :class:`PromptSampler` hands out row indices in a seeded permutation per epoch. Its whole state
 is a few ints, so a checkpoint can hold it and a resumed run draws exactly the same prompts.
@@ -15,40 +24,55 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 
+from rollpacker.choices import check_choices
 from rollpacker.data import toy
-from rollpacker.reward.config import check_rubric
+from rollpacker.errors import UserError
 
 logger = logging.getLogger(__name__)
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+"""File suffix -> the ``datasets`` builder that reads it."""
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     path: str = ""
-    """JSONL of real data: 'prompt' and 'answer' (math), or 'tests' (code); empty = generate the toy task."""
+    """Training prompts: a JSONL, JSON, parquet or arrow file, a saved dataset or a Hub id; empty = the toy task."""
+    split: str = "train"
+    """Split of path to read (a local file has one, train; slices work: train[:90%])."""
+    prompt_key: str = "prompt"
+    """Column of the prompt: a string, or a list of chat messages ({"role", "content"})."""
+    answer_key: str = "answer"
+    """Column of the reference answer ("a.b" reads key b of dict column a); absent: verl's reward_model.ground_truth."""
+    system_prompt: str = ""
+    """A system turn put before each prompt that has none (string prompts need model.chat_template)."""
     num_toy_prompts: int = 2048
     """Number of toy problems to generate (only used when path is empty)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
     toy_tail_alpha: float = 1.6
     """Pareto exponent of the toy problems' term count (their length tail): larger is thinner; the task's own: 1.3."""
-    reward: Literal["toy", "math", "code", "judge"] = "toy"
-    """Which reward scores this data (judge: reward.judge's LLM); rows with 'tests' are always scored as code."""
     shuffle_seed: int = 0
     """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
     eval_path: str = ""
-    """JSONL file of held-out prompts for evaluation; empty = held-out toy problems (toy data only)."""
+    """Held-out prompts for evaluation, in any format path takes; empty = held-out toy problems (toy data only)."""
+    eval_split: str = ""
+    """Split of eval_path (empty: split)."""
     num_eval_prompts: int = 256
     """Held-out prompts per evaluation (the first this many of the eval set)."""
     skip_bad_lines: bool = False
-    """Skip JSONL lines that are not valid rows (logging how many and where) instead of stopping at the first."""
+    """Skip rows (and JSON lines) that are not valid, logging how many and where, instead of stopping at the first."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "data")
         if self.num_eval_prompts <= 0:
             raise ValueError(f"data.num_eval_prompts must be positive, got {self.num_eval_prompts}")
         if self.toy_tail_alpha <= 0:
@@ -57,115 +81,231 @@ class DataConfig:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
             raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
-        from rollpacker.reward.workers import DATA_KINDS  # light: math-verify is imported on first use
-
-        if self.reward not in DATA_KINDS:
-            raise ValueError(f"data.reward must be one of {sorted(DATA_KINDS)}, got {self.reward!r}")
-
-
-class DatasetError(ValueError):
-    """A dataset file that cannot be used as is; the message names ``file:line`` and the fix."""
+        for name in ("split", "prompt_key", "answer_key"):
+            if not getattr(self, name):
+                raise ValueError(f"data.{name} must not be empty")
 
 
-def load_rows(config: DataConfig) -> list[dict]:
-    """The rows of ``config``'s dataset: the generated toy task, or the JSONL file at ``config.path``."""
+class DatasetError(UserError, ValueError):
+    """A dataset that cannot be used as it is; the message names the file, the row and the fix."""
+
+
+RowCheck = Callable[[dict], None]
+"""A caller's check of a loaded row: raises ValueError saying what is wrong with it."""
+
+
+def load_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
+    """The rows of ``config``'s dataset: the generated toy task, or the data at ``config.path``."""
     if not config.path:
         return toy.make_dataset(config.num_toy_prompts, config.toy_seed, config.toy_tail_alpha)
-    return read_jsonl(config.path, config.reward, skip_bad=config.skip_bad_lines)
+    return read_rows(config.path, config, check=check)
 
 
-def load_eval_rows(config: DataConfig) -> list[dict]:
+def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
     """Held-out rows: the first ``num_eval_prompts`` of ``eval_path``, or fresh toy problems drawn
     with a seed the training set never uses."""
     if config.eval_path:
-        return read_jsonl(config.eval_path, config.reward, skip_bad=config.skip_bad_lines)[: config.num_eval_prompts]
+        rows = read_rows(config.eval_path, config, split=config.eval_split or config.split, check=check,
+                         field="data.eval_path")
+        return rows[: config.num_eval_prompts]
     if config.path:
-        raise DatasetError("evaluation on real data needs data.eval_path (a JSONL file of held-out prompts)")
+        raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
+                           "takes), or eval_every=0")
     return toy.make_dataset(config.num_eval_prompts, 1_000_003 + config.toy_seed, config.toy_tail_alpha)
 
 
-def read_jsonl(path: str | Path, reward: str = "math", skip_bad: bool = False) -> list[dict]:
-    """Rows of a JSONL file; every line must be an object with string ``prompt`` and either string
-    ``answer`` or ``tests``, a non-empty list of ``{"input": str, "output": str}`` (code). For
-    ``reward`` judge, ``answer`` is optional and ``rubric``, if there, must be a judge template
-    with ``{prompt}`` and ``{response}``: it replaces ``reward.judge.rubric`` for that row.
+def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,
+              check: RowCheck | None = None, field: str = "data.path") -> list[dict]:
+    """Rows of a dataset file, saved dataset or Hub id, each checked (:func:`make_row`, then ``check``).
 
-    ``id`` is optional (a string or an integer, kept as a string); it defaults to
-    ``"<file stem>:<line number>"``. Ids must be unique. Other fields are kept as they are.
-    Blank lines are skipped; any other bad line raises :class:`DatasetError` naming ``file:line``,
-    or, with ``skip_bad``, is left out and counted in one warning.
+    A bad row raises :class:`DatasetError` naming the file and row, or, with ``skip_bad_lines``,
+    is left out and counted in one warning. Ids must be unique.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path: no such file: {path} (give a JSONL file, or leave it empty for the toy task)")
+    config = config or DataConfig(path=str(source))
+    path = Path(source)
+    raw, lines, skipped = _read(path, split or config.split, config.skip_bad_lines, field)
     rows: list[dict] = []
-    first_line_of: dict[str, int] = {}
+    where_of: dict[str, str] = {}
     bad: list[str] = []
-    with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                row = _parse_line(raw, path, line_no, reward)
-                if row is None:
-                    continue
-                row_id = row["id"]
-                if row_id in first_line_of:
-                    raise DatasetError(f"{path}:{line_no}: duplicate id {row_id!r} (first on line {first_line_of[row_id]}); ids must be unique")
-            except DatasetError as e:
-                if not skip_bad:
-                    raise DatasetError(f"{e} (fix the line, or set data.skip_bad_lines to skip bad lines)") from None
-                bad.append(str(e))
-                continue
-            first_line_of[row_id] = line_no
-            rows.append(row)
+    for i, record in enumerate(raw):
+        n = lines[i] if lines else i + 1
+        where = f"{path}:{n}" if lines else f"{path}: row {n}"
+        try:
+            row = make_row(record, f"{path.stem}:{n}", config)
+            if check:
+                check(row)
+            if row["id"] in where_of:
+                raise ValueError(f"duplicate id {row['id']!r} (first at {where_of[row['id']]}); ids must be unique")
+        except ValueError as e:
+            if not config.skip_bad_lines:
+                raise DatasetError(f"{where}: {e} (fix the row, or set data.skip_bad_lines to skip bad rows)") from None
+            bad.append(f"{where}: {e}")
+            continue
+        where_of[row["id"]] = where
+        rows.append(row)
+    bad = skipped + bad
     if bad:
-        logger.warning("%s: skipped %d bad line(s) of %d (data.skip_bad_lines); first: %s",
+        logger.warning("%s: skipped %d bad row(s) of %d (data.skip_bad_lines); first: %s",
                        path, len(bad), len(bad) + len(rows), "; ".join(bad[:3]))
     if not rows:
-        raise DatasetError(f"{path}: no rows (the file is empty or holds only blank {'or bad ' if bad else ''}lines)")
+        raise DatasetError(f"{path}: no rows (the data is empty or holds only blank {'or bad ' if bad else ''}rows)")
     return rows
 
 
-def _parse_line(raw: bytes, path: Path, line_no: int, reward: str) -> dict | None:
-    """One JSONL line as a row with a string id, or None for a blank line."""
-    where = f"{path}:{line_no}"
-    try:
-        text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        return None
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(row, dict):
-        raise DatasetError(f"{where}: expected a JSON object with 'prompt' and 'answer', got {type(row).__name__}")
-    required = ("prompt",) if "tests" in row or reward == "judge" else ("prompt", "answer")
-    optional = ("answer", "rubric") if reward == "judge" else ()
-    for field in required:
-        if field not in row:
-            raise DatasetError(f"{where}: missing field {field!r}")
-    for field in (*required, *optional):
-        if field in row and not isinstance(row[field], str):
-            value = json.dumps(row[field])[:40]
-            raise DatasetError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__} {value} (quote it: \"...\")")
-    tests = row.get("tests")
-    if "tests" in row and not (isinstance(tests, list) and tests and all(
-            isinstance(t, dict) and isinstance(t.get("output"), str) and isinstance(t.get("input", ""), str)
-            for t in tests)):
-        raise DatasetError(f'{where}: field \'tests\' must be a non-empty list of {{"input": str, "output": str}} objects')
-    if reward == "judge" and "rubric" in row:
+def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[dict], list[int] | None, list[str]]:
+    """The records of ``path`` as ``datasets`` reads them; for JSON lines, also each record's line
+    number and (``skip_bad``) the lines left out because they are not JSON objects."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a file it cannot read is said once, below
+    if path.is_dir():
         try:
-            check_rubric(row["rubric"], "field 'rubric'")
-        except ValueError as e:
-            raise DatasetError(f"{where}: {e} (or drop it to use reward.judge.rubric)") from None
-    if "id" not in row:
-        row["id"] = f"{path.stem}:{line_no}"
+            data = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise DatasetError(f"{field}: {path} is a directory but not a dataset saved with save_to_disk "
+                               f"({e})") from None
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise DatasetError(f"{field}: {path} has no split {split!r}; it has {', '.join(data)} (set data.split)")
+            data = data[split]
+        return list(data), None, []
+    kind = FORMATS.get(path.suffix.lower())
+    if kind is None and not path.exists() and not path.suffix:
+        return _hub(str(path), split, field), None, []
+    if kind is None:
+        raise DatasetError(f"{field}: {path} is not a dataset file: give a .jsonl, .json, .parquet or .arrow file "
+                           "(or a directory written by save_to_disk, or a Hub id)")
+    if not path.exists():
+        raise DatasetError(f"{field}: no such file: {path} (give a dataset file, or leave data.path empty for the "
+                           "toy task)")
+    lines = _record_lines(path) if path.suffix.lower() == ".jsonl" else None
+    try:
+        return _load(path, kind, split, field), lines, []
+    except DatasetError:
+        if lines is None:
+            raise
+    bad = _bad_lines(path)  # why datasets could not read it, by line
+    if bad and not skip_bad:
+        n, why = bad[0]
+        raise DatasetError(f"{path}:{n}: {why} (fix the line, or set data.skip_bad_lines to skip bad rows)")
+    lines = [n for n in lines if n not in dict(bad)]
+    if not lines:
+        raise DatasetError(f"{path}: no rows (the data is empty or holds only blank or bad rows)")
+    keep = set(lines)
+    with tempfile.TemporaryDirectory() as tmp, path.open("rb") as f:
+        good = Path(tmp) / path.name  # its good lines without blank ones (which datasets reads only sometimes)
+        good.write_bytes(b"".join(raw for n, raw in enumerate(f, start=1) if n in keep))
+        return _load(good, kind, split, field), lines, [f"{path}:{n}: {why}" for n, why in bad]
+
+
+def _load(path: Path, kind: str, split: str, field: str):
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(kind, data_files=str(path), split=split))
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise DatasetError(f"{field}: {path} has no split {split!r}: a local file has one, 'train' (slices such "
+                               "as train[:90%] work)") from None
+        raise DatasetError(f"{field}: {path} cannot be read as {kind}: {e}") from None
+    except Exception as e:  # noqa: BLE001  (datasets wraps pyarrow's errors in its own)
+        cause = e.__cause__ or e
+        raise DatasetError(f"{field}: {path} cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
+
+
+def _hub(name: str, split: str, field: str) -> list[dict]:
+    """A dataset from the Hugging Face Hub (needs network, or the datasets cache)."""
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, split=split))
+    except Exception as e:  # noqa: BLE001  (no network, no such dataset, no such split: all said by datasets)
+        raise DatasetError(f"{field}: {name} is neither a local file nor a dataset on the Hugging Face Hub that "
+                           f"can be reached ({type(e).__name__}: {str(e)[:300]})") from None
+
+
+def _record_lines(path: Path) -> list[int]:
+    """The line numbers of a JSON lines file's records: its lines that are not blank."""
+    with path.open("rb") as f:
+        return [n for n, raw in enumerate(f, start=1) if raw.strip()]
+
+
+def _bad_lines(path: Path) -> list[tuple[int, str]]:
+    """``(line, why)`` for each line of a JSON lines file that is not a JSON object in UTF-8."""
+    bad = []
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))
+            except UnicodeDecodeError as e:
+                bad.append((n, f"not valid UTF-8 ({e.reason} at byte {e.start})"))
+            except json.JSONDecodeError as e:
+                bad.append((n, f"invalid JSON ({e.msg} at column {e.colno})"))
+            else:
+                if not isinstance(value, dict):
+                    bad.append((n, f"expected a JSON object, got {type(value).__name__}"))
+    return bad
+
+
+def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
+    """A record as a row: every column kept, ``prompt`` from ``prompt_key`` (a string or chat messages),
+    ``answer`` from ``answer_key`` or verl's ``reward_model.ground_truth`` (a string), ``id`` a string.
+    Raises ValueError saying what is wrong."""
+    row = dict(record)
+    if row.get(config.prompt_key) is None:  # datasets fills a column a record lacks with None
+        raise ValueError(f"missing field {config.prompt_key!r} (the prompt; data.prompt_key names its column)")
+    row["prompt"] = check_prompt(row[config.prompt_key], config.prompt_key)
+    answer = _lookup(row, config.answer_key)
+    if answer is None and config.answer_key == "answer":
+        answer = _lookup(row, "reward_model.ground_truth")
+    if answer is not None:
+        if isinstance(answer, int) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str):
+            value = json.dumps(answer, default=str)[:40]
+            raise ValueError(f"field {config.answer_key!r} must be a string, got {type(answer).__name__} {value} "
+                             "(quote it: \"...\")")
+        row["answer"] = answer
+    if row.get("id") is None:
+        row["id"] = default_id
     elif isinstance(row["id"], int) and not isinstance(row["id"], bool):
         row["id"] = str(row["id"])
     elif not isinstance(row["id"], str):
-        raise DatasetError(f"{where}: field 'id' must be a string or an integer, got {type(row['id']).__name__}")
+        raise ValueError(f"field 'id' must be a string or an integer, got {type(row['id']).__name__}")
     return row
+
+
+def _lookup(row: dict, key: str):
+    """``row[key]``, where ``a.b`` reads key ``b`` of the dict in column ``a``; None when absent."""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return None
+        value = value[part]
+    return value
+
+
+def check_prompt(prompt, name: str = "prompt"):
+    """``prompt`` if it is a non-empty string or a non-empty list of chat messages, each a
+    ``{"role", "content"}`` of strings with a known role; else a ValueError saying what is wrong."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        value = json.dumps(prompt, default=str)[:40]
+        raise ValueError(f"field {name!r} must be a string or a list of chat messages ({{\"role\", \"content\"}}), "
+                         f"got {type(prompt).__name__} {value}")
+    for i, message in enumerate(prompt):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"field {name!r}: message {i} is not a {{\"role\": str, \"content\": str}} object: "
+                             f"{json.dumps(message, default=str)[:80]}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"field {name!r}: message {i} has role {message['role']!r}; expected one of "
+                             f"{', '.join(ROLES)}")
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
 class PromptSampler:
@@ -205,10 +345,6 @@ class PromptSampler:
     def _permutation(self, epoch: int) -> list[int]:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist()
 
-    def next_batch(self, n: int) -> list[int]:
-        """The next ``n`` indices, continuing into the next epoch(s) when this one runs out."""
-        return [row for _, row in self.draw(n)]
-
     def draw(self, n: int) -> list[tuple[int, int]]:
         """The next ``n`` indices as ``(epoch, index)`` pairs: a prompt's identity in the ledger."""
         if n < 0:
@@ -237,7 +373,8 @@ class PromptSampler:
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.num_rows:
-            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and 0 <= position <= {self.num_rows}")
+            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and "
+                             f"0 <= position <= {self.num_rows}")
         self._epoch, self._position = epoch, position
         self._order = self._permutation(epoch)
 

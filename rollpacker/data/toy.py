@@ -97,7 +97,8 @@ def length_stats(rows: list[dict]) -> dict[str, float]:
     def pct(p: float) -> int:
         return lengths[min(len(lengths) - 1, int(p * len(lengths)))]
 
-    return {"median": median, "p90": pct(0.9), "p99": pct(0.99), "max": lengths[-1], "max_over_median": lengths[-1] / median}
+    return {"median": median, "p90": pct(0.9), "p99": pct(0.99), "max": lengths[-1],
+            "max_over_median": lengths[-1] / median}
 
 
 def write_jsonl(rows: list[dict], path: str | Path) -> None:

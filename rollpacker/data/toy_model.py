@@ -46,6 +46,13 @@ logger = logging.getLogger(__name__)
 
 TOY_MODEL_DIR = Path(__file__).parent / "toy_model"
 EOS, PAD = "<|endoftext|>", "<|pad|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}{{ 'A:' + m['content'] + '\\n' }}{% else %}{{ m['content'] + '\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'A:' }}{% endif %}"
+)
+"""Chat turns written as the toy task writes a problem: a user turn "3+5" becomes the prompt "Q: 3+5\\nA:";
+a system turn is its own line before it. String prompts do not use it: their tokens are as they were."""
 EVAL_SEED = 1_000_003
 """Seed of ``eval``'s held-out problems (training draws its own from ``SFTConfig.seed``)."""
 BUCKETS = ((2, 3), (4, 6), (7, 12), (13, 24), (25, toy.MAX_TERMS))
@@ -91,7 +98,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([EOS, PAD])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1024)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, model_max_length=1024)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def model_config(tokenizer: PreTrainedTokenizerFast) -> dict:
@@ -151,7 +160,8 @@ def train(model: Transformer, tokenizer: PreTrainedTokenizerFast, cfg: SFTConfig
         opt.step()
         sched.step()
         if step % 100 == 0 or step == cfg.num_steps - 1:
-            logger.info("step %d/%d loss %.4f (%.0fs)", step + 1, cfg.num_steps, loss.item(), time.perf_counter() - start)
+            logger.info("step %d/%d loss %.4f (%.0fs)", step + 1, cfg.num_steps, loss.item(),
+                        time.perf_counter() - start)
 
 
 @contextmanager
@@ -196,7 +206,8 @@ def evaluate(path: Path, num: int, seed: int = EVAL_SEED) -> list[tuple[str, int
     rows = toy.make_dataset(num, seed)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
     with single_thread():
-        outs = generate(engine, [Request(id=r["id"], prompt_ids=tokenizer.encode(r["prompt"]), params=params) for r in rows])
+        outs = generate(engine, [Request(id=r["id"], prompt_ids=tokenizer.encode(r["prompt"]), params=params)
+                                 for r in rows])
     report = []
     for name, lo, hi in [*((f"{lo}-{hi}", lo, hi) for lo, hi in BUCKETS), ("overall", toy.MIN_TERMS, toy.MAX_TERMS)]:
         picked = [r for r in rows if lo <= r["num_terms"] <= hi]

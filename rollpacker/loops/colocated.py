@@ -10,17 +10,14 @@ and accounts for it after the step (:meth:`~rollpacker.train.stream.StreamTraine
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
 from rollpacker import preempt, watchdog
+from rollpacker.exchange import Freed, RoundResult, run_round
 from rollpacker.job import Job
 from rollpacker.metrics import Timer
-from rollpacker.rollout.engine import SamplingParams
-from rollpacker.round import FREED, RoundResult, run_round
-from rollpacker.schedule.base import Round
-from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.base import RoundPlan
 
 
 def run(job: Job) -> int:
@@ -58,7 +55,7 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
         ctl.end_step(step, plan.kind, result.num_launched, stats | times)
 
 
-def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: Round | None,
+def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: RoundPlan | None,
                result: RoundResult | None) -> None:
     """Train on the round's batch (the freed ranks' stream training accounted for) and push the new
     weights into the engines (collective)."""
@@ -74,68 +71,39 @@ def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: Round
                                        time.time() - result.start if ctl else 0.0,
                                        bool(stats.get("stream/scaled_down")))
     with timer("weight_sync"):  # push the new weights into the engines, in-process
-        job.engine.update_weights(job.trainer.model.named_parameters())
+        job.push_weights()
     if offload:
         job.engine.resume_memory()
 
 
-def generate(job: Job, step: int, plan: Round | None, timer: Timer
+def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
              ) -> tuple[tuple[list, int] | None, RoundResult | None, dict[str, Any]]:
     """Roll out round ``plan`` of ``step`` and score it: collective over the ranks rolling out
     (freed ranks stream-train meanwhile). On rank 0: the batch to train
-    (:meth:`~rollpacker.controller.Controller.make_batch`), the round's result and its metrics;
-    ``timer`` gets the rollout time and the reward time (the wait for rewards after the last
-    response finished)."""
-    cfg, ctl = job.config, job.controller
-    if ctl:
-        ctl.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+    (:meth:`~rollpacker.controller.Controller.make_batch`), the round's result and its metrics
+    (:meth:`~rollpacker.controller.Controller.round_stats`). ``timer`` gets the rollout time and the reward time."""
+    ctl = job.controller
+    leader = ctl.leader(step, plan) if ctl else None
     with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
-        result = run_round(step, job.meshes, job.engine, cfg.rollout.poll_steps, stream=job.stream, **(dict(
-            policy=ctl.policy, plan=plan, rows=ctl.rows, prompt_ids=lambda p: ctl.encode_prompt(ctl.rows[p]),
-            rewards=ctl.rewards, sampling=sampling_params(cfg), seed=cfg.seed, on_progress=ctl.display.update,
-            lengths=ctl.replay,
-            make_samples=ctl.group_samples) if ctl else {}))
-        if result is FREED:
+        result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, leader, job.stream)
+        if isinstance(result, Freed):
             job.stream.serve_freed(job.engine)
     if not ctl:
         return None, None, {}
     with timer("reward"):  # the batch of the kept groups (responses were scored as they finished)
         batch, round_stats = ctl.make_batch(result), ctl.round_stats(result)
-    # the wait for rewards after the last response finished is reward time, not rollout
-    timer.times["time/rollout"] -= round_stats["time/reward_exposed"]
-    timer.times["time/reward"] += round_stats["time/reward_exposed"]
+    timer.move(result.reward_exposed_s, "rollout", "reward")  # the wait for the last scores is reward time
     return batch, result, round_stats
 
 
-def sampling_params(cfg) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-
-
 def evaluate(job: Job, step: int) -> dict[str, float]:
-    """Greedy accuracy on the held-out prompts, through the same engines: one response each."""
+    """Accuracy on the held-out prompts, through the same engines (greedy, one response each)."""
     ctl = job.controller
     job.engine.resume_memory()  # a pipe train-pool rank's engine is released between its rounds
-    kwargs = {}
-    if ctl:
-        rows = ctl.eval_rows
-        kwargs = dict(policy=SyncPolicy(_AllRows(len(rows)), len(rows), 1), rows=rows,
-                      prompt_ids=lambda p: ctl.encode_prompt(rows[p]), rewards=ctl.rewards,
-                      sampling=dataclasses.replace(sampling_params(job.config), temperature=0.0))
-    result = run_round(step, job.meshes, job.engine, job.config.rollout.poll_steps, **kwargs)
+    result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, ctl.eval_leader(step) if ctl else None)
     if not ctl:
         return {}
-    ctl.rewards.take_seconds()  # held-out scoring is not the next step's reward time
-    rewards = [g.rewards[0] or 0.0 for g in result.groups]
+    ctl.rewards.take_metrics()  # held-out scoring is not the next step's reward time or reward/NAME
+    rewards = [r or 0.0 for g in result.groups for r in g.rewards]
     return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards)}
-
-
-class _AllRows:
-    """A sampler that hands out every row once, in order (evaluation)."""
-
-    def __init__(self, num_rows: int):
-        self.num_rows = num_rows
-
-    def draw(self, n: int) -> list[tuple[int, int]]:
-        return [(0, i) for i in range(n)]

@@ -3,18 +3,25 @@ next batch while a training pool trains this one.
 
 The first ``schedule.rollout_ranks`` ranks (rank 0, the controller, among them) hold the engines;
 the others hold the FSDP2 trainer, sharded over them alone (``Meshes.train``). Every rank runs
-:func:`run`. Step k, from the step boundary:
+:func:`run`, and each step k reads as:
 
-1. **Boundary** (collective over all ranks): rank 0 sends batch k (generated during step k−1,
-   scored, with its advantages) to the training pool (``Meshes.handoff``: the other rollout ranks
-   only hear whether there is one); the training pool's first rank sends the
-   metrics of its step k−1 to rank 0, which logs that step; the training pool broadcasts the
-   weights of its k optimizer steps to the rollout pool over the data-plane group
-   (``Meshes.weights``: NCCL on GPU, gloo on CPU), straight from its FSDP2 parameters.
-2. **Both pools at once**: the rollout pool evaluates when due and generates batch k+1 with those
-   weights, so batch k+1 is trained one step later than its weights (staleness 1,
-   ``OneStepOffPolicy``); the training pool takes step k on batch k and then waits at the next
-   boundary for batch k+1 (``time/wait_prev_gen``, verl's name).
+1. :func:`boundary`, collective over all ranks:
+
+   - rank 0 sends batch k (generated during step k−1, scored, with its advantages) to the
+     training pool over ``Meshes.handoff``; the other rollout ranks only hear whether there is one;
+   - the training pool's first rank sends the metrics of its step k−1 to rank 0, which logs them;
+   - the training pool broadcasts the weights of its k optimizer steps to the rollout pool
+     (:class:`~rollpacker.rollout.weights.Broadcast`, over ``Meshes.weights``: NCCL on GPU).
+
+2. Both pools at once:
+
+   - :func:`rollout_pool_step`: the rollout pool evaluates when due, then generates batch k+1
+     with those weights. So batch k+1 is trained one step after its weights (staleness 1,
+     ``OneStepOffPolicy``);
+   - :func:`train_pool_step`: the training pool takes step k on batch k, then waits at the next
+     boundary for batch k+1 (``time/wait_prev_gen``, verl's name).
+
+What crosses from one boundary to the next is a :class:`Loop`.
 
 Batch 0 is generated before the first boundary with the initial weights (staleness 0), while the
 training pool waits. A step's ``time/step`` is the training pool's: its wait for the batch, the
@@ -40,13 +47,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from rollpacker.job import Job
 from rollpacker.loops.colocated import evaluate, generate
 from rollpacker.metrics import Timer
-from rollpacker.model import empty_model, engine_dtype, read_args
 
 
 @dataclass
@@ -64,52 +67,97 @@ class Pending:
     """Seconds the rollout pool evaluated before generating the batch."""
 
 
+@dataclass
+class Loop:
+    """What one_step_off carries from one step boundary to the next, on every rank."""
+
+    step: int
+    """The step whose batch crosses the next boundary."""
+    weights_step: int
+    """The optimizer steps the engines' weights hold."""
+    pending: Pending | None = None
+    """Rank 0: batch ``step``, generated and scored (None once no batch is left)."""
+    previous: Pending | None = None
+    """Rank 0: the batch trained last step; the next boundary logs its metrics."""
+    batch: tuple[list, int] | None = None
+    """Training pool: the batch it trains this step."""
+    report: dict[str, float] | None = None
+    """The training pool's metrics of its last step."""
+    timer: Timer = field(default_factory=Timer)
+    """Training pool: this step's weight sync and training."""
+    arrived: float = 0.0
+    """Training pool: when this step's batch arrived."""
+    idle_since: float = field(default_factory=time.perf_counter)
+    """Training pool: when it finished its last step."""
+
+
 def run(job: Job) -> int:
     """Run ``one_step_off`` from ``job.start_step``; returns the number of steps taken (the
     engines then hold the final weights)."""
-    cfg, meshes = job.config, job.meshes
-    rank0, rolls = meshes.rank == 0, meshes.rank in meshes.rollout_ranks
-    lead = meshes.train_ranks[0]
-    step = weights_step = job.start_step
-    check_weights(job)
-    if job.start_step:  # resumed: the engines get the checkpoint's weights before batch start_step
-        push_weights(job)
-    report, idle_since, previous, pending = None, time.perf_counter(), None, None
+    loop = Loop(step=job.start_step, weights_step=job.start_step)
+    rolls = job.meshes.rank in job.meshes.rollout_ranks
     if rolls:
-        evaluated, pending = _evaluate_and_generate(job, step, weights_step, evaluate_first=True)
-        if pending:
-            pending.stats |= evaluated
-    while True:
-        # 1. the boundary: batch `step` to the training pool, the last step's metrics to rank 0, weights out
-        more = meshes.broadcast(pending is not None if rank0 else None)
-        batch = None
-        if more and (rank0 or not rolls):
-            batch = meshes.broadcast(pending.batch if rank0 else None, meshes.handoff)
-        arrived = time.perf_counter()
-        report = meshes.broadcast(report, src=lead)
-        if rank0 and report:
-            _log(job, step - 1, previous, report)
-        timer = Timer()
-        with timer("weight_sync"):
-            if step > weights_step:
-                push_weights(job)
-                weights_step = step
-        if cfg.checkpoint_every and step > job.start_step and step % cfg.checkpoint_every == 0:
-            job.save(step, policy_state=pending.policy_state if rank0 and pending else None)
-        if not more:
-            return step
-        # 2. both pools at once: the rollout pool generates batch step+1, the training pool trains batch step
+        first_batch(job, loop)
+    while boundary(job, loop):
         if rolls:
-            previous, pushed = pending, step > job.start_step  # the first boundary's weights were evaluated
-            evaluated, pending = _evaluate_and_generate(job, step + 1, weights_step, evaluate_first=pushed)
-            if rank0:
-                previous.stats |= evaluated
+            rollout_pool_step(job, loop)
         else:
-            with timer("train"):
-                stats = job.trainer.step(*batch)
-            report = stats | timer.pop() | {"time/wait_prev_gen": arrived - idle_since}
-            idle_since = time.perf_counter()
-        step += 1
+            train_pool_step(job, loop)
+        loop.step += 1
+    return loop.step
+
+
+def first_batch(job: Job, loop: Loop) -> None:
+    """Collective over the rollout pool: batch ``loop.step`` from the initial weights (evaluated
+    first when due), while the training pool waits at the first boundary."""
+    evaluated, loop.pending = _evaluate_and_generate(job, loop.step, loop.weights_step, evaluate_first=True)
+    if loop.pending:
+        loop.pending.stats |= evaluated
+
+
+def boundary(job: Job, loop: Loop) -> bool:
+    """Collective over all ranks, between two steps:
+
+    - batch ``loop.step`` goes to the training pool (the other rollout ranks only hear whether there is one);
+    - the training pool's metrics of the last step go to rank 0, which logs that step;
+    - the new weights go to the rollout pool;
+    - a checkpoint is taken when due.
+
+    Returns whether there is a batch to train."""
+    cfg, meshes, rank0 = job.config, job.meshes, job.rank0
+    more = meshes.broadcast(loop.pending is not None if rank0 else None)
+    if more and (rank0 or meshes.rank not in meshes.rollout_ranks):
+        loop.batch = meshes.broadcast(loop.pending.batch if rank0 else None, meshes.handoff)
+    loop.arrived = time.perf_counter()
+    loop.report = meshes.broadcast(loop.report, src=meshes.train_ranks[0])
+    if rank0 and loop.report:
+        _log(job, loop.step - 1, loop.previous, loop.report)
+    loop.timer = Timer()
+    with loop.timer("weight_sync"):
+        if loop.step > loop.weights_step:
+            job.push_weights()
+            loop.weights_step = loop.step
+    if cfg.checkpoint_every and loop.step > job.start_step and loop.step % cfg.checkpoint_every == 0:
+        job.save(loop.step, policy_state=loop.pending.policy_state if rank0 and loop.pending else None)
+    return bool(more)
+
+
+def rollout_pool_step(job: Job, loop: Loop) -> None:
+    """Collective over the rollout pool: evaluate the weights just pushed when due (the first
+    boundary's were evaluated before the first batch), then generate and score batch ``step + 1``."""
+    pushed = loop.step > job.start_step
+    evaluated, pending = _evaluate_and_generate(job, loop.step + 1, loop.weights_step, evaluate_first=pushed)
+    loop.previous, loop.pending = loop.pending, pending
+    if loop.previous:  # rank 0: the evaluation belongs to the step of these weights
+        loop.previous.stats |= evaluated
+
+
+def train_pool_step(job: Job, loop: Loop) -> None:
+    """The training pool: one optimizer step on batch ``step``; its metrics wait for the next boundary."""
+    with loop.timer("train"):
+        stats = job.trainer.step(*loop.batch)
+    loop.report = stats | loop.timer.pop() | {"time/wait_prev_gen": loop.arrived - loop.idle_since}
+    loop.idle_since = time.perf_counter()
 
 
 def _evaluate_and_generate(job: Job, step: int, weights_step: int,
@@ -146,43 +194,3 @@ def _log(job: Job, step: int, pending: Pending, report: dict[str, float]) -> Non
     stats["time/step"] = stats["time/wait_prev_gen"] + report["time/weight_sync"] + report["time/train"]
     job.controller.metrics.log(step, stats)
     job.controller.display.end_step(stats)
-
-
-def check_weights(job: Job) -> None:
-    """Collective, once: the training pool's parameters must be the engines' (names and shapes, in
-    order), since :func:`push_weights` sends them by position."""
-    meshes = job.meshes
-    names = _parameter_shapes(job)
-    theirs = meshes.broadcast(names, src=meshes.train_ranks[0])
-    if theirs != names:
-        raise RuntimeError(f"one_step_off: the trainer's parameters {theirs} are not the engine's {names}")
-
-
-def push_weights(job: Job) -> None:
-    """Collective over all ranks: every parameter of the training pool's model, gathered whole from
-    its FSDP2 shards (``full_tensor``, collective over the training pool), is broadcast by the
-    pool's first rank to the rollout pool over ``Meshes.weights`` in the engines' dtype, where each
-    engine keeps its TP slice."""
-    meshes = job.meshes
-    lead, dtype = meshes.train_ranks[0], engine_dtype(job.config.model.dtype, meshes.device)
-    if job.trainer is not None:
-        for _, param in job.trainer.model.named_parameters():
-            full = param.full_tensor()
-            if meshes.rank == lead:
-                dist.broadcast(full.to(dtype).contiguous(), lead, group=meshes.weights)
-    else:  # one stream into the engine: vLLM reloads layer by layer, all of a layer's tensors at once
-        def received():
-            for name, shape in _parameter_shapes(job):
-                buffer = torch.empty(shape, dtype=dtype, device=meshes.device)
-                dist.broadcast(buffer, lead, group=meshes.weights)
-                yield name, buffer
-
-        job.engine.update_weights(received())
-
-
-def _parameter_shapes(job: Job) -> list[tuple[str, tuple[int, ...]]]:
-    """The model's parameter names and shapes, in order: the trainer's, or on the rollout pool those
-    of the model directory's architecture (any engine)."""
-    model = job.trainer.model if job.trainer is not None else empty_model(read_args(job.model_dir), "meta",
-                                                                             torch.float32)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]

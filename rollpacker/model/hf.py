@@ -139,7 +139,8 @@ def checkpoint_dtype(args: ModelArgs) -> torch.dtype | None:
     """The dtype ``config.json`` names for the weights (``dtype``, or ``torch_dtype`` before transformers
     v5), or None when it names none."""
     name = args.hf_config.get("dtype") or args.hf_config.get("torch_dtype")
-    return getattr(torch, name) if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype) else None
+    found = getattr(torch, name, None) if isinstance(name, str) else None
+    return found if isinstance(found, torch.dtype) else None
 
 
 def engine_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -80,7 +80,8 @@ def check(profile: Any, key: dict, where: str) -> dict:
     diffs = [f"{k}: profile has {have.get(k)!r}, this run {v!r}" for k, v in key.items() if have.get(k) != v]
     if diffs:
         raise ValueError(f"{where}: the profile is for another setup ({'; '.join(diffs)}); profile again with "
-                         "python -m rollpacker.plan.profile and the run's flags, or drop --plan.profile to use the cache")
+                         "python -m rollpacker.plan.profile and the run's flags, or drop --plan.profile to use the "
+                         "cache")
     return profile
 
 
@@ -182,7 +183,7 @@ def _slowest(meshes, ms: float) -> float:
 def _exchange_ms(meshes, reps: int = 100) -> float:
     """One control exchange as the rollout loop makes one every poll: a command broadcast from rank
     0, a report gathered back (empty ones: the fixed cost); the median, the slowest rank's."""
-    from rollpacker.round import Command, Report
+    from rollpacker.exchange import Command, Report
 
     times = []
     for _ in range(reps):

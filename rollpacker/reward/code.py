@@ -53,7 +53,8 @@ def code_reward(response: str, tests: list[dict], timeouts: list[float],
     a reward_error, not a wrong answer.
     """
     if not tests or len(timeouts) != len(tests):
-        raise RewardError(f"code reward: {len(tests)} tests and {len(timeouts)} timeouts; a row needs at least one test")
+        raise RewardError(f"code reward: {len(tests)} tests and {len(timeouts)} timeouts; "
+                          "a row needs at least one test")
     program = extract_code(response)
     if program is None:
         return 0.0, {"verdicts": [], "seconds": []}
@@ -71,6 +72,23 @@ def code_reward(response: str, tests: list[dict], timeouts: list[float],
     return float(passed), {"verdicts": verdicts, "seconds": seconds}
 
 
+def code(completions: list, tests: list | None = None, timeouts: list | None = None,
+         sandbox: list | None = None, **_) -> list[dict | None]:
+    """The built-in ``code``, a TRL-convention function: :func:`code_reward` of each completion, as
+    ``{"score", "verdicts", "seconds"}`` (None for a row without ``tests``). ``timeouts`` (per test)
+    and ``sandbox`` come from the reward scheduler's :class:`AdaptiveTimeout` and config."""
+    from rollpacker.reward.functions import completion_text
+
+    n = len(completions)
+    return [None if t is None else _scored(*code_reward(completion_text(c), t, limits, box))
+            for c, t, limits, box in zip(completions, tests or [None] * n, timeouts or [None] * n,
+                                         sandbox or [None] * n)]
+
+
+def _scored(score: float, details: dict) -> dict:
+    return {"score": score, **details}
+
+
 class AdaptiveTimeout:
     """Per test case timeouts ``min(max(T_min, factor * T_anchor), T_max)``, anchors learned from correct runs."""
 
@@ -81,7 +99,8 @@ class AdaptiveTimeout:
 
     @classmethod
     def from_config(cls, cfg) -> AdaptiveTimeout:
-        """From a :class:`rollpacker.reward.config.RewardConfig`'s ``timeout_factor``, ``timeout_min``, ``timeout_max``."""
+        """From a :class:`rollpacker.reward.config.RewardConfig`'s ``timeout_factor``, ``timeout_min`` and
+        ``timeout_max``."""
         return cls(cfg.timeout_factor, cfg.timeout_min, cfg.timeout_max)
 
     def timeouts(self, tests: list[dict]) -> list[float]:

@@ -1,4 +1,5 @@
-"""The reward scheduler's config: worker pool, failure policy, adaptive code timeouts, sandbox, LLM judge.
+"""The reward scheduler's config: the reward functions and their weights, worker pool, failure
+policy, adaptive code timeouts, sandbox, LLM judge.
 
 Plain dataclasses only (no torch): configs are parsed before anything heavy is imported.
 """
@@ -7,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
+from rollpacker.choices import check_choices
+from rollpacker.data.rubric import check_rubric
 from rollpacker.reward.sandbox import SandboxConfig
 
-OnError = Literal["zero", "drop"]
-ON_ERROR = get_args(OnError)
+OnError = Literal["skip", "fail"]
 JudgeDtype = Literal["auto", "float32", "bfloat16", "float16"]
-JUDGE_DTYPES = get_args(JudgeDtype)
 DEFAULT_RUBRIC = (
     "You are grading a response to a task.\n\n"
     "Task:\n{prompt}\n\nResponse:\n{response}\n\n"
@@ -23,22 +24,10 @@ DEFAULT_RUBRIC = (
 )
 
 
-def check_rubric(rubric: str, name: str = "judge.rubric") -> None:
-    """Raise a ValueError naming ``name`` unless ``rubric`` is a template with {prompt} and {response}."""
-    try:
-        rubric.format(prompt="", response="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"{name} is not a valid template ({type(e).__name__}: {e}); "
-                         "use only {prompt} and {response}, and double other braces") from None
-    for key in ("{prompt}", "{response}"):
-        if key not in rubric:
-            raise ValueError(f"{name} must contain {key}")
-
-
 @dataclass(kw_only=True)
 class JudgeConfig:
     model_path: str = ""
-    """Hugging Face directory of the judge model and its tokenizer; needed when data.reward is judge."""
+    """Hugging Face directory of the judge model and its tokenizer; needed when reward.funcs has judge."""
     rubric: str = DEFAULT_RUBRIC
     """The judge prompt: {prompt} and {response} in a template ending where the score goes (a row's 'rubric' wins)."""
     max_score: int = 9
@@ -57,11 +46,10 @@ class JudgeConfig:
     """CPU: the judge's memory budget in GiB (nothing reports free memory there)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "judge")
         check_rubric(self.rubric)
         if self.max_score < 1:
             raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
-        if self.dtype not in JUDGE_DTYPES:
-            raise ValueError(f"judge.dtype must be one of {', '.join(JUDGE_DTYPES)}, got {self.dtype!r}")
         if self.resident_layers < -1:
             raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")
         if self.max_tokens <= 0:
@@ -78,12 +66,16 @@ class JudgeConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
+    funcs: tuple[str, ...] = ("toy",)
+    """Reward functions, summed: a built-in (toy, math, code, judge), package.module:function or file.py:function."""
+    weights: tuple[float, ...] = ()
+    """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
     num_workers: int = 2
     """Reward worker processes, killed if they hang (0: score inline in the controller, for debugging)."""
     timeout: float = 10.0
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
-    on_error: OnError = "zero"
-    """A sample whose reward failed (flagged reward_error): zero (train on it with reward 0) or drop it."""
+    on_error: OnError = "skip"
+    """A reward function that raises, hangs or returns a bad value: skip (reward 0, in reward/errors) or fail (stop)."""
     timeout_factor: float = 1.5
     """Code: lambda, a test's timeout is lambda times the slowest correct run seen on it (RollPacker's code uses 2)."""
     timeout_min: float = 2.0
@@ -93,24 +85,38 @@ class RewardConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Isolation and limits of the code sandbox."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    """The LLM judge (data.reward judge): run in the controller on the actor's device."""
+    """The LLM judge (reward.funcs judge): run in the controller on the actor's device."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "reward")
+        from rollpacker.reward.functions import check_spec, names
+
+        if not self.funcs:
+            raise ValueError("reward.funcs is empty: name at least one reward function (toy, math, code, judge, or "
+                             "your own as package.module:function or path/to/file.py:function)")
+        for spec in self.funcs:
+            check_spec(spec)
+        if len(set(self.funcs)) < len(self.funcs):
+            raise ValueError(f"reward.funcs names a function twice: {list(self.funcs)}; weight it with reward.weights")
+        if self.weights and len(self.weights) != len(self.funcs):
+            raise ValueError(f"reward.weights has {len(self.weights)} weights for {len(self.funcs)} reward.funcs "
+                             f"({', '.join(names(self.funcs))}): give one each, or none for 1 each")
+        if "judge" in self.funcs:
+            check_judge_path(self.judge.model_path)
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"reward.on_error must be one of {', '.join(ON_ERROR)}, got {self.on_error!r}")
         for name in ("timeout", "timeout_factor", "timeout_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")
         if self.timeout_max < self.timeout_min:
-            raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min ({self.timeout_min})")
+            raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min "
+                             f"({self.timeout_min})")
 
 
 def check_judge_path(model_path: str) -> None:
     """Raise a ValueError naming reward.judge.model_path unless it is a model directory."""
     if not model_path:
-        raise ValueError("data.reward is judge but reward.judge.model_path is empty: point it at the judge's "
+        raise ValueError("reward.funcs has judge but reward.judge.model_path is empty: point it at the judge's "
                          "Hugging Face model directory (--reward.judge.model-path DIR)")
     if not (Path(model_path) / "config.json").is_file():
         raise ValueError(f"reward.judge.model_path={model_path!r} is not a Hugging Face model directory "

@@ -11,7 +11,7 @@ input over ``max_tokens``, a batch that does not fit in memory) is a :class:`Rew
 that sample (a flagged reward_error upstream), never a silent 0. A data row may carry its own
 ``rubric`` (same rules), which replaces the configured one for that row.
 
-**In the loop** (``--data.reward judge``): the controller's
+**In the loop** (``--reward.funcs judge``): the controller's
 :class:`~rollpacker.reward.scheduler.RewardScheduler` loads the judge on its first sample, on the
 device of rank 0 (the actor's), queues each response as it finishes and scores one packed batch
 (at most ``max_batch_tokens``) per poll, so rollout goes on between batches, and the rest when
@@ -51,7 +51,7 @@ from rollpacker.reward.rules import RewardError
 logger = logging.getLogger(__name__)
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""torch dtypes of ``JudgeConfig.dtype`` (:data:`~rollpacker.reward.config.JUDGE_DTYPES`)."""
+"""torch dtypes of ``JudgeConfig.dtype`` (:data:`~rollpacker.reward.config.JudgeDtype`)."""
 
 
 def parse_verdict(verdict: str, max_score: int) -> float:

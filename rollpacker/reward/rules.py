@@ -1,7 +1,8 @@
-"""Rule-based rewards: a function ``(response, answer) -> float`` per kind of data.
+"""Rule-based rewards, as TRL-convention reward functions (:mod:`rollpacker.reward.functions`).
 
-``math`` checks the response's final answer against the gold one with math-verify (symbolic
-equivalence, so ``\\boxed{\\frac{1}{2}}`` matches ``0.5``); ``toy`` is the toy task's exact check.
+``math`` checks the response's final answer against the row's ``answer`` with math-verify
+(symbolic equivalence, so ``\\boxed{\\frac{1}{2}}`` matches ``0.5``); ``toy`` is the toy task's exact
+check. Both return None for a row without an answer: they do not apply to it.
 
 math-verify's own timeout uses ``signal.alarm``, which only works on a process's main thread,
 so it is switched off here; a reward that hangs is to be killed from outside (worker processes).
@@ -11,9 +12,8 @@ A response that holds no answer scores 0; anything that goes wrong while scoring
 
 from __future__ import annotations
 
-from typing import Callable
-
-from rollpacker.data import toy
+from rollpacker.data import toy as toy_task
+from rollpacker.reward.functions import completion_text
 
 
 class RewardError(RuntimeError):
@@ -37,24 +37,32 @@ def math_reward(response: str, answer: str) -> float:
     except Exception as e:
         raise RewardError(f"math reward: cannot parse the gold answer {answer[:80]!r}: {type(e).__name__}: {e}") from e
     if not gold:
-        raise RewardError(f"math reward: the gold answer {answer[:80]!r} holds no parsable expression; fix the dataset's 'answer'")
+        raise RewardError(f"math reward: the gold answer {answer[:80]!r} holds no parsable expression; "
+                          "fix the dataset's 'answer'")
     try:
         pred = parse(response, parsing_timeout=None, raise_on_error=True)
         return float(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
     except Exception as e:
-        raise RewardError(f"math reward: math-verify failed on response ...{response[-80:]!r}: {type(e).__name__}: {e}") from e
+        raise RewardError(f"math reward: math-verify failed on response ...{response[-80:]!r}: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def toy_reward(response: str, answer: str) -> float:
     """The toy task's check: 1.0 if the number after the last ``####`` equals ``answer``."""
-    return toy.score(response, answer)
+    return toy_task.score(response, answer)
 
 
-REWARDS: dict[str, Callable[[str, str], float]] = {"math": math_reward, "toy": toy_reward}
+def toy(completions: list, answer: list[str] | None = None, **_) -> list[float | None]:
+    """The built-in ``toy``: :func:`toy_reward` of each completion (None without an answer)."""
+    return [None if a is None else toy_reward(completion_text(c), a)
+            for c, a in zip(completions, _or_none(answer, completions))]
 
 
-def get_reward(name: str) -> Callable[[str, str], float]:
-    """The reward function called ``name``."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(sorted(REWARDS))}")
-    return REWARDS[name]
+def math(completions: list, answer: list[str] | None = None, **_) -> list[float | None]:
+    """The built-in ``math``: :func:`math_reward` of each completion (None without an answer)."""
+    return [None if a is None else math_reward(completion_text(c), a)
+            for c, a in zip(completions, _or_none(answer, completions))]
+
+
+def _or_none(column: list | None, completions: list) -> list:
+    return [None] * len(completions) if column is None else column

@@ -8,8 +8,9 @@ Isolation, in layers (each one alone would not do):
   sandbox's own processes visible or signalable, the whole root file system read-only, empty
   read-only tmpfs over ``/root``, ``/home`` and ``/run`` (secrets, sockets; the interpreter's own
   directories are mounted back), a fresh size-capped tmpfs as ``/tmp`` (the working directory,
-  holding ``main.py``) and ``/dev/shm``, stdin from an in-memory file, and an empty environment. When the trainer runs as root the sandbox runs as ``nobody`` (uid 65534):
-  root does not count against ``RLIMIT_NPROC`` and can read every file.
+  holding ``main.py``) and ``/dev/shm``, stdin from an in-memory file, and an empty environment.
+  When the trainer runs as root the sandbox runs as ``nobody`` (uid 65534): root does not count
+  against ``RLIMIT_NPROC`` and can read every file.
 - **rlimits** on the program: CPU seconds, address space, file size, open files, core = 0 and a
   process cap (``RLIMIT_NPROC``, per user namespace).
 - **Killing.** The program is never pid 1: our own init is (:mod:`rollpacker.reward.sandbox_init`),
@@ -42,12 +43,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
+
+from rollpacker.choices import check_choices
+from rollpacker.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
-ISOLATIONS = get_args(Isolation)
 VERDICTS = ("PASS", "WRONG", "TIMEOUT", "MEMORY", "OUTPUT_LIMIT", "RUNTIME_ERROR", "SANDBOX_ERROR")
 NOBODY = 65534
 MASKED = ("/root", "/home", "/run")
@@ -61,9 +64,9 @@ INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
 @dataclass(kw_only=True)
 class SandboxConfig:
     isolation: Isolation = "auto"
-    """OS isolation for code rewards: auto (bwrap, else unshare), bwrap, unshare, or none (no isolation: only for code you trust)."""
+    """Code rewards' OS isolation: auto (bwrap, else unshare), bwrap, unshare, none (only for code you trust)."""
     python: str = ""
-    """Interpreter that runs the programs; empty = this one, or /usr/bin/python3 if the sandbox user cannot run this one."""
+    """Interpreter of the programs; empty = this one, or /usr/bin/python3 if the sandbox user cannot run it."""
     memory_mb: int = 1024
     """Address-space limit of a program (RLIMIT_AS), in MiB."""
     max_output_mb: float = 8.0
@@ -78,14 +81,13 @@ class SandboxConfig:
     """Processes and threads in the sandbox (RLIMIT_NPROC)."""
 
     def __post_init__(self) -> None:
-        if self.isolation not in ISOLATIONS:
-            raise ValueError(f"reward.sandbox.isolation must be one of {', '.join(ISOLATIONS)}, got {self.isolation!r}")
+        check_choices(self, "reward.sandbox")
         for name in ("memory_mb", "max_output_mb", "file_size_mb", "tmpfs_mb", "num_files", "num_procs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.sandbox.{name} must be positive, got {getattr(self, name)}")
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(UserError, RuntimeError):
     """No OS isolation works on this machine; the message says how to enable it."""
 
 
@@ -293,7 +295,8 @@ def _run(isolation: str, python: str, cfg: SandboxConfig, program: str, stdin: s
         return _supervise(proc, start, start + timeout, int(cfg.max_output_mb * (1 << 20)), ready_r, info_r)
 
 
-def _supervise(proc: subprocess.Popen, start: float, deadline: float, max_output: int, ready_r: int, info_r: int) -> Run:
+def _supervise(proc: subprocess.Popen, start: float, deadline: float, max_output: int, ready_r: int,
+               info_r: int) -> Run:
     """Read the output until the program exits, the deadline passes or the output cap is hit; then kill it all.
 
     The killing is in a ``finally``: an exception here (a worker told to stop) still ends the sandbox.

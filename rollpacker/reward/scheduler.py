@@ -2,19 +2,29 @@
 with the rest of the rollout.
 
 The controller calls :meth:`RewardScheduler.submit` for every finished response and hands the
-scores that :meth:`poll` returns to the scheduling policy; when nothing is left running it
-blocks in :meth:`wait`, and that wait is the round's exposed reward time. Scoring runs in the
-killable worker processes of :class:`~rollpacker.reward.workers.RewardPool` (``num_workers``
-> 0), or inline in the controller when ``num_workers`` = 0 (for debugging: nothing can kill a
-hung reward there). A sample whose reward failed comes back as None and is counted; the
-trainer's ``reward.on_error`` says whether it is trained with reward 0 or dropped. Code rows
-(with ``tests``) get the adaptive per-test timeouts, whose anchors go into the checkpoint.
+rewards that :meth:`poll` returns to the scheduling policy. When nothing is left running it
+blocks in :meth:`wait`, and that wait is the round's exposed reward time.
 
-The LLM judge (kind ``judge``, :mod:`rollpacker.reward.judge`) runs here, in the controller, on
-the device it is given (rank 0's, which the actor shares), loaded on first use. Its samples are
-queued at :meth:`submit`; each :meth:`poll` scores one packed batch from the head of the queue (at
-most ``judge.max_batch_tokens`` tokens, one forward), so a poll holds rollout up for one forward
-at most, and :meth:`wait` scores the rest. An unparseable verdict is a reward_error like any other.
+A response's reward is the weighted sum of ``reward.funcs`` (:mod:`rollpacker.reward.functions`)
+over the functions that apply to its row (a function's None leaves it out). Each function is a
+:class:`RewardFunction`:
+
+- a plain function, called in the killable worker processes of
+  :class:`~rollpacker.reward.workers.RewardPool` (or inline with ``num_workers`` = 0, for
+  debugging: nothing can kill a hung function there);
+- ``code`` (:class:`CodeFunction`), the same with the adaptive per-test timeouts, whose anchors
+  go into the checkpoint;
+- ``judge`` (:class:`JudgeFunction`), the LLM judge (:mod:`rollpacker.reward.judge`), run here in
+  the controller on the device it is given (rank 0's, which the actor shares), loaded on first
+  use. Its responses are queued at :meth:`submit`; each :meth:`poll` scores one packed batch from
+  the head of the queue (at most ``judge.max_batch_tokens`` tokens, one forward), so a poll holds
+  rollout up for one forward at most, and :meth:`wait` scores the rest.
+
+A function that raises, hangs or returns a bad value, and a row no function applies to, is an
+error naming the function, the row and the cause. ``reward.on_error`` decides: ``skip`` scores the
+response 0 and counts it (``reward/errors``); ``fail`` raises :class:`RewardFunctionError`, which
+stops the run. :meth:`take_metrics` gives the step's ``reward/NAME`` means, the errors and the
+scoring time.
 """
 
 from __future__ import annotations
@@ -22,83 +32,212 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
+from rollpacker.reward.functions import Ref, RewardFunctionError, names, prompt_text, resolve
 from rollpacker.reward.rules import RewardError
-from rollpacker.reward.workers import score as score_sample
+from rollpacker.reward.workers import Scored, score
 
 logger = logging.getLogger(__name__)
 
 
-class RewardScheduler:
-    def __init__(self, cfg: RewardConfig, kind: str, decode: Callable[[list[int]], str], device: Any = "cpu"):
-        """``kind``: data.reward; ``device``: where the judge runs (the controller rank's, the actor's)."""
-        if kind == "judge":
+class RewardFunction:
+    """One entry of ``reward.funcs`` as the scheduler runs it: in a worker, on one response at a time."""
+
+    on_controller = False
+    """Whether it runs here, batched (the judge), instead of in the workers."""
+    columns: tuple[str, ...] = ()
+    """The row columns without which it does not apply (the built-ins'; a user function may apply to any row)."""
+
+    def __init__(self, ref: Ref, weight: float, cfg: RewardConfig):
+        self.ref, self.name, self.weight, self.cfg = ref, ref.name, weight, cfg
+
+    def check_row(self, row: dict) -> None:
+        """Raise ValueError if ``row`` is unfit for this function (its columns are checked when it applies)."""
+
+    def extra(self, row: dict) -> dict:
+        """Columns the call gets besides the row's."""
+        return {}
+
+    def timeout(self, extra: dict) -> float:
+        return self.cfg.timeout
+
+    def observe(self, row: dict, info: dict) -> None:
+        """Learn from one response it scored (code: the timeouts' anchors)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class MatchFunction(RewardFunction):
+    """``toy`` and ``math``: the row's ``answer`` checked by rule."""
+
+    columns = ("answer",)
+
+
+class CodeFunction(RewardFunction):
+    """``code``: the row's ``tests`` run in the sandbox, each with its adaptive timeout."""
+
+    columns = ("tests",)
+
+    def __init__(self, ref: Ref, weight: float, cfg: RewardConfig):
+        from rollpacker.reward.sandbox import Sandbox
+
+        super().__init__(ref, weight, cfg)
+        Sandbox(cfg.sandbox)  # raises SandboxUnavailable, saying how to enable isolation, before the run starts
+        self.timeouts = AdaptiveTimeout.from_config(cfg)
+
+    def check_row(self, row: dict) -> None:
+        tests = row.get("tests")
+        if tests is not None and not (isinstance(tests, list) and tests and all(
+                isinstance(t, dict) and isinstance(t.get("output"), str) and isinstance(t.get("input") or "", str)
+                for t in tests)):
+            raise ValueError('field \'tests\' must be a non-empty list of {"input": str, "output": str} objects')
+
+    def extra(self, row: dict) -> dict:
+        if not row.get("tests"):
+            return {}
+        return {"timeouts": self.timeouts.timeouts(row["tests"]), "sandbox": self.cfg.sandbox}
+
+    def timeout(self, extra: dict) -> float:
+        return self.cfg.timeout + sum(extra.get("timeouts", ()))
+
+    def observe(self, row: dict, info: dict) -> None:
+        if row.get("tests"):
+            self.timeouts.observe(row["tests"], info)
+
+    def state_dict(self) -> dict:
+        return self.timeouts.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.timeouts.load_state_dict(state)
+
+
+class JudgeFunction(RewardFunction):
+    """``judge``: an LLM scores (prompt, response) against a rubric (a row's own ``rubric`` wins)."""
+
+    on_controller = True
+
+    def check_row(self, row: dict) -> None:
+        from rollpacker.data.rubric import check_rubric
+
+        if row.get("rubric") is not None:
+            if not isinstance(row["rubric"], str):
+                raise ValueError(f"field 'rubric' must be a string, got {type(row['rubric']).__name__} "
+                                 f"{row['rubric']!r}")
+            try:
+                check_rubric(row["rubric"], "field 'rubric'")
+            except ValueError as e:
+                raise ValueError(f"{e} (or drop it to use reward.judge.rubric)") from None
+
+
+def build_functions(cfg: RewardConfig) -> list[RewardFunction]:
+    """``reward.funcs`` resolved: each imported (a RewardFunctionError if it cannot be) and weighted."""
+    kinds = {"toy": MatchFunction, "math": MatchFunction, "code": CodeFunction}
+    weights = cfg.weights or (1.0,) * len(cfg.funcs)
+    functions = []
+    for spec, name, weight in zip(cfg.funcs, names(cfg.funcs), weights):
+        if spec == "judge":
             check_judge_path(cfg.judge.model_path)
-        self.cfg, self.kind, self.decode, self.device = cfg, kind, decode, device
+            functions.append(JudgeFunction(Ref("judge", ""), weight, cfg))
+        else:
+            functions.append(kinds.get(spec, RewardFunction)(resolve(spec, name), weight, cfg))
+    return functions
+
+
+def check_row(functions: list[RewardFunction], row: dict) -> None:
+    """Raise ValueError if none of ``functions`` can score ``row``, or one that applies finds it unfit
+    (the data loader's check: a row that would fail later is refused before the run starts)."""
+    applies = [f for f in functions if all(row.get(c) is not None for c in f.columns)]
+    if not applies:
+        needs = " or ".join(f"{c!r} ({f.name})" for f in functions for c in f.columns)
+        raise ValueError(f"missing field {needs}: no reward function of reward.funcs applies to this row")
+    for f in applies:
+        f.check_row(row)
+
+
+@dataclass
+class _Scoring:
+    """A response being scored: what each function said so far."""
+
+    row: dict
+    values: dict[str, float | None] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    """Function name -> what went wrong."""
+
+
+class RewardScheduler:
+    def __init__(self, cfg: RewardConfig, decode: Callable[[list[int]], str], device: Any = "cpu",
+                 functions: list[RewardFunction] | None = None):
+        """``decode``: token ids -> text; ``device``: where the judge runs (the controller rank's, the actor's)."""
+        self.cfg, self.decode, self.device = cfg, decode, device
+        self.functions = functions if functions is not None else build_functions(cfg)
+        self._by_name = {f.name: f for f in self.functions}
         self.judge = None
         """The :class:`~rollpacker.reward.judge.Judge`, loaded on the first judge sample."""
         self._judge_todo: collections.deque[tuple[Any, tuple | list[int]]] = collections.deque()
         """Judge samples not scored yet: ``(key, (prompt, response, rubric))``, or ``(key, token ids)`` once encoded."""
-        self.timeouts = AdaptiveTimeout.from_config(cfg)
         self.pool = None
-        if cfg.num_workers:
+        if cfg.num_workers and any(not f.on_controller for f in self.functions):
             from rollpacker.reward.workers import RewardPool
 
             self.pool = RewardPool(cfg)
-        self._inline: list[tuple[Any, float | None]] = []
-        self._tests: dict[Any, list[dict]] = {}
+        self._scoring: dict[Any, _Scoring] = {}
+        self._inline: list[Scored] = []
         self.seconds = 0.0
-        """Scoring time of the samples scored since :meth:`take_seconds`, summed (workers run in parallel)."""
+        """Scoring time of the samples scored since :meth:`take_metrics`, summed (workers run in parallel)."""
+        self._sums: collections.Counter[str] = collections.Counter()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self.errors = 0
 
     def submit(self, key: Any, row: dict, output) -> None:
+        """Start scoring one finished response (``output``: an engine output) of ``row``; returns at once."""
         response = self.decode(output.token_ids)
-        if "tests" in row:
-            self._tests[key] = row["tests"]
-            kind, payload = "code", {"response": response, "tests": row["tests"],
-                                     "timeouts": self.timeouts.timeouts(row["tests"])}
-        elif self.kind == "judge":
-            self._judge_todo.append((key, (row["prompt"], response, row.get("rubric"))))
-            return
-        else:
-            kind, payload = self.kind, {"response": response, "answer": row["answer"]}
-        if self.pool:
-            self.pool.submit(key, kind, payload)
-            return
-        start = time.perf_counter()
-        try:
-            score, info = score_sample(kind, payload, self.cfg.sandbox)
-            if kind == "code":
-                self.timeouts.observe(self._tests.pop(key), info)
-        except RewardError as e:
-            score = self._failed(key, str(e))
-        self.seconds += time.perf_counter() - start
-        self._inline.append((key, score))
+        columns = {k: v for k, v in row.items() if k != "prompt"}
+        self._scoring[key] = _Scoring(row)
+        for f in self.functions:
+            if f.on_controller:
+                self._judge_todo.append(((key, f.name), (prompt_text(row["prompt"]), response, row.get("rubric"))))
+                continue
+            extra = f.extra(row)
+            sample = {"prompt": row["prompt"], "completion": response, "completion_ids": list(output.token_ids),
+                      "columns": {**columns, **extra}}
+            if self.pool:
+                self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
+                continue
+            start = time.perf_counter()
+            value, error, metrics, info = score(f.ref, sample)
+            seconds = time.perf_counter() - start
+            self._inline.append(Scored((key, f.name), value, error, seconds, seconds, metrics, info))
 
-    def poll(self) -> list[tuple[Any, float | None]]:
-        """Scores finished since the last call: ``(key, reward or None if it failed)``. Never waits for
-        a worker; scores one judge batch (one forward) if judge samples are queued."""
+    def poll(self) -> list[tuple[Any, float]]:
+        """Rewards finished since the last call, ``(key, reward)``. Never waits for a worker; scores
+        one judge batch (one forward) if judge samples are queued."""
         done = self._judge_batch() if self._judge_todo else []
-        return self._finished() + done
+        return self._settle(self._finished() + done)
 
-    def wait(self) -> list[tuple[Any, float | None]]:
-        """Like :meth:`poll`, after every submitted sample is scored."""
+    def wait(self) -> list[tuple[Any, float]]:
+        """Like :meth:`poll`, after every submitted response is scored."""
         done = []
         while self._judge_todo:  # the workers score on meanwhile
             done += self._judge_batch()
         if self.pool:
-            return [self._result(s) for s in self.pool.drain()] + done
-        return self._finished() + done
+            return self._settle(self.pool.drain() + done)
+        return self._settle(self._finished() + done)
 
-    def _finished(self) -> list[tuple[Any, float | None]]:
+    def _finished(self) -> list[Scored]:
         if not self.pool:
             done, self._inline = self._inline, []
             return done
-        return [self._result(s) for s in self.pool.poll()]
+        return self.pool.poll()
 
-    def _judge_batch(self) -> list[tuple[Any, float | None]]:
+    def _judge_batch(self) -> list[Scored]:
         """Score the judge samples at the head of the queue that fit one forward (at least one)."""
         start = time.perf_counter()
         if self.judge is None:
@@ -120,35 +259,70 @@ class RewardScheduler:
             seqs.append(ids)
             size += num_tokens
         results = self.judge.score_ids(seqs)
-        self.seconds += time.perf_counter() - start
-        return [(key, self._failed(key, str(r)) if isinstance(r, RewardError) else r) for key, r in zip(keys, results)]
+        seconds = (time.perf_counter() - start) / len(keys)
+        return [Scored(key, None, str(r), seconds, seconds) if isinstance(r, RewardError)
+                else Scored(key, r, None, seconds, seconds) for key, r in zip(keys, results)]
 
-    def _result(self, scored) -> tuple[Any, float | None]:
-        self.seconds += scored.seconds
-        tests = self._tests.pop(scored.key, None)
-        if scored.error:
-            return scored.key, self._failed(scored.key, scored.error)
-        if tests is not None:
-            self.timeouts.observe(tests, scored.info)
-        return scored.key, scored.score
+    def _settle(self, scored: list[Scored]) -> list[tuple[Any, float]]:
+        """Record each function's value; the responses all of whose functions are done, with their rewards."""
+        done = []
+        for s in scored:
+            key, name = s.key
+            self.seconds += s.seconds
+            scoring = self._scoring[key]
+            if s.error is not None:
+                scoring.errors[name] = f"reward function {name!r} failed on row {scoring.row['id']!r}: {s.error}"
+            else:
+                self._by_name[name].observe(scoring.row, s.info)
+                for metric, value in ({name: s.score} | {f"{name}/{k}": v for k, v in s.metrics.items()}).items():
+                    if value is not None:
+                        self._sums[metric] += value
+                        self._counts[metric] += 1
+            scoring.values[name] = s.score
+            if len(scoring.values) == len(self.functions):
+                done.append((key, self._reward(self._scoring.pop(key))))
+        return done
 
-    def take_seconds(self) -> float:
-        """The summed scoring time since the last call."""
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def _reward(self, scoring: _Scoring) -> float:
+        """The weighted sum over the functions that apply; an error is raised (fail) or scored 0 (skip)."""
+        applied = [(f.weight, scoring.values[f.name]) for f in self.functions if scoring.values[f.name] is not None]
+        errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]
+        if not errors and not applied:
+            errors = [f"no reward function scores row {scoring.row['id']!r}: "
+                      f"{', '.join(f.name for f in self.functions)} returned None (does not apply); "
+                      "add a function that scores it, or take the row out of the data"]
+        if errors:
+            error = "; ".join(errors)
+            if self.cfg.on_error == "fail":
+                raise RewardFunctionError(f"{error} (reward.on_error=fail stops the run; skip scores such a "
+                                          "response 0 and counts it in reward/errors)")
+            logger.warning("reward error, scored 0 (reward.on_error=skip): %s", error)
+            self.errors += 1
+            return 0.0
+        return sum(w * v for w, v in applied)
 
-    def _failed(self, key, error: str) -> None:
-        logger.warning("reward_error on %s: %s", key, error)
-        return None
+    def take_metrics(self) -> dict[str, float]:
+        """Since the last call: ``reward/NAME`` (each function's mean where it applied, and of the other
+        numbers it returned), ``reward/errors`` and ``reward/seconds_total`` (summed scoring time)."""
+        metrics = {f"reward/{k}": self._sums[k] / n for k, n in self._counts.items()}
+        metrics |= {"reward/errors": self.errors, "reward/seconds_total": self.seconds}
+        self._sums.clear()
+        self._counts.clear()
+        self.errors, self.seconds = 0, 0.0
+        return metrics
 
     def state_dict(self) -> dict:
-        return {"timeouts": self.timeouts.state_dict()}
+        return {"functions": {f.name: f.state_dict() for f in self.functions}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.timeouts.load_state_dict(state["timeouts"])
+        saved = state.get("functions", {})
+        if "timeouts" in state and "code" not in saved:  # written before reward.funcs: the code timeouts' anchors
+            saved = {"code": state["timeouts"]}
+        for f in self.functions:
+            if f.name in saved:
+                f.load_state_dict(saved[f.name])
 
     def close(self) -> None:
         if self.pool:
             self.pool.close()
         self.judge = None
-

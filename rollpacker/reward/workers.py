@@ -6,12 +6,13 @@ rest with :meth:`RewardPool.drain` at the end of the round. That wait is ``time/
 the per-sample ``seconds`` summed is the total reward time.
 
 Each worker is a ``spawn``-ed process (the trainer has torch and threads: never fork it) that
-scores one sample at a time: math with math-verify (its signal-based timeout only works on a
-main thread; ours is the kill below), the toy check, or code in the sandbox
-(:mod:`rollpacker.reward.code`). A manager thread in the trainer hands out tasks and enforces
-each task's wall-clock timeout: a worker that overruns, crashes or dies is replaced at once, so
-capacity recovers, and its sample comes back flagged (``error`` set, ``score`` None), never as a
-silent 0; so does a sample whose reward function raised. The old worker gets SIGTERM, which
+calls one reward function on one response at a time (:func:`rollpacker.reward.functions.call`):
+a built-in (math with math-verify, whose signal-based timeout only works on a main thread, ours
+is the kill below; the toy check; code in the sandbox) or the user's own, imported once per
+worker. A manager thread in the trainer hands out tasks and enforces each task's wall-clock
+timeout: a worker that overruns, crashes or dies is replaced at once, so capacity recovers, and
+its sample comes back flagged (``error`` set, ``score`` None), never as a silent 0; so does a
+sample whose reward function raised or returned a bad value. The old worker gets SIGTERM, which
 unwinds a sandbox run (killing and reaping its sandbox), then SIGKILL if it is still there after
 ``STOP_GRACE`` seconds (a hang inside C code).
 
@@ -36,19 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpacker.reward.config import RewardConfig
-from rollpacker.reward.rules import REWARDS, get_reward
-from rollpacker.reward.sandbox import Sandbox, SandboxConfig
+from rollpacker.reward.functions import BadValue, Ref, call
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE = 2.0
 """Seconds a worker told to stop (SIGTERM) gets before SIGKILL."""
-KINDS = ("code", *REWARDS)
-"""What a worker can score. Payloads: ``{"response", "answer"}`` for math and toy,
-``{"response", "tests", "timeouts"}`` for code (see :func:`rollpacker.reward.code.code_reward`)."""
-DATA_KINDS = (*KINDS, "judge")
-"""What ``data.reward`` may name: a worker's kinds, or the LLM judge, which the controller's
-:class:`~rollpacker.reward.scheduler.RewardScheduler` runs on the actor's device."""
 
 
 @dataclass
@@ -57,24 +51,29 @@ class Scored:
 
     key: Hashable
     score: float | None
-    """The reward; None when scoring failed (then ``error`` says why)."""
+    """The function's value; None when it does not apply to the row, or failed (then ``error`` says why)."""
     error: str | None
-    """Set when this sample is a reward_error: the reward raised, timed out or its worker died."""
+    """Set when the function failed: it raised, returned a bad value, timed out, or its worker died."""
     seconds: float
     """Wall time spent scoring it in a worker (queueing excluded)."""
     cpu_seconds: float
     """CPU time of the worker and its sandboxes; a killed worker counts its wall time."""
+    metrics: dict = field(default_factory=dict)
+    """The numbers of a dict the function returned, besides its score."""
     info: dict = field(default_factory=dict)
-    """Details from the reward, e.g. code: ``{"verdicts", "seconds"}`` per test run."""
+    """The rest of such a dict, e.g. code's ``{"verdicts", "seconds"}`` per test run."""
 
 
-def score(kind: str, payload: dict, sandbox: SandboxConfig) -> tuple[float, dict]:
-    """Score one sample in this process: what a worker runs. Returns (reward, details)."""
-    if kind == "code":
-        from rollpacker.reward.code import code_reward
-
-        return code_reward(**payload, sandbox=sandbox)
-    return get_reward(kind)(**payload), {}
+def score(ref: Ref, sample: dict) -> tuple[float | None, str | None, dict, dict]:
+    """Call one reward function on one response in this process, what a worker runs:
+    ``(value, error, metrics, info)``, with ``error`` the cause when it failed."""
+    try:
+        value, metrics, info = call(ref, sample)
+    except BadValue as e:
+        return None, str(e), {}, {}
+    except Exception as e:  # noqa: BLE001  (the user's code: whatever it raises is the cause to report)
+        return None, f"raised {type(e).__name__}: {str(e)[:500]}", {}, {}
+    return value, None, metrics, info
 
 
 def _cpu_seconds() -> float:
@@ -82,8 +81,8 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _work(conn: mp.connection.Connection, sandbox: SandboxConfig) -> None:
-    """A worker's life: warm up, say ready (None), then score ``(kind, payload)`` until told None."""
+def _work(conn: mp.connection.Connection) -> None:
+    """A worker's life: warm up, say ready (None), then score ``(ref, sample)`` until told None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwinds a sandbox run, which kills its sandbox
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's stop warning reaches every process: the trainer's (preempt)
@@ -99,20 +98,17 @@ def _work(conn: mp.connection.Connection, sandbox: SandboxConfig) -> None:
             return
         if task is None:
             return
-        kind, payload = task
+        ref, sample = task
         wall, cpu = time.perf_counter(), _cpu_seconds()
-        try:
-            reward, info, error = *score(kind, payload, sandbox), None
-        except Exception as e:
-            reward, info, error = None, {}, f"{kind} reward raised {type(e).__name__}: {str(e)[:500]}"
-        conn.send((reward, error, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
+        value, error, metrics, info = score(ref, sample)
+        conn.send((value, error, metrics, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
 
 
 @dataclass
 class _Task:
     key: Hashable
-    kind: str
-    payload: dict
+    ref: Ref
+    sample: dict
     timeout: float
 
 
@@ -141,7 +137,6 @@ class RewardPool:
         self._num_unfinished = 0
         self._closing = False
         self._failure: BaseException | None = None
-        self._sandbox_checked = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._retiring: list[tuple[Any, float]] = []  # stopping workers: (process, when to SIGKILL it)
@@ -151,19 +146,12 @@ class RewardPool:
 
     # the caller's side
 
-    def submit(self, key: Hashable, kind: str, payload: dict, timeout: float | None = None) -> None:
-        """Queue one sample to score; returns at once. ``timeout`` defaults to ``cfg.timeout`` plus,
-        for code, the sum of ``payload["timeouts"]``. The first code sample checks the sandbox here."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown reward kind {kind!r}; valid kinds: {', '.join(KINDS)}")
-        if kind == "code" and not self._sandbox_checked:
-            Sandbox(self.cfg.sandbox)  # raises SandboxUnavailable, saying how to enable isolation
-            self._sandbox_checked = True
-        if timeout is None:
-            timeout = self.cfg.timeout + sum(payload.get("timeouts", ()))
+    def submit(self, key: Hashable, ref: Ref, sample: dict, timeout: float | None = None) -> None:
+        """Queue one call of ``ref`` on one response (``sample``, see :func:`~rollpacker.reward.functions.call`);
+        returns at once. ``timeout`` defaults to ``cfg.timeout``."""
         with self._cond:
             self._check_alive()
-            self._todo.append(_Task(key, kind, payload, timeout))
+            self._todo.append(_Task(key, ref, sample, self.cfg.timeout if timeout is None else timeout))
             self._num_unfinished += 1
         os.write(self._wake_w, b".")
 
@@ -180,15 +168,6 @@ class RewardPool:
             if not self._cond.wait_for(lambda: self._num_unfinished == 0 or self._failure, timeout):
                 raise TimeoutError(f"reward pool: {self._num_unfinished} samples still unscored after {timeout} s")
         return self.poll()
-
-    @property
-    def num_pending(self) -> int:
-        """Samples submitted and not finished yet."""
-        return self._num_unfinished
-
-    @property
-    def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self._workers]
 
     def close(self) -> None:
         """Stop the manager, every worker and their sandboxes; unfinished samples are dropped."""
@@ -257,17 +236,18 @@ class RewardPool:
             if message is None:
                 w.ready = True
             else:
-                reward, error, info, seconds, cpu_seconds = message
+                value, error, metrics, info, seconds, cpu_seconds = message
                 task, w.task = w.task, None
-                self._finish(Scored(task.key, reward, error, seconds, cpu_seconds, info))
+                self._finish(Scored(task.key, value, error, seconds, cpu_seconds, metrics, info))
         elif w.process.sentinel in ready:
             w.process.join(timeout=1)
             if not w.ready:
                 raise RuntimeError(f"a reward worker exited while starting (exit code {w.process.exitcode}); see its "
-                                   "traceback above (a script that starts a RewardPool needs if __name__ == '__main__':)")
+                                   "traceback above (a script that starts a RewardPool needs "
+                                   "if __name__ == '__main__':)")
             self._replace(i, f"its reward worker died (exit code {w.process.exitcode})")
         elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
-            self._replace(i, f"{w.task.kind} reward timed out after {w.task.timeout:g} s; its worker was replaced")
+            self._replace(i, f"timed out after {w.task.timeout:g} s (reward.timeout); its worker was replaced")
 
     def _dispatch(self) -> None:
         for w in self._workers:
@@ -278,11 +258,9 @@ class RewardPool:
                     task = self._todo.popleft()
                 w.task, w.started = task, time.monotonic()
                 with contextlib.suppress(OSError):  # it just died: its sentinel says so next, the task is flagged
-                    w.conn.send((task.kind, task.payload))
+                    w.conn.send((task.ref, task.sample))
 
     def _finish(self, scored: Scored) -> None:
-        if scored.error is not None:
-            logger.warning("reward_error on %r: %s", scored.key, scored.error)
         with self._cond:
             self._done.append(scored)
             self._num_unfinished -= 1
@@ -299,7 +277,7 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         conn, child_conn = self._ctx.Pipe()
-        process = self._ctx.Process(target=_work, args=(child_conn, self.cfg.sandbox), name="reward-worker", daemon=True)
+        process = self._ctx.Process(target=_work, args=(child_conn,), name="reward-worker", daemon=True)
         process.start()
         child_conn.close()
         return _Worker(process, conn)

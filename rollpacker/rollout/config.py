@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rollpacker.choices import check_choices
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
@@ -26,7 +28,7 @@ class RolloutConfig:
     poll_steps: int = 8
     """Engine steps between two control-plane exchanges with the controller."""
     replay_lengths: bool = False
-    """Force every response to a length from the paper's long-tailed mix (rollpacker.round.LengthReplay)."""
+    """Force every response to a length from the paper's long-tailed mix (rollpacker.exchange.LengthReplay)."""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):
@@ -38,7 +40,7 @@ class RolloutConfig:
                 f"in (0, 1], top_k={self.top_k} >= 0"
             )
         if self.replay_lengths:
-            from rollpacker.sim.workload import LengthModel
+            from rollpacker.data.lengths import LengthModel
 
             try:  # the mixture scales with the cap: a tiny cap has no lengths left to draw
                 LengthModel().for_cap(self.max_new_tokens)
@@ -47,10 +49,14 @@ class RolloutConfig:
                                  "use a larger max_new_tokens") from None
 
 
+MAX_SPEC_TOKENS = 32
+"""Upper bound of ``engine.spec_max_tokens``: a verify step's queries per request."""
+
+
 @dataclass(kw_only=True)
 class EngineConfig:
     kind: Literal["auto", "torch", "vllm", "sglang"] = "auto"
-    """Rollout engine: TorchEngine, vLLM in-process, SGLang (GPU), or auto (see :func:`resolve_kind`)."""
+    """Rollout engine: TorchEngine, vLLM in-process, SGLang (GPU; on CPU see docs/sglang.md), or auto."""
     memory_fraction: float = 0.1
     """vllm/sglang: share of device memory (CPU: of RAM, per rank) the engine may take; vLLM's KV: kv_memory_mb."""
     enforce_eager: bool = True
@@ -69,16 +75,21 @@ class EngineConfig:
     """Longest prompt + response; 0 takes the model's max_position_embeddings."""
     seed: int = 0
     """Seeds the per-request seeds of requests that bring none."""
+    speculative: Literal["off", "auto", "on"] = "off"
+    """Verify model-free drafts (docs/speculative.md): auto where the engine's measured step cost says it pays."""
+    spec_max_tokens: int = 8
+    """Most draft tokens verified per request and step."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "engine")
+        if not 1 <= self.spec_max_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"engine.spec_max_tokens must be in 1..{MAX_SPEC_TOKENS}, got {self.spec_max_tokens}")
         for name in ("block_size", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine.{name} must be positive, got {getattr(self, name)}")
         if self.kv_memory_mb <= 0 or self.memory_mb < 0:
             raise ValueError(f"engine.kv_memory_mb={self.kv_memory_mb} must be positive and "
                              f"engine.memory_mb={self.memory_mb} >= 0")
-        if self.kind not in ("auto", "torch", "vllm", "sglang"):
-            raise ValueError(f"engine.kind must be auto, torch, vllm or sglang, got {self.kind!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.max_model_len < 0:

@@ -1,4 +1,4 @@
-"""The engine contract: what every rollout engine (TorchEngine, SGLangEngine) offers the controller.
+"""The engine contract: what every rollout engine (TorchEngine, VLLMEngine, SGLangEngine) offers the controller.
 
 A small protocol, SPMD-friendly: every rank of one engine replica (its TP group) makes the same
 calls in the same order; the engine never knows which scheduling policy drives it.
@@ -25,6 +25,10 @@ calls in the same order; the engine never knows which scheduling policy drives i
   default process group).
 - ``max_model_len`` (longest prompt + response) and ``kv_capacity_tokens`` (tokens the KV cache
   holds) size the controller's admission and the stream trainer's scale-down.
+- ``Request.draft_context`` offers the engine's drafter more text of the same prompt (an aborted
+  partial response, an earlier epoch's response), each tagged with its source. Engines without a
+  drafter ignore it. Speculation never changes a token (``docs/speculative.md``); its counters are
+  ``EngineStats.spec`` (:class:`SpecStats`), turned into metrics by :func:`spec_metrics`.
 
 Log-probs are those of the sampled token under ``softmax(logits / temperature)`` (temperature 1
 for greedy), before top-k/top-p truncation: the policy's own probability, what the trainer's
@@ -79,6 +83,22 @@ class Output:
     num_preemptions: int = 0
 
 
+ENGINE_DRAFT_SOURCES = ("prompt", "self", "sibling")
+"""Draft sources the engine's drafter indexes itself: the request's prompt, its own tokens, and the
+tokens of the other requests of the same prompt on this engine replica."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftContext:
+    """Tokens the controller offers the drafter of one request: a response to the same prompt."""
+
+    source: str
+    """Its kind, the name its drafts are counted under: e.g. "partial" (aborted in an earlier round) or
+    "epoch" (an earlier epoch's response). Not one of :data:`ENGINE_DRAFT_SOURCES`."""
+    token_ids: tuple[int, ...]
+    """Response tokens, without the prompt."""
+
+
 @dataclass(kw_only=True)
 class Request:
     id: str
@@ -89,6 +109,47 @@ class Request:
     priority: int = 0
     """Admission order: lower first, FIFO among equals (the controller's frontier-group dispatch sets the
     request's slot, so the groups the trainer needs next run first)."""
+    draft_context: tuple[DraftContext, ...] = ()
+    """More text of this prompt for the drafter (engines that speculate; others ignore it)."""
+
+
+@dataclass(kw_only=True)
+class SpecStats:
+    """Cumulative speculation counters of one engine; the by-source dicts are keyed by draft source."""
+
+    num_verify_steps: int = 0
+    """Forward passes that verified drafts."""
+    num_drafts: dict[str, int] = field(default_factory=dict)
+    """Rows verified (one request in one verify step), by the source of their draft ("none": no draft)."""
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    """Draft tokens verified."""
+    num_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    """Draft tokens accepted (each row also emits one token of its own)."""
+
+    def count(self, source: str, drafted: int, accepted: int) -> None:
+        """Record one verified row."""
+        for counts, n in ((self.num_drafts, 1), (self.num_draft_tokens, drafted), (self.num_accepted_tokens, accepted)):
+            counts[source] = counts.get(source, 0) + n
+
+    def since(self, before: SpecStats) -> SpecStats:
+        """The counts added after ``before`` (an earlier copy of these stats)."""
+        def minus(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {k: v - b.get(k, 0) for k, v in a.items() if v != b.get(k, 0)}
+
+        return SpecStats(num_verify_steps=self.num_verify_steps - before.num_verify_steps,
+                         num_drafts=minus(self.num_drafts, before.num_drafts),
+                         num_draft_tokens=minus(self.num_draft_tokens, before.num_draft_tokens),
+                         num_accepted_tokens=minus(self.num_accepted_tokens, before.num_accepted_tokens))
+
+    def plus(self, other: SpecStats) -> SpecStats:
+        """The sum of two engines' (or two periods') counts."""
+        def add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+        return SpecStats(num_verify_steps=self.num_verify_steps + other.num_verify_steps,
+                         num_drafts=add(self.num_drafts, other.num_drafts),
+                         num_draft_tokens=add(self.num_draft_tokens, other.num_draft_tokens),
+                         num_accepted_tokens=add(self.num_accepted_tokens, other.num_accepted_tokens))
 
 
 @dataclass(kw_only=True)
@@ -99,6 +160,8 @@ class EngineStats:
     """Cumulative count of requests evicted for lack of KV memory (recomputed later)."""
     num_generated_tokens: int
     num_prefill_tokens: int
+    spec: SpecStats = field(default_factory=SpecStats)
+    """Speculation counters (all zero when the engine does not speculate)."""
 
 
 class Engine(Protocol):
@@ -183,6 +246,26 @@ def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sampl
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def spec_metrics(stats: SpecStats) -> dict[str, float]:
+    """``rollout/spec_acceptance`` (accepted / drafted tokens) and ``rollout/spec_tokens_per_step``
+    (tokens a verified row emits: accepted + 1), overall and ``/<source>``; ``rollout/spec_verify_steps``.
+    Empty when nothing was verified."""
+    if not stats.num_verify_steps:
+        return {}
+    out: dict[str, float] = {"rollout/spec_verify_steps": float(stats.num_verify_steps)}
+    sources = sorted(stats.num_drafts)
+    for suffix, names in (("", sources), *((f"/{s}", [s]) for s in sources)):
+        rows = sum(stats.num_drafts.get(s, 0) for s in names)
+        drafted = sum(stats.num_draft_tokens.get(s, 0) for s in names)
+        accepted = sum(stats.num_accepted_tokens.get(s, 0) for s in names)
+        if not rows:
+            continue
+        if drafted:
+            out[f"rollout/spec_acceptance{suffix}"] = accepted / drafted
+        out[f"rollout/spec_tokens_per_step{suffix}"] = (accepted + rows) / rows
+    return out
 
 
 def generate(engine: Engine, requests: Iterable[Request]) -> dict[str, Output]:

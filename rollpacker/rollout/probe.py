@@ -1,7 +1,7 @@
 """Measuring an engine on this machine: random prompts, decode-step timings, peak matmul FLOP/s.
 
-Shared by the planner's profiler (``rollpacker.plan.profile``) and the engine benchmark
-(``rollpacker.bench.engine``).
+Shared by the planner's profiler (``rollpacker.plan.profile``), the engine benchmark
+(``rollpacker.bench.engine``) and TorchEngine's speculation cost (:func:`measure_spec_cost`).
 """
 
 from __future__ import annotations
@@ -76,3 +76,88 @@ def decode_step_ms(engine, num_running: int, prompt_len: int, vocab_size: int, a
     for r in reqs:
         engine.abort(r.id)
     return [1e3 * t for t in times]
+
+
+def _step_clock(device):
+    """The clock that times an engine step: on CPU this process's CPU time (the engine's own work,
+    whatever else runs on a shared machine), on a GPU the wall time after synchronizing."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return time.process_time
+
+    def wall() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return wall
+
+
+def verify_step_ms(engine, num_running: int, draft_lens: list[int], prompt_len: int, vocab_size: int,
+                   avoid: set[int], steps: int, seed: int) -> list[float]:
+    """Per draft length in ``draft_lens``: the fastest of ``steps`` TorchEngine verify steps, in ms
+    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`; see :func:`_step_clock`) of ``num_running``
+    greedy
+    requests of ``prompt_len`` prompt tokens, each verifying that many draft tokens (after one
+    untimed step). The requests carry a seed, so the engine's own seed generator is left alone."""
+    import dataclasses
+
+    prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
+    new = 3 + (steps + 1) * sum(k + 1 for k in draft_lens)
+    reqs = greedy_requests(prompts, new, f"spec-probe{num_running}")
+    for r in reqs:
+        r.params = dataclasses.replace(r.params, seed=0)
+        engine.add(r)
+    engine.step()  # prefill of all of them
+    engine.step()  # their first decode step
+    if engine.stats().num_running != num_running:
+        raise RuntimeError(f"probe: {engine.stats().num_running} running, expected {num_running}")
+    clock = _step_clock(engine.device)
+    times: dict[int, list[float]] = {k: [] for k in draft_lens}
+    for _ in range(steps + 1):  # the draft lengths interleaved: a shared machine's load hits them alike
+        for k in draft_lens:
+            drafts = {r.id: [prompts[i][-1]] * k for i, r in enumerate(reqs)}
+            start = clock()
+            engine.verify_step(drafts)
+            times[k].append(clock() - start)
+    fastest = [1e3 * min(times[k][1:]) for k in draft_lens]  # the first round warms up
+    for r in reqs:
+        engine.abort(r.id)
+    return fastest
+
+
+def measure_spec_cost(engine, max_rows: int, max_draft: int, prompt_len: int, steps: int = 5):
+    """TorchEngine's :class:`~rollpacker.rollout.spec_cost.SpecCost`: verify-step time at 1, 2, 4, ...
+    ``max_rows`` running requests and 0, 1, 2, 4, ... ``max_draft`` draft tokens each."""
+    from rollpacker.rollout.spec_cost import SpecCost
+
+    lens = sorted({0, max_draft, *(k for k in (1, 2, 4, 8, 16) if k < max_draft)})
+    new = 3 + (steps + 1) * sum(k + 1 for k in lens)  # tokens each probe request generates
+    prompt_len = max(1, min(prompt_len, engine.max_model_len - new - 1))
+    fits = engine.num_blocks // -(-(prompt_len + new) // engine.config.block_size)  # requests the KV cache holds
+    rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= min(max_rows, fits)] or [1]
+    args = engine.model.args
+    ms = [verify_step_ms(engine, n, lens, prompt_len, args.vocab_size, set(args.eos_token_ids), steps, seed=n)
+          for n in rows]
+    return SpecCost.smoothed(tuple(rows), tuple(lens), ms, draft_ms(max_draft, _step_clock("cpu")))
+
+
+def draft_ms(k: int, clock, num_siblings: int = 4, length: int = 256) -> float:
+    """The drafter's mean ms per ``k``-token draft, indexing included: ``num_siblings`` requests of
+    one prompt, each a noisy copy of one text from a small vocabulary, drafted for at every token."""
+    import random
+
+    from rollpacker.rollout.drafter import Drafter
+
+    rng = random.Random(0)
+    drafter, text = Drafter(), [rng.randrange(16) for _ in range(length)]
+    prompt = [rng.randrange(16) for _ in range(32)]
+    seqs = [list(prompt) for _ in range(num_siblings)]
+    for i, seq in enumerate(seqs):
+        drafter.add(f"s{i}", prompt, seq)
+    start = clock()
+    for t in text:
+        for i, seq in enumerate(seqs):
+            seq.append(t if rng.random() < 0.9 else rng.randrange(16))
+            drafter.propose(f"s{i}", k)
+    return 1e3 * (clock() - start) / (length * num_siblings)

@@ -1,7 +1,9 @@
-"""SGLangEngine: SGLang's offline ``sgl.Engine`` behind the engine contract (GPU only), pinned to
-:data:`SGLANG_VERSION`. Written against that version's source; it has **not run** (no GPU here).
+"""SGLangEngine: SGLang's offline ``sgl.Engine`` behind the engine contract, pinned to
+:data:`SGLANG_VERSION`. Runs on GPU and, for CI, on CPU (SGLang's CPU platform, torch_native
+attention; docs/sglang.md says what CPU cannot verify). Never run on a GPU yet.
 
-Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 3 and 4.
+Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 3 and 4, and
+``../shared/reviews/sglang-cpu-2026-11.md``.
 
 - **One Engine per TP group, on its first rank** (verl's SPMD pattern). SGLang spawns its own
   scheduler process per TP rank (GPUs ``base_gpu_id .. base_gpu_id + TP - 1``: the group must be
@@ -23,7 +25,8 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 
   to T = 1: the adapter refuses to start with it set.
 - **Seeding**: ``sampling_seed`` is honoured only with ``enable_deterministic_inference`` and the
   pytorch sampling backend, which the adapter sets. SGLang's seeded sampling is keyed by position,
-  so a resumed seeded request should continue as if never interrupted (not verified).
+  so a resumed seeded request continues as if never interrupted (checked on CPU, where SGLang's
+  deterministic mode needs the test patches of docs/sglang.md).
 - **Weights**: inside ``begin_weight_update``/``end_weight_update``, every TP rank gathers its
   parameters whole (``full_tensor()``, HF-named by :func:`hf_names`) in buckets of
   ``bucket_mb``; each rank's bucket goes to the first rank as CUDA-IPC handles (``gather_object``),
@@ -38,15 +41,32 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 
   refused (ValueError); otherwise the model's EOS ids are passed as stop tokens, kept in the output.
 - **Preemptions** are SGLang's retractions (``meta_info["num_retractions"]``, cumulative per request).
 
-``kv_capacity_tokens`` is SGLang's token capacity. ``num_running``/``num_waiting`` count requests
-with and without a first token, a guess: SGLang does not report them per step.
+``kv_capacity_tokens`` is SGLang's token capacity (``engine.kv_memory_mb`` per rank, as the other
+engines). ``num_running``/``num_waiting`` count requests with and without a first token, a guess:
+SGLang does not report them per step.
+
+Living inside a torchrun rank (each fix holds on GPU as on CPU):
+
+- torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` is hidden while SGLang spawns its schedulers, whose
+  own rendezvous would otherwise wait forever for a store nobody hosts (every Engine hung).
+- A failed SGLang process sends this one SIGQUIT, on which SGLang SIGKILLs it (no message left).
+  The adapter takes SIGQUIT (:func:`engine_died`: SGLang's processes stopped, one
+  :class:`EngineDied` naming them, the rank exits and torchrun's restart resumes the job) and gives
+  SIGTERM back to the handler it had (a Slurm stop still saves).
+- SGLang's ``Engine.shutdown`` kills every child process of this one, not only its own.
+- On CPU: ``file_system`` tensor sharing (process-wide; the schedulers cannot authenticate another
+  rank's file-descriptor transfer), ``SGLANG_CPU_OMP_THREADS_BIND`` with one share of the cores per
+  local rank (:func:`cpu_binding`) unless set, and ``monkey_patch_torch_reductions`` is skipped
+  (it rewrites CUDA tensors' pickling and breaks CPU tensors').
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -72,6 +92,46 @@ from rollpacker.rollout.engine import (
 SGLANG_VERSION = "0.5.23"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _ABORT_TIMEOUT_S = 60.0
+
+
+class EngineDied(RuntimeError):
+    """SGLang's scheduler or detokenizer process failed; the engine is gone."""
+
+
+_STARTED: dict[int, str] = {}
+"""pid -> title of every SGLang process this one started (SGLang reaps a dead one before SIGQUIT)."""
+
+
+def _sglang_processes() -> dict:
+    """This process's live SGLang descendants (``sglang::...``), by pid."""
+    import psutil
+
+    return {p.pid: p for p in psutil.Process().children(recursive=True) if _title(p).startswith("sglang::")}
+
+
+def _title(process) -> str:
+    """A process's title (SGLang names its own ``sglang::...``); empty once it is gone."""
+    try:
+        return process.name()
+    except Exception:
+        return ""
+
+
+def engine_died(signum, frame) -> None:
+    """SIGQUIT, sent by an SGLang process that failed (SGLang's own handler would SIGKILL this
+    process, leaving no message): stop SGLang's processes and raise one error naming them."""
+    import psutil
+
+    procs = _sglang_processes()
+    gone = [f"{name} (pid {pid})" for pid, name in _STARTED.items()
+            if pid not in procs or procs[pid].status() == psutil.STATUS_ZOMBIE]
+    for p in procs.values():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    what = f"{', '.join(gone)} exited" if gone else "one of its processes reported an error"
+    raise EngineDied(f"SGLang's engine failed: {what}; its traceback, if it printed one, is above. Its processes "
+                     "were stopped. Under torchrun --max-restarts with --resume auto the job restarts from its newest "
+                     "checkpoint")
 
 
 @dataclass
@@ -135,16 +195,101 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
-def _import_sglang():
+def _import_sglang(on_cpu: bool):
+    """SGLang, its CPU platform selected first on a machine without CUDA (its modules read it at import)."""
+    if on_cpu:
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         import sglang
     except ImportError as e:
-        raise ImportError(f"engine.kind=sglang needs SGLang ({e}): pip install sglang=={SGLANG_VERSION} "
-                          "on a GPU machine") from None
+        raise ImportError(f"engine.kind=sglang needs SGLang ({e}): `bash launch/install.sh sglang` (CPU), or "
+                          f"pip install sglang=={SGLANG_VERSION} on a GPU machine") from None
     if sglang.__version__ != SGLANG_VERSION:
         raise ImportError(f"engine.kind=sglang is written against SGLang {SGLANG_VERSION}, found "
                           f"{sglang.__version__}: pip install sglang=={SGLANG_VERSION}")
+    try:
+        import sglang.srt.entrypoints.engine  # noqa: F401
+    except ImportError as e:
+        stubs = " (on CPU: SGLang's CPU path imports torchvision and sgl_kernel without calling them; the tests put "
+        stubs += "tests/support/sglang_stubs on PYTHONPATH, see docs/sglang.md)" if on_cpu else ""
+        raise ImportError(f"SGLang {SGLANG_VERSION} is installed but its engine does not import: {e}{stubs}") from None
     return sglang
+
+
+def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dtype: torch.dtype, on_cpu: bool
+                ) -> dict:
+    """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's :class:`ModelArgs`). Its
+    KV holds ``engine.kv_memory_mb`` per rank, as TorchEngine's and vLLM's; on CPU, SGLang's CPU
+    device and torch_native attention, no memory saver (it is CUDA-only), and a static memory
+    fraction of 0.9: SGLang checks it against the host's free RAM, which other processes move (it
+    failed with 0.1 while another rank's engine loaded; the KV stays ``max_total_tokens``). SGLang
+    picks a free port for its schedulers' process group (a fixed one collides with another job's)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    port = 30000 + 8 * (rank % 1000)
+    kv_bytes_per_token = 2 * args.num_layers * max(1, args.num_kv_heads // tp) * args.head_dim * dtype.itemsize
+    return dict(
+        model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
+        port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
+        random_seed=config.seed, context_length=max_model_len(config, args) + 2,
+        mem_fraction_static=0.9 if on_cpu else config.memory_fraction,  # on CPU: see below
+        max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,
+        max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
+        page_size=config.block_size, disable_cuda_graph=config.enforce_eager,
+        enable_memory_saver=not on_cpu, enable_weights_cpu_backup=not on_cpu,
+        enable_deterministic_inference=True, sampling_backend="pytorch",
+        enable_priority_scheduling=True, schedule_low_priority_values_first=True, disable_priority_preemption=True,
+        custom_sigquit_handler=engine_died,
+    ) | ({"device": "cpu", "attention_backend": "torch_native"} if on_cpu else {})
+
+
+def max_model_len(config: EngineConfig, args) -> int:
+    """Longest prompt + response: ``engine.max_model_len``, at most the model's positions - 2. SGLang
+    caps a request's new tokens at its context length - 2 (its scheduler's ``max_req_len - 1``), so
+    the engine's context is this + 2."""
+    return min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings - 2)
+
+
+def cpu_binding(cpus: list[int], num_local_ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for CPU engines: the cores split into one contiguous share per
+    local rank, ``|``-separated (a scheduler binds the share at its device index, the rank's
+    LOCAL_RANK + its TP rank); a core is shared when ranks outnumber cores."""
+    n = len(cpus)
+    if num_local_ranks >= n:
+        return "|".join(str(cpus[i % n]) for i in range(num_local_ranks))
+    return "|".join(",".join(map(str, cpus[i * n // num_local_ranks:(i + 1) * n // num_local_ranks]))
+                    for i in range(num_local_ranks))
+
+
+@contextlib.contextmanager
+def _keeping_signal_handlers():
+    """SGLang's tokenizer manager takes SIGTERM (to drain and exit) and SIGQUIT (to SIGKILL this
+    process when a child fails) on its event loop. Yields ``restore(loop)``, which gives SIGTERM
+    back to its handler from before (a Slurm stop asks the job to save) and SIGQUIT to
+    :func:`engine_died` (in the main thread only: elsewhere nothing was taken)."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGTERM) if main else None
+
+    def restore(loop) -> None:
+        if main and saved is not None:
+            for sig in (signal.SIGTERM, signal.SIGQUIT):
+                loop.remove_signal_handler(sig)
+            signal.signal(signal.SIGTERM, saved)
+            signal.signal(signal.SIGQUIT, engine_died)
+
+    yield restore
+
+
+@contextlib.contextmanager
+def _without_agent_store():
+    """torchrun tells its ranks to reach its agent's store (TORCHELASTIC_USE_AGENT_STORE); SGLang's
+    spawned schedulers would inherit that and wait forever for a store nobody hosts at their own
+    rendezvous address. Hidden while the Engine spawns them."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
 class SGLangEngine:
@@ -156,13 +301,14 @@ class SGLangEngine:
                  dtype: torch.dtype = torch.bfloat16, bucket_mb: float = 512.0, **server_args):
         """``server_args`` override or extend SGLang's ``ServerArgs`` (e.g. ``attention_backend``)."""
         self.config = config = config or EngineConfig()
-        sgl = _import_sglang()
+        self.on_cpu = not torch.cuda.is_available()
+        sgl = _import_sglang(self.on_cpu)
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") not in ("", "0", "false"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report T = 1 log-probs, not the "
                              "contract's log_softmax(logits / T); unset it")
         args = read_args(model_path)
         self.tied, self.eos_ids, self.dtype = args.tie_word_embeddings, tuple(args.eos_token_ids), dtype
-        self.max_model_len = config.max_model_len or args.max_position_embeddings
+        self.max_model_len = max_model_len(config, args)
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
@@ -176,21 +322,17 @@ class SGLangEngine:
         self.lock, self.arrived = threading.Lock(), threading.Event()
         self.engine = None
         num_tokens = 0
+        if self.on_cpu:
+            torch.multiprocessing.set_sharing_strategy("file_system")  # every rank's tensors reach the schedulers
+            os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_binding(
+                sorted(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         if self.owner:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            port = 30000 + 8 * (rank % 1000)
-            self.engine = sgl.Engine(**dict(
-                model_path=str(model_path), tp_size=self.tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
-                port=port, nccl_port=port + 1, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-                random_seed=config.seed, context_length=self.max_model_len, mem_fraction_static=config.memory_fraction,
-                max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
-                page_size=config.block_size, disable_cuda_graph=config.enforce_eager,
-                enable_memory_saver=True, enable_weights_cpu_backup=True,
-                enable_deterministic_inference=True, sampling_backend="pytorch",
-                enable_priority_scheduling=True, schedule_low_priority_values_first=True,
-                disable_priority_preemption=True,
-            ) | server_args)
-            num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop moves to its thread
+            with _without_agent_store(), _keeping_signal_handlers() as restore:
+                self.engine = sgl.Engine(**engine_args(model_path, config, args, self.tp, dtype, self.on_cpu)
+                                         | server_args)
+                num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop's thread
+                restore(self.engine.loop)
+            _STARTED.update((pid, _title(p)) for pid, p in _sglang_processes().items())
             self.loop = self.engine.loop
             self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
             self.thread.start()
@@ -325,7 +467,8 @@ class SGLangEngine:
             if self.owner:
                 self._call(tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["weights"]), None))
             self.weights_awake = True
-        monkey_patch_torch_reductions()  # CUDA-IPC handles name devices by UUID
+        if not self.on_cpu:
+            monkey_patch_torch_reductions()  # CUDA-IPC handles name devices by UUID (it breaks CPU tensors' pickling)
         if self.owner:
             self._check(self._call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
         for bucket in buckets(hf_names(named_tensors, self.tied), self.bucket_bytes):
@@ -352,9 +495,11 @@ class SGLangEngine:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
         self._check_idle("release_memory")
-        if self.owner and not self.released:
+        # released already: only weights a push woke go back (SGLang's resume of a held tag kills its scheduler)
+        tags = None if not self.released else ["weights"] if self.weights_awake else []
+        if self.owner and tags != []:
             tm = self.engine.tokenizer_manager
-            self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=None), None))
+            self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None))
         self.released, self.weights_awake = True, False
 
     def resume_memory(self) -> None:
@@ -364,15 +509,17 @@ class SGLangEngine:
             tm = self.engine.tokenizer_manager
             for tags in ([] if self.weights_awake else [["weights"]]) + [["kv_cache", "cuda_graph"]]:
                 self._call(tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
-        self.released = False
+        self.released = self.weights_awake = False
 
     def shutdown(self) -> None:
-        """Stop the loop thread and SGLang's subprocesses (the first rank of the group)."""
+        """Stop the loop thread and SGLang's subprocesses (the first rank of the group). SGLang's
+        shutdown kills every child process of this one, not only its own."""
         if self.owner and self.engine is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=30)
             self.engine.shutdown()
             self.engine = None
+            _STARTED.clear()
 
     def _check_idle(self, what: str) -> None:
         if self.live:

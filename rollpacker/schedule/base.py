@@ -3,16 +3,16 @@
 A policy decides which prompts a round launches and how many responses each, reacts to every
 finished and scored response (keep it, abort its siblings, launch more prompts, end the round),
 and says at the end of the round which groups are trained. It never touches tensors or engines:
-the controller (``round.py``, through ``schedule/round.py``) turns its decisions into engine calls on the right replicas,
-and the trainer never learns how samples were scheduled.
+the controller (``exchange.py``, through ``schedule/round.py``) turns its decisions into engine
+calls on the right replicas, and the trainer never learns how samples were scheduled.
 
 One round = one RL step. The controller calls, on rank 0 only:
 
-1. ``start_round(step) -> Round``: the prompts to launch (dataset rows) and responses each.
-   A round's prompts are addressed by *slot*, their position in launch order (``Round.prompts``
-   first, then every ``Decision.launch`` in turn), so one row may appear twice in a round (once
+1. ``start_round(step) -> RoundPlan``: the prompts to launch (dataset rows) and responses each.
+   A round's prompts are addressed by *slot*, their position in launch order (``RoundPlan.prompts``
+   first, then every ``PolicyDecision.launch`` in turn), so one row may appear twice in a round (once
    from each of two epochs);
-2. ``on_finished(slot, response, output, reward) -> Decision`` for every response that finishes,
+2. ``on_finished(slot, response, output, reward) -> PolicyDecision`` for every response that finishes,
    in the order they finished: request ids to abort now, rows to launch, groups now complete (final:
    they will be trained, so the stream trainer may take them at once), and whether the round is
    over. A policy whose ``needs_rewards`` is True hears of a response once it is scored
@@ -25,7 +25,7 @@ One round = one RL step. The controller calls, on rank 0 only:
    from the reward scheduler.
 
 A policy that keeps work across rounds (``sorted_partial``) fills two optional, additive fields:
-``Round.carried`` maps ``(slot, response)`` to what an earlier round generated of that response. A
+``RoundPlan.carried`` maps ``(slot, response)`` to what an earlier round generated of that response. A
 partial output (``finish_reason`` "abort") is continued by recomputation (``Request.resume_from``,
 same request id scheme, this round's sampling seed); a finished one is not launched again, only
 submitted for scoring again so that the controller can fill its reward (the policy already holds
@@ -36,16 +36,24 @@ oldest token and this round's training (empty: all 0, on-policy). Policies that 
 ``stats()`` gives the round's ``sched/`` metrics; ``done()`` is True once there is nothing left to
 train (the configured epochs are used up). Policies are checkpointed with
 ``state_dict``/``load_state_dict`` (plain Python data).
+
+A policy's settings are a :class:`PolicyConfig` beside it, in the same module: its own settings,
+its capabilities (what the rest of the job asks instead of its name), its builder and its own
+composition rules. ``rollpacker.schedule.config.POLICY_CONFIGS`` registers it
+(``docs/extending.md``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from rollpacker.config import Config
 
 
 @dataclass
-class Round:
+class RoundPlan:
     kind: str
     """"sync", "short", "long" or "sorted": how this round was scheduled (logged as sched/round_kind)."""
     prompts: list[int]
@@ -76,11 +84,11 @@ class Group:
 
 
 @dataclass
-class Decision:
+class PolicyDecision:
     abort: list[str] = field(default_factory=list)
     """Request ids to abort now."""
     launch: list[int] = field(default_factory=list)
-    """Dataset rows to launch now, ``Round.num_responses`` responses each; they take the next slots."""
+    """Dataset rows to launch now, ``RoundPlan.num_responses`` responses each; they take the next slots."""
     complete: list[Group] = field(default_factory=list)
     """Groups that became complete with this response: final, ``end_round`` returns them."""
     round_done: bool = False
@@ -122,9 +130,9 @@ class Policy(Protocol):
     needs_rewards: bool
     """Whether decisions depend on rewards (then responses reach on_finished only once scored)."""
 
-    def start_round(self, step: int) -> Round: ...
+    def start_round(self, step: int) -> RoundPlan: ...
 
-    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision: ...
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision: ...
 
     def end_round(self, aborted: list[Any]) -> list[Group]: ...
 
@@ -135,3 +143,36 @@ class Policy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """A policy's settings, capabilities and builder (no torch import: configs parse first)."""
+
+    name: ClassVar[str]
+    """Its name: the ``schedule:NAME`` subcommand, ``[schedule] policy = NAME`` in a preset."""
+    stale_samples: ClassVar[str | None] = None
+    """Why its samples can be older than the step that trains them; None: on-policy. Stale samples
+    need a ``train.rollout_correction`` other than none."""
+    on_policy_alternative: ClassVar[str] = "sync"
+    """With stale_samples: the on-policy policy that the error suggests instead."""
+    own_pools: ClassVar[bool] = False
+    """It rolls out on ranks of its own (:meth:`rollout_pool`) while the others train the batch
+    before, in its own loop (``rollpacker.loops.one_step_off``)."""
+
+    filter_zero_variance: bool = False
+    """Dynamic sampling (DAPO): do not train or queue prompts whose group rewards are all equal."""
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> Policy:
+        """The policy with these settings over ``sampler``, P0 = ``num_prompts``, R0 = ``group_size``.
+        ``num_epochs`` (0: unlimited) and ``last_step`` (None: none known) bound the run."""
+        raise NotImplementedError(f"{type(self).__name__}.build")
+
+    def rollout_pool(self, world: int) -> int:
+        """The ranks (the simulator: GPUs) of ``world`` that roll out: all, unless it has pools."""
+        return world
+
+    def check(self, config: Config, world: int | None = None) -> None:
+        """Refuse the root settings this policy does not compose with, naming them; with ``world``,
+        also those that do not fit ``world`` ranks. Config calls it when parsed and in check_world."""

@@ -53,7 +53,8 @@ class Ledger:
         for epoch in range(sampler.epoch + 1):
             expected = sampler.num_rows if epoch < sampler.epoch else sampler.position
             if drawn.get(epoch, 0) != expected:
-                raise AssertionError(f"ledger: epoch {epoch} has {drawn.get(epoch, 0)} drawn prompts, the sampler drew {expected}")
+                raise AssertionError(f"ledger: epoch {epoch} has {drawn.get(epoch, 0)} drawn prompts, "
+                                     f"the sampler drew {expected}")
         queued = [k for k, s in self.state.items() if s == "deferred"]
         if sorted(queued) != sorted(self.queue) or len(set(self.queue)) != len(self.queue):
             raise AssertionError("ledger: the long-prompt queue and the deferred prompts differ")

@@ -1,12 +1,16 @@
 """A rollout round as plain state: what rank 0's controller and the simulator both drive.
 
-:class:`RoundState` holds one round of a scheduling policy — the slots (dataset rows in launch
-order), which replica runs each request, the requests still outstanding, the finished responses
-not yet shown to the policy, their scores and the groups complete so far — and turns the policy's
-decisions into request ids to abort and requests to launch. It sends nothing and measures no
-time: the controller (:func:`rollpacker.round.run_round`) drives it with the engines' reports over
-the control plane, the simulator (:func:`rollpacker.sim.simulate.simulate_round`) with simulated
-replicas. So both make the same calls on the policy in the same order by construction.
+:class:`RoundState` holds one round of a scheduling policy:
+
+- the slots (dataset rows in launch order) and which replica runs each request;
+- the requests still outstanding;
+- the finished responses not yet shown to the policy, and their scores;
+- the groups complete so far.
+
+It turns the policy's decisions into request ids to abort and requests to launch. It sends
+nothing and measures no time. The controller (:func:`rollpacker.exchange.run_round`) drives it
+with the engines' reports; the simulator (:func:`rollpacker.sim.simulate.simulate_round`) with
+simulated replicas. So both make the same calls on the policy in the same order.
 
 A round, from the driver's side:
 
@@ -15,11 +19,12 @@ A round, from the driver's side:
    request over the active replicas, ``owner``), and the carried outputs to score again;
 2. for every batch of finished responses: :meth:`finished`, :meth:`scored` as scores arrive, then
    :meth:`decide`, which shows the policy every finished response in finish order (once scored, when
-   it ``needs_rewards``) and returns a :class:`Decisions`: request ids to abort, launches, and
+   it ``needs_rewards``) and returns a :class:`RoundActions`: request ids to abort, launches, and
    whether the round is over (also when nothing is left to run or decide: a policy that forgot to
    say so still ends its round);
-3. with a stream trainer, :meth:`take_complete` hands out the complete, scored groups to stream;
-   :meth:`scale_down` narrows routing to the kept replicas;
+3. the round's :class:`RoundHooks` (stream training, RolloutPipe) hear of polls, finished and
+   aborted responses; they may narrow routing to the kept replicas (:meth:`scale_down`) and take
+   the complete, scored groups (:meth:`take_complete`);
 4. :meth:`finish` with the aborted partial outputs: the policy's groups, with their rewards.
 """
 
@@ -30,7 +35,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rollpacker.schedule.base import Group, Policy, Round, request_id
+from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
+
+
+def kept_replicas(num_replicas: int) -> int:
+    """The rollout replicas that keep rolling out when stream training scales down (or RolloutPipe
+    splits the pools): the first half, rounded up; the others are freed to train."""
+    return num_replicas - num_replicas // 2
 
 
 @dataclass
@@ -42,11 +53,11 @@ class Launch:
     run: list[tuple[int, str, Any]] = field(default_factory=list)
     """(response, request id, partial output to resume from or None) of the responses to run, in order."""
     rescore: list[Any] = field(default_factory=list)
-    """Outputs an earlier round finished (``Round.carried``): not run again, only scored again."""
+    """Outputs an earlier round finished (``RoundPlan.carried``): not run again, only scored again."""
 
 
 @dataclass
-class Decisions:
+class RoundActions:
     abort: list[str] = field(default_factory=list)
     """Request ids to abort now (only outstanding ones, none migrating)."""
     launch: list[Launch] = field(default_factory=list)
@@ -57,7 +68,7 @@ class Decisions:
 class RoundState:
     """One round of ``policy`` (see the module docstring). Outputs need an ``id``."""
 
-    def __init__(self, step: int, plan: Round, policy: Policy, num_replicas: int):
+    def __init__(self, step: int, plan: RoundPlan, policy: Policy, num_replicas: int):
         self.step, self.plan, self.policy = step, plan, policy
         self.active = num_replicas
         """Replicas new requests are routed to: all, or the kept ones after a scale-down."""
@@ -122,10 +133,10 @@ class RoundState:
         """The policy waits for rewards and nothing is left running: only scores can move the round on."""
         return self.policy.needs_rewards and not self.outstanding
 
-    def decide(self, resuming: bool = False) -> Decisions:
+    def decide(self, resuming: bool = False) -> RoundActions:
         """Show the policy what finished (in finish order; once scored if it ``needs_rewards``);
         ``resuming``: the driver is adding requests of its own now (migrated ones), so the round goes on."""
-        out = Decisions()
+        out = RoundActions()
         needs = self.policy.needs_rewards
         while self.undecided and (not needs or self.undecided[0].id in self.scores):
             output = self.undecided.popleft()
@@ -176,3 +187,53 @@ class RoundState:
         for g in groups:
             g.rewards = [self.scores[o.id] for o in g.outputs]
         return groups
+
+
+class RoundHooks:
+    """How a feature joins a round: what it hears and what it may change. The base does nothing:
+    a round without a stream trainer. Both drivers call, on rank 0:
+
+    - ``priority(slot)`` for each request launched: engines admit lower values first;
+    - ``on_poll(running, step_seconds)`` at each poll after the first: requests running per
+      active replica, and the seconds an engine step took;
+    - ``on_finished(lengths)`` with the lengths of the responses that just finished;
+    - ``on_aborted(state, outputs)`` with the partial outputs the replicas aborted: it returns
+      those to resume on another replica (migrated);
+    - ``maybe_scale_down(state, generated)`` before the policy decides: the request ids to abort
+      to move rollout onto the kept replicas, or None;
+    - ``feed(state)`` after the policy decided: it may take complete groups;
+    - ``finish()`` when the round ends: the round's metrics.
+
+    The stream trainer's hooks are in :mod:`rollpacker.train.stream`.
+    """
+
+    scaled_at: float | None = None
+    """When rollout moved onto the kept replicas (None: it has not; RolloutPipe: at the start)."""
+    completed_frac: float | None = None
+    """The fraction of the round's prompts complete when :meth:`maybe_scale_down` scaled down (None: it did not)."""
+
+    @property
+    def scaled_down(self) -> bool:
+        return self.scaled_at is not None
+
+    def priority(self, slot: int) -> int:
+        return 0
+
+    def on_poll(self, running: float, step_seconds: float) -> None:
+        pass
+
+    def on_finished(self, lengths: list[int]) -> None:
+        pass
+
+    def on_aborted(self, state: RoundState, outputs: list[Any]) -> list[Any]:
+        return []
+
+    def maybe_scale_down(self, state: RoundState, generated: Callable[[], list[tuple[int, int]]]) -> list[str] | None:
+        """``generated()`` gives (prompt tokens, tokens generated so far) of each outstanding request."""
+        return None
+
+    def feed(self, state: RoundState) -> None:
+        pass
+
+    def finish(self) -> dict[str, float]:
+        return {}

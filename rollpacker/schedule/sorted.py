@@ -16,7 +16,7 @@ Every trained token was sampled by the current step's weights: staleness 0.
 
 **Partial mode** (``sorted_partial``): the buffer keeps the partial tokens and log-probs of unfinished
 responses and the finished responses of incomplete groups. The next round resumes the partial ones
-under the new weights (``Round.carried``, ``Request.resume_from``) and launches nothing for the
+under the new weights (``RoundPlan.carried``, ``Request.resume_from``) and launches nothing for the
 finished ones. The engine concatenates the log-probs of each segment, so every token keeps the
 log-prob it was sampled with, which ``train.rollout_correction`` corrects with. Each response
 records the step of each segment; its staleness is the training step minus the step its oldest
@@ -46,10 +46,54 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Decision, Group, QueuedPolicy, Round, remaining, request_id, zero_variance
+from rollpacker.schedule.base import (
+    Group,
+    PolicyConfig,
+    PolicyDecision,
+    QueuedPolicy,
+    RoundPlan,
+    remaining,
+    request_id,
+    zero_variance,
+)
 from rollpacker.schedule.ledger import Key, Ledger
+
+
+@dataclass(kw_only=True)
+class _LoadGroups(PolicyConfig):
+    partial: ClassVar[bool] = False
+    """Partial mode: keep what a cut round generated, to resume it under newer weights."""
+    sorted_batches: int = 4
+    """n: update batches of P0 prompts loaded at once (a load group); no more until all are consumed."""
+
+    def __post_init__(self) -> None:
+        if self.sorted_batches < 1:
+            raise ValueError(f"schedule.sorted_batches must be >= 1, got {self.sorted_batches}")
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> SortedPolicy:
+        return SortedPolicy(sampler, num_prompts, group_size, num_batches=self.sorted_batches,
+                            partial=self.partial, filter_zero_variance=self.filter_zero_variance,
+                            num_epochs=num_epochs)
+
+
+@dataclass(kw_only=True)
+class SortedConfig(_LoadGroups):
+    """sorted: SortedRL on-policy, unfinished responses are generated afresh."""
+
+    name: ClassVar[str] = "sorted"
+
+
+@dataclass(kw_only=True)
+class SortedPartialConfig(_LoadGroups):
+    """sorted_partial: SortedRL resuming partial responses (off-policy: needs a train.rollout_correction)."""
+
+    name: ClassVar[str] = "sorted_partial"
+    partial: ClassVar[bool] = True
+    stale_samples: ClassVar[str | None] = "partial mode resumes responses under newer weights"
+    on_policy_alternative: ClassVar[str] = SortedConfig.name
 
 
 def _finished(output: Any) -> bool:
@@ -74,9 +118,7 @@ class _Entry:
 class SortedPolicy(QueuedPolicy):
     def __init__(self, sampler, num_prompts: int, group_size: int, *, num_batches: int = 4, partial: bool = False,
                  filter_zero_variance: bool = False, num_epochs: int = 0):
-        if num_batches < 1:
-            raise ValueError(f"sorted: num_batches={num_batches} must be >= 1")
-        self.name = "sorted_partial" if partial else "sorted"
+        self.name = SortedPartialConfig.name if partial else SortedConfig.name
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.num_batches, self.partial = num_batches, partial
         self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
@@ -96,7 +138,7 @@ class SortedPolicy(QueuedPolicy):
 
     # -- planning ----------------------------------------------------------------------------
 
-    def start_round(self, step: int) -> Round:
+    def start_round(self, step: int) -> RoundPlan:
         self.step, self.closed, loaded = step, False, 0
         if not self.ledger.queue:  # the load group is consumed: load the next one
             left = remaining(self.sampler, self.num_epochs)
@@ -118,21 +160,21 @@ class SortedPolicy(QueuedPolicy):
         self.target = min(self.num_prompts, len(keys))
         self._stats = {"loaded": loaded, "filtered": 0,
                        "resumed": sum(not _finished(out) for out in carried.values())}
-        return Round(kind="sorted", prompts=[key[1] for key in keys], num_responses=self.group_size,
+        return RoundPlan(kind="sorted", prompts=[key[1] for key in keys], num_responses=self.group_size,
                      keep=self.target, carried=carried)
 
     # -- reacting ----------------------------------------------------------------------------
 
-    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         e = self.slots[slot]
         finished = sum(map(_finished, e.outputs)) + 1
         if e.state != "running" or self.closed and (not self.partial or finished == self.group_size):
-            return Decision()  # after the round's cut-off (see the module docstring)
+            return PolicyDecision()  # after the round's cut-off (see the module docstring)
         self._record(e, response, output)
         e.rewards[response] = reward
         if finished < self.group_size:
-            return Decision()
-        decision = Decision()
+            return PolicyDecision()
+        decision = PolicyDecision()
         if self.filter_zero_variance and zero_variance(e.rewards):
             e.state = "filtered"
             self._stats["filtered"] += 1

@@ -9,9 +9,24 @@ what is left.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Decision, Group, Round, remaining, zero_variance
+from rollpacker.schedule.base import Group, PolicyConfig, PolicyDecision, RoundPlan, remaining, zero_variance
+
+
+@dataclass(kw_only=True)
+class SyncConfig(PolicyConfig):
+    """sync: the veRL baseline, P0 prompts x R0 responses, rollout waits for the longest."""
+
+    name: ClassVar[str] = "sync"
+    pipe: bool = False
+    """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> SyncPolicy:
+        return SyncPolicy(sampler, num_prompts, group_size, filter_zero_variance=self.filter_zero_variance,
+                          num_epochs=num_epochs)
 
 
 class SyncPolicy:
@@ -33,20 +48,20 @@ class SyncPolicy:
     def done(self) -> bool:
         return remaining(self.sampler, self.num_epochs) == 0
 
-    def start_round(self, step: int) -> Round:
+    def start_round(self, step: int) -> RoundPlan:
         left = remaining(self.sampler, self.num_epochs)
         keys = self.sampler.draw(self.num_prompts if left is None else min(self.num_prompts, left))
         self.groups = [Group(prompt=row, outputs=[], rewards=[], epoch=epoch) for epoch, row in keys]
         self.dropped, self.pending = set(), len(keys) * self.group_size
-        return Round(kind="sync", prompts=[g.prompt for g in self.groups], num_responses=self.group_size,
+        return RoundPlan(kind="sync", prompts=[g.prompt for g in self.groups], num_responses=self.group_size,
                      keep=len(keys))
 
-    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         group = self.groups[slot]
         group.outputs.append(output)
         group.rewards.append(reward)
         self.pending -= 1
-        decision = Decision(round_done=self.pending == 0)
+        decision = PolicyDecision(round_done=self.pending == 0)
         if len(group.outputs) == self.group_size:
             if self.filter_zero_variance and zero_variance(group.rewards):
                 self.dropped.add(slot)

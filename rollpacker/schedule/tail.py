@@ -32,10 +32,44 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Decision, Group, QueuedPolicy, Round, remaining, request_id, zero_variance
+from rollpacker.schedule.base import (
+    Group,
+    PolicyConfig,
+    PolicyDecision,
+    QueuedPolicy,
+    RoundPlan,
+    remaining,
+    request_id,
+    zero_variance,
+)
 from rollpacker.schedule.ledger import Key, Ledger
+
+
+@dataclass(kw_only=True)
+class TailConfig(PolicyConfig):
+    """tail: RollPacker's tail batching, speculative short rounds and a long-prompt queue."""
+
+    name: ClassVar[str] = "tail"
+    eta_prompts: float = 1.25
+    """η_P: short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation)."""
+    eta_responses: float = 1.25
+    """η_R: short rounds launch ⌈η_R·R0⌉ responses per prompt (1 = no response speculation)."""
+    pipe: bool = False
+    """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
+
+    def __post_init__(self) -> None:
+        if self.eta_prompts < 1 or self.eta_responses < 1:
+            raise ValueError(f"schedule.eta_prompts={self.eta_prompts} and schedule.eta_responses="
+                             f"{self.eta_responses} must be >= 1")
+
+    def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
+              last_step: int | None = None) -> TailPolicy:
+        """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
+        return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts,
+                          eta_responses=self.eta_responses, filter_zero_variance=self.filter_zero_variance,
+                          num_epochs=num_epochs, last_step=last_step)
 
 
 @dataclass
@@ -53,14 +87,12 @@ class TailPolicy(QueuedPolicy):
     def __init__(self, sampler, num_prompts: int, group_size: int, *, eta_prompts: float = 1.25,
                  eta_responses: float = 1.25, filter_zero_variance: bool = False, num_epochs: int = 0,
                  last_step: int | None = None):
-        if eta_prompts < 1 or eta_responses < 1:
-            raise ValueError(f"tail: eta_prompts={eta_prompts} and eta_responses={eta_responses} must be >= 1")
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.eta_prompts, self.eta_responses = eta_prompts, eta_responses
         self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
         self.ledger = Ledger()
         self.slots: list[_Launched] = []
-        self.round: Round | None = None
+        self.round: RoundPlan | None = None
         self.step = 0
         self.target = 0
         self.closed = False
@@ -68,7 +100,7 @@ class TailPolicy(QueuedPolicy):
 
     # -- planning ----------------------------------------------------------------------------
 
-    def start_round(self, step: int) -> Round:
+    def start_round(self, step: int) -> RoundPlan:
         left = remaining(self.sampler, self.num_epochs)
         queue = self.ledger.queue
         self.step, self.slots = step, []
@@ -85,7 +117,7 @@ class TailPolicy(QueuedPolicy):
             responses, kind = math.ceil(self.eta_responses * self.group_size), "short"
         for key in keys:
             self._launch(key)
-        self.round = Round(kind=kind, prompts=[k[1] for k in keys], num_responses=responses, keep=self.target)
+        self.round = RoundPlan(kind=kind, prompts=[k[1] for k in keys], num_responses=responses, keep=self.target)
         self._stats = {"filtered": 0}
         self.closed = False
         return self.round
@@ -96,14 +128,14 @@ class TailPolicy(QueuedPolicy):
 
     # -- reacting ----------------------------------------------------------------------------
 
-    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> Decision:
+    def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         p = self.slots[slot]
         if p.state != "running" or self.closed:
-            return Decision()  # finished before its abort landed, or after the round's cut-off: thrown away
+            return PolicyDecision()  # finished before its abort landed, or after the round's cut-off: thrown away
         p.group.outputs.append(output)
         p.group.rewards.append(reward)
         p.finished.add(response)
-        decision = Decision()
+        decision = PolicyDecision()
         if len(p.group.outputs) < self.group_size:
             return decision
         decision.abort = [request_id(self.step, slot, k) for k in range(self.round.num_responses)

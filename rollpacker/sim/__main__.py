@@ -11,10 +11,7 @@
 The first form takes the rollout settings (P0, R0, max_new_tokens, TP) from the preset; ``--gpus``
 defaults to the paper's GPU count for the model; every field of :class:`SimConfig` is a flag
 (``--rollout.num-prompts 64``, ``schedule:sorted --schedule.sorted-batches 2``,
-``--calib.hbm-efficiency 0.7``, ``--lengths.long-fraction 0.1``, ``--trace metrics.jsonl``). The
-flags from before the simulator embedded the run's rollout and schedule settings are read in their
-new spelling (``--tp`` as ``--rollout.tp``, ``--policy tail`` as ``schedule:tail``, ``--rollout-gpus``
-as ``--schedule.rollout-ranks``).
+``--calib.hbm-efficiency 0.7``, ``--lengths.long-fraction 0.1``, ``--trace metrics.jsonl``).
 """
 
 from __future__ import annotations
@@ -25,11 +22,6 @@ from dataclasses import dataclass
 
 PAPER_GPUS = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
 """GPUs of the paper's §6 runs, per model: the default of --gpus."""
-RENAMED = {"--tp": "--rollout.tp", "--num-prompts": "--rollout.num-prompts", "--group-size": "--rollout.group-size",
-           "--max-new-tokens": "--rollout.max-new-tokens", "--eta-prompts": "--schedule.eta-prompts",
-           "--eta-responses": "--schedule.eta-responses", "--sorted-batches": "--schedule.sorted-batches",
-           "--rollout-gpus": "--schedule.rollout-ranks"}
-"""The simulator's flags before it embedded the run's rollout and schedule configs, and their spelling now."""
 
 
 def preset_config(name: str):
@@ -57,11 +49,10 @@ def _pop_flag(args: list[str], flag: str, default: str) -> str:
 
 
 def parse(argv: list[str]):
-    """The :class:`SimConfig` of ``argv`` (``--preset`` then flags; the old flags in their new
-    spelling), and its ``--gantt`` path and step count."""
+    """The :class:`SimConfig` of ``argv`` (``--preset`` then flags), and its ``--gantt`` path and step count."""
     import tyro
 
-    from rollpacker.schedule.config import policy_args
+    from rollpacker.schedule.config import schedule_args
     from rollpacker.sim.simulate import SimConfig
 
     args = list(argv)
@@ -69,7 +60,7 @@ def parse(argv: list[str]):
     gantt = _pop_flag(args, "--gantt", "")
     gantt_steps = int(_pop_flag(args, "--gantt-steps", "5"))
     default = preset_config(preset)
-    args = policy_args([RENAMED.get(a, a) for a in args], default.policy)
+    args = schedule_args(args, default.policy)
     cfg = tyro.cli(SimConfig, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                    prog="python -m rollpacker.sim",
                    description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, "
@@ -84,14 +75,15 @@ def run(argv: list[str]) -> dict:
     cost = cfg.cost()
     results = simulate(cfg, record=bool(gantt))
     pools = f" ({cfg.train_pool} of them train)" if cfg.train_pool < cfg.gpus else ""
-    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp}{pools} (KV cache "
-          f"{cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.rollout.num_prompts}, R0={cfg.rollout.group_size}, "
+    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp}{pools} "
+          f"(KV cache {cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.rollout.num_prompts}, "
+          f"R0={cfg.rollout.group_size}, "
           f"up to {cfg.rollout.max_new_tokens} new tokens; policy {cfg.policy}; {cfg.num_steps} steps "
           f"({'trace ' + cfg.trace if cfg.trace else 'length mixture'})")
     stream = f"{'scaled':>8}{'at':>6}{'hidden':>8}" if cfg.stream else ""
     print(f"{'round':<8}{'steps':>6}{'rollout':>9}{'reward':>8}{'train':>8}{'sync':>7}{'step':>8}{'longest':>9}"
           f"{'preempt':>9}{'bubble':>8}{stream}   (seconds; reward = exposed, after rollout"
-          + ("; one_step_off: step = wait for the batch + train + sync" if cfg.policy == "one_step_off" else "")
+          + (f"; {cfg.policy}: step = wait for the batch + train + sync" if cfg.schedule.own_pools else "")
           + ("; scaled = share of steps the stream trainer scaled down, at = prompts complete then, hidden = "
              "train time done under rollout)" if cfg.stream else ")"))
     summary = summarize(results)
@@ -111,7 +103,7 @@ def run(argv: list[str]) -> dict:
         figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s")}
         if cfg.stream:
             figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("scaled_down", "scaled_frac", "hidden_train_s")}
-        if cfg.policy == "one_step_off":
+        if cfg.schedule.own_pools:
             figures[f"{prefix}wait_s"] = round(m["wait_s"], 3)
         figures[f"{prefix}steps"] = m["steps"]
     return figures
@@ -139,7 +131,8 @@ class WorkloadArgs:
 def workload(argv: list[str]) -> dict:
     import tyro
 
-    from rollpacker.sim.workload import PAPER_LENGTHS, LengthModel, fit_length_model, length_loss, length_stats
+    from rollpacker.data.lengths import LengthModel
+    from rollpacker.sim.workload import PAPER_LENGTHS, fit_length_model, length_loss, length_stats
 
     args = tyro.cli(WorkloadArgs, args=argv, prog="python -m rollpacker.sim workload")
     model = fit_length_model(args.num_candidates)[0] if args.fit else LengthModel()
@@ -177,8 +170,8 @@ def main(argv: list[str] | None = None) -> None:
 
         figures = growth.main(argv[1:])
     elif command:
-        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, or flags "
-                         "(--help)")
+        raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, "
+                         "or flags (--help)")
     else:
         try:
             figures = run(argv)

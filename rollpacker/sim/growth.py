@@ -57,17 +57,16 @@ def linear_profile(growth: float) -> dict:
 
 def speedup(shape: str, growth: float, seed: int, args: GrowthArgs) -> float:
     """Simulated sync rollout time per step over tail's, steps after the first."""
-    from rollpacker.bench.regime import Args as RegimeArgs
-    from rollpacker.bench.regime import job_flags
-    from rollpacker.bench.schedulers import Args as JobArgs
-    from rollpacker.bench.schedulers import job_argv, policy_args
+    from rollpacker.jobflags import JobArgs, MemoryRegime, job_argv, memory_regime_flags, policy_args
+    from rollpacker.schedule.sync import SyncConfig
+    from rollpacker.schedule.tail import TailConfig
     from rollpacker.sim.validate import rollout_per_step, simulate_run
 
     p0, r0 = map(int, shape.split("x"))
-    flags = job_flags(RegimeArgs(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps,
+    flags = memory_regime_flags(MemoryRegime(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps,
                                  num_prompts=p0, group_size=r0)) + ["--engine.max-num-seqs", str(BATCHES[-1])]
     sync, tail = (rollout_per_step(simulate_run(job_argv(JobArgs(), flags, policy_args(p), seed, ""),
-                                                linear_profile(growth))) for p in ("sync", "tail"))
+                                                linear_profile(growth))) for p in (SyncConfig.name, TailConfig.name))
     return sync / tail
 
 

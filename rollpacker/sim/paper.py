@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 
 from rollpacker.config import load_preset
 from rollpacker.schedule.config import POLICY_CONFIGS
+from rollpacker.schedule.sync import SyncConfig
+from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.simulate import SimConfig, simulate, summarize
 
 TABLE1 = {"math": (0.72, 0.05, 0.23), "code": (0.66, 0.13, 0.21), "judge": (0.71, 0.07, 0.22)}
@@ -36,10 +38,11 @@ FIG13C = 1.6
 TABLE2_ROWS = ("veRL baseline", "+ tail batching", "+ reward scheduler", "+ parallelism planner", "+ stream trainer")
 BUILT_ROWS = 5
 """Rows the simulator can build so far: all of them."""
-VARIANTS = {"sync": {}, "tail": {}, "tail+reward": {"reward_scheduler": True},
-            "tail+reward+planner": {"reward_scheduler": True, "planner": True},
-            "tail+reward+planner+stream": {"reward_scheduler": True, "planner": True, "stream": True}}
-"""The simulated configuration of each built row."""
+SYNC, TAIL = SyncConfig.name, TailConfig.name
+VARIANTS = {SYNC: {}, TAIL: {}, f"{TAIL}+reward": {"reward_scheduler": True},
+            f"{TAIL}+reward+planner": {"reward_scheduler": True, "planner": True},
+            f"{TAIL}+reward+planner+stream": {"reward_scheduler": True, "planner": True, "stream": True}}
+"""The simulated configuration of each built row: the policy, then the stage optimizations."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def table1(num_steps: int = 10) -> dict:
     print(f"{'':<8}" + f"{'paper':>9}{'sim':>9}" * 3)
     figures = {}
     for task, paper in TABLE1.items():
-        base = setting_config(setting, "sync", num_steps=num_steps)
+        base = setting_config(setting, SYNC, num_steps=num_steps)
         cfg = replace(base, reward=replace(base.reward, tasks=(task,)))
         mean = summarize(simulate(cfg))["all"]
         sim = [mean[k] / mean["step_s"] for k in ("rollout_s", "reward_s", "train_s")]
@@ -102,7 +105,7 @@ def fig13c(num_steps: int = 20) -> dict:
           f"code only, tail batching, asynchronous scoring, mean of {num_steps} steps")
     means = {}
     for name, adaptive in (("fixed", False), ("adaptive", True)):
-        base = setting_config(setting, "tail", num_steps=num_steps, reward_scheduler=True, adaptive_timeouts=adaptive)
+        base = setting_config(setting, TAIL, num_steps=num_steps, reward_scheduler=True, adaptive_timeouts=adaptive)
         results = simulate(replace(base, reward=replace(base.reward, tasks=("code",))))
         means[name] = {kind: statistics.mean(r.rollout_s + r.reward_s for r in results if kind in ("all", r.kind))
                        for kind in ("short", "long", "all")}
@@ -121,7 +124,7 @@ def table2(num_steps: int = 20) -> dict:
     for s in SETTINGS:
         means = {v: summarize(simulate(setting_config(s, v.split("+")[0], num_steps=num_steps, **kw)))["all"]
                  for v, kw in VARIANTS.items()}
-        sims[s.label] = {"speedup": [means["sync"]["step_s"] / means[v]["step_s"] for v in VARIANTS], "means": means}
+        sims[s.label] = {"speedup": [means[SYNC]["step_s"] / means[v]["step_s"] for v in VARIANTS], "means": means}
     print(f"Table 2: cumulative end-to-end speedup over veRL, paper vs simulated (H800, P0=128, R0=8, math/code/judge "
           f"mix, mean step time over {num_steps} steps)")
     print(f"{'':<24}" + "".join(f"{s.title:>30}" for s in SETTINGS))

@@ -2,7 +2,7 @@
 
 Two regimes, each a 2-rank job whose rollout runs alone (``--train.skip``) with every response
 forced to a length of the simulator's own long-tailed mixture (``--rollout.replay-lengths``, the
-very lengths :class:`~rollpacker.sim.workload.LengthModel` gives the simulator for the same seed):
+very lengths :class:`~rollpacker.data.lengths.LengthModel` gives the simulator for the same seed):
 
 - ``compute``: the toy model on TorchEngine (the ``toy-cpu`` preset: P0=16, R0=8, cap 400), where
   a decode step grows with the running requests (compute-bound, as CPUs are with small models);
@@ -16,9 +16,10 @@ simulator drives the same policy objects through :class:`~rollpacker.sim.cost.Pr
 replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout time per step
 (rollout and the scoring after it, steps after the first) is compared per (regime, policy); the
 profile is the only thing the simulator learns from this machine. Runs and profiles are kept in
-``--work-dir`` and reused when their flags are the same (``--fresh`` measures again). Last line JSON: ``sim_max_rel_error`` and
-``measured_s_<regime>_<policy>`` / ``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every
-job and profile (``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there override the profiled points).
+``--work-dir`` and reused when their flags are the same (``--fresh`` measures again). Last line
+JSON: ``sim_max_rel_error`` and ``measured_s_<regime>_<policy>`` /
+``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every job and profile
+(``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there override the profiled points).
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from rollpacker.schedule.config import names
+
 REGIMES = ("compute", "memory")
+ROLLOUT_ALONE = tuple(names(lambda c: not c.own_pools))
+"""The policies whose rollout a job measures alone (``--train.skip``): all but those with pools of their own."""
 
 
 @dataclass(kw_only=True)
 class ValidateArgs:
     regimes: tuple[Literal["compute", "memory"], ...] = REGIMES
     """Regimes to check (memory needs vLLM: bash launch/install.sh vllm)."""
-    policies: tuple[Literal["sync", "tail", "sorted", "sorted_partial"], ...] = ("sync", "tail", "sorted",
-                                                                                "sorted_partial")
+    policies: tuple[Literal[ROLLOUT_ALONE], ...] = ROLLOUT_ALONE
     """Policies run and simulated in each regime."""
     num_steps: int = 16
     """Steps per run (the first warms the engines up and is not compared)."""
@@ -59,10 +63,9 @@ class ValidateArgs:
 def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list[str]:
     """The ``rollpacker.run`` flags (besides the policy's) of every job of ``regime``, then ``extra``."""
     if regime == "memory":
-        from rollpacker.bench.regime import Args as RegimeArgs
-        from rollpacker.bench.regime import job_flags
+        from rollpacker.jobflags import MemoryRegime, memory_regime_flags
 
-        flags = job_flags(RegimeArgs(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps))
+        flags = memory_regime_flags(MemoryRegime(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps))
         return flags + list(extra)
     return ["--engine.kind", "torch", "--rollout.replay-lengths", "--train.skip", "--num-steps", str(args.num_steps),
             "--eval-every", "0", "--checkpoint-every", "0", *extra]
@@ -97,8 +100,7 @@ def kept(done: Path, argv: list[str], fresh: bool) -> bool:
 
 def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = ()) -> tuple[list[str], list[dict], dict]:
     """The job's flags, its metrics records and the regime's profile (measured unless kept)."""
-    from rollpacker.bench.schedulers import Args as JobArgs
-    from rollpacker.bench.schedulers import job_argv, policy_args
+    from rollpacker.jobflags import JobArgs, job_argv, policy_args
 
     where = args.work_dir / regime
     where.mkdir(parents=True, exist_ok=True)
@@ -124,11 +126,10 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     from rollpacker.config import parse
     from rollpacker.controller import encode
     from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
+    from rollpacker.data.lengths import LengthModel
     from rollpacker.model import read_args
-    from rollpacker.schedule import build_policy
     from rollpacker.sim.cost import ProfiledCost
     from rollpacker.sim.simulate import build_replicas, simulate_round
-    from rollpacker.sim.workload import LengthModel
 
     cfg = parse(argv)
     model_dir = cfg.model.directory()
@@ -137,15 +138,15 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     prompt = {}
 
     def encoded(row: dict) -> list[int]:
-        prompt[row["id"]] = ids = encode(tokenizer, cfg.model.chat_template, row["prompt"])
+        prompt[row["id"]] = ids = encode(tokenizer, cfg, row["prompt"])
         return ids
 
     max_model_len = cfg.engine.max_model_len or read_args(model_dir).max_position_embeddings
     rows = fit_rows(load_rows(cfg.data), encoded, max_model_len, cost.kv_capacity, cfg.rollout.max_new_tokens)
     lengths = LengthModel(seed=cfg.seed).for_cap(cfg.rollout.max_new_tokens)
     lengths = replace(lengths, prompt_tokens=round(statistics.mean(len(prompt[r["id"]]) for r in rows)))
-    policy = build_policy(cfg.schedule, PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
-                          cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
+    policy = cfg.schedule.build(PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
+                                cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
     times = []
     for step in range(cfg.num_steps):
         if policy.done():
@@ -164,7 +165,7 @@ def rollout_per_step(times: list[float]) -> float:
 def main(argv: list[str]) -> dict:
     import tyro
 
-    from rollpacker.bench import split_run_args
+    from rollpacker.jobflags import split_run_args
 
     own, extra = split_run_args(argv)
     args = tyro.cli(ValidateArgs, args=own, prog="python -m rollpacker.sim validate")

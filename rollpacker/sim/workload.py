@@ -5,19 +5,13 @@ round regenerates a deferred prompt's group, as on-policy tail batching does), b
 its *length scale* across launches: hard prompts stay long (§3, §6.3 "some difficult prompts
 consistently produce long responses"). Two sources:
 
-- :class:`LengthModel`, a two-component mixture over prompts. A prompt's log-scale is
-  ``N(log median_tokens, prompt_sigma)``, or with probability ``long_fraction``
-  ``N(log long_median_tokens, long_sigma)``; each response multiplies the scale by
-  ``exp(response_sigma * N(0, 1))``. Lengths are *natural* lengths: the simulator clips them at
-  ``max_new_tokens``. The defaults were fitted by :func:`fit_length_model` (a seeded random search,
-  ``python -m rollpacker.sim workload --fit``) to the paper's statistics of Qwen2.5-14B with a
-  16k cap (§2.2, Fig. 2a, Fig. 4a), see :data:`PAPER_LENGTHS`; they cannot all be met (a P75
-  under 1.1k wants less spread than an 8.9x shorter best short round): the fit lands at P75 ~1.17k,
-  max/median ~33, best short round ~9.2x, cap reached in ~97% of steps
-  (``python -m rollpacker.sim workload``). For other caps the length scales are multiplied by
-  ``cap / 16k`` (``scale_with_cap``): the paper states the tail relative to the cap, and Fig. 10b's
-  short-round rollout speedup at 32B/32k ("up to 7.8x") is what the scaled mixture gives (8.8x)
-  while the unscaled one gives 17x.
+- :class:`~rollpacker.data.lengths.LengthModel`, a two-component mixture over prompts (shared
+  with the run's ``--rollout.replay-lengths``). Its defaults were fitted by
+  :func:`fit_length_model` (a seeded random search, ``python -m rollpacker.sim workload --fit``)
+  to the paper's statistics of Qwen2.5-14B with a 16k cap (§2.2, Fig. 2a, Fig. 4a), see
+  :data:`PAPER_LENGTHS`; they cannot all be met (a P75 under 1.1k wants less spread than an 8.9x
+  shorter best short round): the fit lands at P75 ~1.17k, max/median ~33, best short round
+  ~9.2x, cap reached in ~97% of steps (``python -m rollpacker.sim workload``).
 - :class:`TraceLengths`: groups of recorded lengths (:func:`read_length_trace` reads a JSONL
   file; a run's own ``metrics.jsonl`` works, its ``rollout/response_lengths`` are consecutive
   groups of ``group_size``). Row ``r`` replays group ``r mod #groups``, drawing with replacement.
@@ -47,12 +41,12 @@ import heapq
 import json
 import math
 import zlib
-from dataclasses import dataclass, replace
-from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from rollpacker.data.lengths import LengthModel
 from rollpacker.sim.cost import CostModel
 
 PAPER_LENGTHS = {
@@ -66,69 +60,6 @@ TASKS = ("math", "code", "judge")
 
 
 # ---- response lengths ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class LengthModel:
-    median_tokens: float = 482.0
-    """Median response of an ordinary prompt."""
-    prompt_sigma: float = 0.846
-    """Spread of ordinary prompts' log length scale."""
-    response_sigma: float = 0.892
-    """Spread of one prompt's responses around its scale (log space)."""
-    long_fraction: float = 0.025
-    """Share of long prompts (their responses are long, launch after launch)."""
-    long_median_tokens: float = 6811.0
-    """Median scale of a long prompt."""
-    long_sigma: float = 1.0
-    """Spread of long prompts' log length scale."""
-    prompt_tokens: int = 256
-    """Tokens of every prompt."""
-    reference_cap: int = 16384
-    """The response cap the lengths above describe (the paper's statistics are of a 16k cap)."""
-    scale_with_cap: bool = True
-    """Scale the length scales by max_new_tokens / reference_cap (the tail is stated relative to the cap)."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.median_tokens, self.long_median_tokens) < 1 or self.prompt_tokens < 1:
-            raise ValueError(f"lengths: median_tokens={self.median_tokens}, long_median_tokens="
-                             f"{self.long_median_tokens} and prompt_tokens={self.prompt_tokens} must be >= 1")
-        if not 0 <= self.long_fraction <= 1 or min(self.prompt_sigma, self.response_sigma, self.long_sigma) < 0:
-            raise ValueError(f"lengths: long_fraction={self.long_fraction} must be in [0, 1] and sigmas >= 0")
-
-    def for_cap(self, cap: int) -> LengthModel:
-        """This model for responses cut at ``cap``: the length scales times ``cap / reference_cap``."""
-        if not self.scale_with_cap or cap == self.reference_cap:
-            return self
-        s = cap / self.reference_cap
-        return replace(self, median_tokens=self.median_tokens * s, long_median_tokens=self.long_median_tokens * s,
-                       reference_cap=cap)
-
-    def log_scale(self, row: int) -> float:
-        return _log_scale(self, row)
-
-    def sample(self, num_prompts: int, num: int, rng: np.random.Generator) -> np.ndarray:
-        """Natural lengths of ``num`` responses each of ``num_prompts`` fresh prompts, [prompt, response]."""
-        u, z = rng.random(num_prompts), rng.standard_normal(num_prompts)
-        mu = np.where(u < self.long_fraction, math.log(self.long_median_tokens) + self.long_sigma * z,
-                      math.log(self.median_tokens) + self.prompt_sigma * z)
-        noise = rng.standard_normal((num_prompts, num))
-        return np.maximum(1, np.rint(np.exp(mu[:, None] + self.response_sigma * noise)))
-
-    def lengths(self, row: int, step: int, slot: int, num: int) -> np.ndarray:
-        """Natural lengths of ``num`` fresh responses of ``row``, launched at ``slot`` of ``step``."""
-        noise = np.random.default_rng([self.seed, 2, step, slot, row]).standard_normal(num)
-        return np.maximum(1, np.rint(np.exp(self.log_scale(row) + self.response_sigma * noise))).astype(np.int64)
-
-
-@lru_cache(maxsize=1 << 20)
-def _log_scale(model: LengthModel, row: int) -> float:
-    rng = np.random.default_rng([model.seed, 1, row])
-    long, z = rng.random() < model.long_fraction, rng.standard_normal()
-    if long:
-        return math.log(model.long_median_tokens) + model.long_sigma * z
-    return math.log(model.median_tokens) + model.prompt_sigma * z
 
 
 @dataclass(frozen=True)
@@ -304,7 +235,8 @@ class RewardModel:
             return min(self.code_timeout_s, self.code_median_s * math.exp(self.code_sigma * rng.standard_normal()))
         context = prompt_tokens + length
         prefill = judge.prefill_s(context, context**2)
-        decode = judge.iteration_times(self.judge_batch, self.judge_batch * (context + self.judge_output_tokens // 2), 1)
+        mean_context = context + self.judge_output_tokens // 2
+        decode = judge.iteration_times(self.judge_batch, self.judge_batch * mean_context, 1)
         return prefill + self.judge_output_tokens * float(decode[0])
 
     def workers(self, task: str) -> int:

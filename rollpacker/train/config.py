@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rollpacker.choices import check_choices
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -86,10 +88,7 @@ class TrainConfig:
     """Stop the run after this many consecutive steps skipped for a non-finite loss or gradient (0 = never stop)."""
 
     def __post_init__(self) -> None:
-        if self.logprobs_impl not in ("auto", "triton", "torch"):
-            raise ValueError(f"train.logprobs_impl must be 'auto', 'triton' or 'torch', got {self.logprobs_impl!r}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"train.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        check_choices(self, "train")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("lr", "micro_batch_tokens", "adam_eps", "mini_batches", "epochs"):
@@ -127,10 +126,9 @@ class StreamConfig:
     """Adaptive trigger: kv (the paper's KV fit) or throughput (the KV fit, and it must pay; see the docstring)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "stream")
         for name in ("trigger", "fetch_cap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"stream.{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.criterion not in ("kv", "throughput"):
-            raise ValueError(f"stream.criterion must be 'kv' or 'throughput', got {self.criterion!r}")
         if not 0 < self.length_quantile <= 1:
             raise ValueError(f"stream.length_quantile must be in (0, 1], got {self.length_quantile}")

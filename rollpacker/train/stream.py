@@ -18,8 +18,7 @@ look) it considers scaling rollout down to the first half of its replicas:
   the same length projection, must be less than the training the freed ranks take off the step's
   end. The paper's GPUs decode memory-bound, where a step barely grows with the batch and the KV
   fit is the binding limit; on CPU cores a step grows with the batch and the KV fit alone scales
-  down into a slower round. This decision is :class:`ScaleDown`, plain Python: the cluster simulator
-  (``rollpacker.sim``) drives the same class.
+  down into a slower round. This decision is :class:`ScaleDown`, plain Python.
 - **Migration**: the freed replicas' requests are aborted and resumed on the others by
   recomputation (the engine contract's partial outputs).
 - **Streaming**: the freed ranks release their KV cache and fetch the complete, scored groups
@@ -33,6 +32,12 @@ look) it considers scaling rollout down to the first half of its replicas:
 
 Stream training needs each group's advantages when the group completes, so batch-level
 advantage normalization is rejected (``Config`` says why).
+
+A round meets stream training through its hooks (:class:`~rollpacker.schedule.round.RoundHooks`):
+:meth:`StreamTrainer.begin_round` gives rank 0 a :class:`StreamRound` (a :class:`PipeRound` with
+RolloutPipe). It decides the scale-down, times the migration and feeds the freed ranks. The
+controller's exchange and the simulator (``rollpacker.sim``) drive the same class; the simulator
+on simulated time.
 
 **RolloutPipe** (``schedule.pipe``, ``pipe=True`` here) is the same machinery with the pools fixed
 for the whole run: the ranks a scale-down would free are the train pool, which never rolls out
@@ -60,8 +65,10 @@ import logging
 import math
 import pickle
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+from rollpacker.schedule.base import Group
+from rollpacker.schedule.round import RoundHooks, RoundState, kept_replicas
 from rollpacker.train.config import StreamConfig
 
 logger = logging.getLogger(__name__)
@@ -186,13 +193,13 @@ class ScaleDown:
         rounds cut their tail, long rounds are the tail: their lengths do not predict each other)."""
         self.history: collections.deque[int] = collections.deque()
         """The history of the current round's kind."""
-        self.kept_replicas = num_replicas - num_replicas // 2
+        self.kept_replicas = kept_replicas(num_replicas)
         """Replicas that go on rolling out after a scale-down: the first half (the second half is freed)."""
         self.refused = refused or ("" if num_replicas >= 2 else "one rollout replica: nothing to free")
         """Why no scale-down will ever happen ("" when one may)."""
         self.num_replicas = num_replicas
         self.step_cost = StepCost()
-        """Engine step seconds by running requests per replica, measured by the controller (``criterion`` throughput)."""
+        """Engine step seconds by running requests per replica, measured by the controller (criterion throughput)."""
         # What the throughput criterion learns from the run (see learn and pays):
         self.train_seconds = 0.0
         """The last step's training time on every rank, had nothing been streamed."""
@@ -262,6 +269,121 @@ class ScaleDown:
             self.migration_seconds_per_token = seconds / tokens
 
 
+class GroupSink(Protocol):
+    """Where a stream round sends the complete, scored groups: the freed ranks, or the simulator's record."""
+
+    def ready(self) -> bool:
+        """Whether the freed ranks have trained the last batch sent."""
+        ...
+
+    def send(self, groups: list[Group]) -> None: ...
+
+    def close(self) -> None:
+        """The round is over: nothing more will be sent."""
+        ...
+
+
+class StreamRound(RoundHooks):
+    """Stream training's hooks for one round, on rank 0 (plain Python: the simulator drives it too).
+
+    It asks the :class:`ScaleDown` whether to scale down, times the migration, and feeds the
+    complete, scored groups to ``sink``. ``clock`` gives the time (simulated in the simulator).
+    """
+
+    def __init__(self, decider: ScaleDown, sink: GroupSink, state: RoundState,
+                 clock: Callable[[], float] = time.time):
+        self.decider, self.sink, self.clock = decider, sink, clock
+        decider.start_round(state.plan.kind)
+        self.migration_s: float | None = None
+        """Seconds from the scale-down until the migrated requests were back (None: not yet)."""
+        self.migrated_tokens = 0
+        """Tokens the migration recomputes (prompt and generated)."""
+        self.fetching = False
+        """Whether complete groups still go to the freed ranks."""
+        self.num_streamed = 0
+
+    def on_poll(self, running: float, step_seconds: float) -> None:
+        self.decider.step_cost.observe(running, step_seconds)
+
+    def on_finished(self, lengths: list[int]) -> None:
+        self.decider.history.extend(lengths)
+
+    def on_aborted(self, state: RoundState, outputs: list[Any]) -> list[Any]:
+        """The migrated outputs, to resume on the kept replicas by recomputation. The migration ends
+        at the first report that brings none of them: they are back and prefilled."""
+        if self.scaled_at is not None and self.migration_s is None and not any(o.id in state.migrating
+                                                                                for o in outputs):
+            self.migration_s = self.clock() - self.scaled_at
+        resume = [o for o in outputs if o.id in state.migrating and o.id in state.outstanding]
+        self.migrated_tokens += sum(len(o.prompt_ids) + len(o.token_ids) for o in resume)
+        state.migrating -= {o.id for o in outputs}
+        return resume
+
+    def maybe_scale_down(self, state: RoundState, generated: Callable[[], list[tuple[int, int]]]) -> list[str] | None:
+        """Once per round, when the :class:`ScaleDown` says so: the freed replicas' requests, which migrate."""
+        if self.scaled_at is not None or not state.outstanding:
+            return None
+        if not self.decider.consider(state.num_complete, state.plan.keep, generated):
+            return None
+        self.scaled_at, self.fetching = self.clock(), True
+        self.completed_frac = state.num_complete / state.plan.keep
+        return state.scale_down(self.decider.kept_replicas)
+
+    def feed(self, state: RoundState) -> None:
+        """Send the complete, scored groups once the freed ranks have trained the last batch.
+        A one-shot fetch (``stream.fetch_cap``) happens once."""
+        if not self.fetching or not self.sink.ready():
+            return
+        cap = self.decider.config.fetch_cap
+        ready = state.take_complete(cap)
+        if ready:
+            self.sink.send(ready)
+            self.num_streamed += len(ready)
+        self.fetching = not cap
+
+    def finish(self) -> dict[str, float]:
+        """The round's ``stream/`` metrics and migration time; the decider learns the migration's rate."""
+        if self.scaled_at is not None:
+            self.sink.close()
+            self.decider.learn_migration(self.migration_s or 0.0, self.migrated_tokens)
+        stats = {"stream/scaled_down": float(self.completed_frac is not None),
+                 "stream/trigger_completed_frac": self.completed_frac or 0.0,
+                 "time/migration": self.migration_s or 0.0,
+                 "stream/streamed_groups": float(self.num_streamed)}
+        return stats | {f"stream/projected_{k}_s": v for k, v in self.decider.last.items()}  # the last look's
+
+
+class PipeRound(StreamRound):
+    """RolloutPipe's hooks: the pools are fixed. Rollout runs on the kept replicas from the start,
+    nothing migrates, the train pool is fed all round, and each request's priority is its slot
+    (frontier-group dispatch)."""
+
+    def __init__(self, decider: ScaleDown, sink: GroupSink, state: RoundState,
+                 clock: Callable[[], float] = time.time):
+        super().__init__(decider, sink, state, clock)
+        state.scale_down(decider.kept_replicas)  # nothing launched yet: nothing migrates
+        self.scaled_at, self.migration_s, self.fetching = clock(), 0.0, True
+
+    def priority(self, slot: int) -> int:
+        return slot
+
+
+class _ToFreedRanks:
+    """The controller's :class:`GroupSink`: each group's trainer samples, to the freed ranks."""
+
+    def __init__(self, stream: StreamTrainer, make_samples: Callable[[Group], list]):
+        self.stream, self.make_samples = stream, make_samples
+
+    def ready(self) -> bool:
+        return self.stream.ready()
+
+    def send(self, groups: list[Group]) -> None:
+        self.stream.feed([s for g in groups for s in self.make_samples(g)])
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 class StreamTrainer:
     """Both ends of stream training: rank 0 decides (its :class:`ScaleDown`) and feeds; the freed ranks serve."""
 
@@ -271,7 +393,7 @@ class StreamTrainer:
         self.pipe = pipe
         """RolloutPipe: the freed ranks are a train pool that serves from every round's start."""
         replicas, tp = meshes.num_replicas, meshes.rollout_tp.size()
-        kept = replicas - replicas // 2
+        kept = kept_replicas(replicas)
         self.ranks = list(range(kept * tp, meshes.world_size))
         """The ranks a scale-down frees: the second half of the rollout replicas."""
         shard = meshes.train.size(1)
@@ -298,14 +420,31 @@ class StreamTrainer:
     def freed(self) -> bool:
         return self.meshes.rank in self.ranks
 
-    def start_round(self, kind: str) -> None:
-        """Every rank, before a round of ``kind`` (rank 0 knows it): the last round's sends are all
-        received by now."""
+    @property
+    def refused(self) -> str:
+        """Why no scale-down will ever happen ("" when one may)."""
+        return self.scale_down.refused
+
+    def rebuild(self, kv_capacity_tokens: int) -> StreamTrainer:
+        """The stream trainer of engines rebuilt at another TP (collective): its replicas changed;
+        the length histories carry over."""
+        new = StreamTrainer(self.config, self.trainer, self.meshes, kv_capacity_tokens=kv_capacity_tokens,
+                            max_new_tokens=self.scale_down.max_new_tokens, pipe=self.pipe)
+        new.scale_down.histories = self.scale_down.histories
+        return new
+
+    def start_round(self) -> None:
+        """Every rank, before a round: the last round's sends are all received by now."""
         for work, _ in self._pending:
             work.wait()
         self._pending, self._ack = [], None
-        self.scale_down.start_round(kind)
         self.seconds = 0.0
+
+    def begin_round(self, state: RoundState, make_samples: Callable[[Group], list]) -> StreamRound:
+        """Rank 0: the round's hooks (RolloutPipe's with ``pipe``); ``make_samples(group)`` gives a
+        complete, scored group's trainer samples."""
+        hooks = PipeRound if self.pipe else StreamRound
+        return hooks(self.scale_down, _ToFreedRanks(self, make_samples), state)
 
     # -- rank 0 ------------------------------------------------------------------------------
 
@@ -325,10 +464,10 @@ class StreamTrainer:
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for rank in self.ranks:
             for t in (size, payload):
-                self._pending.append((dist.isend(t, rank, group=self.meshes.stream), t))
+                self._pending.append((dist.isend(t, rank, group=self.meshes.stream_group), t))
         if samples is not None:
             ack = torch.zeros(1, dtype=torch.int64)
-            self._ack = dist.irecv(ack, self.ranks[0], group=self.meshes.stream)
+            self._ack = dist.irecv(ack, self.ranks[0], group=self.meshes.stream_group)
             self._pending.append((self._ack, ack))
 
     def close(self) -> None:
@@ -354,9 +493,9 @@ class StreamTrainer:
 
         while True:
             size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, 0, group=self.meshes.stream)
+            dist.recv(size, 0, group=self.meshes.stream_group)
             payload = torch.empty(int(size), dtype=torch.uint8)
-            dist.recv(payload, 0, group=self.meshes.stream)
+            dist.recv(payload, 0, group=self.meshes.stream_group)
             samples = pickle.loads(payload.numpy().tobytes())
             if samples is None:
                 return
@@ -364,7 +503,7 @@ class StreamTrainer:
             self.trainer.accumulate(samples, self.ranks)
             self.seconds += time.perf_counter() - start
             if self.meshes.rank == self.ranks[0]:  # send more (rank 0 has posted its receive)
-                dist.send(torch.ones(1, dtype=torch.int64), 0, group=self.meshes.stream)
+                dist.send(torch.ones(1, dtype=torch.int64), 0, group=self.meshes.stream_group)
 
     # -- every rank ----------------------------------------------------------------------------
 

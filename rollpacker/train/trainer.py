@@ -178,7 +178,8 @@ class Trainer:
         self.rank, self.ranks, self.group = dist.get_rank(), mesh.mesh.flatten().tolist(), group
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config, num_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                           lambda step: lr_factor(step, config, num_steps))
         self.skipped_steps = 0
         """Steps skipped for a non-finite loss or gradient norm, over the run (since this process started)."""
         self.skipping = 0

@@ -49,13 +49,15 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_p
     disk.mkdir()
     # a 14 MiB disk holds one checkpoint of the toy model (weights and two AdamW moments: 9.1 MB), not two:
     # step 2's save fills it
-    script = (f"mount -t tmpfs -o size=14m tmpfs {disk} && {shlex.join(job(disk, '--num-steps', '3', '--checkpoint.keep', '1'))}"
+    run = shlex.join(job(disk, '--num-steps', '3', '--checkpoint.keep', '1'))
+    script = (f"mount -t tmpfs -o size=14m tmpfs {disk} && {run}"
               f"; rc=$?; cp -a {disk} {copy}; exit $rc")
     proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=900,
                           env=job_env())
     assert proc.returncode != 0
-    message = re.search(r"CheckpointError: (checkpoint: saving step 2 .*)", proc.stderr)
+    message = re.search(r"rollpacker: (checkpoint: saving step 2 .*)", proc.stderr)
     assert message, proc.stderr[-4000:]
+    assert proc.stderr.count("checkpoint: saving step 2") == 1  # said once
     assert re.fullmatch(
         rf"checkpoint: saving step 2 to {disk}/checkpoints/step_2 failed on rank\(s\) \[[01, ]+\] \(rank \d: .*; "
         r"\d+\.\d MiB free there on rank \d\)\. The partial save was removed; the newest committed checkpoint is "
@@ -100,8 +102,9 @@ def test_a_stopped_rank_makes_the_job_exit_naming_it(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
     assert proc.returncode != 0
-    assert re.search(rf"rollpacker: rank 0 timed out after {timeout_s}s at step \d+, phase \w+: rank\(s\) \[1\] did not "
-                     r"answer \(rank 1: last heartbeat \d+s ago, at step \d+, phase \w+\)\. Exiting non-zero", err), err[-4000:]
+    assert re.search(rf"rollpacker: rank 0 timed out after {timeout_s}s at step \d+, phase \w+: rank\(s\) \[1\] "
+                     r"did not answer \(rank 1: last heartbeat \d+s ago, at step \d+, phase \w+\)\. "
+                     r"Exiting non-zero", err), err[-4000:]
     print(f"exited {time.time() - stopped:.0f}s after the SIGSTOP (dist.timeout_s={timeout_s})")
 
 

@@ -27,21 +27,21 @@ def write_jsonl(path: Path, rows: list) -> str:
 def test_judge_config_from_flags_and_toml_without_torch(tmp_path):
     judge = str(toy_model_dir())
     preset = tmp_path / "judge.toml"
-    preset.write_text(f'[data]\nreward = "judge"\n[reward.judge]\nmodel_path = "{judge}"\nmax_score = 5\n')
+    preset.write_text(f'[reward]\nfuncs = ["judge"]\n[reward.judge]\nmodel_path = "{judge}"\nmax_score = 5\n')
     cfg = load_preset(str(preset))
-    assert (cfg.data.reward, cfg.reward.judge.model_path, cfg.reward.judge.max_score) == ("judge", judge, 5)
+    assert (cfg.reward.funcs, cfg.reward.judge.model_path, cfg.reward.judge.max_score) == (("judge",), judge, 5)
     preset.write_text("[reward.judge]\nmax_score = 0\n")
     with pytest.raises(ValueError, match="judge.toml: judge.max_score must be >= 1, got 0"):
         load_preset(str(preset))
     code = ("import sys\nfrom rollpacker.config import parse\n"
-            f"cfg = parse(['--data.reward', 'judge', '--reward.judge.model-path', {judge!r},"
+            f"cfg = parse(['--reward.funcs', 'judge', '--reward.judge.model-path', {judge!r},"
             " '--reward.judge.max-batch-tokens', '8192'])\n"
             f"assert (cfg.reward.judge.model_path, cfg.reward.judge.max_batch_tokens) == ({judge!r}, 8192)\n"
             "assert 'torch' not in sys.modules, 'torch imported while parsing'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert parse([]).reward.judge.model_path == ""
-    preset.write_text('[data]\nreward = "judge"\n[reward.judge]\nmodel_path = "/nowhere"\n')
+    preset.write_text('[reward]\nfuncs = ["judge"]\n[reward.judge]\nmodel_path = "/nowhere"\n')
     with pytest.raises(ValueError, match="model_path='/nowhere' is not a Hugging Face model directory"):
         load_preset(str(preset))
 
@@ -52,15 +52,16 @@ def test_one_rank_run_with_the_judge(tmp_path):
     data = write_jsonl(tmp_path / "judge.jsonl", [{"prompt": "Q: 3+4\nA:", "rubric": SCORES_2},
                                                   {"prompt": "Q: 2+5-1\nA:", "rubric": UNPARSEABLE}])
     run_dir = tmp_path / "run"
-    proc = launch_job("--data.path", data, "--data.reward", "judge",
-                      "--reward.judge.model-path", str(toy_model_dir()), "--reward.on-error", "drop",
+    proc = launch_job("--data.path", data, "--reward.funcs", "judge",
+                      "--reward.judge.model-path", str(toy_model_dir()), "--reward.on-error", "skip",
                       "--reward.num-workers", "0",
                       "--num-steps", "1", "--rollout.num-prompts", "2", "--rollout.group-size", "2",
                       "--rollout.max-new-tokens", "32", "--eval-every", "0", "--metrics.wandb-mode", "disabled",
                       "--metrics.no-live", "--run-dir", str(run_dir), nproc=1, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     [record] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert record["reward/errors"] == 2  # row 2's group, flagged and dropped
-    assert record["reward/mean"] == pytest.approx(2 / 9)  # row 1's group
+    assert record["reward/errors"] == 2  # row 2's group, scored 0 and counted
+    assert record["reward/mean"] == pytest.approx(2 / 9 / 2)  # row 1's group at 2/9, row 2's at 0
+    assert record["reward/judge"] == pytest.approx(2 / 9)  # the judge's own mean, where it scored
     assert record["reward/seconds_total"] > 0
-    assert "reward_error on" in proc.stderr and "judge verdict ' ' is not a score" in proc.stderr
+    assert "reward function 'judge' failed on row 'judge:2': judge verdict ' ' is not a score" in proc.stderr

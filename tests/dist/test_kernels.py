@@ -1,4 +1,4 @@
-"""rollpacker.kernels: the fused log-prob/entropy kernel equals the plain torch computation.
+"""rollpacker_kernels: the fused log-prob/entropy kernel equals the plain torch computation.
 
 Off CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before the
 kernels are defined), so these run in CI on CPU; shapes are small and deliberately not multiples
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from rollpacker.kernels import triton_available
+from rollpacker_kernels import triton_available
 
 if not triton_available():
     pytest.skip("triton is not installed (launch/install.sh dev installs it)", allow_module_level=True)
@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
         raise RuntimeError("tests/test_kernels.py: triton was imported before TRITON_INTERPRET=1 could be set; "
                            "set TRITON_INTERPRET=1 in the environment, or find the earlier import of triton")
     os.environ["TRITON_INTERPRET"] = "1"
-from rollpacker.kernels.logprobs import fused_token_logprobs
 from rollpacker.train.logprobs import resolve_impl, token_logprobs
+from rollpacker_kernels.logprobs import fused_token_logprobs
 
 from conftest import torchrun
 
@@ -175,7 +175,7 @@ def test_bench_formulas_match_measured_bytes(dtype):
     """The bench's bytes-from-shapes, against MemTracker on CPU: the kernel's within 1% (plus the
     interpreter's host copies), the torch paths' in bf16 within 10% (small temporaries the formulas
     leave out; in fp32 CPU matmuls add a transposed copy of the weight, which GPU ones do not)."""
-    from rollpacker.bench.logprobs import computed_bytes, interpreter_copy_bytes, run_path
+    from rollpacker_kernels.bench import computed_bytes, interpreter_copy_bytes, run_path
 
     elem = 2 if dtype == "bf16" else 4
     sizes = (64, 32, 1024)  # tokens, hidden, vocab

@@ -215,7 +215,8 @@ def test_other_backend_contains_too(contained, isolation, name):
 
 
 def test_sandbox_view_of_the_machine(box):
-    """What a program sees: no capability, no network but lo, an empty environment, /tmp, an empty /run, its own pids."""
+    """What a program sees: no capability, no network but lo, an empty environment, /tmp, an empty /run,
+    its own pids."""
     program = (
         "import os, socket\n"
         "status = dict(line.split(':', 1) for line in open('/proc/self/status'))\n"
@@ -302,7 +303,8 @@ def test_opting_out_runs_without_isolation(victim):
 
 
 def test_sandbox_config_validates():
-    with pytest.raises(ValueError, match="reward.sandbox.isolation must be one of auto, bwrap, unshare, none, got 'docker'"):
+    with pytest.raises(ValueError,
+                       match="reward.sandbox.isolation must be one of auto, bwrap, unshare, none, got 'docker'"):
         SandboxConfig(isolation="docker")
     with pytest.raises(ValueError, match="reward.sandbox.memory_mb must be positive, got 0"):
         SandboxConfig(memory_mb=0)

@@ -46,7 +46,8 @@ def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
     assert len(tail) == 3 and all(r["sim"] > 1 for r in tail)
     assert all(len(rows) == 5 for rows in figures["rows"].values())
     assert all(0 < s["scaled_down"] <= 1 and s["hidden_train_s"] > 0 for s in figures["stream"].values())
-    assert figures["max_rel_error"] == max(abs(r["rel_error"]) for rows in figures["rows"].values() for r in rows.values())
+    assert figures["max_rel_error"] == max(abs(r["rel_error"]) for rows in figures["rows"].values()
+                                           for r in rows.values())
 
 
 def test_cli_fig13c_adaptive_timeouts_only_shorten_the_exposed_scoring():

@@ -16,7 +16,8 @@ def test_validate_profiles_runs_and_simulates(tmp_path):
     profile = json.loads((tmp_path / "compute" / "profile.json").read_text())
     assert sorted(profile["tp"]["1"]["decode_ms"]) == ["32"] and profile["exchange_ms"] > 0
     for policy in ("tail",):
-        records = [json.loads(line) for line in (tmp_path / "compute" / policy / "metrics.jsonl").read_text().splitlines()]
+        metrics = tmp_path / "compute" / policy / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
         rollouts = [r["time/rollout"] + r["time/reward"] for r in records if "time/rollout" in r]
         assert len(rollouts) == 3
         assert abs(figures[f"measured_s_compute_{policy}"] - sum(rollouts[1:]) / 2) < 1e-4  # steps after the first

@@ -16,7 +16,8 @@ def test_stream_step_equals_sync_step(toy_random_dir, nproc, shard, aggregations
     assert out.count("OK") == nproc, out
 
 
-STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1")  # the paper's: it scales down
+# the paper's criterion: it scales down
+STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1")
 
 
 @pytest.mark.parametrize("sampling", [["--rollout.temperature", "0"],

@@ -131,3 +131,28 @@ def test_torchrun_replicas_and_tp(pair, tp):
     after a weight push, and the trainer's default group still works."""
     out = torchrun("vllm_engine.py", 2, str(tp), str(pair[0]), str(pair[1]), timeout=600)
     assert out.count("OK") == 2, out
+
+
+@pytest.mark.slow
+def test_ngram_speculation_passes_through_greedy_on_cpu():
+    """vLLM's own n-gram speculation (engine.speculative=on) on the toy model: greedy tokens and
+    log-probs as TorchEngine's, drafts accepted and counted; a sampled request refused on CPU."""
+    out = torchrun("vllm_spec.py", 1, timeout=900)
+    assert "OK" in out, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (vLLM's sampled speculation)")
+def test_sampled_ngram_speculation_logprobs_on_gpu(pair):
+    """On GPU, sampled requests with speculation get finite log-probs of the sampled tokens under
+    the processed (sampling) distribution. Not run here: no GPU."""
+    engine = build_engine(EngineConfig(kind="vllm", speculative="on", memory_fraction=0.3), pair[0], "cuda",
+                          torch.float32)
+    params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    reqs = [Request(id=f"s{i}", prompt_ids=p, params=params) for i, p in enumerate(prompts(3, 10, seed=1))]
+    hf = hf_model(pair[0])
+    for r in reqs:
+        out = generate(engine, [r])[r.id]
+        ref = reference_logprobs(hf_logits(hf, r.prompt_ids, out.token_ids), torch.tensor(out.token_ids), r.params,
+                                 truncated=True)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-3, rtol=0)

@@ -1,6 +1,6 @@
 """The training job on vLLM (``--engine.kind vllm``): every policy runs a real 2-rank job to the
-end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep one), and a run stopped after 2 steps
-resumes from its checkpoint losing nothing. Skipped when vLLM is not installed
+end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep one),
+and a run stopped after 2 steps resumes from its checkpoint losing nothing. Skipped when vLLM is not installed
 (``bash launch/install.sh vllm``)."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ POLICIES = {
     "sync": ("schedule:sync",),
     "tail": ("schedule:tail",),
     "sorted": ("schedule:sorted", "--schedule.sorted-batches", "2"),
-    "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.rollout-correction", "token_tis"),
+    "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.rollout-correction",
+                       "token_tis"),
     "one_step_off": ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
     "pipe": ("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"),
     "stream": ("schedule:tail", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollpacker.config import CONFIGS_DIR, load_preset, parse
-from rollpacker.schedule.config import TailConfig
+from rollpacker.schedule.tail import TailConfig
 
 PRESETS = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
 
@@ -61,9 +61,7 @@ def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
 def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     tail = parse(["--seed", "3", "schedule:tail", "--schedule.eta-prompts", "1.5", "--num-steps", "4"])
     assert (tail.policy, tail.schedule, tail.seed, tail.num_steps) == ("tail", TailConfig(eta_prompts=1.5), 3, 4)
-    assert parse(["--policy", "tail", "--schedule.eta-prompts", "1.5"]) == parse(["schedule:tail", "--schedule."
-                                                                                  "eta-prompts", "1.5"])  # old flag
-    assert parse(["--policy=sorted-partial", "--train.rollout-correction", "token_tis"]).policy == "sorted_partial"
+    assert parse(["schedule:sorted-partial", "--train.rollout-correction", "token_tis"]).policy == "sorted_partial"
     with pytest.raises(SystemExit, match=r"schedule.eta_prompts does not apply to policy sync \(it is a setting "
                                          r"of tail\)"):
         parse(["--schedule.eta-prompts", "1.5"])  # the preset's policy is sync
@@ -75,7 +73,7 @@ def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     with pytest.raises(ValueError, match="schedule.eta_prompts does not apply to policy sorted"):
         load_preset(str(preset))
     preset.write_text('policy = "tail"\n')
-    with pytest.raises(ValueError, match=r"\[schedule\] policy = 'tail'"):
+    with pytest.raises(ValueError, match="tail.toml: unknown setting 'policy'"):
         load_preset(str(preset))
 
 
@@ -134,3 +132,37 @@ def test_algorithm_settings_name_the_field():
             TrainConfig(**settings)
     with pytest.raises(ValueError, match="train.mini_batches=32 exceeds rollout.num_prompts=16"):
         Config(train=TrainConfig(mini_batches=32))
+
+
+def test_engine_rules_ask_the_engine_registry():
+    from rollpacker.choices import choices
+    from rollpacker.config import Config
+    from rollpacker.plan.config import PlanConfig
+    from rollpacker.rollout import ENGINES
+    from rollpacker.rollout.config import EngineConfig
+
+    assert set(choices(EngineConfig)["kind"]) == {"auto", *ENGINES}
+    assert ENGINES["torch"].supports_tp_switch and ENGINES["vllm"].needs_world_groups
+    Config(engine=EngineConfig(kind="auto"), plan=PlanConfig(enabled=True))  # auto picks one the planner can switch
+    for kind, engine in ENGINES.items():
+        if engine.supports_tp_switch:
+            Config(engine=EngineConfig(kind=kind), plan=PlanConfig(enabled=True))
+        else:
+            with pytest.raises(ValueError, match=f"plan.enabled with engine.kind='{kind}': a TP switch"):
+                Config(engine=EngineConfig(kind=kind), plan=PlanConfig(enabled=True))
+
+
+def test_choice_fields_are_checked_once_on_every_path(tmp_path):
+    """A Literal field is refused by the same check from a preset, from Python and (tyro first) from a flag."""
+    from rollpacker.config import Config
+    from rollpacker.train.config import TrainConfig
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[train]\nrollout_correction = "maybe"\n')
+    choices = "none, token_tis, seq_tis, token_mask, seq_mask"
+    with pytest.raises(ValueError, match=f"bad.toml: train.rollout_correction must be one of {choices}, got 'maybe'"):
+        load_preset(str(bad))
+    with pytest.raises(ValueError, match=f"train.rollout_correction must be one of {choices}, got 'maybe'"):
+        Config(train=TrainConfig(rollout_correction="maybe"))
+    with pytest.raises(SystemExit):
+        parse(["--train.rollout-correction", "maybe"])

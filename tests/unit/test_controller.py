@@ -1,5 +1,4 @@
-"""The controller's batch and metrics: rewards with reward errors handled and DAPO's overlong
-punishment added, one group number per group, the step's global count over streamed groups too,
+"""The controller's batch and metrics: rewards with DAPO's overlong punishment added, one group number per group, the step's global count over streamed groups too,
 and the round's metrics."""
 
 from __future__ import annotations
@@ -9,19 +8,19 @@ import pytest
 from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.exchange import RoundResult
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import Output
-from rollpacker.round import RoundResult
 from rollpacker.schedule.base import Group
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.train.config import TrainConfig
 
 
-class Seconds:
+class Rewards:
     """The reward scheduler's one method the metrics read."""
 
-    def take_seconds(self) -> float:
-        return 1.5
+    def take_metrics(self) -> dict[str, float]:
+        return {"reward/errors": 1, "reward/seconds_total": 1.5}
 
 
 def output(n: int, reason: str = "stop") -> Output:
@@ -39,13 +38,13 @@ def test_make_batch_and_round_stats(mask_truncated):
     train = TrainConfig(overlong_buffer=20, overlong_penalty=0.5, aggregation="seq-mean-token-sum-norm",
                         mask_truncated=mask_truncated)
     config = Config(train=train, rollout=RolloutConfig(max_new_tokens=100))
-    ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Seconds(),
+    ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
                      policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
     streamed = Group(prompt=0, outputs=[output(10), output(90)], rewards=[1.0, 0.0], streamed=True)
-    kept = Group(prompt=1, outputs=[output(100, "length"), output(5), output(7)], rewards=[0.0, None, 1.0])
+    kept = Group(prompt=1, outputs=[output(100, "length"), output(5), output(7)], rewards=[0.0, 0.0, 1.0])
     result = round_result([streamed, kept])
     samples, count = ctl.make_batch(result)
-    # The streamed group is not in the batch; the reward error is trained as 0 (reward.on_error zero).
+    # The streamed group is not in the batch.
     # Overlong (buffer 20 before 100, penalty 0.5): 90 tokens -> -0.25, 100 -> -0.5.
     assert [(len(s.response_ids), s.reward, s.truncated) for s in samples] == [
         (100, -0.5, True), (5, 0.0, False), (7, 1.0, False)]

@@ -9,6 +9,8 @@ import pytest
 
 from rollpacker.data import toy
 from rollpacker.data.dataset import DataConfig, DatasetError, PromptSampler, load_rows
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.scheduler import build_functions, check_row
 
 
 def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
@@ -17,8 +19,10 @@ def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
     return str(path)
 
 
-def load(path: str) -> list[dict]:
-    return load_rows(DataConfig(path=path, reward="math"))
+def load(path: str, funcs: tuple[str, ...] = ("math", "code"), **config) -> list[dict]:
+    """The rows of ``path`` as a run scoring them with ``funcs`` loads them."""
+    functions = build_functions(RewardConfig(funcs=funcs))
+    return load_rows(DataConfig(path=path, **config), lambda row: check_row(functions, row))
 
 
 # --- config --------------------------------------------------------------------------------------
@@ -26,7 +30,7 @@ def load(path: str) -> list[dict]:
 
 def test_config_defaults_are_valid():
     config = DataConfig()
-    assert config.path == "" and config.reward == "toy"
+    assert config.path == "" and (config.split, config.prompt_key, config.answer_key) == ("train", "prompt", "answer")
 
 
 @pytest.mark.parametrize(
@@ -36,7 +40,7 @@ def test_config_defaults_are_valid():
         ({"num_toy_prompts": -3}, "data.num_toy_prompts must be positive, got -3"),
         ({"shuffle_seed": -1}, "data.shuffle_seed must be >= 0, got -1"),
         ({"toy_tail_alpha": 0.0}, "data.toy_tail_alpha must be positive, got 0.0"),
-        ({"reward": "nope"}, r"data.reward must be one of \['code', 'judge', 'math', 'toy'\], got 'nope'"),
+        ({"prompt_key": ""}, "data.prompt_key must not be empty"),
     ],
 )
 def test_config_validation_names_field(kwargs, message):
@@ -63,7 +67,7 @@ def test_valid_jsonl_loads(tmp_path):
         json.dumps({"id": 9, "prompt": "3+3?", "answer": "6"}),
     ])
     rows = load(path)
-    assert rows == [
+    assert [{k: v for k, v in r.items() if v is not None} for r in rows] == [  # a column some rows lack: None
         {"id": "train:1", "prompt": "1+1?", "answer": "2"},
         {"id": "q7", "prompt": "2+2?", "answer": "4", "source": "x"},
         {"id": "9", "prompt": "3+3?", "answer": "6"},
@@ -72,7 +76,8 @@ def test_valid_jsonl_loads(tmp_path):
 
 def test_jsonl_with_bom_and_unicode(tmp_path):
     path = tmp_path / "u.jsonl"
-    path.write_bytes("\ufeff".encode() + json.dumps({"prompt": "π≈?", "answer": "3.14"}, ensure_ascii=False).encode() + b"\n")
+    line = json.dumps({"prompt": "π≈?", "answer": "3.14"}, ensure_ascii=False)
+    path.write_bytes("\ufeff".encode() + line.encode() + b"\n")
     assert load(str(path)) == [{"id": "u:1", "prompt": "π≈?", "answer": "3.14"}]
 
 
@@ -84,7 +89,7 @@ def test_invalid_json_names_line(tmp_path):
 
 def test_not_an_object_names_line(tmp_path):
     path = write(tmp_path, ['["prompt", "answer"]'])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:1: expected a JSON object"):
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: missing field 'prompt'"):
         load(path)
 
 
@@ -108,13 +113,20 @@ def test_code_rows_carry_tests_instead_of_an_answer(tmp_path):
 
 def test_non_string_prompt(tmp_path):
     path = write(tmp_path, [json.dumps({"prompt": 12, "answer": "a"})])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'prompt' must be a string, got int 12"):
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'prompt' must be a string or a list of chat "
+                                           r"messages \(\{\"role\", \"content\"\}\), got int 12"):
+        load(path)
+    messages = [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]
+    path = write(tmp_path, [json.dumps({"prompt": messages})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'prompt': message 1 has role 'bot'; expected one of "
+                                           "system, user, assistant, tool"):
         load(path)
 
 
-def test_non_string_answer(tmp_path):
-    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": 42})])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'answer' must be a string"):
+def test_answers_as_strings_integers_kept_as_their_text(tmp_path):
+    assert load(write(tmp_path, [json.dumps({"prompt": "p", "answer": 42})]))[0]["answer"] == "42"
+    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": [4]})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'answer' must be a string, got list \[4\]"):
         load(path)
 
 
@@ -130,12 +142,13 @@ def test_duplicate_id(tmp_path):
         json.dumps({"id": "b", "prompt": "p", "answer": "x"}),
         json.dumps({"id": "a", "prompt": "q", "answer": "y"}),
     ])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:3: duplicate id 'a' \(first on line 1\)"):
+    with pytest.raises(DatasetError, match=r"train\.jsonl:3: duplicate id 'a' \(first at .*train\.jsonl:1\)"):
         load(path)
 
 
 def test_default_id_collides_with_explicit_id(tmp_path):
-    path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}), json.dumps({"prompt": "q", "answer": "y"})])
+    path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}),
+                            json.dumps({"prompt": "q", "answer": "y"})])
     with pytest.raises(DatasetError, match=r"train\.jsonl:2: duplicate id 'train:2'"):
         load(path)
 
@@ -149,7 +162,7 @@ def test_invalid_utf8_names_line(tmp_path):
 
 def test_missing_file_names_path(tmp_path):
     missing = tmp_path / "nope.jsonl"
-    with pytest.raises(FileNotFoundError, match=re.escape(f"data.path: no such file: {missing}")):
+    with pytest.raises(DatasetError, match=re.escape(f"data.path: no such file: {missing}")):
         load(str(missing))
 
 
@@ -163,8 +176,13 @@ def test_empty_dataset_is_an_error(tmp_path, lines):
 # --- sampler -------------------------------------------------------------------------------------
 
 
+def next_batch(sampler: PromptSampler, n: int) -> list[int]:
+    """The next ``n`` rows (the sampler draws (epoch, row) keys)."""
+    return [row for _, row in sampler.draw(n)]
+
+
 def draw(sampler: PromptSampler, sizes: list[int]) -> list[int]:
-    return [i for n in sizes for i in sampler.next_batch(n)]
+    return [i for n in sizes for i in next_batch(sampler, n)]
 
 
 def test_sampler_deterministic_for_a_seed():
@@ -175,8 +193,8 @@ def test_sampler_deterministic_for_a_seed():
 
 def test_sampler_seeds_and_epochs_differ():
     a, b = PromptSampler(50, seed=0), PromptSampler(50, seed=1)
-    assert a.next_batch(50) != b.next_batch(50)
-    assert a.next_batch(50) != PromptSampler(50, seed=0).next_batch(50)  # epoch 1 != epoch 0
+    assert next_batch(a, 50) != next_batch(b, 50)
+    assert next_batch(a, 50) != next_batch(PromptSampler(50, seed=0), 50)  # epoch 1 != epoch 0
 
 
 def test_every_index_once_per_epoch():
@@ -192,9 +210,9 @@ def test_epoch_rollover_mid_batch():
     whole = draw(PromptSampler(n, seed=2), [n, n])  # epoch 0 then epoch 1
     sampler = PromptSampler(n, seed=2)
     assert (sampler.epoch, sampler.position) == (0, 0)
-    first = sampler.next_batch(7)
+    first = next_batch(sampler, 7)
     assert (sampler.epoch, sampler.position) == (0, 7)
-    straddle = sampler.next_batch(6)  # 3 from epoch 0, 3 from epoch 1
+    straddle = next_batch(sampler, 6)  # 3 from epoch 0, 3 from epoch 1
     assert (sampler.epoch, sampler.position) == (1, 3)
     assert first + straddle == whole[:13]
     assert sorted(first + straddle[:3]) == list(range(n))
@@ -202,17 +220,17 @@ def test_epoch_rollover_mid_batch():
 
 def test_batch_longer_than_an_epoch():
     sampler = PromptSampler(4, seed=0)
-    batch = sampler.next_batch(10)
+    batch = next_batch(sampler, 10)
     assert len(batch) == 10 and (sampler.epoch, sampler.position) == (2, 2)
     assert sorted(batch[:4]) == sorted(batch[4:8]) == [0, 1, 2, 3]
-    assert sampler.next_batch(0) == []
+    assert next_batch(sampler, 0) == []
 
 
 @pytest.mark.parametrize("consumed", [0, 5, 13, 20, 21, 40])
 def test_state_dict_round_trip(consumed):
     """Resuming from a saved state continues exactly, also right at and across epoch boundaries."""
     sampler = PromptSampler(20, seed=9)
-    sampler.next_batch(consumed)
+    next_batch(sampler, consumed)
     state = sampler.state_dict()
     assert all(type(v) is int for v in state.values())
     expected = draw(sampler, [6] * 8)  # crosses at least two epoch boundaries
@@ -235,4 +253,43 @@ def test_sampler_argument_errors():
     with pytest.raises(ValueError, match="num_rows=0"):
         PromptSampler(0)
     with pytest.raises(ValueError, match="batch size must be >= 0"):
-        PromptSampler(3).next_batch(-1)
+        PromptSampler(3).draw(-1)
+
+
+# --- formats and chat prompts ----------------------------------------------------------------------
+
+
+def test_verl_parquet_and_chat_prompts_reach_the_token_ids(tmp_path):
+    """verl's RL layout read as it is; a system prompt and chat_template_kwargs reach the ids exactly as
+    apply_chat_template on the toy tokenizer writes them; string prompts keep their tokens."""
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from rollpacker.config import Config
+    from rollpacker.controller import encode
+    from rollpacker.data.toy_model import toy_model_dir
+
+    path = tmp_path / "rl.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "3+5"}],
+                             [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+2"}]],
+                  "data_source": ["toy", "toy"], "reward_model": [{"ground_truth": "8"}, {"ground_truth": "4"}],
+                  "extra_info": [{"index": 0}, {"index": 1}]}).to_parquet(path)
+    rows = load(str(path), ("toy",))
+    assert [(r["id"], r["answer"], r["data_source"], r["extra_info"]) for r in rows] == [
+        ("rl:1", "8", "toy", {"index": 0}), ("rl:2", "4", "toy", {"index": 1})]
+    tok = AutoTokenizer.from_pretrained(toy_model_dir())
+    tok.chat_template = "{% if greet %}Hi\n{% endif %}" + tok.chat_template  # a template that reads a kwarg
+    config = Config()
+    config.data.system_prompt = "Think."
+    config.model.chat_template_kwargs = {"greet": True}
+    for row, system in zip(rows, ["Think.", "Be exact."]):  # a row's own system turn wins
+        user = row["prompt"][-1]["content"]
+        expected = tok(f"Hi\n{system}\nQ: {user}\nA:", add_special_tokens=False)["input_ids"]
+        assert encode(tok, config, row["prompt"]) == expected == tok.apply_chat_template(
+            [{"role": "system", "content": system}, row["prompt"][-1]], add_generation_prompt=True, greet=True,
+            tokenize=True)["input_ids"]
+    plain = toy.make_dataset(1, 0)[0]["prompt"]
+    assert encode(AutoTokenizer.from_pretrained(toy_model_dir()), Config(), plain) == tok(plain)["input_ids"]
+    with pytest.raises(DatasetError, match=r"rl\.parquet: row 2: missing field 'answer' \(toy\)"):
+        pd.DataFrame({"prompt": ["a", "b"], "reward_model": [{"ground_truth": "1"}, None]}).to_parquet(path)
+        load(str(path), ("toy",))

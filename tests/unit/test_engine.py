@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rollpacker.model import CausalAttention, load_model
-from rollpacker.rollout.engine import Request, SamplingParams, generate
+from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
+from rollpacker.rollout.spec_cost import SpecCost
 from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
 
 PROMPTS = [[1, 2, 3], [5] * 20, [7, 8, 9, 10, 11, 12, 13], list(range(40)), [42], list(range(60, 90))]
@@ -131,7 +132,8 @@ def ragged_requests() -> list[Request]:
     return reqs
 
 
-def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_with_logprobs):
+@pytest.mark.parametrize("speculative", ["off", "on"])
+def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_with_logprobs, speculative):
     """A ragged stream: four requests at first, then two every fourth step (a greedy and a sampled
     one of one prompt, whose rows outgrow their workspace group together), a running request
     aborted every seventh step and resumed on the same engine five steps later, preemptions forced
@@ -139,7 +141,8 @@ def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_wit
     (alone and several at once) through all of it, and every output equals its reference (greedy:
     the full-recompute decode; sampled: the same requests on a fresh engine with room for all of
     them): the same tokens, and log-probs equal up to float rounding (a wrong K or V column shifts
-    them by more)."""
+    them by more). With speculation on, verify steps append several tokens to some rows and leave
+    rejected columns behind, through the same arrivals, aborts and preemptions."""
     reqs = ragged_requests()
     sampled = [r for r in reqs if r.params.temperature > 0]
     expected = {k: (o.token_ids, o.logprobs) for k, o in generate(engine(qwen2_dir), sampled).items()}
@@ -147,7 +150,7 @@ def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_wit
         if r.params.temperature == 0:
             tokens, logprobs = reference_with_logprobs[r.id.split("-")[1]]
             expected[r.id] = tokens[: r.params.max_new_tokens], logprobs[: r.params.max_new_tokens]
-    eng = engine(qwen2_dir, kv_memory_mb=0.07, max_num_seqs=6)  # 34 blocks of 4 tokens
+    eng = engine(qwen2_dir, kv_memory_mb=0.07, max_num_seqs=6, speculative=speculative)  # 34 blocks of 4 tokens
     arrivals, resumes, done = list(reqs), {}, {}
     num_aborts = 0
     for step in range(10_000):
@@ -166,8 +169,76 @@ def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_wit
     assert {k: o.token_ids for k, o in done.items()} == {k: tokens for k, (tokens, _) in expected.items()}
     for k, o in done.items():
         torch.testing.assert_close(o.logprobs, expected[k][1], rtol=0, atol=1e-5, msg=k)
-    assert num_aborts == 8 and eng.stats().num_preemptions >= 5, eng.stats()
+    assert num_aborts == 8 and eng.stats().num_preemptions >= (5 if speculative == "off" else 1), eng.stats()
     assert not any(g.seqs for g in eng.batch.groups.values())  # every row left with its request
+    spec = eng.stats().spec
+    assert (spec.num_verify_steps > 0 and sum(spec.num_accepted_tokens.values()) > 0) == (speculative == "on")
+    assert eng.drafter is None or eng.drafter.prompts == {}  # every prompt's index left with its last request
+
+
+def sibling_requests(draft_context: dict[str, tuple[int, ...]] | None = None) -> list[Request]:
+    """Three siblings per prompt (greedy; T 0.9 top-p 0.9; T 0.7 top-k 20), each offered
+    ``draft_context[id]`` as an earlier epoch's response when given."""
+    reqs = []
+    for i, (p, n) in enumerate(zip(PROMPTS[:4], (24, 12, 32, 16))):
+        for j, (t, top_p, top_k) in enumerate([(0, 1, 0), (0.9, 0.9, 0), (0.7, 1, 20)]):
+            rid = f"p{i}-{j}"
+            context = (DraftContext(source="epoch", token_ids=draft_context[rid]),) if draft_context else ()
+            reqs.append(Request(id=rid, prompt_ids=p, draft_context=context, params=SamplingParams(
+                max_new_tokens=n, temperature=t, top_p=top_p, top_k=top_k, seed=10 * i + j, ignore_eos=True)))
+    return reqs
+
+
+def run(eng: TorchEngine, reqs: list[Request]) -> tuple[dict, list[tuple[int, int]]]:
+    """Outputs by id, and per step (running requests before it, verify steps it made)."""
+    for r in reqs:
+        eng.add(r)
+    done, trace = {}, []
+    while eng.has_unfinished():
+        before, verified = len(eng.running), eng.stats().spec.num_verify_steps
+        done |= {o.id: o for o in eng.step()}
+        trace.append((before, eng.stats().spec.num_verify_steps - verified))
+    return done, trace
+
+
+def test_speculation_changes_no_token(qwen2_dir):
+    """Greedy, top-p and top-k siblings, each offered the response it will produce as an earlier
+    epoch's (its own seed's: the coupled draws accept such drafts): every token and log-prob is
+    the plain engine's, in fewer steps, drafts from several sources verified; a second run is
+    bitwise the first."""
+    plain, plain_trace = run(engine(qwen2_dir), sibling_requests())
+    context = {k: tuple(o.token_ids) for k, o in plain.items()}
+    eng = engine(qwen2_dir, speculative="on", spec_max_tokens=4)
+    spec, spec_trace = run(eng, sibling_requests(context))
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    for k, o in spec.items():
+        torch.testing.assert_close(o.logprobs, plain[k].logprobs, rtol=0, atol=1e-5, msg=k)
+    stats = eng.stats().spec
+    assert len(spec_trace) < len(plain_trace) and stats.num_verify_steps > 0
+    assert stats.num_accepted_tokens["epoch"] > 0.5 * stats.num_draft_tokens["epoch"], stats
+    assert {"epoch", "self"} <= stats.num_drafts.keys(), stats
+    again, _ = run(engine(qwen2_dir, speculative="on", spec_max_tokens=4), sibling_requests(context))
+    assert {k: o.logprobs for k, o in again.items()} == {k: o.logprobs for k, o in spec.items()}
+
+
+def test_auto_speculates_where_the_measured_cost_says_it_pays(qwen2_dir):
+    """``auto`` verifies drafts only with at most ``max_rows`` running (4 in a hand-made table, so
+    only the last group of three; in a measured one, whatever it says), tokens unchanged; without a table it measures
+    one at its first step, with the requests already queued set aside and the counters left alone."""
+    plain, _ = run(engine(qwen2_dir), sibling_requests())
+    context = {k: tuple(o.token_ids) for k, o in plain.items()}
+    cheap_up_to_4 = SpecCost((1, 4, 8), (0, 1, 2, 4), ((1, 1.1, 1.2, 1.4), (1.2, 1.3, 1.4, 1.6), (2, 5, 8, 14)))
+    assert cheap_up_to_4.max_rows == 4
+    eng = TorchEngine(load_model(qwen2_dir), EngineConfig(block_size=4, speculative="auto"), spec_cost=cheap_up_to_4)
+    spec, trace = run(eng, sibling_requests(context))
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert any(v for _, v in trace) and all(n <= 4 for n, v in trace if v), trace
+    measured = engine(qwen2_dir, speculative="auto", spec_max_tokens=2, max_num_seqs=2)
+    spec, _ = run(measured, sibling_requests(context))
+    assert {k: o.token_ids for k, o in spec.items()} == {k: o.token_ids for k, o in plain.items()}
+    assert (measured.spec_cost.rows, measured.spec_cost.draft_lens) == ((1, 2), (0, 1, 2))
+    assert measured.stats().num_generated_tokens == sum(len(o.token_ids) for o in plain.values())
+    assert "forced" not in measured.stats().spec.num_drafts  # the calibration's own drafts
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(qwen2_dir):
@@ -235,6 +306,9 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(qwen2_dir, refer
             eng.add(Request(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=n)))
     with pytest.raises(ValueError, match="already queued"):
         eng.add(greedy_requests()[0])
+    with pytest.raises(ValueError, match="'ctx'.*source 'sibling'"):
+        eng.add(Request(id="ctx", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=3),
+                        draft_context=(DraftContext(source="sibling", token_ids=(1,)),)))
     with pytest.raises(ValueError, match="raise engine.kv_memory_mb"):
         engine(qwen2_dir, kv_memory_mb=0.01).add(greedy_requests()[2])
     with pytest.raises(ValueError, match="engine.block_size"):
@@ -242,11 +316,12 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(qwen2_dir, refer
     assert generate(eng, [])["r0"].token_ids == reference["r0"]
 
 
-def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path):
+@pytest.mark.parametrize("speculative", ["off", "on"])
+def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path, speculative):
     from conftest import make_hf_model
 
     other_dir = make_hf_model(tmp_path / "other", "qwen2", initializer_range=0.05)
-    eng = engine(qwen2_dir)
+    eng = engine(qwen2_dir, speculative=speculative)
     target = generate(engine(other_dir), greedy_requests())
     eng.release_memory()
     with pytest.raises(RuntimeError, match="resume_memory"):

@@ -11,6 +11,8 @@ import pytest
 from rollpacker import checkpoint
 from rollpacker.config import load_preset
 from rollpacker.data.dataset import DataConfig, DatasetError, fit_rows, load_rows
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.scheduler import build_functions, check_row
 
 
 def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
@@ -20,33 +22,40 @@ def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
 
 
 GOOD = json.dumps({"prompt": "1+1?", "answer": "2"})
+MATH = build_functions(RewardConfig(funcs=("math", "code")))
+
+
+def load(path: str, **config) -> list[dict]:
+    return load_rows(DataConfig(path=path, **config), lambda row: check_row(MATH, row))
 
 
 @pytest.mark.parametrize(("line", "message"), [
     ("{not json", "invalid JSON (Expecting property name enclosed in double quotes at column 2)"),
     (json.dumps({"answer": "2"}), "missing field 'prompt'"),
-    (json.dumps({"prompt": "x"}), "missing field 'answer'"),
-    (json.dumps({"prompt": "x", "tests": []}), "field 'tests' must be a non-empty list"),
-    (json.dumps({"prompt": ["x"], "answer": "2"}), "field 'prompt' must be a string, got list"),
+    (json.dumps({"prompt": "x"}), "missing field 'answer' (math) or 'tests' (code): no reward function"),
+    (json.dumps({"prompt": "x", "tests": [{"output": 3}]}), "field 'tests' must be a non-empty list"),
+    (json.dumps({"prompt": ["x"], "answer": "2"}), "field 'prompt': message 0 is not a"),
 ])
 def test_a_bad_line_names_file_and_line_and_the_way_out(tmp_path, line, message):
     path = write(tmp_path, [GOOD, line])
     with pytest.raises(DatasetError) as e:
-        load_rows(DataConfig(path=path, reward="math"))
+        load(path)
     assert str(e.value).startswith(f"{path}:2: {message}")
-    assert str(e.value).endswith("(fix the line, or set data.skip_bad_lines to skip bad lines)")
+    assert str(e.value).endswith("set data.skip_bad_lines to skip bad rows)")
 
 
 def test_skip_bad_lines_keeps_the_good_ones_and_counts_the_rest(tmp_path, caplog):
-    path = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": "x"}), "", json.dumps({"prompt": "3", "answer": "3"})])
+    path = write(tmp_path, [GOOD, "{not json", json.dumps({"prompt": "x"}), "",
+                            json.dumps({"prompt": "3", "answer": "3"})])
     with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
-        rows = load_rows(DataConfig(path=path, reward="math", skip_bad_lines=True))
-    assert [r["prompt"] for r in rows] == ["1+1?", "3"]
-    assert f"{path}: skipped 2 bad line(s) of 4 (data.skip_bad_lines); first: {path}:2: invalid JSON" in caplog.text
+        rows = load(path, skip_bad_lines=True)
+    assert [(r["id"], r["prompt"]) for r in rows] == [("train:1", "1+1?"), ("train:5", "3")]  # ids: their lines
+    assert f"{path}: skipped 2 bad row(s) of 4 (data.skip_bad_lines); first: {path}:2: invalid JSON" in caplog.text
     assert f"{path}:3: missing field 'answer'" in caplog.text
     only_bad = write(tmp_path, ["{", "[]"], "bad.jsonl")
-    with pytest.raises(DatasetError, match=re.escape(f"{only_bad}: no rows (the file is empty or holds only blank or bad lines)")):
-        load_rows(DataConfig(path=only_bad, reward="math", skip_bad_lines=True))
+    with pytest.raises(DatasetError,
+                       match=re.escape(f"{only_bad}: no rows (the data is empty or holds only blank or bad rows)")):
+        load(only_bad, skip_bad_lines=True)
 
 
 def test_an_unknown_key_in_a_preset_is_refused_by_name(tmp_path):
@@ -79,7 +88,7 @@ def committed(tmp_path, **meta):
 def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
     path = committed(tmp_path, world_size=2)
     checkpoint.check(path, "sync", world_size=2)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.check(path, "sync", world_size=4)
     assert str(e.value) == (f"resume: {path} was written by 2 ranks, this run has 4: launch it with 2 ranks "
                             "(torchrun --nproc_per_node), or start afresh")
@@ -90,7 +99,7 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
     checkpoint.check_model(tmp_path, dict(mine), mine)
     checkpoint.check_model(tmp_path, None, mine)  # written before shapes were recorded
     saved = {"embed.weight": [32, 8], "layers.0.w": [8, 8], "layers.1.w": [8, 8]}
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(checkpoint.CheckpointError) as e:
         checkpoint.check_model(tmp_path, saved, mine)
     assert str(e.value) == (
         f"resume: {tmp_path} was written by a different model: parameters 1 not in the checkpoint: norm.weight; "

@@ -9,8 +9,17 @@ from pathlib import Path
 import pytest
 
 from rollpacker.data.dataset import DataConfig, DatasetError, load_rows
+from rollpacker.reward.config import JudgeConfig, RewardConfig
+from rollpacker.reward.scheduler import build_functions, check_row
 
 SCORES_2 = "{prompt}{response}\nQ: 1+1\nA: 1+1=2\n#### "  # the toy model's verdict: "2"
+
+
+def load(path: str, funcs: tuple[str, ...] = ("judge",)) -> list[dict]:
+    from rollpacker.data.toy_model import toy_model_dir
+
+    functions = build_functions(RewardConfig(funcs=funcs, judge=JudgeConfig(model_path=str(toy_model_dir()))))
+    return load_rows(DataConfig(path=path), lambda row: check_row(functions, row))
 
 
 def write_jsonl(path: Path, rows: list) -> str:
@@ -20,10 +29,10 @@ def write_jsonl(path: Path, rows: list) -> str:
 
 def test_judge_rows_need_only_a_prompt_and_may_carry_a_rubric(tmp_path):
     path = write_jsonl(tmp_path / "j.jsonl", [{"prompt": "a"}, {"prompt": "b", "rubric": SCORES_2, "answer": "2"}])
-    rows = load_rows(DataConfig(path=path, reward="judge"))
+    rows = load(path)
     assert [(r["id"], r.get("rubric")) for r in rows] == [("j:1", None), ("j:2", SCORES_2)]
     with pytest.raises(DatasetError, match=r"j.jsonl:1: missing field 'answer'"):
-        load_rows(DataConfig(path=path, reward="math"))
+        load(path, ("math",))
 
 
 @pytest.mark.parametrize("row, match", [
@@ -32,9 +41,9 @@ def test_judge_rows_need_only_a_prompt_and_may_carry_a_rubric(tmp_path):
     ({"prompt": "p", "rubric": "{prompt} only"}, r"bad.jsonl:2: field 'rubric' must contain \{response\} "
                                                  r"\(or drop it to use reward.judge.rubric\)"),
     ({"prompt": "p", "rubric": "{prompt}{response}{x}"}, r"bad.jsonl:2: field 'rubric' is not a valid template"),
-    ({"prompt": "p", "answer": 4}, r"bad.jsonl:2: field 'answer' must be a string"),
+    ({"prompt": "p", "answer": [4]}, r"bad.jsonl:2: field 'answer' must be a string"),
 ])
 def test_bad_judge_rows_name_the_line(tmp_path, row, match):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, row])
     with pytest.raises(DatasetError, match=match):
-        load_rows(DataConfig(path=path, reward="judge"))
+        load(path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from rollpacker.round import LengthReplay
+from rollpacker.exchange import LengthReplay
 from rollpacker.sim.workload import LengthModel
 
 
@@ -45,6 +45,7 @@ def test_a_cap_too_small_for_the_mixture_is_a_config_error():
 
     from rollpacker.rollout.config import RolloutConfig
 
-    with pytest.raises(ValueError, match=r"replay_lengths with rollout.max_new_tokens=32: .* use a larger max_new_tokens"):
+    with pytest.raises(ValueError,
+                       match=r"replay_lengths with rollout.max_new_tokens=32: .* use a larger max_new_tokens"):
         RolloutConfig(replay_lengths=True, max_new_tokens=32)
     assert RolloutConfig(replay_lengths=True, max_new_tokens=64).max_new_tokens == 64

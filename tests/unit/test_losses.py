@@ -10,12 +10,7 @@ import pytest
 import torch
 
 from rollpacker.train.config import TrainConfig
-from rollpacker.train.logprobs import (
-    reference_token_logprobs,
-    reference_token_logprobs_entropy,
-    token_logprobs,
-    token_logprobs_entropy,
-)
+from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
 from rollpacker.train.losses import (
     AGGREGATIONS,
     CORRECTIONS,
@@ -27,6 +22,7 @@ from rollpacker.train.losses import (
     policy_objective,
     ppo,
 )
+from rollpacker_kernels.reference import reference_token_logprobs, reference_token_logprobs_entropy
 
 RATIOS = [1.5, 0.5, 1.1, 0.7]
 

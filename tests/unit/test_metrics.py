@@ -56,6 +56,9 @@ def test_timer_accumulates_and_pops():
     assert set(times) == {"time/rollout", "time/train"}
     assert times["time/rollout"] >= 0.02
     assert timer.pop() == {}
+    timer.times = {"time/rollout": 5.0}
+    timer.move(1.5, "rollout", "reward")  # the rollout's wait for its last scores is reward time
+    assert timer.pop() == {"time/rollout": 3.5, "time/reward": 1.5}
 
 
 def test_config_validates():
@@ -169,3 +172,17 @@ def test_report_malformed_line_names_file_and_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rollout/response_lengths": 7}\n')
     assert report.main([str(tmp_path)]) == 2
     assert f"{tmp_path / 'metrics.jsonl'}:1" in capsys.readouterr().err
+
+
+def test_pass_at_k_against_hand_computed_values():
+    from rollpacker.metrics import pass_at_k
+
+    assert pass_at_k(4, 1, 1) == 0.25  # one draw: c / n
+    assert pass_at_k(4, 1, 2) == 0.5  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # C(7,5)=21, C(10,5)=252
+    assert pass_at_k(4, 2, 4) == pass_at_k(4, 1, 4) == 1.0  # n = k: any correct sample is drawn
+    assert pass_at_k(4, 0, 4) == pass_at_k(4, 0, 1) == 0.0  # c = 0
+    assert pass_at_k(3, 2, 2) == 1.0  # n - c < k
+    with pytest.raises(ValueError, match="n=2, c=3, k=1"):
+        pass_at_k(2, 3, 1)

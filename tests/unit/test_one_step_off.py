@@ -8,13 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.schedule.config import OneStepOffConfig
-from rollpacker.schedule.one_step_off import OneStepOffPolicy
+from rollpacker.schedule.one_step_off import OneStepOffConfig, OneStepOffPolicy
 from rollpacker.train.config import StreamConfig, TrainConfig
 
 
@@ -62,3 +61,16 @@ def test_pools_must_fit_the_world():
         Config(schedule=OneStepOffConfig(rollout_ranks=1),
                train=TrainConfig(rollout_correction="token_tis", train_shard_size=2)).check_world(4)
     assert policy_args("one_step_off") == ["schedule:one_step_off", "--train.rollout-correction", "token_tis"]
+
+
+def test_the_rollout_pool_knows_the_trainers_parameters_from_the_model_directory():
+    """The weight broadcast goes by position: the rollout pool's names and shapes (from the model
+    directory's architecture, on the meta device) are the trainer's, in order."""
+    import torch
+
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model import load_model
+    from rollpacker.rollout.weights import parameter_shapes
+
+    trainer_side = parameter_shapes(load_model(toy_model_dir(), torch.device("cpu"), torch.float32), toy_model_dir())
+    assert trainer_side == parameter_shapes(None, toy_model_dir()) and len(trainer_side) > 10

@@ -9,30 +9,33 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollpacker.bench.schedulers import policy_args
 from rollpacker.config import Config, parse
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
-from rollpacker.round import _feed
-from rollpacker.schedule.base import Group, Round
-from rollpacker.schedule.config import SyncConfig, TailConfig
+from rollpacker.schedule.base import Group, RoundPlan
 from rollpacker.schedule.round import RoundState
-from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.sync import SyncConfig, SyncPolicy
+from rollpacker.schedule.tail import TailConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
+from rollpacker.train.stream import PipeRound, ScaleDown
 
 
-class FakeStream:
-    """The rank-0 end of the stream trainer: ``ready`` when the train pool has trained the last batch."""
+class FakeSink:
+    """Where the pipe round sends groups (their slots): ``ready`` when the train pool has trained the last batch."""
 
     def __init__(self):
-        self.config, self.busy, self.batches = StreamConfig(), False, []
+        self.busy, self.batches = False, []
 
     def ready(self) -> bool:
         return not self.busy
 
-    def feed(self, samples) -> None:
-        self.batches.append(samples)
+    def send(self, groups) -> None:
+        self.batches.append([g.prompt for g in groups])  # one "sample" per group, its slot
         self.busy = True
+
+    def close(self) -> None:
+        pass
 
 
 def group(slot: int) -> Group:
@@ -41,16 +44,17 @@ def group(slot: int) -> Group:
 
 def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     """Scripted: groups complete in the order 2, 0, 1, 3; group 0's second response is scored late."""
-    stream = FakeStream()
-    state = RoundState(0, Round("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
+    stream = FakeSink()
+    state = RoundState(0, RoundPlan("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
+    pipe = PipeRound(ScaleDown(StreamConfig(), num_replicas=1, kv_capacity_tokens=1, max_new_tokens=1), stream, state)
     complete, scores = state.complete, state.scores
-    make = lambda g: [g.prompt]  # noqa: E731 (one "sample" per group, its slot)
     groups = {s: group(s) for s in range(4)}
 
     def completes(slot: int, scored: bool = True) -> None:
         complete.append(groups[slot])
         scores.update({o.id: 1.0 for o in groups[slot].outputs[:2 if scored else 1]})
-        assert _feed(stream, state, make)  # fetching goes on all round
+        pipe.feed(state)
+        assert pipe.fetching  # fetching goes on all round
 
     completes(2)  # the train pool is idle: group 2 goes at once, alone
     assert stream.batches == [[2]] and groups[2].streamed and groups[2].rewards == [1.0, 1.0]
@@ -62,7 +66,7 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     assert stream.batches == [[2], [1, 3]] and complete == [groups[0]]  # group 0 is not scored yet
     scores["0:1"] = 0.0
     stream.busy = False
-    _feed(stream, state, make)
+    pipe.feed(state)
     assert stream.batches == [[2], [1, 3], [0]] and not complete and groups[0].rewards == [1.0, 0.0]
 
 

@@ -10,33 +10,41 @@ import pytest
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import RewardScheduler
 
-ROWS = [{"answer": "4"}, {"answer": "4"}, {"answer": "\\frac{1}{2}"}]
+ROWS = [{"id": "a", "prompt": "p", "answer": "4"}, {"id": "b", "prompt": "p", "answer": "4"},
+        {"id": "c", "prompt": "p", "answer": "\\frac{1}{2}"}]
 RESPONSES = ["so \\boxed{4}", "so \\boxed{5}", "\\boxed{10^{10^{10^{10}}}}"]
 
 
 def score_all(cfg: RewardConfig) -> dict:
-    scheduler = RewardScheduler(cfg, "math", lambda ids: RESPONSES[ids[0]])
+    scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0]])
     try:
         for i, row in enumerate(ROWS[:2]):
             scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
         got = dict(scheduler.poll()) | dict(scheduler.wait())
-        assert scheduler.take_seconds() > 0 and scheduler.take_seconds() == 0
+        assert scheduler.take_metrics()["reward/seconds_total"] > 0
+        assert scheduler.take_metrics() == {"reward/errors": 0, "reward/seconds_total": 0.0}
         return got
     finally:
         scheduler.close()
 
 
 def test_pool_and_inline_scoring_agree():
-    assert score_all(RewardConfig(num_workers=2)) == score_all(RewardConfig(num_workers=0)) == {0: 1.0, 1: 0.0}
+    assert score_all(RewardConfig(funcs=("math",), num_workers=2)) == score_all(
+        RewardConfig(funcs=("math",), num_workers=0)) == {0: 1.0, 1: 0.0}
 
 
 @pytest.mark.timeout(60)
-def test_a_hanging_reward_comes_back_flagged_and_the_pool_goes_on():
-    scheduler = RewardScheduler(RewardConfig(num_workers=1, timeout=2.0), "math", lambda ids: RESPONSES[ids[0]])
+def test_a_hanging_reward_is_scored_0_and_counted_and_the_pool_goes_on(caplog):
+    scheduler = RewardScheduler(RewardConfig(funcs=("math",), num_workers=1, timeout=2.0),
+                                lambda ids: RESPONSES[ids[0]])
     try:
         scheduler.submit("hang", ROWS[2], SimpleNamespace(token_ids=[2]))
         scheduler.submit("ok", ROWS[0], SimpleNamespace(token_ids=[0]))
-        assert dict(scheduler.wait()) == {"hang": None, "ok": 1.0}
+        assert dict(scheduler.wait()) == {"hang": 0.0, "ok": 1.0}
+        assert scheduler.take_metrics() | {"reward/seconds_total": 0} == {
+            "reward/math": 1.0, "reward/errors": 1, "reward/seconds_total": 0}
+        assert ("reward function 'math' failed on row 'c': timed out after 2 s (reward.timeout); its worker was "
+                "replaced") in caplog.text
     finally:
         scheduler.close()
 
@@ -50,21 +58,22 @@ def test_rewards_bench_smoke(capsys):
     for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):  # step = rollout + exposed scoring
         assert summary[f"exposed_{name}"] >= 0
         assert summary[f"step_{name}"] == pytest.approx(0.5 + summary[f"exposed_{name}"], abs=0.05)
-    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"], abs=0.02)
+    assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"],
+                                                    abs=0.02)
     assert summary["exposed_ratio"] == pytest.approx(
         summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_code_rows_are_sandboxed_and_teach_the_adaptive_timeout(workers):
-    row = {"prompt": "add", "tests": [{"input": "1 2\n", "output": "3\n"}]}
+    row = {"id": "r", "prompt": "add", "tests": [{"input": "1 2\n", "output": "3\n"}]}
     programs = ["```python\nprint(sum(map(int, input().split())))\n```", "```python\nprint(4)\n```"]
-    scheduler = RewardScheduler(RewardConfig(num_workers=workers), "code", lambda ids: programs[ids[0]])
+    scheduler = RewardScheduler(RewardConfig(funcs=("code",), num_workers=workers), lambda ids: programs[ids[0]])
     try:
         for i in range(2):
             scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
         assert dict(scheduler.wait()) == {0: 1.0, 1: 0.0}
-        [anchor] = scheduler.state_dict()["timeouts"]["anchors"].values()
+        [anchor] = scheduler.state_dict()["functions"]["code"]["anchors"].values()
         assert 0 < anchor < 2.0
     finally:
         scheduler.close()
@@ -75,13 +84,13 @@ def test_code_rows_are_sandboxed_and_teach_the_adaptive_timeout(workers):
 ADDER = "Q: {prompt}+{response}\nA: {prompt}+{response}="  # 14 tokens for one-digit pairs (one per character)
 UNPARSEABLE = "Q: {prompt}+{response}\nA:"  # 9 tokens; the toy model answers " 3+4=7": a space comes first
 JUDGED = [  # (row, response, reward with max_score 7; None: a reward_error)
-    ({"prompt": "3"}, "4", 1.0),
-    ({"prompt": "2"}, "5", 1.0),
-    ({"prompt": "4"}, "4", None),  # verdict 8 > max_score
-    ({"prompt": "3", "rubric": UNPARSEABLE}, "4", None),  # verdict " "
-    ({"prompt": "1"}, "1", 2 / 7),
-    ({"prompt": "4"}, "2", 6 / 7),
-    ({"prompt": "3"}, "4" * 20, None),  # over judge.max_tokens: flagged without a forward
+    ({"id": "0", "prompt": "3"}, "4", 1.0),
+    ({"id": "1", "prompt": "2"}, "5", 1.0),
+    ({"id": "2", "prompt": "4"}, "4", None),  # verdict 8 > max_score
+    ({"id": "3", "prompt": "3", "rubric": UNPARSEABLE}, "4", None),  # verdict " "
+    ({"id": "4", "prompt": "1"}, "1", 2 / 7),
+    ({"id": "5", "prompt": "4"}, "2", 6 / 7),
+    ({"id": "6", "prompt": "3"}, "4" * 20, None),  # over judge.max_tokens: flagged without a forward
 ]
 
 
@@ -96,26 +105,28 @@ def judge_config(**overrides):
 def test_judge_scores_one_bounded_batch_per_poll_and_the_rest_in_wait(workers, caplog):
     from rollpacker.reward.judge import Judge
 
-    cfg = RewardConfig(num_workers=workers, judge=judge_config(max_batch_tokens=28))  # two pairs per forward
-    scheduler = RewardScheduler(cfg, "judge", lambda ids: JUDGED[ids[0]][1])
+    cfg = RewardConfig(funcs=("judge",), num_workers=workers, judge=judge_config(max_batch_tokens=28))  # 2 a forward
+    scheduler = RewardScheduler(cfg, lambda ids: JUDGED[ids[0]][1])
     try:
         for i, (row, _, _) in enumerate(JUDGED):
             scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
         assert scheduler.judge is None  # loaded on the first poll, not at submit
         polls = [scheduler.poll(), scheduler.poll()]
-        assert scheduler.take_seconds() > 0
+        assert scheduler.take_metrics()["reward/seconds_total"] > 0
         polls.append(scheduler.wait())
-        assert scheduler.take_seconds() > 0 and scheduler.wait() == scheduler.poll() == []
+        metrics = scheduler.take_metrics()
+        assert metrics["reward/seconds_total"] > 0 and scheduler.wait() == scheduler.poll() == []
+        assert metrics["reward/errors"] == 1 and metrics["reward/judge"] == pytest.approx((2 / 7 + 6 / 7) / 2)
         # packed in order: 14 + 14 tokens; 14 + 9 (the next 14 would pass 28); the rest (the long one costs 0)
         assert [[key for key, _ in done] for done in polls] == [[0, 1], [2, 3], [4, 5, 6]]
         got = dict(polls[0] + polls[1] + polls[2])
-        assert got == {i: reward for i, (_, _, reward) in enumerate(JUDGED)}
+        assert got == {i: reward or 0.0 for i, (_, _, reward) in enumerate(JUDGED)}  # a failed one: 0 (skip)
         direct = Judge(cfg.judge).score([(row["prompt"], response) for row, response, _ in JUDGED],
                                         [row.get("rubric") for row, _, _ in JUDGED])
-        assert got == {i: None if isinstance(r, Exception) else r for i, r in enumerate(direct)}
-        errors = [r.getMessage() for r in caplog.records if "reward_error" in r.getMessage()]
-        assert len(errors) == 3 and "verdict 8 is out of range" in errors[0] and "verdict ' '" in errors[1]
-        assert "over judge.max_tokens=14" in errors[2]
+        assert got == {i: 0.0 if isinstance(r, Exception) else r for i, r in enumerate(direct)}
+        errors = [r.getMessage() for r in caplog.records if "reward error" in r.getMessage()]
+        assert len(errors) == 3 and "function 'judge' failed on row '2': judge verdict 8 is out of range" in errors[0]
+        assert "verdict ' '" in errors[1] and "over judge.max_tokens=14" in errors[2]
     finally:
         scheduler.close()
 
@@ -124,7 +135,7 @@ def test_judge_needs_a_model_directory(tmp_path):
     from rollpacker.reward.config import JudgeConfig
 
     with pytest.raises(ValueError, match="reward.judge.model_path is empty.*--reward.judge.model-path"):
-        RewardScheduler(RewardConfig(num_workers=0), "judge", str)
+        RewardConfig(funcs=("judge",), num_workers=0)
     with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
-        RewardScheduler(RewardConfig(num_workers=0, judge=JudgeConfig(model_path=str(tmp_path))), "judge", str)
-    RewardScheduler(RewardConfig(num_workers=0), "math", str).close()  # other kinds need no judge
+        RewardConfig(funcs=("judge",), num_workers=0, judge=JudgeConfig(model_path=str(tmp_path)))
+    RewardScheduler(RewardConfig(funcs=("math",), num_workers=0), str).close()  # other functions need no judge

@@ -1,11 +1,11 @@
-"""Rule-based rewards: math-verify for math answers, the toy task's exact check, lookup by name."""
+"""Rule-based rewards: math-verify for math answers, the toy task's exact check, as TRL-convention functions."""
 
 from __future__ import annotations
 
 import pytest
 
 from rollpacker.data import toy
-from rollpacker.reward import REWARDS, RewardError, get_reward, math_reward, toy_reward
+from rollpacker.reward import RewardError, math_reward, rules, toy_reward
 
 
 @pytest.mark.parametrize(
@@ -58,9 +58,9 @@ def test_toy_reward_is_toy_score():
     assert toy_reward(" 1+1=2\n#### 999", row["answer"]) == toy.score(" 1+1=2\n#### 999", row["answer"]) == 0.0
 
 
-def test_get_reward():
-    assert get_reward("math") is math_reward
-    assert get_reward("toy") is toy_reward
-    assert set(REWARDS) == {"math", "toy"}
-    with pytest.raises(ValueError, match="unknown reward 'judge'; valid names: math, toy"):
-        get_reward("judge")
+def test_the_builtins_are_trl_convention_functions():
+    """Completions as strings or as assistant messages; None where the row has no answer."""
+    messages = [[{"role": "assistant", "content": "so \\boxed{4}"}], [{"role": "assistant", "content": "#### 4"}]]
+    assert rules.math(messages, answer=["4", None]) == [1.0, None]
+    assert rules.toy(["#### 4", " 1+3=4\n#### 5"], answer=["4", "4"], data_source=["x", "y"]) == [1.0, 0.0]
+    assert rules.toy(["#### 4"]) == [None]

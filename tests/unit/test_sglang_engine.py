@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from rollpacker.rollout.engine import Output, Request, SamplingParams, hf_names, start_output
-from rollpacker.rollout.sglang_engine import SGLANG_VERSION, SGLangEngine, Track, apply_chunk, buckets, sglang_params
+from rollpacker.rollout.sglang_engine import (
+    SGLANG_VERSION,
+    SGLangEngine,
+    Track,
+    apply_chunk,
+    buckets,
+    cpu_binding,
+    engine_args,
+    sglang_params,
+)
 
 
 def chunk(ids, logprobs, reason=None, retractions=0):
@@ -122,3 +131,43 @@ def test_missing_sglang_raises_a_clear_import_error(monkeypatch, tmp_path):
 
     with pytest.raises(ImportError, match="engine.kind=sglang needs SGLang"):
         build_engine(EngineConfig(kind="sglang"), tmp_path, "cuda", torch.bfloat16)
+
+
+def test_cpu_binding_gives_each_local_rank_its_share_of_the_cores():
+    assert cpu_binding([0, 1], 2) == "0|1"
+    assert cpu_binding([0, 1, 2, 3], 2) == "0,1|2,3"
+    assert cpu_binding([0, 1, 2], 1) == "0,1,2"
+    assert cpu_binding([0, 1], 4) == "0|1|0|1"  # more ranks than cores: shared
+
+
+def test_engine_args_size_the_kv_like_the_other_engines_and_pick_the_cpu_path():
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model.hf import read_args
+    from rollpacker.rollout.config import EngineConfig
+
+    args = read_args(toy_model_dir())
+    config = EngineConfig(kind="sglang", kv_memory_mb=4, max_num_seqs=8)
+    cpu = engine_args(toy_model_dir(), config, args, 1, torch.float32, on_cpu=True)
+    per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4
+    assert cpu["max_total_tokens"] == 4 * 2**20 // per_token and cpu["max_running_requests"] == 8
+    assert cpu["context_length"] == args.max_position_embeddings  # SGLang ends a request 2 tokens before it
+    short = engine_args(toy_model_dir(), EngineConfig(kind="sglang", max_model_len=24), args, 1, torch.float32, True)
+    assert short["context_length"] == 26
+    assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native"
+    assert not cpu["enable_memory_saver"] and cpu["enable_deterministic_inference"]
+    assert cpu["mem_fraction_static"] == 0.9
+    gpu = engine_args(toy_model_dir(), config, args, 2, torch.bfloat16, on_cpu=False)
+    assert gpu["enable_memory_saver"] and "device" not in gpu and gpu["tp_size"] == 2
+    assert gpu["mem_fraction_static"] == config.memory_fraction
+    half_heads = 2 * args.num_layers * max(1, args.num_kv_heads // 2) * args.head_dim * 2  # bf16, TP 2
+    assert gpu["max_total_tokens"] == 4 * 2**20 // half_heads
+
+
+def test_the_planner_is_refused_on_sglang_with_the_reason():
+    from rollpacker.config import Config
+    from rollpacker.plan.config import PlanConfig
+    from rollpacker.rollout.config import EngineConfig
+
+    with pytest.raises(ValueError, match="plan.enabled with engine.kind='sglang': a TP switch would restart "
+                                         "SGLang's engines, and SGLang's Engine.shutdown kills every child process"):
+        Config(engine=EngineConfig(kind="sglang"), plan=PlanConfig(enabled=True))

@@ -13,8 +13,9 @@ import pytest
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.rollout.engine import SamplingParams
-from rollpacker.schedule.config import POLICY_CONFIGS, OneStepOffConfig, SyncConfig
-from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.config import POLICY_CONFIGS
+from rollpacker.schedule.one_step_off import OneStepOffConfig
+from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelShape, fit_calibration
 from rollpacker.sim.engine import Replica, Seq
@@ -143,7 +144,7 @@ class Recorder:
 
 @pytest.mark.parametrize("filter_zero_variance", [False, True])
 def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controller(filter_zero_variance):
-    from rollpacker.round import run_round
+    from rollpacker.exchange import RoundLeader, run_round
 
     def length(row, k):  # every 5th row is a long prompt, response after response
         return 2 + (7 * row + 5 * k) % 13 + (40 if row % 5 == 0 else 0)
@@ -158,9 +159,9 @@ def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controlle
     for step in range(7):
         simulate_round(step, simulated, replicas(1, StepCost(1.0)), Table(length), max_new_tokens=1000,
                        reward=lambda row, seq: reward(row, seq.id))
-        run_round(step, OneReplica(), LengthTableEngine(length), poll_steps=1, policy=real, rows=list(range(40)),
-                  prompt_ids=lambda row: [row], rewards=InstantRewards(reward),
-                  sampling=SamplingParams(max_new_tokens=1000))
+        run_round(OneReplica(), LengthTableEngine(length), 1, RoundLeader(
+            step=step, plan=real.start_round(step), policy=real, rows=list(range(40)), encode=lambda row: [row],
+            rewards=InstantRewards(reward), sampling=SamplingParams(max_new_tokens=1000)))
     kinds = [entry[2] for entry in real.log if entry[0] == "start"]
     assert "long" in kinds and "short" in kinds
     assert any(entry[4] for entry in real.log if entry[0] == "finished")  # some decisions aborted siblings
@@ -469,15 +470,14 @@ def test_one_step_off_overlaps_the_next_rollout_with_training_on_its_own_gpus():
         SimConfig(schedule=OneStepOffConfig(rollout_ranks=3), gpus=6, rollout=RolloutConfig(tp=2))
 
 
-def test_the_cli_embeds_the_runs_rollout_and_schedule_settings_and_reads_the_old_flags():
-    from rollpacker.schedule.config import TailConfig
+def test_the_cli_embeds_the_runs_rollout_and_schedule_settings():
+    from rollpacker.schedule.tail import TailConfig
     from rollpacker.sim.__main__ import parse
 
     cfg, _, _ = parse(["--preset", "qwen2.5-7b-8k", "schedule:tail", "--schedule.eta-prompts", "1.5",
                        "--rollout.num-prompts", "64", "--gpus", "8"])
     assert cfg.schedule == TailConfig(eta_prompts=1.5) and cfg.gpus == 8
     assert (cfg.rollout.num_prompts, cfg.rollout.group_size, cfg.rollout.max_new_tokens) == (64, 8, 8192)
-    old, _, _ = parse(["--preset", "qwen2.5-7b-8k", "--policy", "one_step_off", "--rollout-gpus", "8", "--tp", "2"])
     new, _, _ = parse(["--preset", "qwen2.5-7b-8k", "schedule:one_step_off", "--schedule.rollout-ranks", "8",
                        "--rollout.tp", "2"])
-    assert old == new and (new.rollout_pool, new.train_pool, new.num_replicas) == (8, 8, 4)
+    assert (new.rollout_pool, new.train_pool, new.num_replicas) == (8, 8, 4)

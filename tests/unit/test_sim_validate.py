@@ -6,7 +6,8 @@ import pytest
 from rollpacker.sim.cost import ProfiledCost
 
 PROFILE = {"tp": {"1": {"kv_capacity_tokens": 100_000,
-                        "decode_ms": {"64": {"1": 10.0, "4": 12.0, "16": 20.0}, "256": {"1": 12.0, "4": 14.0, "16": 30.0}},
+                        "decode_ms": {"64": {"1": 10.0, "4": 12.0, "16": 20.0},
+                                      "256": {"1": 12.0, "4": 14.0, "16": 30.0}},
                         "prefill_tok_s": {"64": 1000.0, "256": 800.0}}}}
 
 
@@ -26,23 +27,24 @@ def test_profiled_cost_interpolates_batches_and_contexts_and_adds_prefill():
 
 def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     """On a flat profile (d ms per iteration, free prefill) a sync round lasts d x its longest response,
-    whose length is the one the real run forces (rollpacker.round.LengthReplay) for that slot, plus
+    whose length is the one the real run forces (rollpacker.exchange.LengthReplay) for that slot, plus
     one exchange per poll of rollout.poll_steps iterations and a last one for the final command."""
-    from rollpacker.bench.schedulers import Args, job_argv, policy_args
     from rollpacker.config import parse
     from rollpacker.data.dataset import PromptSampler
-    from rollpacker.round import LengthReplay
-    from rollpacker.schedule import build_policy
+    from rollpacker.exchange import LengthReplay
+    from rollpacker.jobflags import JobArgs as Args
+    from rollpacker.jobflags import job_argv, policy_args
     from rollpacker.sim.validate import ValidateArgs, regime_flags, simulate_run
 
-    flat = {"exchange_ms": 1.0, "tp": {"1": {"kv_capacity_tokens": 1_000_000, "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
+    flat = {"exchange_ms": 1.0, "tp": {"1": {"kv_capacity_tokens": 1_000_000,
+                                             "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
                                              "prefill_tok_s": {"32": 1e12}}}}
     argv = job_argv(Args(), regime_flags("compute", ValidateArgs(num_steps=3)), policy_args("sync"), 0, str(tmp_path))
     times = simulate_run(argv, flat)
     cfg = parse(argv)
     assert len(times) == 3
-    policy = build_policy(cfg.schedule, PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
-                          cfg.rollout.num_prompts, cfg.rollout.group_size)
+    policy = cfg.schedule.build(PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
+                                cfg.rollout.num_prompts, cfg.rollout.group_size)
     forced = LengthReplay(cfg.seed, cfg.rollout.max_new_tokens).draw
     for step, seconds in enumerate(times):
         plan = policy.start_round(step)
@@ -66,9 +68,11 @@ def test_growth_profile_costs_a_step_that_grows_linearly_with_the_running_reques
 
     cost = ProfiledCost.from_profile(linear_profile(0.1))
     for running in (1, 3, 8, 100, 2000):  # measured, between and beyond the profile's batches
-        assert cost.iteration_times(running, running * 500, 1)[0] == pytest.approx(STEP_MS * (1 + 0.1 * (running - 1)) / 1e3)
+        expected = STEP_MS * (1 + 0.1 * (running - 1)) / 1e3
+        assert cost.iteration_times(running, running * 500, 1)[0] == pytest.approx(expected)
     flat = ProfiledCost.from_profile(linear_profile(0.0))
-    assert flat.iteration_times(64, 64 * 30, 1, prefill_tokens=4096, prefill_sq=4096 * 30)[0] == pytest.approx(STEP_MS / 1e3)
+    step = flat.iteration_times(64, 64 * 30, 1, prefill_tokens=4096, prefill_sq=4096 * 30)[0]
+    assert step == pytest.approx(STEP_MS / 1e3)
 
 
 def test_growth_refuses_a_shape_that_is_not_p0_x_r0():

@@ -247,8 +247,8 @@ def test_state_dict_round_trip_mid_load_group():
 
 def test_the_controller_resumes_partials_and_scores_kept_responses_again():
     """Through the real controller (one rank, an engine that adds one token per step)."""
+    from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.rollout.engine import SamplingParams
-    from rollpacker.round import run_round
 
     from conftest import InstantRewards, LengthTableEngine, OneReplica
 
@@ -273,9 +273,9 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
     step, kept, stale = 0, [], []
     while not policy.done():
         engine.generated = 0
-        result = run_round(step, OneReplica(), engine, poll_steps=1, policy=policy, rows=list(range(12)),
-                           prompt_ids=lambda row: [row], rewards=InstantRewards(reward),
-                           sampling=SamplingParams(max_new_tokens=1000))
+        result = run_round(OneReplica(), engine, 1, RoundLeader(
+            step=step, plan=policy.start_round(step), policy=policy, rows=list(range(12)), encode=lambda row: [row],
+            rewards=InstantRewards(reward), sampling=SamplingParams(max_new_tokens=1000)))
         assert result.generated_tokens == engine.generated  # resumed prefixes are not counted twice
         for g in result.groups:
             assert g.rewards == [reward(g.prompt, o.id) for o in g.outputs]
@@ -291,7 +291,8 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
 
 def test_config_accepts_sorted_and_asks_partial_mode_for_a_correction():
     from rollpacker.config import Config, parse
-    from rollpacker.schedule.config import SortedConfig, SortedPartialConfig
+    from rollpacker.schedule.sorted import SortedConfig, SortedPartialConfig
+    from rollpacker.train.config import TrainConfig
 
     config = parse(["schedule:sorted", "--schedule.sorted-batches", "2"])
     assert (config.policy, config.schedule.sorted_batches, config.train.rollout_correction) == ("sorted", 2, "none")

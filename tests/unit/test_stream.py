@@ -92,3 +92,81 @@ def test_throughput_criterion_learns_migration_and_realized_savings():
     assert decider.pays([(5, 0)] * 4) and decider.last["migration"] == pytest.approx(0.5)
     decider.start_round("short")
     assert not decider.pays([(5, 0)] * 4) and decider.last["saved"] == 0.5
+
+
+class Sink:
+    """The freed ranks' end of a stream round: every batch of groups (their prompts), and whether it was closed."""
+
+    def __init__(self):
+        self.batches, self.closed = [], False
+
+    def ready(self) -> bool:
+        return True
+
+    def send(self, groups) -> None:
+        self.batches.append([g.prompt for g in groups])
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def four_prompts_on_two_replicas():
+    """A sync round of 4 prompts x 2 responses, launched on 2 replicas (round-robin per request)."""
+    from rollpacker.data.dataset import PromptSampler
+    from rollpacker.schedule.round import RoundState
+    from rollpacker.schedule.sync import SyncPolicy
+
+    policy = SyncPolicy(PromptSampler(4), 4, 2)
+    state = RoundState(0, policy.start_round(0), policy, num_replicas=2)
+    return state
+
+
+def test_a_stream_round_scales_down_once_times_the_migration_and_feeds_complete_groups():
+    from types import SimpleNamespace
+
+    from rollpacker.train.stream import StreamRound
+
+    state, now, sink = four_prompts_on_two_replicas(), [10.0], Sink()
+    decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
+    hooks = StreamRound(decider, sink, state, clock=lambda: now[0])
+    launches = state.launch(state.plan.prompts)
+    assert hooks.priority(3) == 0 and not hooks.scaled_down
+    first = launches[0].run  # slot 0's two responses, on replicas 0 and 1
+    outputs = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * 4) for _, rid, _ in first]
+    state.finished(outputs)
+    state.scored((o.id, 1.0) for o in outputs)
+    hooks.on_finished([4, 4])
+    state.decide()
+    moved = hooks.maybe_scale_down(state, lambda: [(2, 1)] * len(state.outstanding))
+    # 1 of 4 prompts complete: the fixed 25% trigger fires; replica 1's outstanding requests migrate
+    assert moved == sorted(rid for rid in state.outstanding if state.replica(rid) == 1) and len(moved) == 3
+    assert (hooks.scaled_at, hooks.completed_frac, state.active, list(decider.history)) == (10.0, 0.25, 1, [4, 4])
+    assert hooks.maybe_scale_down(state, lambda: []) is None  # once per round
+    hooks.feed(state)
+    assert sink.batches == [[state.slots[0]]]  # the complete, scored group goes to the freed ranks
+    aborted = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3]) for rid in moved]
+    now[0] = 11.0
+    assert hooks.on_aborted(state, aborted) == aborted and hooks.migration_s is None  # resumed, not back yet
+    now[0] = 12.5
+    assert hooks.on_aborted(state, []) == [] and hooks.migration_s == 2.5  # the next report: back and prefilled
+    stats = hooks.finish()
+    assert sink.closed and stats == {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": 0.25,
+                                     "time/migration": 2.5, "stream/streamed_groups": 1.0}
+    assert decider.migration_seconds_per_token == 2.5 / (3 * 3)  # 3 migrated requests of 2 + 1 tokens
+
+
+def test_a_pipe_round_runs_on_the_rollout_pool_from_the_start_frontier_first():
+    from rollpacker.schedule.round import RoundHooks
+    from rollpacker.train.stream import PipeRound
+
+    state, sink = four_prompts_on_two_replicas(), Sink()
+    decider = ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
+    hooks = PipeRound(decider, sink, state, clock=lambda: 5.0)
+    state.launch(state.plan.prompts)
+    assert hooks.scaled_down and state.active == 1 and {state.replica(rid) for rid in state.outstanding} == {0}
+    assert [hooks.priority(slot) for slot in (0, 3)] == [0, 3]  # earliest group first
+    assert hooks.maybe_scale_down(state, lambda: []) is None and hooks.on_aborted(state, []) == []
+    stats = hooks.finish()
+    assert sink.closed and stats["stream/scaled_down"] == 0.0 and stats["time/migration"] == 0.0
+    none = RoundHooks()  # a round without a stream trainer: nothing happens
+    assert not none.scaled_down and none.priority(3) == 0 and none.finish() == {}

@@ -162,7 +162,7 @@ def test_sync_stops_at_the_epoch_limit_and_filters_after_the_round():
 
 def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
     from rollpacker.config import parse
-    from rollpacker.schedule.config import TailConfig
+    from rollpacker.schedule.tail import TailConfig
 
     config = parse(["schedule:tail", "--schedule.eta-prompts", "1.0", "--num-epochs", "2"])
     assert (config.policy, config.schedule.eta_prompts, config.schedule.eta_responses) == ("tail", 1.0, 1.25)
@@ -178,7 +178,7 @@ def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
     (tmp_path / "train_state.json").write_text(json.dumps({"step": 1, "policy": {"name": "sync"}}))
     (tmp_path / checkpoint.MARKER).write_text("")
     checkpoint.check(tmp_path, "sync")
-    with pytest.raises(ValueError, match="schedule:sync"):
+    with pytest.raises(checkpoint.CheckpointError, match="schedule:sync"):
         checkpoint.check(tmp_path, "tail")
 
 

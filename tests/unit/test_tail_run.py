@@ -18,7 +18,8 @@ def test_abort_frees_engine_memory():
     engine.step()  # allocate the cache
     free = len(engine.free_blocks)
     for i in range(6):
-        engine.add(Request(id=str(i), prompt_ids=[5, 6, 7, 8, 9], params=SamplingParams(max_new_tokens=64, ignore_eos=True)))
+        engine.add(Request(id=str(i), prompt_ids=[5, 6, 7, 8, 9],
+                           params=SamplingParams(max_new_tokens=64, ignore_eos=True)))
     for _ in range(10):
         engine.step()
     assert len(engine.free_blocks) < free

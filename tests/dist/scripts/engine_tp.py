@@ -1,4 +1,5 @@
-"""Run on 2 gloo ranks by tests/dist/test_engine.py: TP=2 engines against TP=1, and FSDP2 weight push."""
+"""Run on 2 gloo ranks by tests/dist/test_engine.py: TP=2 engines against TP=1 (speculation off, on
+and auto), and FSDP2 weight push."""
 
 import sys
 
@@ -8,14 +9,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from rollpacker.model import load_model
-from rollpacker.rollout.engine import Request, SamplingParams, generate
+from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
 from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
 
 
-def requests():
+def requests(context=None):
+    """Six requests; with ``context`` (id -> tokens) each is offered those tokens as an earlier epoch's."""
     return [
         Request(id=str(i), prompt_ids=list(range(1, 3 + 7 * i)), params=SamplingParams(
-            max_new_tokens=20 + 5 * i, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True))
+            max_new_tokens=20 + 5 * i, temperature=0 if i % 2 else 0.8, top_p=0.9, seed=i, ignore_eos=True),
+            draft_context=(DraftContext(source="epoch", token_ids=context[str(i)]),) if context else ())
         for i in range(6)
     ]
 
@@ -34,6 +37,23 @@ def main(path: str) -> None:
     assert tokens(single) == tokens(sharded), "TP=2 differs from TP=1"
     for k in single:
         assert max(abs(a - b) for a, b in zip(single[k].logprobs, sharded[k].logprobs)) < 1e-4
+
+    # Speculation under TP: every rank drafts from the same (broadcast) tokens and decides by TP rank
+    # 0's cost table, so the verify forwards line up; tokens are TP=1's, drafts from the context accepted.
+    context = {k: tuple(o.token_ids) for k, o in single.items()}
+    for speculative, extra in (("on", {}), ("auto", {"max_num_seqs": 4, "spec_max_tokens": 2})):
+        spec = TorchEngine(load_model(path), EngineConfig(block_size=4, speculative=speculative, **extra), tp_mesh=mesh)
+        out = generate(spec, requests(context))
+        assert tokens(out) == tokens(single), f"TP=2 speculative={speculative} differs from TP=1"
+        for k in single:
+            assert max(abs(a - b) for a, b in zip(single[k].logprobs, out[k].logprobs)) < 1e-4
+        stats = spec.stats().spec
+        if speculative == "on":
+            assert stats.num_accepted_tokens["epoch"] > 0, stats
+        else:
+            costs = [None, None]
+            dist.all_gather_object(costs, spec.spec_cost)
+            assert costs[0] == costs[1], "the TP ranks decide by different cost tables"
 
     # Push weights from a live FSDP2-sharded copy (perturbed) into the TP engine and a TP=1 engine.
     trainer = load_model(path)

@@ -7,7 +7,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors; before triton is imported (
 import torch
 import torch.distributed as dist
 
-from rollpacker.kernels.logprobs import fused_token_logprobs
+from rollpacker_kernels.logprobs import fused_token_logprobs
 
 
 def main() -> None:

@@ -49,12 +49,12 @@ def main(path: str, shard: int, aggregations: str) -> None:
 
 
 def check(path: str, meshes, aggregation: str) -> None:
-    # a small token budget: several micro-batches per rank
+    # several micro-batches per rank
     cfg = TrainConfig(lr=1.0, warmup_steps=0, adam_eps=1.0, micro_batch_tokens=64, aggregation=aggregation)
     sync = Trainer(load_model(path), cfg, meshes.train, num_steps=4)
     streamed = Trainer(load_model(path), cfg, meshes.train, num_steps=4)
     stream = StreamTrainer(StreamConfig(enabled=True), streamed, meshes, kv_capacity_tokens=1, max_new_tokens=1)
-    assert not stream.scale_down.refused, stream.scale_down.refused
+    assert not stream.refused, stream.refused
     # (groups streamed, in how many messages) per step: uneven, nothing, almost everything, everything.
     plans = [(3, 2), (0, 0), (7, 3), (8, 1)]
     initial = {k: v.full_tensor().clone() for k, v in sync.model.state_dict().items()}
@@ -63,7 +63,7 @@ def check(path: str, meshes, aggregation: str) -> None:
         every = [s for g in batch for s in g]
         count = normalizer(aggregation, [len(s.response_ids) for s in every], 40)
         sync_stats = sync.step(every, count)
-        stream.start_round("sync")
+        stream.start_round()
         if stream.freed:
             stream.serve()
         elif meshes.rank == 0:

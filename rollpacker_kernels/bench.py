@@ -1,9 +1,10 @@
-"""``python -m rollpacker.bench logprobs``: the memory of the trainer's token log-probs, three ways.
+"""``python -m rollpacker.bench logprobs``: the memory of the trainer's token log-probs, three ways
+(also ``python -m rollpacker_kernels.bench``).
 
 For an output head of ``--hidden`` x ``--vocab`` (default Qwen2.5-7B: 3584 x 152064) and ``--tokens``
 tokens (8k), forward + backward of: ``reference`` (full ``[T, V]`` logits and autograd),
 ``torch`` (the trainer's chunked torch path, ``--chunk-size`` tokens at a time) and ``kernel``
-(``rollpacker.kernels``, vocab-tiled Triton). Bytes beyond the inputs are
+(:mod:`rollpacker_kernels.logprobs`, vocab-tiled Triton). Bytes beyond the inputs are
 
 - computed from the shapes at the full size: the buffers each path allocates by design, in the
   inputs' ``--dtype`` (bf16, as FSDP2 trains on GPU; the torch paths upcast to fp32);
@@ -76,7 +77,7 @@ def run_path(path: str, tokens: int, hidden: int, vocab: int, chunk_size: int, d
     """Forward + backward of one path; peak bytes beyond the inputs (and CUDA ms)."""
     import torch
 
-    from rollpacker.train.logprobs import reference_token_logprobs, token_logprobs
+    from rollpacker_kernels.reference import chunked_token_logprobs, reference_token_logprobs
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     g = torch.Generator(device=device).manual_seed(0)
@@ -88,9 +89,9 @@ def run_path(path: str, tokens: int, hidden: int, vocab: int, chunk_size: int, d
         if path == "reference":
             out = reference_token_logprobs(h, w, y)
         elif path == "torch":
-            out = token_logprobs(h, w, y, chunk_size=chunk_size, impl="torch")
+            out = chunked_token_logprobs(h, w, y, chunk_size=chunk_size)
         else:
-            from rollpacker.kernels.logprobs import fused_token_logprobs
+            from rollpacker_kernels.logprobs import fused_token_logprobs
 
             out = fused_token_logprobs(h, w, y)[0]
         out.sum().backward()
@@ -119,7 +120,7 @@ def measure(path: str, args: Args, *, full: bool, device: str) -> dict:
     """:func:`run_path` in a fresh process (kernel off CUDA: under TRITON_INTERPRET=1)."""
     sizes = ((args.tokens, args.hidden, args.vocab, args.chunk_size, args.dtype) if full else
              (args.measure_tokens, args.measure_hidden, args.measure_vocab, args.measure_chunk_size, args.dtype))
-    code = ("import json, sys; from rollpacker.bench.logprobs import run_path; "
+    code = ("import json, sys; from rollpacker_kernels.bench import run_path; "
             f"print(json.dumps(run_path({path!r}, *{sizes!r}, {device!r})))")
     env = {**os.environ, **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv)
     import torch
 
-    from rollpacker.kernels import triton_available
+    from rollpacker_kernels import triton_available
 
     elem = 2 if args.dtype == "bf16" else 4
     full = {p: computed_bytes(p, args.tokens, args.hidden, args.vocab, args.chunk_size, args.grad_weight_rows, elem)
@@ -182,3 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("no CUDA device: no full-size measurement, no time")
     print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Reward functions: the built-ins and the user's own, called the same way.
+
+``reward.funcs`` lists them. An entry is a built-in name (``toy``, ``math``, ``code``, ``judge``)
+or a reference: ``package.module:function`` or ``path/to/file.py:function``. A function follows
+one of two calling conventions, told apart by its parameters:
+
+- TRL's ``reward_funcs``: ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``.
+  Every dataset column comes as a keyword, one value per completion. A completion is a string, or
+  ``[{"role": "assistant", "content": ...}]`` when the prompt is a list of messages. It may be
+  ``async def``. A function that takes ``solution_str`` is not this one.
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``:
+  ``ground_truth`` is the row's answer. A dict's ``score`` is the reward; its other numbers become
+  metrics (``reward/NAME/KEY``).
+
+None means "does not apply to this row". The scheduler sums the others with ``reward.weights``.
+
+How this departs from TRL: a function is called on one response at a time, as each finishes
+(the lists hold one item), in a worker process that can be killed when it hangs. TRL calls it
+once per batch. ``toy``, ``math`` and ``code`` are TRL-convention functions in
+:mod:`rollpacker.reward.rules` and :mod:`rollpacker.reward.code`; ``judge`` runs on the
+controller's device, batched (:class:`JudgeFunction`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollpacker.errors import UserError
+
+BUILTINS = {"toy": "rollpacker.reward.rules:toy", "math": "rollpacker.reward.rules:math",
+            "code": "rollpacker.reward.code:code", "judge": ""}
+"""Built-in name -> the function it stands for (the judge runs on the controller, see :class:`JudgeFunction`)."""
+RESERVED = ("mean", "accuracy", "errors", "seconds_total")
+"""``reward/`` metric names the controller and the scheduler use themselves."""
+VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+class RewardFunctionError(UserError):
+    """A reward function that cannot be loaded, or that failed on a row; the message names both."""
+
+
+class BadValue(Exception):
+    """A function returned something that is not a reward; the message says what."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """What a worker needs to call a function: plain data, so it pickles."""
+
+    name: str
+    """Its metric name: ``reward/NAME``."""
+    target: str
+    """``package.module:function`` or ``/absolute/path/file.py:function``."""
+    convention: str = "trl"
+    """``trl`` or ``verl``."""
+
+
+def names(specs: tuple[str, ...]) -> list[str]:
+    """Each spec's metric name: the built-in's name or the function's, with the module or file stem
+    before it (``stem.function``) where two share a name or it is a reserved one."""
+    base = [s if s in BUILTINS else s.rsplit(":", 1)[1] for s in specs]
+
+    def stem(spec: str) -> str:
+        where = spec.rsplit(":", 1)[0]
+        return Path(where).stem if where.endswith(".py") else where.rsplit(".", 1)[-1]
+
+    return [f"{stem(s)}.{b}" if s not in BUILTINS and (base.count(b) > 1 or b in RESERVED or b in BUILTINS) else b
+            for s, b in zip(specs, base)]
+
+
+def check_spec(spec: str) -> None:
+    """Raise a ValueError naming reward.funcs unless ``spec`` is a built-in or a well-formed reference."""
+    if spec in BUILTINS:
+        return
+    where, _, function = spec.rpartition(":")
+    if not where or not function.isidentifier():
+        raise ValueError(f"reward.funcs: {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor a reference "
+                         "package.module:function or path/to/file.py:function")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise ValueError(f"reward.funcs: {spec!r}: no such file {where} (a path is relative to where the run starts)")
+
+
+def target(spec: str) -> str:
+    """``spec`` as an importable target: a built-in's function, or a file reference made absolute."""
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    where, _, function = spec.rpartition(":")
+    return f"{Path(where).resolve()}:{function}" if where.endswith(".py") else spec
+
+
+_loaded: dict[str, Any] = {}
+
+
+def load(target: str):
+    """The callable ``target`` names (cached per process); a RewardFunctionError says why it cannot be had."""
+    if target in _loaded:
+        return _loaded[target]
+    where, _, name = target.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            directory = str(Path(where).parent)
+            if directory not in sys.path:  # the file's own helper modules import as they do when it runs as a script
+                sys.path.insert(0, directory)
+            spec = importlib.util.spec_from_file_location(f"rollpacker_reward_{Path(where).stem}", where)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
+        raise RewardFunctionError(f"reward.funcs: cannot import {where}: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"reward.funcs: {where} has no function {name!r}"
+                                  f"{' (it is a ' + type(fn).__name__ + ')' if fn is not None else ''}")
+    _loaded[target] = fn
+    return fn
+
+
+def convention(fn, spec: str) -> str:
+    """``verl`` if ``fn`` takes ``solution_str``, ``trl`` if it takes ``completions`` or ``**kwargs``."""
+    params = inspect.signature(fn).parameters
+    if "solution_str" in params:
+        return "verl"
+    if "completions" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return "trl"
+    raise RewardFunctionError(
+        f"reward.funcs: {spec}: its parameters ({', '.join(params)}) follow neither TRL's convention "
+        "(prompts, completions, completion_ids, **columns) -> list[float | None] nor verl's "
+        "(data_source, solution_str, ground_truth, extra_info) -> float | dict")
+
+
+def resolve(spec: str, name: str) -> Ref:
+    """The :class:`Ref` of one entry of reward.funcs, its function imported here to check it (fail early)."""
+    ref = target(spec)
+    return Ref(name, ref, convention(load(ref), spec))
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    """The keyword arguments ``fn`` takes: all of them with ``**kwargs``, else those it names."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _result(value):
+    """``value``, awaited on this process's one event loop if it is awaitable (an ``async def`` function)."""
+    global _loop
+    if not inspect.isawaitable(value):
+        return value
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+    return _loop.run_until_complete(value)
+
+
+def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[str, Any]]:
+    """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
+    ``completion_ids`` and ``columns`` (the row's other columns). Returns ``(reward or None,
+    metrics, info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
+    fn = load(ref.target)
+    columns, text = sample["columns"], sample["completion"]
+    if ref.convention == "verl":
+        kwargs = dict(data_source=columns.get("data_source"), solution_str=text, ground_truth=columns.get("answer"),
+                      extra_info=columns.get("extra_info"))
+        return _value(_result(fn(**_accepted(fn, kwargs))))
+    completion = [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text
+    kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
+              "completion_ids": [sample["completion_ids"]]}
+    values = _result(fn(**_accepted(fn, kwargs)))
+    if not isinstance(values, (list, tuple)):
+        raise BadValue(f"returned {type(values).__name__} {_short(values)}; a TRL-convention function returns a "
+                         "list with one float or None per completion")
+    if len(values) != 1:
+        raise BadValue(f"returned {len(values)} values for 1 completion; a TRL-convention function returns one "
+                         "float or None per completion")
+    return _value(values[0])
+
+
+def _value(value) -> tuple[float | None, dict[str, float], dict[str, Any]]:
+    """A function's value for one response as ``(reward or None, metrics, info)``: a dict's ``score``
+    is the reward, its other numbers metrics and the rest info."""
+    metrics, info = {}, {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise BadValue(f"returned a dict without 'score' (keys: {', '.join(map(str, value))}); the reward "
+                             "goes in 'score', other numbers become metrics")
+        for key, v in value.items():
+            if key != "score":
+                (metrics if _is_number(v) else info)[str(key)] = float(v) if _is_number(v) else v
+        value = value["score"]
+    if value is None:
+        return None, metrics, info
+    if not _is_number(value):
+        raise BadValue(f"returned {type(value).__name__} {_short(value)} for a completion; expected a float, an "
+                         "int or None")
+    if not math.isfinite(float(value)):
+        raise BadValue(f"returned {float(value)} for a completion; a reward must be finite")
+    return float(value), metrics, info
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real)  # bools (verl's `return pred == gt`) and numpy scalars too
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def completion_text(completion) -> str:
+    """A completion as TRL passes it (a string or assistant messages) as text."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def prompt_text(prompt) -> str:
+    """A prompt (a string or chat messages) as text: the messages' contents, a blank line apart."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)

@@ -1,0 +1,163 @@
+"""Model-free drafts for speculative decoding: an n-gram index over the token sequences of one prompt.
+
+A prompt's index holds the token sequences this engine replica has of that prompt:
+
+- the prompt itself (source ``prompt``);
+- its requests on this engine, prompt + tokens so far, growing as they decode: the other
+  requests' tokens are ``sibling``, the request's own earlier tokens ``self``;
+- the controller's :class:`~rollpacker.rollout.engine.DraftContext` of its requests (an aborted
+  partial, an earlier epoch's response), each under its own source name, indexed once per prompt.
+
+A draft continues the request's last ``n`` tokens (the longest ``n`` from ``max_n`` down to
+``min_n`` found elsewhere) with what followed them there. Where the occurrences disagree, the
+drafter takes, token by token, the continuation most of them share (the frequency rule of
+SuffixDecoding, on an n-gram table), so a draft follows the majority of the siblings. Its source
+is the one most of the occurrences that agree with the whole draft come from.
+
+Memory is bounded: a prompt indexes at most ``max_tokens`` positions (later ones are not indexed),
+an n-gram keeps its ``max_matches`` latest occurrences, and a prompt's index is dropped when its
+last request leaves the engine. Indexing is lazy: a prompt's new tokens are indexed when one of
+its requests asks for a draft, so an engine that is not speculating pays nothing for it.
+
+Why no library: arctic-inference (SuffixDecoding's suffix trees, which vLLM's ``suffix`` method
+wraps) installs here only from source; its build pins another torch, and it registers a vLLM
+plugin that patches vLLM at import. vLLM's and SGLang's n-gram proposers live inside their
+engines and draft from one request's own context or an engine-wide trie, not from one prompt's
+sequences. A hash table of n-grams is a few dozen lines and does what is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from rollpacker.rollout.engine import DraftContext
+
+_END_BITS = 32
+_END_MASK = (1 << _END_BITS) - 1
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    """Proposed next tokens (at least one)."""
+    source: str
+    """Where most of the agreeing occurrences come from: prompt, self, sibling or a context's source."""
+
+
+class _PromptIndex:
+    """The n-gram table of one prompt's sequences."""
+
+    def __init__(self, prompt: list[int]):
+        self.prompt_len = len(prompt)
+        self.seqs: list[list[int]] = [list(prompt)]
+        self.sources: list[str | None] = ["prompt"]
+        """Per sequence; None for a request's own sequence (sibling or self, by who asks)."""
+        self.next_end: list[int] = [0]
+        """Per sequence, the next n-gram end position to index."""
+        self.table: dict[int, list[int]] = {}
+        """hash of an n-gram -> its occurrences, packed ``seq << 32 | end`` (the continuation starts at end)."""
+        self.contexts: set[tuple[str, tuple[int, ...]]] = set()
+        """The draft contexts indexed (the siblings of a request bring the same ones)."""
+        self.members: dict[str, int] = {}
+        """Request id -> its sequence."""
+        self.num_indexed = 0
+
+
+class Drafter:
+    """Drafts per request from the sequences of its prompt; see the module docstring."""
+
+    def __init__(self, *, min_n: int = 2, max_n: int = 8, max_matches: int = 8, max_tokens: int = 16384):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"Drafter: need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n, self.max_n, self.max_matches, self.max_tokens = min_n, max_n, max_matches, max_tokens
+        self.prompts: dict[tuple[int, ...], _PromptIndex] = {}
+        self.requests: dict[str, tuple[_PromptIndex, int]] = {}
+
+    def add(self, request_id: str, prompt: list[int], tokens: list[int],
+            context: Iterable[DraftContext] = ()) -> None:
+        """Index a request: ``tokens`` is its live sequence (prompt, then its tokens as they come; the
+        drafter keeps a reference and reads what was appended at the next :meth:`propose`)."""
+        key = tuple(prompt)
+        index = self.prompts.get(key)
+        if index is None:
+            index = self.prompts[key] = _PromptIndex(prompt)
+        for c in context:
+            key = (c.source, tuple(c.token_ids))
+            if key not in index.contexts and c.token_ids:
+                index.contexts.add(key)
+                self._append(index, [*prompt, *c.token_ids], c.source)
+        index.members[request_id] = self._append(index, tokens, None)
+        self.requests[request_id] = index, index.members[request_id]
+
+    def remove(self, request_id: str) -> None:
+        """The request left the engine; its prompt's index goes with its last request."""
+        index, _ = self.requests.pop(request_id)
+        del index.members[request_id]
+        if not index.members:
+            del self.prompts[tuple(index.seqs[0])]
+
+    def propose(self, request_id: str, k: int) -> Draft | None:
+        """Up to ``k`` tokens to follow the request's sequence, or None when nothing matches."""
+        index, me = self.requests[request_id]
+        self._catch_up(index)
+        seq = index.seqs[me]
+        for n in range(min(self.max_n, len(seq)), self.min_n - 1, -1):
+            occurrences = index.table.get(hash(tuple(seq[-n:])), ())
+            # the latest first; a hash collision only costs a rejected draft (verification decides)
+            matches = [(p >> _END_BITS, p & _END_MASK) for p in reversed(occurrences[-self.max_matches:])]
+            matches = [(i, end) for i, end in matches if end < len(index.seqs[i])]
+            if matches:
+                return self._vote(index, me, matches, k)
+        return None
+
+    def num_indexed(self) -> int:
+        """Positions indexed over all prompts (the memory bound's unit)."""
+        return sum(index.num_indexed for index in self.prompts.values())
+
+    def _vote(self, index: _PromptIndex, me: int, matches: list[tuple[int, int]], k: int) -> Draft:
+        """The continuation most ``matches`` share, token by token, up to ``k`` tokens."""
+        follows = [(index.seqs[i][end:end + k], i) for i, end in matches]
+        tokens: list[int] = []
+        for d in range(k):
+            votes: dict[int, int] = {}
+            for f, _ in follows:
+                if d < len(f):
+                    votes[f[d]] = votes.get(f[d], 0) + 1
+            if not votes:
+                break
+            best = max(votes, key=votes.__getitem__)  # ties: the latest occurrence's token
+            tokens.append(best)
+            if votes[best] < len(follows):
+                follows = [(f, i) for f, i in follows if d < len(f) and f[d] == best]
+        sources: dict[str, int] = {}
+        for _, i in follows:
+            s = index.sources[i] or ("self" if i == me else "sibling")
+            sources[s] = sources.get(s, 0) + 1
+        return Draft(tokens, max(sources, key=sources.__getitem__))
+
+    def _append(self, index: _PromptIndex, seq: list[int], source: str | None) -> int:
+        """Add a sequence to ``index``; its positions from the prompt's end on are indexed lazily."""
+        index.seqs.append(seq)
+        index.sources.append(source)
+        index.next_end.append(index.prompt_len)
+        return len(index.seqs) - 1
+
+    def _catch_up(self, index: _PromptIndex) -> None:
+        """Index every sequence's positions added since the last call (within the token budget).
+
+        The prompt's n-grams end before its last token (its continuation is the responses'); a
+        response sequence's n-grams end at or after the prompt's end, up to its last token (an end
+        with no continuation yet is found again once one is appended)."""
+        for i, seq in enumerate(index.seqs):
+            last = index.prompt_len - 1 if i == 0 else len(seq)
+            for end in range(index.next_end[i], last + 1):
+                if index.num_indexed >= self.max_tokens:
+                    return
+                for n in range(self.min_n, min(self.max_n, end) + 1):
+                    occurrences = index.table.setdefault(hash(tuple(seq[end - n:end])), [])
+                    occurrences.append(i << _END_BITS | end)
+                    if len(occurrences) > 2 * self.max_matches:
+                        del occurrences[:-self.max_matches]
+                index.num_indexed += 1
+                index.next_end[i] = end + 1

@@ -1,0 +1,123 @@
+"""When speculation pays: the engine's measured verify-step cost and the draft length it implies.
+
+A verify step runs ``k + 1`` queries for each of ``n`` running requests. Its time, measured on the
+engine itself (:func:`~rollpacker.rollout.probe.verify_step_ms`), is a table over ``n`` and ``k``
+(``k = 0`` is a plain decode step). A request whose drafts are accepted at rate ``a`` emits
+``1 + a + ... + a^k`` tokens per step in expectation (each draft token is kept while all before
+it were). Each step takes the ``k`` that maximizes expected tokens per millisecond over the running
+requests, ``0`` included. Drafting has its own measured cost per request (``draft_ms``): the engine
+asks the drafter only when full-length drafts at the requests' acceptance would pay it too, and
+never above ``max_rows`` running requests (where not even sure drafts would).
+
+The acceptance rate of a request is its own, measured: hits over trials of its recent verify steps
+(a trial is a draft token verified up to and including the first rejected one), with a prior of
+one hit in two trials and old steps decayed (also while it is not verified, so that a request
+whose drafts failed early gets drafts again later).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+DECAY = 0.8
+"""Weight of a request's earlier verify steps in its acceptance rate, per verify step."""
+FADE = 0.95
+"""The same, per step that verified nothing for it: old evidence fades, so a request is drafted for again."""
+
+
+@dataclass(frozen=True)
+class SpecCost:
+    """Verify-step milliseconds against running requests and draft tokens per request."""
+
+    rows: tuple[int, ...]
+    """Running requests measured, increasing."""
+    draft_lens: tuple[int, ...]
+    """Draft tokens per request measured, increasing, from 0 (a plain decode step)."""
+    ms: tuple[tuple[float, ...], ...]
+    """``ms[i][j]``: one step of ``rows[i]`` requests with ``draft_lens[j]`` draft tokens each."""
+    draft_ms: float = 0.0
+    """The drafter's time for one request's draft."""
+
+    def __post_init__(self) -> None:
+        if not self.draft_lens or self.draft_lens[0] != 0 or len(self.ms) != len(self.rows):
+            raise ValueError(f"SpecCost: draft_lens must start at 0 and ms have one row per rows entry, got {self}")
+
+    @classmethod
+    def smoothed(cls, rows: tuple[int, ...], draft_lens: tuple[int, ...], ms: list[list[float]],
+                 draft_ms: float = 0.0) -> SpecCost:
+        """A table made non-decreasing in the draft length (a longer draft never measures as cheaper)."""
+        table = [list(r) for r in ms]
+        for r in table:
+            for j in range(1, len(r)):
+                r[j] = max(r[j], r[j - 1])
+        return cls(tuple(rows), tuple(draft_lens), tuple(tuple(r) for r in table), draft_ms)
+
+    def step_ms(self, n: int, k: int) -> float:
+        """Interpolated time of a step of ``n`` requests with ``k`` draft tokens each."""
+        return _interpolate(self.rows, n, [_interpolate(self.draft_lens, k, r) for r in self.ms])
+
+    @property
+    def max_rows(self) -> int:
+        """The most running requests at which some draft, always accepted, pays its step and drafting (0: never)."""
+        paying = [n for n, r in zip(self.rows, self.ms)
+                  if any(t + n * self.draft_ms < (k + 1) * r[0] for k, t in zip(self.draft_lens[1:], r[1:]))]
+        return max(paying, default=0)
+
+    def worth_drafting(self, num_running: int, acceptance: list[float], k_max: int) -> bool:
+        """Whether ``k_max``-token drafts for every running request, accepted at these rates, would
+        pay for their drafting and their verify step at the best draft length."""
+        n = num_running
+        plain = n / self.step_ms(n, 0)
+        return any(sum(expected_tokens(a, k) for a in acceptance) / (self.step_ms(n, k) + n * self.draft_ms) > plain
+                   for k in range(1, k_max + 1))
+
+    def draft_len(self, num_running: int, drafts: list[tuple[int, float]], k_max: int) -> int:
+        """The draft tokens per request that maximize expected tokens per millisecond this step.
+
+        ``drafts``: ``(draft length, acceptance rate)`` of the requests that have a draft; the other
+        running requests emit one token whatever ``k`` is."""
+        best_k, best = 0, num_running / self.step_ms(num_running, 0)
+        for k in range(1, k_max + 1):
+            tokens = num_running - len(drafts) + sum(expected_tokens(a, min(k, n)) for n, a in drafts)
+            rate = tokens / self.step_ms(num_running, k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+
+def _interpolate(xs: tuple[int, ...], x: float, values) -> float:
+    """Piecewise-linear ``values`` at ``x``, held constant beyond the ends of ``xs``."""
+    if x <= xs[0]:
+        return values[0]
+    if x >= xs[-1]:
+        return values[-1]
+    i = bisect_right(xs, x) - 1
+    return values[i] + (x - xs[i]) / (xs[i + 1] - xs[i]) * (values[i + 1] - values[i])
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one request emits from a ``k``-token draft: ``1 + a + ... + a^k``."""
+    return sum(acceptance**i for i in range(k + 1))
+
+
+@dataclass
+class Acceptance:
+    """One request's decayed draft hits and trials."""
+
+    hits: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.hits + 1) / (self.trials + 2)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a verify step in which ``accepted`` of ``drafted`` draft tokens were kept."""
+        self.hits = DECAY * self.hits + accepted
+        self.trials = DECAY * self.trials + accepted + (accepted < drafted)
+
+    def fade(self) -> None:
+        """After a step that verified no draft for this request."""
+        self.hits *= FADE
+        self.trials *= FADE

@@ -1,0 +1,162 @@
+"""Run by tests/dist/test_sglang_engine.py in its own process (SGLang on CPU, the test stubs on
+PYTHONPATH): one SGLangEngine, every check of the adapter against transformers, TorchEngine and
+the trainer. Each check's result goes to the JSON file ``argv[3]`` (``"ok"`` or its traceback), so
+one failing check fails one test. Args: model a, model b (other weights), results path."""
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from rollpacker.dist import build_meshes
+from rollpacker.model import load_model
+from rollpacker.rollout.config import EngineConfig
+from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs
+from rollpacker.rollout.sglang_engine import SGLangEngine
+from rollpacker.rollout.torch_engine import TorchEngine
+from rollpacker.train.config import TrainConfig
+from rollpacker.train.trainer import Sample, Trainer
+
+from vllm_common import hf_greedy, hf_logits, hf_model, prompts
+
+
+def greedy(rid: str, prompt: list[int], n: int = 16) -> Request:
+    return Request(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+
+
+def sampled(rid: str, prompt: list[int], n: int, seed: int) -> Request:
+    return Request(id=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=n, temperature=1.2, seed=seed,
+                                                                     ignore_eos=True))
+
+
+def tokens(outs: dict) -> dict[str, list[int]]:
+    return {k: o.token_ids for k, o in outs.items()}
+
+
+def greedy_matches_transformers_and_torch_engine(engine, a, b):
+    assert not engine.logprobs_truncated
+    reqs = [greedy(f"g{i}", p) for i, p in enumerate(prompts(4, 12))]
+    got = generate(engine, reqs)
+    torch_out = generate(TorchEngine(load_model(a), EngineConfig()), reqs)
+    hf = hf_model(a)
+    for r in reqs:
+        out = got[r.id]
+        assert out.token_ids == torch_out[r.id].token_ids == hf_greedy(hf, r.prompt_ids, 16), r.id
+        assert out.finish_reason == "length" and out.first_token_time <= out.finish_time
+        ref = reference_logprobs(hf_logits(hf, r.prompt_ids, out.token_ids), torch.tensor(out.token_ids), r.params)
+        torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+def logprobs_equal_the_trainers(engine, a, b):
+    """Sampled at T = 0.8: the rollout log-probs are what the trainer recomputes for the importance ratio."""
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    reqs = [Request(id=f"t{i}", prompt_ids=p, params=params) for i, p in enumerate(prompts(3, 10, seed=1))]
+    got = generate(engine, reqs)
+    trainer = Trainer(load_model(a), TrainConfig(), build_meshes(1, 0).train, temperature=0.8, num_steps=1)
+    samples = [Sample(r.prompt_ids, got[r.id].token_ids, 0.0, got[r.id].logprobs) for r in reqs]
+    with torch.no_grad():
+        recomputed = trainer._logprobs(trainer.model, samples)
+    torch.testing.assert_close(torch.tensor([x for s in samples for x in s.rollout_logprobs]), recomputed.float(),
+                               atol=1e-4, rtol=0)
+
+
+def abort_then_resume_continues_greedy(engine, a, b):
+    prompt = prompts(1, 20, seed=2)[0]
+    full = generate(engine, [greedy("full", prompt, 120)])["full"]
+    engine.add(greedy("long", prompt, 120))
+    engine.add(greedy("short", prompt[:10], 6))
+    while not any(o.id == "short" for o in engine.step()):  # the long one is partway when the short one ends
+        pass
+    partial = engine.abort("long")
+    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 120, len(partial.token_ids)
+    assert len(partial.logprobs) == len(partial.token_ids)
+    try:
+        engine.abort("long")
+        raise AssertionError("a second abort did not raise")
+    except KeyError:
+        pass
+    done = generate(engine, [Request(id="long", prompt_ids=prompt, params=greedy("long", prompt, 120).params,
+                                     resume_from=partial)])["long"]
+    assert done.token_ids == full.token_ids
+    torch.testing.assert_close(done.logprobs, full.logprobs, atol=1e-4, rtol=0)
+
+
+def bad_requests_raise(engine, a, b):
+    for request, message in ((greedy("bad", [], 4), "empty"), (greedy("bad", [1] * 600, 4), "max_model_len")):
+        try:
+            engine.add(request)
+            raise AssertionError(f"no error for a request with {message}")
+        except ValueError as e:
+            assert message in str(e), e
+    assert not engine.has_unfinished()
+
+
+def seeded_sampling_reproduces_and_resumes(engine, a, b):
+    """SGLang's seeded sampling is keyed by position: the same seed gives the same tokens, another seed
+    others, and a seeded request aborted partway and resumed equals the uninterrupted one."""
+    prompt = prompts(1, 8, seed=5)[0]
+    one, again, other = (generate(engine, [sampled(rid, prompt, 40, seed)])[rid].token_ids
+                         for rid, seed in (("s1", 1), ("s1b", 1), ("s2", 2)))
+    assert one == again and one != other, (one, again, other)
+    full = generate(engine, [sampled("f", prompt, 100, seed=5)])["f"]
+    engine.add(sampled("r", prompt, 100, seed=5))
+    engine.add(sampled("short", prompt[:4], 6, seed=9))
+    while not any(o.id == "short" for o in engine.step()):
+        pass
+    partial = engine.abort("r")
+    assert 0 < len(partial.token_ids) < 100, len(partial.token_ids)
+    done = generate(engine, [Request(id="r", prompt_ids=prompt, params=sampled("r", prompt, 100, 5).params,
+                                     resume_from=partial)])["r"]
+    assert done.token_ids == full.token_ids, (len(partial.token_ids), done.token_ids, full.token_ids)
+
+
+def update_weights_then_release_and_resume(engine, a, b):
+    """The other model's weights under rollpacker's names (prompts of 150 tokens: a stale cache would
+    show): outputs equal transformers' on them, also after a memory release; then back."""
+    reqs = [greedy(f"w{i}", p, 12) for i, p in enumerate(prompts(3, 150, seed=4))]
+    generate(engine, reqs)
+    engine.update_weights(load_model(b).named_parameters())
+    hf = hf_model(b)
+    expected = {r.id: hf_greedy(hf, r.prompt_ids, 12) for r in reqs}
+    assert tokens(generate(engine, reqs)) == expected
+    engine.release_memory()
+    try:
+        engine.step()
+        raise AssertionError("step() after release_memory() did not raise")
+    except RuntimeError as e:
+        assert "release_memory" in str(e)
+    engine.update_weights(load_model(b).named_parameters())  # while released: the weights come back first
+    engine.release_memory()  # again (a RolloutPipe training rank does this): the woken weights go back
+    engine.resume_memory()
+    assert tokens(generate(engine, reqs)) == expected
+    engine.release_memory()  # and once more from awake (a stream-freed rank after a pipe job did this)
+    engine.resume_memory()
+    engine.update_weights(load_model(a).named_parameters())
+    assert generate(engine, reqs[:1])[reqs[0].id].token_ids == hf_greedy(hf_model(a), reqs[0].prompt_ids, 12)
+
+
+CHECKS = [greedy_matches_transformers_and_torch_engine, logprobs_equal_the_trainers, abort_then_resume_continues_greedy,
+          bad_requests_raise, seeded_sampling_reproduces_and_resumes, update_weights_then_release_and_resume]
+
+
+def main(a: Path, b: Path, out: Path) -> None:
+    engine = SGLangEngine(a, EngineConfig(kind="sglang", kv_memory_mb=8, max_num_seqs=16), dtype=torch.float32,
+                          log_level="warning")
+    results = {}
+    for check in CHECKS:
+        try:
+            check(engine, a, b)
+            results[check.__name__] = "ok"
+        except Exception:
+            results[check.__name__] = traceback.format_exc()
+            for rid in list(engine.live):  # the next check starts idle
+                engine.abort(rid)
+        out.write_text(json.dumps(results))
+        print(check.__name__, "ok" if results[check.__name__] == "ok" else "FAILED", flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

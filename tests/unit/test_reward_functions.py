@@ -1,0 +1,125 @@
+"""The user's reward functions: TRL's and verl's conventions, weights, None, and errors naming the
+function, the row and the cause; real worker processes (a hang costs 2 s)."""
+
+from __future__ import annotations
+
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from rollpacker.reward.config import RewardConfig
+from rollpacker.reward.functions import RewardFunctionError, names
+from rollpacker.reward.scheduler import RewardScheduler
+
+FUNCTIONS = '''
+import asyncio, time
+
+def length(prompts, completions, completion_ids, data_source, **kwargs):  # TRL: one value per completion
+    assert isinstance(prompts[0], list) and completions[0][0]["role"] == "assistant"
+    return [len(ids) / 10 for ids in completion_ids]
+
+async def exact(completions, answer, **kwargs):  # TRL, async
+    await asyncio.sleep(0)
+    return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):  # verl
+    if data_source != "arith":
+        return None  # not this source's rows
+    return {"score": 0.5 if ground_truth in solution_str else 0.0, "hit": float(ground_truth in solution_str)}
+
+def raises(completions, **kwargs):
+    return [1 / 0]
+
+def two(completions, **kwargs):
+    return [1.0, 2.0]
+
+def text(completions, **kwargs):
+    return ["good"]
+
+def hangs(completions, **kwargs):
+    time.sleep(60)
+'''
+
+ROWS = [
+    {"id": "a:1", "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "1+1"}], "answer": "2",
+     "data_source": "arith", "extra_info": {"i": 0}},
+    {"id": "a:2", "prompt": [{"role": "user", "content": "hi"}], "answer": "hello", "data_source": "chat",
+     "extra_info": {"i": 1}},
+]
+RESPONSES = [" 2", "hello there"]
+
+
+@pytest.fixture(scope="module")
+def funcs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "my_rewards.py"
+    path.write_text(textwrap.dedent(FUNCTIONS))
+    return lambda *names: tuple(f"{path}:{n}" for n in names)
+
+
+def scores(cfg: RewardConfig) -> tuple[dict, dict]:
+    scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0]])
+    try:
+        for i, row in enumerate(ROWS):
+            scheduler.submit(row["id"], row, SimpleNamespace(token_ids=[i] * (3 + i)))
+        return dict(scheduler.wait()), scheduler.take_metrics()
+    finally:
+        scheduler.close()
+
+
+def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
+    cfg = RewardConfig(funcs=(*funcs("length", "exact", "compute_score"), "toy"), weights=(1.0, 2.0, 4.0, 8.0),
+                       num_workers=2, on_error="fail")
+    got, metrics = scores(cfg)
+    # a:1: length 3/10, exact 1 (" 2" stripped), verl 0.5 ("2" in " 2"), toy 0 (no ####)
+    # a:2: length 4/10, exact 0, verl None (source chat: left out of the sum), toy 0
+    assert got == {"a:1": pytest.approx(0.3 + 2 * 1.0 + 4 * 0.5), "a:2": pytest.approx(0.4)}
+    assert metrics | {"reward/seconds_total": 0} == pytest.approx({
+        "reward/length": 0.35, "reward/exact": 0.5, "reward/compute_score": 0.5, "reward/compute_score/hit": 1.0,
+        "reward/toy": 0.0, "reward/errors": 0, "reward/seconds_total": 0})
+    inline, _ = scores(RewardConfig(funcs=cfg.funcs, weights=cfg.weights, num_workers=0, on_error="fail"))
+    assert inline == got
+
+
+@pytest.mark.timeout(120)
+def test_a_function_that_raises_miscounts_mistypes_or_hangs_is_one_error_naming_function_row_and_cause(funcs, caplog):
+    cfg = RewardConfig(funcs=funcs("raises", "two", "text", "hangs", "length"), num_workers=4, timeout=2.0)
+    got, metrics = scores(cfg)  # on_error skip: scored 0, counted
+    assert got == {"a:1": 0.0, "a:2": 0.0} and metrics["reward/errors"] == 2
+    assert metrics["reward/length"] == 0.35  # the functions that worked are still logged
+    error = [r.getMessage() for r in caplog.records if "a:1" in r.getMessage()][0]
+    assert error == (
+        "reward error, scored 0 (reward.on_error=skip): "
+        "reward function 'raises' failed on row 'a:1': raised ZeroDivisionError: division by zero; "
+        "reward function 'two' failed on row 'a:1': returned 2 values for 1 completion; a TRL-convention "
+        "function returns one float or None per completion; "
+        "reward function 'text' failed on row 'a:1': returned str 'good' for a completion; expected a float, "
+        "an int or None; "
+        "reward function 'hangs' failed on row 'a:1': timed out after 2 s (reward.timeout); its worker was replaced")
+    with pytest.raises(RewardFunctionError) as e:
+        scores(RewardConfig(funcs=funcs("raises"), num_workers=1, on_error="fail"))
+    assert str(e.value) == ("reward function 'raises' failed on row 'a:1': raised ZeroDivisionError: division by "
+                            "zero (reward.on_error=fail stops the run; skip scores such a response 0 and counts it in "
+                            "reward/errors)")
+
+
+def test_a_row_no_function_scores_is_an_error_naming_it(funcs):
+    with pytest.raises(RewardFunctionError, match="no reward function scores row 'a:2': compute_score returned None"):
+        scores(RewardConfig(funcs=funcs("compute_score"), num_workers=0, on_error="fail"))
+
+
+def test_loading_errors_name_the_function(funcs, tmp_path):
+    from rollpacker.reward.scheduler import build_functions
+
+    with pytest.raises(ValueError, match="no such file nope.py"):
+        RewardConfig(funcs=("nope.py:f",))
+    with pytest.raises(RewardFunctionError, match="my_rewards.py has no function 'missing'"):
+        build_functions(RewardConfig(funcs=funcs("missing")))
+    with pytest.raises(RewardFunctionError, match="cannot import no_such_package_x: ModuleNotFoundError"):
+        build_functions(RewardConfig(funcs=("no_such_package_x:f",)))
+    odd = tmp_path / "odd.py"
+    odd.write_text("def f(x, y):\n    return 1\n")
+    with pytest.raises(RewardFunctionError, match=r"odd.py:f: its parameters \(x, y\) follow neither TRL's"):
+        build_functions(RewardConfig(funcs=(f"{odd}:f",)))
+    assert names(("toy", "a.py:compute_score", "pkg.b:compute_score", "c.py:mean")) == [
+        "toy", "a.compute_score", "b.compute_score", "c.mean"]
