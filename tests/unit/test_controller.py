@@ -1,5 +1,5 @@
-"""The controller's batch and metrics: rewards with DAPO's overlong punishment added, one group number per group, the step's global count over streamed groups too,
-and the round's metrics."""
+"""The controller's batch and metrics: rewards with DAPO's overlong punishment added, one group
+number per group, the step's global count over streamed groups too, and the round's metrics."""
 
 from __future__ import annotations
 
