@@ -107,22 +107,22 @@ class Config:
             raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: {engine.no_tp_switch}; use "
                              f"engine.kind={switchable} with the planner, or a fixed rollout.tp")
         s = self.schedule
-        if s.stale_samples and self.train.off_policy == "none":
+        if s.stale_samples and self.train.rollout_correction == "none":
             raise ValueError(
-                f"schedule:{s.name} with train.off_policy='none': {s.stale_samples}, so its samples are stale (tokens "
-                "sampled by earlier steps) and the on-policy loss would treat them as the current policy's. Set "
-                f"train.off_policy to 'tis' (truncated importance sampling) or 'is', or use "
-                f"schedule:{s.on_policy_alternative}")
+                f"schedule:{s.name} with train.rollout_correction='none': {s.stale_samples}, so its samples are "
+                "stale (tokens sampled by earlier steps) and the on-policy loss would treat them as the current "
+                "policy's. Set "
+                "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
+                f"or use schedule:{s.on_policy_alternative}")
         s.check(self)
         if self.pipe:
             self._check_pipe()
         streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.pipe else ""
-        if streaming and self.train.advantage_norm != "group":
-            raise ValueError(
-                f"{streaming} with train.advantage_norm={self.train.advantage_norm!r}: stream training trains each "
-                "group as soon as it completes, so its advantages must be final then; batch-level normalization "
-                "needs the whole step's rewards, known only when rollout ends. Use train.advantage_norm=group "
-                f"or turn {streaming} off")
+        if streaming:
+            self._check_streaming(streaming)
+        if self.train.mini_batches > self.rollout.num_prompts:
+            raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
+                             f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")
 
     @property
     def policy(self) -> str:
@@ -151,6 +151,26 @@ class Config:
             raise ValueError(
                 "schedule.pipe with plan.enabled: the parallelism planner sizes rollout TP for every rank "
                 "rolling out, and pipe rolls out on half of them. Turn one of them off")
+
+    def _check_streaming(self, streaming: str) -> None:
+        """Stream training trains each group as soon as it completes, with the step's first weights:
+        the group's advantages and its update must be final then."""
+        from rollpacker.train.advantages import ADVANTAGES
+
+        t = self.train
+        for bad, setting, why, fix in (
+                (not ADVANTAGES[t.advantage].per_group, f"train.advantage={t.advantage!r}",
+                 "it normalizes over the whole step's batch, known only when rollout ends",
+                 "use a per-group estimator (grpo, dr_grpo, rloo)"),
+                (t.mini_batches * t.epochs > 1, f"train.mini_batches={t.mini_batches}, train.epochs={t.epochs}",
+                 "every update after the first needs the weights the earlier ones make, after rollout ends",
+                 "set both to 1"),
+                (t.kl_in_reward, "train.kl_in_reward",
+                 "a group's advantages then depend on its reference KL, which the freed ranks cannot share",
+                 "put the KL in the loss")):
+            if bad:
+                raise ValueError(f"{streaming} with {setting}: stream training trains each group as soon as it "
+                                 f"completes, and {why}. Either {fix}, or turn {streaming} off")
 
     def rollout_ranks(self, world: int) -> int:
         """The ranks that roll out: all of them, or the rollout pool of a policy with pools of its own."""

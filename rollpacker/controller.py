@@ -4,7 +4,9 @@ It holds what only rank 0 has: the data rows, the tokenizer, the scheduling poli
 scheduler, the metrics sinks and live display, and the parallelism planner. For each round it
 builds the :class:`~rollpacker.exchange.RoundLeader` that the exchange
 (:func:`~rollpacker.exchange.run_round`) drives. It turns the round's result into the batch to
-train (GRPO advantages, the step's global normalizer) and its metrics. The loops that call both
+train (each response's reward and group, the step's global normalizer) and its metrics
+(:func:`rollpacker.metrics.round_metrics`). The RL math (advantages, the loss) is the trainer's:
+:mod:`rollpacker.train`. The loops that call both
 are in :mod:`rollpacker.loops`.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -55,6 +58,8 @@ class Controller:
     """With ``rollout.replay_lengths``: the forced response lengths."""
     drafts: DraftMemory | None = None
     """What earlier rounds generated per prompt: drafts (``engine.speculative``) and longest-first estimates."""
+    group_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
+    """Numbers each trained group's samples (the trainer's advantage groups)."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int) -> Controller:
@@ -151,61 +156,43 @@ class Controller:
         """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already: reward.on_error)."""
         return list(zip(group.outputs, group.rewards))
 
-    def group_samples(self, group: Group) -> list[Sample]:
-        """The trainer samples of a scored group (:meth:`trained_rewards`), with their GRPO advantages."""
-        import torch
+    def overlong(self, output: Any) -> float:
+        """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off)."""
+        from rollpacker.train.advantages import overlong_penalty
 
-        from rollpacker.train.losses import group_advantages
+        t = self.config.train
+        return overlong_penalty(len(output.token_ids), self.config.rollout.max_new_tokens, t.overlong_buffer,
+                                t.overlong_penalty)
+
+    def group_samples(self, group: Group) -> list[Sample]:
+        """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards with the
+        overlong punishment, one group number for all of them."""
         from rollpacker.train.trainer import Sample
 
-        pairs = self.trained_rewards(group)
-        if not pairs:
-            return []
-        adv = group_advantages(torch.tensor([r for _, r in pairs])[None], self.config.train.scale_adv_by_std)[0]
-        return [Sample(o.prompt_ids, o.token_ids, float(a), o.logprobs) for (o, _), a in zip(pairs, adv.tolist())]
+        number = next(self.group_ids)
+        return [Sample(o.prompt_ids, o.token_ids, r + self.overlong(o), o.logprobs, group=number,
+                       truncated=o.finish_reason == "length") for o, r in self.trained_rewards(group)]
 
-    def score(self, result: RoundResult) -> tuple[tuple[list[Sample], int], dict[str, Any]]:
-        """The samples left to train (those the stream trainer has not taken), the step's global
-        normalizer (over every trained sample), and the round's metrics."""
-        import torch
-
-        from rollpacker.metrics import bubble_ratio, length_stats
-        from rollpacker.rollout.engine import spec_metrics
+    def make_batch(self, result: RoundResult) -> tuple[list[Sample], int]:
+        """The samples left to train (those the stream trainer has not taken) and the step's global
+        normalizer, over every sample trained in the step (:func:`rollpacker.train.losses.normalizer`)."""
+        from rollpacker.train.losses import normalizer
 
         cfg = self.config
         per_group = [(g, self.group_samples(g)) for g in result.groups]
-        every = [s for _, group in per_group for s in group]
         samples = [s for g, group in per_group if not g.streamed for s in group]
-        if cfg.train.advantage_norm == "batch" and len(samples) > 1:  # REINFORCE++: whiten over the batch
-            adv = torch.tensor([s.advantage for s in samples])
-            for s, a in zip(samples, ((adv - adv.mean()) / (adv.std() + 1e-6)).tolist()):
-                s.advantage = a
-        normalizer = sum(len(s.response_ids) for s in every) if cfg.train.aggregation == "token" else len(every)
-        reward_t = torch.tensor([r for g in result.groups for _, r in self.trained_rewards(g)])
-        lengths = [len(s.response_ids) for s in every]
-        rollout_time = result.end - result.start
-        trace = [(result.start, result.num_launched), *result.running_trace]
-        return (samples, normalizer), {
-            "sched/round_kind": result.kind,
-            "sched/trained_prompts": len(result.groups),
-            "sched/aborted_responses": result.num_aborted,
-            "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
-            **self.policy.stats(),
-            **result.stream,
-            "reward/mean": reward_t.mean().item() if every else 0.0,
-            "reward/accuracy": (reward_t >= 1.0).float().mean().item() if every else 0.0,
-            **self.rewards.take_metrics(),  # reward/NAME per function, reward/errors, reward/seconds_total
-            "time/reward_exposed": result.end - result.last_finish,
-            "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
-            "rollout/tokens_per_s": result.generated_tokens / rollout_time,
-            "rollout/preemptions": result.num_preemptions,
-            "rollout/tail_seconds": result.tail_s,
-            "rollout/cpu_seconds": result.cpu_s,
-            "rollout/tail_cpu_seconds": result.tail_cpu_s,
-            **spec_metrics(result.spec),
-            "rollout/response_lengths": lengths,
-            **length_stats(lengths),
-        }
+        lengths = [len(s.response_ids) for _, group in per_group for s in group
+                   if not (cfg.train.mask_truncated and s.truncated)]
+        return samples, normalizer(cfg.train.aggregation, lengths, cfg.rollout.max_new_tokens)
+
+    def round_stats(self, result: RoundResult) -> dict[str, Any]:
+        """The round's metrics (:func:`rollpacker.metrics.round_metrics`), the policy's, and the
+        reward functions' (:meth:`~rollpacker.reward.scheduler.RewardScheduler.take_metrics`)."""
+        from rollpacker.metrics import round_metrics
+
+        trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
+        return {**round_metrics(result, trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
+                **result.stream, **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 
     def write_samples(self, step: int, result: RoundResult, rows: list[dict] | None = None, name: str = "") -> None:
         """Every response of ``result`` to ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when

@@ -24,7 +24,7 @@ def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 STREAM = ["--stream.enabled"]
 PIPE = ["--schedule.pipe"]
-OFF_POLICY = ["--train.off-policy", "tis"]
+OFF_POLICY = ["--train.rollout-correction", "token_tis"]
 VARIANTS = {"": [], "stream": STREAM, "pipe": PIPE, **{f"stream_{c}": [*STREAM, "--stream.criterion", c]
                                                          for c in ("kv", "throughput")}}
 """What ``POLICY+VARIANT`` adds to a policy: stream training (and its scale-down criterion) or RolloutPipe."""

@@ -6,7 +6,9 @@ Materializing the fp32 logits of a whole micro-batch does not fit: a 152k vocabu
 :func:`chunked_token_logprobs` is a custom autograd function that works ``chunk_size`` rows at a
 time in forward (logits -> logsumexp and target logit, then discard) and in backward (recompute the
 chunk's logits, ``grad_logits = (onehot - softmax) * grad_out / temperature``, accumulate the
-hidden and weight grads). Its peak extra memory is one ``[chunk_size, V]`` block plus one
+hidden and weight grads). It also returns each token's entropy ``logsumexp(z) - E_p[z]`` from the
+same chunks (one more ``[chunk_size, V]`` block in forward), with its gradient
+``-p * (z - E_p[z])`` for an entropy bonus. Its peak extra memory is one ``[chunk_size, V]`` block plus one
 compute-dtype copy of ``weight`` and its grad accumulator (``[V, D]`` each). The Triton kernel
 (:mod:`rollpacker_kernels.logprobs`) needs neither. :func:`reference_token_logprobs` is the plain,
 full-materializing version both are tested against.
@@ -47,23 +49,29 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         num_tokens = hidden.shape[0]
         lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)  # [T]
         target_logit = torch.empty_like(lse)  # [T]
+        entropy = torch.empty_like(lse)  # [T]
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             logits = _capped(hidden[start:end].to(dtype) @ w.T, softcap)[0].div_(temperature)  # [C, V]
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             target_logit[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            p = (logits - lse[start:end, None]).exp_()  # [C, V]
+            entropy[start:end] = lse[start:end] - p.mul_(logits).sum(dim=-1)  # lse - E_p[z]
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size, ctx.softcap = temperature, chunk_size, softcap
-        return target_logit - lse
+        ctx.set_materialize_grads(False)
+        return target_logit - lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = lse.dtype
         w = weight.to(dtype)  # [V, D]
-        grad_out = grad_out.to(dtype) / temperature  # [T]
+        grad_out = (torch.zeros_like(lse) if grad_out is None else grad_out.to(dtype)) / temperature  # [T]
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.to(dtype) / temperature  # [T]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # [T, D], input dtype
         grad_weight = torch.zeros_like(w) if need_weight else None  # [V, D], compute dtype
         num_tokens = hidden.shape[0]
@@ -72,11 +80,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             h = hidden[start:end].to(dtype)  # [C, D]
             logits, tanh = _capped(h @ w.T, ctx.softcap)
             logits = logits.div_(temperature)  # [C, V]
+            if grad_entropy is not None:  # d entropy / d logits = -p * (z - E_p[z]), E_p[z] = lse - entropy
+                p = (logits - lse[start:end, None]).exp_()
+                entropy_grad = p.mul_(logits - (lse - entropy)[start:end, None]).mul_(grad_entropy[start:end, None])
             # d logp / d logits = onehot - softmax, built in place in the logits buffer.
             grad_logits = logits.sub_(lse[start:end, None]).exp_().neg_()
             rows = torch.arange(end - start, device=h.device)
             grad_logits[rows, targets[start:end]] += 1
             grad_logits.mul_(grad_out[start:end, None])  # [C, V]
+            if grad_entropy is not None:
+                grad_logits.sub_(entropy_grad)
             if tanh is not None:  # through the cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 grad_logits.mul_(tanh.square_().neg_().add_(1))
             if need_hidden:
@@ -92,6 +105,13 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temp
                            chunk_size: int = 1024, softcap: float | None = None) -> Tensor:
     """hidden [T, D], weight [V, D] (the LM head), targets [T] (int64) -> log p(target) [T] in fp32,
     ``chunk_size`` rows at a time; same values and grads as :func:`reference_token_logprobs`."""
+    return chunked_token_logprobs_entropy(hidden, weight, targets, temperature, chunk_size, softcap)[0]
+
+
+def chunked_token_logprobs_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                                   chunk_size: int = 1024, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`chunked_token_logprobs` and each token's entropy [T], both differentiable (an entropy
+    bonus back-propagates through the same chunks)."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"expected hidden [T, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
@@ -103,13 +123,26 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temp
     return _ChunkedTokenLogprobs.apply(hidden, weight, targets.long(), temperature, chunk_size, softcap)
 
 
-def reference_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                             softcap: float | None = None) -> Tensor:
-    """The plain version: materializes all ``[T, V]`` logits. Same shapes and dtypes as
-    :func:`token_logprobs`."""
+def _reference_logits(hidden: Tensor, weight: Tensor, temperature: float, softcap: float | None) -> Tensor:
     dtype = _compute_dtype(hidden, weight)
     logits = hidden.to(dtype) @ weight.to(dtype).T  # [T, V]
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    logits = logits / temperature
+    return logits / temperature
+
+
+def reference_token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                             softcap: float | None = None) -> Tensor:
+    """The plain version: materializes all ``[T, V]`` logits. Same shapes and dtypes as
+    :func:`token_logprobs`."""
+    logits = _reference_logits(hidden, weight, temperature, softcap)
     return torch.log_softmax(logits, dim=-1).gather(1, targets.long()[:, None]).squeeze(1)
+
+
+def reference_token_logprobs_entropy(hidden: Tensor, weight: Tensor, targets: Tensor,
+                                     temperature: float = 1.0, softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """The plain version of :func:`chunked_token_logprobs_entropy`."""
+    logits = _reference_logits(hidden, weight, temperature, softcap)
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return logp.gather(1, targets.long()[:, None]).squeeze(1), entropy

@@ -14,6 +14,7 @@ BENCHES = {
     "logprobs": "rollpacker_kernels.bench",
     "faults": "rollpacker.bench.faults",
     "regime": "rollpacker.bench.regime",
+    "algorithms": "rollpacker.bench.algorithms",
     "spec-engine": "rollpacker.bench.spec_engine",
     "spec": "rollpacker.bench.spec",
     "memory": "rollpacker.bench.memory",

@@ -8,7 +8,7 @@ policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabl
 RolloutPipe (``sync`` with ``--schedule.pipe``: 1 rollout rank, 1 train rank on 2 ranks) and
 ``tail+pipe`` tail batching's rounds with it; ``one_step_off`` is verl's recipe (1 rollout rank, 1
 training rank on 2 ranks); ``sorted_partial`` and ``one_step_off`` train with truncated importance
-sampling (``--train.off-policy tis``). Every run uses ``--train.train-shard-size`` =
+sampling (``--train.rollout-correction token_tis``). Every run uses ``--train.train-shard-size`` =
 ``--train-shard-size`` (default 1: each rank a whole training replica, which stream training needs
 to free a rank), so the policies train alike. Every run has the same seed, data order and number
 of steps (P0 groups of R0 responses per step; a tail run's last step flushes its long-prompt

@@ -81,8 +81,8 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
              ) -> tuple[tuple[list, int] | None, RoundResult | None, dict[str, Any]]:
     """Roll out round ``plan`` of ``step`` and score it: collective over the ranks rolling out
     (freed ranks stream-train meanwhile). On rank 0: the batch to train
-    (:meth:`~rollpacker.controller.Controller.score`), the round's result and its metrics.
-    ``timer`` gets the rollout time and the reward time."""
+    (:meth:`~rollpacker.controller.Controller.make_batch`), the round's result and its metrics
+    (:meth:`~rollpacker.controller.Controller.round_stats`). ``timer`` gets the rollout time and the reward time."""
     ctl = job.controller
     leader = ctl.leader(step, plan) if ctl else None
     with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
@@ -91,8 +91,8 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
             job.stream.serve_freed(job.engine)
     if not ctl:
         return None, None, {}
-    with timer("reward"):  # advantages of the kept groups (responses were scored as they finished)
-        batch, round_stats = ctl.score(result)
+    with timer("reward"):  # the batch of the kept groups (responses were scored as they finished)
+        batch, round_stats = ctl.make_batch(result), ctl.round_stats(result)
         ctl.write_samples(step, result)
     timer.move(result.reward_exposed_s, "rollout", "reward")  # the wait for the last scores is reward time
     return batch, result, round_stats

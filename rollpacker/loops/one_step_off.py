@@ -31,9 +31,8 @@ the step before. Evaluation pauses the rollout pool between two batches; as in t
 is not step time, so it is taken off the wait it causes.
 
 How it differs from verl: one SPMD program, no Ray; the weights go out once per step at the
-boundary (verl syncs before launching each generation, the same point); the batch's advantages
-are computed on rank 0 as it is scored, and the loss takes the engines' log-probs as the behaviour
-policy (``train.off_policy`` is or tis) instead of recomputing old log-probs.
+boundary (verl syncs before launching each generation, the same point); the loss weights each
+token by the trainer's log-prob over the engine's, which sampled it (``train.rollout_correction``).
 
 Checkpoints are taken at a boundary: the training pool's weights and optimizer after k steps, and
 the policy's state from before batch k was drawn. Batch k, generated but not trained, is thrown

@@ -153,7 +153,7 @@ class PolicyConfig:
     """Its name: the ``schedule:NAME`` subcommand, ``[schedule] policy = NAME`` in a preset."""
     stale_samples: ClassVar[str | None] = None
     """Why its samples can be older than the step that trains them; None: on-policy. Stale samples
-    need ``train.off_policy`` (is or tis)."""
+    need a ``train.rollout_correction`` other than none."""
     on_policy_alternative: ClassVar[str] = "sync"
     """With stale_samples: the on-policy policy that the error suggests instead."""
     own_pools: ClassVar[bool] = False

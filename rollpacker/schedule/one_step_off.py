@@ -12,7 +12,7 @@ step the engines' weights come from (``weights_step``, the number of steps taken
 pushed); a round planned as step k trains at step k, so each of its samples has staleness
 k − weights_step: 1 from the second step on, 0 on the first (and on the first after a resume,
 whose engines get the checkpoint's weights). The loss corrects it with the engines' log-probs
-(``train.off_policy`` is or tis).
+(``train.rollout_correction``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Every trained token was sampled by the current step's weights: staleness 0.
 responses and the finished responses of incomplete groups. The next round resumes the partial ones
 under the new weights (``RoundPlan.carried``, ``Request.resume_from``) and launches nothing for the
 finished ones. The engine concatenates the log-probs of each segment, so every token keeps the
-log-prob it was sampled with, which ``train.off_policy`` (is, tis) corrects with. Each response
+log-prob it was sampled with, which ``train.rollout_correction`` corrects with. Each response
 records the step of each segment; its staleness is the training step minus the step its oldest
 token was sampled at (``Group.staleness``; ``sched/staleness_mean`` and ``sched/staleness_max``).
 
@@ -88,7 +88,7 @@ class SortedConfig(_LoadGroups):
 
 @dataclass(kw_only=True)
 class SortedPartialConfig(_LoadGroups):
-    """sorted_partial: SortedRL resuming partial responses (off-policy: needs train.off_policy is or tis)."""
+    """sorted_partial: SortedRL resuming partial responses (off-policy: needs a train.rollout_correction)."""
 
     name: ClassVar[str] = "sorted_partial"
     partial: ClassVar[bool] = True

@@ -41,22 +41,43 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward micro-batch per rank (a longer sample goes alone)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """Advantage estimator (rollpacker.train.advantages; docs/algorithms.md)."""
+    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight)."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How token losses become the step's loss; always over the step's global counts (docs/algorithms.md)."""
     clip_low: float = 0.2
-    """PPO ratio clip below 1 (1 - clip_low)."""
+    """Ratio clip below 1 (1 - clip_low); cispo: its IS weight's lower bound."""
     clip_high: float = 0.28
-    """PPO ratio clip above 1 (1 + clip_high), DAPO's clip-higher."""
-    aggregation: Literal["token", "seq-mean"] = "token"
-    """Loss aggregation: 'token' (DAPO: over all response tokens of the step) or 'seq-mean'."""
-    scale_adv_by_std: bool = True
-    """Divide group-centred rewards by the group's std (GRPO); False centres only (Dr. GRPO)."""
-    advantage_norm: Literal["group", "batch"] = "group"
-    """group: per-group advantages; batch: then whitened over the step's batch (REINFORCE++); streaming needs group."""
+    """Ratio clip above 1 (1 + clip_high), DAPO's clip-higher; cispo: its IS weight's upper bound."""
+    dual_clip: float = 0.0
+    """ppo: a negative-advantage token's loss is at most dual_clip x |A| (dual-clip PPO; > 1, 0 = off)."""
+    mini_batches: int = 1
+    """Optimizer steps per pass over the RL step's batch, each on a split of its groups."""
+    epochs: int = 1
+    """Passes over the batch's mini-batches per RL step (old log-probs frozen before the first)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong punishment: its buffer, the last this many tokens up to rollout.max_new_tokens (0 = off)."""
+    overlong_penalty: float = 1.0
+    """The punishment at rollout.max_new_tokens, rising linearly from 0 over the buffer."""
+    mask_truncated: bool = False
+    """Responses cut by rollout.max_new_tokens contribute no loss (DAPO's overlong filtering)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: each token's loss gets minus this times its entropy (0 = off; train/entropy is logged anyway)."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL to the frozen initial policy; 0 keeps no reference model."""
-    off_policy: Literal["none", "is", "tis"] = "none"
-    """Correct tokens sampled by older weights: none (on-policy), is (PPO ratio) or tis (truncated IS weights)."""
-    tis_cap: float = 2.0
-    """tis: the largest per-token importance weight."""
+    """Weight of the KL to the frozen initial policy; 0 keeps no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """KL estimator per token (Schulman's k1, k2, k3; low_var_kl: k3 clamped)."""
+    kl_in_reward: bool = False
+    """Put -kl_coef x KL in each token's reward (REINFORCE++) instead of in the loss."""
+    rollout_correction: Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"] = "none"
+    """Weights for the gap between the engine's log-probs and the trainer's (mismatch, staleness)."""
+    rollout_is_low: float = 0.5
+    """token_mask, seq_mask: ratios below this contribute nothing."""
+    rollout_is_high: float = 2.0
+    """token_tis, seq_tis: weights truncated at this; token_mask, seq_mask: ratios above it contribute nothing."""
     train_shard_size: int = 0
     """Ranks that FSDP2 shards one training replica over (HSDP: replicas = world / this); 0 = world."""
     mixed_precision: bool = True
@@ -81,15 +102,23 @@ class TrainConfig:
         check_choices(self, "train")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.tis_cap < 1:
-            raise ValueError(f"train.tis_cap must be >= 1, got {self.tis_cap}")
-        for name in ("lr", "micro_batch_tokens", "adam_eps", "ac_every"):
+        for name in ("lr", "micro_batch_tokens", "adam_eps", "mini_batches", "epochs", "ac_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",
-                     "train_shard_size", "max_skipped_steps"):
+                     "train_shard_size", "max_skipped_steps", "overlong_buffer", "overlong_penalty", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.clip_low > 1:
+            raise ValueError(f"train.clip_low must be in [0, 1] (the lower bound is 1 - clip_low), got {self.clip_low}")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ValueError(f"train.dual_clip must be > 1 (or 0: off), got {self.dual_clip}")
+        if not 0 <= self.rollout_is_low <= 1 <= self.rollout_is_high:
+            raise ValueError(f"train.rollout_is_low={self.rollout_is_low} and train.rollout_is_high="
+                             f"{self.rollout_is_high} must satisfy 0 <= low <= 1 <= high")
+        if self.kl_in_reward and not self.kl_coef:
+            raise ValueError("train.kl_in_reward with train.kl_coef=0: there is no KL to put in the reward; "
+                             "set train.kl_coef > 0")
 
 
 @dataclass(kw_only=True)

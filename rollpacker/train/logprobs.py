@@ -6,7 +6,8 @@ The trainer's one call, :func:`token_logprobs`, picks an implementation of
 (:mod:`rollpacker_kernels.logprobs`: no logits block, no weight copy; fp32 grad accumulators only).
 ``train.logprobs_impl`` chooses; ``auto`` picks the kernel on CUDA when Triton is installed, the
 torch path elsewhere; the torch path also caps logits (Gemma-2's ``final_logit_softcapping``).
-This is numerics plumbing, not part of the paper's method.
+:func:`token_logprobs_entropy` also returns each token's entropy, from the same chunks or kernel,
+differentiable (for an entropy bonus). This is numerics plumbing, not part of the paper's method.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollpacker_kernels.reference import chunked_token_logprobs
+from rollpacker_kernels.reference import chunked_token_logprobs_entropy
 
 
 def resolve_impl(impl: str, device: torch.device, softcap: float | None = None) -> str:
@@ -47,8 +48,17 @@ def token_logprobs(
     torch, ``chunk_size`` rows at a time; triton, the fused kernel; auto, see :func:`resolve_impl`.
     ``softcap``: logits capped as ``softcap * tanh(logits / softcap)`` before the temperature.
     """
+    return token_logprobs_entropy(hidden, weight, targets, temperature, chunk_size, impl, softcap)[0]
+
+
+def token_logprobs_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024,
+    impl: str = "torch", softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` and each token's entropy ``lse(z) - E_p[z]`` [T], both fp32, both
+    differentiable (an entropy bonus back-propagates through the same chunks or kernel)."""
     if resolve_impl(impl, hidden.device, softcap) == "triton":
         from rollpacker_kernels.logprobs import fused_token_logprobs
 
-        return fused_token_logprobs(hidden, weight, targets, temperature)[0]
-    return chunked_token_logprobs(hidden, weight, targets, temperature, chunk_size, softcap)
+        return fused_token_logprobs(hidden, weight, targets, temperature)
+    return chunked_token_logprobs_entropy(hidden, weight, targets, temperature, chunk_size, softcap)

@@ -1,152 +1,251 @@
-"""GRPO advantages and the PPO-clip policy loss, as small pure functions over tensors.
+"""Policy losses, their aggregation, KL estimators and rollout correction, as small pure functions.
 
-How this differs from the paper (RollPacker builds on GRPO/DAPO and leaves the loss unchanged):
+Every function takes per-token tensors ``[N, T]`` (N responses, T the longest) and a boolean
+``mask`` [N, T] of real response tokens. Values off the mask may be anything, even inf or NaN.
 
-* Advantages use the **unbiased** group std (``torch.std``, as verl does), and a group whose
-  rewards are all equal gets advantage exactly 0 instead of ``0 / eps``. ``scale_by_std=False``
-  gives Dr.GRPO's mean-centering only.
-* The clip range is asymmetric (``clip_low``, ``clip_high``: DAPO's clip-higher); the defaults
-  are the symmetric 0.2 of PPO/GRPO.
-* The KL penalty to a reference policy is GRPO's k3 estimator added per token, off by default
-  (``kl_coef=0``), as in DAPO.
-* Off-policy samples (``sorted_partial``: tokens sampled by earlier weights) are corrected with the
-  engine's log-probs (the *behavior* policy) by :func:`off_policy_correction`: ``is`` takes the PPO
-  ratio against them, ``tis`` keeps the on-policy ratio and weights each token by a truncated
-  importance weight (verl/FlashRL's TIS).
-* The loss is normalized by a **global** count passed in by the caller (all response tokens, or
-  all sequences, of the RL step across ranks and micro-batches), not by a per-micro-batch mean,
-  so the update does not depend on how samples were spread over ranks and micro-batches.
+- A **policy loss** (:data:`LOSSES`) maps log-probs, old log-probs, advantages and the mask to
+  each token's loss and its ratio. ``ppo`` is PPO's clipped ratio (Schulman et al. 2017), with
+  DAPO's clip-higher and optional dual-clip (Ye et al. 2020). ``gspo`` is GSPO's sequence ratio
+  (Zheng et al. 2025). ``cispo`` is MiniMax-M1's clipped IS weight (2025).
+- An **aggregation** (:data:`AGGREGATIONS`) sums token losses into a micro-batch's share. The
+  trainer divides the step's sum by one global count, from :func:`normalizer`.
+- **KL estimators** (:data:`KL_ESTIMATORS`): Schulman's k1, k2, k3 and a clamped k3.
+- **Rollout correction** (:data:`CORRECTIONS`): weights for the gap between the trainer's
+  log-probs and the engine's, which sampled the tokens.
+- :func:`policy_objective` puts them together as ``train.*`` asks. The trainer calls only it.
+
+How this departs from the papers:
+
+- Losses are sums over a micro-batch, never means. Each aggregation's global count spans the
+  whole step (all ranks, micro-batches and streamed groups), so the update does not depend on
+  how samples were split. The papers normalize per batch, which is the same thing in one process.
+- GSPO is written in its token form (the paper's GSPO-token): each token's ratio has the value
+  of its sequence's ratio and the gradient of its own log-prob. With ``seq-mean-token-mean`` it
+  is the paper's sequence objective exactly; with other aggregations, the same ratio weighted
+  differently.
+- CISPO takes its IS-weight bounds from ``clip_low`` and ``clip_high``. MiniMax-M1 sets no lower
+  bound; ``clip_low 1`` does the same.
+- Masked and truncated IS weight only the policy term. The KL and entropy terms of a token a
+  correction masks are dropped with it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token", "seq-mean")
-OFF_POLICY = ("none", "is", "tis")
+# --- policy losses --------------------------------------------------------------------------------
 
 
-def group_advantages(rewards: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: rewards [num_groups, group_size] -> advantages [num_groups, group_size].
+def ppo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO-clip per token: ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, ``r = exp(logp - old)``.
 
-    ``(r - mean_group) / (std_group + eps)`` with the unbiased std (Bessel's correction), or
-    ``r - mean_group`` when ``scale_by_std`` is False. A group whose rewards are all equal
-    (including a group of one) gets exactly 0: it carries no learning signal.
+    With ``cfg.dual_clip`` = c > 1, a token with A < 0 has loss at most ``-c A``. All [N, T].
+    Returns the token losses, the ratios and where clipping decided (no gradient through r).
     """
-    rewards = rewards.float()
-    mean = rewards.mean(dim=1, keepdim=True)  # [num_groups, 1]
-    flat = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)  # [num_groups, 1]
-    adv = rewards - mean
-    if scale_by_std and rewards.shape[1] > 1:
-        std = rewards.std(dim=1, keepdim=True)  # unbiased; [num_groups, 1]
-        adv = adv / (std + eps)
-    return torch.where(flat, torch.zeros_like(adv), adv)
+    ratio = torch.exp(torch.where(mask, logp - old, 0.0))
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
+    loss = torch.maximum(unclipped, clipped)
+    active = clipped > unclipped
+    if cfg.dual_clip:
+        cap = -cfg.dual_clip * adv
+        capped = (adv < 0) & (loss > cap)
+        loss = torch.where(capped, cap, loss)
+        active = active | capped
+    return loss, ratio, mask & active
 
 
-def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k3 estimate of KL(policy || reference): ``exp(d) - d - 1`` with ``d = ref - logp``.
+def gspo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO per token: PPO's clip on ``s_i = exp(mean_t (logp - old))``, the sequence's length-normalized ratio.
 
-    Non-negative, unbiased for the KL under samples from the policy. Shapes: any, equal.
+    Each token's ratio has the value ``s_i`` and the gradient ``s_i * grad logp_t`` (GSPO-token).
+    A response with no token on the mask has ``s_i = 1``. All [N, T].
     """
-    d = ref_logprobs - logprobs
+    log_ratio = torch.where(mask, logp - old, 0.0)  # [N, T]
+    seq = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
+    ratio = torch.exp(seq.detach() + log_ratio - log_ratio.detach())  # value s_i, gradient per token
+    unclipped = -ratio * adv
+    clipped = -torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
+    return torch.maximum(unclipped, clipped), ratio, mask & (clipped > unclipped)
+
+
+def cispo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO per token: ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp``.
+
+    The weight is clipped, not the token: every token keeps a gradient. All [N, T].
+    """
+    logp = torch.where(mask, logp, 0.0)
+    ratio = torch.exp(torch.where(mask, logp - old, 0.0))
+    weight = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high).detach()
+    return -weight * adv * logp, ratio, mask & (weight != ratio)
+
+
+LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
+"""``train.loss`` -> ``(logp, old, adv, mask, cfg) -> (token losses, ratios, clipped)``, all [N, T]."""
+
+# --- aggregation ----------------------------------------------------------------------------------
+
+
+def _token_sum(loss: Tensor, mask: Tensor) -> Tensor:
+    return loss.sum()
+
+
+def _seq_token_mean(loss: Tensor, mask: Tensor) -> Tensor:
+    return (loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum()
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    reduce: Callable[[Tensor, Tensor], Tensor]
+    """(token losses [N, T], mask [N, T]) -> the micro-batch's sum."""
+    per_token: bool
+    """The global count is of tokens (else of responses)."""
+    scaled: bool = False
+    """The count is also multiplied by a constant: the longest response allowed (Dr. GRPO)."""
+
+
+AGGREGATIONS = {
+    "token-mean": Aggregation(_token_sum, per_token=True),
+    "seq-mean-token-mean": Aggregation(_seq_token_mean, per_token=False),
+    "seq-mean-token-sum": Aggregation(_token_sum, per_token=False),
+    "seq-mean-token-sum-norm": Aggregation(_token_sum, per_token=False, scaled=True),
+}
+"""``train.aggregation`` -> how a micro-batch sums its token losses and what the step counts."""
+
+
+def units(aggregation: str, lengths: list[int]) -> int:
+    """What ``aggregation`` counts in responses of ``lengths`` tokens: tokens or responses."""
+    return sum(lengths) if AGGREGATIONS[aggregation].per_token else len(lengths)
+
+
+def normalizer(aggregation: str, lengths: list[int], max_tokens: int) -> int:
+    """The step's global count: :func:`units` over every response trained in the step, times
+    ``max_tokens`` (the longest response allowed) for ``seq-mean-token-sum-norm``."""
+    return units(aggregation, lengths) * (max_tokens if AGGREGATIONS[aggregation].scaled else 1)
+
+
+# --- KL estimators --------------------------------------------------------------------------------
+
+
+def k1(logp: Tensor, ref: Tensor) -> Tensor:
+    """``logp - ref``: unbiased for KL(policy || reference) under the policy's samples, can be negative."""
+    return logp - ref
+
+
+def k2(logp: Tensor, ref: Tensor) -> Tensor:
+    """``(logp - ref)^2 / 2``: biased, low variance, never negative."""
+    return 0.5 * (logp - ref) ** 2
+
+
+def k3(logp: Tensor, ref: Tensor) -> Tensor:
+    """``exp(d) - d - 1`` with ``d = ref - logp``: unbiased and never negative (GRPO's)."""
+    d = ref - logp
     return torch.exp(d) - d - 1
 
 
-def importance_weights(proximal: Tensor, behavior: Tensor, cap: float | None = None) -> Tensor:
-    """Per-token importance weights ``exp(proximal - behavior)``, truncated at ``cap`` when given, no grad.
+def low_var_kl(logp: Tensor, ref: Tensor) -> Tensor:
+    """k3 with ``d`` clamped to [-20, 20] and the result to at most 10, so one token cannot blow up."""
+    d = torch.clamp(ref - logp, -20.0, 20.0)
+    return torch.clamp(torch.exp(d) - d - 1, max=10.0)
 
-    ``proximal``: log-probs of the sampled tokens under the current weights (before this step's update);
-    ``behavior``: under the weights that sampled them (the engine's). Shapes: any, equal.
+
+KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl}
+"""``train.kl_estimator`` -> ``(logp, ref) -> KL per token``."""
+
+# --- rollout correction ---------------------------------------------------------------------------
+
+
+def no_correction(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tuple[Tensor | None, Tensor]:
+    return None, mask
+
+
+def token_tis(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tuple[Tensor | None, Tensor]:
+    """Truncated IS per token: ``min(rho_t, high)``."""
+    return torch.exp(log_ratio).clamp(max=high), mask
+
+
+def seq_tis(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tuple[Tensor | None, Tensor]:
+    """Truncated IS per response: ``min(prod_t rho_t, high)`` on each of its tokens."""
+    rho = torch.exp(log_ratio.sum(dim=1, keepdim=True))  # [N, 1]
+    return rho.clamp(max=high).expand_as(log_ratio), mask
+
+
+def token_mask(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tuple[Tensor | None, Tensor]:
+    """Masked IS per token: weight ``rho_t`` inside ``[low, high]``; outside, the token contributes nothing."""
+    rho = torch.exp(log_ratio)
+    keep = mask & (rho >= low) & (rho <= high)
+    return torch.where(keep, rho, 0.0), keep
+
+
+def seq_mask(log_ratio: Tensor, mask: Tensor, low: float, high: float) -> tuple[Tensor | None, Tensor]:
+    """Masked IS per response: weight ``prod_t rho_t`` inside ``[low, high]``; outside, nothing."""
+    rho = torch.exp(log_ratio.sum(dim=1, keepdim=True)).expand_as(log_ratio)
+    keep = mask & (rho >= low) & (rho <= high)
+    return torch.where(keep, rho, 0.0), keep
+
+
+CORRECTIONS = {"none": no_correction, "token_tis": token_tis, "seq_tis": seq_tis, "token_mask": token_mask,
+               "seq_mask": seq_mask}
+"""``train.rollout_correction`` -> ``(log rho [N, T], mask, low, high) -> (weights or None, tokens kept)``.
+``rho = exp(old - behavior)``: the trainer's probability of the token over the engine's."""
+
+# --- the whole objective --------------------------------------------------------------------------
+
+STATS = ("tokens", "clipped", "ratio_dev", "kl", "entropy", "rollout_is", "rollout_is_outside", "rollout_ratio",
+         "logprob_diff")
+"""The sums :func:`policy_objective` returns, in this order."""
+
+
+def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, mask: Tensor, cfg, *,
+                     entropy: Tensor | None = None, ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """One micro-batch's loss, a sum (divide by the step's :func:`normalizer`), and its stats.
+
+    All [N, T]: ``logp`` (current log-probs, with grad), ``old`` (before this step's first update,
+    no grad), ``behavior`` (the engine's), ``adv`` (advantages), ``mask`` (response tokens),
+    ``entropy`` (per token, for its bonus and its metric) and ``ref`` (the reference policy's, for
+    the KL in the loss or its metric). ``cfg`` is the :class:`~rollpacker.train.config.TrainConfig`.
+
+    Per token: the ``cfg.loss`` term times the ``cfg.rollout_correction`` weight, plus
+    ``kl_coef * KL`` (unless the KL is in the reward), minus ``entropy_coef * entropy``; tokens
+    the correction masks contribute nothing. The stats (:data:`STATS`) are detached sums, to be
+    all-reduced with SUM.
     """
-    w = torch.exp(proximal.detach() - behavior)
-    return w if cap is None else w.clamp(max=cap)
-
-
-def off_policy_correction(mode: str, proximal: Tensor, behavior: Tensor,
-                          tis_cap: float) -> tuple[Tensor, Tensor | None]:
-    """The ``old_logprobs`` and per-token ``weights`` of :func:`policy_loss` for ``mode``:
-
-    * ``"none"`` (on-policy): old = ``proximal`` detached (ratio 1 at the step's start), no weights;
-    * ``"is"``: old = ``behavior``: the clipped PPO ratio is taken against the policy that sampled
-      the tokens (its clip bounds the importance weight);
-    * ``"tis"`` (truncated IS, verl/FlashRL): old = ``proximal`` detached as on-policy, and each token's
-      PPO term is weighted by ``min(exp(proximal - behavior), tis_cap)``, detached.
-    """
-    if mode not in OFF_POLICY:
-        raise ValueError(f"off_policy={mode!r}: expected one of {OFF_POLICY}")
-    if mode == "is":
-        return behavior, None
-    return proximal.detach(), importance_weights(proximal, behavior, tis_cap) if mode == "tis" else None
-
-
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    ref_logprobs: Tensor | None = None,
-    kl_coef: float = 0.0,
-    aggregation: str = "token",
-    normalizer: float | Tensor,
-    weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip loss of one micro-batch, normalized so micro-batch losses **sum** to the step loss.
-
-    Shapes: ``logprobs``, ``old_logprobs``, ``ref_logprobs``, ``mask``: [N, T] (mask: 1/True on
-    response tokens, float or bool; other positions may hold anything, even inf);
-    ``advantages``: [N], one per sequence, broadcast over its tokens.
-
-    Per token: ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``, times ``weights``
-    [N, T] when given (truncated IS, no grad), plus ``kl_coef * k3_kl(logprobs, ref_logprobs)`` when a
-    reference is given.
-
-    Aggregation, and the contract on ``normalizer``:
-
-    * ``"token"`` (DAPO token-level): sum over the masked tokens / ``normalizer``, which must be
-      the global number of response tokens of the whole RL step, over all ranks and micro-batches.
-    * ``"seq-mean"``: sum over sequences of each sequence's token mean / ``normalizer``, which must
-      be the global number of sequences of the step (a sequence with no response token adds 0).
-
-    With these normalizers, summing the returned loss over every micro-batch of every rank (i.e.
-    accumulating gradients, then all-reducing with SUM) gives exactly the full-batch loss, whatever
-    the split. Returns ``(loss, stats)``; ``stats`` holds detached sums over this micro-batch, to be
-    all-reduced with SUM: ``num_clipped_tokens`` (tokens where the clipped term is the active one),
-    ``ratio_sum``, ``kl_sum`` (0 without a reference), ``num_tokens``.
-    """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation={aggregation!r}: expected one of {AGGREGATIONS}")
-    mask = mask.bool()  # [N, T]
-    # Zero the log-ratio off the mask first, so garbage there cannot make inf/NaN values or grads.
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # [N, T]
-    ratio = torch.exp(log_ratio)
-    adv = advantages[:, None].to(ratio.dtype)  # [N, 1]
-    unclipped = -ratio * adv
-    clipped = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * adv
-    token_loss = torch.maximum(unclipped, clipped)  # = -min(ratio * A, clip(ratio) * A); [N, T]
+    mask = mask.bool()
+    logp = torch.where(mask, logp, 0.0)  # garbage off the mask can make neither values nor grads
+    old, behavior = torch.where(mask, old, 0.0), torch.where(mask, behavior, 0.0)
+    log_rho = old - behavior  # the trainer's log-prob of each token over the engine's, no grad
+    weights, keep = CORRECTIONS[cfg.rollout_correction](log_rho, mask, cfg.rollout_is_low, cfg.rollout_is_high)
+    token_loss, ratio, clipped = LOSSES[cfg.loss](logp, old, adv, mask, cfg)
     if weights is not None:
-        token_loss = token_loss * torch.where(mask, weights.detach(), 0.0)
+        token_loss = token_loss * weights.detach()
     kl = torch.zeros_like(token_loss)
-    if ref_logprobs is not None:
-        kl = k3_kl(logprobs, torch.where(mask, ref_logprobs, logprobs))  # 0 off the mask
-        if kl_coef:
-            token_loss = token_loss + kl_coef * kl
-    token_loss = torch.where(mask, token_loss, 0.0)
-
-    if aggregation == "token":
-        loss = token_loss.sum() / normalizer
-    else:
-        num_tokens_per_seq = mask.sum(dim=1).clamp(min=1)  # [N]
-        loss = (token_loss.sum(dim=1) / num_tokens_per_seq).sum() / normalizer
-
+    if ref is not None:
+        kl = KL_ESTIMATORS[cfg.kl_estimator](logp, torch.where(mask, ref, logp))
+        if cfg.kl_coef and not cfg.kl_in_reward:
+            token_loss = token_loss + cfg.kl_coef * kl
+    if entropy is not None:
+        entropy = torch.where(mask, entropy, 0.0)
+        if cfg.entropy_coef:
+            token_loss = token_loss - cfg.entropy_coef * entropy
+    token_loss = torch.where(keep, token_loss, 0.0)
+    loss = AGGREGATIONS[cfg.aggregation].reduce(token_loss, mask)
     with torch.no_grad():
+        rho = torch.exp(log_rho)
+        outside = ~keep if weights is None or cfg.rollout_correction.endswith("mask") else weights != rho
+        zero = torch.zeros((), device=logp.device)
         stats = {
-            "num_clipped_tokens": (mask & (clipped > unclipped)).sum().float(),
-            "ratio_sum": torch.where(mask, ratio, 0.0).sum(),
-            "kl_sum": torch.where(mask, kl, 0.0).sum(),
-            "num_tokens": mask.sum().float(),
+            "tokens": mask.sum().float(),
+            "clipped": (keep & clipped).sum().float(),
+            "ratio_dev": torch.where(mask, (ratio - 1).abs(), 0.0).sum(),
+            "kl": torch.where(mask, kl, 0.0).sum(),
+            "entropy": entropy.sum() if entropy is not None else zero,
+            "rollout_is": torch.where(mask, weights if weights is not None else 1.0, 0.0).sum(),
+            "rollout_is_outside": (mask & outside).sum().float(),
+            "rollout_ratio": torch.where(mask, rho, 0.0).sum(),
+            "logprob_diff": log_rho.abs().sum(),
         }
     return loss, stats

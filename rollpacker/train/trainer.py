@@ -1,4 +1,4 @@
-"""The FSDP2 trainer: one optimizer step per RL step, whatever the spread of samples over ranks.
+"""The FSDP2 trainer: its optimizer steps per RL step, whatever the spread of samples over ranks.
 
 - FSDP2 ``fully_shard`` per block, then the root, over the training mesh (2-D replicate x shard
   = HSDP; a 1-D mesh is plain FSDP); bf16 compute with fp32 reduction on GPU; activation
@@ -9,22 +9,30 @@
   reduced only after the last one.
 - Every normalizer is global (all response tokens, or all sequences, of the step): micro-batch
   losses are *sums*, and the reduced gradient is divided by the step's global count just before
-  clipping. The update is the one a single process would take on the whole batch, and it does
+  clipping (times the number of ranks, since FSDP2's reduction averages over them). The update
+  is the one a single process would take on the whole batch, and it does
   not matter when a sample's gradient was computed.
 - Stream training (``accumulate``, paper §4.4): ranks freed from rollout compute gradients of
   finished groups while rollout goes on, with no gradient sync and no optimizer step; FSDP2 keeps
   them in its unsharded accumulators, and the next :meth:`Trainer.step`, which every rank joins,
   reduces them with the rest. Optimizer state is not touched until then.
-- A non-finite gradient norm skips the step: no weight changes, ``train/skipped`` = 1, and
+- Several updates per RL step (``train.mini_batches`` x ``train.epochs``): the batch's groups
+  are split into contiguous mini-batches, each one optimizer step normalized by its own share
+  of the step's global count; the learning-rate schedule advances once per RL step.
+- A non-finite gradient norm skips the update: no weight changes, ``train/skipped`` = 1, and
   ``train/skipped_steps`` counts them over the run; ``train.max_skipped_steps`` in a row raise
   :class:`NonFiniteError` (the run stops), and while a run of skipped steps lasts,
   :attr:`Trainer.skipping` tells the checkpoint not to save weights that produced it.
 
-On-policy, one optimizer step per RL step: the "old" log-probs of the PPO ratio are the current
-policy's own, detached (ratio 1 at the step's start), which is what recomputing them first would
-give. The engines' log-probs are then only compared, as ``train/rollout_logprob_diff`` and
-``train/is_weight_mean`` (the mean of ``exp(current - engine)``); with ``train.off_policy`` is or
-tis, they correct samples drawn by older weights (``losses.off_policy_correction``).
+Advantages are computed here, on every rank alike, from each sample's reward and group
+(:mod:`rollpacker.train.advantages`); the loss is :func:`~rollpacker.train.losses.policy_objective`.
+With one update per RL step (``train.mini_batches`` = ``train.epochs`` = 1) the "old" log-probs of
+the ratio are the current policy's own, detached: the ratio is 1, as recomputing them first
+would give. With several, a first pass without gradients computes them once, before the first
+update, on the same micro-batches the updates use (the first update's ratios are exactly 1);
+it also computes the reference log-probs there, which the KL in the reward needs before the
+advantages. The engines' log-probs (the behaviour policy) enter only through
+``train.rollout_correction`` and the ``train/rollout_*`` metrics.
 """
 
 from __future__ import annotations
@@ -42,9 +50,10 @@ from torch.nn.utils.rnn import pad_sequence
 from rollpacker.model.attention import CausalAttention
 from rollpacker.model.offload import StreamedModel
 from rollpacker.model.parallelize import parallelize, prepare_reference
+from rollpacker.train.advantages import ADVANTAGES, returns_to_go
 from rollpacker.train.config import TrainConfig
-from rollpacker.train.logprobs import token_logprobs
-from rollpacker.train.losses import importance_weights, off_policy_correction, policy_loss
+from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
+from rollpacker.train.losses import KL_ESTIMATORS, STATS, policy_objective, units
 
 
 @dataclass
@@ -53,12 +62,52 @@ class Sample:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    advantage: float
+    reward: float
+    """Its reward, with the reward terms the controller adds (DAPO's overlong punishment)."""
     rollout_logprobs: list[float]
+    """The engine's log-probs of the response tokens (the behaviour policy)."""
+    group: int = 0
+    """The responses of one prompt share it and are consecutive: the advantage's group."""
+    truncated: bool = False
+    """Cut by the length limit: no loss with ``train.mask_truncated``."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class Prepared:
+    """What a step fixes for a sample before its first update."""
+
+    advantages: torch.Tensor
+    """Per response token [T]."""
+    old: torch.Tensor | None = None
+    """Log-probs before the first update [T]; None: the current ones, detached (one update)."""
+    ref: torch.Tensor | None = None
+    """The reference policy's log-probs [T]; None: computed with the loss, when there is a reference."""
+
+
+def group_sizes(samples: list[Sample]) -> list[int]:
+    """The sizes of the runs of consecutive samples that share a group."""
+    sizes: list[int] = []
+    for i, s in enumerate(samples):
+        if i and s.group == samples[i - 1].group:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
+
+
+def mini_batches(sizes: list[int], num: int) -> list[list[int]]:
+    """Sample indices of at most ``num`` mini-batches: contiguous runs of whole groups, as equal
+    in number of groups as can be (one mini-batch when there is no group)."""
+    num = max(1, min(num, len(sizes)))
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    bounds = [len(sizes) * k // num for k in range(num + 1)]
+    return [list(range(starts[a], starts[b])) for a, b in zip(bounds, bounds[1:])]
 
 
 def spread(lengths: list[int], num_ranks: int, budget: int) -> list[list[list[int]]]:
@@ -139,81 +188,176 @@ class Trainer:
         """Steps skipped for a non-finite loss or gradient norm, over the run (since this process started)."""
         self.skipping = 0
         """Consecutive skipped steps up to the last one (0: the last step was taken)."""
-        self.totals = torch.zeros(6, dtype=torch.float64, device=self.device)
-        """Sums since the last step: loss, clipped tokens, tokens, KL, |log-prob diff|, importance weights."""
+        self.totals = torch.zeros(len(TOTALS), dtype=torch.float64, device=self.device)
+        """Sums since the last update, :data:`TOTALS` in order."""
 
     def accumulate(self, samples: list[Sample], ranks: list[int]) -> None:
         """Gradients of this rank's share of ``samples`` among ``ranks`` (the ranks training now,
         whole FSDP shard groups), with no gradient sync and no optimizer step: the next
-        :meth:`step` reduces them with everything else."""
-        self._backward(samples, ranks, sync_last=False)
+        :meth:`step` reduces them with everything else. ``samples`` are whole groups, and the
+        advantage estimator is per group (the config refuses the others with streaming)."""
+        prepared = self._prepare(samples)
+        self._backward(samples, prepared, spread([s.num_tokens for s in samples], len(ranks),
+                                                 self.config.micro_batch_tokens), ranks, sync_last=False)
 
-    def step(self, samples: list[Sample], normalizer: int | None = None) -> dict[str, float]:
-        """One optimizer step on ``samples`` (identical on every rank) and whatever :meth:`accumulate`
-        buffered since the last step. ``normalizer`` is the step's global count (response tokens,
-        or sequences for seq-mean), accumulated samples included; None counts ``samples``."""
+    def step(self, samples: list[Sample], normalizer: float) -> dict[str, float]:
+        """The RL step's optimizer steps on ``samples`` (identical on every rank; whole groups),
+        the first one with whatever :meth:`accumulate` buffered since the last step.
+        ``normalizer`` is the step's global count (:func:`~rollpacker.train.losses.normalizer`),
+        accumulated samples included; each mini-batch takes its share of it."""
         cfg = self.config
-        if normalizer is None:
-            normalizer = sum(len(s.response_ids) for s in samples) if cfg.aggregation == "token" else len(samples)
+        batches = mini_batches(group_sizes(samples), cfg.mini_batches)
+        plans = [spread([samples[i].num_tokens for i in b], len(self.ranks), cfg.micro_batch_tokens) for b in batches]
+        several = len(batches) * cfg.epochs > 1
+        frozen = self._frozen(samples, batches, plans) if several or cfg.kl_in_reward else {}
+        prepared = self._prepare(samples, frozen)
+        total = self._units(samples)
+        updates = []
+        for _ in range(cfg.epochs):
+            for batch, plan in zip(batches, plans):
+                share = normalizer * self._units([samples[i] for i in batch]) / total if several and total else (
+                    normalizer)
+                updates.append(self._update([samples[i] for i in batch], [prepared[i] for i in batch], plan,
+                                            share))
+        if not all(u["train/skipped"] for u in updates):
+            self.scheduler.step()
+        stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
+        stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
+        stats["train/skipped_steps"] = float(self.skipped_steps)
+        stats["train/num_updates"] = float(len(updates))
+        self.updates = updates
+        """The last step's updates' stats, one dict each (tests read the first update's ratios)."""
+        return stats
+
+    def _update(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
+                normalizer: float) -> dict[str, float]:
+        """One optimizer step on ``samples`` spread as ``plan``, gradients over ``normalizer``."""
+        cfg = self.config
         normalizer = max(normalizer, 1)
-        num_micro = self._backward(samples, self.ranks, sync_last=True)
+        num_micro = self._backward(samples, prepared, plan, self.ranks, sync_last=True)
         totals, self.totals = self.totals, torch.zeros_like(self.totals)
         dist.all_reduce(totals, group=self.group)
         params = [p for p in self.model.parameters() if p.grad is not None]
-        for p in params:  # the global normalizer: losses were sums
-            p.grad.div_(normalizer)
+        scale = normalizer / len(self.ranks)  # FSDP2 averaged over the ranks; the losses were sums
+        for p in params:
+            p.grad.div_(scale)
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        loss, clipped, tokens, kl, lp_diff, is_weight = totals.tolist()
-        loss /= normalizer
+        sums = dict(zip(TOTALS, totals.tolist()))
+        loss = sums["loss"] / normalizer
         skipped = not math.isfinite(norm) or not math.isfinite(loss)
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.optimizer.step()
-            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skipped
         self.skipping = self.skipping + 1 if skipped else 0
         limit = cfg.max_skipped_steps
         if limit and self.skipping >= limit:  # loss and norm are global: every training rank raises
             raise NonFiniteError(
-                f"train: {self.skipping} consecutive steps skipped for a non-finite update (last: loss={loss}, "
-                f"grad_norm={norm}; train.max_skipped_steps={limit}). Stopping without saving these weights: the "
-                "newest committed checkpoint predates them. Lower train.lr, raise train.adam_eps, check the "
-                "rewards and data, then resume from that checkpoint")
+                f"train: {self.skipping} consecutive updates skipped for a non-finite loss or gradient (last: "
+                f"loss={loss}, grad_norm={norm}; train.max_skipped_steps={limit}). Stopping without saving these "
+                "weights: the newest committed checkpoint predates them. Lower train.lr, raise train.adam_eps, check "
+                "the rewards and data, then resume from that checkpoint")
+        tokens = max(sums["tokens"], 1)
         return {
             "train/loss": loss,
             "train/grad_norm": norm,
-            "train/clip_frac": clipped / max(tokens, 1),
-            "train/kl": kl / max(tokens, 1),
-            "train/rollout_logprob_diff": lp_diff / max(tokens, 1),
-            "train/is_weight_mean": is_weight / max(tokens, 1),
+            "train/clip_frac": sums["clipped"] / tokens,
+            "train/ratio_dev": sums["ratio_dev"] / tokens,
+            "train/kl": sums["kl"] / tokens,
+            "train/entropy": sums["entropy"] / tokens,
+            "train/rollout_logprob_diff": sums["logprob_diff"] / tokens,
+            "train/rollout_is_ratio_mean": sums["rollout_ratio"] / tokens,
+            "train/rollout_is_weight_mean": sums["rollout_is"] / tokens,
+            "train/rollout_is_outside_frac": sums["rollout_is_outside"] / tokens,
+            "train/masked_truncated": sums["masked_truncated"],
             "train/lr": lr,
             "train/skipped": float(skipped),
-            "train/skipped_steps": float(self.skipped_steps),
             "train/num_micro_batches": float(num_micro),
         }
 
-    def _backward(self, samples: list[Sample], ranks: list[int], *, sync_last: bool) -> int:
-        """Forward/backward of this rank's micro-batches (losses are sums); the gradients are reduced
-        after the last one only if ``sync_last``. Returns the number of micro-batches each rank ran
-        (at least one, so that a sync reduces what earlier calls accumulated)."""
-        plan = spread([s.num_tokens for s in samples], len(ranks), self.config.micro_batch_tokens)
+    def _units(self, samples: list[Sample]) -> int:
+        """What the aggregation counts in ``samples``, leaving out those whose loss is masked."""
+        return units(self.config.aggregation, [len(s.response_ids) for s in samples if not self._masked(s)])
+
+    def _masked(self, sample: Sample) -> bool:
+        return self.config.mask_truncated and sample.truncated
+
+    def _prepare(self, samples: list[Sample], frozen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+                 ) -> list[Prepared]:
+        """Each sample's advantages (``train.advantage`` over its group or the whole of ``samples``),
+        with the frozen log-probs of ``frozen`` (index -> (old, ref), this rank's samples)."""
+        cfg, frozen = self.config, frozen or {}
+        lengths = [len(s.response_ids) for s in samples]
+        mask = torch.arange(max([1, *lengths]))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+        token_rewards = self._kl_rewards(samples, frozen, mask) if cfg.kl_in_reward else None
+        returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, token_rewards)  # [N, T]
+        adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
+        return [Prepared(adv[i, :n], *frozen.get(i, (None, None))) for i, n in enumerate(lengths)]
+
+    def _kl_rewards(self, samples: list[Sample], frozen: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+                    mask: torch.Tensor) -> torch.Tensor:
+        """``-kl_coef x KL`` per token [N, T] of every sample: each rank computes its own share's
+        from the frozen pass, and one all-reduce gives every rank all of them."""
+        cfg = self.config
+        lengths = [len(s.response_ids) for s in samples]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        kl = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        for i, (old, ref) in frozen.items():
+            kl[offsets[i]:offsets[i + 1]] = KL_ESTIMATORS[cfg.kl_estimator](old, ref)
+        dist.all_reduce(kl, group=self.group)
+        kl = pad_sequence(kl.cpu().split(lengths), batch_first=True)  # [N, T'], T' <= T
+        out = torch.zeros(mask.shape)
+        out[:, :kl.shape[1]] = kl
+        return -cfg.kl_coef * out
+
+    @torch.no_grad()
+    def _frozen(self, samples: list[Sample], batches: list[list[int]], plans: list[list[list[list[int]]]]
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Log-probs (and reference log-probs) of this rank's samples before the step's first
+        update, on the micro-batches the updates will use: index -> (old [T], ref [T] or None)."""
+        out = {}
+        for batch, plan in zip(batches, plans):
+            mine, num_micro = plan[self.ranks.index(self.rank)], max(1, *(len(p) for p in plan))
+            for i in range(num_micro):
+                if i >= len(mine):  # FSDP2's all-gathers must match: an idle forward
+                    self._idle_loss()
+                    if self.reference is not None:
+                        self._idle_loss(self.reference)
+                    continue
+                micro = [samples[batch[j]] for j in mine[i]]
+                lengths = [len(s.response_ids) for s in micro]
+                old = self._logprobs(self.model, micro).split(lengths)
+                ref = self._logprobs(self.reference, micro).split(lengths) if self.reference else [None] * len(micro)
+                for j, o, r in zip(mine[i], old, ref):
+                    out[batch[j]] = (o, r)
+        return out
+
+    def _backward(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
+                  ranks: list[int], *, sync_last: bool) -> int:
+        """Forward/backward of this rank's micro-batches of ``plan`` (losses are sums); the gradients
+        are reduced after the last one only if ``sync_last``. Returns the number of micro-batches
+        each rank ran (at least one, so that a sync reduces what earlier calls accumulated)."""
         mine, num_micro = plan[ranks.index(self.rank)], max(1, *(len(p) for p in plan))
         reduce_every = self.config.reduce_every_micro_batch
         self.model.train()
         for i in range(num_micro):
             self.model.set_requires_gradient_sync(sync_last and (i == num_micro - 1 or reduce_every))
             if i < len(mine):
-                loss, stats = self._loss([samples[j] for j in mine[i]])
+                loss, stats = self._loss([samples[j] for j in mine[i]], [prepared[j] for j in mine[i]])
                 self.totals += torch.stack([loss.detach().double(), *stats]).to(self.totals)
             else:
                 loss = self._idle_loss()
             loss.backward()
         return num_micro
 
-    def _logprobs(self, model: nn.Module, batch: list[Sample]) -> torch.Tensor:
-        """Log-probs of every response token of ``batch``, flat [sum of response lengths]."""
+    def _logprobs(self, model: nn.Module, batch: list[Sample], entropy: bool = False):
+        """Log-probs of every response token of ``batch``, flat [sum of response lengths]; with
+        ``entropy``, also each token's entropy, the same shape."""
         tokens = torch.tensor([t for s in batch for t in (*s.prompt_ids, *s.response_ids)], device=self.device)
         positions = torch.cat([torch.arange(s.num_tokens) for s in batch]).to(self.device)
         pick, start = [], 0  # the position predicting each response token
@@ -224,33 +368,45 @@ class Trainer:
         pick_t = torch.tensor(pick, device=self.device)
         targets = tokens[pick_t + 1]
         attn = CausalAttention([s.num_tokens for s in batch], self.device)
+        fn = token_logprobs_entropy if entropy else token_logprobs
         return model(tokens, positions, attn,
-                     head=lambda h, w: token_logprobs(h[pick_t], w, targets, self.temperature,
-                                                     impl=self.config.logprobs_impl, softcap=model.logit_softcap))
+                     head=lambda h, w: fn(h[pick_t], w, targets, self.temperature,
+                                          impl=self.config.logprobs_impl, softcap=model.logit_softcap))
 
-    def _loss(self, batch: list[Sample]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _loss(self, batch: list[Sample], prepared: list[Prepared]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A micro-batch's loss (a sum) and its :data:`TOTALS` after the loss."""
         lengths = [len(s.response_ids) for s in batch]
-        logp_flat = self._logprobs(self.model, batch)
-        logp = pad_sequence(logp_flat.split(lengths), batch_first=True)  # [N, T]
-        mask = pad_sequence([torch.ones(n, device=self.device) for n in lengths], batch_first=True)
+        logp_flat, entropy_flat = self._logprobs(self.model, batch, entropy=True)
+
+        def padded(flat: torch.Tensor) -> torch.Tensor:  # flat [sum of lengths] -> [N, T]
+            return pad_sequence(flat.split(lengths), batch_first=True)
+
+        logp = padded(logp_flat)
+        mask = pad_sequence([torch.full((n,), not self._masked(s), device=self.device) for s, n in zip(batch, lengths)],
+                            batch_first=True)
+        frozen = prepared[0].old is not None
+        old = padded(torch.cat([p.old for p in prepared])) if frozen else logp.detach()
         ref = None
         if self.reference is not None:
-            with torch.no_grad():
-                ref = pad_sequence(self._logprobs(self.reference, batch).split(lengths), batch_first=True)
-        adv = torch.tensor([s.advantage for s in batch], device=self.device)
-        rollout = torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device)
-        behavior = pad_sequence(rollout.split(lengths), batch_first=True)  # [N, T]
-        cfg = self.config
-        old, weights = off_policy_correction(cfg.off_policy, logp, behavior, cfg.tis_cap)
-        loss, stats = policy_loss(
-            logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logprobs=ref,
-            kl_coef=cfg.kl_coef, aggregation=cfg.aggregation, normalizer=1, weights=weights)
-        lp_diff = (logp_flat.detach() - rollout).abs().sum()
-        is_weight = importance_weights(logp_flat, rollout).sum()
-        return loss, [stats["num_clipped_tokens"], stats["num_tokens"], stats["kl_sum"], lp_diff, is_weight]
+            if prepared[0].ref is not None:
+                ref = padded(torch.cat([p.ref for p in prepared]))
+            else:
+                with torch.no_grad():
+                    ref = padded(self._logprobs(self.reference, batch))
+        behavior = padded(torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device))
+        adv = padded(torch.cat([p.advantages for p in prepared]).to(self.device))
+        loss, stats = policy_objective(logp, old, behavior, adv, mask, self.config, entropy=padded(entropy_flat),
+                                       ref=ref)
+        masked = torch.tensor(float(sum(map(self._masked, batch))), device=self.device)
+        return loss, [stats[k] for k in STATS] + [masked]
 
-    def _idle_loss(self) -> torch.Tensor:
+    def _idle_loss(self, model: nn.Module | None = None) -> torch.Tensor:
         """A zero-weighted forward/backward that joins FSDP2's collectives on a rank with no work."""
+        model = model or self.model
         tokens = torch.zeros(1, dtype=torch.long, device=self.device)
-        out = self.model(tokens, tokens, CausalAttention([1], self.device), head=lambda h, w: (h @ w.T).sum())
+        out = model(tokens, tokens, CausalAttention([1], self.device), head=lambda h, w: (h @ w.T).sum())
         return out * 0.0
+
+
+TOTALS = ("loss", *STATS, "masked_truncated")
+"""What a trainer sums over micro-batches and ranks for an update's metrics."""

@@ -147,7 +147,7 @@ def test_trainer_grads_with_the_kernel_equal_torch(toy_random_dir):
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
     from rollpacker.train.config import TrainConfig
-    from rollpacker.train.trainer import Sample, Trainer
+    from rollpacker.train.trainer import Sample, Trainer, spread
 
     meshes = build_meshes(1, 0)
     g = torch.Generator().manual_seed(0)
@@ -159,7 +159,9 @@ def test_trainer_grads_with_the_kernel_equal_torch(toy_random_dir):
     for impl in ("torch", "triton"):
         trainer = Trainer(load_model(toy_random_dir), TrainConfig(logprobs_impl=impl), meshes.train, temperature=0.8,
                           num_steps=1)
-        trainer._backward(samples, trainer.ranks, sync_last=True)  # step() up to its optimizer step
+        plan = spread([s.num_tokens for s in samples], 1, trainer.config.micro_batch_tokens)
+        trainer._backward(samples, trainer._prepare(samples), plan, trainer.ranks, sync_last=True)  # step() up to
+        # its optimizer step
         grads[impl] = {k: p.grad.full_tensor() for k, p in trainer.model.named_parameters()}
     head = "embed_tokens.weight"  # tied: the head's grad comes from the kernel
     assert not torch.equal(grads["triton"][head], grads["torch"][head]), "the kernel did not run"

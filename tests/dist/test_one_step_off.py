@@ -13,7 +13,7 @@ import pytest
 from conftest import NUM_ROWS, QUIET, finish, launch_job, steps
 from conftest import start_job as launch
 
-RUN = ("schedule:one_step_off", "--train.off-policy", "tis", "--checkpoint-every", "4",
+RUN = ("schedule:one_step_off", "--train.rollout-correction", "token_tis", "--checkpoint-every", "4",
        "--rollout.temperature", "1.5")
 
 

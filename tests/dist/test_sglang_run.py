@@ -25,10 +25,11 @@ JOB = ("--engine.kind", "sglang", "--data.num-toy-prompts", str(NUM_ROWS), "--ro
 """One epoch of NUM_ROWS toy prompts, 4 per step, on SGLang."""
 
 POLICIES = {  # one_step_off first: see tests/dist/scripts/sglang_policies.py; tail: the killed-scheduler test's job
-    "one_step_off": ("schedule:one_step_off", "--train.off-policy", "tis"),
+    "one_step_off": ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
     "sync": ("schedule:sync",),
     "sorted": ("schedule:sorted", "--schedule.sorted-batches", "2"),
-    "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.off-policy", "tis"),
+    "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.rollout-correction",
+                       "token_tis"),
     "pipe": ("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"),
     "stream": ("schedule:tail", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),
 }

@@ -32,7 +32,7 @@ def test_two_rank_runs_train_every_prompt_once_per_epoch(policy, tmp_path):
     num_rows = 16  # two load groups of 2 x 4 prompts per epoch
     extra = [f"schedule:{policy}", "--schedule.sorted-batches", "2", "--data.num-toy-prompts", str(num_rows)]
     if policy == "sorted_partial":
-        extra += ["--train.off-policy", "tis"]
+        extra += ["--train.rollout-correction", "token_tis"]
     finish(launch(tmp_path, *extra))
     assert trained(tmp_path) == {0: list(range(num_rows)), 1: list(range(num_rows))}
     records = list(steps(tmp_path).values())
@@ -45,4 +45,4 @@ def test_two_rank_runs_train_every_prompt_once_per_epoch(policy, tmp_path):
         assert max(stale) == 0 and not any(r["sched/resumed"] for r in records)
     else:  # (the toy's responses to one prompt have near-equal lengths: kept finished ones are tested above)
         assert max(stale) >= 1 and any(r["sched/resumed"] for r in records)
-        assert all(0.5 < r["train/is_weight_mean"] < 2 for r in records)
+        assert all(0.5 < r["train/rollout_is_ratio_mean"] < 2 for r in records)

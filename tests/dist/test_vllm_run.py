@@ -18,8 +18,9 @@ POLICIES = {
     "sync": ("schedule:sync",),
     "tail": ("schedule:tail",),
     "sorted": ("schedule:sorted", "--schedule.sorted-batches", "2"),
-    "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.off-policy", "tis"),
-    "one_step_off": ("schedule:one_step_off", "--train.off-policy", "tis"),
+    "sorted_partial": ("schedule:sorted_partial", "--schedule.sorted-batches", "2", "--train.rollout-correction",
+                       "token_tis"),
+    "one_step_off": ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
     "pipe": ("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"),
     "stream": ("schedule:tail", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),
 }

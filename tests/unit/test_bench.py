@@ -28,3 +28,20 @@ def test_engine_bench_smoke(qwen2_dir, tmp_path, capsys):
     assert summary["peak_gflops"] > 0
     assert json.loads(out.read_text())["decode_ms_per_iter"] == summary["decode_ms_per_iter"]
     assert summary["same_tokens_hf_batch1"] == summary["same_tokens_hf_batch2"] == 1.0, "TorchEngine and HF disagree"
+
+
+def test_algorithms_bench_flags_parse_and_its_summary_is_what_it_says():
+    from rollpacker.bench.algorithms import ALGORITHMS, summarize
+    from rollpacker.config import parse
+
+    configs = {name: parse(flags).train for name, flags in ALGORITHMS.items()}
+    assert {"grpo", "dr_grpo", "rloo", "gspo", "cispo"} <= set(configs)
+    assert (configs["dr_grpo"].advantage, configs["dr_grpo"].aggregation) == ("dr_grpo", "seq-mean-token-sum-norm")
+    assert (configs["gspo"].loss, configs["cispo"].loss, configs["gspo"].mini_batches) == ("gspo", "cispo", 2)
+    rows = [{"step": 0, "eval/accuracy": 0.25}]
+    rows += [{"step": s, "reward/mean": s / 10, "train/entropy": 1.0 - s / 10} for s in range(8)]
+    rows += [{"step": 8, "eval/accuracy": 0.5}]
+    # quarters of 8 steps: rewards (0, 0.1) and (0.6, 0.7); entropies (1, 0.9) and (0.4, 0.3).
+    assert summarize(rows, 12.0) == pytest.approx({
+        "eval_before": 0.25, "eval_after": 0.5, "eval_gain": 0.25, "reward_gain": 0.6, "entropy_first": 0.95,
+        "entropy": 0.35, "wall_s": 12.0})

@@ -54,14 +54,14 @@ def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
     with pytest.raises(SystemExit, match="schedule:tial: no such policy"):
         parse(["schedule:tial"])
     with pytest.raises(SystemExit):
-        parse(["--train.off-policy", "maybe"])
+        parse(["--train.rollout-correction", "maybe"])
     assert parse(["schedule:tail", "--stream.criterion", "kv"]).stream.criterion == "kv"
 
 
 def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     tail = parse(["--seed", "3", "schedule:tail", "--schedule.eta-prompts", "1.5", "--num-steps", "4"])
     assert (tail.policy, tail.schedule, tail.seed, tail.num_steps) == ("tail", TailConfig(eta_prompts=1.5), 3, 4)
-    assert parse(["schedule:sorted-partial", "--train.off-policy", "tis"]).policy == "sorted_partial"
+    assert parse(["schedule:sorted-partial", "--train.rollout-correction", "token_tis"]).policy == "sorted_partial"
     with pytest.raises(SystemExit, match=r"schedule.eta_prompts does not apply to policy sync \(it is a setting "
                                          r"of tail\)"):
         parse(["--schedule.eta-prompts", "1.5"])  # the preset's policy is sync
@@ -75,6 +75,66 @@ def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     preset.write_text('policy = "tail"\n')
     with pytest.raises(ValueError, match="tail.toml: unknown setting 'policy'"):
         load_preset(str(preset))
+
+
+def test_every_registered_algorithm_piece_is_a_cli_choice():
+    """The registries and the config's Literals name the same things, and each name parses from the
+    command line (a new estimator or loss is its function, its registry line and its Literal entry)."""
+    from typing import get_args, get_type_hints
+
+    from rollpacker.train.advantages import ADVANTAGES
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.losses import AGGREGATIONS, CORRECTIONS, KL_ESTIMATORS, LOSSES
+
+    hints = get_type_hints(TrainConfig)
+    registries = {"advantage": ADVANTAGES, "loss": LOSSES, "aggregation": AGGREGATIONS,
+                  "kl_estimator": KL_ESTIMATORS, "rollout_correction": CORRECTIONS}
+    for field, registry in registries.items():
+        assert set(get_args(hints[field])) == set(registry), field
+    for i in range(max(map(len, registries.values()))):  # one parse sets every field: 5 parses, not 18
+        chosen = {field: list(registry)[i % len(registry)] for field, registry in registries.items()}
+        flags = [arg for field, name in chosen.items() for arg in (f"--train.{field.replace('_', '-')}", name)]
+        train = parse(flags).train
+        assert {field: getattr(train, field) for field in chosen} == chosen
+    with pytest.raises(SystemExit):
+        parse(["--train.advantage", "ppo"])
+    config = parse(["--train.mini-batches", "4", "--train.epochs", "2", "--train.kl-coef", "0.01",
+                    "--train.kl-in-reward", "--train.overlong-buffer", "64", "--train.mask-truncated",
+                    "--train.entropy-coef", "0.001", "--train.dual-clip", "3"])
+    t = config.train
+    assert (t.mini_batches, t.epochs, t.kl_in_reward, t.overlong_buffer, t.mask_truncated, t.entropy_coef,
+            t.dual_clip) == (4, 2, True, 64, True, 0.001, 3.0)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(advantage="reinforce_pp"), "train.advantage='reinforce_pp'.*per-group estimator"),
+    (dict(advantage="reinforce_pp_baseline"), ".*whole step's batch"),
+    (dict(mini_batches=2), "train.mini_batches=2, train.epochs=1.*set both to 1"),
+    (dict(epochs=3), "train.mini_batches=1, train.epochs=3"),
+    (dict(kl_coef=0.1, kl_in_reward=True), "train.kl_in_reward.*put the KL in the loss"),
+])
+def test_streaming_refuses_what_a_group_cannot_finish_alone(settings, message):
+    from rollpacker.config import Config
+    from rollpacker.train.config import StreamConfig, TrainConfig
+
+    with pytest.raises(ValueError, match=f"stream.enabled with {message}"):
+        Config(train=TrainConfig(**settings), stream=StreamConfig(enabled=True))
+    Config(train=TrainConfig(**settings))  # fine without streaming
+
+
+def test_algorithm_settings_name_the_field():
+    from rollpacker.config import Config
+    from rollpacker.train.config import TrainConfig
+
+    for settings, message in ((dict(mini_batches=0), "train.mini_batches must be positive"),
+                              (dict(clip_low=1.5), "train.clip_low must be in"),
+                              (dict(rollout_is_low=1.5), "train.rollout_is_low=1.5"),
+                              (dict(kl_in_reward=True), "train.kl_in_reward with train.kl_coef=0"),
+                              (dict(overlong_buffer=-1), "train.overlong_buffer must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**settings)
+    with pytest.raises(ValueError, match="train.mini_batches=32 exceeds rollout.num_prompts=16"):
+        Config(train=TrainConfig(mini_batches=32))
 
 
 def test_engine_rules_ask_the_engine_registry():
@@ -101,10 +161,11 @@ def test_choice_fields_are_checked_once_on_every_path(tmp_path):
     from rollpacker.train.config import TrainConfig
 
     bad = tmp_path / "bad.toml"
-    bad.write_text('[train]\noff_policy = "maybe"\n')
-    with pytest.raises(ValueError, match="bad.toml: train.off_policy must be one of none, is, tis, got 'maybe'"):
+    bad.write_text('[train]\nrollout_correction = "maybe"\n')
+    choices = "none, token_tis, seq_tis, token_mask, seq_mask"
+    with pytest.raises(ValueError, match=f"bad.toml: train.rollout_correction must be one of {choices}, got 'maybe'"):
         load_preset(str(bad))
-    with pytest.raises(ValueError, match="train.off_policy must be one of none, is, tis, got 'maybe'"):
-        Config(train=TrainConfig(off_policy="maybe"))
+    with pytest.raises(ValueError, match=f"train.rollout_correction must be one of {choices}, got 'maybe'"):
+        Config(train=TrainConfig(rollout_correction="maybe"))
     with pytest.raises(SystemExit):
-        parse(["--train.off-policy", "maybe"])
+        parse(["--train.rollout-correction", "maybe"])

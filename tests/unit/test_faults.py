@@ -126,18 +126,18 @@ def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(
 
     trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, max_skipped_steps=2), build_meshes(1, 0).train,
                       num_steps=4)
-    bad, good = Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0]), Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])
-    assert trainer.step([bad])["train/skipped_steps"] == 1.0
+    bad, good = [Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0])], [Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])]
+    assert trainer.step(bad, 2)["train/skipped_steps"] == 1.0
     checkpoint.save(tmp_path / "checkpoints" / "step_1", trainer, 1, {})
     assert checkpoint.latest(tmp_path) is None  # the weights that just produced a non-finite update
-    assert trainer.step([good])["train/skipped_steps"] == 1.0
+    assert trainer.step(good, 2)["train/skipped_steps"] == 1.0
     checkpoint.save(tmp_path / "checkpoints" / "step_2", trainer, 2, {})
     assert checkpoint.latest(tmp_path) == tmp_path / "checkpoints" / "step_2"
-    assert trainer.step([bad])["train/skipped_steps"] == 2.0  # one in a row: the run goes on
+    assert trainer.step(bad, 2)["train/skipped_steps"] == 2.0  # one in a row: the run goes on
     with pytest.raises(NonFiniteError) as e:
-        trainer.step([bad])
+        trainer.step(bad, 2)
     assert str(e.value) == (
-        "train: 2 consecutive steps skipped for a non-finite update (last: loss=nan, grad_norm=nan; "
+        "train: 2 consecutive updates skipped for a non-finite loss or gradient (last: loss=nan, grad_norm=nan; "
         "train.max_skipped_steps=2). Stopping without saving these weights: the newest committed checkpoint "
         "predates them. Lower train.lr, raise train.adam_eps, check the rewards and data, then resume from that "
         "checkpoint")

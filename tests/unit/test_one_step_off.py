@@ -36,9 +36,9 @@ def test_policy_stamps_the_staleness_of_its_weights():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({}, "train.off_policy='none'.*use schedule:sync"),
-    ({"train": TrainConfig(off_policy="is"), "stream": StreamConfig(enabled=True)}, "stream.enabled"),
-    ({"train": TrainConfig(off_policy="is"), "plan": PlanConfig(enabled=True)}, "plan.enabled"),
+    ({}, "train.rollout_correction='none'.*use schedule:sync"),
+    ({"train": TrainConfig(rollout_correction="token_tis"), "stream": StreamConfig(enabled=True)}, "stream.enabled"),
+    ({"train": TrainConfig(rollout_correction="token_tis"), "plan": PlanConfig(enabled=True)}, "plan.enabled"),
 ])
 def test_composition_is_explicit(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -46,20 +46,21 @@ def test_composition_is_explicit(kwargs, match):
 
 
 def test_pools_must_fit_the_world():
-    config = Config(schedule=OneStepOffConfig(), train=TrainConfig(off_policy="tis"))
+    config = Config(schedule=OneStepOffConfig(), train=TrainConfig(rollout_correction="token_tis"))
     config.check_world(2)
     assert config.rollout_ranks(4) == 2 and Config().rollout_ranks(4) == 4
     with pytest.raises(ValueError, match="at least 2 ranks"):
         config.check_world(1)
     with pytest.raises(ValueError, match="rollout_ranks=2 must be between 1 and 1 on 2 ranks"):
-        Config(schedule=OneStepOffConfig(rollout_ranks=2), train=TrainConfig(off_policy="tis")).check_world(2)
+        Config(schedule=OneStepOffConfig(rollout_ranks=2),
+               train=TrainConfig(rollout_correction="token_tis")).check_world(2)
     with pytest.raises(ValueError, match=r"rollout.tp=2 does not divide the 1 rollout ranks"):
-        Config(schedule=OneStepOffConfig(), train=TrainConfig(off_policy="tis"),
+        Config(schedule=OneStepOffConfig(), train=TrainConfig(rollout_correction="token_tis"),
                rollout=RolloutConfig(tp=2)).check_world(2)
     with pytest.raises(ValueError, match="train.train_shard_size=2 does not divide the 3 training ranks"):
         Config(schedule=OneStepOffConfig(rollout_ranks=1),
-               train=TrainConfig(off_policy="tis", train_shard_size=2)).check_world(4)
-    assert policy_args("one_step_off") == ["schedule:one_step_off", "--train.off-policy", "tis"]
+               train=TrainConfig(rollout_correction="token_tis", train_shard_size=2)).check_world(4)
+    assert policy_args("one_step_off") == ["schedule:one_step_off", "--train.rollout-correction", "token_tis"]
 
 
 def test_the_rollout_pool_knows_the_trainers_parameters_from_the_model_directory():

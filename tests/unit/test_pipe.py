@@ -93,7 +93,7 @@ def test_engine_admits_the_best_priority_first():
 @pytest.mark.parametrize("kwargs,match", [
     ({"stream": StreamConfig(enabled=True)}, "stream.enabled"),
     ({"plan": PlanConfig(enabled=True)}, "plan.enabled"),
-    ({"train": TrainConfig(advantage_norm="batch")}, "schedule.pipe with train.advantage_norm='batch'"),
+    ({"train": TrainConfig(advantage="reinforce_pp")}, "schedule.pipe with train.advantage='reinforce_pp'"),
 ])
 def test_pipe_composition_is_explicit(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -105,7 +105,7 @@ def test_pipe_composition_is_explicit(kwargs, match):
 def test_pipe_is_a_setting_of_sync_and_tail_alone(policy, capsys):
     with pytest.raises(SystemExit, match=rf"schedule.pipe does not apply to policy {policy} \(it is a setting "
                                          r"of sync, tail\)"):
-        parse([f"schedule:{policy}", "--schedule.pipe", "--train.off-policy", "tis"])
+        parse([f"schedule:{policy}", "--schedule.pipe", "--train.rollout-correction", "token_tis"])
 
 
 def test_bench_names():

@@ -15,7 +15,8 @@ from rollpacker.data.dataset import PromptSampler
 from rollpacker.rollout.engine import Output
 from rollpacker.schedule.base import request_id
 from rollpacker.schedule.sorted import SortedPolicy
-from rollpacker.train.losses import importance_weights, off_policy_correction, policy_loss
+from rollpacker.train.config import TrainConfig
+from rollpacker.train.losses import policy_objective
 
 
 def logprob(step: int) -> float:
@@ -294,44 +295,36 @@ def test_config_accepts_sorted_and_asks_partial_mode_for_a_correction():
     from rollpacker.train.config import TrainConfig
 
     config = parse(["schedule:sorted", "--schedule.sorted-batches", "2"])
-    assert (config.policy, config.schedule.sorted_batches, config.train.off_policy) == ("sorted", 2, "none")
-    with pytest.raises(ValueError, match="sorted_partial with train.off_policy='none'"):
+    assert (config.policy, config.schedule.sorted_batches, config.train.rollout_correction) == ("sorted", 2, "none")
+    with pytest.raises(ValueError, match="sorted_partial with train.rollout_correction='none'"):
         Config(schedule=SortedPartialConfig())
-    assert parse(["schedule:sorted_partial", "--train.off-policy", "tis"]).train.tis_cap == 2.0
+    assert parse(["schedule:sorted_partial", "--train.rollout-correction", "token_tis"]).train.rollout_is_high == 2.0
     with pytest.raises(ValueError, match="schedule.sorted_batches"):
         SortedConfig(sorted_batches=0)
-    with pytest.raises(ValueError, match="train.off_policy"):
-        TrainConfig(off_policy="vtrace")
-    with pytest.raises(ValueError, match="train.tis_cap"):
-        TrainConfig(tis_cap=0.5)
+    with pytest.raises(ValueError, match="train.rollout_is_low=0.5 and train.rollout_is_high=0.5"):
+        TrainConfig(rollout_is_high=0.5)
 
 
 # --- importance sampling ------------------------------------------------------------------------
 
 
-def test_is_and_tis_hand_computed():
+def test_stale_tokens_are_weighted_by_truncated_importance_sampling():
+    """Tokens of a partial response resumed under newer weights: the trainer's log-probs (before the
+    update) over the engine's, which sampled them, weight each token's term, truncated at 2."""
     proximal = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
     behavior = proximal - torch.tensor([[0.0, math.log(3), -math.log(2), 0.0]])
     mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)  # the last token is padding
-    # exp(proximal - behavior) = (1, 3, 0.5); truncated at 2: (1, 2, 0.5).
-    torch.testing.assert_close(importance_weights(proximal, behavior)[:, :3], torch.tensor([[1.0, 3.0, 0.5]]))
-    torch.testing.assert_close(importance_weights(proximal, behavior, 2.0)[:, :3], torch.tensor([[1.0, 2.0, 0.5]]))
-    for adv, want_tis, want_is in ((1.0, -3.5, -2.78), (-1.0, 3.5, 4.8)):
-        # tis: ratio 1 vs the proximal policy, each token's -A weighted: -A * (1 + 2 + 0.5) = -3.5 A.
-        # is: ratio (1, 3, 0.5) vs the behavior policy, clipped to [0.8, 1.28]: A = +1: -(1 + 1.28 + 0.5);
-        #     A = -1: max(r, clip(r)) = 1 + 3 + 0.8.
-        for mode, want in (("tis", want_tis), ("is", want_is), ("none", -3.0 * adv)):
+    for adv in (1.0, -1.0):
+        # token_tis: ratio 1 vs the proximal policy, each token's -A weighted by (1, min(3, 2), 0.5): -3.5 A.
+        for mode, want, grad in (("token_tis", -3.5 * adv, [-adv, -2 * adv, -0.5 * adv]),
+                                 ("none", -3.0 * adv, [-adv] * 3)):
             logp = proximal.clone().requires_grad_(True)
-            old, weights = off_policy_correction(mode, logp, behavior, tis_cap=2.0)
-            loss, _ = policy_loss(logp, old, torch.tensor([adv]), mask, clip_low=0.2, clip_high=0.28,
-                                  normalizer=3, weights=weights)
-            torch.testing.assert_close(loss, torch.tensor(want / 3), msg=f"{mode} A={adv}")
+            loss, stats = policy_objective(logp, logp.detach(), behavior, torch.full((1, 4), adv), mask,
+                                           TrainConfig(rollout_correction=mode))
+            torch.testing.assert_close(loss, torch.tensor(want), msg=f"{mode} A={adv}")
+            torch.testing.assert_close(stats["rollout_ratio"], torch.tensor(4.5))  # exp(proximal - behavior): 1, 3, 0.5
             loss.backward()
-            grad = {"tis": [-adv, -2 * adv, -0.5 * adv], "none": [-adv] * 3,
-                    "is": [-1.0, 0.0, -0.5] if adv > 0 else [1.0, 3.0, 0.0]}[mode]
-            torch.testing.assert_close(logp.grad, torch.tensor([[*grad, 0.0]]) / 3, msg=f"{mode} A={adv}")
-    with pytest.raises(ValueError, match="off_policy='vtrace'"):
-        off_policy_correction("vtrace", proximal, behavior, tis_cap=2.0)
+            torch.testing.assert_close(logp.grad, torch.tensor([[*grad, 0.0]]), msg=f"{mode} A={adv}")
 
 
 # --- resume across a weight change, on the real toy model ----------------------------------------

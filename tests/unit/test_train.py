@@ -15,11 +15,12 @@ def test_nonfinite_loss_skips_the_step(toy_random_dir):
     meshes = build_meshes(1, 0)
     trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2), meshes.train, num_steps=2)
     before = {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
-    stats = trainer.step([Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0])])
+    stats = trainer.step([Sample([5, 6, 7], [8, 9], float("nan"), [-1.0, -1.0])], 2)
     assert stats["train/skipped"] == 1.0
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k].full_tensor()) for k in before)
-    stats = trainer.step([Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0])])
+    stats = trainer.step([Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0]), Sample([5, 6, 7], [9, 8], 0.0, [-1.0, -1.0])],
+                         4)
     assert stats["train/skipped"] == 0.0
     assert not torch.equal(before["norm.weight"], trainer.model.state_dict()["norm.weight"].full_tensor())
 
@@ -34,3 +35,116 @@ def test_lr_warms_up_then_decays_by_cosine_to_its_floor_at_the_last_step():
     constant = TrainConfig(warmup_steps=2, lr_schedule="constant")
     assert [lr_factor(s, constant, num_steps=6) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
     assert lr_factor(0, TrainConfig(warmup_steps=0), num_steps=1) == 1.0
+
+
+def algorithm_batch() -> list:
+    """Two groups of three responses to one prompt each, rewards 0/1 (tokens within the toy vocabulary)."""
+    from rollpacker.train.trainer import Sample
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for group in range(2):
+        prompt = torch.randint(2, 60, (int(torch.randint(3, 9, (), generator=g)),), generator=g).tolist()
+        for reward in (1.0, 0.0, float(group % 2)):
+            n = int(torch.randint(1, 12, (), generator=g))
+            samples.append(Sample(prompt, torch.randint(2, 60, (n,), generator=g).tolist(), reward,
+                                  (-torch.rand(n, generator=g)).tolist(), group=group))
+    return samples
+
+
+def weights(trainer) -> dict:
+    return {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_one_mini_batch_one_epoch_is_bitwise_the_plain_ppo_step(toy_random_dir):
+    """``train.mini_batches 1, epochs 1`` (the default) is the step as it was before the registries:
+    GRPO advantages per group, PPO-clip against the current log-probs detached, token sums over
+    the global token count, written out here from the formulas, and bitwise the same."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer, spread
+
+    meshes = build_meshes(1, 0)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=24)
+    samples = algorithm_batch()
+    count = sum(len(s.response_ids) for s in samples)
+    trainer = Trainer(load_model(toy_random_dir), cfg, meshes.train, temperature=0.8, num_steps=2)
+    stats = trainer.step(samples, count)
+    plain = Trainer(load_model(toy_random_dir), cfg, meshes.train, temperature=0.8, num_steps=2)
+    adv = []
+    for k in range(2):
+        r = torch.tensor([s.reward for s in samples if s.group == k])[None]
+        adv += ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6))[0].tolist()
+    (micro_batches,) = spread([s.num_tokens for s in samples], 1, cfg.micro_batch_tokens)
+    assert len(micro_batches) > 1
+    for i, micro in enumerate(micro_batches):
+        plain.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        batch = [samples[j] for j in micro]
+        lengths = [len(s.response_ids) for s in batch]
+        logp = pad_sequence(plain._logprobs(plain.model, batch).split(lengths), batch_first=True)
+        mask = pad_sequence([torch.ones(n, dtype=torch.bool) for n in lengths], batch_first=True)
+        a = torch.tensor([adv[j] for j in micro])[:, None]
+        ratio = torch.exp(torch.where(mask, logp - logp.detach(), 0.0))
+        token = torch.maximum(-ratio * a, -torch.clamp(ratio, 0.8, 1.28) * a)
+        torch.where(mask, token, 0.0).sum().backward()
+    params = [p for p in plain.model.parameters() if p.grad is not None]
+    for p in params:
+        p.grad.div_(count)
+    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    plain.optimizer.step()
+    assert stats["train/num_updates"] == 1.0 and stats["train/ratio_dev"] == 0.0
+    after, want = weights(trainer), weights(plain)
+    assert all(torch.equal(after[k], want[k]) for k in want)
+
+
+def test_several_updates_freeze_the_old_logprobs_first(toy_random_dir):
+    """Two mini-batches, two epochs: four optimizer steps. The first update's ratios are exactly 1
+    (the frozen log-probs are the ones it recomputes), the later ones' are not (the weights moved);
+    the learning-rate schedule advances once."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, mini_batches=2, epochs=2)
+    trainer = Trainer(load_model(toy_random_dir), cfg, build_meshes(1, 0).train, temperature=0.8, num_steps=4)
+    samples = algorithm_batch()
+    stats = trainer.step(samples, sum(len(s.response_ids) for s in samples))
+    ratio_dev = [u["train/ratio_dev"] for u in trainer.updates]
+    assert stats["train/num_updates"] == 4.0
+    assert ratio_dev[0] == 0.0 and min(ratio_dev[1:]) > 1e-4, ratio_dev
+    assert {s["step"].item() for s in trainer.optimizer.state.values()} == {4.0}
+    assert trainer.scheduler.last_epoch == 1
+    assert 0 < stats["train/entropy"] < 10
+
+
+def test_mini_batches_split_whole_groups():
+    from rollpacker.train.trainer import Sample, group_sizes, mini_batches
+
+    samples = [Sample([1], [2], 0.0, [0.0], group=g) for g in (7, 7, 3, 3, 3, 7, 9)]
+    assert group_sizes(samples) == [2, 3, 1, 1]  # a group is a run of consecutive samples
+    assert mini_batches([2, 3, 1, 1], 2) == [[0, 1, 2, 3, 4], [5, 6]]
+    assert mini_batches([2, 3, 1, 1], 3) == [[0, 1], [2, 3, 4], [5, 6]]
+    assert mini_batches([2, 3], 4) == [[0, 1], [2, 3, 4]]  # at most one mini-batch per group
+    assert mini_batches([], 2) == [[]]
+
+
+def test_mask_truncated_trains_nothing_on_a_truncated_response(toy_random_dir):
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, mask_truncated=True), build_meshes(1, 0).train,
+                      num_steps=2)
+    samples = algorithm_batch()
+    for s in samples:
+        s.truncated = True
+    before = weights(trainer)
+    stats = trainer.step(samples, 1)
+    assert stats["train/masked_truncated"] == len(samples) and stats["train/loss"] == 0.0
+    after = weights(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -1,62 +1,113 @@
-"""Run on 2 gloo ranks by tests/dist/test_train.py: one FSDP2 step equals a plain single-process step."""
+"""Run on 2 gloo ranks by tests/dist/test_train.py: FSDP2 steps equal plain single-process steps.
+
+For every aggregation mode, each policy loss, a rollout correction, the KL in the loss and in the
+reward, an entropy bonus and two mini-batches: the trainer's step (micro-batch losses summed over
+ranks, divided by the step's global count) against the same update written plainly (one process,
+the whole batch, full logits, the registries' functions). With two mini-batches the first update's
+ratios are exactly 1 on every rank.
+"""
 
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils.rnn import pad_sequence
 
 from rollpacker.dist import build_meshes
 from rollpacker.model import CausalAttention, load_model
+from rollpacker.train.advantages import ADVANTAGES, returns_to_go
 from rollpacker.train.config import TrainConfig
-from rollpacker.train.losses import policy_loss
-from rollpacker.train.trainer import Sample, Trainer
+from rollpacker.train.losses import KL_ESTIMATORS, normalizer, policy_objective, units
+from rollpacker.train.trainer import Sample, Trainer, group_sizes, mini_batches
+
+MAX_TOKENS = 64  # rollout.max_new_tokens: seq-mean-token-sum-norm's constant
+CASES = [  # the default, then every aggregation, loss, correction and KL placement at least once
+    dict(),
+    dict(aggregation="seq-mean-token-mean", loss="gspo", entropy_coef=0.01),
+    dict(aggregation="seq-mean-token-sum", loss="cispo", rollout_correction="token_tis"),
+    dict(aggregation="seq-mean-token-sum-norm", advantage="dr_grpo", rollout_correction="seq_mask",
+         rollout_is_low=0.2, rollout_is_high=5.0),
+    dict(mini_batches=2, kl_coef=0.05, kl_estimator="k2", advantage="rloo"),
+    dict(kl_coef=0.05, kl_in_reward=True, kl_estimator="k1", advantage="reinforce_pp"),
+]
 
 
 def batch() -> list[Sample]:
     g = torch.Generator().manual_seed(0)
-    lengths = [(9, 30), (4, 3), (12, 17), (6, 41), (5, 2), (8, 11), (3, 25)]  # (prompt, response)
-    return [
-        Sample(torch.randint(0, 90, (p,), generator=g).tolist(), torch.randint(0, 90, (r,), generator=g).tolist(),
-               float(torch.randn((), generator=g)), [-1.0] * r)
-        for p, r in lengths
-    ]
+    lengths = [(9, 30), (9, 3), (9, 17), (6, 41), (6, 2), (8, 11), (8, 25)]  # (prompt, response): groups of 3, 2, 2
+    prompts = {p: torch.randint(0, 90, (p,), generator=g).tolist() for p, _ in lengths}
+    return [Sample(prompts[p], torch.randint(0, 90, (r,), generator=g).tolist(), float(torch.randint(0, 3, (),
+                   generator=g)) / 2, (-5.5 + 0.5 * torch.randn(r, generator=g)).tolist(), group=p)
+            for p, r in lengths]
 
 
-def reference_step(path: str, cfg: TrainConfig, samples: list[Sample], temperature: float) -> dict:
-    """The same update, written plainly: one process, the whole batch, full logits."""
+def reference_model(path: str):
+    """A reference policy unlike the initial one, so that the KL terms are not all 0 at the first step."""
     model = load_model(path)
-    logps = []
+    with torch.no_grad():
+        model.norm.weight.mul_(1.5)
+    return model
+
+
+def plain_logprobs(model, samples: list[Sample], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies [N, T] of each response token from the full logits."""
+    logps, entropies = [], []
     for s in samples:
         tokens = torch.tensor(s.prompt_ids + s.response_ids)
         logits = model.logits(model(tokens, torch.arange(len(tokens)), CausalAttention([len(tokens)])))
-        lp = torch.log_softmax(logits[:-1] / temperature, -1).gather(1, tokens[1:, None]).squeeze(1)
-        logps.append(lp[len(s.prompt_ids) - 1:])
-    logp = torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
-    mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(s.response_ids)) for s in samples], batch_first=True)
-    adv = torch.tensor([s.advantage for s in samples])
-    normalizer = mask.sum() if cfg.aggregation == "token" else len(samples)
-    loss, _ = policy_loss(logp, logp.detach(), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                          aggregation=cfg.aggregation, normalizer=normalizer)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        lp = torch.log_softmax(logits[:-1] / temperature, -1)[len(s.prompt_ids) - 1:]
+        logps.append(lp.gather(1, tokens[len(s.prompt_ids):, None]).squeeze(1))
+        entropies.append(-(lp.exp() * lp).sum(-1))
+    return pad_sequence(logps, batch_first=True), pad_sequence(entropies, batch_first=True)
+
+
+def reference_steps(path: str, cfg: TrainConfig, samples: list[Sample], temperature: float) -> tuple[dict, float]:
+    """The same updates, written plainly: old log-probs frozen first, advantages, then each
+    mini-batch's AdamW step on its share of the global count. Returns the weights and the first loss."""
+    model = load_model(path)
+    reference = reference_model(path) if cfg.kl_coef else None
+    lengths = [len(s.response_ids) for s in samples]
+    mask = pad_sequence([torch.ones(n, dtype=torch.bool) for n in lengths], batch_first=True)
+    behavior = pad_sequence([torch.tensor(s.rollout_logprobs) for s in samples], batch_first=True)
+    with torch.no_grad():
+        old = plain_logprobs(model, samples, temperature)[0]
+        ref = plain_logprobs(reference, samples, temperature)[0] if reference else None
+    kl_reward = -cfg.kl_coef * KL_ESTIMATORS[cfg.kl_estimator](old, ref) if cfg.kl_in_reward else None
+    returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, kl_reward)
+    adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
-    opt.step()
-    return dict(model.named_parameters())
+    total, losses = normalizer(cfg.aggregation, lengths, MAX_TOKENS), []
+    parts = mini_batches(group_sizes(samples), cfg.mini_batches)
+    for b in parts:
+        logp, entropy = plain_logprobs(model, [samples[i] for i in b], temperature)
+        t = logp.shape[1]
+        frozen = logp.detach() if len(parts) == 1 else old[b, :t]
+        loss, _ = policy_objective(logp, frozen, behavior[b, :t], adv[b, :t], mask[b, :t], cfg, entropy=entropy,
+                                   ref=None if ref is None else ref[b, :t])
+        share = total * units(cfg.aggregation, [lengths[i] for i in b]) / units(cfg.aggregation, lengths)
+        (loss / share).backward()
+        losses.append(loss.item() / share)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters()), losses[0]
 
 
 def main(path: str) -> None:
     meshes = build_meshes(rollout_tp=1, train_shard_size=0)
     samples = batch()
-    for aggregation in ("token", "seq-mean"):
+    lengths = [len(s.response_ids) for s in samples]
+    for case in CASES:
         # a small token budget: several micro-batches, and unequal counts over the 2 ranks
         # adam_eps=1 keeps Adam's first step linear in the gradient: elements whose true gradient is
         # ~0 (e.g. key biases under RoPE) would otherwise turn float noise into +-lr updates.
-        cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40, aggregation=aggregation, grad_clip=0.5,
-                          weight_decay=0.01, adam_eps=1.0)
-        trainer = Trainer(load_model(path), cfg, meshes.train, temperature=0.8, num_steps=1)
-        stats = trainer.step(samples)
-        expected = reference_step(path, cfg, samples, 0.8)
+        cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40, grad_clip=0.5, weight_decay=0.01,
+                          adam_eps=1.0, **case)
+        reference = reference_model(path) if cfg.kl_coef else None
+        trainer = Trainer(load_model(path), cfg, meshes.train, temperature=0.8, reference=reference, num_steps=1)
+        stats = trainer.step(samples, normalizer(cfg.aggregation, lengths, MAX_TOKENS))
+        expected, first_loss = reference_steps(path, cfg, samples, 0.8)
         initial = dict(load_model(path).named_parameters())
         worst_weight = max_diff = max_update = 0.0
         for name, p in trainer.model.named_parameters():
@@ -65,11 +116,18 @@ def main(path: str) -> None:
             max_diff = max(max_diff, (full - ref).abs().max().item())
             max_update = max(max_update, (ref - w0).abs().max().item())
         worst_update = max_diff / max_update  # relative to the largest update of the step
-        assert stats["train/num_micro_batches"] > 1
-        assert worst_weight <= 1e-5, f"{aggregation}: weights' max relative error {worst_weight:.2e}"
-        assert worst_update <= 1e-4, f"{aggregation}: updates' max relative error {worst_update:.2e}"
+        first = trainer.updates[0]
+        assert max(u["train/num_micro_batches"] for u in trainer.updates) > 1
+        assert stats["train/num_updates"] == cfg.mini_batches, stats
+        assert abs(first["train/loss"] - first_loss) <= 1e-5 * max(1.0, abs(first_loss)), (case, first, first_loss)
+        assert worst_weight <= 1e-5, f"{case}: weights' max relative error {worst_weight:.2e}"
+        assert worst_update <= 1e-4, f"{case}: updates' max relative error {worst_update:.2e}"
+        if cfg.mini_batches > 1:  # the frozen log-probs are exactly those the first update recomputes
+            assert first["train/ratio_dev"] == 0.0 and trainer.updates[1]["train/ratio_dev"] > 0, trainer.updates
+        assert 0 < stats["train/entropy"] < 10 and (stats["train/kl"] > 0) == bool(cfg.kl_coef), stats
         if dist.get_rank() == 0:
-            print(f"{aggregation}: max relative error of weights {worst_weight:.1e}, of updates {worst_update:.1e}")
+            print(f"{case}: loss {first['train/loss']:.6f} (plain {first_loss:.6f}), max relative error of weights "
+                  f"{worst_weight:.1e}, of updates {worst_update:.1e}", flush=True)
     print("OK", dist.get_rank(), flush=True)
     dist.destroy_process_group()
 

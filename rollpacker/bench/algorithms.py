@@ -1,0 +1,128 @@
+"""``python -m rollpacker.bench algorithms``: advantage estimators and policy losses side by side on the default job.
+
+Runs the toy job (``--preset``, default toy-cpu) under torchrun once per algorithm and seed, seed 0
+of every algorithm first, then seed 1, and so on, so that slow drift of the machine hits each
+alike. Every run has the same data order and number of steps; only the ``train.*`` flags of
+:data:`ALGORITHMS` differ. ``gspo`` and ``cispo`` run as their papers do, with two optimizer
+steps per batch (``--train.mini-batches 2``): with one update per batch the ratio is exactly 1
+and both reduce to the plain policy gradient; ``grpo_mb2`` is their GRPO baseline.
+
+By default the runs are the short setting: ``--steps 50`` RL steps, evaluated at steps 0, 25 and 50
+(``--eval-every 25``), with the default job's learning-rate schedule compressed into those steps.
+``--steps 200`` is the whole default job. Per algorithm it prints the mean over seeds of:
+
+- eval gain: held-out greedy accuracy (``eval/accuracy``) after the run minus before it;
+- reward gain: the mean training reward (``reward/mean``) of the last quarter of steps minus the first;
+- entropy: the mean token entropy (``train/entropy``) of the first and of the last quarter;
+- wall time of a run (torchrun start to exit).
+
+Flags after ``--`` go to every ``rollpacker.run`` unchanged. The last line is JSON:
+``eval_gain_<name>``, ``reward_gain_<name>``, ``entropy_<name>`` (last quarter) and ``wall_s_<name>``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+from rollpacker.jobflags import split_run_args
+
+ALGORITHMS = {
+    "grpo": [],
+    "dr_grpo": ["--train.advantage", "dr_grpo", "--train.aggregation", "seq-mean-token-sum-norm"],
+    "rloo": ["--train.advantage", "rloo"],
+    "gspo": ["--train.loss", "gspo", "--train.aggregation", "seq-mean-token-mean", "--train.clip-low", "3e-4",
+             "--train.clip-high", "4e-4", "--train.mini-batches", "2"],
+    "cispo": ["--train.loss", "cispo", "--train.clip-low", "1.0", "--train.mini-batches", "2"],
+    "grpo_mb2": ["--train.mini-batches", "2"],
+}
+"""Name -> its ``rollpacker.run`` flags (the papers' settings where they differ from the defaults)."""
+
+
+@dataclass
+class Args:
+    algorithms: str = ",".join(ALGORITHMS)
+    """Comma-separated names of ALGORITHMS."""
+    seeds: str = "0,1,2"
+    """Comma-separated seeds (sampling, data order and init of everything random)."""
+    steps: int = 50
+    """RL steps per run (200: the whole default job)."""
+    eval_every: int = 25
+    """Held-out evaluation every this many steps (and after the last)."""
+    nproc: int = 2
+    """Ranks (torchrun --nproc_per_node)."""
+    preset: str = "toy-cpu"
+    """Preset of the job."""
+
+
+def run(args: Args, run_args: list[str], flags: list[str], seed: int, run_dir: str) -> tuple[list[dict], float]:
+    """One run's metrics and its wall time."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--num-steps", str(args.steps),
+           "--eval-every", str(args.eval_every), "--seed", str(seed), "--data.shuffle-seed", str(seed),
+           "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--checkpoint.no-export-hf", *flags, *run_args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()], wall
+
+
+def summarize(rows: list[dict], wall: float) -> dict[str, float]:
+    """Eval gain, reward gain (last quarter minus first), entropy of the first and last quarter."""
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    steps = [r for r in rows if "reward/mean" in r]
+    quarter = max(1, len(steps) // 4)
+    first, last = steps[:quarter], steps[-quarter:]
+    return {
+        "eval_before": evals[0],
+        "eval_after": evals[-1],
+        "eval_gain": evals[-1] - evals[0],
+        "reward_gain": statistics.mean(r["reward/mean"] for r in last)
+        - statistics.mean(r["reward/mean"] for r in first),
+        "entropy_first": statistics.mean(r["train/entropy"] for r in first),
+        "entropy": statistics.mean(r["train/entropy"] for r in last),
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
+    args = tyro.cli(Args, args=own)
+    names, seeds = args.algorithms.split(","), [int(s) for s in args.seeds.split(",")]
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) {unknown}: choose from {', '.join(ALGORITHMS)}")
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for seed in seeds:
+        for name in names:
+            with tempfile.TemporaryDirectory() as run_dir:
+                results[name].append(summarize(*run(args, run_args, ALGORITHMS[name], seed, run_dir)))
+            r = results[name][-1]
+            print(f"  {name} seed {seed}: eval {r['eval_before']:.3f} -> {r['eval_after']:.3f}, reward gain "
+                  f"{r['reward_gain']:+.3f}, entropy {r['entropy_first']:.3f} -> {r['entropy']:.3f}, "
+                  f"{r['wall_s']:.0f} s", flush=True)
+    mean = {n: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
+    print(f"\n{args.preset}, {args.nproc} ranks, {args.steps} steps, mean over seeds {args.seeds}:")
+    print(f"{'algorithm':<12}{'eval gain':>10}{'reward gain':>13}{'entropy first->last':>21}{'wall s':>8}"
+          "  eval gain per seed")
+    for n in names:
+        m = mean[n]
+        per_seed = " / ".join(f"{r['eval_gain']:+.3f}" for r in results[n])
+        print(f"{n:<12}{m['eval_gain']:>+10.3f}{m['reward_gain']:>+13.3f}"
+              f"{m['entropy_first']:>12.3f} -> {m['entropy']:.3f}{m['wall_s']:>8.0f}  {per_seed}")
+    passed = all(mean[n]["eval_gain"] > 0 for n in names)
+    print(f"bar: every algorithm's mean eval gain > 0: {'yes' if passed else 'NO'}")
+    summary = {f"eval_gain_{n}": round(mean[n]["eval_gain"], 4) for n in names}
+    summary |= {f"reward_gain_{n}": round(mean[n]["reward_gain"], 4) for n in names}
+    summary |= {f"entropy_{n}": round(mean[n]["entropy"], 4) for n in names}
+    summary |= {f"wall_s_{n}": round(mean[n]["wall_s"], 1) for n in names}
+    print(json.dumps(summary))

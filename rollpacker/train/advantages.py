@@ -1,0 +1,122 @@
+"""Advantage estimators: a step's returns and its groups in, each token's advantage out.
+
+An estimator is a pure function ``(returns [N, T], mask [N, T], sizes) -> advantages [N, T]``.
+``returns[i, t]`` is response i's reward-to-go from token t: its reward, plus the per-token
+rewards after t (``-kl_coef * KL`` with ``train.kl_in_reward``, else none, so the row is
+constant). ``returns[i, 0]`` is the whole response's return. ``sizes`` are the group sizes: the
+first ``sizes[0]`` responses answer one prompt, the next ``sizes[1]`` the next, and so on.
+:data:`ADVANTAGES` registers each by name with its capability ``per_group``: whether a group's
+advantages depend on its own returns alone. Stream training needs that, since it trains a group
+as soon as it completes.
+
+- ``grpo`` (Shao et al. 2024): ``(R - mean_group) / (std_group + eps)``.
+- ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-like training"): ``R - mean_group``.
+- ``rloo`` (Ahmadian et al. 2024): ``R - mean of the group's other responses``.
+- ``reinforce_pp`` (Hu 2025, REINFORCE++): every token's return, whitened over the step's tokens.
+- ``reinforce_pp_baseline`` (the same paper's variant with a group baseline): ``R - mean_group``,
+  whitened over the step's tokens.
+
+How this departs from the papers:
+
+- The std is the unbiased one (``torch.std``, as verl). A group whose returns are all equal
+  (a group of one too) gets advantage exactly 0, not ``0 / eps``.
+- Whitening is over every response token of the step's batch (each response weighs by its
+  length, as REINFORCE++ normalizes over tokens). A batch whose returns are all equal gets 0.
+
+Torch is not imported here (tensor methods only), so the config can read ``per_group`` before
+torch loads. :func:`overlong_penalty` is DAPO's length shaping, a reward term the controller adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+EPS = 1e-6
+
+
+def group_centred(returns: Tensor, sizes: list[int], *, scale: bool, leave_one_out: bool = False) -> Tensor:
+    """Per group, each response's return minus the group's mean (or the mean of the others:
+    ``leave_one_out``), over the group's std if ``scale``; 0 in a group whose returns are all equal."""
+    scores = returns[:, 0].float()  # [N] the whole response's return
+    adv = scores.new_zeros(scores.shape)
+    start = 0
+    for n in sizes:
+        r = scores[start:start + n][None]  # [1, n]
+        flat = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+        if leave_one_out:
+            a = r - (r.sum(dim=1, keepdim=True) - r) / max(n - 1, 1)
+        else:
+            a = r - r.mean(dim=1, keepdim=True)
+        if scale and n > 1:
+            a = a / (r.std(dim=1, keepdim=True) + EPS)  # unbiased std
+        adv[start:start + n] = a.masked_fill(flat, 0.0)[0]
+        start += n
+    return adv[:, None].expand(returns.shape)
+
+
+def whiten(values: Tensor, mask: Tensor) -> Tensor:
+    """``(values - mean) / (std + eps)`` over the masked entries; 0 if they are all equal."""
+    kept = values[mask]
+    if kept.numel() < 2 or bool(kept.amax() == kept.amin()):
+        return values.new_zeros(values.shape)
+    return (values - kept.mean()) / (kept.std() + EPS)
+
+
+def grpo(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
+    return group_centred(returns, sizes, scale=True)
+
+
+def dr_grpo(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
+    return group_centred(returns, sizes, scale=False)
+
+
+def rloo(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
+    return group_centred(returns, sizes, scale=False, leave_one_out=True)
+
+
+def reinforce_pp(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
+    return whiten(returns.float(), mask)
+
+
+def reinforce_pp_baseline(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
+    return whiten(group_centred(returns, sizes, scale=False), mask)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    fn: Callable[[Tensor, Tensor, list[int]], Tensor]
+    """``(returns [N, T], mask [N, T], group sizes) -> advantages [N, T]``."""
+    per_group: bool
+    """A group's advantages depend on its own returns alone (stream training needs this)."""
+
+
+ADVANTAGES = {
+    "grpo": Estimator(grpo, per_group=True),
+    "dr_grpo": Estimator(dr_grpo, per_group=True),
+    "rloo": Estimator(rloo, per_group=True),
+    "reinforce_pp": Estimator(reinforce_pp, per_group=False),
+    "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, per_group=False),
+}
+"""``train.advantage`` -> its estimator."""
+
+
+def returns_to_go(rewards: Tensor, mask: Tensor, token_rewards: Tensor | None = None) -> Tensor:
+    """rewards [N], mask [N, T], per-token rewards [N, T] or None -> each token's return [N, T]:
+    the response's reward plus the token rewards from that token on (no discount)."""
+    returns = rewards.float()[:, None].expand(mask.shape)
+    if token_rewards is None:
+        return returns
+    after = token_rewards.where(mask, 0.0).flip(1).cumsum(1).flip(1)
+    return returns + after
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (its eq. 13), scaled by ``penalty``: 0 up to ``max_tokens -
+    buffer`` tokens, then falling linearly to ``-penalty`` at ``max_tokens`` (and below, beyond)."""
+    if not buffer or length <= max_tokens - buffer:
+        return 0.0
+    return -penalty * min(1.0, (length - (max_tokens - buffer)) / buffer)

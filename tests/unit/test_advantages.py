@@ -1,0 +1,99 @@
+"""Advantage estimators and DAPO's overlong punishment against values computed by hand from their
+papers' formulas, with the edge cases (a group of one, all-equal rewards, an empty mask)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollpacker.train.advantages import ADVANTAGES, overlong_penalty, returns_to_go
+
+
+def estimate(name: str, rewards: list[float], sizes: list[int], lengths: list[int] | None = None,
+             token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    lengths = lengths or [1] * len(rewards)
+    mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+    returns = returns_to_go(torch.tensor(rewards), mask, token_rewards)
+    return ADVANTAGES[name].fn(returns, mask, sizes)
+
+
+def test_grpo_hand_computed():
+    # Group 0: mean 0.5, deviations +-0.5, unbiased var = 4 * 0.25 / 3 = 1/3, std = 0.5773503
+    #   -> +-0.5 / 0.5773503 = +-0.8660254.
+    # Group 1: mean 0.75, deviations (0.25, 0.25, 0.25, -0.75), var = (3 * 0.0625 + 0.5625) / 3
+    #   = 0.25, std = 0.5 -> (0.5, 0.5, 0.5, -1.5).
+    adv = estimate("grpo", [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], [4, 4])[:, 0]
+    want = torch.tensor([0.8660254, -0.8660254, -0.8660254, 0.8660254, 0.5, 0.5, 0.5, -1.5])
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
+
+
+def test_dr_grpo_and_rloo_hand_computed():
+    rewards, sizes = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0], [4, 4]
+    # Dr. GRPO: centred only.
+    torch.testing.assert_close(estimate("dr_grpo", rewards, sizes)[:, 0],
+                               torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]))
+    # RLOO: minus the mean of the group's other responses. Group 0: 1 - 1/3, 0 - 2/3;
+    # group 1: 1 - 2/3, 0 - 1.
+    torch.testing.assert_close(estimate("rloo", rewards, sizes)[:, 0],
+                               torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, -1.0]))
+
+
+def test_reinforce_pp_whitens_every_token_of_the_batch():
+    # Rewards (1, 0), lengths (1, 3): token returns (1 | 0, 0, 0). Mean 0.25, unbiased std
+    # sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5 -> (1.5 | -0.5, -0.5, -0.5).
+    adv = estimate("reinforce_pp", [1.0, 0.0], [1, 1], [1, 3])
+    torch.testing.assert_close(adv[0, :1], torch.tensor([1.5]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(adv[1], torch.tensor([-0.5, -0.5, -0.5]), atol=1e-5, rtol=0)
+    # With the KL in the reward: token rewards (-0.1, -0.2, -0.3) make returns-to-go
+    # (1 - 0.6, 1 - 0.5, 1 - 0.3) = (0.4, 0.5, 0.7): mean 1.6 / 3, unbiased std 0.1527525.
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    returns = returns_to_go(torch.tensor([1.0]), mask, torch.tensor([[-0.1, -0.2, -0.3]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.4, 0.5, 0.7]]))
+    mean, std = 1.6 / 3, 0.1527525
+    torch.testing.assert_close(ADVANTAGES["reinforce_pp"].fn(returns, mask, [1]),
+                               (torch.tensor([[0.4, 0.5, 0.7]]) - mean) / (std + 1e-6), atol=1e-5, rtol=0)
+
+
+def test_reinforce_pp_baseline_hand_computed():
+    # Groups (1, 0) and (1, 1): centred (0.5, -0.5, 0, 0); whitened over the 4 tokens: mean 0,
+    # unbiased std sqrt(0.5 / 3) = 0.4082483 -> (1.2247449, -1.2247449, 0, 0).
+    adv = estimate("reinforce_pp_baseline", [1.0, 0.0, 1.0, 1.0], [2, 2])[:, 0]
+    torch.testing.assert_close(adv, torch.tensor([1.2247449, -1.2247449, 0.0, 0.0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_edge_cases_give_exactly_zero(name):
+    # All-equal rewards (0.7 has no exact float: a mean need not give exactly 0 without the check).
+    assert (estimate(name, [0.7, 0.7, 0.7], [3]) == 0).all()
+    # Groups of one: nothing to compare with (GRPO's unbiased std would be NaN).
+    single = estimate(name, [3.0, 1.0], [1, 1])
+    if ADVANTAGES[name].per_group:
+        assert (single == 0).all()
+    assert torch.isfinite(single).all()
+    # No response token at all.
+    mask = torch.zeros(2, 1, dtype=torch.bool)
+    adv = ADVANTAGES[name].fn(returns_to_go(torch.tensor([1.0, 0.0]), mask), mask, [2])
+    assert torch.isfinite(adv).all()
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+def test_per_group_is_what_stream_training_relies_on(name):
+    """A per-group estimator gives each group, alone, bitwise what it gives it inside the batch."""
+    g = torch.Generator().manual_seed(0)
+    rewards, sizes, lengths = torch.rand(9, generator=g).tolist(), [4, 2, 3], [3, 1, 5, 2, 2, 4, 1, 1, 3]
+    whole = estimate(name, rewards, sizes, lengths)
+    alone, start = [], 0
+    for n in sizes:
+        part = estimate(name, rewards[start:start + n], [n], lengths[start:start + n])
+        alone.append(torch.nn.functional.pad(part, (0, whole.shape[1] - part.shape[1])))
+        start += n
+    mask = torch.arange(whole.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+    same = torch.equal(torch.where(mask, whole, 0), torch.where(mask, torch.cat(alone), 0))
+    assert same == ADVANTAGES[name].per_group
+
+
+def test_overlong_penalty_hand_computed():
+    # DAPO eq. 13 with L_max = 100, L_cache = 20: 0 up to 80 tokens, then linear down to -1 at 100.
+    assert [overlong_penalty(n, 100, 20, 1.0) for n in (10, 80, 90, 95, 100)] == [0.0, 0.0, -0.5, -0.75, -1.0]
+    assert overlong_penalty(90, 100, 20, 0.5) == -0.25
+    assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # off
