@@ -95,7 +95,7 @@ def test_capped_logprobs_match_the_plain_version_values_and_grads():
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["schedule:one_step_off", "--train.off-policy", "tis"], "model.impl=hf with schedule:one_step_off"),
+    (["schedule:one_step_off", "--train.rollout-correction", "token_tis"], "model.impl=hf with schedule:one_step_off"),
     (["--plan.enabled"], "model.impl=hf with plan.enabled"),
 ])
 def test_hf_path_refuses_pools_of_their_own_and_the_planner(argv, message):

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from train_step import batch
 
 from rollpacker.model.parallelize import build_for_training
+from rollpacker.train.advantages import ADVANTAGES, returns_to_go
 from rollpacker.train.config import TrainConfig
-from rollpacker.train.losses import policy_loss
-from rollpacker.train.trainer import Trainer
+from rollpacker.train.losses import normalizer, policy_objective
+from rollpacker.train.trainer import Trainer, group_sizes
 
 TEMPERATURE = 0.8
 
@@ -29,7 +30,8 @@ def fsdp_step(path: str, impl: str, meshes) -> tuple[dict, dict[str, torch.Tenso
     cfg = config()
     model = build_for_training(path, impl, meshes.train, cfg, src=0, group=None, device=torch.device("cpu"))
     trainer = Trainer(model, cfg, meshes.train, temperature=TEMPERATURE, num_steps=1)
-    stats = trainer.step(batch())
+    samples = batch()
+    stats = trainer.step(samples, normalizer(cfg.aggregation, [len(s.response_ids) for s in samples], 64))
     return stats, {n.removeprefix("model."): p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
 
 
@@ -47,10 +49,11 @@ def reference_step(path: str) -> dict[str, torch.Tensor]:
         logps.append(lp[len(s.prompt_ids) - 1:])
     logp = torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(s.response_ids)) for s in samples], batch_first=True)
-    adv = torch.tensor([s.advantage for s in samples])
-    loss, _ = policy_loss(logp, logp.detach(), adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                          normalizer=mask.sum())
-    loss.backward()
+    behavior = torch.nn.utils.rnn.pad_sequence([torch.tensor(s.rollout_logprobs) for s in samples], batch_first=True)
+    adv = ADVANTAGES[cfg.advantage].fn(returns_to_go(torch.tensor([s.reward for s in samples]), mask.bool()),
+                                       mask.bool(), group_sizes(samples))
+    loss, _ = policy_objective(logp, logp.detach(), behavior, adv, mask, cfg)
+    (loss / mask.sum()).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     torch.optim.AdamW(model.parameters(), lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay).step()
     return {n.removeprefix("model."): p.detach() for n, p in model.named_parameters()}

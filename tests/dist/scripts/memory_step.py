@@ -21,7 +21,8 @@ from rollpacker.dist import build_meshes
 from rollpacker.model import load_model
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.train.config import TrainConfig
-from rollpacker.train.trainer import Trainer
+from rollpacker.train.losses import normalizer
+from rollpacker.train.trainer import Trainer, spread
 
 
 def build(path: str, meshes, cfg: TrainConfig) -> Trainer:
@@ -34,7 +35,9 @@ def build(path: str, meshes, cfg: TrainConfig) -> Trainer:
 def gradients(path: str, meshes, **settings) -> tuple[float, dict[str, torch.Tensor]]:
     """The loss sum and the reduced gradients of one backward over the batch (several micro-batches)."""
     trainer = build(path, meshes, TrainConfig(micro_batch_tokens=40, **settings))
-    trainer._backward(batch(), trainer.ranks, sync_last=True)
+    samples = batch()
+    plan = spread([s.num_tokens for s in samples], len(trainer.ranks), trainer.config.micro_batch_tokens)
+    trainer._backward(samples, trainer._prepare(samples), plan, trainer.ranks, sync_last=True)
     loss = trainer.totals[0].clone()
     dist.all_reduce(loss)
     return loss.item(), {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
@@ -43,7 +46,9 @@ def gradients(path: str, meshes, **settings) -> tuple[float, dict[str, torch.Ten
 def two_steps(path: str, meshes, **settings) -> tuple[list[dict], dict[str, torch.Tensor]]:
     cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40, kl_coef=0.1, adam_eps=1.0, **settings)
     trainer = build(path, meshes, cfg)
-    stats = [trainer.step(batch()) for _ in range(2)]
+    samples = batch()
+    total = normalizer(cfg.aggregation, [len(s.response_ids) for s in samples], 64)
+    stats = [trainer.step(samples, total) for _ in range(2)]
     return stats, {n: p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
 
 
