@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 
 from rollpacker.config import Config, parse
@@ -50,10 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
         if config.model.path:
             check_model_dir(Path(config.model.path))
-    except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: rank 0 says it
-        if os.environ.get("RANK", "0") == "0":
-            print(f"rollpacker: config error: {e}", file=sys.stderr)
-        sys.exit(1)
+    except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
+        fail(e, prefix="rollpacker: config error: ")  # (rank 0 alone raced the others' exit: torchrun killed it)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if config.resume and os.environ.get("RANK", "0") == "0":
         logging.getLogger("rollpacker").info("resuming from %s", config.resume)
