@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rollpacker.plan.planner import best_tp
 
 from conftest import launch_job, torchrun
@@ -34,6 +36,7 @@ def test_the_profiler_cli_writes_a_profile_the_planner_reads(tmp_path):
     assert best_tp(profile, [1], 16, 20, 50)[0] == 1
 
 
+@pytest.mark.slow  # the in-process run below switches TP too; this one checks the rollouts token by token
 def test_switching_tp_between_steps_rolls_out_like_a_fixed_tp(tmp_path):
     out = torchrun("tp_switch.py", 2, str(tmp_path), timeout=600)
     assert out.count("OK") == 2, out
@@ -71,6 +74,7 @@ def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
     assert "world: profile has 8, this run 2" in proc.stderr
 
 
+@pytest.mark.slow  # a benchmark's plumbing
 def test_planner_bench_smoke(capsys):
     from rollpacker.bench.__main__ import main
 

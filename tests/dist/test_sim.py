@@ -39,6 +39,7 @@ def test_cli_preset_run_prints_the_breakdown_and_a_gantt(tmp_path):
         sum(figures[k] for k in ("rollout_s", "reward_s", "train_s", "sync_s")), rel=1e-3)
 
 
+@pytest.mark.slow  # the paper's Table 2, every row simulated
 def test_cli_table2_ends_with_max_rel_error_over_the_built_rows():
     out, figures = sim_cli("table2", "--num-steps", "5")
     assert out.count("not yet") == 0

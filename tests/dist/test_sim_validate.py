@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a benchmark: profile, two runs, simulation
 def test_validate_profiles_runs_and_simulates(tmp_path):
     small = ["--rollout.num-prompts", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "64",
              "--plan.profile-batches", "1", "8", "--plan.profile-contexts", "32", "--plan.profile-steps", "2"]

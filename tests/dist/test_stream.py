@@ -21,7 +21,8 @@ STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-s
 
 
 @pytest.mark.parametrize("sampling", [["--rollout.temperature", "0"],
-                                      ["--schedule.eta-prompts", "1", "--schedule.eta-responses", "1"]])
+                                      pytest.param(["--schedule.eta-prompts", "1", "--schedule.eta-responses", "1"],
+                                                   marks=pytest.mark.slow)])
 def test_stream_run_trains_what_the_plain_run_trains(tmp_path, sampling):
     """Migrated requests finish as if never moved: greedy, and seeded sampling (there without
     speculation, which keeps whichever responses finish first, and migration changes that order).

@@ -145,7 +145,7 @@ def test_update_weights_from_our_model(pair, engine):
     assert got[reqs[0].id].token_ids == hf_greedy(hf, reqs[0].prompt_ids, 12)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])  # TP 2 covers the group join
 def test_torchrun_replicas_and_tp(pair, tp):
     """2 gloo ranks: two TP-1 replicas, or one TP-2 replica; greedy equals transformers before and
     after a weight push, and the trainer's default group still works."""

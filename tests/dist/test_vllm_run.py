@@ -26,7 +26,10 @@ POLICIES = {
 }
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
+# tail (short and long rounds), one_step_off (a vLLM rollout pool fed by broadcast) in the default tier; the
+# others add no vLLM path of their own and run in the slow tier
+@pytest.mark.parametrize("policy", [p if p in ("tail", "one_step_off") else pytest.param(p, marks=pytest.mark.slow)
+                                    for p in POLICIES])
 def test_every_policy_trains_every_prompt_once_on_vllm(policy, tmp_path):
     finish(start_job(tmp_path, *ONE_EPOCH, *POLICIES[policy]))
     records = list(steps(tmp_path).values())
@@ -38,6 +41,7 @@ def test_every_policy_trains_every_prompt_once_on_vllm(policy, tmp_path):
         assert sum(r["stream/streamed_groups"] for r in records) > 0
 
 
+@pytest.mark.slow  # resume is the engine's weight push, checked in test_vllm_engine; TorchEngine's runs resume
 def test_a_stopped_run_resumes_losing_nothing_on_vllm(tmp_path):
     finish(start_job(tmp_path, *ONE_EPOCH, "--num-steps", "2"))
     assert sorted(steps(tmp_path)) == [0, 1]
@@ -52,6 +56,7 @@ def test_the_planner_is_refused_on_vllm_with_the_reason(tmp_path):
     assert "plan.enabled with engine.kind='vllm': a TP switch rebuilds the engines in-process" in message
 
 
+@pytest.mark.slow  # a benchmark's plumbing
 def test_engine_bench_compares_torch_vllm_and_hf_on_the_same_tokens(tmp_path):
     """``bench engine --engines torch vllm hf`` at tiny sizes, in its own process (one vLLM engine per
     process at a time): the three agree token for token and the JSON line has the issue's figures."""
@@ -76,6 +81,7 @@ def test_engine_bench_compares_torch_vllm_and_hf_on_the_same_tokens(tmp_path):
     assert set(summary["decode_ms_per_iter_vllm"]) == {"1", "4"} and summary["ragged_tok_s_vllm"] > 0
 
 
+@pytest.mark.slow  # a benchmark's plumbing
 def test_regime_bench_runs_the_policies_on_forced_lengths(tmp_path):
     """``bench regime`` plumbing at tiny sizes: a random model written, rollout alone on vLLM with
     replayed lengths, every policy's figures in the JSON line (no timing asserted)."""
