@@ -74,8 +74,8 @@ def test_qwen3_moe_weights_pushed_under_the_checkpoints_names(model_dirs):
 
 
 def test_capped_logprobs_match_the_plain_version_values_and_grads():
-    from rollpacker.train.logprobs import token_logprobs
-    from rollpacker_kernels.reference import reference_token_logprobs
+    from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
+    from rollpacker_kernels.reference import reference_token_logprobs, reference_token_logprobs_entropy
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
@@ -87,6 +87,13 @@ def test_capped_logprobs_match_the_plain_version_values_and_grads():
     upstream = torch.randn(37, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
     torch.testing.assert_close(grads, torch.autograd.grad((ref * upstream).sum(), (hidden, weight)))
+    # the entropy bonus back-propagates through the cap too
+    out, entropy = token_logprobs_entropy(hidden, weight, targets, 0.7, chunk_size=8, softcap=3.0)
+    ref, ref_entropy = reference_token_logprobs_entropy(hidden, weight, targets, 0.7, softcap=3.0)
+    torch.testing.assert_close((out, entropy), (ref, ref_entropy))
+    objective = (out * upstream).sum() + 0.3 * entropy.sum()
+    torch.testing.assert_close(torch.autograd.grad(objective, (hidden, weight)),
+                               torch.autograd.grad((ref * upstream).sum() + 0.3 * ref_entropy.sum(), (hidden, weight)))
     small = (hidden[:5].detach().requires_grad_(), weight[:9].detach().requires_grad_())
     assert torch.autograd.gradcheck(lambda h, w: token_logprobs(h, w, targets[:5] % 9, 0.7, chunk_size=2, softcap=3.0),
                                     small)
