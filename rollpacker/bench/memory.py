@@ -106,6 +106,7 @@ def worker(case: Case) -> dict[str, float]:
     from rollpacker.dist import build_meshes
     from rollpacker.model import ModelArgs, Transformer
     from rollpacker.train.config import TrainConfig
+    from rollpacker.train.losses import normalizer
     from rollpacker.train.trainer import Sample, Trainer
 
     meshes = build_meshes(rollout_tp=1, train_shard_size=0)
@@ -126,9 +127,10 @@ def worker(case: Case) -> dict[str, float]:
         model.to_empty(device="cpu")
         model.init_weights()
         trainer = Trainer(model, cfg, meshes.train, num_steps=2)
-        trainer.step(warmup)
-        with record_function("measured_step"):
-            trainer.step(measured)
+        for name, batch in (("warmup_step", warmup), ("measured_step", measured)):
+            with record_function(name):
+                lengths = [len(s.response_ids) for s in batch]
+                trainer.step(batch, normalizer(cfg.aggregation, lengths, max(case.seq_lens)))
     window, totals = None, []
 
     def walk(node) -> None:

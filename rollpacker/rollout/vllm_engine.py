@@ -79,8 +79,10 @@ _SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts", "vllm:spec_decode
 
 
 def _repack_tied_head(worker) -> None:
-    """CPU only: the tied lm_head keeps its own packed copy of the embedding; rebuild it."""
-    head = worker.model_runner.model.lm_head
+    """CPU only: the tied lm_head keeps its own packed copy of the embedding; rebuild it. Gemma's
+    models have no lm_head: their embedding is the head."""
+    model = worker.model_runner.model
+    head = model.lm_head if hasattr(model, "lm_head") else model.model.embed_tokens
     head.quant_method.process_weights_after_loading(head)
 
 
