@@ -271,8 +271,11 @@ class RoundLeader:
         aborted = [o for r in reports for o in r.aborted]
         resumed = hooks.on_aborted(state, aborted)  # migrated: resumed on a kept replica
         adds = [self.resume(out) for out in resumed]
-        self.aborted += [out for out in aborted if out.id not in {o.id for o in resumed}]
-        finished = [out for r in reports for out in r.finished]
+        # a migrating request its engine finished before the abort reached it (SGLang's) finished: whole, not cut
+        whole = [o for o in aborted if o.finish_reason != "abort" and o.id in state.outstanding]
+        taken = {o.id for o in [*resumed, *whole]}
+        self.aborted += [out for out in aborted if out.id not in taken]
+        finished = [out for r in reports for out in r.finished] + whole
         state.finished(finished)
         for out in finished:
             self.tokens_done += len(out.token_ids)

@@ -12,7 +12,10 @@ calls in the same order; the engine never knows which scheduling policy drives i
 - Waiting requests are admitted by ``Request.priority`` (lower first), FIFO among equals; a
   request preempted for lack of KV memory goes back ahead of its equals.
 - ``abort(request_id)`` removes a request at once, frees its KV and returns its partial
-  :class:`Output` (tokens and log-probs so far, ``finish_reason="abort"``).
+  :class:`Output` (tokens and log-probs so far, ``finish_reason="abort"``). An engine that runs
+  apart from ``step()`` (SGLang's) may have finished the request before the abort reached it: then
+  the output is whole and keeps its own finish reason (a partial is never one that could not be
+  continued; the policies keep a whole one as finished).
 - ``Request.resume_from`` continues a partial output by recomputation: the engine prefills the
   prompt plus the partial tokens and goes on; the returned output holds the partial tokens and
   log-probs followed by the new ones, and ``max_new_tokens`` counts all of them. Seeded sampling

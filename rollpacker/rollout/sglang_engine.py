@@ -434,7 +434,8 @@ class SGLangEngine:
         if error:
             raise RuntimeError(error)
         del self.live[request_id]
-        return finish(out, "abort")
+        # SGLang may have finished it before the abort arrived (its stream runs apart from step()): it stays whole
+        return out if out.finish_reason in ("stop", "length") else finish(out, "abort")
 
     def step(self) -> list[Output]:
         if self.released:

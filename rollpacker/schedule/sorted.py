@@ -36,7 +36,9 @@ How this differs from the paper:
   trajectories;
 - a response that finishes after the cut-off (in the same exchange as the round's last group) is
   thrown away in on-policy mode, kept in partial mode unless it would complete its group (then it
-  is generated afresh next round, so that groups complete only inside a round);
+  is generated afresh next round, so that groups complete only inside a round); the same holds for
+  a response the round's end aborted after its engine had finished it (SGLang's engine runs apart
+  from the controller's polls: such an abort returns the response whole);
 - dynamic sampling (``filter_zero_variance``) and ``num_epochs`` behave as in tail: a filtered group
   does not count towards P0 (no prompt replaces it: the whole buffer is already running), and
   the last load group of the last epoch takes what is left.
@@ -201,8 +203,10 @@ class SortedPolicy(QueuedPolicy):
         if self.partial:  # keep the partial trajectories of the prompts going back to the buffer
             for out in aborted:
                 slot, k = self.where[out.id]
-                if self.slots[slot].state == "running":
-                    self._record(self.slots[slot], k, out)
+                e = self.slots[slot]
+                completes = _finished(out) and sum(map(_finished, e.outputs)) + 1 == self.group_size
+                if e.state == "running" and not completes:  # a group completes only inside a round
+                    self._record(e, k, out)
         groups, deferred = [], 0
         for e in self.slots:
             if e.state == "running":

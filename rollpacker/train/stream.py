@@ -314,7 +314,8 @@ class StreamRound(RoundHooks):
         if self.scaled_at is not None and self.migration_s is None and not any(o.id in state.migrating
                                                                                 for o in outputs):
             self.migration_s = self.clock() - self.scaled_at
-        resume = [o for o in outputs if o.id in state.migrating and o.id in state.outstanding]
+        resume = [o for o in outputs if o.id in state.migrating and o.id in state.outstanding
+                  and o.finish_reason == "abort"]  # not one its engine finished before the abort reached it
         self.migrated_tokens += sum(len(o.prompt_ids) + len(o.token_ids) for o in resume)
         state.migrating -= {o.id for o in outputs}
         return resume

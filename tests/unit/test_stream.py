@@ -144,15 +144,16 @@ def test_a_stream_round_scales_down_once_times_the_migration_and_feeds_complete_
     assert hooks.maybe_scale_down(state, lambda: []) is None  # once per round
     hooks.feed(state)
     assert sink.batches == [[state.slots[0]]]  # the complete, scored group goes to the freed ranks
-    aborted = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3]) for rid in moved]
+    aborted = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3], finish_reason="abort") for rid in moved]
+    aborted[-1].finish_reason = "length"  # its engine (SGLang's) finished it before the abort: whole, not resumed
     now[0] = 11.0
-    assert hooks.on_aborted(state, aborted) == aborted and hooks.migration_s is None  # resumed, not back yet
+    assert hooks.on_aborted(state, aborted) == aborted[:2] and hooks.migration_s is None  # resumed, not back yet
     now[0] = 12.5
     assert hooks.on_aborted(state, []) == [] and hooks.migration_s == 2.5  # the next report: back and prefilled
     stats = hooks.finish()
     assert sink.closed and stats == {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": 0.25,
                                      "time/migration": 2.5, "stream/streamed_groups": 1.0}
-    assert decider.migration_seconds_per_token == 2.5 / (3 * 3)  # 3 migrated requests of 2 + 1 tokens
+    assert decider.migration_seconds_per_token == 2.5 / (2 * 3)  # 2 migrated requests of 2 + 1 tokens
 
 
 def test_a_pipe_round_runs_on_the_rollout_pool_from_the_start_frontier_first():

@@ -5,6 +5,7 @@ one failing check fails one test. Args: model a, model b (other weights), result
 
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -81,6 +82,12 @@ def abort_then_resume_continues_greedy(engine, a, b):
                                      resume_from=partial)])["long"]
     assert done.token_ids == full.token_ids
     torch.testing.assert_close(done.logprobs, full.logprobs, atol=1e-4, rtol=0)
+    engine.add(greedy("raced", prompt, 6))
+    while engine.live["raced"].out.finish_reason is None:  # SGLang finishes it before the abort reaches it
+        time.sleep(0.01)
+    raced = engine.abort("raced")  # whole, not a partial to resume
+    assert raced.finish_reason == "length" and raced.token_ids == full.token_ids[:6], raced
+    assert not engine.has_unfinished()
 
 
 def bad_requests_raise(engine, a, b):
