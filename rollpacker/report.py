@@ -6,7 +6,9 @@ writes ``RUN_DIR/plots/step_time.png`` (stacked ``time/*`` stages per step, ``ti
 dot above them), ``response_lengths.png`` (a box per step of ``rollout/response_lengths``, on a
 log scale when all are positive, tail batching's long rounds marked red: the paper's Fig. 4a) and
 ``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs step), and
-prints their paths. A plot whose metrics appear in no step is skipped with a note.
+``samples.md``: a few responses of the last training step saved with ``--metrics.samples-every``
+(the best and worst rewarded, the longest, the shortest), and prints their paths. A plot whose
+metrics appear in no step, or a run without samples, is skipped with a note.
 When a step was logged twice (a resumed run), its last line wins.
 """
 
@@ -136,6 +138,47 @@ PLOTS = {
 }
 
 
+SHOWN_CHARS = 600
+"""Characters of a prompt or completion shown in samples.md (the samples file has them whole)."""
+
+
+def _step_of(path: Path) -> int:
+    number = path.stem.removeprefix("step_")
+    return int(number) if number.isdigit() else -1
+
+
+def _cut(text: object) -> str:
+    text = text if isinstance(text, str) else json.dumps(text)  # chat messages as JSON
+    return text[:SHOWN_CHARS] + (" [...]" if len(text) > SHOWN_CHARS else "")
+
+
+def write_samples(run_dir: Path, out: Path) -> bool:
+    """``out``: a few responses of the newest ``run_dir/samples/step_N.jsonl`` (False: there is none)."""
+    files = sorted((run_dir / "samples").glob("step_*.jsonl"), key=_step_of)
+    if not files:
+        return False
+    samples = []
+    for lineno, line in enumerate(files[-1].read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            samples.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ReportError(f"{files[-1]}:{lineno}: not valid JSON ({e.msg})") from None
+    if not samples:
+        return False
+    picks = {"best reward": max(samples, key=lambda x: x["reward"]),
+             "worst reward": min(samples, key=lambda x: x["reward"]),
+             "longest": max(samples, key=lambda x: x["length"]), "shortest": min(samples, key=lambda x: x["length"])}
+    lines = [f"# Samples of step {samples[0]['step']} ({len(samples)} responses in {files[-1]})", ""]
+    for title, x in picks.items():
+        lines += [f"## {title}: reward {x['reward']:.3g}, {x['length']} tokens, {x['finish_reason']}", "",
+                  f"rewards: {json.dumps(x.get('rewards', {}))}", "", "prompt:", "", "```", _cut(x["prompt"]), "```",
+                  "", "completion:", "", "```", _cut(x["completion"]), "```", ""]
+    out.write_text("\n".join(lines), encoding="utf-8")
+    return True
+
+
 def write_report(run_dir: Path) -> list[Path]:
     """Write the plots of ``run_dir`` into ``run_dir/plots``; returns the paths written."""
     if not run_dir.is_dir():
@@ -165,6 +208,10 @@ def write_report(run_dir: Path) -> list[Path]:
                 print(f"skipped {name}: no step has {needs}", file=sys.stderr)
         finally:
             plt.close(fig)
+    if write_samples(run_dir, out_dir / "samples.md"):
+        written.append(out_dir / "samples.md")
+    else:
+        print("skipped samples.md: no samples (run with --metrics.samples-every N)", file=sys.stderr)
     return written
 
 

@@ -163,6 +163,26 @@ def test_report_writes_three_plots(tmp_path, capsys):
         assert (run_dir / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_report_shows_a_few_samples_of_the_last_saved_step(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _write_metrics(run_dir)
+    (run_dir / "samples").mkdir()
+    rows = [{"step": 10, "prompt": [{"role": "user", "content": f"Q{i}"}], "completion": f"A{i}" + "x" * 700 * (i == 2),
+             "reward": [0.5, 1.0, 0.0, 0.2][i], "rewards": {"toy": [0.5, 1.0, 0.0, 0.2][i]}, "length": [9, 3, 40, 7][i],
+             "finish_reason": "stop"} for i in range(4)]
+    (run_dir / "samples" / "step_10.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "samples" / "step_2.jsonl").write_text(json.dumps({**rows[0], "step": 2}) + "\n")  # older: not shown
+    assert report.main([str(run_dir)]) == 0
+    assert capsys.readouterr().out.split()[-1] == str(run_dir / "plots" / "samples.md")
+    text = (run_dir / "plots" / "samples.md").read_text()
+    assert text.startswith("# Samples of step 10 (4 responses")
+    sections = text.split("\n## ")[1:]
+    assert [s.split(":")[0] for s in sections] == ["best reward", "worst reward", "longest", "shortest"]
+    assert '"Q1"' in sections[0] and '"Q2"' in sections[1] and '"Q2"' in sections[2] and '"Q1"' in sections[3]
+    assert "x" * 590 + " [...]" in sections[1] and "x" * 700 not in text  # cut, with a mark
+    assert 'rewards: {"toy": 1.0}' in sections[0]
+
+
 def test_report_missing_dir_and_file(tmp_path, capsys):
     assert report.main([str(tmp_path / "nope")]) == 2
     assert str(tmp_path / "nope") in capsys.readouterr().err
