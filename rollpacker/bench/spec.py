@@ -23,8 +23,9 @@ and the tokens that differ from the first variant's run of the same seed, respon
 tokens). The jobs run under :mod:`rollpacker.bench.spec_job`, which records every round's responses.
 
 Flags after ``--`` go to every run. The last line is JSON: ``rollout_speedup_spec``,
-``tail_speedup_spec``, ``spec_acceptance`` of the first policy's ``--headline`` variant against its
-first, ``tokens_changed`` over all runs, their ``*_cpu`` twins, ``long_speedup_longest_first`` (long
+``tail_speedup_spec``, ``spec_acceptance`` (accepted / drafted tokens) and ``spec_accept_rate`` (the
+per-token rate the simulator takes: ``rollout/spec_accept_rate``) of the first policy's ``--headline``
+variant against its first, ``tokens_changed`` over all runs, their ``*_cpu`` twins, ``long_speedup_longest_first`` (long
 rounds of the first ``lf`` variant against the same without ``lf``: today's order), and
 ``<figure>_<policy>_<variant>`` for every pair.
 """
@@ -90,7 +91,7 @@ class Totals:
     steps: int = 0
     long_steps: int = 0
     drafts: dict[str, list[int]] = field(default_factory=dict)
-    """Source -> [rows verified, draft tokens, accepted tokens]."""
+    """Source -> [rows verified, draft tokens, accepted tokens, trials (SpecStats.num_trials)]."""
     tokens_changed: int = 0
     responses_changed: int = 0
     responses_compared: int = 0
@@ -126,10 +127,11 @@ def add(t: Totals, records: list[dict], rounds: list[dict]) -> None:
     for rnd in rounds[1:]:
         spec = rnd["spec"]
         for source, rows in spec["num_drafts"].items():
-            counts = t.drafts.setdefault(source, [0, 0, 0])
+            counts = t.drafts.setdefault(source, [0, 0, 0, 0])
             counts[0] += rows
             counts[1] += spec["num_draft_tokens"].get(source, 0)
             counts[2] += spec["num_accepted_tokens"].get(source, 0)
+            counts[3] += spec["num_trials"].get(source, 0)
 
 
 def changed(base: list[dict], other: list[dict]) -> tuple[int, int, int]:
@@ -165,15 +167,16 @@ def report(policies: list[str], variants: list[str], headline: str,
            totals: dict[tuple[str, str], Totals]) -> dict:
     """The table and the figures."""
     print(f"\n{'policy':<7}{'variant':<16}{'rollout s':>10}{'tail s':>8}{'long s':>8}{'cpu s':>8}{'tail cpu':>9}"
-          f"{'speedup':>8}{'tail x':>7}{'long x':>7}{'cpu x':>7}{'tail cpu x':>11}{'accept':>8}{'tok/row':>8}"
-          f"{'changed':>8}{'of':>6}")
+          f"{'speedup':>8}{'tail x':>7}{'long x':>7}{'cpu x':>7}{'tail cpu x':>11}{'accept':>8}{'rate':>6}"
+          f"{'tok/row':>8}{'changed':>8}{'of':>6}")
     figures: dict[str, float] = {}
     for policy in policies:
         base = totals[policy, variants[0]]
         for variant in variants:
             t = totals[policy, variant]
-            rows, drafted, accepted = (sum(c[i] for c in t.drafts.values()) for i in range(3))
+            rows, drafted, accepted, trials = (sum(c[i] for c in t.drafts.values()) for i in range(4))
             accept = accepted / drafted if drafted else 0.0
+            rate = accepted / trials if trials else 0.0
             per_row = (accepted + rows) / rows if rows else 1.0
             x = {"rollout_speedup": ratio(base.rollout_s, t.rollout_s), "tail_speedup": ratio(base.tail_s, t.tail_s),
                  "long_speedup": ratio(base.long_s, t.long_s), "rollout_speedup_cpu": ratio(base.cpu_s, t.cpu_s),
@@ -182,14 +185,16 @@ def report(policies: list[str], variants: list[str], headline: str,
             print(f"{policy:<7}{variant:<16}{t.rollout_s / t.steps:>10.3f}{t.tail_s / t.steps:>8.3f}"
                   f"{t.long_s / max(t.long_steps, 1):>8.3f}{t.cpu_s / t.steps:>8.3f}{t.tail_cpu_s / t.steps:>9.3f}"
                   f"{x['rollout_speedup']:>8.2f}{x['tail_speedup']:>7.2f}{x['long_speedup']:>7.2f}"
-                  f"{x['rollout_speedup_cpu']:>7.2f}{x['tail_speedup_cpu']:>11.2f}{accept:>8.3f}{per_row:>8.2f}"
+                  f"{x['rollout_speedup_cpu']:>7.2f}{x['tail_speedup_cpu']:>11.2f}{accept:>8.3f}{rate:>6.3f}{per_row:>8.2f}"
                   f"{t.tokens_changed:>8}{t.responses_compared:>6}")
-            for source, (n, d, a) in sorted(t.drafts.items()):
+            for source, (n, d, a, trials) in sorted(t.drafts.items()):
                 print(f"{'':<23}{source:<9} rows {n:7d}  draft tokens {d:8d}  accepted {a:8d}"
-                      f"  acceptance {a / d if d else 0:.3f}  tokens/row {(a + n) / n:.2f}")
+                      f"  acceptance {a / d if d else 0:.3f}  rate {a / trials if trials else 0:.3f}"
+                      f"  tokens/row {(a + n) / n:.2f}")
             name = f"{policy}_{variant.replace('+', '_')}"
             figures |= {f"{k}_{name}": v for k, v in x.items()}
-            figures |= {f"spec_acceptance_{name}": round(accept, 3), f"spec_tokens_per_row_{name}": round(per_row, 3),
+            figures |= {f"spec_acceptance_{name}": round(accept, 3), f"spec_accept_rate_{name}": round(rate, 3),
+                        f"spec_tokens_per_row_{name}": round(per_row, 3),
                         f"tokens_changed_{name}": t.tokens_changed, f"responses_compared_{name}": t.responses_compared,
                         f"rollout_s_{name}": round(t.rollout_s / t.steps, 3)}
             if "lf" in variant.split("+") and without_lf(variant) in variants:  # longest first against today's order
@@ -201,6 +206,7 @@ def report(policies: list[str], variants: list[str], headline: str,
     return {"rollout_speedup_spec": figures[f"rollout_speedup_{head}"],
             "tail_speedup_spec": figures[f"tail_speedup_{head}"],
             "spec_acceptance": figures[f"spec_acceptance_{head}"],
+            "spec_accept_rate": figures[f"spec_accept_rate_{head}"],
             "tokens_changed": sum(t.tokens_changed for t in totals.values()),
             "rollout_speedup_spec_cpu": figures[f"rollout_speedup_cpu_{head}"],
             "tail_speedup_spec_cpu": figures[f"tail_speedup_cpu_{head}"],

@@ -12,7 +12,10 @@ world can run (:func:`~rollpacker.plan.planner.candidate_tps`):
 - the per-token KV footprint on one rank and the KV capacity of one replica under the run's
   engine settings (with ``engine.memory_mb``, what the weight shard leaves: more at a larger TP);
 - the control exchange the rollout loop makes every ``rollout.poll_steps`` engine steps
-  (``exchange_ms``: a command broadcast, the reports gathered).
+  (``exchange_ms``: a command broadcast, the reports gathered);
+- with ``engine.speculative`` on or auto, TorchEngine's verify-step costs (``spec``: the
+  :class:`~rollpacker.rollout.spec_cost.SpecCost` its ``calibrate`` measures), which the simulator's
+  speculation reads.
 
 The profile is JSON, written to ``plan.profile`` or cached as ``plan.profile_dir/<key>.json``. Its
 ``key`` names what it is valid for: the model's architecture (a hash of ``config.json``), the
@@ -27,6 +30,7 @@ switches TP, drives TorchEngine alone).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -102,7 +106,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     from rollpacker.rollout import build_engine
     from rollpacker.rollout.config import EngineConfig, resolve_kind
     from rollpacker.rollout.engine import SamplingParams
-    from rollpacker.rollout.probe import decode_step_ms, peak_flops
+    from rollpacker.rollout.probe import decode_step_ms, measure_spec_cost, peak_flops
     from rollpacker.rollout.torch_engine import TorchEngine
 
     p, device, world = config.plan, meshes.device, meshes.world_size
@@ -163,6 +167,9 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
             max_num_seqs=max(batches), max_prefill_tokens=max(batches) * max(contexts)), meshes.rollout_tp)
         probe.update_weights(weights.named_parameters())
         entry |= curves(probe)
+        if config.engine.speculative != "off":  # verify-step costs, as TorchEngine.calibrate measures them
+            entry["spec"] = dataclasses.asdict(measure_spec_cost(
+                probe, min(32, config.engine.max_num_seqs), config.engine.spec_max_tokens, min(128, limit // 4)))
         del probe
         if device.type == "cuda":
             torch.cuda.empty_cache()

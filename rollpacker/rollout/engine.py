@@ -132,10 +132,14 @@ class SpecStats:
     """Draft tokens verified."""
     num_accepted_tokens: dict[str, int] = field(default_factory=dict)
     """Draft tokens accepted (each row also emits one token of its own)."""
+    num_trials: dict[str, int] = field(default_factory=dict)
+    """Draft tokens verified up to and including a row's first rejected one (accepted, plus one where a token was
+    rejected): the per-token acceptance rate's denominator. TorchEngine counts them; vLLM's counters do not."""
 
     def count(self, source: str, drafted: int, accepted: int) -> None:
         """Record one verified row."""
-        for counts, n in ((self.num_drafts, 1), (self.num_draft_tokens, drafted), (self.num_accepted_tokens, accepted)):
+        for counts, n in ((self.num_drafts, 1), (self.num_draft_tokens, drafted), (self.num_accepted_tokens, accepted),
+                          (self.num_trials, accepted + (accepted < drafted))):
             counts[source] = counts.get(source, 0) + n
 
     def since(self, before: SpecStats) -> SpecStats:
@@ -146,7 +150,8 @@ class SpecStats:
         return SpecStats(num_verify_steps=self.num_verify_steps - before.num_verify_steps,
                          num_drafts=minus(self.num_drafts, before.num_drafts),
                          num_draft_tokens=minus(self.num_draft_tokens, before.num_draft_tokens),
-                         num_accepted_tokens=minus(self.num_accepted_tokens, before.num_accepted_tokens))
+                         num_accepted_tokens=minus(self.num_accepted_tokens, before.num_accepted_tokens),
+                         num_trials=minus(self.num_trials, before.num_trials))
 
     def plus(self, other: SpecStats) -> SpecStats:
         """The sum of two engines' (or two periods') counts."""
@@ -156,7 +161,8 @@ class SpecStats:
         return SpecStats(num_verify_steps=self.num_verify_steps + other.num_verify_steps,
                          num_drafts=add(self.num_drafts, other.num_drafts),
                          num_draft_tokens=add(self.num_draft_tokens, other.num_draft_tokens),
-                         num_accepted_tokens=add(self.num_accepted_tokens, other.num_accepted_tokens))
+                         num_accepted_tokens=add(self.num_accepted_tokens, other.num_accepted_tokens),
+                         num_trials=add(self.num_trials, other.num_trials))
 
 
 @dataclass(kw_only=True)
@@ -289,9 +295,11 @@ def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sampl
 
 
 def spec_metrics(stats: SpecStats) -> dict[str, float]:
-    """``rollout/spec_acceptance`` (accepted / drafted tokens) and ``rollout/spec_tokens_per_step``
-    (tokens a verified row emits: accepted + 1), overall and ``/<source>``; ``rollout/spec_verify_steps``.
-    Empty when nothing was verified."""
+    """``rollout/spec_acceptance`` (accepted / drafted tokens), ``rollout/spec_tokens_per_step``
+    (tokens a verified row emits: accepted + 1) and, where the engine counts trials,
+    ``rollout/spec_accept_rate`` (a draft token's chance to be kept once every one before it was:
+    accepted / trials, the rate ``auto`` and the simulator model), overall and
+    ``/<source>``; ``rollout/spec_verify_steps``. Empty when nothing was verified."""
     if not stats.num_verify_steps:
         return {}
     out: dict[str, float] = {"rollout/spec_verify_steps": float(stats.num_verify_steps)}
@@ -304,6 +312,9 @@ def spec_metrics(stats: SpecStats) -> dict[str, float]:
             continue
         if drafted:
             out[f"rollout/spec_acceptance{suffix}"] = accepted / drafted
+            trials = sum(stats.num_trials.get(s, 0) for s in names)
+            if trials:
+                out[f"rollout/spec_accept_rate{suffix}"] = accepted / trials
         out[f"rollout/spec_tokens_per_step{suffix}"] = (accepted + rows) / rows
     return out
 

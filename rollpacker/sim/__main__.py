@@ -7,6 +7,7 @@
     python -m rollpacker.sim workload [--fit]            the length mixture against the paper's statistics
     python -m rollpacker.sim validate                    the simulator against rollouts measured here
     python -m rollpacker.sim growth                      tail's speedup against the decode step's growth with the batch
+    python -m rollpacker.sim spec --preset qwen2.5-7b-8k schedule:tail   speculative decoding off and on
 
 The first form takes the rollout settings (P0, R0, max_new_tokens, TP) from the preset; ``--gpus``
 defaults to the paper's GPU count for the model; every field of :class:`SimConfig` is a flag
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PAPER_GPUS = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
 """GPUs of the paper's §6 runs, per model: the default of --gpus."""
@@ -63,8 +64,8 @@ def parse(argv: list[str]):
     args = schedule_args(args, default.policy)
     cfg = tyro.cli(SimConfig, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                    prog="python -m rollpacker.sim",
-                   description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, "
-                               "--gantt-steps N, or a command: table2, table1, fig13c, workload, validate, growth).")
+                   description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, --gantt-steps N, "
+                               "or a command: table2, table1, fig13c, workload, validate, growth, spec).")
     return cfg, gantt, gantt_steps
 
 
@@ -107,6 +108,38 @@ def run(argv: list[str]) -> dict:
             figures[f"{prefix}wait_s"] = round(m["wait_s"], 3)
         figures[f"{prefix}steps"] = m["steps"]
     return figures
+
+
+def spec(argv: list[str]) -> dict:
+    """The job of ``argv`` (the first form's flags) simulated with speculative decoding off and on:
+    rollout, tail phase (no replica running more than 8 requests) and step, per step and side by side."""
+    import numpy as np
+
+    from rollpacker.sim.simulate import simulate
+    from rollpacker.sim.speculation import tail_s
+
+    cfg, _, _ = parse(argv)
+    rows = {}
+    for name, on in (("off", False), ("on", True)):
+        steps = simulate(replace(cfg, speculation=replace(cfg.speculation, enabled=on)), record=True)
+        long = [r.rollout_s for r in steps if r.kind == "long"]
+        rows[name] = {"rollout_s": np.mean([r.rollout_s for r in steps]), "step_s": np.mean([r.step_s for r in steps]),
+                      "tail_s": np.mean([tail_s(r.record.busy, r.rollout_s) for r in steps]),
+                      "long_s": np.mean(long) if long else float("nan")}
+    s = cfg.speculation
+    rate = f"trace {s.trace}" if s.trace else f"accept rate {s.accept_rate}"
+    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs, TP {cfg.tp}, policy {cfg.policy}, {cfg.num_steps} steps; "
+          f"speculation: {rate}, up to {s.max_tokens} draft tokens, {s.draft_us:g} us drafting per request")
+    print(f"{'speculation':<13}{'rollout s':>11}{'tail s':>9}{'long round s':>14}{'step s':>9}   (per step; tail: "
+          "no replica running more than 8)")
+    for name, m in rows.items():
+        print(f"{name:<13}{m['rollout_s']:>11.1f}{m['tail_s']:>9.1f}{m['long_s']:>14.1f}{m['step_s']:>9.1f}")
+    off, on = rows["off"], rows["on"]
+    ratio = lambda k: round(off[k] / on[k], 3) if on[k] > 0 and not np.isnan(on[k]) else None  # noqa: E731
+    return {"policy": cfg.policy, "model": cfg.model, "gpus": cfg.gpus, "tp": cfg.tp,
+            "accept_rate": None if s.trace else s.accept_rate, "sim_rollout_speedup_spec": ratio("rollout_s"),
+            "sim_tail_speedup_spec": ratio("tail_s"), "sim_long_round_speedup_spec": ratio("long_s"),
+            "sim_step_speedup_spec": ratio("step_s")}
 
 
 @dataclass(kw_only=True)
@@ -169,9 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         from rollpacker.sim import growth
 
         figures = growth.main(argv[1:])
+    elif command == "spec":
+        figures = spec(argv[1:])
     elif command:
         raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, "
-                         "or flags (--help)")
+                         "spec, or flags (--help)")
     else:
         try:
             figures = run(argv)

@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rollpacker.rollout.spec_cost import SpecCost
+
 GB = 1e9
 BF16 = 2
 TRAIN_PASSES = 6
@@ -225,17 +227,19 @@ class CostModel:
         return flops / self.tp / (self.hardware.flops * c.prefill_flops_efficiency)
 
     def iteration_times(self, num_running: int, context: int, num_iters: int, prefill_tokens: int = 0,
-                        prefill_sq: int = 0) -> np.ndarray:
+                        prefill_sq: int = 0, queries: int = 1) -> np.ndarray:
         """Seconds of each of ``num_iters`` iterations of ``num_running`` requests whose contexts sum
         to ``context`` tokens at the first one (each iteration adds ``num_running``); the first
-        iteration also prefills ``prefill_tokens`` (``prefill_sq``: sum of squared lengths)."""
+        iteration also prefills ``prefill_tokens`` (``prefill_sq``: sum of squared lengths).
+        ``queries``: tokens each request runs through the model per iteration (a speculative verify
+        step: its newest token and its draft); they read the weights and the KV once."""
         m, c, hw = self.model, self.calib, self.hardware
         ctx = context + num_running * np.arange(num_iters, dtype=np.float64)
         memory = (m.weight_bytes / self.tp + self._kv_bytes_per_gpu(ctx)) / (hw.hbm_bw * c.hbm_efficiency)
-        compute = (2 * m.matmul_params * num_running + m.attention_flops(ctx)) / self.tp / (
+        compute = queries * (2 * m.matmul_params * num_running + m.attention_flops(ctx)) / self.tp / (
             hw.flops * c.decode_flops_efficiency)
         times = np.maximum(memory, compute) + c.step_overhead_s + c.seq_overhead_s * num_running
-        times += self._allreduce_s(num_running)
+        times += self._allreduce_s(num_running * queries)
         if prefill_tokens:
             times[0] += self.prefill_s(prefill_tokens, prefill_sq) + self._allreduce_s(prefill_tokens)
         return times
@@ -319,7 +323,10 @@ class ProfiledCost:
     decode iteration costs the profile's time for that many running requests at that mean context
     per request (linear between the measured points; linear beyond the largest batch, whose
     slope is the curve's last; flat beyond the contexts), and an iteration that prefills adds its
-    tokens at the measured prefill throughput of the nearest context."""
+    tokens at the measured prefill throughput of the nearest context. A speculative verify
+    iteration costs the decode iteration times the engine's measured verify-step ratio (``spec``:
+    TorchEngine's :class:`~rollpacker.rollout.spec_cost.SpecCost`, profiled with
+    ``--engine.speculative`` on or auto)."""
 
     batches: tuple[int, ...]
     contexts: tuple[int, ...]
@@ -329,16 +336,21 @@ class ProfiledCost:
     """Per context: prompt tokens prefilled per second."""
     kv_capacity: int
     tp: int = 1
+    spec: SpecCost | None = None
+    """The engine's verify-step times by running requests and draft tokens, where profiled."""
 
     @classmethod
     def from_profile(cls, profile: dict, tp: int = 1) -> ProfiledCost:
         entry = profile["tp"][str(tp)]
         contexts = sorted(entry["decode_ms"], key=int)
         batches = sorted(entry["decode_ms"][contexts[0]], key=int)
+        spec = entry.get("spec")
         return cls(batches=tuple(map(int, batches)), contexts=tuple(map(int, contexts)),
                    decode_ms=tuple(tuple(float(entry["decode_ms"][c][b]) for b in batches) for c in contexts),
                    prefill_tok_s=tuple(float(entry["prefill_tok_s"][c]) for c in contexts),
-                   kv_capacity=int(entry["kv_capacity_tokens"]), tp=tp)
+                   kv_capacity=int(entry["kv_capacity_tokens"]), tp=tp,
+                   spec=spec and SpecCost(tuple(spec["rows"]), tuple(spec["draft_lens"]),
+                                          tuple(map(tuple, spec["ms"])), spec["draft_ms"]))
 
     def kv_capacity_tokens(self) -> int:
         return self.kv_capacity
@@ -351,10 +363,14 @@ class ProfiledCost:
         return np.interp(mean_context, contexts, at_batch) / 1e3
 
     def iteration_times(self, num_running: int, context: int, num_iters: int, prefill_tokens: int = 0,
-                        prefill_sq: int = 0) -> np.ndarray:
+                        prefill_sq: int = 0, queries: int = 1) -> np.ndarray:
         """As :meth:`CostModel.iteration_times` (``context``: the requests' contexts summed at the first)."""
         ctx = (context + num_running * np.arange(num_iters, dtype=np.float64)) / max(num_running, 1)
         times = self.decode_s(num_running, ctx)
+        if queries > 1:
+            if self.spec is None:
+                raise ValueError("the profile has no verify-step costs: profile with --engine.speculative auto")
+            times *= self.spec.step_ms(num_running, queries - 1) / self.spec.step_ms(num_running, 0)
         if prefill_tokens:
             nearest = int(np.argmin([abs(c - prefill_sq / prefill_tokens) for c in self.contexts]))
             times[0] += prefill_tokens / self.prefill_tok_s[nearest]

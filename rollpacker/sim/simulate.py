@@ -71,6 +71,7 @@ from rollpacker.schedule.round import Launch, RoundHooks, RoundState
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
+from rollpacker.sim.speculation import SpecSimConfig
 from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 from rollpacker.train.config import StreamConfig
 from rollpacker.train.stream import ScaleDown, StreamRound
@@ -114,6 +115,8 @@ class SimConfig:
     reward: RewardModel = field(default_factory=RewardModel)
     calib: Calibration = field(default_factory=Calibration)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    speculation: SpecSimConfig = field(default_factory=SpecSimConfig)
+    """Speculative decoding on the replicas (rollpacker.sim.speculation)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "sim")
@@ -515,6 +518,7 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
+    rates = cfg.speculation.rates()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
             policy.weights_step = max(step - 1, 0)
@@ -522,8 +526,9 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
         switched = planner is not None and planner.tp_for(plan.kind) != tp
         tp = planner.tp_for(plan.kind) if planner else tp
         cost = replace(base, tp=tp)
-        replicas = build_replicas(cost, cfg.rollout_pool // tp, max_num_seqs=cfg.max_num_seqs,
-                                  max_prefill_tokens=cfg.max_prefill_tokens, record=record)
+        replicas = build_replicas(cfg.speculation.cost(cost, rates[step % len(rates)]), cfg.rollout_pool // tp,
+                                  max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
+                                  record=record)
         if cfg.stream and (decider is None or switched):  # as StreamTrainer.rebuild: the histories carry over
             histories = decider.histories if decider else {}
             # the paper's KV-fit criterion: the throughput one learns from measured polls, which a simulation has not

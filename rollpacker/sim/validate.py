@@ -15,7 +15,13 @@ throughput, KV capacity), each policy's job runs (``bench schedulers``' launcher
 simulator drives the same policy objects through :class:`~rollpacker.sim.cost.ProfiledCost`
 replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout time per step
 (rollout and the scoring after it, steps after the first) is compared per (regime, policy); the
-profile is the only thing the simulator learns from this machine. Runs and profiles are kept in
+profile is the only thing the simulator learns from this machine.
+
+In the compute regime, ``--spec-policies`` also run with speculative decoding
+(``--engine.speculative auto``, reported as ``<policy>+spec``): the profile holds TorchEngine's
+verify-step costs, and the simulator (:mod:`rollpacker.sim.speculation`) replays each step's
+measured acceptance rate (``rollout/spec_accept_rate``; what the drafts' text gives, which no cost
+model knows). Runs and profiles are kept in
 ``--work-dir`` and reused when their flags are the same (``--fresh`` measures again). Last line
 JSON: ``sim_max_rel_error`` and ``measured_s_<regime>_<policy>`` /
 ``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every job and profile
@@ -34,6 +40,8 @@ from pathlib import Path
 from typing import Literal
 
 from rollpacker.schedule.config import names
+from rollpacker.schedule.tail import TailConfig
+from rollpacker.sim.speculation import ACCEPT_RATE
 
 REGIMES = ("compute", "memory")
 ROLLOUT_ALONE = tuple(names(lambda c: not c.own_pools))
@@ -46,6 +54,8 @@ class ValidateArgs:
     """Regimes to check (memory needs vLLM: bash launch/install.sh vllm)."""
     policies: tuple[Literal[ROLLOUT_ALONE], ...] = ROLLOUT_ALONE
     """Policies run and simulated in each regime."""
+    spec_policies: tuple[Literal[ROLLOUT_ALONE], ...] = (TailConfig.name,)
+    """Policies also run with speculative decoding (engine.speculative auto) in the compute regime (TorchEngine)."""
     num_steps: int = 16
     """Steps per run (the first warms the engines up and is not compared)."""
     seed: int = 0
@@ -72,12 +82,14 @@ def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list
 
 
 PROFILE_FLAGS = {"compute": ["--plan.profile-steps", "20", "--plan.profile-batches", "1", "4", "16", "64", "128",
-                             "--plan.profile-contexts", "32", "128", "384"],
+                             "--plan.profile-contexts", "32", "128", "384", "--engine.speculative", "auto"],
                  "memory": ["--plan.profile-steps", "20", "--plan.profile-batches", "1", "2", "4", "8", "12",
                             "--plan.profile-contexts", "64", "256", "640"]}
 """What to profile: up to the running requests of a replica in each regime, over the contexts its
 requests reach (a tail round's speculative short round runs ~η_P·η_R more than a sync one), with
-medians of 20 steps (5, the planner's default, left the simulated times ±30% apart between profiles)."""
+medians of 20 steps (5, the planner's default, left the simulated times ±30% apart between profiles);
+in the compute regime also TorchEngine's verify-step costs (for the speculative runs)."""
+SPEC_FLAGS = ["--engine.speculative", "auto"]
 
 
 RANKS = 2
@@ -98,8 +110,10 @@ def kept(done: Path, argv: list[str], fresh: bool) -> bool:
     return not fresh and done.exists() and json.loads(done.read_text()) == argv
 
 
-def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = ()) -> tuple[list[str], list[dict], dict]:
-    """The job's flags, its metrics records and the regime's profile (measured unless kept)."""
+def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (), variant: list[str] = (),
+            label: str = "") -> tuple[list[str], list[dict], dict]:
+    """The job's flags, its metrics records and the regime's profile (measured unless kept).
+    ``variant``: more flags of this job only (not of the profile); its runs are kept as ``label``."""
     from rollpacker.jobflags import JobArgs, job_argv, policy_args
 
     where = args.work_dir / regime
@@ -109,18 +123,20 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = ())
     profile_argv = ["--preset", "toy-cpu", *PROFILE_FLAGS[regime], *flags, "--plan.profile", str(profile)]
     if not kept(where / "profile.argv.json", profile_argv, args.fresh):  # the regime's flags override the points
         torchrun("rollpacker.plan.profile", profile_argv, where / "profile.argv.json")
-    run_dir = where / policy
-    argv = job_argv(JobArgs(), flags, policy_args(policy), args.seed, str(run_dir))
-    if not kept(where / f"{policy}.argv.json", argv, args.fresh):
+    label = label or policy
+    run_dir = where / label
+    argv = job_argv(JobArgs(), [*flags, *variant], policy_args(policy), args.seed, str(run_dir))
+    if not kept(where / f"{label}.argv.json", argv, args.fresh):
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not appended to an earlier one
-        torchrun("rollpacker.run", argv, where / f"{policy}.argv.json")
+        torchrun("rollpacker.run", argv, where / f"{label}.argv.json")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return argv, records, json.loads(profile.read_text())
 
 
-def simulate_run(argv: list[str], profile: dict) -> list[float]:
+def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ()) -> list[float]:
     """Rollout seconds of every step of the job ``argv`` (``rollpacker.run`` flags), simulated on
-    replicas of ``profile``: the run's own policy, rows, lengths and engine limits."""
+    replicas of ``profile``: the run's own policy, rows, lengths and engine limits; with its
+    speculative decoding, at ``accept_rates[step]`` (the run's measured rate of each step)."""
     from transformers import AutoTokenizer
 
     from rollpacker.config import parse
@@ -130,6 +146,7 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     from rollpacker.model import read_args
     from rollpacker.sim.cost import ProfiledCost
     from rollpacker.sim.simulate import build_replicas, simulate_round
+    from rollpacker.sim.speculation import SpecSimConfig
 
     cfg = parse(argv)
     model_dir = cfg.model.directory()
@@ -147,11 +164,17 @@ def simulate_run(argv: list[str], profile: dict) -> list[float]:
     lengths = replace(lengths, prompt_tokens=round(statistics.mean(len(prompt[r["id"]]) for r in rows)))
     policy = cfg.schedule.build(PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
                                 cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
+    spec = SpecSimConfig(enabled=cfg.engine.speculative != "off", max_tokens=cfg.engine.spec_max_tokens)
+    if spec.enabled and (cfg.engine.speculative != "auto" or cost.spec is None or len(accept_rates) < cfg.num_steps):
+        raise ValueError("simulate_run: speculation is simulated as engine.speculative auto, on a profile with "
+                         "verify-step costs, with an acceptance rate for every step")
     times = []
     for step in range(cfg.num_steps):
         if policy.done():
             break
-        replicas = build_replicas(cost, RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
+        draft_s = cost.spec.draft_ms / 1e3 if spec.enabled else None
+        replicas = build_replicas(spec.cost(cost, accept_rates[step] if spec.enabled else 0.0, draft_s),
+                                  RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                                     poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3)).rollout_s)
@@ -172,14 +195,18 @@ def main(argv: list[str]) -> dict:
     figures: dict[str, float] = {}
     rows = []
     for regime in args.regimes:
-        for policy in args.policies:
-            run_argv, records, profile = measure(regime, policy, args, extra)
-            measured = [r["time/rollout"] + r["time/reward"] for r in records if "time/rollout" in r]
-            simulated = simulate_run(run_argv, profile)
-            m, s = rollout_per_step(measured), rollout_per_step(simulated)
-            rows.append((regime, policy, m, s, s / m - 1))
-            figures[f"measured_s_{regime}_{policy}"] = round(m, 4)
-            figures[f"simulated_s_{regime}_{policy}"] = round(s, 4)
+        runs = [(policy, policy, []) for policy in args.policies]
+        runs += [(f"{policy}+spec", policy, SPEC_FLAGS) for policy in args.spec_policies if regime == "compute"]
+        for label, policy, variant in runs:
+            run_argv, records, profile = measure(regime, policy, args, extra, variant, label)
+            steps = [r for r in records if "time/rollout" in r]
+            rates = [r.get(ACCEPT_RATE, 0.0) for r in steps]  # a step that verified nothing: none accepted
+            simulated = simulate_run(run_argv, profile, rates if variant else ())
+            m = rollout_per_step([r["time/rollout"] + r["time/reward"] for r in steps])
+            s = rollout_per_step(simulated)
+            rows.append((regime, label, m, s, s / m - 1))
+            figures[f"measured_s_{regime}_{label}"] = round(m, 4)
+            figures[f"simulated_s_{regime}_{label}"] = round(s, 4)
     print(f"\nrollout seconds per step (steps 1-{args.num_steps - 1}), 2 ranks, seed {args.seed}; the simulator "
           "on each regime's profile")
     print(f"{'regime':<10}{'policy':<16}{'measured':>10}{'simulated':>11}{'error':>9}")

@@ -1,4 +1,5 @@
-"""``python -m rollpacker.sim validate`` end to end on a tiny compute-bound run: profile, runs, simulation."""
+"""``python -m rollpacker.sim validate`` end to end on a tiny compute-bound run: profile, runs (one speculative),
+simulation."""
 
 import json
 import subprocess
@@ -26,9 +27,16 @@ def test_validate_profiles_runs_and_simulates(tmp_path):
         assert abs(figures[f"measured_s_compute_{policy}"] - sum(rollouts[1:]) / 2) < 1e-4  # steps after the first
         assert figures[f"simulated_s_compute_{policy}"] > 0
         assert max(n for r in records if "time/rollout" in r for n in r["rollout/response_lengths"]) <= 64  # the cap
-    m, s = figures["measured_s_compute_tail"], figures["simulated_s_compute_tail"]
-    rounding = 5e-5 * (1 + s / m) / m + 5e-5  # the figures are rounded to 4 decimals
-    assert abs(figures["sim_max_rel_error"] - abs(s / m - 1)) <= rounding
+    # the speculative run: the profile holds verify-step costs, the run its acceptance rates
+    assert profile["tp"]["1"]["spec"]["draft_lens"][0] == 0 and figures["simulated_s_compute_tail+spec"] > 0
+    spec_run = (tmp_path / "compute" / "tail+spec" / "metrics.jsonl").read_text()
+    assert "rollout/spec_accept_rate" in spec_run and "compute   tail+spec" in proc.stdout
+    errors = []
+    for label in ("tail", "tail+spec"):
+        m, s = figures[f"measured_s_compute_{label}"], figures[f"simulated_s_compute_{label}"]
+        errors.append((abs(s / m - 1), 5e-5 * (1 + s / m) / m + 5e-5))  # the figures are rounded to 4 decimals
+    error, rounding = max(errors)
+    assert abs(figures["sim_max_rel_error"] - error) <= rounding
     assert "compute   tail" in proc.stdout and "$ -m torch.distributed.run" in proc.stdout
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # same flags: nothing runs again

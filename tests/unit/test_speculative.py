@@ -128,6 +128,9 @@ def test_spec_counters_and_metrics():
     assert m["rollout/spec_tokens_per_step"] == pytest.approx((6 + 4) / 4)
     assert m["rollout/spec_tokens_per_step/epoch"] == 3.0 and m["rollout/spec_tokens_per_step/none"] == 1.0
     assert "rollout/spec_acceptance/none" not in m
+    # trials: each row's accepted tokens, plus its rejected one (3 + 1, 1 + 1, 2 + 0): the geometric rate
+    assert m["rollout/spec_accept_rate"] == pytest.approx(6 / 8) and m["rollout/spec_accept_rate/epoch"] == 1.0
+    assert m["rollout/spec_accept_rate/sibling"] == pytest.approx(4 / 6)
     before = s.plus(SpecStats())
     s.count("epoch", 2, 0)
     s.num_verify_steps += 1
