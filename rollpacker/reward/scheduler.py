@@ -203,7 +203,12 @@ class RewardScheduler:
         self.errors = 0
 
     def submit(self, key: Any, row: dict, output) -> None:
-        """Start scoring one finished response (``output``: an engine output) of ``row``; returns at once."""
+        """Start scoring one finished response (``output``: an engine output) of ``row``; returns at once.
+        A response still being scored is not submitted again (sorted_partial rescores a finished response
+        each round its prompt runs, and a round does not wait for the rewards it keeps no group of): its
+        reward comes once, to whichever round polls it."""
+        if key in self._scoring:
+            return
         response = self.decode(output.token_ids)
         columns = {k: v for k, v in row.items() if k != "prompt"}
         self._scoring[key] = _Scoring(row)

@@ -64,3 +64,20 @@ def test_the_builtins_are_trl_convention_functions():
     assert rules.math(messages, answer=["4", None]) == [1.0, None]
     assert rules.toy(["#### 4", " 1+3=4\n#### 5"], answer=["4", "4"], data_source=["x", "y"]) == [1.0, 0.0]
     assert rules.toy(["#### 4"]) == [None]
+
+
+def test_a_response_rescored_while_it_is_being_scored_is_scored_once():
+    """sorted_partial submits a carried finished response again each round its prompt runs; a round
+    does not wait for the rewards of groups it does not keep, so the earlier score may be in flight."""
+    from types import SimpleNamespace
+
+    from rollpacker.reward.config import RewardConfig
+    from rollpacker.reward.scheduler import RewardScheduler
+
+    scheduler = RewardScheduler(RewardConfig(funcs=("toy",), num_workers=0), lambda ids: " 1+2=3\n#### 3")
+    row, out = {"id": 7, "prompt": "Q: 1+2\nA:", "answer": "3"}, SimpleNamespace(token_ids=[1, 2])
+    scheduler.submit("4:1:0", row, out)
+    scheduler.submit("4:1:0", row, out)  # the next round rescores it before the first score was polled
+    assert scheduler.poll() == [("4:1:0", 1.0)] and scheduler.poll() == []
+    scheduler.submit("4:1:0", row, out)  # scored and taken: a later round scores it again
+    assert scheduler.wait() == [("4:1:0", 1.0)]
