@@ -202,15 +202,13 @@ def main(argv: list[str] | None = None) -> None:
         from rollpacker.sim import growth
 
         figures = growth.main(argv[1:])
-    elif command == "spec":
-        figures = spec(argv[1:])
-    elif command:
+    elif command not in ("", "spec"):
         raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, "
                          "spec, or flags (--help)")
     else:
         try:
-            figures = run(argv)
-        except (FileNotFoundError, ValueError) as e:  # a preset or a setup that cannot run: say why, no traceback
+            figures = spec(argv[1:]) if command else run(argv)
+        except (FileNotFoundError, ValueError) as e:  # a preset, trace or setup that cannot run: say why, no traceback
             raise SystemExit(f"error: {e}") from None
     sys.stdout.flush()
     print(json.dumps(figures), flush=True)

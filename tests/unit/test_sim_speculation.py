@@ -99,8 +99,8 @@ def test_speculation_shortens_rollout_and_changes_no_length():
     assert simulate(sync)[0].rollout_s > simulate(replace(sync, speculation=SpecSimConfig(enabled=True)))[0].rollout_s
 
 
-def test_the_spec_command_prints_both_and_ends_with_the_speedups(capsys):
-    from rollpacker.sim.__main__ import spec
+def test_the_spec_command_prints_both_and_ends_with_the_speedups(capsys, tmp_path):
+    from rollpacker.sim.__main__ import main, spec
 
     figures = spec(["--preset", "qwen2.5-7b-8k", "--num-steps", "5", "--speculation.accept-rate", "0.5",
                     "schedule:tail"])
@@ -108,3 +108,5 @@ def test_the_spec_command_prints_both_and_ends_with_the_speedups(capsys):
     assert "accept rate 0.5" in out and "\noff " in out and "\non " in out
     assert figures["accept_rate"] == 0.5 and figures["sim_rollout_speedup_spec"] > 1
     assert figures["sim_tail_speedup_spec"] > 1 and figures["sim_long_round_speedup_spec"] > 1
+    with pytest.raises(SystemExit, match="error: acceptance trace: no such file: .*nope"):  # one line, no traceback
+        main(["spec", "--speculation.trace", str(tmp_path / "nope")])
