@@ -19,7 +19,8 @@ One round = one RL step. The controller calls, on rank 0 only:
    (``reward`` None when scoring failed); otherwise at once, with ``reward`` None. A policy may be
    told about a response it has already asked to abort (it finished in the meantime); it ignores it;
 3. ``end_round(aborted) -> list of groups to train`` once the round is over and every
-   still-running request has been aborted (their partial outputs are passed in). The policy
+   still-running request has been aborted (their partial outputs are passed in; one its engine
+   finished before the abort reached it comes whole, with its own finish reason). The policy
    accounts for every prompt it launched: trained, deferred or filtered. The groups are the same
    objects its decisions reported complete. The controller then fills each group's ``rewards``
    from the reward scheduler.
