@@ -74,11 +74,10 @@ def bubble_ratio(samples: list[tuple[float, int]], capacity: int, end_time: floa
 
     ``samples`` are change points ``(timestamp, num_running)``: ``num_running`` requests run from
     ``timestamp`` until the next change point (or ``end_time``). Returns
-    ``sum((capacity - num_running) * dt) / (capacity * total_time)``; 0.0 when no time passed or
-    the capacity is 0 (a round that launched nothing: sorted_partial rescoring responses it had whole).
+    ``sum((capacity - num_running) * dt) / (capacity * total_time)``; 0.0 when no time passed.
     """
-    if capacity < 0:
-        raise ValueError(f"bubble_ratio: capacity must be >= 0, got {capacity}")
+    if capacity <= 0:
+        raise ValueError(f"bubble_ratio: capacity must be positive, got {capacity}")
     if not samples:
         return 0.0
     times = [t for t, _ in samples] + [end_time]
@@ -90,7 +89,7 @@ def bubble_ratio(samples: list[tuple[float, int]], capacity: int, end_time: floa
             raise ValueError(f"bubble_ratio: {num_running} running at t={t} is outside 0..capacity={capacity}")
         idle += (capacity - num_running) * (t_next - t)
     total = end_time - samples[0][0]
-    return idle / (capacity * total) if total > 0 and capacity else 0.0
+    return idle / (capacity * total) if total > 0 else 0.0
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:

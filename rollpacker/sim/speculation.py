@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollpacker.rollout.config import MAX_SPEC_TOKENS
 from rollpacker.rollout.spec_cost import expected_tokens
 
 ACCEPT_RATE = "rollout/spec_accept_rate"
@@ -50,8 +51,8 @@ class SpecSimConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.accept_rate < 1:
             raise ValueError(f"speculation.accept_rate must be in [0, 1), got {self.accept_rate}")
-        if not 1 <= self.max_tokens <= 32:
-            raise ValueError(f"speculation.max_tokens must be in 1..32, got {self.max_tokens}")
+        if not 1 <= self.max_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(f"speculation.max_tokens must be in 1..{MAX_SPEC_TOKENS}, got {self.max_tokens}")
         if self.draft_us < 0:
             raise ValueError(f"speculation.draft_us must be >= 0, got {self.draft_us}")
 
