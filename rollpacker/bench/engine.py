@@ -469,10 +469,13 @@ def measure_batches(cfg: EngineBenchConfig, engines: dict, hf, vocab_size: int, 
 
         for kind in cfg.engines:
             call(kind, min(cfg.warmup_tokens, cfg.max_new_tokens))
-        runs = [{kind: call(kind, cfg.max_new_tokens) for kind in cfg.engines} for _ in range(cfg.repeats)]
+        runs, direct_runs = [], []
+        for _ in range(cfg.repeats):  # the direct calls in turn with the adapters': load moves both alike
+            runs.append({kind: call(kind, cfg.max_new_tokens) for kind in cfg.engines})
+            direct_runs.append({kind: DIRECT[kind](engines[kind], prompts, cfg.max_new_tokens) for kind in direct})
         results[b] = {kind: min((r[kind] for r in runs), key=lambda r: r.total_s) for kind in cfg.engines}
         for kind in direct:
-            direct[kind][b] = min(DIRECT[kind](engines[kind], prompts, cfg.max_new_tokens) for _ in range(cfg.repeats))
+            direct[kind][b] = min(r[kind] for r in direct_runs)
     return results, direct
 
 

@@ -15,7 +15,7 @@ from rollpacker.dist import build_meshes
 from rollpacker.model import load_model
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs
-from rollpacker.rollout.sglang_engine import SGLangEngine
+from rollpacker.rollout.sglang_engine import STREAM_INTERVAL, SGLangEngine
 from rollpacker.rollout.torch_engine import TorchEngine
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.trainer import Sample, Trainer
@@ -119,6 +119,18 @@ def seeded_sampling_reproduces_and_resumes(engine, a, b):
     assert done.token_ids == full.token_ids, (len(partial.token_ids), done.token_ids, full.token_ids)
 
 
+def a_step_is_a_decode_step(engine, a, b):
+    """SGLang streams every STREAM_INTERVAL tokens, yet step() returns about once per token made (the
+    controller's polls count steps as tokens)."""
+    for i, prompt in enumerate(prompts(4, 12, seed=5)):
+        engine.add(greedy(f"paced{i}", prompt, 60))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert STREAM_INTERVAL > 1 and 60 - STREAM_INTERVAL <= steps <= 61, steps
+
+
 def update_weights_then_release_and_resume(engine, a, b):
     """The other model's weights under rollpacker's names (prompts of 150 tokens: a stale cache would
     show): outputs equal transformers' on them, also after a memory release; then back."""
@@ -145,7 +157,8 @@ def update_weights_then_release_and_resume(engine, a, b):
 
 
 CHECKS = [greedy_matches_transformers_and_torch_engine, logprobs_equal_the_trainers, abort_then_resume_continues_greedy,
-          bad_requests_raise, seeded_sampling_reproduces_and_resumes, update_weights_then_release_and_resume]
+          bad_requests_raise, seeded_sampling_reproduces_and_resumes, a_step_is_a_decode_step,
+          update_weights_then_release_and_resume]
 
 
 def main(a: Path, b: Path, out: Path) -> None:
