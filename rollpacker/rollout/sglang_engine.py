@@ -347,6 +347,7 @@ class SGLangEngine:
         self.advanced: set[str] = set()
         """Requests that got tokens since step() last counted progress."""
         self.counted = self.running = 0
+        """``num_generated_tokens`` and the requests running when step() last counted progress."""
         self.engine = None
         num_tokens = 0
         if self.on_cpu:
