@@ -20,8 +20,8 @@ from vllm_common import make_pair
 pytestmark = pytest.mark.sglang
 
 CHECKS = ["greedy_matches_transformers_and_torch_engine", "logprobs_equal_the_trainers",
-          "abort_then_resume_continues_greedy", "bad_requests_raise", "seeded_sampling_reproduces_and_resumes",
-          "a_step_is_a_decode_step", "update_weights_then_release_and_resume"]
+          "abort_then_resume_continues_greedy", "bad_requests_raise", "stop_string_ends_generation_as_on_torch_engine",
+          "seeded_sampling_reproduces_and_resumes", "a_step_is_a_decode_step", "update_weights_then_release_and_resume"]
 """The checks of tests/dist/scripts/sglang_engine.py, one engine for all of them."""
 
 

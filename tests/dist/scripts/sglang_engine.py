@@ -100,6 +100,28 @@ def bad_requests_raise(engine, a, b):
     assert not engine.has_unfinished()
 
 
+def stop_string_ends_generation_as_on_torch_engine(engine, a, b):
+    """The adapter matches stop strings on the streamed tokens (SGLang runs without a tokenizer), also
+    inside an update of several tokens: the same tokens as TorchEngine."""
+    def decode(ids: list[int]) -> str:  # the random model has no tokenizer: one letter per token
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    prompt = prompts(1, 12, seed=4)[0]
+    full = generate(engine, [greedy("whole", prompt, 24)])["whole"].token_ids
+    stop = decode(full)[11:13]  # tokens 12 and 13: inside SGLang's second update (tokens 2-9, 10-17)
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
+    outs = []
+    for eng in (engine, TorchEngine(load_model(a), EngineConfig())):
+        eng.decode = decode
+        outs.append(generate(eng, [Request(id="stop", prompt_ids=prompt, params=params)])["stop"])
+    engine.decode = None
+    first = next(n for n in range(1, 25) if stop in decode(full[:n]))
+    assert [o.token_ids for o in outs] == [full[:first]] * 2 and first < 24, (first, outs)
+    assert first % STREAM_INTERVAL != 1, first  # SGLang's updates end at tokens 1, 9, 17, 24
+    assert [o.finish_reason for o in outs] == ["stop"] * 2 and not engine.has_unfinished()
+    assert generate(engine, [greedy("after", prompt, 24)])["after"].token_ids == full  # SGLang's request ended
+
+
 def seeded_sampling_reproduces_and_resumes(engine, a, b):
     """SGLang's seeded sampling is keyed by position: the same seed gives the same tokens, another seed
     others, and a seeded request aborted partway and resumed equals the uninterrupted one."""
@@ -157,8 +179,8 @@ def update_weights_then_release_and_resume(engine, a, b):
 
 
 CHECKS = [greedy_matches_transformers_and_torch_engine, logprobs_equal_the_trainers, abort_then_resume_continues_greedy,
-          bad_requests_raise, seeded_sampling_reproduces_and_resumes, a_step_is_a_decode_step,
-          update_weights_then_release_and_resume]
+          bad_requests_raise, stop_string_ends_generation_as_on_torch_engine, seeded_sampling_reproduces_and_resumes,
+          a_step_is_a_decode_step, update_weights_then_release_and_resume]
 
 
 def main(a: Path, b: Path, out: Path) -> None:
