@@ -15,7 +15,7 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 
   incremental mode repeats the last token in an abort's echo) :func:`apply_chunk` turns into DELTA
   updates of our :class:`Output` with the shared helpers. SGLang streams every
   :data:`STREAM_INTERVAL` tokens (and a request's first and last at once): each update crosses two
-  processes and the adapter's callback, which cost 10-30% of throughput at one token per update.
+  processes and the adapter's callback, which cost 8-40% of throughput on CPU at one token per update.
   ``step()`` returns once SGLang has made a decode step's progress (as many new tokens as requests
   were running) or a request ended, so a streamed update of several tokens counts as that many
   steps and the controller's polls keep their pace in tokens; timestamps are arrival times in this
@@ -346,8 +346,8 @@ class SGLangEngine:
         """Decode steps SGLang has streamed beyond those step() returned (the first rank's)."""
         self.advanced: set[str] = set()
         """Requests that got tokens since step() last counted progress."""
-        self.counted = self.running = 0
-        """``num_generated_tokens`` and the requests running when step() last counted progress."""
+        self.counted = 0
+        """``num_generated_tokens`` when step() last counted progress."""
         self.engine = None
         num_tokens = 0
         if self.on_cpu:
@@ -480,17 +480,15 @@ class SGLangEngine:
 
     def _wait_for_a_step(self) -> None:
         """Wait until SGLang has streamed a decode step's worth of tokens (one per request running:
-        new tokens over the requests that were running or got tokens) or a request ended."""
+        new tokens over the requests running at the last step() or that got tokens) or a request ended."""
         while True:
             self.arrived.wait()
             with self.lock:
                 self.arrived.clear()
                 tokens, self.counted = self.num_generated_tokens - self.counted, self.num_generated_tokens
-                self.ahead += tokens / max(len(self.advanced), self.running, 1)
+                self.ahead += tokens / max(len(self.advanced), self.num_started, 1)
                 self.advanced.clear()
-                live = self.live.values()
-                self.running = sum(t.seen > 0 and t.out.finish_reason is None for t in live)
-                if any(t.out.finish_reason is not None or t.error is not None for t in live):
+                if any(t.out.finish_reason is not None or t.error is not None for t in self.live.values()):
                     self.ahead = max(self.ahead, 1.0)
                 if self.ahead >= 1:
                     return
