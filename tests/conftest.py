@@ -85,6 +85,16 @@ def toy_random_dir(tmp_path_factory):
     return path
 
 
+def cause(stderr: str, limit: int = 6000) -> str:
+    """A failed multi-process job's stderr for a test's message: its first traceback (the cause; the
+    other processes' reactions to it come after: a peer's lost connection, torchrun's summary) and
+    its tail."""
+    first = stderr.find("Traceback (most recent call last)")
+    if first < 0 or first >= len(stderr) - limit // 2:
+        return stderr[-limit:]
+    return f"{stderr[first:first + limit // 2]}\n[...]\n{stderr[-limit // 2:]}"
+
+
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
     """Run ``tests/dist/scripts/<script>`` on ``nproc`` real gloo ranks; fail the test on a non-zero exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -94,7 +104,7 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
                                                                             os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"{script} on {nproc} ranks exited {proc.returncode}:\n{proc.stdout}\n{cause(proc.stderr)}")
     return proc.stdout
 
 

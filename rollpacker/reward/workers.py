@@ -90,18 +90,15 @@ def _work(conn: mp.connection.Connection) -> None:
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is the kill
 
-    conn.send(None)
-    while True:
-        try:
-            task = conn.recv()
-        except EOFError:  # the pool closed our pipe: it is shutting down
-            return
-        if task is None:
-            return
-        ref, sample = task
-        wall, cpu = time.perf_counter(), _cpu_seconds()
-        value, error, metrics, info = score(ref, sample)
-        conn.send((value, error, metrics, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
+    try:
+        conn.send(None)
+        while (task := conn.recv()) is not None:
+            ref, sample = task
+            wall, cpu = time.perf_counter(), _cpu_seconds()
+            value, error, metrics, info = score(ref, sample)
+            conn.send((value, error, metrics, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
+    except (EOFError, BrokenPipeError):  # the pool closed our pipe: it is shutting down, or its process died
+        return
 
 
 @dataclass

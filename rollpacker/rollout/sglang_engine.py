@@ -101,6 +101,8 @@ from rollpacker.rollout.engine import (
 SGLANG_VERSION = "0.5.23"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _ABORT_TIMEOUT_S = 60.0
+_IDLE_TIMEOUT_S = 60.0
+"""How long a release or a weight push waits for SGLang's scheduler to finish what it still runs."""
 STREAM_INTERVAL = 8
 """Tokens per streamed update of a running request (SGLang's ``stream_interval``)."""
 
@@ -541,8 +543,8 @@ class SGLangEngine:
                 dist.barrier(group=self.group)  # the others' IPC-shared bucket stays alive until loaded
         if self.owner:
             self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
-            if not self.released and not self._call(tm.flush_cache()).success:  # released: the KV comes back empty
-                raise RuntimeError("SGLang did not flush its cache after the weight update (requests pending?)")
+            if not self.released:  # released: the KV comes back empty
+                self._flush("the weight update")
 
     def release_memory(self) -> None:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
@@ -551,6 +553,8 @@ class SGLangEngine:
         # released already: only weights a push woke go back (SGLang's resume of a held tag kills its scheduler)
         tags = None if not self.released else ["weights"] if self.weights_awake else []
         if self.owner and tags != []:
+            if not self.released:
+                self._flush("release_memory")  # SGLang asserts it is idle: its scheduler dies if not
             tm = self.engine.tokenizer_manager
             self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None))
         self.released, self.weights_awake = True, False
@@ -573,6 +577,15 @@ class SGLangEngine:
             self.engine.shutdown()
             self.engine = None
             _STARTED.clear()
+
+    def _flush(self, what: str) -> None:
+        """Flush SGLang's cache once its scheduler is idle. A request this adapter has finished can still
+        be in SGLang's batch for an iteration or more (one aborted at a stop string, after an abort, or
+        with overlap scheduling), and a flush on a busy scheduler fails."""
+        result = self._call(self.engine.tokenizer_manager.flush_cache(timeout_s=_IDLE_TIMEOUT_S))
+        if not result.success:
+            raise RuntimeError(f"SGLang's scheduler was not idle for {what} within {_IDLE_TIMEOUT_S:.0f} s: "
+                               f"{result.message}")
 
     def _check_idle(self, what: str) -> None:
         if self.live:

@@ -14,14 +14,15 @@ import sys
 import pytest
 import torch
 
-from conftest import DIST_SCRIPTS, SGLANG_STUBS, sglang_env
+from conftest import DIST_SCRIPTS, SGLANG_STUBS, cause, sglang_env
 from vllm_common import make_pair
 
 pytestmark = pytest.mark.sglang
 
 CHECKS = ["greedy_matches_transformers_and_torch_engine", "logprobs_equal_the_trainers",
           "abort_then_resume_continues_greedy", "bad_requests_raise", "stop_string_ends_generation_as_on_torch_engine",
-          "seeded_sampling_reproduces_and_resumes", "a_step_is_a_decode_step", "update_weights_then_release_and_resume"]
+          "seeded_sampling_reproduces_and_resumes", "a_step_is_a_decode_step", "update_weights_then_release_and_resume",
+          "release_and_push_right_after_a_finish"]
 """The checks of tests/dist/scripts/sglang_engine.py, one engine for all of them."""
 
 
@@ -37,7 +38,7 @@ def checks(pair, tmp_path_factory):
     proc = subprocess.run([sys.executable, str(DIST_SCRIPTS / "sglang_engine.py"), str(pair[0]), str(pair[1]),
                            str(out)], capture_output=True, text=True, timeout=900, env=sglang_env())
     results = json.loads(out.read_text()) if out.exists() else {}
-    return results, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return results, f"exit {proc.returncode}\n{proc.stdout}\n{cause(proc.stderr)}"
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -53,7 +54,7 @@ def test_tp2_across_two_torchrun_ranks(pair):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(DIST_SCRIPTS / "sglang_tp.py"), str(pair[0])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=sglang_env())
-    assert proc.returncode == 0 and proc.stdout.count("OK") == 2, f"{proc.stdout}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and proc.stdout.count("OK") == 2, f"{proc.stdout}\n{cause(proc.stderr)}"
 
 
 def test_seeded_sampling_hash_equals_sglangs_triton_kernel():
@@ -84,7 +85,7 @@ def test_engine_bench_compares_torch_and_sglang_on_the_same_tokens():
          "--max-new-tokens", "8", "--warmup-tokens", "2", "--repeats", "1", "--decode-batch-sizes", "1",
          "--decode-steps", "2", "--matmul-size", "64", "--matmul-reps", "1", "--ragged-requests", "0"],
         capture_output=True, text=True, timeout=900, env=sglang_env())
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.returncode == 0, cause(proc.stderr)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     for b in (1, 4):
         assert summary[f"same_tokens_sglang_batch{b}"] == 1.0 and summary[f"tok_s_sglang_batch{b}"] > 0

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import DIST_SCRIPTS, QUIET, job_command, sglang_env, steps, trained
+from conftest import DIST_SCRIPTS, QUIET, cause, job_command, sglang_env, steps, trained
 
 pytestmark = pytest.mark.sglang
 
@@ -45,7 +45,7 @@ def policy_runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(DIST_SCRIPTS / "sglang_policies.py"), str(root), runs]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=sglang_env())
-    return root, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return root, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{cause(proc.stderr)}"
 
 
 @pytest.mark.timeout(1800)  # the fixture's seven jobs count against the first test's limit
@@ -92,8 +92,8 @@ def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_p
             import os
 
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err[-6000:]
-    assert f"EngineDied: SGLang's engine failed: sglang::scheduler (pid {scheduler.pid}) exited" in err, err[-6000:]
+    assert proc.returncode == 0, cause(err)
+    assert f"EngineDied: SGLang's engine failed: sglang::scheduler (pid {scheduler.pid}) exited" in err, cause(err)
     assert "resuming from" in err
     assert trained(tmp_path) == {0: list(range(NUM_ROWS))}
     assert sum(r["sched/trained_prompts"] for r in steps(tmp_path).values()) == NUM_ROWS

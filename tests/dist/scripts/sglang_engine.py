@@ -32,6 +32,11 @@ def sampled(rid: str, prompt: list[int], n: int, seed: int) -> Request:
                                                                      ignore_eos=True))
 
 
+def letters(ids: list[int]) -> str:
+    """The text of ``ids`` for stop strings (the random model has no tokenizer): one letter per token."""
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
 def tokens(outs: dict) -> dict[str, list[int]]:
     return {k: o.token_ids for k, o in outs.items()}
 
@@ -103,19 +108,16 @@ def bad_requests_raise(engine, a, b):
 def stop_string_ends_generation_as_on_torch_engine(engine, a, b):
     """The adapter matches stop strings on the streamed tokens (SGLang runs without a tokenizer), also
     inside an update of several tokens: the same tokens as TorchEngine."""
-    def decode(ids: list[int]) -> str:  # the random model has no tokenizer: one letter per token
-        return "".join(chr(ord("a") + t % 26) for t in ids)
-
     prompt = prompts(1, 12, seed=4)[0]
     full = generate(engine, [greedy("whole", prompt, 24)])["whole"].token_ids
-    stop = decode(full)[11:13]  # tokens 12 and 13: inside SGLang's second update (tokens 2-9, 10-17)
+    stop = letters(full)[11:13]  # tokens 12 and 13: inside SGLang's second update (tokens 2-9, 10-17)
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
     outs = []
     for eng in (engine, TorchEngine(load_model(a), EngineConfig())):
-        eng.decode = decode
+        eng.decode = letters
         outs.append(generate(eng, [Request(id="stop", prompt_ids=prompt, params=params)])["stop"])
     engine.decode = None
-    first = next(n for n in range(1, 25) if stop in decode(full[:n]))
+    first = next(n for n in range(1, 25) if stop in letters(full[:n]))
     assert [o.token_ids for o in outs] == [full[:first]] * 2 and first < 24, (first, outs)
     assert first % STREAM_INTERVAL != 1, first  # SGLang's updates end at tokens 1, 9, 17, 24
     assert [o.finish_reason for o in outs] == ["stop"] * 2 and not engine.has_unfinished()
@@ -178,9 +180,30 @@ def update_weights_then_release_and_resume(engine, a, b):
     assert generate(engine, reqs[:1])[reqs[0].id].token_ids == hf_greedy(hf_model(a), reqs[0].prompt_ids, 12)
 
 
+def release_and_push_right_after_a_finish(engine, a, b):
+    """SGLang can still be running a request the adapter has finished (one it aborted at a stop
+    string) for a scheduler iteration or more. A release then (SGLang asserts idleness: its scheduler
+    dies) or a push (SGLang's flush fails) waits for SGLang to be idle. Last: before the fix it killed
+    the engine."""
+    weights, engine.decode = list(load_model(a).named_parameters()), letters
+    for i, prompt in enumerate(prompts(8, 20, seed=6)):
+        stop = letters(generate(engine, [greedy(f"head{i}", prompt, 3)])[f"head{i}"].token_ids)[1:]
+        params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True, stop=(stop,))
+        out = generate(engine, [Request(id=f"stop{i}", prompt_ids=prompt, params=params)])[f"stop{i}"]
+        assert len(out.token_ids) <= 3, out  # SGLang runs on past it until the adapter's abort arrives
+        if i % 2:
+            engine.update_weights(weights)
+        else:
+            engine.release_memory()
+            engine.resume_memory()
+    engine.decode = None
+    prompt = prompts(1, 20, seed=6)[0]
+    assert generate(engine, [greedy("after", prompt, 8)])["after"].token_ids == hf_greedy(hf_model(a), prompt, 8)
+
+
 CHECKS = [greedy_matches_transformers_and_torch_engine, logprobs_equal_the_trainers, abort_then_resume_continues_greedy,
           bad_requests_raise, stop_string_ends_generation_as_on_torch_engine, seeded_sampling_reproduces_and_resumes,
-          a_step_is_a_decode_step, update_weights_then_release_and_resume]
+          a_step_is_a_decode_step, update_weights_then_release_and_resume, release_and_push_right_after_a_finish]
 
 
 def main(a: Path, b: Path, out: Path) -> None:
