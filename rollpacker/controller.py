@@ -127,12 +127,22 @@ class Controller:
 
         cfg = self.config
         self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+        self.rewards.state = self.trainer_state(step)
         return RoundLeader(step=step, plan=plan, policy=self.policy, rows=self.rows, encode=self.encode_prompt,
                            rewards=self.rewards, sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
                            progress=self.display.update, make_samples=self.group_samples,
                            routing=Routing(by_group=cfg.rollout.routing == "group",
                                            longest_first=cfg.rollout.longest_first),
                            memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
+
+    def trainer_state(self, step: int):
+        """TRL's ``trainer_state`` for the reward functions at ``step``: the epoch as prompts drawn over rows."""
+        from rollpacker.reward.functions import TrainerState
+
+        cfg, sampler = self.config, getattr(self.policy, "sampler", None)
+        epoch = sampler.epoch + sampler.position / sampler.num_rows if sampler else 0.0
+        return TrainerState(global_step=step, epoch=epoch, max_steps=cfg.num_steps, num_train_epochs=cfg.num_epochs,
+                            train_batch_size=cfg.rollout.num_prompts * cfg.rollout.group_size)
 
     def eval_leader(self, step: int, num_responses: int = 1, sampling: SamplingParams | None = None) -> RoundLeader:
         """Rank 0's side of a held-out round: every eval row once, ``num_responses`` responses each,
