@@ -180,8 +180,9 @@ def _plain(value: Any) -> Any:
 class MetricsLogger:
     """Appends one JSON line per step to ``run_dir/metrics.jsonl`` and mirrors it to wandb.
 
-    Rank 0 only. The file is opened for appending, so a resumed run continues the same record
-    (``rollpacker.report`` keeps the last line of a step logged twice).
+    Rank 0 only. The file is opened for appending, so a resumed run continues the same record;
+    :meth:`start_at` first drops the records of the steps the run does again, so that each step is
+    there once.
     """
 
     def __init__(self, run_dir: Path, config: MetricsConfig, run_config: dict) -> None:
@@ -192,6 +193,19 @@ class MetricsLogger:
         self._wandb_run = None
         if config.wandb_mode != "disabled":
             self._wandb_run = _init_wandb(self.run_dir, config, run_config)
+
+    def start_at(self, step: int) -> None:
+        """Drop the records of ``step`` and later: this run logs them (again, after a resume)."""
+        if self._file is None or not self.path.stat().st_size:
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) < step]
+        if len(kept) < len(lines):
+            self._file.close()
+            self.path.write_text("".join(kept), encoding="utf-8")
+            self._file = self.path.open("a", encoding="utf-8")
+            logger.info("%s: dropped the %d records of step %d and later, which this run does again", self.path,
+                        len(lines) - len(kept), step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if "step" in metrics:
@@ -242,6 +256,15 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _step_of(line: str) -> int:
+    """The step of a metrics.jsonl line (-1 for one that is not a record: kept, the report names it)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return -1
+    return step if isinstance(step, int) else -1
 
 
 def _init_wandb(run_dir: Path, config: MetricsConfig, run_config: dict):

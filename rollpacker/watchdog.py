@@ -46,7 +46,8 @@ class DistConfig:
                              f"dist.first_step_timeout_s={self.first_step_timeout_s}")
 
 
-_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True}
+_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True, "sent": float("inf")}
+"""This rank's step and phase, its collectives' timeout, and when its last heartbeat got through."""
 _config: DistConfig | None = None
 _stop = threading.Event()
 _threads: list[threading.Thread] = []
@@ -85,8 +86,11 @@ def start(config: DistConfig) -> None:
     previous = sys.excepthook
 
     def hook(kind, error, tb):
+        if _error_reported():  # a rank of this node reported an error to the launcher and left
+            os._exit(1)
         what = _fault(error)
-        view = _bounded(_job_view, None)  # one store visit: a stalled host costs STORE_WAIT_S once
+        silent = time.time() - _state["sent"] > STORE_WAIT_S  # the heartbeat's sends stopped getting through
+        view = None if silent else _bounded(_job_view, None)  # one store visit, bounded
         if view and view[0] not in ("", str(rank)):  # another rank printed a user error and left: nothing to add
             os._exit(1)
         if what:  # a fault, diagnosed: one line, no traceback
@@ -109,6 +113,11 @@ def at_step(step: int, phase: str = "step") -> None:
         set_timeout(_config.first_step_timeout_s if _state["first"] else _config.timeout_s)
     _state["step"] = step
     _state["phase"] = phase
+
+
+def step() -> int:
+    """The step this rank is at (-1 before the loop)."""
+    return _state["step"]
 
 
 def phase(name: str) -> None:
@@ -142,7 +151,12 @@ def _bounded(call, default):
 
 
 def claim_report(rank: int) -> bool:
-    """Whether this rank is the first to report a user error (always, outside torchrun or if the store is gone)."""
+    """Whether this rank is the first to report a user error (always, outside torchrun or if the store is gone).
+    Before the job's store is up (rank 0 hosts it, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0: a
+    config error is the same on every rank."""
+    if _config is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return rank == 0
+
     def claim():
         store = _store()
         return store is None or store.compare_set(_report_key(), "", str(rank)).decode() == str(rank)
@@ -196,9 +210,13 @@ _client: list = []
 
 
 def _send_beat(rank: int) -> None:
+    if _error_reported():  # its rank 0 may be gone with the store: no failed send to log
+        return
     try:
         _client[:] = _client or [_store()]
         _client[0].set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"]}))
+        _client[0].check([_key(rank)])  # a set is not answered; this is: the store's host is alive
+        _state["sent"] = time.time()
     except Exception:  # noqa: BLE001  (a busy machine or a restarting store: a new client at the next beat)
         _client.clear()
 
@@ -224,9 +242,12 @@ def diagnose(rank: int, what: str = "", view: tuple | None | bool = True) -> str
     if view is True:
         view = _bounded(_job_view, None) if _store_address() else None
     beats = view[1] if view else None
+    if beats is None and what.startswith("lost"):
+        return f"{where}: {store_host()}, the job's store's host, is gone too (its error is above, or it was killed)"
     if beats is None:  # the store's host may be the one stalled
         host = store_host()
-        return (f"{where}: {host} did not answer either (it hosts the job's store, silent for {STORE_WAIT_S:g}s): "
+        silent = max(time.time() - _state["sent"], STORE_WAIT_S)  # since its last answer to this rank
+        return (f"{where}: {host} did not answer either (it hosts the job's store, silent for {silent:.0f}s): "
                 f"{host} is stalled. Exiting non-zero so torchrun --max-restarts or Slurm's requeue restarts the "
                 "job (--resume auto)")
     now, silent = time.time(), []
@@ -243,6 +264,12 @@ def diagnose(rank: int, what: str = "", view: tuple | None | bool = True) -> str
     who = "; ".join(f"rank {r}: {why}" for r, why in silent)
     return (f"{where}: rank(s) {[r for r, _ in silent]} did not answer ({who}). Exiting non-zero so torchrun "
             "--max-restarts or Slurm's requeue restarts the job (--resume auto)")
+
+
+def _error_reported() -> bool:
+    """Whether a rank of this node reported an error to the ``rollpacker`` launcher (rollpacker.errors)."""
+    path = os.environ.get("ROLLPACKER_ERROR_FILE")
+    return bool(path) and os.path.exists(path)
 
 
 def _store_address() -> bool:

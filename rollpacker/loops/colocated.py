@@ -24,7 +24,7 @@ from rollpacker.schedule.base import RoundPlan
 def run(job: Job) -> int:
     """Steps from ``job.start_step`` until ``num_steps`` or the data runs out; returns the step reached."""
     cfg, ctl = job.config, job.controller
-    preempt.install()  # SIGUSR1/SIGTERM (Slurm): stop after the current step, saved
+    preempt.install()  # again (run.main did): SIGUSR1/SIGTERM/SIGINT stop after the current step, saved
     step = job.start_step
     while step < cfg.num_steps:
         watchdog.at_step(step)  # dist.timeout_s once the first step is done

@@ -378,8 +378,8 @@ class RewardScheduler:
         failed on every call, or more than ``reward.max_error_frac`` of the responses erred."""
         if not self.errors or self.cfg.max_error_frac >= 1:
             return None
-        fix = (f"Nothing of {where} was trained: fix it, then resume with --resume auto "
-               "(--reward.max-error-frac 1 trains such responses on 0 instead)")
+        fix = ("Stopped before training on them: fix it, then run again with --resume auto "
+               "(--reward.max-error-frac 1 trains on such responses, scored 0, instead)")
         for name, f in self._failures.items():
             if name != NONE_APPLIES and f.failed == f.calls:
                 return f"{self._failed(name, where)}: all of them, first on {f.first}. {fix}"

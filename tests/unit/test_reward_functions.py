@@ -122,8 +122,8 @@ def test_a_step_of_noise_stops_the_run_naming_the_function_row_and_cause(funcs, 
         scores(RewardConfig(funcs=(*funcs("text"), "toy"), num_workers=0), rows, TrainerState(global_step=3))
     assert str(e.value) == (
         "reward function 'text' failed on 10 of 10 responses at step 3: all of them, first on row 'a:0': returned "
-        "str 'good' for a completion; expected a float, an int or None. Nothing of step 3 was trained: fix it, then "
-        "resume with --resume auto (--reward.max-error-frac 1 trains such responses on 0 instead)")
+        "str 'good' for a completion; expected a float, an int or None. Stopped before training on them: fix it, "
+        "then run again with --resume auto (--reward.max-error-frac 1 trains on such responses, scored 0, instead)")
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # the stop is the one message
     got, metrics = scores(RewardConfig(funcs=funcs("one_in_three"), num_workers=0), rows)
     assert metrics["reward/errors"] == 1 and sorted(got.values()) == [0.0] + [1.0] * 9
@@ -132,7 +132,7 @@ def test_a_step_of_noise_stops_the_run_naming_the_function_row_and_cause(funcs, 
         "reward/errors"] == 5  # not more than half
     with pytest.raises(RewardFunctionError, match=r"^5 of 10 responses at step 0 had a reward error, more than "
                        r"--reward\.max-error-frac 0\.4: reward function 'one_in_three' failed on 5 of 10 responses "
-                       r"at step 0, first on row 'a:13': raised ValueError: row three\. Nothing of step 0"):
+                       r"at step 0, first on row 'a:13': raised ValueError: row three\. Stopped before training"):
         scores(RewardConfig(funcs=funcs("one_in_three"), num_workers=0, max_error_frac=0.4), many)
     with pytest.raises(RewardFunctionError, match=r"^2 of 2 responses at step 0 had a reward error, more than "
                        r"--reward\.max-error-frac 0\.5: no reward function scored 2 of 2 responses at step 0 \(all "
