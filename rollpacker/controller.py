@@ -90,7 +90,7 @@ class Controller:
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
-                   display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
+                   display=LiveDisplay(config.metrics.live, num_steps=config.num_steps), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
                    drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
@@ -212,9 +212,12 @@ class Controller:
         every = self.config.metrics.samples_every
         if not every or step % every:
             return
+        from rollpacker.data.chat import prompt_text
+
         self.metrics.log_samples(step, name or f"step_{step}", [
             {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
              "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
+             "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
              "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
              "finish_reason": o.finish_reason}

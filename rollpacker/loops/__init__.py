@@ -17,6 +17,10 @@ def train(job) -> int:
     from rollpacker.loops import colocated, one_step_off
 
     cfg, ctl = job.config, job.controller
+    if ctl:
+        from rollpacker.summary import start_summary
+
+        ctl.display.note(start_summary(job))
     loop = one_step_off if job.meshes.disaggregated else colocated
     step = loop.run(job)
     stop = job.meshes.broadcast(preempt.requested() if ctl else None)  # a stop signal ended the loop
