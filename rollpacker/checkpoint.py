@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,7 +127,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
 
 
 def _first_line(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1][:300]
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def prune(checkpoints: Path, keep: int) -> list[Path]:
@@ -255,6 +255,7 @@ def load(path: Path, trainer) -> dict[str, Any]:
     """Collective over the trainer's ranks: restores the trainer in place (None on a rank that does
     not train); returns the saved train state (step, controller state)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -272,7 +273,7 @@ def load(path: Path, trainer) -> dict[str, Any]:
         }
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
-        except Exception as e:  # noqa: BLE001  (damaged past what verify() sees: said as one line)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001  (damaged past what verify() sees: one line)
             raise CheckpointError(f"resume: {path} cannot be read ({_first_line(e)}): move it away and resume "
                                   "with --resume auto, which takes the checkpoint before it") from None
         set_model_state_dict(trainer.model, state["model"])
