@@ -12,10 +12,15 @@ per data source), and ``samples.md``: a few responses of the last training step 
 (the best and worst rewarded, the longest, the shortest), and prints their paths. A plot whose
 metrics appear in no step, or a run without samples, is skipped with a note.
 When a step was logged twice (a resumed run), its last line wins.
+
+It also prints what the newest whole checkpoint says of the prompts (:func:`prompt_ledger`): per
+epoch, the rows trained, each once or not, against the prompts metrics.jsonl counts as trained. That
+is the check that every prompt trained exactly once, from a run directory alone.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -234,6 +239,41 @@ def write_samples(run_dir: Path, out: Path) -> bool:
     return True
 
 
+def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
+    """What the newest whole checkpoint's sample ledger says of each epoch's prompts, checked against the
+    trained prompts metrics.jsonl counts up to that checkpoint ("" without a checkpoint)."""
+    from rollpacker import checkpoint
+
+    try:
+        newest = checkpoint.newest_whole(run_dir, announce=False)
+    except checkpoint.CheckpointError as e:
+        return f"prompts: {e}"
+    if newest is None:
+        return ""
+    state = checkpoint.train_state(newest)
+    policy, step = state.get("policy", {}), state["step"]
+    counted = sum(r.get("sched/trained_prompts", 0) for r in records if r["step"] < step)
+    where = f"prompts (checkpoint {newest}, step {step}, schedule:{policy.get('name')})"
+    if "ledger" not in policy:  # sync trains every prompt it draws, once
+        sampler = policy.get("sampler", {})
+        drawn = sampler.get("epoch", 0) * sampler.get("num_rows", 0) + sampler.get("position", 0)
+        verdict = "each once" if drawn == counted else f"but metrics.jsonl counts {counted} trained"
+        return f"{where}: {drawn} drawn in order and trained, {verdict}"
+    ledger = policy["ledger"]
+    trained = collections.Counter(tuple(k) for k in ledger["trained"])
+    lines = [f"{where}: {sum(trained.values())} trained ({counted} in metrics.jsonl), "
+             f"{len(ledger['queue'])} deferred, {len(ledger['filtered'])} filtered"]
+    num_rows = policy.get("sampler", {}).get("num_rows")
+    for epoch in sorted({e for e, _ in trained}):
+        rows = collections.Counter({r: n for (e, r), n in trained.items() if e == epoch})
+        twice = sorted(r for r, n in rows.items() if n > 1)
+        lines.append(f"  epoch {epoch}: {len(rows)} of {num_rows} rows trained; "
+                     + (f"twice: {twice}" if twice else "none twice"))
+    if sum(trained.values()) != counted:
+        lines.append(f"  metrics.jsonl counts {counted} prompts trained before step {step}: not each once")
+    return "\n".join(lines)
+
+
 def write_report(run_dir: Path) -> list[Path]:
     """Write the plots of ``run_dir`` into ``run_dir/plots``; returns the paths written."""
     if not run_dir.is_dir():
@@ -287,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for p in paths:
         print(p)
+    ledger = prompt_ledger(run_dir, read_metrics(run_dir / "metrics.jsonl"))
+    if ledger:
+        print(ledger)
     return 0
 
 

@@ -22,7 +22,7 @@ def start_summary(job) -> str:
     every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""
     lines = [
         f"rollpacker: {meshes.world_size} rank(s) on {meshes.device.type}, schedule:{cfg.policy}, steps "
-        f"{job.start_step} to {cfg.num_steps - 1} of {r.num_prompts} prompts x {r.group_size} responses{resumed}",
+        f"{job.start_step} to {cfg.num_steps - 1}, each {r.num_prompts} prompts x {r.group_size} responses{resumed}",
         f"  data: {_rows(ctl.rows, cfg.data.path or 'the toy task')}"
         + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path or 'the toy task')}" if ctl.eval_rows else ""),
         f"  model: {cfg.model.path or 'the shipped toy model'} ({job.model_dir}), engine {cfg.engine.kind}; "

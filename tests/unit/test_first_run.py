@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from pathlib import Path
 
 from rollpacker import report
 from rollpacker.errors import as_flags
@@ -72,3 +73,13 @@ def test_report_plots_eval_pass_at_k_per_source_and_each_reward_function_with_th
     assert all((run_dir / "plots" / name).stat().st_size for name in ("eval.png", "reward_functions.png"))
     assert sorted(report.eval_series(lines)) == ["eval/gsm8k/mean@4", "eval/gsm8k/pass@1", "eval/gsm8k/pass@4",
                                                  "eval/mean@4", "eval/pass@1", "eval/pass@4", "eval/toy/long/pass@1"]
+
+
+def test_the_rewards_page_tests_a_function_as_it_says_on_its_own_example(tmp_path, monkeypatch, capsys):
+    """docs/rewards.md's "Testing your function" runs as written on the page's format_ok."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "rewards.md"
+    blocks = dict(re.findall(r"<!-- test: (\S+) -->\n```\w+\n(.*?)```", page.read_text(), re.S))
+    (tmp_path / "my_rewards.py").write_text(blocks["my_rewards.py"])
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks["testing"], "testing", "exec"), {})  # noqa: S102 - the page's own snippet
+    assert capsys.readouterr().out == "(1.0, {}, {})\n"
