@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
         fail(e, prefix="rollpacker: config error: ")  # (rank 0 alone raced the others' exit: torchrun killed it)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if config.resume and os.environ.get("RANK", "0") == "0":
-        logging.getLogger("rollpacker").info("resuming from %s", config.resume)
+    if os.environ.get("RANK", "0") == "0":  # something at once: building takes minutes with a real model
+        logger = logging.getLogger("rollpacker")
+        logger.info("building the job on %s rank(s): model, engines, trainer, data", os.environ.get("WORLD_SIZE", "1"))
+        if config.resume:
+            logger.info("resuming from %s", config.resume)
     import torch.distributed as dist
 
     from rollpacker.job import build

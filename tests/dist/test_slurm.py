@@ -94,7 +94,7 @@ def test_sigusr1_saves_after_the_current_step_and_exits_0(tmp_path):
 
 
 def _steps(text: str) -> list[int]:
-    return [int(s) for s in re.findall(r"^step (\d+) \|", text, flags=re.M)]
+    return [int(s) for s in re.findall(r"^step (\d+)(?:/\d+)? \|", text, flags=re.M)]
 
 
 # --- the real thing ------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def _events(log: str) -> list[tuple[str, int]]:
     ("resume", k) (rank 0 resuming from checkpoints/step_k), ("step", n) (step n done), ("usr1_stop", n) (the
     time-limit warning's save after n steps) and ("done", n)."""
     patterns = {"attempt": r"^train\.sbatch: job \d+ attempt (\d+)",
-                "resume": r"rollpacker: resuming from \S*step_(\d+)$", "step": r"^step (\d+) \|",
+                "resume": r"rollpacker: resuming from \S*step_(\d+)$", "step": r"^step (\d+)(?:/\d+)? \|",
                 "usr1_stop": r"rollpacker: stopped on SIGUSR1 after (\d+) steps",
                 "done": r"rollpacker: done after (\d+) steps"}
     events = []
