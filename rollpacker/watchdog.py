@@ -94,7 +94,7 @@ def start(config: DistConfig) -> None:
         if view and view[0] not in ("", str(rank)):  # another rank printed a user error and left: nothing to add
             os._exit(1)
         if what:  # a fault, diagnosed: one line, no traceback
-            print(f"rollpacker: {diagnose(rank, what, view)} ({type(error).__name__}: "
+            print(f"rollpacker: {diagnose(rank, what, view[1] if view else None)} ({type(error).__name__}: "
                   f"{_first_line(error)})", file=sys.stderr, flush=True)
         else:
             previous(kind, error, tb)
@@ -233,15 +233,11 @@ def _job_view() -> tuple[str, dict[int, dict | None]]:
     return reported, {r: json.loads(store.get(k)) if store.check([k]) else None for r, k in enumerate(keys)}
 
 
-def diagnose(rank: int, what: str = "", view: tuple | None | bool = True) -> str:
-    """What a rank whose collective failed (``what``: timed out, by default) knows: its step and phase,
-    and the ranks that stopped answering. ``view``: :func:`_job_view`'s, None if the store did not
-    answer, True to read it now."""
-    what = what or f"timed out after {_state['timeout']:g}s"
+def diagnose(rank: int, what: str, beats: dict[int, dict | None] | None) -> str:
+    """What a rank whose collective failed (``what`` happened: :func:`_fault`) knows: its step and
+    phase, and the ranks that stopped answering, from every rank's heartbeat (``beats``: None when the
+    store did not answer)."""
     where = f"rank {rank} {what} at step {_state['step']}, phase {_state['phase']}"
-    if view is True:
-        view = _bounded(_job_view, None) if _store_address() else None
-    beats = view[1] if view else None
     if beats is None and what.startswith("lost"):
         return f"{where}: {store_host()}, the job's store's host, is gone too (its error is above, or it was killed)"
     if beats is None:  # the store's host may be the one stalled

@@ -83,3 +83,18 @@ def test_the_rewards_page_tests_a_function_as_it_says_on_its_own_example(tmp_pat
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks["testing"], "testing", "exec"), {})  # noqa: S102 - the page's own snippet
     assert capsys.readouterr().out == "(1.0, {}, {})\n"
+
+
+def test_the_live_display_on_a_terminal_shows_the_run_and_the_rollout():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    display = LiveDisplay(enabled=True, stream=out, num_steps=10)
+    display.note("the summary")
+    display.start_step(3, num_launched=4)
+    display.update(2, tokens_per_s=50.0)
+    display.end_step({"reward/mean": 1.0, "reward/errors": 0, "rollout/tokens_per_s": 50.0})
+    display.close()
+    assert "the summary" in out.getvalue() and re.search(r"step 3/10 \| 0:00:\d\d elapsed", out.getvalue())
