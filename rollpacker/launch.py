@@ -60,13 +60,13 @@ def split(argv: list[str]) -> tuple[list[str], list[str]]:
     return own, rest
 
 
-def restarts(torchrun: list[str]) -> int:
-    """torchrun's ``--max-restarts`` among its options (0 if absent)."""
+def option(torchrun: list[str], name: str, default: str) -> str:
+    """The value of torchrun's option ``name`` (either spelling: ``--max-restarts``, ``--max_restarts``)."""
     for i, arg in enumerate(torchrun):
-        name, _, value = arg.partition("=")
-        if name in ("--max-restarts", "--max_restarts"):
-            return int(value or torchrun[i + 1])
-    return 0
+        flag, _, value = arg.partition("=")
+        if flag.replace("_", "-") == name:
+            return value or torchrun[i + 1]
+    return default
 
 
 def ranks(agent: int) -> list[int]:
@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         print("rollpacker [torchrun's options: --nproc-per-node N, --max-restarts K, ...] [rollpacker.run's "
               "flags, below]\n")
         return subprocess.call([sys.executable, "-m", "rollpacker.run", "--help"], env=env)
-    if restarts(torchrun):  # pytorch#135712; otherwise torchrun's agent keeps the store, which outlives any rank
+    if int(option(torchrun, "--max-restarts", "0")):  # pytorch#135712; else torchrun's agent keeps the store
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets, without its banner saying so
+    if option(torchrun, "--nproc-per-node", "1") not in ("1", "auto", "cpu", "gpu", "xpu"):
+        env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks, without its banner
     with tempfile.TemporaryDirectory(prefix="rollpacker-") as tmp:
         error = Path(tmp) / "error"
         env[ERROR_FILE] = str(error)

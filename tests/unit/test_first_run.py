@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rollpacker import report
 from rollpacker.errors import as_flags
-from rollpacker.launch import restarts, split
+from rollpacker.launch import option, split
 from rollpacker.metrics import LiveDisplay, MetricsConfig, MetricsLogger
 
 
@@ -22,7 +22,8 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
     assert split(["--nnodes", "2", "--rdzv-endpoint", "h:29500", "--", "--preset", "qwen2.5-7b-8k"]) == (
         ["--nnodes", "2", "--rdzv-endpoint", "h:29500"], ["--preset", "qwen2.5-7b-8k"])  # no --standalone
     assert split(["--standalone", "schedule:tail", "--help"]) == (["--standalone"], ["schedule:tail", "--help"])
-    assert restarts(["--standalone", "--max-restarts", "3"]) == 3 and restarts(["--standalone"]) == 0
+    assert option(["--standalone", "--max_restarts", "3"], "--max-restarts", "0") == "3"
+    assert option(["--nproc-per-node=2"], "--nproc-per-node", "1") == "2" and option([], "--nnodes", "1") == "1"
 
 
 def test_messages_name_settings_as_the_flags_typed():
