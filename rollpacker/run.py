@@ -26,12 +26,17 @@ from rollpacker.errors import UserError, fail
 
 def resolve_resume(config: Config) -> None:
     """``resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` that is whole
-    (:func:`rollpacker.checkpoint.newest_whole`; or nothing); a checkpoint must match the policy."""
+    (:func:`rollpacker.checkpoint.newest_whole`; or nothing); a checkpoint named must be whole too,
+    and match the policy."""
     from rollpacker import checkpoint
 
     if config.resume == "auto":
         newest = checkpoint.newest_whole(Path(config.run_dir), announce=os.environ.get("RANK", "0") == "0")
         config.resume = str(newest) if newest else ""
+    elif (Path(config.resume) / checkpoint.MARKER).exists():  # else check() says what is missing
+        if why := checkpoint.verify(Path(config.resume)):
+            raise checkpoint.CheckpointError(f"resume: checkpoint {config.resume} is damaged: {why}; resume from an "
+                                             "earlier one, or with --resume auto, which passes over damaged ones")
     if config.resume:
         checkpoint.check(Path(config.resume), config.policy)
 
