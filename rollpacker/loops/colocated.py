@@ -111,6 +111,6 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     if not ctl:
         return {}
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
-    ctl.rewards.take_metrics(f"the evaluation at step {step}")  # not the next step's reward time or reward/NAME
+    ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
     return eval_metrics([[r or 0.0 for r in g.rewards] for g in result.groups],
                         [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups])
