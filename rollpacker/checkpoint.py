@@ -54,8 +54,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     reward timeouts' anchors) matters on rank 0 only. ``trainer`` is None on ranks that do not
     train (one_step_off's rollout pool); ``trainer_rank``, the first rank that does, sends its LR
     schedule to rank 0. Saving over a committed checkpoint first takes its marker away, then its
-    files, so a crash midway leaves it marked interrupted. Nothing is saved right after a step skipped for a
-    non-finite update (``trainer.skipping``).
+    files, so a crash midway leaves it marked interrupted. Nothing is saved right after a step
+    skipped for a non-finite update (``trainer.skipping``).
 
     A write that fails on any rank removes the partial directory and raises :class:`CheckpointError`
     on every rank, naming the ranks and the error; earlier checkpoints are untouched. Once the new

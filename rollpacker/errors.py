@@ -51,7 +51,14 @@ def as_flags(text: str) -> str:
 
 
 def fail(error: BaseException | str, prefix: str = "rollpacker: ", exit_code: int = 1) -> NoReturn:
-    """Report ``error`` once for the whole job (the first rank to claim it) and exit at once."""
+    """Report ``error`` once for the whole job (:func:`report`) and exit at once."""
+    report(error, prefix)
+    sys.stdout.flush()
+    os._exit(exit_code)  # never linger in a half-dead process group: the others see this rank leave
+
+
+def report(error: BaseException | str, prefix: str = "rollpacker: ") -> None:
+    """Say ``error`` once for the whole job: by the first rank to claim it, or through the launcher."""
     from rollpacker import watchdog
 
     line = f"{prefix}{as_flags(str(error))}"
@@ -60,8 +67,6 @@ def fail(error: BaseException | str, prefix: str = "rollpacker: ", exit_code: in
         _claim_file(os.environ[ERROR_FILE], line)
     elif first:
         print(line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(exit_code)  # never linger in a half-dead process group: the others see this rank leave
 
 
 def _claim_file(path: str, line: str) -> None:

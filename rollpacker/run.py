@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rollpacker import preempt
 from rollpacker.config import Config, parse
-from rollpacker.errors import UserError, fail
+from rollpacker.errors import UserError, fail, report
 
 
 def resolve_resume(config: Config) -> None:
@@ -64,8 +64,8 @@ def parse_once(argv: list[str] | None) -> Config:
     except SystemExit as e:
         if e.code not in (None, 0):  # tyro's error box as it drew it, or our own message (--preset)
             box = "\n".join(line.rstrip() for line in err.getvalue().strip("\n").splitlines())
-            fail(box or str(e.code), prefix="" if box else "rollpacker: config error: ",
-                 exit_code=e.code if isinstance(e.code, int) else 2)
+            report(box or str(e.code), prefix="" if box else "rollpacker: config error: ")
+            raise SystemExit(e.code if isinstance(e.code, int) else 2) from None  # no process group yet
         if os.environ.get("RANK", "0") == "0":
             sys.stdout.write(out.getvalue())
         raise SystemExit(0) from None
