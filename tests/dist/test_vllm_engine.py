@@ -145,6 +145,13 @@ def test_update_weights_from_our_model(pair, engine):
     assert got[reqs[0].id].token_ids == hf_greedy(hf, reqs[0].prompt_ids, 12)
 
 
+def test_a_bf16_engine_takes_fp32_masters_in_its_dtype(pair):
+    """Issue 37: the trainer's masters are fp32, a GPU engine bf16; the push converts them (vLLM's layerwise
+    reload is never handed another dtype) and the engine then generates as a bf16 TorchEngine on those weights."""
+    out = torchrun("vllm_dtype.py", 1, str(pair[0]), str(pair[1]), timeout=600)
+    assert "OK bf16 push" in out, out
+
+
 @pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])  # TP 2 covers the group join
 def test_torchrun_replicas_and_tp(pair, tp):
     """2 gloo ranks: two TP-1 replicas, or one TP-2 replica; greedy equals transformers before and
