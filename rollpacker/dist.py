@@ -57,13 +57,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def backend(device: str, cpu_collectives: bool = False) -> tuple[str, str]:
-    """(device type, default group backend) for ``dist.device`` (auto or cpu; ``ROLLPACKER_DEVICE``
-    when empty): CUDA when visible and not forced off, with gloo beside NCCL when ``cpu_collectives``."""
-    device = device or os.environ.get("ROLLPACKER_DEVICE", "auto")
-    if device not in ("auto", "cpu"):
-        raise ValueError(f"dist.device (or ROLLPACKER_DEVICE) must be auto or cpu, got {device!r}")
-    if device == "cpu" or not torch.cuda.is_available():
+def backend(device: str = "auto", cpu_collectives: bool = False) -> tuple[str, str]:
+    """(device type, default group backend) for ``dist.device``: CUDA when visible unless it or
+    ``ROLLPACKER_DEVICE`` says cpu, with gloo beside NCCL when ``cpu_collectives``."""
+    forced = os.environ.get("ROLLPACKER_DEVICE", "auto") or "auto"
+    for where, value in (("dist.device", device), ("ROLLPACKER_DEVICE", forced)):
+        if value not in ("auto", "cpu"):
+            raise ValueError(f"{where} must be auto or cpu, got {value!r}")
+    if "cpu" in (device, forced) or not torch.cuda.is_available():
         return "cpu", "gloo"
     return "cuda", "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
 
@@ -77,7 +78,7 @@ def export_nccl_env(forced: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
 
 
-def init_distributed(device: str = "", cpu_collectives: bool = False,
+def init_distributed(device: str = "auto", cpu_collectives: bool = False,
                      nccl_env: dict[str, str] | None = None) -> torch.device:
     """Join the job's process group (a one-rank group outside torchrun), with the NCCL settings of
     :func:`export_nccl_env` (``nccl_env``: the engine's) exported and logged first; returns this rank's

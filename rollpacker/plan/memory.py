@@ -451,8 +451,8 @@ def decode_workspace(s: Shape, r: RolloutSetup) -> float:
     at once (up to ``max_num_seqs``: a rollout's requests cross each length together) until the engine
     releases its memory, each row its group's capacity of K and V. Measured on CPU: 5.3x the pool for
     64 requests of up to 660 tokens (docs/memory.md)."""
-    longest = min(r.longest or r.max_model_len or s.max_position_embeddings,
-                  r.max_model_len or s.max_position_embeddings or r.longest)
+    cap = r.max_model_len or s.max_position_embeddings
+    longest = min(r.longest, cap) if r.longest and cap else r.longest or cap
     top = max(16, 1 << (max(longest, 1) - 1).bit_length())
     per_token = 2 * s.num_layers * max(1, s.num_kv_heads // r.tp) * s.head_dim * r.weight_bytes
     return r.max_num_seqs * (2 * top - 16) * per_token

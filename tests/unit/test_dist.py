@@ -25,11 +25,13 @@ def test_backend_is_nccl_on_gpu_with_gloo_beside_it_when_cpu_tensors_meet(gpu_vi
 
 def test_cpu_and_gloo_can_be_forced_while_a_gpu_is_visible(gpu_visible, monkeypatch):
     assert rdist.backend("cpu", cpu_collectives=True) == ("cpu", "gloo")
-    monkeypatch.setenv("ROLLPACKER_DEVICE", "cpu")  # the test suite's setting (tests/conftest.py)
-    assert rdist.backend("") == ("cpu", "gloo")
-    assert rdist.backend("auto") == ("cuda", "nccl")  # dist.device, when given, decides
-    with pytest.raises(ValueError, match="dist.device .* must be auto or cpu, got 'gpu'"):
+    monkeypatch.setenv("ROLLPACKER_DEVICE", "cpu")  # the test suite's setting (tests/conftest.py): every job
+    assert rdist.backend("auto") == ("cpu", "gloo")
+    with pytest.raises(ValueError, match="dist.device must be auto or cpu, got 'gpu'"):
         rdist.backend("gpu")
+    monkeypatch.setenv("ROLLPACKER_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="ROLLPACKER_DEVICE must be auto or cpu, got 'gpu'"):
+        rdist.backend("auto")
 
 
 def test_without_a_gpu_the_backend_is_gloo(monkeypatch):
