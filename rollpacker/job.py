@@ -24,7 +24,7 @@ import torch
 from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
-from rollpacker.dist import Meshes, build_meshes, init_distributed
+from rollpacker.dist import Meshes, backend, build_meshes, init_distributed
 from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, save_model
 from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
 from rollpacker.model.parallelize import build_for_training
@@ -90,8 +90,9 @@ class Job:
         """Collective: the checkpoint of ``step``, with the policy's current state or ``policy_state``."""
         path = Path(self.config.run_dir) / "checkpoints" / f"step_{step}"
         state = self.controller.state_dict(policy_state) if self.controller else None
-        checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
-                        keep=self.config.checkpoint.keep)
+        with watchdog.waiting("checkpoint", self.config.dist.checkpoint_timeout_s):
+            checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
+                            keep=self.config.checkpoint.keep)
 
     def export(self, path: Path) -> None:
         """Collective over the training ranks: the policy as a Hugging Face directory (weights in the
@@ -100,10 +101,11 @@ class Job:
             return
         writer = self.meshes.rank == self.meshes.train_ranks[0]
         model = self.trainer.model
-        if isinstance(model, HFDecoder):
-            save_hf(model, path, write=writer, dtype=config_dtype(self.model_dir))
-        else:
-            save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args))
+        with watchdog.waiting("export", self.config.dist.checkpoint_timeout_s):
+            if isinstance(model, HFDecoder):
+                save_hf(model, path, write=writer, dtype=config_dtype(self.model_dir))
+            else:
+                save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args))
         if writer:
             for file in self.model_dir.iterdir():  # the tokenizer, and whatever else is not weights or config
                 if file.is_file() and file.name not in ("config.json", INDEX) and file.suffix != ".safetensors":
@@ -123,7 +125,13 @@ def stop_decoder(config: Config, model_dir: Path):
 
 def build(config: Config) -> Job:
     """Every rank's parts (collective)."""
-    init_distributed()
+    path = config.model.directory()
+    impl = resolve_impl(config.model.impl, path)
+    if impl == "hf":
+        check_hf(config)
+    device_type, _ = backend(config.dist.device)
+    config.engine.kind = model_engine(impl, config.engine.kind, device_type, config.plan.enabled)
+    init_distributed(config.dist.device, cpu_collectives=config.train.offload, nccl_env=engine_nccl_env(config))
     world = torch.distributed.get_world_size()
     config.check_world(world)
     streaming = config.stream.enabled or config.pipe
@@ -131,13 +139,8 @@ def build(config: Config) -> Job:
                           rollout_ranks=config.rollout_ranks(world))
     watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
     torch.manual_seed(config.seed)
-    path = config.model.directory()
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
     dtype = engine_dtype(config.model.dtype, meshes.device)
-    impl = resolve_impl(config.model.impl, path)
-    if impl == "hf":
-        check_hf(config)
-    config.engine.kind = model_engine(impl, config.engine.kind, meshes.device.type, config.plan.enabled)
     if meshes.device.type == "cuda":  # the memory plan: refuse a config that cannot fit (rollpacker.plan.memory)
         plan = check_fits(config, Shape.from_hf(read_config(path)), world,
                           torch.cuda.get_device_properties(meshes.device).total_memory)
@@ -161,12 +164,20 @@ def build(config: Config) -> Job:
     if config.plan.enabled:
         build_planner(job)
     if config.resume:
-        state = checkpoint.load(Path(config.resume), trainer)
+        with watchdog.waiting("checkpoint", config.dist.checkpoint_timeout_s):
+            state = checkpoint.load(Path(config.resume), trainer)
         job.start_step = state["step"]
         if job.controller:
             job.controller.load_state_dict(state)
         job.push_weights()  # the engines get the checkpoint's weights
     return job
+
+
+def engine_nccl_env(config: Config) -> dict[str, str]:
+    """The NCCL settings the engine's start would set in its own process (``EngineKind.nccl_env``), for
+    every rank to export before its first communicator."""
+    kind = ENGINES[config.engine.kind]
+    return kind.nccl_env(config.rollout.tp) if kind.nccl_env else {}
 
 
 def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:

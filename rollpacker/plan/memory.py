@@ -24,9 +24,13 @@ compute dtype: 2 with bf16 mixed precision on GPU, 4 in fp32):
 - the KL reference (``train.kl_coef > 0``): sharded like the policy, or streamed from host memory.
 
 Rollout peak: the trainer's parameters and optimizer state (gradients are freed after the step),
-the engine's weights per TP shard, its KV budget and its activations. During training the engines
-release their memory on GPU (vLLM's and SGLang's weights and KV cache; TorchEngine its KV cache).
-A fixed allowance covers the CUDA context, NCCL and cuBLAS workspaces.
+and the engine's real footprint (:func:`engine_terms`): its weights per TP shard, its KV budget, its
+activations at the most tokens it batches (vLLM: ``max_num_batched_tokens``, which the adapter makes
+at least ``max_model_len``), TorchEngine's decode workspace beside the pool, SGLang's scheduler
+process. During training the engines release their memory on GPU (vLLM's and SGLang's weights and
+KV cache; TorchEngine its KV cache and workspace); SGLang's process stays. A fixed allowance covers
+the CUDA context, NCCL and cuBLAS workspaces. SGLang's ``mem_fraction_static`` is derived from the
+same terms (:func:`sglang_memory_fraction`).
 
 This is a model of the code, not of the allocator: fragmentation and the caching allocator's
 reserve are not counted (keep 10% headroom). ``python -m rollpacker.bench memory`` checks the
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +52,9 @@ from rollpacker.model.parallelize import checkpointed
 GB = 1e9
 CUDA_CONTEXT_BYTES = 2.0 * GB
 """CUDA context, NCCL buffers and cuBLAS workspaces: an allowance, not computed."""
+SGLANG_PROCESS_BYTES = CUDA_CONTEXT_BYTES
+"""SGLang's scheduler process on each GPU of its TP group: a second CUDA context, its own NCCL buffers
+and cuBLAS workspaces (the same allowance)."""
 PROMPT_TOKENS = 1024
 """The prompt length the plan assumes for the longest sample (prompts are not capped)."""
 
@@ -84,6 +92,7 @@ class Shape:
     """MoE: experts per layer (0: dense)."""
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    max_position_embeddings: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> Shape:
@@ -102,6 +111,7 @@ class Shape:
             num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
+            max_position_embeddings=cfg.get("max_position_embeddings") or 0,
         )
 
     @property
@@ -378,25 +388,92 @@ class RolloutSetup:
     """The engine's KV cache budget per rank."""
     max_num_seqs: int
     prefill_tokens: int
+    """engine.max_prefill_tokens."""
     released: bool
     """The engine frees its weights and KV cache while the trainer trains (vLLM/SGLang on GPU)."""
+    max_model_len: int = 0
+    """engine.max_model_len (0: the model's max_position_embeddings)."""
+    longest: int = 0
+    """The longest context a request reaches (prompt + response; 0: max_model_len)."""
 
 
 def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
-    n, device = t.shard_size, 0 if t.offload else 1
-    d, inner = s.hidden_size, (s.q_dim + 2 * s.kv_dim + 3 * max(s.intermediate_size, s.moe_intermediate_size)) / r.tp
-    acts = r.prefill_tokens * (3 * d + inner) * r.weight_bytes + 3 * r.max_num_seqs * s.vocab_size * 4
-    terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=device * 12 * s.num_params / n,
-                  fix="train.offload"),
-             Term(name=f"engine weights (TP {r.tp} shard)", bytes=engine_weights(s, r),
-                  fix="a larger rollout.tp"),
-             Term(name="engine KV cache budget", bytes=r.kv_bytes, fix="a smaller engine.kv_memory_mb"),
-             Term(name="engine activations and logits", bytes=acts, fix="a smaller engine.max_prefill_tokens")]
+    device = 0 if t.offload else 1
+    trainer = device * 12 * s.num_params / t.shard_size
+    terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=trainer, fix="train.offload"),
+             *engine_terms(s, r)]
     return Phase(name="rollout", terms=terms + reference_state(s, t))
+
+
+def engine_terms(s: Shape, r: RolloutSetup) -> list[Term]:
+    """What the engine holds on one GPU while it rolls out."""
+    terms = [Term(name=f"engine weights (TP {r.tp} shard)", bytes=engine_weights(s, r), fix="a larger rollout.tp"),
+             Term(name="engine KV cache budget", bytes=r.kv_bytes, fix="a smaller engine.kv_memory_mb"),
+             Term(name="engine activations and logits", bytes=engine_activations(s, r),
+                  fix="a smaller engine.max_prefill_tokens (vLLM: engine.max_model_len too)")]
+    if r.engine == "torch":
+        terms.append(Term(name="TorchEngine decode workspace (each length group's most rows)",
+                          bytes=decode_workspace(s, r), fix="a smaller engine.max_num_seqs"))
+    if r.engine == "sglang":
+        terms.append(Term(name="SGLang scheduler process (allowance)", bytes=SGLANG_PROCESS_BYTES))
+    return terms
+
+
+def engine_kept(s: Shape, r: RolloutSetup) -> list[Term]:
+    """What the engine keeps on the GPU while the trainer trains: its weights unless it releases them,
+    and SGLang's scheduler process."""
+    kept = [Term(name="engine weights kept while training", bytes=0.0 if r.released else engine_weights(s, r),
+                 fix="engine.kind vllm or sglang (they release it)")]
+    if r.engine == "sglang":
+        kept.append(Term(name="SGLang scheduler process (allowance)", bytes=SGLANG_PROCESS_BYTES))
+    return kept
+
+
+def batched_tokens(s: Shape, r: RolloutSetup) -> int:
+    """The most tokens one engine forward takes: vLLM's ``max_num_batched_tokens``, which the adapter
+    sets to max(max_prefill_tokens, max_model_len), and which its start-up profile run allocates;
+    ``engine.max_prefill_tokens`` for the others."""
+    if r.engine == "vllm":
+        return max(r.prefill_tokens, r.max_model_len or s.max_position_embeddings)
+    return r.prefill_tokens
+
+
+def engine_activations(s: Shape, r: RolloutSetup) -> float:
+    """One forward of :func:`batched_tokens` tokens (hidden states, the TP shard's q/k/v and MLP
+    activations) and the sampler's fp32 logits for every running request."""
+    d, inner = s.hidden_size, (s.q_dim + 2 * s.kv_dim + 3 * max(s.intermediate_size, s.moe_intermediate_size)) / r.tp
+    return batched_tokens(s, r) * (3 * d + inner) * r.weight_bytes + 3 * r.max_num_seqs * s.vocab_size * 4
+
+
+def decode_workspace(s: Shape, r: RolloutSetup) -> float:
+    """TorchEngine's decode workspace beside its KV pool (``_DecodeBatch`` in rollout/torch_engine.py):
+    each power-of-two length group, from 16 tokens to the longest context's, keeps the most rows it held
+    at once (up to ``max_num_seqs``: a rollout's requests cross each length together) until the engine
+    releases its memory, each row its group's capacity of K and V. Measured on CPU: 5.3x the pool for
+    64 requests of up to 660 tokens (docs/memory.md)."""
+    cap = r.max_model_len or s.max_position_embeddings
+    longest = min(r.longest, cap) if r.longest and cap else r.longest or cap
+    top = max(16, 1 << (max(longest, 1) - 1).bit_length())
+    per_token = 2 * s.num_layers * max(1, s.num_kv_heads // r.tp) * s.head_dim * r.weight_bytes
+    return r.max_num_seqs * (2 * top - 16) * per_token
 
 
 def engine_weights(s: Shape, r: RolloutSetup) -> float:
     return s.num_params * r.weight_bytes / r.tp
+
+
+def sglang_memory_fraction(s: Shape, r: RolloutSetup, free_bytes: float) -> float:
+    """SGLang's ``mem_fraction_static`` on GPU: its plan terms (:func:`engine_terms`) over the GPU
+    memory free when it starts. SGLang 0.5.23 sizes its KV pool as the memory free after loading its
+    weights less ``(1 - fraction)`` of what was free before, capped at ``max_total_tokens`` (the KV
+    budget), and refuses to start when that is not positive (``kv_cache_configurator``). So this
+    fraction gives it the whole budget and leaves the rest to the trainer."""
+    static = sum(t.bytes for t in engine_terms(s, r))
+    if static >= free_bytes:
+        raise ValueError(f"memory plan: SGLang needs {static / GB:.1f} GB per GPU (weights, KV budget, activations, "
+                         f"its process) but {free_bytes / GB:.1f} GB are free; set a smaller engine.kv_memory_mb "
+                         "or a larger rollout.tp")
+    return min(0.99, math.ceil(1000 * static / free_bytes) / 1000)
 
 
 # ---- a config's plan ----------------------------------------------------------------------------
@@ -486,17 +563,16 @@ def setups(config, world_size: int, device: str = "cuda") -> tuple[TrainSetup, R
     rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
                            kv_bytes=e.kv_memory_mb * 2**20,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
-                           released=device == "cuda" and kind in ("vllm", "sglang"))
+                           released=device == "cuda" and kind in ("vllm", "sglang"), max_model_len=e.max_model_len,
+                           longest=longest)
     return train, rollout
 
 
 def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float, *,
          context: float = CUDA_CONTEXT_BYTES) -> Plan:
     phases = train_phases(shape, train)
-    kept = 0.0 if rollout.released else engine_weights(shape, rollout)
     for phase in phases:
-        phase.terms.append(Term(name="engine weights kept while training", bytes=kept,
-                                fix="engine.kind vllm or sglang (they release it)"))
+        phase.terms += engine_kept(shape, rollout)
     phases.append(rollout_phase(shape, train, rollout))
     for phase in phases:
         phase.terms.append(Term(name="CUDA context, NCCL, cuBLAS (allowance)", bytes=context))
