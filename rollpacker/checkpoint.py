@@ -2,6 +2,9 @@
 step, the LR schedule, the scheduling policy's state (sampler position, sample ledger) and the
 reward scheduler's (adaptive-timeout anchors).
 
+The model's frozen parameters are not saved (:func:`trained_only`): with LoRA a checkpoint holds the
+adapters and their optimizer state; the base comes from ``model.path`` again at resume.
+
 Layout: ``RUN_DIR/checkpoints/step_N/`` holds DCP's shard files, ``train_state.json`` and, written
 last by rank 0 after every rank finished, the ``COMMITTED`` marker. A directory without the
 marker is an interrupted save: resuming from it is refused, and ``latest`` skips it.
@@ -75,7 +78,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     failed: dict[int, str] = {}
     if trainer is not None:
         state = {
-            "model": get_model_state_dict(trainer.model),
+            "model": get_model_state_dict(trainer.model, options=trained_only()),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         try:
@@ -140,6 +143,13 @@ def latest(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
+def trained_only():
+    """DCP's state-dict options for the trained parameters alone (frozen ones left out)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def model_shapes(trainer) -> dict[str, list[int]]:
     """The trained model's parameter names and (global) shapes: what a checkpoint must match."""
     return {name: list(p.shape) for name, p in trainer.model.named_parameters()}
@@ -193,11 +203,11 @@ def load(path: Path, trainer) -> dict[str, Any]:
     if trainer is not None:
         check_model(path, meta.get("model"), model_shapes(trainer))
         state = {
-            "model": get_model_state_dict(trainer.model),
+            "model": get_model_state_dict(trainer.model, options=trained_only()),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
-        set_model_state_dict(trainer.model, state["model"])
+        set_model_state_dict(trainer.model, state["model"], options=trained_only())
         set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
         trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta
