@@ -1,0 +1,107 @@
+"""On-policy distillation (train.teacher) on a real one-rank FSDP2 trainer: the teacher's per-token
+reverse KL as token rewards, written out by hand, and no signal when the student is its teacher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollpacker.model import CausalAttention
+
+PROMPT = [3, 9, 4, 17, 22, 5]
+
+
+def samples() -> list:
+    from rollpacker.train.trainer import Sample
+
+    return [Sample(PROMPT, [8, 30, 2, 11], 1.0, [-1.0] * 4), Sample(PROMPT, [40, 6, 6], 0.0, [-1.0] * 3)]
+
+
+def trainer(student, teacher, **teacher_cfg):
+    from rollpacker.dist import build_meshes
+    from rollpacker.train.config import TeacherConfig, TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, teacher=TeacherConfig(path="teacher", **teacher_cfg))
+    return Trainer(student, cfg, build_meshes(1, 0).train, temperature=0.8, teacher=teacher, num_steps=3)
+
+
+def by_hand(model, sample, temperature: float) -> torch.Tensor:
+    """Log-probs of the response tokens, from the whole sequence's logits."""
+    tokens = torch.tensor(sample.prompt_ids + sample.response_ids)
+    with torch.no_grad():
+        logits = model.logits(model(tokens, torch.arange(len(tokens)), CausalAttention([len(tokens)])))
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    n = len(sample.prompt_ids)
+    return logp[n - 1:-1].gather(1, tokens[n:, None])[:, 0]
+
+
+def weights(t) -> dict:
+    return {k: v.full_tensor().clone() for k, v in t.model.state_dict().items()}
+
+
+def test_token_rewards_are_the_teachers_reverse_kl(qwen2_dir):
+    from rollpacker.model import load_model
+
+    student, teacher = load_model(qwen2_dir), load_model(qwen2_dir)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    want = []
+    for s in samples():  # -coef (log p_student - log p_teacher) per token
+        want.append(-0.5 * (by_hand(student, s, 0.8) - by_hand(teacher, s, 0.8)))
+    t = trainer(student, teacher, coef=0.5)
+    batch = samples()
+    frozen = t._frozen(batch, [[0, 1]], [[[[0, 1]]]])
+    rewards = t._token_rewards(batch, frozen, torch.ones(2, 4, dtype=torch.bool))
+    assert torch.allclose(rewards[0], want[0], atol=1e-5)
+    assert torch.allclose(rewards[1, :3], want[1], atol=1e-5) and rewards[1, 3] == 0
+    stats = t.step(batch, 7)
+    expected_kl = -torch.cat(want).sum() / 0.5 / 7  # the mean reverse KL per token
+    assert stats["train/teacher_kl"] == pytest.approx(float(expected_kl), abs=1e-5)
+
+
+@pytest.mark.parametrize("in_loss", [False, True])
+def test_a_student_equal_to_its_teacher_gets_no_signal(qwen2_dir, in_loss):
+    from rollpacker.model import load_model
+
+    t = trainer(load_model(qwen2_dir), load_model(qwen2_dir), task_weight=0.0, in_loss=in_loss)
+    batch = samples()
+    if not in_loss:
+        frozen = t._frozen(batch, [[0, 1]], [[[[0, 1]]]])
+        assert torch.equal(t._token_rewards(batch, frozen, torch.ones(2, 4, dtype=torch.bool)), torch.zeros(2, 4))
+    before = weights(t)
+    stats = t.step(batch, 7)
+    assert stats["train/teacher_kl"] == 0.0 and stats["train/grad_norm"] == 0.0
+    after = weights(t)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_teacher_config_and_stream_refusal():
+    from rollpacker.config import Config
+    from rollpacker.train.config import StreamConfig, TeacherConfig, TrainConfig
+
+    with pytest.raises(ValueError, match="train.teacher.coef"):
+        TeacherConfig(coef=-1)
+    with pytest.raises(ValueError, match="train.teacher.in_loss"):
+        Config(train=TrainConfig(teacher=TeacherConfig(path="t")), stream=StreamConfig(enabled=True))
+    Config(train=TrainConfig(teacher=TeacherConfig(path="t", in_loss=True)), stream=StreamConfig(enabled=True))
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.errors import UserError
+    from rollpacker.job import check_teacher
+
+    check_teacher(toy_model_dir(), str(toy_model_dir()))
+    other = tmp_path / "other"
+    shutil.copytree(toy_model_dir(), other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["<teacher-only>"])
+    tokenizer.save_pretrained(other)
+    with pytest.raises(UserError, match=r"train.teacher.path: .*1 token\(s\) differ \(e.g. \['<teacher-only>'\]"):
+        check_teacher(toy_model_dir(), str(other))
