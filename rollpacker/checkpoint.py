@@ -2,7 +2,7 @@
 step, the LR schedule, the scheduling policy's state (sampler position, sample ledger) and the
 reward scheduler's (adaptive-timeout anchors).
 
-The model's frozen parameters are not saved (:func:`trained_only`): with LoRA a checkpoint holds the
+The model's frozen parameters are not saved (:func:`trained_state`): with LoRA a checkpoint holds the
 adapters and their optimizer state; the base comes from ``model.path`` again at resume.
 
 Layout: ``RUN_DIR/checkpoints/step_N/`` holds DCP's shard files, ``train_state.json`` and, written
@@ -59,7 +59,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from rollpacker import watchdog
 
@@ -78,7 +78,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     failed: dict[int, str] = {}
     if trainer is not None:
         state = {
-            "model": get_model_state_dict(trainer.model, options=trained_only()),
+            "model": trained_state(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         try:
@@ -143,11 +143,13 @@ def latest(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def trained_only():
-    """DCP's state-dict options for the trained parameters alone (frozen ones left out)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def trained_state(model) -> dict[str, Any]:
+    """The model's state dict without its frozen parameters, a tied alias of one included."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return StateDictOptions(ignore_frozen_params=True, strict=False)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def model_shapes(trainer) -> dict[str, list[int]]:
@@ -192,7 +194,7 @@ def load(path: Path, trainer) -> dict[str, Any]:
     not train); returns the saved train state (step, controller state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
+        StateDictOptions,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -203,11 +205,11 @@ def load(path: Path, trainer) -> dict[str, Any]:
     if trainer is not None:
         check_model(path, meta.get("model"), model_shapes(trainer))
         state = {
-            "model": get_model_state_dict(trainer.model, options=trained_only()),
+            "model": trained_state(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
-        set_model_state_dict(trainer.model, state["model"], options=trained_only())
+        set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
         trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta

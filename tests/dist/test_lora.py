@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import FOUR_STEPS, launch_job, per_group, records, run_four_steps, torchrun
+from conftest import QUIET, launch_job, per_group, records, run_four_steps, torchrun
 
 LORA = ("--train.lora.rank", "8", "--train.lora.alpha", "16", "--train.lr", "2e-3")
 STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1")
@@ -54,8 +54,8 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
 
     from rollpacker.data.toy_model import toy_model_dir
 
-    common = [*FOUR_STEPS, *LORA, "--checkpoint-every", "1",
-              "--train.lora.export-merged"]
+    common = ["--rollout.num-prompts", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "48",
+              "--eval-every", "0", *QUIET, *LORA, "--checkpoint-every", "1", "--train.lora.export-merged"]
     proc = launch_job(*common, "--run-dir", str(tmp_path / "a"), "--num-steps", "2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     proc = launch_job(*common, "--run-dir", str(tmp_path / "a"), "--num-steps", "3", "--resume", "auto")
@@ -66,10 +66,12 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     timing = ("time/", "_per_s", "seconds", "wait_ratio", "bubble_ratio")
     same = {k: v for k, v in straight.items() if not any(t in k for t in timing)}
     assert {k: resumed.get(k) for k in same} == same
-    saved = json.loads((tmp_path / "b" / "checkpoints" / "step_3" / "train_state.json").read_text())["model"]
-    size = sum(p.stat().st_size for p in (tmp_path / "b" / "checkpoints" / "step_3").glob("*.distcp"))
-    weights = sum(p.stat().st_size for p in (tmp_path / "b" / "hf_merged").glob("*.safetensors"))
-    assert any(".lora_A." in n for n in saved) and size < weights / 2, (size, weights)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(tmp_path / "b" / "checkpoints" / "step_3").read_metadata().state_dict_metadata
+    models = [k for k in saved if k.startswith("model.")]
+    assert models and all(".lora_A." in k or ".lora_B." in k for k in models), models[:5]
+    assert any(k.startswith("optim.state.") and ".lora_" in k for k in saved)
     tokens = torch.tensor([[5, 9, 13, 2, 40, 41]])
     with torch.no_grad():
         base = transformers.AutoModelForCausalLM.from_pretrained(toy_model_dir())
@@ -78,19 +80,21 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     assert torch.allclose(adapted, merged, atol=1e-5)
 
 
-def test_distillation_from_the_toy_model_on_torch_engine(toy_random_dir, tmp_path):
-    """A random student, the shipped (trained) toy model as its teacher: the reverse KL is logged and
-    falls; in the loss with stream training the freed ranks score the teacher under rollout."""
+def test_distillation_on_torch_engine(toy_random_dir, tmp_path):
+    """A random student, the shipped (trained) toy model as its teacher: its reverse KL is the signal
+    (the task reward weighs 0); a student that is its teacher gets none. In the loss with stream
+    training (the toy student, a random teacher), the freed ranks score the teacher under rollout."""
     from rollpacker.data.toy_model import toy_model_dir
 
-    teacher = ("--model.path", str(toy_random_dir), "--train.teacher.path", str(toy_model_dir()))
-    rows = run_four_steps(tmp_path / "reward", *teacher, "--train.teacher.task-weight", "0",
-                          "--train.lr", "1e-3", "--train.warmup-steps", "0")
-    kl = [r["train/teacher_kl"] for r in rows]
-    assert all(k > 0 for k in kl) and kl[-1] < kl[0], kl
-    rows = run_four_steps(tmp_path / "loss", *teacher, "--train.teacher.in-loss", *STREAM)
+    teacher = ("--train.teacher.path", str(toy_model_dir()), "--train.teacher.task-weight", "0")
+    rows = run_four_steps(tmp_path / "reward", "--model.path", str(toy_random_dir), *teacher)
+    assert all(r["train/teacher_kl"] > 1 and r["train/grad_norm"] > 0 for r in rows)
+    rows = run_four_steps(tmp_path / "same", *teacher)  # the student is the toy model too
+    assert all(r["train/teacher_kl"] == 0 and r["train/grad_norm"] == 0 for r in rows)
+    rows = run_four_steps(tmp_path / "loss", "--train.teacher.path", str(toy_random_dir), "--train.teacher.in-loss",
+                          *STREAM)  # the toy student's groups finish early: the stream trainer scales down
     assert sum(r["stream/streamed_groups"] for r in rows) > 0
-    assert all(r["train/teacher_kl"] > 0 for r in rows)
+    assert all(r["train/teacher_kl"] > 1 and r["train/grad_norm"] > 0 for r in rows)
 
 
 def test_a_teacher_with_another_tokenizer_stops_the_job_at_start(qwen2_dir, tmp_path):
