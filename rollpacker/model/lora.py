@@ -35,8 +35,10 @@ ADAPTER = "default"
 def apply(model: nn.Module, config: LoraConfig) -> nn.Module:
     """Adapters on ``config.target_modules`` of ``model`` (in place; returned), the rest frozen.
     On the meta device the adapters are on meta too (filled by the sharded load)."""
-    import peft
-
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("train.lora needs PEFT: pip install 'rollpacker[lora]' (or peft)") from None
     try:
         peft.inject_adapter_in_model(peft_config(config), model)
     except ValueError as e:
@@ -54,7 +56,9 @@ def peft_config(config: LoraConfig, **extra):
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Module name -> PEFT LoRA layer, in ``model``'s order (empty without adapters)."""
+    """Module name -> PEFT LoRA layer, in ``model``'s order (empty without adapters: PEFT not imported)."""
+    if not has_adapters(model):
+        return {}
     from peft.tuners.lora import LoraLayer
 
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
