@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import QUIET, launch_job, per_group, records, run_four_steps, torchrun
+from conftest import FOUR_STEPS, QUIET, launch_job, per_group, records, run_four_steps, torchrun
 
 LORA = ("--train.lora.rank", "8", "--train.lora.alpha", "16", "--train.lr", "2e-3")
 STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1")
@@ -116,3 +116,22 @@ def test_lora_and_distillation_on_vllm(toy_random_dir, tmp_path, impl):
     rows = run_four_steps(tmp_path / "distill", "--engine.kind", "vllm", "--model.impl", impl,
                           "--model.path", str(toy_random_dir), "--train.teacher.path", str(toy_model_dir()))
     assert all(r["train/teacher_kl"] > 0 for r in rows)
+
+
+@pytest.mark.sglang
+def test_lora_and_distillation_on_sglang(tmp_path):
+    """SGLang on CPU (the sglang tier): it loads the merged weights as any push; the toy model teaches its
+    own LoRA student, whose reverse KL to it appears once the adapters move."""
+    import subprocess
+
+    from rollpacker.data.toy_model import toy_model_dir
+
+    from conftest import cause, job_command, sglang_env
+
+    cmd = job_command(*FOUR_STEPS, "--engine.kind", "sglang", "--rollout.max-new-tokens", "64", *LORA,
+                      "--train.teacher.path", str(toy_model_dir()), "--run-dir", str(tmp_path))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=sglang_env())
+    assert proc.returncode == 0, cause(proc.stderr)
+    rows = records(tmp_path)
+    engine_agrees(rows)
+    assert rows[0]["train/teacher_kl"] == 0 and rows[-1]["train/teacher_kl"] > 0
