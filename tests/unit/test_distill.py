@@ -17,12 +17,12 @@ def samples() -> list:
     return [Sample(PROMPT, [8, 30, 2, 11], 1.0, [-1.0] * 4), Sample(PROMPT, [40, 6, 6], 0.0, [-1.0] * 3)]
 
 
-def trainer(student, teacher, **teacher_cfg):
+def trainer(student, teacher, offload: bool = False, **teacher_cfg):
     from rollpacker.dist import build_meshes
     from rollpacker.train.config import TeacherConfig, TrainConfig
     from rollpacker.train.trainer import Trainer
 
-    cfg = TrainConfig(lr=1e-2, warmup_steps=0, teacher=TeacherConfig(path="teacher", **teacher_cfg))
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, offload=offload, teacher=TeacherConfig(path="teacher", **teacher_cfg))
     return Trainer(student, cfg, build_meshes(1, 0).train, temperature=0.8, teacher=teacher, num_steps=3)
 
 
@@ -40,8 +40,11 @@ def weights(t) -> dict:
     return {k: v.full_tensor().clone() for k, v in t.model.state_dict().items()}
 
 
-def test_token_rewards_are_the_teachers_reverse_kl(qwen2_dir):
+@pytest.mark.parametrize("offload", [False, True])
+def test_token_rewards_are_the_teachers_reverse_kl(qwen2_dir, offload):
+    """Sharded like the policy, or (train.offload) streamed from host memory layer by layer."""
     from rollpacker.model import load_model
+    from rollpacker.model.offload import StreamedModel
 
     student, teacher = load_model(qwen2_dir), load_model(qwen2_dir)
     with torch.no_grad():
@@ -50,7 +53,8 @@ def test_token_rewards_are_the_teachers_reverse_kl(qwen2_dir):
     want = []
     for s in samples():  # -coef (log p_student - log p_teacher) per token
         want.append(-0.5 * (by_hand(student, s, 0.8) - by_hand(teacher, s, 0.8)))
-    t = trainer(student, teacher, coef=0.5)
+    t = trainer(student, teacher, offload=offload, coef=0.5)
+    assert isinstance(t.teacher, StreamedModel) == offload
     batch = samples()
     frozen = t._frozen(batch, [[0, 1]], [[[[0, 1]]]])
     rewards = t._token_rewards(batch, frozen, torch.ones(2, 4, dtype=torch.bool))
