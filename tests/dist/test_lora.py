@@ -122,7 +122,7 @@ def test_lora_and_distillation_on_vllm(tmp_path, impl):
     rows = run_four_steps(tmp_path, "--engine.kind", "vllm", "--model.impl", impl, *LORA,
                           "--train.teacher.path", str(toy_model_dir()))
     engine_agrees(rows)
-    assert abs(rows[0]["train/teacher_kl"]) < 1e-6 and rows[-1]["train/teacher_kl"] > 1e-4
+    assert abs(rows[0]["train/teacher_kl"]) < 1e-6 and abs(rows[-1]["train/teacher_kl"]) > 1e-5  # k1 may be < 0
 
 
 @pytest.mark.sglang
@@ -141,4 +141,4 @@ def test_lora_and_distillation_on_sglang(tmp_path):
     assert proc.returncode == 0, cause(proc.stderr)
     rows = records(tmp_path)
     engine_agrees(rows)
-    assert abs(rows[0]["train/teacher_kl"]) < 1e-6 and rows[-1]["train/teacher_kl"] > 1e-4
+    assert abs(rows[0]["train/teacher_kl"]) < 1e-6 and abs(rows[-1]["train/teacher_kl"]) > 1e-5  # k1 may be < 0
