@@ -216,8 +216,7 @@ class Trainer:
         advantage estimator is per group (the config refuses the others with streaming)."""
         prepared = self._prepare(samples)
         self._backward(samples, prepared, spread([s.num_tokens for s in samples], len(ranks),
-                                                 self.config.micro_batch_tokens), ranks, sync_last=False,
-                       frozen=False)
+                                                 self.config.micro_batch_tokens), ranks, sync_last=False)
 
     def step(self, samples: list[Sample], normalizer: float) -> dict[str, float]:
         """The RL step's optimizer steps on ``samples`` (identical on every rank; whole groups),
@@ -375,7 +374,7 @@ class Trainer:
         return out
 
     def _backward(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
-                  ranks: list[int], *, sync_last: bool, frozen: bool) -> int:
+                  ranks: list[int], *, sync_last: bool, frozen: bool = False) -> int:
         """Forward/backward of this rank's micro-batches of ``plan`` (losses are sums); the gradients
         are reduced after the last one only if ``sync_last``. Without ``frozen`` log-probs, each
         micro-batch also runs the reference and the teacher (an idle rank too: FSDP2's all-gathers
