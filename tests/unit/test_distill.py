@@ -109,3 +109,20 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
     tokenizer.save_pretrained(other)
     with pytest.raises(UserError, match=r"train.teacher.path: .*1 token\(s\) differ \(e.g. \['<teacher-only>'\]"):
         check_teacher(toy_model_dir(), str(other))
+
+
+def test_the_teachers_loss_term_has_the_reverse_kls_gradient():
+    """in_loss: coef * k2 per token, whose gradient is coef (log p - log p_teacher); off the mask, nothing."""
+    from rollpacker.train.config import TeacherConfig, TrainConfig
+    from rollpacker.train.losses import policy_objective
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    teacher = torch.tensor([[-1.5, -1.0, float("nan")]])
+    mask = torch.tensor([[True, True, False]])
+    cfg = TrainConfig(teacher=TeacherConfig(path="t", coef=0.5, in_loss=True))
+    zero = torch.zeros(1, 3)
+    loss, stats = policy_objective(logp, logp.detach(), logp.detach(), zero, mask, cfg, teacher=teacher)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(0.5 * 0.5 * (0.5 ** 2 + 1.0 ** 2))
+    assert logp.grad[0].tolist() == pytest.approx([0.5 * 0.5, 0.5 * -1.0, 0.0])
+    assert float(stats["teacher_kl"]) == pytest.approx(0.5 + -1.0)  # k1 summed over the mask
