@@ -21,7 +21,10 @@ compute dtype: 2 with bf16 mixed precision on GPU, 4 in fp32):
   recomputed in backward;
 - the log-prob head's backward: the torch path's ``[chunk, V]`` fp32 logits block, fp32 copy of the
   head and fp32 head gradient, or the fused kernel's fp32 ``[T, D]`` accumulator and scratch rows;
-- the KL reference (``train.kl_coef > 0``): sharded like the policy, or streamed from host memory.
+- the KL reference (``train.kl_coef > 0``): sharded like the policy, or streamed from host memory;
+- with LoRA (``train.lora.rank``) gradients, AdamW's moments and the optimizer's temporaries are the
+  adapters' alone (:func:`lora_params`), the output head gets no weight gradient, and the KL reference
+  is the policy itself (no second copy). The adapters' own parameters are added to the policy's.
 
 Rollout peak: the trainer's parameters and optimizer state (gradients are freed after the step),
 and the engine's real footprint (:func:`engine_terms`): its weights per TP shard, its KV budget, its
@@ -165,7 +168,8 @@ class TrainSetup:
     foreach: bool = True
     """The optimizer steps all tensors at once (GPU) or one at a time (CPU)."""
     reference: str = "none"
-    """The KL reference: none, sharded (FSDP2 like the policy) or streamed (host memory, layer by layer)."""
+    """The KL reference: none, sharded (FSDP2 like the policy), streamed (host memory, layer by layer) or
+    policy (LoRA: the policy with its adapters off, no weights of its own)."""
     softcap: bool = False
     micro_batches: int = 2
     """Micro-batches per rank per step (1: gradients exist only from the backward on)."""
@@ -175,6 +179,8 @@ class TrainSetup:
     """Stream training: gradients accumulate unsharded while rollout goes on."""
     gloo: bool = False
     """Collectives run on gloo (CPU), whose reduce-scatter copies its input."""
+    lora_params: int = 0
+    """LoRA: the adapters' parameters, the only ones trained (0: every parameter trains)."""
 
     @property
     def tokens(self) -> int:
@@ -304,6 +310,24 @@ def reduce_scatter(num_params: int, t: TrainSetup, held: float = 0.0) -> float:
     return max(copy_in, num_params * (4 + 4 / n + (4 if t.gloo and n > 1 else 0)) + held)
 
 
+LORA_DIMS = {"q_proj": ("hidden_size", "q_dim"), "k_proj": ("hidden_size", "kv_dim"),
+             "v_proj": ("hidden_size", "kv_dim"), "o_proj": ("q_dim", "hidden_size"),
+             "gate_proj": ("hidden_size", "intermediate_size"), "up_proj": ("hidden_size", "intermediate_size"),
+             "down_proj": ("intermediate_size", "hidden_size")}
+"""A decoder layer's linears: (in, out) features, as :class:`Shape` names them."""
+
+
+def lora_params(s: Shape, rank: int, targets: tuple[str, ...]) -> int:
+    """Parameters of rank-``rank`` adapters (A: r x in, B: out x r) on ``targets`` of every layer."""
+    names = LORA_DIMS if targets == ("all-linear",) else [t for t in targets if t in LORA_DIMS]
+    return s.num_layers * sum(rank * (getattr(s, LORA_DIMS[n][0]) + getattr(s, LORA_DIMS[n][1])) for n in names)
+
+
+def trained_params(s: Shape, t: TrainSetup) -> int:
+    """Parameters with gradients and optimizer state: the adapters', or all of them."""
+    return t.lora_params or s.num_params
+
+
 def gradients(s: Shape, t: TrainSetup) -> Term:
     """The gradients held before a micro-batch's backward: none in a step's only micro-batch; else
     the earlier ones', sharded in fp32 when every micro-batch reduces, else unsharded (FSDP2 keeps
@@ -311,9 +335,9 @@ def gradients(s: Shape, t: TrainSetup) -> Term:
     if t.micro_batches == 1 and not t.streaming:
         return Term(name="gradients of earlier micro-batches", bytes=0)
     if t.reduce_every and not t.streaming:
-        return Term(name="gradients (fp32, sharded)", bytes=(not t.offload) * 4 * s.num_params / t.shard_size,
+        return Term(name="gradients (fp32, sharded)", bytes=(not t.offload) * 4 * trained_params(s, t) / t.shard_size,
                     fix="train.offload")
-    return Term(name="gradients accumulated unsharded (fp32)", bytes=4 * s.num_params,
+    return Term(name="gradients accumulated unsharded (fp32)", bytes=4 * trained_params(s, t),
                 fix="train.reduce-every-micro-batch" if not t.streaming else "stream.enabled false")
 
 
@@ -321,12 +345,14 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
     """The training peaks, per rank: the forward (at the log-prob head), the head's backward, the
     blocks' backward (the last block first), the KL reference's forward, and the optimizer step."""
     b, n, device = t.compute_bytes, t.shard_size, 0 if t.offload else 1
-    off = "train.offload"
-    state = [Term(name="parameters (fp32, sharded)", bytes=device * 4 * s.num_params / n, fix=off),
-             Term(name="optimizer state (AdamW, fp32, sharded)", bytes=device * 8 * s.num_params / n, fix=off),
+    off, trained = "train.offload", trained_params(s, t)
+    state = [Term(name="parameters (fp32, sharded)", bytes=device * 4 * (s.num_params + t.lora_params) / n, fix=off),
+             Term(name="optimizer state (AdamW, fp32, sharded)", bytes=device * 8 * trained / n, fix=off),
              gradients(s, t), *reference_state(s, t)]
     root = Term(name="unsharded root (embedding, norm, head)", bytes=b * s.root_params)
-    sharded_grads = 0 if state[2].bytes else device * 4 * s.num_layers * s.layer_params / n  # first micro-batch
+    block_trained = t.lora_params or s.num_layers * s.layer_params
+    sharded_grads = 0 if state[2].bytes else device * 4 * block_trained / n  # first micro-batch
+    head_grad = 0 if t.lora_params else b * s.vocab_size * s.hidden_size  # LoRA: the head is frozen
     acts = activations(s, t)
     fix = "train.activation-checkpointing full" if t.checkpointing == "none" else "a smaller train.micro_batch_tokens"
     saved = Term(name="saved activations", bytes=acts["blocks"] + acts["head"], fix=fix)
@@ -340,22 +366,22 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
             Term(name=f"log-prob head backward ({t.head})", bytes=head_backward(s, t), fix=head_fix)]),
         Phase(name="backward (blocks)", terms=[
             *state, root, Term(name="saved activations", bytes=acts["blocks"], fix=fix),
-            Term(name="head gradient (unsharded)", bytes=b * s.vocab_size * s.hidden_size),
+            Term(name="head gradient (unsharded)", bytes=head_grad),
             Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
             Term(name="unsharded blocks in flight (2)", bytes=2 * b * s.layer_params),
             Term(name="block backward (activation and weight gradients)", bytes=block_backward(s, t))]),
         Phase(name="backward (root reduce-scatter)", terms=[
             *state, Term(name="the blocks' gradients (fp32, sharded)", bytes=sharded_grads, fix=off),
             Term(name="root gradients reduce-scatter (the embedding's gradient held)",
-                 bytes=reduce_scatter(s.root_params, t, held=b * s.vocab_size * s.hidden_size))])]
+                 bytes=0 if t.lora_params else reduce_scatter(s.root_params, t, held=head_grad))])]
     if t.reference != "none":
         phases.append(Phase(name="forward (KL reference)", terms=[
             *state, root, saved, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
                                 bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t))]))
-    largest = max(s.vocab_size * s.hidden_size, s.layer_params) / n
-    temp = 4 * s.num_params / n if t.foreach else 2 * 4 * largest
+    largest = (t.lora_params / s.num_layers if t.lora_params else max(s.vocab_size * s.hidden_size, s.layer_params)) / n
+    temp = 4 * trained / n if t.foreach else 2 * 4 * largest
     phases.append(Phase(name="optimizer step", terms=[
-        *state[:2], Term(name="gradients (fp32, sharded)", bytes=device * 4 * s.num_params / n, fix=off),
+        *state[:2], Term(name="gradients (fp32, sharded)", bytes=device * 4 * trained / n, fix=off),
         *reference_state(s, t), Term(name="AdamW temporaries", bytes=device * temp, fix=off)]))
     return phases
 
@@ -398,9 +424,10 @@ class RolloutSetup:
 
 
 def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
-    device = 0 if t.offload else 1
-    trainer = device * 12 * s.num_params / t.shard_size
-    terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=trainer, fix="train.offload"),
+    n, device = t.shard_size, 0 if t.offload else 1
+    held = 4 * (s.num_params + t.lora_params) + 8 * trained_params(s, t)  # fp32 parameters, AdamW's moments
+    terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=device * held / n,
+                  fix="train.offload"),
              *engine_terms(s, r)]
     return Phase(name="rollout", terms=terms + reference_state(s, t))
 
@@ -544,20 +571,25 @@ def model_shape(path: str) -> Shape:
                             f"({', '.join(QWEN2_5)}); point model.path at a Hugging Face model directory")
 
 
-def setups(config, world_size: int, device: str = "cuda") -> tuple[TrainSetup, RolloutSetup]:
-    """What the plan needs of ``config`` on ``world_size`` ranks of ``device``."""
+def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = None
+           ) -> tuple[TrainSetup, RolloutSetup]:
+    """What the plan needs of ``config`` on ``world_size`` ranks of ``device`` (``shape``: the model's,
+    for LoRA's adapters; read from the config's model when None)."""
     t, e = config.train, config.engine
+    if t.lora.rank and shape is None:
+        shape = model_shape(str(config.model.directory()))
     mixed = t.mixed_precision and device == "cuda"
     longest = config.rollout.max_new_tokens + PROMPT_TOKENS
     tokens = max(t.micro_batch_tokens, longest)
     seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
     head = "fused" if t.logprobs_impl == "triton" or (t.logprobs_impl == "auto" and device == "cuda") else "torch"
-    reference = "none" if not t.kl_coef else "streamed" if t.offload else "sharded"
+    reference = "none" if not t.kl_coef else "policy" if t.lora.rank else "streamed" if t.offload else "sharded"
     train = TrainSetup(shard_size=t.train_shard_size or world_size, seq_lens=seq_lens, response_tokens=tokens,
                        compute_bytes=2 if mixed else 4, checkpointing=t.activation_checkpointing,
                        ac_every=t.ac_every, ac_part=t.ac_part, offload=t.offload, head=head,
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
-                       streaming=config.stream.enabled or config.pipe, gloo=device != "cuda")
+                       streaming=config.stream.enabled or config.pipe, gloo=device != "cuda",
+                       lora_params=lora_params(shape, t.lora.rank, t.lora.target_modules) if t.lora.rank else 0)
     kind = e.kind if e.kind != "auto" else ("torch" if device != "cuda" or config.plan.enabled else "vllm")
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
     rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
@@ -576,7 +608,7 @@ def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float
     phases.append(rollout_phase(shape, train, rollout))
     for phase in phases:
         phase.terms.append(Term(name="CUDA context, NCCL, cuBLAS (allowance)", bytes=context))
-    host = 16 * shape.num_params / train.shard_size if train.offload else 0.0
+    host = (4 * shape.num_params + 12 * trained_params(shape, train)) / train.shard_size if train.offload else 0.0
     if train.reference == "streamed":
         host += train.compute_bytes * shape.num_params
     return Plan(shape=shape, phases=phases, capacity=capacity, host_bytes=host)
@@ -585,7 +617,7 @@ def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float
 def config_plan(config, world_size: int, capacity: float, shape: Shape | None = None) -> Plan:
     """The plan of ``config`` on ``world_size`` GPUs of ``capacity`` bytes each."""
     shape = shape or model_shape(str(config.model.directory()))
-    train, rollout = setups(config, world_size)
+    train, rollout = setups(config, world_size, shape=shape)
     return plan(shape, train, rollout, capacity)
 
 

@@ -216,3 +216,23 @@ def test_sglang_memory_fraction_leaves_sglang_its_kv_budget():
     with pytest.raises(ValueError, match="SGLang needs 5.*GB per GPU .* but 4.0 GB are free; set a smaller "
                                          "engine.kv_memory_mb"):
         sglang_memory_fraction(QWEN7B, setup, 4 * GB)
+
+
+def test_the_plan_counts_lora_adapters_as_peft_makes_them(qwen2_dir):
+    """The plan's adapter count is PEFT's on a real model; with LoRA only the adapters hold gradients
+    and AdamW state, so the 32B preset fits without offload (the full model does not)."""
+    from rollpacker.config import parse
+    from rollpacker.model import load_model, lora
+    from rollpacker.model.hf_decoder import read_config
+    from rollpacker.plan.memory import GB, Shape, config_plan, lora_params, model_shape
+    from rollpacker.train.config import LoraConfig
+
+    for targets in (("q_proj", "v_proj"), ("all-linear",)):
+        model = lora.apply(load_model(qwen2_dir), LoraConfig(rank=4, target_modules=targets))
+        made = sum(p.numel() for n, p in model.named_parameters() if lora.is_adapter(n))
+        assert lora_params(Shape.from_hf(read_config(qwen2_dir)), 4, targets) == made
+    flags = ["--preset", "qwen2.5-32b-32k", "--train.no-offload"]
+    shape = model_shape(str(parse(flags).model.directory()))
+    full = config_plan(parse(flags), 8, 80 * GB, shape)
+    adapted = config_plan(parse([*flags, "--train.lora.rank", "64"]), 8, 80 * GB, shape)
+    assert not full.fits and adapted.fits and adapted.peak < full.peak
