@@ -17,6 +17,8 @@ from rollpacker.rollout.engine import EngineStats, Output
 
 DIST_SCRIPTS = Path(__file__).parent / "dist" / "scripts"
 
+os.environ.setdefault("ROLLPACKER_DEVICE", "cpu")  # CPU and gloo where a GPU is visible too (rollpacker.dist.backend);
+# the gpu-marked tests use the GPU directly, and `ROLLPACKER_DEVICE=auto pytest ...` runs the rest on it
 if not torch.cuda.is_available():  # the Triton kernels' tests run on CPU under Triton's interpreter, which must be
     os.environ.setdefault("TRITON_INTERPRET", "1")  # set before anything imports triton (a unit test may, first)
 QUIET = ("--metrics.wandb-mode", "disabled", "--metrics.no-live")

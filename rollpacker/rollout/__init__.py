@@ -37,6 +37,9 @@ class EngineKind:
     groups over the whole world that the engines' start makes. None: the start makes none."""
     no_tp_switch: str = ""
     """Why the planner cannot rebuild it at another TP (an engine without ``empty``)."""
+    nccl_env: Callable[[int], dict[str, str]] | None = None
+    """``(tp)``: the NCCL settings its start sets in one process only, which every rank then exports
+    before its first communicator (:func:`rollpacker.dist.init_distributed`). None: it sets none."""
 
     @property
     def supports_tp_switch(self) -> bool:
@@ -75,6 +78,12 @@ def _join_vllm(model_path, config: EngineConfig, tp: int, dtype) -> None:
     join_parallel_state(model_path, config, tp, dtype)
 
 
+def _sglang_nccl_env(tp: int) -> dict[str, str]:
+    from rollpacker.rollout.sglang_engine import nccl_env
+
+    return nccl_env(tp)
+
+
 def _load_sglang(config: EngineConfig, model_path, device, dtype, tp_mesh) -> Engine:
     import torch
 
@@ -89,7 +98,7 @@ ENGINES: dict[str, EngineKind] = {
     "vllm": EngineKind(load=_load_vllm, join_world=_join_vllm, no_tp_switch=(
         "a TP switch rebuilds the engines in-process, and vLLM's TP groups are process-wide state built once from "
         "the whole world (its shutdown destroys the trainer's default process group)")),
-    "sglang": EngineKind(load=_load_sglang, no_tp_switch=(
+    "sglang": EngineKind(load=_load_sglang, nccl_env=_sglang_nccl_env, no_tp_switch=(
         "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
         "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }
