@@ -104,7 +104,7 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, rank):
         assert pid and proc.poll() is None, f"the run ended before rank {rank} could be stopped"
         os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
-        while "rollpacker: rank" not in (err := log.read_text()) and time.time() < stopped + 300:
+        while " timed out after " not in (err := log.read_text()) and time.time() < stopped + 300:
             time.sleep(0.1)
         named = time.time() - stopped
     finally:
