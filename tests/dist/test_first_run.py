@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from rollpacker import checkpoint
+from rollpacker.bench.faults import worker_pid
 
 from conftest import QUIET, job_env
 
@@ -194,9 +195,13 @@ def test_a_second_ctrl_c_during_a_save_stops_at_once_leaving_nothing_resume_pick
                                              for p in (run_dir / "checkpoints").glob("step_*"))
 
     wait_until(proc, saving, poll=0.001)
+    stopped = worker_pid(run_dir, 1)  # the save cannot commit without rank 1: the Ctrl-Cs land inside it
+    os.kill(stopped, signal.SIGSTOP)
     os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.1)  # a person's second Ctrl-C (two signals at once merge into one)
+    time.sleep(0.2)  # a person's second Ctrl-C (two signals at once merge into one)
     os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1)  # rank 0 aborts at once; rank 1, let go, finds it gone
+    os.kill(stopped, signal.SIGCONT)
     assert finish(proc) == 130
     said = err.read_text()
     no_traceback(said)
