@@ -13,6 +13,7 @@ never its name; a policy's own rules are its settings class's ``check``.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,8 +74,8 @@ class Config:
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
     eval_every: int = 25
     """Evaluate on held-out prompts (eval/accuracy; see eval) before step 0 and every this many steps; 0 = never."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: only at the end)."""
+    checkpoint_every: int = 20
+    """Save a checkpoint every this many steps, and at the end (0: only at the end, or at a stop signal)."""
     resume: str = ""
     """Checkpoint directory to resume from, or "auto": the newest committed one under run_dir (none: start afresh)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -201,6 +202,22 @@ class Config:
             )
 
 
+def setting_paths(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every setting's path (``train.lr``); a policy's own as ``schedule.NAME`` (all policies')."""
+    from rollpacker.schedule.config import POLICY_CONFIGS
+
+    hints = get_type_hints(cls, include_extras=True)
+    paths = []
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is ScheduleConfig:
+            paths += sorted({p for c in POLICY_CONFIGS.values() for p in setting_paths(c, f"{prefix}{f.name}.")})
+        elif dataclasses.is_dataclass(hints[f.name]):
+            paths += setting_paths(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            paths.append(prefix + f.name)
+    return paths
+
+
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     """A dataclass from nested dicts, refusing unknown keys by name."""
     hints = get_type_hints(cls, include_extras=True)
@@ -259,5 +276,6 @@ def parse(argv: list[str] | None = None) -> Config:
     default = load_preset(preset)
     args = schedule_args(args, default.policy)
     return tyro.cli(Config, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
+                    prog=os.environ.get("ROLLPACKER_PROG", "python -m rollpacker.run"),
                     description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")
 

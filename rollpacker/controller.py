@@ -90,7 +90,7 @@ class Controller:
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
-                   display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
+                   display=LiveDisplay(config.metrics.live, num_steps=config.num_steps), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
                    drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
@@ -127,12 +127,22 @@ class Controller:
 
         cfg = self.config
         self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+        self.rewards.state = self.trainer_state(step)
         return RoundLeader(step=step, plan=plan, policy=self.policy, rows=self.rows, encode=self.encode_prompt,
                            rewards=self.rewards, sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
                            progress=self.display.update, make_samples=self.group_samples,
                            routing=Routing(by_group=cfg.rollout.routing == "group",
                                            longest_first=cfg.rollout.longest_first),
                            memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
+
+    def trainer_state(self, step: int):
+        """TRL's ``trainer_state`` for the reward functions at ``step``: the epoch as prompts drawn over rows."""
+        from rollpacker.reward.functions import TrainerState
+
+        cfg, sampler = self.config, getattr(self.policy, "sampler", None)
+        epoch = sampler.epoch + sampler.position / sampler.num_rows if sampler else 0.0
+        return TrainerState(global_step=step, epoch=epoch, max_steps=cfg.num_steps, num_train_epochs=cfg.num_epochs,
+                            train_batch_size=cfg.rollout.num_prompts * cfg.rollout.group_size)
 
     def eval_leader(self, step: int, num_responses: int = 1, sampling: SamplingParams | None = None) -> RoundLeader:
         """Rank 0's side of a held-out round: every eval row once, ``num_responses`` responses each,
@@ -202,9 +212,12 @@ class Controller:
         every = self.config.metrics.samples_every
         if not every or step % every:
             return
+        from rollpacker.data.chat import prompt_text
+
         self.metrics.log_samples(step, name or f"step_{step}", [
             {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
              "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
+             "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
              "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
              "finish_reason": o.finish_reason}

@@ -56,6 +56,8 @@ class Job:
     weights: WeightSync = field(default_factory=InProcess)
     """How the trainer's weights reach the engines: in-process, or broadcast between one_step_off's pools."""
     start_step: int = 0
+    saved: int = -1
+    """The step of the last checkpoint this run saved (-1: none)."""
 
     @property
     def rank0(self) -> bool:
@@ -94,6 +96,7 @@ class Job:
         with watchdog.waiting("checkpoint", self.config.dist.checkpoint_timeout_s):
             checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
                             keep=self.config.checkpoint.keep)
+        self.saved = step
 
     def export(self, path: Path) -> None:
         """Collective over the training ranks: the policy as a Hugging Face directory (weights in the
@@ -188,6 +191,8 @@ def build(config: Config) -> Job:
         if job.controller:
             job.controller.load_state_dict(state)
         job.push_weights()  # the engines get the checkpoint's weights
+    if job.controller:
+        job.controller.metrics.start_at(job.start_step)  # each step once in metrics.jsonl
     return job
 
 

@@ -24,7 +24,7 @@ from rollpacker.schedule.base import RoundPlan
 def run(job: Job) -> int:
     """Steps from ``job.start_step`` until ``num_steps`` or the data runs out; returns the step reached."""
     cfg, ctl = job.config, job.controller
-    preempt.install()  # SIGUSR1/SIGTERM (Slurm): stop after the current step, saved
+    preempt.install()  # again (run.main did): SIGUSR1/SIGTERM/SIGINT stop after the current step, saved
     step = job.start_step
     while step < cfg.num_steps:
         watchdog.at_step(step)  # dist.timeout_s once the first step is done
@@ -113,6 +113,6 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     if not ctl:
         return {}
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
-    ctl.rewards.take_metrics()  # held-out scoring is not the next step's reward time or reward/NAME
+    ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
     return eval_metrics([[r or 0.0 for r in g.rewards] for g in result.groups],
                         [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups])

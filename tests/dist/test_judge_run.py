@@ -64,4 +64,5 @@ def test_one_rank_run_with_the_judge(tmp_path):
     assert record["reward/mean"] == pytest.approx(2 / 9 / 2)  # row 1's group at 2/9, row 2's at 0
     assert record["reward/judge"] == pytest.approx(2 / 9)  # the judge's own mean, where it scored
     assert record["reward/seconds_total"] > 0
-    assert "reward function 'judge' failed on row 'judge:2': judge verdict ' ' is not a score" in proc.stderr
+    assert ("reward function 'judge' failed on 2 of 4 responses at step 0, scored 0 (--reward.on-error skip); first "
+            "on row 'judge:2': judge verdict ' ' is not a score") in proc.stderr

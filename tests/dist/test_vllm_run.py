@@ -53,7 +53,7 @@ def test_the_planner_is_refused_on_vllm_with_the_reason(tmp_path):
     proc = launch_job("--engine.kind", "vllm", "--plan.enabled", "--run-dir", str(tmp_path), timeout=120)
     assert proc.returncode != 0
     message = " ".join(proc.stderr.replace("│", " ").split())  # tyro wraps it in a box
-    assert "plan.enabled with engine.kind='vllm': a TP switch rebuilds the engines in-process" in message
+    assert "--plan.enabled with --engine.kind='vllm': a TP switch rebuilds the engines in-process" in message
 
 
 @pytest.mark.slow  # a benchmark's plumbing
