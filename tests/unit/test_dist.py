@@ -41,7 +41,8 @@ def test_without_a_gpu_the_backend_is_gloo(monkeypatch):
 
 def test_the_nccl_settings_are_exported_before_the_process_group_and_logged(gpu_visible, monkeypatch, caplog):
     for name in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_DEBUG"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded as it was (unset too): what init_distributed exports is undone
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NCCL_DEBUG", "WARN")  # the user's own settings stay
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     seen = {}
