@@ -29,8 +29,7 @@ from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, save_model
 from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.plan.memory import Shape, check_fits
-from rollpacker.rollout import ENGINES, build_engine
-from rollpacker.rollout.config import resolve_kind
+from rollpacker.rollout import ENGINES, build_engine, resolve_kind
 from rollpacker.rollout.engine import Engine, text_decoder
 from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
 from rollpacker.train.stream import StreamTrainer
@@ -170,15 +169,13 @@ def build(config: Config) -> Job:
 
 
 def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
-    """The engine kind for a model of ``impl``: TorchEngine runs the native decoder only, so a Hugging
-    Face model rolls out on vLLM (auto: SGLang or vLLM on GPU, vLLM on CPU)."""
-    if impl == "native":
-        return resolve_kind(kind, device_type, planner)
-    if kind == "auto":
-        kind = resolve_kind(kind, device_type) if device_type == "cuda" else "vllm"
-    if kind == "torch":
-        raise ValueError("model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
-                         "use engine.kind vllm (or sglang on GPU), or model.impl native if the model is one of those")
+    """The engine kind for a model of ``impl``: a Hugging Face model rolls out on an engine that is
+    not native-only (auto: SGLang or vLLM on GPU, vLLM on CPU)."""
+    kind = resolve_kind(kind, device_type, planner and impl == "native", native=impl == "native")
+    if impl != "native" and ENGINES[kind].native_only:
+        others = " or ".join(k for k, e in ENGINES.items() if not e.native_only)
+        raise ValueError(f"model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
+                         f"use engine.kind {others}, or model.impl native if the model is one of those")
     return kind
 
 

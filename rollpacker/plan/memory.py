@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.model.parallelize import checkpointed
+from rollpacker.rollout import ENGINES, resolve_kind
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 2.0 * GB
@@ -481,12 +482,12 @@ def setups(config, world_size: int, device: str = "cuda") -> tuple[TrainSetup, R
                        ac_every=t.ac_every, ac_part=t.ac_part, offload=t.offload, head=head,
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
                        streaming=config.stream.enabled or config.pipe, gloo=device != "cuda")
-    kind = e.kind if e.kind != "auto" else ("torch" if device != "cuda" or config.plan.enabled else "vllm")
+    kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
     rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
                            kv_bytes=e.kv_memory_mb * 2**20,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
-                           released=device == "cuda" and kind in ("vllm", "sglang"))
+                           released=device == "cuda" and ENGINES[kind].releases_weights)
     return train, rollout
 
 

@@ -37,6 +37,14 @@ class EngineKind:
     groups over the whole world that the engines' start makes. None: the start makes none."""
     no_tp_switch: str = ""
     """Why the planner cannot rebuild it at another TP (an engine without ``empty``)."""
+    package: str = ""
+    """The package it needs beyond torch (``auto`` on GPU picks it only when installed)."""
+    own_drafter: bool = False
+    """It drafts by itself (n-gram over the request's own context): the controller offers no drafts."""
+    native_only: bool = False
+    """It runs rollpacker's native decoder only (Llama, Qwen2, Qwen3), not a Hugging Face model."""
+    releases_weights: bool = False
+    """``release_memory`` frees its weights too, not only the KV cache (nothing of it stays while training)."""
 
     @property
     def supports_tp_switch(self) -> bool:
@@ -85,25 +93,47 @@ def _load_sglang(config: EngineConfig, model_path, device, dtype, tp_mesh) -> En
 
 
 ENGINES: dict[str, EngineKind] = {
-    "torch": EngineKind(load=_load_torch, empty=_empty_torch),
-    "vllm": EngineKind(load=_load_vllm, join_world=_join_vllm, no_tp_switch=(
+    "torch": EngineKind(load=_load_torch, empty=_empty_torch, native_only=True),
+    "vllm": EngineKind(load=_load_vllm, join_world=_join_vllm, package="vllm", own_drafter=True,
+                       releases_weights=True, no_tp_switch=(
         "a TP switch rebuilds the engines in-process, and vLLM's TP groups are process-wide state built once from "
         "the whole world (its shutdown destroys the trainer's default process group)")),
-    "sglang": EngineKind(load=_load_sglang, no_tp_switch=(
+    "sglang": EngineKind(load=_load_sglang, package="sglang", own_drafter=True, releases_weights=True, no_tp_switch=(
         "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
         "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }
 """Every engine by ``engine.kind``: a new engine is its module and one entry here."""
 
+AUTO_ORDER = {"cuda": ("sglang", "vllm", "torch"), "cpu": ("torch", "vllm")}
+"""What ``engine.kind=auto`` prefers, by device: on CPU TorchEngine, the faster there (``bench
+engine``: 2.0x vLLM's CPU build at batch 32 on the toy model); on GPU SGLang, then vLLM, when installed."""
+
+
+def resolve_kind(kind: str, device_type: str, planner: bool = False, native: bool = True) -> str:
+    """The engine ``kind`` runs: itself, or for ``auto`` the first of :data:`AUTO_ORDER` that fits.
+    ``planner``: it must allow a TP switch; ``native``: the model is rollpacker's native decoder
+    (else a Hugging Face one). On GPU an engine whose package is missing is passed over."""
+    if kind != "auto":
+        return kind
+    from importlib.util import find_spec
+
+    cuda = device_type == "cuda"
+    for name in AUTO_ORDER["cuda" if cuda else "cpu"]:
+        engine = ENGINES[name]
+        if (planner and not engine.supports_tp_switch) or (engine.native_only and not native):
+            continue
+        if not cuda or not engine.package or find_spec(engine.package) is not None:
+            return name
+    raise ValueError(f"engine.kind=auto found no engine for this {'HF ' if not native else ''}model on "
+                     f"{device_type}{' with the planner' if planner else ''}: install one (bash launch/install.sh)")
+
 
 def build_engine(config: EngineConfig, model_path: str | Path, device: torch.device | str,
                  dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> Engine:
     """This rank's rollout engine (replica or TP shard) of ``config.kind`` (``auto``: see
-    :func:`~rollpacker.rollout.config.resolve_kind`), loaded from the Hugging Face directory
-    ``model_path``. Imports the chosen engine only."""
+    :func:`resolve_kind`), loaded from the Hugging Face directory ``model_path``. Imports the chosen
+    engine only."""
     import torch
-
-    from rollpacker.rollout.config import resolve_kind
 
     return ENGINES[resolve_kind(config.kind, torch.device(device).type)].load(config, model_path, device, dtype,
                                                                               tp_mesh)
