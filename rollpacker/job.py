@@ -126,8 +126,7 @@ def build(config: Config) -> Job:
     world = torch.distributed.get_world_size()
     config.check_world(world)
     streaming = config.stream.enabled or config.pipe
-    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
-                          rollout_ranks=config.rollout_ranks(world))
+    meshes = build_meshes(stream=streaming, topology=config.topology(world))
     watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
     torch.manual_seed(config.seed)
     path = config.model.directory()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -334,12 +333,3 @@ class LiveDisplay:
             self._progress = None
             self._task = None
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one prompt (Chen et al. 2021): the chance that k of its n samples, drawn
-    without replacement, hold at least one of its c correct ones: ``1 - C(n-c, k) / C(n, k)``."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:  # every k-subset holds a correct sample
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

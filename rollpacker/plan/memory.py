@@ -477,7 +477,7 @@ def setups(config, world_size: int, device: str = "cuda") -> tuple[TrainSetup, R
     seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
     head = "fused" if t.logprobs_impl == "triton" or (t.logprobs_impl == "auto" and device == "cuda") else "torch"
     reference = "none" if not t.kl_coef else "streamed" if t.offload else "sharded"
-    train = TrainSetup(shard_size=t.train_shard_size or world_size, seq_lens=seq_lens, response_tokens=tokens,
+    train = TrainSetup(shard_size=config.topology(world_size).shard, seq_lens=seq_lens, response_tokens=tokens,
                        compute_bytes=2 if mixed else 4, checkpointing=t.activation_checkpointing,
                        ac_every=t.ac_every, ac_part=t.ac_part, offload=t.offload, head=head,
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,

@@ -9,6 +9,7 @@ pass@k, overall and per ``data_source``. A response counts as correct at reward 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,6 @@ def eval_metrics(rewards: list[list[float]], sources: list[str | None]) -> dict[
     ``eval/accuracy`` and ``eval/reward_mean`` over every response; ``eval/mean@n`` (the mean
     reward) and ``eval/pass@k`` for k in {1, n}; the same under ``eval/SOURCE/`` per data_source.
     """
-    from rollpacker.metrics import pass_at_k
-
     n = len(rewards[0])
     if any(len(r) != n for r in rewards):
         raise ValueError(f"eval_metrics: every prompt needs {n} rewards, got {sorted({len(r) for r in rewards})}")
@@ -51,6 +50,16 @@ def eval_metrics(rewards: list[list[float]], sources: list[str | None]) -> dict[
         for k in sorted({1, n}):
             out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r), k) for r in group) / len(group)
     return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt (Chen et al. 2021): the chance that k of its n samples, drawn
+    without replacement, hold at least one of its c correct ones: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 class EvalPolicy:

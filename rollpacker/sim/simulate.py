@@ -65,7 +65,7 @@ from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.schedule.base import Group, RoundPlan
+from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
 from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.schedule.round import Launch, RoundHooks, RoundState
 from rollpacker.schedule.tail import TailConfig
@@ -73,6 +73,7 @@ from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.speculation import SpecSimConfig
 from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
+from rollpacker.topology import Topology
 from rollpacker.train.config import StreamConfig
 from rollpacker.train.stream import ScaleDown, StreamRound
 
@@ -123,13 +124,12 @@ class SimConfig:
         for name in ("gpus", "num_steps", "num_rows", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sim.{name} must be positive, got {getattr(self, name)}")
-        if self.schedule.own_pools and not 0 < self.rollout_pool < self.gpus:
-            raise ValueError(f"schedule.rollout_ranks={self.rollout_pool} must be in [1, gpus={self.gpus})")
-        if self.rollout_pool % self.tp:
-            raise ValueError(f"rollout.tp={self.tp} does not divide the {self.rollout_pool} GPUs rolling out")
-        if self.schedule.own_pools and (self.stream or self.planner):
-            raise ValueError(f"schedule:{self.policy} has its own rollout and training GPUs: turn stream and "
-                             "planner off")
+        topology = self.topology
+        if topology.rollout_ranks % self.tp:
+            raise ValueError(f"rollout.tp={self.tp} does not divide the {topology.rollout_ranks} GPUs rolling out")
+        topology.check("GPUs")
+        refuse_with_pools(self.schedule, stream=("sim.stream", self.stream or self.stream_config.enabled),
+                          planner=("sim.planner", self.planner))
         self.stream = self.stream or self.stream_config.enabled
         if self.stream and not self.reward_scheduler:
             raise ValueError("sim.stream needs sim.reward_scheduler: the freed GPUs train each group once it is "
@@ -144,18 +144,25 @@ class SimConfig:
         return self.rollout.tp
 
     @property
+    def topology(self) -> Topology:
+        """The job's GPUs: who rolls out (all, or a policy's own pool), who trains, the replicas."""
+        s = self.schedule
+        return Topology(self.gpus, tp=self.tp, rollout_ranks=s.rollout_pool(self.gpus) if s.own_pools else 0,
+                        pools=s.own_pools)
+
+    @property
     def rollout_pool(self) -> int:
         """GPUs rolling out: all of them, or the rollout pool of a policy with pools of its own."""
-        return self.schedule.rollout_pool(self.gpus)
+        return self.topology.rollout_ranks
 
     @property
     def train_pool(self) -> int:
         """GPUs training: all of them, or the ones a policy with pools of its own does not roll out on."""
-        return self.gpus - self.rollout_pool if self.schedule.own_pools else self.gpus
+        return len(self.topology.train)
 
     @property
     def num_replicas(self) -> int:
-        return self.rollout_pool // self.tp
+        return self.topology.num_replicas
 
     def cost(self) -> CostModel:
         return CostModel(HARDWARE[self.hardware], MODELS[self.model], self.tp, self.calib)
