@@ -82,7 +82,7 @@ class Job:
         self.engine.decode = stop_decoder(self.config, self.model_dir)
         self.push_weights()
         if self.stream:
-            self.stream = self.stream.rebuild(self.engine.kv_capacity_tokens)
+            self.stream.retarget(self.engine.kv_capacity_tokens)
         return stats
 
     def save(self, step: int, policy_state: dict[str, Any] | None = None) -> None:
@@ -155,7 +155,8 @@ def build(config: Config) -> Job:
         job.stream = StreamTrainer(config.stream, trainer, meshes, max_new_tokens=config.rollout.max_new_tokens,
                                    kv_capacity_tokens=engine.kv_capacity_tokens, pipe=config.pipe)
     if job.rank0:
-        job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens)
+        job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens,
+                                          drafting=not ENGINES[config.engine.kind].own_drafter, sink=job.stream)
     if config.plan.enabled:
         build_planner(job)
     if config.resume:

@@ -238,7 +238,7 @@ class InstantRewards:
 class OneReplica:
     """The controller's view of a one-rank world (what :class:`rollpacker.dist.Meshes` offers)."""
 
-    rank, num_replicas, replica, is_replica_leader, rollout_control = 0, 1, 0, True, None
+    rank, num_replicas, replica, is_replica_leader, rollout_control, freed = 0, 1, 0, True, None, False
 
     def broadcast(self, obj, group=None):
         return obj
