@@ -91,7 +91,7 @@ from rollpacker.rollout.engine import (
     Request,
     SamplingParams,
     append_token,
-    check_stop,
+    check_request,
     finish,
     hf_names,
     start_output,
@@ -408,22 +408,9 @@ class SGLangEngine:
 
     def add(self, request: Request) -> None:
         p, rid = request.params, request.id
+        remaining = check_request(self, request, self.live)
         out = start_output(request)
         prompt = out.prompt_ids + out.token_ids
-        remaining = min(p.max_new_tokens - len(out.token_ids), self.max_model_len - len(prompt))
-        problems = []
-        if rid in self.live:
-            problems.append("its id is already queued or running")
-        if not request.prompt_ids:
-            problems.append("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            problems.append(f"prompt (+ partial) of {len(prompt)} tokens leaves no room in max_model_len "
-                            f"{self.max_model_len}")
-        elif remaining <= 0:
-            problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
-        problems += check_stop(self, request)
-        if problems:
-            raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         try:
             params = sglang_params(p, remaining, self.eos_ids, seed)
