@@ -4,10 +4,11 @@ Presets are TOML files in the repository's ``configs/`` directory (``--preset NA
 file (``--preset path/to/file.toml``); flags override them: ``--rollout.num-prompts 32``.
 Nothing here imports torch, so ``--help`` and config errors come back at once.
 
-``schedule`` is the scheduling policy with its own settings, a tagged union
-(:mod:`rollpacker.schedule.config`): ``schedule:NAME`` on the command line, ``[schedule] policy =
-NAME`` in a preset. The rules here ask a policy's capabilities (stale samples, pools of its own),
-never its name. :meth:`Config.topology` gives the job's ranks on a world size (torch-free).
+- ``schedule`` is the scheduling policy with its own settings, a tagged union
+  (:mod:`rollpacker.schedule.config`): ``schedule:NAME`` or ``--schedule.policy NAME`` on the command
+  line, ``[schedule] policy = NAME`` in a preset. NAME may be an out-of-tree ``package.module:Class``.
+- The rules here ask a policy's capabilities (stale samples, pools of its own), never its name.
+- :meth:`Config.topology` gives the job's ranks on a world size.
 
 Settings live beside their component when its module is torch-free at import, else in the
 package's ``config.py``; no component module imports this root config.
@@ -29,8 +30,9 @@ from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
+from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import refuse_with_pools
-from rollpacker.schedule.config import ScheduleConfig, names, schedule_args, schedule_config
+from rollpacker.schedule.config import names, schedule_args, schedule_config
 from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.sync import SyncConfig
 from rollpacker.topology import Topology
@@ -89,7 +91,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    schedule: ScheduleConfig = field(default_factory=SyncConfig)
+    schedule: policies.ScheduleConfig = field(default_factory=SyncConfig)
     """The scheduling policy and its settings (schedule:NAME; see this module's docstring)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -210,7 +212,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
-        if hints[key] is ScheduleConfig:
+        if hints[key] is policies.ScheduleConfig:
             value = schedule_config(value, f"{where}.{key}")
         elif isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
             value = _build(hints[key], value, f"{where}.{key}")

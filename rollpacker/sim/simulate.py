@@ -65,8 +65,8 @@ from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
+from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
-from rollpacker.schedule.config import ScheduleConfig
 from rollpacker.schedule.round import Actions, Launch, Round, RoundOutcome, RoundState, Seen
 from rollpacker.schedule.scale_down import ScaleDown, StreamRound
 from rollpacker.schedule.tail import TailConfig
@@ -88,7 +88,7 @@ class SimConfig:
     """GPUs of the job: rollout replicas of TP size rollout.tp, then all of them train (one_step_off: its pools)."""
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(num_prompts=128, max_new_tokens=16384, tp=2))
     """The run's rollout settings; the simulator reads P0, R0, max_new_tokens and tp (lengths cut at the cap)."""
-    schedule: ScheduleConfig = field(default_factory=TailConfig)
+    schedule: policies.ScheduleConfig = field(default_factory=TailConfig)
     """The run's scheduling policy and its settings (schedule:NAME; one_step_off's rollout_ranks are GPUs here)."""
     reward_scheduler: bool = False
     """§4.3: score each response as it finishes, adaptive code timeouts, judge on every GPU; else after rollout."""

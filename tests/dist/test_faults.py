@@ -14,11 +14,10 @@ import sys
 import time
 
 import pytest
+from support.jobs import job_env
 
 from rollpacker import checkpoint
 from rollpacker.bench.faults import worker_pid
-
-from conftest import job_env
 
 # --- the real job, 2 gloo ranks ---------------------------------------------------------------------
 

@@ -20,8 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-from conftest import QUIET, launch_job, steps
+from support.jobs import QUIET, launch_job, steps
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "your-task.md"
 PROMPTS, GROUP, NUM_STEPS, EVAL_ROWS, EVAL_N = 4, 2, 4, 8, 2

@@ -345,7 +345,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(qwen2_dir, refer
 
 @pytest.mark.parametrize("speculative", ["off", "on"])
 def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path, speculative):
-    from conftest import make_hf_model
+    from support.models import make_hf_model
 
     other_dir = make_hf_model(tmp_path / "other", "qwen2", initializer_range=0.05)
     eng = engine(qwen2_dir, speculative=speculative)

@@ -4,12 +4,11 @@ token per step), every row once with ``num_responses`` responses each, greedy.""
 from __future__ import annotations
 
 import pytest
+from support.fakes import InstantRewards, LengthTableEngine, OneReplica
 
 from rollpacker.exchange import RoundLeader, run_round
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.schedule.eval import EvalPolicy
-
-from conftest import InstantRewards, LengthTableEngine, OneReplica
 
 
 @pytest.mark.parametrize("num_responses", [1, 3])

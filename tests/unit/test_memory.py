@@ -108,9 +108,9 @@ def test_checkpointed_blocks_follow_the_mode():
 def test_block_saved_estimates_hugging_face_layers(kind, tmp_path):
     """The same count estimates the transformers layers of the hf path (Qwen3-MoE's routed experts,
     Gemma's four norms a block) within 5% of what autograd keeps (the attention mask included)."""
-    from rollpacker.model.hf_decoder import load_hf, read_config
+    from support.models import make_hf_model
 
-    from conftest import make_hf_model
+    from rollpacker.model.hf_decoder import load_hf, read_config
 
     path = make_hf_model(tmp_path, kind, hidden_size=128, intermediate_size=256, head_dim=32)
     model, tokens = load_hf(path), 256

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.fakes import InstantRewards, LengthTableEngine, OneReplica
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.rollout.config import RolloutConfig
@@ -21,8 +22,6 @@ from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelS
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.simulate import SimConfig, simulate, simulate_round, summarize
 from rollpacker.sim.workload import LengthModel, length_stats, read_length_trace
-
-from conftest import InstantRewards, LengthTableEngine, OneReplica
 
 
 def rollout(num_prompts: int, group_size: int, max_new_tokens: int) -> RolloutConfig:

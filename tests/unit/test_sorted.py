@@ -270,10 +270,10 @@ def test_state_dict_round_trip_mid_load_group():
 
 def test_the_controller_resumes_partials_and_scores_kept_responses_again():
     """Through the real controller (one rank, an engine that adds one token per step)."""
+    from support.fakes import InstantRewards, LengthTableEngine, OneReplica
+
     from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.rollout.engine import SamplingParams
-
-    from conftest import InstantRewards, LengthTableEngine, OneReplica
 
     class ResumingEngine(LengthTableEngine):
         def add(self, req):

@@ -4,6 +4,7 @@ equivalence with synchronous steps and for whole runs with scale-downs."""
 from __future__ import annotations
 
 import pytest
+from support.fakes import InstantRewards
 
 from rollpacker.schedule.scale_down import ScaleDown, StepCost, Trigger, decode_seconds, peak_kv_tokens, steps_left
 from rollpacker.train.config import StreamConfig
@@ -105,22 +106,6 @@ class Sink:
             self.batches.append([g.prompt for g in groups])
 
 
-class Scores:
-    """Every response scored 1.0 at once."""
-
-    def __init__(self):
-        self.ready = []
-
-    def submit(self, key, row, output):
-        self.ready.append((key, 1.0))
-
-    def poll(self):
-        ready, self.ready = self.ready, []
-        return ready
-
-    wait = poll
-
-
 def four_prompts_on_two_replicas():
     """A sync round of 4 prompts x 2 responses, on 2 replicas (round-robin per request)."""
     from rollpacker.data.dataset import PromptSampler
@@ -141,7 +126,7 @@ def test_a_stream_round_scales_down_once_times_the_migration_and_feeds_complete_
     state, sink = four_prompts_on_two_replicas(), Sink()
     decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks = StreamRound(decider)
-    rnd = Round(state, Scores(), hooks)
+    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), hooks)
     launches = rnd.start(now=9.0).launch
     assert hooks.priority(3) == 0 and rnd.scaled is None
     first = launches[0].run  # slot 0's two responses, on replicas 0 and 1
@@ -174,7 +159,7 @@ def test_a_pipe_round_runs_on_the_rollout_pool_from_the_start_frontier_first():
     state = four_prompts_on_two_replicas()
     decider = ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks = PipeRound(decider)
-    rnd = Round(state, Scores(), hooks)
+    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), hooks)
     start = rnd.start(now=5.0)
     assert start.scale_down and state.active == 1 and {state.replica(rid) for rid in state.outstanding} == {0}
     assert [hooks.priority(slot) for slot in (0, 3)] == [0, 3]  # earliest group first
