@@ -6,31 +6,9 @@ terms, the two peaks and whether the larger fits, with its headroom; the last li
 (:func:`check_fits`) and refuses a config that cannot fit, naming the largest term and the
 setting that shrinks it.
 
-Training peak, per rank (N = the ranks one FSDP2 replica is sharded over, b = bytes of the
-compute dtype: 2 with bf16 mixed precision on GPU, 4 in fp32):
-
-- parameters, gradients and AdamW's two moments in fp32, sharded: 4 + 4 + 8 bytes per parameter
-  over N (in host memory with ``train.offload``); the optimizer step adds one fp32 temporary per
-  parameter (``torch._foreach`` on GPU; one tensor at a time on CPU);
-- FSDP2's unsharded copies: the root (embedding, final norm, output head) for the whole
-  forward and backward, and the blocks being gathered (the current one and the prefetched one);
-- saved activations: a hand count of what autograd keeps per token in one block
-  (:func:`block_saved`; exact for the native decoder, checked against ``saved_tensors_hooks``), over
-  the micro-batch's tokens (attention's per-bucket gathers at their padded length), times the
-  blocks, with activation checkpointing only each checkpointed module's input, plus one block
-  recomputed in backward;
-- the log-prob head's backward: the torch path's ``[chunk, V]`` fp32 logits block, fp32 copy of the
-  head and fp32 head gradient, or the fused kernel's fp32 ``[T, D]`` accumulator and scratch rows;
-- the KL reference (``train.kl_coef > 0``): sharded like the policy, or streamed from host memory.
-
-Rollout peak: the trainer's parameters and optimizer state (gradients are freed after the step),
-the engine's weights per TP shard, its KV budget and its activations. During training the engines
-release their memory on GPU (vLLM's and SGLang's weights and KV cache; TorchEngine its KV cache).
-A fixed allowance covers the CUDA context, NCCL and cuBLAS workspaces.
-
-This is a model of the code, not of the allocator: fragmentation and the caching allocator's
-reserve are not counted (keep 10% headroom). ``python -m rollpacker.bench memory`` checks the
-training peak against CPU measurements of real steps.
+Invariant: it models the code, not the allocator (fragmentation is not counted: keep 10%
+headroom). ``python -m rollpacker.bench memory`` checks the training peak against CPU measurements
+of real steps. Every term, and how it was checked: ``docs/memory.md``.
 """
 
 from __future__ import annotations

@@ -1,52 +1,13 @@
-"""The simulated job: the real scheduling policies driven through simulated engine replicas.
+"""The simulated job: the job's round protocol on simulated replicas, and the step around it.
 
-:func:`simulate_round` is :func:`rollpacker.exchange.run_round` with simulated time: both drive a
-:class:`~rollpacker.schedule.round.RoundState`, so the same policy object gets the same calls in the
-same order. Requests are routed round-robin per request
-over the replicas; every finished response is handed to ``policy.on_finished`` in completion-time
-order (responses finishing at the same instant in replica order, as the controller gathers
-them), with its reward when the policy ``needs_rewards`` and None otherwise; the policy's aborts
-are sent only for requests still outstanding, its launches take the next slots, and when it says
-the round is over (or nothing is left running) everything still running is aborted,
-``policy.end_round`` gets the partial outputs and the kept groups get their rewards. The outputs
-the policy keeps are :class:`~rollpacker.sim.engine.Seq` records (``id``, ``length``,
-``finish_time``). Scoring is instant as far as the policy's decisions go (the controller's reward
-scheduler with fast rewards); what scoring costs is charged by :func:`step_times`.
+- :func:`simulate_round` is the round's second transport: it drives the same
+  :class:`~rollpacker.schedule.round.Round` as the exchange, on simulated time. So a policy and
+  the stream trainer's decider get the same calls in the same order.
+- :func:`step_times` turns a round into an RL step's stages (rollout, exposed reward, training
+  less what the freed GPUs trained, weight sync); :func:`simulate` runs a whole job.
 
-With a stream trainer (``SimConfig.stream``), the round drives the controller's
-:class:`~rollpacker.train.stream.StreamRound` on simulated time:
-
-- every finished length goes into the :class:`~rollpacker.train.stream.ScaleDown`'s history;
-- at every event it asks whether to scale down, with the prompts complete so far and the exact
-  tokens every outstanding request has generated;
-- on a scale-down the second half of the replicas aborts everything
-  (:meth:`Replica.abort_all`). The outstanding requests go round-robin to the kept replicas, where
-  they are prefilled again with their prompt and generated tokens (recomputation, at its prefill
-  cost). Later launches go to the kept replicas only;
-- from then on every complete group is fed to the freed GPUs (once, capped, with
-  ``stream_config.fetch_cap``). :func:`step_times` takes the training they finish before rollout
-  ends (:func:`streamed_gpu_s`) off the train stage.
-
-Differences from the controller:
-
-- it looks at the same instant as the decisions, not one poll later, with exact progress instead
-  of an upper bound;
-- scoring, feeding and the migration are instant; the freed GPUs' switch from engine to trainer
-  costs nothing; the training shard groups are assumed to allow the scale-down;
-- what the freed GPUs have not trained by rollout end is spread over every GPU, as the paper
-  describes. The controller's freed ranks fetch a batch only once they have trained the last, so
-  the one difference is a fetched batch they are still training.
-
-``one_step_off`` rolls out on its own GPUs (``SimConfig.rollout_gpus``) and trains on the others,
-the next batch's rollout and scoring under this batch's training: a step is the training GPUs'
-wait for their batch (``StepResult.wait_s``), its training and the weight sync.
-
-:func:`step_times` turns a round into the stages of an RL step, in veRL's synchronous order:
-rollout, then scoring the kept responses (:meth:`RewardModel.stage_s`), training on them
-(:meth:`CostModel.train_s`), and the weight sync. A policy or stage optimization that overlaps
-stages (reward scheduler, stream trainer) plugs in here: it gets the round's completion times
-(``RoundRecord.completions``, ``RoundRecord.streamed``) and the per-replica activity, and says
-what part of each stage is exposed.
+Invariant: no decision is made here; what differs from the job is time, by design (scoring,
+feeding and migration are instant, progress is exact). The design: ``docs/simulator.md``.
 """
 
 from __future__ import annotations
