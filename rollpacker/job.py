@@ -67,8 +67,9 @@ class Job:
         """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
         ``tp`` is not the current TP: the old engine's memory is freed first; the new one is loaded from
         the trainer's live parameters (resharded in memory, not read from disk)."""
-        stats = {"plan/rollout_tp": tp, "plan/switched": float(tp != self.meshes.rollout_tp.size())}
-        if not stats["plan/switched"]:
+        switched = tp != self.meshes.rollout_tp.size()
+        stats = {"plan/rollout_tp": tp, "plan/switched": float(switched)}
+        if not switched:
             return stats
         self.engine.release_memory()
         self.engine = None
