@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from rollpacker.data.lengths import LengthReplay
     from rollpacker.dist import Meshes
-    from rollpacker.exchange import GroupSink, LeaderRound, RoundLeader, RoundResult
+    from rollpacker.exchange import ExchangeRound, GroupSink, RoundLeader, RoundResult
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
     from rollpacker.reward.scheduler import RewardScheduler
@@ -149,13 +149,13 @@ class Controller:
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               stop=r.stop, stop_token_ids=r.stop_token_ids)
 
-    def train_round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> LeaderRound:
+    def train_round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Training round ``plan`` of ``step`` for the exchange, with ``hooks``; the live display starts the step."""
         cfg = self.config
         self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
         return self.leader.round(step, plan, hooks)
 
-    def eval_round(self, step: int) -> LeaderRound:
+    def eval_round(self, step: int) -> ExchangeRound:
         """A held-out round: every eval row once."""
         return self.eval_leader.round(step, self.eval_leader.policy.start_round(step))
 

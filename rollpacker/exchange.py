@@ -18,7 +18,7 @@ Invariants:
 
 :class:`RoundLeader` is rank 0's side for a whole run, built once. It turns a launch into
 engine requests (sampling seed, replayed length, draft context) and scores through the reward
-scheduler. Each round is a :class:`LeaderRound` (``leader.round(step, plan, hooks)``).
+scheduler. Each round is an :class:`ExchangeRound` (``leader.round(step, plan, hooks)``).
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ class GroupSink(Protocol):
 
 
 def run_round(meshes: Meshes, engine: Engine, poll_steps: int,
-              leader: LeaderRound | None) -> RoundResult | Freed | None:
-    """One round, collective over the ranks rolling out. Rank 0 passes its :class:`LeaderRound`,
+              leader: ExchangeRound | None) -> RoundResult | Freed | None:
+    """One round, collective over the ranks rolling out. Rank 0 passes its :class:`ExchangeRound`,
     the others None. Rank 0 gets the :class:`RoundResult`, the ranks a scale-down frees
     :class:`Freed`, the others None."""
     base = engine.stats(), time.process_time()
@@ -229,9 +229,9 @@ class RoundLeader:
     draft_context: bool = False
     """Offer the memory's responses of each prompt to the engines' drafters (``Request.draft_context``)."""
 
-    def round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> LeaderRound:
+    def round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Round ``plan`` of ``step``, to pass to :func:`run_round`."""
-        return LeaderRound(self, step, plan, hooks or RoundHooks())
+        return ExchangeRound(self, step, plan, hooks or RoundHooks())
 
     def submit(self, key: str, row: int, output: Output) -> None:
         """Score ``output`` of dataset row ``row`` (the round's :class:`~rollpacker.schedule.round.Scorer`)."""
@@ -265,7 +265,7 @@ class RoundLeader:
         return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
 
 
-class LeaderRound:
+class ExchangeRound:
     """One round on rank 0: the :class:`~rollpacker.schedule.round.Round` over the replicas'
     reports, and what only rank 0 measures (the running trace, the tail phase, the counters)."""
 
