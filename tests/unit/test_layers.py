@@ -21,6 +21,12 @@ MAX_FUNCTION_LINES = 80
 ENGINE_NAMES = ("torch", "vllm", "sglang")
 
 
+@cache
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+@cache
 def modules(package: str) -> dict[str, Path]:
     """Every module of ``package`` by dotted name (a package by its ``__init__``)."""
     found = {}
@@ -45,7 +51,7 @@ def module_graph(package: str) -> dict[str, set[str]]:
     for module, path in mods.items():
         here = module if path.name == "__init__.py" else module.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree(path)):
             if isinstance(node, ast.Import):
                 targets |= {resolve(alias.name) for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -96,7 +102,7 @@ def imports(package: str) -> dict[str, set[str]]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree(path)):
             if isinstance(node, ast.Import):
                 names |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -150,7 +156,7 @@ def test_no_function_is_over_80_lines():
     long = []
     for package in ("rollpacker", "rollpacker_kernels"):
         for module, path in modules(package).items():
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(tree(path)):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
                         long.append(f"{module}.{node.name} ({node.end_lineno - node.lineno + 1} lines)")
@@ -163,7 +169,7 @@ def test_engines_are_asked_their_capabilities_not_their_names():
     for module, path in modules("rollpacker").items():
         if module.startswith(("rollpacker.rollout", "rollpacker.bench")):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree(path)):
             if isinstance(node, ast.Compare) and "kind" in ast.unparse(node.left):
                 values = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in ENGINE_NAMES]
                 if values:
