@@ -265,8 +265,9 @@ class _SimRound:
         what migrates in this same instant (added to ``actions``, less the aborts the freed replicas did)."""
         state = self.round.state
         actions.abort = [rid for rid in actions.abort if state.replica(rid) < state.active]
-        leaving = [seq for replica in self.replicas[state.active:] for seq in replica.abort_all(self.now)]
-        back = self.round.poll(Seen(now=self.now, aborted=sorted(leaving, key=lambda s: s.id)), self.generated)
+        leaving = [seq for replica in self.replicas[state.active:]  # in replica order, each sorted, as reported
+                   for seq in sorted(replica.abort_all(self.now), key=lambda s: s.id)]
+        back = self.round.poll(Seen(now=self.now, aborted=leaving), self.generated)
         actions.launch += back.launch
         actions.resume += back.resume
         actions.abort += back.abort
