@@ -2,6 +2,9 @@
 step, the LR schedule, the scheduling policy's state (sampler position, sample ledger) and the
 reward scheduler's (adaptive-timeout anchors).
 
+The model's frozen parameters are not saved (:func:`trained_state`): with LoRA a checkpoint holds the
+adapters and their optimizer state; the base comes from ``model.path`` again at resume.
+
 Layout: ``RUN_DIR/checkpoints/step_N/`` holds DCP's shard files, ``train_state.json`` and, written
 last by rank 0 after every rank finished, the ``COMMITTED`` marker. A directory without the
 marker is an interrupted save: resuming from it is refused, and ``latest`` skips it.
@@ -56,7 +59,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from rollpacker import watchdog
 
@@ -75,7 +78,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     failed: dict[int, str] = {}
     if trainer is not None:
         state = {
-            "model": get_model_state_dict(trainer.model),
+            "model": trained_state(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         try:
@@ -140,6 +143,15 @@ def latest(run_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
+def trained_state(model) -> dict[str, Any]:
+    """The model's state dict without its frozen parameters, a tied alias of one included."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def model_shapes(trainer) -> dict[str, list[int]]:
     """The trained model's parameter names and (global) shapes: what a checkpoint must match."""
     return {name: list(p.shape) for name, p in trainer.model.named_parameters()}
@@ -182,7 +194,7 @@ def load(path: Path, trainer) -> dict[str, Any]:
     not train); returns the saved train state (step, controller state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
+        StateDictOptions,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -193,11 +205,11 @@ def load(path: Path, trainer) -> dict[str, Any]:
     if trainer is not None:
         check_model(path, meta.get("model"), model_shapes(trainer))
         state = {
-            "model": get_model_state_dict(trainer.model),
+            "model": trained_state(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
-        set_model_state_dict(trainer.model, state["model"])
+        set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
         trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta

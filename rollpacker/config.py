@@ -175,7 +175,10 @@ class Config:
                  "set both to 1"),
                 (t.kl_in_reward, "train.kl_in_reward",
                  "a group's advantages then depend on its reference KL, which the freed ranks cannot share",
-                 "put the KL in the loss")):
+                 "put the KL in the loss"),
+                (t.teacher.in_reward, "train.teacher.path (the teacher's KL in the reward)",
+                 "a group's advantages then depend on the teacher's KL, which the freed ranks cannot share",
+                 "set train.teacher.in_loss")):
             if bad:
                 raise ValueError(f"{streaming} with {setting}: stream training trains each group as soon as it "
                                  f"completes, and {why}. Either {fix}, or turn {streaming} off")

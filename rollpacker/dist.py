@@ -22,10 +22,18 @@ Which ranks are which is a :class:`~rollpacker.topology.Topology` (``Meshes.topo
 
 World size 1 is not special: ``python -m rollpacker.run`` gets a one-rank gloo group like any
 other run. Nobody else creates process groups.
+
+The default group is NCCL on GPU, gloo on CPU, and ``cuda:nccl,cpu:gloo`` when CPU tensors meet in
+collectives (``train.offload``: FSDP2 keeps shards, gradients and their norm on the host). Before it
+exists, every rank exports the same NCCL settings (:data:`NCCL_ENV`, plus what the engine's start
+would set in one process only) and logs them: communicators built with different settings on
+different ranks fail or hang. ``dist.device=cpu`` (or ``ROLLPACKER_DEVICE=cpu``, which the test
+suite sets) runs on CPU and gloo while a GPU is visible.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -37,6 +45,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rollpacker.topology import Topology
 
+logger = logging.getLogger("rollpacker")
+
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+"""What SGLang's in-process ``Engine`` (and vLLM at import) sets unless already set, in its own process
+only: exported on every rank first (SkyRL does the same), so every communicator agrees. A value the
+user exported wins (the engines keep it too)."""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -44,19 +59,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> torch.device:
-    """Join the job's process group (a one-rank group outside torchrun); returns this rank's device."""
+def backend(device: str = "auto", cpu_collectives: bool = False) -> tuple[str, str]:
+    """(device type, default group backend) for ``dist.device``: CUDA when visible unless it or
+    ``ROLLPACKER_DEVICE`` says cpu, with gloo beside NCCL when ``cpu_collectives``."""
+    forced = os.environ.get("ROLLPACKER_DEVICE", "auto") or "auto"
+    for where, value in (("dist.device", device), ("ROLLPACKER_DEVICE", forced)):
+        if value not in ("auto", "cpu"):
+            raise ValueError(f"{where} must be auto or cpu, got {value!r}")
+    if "cpu" in (device, forced) or not torch.cuda.is_available():
+        return "cpu", "gloo"
+    return "cuda", "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+
+
+def export_nccl_env(forced: dict[str, str] | None = None) -> dict[str, str]:
+    """Set :data:`NCCL_ENV` (unless set) and ``forced`` (the engine's, set unconditionally) in this
+    process; returns every ``NCCL_*`` variable, as logged."""
+    for name, value in NCCL_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ.update(forced or {})
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+
+
+def init_distributed(device: str = "auto", cpu_collectives: bool = False,
+                     nccl_env: dict[str, str] | None = None) -> torch.device:
+    """Join the job's process group (a one-rank group outside torchrun), with the NCCL settings of
+    :func:`export_nccl_env` (``nccl_env``: the engine's) exported and logged first; returns this rank's
+    device. Once joined, later calls return the device it chose."""
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        cuda = torch.cuda.is_available()
-        if cuda:
+        kind, name = backend(device, cpu_collectives)
+        env = export_nccl_env(nccl_env)
+        logger.info("rank %s: NCCL environment %s", os.environ["RANK"], " ".join(f"{k}={v}" for k, v in env.items()))
+        if kind == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dist.init_process_group(name)
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass

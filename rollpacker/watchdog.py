@@ -6,7 +6,11 @@ on the ranks that wait. Each rank also writes a heartbeat (time, step, phase) in
 TCPStore every second from a thread; a SIGSTOPped or wedged rank stops beating. When a timeout
 fires, the error names this rank's step and phase and the ranks whose heartbeat went stale (or
 never came), then the process exits non-zero so torchrun ``--max-restarts`` (or Slurm's requeue)
-restarts the job. The same thread ends a rank whose launcher died: torchrun starts its ranks in
+restarts the job. A phase that waits in one collective for long in normal operation (one_step_off's
+hand-off, stream training's freed ranks, a checkpoint) runs under :func:`waiting`: its own timeout,
+sized from the config, and a deadline at which the heartbeat thread prints the same diagnosis and
+exits, before NCCL's watchdog, which aborts the process without a Python exception, would. The same
+thread ends a rank whose launcher died: torchrun starts its ranks in
 sessions of their own, so a SIGKILLed (or OOM-killed) torchrun would leave them training on into
 the run directory beside the job that resumes there. Nothing here imports torch at module level:
 :class:`DistConfig` is part of the config tree.
@@ -20,10 +24,14 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 BEAT_S = 1.0
 """Seconds between two heartbeats; a rank silent for 5 of them counts as not answering."""
+GRACE_S = 30.0
+"""Seconds a :func:`waiting` phase's collectives wait beyond its deadline: the diagnosis comes first."""
 
 
 @dataclass(kw_only=True)
@@ -32,21 +40,35 @@ class DistConfig:
     """Seconds a collective waits for a rank before the job fails naming it (after the first step)."""
     first_step_timeout_s: float = 900.0
     """The same until the first step is done: model loading and first-step compilation take longer."""
+    token_timeout_s: float = 0.25
+    """Seconds per response token a rank may wait through a rollout (one_step_off's hand-off, stream training's
+    freed ranks): rollout.max_new_tokens of them, at least dist.timeout_s."""
+    checkpoint_timeout_s: float = 1800.0
+    """Seconds a collective waits in a checkpoint save, load or Hugging Face export (a slow filesystem)."""
+    device: Literal["auto", "cpu"] = "auto"
+    """cpu: CPU and gloo even where a GPU is visible (as ROLLPACKER_DEVICE=cpu, which the test suite sets)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.timeout_s <= self.first_step_timeout_s:
             raise ValueError(f"dist.timeout_s={self.timeout_s} must be positive and at most "
                              f"dist.first_step_timeout_s={self.first_step_timeout_s}")
+        if self.token_timeout_s <= 0 or self.checkpoint_timeout_s <= 0:
+            raise ValueError(f"dist.token_timeout_s={self.token_timeout_s} and dist.checkpoint_timeout_s="
+                             f"{self.checkpoint_timeout_s} must be positive")
+
+    def rollout_wait_s(self, max_new_tokens: int) -> float:
+        """How long a collective may wait through a rollout of ``max_new_tokens``-token responses."""
+        return max(self.timeout_s, self.token_timeout_s * max_new_tokens)
 
 
-_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True}
+_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True, "deadline": 0.0}
 _config: DistConfig | None = None
 _stop = threading.Event()
 _beats: list[threading.Thread] = []
 
 
-def set_timeout(seconds: float) -> None:
-    """Every process group's collectives (those built so far) wait at most ``seconds``."""
+def set_timeout(seconds: float, grace: float = 0.0) -> None:
+    """Every process group's collectives (those built so far) wait at most ``seconds`` (+ ``grace``)."""
     from datetime import timedelta
 
     import torch.distributed.distributed_c10d as c10d
@@ -54,7 +76,26 @@ def set_timeout(seconds: float) -> None:
     _state["timeout"] = seconds
     for group in list(c10d._world.pg_map):
         if not c10d._rank_not_in_group(group):
-            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+            c10d._set_pg_timeout(timedelta(seconds=seconds + grace), group)
+
+
+@contextmanager
+def waiting(name: str, seconds: float):
+    """Phase ``name``, in which this rank may wait up to ``seconds`` in one collective: every group's
+    timeout is ``seconds`` + :data:`GRACE_S` meanwhile, and at ``seconds`` the heartbeat thread prints
+    the diagnosis (:func:`diagnose`) and exits non-zero, before a collective's own timeout (NCCL's
+    aborts the process and prints none). Restores the phase, timeout and deadline it found."""
+    before = _state["phase"], _state["timeout"], _state["deadline"]
+    started = _config is not None
+    if started:
+        set_timeout(max(seconds, before[1]), GRACE_S)
+    _state["phase"], _state["deadline"] = name, time.time() + max(seconds, before[1])
+    try:
+        yield
+    finally:
+        _state["phase"], _state["deadline"] = before[0], before[2]
+        if started:
+            set_timeout(before[1])
 
 
 def start(config: DistConfig) -> None:
@@ -161,6 +202,9 @@ def _beat(store, rank: int, launcher: int | None) -> None:
         if launcher is not None and os.getppid() != launcher:  # reparented: torchrun is gone
             print(f"rollpacker: rank {rank}: its launcher (torchrun, pid {launcher}) died at step {_state['step']}, "
                   f"phase {_state['phase']}; exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+        if _state["deadline"] and time.time() > _state["deadline"]:  # a waiting() phase overran: say who, then go
+            print(f"rollpacker: {diagnose(rank)}", file=sys.stderr, flush=True)
             os._exit(1)
         try:
             store = store or _store()

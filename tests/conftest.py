@@ -10,6 +10,8 @@ import pytest
 import torch
 from support.models import make_hf_model
 
+os.environ.setdefault("ROLLPACKER_DEVICE", "cpu")  # CPU and gloo where a GPU is visible too (rollpacker.dist.backend);
+# the gpu-marked tests use the GPU directly, and `ROLLPACKER_DEVICE=auto pytest ...` runs the rest on it
 if not torch.cuda.is_available():  # the Triton kernels' tests run on CPU under Triton's interpreter, which must be
     os.environ.setdefault("TRITON_INTERPRET", "1")  # set before anything imports triton (a unit test may, first)
 

@@ -83,8 +83,10 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
     leader = ctl.train_round(step, plan, stream.round_hooks() if stream else None) if ctl else None
     with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
         result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, leader)
-        if isinstance(result, Freed):
-            job.stream.serve_freed(job.engine)
+        if isinstance(result, Freed):  # it waits for rank 0's sends through the rest of the rollout
+            cfg = job.config
+            with watchdog.waiting("serve", cfg.dist.rollout_wait_s(cfg.rollout.max_new_tokens)):
+                job.stream.serve_freed(job.engine)
     if not ctl:
         return None, None, {}
     with timer("reward"):  # the batch of the kept groups (responses were scored as they finished)

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpacker import watchdog
 from rollpacker.job import Job
 from rollpacker.loops.colocated import evaluate, generate
 from rollpacker.metrics import Timer
@@ -98,7 +99,7 @@ def run(job: Job) -> int:
     rolls = job.meshes.rank in job.meshes.rollout_ranks
     if rolls:
         first_batch(job, loop)
-    while boundary(job, loop):
+    while handoff(job, loop):
         if rolls:
             rollout_pool_step(job, loop)
         else:
@@ -113,6 +114,14 @@ def first_batch(job: Job, loop: Loop) -> None:
     evaluated, loop.pending = _evaluate_and_generate(job, loop.step, loop.weights_step, evaluate_first=True)
     if loop.pending:
         loop.pending.stats |= evaluated
+
+
+def handoff(job: Job, loop: Loop) -> bool:
+    """:func:`boundary` under its own collective timeout: one pool waits there while the other
+    generates a batch or trains on one (``dist.token_timeout_s`` per response token)."""
+    cfg = job.config
+    with watchdog.waiting("handoff", cfg.dist.rollout_wait_s(cfg.rollout.max_new_tokens)):
+        return boundary(job, loop)
 
 
 def boundary(job: Job, loop: Loop) -> bool:

@@ -70,7 +70,8 @@ class EngineConfig:
     kind: Literal["auto", "torch", "vllm", "sglang"] = "auto"
     """Rollout engine: TorchEngine, vLLM in-process, SGLang (GPU; on CPU see docs/sglang.md), or auto."""
     memory_fraction: float = 0.1
-    """vllm/sglang: share of device memory (CPU: of RAM, per rank) the engine may take; vLLM's KV: kv_memory_mb."""
+    """vllm: share of device memory (CPU: of RAM, per rank) it may take, its KV being kv_memory_mb (SGLang on GPU
+    derives its own from the memory plan)."""
     enforce_eager: bool = True
     """vllm: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
     block_size: int = 16

@@ -285,16 +285,33 @@ def check_stop(engine: Engine, request: Request) -> list[str]:
     return []
 
 
-def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool, dtype: torch.dtype | None = None
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     """rollpacker parameter names (HF minus ``model.``) -> HF checkpoint names, DTensors gathered
-    one at a time (``full_tensor()``: a collective of their mesh), the tied head skipped."""
+    one at a time (``full_tensor()``: a collective of their mesh), the tied head skipped; with
+    ``dtype``, each tensor in the engine's dtype (the trainer's masters are fp32)."""
     for name, tensor in named_tensors:
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and tied:
             continue
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        yield (name if name == "lm_head.weight" else f"model.{name}"), tensor.detach()
+        tensor = tensor.detach() if dtype is None else tensor.detach().to(dtype)
+        yield (name if name == "lm_head.weight" else f"model.{name}"), tensor
+
+
+def free_cached_memory() -> bool:
+    """Hand the CUDA caching allocator's unused blocks back to the driver (cycles collected first), for
+    an engine about to take memory back outside PyTorch's allocator: vLLM's wake-up (its cuMem pool)
+    or SGLang's resume (another process). TRL and verl do this before every wake-up; without it the
+    trainer's freed activations stay reserved. Returns whether there was a CUDA allocator to empty."""
+    import gc
+
+    if not torch.cuda.is_initialized():
+        return False
+    gc.collect()
+    torch.cuda.empty_cache()
+    return True
 
 
 def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,

@@ -158,3 +158,21 @@ def test_ranks_exit_when_their_torchrun_is_killed(tmp_path):
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_waiting_phase_names_the_stopped_rank_at_its_deadline_before_the_collectives_timeout():
+    """Issue 37: on NCCL a collective's timeout aborts the process without a Python exception, so a phase that
+    waits long (hand-off, freed ranks, checkpoints) prints the diagnosis itself at its deadline and exits."""
+    from support.jobs import DIST_SCRIPTS
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(DIST_SCRIPTS / "phase_wait.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "the broadcast returned" not in proc.stdout
+    assert "NCCL settings equal on both ranks: {'NCCL_CUMEM_ENABLE': '0', 'NCCL_NVLS_ENABLE': '0'" in proc.stdout
+    for rank in (0, 1):  # each rank logged what it exported before its process group
+        assert f"rank {rank}: NCCL environment NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0" in proc.stderr, proc.stderr
+    match = re.search(r"rollpacker: rank 0 timed out after 8s at step -1, phase handoff: rank\(s\) \[1\] did not "
+                      r"answer \(rank 1: last heartbeat \d+s ago", proc.stderr)
+    assert match, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr[:match.start()], proc.stderr[-4000:]  # no collective timed out first

