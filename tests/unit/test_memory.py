@@ -87,7 +87,8 @@ def test_a_preset_that_cannot_fit_is_refused_naming_the_largest_term_and_the_fix
     from rollpacker.config import parse
     from rollpacker.plan.memory import QWEN2_5, check_fits
 
-    config = parse(["--preset", "qwen2.5-32b-32k", "--train.activation-checkpointing", "none"])
+    # the engine named: engine.kind auto is planned as the job resolves it, by what is installed here
+    config = parse(["--preset", "qwen2.5-32b-32k", "--train.activation-checkpointing", "none", "--engine.kind", "vllm"])
     with pytest.raises(ValueError) as refused:
         check_fits(config, Shape.from_hf(QWEN2_5["Qwen2.5-32B"]), world_size=8, capacity=80 * GB)
     assert str(refused.value) == (
