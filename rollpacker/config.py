@@ -4,10 +4,14 @@ Presets are TOML files in the repository's ``configs/`` directory (``--preset NA
 file (``--preset path/to/file.toml``); flags override them: ``--rollout.num-prompts 32``.
 Nothing here imports torch, so ``--help`` and config errors come back at once.
 
-``schedule`` is the scheduling policy with its own settings, a tagged union
-(:mod:`rollpacker.schedule.config`): ``schedule:NAME`` on the command line, ``[schedule] policy =
-NAME`` in a preset. The rules here ask a policy's capabilities (stale samples, pools of its own),
-never its name; a policy's own rules are its settings class's ``check``.
+- ``schedule`` is the scheduling policy with its own settings, a tagged union
+  (:mod:`rollpacker.schedule.config`): ``schedule:NAME`` or ``--schedule.policy NAME`` on the command
+  line, ``[schedule] policy = NAME`` in a preset. NAME may be an out-of-tree ``package.module:Class``.
+- The rules here ask a policy's capabilities (stale samples, pools of its own), never its name.
+- :meth:`Config.topology` gives the job's ranks on a world size.
+
+Settings live beside their component when its module is torch-free at import, else in the
+package's ``config.py``; no component module imports this root config.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
-from rollpacker.schedule.config import ScheduleConfig, names, schedule_args, schedule_config
+from rollpacker.schedule import config as policies
+from rollpacker.schedule.base import refuse_with_pools
+from rollpacker.schedule.config import names, schedule_args, schedule_config
 from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.sync import SyncConfig
+from rollpacker.topology import Topology
 from rollpacker.train.config import StreamConfig, TrainConfig
 from rollpacker.watchdog import DistConfig
 
@@ -85,7 +92,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    schedule: ScheduleConfig = field(default_factory=SyncConfig)
+    schedule: policies.ScheduleConfig = field(default_factory=SyncConfig)
     """The scheduling policy and its settings (schedule:NAME; see this module's docstring)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -115,7 +122,8 @@ class Config:
                 "policy's. Set "
                 "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
                 f"or use schedule:{s.on_policy_alternative}")
-        s.check(self)
+        refuse_with_pools(s, stream=("stream.enabled", self.stream.enabled),
+                          planner=("plan.enabled", self.plan.enabled))
         if self.pipe:
             self._check_pipe()
         streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.pipe else ""
@@ -176,24 +184,22 @@ class Config:
                 raise ValueError(f"{streaming} with {setting}: stream training trains each group as soon as it "
                                  f"completes, and {why}. Either {fix}, or turn {streaming} off")
 
+    def topology(self, world: int) -> Topology:
+        """The job's ranks on ``world`` ranks: pools, replicas, training shard groups."""
+        s = self.schedule
+        return Topology(world, tp=self.rollout.tp, rollout_ranks=s.rollout_pool(world) if s.own_pools else 0,
+                        pools=s.own_pools, train_shard_size=self.train.train_shard_size)
+
     def rollout_ranks(self, world: int) -> int:
         """The ranks that roll out: all of them, or the rollout pool of a policy with pools of its own."""
-        return self.schedule.rollout_pool(world)
+        return self.topology(world).rollout_ranks
 
     def check_world(self, world: int) -> None:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""
-        r, t = self.rollout, self.train
-        self.schedule.check(self, world)
-        rollout = self.rollout_ranks(world)
-        pools = rollout < world
-        if rollout % r.tp:
-            where = f"the {rollout} rollout ranks (schedule.rollout_ranks)" if pools else f"the world size {world}"
-            raise ValueError(f"rollout.tp={r.tp} does not divide {where}")
-        train = world - rollout if pools else world
-        shard = t.train_shard_size or train
-        if train % shard:
-            where = f"the {train} training ranks" if pools else f"the world size {world}"
-            raise ValueError(f"train.train_shard_size={shard} does not divide {where}")
+        r, topology = self.rollout, self.topology(world)
+        topology.check()
+        if self.pipe and topology.refused:
+            raise ValueError(f"schedule.pipe needs a train pool of whole training replicas: {topology.refused}")
         if (r.num_prompts * r.group_size) % world:
             raise ValueError(
                 f"rollout.num_prompts x rollout.group_size = {r.num_prompts} x {r.group_size} = "
@@ -209,7 +215,7 @@ def setting_paths(cls: type = Config, prefix: str = "") -> list[str]:
     hints = get_type_hints(cls, include_extras=True)
     paths = []
     for f in dataclasses.fields(cls):
-        if hints[f.name] is ScheduleConfig:
+        if hints[f.name] is policies.ScheduleConfig:
             paths += sorted({p for c in POLICY_CONFIGS.values() for p in setting_paths(c, f"{prefix}{f.name}.")})
         elif dataclasses.is_dataclass(hints[f.name]):
             paths += setting_paths(hints[f.name], f"{prefix}{f.name}.")
@@ -226,7 +232,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
-        if hints[key] is ScheduleConfig:
+        if hints[key] is policies.ScheduleConfig:
             value = schedule_config(value, f"{where}.{key}")
         elif isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
             value = _build(hints[key], value, f"{where}.{key}")

@@ -18,6 +18,8 @@
   ``weights`` the data-plane group (NCCL on GPU) of the first training rank and the rollout pool,
   over which new weights are broadcast. Without pools the first two are ``control`` and the world.
 
+Which ranks are which is a :class:`~rollpacker.topology.Topology` (``Meshes.topology``), pure data.
+
 World size 1 is not special: ``python -m rollpacker.run`` gets a one-rank gloo group like any
 other run. Nobody else creates process groups.
 
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rollpacker.schedule.round import kept_replicas
+from rollpacker.topology import Topology
 
 logger = logging.getLogger("rollpacker")
 
@@ -107,6 +109,8 @@ class Meshes:
     control: dist.ProcessGroup
     rollout: DeviceMesh
     train: DeviceMesh
+    topology: Topology
+    """Who rolls out, who trains, which ranks a scale-down frees (at the current rollout TP)."""
     stream_group: dist.ProcessGroup | None = None
     """With stream training: rank 0's point-to-point sends to the ranks it frees (gloo, all ranks)."""
     kept_control: dist.ProcessGroup | None = None
@@ -126,17 +130,23 @@ class Meshes:
         size = len(self.rollout_ranks)
         if size % tp:
             raise ValueError(f"rollout TP={tp} does not divide the {size} rollout ranks")
+        self.topology = self.topology.with_tp(tp)
         if tp not in self._by_tp:
-            replicas = size // tp
-            kept = (dist.new_group(list(range(kept_replicas(replicas) * tp)), backend="gloo")
+            kept = (dist.new_group(self.topology.kept_ranks, backend="gloo")
                     if self.stream_group is not None else None)
-            mesh = DeviceMesh(self.device.type, torch.arange(size).view(replicas, tp), mesh_dim_names=("replica", "tp"))
+            mesh = DeviceMesh(self.device.type, torch.arange(size).view(size // tp, tp),
+                              mesh_dim_names=("replica", "tp"))
             self._by_tp[tp] = mesh, kept
         self.rollout, self.kept_control = self._by_tp[tp]
 
     @property
     def disaggregated(self) -> bool:
         return len(self.rollout_ranks) < self.world_size
+
+    @property
+    def freed(self) -> bool:
+        """This rank leaves rollout to train when a round scales down (stream training, RolloutPipe)."""
+        return self.rank in self.topology.freed_ranks
 
     @property
     def rank(self) -> int:
@@ -178,17 +188,16 @@ class Meshes:
         return out
 
 
-def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, rollout_ranks: int = 0) -> Meshes:
-    """``rollout_ranks`` from 1 to world − 1 disaggregates the pools: the first ``rollout_ranks``
-    ranks roll out, the others train (``train_shard_size`` then counts training ranks); 0 or the
-    world size keeps every rank in both."""
+def build_meshes(rollout_tp: int = 1, train_shard_size: int = 0, stream: bool = False,
+                 topology: Topology | None = None) -> Meshes:
+    """The job's groups, on its ``topology`` (default: every rank rolls out at ``rollout_tp`` and
+    trains in shard groups of ``train_shard_size``, 0 = all). With pools (``one_step_off``), the first
+    ``topology.rollout_ranks`` ranks roll out and the others train. ``stream``: the groups of stream
+    training and RolloutPipe."""
     device = init_distributed()
     world = dist.get_world_size()
-    pools = 0 < rollout_ranks < world
-    rollout = train = list(range(world))
-    if pools:
-        rollout, train = rollout[:rollout_ranks], rollout[rollout_ranks:]
-    shard = train_shard_size or len(train)
+    topology = topology or Topology(world, tp=rollout_tp, train_shard_size=train_shard_size)
+    pools, rollout, train = topology.pools, topology.rollout, topology.train
     kind = device.type
     control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     # new_group is collective over all ranks: built here, used only by some
@@ -197,7 +206,8 @@ def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, r
         world=init_device_mesh(kind, (world,), mesh_dim_names=("world",)),
         control=control,
         rollout=None,
-        train=DeviceMesh(kind, torch.tensor(train).view(-1, shard), mesh_dim_names=("replicate", "shard")),
+        train=DeviceMesh(kind, torch.tensor(train).view(-1, topology.shard), mesh_dim_names=("replicate", "shard")),
+        topology=topology,
         stream_group=dist.new_group(backend="gloo") if stream else None,
         rollout_ranks=rollout,
         train_ranks=train,
@@ -206,5 +216,5 @@ def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, r
         handoff=dist.new_group([0, *train], backend="gloo") if pools else None,
         weights=dist.new_group([train[0], *rollout]) if pools else None,
     )
-    meshes.set_rollout_tp(rollout_tp)
+    meshes.set_rollout_tp(topology.tp)
     return meshes

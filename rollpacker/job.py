@@ -30,8 +30,7 @@ from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, lora, save_m
 from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.plan.memory import Shape, check_fits
-from rollpacker.rollout import ENGINES, build_engine
-from rollpacker.rollout.config import resolve_kind
+from rollpacker.rollout import ENGINES, build_engine, resolve_kind
 from rollpacker.rollout.engine import Engine, text_decoder
 from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
 from rollpacker.train.stream import StreamTrainer
@@ -71,8 +70,9 @@ class Job:
         """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
         ``tp`` is not the current TP: the old engine's memory is freed first; the new one is loaded from
         the trainer's live parameters (resharded in memory, not read from disk)."""
-        stats = {"plan/rollout_tp": tp, "plan/switched": float(tp != self.meshes.rollout_tp.size())}
-        if not stats["plan/switched"]:
+        switched = tp != self.meshes.rollout_tp.size()
+        stats = {"plan/rollout_tp": tp, "plan/switched": float(switched)}
+        if not switched:
             return stats
         self.engine.release_memory()
         self.engine = None
@@ -86,7 +86,7 @@ class Job:
         self.engine.decode = stop_decoder(self.config, self.model_dir)
         self.push_weights()
         if self.stream:
-            self.stream = self.stream.rebuild(self.engine.kv_capacity_tokens)
+            self.stream.retarget(self.engine.kv_capacity_tokens)
         return stats
 
     def save(self, step: int, policy_state: dict[str, Any] | None = None) -> None:
@@ -156,8 +156,7 @@ def build(config: Config) -> Job:
     world = torch.distributed.get_world_size()
     config.check_world(world)
     streaming = config.stream.enabled or config.pipe
-    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
-                          rollout_ranks=config.rollout_ranks(world))
+    meshes = build_meshes(stream=streaming, topology=config.topology(world))
     watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
     torch.manual_seed(config.seed)
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
@@ -181,7 +180,8 @@ def build(config: Config) -> Job:
         job.stream = StreamTrainer(config.stream, trainer, meshes, max_new_tokens=config.rollout.max_new_tokens,
                                    kv_capacity_tokens=engine.kv_capacity_tokens, pipe=config.pipe)
     if job.rank0:
-        job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens)
+        job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens,
+                                          drafting=not ENGINES[config.engine.kind].own_drafter, sink=job.stream)
     if config.plan.enabled:
         build_planner(job)
     if config.resume:
@@ -199,20 +199,17 @@ def build(config: Config) -> Job:
 def engine_nccl_env(config: Config) -> dict[str, str]:
     """The NCCL settings the engine's start would set in its own process (``EngineKind.nccl_env``), for
     every rank to export before its first communicator."""
-    kind = ENGINES[config.engine.kind]
-    return kind.nccl_env(config.rollout.tp) if kind.nccl_env else {}
+    return ENGINES[config.engine.kind].nccl_env(config.rollout.tp)
 
 
 def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
-    """The engine kind for a model of ``impl``: TorchEngine runs the native decoder only, so a Hugging
-    Face model rolls out on vLLM (auto: SGLang or vLLM on GPU, vLLM on CPU)."""
-    if impl == "native":
-        return resolve_kind(kind, device_type, planner)
-    if kind == "auto":
-        kind = resolve_kind(kind, device_type) if device_type == "cuda" else "vllm"
-    if kind == "torch":
-        raise ValueError("model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
-                         "use engine.kind vllm (or sglang on GPU), or model.impl native if the model is one of those")
+    """The engine kind for a model of ``impl``: a Hugging Face model rolls out on an engine that is
+    not native-only (auto: SGLang or vLLM on GPU, vLLM on CPU)."""
+    kind = resolve_kind(kind, device_type, planner and impl == "native", native=impl == "native")
+    if impl != "native" and ENGINES[kind].native_only:
+        others = " or ".join(k for k, e in ENGINES.items() if not e.native_only)
+        raise ValueError(f"model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
+                         f"use engine.kind {others}, or model.impl native if the model is one of those")
     return kind
 
 

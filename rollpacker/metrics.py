@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -27,14 +26,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import Any, Literal, TextIO
 
 import numpy as np
 
 from rollpacker.choices import check_choices
-
-if TYPE_CHECKING:
-    from rollpacker.exchange import RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -104,40 +100,6 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
         "rollout/response_len_p90": float(np.percentile(arr, 90)),
         "rollout/response_len_p99": float(np.percentile(arr, 99)),
         "rollout/response_len_max": float(arr.max()),
-    }
-
-
-def round_metrics(result: RoundResult, trained: list[tuple[Any, float]], penalties: list[float]) -> dict[str, Any]:
-    """A round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``, the
-    wait for rewards after the last response finished). ``trained``: the ``(output, reward)`` of
-    every response trained in the step (streamed ones too); ``penalties``: the overlong
-    punishment added to each reward (``reward/mean`` is without it). The reward functions'
-    metrics (``reward/NAME``, ``reward/errors``) are the reward scheduler's."""
-    from rollpacker.rollout.engine import spec_metrics
-
-    lengths = [len(o.token_ids) for o, _ in trained]
-    rewards = [r for _, r in trained]
-    rollout_time = result.end - result.start
-    trace = [(result.start, result.num_launched), *result.running_trace]
-    return {
-        "sched/round_kind": result.kind,
-        "sched/trained_prompts": len(result.groups),
-        "sched/aborted_responses": result.num_aborted,
-        "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
-        "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
-        "reward/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
-        "reward/overlong_penalty_mean": sum(penalties) / len(penalties) if penalties else 0.0,
-        "time/reward_exposed": result.reward_exposed_s,
-        "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
-        "rollout/tokens_per_s": result.generated_tokens / rollout_time,
-        "rollout/preemptions": result.num_preemptions,
-        "rollout/truncated": sum(o.finish_reason == "length" for o, _ in trained),
-        "rollout/tail_seconds": result.tail_s,
-        "rollout/cpu_seconds": result.cpu_s,
-        "rollout/tail_cpu_seconds": result.tail_cpu_s,
-        **spec_metrics(result.spec),
-        "rollout/response_lengths": lengths,
-        **length_stats(lengths),
     }
 
 
@@ -398,12 +360,3 @@ class LiveDisplay:
             self._progress = None
             self._task = None
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one prompt (Chen et al. 2021): the chance that k of its n samples, drawn
-    without replacement, hold at least one of its c correct ones: ``1 - C(n-c, k) / C(n, k)``."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:  # every k-subset holds a correct sample
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

@@ -4,40 +4,13 @@
 terms, the two peaks and whether the larger fits, with its headroom; the last line is JSON with
 ``fits`` and ``peak_gb``. On GPU the job runs the same computation at start-up
 (:func:`check_fits`) and refuses a config that cannot fit, naming the largest term and the
-setting that shrinks it.
+setting that shrinks it. SGLang's ``mem_fraction_static`` comes from the same engine terms
+(:func:`sglang_memory_fraction`).
 
-Training peak, per rank (N = the ranks one FSDP2 replica is sharded over, b = bytes of the
-compute dtype: 2 with bf16 mixed precision on GPU, 4 in fp32):
-
-- parameters, gradients and AdamW's two moments in fp32, sharded: 4 + 4 + 8 bytes per parameter
-  over N (in host memory with ``train.offload``); the optimizer step adds one fp32 temporary per
-  parameter (``torch._foreach`` on GPU; one tensor at a time on CPU);
-- FSDP2's unsharded copies: the root (embedding, final norm, output head) for the whole
-  forward and backward, and the blocks being gathered (the current one and the prefetched one);
-- saved activations: a hand count of what autograd keeps per token in one block
-  (:func:`block_saved`; exact for the native decoder, checked against ``saved_tensors_hooks``), over
-  the micro-batch's tokens (attention's per-bucket gathers at their padded length), times the
-  blocks, with activation checkpointing only each checkpointed module's input, plus one block
-  recomputed in backward;
-- the log-prob head's backward: the torch path's ``[chunk, V]`` fp32 logits block, fp32 copy of the
-  head and fp32 head gradient, or the fused kernel's fp32 ``[T, D]`` accumulator and scratch rows;
-- the KL reference (``train.kl_coef > 0``): sharded like the policy, or streamed from host memory;
-- with LoRA (``train.lora.rank``) gradients, AdamW's moments and the optimizer's temporaries are the
-  adapters' alone (:func:`lora_params`), the output head gets no weight gradient, and the KL reference
-  is the policy itself (no second copy). The adapters' own parameters are added to the policy's.
-
-Rollout peak: the trainer's parameters and optimizer state (gradients are freed after the step),
-and the engine's real footprint (:func:`engine_terms`): its weights per TP shard, its KV budget, its
-activations at the most tokens it batches (vLLM: ``max_num_batched_tokens``, which the adapter makes
-at least ``max_model_len``), TorchEngine's decode workspace beside the pool, SGLang's scheduler
-process. During training the engines release their memory on GPU (vLLM's and SGLang's weights and
-KV cache; TorchEngine its KV cache and workspace); SGLang's process stays. A fixed allowance covers
-the CUDA context, NCCL and cuBLAS workspaces. SGLang's ``mem_fraction_static`` is derived from the
-same terms (:func:`sglang_memory_fraction`).
-
-This is a model of the code, not of the allocator: fragmentation and the caching allocator's
-reserve are not counted (keep 10% headroom). ``python -m rollpacker.bench memory`` checks the
-training peak against CPU measurements of real steps.
+Invariants: it models the code, not the allocator (fragmentation is not counted: keep 10%
+headroom); an engine's terms follow its capabilities (``EngineKind``), never its name.
+``python -m rollpacker.bench memory`` checks the training peak against CPU measurements of real
+steps. Every term, and how it was checked: ``docs/memory.md``.
 """
 
 from __future__ import annotations
@@ -51,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.model.parallelize import checkpointed
+from rollpacker.rollout import ENGINES, resolve_kind
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 2.0 * GB
@@ -438,29 +412,34 @@ def engine_terms(s: Shape, r: RolloutSetup) -> list[Term]:
              Term(name="engine KV cache budget", bytes=r.kv_bytes, fix="a smaller engine.kv_memory_mb"),
              Term(name="engine activations and logits", bytes=engine_activations(s, r),
                   fix="a smaller engine.max_prefill_tokens (vLLM: engine.max_model_len too)")]
-    if r.engine == "torch":
-        terms.append(Term(name="TorchEngine decode workspace (each length group's most rows)",
+    kind = ENGINES[r.engine]
+    if kind.decode_workspace:
+        terms.append(Term(name=f"{kind.title} decode workspace (each length group's most rows)",
                           bytes=decode_workspace(s, r), fix="a smaller engine.max_num_seqs"))
-    if r.engine == "sglang":
-        terms.append(Term(name="SGLang scheduler process (allowance)", bytes=SGLANG_PROCESS_BYTES))
-    return terms
+    return terms + scheduler_process(r)
 
 
 def engine_kept(s: Shape, r: RolloutSetup) -> list[Term]:
     """What the engine keeps on the GPU while the trainer trains: its weights unless it releases them,
     and SGLang's scheduler process."""
+    releasing = " or ".join(k for k, e in ENGINES.items() if e.releases_weights)
     kept = [Term(name="engine weights kept while training", bytes=0.0 if r.released else engine_weights(s, r),
-                 fix="engine.kind vllm or sglang (they release it)")]
-    if r.engine == "sglang":
-        kept.append(Term(name="SGLang scheduler process (allowance)", bytes=SGLANG_PROCESS_BYTES))
-    return kept
+                 fix=f"engine.kind {releasing} (they release it)")]
+    return kept + scheduler_process(r)
+
+
+def scheduler_process(r: RolloutSetup) -> list[Term]:
+    """The allowance for an engine's own scheduler process on the GPU (SGLang's), if it runs one."""
+    kind = ENGINES[r.engine]
+    return [Term(name=f"{kind.title} scheduler process (allowance)", bytes=SGLANG_PROCESS_BYTES)
+            ] if kind.scheduler_process else []
 
 
 def batched_tokens(s: Shape, r: RolloutSetup) -> int:
     """The most tokens one engine forward takes: vLLM's ``max_num_batched_tokens``, which the adapter
     sets to max(max_prefill_tokens, max_model_len), and which its start-up profile run allocates;
     ``engine.max_prefill_tokens`` for the others."""
-    if r.engine == "vllm":
+    if ENGINES[r.engine].batches_model_len:
         return max(r.prefill_tokens, r.max_model_len or s.max_position_embeddings)
     return r.prefill_tokens
 
@@ -473,7 +452,7 @@ def engine_activations(s: Shape, r: RolloutSetup) -> float:
 
 
 def decode_workspace(s: Shape, r: RolloutSetup) -> float:
-    """TorchEngine's decode workspace beside its KV pool (``_DecodeBatch`` in rollout/torch_engine.py):
+    """TorchEngine's decode workspace beside its KV pool (``DecodeBatch`` in rollout/torch_engine/kv.py):
     each power-of-two length group, from 16 tokens to the longest context's, keeps the most rows it held
     at once (up to ``max_num_seqs``: a rollout's requests cross each length together) until the engine
     releases its memory, each row its group's capacity of K and V. Measured on CPU: 5.3x the pool for
@@ -584,18 +563,18 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
     seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
     head = "fused" if t.logprobs_impl == "triton" or (t.logprobs_impl == "auto" and device == "cuda") else "torch"
     reference = "none" if not t.kl_coef else "policy" if t.lora.rank else "streamed" if t.offload else "sharded"
-    train = TrainSetup(shard_size=t.train_shard_size or world_size, seq_lens=seq_lens, response_tokens=tokens,
+    train = TrainSetup(shard_size=config.topology(world_size).shard, seq_lens=seq_lens, response_tokens=tokens,
                        compute_bytes=2 if mixed else 4, checkpointing=t.activation_checkpointing,
                        ac_every=t.ac_every, ac_part=t.ac_part, offload=t.offload, head=head,
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
                        streaming=config.stream.enabled or config.pipe, gloo=device != "cuda",
                        lora_params=lora_params(shape, t.lora.rank, t.lora.target_modules) if t.lora.rank else 0)
-    kind = e.kind if e.kind != "auto" else ("torch" if device != "cuda" or config.plan.enabled else "vllm")
+    kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
     rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
                            kv_bytes=e.kv_memory_mb * 2**20,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
-                           released=device == "cuda" and kind in ("vllm", "sglang"), max_model_len=e.max_model_len,
+                           released=device == "cuda" and ENGINES[kind].releases_weights, max_model_len=e.max_model_len,
                            longest=longest)
     return train, rollout
 

@@ -32,7 +32,7 @@ class RolloutConfig:
     poll_steps: int = 8
     """Engine steps between two control-plane exchanges with the controller."""
     replay_lengths: bool = False
-    """Force every response to a length from the paper's long-tailed mix (rollpacker.exchange.LengthReplay)."""
+    """Force every response to a length from the paper's long-tailed mix (rollpacker.data.lengths.LengthReplay)."""
     routing: Literal["request", "group"] = "request"
     """Replica of each request: round-robin per request, or every request of a prompt on one replica."""
     longest_first: bool = False
@@ -108,15 +108,3 @@ class EngineConfig:
         if self.max_model_len < 0:
             raise ValueError(f"engine.max_model_len must be >= 0, got {self.max_model_len}")
 
-
-def resolve_kind(kind: str, device_type: str, planner: bool = False) -> str:
-    """The engine ``engine.kind=auto`` runs: on CPU TorchEngine, the faster there (``bench engine``:
-    2.0x vLLM's CPU build at batch 32 on the toy model); on GPU SGLang when installed, else vLLM,
-    else TorchEngine; TorchEngine under the parallelism planner, which rebuilds engines in-process."""
-    if kind != "auto":
-        return kind
-    if device_type != "cuda" or planner:
-        return "torch"
-    from importlib.util import find_spec
-
-    return next((k for k in ("sglang", "vllm") if find_spec(k) is not None), "torch")

@@ -40,16 +40,17 @@ importance ratio needs. An engine whose kernels only report the truncated distri
 ``logprobs_truncated = True``; both conventions agree when ``top_k == 0`` and ``top_p == 1``.
 :func:`reference_logprobs` recomputes either from logits, for tests and the trainer.
 
-Bookkeeping every engine shares (the output a request starts from, resumed or not; appending a
-token; finishing; the HF names production engines load weights by) lives here once: :func:`start_output`,
-:func:`append_token`, :func:`finish`, :func:`hf_names`.
+Bookkeeping every engine shares (the request checks of ``add``; the output a request starts from,
+resumed or not; appending a token; finishing; the HF names production engines load weights by)
+lives here once: :func:`check_request`, :func:`start_output`, :func:`append_token`, :func:`finish`,
+:func:`hf_names`.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -252,6 +253,29 @@ def stop_string_hit(decode: Callable[[list[int]], str] | None, token_ids: list[i
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     """``text`` up to its first stop string, which is left out (vLLM's default)."""
     return text[:min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))]
+
+
+def check_request(engine: Engine, request: Request, live: Container[str], *problems: str) -> int:
+    """The tokens ``request`` may still generate on ``engine``, or one ValueError naming the request
+    and every problem: an id already queued or running (in ``live``), an empty prompt, no room left
+    in the context or under ``max_new_tokens``, stop strings without a decoder, and the engine's own
+    ``problems``. What the production engines (vLLM, SGLang) check in ``add``."""
+    p, done = request.params, len(request.resume_from.token_ids) if request.resume_from else 0
+    context = len(request.prompt_ids) + done
+    remaining = min(p.max_new_tokens - done, engine.max_model_len - context)
+    found = []
+    if request.id in live:
+        found.append("its id is already queued or running")
+    if not request.prompt_ids:
+        found.append("the prompt is empty")
+    if context >= engine.max_model_len:
+        found.append(f"prompt (+ partial) of {context} tokens leaves no room in max_model_len {engine.max_model_len}")
+    elif remaining <= 0:
+        found.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
+    found += [*problems, *check_stop(engine, request)]
+    if found:
+        raise ValueError(f"request {request.id!r}: " + "; ".join(found))
+    return remaining
 
 
 def check_stop(engine: Engine, request: Request) -> list[str]:

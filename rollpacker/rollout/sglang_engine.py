@@ -94,7 +94,7 @@ from rollpacker.rollout.engine import (
     Request,
     SamplingParams,
     append_token,
-    check_stop,
+    check_request,
     finish,
     free_cached_memory,
     hf_names,
@@ -440,22 +440,9 @@ class SGLangEngine:
 
     def add(self, request: Request) -> None:
         p, rid = request.params, request.id
+        remaining = check_request(self, request, self.live)
         out = start_output(request)
         prompt = out.prompt_ids + out.token_ids
-        remaining = min(p.max_new_tokens - len(out.token_ids), self.max_model_len - len(prompt))
-        problems = []
-        if rid in self.live:
-            problems.append("its id is already queued or running")
-        if not request.prompt_ids:
-            problems.append("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            problems.append(f"prompt (+ partial) of {len(prompt)} tokens leaves no room in max_model_len "
-                            f"{self.max_model_len}")
-        elif remaining <= 0:
-            problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
-        problems += check_stop(self, request)
-        if problems:
-            raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         try:
             params = sglang_params(p, remaining, self.eos_ids, seed)
@@ -631,3 +618,12 @@ class SGLangEngine:
         success, message = (result.success, result.message) if hasattr(result, "success") else result[:2]
         if not success:
             raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def load(config: EngineConfig, model_path, device, dtype, tp_mesh) -> SGLangEngine:
+    """The registry's loader (:data:`rollpacker.rollout.ENGINES`): this rank's engine, with its
+    speculative decoding as ``engine.speculative`` says."""
+    from rollpacker.rollout import sglang_speculative_args
+
+    return SGLangEngine(model_path, config, tp_mesh=tp_mesh, dtype=dtype,
+                        **sglang_speculative_args(config, torch.device(device).type))

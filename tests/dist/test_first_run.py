@@ -26,11 +26,10 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import QUIET, job_env
 
 from rollpacker import checkpoint
 from rollpacker.bench.faults import worker_pid
-
-from conftest import QUIET, job_env
 
 NUM_ROWS = 24
 SYSTEM = "Add."

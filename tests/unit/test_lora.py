@@ -83,8 +83,9 @@ def test_engine_after_a_push_generates_what_the_merged_model_generates(qwen2_dir
     import transformers
 
     from rollpacker.model import load_model, lora, save_model
+    from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import Request, SamplingParams, generate
-    from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
+    from rollpacker.rollout.torch_engine import TorchEngine
     from rollpacker.rollout.weights import InProcess
 
     trainer = lora_trainer(qwen2_dir)

@@ -87,7 +87,8 @@ def test_a_preset_that_cannot_fit_is_refused_naming_the_largest_term_and_the_fix
     from rollpacker.config import parse
     from rollpacker.plan.memory import QWEN2_5, check_fits
 
-    config = parse(["--preset", "qwen2.5-32b-32k", "--train.activation-checkpointing", "none"])
+    # the engine named: engine.kind auto is planned as the job resolves it, by what is installed here
+    config = parse(["--preset", "qwen2.5-32b-32k", "--train.activation-checkpointing", "none", "--engine.kind", "vllm"])
     with pytest.raises(ValueError) as refused:
         check_fits(config, Shape.from_hf(QWEN2_5["Qwen2.5-32B"]), world_size=8, capacity=80 * GB)
     assert str(refused.value) == (
@@ -108,9 +109,9 @@ def test_checkpointed_blocks_follow_the_mode():
 def test_block_saved_estimates_hugging_face_layers(kind, tmp_path):
     """The same count estimates the transformers layers of the hf path (Qwen3-MoE's routed experts,
     Gemma's four norms a block) within 5% of what autograd keeps (the attention mask included)."""
-    from rollpacker.model.hf_decoder import load_hf, read_config
+    from support.models import make_hf_model
 
-    from conftest import make_hf_model
+    from rollpacker.model.hf_decoder import load_hf, read_config
 
     path = make_hf_model(tmp_path, kind, hidden_size=128, intermediate_size=256, head_dim=32)
     model, tokens = load_hf(path), 256

@@ -9,12 +9,12 @@ import torch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+from support.engine_pair import prompts  # noqa: E402
+
 from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate  # noqa: E402
-
-from vllm_common import prompts  # noqa: E402
 
 a, b = sys.argv[1:3]
 engine = build_engine(EngineConfig(kind="vllm", kv_memory_mb=2, memory_fraction=0.05, max_num_seqs=16), a, "cpu",
