@@ -17,7 +17,9 @@ package's ``config.py``; no component module imports this root config.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,3 +287,18 @@ def parse(argv: list[str] | None = None) -> Config:
                     prog=os.environ.get("ROLLPACKER_PROG", "python -m rollpacker.run"),
                     description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")
 
+
+@functools.cache
+def _settings() -> frozenset[str]:
+    return frozenset(setting_paths())
+
+
+def as_flags(text: str) -> str:
+    """``text`` with each config path (``data.eval_path``, ``num_steps``) written as its flag
+    (``--data.eval-path``, ``--num-steps``); other words are left alone: file names, and a setting
+    that is also an English word (``resume``, ``seed``)."""
+    def flag(match: re.Match) -> str:
+        word = match.group(0)
+        return f"--{word.replace('_', '-')}" if word in _settings() and ("." in word or "_" in word) else word
+
+    return re.sub(r"(?<![\w./-])[a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*(?![\w/-]|\.\w)", flag, text)

@@ -12,15 +12,13 @@ waiting in a collective with the rank that exited. The collective fails, and
 ``rollpacker`` launcher (:mod:`rollpacker.launch`) the first claimant writes the line to the
 launcher's file instead, and the launcher prints it after torchrun is done: the last line.
 
-A message names settings as config paths (``data.eval_path``); :func:`as_flags` writes them as
-the flags the user typed (``--data.eval-path``).
+A message names settings as config paths (``data.eval_path``); the entry point writes them as the
+flags the user typed (``--data.eval-path``, :func:`rollpacker.config.as_flags`) before reporting.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 import sys
 from typing import NoReturn
 
@@ -30,24 +28,6 @@ ERROR_FILE = "ROLLPACKER_ERROR_FILE"
 
 class UserError(Exception):
     """Bad input the user can fix; the message names what, where and the fix."""
-
-
-@functools.cache
-def _settings() -> frozenset[str]:
-    from rollpacker.config import setting_paths
-
-    return frozenset(setting_paths())
-
-
-def as_flags(text: str) -> str:
-    """``text`` with each config path (``data.eval_path``, ``num_steps``) written as its flag
-    (``--data.eval-path``, ``--num-steps``); other words are left alone: file names, and a setting
-    that is also an English word (``resume``, ``seed``)."""
-    def flag(match: re.Match) -> str:
-        word = match.group(0)
-        return f"--{word.replace('_', '-')}" if word in _settings() and ("." in word or "_" in word) else word
-
-    return re.sub(r"(?<![\w./-])[a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*(?![\w/-]|\.\w)", flag, text)
 
 
 def fail(error: BaseException | str, prefix: str = "rollpacker: ", exit_code: int = 1) -> NoReturn:
@@ -61,7 +41,7 @@ def report(error: BaseException | str, prefix: str = "rollpacker: ") -> None:
     """Say ``error`` once for the whole job: by the first rank to claim it, or through the launcher."""
     from rollpacker import watchdog
 
-    line = f"{prefix}{as_flags(str(error))}"
+    line = f"{prefix}{error}"
     first = watchdog.claim_report(int(os.environ.get("RANK", "0")))
     if os.environ.get(ERROR_FILE):  # the launcher prints the first one, after torchrun is done
         _claim_file(os.environ[ERROR_FILE], line)

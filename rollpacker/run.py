@@ -20,7 +20,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from rollpacker import preempt
-from rollpacker.config import Config, parse
+from rollpacker.config import Config, as_flags, parse
 from rollpacker.errors import UserError, fail, report
 
 
@@ -64,7 +64,7 @@ def parse_once(argv: list[str] | None) -> Config:
     except SystemExit as e:
         if e.code not in (None, 0):  # tyro's error box as it drew it, or our own message (--preset)
             box = "\n".join(line.rstrip() for line in err.getvalue().strip("\n").splitlines())
-            report(box or str(e.code), prefix="" if box else "rollpacker: config error: ")
+            report(box or as_flags(str(e.code)), prefix="" if box else "rollpacker: config error: ")
             raise SystemExit(e.code if isinstance(e.code, int) else 2) from None  # no process group yet
         if os.environ.get("RANK", "0") == "0":
             sys.stdout.write(out.getvalue())
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         if config.model.path:
             check_model_dir(Path(config.model.path))
     except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
-        fail(e, prefix="rollpacker: config error: ")  # (rank 0 alone raced the others' exit: torchrun killed it)
+        fail(as_flags(str(e)), prefix="rollpacker: config error: ")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if os.environ.get("RANK", "0") == "0":  # something at once: building takes minutes with a real model
         logger = logging.getLogger("rollpacker")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:  # bad data, a failing reward function, an unusable checkpoint: said once
         if job is not None and job.controller is not None:
             job.controller.close()  # the reward workers stopped
-        fail(e)
+        fail(as_flags(str(e)))
     job.close()
     if dist.is_initialized():  # vLLM's shutdown destroys it
         dist.destroy_process_group()

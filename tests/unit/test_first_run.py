@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from rollpacker import report
-from rollpacker.errors import as_flags
+from rollpacker.config import as_flags
 from rollpacker.launch import option, split
 from rollpacker.metrics import LiveDisplay, MetricsConfig, MetricsLogger
 
