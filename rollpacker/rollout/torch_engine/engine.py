@@ -48,7 +48,7 @@ from rollpacker.rollout.engine import (
     start_output,
     stop_string_hit,
 )
-from rollpacker.rollout.spec_cost import SpecCost
+from rollpacker.rollout.spec_cost import Realized, SpecCost
 from rollpacker.rollout.torch_engine.kv import DecodeBatch, PrefillAttention, Prefixed, pool_slots, write_back
 from rollpacker.rollout.torch_engine.layout import Decoder, local
 from rollpacker.rollout.torch_engine.resident import Sessions
@@ -63,9 +63,12 @@ class TorchEngine(Speculation):
     logprobs_truncated = False
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tp_mesh: DeviceMesh | None = None,
-                 spec_cost: SpecCost | None = None, decode: Callable[[list[int]], str] | None = None):
+                 spec_cost: SpecCost | None = None, decode: Callable[[list[int]], str] | None = None,
+                 clock: Callable[[], float] | None = None):
         """``spec_cost``: the verify-step cost ``engine.speculative=auto`` decides by; None measures it
-        at the first step that finds the engine idle (see :meth:`calibrate`). ``decode``: for stop strings."""
+        at the first step that finds the engine idle (see :meth:`calibrate`). ``decode``: for stop strings.
+        ``clock``: times decode steps for ``auto``'s realized payoff (:class:`Realized`); None: CPU time
+        on CPU, synchronized wall time on a GPU (:func:`~rollpacker.rollout.probe.step_clock`)."""
         self.config = config = config or EngineConfig()
         self.decode = decode
         self.model = model.eval().requires_grad_(False)
@@ -112,6 +115,12 @@ class TorchEngine(Speculation):
         self.spec = SpecStats()
         self.spec_cost = spec_cost
         self.calibrating = False
+        self.realized = Realized()
+        if clock is None:
+            from rollpacker.rollout.probe import step_clock
+
+            clock = step_clock(self.device)
+        self.clock = clock
 
     # ---- the contract -------------------------------------------------------------------
 
@@ -162,7 +171,7 @@ class TorchEngine(Speculation):
         if admitted:
             return self._prefill(admitted)
         if self.running:
-            return self._decode()
+            return self._timed_decode() if self.config.speculative == "auto" else self._decode()
         return []
 
     @torch.no_grad()
@@ -395,6 +404,16 @@ class TorchEngine(Speculation):
         tokens, logprobs = self._sample(batch.seqs, logits, batch.sampling)
         batch.advance(tokens)
         return self._append(batch.seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
+
+    def _timed_decode(self) -> list[Output]:
+        """A decode step whose tokens and time ``auto``'s realized payoff records."""
+        n, verified, generated = len(self.running), self.spec.num_verify_steps, self.num_generated_tokens
+        start = self.clock()
+        done = self._decode()
+        if self.spec_cost is not None:
+            self.realized.record(n, self.spec.num_verify_steps > verified, self.num_generated_tokens - generated,
+                                 self.clock() - start, self.spec_cost.step_ms(n, 0))
+        return done
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor, sampling: Sampling,
                 offsets: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
