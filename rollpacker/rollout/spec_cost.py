@@ -63,6 +63,10 @@ class SpecCost:
         """Interpolated time of a step of ``n`` requests with ``k`` draft tokens each."""
         return _interpolate(self.rows, n, [_interpolate(self.draft_lens, k, r) for r in self.ms])
 
+    def plain_ms(self, n: int) -> float:
+        """The time of a plain step of ``n`` requests, in proportion to ``n`` beyond the largest measured."""
+        return self.step_ms(n, 0) * max(1.0, n / self.rows[-1])
+
     @property
     def max_rows(self) -> int:
         """The most running requests at which some draft, always accepted, pays its step and drafting (0: never)."""
@@ -133,9 +137,10 @@ WINDOW = 8
 """Drafted decode steps ``auto`` times together before it compares them with its plain steps."""
 BACKOFF = 32
 """Decode steps ``auto`` drafts nothing after drafting did not pay; doubled each time it fails again, up to 32x."""
-PROBE = 4 * WINDOW
-"""While drafting pays, every this many drafted steps one plain step refreshes the plain rate."""
-RATE_DECAY = 0.9
+PROBE = WINDOW
+"""While drafting pays, one plain step before every this many drafted steps keeps the plain rate that of the batch
+sizes and machine load of now."""
+RATE_DECAY = 0.7
 """Weight of earlier plain steps in ``auto``'s plain rate, per plain step (the machine's load moves)."""
 
 
@@ -144,11 +149,11 @@ class Realized:
     its drafted and plain decode steps realized.
 
     A step's tokens are normalized by the cost table's plain step at its batch size (``tokens *
-    table_ms(n, 0) / n``: a plain step counts its table time), so steps of different batch sizes
+    plain_ms(n) / n``: a plain step counts its table time), so steps of different batch sizes
     compare by how much faster or slower than the table's plain steps they ran. Drafting starts once
     a plain step was timed; after ``WINDOW`` drafted steps it compares their rate with the plain
     steps' (decayed) rate and, if lower, drafts nothing for ``BACKOFF * 2^failures`` steps. While
-    drafting pays, one plain step every ``PROBE`` drafted ones keeps the plain rate current."""
+    drafting pays, one plain step before every ``PROBE`` drafted ones keeps the plain rate current."""
 
     def __init__(self) -> None:
         self.plain = [0.0, 0.0]
@@ -168,7 +173,7 @@ class Realized:
 
     def record(self, n: int, drafted: bool, tokens: int, seconds: float, plain_ms: float) -> None:
         """After a decode step of ``n`` running requests that emitted ``tokens`` in ``seconds`` (``drafted``:
-        it verified drafts); ``plain_ms``: the cost table's plain step at ``n``."""
+        it verified drafts); ``plain_ms``: the cost table's plain step at ``n`` (:meth:`SpecCost.plain_ms`)."""
         self.num_steps += 1
         work = tokens * plain_ms / n
         if not drafted:

@@ -8,7 +8,7 @@ import torch
 
 from rollpacker.model import load_model
 from rollpacker.rollout.config import EngineConfig
-from rollpacker.rollout.engine import Request, SamplingParams, generate
+from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
 from rollpacker.rollout.torch_engine import TorchEngine
 
 STARTS = [[1, 2, 3], list(range(10, 30)), [7] * 9, list(range(70, 77))]
@@ -24,15 +24,18 @@ def observation(episode: int, turn: int) -> list[int]:
     return [50 + 7 * episode + turn + j for j in range(2 + (episode + turn) % 3)]
 
 
-def run_episodes(eng: TorchEngine, turns: int, keep: bool, new_tokens: int = 12) -> list[dict[str, object]]:
+def run_episodes(eng: TorchEngine, turns: int, keep: bool, new_tokens: int = 12,
+                 attempts: list[list[int]] | None = None) -> list[dict[str, object]]:
     """Every episode of ``STARTS`` for ``turns`` turns, all turns of one index at once: each turn's prompt
     is the last turn's prompt + response + an observation. Even episodes greedy, odd ones sampled
-    (seeded); ``keep`` names each request's session. Outputs per turn, by request id."""
+    (seeded); ``keep`` names each request's session; ``attempts`` offers each episode's turns an
+    earlier attempt's tokens past its start as a ``partial`` draft context. Outputs per turn, by id."""
     prompts = [list(p) for p in STARTS]
     outputs = []
     for turn in range(turns):
         reqs = [Request(id=f"e{e}t{turn}", prompt_ids=p, session=f"e{e}" if keep else None, params=SamplingParams(
-            max_new_tokens=new_tokens - e, temperature=0.9 * (e % 2), seed=31 * e + turn, ignore_eos=True))
+            max_new_tokens=new_tokens - e, temperature=0.9 * (e % 2), seed=31 * e + turn, ignore_eos=True),
+            draft_context=(DraftContext(source="partial", token_ids=tuple(attempts[e])),) if attempts else ())
             for e, p in enumerate(prompts)]
         done = generate(eng, reqs)
         outputs.append(done)
@@ -102,3 +105,16 @@ def test_a_prompt_that_leaves_the_session_reuses_the_common_prefix_only(qwen2_di
     assert eng.stats().num_reused_prefill_tokens == 13
     eng.update_weights(load_model(qwen2_dir).state_dict().items())
     assert len(eng.sessions) == 0 and sorted(eng.free_blocks) == list(range(eng.num_blocks))
+
+
+def test_a_regenerated_episode_drafts_from_its_cut_attempt(qwen2_dir, from_scratch):
+    """An episode cut in its third turn and regenerated from its start (a deterministic environment),
+    each turn offered the cut attempt (its responses and observations past the start: one sequence,
+    as the controller's ``partial`` drafts) with speculation on: the tokens and log-probs are those of
+    plain decoding, and the attempt's drafts are verified and mostly accepted, across turns."""
+    cut = [(from_scratch[2][f"e{e}t2"].prompt_ids + from_scratch[2][f"e{e}t2"].token_ids[:5])[len(start):]
+           for e, start in enumerate(STARTS)]
+    eng = engine(qwen2_dir, speculative="on", spec_max_tokens=4)
+    assert_same(run_episodes(eng, 3, keep=True, attempts=cut), from_scratch)
+    spec = eng.stats().spec
+    assert spec.num_accepted_tokens["partial"] > 0.5 * spec.num_draft_tokens["partial"], spec

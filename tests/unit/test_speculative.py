@@ -111,6 +111,8 @@ def test_realized_payoff_backs_off_where_drafting_does_not_pay():
     slower than the plain ones holds drafting off for BACKOFF steps, doubled at the next failure; a
     paying window keeps it on, with a plain probe every PROBE drafted steps; tokens are normalized
     by the table's plain step at each batch size."""
+    table = SpecCost((1, 4), (0, 1), ((1.0, 2.0), (2.0, 3.0)))
+    assert (table.plain_ms(2), table.plain_ms(4), table.plain_ms(8)) == (4 / 3, 2.0, 4.0)  # in proportion beyond
     r = Realized()
     assert not r.allows()  # no plain rate yet
     r.record(4, False, 4, 1.0, plain_ms=10.0)  # 4 tokens in 1 s at n=4: as fast as the table says

@@ -311,13 +311,23 @@ class TorchEngine(Speculation):
         """``seq`` leaves the engine for good (finished or aborted); a finished request of a session
         leaves its KV resident."""
         if finished and seq.req.session is not None:
-            write_back(seq, self.cache, self.config.block_size)
-            keep = self._blocks_for(len(seq.tokens) - 1)
-            self.free_blocks.extend(self.sessions.keep(seq.req.session, seq.tokens[:-1], seq.blocks[:keep]))
-            seq.blocks = seq.blocks[keep:]
+            self._keep_resident(seq)
         self._free(seq)
         if self.drafter is not None:
             self.drafter.remove(seq.req.id)
+
+    def _keep_resident(self, seq: Seq) -> None:
+        """Keep a finished request's KV for its session: blocks for all its tokens but the last (a verify
+        step's last tokens are not charged yet: charged now, or nothing is kept if no block is left),
+        the decoded K/V written back to them."""
+        keep = self._blocks_for(len(seq.tokens) - 1)
+        while len(seq.blocks) < keep:
+            if not self._make_room(1):
+                return
+            seq.blocks.append(self.free_blocks.pop())
+        write_back(seq, self.cache, self.config.block_size)
+        self.free_blocks.extend(self.sessions.keep(seq.req.session, seq.tokens[:-1], seq.blocks[:keep]))
+        seq.blocks = seq.blocks[keep:]
 
     def _free(self, seq: Seq) -> None:
         if seq.group is not None:
@@ -412,7 +422,7 @@ class TorchEngine(Speculation):
         done = self._decode()
         if self.spec_cost is not None:
             self.realized.record(n, self.spec.num_verify_steps > verified, self.num_generated_tokens - generated,
-                                 self.clock() - start, self.spec_cost.step_ms(n, 0))
+                                 self.clock() - start, self.spec_cost.plain_ms(n))
         return done
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor, sampling: Sampling,
