@@ -297,8 +297,8 @@ class TorchEngine(Speculation):
         return admitted
 
     def _make_room(self, num_blocks: int, spare: str | None = None) -> bool:
-        """Evict resident sessions (``spare``'s last of all: never) until ``num_blocks`` blocks are
-        free; whether they are."""
+        """Evict resident sessions other than ``spare``, least recently kept first, until ``num_blocks``
+        blocks are free; whether they are."""
         while len(self.free_blocks) < num_blocks:
             freed = self.sessions.evict(spare)
             if freed is None:
