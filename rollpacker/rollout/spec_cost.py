@@ -24,6 +24,7 @@ whose drafts failed early gets drafts again later).
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DECAY = 0.8
@@ -153,9 +154,13 @@ class Realized:
     compare by how much faster or slower than the table's plain steps they ran. Drafting starts once
     a plain step was timed; after ``WINDOW`` drafted steps it compares their rate with the plain
     steps' (decayed) rate and, if lower, drafts nothing for ``BACKOFF * 2^failures`` steps. While
-    drafting pays, one plain step before every ``PROBE`` drafted ones keeps the plain rate current."""
+    drafting pays, one plain step before every ``PROBE`` drafted ones keeps the plain rate current.
+    Every rank of a TP group measures its own steps; the comparison's outcome is TP rank 0's (``agree``),
+    so the ranks draft at the same steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, agree: Callable[[bool], bool] | None = None) -> None:
+        """``agree``: the decision every rank of a TP group takes (TP rank 0's), given this rank's."""
+        self.agree = agree
         self.plain = [0.0, 0.0]
         """[normalized tokens, seconds] of plain steps, decayed by RATE_DECAY per plain step."""
         self.window = [0.0, 0.0]
@@ -186,6 +191,8 @@ class Realized:
         if self.window_steps < WINDOW:
             return
         paid = self.window[0] * self.plain[1] > self.plain[0] * self.window[1]  # drafted rate > plain rate
+        if self.agree is not None:
+            paid = self.agree(paid)
         self.window, self.window_steps = [0.0, 0.0], 0
         if paid:
             self.failures = 0

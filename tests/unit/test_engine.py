@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from support.fakes import StepClock
 
 from rollpacker.model import CausalAttention, load_model
 from rollpacker.rollout.config import EngineConfig
@@ -242,22 +243,6 @@ def test_auto_speculates_where_the_measured_cost_says_it_pays(qwen2_dir):
     assert (measured.spec_cost.rows, measured.spec_cost.draft_lens) == ((1, 2), (0, 1, 2))
     assert measured.stats().num_generated_tokens == sum(len(o.token_ids) for o in plain.values())
     assert "forced" not in measured.stats().spec.num_drafts  # the calibration's own drafts
-
-
-class StepClock:
-    """A clock for ``auto``'s realized payoff (read before and after each decode step): a plain step
-    takes 1 s, a verify step ``verify_s``."""
-
-    def __init__(self, verify_s: float):
-        self.verify_s, self.now, self.reads, self.verified, self.engine = verify_s, 0.0, 0, 0, None
-
-    def __call__(self) -> float:
-        self.reads += 1
-        if self.reads % 2 == 0:  # the end of a step
-            verified = self.engine.spec.num_verify_steps
-            self.now += self.verify_s if verified > self.verified else 1.0
-            self.verified = verified
-        return self.now
 
 
 @pytest.mark.parametrize("verify_s", [1.0, 20.0])

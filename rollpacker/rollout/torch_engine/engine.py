@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rollpacker.model.attention import length_buckets
@@ -115,7 +116,7 @@ class TorchEngine(Speculation):
         self.spec = SpecStats()
         self.spec_cost = spec_cost
         self.calibrating = False
-        self.realized = Realized()
+        self.realized = Realized(agree=self._tp_rank0 if self.tp_group is not None else None)
         if clock is None:
             from rollpacker.rollout.probe import step_clock
 
@@ -424,6 +425,12 @@ class TorchEngine(Speculation):
             self.realized.record(n, self.spec.num_verify_steps > verified, self.num_generated_tokens - generated,
                                  self.clock() - start, self.spec_cost.plain_ms(n))
         return done
+
+    def _tp_rank0(self, value: bool) -> bool:
+        """TP rank 0's ``value``, on every rank of the TP group (``auto``'s decisions must line up)."""
+        box = torch.tensor([int(value)], device=self.device)
+        dist.broadcast(box, group=self.tp_group, group_src=0)
+        return bool(box.item())
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor, sampling: Sampling,
                 offsets: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
