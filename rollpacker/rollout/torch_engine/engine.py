@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 import torch.distributed as dist
@@ -280,11 +280,14 @@ class TorchEngine(Speculation):
         budget = self.config.max_prefill_tokens
         # Keep one free block per running request so the next decode step rarely preempts.
         reserve = len(self.running)
+        queued = self._queued_sessions()
         while self.waiting and self.free_rows:
             seq = self.waiting[0]
             n, session = len(seq.tokens), seq.req.session
             cached, held = self.sessions.match(session, seq.tokens)
-            if admitted and n - cached > budget or not self._make_room(self._blocks_for(n) - held + reserve, session):
+            # while requests run, a queued turn's session is not evicted for another: blocks come back
+            spare = queued if self.running or admitted else {session}
+            if admitted and n - cached > budget or not self._make_room(self._blocks_for(n) - held + reserve, spare):
                 break
             self.waiting.popleft()
             seq.blocks, freed = self.sessions.take(session, cached)
@@ -297,8 +300,12 @@ class TorchEngine(Speculation):
         self.running.extend(admitted)
         return admitted
 
-    def _make_room(self, num_blocks: int, spare: str | None = None) -> bool:
-        """Evict resident sessions other than ``spare``, least recently kept first, until ``num_blocks``
+    def _queued_sessions(self) -> set[str]:
+        """The sessions of the waiting requests (whose resident KV is about to be reused)."""
+        return {s.req.session for s in self.waiting if s.req.session is not None} if len(self.sessions) else set()
+
+    def _make_room(self, num_blocks: int, spare: Container[str] = ()) -> bool:
+        """Evict resident sessions not in ``spare``, least recently kept first, until ``num_blocks``
         blocks are free; whether they are."""
         while len(self.free_blocks) < num_blocks:
             freed = self.sessions.evict(spare)
@@ -400,7 +407,7 @@ class TorchEngine(Speculation):
         bs = self.config.block_size
         for seq in [s for s in self.running if len(s.tokens) > len(s.blocks) * bs]:
             while seq.row >= 0 and len(seq.tokens) > len(seq.blocks) * bs:  # unless evicted by this loop
-                if self._make_room(1):
+                if self.free_blocks or self._make_room(1, self._queued_sessions()) or self._make_room(1):
                     seq.blocks.append(self.free_blocks.pop())
                 else:
                     self._preempt(max(reversed(self.running), key=lambda s: s.req.priority))

@@ -6,14 +6,16 @@
   those tokens (all but its last prompt token, whose logits the prefill must compute); the other
   blocks are freed.
 - Under memory pressure the engine evicts sessions, least recently kept first, before it preempts
-  a running request; ``end_session`` frees one; ``release_memory`` and ``update_weights`` free all
-  (their K/V would be stale).
+  a running request. A session whose next turn is already queued goes last: while requests run,
+  admission waits for their blocks rather than evict it. ``end_session`` frees one;
+  ``release_memory`` and ``update_weights`` free all (their K/V would be stale).
 
 This module is bookkeeping only: it hands the engine the blocks to free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 
@@ -60,10 +62,10 @@ class Sessions:
         keep = -(-num_tokens // self.block_size)
         return held.blocks[:keep], held.blocks[keep:]
 
-    def evict(self, spare: str | None = None) -> list[int] | None:
-        """Evict the least recently kept session other than ``spare``: its blocks, or None if there is none."""
+    def evict(self, spare: Container[str] = ()) -> list[int] | None:
+        """Evict the least recently kept session not in ``spare``: its blocks, or None if there is none."""
         for session in self.resident:
-            if session != spare:
+            if session not in spare:
                 return self.resident.pop(session).blocks
         return None
 
