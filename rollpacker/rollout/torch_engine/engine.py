@@ -424,13 +424,14 @@ class TorchEngine(Speculation):
         return self._append(batch.seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
 
     def _timed_decode(self) -> list[Output]:
-        """A decode step whose tokens and time ``auto``'s realized payoff records."""
+        """A decode step whose tokens and time ``auto``'s realized payoff records (once there is a cost table)."""
+        if self.spec_cost is None:
+            return self._decode()
         n, verified, generated = len(self.running), self.spec.num_verify_steps, self.num_generated_tokens
         start = self.clock()
         done = self._decode()
-        if self.spec_cost is not None:
-            self.realized.record(n, self.spec.num_verify_steps > verified, self.num_generated_tokens - generated,
-                                 self.clock() - start, self.spec_cost.plain_ms(n))
+        self.realized.record(n, self.spec.num_verify_steps > verified, self.num_generated_tokens - generated,
+                             self.clock() - start, self.spec_cost.plain_ms(n))
         return done
 
     def _tp_rank0(self, value: bool) -> bool:
