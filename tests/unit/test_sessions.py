@@ -93,7 +93,8 @@ def test_sessions_are_evicted_under_a_small_kv_budget(qwen2_dir, from_scratch):
 
 def test_a_prompt_that_leaves_the_session_reuses_the_common_prefix_only(qwen2_dir):
     """A next request whose prompt diverges from the session's tokens reuses the common prefix and
-    recomputes the rest; new weights drop every session (their K/V are stale)."""
+    recomputes the rest; new weights drop every session (their K/V are stale); an aborted turn keeps
+    no KV and loses no block."""
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     eng = engine(qwen2_dir)
     first = generate(eng, [Request(id="a", prompt_ids=list(range(20)), params=params, session="s")])["a"]
@@ -104,6 +105,11 @@ def test_a_prompt_that_leaves_the_session_reuses_the_common_prefix_only(qwen2_di
     torch.testing.assert_close(again.logprobs, scratch.logprobs, rtol=0, atol=1e-5)
     assert eng.stats().num_reused_prefill_tokens == 13
     eng.update_weights(load_model(qwen2_dir).state_dict().items())
+    assert len(eng.sessions) == 0 and sorted(eng.free_blocks) == list(range(eng.num_blocks))
+    generate(eng, [Request(id="c", prompt_ids=edited, params=params, session="s")])
+    eng.add(Request(id="d", prompt_ids=edited + [5, 6], params=params, session="s"))
+    eng.step(), eng.step()  # its prefill took the session's blocks over; an abort keeps nothing
+    assert eng.abort("d").finish_reason == "abort" and eng.stats().num_reused_prefill_tokens == 13 + len(edited)
     assert len(eng.sessions) == 0 and sorted(eng.free_blocks) == list(range(eng.num_blocks))
 
 
