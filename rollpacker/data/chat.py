@@ -38,3 +38,8 @@ def encode(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, 
     text = tokenizer.apply_chat_template(messages(prompt, system_prompt), add_generation_prompt=True, tokenize=False,
                                          **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """``text`` up to its first stop string, which is left out (vLLM's default)."""
+    return text[:min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))]
