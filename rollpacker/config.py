@@ -21,6 +21,7 @@ from typing import Any, Literal, get_type_hints
 from rollpacker.checkpoint import CheckpointConfig
 from rollpacker.choices import check_choices
 from rollpacker.data.dataset import DataConfig
+from rollpacker.env.config import EnvConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig
@@ -87,6 +88,8 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=SyncConfig)
     """The scheduling policy and its settings (schedule:NAME; see this module's docstring)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Episodes: the environment and tools a response talks to over several turns (none: single-turn responses)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
