@@ -101,7 +101,7 @@ class RewardConfig:
         if len(set(self.funcs)) < len(self.funcs):
             raise ValueError(f"reward.funcs names a function twice: {list(self.funcs)}; weight it with reward.weights")
         if self.weights and not self.funcs:
-            raise ValueError(f"reward.weights={list(self.weights)} without reward.funcs: name the functions they weight")
+            raise ValueError(f"reward.weights={list(self.weights)} without reward.funcs: name the functions to weight")
         if self.weights and len(self.weights) != len(self.funcs):
             raise ValueError(f"reward.weights has {len(self.weights)} weights for {len(self.funcs)} reward.funcs "
                              f"({', '.join(names(self.funcs))}): give one each, or none for 1 each")

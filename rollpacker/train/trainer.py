@@ -33,12 +33,18 @@ update, on the same micro-batches the updates use (the first update's ratios are
 it also computes the reference log-probs there, which the KL in the reward needs before the
 advantages. The engines' log-probs (the behaviour policy) enter only through
 ``train.rollout_correction`` and the ``train/rollout_*`` metrics.
+
+Episodes (:mod:`rollpacker.env`) train only the model's tokens: a sample's ``loss_mask`` leaves the
+environment's tokens out of the loss, every aggregation and normalizer, the advantages' token
+statistics, entropy and KL; its ``token_rewards`` (an environment's step rewards, on the last
+token of their action) go into the returns (:func:`~rollpacker.train.advantages.returns_to_go`).
+A sample without them (a single-turn response) trains exactly as before.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -70,10 +76,41 @@ class Sample:
     """The responses of one prompt share it and are consecutive: the advantage's group."""
     truncated: bool = False
     """Cut by the length limit: no loss with ``train.mask_truncated``."""
+    loss_mask: list[bool] | None = None
+    """Per response token, whether the model sampled it (trained); None: all of them. An episode's
+    environment tokens are False (their ``rollout_logprobs`` are 0.0, unused)."""
+    token_rewards: dict[int, float] = field(default_factory=dict)
+    """Response position -> a reward on that token (an episode's step rewards), added to the returns."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """The response tokens the model sampled: those the loss counts."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    def model_mask(self) -> list[bool]:
+        """Per response token, whether the model sampled it."""
+        return [True] * len(self.response_ids) if self.loss_mask is None else list(self.loss_mask)
+
+
+def trained_lengths(samples: list[Sample], mask_truncated: bool) -> list[int]:
+    """The model tokens of each sample that trains (``mask_truncated`` leaves out the truncated
+    ones; a sample without a model token trains nothing): what an aggregation's global count counts."""
+    return [s.num_model_tokens for s in samples if not (mask_truncated and s.truncated) and s.num_model_tokens]
+
+
+def step_rewards(samples: list[Sample], shape: tuple[int, int]) -> torch.Tensor | None:
+    """The samples' ``token_rewards`` as [N, T] (``shape``), None when no sample has any."""
+    if not any(s.token_rewards for s in samples):
+        return None
+    out = torch.zeros(shape)
+    for i, s in enumerate(samples):
+        for position, reward in s.token_rewards.items():
+            out[i, position] += reward
+    return out
 
 
 @dataclass
@@ -280,7 +317,7 @@ class Trainer:
 
     def _units(self, samples: list[Sample]) -> int:
         """What the aggregation counts in ``samples``, leaving out those whose loss is masked."""
-        return units(self.config.aggregation, [len(s.response_ids) for s in samples if not self._masked(s)])
+        return units(self.config.aggregation, trained_lengths(samples, self.config.mask_truncated))
 
     def _masked(self, sample: Sample) -> bool:
         return self.config.mask_truncated and sample.truncated
@@ -292,7 +329,13 @@ class Trainer:
         cfg, frozen = self.config, frozen or {}
         lengths = [len(s.response_ids) for s in samples]
         mask = torch.arange(max([1, *lengths]))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+        for i, s in enumerate(samples):  # [N, T] the model's tokens
+            if s.loss_mask is not None:
+                mask[i, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.bool)
         token_rewards = self._kl_rewards(samples, frozen, mask) if cfg.kl_in_reward else None
+        steps = step_rewards(samples, tuple(mask.shape))
+        if steps is not None:
+            token_rewards = steps if token_rewards is None else token_rewards + steps
         returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, token_rewards)  # [N, T]
         adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
         return [Prepared(adv[i, :n], *frozen.get(i, (None, None))) for i, n in enumerate(lengths)]
@@ -382,8 +425,8 @@ class Trainer:
             return pad_sequence(flat.split(lengths), batch_first=True)
 
         logp = padded(logp_flat)
-        mask = pad_sequence([torch.full((n,), not self._masked(s), device=self.device) for s, n in zip(batch, lengths)],
-                            batch_first=True)
+        mask = pad_sequence([torch.tensor(s.model_mask(), dtype=torch.bool, device=self.device) & (not self._masked(s))
+                             for s in batch], batch_first=True)  # the model's tokens of the samples that train
         frozen = prepared[0].old is not None
         old = padded(torch.cat([p.old for p in prepared])) if frozen else logp.detach()
         ref = None
