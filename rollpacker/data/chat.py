@@ -24,9 +24,10 @@ def messages(prompt: str | list[dict], system_prompt: str = "") -> list[dict]:
 
 
 def encode(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, system_prompt: str = "",
-           template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The token ids the engines get for ``prompt`` (a string, or a list of chat messages)."""
-    if isinstance(prompt, str) and not chat_template:
+           template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> list[int]:
+    """The token ids the engines get for ``prompt`` (a string, or a list of chat messages); ``tools``
+    (JSON schemas, an episode's) go to the template, which then renders a string prompt too."""
+    if isinstance(prompt, str) and not chat_template and not tools:
         if system_prompt:
             raise UserError("data.system_prompt is set but the prompts are plain strings tokenized as they are: "
                             "set model.chat_template to render them as chat turns, or drop data.system_prompt")
@@ -36,7 +37,7 @@ def encode(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, 
                         "prompts (a list of messages, model.chat_template or data.system_prompt) need: use a chat "
                         "model's tokenizer, or plain string prompts")
     text = tokenizer.apply_chat_template(messages(prompt, system_prompt), add_generation_prompt=True, tokenize=False,
-                                         **(template_kwargs or {}))
+                                         tools=tools or None, **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -46,16 +46,18 @@ class EnvSpec:
     tools: tuple[str, ...] = ()
     tool_parser: str = "hermes"
     observation_role: str = "user"
+    label: str = ""
+    """The environment as the user named it (``env.factory``), for messages."""
 
     @classmethod
     def from_config(cls, cfg: EnvConfig) -> EnvSpec:
         return cls(target(cfg.factory, FACTORIES) if cfg.factory else "", cfg.tools, cfg.tool_parser,
-                   cfg.observation_role)
+                   cfg.observation_role, cfg.factory)
 
     @property
     def name(self) -> str:
         """The environment, for messages."""
-        return self.factory or f"tools {', '.join(self.tools)}"
+        return self.label or self.factory or f"tools {', '.join(self.tools)}"
 
     def build(self, row: dict):
         """A fresh environment for ``row``: the factory's, wrapped in the tools if any."""
