@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Install rollpacker for CPU (the embedded default, tests, benchmarks) into the active Python.
 # torch is pinned first: a CPU build on our machines, so nothing later pulls a CUDA build.
-# Usage: bash launch/install.sh [extras]      e.g. bash launch/install.sh dev, bash launch/install.sh vllm,
+# Usage: bash launch/install.sh [extras]      e.g. bash launch/install.sh dev, bash launch/install.sh vllm, env,
 #        bash launch/install.sh sglang (SGLang on CPU: its test tier and bench; see docs/sglang.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".${1:+[$1]}"
+if [[ ",${1:-}," == *,env,* || ",${1:-}," == *,dev,* ]]; then
+  # verifiers' v0 environments (rollpacker.env.verifiers): its pin mcp<2 clashes with vLLM's mcp>=2, and the env
+  # extra above installed the rest of its dependencies
+  python -m pip install -q --no-deps "verifiers==0.3.1"
+fi
 if [[ ",${1:-}," == *,sglang,* ]]; then
   # SGLang pins torch 2.14.1 and CUDA-only packages: its CPU path's dependencies from our list, then SGLang
   # without its own (pip then warns that sglang wants torch 2.14.1: expected)
