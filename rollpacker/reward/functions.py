@@ -167,15 +167,17 @@ def _result(value):
 
 def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[str, Any]]:
     """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
-    ``completion_ids`` and ``columns`` (the row's other columns). Returns ``(reward or None,
-    metrics, info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
+    ``completion_ids``, ``columns`` (the row's other columns) and, for an episode, ``messages``
+    (its turns after the prompt: TRL's completion then). Returns ``(reward or None, metrics,
+    info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
     fn = load(ref.target)
     columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
         kwargs = dict(data_source=columns.get("data_source"), solution_str=text, ground_truth=columns.get("answer"),
                       extra_info=columns.get("extra_info"))
         return _value(_result(fn(**_accepted(fn, kwargs))))
-    completion = [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text
+    completion = sample.get("messages") or (
+        [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
     kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
               "completion_ids": [sample["completion_ids"]]}
     values = _result(fn(**_accepted(fn, kwargs)))

@@ -220,3 +220,18 @@ def test_the_toy_environment_gives_another_try_after_a_wrong_answer():
     contract.step(env, wrong)
     last = contract.step(env, wrong)
     assert (last.reward, last.terminated, last.info) == (0.0, True, {"correct": 0.0})
+
+
+def test_a_reward_function_scores_an_episode_as_its_messages(files):
+    """TRL's convention with an environment: ``completions`` are the episode's turns as messages."""
+    from rollpacker.reward.functions import call, resolve
+
+    (files / "episode_reward.py").write_text(textwrap.dedent('''
+        def last_answer(completions, **kwargs):
+            return [float(c[-1]["role"] == "assistant" and c[-1]["content"].endswith("#### 8")) for c in completions]
+    '''))
+    turns = [{"role": "assistant", "content": "#### 7"}, {"role": "user", "content": "3+5"},
+             {"role": "assistant", "content": "#### 8"}]
+    sample = {"prompt": "Q: 3+5\nA:", "completion": "#### 7\nQ: 3+5\nA:#### 8", "completion_ids": [1, 2],
+              "columns": {}, "messages": turns}
+    assert call(resolve("episode_reward.py:last_answer", "last_answer"), sample)[0] == 1.0
