@@ -31,7 +31,7 @@ def trainer(toy_random_dir, **kw):
     from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import Trainer
 
-    cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40, **kw)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=64, **kw)
     return Trainer(load_model(toy_random_dir), cfg, build_meshes(1, 0).train, temperature=0.8, num_steps=2)
 
 
@@ -45,53 +45,55 @@ def step(toy_random_dir, samples, **kw) -> tuple[dict, dict]:
     return stats, weights(t)
 
 
-@pytest.mark.parametrize("kw", [{}, {"rollout_correction": "token_tis", "aggregation": "seq-mean-token-mean"},
-                                {"advantage": "reinforce_pp", "loss": "gspo", "entropy_coef": 0.01}])
+def loss_and_grads(t, samples) -> tuple[float, dict, list]:
+    """One micro-batch's loss, its gradients and its stats, then the gradients cleared."""
+    loss, stats = t._loss(samples, t._prepare(samples))
+    loss.backward()
+    grads = {n: p.grad.full_tensor().clone() for n, p in t.model.named_parameters() if p.grad is not None}
+    t.optimizer.zero_grad(set_to_none=True)
+    return loss.item(), grads, [x.item() for x in stats]
+
+
+@pytest.mark.parametrize("kw", [{}, {"rollout_correction": "token_tis", "aggregation": "seq-mean-token-mean",
+                                     "advantage": "reinforce_pp", "loss": "gspo", "entropy_coef": 0.01}])
 def test_masked_tokens_cannot_change_the_loss_or_the_gradients(toy_random_dir, kw):
-    """Rewriting the environment's trailing tokens and the log-probs at masked positions changes no
-    update, no loss and no statistic: bitwise."""
-    stats, after = step(toy_random_dir, episode_batch(), **kw)
-    other_stats, other = step(toy_random_dir, episode_batch(env_ids=50, env_logprob=-7.5), **kw)
-    assert stats == other_stats
-    assert all(torch.equal(after[k], other[k]) for k in after)
-    assert stats["train/loss"] != 0.0
+    """Rewriting the environment's trailing tokens and the log-probs at masked positions changes
+    neither the loss, nor a gradient, nor a statistic: bitwise."""
+    t = trainer(toy_random_dir, **kw)
+    loss, grads, stats = loss_and_grads(t, episode_batch())
+    other_loss, other_grads, other_stats = loss_and_grads(t, episode_batch(env_ids=50, env_logprob=-7.5))
+    assert (loss, stats) == (other_loss, other_stats) and loss != 0.0
+    assert grads.keys() == other_grads.keys() and all(torch.equal(grads[k], other_grads[k]) for k in grads)
 
 
-def test_the_counts_are_the_model_tokens(toy_random_dir):
+def test_the_counts_are_the_model_tokens_and_an_untrained_episode_changes_nothing(toy_random_dir):
     from rollpacker.train.trainer import Sample, trained_lengths
 
     samples = episode_batch()
     assert trained_lengths(samples, False) == [sum(s.loss_mask) for s in samples]
     assert trained_lengths([Sample([1], [2, 3], 0.0, [0.0, 0.0], loss_mask=[False, False])], False) == []
     t = trainer(toy_random_dir)
-    assert t._units(samples) == sum(sum(s.loss_mask) for s in samples)
-    t.step(samples, t._units(samples))
-    assert t.updates[0]["train/ratio_dev"] == 0.0
-    tokens = sum(sum(s.loss_mask) for s in samples)  # the mean entropy is over the model's tokens
-    loss, stats = t._loss(samples, t._prepare(samples))
-    assert stats[0].item() == tokens
-
-
-def test_an_episode_that_trains_nothing_changes_nothing(toy_random_dir):
-    samples = [dataclasses.replace(s, loss_mask=[False] * len(s.response_ids)) for s in episode_batch()]
-    t = trainer(toy_random_dir)
+    tokens = sum(sum(s.loss_mask) for s in samples)
+    assert t._units(samples) == tokens
+    assert loss_and_grads(t, samples)[2][0] == tokens  # the stats' token count: entropy and KL are per model token
+    untrained = [dataclasses.replace(s, loss_mask=[False] * len(s.response_ids)) for s in samples]
     before = weights(t)
-    stats = t.step(samples, 1)
-    assert stats["train/loss"] == 0.0
+    assert t.step(untrained, 1)["train/loss"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in weights(t).items())
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp"])
-def test_a_one_turn_episode_trains_bitwise_as_a_single_turn_response(toy_random_dir, advantage):
+def test_a_one_turn_episode_trains_bitwise_as_a_single_turn_response(toy_random_dir):
     """A one-turn episode: every token the model's, the environment's reward on its last token (a
     step reward), no reward function. It trains exactly as the response with that reward."""
     single = algorithm_batch()
     episodes = [dataclasses.replace(s, reward=0.0, loss_mask=[True] * len(s.response_ids),
                                     token_rewards={len(s.response_ids) - 1: s.reward}) for s in single]
-    stats, after = step(toy_random_dir, single, advantage=advantage)
-    episode_stats, episode_after = step(toy_random_dir, episodes, advantage=advantage)
+    stats, after = step(toy_random_dir, single)
+    episode_stats, episode_after = step(toy_random_dir, episodes)
     assert stats == episode_stats
     assert all(torch.equal(after[k], episode_after[k]) for k in after)
+    t = trainer(toy_random_dir, advantage="reinforce_pp")  # whitened per token: the returns match token by token
+    assert all(torch.equal(a.advantages, b.advantages) for a, b in zip(t._prepare(single), t._prepare(episodes)))
 
 
 def test_step_rewards_reach_the_tokens_before_them(toy_random_dir):
