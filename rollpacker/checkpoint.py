@@ -2,9 +2,19 @@
 step, the LR schedule, the scheduling policy's state (sampler position, sample ledger) and the
 reward scheduler's (adaptive-timeout anchors).
 
+The model's frozen parameters are not saved (:func:`trained_state`): with LoRA a checkpoint holds the
+adapters and their optimizer state; the base comes from ``model.path`` again at resume.
+
 Layout: ``RUN_DIR/checkpoints/step_N/`` holds DCP's shard files, ``train_state.json`` and, written
 last by rank 0 after every rank finished, the ``COMMITTED`` marker. A directory without the
 marker is an interrupted save: resuming from it is refused, and ``latest`` skips it.
+
+A committed checkpoint can still be damaged later (a truncated copy, a disk error, a file deleted
+by hand). ``--resume auto`` (:func:`newest_whole`) checks that every file the newest one needs is
+there and readable (:func:`verify`: ``train_state.json`` parses, DCP's ``.metadata`` loads, each
+shard holds the bytes the metadata indexes) and falls back to the previous committed one, with
+one warning naming the damaged file, so a ``torchrun --max-restarts`` job does not fail the same
+way each restart. A checkpoint that cannot be read is a :class:`CheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import json
 import logging
 import os
 import shutil
-import traceback
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +56,9 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     """Collective. ``controller`` (rank 0's plain-data state: the policy's sampler and ledger, the
     reward timeouts' anchors) matters on rank 0 only. ``trainer`` is None on ranks that do not
     train (one_step_off's rollout pool); ``trainer_rank``, the first rank that does, sends its LR
-    schedule to rank 0. Saving over a committed checkpoint first takes its marker away, so a crash
-    midway leaves it marked interrupted. Nothing is saved right after a step skipped for a
-    non-finite update (``trainer.skipping``).
+    schedule to rank 0. Saving over a committed checkpoint first takes its marker away, then its
+    files, so a crash midway leaves it marked interrupted. Nothing is saved right after a step
+    skipped for a non-finite update (``trainer.skipping``).
 
     A write that fails on any rank removes the partial directory and raises :class:`CheckpointError`
     on every rank, naming the ranks and the error; earlier checkpoints are untouched. Once the new
@@ -56,7 +66,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from rollpacker import watchdog
 
@@ -69,13 +79,14 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             logger.warning("checkpoint: not saving step %d: the last %d step(s) were skipped for a non-finite update; "
                            "the newest committed checkpoint stays %s", step, skipping[0], latest(path.parent.parent))
         return
-    if rank == 0:
+    if rank == 0:  # an older save of this step (damaged, or a run redone): its marker first, then the rest
         (path / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
     failed: dict[int, str] = {}
     if trainer is not None:
         state = {
-            "model": get_model_state_dict(trainer.model),
+            "model": trained_state(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
         try:
@@ -119,7 +130,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
 
 
 def _first_line(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip().splitlines()[-1][:300]
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def prune(checkpoints: Path, keep: int) -> list[Path]:
@@ -134,10 +146,84 @@ def prune(checkpoints: Path, keep: int) -> list[Path]:
     return doomed
 
 
+def committed(run_dir: Path) -> list[Path]:
+    """The committed checkpoints under ``run_dir/checkpoints``, newest first."""
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit() and (p / MARKER).exists()]
+    return sorted(done, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+
+
 def latest(run_dir: Path) -> Path | None:
     """The newest committed checkpoint under ``run_dir/checkpoints``."""
-    done = [p for p in (run_dir / "checkpoints").glob("step_*") if p.name[5:].isdigit() and (p / MARKER).exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+    return next(iter(committed(run_dir)), None)
+
+
+def train_state(path: Path) -> dict[str, Any]:
+    """``path/train_state.json``; a :class:`CheckpointError` naming it if it cannot be read."""
+    file = path / "train_state.json"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"resume: {file} cannot be read ({_first_line(e)}); resume from an earlier "
+                              "checkpoint (--resume auto falls back to one by itself)") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"resume: {file} holds no step: it is not a rollpacker train state")
+    return meta
+
+
+def verify(path: Path) -> str | None:
+    """Why the committed checkpoint ``path`` cannot be resumed from, naming the damaged file, or None:
+    its train state parses, DCP's ``.metadata`` loads, and each shard file it indexes is there with
+    at least the bytes the index says it holds."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        train_state(path)
+    except CheckpointError as e:
+        return str(e).removeprefix("resume: ").split("; resume from")[0]
+    try:
+        index = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001  (a truncated or garbled pickle: whatever it raises says why)
+        return f"{path / '.metadata'} cannot be read ({_first_line(e)})"
+    sizes: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    for name, needed in sorted(sizes.items()):
+        try:
+            size = (path / name).stat().st_size
+        except OSError as e:
+            return f"{path / name} cannot be read ({_first_line(e)})"
+        if size < needed:
+            return f"{path / name} is truncated ({size} bytes; its index in .metadata needs {needed})"
+    return None
+
+
+def newest_whole(run_dir: Path, announce: bool = True) -> Path | None:
+    """The newest committed checkpoint under ``run_dir`` that :func:`verify` finds whole (None: there is
+    none). Each damaged one passed over is one warning (``announce``: printed here) naming the file. No
+    whole one among several committed is a :class:`CheckpointError`."""
+    found = committed(run_dir)
+    damaged = []
+    for path in found:
+        why = verify(path)
+        if why is None:
+            return path
+        damaged.append(why)
+        if announce:
+            print(f"rollpacker: warning: checkpoint {path} is damaged: {why}; resuming from the one before it",
+                  file=sys.stderr, flush=True)
+    if damaged:
+        raise CheckpointError(f"resume: every committed checkpoint under {run_dir / 'checkpoints'} is damaged "
+                              f"({'; '.join(damaged)}): move them away to start afresh")
+    return None
+
+
+def trained_state(model) -> dict[str, Any]:
+    """The model's state dict without its frozen parameters, a tied alias of one included."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def model_shapes(trainer) -> dict[str, list[int]]:
@@ -152,7 +238,7 @@ def check(path: Path, policy: str | None = None, world_size: int | None = None) 
         raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
         raise CheckpointError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
-    meta = json.loads((path / "train_state.json").read_text())
+    meta = train_state(path)
     saved = (meta.get("policy") or {}).get("name")
     if policy and saved and saved != policy:
         raise CheckpointError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
@@ -181,23 +267,28 @@ def load(path: Path, trainer) -> dict[str, Any]:
     """Collective over the trainer's ranks: restores the trainer in place (None on a rank that does
     not train); returns the saved train state (step, controller state)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
+        StateDictOptions,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     check(path)
-    meta = json.loads((path / "train_state.json").read_text())
+    meta = train_state(path)
     if trainer is not None:
         check_model(path, meta.get("model"), model_shapes(trainer))
         state = {
-            "model": get_model_state_dict(trainer.model),
+            "model": trained_state(trainer.model),
             "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
         }
-        dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
-        set_model_state_dict(trainer.model, state["model"])
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001  (damaged past what verify() sees: one line)
+            raise CheckpointError(f"resume: {path} cannot be read ({_first_line(e)}): move it away and resume "
+                                  "with --resume auto, which takes the checkpoint before it") from None
+        set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=False))
         set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
         trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta

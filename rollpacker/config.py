@@ -4,15 +4,22 @@ Presets are TOML files in the repository's ``configs/`` directory (``--preset NA
 file (``--preset path/to/file.toml``); flags override them: ``--rollout.num-prompts 32``.
 Nothing here imports torch, so ``--help`` and config errors come back at once.
 
-``schedule`` is the scheduling policy with its own settings, a tagged union
-(:mod:`rollpacker.schedule.config`): ``schedule:NAME`` on the command line, ``[schedule] policy =
-NAME`` in a preset. The rules here ask a policy's capabilities (stale samples, pools of its own),
-never its name; a policy's own rules are its settings class's ``check``.
+- ``schedule`` is the scheduling policy with its own settings, a tagged union
+  (:mod:`rollpacker.schedule.config`): ``schedule:NAME`` or ``--schedule.policy NAME`` on the command
+  line, ``[schedule] policy = NAME`` in a preset. NAME may be an out-of-tree ``package.module:Class``.
+- The rules here ask a policy's capabilities (stale samples, pools of its own), never its name.
+- :meth:`Config.topology` gives the job's ranks on a world size.
+
+Settings live beside their component when its module is torch-free at import, else in the
+package's ``config.py``; no component module imports this root config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +34,12 @@ from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
-from rollpacker.schedule.config import ScheduleConfig, names, schedule_args, schedule_config
+from rollpacker.schedule import config as policies
+from rollpacker.schedule.base import refuse_with_pools
+from rollpacker.schedule.config import names, schedule_args, schedule_config
 from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.sync import SyncConfig
+from rollpacker.topology import Topology
 from rollpacker.train.config import StreamConfig, TrainConfig
 from rollpacker.watchdog import DistConfig
 
@@ -74,8 +84,8 @@ class Config:
     """Stop after this many passes over the data, deferred prompts flushed (0: num_steps alone decides)."""
     eval_every: int = 25
     """Evaluate on held-out prompts (eval/accuracy; see eval) before step 0 and every this many steps; 0 = never."""
-    checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: only at the end)."""
+    checkpoint_every: int = 20
+    """Save a checkpoint every this many steps, and at the end (0: only at the end, or at a stop signal)."""
     resume: str = ""
     """Checkpoint directory to resume from, or "auto": the newest committed one under run_dir (none: start afresh)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -85,7 +95,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    schedule: ScheduleConfig = field(default_factory=SyncConfig)
+    schedule: policies.ScheduleConfig = field(default_factory=SyncConfig)
     """The scheduling policy and its settings (schedule:NAME; see this module's docstring)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -117,7 +127,8 @@ class Config:
                 "policy's. Set "
                 "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
                 f"or use schedule:{s.on_policy_alternative}")
-        s.check(self)
+        refuse_with_pools(s, stream=("stream.enabled", self.stream.enabled),
+                          planner=("plan.enabled", self.plan.enabled))
         if self.pipe:
             self._check_pipe()
         streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.pipe else ""
@@ -170,35 +181,52 @@ class Config:
                  "set both to 1"),
                 (t.kl_in_reward, "train.kl_in_reward",
                  "a group's advantages then depend on its reference KL, which the freed ranks cannot share",
-                 "put the KL in the loss")):
+                 "put the KL in the loss"),
+                (t.teacher.in_reward, "train.teacher.path (the teacher's KL in the reward)",
+                 "a group's advantages then depend on the teacher's KL, which the freed ranks cannot share",
+                 "set train.teacher.in_loss")):
             if bad:
                 raise ValueError(f"{streaming} with {setting}: stream training trains each group as soon as it "
                                  f"completes, and {why}. Either {fix}, or turn {streaming} off")
 
+    def topology(self, world: int) -> Topology:
+        """The job's ranks on ``world`` ranks: pools, replicas, training shard groups."""
+        s = self.schedule
+        return Topology(world, tp=self.rollout.tp, rollout_ranks=s.rollout_pool(world) if s.own_pools else 0,
+                        pools=s.own_pools, train_shard_size=self.train.train_shard_size)
+
     def rollout_ranks(self, world: int) -> int:
         """The ranks that roll out: all of them, or the rollout pool of a policy with pools of its own."""
-        return self.schedule.rollout_pool(world)
+        return self.topology(world).rollout_ranks
 
     def check_world(self, world: int) -> None:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""
-        r, t = self.rollout, self.train
-        self.schedule.check(self, world)
-        rollout = self.rollout_ranks(world)
-        pools = rollout < world
-        if rollout % r.tp:
-            where = f"the {rollout} rollout ranks (schedule.rollout_ranks)" if pools else f"the world size {world}"
-            raise ValueError(f"rollout.tp={r.tp} does not divide {where}")
-        train = world - rollout if pools else world
-        shard = t.train_shard_size or train
-        if train % shard:
-            where = f"the {train} training ranks" if pools else f"the world size {world}"
-            raise ValueError(f"train.train_shard_size={shard} does not divide {where}")
+        r, topology = self.rollout, self.topology(world)
+        topology.check()
+        if self.pipe and topology.refused:
+            raise ValueError(f"schedule.pipe needs a train pool of whole training replicas: {topology.refused}")
         if (r.num_prompts * r.group_size) % world:
             raise ValueError(
                 f"rollout.num_prompts x rollout.group_size = {r.num_prompts} x {r.group_size} = "
                 f"{r.num_prompts * r.group_size} responses per step cannot be split evenly over {world} "
                 "ranks: make it a multiple of the world size"
             )
+
+
+def setting_paths(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every setting's path (``train.lr``); a policy's own as ``schedule.NAME`` (all policies')."""
+    from rollpacker.schedule.config import POLICY_CONFIGS
+
+    hints = get_type_hints(cls, include_extras=True)
+    paths = []
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is policies.ScheduleConfig:
+            paths += sorted({p for c in POLICY_CONFIGS.values() for p in setting_paths(c, f"{prefix}{f.name}.")})
+        elif dataclasses.is_dataclass(hints[f.name]):
+            paths += setting_paths(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            paths.append(prefix + f.name)
+    return paths
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
@@ -209,7 +237,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
-        if hints[key] is ScheduleConfig:
+        if hints[key] is policies.ScheduleConfig:
             value = schedule_config(value, f"{where}.{key}")
         elif isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
             value = _build(hints[key], value, f"{where}.{key}")
@@ -259,5 +287,21 @@ def parse(argv: list[str] | None = None) -> Config:
     default = load_preset(preset)
     args = schedule_args(args, default.policy)
     return tyro.cli(Config, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
+                    prog=os.environ.get("ROLLPACKER_PROG", "python -m rollpacker.run"),
                     description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")
 
+
+@functools.cache
+def _settings() -> frozenset[str]:
+    return frozenset(setting_paths())
+
+
+def as_flags(text: str) -> str:
+    """``text`` with each config path (``data.eval_path``, ``num_steps``) written as its flag
+    (``--data.eval-path``, ``--num-steps``); other words are left alone: file names, and a setting
+    that is also an English word (``resume``, ``seed``)."""
+    def flag(match: re.Match) -> str:
+        word = match.group(0)
+        return f"--{word.replace('_', '-')}" if word in _settings() and ("." in word or "_" in word) else word
+
+    return re.sub(r"(?<![\w./-])[a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)*(?![\w/-]|\.\w)", flag, text)

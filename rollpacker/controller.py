@@ -1,13 +1,12 @@
 """The controller: rank 0's part of the job.
 
 It holds what only rank 0 has: the data rows, the tokenizer, the scheduling policy, the reward
-scheduler, the metrics sinks and live display, and the parallelism planner. For each round it
-builds the :class:`~rollpacker.exchange.RoundLeader` that the exchange
-(:func:`~rollpacker.exchange.run_round`) drives. It turns the round's result into the batch to
+scheduler, the metrics sinks and live display, and the parallelism planner. It builds rank 0's
+side of the exchange once per run (:class:`~rollpacker.exchange.RoundLeader`, one for training and
+one for evaluation) and starts each round on it. It turns the round's result into the batch to
 train (each response's reward and group, the step's global normalizer) and its metrics
-(:func:`rollpacker.metrics.round_metrics`). The RL math (advantages, the loss) is the trainer's:
-:mod:`rollpacker.train`. The loops that call both
-are in :mod:`rollpacker.loops`.
+(:meth:`~rollpacker.exchange.RoundResult.metrics`). The RL math (advantages, the loss) is the
+trainer's: :mod:`rollpacker.train`. The loops that call both are in :mod:`rollpacker.loops`.
 """
 
 from __future__ import annotations
@@ -25,14 +24,16 @@ from rollpacker.config import Config
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rollpacker.data.lengths import LengthReplay
     from rollpacker.dist import Meshes
-    from rollpacker.exchange import LengthReplay, RoundLeader, RoundResult
+    from rollpacker.exchange import ExchangeRound, GroupSink, RoundLeader, RoundResult
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
     from rollpacker.reward.scheduler import RewardScheduler
     from rollpacker.rollout.engine import SamplingParams
     from rollpacker.schedule.base import Group, Policy, RoundPlan
     from rollpacker.schedule.drafts import DraftMemory
+    from rollpacker.schedule.round import RoundHooks
     from rollpacker.train.trainer import Sample
 
 logger = logging.getLogger("rollpacker")
@@ -60,21 +61,28 @@ class Controller:
     """What earlier rounds generated per prompt: drafts (``engine.speculative``) and longest-first estimates."""
     group_ids: itertools.count = dataclasses.field(default_factory=itertools.count)
     """Numbers each trained group's samples (the trainer's advantage groups)."""
+    leader: RoundLeader | None = None
+    """Rank 0's side of every training round (:meth:`build_leaders`)."""
+    eval_leader: RoundLeader | None = None
+    """Rank 0's side of every held-out round (with ``eval_every``)."""
 
     @classmethod
-    def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int) -> Controller:
+    def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int, *,
+              drafting: bool = False, sink: GroupSink | None = None) -> Controller:
         """Rank 0's parts; ``max_model_len`` and ``kv_tokens`` (KV cache capacity) are the engines':
-        prompts they would reject are left out of the data and counted."""
+        prompts they would reject are left out of the data and counted. ``drafting``: the engines
+        take drafts from the controller (``EngineKind.own_drafter`` is False); ``sink``: the
+        freed ranks of stream training."""
         from transformers import AutoTokenizer
 
         from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
-        from rollpacker.exchange import LengthReplay
+        from rollpacker.data.lengths import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import RewardScheduler, build_functions, check_row
         from rollpacker.schedule.drafts import DraftMemory
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        drafting = config.engine.speculative != "off" and config.engine.kind == "torch"  # vLLM, SGLang: own drafts
+        drafting = drafting and config.engine.speculative != "off"
         functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
         check = functools.partial(check_row, functions)  # a row no function can score is a data error
         fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
@@ -82,7 +90,7 @@ class Controller:
                                 max_new_tokens=config.rollout.max_new_tokens)
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
-        return cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
+        ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=RewardScheduler(config.reward, functools.partial(response_text, tokenizer,
                                                                             config.rollout.stop),
                                            meshes.device, functions=functions),
@@ -90,10 +98,31 @@ class Controller:
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
-                   display=LiveDisplay(config.metrics.live), max_model_len=max_model_len,
+                   display=LiveDisplay(config.metrics.live, num_steps=config.num_steps), max_model_len=max_model_len,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
                    drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
+        ctl.build_leaders(sink)
+        return ctl
+
+    def build_leaders(self, sink: GroupSink | None = None) -> None:
+        """Rank 0's side of the exchange for the run: training rounds (their groups fed to ``sink``),
+        and held-out rounds (``eval.n`` responses per prompt, greedy unless ``eval.temperature``)."""
+        from rollpacker.exchange import RoundLeader
+        from rollpacker.schedule.eval import EvalPolicy
+        from rollpacker.schedule.round import Routing
+
+        cfg = self.config
+        self.leader = RoundLeader(policy=self.policy, rows=self.rows, encode=self.encode_prompt, rewards=self.rewards,
+                                  sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
+                                  progress=self.display.update, make_samples=self.group_samples, sink=sink,
+                                  routing=Routing(by_group=cfg.rollout.routing == "group",
+                                                  longest_first=cfg.rollout.longest_first),
+                                  memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
+        if self.eval_rows is not None:
+            sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
+            self.eval_leader = RoundLeader(policy=EvalPolicy(len(self.eval_rows), cfg.eval.n), rows=self.eval_rows,
+                                           encode=self.encode_prompt, rewards=self.rewards, sampling=sampling)
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
@@ -120,30 +149,25 @@ class Controller:
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               stop=r.stop, stop_token_ids=r.stop_token_ids)
 
-    def leader(self, step: int, plan: RoundPlan) -> RoundLeader:
-        """Rank 0's side of round ``plan`` of ``step``, for the exchange; the live display starts the step."""
-        from rollpacker.exchange import RoundLeader
-        from rollpacker.schedule.round import Routing
-
+    def train_round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
+        """Training round ``plan`` of ``step`` for the exchange, with ``hooks``; the live display starts the step."""
         cfg = self.config
         self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
-        return RoundLeader(step=step, plan=plan, policy=self.policy, rows=self.rows, encode=self.encode_prompt,
-                           rewards=self.rewards, sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
-                           progress=self.display.update, make_samples=self.group_samples,
-                           routing=Routing(by_group=cfg.rollout.routing == "group",
-                                           longest_first=cfg.rollout.longest_first),
-                           memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
+        self.rewards.state = self.trainer_state(step)
+        return self.leader.round(step, plan, hooks)
 
-    def eval_leader(self, step: int, num_responses: int = 1, sampling: SamplingParams | None = None) -> RoundLeader:
-        """Rank 0's side of a held-out round: every eval row once, ``num_responses`` responses each,
-        greedy unless ``sampling`` says otherwise."""
-        from rollpacker.exchange import RoundLeader
-        from rollpacker.schedule.eval import EvalPolicy
+    def trainer_state(self, step: int):
+        """TRL's ``trainer_state`` for the reward functions at ``step``: the epoch as prompts drawn over rows."""
+        from rollpacker.reward.functions import TrainerState
 
-        policy = EvalPolicy(len(self.eval_rows), num_responses)
-        return RoundLeader(step=step, plan=policy.start_round(step), policy=policy, rows=self.eval_rows,
-                           encode=self.encode_prompt, rewards=self.rewards,
-                           sampling=sampling or dataclasses.replace(self.sampling, temperature=0.0))
+        cfg, sampler = self.config, getattr(self.policy, "sampler", None)
+        epoch = sampler.epoch + sampler.position / sampler.num_rows if sampler else 0.0
+        return TrainerState(global_step=step, epoch=epoch, max_steps=cfg.num_steps, num_train_epochs=cfg.num_epochs,
+                            train_batch_size=cfg.rollout.num_prompts * cfg.rollout.group_size)
+
+    def eval_round(self, step: int) -> ExchangeRound:
+        """A held-out round: every eval row once."""
+        return self.eval_leader.round(step, self.eval_leader.policy.start_round(step))
 
     def encode_prompt(self, row: dict) -> list[int]:
         ids = encode(self.tokenizer, self.config, row["prompt"])
@@ -186,13 +210,12 @@ class Controller:
         return samples, normalizer(cfg.train.aggregation, lengths, cfg.rollout.max_new_tokens)
 
     def round_stats(self, result: RoundResult) -> dict[str, Any]:
-        """The round's metrics (:func:`rollpacker.metrics.round_metrics`), the policy's, and the
+        """The round's metrics (:meth:`~rollpacker.exchange.RoundResult.metrics`), the policy's, and the
         reward functions' (:meth:`~rollpacker.reward.scheduler.RewardScheduler.take_metrics`)."""
-        from rollpacker.metrics import round_metrics
-
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
-        return {**round_metrics(result, trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
-                **result.stream, **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
+        return {**result.metrics(trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
+                **result.hook_metrics,
+                **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 
     def write_samples(self, step: int, result: RoundResult, rows: list[dict] | None = None, name: str = "") -> None:
         """Every response of ``result`` to ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when
@@ -202,19 +225,22 @@ class Controller:
         every = self.config.metrics.samples_every
         if not every or step % every:
             return
+        from rollpacker.data.chat import prompt_text
+
         self.metrics.log_samples(step, name or f"step_{step}", [
             {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
              "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
+             "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
              "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
              "finish_reason": o.finish_reason}
             for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
 
-    def end_step(self, step: int, kind: str, num_requests: int, stats: dict[str, Any]) -> None:
-        """Log the step; the planner takes the round's preemptions (for the next round of ``kind``)."""
+    def end_step(self, step: int, result: RoundResult, stats: dict[str, Any]) -> None:
+        """Log the step; the planner takes the round's preemptions (for the next round of its kind)."""
         if self.planner:
-            lengths = stats["rollout/response_lengths"] or [1]
-            why = self.planner.observe_round(kind, stats["rollout/preemptions"], num_requests,
+            lengths = result.trained_lengths or [1]
+            why = self.planner.observe_round(result.kind, result.num_preemptions, result.num_launched,
                                              round(sum(lengths) / len(lengths)))
             if why:
                 logger.info("plan: after step %d: %s", step, why)

@@ -18,12 +18,22 @@
   ``weights`` the data-plane group (NCCL on GPU) of the first training rank and the rollout pool,
   over which new weights are broadcast. Without pools the first two are ``control`` and the world.
 
+Which ranks are which is a :class:`~rollpacker.topology.Topology` (``Meshes.topology``), pure data.
+
 World size 1 is not special: ``python -m rollpacker.run`` gets a one-rank gloo group like any
 other run. Nobody else creates process groups.
+
+The default group is NCCL on GPU, gloo on CPU, and ``cuda:nccl,cpu:gloo`` when CPU tensors meet in
+collectives (``train.offload``: FSDP2 keeps shards, gradients and their norm on the host). Before it
+exists, every rank exports the same NCCL settings (:data:`NCCL_ENV`, plus what the engine's start
+would set in one process only) and logs them: communicators built with different settings on
+different ranks fail or hang. ``dist.device=cpu`` (or ``ROLLPACKER_DEVICE=cpu``, which the test
+suite sets) runs on CPU and gloo while a GPU is visible.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -33,7 +43,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rollpacker.schedule.round import kept_replicas
+from rollpacker.topology import Topology
+
+logger = logging.getLogger("rollpacker")
+
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+"""What SGLang's in-process ``Engine`` (and vLLM at import) sets unless already set, in its own process
+only: exported on every rank first (SkyRL does the same), so every communicator agrees. A value the
+user exported wins (the engines keep it too)."""
 
 
 def _free_port() -> int:
@@ -42,19 +59,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> torch.device:
-    """Join the job's process group (a one-rank group outside torchrun); returns this rank's device."""
+def backend(device: str = "auto", cpu_collectives: bool = False) -> tuple[str, str]:
+    """(device type, default group backend) for ``dist.device``: CUDA when visible unless it or
+    ``ROLLPACKER_DEVICE`` says cpu, with gloo beside NCCL when ``cpu_collectives``."""
+    forced = os.environ.get("ROLLPACKER_DEVICE", "auto") or "auto"
+    for where, value in (("dist.device", device), ("ROLLPACKER_DEVICE", forced)):
+        if value not in ("auto", "cpu"):
+            raise ValueError(f"{where} must be auto or cpu, got {value!r}")
+    if "cpu" in (device, forced) or not torch.cuda.is_available():
+        return "cpu", "gloo"
+    return "cuda", "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+
+
+def export_nccl_env(forced: dict[str, str] | None = None) -> dict[str, str]:
+    """Set :data:`NCCL_ENV` (unless set) and ``forced`` (the engine's, set unconditionally) in this
+    process; returns every ``NCCL_*`` variable, as logged."""
+    for name, value in NCCL_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ.update(forced or {})
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+
+
+def init_distributed(device: str = "auto", cpu_collectives: bool = False,
+                     nccl_env: dict[str, str] | None = None) -> torch.device:
+    """Join the job's process group (a one-rank group outside torchrun), with the NCCL settings of
+    :func:`export_nccl_env` (``nccl_env``: the engine's) exported and logged first; returns this rank's
+    device. Once joined, later calls return the device it chose."""
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        cuda = torch.cuda.is_available()
-        if cuda:
+        kind, name = backend(device, cpu_collectives)
+        env = export_nccl_env(nccl_env)
+        logger.info("rank %s: NCCL environment %s", os.environ["RANK"], " ".join(f"{k}={v}" for k, v in env.items()))
+        if kind == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        dist.init_process_group(name)
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass
@@ -64,6 +109,8 @@ class Meshes:
     control: dist.ProcessGroup
     rollout: DeviceMesh
     train: DeviceMesh
+    topology: Topology
+    """Who rolls out, who trains, which ranks a scale-down frees (at the current rollout TP)."""
     stream_group: dist.ProcessGroup | None = None
     """With stream training: rank 0's point-to-point sends to the ranks it frees (gloo, all ranks)."""
     kept_control: dist.ProcessGroup | None = None
@@ -83,17 +130,23 @@ class Meshes:
         size = len(self.rollout_ranks)
         if size % tp:
             raise ValueError(f"rollout TP={tp} does not divide the {size} rollout ranks")
+        self.topology = self.topology.with_tp(tp)
         if tp not in self._by_tp:
-            replicas = size // tp
-            kept = (dist.new_group(list(range(kept_replicas(replicas) * tp)), backend="gloo")
+            kept = (dist.new_group(self.topology.kept_ranks, backend="gloo")
                     if self.stream_group is not None else None)
-            mesh = DeviceMesh(self.device.type, torch.arange(size).view(replicas, tp), mesh_dim_names=("replica", "tp"))
+            mesh = DeviceMesh(self.device.type, torch.arange(size).view(size // tp, tp),
+                              mesh_dim_names=("replica", "tp"))
             self._by_tp[tp] = mesh, kept
         self.rollout, self.kept_control = self._by_tp[tp]
 
     @property
     def disaggregated(self) -> bool:
         return len(self.rollout_ranks) < self.world_size
+
+    @property
+    def freed(self) -> bool:
+        """This rank leaves rollout to train when a round scales down (stream training, RolloutPipe)."""
+        return self.rank in self.topology.freed_ranks
 
     @property
     def rank(self) -> int:
@@ -135,17 +188,16 @@ class Meshes:
         return out
 
 
-def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, rollout_ranks: int = 0) -> Meshes:
-    """``rollout_ranks`` from 1 to world − 1 disaggregates the pools: the first ``rollout_ranks``
-    ranks roll out, the others train (``train_shard_size`` then counts training ranks); 0 or the
-    world size keeps every rank in both."""
+def build_meshes(rollout_tp: int = 1, train_shard_size: int = 0, stream: bool = False,
+                 topology: Topology | None = None) -> Meshes:
+    """The job's groups, on its ``topology`` (default: every rank rolls out at ``rollout_tp`` and
+    trains in shard groups of ``train_shard_size``, 0 = all). With pools (``one_step_off``), the first
+    ``topology.rollout_ranks`` ranks roll out and the others train. ``stream``: the groups of stream
+    training and RolloutPipe."""
     device = init_distributed()
     world = dist.get_world_size()
-    pools = 0 < rollout_ranks < world
-    rollout = train = list(range(world))
-    if pools:
-        rollout, train = rollout[:rollout_ranks], rollout[rollout_ranks:]
-    shard = train_shard_size or len(train)
+    topology = topology or Topology(world, tp=rollout_tp, train_shard_size=train_shard_size)
+    pools, rollout, train = topology.pools, topology.rollout, topology.train
     kind = device.type
     control = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     # new_group is collective over all ranks: built here, used only by some
@@ -154,7 +206,8 @@ def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, r
         world=init_device_mesh(kind, (world,), mesh_dim_names=("world",)),
         control=control,
         rollout=None,
-        train=DeviceMesh(kind, torch.tensor(train).view(-1, shard), mesh_dim_names=("replicate", "shard")),
+        train=DeviceMesh(kind, torch.tensor(train).view(-1, topology.shard), mesh_dim_names=("replicate", "shard")),
+        topology=topology,
         stream_group=dist.new_group(backend="gloo") if stream else None,
         rollout_ranks=rollout,
         train_ranks=train,
@@ -163,5 +216,5 @@ def build_meshes(rollout_tp: int, train_shard_size: int, stream: bool = False, r
         handoff=dist.new_group([0, *train], backend="gloo") if pools else None,
         weights=dist.new_group([train[0], *rollout]) if pools else None,
     )
-    meshes.set_rollout_tp(rollout_tp)
+    meshes.set_rollout_tp(topology.tp)
     return meshes

@@ -1,46 +1,44 @@
-"""A rollout round across the job: rank 0 decides, every rank steps its slice of an engine replica.
+"""A rollout round across the job, as transport: rank 0 decides, every rank steps its slice of an engine.
 
-Rollout is an exchange repeated a few times per second over the gloo control plane:
+One exchange, a few times per second over the gloo control plane:
 
 1. rank 0 broadcasts a :class:`Command`: requests to add, ids to abort;
 2. every rank applies what concerns its replica and steps its engine ``poll_steps`` times;
-3. the replica leaders report finished and aborted outputs;
-4. rank 0 submits each finished response for scoring and hands it to the policy, in finish order.
-   The policy says what to abort, what to launch and when the round is over.
+3. the replica leaders report finished and aborted outputs (:class:`Report`);
+4. rank 0 gives what came back to the round's protocol
+   (:class:`~rollpacker.schedule.round.Round`) and turns its actions into the next command.
 
-The bookkeeping is :class:`~rollpacker.schedule.round.RoundState`, which the simulator drives too.
-Requests are routed per request, round-robin over the replicas, so every group is spread across
-them; or a group to one replica, or longest first (``rollout.routing``, ``rollout.longest_first``).
-Responses carried over from an earlier round (``RoundPlan.carried``) are resumed from their
-partial output, or, when already finished, only scored again.
+Invariants:
 
-With speculative decoding (``engine.speculative``), each request carries what earlier rounds
-generated for its prompt (:class:`~rollpacker.schedule.drafts.DraftMemory`: a deferred prompt's cut
-responses, an earlier epoch's) as ``Request.draft_context``; the requests of one prompt share one
-tuple, so a command pickles it once. Each replica leader reports its engine's speculation counters
-for the round, summed on rank 0 (``RoundResult.spec``).
+- No decision is made here: what to launch, abort, feed or scale down is the ``Round``'s.
+- Nothing here imports the trainer. Stream training joins through the round's hooks and a
+  :class:`GroupSink` (the freed ranks); when a round scales down, the freed ranks leave with
+  :class:`Freed`, and the caller serves.
+- Rank 0 alone measures wall-clock: the running trace (bubble ratio), the tail phase, CPU time.
 
-Stream training and RolloutPipe join the round through its
-:class:`~rollpacker.schedule.round.RoundHooks`. When the hooks scale rollout down, the freed
-replicas abort their requests (resumed on the others), leave the exchange and train:
-:func:`run_round` returns :class:`Freed` there, and the caller serves
-(:meth:`~rollpacker.train.stream.StreamTrainer.serve_freed`).
+:class:`RoundLeader` is rank 0's side for a whole run, built once. It turns a launch into
+engine requests (sampling seed, replayed length, draft context) and scores through the reward
+scheduler. Each round is an :class:`ExchangeRound` (``leader.round(step, plan, hooks)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from rollpacker.dist import Meshes
+from rollpacker.metrics import bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
 from rollpacker.schedule.base import Group, Policy, RoundPlan
 from rollpacker.schedule.drafts import DraftMemory
-from rollpacker.schedule.round import Launch, RoundHooks, RoundState, Routing
-from rollpacker.train.stream import StreamTrainer
+from rollpacker.schedule.round import Actions, Launch, Round, RoundHooks, RoundOutcome, RoundState, Routing, Seen
+
+if TYPE_CHECKING:
+    from rollpacker.data.lengths import LengthReplay
+    from rollpacker.dist import Meshes
 
 
 @dataclass
@@ -89,7 +87,7 @@ class RoundResult:
     """When the last response the round waited for came back; ``end - last_finish`` is the exposed reward time."""
     end: float
     num_preemptions: int
-    stream: dict[str, float] = field(default_factory=dict)
+    hook_metrics: dict[str, float] = field(default_factory=dict)
     """The round hooks' metrics (``stream/``, ``time/migration``); empty without a stream trainer."""
     spec: SpecStats = field(default_factory=SpecStats)
     """The engines' speculation counters over the round, summed over the replicas."""
@@ -105,39 +103,50 @@ class RoundResult:
         """The wait for rewards after the last response finished: reward time, not rollout."""
         return self.end - self.last_finish
 
+    @property
+    def trained_lengths(self) -> list[int]:
+        """The length of every response the round trains, in group order."""
+        return [len(o.token_ids) for g in self.groups for o in g.outputs]
+
+    def metrics(self, trained: list[tuple[Any, float]], penalties: list[float]) -> dict[str, Any]:
+        """The round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``).
+        ``trained``: the ``(output, reward)`` of every response trained in the step (streamed ones
+        too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it)."""
+        from rollpacker.rollout.engine import spec_metrics
+
+        lengths = [len(o.token_ids) for o, _ in trained]
+        rewards = [r for _, r in trained]
+        mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
+        trace = [(self.start, self.num_launched), *self.running_trace]
+        return {
+            "sched/round_kind": self.kind,
+            "sched/trained_prompts": len(self.groups),
+            "sched/aborted_responses": self.num_aborted,
+            "rollout/wasted_tokens": self.generated_tokens - sum(lengths),
+            "reward/mean": mean(rewards),
+            "reward/accuracy": mean([r >= 1.0 for r in rewards]),
+            "reward/overlong_penalty_mean": mean(penalties),
+            "time/reward_exposed": self.reward_exposed_s,
+            "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.end),
+            "rollout/tokens_per_s": self.generated_tokens / (self.end - self.start),
+            "rollout/preemptions": self.num_preemptions,
+            "rollout/truncated": sum(o.finish_reason == "length" for o, _ in trained),
+            "rollout/tail_seconds": self.tail_s,
+            "rollout/cpu_seconds": self.cpu_s,
+            "rollout/tail_cpu_seconds": self.tail_cpu_s,
+            **spec_metrics(self.spec),
+            "rollout/response_lengths": lengths,
+            **length_stats(lengths),
+        }
+
 
 @dataclass(frozen=True)
 class Freed:
-    """What :func:`run_round` returns on the ranks a scale-down freed: they left the round to train."""
+    """What :func:`run_round` returns on the ranks a scale-down frees: they left the round to train."""
 
 
 def sampling_seed(seed: int, rid: str) -> int:
     return random.Random(f"{seed}/{rid}").getrandbits(63)
-
-
-class LengthReplay:
-    """Forced response lengths (``--rollout.replay-lengths``), drawn from the paper's long-tailed
-    mixture (the simulator's :class:`~rollpacker.data.lengths.LengthModel`: hard prompts stay long,
-    longest / median ~30, scaled to ``max_new_tokens`` and cut there) and forced through the engine
-    (``ignore_eos``): a random model then rolls out the tail a trained one would, and the
-    simulator replays the very same lengths. A partial response resumed in a later round
-    (sorted_partial) keeps the length it was first given, as in the simulator. One per run."""
-
-    def __init__(self, seed: int, max_new_tokens: int):
-        from rollpacker.data.lengths import LengthModel
-
-        self.model, self.cap = LengthModel(seed=seed).for_cap(max_new_tokens), max_new_tokens
-        self.given: dict[str, int] = {}
-        """Request id -> its forced length, for the partials a later round resumes."""
-
-    def draw(self, row: int, step: int, slot: int, response: int) -> int:
-        """The length of response ``response`` of the prompt ``row`` launched in ``slot`` at ``step``."""
-        return min(self.cap, int(self.model.lengths(row, step, slot, response + 1)[response]))
-
-    def __call__(self, rid: str, row: int, step: int, slot: int, response: int, earlier=None) -> int:
-        length = self.given.pop(earlier.id, None) if earlier is not None else None
-        self.given[rid] = length = self.draw(row, step, slot, response) if length is None else length
-        return length
 
 
 class Scorer(Protocol):
@@ -154,24 +163,36 @@ class Scorer(Protocol):
         ...
 
 
-def run_round(meshes: Meshes, engine: Engine, poll_steps: int, leader: RoundLeader | None,
-              stream: StreamTrainer | None = None) -> RoundResult | Freed | None:
-    """One round, collective over all ranks. Rank 0 passes its :class:`RoundLeader`, the others None.
+class GroupSink(Protocol):
+    """Rank 0's end of stream training (:class:`~rollpacker.train.stream.StreamTrainer`)."""
 
-    Rank 0 gets the :class:`RoundResult`, the ranks a scale-down frees :class:`Freed`, the others
-    None. ``stream`` is the stream trainer (on every rank), or None."""
+    def ready(self) -> bool:
+        """Whether the freed ranks have trained the last batch sent."""
+        ...
+
+    def feed(self, samples: list) -> None:
+        """Send trainer samples to the freed ranks, without waiting."""
+        ...
+
+    def close(self) -> None:
+        """The round is over: nothing more will be sent."""
+        ...
+
+
+def run_round(meshes: Meshes, engine: Engine, poll_steps: int,
+              leader: ExchangeRound | None) -> RoundResult | Freed | None:
+    """One round, collective over the ranks rolling out. Rank 0 passes its :class:`ExchangeRound`,
+    the others None. Rank 0 gets the :class:`RoundResult`, the ranks a scale-down frees
+    :class:`Freed`, the others None."""
     base = engine.stats(), time.process_time()
-    freed = bool(stream and stream.freed)
-    if stream:
-        stream.start_round()
-    cmd = leader.begin(meshes.num_replicas, poll_steps, stream) if leader else None
+    cmd = leader.begin(meshes.num_replicas, poll_steps) if leader else None
     group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
     while True:
         cmd = meshes.broadcast(cmd, group)
-        report = _apply(cmd, meshes, engine, poll_steps, base, freed)
+        report = _apply(cmd, meshes, engine, poll_steps, base)
         reports = meshes.gather(report if meshes.is_replica_leader else None, group)
         if cmd.scale_down:
-            if freed:  # migrated: the caller trains on what rank 0 streams until the round ends
+            if meshes.freed:  # migrated: the caller trains on what rank 0 streams until the round ends
                 return Freed()
             group = meshes.kept_control
         if cmd.final:
@@ -181,14 +202,9 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int, leader: RoundLead
 
 @dataclass(kw_only=True)
 class RoundLeader:
-    """Rank 0's side of a round: what the exchange needs from the controller
-    (:meth:`~rollpacker.controller.Controller.leader` builds it), then the round as it runs.
+    """Rank 0's side of every round of a run (built once, by the controller): how a launch becomes
+    engine requests, how responses are scored, where streamed groups go."""
 
-    It turns the replicas' reports into the policy's :class:`RoundState` and the next command.
-    Stream training and RolloutPipe join through the round's :class:`RoundHooks`."""
-
-    step: int
-    plan: RoundPlan
     policy: Policy
     rows: Sequence[Any]
     """The data rows; a launch names one by index."""
@@ -204,96 +220,118 @@ class RoundLeader:
     """Told after each poll: responses finished, tokens per second."""
     make_samples: Callable[[Group], list] | None = None
     """A complete, scored group's trainer samples: what stream training feeds the freed ranks."""
+    sink: GroupSink | None = None
+    """The freed ranks (stream training, RolloutPipe)."""
     routing: Routing = Routing()
     """Which replica runs each request."""
     memory: DraftMemory | None = None
     """What earlier rounds generated per prompt; this round's outputs go into it."""
     draft_context: bool = False
     """Offer the memory's responses of each prompt to the engines' drafters (``Request.draft_context``)."""
-    # the round as it runs (set by begin)
-    state: RoundState = field(init=False)
-    hooks: RoundHooks = field(init=False)
-    poll_steps: int = field(init=False)
-    requests: dict[str, tuple[Request, int]] = field(init=False, default_factory=dict)
-    """Request id -> (request, poll it was added at)."""
-    trace: list[tuple[float, int]] = field(init=False, default_factory=list)
-    """(time, requests running) at every poll."""
-    start: float = field(init=False, default=0.0)
-    last_finish: float = field(init=False, default=0.0)
-    tokens_done: int = field(init=False, default=0)
-    aborted: list[Output] = field(init=False, default_factory=list)
-    counters: dict[int, Report] = field(init=False, default_factory=dict)
-    """Rank -> its last report (a freed rank's: its last before leaving): the round's counters."""
-    tail_s: float = field(init=False, default=0.0)
-    tail_cpu_s: float = field(init=False, default=0.0)
-    in_tail: bool = field(init=False, default=False)
-    """The last report had at most TAIL_RUNNING requests on every replica: the next poll is in the tail."""
 
-    def begin(self, num_replicas: int, poll_steps: int, stream: StreamTrainer | None) -> Command:
-        """The round's state and hooks; the first command launches the plan's prompts (RolloutPipe:
-        and frees the train pool at once)."""
-        self.start = self.last_finish = time.time()
-        self.poll_steps = poll_steps
-        self.state = RoundState(self.step, self.plan, self.policy, num_replicas, routing=self.routing,
-                                memory=self.memory)
-        self.hooks = stream.begin_round(self.state, self.make_samples) if stream else RoundHooks()
-        return Command(add=self.launch(self.state.launch(self.plan.prompts)), scale_down=self.hooks.scaled_down)
+    def round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
+        """Round ``plan`` of ``step``, to pass to :func:`run_round`."""
+        return ExchangeRound(self, step, plan, hooks or RoundHooks())
 
-    def launch(self, launches: list[Launch]) -> list[tuple[int, Request]]:
-        adds = []
-        for new in launches:
-            ids = self.encode(self.rows[new.row])
-            for earlier in new.rescore:  # finished in an earlier round: not run again; scored for this round
-                self.rewards.submit(earlier.id, self.rows[new.row], earlier)
-            context = tuple(DraftContext(source=source, token_ids=tokens)  # one tuple for the whole group
-                            for source, tokens in self.memory.contexts(new.row)) if self.draft_context else ()
-            for k, rid, earlier in new.run:
-                params = SamplingParams(**{**vars(self.sampling), "seed": sampling_seed(self.seed, rid)})
-                if self.lengths:
-                    length = self.lengths(rid, new.row, self.step, new.slot, k, earlier)
-                    params.max_new_tokens = max(length, len(earlier.token_ids) + 1) if earlier else length
-                    params.ignore_eos = True
-                req = Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier,
-                              priority=self.hooks.priority(new.slot), draft_context=context)
-                self.requests[rid] = (req, len(self.trace))
-                adds.append((self.state.replica(rid), req))
-        return adds
+    def submit(self, key: str, row: int, output: Output) -> None:
+        """Score ``output`` of dataset row ``row`` (the round's :class:`~rollpacker.schedule.round.Scorer`)."""
+        self.rewards.submit(key, self.rows[row], output)
+
+    def poll(self) -> list[tuple[str, float | None]]:
+        return self.rewards.poll()
+
+    def wait(self) -> list[tuple[str, float | None]]:
+        return self.rewards.wait()
+
+    def requests(self, step: int, new: Launch, priority: int) -> list[Request]:
+        """The engine requests of launch ``new`` of round ``step``, in order: each seeded by its id,
+        its length forced when replaying, the prompt's drafts offered (one tuple for the group)."""
+        ids, context = self.encode(self.rows[new.row]), self.contexts(new.row)
+        out = []
+        for k, rid, earlier in new.run:
+            params = dataclasses.replace(self.sampling, seed=sampling_seed(self.seed, rid))
+            if self.lengths:
+                length = self.lengths(rid, new.row, step, new.slot, k, earlier)
+                params.max_new_tokens = max(length, len(earlier.token_ids) + 1) if earlier else length
+                params.ignore_eos = True
+            out.append(Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier, priority=priority,
+                               draft_context=context))
+        return out
+
+    def contexts(self, row: int) -> tuple[DraftContext, ...]:
+        """What earlier rounds generated for ``row``, for the drafters."""
+        if not self.draft_context:
+            return ()
+        return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
+
+
+class ExchangeRound:
+    """One round on rank 0: the :class:`~rollpacker.schedule.round.Round` over the replicas'
+    reports, and what only rank 0 measures (the running trace, the tail phase, the counters)."""
+
+    def __init__(self, leader: RoundLeader, step: int, plan: RoundPlan, hooks: RoundHooks):
+        self.leader, self.step, self.plan, self.hooks = leader, step, plan, hooks
+        self.requests: dict[str, tuple[Request, int]] = {}
+        """Request id -> (request, poll it was added at)."""
+        self.trace: list[tuple[float, int]] = []
+        """(time, requests running) at every poll."""
+        self.counters: dict[int, Report] = {}
+        """Rank -> its last report (a freed rank's: its last before leaving): the round's counters."""
+        self.tail_s = self.tail_cpu_s = 0.0
+        self.in_tail = False
+        """The last report had at most TAIL_RUNNING requests on every replica: the next poll is in the tail."""
+        self.freed_left = False
+        """A scale-down went out: the freed ranks serve the sink until the round ends."""
+
+    def begin(self, num_replicas: int, poll_steps: int) -> Command:
+        """The round's protocol; the first command launches the plan's prompts."""
+        leader = self.leader
+        self.start, self.poll_steps = time.time(), poll_steps
+        state = RoundState(self.step, self.plan, leader.policy, num_replicas, routing=leader.routing,
+                           memory=leader.memory)
+        self.round = Round(state, leader, self.hooks)
+        return self.command(self.round.start(self.start))
 
     def on_reports(self, reports: list[Report | None]) -> Command:
         """The next command, from the replica leaders' reports (None from the other ranks)."""
-        state, hooks = self.state, self.hooks
         self.count(reports)
         reports = [r for r in reports if r]
-        self.trace.append((time.time(), sum(r.num_running for r in reports)))
+        now = time.time()
+        self.trace.append((now, sum(r.num_running for r in reports)))
+        sink = self.leader.sink
+        seen = Seen(now=now, finished=[o for r in reports for o in r.finished],
+                    aborted=[o for r in reports for o in r.aborted], sink_ready=sink.ready() if sink else True)
         if len(self.trace) > 1:  # seconds per engine step, by requests per replica
             (t0, running), (t1, _) = self.trace[-2:]
-            hooks.on_poll(running / state.active, (t1 - t0) / self.poll_steps)
-        aborted = [o for r in reports for o in r.aborted]
-        resumed = hooks.on_aborted(state, aborted)  # migrated: resumed on a kept replica
-        adds = [self.resume(out) for out in resumed]
-        # a migrating request its engine finished before the abort reached it (SGLang's) finished: whole, not cut
-        whole = [o for o in aborted if o.finish_reason != "abort" and o.id in state.outstanding]
-        taken = {o.id for o in [*resumed, *whole]}
-        self.aborted += [out for out in aborted if out.id not in taken]
-        finished = [out for r in reports for out in r.finished] + whole
-        state.finished(finished)
-        for out in finished:
-            self.tokens_done += len(out.token_ids)
-            self.rewards.submit(out.id, self.rows[state.row(out.id)], out)
-        hooks.on_finished([len(out.token_ids) for out in finished])
-        if finished:
-            self.last_finish = time.time()
-        state.scored(self.rewards.wait() if state.needs_all_scores else self.rewards.poll())
-        to_abort = hooks.maybe_scale_down(state, self.generated)
-        # The policy hears of responses in the order they finished (deterministic: the engines run
-        # in lockstep), once scored if it needs rewards to decide (the zero-variance filter).
-        actions = state.decide(resuming=bool(adds))
-        adds += self.launch(actions.launch)
-        hooks.feed(state)
-        if self.progress:
-            self.progress(state.num_launched - len(state.outstanding), self.tokens_done / (time.time() - self.start))
-        return Command(add=adds, abort=[(state.replica(rid), rid) for rid in (to_abort or []) + actions.abort],
-                       final=actions.done, scale_down=to_abort is not None)
+            seen.running, seen.step_seconds = running / self.round.state.active, (t1 - t0) / self.poll_steps
+        actions = self.round.poll(seen, self.generated)
+        if self.leader.progress:
+            state = self.round.state
+            self.leader.progress(state.num_launched - len(state.outstanding),
+                                 self.round.tokens_done / (time.time() - self.start))
+        return self.command(actions)
+
+    def command(self, actions: Actions) -> Command:
+        """The engine requests, aborts and sends that ``actions`` say."""
+        state, leader = self.round.state, self.leader
+        adds = [(replica, self.resume(out)) for replica, out in actions.resume]
+        for new in actions.launch:
+            adds += [(state.replica(req.id), self.add(req))
+                     for req in leader.requests(self.step, new, self.hooks.priority(new.slot))]
+        if actions.feed:
+            leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
+        self.freed_left |= actions.scale_down
+        return Command(add=adds, abort=[(state.replica(rid), rid) for rid in actions.abort], final=actions.done,
+                       scale_down=actions.scale_down)
+
+    def add(self, req: Request) -> Request:
+        self.requests[req.id] = (req, len(self.trace))
+        return req
+
+    def resume(self, out: Output) -> Request:
+        """A migrated request, resumed on a kept replica by recomputation."""
+        old = self.requests[out.id][0]
+        return self.add(Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out))
 
     def count(self, reports: list[Report | None]) -> None:
         """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
@@ -305,47 +343,37 @@ class RoundLeader:
             self.tail_cpu_s += sum(r.cpu_s for r in self.counters.values()) - cpu
         self.in_tail = max((r.num_running for r in reports if r), default=0) <= TAIL_RUNNING
 
-    def resume(self, out: Output) -> tuple[int, Request]:
-        """A migrated request, resumed on a kept replica by recomputation."""
-        old = self.requests[out.id][0]
-        req = Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out)
-        self.requests[req.id] = (req, len(self.trace))
-        return self.state.route(req.id), req
-
     def generated(self) -> list[tuple[int, int]]:
         """(prompt tokens, tokens generated) of each outstanding request: at most the engine steps
         since it was added."""
-        limit, polls = self.sampling.max_new_tokens, len(self.trace)
+        limit, polls = self.leader.sampling.max_new_tokens, len(self.trace)
         return [(len(self.requests[rid][0].prompt_ids), min(limit, (polls - self.requests[rid][1]) * self.poll_steps))
-                for rid in self.state.outstanding]
+                for rid in self.round.state.outstanding]
 
     def finish(self, reports: list[Report | None]) -> RoundResult:
         """The round's result, once the final command's aborts are reported."""
-        state, plan = self.state, self.plan
         self.count(reports)
-        self.aborted += [o for r in reports if r for o in r.aborted]
-        stats = self.hooks.finish()
-        groups = state.finish(self.aborted, wait=self.rewards.wait)  # the exposed reward time: what finished last
-        return RoundResult(kind=plan.kind, groups=groups, num_launched=state.num_launched,
-                           num_aborted=len(self.aborted),
-                           generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.aborted)
-                           - sum(len(o.token_ids) for o in plan.carried.values() if o.finish_reason == "abort"),
-                           running_trace=self.trace, start=self.start, last_finish=self.last_finish, end=time.time(),
-                           num_preemptions=sum(r.num_preemptions for r in self.counters.values()), stream=stats,
-                           spec=functools.reduce(SpecStats.plus, (r.spec for r in self.counters.values()), SpecStats()),
-                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in self.counters.values()),
-                           tail_cpu_s=self.tail_cpu_s)
+        if self.freed_left:  # the freed ranks stop serving
+            self.leader.sink.close()
+        outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
+        counters = self.counters.values()  # the exposed reward time: what finished last
+        return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
+                           num_aborted=len(outcome.aborted), generated_tokens=outcome.generated_tokens,
+                           running_trace=self.trace, start=self.start, last_finish=outcome.last_finish,
+                           end=time.time(), num_preemptions=sum(r.num_preemptions for r in counters),
+                           hook_metrics=outcome.hook_metrics,
+                           spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
+                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s)
 
 
-def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float],
-           freed: bool) -> Report:
+def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
     mine = meshes.replica
     for replica, req in cmd.add:
         if replica == mine:
             engine.add(req)
     aborted = [engine.abort(rid) for replica, rid in cmd.abort if replica == mine]
     finished: list[Output] = []
-    if not cmd.final and not (cmd.scale_down and freed):
+    if not cmd.final and not (cmd.scale_down and meshes.freed):
         for _ in range(poll_steps):
             if not engine.has_unfinished():
                 break

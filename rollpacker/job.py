@@ -24,13 +24,13 @@ import torch
 from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
-from rollpacker.dist import Meshes, build_meshes, init_distributed
-from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, save_model
+from rollpacker.dist import Meshes, backend, build_meshes, init_distributed
+from rollpacker.errors import UserError
+from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, lora, save_model
 from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.plan.memory import Shape, check_fits
-from rollpacker.rollout import ENGINES, build_engine
-from rollpacker.rollout.config import resolve_kind
+from rollpacker.rollout import ENGINES, build_engine, resolve_kind
 from rollpacker.rollout.engine import Engine, text_decoder
 from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
 from rollpacker.train.stream import StreamTrainer
@@ -55,6 +55,8 @@ class Job:
     weights: WeightSync = field(default_factory=InProcess)
     """How the trainer's weights reach the engines: in-process, or broadcast between one_step_off's pools."""
     start_step: int = 0
+    saved: int = -1
+    """The step of the last checkpoint this run saved (-1: none)."""
 
     @property
     def rank0(self) -> bool:
@@ -68,8 +70,9 @@ class Job:
         """Rebuild the rollout engines on TP-``tp`` sub-meshes, at a step boundary (collective), when
         ``tp`` is not the current TP: the old engine's memory is freed first; the new one is loaded from
         the trainer's live parameters (resharded in memory, not read from disk)."""
-        stats = {"plan/rollout_tp": tp, "plan/switched": float(tp != self.meshes.rollout_tp.size())}
-        if not stats["plan/switched"]:
+        switched = tp != self.meshes.rollout_tp.size()
+        stats = {"plan/rollout_tp": tp, "plan/switched": float(switched)}
+        if not switched:
             return stats
         self.engine.release_memory()
         self.engine = None
@@ -83,32 +86,50 @@ class Job:
         self.engine.decode = stop_decoder(self.config, self.model_dir)
         self.push_weights()
         if self.stream:
-            self.stream = self.stream.rebuild(self.engine.kv_capacity_tokens)
+            self.stream.retarget(self.engine.kv_capacity_tokens)
         return stats
 
     def save(self, step: int, policy_state: dict[str, Any] | None = None) -> None:
         """Collective: the checkpoint of ``step``, with the policy's current state or ``policy_state``."""
         path = Path(self.config.run_dir) / "checkpoints" / f"step_{step}"
         state = self.controller.state_dict(policy_state) if self.controller else None
-        checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
-                        keep=self.config.checkpoint.keep)
+        with watchdog.waiting("checkpoint", self.config.dist.checkpoint_timeout_s):
+            checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
+                            keep=self.config.checkpoint.keep)
+        self.saved = step
 
     def export(self, path: Path) -> None:
         """Collective over the training ranks: the policy as a Hugging Face directory (weights in the
-        dtype of the model's ``config.json``, its config and tokenizer), to serve or evaluate."""
+        dtype of the model's ``config.json``, its config and tokenizer), to serve or evaluate. With
+        LoRA, ``path`` is a PEFT adapter directory (with the tokenizer) for the base model, and with
+        ``train.lora.export_merged`` the merged weights go to ``path`` + ``_merged`` as above."""
         if self.trainer is None:
             return
-        writer = self.meshes.rank == self.meshes.train_ranks[0]
-        model = self.trainer.model
+        with watchdog.waiting("export", self.config.dist.checkpoint_timeout_s):
+            self._export(path, writer=self.meshes.rank == self.meshes.train_ranks[0])
+
+    def _export(self, path: Path, writer: bool) -> None:
+        model, lora_cfg = self.trainer.model, self.config.train.lora
+        if lora_cfg.rank:
+            lora.save_adapter(model, lora_cfg, path, self.model_dir, write=writer)
+            self._copy_tokenizer(path, writer, "the LoRA adapters as a PEFT adapter directory")
+            if not lora_cfg.export_merged:
+                return
+            path = path.with_name(path.name + "_merged")
+        weights = lora.merged_weights(model)
         if isinstance(model, HFDecoder):
-            save_hf(model, path, write=writer, dtype=config_dtype(self.model_dir))
+            save_hf(model, path, write=writer, dtype=config_dtype(self.model_dir), weights=weights)
         else:
-            save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args))
+            save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args), weights=weights)
+        self._copy_tokenizer(path, writer, "the policy as a Hugging Face model")
+
+    def _copy_tokenizer(self, path: Path, writer: bool, what: str) -> None:
+        """The tokenizer, and whatever else of the model directory is not weights or config, into ``path``."""
         if writer:
-            for file in self.model_dir.iterdir():  # the tokenizer, and whatever else is not weights or config
+            for file in self.model_dir.iterdir():
                 if file.is_file() and file.name not in ("config.json", INDEX) and file.suffix != ".safetensors":
                     shutil.copy2(file, path / file.name)
-            logger.info("the policy as a Hugging Face model: %s", path)
+            logger.info("%s: %s", what, path)
 
     def close(self) -> None:
         """The engine shut down, last: vLLM's shutdown destroys the default process group."""
@@ -123,21 +144,23 @@ def stop_decoder(config: Config, model_dir: Path):
 
 def build(config: Config) -> Job:
     """Every rank's parts (collective)."""
-    init_distributed()
-    world = torch.distributed.get_world_size()
-    config.check_world(world)
-    streaming = config.stream.enabled or config.pipe
-    meshes = build_meshes(config.rollout.tp, config.train.train_shard_size, stream=streaming,
-                          rollout_ranks=config.rollout_ranks(world))
-    watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
-    torch.manual_seed(config.seed)
     path = config.model.directory()
-    engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
-    dtype = engine_dtype(config.model.dtype, meshes.device)
     impl = resolve_impl(config.model.impl, path)
     if impl == "hf":
         check_hf(config)
-    config.engine.kind = model_engine(impl, config.engine.kind, meshes.device.type, config.plan.enabled)
+    if config.train.teacher.path:
+        check_teacher(path, config.train.teacher.path)
+    device_type, _ = backend(config.dist.device)
+    config.engine.kind = model_engine(impl, config.engine.kind, device_type, config.plan.enabled)
+    init_distributed(config.dist.device, cpu_collectives=config.train.offload, nccl_env=engine_nccl_env(config))
+    world = torch.distributed.get_world_size()
+    config.check_world(world)
+    streaming = config.stream.enabled or config.pipe
+    meshes = build_meshes(stream=streaming, topology=config.topology(world))
+    watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
+    torch.manual_seed(config.seed)
+    engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
+    dtype = engine_dtype(config.model.dtype, meshes.device)
     if meshes.device.type == "cuda":  # the memory plan: refuse a config that cannot fit (rollpacker.plan.memory)
         plan = check_fits(config, Shape.from_hf(read_config(path)), world,
                           torch.cuda.get_device_properties(meshes.device).total_memory)
@@ -157,28 +180,36 @@ def build(config: Config) -> Job:
         job.stream = StreamTrainer(config.stream, trainer, meshes, max_new_tokens=config.rollout.max_new_tokens,
                                    kv_capacity_tokens=engine.kv_capacity_tokens, pipe=config.pipe)
     if job.rank0:
-        job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens)
+        job.controller = Controller.build(config, path, meshes, engine.max_model_len, engine.kv_capacity_tokens,
+                                          drafting=not ENGINES[config.engine.kind].own_drafter, sink=job.stream)
     if config.plan.enabled:
         build_planner(job)
     if config.resume:
-        state = checkpoint.load(Path(config.resume), trainer)
+        with watchdog.waiting("checkpoint", config.dist.checkpoint_timeout_s):
+            state = checkpoint.load(Path(config.resume), trainer)
         job.start_step = state["step"]
         if job.controller:
             job.controller.load_state_dict(state)
         job.push_weights()  # the engines get the checkpoint's weights
+    if job.controller:
+        job.controller.metrics.start_at(job.start_step)  # each step once in metrics.jsonl
     return job
 
 
+def engine_nccl_env(config: Config) -> dict[str, str]:
+    """The NCCL settings the engine's start would set in its own process (``EngineKind.nccl_env``), for
+    every rank to export before its first communicator."""
+    return ENGINES[config.engine.kind].nccl_env(config.rollout.tp)
+
+
 def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
-    """The engine kind for a model of ``impl``: TorchEngine runs the native decoder only, so a Hugging
-    Face model rolls out on vLLM (auto: SGLang or vLLM on GPU, vLLM on CPU)."""
-    if impl == "native":
-        return resolve_kind(kind, device_type, planner)
-    if kind == "auto":
-        kind = resolve_kind(kind, device_type) if device_type == "cuda" else "vllm"
-    if kind == "torch":
-        raise ValueError("model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
-                         "use engine.kind vllm (or sglang on GPU), or model.impl native if the model is one of those")
+    """The engine kind for a model of ``impl``: a Hugging Face model rolls out on an engine that is
+    not native-only (auto: SGLang or vLLM on GPU, vLLM on CPU)."""
+    kind = resolve_kind(kind, device_type, planner and impl == "native", native=impl == "native")
+    if impl != "native" and ENGINES[kind].native_only:
+        others = " or ".join(k for k, e in ENGINES.items() if not e.native_only)
+        raise ValueError(f"model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
+                         f"use engine.kind {others}, or model.impl native if the model is one of those")
     return kind
 
 
@@ -194,15 +225,41 @@ def check_hf(config: Config) -> None:
 
 
 def build_trainer(config: Config, impl: str, meshes: Meshes) -> Trainer:
-    """This rank's shard of the trainer: the policy and the KL reference (when train.kl_coef > 0) built
-    on the meta device and filled from the first training rank's host copy (collective over the pool)."""
+    """This rank's shard of the trainer: the policy (with its LoRA adapters), the KL reference (when
+    train.kl_coef > 0, unless LoRA's adapters-off policy is the reference) and distillation's teacher,
+    each built on the meta device and filled from the first training rank's host copy (collective over
+    the pool)."""
+    t = config.train
     kw = dict(src=meshes.train_ranks[0], group=meshes.train_group, device=compute_device(meshes.train))
     path = str(config.model.directory())
-    policy = build_for_training(path, impl, meshes.train, config.train, **kw)
-    reference = build_for_training(path, impl, meshes.train, config.train, reference=True, **kw) \
-        if config.train.kl_coef else None
-    return Trainer(policy, config.train, meshes.train, temperature=config.rollout.temperature or 1.0,
-                   reference=reference, group=meshes.train_group, num_steps=config.num_steps)
+    policy = build_for_training(path, impl, meshes.train, t, **kw)
+    reference = build_for_training(path, impl, meshes.train, t, reference=True, **kw) \
+        if t.kl_coef and not t.lora.rank else None
+    teacher = build_for_training(t.teacher.path, resolve_impl("auto", t.teacher.path), meshes.train, t,
+                                 reference=True, **kw) if t.teacher.path else None
+    return Trainer(policy, t, meshes.train, temperature=config.rollout.temperature or 1.0, reference=reference,
+                   teacher=teacher, group=meshes.train_group, num_steps=config.num_steps)
+
+
+def check_teacher(student: Path, teacher: str) -> None:
+    """Refuse a teacher (train.teacher.path) whose tokenizer is not the student's: its log-probs
+    would score other tokens than the ones sampled."""
+    from transformers import AutoTokenizer
+
+    where = Path(teacher)
+    if not (where / "config.json").is_file():
+        raise UserError(f"train.teacher.path: {where} has no config.json: point it at a Hugging Face model directory")
+    mine, theirs = (AutoTokenizer.from_pretrained(p) for p in (student, where))
+    a, b = mine.get_vocab(), theirs.get_vocab()
+    differ = sorted({t for t in a.keys() | b.keys() if a.get(t) != b.get(t)}, key=lambda t: a.get(t, b.get(t)))
+    special = [k for k in ("eos_token_id", "bos_token_id", "pad_token_id")
+               if getattr(mine, k) != getattr(theirs, k)]
+    if differ or special:
+        ids = f"; special ids differ: {', '.join(special)}" if special else ""
+        raise UserError(f"train.teacher.path: {where}'s tokenizer is not model.path's ({student}): "
+                        f"{len(differ)} token(s) differ (e.g. {differ[:3]}){ids}. On-policy distillation scores the "
+                        "student's tokens with the teacher, so both must share one tokenizer: pick a teacher of the "
+                        "same family")
 
 
 def build_planner(job: Job) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -27,20 +26,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import Any, Literal, TextIO
 
 import numpy as np
 
 from rollpacker.choices import check_choices
 
-if TYPE_CHECKING:
-    from rollpacker.exchange import RoundResult
-
 logger = logging.getLogger(__name__)
 
 WandbMode = Literal["offline", "online", "disabled"]
 SUMMARY_KEYS = (
-    "time/step", "reward/mean", "reward/accuracy", "rollout/response_len_mean", "eval/accuracy",
+    "time/step", "reward/mean", "reward/accuracy", "reward/errors", "rollout/tokens_per_s", "rollout/response_len_mean",
+    "eval/accuracy",
 )
 
 
@@ -106,40 +103,6 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
     }
 
 
-def round_metrics(result: RoundResult, trained: list[tuple[Any, float]], penalties: list[float]) -> dict[str, Any]:
-    """A round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``, the
-    wait for rewards after the last response finished). ``trained``: the ``(output, reward)`` of
-    every response trained in the step (streamed ones too); ``penalties``: the overlong
-    punishment added to each reward (``reward/mean`` is without it). The reward functions'
-    metrics (``reward/NAME``, ``reward/errors``) are the reward scheduler's."""
-    from rollpacker.rollout.engine import spec_metrics
-
-    lengths = [len(o.token_ids) for o, _ in trained]
-    rewards = [r for _, r in trained]
-    rollout_time = result.end - result.start
-    trace = [(result.start, result.num_launched), *result.running_trace]
-    return {
-        "sched/round_kind": result.kind,
-        "sched/trained_prompts": len(result.groups),
-        "sched/aborted_responses": result.num_aborted,
-        "rollout/wasted_tokens": result.generated_tokens - sum(lengths),
-        "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
-        "reward/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
-        "reward/overlong_penalty_mean": sum(penalties) / len(penalties) if penalties else 0.0,
-        "time/reward_exposed": result.reward_exposed_s,
-        "rollout/bubble_ratio": bubble_ratio(trace, result.num_launched, result.end),
-        "rollout/tokens_per_s": result.generated_tokens / rollout_time,
-        "rollout/preemptions": result.num_preemptions,
-        "rollout/truncated": sum(o.finish_reason == "length" for o, _ in trained),
-        "rollout/tail_seconds": result.tail_s,
-        "rollout/cpu_seconds": result.cpu_s,
-        "rollout/tail_cpu_seconds": result.tail_cpu_s,
-        **spec_metrics(result.spec),
-        "rollout/response_lengths": lengths,
-        **length_stats(lengths),
-    }
-
-
 class Timer:
     """Accumulates wall time per stage: ``with timer("rollout"): ...`` adds to ``time/rollout``."""
 
@@ -180,8 +143,9 @@ def _plain(value: Any) -> Any:
 class MetricsLogger:
     """Appends one JSON line per step to ``run_dir/metrics.jsonl`` and mirrors it to wandb.
 
-    Rank 0 only. The file is opened for appending, so a resumed run continues the same record
-    (``rollpacker.report`` keeps the last line of a step logged twice).
+    Rank 0 only. The file is opened for appending, so a resumed run continues the same record;
+    :meth:`start_at` first drops the records of the steps the run does again, so that each step is
+    there once.
     """
 
     def __init__(self, run_dir: Path, config: MetricsConfig, run_config: dict) -> None:
@@ -192,6 +156,19 @@ class MetricsLogger:
         self._wandb_run = None
         if config.wandb_mode != "disabled":
             self._wandb_run = _init_wandb(self.run_dir, config, run_config)
+
+    def start_at(self, step: int) -> None:
+        """Drop the records of ``step`` and later: this run logs them (again, after a resume)."""
+        if self._file is None or not self.path.stat().st_size:
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) < step]
+        if len(kept) < len(lines):
+            self._file.close()
+            self.path.write_text("".join(kept), encoding="utf-8")
+            self._file = self.path.open("a", encoding="utf-8")
+            logger.info("%s: dropped the %d records of step %d and later, which this run does again", self.path,
+                        len(lines) - len(kept), step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if "step" in metrics:
@@ -244,6 +221,15 @@ class MetricsLogger:
         self.close()
 
 
+def _step_of(line: str) -> int:
+    """The step of a metrics.jsonl line (-1 for one that is not a record: kept, the report names it)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return -1
+    return step if isinstance(step, int) else -1
+
+
 def _init_wandb(run_dir: Path, config: MetricsConfig, run_config: dict):
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # else wandb posts usage telemetry
@@ -268,9 +254,10 @@ def _init_wandb(run_dir: Path, config: MetricsConfig, run_config: dict):
         ) from e
 
 
-def format_summary(step: int, summary: dict[str, Any]) -> str:
-    """One line: ``step 3 | time/step 12.3s | reward/mean 0.41 | ...`` (missing keys left out)."""
-    parts = [f"step {step}"]
+def format_summary(step: int, summary: dict[str, Any], progress: str = "") -> str:
+    """One line: ``step 3/200 | 0:01:02 elapsed, ETA 0:40:10 | time/step 12.3s | reward/mean 0.41 | ...``
+    (``progress``: what follows the step number; missing keys left out)."""
+    parts = [f"step {step}{progress}"]
     for key in SUMMARY_KEYS:
         value = summary.get(key)
         if value is None:
@@ -280,52 +267,91 @@ def format_summary(step: int, summary: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class LiveDisplay:
     """Per-step progress on rank 0: a rich progress bar on a terminal, plain lines elsewhere.
 
-    The bar (responses done of launched, tokens/s) is drawn only when ``enabled`` and the stream
-    is a terminal; :meth:`end_step` always prints the step's one-line summary.
+    Each step's line says the step of ``num_steps``, the run's elapsed time and its ETA (the mean
+    time of this run's steps so far times the steps left), and the step's summary: step time,
+    reward, reward errors, tokens/s. On a terminal (``enabled`` and the stream a TTY) a bar shows
+    the run's steps and, below it, the current rollout (responses done of launched, tokens/s); the
+    lines print above them. Elsewhere (CI, Slurm logs): one line per step, nothing else.
     """
 
-    def __init__(self, enabled: bool = True, *, stream: TextIO | None = None) -> None:
+    def __init__(self, enabled: bool = True, *, stream: TextIO | None = None, num_steps: int = 0) -> None:
         self._stream = stream if stream is not None else sys.stdout
         self._use_bar = enabled and self._stream.isatty()
         self._progress = None
         self._task = None
+        self._run = None
         self._step = 0
+        self.num_steps = num_steps
+        self._start = time.monotonic()
+        """When the run began (the display is built with the controller): the elapsed time's origin."""
+        self._first: tuple[int, float] | None = None
+        """(step, time) when this run's first step began: the ETA's origin (model loading is not a step)."""
 
     def start_step(self, step: int, num_launched: int) -> None:
         self._step = step
+        self._first = self._first or (step, time.monotonic())
         if not self._use_bar:
             return
         if self._progress is None:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            self._start_bar(step)
+        self._task = self._progress.add_task(f"step {step} rollout", total=num_launched, tokens_per_s=0.0, clock="",
+                                             last="")
 
-            self._progress = Progress(
-                TextColumn("step {task.fields[step]}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[tokens_per_s]:,.0f} tok/s"),
-                TimeElapsedColumn(),
-                console=Console(file=self._stream),
-                transient=True,
-            )
-            self._progress.start()
-        self._task = self._progress.add_task("rollout", total=num_launched, step=step, tokens_per_s=0.0)
+    def _start_bar(self, step: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[tokens_per_s]:,.0f} tok/s"), TextColumn("{task.fields[clock]}"),
+            TextColumn("{task.fields[last]}"), console=Console(file=self._stream), transient=True)
+        self._progress.start()
+        self._run = self._progress.add_task("run", total=self.num_steps or None, completed=step, tokens_per_s=0.0,
+                                            clock="", last="")
+
+    def note(self, text: str) -> None:
+        """Print ``text`` (above the bar, on a terminal)."""
+        if self._progress is None:
+            print(text, file=self._stream, flush=True)
+        else:
+            self._progress.console.print(text, markup=False, highlight=False)
 
     def update(self, num_done: int, tokens_per_s: float) -> None:
         if self._task is not None:
             self._progress.update(self._task, completed=num_done, tokens_per_s=tokens_per_s)
+            self._progress.update(self._run, clock=self.clock(self._step - 1))
+
+    def clock(self, step: int) -> str:
+        """``ELAPSED elapsed, ETA T`` once step ``step`` is done: the ETA is the mean time of this run's
+        steps so far times the steps left ("" without num_steps)."""
+        if not self.num_steps:
+            return ""
+        now = time.monotonic()
+        first_step, first_time = self._first or (step, now)
+        done = step + 1 - first_step
+        eta = f", ETA {_clock((now - first_time) / done * (self.num_steps - step - 1))}" if done > 0 else ""
+        return f"{_clock(now - self._start)} elapsed{eta}"
 
     def end_step(self, summary: dict[str, Any]) -> None:
-        line = format_summary(self._step, summary)
+        clock = self.clock(self._step)
+        line = format_summary(self._step, summary, f"/{self.num_steps} | {clock}" if self.num_steps else "")
         if self._progress is None:
             print(line, file=self._stream, flush=True)
             return
         if self._task is not None:
             self._progress.remove_task(self._task)
             self._task = None
+        last = " | ".join(f"{k} {summary[k]:.3g}" for k in ("reward/mean", "reward/errors") if k in summary)
+        self._progress.update(self._run, completed=self._step + 1, description=f"step {self._step + 1}",
+                              tokens_per_s=summary.get("rollout/tokens_per_s", 0.0), clock=clock, last=last)
         self._progress.console.print(line, markup=False, highlight=False)
 
     def close(self) -> None:
@@ -334,12 +360,3 @@ class LiveDisplay:
             self._progress = None
             self._task = None
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one prompt (Chen et al. 2021): the chance that k of its n samples, drawn
-    without replacement, hold at least one of its c correct ones: ``1 - C(n-c, k) / C(n, k)``."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:  # every k-subset holds a correct sample
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)

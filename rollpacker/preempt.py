@@ -1,32 +1,85 @@
-"""Stop cleanly before Slurm kills the job.
+"""Stop cleanly: at a step boundary, with a checkpoint, when asked to.
 
 SIGUSR1 (Slurm's warning before the time limit, ``#SBATCH --signal=B:USR1@120``, forwarded to every
-process of the job step by ``launch/slurm/train.sbatch``) or SIGTERM (scancel, preemption,
-``scontrol requeue``) only sets a flag here. The training loop reads rank 0's flag at the next step
-boundary, broadcast with its other per-step decision so that every rank stops after the same step,
-saves a checkpoint and exits 0: a clean stop, which torchrun must not restart; the job script
-requeues the job and ``--resume auto`` picks the checkpoint up. Only the main thread may install
-handlers (Python's rule); torchrun's own handler sends the signal on to the workers.
+process of the job step by ``launch/slurm/train.sbatch``), SIGTERM (scancel, preemption,
+``scontrol requeue``, torchrun passing on its own) and SIGINT (Ctrl-C) only set a flag here. The
+training loop reads rank 0's flag at the next step boundary, broadcast with its other per-step
+decision so that every rank stops after the same step, saves a checkpoint and exits 0: a clean
+stop, which torchrun must not restart; the job script requeues the job and ``--resume auto``
+picks the checkpoint up. The reward workers ignore these signals (the signal reaches them too),
+so the step in progress is scored by live workers. A second SIGINT aborts at once: the step in
+progress is lost, and a checkpoint being written stays uncommitted, which resume skips.
+
+"At once" holds while the main thread is inside a long C call (a collective, a checkpoint
+write), where Python runs no signal handler and two signals of one kind merge into one: Python's
+own C-level handler writes each signal's number to a wakeup pipe
+(:func:`signal.set_wakeup_fd`), and a thread here reads them. The handlers are installed before
+the job is built (Python's rule: from the main thread), so a stop during setup stops before the
+first step.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 _received: signal.Signals | None = None
+_watcher: threading.Thread | None = None
+_lock = threading.RLock()  # a handler may interrupt itself in the main thread
 
 
 def install() -> None:
-    """From now on SIGUSR1/SIGTERM ask for a stop at the next step boundary instead of killing."""
+    """From now on SIGUSR1/SIGTERM/SIGINT ask for a stop at the next step boundary instead of killing."""
+    global _watcher
     for sig in SIGNALS:
         signal.signal(sig, _note)
+    if _watcher is None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        _watcher = threading.Thread(target=_watch, args=(read,), daemon=True, name="rollpacker-stop-signals")
+        _watcher.start()
 
 
 def _note(signum: int, frame) -> None:
+    """The Python-level handler: a stop signal does not kill (the watcher thread keeps the count)."""
+    _seen(signum)
+
+
+def _watch(read: int) -> None:
+    interrupts = 0
+    while data := os.read(read, 64):
+        for signum in data:
+            if signum not in SIGNALS:
+                continue
+            interrupts += signum == signal.SIGINT
+            if interrupts > 1:
+                from rollpacker import watchdog
+
+                _say(f"rollpacker: stopped at once on a second Ctrl-C at step {max(watchdog.step(), 0)}: that step "
+                     "is lost, and a checkpoint being written stays uncommitted; --resume auto resumes from the "
+                     "newest committed checkpoint")
+                os._exit(130)
+            _seen(signum)
+
+
+def _seen(signum: int) -> None:
     global _received
-    if _received is None:  # the first one says why (a requeue's SIGTERM may come with the script's USR1)
+    from rollpacker import watchdog
+
+    with _lock:  # the watcher and the handler both see each signal
+        if _received is not None:  # the first one says why (a requeue's SIGTERM may come with the script's USR1)
+            return
         _received = signal.Signals(signum)
+        again = " (Ctrl-C again to stop at once, losing it)" if signum == signal.SIGINT else ""
+        _say(f"rollpacker: {_received.name}: stopping after step {max(watchdog.step(), 0)} with a checkpoint{again}")
+
+
+def _say(line: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # every rank gets the signal: one says it
+        os.write(2, (line + "\n").encode())
 
 
 def requested() -> str | None:

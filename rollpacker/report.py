@@ -4,17 +4,25 @@
 
 writes ``RUN_DIR/plots/step_time.png`` (stacked ``time/*`` stages per step, ``time/step`` as a
 dot above them), ``response_lengths.png`` (a box per step of ``rollout/response_lengths``, on a
-log scale when all are positive, tail batching's long rounds marked red: the paper's Fig. 4a) and
-``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs step), and
-``samples.md``: a few responses of the last training step saved with ``--metrics.samples-every``
+log scale when all are positive, tail batching's long rounds marked red: the paper's Fig. 4a),
+``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs step),
+``reward_functions.png`` (each reward function's mean, ``reward/NAME``, and the responses whose
+reward failed, ``reward/errors``), ``eval.png`` (held-out ``pass@k`` and ``mean@n``, overall and
+per data source), and ``samples.md``: a few responses of the last training step saved with ``--metrics.samples-every``
 (the best and worst rewarded, the longest, the shortest), and prints their paths. A plot whose
 metrics appear in no step, or a run without samples, is skipped with a note.
 When a step was logged twice (a resumed run), its last line wins.
+
+It also prints what the newest whole checkpoint says of the prompts (:func:`prompt_ledger`): per
+epoch, the rows trained, each once or not, against the prompts metrics.jsonl counts as trained. That
+is the check that every prompt trained exactly once, from a run directory alone.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 import sys
 from dataclasses import dataclass
 from numbers import Real
@@ -131,10 +139,61 @@ def plot_reward(records: list[dict], ax) -> bool:
     return bool(drawn)
 
 
+OWN_REWARD_KEYS = ("mean", "accuracy", "errors", "seconds_total", "overlong_penalty_mean")
+"""``reward/`` metrics that are not a reward function's mean."""
+
+
+def plot_reward_functions(records: list[dict], ax) -> bool:
+    """Each function's mean reward (``reward/NAME``, where it applied) vs step, and on a second axis
+    the responses whose reward failed (``reward/errors``): what a task's author tunes on."""
+    names = sorted({k[7:] for r in records for k, v in r.items()
+                    if k.startswith("reward/") and k[7:] not in OWN_REWARD_KEYS and _is_number(v)})
+    errors = [(r["step"], r["reward/errors"]) for r in records if _is_number(r.get("reward/errors"))]
+    if not names and not any(e for _, e in errors):
+        return False
+    for name in names:
+        points = [(r["step"], r[f"reward/{name}"]) for r in records if _is_number(r.get(f"reward/{name}"))]
+        ax.plot(*zip(*points), marker="o" if len(points) <= 50 else None, label=f"reward/{name}")
+    ax.set(xlabel="step", ylabel="mean reward where it applied", title="reward functions")
+    if errors:
+        twin = ax.twinx()
+        steps = [s for s, _ in errors]
+        twin.bar(steps, [e for _, e in errors], width=_bar_width(steps), color="tab:red", alpha=0.3,
+                 label="reward/errors")
+        twin.set_ylabel("responses whose reward failed")
+        twin.legend(fontsize="small", loc="upper right")
+    if names:
+        ax.legend(fontsize="small", loc="upper left")
+    return True
+
+
+def eval_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """``eval/[SOURCE/]pass@k`` and ``eval/[SOURCE/]mean@n`` by key, as (step, value) points."""
+    pattern = re.compile(r"eval/(?:.+/)?(pass|mean)@\d+")
+    keys = sorted({k for r in records for k in r if pattern.fullmatch(k)})
+    return {k: [(r["step"], r[k]) for r in records if _is_number(r.get(k))] for k in keys}
+
+
+def plot_eval(records: list[dict], ax) -> bool:
+    """Held-out pass@k (solid) and mean@n (dashed) vs step, overall (``all``) and per data source."""
+    series = eval_series(records)
+    if not series:
+        return False
+    for key, points in series.items():
+        source, metric = key[5:].rpartition("/")[::2]
+        ax.plot(*zip(*points), marker="o", linestyle="--" if metric.startswith("mean") else "-",
+                label=f"{source or 'all'} {metric}")
+    ax.set(xlabel="step", title="held-out evaluation: pass@k (solid), mean@n (dashed)", ylim=(-0.02, 1.02))
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return True
+
+
 PLOTS = {
     "step_time.png": (plot_step_time, "time/* metrics"),
     "response_lengths.png": (plot_response_lengths, LENGTHS),
     "reward.png": (plot_reward, " or ".join(REWARDS)),
+    "reward_functions.png": (plot_reward_functions, "reward/NAME or reward/errors"),
+    "eval.png": (plot_eval, "eval/pass@k or eval/mean@n"),
 }
 
 
@@ -173,10 +232,46 @@ def write_samples(run_dir: Path, out: Path) -> bool:
     lines = [f"# Samples of step {samples[0]['step']} ({len(samples)} responses in {files[-1]})", ""]
     for title, x in picks.items():
         lines += [f"## {title}: reward {x['reward']:.3g}, {x['length']} tokens, {x['finish_reason']}", "",
-                  f"rewards: {json.dumps(x.get('rewards', {}))}", "", "prompt:", "", "```", _cut(x["prompt"]), "```",
-                  "", "completion:", "", "```", _cut(x["completion"]), "```", ""]
+                  f"rewards: {json.dumps(x.get('rewards', {}))}", "", "prompt, as the engine got it:", "", "```",
+                  _cut(x.get("prompt_text", x["prompt"])), "```", "", "completion:", "", "```", _cut(x["completion"]),
+                  "```", ""]
     out.write_text("\n".join(lines), encoding="utf-8")
     return True
+
+
+def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
+    """What the newest whole checkpoint's sample ledger says of each epoch's prompts, checked against the
+    trained prompts metrics.jsonl counts up to that checkpoint ("" without a checkpoint)."""
+    from rollpacker import checkpoint
+
+    try:
+        newest = checkpoint.newest_whole(run_dir, announce=False)
+    except checkpoint.CheckpointError as e:
+        return f"prompts: {e}"
+    if newest is None:
+        return ""
+    state = checkpoint.train_state(newest)
+    policy, step = state.get("policy", {}), state["step"]
+    counted = sum(r.get("sched/trained_prompts", 0) for r in records if r["step"] < step)
+    where = f"prompts (checkpoint {newest}, step {step}, schedule:{policy.get('name')})"
+    if "ledger" not in policy:  # sync trains every prompt it draws, once
+        sampler = policy.get("sampler", {})
+        drawn = sampler.get("epoch", 0) * sampler.get("num_rows", 0) + sampler.get("position", 0)
+        verdict = "each once" if drawn == counted else f"but metrics.jsonl counts {counted} trained"
+        return f"{where}: {drawn} drawn in order and trained, {verdict}"
+    ledger = policy["ledger"]
+    trained = collections.Counter(tuple(k) for k in ledger["trained"])
+    lines = [f"{where}: {sum(trained.values())} trained ({counted} in metrics.jsonl), "
+             f"{len(ledger['queue'])} deferred, {len(ledger['filtered'])} filtered"]
+    num_rows = policy.get("sampler", {}).get("num_rows")
+    for epoch in sorted({e for e, _ in trained}):
+        rows = collections.Counter({r: n for (e, r), n in trained.items() if e == epoch})
+        twice = sorted(r for r, n in rows.items() if n > 1)
+        lines.append(f"  epoch {epoch}: {len(rows)} of {num_rows} rows trained; "
+                     + (f"twice: {twice}" if twice else "none twice"))
+    if sum(trained.values()) != counted:
+        lines.append(f"  metrics.jsonl counts {counted} prompts trained before step {step}: not each once")
+    return "\n".join(lines)
 
 
 def write_report(run_dir: Path) -> list[Path]:
@@ -232,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for p in paths:
         print(p)
+    ledger = prompt_ledger(run_dir, read_metrics(run_dir / "metrics.jsonl"))
+    if ledger:
+        print(ledger)
     return 0
 
 

@@ -1,29 +1,42 @@
 """Entry point: ``torchrun --nproc_per_node=N -m rollpacker.run [--preset NAME] [--section.field value …]``.
 
-``python -m rollpacker.run`` is the same program at world size 1. The config is parsed (and a
-checkpoint to resume checked) before torch is imported, so ``--help`` and config errors come back
-at once; then :func:`rollpacker.job.build` builds every rank's parts and
-:func:`rollpacker.loops.train` runs them.
+``python -m rollpacker.run`` is the same program at world size 1; ``rollpacker`` (:mod:`rollpacker.launch`)
+launches it under torchrun. The config is parsed (and a checkpoint to resume checked) before torch
+is imported, so ``--help`` and config errors come back at once; then :func:`rollpacker.job.build`
+builds every rank's parts and :func:`rollpacker.loops.train` runs them.
+
+What the job prints of its own: a user's error once, as one line without a traceback
+(:func:`rollpacker.errors.fail`), tyro's help or error box once; a stop signal
+(:mod:`rollpacker.preempt`) ends the run after the step in progress, saved, with exit code 0.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-from rollpacker.config import Config, parse
-from rollpacker.errors import UserError, fail
+from rollpacker import preempt
+from rollpacker.config import Config, as_flags, parse
+from rollpacker.errors import UserError, fail, report
 
 
 def resolve_resume(config: Config) -> None:
-    """``resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` (or nothing);
-    a checkpoint must match the policy."""
+    """``resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` that is whole
+    (:func:`rollpacker.checkpoint.newest_whole`; or nothing); a checkpoint named must be whole too,
+    and match the policy."""
     from rollpacker import checkpoint
 
     if config.resume == "auto":
-        newest = checkpoint.latest(Path(config.run_dir))
+        newest = checkpoint.newest_whole(Path(config.run_dir), announce=os.environ.get("RANK", "0") == "0")
         config.resume = str(newest) if newest else ""
+    elif (Path(config.resume) / checkpoint.MARKER).exists():  # else check() says what is missing
+        if why := checkpoint.verify(Path(config.resume)):
+            raise checkpoint.CheckpointError(f"resume: checkpoint {config.resume} is damaged: {why}; resume from an "
+                                             "earlier one, or with --resume auto, which passes over damaged ones")
     if config.resume:
         checkpoint.check(Path(config.resume), config.policy)
 
@@ -41,9 +54,27 @@ def check_model_dir(path: Path) -> None:
                         "directory (save one with save_pretrained, or leave model.path empty for the toy model)")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_once(argv: list[str] | None) -> Config:
+    """:func:`rollpacker.config.parse`, with what tyro prints said once for the job: its help by
+    rank 0, its error box like any other config error (:func:`rollpacker.errors.fail`)."""
+    out, err = io.StringIO(), io.StringIO()
     try:
-        config = parse(argv)
+        with redirect_stdout(out), redirect_stderr(err):
+            return parse(argv)
+    except SystemExit as e:
+        if e.code not in (None, 0):  # tyro's error box as it drew it, or our own message (--preset)
+            box = "\n".join(line.rstrip() for line in err.getvalue().strip("\n").splitlines())
+            report(box or as_flags(str(e.code)), prefix="" if box else "rollpacker: config error: ")
+            raise SystemExit(e.code if isinstance(e.code, int) else 2) from None  # no process group yet
+        if os.environ.get("RANK", "0") == "0":
+            sys.stdout.write(out.getvalue())
+        raise SystemExit(0) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    preempt.install()  # a stop (Ctrl-C, SIGTERM) during setup stops before the first step
+    try:
+        config = parse_once(argv)
         if config.resume:
             resolve_resume(config)
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
@@ -54,10 +85,13 @@ def main(argv: list[str] | None = None) -> None:
                             "has the environments, workers and trainer mask; the round's episode runner is next), "
                             "so this run would ignore the environment: leave env unset for now")
     except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
-        fail(e, prefix="rollpacker: config error: ")  # (rank 0 alone raced the others' exit: torchrun killed it)
+        fail(as_flags(str(e)), prefix="rollpacker: config error: ")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if config.resume and os.environ.get("RANK", "0") == "0":
-        logging.getLogger("rollpacker").info("resuming from %s", config.resume)
+    if os.environ.get("RANK", "0") == "0":  # something at once: building takes minutes with a real model
+        logger = logging.getLogger("rollpacker")
+        logger.info("building the job on %s rank(s): model, engines, trainer, data", os.environ.get("WORLD_SIZE", "1"))
+        if config.resume:
+            logger.info("resuming from %s", config.resume)
     import torch.distributed as dist
 
     from rollpacker.job import build
@@ -70,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:  # bad data, a failing reward function, an unusable checkpoint: said once
         if job is not None and job.controller is not None:
             job.controller.close()  # the reward workers stopped
-        fail(e)
+        fail(as_flags(str(e)))
     job.close()
     if dist.is_initialized():  # vLLM's shutdown destroys it
         dist.destroy_process_group()

@@ -4,10 +4,18 @@ Every process group gets a timeout from :class:`DistConfig` (a longer one until 
 is done: model loading, first-step compilation), so a collective that a rank never joins raises
 on the ranks that wait. Each rank also writes a heartbeat (time, step, phase) into the job's
 TCPStore every second from a thread; a SIGSTOPped or wedged rank stops beating. When a timeout
-fires, the error names this rank's step and phase and the ranks whose heartbeat went stale (or
+fires, one line names this rank's step and phase and the ranks whose heartbeat went stale (or
 never came), then the process exits non-zero so torchrun ``--max-restarts`` (or Slurm's requeue)
-restarts the job. The same thread ends a rank whose launcher died: torchrun starts its ranks in
-sessions of their own, so a SIGKILLed (or OOM-killed) torchrun would leave them training on into
+restarts the job. A phase that waits in one collective for long in normal operation (one_step_off's
+hand-off, stream training's freed ranks, a checkpoint) runs under :func:`waiting`: its own timeout,
+sized from the config, and a deadline at which the heartbeat thread prints the same diagnosis and
+exits, before NCCL's watchdog, which aborts the process without a Python exception, would.
+
+The store is hosted by rank 0 (or torchrun's agent); when that host is stopped, a store call never
+returns (TCPStore's timeout covers neither its connect handshake nor a get), so every store call
+runs in a thread of its own and is given up after ``STORE_WAIT_S``: the diagnosis then names the
+store's host. The heartbeat thread also ends a rank whose launcher died: torchrun starts its ranks
+in sessions of their own, so a SIGKILLed (or OOM-killed) torchrun would leave them training on into
 the run directory beside the job that resumes there. Nothing here imports torch at module level:
 :class:`DistConfig` is part of the config tree.
 """
@@ -17,13 +25,20 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 BEAT_S = 1.0
 """Seconds between two heartbeats; a rank silent for 5 of them counts as not answering."""
+STORE_WAIT_S = 5.0
+"""Seconds a store call of the error path may take before its host counts as stalled."""
+GRACE_S = 30.0
+"""Seconds a :func:`waiting` phase's collectives wait beyond its deadline: the diagnosis comes first."""
 
 
 @dataclass(kw_only=True)
@@ -32,21 +47,38 @@ class DistConfig:
     """Seconds a collective waits for a rank before the job fails naming it (after the first step)."""
     first_step_timeout_s: float = 900.0
     """The same until the first step is done: model loading and first-step compilation take longer."""
+    token_timeout_s: float = 0.25
+    """Seconds per response token a rank may wait through a rollout (one_step_off's hand-off, stream training's
+    freed ranks): rollout.max_new_tokens of them, at least dist.timeout_s."""
+    checkpoint_timeout_s: float = 1800.0
+    """Seconds a collective waits in a checkpoint save, load or Hugging Face export (a slow filesystem)."""
+    device: Literal["auto", "cpu"] = "auto"
+    """cpu: CPU and gloo even where a GPU is visible (as ROLLPACKER_DEVICE=cpu, which the test suite sets)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.timeout_s <= self.first_step_timeout_s:
             raise ValueError(f"dist.timeout_s={self.timeout_s} must be positive and at most "
                              f"dist.first_step_timeout_s={self.first_step_timeout_s}")
+        if self.token_timeout_s <= 0 or self.checkpoint_timeout_s <= 0:
+            raise ValueError(f"dist.token_timeout_s={self.token_timeout_s} and dist.checkpoint_timeout_s="
+                             f"{self.checkpoint_timeout_s} must be positive")
+
+    def rollout_wait_s(self, max_new_tokens: int) -> float:
+        """How long a collective may wait through a rollout of ``max_new_tokens``-token responses."""
+        return max(self.timeout_s, self.token_timeout_s * max_new_tokens)
 
 
-_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True}
+_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True, "deadline": 0.0, "sent": float("inf")}
+"""This rank's step and phase, its collectives' timeout, a :func:`waiting` phase's deadline, and when its
+last heartbeat got through."""
 _config: DistConfig | None = None
 _stop = threading.Event()
-_beats: list[threading.Thread] = []
+_threads: list[threading.Thread] = []
+"""The heartbeat thread, then its last sender."""
 
 
-def set_timeout(seconds: float) -> None:
-    """Every process group's collectives (those built so far) wait at most ``seconds``."""
+def set_timeout(seconds: float, grace: float = 0.0) -> None:
+    """Every process group's collectives (those built so far) wait at most ``seconds`` (+ ``grace``)."""
     from datetime import timedelta
 
     import torch.distributed.distributed_c10d as c10d
@@ -54,7 +86,26 @@ def set_timeout(seconds: float) -> None:
     _state["timeout"] = seconds
     for group in list(c10d._world.pg_map):
         if not c10d._rank_not_in_group(group):
-            c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+            c10d._set_pg_timeout(timedelta(seconds=seconds + grace), group)
+
+
+@contextmanager
+def waiting(name: str, seconds: float):
+    """Phase ``name``, in which this rank may wait up to ``seconds`` in one collective: every group's
+    timeout is ``seconds`` + :data:`GRACE_S` meanwhile, and at ``seconds`` the heartbeat thread prints
+    the diagnosis (:func:`diagnose`) and exits non-zero, before a collective's own timeout (NCCL's
+    aborts the process and prints none). Restores the phase, timeout and deadline it found."""
+    before = _state["phase"], _state["timeout"], _state["deadline"]
+    started = _config is not None
+    if started:
+        set_timeout(max(seconds, before[1]), GRACE_S)
+    _state["phase"], _state["deadline"] = name, time.time() + max(seconds, before[1])
+    try:
+        yield
+    finally:
+        _state["phase"], _state["deadline"] = before[0], before[2]
+        if started:
+            set_timeout(before[1])
 
 
 def start(config: DistConfig) -> None:
@@ -66,31 +117,28 @@ def start(config: DistConfig) -> None:
     # a file-size limit (quota) then fails the write with EFBIG, reported like a full disk, instead of killing us
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     set_timeout(config.first_step_timeout_s)
-    store = _store()
-    if store is None:
+    if not _store_address():
         return
     rank = int(os.environ.get("RANK", "0"))
     _stop.clear()
     atexit.register(stop)  # a daemon thread inside a store call at interpreter exit aborts the process
     launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-    _beats.append(threading.Thread(target=_beat, args=(store, rank, launcher), daemon=True,
-                                   name="rollpacker-heartbeat"))
-    _beats[-1].start()
+    _threads.insert(0, threading.Thread(target=_beat, args=(rank, launcher), daemon=True, name="rollpacker-heartbeat"))
+    _threads[0].start()
     previous = sys.excepthook
 
     def hook(kind, error, tb):
-        if reported_elsewhere(rank):  # another rank printed a user error and left: nothing to add
+        if _error_reported():  # a rank of this node reported an error to the launcher and left
             os._exit(1)
-        previous(kind, error, tb)
-        if _is_timeout(error):  # in a thread: a store hosted by a stopped rank 0 may never answer
-            report = threading.Thread(target=lambda: print(f"rollpacker: {diagnose(rank)}", file=sys.stderr,
-                                                           flush=True), daemon=True)
-            report.start()
-            report.join(timeout=20)
-            if report.is_alive():
-                print(f"rollpacker: rank {rank} timed out after {_state['timeout']:g}s at step {_state['step']}, "
-                      f"phase {_state['phase']}; the heartbeat store (hosted by rank 0 or torchrun) did not answer "
-                      "either: rank 0 or the launcher is stalled", file=sys.stderr, flush=True)
+        what = _fault(error)
+        view = _read_view()
+        if view and view[0] not in ("", str(rank)):  # another rank printed a user error and left: nothing to add
+            os._exit(1)
+        if what:  # a fault, diagnosed: one line, no traceback
+            print(f"rollpacker: {diagnose(rank, what, view[1] if view else None)} ({type(error).__name__}: "
+                  f"{_first_line(error)})", file=sys.stderr, flush=True)
+        else:
+            previous(kind, error, tb)
         sys.stderr.flush()
         os._exit(1)  # never linger in a half-dead process group: torchrun sees the failure now
 
@@ -98,12 +146,19 @@ def start(config: DistConfig) -> None:
 
 
 def at_step(step: int, phase: str = "step") -> None:
-    """The loop reached ``step``; after the first step is done, collectives get ``dist.timeout_s``."""
+    """The loop reached ``step``; after the first step is done, collectives get ``dist.timeout_s`` (also
+    those of groups built since, a new rollout TP's: they would get the process group default, 30 min)."""
     if _config and _state["first"] and _state["step"] >= 0 and step > _state["step"]:
         _state["first"] = False
-        set_timeout(_config.timeout_s)
+    if _config:
+        set_timeout(_config.first_step_timeout_s if _state["first"] else _config.timeout_s)
     _state["step"] = step
     _state["phase"] = phase
+
+
+def step() -> int:
+    """The step this rank is at (-1 before the loop)."""
+    return _state["step"]
 
 
 def phase(name: str) -> None:
@@ -119,27 +174,45 @@ def _report_key() -> str:
     return f"rollpacker/reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
+def _bounded(call, default):
+    """``call()``, run in a thread of its own; ``default`` if it raised or did not return within
+    STORE_WAIT_S (the store's host is stalled)."""
+    box = []
+
+    def run():
+        try:
+            box.append(call())
+        except Exception:  # noqa: BLE001  (a store gone or restarting: the default says what to do)
+            pass
+
+    thread = threading.Thread(target=run, daemon=True, name="rollpacker-store-call")
+    thread.start()
+    thread.join(STORE_WAIT_S)
+    return box[0] if box else default
+
+
 def claim_report(rank: int) -> bool:
-    """Whether this rank is the first to report a user error (always, outside torchrun or if the store is gone)."""
-    try:
+    """Whether this rank is the first to report a user error (always, outside torchrun or if the store is gone).
+    Before the job's store is up (rank 0 hosts it, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0: a
+    config error is the same on every rank."""
+    if _config is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return rank == 0
+
+    def claim():
         store = _store()
         return store is None or store.compare_set(_report_key(), "", str(rank)).decode() == str(rank)
-    except Exception:  # the store's host went first: print rather than say nothing
-        return True
+
+    return _bounded(claim, True)  # the store's host went first: print rather than say nothing
 
 
-def reported_elsewhere(rank: int) -> bool:
-    """Whether another rank reported a user error (then this rank's failure is its echo)."""
-    try:
-        store = _store()
-        return store is not None and store.check([_report_key()]) and store.get(_report_key()).decode() != str(rank)
-    except Exception:
-        return False
+def store_host() -> str:
+    """Who hosts the job's store: torchrun's agent, or (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) rank 0."""
+    return "torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
 
 
 def _store():
     """A client of the job's TCPStore (torchrun's MASTER_ADDR:MASTER_PORT), or None outside torchrun."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or "MASTER_PORT" not in os.environ:
+    if not _store_address():
         return None
     from datetime import timedelta
 
@@ -150,48 +223,95 @@ def _store():
 
 
 def stop() -> None:
-    """The heartbeat stops and its thread is joined."""
+    """The heartbeat stops and its threads are joined."""
     _stop.set()
-    while _beats:
-        _beats.pop().join(timeout=30)
+    while _threads:
+        _threads.pop().join(timeout=30)
 
 
-def _beat(store, rank: int, launcher: int | None) -> None:
+def _beat(rank: int, launcher: int | None) -> None:
+    """Every BEAT_S: exit if the launcher died; send this rank's heartbeat, in a thread of its own (a
+    stalled store host never answers), unless the last one has not returned yet."""
+    sending = None
     while not _stop.is_set():
         if launcher is not None and os.getppid() != launcher:  # reparented: torchrun is gone
             print(f"rollpacker: rank {rank}: its launcher (torchrun, pid {launcher}) died at step {_state['step']}, "
                   f"phase {_state['phase']}; exiting", file=sys.stderr, flush=True)
             os._exit(1)
-        try:
-            store = store or _store()
-            store.set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"]}))
-        except Exception:  # a busy machine or a restarting store: a new client at the next beat
-            store = None
+        if _state["deadline"] and time.time() > _state["deadline"]:  # a waiting() phase overran: say who, then go
+            print(f"rollpacker: {diagnose(rank, '', _heartbeats())}", file=sys.stderr, flush=True)
+            os._exit(1)
+        if sending is None or not sending.is_alive():
+            sending = threading.Thread(target=_send_beat, args=(rank,), daemon=True, name="rollpacker-beat-send")
+            sending.start()
+            _threads.append(sending)
+            del _threads[1:-1]  # the heartbeat thread and its last sender
         _stop.wait(BEAT_S)
 
 
-def diagnose(rank: int) -> str:
-    """What a rank that timed out knows: its step and phase, and the ranks that stopped answering."""
+_client: list = []
+"""The heartbeat's store client, made on first use, dropped on an error."""
+
+
+def _send_beat(rank: int) -> None:
+    if _error_reported():  # its rank 0 may be gone with the store: no failed send to log
+        return
+    try:
+        _client[:] = _client or [_store()]
+        _client[0].set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"]}))
+        _client[0].check([_key(rank)])  # a set is not answered; this is: the store's host is alive
+        _state["sent"] = time.time()
+    except Exception:  # noqa: BLE001  (a busy machine or a restarting store: a new client at the next beat)
+        _client.clear()
+
+
+def _job_view() -> tuple[str, dict[int, dict | None]]:
+    """From the store: the rank that reported a user error ("": none), and every rank's last heartbeat
+    (None: none yet)."""
     from datetime import timedelta
 
-    where = f"rank {rank} timed out after {_state['timeout']:g}s at step {_state['step']}, phase {_state['phase']}"
-    silent = []
-    try:
-        store = _store()
-        store.set_timeout(timedelta(seconds=3))
-        now = time.time()
-        for r in range(int(os.environ["WORLD_SIZE"])):
-            try:
-                beat = json.loads(store.get(_key(r)))
-            except Exception:
-                silent.append((r, "no heartbeat at all"))
-                continue
-            if now - beat["t"] > 5 * BEAT_S:
-                silent.append((r, f"last heartbeat {now - beat['t']:.0f}s ago, at step {beat['step']}, "
-                                  f"phase {beat['phase']}"))
-    except Exception as e:  # the store lives in rank 0 (or torchrun's agent): it may be the one stalled
-        return (f"{where}; the heartbeat store did not answer either ({type(e).__name__}): rank 0 or the launcher "
-                "is stalled")
+    store = _store()
+    store.set_timeout(timedelta(seconds=STORE_WAIT_S))
+    reported = store.get(_report_key()).decode() if store.check([_report_key()]) else ""
+    keys = [_key(r) for r in range(int(os.environ["WORLD_SIZE"]))]
+    return reported, {r: json.loads(store.get(k)) if store.check([k]) else None for r, k in enumerate(keys)}
+
+
+def _read_view() -> tuple[str, dict[int, dict | None]] | None:
+    """:func:`_job_view`, in one bounded store visit; None when the store does not answer (at once if the
+    heartbeat's sends stopped getting through)."""
+    silent = time.time() - _state["sent"] > STORE_WAIT_S
+    return None if silent else _bounded(_job_view, None)
+
+
+def _heartbeats() -> dict[int, dict | None] | None:
+    view = _read_view()
+    return view[1] if view else None
+
+
+def diagnose(rank: int, what: str, beats: dict[int, dict | None] | None) -> str:
+    """What a rank whose collective failed or whose :func:`waiting` phase overran knows (``what``
+    happened, :func:`_fault`'s; "" for a timeout): its step and phase, and the ranks that stopped
+    answering, from every rank's heartbeat (``beats``: None when the store did not answer)."""
+    what = what or f"timed out after {_state['timeout']:g}s"
+    where = f"rank {rank} {what} at step {_state['step']}, phase {_state['phase']}"
+    if beats is None and what.startswith("lost"):
+        return f"{where}: {store_host()}, the job's store's host, is gone too (its error is above, or it was killed)"
+    if beats is None:  # the store's host may be the one stalled
+        host = store_host()
+        silent = max(time.time() - _state["sent"], STORE_WAIT_S)  # since its last answer to this rank
+        return (f"{where}: {host} did not answer either (it hosts the job's store, silent for {silent:.0f}s): "
+                f"{host} is stalled. Exiting non-zero so torchrun --max-restarts or Slurm's requeue restarts the "
+                "job (--resume auto)")
+    now, silent = time.time(), []
+    for r, beat in beats.items():
+        if beat is None:
+            silent.append((r, "no heartbeat at all"))
+        elif now - beat["t"] > 5 * BEAT_S:
+            silent.append((r, f"last heartbeat {now - beat['t']:.0f}s ago, at step {beat['step']}, "
+                              f"phase {beat['phase']}"))
+    if not silent and what.startswith("lost"):
+        return f"{where}: another rank exited (its error is above, or it was killed); exiting too"
     if not silent:
         return f"{where}; every rank's heartbeat is live: a slow collective, raise dist.timeout_s"
     who = "; ".join(f"rank {r}: {why}" for r, why in silent)
@@ -199,6 +319,27 @@ def diagnose(rank: int) -> str:
             "--max-restarts or Slurm's requeue restarts the job (--resume auto)")
 
 
-def _is_timeout(error: BaseException) -> bool:
+def _error_reported() -> bool:
+    """Whether a rank of this node reported an error to the ``rollpacker`` launcher (rollpacker.errors)."""
+    path = os.environ.get("ROLLPACKER_ERROR_FILE")
+    return bool(path) and os.path.exists(path)
+
+
+def _store_address() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_PORT" in os.environ
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line without a C++ source location (gloo's ``[path/pair.cc:534] ...``)."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0])[:200] if lines else ""
+
+
+def _fault(error: BaseException) -> str | None:
+    """What a failed collective's ``error`` says happened to the job, or None (not a fault: a bug)."""
     text = str(error).lower()
-    return any(s in text for s in ("timed out", "timeout", "connection closed by peer", "connection reset by peer"))
+    if "timed out" in text or "timeout" in text:
+        return f"timed out after {_state['timeout']:g}s"
+    if "connection closed by peer" in text or "connection reset by peer" in text:
+        return "lost its connection to another rank"
+    return None

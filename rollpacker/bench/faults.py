@@ -33,8 +33,10 @@ NUM_ROWS = 24
 ARGS = ["schedule:tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
         "--rollout.group-size", "2", "--rollout.max-new-tokens", "32", "--num-steps", "100", "--num-epochs", "1",
         "--checkpoint-every", "1", "--eval-every", "0", "--metrics.wandb-mode", "disabled", "--metrics.no-live",
-        "--resume", "auto", "--dist.timeout-s", "15", "--dist.first-step-timeout-s", "90"]
-"""A fault during step 0 or its checkpoint meets the first-step timeout: 90 s fits the toy model's loading."""
+        "--resume", "auto", "--dist.timeout-s", "15", "--dist.first-step-timeout-s", "90",
+        "--dist.checkpoint-timeout-s", "15"]
+"""A fault during step 0 or its checkpoint meets the first-step timeout: 90 s fits the toy model's loading. A
+stopped rank in a later checkpoint (a save of the toy model takes about a second) is named at 15 s too."""
 
 
 def launch(run_dir: Path) -> tuple[subprocess.Popen, Path]:

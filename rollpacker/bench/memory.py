@@ -1,4 +1,5 @@
-"""``python -m rollpacker.bench memory [MODEL ...]``: the memory plan's training peak against real steps.
+"""``python -m rollpacker.bench memory [MODEL ...] [--device cuda]``: the memory plan's training peak against
+real steps.
 
 Each case builds a random native decoder (5M, 33M or 125M parameters) on the meta device, shards it
 with FSDP2 on 1 or 2 gloo ranks, and runs two real trainer steps: a small one that creates AdamW's
@@ -15,11 +16,15 @@ start of the measured step the truth is known exactly (the parameters' and optim
 storages), so the peak is corrected by the drift up to then (``profile_all_threads`` would see them,
 but in torch 2.13 it records no memory events at all).
 
-The plan's number is :func:`rollpacker.plan.memory.train_phases` for the same shapes with CPU's
-settings (fp32, the torch log-prob head, the optimizer one tensor at a time, gloo), without the
-GPU-only allowances. ``activations`` is the peak less the state at the step's start, measured and
-planned. The last line is JSON: ``plan_max_rel_error`` (the largest ``|plan - measured| / measured``
-of the peaks), the checkpointing factor (activations with full checkpointing over without, 5M model
+**On a GPU** (``--device cuda``) the peak is ``torch.cuda.max_memory_allocated`` over the measured
+step, less nothing (the allocator sees every tensor), and the cases of one rank run (two need two GPUs).
+
+The plan's number is :func:`rollpacker.plan.memory.train_phases` for the same shapes with the
+device's settings (CPU: fp32, the torch log-prob head, the optimizer one tensor at a time, gloo;
+GPU: bf16 mixed precision, the fused head, ``foreach``, NCCL), without the allowances.
+``activations`` is the peak less the state at the step's start, measured and planned. The last line
+is JSON: ``device``, ``plan_max_rel_error`` (the largest ``|plan - measured| / measured`` of the
+peaks), the checkpointing factor (activations with full checkpointing over without, 5M model
 at 2048 tokens) measured and planned, and the rows.
 """
 
@@ -83,31 +88,50 @@ def model_config(case: Case) -> dict:
     return dict(model_type="qwen2", max_position_embeddings=4096, **MODELS[case.model])
 
 
-def planned(case: Case) -> dict:
-    """The plan's peak, its phase and the state at the step's start for ``case`` (CPU settings)."""
+def planned(case: Case, device: str = "cpu") -> dict:
+    """The plan's peak, its phase and the state at the step's start for ``case`` (the device's settings)."""
     from rollpacker.plan.memory import Shape, TrainSetup, train_phases
 
+    cuda = device == "cuda"
     setup = TrainSetup(shard_size=case.world, seq_lens=case.seq_lens, response_tokens=sum(case.seq_lens) // 2,
-                       compute_bytes=4, checkpointing=case.checkpointing, ac_every=2, ac_part=case.ac_part,
-                       head="torch", foreach=False, micro_batches=case.micro_batches, reduce_every=case.reduce_every,
-                       gloo=True)
+                       compute_bytes=2 if cuda else 4, checkpointing=case.checkpointing, ac_every=2,
+                       ac_part=case.ac_part, head="fused" if cuda else "torch", foreach=cuda,
+                       micro_batches=case.micro_batches, reduce_every=case.reduce_every, gloo=not cuda)
     phases = train_phases(Shape.from_hf(model_config(case)), setup)
     before = sum(t.bytes for t in phases[0].terms if t.name.startswith(("parameters", "optimizer")))
     peak = max(phases, key=lambda p: p.total)
     return {"peak": peak.total, "before": before, "phase": peak.name}
 
 
-def worker(case: Case) -> dict[str, float]:
-    """On every rank: two real steps under the profiler; this rank's peak, corrected (see the docstring)."""
+def cuda_worker(case: Case) -> dict[str, float]:
+    """On a GPU: two real steps, the second measured by the CUDA allocator."""
     import torch
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from rollpacker.train.losses import normalizer
+    from rollpacker.train.trainer import Trainer
+
+    meshes, model, cfg, batches = setup(case)
+    model.to_empty(device=meshes.device)
+    model.init_weights()
+    trainer = Trainer(model, cfg, meshes.train, num_steps=2)
+    for batch in batches:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        trainer.step(batch, normalizer(cfg.aggregation, [len(s.response_ids) for s in batch], max(case.seq_lens)))
+    torch.cuda.synchronize()
+    return {"peak": torch.cuda.max_memory_allocated(), "before": before, "missed_frees": 0}
+
+
+def setup(case: Case):
+    """This rank's meshes, ``case``'s model on the meta device, its training config, and its two batches
+    (identical on every rank): a small one that creates AdamW's state, then the measured one."""
+    import torch
 
     from rollpacker.dist import build_meshes
     from rollpacker.model import ModelArgs, Transformer
     from rollpacker.train.config import TrainConfig
-    from rollpacker.train.losses import normalizer
-    from rollpacker.train.trainer import Sample, Trainer
+    from rollpacker.train.trainer import Sample
 
     meshes = build_meshes(rollout_tp=1, train_shard_size=0)
     with torch.device("meta"):
@@ -117,12 +141,24 @@ def worker(case: Case) -> dict[str, float]:
                       reduce_every_micro_batch=case.reduce_every)
     g = torch.Generator().manual_seed(0)
 
-    def samples(lengths: list[int]) -> list[Sample]:  # identical on every rank
+    def samples(lengths: list[int]) -> list[Sample]:
         token = lambda n: torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()  # noqa: E731
         return [Sample(token(n // 2), token(n - n // 2), 1.0, [-1.0] * (n - n // 2)) for n in lengths]
 
-    warmup, measured = samples([16] * case.world), samples(list(case.seq_lens) * case.world * case.micro_batches)
+    batches = samples([16] * case.world), samples(list(case.seq_lens) * case.world * case.micro_batches)
     torch.manual_seed(0)
+    return meshes, model, cfg, batches
+
+
+def worker(case: Case) -> dict[str, float]:
+    """On every rank: two real steps under the profiler; this rank's peak, corrected (see the docstring)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from rollpacker.train.losses import normalizer
+    from rollpacker.train.trainer import Trainer
+
+    meshes, model, cfg, (warmup, measured) = setup(case)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model.to_empty(device="cpu")
         model.init_weights()
@@ -152,13 +188,15 @@ def worker(case: Case) -> dict[str, float]:
     return {"peak": peak - (before - state_bytes), "before": state_bytes, "missed_frees": before - state_bytes}
 
 
-def run_case(case: Case) -> dict[str, float]:
-    """``case`` in fresh processes (torchrun for 2 ranks): the measurement of the rank with the larger peak."""
-    cmd = [sys.executable, "-m", "rollpacker.bench.memory", "--worker", json.dumps(asdict(case))]
+def run_case(case: Case, device: str = "cpu") -> dict[str, float]:
+    """``case`` in fresh processes (torchrun for 2 ranks) on ``device``: the measurement of the rank with the
+    larger peak."""
+    cmd = [sys.executable, "-m", "rollpacker.bench.memory", "--worker", json.dumps(asdict(case)), device]
     if case.world > 1:
         cmd[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case.world}", "-m"]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env | {"OMP_NUM_THREADS": "1"})
+    env |= {"OMP_NUM_THREADS": "1", "ROLLPACKER_DEVICE": "cpu" if device == "cpu" else "auto"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         raise RuntimeError(f"bench memory: {case.name} failed:\n{proc.stderr[-4000:]}")
     ranks = [json.loads(line.removeprefix("MEASURED ")) for line in proc.stdout.splitlines()
@@ -170,17 +208,26 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         raw = json.loads(argv[1])
-        print("MEASURED " + json.dumps(worker(Case(**{**raw, "seq_lens": tuple(raw["seq_lens"])}))), flush=True)
+        case = Case(**{**raw, "seq_lens": tuple(raw["seq_lens"])})
+        print("MEASURED " + json.dumps((cuda_worker if argv[2] == "cuda" else worker)(case)), flush=True)
         return
+    device = "cpu"
+    if "--device" in argv:
+        i = argv.index("--device")
+        device, argv = (argv[i + 1:i + 2] or ["?"])[0], argv[:i] + argv[i + 2:]
     unknown = [a for a in argv if a not in MODELS]
-    if unknown:
-        sys.exit(f"usage: python -m rollpacker.bench memory [{' '.join(MODELS)}]: unknown {unknown}")
+    if unknown or device not in ("cpu", "cuda"):
+        sys.exit(f"usage: python -m rollpacker.bench memory [{' '.join(MODELS)}] [--device cpu|cuda]: unknown "
+                 f"{unknown or device}")
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
     start = time.time()
     print(f"{'case':<44} {'measured GB':>11} {'plan GB':>8} {'error':>7} {'activations':>11} {'planned':>8}  "
           "plan's peak phase")
     rows = {}
-    for case in (c for c in CASES if not argv or c.model in argv):
-        measured, plan = run_case(case), planned(case)
+    for case in (c for c in CASES if (not argv or c.model in argv) and (device == "cpu" or c.world <= gpus)):
+        measured, plan = run_case(case, device), planned(case, device)
         rows[case] = row = {
             "case": case.name, "measured_gb": measured["peak"] / 1e9, "plan_gb": plan["peak"] / 1e9,
             "rel_error": (plan["peak"] - measured["peak"]) / measured["peak"],
@@ -190,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{case.name:<44} {row['measured_gb']:>11.3f} {row['plan_gb']:>8.3f} {100 * row['rel_error']:>6.1f}% "
               f"{row['activations_measured_gb']:>11.3f} {row['activations_plan_gb']:>8.3f}  {plan['phase']}",
               flush=True)
-    summary = {"plan_max_rel_error": round(max(abs(r["rel_error"]) for r in rows.values()), 4)}
+    summary = {"device": device, "plan_max_rel_error": round(max(abs(r["rel_error"]) for r in rows.values()), 4)}
     if all(c in rows for c in FACTOR_CASES):
         off, full = (rows[c] for c in FACTOR_CASES)
         for key in ("measured", "plan"):

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for timeout in ("fixed", "adaptive"):
         fixed = args.fixed_timeout
-        cfg = RewardConfig(funcs=("code",), num_workers=args.workers, timeout=5.0,
+        cfg = RewardConfig(funcs=("code",), num_workers=args.workers, timeout=5.0, max_error_frac=1.0,
                            **({"timeout_min": fixed, "timeout_max": fixed} if timeout == "fixed" else {}))
         scheduler = RewardScheduler(cfg, decode=lambda text: text)
         try:

@@ -1,5 +1,5 @@
 """``python -m rollpacker.bench spec-engine``: TorchEngine's speculative decoding on the toy model,
-off against on, side by side in one run.
+off against on, side by side in one run (``--device cuda``: on the GPU).
 
 Workload: batches of the default job's rollout on one engine, the share of one rank. Each batch
 is ``num_prompts`` toy problems (the default job's data: ``DataConfig``'s tail exponent) with
@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 PROG = "python -m rollpacker.bench spec-engine"
 MODES = ("off", "engine", "epoch")
@@ -62,6 +63,8 @@ class SpecBenchConfig:
     """torch threads (the default job: one per rank)."""
     seed: int = 0
     """Seed of the batches' prompts and of the responses' sampling seeds."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where the engines run (the toy model, fp32)."""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "group_size", "replicas", "batches", "repeats", "tail_running", "num_threads"):
@@ -167,13 +170,13 @@ def run(cfg: SpecBenchConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = DataConfig()
     rows = toy.make_dataset(data.num_toy_prompts, data.toy_seed, data.toy_tail_alpha)
-    model = load_model(path)
+    model = load_model(path, cfg.device)
     spec_cfg = EngineConfig(speculative="auto", spec_max_tokens=cfg.spec_max_tokens)
     cost = TorchEngine(model, spec_cfg).calibrate()
-    engines = {"off": lambda: TorchEngine(load_model(path), EngineConfig()),
-               **{m: (lambda: TorchEngine(load_model(path), spec_cfg, spec_cost=cost)) for m in MODES[1:]}}
+    engines = {"off": lambda: TorchEngine(load_model(path, cfg.device), EngineConfig()),
+               **{m: (lambda: TorchEngine(load_model(path, cfg.device), spec_cfg, spec_cost=cost)) for m in MODES[1:]}}
     print(f"{PROG}: {cfg.num_prompts} prompts x {cfg.group_size // cfg.replicas} responses per batch, "
-          f"{cfg.batches} batches, toy model, {cfg.num_threads} thread(s)", flush=True)
+          f"{cfg.batches} batches, toy model on {cfg.device}, {cfg.num_threads} thread(s)", flush=True)
     print_cost(cost)
     totals = {m: ModeTotals(spec=SpecStats()) for m in MODES}
     for b in range(cfg.batches):

@@ -2,7 +2,7 @@
 on rank 0, every round's responses and speculation counters to ``RUN_DIR/spec_rounds.jsonl``.
 
 ``bench spec`` launches its jobs with it to compare the tokens of two runs response by response. It
-is the benchmark's instrument (it wraps :meth:`~rollpacker.exchange.RoundLeader.finish`), not a
+is the benchmark's instrument (it wraps :meth:`~rollpacker.exchange.ExchangeRound.finish`), not a
 setting of the product.
 """
 
@@ -20,18 +20,18 @@ def main(argv: list[str]) -> None:
     from rollpacker import exchange, run
 
     run_dir = Path(argv[argv.index("--run-dir") + 1])
-    finish = exchange.RoundLeader.finish
+    finish = exchange.ExchangeRound.finish
 
     def recording_finish(self, reports):
         result = finish(self, reports)
-        outputs = [*self.state.outputs, *self.aborted]
+        outputs = [*self.round.state.outputs, *(o for r in reports if r for o in r.aborted)]
         record = {"step": self.step, "kind": result.kind, "spec": dataclasses.asdict(result.spec),
                   "outputs": [[o.id, o.prompt_ids, o.token_ids, o.finish_reason] for o in outputs]}
         with open(run_dir / RECORD, "a") as f:
             f.write(json.dumps(record) + "\n")
         return result
 
-    exchange.RoundLeader.finish = recording_finish
+    exchange.ExchangeRound.finish = recording_finish
     run.main(argv)
 
 

@@ -23,22 +23,33 @@ def messages(prompt: str | list[dict], system_prompt: str = "") -> list[dict]:
     return turns
 
 
-def encode(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, system_prompt: str = "",
-           template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> list[int]:
-    """The token ids the engines get for ``prompt`` (a string, or a list of chat messages); ``tools``
-    (JSON schemas, an episode's) go to the template, which then renders a string prompt too."""
+def render(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, system_prompt: str = "",
+           template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
+    """The text ``prompt`` (a string, or a list of chat messages) becomes before it is tokenized:
+    the chat template's output, or the string as it is. ``tools`` (JSON schemas, an episode's) go to
+    the template, which then renders a string prompt too."""
     if isinstance(prompt, str) and not chat_template and not tools:
         if system_prompt:
             raise UserError("data.system_prompt is set but the prompts are plain strings tokenized as they are: "
                             "set model.chat_template to render them as chat turns, or drop data.system_prompt")
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(f"the model's tokenizer ({tokenizer.name_or_path}) has no chat template, which chat "
                         "prompts (a list of messages, model.chat_template or data.system_prompt) need: use a chat "
                         "model's tokenizer, or plain string prompts")
-    text = tokenizer.apply_chat_template(messages(prompt, system_prompt), add_generation_prompt=True, tokenize=False,
+    return tokenizer.apply_chat_template(messages(prompt, system_prompt), add_generation_prompt=True, tokenize=False,
                                          tools=tools or None, **(template_kwargs or {}))
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode(tokenizer, prompt: str | list[dict], **settings) -> list[int]:
+    """The token ids the engines get for ``prompt``: :func:`render`'s text (``settings`` are its own),
+    tokenized without special tokens (a template writes its own)."""
+    return tokenizer(render(tokenizer, prompt, **settings), add_special_tokens=False)["input_ids"]
+
+
+def prompt_text(tokenizer, prompt_ids: list[int]) -> str:
+    """The prompt as the engine received it: its token ids decoded, special tokens and all."""
+    return tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:

@@ -86,3 +86,27 @@ def _log_scale(model: LengthModel, row: int) -> float:
     if long:
         return math.log(model.long_median_tokens) + model.long_sigma * z
     return math.log(model.median_tokens) + model.prompt_sigma * z
+
+
+class LengthReplay:
+    """Forced response lengths (``--rollout.replay-lengths``), drawn from the paper's long-tailed
+    mixture (:class:`LengthModel`, scaled to ``max_new_tokens`` and cut there), which the engines
+    then force (``ignore_eos``). A random model so rolls out the tail a trained one would, and the
+    simulator replays the very same lengths. One per run.
+
+    A partial response resumed in a later round (sorted_partial) keeps the length it was first
+    given, as in the simulator."""
+
+    def __init__(self, seed: int, max_new_tokens: int):
+        self.model, self.cap = LengthModel(seed=seed).for_cap(max_new_tokens), max_new_tokens
+        self.given: dict[str, int] = {}
+        """Request id -> its forced length, for the partials a later round resumes."""
+
+    def draw(self, row: int, step: int, slot: int, response: int) -> int:
+        """The length of response ``response`` of the prompt ``row`` launched in ``slot`` at ``step``."""
+        return min(self.cap, int(self.model.lengths(row, step, slot, response + 1)[response]))
+
+    def __call__(self, rid: str, row: int, step: int, slot: int, response: int, earlier=None) -> int:
+        length = self.given.pop(earlier.id, None) if earlier is not None else None
+        self.given[rid] = length = self.draw(row, step, slot, response) if length is None else length
+        return length

@@ -24,8 +24,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import signal
-import sys
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ from typing import Any
 from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
 from rollpacker.reward.functions import target
-from rollpacker.reward.workers import RewardPool
+from rollpacker.reward.workers import RewardPool, _ignore_stops
 
 
 @dataclass(frozen=True)
@@ -103,11 +101,11 @@ class _Episode:
     """Calls submitted and not yet answered."""
 
 
-def _serve(conn: mp.connection.Connection, spec: EnvSpec) -> None:
-    """A worker's life: say ready (None), then run ``(kind, key, payload)`` calls until told None."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as the reward workers: Ctrl-C is the trainer's
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwinds a sandbox run (the python tool)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
+    """A worker's life: the reward workers' signals (stops ignored, RETIRE unwinds a sandbox run of the
+    python tool, death with ``parent``), say ready (None), then run ``(kind, key, payload)`` calls
+    until told None."""
+    _ignore_stops(parent)
     envs: dict[Hashable, Any] = {}
     try:
         conn.send(None)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 logger = logging.getLogger("rollpacker")
@@ -12,20 +13,30 @@ logger = logging.getLogger("rollpacker")
 def train(job) -> int:
     """Run ``job`` to its end (collective): the loop its policy needs, the final checkpoint and
     evaluation; returns the step reached."""
-    from rollpacker import preempt
+    from rollpacker import checkpoint, preempt
     from rollpacker.loops import colocated, one_step_off
 
     cfg, ctl = job.config, job.controller
+    if ctl:
+        from rollpacker.summary import start_summary
+
+        ctl.display.note(start_summary(job))
     loop = one_step_off if job.meshes.disaggregated else colocated
     step = loop.run(job)
     stop = job.meshes.broadcast(preempt.requested() if ctl else None)  # a stop signal ended the loop
-    if step > job.start_step and not (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+    if step > job.start_step and job.saved != step:
         job.save(step)  # the final state, also when the data ran out before num_steps (num_epochs) or on a stop
-    if stop and ctl:
-        logger.info("stopped on %s after %d steps: checkpoint saved, resume with --resume auto", stop, step)
-    if cfg.checkpoint.export_hf and not stop:
+    if stop:  # no export, no final evaluation: the run is not over
+        if ctl:
+            ctl.close()  # the reward workers, which ignored the signal, stop now
+            newest = checkpoint.latest(Path(cfg.run_dir))
+            print(f"rollpacker: stopped on {stop} with {step} of {cfg.num_steps} steps done; the newest committed "
+                  f"checkpoint is {newest or 'none'}: run the same command with --resume auto to go on",
+                  file=sys.stderr, flush=True)
+        return step
+    if cfg.checkpoint.export_hf:
         job.export(Path(cfg.run_dir) / "hf")
-    if cfg.eval_every and job.engine is not None and not stop:
+    if cfg.eval_every and job.engine is not None:
         final = colocated.evaluate(job, step)
         if ctl:
             ctl.metrics.log(step, final)

@@ -3,15 +3,14 @@
 :func:`rl_step` is the paper's workflow (Fig. 1a): the policy plans a round, the engines roll it
 out while each response is scored as it finishes, the trainer takes one optimizer step, and the
 new weights are pushed into the engines in-process. The parallelism planner picks the round's
-rollout TP first; the stream trainer (and RolloutPipe) trains under rollout on the ranks it frees
-and accounts for it after the step (:meth:`~rollpacker.train.stream.StreamTrainer.after_step`).
+rollout TP first; the stream trainer (and RolloutPipe) joins the round through its hooks, trains
+under rollout on the ranks it frees and accounts for it after the step
+(:meth:`~rollpacker.train.stream.StreamTrainer.after_step`).
 :func:`generate` and :func:`evaluate` are shared with one_step_off's loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from typing import Any
 
 from rollpacker import preempt, watchdog
@@ -24,7 +23,7 @@ from rollpacker.schedule.base import RoundPlan
 def run(job: Job) -> int:
     """Steps from ``job.start_step`` until ``num_steps`` or the data runs out; returns the step reached."""
     cfg, ctl = job.config, job.controller
-    preempt.install()  # SIGUSR1/SIGTERM (Slurm): stop after the current step, saved
+    preempt.install()  # again (run.main did): SIGUSR1/SIGTERM/SIGINT stop after the current step, saved
     step = job.start_step
     while step < cfg.num_steps:
         watchdog.at_step(step)  # dist.timeout_s once the first step is done
@@ -49,18 +48,17 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
     batch, result, round_stats = generate(job, step, plan, timer)  # roll out and score
     stats |= round_stats
     if not job.config.train.skip:
-        train_step(job, timer, batch, stats, plan, result)  # train, then sync the engines' weights
+        train_step(job, timer, batch, stats)  # train, then sync the engines' weights
     if ctl:
         times = timer.pop()
         times["time/step"] = sum(times.values())
-        ctl.end_step(step, plan.kind, result.num_launched, stats | times)
+        ctl.end_step(step, result, stats | times)
 
 
-def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: RoundPlan | None,
-               result: RoundResult | None) -> None:
+def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any]) -> None:
     """Train on the round's batch (the freed ranks' stream training accounted for) and push the new
     weights into the engines (collective)."""
-    meshes, ctl = job.meshes, job.controller
+    meshes = job.meshes
     offload = meshes.device.type == "cuda" and not job.engine.released  # a released engine stays released
     if offload:  # GPU: the engines' memory goes to the trainer while it trains
         job.engine.release_memory()
@@ -68,9 +66,7 @@ def train_step(job: Job, timer: Timer, batch, stats: dict[str, Any], plan: Round
         samples, normalizer = meshes.broadcast(batch)
         stats |= job.trainer.step(samples, normalizer)
     if job.stream:  # the training the freed ranks did under rollout
-        stats |= job.stream.after_step(plan.kind if ctl else "", timer.times["time/train"],
-                                       time.time() - result.start if ctl else 0.0,
-                                       bool(stats.get("stream/scaled_down")))
+        stats |= job.stream.after_step(timer.times["time/train"])
     with timer("weight_sync"):  # push the new weights into the engines, in-process
         job.push_weights()
     if offload:
@@ -83,12 +79,14 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
     (freed ranks stream-train meanwhile). On rank 0: the batch to train
     (:meth:`~rollpacker.controller.Controller.make_batch`), the round's result and its metrics
     (:meth:`~rollpacker.controller.Controller.round_stats`). ``timer`` gets the rollout time and the reward time."""
-    ctl = job.controller
-    leader = ctl.leader(step, plan) if ctl else None
+    ctl, stream = job.controller, job.stream
+    leader = ctl.train_round(step, plan, stream.round_hooks() if stream else None) if ctl else None
     with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
-        result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, leader, job.stream)
-        if isinstance(result, Freed):
-            job.stream.serve_freed(job.engine)
+        result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, leader)
+        if isinstance(result, Freed):  # it waits for rank 0's sends through the rest of the rollout
+            cfg = job.config
+            with watchdog.waiting("serve", cfg.dist.rollout_wait_s(cfg.rollout.max_new_tokens)):
+                job.stream.serve_freed(job.engine)
     if not ctl:
         return None, None, {}
     with timer("reward"):  # the batch of the kept groups (responses were scored as they finished)
@@ -103,14 +101,12 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     ``eval.n`` responses per prompt at ``eval.temperature`` (greedy, one each by default)."""
     from rollpacker.schedule.eval import eval_metrics
 
-    ctl, cfg = job.controller, job.config.eval
+    ctl = job.controller
     job.engine.resume_memory()  # a pipe train-pool rank's engine is released between its rounds
-    sampling = dataclasses.replace(ctl.sampling, temperature=cfg.temperature) if ctl and cfg.temperature else None
-    leader = ctl.eval_leader(step, cfg.n, sampling) if ctl else None
-    result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, leader)
+    result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, ctl.eval_round(step) if ctl else None)
     if not ctl:
         return {}
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
-    ctl.rewards.take_metrics()  # held-out scoring is not the next step's reward time or reward/NAME
+    ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
     return eval_metrics([[r or 0.0 for r in g.rewards] for g in result.groups],
                         [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups])

@@ -34,6 +34,7 @@ How it differs from verl: one SPMD program, no Ray; the weights go out once per 
 boundary (verl syncs before launching each generation, the same point); the loss weights each
 token by the trainer's log-prob over the engine's, which sampled it (``train.rollout_correction``).
 
+A stop signal (:mod:`rollpacker.preempt`) ends the run at the next boundary, with a checkpoint.
 Checkpoints are taken at a boundary: the training pool's weights and optimizer after k steps, and
 the policy's state from before batch k was drawn. Batch k, generated but not trained, is thrown
 away; a resumed run generates it again with the checkpoint's weights (staleness 0 for that batch),
@@ -47,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpacker import preempt, watchdog
 from rollpacker.job import Job
 from rollpacker.loops.colocated import evaluate, generate
 from rollpacker.metrics import Timer
@@ -98,7 +100,7 @@ def run(job: Job) -> int:
     rolls = job.meshes.rank in job.meshes.rollout_ranks
     if rolls:
         first_batch(job, loop)
-    while boundary(job, loop):
+    while handoff(job, loop):
         if rolls:
             rollout_pool_step(job, loop)
         else:
@@ -115,6 +117,14 @@ def first_batch(job: Job, loop: Loop) -> None:
         loop.pending.stats |= evaluated
 
 
+def handoff(job: Job, loop: Loop) -> bool:
+    """:func:`boundary` under its own collective timeout: one pool waits there while the other
+    generates a batch or trains on one (``dist.token_timeout_s`` per response token)."""
+    cfg = job.config
+    with watchdog.waiting("handoff", cfg.dist.rollout_wait_s(cfg.rollout.max_new_tokens)):
+        return boundary(job, loop)
+
+
 def boundary(job: Job, loop: Loop) -> bool:
     """Collective over all ranks, between two steps:
 
@@ -123,9 +133,10 @@ def boundary(job: Job, loop: Loop) -> bool:
     - the new weights go to the rollout pool;
     - a checkpoint is taken when due.
 
-    Returns whether there is a batch to train."""
+    Returns whether there is a batch to train, and no stop was asked for (then a checkpoint is taken).
+    """
     cfg, meshes, rank0 = job.config, job.meshes, job.rank0
-    more = meshes.broadcast(loop.pending is not None if rank0 else None)
+    more, stop = meshes.broadcast((loop.pending is not None, preempt.requested()) if rank0 else None)
     if more and (rank0 or meshes.rank not in meshes.rollout_ranks):
         loop.batch = meshes.broadcast(loop.pending.batch if rank0 else None, meshes.handoff)
     loop.arrived = time.perf_counter()
@@ -137,9 +148,10 @@ def boundary(job: Job, loop: Loop) -> bool:
         if loop.step > loop.weights_step:
             job.push_weights()
             loop.weights_step = loop.step
-    if cfg.checkpoint_every and loop.step > job.start_step and loop.step % cfg.checkpoint_every == 0:
+    due = cfg.checkpoint_every and loop.step % cfg.checkpoint_every == 0
+    if loop.step > job.start_step and (due or (more and stop)):  # a stop: batch k is drawn again on resume
         job.save(loop.step, policy_state=loop.pending.policy_state if rank0 and loop.pending else None)
-    return bool(more)
+    return bool(more) and not stop
 
 
 def rollout_pool_step(job: Job, loop: Loop) -> None:

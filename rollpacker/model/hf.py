@@ -94,16 +94,17 @@ def empty_model(args: ModelArgs, device: torch.device | str, dtype: torch.dtype)
 
 
 def save_model(model: Transformer, path: str | Path, max_shard_bytes: int = 5 << 30, *, write: bool = True,
-               dtype: torch.dtype | None = None) -> None:
+               dtype: torch.dtype | None = None, weights=None) -> None:
     """Write ``model`` as a Hugging Face directory (``config.json`` is written back unchanged), its
-    tensors in ``dtype`` (None: as they are).
+    tensors in ``dtype`` (None: as they are); ``weights``: (name, tensor) pairs to write instead of its
+    state dict (LoRA's merged weights).
 
     DTensor parameters are gathered with ``full_tensor()``, a collective: call it on every rank
     of their mesh, with ``write`` True on the one rank that writes (the others keep no copy).
     """
     path = Path(path)
     state = {}
-    for name, t in model.state_dict().items():
+    for name, t in model.state_dict().items() if weights is None else weights:
         if name == "lm_head.weight" and model.args.tie_word_embeddings:
             continue
         if hasattr(t, "full_tensor"):

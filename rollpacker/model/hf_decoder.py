@@ -150,12 +150,14 @@ def load_hf(path: str | Path, *, meta: bool = False, dtype: torch.dtype = torch.
     return HFDecoder(causal_lm.train())
 
 
-def save_hf(model: HFDecoder, path: str | Path, *, write: bool = True, dtype: torch.dtype | None = None) -> None:
+def save_hf(model: HFDecoder, path: str | Path, *, write: bool = True, dtype: torch.dtype | None = None,
+            weights=None) -> None:
     """Write ``model`` as a Hugging Face directory with ``transformers``' own ``save_pretrained`` (the
-    checkpoint's names, fused experts split back). DTensor parameters are gathered with
+    checkpoint's names, fused experts split back); ``weights``: (name, tensor) pairs to write instead
+    of its state dict (LoRA's merged weights). DTensor parameters are gathered with
     ``full_tensor()``, a collective: call it on every rank, ``write`` on the one that writes."""
     state = {}
-    for name, t in model.state_dict().items():
+    for name, t in model.state_dict().items() if weights is None else weights:
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
         if write:

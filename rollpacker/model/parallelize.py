@@ -20,6 +20,9 @@ FSDP2 ``fully_shard`` per block, then the root (embedding, final norm, output he
   the meta device and sharded, tensor by tensor, from the full state dict that one rank holds in
   host memory (a broadcast, then each rank keeps its shard).
 
+With ``train.lora`` the policy gets PEFT's LoRA linears first (:mod:`rollpacker.model.lora`), so
+FSDP2 shards each block's adapters with it.
+
 Both the native :class:`~rollpacker.model.transformer.Transformer` and the Hugging Face path's
 :class:`~rollpacker.model.hf_decoder.HFDecoder` offer ``layers``, each with ``self_attn`` and ``mlp``.
 """
@@ -92,7 +95,12 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: bool, of
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, *, mixed_precision: bool,
                 offload: bool | None = None) -> nn.Module:
-    """The policy for training: activation checkpointing, then FSDP2 (in place; returned)."""
+    """The policy for training: LoRA adapters (``train.lora``, unless it has them), activation
+    checkpointing, then FSDP2 (in place; returned)."""
+    from rollpacker.model import lora
+
+    if config.lora.rank and not lora.has_adapters(model):
+        lora.apply(model, config.lora)
     apply_activation_checkpointing(model.layers, config)
     shard_model(model, mesh, mixed_precision=mixed_precision, offload=config.offload if offload is None else offload)
     return model
@@ -118,6 +126,7 @@ def build_for_training(path: str, impl: str, mesh: DeviceMesh, config: TrainConf
     training, never whole on the device: built on the meta device, parallelized, then filled from the
     whole model that rank ``src`` alone loads into host memory (:func:`load_sharded`). A streamed
     reference is whole in every rank's host memory. ``impl``: native or hf."""
+    from rollpacker.model import lora
     from rollpacker.model.hf import load_model, read_args
     from rollpacker.model.hf_decoder import full_state, load_hf
 
@@ -135,7 +144,10 @@ def build_for_training(path: str, impl: str, mesh: DeviceMesh, config: TrainConf
             return Transformer(read_args(path))
 
     model = build(meta=True)
-    full = full_state(build(meta=False)) if dist.get_rank() == src else None
+    full = None
+    if dist.get_rank() == src:  # the adapters' initial values too (PEFT's init: A random, B zero)
+        whole = build(meta=False)
+        full = full_state(lora.apply(whole, config.lora) if config.lora.rank and not reference else whole)
     if reference:
         shard_model(model.requires_grad_(False).eval(), mesh, mixed_precision=mixed, offload=config.offload)
     else:

@@ -4,49 +4,34 @@
 terms, the two peaks and whether the larger fits, with its headroom; the last line is JSON with
 ``fits`` and ``peak_gb``. On GPU the job runs the same computation at start-up
 (:func:`check_fits`) and refuses a config that cannot fit, naming the largest term and the
-setting that shrinks it.
+setting that shrinks it. SGLang's ``mem_fraction_static`` comes from the same engine terms
+(:func:`sglang_memory_fraction`).
 
-Training peak, per rank (N = the ranks one FSDP2 replica is sharded over, b = bytes of the
-compute dtype: 2 with bf16 mixed precision on GPU, 4 in fp32):
-
-- parameters, gradients and AdamW's two moments in fp32, sharded: 4 + 4 + 8 bytes per parameter
-  over N (in host memory with ``train.offload``); the optimizer step adds one fp32 temporary per
-  parameter (``torch._foreach`` on GPU; one tensor at a time on CPU);
-- FSDP2's unsharded copies: the root (embedding, final norm, output head) for the whole
-  forward and backward, and the blocks being gathered (the current one and the prefetched one);
-- saved activations: a hand count of what autograd keeps per token in one block
-  (:func:`block_saved`; exact for the native decoder, checked against ``saved_tensors_hooks``), over
-  the micro-batch's tokens (attention's per-bucket gathers at their padded length), times the
-  blocks, with activation checkpointing only each checkpointed module's input, plus one block
-  recomputed in backward;
-- the log-prob head's backward: the torch path's ``[chunk, V]`` fp32 logits block, fp32 copy of the
-  head and fp32 head gradient, or the fused kernel's fp32 ``[T, D]`` accumulator and scratch rows;
-- the KL reference (``train.kl_coef > 0``): sharded like the policy, or streamed from host memory.
-
-Rollout peak: the trainer's parameters and optimizer state (gradients are freed after the step),
-the engine's weights per TP shard, its KV budget and its activations. During training the engines
-release their memory on GPU (vLLM's and SGLang's weights and KV cache; TorchEngine its KV cache).
-A fixed allowance covers the CUDA context, NCCL and cuBLAS workspaces.
-
-This is a model of the code, not of the allocator: fragmentation and the caching allocator's
-reserve are not counted (keep 10% headroom). ``python -m rollpacker.bench memory`` checks the
-training peak against CPU measurements of real steps.
+Invariants: it models the code, not the allocator (fragmentation is not counted: keep 10%
+headroom); an engine's terms follow its capabilities (``EngineKind``), never its name.
+``python -m rollpacker.bench memory`` checks the training peak against CPU measurements of real
+steps. Every term, and how it was checked: ``docs/memory.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollpacker.model.parallelize import checkpointed
+from rollpacker.rollout import ENGINES, resolve_kind
 
 GB = 1e9
 CUDA_CONTEXT_BYTES = 2.0 * GB
 """CUDA context, NCCL buffers and cuBLAS workspaces: an allowance, not computed."""
+SGLANG_PROCESS_BYTES = CUDA_CONTEXT_BYTES
+"""SGLang's scheduler process on each GPU of its TP group: a second CUDA context, its own NCCL buffers
+and cuBLAS workspaces (the same allowance)."""
 PROMPT_TOKENS = 1024
 """The prompt length the plan assumes for the longest sample (prompts are not capped)."""
 
@@ -84,6 +69,7 @@ class Shape:
     """MoE: experts per layer (0: dense)."""
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    max_position_embeddings: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> Shape:
@@ -102,6 +88,7 @@ class Shape:
             num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
+            max_position_embeddings=cfg.get("max_position_embeddings") or 0,
         )
 
     @property
@@ -155,7 +142,8 @@ class TrainSetup:
     foreach: bool = True
     """The optimizer steps all tensors at once (GPU) or one at a time (CPU)."""
     reference: str = "none"
-    """The KL reference: none, sharded (FSDP2 like the policy) or streamed (host memory, layer by layer)."""
+    """The KL reference: none, sharded (FSDP2 like the policy), streamed (host memory, layer by layer) or
+    policy (LoRA: the policy with its adapters off, no weights of its own)."""
     softcap: bool = False
     micro_batches: int = 2
     """Micro-batches per rank per step (1: gradients exist only from the backward on)."""
@@ -165,6 +153,8 @@ class TrainSetup:
     """Stream training: gradients accumulate unsharded while rollout goes on."""
     gloo: bool = False
     """Collectives run on gloo (CPU), whose reduce-scatter copies its input."""
+    lora_params: int = 0
+    """LoRA: the adapters' parameters, the only ones trained (0: every parameter trains)."""
 
     @property
     def tokens(self) -> int:
@@ -294,6 +284,24 @@ def reduce_scatter(num_params: int, t: TrainSetup, held: float = 0.0) -> float:
     return max(copy_in, num_params * (4 + 4 / n + (4 if t.gloo and n > 1 else 0)) + held)
 
 
+LORA_DIMS = {"q_proj": ("hidden_size", "q_dim"), "k_proj": ("hidden_size", "kv_dim"),
+             "v_proj": ("hidden_size", "kv_dim"), "o_proj": ("q_dim", "hidden_size"),
+             "gate_proj": ("hidden_size", "intermediate_size"), "up_proj": ("hidden_size", "intermediate_size"),
+             "down_proj": ("intermediate_size", "hidden_size")}
+"""A decoder layer's linears: (in, out) features, as :class:`Shape` names them."""
+
+
+def lora_params(s: Shape, rank: int, targets: tuple[str, ...]) -> int:
+    """Parameters of rank-``rank`` adapters (A: r x in, B: out x r) on ``targets`` of every layer."""
+    names = LORA_DIMS if targets == ("all-linear",) else [t for t in targets if t in LORA_DIMS]
+    return s.num_layers * sum(rank * (getattr(s, LORA_DIMS[n][0]) + getattr(s, LORA_DIMS[n][1])) for n in names)
+
+
+def trained_params(s: Shape, t: TrainSetup) -> int:
+    """Parameters with gradients and optimizer state: the adapters', or all of them."""
+    return t.lora_params or s.num_params
+
+
 def gradients(s: Shape, t: TrainSetup) -> Term:
     """The gradients held before a micro-batch's backward: none in a step's only micro-batch; else
     the earlier ones', sharded in fp32 when every micro-batch reduces, else unsharded (FSDP2 keeps
@@ -301,9 +309,9 @@ def gradients(s: Shape, t: TrainSetup) -> Term:
     if t.micro_batches == 1 and not t.streaming:
         return Term(name="gradients of earlier micro-batches", bytes=0)
     if t.reduce_every and not t.streaming:
-        return Term(name="gradients (fp32, sharded)", bytes=(not t.offload) * 4 * s.num_params / t.shard_size,
+        return Term(name="gradients (fp32, sharded)", bytes=(not t.offload) * 4 * trained_params(s, t) / t.shard_size,
                     fix="train.offload")
-    return Term(name="gradients accumulated unsharded (fp32)", bytes=4 * s.num_params,
+    return Term(name="gradients accumulated unsharded (fp32)", bytes=4 * trained_params(s, t),
                 fix="train.reduce-every-micro-batch" if not t.streaming else "stream.enabled false")
 
 
@@ -311,12 +319,14 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
     """The training peaks, per rank: the forward (at the log-prob head), the head's backward, the
     blocks' backward (the last block first), the KL reference's forward, and the optimizer step."""
     b, n, device = t.compute_bytes, t.shard_size, 0 if t.offload else 1
-    off = "train.offload"
-    state = [Term(name="parameters (fp32, sharded)", bytes=device * 4 * s.num_params / n, fix=off),
-             Term(name="optimizer state (AdamW, fp32, sharded)", bytes=device * 8 * s.num_params / n, fix=off),
+    off, trained = "train.offload", trained_params(s, t)
+    state = [Term(name="parameters (fp32, sharded)", bytes=device * 4 * (s.num_params + t.lora_params) / n, fix=off),
+             Term(name="optimizer state (AdamW, fp32, sharded)", bytes=device * 8 * trained / n, fix=off),
              gradients(s, t), *reference_state(s, t)]
     root = Term(name="unsharded root (embedding, norm, head)", bytes=b * s.root_params)
-    sharded_grads = 0 if state[2].bytes else device * 4 * s.num_layers * s.layer_params / n  # first micro-batch
+    block_trained = t.lora_params or s.num_layers * s.layer_params
+    sharded_grads = 0 if state[2].bytes else device * 4 * block_trained / n  # first micro-batch
+    head_grad = 0 if t.lora_params else b * s.vocab_size * s.hidden_size  # LoRA: the head is frozen
     acts = activations(s, t)
     fix = "train.activation-checkpointing full" if t.checkpointing == "none" else "a smaller train.micro_batch_tokens"
     saved = Term(name="saved activations", bytes=acts["blocks"] + acts["head"], fix=fix)
@@ -330,22 +340,22 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
             Term(name=f"log-prob head backward ({t.head})", bytes=head_backward(s, t), fix=head_fix)]),
         Phase(name="backward (blocks)", terms=[
             *state, root, Term(name="saved activations", bytes=acts["blocks"], fix=fix),
-            Term(name="head gradient (unsharded)", bytes=b * s.vocab_size * s.hidden_size),
+            Term(name="head gradient (unsharded)", bytes=head_grad),
             Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
             Term(name="unsharded blocks in flight (2)", bytes=2 * b * s.layer_params),
             Term(name="block backward (activation and weight gradients)", bytes=block_backward(s, t))]),
         Phase(name="backward (root reduce-scatter)", terms=[
             *state, Term(name="the blocks' gradients (fp32, sharded)", bytes=sharded_grads, fix=off),
             Term(name="root gradients reduce-scatter (the embedding's gradient held)",
-                 bytes=reduce_scatter(s.root_params, t, held=b * s.vocab_size * s.hidden_size))])]
+                 bytes=0 if t.lora_params else reduce_scatter(s.root_params, t, held=head_grad))])]
     if t.reference != "none":
         phases.append(Phase(name="forward (KL reference)", terms=[
             *state, root, saved, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
                                 bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t))]))
-    largest = max(s.vocab_size * s.hidden_size, s.layer_params) / n
-    temp = 4 * s.num_params / n if t.foreach else 2 * 4 * largest
+    largest = (t.lora_params / s.num_layers if t.lora_params else max(s.vocab_size * s.hidden_size, s.layer_params)) / n
+    temp = 4 * trained / n if t.foreach else 2 * 4 * largest
     phases.append(Phase(name="optimizer step", terms=[
-        *state[:2], Term(name="gradients (fp32, sharded)", bytes=device * 4 * s.num_params / n, fix=off),
+        *state[:2], Term(name="gradients (fp32, sharded)", bytes=device * 4 * trained / n, fix=off),
         *reference_state(s, t), Term(name="AdamW temporaries", bytes=device * temp, fix=off)]))
     return phases
 
@@ -378,25 +388,98 @@ class RolloutSetup:
     """The engine's KV cache budget per rank."""
     max_num_seqs: int
     prefill_tokens: int
+    """engine.max_prefill_tokens."""
     released: bool
     """The engine frees its weights and KV cache while the trainer trains (vLLM/SGLang on GPU)."""
+    max_model_len: int = 0
+    """engine.max_model_len (0: the model's max_position_embeddings)."""
+    longest: int = 0
+    """The longest context a request reaches (prompt + response; 0: max_model_len)."""
 
 
 def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
     n, device = t.shard_size, 0 if t.offload else 1
-    d, inner = s.hidden_size, (s.q_dim + 2 * s.kv_dim + 3 * max(s.intermediate_size, s.moe_intermediate_size)) / r.tp
-    acts = r.prefill_tokens * (3 * d + inner) * r.weight_bytes + 3 * r.max_num_seqs * s.vocab_size * 4
-    terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=device * 12 * s.num_params / n,
+    held = 4 * (s.num_params + t.lora_params) + 8 * trained_params(s, t)  # fp32 parameters, AdamW's moments
+    terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=device * held / n,
                   fix="train.offload"),
-             Term(name=f"engine weights (TP {r.tp} shard)", bytes=engine_weights(s, r),
-                  fix="a larger rollout.tp"),
-             Term(name="engine KV cache budget", bytes=r.kv_bytes, fix="a smaller engine.kv_memory_mb"),
-             Term(name="engine activations and logits", bytes=acts, fix="a smaller engine.max_prefill_tokens")]
+             *engine_terms(s, r)]
     return Phase(name="rollout", terms=terms + reference_state(s, t))
+
+
+def engine_terms(s: Shape, r: RolloutSetup) -> list[Term]:
+    """What the engine holds on one GPU while it rolls out."""
+    terms = [Term(name=f"engine weights (TP {r.tp} shard)", bytes=engine_weights(s, r), fix="a larger rollout.tp"),
+             Term(name="engine KV cache budget", bytes=r.kv_bytes, fix="a smaller engine.kv_memory_mb"),
+             Term(name="engine activations and logits", bytes=engine_activations(s, r),
+                  fix="a smaller engine.max_prefill_tokens (vLLM: engine.max_model_len too)")]
+    kind = ENGINES[r.engine]
+    if kind.decode_workspace:
+        terms.append(Term(name=f"{kind.title} decode workspace (each length group's most rows)",
+                          bytes=decode_workspace(s, r), fix="a smaller engine.max_num_seqs"))
+    return terms + scheduler_process(r)
+
+
+def engine_kept(s: Shape, r: RolloutSetup) -> list[Term]:
+    """What the engine keeps on the GPU while the trainer trains: its weights unless it releases them,
+    and SGLang's scheduler process."""
+    releasing = " or ".join(k for k, e in ENGINES.items() if e.releases_weights)
+    kept = [Term(name="engine weights kept while training", bytes=0.0 if r.released else engine_weights(s, r),
+                 fix=f"engine.kind {releasing} (they release it)")]
+    return kept + scheduler_process(r)
+
+
+def scheduler_process(r: RolloutSetup) -> list[Term]:
+    """The allowance for an engine's own scheduler process on the GPU (SGLang's), if it runs one."""
+    kind = ENGINES[r.engine]
+    return [Term(name=f"{kind.title} scheduler process (allowance)", bytes=SGLANG_PROCESS_BYTES)
+            ] if kind.scheduler_process else []
+
+
+def batched_tokens(s: Shape, r: RolloutSetup) -> int:
+    """The most tokens one engine forward takes: vLLM's ``max_num_batched_tokens``, which the adapter
+    sets to max(max_prefill_tokens, max_model_len), and which its start-up profile run allocates;
+    ``engine.max_prefill_tokens`` for the others."""
+    if ENGINES[r.engine].batches_model_len:
+        return max(r.prefill_tokens, r.max_model_len or s.max_position_embeddings)
+    return r.prefill_tokens
+
+
+def engine_activations(s: Shape, r: RolloutSetup) -> float:
+    """One forward of :func:`batched_tokens` tokens (hidden states, the TP shard's q/k/v and MLP
+    activations) and the sampler's fp32 logits for every running request."""
+    d, inner = s.hidden_size, (s.q_dim + 2 * s.kv_dim + 3 * max(s.intermediate_size, s.moe_intermediate_size)) / r.tp
+    return batched_tokens(s, r) * (3 * d + inner) * r.weight_bytes + 3 * r.max_num_seqs * s.vocab_size * 4
+
+
+def decode_workspace(s: Shape, r: RolloutSetup) -> float:
+    """TorchEngine's decode workspace beside its KV pool (``DecodeBatch`` in rollout/torch_engine/kv.py):
+    each power-of-two length group, from 16 tokens to the longest context's, keeps the most rows it held
+    at once (up to ``max_num_seqs``: a rollout's requests cross each length together) until the engine
+    releases its memory, each row its group's capacity of K and V. Measured on CPU: 5.3x the pool for
+    64 requests of up to 660 tokens (docs/memory.md)."""
+    cap = r.max_model_len or s.max_position_embeddings
+    longest = min(r.longest, cap) if r.longest and cap else r.longest or cap
+    top = max(16, 1 << (max(longest, 1) - 1).bit_length())
+    per_token = 2 * s.num_layers * max(1, s.num_kv_heads // r.tp) * s.head_dim * r.weight_bytes
+    return r.max_num_seqs * (2 * top - 16) * per_token
 
 
 def engine_weights(s: Shape, r: RolloutSetup) -> float:
     return s.num_params * r.weight_bytes / r.tp
+
+
+def sglang_memory_fraction(s: Shape, r: RolloutSetup, free_bytes: float) -> float:
+    """SGLang's ``mem_fraction_static`` on GPU: its plan terms (:func:`engine_terms`) over the GPU
+    memory free when it starts. SGLang 0.5.23 sizes its KV pool as the memory free after loading its
+    weights less ``(1 - fraction)`` of what was free before, capped at ``max_total_tokens`` (the KV
+    budget), and refuses to start when that is not positive (``kv_cache_configurator``). So this
+    fraction gives it the whole budget and leaves the rest to the trainer."""
+    static = sum(t.bytes for t in engine_terms(s, r))
+    if static >= free_bytes:
+        raise ValueError(f"memory plan: SGLang needs {static / GB:.1f} GB per GPU (weights, KV budget, activations, "
+                         f"its process) but {free_bytes / GB:.1f} GB are free; set a smaller engine.kv_memory_mb "
+                         "or a larger rollout.tp")
+    return min(0.99, math.ceil(1000 * static / free_bytes) / 1000)
 
 
 # ---- a config's plan ----------------------------------------------------------------------------
@@ -467,40 +550,44 @@ def model_shape(path: str) -> Shape:
                             f"({', '.join(QWEN2_5)}); point model.path at a Hugging Face model directory")
 
 
-def setups(config, world_size: int, device: str = "cuda") -> tuple[TrainSetup, RolloutSetup]:
-    """What the plan needs of ``config`` on ``world_size`` ranks of ``device``."""
+def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = None
+           ) -> tuple[TrainSetup, RolloutSetup]:
+    """What the plan needs of ``config`` on ``world_size`` ranks of ``device`` (``shape``: the model's,
+    for LoRA's adapters; read from the config's model when None)."""
     t, e = config.train, config.engine
+    if t.lora.rank and shape is None:
+        shape = model_shape(str(config.model.directory()))
     mixed = t.mixed_precision and device == "cuda"
     longest = config.rollout.max_new_tokens + PROMPT_TOKENS
     tokens = max(t.micro_batch_tokens, longest)
     seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
     head = "fused" if t.logprobs_impl == "triton" or (t.logprobs_impl == "auto" and device == "cuda") else "torch"
-    reference = "none" if not t.kl_coef else "streamed" if t.offload else "sharded"
-    train = TrainSetup(shard_size=t.train_shard_size or world_size, seq_lens=seq_lens, response_tokens=tokens,
+    reference = "none" if not t.kl_coef else "policy" if t.lora.rank else "streamed" if t.offload else "sharded"
+    train = TrainSetup(shard_size=config.topology(world_size).shard, seq_lens=seq_lens, response_tokens=tokens,
                        compute_bytes=2 if mixed else 4, checkpointing=t.activation_checkpointing,
                        ac_every=t.ac_every, ac_part=t.ac_part, offload=t.offload, head=head,
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
-                       streaming=config.stream.enabled or config.pipe, gloo=device != "cuda")
-    kind = e.kind if e.kind != "auto" else ("torch" if device != "cuda" or config.plan.enabled else "vllm")
+                       streaming=config.stream.enabled or config.pipe, gloo=device != "cuda",
+                       lora_params=lora_params(shape, t.lora.rank, t.lora.target_modules) if t.lora.rank else 0)
+    kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
     rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
                            kv_bytes=e.kv_memory_mb * 2**20,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
-                           released=device == "cuda" and kind in ("vllm", "sglang"))
+                           released=device == "cuda" and ENGINES[kind].releases_weights, max_model_len=e.max_model_len,
+                           longest=longest)
     return train, rollout
 
 
 def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float, *,
          context: float = CUDA_CONTEXT_BYTES) -> Plan:
     phases = train_phases(shape, train)
-    kept = 0.0 if rollout.released else engine_weights(shape, rollout)
     for phase in phases:
-        phase.terms.append(Term(name="engine weights kept while training", bytes=kept,
-                                fix="engine.kind vllm or sglang (they release it)"))
+        phase.terms += engine_kept(shape, rollout)
     phases.append(rollout_phase(shape, train, rollout))
     for phase in phases:
         phase.terms.append(Term(name="CUDA context, NCCL, cuBLAS (allowance)", bytes=context))
-    host = 16 * shape.num_params / train.shard_size if train.offload else 0.0
+    host = (4 * shape.num_params + 12 * trained_params(shape, train)) / train.shard_size if train.offload else 0.0
     if train.reference == "streamed":
         host += train.compute_bytes * shape.num_params
     return Plan(shape=shape, phases=phases, capacity=capacity, host_bytes=host)
@@ -509,7 +596,7 @@ def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float
 def config_plan(config, world_size: int, capacity: float, shape: Shape | None = None) -> Plan:
     """The plan of ``config`` on ``world_size`` GPUs of ``capacity`` bytes each."""
     shape = shape or model_shape(str(config.model.directory()))
-    train, rollout = setups(config, world_size)
+    train, rollout = setups(config, world_size, shape=shape)
     return plan(shape, train, rollout, capacity)
 
 

@@ -103,8 +103,8 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
 
     from rollpacker.model import empty_model, load_model, read_args
     from rollpacker.plan.planner import candidate_tps
-    from rollpacker.rollout import build_engine
-    from rollpacker.rollout.config import EngineConfig, resolve_kind
+    from rollpacker.rollout import ENGINES, build_engine, resolve_kind
+    from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import SamplingParams
     from rollpacker.rollout.probe import decode_step_ms, measure_spec_cost, peak_flops
     from rollpacker.rollout.torch_engine import TorchEngine
@@ -140,7 +140,7 @@ def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
 
     out["exchange_ms"] = _exchange_ms(meshes)
     kind = resolve_kind(config.engine.kind, device.type)
-    if kind != "torch":  # a production engine: the run's own, at the run's TP (the planner drives TorchEngine only)
+    if not ENGINES[kind].supports_tp_switch:  # the run's own engine at the run's TP: the planner cannot switch it
         engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
         tp = meshes.rollout_tp.size()
         shapes = empty_model(args, "meta", dtype)

@@ -77,6 +77,8 @@ class RewardConfig:
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
     on_error: OnError = "skip"
     """A reward function that raises, hangs or returns a bad value: skip (reward 0, in reward/errors) or fail (stop)."""
+    max_error_frac: float = 0.5
+    """Stop after a step where a function failed on every call, or over this share of responses erred (1: never)."""
     timeout_factor: float = 1.5
     """Code: lambda, a test's timeout is lambda times the slowest correct run seen on it (RollPacker's code uses 2)."""
     timeout_min: float = 2.0
@@ -107,6 +109,8 @@ class RewardConfig:
                              f"({', '.join(names(self.funcs))}): give one each, or none for 1 each")
         if "judge" in self.funcs:
             check_judge_path(self.judge.model_path)
+        if not 0 <= self.max_error_frac <= 1:
+            raise ValueError(f"reward.max_error_frac must be in [0, 1] (1: never stop), got {self.max_error_frac}")
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
         for name in ("timeout", "timeout_factor", "timeout_min"):

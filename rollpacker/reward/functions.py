@@ -5,7 +5,8 @@ or a reference: ``package.module:function`` or ``path/to/file.py:function``. A f
 one of two calling conventions, told apart by its parameters:
 
 - TRL's ``reward_funcs``: ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``.
-  Every dataset column comes as a keyword, one value per completion. A completion is a string, or
+  Every dataset column comes as a keyword, one value per completion, and so does TRL's
+  ``trainer_state`` (:class:`TrainerState`). A completion is a string, or
   ``[{"role": "assistant", "content": ...}]`` when the prompt is a list of messages. It may be
   ``async def``. A function that takes ``solution_str`` is not this one.
 - verl's ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``:
@@ -30,7 +31,7 @@ import inspect
 import math
 import numbers
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,28 @@ class Ref:
     """``package.module:function`` or ``/absolute/path/file.py:function``."""
     convention: str = "trl"
     """``trl`` or ``verl``."""
+
+
+@dataclass
+class TrainerState:
+    """What TRL's ``trainer_state`` (transformers' ``TrainerState``) holds that a run has, under its names:
+    the step being scored and where the run is. Passed to TRL-convention functions as ``trainer_state``."""
+
+    global_step: int = 0
+    """The RL step whose responses are scored (0-based; TRL counts optimizer steps done, the same number)."""
+    epoch: float = 0.0
+    """Passes over the training data so far, fractional: the prompts drawn over the rows."""
+    max_steps: int = 0
+    """The run's num_steps."""
+    num_train_epochs: int = 0
+    """The run's num_epochs (0: num_steps alone decides)."""
+    train_batch_size: int = 0
+    """Responses per step: rollout.num_prompts x rollout.group_size."""
+    is_world_process_zero: bool = True
+    """Always: rewards are scored for rank 0, the controller."""
+    is_local_process_zero: bool = True
+    log_history: list[dict] = field(default_factory=list)
+    """Empty: the metrics are in run_dir/metrics.jsonl."""
 
 
 def names(specs: tuple[str, ...]) -> list[str]:
@@ -167,9 +190,10 @@ def _result(value):
 
 def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[str, Any]]:
     """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
-    ``completion_ids``, ``columns`` (the row's other columns) and, for an episode, ``messages``
-    (its turns after the prompt: TRL's completion then). Returns ``(reward or None, metrics,
-    info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
+    ``completion_ids``, ``columns`` (the row's other columns), optionally ``trainer_state`` and, for
+    an episode, ``messages`` (its turns after the prompt: TRL's completion then). Returns ``(reward or
+    None, metrics, info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions
+    pass)."""
     fn = load(ref.target)
     columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
@@ -179,7 +203,8 @@ def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[s
     completion = sample.get("messages") or (
         [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
     kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
-              "completion_ids": [sample["completion_ids"]]}
+              "completion_ids": [sample["completion_ids"]],
+              "trainer_state": sample.get("trainer_state") or TrainerState()}  # as TRL: one object, not a list
     values = _result(fn(**_accepted(fn, kwargs)))
     if not isinstance(values, (list, tuple)):
         raise BadValue(f"returned {type(values).__name__} {_short(values)}; a TRL-convention function returns a "

@@ -24,7 +24,13 @@ A function that raises, hangs or returns a bad value, and a row no function appl
 error naming the function, the row and the cause. ``reward.on_error`` decides: ``skip`` scores the
 response 0 and counts it (``reward/errors``); ``fail`` raises :class:`RewardFunctionError`, which
 stops the run. :meth:`take_metrics` gives the step's ``reward/NAME`` means, the errors and the
-scoring time.
+scoring time, logs one line per failing function, and stops the run (:class:`RewardFunctionError`)
+before a step that would train on noise: a function failed on every call, or more than
+``reward.max_error_frac`` of the responses erred. A broken function is the commonest first-run
+bug, and skipping its errors for a whole run trains on zeros.
+
+TRL-convention functions get :attr:`RewardScheduler.state` as ``trainer_state``; the controller
+sets it at the start of each round.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Any, Callable
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
-from rollpacker.reward.functions import Ref, RewardFunctionError, names, prompt_text, resolve
+from rollpacker.reward.functions import Ref, RewardFunctionError, TrainerState, names, prompt_text, resolve
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.workers import Scored, score
 
@@ -165,6 +171,26 @@ def check_row(functions: list[RewardFunction], row: dict) -> None:
 
 
 @dataclass
+class _Failures:
+    """One function's calls in a step, how many failed, and the first failure."""
+
+    calls: int = 0
+    failed: int = 0
+    first: str = ""
+    """``row 'ID': cause`` of the first failure."""
+
+    def add(self, row: dict, error: str | None) -> None:
+        self.calls += 1
+        if error is not None:
+            self.failed += 1
+            self.first = self.first or f"row {row['id']!r}: {error}"
+
+
+NONE_APPLIES = ""
+"""The :class:`_Failures` key of the responses that no function scored (all returned None)."""
+
+
+@dataclass
 class _Scoring:
     """A response being scored: what each function said so far."""
 
@@ -203,6 +229,13 @@ class RewardScheduler:
         self._sums: collections.Counter[str] = collections.Counter()
         self._counts: collections.Counter[str] = collections.Counter()
         self.errors = 0
+        """Responses whose reward failed, since :meth:`take_metrics`."""
+        self.responses = 0
+        """Responses scored since :meth:`take_metrics`."""
+        self._failures: dict[str, _Failures] = collections.defaultdict(_Failures)
+        """Function name (or NONE_APPLIES) -> its calls and failures since :meth:`take_metrics`."""
+        self.state = TrainerState()
+        """TRL's ``trainer_state`` of the responses submitted now (the controller sets it each round)."""
 
     def submit(self, key: Any, row: dict, output) -> None:
         """Start scoring one finished response (``output``: an engine output) of ``row``; returns at once.
@@ -220,7 +253,7 @@ class RewardScheduler:
                 continue
             extra = f.extra(row)
             sample = {"prompt": row["prompt"], "completion": response, "completion_ids": list(output.token_ids),
-                      "columns": {**columns, **extra}}
+                      "columns": {**columns, **extra}, "trainer_state": self.state}
             if self.pool:
                 self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
                 continue
@@ -283,6 +316,7 @@ class RewardScheduler:
             key, name = s.key
             self.seconds += s.seconds
             scoring = self._scoring[key]
+            self._failures[name].add(scoring.row, s.error)
             if s.error is not None:
                 scoring.errors[name] = f"reward function {name!r} failed on row {scoring.row['id']!r}: {s.error}"
             else:
@@ -303,16 +337,16 @@ class RewardScheduler:
         """The weighted sum over the functions that apply; an error is raised (fail) or scored 0 (skip)."""
         applied = [(f.weight, scoring.values[f.name]) for f in self.functions if scoring.values[f.name] is not None]
         errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]
+        self.responses += 1
         if not errors and not applied:
-            errors = [f"no reward function scores row {scoring.row['id']!r}: "
-                      f"{', '.join(f.name for f in self.functions)} returned None (does not apply); "
-                      "add a function that scores it, or take the row out of the data"]
+            none = (f"{', '.join(f.name for f in self.functions)} returned None (does not apply); add a function "
+                    "that scores it, or take the row out of the data")
+            errors = [f"no reward function scores row {scoring.row['id']!r}: {none}"]
+            self._failures[NONE_APPLIES].add(scoring.row, none)
         if errors:
-            error = "; ".join(errors)
             if self.cfg.on_error == "fail":
-                raise RewardFunctionError(f"{error} (reward.on_error=fail stops the run; skip scores such a "
-                                          "response 0 and counts it in reward/errors)")
-            logger.warning("reward error, scored 0 (reward.on_error=skip): %s", error)
+                raise RewardFunctionError(f"{'; '.join(errors)} (--reward.on-error fail stops the run; skip scores "
+                                          "such a response 0 and counts it in reward/errors)")
             self.errors += 1
             return 0.0
         return sum(w * v for w, v in applied)
@@ -321,15 +355,48 @@ class RewardScheduler:
         """The per-function values of the responses ``keys`` (those scored), forgotten here."""
         return {k: self.values.pop(k) for k in keys if k in self.values}
 
-    def take_metrics(self) -> dict[str, float]:
+    def take_metrics(self, where: str = "") -> dict[str, float]:
         """Since the last call: ``reward/NAME`` (each function's mean where it applied, and of the other
-        numbers it returned), ``reward/errors`` and ``reward/seconds_total`` (summed scoring time)."""
+        numbers it returned), ``reward/errors`` and ``reward/seconds_total`` (summed scoring time).
+        Logs one warning per function that failed, with a count. Raises :class:`RewardFunctionError`
+        when the round's rewards (``where``: default "step N") are noise (:meth:`verdict`)."""
+        where = where or f"step {self.state.global_step}"
         metrics = {f"reward/{k}": self._sums[k] / n for k, n in self._counts.items()}
         metrics |= {"reward/errors": self.errors, "reward/seconds_total": self.seconds}
+        stop = self.verdict(where)
+        for name, f in self._failures.items():
+            if f.failed and not stop:  # a stop says it all, once
+                logger.warning("%s, scored 0 (--reward.on-error skip); first on %s", self._failed(name, where), f.first)
         self._sums.clear()
         self._counts.clear()
-        self.errors, self.seconds = 0, 0.0
+        self._failures.clear()
+        self.errors, self.responses, self.seconds = 0, 0, 0.0
+        if stop:
+            raise RewardFunctionError(stop)
         return metrics
+
+    def verdict(self, where: str) -> str | None:
+        """Why the rewards since :meth:`take_metrics` must not be trained on, or None: a function
+        failed on every call, or more than ``reward.max_error_frac`` of the responses erred."""
+        if not self.errors or self.cfg.max_error_frac >= 1:
+            return None
+        fix = ("Stopped before training on them: fix it, then run again with --resume auto "
+               "(--reward.max-error-frac 1 trains on such responses, scored 0, instead)")
+        for name, f in self._failures.items():
+            if name != NONE_APPLIES and f.failed == f.calls:
+                return f"{self._failed(name, where)}: all of them, first on {f.first}. {fix}"
+        if self.errors <= self.cfg.max_error_frac * self.responses:
+            return None
+        name, worst = max(self._failures.items(), key=lambda item: item[1].failed)
+        return (f"{self.errors} of {self.responses} responses at {where} had a reward error, more than "
+                f"--reward.max-error-frac {self.cfg.max_error_frac:g}: {self._failed(name, where)}, first on "
+                f"{worst.first}. {fix}")
+
+    def _failed(self, name: str, where: str) -> str:
+        f = self._failures[name]
+        if name == NONE_APPLIES:
+            return f"no reward function scored {f.failed} of {self.responses} responses at {where} (all returned None)"
+        return f"reward function {name!r} failed on {f.failed} of {f.calls} responses at {where}"
 
     def state_dict(self) -> dict:
         return {"functions": {f.name: f.state_dict() for f in self.functions}}

@@ -12,20 +12,28 @@ is the kill below; the toy check; code in the sandbox) or the user's own, import
 worker. A manager thread in the trainer hands out tasks and enforces each task's wall-clock
 timeout: a worker that overruns, crashes or dies is replaced at once, so capacity recovers, and
 its sample comes back flagged (``error`` set, ``score`` None), never as a silent 0; so does a
-sample whose reward function raised or returned a bad value. The old worker gets SIGTERM, which
-unwinds a sandbox run (killing and reaping its sandbox), then SIGKILL if it is still there after
-``STOP_GRACE`` seconds (a hang inside C code).
+sample whose reward function raised or returned a bad value. The old worker gets ``RETIRE``
+(SIGUSR2), which unwinds a sandbox run (killing and reaping its sandbox), then SIGKILL if it is
+still there after ``STOP_GRACE`` seconds (a hang inside C code).
+
+Workers ignore the job's stop signals (SIGTERM, SIGINT, SIGUSR1: :mod:`rollpacker.preempt`). They
+reach the workers too (torchrun signals each rank's process group, Slurm every process of the
+step), and the step in progress must be scored by live workers; the pool stops them after it.
+They are spawned with those signals blocked, so no signal slips in before they ignore it, and die
+with the process that started them (a parent-death signal), whatever ends it.
 
 A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
 import resource
 import signal
@@ -42,7 +50,11 @@ from rollpacker.reward.functions import BadValue, Ref, call
 logger = logging.getLogger(__name__)
 
 STOP_GRACE = 2.0
-"""Seconds a worker told to stop (SIGTERM) gets before SIGKILL."""
+"""Seconds a worker told to stop (``RETIRE``) gets before SIGKILL."""
+RETIRE = signal.SIGUSR2
+"""What the pool sends a worker to stop it: the stop signals (``STOP_SIGNALS``) are the trainer's."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -81,11 +93,22 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _work(conn: mp.connection.Connection) -> None:
+def _ignore_stops(parent: int) -> None:
+    """In a new worker: the stop signals ignored, then unblocked; RETIRE unwinds; die with ``parent``."""
+    import ctypes
+
+    for sig in STOP_SIGNALS:  # the trainer's to handle: it stops after the step, then closes the pool
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the spawning thread: pending ones drop
+    signal.signal(RETIRE, lambda *_: sys.exit(1))  # unwinds a sandbox run, which kills its sandbox
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def _work(conn: mp.connection.Connection, parent: int) -> None:
     """A worker's life: warm up, say ready (None), then score ``(ref, sample)`` until told None."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pool
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwinds a sandbox run, which kills its sandbox
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's stop warning reaches every process: the trainer's (preempt)
+    _ignore_stops(parent)
     import math_verify  # noqa: F401  (sympy behind it: a second, not part of the first sample's time)
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is the kill
@@ -148,6 +171,7 @@ class RewardPool:
         self._workers = [self._start_worker() for _ in range(self.cfg.num_workers)]
         self._manager = threading.Thread(target=self._manage, name=f"{self._name}-pool", daemon=True)
         self._manager.start()
+        atexit.register(self.close)  # before multiprocessing's exit hook, whose SIGTERM the workers ignore
 
     # the caller's side
 
@@ -178,6 +202,7 @@ class RewardPool:
         """Stop the manager, every worker and their sandboxes; unfinished samples are dropped."""
         if self._closing:
             return
+        atexit.unregister(self.close)
         with self._cond:
             self._closing = True
         os.write(self._wake_w, b".")
@@ -296,25 +321,32 @@ class RewardPool:
         self._lost(i, w.task, reason, time.monotonic() - w.started)
 
     _main = staticmethod(_work)
-    """A worker process's main function: ``main(conn, *_main_args())``."""
+    """A worker process's main function: ``main(conn, parent_pid, *_main_args())``; it starts with
+    :func:`_ignore_stops` (``parent_pid``)."""
 
     def _main_args(self) -> tuple:
         return ()
 
     def _start_worker(self) -> _Worker:
         conn, child_conn = self._ctx.Pipe()
-        process = self._ctx.Process(target=self._main, args=(child_conn, *self._main_args()),
+        process = self._ctx.Process(target=self._main, args=(child_conn, os.getpid(), *self._main_args()),
                                     name=f"{self._name}-worker", daemon=True)
-        process.start()
+        mp.resource_tracker.ensure_running()  # its first start would unblock SIGINT and SIGTERM below
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited: see _ignore_stops
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_conn.close()
         return _Worker(process, conn)
 
     def _retire(self, w: _Worker) -> None:
-        """Ask ``w`` to exit (SIGTERM unwinds a sandbox run, which kills and reaps its sandbox); SIGKILL it
+        """Ask ``w`` to exit (RETIRE unwinds a sandbox run, which kills and reaps its sandbox); SIGKILL it
         if it is still there ``STOP_GRACE`` seconds later (a hang in C code), see :meth:`_reap_retired`."""
         w.conn.close()
         if w.process.is_alive():
-            w.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.process.pid, RETIRE)
         self._retiring.append((w.process, time.monotonic() + STOP_GRACE))
 
     def _reap_retired(self, force: bool = False) -> None:

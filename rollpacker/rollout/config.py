@@ -32,7 +32,7 @@ class RolloutConfig:
     poll_steps: int = 8
     """Engine steps between two control-plane exchanges with the controller."""
     replay_lengths: bool = False
-    """Force every response to a length from the paper's long-tailed mix (rollpacker.exchange.LengthReplay)."""
+    """Force every response to a length from the paper's long-tailed mix (rollpacker.data.lengths.LengthReplay)."""
     routing: Literal["request", "group"] = "request"
     """Replica of each request: round-robin per request, or every request of a prompt on one replica."""
     longest_first: bool = False
@@ -70,7 +70,8 @@ class EngineConfig:
     kind: Literal["auto", "torch", "vllm", "sglang"] = "auto"
     """Rollout engine: TorchEngine, vLLM in-process, SGLang (GPU; on CPU see docs/sglang.md), or auto."""
     memory_fraction: float = 0.1
-    """vllm/sglang: share of device memory (CPU: of RAM, per rank) the engine may take; vLLM's KV: kv_memory_mb."""
+    """vllm: share of device memory (CPU: of RAM, per rank) it may take, its KV being kv_memory_mb (SGLang on GPU
+    derives its own from the memory plan)."""
     enforce_eager: bool = True
     """vllm: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
     block_size: int = 16
@@ -107,15 +108,3 @@ class EngineConfig:
         if self.max_model_len < 0:
             raise ValueError(f"engine.max_model_len must be >= 0, got {self.max_model_len}")
 
-
-def resolve_kind(kind: str, device_type: str, planner: bool = False) -> str:
-    """The engine ``engine.kind=auto`` runs: on CPU TorchEngine, the faster there (``bench engine``:
-    2.0x vLLM's CPU build at batch 32 on the toy model); on GPU SGLang when installed, else vLLM,
-    else TorchEngine; TorchEngine under the parallelism planner, which rebuilds engines in-process."""
-    if kind != "auto":
-        return kind
-    if device_type != "cuda" or planner:
-        return "torch"
-    from importlib.util import find_spec
-
-    return next((k for k in ("sglang", "vllm") if find_spec(k) is not None), "torch")

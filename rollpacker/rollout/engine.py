@@ -40,16 +40,17 @@ importance ratio needs. An engine whose kernels only report the truncated distri
 ``logprobs_truncated = True``; both conventions agree when ``top_k == 0`` and ``top_p == 1``.
 :func:`reference_logprobs` recomputes either from logits, for tests and the trainer.
 
-Bookkeeping every engine shares (the output a request starts from, resumed or not; appending a
-token; finishing; the HF names production engines load weights by) lives here once: :func:`start_output`,
-:func:`append_token`, :func:`finish`, :func:`hf_names`.
+Bookkeeping every engine shares (the request checks of ``add``; the output a request starts from,
+resumed or not; appending a token; finishing; the HF names production engines load weights by)
+lives here once: :func:`check_request`, :func:`start_output`, :func:`append_token`, :func:`finish`,
+:func:`hf_names`.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -251,6 +252,29 @@ def stop_string_hit(decode: Callable[[list[int]], str] | None, token_ids: list[i
     return any(s in text for s in stop)
 
 
+def check_request(engine: Engine, request: Request, live: Container[str], *problems: str) -> int:
+    """The tokens ``request`` may still generate on ``engine``, or one ValueError naming the request
+    and every problem: an id already queued or running (in ``live``), an empty prompt, no room left
+    in the context or under ``max_new_tokens``, stop strings without a decoder, and the engine's own
+    ``problems``. What the production engines (vLLM, SGLang) check in ``add``."""
+    p, done = request.params, len(request.resume_from.token_ids) if request.resume_from else 0
+    context = len(request.prompt_ids) + done
+    remaining = min(p.max_new_tokens - done, engine.max_model_len - context)
+    found = []
+    if request.id in live:
+        found.append("its id is already queued or running")
+    if not request.prompt_ids:
+        found.append("the prompt is empty")
+    if context >= engine.max_model_len:
+        found.append(f"prompt (+ partial) of {context} tokens leaves no room in max_model_len {engine.max_model_len}")
+    elif remaining <= 0:
+        found.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
+    found += [*problems, *check_stop(engine, request)]
+    if found:
+        raise ValueError(f"request {request.id!r}: " + "; ".join(found))
+    return remaining
+
+
 def check_stop(engine: Engine, request: Request) -> list[str]:
     """The problem with ``request``'s stop strings on ``engine``: none, or that it has no decoder."""
     if request.params.stop and engine.decode is None:
@@ -258,16 +282,33 @@ def check_stop(engine: Engine, request: Request) -> list[str]:
     return []
 
 
-def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_names(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool, dtype: torch.dtype | None = None
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     """rollpacker parameter names (HF minus ``model.``) -> HF checkpoint names, DTensors gathered
-    one at a time (``full_tensor()``: a collective of their mesh), the tied head skipped."""
+    one at a time (``full_tensor()``: a collective of their mesh), the tied head skipped; with
+    ``dtype``, each tensor in the engine's dtype (the trainer's masters are fp32)."""
     for name, tensor in named_tensors:
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and tied:
             continue
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
-        yield (name if name == "lm_head.weight" else f"model.{name}"), tensor.detach()
+        tensor = tensor.detach() if dtype is None else tensor.detach().to(dtype)
+        yield (name if name == "lm_head.weight" else f"model.{name}"), tensor
+
+
+def free_cached_memory() -> bool:
+    """Hand the CUDA caching allocator's unused blocks back to the driver (cycles collected first), for
+    an engine about to take memory back outside PyTorch's allocator: vLLM's wake-up (its cuMem pool)
+    or SGLang's resume (another process). TRL and verl do this before every wake-up; without it the
+    trainer's freed activations stay reserved. Returns whether there was a CUDA allocator to empty."""
+    import gc
+
+    if not torch.cuda.is_initialized():
+        return False
+    gc.collect()
+    torch.cuda.empty_cache()
+    return True
 
 
 def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,

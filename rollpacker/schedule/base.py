@@ -39,18 +39,15 @@ train (the configured epochs are used up). Policies are checkpointed with
 ``state_dict``/``load_state_dict`` (plain Python data).
 
 A policy's settings are a :class:`PolicyConfig` beside it, in the same module: its own settings,
-its capabilities (what the rest of the job asks instead of its name), its builder and its own
-composition rules. ``rollpacker.schedule.config.POLICY_CONFIGS`` registers it
-(``docs/extending.md``).
+its capabilities (what the rest of the job asks instead of its name) and its builder. The root
+config states the composition rules by capability. ``rollpacker.schedule.config.POLICY_CONFIGS``
+registers it, or ``--schedule.policy pkg.mod:MyConfig`` names it (``docs/extending.md``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
-
-if TYPE_CHECKING:
-    from rollpacker.config import Config
+from typing import Any, ClassVar, Protocol
 
 
 @dataclass
@@ -174,6 +171,16 @@ class PolicyConfig:
         """The ranks (the simulator: GPUs) of ``world`` that roll out: all, unless it has pools."""
         return world
 
-    def check(self, config: Config, world: int | None = None) -> None:
-        """Refuse the root settings this policy does not compose with, naming them; with ``world``,
-        also those that do not fit ``world`` ranks. Config calls it when parsed and in check_world."""
+
+def refuse_with_pools(policy: PolicyConfig, *, stream: tuple[str, bool], planner: tuple[str, bool]) -> None:
+    """A policy with pools of its own rolls out apart from training, in its own loop: stream training
+    has no rollout rank to free, and the planner no TP to size over every rank. ``stream`` and
+    ``planner`` are (the setting's name, whether it is on); a ValueError names the one that is on."""
+    if not policy.own_pools:
+        return
+    for (setting, on), why in (
+            (stream, "the training pool is separate already; there is no rollout rank to free"),
+            (planner, "the parallelism planner sizes rollout TP for every rank rolling out; set rollout.tp for the "
+                      "rollout pool instead")):
+        if on:
+            raise ValueError(f"schedule:{policy.name} with {setting}: {why}. Turn {setting} off")

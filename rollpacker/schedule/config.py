@@ -10,6 +10,11 @@ the names a preset may use all follow from it. On the command line the union is 
 ``schedule:tail --schedule.eta-prompts 1.5``; a ``--schedule.*`` flag alone applies to the preset's
 policy. In a TOML preset it is a table with a ``policy`` key: ``[schedule] policy = "tail"``.
 
+A policy outside the package is named by its settings class: ``--schedule.policy
+package.module:MyConfig`` (or ``path/to/file.py:MyConfig``), ``[schedule] policy =
+"package.module:MyConfig"`` in a preset. :func:`register` imports it and adds it to the registry,
+whose union :data:`ScheduleConfig` is rebuilt: it is then a ``schedule:NAME`` like the others.
+
 ``pipe``: RolloutPipe on top of sync or tail: a fixed rollout pool (the first half of the replicas)
 and train pool (the rest); each complete, scored group goes FIFO to the train pool as it
 materializes (complete-group pipelining), and engines admit the requests of the earliest groups
@@ -21,7 +26,11 @@ already trains apart.
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Union
 
 import tyro
 
@@ -35,8 +44,62 @@ POLICY_CONFIGS: dict[str, type[PolicyConfig]] = {c.name: c for c in (
     SyncConfig, TailConfig, SortedConfig, SortedPartialConfig, OneStepOffConfig)}
 """Every policy's settings class by name: a new policy is one entry here (``docs/extending.md``)."""
 
-ScheduleConfig = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in POLICY_CONFIGS.items())]
+
+
+def union() -> Any:
+    """The registered policies' settings classes as one tagged union (``schedule:NAME`` subcommands)."""
+    return Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in POLICY_CONFIGS.items())]
+
+
+ScheduleConfig = union()
 """The policy of a run: one of POLICY_CONFIGS' classes (a ``schedule:NAME`` subcommand on the CLI)."""
+
+
+def register(spec: str, where: str = "schedule.policy") -> str:
+    """Import the settings class ``spec`` names (``package.module:Class`` or ``path/to/file.py:Class``),
+    add it to :data:`POLICY_CONFIGS` and :data:`ScheduleConfig`, and return its name."""
+    global ScheduleConfig
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr.isidentifier():
+        raise ValueError(f"{where} must be one of {', '.join(POLICY_CONFIGS)} or a reference package.module:Class "
+                         f"(or path/to/file.py:Class), got {spec!r}")
+    try:
+        module = _import(module_name)
+    except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
+        raise ValueError(f"{where}: cannot import {module_name}: {type(e).__name__}: {e}") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, PolicyConfig) and isinstance(getattr(cls, "name", None), str)):
+        raise ValueError(f"{where}: {spec} is not a PolicyConfig subclass with a name (docs/extending.md)")
+    known = POLICY_CONFIGS.get(cls.name)
+    if known is not None and known is not cls:
+        raise ValueError(f"{where}: {spec} is named {cls.name!r}, as {known.__module__}.{known.__qualname__}: "
+                         "give it a name of its own")
+    POLICY_CONFIGS[cls.name] = cls
+    ScheduleConfig = union()
+    return cls.name
+
+
+def _import(module_name: str):
+    """A module by dotted name, or a Python file by path (its directory then on sys.path, for its own imports)."""
+    if not module_name.endswith(".py"):
+        return importlib.import_module(module_name)
+    path = Path(module_name).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file {module_name}")
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    name = f"rollpacker_policy_{path.stem}"
+    if getattr(sys.modules.get(name), "__file__", None) == str(path):  # imported once per process
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def policy_name(value: str, where: str = "schedule.policy") -> str:
+    """A registered policy's name, or the name of the one ``value`` references (registered now)."""
+    return value if value in POLICY_CONFIGS else register(value, where)
 
 
 def names(where=lambda c: True) -> list[str]:
@@ -47,9 +110,7 @@ def names(where=lambda c: True) -> list[str]:
 def schedule_config(values: dict, where: str = "schedule") -> PolicyConfig:
     """A policy's settings from a ``{"policy": name, **settings}`` table, refusing what does not apply."""
     values = dict(values)
-    name = values.pop("policy", SyncConfig.name)
-    if name not in POLICY_CONFIGS:
-        raise ValueError(f"{where}.policy must be one of {', '.join(POLICY_CONFIGS)}, got {name!r}")
+    name = policy_name(values.pop("policy", SyncConfig.name), f"{where}.policy")
     check_settings(name, values, where)
     return POLICY_CONFIGS[name](**values)
 
@@ -66,8 +127,10 @@ def check_settings(policy: str, keys, where: str = "schedule") -> None:
 
 
 def schedule_args(args: list[str], preset_policy: str) -> list[str]:
-    """``args`` with the policy subcommand first, and every ``--schedule.*`` flag checked against the
-    chosen policy, so that a setting of another policy is refused naming the policies it belongs to."""
+    """``args`` with the policy subcommand first (``--schedule.policy NAME|REF`` becomes one), and every
+    ``--schedule.*`` flag checked against the chosen policy, so that a setting of another policy is
+    refused naming the policies it belongs to."""
+    args = _policy_flag(list(args))
     chosen = [a for a in args if a.startswith("schedule:")]
     policy = chosen[-1].removeprefix("schedule:").replace("-", "_") if chosen else preset_policy
     if policy not in POLICY_CONFIGS:
@@ -79,3 +142,18 @@ def schedule_args(args: list[str], preset_policy: str) -> list[str]:
     except ValueError as e:
         raise SystemExit(f"{e}; choose that policy with schedule:NAME") from None
     return [*chosen[-1:], *(a for a in args if not a.startswith("schedule:"))]
+
+
+def _policy_flag(args: list[str]) -> list[str]:
+    """``args`` with ``--schedule.policy NAME|REF`` (or ``=``) replaced by ``schedule:NAME``."""
+    for i, arg in enumerate(args):
+        if arg == "--schedule.policy" or arg.startswith("--schedule.policy="):
+            value = arg.partition("=")[2] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            if not value:
+                raise SystemExit("--schedule.policy needs a policy name or a reference package.module:Class")
+            try:
+                name = policy_name(value)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+            return [*args[:i], f"schedule:{name}", *args[i + (1 if "=" in arg else 2):]]
+    return args

@@ -1,7 +1,7 @@
 """``eval``: the held-out round. Every row once, ``num_responses`` responses each.
 
 It is not a training policy: nothing is filtered, deferred or trained, and it keeps no state
-across rounds. The controller builds one per evaluation (:meth:`Controller.eval_leader`).
+across rounds. The controller builds one per run (:meth:`Controller.build_leaders`).
 :func:`eval_metrics` turns the round's rewards into ``eval/`` metrics: mean@n and unbiased
 pass@k, overall and per ``data_source``. A response counts as correct at reward >= 1, as
 ``reward/accuracy`` does.
@@ -9,6 +9,7 @@ pass@k, overall and per ``data_source``. A response counts as correct at reward 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,6 @@ def eval_metrics(rewards: list[list[float]], sources: list[str | None]) -> dict[
     ``eval/accuracy`` and ``eval/reward_mean`` over every response; ``eval/mean@n`` (the mean
     reward) and ``eval/pass@k`` for k in {1, n}; the same under ``eval/SOURCE/`` per data_source.
     """
-    from rollpacker.metrics import pass_at_k
-
     n = len(rewards[0])
     if any(len(r) != n for r in rewards):
         raise ValueError(f"eval_metrics: every prompt needs {n} rewards, got {sorted({len(r) for r in rewards})}")
@@ -51,6 +50,16 @@ def eval_metrics(rewards: list[list[float]], sources: list[str | None]) -> dict[
         for k in sorted({1, n}):
             out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r), k) for r in group) / len(group)
     return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt (Chen et al. 2021): the chance that k of its n samples, drawn
+    without replacement, hold at least one of its c correct ones: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 class EvalPolicy:

@@ -18,13 +18,10 @@ whose engines get the checkpoint's weights). The loss corrects it with the engin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from rollpacker.schedule.base import Group, PolicyConfig, RoundPlan
 from rollpacker.schedule.sync import SyncConfig, SyncPolicy
-
-if TYPE_CHECKING:
-    from rollpacker.config import Config
 
 
 @dataclass(kw_only=True)
@@ -49,23 +46,6 @@ class OneStepOffConfig(PolicyConfig):
 
     def rollout_pool(self, world: int) -> int:
         return self.rollout_ranks or world // 2
-
-    def check(self, config: Config, world: int | None = None) -> None:
-        """Its pools and its loop: the features that reshape rollout inside a step, or share ranks
-        between rollout and training, do not apply; each pool needs a rank."""
-        for on, setting, why in (
-                (config.stream.enabled, "stream.enabled", "the training pool is separate already; there is no "
-                 "rollout rank to free"),
-                (config.plan.enabled, "plan.enabled", "the parallelism planner sizes rollout TP for every rank "
-                 "rolling out; set rollout.tp for the rollout pool instead")):
-            if on:
-                raise ValueError(f"schedule:{self.name} with {setting}: {why}. Turn {setting} off")
-        if world is not None and world < 2:
-            raise ValueError(f"schedule:{self.name} needs a rollout pool and a training pool, so at least 2 ranks; "
-                             f"this run has {world}: launch it with torchrun --nproc_per_node=2 or more")
-        if world is not None and not 0 < self.rollout_pool(world) < world:
-            raise ValueError(f"schedule.rollout_ranks={self.rollout_pool(world)} must be between 1 and {world - 1} "
-                             f"on {world} ranks (schedule:{self.name} trains on the others)")
 
 
 class OneStepOffPolicy(SyncPolicy):

@@ -1,40 +1,31 @@
-"""A rollout round as plain state: what rank 0's controller and the simulator both drive.
+"""The round: one pure per-poll protocol that both drivers run (the exchange and the simulator).
 
-:class:`RoundState` holds one round of a scheduling policy:
+- :class:`RoundState` is the bookkeeping: slots, routing, outstanding requests, scores, complete
+  groups, and migration (what resumes, what came back whole, what is cut).
+- :class:`Round` is the protocol. A driver tells it what it saw since the last poll (:class:`Seen`)
+  and gets what to do now (:class:`Actions`): launch, resume, abort, feed, scale down, done.
+- :class:`RoundHooks` is how a feature joins (stream training, RolloutPipe). Hooks hear and
+  decide; they never edit the state. Their decisions live in :mod:`rollpacker.schedule.scale_down`.
 
-- the slots (dataset rows in launch order) and which replica runs each request;
-- the requests still outstanding;
-- the finished responses not yet shown to the policy, and their scores;
-- the groups complete so far.
+Invariants:
 
-It turns the policy's decisions into request ids to abort and requests to launch. It sends
-nothing and measures no time. The controller (:func:`rollpacker.exchange.run_round`) drives it
-with the engines' reports; the simulator (:func:`rollpacker.sim.simulate.simulate_round`) with
-simulated replicas. So both make the same calls on the policy in the same order.
+- The call order on the policy is fixed here, once. Both drivers give the same policy the same
+  calls in the same order (``tests/unit/test_sim.py`` checks it call by call).
+- Nothing here sends, measures time or imports torch. Time comes in as ``Seen.now``.
+- Only :class:`RoundState` writes ``migrating``.
 
-A round, from the driver's side:
-
-1. ``RoundState(step, plan, policy, num_replicas)``, then :meth:`launch` of ``plan.prompts``:
-   one :class:`Launch` per prompt with the responses to run, each already routed (``owner``; see
-   *Routing*), and the carried outputs to score again;
-2. for every batch of finished responses: :meth:`finished`, :meth:`scored` as scores arrive, then
-   :meth:`decide`, which shows the policy every finished response in finish order (once scored, when
-   it ``needs_rewards``) and returns a :class:`RoundActions`: request ids to abort, launches, and
-   whether the round is over (also when nothing is left to run or decide: a policy that forgot to
-   say so still ends its round);
-3. the round's :class:`RoundHooks` (stream training, RolloutPipe) hear of polls, finished and
-   aborted responses; they may narrow routing to the kept replicas (:meth:`scale_down`) and take
-   the complete, scored groups (:meth:`take_complete`);
-4. :meth:`finish` with the aborted partial outputs: the policy's groups, with their rewards. With a
-   :class:`~rollpacker.schedule.drafts.DraftMemory`, what the round generated goes into it.
+Why: what happens at each poll is the heart of every RL step. Written once, the simulator runs
+the very protocol the job runs, and a new feature (a streaming variant, episodes) lands in one place.
 
 **Routing** (:class:`Routing`). By default each request goes to the next active replica, round-robin,
 so a group is spread over the replicas. ``by_group`` sends every request of a prompt to one replica,
-so its drafter sees all the siblings (speculative decoding). ``longest_first`` dispatches the
-requests of one launch longest first by the draft memory's estimate (a deferred prompt's longest
-partial response), each to the replica with the least estimated work routed so far (LPT: the
-estimate plus one token per request). Migrated requests (a scale-down) follow the same rules over
-the kept replicas; a group routed by group moves as one.
+so its drafter sees all the siblings. ``longest_first`` dispatches a launch's requests longest first
+by the draft memory's estimate, each to the replica with the least estimated work so far (LPT).
+Migrated requests follow the same rules over the kept replicas; a group routed by group moves as one.
+
+**Episodes** will land in :meth:`Round.poll`: a finished request may be one turn of an episode.
+It then leads to the next turn's request (an :attr:`Actions.resume` of its output) instead of a
+finished response for the policy.
 """
 
 from __future__ import annotations
@@ -42,16 +33,11 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
 from rollpacker.schedule.drafts import DraftMemory
-
-
-def kept_replicas(num_replicas: int) -> int:
-    """The rollout replicas that keep rolling out when stream training scales down (or RolloutPipe
-    splits the pools): the first half, rounded up; the others are freed to train."""
-    return num_replicas - num_replicas // 2
+from rollpacker.topology import kept_replicas
 
 
 @dataclass
@@ -77,7 +63,9 @@ class Routing:
 
 
 @dataclass
-class RoundActions:
+class Decided:
+    """What the policy's decisions of one poll come to (:meth:`RoundState.decide`)."""
+
     abort: list[str] = field(default_factory=list)
     """Request ids to abort now (only outstanding ones, none migrating)."""
     launch: list[Launch] = field(default_factory=list)
@@ -85,16 +73,30 @@ class RoundActions:
     """The round is over: ``abort`` holds everything still outstanding."""
 
 
+@dataclass
+class Returned:
+    """The aborted outputs of one poll, sorted by what happens to them (:meth:`RoundState.aborted`)."""
+
+    resume: list[Any] = field(default_factory=list)
+    """Migrated partial outputs: resumed on a kept replica by recomputation."""
+    whole: list[Any] = field(default_factory=list)
+    """Migrating requests their engine finished before the abort reached it: finished responses."""
+    cut: list[Any] = field(default_factory=list)
+    """Requests the policy aborted: the partial outputs ``end_round`` gets."""
+    moved: int = 0
+    """How many of the outputs were migrating."""
+
+
 class RoundState:
-    """One round of ``policy`` (see the module docstring). Outputs need an ``id``."""
+    """One round of ``policy`` on ``num_replicas`` replicas. Outputs need an ``id``."""
 
     def __init__(self, step: int, plan: RoundPlan, policy: Policy, num_replicas: int, *,
                  routing: Routing = Routing(), memory: DraftMemory | None = None):
         self.step, self.plan, self.policy = step, plan, policy
         self.routing, self.memory = routing, memory
         """``memory``: what earlier rounds generated per row; this round's outputs go into it at :meth:`finish`."""
-        self.active = num_replicas
-        """Replicas new requests are routed to: all, or the kept ones after a scale-down."""
+        self.num_replicas = self.active = num_replicas
+        """``active``: replicas new requests are routed to: all, or the kept ones after a scale-down."""
         self.slots: list[int] = []
         """Slot -> dataset row."""
         self.owner: dict[str, tuple[int, int, int]] = {}
@@ -178,10 +180,10 @@ class RoundState:
         """The policy waits for rewards and nothing is left running: only scores can move the round on."""
         return self.policy.needs_rewards and not self.outstanding
 
-    def decide(self, resuming: bool = False) -> RoundActions:
+    def decide(self, resuming: bool = False) -> Decided:
         """Show the policy what finished (in finish order; once scored if it ``needs_rewards``);
-        ``resuming``: the driver is adding requests of its own now (migrated ones), so the round goes on."""
-        out = RoundActions()
+        ``resuming``: requests of the round's own go on running (migrated ones), so the round goes on."""
+        out = Decided()
         needs = self.policy.needs_rewards
         while self.undecided and (not needs or self.undecided[0].id in self.scores):
             output = self.undecided.popleft()
@@ -200,12 +202,28 @@ class RoundState:
             self.outstanding.clear()
         return out
 
-    def scale_down(self, kept: int) -> list[str]:
-        """Route to the first ``kept`` replicas from now on; the outstanding requests of the others,
-        sorted, which are now ``migrating``."""
+    def scale_down(self, kept: int, unsent: list[str] = ()) -> list[str]:
+        """Route to the first ``kept`` replicas from now on. ``unsent`` requests (launched, not sent
+        yet) on the others are routed again; the outstanding requests there, sorted, are returned:
+        they are ``migrating`` now."""
         self.active = kept
+        for rid in unsent:
+            if self.owner[rid][0] >= kept:
+                self.route(rid)
         self.migrating = {rid for rid in self.outstanding if self.owner[rid][0] >= kept}
         return sorted(self.migrating)
+
+    def aborted(self, outputs: list[Any]) -> Returned:
+        """The partial outputs of aborted requests: a migrating one resumes (or, finished by its engine
+        before the abort reached it, counts as finished); any other is cut for the policy."""
+        back = Returned(moved=sum(o.id in self.migrating for o in outputs))
+        for out in outputs:
+            if out.id in self.migrating and out.id in self.outstanding:
+                (back.resume if out.finish_reason == "abort" else back.whole).append(out)
+            else:
+                back.cut.append(out)
+        self.migrating -= {o.id for o in outputs}
+        return back
 
     def take_complete(self, cap: float = 0.0) -> list[Group]:
         """The complete groups whose responses are all scored, in completion order, at most
@@ -237,32 +255,34 @@ class RoundState:
         return groups
 
 
+@dataclass
+class ScaledDown:
+    """When and how a round moved onto the kept replicas (stream training, RolloutPipe)."""
+
+    at: float
+    """The driver's clock at the scale-down."""
+    completed_frac: float | None
+    """The round's prompts complete then (None: from the round's start, RolloutPipe)."""
+    migration_s: float | None = None
+    """Seconds until the migrated requests were back and prefilled (None: not yet)."""
+    migrated_tokens: int = 0
+    """Tokens the migration recomputes (prompt and generated)."""
+
+
 class RoundHooks:
-    """How a feature joins a round: what it hears and what it may change. The base does nothing:
-    a round without a stream trainer. Both drivers call, on rank 0:
+    """How a feature joins a round. It hears what happened and returns decisions; it never edits
+    the state. The base does nothing: a round without stream training. :class:`Round` calls:
 
-    - ``priority(slot)`` for each request launched: engines admit lower values first;
-    - ``on_poll(running, step_seconds)`` at each poll after the first: requests running per
-      active replica, and the seconds an engine step took;
-    - ``on_finished(lengths)`` with the lengths of the responses that just finished;
-    - ``on_aborted(state, outputs)`` with the partial outputs the replicas aborted: it returns
-      those to resume on another replica (migrated);
-    - ``maybe_scale_down(state, generated)`` before the policy decides: the request ids to abort
-      to move rollout onto the kept replicas, or None;
-    - ``feed(state)`` after the policy decided: it may take complete groups;
-    - ``finish()`` when the round ends: the round's metrics.
-
-    The stream trainer's hooks are in :mod:`rollpacker.train.stream`.
+    - ``begin(state)`` before anything launches: True runs the round on the kept replicas from the start;
+    - ``priority(slot)`` per request launched: engines admit lower values first;
+    - per poll: ``on_poll(running, step_seconds)`` when the driver timed an engine step,
+      ``on_finished(lengths)``, then, after the policy decided, ``scale_down(generated)`` (True:
+      move onto the kept replicas now) and ``fetch(ready)`` (a cap on the groups to feed, None: none);
+    - ``finish(scaled, num_fed)`` at the end: the round's metrics.
     """
 
-    scaled_at: float | None = None
-    """When rollout moved onto the kept replicas (None: it has not; RolloutPipe: at the start)."""
-    completed_frac: float | None = None
-    """The fraction of the round's prompts complete when :meth:`maybe_scale_down` scaled down (None: it did not)."""
-
-    @property
-    def scaled_down(self) -> bool:
-        return self.scaled_at is not None
+    def begin(self, state: RoundState) -> bool:
+        return False
 
     def priority(self, slot: int) -> int:
         return 0
@@ -273,15 +293,173 @@ class RoundHooks:
     def on_finished(self, lengths: list[int]) -> None:
         pass
 
-    def on_aborted(self, state: RoundState, outputs: list[Any]) -> list[Any]:
-        return []
+    def scale_down(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
+        """``generated()``: (prompt tokens, tokens generated so far) of each outstanding request."""
+        return False
 
-    def maybe_scale_down(self, state: RoundState, generated: Callable[[], list[tuple[int, int]]]) -> list[str] | None:
-        """``generated()`` gives (prompt tokens, tokens generated so far) of each outstanding request."""
+    def fetch(self, ready: bool) -> float | None:
+        """``ready``: the freed ranks took the last groups. Returns a cap (0: all, as
+        :meth:`RoundState.take_complete`), or None to feed nothing now."""
         return None
 
-    def feed(self, state: RoundState) -> None:
-        pass
-
-    def finish(self) -> dict[str, float]:
+    def finish(self, scaled: ScaledDown | None, num_fed: int) -> dict[str, float]:
         return {}
+
+
+class Scorer(Protocol):
+    """Scores each response as it finishes; ``row`` is its dataset row."""
+
+    def submit(self, key: str, row: int, output: Any) -> None: ...
+
+    def poll(self) -> list[tuple[str, float | None]]:
+        """The scores ready now."""
+        ...
+
+    def wait(self) -> list[tuple[str, float | None]]:
+        """Every score still missing."""
+        ...
+
+
+@dataclass
+class Seen:
+    """What a driver observed since its last poll."""
+
+    now: float = 0.0
+    """The driver's clock (wall or simulated seconds)."""
+    finished: list[Any] = field(default_factory=list)
+    """Requests that finished, in finish order."""
+    aborted: list[Any] = field(default_factory=list)
+    """Partial outputs of the requests the last commands aborted."""
+    running: float = 0.0
+    """Requests running per active replica during the last poll."""
+    step_seconds: float = 0.0
+    """Seconds an engine step took during the last poll (0: not measured)."""
+    sink_ready: bool = True
+    """The freed ranks have taken the last groups fed."""
+
+
+@dataclass
+class Actions:
+    """What a driver must do now, in this order: launch and resume, abort, feed; then step on
+    the kept replicas (after ``scale_down``, the freed ones leave) unless ``done``."""
+
+    launch: list[Launch] = field(default_factory=list)
+    """New prompts' requests, each routed (:meth:`RoundState.replica`)."""
+    resume: list[tuple[int, Any]] = field(default_factory=list)
+    """(replica, output) of each request that continues from an output: a migrated partial."""
+    abort: list[str] = field(default_factory=list)
+    """Request ids to abort now."""
+    feed: list[Group] = field(default_factory=list)
+    """Complete, scored groups for the freed ranks to train."""
+    scale_down: bool = False
+    """Move onto the kept replicas: the freed replicas abort everything and leave to train."""
+    done: bool = False
+    """The round is over once ``abort`` is applied: :meth:`Round.finish` with what comes back."""
+
+
+@dataclass
+class RoundOutcome:
+    """The round, as the policy ended it."""
+
+    groups: list[Group]
+    """The groups to train, with their rewards."""
+    num_launched: int
+    aborted: list[Any]
+    """The partial outputs of every cut request."""
+    generated_tokens: int
+    """Response tokens generated in the round, kept or not; a resumed carried response counts its new tokens."""
+    last_finish: float
+    """When the last response the round waited for came back."""
+    scaled: ScaledDown | None
+    num_fed: int
+    """Groups fed to the freed ranks."""
+    hook_metrics: dict[str, float]
+
+
+class Round:
+    """One round of ``state``'s policy with ``hooks``, scored by ``scorer`` (the module docstring)."""
+
+    def __init__(self, state: RoundState, scorer: Scorer, hooks: RoundHooks | None = None):
+        self.state, self.scorer, self.hooks = state, scorer, hooks or RoundHooks()
+        self.cut: list[Any] = []
+        self.tokens_done = 0
+        """Tokens of the responses finished so far."""
+        self.last_finish = 0.0
+        self.scaled: ScaledDown | None = None
+        self.num_fed = 0
+
+    def start(self, now: float = 0.0) -> Actions:
+        """Launch the plan's prompts (on the kept replicas when the hooks begin scaled down)."""
+        self.last_finish = now
+        scaled = self.hooks.begin(self.state)
+        if scaled:
+            self.state.scale_down(kept_replicas(self.state.num_replicas))  # nothing launched yet: nothing migrates
+            self.scaled = ScaledDown(at=now, completed_frac=None, migration_s=0.0)
+        return Actions(launch=self._launch(self.state.launch(self.state.plan.prompts)), scale_down=scaled)
+
+    def poll(self, seen: Seen, generated: Callable[[], list[tuple[int, int]]] = list) -> Actions:
+        """What to do after ``seen``. ``generated()``: (prompt tokens, tokens generated) of each
+        outstanding request, asked only when a scale-down is considered."""
+        state, hooks = self.state, self.hooks
+        if seen.step_seconds:
+            hooks.on_poll(seen.running, seen.step_seconds)
+        back = state.aborted(seen.aborted)
+        self._migrated(back, seen.now)
+        resume = [(state.route(out.id), out) for out in back.resume]
+        self.cut += back.cut
+        self._finished([*seen.finished, *back.whole], seen.now)
+        state.scored(self.scorer.wait() if state.needs_all_scores else self.scorer.poll())
+        # The policy hears of responses in finish order, once scored if it needs rewards to decide.
+        decided = state.decide(resuming=bool(resume))
+        out = Actions(launch=self._launch(decided.launch), resume=resume, abort=decided.abort, done=decided.done)
+        if not out.done and self.scaled is None and state.outstanding and hooks.scale_down(generated):
+            unsent = [rid for new in out.launch for _, rid, _ in new.run]
+            out.abort = state.scale_down(kept_replicas(state.num_replicas), unsent) + out.abort
+            out.scale_down = True
+            self.scaled = ScaledDown(at=seen.now, completed_frac=state.num_complete / state.plan.keep)
+        out.feed = self.feed(seen.sink_ready)
+        return out
+
+    def feed(self, ready: bool) -> list[Group]:
+        """The complete, scored groups the hooks feed the freed ranks now (``ready``: they took the last)."""
+        cap = self.hooks.fetch(ready)
+        groups = self.state.take_complete(cap) if cap is not None else []
+        self.num_fed += len(groups)
+        return groups
+
+    def finish(self, aborted: list[Any], now: float = 0.0) -> RoundOutcome:
+        """The round's outcome, given the partial outputs of the final aborts (the policy's groups
+        wait for their missing scores)."""
+        self.cut += aborted
+        metrics = self.hooks.finish(self.scaled, self.num_fed)
+        groups = self.state.finish(self.cut, wait=self.scorer.wait)
+        carried = sum(len(o.token_ids) for o in self.state.plan.carried.values() if o.finish_reason == "abort")
+        return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
+                            generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.cut) - carried,
+                            last_finish=self.last_finish, scaled=self.scaled, num_fed=self.num_fed,
+                            hook_metrics=metrics)
+
+    def _launch(self, launches: list[Launch]) -> list[Launch]:
+        for new in launches:  # finished in an earlier round: not run again; scored for this round
+            for earlier in new.rescore:
+                self.scorer.submit(earlier.id, new.row, earlier)
+        return launches
+
+    def _finished(self, outputs: list[Any], now: float) -> None:
+        self.state.finished(outputs)
+        for out in outputs:
+            self.tokens_done += len(out.token_ids)
+            self.scorer.submit(out.id, self.state.row(out.id), out)
+        self.hooks.on_finished([len(out.token_ids) for out in outputs])
+        if outputs:
+            self.last_finish = now
+
+    def _migrated(self, back: Returned, now: float) -> None:
+        """Time the migration: it ends at the first poll that brings none of the migrating requests
+        (they are back and prefilled)."""
+        scaled = self.scaled
+        if scaled is None:
+            return
+        if scaled.migration_s is None and not back.moved:
+            scaled.migration_s = now - scaled.at
+        scaled.migrated_tokens += sum(len(o.prompt_ids) + len(o.token_ids) for o in back.resume)

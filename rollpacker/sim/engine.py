@@ -54,10 +54,14 @@ class Seq:
         """Tokens generated, once it has left its replica (finished or aborted)."""
         return self.generated
 
-    # What a policy reads of an engine output (sorted_partial keeps partial ones across rounds).
+    # What a policy and the round read of an engine output (sorted_partial keeps partial ones across rounds).
     @property
     def token_ids(self) -> range:
         return range(self.generated)
+
+    @property
+    def prompt_ids(self) -> range:
+        return range(self.prompt_tokens)
 
     @property
     def finish_reason(self) -> str:

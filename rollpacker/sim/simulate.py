@@ -1,52 +1,13 @@
-"""The simulated job: the real scheduling policies driven through simulated engine replicas.
+"""The simulated job: the job's round protocol on simulated replicas, and the step around it.
 
-:func:`simulate_round` is :func:`rollpacker.exchange.run_round` with simulated time: both drive a
-:class:`~rollpacker.schedule.round.RoundState`, so the same policy object gets the same calls in the
-same order. Requests are routed round-robin per request
-over the replicas; every finished response is handed to ``policy.on_finished`` in completion-time
-order (responses finishing at the same instant in replica order, as the controller gathers
-them), with its reward when the policy ``needs_rewards`` and None otherwise; the policy's aborts
-are sent only for requests still outstanding, its launches take the next slots, and when it says
-the round is over (or nothing is left running) everything still running is aborted,
-``policy.end_round`` gets the partial outputs and the kept groups get their rewards. The outputs
-the policy keeps are :class:`~rollpacker.sim.engine.Seq` records (``id``, ``length``,
-``finish_time``). Scoring is instant as far as the policy's decisions go (the controller's reward
-scheduler with fast rewards); what scoring costs is charged by :func:`step_times`.
+- :func:`simulate_round` is the round's second transport: it drives the same
+  :class:`~rollpacker.schedule.round.Round` as the exchange, on simulated time. So a policy and
+  the stream trainer's decider get the same calls in the same order.
+- :func:`step_times` turns a round into an RL step's stages (rollout, exposed reward, training
+  less what the freed GPUs trained, weight sync); :func:`simulate` runs a whole job.
 
-With a stream trainer (``SimConfig.stream``), the round drives the controller's
-:class:`~rollpacker.train.stream.StreamRound` on simulated time:
-
-- every finished length goes into the :class:`~rollpacker.train.stream.ScaleDown`'s history;
-- at every event it asks whether to scale down, with the prompts complete so far and the exact
-  tokens every outstanding request has generated;
-- on a scale-down the second half of the replicas aborts everything
-  (:meth:`Replica.abort_all`). The outstanding requests go round-robin to the kept replicas, where
-  they are prefilled again with their prompt and generated tokens (recomputation, at its prefill
-  cost). Later launches go to the kept replicas only;
-- from then on every complete group is fed to the freed GPUs (once, capped, with
-  ``stream_config.fetch_cap``). :func:`step_times` takes the training they finish before rollout
-  ends (:func:`streamed_gpu_s`) off the train stage.
-
-Differences from the controller:
-
-- it looks at the same instant as the decisions, not one poll later, with exact progress instead
-  of an upper bound;
-- scoring, feeding and the migration are instant; the freed GPUs' switch from engine to trainer
-  costs nothing; the training shard groups are assumed to allow the scale-down;
-- what the freed GPUs have not trained by rollout end is spread over every GPU, as the paper
-  describes. The controller's freed ranks fetch a batch only once they have trained the last, so
-  the one difference is a fetched batch they are still training.
-
-``one_step_off`` rolls out on its own GPUs (``SimConfig.rollout_gpus``) and trains on the others,
-the next batch's rollout and scoring under this batch's training: a step is the training GPUs'
-wait for their batch (``StepResult.wait_s``), its training and the weight sync.
-
-:func:`step_times` turns a round into the stages of an RL step, in veRL's synchronous order:
-rollout, then scoring the kept responses (:meth:`RewardModel.stage_s`), training on them
-(:meth:`CostModel.train_s`), and the weight sync. A policy or stage optimization that overlaps
-stages (reward scheduler, stream trainer) plugs in here: it gets the round's completion times
-(``RoundRecord.completions``, ``RoundRecord.streamed``) and the per-replica activity, and says
-what part of each stage is exposed.
+Invariant: no decision is made here; what differs from the job is time, by design (scoring,
+feeding and migration are instant, progress is exact). The design: ``docs/simulator.md``.
 """
 
 from __future__ import annotations
@@ -65,16 +26,17 @@ from rollpacker.metrics import bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.schedule.base import Group, RoundPlan
-from rollpacker.schedule.config import ScheduleConfig
-from rollpacker.schedule.round import Launch, RoundHooks, RoundState
+from rollpacker.schedule import config as policies
+from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
+from rollpacker.schedule.round import Actions, Launch, Round, RoundOutcome, RoundState, Seen
+from rollpacker.schedule.scale_down import ScaleDown, StreamRound
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.speculation import SpecSimConfig
 from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
+from rollpacker.topology import Topology
 from rollpacker.train.config import StreamConfig
-from rollpacker.train.stream import ScaleDown, StreamRound
 
 
 @dataclass(kw_only=True)
@@ -87,7 +49,7 @@ class SimConfig:
     """GPUs of the job: rollout replicas of TP size rollout.tp, then all of them train (one_step_off: its pools)."""
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(num_prompts=128, max_new_tokens=16384, tp=2))
     """The run's rollout settings; the simulator reads P0, R0, max_new_tokens and tp (lengths cut at the cap)."""
-    schedule: ScheduleConfig = field(default_factory=TailConfig)
+    schedule: policies.ScheduleConfig = field(default_factory=TailConfig)
     """The run's scheduling policy and its settings (schedule:NAME; one_step_off's rollout_ranks are GPUs here)."""
     reward_scheduler: bool = False
     """§4.3: score each response as it finishes, adaptive code timeouts, judge on every GPU; else after rollout."""
@@ -123,13 +85,12 @@ class SimConfig:
         for name in ("gpus", "num_steps", "num_rows", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sim.{name} must be positive, got {getattr(self, name)}")
-        if self.schedule.own_pools and not 0 < self.rollout_pool < self.gpus:
-            raise ValueError(f"schedule.rollout_ranks={self.rollout_pool} must be in [1, gpus={self.gpus})")
-        if self.rollout_pool % self.tp:
-            raise ValueError(f"rollout.tp={self.tp} does not divide the {self.rollout_pool} GPUs rolling out")
-        if self.schedule.own_pools and (self.stream or self.planner):
-            raise ValueError(f"schedule:{self.policy} has its own rollout and training GPUs: turn stream and "
-                             "planner off")
+        topology = self.topology
+        if topology.rollout_ranks % self.tp:
+            raise ValueError(f"rollout.tp={self.tp} does not divide the {topology.rollout_ranks} GPUs rolling out")
+        topology.check("GPUs")
+        refuse_with_pools(self.schedule, stream=("sim.stream", self.stream or self.stream_config.enabled),
+                          planner=("sim.planner", self.planner))
         self.stream = self.stream or self.stream_config.enabled
         if self.stream and not self.reward_scheduler:
             raise ValueError("sim.stream needs sim.reward_scheduler: the freed GPUs train each group once it is "
@@ -144,18 +105,25 @@ class SimConfig:
         return self.rollout.tp
 
     @property
+    def topology(self) -> Topology:
+        """The job's GPUs: who rolls out (all, or a policy's own pool), who trains, the replicas."""
+        s = self.schedule
+        return Topology(self.gpus, tp=self.tp, rollout_ranks=s.rollout_pool(self.gpus) if s.own_pools else 0,
+                        pools=s.own_pools)
+
+    @property
     def rollout_pool(self) -> int:
         """GPUs rolling out: all of them, or the rollout pool of a policy with pools of its own."""
-        return self.schedule.rollout_pool(self.gpus)
+        return self.topology.rollout_ranks
 
     @property
     def train_pool(self) -> int:
         """GPUs training: all of them, or the ones a policy with pools of its own does not roll out on."""
-        return self.gpus - self.rollout_pool if self.schedule.own_pools else self.gpus
+        return len(self.topology.train)
 
     @property
     def num_replicas(self) -> int:
-        return self.rollout_pool // self.tp
+        return self.topology.num_replicas
 
     def cost(self) -> CostModel:
         return CostModel(HARDWARE[self.hardware], MODELS[self.model], self.tp, self.calib)
@@ -206,99 +174,104 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
                    stream: ScaleDown | None = None, poll: tuple[int, float] | None = None) -> RoundRecord:
-    """One round of ``policy`` on fresh ``replicas`` (time starts at 0), as the controller runs it.
+    """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
+    (:class:`~rollpacker.schedule.round.Round`) on simulated time.
 
     ``lengths.lengths(row, step, slot, n)`` gives the natural lengths of a launch (cut at
     ``max_new_tokens``), ``lengths.prompt_tokens`` the prompt size; ``reward(row, seq)`` the reward
-    of a response (handed to the policy when it ``needs_rewards``, and set on the kept groups);
-    ``plan``, the round when the caller already asked the policy for it; ``stream``, the stream
-    trainer's decision, when streaming (see the module docstring). ``poll = (steps, exchange_s)``
-    runs the replicas in lockstep as the controller's exchange loop does (``rollout.poll_steps``
-    iterations each, then an exchange of ``exchange_s`` in which the finished responses are seen and
-    the commands sent, once more at the end), instead of reacting at the instant of each finish."""
+    of a response (scored at once); ``plan``, the round when the caller already asked the policy for
+    it; ``stream``, the stream trainer's decider. ``poll = (steps, exchange_s)`` runs the replicas in
+    lockstep as the controller's exchange loop does (``rollout.poll_steps`` iterations each, then an
+    exchange of ``exchange_s``), instead of polling at each replica event."""
     if poll and stream:
         raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
-    return _SimRound(step, plan, RoundState(step, plan, policy, len(replicas)), replicas, lengths, max_new_tokens,
-                     reward, stream, poll).run()
+    hooks = StreamRound(stream) if stream else None
+    rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), hooks)
+    return _SimRound(step, plan, rnd, replicas, lengths, max_new_tokens, poll).run()
 
 
 @dataclass
-class _Fed:
-    """The simulator's :class:`~rollpacker.train.stream.GroupSink`: the freed GPUs take every group
-    at once, and the round records when it was fed."""
+class _Instant:
+    """The simulator's scorer: every response scored the moment it is submitted."""
 
-    clock: Callable[[], float]
-    groups: list[tuple[float, Group]] = field(default_factory=list)
-    """(time it was fed, group), in feed order."""
+    reward: Callable[[int, Seq], float | None]
+    done: list[tuple[str, float | None]] = field(default_factory=list)
 
-    def ready(self) -> bool:
-        return True
+    def submit(self, key: str, row: int, output: Seq) -> None:
+        self.done.append((key, self.reward(row, output)))
 
-    def send(self, groups: list[Group]) -> None:
-        self.groups += [(self.clock(), g) for g in groups]
+    def poll(self) -> list[tuple[str, float | None]]:
+        done, self.done = self.done, []
+        return done
 
-    def close(self) -> None:
-        pass
+    wait = poll
 
 
 @dataclass
 class _SimRound:
-    """:func:`simulate_round`'s state: the :class:`RoundState` the controller shares, the simulated
-    requests and replicas, and what the round records."""
+    """:func:`simulate_round`'s transport: the simulated requests and replicas, and what the round records."""
 
     step: int
     plan: RoundPlan
-    state: RoundState
+    round: Round
     replicas: list[Replica]
     lengths: LengthModel | TraceLengths
     max_new_tokens: int
-    reward: Callable[[int, Seq], float | None]
-    decider: ScaleDown | None
-    """The stream trainer's decision, when streaming."""
     poll: tuple[int, float] | None
     seqs: dict[str, Seq] = field(default_factory=dict)
     events: list[tuple[float, int, int]] = field(default_factory=list)
     """(end of a replica's planned run, replica, its plan's version): event-driven mode's queue."""
     aborted: list[Seq] = field(default_factory=list)
+    """Requests the replicas aborted since the last poll."""
     completions: list[tuple[float, str]] = field(default_factory=list)
     trace: list[tuple[float, int]] = field(default_factory=list)
-    tokens_done: int = 0
+    fed: list[tuple[float, Group]] = field(default_factory=list)
     now: float = 0.0
-    hooks: RoundHooks = field(init=False)
-    """The stream trainer's round hooks (the controller's, on simulated time), or none."""
-    fed: _Fed = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.fed = _Fed(lambda: self.now)
-        self.hooks = (StreamRound(self.decider, self.fed, self.state, clock=lambda: self.now) if self.decider
-                      else RoundHooks())
 
     def run(self) -> RoundRecord:
-        state = self.state
-        for i, new in self.launch(state.launch(self.plan.prompts)).items():
-            self.send(i, [], new)
-        self.trace.append((0.0, state.num_launched))
+        self.apply(self.round.start(0.0), set())
+        self.trace.append((0.0, self.round.state.num_launched))
         while True:
-            due = self.advance()
-            actions = state.decide()
-            to_abort: dict[int, list[str]] = defaultdict(list)
-            for rid in actions.abort:
-                to_abort[state.replica(rid)].append(rid)
-            adds = self.launch(actions.launch)
-            # the stream trainer's turn: scale down once when it says so, then feed the freed GPUs
-            if not actions.done and self.hooks.maybe_scale_down(state, self.generated) is not None:
-                _migrate(state, self.replicas, self.now, to_abort, adds, self.aborted)
-            self.hooks.feed(state)
+            finished, due = self.advance()
+            actions = self.round.poll(Seen(now=self.now, finished=finished, aborted=self.take_aborted()),
+                                      self.generated)
             if actions.done:
+                self.fed += [(self.now, g) for g in actions.feed]
                 self.now += self.poll[1] if self.poll else 0.0  # the final command (its aborts) and the last reports
-                for replica in self.replicas:
-                    self.aborted += replica.abort_all(self.now)
-                return self.record()
-            for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
-                self.send(i, to_abort.get(i, []), adds.get(i, []))
+                final = self.take_aborted() + [seq for replica in self.replicas for seq in replica.abort_all(self.now)]
+                return self.record(self.round.finish(final, self.now))
+            if actions.scale_down:
+                self.migrate(actions)
+            self.apply(actions, due)
             if due:
                 self.trace.append((self.now, sum(r.num_requests() for r in self.replicas)))
+
+    def apply(self, actions: Actions, due: set[int]) -> None:
+        """Send the launches, resumes and aborts to the active replicas (and a command to those due one)."""
+        state = self.round.state
+        adds = self.launch(actions.launch)
+        for replica, seq in actions.resume:  # prefilled again with its prompt and generated tokens
+            adds[replica].append(seq)
+        to_abort: dict[int, list[str]] = defaultdict(list)
+        for rid in actions.abort:
+            to_abort[state.replica(rid)].append(rid)
+        self.fed += [(self.now, g) for g in actions.feed]
+        for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
+            self.send(i, to_abort.get(i, []), adds.get(i, []))
+
+    def migrate(self, actions: Actions) -> None:
+        """Rollout scaled down: the freed replicas abort everything at once, and the round resumes
+        what migrates in this same instant (added to ``actions``, less the aborts the freed replicas did)."""
+        state = self.round.state
+        actions.abort = [rid for rid in actions.abort if state.replica(rid) < state.active]
+        leaving = [seq for replica in self.replicas[state.active:]  # in replica order, each sorted, as reported
+                   for seq in sorted(replica.abort_all(self.now), key=lambda s: s.id)]
+        back = self.round.poll(Seen(now=self.now, aborted=leaving), self.generated)
+        actions.launch += back.launch
+        actions.resume += back.resume
+        actions.abort += back.abort
+        actions.feed += back.feed
 
     def launch(self, launches: list[Launch]) -> dict[int, list[Seq]]:
         """The requests of the policy's launches, by the replica they are routed to."""
@@ -306,14 +279,12 @@ class _SimRound:
         for new in launches:
             targets = np.minimum(self.lengths.lengths(new.row, self.step, new.slot, self.plan.num_responses),
                                  self.max_new_tokens).tolist()
-            # finished in an earlier round: scored again only
-            self.state.scored((out.id, self.reward(new.row, out)) for out in new.rescore)
             for k, rid, earlier in new.run:
                 # a partial response (sorted_partial) is resumed by recomputation, towards its own length
                 target = earlier.target if earlier is not None else targets[k]
                 self.seqs[rid] = seq = Seq(rid, new.slot, k, self.lengths.prompt_tokens, target,
                                            generated=earlier.generated if earlier else 0)
-                adds[self.state.replica(rid)].append(seq)
+                adds[self.round.state.replica(rid)].append(seq)
         return adds
 
     def send(self, i: int, abort: list[str], add: list[Seq]) -> None:
@@ -323,62 +294,45 @@ class _SimRound:
         if not self.poll and replica.plan is None and replica.replan() is not None:
             heapq.heappush(self.events, (replica.next_event(), replica.index, replica.version))
 
-    def advance(self) -> set[int]:
-        """To the next poll's exchange (lockstep) or the next replica event; the responses finished
-        by then go to the round state, scored at once. Returns the replicas due a command."""
+    def take_aborted(self) -> list[Seq]:
+        aborted, self.aborted = self.aborted, []
+        return aborted
+
+    def advance(self) -> tuple[list[Seq], set[int]]:
+        """To the next poll's exchange (lockstep) or the next replica event. Returns the responses
+        finished by then and the replicas due a command."""
         finished: list[Seq] = []
+        active = self.round.state.active
         if self.poll:
-            self.now = _poll(self.replicas[:self.state.active], self.now, *self.poll, finished, self.aborted)
+            self.now = _poll(self.replicas[:active], self.now, *self.poll, finished, self.aborted)
             stalled = not finished and not any(r.num_requests() for r in self.replicas)
-            due = set(range(self.state.active))
+            due = set(range(active))
         else:
             stalled = not self.events
             if not stalled:
                 self.now, due = _next_event(self.events, self.replicas, finished, self.aborted)
         if stalled:
-            raise RuntimeError(f"step {self.step}: {len(self.state.outstanding)} requests outstanding but no replica "
-                               "is running")
-        self.state.finished(finished)
-        self.hooks.on_finished([seq.length for seq in finished])
+            raise RuntimeError(f"step {self.step}: {len(self.round.state.outstanding)} requests outstanding but no "
+                               "replica is running")
         self.completions += [(self.now, seq.id) for seq in finished]
-        self.tokens_done += sum(seq.length for seq in finished)
-        self.state.scored((seq.id, self.reward(self.state.slots[seq.slot], seq)) for seq in finished)  # instant
-        return due
+        return finished, due
 
     def generated(self) -> list[tuple[int, int]]:
         """(prompt tokens, tokens generated) of each outstanding request, exactly."""
-        seqs, replicas = self.seqs, self.replicas
-        return [(seqs[rid].prompt_tokens, replicas[self.state.replica(rid)].generated_at(seqs[rid], self.now))
-                for rid in self.state.outstanding]
+        seqs, replicas, state = self.seqs, self.replicas, self.round.state
+        return [(seqs[rid].prompt_tokens, replicas[state.replica(rid)].generated_at(seqs[rid], self.now))
+                for rid in state.outstanding]
 
-    def record(self) -> RoundRecord:
-        state, replicas, now = self.state, self.replicas, self.now
+    def record(self, outcome: RoundOutcome) -> RoundRecord:
+        replicas, scaled = self.replicas, outcome.scaled
         return RoundRecord(
-            kind=self.plan.kind, rollout_s=now, groups=state.finish(self.aborted), num_launched=state.num_launched,
-            aborted=self.aborted,
-            generated_tokens=self.tokens_done + sum(s.length for s in self.aborted)
-            - sum(s.generated for s in self.plan.carried.values() if s.finish_reason == "abort"),
+            kind=self.plan.kind, rollout_s=self.now, groups=outcome.groups, num_launched=outcome.num_launched,
+            aborted=outcome.aborted, generated_tokens=outcome.generated_tokens,
             num_preemptions=sum(r.num_preemptions for r in replicas),
-            bubble_ratio=bubble_ratio(self.trace, state.num_launched, now), completions=self.completions,
+            bubble_ratio=bubble_ratio(self.trace, outcome.num_launched, self.now), completions=self.completions,
             busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
-            scaled_at=self.hooks.scaled_at, scaled_frac=self.hooks.completed_frac or 0.0,
-            num_freed=len(replicas) - state.active, streamed=self.fed.groups)
-
-
-def _migrate(state: RoundState, replicas: list[Replica], now: float, to_abort: dict[int, list[str]],
-             adds: dict[int, list[Seq]], aborted: list[Seq]) -> None:
-    """Rollout scaled down at ``now``: everything leaves the freed replicas, and the outstanding
-    requests migrate at once (aborted and added again in this same instant, prefilled again with
-    their prompt and generated tokens); ``to_abort`` and ``adds`` lose the freed ones'."""
-    state.migrating.clear()
-    for replica in replicas[state.active:]:
-        to_abort.pop(replica.index, None)
-        leaving = replica.abort_all(now) + adds.pop(replica.index, [])
-        for seq in sorted(leaving, key=lambda s: s.id):
-            if seq.id in state.outstanding:
-                adds[state.route(seq.id)].append(seq)
-            else:
-                aborted.append(seq)
+            scaled_at=scaled.at if scaled else None, scaled_frac=(scaled.completed_frac or 0.0) if scaled else 0.0,
+            num_freed=len(replicas) - self.round.state.active, streamed=self.fed)
 
 
 def _next_event(events: list[tuple[float, int, int]], replicas: list[Replica], finished: list[Seq],

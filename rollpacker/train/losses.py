@@ -156,6 +156,12 @@ def low_var_kl(logp: Tensor, ref: Tensor) -> Tensor:
 KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl}
 """``train.kl_estimator`` -> ``(logp, ref) -> KL per token``."""
 
+
+def reverse_kl(logp: Tensor, teacher: Tensor) -> Tensor:
+    """Distillation's per-token reverse KL, KL(student || teacher) sampled at the student's token:
+    ``log p_student - log p_teacher`` (k1; its negative is the token's reward)."""
+    return k1(logp, teacher)
+
 # --- rollout correction ---------------------------------------------------------------------------
 
 
@@ -196,22 +202,26 @@ CORRECTIONS = {"none": no_correction, "token_tis": token_tis, "seq_tis": seq_tis
 # --- the whole objective --------------------------------------------------------------------------
 
 STATS = ("tokens", "clipped", "ratio_dev", "kl", "entropy", "rollout_is", "rollout_is_outside", "rollout_ratio",
-         "logprob_diff")
+         "logprob_diff", "teacher_kl")
 """The sums :func:`policy_objective` returns, in this order."""
 
 
 def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, mask: Tensor, cfg, *,
-                     entropy: Tensor | None = None, ref: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                     entropy: Tensor | None = None, ref: Tensor | None = None, teacher: Tensor | None = None
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's loss, a sum (divide by the step's :func:`normalizer`), and its stats.
 
     All [N, T]: ``logp`` (current log-probs, with grad), ``old`` (before this step's first update,
     no grad), ``behavior`` (the engine's), ``adv`` (advantages), ``mask`` (response tokens),
-    ``entropy`` (per token, for its bonus and its metric) and ``ref`` (the reference policy's, for
-    the KL in the loss or its metric). ``cfg`` is the :class:`~rollpacker.train.config.TrainConfig`.
+    ``entropy`` (per token, for its bonus and its metric), ``ref`` (the reference policy's, for
+    the KL in the loss or its metric) and ``teacher`` (distillation's teacher's, no grad).
+    ``cfg`` is the :class:`~rollpacker.train.config.TrainConfig`.
 
     Per token: the ``cfg.loss`` term times the ``cfg.rollout_correction`` weight, plus
-    ``kl_coef * KL`` (unless the KL is in the reward), minus ``entropy_coef * entropy``; tokens
-    the correction masks contribute nothing. The stats (:data:`STATS`) are detached sums, to be
+    ``kl_coef * KL`` (unless the KL is in the reward), plus ``teacher.coef * k2(logp, teacher)``
+    with ``teacher.in_loss`` (k2's gradient is the reverse KL's: ``(logp - teacher) grad logp``),
+    minus ``entropy_coef * entropy``; tokens the correction masks contribute nothing. The
+    ``teacher_kl`` stat is :func:`reverse_kl`. The stats (:data:`STATS`) are detached sums, to be
     all-reduced with SUM.
     """
     mask = mask.bool()
@@ -227,6 +237,12 @@ def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, m
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp, torch.where(mask, ref, logp))
         if cfg.kl_coef and not cfg.kl_in_reward:
             token_loss = token_loss + cfg.kl_coef * kl
+    teacher_kl = torch.zeros_like(token_loss)
+    if teacher is not None:
+        teacher = torch.where(mask, teacher, logp)
+        teacher_kl = reverse_kl(logp, teacher)
+        if cfg.teacher.in_loss:
+            token_loss = token_loss + cfg.teacher.coef * k2(logp, teacher)
     if entropy is not None:
         entropy = torch.where(mask, entropy, 0.0)
         if cfg.entropy_coef:
@@ -247,5 +263,6 @@ def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, m
             "rollout_is_outside": (mask & outside).sum().float(),
             "rollout_ratio": torch.where(mask, rho, 0.0).sum(),
             "logprob_diff": log_rho.abs().sum(),
+            "teacher_kl": torch.where(mask, teacher_kl, 0.0).sum(),
         }
     return loss, stats

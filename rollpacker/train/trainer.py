@@ -39,6 +39,14 @@ environment's tokens out of the loss, every aggregation and normalizer, the adva
 statistics, entropy and KL; its ``token_rewards`` (an environment's step rewards, on the last
 token of their action) go into the returns (:func:`~rollpacker.train.advantages.returns_to_go`).
 A sample without them (a single-turn response) trains exactly as before.
+
+With ``train.lora`` only the adapters get gradients and optimizer state, and the KL reference is
+the policy with its adapters off (:class:`~rollpacker.model.lora.AdaptersOff`). On-policy
+distillation (``train.teacher``): a frozen teacher, sharded or streamed as the KL reference is,
+scores each sampled token; its reverse KL ``log p - log p_teacher`` becomes a token reward, added to
+the KL reference's in the same tensor (so whatever mask the returns apply, applies to both), computed
+in the frozen pass; or, with ``train.teacher.in_loss``, a loss term (:func:`policy_objective`). Either
+way ``train/teacher_kl`` is its mean per token.
 """
 
 from __future__ import annotations
@@ -54,12 +62,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 
 from rollpacker.model.attention import CausalAttention
+from rollpacker.model.lora import AdaptersOff
 from rollpacker.model.offload import StreamedModel
 from rollpacker.model.parallelize import parallelize, prepare_reference
 from rollpacker.train.advantages import ADVANTAGES, returns_to_go
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
-from rollpacker.train.losses import KL_ESTIMATORS, STATS, policy_objective, units
+from rollpacker.train.losses import KL_ESTIMATORS, STATS, policy_objective, reverse_kl, units
 
 
 @dataclass
@@ -123,6 +132,8 @@ class Prepared:
     """Log-probs before the first update [T]; None: the current ones, detached (one update)."""
     ref: torch.Tensor | None = None
     """The reference policy's log-probs [T]; None: computed with the loss, when there is a reference."""
+    teacher: torch.Tensor | None = None
+    """The teacher's log-probs [T]; None: computed with the loss, when there is a teacher."""
 
 
 def group_sizes(samples: list[Sample]) -> list[int]:
@@ -204,20 +215,27 @@ class Trainer:
     whose process group is ``group``)."""
 
     def __init__(self, model: nn.Module, config: TrainConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
-                 reference: nn.Module | None = None, group: dist.ProcessGroup | None = None, num_steps: int):
+                 reference: nn.Module | None = None, teacher: nn.Module | None = None,
+                 group: dist.ProcessGroup | None = None, num_steps: int):
         """``model``: the policy, sharded by :func:`~rollpacker.model.parallelize.parallelize` (or whole,
-        then sharded here); ``reference``: the KL reference, sharded, streamed or whole (then sharded)."""
+        then sharded here, with its LoRA adapters); ``reference``: the KL reference, sharded, streamed or
+        whole (then sharded), or None: with LoRA and ``kl_coef`` the policy with its adapters off;
+        ``teacher``: distillation's teacher, as the reference."""
         self.config, self.temperature = config, temperature
         self.device = compute_device(mesh)
         mixed = config.mixed_precision and self.device.type == "cuda"
         if not isinstance(model, FSDPModule):
             parallelize(model, mesh, config, mixed_precision=mixed)
         self.model = model
-        if reference is not None and not isinstance(reference, (FSDPModule, StreamedModel)):
-            reference = prepare_reference(reference, mesh, config, mixed_precision=mixed, device=self.device)
-        self.reference = reference
+        if reference is None and config.kl_coef and config.lora.rank:
+            reference = AdaptersOff(model)
+        self.reference, self.teacher = (
+            m if m is None or isinstance(m, (FSDPModule, StreamedModel, AdaptersOff))
+            else prepare_reference(m, mesh, config, mixed_precision=mixed, device=self.device)
+            for m in (reference, teacher))
         self.rank, self.ranks, self.group = dist.get_rank(), mesh.mesh.flatten().tolist(), group
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+        trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=config.betas,
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: lr_factor(step, config, num_steps))
@@ -246,7 +264,8 @@ class Trainer:
         batches = mini_batches(group_sizes(samples), cfg.mini_batches)
         plans = [spread([samples[i].num_tokens for i in b], len(self.ranks), cfg.micro_batch_tokens) for b in batches]
         several = len(batches) * cfg.epochs > 1
-        frozen = self._frozen(samples, batches, plans) if several or cfg.kl_in_reward else {}
+        needs_frozen = several or cfg.kl_in_reward or cfg.teacher.in_reward
+        frozen = self._frozen(samples, batches, plans) if needs_frozen else {}
         prepared = self._prepare(samples, frozen)
         total = self._units(samples)
         updates = []
@@ -255,7 +274,7 @@ class Trainer:
                 share = normalizer * self._units([samples[i] for i in batch]) / total if several and total else (
                     normalizer)
                 updates.append(self._update([samples[i] for i in batch], [prepared[i] for i in batch], plan,
-                                            share))
+                                            share, frozen=needs_frozen))
         if not all(u["train/skipped"] for u in updates):
             self.scheduler.step()
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
@@ -268,11 +287,12 @@ class Trainer:
         return stats
 
     def _update(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
-                normalizer: float) -> dict[str, float]:
-        """One optimizer step on ``samples`` spread as ``plan``, gradients over ``normalizer``."""
+                normalizer: float, *, frozen: bool) -> dict[str, float]:
+        """One optimizer step on ``samples`` spread as ``plan``, gradients over ``normalizer``
+        (``frozen``: the frozen pass gave the reference's and the teacher's log-probs)."""
         cfg = self.config
         normalizer = max(normalizer, 1)
-        num_micro = self._backward(samples, prepared, plan, self.ranks, sync_last=True)
+        num_micro = self._backward(samples, prepared, plan, self.ranks, sync_last=True, frozen=frozen)
         totals, self.totals = self.totals, torch.zeros_like(self.totals)
         dist.all_reduce(totals, group=self.group)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -313,7 +333,7 @@ class Trainer:
             "train/lr": lr,
             "train/skipped": float(skipped),
             "train/num_micro_batches": float(num_micro),
-        }
+        } | ({"train/teacher_kl": sums["teacher_kl"] / tokens} if self.teacher is not None else {})
 
     def _units(self, samples: list[Sample]) -> int:
         """What the aggregation counts in ``samples``, leaving out those whose loss is masked."""
@@ -322,69 +342,87 @@ class Trainer:
     def _masked(self, sample: Sample) -> bool:
         return self.config.mask_truncated and sample.truncated
 
-    def _prepare(self, samples: list[Sample], frozen: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None
-                 ) -> list[Prepared]:
+    def _prepare(self, samples: list[Sample], frozen: dict[int, Frozen] | None = None) -> list[Prepared]:
         """Each sample's advantages (``train.advantage`` over its group or the whole of ``samples``),
-        with the frozen log-probs of ``frozen`` (index -> (old, ref), this rank's samples)."""
+        with the frozen log-probs of ``frozen`` (index -> (old, ref, teacher), this rank's samples).
+        The task reward weighs ``train.teacher.task_weight``."""
         cfg, frozen = self.config, frozen or {}
         lengths = [len(s.response_ids) for s in samples]
         mask = torch.arange(max([1, *lengths]))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
         for i, s in enumerate(samples):  # [N, T] the model's tokens
             if s.loss_mask is not None:
                 mask[i, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        token_rewards = self._kl_rewards(samples, frozen, mask) if cfg.kl_in_reward else None
+        token_rewards = self._token_rewards(samples, frozen, mask)
         steps = step_rewards(samples, tuple(mask.shape))
         if steps is not None:
             token_rewards = steps if token_rewards is None else token_rewards + steps
-        returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, token_rewards)  # [N, T]
+        rewards = torch.tensor([s.reward for s in samples])
+        if cfg.teacher.path:
+            rewards = cfg.teacher.task_weight * rewards
+        returns = returns_to_go(rewards, mask, token_rewards)  # [N, T]
         adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
-        return [Prepared(adv[i, :n], *frozen.get(i, (None, None))) for i, n in enumerate(lengths)]
+        return [Prepared(adv[i, :n], *frozen.get(i, (None, None, None))) for i, n in enumerate(lengths)]
 
-    def _kl_rewards(self, samples: list[Sample], frozen: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
-                    mask: torch.Tensor) -> torch.Tensor:
-        """``-kl_coef x KL`` per token [N, T] of every sample: each rank computes its own share's
-        from the frozen pass, and one all-reduce gives every rank all of them."""
+    def _token_rewards(self, samples: list[Sample], frozen: dict[int, Frozen], mask: torch.Tensor
+                       ) -> torch.Tensor | None:
+        """Per-token rewards [N, T] of every sample, None without any: ``-kl_coef x KL`` to the
+        reference (``train.kl_in_reward``) plus ``-teacher.coef x (old - teacher)``, the teacher's
+        reverse KL (distillation's reward mode). Each rank computes its own share's from the frozen
+        pass, and one all-reduce gives every rank all of them."""
         cfg = self.config
+        if not (cfg.kl_in_reward or cfg.teacher.in_reward):
+            return None
         lengths = [len(s.response_ids) for s in samples]
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
-        kl = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
-        for i, (old, ref) in frozen.items():
-            kl[offsets[i]:offsets[i + 1]] = KL_ESTIMATORS[cfg.kl_estimator](old, ref)
-        dist.all_reduce(kl, group=self.group)
-        kl = pad_sequence(kl.cpu().split(lengths), batch_first=True)  # [N, T'], T' <= T
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        for i, (old, ref, teacher) in frozen.items():
+            reward = torch.zeros_like(old)
+            if cfg.kl_in_reward:
+                reward = reward - cfg.kl_coef * KL_ESTIMATORS[cfg.kl_estimator](old, ref)
+            if cfg.teacher.in_reward:
+                reward = reward - cfg.teacher.coef * reverse_kl(old, teacher)
+            flat[offsets[i]:offsets[i + 1]] = reward
+        dist.all_reduce(flat, group=self.group)
+        padded = pad_sequence(flat.cpu().split(lengths), batch_first=True)  # [N, T'], T' <= T
         out = torch.zeros(mask.shape)
-        out[:, :kl.shape[1]] = kl
-        return -cfg.kl_coef * out
+        out[:, :padded.shape[1]] = padded
+        return out
+
+    def _frozen_models(self) -> list[nn.Module]:
+        """The frozen models whose log-probs a step needs besides the policy's: reference, teacher."""
+        return [m for m in (self.reference, self.teacher) if m is not None]
 
     @torch.no_grad()
     def _frozen(self, samples: list[Sample], batches: list[list[int]], plans: list[list[list[list[int]]]]
-                ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Log-probs (and reference log-probs) of this rank's samples before the step's first
-        update, on the micro-batches the updates will use: index -> (old [T], ref [T] or None)."""
+                ) -> dict[int, Frozen]:
+        """Log-probs (and the reference's and teacher's) of this rank's samples before the step's
+        first update, on the micro-batches the updates will use: index -> (old, ref, teacher) [T]
+        each (None without that model)."""
         out = {}
         for batch, plan in zip(batches, plans):
             mine, num_micro = plan[self.ranks.index(self.rank)], max(1, *(len(p) for p in plan))
             for i in range(num_micro):
                 if i >= len(mine):  # FSDP2's all-gathers must match: an idle forward
-                    self._idle_loss()
-                    if self.reference is not None:
-                        self._idle_loss(self.reference)
+                    for model in (self.model, *self._frozen_models()):
+                        self._idle_loss(model)
                     continue
                 micro = [samples[batch[j]] for j in mine[i]]
                 lengths = [len(s.response_ids) for s in micro]
-                old = self._logprobs(self.model, micro).split(lengths)
-                ref = self._logprobs(self.reference, micro).split(lengths) if self.reference else [None] * len(micro)
-                for j, o, r in zip(mine[i], old, ref):
-                    out[batch[j]] = (o, r)
+                old, ref, teacher = (self._logprobs(m, micro).split(lengths) if m is not None else [None] * len(micro)
+                                     for m in (self.model, self.reference, self.teacher))
+                for j, o, r, t in zip(mine[i], old, ref, teacher):
+                    out[batch[j]] = (o, r, t)
         return out
 
     def _backward(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
-                  ranks: list[int], *, sync_last: bool) -> int:
+                  ranks: list[int], *, sync_last: bool, frozen: bool = False) -> int:
         """Forward/backward of this rank's micro-batches of ``plan`` (losses are sums); the gradients
-        are reduced after the last one only if ``sync_last``. Returns the number of micro-batches
-        each rank ran (at least one, so that a sync reduces what earlier calls accumulated)."""
+        are reduced after the last one only if ``sync_last``. Without ``frozen`` log-probs, each
+        micro-batch also runs the reference and the teacher (an idle rank too: FSDP2's all-gathers
+        must match). Returns the number of micro-batches each rank ran (at least one, so that a sync
+        reduces what earlier calls accumulated)."""
         mine, num_micro = plan[ranks.index(self.rank)], max(1, *(len(p) for p in plan))
         reduce_every = self.config.reduce_every_micro_batch
         self.model.train()
@@ -394,6 +432,10 @@ class Trainer:
                 loss, stats = self._loss([samples[j] for j in mine[i]], [prepared[j] for j in mine[i]])
                 self.totals += torch.stack([loss.detach().double(), *stats]).to(self.totals)
             else:
+                if not frozen:
+                    with torch.no_grad():
+                        for model in self._frozen_models():
+                            self._idle_loss(model)
                 loss = self._idle_loss()
             loss.backward()
         return num_micro
@@ -417,29 +459,32 @@ class Trainer:
                                           impl=self.config.logprobs_impl, softcap=model.logit_softcap))
 
     def _loss(self, batch: list[Sample], prepared: list[Prepared]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A micro-batch's loss (a sum) and its :data:`TOTALS` after the loss."""
+        """A micro-batch's loss (a sum) and its :data:`TOTALS` after the loss. The frozen models'
+        log-probs not given in ``prepared`` are computed first (the order an idle rank follows)."""
         lengths = [len(s.response_ids) for s in batch]
-        logp_flat, entropy_flat = self._logprobs(self.model, batch, entropy=True)
 
         def padded(flat: torch.Tensor) -> torch.Tensor:  # flat [sum of lengths] -> [N, T]
             return pad_sequence(flat.split(lengths), batch_first=True)
 
+        def frozen(model: nn.Module | None, given: list[torch.Tensor | None]) -> torch.Tensor | None:
+            if model is None:
+                return None
+            if given[0] is not None:
+                return padded(torch.cat(given))
+            with torch.no_grad():
+                return padded(self._logprobs(model, batch))
+
+        ref = frozen(self.reference, [p.ref for p in prepared])
+        teacher = frozen(self.teacher, [p.teacher for p in prepared])
+        logp_flat, entropy_flat = self._logprobs(self.model, batch, entropy=True)
         logp = padded(logp_flat)
         mask = pad_sequence([torch.tensor(s.model_mask(), dtype=torch.bool, device=self.device) & (not self._masked(s))
                              for s in batch], batch_first=True)  # the model's tokens of the samples that train
-        frozen = prepared[0].old is not None
-        old = padded(torch.cat([p.old for p in prepared])) if frozen else logp.detach()
-        ref = None
-        if self.reference is not None:
-            if prepared[0].ref is not None:
-                ref = padded(torch.cat([p.ref for p in prepared]))
-            else:
-                with torch.no_grad():
-                    ref = padded(self._logprobs(self.reference, batch))
+        old = padded(torch.cat([p.old for p in prepared])) if prepared[0].old is not None else logp.detach()
         behavior = padded(torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device))
         adv = padded(torch.cat([p.advantages for p in prepared]).to(self.device))
         loss, stats = policy_objective(logp, old, behavior, adv, mask, self.config, entropy=padded(entropy_flat),
-                                       ref=ref)
+                                       ref=ref, teacher=teacher)
         masked = torch.tensor(float(sum(map(self._masked, batch))), device=self.device)
         return loss, [stats[k] for k in STATS] + [masked]
 
@@ -450,6 +495,9 @@ class Trainer:
         out = model(tokens, tokens, CausalAttention([1], self.device), head=lambda h, w: (h @ w.T).sum())
         return out * 0.0
 
+
+Frozen = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+"""A sample's log-probs before the step's first update [T]: the policy's, the reference's, the teacher's."""
 
 TOTALS = ("loss", *STATS, "masked_truncated")
 """What a trainer sums over micro-batches and ranks for an update's metrics."""

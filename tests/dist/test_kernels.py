@@ -23,10 +23,10 @@ if not torch.cuda.is_available():
         raise RuntimeError("tests/test_kernels.py: triton was imported before TRITON_INTERPRET=1 could be set; "
                            "set TRITON_INTERPRET=1 in the environment, or find the earlier import of triton")
     os.environ["TRITON_INTERPRET"] = "1"
+from support.jobs import torchrun
+
 from rollpacker.train.logprobs import resolve_impl, token_logprobs
 from rollpacker_kernels.logprobs import fused_token_logprobs
-
-from conftest import torchrun
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="runs CPU tensors through Triton's interpreter")

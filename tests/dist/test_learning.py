@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from conftest import QUIET, launch_job
+from support.jobs import QUIET, launch_job
 
 
 @pytest.mark.slow

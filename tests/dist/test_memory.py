@@ -5,8 +5,8 @@ The plan against measured peaks and the checkpointing factor: the slow tier (``b
 from __future__ import annotations
 
 import pytest
-
-from conftest import make_hf_model, torchrun
+from support.jobs import torchrun
+from support.models import make_hf_model
 
 
 def test_memory_settings_keep_the_update_and_hf_path_steps_equal_references_qwen3_moe_gemma2_gemma3_mistral_llama(

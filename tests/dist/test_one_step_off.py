@@ -9,9 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from conftest import NUM_ROWS, QUIET, finish, launch_job, steps
-from conftest import start_job as launch
+from support.jobs import NUM_ROWS, QUIET, finish, launch_job, steps
+from support.jobs import start_job as launch
 
 RUN = ("schedule:one_step_off", "--train.rollout-correction", "token_tis", "--checkpoint-every", "4",
        "--rollout.temperature", "1.5")

@@ -6,10 +6,9 @@ sync run's, and tail+pipe trains every prompt exactly once per epoch."""
 from __future__ import annotations
 
 import pytest
-
-from conftest import NUM_ROWS, QUIET, finish, launch_job, per_group, steps, torchrun, trained
-from conftest import run_four_steps as run
-from conftest import start_job as launch
+from support.jobs import NUM_ROWS, QUIET, finish, launch_job, per_group, steps, torchrun, trained
+from support.jobs import run_four_steps as run
+from support.jobs import start_job as launch
 
 
 def test_pipe_refuses_a_train_pool_that_splits_a_shard_group(tmp_path):

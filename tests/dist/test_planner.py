@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.jobs import launch_job, torchrun
 
 from rollpacker.plan.planner import best_tp
-
-from conftest import launch_job, torchrun
 
 
 def entry(capacity: int, ms_at_1: float, ms_at_4: float) -> dict:

@@ -10,14 +10,13 @@ import os
 import time
 
 import pytest
+from support.jobs import sandboxed_pids
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.functions import Ref, target
 from rollpacker.reward.sandbox import SandboxConfig
 from rollpacker.reward.workers import STOP_GRACE, RewardPool
-
-from conftest import sandboxed_pids
 
 TOWER = "\\boxed{10^{10^{10^{10^{10}}}}}"  # math-verify tries to evaluate it: hangs
 

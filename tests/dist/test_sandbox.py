@@ -18,13 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import sandboxed_pids
 
 from rollpacker.reward import RewardConfig, RewardError
 from rollpacker.reward import sandbox as sandbox_module
 from rollpacker.reward.code import AdaptiveTimeout, case_key, code_reward, extract_code
 from rollpacker.reward.sandbox import Run, Sandbox, SandboxConfig, SandboxUnavailable, same_output, verdict
-
-from conftest import sandboxed_pids
 
 TIMEOUT = 1.0  # per test case; every case must be over well within TIMEOUT + SLACK
 SLACK = 4.0

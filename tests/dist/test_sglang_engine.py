@@ -13,9 +13,8 @@ import sys
 
 import pytest
 import torch
-
-from conftest import DIST_SCRIPTS, SGLANG_STUBS, cause, sglang_env
-from vllm_common import make_pair
+from support.engine_pair import make_pair
+from support.jobs import DIST_SCRIPTS, SGLANG_STUBS, cause, sglang_env
 
 pytestmark = pytest.mark.sglang
 

@@ -13,8 +13,7 @@ import sys
 import time
 
 import pytest
-
-from conftest import DIST_SCRIPTS, QUIET, cause, job_command, sglang_env, steps, trained
+from support.jobs import DIST_SCRIPTS, QUIET, cause, job_command, sglang_env, steps, trained
 
 pytestmark = pytest.mark.sglang
 

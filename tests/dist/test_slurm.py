@@ -25,8 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import job_env
+from support.jobs import job_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
@@ -86,7 +85,7 @@ def test_sigusr1_saves_after_the_current_step_and_exits_0(tmp_path):
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    stopped = re.search(r"stopped on SIGUSR1 after (\d+) steps", out)
+    stopped = re.search(r"stopped on SIGUSR1 with (\d+) of \d+ steps done", out)
     assert proc.returncode == 0 and stopped, out[-3000:]
     steps = int(stopped.group(1))
     assert _committed(run_dir)[-1] == steps and steps < NUM_ROWS // 4, (steps, out[-3000:])
@@ -94,7 +93,7 @@ def test_sigusr1_saves_after_the_current_step_and_exits_0(tmp_path):
 
 
 def _steps(text: str) -> list[int]:
-    return [int(s) for s in re.findall(r"^step (\d+) \|", text, flags=re.M)]
+    return [int(s) for s in re.findall(r"^step (\d+)(?:/\d+)? \|", text, flags=re.M)]
 
 
 # --- the real thing ------------------------------------------------------------------------------
@@ -160,8 +159,8 @@ def _events(log: str) -> list[tuple[str, int]]:
     ("resume", k) (rank 0 resuming from checkpoints/step_k), ("step", n) (step n done), ("usr1_stop", n) (the
     time-limit warning's save after n steps) and ("done", n)."""
     patterns = {"attempt": r"^train\.sbatch: job \d+ attempt (\d+)",
-                "resume": r"rollpacker: resuming from \S*step_(\d+)$", "step": r"^step (\d+) \|",
-                "usr1_stop": r"rollpacker: stopped on SIGUSR1 after (\d+) steps",
+                "resume": r"rollpacker: resuming from \S*step_(\d+)$", "step": r"^step (\d+)(?:/\d+)? \|",
+                "usr1_stop": r"rollpacker: stopped on SIGUSR1 with (\d+) of \d+ steps done",
                 "done": r"rollpacker: done after (\d+) steps"}
     events = []
     for line in log.splitlines():

@@ -26,8 +26,8 @@ import pytest
 
 @pytest.mark.parametrize("policy", ["sorted", "sorted_partial"])
 def test_two_rank_runs_train_every_prompt_once_per_epoch(policy, tmp_path):
-    from conftest import finish, steps, trained
-    from conftest import start_job as launch  # the tail job's flags; later flags win
+    from support.jobs import finish, steps, trained
+    from support.jobs import start_job as launch  # the tail job's flags; later flags win
 
     num_rows = 16  # two load groups of 2 x 4 prompts per epoch
     extra = [f"schedule:{policy}", "--schedule.sorted-batches", "2", "--data.num-toy-prompts", str(num_rows)]

@@ -4,9 +4,8 @@ equivalence with synchronous steps and for whole runs with scale-downs."""
 from __future__ import annotations
 
 import pytest
-
-from conftest import launch_job, per_group, torchrun
-from conftest import run_four_steps as run
+from support.jobs import launch_job, per_group, torchrun
+from support.jobs import run_four_steps as run
 
 
 @pytest.mark.parametrize("nproc,shard,aggregations", [

@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from support.jobs import NUM_ROWS, finish, ledger, steps, trained
+from support.jobs import start_job as launch
 
 from rollpacker.bench.faults import worker_pid
-
-from conftest import NUM_ROWS, finish, ledger, steps, trained
-from conftest import start_job as launch
 
 
 def kill_when(proc: subprocess.Popen, run_dir: Path, ready, timeout: float = 300) -> bool:

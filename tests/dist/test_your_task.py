@@ -20,8 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-from conftest import QUIET, launch_job, steps
+from support.jobs import QUIET, launch_job, steps
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "your-task.md"
 PROMPTS, GROUP, NUM_STEPS, EVAL_ROWS, EVAL_N = 4, 2, 4, 8, 2
@@ -101,7 +100,7 @@ def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and
         assert m["reward/mean"] == pytest.approx(sum(s["reward"] for s in got) / len(got), abs=1e-6)
     stopped = [s for step in range(NUM_STEPS) for s in samples(run_dir, f"step_{step}") if s["finish_reason"] == "stop"]
     assert stopped, "no response ended by EOS or the stop string"
-    from rollpacker.metrics import pass_at_k
+    from rollpacker.schedule.eval import pass_at_k
 
     for step in (0, NUM_STEPS):  # before step 0 and at the end: eval.n responses per held-out prompt
         evaluated = samples(run_dir, f"eval_step_{step}")
@@ -140,8 +139,10 @@ def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and
         assert again[step]["reward/errors"] == sum(s["row"] in bad for s in got) == GROUP
         assert again[step]["sched/trained_prompts"] == PROMPTS  # nothing lost: the failed responses trained with 0
     row = first[2][0]["row"]
-    assert f"reward function 'flaky' failed on row '{row}': raised ValueError: bad row" in proc.stderr
-    assert f"reward function 'flaky' failed on row '{first[3][0]['row']}': returned 2 values" in proc.stderr
+    assert (f"reward function 'flaky' failed on {GROUP} of {PROMPTS * GROUP} responses at step 2, scored 0 "
+            f"(--reward.on-error skip); first on row '{row}': raised ValueError: bad row") in proc.stderr
+    assert (f"reward function 'flaky' failed on {GROUP} of {PROMPTS * GROUP} responses at step 3, scored 0 "
+            f"(--reward.on-error skip); first on row '{first[3][0]['row']}': returned 2 values") in proc.stderr
 
 
 @pytest.mark.timeout(600)
@@ -153,7 +154,7 @@ def test_a_failing_function_with_on_error_fail_stops_the_run_with_one_message(tm
                       "fail", "--rollout.num-prompts", "16", "--rollout.group-size", "1", "--rollout.max-new-tokens",
                       "8", "--num-steps", "1", "--eval-every", "0", "--run-dir", "r", *QUIET, cwd=tmp_path)
     assert proc.returncode != 0
-    said = [line for line in proc.stderr.splitlines() if "reward.on_error=fail stops the run" in line]
+    said = [line for line in proc.stderr.splitlines() if "--reward.on-error fail stops the run" in line]
     assert len(said) == 1, proc.stderr[-4000:]  # the first response settled: a None row or a failing one
     assert said[0].startswith(("rollpacker: reward function 'flaky' failed on row 'train:",
                                "rollpacker: no reward function scores row 'train:")), said

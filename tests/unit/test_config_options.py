@@ -20,15 +20,15 @@ REGENERATE = "python tests/unit/test_config_options.py > tests/unit/config_optio
 def options(cls: type | None = None, prefix: str = "") -> list[str]:
     """Every option of the root config as a dotted name; a policy's settings as ``schedule:NAME.setting``."""
     from rollpacker.config import Config
-    from rollpacker.schedule.config import POLICY_CONFIGS, ScheduleConfig
+    from rollpacker.schedule import config as policies
 
     cls = cls or Config
     hints = get_type_hints(cls, include_extras=True)
     names = []
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if hint is ScheduleConfig:
-            names += [o for name, policy in POLICY_CONFIGS.items()
+        if hint is policies.ScheduleConfig:
+            names += [o for name, policy in policies.POLICY_CONFIGS.items()
                       for o in options(policy, f"{prefix}schedule:{name}.")]
         elif dataclasses.is_dataclass(hint):
             names += options(hint, f"{prefix}{f.name}.")

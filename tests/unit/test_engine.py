@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from rollpacker.model import CausalAttention, load_model
+from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
 from rollpacker.rollout.spec_cost import SpecCost
-from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
+from rollpacker.rollout.torch_engine import TorchEngine
 
 PROMPTS = [[1, 2, 3], [5] * 20, [7, 8, 9, 10, 11, 12, 13], list(range(40)), [42], list(range(60, 90))]
 NEW = [30, 5, 60, 17, 90, 12]
@@ -344,7 +345,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(qwen2_dir, refer
 
 @pytest.mark.parametrize("speculative", ["off", "on"])
 def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path, speculative):
-    from conftest import make_hf_model
+    from support.models import make_hf_model
 
     other_dir = make_hf_model(tmp_path / "other", "qwen2", initializer_range=0.05)
     eng = engine(qwen2_dir, speculative=speculative)
@@ -365,7 +366,7 @@ def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path, 
 
 def test_engine_rms_norm_is_the_models():
     from rollpacker.model.transformer import RMSNorm
-    from rollpacker.rollout.torch_engine import _rms_norm
+    from rollpacker.rollout.torch_engine.layout import rms_norm as _rms_norm
 
     gen = torch.Generator().manual_seed(0)
     for shape in [(1, 64), (37, 96), (5, 4, 16)]:
@@ -374,3 +375,54 @@ def test_engine_rms_norm_is_the_models():
             norm.weight.uniform_(0.5, 1.5, generator=gen)
             x = torch.randn(shape, generator=gen) * 3
             assert torch.equal(_rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+def test_pushed_weights_arrive_in_the_engines_dtype(toy_random_dir):
+    """Issue 37: the trainer's fp32 masters reach a bf16 engine as bf16 (hf_names converts for vLLM and
+    SGLang; TorchEngine copies into its own parameters), equal to the masters rounded once."""
+    from rollpacker.rollout.engine import hf_names
+
+    masters = load_model(toy_random_dir)
+    named = list(masters.named_parameters())
+    pushed = dict(hf_names(named, tied=masters.args.tie_word_embeddings, dtype=torch.bfloat16))
+    assert {t.dtype for t in pushed.values()} == {torch.bfloat16}
+    assert torch.equal(pushed["model.norm.weight"], masters.norm.weight.detach().bfloat16())
+    assert {t.dtype for _, t in hf_names(named, tied=False)} == {torch.float32}  # no dtype: as they are
+    with torch.no_grad():
+        for p in masters.parameters():
+            p.add_(0.01)
+    engine = TorchEngine(load_model(toy_random_dir, dtype=torch.bfloat16))
+    engine.update_weights(masters.named_parameters())
+    mine = dict(engine.model.named_parameters())
+    for name, p in masters.named_parameters():
+        assert mine[name].dtype == torch.bfloat16 and torch.equal(mine[name], p.detach().bfloat16()), name
+
+
+def test_pytorchs_cuda_cache_is_emptied_before_vllm_takes_memory_back(monkeypatch):
+    """Issue 37: vLLM's wake-up allocates from its own cuMem pool, beside PyTorch's cache, which still holds
+    the trainer's freed activations unless emptied first (TRL, verl). The order on GPU, with a recording
+    stand-in for vLLM's sleep-mode engine (sleep mode runs on CUDA only)."""
+    from types import SimpleNamespace
+
+    from rollpacker.rollout import engine as contract
+    from rollpacker.rollout.vllm_engine import VLLMEngine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    assert contract.free_cached_memory() and calls == ["empty_cache"]
+    calls.clear()
+    vllm = SimpleNamespace(wake_up=lambda tags=None: calls.append(f"wake_up {tags}"), sleep=lambda level: None,
+                           reset_prefix_cache=lambda: calls.append("reset_prefix_cache"),
+                           collective_rpc=lambda method, kwargs: calls.append(
+                               f"{method} {sorted({t.dtype for _, t in kwargs['weights_iterator']})}"))
+    engine = object.__new__(VLLMEngine)
+    vars(engine).update(engine=vllm, on_cpu=False, live={}, released=False, weights_awake=False, tied=False,
+                        moe=False, dtype=torch.bfloat16, to_checkpoint=lambda named: named)
+    engine.release_memory()
+    engine.update_weights([("layers.0.mlp.up_proj.weight", torch.ones(2))])  # an fp32 master
+    engine.resume_memory()
+    assert calls == ["empty_cache", "wake_up ['weights']", "reload_weights [torch.bfloat16]", "reset_prefix_cache",
+                     "empty_cache", "wake_up ['kv_cache']"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert not contract.free_cached_memory()  # CPU: nothing to empty

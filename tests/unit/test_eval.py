@@ -4,12 +4,11 @@ token per step), every row once with ``num_responses`` responses each, greedy.""
 from __future__ import annotations
 
 import pytest
+from support.fakes import InstantRewards, LengthTableEngine, OneReplica
 
 from rollpacker.exchange import RoundLeader, run_round
 from rollpacker.rollout.engine import SamplingParams
 from rollpacker.schedule.eval import EvalPolicy
-
-from conftest import InstantRewards, LengthTableEngine, OneReplica
 
 
 @pytest.mark.parametrize("num_responses", [1, 3])
@@ -22,9 +21,9 @@ def test_every_held_out_row_once_with_its_responses(num_responses):
         seen.append(row)
         return [row]
 
-    leader = RoundLeader(step=7, plan=policy.start_round(7), policy=policy, rows=rows, encode=encode,
+    leader = RoundLeader(policy=policy, rows=rows, encode=encode,
                          rewards=InstantRewards(lambda row, rid: float(row % 2)),
-                         sampling=SamplingParams(max_new_tokens=100, temperature=0.0))
+                         sampling=SamplingParams(max_new_tokens=100, temperature=0.0)).round(7, policy.start_round(7))
     result = run_round(OneReplica(), LengthTableEngine(lambda row, k: 2 + row % 3 + k), 1, leader)
     assert result.kind == "eval" and seen == rows and result.num_launched == len(rows) * num_responses
     assert [g.prompt for g in result.groups] == list(range(len(rows)))  # slot order, every row once

@@ -1,18 +1,18 @@
-"""The example policy of docs/extending.md (``fifo``): its settings compose by capability, and it
-runs through the round state the controller and the simulator share, on the paper's length tail."""
+"""The example policy of docs/extending.md (``fifo``): its settings compose by capability, the page's
+command names it out of tree, and it runs through the round the controller and the simulator
+share, on the paper's length tail."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
+from support.docs import example_code, example_command, example_policy
 
 from rollpacker.config import Config
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.sim.simulate import SimConfig, build_replicas, simulate_round
 from rollpacker.train.config import TrainConfig
-
-from docs_example import example_policy
 
 P0, R0 = 8, 4
 
@@ -23,6 +23,41 @@ def test_the_example_composes_by_its_capabilities():
     assert config.policy == "fifo" and config.rollout_ranks(4) == 4 and not config.pipe
     with pytest.raises(ValueError, match=r"schedule.keep_share must be in \(0, 1\], got 0"):
         fifo.FifoConfig(keep_share=0)
+
+
+@pytest.fixture
+def registry():
+    """The policy registry as it was, restored after the test (an out-of-tree policy registers itself)."""
+    from rollpacker.schedule import config as policies
+
+    before = dict(policies.POLICY_CONFIGS), policies.ScheduleConfig
+    yield policies
+    policies.POLICY_CONFIGS.clear()
+    policies.POLICY_CONFIGS.update(before[0])
+    policies.ScheduleConfig = before[1]
+
+
+def test_the_pages_command_runs_the_example_out_of_tree(tmp_path, monkeypatch, registry):
+    """``--schedule.policy fifo.py:FifoConfig`` (the page's command, run where fifo.py is) registers
+    the file's class as schedule:fifo, with its own settings and the usual checks."""
+    from rollpacker.config import parse
+
+    (tmp_path / "fifo.py").write_text(example_code())
+    monkeypatch.chdir(tmp_path)
+    config = parse(example_command())
+    assert config.policy == "fifo" and config.schedule.keep_share == 0.5 and "fifo" in registry.POLICY_CONFIGS
+    assert type(config.schedule).__module__ == "rollpacker_policy_fifo"
+    assert parse(["schedule:fifo"]).policy == "fifo"  # registered: a subcommand like the shipped ones
+    with pytest.raises(SystemExit, match=r"schedule.eta_prompts does not apply to policy fifo"):
+        parse([*example_command(), "--schedule.eta-prompts", "2"])
+    with pytest.raises(SystemExit, match=r"schedule.policy: cannot import nowhere: ModuleNotFoundError"):
+        parse(["--schedule.policy", "nowhere:FifoConfig"])
+    with pytest.raises(SystemExit, match=r"schedule.policy: rollpacker.config:Config is not a PolicyConfig"):
+        parse(["--schedule.policy", "rollpacker.config:Config"])
+    with pytest.raises(SystemExit, match=r"named 'sync', as rollpacker.schedule.sync.SyncConfig"):
+        (tmp_path / "clash.py").write_text(example_code().replace('name: ClassVar[str] = "fifo"',
+                                                                   'name: ClassVar[str] = "sync"'))
+        parse(["--schedule.policy", "clash.py:FifoConfig"])
 
 
 def test_the_example_cuts_rounds_defers_the_rest_and_keeps_the_ledger():

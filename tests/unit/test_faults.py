@@ -143,3 +143,48 @@ def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(
         "checkpoint")
     with pytest.raises(ValueError, match="train.max_skipped_steps must be"):
         TrainConfig(max_skipped_steps=-1)
+
+
+def test_resume_auto_passes_over_a_damaged_checkpoint_with_one_warning_naming_the_file(toy_random_dir, tmp_path,
+                                                                                        capsys):
+    """A truncated shard, .metadata or train state, or a missing shard: --resume auto takes the
+    checkpoint before it (issue #36); with none left whole, one error names them."""
+    import shutil
+
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
+    saved = tmp_path / "saved"
+    for step in (1, 2):
+        checkpoint.save(saved / "checkpoints" / f"step_{step}", trainer, step, {"policy": {"name": "sync"}})
+    assert checkpoint.newest_whole(saved) == saved / "checkpoints" / "step_2"
+    shard = next(p.name for p in (saved / "checkpoints" / "step_2").glob("*.distcp"))
+    for i, (name, damage, why) in enumerate([
+            (shard, lambda f: f.write_bytes(f.read_bytes()[:1000]), r"is truncated \(1000 bytes; its index in "
+                                                                     r"\.metadata needs \d+\)"),
+            (".metadata", lambda f: f.write_bytes(f.read_bytes()[:100]), r"cannot be read \(.+\)"),
+            ("train_state.json", lambda f: f.write_text(f.read_text()[:40]), r"cannot be read \(JSONDecodeError: .+\)"),
+            (shard, lambda f: f.unlink(), r"cannot be read \(FileNotFoundError: .+\)")]):
+        run = tmp_path / f"run_{i}"
+        shutil.copytree(saved, run)
+        newest = run / "checkpoints" / "step_2"
+        damage(newest / name)
+        assert checkpoint.newest_whole(run) == run / "checkpoints" / "step_1"
+        said = capsys.readouterr().err
+        assert re.fullmatch(rf"rollpacker: warning: checkpoint {newest} is damaged: {newest / name} {why}; resuming "
+                            r"from the one before it\n", said), said
+    (run / "checkpoints" / "step_1" / "train_state.json").write_text("{")
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^resume: every committed checkpoint under "
+                       rf"{run / 'checkpoints'} is damaged \(.+\): move them away to start afresh$"):
+        checkpoint.newest_whole(run, announce=False)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^resume: {run / 'checkpoints' / 'step_1'}/train_state.json "
+                       r"cannot be read \(JSONDecodeError: .+\); resume from an earlier checkpoint"):
+        checkpoint.check(run / "checkpoints" / "step_1")
+    garbled = saved / "checkpoints" / "step_2" / shard  # whole in size, unreadable in content
+    garbled.write_bytes(b"\0" * garbled.stat().st_size)
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^resume: {garbled.parent} cannot be read \(.+\): move it "
+                       "away and resume with --resume auto, which takes the checkpoint before it$"):
+        checkpoint.load(garbled.parent, trainer)

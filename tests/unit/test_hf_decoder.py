@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conftest import make_hf_model
+from support.models import make_hf_model
 
 HF_ONLY = ("qwen3_moe", "gemma2", "gemma3", "mistral")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from rollpacker.exchange import LengthReplay
+from rollpacker.data.lengths import LengthReplay
 from rollpacker.sim.workload import LengthModel
 
 

@@ -199,7 +199,7 @@ def test_report_malformed_line_names_file_and_line(tmp_path, capsys):
 
 
 def test_pass_at_k_against_hand_computed_values():
-    from rollpacker.metrics import pass_at_k
+    from rollpacker.schedule.eval import pass_at_k
 
     assert pass_at_k(4, 1, 1) == 0.25  # one draw: c / n
     assert pass_at_k(4, 1, 2) == 0.5  # 1 - C(3,2)/C(4,2) = 1 - 3/6

@@ -14,11 +14,11 @@ from rollpacker.data.dataset import PromptSampler
 from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.schedule.base import Group, RoundPlan
-from rollpacker.schedule.round import RoundState
+from rollpacker.schedule.round import Round, RoundState
+from rollpacker.schedule.scale_down import PipeRound, ScaleDown
 from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.train.config import StreamConfig, TrainConfig
-from rollpacker.train.stream import PipeRound, ScaleDown
 
 
 class FakeSink:
@@ -31,11 +31,9 @@ class FakeSink:
         return not self.busy
 
     def send(self, groups) -> None:
-        self.batches.append([g.prompt for g in groups])  # one "sample" per group, its slot
-        self.busy = True
-
-    def close(self) -> None:
-        pass
+        if groups:  # the exchange sends only what the round feeds
+            self.batches.append([g.prompt for g in groups])  # one "sample" per group, its slot
+            self.busy = True
 
 
 def group(slot: int) -> Group:
@@ -46,14 +44,16 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     """Scripted: groups complete in the order 2, 0, 1, 3; group 0's second response is scored late."""
     stream = FakeSink()
     state = RoundState(0, RoundPlan("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
-    pipe = PipeRound(ScaleDown(StreamConfig(), num_replicas=1, kv_capacity_tokens=1, max_new_tokens=1), stream, state)
+    pipe = PipeRound(ScaleDown(StreamConfig(), num_replicas=1, kv_capacity_tokens=1, max_new_tokens=1))
+    pipe.begin(state)
+    rnd = Round(state, None, pipe)
     complete, scores = state.complete, state.scores
     groups = {s: group(s) for s in range(4)}
 
     def completes(slot: int, scored: bool = True) -> None:
         complete.append(groups[slot])
         scores.update({o.id: 1.0 for o in groups[slot].outputs[:2 if scored else 1]})
-        pipe.feed(state)
+        stream.send(rnd.feed(stream.ready()))
         assert pipe.fetching  # fetching goes on all round
 
     completes(2)  # the train pool is idle: group 2 goes at once, alone
@@ -66,7 +66,7 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     assert stream.batches == [[2], [1, 3]] and complete == [groups[0]]  # group 0 is not scored yet
     scores["0:1"] = 0.0
     stream.busy = False
-    pipe.feed(state)
+    stream.send(rnd.feed(stream.ready()))
     assert stream.batches == [[2], [1, 3], [0]] and not complete and groups[0].rewards == [1.0, 0.0]
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollpacker.reward.config import RewardConfig
-from rollpacker.reward.functions import RewardFunctionError, names
+from rollpacker.reward.functions import RewardFunctionError, TrainerState, names
 from rollpacker.reward.scheduler import RewardScheduler
 
 FUNCTIONS = '''
@@ -39,6 +39,14 @@ def text(completions, **kwargs):
 
 def hangs(completions, **kwargs):
     time.sleep(60)
+
+def step(completions, trainer_state, **kwargs):  # TRL's trainer_state, required
+    return [trainer_state.global_step + trainer_state.epoch]
+
+def one_in_three(completions, id, **kwargs):
+    if id[0].endswith("3"):
+        raise ValueError("row three")
+    return [1.0]
 '''
 
 ROWS = [
@@ -57,10 +65,11 @@ def funcs(tmp_path_factory):
     return lambda *names: tuple(f"{path}:{n}" for n in names)
 
 
-def scores(cfg: RewardConfig) -> tuple[dict, dict]:
-    scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0]])
+def scores(cfg: RewardConfig, rows: list[dict] = ROWS, state: TrainerState | None = None) -> tuple[dict, dict]:
+    scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0] % 2])
+    scheduler.state = state or scheduler.state
     try:
-        for i, row in enumerate(ROWS):
+        for i, row in enumerate(rows):
             scheduler.submit(row["id"], row, SimpleNamespace(token_ids=[i] * (3 + i)))
         return dict(scheduler.wait()), scheduler.take_metrics()
     finally:
@@ -83,24 +92,60 @@ def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
 
 @pytest.mark.timeout(120)
 def test_a_function_that_raises_miscounts_mistypes_or_hangs_is_one_error_naming_function_row_and_cause(funcs, caplog):
-    cfg = RewardConfig(funcs=funcs("raises", "two", "text", "hangs", "length"), num_workers=4, timeout=2.0)
-    got, metrics = scores(cfg)  # on_error skip: scored 0, counted
+    cfg = RewardConfig(funcs=funcs("raises", "two", "text", "hangs", "length"), num_workers=4, timeout=2.0,
+                       max_error_frac=1.0)  # every call of four functions fails: scored 0, counted, not stopped
+    got, metrics = scores(cfg, state=TrainerState(global_step=7))
     assert got == {"a:1": 0.0, "a:2": 0.0} and metrics["reward/errors"] == 2
     assert metrics["reward/length"] == 0.35  # the functions that worked are still logged
-    error = [r.getMessage() for r in caplog.records if "a:1" in r.getMessage()][0]
-    assert error == (
-        "reward error, scored 0 (reward.on_error=skip): "
-        "reward function 'raises' failed on row 'a:1': raised ZeroDivisionError: division by zero; "
-        "reward function 'two' failed on row 'a:1': returned 2 values for 1 completion; a TRL-convention "
-        "function returns one float or None per completion; "
-        "reward function 'text' failed on row 'a:1': returned str 'good' for a completion; expected a float, "
-        "an int or None; "
-        "reward function 'hangs' failed on row 'a:1': timed out after 2 s (reward.timeout); its worker was replaced")
+    said = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    skip = "at step 7, scored 0 (--reward.on-error skip); first on row 'a:1'"
+    assert said == [  # one line per function per step, with a count
+        f"reward function 'hangs' failed on 2 of 2 responses {skip}: timed out after 2 s (reward.timeout); its "
+        "worker was replaced",
+        f"reward function 'raises' failed on 2 of 2 responses {skip}: raised ZeroDivisionError: division by zero",
+        f"reward function 'text' failed on 2 of 2 responses {skip}: returned str 'good' for a completion; expected "
+        "a float, an int or None",
+        f"reward function 'two' failed on 2 of 2 responses {skip}: returned 2 values for 1 completion; a "
+        "TRL-convention function returns one float or None per completion"]
     with pytest.raises(RewardFunctionError) as e:
         scores(RewardConfig(funcs=funcs("raises"), num_workers=1, on_error="fail"))
     assert str(e.value) == ("reward function 'raises' failed on row 'a:1': raised ZeroDivisionError: division by "
-                            "zero (reward.on_error=fail stops the run; skip scores such a response 0 and counts it in "
-                            "reward/errors)")
+                            "zero (--reward.on-error fail stops the run; skip scores such a response 0 and counts it "
+                            "in reward/errors)")
+
+
+def test_a_step_of_noise_stops_the_run_naming_the_function_row_and_cause(funcs, caplog):
+    """reward.max_error_frac: a function that failed on every call, or too many responses that erred,
+    stop the run before the step trains; a function failing on 1 row in 10 does not."""
+    rows = [{**ROWS[i % 2], "id": f"a:{i}"} for i in range(10)]
+    with pytest.raises(RewardFunctionError) as e:
+        scores(RewardConfig(funcs=(*funcs("text"), "toy"), num_workers=0), rows, TrainerState(global_step=3))
+    assert str(e.value) == (
+        "reward function 'text' failed on 10 of 10 responses at step 3: all of them, first on row 'a:0': returned "
+        "str 'good' for a completion; expected a float, an int or None. Stopped before training on them: fix it, "
+        "then run again with --resume auto (--reward.max-error-frac 1 trains on such responses, scored 0, instead)")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # the stop is the one message
+    got, metrics = scores(RewardConfig(funcs=funcs("one_in_three"), num_workers=0), rows)
+    assert metrics["reward/errors"] == 1 and sorted(got.values()) == [0.0] + [1.0] * 9
+    many = [{**r, "id": f"a:{i}{'3' * (i % 2)}"} for i, r in enumerate(rows)]  # a:0, a:13, a:2, a:33...: 5 in 10 fail
+    assert scores(RewardConfig(funcs=funcs("one_in_three"), num_workers=0, max_error_frac=0.5), many)[1][
+        "reward/errors"] == 5  # not more than half
+    with pytest.raises(RewardFunctionError, match=r"^5 of 10 responses at step 0 had a reward error, more than "
+                       r"--reward\.max-error-frac 0\.4: reward function 'one_in_three' failed on 5 of 10 responses "
+                       r"at step 0, first on row 'a:13': raised ValueError: row three\. Stopped before training"):
+        scores(RewardConfig(funcs=funcs("one_in_three"), num_workers=0, max_error_frac=0.4), many)
+    with pytest.raises(RewardFunctionError, match=r"^2 of 2 responses at step 0 had a reward error, more than "
+                       r"--reward\.max-error-frac 0\.5: no reward function scored 2 of 2 responses at step 0 \(all "
+                       r"returned None\), first on row 'a:1': compute_score returned None"):
+        scores(RewardConfig(funcs=funcs("compute_score"), num_workers=0), [{**r, "data_source": "x"} for r in ROWS])
+
+
+def test_trl_functions_get_trainer_state(funcs):
+    """TRL passes ``trainer_state``; a function that names it gets the step and the epoch (in a worker too)."""
+    state = TrainerState(global_step=5, epoch=1.25, max_steps=9)
+    for workers in (0, 1):
+        assert scores(RewardConfig(funcs=funcs("step"), num_workers=workers), state=state)[0] == {
+            "a:1": 6.25, "a:2": 6.25}
 
 
 def test_a_row_no_function_scores_is_an_error_naming_it(funcs):

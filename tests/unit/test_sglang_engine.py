@@ -17,6 +17,8 @@ from rollpacker.rollout.sglang_engine import (
     buckets,
     cpu_binding,
     engine_args,
+    memory_fraction,
+    nccl_env,
     sglang_params,
 )
 
@@ -162,9 +164,11 @@ def test_engine_args_size_the_kv_like_the_other_engines_and_pick_the_cpu_path():
     assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native"
     assert not cpu["enable_memory_saver"] and cpu["enable_deterministic_inference"]
     assert cpu["mem_fraction_static"] == 0.9
-    gpu = engine_args(toy_model_dir(), config, args, 2, torch.bfloat16, on_cpu=False)
+    gpu = engine_args(toy_model_dir(), config, args, 2, torch.bfloat16, on_cpu=False, free_bytes=8e9)
     assert gpu["enable_memory_saver"] and "device" not in gpu and gpu["tp_size"] == 2
-    assert gpu["mem_fraction_static"] == config.memory_fraction
+    # the memory plan's SGLang terms over the free memory: its process's 2 GB allowance dominates the toy model
+    assert gpu["mem_fraction_static"] == memory_fraction(toy_model_dir(), config, 2, torch.bfloat16, 8e9)
+    assert 0.25 < gpu["mem_fraction_static"] < 0.3
     half_heads = 2 * args.num_layers * max(1, args.num_kv_heads // 2) * args.head_dim * 2  # bf16, TP 2
     assert gpu["max_total_tokens"] == 4 * 2**20 // half_heads
 
@@ -177,3 +181,18 @@ def test_the_planner_is_refused_on_sglang_with_the_reason():
     with pytest.raises(ValueError, match="plan.enabled with engine.kind='sglang': a TP switch would restart "
                                          "SGLang's engines, and SGLang's Engine.shutdown kills every child process"):
         Config(engine=EngineConfig(kind="sglang"), plan=PlanConfig(enabled=True))
+
+
+def test_sglangs_nccl_settings_are_what_its_deterministic_mode_sets_at_tp_2(monkeypatch):
+    """SGLang 0.5.23 sets these in the Engine's process only, overriding any value (attention_hook.py)."""
+    monkeypatch.delenv("SGLANG_DETERMINISTIC_NCCL_NCHANNELS", raising=False)
+    assert nccl_env(1) == {}
+    assert nccl_env(2) == {"NCCL_ALGO": "allreduce:tree", "NCCL_MIN_NCHANNELS": "8", "NCCL_MAX_NCHANNELS": "8"}
+    monkeypatch.setenv("SGLANG_DETERMINISTIC_NCCL_NCHANNELS", "16")
+    assert nccl_env(4)["NCCL_MAX_NCHANNELS"] == "16"
+    from rollpacker.config import Config
+    from rollpacker.job import engine_nccl_env
+    from rollpacker.rollout.config import EngineConfig, RolloutConfig
+
+    assert engine_nccl_env(Config(engine=EngineConfig(kind="sglang"), rollout=RolloutConfig(tp=2)))["NCCL_ALGO"]
+    assert engine_nccl_env(Config(engine=EngineConfig(kind="vllm"), rollout=RolloutConfig(tp=2))) == {}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.fakes import InstantRewards, LengthTableEngine, OneReplica
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.rollout.config import RolloutConfig
@@ -21,8 +22,6 @@ from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelS
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.simulate import SimConfig, simulate, simulate_round, summarize
 from rollpacker.sim.workload import LengthModel, length_stats, read_length_trace
-
-from conftest import InstantRewards, LengthTableEngine, OneReplica
 
 
 def rollout(num_prompts: int, group_size: int, max_new_tokens: int) -> RolloutConfig:
@@ -160,8 +159,8 @@ def test_tail_policy_decides_the_same_in_the_simulator_and_in_the_real_controlle
         simulate_round(step, simulated, replicas(1, StepCost(1.0)), Table(length), max_new_tokens=1000,
                        reward=lambda row, seq: reward(row, seq.id))
         run_round(OneReplica(), LengthTableEngine(length), 1, RoundLeader(
-            step=step, plan=real.start_round(step), policy=real, rows=list(range(40)), encode=lambda row: [row],
-            rewards=InstantRewards(reward), sampling=SamplingParams(max_new_tokens=1000)))
+            policy=real, rows=list(range(40)), encode=lambda row: [row], rewards=InstantRewards(reward),
+            sampling=SamplingParams(max_new_tokens=1000)).round(step, real.start_round(step)))
     kinds = [entry[2] for entry in real.log if entry[0] == "start"]
     assert "long" in kinds and "short" in kinds
     assert any(entry[4] for entry in real.log if entry[0] == "finished")  # some decisions aborted siblings
@@ -346,9 +345,9 @@ def stream_round(scale_down):
 
 
 def test_a_scale_down_migrates_by_recomputation_and_the_freed_gpus_train_what_completes():
+    from rollpacker.schedule.scale_down import ScaleDown
     from rollpacker.sim.simulate import streamed_gpu_s
     from rollpacker.train.config import StreamConfig
-    from rollpacker.train.stream import ScaleDown
 
     decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=10)
     rnd, reps = stream_round(decider)
@@ -375,9 +374,9 @@ def test_a_scale_down_migrates_by_recomputation_and_the_freed_gpus_train_what_co
 
 
 def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
+    from rollpacker.schedule.scale_down import ScaleDown
     from rollpacker.sim.simulate import step_times, streamed_gpu_s
     from rollpacker.train.config import StreamConfig
-    from rollpacker.train.stream import ScaleDown
 
     rnd, _ = stream_round(ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1,
                                     max_new_tokens=10))
@@ -398,8 +397,8 @@ def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
 
 @pytest.mark.parametrize("capacity,scaled", [(39, None), (40, 0.5), (60, 0.25)])
 def test_a_projected_kv_overflow_cancels_the_scale_down(capacity, scaled):
+    from rollpacker.schedule.scale_down import ScaleDown
     from rollpacker.train.config import StreamConfig
-    from rollpacker.train.stream import ScaleDown
 
     # The adaptive trigger looks at 1 and 2 of 4 prompts complete. At 1 (4 s): six requests of 1 + 2 tokens,
     # none of the history [2, 2] longer, so each runs to max_new_tokens (8 more): peak 6 x 3 + 6 x 7 = 60
@@ -418,13 +417,14 @@ def test_stream_without_the_reward_scheduler_is_refused():
 def test_the_simulator_drives_the_decision_the_controllers_stream_trainer_uses():
     from types import SimpleNamespace
 
+    from rollpacker.schedule.scale_down import ScaleDown
+    from rollpacker.topology import Topology
     from rollpacker.train.config import StreamConfig
-    from rollpacker.train.stream import ScaleDown, StreamTrainer
+    from rollpacker.train.stream import StreamTrainer
 
-    one = SimpleNamespace(size=lambda *dim: 1)  # two ranks, rollout TP 1, training shard groups of 1
-    meshes = SimpleNamespace(num_replicas=2, rollout_tp=one, train=one, world_size=2, rank=0)
+    meshes = SimpleNamespace(topology=Topology(2, tp=1, train_shard_size=1), rank=0)  # 2 replicas, shard groups of 1
     trainer = StreamTrainer(StreamConfig(), None, meshes, kv_capacity_tokens=50, max_new_tokens=10)
-    decider = trainer.scale_down
+    decider = trainer.decider
     assert type(decider) is ScaleDown and decider.kept_replicas == 1 and not decider.refused
     # The controller asks the StreamTrainer's ScaleDown (consider, history, kept_replicas): driven the same way,
     # it decides what a ScaleDown decides alone, and its history is the simulator's. With 50 tokens of KV it

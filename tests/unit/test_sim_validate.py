@@ -27,11 +27,11 @@ def test_profiled_cost_interpolates_batches_and_contexts_and_adds_prefill():
 
 def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     """On a flat profile (d ms per iteration, free prefill) a sync round lasts d x its longest response,
-    whose length is the one the real run forces (rollpacker.exchange.LengthReplay) for that slot, plus
+    whose length is the one the real run forces (rollpacker.data.lengths.LengthReplay) for that slot, plus
     one exchange per poll of rollout.poll_steps iterations and a last one for the final command."""
     from rollpacker.config import parse
     from rollpacker.data.dataset import PromptSampler
-    from rollpacker.exchange import LengthReplay
+    from rollpacker.data.lengths import LengthReplay
     from rollpacker.jobflags import JobArgs as Args
     from rollpacker.jobflags import job_argv, policy_args
     from rollpacker.sim.validate import ValidateArgs, regime_flags, simulate_run

@@ -270,10 +270,10 @@ def test_state_dict_round_trip_mid_load_group():
 
 def test_the_controller_resumes_partials_and_scores_kept_responses_again():
     """Through the real controller (one rank, an engine that adds one token per step)."""
+    from support.fakes import InstantRewards, LengthTableEngine, OneReplica
+
     from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.rollout.engine import SamplingParams
-
-    from conftest import InstantRewards, LengthTableEngine, OneReplica
 
     class ResumingEngine(LengthTableEngine):
         def add(self, req):
@@ -296,9 +296,9 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
     step, kept, stale = 0, [], []
     while not policy.done():
         engine.generated = 0
-        result = run_round(OneReplica(), engine, 1, RoundLeader(
-            step=step, plan=policy.start_round(step), policy=policy, rows=list(range(12)), encode=lambda row: [row],
-            rewards=InstantRewards(reward), sampling=SamplingParams(max_new_tokens=1000)))
+        leader = RoundLeader(policy=policy, rows=list(range(12)), encode=lambda row: [row],
+                             rewards=InstantRewards(reward), sampling=SamplingParams(max_new_tokens=1000))
+        result = run_round(OneReplica(), engine, 1, leader.round(step, policy.start_round(step)))
         assert result.generated_tokens == engine.generated  # resumed prefixes are not counted twice
         for g in result.groups:
             assert g.rewards == [reward(g.prompt, o.id) for o in g.outputs]

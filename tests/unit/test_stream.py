@@ -4,9 +4,10 @@ equivalence with synchronous steps and for whole runs with scale-downs."""
 from __future__ import annotations
 
 import pytest
+from support.fakes import InstantRewards
 
+from rollpacker.schedule.scale_down import ScaleDown, StepCost, Trigger, decode_seconds, peak_kv_tokens, steps_left
 from rollpacker.train.config import StreamConfig
-from rollpacker.train.stream import ScaleDown, StepCost, Trigger, decode_seconds, peak_kv_tokens, steps_left
 
 
 def test_adaptive_trigger_looks_at_5_percent_milestones_between_20_and_50():
@@ -95,23 +96,18 @@ def test_throughput_criterion_learns_migration_and_realized_savings():
 
 
 class Sink:
-    """The freed ranks' end of a stream round: every batch of groups (their prompts), and whether it was closed."""
+    """The freed ranks' end of a stream round: every batch of groups (their prompts)."""
 
     def __init__(self):
-        self.batches, self.closed = [], False
-
-    def ready(self) -> bool:
-        return True
+        self.batches = []
 
     def send(self, groups) -> None:
-        self.batches.append([g.prompt for g in groups])
-
-    def close(self) -> None:
-        self.closed = True
+        if groups:
+            self.batches.append([g.prompt for g in groups])
 
 
 def four_prompts_on_two_replicas():
-    """A sync round of 4 prompts x 2 responses, launched on 2 replicas (round-robin per request)."""
+    """A sync round of 4 prompts x 2 responses, on 2 replicas (round-robin per request)."""
     from rollpacker.data.dataset import PromptSampler
     from rollpacker.schedule.round import RoundState
     from rollpacker.schedule.sync import SyncPolicy
@@ -124,50 +120,51 @@ def four_prompts_on_two_replicas():
 def test_a_stream_round_scales_down_once_times_the_migration_and_feeds_complete_groups():
     from types import SimpleNamespace
 
-    from rollpacker.train.stream import StreamRound
+    from rollpacker.schedule.round import Round, Seen
+    from rollpacker.schedule.scale_down import StreamRound
 
-    state, now, sink = four_prompts_on_two_replicas(), [10.0], Sink()
+    state, sink = four_prompts_on_two_replicas(), Sink()
     decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
-    hooks = StreamRound(decider, sink, state, clock=lambda: now[0])
-    launches = state.launch(state.plan.prompts)
-    assert hooks.priority(3) == 0 and not hooks.scaled_down
+    hooks = StreamRound(decider)
+    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), hooks)
+    launches = rnd.start(now=9.0).launch
+    assert hooks.priority(3) == 0 and rnd.scaled is None
     first = launches[0].run  # slot 0's two responses, on replicas 0 and 1
-    outputs = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * 4) for _, rid, _ in first]
-    state.finished(outputs)
-    state.scored((o.id, 1.0) for o in outputs)
-    hooks.on_finished([4, 4])
-    state.decide()
-    moved = hooks.maybe_scale_down(state, lambda: [(2, 1)] * len(state.outstanding))
+    outputs = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * 4, finish_reason="stop")
+               for _, rid, _ in first]
+    actions = rnd.poll(Seen(now=10.0, finished=outputs), lambda: [(2, 1)] * len(state.outstanding))
+    sink.send(actions.feed)
+    moved = actions.abort
     # 1 of 4 prompts complete: the fixed 25% trigger fires; replica 1's outstanding requests migrate
     assert moved == sorted(rid for rid in state.outstanding if state.replica(rid) == 1) and len(moved) == 3
-    assert (hooks.scaled_at, hooks.completed_frac, state.active, list(decider.history)) == (10.0, 0.25, 1, [4, 4])
-    assert hooks.maybe_scale_down(state, lambda: []) is None  # once per round
-    hooks.feed(state)
+    assert (rnd.scaled.at, rnd.scaled.completed_frac, state.active, list(decider.history)) == (10.0, 0.25, 1, [4, 4])
     assert sink.batches == [[state.slots[0]]]  # the complete, scored group goes to the freed ranks
     aborted = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3], finish_reason="abort") for rid in moved]
     aborted[-1].finish_reason = "length"  # its engine (SGLang's) finished it before the abort: whole, not resumed
-    now[0] = 11.0
-    assert hooks.on_aborted(state, aborted) == aborted[:2] and hooks.migration_s is None  # resumed, not back yet
-    now[0] = 12.5
-    assert hooks.on_aborted(state, []) == [] and hooks.migration_s == 2.5  # the next report: back and prefilled
-    stats = hooks.finish()
-    assert sink.closed and stats == {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": 0.25,
-                                     "time/migration": 2.5, "stream/streamed_groups": 1.0}
+    actions = rnd.poll(Seen(now=11.0, aborted=aborted))
+    assert not actions.scale_down  # once per round
+    assert [o for _, o in actions.resume] == aborted[:2] and rnd.scaled.migration_s is None  # resumed, not back yet
+    actions = rnd.poll(Seen(now=12.5))
+    assert actions.resume == [] and rnd.scaled.migration_s == 2.5  # the next report: back and prefilled
+    stats = hooks.finish(rnd.scaled, rnd.num_fed)
+    assert rnd.scaled is not None and stats == {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": 0.25,
+                                                "time/migration": 2.5, "stream/streamed_groups": 1.0}
     assert decider.migration_seconds_per_token == 2.5 / (2 * 3)  # 2 migrated requests of 2 + 1 tokens
 
 
 def test_a_pipe_round_runs_on_the_rollout_pool_from_the_start_frontier_first():
-    from rollpacker.schedule.round import RoundHooks
-    from rollpacker.train.stream import PipeRound
+    from rollpacker.schedule.round import Round, RoundHooks, Seen
+    from rollpacker.schedule.scale_down import PipeRound
 
-    state, sink = four_prompts_on_two_replicas(), Sink()
+    state = four_prompts_on_two_replicas()
     decider = ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
-    hooks = PipeRound(decider, sink, state, clock=lambda: 5.0)
-    state.launch(state.plan.prompts)
-    assert hooks.scaled_down and state.active == 1 and {state.replica(rid) for rid in state.outstanding} == {0}
+    hooks = PipeRound(decider)
+    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), hooks)
+    start = rnd.start(now=5.0)
+    assert start.scale_down and state.active == 1 and {state.replica(rid) for rid in state.outstanding} == {0}
     assert [hooks.priority(slot) for slot in (0, 3)] == [0, 3]  # earliest group first
-    assert hooks.maybe_scale_down(state, lambda: []) is None and hooks.on_aborted(state, []) == []
-    stats = hooks.finish()
-    assert sink.closed and stats["stream/scaled_down"] == 0.0 and stats["time/migration"] == 0.0
+    assert not hooks.scale_down(lambda: []) and rnd.poll(Seen(now=6.0)).resume == []
+    stats = hooks.finish(rnd.scaled, rnd.num_fed)
+    assert rnd.scaled is not None and stats["stream/scaled_down"] == 0.0 and stats["time/migration"] == 0.0
     none = RoundHooks()  # a round without a stream trainer: nothing happens
-    assert not none.scaled_down and none.priority(3) == 0 and none.finish() == {}
+    assert not none.begin(state) and none.priority(3) == 0 and none.finish(None, 0) == {}

@@ -9,8 +9,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from rollpacker.model import load_model
+from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
-from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
+from rollpacker.rollout.torch_engine import TorchEngine
 
 
 def requests(context=None):

@@ -5,12 +5,11 @@ import dataclasses
 import sys
 
 import torch.distributed as dist
+from support.docs import example_policy
 
 from rollpacker.config import parse
 from rollpacker.job import build
 from rollpacker.loops import train
-
-from docs_example import example_policy
 
 
 def main(run_dir: str) -> None:

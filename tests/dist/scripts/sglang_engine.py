@@ -10,6 +10,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from support.engine_pair import hf_greedy, hf_logits, hf_model, prompts
 
 from rollpacker.dist import build_meshes
 from rollpacker.model import load_model
@@ -19,8 +20,6 @@ from rollpacker.rollout.sglang_engine import STREAM_INTERVAL, SGLangEngine
 from rollpacker.rollout.torch_engine import TorchEngine
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.trainer import Sample, Trainer
-
-from vllm_common import hf_greedy, hf_logits, hf_model, prompts
 
 
 def greedy(rid: str, prompt: list[int], n: int = 16) -> Request:

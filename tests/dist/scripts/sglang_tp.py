@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from support.engine_pair import prompts
 from torch.distributed.device_mesh import init_device_mesh
 
 from rollpacker.model import load_model
@@ -16,8 +17,6 @@ from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate
 from rollpacker.rollout.sglang_engine import SGLangEngine
 from rollpacker.rollout.torch_engine import TorchEngine
-
-from vllm_common import prompts
 
 
 def greedy(n: int) -> list[Request]:

@@ -63,7 +63,7 @@ def check(path: str, meshes, aggregation: str) -> None:
         every = [s for g in batch for s in g]
         count = normalizer(aggregation, [len(s.response_ids) for s in every], 40)
         sync_stats = sync.step(every, count)
-        stream.start_round()
+        stream.await_sends()
         if stream.freed:
             stream.serve()
         elif meshes.rank == 0:

@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+from support.engine_pair import hf_greedy, hf_model, prompts  # noqa: E402
+
 from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate  # noqa: E402
-
-from vllm_common import hf_greedy, hf_model, prompts  # noqa: E402
 
 tp, path_a, path_b = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 dist.init_process_group("gloo")

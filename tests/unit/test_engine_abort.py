@@ -1,5 +1,5 @@
-"""Tail batching for real: 2 gloo ranks, the shipped toy model, two epochs of a small dataset,
-and SIGKILLs mid-round and mid-save followed by ``--resume auto``."""
+"""TorchEngine's abort: the partial outputs come back and every KV block the requests held is free
+again (what tail batching's aborts and stream training's migrations rely on)."""
 
 from __future__ import annotations
 

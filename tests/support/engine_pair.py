@@ -12,7 +12,7 @@ MODEL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, inte
 
 def make_pair(root: Path) -> tuple[Path, Path]:
     """A tiny random Qwen2 (head_dim 32, tied head) and a copy with other weights."""
-    from conftest import make_hf_model
+    from support.models import make_hf_model
 
     a = make_hf_model(root / "m32", "qwen2", **MODEL)
     return a, perturbed(a, root / "m32b")

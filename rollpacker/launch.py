@@ -1,0 +1,160 @@
+"""``rollpacker [TORCHRUN OPTIONS] [RUN FLAGS]``: torchrun's launch of :mod:`rollpacker.run`, quiet.
+
+    rollpacker --nproc-per-node 2 --num-steps 50
+    # is: torchrun --standalone --nproc-per-node 2 -m rollpacker.run --num-steps 50
+
+The leading arguments that are torchrun's options go to torchrun (``--`` ends them), the rest to
+``rollpacker.run``. Without a rendezvous option it runs one node (``--standalone``); with
+``--max-restarts`` it sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the environment says
+otherwise (a restarted group otherwise reads the old group's addresses: pytorch#135712). torchrun itself
+keeps working as it does; this adds what a user at a terminal wants from it:
+
+- **One error, last.** A rank's error (:func:`rollpacker.errors.fail`) goes to a file this
+  launcher names; once torchrun is done, the launcher prints it, so it is the last line. torchrun
+  runs in a child process without its ``@record`` wrapper, so its 25-line ``ChildFailedError``
+  trailer is not printed; its one-line log of the failed rank is.
+- **Stops are stops.** SIGINT (Ctrl-C), SIGTERM and SIGUSR1 go to the ranks, not to torchrun:
+  they stop after the step in progress with a checkpoint (:mod:`rollpacker.preempt`) and exit 0,
+  and so does the launcher. A second Ctrl-C stops the ranks at once and torchrun with them (no
+  restart). torchrun runs in a session of its own, so a terminal's Ctrl-C reaches only the launcher.
+
+``python -m rollpacker.launch`` is the same command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rollpacker.errors import ERROR_FILE
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+RENDEZVOUS = ("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend", "--master-addr",
+              "--master_addr", "--standalone", "--nnodes")
+AGENT = "--agent"
+"""First argument of ``python -m rollpacker.launch`` when it runs torchrun's agent (the launcher's child)."""
+
+
+def split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as (torchrun's options, rollpacker.run's flags): torchrun's are the leading ones its
+    parser knows, each with its value; ``--`` ends them."""
+    from torch.distributed.run import get_args_parser
+
+    actions = get_args_parser()._option_string_actions
+    i = 0
+    while i < len(argv) and argv[i] != "--":
+        name = argv[i].split("=", 1)[0]
+        if name not in actions or name in ("-h", "--help", "-m", "--module"):
+            break
+        takes_value = actions[name].nargs != 0 and "=" not in argv[i]
+        i += 2 if takes_value else 1
+    own = argv[:i]
+    rest = argv[i + 1:] if i < len(argv) and argv[i] == "--" else argv[i:]
+    if not any(a.split("=", 1)[0] in RENDEZVOUS for a in own):
+        own = ["--standalone", *own]
+    return own, rest
+
+
+def option(torchrun: list[str], name: str, default: str) -> str:
+    """The value of torchrun's option ``name`` (either spelling: ``--max-restarts``, ``--max_restarts``)."""
+    for i, arg in enumerate(torchrun):
+        flag, _, value = arg.partition("=")
+        if flag.replace("_", "-") == name:
+            return value or torchrun[i + 1]
+    return default
+
+
+def ranks(agent: int) -> list[int]:
+    """The pids of the ranks: the agent's child processes."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent:
+                    found.append(int(entry.name))
+    return found
+
+
+class Launch:
+    """The launcher's side: the agent's process, and the stop signals it passes on."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.interrupts = 0
+        self.agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        for sig in FORWARDED:
+            signal.signal(sig, self.forward)
+
+    def forward(self, signum: int, frame) -> None:
+        """A stop signal to the ranks; a second Ctrl-C also to torchrun's agent, which then stops for good."""
+        self.interrupts += signum == signal.SIGINT
+        pids = ranks(self.agent.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        if not pids or self.interrupts > 1:  # no rank to stop after a step (starting, restarting), or at once
+            with contextlib.suppress(ProcessLookupError):
+                self.agent.send_signal(signal.SIGTERM)
+
+    def wait(self) -> int:
+        return self.agent.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [AGENT]:
+        return agent(argv[1:])
+    torchrun, flags = split(argv)
+    env = {**os.environ, "ROLLPACKER_PROG": "rollpacker"}
+    if any(f in ("-h", "--help") for f in flags):
+        print("rollpacker [torchrun's options: --nproc-per-node N, --max-restarts K, ...] [rollpacker.run's "
+              "flags, below]\n")
+        return subprocess.call([sys.executable, "-m", "rollpacker.run", "--help"], env=env)
+    if int(option(torchrun, "--max-restarts", "0")):  # pytorch#135712; else torchrun's agent keeps the store
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if option(torchrun, "--nproc-per-node", "1") not in ("1", "auto", "cpu", "gpu", "xpu"):
+        env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks, without its banner
+    with tempfile.TemporaryDirectory(prefix="rollpacker-") as tmp:
+        error = Path(tmp) / "error"
+        env[ERROR_FILE] = str(error)
+        launch = Launch([sys.executable, "-m", "rollpacker.launch", AGENT, *torchrun, "-m", "rollpacker.run",
+                         *flags], env)
+        code = launch.wait()
+        if launch.interrupts > 1:  # stopped at once by a second Ctrl-C: the ranks said so
+            return 130
+        if error.exists():  # the first rank's error, said last
+            print(error.read_text().rstrip(), file=sys.stderr, flush=True)
+            return code or 1
+    return code
+
+
+def agent(argv: list[str]) -> int:
+    """torchrun's agent, without the ``@record`` wrapper that prints the failed ranks' trailer: its
+    exit code is the first failed rank's (or 128 + the signal that stopped it)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        exitcode = e.get_first_failure()[1].exitcode
+        return exitcode if exitcode > 0 else 128 - exitcode
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
+
+
+def _die_with_parent() -> None:
+    """In the agent's process: SIGKILL when the launcher dies (its ranks then see torchrun gone and exit)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

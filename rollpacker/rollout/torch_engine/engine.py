@@ -1,0 +1,373 @@
+"""TorchEngine: continuous batching over rollpacker's own decoder, on CPU or GPU (the scheduler).
+
+- **Continuous batching.** Each ``step()`` is one forward pass: a prefill of newly admitted
+  requests when any can be admitted (prefill first, as vLLM's v0 scheduler), otherwise one decode
+  token for every running request. Finished requests leave and free their blocks at once.
+- **Admission by priority.** Waiting requests are admitted lowest ``Request.priority`` first,
+  FIFO among equals (all equal by default: plain FIFO).
+- **Preemption by recomputation.** When a decode needs a block and none is free, the most
+  recently admitted request of the worst priority is evicted: its blocks are freed, its tokens
+  kept, and it is re-prefilled later, ahead of its equals. Each eviction is counted (the
+  parallelism planner's signal).
+- **Tensor parallelism** over a TP sub-mesh: every rank of the group runs the same schedule on its
+  slice of heads.
+
+The parts: the paged KV pool and decode workspace (:mod:`.kv`), the fused inference layout
+(:mod:`.layout`), seeded sampling (:mod:`.sampling`), speculative verify steps (:mod:`.verify`).
+What it leaves out for now: prefix sharing across a prompt's group, chunked prefill (both would
+need the decoded K/V written back to the pool), and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rollpacker.model.attention import length_buckets
+from rollpacker.model.parallelize import apply_rollout_tp
+from rollpacker.model.transformer import Transformer
+from rollpacker.rollout.config import EngineConfig
+from rollpacker.rollout.drafter import Drafter
+from rollpacker.rollout.engine import (
+    ENGINE_DRAFT_SOURCES,
+    EngineStats,
+    Output,
+    Request,
+    SpecStats,
+    append_token,
+    check_stop,
+    finish,
+    start_output,
+    stop_string_hit,
+)
+from rollpacker.rollout.spec_cost import SpecCost
+from rollpacker.rollout.torch_engine.kv import DecodeBatch, PrefillAttention, pool_slots
+from rollpacker.rollout.torch_engine.layout import Decoder, local
+from rollpacker.rollout.torch_engine.sampling import Sampling, sample_tokens
+from rollpacker.rollout.torch_engine.seq import Seq
+from rollpacker.rollout.torch_engine.verify import Speculation
+
+
+class TorchEngine(Speculation):
+    """Continuous-batching engine over :class:`Transformer`; see the module docstring."""
+
+    logprobs_truncated = False
+
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, tp_mesh: DeviceMesh | None = None,
+                 spec_cost: SpecCost | None = None, decode: Callable[[list[int]], str] | None = None):
+        """``spec_cost``: the verify-step cost ``engine.speculative=auto`` decides by; None measures it
+        at the first step that finds the engine idle (see :meth:`calibrate`). ``decode``: for stop strings."""
+        self.config = config = config or EngineConfig()
+        self.decode = decode
+        self.model = model.eval().requires_grad_(False)
+        args = model.args
+        self.tp_group = None
+        tp = 1
+        if tp_mesh is not None and tp_mesh.size() > 1:
+            apply_rollout_tp(model, tp_mesh)
+            self.tp_group, tp = tp_mesh.get_group(), tp_mesh.size()
+        self.device = model.norm.weight.device
+        self.dtype = model.norm.weight.dtype
+        self.num_kv_heads = args.num_kv_heads // tp
+        self.max_model_len = config.max_model_len or args.max_position_embeddings
+        self.eos_ids = frozenset(args.eos_token_ids)
+        block_bytes = (
+            config.block_size * 2 * args.num_layers * self.num_kv_heads * args.head_dim * self.dtype.itemsize
+        )
+        self.weight_bytes = sum(local(p).nbytes for p in model.parameters())  # this rank's shard
+        self.budget = "memory_mb" if config.memory_mb else "kv_memory_mb"  # the setting that sizes the KV cache
+        kv_bytes = config.memory_mb * 2**20 - self.weight_bytes if config.memory_mb else config.kv_memory_mb * 2**20
+        self.num_blocks = int(kv_bytes) // block_bytes
+        self.kv_capacity_tokens = self.num_blocks * config.block_size
+        if self.num_blocks < 1:
+            raise ValueError(f"engine.{self.budget}={getattr(config, self.budget)} (this rank's weights: "
+                             f"{self.weight_bytes / 2**20:.2f} MiB) holds no {block_bytes}-byte KV block")
+        self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self.cache: torch.Tensor | None = None
+        self.resume_memory()
+        self.decoder = Decoder(model, self.tp_group, self.max_model_len)
+        self.batch: DecodeBatch | None = None
+        """The decode rows and their KV workspace; None until the first decode step after
+        ``resume_memory``."""
+        self.rng = random.Random(config.seed)
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0
+        self.drafter = Drafter() if config.speculative != "off" else None
+        self.spec = SpecStats()
+        self.spec_cost = spec_cost
+        self.calibrating = False
+
+    # ---- the contract -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self._validate(request)
+        p = request.params
+        out = start_output(request)
+        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
+        seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
+        max_len = min(len(out.prompt_ids) + p.max_new_tokens, self.max_model_len)
+        seq = Seq(request, out, out.prompt_ids + out.token_ids, seed, stop_ids, max_len)
+        self._enqueue(seq)
+        if self.drafter is not None:
+            self.drafter.add(request.id, out.prompt_ids, seq.tokens, request.draft_context)
+
+    @torch.inference_mode()  # dropping a row updates the workspace, made under inference mode
+    def abort(self, request_id: str) -> Output:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.req.id == request_id:
+                    queue.remove(seq)
+                    self._leave(seq)
+                    return finish(seq.out, "abort")
+        raise KeyError(f"abort: no request {request_id!r} is queued or running")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
+            num_prefill_tokens=self.num_prefill_tokens,
+            spec=self.spec.plus(SpecStats()),  # a copy
+        )
+
+    @torch.inference_mode()
+    def step(self) -> list[Output]:
+        if self.cache is None:
+            raise RuntimeError("step() after release_memory(): call resume_memory() first")
+        if self.config.speculative == "auto" and self.spec_cost is None and not (self.running or self.calibrating):
+            self.calibrate()
+        admitted = self._admit()
+        if admitted:
+            return self._prefill(admitted)
+        if self.running:
+            return self._decode()
+        return []
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        tied = self.model.args.tie_word_embeddings
+        for name, tensor in named_tensors:
+            name = name.removeprefix("model.")
+            if tied and name == "lm_head.weight":
+                continue
+            if name not in params:
+                raise KeyError(f"update_weights: {name!r} is not a parameter of the engine's model")
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            param = params[name]
+            if hasattr(param, "device_mesh"):  # a TP shard: keep this rank's slice
+                from torch.distributed.tensor import distribute_tensor
+
+                local = distribute_tensor(tensor, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(tensor)
+
+    def release_memory(self) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(
+                f"release_memory with {len(self.running)} running and {len(self.waiting)} waiting "
+                "requests: finish or abort them first"
+            )
+        self.cache = self.batch = None
+
+    def resume_memory(self) -> None:
+        if self.cache is None:
+            args = self.model.args
+            self.cache = torch.zeros(
+                args.num_layers, self.kv_capacity_tokens, 2, self.num_kv_heads, args.head_dim,
+                dtype=self.dtype, device=self.device,
+            )
+
+    @property
+    def released(self) -> bool:
+        return self.cache is None
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes the decode workspace holds now, beside the KV pool (:class:`~.kv.DecodeBatch`)."""
+        return sum(g.store.nbytes for g in self.batch.groups.values()) if self.batch is not None else 0
+
+    def shutdown(self) -> None:
+        self.cache = self.batch = None
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    def _validate(self, request: Request) -> None:
+        p, rid = request.params, request.id
+        prompt = request.prompt_ids
+        done = len(request.resume_from.token_ids) if request.resume_from else 0
+        problems = []
+        if any(s.req.id == rid for s in (*self.running, *self.waiting)):
+            problems.append("a request with this id is already queued or running")
+        if not prompt:
+            problems.append("the prompt is empty")
+        elif any(not 0 <= t < self.model.args.vocab_size for t in prompt):
+            problems.append(f"a prompt token id is outside the vocabulary [0, {self.model.args.vocab_size})")
+        if len(prompt) + done >= self.max_model_len:
+            problems.append(
+                f"prompt ({len(prompt)} tokens, {done} resumed) leaves no room in the context "
+                f"length {self.max_model_len}"
+            )
+        if p.max_new_tokens <= 0:
+            problems.append(f"max_new_tokens={p.max_new_tokens} must be positive")
+        elif done >= p.max_new_tokens:
+            problems.append(f"the resumed output already has {done} >= max_new_tokens tokens")
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
+            problems.append(f"bad sampling: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}")
+        problems += check_stop(self, request)
+        for c in request.draft_context:
+            if not c.source or c.source in ENGINE_DRAFT_SOURCES or c.source == "none":
+                problems.append(f"draft_context source {c.source!r} is empty or one of the engine's own "
+                                f"{ENGINE_DRAFT_SOURCES}: name it after what it is (e.g. 'partial', 'epoch')")
+            elif any(not 0 <= t < self.model.args.vocab_size for t in c.token_ids):
+                problems.append(f"a draft_context ({c.source}) token id is outside the vocabulary")
+        longest = min(len(prompt) + p.max_new_tokens, self.max_model_len)
+        if not problems and self._blocks_for(longest) > self.num_blocks:
+            problems.append(
+                f"it may need {longest} tokens of KV but the cache holds "
+                f"{self.kv_capacity_tokens}: raise engine.{self.budget}"
+            )
+        if problems:
+            raise ValueError(f"request {rid!r} rejected: " + "; ".join(problems))
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def _admit(self) -> list[Seq]:
+        """Move waiting requests into the running set while rows, blocks and the prefill budget allow."""
+        admitted: list[Seq] = []
+        budget = self.config.max_prefill_tokens
+        # Keep one free block per running request so the next decode step rarely preempts.
+        reserve = len(self.running)
+        while self.waiting and self.free_rows:
+            seq = self.waiting[0]
+            n = len(seq.tokens)
+            need = self._blocks_for(n)
+            if admitted and n > budget or need + reserve > len(self.free_blocks):
+                break
+            self.waiting.popleft()
+            seq.blocks = [self.free_blocks.pop() for _ in range(need)]
+            seq.row = self.free_rows.pop()
+            admitted.append(seq)
+            budget -= n
+            reserve += 1
+        self.running.extend(admitted)
+        return admitted
+
+    def _leave(self, seq: Seq) -> None:
+        """``seq`` leaves the engine for good (finished or aborted)."""
+        self._free(seq)
+        if self.drafter is not None:
+            self.drafter.remove(seq.req.id)
+
+    def _free(self, seq: Seq) -> None:
+        if seq.group is not None:
+            self.batch.remove(seq)
+        if seq.row >= 0:
+            self.free_rows.append(seq.row)
+            seq.row = -1
+        self.free_blocks.extend(seq.blocks)
+        seq.blocks = []
+
+    def _enqueue(self, seq: Seq, *, ahead: bool = False) -> None:
+        """Queue ``seq`` by priority (lower first): after its equals, or ``ahead`` of them (preempted)."""
+        p, i = seq.req.priority, len(self.waiting)
+        while i and (self.waiting[i - 1].req.priority > p or ahead and self.waiting[i - 1].req.priority == p):
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        self._enqueue(seq, ahead=True)
+        seq.out.num_preemptions += 1
+        self.num_preemptions += 1
+
+    # ---- forward passes ---------------------------------------------------------------------
+
+    def _prefill(self, seqs: list[Seq]) -> list[Output]:
+        lengths = [len(s.tokens) for s in seqs]
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        width = max(lengths)
+        slots = pool_slots(seqs, torch.arange(width).expand(len(seqs), width), self.config.block_size)
+        valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        tokens = torch.tensor([t for s in seqs for t in s.tokens])
+        dev = self.device
+        attn = PrefillAttention(self.cache, slots[valid].to(dev), length_buckets(lengths, starts, dev))
+        hidden = self.decoder(tokens.to(dev), positions.to(dev), attn)
+        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=dev)
+        self.num_prefill_tokens += len(tokens)
+        logits = self.model.logits(hidden[last])
+        tokens, logprobs = self._sample(seqs, logits, Sampling.of(seqs, self.model.args.vocab_size, dev))
+        return self._append(seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
+
+    def _decode(self, drafts: dict[str, list[int]] | None = None) -> list[Output]:
+        """One decode step of every running request, verifying drafts where speculation pays (or
+        ``drafts``, by request id, when given)."""
+        # Every running request needs a slot for its newest token; evict the newest requests of the
+        # worst priority (LIFO, as vLLM) until the others fit.
+        bs = self.config.block_size
+        for seq in [s for s in self.running if len(s.tokens) > len(s.blocks) * bs]:
+            while seq.row >= 0 and len(seq.tokens) > len(seq.blocks) * bs:  # unless evicted by this loop
+                if self.free_blocks:
+                    seq.blocks.append(self.free_blocks.pop())
+                else:
+                    self._preempt(max(reversed(self.running), key=lambda s: s.req.priority))
+        num_draft = self._propose() if drafts is None else self._force(drafts)
+        if self.batch is None:
+            self.batch = DecodeBatch(self.cache, self.config.block_size, self.model.args.vocab_size)
+        batch = self.batch
+        batch.update(self.running, num_draft)
+        if num_draft:
+            return self._verify(batch, num_draft)
+        logits = self.model.logits(self.decoder(batch.tokens, batch.positions, batch))
+        tokens, logprobs = self._sample(batch.seqs, logits, batch.sampling)
+        batch.advance(tokens)
+        return self._append(batch.seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor, sampling: Sampling,
+                offsets: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of every row and its log-prob (:func:`~.sampling.sample_tokens`)."""
+        return sample_tokens(seqs, logits, sampling, offsets, self.tp_group)
+
+    def _append(self, seqs: list[Seq], tokens: list[list[int]], logprobs: list[list[float]]) -> list[Output]:
+        """Append each row's new tokens and their log-probs, up to a stop token or the length limit;
+        finish and return the requests done."""
+        now = time.time()
+        done = []
+        for seq, row_tokens, row_logprobs in zip(seqs, tokens, logprobs):
+            out = seq.out
+            for tok, lp in zip(row_tokens, row_logprobs):
+                seq.tokens.append(tok)
+                append_token(out, tok, lp, now)
+                self.num_generated_tokens += 1
+                if tok in seq.stop_ids or stop_string_hit(self.decode, out.token_ids, seq.req.params.stop):
+                    out.finish_reason = "stop"
+                elif len(seq.tokens) >= seq.max_len:
+                    out.finish_reason = "length"
+                if out.finish_reason:
+                    out.finish_time = now
+                    done.append(seq)
+                    break
+        for seq in done:
+            self.running.remove(seq)
+            self._leave(seq)
+        return [seq.out for seq in done]

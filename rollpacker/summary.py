@@ -1,0 +1,62 @@
+"""What rank 0 says before the first step: what the run is about to do, and one prompt as the engine gets it.
+
+Checking the chat template is the first thing one does with a new model; the summary shows its
+effect on a real row (the rendered text, special tokens and all), beside the data, the model, the
+reward functions, the ranks, the policy and the steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import textwrap
+
+SHOWN_CHARS = 1200
+"""Most characters of the rendered prompt shown."""
+
+
+def start_summary(job) -> str:
+    """The summary of ``job`` (rank 0's: it holds the controller)."""
+    cfg, ctl, meshes = job.config, job.controller, job.meshes
+    r = cfg.rollout
+    resumed = f", resumed from {cfg.resume}" if cfg.resume else ""
+    every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""
+    lines = [
+        f"rollpacker: {meshes.world_size} rank(s) on {meshes.device.type}, schedule:{cfg.policy}, steps "
+        f"{job.start_step} to {cfg.num_steps - 1}, each {r.num_prompts} prompts x {r.group_size} responses{resumed}",
+        f"  data: {_rows(ctl.rows, cfg.data.path or 'the toy task')}"
+        + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path or 'the toy task')}" if ctl.eval_rows else ""),
+        f"  model: {cfg.model.path or 'the shipped toy model'} ({job.model_dir}), engine {cfg.engine.kind}; "
+        f"{_template(ctl.tokenizer, cfg)}",
+        f"  rewards: {', '.join(f'{f.name} x{f.weight:g}' for f in ctl.rewards.functions)}; a failing call: "
+        f"{cfg.reward.on_error}" + (f", stop past {cfg.reward.max_error_frac:.0%} of a step's responses"
+                                    if cfg.reward.on_error == "skip" and cfg.reward.max_error_frac < 1 else ""),
+        f"  checkpoints: {every}at the end, in {cfg.run_dir}/checkpoints; metrics: {cfg.run_dir}/metrics.jsonl",
+    ]
+    row = ctl.rows[0]
+    ids = ctl.encode_prompt(row)
+    from rollpacker.data.chat import prompt_text
+
+    text = prompt_text(ctl.tokenizer, ids)
+    shown = text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + " [...]"
+    lines.append(f"  row {row['id']!r} as the engine gets it ({len(ids)} tokens; every sample file has it as "
+                 "prompt_text):")
+    lines.append(textwrap.indent(shown, "    | ", predicate=lambda _: True))
+    return "\n".join(lines)
+
+
+def _rows(rows: list[dict], where: str) -> str:
+    sources = collections.Counter(row.get("data_source") for row in rows)
+    named = ", ".join(f"{s} {n}" for s, n in sources.most_common(5) if s is not None)
+    more = f" and {len(sources) - 5} more sources" if len(sources) > 5 else ""
+    return f"{len(rows)} rows from {where}" + (f" (sources: {named}{more})" if named else "")
+
+
+def _template(tokenizer, cfg) -> str:
+    """How prompts are rendered: through the tokenizer's chat template (for which prompts, with what), or not."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "its tokenizer has no chat template: prompts are tokenized as they are"
+    which = "every prompt (--model.chat-template)" if cfg.model.chat_template else "message-list prompts"
+    extra = "".join(f", {name} {value!r}" for name, value in (("system prompt", cfg.data.system_prompt),
+                                                              ("template kwargs", cfg.model.chat_template_kwargs))
+                    if value)
+    return f"the tokenizer's chat template renders {which}{extra}"

@@ -1,0 +1,83 @@
+"""Run on 2 gloo ranks by tests/dist/test_lora.py: LoRA sharded with FSDP2 over both ranks, for the
+native decoder and a Hugging Face one (argv: the model directory).
+
+At initialization the merged weights equal the base; after two steps only adapters changed; the
+adapters export (gathered from both ranks) as a PEFT directory that ``peft`` loads on the base with
+the trained model's logits, and the merged weights export as a Hugging Face model with them too.
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rollpacker.dist import build_meshes
+from rollpacker.model import CausalAttention, load_model, lora, save_model
+from rollpacker.model.hf_decoder import load_hf, save_hf
+from rollpacker.train.config import LoraConfig, TrainConfig
+from rollpacker.train.trainer import Sample, Trainer
+
+PROMPT = [3, 9, 4, 17, 22, 5]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def logits(model, tokens: list[int]) -> torch.Tensor:
+    t = torch.tensor(tokens)
+    with torch.no_grad():
+        return model(t, torch.arange(len(t)), CausalAttention([len(t)]), head=lambda h, w: (h @ w.T).float())
+
+
+def check(meshes, path: Path, impl: str, out: Path) -> None:
+    import peft
+    import transformers
+
+    cfg = TrainConfig(lr=5e-2, warmup_steps=0, micro_batch_tokens=16, lora=LoraConfig(rank=4, alpha=8, dropout=0.1))
+    torch.manual_seed(0)
+    trainer = Trainer(load_model(path) if impl == "native" else load_hf(path), cfg, meshes.train, num_steps=4)
+    base = dict(load_model(path).named_parameters()) if impl == "native" else None
+    merged = {n: full(p) for n, p in lora.merged_weights(trainer.model)}
+    assert base is None or all(torch.equal(merged[n], base[n]) for n in base), "merged != base at init"
+    before = {n: full(p) for n, p in trainer.model.named_parameters()}
+    samples = [Sample(PROMPT, [8, 30, 2, 11], 1.0, [-1.0] * 4, group=0), Sample(PROMPT, [40, 6, 6], 0.0, [-1.0] * 3),
+               Sample(PROMPT, [12, 7], 0.5, [-1.0] * 2), Sample(PROMPT, [1, 2, 3, 4, 5], 0.0, [-1.0] * 5)]
+    for _ in range(2):
+        trainer.step(samples, 14)
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], full(p))}
+    assert changed and all(lora.is_adapter(n) for n in changed), sorted(changed)[:5]
+    trainer.model.eval()  # no dropout: the model as served
+    mine = logits(trainer.model, PROMPT)
+    rank0 = dist.get_rank() == 0
+    lora.save_adapter(trainer.model, cfg.lora, out / f"{impl}-adapter", path, write=rank0)
+    weights = lora.merged_weights(trainer.model)
+    if impl == "native":
+        save_model(trainer.model, out / f"{impl}-merged", write=rank0, weights=weights)
+    else:
+        save_hf(trainer.model, out / f"{impl}-merged", write=rank0, weights=weights)
+    if rank0:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+        adapted = peft.PeftModel.from_pretrained(hf, out / f"{impl}-adapter").eval()
+        merged_hf = transformers.AutoModelForCausalLM.from_pretrained(out / f"{impl}-merged").eval()
+        with torch.no_grad():
+            for what, model in (("peft", adapted), ("merged", merged_hf)):
+                theirs = model(torch.tensor([PROMPT])).logits[0]
+                diff = float((theirs - mine).abs().max())
+                assert diff < 1e-5, f"{impl}: {what} logits differ from the trained model's by {diff}"
+            plain = transformers.AutoModelForCausalLM.from_pretrained(path)(torch.tensor([PROMPT])).logits[0]
+        assert float((plain - mine).abs().max()) > 1e-3, "the adapters changed nothing"
+    dist.barrier()
+    print(f"OK {impl}", flush=True)  # one write: the two ranks share a pipe
+
+
+if __name__ == "__main__":
+    meshes = build_meshes(1, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)  # rank 0's directory: it writes, then reads back
+        for impl in ("native", "hf"):
+            check(meshes, Path(sys.argv[1]), impl, Path(box[0]))
+    dist.destroy_process_group()

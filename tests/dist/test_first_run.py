@@ -1,0 +1,212 @@
+"""A user's first GPU-week (issue #36) on 2 real ranks, through the ``rollpacker`` launcher
+(``python -m rollpacker.launch``) and plain torchrun:
+
+- Ctrl-C mid-run stops after the step, every reward of it scored (reward/errors 0), with a committed
+  checkpoint, one line on how to go on and exit 0; the start summary shows a prompt as the engine
+  gets it, and each sample's ``prompt_text`` is the decode of the ids the engine received;
+- ``--resume auto`` passes over a damaged newest checkpoint with one warning naming the file, a
+  reward function failing on 1 row in 10 does not stop the run, every prompt is trained once and
+  metrics.jsonl holds each step once; SIGTERM to torchrun stops it the same way;
+- a function returning a string for every response stops the run: one line, the last, no traceback;
+- a second Ctrl-C during a save stops at once and leaves nothing that resume would pick.
+
+The damaged checkpoints of every kind (shard, .metadata, train state) are unit-tested
+(tests/unit/test_faults.py); the stalled rank 0 is tests/dist/test_faults.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.jobs import QUIET, job_env
+
+from rollpacker import checkpoint
+from rollpacker.bench.faults import worker_pid
+
+NUM_ROWS = 24
+SYSTEM = "Add."
+FUNCTIONS = '''
+def as_string(completions, **kwargs):  # a first-run classic: the reward as text
+    return ["1.0" for _ in completions]
+
+def one_in_ten(completions, id, trainer_state, **kwargs):  # fails on rows:3, rows:13, rows:23
+    if id[0].endswith("3"):
+        raise ValueError(f"row three at step {trainer_state.global_step}")
+    return [None]
+'''
+
+
+def write_task(tmp_path: Path) -> Path:
+    """NUM_ROWS toy problems as chat messages (the toy model's template renders them) and the functions."""
+    from rollpacker.data import toy
+
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"][3:-3]}], "answer": r["answer"]}
+            for r in toy.make_dataset(NUM_ROWS, seed=0)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "funcs.py").write_text(FUNCTIONS)
+    return tmp_path / "rows.jsonl"
+
+
+def args(tmp_path: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["schedule:tail", "--data.path", str(tmp_path / "rows.jsonl"), "--data.system-prompt", SYSTEM,
+            "--rollout.num-prompts", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "32",
+            "--num-epochs", "1", "--num-steps", "100", "--checkpoint-every", "1", "--eval-every", "0",
+            "--metrics.samples-every", "1", "--run-dir", str(run_dir), *QUIET, *extra]
+
+
+def start(tmp_path: Path, name: str, command: list[str], **env: str) -> tuple[subprocess.Popen, Path, Path]:
+    """``command`` in its own session (as a terminal would run it), its output in files."""
+    out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(command, stdout=o, stderr=e, start_new_session=True, cwd=tmp_path,
+                                env=job_env(**env))
+    return proc, out, err
+
+
+def launcher(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "rollpacker.launch", "--nproc-per-node", "2", *flags]
+
+
+def torchrun(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+            "rollpacker.run", *flags]
+
+
+def wait_until(proc: subprocess.Popen, ready, timeout: float = 600, poll: float = 0.05) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, "the job ended before the point the test waits for"
+        assert time.time() < deadline, "timed out waiting for the job"
+        time.sleep(poll)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def stepped(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def no_traceback(text: str) -> None:
+    assert "Traceback" not in text, text[-4000:]
+
+
+@pytest.mark.timeout(1500)
+def test_ctrl_c_stops_cleanly_and_resume_passes_a_damaged_checkpoint_training_each_prompt_once(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rollpacker.data.chat import encode, render
+    from rollpacker.data.toy_model import toy_model_dir
+
+    write_task(tmp_path)
+    run_dir = tmp_path / "run"
+    proc, out, err = start(tmp_path, "first", launcher(*args(tmp_path, run_dir)))
+    wait_until(proc, lambda: stepped(run_dir) >= 2)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal: the launcher's process group
+    assert finish(proc) == 0, err.read_text()[-4000:]
+    said = err.read_text()
+    no_traceback(said)
+    stopped = checkpoint.latest(run_dir)
+    step = int(stopped.name.split("_")[1])
+    assert f"rollpacker: SIGINT: stopping after step {step - 1} with a checkpoint" in said, said
+    assert said.rstrip().endswith(f"rollpacker: stopped on SIGINT with {step} of 100 steps done; the newest "
+                                  f"committed checkpoint is {stopped}: run the same command with --resume auto to go "
+                                  "on"), said
+    first = records(run_dir)
+    assert [r["step"] for r in first] == list(range(step)) and first[-1]["reward/errors"] == 0
+
+    # what the model saw: the summary before step 0, and prompt_text in every sample
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
+    shown = out.read_text()
+    assert "as the engine gets it" in shown and f"    | {SYSTEM}\n    | Q: " in shown, shown
+    for sample in map(json.loads, (run_dir / "samples" / "step_0.jsonl").read_text().splitlines()):
+        ids = encode(tokenizer, sample["prompt"], system_prompt=SYSTEM)
+        assert sample["prompt_text"] == tokenizer.decode(ids) == render(tokenizer, sample["prompt"],
+                                                                        system_prompt=SYSTEM)
+        assert sample["prompt_text"].startswith(f"{SYSTEM}\nQ: ")
+
+    # the newest checkpoint damaged; resumed by plain torchrun, with a function failing on 1 row in 10
+    (stopped / ".metadata").write_bytes((stopped / ".metadata").read_bytes()[:100])
+    resume = args(tmp_path, run_dir, "--resume", "auto", "--reward.funcs", "toy", "funcs.py:one_in_ten")
+    proc, out, err = start(tmp_path, "resumed", torchrun(*resume))
+    assert finish(proc) == 0, err.read_text()[-4000:]
+    said = err.read_text()
+    no_traceback(said)
+    previous = run_dir / "checkpoints" / f"step_{step - 1}"
+    assert said.count("is damaged") == 1 and (
+        f"rollpacker: warning: checkpoint {stopped} is damaged: {stopped / '.metadata'} cannot be read") in said
+    assert f"resuming from {previous}" in said
+    final = records(run_dir)
+    assert [r["step"] for r in final] == list(range(NUM_ROWS // 4))  # each step once
+    trained = json.loads((checkpoint.latest(run_dir) / "train_state.json").read_text())["policy"]["ledger"]["trained"]
+    assert sorted(trained) == [[0, row] for row in range(NUM_ROWS)]  # every prompt once
+    failed = [r["step"] for r in final if r["reward/errors"]]  # trained on, scored 0: the run went on
+    assert failed, final
+    for step in failed:  # one line per step, with a count; TRL's trainer_state reached the function
+        assert re.search(rf"reward function 'one_in_ten' failed on {final[step]['reward/errors']} of \d+ responses "
+                         rf"at step {step}, scored 0 \(--reward.on-error skip\); first on row 'rows:\d*3': raised "
+                         rf"ValueError: row three at step {step}\n", said), said[-4000:]
+    assert said.count("reward function 'one_in_ten' failed on") == len(failed)
+
+
+@pytest.mark.timeout(600)
+def test_a_function_returning_a_string_stops_the_run_with_one_line_naming_it(tmp_path):
+    write_task(tmp_path)
+    proc, out, err = start(tmp_path, "string", launcher(*args(tmp_path, tmp_path / "run", "--reward.funcs",
+                                                              "funcs.py:as_string")))
+    assert finish(proc) == 1
+    said = err.read_text()
+    no_traceback(said)
+    last = said.rstrip().splitlines()[-1]
+    assert re.match(r"rollpacker: reward function 'as_string' failed on (\d+) of \1 responses at step 0: all of "
+                    r"them, first on row 'rows:\d+': ", last), said[-4000:]
+    assert "returned str '1.0' for a completion; expected a float, an int or None. Stopped before training" in last
+    assert said.count("'as_string' failed") == 1
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained on it
+
+
+@pytest.mark.timeout(600)
+def test_a_second_ctrl_c_during_a_save_stops_at_once_leaving_nothing_resume_picks(tmp_path):
+    write_task(tmp_path)
+    run_dir = tmp_path / "run"
+    proc, out, err = start(tmp_path, "twice", launcher(*args(tmp_path, run_dir)))
+
+    def saving() -> bool:
+        return stepped(run_dir) >= 2 and any(not (p / checkpoint.MARKER).exists()
+                                             for p in (run_dir / "checkpoints").glob("step_*"))
+
+    wait_until(proc, saving, poll=0.001)
+    stopped = worker_pid(run_dir, 1)  # the save cannot commit without rank 1: the Ctrl-Cs land inside it
+    os.kill(stopped, signal.SIGSTOP)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.2)  # a person's second Ctrl-C (two signals at once merge into one)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1)  # rank 0 aborts at once; rank 1, let go, finds it gone
+    os.kill(stopped, signal.SIGCONT)
+    assert finish(proc) == 130
+    said = err.read_text()
+    no_traceback(said)
+    assert "rollpacker: stopped at once on a second Ctrl-C at step" in said, said[-4000:]
+    partial = [p for p in (run_dir / "checkpoints").glob("step_*") if not (p / checkpoint.MARKER).exists()]
+    assert partial, "the save committed before the second Ctrl-C"
+    newest = checkpoint.newest_whole(run_dir)
+    assert newest == checkpoint.latest(run_dir) and newest not in partial
+    assert int(newest.name.split("_")[1]) < int(partial[0].name.split("_")[1])

@@ -1,0 +1,66 @@
+"""The edge of a real controller round without a model or ranks (:func:`rollpacker.exchange.run_round`):
+a one-rank world, an engine that adds a token per step, rewards scored at once."""
+
+from __future__ import annotations
+
+from rollpacker.rollout.engine import EngineStats, Output
+
+
+class InstantRewards:
+    """The reward scheduler's interface, scoring at once (what the simulator assumes for decisions)."""
+
+    def __init__(self, reward):
+        self.reward, self.done = reward, []
+
+    def submit(self, key, row, output):
+        self.done.append((key, self.reward(row, key)))
+
+    def poll(self):
+        done, self.done = self.done, []
+        return done
+
+    wait = poll
+
+
+class OneReplica:
+    """The controller's view of a one-rank world (what :class:`rollpacker.dist.Meshes` offers)."""
+
+    rank, num_replicas, replica, is_replica_leader, rollout_control, freed = 0, 1, 0, True, None, False
+
+    def broadcast(self, obj, group=None):
+        return obj
+
+    def gather(self, obj, group=None):
+        return [obj]
+
+
+class LengthTableEngine:
+    """The engine edge (no model here): each step adds a token to every running request; a request
+    finishes at ``length(row, response)`` tokens, the row being its one prompt token."""
+
+    def __init__(self, length):
+        self.length, self.running = length, {}
+
+    def add(self, req):
+        self.running[req.id] = Output(id=req.id, prompt_ids=req.prompt_ids)
+
+    def abort(self, rid):
+        out = self.running.pop(rid)
+        out.finish_reason = "abort"
+        return out
+
+    def step(self):
+        done = []
+        for rid, out in list(self.running.items()):
+            out.token_ids.append(1)
+            if len(out.token_ids) == self.length(out.prompt_ids[0], int(rid.split(":")[2])):
+                out.finish_reason = "length"
+                done.append(self.running.pop(rid))
+        return done
+
+    def has_unfinished(self):
+        return bool(self.running)
+
+    def stats(self):
+        return EngineStats(num_running=len(self.running), num_waiting=0, num_preemptions=0, num_generated_tokens=0,
+                           num_prefill_tokens=0)

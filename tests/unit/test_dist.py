@@ -1,0 +1,84 @@
+"""The process group's backend and NCCL settings, the device switch and the phase timeouts (issue 37):
+their logic, on CPU. The multi-rank behaviour runs in tests/dist/test_faults.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rollpacker import dist as rdist
+from rollpacker import watchdog
+
+
+@pytest.fixture
+def gpu_visible(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("ROLLPACKER_DEVICE", raising=False)
+
+
+def test_backend_is_nccl_on_gpu_with_gloo_beside_it_when_cpu_tensors_meet(gpu_visible):
+    assert rdist.backend("auto") == ("cuda", "nccl")
+    assert rdist.backend("auto", cpu_collectives=True) == ("cuda", "cuda:nccl,cpu:gloo")  # train.offload
+
+
+def test_cpu_and_gloo_can_be_forced_while_a_gpu_is_visible(gpu_visible, monkeypatch):
+    assert rdist.backend("cpu", cpu_collectives=True) == ("cpu", "gloo")
+    monkeypatch.setenv("ROLLPACKER_DEVICE", "cpu")  # the test suite's setting (tests/conftest.py): every job
+    assert rdist.backend("auto") == ("cpu", "gloo")
+    with pytest.raises(ValueError, match="dist.device must be auto or cpu, got 'gpu'"):
+        rdist.backend("gpu")
+    monkeypatch.setenv("ROLLPACKER_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="ROLLPACKER_DEVICE must be auto or cpu, got 'gpu'"):
+        rdist.backend("auto")
+
+
+def test_without_a_gpu_the_backend_is_gloo(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rdist.backend("auto", cpu_collectives=True) == ("cpu", "gloo")
+
+
+def test_the_nccl_settings_are_exported_before_the_process_group_and_logged(gpu_visible, monkeypatch, caplog):
+    for name in ("NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_DEBUG"):
+        monkeypatch.setenv(name, "")  # recorded as it was (unset too): what init_distributed exports is undone
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")  # the user's own settings stay
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    seen = {}
+
+    def init_process_group(name):  # what the real one would see: the backend and the environment
+        seen.update(backend=name, env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
+
+    monkeypatch.setattr(rdist.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(rdist.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(rdist.dist, "get_backend", lambda: seen["backend"])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with caplog.at_level("INFO", logger="rollpacker"):
+        device = rdist.init_distributed("auto", cpu_collectives=True, nccl_env={"NCCL_ALGO": "allreduce:tree"})
+    assert device == torch.device("cuda", 0) and seen["backend"] == "cuda:nccl,cpu:gloo"
+    assert seen["env"] == {"NCCL_ALGO": "allreduce:tree", "NCCL_CUMEM_ENABLE": "0", "NCCL_DEBUG": "WARN",
+                           "NCCL_NVLS_ENABLE": "1"}
+    assert ("NCCL environment NCCL_ALGO=allreduce:tree NCCL_CUMEM_ENABLE=0 NCCL_DEBUG=WARN NCCL_NVLS_ENABLE=1"
+            in caplog.text)
+
+
+def test_phase_timeouts_are_sized_from_the_config():
+    cfg = watchdog.DistConfig()
+    assert cfg.rollout_wait_s(400) == 120.0  # the toy job: dist.timeout_s
+    assert cfg.rollout_wait_s(8192) == 2048.0  # the 7B preset: 0.25 s per response token
+    assert cfg.rollout_wait_s(32768) == 8192.0
+    assert cfg.checkpoint_timeout_s == 1800.0
+    with pytest.raises(ValueError, match="dist.token_timeout_s=0 and dist.checkpoint_timeout_s=1800.0 must be"):
+        watchdog.DistConfig(token_timeout_s=0)
+
+
+def test_a_waiting_phase_restores_what_it_found():
+    before = dict(watchdog._state)
+    with watchdog.waiting("handoff", 60.0):
+        assert watchdog._state["phase"] == "handoff" and watchdog._state["deadline"] > 0
+        with watchdog.waiting("checkpoint", 5.0):
+            assert watchdog._state["phase"] == "checkpoint"
+        assert watchdog._state["phase"] == "handoff"
+    assert watchdog._state == before

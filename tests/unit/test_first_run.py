@@ -1,0 +1,101 @@
+"""A user's first run (issue #36), the parts without a job: the launcher's split of its arguments,
+messages in the flags' spelling, the progress line, each step once in metrics.jsonl after a
+resume, and the report's plots of what a task's author tunes on. The jobs themselves:
+tests/dist/test_first_run.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+from rollpacker import report
+from rollpacker.config import as_flags
+from rollpacker.launch import option, split
+from rollpacker.metrics import LiveDisplay, MetricsConfig, MetricsLogger
+
+
+def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
+    assert split(["--nproc-per-node", "2", "--max-restarts=3", "--num-steps", "5", "--data.path", "x.jsonl"]) == (
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts=3"], ["--num-steps", "5", "--data.path", "x.jsonl"])
+    assert split(["--nnodes", "2", "--rdzv-endpoint", "h:29500", "--", "--preset", "qwen2.5-7b-8k"]) == (
+        ["--nnodes", "2", "--rdzv-endpoint", "h:29500"], ["--preset", "qwen2.5-7b-8k"])  # no --standalone
+    assert split(["--standalone", "schedule:tail", "--help"]) == (["--standalone"], ["schedule:tail", "--help"])
+    assert option(["--standalone", "--max_restarts", "3"], "--max-restarts", "0") == "3"
+    assert option(["--nproc-per-node=2"], "--nproc-per-node", "1") == "2" and option([], "--nnodes", "1") == "1"
+
+
+def test_messages_name_settings_as_the_flags_typed():
+    assert as_flags("data.eval_path: no such file: /d/data.eval_path.jsonl (or leave data.path empty)") == (
+        "--data.eval-path: no such file: /d/data.eval_path.jsonl (or leave --data.path empty)")
+    assert as_flags("num_steps=0 must be > 0; reward.on_error=fail stops; schedule.pipe with stream.enabled") == (
+        "--num-steps=0 must be > 0; --reward.on-error=fail stops; --schedule.pipe with --stream.enabled")
+    # file names, modules, English words that are also settings: as they are
+    assert as_flags("resume from train.jsonl with my_rewards.py:f in rollpacker.run, seed 3") == (
+        "resume from train.jsonl with my_rewards.py:f in rollpacker.run, seed 3")
+
+
+def test_the_step_line_says_step_of_total_elapsed_eta_reward_errors_and_tokens_per_s():
+    out = io.StringIO()
+    display = LiveDisplay(enabled=True, stream=out, num_steps=200)
+    for step in (17, 18):
+        display.start_step(step, num_launched=8)
+        display.end_step({"time/step": 1.5, "reward/mean": 0.25, "reward/errors": 3, "rollout/tokens_per_s": 812.5})
+    display.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2  # not a terminal: one plain line per step
+    assert re.fullmatch(r"step 18/200 \| 0:00:\d\d elapsed, ETA 0:0\d:\d\d \| time/step 1\.5s \| reward/mean 0\.25 \| "
+                        r"reward/errors 3 \| rollout/tokens_per_s 812\.5", lines[1]), lines
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as logger:
+        for step in range(4):
+            logger.log(step, {"reward/mean": step})
+    with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as logger:  # resumed from step 2
+        logger.start_at(2)
+        for step in range(2, 5):
+            logger.log(step, {"reward/mean": 10 + step})
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reward/mean"]) for r in records] == [(0, 0), (1, 1), (2, 12), (3, 13), (4, 14)]
+
+
+def test_report_plots_eval_pass_at_k_per_source_and_each_reward_function_with_the_errors(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [{"step": s, "time/step": 1.0, "reward/mean": 0.5, "reward/correct": 0.4, "reward/format": 0.9,
+              "reward/errors": s % 2, "reward/seconds_total": 2.0} for s in range(4)]
+    for s in (0, 3):
+        lines[s] |= {"eval/pass@1": 0.2, "eval/pass@4": 0.5, "eval/mean@4": 0.25, "eval/gsm8k/pass@1": 0.3,
+                     "eval/gsm8k/pass@4": 0.6, "eval/gsm8k/mean@4": 0.3, "eval/toy/long/pass@1": 0.1}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert report.main([str(run_dir)]) == 0
+    assert all((run_dir / "plots" / name).stat().st_size for name in ("eval.png", "reward_functions.png"))
+    assert sorted(report.eval_series(lines)) == ["eval/gsm8k/mean@4", "eval/gsm8k/pass@1", "eval/gsm8k/pass@4",
+                                                 "eval/mean@4", "eval/pass@1", "eval/pass@4", "eval/toy/long/pass@1"]
+
+
+def test_the_rewards_page_tests_a_function_as_it_says_on_its_own_example(tmp_path, monkeypatch, capsys):
+    """docs/rewards.md's "Testing your function" runs as written on the page's format_ok."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "rewards.md"
+    blocks = dict(re.findall(r"<!-- test: (\S+) -->\n```\w+\n(.*?)```", page.read_text(), re.S))
+    (tmp_path / "my_rewards.py").write_text(blocks["my_rewards.py"])
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks["testing"], "testing", "exec"), {})  # noqa: S102 - the page's own snippet
+    assert capsys.readouterr().out == "(1.0, {}, {})\n"
+
+
+def test_the_live_display_on_a_terminal_shows_the_run_and_the_rollout():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    display = LiveDisplay(enabled=True, stream=out, num_steps=10)
+    display.note("the summary")
+    display.start_step(3, num_launched=4)
+    display.update(2, tokens_per_s=50.0)
+    display.end_step({"reward/mean": 1.0, "reward/errors": 0, "rollout/tokens_per_s": 50.0})
+    display.close()
+    assert "the summary" in out.getvalue() and re.search(r"step 3/10 \| 0:00:\d\d elapsed", out.getvalue())
