@@ -64,7 +64,7 @@ def parse_once(argv: list[str] | None) -> Config:
     except SystemExit as e:
         if e.code not in (None, 0):  # tyro's error box as it drew it, or our own message (--preset)
             box = "\n".join(line.rstrip() for line in err.getvalue().strip("\n").splitlines())
-            report(box or as_flags(str(e.code)), prefix="" if box else "rollpacker: config error: ")
+            report(as_flags(box or str(e.code)), prefix="" if box else "rollpacker: config error: ")
             raise SystemExit(e.code if isinstance(e.code, int) else 2) from None  # no process group yet
         if os.environ.get("RANK", "0") == "0":
             sys.stdout.write(out.getvalue())

@@ -16,7 +16,7 @@ def test_pipe_refuses_a_train_pool_that_splits_a_shard_group(tmp_path):
                       timeout=300)
     assert proc.returncode != 0
     assert "schedule.pipe needs a train pool of whole training replicas" in proc.stderr
-    assert "train.train_shard_size" in proc.stderr
+    assert "--train.train-shard-size" in proc.stderr
 
 
 def test_the_train_pool_never_rolls_out(tmp_path):
