@@ -13,8 +13,6 @@ from rollpacker.choices import check_choices
 OnError = Literal["skip", "fail"]
 FACTORIES = {"toy": "rollpacker.env.toy:make_env"}
 """Built-in environments of ``env.factory``, by name."""
-TOOLS = {"python": "rollpacker.env.tools:python"}
-"""Built-in tools of ``env.tools``, by name."""
 
 
 @dataclass(kw_only=True)
@@ -42,7 +40,7 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "env")
-        from rollpacker.env.tools import PARSERS
+        from rollpacker.env.tools import PARSERS, TOOLS
         from rollpacker.reward.functions import check_spec
 
         if self.factory:

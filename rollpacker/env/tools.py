@@ -73,12 +73,12 @@ def hermes(text: str) -> list[ToolCall]:
 
 PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes}
 """``env.tool_parser`` -> ``(turn text) -> its tool calls`` (none: the turn is an answer)."""
+TOOLS = {"python": "rollpacker.env.tools:python"}
+"""Built-in tools of ``env.tools``, by name."""
 
 
 def load_tools(specs: tuple[str, ...]) -> dict[str, Callable]:
     """``env.tools`` imported, by function name (an :class:`EnvError` if one cannot be, or two share a name)."""
-    from rollpacker.env.config import TOOLS
-
     tools: dict[str, Callable] = {}
     for spec in specs:
         fn = load(target(spec, TOOLS), "env.tools", EnvError)

@@ -63,7 +63,8 @@ def toy_engine():
 
     from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
-    from rollpacker.rollout.torch_engine import EngineConfig, TorchEngine
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
 
     return TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32), EngineConfig())
 
