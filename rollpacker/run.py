@@ -80,10 +80,6 @@ def main(argv: list[str] | None = None) -> None:
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
         if config.model.path:
             check_model_dir(Path(config.model.path))
-        if config.env.enabled:  # the round runs one request per response until the episode runner lands in it
-            raise UserError("env.factory / env.tools: the training loop does not run episodes yet (rollpacker.env "
-                            "has the environments, workers and trainer mask; the round's episode runner is next), "
-                            "so this run would ignore the environment: leave env unset for now")
     except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
         fail(as_flags(str(e)), prefix="rollpacker: config error: ")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

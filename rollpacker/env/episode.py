@@ -27,8 +27,8 @@ episode is kept in :attr:`Episode.messages`, not in the tokens: nothing follows 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 from rollpacker.env.contract import Message, StepResult
 
@@ -80,6 +80,66 @@ class Done:
         if self.reason in LENGTH_REASONS:
             return "length"
         return self.reason if self.reason in ("abort", "error") else "stop"
+
+
+@dataclass(kw_only=True)
+class EpisodeOutput:
+    """A finished (or aborted) episode as one response: what the policy, the scorer and the trainer
+    get. It reads like an engine's output (``id``, ``prompt_ids``, ``token_ids``, ``logprobs``,
+    ``finish_reason``), with what an episode adds."""
+
+    id: str
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    """Every token after the prompt: model turns and observations."""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    loss_mask: list[bool] = field(default_factory=list)
+    """Per token of ``token_ids``: sampled by the model (trained) or not."""
+    step_rewards: dict[int, float] = field(default_factory=dict)
+    messages: list[Message] = field(default_factory=list)
+    """The conversation after the prompt (each action an assistant message; each observation's messages)."""
+    num_turns: int = 0
+    reason: str = ""
+    """Why it ended (:data:`REASONS`); ``detail`` says more for an error."""
+    detail: str = ""
+
+    @property
+    def env_reward(self) -> float:
+        return sum(self.step_rewards.values())
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def turns(self, decode: Callable[[list[int]], str]) -> list[dict]:
+        """The episode's tokens turn by turn, as the samples files show them: each run of model tokens
+        (``role`` assistant, ``trained`` True) and of environment tokens (``role``: its observation's
+        roles, ``trained`` False), with its ``text`` (``decode``) and ``tokens``. A failed episode's
+        model tokens read untrained, as they are."""
+        observations = [[]]  # the roles of each observation: the messages between two actions
+        for m in self.messages:
+            if m["role"] == "assistant":
+                observations.append([])
+            else:
+                observations[-1].append(m["role"])
+        observations = [o for o in observations[1:] if o]
+        spans: list[list] = []
+        for i, m in enumerate(self.loss_mask):
+            if spans and spans[-1][0] == m:
+                spans[-1][2] = i + 1
+            else:
+                spans.append([m, i, i + 1])
+        out, seen = [], 0
+        for model, start, end in spans:
+            if model:
+                role = "assistant"
+            else:
+                role = "+".join(observations[seen]) if seen < len(observations) else "environment"
+                seen += 1
+            out.append({"role": role, "trained": model, "tokens": end - start,
+                        "text": decode(self.token_ids[start:end])})
+        return out
 
 
 class Bridge(Protocol):
@@ -173,6 +233,15 @@ class Episode:
     def abort(self) -> Done:
         """The policy ended the episode (its group is complete, or the round is over)."""
         return self._end("abort")
+
+    def output(self) -> EpisodeOutput:
+        """The episode as one response (done or not: an unfinished one reads "abort")."""
+        done = self.done or Done("abort")
+        return EpisodeOutput(id=self.id, prompt_ids=list(self.prompt_ids), token_ids=list(self.response_ids),
+                             logprobs=list(self.logprobs), finish_reason=done.finish_reason,
+                             loss_mask=list(self.loss_mask), step_rewards=dict(self.step_rewards),
+                             messages=list(self.messages), num_turns=self.num_turns, reason=done.reason,
+                             detail=done.detail)
 
     @property
     def reward(self) -> float:

@@ -1,0 +1,114 @@
+"""Episodes in the training loop, for real: an environment file in gymnasium's text API, written
+outside the project, runs on 2 gloo ranks with the toy model under ``schedule:tail`` (its
+over-provisioned episodes aborted). The issue's Bar: the run succeeds, every episode's samples
+show its turns with the environment's tokens untrained, the environment was stepped for every
+turn shown, every environment made was closed, and the ledger holds every prompt once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.jobs import QUIET, launch_job, ledger, records
+
+ENV = '''
+import json
+import uuid
+
+LOG = {log!r}
+
+
+def _log(**record):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(record) + "\\n")
+
+
+class Turns:
+    """Three turns: each step is logged with its action; the reward comes with the last."""
+
+    def __init__(self, row):
+        self.row, self.steps, self.me = row["id"], 0, uuid.uuid4().hex
+
+    def reset(self, *, seed, options):
+        _log(env=self.me, row=self.row, event="reset", seed=seed)
+        return None, {{}}
+
+    def step(self, action):
+        self.steps += 1
+        _log(env=self.me, row=self.row, event="step", step=self.steps, action=action)
+        if self.steps >= 3:
+            return None, float("####" in action), True, False, {{}}
+        return f"Step {{self.steps}} done. Again:", None, False, False, {{}}
+
+    def close(self):
+        _log(env=self.me, row=self.row, event="close")
+
+
+def make_env(row):
+    return Turns(row)
+'''
+
+NUM_ROWS = 8
+EOS = "<|endoftext|>"
+
+
+def run_env_job(tmp_path: Path, *args: str) -> tuple[Path, list[dict]]:
+    """A 2-rank tail run of NUM_ROWS prompts with the environment file; its run directory and the env's log."""
+    env_dir, log = tmp_path / "elsewhere", tmp_path / "steps.jsonl"
+    env_dir.mkdir()
+    (env_dir / "turns.py").write_text(ENV.format(log=str(log)))
+    run_dir = tmp_path / "run"
+    proc = launch_job("schedule:tail", "--env.factory", f"{env_dir / 'turns.py'}:make_env", "--env.max-turns", "3",
+                      "--env.max-tokens", "400", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
+                      "--rollout.group-size", "2", "--rollout.max-new-tokens", "128", "--num-epochs", "1",
+                      "--num-steps", "100", "--checkpoint-every", "1", "--eval-every", "0",
+                      "--metrics.samples-every", "1", "--run-dir", str(run_dir), *QUIET, *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def env_run(tmp_path_factory):
+    return run_env_job(tmp_path_factory.mktemp("env_tail"))
+
+
+def samples(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted((run_dir / "samples").glob("step_*.jsonl"))
+            for line in path.read_text().splitlines()]
+
+
+def test_episodes_train_under_tail_with_every_turn_stepped_and_every_environment_closed(env_run):
+    run_dir, log = env_run
+    trained = samples(run_dir)
+    assert len(trained) == 2 * NUM_ROWS  # every prompt trained once, 2 episodes each
+    assert {r["row"] for r in trained} == {f"toy-0-{i}" for i in range(NUM_ROWS)}
+    assert sorted(tuple(e) for e in ledger(run_dir)["trained"]) == [(0, i) for i in range(NUM_ROWS)]
+    steps_of: dict[str, list[dict]] = {}
+    for record in log:
+        steps_of.setdefault(record["env"], []).append(record)
+    for events in steps_of.values():  # every environment made was reset first and closed last (aborted ones too)
+        assert events[0]["event"] == "reset" and events[-1]["event"] == "close", events
+    metrics = records(run_dir)
+    assert any(r["sched/aborted_responses"] for r in metrics)  # tail's over-provisioned episodes were cut
+    terminated = [r for r in trained if r["end"] == "terminated"]
+    assert len(terminated) >= len(trained) // 2, [r["end"] for r in trained]
+    for r in trained:
+        turns = r["turns"]
+        assert [t["role"] for t in turns] == ["assistant", "user"] * (r["num_turns"] - 1) + ["assistant"]
+        assert all(t["trained"] == (t["role"] == "assistant") for t in turns)
+        assert r["model_tokens"] + r["env_tokens"] == r["length"]
+        stepped = r["num_turns"] - (r["end"] != "terminated")  # a turn cut by a token limit is not stepped
+        actions = [t["text"].removesuffix(EOS) for t in turns if t["role"] == "assistant"][:stepped]
+        runs = [[e["action"] for e in events if e["event"] == "step"] for events in steps_of.values()
+                if events[0]["row"] == r["row"]]
+        assert actions in [run[:stepped] for run in runs if len(run) == stepped], (r["row"], actions, runs)
+        for k, t in enumerate(turns[1::2]):  # the environment's observation after each stepped turn
+            assert t["text"] == f"\nQ: Step {k + 1} done. Again:\nA:"
+    for r in terminated:
+        assert r["num_turns"] == 3 and r["reward"] == float("####" in r["turns"][-1]["text"])
+    assert sum(m["env/turns_mean"] for m in metrics) > len(metrics)
+    for m in metrics:
+        assert m["env/errors"] == 0 and m["env/turns_mean"] >= 1
+        assert m["rollout/model_tokens"] + m["rollout/env_tokens"] == sum(m["rollout/response_lengths"])
+        assert m["rollout/env_wait_s"] >= 0 and m["env/step_seconds"] > 0
