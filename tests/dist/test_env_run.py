@@ -2,7 +2,9 @@
 outside the project, runs on 2 gloo ranks with the toy model under ``schedule:tail`` (its
 over-provisioned episodes aborted). The issue's Bar: the run succeeds, every episode's samples
 show its turns with the environment's tokens untrained, the environment was stepped for every
-turn shown, every environment made was closed, and the ledger holds every prompt once."""
+turn shown, every environment made was closed, and the ledger holds every prompt once. The same
+holds under sync, sorted, stream training (episodes migrate at a turn boundary), RolloutPipe and
+one_step_off."""
 
 from __future__ import annotations
 
@@ -53,13 +55,14 @@ NUM_ROWS = 8
 EOS = "<|endoftext|>"
 
 
-def run_env_job(tmp_path: Path, *args: str) -> tuple[Path, list[dict]]:
-    """A 2-rank tail run of NUM_ROWS prompts with the environment file; its run directory and the env's log."""
+def run_env_job(tmp_path: Path, *args: str, policy: tuple[str, ...] = ("schedule:tail",)) -> tuple[Path, list[dict]]:
+    """A 2-rank run (tail unless ``policy``) of NUM_ROWS prompts with the environment file; its run
+    directory and the environment's log."""
     env_dir, log = tmp_path / "elsewhere", tmp_path / "steps.jsonl"
     env_dir.mkdir()
     (env_dir / "turns.py").write_text(ENV.format(log=str(log)))
     run_dir = tmp_path / "run"
-    proc = launch_job("schedule:tail", "--env.factory", f"{env_dir / 'turns.py'}:make_env", "--env.max-turns", "3",
+    proc = launch_job(*policy, "--env.factory", f"{env_dir / 'turns.py'}:make_env", "--env.max-turns", "3",
                       "--env.max-tokens", "400", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
                       "--rollout.group-size", "2", "--rollout.max-new-tokens", "128", "--num-epochs", "1",
                       "--num-steps", "100", "--checkpoint-every", "1", "--eval-every", "0",
@@ -80,35 +83,64 @@ def samples(run_dir: Path) -> list[dict]:
 
 def test_episodes_train_under_tail_with_every_turn_stepped_and_every_environment_closed(env_run):
     run_dir, log = env_run
+    check_run(run_dir, log)
+    assert any(r["sched/aborted_responses"] for r in records(run_dir))  # tail's over-provisioned episodes were cut
+
+
+@pytest.mark.parametrize("policy", [
+    ("schedule:sync",),
+    ("schedule:sorted",),
+    ("schedule:sync", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),
+    ("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"),
+    ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
+], ids=["sync", "sorted", "stream", "pipe", "one_step_off"])
+def test_episodes_run_under_every_policy(tmp_path, policy):
+    run_dir, log = run_env_job(tmp_path, policy=policy)
+    check_run(run_dir, log)
+    if "--stream.enabled" in policy:
+        assert sum(r["stream/scaled_down"] for r in records(run_dir)) >= 1  # episodes moved at a turn boundary
+
+
+def check_run(run_dir: Path, log: list[dict]) -> None:
+    """The Bar: every prompt trained once (the ledger too, where the policy keeps one), every turn the
+    samples show was stepped, the environment's tokens untrained, every environment closed."""
     trained = samples(run_dir)
     assert len(trained) == 2 * NUM_ROWS  # every prompt trained once, 2 episodes each
-    assert {r["row"] for r in trained} == {f"toy-0-{i}" for i in range(NUM_ROWS)}
-    assert sorted(tuple(e) for e in ledger(run_dir)["trained"]) == [(0, i) for i in range(NUM_ROWS)]
+    assert sorted(r["row"] for r in trained) == sorted(f"toy-0-{i}" for i in range(NUM_ROWS) for _ in range(2))
+    state = json.loads(max((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+                       .joinpath("train_state.json").read_text())["policy"]
+    if "ledger" in state:
+        assert sorted(tuple(e) for e in ledger(run_dir)["trained"]) == [(0, i) for i in range(NUM_ROWS)]
     steps_of: dict[str, list[dict]] = {}
     for record in log:
         steps_of.setdefault(record["env"], []).append(record)
     for events in steps_of.values():  # every environment made was reset first and closed last (aborted ones too)
         assert events[0]["event"] == "reset" and events[-1]["event"] == "close", events
-    metrics = records(run_dir)
-    assert any(r["sched/aborted_responses"] for r in metrics)  # tail's over-provisioned episodes were cut
     terminated = [r for r in trained if r["end"] == "terminated"]
     assert len(terminated) >= len(trained) // 2, [r["end"] for r in trained]
     for r in trained:
-        turns = r["turns"]
-        assert [t["role"] for t in turns] == ["assistant", "user"] * (r["num_turns"] - 1) + ["assistant"]
-        assert all(t["trained"] == (t["role"] == "assistant") for t in turns)
-        assert r["model_tokens"] + r["env_tokens"] == r["length"]
-        stepped = r["num_turns"] - (r["end"] != "terminated")  # a turn cut by a token limit is not stepped
-        actions = [t["text"].removesuffix(EOS) for t in turns if t["role"] == "assistant"][:stepped]
-        runs = [[e["action"] for e in events if e["event"] == "step"] for events in steps_of.values()
-                if events[0]["row"] == r["row"]]
-        assert actions in [run[:stepped] for run in runs if len(run) == stepped], (r["row"], actions, runs)
-        for k, t in enumerate(turns[1::2]):  # the environment's observation after each stepped turn
-            assert t["text"] == f"\nQ: Step {k + 1} done. Again:\nA:"
+        check_sample(r, steps_of)
     for r in terminated:
         assert r["num_turns"] == 3 and r["reward"] == float("####" in r["turns"][-1]["text"])
+    metrics = records(run_dir)
     assert sum(m["env/turns_mean"] for m in metrics) > len(metrics)
     for m in metrics:
         assert m["env/errors"] == 0 and m["env/turns_mean"] >= 1
         assert m["rollout/model_tokens"] + m["rollout/env_tokens"] == sum(m["rollout/response_lengths"])
         assert m["rollout/env_wait_s"] >= 0 and m["env/step_seconds"] > 0
+
+
+def check_sample(r: dict, steps_of: dict[str, list[dict]]) -> None:
+    """One episode's sample: its turns alternate, the model's trained and the environment's not, and
+    some environment of its row was stepped with exactly its actions."""
+    turns = r["turns"]
+    assert [t["role"] for t in turns] == ["assistant", "user"] * (r["num_turns"] - 1) + ["assistant"]
+    assert all(t["trained"] == (t["role"] == "assistant") for t in turns)
+    assert r["model_tokens"] + r["env_tokens"] == r["length"]
+    stepped = r["num_turns"] - (r["end"] != "terminated")  # a turn cut by a token limit is not stepped
+    actions = [t["text"].removesuffix(EOS) for t in turns if t["role"] == "assistant"][:stepped]
+    runs = [[e["action"] for e in events if e["event"] == "step"] for events in steps_of.values()
+            if events[0]["row"] == r["row"]]
+    assert actions in [run for run in runs if len(run) == stepped], (r["row"], actions, runs)
+    for k, t in enumerate(turns[1::2]):  # the environment's observation after each stepped turn
+        assert t["text"] == f"\nQ: Step {k + 1} done. Again:\nA:"
