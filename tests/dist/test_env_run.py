@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from support.jobs import QUIET, job_command, job_env, ledger, records, sglang_env
+from support.jobs import QUIET, job_command, job_env, kill_when, ledger, records, sglang_env
 
 ENV = '''
 import json
@@ -56,12 +56,11 @@ NUM_ROWS = 8
 EOS = "<|endoftext|>"
 
 
-def run_env_job(tmp_path: Path, *args: str, policy: tuple[str, ...] = ("schedule:tail",),
-                env: dict | None = None) -> tuple[Path, list[dict]]:
-    """A 2-rank run (tail unless ``policy``) of NUM_ROWS prompts with the environment file, in the
-    process environment ``env`` (None: the tests'); its run directory and the environment's log."""
+def env_job(tmp_path: Path, *args: str, policy: tuple[str, ...] = ("schedule:tail",)) -> tuple[list[str], Path, Path]:
+    """The command of a 2-rank run (tail unless ``policy``) of NUM_ROWS prompts with the environment
+    file, written outside the project; its run directory and the environment's log."""
     env_dir, log = tmp_path / "elsewhere", tmp_path / "steps.jsonl"
-    env_dir.mkdir()
+    env_dir.mkdir(exist_ok=True)
     (env_dir / "turns.py").write_text(ENV.format(log=str(log)))
     run_dir = tmp_path / "run"
     cmd = job_command(*policy, "--env.factory", f"{env_dir / 'turns.py'}:make_env", "--env.max-turns", "3",
@@ -69,9 +68,21 @@ def run_env_job(tmp_path: Path, *args: str, policy: tuple[str, ...] = ("schedule
                       "--rollout.group-size", "2", "--rollout.max-new-tokens", "128", "--num-epochs", "1",
                       "--num-steps", "100", "--checkpoint-every", "1", "--eval-every", "0",
                       "--metrics.samples-every", "1", "--run-dir", str(run_dir), *QUIET, *args)
+    return cmd, run_dir, log
+
+
+def run_env_job(tmp_path: Path, *args: str, policy: tuple[str, ...] = ("schedule:tail",),
+                env: dict | None = None) -> tuple[Path, list[dict]]:
+    """:func:`env_job` run to its end in the process environment ``env`` (None: the tests'); its run
+    directory and the environment's log."""
+    cmd, run_dir, log = env_job(tmp_path, *args, policy=policy)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env or job_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return run_dir, [json.loads(line) for line in log.read_text().splitlines()]
+    return run_dir, read_log(log)
+
+
+def read_log(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +171,26 @@ def test_episodes_run_on_vllm(tmp_path):
 def test_episodes_run_on_sglang(tmp_path):
     run_dir, log = run_env_job(tmp_path, "--engine.kind", "sglang", env=sglang_env())
     check_run(run_dir, log)
+
+
+def test_a_run_killed_with_episodes_in_flight_resumes_and_trains_every_prompt_once(tmp_path):
+    """SIGKILL the whole run (ranks, environment workers) once a step is committed and episodes are
+    in flight (environments open); ``--resume auto`` trains every prompt exactly once."""
+    rows = 16
+    cmd, run_dir, log = env_job(tmp_path, "--data.num-toy-prompts", str(rows), "--resume", "auto")
+
+    def in_flight() -> bool:
+        events = read_log(log)
+        opened = sum(e["event"] == "reset" for e in events) - sum(e["event"] == "close" for e in events)
+        return any((run_dir / "checkpoints").glob("step_*/COMMITTED")) and opened > 0
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=job_env(), cwd=tmp_path)
+    assert kill_when(proc, run_dir, in_flight), "the run ended before episodes were in flight past a checkpoint"
+    done = sorted(int(p.parent.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*/COMMITTED"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=job_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resuming from" in proc.stderr
+    assert sorted(tuple(e) for e in ledger(run_dir)["trained"]) == [(0, i) for i in range(rows)]
+    by_step = {r["step"]: r for r in records(run_dir)}  # a step redone after the resume keeps its last record
+    assert sum(r["sched/trained_prompts"] for r in by_step.values()) == rows and done[-1] < max(by_step)
