@@ -101,6 +101,22 @@ def test_episodes_train_under_tail_with_every_turn_stepped_and_every_environment
     assert any(r["sched/aborted_responses"] for r in records(run_dir))  # tail's over-provisioned episodes were cut
 
 
+def test_the_report_shows_an_episode_turn_by_turn(env_run, tmp_path):
+    """``report`` on the run's metrics and its episodes that ran three turns (the report shows the last step's)."""
+    from rollpacker.report import main
+
+    run_dir, _ = env_run
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+    (tmp_path / "samples" / "step_0.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in samples(run_dir) if r["end"] == "terminated"))
+    assert main([str(tmp_path)]) == 0
+    shown = (tmp_path / "plots" / "samples.md").read_text()
+    assert "episode: 3 model turns, ended terminated" in shown
+    assert "assistant, " in shown and "tokens, trained:" in shown
+    assert "user, 26 tokens, not trained:\n\n```\n\nQ: Step 1 done. Again:\nA:\n```" in shown
+
+
 @pytest.mark.parametrize("policy", [
     ("schedule:sync",),
     ("schedule:sorted",),
