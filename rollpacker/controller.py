@@ -87,7 +87,7 @@ class Controller:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         drafting = drafting and config.engine.speculative != "off"
         # the user's reward code imported: its errors come first
-        functions = build_functions(config.reward, environment=config.env.enabled)
+        functions = build_functions(config.reward, environment=bool(config.env.factory))
         check = functools.partial(check_row, functions) if functions else None  # a row no function scores: an error
         fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,

@@ -68,7 +68,7 @@ class JudgeConfig:
 class RewardConfig:
     funcs: tuple[str, ...] = ()
     """Reward functions, summed: a built-in (toy, math, code, judge), package.module:function or file.py:function.
-    Empty: toy, or none with an environment (env.factory, env.tools), whose rewards then count alone."""
+    Empty: toy, or none with an environment (env.factory), whose rewards then count alone (tools alone: toy)."""
     weights: tuple[float, ...] = ()
     """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
     num_workers: int = 2
@@ -91,7 +91,7 @@ class RewardConfig:
     """The LLM judge (reward.funcs judge): run in the controller on the actor's device."""
 
     def functions(self, environment: bool = False) -> tuple[str, ...]:
-        """The reward functions to run: ``funcs``, or by default toy, or none with an environment."""
+        """The reward functions to run: ``funcs``, or by default toy, or none with an environment (``env.factory``)."""
         return self.funcs or (() if environment else ("toy",))
 
     def __post_init__(self) -> None:

@@ -253,7 +253,8 @@ class RewardScheduler:
                 continue
             extra = f.extra(row)
             sample = {"prompt": row["prompt"], "completion": response, "completion_ids": list(output.token_ids),
-                      "columns": {**columns, **extra}, "trainer_state": self.state}
+                      "columns": {**columns, **extra}, "trainer_state": self.state,
+                      "messages": getattr(output, "messages", None)}  # an episode's turns
             if self.pool:
                 self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
                 continue

@@ -9,7 +9,11 @@ one_step_off."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -210,3 +214,50 @@ def test_a_run_killed_with_episodes_in_flight_resumes_and_trains_every_prompt_on
     assert sorted(tuple(e) for e in ledger(run_dir)["trained"]) == [(0, i) for i in range(rows)]
     by_step = {r["step"]: r for r in records(run_dir)}  # a step redone after the resume keeps its last record
     assert sum(r["sched/trained_prompts"] for r in by_step.values()) == rows and done[-1] < max(by_step)
+
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
+
+
+def page_file(name: str) -> str:
+    """The indented block of docs/environments.md that starts with ``# NAME``."""
+    lines = PAGE.read_text().splitlines()
+    block = []
+    for line in lines[lines.index(f"    # {name}"):]:
+        if line and not line.startswith("    "):
+            break
+        block.append(line)
+    return textwrap.dedent("\n".join(block)).strip() + "\n"
+
+
+def page_commands(name: str) -> list[list[str]]:
+    """The commands of the page's block marked ``<!-- test: NAME -->``, as argument lists: torchrun
+    as the tests launch it (:func:`job_command`, quiet), ``python`` as this interpreter."""
+    block = re.search(rf"<!-- test: {name} -->\n```bash\n(.*?)```", PAGE.read_text(), re.S).group(1)
+    commands = []
+    for words in (shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()):
+        if words[0] == "torchrun":
+            assert words[1:4] == ["--nproc_per_node=2", "-m", "rollpacker.run"], words
+            commands.append(job_command(*words[4:], *QUIET))
+        else:
+            assert words[0] == "python", words
+            commands.append([sys.executable, *words[1:]])
+    return commands
+
+
+@pytest.mark.timeout(900)
+def test_the_pages_commands_run_as_written(tmp_path):
+    """docs/environments.md's environment file and tools file, and its commands, in a fresh directory."""
+    (tmp_path / "guess_env.py").write_text(page_file("guess_env.py"))
+    (tmp_path / "calc_tools.py").write_text(page_file("calc_tools.py"))
+    for name in ("guess_run", "tools_run"):
+        for cmd in page_commands(name):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(), cwd=tmp_path)
+            assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr[-4000:]}"
+    guess = tmp_path / "runs" / "guess"
+    episodes = samples(guess)
+    assert episodes and all(r["turns"][0]["role"] == "assistant" for r in episodes)
+    assert any(t["role"] == "user" and not t["trained"] for r in episodes for t in r["turns"])  # the game answered
+    assert "episode: " in (guess / "plots" / "samples.md").read_text()
+    tools = records(tmp_path / "runs" / "tools")
+    assert len(tools) == 2 and all(r["env/errors"] == 0 and r["env/turns_mean"] >= 1 for r in tools)
