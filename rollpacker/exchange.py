@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,11 @@ class Command:
     scale_down: bool = False
     """Rollout scales down: the freed replicas apply the aborts (all their requests), report, and leave to train."""
 
+
+logger = logging.getLogger("rollpacker")
+
+SHOWN_ERRORS = 3
+"""Environment errors said per round (each once); the rest are counted in ``env/errors``."""
 
 TAIL_RUNNING = 8
 """A poll is in the round's tail when every replica ran at most this many requests (``RoundResult.tail_s``)."""
@@ -388,6 +394,13 @@ class ExchangeRound:
             self.tail_cpu_s += sum(r.cpu_s for r in self.counters.values()) - cpu
         self.in_tail = max((r.num_running for r in reports if r), default=0) <= TAIL_RUNNING
 
+    def say_errors(self, causes: list[str]) -> None:
+        """Each environment error of the round once (at most SHOWN_ERRORS of them); its episode trained nothing."""
+        for cause in causes[:SHOWN_ERRORS]:
+            logger.warning("step %d: an episode ended untrained (env.on_error skip, env/errors): %s", self.step, cause)
+        if len(causes) > SHOWN_ERRORS:
+            logger.warning("step %d: %d more environment errors (env/errors)", self.step, len(causes) - SHOWN_ERRORS)
+
     def generated(self) -> list[tuple[int, int]]:
         """(prompt tokens, tokens generated) of each outstanding request: at most the engine steps
         since it was added."""
@@ -404,6 +417,7 @@ class ExchangeRound:
         outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
         if self.round.episodes:  # the environments of the episodes cut at the end are closed
             self.leader.episodes.send(self.round.episodes.take_calls(), self.leader.rows)
+            self.say_errors(self.round.episodes.stats.causes)
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
                            num_aborted=len(outcome.aborted), generated_tokens=outcome.generated_tokens,

@@ -50,6 +50,8 @@ class EpisodeStats:
     step_seconds: list[float] = field(default_factory=list)
     """Seconds of each environment call (reset, step) in its worker."""
     errors: int = 0
+    causes: list[str] = field(default_factory=list)
+    """What each environment error said (the environment, the episode, its row, the cause), in order."""
     env_wait_s: float = 0.0
     """Seconds of polls in which no turn ran at an engine while environment calls were in flight."""
 
@@ -182,6 +184,7 @@ class EpisodeRunner:
 
     def _failed(self, key: str, error: str) -> list[EpisodeOutput]:
         self.stats.errors += 1
+        self.stats.causes.append(error)
         if self.on_error == "fail":
             raise UserError(f"{error} (--env.on-error fail stops the run; skip ends such an episode untrained and "
                             "counts it in env/errors)")
