@@ -160,3 +160,29 @@ def test_a_skyrl_row_needs_its_environment_class():
 
     with pytest.raises(ValueError, match="row 'r' has no env_class column"):
         make_env({"id": "r", "prompt": "p"})
+
+
+@pytest.mark.parametrize("factory,extra", [
+    ("vf_env.py:make_env", {}),
+    ("rollpacker.env.skyrl_gym:make_env", {"env_class": "gsm8k_multi_turn", "extra_info": {"max_turns": 2}}),
+], ids=["verifiers", "skyrl_gym"])
+def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, factory, extra):
+    """The whole job, 2 ranks, 2 steps: the library's environment in the workers, its episodes trained."""
+    import json
+
+    from support.jobs import QUIET, launch_job, records
+
+    rows = chat_rows(8, **extra)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = launch_job("schedule:sync", "--data.path", "rows.jsonl", "--env.factory", factory, "--env.max-turns", "3",
+                      "--rollout.num-prompts", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "150",
+                      "--env.max-tokens", "400", "--num-steps", "2", "--eval-every", "0", "--metrics.samples-every",
+                      "1", "--run-dir", "run", *QUIET, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    episodes = [json.loads(line) for step in (0, 1)
+                for line in (tmp_path / "run" / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+    assert len(episodes) == 16 and max(r["num_turns"] for r in episodes) == 2  # the library's max_turns=2
+    for r in episodes:
+        assert [t["role"] for t in r["turns"]] == ["assistant", "user"] * (r["num_turns"] - 1) + ["assistant"]
+        assert [t["trained"] for t in r["turns"]] == [t["role"] == "assistant" for t in r["turns"]]
+    assert all(m["env/errors"] == 0 and m["rollout/env_tokens"] > 0 for m in records(tmp_path / "run"))
