@@ -147,7 +147,7 @@ class Controller:
             sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
             self.eval_leader = RoundLeader(policy=EvalPolicy(len(self.eval_rows), cfg.eval.n), rows=self.eval_rows,
                                            encode=self.encode_prompt, rewards=self.rewards, sampling=sampling,
-                                           episodes=self.episodes)
+                                           episodes=self.episodes, env_tag="eval/")
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or

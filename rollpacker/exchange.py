@@ -248,6 +248,8 @@ class RoundLeader:
     """Offer the memory's responses of each prompt to the engines' drafters (``Request.draft_context``)."""
     episodes: Episodes | None = None
     """Each response an episode with this environment (its workers); None: single-turn responses."""
+    env_tag: str = ""
+    """Prefixes this leader's episodes' names in the workers (the held-out leader's: ``eval/``)."""
     env_rewards: dict[str, float] = field(default_factory=dict)
     """An episode submitted for scoring -> its environment's rewards summed, added to its functions' reward."""
     env_ready: list[tuple[str, float]] = field(default_factory=list)
@@ -345,7 +347,7 @@ class ExchangeRound:
         sink = self.leader.sink
         seen = Seen(now=now, finished=[o for r in reports for o in r.finished],
                     aborted=[o for r in reports for o in r.aborted], sink_ready=sink.ready() if sink else True,
-                    env=self.leader.episodes.poll() if self.leader.episodes else [])
+                    env=self.leader.episodes.poll(self.leader.env_tag) if self.leader.episodes else [])
         if len(self.trace) > 1:  # seconds per engine step, by requests per replica
             (t0, running), (t1, _) = self.trace[-2:]
             seen.running, seen.step_seconds = running / self.round.state.active, (t1 - t0) / self.poll_steps
@@ -368,7 +370,7 @@ class ExchangeRound:
                      for req in leader.requests(self.step, new, self.hooks.priority(new.slot))]
         adds += [(replica, self.add(leader.turn(turn, priority))) for replica, priority, turn in actions.turns]
         if actions.env:
-            leader.episodes.send(actions.env, leader.rows)
+            leader.episodes.send(actions.env, leader.rows, leader.env_tag)
         if actions.feed:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
@@ -416,7 +418,7 @@ class ExchangeRound:
             self.leader.sink.close()
         outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
         if self.round.episodes:  # the environments of the episodes cut at the end are closed
-            self.leader.episodes.send(self.round.episodes.take_calls(), self.leader.rows)
+            self.leader.episodes.send(self.round.episodes.take_calls(), self.leader.rows, self.leader.env_tag)
             self.say_errors(self.round.episodes.stats.causes)
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,

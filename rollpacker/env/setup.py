@@ -8,6 +8,7 @@ the runner's environment calls to the workers (:meth:`Episodes.send`) and their 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -46,19 +47,26 @@ class Episodes:
         return EpisodeRunner(lambda key, row, reset: self.make(key, rows[row], reset), seed=self.seed,
                              on_error=self.cfg.on_error, label=self.pool.spec.name)
 
-    def send(self, calls: list[EnvCall], rows: Sequence[dict]) -> None:
-        """Hand ``calls`` to the workers, in order."""
+    def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
+        """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out
+        rounds' episodes share a step's ids with the training round's, not their names)."""
         for call in calls:
+            key = tag + call.key
             if call.kind == "open":
-                self.pool.open_episode(call.key, rows[call.row], call.seed)
+                self.pool.open_episode(key, rows[call.row], call.seed)
             elif call.kind == "step":
-                self.pool.step_episode(call.key, call.action)
+                self.pool.step_episode(key, call.action)
             else:
-                self.pool.close_episode(call.key)
+                self.pool.close_episode(key)
 
-    def poll(self) -> list[Any]:
-        """The workers' replies ready now."""
-        return self.pool.poll()
+    def poll(self, tag: str = "") -> list[Any]:
+        """The workers' replies ready now for the episodes sent with ``tag`` (named by their keys again);
+        those of the others (a close after the rounds they served) are dropped."""
+        out = []
+        for reply in self.pool.poll():
+            if isinstance(reply.key, str) and reply.key.startswith(tag) and (tag or "/" not in reply.key):
+                out.append(dataclasses.replace(reply, key=reply.key[len(tag):]))
+        return out
 
     def close(self) -> None:
         """Let the closes sent run (a short wait), then stop the workers."""

@@ -129,13 +129,17 @@ def test_the_report_shows_an_episode_turn_by_turn(env_run, tmp_path):
     ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
 ], ids=["sync", "sorted", "stream", "pipe", "one_step_off"])
 def test_episodes_run_under_every_policy(tmp_path, policy):
-    run_dir, log = run_env_job(tmp_path, policy=policy)
-    check_run(run_dir, log)
+    held_out = ("--eval-every", "1", "--data.num-eval-prompts", "4") if policy == ("schedule:sync",) else ()
+    run_dir, log = run_env_job(tmp_path, *held_out, policy=policy)
+    check_run(run_dir, log, held_out=bool(held_out))
+    if held_out:  # held-out episodes too (greedy), each step, on the same workers as training's
+        evals = [r for r in records(run_dir) if "eval/accuracy" in r]  # before each step, and at the end
+        assert len(evals) == len(records(run_dir)) >= 3 and all(0 <= r["eval/reward_mean"] <= 1 for r in evals)
     if "--stream.enabled" in policy:
         assert sum(r["stream/scaled_down"] for r in records(run_dir)) >= 1  # episodes moved at a turn boundary
 
 
-def check_run(run_dir: Path, log: list[dict]) -> None:
+def check_run(run_dir: Path, log: list[dict], held_out: bool = False) -> None:
     """The Bar: every prompt trained once (the ledger too, where the policy keeps one), every turn the
     samples show was stepped, the environment's tokens untrained, every environment closed."""
     trained = samples(run_dir)
@@ -150,13 +154,15 @@ def check_run(run_dir: Path, log: list[dict]) -> None:
         steps_of.setdefault(record["env"], []).append(record)
     for events in steps_of.values():  # every environment made was reset first and closed last (aborted ones too)
         assert events[0]["event"] == "reset" and events[-1]["event"] == "close", events
+    if held_out:  # the held-out episodes' environments (of rows of their own) are not the trained ones'
+        steps_of = {k: v for k, v in steps_of.items() if v[0]["row"].startswith("toy-0-")}
     terminated = [r for r in trained if r["end"] == "terminated"]
     assert len(terminated) >= len(trained) // 2, [r["end"] for r in trained]
     for r in trained:
         check_sample(r, steps_of)
     for r in terminated:
         assert r["num_turns"] == 3 and r["reward"] == float("####" in r["turns"][-1]["text"])
-    metrics = records(run_dir)
+    metrics = [m for m in records(run_dir) if "sched/trained_prompts" in m]  # the training steps (not a final eval)
     assert sum(m["env/turns_mean"] for m in metrics) > len(metrics)
     for m in metrics:
         assert m["env/errors"] == 0 and m["env/turns_mean"] >= 1
