@@ -121,11 +121,12 @@ def test_the_report_shows_an_episode_turn_by_turn(env_run, tmp_path):
     assert "user, 26 tokens, not trained:\n\n```\n\nQ: Step 1 done. Again:\nA:\n```" in shown
 
 
+# sorted and pipe (the round's episode path under another policy, the stream trainer's feeding) in the slow tier
 @pytest.mark.parametrize("policy", [
     ("schedule:sync",),
-    ("schedule:sorted",),
+    pytest.param(("schedule:sorted",), marks=pytest.mark.slow),
     ("schedule:sync", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),
-    ("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"),
+    pytest.param(("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"), marks=pytest.mark.slow),
     ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
 ], ids=["sync", "sorted", "stream", "pipe", "one_step_off"])
 def test_episodes_run_under_every_policy(tmp_path, policy):
