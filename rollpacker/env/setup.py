@@ -45,7 +45,7 @@ class Episodes:
     def runner(self, rows: Sequence[dict]) -> EpisodeRunner:
         """A round's episodes over the data ``rows``."""
         return EpisodeRunner(lambda key, row, reset: self.make(key, rows[row], reset), seed=self.seed,
-                             on_error=self.cfg.on_error, label=self.pool.spec.name)
+                             on_error=self.cfg.on_error)
 
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out

@@ -65,9 +65,8 @@ class EpisodeRunner:
     """The episodes of one round (the module docstring). ``make(key, row, reset)`` builds episode
     ``key`` of dataset row ``row`` from its environment's reset ``(prompt or None, info)``."""
 
-    def __init__(self, make: Callable[[str, int, Any], Episode], *, seed: int, on_error: str = "skip",
-                 label: str = "the environment"):
-        self.make, self.seed, self.on_error, self.label = make, seed, on_error, label
+    def __init__(self, make: Callable[[str, int, Any], Episode], *, seed: int, on_error: str = "skip"):
+        self.make, self.seed, self.on_error = make, seed, on_error
         self.rows: dict[str, int] = {}
         """Episode -> its dataset row, for every episode opened and not yet ended."""
         self.live: dict[str, Episode] = {}
@@ -111,7 +110,7 @@ class EpisodeRunner:
                 done += self._failed(reply.key, reply.error)
             elif reply.kind == "open":
                 episode = self.live[reply.key] = self.make(reply.key, self.rows[reply.key], reply.value)
-                self._turn(reply.key, episode.next_turn())
+                self.turns.append((reply.key, episode.next_turn()))
             else:
                 done += self._next(reply.key, self.live[reply.key].on_step(reply.value))
         return done
@@ -174,13 +173,10 @@ class EpisodeRunner:
             self.calls.append(EnvCall("step", key, action=what.action))
             return []
         if isinstance(what, TurnRequest):
-            self._turn(key, what)
+            self.turns.append((key, what))
             return []
         self.stats.turns.append(self.live[key].num_turns)
         return [self._end(key, what)]
-
-    def _turn(self, key: str, turn: TurnRequest) -> None:
-        self.turns.append((key, turn))
 
     def _failed(self, key: str, error: str) -> list[EpisodeOutput]:
         self.stats.errors += 1
