@@ -54,6 +54,8 @@ class Command:
     """Apply the aborts, report, and leave the round (no more engine steps)."""
     scale_down: bool = False
     """Rollout scales down: the freed replicas apply the aborts (all their requests), report, and leave to train."""
+    end_sessions: list[tuple[int, str]] = field(default_factory=list)
+    """(replica, session) pairs: episodes ended, their resident KV freed (``Engine.end_session``), after the aborts."""
 
 
 logger = logging.getLogger("rollpacker")
@@ -75,6 +77,10 @@ class Report:
     spec: SpecStats = field(default_factory=SpecStats)
     cpu_s: float = 0.0
     """This process's CPU seconds."""
+    reused_prefill: int = 0
+    """Prompt tokens whose KV came from a resident session or a prefix cache, since the round began."""
+    session_evictions: int = 0
+    """Resident sessions evicted for memory since the round began."""
 
 
 @dataclass
@@ -105,6 +111,10 @@ class RoundResult:
     """CPU seconds of the replica leaders' processes over the round, summed (what a loaded machine distorts least)."""
     tail_cpu_s: float = 0.0
     """The same over the tail phase's polls."""
+    reused_prefill: int = 0
+    """Prompt tokens the replicas took from resident sessions or prefix caches instead of computing (episodes)."""
+    session_evictions: int = 0
+    """Resident sessions evicted for memory (their next turn recomputed its conversation)."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -142,6 +152,8 @@ class RoundResult:
             "rollout/tail_seconds": self.tail_s,
             "rollout/cpu_seconds": self.cpu_s,
             "rollout/tail_cpu_seconds": self.tail_cpu_s,
+            "rollout/reused_prefill_tokens": self.reused_prefill,
+            "rollout/session_evictions": self.session_evictions,
             **spec_metrics(self.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
@@ -305,9 +317,15 @@ class RoundLeader:
         return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
 
     def turn(self, turn: TurnRequest, priority: int) -> Request:
-        """The engine request of an episode's turn: seeded by its id, its token budget the episode's."""
+        """The engine request of an episode's turn: seeded by its id, its token budget the episode's, its
+        session the episode (its engine keeps its KV for the next turn: :meth:`session`)."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
-        return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority)
+        return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
+                       session=self.session(turn.id.rpartition("#")[0]))
+
+    def session(self, episode: str) -> str:
+        """The engine session of ``episode`` (tagged like its environment: a held-out round's are apart)."""
+        return self.env_tag + episode
 
 
 class ExchangeRound:
@@ -375,7 +393,8 @@ class ExchangeRound:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
         return Command(add=adds, abort=[(state.replica(self.round.key(rid)), rid) for rid in actions.abort],
-                       final=actions.done, scale_down=actions.scale_down)
+                       final=actions.done, scale_down=actions.scale_down,
+                       end_sessions=[(replica, leader.session(key)) for replica, key in actions.end_sessions])
 
     def add(self, req: Request) -> Request:
         self.requests[req.id] = (req, len(self.trace))
@@ -417,7 +436,8 @@ class ExchangeRound:
         if self.freed_left:  # the freed ranks stop serving
             self.leader.sink.close()
         outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
-        if self.round.episodes:  # the environments of the episodes cut at the end are closed
+        if self.round.episodes:  # the environments of the episodes cut at the end are closed (their turns were
+            # aborted: their engines kept no KV; the final command ended the sessions of those between turns)
             self.leader.episodes.send(self.round.episodes.take_calls(), self.leader.rows, self.leader.env_tag)
             self.say_errors(self.round.episodes.stats.causes)
         counters = self.counters.values()  # the exposed reward time: what finished last
@@ -427,7 +447,9 @@ class ExchangeRound:
                            end=time.time(), num_preemptions=sum(r.num_preemptions for r in counters),
                            hook_metrics=outcome.hook_metrics,
                            spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
-                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s)
+                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
+                           reused_prefill=sum(r.reused_prefill for r in counters),
+                           session_evictions=sum(r.session_evictions for r in counters))
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
@@ -436,13 +458,18 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
         if replica == mine:
             engine.add(req)
     aborted = [engine.abort(rid) for replica, rid in cmd.abort if replica == mine]
+    for replica, session in cmd.end_sessions:
+        if replica == mine:
+            engine.end_session(session)
     finished: list[Output] = []
     if not cmd.final and not (cmd.scale_down and meshes.freed):
         for _ in range(poll_steps):
             if not engine.has_unfinished():
                 break
             finished += engine.step()
-    stats = engine.stats()
+    stats, start = engine.stats(), base[0]
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
-                  stats.num_preemptions - base[0].num_preemptions, stats.spec.since(base[0].spec),
-                  time.process_time() - base[1])
+                  stats.num_preemptions - start.num_preemptions, stats.spec.since(start.spec),
+                  time.process_time() - base[1],
+                  reused_prefill=stats.num_reused_prefill_tokens - start.num_reused_prefill_tokens,
+                  session_evictions=stats.num_session_evictions - start.num_session_evictions)

@@ -15,6 +15,9 @@ episode (one ``on_finished``). Underneath:
   running turn aborted at its engine, or, waiting for its environment, at once; either way its
   environment is closed (``close`` after the calls in flight: a worker runs an episode's calls in order).
 
+Every episode that ends (done, cut, failed) is also listed for :meth:`EpisodeRunner.take_ended`: its
+turns named it as their engine session (``Request.session``), whose resident KV its engine may free now.
+
 An environment that fails (its reply has an error) ends its episode trained on nothing
 (``env.on_error`` skip, counted in ``env/errors``) or stops the run (fail).
 """
@@ -79,6 +82,8 @@ class EpisodeRunner:
         """Environment calls to send (:meth:`take_calls`)."""
         self.turns: list[tuple[str, TurnRequest]] = []
         """(episode, turn) to send to an engine (:meth:`take_turns`)."""
+        self.ended: list[str] = []
+        """Episodes ended (done, cut, failed) since :meth:`take_ended`: their engines' sessions can go."""
         self.stats = EpisodeStats()
         self._last_now: float | None = None
 
@@ -155,6 +160,10 @@ class EpisodeRunner:
         calls, self.calls = self.calls, []
         return calls
 
+    def take_ended(self) -> list[str]:
+        ended, self.ended = self.ended, []
+        return ended
+
     def take_turns(self) -> list[tuple[str, TurnRequest]]:
         """The turns to send now; each is running from here on."""
         turns, self.turns = self.turns, []
@@ -192,6 +201,7 @@ class EpisodeRunner:
         self.rows.pop(key)
         self.waiting.discard(key)
         self.calls.append(EnvCall("close", key))
+        self.ended.append(key)
         return episode.output()
 
     def _wait(self, now: float) -> None:
