@@ -403,7 +403,8 @@ class ExchangeRound:
     def resume(self, out: Output) -> Request:
         """A migrated request, resumed on a kept replica by recomputation."""
         old = self.requests[out.id][0]
-        return self.add(Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out))
+        return self.add(Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out,
+                                session=old.session))
 
     def count(self, reports: list[Report | None]) -> None:
         """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
