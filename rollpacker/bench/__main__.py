@@ -18,6 +18,7 @@ BENCHES = {
     "spec-engine": "rollpacker.bench.spec_engine",
     "spec": "rollpacker.bench.spec",
     "memory": "rollpacker.bench.memory",
+    "sessions": "rollpacker.bench.sessions",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

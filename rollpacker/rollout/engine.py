@@ -32,6 +32,12 @@ calls in the same order; the engine never knows which scheduling policy drives i
   partial response, an earlier epoch's response), each tagged with its source. Engines without a
   drafter ignore it. Speculation never changes a token (``docs/speculative.md``); its counters are
   ``EngineStats.spec`` (:class:`SpecStats`), turned into metrics by :func:`spec_metrics`.
+- ``Request.session`` names an episode whose next turn extends this request's prompt and tokens: the
+  engine may keep the request's KV once it finishes, and a later request of the same session whose
+  prompt starts with them prefills only what is new. TorchEngine keeps it resident until
+  ``end_session(session)`` or until memory runs short (evicted: the next turn recomputes it); vLLM
+  and SGLang reuse it through their prefix caches (``end_session`` has nothing to free there). The
+  tokens and log-probs are those of a request prefilled from scratch.
 
 Log-probs are those of the sampled token under ``softmax(logits / temperature)`` (temperature 1
 for greedy), before top-k/top-p truncation: the policy's own probability, what the trainer's
@@ -121,6 +127,9 @@ class Request:
     request's slot, so the groups the trainer needs next run first)."""
     draft_context: tuple[DraftContext, ...] = ()
     """More text of this prompt for the drafter (engines that speculate; others ignore it)."""
+    session: str | None = None
+    """Keep the KV of this request once it finishes (stop or length) for the next request of this session,
+    whose prompt extends this prompt and response (an episode's next turn); see the module docstring."""
 
 
 @dataclass(kw_only=True)
@@ -178,6 +187,10 @@ class EngineStats:
     num_prefill_tokens: int
     spec: SpecStats = field(default_factory=SpecStats)
     """Speculation counters (all zero when the engine does not speculate)."""
+    num_reused_prefill_tokens: int = 0
+    """Cumulative prompt tokens whose KV a prefill took from a resident session instead of computing it."""
+    num_session_evictions: int = 0
+    """Cumulative resident sessions freed for memory (their next turn recomputes its prefix)."""
 
 
 class Engine(Protocol):
@@ -201,6 +214,8 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def end_session(self, session: str) -> None: ...
 
     def release_memory(self) -> None: ...
 

@@ -17,7 +17,7 @@ def peak_flops(size: int, reps: int, device: str = "cpu") -> float:
     a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
     c = torch.empty(size, size, device=device)
     torch.mm(a, b, out=c)  # warm-up
-    clock, best = time.perf_counter if device == "cpu" else _step_clock(device), float("inf")
+    clock, best = time.perf_counter if device == "cpu" else step_clock(device), float("inf")
     for _ in range(reps):
         t = clock()
         torch.mm(a, b, out=c)
@@ -79,7 +79,7 @@ def decode_step_ms(engine, num_running: int, prompt_len: int, vocab_size: int, a
     return [1e3 * t for t in times]
 
 
-def _step_clock(device):
+def step_clock(device):
     """The clock that times an engine step: on CPU this process's CPU time (the engine's own work,
     whatever else runs on a shared machine), on a GPU the wall time after synchronizing."""
     import torch
@@ -97,7 +97,7 @@ def _step_clock(device):
 def verify_step_ms(engine, num_running: int, draft_lens: list[int], prompt_len: int, vocab_size: int,
                    avoid: set[int], steps: int, seed: int) -> list[float]:
     """Per draft length in ``draft_lens``: the fastest of ``steps`` TorchEngine verify steps, in ms
-    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`; see :func:`_step_clock`) of ``num_running``
+    (:meth:`~rollpacker.rollout.torch_engine.TorchEngine.verify_step`; see :func:`step_clock`) of ``num_running``
     greedy
     requests of ``prompt_len`` prompt tokens, each verifying that many draft tokens (after one
     untimed step). The requests carry a seed, so the engine's own seed generator is left alone."""
@@ -113,7 +113,7 @@ def verify_step_ms(engine, num_running: int, draft_lens: list[int], prompt_len: 
     engine.step()  # their first decode step
     if engine.stats().num_running != num_running:
         raise RuntimeError(f"probe: {engine.stats().num_running} running, expected {num_running}")
-    clock = _step_clock(engine.device)
+    clock = step_clock(engine.device)
     times: dict[int, list[float]] = {k: [] for k in draft_lens}
     for _ in range(steps + 1):  # the draft lengths interleaved: a shared machine's load hits them alike
         for k in draft_lens:
@@ -140,7 +140,7 @@ def measure_spec_cost(engine, max_rows: int, max_draft: int, prompt_len: int, st
     args = engine.model.args
     ms = [verify_step_ms(engine, n, lens, prompt_len, args.vocab_size, set(args.eos_token_ids), steps, seed=n)
           for n in rows]
-    return SpecCost.smoothed(tuple(rows), tuple(lens), ms, draft_ms(max_draft, _step_clock("cpu")))
+    return SpecCost.smoothed(tuple(rows), tuple(lens), ms, draft_ms(max_draft, step_clock("cpu")))
 
 
 def draft_ms(k: int, clock, num_siblings: int = 4, length: int = 256) -> float:

@@ -50,6 +50,13 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 
   Stop strings need a tokenizer, which SGLang runs without: the adapter matches them on the streamed
   tokens (:func:`~rollpacker.rollout.engine.stop_string_hit`, as TorchEngine and vLLM) and aborts.
 - **Preemptions** are SGLang's retractions (``meta_info["num_retractions"]``, cumulative per request).
+- **Prefix cache**: an episode's next turn (``Request.session``) reuses the turn before's KV through
+  SGLang's radix cache; ``end_session`` has nothing to free. SGLang keeps the radix cache on under
+  ``enable_deterministic_inference`` only with the ``fa3`` or ``triton`` attention backends (its
+  ``RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND``); with others (``torch_native`` on CPU,
+  ``flashinfer``) it turns the cache off and every turn recomputes its prefix: pass
+  ``attention_backend="triton"`` to keep it. Which backend SGLang picks by default on a given GPU is
+  not checked here (no GPU).
 
 ``kv_capacity_tokens`` is SGLang's token capacity (``engine.kv_memory_mb`` per rank, as the other
 engines). ``num_running``/``num_waiting`` count requests with and without a first token, a guess:
@@ -565,6 +572,9 @@ class SGLangEngine:
             self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
             if not self.released:  # released: the KV comes back empty
                 self._flush("the weight update")
+
+    def end_session(self, session: str) -> None:
+        """Nothing to free: an episode's turns share KV through SGLang's radix cache, which evicts by itself."""
 
     def release_memory(self) -> None:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput

@@ -9,6 +9,12 @@ requests, ``0`` included. Drafting has its own measured cost per request (``draf
 asks the drafter only when full-length drafts at the requests' acceptance would pay it too, and
 never above ``max_rows`` running requests (where not even sure drafts would).
 
+The table is measured once, on an idle engine; what a step costs in the run (other processes, a
+loaded machine, the Python around the forward) is not what it said. So ``auto`` also measures what
+it realizes (:class:`Realized`): each decode step's tokens and time, with drafts and without. Where
+its drafted steps emit fewer tokens per second than its plain ones, it drafts
+nothing for a while (a back-off that doubles each time drafting fails again), then tries again.
+
 The acceptance rate of a request is its own, measured: hits over trials of its recent verify steps
 (a trial is a draft token verified up to and including the first rejected one), with a prior of
 one hit in two trials and old steps decayed (also while it is not verified, so that a request
@@ -18,6 +24,7 @@ whose drafts failed early gets drafts again later).
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DECAY = 0.8
@@ -56,6 +63,10 @@ class SpecCost:
     def step_ms(self, n: int, k: int) -> float:
         """Interpolated time of a step of ``n`` requests with ``k`` draft tokens each."""
         return _interpolate(self.rows, n, [_interpolate(self.draft_lens, k, r) for r in self.ms])
+
+    def plain_ms(self, n: int) -> float:
+        """The time of a plain step of ``n`` requests, in proportion to ``n`` beyond the largest measured."""
+        return self.step_ms(n, 0) * max(1.0, n / self.rows[-1])
 
     @property
     def max_rows(self) -> int:
@@ -121,3 +132,71 @@ class Acceptance:
         """After a step that verified no draft for this request."""
         self.hits *= FADE
         self.trials *= FADE
+
+
+WINDOW = 8
+"""Drafted decode steps ``auto`` times together before it compares them with its plain steps."""
+BACKOFF = 32
+"""Decode steps ``auto`` drafts nothing after drafting did not pay; doubled each time it fails again, up to 32x."""
+PROBE = WINDOW
+"""While drafting pays, one plain step before every this many drafted steps keeps the plain rate that of the batch
+sizes and machine load of now."""
+RATE_DECAY = 0.7
+"""Weight of earlier plain steps in ``auto``'s plain rate, per plain step (the machine's load moves)."""
+
+
+class Realized:
+    """``auto``'s measured payoff: whether the next decode step may draft, from the tokens per second
+    its drafted and plain decode steps realized.
+
+    A step's tokens are normalized by the cost table's plain step at its batch size (``tokens *
+    plain_ms(n) / n``: a plain step counts its table time), so steps of different batch sizes
+    compare by how much faster or slower than the table's plain steps they ran. Drafting starts once
+    a plain step was timed; after ``WINDOW`` drafted steps it compares their rate with the plain
+    steps' (decayed) rate and, if lower, drafts nothing for ``BACKOFF * 2^failures`` steps. While
+    drafting pays, one plain step before every ``PROBE`` drafted ones keeps the plain rate current.
+    Every rank of a TP group measures its own steps; the comparison's outcome is TP rank 0's (``agree``),
+    so the ranks draft at the same steps."""
+
+    def __init__(self, agree: Callable[[bool], bool] | None = None) -> None:
+        """``agree``: the decision every rank of a TP group takes (TP rank 0's), given this rank's."""
+        self.agree = agree
+        self.plain = [0.0, 0.0]
+        """[normalized tokens, seconds] of plain steps, decayed by RATE_DECAY per plain step."""
+        self.window = [0.0, 0.0]
+        """[normalized tokens, seconds] of the drafted steps since the last comparison."""
+        self.window_steps = self.drafted_since_plain = self.failures = 0
+        self.num_steps = 0
+        self.hold_until = 0
+        """The decode step before which nothing is drafted."""
+        self.num_backoffs = 0
+        """Times drafting was found not to pay (each starts a back-off)."""
+
+    def allows(self) -> bool:
+        """Whether the next decode step may draft."""
+        return self.plain[1] > 0 and self.num_steps >= self.hold_until and self.drafted_since_plain < PROBE
+
+    def record(self, n: int, drafted: bool, tokens: int, seconds: float, plain_ms: float) -> None:
+        """After a decode step of ``n`` running requests that emitted ``tokens`` in ``seconds`` (``drafted``:
+        it verified drafts); ``plain_ms``: the cost table's plain step at ``n`` (:meth:`SpecCost.plain_ms`)."""
+        self.num_steps += 1
+        work = tokens * plain_ms / n
+        if not drafted:
+            self.plain = [RATE_DECAY * self.plain[0] + work, RATE_DECAY * self.plain[1] + seconds]
+            self.drafted_since_plain = 0
+            return
+        self.drafted_since_plain += 1
+        self.window = [self.window[0] + work, self.window[1] + seconds]
+        self.window_steps += 1
+        if self.window_steps < WINDOW:
+            return
+        paid = self.window[0] * self.plain[1] > self.plain[0] * self.window[1]  # drafted rate > plain rate
+        if self.agree is not None:
+            paid = self.agree(paid)
+        self.window, self.window_steps = [0.0, 0.0], 0
+        if paid:
+            self.failures = 0
+            return
+        self.hold_until = self.num_steps + BACKOFF * 2 ** min(self.failures, 5)
+        self.failures += 1
+        self.num_backoffs += 1

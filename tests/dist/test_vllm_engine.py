@@ -118,6 +118,24 @@ def test_bad_requests_raise(engine):
     assert not engine.has_unfinished()
 
 
+def test_an_episodes_next_turn_hits_the_prefix_cache(pair, engine):
+    """Prefix caching is on: an episode's next turn (its prompt: the turn's prompt, response and an
+    observation) reuses at least one full 128-token block of the turn before, with TorchEngine's
+    resident session's tokens."""
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    torch_engine = build_engine(EngineConfig(), pair[0], "cpu", torch.float32)
+    first = [Request(id="turn0", prompt_ids=prompts(1, 140, seed=5)[0], params=params, session="e")]
+    done = generate(engine, first)["turn0"]
+    assert generate(torch_engine, first)["turn0"].token_ids == done.token_ids
+    after = [Request(id="turn1", prompt_ids=done.prompt_ids + done.token_ids + [3, 4, 5], params=params, session="e")]
+    hits = engine.stats().num_reused_prefill_tokens
+    got = generate(engine, after)["turn1"]
+    assert engine.stats().num_reused_prefill_tokens - hits >= 128
+    assert got.token_ids == generate(torch_engine, after)["turn1"].token_ids
+    assert torch_engine.stats().num_reused_prefill_tokens == 147
+    engine.end_session("e")
+
+
 def test_preemptions_counted_with_tiny_kv(engine):
     """12 requests of 2 blocks each on 8 blocks: vLLM preempts and recomputes; all finish."""
     before = engine.stats().num_preemptions

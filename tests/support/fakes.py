@@ -1,5 +1,6 @@
 """The edge of a real controller round without a model or ranks (:func:`rollpacker.exchange.run_round`):
-a one-rank world, an engine that adds a token per step, rewards scored at once."""
+a one-rank world, an engine that adds a token per step, rewards scored at once; and a clock that
+times TorchEngine's decode steps by what they did (``engine.speculative auto``'s realized payoff)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,19 @@ class LengthTableEngine:
     def stats(self):
         return EngineStats(num_running=len(self.running), num_waiting=0, num_preemptions=0, num_generated_tokens=0,
                            num_prefill_tokens=0)
+
+
+class StepClock:
+    """A clock for TorchEngine's ``auto`` payoff (read before and after each decode step): a plain step
+    takes 1 s, a verify step ``verify_s``. Set ``engine`` once the engine is built."""
+
+    def __init__(self, verify_s: float):
+        self.verify_s, self.now, self.reads, self.verified, self.engine = verify_s, 0.0, 0, 0, None
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:  # the end of a step
+            verified = self.engine.spec.num_verify_steps
+            self.now += self.verify_s if verified > self.verified else 1.0
+            self.verified = verified
+        return self.now

@@ -46,3 +46,13 @@ def test_algorithms_bench_flags_parse_and_its_summary_is_what_it_says():
     assert summarize(rows, 12.0) == pytest.approx({
         "eval_before": 0.25, "eval_after": 0.5, "eval_gain": 0.25, "reward_gain": 0.6, "entropy_first": 0.95,
         "entropy": 0.35, "wall_s": 12.0})
+
+
+def test_sessions_bench_smoke(capsys):
+    """``bench sessions`` at tiny sizes: resident turns give the scratch turns' tokens, prefilling fewer,
+    and evict sessions under a KV budget that cannot hold them all (4 blocks of 16 tokens)."""
+    main(["sessions", "--episodes", "3", "--turns", "3", "--prompt-tokens", "8", "--new-tokens", "4",
+          "--obs-tokens", "4", "--repeats", "1", "--kv-memory-mb", "0.125"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["tokens_changed"] == 0 and summary["logprob_max_diff"] < 1e-5
+    assert 0 < summary["prefill_tokens_ratio"] < 1 and summary["session_evictions"] > 0, summary

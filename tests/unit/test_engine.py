@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from support.fakes import StepClock
 
 from rollpacker.model import CausalAttention, load_model
 from rollpacker.rollout.config import EngineConfig
@@ -240,6 +243,33 @@ def test_auto_speculates_where_the_measured_cost_says_it_pays(qwen2_dir):
     assert (measured.spec_cost.rows, measured.spec_cost.draft_lens) == ((1, 2), (0, 1, 2))
     assert measured.stats().num_generated_tokens == sum(len(o.token_ids) for o in plain.values())
     assert "forced" not in measured.stats().spec.num_drafts  # the calibration's own drafts
+
+
+@pytest.mark.parametrize("verify_s", [1.0, 20.0])
+def test_auto_backs_off_where_drafting_does_not_pay(qwen2_dir, verify_s):
+    """The cost table says drafts pay (cheap verify steps up to 4 running) and every request is offered
+    its own response as an earlier epoch's. When a verify step takes 20x a plain step (at most 5 tokens
+    per row for 20x the time), ``auto`` measures that, backs off and, four batches on, drafts nothing;
+    when it takes as long as a plain step, it drafts to the end. Tokens unchanged either way."""
+    reqs = lambda b: [Request(id=f"b{b}-{i}", prompt_ids=p, params=SamplingParams(  # noqa: E731
+        max_new_tokens=150, temperature=0, ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])]
+    plain = generate(engine(qwen2_dir), reqs(0))
+    context = [(DraftContext(source="epoch", token_ids=tuple(plain[f"b0-{i}"].token_ids)),) for i in range(3)]
+    cheap_up_to_4 = SpecCost((1, 4, 8), (0, 1, 2, 4), ((1, 1.1, 1.2, 1.4), (1.2, 1.3, 1.4, 1.6), (2, 5, 8, 14)))
+    clock = StepClock(verify_s)
+    eng = TorchEngine(load_model(qwen2_dir), EngineConfig(block_size=4, speculative="auto", spec_max_tokens=4),
+                      spec_cost=cheap_up_to_4, clock=clock)
+    clock.engine = eng
+    verify_steps = []
+    for b in range(4):
+        before = eng.stats().spec.num_verify_steps
+        out = generate(eng, [dataclasses.replace(r, draft_context=c) for r, c in zip(reqs(b), context)])
+        assert {k[3:]: o.token_ids for k, o in out.items()} == {k[3:]: o.token_ids for k, o in plain.items()}
+        verify_steps.append(eng.stats().spec.num_verify_steps - before)
+    if verify_s > 1:
+        assert verify_steps[0] > 0 and verify_steps[-1] == 0 and eng.realized.num_backoffs >= 2, verify_steps
+    else:
+        assert all(verify_steps) and eng.realized.num_backoffs == 0, verify_steps
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(qwen2_dir):

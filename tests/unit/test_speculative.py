@@ -8,7 +8,7 @@ import pytest
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.drafter import Drafter
 from rollpacker.rollout.engine import DraftContext, SpecStats, spec_metrics
-from rollpacker.rollout.spec_cost import Acceptance, SpecCost, expected_tokens
+from rollpacker.rollout.spec_cost import BACKOFF, PROBE, WINDOW, Acceptance, Realized, SpecCost, expected_tokens
 
 
 def test_drafts_from_the_prompt():
@@ -104,6 +104,43 @@ def test_cost_table_interpolates_and_says_when_drafts_pay():
     assert slow_drafter.max_rows == 0 and not c.worth_drafting(16, [0.05] * 16, 8)
     smoothed = SpecCost.smoothed((1, 2), (0, 1), [[2.0, 1.5], [1.0, 3.0]])
     assert smoothed.ms == ((2.0, 2.0), (1.0, 3.0))
+
+
+def test_realized_payoff_backs_off_where_drafting_does_not_pay():
+    """``auto``'s realized payoff: it drafts once it timed a plain step; a window of drafted steps
+    slower than the plain ones holds drafting off for BACKOFF steps, doubled at the next failure; a
+    paying window keeps it on, with a plain probe every PROBE drafted steps; tokens are normalized
+    by the table's plain step at each batch size."""
+    table = SpecCost((1, 4), (0, 1), ((1.0, 2.0), (2.0, 3.0)))
+    assert (table.plain_ms(2), table.plain_ms(4), table.plain_ms(8)) == (4 / 3, 2.0, 4.0)  # in proportion beyond
+    r = Realized()
+    assert not r.allows()  # no plain rate yet
+    r.record(4, False, 4, 1.0, plain_ms=10.0)  # 4 tokens in 1 s at n=4: as fast as the table says
+    assert r.allows()
+    for _ in range(WINDOW):  # 8 tokens in 3 s: slower than plain
+        r.record(4, True, 8, 3.0, plain_ms=10.0)
+    assert r.num_backoffs == 1
+    for _ in range(BACKOFF):  # the steps it drafts nothing
+        assert not r.allows()
+        r.record(4, False, 4, 1.0, plain_ms=10.0)
+    assert r.allows()
+    for _ in range(WINDOW):
+        r.record(4, True, 8, 3.0, plain_ms=10.0)
+    for _ in range(2 * BACKOFF):
+        assert not r.allows()
+        r.record(4, False, 4, 1.0, plain_ms=10.0)
+    assert r.allows() and r.num_backoffs == 2
+    # at n=2 the table's plain step is cheaper (7.5 ms): 2 tokens in 0.75 s is plain speed, 3 tokens in 1 s pays
+    for _ in range(PROBE - 1):
+        r.record(2, True, 3, 1.0, plain_ms=7.5)
+        assert r.allows()
+    r.record(2, True, 3, 1.0, plain_ms=7.5)
+    assert not r.allows() and r.num_backoffs == 2 and r.failures == 0  # a plain probe is due, not a back-off
+    r.record(2, False, 2, 0.75, plain_ms=7.5)
+    assert r.allows()
+    for _ in range(WINDOW):  # at n=2, 2.5 tokens in 1 s is slower than plain (2 in 0.75 s) although more tokens
+        r.record(2, True, 2.5, 1.0, plain_ms=7.5)
+    assert not r.allows() and r.num_backoffs == 3
 
 
 def test_acceptance_counts_trials_up_to_the_first_rejection():

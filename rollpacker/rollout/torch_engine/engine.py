@@ -9,6 +9,9 @@
   recently admitted request of the worst priority is evicted: its blocks are freed, its tokens
   kept, and it is re-prefilled later, ahead of its equals. Each eviction is counted (the
   parallelism planner's signal).
+- **Resident sessions.** A finished request with ``Request.session`` keeps its KV blocks for its
+  episode's next turn, which prefills only its new tokens (:mod:`.resident`); sessions are evicted,
+  least recently kept first, before any running request is preempted.
 - **Tensor parallelism** over a TP sub-mesh: every rank of the group runs the same schedule on its
   slice of heads.
 
@@ -23,9 +26,10 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rollpacker.model.attention import length_buckets
@@ -45,9 +49,10 @@ from rollpacker.rollout.engine import (
     start_output,
     stop_string_hit,
 )
-from rollpacker.rollout.spec_cost import SpecCost
-from rollpacker.rollout.torch_engine.kv import DecodeBatch, PrefillAttention, pool_slots
+from rollpacker.rollout.spec_cost import Realized, SpecCost
+from rollpacker.rollout.torch_engine.kv import DecodeBatch, PrefillAttention, Prefixed, pool_slots, write_back
 from rollpacker.rollout.torch_engine.layout import Decoder, local
+from rollpacker.rollout.torch_engine.resident import Sessions
 from rollpacker.rollout.torch_engine.sampling import Sampling, sample_tokens
 from rollpacker.rollout.torch_engine.seq import Seq
 from rollpacker.rollout.torch_engine.verify import Speculation
@@ -59,9 +64,12 @@ class TorchEngine(Speculation):
     logprobs_truncated = False
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tp_mesh: DeviceMesh | None = None,
-                 spec_cost: SpecCost | None = None, decode: Callable[[list[int]], str] | None = None):
+                 spec_cost: SpecCost | None = None, decode: Callable[[list[int]], str] | None = None,
+                 clock: Callable[[], float] | None = None):
         """``spec_cost``: the verify-step cost ``engine.speculative=auto`` decides by; None measures it
-        at the first step that finds the engine idle (see :meth:`calibrate`). ``decode``: for stop strings."""
+        at the first step that finds the engine idle (see :meth:`calibrate`). ``decode``: for stop strings.
+        ``clock``: times decode steps for ``auto``'s realized payoff (:class:`Realized`); None: CPU time
+        on CPU, synchronized wall time on a GPU (:func:`~rollpacker.rollout.probe.step_clock`)."""
         self.config = config = config or EngineConfig()
         self.decode = decode
         self.model = model.eval().requires_grad_(False)
@@ -101,10 +109,19 @@ class TorchEngine(Speculation):
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        self.sessions = Sessions(config.block_size)
+        self.num_reused_prefill_tokens = 0
+        self.num_session_evictions = 0
         self.drafter = Drafter() if config.speculative != "off" else None
         self.spec = SpecStats()
         self.spec_cost = spec_cost
         self.calibrating = False
+        self.realized = Realized(agree=self._tp_rank0 if self.tp_group is not None else None)
+        if clock is None:
+            from rollpacker.rollout.probe import step_clock
+
+            clock = step_clock(self.device)
+        self.clock = clock
 
     # ---- the contract -------------------------------------------------------------------
 
@@ -140,6 +157,8 @@ class TorchEngine(Speculation):
             num_preemptions=self.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
+            num_reused_prefill_tokens=self.num_reused_prefill_tokens,
+            num_session_evictions=self.num_session_evictions,
             spec=self.spec.plus(SpecStats()),  # a copy
         )
 
@@ -153,7 +172,7 @@ class TorchEngine(Speculation):
         if admitted:
             return self._prefill(admitted)
         if self.running:
-            return self._decode()
+            return self._timed_decode() if self.config.speculative == "auto" else self._decode()
         return []
 
     @torch.no_grad()
@@ -176,6 +195,11 @@ class TorchEngine(Speculation):
                 param.to_local().copy_(local.to_local())
             else:
                 param.copy_(tensor)
+        self.free_blocks.extend(self.sessions.clear())  # their K/V are the old weights'
+
+    def end_session(self, session: str) -> None:
+        """Free ``session``'s resident KV, if it is still resident."""
+        self.free_blocks.extend(self.sessions.drop(session))
 
     def release_memory(self) -> None:
         if self.has_unfinished():
@@ -183,6 +207,7 @@ class TorchEngine(Speculation):
                 f"release_memory with {len(self.running)} running and {len(self.waiting)} waiting "
                 "requests: finish or abort them first"
             )
+        self.free_blocks.extend(self.sessions.clear())
         self.cache = self.batch = None
 
     def resume_memory(self) -> None:
@@ -249,31 +274,68 @@ class TorchEngine(Speculation):
         return -(-num_tokens // self.config.block_size)
 
     def _admit(self) -> list[Seq]:
-        """Move waiting requests into the running set while rows, blocks and the prefill budget allow."""
+        """Move waiting requests into the running set while rows, blocks and the prefill budget allow
+        (evicting resident sessions for blocks); a request of a resident session takes its blocks over."""
         admitted: list[Seq] = []
         budget = self.config.max_prefill_tokens
         # Keep one free block per running request so the next decode step rarely preempts.
         reserve = len(self.running)
+        queued = self._queued_sessions()
         while self.waiting and self.free_rows:
             seq = self.waiting[0]
-            n = len(seq.tokens)
-            need = self._blocks_for(n)
-            if admitted and n > budget or need + reserve > len(self.free_blocks):
+            n, session = len(seq.tokens), seq.req.session
+            cached, held = self.sessions.match(session, seq.tokens)
+            # while requests run, a queued turn's session is not evicted for another: blocks come back
+            spare = queued if self.running or admitted else {session}
+            if admitted and n - cached > budget or not self._make_room(self._blocks_for(n) - held + reserve, spare):
                 break
             self.waiting.popleft()
-            seq.blocks = [self.free_blocks.pop() for _ in range(need)]
-            seq.row = self.free_rows.pop()
+            seq.blocks, freed = self.sessions.take(session, cached)
+            self.free_blocks.extend(freed)
+            seq.blocks += [self.free_blocks.pop() for _ in range(self._blocks_for(n) - len(seq.blocks))]
+            seq.cached, seq.row = cached, self.free_rows.pop()
             admitted.append(seq)
-            budget -= n
+            budget -= n - cached
             reserve += 1
         self.running.extend(admitted)
         return admitted
 
-    def _leave(self, seq: Seq) -> None:
-        """``seq`` leaves the engine for good (finished or aborted)."""
+    def _queued_sessions(self) -> set[str]:
+        """The sessions of the waiting requests (whose resident KV is about to be reused)."""
+        return {s.req.session for s in self.waiting if s.req.session is not None} if len(self.sessions) else set()
+
+    def _make_room(self, num_blocks: int, spare: Container[str] = ()) -> bool:
+        """Evict resident sessions not in ``spare``, least recently kept first, until ``num_blocks``
+        blocks are free; whether they are."""
+        while len(self.free_blocks) < num_blocks:
+            freed = self.sessions.evict(spare)
+            if freed is None:
+                return False
+            self.free_blocks.extend(freed)
+            self.num_session_evictions += 1
+        return True
+
+    def _leave(self, seq: Seq, finished: bool = False) -> None:
+        """``seq`` leaves the engine for good (finished or aborted); a finished request of a session
+        leaves its KV resident."""
+        if finished and seq.req.session is not None:
+            self._keep_resident(seq)
         self._free(seq)
         if self.drafter is not None:
             self.drafter.remove(seq.req.id)
+
+    def _keep_resident(self, seq: Seq) -> None:
+        """Keep a finished request's KV for its session: blocks for all its tokens but the last (a verify
+        step's last tokens are not charged yet: charged now, or nothing is kept if no block is left),
+        the decoded K/V written back to them."""
+        keep = self._blocks_for(len(seq.tokens) - 1)
+        while len(seq.blocks) < keep:
+            if not self._make_room(1):
+                return
+            seq.blocks.append(self.free_blocks.pop())
+        write_back(seq, self.cache, self.config.block_size)
+        self.free_blocks.extend(self.sessions.keep(seq.req.session, seq.tokens[:-1], seq.blocks[:keep]))
+        seq.blocks = seq.blocks[keep:]
 
     def _free(self, seq: Seq) -> None:
         if seq.group is not None:
@@ -301,23 +363,41 @@ class TorchEngine(Speculation):
     # ---- forward passes ---------------------------------------------------------------------
 
     def _prefill(self, seqs: list[Seq]) -> list[Output]:
-        lengths = [len(s.tokens) for s in seqs]
+        """One forward over the admitted requests' tokens past their reused prefix (all, mostly)."""
+        new = [len(s.tokens) - s.cached for s in seqs]
         starts = [0]
-        for n in lengths[:-1]:
+        for n in new[:-1]:
             starts.append(starts[-1] + n)
-        width = max(lengths)
-        slots = pool_slots(seqs, torch.arange(width).expand(len(seqs), width), self.config.block_size)
-        valid = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        tokens = torch.tensor([t for s in seqs for t in s.tokens])
+        positions = torch.cat([torch.arange(s.cached, len(s.tokens)) for s in seqs])
+        tokens = torch.tensor([t for s in seqs for t in s.tokens[s.cached:]])
         dev = self.device
-        attn = PrefillAttention(self.cache, slots[valid].to(dev), length_buckets(lengths, starts, dev))
-        hidden = self.decoder(tokens.to(dev), positions.to(dev), attn)
-        last = torch.tensor([s + n - 1 for s, n in zip(starts, lengths)], device=dev)
+        hidden = self.decoder(tokens.to(dev), positions.to(dev), self._prefill_attention(seqs, new, starts))
+        last = torch.tensor([s + n - 1 for s, n in zip(starts, new)], device=dev)
         self.num_prefill_tokens += len(tokens)
+        self.num_reused_prefill_tokens += sum(s.cached for s in seqs)
+        for seq in seqs:
+            seq.prefilled, seq.cached = len(seq.tokens), 0
         logits = self.model.logits(hidden[last])
         tokens, logprobs = self._sample(seqs, logits, Sampling.of(seqs, self.model.args.vocab_size, dev))
         return self._append(seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
+
+    def _prefill_attention(self, seqs: list[Seq], new: list[int], starts: list[int]) -> PrefillAttention:
+        """The prefill's attention: the new tokens' pool slots; requests without a reused prefix
+        attend within their new tokens (length buckets), the others over their context in the pool."""
+        dev, bs, width = self.device, self.config.block_size, max(new)
+        last = torch.tensor([len(s.tokens) - 1 for s in seqs])[:, None]
+        offsets = torch.arange(width)[None, :]
+        slots = pool_slots(seqs, torch.minimum(torch.tensor([s.cached for s in seqs])[:, None] + offsets, last), bs)
+        fresh = [i for i, s in enumerate(seqs) if not s.cached]
+        buckets = length_buckets([new[i] for i in fresh], [starts[i] for i in fresh], dev) if fresh else []
+        prefixed = []
+        for s, n, start in zip(seqs, new, starts):
+            if s.cached:
+                context = torch.arange(len(s.tokens))
+                mask = context[None, :] <= torch.arange(s.cached, len(s.tokens))[:, None]
+                prefixed.append(Prefixed(start, start + n, pool_slots([s], context[None], bs)[0].to(dev), mask.to(dev)))
+        valid = offsets < torch.tensor(new)[:, None]
+        return PrefillAttention(self.cache, slots[valid].to(dev), buckets, prefixed)
 
     def _decode(self, drafts: dict[str, list[int]] | None = None) -> list[Output]:
         """One decode step of every running request, verifying drafts where speculation pays (or
@@ -327,7 +407,7 @@ class TorchEngine(Speculation):
         bs = self.config.block_size
         for seq in [s for s in self.running if len(s.tokens) > len(s.blocks) * bs]:
             while seq.row >= 0 and len(seq.tokens) > len(seq.blocks) * bs:  # unless evicted by this loop
-                if self.free_blocks:
+                if self.free_blocks or self._make_room(1, self._queued_sessions()) or self._make_room(1):
                     seq.blocks.append(self.free_blocks.pop())
                 else:
                     self._preempt(max(reversed(self.running), key=lambda s: s.req.priority))
@@ -342,6 +422,23 @@ class TorchEngine(Speculation):
         tokens, logprobs = self._sample(batch.seqs, logits, batch.sampling)
         batch.advance(tokens)
         return self._append(batch.seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
+
+    def _timed_decode(self) -> list[Output]:
+        """A decode step whose tokens and time ``auto``'s realized payoff records (once there is a cost table)."""
+        if self.spec_cost is None:
+            return self._decode()
+        n, verified, generated = len(self.running), self.spec.num_verify_steps, self.num_generated_tokens
+        start = self.clock()
+        done = self._decode()
+        self.realized.record(n, self.spec.num_verify_steps > verified, self.num_generated_tokens - generated,
+                             self.clock() - start, self.spec_cost.plain_ms(n))
+        return done
+
+    def _tp_rank0(self, value: bool) -> bool:
+        """TP rank 0's ``value``, on every rank of the TP group (``auto``'s decisions must line up)."""
+        box = torch.tensor([int(value)], device=self.device)
+        dist.broadcast(box, group=self.tp_group, group_src=0)
+        return bool(box.item())
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor, sampling: Sampling,
                 offsets: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,5 +466,5 @@ class TorchEngine(Speculation):
                     break
         for seq in done:
             self.running.remove(seq)
-            self._leave(seq)
+            self._leave(seq, finished=True)
         return [seq.out for seq in done]

@@ -5,28 +5,68 @@
 - Decode steps read and append K/V in a per-row contiguous workspace (:class:`DecodeBatch`),
   grouped by power-of-two context length, so one long request does not pad the short ones.
 - Decoded K/V live in the workspace only: a request that leaves the running set frees its blocks
-  (a preempted one is recomputed), so nothing reads them back from the pool.
+  (a preempted one is recomputed), so nothing reads them back from the pool; except a finished
+  request of a session (:mod:`.resident`), whose decoded K/V are written back (:func:`write_back`)
+  for its next turn's prefill to attend over (:class:`PrefillAttention`'s ``prefixed``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from rollpacker.model.attention import Bucket, causal_packed_attention
 from rollpacker.rollout.torch_engine.sampling import Sampling
 from rollpacker.rollout.torch_engine.seq import Seq
 
 
-class PrefillAttention:
-    """Prefill backend: writes the new K/V into the paged pool, then each request attends
-    causally over its own (all new) tokens."""
+@dataclass
+class Prefixed:
+    """A prefill request whose first tokens' K/V are already in the pool (a resident session's)."""
 
-    def __init__(self, cache: torch.Tensor, slots: torch.Tensor, buckets: list[Bucket]):
-        self.cache, self.slots, self.buckets = cache, slots, buckets
+    start: int
+    stop: int
+    """Its new tokens' range in the prefill's flat tokens."""
+    slots: torch.Tensor
+    """Pool slots of its whole context [context]."""
+    mask: torch.Tensor
+    """Which context tokens each new token attends to [new, context] (causal)."""
+
+
+class PrefillAttention:
+    """Prefill backend: writes the new K/V into the paged pool, then each request attends causally
+    over its own tokens: all new (``buckets``), or, for a request continuing a resident session
+    (``prefixed``), its whole context read back from the pool."""
+
+    def __init__(self, cache: torch.Tensor, slots: torch.Tensor, buckets: list[Bucket],
+                 prefixed: list[Prefixed] = ()):
+        self.cache, self.slots, self.buckets, self.prefixed = cache, slots, buckets, prefixed
 
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         self.cache[layer].index_copy_(0, self.slots, kv)
-        return causal_packed_attention(q, kv[:, 0], kv[:, 1], self.buckets).flatten(1)
+        out = causal_packed_attention(q, kv[:, 0], kv[:, 1], self.buckets)
+        for p in self.prefixed:
+            context = self.cache[layer].index_select(0, p.slots).permute(1, 2, 0, 3)  # [2, kv, context, d]
+            qp = q[p.start:p.stop].transpose(0, 1)  # [heads, new, d]
+            o = F.scaled_dot_product_attention(qp, context[0], context[1], attn_mask=p.mask, enable_gqa=True)
+            out[p.start:p.stop] = o.transpose(0, 1)
+        return out.flatten(1)
+
+
+def write_back(seq: Seq, cache: torch.Tensor, block_size: int) -> None:
+    """Copy the K/V ``seq`` decoded (its workspace row's columns from ``seq.prefilled`` to its
+    next-to-last token) into its pool blocks: then the pool holds its whole context but the
+    newest token, which no forward has run yet."""
+    lo, hi = seq.prefilled, len(seq.tokens) - 1
+    if seq.group is None or hi <= lo:
+        return
+    slots = pool_slots([seq], torch.arange(lo, hi)[None], block_size)[0].to(cache.device)
+    keys = seq.group.keys[:, seq.slot, :, :, lo:hi]  # [layers, kv, d, columns]
+    values = seq.group.values[:, seq.slot, :, lo:hi]  # [layers, kv, columns, d]
+    cache[:, slots, 0] = keys.permute(0, 3, 1, 2)
+    cache[:, slots, 1] = values.permute(0, 2, 1, 3)
 
 
 class DecodeBatch:

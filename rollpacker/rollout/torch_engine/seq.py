@@ -21,6 +21,10 @@ class Seq:
     max_len: int
     """Length of ``tokens`` at which the request finishes (max_new_tokens or the context length)."""
     blocks: list[int] = field(default_factory=list)
+    cached: int = 0
+    """Leading tokens whose K/V its blocks held at admission (a resident session's): its prefill computes the rest."""
+    prefilled: int = 0
+    """Tokens whose K/V its prefill left in the pool (later ones live in the decode workspace)."""
     row: int = -1
     """One of the engine's ``max_num_seqs`` running slots while running; -1 otherwise."""
     group: Any = None

@@ -4,7 +4,8 @@
 - At each draft position it samples the token a plain step would, with that position's own draw,
   and keeps the draft while it matches, then that token: the output is plain decoding's.
 - ``auto`` drafts only where the engine's measured step cost (:mod:`~rollpacker.rollout.spec_cost`)
-  says it pays. The drafts come from :mod:`~rollpacker.rollout.drafter`.
+  says it pays, and backs off where its drafted steps realize fewer tokens per second than its plain ones.
+  The drafts come from :mod:`~rollpacker.rollout.drafter`.
 """
 
 from __future__ import annotations
@@ -63,19 +64,20 @@ class VerifyAttention:
 
 class Speculation:
     """TorchEngine's verify steps (a mixin): what :meth:`TorchEngine._decode` calls when drafts
-    pay. It uses the engine's ``running``, ``drafter``, ``decoder``, ``spec``, ``spec_cost`` and
+    pay. It uses the engine's ``running``, ``drafter``, ``decoder``, ``spec``, ``spec_cost``, ``realized`` and
     its ``_sample``, ``_append`` and ``_decode``."""
 
     def _propose(self) -> int:
         """Set each running request's draft for this step; the longest draft's length (0: plain decode).
 
         ``on`` verifies every draft the drafter has (up to ``spec_max_tokens``); ``auto`` drafts only
-        up to the cost table's ``max_rows`` running requests and cuts drafts to the length that
+        up to the cost table's ``max_rows`` running requests, where its realized payoff allows
+        (:class:`~rollpacker.rollout.spec_cost.Realized`), and cuts drafts to the length that
         maximizes expected tokens per millisecond (:meth:`SpecCost.draft_len`)."""
         mode, n, cost = self.config.speculative, len(self.running), self.spec_cost
         for seq in self.running:
             seq.draft = None
-        if mode == "off" or mode == "auto" and (cost is None or n > cost.max_rows):
+        if mode == "off" or mode == "auto" and (cost is None or n > cost.max_rows or not self.realized.allows()):
             return 0
         k_max = self.config.spec_max_tokens
         if mode == "auto" and not cost.worth_drafting(n, [s.acceptance.rate for s in self.running], k_max):

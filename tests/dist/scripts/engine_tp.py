@@ -1,16 +1,18 @@
 """Run on 2 gloo ranks by tests/dist/test_engine.py: TP=2 engines against TP=1 (speculation off, on
-and auto), and FSDP2 weight push."""
+and auto; auto's back-off decided by TP rank 0), and FSDP2 weight push."""
 
 import sys
 
 import torch
 import torch.distributed as dist
+from support.fakes import StepClock
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from rollpacker.model import load_model
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
+from rollpacker.rollout.spec_cost import SpecCost
 from rollpacker.rollout.torch_engine import TorchEngine
 
 
@@ -55,6 +57,16 @@ def main(path: str) -> None:
             costs = [None, None]
             dist.all_gather_object(costs, spec.spec_cost)
             assert costs[0] == costs[1], "the TP ranks decide by different cost tables"
+
+    # auto's realized payoff is TP rank 0's: rank 0's clock finds a verify step 20x a plain one, rank 1's
+    # as cheap; both ranks back off together (else their forwards would not line up), tokens unchanged.
+    clock = StepClock(20.0 if dist.get_rank() == 0 else 1.0)
+    cheap = SpecCost((1, 4, 8), (0, 1, 2, 4), ((1, 1.1, 1.2, 1.4), (1.2, 1.3, 1.4, 1.6), (2, 5, 8, 14)))
+    auto = TorchEngine(load_model(path), EngineConfig(block_size=4, speculative="auto", max_num_seqs=4),
+                       tp_mesh=mesh, spec_cost=cheap, clock=clock)
+    clock.engine = auto
+    assert tokens(generate(auto, requests(context))) == tokens(single), "TP=2 auto with back-off differs from TP=1"
+    assert auto.realized.num_backoffs >= 1, auto.realized.num_backoffs
 
     # Push weights from a live FSDP2-sharded copy (perturbed) into the TP engine and a TP=1 engine.
     trainer = load_model(path)
