@@ -54,6 +54,8 @@ class Command:
     """Apply the aborts, report, and leave the round (no more engine steps)."""
     scale_down: bool = False
     """Rollout scales down: the freed replicas apply the aborts (all their requests), report, and leave to train."""
+    end_sessions: list[tuple[int, str]] = field(default_factory=list)
+    """(replica, session) pairs to end: an episode is over, its turns' resident KV can go."""
 
 
 logger = logging.getLogger("rollpacker")
@@ -75,6 +77,8 @@ class Report:
     spec: SpecStats = field(default_factory=SpecStats)
     cpu_s: float = 0.0
     """This process's CPU seconds."""
+    reused_tokens: int = 0
+    """Since the round began: prompt tokens prefilled from a resident session (an episode's earlier turns)."""
 
 
 @dataclass
@@ -105,6 +109,8 @@ class RoundResult:
     """CPU seconds of the replica leaders' processes over the round, summed (what a loaded machine distorts least)."""
     tail_cpu_s: float = 0.0
     """The same over the tail phase's polls."""
+    reused_tokens: int = 0
+    """Prompt tokens the engines took from resident sessions instead of prefilling (episodes' turns)."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -142,6 +148,7 @@ class RoundResult:
             "rollout/tail_seconds": self.tail_s,
             "rollout/cpu_seconds": self.cpu_s,
             "rollout/tail_cpu_seconds": self.tail_cpu_s,
+            **({"rollout/reused_prefill_tokens": self.reused_tokens} if self.reused_tokens else {}),
             **spec_metrics(self.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
@@ -305,9 +312,11 @@ class RoundLeader:
         return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
 
     def turn(self, turn: TurnRequest, priority: int) -> Request:
-        """The engine request of an episode's turn: seeded by its id, its token budget the episode's."""
+        """The engine request of an episode's turn: seeded by its id, its token budget the episode's, its
+        session the episode (the engine may keep its KV for the next turn, until the episode ends)."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
-        return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority)
+        return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
+                       session=turn.id.rpartition("#")[0])
 
 
 class ExchangeRound:
@@ -375,7 +384,7 @@ class ExchangeRound:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
         return Command(add=adds, abort=[(state.replica(self.round.key(rid)), rid) for rid in actions.abort],
-                       final=actions.done, scale_down=actions.scale_down)
+                       final=actions.done, scale_down=actions.scale_down, end_sessions=actions.end_sessions)
 
     def add(self, req: Request) -> Request:
         self.requests[req.id] = (req, len(self.trace))
@@ -427,7 +436,8 @@ class ExchangeRound:
                            end=time.time(), num_preemptions=sum(r.num_preemptions for r in counters),
                            hook_metrics=outcome.hook_metrics,
                            spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
-                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s)
+                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
+                           reused_tokens=sum(r.reused_tokens for r in counters))
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
@@ -436,6 +446,9 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
         if replica == mine:
             engine.add(req)
     aborted = [engine.abort(rid) for replica, rid in cmd.abort if replica == mine]
+    for replica, session in cmd.end_sessions:
+        if replica == mine:
+            engine.end_session(session)
     finished: list[Output] = []
     if not cmd.final and not (cmd.scale_down and meshes.freed):
         for _ in range(poll_steps):
@@ -445,4 +458,4 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
     stats = engine.stats()
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
                   stats.num_preemptions - base[0].num_preemptions, stats.spec.since(base[0].spec),
-                  time.process_time() - base[1])
+                  time.process_time() - base[1], stats.num_reused_prefill_tokens - base[0].num_reused_prefill_tokens)

@@ -79,6 +79,8 @@ class EpisodeRunner:
         """Environment calls to send (:meth:`take_calls`)."""
         self.turns: list[tuple[str, TurnRequest]] = []
         """(episode, turn) to send to an engine (:meth:`take_turns`)."""
+        self.ended: list[str] = []
+        """Episodes that ended since :meth:`take_ended`: their engine sessions can go."""
         self.stats = EpisodeStats()
         self._last_now: float | None = None
 
@@ -155,6 +157,10 @@ class EpisodeRunner:
         calls, self.calls = self.calls, []
         return calls
 
+    def take_ended(self) -> list[str]:
+        ended, self.ended = self.ended, []
+        return ended
+
     def take_turns(self) -> list[tuple[str, TurnRequest]]:
         """The turns to send now; each is running from here on."""
         turns, self.turns = self.turns, []
@@ -192,6 +198,7 @@ class EpisodeRunner:
         self.rows.pop(key)
         self.waiting.discard(key)
         self.calls.append(EnvCall("close", key))
+        self.ended.append(key)
         return episode.output()
 
     def _wait(self, now: float) -> None:

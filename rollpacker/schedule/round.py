@@ -373,6 +373,8 @@ class Actions:
     """Episodes: (replica, priority, :class:`~rollpacker.env.episode.TurnRequest`) of each turn to add."""
     env: list[EnvCall] = field(default_factory=list)
     """Episodes: the calls for the environment workers, in order."""
+    end_sessions: list[tuple[int, str]] = field(default_factory=list)
+    """Episodes: (replica, episode) of each episode that ended: its engine session (resident KV) can go."""
 
 
 @dataclass
@@ -516,6 +518,7 @@ class Round:
             out.turns = [(state.replica(key), self.hooks.priority(state.owner[key][1]), turn)
                          for key, turn in self.episodes.take_turns()]
             out.env = self.episodes.take_calls()
+            out.end_sessions = [(state.replica(key), key) for key in self.episodes.take_ended()]
         return out
 
     def _finished(self, outputs: list[Any], now: float) -> None:
