@@ -55,7 +55,7 @@ class Command:
     scale_down: bool = False
     """Rollout scales down: the freed replicas apply the aborts (all their requests), report, and leave to train."""
     end_sessions: list[tuple[int, str]] = field(default_factory=list)
-    """(replica, session) pairs: episodes ended, their resident KV freed (``Engine.end_session``), after the aborts."""
+    """(replica, session) pairs to end: an episode is over, its turns' resident KV can go (after the aborts)."""
 
 
 logger = logging.getLogger("rollpacker")
@@ -77,10 +77,10 @@ class Report:
     spec: SpecStats = field(default_factory=SpecStats)
     cpu_s: float = 0.0
     """This process's CPU seconds."""
-    reused_prefill: int = 0
-    """Prompt tokens whose KV came from a resident session or a prefix cache, since the round began."""
+    reused_tokens: int = 0
+    """Since the round began: prompt tokens prefilled from a resident session (an episode's earlier turns)."""
     session_evictions: int = 0
-    """Resident sessions evicted for memory since the round began."""
+    """Since the round began: resident sessions evicted for memory."""
 
 
 @dataclass
@@ -111,10 +111,10 @@ class RoundResult:
     """CPU seconds of the replica leaders' processes over the round, summed (what a loaded machine distorts least)."""
     tail_cpu_s: float = 0.0
     """The same over the tail phase's polls."""
-    reused_prefill: int = 0
-    """Prompt tokens the replicas took from resident sessions or prefix caches instead of computing (episodes)."""
+    reused_tokens: int = 0
+    """Prompt tokens the engines took from resident sessions instead of prefilling (episodes' turns)."""
     session_evictions: int = 0
-    """Resident sessions evicted for memory (their next turn recomputed its conversation)."""
+    """Resident sessions the engines evicted for memory (their next turns recomputed their conversations)."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -152,8 +152,8 @@ class RoundResult:
             "rollout/tail_seconds": self.tail_s,
             "rollout/cpu_seconds": self.cpu_s,
             "rollout/tail_cpu_seconds": self.tail_cpu_s,
-            "rollout/reused_prefill_tokens": self.reused_prefill,
-            "rollout/session_evictions": self.session_evictions,
+            **({"rollout/reused_prefill_tokens": self.reused_tokens} if self.reused_tokens else {}),
+            **({"rollout/session_evictions": self.session_evictions} if self.session_evictions else {}),
             **spec_metrics(self.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
@@ -318,13 +318,13 @@ class RoundLeader:
 
     def turn(self, turn: TurnRequest, priority: int) -> Request:
         """The engine request of an episode's turn: seeded by its id, its token budget the episode's, its
-        session the episode (its engine keeps its KV for the next turn: :meth:`session`)."""
+        session the episode (the engine may keep its KV for the next turn, until the episode ends)."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
         return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
                        session=self.session(turn.id.rpartition("#")[0]))
 
     def session(self, episode: str) -> str:
-        """The engine session of ``episode`` (tagged like its environment: a held-out round's are apart)."""
+        """The engine session of ``episode``, tagged as its environment (a held-out round's apart from training's)."""
         return self.env_tag + episode
 
 
@@ -393,8 +393,15 @@ class ExchangeRound:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
         return Command(add=adds, abort=[(state.replica(self.round.key(rid)), rid) for rid in actions.abort],
-                       final=actions.done, scale_down=actions.scale_down,
-                       end_sessions=[(replica, leader.session(key)) for replica, key in actions.end_sessions])
+                       final=actions.done, scale_down=actions.scale_down, end_sessions=self.end_sessions(actions))
+
+    def end_sessions(self, actions: Actions) -> list[tuple[int, str]]:
+        """The engine sessions to end: the episodes that ended, and with the last command, those whose turns it
+        aborts (their episodes end at finish, after it; a queued turn's abort leaves its session resident)."""
+        ended = actions.end_sessions
+        if actions.done and self.round.episodes:
+            ended = ended + sorted({(self.round.state.replica(key), key) for key in map(self.round.key, actions.abort)})
+        return [(replica, self.leader.session(key)) for replica, key in ended]
 
     def add(self, req: Request) -> Request:
         self.requests[req.id] = (req, len(self.trace))
@@ -437,8 +444,7 @@ class ExchangeRound:
         if self.freed_left:  # the freed ranks stop serving
             self.leader.sink.close()
         outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
-        if self.round.episodes:  # the environments of the episodes cut at the end are closed (their turns were
-            # aborted: their engines kept no KV; the final command ended the sessions of those between turns)
+        if self.round.episodes:  # the environments of the episodes cut at the end are closed
             self.leader.episodes.send(self.round.episodes.take_calls(), self.leader.rows, self.leader.env_tag)
             self.say_errors(self.round.episodes.stats.causes)
         counters = self.counters.values()  # the exposed reward time: what finished last
@@ -449,7 +455,7 @@ class ExchangeRound:
                            hook_metrics=outcome.hook_metrics,
                            spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
                            tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
-                           reused_prefill=sum(r.reused_prefill for r in counters),
+                           reused_tokens=sum(r.reused_tokens for r in counters),
                            session_evictions=sum(r.session_evictions for r in counters))
 
 
@@ -471,6 +477,5 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
     stats, start = engine.stats(), base[0]
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
                   stats.num_preemptions - start.num_preemptions, stats.spec.since(start.spec),
-                  time.process_time() - base[1],
-                  reused_prefill=stats.num_reused_prefill_tokens - start.num_reused_prefill_tokens,
-                  session_evictions=stats.num_session_evictions - start.num_session_evictions)
+                  time.process_time() - base[1], stats.num_reused_prefill_tokens - start.num_reused_prefill_tokens,
+                  stats.num_session_evictions - start.num_session_evictions)

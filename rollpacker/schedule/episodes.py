@@ -15,9 +15,6 @@ episode (one ``on_finished``). Underneath:
   running turn aborted at its engine, or, waiting for its environment, at once; either way its
   environment is closed (``close`` after the calls in flight: a worker runs an episode's calls in order).
 
-Every episode that ends (done, cut, failed) is also listed for :meth:`EpisodeRunner.take_ended`: its
-turns named it as their engine session (``Request.session``), whose resident KV its engine may free now.
-
 An environment that fails (its reply has an error) ends its episode trained on nothing
 (``env.on_error`` skip, counted in ``env/errors``) or stops the run (fail).
 """
@@ -83,7 +80,7 @@ class EpisodeRunner:
         self.turns: list[tuple[str, TurnRequest]] = []
         """(episode, turn) to send to an engine (:meth:`take_turns`)."""
         self.ended: list[str] = []
-        """Episodes ended (done, cut, failed) since :meth:`take_ended`: their engines' sessions can go."""
+        """Episodes that ended since :meth:`take_ended`: their engine sessions can go."""
         self.stats = EpisodeStats()
         self._last_now: float | None = None
 

@@ -374,8 +374,7 @@ class Actions:
     env: list[EnvCall] = field(default_factory=list)
     """Episodes: the calls for the environment workers, in order."""
     end_sessions: list[tuple[int, str]] = field(default_factory=list)
-    """Episodes: (replica, episode) of each episode ended (with ``done``: and of each whose turn ``abort``
-    cuts): its engine session (``Request.session``) can go, after the aborts."""
+    """Episodes: (replica, episode) of each episode that ended: its engine session (resident KV) can go."""
 
 
 @dataclass
@@ -519,10 +518,7 @@ class Round:
             out.turns = [(state.replica(key), self.hooks.priority(state.owner[key][1]), turn)
                          for key, turn in self.episodes.take_turns()]
             out.env = self.episodes.take_calls()
-            ended = self.episodes.take_ended()
-            if out.done:  # episodes whose turns the last command aborts end after it, at finish: their sessions too
-                ended += sorted({self.episodes.key(rid) for rid in out.abort})
-            out.end_sessions = [(state.replica(key), key) for key in ended]
+            out.end_sessions = [(state.replica(key), key) for key in self.episodes.take_ended()]
         return out
 
     def _finished(self, outputs: list[Any], now: float) -> None:

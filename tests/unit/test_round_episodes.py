@@ -83,6 +83,7 @@ class Driver:
         self.requests: dict[str, object] = {}
         self.resumed: list[str] = []
         self.added: list[tuple[float, int]] = []  # (poll time, replica) of every turn added
+        self.ended: dict[str, int] = {}  # episode -> the replica told to end its session
         self.now = 0.0
 
     def apply(self, a) -> None:
@@ -112,6 +113,9 @@ class Driver:
                 result = StepResult([{"role": "user", "content": str(n)}], reward=float(n),
                                     terminated=n >= turns_of(call.key))
                 self.replies.append(SimpleNamespace(key=call.key, kind="step", value=result, error=None, seconds=0.1))
+        for replica, key in getattr(a, "end_sessions", []):
+            assert key not in self.ended and self.env_log[key][-1] == "close"  # once, as its environment closes
+            self.ended[key] = replica
 
     def seen(self) -> Seen:
         self.now += 1.0
@@ -196,6 +200,7 @@ def test_policies_run_scripted_episodes_each_heard_once_and_every_environment_cl
         outcome, state, _ = run_round(policy, step, driver)
         for g in outcome.groups:
             assert len(g.outputs) == 2 and g.rewards == [o.env_reward for o in g.outputs]
+            assert all(o.id in driver.ended for o in g.outputs)  # the engine session of every episode trained
             for o in g.outputs:
                 check_episode(o, driver)
             trained.append(g.prompt)

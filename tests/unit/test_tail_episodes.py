@@ -1,11 +1,13 @@
 """Tail batching over episodes, through the round's protocol alone (scripted engines and
 environments of ``test_round_episodes``, no model, no process): a short round keeps the first R0
 episodes of each prompt to finish and the first P0 prompts to complete, cuts the rest, closes
-their environments and ends their engine sessions; a deferred prompt's episodes are regenerated
-from scratch in a long round; the ledger is exact after every round.
+their environments and ends their engine sessions (those cut at the round's end: with the exchange's
+last command); a deferred prompt's episodes are regenerated from scratch in a long round; the
+ledger is exact after every round.
 
 ``test_round_episodes`` already checks, under tail: each episode heard once, every environment
-opened closed once, every prompt trained once over the run (ledger counts), ids and seeds stable."""
+opened closed once, every trained episode's session ended once, every prompt trained once over the run
+(ledger counts), ids and seeds stable."""
 
 from __future__ import annotations
 
@@ -26,33 +28,26 @@ P0, R0 = 4, 2
 
 
 class Sessions(Driver):
-    """The scripted driver, also tracking engine sessions: a turn that finishes leaves its episode's
-    KV resident on its replica until the session is ended (an aborted turn keeps none)."""
+    """The scripted driver (which records each session the round ends, once, as its environment closes),
+    also recording the replica of each episode's turns and the episodes whose turns the round's last
+    actions abort: the exchange ends their sessions with its last command (they end at finish, after it)."""
 
     def __init__(self):
         super().__init__()
-        self.resident: dict[str, int] = {}
-        """Episode -> the replica holding its KV."""
-        self.ended: list[str] = []
         self.replica_of: dict[str, int] = {}
+        self.final_aborts: set[str] = set()
 
     def apply(self, a) -> None:
         for replica, _, turn in a.turns:
             self.replica_of[turn.id.rpartition("#")[0]] = replica
-        for rid in a.abort:
-            self.resident.pop(rid.rpartition("#")[0], None)  # an aborted turn keeps no KV
+        if getattr(a, "done", False):
+            self.final_aborts |= {rid.rpartition("#")[0] for rid in a.abort}
         super().apply(a)
-        for replica, key in getattr(a, "end_sessions", []):
-            assert replica == self.replica_of[key]  # ended on the replica that ran its turns
-            self.ended.append(key)
-            self.resident.pop(key, None)
 
-    def seen(self):
-        seen = super().seen()
-        for out in seen.finished:
-            key = out.id.rpartition("#")[0]
-            self.resident[key] = self.replica_of[key]
-        return seen
+    def check_sessions(self) -> None:
+        """Every episode opened has its session ended, on the replica that ran its turns."""
+        assert set(self.ended) | self.final_aborts == set(self.env_log)
+        assert all(replica == self.replica_of.get(key, replica) for key, replica in self.ended.items())
 
 
 def tail_round(policy, step: int, driver: Sessions):
@@ -96,8 +91,7 @@ def test_a_short_round_keeps_the_first_episodes_to_finish_and_cuts_closes_and_en
     assert cut and all(isinstance(o, EpisodeOutput) and o.finish_reason == "abort" for o in cut)
     opened = set(driver.env_log)
     assert len(opened) == state.num_launched and all(calls[-1] == "close" for calls in driver.env_log.values())
-    # every episode's session ended once, kept, surplus or cut; no KV is left resident
-    assert sorted(driver.ended) == sorted(opened) and not driver.resident
+    driver.check_sessions()  # kept, surplus or cut: every episode's session ended
 
 
 def test_deferred_prompts_regenerate_their_episodes_from_scratch_and_the_ledger_is_exact():
@@ -125,5 +119,5 @@ def test_deferred_prompts_regenerate_their_episodes_from_scratch_and_the_ledger_
         assert counts["trained"] == len(trained) == len(set(trained))
         assert counts["deferred"] == len(policy.ledger.queue) and counts["in_flight"] == 0
         policy.ledger.check(policy.sampler)
-        assert sorted(driver.ended) == sorted(driver.env_log) and not driver.resident
+        driver.check_sessions()
     assert long_rounds and sorted(trained) == list(range(12))
