@@ -21,6 +21,6 @@ def test_episodes_bench_smoke(tmp_path):
     assert {"rollout_speedup_tail", "step_speedup_tail", "env_wait_s_sync", "env_wait_s_tail"} <= set(summary)
     assert summary["rollout_speedup_tail"] > 0 and summary["step_speedup_tail"] > 0
     assert (summary["tokens_changed"], summary["prompts_lost"], summary["prompts_trained_twice"]) == (0, 0, 0)
-    assert "tokens changed by speculation (auto vs off, sync, 4 episodes): 0" in proc.stdout  # 2 steps x 1 prompt x 2
+    assert "tokens changed by speculation (auto vs off, sync, 8 episodes): 0" in proc.stdout  # 2 steps x 2 x 2
     reused = next(line for line in proc.stdout.splitlines() if line.startswith("prefill tokens reused"))
     assert all(int(n) > 0 for n in reused.split()[3:])  # resident sessions served later turns under both
