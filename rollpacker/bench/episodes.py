@@ -126,6 +126,10 @@ class Args:
     """Environment latency per step: lognormal:MEAN_SECONDS:SIGMA, or trace:PATH (seconds, one per line)."""
     env_workers: int = 16
     """env.num_workers: environment processes (a worker runs its episodes' steps one at a time)."""
+    eta_prompts: float = 1.25
+    """tail's η_P (--schedule.eta-prompts of the tail policies): prompts launched per short round over P0."""
+    eta_responses: float = 1.25
+    """tail's η_R (--schedule.eta-responses of the tail policies): episodes launched per prompt over R0."""
     speculative: str = "auto"
     """engine.speculative of every run; tokens_changed compares it with off."""
     nproc: int = 2
@@ -197,6 +201,13 @@ def tokens_changed(args: Args, env_file: Path, work: Path, run_args: list[str]) 
     return changed, len(off)
 
 
+def tail_flags(args: Args, policy: str) -> list[str]:
+    """The tail policies' over-provisioning."""
+    if policy.partition("+")[0] != "tail":
+        return []
+    return ["--schedule.eta-prompts", str(args.eta_prompts), "--schedule.eta-responses", str(args.eta_responses)]
+
+
 ROWS = [("rollout s / prompt", "rollout_s", ".3f"), ("step s / prompt", "step_s", ".3f"),
         ("env wait s / step", "env_wait_s", ".3f"), ("turns / episode", "turns", ".2f"),
         ("prefill tokens reused", "reused_prefill", ".0f"), ("steps", "steps", ".0f"),
@@ -208,7 +219,8 @@ def report(args: Args, results: dict[str, dict], changed: int, compared: int) ->
     policies, base = list(results), results[next(iter(results))]
     width = max(14, *(len(p) + 2 for p in policies))
     print(f"\n{args.preset}, {args.nproc} ranks, seed {args.seed}, {args.rows} prompts x {args.group_size} "
-          f"episodes, latency {args.latency}, alpha {args.alpha}, speculative {args.speculative}:")
+          f"episodes, latency {args.latency}, alpha {args.alpha}, tail's eta {args.eta_prompts}/{args.eta_responses}, "
+          f"speculative {args.speculative}:")
     print(f"{'':<24}" + "".join(f"{p:>{width}}" for p in policies))
     for label, key, fmt in ROWS[:2]:
         print(f"{label:<24}" + "".join(f"{format(r[key], fmt):>{width}}" for r in results.values()))
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(tmp)
         env_file = work / "heavy_env.py"
         env_file.write_text(ENV_FILE.format(latency=args.latency, alpha=args.alpha, max_turns=args.max_turns))
-        results = {p: summarize(args, job(args, env_file, policy_args(p), work / p, run_args), work / p)
-                   for p in args.policies.split(",")}
+        results = {p: summarize(args, job(args, env_file, policy_args(p) + tail_flags(args, p), work / p, run_args),
+                                work / p) for p in args.policies.split(",")}
         changed, compared = tokens_changed(args, env_file, work, run_args) if args.speculative != "off" else (0, 0)
     print(json.dumps(report(args, results, changed, compared)), flush=True)
