@@ -28,6 +28,7 @@ from typing import Any, Literal, get_type_hints
 from rollpacker.checkpoint import CheckpointConfig
 from rollpacker.choices import check_choices
 from rollpacker.data.dataset import DataConfig
+from rollpacker.env.config import EnvConfig
 from rollpacker.metrics import MetricsConfig
 from rollpacker.plan.config import PlanConfig
 from rollpacker.reward.config import RewardConfig
@@ -97,6 +98,8 @@ class Config:
     schedule: policies.ScheduleConfig = field(default_factory=SyncConfig)
     """The scheduling policy and its settings (schedule:NAME; see this module's docstring)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Episodes: the environment and tools a response talks to over several turns (none: single-turn responses)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
@@ -131,6 +134,8 @@ class Config:
         streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.pipe else ""
         if streaming:
             self._check_streaming(streaming)
+        if self.env.enabled:
+            self._check_episodes()
         if self.train.mini_batches > self.rollout.num_prompts:
             raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
                              f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")
@@ -162,6 +167,18 @@ class Config:
             raise ValueError(
                 "schedule.pipe with plan.enabled: the parallelism planner sizes rollout TP for every rank "
                 "rolling out, and pipe rolls out on half of them. Turn one of them off")
+
+    def _check_episodes(self) -> None:
+        """What episodes (``env.factory``, ``env.tools``) do not compose with, and why."""
+        s, setting = self.schedule, "env.factory" if self.env.factory else "env.tools"
+        if s.carries_responses:
+            raise ValueError(f"schedule:{s.name} with {setting}: {s.carries_responses}, and an episode cannot be "
+                             "carried: its environment lives in a worker that the round closes. Use "
+                             f"schedule:{s.on_policy_alternative}")
+        if self.plan.enabled:
+            raise ValueError(f"plan.enabled with {setting}: the planner switches rollout TP between rounds and "
+                             "within a round's tail, which would move episodes mid-way between engines of another "
+                             "shape; episodes do not support that yet. Turn plan.enabled off (set rollout.tp)")
 
     def _check_streaming(self, streaming: str) -> None:
         """Stream training trains each group as soon as it completes, with the step's first weights:

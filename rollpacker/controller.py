@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from rollpacker.data.lengths import LengthReplay
     from rollpacker.dist import Meshes
+    from rollpacker.env.setup import Episodes
     from rollpacker.exchange import ExchangeRound, GroupSink, RoundLeader, RoundResult
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
@@ -65,6 +66,8 @@ class Controller:
     """Rank 0's side of every training round (:meth:`build_leaders`)."""
     eval_leader: RoundLeader | None = None
     """Rank 0's side of every held-out round (with ``eval_every``)."""
+    episodes: Episodes | None = None
+    """With an environment (``env``): its workers and how an episode starts (:meth:`build_episodes`)."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int, *,
@@ -83,8 +86,9 @@ class Controller:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         drafting = drafting and config.engine.speculative != "off"
-        functions = build_functions(config.reward)  # the user's reward code imported: its errors come first
-        check = functools.partial(check_row, functions)  # a row no function can score is a data error
+        # the user's reward code imported: its errors come first
+        functions = build_functions(config.reward, environment=bool(config.env.factory))
+        check = functools.partial(check_row, functions) if functions else None  # a row no function scores: an error
         fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,
                                 max_new_tokens=config.rollout.max_new_tokens)
@@ -102,8 +106,27 @@ class Controller:
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
                    drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
+        if config.env.enabled:
+            ctl.build_episodes()
         ctl.build_leaders(sink)
         return ctl
+
+    def build_episodes(self) -> None:
+        """The environment workers, and how an episode's prompt is encoded (as a row's, with its tools)."""
+        from rollpacker.env.render import ChatBridge
+        from rollpacker.env.setup import Episodes
+        from rollpacker.env.workers import EnvPool
+
+        cfg = self.config
+        bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
+                            template_breaks=cfg.env.template_breaks)
+
+        def encode_episode(prompt, tools):
+            return encode(self.tokenizer, cfg, prompt, tools)
+
+        self.episodes = Episodes(cfg=cfg.env, pool=EnvPool(cfg.env), bridge=bridge, encode=encode_episode,
+                                 seed=cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+                                 max_context=self.max_model_len)
 
     def build_leaders(self, sink: GroupSink | None = None) -> None:
         """Rank 0's side of the exchange for the run: training rounds (their groups fed to ``sink``),
@@ -118,11 +141,13 @@ class Controller:
                                   progress=self.display.update, make_samples=self.group_samples, sink=sink,
                                   routing=Routing(by_group=cfg.rollout.routing == "group",
                                                   longest_first=cfg.rollout.longest_first),
-                                  memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
+                                  memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens),
+                                  episodes=self.episodes)
         if self.eval_rows is not None:
             sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
             self.eval_leader = RoundLeader(policy=EvalPolicy(len(self.eval_rows), cfg.eval.n), rows=self.eval_rows,
-                                           encode=self.encode_prompt, rewards=self.rewards, sampling=sampling)
+                                           encode=self.encode_prompt, rewards=self.rewards, sampling=sampling,
+                                           episodes=self.episodes, env_tag="eval/")
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
@@ -181,32 +206,39 @@ class Controller:
         return list(zip(group.outputs, group.rewards))
 
     def overlong(self, output: Any) -> float:
-        """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off)."""
+        """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off): of an
+        episode's model tokens against its model-token budget."""
         from rollpacker.train.advantages import overlong_penalty
 
-        t = self.config.train
-        return overlong_penalty(len(output.token_ids), self.config.rollout.max_new_tokens, t.overlong_buffer,
-                                t.overlong_penalty)
+        t, episode = self.config.train, getattr(output, "loss_mask", None) is not None
+        limit = self.episodes.cfg.max_tokens or self.config.rollout.max_new_tokens if episode else (
+            self.config.rollout.max_new_tokens)
+        return overlong_penalty(output.num_model_tokens if episode else len(output.token_ids), limit,
+                                t.overlong_buffer, t.overlong_penalty)
 
     def group_samples(self, group: Group) -> list[Sample]:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards with the
-        overlong punishment, one group number for all of them."""
+        overlong punishment, one group number for all of them. An episode trains its model's tokens;
+        its environment's step rewards are token rewards (on their actions), the rest of its reward
+        (its functions', the punishment) the sample's reward."""
         from rollpacker.train.trainer import Sample
 
         number = next(self.group_ids)
-        return [Sample(o.prompt_ids, o.token_ids, r + self.overlong(o), o.logprobs, group=number,
-                       truncated=o.finish_reason == "length") for o, r in self.trained_rewards(group)]
+        return [Sample(o.prompt_ids, o.token_ids, r - getattr(o, "env_reward", 0.0) + self.overlong(o), o.logprobs,
+                       group=number, truncated=o.finish_reason == "length", loss_mask=getattr(o, "loss_mask", None),
+                       token_rewards=dict(getattr(o, "step_rewards", {})))
+                for o, r in self.trained_rewards(group)]
 
     def make_batch(self, result: RoundResult) -> tuple[list[Sample], int]:
         """The samples left to train (those the stream trainer has not taken) and the step's global
         normalizer, over every sample trained in the step (:func:`rollpacker.train.losses.normalizer`)."""
         from rollpacker.train.losses import normalizer
+        from rollpacker.train.trainer import trained_lengths
 
         cfg = self.config
         per_group = [(g, self.group_samples(g)) for g in result.groups]
         samples = [s for g, group in per_group if not g.streamed for s in group]
-        lengths = [len(s.response_ids) for _, group in per_group for s in group
-                   if not (cfg.train.mask_truncated and s.truncated)]
+        lengths = trained_lengths([s for _, group in per_group for s in group], cfg.train.mask_truncated)
         return samples, normalizer(cfg.train.aggregation, lengths, cfg.rollout.max_new_tokens)
 
     def round_stats(self, result: RoundResult) -> dict[str, Any]:
@@ -233,8 +265,18 @@ class Controller:
              "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
              "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
-             "finish_reason": o.finish_reason}
+             "finish_reason": o.finish_reason, **self.episode_sample(o)}
             for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
+
+    def episode_sample(self, output: Any) -> dict[str, Any]:
+        """What a samples file adds for an episode: each turn (role, text, tokens, trained or not), why
+        it ended, its environment's rewards; nothing for a single-turn response."""
+        if getattr(output, "loss_mask", None) is None:
+            return {}
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        return {"turns": output.turns(decode), "num_turns": output.num_turns, "end": output.reason,
+                "end_detail": output.detail, "env_reward": output.env_reward,
+                "model_tokens": output.num_model_tokens, "env_tokens": len(output.token_ids) - output.num_model_tokens}
 
     def end_step(self, step: int, result: RoundResult, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of its kind)."""
@@ -267,6 +309,8 @@ class Controller:
             self.drafts.load_state_dict(state["drafts"])
 
     def close(self) -> None:
+        if self.episodes:
+            self.episodes.close()
         self.rewards.close()
         self.metrics.close()
         self.display.close()
@@ -279,9 +323,11 @@ def response_text(tokenizer, stop: tuple[str, ...], token_ids: list[int]) -> str
     return cut_at_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stop)
 
 
-def encode(tokenizer, config: Config, prompt: str | list[dict]) -> list[int]:
-    """The token ids of ``prompt`` (a string or chat messages), as :func:`rollpacker.data.chat.encode` makes them."""
+def encode(tokenizer, config: Config, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The token ids of ``prompt`` (a string or chat messages; ``tools``: an episode's tool schemas),
+    as :func:`rollpacker.data.chat.encode` makes them."""
     from rollpacker.data.chat import encode as encode_prompt
 
     return encode_prompt(tokenizer, prompt, chat_template=config.model.chat_template,
-                         system_prompt=config.data.system_prompt, template_kwargs=config.model.chat_template_kwargs)
+                         system_prompt=config.data.system_prompt, template_kwargs=config.model.chat_template_kwargs,
+                         tools=tools)

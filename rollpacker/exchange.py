@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from rollpacker.schedule.round import Actions, Launch, Round, RoundHooks, RoundO
 if TYPE_CHECKING:
     from rollpacker.data.lengths import LengthReplay
     from rollpacker.dist import Meshes
+    from rollpacker.env.episode import TurnRequest
+    from rollpacker.env.setup import Episodes
 
 
 @dataclass
@@ -51,7 +54,14 @@ class Command:
     """Apply the aborts, report, and leave the round (no more engine steps)."""
     scale_down: bool = False
     """Rollout scales down: the freed replicas apply the aborts (all their requests), report, and leave to train."""
+    end_sessions: list[tuple[int, str]] = field(default_factory=list)
+    """(replica, session) pairs to end: an episode is over, its turns' resident KV can go."""
 
+
+logger = logging.getLogger("rollpacker")
+
+SHOWN_ERRORS = 3
+"""Environment errors said per round (each once); the rest are counted in ``env/errors``."""
 
 TAIL_RUNNING = 8
 """A poll is in the round's tail when every replica ran at most this many requests (``RoundResult.tail_s``)."""
@@ -67,6 +77,8 @@ class Report:
     spec: SpecStats = field(default_factory=SpecStats)
     cpu_s: float = 0.0
     """This process's CPU seconds."""
+    reused_tokens: int = 0
+    """Since the round began: prompt tokens prefilled from a resident session (an episode's earlier turns)."""
 
 
 @dataclass
@@ -97,6 +109,8 @@ class RoundResult:
     """CPU seconds of the replica leaders' processes over the round, summed (what a loaded machine distorts least)."""
     tail_cpu_s: float = 0.0
     """The same over the tail phase's polls."""
+    reused_tokens: int = 0
+    """Prompt tokens the engines took from resident sessions instead of prefilling (episodes' turns)."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -134,10 +148,21 @@ class RoundResult:
             "rollout/tail_seconds": self.tail_s,
             "rollout/cpu_seconds": self.cpu_s,
             "rollout/tail_cpu_seconds": self.tail_cpu_s,
+            **({"rollout/reused_prefill_tokens": self.reused_tokens} if self.reused_tokens else {}),
             **spec_metrics(self.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
+            **episode_tokens([o for o, _ in trained]),
         }
+
+
+def episode_tokens(outputs: list[Any]) -> dict[str, int]:
+    """``rollout/model_tokens`` and ``rollout/env_tokens`` of the trained episodes (none: single-turn responses)."""
+    episodes = [o for o in outputs if getattr(o, "loss_mask", None) is not None]
+    if not episodes:
+        return {}
+    model = sum(o.num_model_tokens for o in episodes)
+    return {"rollout/model_tokens": model, "rollout/env_tokens": sum(len(o.token_ids) for o in episodes) - model}
 
 
 @dataclass(frozen=True)
@@ -228,20 +253,42 @@ class RoundLeader:
     """What earlier rounds generated per prompt; this round's outputs go into it."""
     draft_context: bool = False
     """Offer the memory's responses of each prompt to the engines' drafters (``Request.draft_context``)."""
+    episodes: Episodes | None = None
+    """Each response an episode with this environment (its workers); None: single-turn responses."""
+    env_tag: str = ""
+    """Prefixes this leader's episodes' names in the workers (the held-out leader's: ``eval/``)."""
+    env_rewards: dict[str, float] = field(default_factory=dict)
+    """An episode submitted for scoring -> its environment's rewards summed, added to its functions' reward."""
+    env_ready: list[tuple[str, float]] = field(default_factory=list)
+    """Episodes scored by their environment alone (no reward function), not yet polled."""
 
     def round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Round ``plan`` of ``step``, to pass to :func:`run_round`."""
         return ExchangeRound(self, step, plan, hooks or RoundHooks())
 
     def submit(self, key: str, row: int, output: Output) -> None:
-        """Score ``output`` of dataset row ``row`` (the round's :class:`~rollpacker.schedule.round.Scorer`)."""
-        self.rewards.submit(key, self.rows[row], output)
+        """Score ``output`` of dataset row ``row`` (the round's :class:`~rollpacker.schedule.round.Scorer`).
+        An episode's reward is its environment's rewards plus its reward functions' (if any)."""
+        if self.episodes is None:
+            self.rewards.submit(key, self.rows[row], output)
+        elif getattr(self.rewards, "functions", None):
+            self.env_rewards[key] = output.env_reward
+            self.rewards.submit(key, self.rows[row], output)
+        else:
+            self.env_ready.append((key, output.env_reward))
 
     def poll(self) -> list[tuple[str, float | None]]:
-        return self.rewards.poll()
+        return self._with_env(self.rewards.poll())
 
     def wait(self) -> list[tuple[str, float | None]]:
-        return self.rewards.wait()
+        return self._with_env(self.rewards.wait())
+
+    def _with_env(self, scored: list[tuple[str, float | None]]) -> list[tuple[str, float | None]]:
+        """``scored`` with each episode's environment rewards added, and the episodes scored by those alone."""
+        if self.episodes is None:
+            return scored
+        ready, self.env_ready = self.env_ready, []
+        return [(k, r if r is None else r + self.env_rewards.pop(k, 0.0)) for k, r in scored] + ready
 
     def requests(self, step: int, new: Launch, priority: int) -> list[Request]:
         """The engine requests of launch ``new`` of round ``step``, in order: each seeded by its id,
@@ -263,6 +310,13 @@ class RoundLeader:
         if not self.draft_context:
             return ()
         return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
+
+    def turn(self, turn: TurnRequest, priority: int) -> Request:
+        """The engine request of an episode's turn: seeded by its id, its token budget the episode's, its
+        session the episode (the engine may keep its KV for the next turn, until the episode ends)."""
+        params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
+        return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
+                       session=turn.id.rpartition("#")[0])
 
 
 class ExchangeRound:
@@ -289,7 +343,8 @@ class ExchangeRound:
         self.start, self.poll_steps = time.time(), poll_steps
         state = RoundState(self.step, self.plan, leader.policy, num_replicas, routing=leader.routing,
                            memory=leader.memory)
-        self.round = Round(state, leader, self.hooks)
+        runner = leader.episodes.runner(leader.rows) if leader.episodes else None
+        self.round = Round(state, leader, self.hooks, runner)
         return self.command(self.round.start(self.start))
 
     def on_reports(self, reports: list[Report | None]) -> Command:
@@ -300,10 +355,14 @@ class ExchangeRound:
         self.trace.append((now, sum(r.num_running for r in reports)))
         sink = self.leader.sink
         seen = Seen(now=now, finished=[o for r in reports for o in r.finished],
-                    aborted=[o for r in reports for o in r.aborted], sink_ready=sink.ready() if sink else True)
+                    aborted=[o for r in reports for o in r.aborted], sink_ready=sink.ready() if sink else True,
+                    env=self.leader.episodes.poll(self.leader.env_tag) if self.leader.episodes else [])
         if len(self.trace) > 1:  # seconds per engine step, by requests per replica
             (t0, running), (t1, _) = self.trace[-2:]
             seen.running, seen.step_seconds = running / self.round.state.active, (t1 - t0) / self.poll_steps
+        runner = self.round.episodes
+        if runner and runner.waiting and not self.trace[-1][1] and not seen.env:
+            time.sleep(0.005)  # only environments are working: poll them, not the engines, a little less often
         actions = self.round.poll(seen, self.generated)
         if self.leader.progress:
             state = self.round.state
@@ -318,11 +377,14 @@ class ExchangeRound:
         for new in actions.launch:
             adds += [(state.replica(req.id), self.add(req))
                      for req in leader.requests(self.step, new, self.hooks.priority(new.slot))]
+        adds += [(replica, self.add(leader.turn(turn, priority))) for replica, priority, turn in actions.turns]
+        if actions.env:
+            leader.episodes.send(actions.env, leader.rows, leader.env_tag)
         if actions.feed:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
-        return Command(add=adds, abort=[(state.replica(rid), rid) for rid in actions.abort], final=actions.done,
-                       scale_down=actions.scale_down)
+        return Command(add=adds, abort=[(state.replica(self.round.key(rid)), rid) for rid in actions.abort],
+                       final=actions.done, scale_down=actions.scale_down, end_sessions=actions.end_sessions)
 
     def add(self, req: Request) -> Request:
         self.requests[req.id] = (req, len(self.trace))
@@ -343,12 +405,20 @@ class ExchangeRound:
             self.tail_cpu_s += sum(r.cpu_s for r in self.counters.values()) - cpu
         self.in_tail = max((r.num_running for r in reports if r), default=0) <= TAIL_RUNNING
 
+    def say_errors(self, causes: list[str]) -> None:
+        """Each environment error of the round once (at most SHOWN_ERRORS of them); its episode trained nothing."""
+        for cause in causes[:SHOWN_ERRORS]:
+            logger.warning("step %d: an episode ended untrained (env.on_error skip, env/errors): %s", self.step, cause)
+        if len(causes) > SHOWN_ERRORS:
+            logger.warning("step %d: %d more environment errors (env/errors)", self.step, len(causes) - SHOWN_ERRORS)
+
     def generated(self) -> list[tuple[int, int]]:
         """(prompt tokens, tokens generated) of each outstanding request: at most the engine steps
         since it was added."""
         limit, polls = self.leader.sampling.max_new_tokens, len(self.trace)
+        running = self.round.episodes.running if self.round.episodes else self.round.state.outstanding
         return [(len(self.requests[rid][0].prompt_ids), min(limit, (polls - self.requests[rid][1]) * self.poll_steps))
-                for rid in self.round.state.outstanding]
+                for rid in running]
 
     def finish(self, reports: list[Report | None]) -> RoundResult:
         """The round's result, once the final command's aborts are reported."""
@@ -356,6 +426,9 @@ class ExchangeRound:
         if self.freed_left:  # the freed ranks stop serving
             self.leader.sink.close()
         outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
+        if self.round.episodes:  # the environments of the episodes cut at the end are closed
+            self.leader.episodes.send(self.round.episodes.take_calls(), self.leader.rows, self.leader.env_tag)
+            self.say_errors(self.round.episodes.stats.causes)
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
                            num_aborted=len(outcome.aborted), generated_tokens=outcome.generated_tokens,
@@ -363,7 +436,8 @@ class ExchangeRound:
                            end=time.time(), num_preemptions=sum(r.num_preemptions for r in counters),
                            hook_metrics=outcome.hook_metrics,
                            spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
-                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s)
+                           tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
+                           reused_tokens=sum(r.reused_tokens for r in counters))
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
@@ -372,6 +446,9 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
         if replica == mine:
             engine.add(req)
     aborted = [engine.abort(rid) for replica, rid in cmd.abort if replica == mine]
+    for replica, session in cmd.end_sessions:
+        if replica == mine:
+            engine.end_session(session)
     finished: list[Output] = []
     if not cmd.final and not (cmd.scale_down and meshes.freed):
         for _ in range(poll_steps):
@@ -381,4 +458,4 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
     stats = engine.stats()
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
                   stats.num_preemptions - base[0].num_preemptions, stats.spec.since(base[0].spec),
-                  time.process_time() - base[1])
+                  time.process_time() - base[1], stats.num_reused_prefill_tokens - base[0].num_reused_prefill_tokens)

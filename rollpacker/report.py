@@ -9,7 +9,8 @@ log scale when all are positive, tail batching's long rounds marked red: the pap
 ``reward_functions.png`` (each reward function's mean, ``reward/NAME``, and the responses whose
 reward failed, ``reward/errors``), ``eval.png`` (held-out ``pass@k`` and ``mean@n``, overall and
 per data source), and ``samples.md``: a few responses of the last training step saved with ``--metrics.samples-every``
-(the best and worst rewarded, the longest, the shortest), and prints their paths. A plot whose
+(the best and worst rewarded, the longest, the shortest; an episode turn by turn, each with its role
+and whether it was trained), and prints their paths. A plot whose
 metrics appear in no step, or a run without samples, is skipped with a note.
 When a step was logged twice (a resumed run), its last line wins.
 
@@ -233,10 +234,22 @@ def write_samples(run_dir: Path, out: Path) -> bool:
     for title, x in picks.items():
         lines += [f"## {title}: reward {x['reward']:.3g}, {x['length']} tokens, {x['finish_reason']}", "",
                   f"rewards: {json.dumps(x.get('rewards', {}))}", "", "prompt, as the engine got it:", "", "```",
-                  _cut(x.get("prompt_text", x["prompt"])), "```", "", "completion:", "", "```", _cut(x["completion"]),
-                  "```", ""]
+                  _cut(x.get("prompt_text", x["prompt"])), "```", "",
+                  *(_episode(x) if "turns" in x else ["completion:", "", "```", _cut(x["completion"]), "```", ""])]
     out.write_text("\n".join(lines), encoding="utf-8")
     return True
+
+
+def _episode(x: dict) -> list[str]:
+    """An episode's sample as markdown lines: each turn with its role and whether it was trained."""
+    lines = [f"episode: {x['num_turns']} model turns, ended {x['end']}"
+             + (f" ({x['end_detail']})" if x.get("end_detail") else "")
+             + f"; {x['model_tokens']} model tokens (trained), {x['env_tokens']} environment tokens (not trained); "
+             f"environment reward {x['env_reward']:.3g}", ""]
+    for turn in x["turns"]:
+        lines += [f"{turn['role']}, {turn['tokens']} tokens, {'trained' if turn['trained'] else 'not trained'}:", "",
+                  "```", _cut(turn["text"]), "```", ""]
+    return lines
 
 
 def prompt_ledger(run_dir: Path, records: list[dict]) -> str:

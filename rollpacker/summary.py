@@ -27,9 +27,10 @@ def start_summary(job) -> str:
         + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path or 'the toy task')}" if ctl.eval_rows else ""),
         f"  model: {cfg.model.path or 'the shipped toy model'} ({job.model_dir}), engine {cfg.engine.kind}; "
         f"{_template(ctl.tokenizer, cfg)}",
-        f"  rewards: {', '.join(f'{f.name} x{f.weight:g}' for f in ctl.rewards.functions)}; a failing call: "
+        f"  rewards: {_rewards(ctl)}; a failing call: "
         f"{cfg.reward.on_error}" + (f", stop past {cfg.reward.max_error_frac:.0%} of a step's responses"
                                     if cfg.reward.on_error == "skip" and cfg.reward.max_error_frac < 1 else ""),
+        *([f"  episodes: {_episodes(cfg.env)}"] if cfg.env.enabled else []),
         f"  checkpoints: {every}at the end, in {cfg.run_dir}/checkpoints; metrics: {cfg.run_dir}/metrics.jsonl",
     ]
     row = ctl.rows[0]
@@ -42,6 +43,21 @@ def start_summary(job) -> str:
                  "prompt_text):")
     lines.append(textwrap.indent(shown, "    | ", predicate=lambda _: True))
     return "\n".join(lines)
+
+
+def _rewards(ctl) -> str:
+    """The reward functions and weights, and the environment's rewards with episodes."""
+    parts = [f"{f.name} x{f.weight:g}" for f in ctl.rewards.functions]
+    if ctl.config.env.enabled:
+        parts.append("the environment's")
+    return ", ".join(parts)
+
+
+def _episodes(env) -> str:
+    """The environment, its tools and an episode's limits."""
+    tools = f" with tools {', '.join(env.tools)}" if env.tools else ""
+    return (f"{env.factory or 'tools alone'}{tools}, at most {env.max_turns} turns, {env.num_workers} workers, "
+            f"{env.timeout:g} s per call, on error {env.on_error}")
 
 
 def _rows(rows: list[dict], where: str) -> str:

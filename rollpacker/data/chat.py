@@ -24,10 +24,11 @@ def messages(prompt: str | list[dict], system_prompt: str = "") -> list[dict]:
 
 
 def render(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, system_prompt: str = "",
-           template_kwargs: dict[str, Any] | None = None) -> str:
+           template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
     """The text ``prompt`` (a string, or a list of chat messages) becomes before it is tokenized:
-    the chat template's output, or the string as it is."""
-    if isinstance(prompt, str) and not chat_template:
+    the chat template's output, or the string as it is. ``tools`` (JSON schemas, an episode's) go to
+    the template, which then renders a string prompt too."""
+    if isinstance(prompt, str) and not chat_template and not tools:
         if system_prompt:
             raise UserError("data.system_prompt is set but the prompts are plain strings tokenized as they are: "
                             "set model.chat_template to render them as chat turns, or drop data.system_prompt")
@@ -37,7 +38,7 @@ def render(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, 
                         "prompts (a list of messages, model.chat_template or data.system_prompt) need: use a chat "
                         "model's tokenizer, or plain string prompts")
     return tokenizer.apply_chat_template(messages(prompt, system_prompt), add_generation_prompt=True, tokenize=False,
-                                         **(template_kwargs or {}))
+                                         tools=tools or None, **(template_kwargs or {}))
 
 
 def encode(tokenizer, prompt: str | list[dict], **settings) -> list[int]:
@@ -49,3 +50,8 @@ def encode(tokenizer, prompt: str | list[dict], **settings) -> list[int]:
 def prompt_text(tokenizer, prompt_ids: list[int]) -> str:
     """The prompt as the engine received it: its token ids decoded, special tokens and all."""
     return tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """``text`` up to its first stop string, which is left out (vLLM's default)."""
+    return text[:min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))]

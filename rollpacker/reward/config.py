@@ -66,8 +66,9 @@ class JudgeConfig:
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    funcs: tuple[str, ...] = ("toy",)
-    """Reward functions, summed: a built-in (toy, math, code, judge), package.module:function or file.py:function."""
+    funcs: tuple[str, ...] = ()
+    """Reward functions, summed: a built-in (toy, math, code, judge), package.module:function or file.py:function.
+    Empty: toy, or none with an environment (env.factory), whose rewards then count alone (tools alone: toy)."""
     weights: tuple[float, ...] = ()
     """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
     num_workers: int = 2
@@ -89,17 +90,20 @@ class RewardConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     """The LLM judge (reward.funcs judge): run in the controller on the actor's device."""
 
+    def functions(self, environment: bool = False) -> tuple[str, ...]:
+        """The reward functions to run: ``funcs``, or by default toy, or none with an environment (``env.factory``)."""
+        return self.funcs or (() if environment else ("toy",))
+
     def __post_init__(self) -> None:
         check_choices(self, "reward")
         from rollpacker.reward.functions import check_spec, names
 
-        if not self.funcs:
-            raise ValueError("reward.funcs is empty: name at least one reward function (toy, math, code, judge, or "
-                             "your own as package.module:function or path/to/file.py:function)")
         for spec in self.funcs:
             check_spec(spec)
         if len(set(self.funcs)) < len(self.funcs):
             raise ValueError(f"reward.funcs names a function twice: {list(self.funcs)}; weight it with reward.weights")
+        if self.weights and not self.funcs:
+            raise ValueError(f"reward.weights={list(self.weights)} without reward.funcs: name the functions to weight")
         if self.weights and len(self.weights) != len(self.funcs):
             raise ValueError(f"reward.weights has {len(self.weights)} weights for {len(self.funcs)} reward.funcs "
                              f"({', '.join(names(self.funcs))}): give one each, or none for 1 each")

@@ -100,22 +100,22 @@ def names(specs: tuple[str, ...]) -> list[str]:
             for s, b in zip(specs, base)]
 
 
-def check_spec(spec: str) -> None:
-    """Raise a ValueError naming reward.funcs unless ``spec`` is a built-in or a well-formed reference."""
-    if spec in BUILTINS:
+def check_spec(spec: str, setting: str = "reward.funcs", builtins=BUILTINS) -> None:
+    """Raise a ValueError naming ``setting`` unless ``spec`` is one of ``builtins`` or a well-formed reference."""
+    if spec in builtins:
         return
     where, _, function = spec.rpartition(":")
     if not where or not function.isidentifier():
-        raise ValueError(f"reward.funcs: {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor a reference "
+        raise ValueError(f"{setting}: {spec!r} is neither a built-in ({', '.join(builtins)}) nor a reference "
                          "package.module:function or path/to/file.py:function")
     if where.endswith(".py") and not Path(where).is_file():
-        raise ValueError(f"reward.funcs: {spec!r}: no such file {where} (a path is relative to where the run starts)")
+        raise ValueError(f"{setting}: {spec!r}: no such file {where} (a path is relative to where the run starts)")
 
 
-def target(spec: str) -> str:
+def target(spec: str, builtins=BUILTINS) -> str:
     """``spec`` as an importable target: a built-in's function, or a file reference made absolute."""
-    if spec in BUILTINS:
-        return BUILTINS[spec]
+    if spec in builtins:
+        return builtins[spec]
     where, _, function = spec.rpartition(":")
     return f"{Path(where).resolve()}:{function}" if where.endswith(".py") else spec
 
@@ -123,8 +123,8 @@ def target(spec: str) -> str:
 _loaded: dict[str, Any] = {}
 
 
-def load(target: str):
-    """The callable ``target`` names (cached per process); a RewardFunctionError says why it cannot be had."""
+def load(target: str, setting: str = "reward.funcs", error: type[UserError] = RewardFunctionError):
+    """The callable ``target`` names (cached per process); an ``error`` naming ``setting`` says why it cannot be had."""
     if target in _loaded:
         return _loaded[target]
     where, _, name = target.rpartition(":")
@@ -139,11 +139,11 @@ def load(target: str):
         else:
             module = importlib.import_module(where)
     except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
-        raise RewardFunctionError(f"reward.funcs: cannot import {where}: {type(e).__name__}: {e}") from None
+        raise error(f"{setting}: cannot import {where}: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardFunctionError(f"reward.funcs: {where} has no function {name!r}"
-                                  f"{' (it is a ' + type(fn).__name__ + ')' if fn is not None else ''}")
+        raise error(f"{setting}: {where} has no function {name!r}"
+                    f"{' (it is a ' + type(fn).__name__ + ')' if fn is not None else ''}")
     _loaded[target] = fn
     return fn
 
@@ -190,16 +190,18 @@ def _result(value):
 
 def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[str, Any]]:
     """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
-    ``completion_ids``, ``columns`` (the row's other columns) and, optionally, ``trainer_state``.
-    Returns ``(reward or None, metrics, info)``; raises :class:`BadValue` saying what it returned
-    wrong (its own exceptions pass)."""
+    ``completion_ids``, ``columns`` (the row's other columns), optionally ``trainer_state`` and, for
+    an episode, ``messages`` (its turns after the prompt: TRL's completion then). Returns ``(reward or
+    None, metrics, info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions
+    pass)."""
     fn = load(ref.target)
     columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
         kwargs = dict(data_source=columns.get("data_source"), solution_str=text, ground_truth=columns.get("answer"),
                       extra_info=columns.get("extra_info"))
         return _value(_result(fn(**_accepted(fn, kwargs))))
-    completion = [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text
+    completion = sample.get("messages") or (
+        [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
     kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
               "completion_ids": [sample["completion_ids"]],
               "trainer_state": sample.get("trainer_state") or TrainerState()}  # as TRL: one object, not a list

@@ -143,12 +143,14 @@ class JudgeFunction(RewardFunction):
                 raise ValueError(f"{e} (or drop it to use reward.judge.rubric)") from None
 
 
-def build_functions(cfg: RewardConfig) -> list[RewardFunction]:
-    """``reward.funcs`` resolved: each imported (a RewardFunctionError if it cannot be) and weighted."""
+def build_functions(cfg: RewardConfig, environment: bool = False) -> list[RewardFunction]:
+    """``reward.funcs`` resolved (:meth:`RewardConfig.functions`; ``environment``: responses are episodes):
+    each imported (a RewardFunctionError if it cannot be) and weighted."""
     kinds = {"toy": MatchFunction, "math": MatchFunction, "code": CodeFunction}
-    weights = cfg.weights or (1.0,) * len(cfg.funcs)
+    specs = cfg.functions(environment)
+    weights = cfg.weights or (1.0,) * len(specs)
     functions = []
-    for spec, name, weight in zip(cfg.funcs, names(cfg.funcs), weights):
+    for spec, name, weight in zip(specs, names(specs), weights):
         if spec == "judge":
             check_judge_path(cfg.judge.model_path)
             functions.append(JudgeFunction(Ref("judge", ""), weight, cfg))
@@ -251,7 +253,8 @@ class RewardScheduler:
                 continue
             extra = f.extra(row)
             sample = {"prompt": row["prompt"], "completion": response, "completion_ids": list(output.token_ids),
-                      "columns": {**columns, **extra}, "trainer_state": self.state}
+                      "columns": {**columns, **extra}, "trainer_state": self.state,
+                      "messages": getattr(output, "messages", None)}  # an episode's turns
             if self.pool:
                 self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
                 continue

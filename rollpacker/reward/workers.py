@@ -146,7 +146,15 @@ class RewardPool:
     """``num_workers`` reward worker processes and the manager thread that feeds and polices them.
 
     Use as a context manager, or call :meth:`close`: it stops every worker and sandbox.
+
+    The environment workers (:class:`rollpacker.env.workers.EnvPool`) are this pool with other
+    tasks: a subclass overrides the worker's main function (``_main``, ``_main_args``), which task a
+    free worker takes (``_next_task``), what goes down its pipe (``_wire``), what comes back
+    (``_received``) and what a task lost with its worker becomes (``_lost``).
     """
+
+    _name = "reward"
+    """Names the workers and their timeout setting (``reward.timeout``) in messages."""
 
     def __init__(self, cfg: RewardConfig | None = None):
         self.cfg = cfg or RewardConfig()
@@ -161,7 +169,7 @@ class RewardPool:
         os.set_blocking(self._wake_r, False)
         self._retiring: list[tuple[Any, float]] = []  # stopping workers: (process, when to SIGKILL it)
         self._workers = [self._start_worker() for _ in range(self.cfg.num_workers)]
-        self._manager = threading.Thread(target=self._manage, name="reward-pool", daemon=True)
+        self._manager = threading.Thread(target=self._manage, name=f"{self._name}-pool", daemon=True)
         self._manager.start()
         atexit.register(self.close)  # before multiprocessing's exit hook, whose SIGTERM the workers ignore
 
@@ -253,34 +261,51 @@ class RewardPool:
                 message = w.conn.recv()
             except (EOFError, OSError):
                 w.process.join(timeout=1)
-                self._replace(i, f"its reward worker died (exit code {w.process.exitcode})")
+                self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
                 return
             if message is None:
                 w.ready = True
             else:
-                value, error, metrics, info, seconds, cpu_seconds = message
                 task, w.task = w.task, None
-                self._finish(Scored(task.key, value, error, seconds, cpu_seconds, metrics, info))
+                self._received(task, message)
         elif w.process.sentinel in ready:
             w.process.join(timeout=1)
             if not w.ready:
-                raise RuntimeError(f"a reward worker exited while starting (exit code {w.process.exitcode}); see its "
-                                   "traceback above (a script that starts a RewardPool needs "
+                raise RuntimeError(f"a {self._name} worker exited while starting (exit code {w.process.exitcode}); "
+                                   f"see its traceback above (a script that starts a {type(self).__name__} needs "
                                    "if __name__ == '__main__':)")
-            self._replace(i, f"its reward worker died (exit code {w.process.exitcode})")
+            self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
         elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
-            self._replace(i, f"timed out after {w.task.timeout:g} s (reward.timeout); its worker was replaced")
+            self._replace(i, f"timed out after {w.task.timeout:g} s ({self._name}.timeout); its worker was replaced")
 
     def _dispatch(self) -> None:
-        for w in self._workers:
+        for i, w in enumerate(self._workers):
             if w.ready and w.task is None:
                 with self._cond:
-                    if not self._todo:
-                        return
-                    task = self._todo.popleft()
+                    task = self._next_task(i)
+                if task is None:
+                    continue
                 w.task, w.started = task, time.monotonic()
                 with contextlib.suppress(OSError):  # it just died: its sentinel says so next, the task is flagged
-                    w.conn.send((task.ref, task.sample))
+                    w.conn.send(self._wire(task))
+
+    def _next_task(self, i: int) -> Any:
+        """The task free worker ``i`` takes now, or None (called holding ``_cond``)."""
+        return self._todo.popleft() if self._todo else None
+
+    def _wire(self, task: _Task) -> Any:
+        """What a worker gets for ``task``."""
+        return task.ref, task.sample
+
+    def _received(self, task: _Task, message: Any) -> None:
+        """A worker's answer to ``task``."""
+        value, error, metrics, info, seconds, cpu_seconds = message
+        self._finish(Scored(task.key, value, error, seconds, cpu_seconds, metrics, info))
+
+    def _lost(self, i: int, task: _Task | None, reason: str, seconds: float) -> None:
+        """Worker ``i`` was replaced for ``reason`` while running ``task`` (None: while idle)."""
+        if task is not None:
+            self._finish(Scored(task.key, None, reason, seconds, seconds))
 
     def _finish(self, scored: Scored) -> None:
         with self._cond:
@@ -293,13 +318,19 @@ class RewardPool:
         w = self._workers[i]
         self._retire(w)
         self._workers[i] = self._start_worker()
-        if w.task is not None:
-            seconds = time.monotonic() - w.started
-            self._finish(Scored(w.task.key, None, reason, seconds, seconds))
+        self._lost(i, w.task, reason, time.monotonic() - w.started)
+
+    _main = staticmethod(_work)
+    """A worker process's main function: ``main(conn, parent_pid, *_main_args())``; it starts with
+    :func:`_ignore_stops` (``parent_pid``)."""
+
+    def _main_args(self) -> tuple:
+        return ()
 
     def _start_worker(self) -> _Worker:
         conn, child_conn = self._ctx.Pipe()
-        process = self._ctx.Process(target=_work, args=(child_conn, os.getpid()), name="reward-worker", daemon=True)
+        process = self._ctx.Process(target=self._main, args=(child_conn, os.getpid(), *self._main_args()),
+                                    name=f"{self._name}-worker", daemon=True)
         mp.resource_tracker.ensure_running()  # its first start would unblock SIGINT and SIGTERM below
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited: see _ignore_stops
         try:

@@ -62,6 +62,8 @@ from typing import Protocol
 
 import torch
 
+from rollpacker.data.chat import cut_at_stop  # noqa: F401  (here too: the engines' stop strings)
+
 
 @dataclass(kw_only=True)
 class SamplingParams:
@@ -263,11 +265,6 @@ def stop_string_hit(decode: Callable[[list[int]], str] | None, token_ids: list[i
         return False
     text = decode(token_ids[-(max(map(len, stop)) + 2):])
     return any(s in text for s in stop)
-
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    """``text`` up to its first stop string, which is left out (vLLM's default)."""
-    return text[:min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))]
 
 
 def check_request(engine: Engine, request: Request, live: Container[str], *problems: str) -> int:

@@ -154,6 +154,9 @@ class PolicyConfig:
     need a ``train.rollout_correction`` other than none."""
     on_policy_alternative: ClassVar[str] = "sync"
     """With stale_samples: the on-policy policy that the error suggests instead."""
+    carries_responses: ClassVar[str | None] = None
+    """Why it carries responses across rounds (``RoundPlan.carried``); None: every round starts its
+    responses afresh. Episodes refuse such a policy (an environment cannot be carried over with them)."""
     own_pools: ClassVar[bool] = False
     """It rolls out on ranks of its own (:meth:`rollout_pool`) while the others train the batch
     before, in its own loop (``rollpacker.loops.one_step_off``)."""

@@ -23,9 +23,14 @@ so its drafter sees all the siblings. ``longest_first`` dispatches a launch's re
 by the draft memory's estimate, each to the replica with the least estimated work so far (LPT).
 Migrated requests follow the same rules over the kept replicas; a group routed by group moves as one.
 
-**Episodes** will land in :meth:`Round.poll`: a finished request may be one turn of an episode.
-It then leads to the next turn's request (an :attr:`Actions.resume` of its output) instead of a
-finished response for the policy.
+**Episodes** (:class:`~rollpacker.schedule.episodes.EpisodeRunner`, when the round runs an
+environment): each request of the round is an episode, the unit the policy, the routing and the
+migration see. Its turns are the engines' requests (:attr:`Actions.turns`), each on its episode's
+replica; its environment's calls go to the workers (:attr:`Actions.env`) and come back in
+:attr:`Seen.env`. A finished turn leads to an environment step, a step to the next turn, and the
+policy hears of the episode once, when it is done. An abort cuts an episode where it is. A
+scale-down moves episodes at a turn boundary: one between turns (waiting for its environment) is
+routed to a kept replica at once; a running turn is aborted and resumed there, token for token.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any, Callable, Protocol
 
 from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
 from rollpacker.schedule.drafts import DraftMemory
+from rollpacker.schedule.episodes import EnvCall, EpisodeRunner
 from rollpacker.topology import kept_replicas
 
 
@@ -213,6 +219,12 @@ class RoundState:
         self.migrating = {rid for rid in self.outstanding if self.owner[rid][0] >= kept}
         return sorted(self.migrating)
 
+    def settle(self, rid: str) -> bool:
+        """Whether request ``rid`` was migrating (and outstanding); it is not migrating any more."""
+        moving = rid in self.migrating and rid in self.outstanding
+        self.migrating.discard(rid)
+        return moving
+
     def aborted(self, outputs: list[Any]) -> Returned:
         """The partial outputs of aborted requests: a migrating one resumes (or, finished by its engine
         before the abort reached it, counts as finished); any other is cut for the policy."""
@@ -336,6 +348,8 @@ class Seen:
     """Seconds an engine step took during the last poll (0: not measured)."""
     sink_ready: bool = True
     """The freed ranks have taken the last groups fed."""
+    env: list[Any] = field(default_factory=list)
+    """Episodes: the environment workers' replies (:class:`~rollpacker.env.workers.EnvReply`)."""
 
 
 @dataclass
@@ -355,6 +369,12 @@ class Actions:
     """Move onto the kept replicas: the freed replicas abort everything and leave to train."""
     done: bool = False
     """The round is over once ``abort`` is applied: :meth:`Round.finish` with what comes back."""
+    turns: list[tuple[int, int, Any]] = field(default_factory=list)
+    """Episodes: (replica, priority, :class:`~rollpacker.env.episode.TurnRequest`) of each turn to add."""
+    env: list[EnvCall] = field(default_factory=list)
+    """Episodes: the calls for the environment workers, in order."""
+    end_sessions: list[tuple[int, str]] = field(default_factory=list)
+    """Episodes: (replica, episode) of each episode that ended: its engine session (resident KV) can go."""
 
 
 @dataclass
@@ -379,8 +399,11 @@ class RoundOutcome:
 class Round:
     """One round of ``state``'s policy with ``hooks``, scored by ``scorer`` (the module docstring)."""
 
-    def __init__(self, state: RoundState, scorer: Scorer, hooks: RoundHooks | None = None):
+    def __init__(self, state: RoundState, scorer: Scorer, hooks: RoundHooks | None = None,
+                 episodes: EpisodeRunner | None = None):
         self.state, self.scorer, self.hooks = state, scorer, hooks or RoundHooks()
+        self.episodes = episodes
+        """Runs each request as an episode (None: single-turn responses)."""
         self.cut: list[Any] = []
         self.tokens_done = 0
         """Tokens of the responses finished so far."""
@@ -395,7 +418,8 @@ class Round:
         if scaled:
             self.state.scale_down(kept_replicas(self.state.num_replicas))  # nothing launched yet: nothing migrates
             self.scaled = ScaledDown(at=now, completed_frac=None, migration_s=0.0)
-        return Actions(launch=self._launch(self.state.launch(self.state.plan.prompts)), scale_down=scaled)
+        return self._episode_actions(Actions(launch=self._launch(self.state.launch(self.state.plan.prompts)),
+                                             scale_down=scaled))
 
     def poll(self, seen: Seen, generated: Callable[[], list[tuple[int, int]]] = list) -> Actions:
         """What to do after ``seen``. ``generated()``: (prompt tokens, tokens generated) of each
@@ -403,22 +427,24 @@ class Round:
         state, hooks = self.state, self.hooks
         if seen.step_seconds:
             hooks.on_poll(seen.running, seen.step_seconds)
-        back = state.aborted(seen.aborted)
+        back, finished = self._returned(seen)
         self._migrated(back, seen.now)
-        resume = [(state.route(out.id), out) for out in back.resume]
+        resume = [(state.route(self.key(out.id)), out) for out in back.resume]
         self.cut += back.cut
-        self._finished([*seen.finished, *back.whole], seen.now)
+        self._finished([*finished, *back.whole], seen.now)
         state.scored(self.scorer.wait() if state.needs_all_scores else self.scorer.poll())
         # The policy hears of responses in finish order, once scored if it needs rewards to decide.
         decided = state.decide(resuming=bool(resume))
-        out = Actions(launch=self._launch(decided.launch), resume=resume, abort=decided.abort, done=decided.done)
+        out = Actions(launch=self._launch(decided.launch), resume=resume, abort=self._abort(decided.abort),
+                      done=decided.done)
         if not out.done and self.scaled is None and state.outstanding and hooks.scale_down(generated):
-            unsent = [rid for new in out.launch for _, rid, _ in new.run]
-            out.abort = state.scale_down(kept_replicas(state.num_replicas), unsent) + out.abort
+            unsent = [rid for new in out.launch for _, rid, _ in new.run] + (self.episodes.idle if self.episodes
+                                                                              else [])
+            out.abort = self._abort(state.scale_down(kept_replicas(state.num_replicas), unsent)) + out.abort
             out.scale_down = True
             self.scaled = ScaledDown(at=seen.now, completed_frac=state.num_complete / state.plan.keep)
         out.feed = self.feed(seen.sink_ready)
-        return out
+        return self._episode_actions(out)
 
     def feed(self, ready: bool) -> list[Group]:
         """The complete, scored groups the hooks feed the freed ranks now (``ready``: they took the last)."""
@@ -430,8 +456,11 @@ class Round:
     def finish(self, aborted: list[Any], now: float = 0.0) -> RoundOutcome:
         """The round's outcome, given the partial outputs of the final aborts (the policy's groups
         wait for their missing scores)."""
+        if self.episodes:  # aborted turns: their episodes cut; any episode still open is cut too
+            aborted = [c for c in map(self.episodes.cut, aborted) if c is not None] + self.episodes.close_all()
         self.cut += aborted
-        metrics = self.hooks.finish(self.scaled, self.num_fed)
+        metrics = self.hooks.finish(self.scaled, self.num_fed) | (self.episodes.stats.metrics() if self.episodes
+                                                                   else {})
         groups = self.state.finish(self.cut, wait=self.scorer.wait)
         carried = sum(len(o.token_ids) for o in self.state.plan.carried.values() if o.finish_reason == "abort")
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
@@ -440,10 +469,57 @@ class Round:
                             hook_metrics=metrics)
 
     def _launch(self, launches: list[Launch]) -> list[Launch]:
+        """The launches for the driver; episodes are opened here instead (their turns follow)."""
         for new in launches:  # finished in an earlier round: not run again; scored for this round
             for earlier in new.rescore:
                 self.scorer.submit(earlier.id, new.row, earlier)
-        return launches
+        if self.episodes is None:
+            return launches
+        for new in launches:
+            for _, rid, _ in new.run:
+                self.episodes.open(rid, new.row, f"{self.state.step}:{new.slot}")
+        return []
+
+    def key(self, rid: str) -> str:
+        """The round's request of engine request ``rid``: itself, or the episode of a turn."""
+        return self.episodes.key(rid) if self.episodes else rid
+
+    def _returned(self, seen: Seen) -> tuple[Returned, list[Any]]:
+        """What ``seen`` brings back: the aborted outputs sorted (:meth:`RoundState.aborted`), and the
+        responses that finished. With episodes: environment replies and finished turns move their
+        episodes on (those done finish); an aborted turn resumes (migrating) or cuts its episode."""
+        if self.episodes is None:
+            return self.state.aborted(seen.aborted), seen.finished
+        runner, back = self.episodes, Returned()
+        finished = runner.on_env(seen.env, seen.now) + runner.on_turns(seen.finished)
+        for out in seen.aborted:
+            if self.state.settle(runner.key(out.id)):
+                back.moved += 1
+                if out.finish_reason == "abort":
+                    back.resume.append(out)
+                else:  # its engine finished the turn before the abort reached it
+                    finished += runner.on_turns([out])
+            elif (cut := runner.cut(out)) is not None:
+                back.cut.append(cut)
+        return back, finished
+
+    def _abort(self, rids: list[str]) -> list[str]:
+        """The engine requests to abort for the round's requests ``rids``; episodes between turns are cut at once."""
+        if self.episodes is None:
+            return rids
+        turns, cut = self.episodes.abort(rids)
+        self.cut += cut
+        return turns
+
+    def _episode_actions(self, out: Actions) -> Actions:
+        """The turns to add and the environment calls of this poll, into ``out``."""
+        if self.episodes is not None:
+            state = self.state
+            out.turns = [(state.replica(key), self.hooks.priority(state.owner[key][1]), turn)
+                         for key, turn in self.episodes.take_turns()]
+            out.env = self.episodes.take_calls()
+            out.end_sessions = [(state.replica(key), key) for key in self.episodes.take_ended()]
+        return out
 
     def _finished(self, outputs: list[Any], now: float) -> None:
         self.state.finished(outputs)

@@ -95,6 +95,8 @@ class SortedPartialConfig(_LoadGroups):
     name: ClassVar[str] = "sorted_partial"
     partial: ClassVar[bool] = True
     stale_samples: ClassVar[str | None] = "partial mode resumes responses under newer weights"
+    carries_responses: ClassVar[str | None] = ("partial mode keeps cut responses and finished siblings for later "
+                                               "rounds")
     on_policy_alternative: ClassVar[str] = SortedConfig.name
 
 

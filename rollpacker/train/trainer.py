@@ -34,6 +34,12 @@ it also computes the reference log-probs there, which the KL in the reward needs
 advantages. The engines' log-probs (the behaviour policy) enter only through
 ``train.rollout_correction`` and the ``train/rollout_*`` metrics.
 
+Episodes (:mod:`rollpacker.env`) train only the model's tokens: a sample's ``loss_mask`` leaves the
+environment's tokens out of the loss, every aggregation and normalizer, the advantages' token
+statistics, entropy and KL; its ``token_rewards`` (an environment's step rewards, on the last
+token of their action) go into the returns (:func:`~rollpacker.train.advantages.returns_to_go`).
+A sample without them (a single-turn response) trains exactly as before.
+
 With ``train.lora`` only the adapters get gradients and optimizer state, and the KL reference is
 the policy with its adapters off (:class:`~rollpacker.model.lora.AdaptersOff`). On-policy
 distillation (``train.teacher``): a frozen teacher, sharded or streamed as the KL reference is,
@@ -46,7 +52,7 @@ way ``train/teacher_kl`` is its mean per token.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -79,10 +85,41 @@ class Sample:
     """The responses of one prompt share it and are consecutive: the advantage's group."""
     truncated: bool = False
     """Cut by the length limit: no loss with ``train.mask_truncated``."""
+    loss_mask: list[bool] | None = None
+    """Per response token, whether the model sampled it (trained); None: all of them. An episode's
+    environment tokens are False (their ``rollout_logprobs`` are 0.0, unused)."""
+    token_rewards: dict[int, float] = field(default_factory=dict)
+    """Response position -> a reward on that token (an episode's step rewards), added to the returns."""
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """The response tokens the model sampled: those the loss counts."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    def model_mask(self) -> list[bool]:
+        """Per response token, whether the model sampled it."""
+        return [True] * len(self.response_ids) if self.loss_mask is None else list(self.loss_mask)
+
+
+def trained_lengths(samples: list[Sample], mask_truncated: bool) -> list[int]:
+    """The model tokens of each sample that trains (``mask_truncated`` leaves out the truncated
+    ones; a sample without a model token trains nothing): what an aggregation's global count counts."""
+    return [s.num_model_tokens for s in samples if not (mask_truncated and s.truncated) and s.num_model_tokens]
+
+
+def step_rewards(samples: list[Sample], shape: tuple[int, int]) -> torch.Tensor | None:
+    """The samples' ``token_rewards`` as [N, T] (``shape``), None when no sample has any."""
+    if not any(s.token_rewards for s in samples):
+        return None
+    out = torch.zeros(shape)
+    for i, s in enumerate(samples):
+        for position, reward in s.token_rewards.items():
+            out[i, position] += reward
+    return out
 
 
 @dataclass
@@ -300,7 +337,7 @@ class Trainer:
 
     def _units(self, samples: list[Sample]) -> int:
         """What the aggregation counts in ``samples``, leaving out those whose loss is masked."""
-        return units(self.config.aggregation, [len(s.response_ids) for s in samples if not self._masked(s)])
+        return units(self.config.aggregation, trained_lengths(samples, self.config.mask_truncated))
 
     def _masked(self, sample: Sample) -> bool:
         return self.config.mask_truncated and sample.truncated
@@ -312,7 +349,13 @@ class Trainer:
         cfg, frozen = self.config, frozen or {}
         lengths = [len(s.response_ids) for s in samples]
         mask = torch.arange(max([1, *lengths]))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+        for i, s in enumerate(samples):  # [N, T] the model's tokens
+            if s.loss_mask is not None:
+                mask[i, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.bool)
         token_rewards = self._token_rewards(samples, frozen, mask)
+        steps = step_rewards(samples, tuple(mask.shape))
+        if steps is not None:
+            token_rewards = steps if token_rewards is None else token_rewards + steps
         rewards = torch.tensor([s.reward for s in samples])
         if cfg.teacher.path:
             rewards = cfg.teacher.task_weight * rewards
@@ -435,8 +478,8 @@ class Trainer:
         teacher = frozen(self.teacher, [p.teacher for p in prepared])
         logp_flat, entropy_flat = self._logprobs(self.model, batch, entropy=True)
         logp = padded(logp_flat)
-        mask = pad_sequence([torch.full((n,), not self._masked(s), device=self.device) for s, n in zip(batch, lengths)],
-                            batch_first=True)
+        mask = pad_sequence([torch.tensor(s.model_mask(), dtype=torch.bool, device=self.device) & (not self._masked(s))
+                             for s in batch], batch_first=True)  # the model's tokens of the samples that train
         old = padded(torch.cat([p.old for p in prepared])) if prepared[0].old is not None else logp.detach()
         behavior = padded(torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device))
         adv = padded(torch.cat([p.advantages for p in prepared]).to(self.device))

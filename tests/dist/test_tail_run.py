@@ -5,38 +5,12 @@ dispatch long rounds longest first (#30): the ledger and the resume equality hol
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from support.jobs import NUM_ROWS, finish, ledger, steps, trained
+from support.jobs import NUM_ROWS, finish, kill_when, ledger, steps, trained
 from support.jobs import start_job as launch
-
-from rollpacker.bench.faults import worker_pid
-
-
-def kill_when(proc: subprocess.Popen, run_dir: Path, ready, timeout: float = 300) -> bool:
-    """SIGKILL the whole run as soon as ``ready()``; False if it ended first. Torchrun starts its
-    ranks in sessions of their own, which a SIGKILLed torchrun cannot stop: killing its group alone
-    leaves them training on into the run directory, beside the resumed run. So each rank's
-    session (the rank and its reward workers) is killed too, right after torchrun's group."""
-    deadline = time.time() + timeout
-    ranks: list[int] = []
-    while proc.poll() is None and time.time() < deadline:
-        if len(ranks) < 2:
-            ranks = [pid for pid in (worker_pid(run_dir, rank) for rank in (0, 1)) if pid]
-        elif ready():
-            for group in (proc.pid, *ranks):
-                os.killpg(group, signal.SIGKILL)
-            proc.wait()
-            return True
-        time.sleep(0.002)
-    proc.communicate()
-    return False
-
 
 SPEC = ("--engine.speculative", "on", "--rollout.longest-first")
 """Every draft verified (``on``, not ``auto``: no measured cost table, so the kill and resume decode alike)."""

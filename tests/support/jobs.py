@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,25 @@ def sandboxed_pids() -> set[int]:
             except OSError:
                 pass  # exited meanwhile, or not ours to inspect
     return pids
+
+
+def kill_when(proc: subprocess.Popen, run_dir: Path, ready, timeout: float = 300) -> bool:
+    """SIGKILL the whole run as soon as ``ready()``; False if it ended first. Torchrun starts its
+    ranks in sessions of their own, which a SIGKILLed torchrun cannot stop: killing its group alone
+    leaves them training on into the run directory, beside the resumed run. So each rank's
+    session (the rank and its reward workers) is killed too, right after torchrun's group."""
+    from rollpacker.bench.faults import worker_pid
+
+    deadline = time.time() + timeout
+    ranks: list[int] = []
+    while proc.poll() is None and time.time() < deadline:
+        if len(ranks) < 2:
+            ranks = [pid for pid in (worker_pid(run_dir, rank) for rank in (0, 1)) if pid]
+        elif ready():
+            for group in (proc.pid, *ranks):
+                os.killpg(group, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.002)
+    proc.communicate()
+    return False

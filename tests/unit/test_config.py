@@ -169,3 +169,20 @@ def test_choice_fields_are_checked_once_on_every_path(tmp_path):
         Config(train=TrainConfig(rollout_correction="maybe"))
     with pytest.raises(SystemExit):
         parse(["--train.rollout-correction", "maybe"])
+
+
+def test_episodes_refuse_sorted_partial_and_the_planner_with_the_reason():
+    from rollpacker.config import Config
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.plan.config import PlanConfig
+    from rollpacker.schedule.sorted import SortedConfig, SortedPartialConfig
+    from rollpacker.train.config import TrainConfig
+
+    env = EnvConfig(factory="toy")
+    with pytest.raises(ValueError, match="schedule:sorted_partial with env.factory: partial mode keeps cut responses"
+                                         ".*an episode cannot be carried.*Use schedule:sorted"):
+        Config(schedule=SortedPartialConfig(), env=env, train=TrainConfig(rollout_correction="token_tis"))
+    with pytest.raises(ValueError, match="plan.enabled with env.tools: the planner switches rollout TP"):
+        Config(env=EnvConfig(tools=("python",)), plan=PlanConfig(enabled=True))
+    Config(schedule=SortedConfig(), env=env)  # on-policy sorted runs episodes
+    Config(schedule=SortedPartialConfig(), train=TrainConfig(rollout_correction="token_tis"))  # no episodes: fine

@@ -58,3 +58,30 @@ def test_make_batch_and_round_stats(mask_truncated):
     assert stats["rollout/response_lengths"] == [10, 90, 100, 5, 7]
     assert stats["rollout/wasted_tokens"] == 7 and stats["reward/seconds_total"] == 1.5
     assert stats["time/reward_exposed"] == 1.0 and stats["sched/trained_prompts"] == 2
+
+
+def test_an_episode_trains_its_model_tokens_with_its_step_rewards_on_their_actions():
+    """An episode's sample: the loss mask and step rewards come along; the round's reward (its
+    environment's plus its functions') minus the step rewards is the sample's reward, so the return
+    at its first token is the round's reward. The overlong punishment counts model tokens against
+    env.max_tokens, the normalizer model tokens."""
+    from types import SimpleNamespace
+
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.env.episode import EpisodeOutput
+
+    train = TrainConfig(overlong_buffer=4, overlong_penalty=1.0, aggregation="token-mean")
+    config = Config(train=train, rollout=RolloutConfig(max_new_tokens=8), env=EnvConfig(factory="toy", max_tokens=10))
+    ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
+    ctl.episodes = SimpleNamespace(cfg=config.env)
+    mask = [True] * 3 + [False] * 4 + [True] * 5  # 8 model tokens: 2 into the buffer of 4 before 10
+    episode = EpisodeOutput(id="0:0:0", prompt_ids=[1], token_ids=list(range(12)), logprobs=[-0.1] * 12,
+                            finish_reason="stop", loss_mask=mask, step_rewards={2: 0.25, 11: 0.5}, num_turns=2)
+    result = round_result([Group(prompt=0, outputs=[episode], rewards=[0.25 + 0.5 + 1.0])])  # a function gave 1.0
+    (sample,), count = ctl.make_batch(result)
+    assert sample.loss_mask == mask and sample.token_rewards == {2: 0.25, 11: 0.5}
+    assert sample.reward == pytest.approx(1.0 - 0.5)  # the function's 1.0, punished 2/4 of 1.0
+    assert count == 8  # token-mean counts the model's tokens, not the environment's 4
+    stats = ctl.round_stats(result)
+    assert (stats["rollout/model_tokens"], stats["rollout/env_tokens"]) == (8, 4)

@@ -1,0 +1,14 @@
+"""Episodes: multi-turn conversations with an environment, tool calls, token in and token out.
+
+- :mod:`~rollpacker.env.contract`: the environment contract, gymnasium's API over text
+  (``env.factory``), and its checks;
+- :mod:`~rollpacker.env.episode`: one episode as a pure state machine (tokens, loss mask,
+  log-probs, step rewards; what to run next);
+- :mod:`~rollpacker.env.render`: observations as chat-template deltas (token in, token out);
+- :mod:`~rollpacker.env.tools`: tools as Python functions, tool-call parsers, the ``python`` tool;
+- :mod:`~rollpacker.env.workers`: environments in killable worker processes;
+- :mod:`~rollpacker.env.toy`: the built-in toy environment; adapters for existing libraries:
+  :mod:`~rollpacker.env.verifiers`, :mod:`~rollpacker.env.skyrl_gym`.
+
+Nothing here imports torch. ``docs/environments.md`` is the user's guide.
+"""

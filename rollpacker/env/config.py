@@ -1,0 +1,67 @@
+"""The episodes' config (``[env]``): the environment, its tools, the episode's limits, the workers.
+
+Plain dataclasses only (no torch): configs are parsed before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rollpacker.choices import check_choices
+
+OnError = Literal["skip", "fail"]
+FACTORIES = {"toy": "rollpacker.env.toy:make_env"}
+"""Built-in environments of ``env.factory``, by name."""
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    factory: str = ""
+    """The environment: path/to/file.py:make_env, package.module:make_env (a function or class of the row) or toy."""
+    tools: tuple[str, ...] = ()
+    """Python functions the model may call: path/to/file.py:fn, package.module:fn, or python (code in the sandbox)."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from the model's text: hermes (<tool_call>{"name", "arguments"}</tool_call>)."""
+    max_turns: int = 4
+    """Model turns per episode at most."""
+    max_tokens: int = 0
+    """Model tokens per episode at most, all turns together (0: rollout.max_new_tokens)."""
+    timeout: float = 30.0
+    """Wall-clock seconds one environment call (reset, step with its tool calls, close) may take, then it is killed."""
+    on_error: OnError = "skip"
+    """An environment that raises, hangs or returns garbage: skip (its episode ends untrained; env/errors) or fail."""
+    observation_role: Literal["user", "tool", "system"] = "user"
+    """The chat role of an observation given as a string."""
+    num_workers: int = 2
+    """Environment worker processes (environments live there, one episode's on one worker)."""
+    template_breaks: Literal["fail", "count"] = "fail"
+    """A chat template that is not prefix-preserving for an observation: fail, or count it (env/template_breaks)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "env")
+        from rollpacker.env.tools import PARSERS, TOOLS
+        from rollpacker.reward.functions import check_spec
+
+        if self.factory:
+            check_spec(self.factory, "env.factory", FACTORIES)
+        for spec in self.tools:
+            check_spec(spec, "env.tools", TOOLS)
+        if len(set(self.tools)) < len(self.tools):
+            raise ValueError(f"env.tools names a tool twice: {list(self.tools)}")
+        if self.tool_parser not in PARSERS:
+            raise ValueError(f"env.tool_parser must be one of {', '.join(PARSERS)}, got {self.tool_parser!r}")
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_tokens < 0:
+            raise ValueError(f"env.max_tokens must be >= 0 (0: rollout.max_new_tokens), got {self.max_tokens}")
+        if self.timeout <= 0:
+            raise ValueError(f"env.timeout must be positive, got {self.timeout}")
+        if self.num_workers < 1:
+            raise ValueError(f"env.num_workers must be >= 1 (environments run in killable workers), got "
+                             f"{self.num_workers}")
+
+    @property
+    def enabled(self) -> bool:
+        """Responses are episodes: an environment or tools are set."""
+        return bool(self.factory or self.tools)

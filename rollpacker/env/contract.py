@@ -1,0 +1,124 @@
+"""The environment contract: gymnasium's API over text, so an existing environment runs unchanged.
+
+``env.factory`` names ``make_env(row: dict)`` (a function, or a class taking the row), which returns
+a fresh environment for one episode:
+
+- ``reset(*, seed: int, options: dict) -> (observation, info)``: ``options["row"]`` is the dataset
+  row. The observation is the episode's prompt: None for the row's own, else a string or chat
+  messages, encoded as a row's prompt is (:func:`rollpacker.data.chat.encode`). ``info["tools"]``,
+  if given, are tool schemas for the chat template's ``tools``.
+- ``step(action: str) -> (observation, reward, terminated, truncated, info)``: ``action`` is the
+  model's turn as text; the observation is appended to the conversation: a string (one message of
+  ``env.observation_role``), a list of chat messages, or None / [] for nothing. ``reward`` (a
+  number or None) is this step's, placed on the last token of the action.
+- optional ``close()``, called when the episode ends or is aborted.
+
+Any of them may be ``async def``. What they return is checked here: anything else is a
+:class:`BadReturn` naming what came back, which the workers report as the environment's error.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpacker.errors import UserError
+from rollpacker.reward.functions import _result, _short, load
+
+Message = dict[str, Any]
+"""A chat message: ``{"role": str, "content": str, ...}`` (a tool message may carry ``tool_call_id``, ``name``)."""
+
+
+class EnvError(UserError):
+    """An environment that cannot be loaded, or failed on a row; the message names both and the cause."""
+
+
+class BadReturn(Exception):
+    """An environment returned something the contract does not allow; the message says what."""
+
+
+@dataclass
+class StepResult:
+    """One step, checked."""
+
+    observation: list[Message]
+    """Messages to append (empty: none)."""
+    reward: float | None = None
+    terminated: bool = False
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
+
+
+def make(target: str, row: dict):
+    """A fresh environment for ``row`` from the factory ``target`` (a function or class)."""
+    return load(target, "env.factory", EnvError)(row)
+
+
+def reset(env, *, seed: int, row: dict) -> tuple[str | list[Message] | None, dict]:
+    """``env.reset`` called and checked: ``(prompt or None, info)``."""
+    value = _result(env.reset(seed=seed, options={"row": row}))
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise BadReturn(f"reset returned {_what(value)}; gymnasium's reset returns (observation, info)")
+    observation, info = value
+    if observation is not None and not isinstance(observation, str):
+        observation = messages(observation, "user", "reset")
+    info = _info(info, "reset")
+    if "tools" in info and not (isinstance(info["tools"], list) and all(isinstance(t, dict) for t in info["tools"])):
+        raise BadReturn(f"reset's info['tools'] is {_what(info['tools'])}; give a list of tool schemas (dicts)")
+    return observation, info
+
+
+def step(env, action: str, role: str = "user") -> StepResult:
+    """``env.step(action)`` called and checked."""
+    value = _result(env.step(action))
+    if not isinstance(value, tuple) or len(value) != 5:
+        raise BadReturn(f"step returned {_what(value)}; gymnasium's step returns (observation, reward, terminated, "
+                        "truncated, info)")
+    observation, reward, terminated, truncated, info = value
+    if reward is not None:
+        if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+            raise BadReturn(f"step returned reward {_short(reward)}; expected a finite number or None")
+        reward = float(reward)
+    for name, flag in (("terminated", terminated), ("truncated", truncated)):
+        if not isinstance(flag, (bool, numbers.Integral)) and type(flag).__name__ != "bool_":
+            raise BadReturn(f"step returned {name}={_short(flag)}; expected a bool")
+    return StepResult(messages(observation, role, "step"), reward, bool(terminated), bool(truncated),
+                      _info(info, "step"))
+
+
+def close(env) -> None:
+    """``env.close()`` if it has one."""
+    if callable(getattr(env, "close", None)):
+        _result(env.close())
+
+
+def messages(observation, role: str, where: str) -> list[Message]:
+    """An observation as chat messages: a string is one message of ``role``; None is none."""
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": role, "content": observation}]
+    if isinstance(observation, dict):
+        observation = [observation]
+    if not isinstance(observation, (list, tuple)) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in observation):
+        raise BadReturn(f"{where} returned observation {_what(observation)}; expected a string, None or a list of "
+                        'chat messages {"role": str, "content": str}')
+    return [dict(m) for m in observation]
+
+
+def _info(info, where: str) -> dict:
+    if info is None:
+        return {}
+    if not isinstance(info, dict):
+        raise BadReturn(f"{where} returned info {_what(info)}; expected a dict")
+    return info
+
+
+def _what(value) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)} {_short(value)}"
+    return f"{type(value).__name__} {_short(value)}"

@@ -1,0 +1,50 @@
+"""SkyRL-gym text environments through the contract: ``--env.factory rollpacker.env.skyrl_gym:make_env``.
+
+A SkyRL environment is made by id with the dataset row as its ``extras``
+(``skyrl_gym.make(id, env_config=..., extras=row)``), as SkyRL's generator does. Its API maps onto
+gymnasium's over text:
+
+- ``init(prompt) -> (messages, metadata)`` is ``reset``: the row's prompt (chat messages; a string
+  is one user turn) goes in, the messages it returns are the episode's prompt;
+- ``step(action) -> {observations, reward, done, metadata}`` is ``step``: ``done`` is
+  ``terminated``, the observations are appended, the reward is the step's;
+- ``close()`` is ``close``.
+
+:func:`make_env` takes the id from the row's ``env_class`` column (SkyRL's dataset layout). A row
+without ``reward_spec`` gets ``{"method": "rule", "ground_truth": row["answer"]}``, and one
+without ``extra_info`` an empty one, so rows of rollpacker's layout run too. For another id or
+``env_config``, write a factory: ``def make_env(row): return SkyRLEnv("gsm8k_multi_turn", row)``.
+"""
+
+from __future__ import annotations
+
+
+class SkyRLEnv:
+    """The SkyRL-gym environment ``env_id`` for one episode on ``row`` (see the module docstring)."""
+
+    def __init__(self, env_id: str, row: dict, env_config: dict | None = None):
+        import skyrl_gym
+
+        extras = {"reward_spec": {"method": "rule", "ground_truth": row.get("answer")}, "extra_info": {}, **row}
+        self.env = skyrl_gym.make(env_id, env_config=env_config or {}, extras=extras)
+        self.prompt = row["prompt"]
+
+    def reset(self, *, seed: int, options: dict):
+        prompt = [{"role": "user", "content": self.prompt}] if isinstance(self.prompt, str) else self.prompt
+        messages, metadata = self.env.init(prompt)
+        return messages, dict(metadata or {})
+
+    def step(self, action: str):
+        out = self.env.step(action)
+        return out["observations"], out["reward"], bool(out["done"]), False, dict(out.get("metadata") or {})
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def make_env(row: dict) -> SkyRLEnv:
+    """The environment the row's ``env_class`` names."""
+    if not row.get("env_class"):
+        raise ValueError(f"row {row.get('id')!r} has no env_class column naming its SkyRL-gym environment "
+                         "(or write a factory that names one: SkyRLEnv('gsm8k_multi_turn', row))")
+    return SkyRLEnv(row["env_class"], row)

@@ -1,0 +1,173 @@
+"""Tools as plain Python functions (TRL's ``tools=[fn]`` convention), and the tool-call parsers.
+
+``env.tools`` lists functions with type hints and a Google-style docstring; their JSON schemas
+(transformers' ``get_json_schema``) go to the chat template's ``tools``. Each model turn is
+parsed for tool calls by ``env.tool_parser`` (:data:`PARSERS`). :class:`ToolEnv` is the
+environment that runs them, itself an environment of the contract
+(:mod:`rollpacker.env.contract`), wrapped around the user's environment or none:
+
+- a turn with tool calls: each call runs (``async def`` too) and its result comes back as a
+  ``tool`` message; a call that cannot be parsed, names no tool, or raises is answered with an
+  ``error: ...`` tool message (the model's mistake, not the environment's). The environment is
+  not stepped;
+- a turn without one is the model's answer: it steps the wrapped environment, or, with tools
+  alone, ends the episode (``reward.funcs`` score it).
+
+The calls run in the environment's worker, under ``env.timeout`` for the whole turn, so a tool
+that hangs is killed with its worker. The built-in ``python`` runs code in the code sandbox
+(:mod:`rollpacker.reward.sandbox`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rollpacker.env.contract import EnvError
+from rollpacker.reward.functions import load, target
+
+PYTHON_TIMEOUT = 10.0
+"""Wall-clock seconds the built-in ``python`` tool gives a program."""
+MAX_RESULT_CHARS = 4000
+"""A tool's result is cut to this many characters."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call read from a model turn; ``error`` says why it cannot run."""
+
+    name: str
+    arguments: dict
+    id: str
+    error: str = ""
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def hermes(text: str) -> list[ToolCall]:
+    """Hermes-style calls (Qwen2.5/3, NousResearch): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+    a call cut by a stop string before its closing tag still counts."""
+    calls = []
+    for i, body in enumerate(_HERMES.findall(text)):
+        call_id = f"call_{i}"
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall("", {}, call_id, f"the tool call is not JSON ({e.msg} at {e.pos})"))
+            continue
+        arguments = value.get("arguments", {}) if isinstance(value, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
+            calls.append(ToolCall("", {}, call_id, 'a tool call is {"name": str, "arguments": {...}}'))
+            continue
+        calls.append(ToolCall(value["name"], arguments, call_id))
+    return calls
+
+
+PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes}
+"""``env.tool_parser`` -> ``(turn text) -> its tool calls`` (none: the turn is an answer)."""
+TOOLS = {"python": "rollpacker.env.tools:python"}
+"""Built-in tools of ``env.tools``, by name."""
+
+
+def load_tools(specs: tuple[str, ...]) -> dict[str, Callable]:
+    """``env.tools`` imported, by function name (an :class:`EnvError` if one cannot be, or two share a name)."""
+    tools: dict[str, Callable] = {}
+    for spec in specs:
+        fn = load(target(spec, TOOLS), "env.tools", EnvError)
+        name = getattr(fn, "__name__", spec)
+        if name in tools:
+            raise EnvError(f"env.tools: two tools are named {name!r}; a tool's name is its function's")
+        tools[name] = fn
+    return tools
+
+
+def schemas(tools: dict[str, Callable]) -> list[dict]:
+    """Each tool's JSON schema, for the chat template; an :class:`EnvError` says what a function lacks."""
+    from transformers.utils import get_json_schema
+
+    out = []
+    for name, fn in tools.items():
+        try:
+            out.append(get_json_schema(fn))
+        except Exception as e:  # noqa: BLE001  (transformers' DocstringParsingException, TypeHintParsingException)
+            raise EnvError(f"env.tools: {name}: no JSON schema from its signature and docstring ({e}). A tool needs "
+                           "type hints on every argument and a Google-style docstring with an Args: section") from None
+    return out
+
+
+class ToolEnv:
+    """An environment that runs the model's tool calls, around ``inner`` (an environment, or None: tools alone)."""
+
+    def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None):
+        self.tools, self.parse, self.inner = tools, PARSERS[parser], inner
+        self.schemas = schemas(tools)
+
+    async def reset(self, *, seed: int, options: dict):
+        observation, info = (None, {}) if self.inner is None else await _call(self.inner.reset, seed=seed,
+                                                                              options=options)
+        info = dict(info or {})
+        info["tools"] = [*info.get("tools", []), *self.schemas]
+        return observation, info
+
+    async def step(self, action: str):
+        calls = self.parse(action)
+        if not calls:
+            if self.inner is None:
+                return None, None, True, False, {}
+            return await _call(self.inner.step, action)
+        results = [await self._run(call) for call in calls]
+        errors = sum(r.startswith("error: ") for r in results)
+        return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": r}
+                 for c, r in zip(calls, results)], None, False, False,
+                {"tool_calls": len(calls), "tool_errors": errors})
+
+    async def close(self):
+        if self.inner is not None and callable(getattr(self.inner, "close", None)):
+            await _call(self.inner.close)
+
+    async def _run(self, call: ToolCall) -> str:
+        if call.error:
+            return f"error: {call.error}"
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})"
+        try:
+            value = await _call(fn, **call.arguments)
+        except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
+            return f"error: {type(e).__name__}: {e}"[:MAX_RESULT_CHARS]
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        return text[:MAX_RESULT_CHARS]
+
+
+async def _call(fn, *args, **kwargs):
+    """``fn(...)``, awaited if it returns an awaitable."""
+    value = fn(*args, **kwargs)
+    if hasattr(value, "__await__"):
+        value = await value
+    return value
+
+
+def python(code: str) -> str:
+    """Run a Python program in a sandbox (no network, a private /tmp) and return what it printed.
+
+    Args:
+        code: The program's source; print what you want to see.
+    """
+    from rollpacker.reward.sandbox import Sandbox
+
+    run = Sandbox().run(code, timeout=PYTHON_TIMEOUT)
+    out = run.stdout.decode("utf-8", "replace")
+    if run.timed_out:
+        return f"{out}\n[timed out after {PYTHON_TIMEOUT:g} s]"
+    if run.exit_code:
+        return f"{out}{run.stderr.decode('utf-8', 'replace')[-1000:]}"
+    return out
+

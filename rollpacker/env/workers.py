@@ -1,0 +1,243 @@
+"""Environment workers: environments live and step in processes that can be killed, beside rollout.
+
+:class:`EnvPool` is the reward workers' pool (:class:`~rollpacker.reward.workers.RewardPool`:
+spawned processes, a manager thread that feeds them and kills one that overruns its timeout or
+dies, replacing it at once) with other tasks. An episode's environment lives on one worker from
+``open_episode`` (``make_env(row)``, then ``reset``) to ``close_episode``; its calls run
+there in order, one at a time per worker, each under ``env.timeout``. Every call returns at once;
+its :class:`EnvReply` comes back from ``poll`` (never waits) or ``drain``.
+
+A call that raises, returns something the contract does not allow
+(:class:`~rollpacker.env.contract.BadReturn`), or hangs past the timeout (its worker is killed)
+comes back with ``error`` naming the environment, the episode's row and the cause, once; the
+environment is dropped, and closing it later is a no-op. Episodes whose environments lived on a
+killed worker lose them too: their next step comes back with an error saying why. Nothing is
+retried here: the caller decides (``env.on_error``).
+
+A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from rollpacker.env import contract
+from rollpacker.env.config import FACTORIES, EnvConfig
+from rollpacker.reward.functions import target
+from rollpacker.reward.workers import RewardPool, _ignore_stops
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What a worker needs to build environments: plain data, so it pickles."""
+
+    factory: str = ""
+    """The factory's importable target (``env.factory`` resolved), or empty: tools alone."""
+    tools: tuple[str, ...] = ()
+    tool_parser: str = "hermes"
+    observation_role: str = "user"
+    label: str = ""
+    """The environment as the user named it (``env.factory``), for messages."""
+
+    @classmethod
+    def from_config(cls, cfg: EnvConfig) -> EnvSpec:
+        return cls(target(cfg.factory, FACTORIES) if cfg.factory else "", cfg.tools, cfg.tool_parser,
+                   cfg.observation_role, cfg.factory)
+
+    @property
+    def name(self) -> str:
+        """The environment, for messages."""
+        return self.label or self.factory or f"tools {', '.join(self.tools)}"
+
+    def build(self, row: dict):
+        """A fresh environment for ``row``: the factory's, wrapped in the tools if any."""
+        inner = contract.make(self.factory, row) if self.factory else None
+        if not self.tools:
+            return inner
+        from rollpacker.env.tools import ToolEnv, load_tools
+
+        return ToolEnv(load_tools(self.tools), self.tool_parser, inner)
+
+
+@dataclass
+class EnvReply:
+    """The outcome of one call on an episode's environment."""
+
+    key: Hashable
+    kind: str
+    """``open`` (make and reset), ``step`` or ``close``."""
+    value: Any = None
+    """open: ``(prompt or None, info)``; step: a :class:`~rollpacker.env.contract.StepResult`; close: None."""
+    error: str | None = None
+    """Set when the call failed; names the environment, the row and the cause."""
+    seconds: float = 0.0
+    """Wall time of the call in the worker (queueing excluded)."""
+
+
+@dataclass
+class _Call:
+    key: Hashable
+    kind: str
+    payload: Any
+    timeout: float
+    row_id: Any = None
+
+
+@dataclass
+class _Episode:
+    worker: int
+    row_id: Any
+    lost: str = ""
+    """Why its environment is gone (its worker was killed), or empty."""
+    calls: int = 0
+    """Calls submitted and not yet answered."""
+
+
+def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
+    """A worker's life: the reward workers' signals (stops ignored, RETIRE unwinds a sandbox run of the
+    python tool, death with ``parent``), say ready (None), then run ``(kind, key, payload)`` calls
+    until told None."""
+    _ignore_stops(parent)
+    envs: dict[Hashable, Any] = {}
+    try:
+        conn.send(None)
+        while (task := conn.recv()) is not None:
+            wall = time.perf_counter()
+            value, error = _run(spec, envs, *task)
+            try:
+                conn.send((value, error, time.perf_counter() - wall))
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                envs.pop(task[1], None)
+                conn.send((None, f"returned something that cannot be sent back ({type(e).__name__}: {e})",
+                           time.perf_counter() - wall))
+    except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
+        return
+
+
+def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None]:
+    """One call in a worker: ``(value, error)``; a failed environment is dropped."""
+    try:
+        if kind == "open":
+            row, seed = payload
+            envs[key] = env = spec.build(row)
+            return contract.reset(env, seed=seed, row=row), None
+        if kind == "step":
+            return contract.step(envs[key], payload, spec.observation_role), None
+        env = envs.pop(key, None)
+        if env is not None:
+            contract.close(env)
+        return None, None
+    except contract.BadReturn as e:
+        cause = f"returned garbage: {e}"
+    except Exception as e:  # noqa: BLE001  (the user's environment: whatever it raises is the cause to report)
+        cause = f"raised {type(e).__name__}: {str(e)[:500]}"
+    envs.pop(key, None)
+    return None, f"{kind} {cause}"
+
+
+class EnvPool(RewardPool):
+    """``env.num_workers`` environment workers (see the module docstring). Use as a context manager, or
+    call :meth:`close`: it stops every worker and the environments in them (their ``close`` is not called)."""
+
+    _name = "env"
+    _main = staticmethod(_serve)
+
+    def __init__(self, cfg: EnvConfig, spec: EnvSpec | None = None):
+        self.spec = spec or EnvSpec.from_config(cfg)
+        self._queues: list[collections.deque[_Call]] = [collections.deque() for _ in range(cfg.num_workers)]
+        self._episodes: dict[Hashable, _Episode] = {}
+        super().__init__(cfg)
+
+    # the caller's side
+
+    def open_episode(self, key: Hashable, row: dict, seed: int) -> None:
+        """Make episode ``key``'s environment for ``row`` and reset it with ``seed``; the reply's value is
+        ``(prompt or None, info)``. The worker hosting the fewest episodes hosts it until it is closed."""
+        with self._cond:
+            if key in self._episodes:
+                raise ValueError(f"episode {key!r} is open already")
+            homes = collections.Counter(e.worker for e in self._episodes.values())
+            worker = min(range(len(self._queues)), key=lambda i: (homes[i], i))
+            self._episodes[key] = _Episode(worker, row.get("id"))
+        self._submit(_Call(key, "open", (row, seed), self.cfg.timeout, row.get("id")))
+
+    def step_episode(self, key: Hashable, action: str) -> None:
+        """Step episode ``key``'s environment with ``action``; the reply's value is a ``StepResult``."""
+        self._submit(self._call(key, "step", action))
+
+    def close_episode(self, key: Hashable) -> None:
+        """Close episode ``key``'s environment (``close()`` if it has one) and forget the episode."""
+        self._submit(self._call(key, "close", None))
+
+    def _call(self, key: Hashable, kind: str, payload: Any) -> _Call:
+        episode = self._episodes.get(key)
+        if episode is None:
+            raise ValueError(f"episode {key!r} is not open")
+        return _Call(key, kind, payload, self.cfg.timeout, episode.row_id)
+
+    def _submit(self, call: _Call) -> None:
+        with self._cond:
+            self._check_alive()
+            episode = self._episodes[call.key]
+            episode.calls += 1
+            self._num_unfinished += 1
+            if episode.lost:  # its environment is gone: a step fails saying why, a close has nothing to do
+                self._reply(call, error=episode.lost if call.kind != "close" else None)
+            else:
+                self._queues[episode.worker].append(call)
+        os.write(self._wake_w, b".")
+
+    # the manager thread's side
+
+    def _main_args(self) -> tuple:
+        return (self.spec,)
+
+    def _next_task(self, i: int) -> _Call | None:
+        return self._queues[i].popleft() if self._queues[i] else None
+
+    def _wire(self, task: _Call) -> tuple:
+        return task.kind, task.key, task.payload
+
+    def _received(self, task: _Call, message: Any) -> None:
+        value, error, seconds = message
+        with self._cond:
+            self._reply(task, value, self._cause(task, error) if error else None, seconds)
+
+    def _lost(self, i: int, task: _Call | None, reason: str, seconds: float) -> None:
+        """Worker ``i`` was killed: its running call fails with ``reason``; every episode it hosted loses
+        its environment (their queued and later steps fail saying so)."""
+        with self._cond:
+            culprit = self._cause(task, reason) if task is not None else f"its {self._name} worker died ({reason})"
+            for key, episode in self._episodes.items():
+                if episode.worker == i and not episode.lost and (task is None or key != task.key):
+                    episode.lost = (f"{self.spec.name}: the environment of episode {key!r} (row {episode.row_id!r}) "
+                                    f"was lost with its worker, killed because {culprit}")
+            if task is not None:
+                self._reply(task, error=culprit, seconds=seconds)
+            queued, self._queues[i] = self._queues[i], collections.deque()
+            for call in queued:
+                lost = self._episodes[call.key].lost
+                self._reply(call, error=lost if call.kind != "close" else None)
+
+    def _reply(self, call: _Call, value: Any = None, error: str | None = None, seconds: float = 0.0) -> None:
+        """Hand back the outcome of ``call`` (holding ``_cond``); a closed episode is forgotten."""
+        episode = self._episodes[call.key]
+        episode.calls -= 1
+        if error:
+            episode.lost = episode.lost or error
+        if call.kind == "close" and not episode.calls:
+            del self._episodes[call.key]
+        self._done.append(EnvReply(call.key, call.kind, value, error, seconds))
+        self._num_unfinished -= 1
+        self._cond.notify_all()
+
+    def _cause(self, call: _Call, error: str) -> str:
+        return f"{self.spec.name}: episode {call.key!r} (row {call.row_id!r}): {error}"

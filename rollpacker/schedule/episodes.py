@@ -1,0 +1,208 @@
+"""Episodes in the round: each response of a round may be a multi-turn episode (:mod:`rollpacker.env`).
+
+:class:`EpisodeRunner` is the round's episode bookkeeping, pure like the round: nothing here sends,
+waits or imports torch. The round's request id of a response (``STEP:SLOT:K``) names its episode;
+the policy, the scorer and the trainer see one :class:`~rollpacker.env.episode.EpisodeOutput` per
+episode (one ``on_finished``). Underneath:
+
+- a launched response opens its episode: an ``open`` :class:`EnvCall` (make the environment, reset
+  it with :func:`~rollpacker.env.episode.reset_seed` of its group ``STEP:SLOT``);
+- the reply starts the episode's first turn, an engine request ``EPISODE#TURN`` seeded by its id
+  (:class:`~rollpacker.env.episode.TurnRequest`) on the episode's replica;
+- a finished turn leads to a ``step`` call with its text, whose reply leads to the next turn, until
+  the episode is done: it then finishes for the policy, and its environment is closed;
+- an episode the policy aborts (tail's over-provisioning, the round's end) is cut where it is: its
+  running turn aborted at its engine, or, waiting for its environment, at once; either way its
+  environment is closed (``close`` after the calls in flight: a worker runs an episode's calls in order).
+
+An environment that fails (its reply has an error) ends its episode trained on nothing
+(``env.on_error`` skip, counted in ``env/errors``) or stops the run (fail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rollpacker.env.episode import Done, Episode, EpisodeOutput, StepEnv, TurnRequest, reset_seed
+from rollpacker.errors import UserError
+
+
+@dataclass(frozen=True)
+class EnvCall:
+    """One call for the environment workers (:class:`~rollpacker.env.workers.EnvPool`)."""
+
+    kind: str
+    """``open`` (make the environment for ``row``, reset it with ``seed``), ``step`` (with ``action``) or ``close``."""
+    key: str
+    """The episode: its round request id."""
+    row: int = -1
+    seed: int = 0
+    action: str = ""
+
+
+@dataclass
+class EpisodeStats:
+    """A round's episodes, for ``env/`` metrics."""
+
+    turns: list[int] = field(default_factory=list)
+    """Model turns of each episode that finished."""
+    step_seconds: list[float] = field(default_factory=list)
+    """Seconds of each environment call (reset, step) in its worker."""
+    errors: int = 0
+    causes: list[str] = field(default_factory=list)
+    """What each environment error said (the environment, the episode, its row, the cause), in order."""
+    env_wait_s: float = 0.0
+    """Seconds of polls in which no turn ran at an engine while environment calls were in flight."""
+
+    def metrics(self) -> dict[str, float]:
+        mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
+        return {"env/turns_mean": mean(self.turns), "env/step_seconds": mean(self.step_seconds),
+                "env/errors": float(self.errors), "rollout/env_wait_s": self.env_wait_s}
+
+
+class EpisodeRunner:
+    """The episodes of one round (the module docstring). ``make(key, row, reset)`` builds episode
+    ``key`` of dataset row ``row`` from its environment's reset ``(prompt or None, info)``."""
+
+    def __init__(self, make: Callable[[str, int, Any], Episode], *, seed: int, on_error: str = "skip"):
+        self.make, self.seed, self.on_error = make, seed, on_error
+        self.rows: dict[str, int] = {}
+        """Episode -> its dataset row, for every episode opened and not yet ended."""
+        self.live: dict[str, Episode] = {}
+        """Episodes started (their environment reset)."""
+        self.running: dict[str, str] = {}
+        """Turn id -> its episode, for every turn sent to an engine and not back."""
+        self.waiting: set[str] = set()
+        """Episodes whose environment call (open, step) is in flight."""
+        self.calls: list[EnvCall] = []
+        """Environment calls to send (:meth:`take_calls`)."""
+        self.turns: list[tuple[str, TurnRequest]] = []
+        """(episode, turn) to send to an engine (:meth:`take_turns`)."""
+        self.ended: list[str] = []
+        """Episodes that ended since :meth:`take_ended`: their engine sessions can go."""
+        self.stats = EpisodeStats()
+        self._last_now: float | None = None
+
+    def open(self, key: str, row: int, group: str) -> None:
+        """Open episode ``key`` of dataset row ``row`` in prompt group ``group`` (``STEP:SLOT``)."""
+        self.rows[key] = row
+        self.waiting.add(key)
+        self.calls.append(EnvCall("open", key, row=row, seed=reset_seed(self.seed, group)))
+
+    def key(self, turn_id: str) -> str:
+        """The episode of turn ``turn_id`` (``EPISODE#TURN``)."""
+        return turn_id.rpartition("#")[0]
+
+    @property
+    def idle(self) -> list[str]:
+        """Episodes with no turn at an engine: waiting for their environment, or their turn not sent yet."""
+        return sorted(self.waiting | {key for key, _ in self.turns})
+
+    def on_env(self, replies: list[Any], now: float) -> list[EpisodeOutput]:
+        """The environment workers' replies -> the episodes that finished."""
+        self._wait(now)
+        done = []
+        for reply in replies:
+            if reply.kind == "close" or reply.key not in self.waiting:
+                continue  # a close, or the reply of an episode aborted meanwhile (or of an earlier round)
+            self.waiting.discard(reply.key)
+            self.stats.step_seconds.append(reply.seconds)
+            if reply.error:
+                done += self._failed(reply.key, reply.error)
+            elif reply.kind == "open":
+                episode = self.live[reply.key] = self.make(reply.key, self.rows[reply.key], reply.value)
+                self.turns.append((reply.key, episode.next_turn()))
+            else:
+                done += self._next(reply.key, self.live[reply.key].on_step(reply.value))
+        return done
+
+    def on_turns(self, outputs: list[Any]) -> list[EpisodeOutput]:
+        """Turns that finished at the engines -> the episodes that finished."""
+        done = []
+        for out in outputs:
+            key = self.running.pop(out.id, None)
+            if key is None:
+                continue  # its episode was cut meanwhile
+            done += self._next(key, self.live[key].on_turn(out.token_ids, out.logprobs, out.finish_reason))
+        return done
+
+    def abort(self, keys: list[str]) -> tuple[list[str], list[EpisodeOutput]]:
+        """Cut episodes ``keys`` -> (turn ids to abort at the engines, episodes cut at once: those
+        waiting for their environment). A turn aborted comes back to :meth:`cut`."""
+        turns = {key: tid for tid, key in self.running.items()}
+        abort, cut = [], []
+        for key in keys:
+            if key in turns:
+                abort.append(turns[key])
+            elif key in self.rows:
+                self.turns = [(k, t) for k, t in self.turns if k != key]
+                cut.append(self._end(key, self._episode(key).abort()))
+        return abort, cut
+
+    def cut(self, out: Any) -> EpisodeOutput | None:
+        """The partial output of an aborted turn -> its episode, cut (None: not ours, or ended already)."""
+        key = self.running.pop(out.id, None)
+        if key is None:
+            return None
+        return self._end(key, self.live[key].abort())
+
+    def close_all(self) -> list[EpisodeOutput]:
+        """The round is over: every episode still open is cut."""
+        self.running.clear()
+        self.turns.clear()
+        return [self._end(key, self._episode(key).abort()) for key in sorted(self.rows)]
+
+    def take_calls(self) -> list[EnvCall]:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def take_ended(self) -> list[str]:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def take_turns(self) -> list[tuple[str, TurnRequest]]:
+        """The turns to send now; each is running from here on."""
+        turns, self.turns = self.turns, []
+        self.running |= {turn.id: key for key, turn in turns}
+        return turns
+
+    def _episode(self, key: str) -> Episode:
+        """Episode ``key``; one whose environment never opened is an empty episode of its row."""
+        if key not in self.live:
+            self.live[key] = self.make(key, self.rows[key], None)
+        return self.live[key]
+
+    def _next(self, key: str, what: StepEnv | TurnRequest | Done) -> list[EpisodeOutput]:
+        if isinstance(what, StepEnv):
+            self.waiting.add(key)
+            self.calls.append(EnvCall("step", key, action=what.action))
+            return []
+        if isinstance(what, TurnRequest):
+            self.turns.append((key, what))
+            return []
+        self.stats.turns.append(self.live[key].num_turns)
+        return [self._end(key, what)]
+
+    def _failed(self, key: str, error: str) -> list[EpisodeOutput]:
+        self.stats.errors += 1
+        self.stats.causes.append(error)
+        if self.on_error == "fail":
+            raise UserError(f"{error} (--env.on-error fail stops the run; skip ends such an episode untrained and "
+                            "counts it in env/errors)")
+        return [self._end(key, self._episode(key).fail(error))]
+
+    def _end(self, key: str, done: Done) -> EpisodeOutput:
+        """Episode ``key`` ended (``done``): its environment is closed; its output."""
+        episode = self.live.pop(key)
+        self.rows.pop(key)
+        self.waiting.discard(key)
+        self.calls.append(EnvCall("close", key))
+        self.ended.append(key)
+        return episode.output()
+
+    def _wait(self, now: float) -> None:
+        """Count the poll that just ended as waiting for environments if no turn ran and some call was in flight."""
+        if self._last_now is not None and self.waiting and not self.running:
+            self.stats.env_wait_s += now - self._last_now
+        self._last_now = now

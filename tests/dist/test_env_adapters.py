@@ -1,0 +1,188 @@
+"""Existing environment libraries through the contract, against the real packages (the env extra):
+a verifiers MultiTurnEnv and ToolEnv, and SkyRL-gym's gsm8k_multi_turn, in environment workers,
+with the toy model's turns sampled by a TorchEngine in this process."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("verifiers")
+pytest.importorskip("skyrl_gym")
+
+from rollpacker.env.config import EnvConfig  # noqa: E402
+from rollpacker.env.workers import EnvPool  # noqa: E402
+
+VF_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+from rollpacker.data.toy import score
+from rollpacker.env.verifiers import factory
+
+
+class Again(vf.MultiTurnEnv):
+    """The toy problem again after a wrong answer (a verifiers environment, unchanged)."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [vf.UserMessage(content=state["prompt"][-1].content)]
+
+    @vf.stop
+    async def solved(self, state) -> bool:
+        return bool(state["trajectory"]) and score(state["trajectory"][-1]["completion"][-1].content or "",
+                                                   state["answer"])
+
+
+def correct(completion, answer, **kwargs) -> float:
+    return score(completion[-1].content or "", answer)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def dataset():
+    return Dataset.from_list([{"question": "1+1", "answer": "2"}])
+
+
+make_env = factory(lambda: Again(max_turns=2, rubric=vf.Rubric(funcs=[correct]), dataset=dataset()))
+make_tool_env = factory(lambda: vf.ToolEnv(tools=[add], max_turns=3, rubric=vf.Rubric(funcs=[correct]),
+                                           dataset=dataset()))
+'''
+
+
+def toy_engine():
+    import torch
+
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.model import load_model
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    return TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32), EngineConfig())
+
+
+def toy_bridge():
+    from transformers import AutoTokenizer
+
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.env.render import ChatBridge
+
+    return ChatBridge(AutoTokenizer.from_pretrained(toy_model_dir()))
+
+
+def chat_rows(n: int, **extra) -> list[dict]:
+    """Toy problems as chat rows: the toy template renders the user turn as the toy task's prompt."""
+    from rollpacker.data.toy import make_dataset
+
+    return [{**row, "prompt": [{"role": "user", "content": row["prompt"][3:-3]}], **extra}
+            for row in make_dataset(n, seed=11, alpha=1.6)]
+
+
+@pytest.fixture
+def vf_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vf_env.py").write_text(textwrap.dedent(VF_ENV))
+
+
+def test_a_verifiers_multiturn_env_runs_its_loop_and_rubric_on_engine_turns(vf_file):
+    from tests.support.episodes import run_episodes
+
+    bridge, rows = toy_bridge(), chat_rows(8)
+    with EnvPool(EnvConfig(factory="vf_env.py:make_env", num_workers=1, timeout=60)) as pool:
+        run = run_episodes(toy_engine(), pool, bridge, rows, seed=3, max_turns=3, max_tokens=400,
+                           max_new_tokens=150)
+    assert not run.errors
+    turns = sorted(e.num_turns for e in run.episodes.values())
+    assert turns[0] == 1 and turns[-1] == 2, turns  # verifiers' own max_turns=2 ends the rest
+    for key, e in run.episodes.items():
+        row = rows[int(key.split(":")[1])]
+        assert e.prompt_ids == bridge.encode(f"Q: {row['prompt'][0]['content']}\nA:")
+        assert e.done.reason in ("terminated", "length"), e.done
+        if e.done.reason == "terminated":  # the rubric scored the rollout: the last answer's correctness
+            from rollpacker.data.toy import score
+
+            (reward,) = e.step_rewards.values()
+            assert reward == score(e.messages[-1]["content"], row["answer"])
+            assert list(e.step_rewards) == [len(e.response_ids) - 1]
+        if e.num_turns == 2:
+            env_text = bridge.tokenizer.decode([t for t, m in zip(e.response_ids, e.loss_mask) if not m])
+            assert env_text == f"\nQ: {row['prompt'][0]['content']}\nA:"
+
+
+def test_a_verifiers_tool_env_runs_its_tools(vf_file):
+    """Scripted model turns: a Hermes tool call goes to verifiers' ToolEnv, which calls its tool; the
+    answer without a call ends its loop and the rubric scores it."""
+    row = {"id": "r0", "prompt": "What is 40+2?", "answer": "42"}
+    with EnvPool(EnvConfig(factory="vf_env.py:make_tool_env", num_workers=1, timeout=60)) as pool:
+        pool.open_episode("e", row, 0)
+        (opened,) = pool.drain(60)
+        prompt, info = opened.value
+        assert prompt == [{"role": "user", "content": "What is 40+2?"}]
+        assert info["tools"][0]["function"]["name"] == "add"
+        pool.step_episode("e", '<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>')
+        (called,) = pool.drain(60)
+        assert [(m["role"], m["content"]) for m in called.value.observation] == [("tool", "42")]
+        assert called.value.observation[0]["tool_call_id"] == "call_0" and not called.value.terminated
+        pool.step_episode("e", "It is 42.\n#### 42")
+        pool.close_episode("e")
+        answered, closed = pool.drain(60)
+    assert (answered.value.reward, answered.value.terminated) == (1.0, True)
+    assert answered.value.info["total_tool_calls"] == 1.0 and not closed.error
+
+
+def test_a_skyrl_gym_environment_runs_through_the_contract():
+    from tests.support.episodes import run_episodes
+
+    bridge = toy_bridge()
+    rows = chat_rows(8, env_class="gsm8k_multi_turn", extra_info={"max_turns": 2})
+    with EnvPool(EnvConfig(factory="rollpacker.env.skyrl_gym:make_env", num_workers=2, timeout=60)) as pool:
+        run = run_episodes(toy_engine(), pool, bridge, rows, seed=4, max_turns=3, max_tokens=400, max_new_tokens=150)
+    assert not run.errors
+    assert max(e.num_turns for e in run.episodes.values()) == 2  # SkyRL's max_turns=2 ends them
+    for key, e in run.episodes.items():
+        assert run.steps[key] == e.num_turns or e.done.reason == "length"
+        assert len(e.step_rewards) == run.steps[key]  # SkyRL rewards every turn
+        if e.num_turns == 2:
+            env_text = bridge.tokenizer.decode([t for t, m in zip(e.response_ids, e.loss_mask) if not m])
+            assert env_text == "\nQ: Now provide only the final numeric answer in the exact format: '#### ANSWER'.\nA:"
+
+
+def test_a_skyrl_row_needs_its_environment_class():
+    from rollpacker.env.skyrl_gym import make_env
+
+    with pytest.raises(ValueError, match="row 'r' has no env_class column"):
+        make_env({"id": "r", "prompt": "p"})
+
+
+@pytest.mark.parametrize("factory,extra", [
+    ("vf_env.py:make_env", {}),
+    ("rollpacker.env.skyrl_gym:make_env", {"env_class": "gsm8k_multi_turn", "extra_info": {"max_turns": 2}}),
+], ids=["verifiers", "skyrl_gym"])
+def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, factory, extra):
+    """The whole job, 2 ranks, 2 steps: the library's environment in the workers, its episodes trained."""
+    import json
+
+    from support.jobs import QUIET, launch_job, records
+
+    rows = chat_rows(8, **extra)
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = launch_job("schedule:sync", "--data.path", "rows.jsonl", "--env.factory", factory, "--env.max-turns", "3",
+                      "--rollout.num-prompts", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "150",
+                      "--env.max-tokens", "400", "--num-steps", "2", "--eval-every", "0", "--metrics.samples-every",
+                      "1", "--run-dir", "run", *QUIET, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    episodes = [json.loads(line) for step in (0, 1)
+                for line in (tmp_path / "run" / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+    assert len(episodes) == 16 and max(r["num_turns"] for r in episodes) == 2  # the library's max_turns=2
+    for r in episodes:
+        assert [t["role"] for t in r["turns"]] == ["assistant", "user"] * (r["num_turns"] - 1) + ["assistant"]
+        assert [t["trained"] for t in r["turns"]] == [t["role"] == "assistant" for t in r["turns"]]
+    assert all(m["env/errors"] == 0 and m["rollout/env_tokens"] > 0 for m in records(tmp_path / "run"))

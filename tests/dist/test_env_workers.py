@@ -1,0 +1,164 @@
+"""Environments in killable worker processes: episodes of the toy environment with the toy model,
+tools in the workers, and environments that hang, raise, return garbage or cannot be sent back."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from rollpacker.env.config import EnvConfig
+from rollpacker.env.workers import EnvPool
+
+BAD_ENV = '''
+import time
+
+
+class Env:
+    def __init__(self, row):
+        self.mode = row["mode"]
+
+    def reset(self, *, seed, options):
+        return None, {}
+
+    def step(self, action):
+        if self.mode == "hang":
+            time.sleep(600)
+        if self.mode == "raise":
+            raise ValueError("the board is on fire")
+        if self.mode == "garbage":
+            return "obs", 1.0
+        if self.mode == "unpicklable":
+            return "obs", 1.0, False, False, {"handle": lambda: 0}
+        return "fine", 0.5, False, False, {}
+
+
+def make_env(row):
+    return Env(row)
+'''
+
+TOOLS = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+'''
+
+
+def test_toy_episodes_with_the_toy_model_and_environments_in_workers():
+    """The toy model answers toy problems; a wrong answer gets another try. Every turn the episode
+    shows was stepped in a worker, the environment's tokens are masked and carry no log-prob."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rollpacker.data.toy import make_dataset
+    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.env.render import ChatBridge
+    from rollpacker.model import load_model
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
+    from tests.support.episodes import run_episodes
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
+    engine = TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32), EngineConfig())
+    rows = make_dataset(12, seed=5, alpha=1.6)
+    with EnvPool(EnvConfig(factory="toy", num_workers=2, timeout=20)) as pool:
+        run = run_episodes(engine, pool, ChatBridge(tokenizer), rows, seed=1, max_turns=2, max_tokens=300,
+                           max_new_tokens=150, temperature=1.0)
+        assert pool._episodes == {}  # every environment closed
+    assert not run.errors and len(run.episodes) == len(rows)
+    turns = sorted(e.num_turns for e in run.episodes.values())
+    assert turns[0] == 1 and turns[-1] == 2, turns  # some right at once, some after another try
+    for key, e in run.episodes.items():
+        row = rows[int(key.split(":")[1])]
+        assert e.done.reason in ("terminated", "length", "max_tokens"), e.done
+        assert run.steps.get(key, 0) == e.num_turns - (e.done.reason != "terminated")
+        env_ids = [t for t, m in zip(e.response_ids, e.loss_mask) if not m]
+        if e.num_turns == 2:
+            assert tokenizer.decode(env_ids) == "\n" + row["prompt"]  # the problem again, as a user turn
+        assert all(lp == 0.0 for lp, m in zip(e.logprobs, e.loss_mask) if not m)
+        assert all(lp < 0.0 for lp, m in zip(e.logprobs, e.loss_mask) if m)
+        assert e.num_model_tokens + e.num_env_tokens == len(e.response_ids)
+        if e.done.reason == "terminated":
+            assert list(e.step_rewards) == [max(i for i, m in enumerate(e.loss_mask) if m)]
+
+
+def test_tools_run_in_the_workers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(textwrap.dedent(TOOLS))
+    with EnvPool(EnvConfig(tools=("tools.py:add", "python"), num_workers=1, timeout=30)) as pool:
+        pool.open_episode("e", {"id": "r0", "prompt": "p"}, 0)
+        (opened,) = pool.drain(60)
+        assert [t["function"]["name"] for t in opened.value[1]["tools"]] == ["add", "python"]
+        pool.step_episode("e", '<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>'
+                               '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
+        (step,) = pool.drain(60)
+        assert [m["content"] for m in step.value.observation] == ["42", "42\n"]
+        pool.step_episode("e", "It is 42.")
+        pool.close_episode("e")
+        answered, closed = pool.drain(60)
+        assert answered.value.terminated and closed.kind == "close" and not closed.error
+
+
+def test_the_python_tool_runs_code_in_the_sandbox():
+    from rollpacker.env.tools import python
+
+    assert python("print(6 * 7)") == "42\n"
+    assert "ZeroDivisionError" in python("1 / 0")
+    assert python("import socket\ntry:\n socket.create_connection(('1.1.1.1', 53), 1)\nexcept OSError:\n print('no')"
+                  ) == "no\n"
+
+
+def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_reported_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad_env.py").write_text(textwrap.dedent(BAD_ENV))
+    modes = {"e0": "raise", "e1": "hang", "e2": "garbage", "e3": "ok", "e4": "unpicklable"}  # e1, e3 share worker 1
+    errors: dict[str, list[str]] = {key: [] for key in modes}
+    with EnvPool(EnvConfig(factory="bad_env.py:make_env", num_workers=2, timeout=3)) as pool:
+        for key, mode in modes.items():
+            pool.open_episode(key, {"id": f"row-{mode}", "mode": mode}, 0)
+        assert not any(r.error for r in pool.drain(60))
+        assert {k: e.worker for k, e in pool._episodes.items()} == {"e0": 0, "e1": 1, "e2": 0, "e3": 1, "e4": 0}
+        for key in modes:
+            pool.step_episode(key, "go")
+        steps = {r.key: r for r in pool.drain(60)}
+        for key in modes:
+            pool.close_episode(key)
+        later = pool.drain(60)  # closing a failed or lost environment is quiet
+        for r in [*steps.values(), *later]:
+            if r.error:
+                errors[r.key].append(r.error)
+        pool.open_episode("e5", {"id": "row-ok2", "mode": "ok"}, 0)  # the replaced worker serves
+        pool.step_episode("e5", "go")
+        fresh = pool.drain(60)
+    where = "bad_env.py:make_env: episode 'e{}' (row 'row-{}'): "
+    assert errors["e0"] == [where.format(0, "raise") + "step raised ValueError: the board is on fire"]
+    assert errors["e1"] == [where.format(1, "hang") + "timed out after 3 s (env.timeout); its worker was replaced"]
+    assert errors["e2"] == [where.format(2, "garbage") + "step returned garbage: step returned a tuple of 2 "
+                            "('obs', 1.0); gymnasium's step returns (observation, reward, terminated, truncated, info)"]
+    assert len(errors["e3"]) == 1 and errors["e3"][0].startswith(
+        "bad_env.py:make_env: the environment of episode 'e3' (row 'row-ok') was lost with its worker, killed because "
+        + where.format(1, "hang") + "timed out")
+    assert len(errors["e4"]) == 1 and errors["e4"][0].startswith(
+        where.format(4, "unpicklable") + "returned something that cannot be sent back")
+    assert steps["e3"].error == errors["e3"][0] and {r.kind for r in later} == {"close"}
+    assert [(r.kind, r.error, r.value.reward if r.kind == "step" else None) for r in fresh] == [
+        ("open", None, None), ("step", None, 0.5)]
+
+
+@pytest.mark.parametrize("timeout", [3])
+def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "slow.py").write_text("import time\n\ndef make_env(row):\n    time.sleep(600)\n")
+    with EnvPool(EnvConfig(factory="slow.py:make_env", num_workers=1, timeout=timeout)) as pool:
+        pool.open_episode("e", {"id": "r"}, 0)
+        (opened,) = pool.drain(60)
+        pool.close_episode("e")
+        (closed,) = pool.drain(60)
+    assert opened.error == "slow.py:make_env: episode 'e' (row 'r'): timed out after 3 s (env.timeout); its worker " \
+                           "was replaced"
+    assert closed.error is None

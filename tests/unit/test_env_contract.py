@@ -1,0 +1,237 @@
+"""The environment contract, tools as functions and the toy environment, in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+from rollpacker.env import contract
+from rollpacker.env.config import EnvConfig
+from rollpacker.env.tools import ToolEnv, hermes, load_tools, schemas
+
+ENV_FILE = '''
+class Counter:  # sync, a class as the factory
+    def __init__(self, row):
+        self.row, self.steps = row, 0
+
+    def reset(self, *, seed, options):
+        return f"count to {options['row']['n']}", {"seed": seed}
+
+    def step(self, action):
+        self.steps += 1
+        done = action.strip() == str(self.row["n"])
+        return ("" if done else "more"), (1.0 if done else None), done, False, {}
+
+    def close(self):
+        self.closed = True
+
+
+class AsyncEnv:  # async methods
+    async def reset(self, *, seed, options):
+        return [{"role": "user", "content": "hi"}], None
+
+    async def step(self, action):
+        return [{"role": "tool", "content": action.upper()}], 0.5, False, True, {"n": 1}
+
+
+def make_async(row):
+    return AsyncEnv()
+
+
+class Garbage:
+    def __init__(self, row):
+        self.bad = row["bad"]
+
+    def reset(self, *, seed, options):
+        return None, {}
+
+    def step(self, action):
+        return {
+            "short": ("obs", 1.0, True),
+            "reward": ("obs", "high", True, False, {}),
+            "inf": ("obs", float("inf"), True, False, {}),
+            "obs": (42, 1.0, True, False, {}),
+            "flag": ("obs", 1.0, "yes", False, {}),
+            "info": ("obs", 1.0, True, False, [1]),
+        }[self.bad]
+'''
+
+TOOLS_FILE = '''
+import asyncio
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+async def shout(text: str) -> str:
+    """Say it louder.
+
+    Args:
+        text: What to say.
+    """
+    await asyncio.sleep(0)
+    return text.upper() + "!"
+
+
+def broken(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise ValueError("no")
+
+
+def undocumented(x):
+    return x
+'''
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_env.py").write_text(textwrap.dedent(ENV_FILE))
+    (tmp_path / "my_tools.py").write_text(textwrap.dedent(TOOLS_FILE))
+    return tmp_path
+
+
+def test_sync_and_async_environments_run_through_the_contract(files):
+    env = contract.make(f"{files}/my_env.py:Counter", {"id": "r1", "n": 3})
+    assert contract.reset(env, seed=5, row={"n": 3}) == ("count to 3", {"seed": 5})
+    more = contract.step(env, "2")
+    assert (more.observation, more.reward, more.terminated) == ([{"role": "user", "content": "more"}], None, False)
+    assert contract.step(env, " 3 ", role="system").reward == 1.0
+    contract.close(env)
+    assert env.closed
+    a = contract.make(f"{files}/my_env.py:make_async", {})
+    assert contract.reset(a, seed=0, row={}) == ([{"role": "user", "content": "hi"}], {})
+    step = contract.step(a, "go")
+    assert (step.observation, step.reward, step.truncated, step.info) == ([{"role": "tool", "content": "GO"}], 0.5,
+                                                                         True, {"n": 1})
+    contract.close(a)  # no close(): nothing to do
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("short", r"step returned a tuple of 3 .*gymnasium's step returns \(observation, reward, terminated"),
+    ("reward", "step returned reward 'high'; expected a finite number or None"),
+    ("inf", "step returned reward inf"),
+    ("obs", "step returned observation int 42; expected a string, None or a list of chat messages"),
+    ("flag", "step returned terminated='yes'; expected a bool"),
+    ("info", r"step returned info list \[1\]; expected a dict"),
+])
+def test_garbage_is_named(files, bad, match):
+    env = contract.make(f"{files}/my_env.py:Garbage", {"bad": bad})
+    with pytest.raises(contract.BadReturn, match=match):
+        contract.step(env, "x")
+
+
+def test_a_factory_that_cannot_be_loaded_is_an_error_naming_the_setting(files):
+    with pytest.raises(contract.EnvError, match="env.factory: .*my_env.py has no function 'nope'"):
+        contract.make(f"{files}/my_env.py:nope", {})
+    with pytest.raises(ValueError, match="env.factory: 'missing.py:make_env': no such file missing.py"):
+        EnvConfig(factory="missing.py:make_env")
+    with pytest.raises(ValueError, match="env.tools: 'python3' is neither a built-in"):
+        EnvConfig(tools=("python3",))
+    with pytest.raises(ValueError, match="env.tool_parser must be one of hermes"):
+        EnvConfig(tool_parser="xml")
+
+
+def test_hermes_tool_calls_are_parsed_and_bad_ones_explained():
+    text = ('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+            '<tool_call>{"name": "shout", "arguments": "{\\"text\\": \\"hi\\"}"}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": [1]}</tool_call><tool_call>{oops</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 5, "b": 6}}')  # cut by a stop string: still a call
+    calls = hermes(text)
+    assert [(c.name, c.arguments, c.id) for c in calls if not c.error] == [
+        ("add", {"a": 1, "b": 2}, "call_0"), ("shout", {"text": "hi"}, "call_1"), ("add", {"a": 5, "b": 6}, "call_4")]
+    assert [c.error for c in calls if c.error] == ['a tool call is {"name": str, "arguments": {...}}',
+                                                   "the tool call is not JSON (Expecting property name enclosed in "
+                                                   "double quotes at 1)"]
+    assert hermes("#### 42") == []
+
+
+def test_tool_schemas_come_from_signatures_and_docstrings(files):
+    tools = load_tools(("my_tools.py:add", "my_tools.py:shout"))
+    assert schemas(tools)[0] == {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer", "description": "The first."},
+                                             "b": {"type": "integer", "description": "The second."}},
+            "required": ["a", "b"]}, "return": {"type": "integer"}}}
+    with pytest.raises(contract.EnvError, match="env.tools: undocumented: no JSON schema .* type hints on every "
+                                                "argument and a Google-style docstring"):
+        schemas(load_tools(("my_tools.py:undocumented",)))
+
+
+def test_tools_alone_run_calls_until_the_model_answers(files):
+    env = ToolEnv(load_tools(("my_tools.py:add", "my_tools.py:shout", "my_tools.py:broken")))
+    prompt, info = contract.reset(env, seed=0, row={"prompt": "p"})
+    assert prompt is None and [t["function"]["name"] for t in info["tools"]] == ["add", "shout", "broken"]
+    step = contract.step(env, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>'
+                              '<tool_call>{"name": "shout", "arguments": {"text": "hey"}}</tool_call>'
+                              '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
+                              '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+                              '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    assert [m["content"] for m in step.observation] == [
+        "42", "HEY!", "error: ValueError: no", "error: no tool named 'nope' (tools: add, shout, broken)",
+        "error: TypeError: add() missing 1 required positional argument: 'b'"]
+    assert all(m["role"] == "tool" for m in step.observation) and step.info == {"tool_calls": 5, "tool_errors": 3}
+    assert not step.terminated
+    answer = contract.step(env, "It is 42.")
+    assert (answer.observation, answer.reward, answer.terminated) == ([], None, True)
+
+
+def test_tools_around_an_environment_step_it_when_the_model_answers(files):
+    inner = contract.make(f"{files}/my_env.py:Counter", {"n": 3})
+    env = ToolEnv(load_tools(("my_tools.py:add",)), inner=inner)
+    assert contract.reset(env, seed=1, row={"n": 3})[0] == "count to 3"
+    assert contract.step(env, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>').observation[0][
+        "content"] == "3"
+    assert inner.steps == 0
+    assert contract.step(env, "3").reward == 1.0 and inner.steps == 1
+    asyncio.run(env.close())
+    assert inner.closed
+
+
+def test_the_toy_environment_gives_another_try_after_a_wrong_answer():
+    from rollpacker.data.toy import make_dataset, solution
+    from rollpacker.env.toy import LATER, make_env
+
+    row = make_dataset(1, seed=3)[0]
+    right, wrong = solution(row), solution(row).rsplit("####", 1)[0] + "#### 1000"
+    env = make_env(row)
+    assert contract.reset(env, seed=0, row=row) == (None, {})
+    retry = contract.step(env, wrong)
+    expr = row["prompt"].removeprefix("Q: ").removesuffix("\nA:")
+    assert (retry.observation, retry.reward, retry.terminated) == ([{"role": "user", "content": expr}], None, False)
+    assert (contract.step(env, right).reward, env.answers) == (LATER, 2)
+    env = make_env(row)
+    contract.reset(env, seed=0, row=row)
+    assert contract.step(env, right).reward == 1.0
+    contract.reset(env, seed=0, row=row)
+    contract.step(env, wrong)
+    last = contract.step(env, wrong)
+    assert (last.reward, last.terminated, last.info) == (0.0, True, {"correct": 0.0})
+
+
+def test_a_reward_function_scores_an_episode_as_its_messages(files):
+    """TRL's convention with an environment: ``completions`` are the episode's turns as messages."""
+    from rollpacker.reward.functions import call, resolve
+
+    (files / "episode_reward.py").write_text(textwrap.dedent('''
+        def last_answer(completions, **kwargs):
+            return [float(c[-1]["role"] == "assistant" and c[-1]["content"].endswith("#### 8")) for c in completions]
+    '''))
+    turns = [{"role": "assistant", "content": "#### 7"}, {"role": "user", "content": "3+5"},
+             {"role": "assistant", "content": "#### 8"}]
+    sample = {"prompt": "Q: 3+5\nA:", "completion": "#### 7\nQ: 3+5\nA:#### 8", "completion_ids": [1, 2],
+              "columns": {}, "messages": turns}
+    assert call(resolve("episode_reward.py:last_answer", "last_answer"), sample)[0] == 1.0

@@ -1,0 +1,118 @@
+"""Token in, token out: canonical model tokens plus observation deltas are the whole conversation's render."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollpacker.env.contract import StepResult
+from rollpacker.env.episode import Episode, StepEnv, TurnRequest
+from rollpacker.env.render import ChatBridge, TemplateBreak
+from tests.support.chat import COUNTING_TEMPLATE, qwen_style_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+3, then times 7?"},
+    {"role": "assistant", "content": "Let me add first.", "tool_calls": [CALL]},
+    {"role": "tool", "name": "add", "content": "5"},
+    {"role": "assistant", "content": "So 5 times 7 is 35. #### 35"},
+    {"role": "user", "content": "Wrong, try again: 5 * 7 ="},
+    {"role": "assistant", "content": "Adding twice.", "tool_calls": [CALL, CALL]},
+    {"role": "tool", "name": "add", "content": "5"},
+    {"role": "tool", "name": "add", "content": "5"},
+    {"role": "assistant", "content": "It is 35.\n#### 35"},
+]
+
+
+def play(bridge: ChatBridge, conversation: list[dict], sample) -> tuple[Episode, list[int]]:
+    """Run ``conversation`` through an episode: its assistant turns as the model's tokens (``sample``
+    gives a turn's tokens), the rest as observations. Returns the episode and the last turn's ids."""
+    first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+    episode = Episode("0:0:0", bridge.prompt_ids(conversation[:first]), bridge, seed=0, max_turns=99,
+                      max_tokens=10_000, max_new_tokens=1000, max_context=100_000)
+    request, turn = episode.next_turn(), []
+    observation: list[dict] = []
+    for i in range(first, len(conversation)):
+        m = conversation[i]
+        if m["role"] != "assistant":
+            observation.append(m)
+            continue
+        if observation:
+            request = episode.on_step(StepResult(observation))
+            observation = []
+        assert isinstance(request, TurnRequest) and request.prompt_ids == episode.prompt_ids + episode.response_ids
+        turn = sample(conversation[:i], m)
+        assert isinstance(episode.on_turn(turn, [-0.5] * len(turn), "stop"), StepEnv)
+    return episode, turn
+
+
+def canonical(bridge: ChatBridge, before: list[dict], message: dict, stop: int) -> list[int]:
+    """The template's own tokens of an assistant turn, up to and including the model's stop token."""
+    head, whole = bridge.prompt_ids(before), bridge.encode(bridge.render([*before, message]))
+    assert whole[:len(head)] == head
+    turn = whole[len(head):]
+    if stop in turn:  # the template writes the stop token: the model's turn ends there
+        return turn[:turn.index(stop) + 1]
+    end = len(bridge.end_of_turn)  # else the model's stop token stands where the template ends the turn
+    assert turn[-end:] == bridge.end_of_turn
+    return [*turn[:-end], stop]
+
+
+def test_qwen_style_canonical_tokens_and_deltas_are_the_whole_render():
+    tokenizer = qwen_style_tokenizer()
+    bridge = ChatBridge(tokenizer, tools=TOOLS)
+    eos = tokenizer.eos_token_id  # <|im_end|>: the model samples it, the template's "\n" after it is the delta's
+    episode, last = play(bridge, CONVERSATION, lambda before, m: canonical(bridge, before, m, eos))
+    whole = bridge.encode(bridge.render(CONVERSATION))
+    tail = bridge.observation_ids([], last)[:1]  # the template's "\n" after the last <|im_end|>
+    assert episode.prompt_ids + episode.response_ids + tail == whole
+    assert bridge.end_of_turn == bridge.encode("<|im_end|>\n")
+    assert episode.num_turns == 4 and episode.num_model_tokens == sum(episode.loss_mask)
+    model = [t for t, m in zip(episode.response_ids, episode.loss_mask) if m]
+    assert tokenizer.decode(model).count("<|im_end|>") == 4  # each turn's stop token is the model's
+    assert "<tool_response>" in tokenizer.decode([t for t, m in zip(episode.response_ids, episode.loss_mask) if not m])
+
+
+def test_toy_canonical_tokens_and_deltas_are_the_whole_render_but_for_the_eos_the_model_samples():
+    """The toy template renders no EOS after an answer; the model samples one (kept: token out), and
+    the template's "\\n" follows it."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.data.toy_model import toy_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
+    bridge = ChatBridge(tokenizer)
+    eos = tokenizer.eos_token_id
+    conversation = [{"role": "user", "content": "3+5-2"}, {"role": "assistant", "content": " 3+5=8\n8-2=7\n#### 7"},
+                    {"role": "user", "content": "3+5-2"}, {"role": "assistant", "content": " 3+5=8\n8-2=6\n#### 6"}]
+    episode, _ = play(bridge, conversation, lambda before, m: canonical(bridge, before, m, eos))
+    assert episode.prompt_ids == tokenizer("Q: 3+5-2\nA:")["input_ids"]  # the toy task's own prompt
+    stitched = episode.prompt_ids + episode.response_ids
+    assert stitched.count(eos) == 2
+    assert [t for t in stitched if t != eos] + bridge.end_of_turn == bridge.encode(bridge.render(conversation))
+
+
+def test_a_template_that_rewrites_earlier_turns_is_caught_naming_it():
+    tokenizer = qwen_style_tokenizer(COUNTING_TEMPLATE)
+    tokenizer.name_or_path = "counting-template"
+    bridge = ChatBridge(tokenizer)
+    with pytest.raises(TemplateBreak, match="counting-template is not prefix-preserving for observations of roles "
+                                            r"\('user',\).*env.template_breaks=count"):
+        bridge.observation_ids([{"role": "user", "content": "again"}], [5, 6])
+    counting = ChatBridge(tokenizer, template_breaks="count")
+    ids = counting.observation_ids([{"role": "user", "content": "again"}], [5, 6])
+    assert counting.breaks == 1 and tokenizer.decode(ids).endswith("user: again\nassistant:")
+
+
+def test_a_turn_stopped_by_a_stop_string_gets_the_whole_end_of_turn():
+    """The model stopped on "</tool_call>" (a stop string), not on <|im_end|>: the template's end of
+    turn follows whole, and the action's text is cut before the stop string."""
+    tokenizer = qwen_style_tokenizer()
+    bridge = ChatBridge(tokenizer, stop=("</tool_call>",))
+    turn = tokenizer('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+                     add_special_tokens=False)["input_ids"]
+    ids = bridge.observation_ids([{"role": "tool", "name": "add", "content": "5"}], turn)
+    assert tokenizer.decode(ids).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>")
+    assert bridge.action_text(turn) == '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'

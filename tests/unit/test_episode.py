@@ -1,0 +1,111 @@
+"""The episode state machine with scripted turns and observations (no model, no tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollpacker.env.contract import StepResult
+from rollpacker.env.episode import Done, Episode, StepEnv, TurnRequest, reset_seed, turn_seed
+
+
+class Letters:
+    """A bridge over a scripted vocabulary: a token is a letter's code; an observation is its
+    messages' contents as tokens after the end-of-turn token 1; the action is the letters."""
+
+    def action_text(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids if t > 1)
+
+    def observation_ids(self, observation: list[dict], turn_ids: list[int]) -> list[int]:
+        return [1, *(ord(c) for m in observation for c in m["content"])]
+
+
+def episode(**kw) -> Episode:
+    limits = dict(seed=7, max_turns=3, max_tokens=100, max_new_tokens=10, max_context=200) | kw
+    return Episode("3:1:2", [2, 3, 4], Letters(), **limits)
+
+
+def turn(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_turns_and_observations_interleave_with_the_mask_and_logprobs():
+    e = episode()
+    first = e.next_turn()
+    assert first == TurnRequest("3:1:2#0", [2, 3, 4], 10, turn_seed(7, "3:1:2#0"))
+    assert e.on_turn(turn("ab"), [-0.1, -0.2], "stop") == StepEnv("ab")
+    second = e.on_step(StepResult([{"role": "user", "content": "xy"}], reward=0.5))
+    assert second == TurnRequest("3:1:2#1", [2, 3, 4, *turn("ab"), 1, *turn("xy")], 10, turn_seed(7, "3:1:2#1"))
+    assert e.on_turn(turn("c"), [-0.3], "stop") == StepEnv("c")
+    done = e.on_step(StepResult([{"role": "user", "content": "bye"}], reward=1.0, terminated=True))
+    assert done == Done("terminated") and done.finish_reason == "stop"
+    assert e.response_ids == [*turn("ab"), 1, *turn("xy"), *turn("c")]  # the final observation is not appended
+    assert e.loss_mask == [True, True, False, False, False, True]
+    assert e.logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3]
+    assert e.step_rewards == {1: 0.5, 5: 1.0} and e.reward == 1.5  # each on its action's last token
+    assert (e.num_turns, e.num_model_tokens, e.num_env_tokens) == (2, 3, 3)
+    assert [m["role"] for m in e.messages] == ["assistant", "user", "assistant", "user"]
+
+
+def test_ids_and_seeds_are_fixed_by_the_episode_and_the_turn():
+    """A turn replayed (resumed, migrated, or the episode run again) asks for the same request."""
+    from rollpacker.exchange import sampling_seed
+
+    a, b = episode(), episode()
+    for e in (a, b):
+        e.on_turn(turn("ab"), [-1.0, -1.0], "stop")
+    assert a.on_step(StepResult([])) == b.on_step(StepResult([]))
+    assert turn_seed(7, "3:1:2#1") == sampling_seed(7, "3:1:2#1")  # the round's seed of that request id
+    assert turn_seed(7, "3:1:2#1") != turn_seed(7, "3:1:2#0") != turn_seed(8, "3:1:2#0")
+    assert reset_seed(7, "3:1") == reset_seed(7, "3:1") != reset_seed(7, "3:2")
+
+
+@pytest.mark.parametrize("limits, turns, reason", [
+    (dict(max_turns=2), ["ab", "cd"], "max_turns"),
+    (dict(max_new_tokens=2), ["ab"], "length"),  # a turn at its own limit
+    (dict(max_tokens=5, max_new_tokens=10), ["abc", "de"], "max_tokens"),  # the second turn had 2 left
+    (dict(max_context=11), ["abc", "d"], "context"),
+])
+def test_limits_end_the_episode(limits, turns, reason):
+    e = episode(**limits)
+    budgets = []
+    for i, text in enumerate(turns):
+        budgets.append(e.next_turn().max_new_tokens)
+        finish = "length" if len(text) == budgets[-1] else "stop"
+        out = e.on_turn(turn(text), [-1.0] * len(text), finish)
+        if isinstance(out, StepEnv):
+            out = e.on_step(StepResult([{"role": "user", "content": "o"}]))
+    assert out == Done(reason) and e.done == Done(reason)
+    assert out.finish_reason == ("stop" if reason == "max_turns" else "length")
+    if reason == "max_tokens":
+        assert budgets == [5, 2]
+    if reason == "context":  # 3 prompt + 3 + 2 observation = 8 of 11: 3 left; 1 + 2 more would fill them
+        assert budgets == [8, 3] and len(e.prompt_ids) + len(e.response_ids) == 9
+
+
+def test_an_observation_that_does_not_fit_ends_the_episode_without_it():
+    e = episode(max_context=8)
+    e.on_turn(turn("ab"), [-1.0, -1.0], "stop")
+    assert e.on_step(StepResult([{"role": "user", "content": "xyz"}])) == Done("context")
+    assert e.response_ids == turn("ab")
+
+
+def test_a_failed_environment_trains_nothing_and_an_aborted_episode_keeps_its_tokens():
+    e = episode()
+    e.on_turn(turn("ab"), [-1.0, -1.0], "stop")
+    done = e.fail("toy.py:make_env: episode 3:1:2 (row 'r7'): step raised ValueError: boom")
+    assert done.reason == "error" and done.finish_reason == "error" and "boom" in done.detail
+    assert e.loss_mask == [False, False] and e.fail("again") == done  # ended once
+    a = episode()
+    a.on_turn(turn("ab"), [-1.0, -1.0], "stop")
+    assert a.abort() == Done("abort") and a.loss_mask == [True, True]
+
+
+def test_driving_it_out_of_order_is_a_bug_said_plainly():
+    e = episode()
+    with pytest.raises(RuntimeError, match="expected a step, but it is waiting for a turn"):
+        e.on_step(StepResult([]))
+    with pytest.raises(ValueError, match="give on_turn a whole turn"):
+        e.on_turn(turn("ab"), [-1.0, -1.0], "abort")
+    e.abort()
+    with pytest.raises(RuntimeError, match=r"expected a turn, but it is done \(abort\)"):
+        e.next_turn()

@@ -1,0 +1,243 @@
+"""Episodes through the round's protocol alone (``schedule/round.py`` with its ``EpisodeRunner``):
+scripted engines and scripted environments, no model, no process. Under sync, tail, sorted and
+stream training (a scale-down that migrates episodes at a turn boundary): tokens interleave as
+the turns and observations came, the model's tokens alone are masked in, the policy hears of each
+episode once, every episode aborted is closed, the ledger is exact, and ids and seeds are stable."""
+
+from __future__ import annotations
+
+import collections
+from types import SimpleNamespace
+
+import pytest
+
+from rollpacker.data.dataset import PromptSampler
+from rollpacker.env.contract import StepResult
+from rollpacker.env.episode import Episode, EpisodeOutput, reset_seed, turn_seed
+from rollpacker.schedule.episodes import EpisodeRunner
+from rollpacker.schedule.round import Round, RoundState, Seen
+from rollpacker.schedule.scale_down import ScaleDown, StreamRound
+from rollpacker.schedule.sorted import SortedConfig
+from rollpacker.schedule.sync import SyncConfig
+from rollpacker.schedule.tail import TailConfig
+from rollpacker.train.config import StreamConfig
+
+SEED = 3
+OBS = 900
+"""Observation tokens are OBS + the step number: told apart from the model's (< 100)."""
+
+
+class Bridge:
+    """Text and tokens, scripted: an action is its token ids as text; observation k is [OBS + k, OBS + k]."""
+
+    def action_text(self, token_ids):
+        return " ".join(map(str, token_ids))
+
+    def observation_ids(self, observation, turn_ids):
+        return [OBS + int(observation[0]["content"])] * 2
+
+
+def turns_of(key: str) -> int:
+    """Episode ``key``'s environment ends it after this many steps (1 to 3, by its id)."""
+    return 1 + sum(map(ord, key)) % 3
+
+
+def turn_tokens(seed: int) -> list[int]:
+    """What the scripted engine samples for a turn seeded ``seed``: 1 to 4 tokens below 100."""
+    return [seed % 97] * (1 + seed % 4)
+
+
+def make(key: str, row: int, reset) -> Episode:
+    return Episode(key, [row + 1, 5], Bridge(), seed=SEED, max_turns=3, max_tokens=64, max_new_tokens=8,
+                   max_context=1000)
+
+
+class Scores:
+    """An episode's reward is its environment's (as the exchange's leader scores without reward functions)."""
+
+    def __init__(self):
+        self.ready = []
+
+    def submit(self, key, row, output):
+        assert isinstance(output, EpisodeOutput)
+        self.ready.append((key, output.env_reward))
+
+    def poll(self):
+        ready, self.ready = self.ready, []
+        return ready
+
+    wait = poll
+
+
+class Driver:
+    """Engines and environment workers, scripted: a turn finishes ``1 + seed % 3`` polls after it
+    is added; an environment call is answered at the next poll; an aborted turn comes back at the
+    next poll with what it had. It records every call and turn it saw."""
+
+    def __init__(self):
+        self.running: dict[str, list] = {}  # turn id -> [replica, request, polls left, resumed]
+        self.replies, self.aborted = [], []
+        self.env_log: dict[str, list[str]] = collections.defaultdict(list)
+        self.steps: dict[str, int] = collections.Counter()
+        self.turns: dict[str, tuple[int, list[int]]] = {}  # turn id -> (seed, its prompt)
+        self.requests: dict[str, object] = {}
+        self.resumed: list[str] = []
+        self.added: list[tuple[float, int]] = []  # (poll time, replica) of every turn added
+        self.ended: dict[str, int] = {}  # episode -> the replica told to end its session
+        self.now = 0.0
+
+    def apply(self, a) -> None:
+        for replica, _, turn in a.turns:
+            assert turn.id not in self.turns and turn.seed == turn_seed(SEED, turn.id)
+            self.turns[turn.id] = (turn.seed, turn.prompt_ids)
+            self.running[turn.id] = [replica, turn, 1 + turn.seed % 3]
+            self.requests[turn.id] = turn
+            self.added.append((self.now, replica))
+        for replica, out in a.resume:  # a migrated turn resumes on a kept replica (same id, same seed)
+            assert replica == 0 and out.finish_reason == "abort"
+            self.resumed.append(out.id)
+            self.running[out.id] = [replica, self.requests[out.id], 1]
+        for rid in a.abort:
+            replica, turn, _ = self.running.pop(rid)
+            self.aborted.append(SimpleNamespace(id=rid, prompt_ids=turn.prompt_ids, token_ids=[], logprobs=[],
+                                                finish_reason="abort"))
+        for call in a.env:
+            self.env_log[call.key].append(call.kind)
+            if call.kind == "open":
+                assert call.seed == reset_seed(SEED, call.key.rpartition(":")[0])
+                self.replies.append(SimpleNamespace(key=call.key, kind="open", value=(None, {}), error=None,
+                                                    seconds=0.1))
+            elif call.kind == "step":
+                self.steps[call.key] += 1
+                n = self.steps[call.key]
+                result = StepResult([{"role": "user", "content": str(n)}], reward=float(n),
+                                    terminated=n >= turns_of(call.key))
+                self.replies.append(SimpleNamespace(key=call.key, kind="step", value=result, error=None, seconds=0.1))
+        for replica, key in getattr(a, "end_sessions", []):
+            assert key not in self.ended and self.env_log[key][-1] == "close"  # once, as its environment closes
+            self.ended[key] = replica
+
+    def seen(self) -> Seen:
+        self.now += 1.0
+        finished = []
+        for tid, entry in list(self.running.items()):
+            entry[2] -= 1
+            if entry[2] <= 0:
+                del self.running[tid]
+                tokens = turn_tokens(entry[1].seed)
+                finished.append(SimpleNamespace(id=tid, prompt_ids=entry[1].prompt_ids, token_ids=tokens,
+                                                logprobs=[-0.5] * len(tokens), finish_reason="stop"))
+        seen = Seen(now=self.now, finished=finished, aborted=self.aborted, env=self.replies)
+        self.aborted, self.replies = [], []
+        return seen
+
+    def generated(self):
+        return [(2, 1)] * len(self.running)
+
+
+class Counting:
+    """Wraps a policy: counts its ``on_finished`` calls per response."""
+
+    def __init__(self, policy):
+        self.policy, self.calls = policy, collections.Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def on_finished(self, slot, response, output, reward):
+        self.calls[(slot, response)] += 1
+        return self.policy.on_finished(slot, response, output, reward)
+
+
+def run_round(policy, step: int, driver: Driver, *, replicas: int = 2, hooks=None):
+    counting = Counting(policy)
+    state = RoundState(step, policy.start_round(step), counting, num_replicas=replicas)
+    runner = EpisodeRunner(make, seed=SEED)
+    rnd = Round(state, Scores(), hooks, runner)
+    a = rnd.start(now=driver.now)
+    assert not a.launch and [c.kind for c in a.env] == ["open"] * state.num_launched
+    scaled = False
+    for _ in range(500):
+        driver.apply(a)
+        if a.done:
+            break
+        a = rnd.poll(driver.seen(), driver.generated)
+        scaled |= a.scale_down
+    else:
+        pytest.fail("the round did not end")
+    outcome = rnd.finish(driver.seen().aborted)
+    driver.apply(SimpleNamespace(turns=[], resume=[], abort=[], env=runner.take_calls()))
+    assert max(counting.calls.values()) == 1  # one on_finished per episode
+    assert not (runner.rows or runner.live or runner.running)
+    return outcome, state, scaled
+
+
+def check_episode(out: EpisodeOutput, driver: Driver) -> None:
+    """Its tokens are its turns as sampled and its observations, interleaved; only the turns' are masked in."""
+    expected, mask, rewards = [], [], {}
+    for k in range(out.num_turns):
+        seed, prompt = driver.turns[f"{out.id}#{k}"]
+        assert prompt == out.prompt_ids + expected  # each turn saw the whole episode so far
+        expected += turn_tokens(seed)
+        mask += [True] * len(turn_tokens(seed))
+        rewards[len(expected) - 1] = float(k + 1)
+        if k + 1 < out.num_turns:
+            expected += [OBS + k + 1] * 2
+            mask += [False, False]
+    assert (out.token_ids, out.loss_mask, out.step_rewards) == (expected, mask, rewards)
+    assert out.num_turns == turns_of(out.id) and out.reason == "terminated"
+    assert driver.steps[out.id] == out.num_turns  # the environment was stepped for every turn
+
+
+@pytest.mark.parametrize("name", ["sync", "tail", "sorted"])
+def test_policies_run_scripted_episodes_each_heard_once_and_every_environment_closed(name):
+    configs = {"sync": SyncConfig, "tail": TailConfig, "sorted": SortedConfig}
+    policy = configs[name]().build(PromptSampler(12), 4, 2, num_epochs=1)
+    driver, trained = Driver(), []
+    for step in range(20):
+        if policy.done():
+            break
+        outcome, state, _ = run_round(policy, step, driver)
+        for g in outcome.groups:
+            assert len(g.outputs) == 2 and g.rewards == [o.env_reward for o in g.outputs]
+            assert all(o.id in driver.ended for o in g.outputs)  # the engine session of every episode trained
+            for o in g.outputs:
+                check_episode(o, driver)
+            trained.append(g.prompt)
+        for o in outcome.aborted:
+            assert isinstance(o, EpisodeOutput) and o.finish_reason == "abort"
+    assert sorted(trained) == list(range(12))  # every prompt trained exactly once
+    if hasattr(policy, "ledger"):
+        assert policy.ledger.counts() == collections.Counter(trained=12) and not policy.ledger.queue
+    # every environment opened was closed once, last; those of cut episodes too
+    assert driver.env_log and all(calls[0] == "open" and calls[-1] == "close" and calls.count("close") == 1
+                                  for calls in driver.env_log.values())
+    if name == "tail":
+        assert len(driver.env_log) > 12 * 2  # over-provisioned: some episodes were cut
+
+
+def test_the_same_rounds_give_the_same_turns_ids_and_seeds():
+    runs = []
+    for _ in range(2):
+        policy, driver = TailConfig().build(PromptSampler(8), 4, 2, num_epochs=1), Driver()
+        groups = [run_round(policy, step, driver)[0].groups for step in range(2)]
+        runs.append((driver.turns, [[o.token_ids for o in g.outputs] for gs in groups for g in gs]))
+    assert runs[0] == runs[1] and runs[0][0]
+
+
+def test_a_stream_round_migrates_episodes_at_a_turn_boundary():
+    """A scale-down mid-round: episodes between turns move to the kept replica at once; running turns
+    are aborted and resumed there. Every episode still finishes whole, heard once; every group is fed."""
+    policy = SyncConfig().build(PromptSampler(8), 4, 2, num_epochs=1)
+    hooks = StreamRound(ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100,
+                                  max_new_tokens=8))
+    driver = Driver()
+    outcome, state, scaled = run_round(policy, 0, driver, hooks=hooks)
+    assert scaled and outcome.scaled is not None and state.active == 1
+    assert outcome.num_fed == 4 and all(g.streamed for g in outcome.groups)
+    for g in outcome.groups:
+        for o in g.outputs:
+            check_episode(o, driver)
+    assert driver.resumed and not outcome.aborted  # some turns were running when it scaled down: resumed
+    after = [replica for now, replica in driver.added if now >= outcome.scaled.at]
+    assert after and set(after) == {0}  # every turn after the scale-down on the kept replica

@@ -1,0 +1,114 @@
+"""The trainer learns only the model's tokens: an episode's loss mask and step rewards (rollpacker.env)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.unit.test_train import algorithm_batch, weights
+
+
+def episode_batch(env_ids: int = 40, env_logprob: float = 0.0) -> list:
+    """The algorithm batch as episodes: each response is model tokens, then 3 environment tokens, then
+    model tokens, then 2 trailing environment tokens (``env_ids`` and ``env_logprob`` fill the trailing ones)."""
+    samples = []
+    for s in algorithm_batch():
+        n = len(s.response_ids)
+        first, second = s.response_ids[:max(1, n // 2)], s.response_ids[max(1, n // 2):] or [7]
+        lps = s.rollout_logprobs + [-0.5] * (len(first) + len(second) - n)
+        ids = [*first, 30, 31, 32, *second, env_ids, env_ids + 1]
+        mask = [True] * len(first) + [False] * 3 + [True] * len(second) + [False] * 2
+        logprobs = [*lps[:len(first)], 0.0, 0.0, 0.0, *lps[len(first):], env_logprob, env_logprob]
+        samples.append(dataclasses.replace(s, response_ids=ids, rollout_logprobs=logprobs, loss_mask=mask))
+    return samples
+
+
+def trainer(toy_random_dir, **kw):
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=64, **kw)
+    return Trainer(load_model(toy_random_dir), cfg, build_meshes(1, 0).train, temperature=0.8, num_steps=2)
+
+
+def step(toy_random_dir, samples, **kw) -> tuple[dict, dict]:
+    from rollpacker.train.losses import normalizer
+    from rollpacker.train.trainer import trained_lengths
+
+    t = trainer(toy_random_dir, **kw)
+    cfg = t.config
+    stats = t.step(samples, normalizer(cfg.aggregation, trained_lengths(samples, cfg.mask_truncated), 64))
+    return stats, weights(t)
+
+
+def loss_and_grads(t, samples) -> tuple[float, dict, list]:
+    """One micro-batch's loss, its gradients and its stats, then the gradients cleared."""
+    loss, stats = t._loss(samples, t._prepare(samples))
+    loss.backward()
+    grads = {n: p.grad.full_tensor().clone() for n, p in t.model.named_parameters() if p.grad is not None}
+    t.optimizer.zero_grad(set_to_none=True)
+    return loss.item(), grads, [x.item() for x in stats]
+
+
+@pytest.mark.parametrize("kw", [{}, {"rollout_correction": "token_tis", "aggregation": "seq-mean-token-mean",
+                                     "advantage": "reinforce_pp", "loss": "gspo", "entropy_coef": 0.01}])
+def test_masked_tokens_cannot_change_the_loss_or_the_gradients(toy_random_dir, kw):
+    """Rewriting the environment's trailing tokens and the log-probs at masked positions changes
+    neither the loss, nor a gradient, nor a statistic: bitwise."""
+    t = trainer(toy_random_dir, **kw)
+    loss, grads, stats = loss_and_grads(t, episode_batch())
+    other_loss, other_grads, other_stats = loss_and_grads(t, episode_batch(env_ids=50, env_logprob=-7.5))
+    assert (loss, stats) == (other_loss, other_stats) and loss != 0.0
+    assert grads.keys() == other_grads.keys() and all(torch.equal(grads[k], other_grads[k]) for k in grads)
+
+
+def test_the_counts_are_the_model_tokens_and_an_untrained_episode_changes_nothing(toy_random_dir):
+    from rollpacker.train.trainer import Sample, trained_lengths
+
+    samples = episode_batch()
+    assert trained_lengths(samples, False) == [sum(s.loss_mask) for s in samples]
+    assert trained_lengths([Sample([1], [2, 3], 0.0, [0.0, 0.0], loss_mask=[False, False])], False) == []
+    t = trainer(toy_random_dir)
+    tokens = sum(sum(s.loss_mask) for s in samples)
+    assert t._units(samples) == tokens
+    assert loss_and_grads(t, samples)[2][0] == tokens  # the stats' token count: entropy and KL are per model token
+    untrained = [dataclasses.replace(s, loss_mask=[False] * len(s.response_ids)) for s in samples]
+    before = weights(t)
+    assert t.step(untrained, 1)["train/loss"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in weights(t).items())
+
+
+def test_a_one_turn_episode_trains_bitwise_as_a_single_turn_response(toy_random_dir):
+    """A one-turn episode: every token the model's, the environment's reward on its last token (a
+    step reward), no reward function. It trains exactly as the response with that reward."""
+    single = algorithm_batch()
+    episodes = [dataclasses.replace(s, reward=0.0, loss_mask=[True] * len(s.response_ids),
+                                    token_rewards={len(s.response_ids) - 1: s.reward}) for s in single]
+    stats, after = step(toy_random_dir, single)
+    episode_stats, episode_after = step(toy_random_dir, episodes)
+    assert stats == episode_stats
+    assert all(torch.equal(after[k], episode_after[k]) for k in after)
+    t = trainer(toy_random_dir, advantage="reinforce_pp")  # whitened per token: the returns match token by token
+    assert all(torch.equal(a.advantages, b.advantages) for a, b in zip(t._prepare(single), t._prepare(episodes)))
+
+
+def test_step_rewards_reach_the_tokens_before_them(toy_random_dir):
+    """Returns to go: a step reward counts for the tokens up to its action's last token, not after it;
+    the environment's tokens get no advantage of their own."""
+    from rollpacker.train.trainer import Sample
+
+    t = trainer(toy_random_dir, advantage="reinforce_pp")
+    mask = [True, True, False, False, True, True]
+    a = Sample([5, 6], [7, 8, 30, 31, 9, 10], 0.0, [-1.0] * 6, loss_mask=mask, token_rewards={1: 1.0})
+    b = Sample([5, 6], [7, 8, 30, 31, 9, 10], 0.0, [-1.0] * 6, loss_mask=mask, token_rewards={5: 1.0})
+    adv_a, adv_b = (p.advantages for p in t._prepare([a, b]))
+    assert adv_a[0] == adv_a[1] > adv_a[4] == adv_a[5]  # the reward is behind tokens 4 and 5
+    assert adv_b[0] == adv_b[1] == adv_b[4] == adv_b[5]  # ... and ahead of all of b's
+    assert adv_a[0] > 0 > adv_a[4]
+    model = torch.cat([adv_a[torch.tensor(mask)], adv_b[torch.tensor(mask)]])
+    assert model.mean().item() == pytest.approx(0.0, abs=1e-6)  # whitened over the model's tokens alone
+    assert model.std().item() == pytest.approx(1.0, abs=1e-5)
