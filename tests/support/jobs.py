@@ -76,11 +76,12 @@ def job_command(*args: str, nproc: int = 2, module: str = "rollpacker.run") -> l
             *args]
 
 
-def launch_job(*args: str, nproc: int = 2, module: str = "rollpacker.run",
-               timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a real job (:func:`job_command`) to its end, in ``cwd``; its output captured."""
+def launch_job(*args: str, nproc: int = 2, module: str = "rollpacker.run", timeout: float = 600,
+               cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a real job (:func:`job_command`) to its end, in ``cwd``, in the process environment ``env``
+    (None: :func:`job_env`); its output captured."""
     return subprocess.run(job_command(*args, nproc=nproc, module=module), capture_output=True, text=True,
-                          timeout=timeout, env=job_env(), cwd=cwd)
+                          timeout=timeout, env=env or job_env(), cwd=cwd)
 
 
 FOUR_STEPS = ("schedule:tail", "--data.num-toy-prompts", "32", "--rollout.num-prompts", "4",
