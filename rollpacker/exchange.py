@@ -55,7 +55,7 @@ class Command:
     scale_down: bool = False
     """Rollout scales down: the freed replicas apply the aborts (all their requests), report, and leave to train."""
     end_sessions: list[tuple[int, str]] = field(default_factory=list)
-    """(replica, session) pairs to end: an episode is over, its turns' resident KV can go."""
+    """(replica, session) pairs to end: an episode is over, its turns' resident KV can go (after the aborts)."""
 
 
 logger = logging.getLogger("rollpacker")
@@ -79,6 +79,8 @@ class Report:
     """This process's CPU seconds."""
     reused_tokens: int = 0
     """Since the round began: prompt tokens prefilled from a resident session (an episode's earlier turns)."""
+    session_evictions: int = 0
+    """Since the round began: resident sessions evicted for memory."""
 
 
 @dataclass
@@ -111,6 +113,8 @@ class RoundResult:
     """The same over the tail phase's polls."""
     reused_tokens: int = 0
     """Prompt tokens the engines took from resident sessions instead of prefilling (episodes' turns)."""
+    session_evictions: int = 0
+    """Resident sessions the engines evicted for memory (their next turns recomputed their conversations)."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -149,6 +153,7 @@ class RoundResult:
             "rollout/cpu_seconds": self.cpu_s,
             "rollout/tail_cpu_seconds": self.tail_cpu_s,
             **({"rollout/reused_prefill_tokens": self.reused_tokens} if self.reused_tokens else {}),
+            **({"rollout/session_evictions": self.session_evictions} if self.session_evictions else {}),
             **spec_metrics(self.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
@@ -316,7 +321,11 @@ class RoundLeader:
         session the episode (the engine may keep its KV for the next turn, until the episode ends)."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
         return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
-                       session=turn.id.rpartition("#")[0])
+                       session=self.session(turn.id.rpartition("#")[0]))
+
+    def session(self, episode: str) -> str:
+        """The engine session of ``episode``, tagged as its environment (a held-out round's apart from training's)."""
+        return self.env_tag + episode
 
 
 class ExchangeRound:
@@ -384,7 +393,15 @@ class ExchangeRound:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
         return Command(add=adds, abort=[(state.replica(self.round.key(rid)), rid) for rid in actions.abort],
-                       final=actions.done, scale_down=actions.scale_down, end_sessions=actions.end_sessions)
+                       final=actions.done, scale_down=actions.scale_down, end_sessions=self.end_sessions(actions))
+
+    def end_sessions(self, actions: Actions) -> list[tuple[int, str]]:
+        """The engine sessions to end: the episodes that ended, and with the last command, those whose turns it
+        aborts (their episodes end at finish, after it; a queued turn's abort leaves its session resident)."""
+        ended = actions.end_sessions
+        if actions.done and self.round.episodes:
+            ended = ended + sorted({(self.round.state.replica(key), key) for key in map(self.round.key, actions.abort)})
+        return [(replica, self.leader.session(key)) for replica, key in ended]
 
     def add(self, req: Request) -> Request:
         self.requests[req.id] = (req, len(self.trace))
@@ -393,7 +410,8 @@ class ExchangeRound:
     def resume(self, out: Output) -> Request:
         """A migrated request, resumed on a kept replica by recomputation."""
         old = self.requests[out.id][0]
-        return self.add(Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out))
+        return self.add(Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out,
+                                session=old.session))
 
     def count(self, reports: list[Report | None]) -> None:
         """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
@@ -437,7 +455,8 @@ class ExchangeRound:
                            hook_metrics=outcome.hook_metrics,
                            spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
                            tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
-                           reused_tokens=sum(r.reused_tokens for r in counters))
+                           reused_tokens=sum(r.reused_tokens for r in counters),
+                           session_evictions=sum(r.session_evictions for r in counters))
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
@@ -455,7 +474,8 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
             if not engine.has_unfinished():
                 break
             finished += engine.step()
-    stats = engine.stats()
+    stats, start = engine.stats(), base[0]
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
-                  stats.num_preemptions - base[0].num_preemptions, stats.spec.since(base[0].spec),
-                  time.process_time() - base[1], stats.num_reused_prefill_tokens - base[0].num_reused_prefill_tokens)
+                  stats.num_preemptions - start.num_preemptions, stats.spec.since(start.spec),
+                  time.process_time() - base[1], stats.num_reused_prefill_tokens - start.num_reused_prefill_tokens,
+                  stats.num_session_evictions - start.num_session_evictions)

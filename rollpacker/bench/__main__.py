@@ -19,6 +19,7 @@ BENCHES = {
     "spec": "rollpacker.bench.spec",
     "memory": "rollpacker.bench.memory",
     "sessions": "rollpacker.bench.sessions",
+    "episodes": "rollpacker.bench.episodes",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

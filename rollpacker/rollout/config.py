@@ -92,6 +92,8 @@ class EngineConfig:
     """Verify model-free drafts (docs/speculative.md): auto where the engine's measured step cost says it pays."""
     spec_max_tokens: int = 8
     """Most draft tokens verified per request and step."""
+    resident_sessions: bool = True
+    """torch: keep an episode's KV between its turns (Request.session); off: each turn prefills all its context."""
 
     def __post_init__(self) -> None:
         check_choices(self, "engine")

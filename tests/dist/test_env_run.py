@@ -338,3 +338,21 @@ def test_an_environment_error_stops_the_run_with_on_error_fail_said_once(tmp_pat
     assert proc.returncode != 0
     assert proc.stderr.count("--env.on-error fail stops the run") == 1, proc.stderr[-4000:]
     assert "faulty.py:make_env: episode" in proc.stderr
+
+
+def test_resident_sessions_reuse_each_episodes_kv_and_change_no_token(tmp_path):
+    """A step of sync episodes with TorchEngine's resident sessions (the default) and without
+    (``--engine.no-resident-sessions``), same seeds: the turns reuse their episode's KV (prefill
+    tokens reused > 0) and every episode's turns are the same text."""
+    args = ("--data.num-toy-prompts", "4", "--num-steps", "1")
+    for on in (True, False):
+        (tmp_path / str(on)).mkdir()
+    runs = {on: run_env_job(tmp_path / str(on), *args, *(() if on else ("--engine.no-resident-sessions",)),
+                            policy=("schedule:sync",)) for on in (True, False)}
+    for run_dir, log in runs.values():
+        (step,) = records(run_dir)
+        assert step["sched/trained_prompts"] == 4 and step["env/turns_mean"] > 1
+    (on,), (off,) = (records(runs[k][0]) for k in (True, False))
+    assert on["rollout/reused_prefill_tokens"] > 0 and off.get("rollout/reused_prefill_tokens", 0) == 0
+    turns = {k: sorted((r["row"], r["completion"], r["length"]) for r in samples(runs[k][0])) for k in runs}
+    assert turns[True] == turns[False]

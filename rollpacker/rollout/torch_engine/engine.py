@@ -23,6 +23,7 @@ need the decoded K/V written back to the pool), and CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -127,6 +128,8 @@ class TorchEngine(Speculation):
 
     def add(self, request: Request) -> None:
         self._validate(request)
+        if request.session is not None and not self.config.resident_sessions:
+            request = dataclasses.replace(request, session=None)
         p = request.params
         out = start_output(request)
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
