@@ -25,17 +25,15 @@ controller's device, batched (:class:`JudgeFunction`).
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollpacker.errors import UserError
+from rollpacker.imports import import_path
 
 BUILTINS = {"toy": "rollpacker.reward.rules:toy", "math": "rollpacker.reward.rules:math",
             "code": "rollpacker.reward.code:code", "judge": ""}
@@ -129,15 +127,7 @@ def load(target: str, setting: str = "reward.funcs", error: type[UserError] = Re
         return _loaded[target]
     where, _, name = target.rpartition(":")
     try:
-        if where.endswith(".py"):
-            directory = str(Path(where).parent)
-            if directory not in sys.path:  # the file's own helper modules import as they do when it runs as a script
-                sys.path.insert(0, directory)
-            spec = importlib.util.spec_from_file_location(f"rollpacker_reward_{Path(where).stem}", where)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
+        module = import_path(where, "rollpacker_reward")
     except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
         raise error(f"{setting}: cannot import {where}: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)

@@ -26,14 +26,11 @@ already trains apart.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Annotated, Any, Union
 
 import tyro
 
+from rollpacker.imports import import_path
 from rollpacker.schedule.base import PolicyConfig
 from rollpacker.schedule.one_step_off import OneStepOffConfig
 from rollpacker.schedule.sorted import SortedConfig, SortedPartialConfig
@@ -64,7 +61,7 @@ def register(spec: str, where: str = "schedule.policy") -> str:
         raise ValueError(f"{where} must be one of {', '.join(POLICY_CONFIGS)} or a reference package.module:Class "
                          f"(or path/to/file.py:Class), got {spec!r}")
     try:
-        module = _import(module_name)
+        module = import_path(module_name, "rollpacker_policy")
     except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
         raise ValueError(f"{where}: cannot import {module_name}: {type(e).__name__}: {e}") from None
     cls = getattr(module, attr, None)
@@ -77,24 +74,6 @@ def register(spec: str, where: str = "schedule.policy") -> str:
     POLICY_CONFIGS[cls.name] = cls
     ScheduleConfig = union()
     return cls.name
-
-
-def _import(module_name: str):
-    """A module by dotted name, or a Python file by path (its directory then on sys.path, for its own imports)."""
-    if not module_name.endswith(".py"):
-        return importlib.import_module(module_name)
-    path = Path(module_name).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file {module_name}")
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    name = f"rollpacker_policy_{path.stem}"
-    if getattr(sys.modules.get(name), "__file__", None) == str(path):  # imported once per process
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def policy_name(value: str, where: str = "schedule.policy") -> str:
