@@ -385,7 +385,8 @@ class Actions:
     env: list[EnvCall] = field(default_factory=list)
     """Episodes: the calls for the environment workers, in order."""
     end_sessions: list[tuple[int, str]] = field(default_factory=list)
-    """Episodes: (replica, episode) of each episode that ended: its engine session (resident KV) can go."""
+    """Episodes: (replica, episode) of each episode that ended (with ``done``: also those whose turns
+    ``abort`` cuts): its engine session (resident KV) can go."""
 
 
 @dataclass
@@ -531,7 +532,10 @@ class Round:
                 slot = state.owner[key][1]
                 out.turns.append((state.replica(key), state.turn_priority(slot, self.hooks.priority(slot)), turn))
             out.env = self.episodes.take_calls()
-            out.end_sessions = [(state.replica(key), key) for key in self.episodes.take_ended()]
+            ended = self.episodes.take_ended()
+            if out.done:  # the episodes whose turns the last actions abort end at finish, after them: now
+                ended += sorted({self.key(rid) for rid in out.abort})
+            out.end_sessions = [(state.replica(key), key) for key in ended]
         return out
 
     def _finished(self, outputs: list[Any], now: float) -> None:

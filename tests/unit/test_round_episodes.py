@@ -113,8 +113,9 @@ class Driver:
                 result = StepResult([{"role": "user", "content": str(n)}], reward=float(n),
                                     terminated=n >= turns_of(call.key))
                 self.replies.append(SimpleNamespace(key=call.key, kind="step", value=result, error=None, seconds=0.1))
-        for replica, key in getattr(a, "end_sessions", []):
-            assert key not in self.ended and self.env_log[key][-1] == "close"  # once, as its environment closes
+        cut_last = {rid.rpartition("#")[0] for rid in a.abort} if getattr(a, "done", False) else set()
+        for replica, key in getattr(a, "end_sessions", []):  # once, as its environment closes, or with its last turn
+            assert key not in self.ended and (self.env_log[key][-1] == "close" or key in cut_last)
             self.ended[key] = replica
 
     def seen(self) -> Seen:
