@@ -321,12 +321,13 @@ class RoundLeader:
             return ()
         return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
 
-    def turn(self, turn: TurnRequest, priority: int) -> Request:
-        """The engine request of an episode's turn: seeded by its id, its token budget the episode's, its
-        session the episode (the engine may keep its KV for the next turn, until the episode ends)."""
+    def turn(self, turn: TurnRequest, row: int, priority: int) -> Request:
+        """The engine request of an episode's turn (of dataset row ``row``): seeded by its id, its token budget
+        the episode's, its session the episode (the engine may keep its KV for the next turn, until the episode
+        ends), the row's earlier episodes offered to the drafters (a cut attempt's conversation among them)."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
         return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
-                       session=self.session(turn.id.rpartition("#")[0]))
+                       session=self.session(turn.id.rpartition("#")[0]), draft_context=self.contexts(row))
 
     def session(self, episode: str) -> str:
         """The engine session of ``episode``, tagged as its environment (a held-out round's apart from training's)."""
@@ -391,7 +392,8 @@ class ExchangeRound:
         for new in actions.launch:
             adds += [(state.replica(req.id), self.add(req))
                      for req in leader.requests(self.step, new, self.hooks.priority(new.slot))]
-        adds += [(replica, self.add(leader.turn(turn, priority))) for replica, priority, turn in actions.turns]
+        adds += [(replica, self.add(leader.turn(turn, state.row(self.round.key(turn.id)), priority)))
+                 for replica, priority, turn in actions.turns]
         if actions.env:
             leader.episodes.send(actions.env, leader.rows, leader.env_tag)
         if actions.feed:

@@ -108,6 +108,15 @@ def test_episodes_train_under_tail_with_every_turn_stepped_and_every_environment
     assert all(r["rollout/resident_sessions"] == 0 for r in records(run_dir))  # every session ended with its round
 
 
+def test_a_long_round_drafts_each_turn_from_the_prompts_cut_episodes(tmp_path):
+    """Tail with speculation on: a long round regenerates its deferred prompts' episodes, each turn offered
+    what the short round cut of the same prompt (the ``partial`` drafts), which the engines verify and accept."""
+    run_dir, log = run_env_job(tmp_path, "--engine.speculative", "on")
+    check_run(run_dir, log)
+    long = [r for r in records(run_dir) if r.get("sched/round_kind") == "long"]
+    assert long and any(r.get("rollout/spec_acceptance/partial", 0) > 0 for r in long), long
+
+
 def test_the_report_shows_an_episode_turn_by_turn(env_run, tmp_path):
     """``report`` on the run's metrics and its episodes that ran three turns (the report shows the last step's)."""
     from rollpacker.report import main
