@@ -210,3 +210,28 @@ def test_a_second_ctrl_c_during_a_save_stops_at_once_leaving_nothing_resume_pick
     newest = checkpoint.newest_whole(run_dir)
     assert newest == checkpoint.latest(run_dir) and newest not in partial
     assert int(newest.name.split("_")[1]) < int(partial[0].name.split("_")[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_one_step_off_stops_on_sigterm_at_a_boundary_and_resumes_training_each_prompt_once(tmp_path):
+    """one_step_off's own loop (a rollout pool and a training pool): SIGTERM to the job (Slurm's scancel)
+    mid-run stops it at a step boundary with a committed checkpoint and exit 0; resumed, every prompt is
+    trained once and every step logged once (the batch in flight at the stop is drawn again)."""
+    write_task(tmp_path)
+    run_dir = tmp_path / "run"
+    flags = ["schedule:one_step_off", *args(tmp_path, run_dir)[1:], "--train.train-shard-size", "1"]
+    proc, out, err = start(tmp_path, "first", torchrun(*flags))
+    wait_until(proc, lambda: stepped(run_dir) >= 2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert finish(proc) == 0, err.read_text()[-4000:]
+    said = err.read_text()
+    no_traceback(said)
+    assert "rollpacker: stopped on SIGTERM with" in said, said[-4000:]
+    assert checkpoint.newest_whole(run_dir) == checkpoint.latest(run_dir)
+    proc, out, err = start(tmp_path, "resumed", torchrun(*flags, "--resume", "auto"))
+    assert finish(proc) == 0, err.read_text()[-4000:]
+    assert [r["step"] for r in records(run_dir)] == list(range(NUM_ROWS // 4))  # each step once
+    trained = [json.loads(line)["row"] for path in (run_dir / "samples").glob("step_*.jsonl")
+               for line in path.read_text().splitlines()]
+    assert sorted(trained) == sorted(f"rows:{i}" for i in range(NUM_ROWS) for _ in range(2))  # each prompt once
