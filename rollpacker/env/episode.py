@@ -156,8 +156,9 @@ class Episode:
 
     def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge, *, seed: int, max_turns: int,
                  max_tokens: int, max_new_tokens: int, max_context: int):
-        if not prompt_ids:
-            raise ValueError(f"episode {id}: empty prompt")
+        if not prompt_ids or len(prompt_ids) >= max_context:  # the caller's to refuse (Episodes.make: an EnvError)
+            raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
+                             f"context of {max_context}")
         self.id, self.prompt_ids, self.bridge, self.seed = id, list(prompt_ids), bridge, seed
         self.max_turns, self.max_tokens, self.max_new_tokens = max_turns, max_tokens, max_new_tokens
         self.max_context = max_context

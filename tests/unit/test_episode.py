@@ -109,3 +109,26 @@ def test_driving_it_out_of_order_is_a_bug_said_plainly():
     e.abort()
     with pytest.raises(RuntimeError, match=r"expected a turn, but it is done \(abort\)"):
         e.next_turn()
+
+
+def test_a_prompt_that_fills_the_context_is_refused():
+    with pytest.raises(ValueError, match="a prompt of 3 tokens leaves no room for a turn in a context of 3"):
+        episode(max_context=3)
+
+
+@pytest.mark.parametrize("max_context", range(4, 16))
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
+def test_no_turn_is_asked_for_with_no_token_left(max_context, max_tokens):
+    """Whatever the limits, every turn asked for has at least one token; a conversation that leaves
+    none ends the episode by its limit ("length": truncated), never with a turn of budget <= 0."""
+    for turn_len in (1, 2, 4):
+        e, out = episode(max_context=max_context, max_tokens=max_tokens, max_new_tokens=4, max_turns=20), None
+        while not isinstance(out, Done):
+            budget = e.next_turn().max_new_tokens
+            assert budget >= 1, (budget, e.num_model_tokens, len(e.response_ids))
+            n = min(turn_len, budget)
+            out = e.on_turn(turn("a" * n), [-1.0] * n, "length" if n == budget else "stop")
+            if isinstance(out, StepEnv):
+                out = e.on_step(StepResult([{"role": "user", "content": "o"}]))
+        assert out.finish_reason == "length" and len(e.prompt_ids) + len(e.response_ids) <= max_context
+        assert e.num_model_tokens <= max_tokens
