@@ -18,10 +18,11 @@ step rewards, each on the last token of its step's action. A driver (the round) 
 environment runs elsewhere (:mod:`rollpacker.env.workers`).
 
 An episode ends when the environment says so (``terminated``, ``truncated``), after
-``max_turns`` model turns, when a turn stops at its token limit (the per-turn ``max_new_tokens``,
-the episode's ``max_tokens`` model tokens, or the context length): those are truncated
-(``finish_reason`` "length", as a cut single-turn response). An observation that ends the
-episode is kept in :attr:`Episode.messages`, not in the tokens: nothing follows it.
+``max_turns`` model turns, or when a turn stops at the episode's token limit (its ``max_tokens``
+model tokens, or the context length): those are truncated (``finish_reason`` "length", as a cut
+single-turn response). A turn cut at its own limit (``max_new_tokens``) with the episode's budget
+left is an action like any other: the environment steps on it (as verifiers' ``MultiTurnEnv``).
+An observation that ends the episode is kept in :attr:`Episode.messages`, not in the tokens: nothing follows it.
 """
 
 from __future__ import annotations
@@ -201,8 +202,8 @@ class Episode:
         self._turn = list(token_ids)
         action = self.bridge.action_text(token_ids)
         self.messages.append({"role": "assistant", "content": action})
-        if finish_reason == "length" or not token_ids:
-            return self._end(limit)
+        if not token_ids or (finish_reason == "length" and limit != "length"):
+            return self._end(limit)  # an empty turn, or the episode's budget or the context spent
         self._waiting = "step"
         return StepEnv(action)
 
@@ -255,11 +256,12 @@ class Episode:
                    self.max_context - len(self.prompt_ids) - len(self.response_ids))
 
     def _limit(self) -> str:
-        """The limit the next turn's token budget is: "length" (the turn's), "max_tokens" or "context"."""
+        """The limit the next turn's token budget is: "max_tokens", "context" (the episode's, first
+        on a tie) or "length" (the turn's alone)."""
         budget = self._budget()
-        if budget == self.max_new_tokens:
-            return "length"
-        return "max_tokens" if budget == self.max_tokens - self.num_model_tokens else "context"
+        if budget == self.max_tokens - self.num_model_tokens:
+            return "max_tokens"
+        return "context" if budget == self.max_context - len(self.prompt_ids) - len(self.response_ids) else "length"
 
     def _append(self, token_ids: list[int], logprobs: list[float], *, model: bool) -> None:
         self.response_ids.extend(token_ids)
