@@ -148,7 +148,8 @@ class Bridge(Protocol):
 
     def action_text(self, token_ids: list[int]) -> str: ...
 
-    def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]: ...
+    def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]:
+        """``turn_ids``: the model turn if it stopped (on its last token), [] if it was cut at its limit."""
 
 
 class Episode:
@@ -176,7 +177,7 @@ class Episode:
         self.num_turns = 0
         self.num_model_tokens = 0
         self.done: Done | None = None
-        self._turn: list[int] = []  # the last turn's tokens
+        self._turn: list[int] = []  # the last turn's tokens if it stopped; [] if cut (it stopped on no token)
         self._waiting = "turn"  # what the episode waits for: "turn", "step", or "" when done
 
     @property
@@ -199,7 +200,7 @@ class Episode:
         self._append(token_ids, logprobs, model=True)
         self.num_turns += 1
         self.num_model_tokens += len(token_ids)
-        self._turn = list(token_ids)
+        self._turn = list(token_ids) if finish_reason == "stop" else []
         action = self.bridge.action_text(token_ids)
         self.messages.append({"role": "assistant", "content": action})
         if not token_ids or (finish_reason == "length" and limit != "length"):
