@@ -22,7 +22,8 @@ An episode ends when the environment says so (``terminated``, ``truncated``), af
 model tokens, or the context length): those are truncated (``finish_reason`` "length", as a cut
 single-turn response). A turn cut at its own limit (``max_new_tokens``) with the episode's budget
 left is an action like any other: the environment steps on it (as verifiers' ``MultiTurnEnv``).
-An observation that ends the episode is kept in :attr:`Episode.messages`, not in the tokens: nothing follows it.
+An observation that ends the episode is kept in :attr:`Episode.messages`, not in the tokens:
+nothing follows it.
 """
 
 from __future__ import annotations
