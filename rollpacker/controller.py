@@ -220,13 +220,14 @@ class Controller:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards with the
         overlong punishment, one group number for all of them. An episode trains its model's tokens;
         its environment's step rewards are token rewards (on their actions), the rest of its reward
-        (its functions', the punishment) the sample's reward."""
+        (its functions', the punishment) the sample's reward. One whose environment failed is
+        ``failed``: outside its group's advantage statistics."""
         from rollpacker.train.trainer import Sample
 
         number = next(self.group_ids)
         return [Sample(o.prompt_ids, o.token_ids, r - getattr(o, "env_reward", 0.0) + self.overlong(o), o.logprobs,
                        group=number, truncated=o.finish_reason == "length", loss_mask=getattr(o, "loss_mask", None),
-                       token_rewards=dict(getattr(o, "step_rewards", {})))
+                       token_rewards=dict(getattr(o, "step_rewards", {})), failed=o.finish_reason == "error")
                 for o, r in self.trained_rewards(group)]
 
     def make_batch(self, result: RoundResult) -> tuple[list[Sample], int]:

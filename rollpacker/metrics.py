@@ -145,7 +145,9 @@ class MetricsLogger:
 
     Rank 0 only. The file is opened for appending, so a resumed run continues the same record;
     :meth:`start_at` first drops the records of the steps the run does again, so that each step is
-    there once.
+    there once. The evaluation of the step it starts at (a finished run's final evaluation, of the
+    weights the resumed run starts from) is held, not lost: the run's record of that step takes it
+    in, unless it has its own evaluation; :meth:`close` writes it back if the run logged no such record.
     """
 
     def __init__(self, run_dir: Path, config: MetricsConfig, run_config: dict) -> None:
@@ -154,6 +156,8 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._wandb_run = None
+        self._held: tuple[int, dict[str, Any]] | None = None
+        """(step, its ``eval/`` metrics) dropped by :meth:`start_at`, for the run's record of that step."""
         if config.wandb_mode != "disabled":
             self._wandb_run = _init_wandb(self.run_dir, config, run_config)
 
@@ -163,6 +167,9 @@ class MetricsLogger:
             return
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         kept = [line for line in lines if _step_of(line) < step]
+        evaluated = {k: v for line in lines if _step_of(line) == step
+                     for k, v in json.loads(line).items() if k.startswith("eval/")}
+        self._held = (step, evaluated) if evaluated else None
         if len(kept) < len(lines):
             self._file.close()
             self.path.write_text("".join(kept), encoding="utf-8")
@@ -176,6 +183,10 @@ class MetricsLogger:
         if self._file is None:
             raise RuntimeError(f"MetricsLogger for {self.path} is closed")
         metrics = {k: _plain(v) for k, v in metrics.items()}
+        if self._held is not None and self._held[0] == step:
+            if not any(k.startswith("eval/") for k in metrics):
+                metrics |= self._held[1]
+            self._held = None
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
         if self._wandb_run is not None:
@@ -207,6 +218,9 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flush and close the JSONL file and finish the wandb run; safe to call twice."""
+        if self._held is not None and self._file is not None:  # the held evaluation, back as it was
+            self._file.write(json.dumps({"step": self._held[0], **self._held[1]}) + "\n")
+            self._held = None
         if self._file is not None:
             self._file.close()
             self._file = None

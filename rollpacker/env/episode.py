@@ -18,10 +18,12 @@ step rewards, each on the last token of its step's action. A driver (the round) 
 environment runs elsewhere (:mod:`rollpacker.env.workers`).
 
 An episode ends when the environment says so (``terminated``, ``truncated``), after
-``max_turns`` model turns, when a turn stops at its token limit (the per-turn ``max_new_tokens``,
-the episode's ``max_tokens`` model tokens, or the context length): those are truncated
-(``finish_reason`` "length", as a cut single-turn response). An observation that ends the
-episode is kept in :attr:`Episode.messages`, not in the tokens: nothing follows it.
+``max_turns`` model turns, or when a turn stops at the episode's token limit (its ``max_tokens``
+model tokens, or the context length): those are truncated (``finish_reason`` "length", as a cut
+single-turn response). A turn cut at its own limit (``max_new_tokens``) with the episode's budget
+left is an action like any other: the environment steps on it (as verifiers' ``MultiTurnEnv``).
+An observation that ends the episode is kept in :attr:`Episode.messages`, not in the tokens:
+nothing follows it.
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ class Bridge(Protocol):
 
     def action_text(self, token_ids: list[int]) -> str: ...
 
-    def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]: ...
+    def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]:
+        """``turn_ids``: the model turn if it stopped (on its last token), [] if it was cut at its limit."""
 
 
 class Episode:
@@ -156,8 +159,9 @@ class Episode:
 
     def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge, *, seed: int, max_turns: int,
                  max_tokens: int, max_new_tokens: int, max_context: int):
-        if not prompt_ids:
-            raise ValueError(f"episode {id}: empty prompt")
+        if not prompt_ids or len(prompt_ids) >= max_context:  # the caller's to refuse (Episodes.make: an EnvError)
+            raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
+                             f"context of {max_context}")
         self.id, self.prompt_ids, self.bridge, self.seed = id, list(prompt_ids), bridge, seed
         self.max_turns, self.max_tokens, self.max_new_tokens = max_turns, max_tokens, max_new_tokens
         self.max_context = max_context
@@ -174,7 +178,7 @@ class Episode:
         self.num_turns = 0
         self.num_model_tokens = 0
         self.done: Done | None = None
-        self._turn: list[int] = []  # the last turn's tokens
+        self._turn: list[int] = []  # the last turn's tokens if it stopped; [] if cut (it stopped on no token)
         self._waiting = "turn"  # what the episode waits for: "turn", "step", or "" when done
 
     @property
@@ -197,11 +201,11 @@ class Episode:
         self._append(token_ids, logprobs, model=True)
         self.num_turns += 1
         self.num_model_tokens += len(token_ids)
-        self._turn = list(token_ids)
+        self._turn = list(token_ids) if finish_reason == "stop" else []
         action = self.bridge.action_text(token_ids)
         self.messages.append({"role": "assistant", "content": action})
-        if finish_reason == "length" or not token_ids:
-            return self._end(limit)
+        if not token_ids or (finish_reason == "length" and limit != "length"):
+            return self._end(limit)  # an empty turn, or the episode's budget or the context spent
         self._waiting = "step"
         return StepEnv(action)
 
@@ -254,11 +258,12 @@ class Episode:
                    self.max_context - len(self.prompt_ids) - len(self.response_ids))
 
     def _limit(self) -> str:
-        """The limit the next turn's token budget is: "length" (the turn's), "max_tokens" or "context"."""
+        """The limit the next turn's token budget is: "max_tokens", "context" (the episode's, first
+        on a tie) or "length" (the turn's alone)."""
         budget = self._budget()
-        if budget == self.max_new_tokens:
-            return "length"
-        return "max_tokens" if budget == self.max_tokens - self.num_model_tokens else "context"
+        if budget == self.max_tokens - self.num_model_tokens:
+            return "max_tokens"
+        return "context" if budget == self.max_context - len(self.prompt_ids) - len(self.response_ids) else "length"
 
     def _append(self, token_ids: list[int], logprobs: list[float], *, model: bool) -> None:
         self.response_ids.extend(token_ids)

@@ -76,7 +76,8 @@ class ChatBridge:
 
     def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]:
         """The tokens to append after a model turn ``turn_ids`` for ``observation``: the rest of the
-        template's end of turn, then the delta (the observation's turns and the next assistant header)."""
+        template's end of turn, then the delta (the observation's turns and the next assistant header).
+        A turn cut at its token limit stopped on no token: give it as [] (the whole end of turn follows)."""
         end = self.end_of_turn[1:] if turn_ids and self.end_of_turn and turn_ids[-1] == self.end_of_turn[0] else (
             self.end_of_turn)
         return [*end, *self.encode(self.delta(observation))]

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rollpacker.env.config import EnvConfig
+from rollpacker.env.contract import EnvError
 from rollpacker.env.episode import Episode
-from rollpacker.env.workers import EnvPool
+from rollpacker.env.workers import EnvPool, EnvSpec
 from rollpacker.schedule.episodes import EnvCall, EpisodeRunner
 
 
@@ -35,9 +36,14 @@ class Episodes:
     """The engines' context length."""
 
     def make(self, key: str, row: dict, reset: tuple[Any, dict] | None) -> Episode:
-        """Episode ``key`` of ``row`` from its environment's reset ``(prompt or None, info)`` (None: the row's)."""
+        """Episode ``key`` of ``row`` from its environment's reset ``(prompt or None, info)`` (None: the
+        row's). An :class:`EnvError` if the reset prompt leaves no token for the first turn."""
         prompt, info = reset or (None, {})
         ids = self.encode(row["prompt"] if prompt is None else prompt, info.get("tools"))
+        if len(ids) >= self.max_context:
+            raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {row['id']!r}): its reset "
+                           f"prompt is {len(ids)} tokens and the context length is {self.max_context}: no token is "
+                           "left for the first turn; raise --engine.max-model-len or shorten the environment's prompt")
         return Episode(key, ids, self.bridge, seed=self.seed, max_turns=self.cfg.max_turns,
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
                        max_context=self.max_context)

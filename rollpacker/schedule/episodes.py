@@ -15,7 +15,8 @@ episode (one ``on_finished``). Underneath:
   running turn aborted at its engine, or, waiting for its environment, at once; either way its
   environment is closed (``close`` after the calls in flight: a worker runs an episode's calls in order).
 
-An environment that fails (its reply has an error) ends its episode trained on nothing
+An environment that fails (its reply has an error, or its reset prompt leaves no room for a turn:
+the ``make`` raises :class:`~rollpacker.env.contract.EnvError`) ends its episode trained on nothing
 (``env.on_error`` skip, counted in ``env/errors``) or stops the run (fail).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rollpacker.env.contract import EnvError
 from rollpacker.env.episode import Done, Episode, EpisodeOutput, StepEnv, TurnRequest, reset_seed
 from rollpacker.errors import UserError
 
@@ -111,8 +113,7 @@ class EpisodeRunner:
             if reply.error:
                 done += self._failed(reply.key, reply.error)
             elif reply.kind == "open":
-                episode = self.live[reply.key] = self.make(reply.key, self.rows[reply.key], reply.value)
-                self.turns.append((reply.key, episode.next_turn()))
+                done += self._start(reply.key, reply.value)
             else:
                 done += self._next(reply.key, self.live[reply.key].on_step(reply.value))
         return done
@@ -172,6 +173,15 @@ class EpisodeRunner:
         if key not in self.live:
             self.live[key] = self.make(key, self.rows[key], None)
         return self.live[key]
+
+    def _start(self, key: str, reset: Any) -> list[EpisodeOutput]:
+        """Episode ``key`` from its environment's reset: its first turn, or (no room for one) its failure."""
+        try:
+            episode = self.live[key] = self.make(key, self.rows[key], reset)
+        except EnvError as e:
+            return self._failed(key, str(e))
+        self.turns.append((key, episode.next_turn()))
+        return []
 
     def _next(self, key: str, what: StepEnv | TurnRequest | Done) -> list[EpisodeOutput]:
         if isinstance(what, StepEnv):

@@ -22,6 +22,8 @@ How this departs from the papers:
   (a group of one too) gets advantage exactly 0, not ``0 / eps``.
 - Whitening is over every response token of the step's batch (each response weighs by its
   length, as REINFORCE++ normalizes over tokens). A batch whose returns are all equal gets 0.
+- A sample left out (:func:`leaving_out`: an episode whose environment failed) is absent to
+  the estimator: its reward shifts no group's mean or std, and its advantages are 0.
 
 Torch is not imported here (tensor methods only), so the config can read ``per_group`` before
 torch loads. :func:`overlong_penalty` is DAPO's length shaping, a reward term the controller adds.
@@ -102,6 +104,23 @@ ADVANTAGES = {
     "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, per_group=False),
 }
 """``train.advantage`` -> its estimator."""
+
+
+def leaving_out(fn: Callable[[Tensor, Tensor, list[int]], Tensor], returns: Tensor, mask: Tensor,
+                sizes: list[int], kept: list[bool]) -> Tensor:
+    """``fn``'s advantages [N, T] computed over the ``kept`` samples alone, as if the others were not
+    in the batch (their groups smaller, a group of none gone); the others' advantages are 0."""
+    if all(kept):
+        return fn(returns, mask, sizes)
+    keep = mask.new_tensor(kept)  # [N] bool
+    kept_sizes, start = [], 0
+    for n in sizes:
+        kept_sizes.append(sum(kept[start:start + n]))
+        start += n
+    adv = returns.float().new_zeros(returns.shape)
+    if any(kept):
+        adv[keep] = fn(returns[keep], mask[keep], [n for n in kept_sizes if n])
+    return adv
 
 
 def returns_to_go(rewards: Tensor, mask: Tensor, token_rewards: Tensor | None = None) -> Tensor:

@@ -65,7 +65,7 @@ from rollpacker.model.attention import CausalAttention
 from rollpacker.model.lora import AdaptersOff
 from rollpacker.model.offload import StreamedModel
 from rollpacker.model.parallelize import parallelize, prepare_reference
-from rollpacker.train.advantages import ADVANTAGES, returns_to_go
+from rollpacker.train.advantages import ADVANTAGES, leaving_out, returns_to_go
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
 from rollpacker.train.losses import KL_ESTIMATORS, STATS, policy_objective, reverse_kl, units
@@ -90,6 +90,9 @@ class Sample:
     environment tokens are False (their ``rollout_logprobs`` are 0.0, unused)."""
     token_rewards: dict[int, float] = field(default_factory=dict)
     """Response position -> a reward on that token (an episode's step rewards), added to the returns."""
+    failed: bool = False
+    """An episode whose environment failed: it trains nothing and its reward enters no group's
+    baseline or std (its siblings' advantages are those of the group without it)."""
 
     @property
     def num_tokens(self) -> int:
@@ -360,7 +363,8 @@ class Trainer:
         if cfg.teacher.path:
             rewards = cfg.teacher.task_weight * rewards
         returns = returns_to_go(rewards, mask, token_rewards)  # [N, T]
-        adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
+        adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples),
+                          [not s.failed for s in samples])
         return [Prepared(adv[i, :n], *frozen.get(i, (None, None, None))) for i, n in enumerate(lengths)]
 
     def _token_rewards(self, samples: list[Sample], frozen: dict[int, Frozen], mask: torch.Tensor

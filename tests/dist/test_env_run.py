@@ -287,13 +287,14 @@ import time
 
 
 class Faulty:
-    """Row toy-0-1 raises at its first step, toy-0-0 hangs there, toy-0-3 returns garbage; the others end at once."""
+    """Row toy-0-1 raises at its first step, toy-0-0 hangs there, toy-0-3 returns garbage, toy-0-4's
+    reset prompt does not fit the context (1024); the others end at once."""
 
     def __init__(self, row):
         self.row = row["id"]
 
     def reset(self, *, seed, options):
-        return None, {}
+        return ("x " * 3000 if self.row == "toy-0-4" else None), {}
 
     def step(self, action):
         if self.row == "toy-0-1":
@@ -313,8 +314,8 @@ def make_env(row):
 def faulty_job(tmp_path: Path, on_error: str) -> subprocess.CompletedProcess:
     (tmp_path / "faulty.py").write_text(FAULTY)
     cmd = job_command("schedule:sync", "--env.factory", "faulty.py:make_env", "--env.timeout", "3",
-                      "--env.on-error", on_error, "--data.num-toy-prompts", "4",
-                      "--rollout.num-prompts", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "48",
+                      "--env.on-error", on_error, "--data.num-toy-prompts", "5",
+                      "--rollout.num-prompts", "5", "--rollout.group-size", "2", "--rollout.max-new-tokens", "48",
                       "--num-steps", "1", "--eval-every", "0", "--metrics.samples-every", "1", "--run-dir", "run",
                       *QUIET)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(), cwd=tmp_path)
@@ -327,17 +328,18 @@ def test_raising_hanging_and_garbage_environments_are_skipped_counted_and_named(
     by_row = {}
     for r in samples(tmp_path / "run"):
         by_row.setdefault(r["row"], []).append(r)
-    assert len(by_row) == 4 and all(len(v) == 2 for v in by_row.values())  # nothing lost
+    assert len(by_row) == 5 and all(len(v) == 2 for v in by_row.values())  # nothing lost
     causes = {row: [r["end_detail"] for r in rs] for row, rs in by_row.items()}
+    assert all(r["end"] == "error" for r in by_row["toy-0-4"]), causes
     for row, cause in (("toy-0-1", "raised RuntimeError: the board is on fire"), ("toy-0-0", "3"),
-                       ("toy-0-3", "returned garbage")):
+                       ("toy-0-3", "returned garbage"), ("toy-0-4", "6000 tokens and the context length is 1024")):
         for r in by_row[row]:
             if r["end"] == "error":  # a turn cut by its token limit never stepped the environment
                 assert "faulty.py:make_env" in r["end_detail"] and row in r["end_detail"], r["end_detail"]
                 assert cause in r["end_detail"], r["end_detail"]
                 assert r["model_tokens"] == 0 and not any(t["trained"] for t in r["turns"])  # trains nothing
     errors = sum(r["end"] == "error" for rs in by_row.values() for r in rs)
-    assert step["env/errors"] == errors >= 4, causes
+    assert step["env/errors"] == errors >= 6, causes
     said = [line for line in proc.stderr.splitlines() if "an episode ended untrained" in line]
     assert len(said) == 3 and len(set(said)) == 3 and "more environment errors" in proc.stderr  # each once, 3 shown
     assert all(r["end"] != "error" for r in by_row["toy-0-2"])

@@ -50,8 +50,9 @@ def add(a: int, b: int) -> int:
 
 
 def test_toy_episodes_with_the_toy_model_and_environments_in_workers():
-    """The toy model answers toy problems; a wrong answer gets another try. Every turn the episode
-    shows was stepped in a worker, the environment's tokens are masked and carry no log-prob."""
+    """The toy model answers toy problems; a wrong answer (or one cut at its 150 tokens) gets another
+    try. Every turn the episode shows was stepped in a worker, the environment's tokens are masked
+    and carry no log-prob."""
     import torch
     from transformers import AutoTokenizer
 
@@ -72,7 +73,9 @@ def test_toy_episodes_with_the_toy_model_and_environments_in_workers():
         assert pool._episodes == {}  # every environment closed
     assert not run.errors and len(run.episodes) == len(rows)
     turns = sorted(e.num_turns for e in run.episodes.values())
-    assert turns[0] == 1 and turns[-1] == 2, turns  # some right at once, some after another try
+    assert turns[-1] == 2, turns  # another try after a wrong answer
+    cut = [e for e in run.episodes.values() if e.loss_mask[:150] == [True] * 150]  # a first turn at its limit
+    assert cut and all(e.num_turns == 2 for e in cut)  # ... went to the environment like any other
     for key, e in run.episodes.items():
         row = rows[int(key.split(":")[1])]
         assert e.done.reason in ("terminated", "length", "max_tokens"), e.done

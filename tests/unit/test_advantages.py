@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollpacker.train.advantages import ADVANTAGES, overlong_penalty, returns_to_go
+from rollpacker.train.advantages import ADVANTAGES, leaving_out, overlong_penalty, returns_to_go
 
 
 def estimate(name: str, rewards: list[float], sizes: list[int], lengths: list[int] | None = None,
@@ -97,3 +97,15 @@ def test_overlong_penalty_hand_computed():
     assert [overlong_penalty(n, 100, 20, 1.0) for n in (10, 80, 90, 95, 100)] == [0.0, 0.0, -0.5, -0.75, -1.0]
     assert overlong_penalty(90, 100, 20, 0.5) == -0.25
     assert overlong_penalty(100, 100, 0, 1.0) == 0.0  # off
+
+
+def test_a_sample_left_out_is_absent_to_the_estimator():
+    # Group 0 (1, 5, 0) with the 5 left out is the group (1, 0): mean 0.5, unbiased std 0.7071068
+    # -> +-0.7071. Group 1 (2) left out entirely: gone. Group 2 (1, 1): all equal -> 0.
+    returns = torch.tensor([1.0, 5.0, 0.0, 2.0, 1.0, 1.0])[:, None].expand(6, 2)
+    mask = torch.ones(6, 2, dtype=torch.bool)
+    adv = leaving_out(ADVANTAGES["grpo"].fn, returns, mask, [3, 1, 2], [True, False, True, False, True, True])
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.7071068, 0.0, -0.7071068, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
+    # with it in, the correct answer (1) would have a negative advantage: (1 - 2) / 2.6458 = -0.378
+    assert ADVANTAGES["grpo"].fn(returns, mask, [3, 1, 2])[0, 0] < 0
+    assert not leaving_out(ADVANTAGES["rloo"].fn, returns, mask, [3, 1, 2], [False] * 6).any()

@@ -116,3 +116,24 @@ def test_a_turn_stopped_by_a_stop_string_gets_the_whole_end_of_turn():
     ids = bridge.observation_ids([{"role": "tool", "name": "add", "content": "5"}], turn)
     assert tokenizer.decode(ids).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>")
     assert bridge.action_text(turn) == '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+
+
+def test_a_turn_cut_on_the_templates_end_of_turn_token_gets_the_whole_end_of_turn():
+    """A turn cut at its token limit (it goes to the environment) whose last token happens to be the
+    template's first end-of-turn token (the toy's "\\n") stopped on nothing: the whole end of turn
+    follows, so the tokens are the render of the conversation with that turn as its content."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.data.toy_model import toy_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
+    bridge = ChatBridge(tokenizer)
+    conversation = [{"role": "user", "content": "3+5-2"}, {"role": "assistant", "content": " 3+5=8\n"},
+                    {"role": "user", "content": "Go on."}]
+    turn = bridge.encode(" 3+5=8\n")
+    assert turn[-1] == bridge.end_of_turn[0]
+    episode = Episode("0:0:0", bridge.prompt_ids(conversation[:1]), bridge, seed=0, max_turns=3, max_tokens=100,
+                      max_new_tokens=len(turn), max_context=1000)
+    assert episode.on_turn(turn, [-0.5] * len(turn), "length") == StepEnv(" 3+5=8\n")
+    assert isinstance(episode.on_step(StepResult(conversation[2:])), TurnRequest)
+    assert episode.prompt_ids + episode.response_ids == bridge.prompt_ids(conversation)

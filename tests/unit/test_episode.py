@@ -61,7 +61,7 @@ def test_ids_and_seeds_are_fixed_by_the_episode_and_the_turn():
 
 @pytest.mark.parametrize("limits, turns, reason", [
     (dict(max_turns=2), ["ab", "cd"], "max_turns"),
-    (dict(max_new_tokens=2), ["ab"], "length"),  # a turn at its own limit
+    (dict(max_new_tokens=2, max_tokens=2), ["ab"], "max_tokens"),  # a turn at its own limit and the episode's
     (dict(max_tokens=5, max_new_tokens=10), ["abc", "de"], "max_tokens"),  # the second turn had 2 left
     (dict(max_context=11), ["abc", "d"], "context"),
 ])
@@ -77,7 +77,7 @@ def test_limits_end_the_episode(limits, turns, reason):
     assert out == Done(reason) and e.done == Done(reason)
     assert out.finish_reason == ("stop" if reason == "max_turns" else "length")
     if reason == "max_tokens":
-        assert budgets == [5, 2]
+        assert budgets == ([5, 2] if len(turns) == 2 else [2])
     if reason == "context":  # 3 prompt + 3 + 2 observation = 8 of 11: 3 left; 1 + 2 more would fill them
         assert budgets == [8, 3] and len(e.prompt_ids) + len(e.response_ids) == 9
 
@@ -109,3 +109,43 @@ def test_driving_it_out_of_order_is_a_bug_said_plainly():
     e.abort()
     with pytest.raises(RuntimeError, match=r"expected a turn, but it is done \(abort\)"):
         e.next_turn()
+
+
+def test_a_prompt_that_fills_the_context_is_refused():
+    with pytest.raises(ValueError, match="a prompt of 3 tokens leaves no room for a turn in a context of 3"):
+        episode(max_context=3)
+
+
+@pytest.mark.parametrize("max_context", range(4, 16))
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 9])
+def test_no_turn_is_asked_for_with_no_token_left(max_context, max_tokens):
+    """Whatever the limits, every turn asked for has at least one token; a conversation that leaves
+    none ends the episode by its limit ("length": truncated), never with a turn of budget <= 0."""
+    for turn_len in (1, 2, 4):
+        e, out = episode(max_context=max_context, max_tokens=max_tokens, max_new_tokens=4, max_turns=20), None
+        while not isinstance(out, Done):
+            budget = e.next_turn().max_new_tokens
+            assert budget >= 1, (budget, e.num_model_tokens, len(e.response_ids))
+            n = min(turn_len, budget)
+            out = e.on_turn(turn("a" * n), [-1.0] * n, "length" if n == budget else "stop")
+            if isinstance(out, StepEnv):
+                out = e.on_step(StepResult([{"role": "user", "content": "o"}]))
+        assert out.finish_reason == "length" and len(e.prompt_ids) + len(e.response_ids) <= max_context
+        assert e.num_model_tokens <= max_tokens
+
+
+def test_a_turn_cut_at_its_own_limit_goes_to_the_environment():
+    """``max_new_tokens`` bounds each turn, ``max_tokens`` the episode (as verifiers' MultiTurnEnv
+    steps a turn cut at its max_tokens, and verl's agent loop ends at the episode's response
+    length): a turn cut by the former is an action like any other; the episode ends at the latter."""
+    e = episode(max_new_tokens=3, max_tokens=7)
+    assert e.next_turn().max_new_tokens == 3
+    assert e.on_turn(turn("abc"), [-1.0] * 3, "length") == StepEnv("abc")
+    second = e.on_step(StepResult([{"role": "user", "content": "o"}], reward=0.5))
+    assert isinstance(second, TurnRequest) and second.max_new_tokens == 3
+    assert e.on_turn(turn("def"), [-1.0] * 3, "length") == StepEnv("def")
+    third = e.on_step(StepResult([{"role": "user", "content": "o"}]))
+    assert third.max_new_tokens == 1  # the episode's budget: 7 - 6
+    done = e.on_turn(turn("g"), [-1.0], "length")
+    assert done == Done("max_tokens") and done.finish_reason == "length" and e.num_turns == 3
+    assert e.step_rewards == {2: 0.5}

@@ -99,3 +99,28 @@ def test_the_live_display_on_a_terminal_shows_the_run_and_the_rollout():
     display.end_step({"reward/mean": 1.0, "reward/errors": 0, "rollout/tokens_per_s": 50.0})
     display.close()
     assert "the summary" in out.getvalue() and re.search(r"step 3/10 \| 0:00:\d\d elapsed", out.getvalue())
+
+
+def test_a_resumed_run_keeps_the_evaluation_of_the_step_it_resumes_from(tmp_path):
+    """A finished run's final evaluation (an ``eval/`` line at its last step) is of the weights a
+    resumed run (more steps) starts from: it goes into that step's line unless the step evaluates
+    again, and is written back as it was if the resumed run logs nothing of that step."""
+    def run(first: list[tuple[int, dict]], resumed: list[tuple[int, dict]], start: int) -> list[dict]:
+        path = tmp_path / "metrics.jsonl"
+        path.unlink(missing_ok=True)
+        for steps, at in ((first, None), (resumed, start)):
+            with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as logger:
+                if at is not None:
+                    logger.start_at(at)
+                for step, metrics in steps:
+                    logger.log(step, metrics)
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    finished = [(0, {"reward/mean": 0.0}), (1, {"reward/mean": 1.0}), (2, {"eval/accuracy": 0.5})]
+    assert run(finished, [(2, {"reward/mean": 2.0}), (3, {"reward/mean": 3.0})], 2) == [
+        {"step": 0, "reward/mean": 0.0}, {"step": 1, "reward/mean": 1.0},
+        {"step": 2, "reward/mean": 2.0, "eval/accuracy": 0.5}, {"step": 3, "reward/mean": 3.0}]
+    again = run(finished, [(2, {"eval/accuracy": 0.75, "reward/mean": 2.0})], 2)  # the step evaluates again
+    assert again[-1] == {"step": 2, "eval/accuracy": 0.75, "reward/mean": 2.0} and len(again) == 3
+    assert run(finished, [], 2) == [{"step": s, **m} for s, m in finished]  # stopped before logging it
+    assert len(run(finished, [(1, {"reward/mean": 1.5})], 1)) == 1 + 1  # a step redone: its later evaluation too

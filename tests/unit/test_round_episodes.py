@@ -278,3 +278,46 @@ def test_turns_of_groups_closer_to_complete_are_admitted_first(hooks):
     for priority, slot, done in driver.priorities:
         base = slot if hooks else 0  # RolloutPipe's frontier-group dispatch (the slot) comes first
         assert priority == base * (group_size + 1) + group_size - done
+
+
+def long_reset_runner(on_error: str) -> EpisodeRunner:
+    """The run's :class:`~rollpacker.env.setup.Episodes` over two rows with a context of 50 tokens
+    (a prompt's token is its character); its workers are not needed to make an episode."""
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.env.setup import Episodes
+
+    episodes = Episodes(cfg=EnvConfig(factory="toy", on_error=on_error), pool=None, bridge=Bridge(),
+                        encode=lambda prompt, tools: [ord(c) % 97 for c in prompt], seed=SEED, max_new_tokens=8,
+                        max_context=50)
+    return episodes.runner([{"id": "short", "prompt": "2+2"}, {"id": "r1", "prompt": "3+3"}])
+
+
+def open_replies(runner: EpisodeRunner, prompts: dict[str, str]) -> list:
+    for key in prompts:
+        runner.open(key, int(key[-1]), key.rpartition(":")[0])
+    assert [c.kind for c in runner.take_calls()] == ["open"] * len(prompts)
+    return [SimpleNamespace(key=k, kind="open", value=(p, {}), error=None, seconds=0.0) for k, p in prompts.items()]
+
+
+def test_a_reset_prompt_with_no_room_for_a_turn_is_an_environment_error_of_its_episode():
+    """An environment whose reset prompt fills the context (60 tokens of 50) fails that episode
+    (skip: counted, trained on nothing, closed) naming the environment, the row, the tokens and the
+    fix; no turn goes to an engine. Its sibling with a short prompt runs."""
+    runner = long_reset_runner("skip")
+    done = runner.on_env(open_replies(runner, {"0:0:1": "x" * 60, "0:0:0": "1+1"}), now=0.0)
+    (failed,) = done
+    assert failed.id == "0:0:1" and failed.reason == "error" and failed.finish_reason == "error"
+    for said in ("toy", "'r1'", "60 tokens", "context length is 50", "--engine.max-model-len", "shorten"):
+        assert said in failed.detail, failed.detail
+    assert not any(failed.loss_mask) and runner.stats.errors == 1 and runner.stats.causes == [failed.detail]
+    assert [(c.kind, c.key) for c in runner.take_calls()] == [("close", "0:0:1")]
+    ((key, turn),) = runner.take_turns()
+    assert key == "0:0:0" and turn.max_new_tokens == 8
+
+
+def test_a_reset_prompt_with_no_room_stops_the_run_with_on_error_fail():
+    from rollpacker.errors import UserError
+
+    runner = long_reset_runner("fail")
+    with pytest.raises(UserError, match=r"toy: episode '0:0:1' \(row 'r1'\).*60 tokens.*--env.on-error fail"):
+        runner.on_env(open_replies(runner, {"0:0:1": "x" * 60}), now=0.0)

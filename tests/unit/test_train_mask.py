@@ -112,3 +112,20 @@ def test_step_rewards_reach_the_tokens_before_them(toy_random_dir):
     model = torch.cat([adv_a[torch.tensor(mask)], adv_b[torch.tensor(mask)]])
     assert model.mean().item() == pytest.approx(0.0, abs=1e-6)  # whitened over the model's tokens alone
     assert model.std().item() == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_failed_episode_shifts_no_siblings_advantage(toy_random_dir, advantage):
+    """An episode whose environment failed (``failed``) trains nothing, and its reward (its env
+    rewards before the error plus its functions' score of its partial text) enters neither its
+    group's baseline nor its std: its siblings' advantages are those of the group without it."""
+    t = trainer(toy_random_dir, advantage=advantage)
+    samples = episode_batch()  # groups 0 and 1, three samples each
+    failed = dataclasses.replace(samples[1], reward=5.0, failed=True, loss_mask=[False] * len(samples[1].loss_mask))
+    alone = t._prepare(samples[:1] + samples[2:])
+    with_failed = t._prepare(samples[:1] + [failed] + samples[2:])
+    assert not with_failed[1].advantages.any()
+    for a, b in zip(alone, with_failed[:1] + with_failed[2:]):
+        torch.testing.assert_close(a.advantages, b.advantages, atol=0, rtol=0)
+    every_failed = [dataclasses.replace(s, failed=True, loss_mask=[False] * len(s.loss_mask)) for s in samples]
+    assert not any(p.advantages.any() for p in t._prepare(every_failed))
