@@ -1,0 +1,144 @@
+"""Episodes in the simulator: the job's round and episode runner on simulated replicas and environment
+workers, timelines computed by hand (turns, environment latency, the worker pool, resident prefill),
+tail over episodes (the first R0 finished kept, the ledger exact), the workload's draws and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rollpacker.data.dataset import PromptSampler
+from rollpacker.data.lengths import LengthModel, LengthReplay
+from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.tail import TailConfig
+from rollpacker.sim.engine import Replica
+from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEnv, SimEnvPool, fit_run, turns_sampler
+from rollpacker.sim.simulate import simulate_round
+
+
+class StepCost:
+    """``step_s`` per iteration plus ``prefill_s`` per prefilled token."""
+
+    def __init__(self, step_s: float, prefill_s: float = 0.0):
+        self.step_s, self.prefill_s = step_s, prefill_s
+
+    def iteration_times(self, num_running, context, num_iters, prefill_tokens=0, prefill_sq=0):
+        times = np.full(num_iters, self.step_s)
+        times[0] += self.prefill_s * prefill_tokens
+        return times
+
+
+class Turns:
+    """Turn lengths from a function of (response, turn); one-token prompts."""
+
+    prompt_tokens = 1
+
+    def __init__(self, length):
+        self.length = length
+
+    def turn_length(self, row, step, slot, response, turn):
+        return self.length(response, turn)
+
+
+def workload(tmp_path, seconds: float = 0.5, **kw) -> EpisodeWorkload:
+    trace = tmp_path / "latency.trace"
+    trace.write_text(f"{seconds}\n")
+    return EpisodeWorkload(latency=f"trace:{trace}", extra_turn=0.0, **kw)
+
+
+def one_round(policy, num_replicas, lengths, episodes, cost=StepCost(1.0), max_new_tokens=100):
+    reps = [Replica(i, cost, 10**9, watermark=0.0) for i in range(num_replicas)]
+    return simulate_round(0, policy, reps, lengths, max_new_tokens=max_new_tokens, episodes=episodes)
+
+
+def test_an_episodes_turns_and_environment_steps_make_its_timeline(tmp_path):
+    # turn 0: 3 tokens (0-3 s), step 0.5 s (-3.5), turn 1: 4 tokens (-7.5), its step (-8.0): done
+    policy = SyncPolicy(PromptSampler(4, seed=0), num_prompts=1, group_size=1)
+    rnd = one_round(policy, 1, Turns(lambda k, t: [3, 4][t]), workload(tmp_path, turns="fixed:2", obs_tokens=3))
+    assert rnd.rollout_s == pytest.approx(8.0)
+    [group] = rnd.groups
+    [out] = group.outputs
+    assert out.finish_time == pytest.approx(8.0) and out.length == 3 + 3 + 4  # two turns and one observation
+    assert [t for t, _ in rnd.completions] == pytest.approx([3.0, 7.5])  # the turns, as the engines finish them
+
+
+@pytest.mark.parametrize("resident, end", [(True, 8.4), (False, 8.8)])
+def test_a_resident_session_prefills_only_the_new_observation(tmp_path, resident, end):
+    # prefill 0.1 s a token: turn 0 prefills its 1-token prompt (3.1), the step (3.6); turn 1's prompt is 7 tokens,
+    # of which its session holds the first turn's 4: 3 prefilled (+0.3 -> 7.9) or all 7 (+0.7 -> 8.3); its step +0.5
+    policy = SyncPolicy(PromptSampler(4, seed=0), num_prompts=1, group_size=1)
+    rnd = one_round(policy, 1, Turns(lambda k, t: [3, 4][t]),
+                    workload(tmp_path, turns="fixed:2", obs_tokens=3, resident=resident), StepCost(1.0, 0.1))
+    assert rnd.rollout_s == pytest.approx(end)
+
+
+def test_one_environment_worker_runs_the_steps_one_at_a_time(tmp_path):
+    # two 1-turn episodes of 2 tokens on 2 replicas: both turns end at 2 s; their steps queue on the one worker
+    policy = SyncPolicy(PromptSampler(4, seed=0), num_prompts=1, group_size=2)
+    one = one_round(policy, 2, Turns(lambda k, t: 2), workload(tmp_path, turns="fixed:1", num_workers=1))
+    policy = SyncPolicy(PromptSampler(4, seed=0), num_prompts=1, group_size=2)
+    two = one_round(policy, 2, Turns(lambda k, t: 2), workload(tmp_path, turns="fixed:1", num_workers=2))
+    assert sorted(o.finish_time for o in one.groups[0].outputs) == pytest.approx([2.5, 3.0])
+    assert sorted(o.finish_time for o in two.groups[0].outputs) == pytest.approx([2.5, 2.5])
+
+
+def test_a_turn_at_its_token_budget_ends_the_episode(tmp_path):
+    # the cap is 5 a turn; turn 0 wants 9: cut at 5, the episode ends there (a token limit), no step
+    policy = SyncPolicy(PromptSampler(4, seed=0), num_prompts=1, group_size=1)
+    rnd = one_round(policy, 1, Turns(lambda k, t: 9), workload(tmp_path, turns="fixed:3"), max_new_tokens=5)
+    assert rnd.rollout_s == pytest.approx(5.0) and rnd.groups[0].outputs[0].length == 5
+
+
+def test_tail_over_episodes_keeps_the_first_r0_to_finish_and_the_ledger_is_exact(tmp_path):
+    # P0=1, R0=2, eta_R=2: four 1-turn episodes of 2, 4, 6, 8 tokens, round robin on 2 replicas, each step 0.5 s:
+    # episodes 0 and 1 are done at 2.5 and 4.5 s and kept, 2 and 3 are cut then
+    policy = TailConfig(eta_prompts=1.0, eta_responses=2.0).build(PromptSampler(8, seed=0), 1, 2, last_step=10)
+    rnd = one_round(policy, 2, Turns(lambda k, t: 2 + 2 * k), workload(tmp_path, turns="fixed:1"))
+    [group] = rnd.groups
+    assert sorted(o.response for o in group.outputs) == [0, 1]
+    assert sorted(o.finish_time for o in group.outputs) == pytest.approx([2.5, 4.5])
+    assert rnd.rollout_s == pytest.approx(4.5)
+    assert sorted(o.id for o in rnd.aborted) == ["0:0:2", "0:0:3"]
+    policy.ledger.check(policy.sampler)
+    assert policy.ledger.counts()["trained"] == 1 and policy.ledger.counts()["in_flight"] == 0
+
+
+def test_the_sim_and_the_replay_draw_the_same_turn_lengths():
+    model = LengthModel(seed=5).for_cap(400)
+    replay = LengthReplay(5, 400)
+    assert replay.turn("3:1:2#4", 17) == min(400, model.turn_length(17, 3, 1, 2, 4))
+    assert len({model.turn_length(17, 3, 1, 2, t) for t in range(8)}) > 1  # fresh noise per turn
+
+
+def test_workload_draws_are_deterministic_and_the_scripted_env_follows_them():
+    w = EpisodeWorkload(turns="pareto:1.2:8", latency="lognormal:0.3:1.0", per_episode=False)
+    counts = [turns_sampler("pareto:1.2:8")(str(r)) for r in range(2000)]
+    assert 1 <= min(counts) and max(counts) == 8 and np.mean(np.array(counts) == 1) > 0.5
+    env = ScriptedEnv({"id": "row7"}, w)
+    env.workload = EpisodeWorkload(turns=w.turns, latency="lognormal:0:1.0", per_episode=False)  # no sleeping
+    env.reset(seed=11)
+    turns = w.num_turns("row7", "11")
+    results = [env.step("x") for _ in range(turns)]
+    assert [r[2] for r in results] == [False] * (turns - 1) + [True]
+    pool = SimEnvPool(w, row_key=lambda row: f"row{row}")
+    assert pool.workload.step_seconds("row7", "11", 1) == w.step_seconds("row7", "11", 1) > 0
+
+
+@pytest.mark.parametrize("spec", ["pareto:1.2", "fixed:0", "gauss:1", "trace:/nonexistent"])
+def test_a_bad_turns_spec_says_how_to_write_one(spec):
+    with pytest.raises(ValueError, match="--turns"):
+        EpisodeWorkload(turns=spec)
+
+
+def test_fit_run_takes_turns_observations_and_latency_from_a_run(tmp_path):
+    (tmp_path / "samples").mkdir()
+    episodes = [{"num_turns": n, "turns": [{"trained": True, "tokens": 5}, {"trained": False, "tokens": 7}]}
+                for n in (1, 3)]
+    (tmp_path / "samples" / "step_0.jsonl").write_text("\n".join(map(json.dumps, episodes)) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"env/step_seconds": 0.2}) + "\n"
+                                            + json.dumps({"env/step_seconds": 0.4}) + "\n")
+    fitted = fit_run(tmp_path, EpisodeWorkload(latency="lognormal:1.0:0.5"))
+    assert fitted.obs_tokens == 7 and fitted.extra_turn == 0.0 and fitted.latency == "lognormal:0.3000:0.5"
+    assert sorted({fitted.num_turns(str(r), "e") for r in range(50)}) == [1, 3]
