@@ -142,3 +142,51 @@ def test_fit_run_takes_turns_observations_and_latency_from_a_run(tmp_path):
     fitted = fit_run(tmp_path, EpisodeWorkload(latency="lognormal:1.0:0.5"))
     assert fitted.obs_tokens == 7 and fitted.extra_turn == 0.0 and fitted.latency == "lognormal:0.3000:0.5"
     assert sorted({fitted.num_turns(str(r), "e") for r in range(50)}) == [1, 3]
+
+
+def test_replayed_lengths_force_each_turn_and_a_turn_short_of_its_budget_reads_as_stopped():
+    from rollpacker.env.episode import TurnRequest
+    from rollpacker.exchange import ExchangeRound, RoundLeader
+    from rollpacker.rollout.engine import Output, SamplingParams
+    from rollpacker.schedule.base import RoundPlan
+
+    replay = LengthReplay(0, 400)
+    leader = RoundLeader(policy=None, rows=[0] * 8, encode=lambda row: [1], rewards=None,
+                         sampling=SamplingParams(max_new_tokens=400), lengths=replay)
+    req = leader.turn(TurnRequest("2:1:0#3", [1, 2], 400, 7), 0, 5)
+    assert req.params.max_new_tokens == replay.turn("2:1:0#3", 5) < 400 and req.params.ignore_eos
+    assert leader.turn(TurnRequest("2:1:0#3", [1, 2], 1, 7), 0, 5).params.max_new_tokens == 1  # the budget wins
+    rnd = ExchangeRound(leader, 2, RoundPlan(kind="sync", prompts=[], num_responses=1, keep=1), None)
+    rnd.forced.add("2:1:0#3")
+    cut = {"prompt_ids": [1], "token_ids": [3], "logprobs": [0.0], "finish_reason": "length"}
+    assert rnd.stopped(Output(id="2:1:0#3", **cut)).finish_reason == "stop"
+    assert rnd.stopped(Output(id="2:1:0#4", **cut)).finish_reason == "length"  # not forced short: cut at its budget
+
+
+def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
+    from rollpacker.sim.episodes_cli import main
+
+    figures = main(["--gpus", "8", "--num-steps", "2", "--num-prompts", "8", "--group-size", "4",
+                    "--turn-tokens", "512", "--env-workers", "16", "--policies", "sync,tail"])
+    assert figures["rollout_s_sync"] > 0 and figures["rollout_speedup_tail"] > 0 and figures["turns_mean"] >= 1
+    assert "tail" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--latency"):
+        main(["--latency", "normal:1"])
+
+
+def test_validate_simulates_the_episode_jobs_rounds(tmp_path):
+    """The job ``sim validate --workload episodes`` runs, simulated on a flat profile: every step ends, after
+    at least its slowest group's environment steps (a group's episodes share them there)."""
+    from rollpacker.config import parse
+    from rollpacker.jobflags import JobArgs, job_argv, policy_args
+    from rollpacker.sim.validate import EPISODES, ValidateArgs, regime_flags, simulate_run
+
+    flat = {"exchange_ms": 1.0, "tp": {"1": {"kv_capacity_tokens": 1_000_000,
+                                             "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
+                                             "prefill_tok_s": {"32": 1e12}}}}
+    args = ValidateArgs(num_steps=2, work_dir=tmp_path, workload="episodes")
+    argv = job_argv(JobArgs(), regime_flags("episodes", args), policy_args("sync"), 0, str(tmp_path / "run"))
+    assert parse(argv).env.enabled and (tmp_path / "episodes" / "scripted_env.py").is_file()
+    times = simulate_run(argv, flat)
+    assert len(times) == 2 and min(times) > 0
+    assert EPISODES.per_episode is False  # what ScriptedEnv can draw: its row and its reset seed
