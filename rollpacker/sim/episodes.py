@@ -242,7 +242,9 @@ class SimEnvPool:
     free_at: list[float] = field(default_factory=list)
     """Per worker: when its last call ends."""
     home: dict[str, int] = field(default_factory=dict)
-    """Episode -> its worker, while open."""
+    """Episode -> its worker, until its close has run there."""
+    closing: list[tuple[float, str]] = field(default_factory=list)
+    """(when it has run, episode) of every close sent."""
     episodes: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     """Episode -> (row key, episode key of the draws, steps so far)."""
     pending: list[tuple[float, int, SimReply]] = field(default_factory=list)
@@ -254,17 +256,29 @@ class SimEnvPool:
     def send(self, calls: list[EnvCall], now: float) -> None:
         """Queue ``calls`` at ``now``, each on its episode's worker after the calls before it."""
         for call in calls:
-            reply, seconds = self._run(call)
+            reply, seconds = self._run(call, now)
             worker = self.home[call.key]
-            if call.kind == "close":
-                del self.home[call.key], self.episodes[call.key]
             end = self.free_at[worker] = max(now, self.free_at[worker]) + seconds
             heapq.heappush(self.pending, (end, next(self._order), reply))
+            if call.kind == "close":
+                heapq.heappush(self.closing, (end, call.key))
 
-    def _run(self, call: EnvCall) -> tuple[SimReply, float]:
+    def shift(self, elapsed: float) -> None:
+        """The next round begins ``elapsed`` seconds after this one began (its time starts at 0): what the
+        workers still run (the steps of episodes cut in flight, their closes) carries over, as in the job."""
+        self.free_at = [max(0.0, t - elapsed) for t in self.free_at]
+        self.pending = [(t - elapsed, order, reply) for t, order, reply in self.pending]
+        self.closing = [(t - elapsed, key) for t, key in self.closing]
+        heapq.heapify(self.pending)
+        heapq.heapify(self.closing)
+
+    def _run(self, call: EnvCall, now: float) -> tuple[SimReply, float]:
         """The reply of ``call`` and its seconds (an open finds its episode a worker)."""
         w = self.workload
         if call.kind == "open":
+            while self.closing and self.closing[0][0] <= now:  # closed: the episode is forgotten
+                key = heapq.heappop(self.closing)[1]
+                del self.home[key], self.episodes[key]
             hosted = Counter(self.home.values())
             self.home[call.key] = min(range(len(self.free_at)), key=lambda i: (hosted[i], i))
             row = self.row_key(call.row)

@@ -177,7 +177,7 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
                    stream: ScaleDown | None = None, poll: tuple[int, float] | None = None,
                    episodes: EpisodeWorkload | None = None, row_key: Callable[[int], str] = str,
-                   seed: int = 0) -> RoundRecord:
+                   seed: int = 0, env: SimEnvPool | None = None) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
     (:class:`~rollpacker.schedule.round.Round`) on simulated time.
 
@@ -191,7 +191,8 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     ``episodes``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`), run by the
     job's :class:`~rollpacker.schedule.episodes.EpisodeRunner` (reset seeds from ``seed``): its turns on
     the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment calls on
-    simulated workers; ``row_key(row)`` names a dataset row for the workload's draws."""
+    simulated workers (``env``: the run's, carried from the last round, :meth:`SimEnvPool.shift`; else
+    fresh ones); ``row_key(row)`` names a dataset row for the workload's draws."""
     if poll and stream:
         raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
@@ -204,7 +205,7 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
             max_new_tokens=max_new_tokens, max_tokens=episodes.max_tokens, clock=lambda: sim.now), seed=seed)
     rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), hooks, runner)
     sim = _SimRound(step, plan, rnd, replicas, lengths, max_new_tokens, poll,
-                    env=SimEnvPool(episodes, row_key) if episodes else None)
+                    env=(env or SimEnvPool(episodes, row_key)) if episodes else None)
     return sim.run()
 
 
@@ -262,7 +263,10 @@ class _SimRound:
                 self.fed += [(self.now, g) for g in actions.feed]
                 self.now += self.poll[1] if self.poll else 0.0  # the final command (its aborts) and the last reports
                 final = self.take_aborted() + [seq for replica in self.replicas for seq in replica.abort_all(self.now)]
-                return self.record(self.round.finish(final, self.now))
+                outcome = self.round.finish(final, self.now)
+                if self.env:  # the environments of the episodes done last and of those cut at the end are closed
+                    self.env.send(actions.env + self.round.episodes.take_calls(), self.now)
+                return self.record(outcome)
             if actions.scale_down:
                 self.migrate(actions)
             self.apply(actions, due)
@@ -521,6 +525,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload 
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
+    env = SimEnvPool(episodes) if episodes else None
     rates = cfg.speculation.rates()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
@@ -541,10 +546,11 @@ def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload 
             decider.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                              reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider,
-                             episodes=episodes, seed=cfg.seed)
+                             episodes=episodes, seed=cfg.seed, env=env)
         result = step_times(step, rnd, cfg, cost, keep=record)
-        if episodes is not None:
+        if env is not None:
             result.reward_s = 0.0
+            env.shift(result.step_s)
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push
             result.sync_s += cost.sync_s()
         if planner:

@@ -41,14 +41,15 @@ from typing import Literal
 
 from rollpacker.schedule.config import names
 from rollpacker.schedule.tail import TailConfig
-from rollpacker.sim.episodes import EpisodeWorkload
+from rollpacker.sim.episodes import EpisodeWorkload, SimEnvPool
 from rollpacker.sim.speculation import ACCEPT_RATE
 
 REGIMES = ("compute", "memory")
-EPISODES = EpisodeWorkload(turns="pareto:1.2:4", extra_turn=0.5, latency="lognormal:0.2:1.0", num_workers=8,
+EPISODES = EpisodeWorkload(turns="pareto:1.2:4", extra_turn=0.5, latency="lognormal:0.3:1.0", num_workers=8,
                            per_episode=False)
-"""``--workload episodes``: heavy-tailed turns (1 to 5 a episode) and environment latency, on the compute regime
-(each turn's length forced from the length mixture, the toy's 400-token cap a turn and an episode)."""
+"""``--workload episodes``: heavy-tailed turns (1 to 5 an episode) and environment latency (bench episodes'
+default) on 8 workers, in the compute regime (each turn's length forced from the length mixture; the toy's
+400-token cap a turn and an episode)."""
 EPISODE_FLAGS = ["--env.max-turns", "8", "--env.num-workers", str(EPISODES.num_workers), "--rollout.num-prompts", "8",
                  "--rollout.group-size", "4"]
 ENV_FILE = """from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEnv
@@ -200,8 +201,11 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
     if spec.enabled and (cfg.engine.speculative != "auto" or cost.spec is None or len(accept_rates) < cfg.num_steps):
         raise ValueError("simulate_run: speculation is simulated as engine.speculative auto, on a profile with "
                          "verify-step costs, with an acceptance rate for every step")
-    episodes = {"episodes": episode_workload(cfg, tokenizer), "row_key": lambda i: str(rows[i]["id"]),
-                "seed": cfg.seed} if cfg.env.enabled else {}
+    episodes = {}
+    if cfg.env.enabled:  # one pool of environment workers for the run, as the job's
+        workload = episode_workload(cfg, tokenizer)
+        episodes = {"episodes": workload, "seed": cfg.seed,
+                    "env": SimEnvPool(workload, row_key=lambda i: str(rows[i]["id"]))}
     times = []
     for step in range(cfg.num_steps):
         if policy.done():
@@ -212,6 +216,8 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                                     poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3), **episodes).rollout_s)
+        if episodes:
+            episodes["env"].shift(times[-1])
     return times
 
 

@@ -190,3 +190,30 @@ def test_validate_simulates_the_episode_jobs_rounds(tmp_path):
     times = simulate_run(argv, flat)
     assert len(times) == 2 and min(times) > 0
     assert EPISODES.per_episode is False  # what ScriptedEnv can draw: its row and its reset seed
+
+
+def test_a_step_in_flight_when_its_episode_is_cut_keeps_its_worker_into_the_next_round(tmp_path):
+    from rollpacker.schedule.episodes import EnvCall
+
+    pool = SimEnvPool(workload(tmp_path, turns="fixed:3", num_workers=2))  # every step 0.5 s
+    pool.send([EnvCall("open", "0:0:0", row=1), EnvCall("step", "0:0:0")], 0.0)
+    pool.send([EnvCall("close", "0:0:0")], 0.1)  # cut: its close waits for the step (0.5 s)
+    pool.shift(0.2)  # the next round begins: the worker is busy 0.3 s more, the episode still hosted there
+    assert pool.free_at == pytest.approx([0.3, 0.0])
+    pool.send([EnvCall("open", "1:0:0", row=2)], 0.0)
+    assert pool.home["1:0:0"] == 1  # the worker hosting the fewest
+    pool.send([EnvCall("open", "1:0:1", row=2), EnvCall("step", "1:0:1")], 0.3)
+    assert pool.home["1:0:1"] == 0 and "0:0:0" not in pool.home  # closed by then
+    assert [(r.kind, r.key) for r in pool.take(0.8)] == [
+        ("open", "0:0:0"), ("open", "1:0:0"), ("step", "0:0:0"), ("close", "0:0:0"), ("open", "1:0:1"),
+        ("step", "1:0:1")]
+
+
+def test_every_environment_is_closed_at_the_rounds_end(tmp_path):
+    policy = TailConfig(eta_prompts=1.0, eta_responses=2.0).build(PromptSampler(8, seed=0), 1, 2, last_step=10)
+    pool = SimEnvPool(workload(tmp_path, turns="fixed:2"))
+    reps = [Replica(i, StepCost(1.0), 10**9, watermark=0.0) for i in range(2)]
+    simulate_round(0, policy, reps, Turns(lambda k, t: 2 + 2 * k), max_new_tokens=100, episodes=pool.workload,
+                   env=pool)
+    closes = [key for _, key in pool.closing]
+    assert sorted(closes) == [f"0:0:{k}" for k in range(4)]
