@@ -81,6 +81,8 @@ class Report:
     """Since the round began: prompt tokens prefilled from a resident session (an episode's earlier turns)."""
     session_evictions: int = 0
     """Since the round began: resident sessions evicted for memory."""
+    resident_sessions: int = 0
+    """Sessions holding KV now."""
 
 
 @dataclass
@@ -115,6 +117,8 @@ class RoundResult:
     """Prompt tokens the engines took from resident sessions instead of prefilling (episodes' turns)."""
     session_evictions: int = 0
     """Resident sessions the engines evicted for memory (their next turns recomputed their conversations)."""
+    resident_sessions: int | None = None
+    """Episodes: sessions still holding KV after the round's last command (every episode ended: 0); None without."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -154,6 +158,7 @@ class RoundResult:
             "rollout/tail_cpu_seconds": self.tail_cpu_s,
             **({"rollout/reused_prefill_tokens": self.reused_tokens} if self.reused_tokens else {}),
             **({"rollout/session_evictions": self.session_evictions} if self.session_evictions else {}),
+            **({"rollout/resident_sessions": self.resident_sessions} if self.resident_sessions is not None else {}),
             **spec_metrics(self.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
@@ -316,15 +321,16 @@ class RoundLeader:
             return ()
         return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
 
-    def turn(self, turn: TurnRequest, priority: int, row: int) -> Request:
-        """The engine request of an episode's turn of prompt ``row``: seeded by its id, its token budget the
-        episode's (less when replaying lengths: its turn's length, forced), its session the episode (the engine
-        may keep its KV for the next turn, until the episode ends)."""
+    def turn(self, turn: TurnRequest, row: int, priority: int) -> Request:
+        """The engine request of an episode's turn (of dataset row ``row``): seeded by its id, its token budget
+        the episode's (less when replaying lengths: its turn's length, forced), its session the episode (the
+        engine may keep its KV for the next turn, until the episode ends), the row's earlier episodes offered
+        to the drafters (a cut attempt's conversation among them)."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
         if self.lengths:
             params.max_new_tokens, params.ignore_eos = min(turn.max_new_tokens, self.lengths.turn(turn.id, row)), True
         return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
-                       session=self.session(turn.id.rpartition("#")[0]))
+                       session=self.session(turn.id.rpartition("#")[0]), draft_context=self.contexts(row))
 
     def session(self, episode: str) -> str:
         """The engine session of ``episode``, tagged as its environment (a held-out round's apart from training's)."""
@@ -400,7 +406,7 @@ class ExchangeRound:
             adds += [(state.replica(req.id), self.add(req))
                      for req in leader.requests(self.step, new, self.hooks.priority(new.slot))]
         for replica, priority, turn in actions.turns:
-            req = self.add(leader.turn(turn, priority, state.row(self.round.key(turn.id))))
+            req = self.add(leader.turn(turn, state.row(self.round.key(turn.id)), priority))
             adds.append((replica, req))
             if req.params.max_new_tokens < turn.max_new_tokens:
                 self.forced.add(req.id)
@@ -409,16 +415,9 @@ class ExchangeRound:
         if actions.feed:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
+        sessions = [(replica, leader.session(key)) for replica, key in actions.end_sessions]
         return Command(add=adds, abort=[(state.replica(self.round.key(rid)), rid) for rid in actions.abort],
-                       final=actions.done, scale_down=actions.scale_down, end_sessions=self.end_sessions(actions))
-
-    def end_sessions(self, actions: Actions) -> list[tuple[int, str]]:
-        """The engine sessions to end: the episodes that ended, and with the last command, those whose turns it
-        aborts (their episodes end at finish, after it; a queued turn's abort leaves its session resident)."""
-        ended = actions.end_sessions
-        if actions.done and self.round.episodes:
-            ended = ended + sorted({(self.round.state.replica(key), key) for key in map(self.round.key, actions.abort)})
-        return [(replica, self.leader.session(key)) for replica, key in ended]
+                       final=actions.done, scale_down=actions.scale_down, end_sessions=sessions)
 
     def add(self, req: Request) -> Request:
         self.requests[req.id] = (req, len(self.trace))
@@ -473,7 +472,9 @@ class ExchangeRound:
                            spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
                            tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
                            reused_tokens=sum(r.reused_tokens for r in counters),
-                           session_evictions=sum(r.session_evictions for r in counters))
+                           session_evictions=sum(r.session_evictions for r in counters),
+                           resident_sessions=sum(r.resident_sessions for r in reports if r) if self.round.episodes
+                           else None)
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
@@ -495,4 +496,4 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
                   stats.num_preemptions - start.num_preemptions, stats.spec.since(start.spec),
                   time.process_time() - base[1], stats.num_reused_prefill_tokens - start.num_reused_prefill_tokens,
-                  stats.num_session_evictions - start.num_session_evictions)
+                  stats.num_session_evictions - start.num_session_evictions, stats.num_resident_sessions)

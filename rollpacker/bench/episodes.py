@@ -88,8 +88,8 @@ class Args:
     """Comma-separated policies (as bench schedulers names them); the first is the baseline of the speedups."""
     seed: int = 0
     """Seed of every run (sampling, data order, init)."""
-    rows: int = 32
-    """Prompts in the epoch every policy trains once."""
+    rows: int = 64
+    """Prompts in the epoch every policy trains once (16 steps of P0=4: fewer leave the speedups to chance)."""
     num_prompts: int = 4
     """P0: prompts trained per step."""
     group_size: int = 4
@@ -102,8 +102,10 @@ class Args:
     """Pareto tail index of the turns per row (smaller: a heavier tail)."""
     latency: str = "lognormal:0.3:1.0"
     """Environment latency per step: lognormal:MEAN_SECONDS:SIGMA, or trace:PATH (seconds, one per line)."""
-    env_workers: int = 16
-    """env.num_workers: environment processes (a worker runs its episodes' steps one at a time)."""
+    env_workers: int = 32
+    """env.num_workers: environment processes (a worker runs its episodes' steps one at a time). The latency
+    is a remote service's: a worker per episode in flight (tail's 25, and the cut ones' last steps), so
+    no episode waits behind another's latency."""
     eta_prompts: float = 1.25
     """tail's η_P (--schedule.eta-prompts of the tail policies): prompts launched per short round over P0."""
     eta_responses: float = 1.25

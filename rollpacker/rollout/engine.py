@@ -191,6 +191,8 @@ class EngineStats:
     """Cumulative prompt tokens whose KV a prefill took from a resident session instead of computing it."""
     num_session_evictions: int = 0
     """Cumulative resident sessions freed for memory (their next turn recomputes its prefix)."""
+    num_resident_sessions: int = 0
+    """Sessions holding KV now (``end_session`` frees one)."""
 
 
 class Engine(Protocol):

@@ -31,6 +31,8 @@ replica; its environment's calls go to the workers (:attr:`Actions.env`) and com
 policy hears of the episode once, when it is done. An abort cuts an episode where it is. A
 scale-down moves episodes at a turn boundary: one between turns (waiting for its environment) is
 routed to a kept replica at once; a running turn is aborted and resumed there, token for token.
+Turns go by frontier priority (:meth:`RoundState.turn_priority`): a turn of a group with more of its
+episodes finished is admitted first, so the groups about to complete are not held up by fresh ones.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class RoundState:
         self.num_complete = 0
         self.outputs: list[Any] = []
         """Every finished response, in finish order."""
+        self.num_finished: collections.Counter[int] = collections.Counter()
+        """Slot -> its responses finished."""
         self._routed = itertools.count()
         self._load = [0] * num_replicas
         """Per replica: estimated tokens routed to it this round (longest_first, by_group)."""
@@ -176,6 +180,13 @@ class RoundState:
         self.outstanding -= {out.id for out in outputs}
         self.undecided += outputs
         self.outputs += outputs
+        self.num_finished.update(self.owner[out.id][1] for out in outputs)
+
+    def turn_priority(self, slot: int, base: int) -> int:
+        """An episode's next turn's admission priority (lower first): ``base`` (the hooks' for the
+        slot) first, then the frontier: the fewer of the group's responses are still to finish, the sooner."""
+        num = self.plan.num_responses
+        return base * (num + 1) + max(0, num - self.num_finished[slot])
 
     def scored(self, scores) -> None:
         """``(request id, reward or None)`` pairs."""
@@ -374,7 +385,8 @@ class Actions:
     env: list[EnvCall] = field(default_factory=list)
     """Episodes: the calls for the environment workers, in order."""
     end_sessions: list[tuple[int, str]] = field(default_factory=list)
-    """Episodes: (replica, episode) of each episode that ended: its engine session (resident KV) can go."""
+    """Episodes: (replica, episode) of each episode that ended (with ``done``: also those whose turns
+    ``abort`` cuts): its engine session (resident KV) can go."""
 
 
 @dataclass
@@ -515,10 +527,15 @@ class Round:
         """The turns to add and the environment calls of this poll, into ``out``."""
         if self.episodes is not None:
             state = self.state
-            out.turns = [(state.replica(key), self.hooks.priority(state.owner[key][1]), turn)
-                         for key, turn in self.episodes.take_turns()]
+            out.turns = []
+            for key, turn in self.episodes.take_turns():
+                slot = state.owner[key][1]
+                out.turns.append((state.replica(key), state.turn_priority(slot, self.hooks.priority(slot)), turn))
             out.env = self.episodes.take_calls()
-            out.end_sessions = [(state.replica(key), key) for key in self.episodes.take_ended()]
+            ended = self.episodes.take_ended()
+            if out.done:  # the episodes whose turns the last actions abort end at finish, after them: now
+                ended += sorted({self.key(rid) for rid in out.abort})
+            out.end_sessions = [(state.replica(key), key) for key in ended]
         return out
 
     def _finished(self, outputs: list[Any], now: float) -> None:

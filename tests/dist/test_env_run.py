@@ -91,7 +91,7 @@ def read_log(log: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def env_run(tmp_path_factory):
-    return run_env_job(tmp_path_factory.mktemp("env_tail"))
+    return run_env_job(tmp_path_factory.mktemp("env_tail"), "--engine.max-num-seqs", "2")  # turns queue: some cut there
 
 
 def samples(run_dir: Path) -> list[dict]:
@@ -105,6 +105,16 @@ def test_episodes_train_under_tail_with_every_turn_stepped_and_every_environment
     assert any(r["sched/aborted_responses"] for r in records(run_dir))  # tail's over-provisioned episodes were cut
     # each later turn extended its episode's session: the engines prefilled its earlier turns from resident KV
     assert sum(r.get("rollout/reused_prefill_tokens", 0) for r in records(run_dir)) > 0
+    assert all(r["rollout/resident_sessions"] == 0 for r in records(run_dir))  # every session ended with its round
+
+
+def test_a_long_round_drafts_each_turn_from_the_prompts_cut_episodes(tmp_path):
+    """Tail with speculation on: a long round regenerates its deferred prompts' episodes, each turn offered
+    what the short round cut of the same prompt (the ``partial`` drafts), which the engines verify and accept."""
+    run_dir, log = run_env_job(tmp_path, "--engine.speculative", "on")
+    check_run(run_dir, log)
+    long = [r for r in records(run_dir) if r.get("sched/round_kind") == "long"]
+    assert long and any(r.get("rollout/spec_acceptance/partial", 0) > 0 for r in long), long
 
 
 def test_the_report_shows_an_episode_turn_by_turn(env_run, tmp_path):

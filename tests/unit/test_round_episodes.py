@@ -113,8 +113,9 @@ class Driver:
                 result = StepResult([{"role": "user", "content": str(n)}], reward=float(n),
                                     terminated=n >= turns_of(call.key))
                 self.replies.append(SimpleNamespace(key=call.key, kind="step", value=result, error=None, seconds=0.1))
-        for replica, key in getattr(a, "end_sessions", []):
-            assert key not in self.ended and self.env_log[key][-1] == "close"  # once, as its environment closes
+        cut_last = {rid.rpartition("#")[0] for rid in a.abort} if getattr(a, "done", False) else set()
+        for replica, key in getattr(a, "end_sessions", []):  # once, as its environment closes, or with its last turn
+            assert key not in self.ended and (self.env_log[key][-1] == "close" or key in cut_last)
             self.ended[key] = replica
 
     def seen(self) -> Seen:
@@ -241,3 +242,39 @@ def test_a_stream_round_migrates_episodes_at_a_turn_boundary():
     assert driver.resumed and not outcome.aborted  # some turns were running when it scaled down: resumed
     after = [replica for now, replica in driver.added if now >= outcome.scaled.at]
     assert after and set(after) == {0}  # every turn after the scale-down on the kept replica
+
+
+class Frontier(Driver):
+    """Records each turn's priority beside the episodes of its group whose environment had ended them."""
+
+    def __init__(self):
+        super().__init__()
+        self.done_in: dict[str, int] = collections.Counter()  # slot (``STEP:SLOT``) -> episodes terminated
+        self.priorities: list[tuple[int, int, int]] = []  # (priority, slot, episodes of its group done then)
+
+    def apply(self, a) -> None:
+        for _, priority, turn in a.turns:
+            group = turn.id.rsplit(":", 1)[0]
+            self.priorities.append((priority, int(group.split(":")[1]), self.done_in[group]))
+        super().apply(a)
+
+    def seen(self) -> Seen:
+        seen = super().seen()
+        for reply in seen.env:
+            if reply.kind == "step" and reply.value.terminated:
+                self.done_in[reply.key.rsplit(":", 1)[0]] += 1
+        return seen
+
+
+@pytest.mark.parametrize("hooks", [None, "pipe"])
+def test_turns_of_groups_closer_to_complete_are_admitted_first(hooks):
+    from rollpacker.schedule.scale_down import PipeRound
+
+    group_size = 3
+    driver, policy = Frontier(), SyncConfig().build(PromptSampler(12), 4, group_size, num_epochs=1)
+    decider = ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=1)
+    run_round(policy, 0, driver, hooks=PipeRound(decider) if hooks else None)
+    assert any(done for _, _, done in driver.priorities)  # some turns came after a sibling finished
+    for priority, slot, done in driver.priorities:
+        base = slot if hooks else 0  # RolloutPipe's frontier-group dispatch (the slot) comes first
+        assert priority == base * (group_size + 1) + group_size - done

@@ -153,9 +153,9 @@ def test_replayed_lengths_force_each_turn_and_a_turn_short_of_its_budget_reads_a
     replay = LengthReplay(0, 400)
     leader = RoundLeader(policy=None, rows=[0] * 8, encode=lambda row: [1], rewards=None,
                          sampling=SamplingParams(max_new_tokens=400), lengths=replay)
-    req = leader.turn(TurnRequest("2:1:0#3", [1, 2], 400, 7), 0, 5)
+    req = leader.turn(TurnRequest("2:1:0#3", [1, 2], 400, 7), 5, 0)
     assert req.params.max_new_tokens == replay.turn("2:1:0#3", 5) < 400 and req.params.ignore_eos
-    assert leader.turn(TurnRequest("2:1:0#3", [1, 2], 1, 7), 0, 5).params.max_new_tokens == 1  # the budget wins
+    assert leader.turn(TurnRequest("2:1:0#3", [1, 2], 1, 7), 5, 0).params.max_new_tokens == 1  # the budget wins
     rnd = ExchangeRound(leader, 2, RoundPlan(kind="sync", prompts=[], num_responses=1, keep=1), None)
     rnd.forced.add("2:1:0#3")
     cut = {"prompt_ids": [1], "token_ids": [3], "logprobs": [0.0], "finish_reason": "length"}

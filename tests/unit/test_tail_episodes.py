@@ -1,8 +1,8 @@
 """Tail batching over episodes, through the round's protocol alone (scripted engines and
 environments of ``test_round_episodes``, no model, no process): a short round keeps the first R0
 episodes of each prompt to finish and the first P0 prompts to complete, cuts the rest, closes
-their environments and ends their engine sessions (those cut at the round's end: with the exchange's
-last command); a deferred prompt's episodes are regenerated from scratch in a long round; the
+their environments and ends their engine sessions (those cut at the round's end: with the round's
+last actions); a deferred prompt's episodes are regenerated from scratch in a long round; the
 ledger is exact after every round.
 
 ``test_round_episodes`` already checks, under tail: each episode heard once, every environment
@@ -28,25 +28,22 @@ P0, R0 = 4, 2
 
 
 class Sessions(Driver):
-    """The scripted driver (which records each session the round ends, once, as its environment closes),
-    also recording the replica of each episode's turns and the episodes whose turns the round's last
-    actions abort: the exchange ends their sessions with its last command (they end at finish, after it)."""
+    """The scripted driver (which records each session the round ends, once: as its environment closes,
+    or with the round's last actions for the episodes whose turns they abort), also recording the
+    replica of each episode's turns."""
 
     def __init__(self):
         super().__init__()
         self.replica_of: dict[str, int] = {}
-        self.final_aborts: set[str] = set()
 
     def apply(self, a) -> None:
         for replica, _, turn in a.turns:
             self.replica_of[turn.id.rpartition("#")[0]] = replica
-        if getattr(a, "done", False):
-            self.final_aborts |= {rid.rpartition("#")[0] for rid in a.abort}
         super().apply(a)
 
     def check_sessions(self) -> None:
         """Every episode opened has its session ended, on the replica that ran its turns."""
-        assert set(self.ended) | self.final_aborts == set(self.env_log)
+        assert set(self.ended) == set(self.env_log)
         assert all(replica == self.replica_of.get(key, replica) for key, replica in self.ended.items())
 
 

@@ -162,6 +162,7 @@ class TorchEngine(Speculation):
             num_prefill_tokens=self.num_prefill_tokens,
             num_reused_prefill_tokens=self.num_reused_prefill_tokens,
             num_session_evictions=self.num_session_evictions,
+            num_resident_sessions=len(self.sessions),
             spec=self.spec.plus(SpecStats()),  # a copy
         )
 
