@@ -144,6 +144,8 @@ def fit_run(run_dir: Path, workload: EpisodeWorkload) -> EpisodeWorkload:
     sigma) taken from the run in ``run_dir`` (its ``samples/`` and ``metrics.jsonl``)."""
     from dataclasses import replace
 
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ValueError(f"--fit {run_dir}: no metrics.jsonl there (give the run directory of a run with episodes)")
     samples = [json.loads(line) for path in sorted((run_dir / "samples").glob("step_*.jsonl"))
                for line in path.read_text().splitlines()]
     episodes = [s for s in samples if "num_turns" in s]

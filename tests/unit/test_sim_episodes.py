@@ -142,6 +142,8 @@ def test_fit_run_takes_turns_observations_and_latency_from_a_run(tmp_path):
     fitted = fit_run(tmp_path, EpisodeWorkload(latency="lognormal:1.0:0.5"))
     assert fitted.obs_tokens == 7 and fitted.extra_turn == 0.0 and fitted.latency == "lognormal:0.3000:0.5"
     assert sorted({fitted.num_turns(str(r), "e") for r in range(50)}) == [1, 3]
+    with pytest.raises(ValueError, match="no metrics.jsonl"):
+        fit_run(tmp_path / "elsewhere", EpisodeWorkload())
 
 
 def test_replayed_lengths_force_each_turn_and_a_turn_short_of_its_budget_reads_as_stopped():
