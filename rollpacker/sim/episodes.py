@@ -141,7 +141,8 @@ class EpisodeWorkload:
 def fit_run(run_dir: Path, workload: EpisodeWorkload) -> EpisodeWorkload:
     """``workload`` with its turns (a trace of the trained episodes' turn counts, no extra turn), observation
     tokens (their mean) and latency (a lognormal of the run's mean ``env/step_seconds``, ``workload``'s
-    sigma) taken from the run in ``run_dir`` (its ``samples/`` and ``metrics.jsonl``)."""
+    sigma) taken from the run in ``run_dir`` (its ``samples/`` and ``metrics.jsonl``); the trace is written
+    there (``turns.trace``)."""
     from dataclasses import replace
 
     if not (run_dir / "metrics.jsonl").is_file():
