@@ -323,9 +323,12 @@ class RoundLeader:
 
     def turn(self, turn: TurnRequest, row: int, priority: int) -> Request:
         """The engine request of an episode's turn (of dataset row ``row``): seeded by its id, its token budget
-        the episode's, its session the episode (the engine may keep its KV for the next turn, until the episode
-        ends), the row's earlier episodes offered to the drafters (a cut attempt's conversation among them)."""
+        the episode's (less when replaying lengths: its turn's length, forced), its session the episode (the
+        engine may keep its KV for the next turn, until the episode ends), the row's earlier episodes offered
+        to the drafters (a cut attempt's conversation among them)."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
+        if self.lengths:
+            params.max_new_tokens, params.ignore_eos = min(turn.max_new_tokens, self.lengths.turn(turn.id, row)), True
         return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
                        session=self.session(turn.id.rpartition("#")[0]), draft_context=self.contexts(row))
 
@@ -351,6 +354,8 @@ class ExchangeRound:
         """The last report had at most TAIL_RUNNING requests on every replica: the next poll is in the tail."""
         self.freed_left = False
         """A scale-down went out: the freed ranks serve the sink until the round ends."""
+        self.forced: set[str] = set()
+        """Turns whose replayed length is short of their budget: their "length" end stands for the model's stop."""
 
     def begin(self, num_replicas: int, poll_steps: int) -> Command:
         """The round's protocol; the first command launches the plan's prompts."""
@@ -369,8 +374,9 @@ class ExchangeRound:
         now = time.time()
         self.trace.append((now, sum(r.num_running for r in reports)))
         sink = self.leader.sink
-        seen = Seen(now=now, finished=[o for r in reports for o in r.finished],
-                    aborted=[o for r in reports for o in r.aborted], sink_ready=sink.ready() if sink else True,
+        seen = Seen(now=now, finished=[self.stopped(o) for r in reports for o in r.finished],
+                    aborted=[self.stopped(o) for r in reports for o in r.aborted],
+                    sink_ready=sink.ready() if sink else True,
                     env=self.leader.episodes.poll(self.leader.env_tag) if self.leader.episodes else [])
         if len(self.trace) > 1:  # seconds per engine step, by requests per replica
             (t0, running), (t1, _) = self.trace[-2:]
@@ -385,6 +391,13 @@ class ExchangeRound:
                                  self.round.tokens_done / (time.time() - self.start))
         return self.command(actions)
 
+    def stopped(self, out: Output) -> Output:
+        """A finished output; a turn cut at its replayed length reads as stopped (the episode goes on, as the
+        simulator's does), not as cut at its budget (which ends the episode)."""
+        if out.id in self.forced and out.finish_reason == "length":
+            return dataclasses.replace(out, finish_reason="stop")
+        return out
+
     def command(self, actions: Actions) -> Command:
         """The engine requests, aborts and sends that ``actions`` say."""
         state, leader = self.round.state, self.leader
@@ -392,8 +405,11 @@ class ExchangeRound:
         for new in actions.launch:
             adds += [(state.replica(req.id), self.add(req))
                      for req in leader.requests(self.step, new, self.hooks.priority(new.slot))]
-        adds += [(replica, self.add(leader.turn(turn, state.row(self.round.key(turn.id)), priority)))
-                 for replica, priority, turn in actions.turns]
+        for replica, priority, turn in actions.turns:
+            req = self.add(leader.turn(turn, state.row(self.round.key(turn.id)), priority))
+            adds.append((replica, req))
+            if req.params.max_new_tokens < turn.max_new_tokens:
+                self.forced.add(req.id)
         if actions.env:
             leader.episodes.send(actions.env, leader.rows, leader.env_tag)
         if actions.feed:

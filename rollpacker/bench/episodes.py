@@ -29,7 +29,6 @@ Flags after ``--`` go to every run. The last line is JSON: ``rollout_speedup_tai
 from __future__ import annotations
 
 import json
-import math
 import random
 import statistics
 import subprocess
@@ -40,30 +39,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollpacker.sim.episodes import latency_sampler
+
 PROG = "python -m rollpacker.bench episodes"
-
-
-def latency_sampler(spec: str):
-    """``--latency`` -> ``draw(key) -> seconds``, deterministic in ``key``; a bad spec: ValueError saying the fix."""
-    kind, _, rest = spec.partition(":")
-    if kind == "lognormal":
-        try:
-            mean, sigma = (float(x) for x in rest.split(":"))
-        except ValueError:
-            raise ValueError(f"--latency {spec!r}: write lognormal:MEAN_SECONDS:SIGMA (lognormal:0.3:1.0)") from None
-        if mean < 0 or sigma < 0:
-            raise ValueError(f"--latency {spec!r}: the mean and sigma must be >= 0")
-        mu = math.log(mean) - sigma ** 2 / 2 if mean > 0 else 0.0
-        return lambda key: random.Random(key).lognormvariate(mu, sigma) if mean > 0 else 0.0
-    if kind == "trace":
-        path = Path(rest)
-        if not path.is_file():
-            raise ValueError(f"--latency {spec!r}: no file {rest!r} (a trace: seconds, one per line)")
-        trace = [float(line) for line in path.read_text().split()]
-        if not trace or min(trace) < 0:
-            raise ValueError(f"--latency {spec!r}: the trace must hold seconds >= 0, one per line")
-        return lambda key: trace[zlib.crc32(key.encode()) % len(trace)]
-    raise ValueError(f"--latency {spec!r}: write lognormal:MEAN_SECONDS:SIGMA or trace:PATH")
 
 
 class HeavyTailEnv:

@@ -78,6 +78,12 @@ class LengthModel:
         noise = np.random.default_rng([self.seed, 2, step, slot, row]).standard_normal(num)
         return np.maximum(1, np.rint(np.exp(self.log_scale(row) + self.response_sigma * noise))).astype(np.int64)
 
+    def turn_length(self, row: int, step: int, slot: int, response: int, turn: int) -> int:
+        """Natural length of turn ``turn`` of episode ``response`` of ``row`` launched at ``slot`` of
+        ``step``: the row's scale, fresh noise per turn (an episode's turns are responses of one prompt)."""
+        noise = np.random.default_rng([self.seed, 3, step, slot, row, response, turn]).standard_normal()
+        return max(1, int(np.rint(np.exp(self.log_scale(row) + self.response_sigma * noise))))
+
 
 @lru_cache(maxsize=1 << 20)
 def _log_scale(model: LengthModel, row: int) -> float:
@@ -105,6 +111,12 @@ class LengthReplay:
     def draw(self, row: int, step: int, slot: int, response: int) -> int:
         """The length of response ``response`` of the prompt ``row`` launched in ``slot`` at ``step``."""
         return min(self.cap, int(self.model.lengths(row, step, slot, response + 1)[response]))
+
+    def turn(self, turn_id: str, row: int) -> int:
+        """The length of episode turn ``turn_id`` (``STEP:SLOT:K#TURN``) of prompt ``row``, cut at the cap."""
+        episode, _, turn = turn_id.rpartition("#")
+        step, slot, response = (int(x) for x in episode.split(":"))
+        return min(self.cap, self.model.turn_length(row, step, slot, response, int(turn)))
 
     def __call__(self, rid: str, row: int, step: int, slot: int, response: int, earlier=None) -> int:
         length = self.given.pop(earlier.id, None) if earlier is not None else None

@@ -8,6 +8,7 @@
     python -m rollpacker.sim validate                    the simulator against rollouts measured here
     python -m rollpacker.sim growth                      tail's speedup against the decode step's growth with the batch
     python -m rollpacker.sim spec --preset qwen2.5-7b-8k schedule:tail   speculative decoding off and on
+    python -m rollpacker.sim episodes --preset qwen2.5-7b-8k [--gpus 128]   sync vs tail over multi-turn episodes
 
 The first form takes the rollout settings (P0, R0, max_new_tokens, TP) from the preset; ``--gpus``
 defaults to the paper's GPU count for the model; every field of :class:`SimConfig` is a flag
@@ -21,21 +22,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
-PAPER_GPUS = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
-"""GPUs of the paper's §6 runs, per model: the default of --gpus."""
-
-
-def preset_config(name: str):
-    """A :class:`SimConfig` from a repo preset: its model (by name), P0, R0, max_new_tokens, TP."""
-    from rollpacker.config import load_preset
-    from rollpacker.sim.cost import MODELS
-    from rollpacker.sim.simulate import SimConfig
-
-    stem = name.rsplit("/", 1)[-1].removesuffix(".toml")
-    model = max((m for m in MODELS if stem.startswith(m)), key=len, default=None)
-    if model is None:
-        raise SystemExit(f"preset {name!r} names no known model ({', '.join(MODELS)}): pass --model")
-    return SimConfig(model=model, gpus=PAPER_GPUS[model], rollout=load_preset(name).rollout)
+from rollpacker.sim.simulate import preset_config
 
 
 def _pop_flag(args: list[str], flag: str, default: str) -> str:
@@ -198,13 +185,17 @@ def main(argv: list[str] | None = None) -> None:
         from rollpacker.sim import validate
 
         figures = validate.main(argv[1:])
+    elif command == "episodes":
+        from rollpacker.sim import episodes_cli
+
+        figures = episodes_cli.main(argv[1:])
     elif command == "growth":
         from rollpacker.sim import growth
 
         figures = growth.main(argv[1:])
     elif command not in ("", "spec"):
         raise SystemExit(f"unknown command {command!r}: use table2, table1, fig13c, workload, validate, growth, "
-                         "spec, or flags (--help)")
+                         "spec, episodes, or flags (--help)")
     else:
         try:
             figures = spec(argv[1:]) if command else run(argv)

@@ -48,6 +48,11 @@ class Seq:
     """Admission order, for ties and preemption."""
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_turns: int = 0
+    """An episode's output: its model turns."""
+    reused: int = 0
+    """Prompt tokens whose KV its replica holds already (an episode's resident session): not prefilled at its
+    first admission; a preempted or migrated request recomputes everything."""
 
     @property
     def length(self) -> int:
@@ -58,6 +63,10 @@ class Seq:
     @property
     def token_ids(self) -> range:
         return range(self.generated)
+
+    @property
+    def logprobs(self) -> tuple:
+        return ()
 
     @property
     def prompt_ids(self) -> range:
@@ -223,6 +232,7 @@ class Replica:
         while self.running and self.kv_used() + len(self.running) > self.kv_capacity:
             victim = next(reversed(self.running.values()))
             self._remove(victim)
+            victim.reused = 0
             victim.num_preemptions += 1
             self.num_preemptions += 1
             self.waiting.appendleft(victim)
@@ -240,7 +250,8 @@ class Replica:
                 break
             self.waiting.popleft()
             self._admit(seq)
-            prefill, prefill_sq = prefill + need, prefill_sq + need * need
+            new = need - seq.reused
+            prefill, prefill_sq = prefill + new, prefill_sq + new * need
         if not self.running:
             if self.waiting:
                 seq = self.waiting[0]

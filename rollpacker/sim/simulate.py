@@ -28,11 +28,13 @@ from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
+from rollpacker.schedule.episodes import EpisodeRunner
 from rollpacker.schedule.round import Actions, Launch, Round, RoundOutcome, RoundState, Seen
 from rollpacker.schedule.scale_down import ScaleDown, StreamRound
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
+from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEpisode, SimEnvPool
 from rollpacker.sim.speculation import SpecSimConfig
 from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 from rollpacker.topology import Topology
@@ -173,7 +175,9 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
-                   stream: ScaleDown | None = None, poll: tuple[int, float] | None = None) -> RoundRecord:
+                   stream: ScaleDown | None = None, poll: tuple[int, float] | None = None,
+                   episodes: EpisodeWorkload | None = None, row_key: Callable[[int], str] = str,
+                   seed: int = 0, env: SimEnvPool | None = None) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
     (:class:`~rollpacker.schedule.round.Round`) on simulated time.
 
@@ -182,13 +186,27 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     of a response (scored at once); ``plan``, the round when the caller already asked the policy for
     it; ``stream``, the stream trainer's decider. ``poll = (steps, exchange_s)`` runs the replicas in
     lockstep as the controller's exchange loop does (``rollout.poll_steps`` iterations each, then an
-    exchange of ``exchange_s``), instead of polling at each replica event."""
+    exchange of ``exchange_s``), instead of polling at each replica event.
+
+    ``episodes``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`), run by the
+    job's :class:`~rollpacker.schedule.episodes.EpisodeRunner` (reset seeds from ``seed``): its turns on
+    the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment calls on
+    simulated workers (``env``: the run's, carried from the last round, :meth:`SimEnvPool.shift`; else
+    fresh ones); ``row_key(row)`` names a dataset row for the workload's draws."""
     if poll and stream:
         raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
     hooks = StreamRound(stream) if stream else None
-    rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), hooks)
-    return _SimRound(step, plan, rnd, replicas, lengths, max_new_tokens, poll).run()
+    sim: _SimRound | None = None
+    runner = None
+    if episodes is not None:
+        runner = EpisodeRunner(lambda key, row, reset: ScriptedEpisode(
+            key, row, reset, lengths=lengths, prompt_tokens=lengths.prompt_tokens, obs_tokens=episodes.obs_tokens,
+            max_new_tokens=max_new_tokens, max_tokens=episodes.max_tokens, clock=lambda: sim.now), seed=seed)
+    rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), hooks, runner)
+    sim = _SimRound(step, plan, rnd, replicas, lengths, max_new_tokens, poll,
+                    env=(env or SimEnvPool(episodes, row_key)) if episodes else None)
+    return sim.run()
 
 
 @dataclass
@@ -228,19 +246,27 @@ class _SimRound:
     trace: list[tuple[float, int]] = field(default_factory=list)
     fed: list[tuple[float, Group]] = field(default_factory=list)
     now: float = 0.0
+    env: SimEnvPool | None = None
+    """Episodes: the simulated environment workers."""
+    resident: dict[str, int] = field(default_factory=dict)
+    """Episode -> tokens of its last finished turn (prompt and generated): its resident session's KV."""
 
     def run(self) -> RoundRecord:
         self.apply(self.round.start(0.0), set())
         self.trace.append((0.0, self.round.state.num_launched))
         while True:
             finished, due = self.advance()
-            actions = self.round.poll(Seen(now=self.now, finished=finished, aborted=self.take_aborted()),
-                                      self.generated)
+            seen = Seen(now=self.now, finished=finished, aborted=self.take_aborted(),
+                        env=self.env.take(self.now) if self.env else [])
+            actions = self.round.poll(seen, self.generated)
             if actions.done:
                 self.fed += [(self.now, g) for g in actions.feed]
                 self.now += self.poll[1] if self.poll else 0.0  # the final command (its aborts) and the last reports
                 final = self.take_aborted() + [seq for replica in self.replicas for seq in replica.abort_all(self.now)]
-                return self.record(self.round.finish(final, self.now))
+                outcome = self.round.finish(final, self.now)
+                if self.env:  # the environments of the episodes done last and of those cut at the end are closed
+                    self.env.send(actions.env + self.round.episodes.take_calls(), self.now)
+                return self.record(outcome)
             if actions.scale_down:
                 self.migrate(actions)
             self.apply(actions, due)
@@ -252,10 +278,15 @@ class _SimRound:
         state = self.round.state
         adds = self.launch(actions.launch)
         for replica, seq in actions.resume:  # prefilled again with its prompt and generated tokens
+            seq.reused = 0
             adds[replica].append(seq)
+        for replica, _, turn in actions.turns:
+            adds[replica].append(self.turn(turn))
+        if actions.env:
+            self.env.send(actions.env, self.now)
         to_abort: dict[int, list[str]] = defaultdict(list)
         for rid in actions.abort:
-            to_abort[state.replica(rid)].append(rid)
+            to_abort[state.replica(self.round.key(rid))].append(rid)
         self.fed += [(self.now, g) for g in actions.feed]
         for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
             self.send(i, to_abort.get(i, []), adds.get(i, []))
@@ -264,7 +295,7 @@ class _SimRound:
         """Rollout scaled down: the freed replicas abort everything at once, and the round resumes
         what migrates in this same instant (added to ``actions``, less the aborts the freed replicas did)."""
         state = self.round.state
-        actions.abort = [rid for rid in actions.abort if state.replica(rid) < state.active]
+        actions.abort = [rid for rid in actions.abort if state.replica(self.round.key(rid)) < state.active]
         leaving = [seq for replica in self.replicas[state.active:]  # in replica order, each sorted, as reported
                    for seq in sorted(replica.abort_all(self.now), key=lambda s: s.id)]
         back = self.round.poll(Seen(now=self.now, aborted=leaving), self.generated)
@@ -287,6 +318,15 @@ class _SimRound:
                 adds[self.round.state.replica(rid)].append(seq)
         return adds
 
+    def turn(self, turn) -> Seq:
+        """The request of an episode's turn: its prompt the conversation so far, of which the episode's
+        resident session holds the last turn's tokens (``workload.resident``)."""
+        key = self.round.key(turn.id)
+        _, slot, k = self.round.state.owner[key]
+        reused = self.resident.get(key, 0) if self.env.workload.resident else 0
+        self.seqs[turn.id] = seq = Seq(turn.id, slot, k, len(turn.prompt_ids), turn.max_new_tokens, reused=reused)
+        return seq
+
     def send(self, i: int, abort: list[str], add: list[Seq]) -> None:
         """Replica ``i`` gets aborts and requests now (event-driven: its next run is queued)."""
         replica = self.replicas[i]
@@ -302,26 +342,37 @@ class _SimRound:
         """To the next poll's exchange (lockstep) or the next replica event. Returns the responses
         finished by then and the replicas due a command."""
         finished: list[Seq] = []
-        active = self.round.state.active
-        if self.poll:
+        active, due = self.round.state.active, set()
+        waiting = self.env.next_time() if self.env and self.env.busy() else None
+        running = any(r.num_requests() for r in self.replicas[:active])
+        if self.poll and waiting is not None and not running:  # only environments work: polled until one replies
+            self.now = max(self.now, waiting) + self.poll[1]
+        elif self.poll:
             self.now = _poll(self.replicas[:active], self.now, *self.poll, finished, self.aborted)
-            stalled = not finished and not any(r.num_requests() for r in self.replicas)
             due = set(range(active))
+            if not finished and not any(r.num_requests() for r in self.replicas) and waiting is None:
+                self._stalled()
+        elif self.events and (waiting is None or self.events[0][0] <= waiting):
+            self.now, due = _next_event(self.events, self.replicas, finished, self.aborted)
+        elif waiting is not None:
+            self.now = waiting
         else:
-            stalled = not self.events
-            if not stalled:
-                self.now, due = _next_event(self.events, self.replicas, finished, self.aborted)
-        if stalled:
-            raise RuntimeError(f"step {self.step}: {len(self.round.state.outstanding)} requests outstanding but no "
-                               "replica is running")
+            self._stalled()
+        for seq in finished:
+            self.resident[self.round.key(seq.id)] = seq.prompt_tokens + seq.generated
         self.completions += [(self.now, seq.id) for seq in finished]
         return finished, due
+
+    def _stalled(self) -> None:
+        raise RuntimeError(f"step {self.step}: {len(self.round.state.outstanding)} requests outstanding but no "
+                           "replica is running")
 
     def generated(self) -> list[tuple[int, int]]:
         """(prompt tokens, tokens generated) of each outstanding request, exactly."""
         seqs, replicas, state = self.seqs, self.replicas, self.round.state
-        return [(seqs[rid].prompt_tokens, replicas[state.replica(rid)].generated_at(seqs[rid], self.now))
-                for rid in state.outstanding]
+        running = self.round.episodes.running if self.round.episodes else state.outstanding
+        return [(seqs[rid].prompt_tokens,
+                 replicas[state.replica(self.round.key(rid))].generated_at(seqs[rid], self.now)) for rid in running]
 
     def record(self, outcome: RoundOutcome) -> RoundRecord:
         replicas, scaled = self.replicas, outcome.scaled
@@ -459,8 +510,10 @@ def streamed_gpu_s(record: RoundRecord, cost: CostModel, prompt_tokens: int) -> 
     return done
 
 
-def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
-    """``cfg.num_steps`` steps of ``cfg.policy``; ``record`` keeps each round's per-replica activity."""
+def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload | None = None) -> list[StepResult]:
+    """``cfg.num_steps`` steps of ``cfg.policy``; ``record`` keeps each round's per-replica activity;
+    ``episodes``: each response an episode of that workload (its environment's reward comes with it:
+    no reward stage)."""
     base = cfg.cost()
     policy = cfg.build_policy()
     lengths = cfg.workload()
@@ -472,6 +525,7 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
+    env = SimEnvPool(episodes) if episodes else None
     rates = cfg.speculation.rates()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
@@ -491,8 +545,12 @@ def simulate(cfg: SimConfig, *, record: bool = False) -> list[StepResult]:
                                 kv_capacity_tokens=cost.kv_capacity_tokens())
             decider.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
-                             reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider)
+                             reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider,
+                             episodes=episodes, seed=cfg.seed, env=env)
         result = step_times(step, rnd, cfg, cost, keep=record)
+        if env is not None:
+            result.reward_s = 0.0
+            env.shift(result.step_s)
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push
             result.sync_s += cost.sync_s()
         if planner:
@@ -517,3 +575,18 @@ def summarize(results: list[StepResult]) -> dict[str, dict[str, float]]:
         scaled = [r.scaled_frac for r in rs if r.scaled_down]
         out[kind]["scaled_frac"] = float(np.mean(scaled)) if scaled else 0.0
     return out
+
+
+PAPER_GPUS = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
+"""GPUs of the paper's §6 runs, per model: the default of --gpus."""
+
+
+def preset_config(name: str):
+    """A :class:`SimConfig` from a repo preset: its model (by name), P0, R0, max_new_tokens, TP."""
+    from rollpacker.config import load_preset
+
+    stem = name.rsplit("/", 1)[-1].removesuffix(".toml")
+    model = max((m for m in MODELS if stem.startswith(m)), key=len, default=None)
+    if model is None:
+        raise SystemExit(f"preset {name!r} names no known model ({', '.join(MODELS)}): pass --model")
+    return SimConfig(model=model, gpus=PAPER_GPUS[model], rollout=load_preset(name).rollout)

@@ -41,9 +41,25 @@ from typing import Literal
 
 from rollpacker.schedule.config import names
 from rollpacker.schedule.tail import TailConfig
+from rollpacker.sim.episodes import EpisodeWorkload, SimEnvPool
 from rollpacker.sim.speculation import ACCEPT_RATE
 
 REGIMES = ("compute", "memory")
+EPISODES = EpisodeWorkload(turns="pareto:1.2:4", extra_turn=0.5, latency="lognormal:0.3:1.0", num_workers=8,
+                           per_episode=False)
+"""``--workload episodes``: heavy-tailed turns (1 to 5 an episode) and environment latency (bench episodes'
+default) on 8 workers, in the compute regime (each turn's length forced from the length mixture; the toy's
+400-token cap a turn and an episode)."""
+EPISODE_FLAGS = ["--env.max-turns", "8", "--env.num-workers", str(EPISODES.num_workers), "--rollout.num-prompts", "8",
+                 "--rollout.group-size", "4"]
+ENV_FILE = """from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEnv
+
+WORKLOAD = {workload!r}
+
+
+def make_env(row):
+    return ScriptedEnv(row, WORKLOAD)
+"""
 ROLLOUT_ALONE = tuple(names(lambda c: not c.own_pools))
 """The policies whose rollout a job measures alone (``--train.skip``): all but those with pools of their own."""
 
@@ -64,6 +80,10 @@ class ValidateArgs:
     """Profiles and runs are kept here and reused while their flags stay the same."""
     fresh: bool = False
     """Profile and run again even when work_dir holds results."""
+    workload: Literal["responses", "episodes"] = "responses"
+    """responses: single-turn responses in each of --regimes; episodes: multi-turn episodes of a scripted
+    environment (heavy-tailed turns, environment latency) in the compute regime, policies sync and tail unless
+    --policies says."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 2:
@@ -77,8 +97,19 @@ def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list
 
         flags = memory_regime_flags(MemoryRegime(model_dir=args.work_dir / "regime-model", num_steps=args.num_steps))
         return flags + list(extra)
-    return ["--engine.kind", "torch", "--rollout.replay-lengths", "--train.skip", "--num-steps", str(args.num_steps),
-            "--eval-every", "0", "--checkpoint-every", "0", *extra]
+    flags = ["--engine.kind", "torch", "--rollout.replay-lengths", "--train.skip", "--num-steps", str(args.num_steps),
+             "--eval-every", "0", "--checkpoint-every", "0"]
+    if regime == "episodes":
+        env_file = args.work_dir / "episodes" / "scripted_env.py"
+        env_file.parent.mkdir(parents=True, exist_ok=True)
+        env_file.write_text(ENV_FILE.format(workload=EPISODES))
+        flags += ["--env.factory", f"{env_file}:make_env", *EPISODE_FLAGS]
+    return flags + list(extra)
+
+
+def profiled(regime: str) -> str:
+    """The regime whose engine profile ``regime``'s jobs run on (episodes: the compute regime's)."""
+    return "compute" if regime == "episodes" else regime
 
 
 PROFILE_FLAGS = {"compute": ["--plan.profile-steps", "20", "--plan.profile-batches", "1", "4", "16", "64", "128",
@@ -116,13 +147,15 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
     ``variant``: more flags of this job only (not of the profile); its runs are kept as ``label``."""
     from rollpacker.jobflags import JobArgs, job_argv, policy_args
 
-    where = args.work_dir / regime
+    where, base = args.work_dir / regime, args.work_dir / profiled(regime)
     where.mkdir(parents=True, exist_ok=True)
+    base.mkdir(parents=True, exist_ok=True)
     flags = regime_flags(regime, args, extra)
-    profile = where / "profile.json"
-    profile_argv = ["--preset", "toy-cpu", *PROFILE_FLAGS[regime], *flags, "--plan.profile", str(profile)]
-    if not kept(where / "profile.argv.json", profile_argv, args.fresh):  # the regime's flags override the points
-        torchrun("rollpacker.plan.profile", profile_argv, where / "profile.argv.json")
+    profile = base / "profile.json"
+    profile_argv = ["--preset", "toy-cpu", *PROFILE_FLAGS[profiled(regime)],
+                    *regime_flags(profiled(regime), args, extra), "--plan.profile", str(profile)]
+    if not kept(base / "profile.argv.json", profile_argv, args.fresh):  # the regime's flags override the points
+        torchrun("rollpacker.plan.profile", profile_argv, base / "profile.argv.json")
     label = label or policy
     run_dir = where / label
     argv = job_argv(JobArgs(), [*flags, *variant], policy_args(policy), args.seed, str(run_dir))
@@ -168,6 +201,11 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
     if spec.enabled and (cfg.engine.speculative != "auto" or cost.spec is None or len(accept_rates) < cfg.num_steps):
         raise ValueError("simulate_run: speculation is simulated as engine.speculative auto, on a profile with "
                          "verify-step costs, with an acceptance rate for every step")
+    episodes = {}
+    if cfg.env.enabled:  # one pool of environment workers for the run, as the job's
+        workload = episode_workload(cfg, tokenizer)
+        episodes = {"episodes": workload, "seed": cfg.seed,
+                    "env": SimEnvPool(workload, row_key=lambda i: str(rows[i]["id"]))}
     times = []
     for step in range(cfg.num_steps):
         if policy.done():
@@ -177,8 +215,24 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
                                   RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
-                                    poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3)).rollout_s)
+                                    poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3), **episodes).rollout_s)
+        if episodes:
+            episodes["env"].shift(times[-1])
     return times
+
+
+def episode_workload(cfg, tokenizer) -> EpisodeWorkload:
+    """:data:`EPISODES` as the job ``cfg`` runs it: its workers, episode token budget and resident sessions, and
+    the observation's tokens as its chat template renders them after a turn (a forced turn ends in no end-of-turn)."""
+    from dataclasses import replace
+
+    from rollpacker.env.render import ChatBridge
+    from rollpacker.sim.episodes import ScriptedEnv
+
+    bridge = ChatBridge(tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop)
+    obs = bridge.observation_ids([{"role": "user", "content": ScriptedEnv.OBSERVATION}], [-1])
+    return replace(EPISODES, num_workers=cfg.env.num_workers, max_tokens=cfg.env.max_tokens, obs_tokens=len(obs),
+                   resident=cfg.engine.resident_sessions)
 
 
 def rollout_per_step(times: list[float]) -> float:
@@ -194,8 +248,10 @@ def main(argv: list[str]) -> dict:
     args = tyro.cli(ValidateArgs, args=own, prog="python -m rollpacker.sim validate")
     figures: dict[str, float] = {}
     rows = []
-    for regime in args.regimes:
-        runs = [(policy, policy, []) for policy in args.policies]
+    episodes = args.workload == "episodes"
+    policies = ("sync", "tail") if episodes and args.policies == ROLLOUT_ALONE else args.policies
+    for regime in ("episodes",) if episodes else args.regimes:
+        runs = [(policy, policy, []) for policy in policies]
         runs += [(f"{policy}+spec", policy, SPEC_FLAGS) for policy in args.spec_policies if regime == "compute"]
         for label, policy, variant in runs:
             run_argv, records, profile = measure(regime, policy, args, extra, variant, label)

@@ -1,0 +1,138 @@
+"""``python -m rollpacker.sim episodes``: what RollPacker buys over multi-turn episodes at cluster scale.
+
+The preset's model, P0, R0 and TP on ``--gpus`` GPUs; every response an episode of
+:class:`~rollpacker.sim.episodes.EpisodeWorkload` (turns per episode, per-turn lengths of the length
+mixture cut at the per-turn cap, observation tokens, environment latency per step on
+``--env-workers`` workers), given as distributions or taken from a run (``--fit RUN_DIR``: its turn
+counts, observation tokens and mean step latency). Each policy (``sync``, ``tail``, ``tail+stream``)
+is simulated on the same seed; rollout and step seconds per trained prompt (tail's long rounds train
+more prompts than a step's P0), and their speedups over the first policy. Last line JSON:
+``rollout_speedup_<policy>``, ``step_speedup_<policy>`` (``+`` written ``_``), ``rollout_s_<policy>``,
+``step_s_<policy>`` (per step), ``turns_mean``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rollpacker.sim.episodes import EpisodeWorkload
+
+VARIANTS = {"": {}, "stream": {"stream": True, "reward_scheduler": True}}
+"""A policy's ``+VARIANT``: the simulator's settings it turns on."""
+
+
+@dataclass(kw_only=True)
+class EpisodesArgs:
+    preset: str = "qwen2.5-7b-8k"
+    """Preset: the model (by name), P0, R0, TP and the per-turn cap (rollout.max_new_tokens)."""
+    gpus: int = 128
+    """GPUs of the job."""
+    policies: str = "sync,tail,tail+stream"
+    """Comma-separated policies (POLICY or POLICY+stream); the first is the baseline of the speedups."""
+    num_steps: int = 10
+    """Steps simulated per policy (tail: two periods of 4 short rounds and a long one)."""
+    num_prompts: int = 0
+    """P0 (0: the preset's)."""
+    group_size: int = 0
+    """R0 (0: the preset's)."""
+    turn_tokens: int = 0
+    """Tokens per model turn at most (0: the preset's rollout.max_new_tokens)."""
+    turns: str = "pareto:1.2:8"
+    """Turns per episode by row: pareto:ALPHA:MAX_TURNS, fixed:N or trace:PATH (turn counts, one per line)."""
+    extra_turn: float = 0.5
+    """Chance of one more turn per episode (siblings differ)."""
+    latency: str = "lognormal:2.0:1.0"
+    """Environment seconds per step: lognormal:MEAN_SECONDS:SIGMA or trace:PATH (seconds, one per line)."""
+    obs_tokens: int = 256
+    """Tokens of each observation."""
+    env_workers: int = 512
+    """Environment workers (each runs one call at a time)."""
+    max_tokens: int = 0
+    """Model tokens of an episode at most (0: the per-turn cap, env.max_tokens' default)."""
+    resident: bool = True
+    """A turn prefills only the tokens after its previous turn (resident sessions, prefix caches)."""
+    fit: str = ""
+    """A run directory (metrics.jsonl and samples/ of a run with episodes): turns, observations and latency from it."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "num_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    def workload(self) -> EpisodeWorkload:
+        w = EpisodeWorkload(turns=self.turns, extra_turn=self.extra_turn, latency=self.latency,
+                            obs_tokens=self.obs_tokens, num_workers=self.env_workers, max_tokens=self.max_tokens,
+                            resident=self.resident)
+        if self.fit:
+            from rollpacker.sim.episodes import fit_run
+
+            w = fit_run(Path(self.fit), w)
+        return w
+
+
+def config(args: EpisodesArgs, policy: str):
+    """The :class:`~rollpacker.sim.simulate.SimConfig` of ``policy`` on the preset."""
+    from rollpacker.schedule.config import POLICY_CONFIGS
+    from rollpacker.sim.simulate import preset_config
+
+    name, _, variant = policy.partition("+")
+    if name not in POLICY_CONFIGS or variant not in VARIANTS:
+        raise ValueError(f"--policies: unknown policy {policy!r}: write POLICY or POLICY+stream, POLICY one of "
+                         f"{', '.join(POLICY_CONFIGS)}")
+    cfg = preset_config(args.preset)
+    rollout = replace(cfg.rollout, num_prompts=args.num_prompts or cfg.rollout.num_prompts,
+                      group_size=args.group_size or cfg.rollout.group_size,
+                      max_new_tokens=args.turn_tokens or cfg.rollout.max_new_tokens)
+    return replace(cfg, gpus=args.gpus, rollout=rollout, schedule=POLICY_CONFIGS[name](), num_steps=args.num_steps,
+                   seed=args.seed, **VARIANTS[variant])
+
+
+def per_prompt(results) -> dict[str, float]:
+    """Rollout and step seconds per trained prompt, and per step, over the steps simulated."""
+    prompts = sum(len(r.record.groups) for r in results)
+    rollout, step = sum(r.rollout_s for r in results), sum(r.step_s for r in results)
+    return {"rollout_s": rollout / prompts, "step_s": step / prompts, "rollout_step_s": rollout / len(results),
+            "step_step_s": step / len(results), "prompts": prompts,
+            "turns": sum(o.num_turns for r in results for g in r.record.groups for o in g.outputs)}
+
+
+def main(argv: list[str]) -> dict:
+    import tyro
+
+    from rollpacker.sim.simulate import simulate
+
+    args = tyro.cli(EpisodesArgs, args=argv, prog="python -m rollpacker.sim episodes")
+    try:
+        workload = args.workload()
+        runs = {p: config(args, p) for p in args.policies.split(",")}
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    results = {p: per_prompt(simulate(cfg, record=True, episodes=workload)) for p, cfg in runs.items()}
+    return report(args, runs, workload, results)
+
+
+def report(args: EpisodesArgs, runs: dict, workload: EpisodeWorkload, results: dict[str, dict]) -> dict:
+    """The table, and the JSON summary."""
+    cfg = next(iter(runs.values()))
+    base = results[next(iter(results))]
+    print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs, {cfg.num_replicas} replicas of TP {cfg.tp}; P0="
+          f"{cfg.rollout.num_prompts}, R0={cfg.rollout.group_size} episodes, up to {cfg.rollout.max_new_tokens} "
+          f"tokens a turn; turns {workload.turns} (+1 at p={workload.extra_turn}), latency {workload.latency} on "
+          f"{workload.num_workers} workers, {workload.obs_tokens} observation tokens, "
+          f"{'resident' if workload.resident else 'no resident'} sessions; {args.num_steps} steps")
+    print(f"{'policy':<14}{'rollout s/step':>16}{'step s/step':>13}{'rollout s/prompt':>18}{'step s/prompt':>15}"
+          f"{'speedup rollout':>17}{'step':>7}")
+    figures = {"model": cfg.model, "gpus": cfg.gpus, "tp": cfg.tp}
+    for p, r in results.items():
+        print(f"{p:<14}{r['rollout_step_s']:>16.1f}{r['step_step_s']:>13.1f}{r['rollout_s']:>18.2f}{r['step_s']:>15.2f}"
+              f"{base['rollout_s'] / r['rollout_s']:>16.2f}x{base['step_s'] / r['step_s']:>6.2f}x")
+        name = p.replace("+", "_")
+        figures |= {f"rollout_s_{name}": round(r["rollout_step_s"], 2), f"step_s_{name}": round(r["step_step_s"], 2)}
+        if r is not base:
+            figures |= {f"rollout_speedup_{name}": round(base["rollout_s"] / r["rollout_s"], 3),
+                        f"step_speedup_{name}": round(base["step_s"] / r["step_s"], 3)}
+    trained = sum(r["prompts"] for r in results.values()) * cfg.rollout.group_size
+    figures["turns_mean"] = round(sum(r["turns"] for r in results.values()) / trained, 3)
+    return figures
