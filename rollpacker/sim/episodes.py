@@ -12,7 +12,8 @@ turns and environment steps cost:
   tokens and latency from a run's samples and metrics;
 - :class:`ScriptedEpisode`: the episode the runner drives (it stands for
   :class:`~rollpacker.env.episode.Episode`): a turn's prompt is the whole conversation so far, its
-  length the workload's (cut at the episode's token budget, which then ends it as a token limit does);
+  length the workload's, cut at the turn's cap (the episode goes on) or at the episode's token budget
+  (which ends it, as in the job);
 - :class:`SimEnvPool`: ``num_workers`` environment workers as :class:`~rollpacker.env.workers.EnvPool`
   runs them: an episode lives on the worker hosting the fewest episodes when it opens, and a worker
   runs its calls one at a time in order (reset and close are instant, a step takes its latency);
@@ -191,11 +192,11 @@ class ScriptedEpisode:
         return TurnRequest(f"{self.id}#{self.num_turns}", range(self.context), min(self.budget(), length), 0)
 
     def on_turn(self, token_ids, logprobs, finish_reason: str) -> StepEnv | Done:
-        budget = self.budget()
+        left = self.max_tokens - self.model_tokens
         self.num_turns += 1
         self.model_tokens += len(token_ids)
-        if len(token_ids) >= budget or not token_ids:
-            return self._end("length")  # stopped at a token limit: the episode ends (Episode.on_turn)
+        if len(token_ids) >= left or not token_ids:  # as Episode.on_turn: a turn cut at its own cap goes on
+            return self._end("max_tokens")
         return StepEnv("")
 
     def on_step(self, result: Any):

@@ -85,10 +85,19 @@ def test_one_environment_worker_runs_the_steps_one_at_a_time(tmp_path):
 
 
 def test_a_turn_at_its_token_budget_ends_the_episode(tmp_path):
-    # the cap is 5 a turn; turn 0 wants 9: cut at 5, the episode ends there (a token limit), no step
+    # the cap is 5 a turn and 5 an episode; turn 0 wants 9: cut at 5, the episode ends there, no step
     policy = SyncPolicy(PromptSampler(4, seed=0), num_prompts=1, group_size=1)
     rnd = one_round(policy, 1, Turns(lambda k, t: 9), workload(tmp_path, turns="fixed:3"), max_new_tokens=5)
     assert rnd.rollout_s == pytest.approx(5.0) and rnd.groups[0].outputs[0].length == 5
+
+
+def test_a_turn_cut_at_its_own_cap_goes_to_the_environment(tmp_path):
+    # 5 a turn, 15 an episode, every turn wants 9: turns 0 and 1 are cut at 5 and stepped (0.5 s each),
+    # turn 2 spends the episode's budget and ends it: 5 + 0.5 + 5 + 0.5 + 5 seconds
+    policy = SyncPolicy(PromptSampler(4, seed=0), num_prompts=1, group_size=1)
+    rnd = one_round(policy, 1, Turns(lambda k, t: 9), workload(tmp_path, turns="fixed:3", max_tokens=15, obs_tokens=0),
+                    max_new_tokens=5)
+    assert rnd.rollout_s == pytest.approx(16.0) and rnd.groups[0].outputs[0].length == 15
 
 
 def test_tail_over_episodes_keeps_the_first_r0_to_finish_and_the_ledger_is_exact(tmp_path):
