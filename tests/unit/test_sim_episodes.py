@@ -16,18 +16,7 @@ from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.engine import Replica
 from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEnv, SimEnvPool, fit_run, turns_sampler
 from rollpacker.sim.simulate import simulate_round
-
-
-class StepCost:
-    """``step_s`` per iteration plus ``prefill_s`` per prefilled token."""
-
-    def __init__(self, step_s: float, prefill_s: float = 0.0):
-        self.step_s, self.prefill_s = step_s, prefill_s
-
-    def iteration_times(self, num_running, context, num_iters, prefill_tokens=0, prefill_sq=0):
-        times = np.full(num_iters, self.step_s)
-        times[0] += self.prefill_s * prefill_tokens
-        return times
+from tests.unit.test_sim import StepCost
 
 
 class Turns:
