@@ -137,6 +137,7 @@ def boundary(job: Job, loop: Loop) -> bool:
     """
     cfg, meshes, rank0 = job.config, job.meshes, job.rank0
     more, stop = meshes.broadcast((loop.pending is not None, preempt.requested()) if rank0 else None)
+    watchdog.at_step(loop.step)  # a stop asked from now on comes after this step (dist.timeout_s after the first)
     if more and (rank0 or meshes.rank not in meshes.rollout_ranks):
         loop.batch = meshes.broadcast(loop.pending.batch if rank0 else None, meshes.handoff)
     loop.arrived = time.perf_counter()

@@ -215,23 +215,27 @@ def test_a_second_ctrl_c_during_a_save_stops_at_once_leaving_nothing_resume_pick
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_one_step_off_stops_on_sigterm_at_a_boundary_and_resumes_training_each_prompt_once(tmp_path):
-    """one_step_off's own loop (a rollout pool and a training pool): SIGTERM to the job (Slurm's scancel)
-    mid-run stops it at a step boundary with a committed checkpoint and exit 0; resumed, every prompt is
-    trained once and every step logged once (the batch in flight at the stop is drawn again)."""
+    """one_step_off's own loop (a rollout pool and a training pool), through the launcher: SIGTERM to the
+    job's process group (Slurm's scancel) mid-run stops it after the step in training, with a committed
+    checkpoint and exit 0, the stop naming that step; resumed, every prompt is trained once and every step
+    logged once (the batch generated ahead at the stop is drawn again)."""
     write_task(tmp_path)
     run_dir = tmp_path / "run"
-    flags = ["schedule:one_step_off", *args(tmp_path, run_dir)[1:], "--train.train-shard-size", "1"]
-    proc, out, err = start(tmp_path, "first", torchrun(*flags))
+    flags = ["schedule:one_step_off", *args(tmp_path, run_dir)[1:], "--train.train-shard-size", "1",
+             "--train.rollout-correction", "token_tis"]
+    proc, out, err = start(tmp_path, "first", launcher(*flags))
     wait_until(proc, lambda: stepped(run_dir) >= 2)
     os.killpg(proc.pid, signal.SIGTERM)
     assert finish(proc) == 0, err.read_text()[-4000:]
     said = err.read_text()
     no_traceback(said)
-    assert "rollpacker: stopped on SIGTERM with" in said, said[-4000:]
+    step = int(checkpoint.latest(run_dir).name.split("_")[1])
+    assert f"rollpacker: SIGTERM: stopping after step {step - 1} with a checkpoint" in said, said[-4000:]
+    assert f"rollpacker: stopped on SIGTERM with {step} of 100 steps done" in said, said[-4000:]
     assert checkpoint.newest_whole(run_dir) == checkpoint.latest(run_dir)
     proc, out, err = start(tmp_path, "resumed", torchrun(*flags, "--resume", "auto"))
     assert finish(proc) == 0, err.read_text()[-4000:]
     assert [r["step"] for r in records(run_dir)] == list(range(NUM_ROWS // 4))  # each step once
     trained = [json.loads(line)["row"] for path in (run_dir / "samples").glob("step_*.jsonl")
                for line in path.read_text().splitlines()]
-    assert sorted(trained) == sorted(f"rows:{i}" for i in range(NUM_ROWS) for _ in range(2))  # each prompt once
+    assert sorted(trained) == sorted(f"rows:{i}" for i in range(1, NUM_ROWS + 1) for _ in range(2))  # each prompt once
