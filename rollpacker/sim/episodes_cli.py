@@ -3,7 +3,7 @@
 The preset's model, P0, R0 and TP on ``--gpus`` GPUs; every response an episode of
 :class:`~rollpacker.sim.episodes.EpisodeWorkload` (turns per episode, per-turn lengths of the length
 mixture cut at the per-turn cap, observation tokens, environment latency per step on
-``--env-workers`` workers), given as distributions or taken from a run (``--fit RUN_DIR``: its turn
+``--num-workers`` workers), given as distributions or taken from a run (``--fit RUN_DIR``: its turn
 counts, observation tokens and mean step latency). Each policy (``sync``, ``tail``, ``tail+stream``)
 is simulated on the same seed; rollout and step seconds per trained prompt (tail's long rounds train
 more prompts than a step's P0), and their speedups over the first policy. Last line JSON:
@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Annotated
+
+import tyro
 
 from rollpacker.sim.episodes import EpisodeWorkload
 
@@ -38,20 +41,9 @@ class EpisodesArgs:
     """R0 (0: the preset's)."""
     turn_tokens: int = 0
     """Tokens per model turn at most (0: the preset's rollout.max_new_tokens)."""
-    turns: str = "pareto:1.2:8"
-    """Turns per episode by row: pareto:ALPHA:MAX_TURNS, fixed:N or trace:PATH (turn counts, one per line)."""
-    extra_turn: float = 0.5
-    """Chance of one more turn per episode (siblings differ)."""
-    latency: str = "lognormal:2.0:1.0"
-    """Environment seconds per step: lognormal:MEAN_SECONDS:SIGMA or trace:PATH (seconds, one per line)."""
-    obs_tokens: int = 256
-    """Tokens of each observation."""
-    env_workers: int = 512
-    """Environment workers (each runs one call at a time)."""
-    max_tokens: int = 0
-    """Model tokens of an episode at most (0: the per-turn cap, env.max_tokens' default)."""
-    resident: bool = True
-    """A turn prefills only the tokens after its previous turn (resident sessions, prefix caches)."""
+    workload: Annotated[EpisodeWorkload, tyro.conf.OmitArgPrefixes] = EpisodeWorkload(
+        latency="lognormal:2.0:1.0", obs_tokens=256, num_workers=512)
+    """The episodes (flags without a prefix: --turns, --latency, --obs-tokens, --num-workers, ...)."""
     fit: str = ""
     """A run directory (metrics.jsonl and samples/ of a run with episodes): turns, observations and latency from it."""
     seed: int = 0
@@ -61,15 +53,13 @@ class EpisodesArgs:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
-    def workload(self) -> EpisodeWorkload:
-        w = EpisodeWorkload(turns=self.turns, extra_turn=self.extra_turn, latency=self.latency,
-                            obs_tokens=self.obs_tokens, num_workers=self.env_workers, max_tokens=self.max_tokens,
-                            resident=self.resident)
-        if self.fit:
-            from rollpacker.sim.episodes import fit_run
+    def episodes(self) -> EpisodeWorkload:
+        """The workload, or the one fitted from ``--fit``'s run."""
+        if not self.fit:
+            return self.workload
+        from rollpacker.sim.episodes import fit_run
 
-            w = fit_run(Path(self.fit), w)
-        return w
+        return fit_run(Path(self.fit), self.workload)
 
 
 def config(args: EpisodesArgs, policy: str):
@@ -99,13 +89,11 @@ def per_prompt(results) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> dict:
-    import tyro
-
     from rollpacker.sim.simulate import simulate
 
     args = tyro.cli(EpisodesArgs, args=argv, prog="python -m rollpacker.sim episodes")
     try:
-        workload = args.workload()
+        workload = args.episodes()
         runs = {p: config(args, p) for p in args.policies.split(",")}
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

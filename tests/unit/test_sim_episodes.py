@@ -167,11 +167,13 @@ def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
     from rollpacker.sim.episodes_cli import main
 
     figures = main(["--gpus", "8", "--num-steps", "2", "--num-prompts", "8", "--group-size", "4",
-                    "--turn-tokens", "512", "--env-workers", "16", "--policies", "sync,tail"])
+                    "--turn-tokens", "512", "--num-workers", "16", "--policies", "sync,tail"])
     assert figures["rollout_s_sync"] > 0 and figures["rollout_speedup_tail"] > 0 and figures["turns_mean"] >= 1
     assert "tail" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--latency"):
+    with pytest.raises(SystemExit):
         main(["--latency", "normal:1"])
+    said = capsys.readouterr().err
+    assert "--latency 'normal:1': write" in said and "lognormal:MEAN_SECONDS:SIGMA or trace:PATH" in said
 
 
 def test_validate_simulates_the_episode_jobs_rounds(tmp_path):
