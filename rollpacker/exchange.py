@@ -271,9 +271,13 @@ class RoundLeader:
     """An episode submitted for scoring -> its environment's rewards summed, added to its functions' reward."""
     env_ready: list[tuple[str, float]] = field(default_factory=list)
     """Episodes scored by their environment alone (no reward function), not yet polled."""
+    drafts: dict[int, tuple[DraftContext, ...]] = field(default_factory=dict)
+    """Row -> its drafts this round (:meth:`contexts`): one tuple for all its requests and turns, so a command
+    pickles it once. The memory changes only when a round ends."""
 
     def round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Round ``plan`` of ``step``, to pass to :func:`run_round`."""
+        self.drafts.clear()
         return ExchangeRound(self, step, plan, hooks or RoundHooks())
 
     def submit(self, key: str, row: int, output: Output) -> None:
@@ -319,7 +323,10 @@ class RoundLeader:
         """What earlier rounds generated for ``row``, for the drafters."""
         if not self.draft_context:
             return ()
-        return tuple(DraftContext(source=source, token_ids=tokens) for source, tokens in self.memory.contexts(row))
+        if row not in self.drafts:
+            self.drafts[row] = tuple(DraftContext(source=source, token_ids=tokens)
+                                     for source, tokens in self.memory.contexts(row))
+        return self.drafts[row]
 
     def turn(self, turn: TurnRequest, row: int, priority: int) -> Request:
         """The engine request of an episode's turn (of dataset row ``row``): seeded by its id, its token budget
