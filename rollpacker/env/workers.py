@@ -32,7 +32,7 @@ from typing import Any
 from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
 from rollpacker.reward.functions import target
-from rollpacker.reward.workers import RewardPool, _ignore_stops
+from rollpacker.reward.workers import RewardPool, _ignore_stops, _leaving
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,8 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
                            time.perf_counter() - wall))
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
         return
+    finally:
+        _leaving()
 
 
 def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None]:

@@ -122,6 +122,14 @@ def _work(conn: mp.connection.Connection, parent: int) -> None:
             conn.send((value, error, metrics, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: it is shutting down, or its process died
         return
+    finally:
+        _leaving()
+
+
+def _leaving() -> None:
+    """A worker's loop is over: the RETIRE that follows a closed pipe must not raise in the interpreter's exit
+    (a SystemExit inside an atexit finalizer prints a traceback that reads like a crash)."""
+    signal.signal(RETIRE, signal.SIG_IGN)
 
 
 @dataclass
