@@ -288,7 +288,7 @@ class Controller:
             if why:
                 logger.info("plan: after step %d: %s", step, why)
         self.metrics.log(step, stats)
-        self.display.end_step(stats)
+        self.display.end_step(step, stats)
 
     def state_dict(self, policy_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint keeps of rank 0: the policy's state (or ``policy_state``), the reward

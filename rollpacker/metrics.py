@@ -354,9 +354,10 @@ class LiveDisplay:
         eta = f", ETA {_clock((now - first_time) / done * (self.num_steps - step - 1))}" if done > 0 else ""
         return f"{_clock(now - self._start)} elapsed{eta}"
 
-    def end_step(self, summary: dict[str, Any]) -> None:
-        clock = self.clock(self._step)
-        line = format_summary(self._step, summary, f"/{self.num_steps} | {clock}" if self.num_steps else "")
+    def end_step(self, step: int, summary: dict[str, Any]) -> None:
+        """Step ``step``'s line (one_step_off ends a step after starting the next one's rollout)."""
+        clock = self.clock(step)
+        line = format_summary(step, summary, f"/{self.num_steps} | {clock}" if self.num_steps else "")
         if self._progress is None:
             print(line, file=self._stream, flush=True)
             return
@@ -364,7 +365,7 @@ class LiveDisplay:
             self._progress.remove_task(self._task)
             self._task = None
         last = " | ".join(f"{k} {summary[k]:.3g}" for k in ("reward/mean", "reward/errors") if k in summary)
-        self._progress.update(self._run, completed=self._step + 1, description=f"step {self._step + 1}",
+        self._progress.update(self._run, completed=step + 1, description=f"step {step + 1}",
                               tokens_per_s=summary.get("rollout/tokens_per_s", 0.0), clock=clock, last=last)
         self._progress.console.print(line, markup=False, highlight=False)
 

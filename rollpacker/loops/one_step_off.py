@@ -206,4 +206,4 @@ def _log(job: Job, step: int, pending: Pending, report: dict[str, float]) -> Non
     stats["time/wait_prev_gen"] = max(0.0, report["time/wait_prev_gen"] - pending.paused)
     stats["time/step"] = stats["time/wait_prev_gen"] + report["time/weight_sync"] + report["time/train"]
     job.controller.metrics.log(step, stats)
-    job.controller.display.end_step(stats)
+    job.controller.display.end_step(step, stats)

@@ -41,7 +41,8 @@ def test_the_step_line_says_step_of_total_elapsed_eta_reward_errors_and_tokens_p
     display = LiveDisplay(enabled=True, stream=out, num_steps=200)
     for step in (17, 18):
         display.start_step(step, num_launched=8)
-        display.end_step({"time/step": 1.5, "reward/mean": 0.25, "reward/errors": 3, "rollout/tokens_per_s": 812.5})
+        display.end_step(step, {"time/step": 1.5, "reward/mean": 0.25, "reward/errors": 3,
+                                "rollout/tokens_per_s": 812.5})
     display.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 2  # not a terminal: one plain line per step
@@ -96,7 +97,7 @@ def test_the_live_display_on_a_terminal_shows_the_run_and_the_rollout():
     display.note("the summary")
     display.start_step(3, num_launched=4)
     display.update(2, tokens_per_s=50.0)
-    display.end_step({"reward/mean": 1.0, "reward/errors": 0, "rollout/tokens_per_s": 50.0})
+    display.end_step(3, {"reward/mean": 1.0, "reward/errors": 0, "rollout/tokens_per_s": 50.0})
     display.close()
     assert "the summary" in out.getvalue() and re.search(r"step 3/10 \| 0:00:\d\d elapsed", out.getvalue())
 

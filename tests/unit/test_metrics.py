@@ -116,12 +116,23 @@ def test_live_display_plain_lines_when_not_a_terminal():
     for step in range(2):
         display.start_step(step, num_launched=8)
         display.update(4, tokens_per_s=100.0)
-        display.end_step({"time/step": 1.5, "reward/mean": 0.25, "reward/accuracy": 0.5,
+        display.end_step(step, {"time/step": 1.5, "reward/mean": 0.25, "reward/accuracy": 0.5,
                           "rollout/response_len_mean": 12.0, "train/loss": 3.0})
     display.close()
     lines = out.getvalue().splitlines()
     expected = "step {} | time/step 1.5s | reward/mean 0.25 | reward/accuracy 0.5 | rollout/response_len_mean 12"
     assert lines == [expected.format(s) for s in range(2)]
+
+
+def test_live_display_names_the_step_ended_when_the_next_rollout_has_started():
+    """one_step_off starts step k+1's rollout before it logs step k."""
+    out = io.StringIO()
+    display = LiveDisplay(enabled=True, stream=out)
+    display.start_step(0, num_launched=8)
+    for step in range(2):
+        display.start_step(step + 1, num_launched=8)
+        display.end_step(step, {"reward/mean": 0.5})
+    assert out.getvalue().splitlines() == ["step 0 | reward/mean 0.5", "step 1 | reward/mean 0.5"]
 
 
 def test_live_display_on_a_terminal_prints_the_summary():
@@ -133,7 +144,7 @@ def test_live_display_on_a_terminal_prints_the_summary():
     display = LiveDisplay(enabled=True, stream=out)
     display.start_step(3, num_launched=4)
     display.update(2, tokens_per_s=50.0)
-    display.end_step({"reward/mean": 1.0})
+    display.end_step(3, {"reward/mean": 1.0})
     display.close()
     assert "step 3 | reward/mean 1" in out.getvalue()
 
