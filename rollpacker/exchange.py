@@ -133,11 +133,13 @@ class RoundResult:
     def metrics(self, trained: list[tuple[Any, float]], penalties: list[float]) -> dict[str, Any]:
         """The round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``).
         ``trained``: the ``(output, reward)`` of every response trained in the step (streamed ones
-        too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it)."""
+        too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it).
+        ``reward/mean`` and ``reward/accuracy`` leave out episodes whose environment failed (``env/errors``),
+        as their groups' advantages do."""
         from rollpacker.rollout.engine import spec_metrics
 
         lengths = [len(o.token_ids) for o, _ in trained]
-        rewards = [r for _, r in trained]
+        rewards = [r for o, r in trained if o.finish_reason != "error"]
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         trace = [(self.start, self.num_launched), *self.running_trace]
         return {

@@ -60,6 +60,17 @@ def test_make_batch_and_round_stats(mask_truncated):
     assert stats["time/reward_exposed"] == 1.0 and stats["sched/trained_prompts"] == 2
 
 
+def test_reward_metrics_leave_out_episodes_whose_environment_failed():
+    """A failed episode (finish_reason "error", counted in env/errors) is out of its group's advantages:
+    its reward (0, or whatever its functions gave) is out of reward/mean and reward/accuracy too."""
+    ctl = Controller(config=Config(), rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
+    group = Group(prompt=0, outputs=[output(3), output(4, "error"), output(5)], rewards=[1.0, 5.0, 0.0])
+    stats = ctl.round_stats(round_result([group]))
+    assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/accuracy"] == pytest.approx(0.5)
+    assert stats["rollout/response_lengths"] == [3, 4, 5]
+
+
 def test_an_episode_trains_its_model_tokens_with_its_step_rewards_on_their_actions():
     """An episode's sample: the loss mask and step rewards come along; the round's reward (its
     environment's plus its functions') minus the step rewards is the sample's reward, so the return
