@@ -44,6 +44,7 @@ def policy_runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(DIST_SCRIPTS / "sglang_policies.py"), str(root), runs]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1700, env=sglang_env())
+    (root / "stderr.log").write_text(proc.stderr)  # whole, for a failure its excerpt below does not explain
     return root, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{cause(proc.stderr)}"
 
 

@@ -25,13 +25,14 @@ TWO_EPOCHS = ("schedule:tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollo
 
 
 def cause(stderr: str, limit: int = 6000) -> str:
-    """A failed multi-process job's stderr for a test's message: its first traceback (the cause; the
-    other processes' reactions to it come after: a peer's lost connection, torchrun's summary) and
-    its tail."""
+    """A failed multi-process job's stderr for a test's message: every one-line error of ours
+    (``rollpacker: ...``, each rank's), its first traceback (the cause; the other processes' reactions
+    to it come after: a peer's lost connection, torchrun's summary) and its tail."""
+    ours = "".join(f"{line}\n" for line in stderr.splitlines() if line.startswith("rollpacker: "))[-limit // 3:]
     first = stderr.find("Traceback (most recent call last)")
     if first < 0 or first >= len(stderr) - limit // 2:
-        return stderr[-limit:]
-    return f"{stderr[first:first + limit // 2]}\n[...]\n{stderr[-limit // 2:]}"
+        return f"{ours}[...]\n{stderr[-limit:]}"
+    return f"{ours}[...]\n{stderr[first:first + limit // 2]}\n[...]\n{stderr[-limit // 2:]}"
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
