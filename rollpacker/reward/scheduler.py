@@ -36,6 +36,7 @@ sets it at the start of each round.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -177,13 +178,16 @@ class _Failures:
     calls: int = 0
     failed: int = 0
     first: str = ""
-    """``row 'ID': cause`` of the first failure."""
+    """``row 'ID': cause`` of the failure of the earliest submitted response (not of whichever failed first:
+    which of two hung calls times out first is a race, and the message should not depend on it)."""
+    first_order: int = -1
 
-    def add(self, row: dict, error: str | None) -> None:
+    def add(self, scoring: _Scoring, error: str | None) -> None:
         self.calls += 1
         if error is not None:
             self.failed += 1
-            self.first = self.first or f"row {row['id']!r}: {error}"
+            if not self.first or scoring.order < self.first_order:
+                self.first, self.first_order = f"row {scoring.row['id']!r}: {error}", scoring.order
 
 
 NONE_APPLIES = ""
@@ -195,6 +199,8 @@ class _Scoring:
     """A response being scored: what each function said so far."""
 
     row: dict
+    order: int
+    """When it was submitted (0, 1, ...)."""
     values: dict[str, float | None] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     """Function name -> what went wrong."""
@@ -221,6 +227,7 @@ class RewardScheduler:
 
             self.pool = RewardPool(cfg)
         self._scoring: dict[Any, _Scoring] = {}
+        self._submitted = itertools.count()
         self._inline: list[Scored] = []
         self.seconds = 0.0
         """Scoring time of the samples scored since :meth:`take_metrics`, summed (workers run in parallel)."""
@@ -246,7 +253,7 @@ class RewardScheduler:
             return
         response = self.decode(output.token_ids)
         columns = {k: v for k, v in row.items() if k != "prompt"}
-        self._scoring[key] = _Scoring(row)
+        self._scoring[key] = _Scoring(row, next(self._submitted))
         for f in self.functions:
             if f.on_controller:
                 self._judge_todo.append(((key, f.name), (prompt_text(row["prompt"]), response, row.get("rubric"))))
@@ -317,7 +324,7 @@ class RewardScheduler:
             key, name = s.key
             self.seconds += s.seconds
             scoring = self._scoring[key]
-            self._failures[name].add(scoring.row, s.error)
+            self._failures[name].add(scoring, s.error)
             if s.error is not None:
                 scoring.errors[name] = f"reward function {name!r} failed on row {scoring.row['id']!r}: {s.error}"
             else:
@@ -343,7 +350,7 @@ class RewardScheduler:
             none = (f"{', '.join(f.name for f in self.functions)} returned None (does not apply); add a function "
                     "that scores it, or take the row out of the data")
             errors = [f"no reward function scores row {scoring.row['id']!r}: {none}"]
-            self._failures[NONE_APPLIES].add(scoring.row, none)
+            self._failures[NONE_APPLIES].add(scoring, none)
         if errors:
             if self.cfg.on_error == "fail":
                 raise RewardFunctionError(f"{'; '.join(errors)} (--reward.on-error fail stops the run; skip scores "
