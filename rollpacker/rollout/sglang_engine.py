@@ -71,16 +71,21 @@ Living inside a torchrun rank (each fix holds on GPU as on CPU):
   :class:`EngineDied` naming them, the rank exits and torchrun's restart resumes the job) and gives
   SIGTERM back to the handler it had (a Slurm stop still saves).
 - SGLang's ``Engine.shutdown`` kills every child process of this one, not only its own.
-- On CPU: ``file_system`` tensor sharing (process-wide; the schedulers cannot authenticate another
-  rank's file-descriptor transfer), ``SGLANG_CPU_OMP_THREADS_BIND`` with one share of the cores per
-  local rank (:func:`cpu_binding`) unless set, and ``monkey_patch_torch_reductions`` is skipped
-  (it rewrites CUDA tensors' pickling and breaks CPU tensors').
+- On CPU: ``file_descriptor`` tensor sharing (process-wide), every rank of a TP group with the
+  multiprocessing authkey of its first rank, which SGLang's schedulers inherit: they fetch each
+  rank's descriptors from its resource sharer, which authenticates with it. ``file_system`` sharing
+  went through torch's shared-memory manager, which must answer each tensor a scheduler opens within
+  1 s; on a loaded CPU it did not, and the scheduler died ("Shared memory manager connection has
+  timed out"). ``SGLANG_CPU_OMP_THREADS_BIND`` with one share of the cores per local rank
+  (:func:`cpu_binding`) unless set, and ``monkey_patch_torch_reductions`` is skipped (it rewrites
+  CUDA tensors' pickling and breaks CPU tensors').
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import random
 import signal
@@ -390,8 +395,11 @@ class SGLangEngine:
         """``num_generated_tokens`` when step() last counted progress."""
         self.engine = None
         num_tokens = 0
-        if self.on_cpu:
-            torch.multiprocessing.set_sharing_strategy("file_system")  # every rank's tensors reach the schedulers
+        if self.on_cpu:  # weight pushes share file descriptors, which the schedulers fetch from each rank's sharer
+            torch.multiprocessing.set_sharing_strategy("file_descriptor")
+            # it authenticates with the process's authkey, which the schedulers inherit: the group's first rank's
+            me = multiprocessing.current_process()
+            me.authkey = self._broadcast(bytes(me.authkey))
             os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_binding(
                 sorted(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
         if self.owner:
