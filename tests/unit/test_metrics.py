@@ -117,7 +117,7 @@ def test_live_display_plain_lines_when_not_a_terminal():
         display.start_step(step, num_launched=8)
         display.update(4, tokens_per_s=100.0)
         display.end_step(step, {"time/step": 1.5, "reward/mean": 0.25, "reward/accuracy": 0.5,
-                          "rollout/response_len_mean": 12.0, "train/loss": 3.0})
+                                "rollout/response_len_mean": 12.0, "train/loss": 3.0})
     display.close()
     lines = out.getvalue().splitlines()
     expected = "step {} | time/step 1.5s | reward/mean 0.25 | reward/accuracy 0.5 | rollout/response_len_mean 12"
