@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from rollpacker.data.lengths import LengthReplay
     from rollpacker.dist import Meshes
-    from rollpacker.env.setup import Episodes
+    from rollpacker.env.setup import Environments
     from rollpacker.exchange import ExchangeRound, GroupSink, RoundLeader, RoundResult
     from rollpacker.metrics import LiveDisplay, MetricsLogger
     from rollpacker.plan.planner import Planner
@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from rollpacker.train.trainer import Sample
 
 logger = logging.getLogger("rollpacker")
+
+SHOWN_ERRORS = 3
+"""Environment errors said per round (each once); the rest are counted in ``env/errors``."""
 
 
 @dataclasses.dataclass
@@ -66,8 +69,8 @@ class Controller:
     """Rank 0's side of every training round (:meth:`build_leaders`)."""
     eval_leader: RoundLeader | None = None
     """Rank 0's side of every held-out round (with ``eval_every``)."""
-    episodes: Episodes | None = None
-    """With an environment (``env``): its workers and how an episode starts (:meth:`build_episodes`)."""
+    envs: Environments | None = None
+    """How each episode starts and reaches its environment, if any (:meth:`build_envs`)."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int, *,
@@ -106,27 +109,26 @@ class Controller:
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
                    drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
-        if config.env.enabled:
-            ctl.build_episodes()
+        ctl.build_envs()
         ctl.build_leaders(sink)
         return ctl
 
-    def build_episodes(self) -> None:
-        """The environment workers, and how an episode's prompt is encoded (as a row's, with its tools)."""
+    def build_envs(self) -> None:
+        """How each episode starts: the environment's workers and chat bridge with one (``env``), and
+        how an episode's prompt is encoded (as a row's, with its tools)."""
         from rollpacker.env.render import ChatBridge
-        from rollpacker.env.setup import Episodes
+        from rollpacker.env.setup import Environments
         from rollpacker.env.workers import EnvPool
 
         cfg = self.config
+        if not cfg.env.enabled:
+            self.envs = Environments.none(cfg.rollout.max_new_tokens, seed=cfg.seed, max_context=self.max_model_len)
+            return
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
                             template_breaks=cfg.env.template_breaks)
-
-        def encode_episode(prompt, tools):
-            return encode(self.tokenizer, cfg, prompt, tools)
-
-        self.episodes = Episodes(cfg=cfg.env, pool=EnvPool(cfg.env), bridge=bridge, encode=encode_episode,
-                                 seed=cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                                 max_context=self.max_model_len)
+        self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env), bridge=bridge,
+                                 encode=functools.partial(encode, self.tokenizer, cfg), seed=cfg.seed,
+                                 max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len)
 
     def build_leaders(self, sink: GroupSink | None = None) -> None:
         """Rank 0's side of the exchange for the run: training rounds (their groups fed to ``sink``),
@@ -137,17 +139,16 @@ class Controller:
 
         cfg = self.config
         self.leader = RoundLeader(policy=self.policy, rows=self.rows, encode=self.encode_prompt, rewards=self.rewards,
-                                  sampling=self.sampling, seed=cfg.seed, lengths=self.replay,
+                                  sampling=self.sampling, envs=self.envs, lengths=self.replay,
                                   progress=self.display.update, make_samples=self.group_samples, sink=sink,
                                   routing=Routing(by_group=cfg.rollout.routing == "group",
                                                   longest_first=cfg.rollout.longest_first),
-                                  memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens),
-                                  episodes=self.episodes)
+                                  memory=self.drafts, draft_context=bool(self.drafts and self.drafts.keep_tokens))
         if self.eval_rows is not None:
             sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
             self.eval_leader = RoundLeader(policy=EvalPolicy(len(self.eval_rows), cfg.eval.n), rows=self.eval_rows,
                                            encode=self.encode_prompt, rewards=self.rewards, sampling=sampling,
-                                           episodes=self.episodes, env_tag="eval/")
+                                           envs=self.envs, env_tag="eval/")
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
@@ -206,28 +207,25 @@ class Controller:
         return list(zip(group.outputs, group.rewards))
 
     def overlong(self, output: Any) -> float:
-        """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off): of an
-        episode's model tokens against its model-token budget."""
+        """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off): of its
+        model tokens against its model-token budget (``env.max_tokens``, else ``rollout.max_new_tokens``)."""
         from rollpacker.train.advantages import overlong_penalty
 
-        t, episode = self.config.train, getattr(output, "loss_mask", None) is not None
-        limit = self.episodes.cfg.max_tokens or self.config.rollout.max_new_tokens if episode else (
-            self.config.rollout.max_new_tokens)
-        return overlong_penalty(output.num_model_tokens if episode else len(output.token_ids), limit,
-                                t.overlong_buffer, t.overlong_penalty)
+        cfg = self.config
+        return overlong_penalty(output.num_model_tokens, cfg.env.max_tokens or cfg.rollout.max_new_tokens,
+                                cfg.train.overlong_buffer, cfg.train.overlong_penalty)
 
     def group_samples(self, group: Group) -> list[Sample]:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards with the
-        overlong punishment, one group number for all of them. An episode trains its model's tokens;
-        its environment's step rewards are token rewards (on their actions), the rest of its reward
-        (its functions', the punishment) the sample's reward. One whose environment failed is
-        ``failed``: outside its group's advantage statistics."""
+        overlong punishment, one group number for all of them. A response trains its model's tokens;
+        its environment's step rewards (part of its reward) mark where they were earned. One whose
+        environment failed is ``failed``: outside its group's advantage statistics."""
         from rollpacker.train.trainer import Sample
 
         number = next(self.group_ids)
-        return [Sample(o.prompt_ids, o.token_ids, r - getattr(o, "env_reward", 0.0) + self.overlong(o), o.logprobs,
-                       group=number, truncated=o.finish_reason == "length", loss_mask=getattr(o, "loss_mask", None),
-                       token_rewards=dict(getattr(o, "step_rewards", {})), failed=o.finish_reason == "error")
+        return [Sample(o.prompt_ids, o.token_ids, r + self.overlong(o), o.logprobs, group=number,
+                       truncated=o.finish_reason == "length", loss_mask=o.loss_mask,
+                       token_rewards=dict(o.step_rewards), failed=o.finish_reason == "error")
                 for o, r in self.trained_rewards(group)]
 
     def make_batch(self, result: RoundResult) -> tuple[list[Sample], int]:
@@ -252,7 +250,13 @@ class Controller:
 
     def write_samples(self, step: int, result: RoundResult, rows: list[dict] | None = None, name: str = "") -> None:
         """Every response of ``result`` to ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when
-        ``metrics.samples_every`` says the step is due; ``rows``: the round's data (the training rows)."""
+        ``metrics.samples_every`` says the step is due; ``rows``: the round's data (the training rows).
+        The round's environment errors are said first, each once (at most ``SHOWN_ERRORS``)."""
+        causes = result.env_errors
+        for cause in causes[:SHOWN_ERRORS]:
+            logger.warning("step %d: an episode ended untrained (env.on_error skip, env/errors): %s", step, cause)
+        if len(causes) > SHOWN_ERRORS:
+            logger.warning("step %d: %d more environment errors (env/errors)", step, len(causes) - SHOWN_ERRORS)
         rows = self.rows if rows is None else rows
         values = self.rewards.take_values([o.id for g in result.groups for o in g.outputs])
         every = self.config.metrics.samples_every
@@ -260,24 +264,15 @@ class Controller:
             return
         from rollpacker.data.chat import prompt_text
 
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
         self.metrics.log_samples(step, name or f"step_{step}", [
             {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
              "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
              "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
              "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
-             "finish_reason": o.finish_reason, **self.episode_sample(o)}
+             "finish_reason": o.finish_reason, **o.describe(decode)}
             for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
-
-    def episode_sample(self, output: Any) -> dict[str, Any]:
-        """What a samples file adds for an episode: each turn (role, text, tokens, trained or not), why
-        it ended, its environment's rewards; nothing for a single-turn response."""
-        if getattr(output, "loss_mask", None) is None:
-            return {}
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
-        return {"turns": output.turns(decode), "num_turns": output.num_turns, "end": output.reason,
-                "end_detail": output.detail, "env_reward": output.env_reward,
-                "model_tokens": output.num_model_tokens, "env_tokens": len(output.token_ids) - output.num_model_tokens}
 
     def end_step(self, step: int, result: RoundResult, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of its kind)."""
@@ -310,8 +305,8 @@ class Controller:
             self.drafts.load_state_dict(state["drafts"])
 
     def close(self) -> None:
-        if self.episodes:
-            self.episodes.close()
+        if self.envs:
+            self.envs.close()
         self.rewards.close()
         self.metrics.close()
         self.display.close()
@@ -319,7 +314,7 @@ class Controller:
 
 def response_text(tokenizer, stop: tuple[str, ...], token_ids: list[int]) -> str:
     """What the reward and the samples see of a response: its text, cut before a stop string."""
-    from rollpacker.rollout.engine import cut_at_stop
+    from rollpacker.data.chat import cut_at_stop
 
     return cut_at_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stop)
 

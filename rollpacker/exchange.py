@@ -16,32 +16,31 @@ Invariants:
   :class:`Freed`, and the caller serves.
 - Rank 0 alone measures wall-clock: the running trace (bubble ratio), the tail phase, CPU time.
 
-:class:`RoundLeader` is rank 0's side for a whole run, built once. It turns a launch into
-engine requests (sampling seed, replayed length, draft context) and scores through the reward
-scheduler. Each round is an :class:`ExchangeRound` (``leader.round(step, plan, hooks)``).
+:class:`RoundLeader` is rank 0's side for a whole run, built once: the rows, the policy, the scorer,
+the environments. Each round is an :class:`ExchangeRound` (``leader.round(step, plan, hooks)``):
+it turns the round's turns into engine requests and carries environment calls and replies.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from rollpacker.env.setup import Environments
 from rollpacker.metrics import bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
 from rollpacker.schedule.base import Group, Policy, RoundPlan
 from rollpacker.schedule.drafts import DraftMemory
-from rollpacker.schedule.round import Actions, Launch, Round, RoundHooks, RoundOutcome, RoundState, Routing, Seen
+from rollpacker.schedule.round import Actions, Round, RoundHooks, RoundOutcome, RoundState, Routing, Scorer, Seen
+from rollpacker.schedule.runner import EpisodeRunner
 
 if TYPE_CHECKING:
     from rollpacker.data.lengths import LengthReplay
     from rollpacker.dist import Meshes
     from rollpacker.env.episode import TurnRequest
-    from rollpacker.env.setup import Episodes
 
 
 @dataclass
@@ -57,11 +56,6 @@ class Command:
     end_sessions: list[tuple[int, str]] = field(default_factory=list)
     """(replica, session) pairs to end: an episode is over, its turns' resident KV can go (after the aborts)."""
 
-
-logger = logging.getLogger("rollpacker")
-
-SHOWN_ERRORS = 3
-"""Environment errors said per round (each once); the rest are counted in ``env/errors``."""
 
 TAIL_RUNNING = 8
 """A poll is in the round's tail when every replica ran at most this many requests (``RoundResult.tail_s``)."""
@@ -117,8 +111,10 @@ class RoundResult:
     """Prompt tokens the engines took from resident sessions instead of prefilling (episodes' turns)."""
     session_evictions: int = 0
     """Resident sessions the engines evicted for memory (their next turns recomputed their conversations)."""
-    resident_sessions: int | None = None
-    """Episodes: sessions still holding KV after the round's last command (every episode ended: 0); None without."""
+    resident_sessions: int = 0
+    """Sessions still holding KV after the round's last command (every episode ended: 0)."""
+    env_errors: list[str] = field(default_factory=list)
+    """What each environment error of the round said (its episode trained nothing), in order."""
 
     @property
     def reward_exposed_s(self) -> float:
@@ -139,6 +135,7 @@ class RoundResult:
         from rollpacker.rollout.engine import spec_metrics
 
         lengths = [len(o.token_ids) for o, _ in trained]
+        model = sum(o.num_model_tokens for o, _ in trained)
         rewards = [r for o, r in trained if o.finish_reason != "error"]
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         trace = [(self.start, self.num_launched), *self.running_trace]
@@ -158,46 +155,20 @@ class RoundResult:
             "rollout/tail_seconds": self.tail_s,
             "rollout/cpu_seconds": self.cpu_s,
             "rollout/tail_cpu_seconds": self.tail_cpu_s,
-            **({"rollout/reused_prefill_tokens": self.reused_tokens} if self.reused_tokens else {}),
-            **({"rollout/session_evictions": self.session_evictions} if self.session_evictions else {}),
-            **({"rollout/resident_sessions": self.resident_sessions} if self.resident_sessions is not None else {}),
+            "rollout/reused_prefill_tokens": self.reused_tokens,
+            "rollout/session_evictions": self.session_evictions,
+            "rollout/resident_sessions": self.resident_sessions,
             **spec_metrics(self.spec),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
-            **episode_tokens([o for o, _ in trained]),
+            "rollout/model_tokens": model,
+            "rollout/env_tokens": sum(lengths) - model,
         }
-
-
-def episode_tokens(outputs: list[Any]) -> dict[str, int]:
-    """``rollout/model_tokens`` and ``rollout/env_tokens`` of the trained episodes (none: single-turn responses)."""
-    episodes = [o for o in outputs if getattr(o, "loss_mask", None) is not None]
-    if not episodes:
-        return {}
-    model = sum(o.num_model_tokens for o in episodes)
-    return {"rollout/model_tokens": model, "rollout/env_tokens": sum(len(o.token_ids) for o in episodes) - model}
 
 
 @dataclass(frozen=True)
 class Freed:
     """What :func:`run_round` returns on the ranks a scale-down frees: they left the round to train."""
-
-
-def sampling_seed(seed: int, rid: str) -> int:
-    return random.Random(f"{seed}/{rid}").getrandbits(63)
-
-
-class Scorer(Protocol):
-    """Scores each response as it finishes (:class:`~rollpacker.reward.scheduler.RewardScheduler`)."""
-
-    def submit(self, key: str, row: Any, output: Output) -> None: ...
-
-    def poll(self) -> list[tuple[str, float | None]]:
-        """The scores ready now."""
-        ...
-
-    def wait(self) -> list[tuple[str, float | None]]:
-        """Every score still missing."""
-        ...
 
 
 class GroupSink(Protocol):
@@ -239,18 +210,21 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int,
 
 @dataclass(kw_only=True)
 class RoundLeader:
-    """Rank 0's side of every round of a run (built once, by the controller): how a launch becomes
-    engine requests, how responses are scored, where streamed groups go."""
+    """Rank 0's side of every round of a run (built once, by the controller): the rows, the policy,
+    the scorer, the environments, where streamed groups go. It is each round's scorer over its rows."""
 
     policy: Policy
     rows: Sequence[Any]
     """The data rows; a launch names one by index."""
     encode: Callable[[Any], list[int]]
-    """A row's prompt token ids."""
+    """A row's own prompt token ids."""
     rewards: Scorer
+    """Scores a response of a row (the row itself, not its index): the reward scheduler."""
     sampling: SamplingParams
-    seed: int = 0
-    """Seeds each request's sampling (with its id)."""
+    envs: Environments | None = None
+    """How an episode starts and reaches its environment; None: responses without one (seed 0, any context)."""
+    env_tag: str = ""
+    """Prefixes this leader's episodes' names in the workers and engines (the held-out leader's: ``eval/``)."""
     lengths: LengthReplay | None = None
     """Forces each response's length (``rollout.replay_lengths``)."""
     progress: Callable[[int, float], None] | None = None
@@ -265,85 +239,39 @@ class RoundLeader:
     """What earlier rounds generated per prompt; this round's outputs go into it."""
     draft_context: bool = False
     """Offer the memory's responses of each prompt to the engines' drafters (``Request.draft_context``)."""
-    episodes: Episodes | None = None
-    """Each response an episode with this environment (its workers); None: single-turn responses."""
-    env_tag: str = ""
-    """Prefixes this leader's episodes' names in the workers (the held-out leader's: ``eval/``)."""
-    env_rewards: dict[str, float] = field(default_factory=dict)
-    """An episode submitted for scoring -> its environment's rewards summed, added to its functions' reward."""
-    env_ready: list[tuple[str, float]] = field(default_factory=list)
-    """Episodes scored by their environment alone (no reward function), not yet polled."""
-    drafts: dict[int, tuple[DraftContext, ...]] = field(default_factory=dict)
-    """Row -> its drafts this round (:meth:`contexts`): one tuple for all its requests and turns, so a command
-    pickles it once. The memory changes only when a round ends."""
+
+    def __post_init__(self) -> None:
+        if self.envs is None:
+            self.envs = Environments.none(self.sampling.max_new_tokens)
 
     def round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Round ``plan`` of ``step``, to pass to :func:`run_round`."""
-        self.drafts.clear()
         return ExchangeRound(self, step, plan, hooks or RoundHooks())
 
-    def submit(self, key: str, row: int, output: Output) -> None:
-        """Score ``output`` of dataset row ``row`` (the round's :class:`~rollpacker.schedule.round.Scorer`).
-        An episode's reward is its environment's rewards plus its reward functions' (if any)."""
-        if self.episodes is None:
-            self.rewards.submit(key, self.rows[row], output)
-        elif getattr(self.rewards, "functions", None):
-            self.env_rewards[key] = output.env_reward
-            self.rewards.submit(key, self.rows[row], output)
-        else:
-            self.env_ready.append((key, output.env_reward))
+    def submit(self, key: str, row: int, output: Any) -> None:
+        self.rewards.submit(key, self.rows[row], output)
 
     def poll(self) -> list[tuple[str, float | None]]:
-        return self._with_env(self.rewards.poll())
+        return self.rewards.poll()
 
     def wait(self) -> list[tuple[str, float | None]]:
-        return self._with_env(self.rewards.wait())
+        return self.rewards.wait()
 
-    def _with_env(self, scored: list[tuple[str, float | None]]) -> list[tuple[str, float | None]]:
-        """``scored`` with each episode's environment rewards added, and the episodes scored by those alone."""
-        if self.episodes is None:
-            return scored
-        ready, self.env_ready = self.env_ready, []
-        return [(k, r if r is None else r + self.env_rewards.pop(k, 0.0)) for k, r in scored] + ready
+    def runner(self) -> EpisodeRunner:
+        """A round's runner over the rows."""
+        envs = self.envs
+        return EpisodeRunner(envs.maker(self.rows, self.encode), seed=envs.seed, environment=envs.enabled,
+                             on_error=envs.cfg.on_error)
 
-    def requests(self, step: int, new: Launch, priority: int) -> list[Request]:
-        """The engine requests of launch ``new`` of round ``step``, in order: each seeded by its id,
-        its length forced when replaying, the prompt's drafts offered (one tuple for the group)."""
-        ids, context = self.encode(self.rows[new.row]), self.contexts(new.row)
-        out = []
-        for k, rid, earlier in new.run:
-            params = dataclasses.replace(self.sampling, seed=sampling_seed(self.seed, rid))
-            if self.lengths:
-                length = self.lengths(rid, new.row, step, new.slot, k, earlier)
-                params.max_new_tokens = max(length, len(earlier.token_ids) + 1) if earlier else length
-                params.ignore_eos = True
-            out.append(Request(id=rid, prompt_ids=ids, params=params, resume_from=earlier, priority=priority,
-                               draft_context=context))
-        return out
-
-    def contexts(self, row: int) -> tuple[DraftContext, ...]:
-        """What earlier rounds generated for ``row``, for the drafters."""
-        if not self.draft_context:
-            return ()
-        if row not in self.drafts:
-            self.drafts[row] = tuple(DraftContext(source=source, token_ids=tokens)
-                                     for source, tokens in self.memory.contexts(row))
-        return self.drafts[row]
-
-    def turn(self, turn: TurnRequest, row: int, priority: int) -> Request:
-        """The engine request of an episode's turn (of dataset row ``row``): seeded by its id, its token budget
-        the episode's (less when replaying lengths: its turn's length, forced), its session the episode (the
-        engine may keep its KV for the next turn, until the episode ends), the row's earlier episodes offered
-        to the drafters (a cut attempt's conversation among them)."""
+    def request(self, turn: TurnRequest, row: int, priority: int, drafts: tuple[DraftContext, ...]) -> Request:
+        """The engine request of turn ``turn`` of dataset row ``row``: seeded by its id, its budget the
+        episode's (less when replaying lengths: forced, and then read as the model's stop), its session
+        tagged as its environment's."""
         params = dataclasses.replace(self.sampling, seed=turn.seed, max_new_tokens=turn.max_new_tokens)
         if self.lengths:
-            params.max_new_tokens, params.ignore_eos = min(turn.max_new_tokens, self.lengths.turn(turn.id, row)), True
-        return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, priority=priority,
-                       session=self.session(turn.id.rpartition("#")[0]), draft_context=self.contexts(row))
-
-    def session(self, episode: str) -> str:
-        """The engine session of ``episode``, tagged as its environment (a held-out round's apart from training's)."""
-        return self.env_tag + episode
+            params.max_new_tokens, params.ignore_eos = self.lengths.turn(turn, row), True
+        return Request(id=turn.id, prompt_ids=turn.prompt_ids, params=params, resume_from=turn.resume_from,
+                       priority=priority, session=turn.session and self.env_tag + turn.session, draft_context=drafts)
 
 
 class ExchangeRound:
@@ -363,8 +291,9 @@ class ExchangeRound:
         """The last report had at most TAIL_RUNNING requests on every replica: the next poll is in the tail."""
         self.freed_left = False
         """A scale-down went out: the freed ranks serve the sink until the round ends."""
-        self.forced: set[str] = set()
-        """Turns whose replayed length is short of their budget: their "length" end stands for the model's stop."""
+        self.drafts: dict[int, tuple[DraftContext, ...]] = {}
+        """Row -> its drafts this round (:meth:`contexts`): one tuple for all its turns, so a command pickles
+        it once. The memory changes only when a round ends."""
 
     def begin(self, num_replicas: int, poll_steps: int) -> Command:
         """The round's protocol; the first command launches the plan's prompts."""
@@ -372,61 +301,51 @@ class ExchangeRound:
         self.start, self.poll_steps = time.time(), poll_steps
         state = RoundState(self.step, self.plan, leader.policy, num_replicas, routing=leader.routing,
                            memory=leader.memory)
-        runner = leader.episodes.runner(leader.rows) if leader.episodes else None
-        self.round = Round(state, leader, self.hooks, runner)
+        self.round = Round(state, leader, leader.runner(), self.hooks)
         return self.command(self.round.start(self.start))
 
     def on_reports(self, reports: list[Report | None]) -> Command:
         """The next command, from the replica leaders' reports (None from the other ranks)."""
         self.count(reports)
         reports = [r for r in reports if r]
-        now = time.time()
+        now, leader = time.time(), self.leader
         self.trace.append((now, sum(r.num_running for r in reports)))
-        sink = self.leader.sink
-        seen = Seen(now=now, finished=[self.stopped(o) for r in reports for o in r.finished],
-                    aborted=[self.stopped(o) for r in reports for o in r.aborted],
-                    sink_ready=sink.ready() if sink else True,
-                    env=self.leader.episodes.poll(self.leader.env_tag) if self.leader.episodes else [])
+        seen = Seen(now=now, finished=[o for r in reports for o in r.finished],
+                    aborted=[o for r in reports for o in r.aborted],
+                    sink_ready=leader.sink.ready() if leader.sink else True,
+                    env=leader.envs.poll(leader.env_tag, idle=not self.trace[-1][1]))
         if len(self.trace) > 1:  # seconds per engine step, by requests per replica
             (t0, running), (t1, _) = self.trace[-2:]
             seen.running, seen.step_seconds = running / self.round.state.active, (t1 - t0) / self.poll_steps
-        runner = self.round.episodes
-        if runner and runner.waiting and not self.trace[-1][1] and not seen.env:
-            time.sleep(0.005)  # only environments are working: poll them, not the engines, a little less often
         actions = self.round.poll(seen, self.generated)
-        if self.leader.progress:
+        if leader.progress:
             state = self.round.state
-            self.leader.progress(state.num_launched - len(state.outstanding),
-                                 self.round.tokens_done / (time.time() - self.start))
+            leader.progress(state.num_launched - len(state.outstanding),
+                            self.round.tokens_done / (time.time() - self.start))
         return self.command(actions)
 
-    def stopped(self, out: Output) -> Output:
-        """A finished output; a turn cut at its replayed length reads as stopped (the episode goes on, as the
-        simulator's does), not as cut at its budget (which ends the episode)."""
-        if out.id in self.forced and out.finish_reason == "length":
-            return dataclasses.replace(out, finish_reason="stop")
-        return out
-
     def command(self, actions: Actions) -> Command:
-        """The engine requests, aborts and sends that ``actions`` say."""
-        state, leader = self.round.state, self.leader
+        """The engine requests, aborts and calls that ``actions`` say."""
+        leader = self.leader
         adds = [(replica, self.resume(out)) for replica, out in actions.resume]
-        for new in actions.launch:
-            adds += [(state.replica(req.id), self.add(req))
-                     for req in leader.requests(self.step, new, self.hooks.priority(new.slot))]
-        for replica, priority, turn in actions.turns:
-            req = self.add(leader.turn(turn, state.row(self.round.key(turn.id)), priority))
-            adds.append((replica, req))
-            if req.params.max_new_tokens < turn.max_new_tokens:
-                self.forced.add(req.id)
-        if actions.env:
-            leader.episodes.send(actions.env, leader.rows, leader.env_tag)
+        for replica, priority, turn in actions.add:
+            row = self.round.state.row(self.round.runner.key(turn.id))
+            adds.append((replica, self.add(leader.request(turn, row, priority, self.contexts(row)))))
+        leader.envs.send(actions.env, leader.rows, leader.env_tag)
         if actions.feed:
             leader.sink.feed([s for g in actions.feed for s in leader.make_samples(g)])
         self.freed_left |= actions.scale_down
-        sessions = [(replica, leader.session(key)) for replica, key in actions.end_sessions]
-        return Command(add=adds, abort=[(state.replica(self.round.key(rid)), rid) for rid in actions.abort],
-                       final=actions.done, scale_down=actions.scale_down, end_sessions=sessions)
+        return Command(add=adds, abort=actions.abort, final=actions.done, scale_down=actions.scale_down,
+                       end_sessions=[(replica, leader.env_tag + key) for replica, key in actions.end_sessions])
+
+    def contexts(self, row: int) -> tuple[DraftContext, ...]:
+        """What earlier rounds generated for ``row``, for the drafters."""
+        if not self.leader.draft_context:
+            return ()
+        if row not in self.drafts:
+            self.drafts[row] = tuple(DraftContext(source=source, token_ids=tokens)
+                                     for source, tokens in self.leader.memory.contexts(row))
+        return self.drafts[row]
 
     def add(self, req: Request) -> Request:
         self.requests[req.id] = (req, len(self.trace))
@@ -448,20 +367,11 @@ class ExchangeRound:
             self.tail_cpu_s += sum(r.cpu_s for r in self.counters.values()) - cpu
         self.in_tail = max((r.num_running for r in reports if r), default=0) <= TAIL_RUNNING
 
-    def say_errors(self, causes: list[str]) -> None:
-        """Each environment error of the round once (at most SHOWN_ERRORS of them); its episode trained nothing."""
-        for cause in causes[:SHOWN_ERRORS]:
-            logger.warning("step %d: an episode ended untrained (env.on_error skip, env/errors): %s", self.step, cause)
-        if len(causes) > SHOWN_ERRORS:
-            logger.warning("step %d: %d more environment errors (env/errors)", self.step, len(causes) - SHOWN_ERRORS)
-
     def generated(self) -> list[tuple[int, int]]:
-        """(prompt tokens, tokens generated) of each outstanding request: at most the engine steps
-        since it was added."""
+        """(prompt tokens, tokens generated) of each running turn: at most the engine steps since it was added."""
         limit, polls = self.leader.sampling.max_new_tokens, len(self.trace)
-        running = self.round.episodes.running if self.round.episodes else self.round.state.outstanding
         return [(len(self.requests[rid][0].prompt_ids), min(limit, (polls - self.requests[rid][1]) * self.poll_steps))
-                for rid in running]
+                for _, rid in self.round.running()]
 
     def finish(self, reports: list[Report | None]) -> RoundResult:
         """The round's result, once the final command's aborts are reported."""
@@ -469,9 +379,7 @@ class ExchangeRound:
         if self.freed_left:  # the freed ranks stop serving
             self.leader.sink.close()
         outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
-        if self.round.episodes:  # the environments of the episodes cut at the end are closed
-            self.leader.episodes.send(self.round.episodes.take_calls(), self.leader.rows, self.leader.env_tag)
-            self.say_errors(self.round.episodes.stats.causes)
+        self.leader.envs.send(outcome.env, self.leader.rows, self.leader.env_tag)
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
                            num_aborted=len(outcome.aborted), generated_tokens=outcome.generated_tokens,
@@ -482,8 +390,8 @@ class ExchangeRound:
                            tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
                            reused_tokens=sum(r.reused_tokens for r in counters),
                            session_evictions=sum(r.session_evictions for r in counters),
-                           resident_sessions=sum(r.resident_sessions for r in reports if r) if self.round.episodes
-                           else None)
+                           resident_sessions=sum(r.resident_sessions for r in reports if r),
+                           env_errors=outcome.env_errors)
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:

@@ -1,17 +1,27 @@
-"""Import what a setting names: a module by dotted name, or a Python file by path.
+"""Import what a setting names: the user's code (reward functions, environments, tools) and ours.
 
-A file's directory goes on ``sys.path`` (its own helper modules import as when it runs as a script),
-and the file is registered in ``sys.modules`` once per process under ``PREFIX_STEM`` (dataclasses and
-pickling look their module up there).
+A setting names a built-in, a module ``package.module:name`` or a file ``path/to/file.py:name``
+(:func:`check_spec`, :func:`target`, :func:`load`). A file's directory goes on ``sys.path`` (its own
+helper modules import as when it runs as a script), and the file is registered in ``sys.modules``
+once per process under ``PREFIX_STEM`` (dataclasses and pickling look their module up there).
+:func:`awaited` runs what an ``async def`` returns, on the process's one event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from rollpacker.errors import UserError
+
+USER_PREFIX = "rollpacker_user"
+"""The ``sys.modules`` prefix of the user's files that :func:`load` imports."""
 
 
 def import_path(where: str, prefix: str) -> ModuleType:
@@ -34,3 +44,62 @@ def import_path(where: str, prefix: str) -> ModuleType:
         del sys.modules[name]  # a file that failed to run is not imported
         raise
     return module
+
+
+def check_spec(spec: str, setting: str, builtins: dict[str, str]) -> None:
+    """Raise a ValueError naming ``setting`` unless ``spec`` is one of ``builtins`` or a well-formed reference."""
+    if spec in builtins:
+        return
+    where, _, function = spec.rpartition(":")
+    if not where or not function.isidentifier():
+        raise ValueError(f"{setting}: {spec!r} is neither a built-in ({', '.join(builtins)}) nor a reference "
+                         "package.module:function or path/to/file.py:function")
+    if where.endswith(".py") and not Path(where).is_file():
+        raise ValueError(f"{setting}: {spec!r}: no such file {where} (a path is relative to where the run starts)")
+
+
+def target(spec: str, builtins: dict[str, str]) -> str:
+    """``spec`` as an importable target: a built-in's, or a file reference made absolute."""
+    if spec in builtins:
+        return builtins[spec]
+    where, _, function = spec.rpartition(":")
+    return f"{Path(where).resolve()}:{function}" if where.endswith(".py") else spec
+
+
+_loaded: dict[str, Any] = {}
+
+
+def load(target: str, setting: str, error: type[UserError] = UserError):
+    """The callable ``target`` names (cached per process); an ``error`` naming ``setting`` says why it cannot be had."""
+    if target in _loaded:
+        return _loaded[target]
+    where, _, name = target.rpartition(":")
+    try:
+        module = import_path(where, USER_PREFIX)
+    except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
+        raise error(f"{setting}: cannot import {where}: {type(e).__name__}: {e}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise error(f"{setting}: {where} has no function {name!r}"
+                    f"{' (it is a ' + type(fn).__name__ + ')' if fn is not None else ''}")
+    _loaded[target] = fn
+    return fn
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def awaited(value):
+    """``value``, awaited on this process's one event loop if it is awaitable (an ``async def`` function)."""
+    global _loop
+    if not inspect.isawaitable(value):
+        return value
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+    return _loop.run_until_complete(value)
+
+
+def short(value) -> str:
+    """``repr(value)``, cut to 60 characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

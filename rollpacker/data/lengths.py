@@ -100,8 +100,9 @@ class LengthReplay:
     then force (``ignore_eos``). A random model so rolls out the tail a trained one would, and the
     simulator replays the very same lengths. One per run.
 
-    A partial response resumed in a later round (sorted_partial) keeps the length it was first
-    given, as in the simulator."""
+    A response without environment draws a response length (:meth:`draw`); an episode's turn
+    (``EPISODE#TURN``) a turn length. A partial response resumed in a later round (sorted_partial)
+    keeps the length it was first given, as in the simulator."""
 
     def __init__(self, seed: int, max_new_tokens: int):
         self.model, self.cap = LengthModel(seed=seed).for_cap(max_new_tokens), max_new_tokens
@@ -112,11 +113,16 @@ class LengthReplay:
         """The length of response ``response`` of the prompt ``row`` launched in ``slot`` at ``step``."""
         return min(self.cap, int(self.model.lengths(row, step, slot, response + 1)[response]))
 
-    def turn(self, turn_id: str, row: int) -> int:
-        """The length of episode turn ``turn_id`` (``STEP:SLOT:K#TURN``) of prompt ``row``, cut at the cap."""
-        episode, _, turn = turn_id.rpartition("#")
+    def turn(self, turn, row: int) -> int:
+        """The forced length of ``turn`` (a :class:`~rollpacker.env.episode.TurnRequest`) of prompt ``row``,
+        within its budget (a resumed partial gets at least one more token)."""
+        episode, _, number = turn.id.partition("#")
         step, slot, response = (int(x) for x in episode.split(":"))
-        return min(self.cap, self.model.turn_length(row, step, slot, response, int(turn)))
+        if number:
+            return min(turn.max_new_tokens, self.cap, self.model.turn_length(row, step, slot, response, int(number)))
+        earlier = turn.resume_from
+        length = self(turn.id, row, step, slot, response, earlier)
+        return min(turn.max_new_tokens, max(length, len(earlier.token_ids) + 1) if earlier else length)
 
     def __call__(self, rid: str, row: int, step: int, slot: int, response: int, earlier=None) -> int:
         length = self.given.pop(earlier.id, None) if earlier is not None else None

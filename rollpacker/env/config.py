@@ -41,7 +41,7 @@ class EnvConfig:
     def __post_init__(self) -> None:
         check_choices(self, "env")
         from rollpacker.env.tools import PARSERS, TOOLS
-        from rollpacker.reward.functions import check_spec
+        from rollpacker.imports import check_spec
 
         if self.factory:
             check_spec(self.factory, "env.factory", FACTORIES)

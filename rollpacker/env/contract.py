@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollpacker.errors import UserError
-from rollpacker.reward.functions import _result, _short, load
+from rollpacker.imports import awaited, load, short
 
 Message = dict[str, Any]
 """A chat message: ``{"role": str, "content": str, ...}`` (a tool message may carry ``tool_call_id``, ``name``)."""
@@ -37,6 +38,34 @@ class EnvError(UserError):
 
 class BadReturn(Exception):
     """An environment returned something the contract does not allow; the message says what."""
+
+
+@dataclass(frozen=True)
+class EnvCall:
+    """One call on an episode's environment, for the workers (:class:`~rollpacker.env.workers.EnvPool`)."""
+
+    kind: str
+    """``open`` (make the environment for ``row``, reset it with ``seed``), ``step`` (with ``action``) or ``close``."""
+    key: str
+    """The episode: its round request id."""
+    row: int = -1
+    seed: int = 0
+    action: str = ""
+
+
+@dataclass
+class EnvReply:
+    """The outcome of one call on an episode's environment."""
+
+    key: Hashable
+    kind: str
+    """``open`` (make and reset), ``step`` or ``close``."""
+    value: Any = None
+    """open: ``(prompt or None, info)``; step: a :class:`StepResult`; close: None."""
+    error: str | None = None
+    """Set when the call failed; names the environment, the row and the cause."""
+    seconds: float = 0.0
+    """Wall time of the call in its worker (queueing excluded)."""
 
 
 @dataclass
@@ -58,7 +87,7 @@ def make(target: str, row: dict):
 
 def reset(env, *, seed: int, row: dict) -> tuple[str | list[Message] | None, dict]:
     """``env.reset`` called and checked: ``(prompt or None, info)``."""
-    value = _result(env.reset(seed=seed, options={"row": row}))
+    value = awaited(env.reset(seed=seed, options={"row": row}))
     if not isinstance(value, tuple) or len(value) != 2:
         raise BadReturn(f"reset returned {_what(value)}; gymnasium's reset returns (observation, info)")
     observation, info = value
@@ -72,18 +101,18 @@ def reset(env, *, seed: int, row: dict) -> tuple[str | list[Message] | None, dic
 
 def step(env, action: str, role: str = "user") -> StepResult:
     """``env.step(action)`` called and checked."""
-    value = _result(env.step(action))
+    value = awaited(env.step(action))
     if not isinstance(value, tuple) or len(value) != 5:
         raise BadReturn(f"step returned {_what(value)}; gymnasium's step returns (observation, reward, terminated, "
                         "truncated, info)")
     observation, reward, terminated, truncated, info = value
     if reward is not None:
         if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-            raise BadReturn(f"step returned reward {_short(reward)}; expected a finite number or None")
+            raise BadReturn(f"step returned reward {short(reward)}; expected a finite number or None")
         reward = float(reward)
     for name, flag in (("terminated", terminated), ("truncated", truncated)):
         if not isinstance(flag, (bool, numbers.Integral)) and type(flag).__name__ != "bool_":
-            raise BadReturn(f"step returned {name}={_short(flag)}; expected a bool")
+            raise BadReturn(f"step returned {name}={short(flag)}; expected a bool")
     return StepResult(messages(observation, role, "step"), reward, bool(terminated), bool(truncated),
                       _info(info, "step"))
 
@@ -91,7 +120,7 @@ def step(env, action: str, role: str = "user") -> StepResult:
 def close(env) -> None:
     """``env.close()`` if it has one."""
     if callable(getattr(env, "close", None)):
-        _result(env.close())
+        awaited(env.close())
 
 
 def messages(observation, role: str, where: str) -> list[Message]:
@@ -120,5 +149,5 @@ def _info(info, where: str) -> dict:
 
 def _what(value) -> str:
     if isinstance(value, tuple):
-        return f"a tuple of {len(value)} {_short(value)}"
-    return f"{type(value).__name__} {_short(value)}"
+        return f"a tuple of {len(value)} {short(value)}"
+    return f"{type(value).__name__} {short(value)}"

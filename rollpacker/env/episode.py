@@ -1,41 +1,36 @@
 """One episode as a pure state machine: model turns and environment steps, token in, token out.
 
-An :class:`Episode` holds one episode's tokens: its prompt, then each model turn exactly as
-sampled, then each observation's tokens (:class:`~rollpacker.env.render.ChatBridge`), with a mask
-(the model's token or not), the engine's log-probs of the model's tokens (0.0 elsewhere), and the
-step rewards, each on the last token of its step's action. A driver (the round) moves it:
+Every response is an episode: a response without environment is the one-turn episode whose turn is
+its answer. An :class:`Episode` holds one episode's tokens: its prompt, each model turn exactly as
+sampled, each observation's tokens (:class:`~rollpacker.env.render.ChatBridge`), with a mask (the
+model's token or not), the engine's log-probs of the model's tokens (0.0 elsewhere), and the step
+rewards, each on the last token of its step's action. A driver (the round's runner) moves it:
 
-1. :meth:`Episode.next_turn` -> a :class:`TurnRequest`: one engine request, whose id
-   (``EPISODE#TURN``) and seed (:func:`turn_seed`) are fixed by the episode and the turn, so a
-   turn resumed or migrated elsewhere replays exactly;
+1. :meth:`Episode.next_turn` -> a :class:`TurnRequest`: one engine request, whose id and seed are
+   fixed by the episode and the turn, so a turn resumed or migrated elsewhere replays exactly;
 2. the finished turn to :meth:`Episode.on_turn` -> :class:`StepEnv` (step the environment with
    this text) or :class:`Done`;
-3. the environment's checked step (:class:`~rollpacker.env.contract.StepResult`) to
-   :meth:`Episode.on_step` -> the next :class:`TurnRequest` or :class:`Done`.
+3. the environment's checked step to :meth:`Episode.on_step` -> the next :class:`TurnRequest` or
+   :class:`Done`. :meth:`Episode.fail` and :meth:`Episode.abort` end it from outside.
 
-:meth:`Episode.fail` (the environment failed: nothing of it is trained) and :meth:`Episode.abort`
-(the policy ended it) end it from outside. Nothing here sends, waits or imports torch; the
-environment runs elsewhere (:mod:`rollpacker.env.workers`).
-
-An episode ends when the environment says so (``terminated``, ``truncated``), after
-``max_turns`` model turns, or when a turn stops at the episode's token limit (its ``max_tokens``
-model tokens, or the context length): those are truncated (``finish_reason`` "length", as a cut
-single-turn response). A turn cut at its own limit (``max_new_tokens``) with the episode's budget
-left is an action like any other: the environment steps on it (as verifiers' ``MultiTurnEnv``).
-An observation that ends the episode is kept in :attr:`Episode.messages`, not in the tokens:
-nothing follows it.
+Limits: an episode ends when the environment says so, after ``max_turns`` model turns, or when a
+turn stops at the episode's token limit (``max_tokens`` model tokens, or the context): those are
+truncated (``finish_reason`` "length"). A turn cut at its own ``max_new_tokens`` with budget left
+is an action like any other (as verifiers' ``MultiTurnEnv``). Nothing here sends, waits or imports
+torch.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from rollpacker.env.contract import Message, StepResult
+from rollpacker.rollout.types import Output
 
-REASONS = ("terminated", "truncated", "max_turns", "length", "max_tokens", "context", "error", "abort")
-"""Why an episode ended (:attr:`Done.reason`)."""
+REASONS = ("answer", "terminated", "truncated", "max_turns", "length", "max_tokens", "context", "error", "abort")
+"""Why an episode ended (:attr:`Done.reason`); "answer": a response without environment gave its one turn."""
 LENGTH_REASONS = ("length", "max_tokens", "context")
 """The reasons that cut the episode by a token limit: its ``finish_reason`` is "length"."""
 
@@ -55,11 +50,15 @@ class TurnRequest:
     """One model turn to run: an engine request."""
 
     id: str
-    """``EPISODE#TURN``."""
+    """``EPISODE#TURN``; a response without environment is its own one turn (the episode's id)."""
     prompt_ids: list[int]
     """The whole context so far."""
     max_new_tokens: int
     seed: int
+    session: str | None = None
+    """The episode, when a turn may follow this one (its engine may keep the KV); None when none will."""
+    resume_from: Any = None
+    """A partial response to continue by recomputation (an earlier round's, ``RoundPlan.carried``), or None."""
 
 
 @dataclass(frozen=True)
@@ -85,22 +84,19 @@ class Done:
 
 
 @dataclass(kw_only=True)
-class EpisodeOutput:
-    """A finished (or aborted) episode as one response: what the policy, the scorer and the trainer
-    get. It reads like an engine's output (``id``, ``prompt_ids``, ``token_ids``, ``logprobs``,
-    ``finish_reason``), with what an episode adds."""
+class Response(Output):
+    """A finished (or cut) episode as one response: what the policy, the scorer and the trainer get.
+    An engine's :class:`Output` of all its tokens after the prompt (model turns and observations),
+    with what an episode adds. A response without environment is filled trivially: every token the
+    model's, no step reward, ``messages`` None."""
 
-    id: str
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    """Every token after the prompt: model turns and observations."""
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
     loss_mask: list[bool] = field(default_factory=list)
     """Per token of ``token_ids``: sampled by the model (trained) or not."""
     step_rewards: dict[int, float] = field(default_factory=dict)
-    messages: list[Message] = field(default_factory=list)
-    """The conversation after the prompt (each action an assistant message; each observation's messages)."""
+    """Response position (the last token of a step's action) -> that step's reward."""
+    messages: list[Message] | None = None
+    """The conversation after the prompt (each action an assistant message; each observation's
+    messages); None when no environment took part."""
     num_turns: int = 0
     reason: str = ""
     """Why it ended (:data:`REASONS`); ``detail`` says more for an error."""
@@ -114,13 +110,22 @@ class EpisodeOutput:
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    def describe(self, decode: Callable[[list[int]], str]) -> dict[str, Any]:
+        """What a samples file shows of it besides its completion: each turn (:meth:`turns`), why it
+        ended, its environment's rewards and tokens; nothing when no environment took part."""
+        if self.messages is None:
+            return {}
+        model = self.num_model_tokens
+        return {"turns": self.turns(decode), "num_turns": self.num_turns, "end": self.reason, "end_detail": self.detail,
+                "env_reward": self.env_reward, "model_tokens": model, "env_tokens": len(self.token_ids) - model}
+
     def turns(self, decode: Callable[[list[int]], str]) -> list[dict]:
         """The episode's tokens turn by turn, as the samples files show them: each run of model tokens
         (``role`` assistant, ``trained`` True) and of environment tokens (``role``: its observation's
         roles, ``trained`` False), with its ``text`` (``decode``) and ``tokens``. A failed episode's
         model tokens read untrained, as they are."""
         observations = [[]]  # the roles of each observation: the messages between two actions
-        for m in self.messages:
+        for m in self.messages or []:
             if m["role"] == "assistant":
                 observations.append([])
             else:
@@ -154,10 +159,12 @@ class Bridge(Protocol):
 
 
 class Episode:
-    """One episode (see the module docstring). ``seed``: the run's; ``max_new_tokens``: per turn;
-    ``max_tokens``: model tokens of the whole episode; ``max_context``: prompt and response tokens."""
+    """One episode (see the module docstring). ``bridge``: the chat's, None for a response without
+    environment (its one turn, named by the episode's id, ends it); ``seed``: the run's;
+    ``max_new_tokens``: per turn; ``max_tokens``: model tokens of the whole episode; ``max_context``:
+    prompt and response tokens."""
 
-    def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge, *, seed: int, max_turns: int,
+    def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge | None, *, seed: int, max_turns: int,
                  max_tokens: int, max_new_tokens: int, max_context: int):
         if not prompt_ids or len(prompt_ids) >= max_context:  # the caller's to refuse (Episodes.make: an EnvError)
             raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
@@ -173,7 +180,7 @@ class Episode:
         """Per response token: the engine's log-prob of a model token, 0.0 for the others."""
         self.step_rewards: dict[int, float] = {}
         """Response position (the last token of a step's action) -> that step's reward."""
-        self.messages: list[Message] = []
+        self.messages: list[Message] | None = [] if bridge is not None else None
         """The conversation after the prompt: each action as an assistant message, each observation's messages."""
         self.num_turns = 0
         self.num_model_tokens = 0
@@ -188,12 +195,17 @@ class Episode:
     def next_turn(self) -> TurnRequest:
         """The model turn to run now."""
         self._expect("turn")
-        turn_id = f"{self.id}#{self.num_turns}"
-        return TurnRequest(turn_id, self.prompt_ids + self.response_ids, self._budget(), turn_seed(self.seed, turn_id))
+        talks = self.bridge is not None
+        turn_id = f"{self.id}#{self.num_turns}" if talks else self.id
+        return TurnRequest(turn_id, self.prompt_ids + self.response_ids, self._budget(), turn_seed(self.seed, turn_id),
+                           session=self.id if talks else None)
 
     def on_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: str) -> StepEnv | Done:
-        """A finished turn ("stop" or "length"), exactly as sampled -> what comes next."""
+        """A finished turn ("stop" or "length"), exactly as sampled -> what comes next. One cut ("length")
+        short of its budget was stopped there on purpose (a replayed length): it reads as stopped."""
         self._expect("turn")
+        if finish_reason == "length" and len(token_ids) < self._budget():
+            finish_reason = "stop"
         if finish_reason not in ("stop", "length") or len(logprobs) != len(token_ids):
             raise ValueError(f"episode {self.id}: a turn finished {finish_reason!r} with {len(token_ids)} tokens and "
                              f"{len(logprobs)} log-probs; give on_turn a whole turn (abort the episode instead)")
@@ -201,6 +213,8 @@ class Episode:
         self._append(token_ids, logprobs, model=True)
         self.num_turns += 1
         self.num_model_tokens += len(token_ids)
+        if self.bridge is None:  # no environment: the turn is the answer
+            return self._end("length" if finish_reason == "length" else "answer")
         self._turn = list(token_ids) if finish_reason == "stop" else []
         action = self.bridge.action_text(token_ids)
         self.messages.append({"role": "assistant", "content": action})
@@ -234,23 +248,21 @@ class Episode:
         self.loss_mask = [False] * len(self.response_ids)
         return self._end("error", cause)
 
-    def abort(self) -> Done:
-        """The policy ended the episode (its group is complete, or the round is over)."""
+    def abort(self, partial: Output | None = None) -> Done:
+        """The policy ended the episode (its group is complete, or the round is over). ``partial``: its
+        running turn as the engine cut it; its tokens are kept (a later round may resume them)."""
+        if partial is not None and self.done is None:
+            self._append(partial.token_ids, partial.logprobs, model=True)
+            self.num_model_tokens += len(partial.token_ids)
         return self._end("abort")
 
-    def output(self) -> EpisodeOutput:
+    def output(self) -> Response:
         """The episode as one response (done or not: an unfinished one reads "abort")."""
         done = self.done or Done("abort")
-        return EpisodeOutput(id=self.id, prompt_ids=list(self.prompt_ids), token_ids=list(self.response_ids),
-                             logprobs=list(self.logprobs), finish_reason=done.finish_reason,
-                             loss_mask=list(self.loss_mask), step_rewards=dict(self.step_rewards),
-                             messages=list(self.messages), num_turns=self.num_turns, reason=done.reason,
-                             detail=done.detail)
-
-    @property
-    def reward(self) -> float:
-        """The environment's rewards summed."""
-        return sum(self.step_rewards.values())
+        return Response(id=self.id, prompt_ids=list(self.prompt_ids), token_ids=list(self.response_ids),
+                        logprobs=list(self.logprobs), finish_reason=done.finish_reason, loss_mask=list(self.loss_mask),
+                        step_rewards=dict(self.step_rewards), num_turns=self.num_turns, reason=done.reason,
+                        detail=done.detail, messages=None if self.messages is None else list(self.messages))
 
     def _budget(self) -> int:
         """The next turn's most tokens: the turn's, the episode's model tokens and the context's left."""

@@ -1,9 +1,10 @@
-"""What rank 0 needs to run a round's episodes: the environment workers, and how an episode starts.
+"""How rank 0 starts each episode and reaches its environment: :class:`Environments`, built once per run.
 
-:class:`Episodes` is built once per run by the controller; the exchange gives each round an
-:class:`~rollpacker.schedule.episodes.EpisodeRunner` over it (:meth:`Episodes.runner`) and carries
-the runner's environment calls to the workers (:meth:`Episodes.send`) and their replies back
-(:meth:`Episodes.poll`).
+Every response is an episode. With an environment (``env.factory`` or ``env.tools``), an episode's
+prompt is its environment's reset, encoded with its tools, and its calls go to the environment
+workers; without one, it is the row's prompt and nothing is called. The exchange builds each
+round's runner over :meth:`Environments.maker` and carries its calls (:meth:`Environments.send`)
+and their replies (:meth:`Environments.poll`).
 """
 
 from __future__ import annotations
@@ -13,20 +14,23 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rollpacker.env.config import EnvConfig
-from rollpacker.env.contract import EnvError
-from rollpacker.env.episode import Episode
+from rollpacker.env.contract import EnvCall, EnvError, EnvReply
+from rollpacker.env.episode import Bridge, Episode
 from rollpacker.env.workers import EnvPool, EnvSpec
-from rollpacker.schedule.episodes import EnvCall, EpisodeRunner
+
+ENV_IDLE_WAIT = 0.005
+"""Seconds :meth:`Environments.poll` waits for a reply when only environments are working."""
 
 
 @dataclass(kw_only=True)
-class Episodes:
-    """The run's environment workers and episode settings (see the module docstring)."""
+class Environments:
+    """The run's episodes: how one starts, and its environment's workers (none without environment)."""
 
     cfg: EnvConfig
-    pool: EnvPool
-    bridge: Any
-    """The tokenizer's :class:`~rollpacker.env.render.ChatBridge`."""
+    pool: EnvPool | None
+    """The environment workers; None without environment."""
+    bridge: Bridge | None
+    """The tokenizer's :class:`~rollpacker.env.render.ChatBridge`; None without environment."""
     encode: Callable[[Any, list[dict] | None], list[int]]
     """An episode's prompt (a string or chat messages) and its tools' schemas -> its token ids."""
     seed: int
@@ -35,23 +39,46 @@ class Episodes:
     max_context: int
     """The engines' context length."""
 
-    def make(self, key: str, row: dict, reset: tuple[Any, dict] | None) -> Episode:
-        """Episode ``key`` of ``row`` from its environment's reset ``(prompt or None, info)`` (None: the
-        row's). An :class:`EnvError` if the reset prompt leaves no token for the first turn."""
-        prompt, info = reset or (None, {})
-        ids = self.encode(row["prompt"] if prompt is None else prompt, info.get("tools"))
+    @classmethod
+    def none(cls, max_new_tokens: int, *, seed: int = 0, max_context: int = 1 << 62) -> Environments:
+        """Responses without environment: each the one-turn episode of its row's prompt."""
+        return cls(cfg=EnvConfig(), pool=None, bridge=None, encode=None, seed=seed, max_new_tokens=max_new_tokens,
+                   max_context=max_context)
+
+    @property
+    def enabled(self) -> bool:
+        """Episodes talk to an environment (``env.factory`` or ``env.tools``)."""
+        return self.cfg.enabled
+
+    def maker(self, rows: Sequence[Any], own: Callable[[Any], list[int]]) -> Callable[[str, int, Any], Episode]:
+        """``make(key, row, reset)`` for a round's runner over the data ``rows``: episode ``key`` of
+        ``rows[row]`` from its environment's reset ``(prompt or None, info)``; with no prompt or tools
+        from it (or no reset), its prompt is the row's own, ``own(row)``, encoded once per round."""
+        cache: dict[int, list[int]] = {}
+
+        def make(key: str, row: int, reset: tuple[Any, dict] | None) -> Episode:
+            prompt, info = reset or (None, {})
+            if prompt is None and not info.get("tools"):
+                if row not in cache:
+                    cache[row] = own(rows[row])
+                ids = cache[row]
+            else:
+                ids = self.encode(rows[row]["prompt"] if prompt is None else prompt, info.get("tools"))
+            return self.episode(key, rows[row], ids)
+
+        return make
+
+    def episode(self, key: str, row: dict, ids: list[int]) -> Episode:
+        """Episode ``key`` of ``row`` whose prompt is ``ids``. An :class:`EnvError` if it leaves no token
+        for the first turn."""
         if len(ids) >= self.max_context:
             raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {row['id']!r}): its reset "
                            f"prompt is {len(ids)} tokens and the context length is {self.max_context}: no token is "
                            "left for the first turn; raise --engine.max-model-len or shorten the environment's prompt")
-        return Episode(key, ids, self.bridge, seed=self.seed, max_turns=self.cfg.max_turns,
+        turns = self.cfg.max_turns if self.enabled else 1
+        return Episode(key, ids, self.bridge, seed=self.seed, max_turns=turns,
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
                        max_context=self.max_context)
-
-    def runner(self, rows: Sequence[dict]) -> EpisodeRunner:
-        """A round's episodes over the data ``rows``."""
-        return EpisodeRunner(lambda key, row, reset: self.make(key, rows[row], reset), seed=self.seed,
-                             on_error=self.cfg.on_error)
 
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out
@@ -65,9 +92,14 @@ class Episodes:
             else:
                 self.pool.close_episode(key)
 
-    def poll(self, tag: str = "") -> list[Any]:
+    def poll(self, tag: str = "", idle: bool = False) -> list[EnvReply]:
         """The workers' replies ready now for the episodes sent with ``tag`` (named by their keys again);
-        those of the others (a close after the rounds they served) are dropped."""
+        those of the others (a close after the rounds they served) are dropped. ``idle``: nothing ran at
+        the engines, so wait a little (``ENV_IDLE_WAIT``) for a reply rather than poll them again at once."""
+        if self.pool is None:
+            return []
+        if idle:
+            self.pool.wait(ENV_IDLE_WAIT)
         out = []
         for reply in self.pool.poll():
             if isinstance(reply.key, str) and reply.key.startswith(tag) and (tag or "/" not in reply.key):
@@ -76,6 +108,8 @@ class Episodes:
 
     def close(self) -> None:
         """Let the closes sent run (a short wait), then stop the workers."""
+        if self.pool is None:
+            return
         try:
             self.pool.drain(timeout=self.cfg.timeout)
         except TimeoutError:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rollpacker.env.contract import EnvError
-from rollpacker.reward.functions import load, target
+from rollpacker.imports import load, target
 
 PYTHON_TIMEOUT = 10.0
 """Wall-clock seconds the built-in ``python`` tool gives a program."""

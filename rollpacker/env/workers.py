@@ -1,11 +1,11 @@
 """Environment workers: environments live and step in processes that can be killed, beside rollout.
 
-:class:`EnvPool` is the reward workers' pool (:class:`~rollpacker.reward.workers.RewardPool`:
-spawned processes, a manager thread that feeds them and kills one that overruns its timeout or
-dies, replacing it at once) with other tasks. An episode's environment lives on one worker from
+:class:`EnvPool` is the generic :class:`~rollpacker.workers.WorkerPool` (spawned processes, a
+manager thread that feeds them and kills one that overruns its timeout or dies, replacing it at
+once) with environment tasks. An episode's environment lives on one worker from
 ``open_episode`` (``make_env(row)``, then ``reset``) to ``close_episode``; its calls run
 there in order, one at a time per worker, each under ``env.timeout``. Every call returns at once;
-its :class:`EnvReply` comes back from ``poll`` (never waits) or ``drain``.
+its :class:`~rollpacker.env.contract.EnvReply` comes back from ``poll`` (never waits) or ``drain``.
 
 A call that raises, returns something the contract does not allow
 (:class:`~rollpacker.env.contract.BadReturn`), or hangs past the timeout (its worker is killed)
@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import multiprocessing.connection
-import os
 import pickle
 import time
 from collections.abc import Hashable
@@ -31,8 +30,9 @@ from typing import Any
 
 from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
-from rollpacker.reward.functions import target
-from rollpacker.reward.workers import RewardPool, _ignore_stops, _leaving
+from rollpacker.env.contract import EnvReply
+from rollpacker.imports import target
+from rollpacker.workers import WorkerPool, ignore_stops, leaving
 
 
 @dataclass(frozen=True)
@@ -68,21 +68,6 @@ class EnvSpec:
 
 
 @dataclass
-class EnvReply:
-    """The outcome of one call on an episode's environment."""
-
-    key: Hashable
-    kind: str
-    """``open`` (make and reset), ``step`` or ``close``."""
-    value: Any = None
-    """open: ``(prompt or None, info)``; step: a :class:`~rollpacker.env.contract.StepResult`; close: None."""
-    error: str | None = None
-    """Set when the call failed; names the environment, the row and the cause."""
-    seconds: float = 0.0
-    """Wall time of the call in the worker (queueing excluded)."""
-
-
-@dataclass
 class _Call:
     key: Hashable
     kind: str
@@ -102,10 +87,10 @@ class _Episode:
 
 
 def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
-    """A worker's life: the reward workers' signals (stops ignored, RETIRE unwinds a sandbox run of the
+    """A worker's life: the pool's signals (stops ignored, RETIRE unwinds a sandbox run of the
     python tool, death with ``parent``), say ready (None), then run ``(kind, key, payload)`` calls
     until told None."""
-    _ignore_stops(parent)
+    ignore_stops(parent)
     envs: dict[Hashable, Any] = {}
     try:
         conn.send(None)
@@ -121,7 +106,7 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
         return
     finally:
-        _leaving()
+        leaving()
 
 
 def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None]:
@@ -145,7 +130,7 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> t
     return None, f"{kind} {cause}"
 
 
-class EnvPool(RewardPool):
+class EnvPool(WorkerPool):
     """``env.num_workers`` environment workers (see the module docstring). Use as a context manager, or
     call :meth:`close`: it stops every worker and the environments in them (their ``close`` is not called)."""
 
@@ -156,7 +141,8 @@ class EnvPool(RewardPool):
         self.spec = spec or EnvSpec.from_config(cfg)
         self._queues: list[collections.deque[_Call]] = [collections.deque() for _ in range(cfg.num_workers)]
         self._episodes: dict[Hashable, _Episode] = {}
-        super().__init__(cfg)
+        self.cfg = cfg
+        super().__init__(cfg.num_workers)
 
     # the caller's side
 
@@ -195,7 +181,7 @@ class EnvPool(RewardPool):
                 self._reply(call, error=episode.lost if call.kind != "close" else None)
             else:
                 self._queues[episode.worker].append(call)
-        os.write(self._wake_w, b".")
+        self._wake()
 
     # the manager thread's side
 

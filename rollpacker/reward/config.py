@@ -96,10 +96,11 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "reward")
-        from rollpacker.reward.functions import check_spec, names
+        from rollpacker.imports import check_spec
+        from rollpacker.reward.functions import BUILTINS, names
 
         for spec in self.funcs:
-            check_spec(spec)
+            check_spec(spec, "reward.funcs", BUILTINS)
         if len(set(self.funcs)) < len(self.funcs):
             raise ValueError(f"reward.funcs names a function twice: {list(self.funcs)}; weight it with reward.weights")
         if self.weights and not self.funcs:

@@ -24,7 +24,6 @@ controller's device, batched (:class:`JudgeFunction`).
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import numbers
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.errors import UserError
-from rollpacker.imports import import_path
+from rollpacker.imports import awaited, load, short, target
 
 BUILTINS = {"toy": "rollpacker.reward.rules:toy", "math": "rollpacker.reward.rules:math",
             "code": "rollpacker.reward.code:code", "judge": ""}
@@ -98,46 +97,6 @@ def names(specs: tuple[str, ...]) -> list[str]:
             for s, b in zip(specs, base)]
 
 
-def check_spec(spec: str, setting: str = "reward.funcs", builtins=BUILTINS) -> None:
-    """Raise a ValueError naming ``setting`` unless ``spec`` is one of ``builtins`` or a well-formed reference."""
-    if spec in builtins:
-        return
-    where, _, function = spec.rpartition(":")
-    if not where or not function.isidentifier():
-        raise ValueError(f"{setting}: {spec!r} is neither a built-in ({', '.join(builtins)}) nor a reference "
-                         "package.module:function or path/to/file.py:function")
-    if where.endswith(".py") and not Path(where).is_file():
-        raise ValueError(f"{setting}: {spec!r}: no such file {where} (a path is relative to where the run starts)")
-
-
-def target(spec: str, builtins=BUILTINS) -> str:
-    """``spec`` as an importable target: a built-in's function, or a file reference made absolute."""
-    if spec in builtins:
-        return builtins[spec]
-    where, _, function = spec.rpartition(":")
-    return f"{Path(where).resolve()}:{function}" if where.endswith(".py") else spec
-
-
-_loaded: dict[str, Any] = {}
-
-
-def load(target: str, setting: str = "reward.funcs", error: type[UserError] = RewardFunctionError):
-    """The callable ``target`` names (cached per process); an ``error`` naming ``setting`` says why it cannot be had."""
-    if target in _loaded:
-        return _loaded[target]
-    where, _, name = target.rpartition(":")
-    try:
-        module = import_path(where, "rollpacker_reward")
-    except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
-        raise error(f"{setting}: cannot import {where}: {type(e).__name__}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise error(f"{setting}: {where} has no function {name!r}"
-                    f"{' (it is a ' + type(fn).__name__ + ')' if fn is not None else ''}")
-    _loaded[target] = fn
-    return fn
-
-
 def convention(fn, spec: str) -> str:
     """``verl`` if ``fn`` takes ``solution_str``, ``trl`` if it takes ``completions`` or ``**kwargs``."""
     params = inspect.signature(fn).parameters
@@ -153,8 +112,8 @@ def convention(fn, spec: str) -> str:
 
 def resolve(spec: str, name: str) -> Ref:
     """The :class:`Ref` of one entry of reward.funcs, its function imported here to check it (fail early)."""
-    ref = target(spec)
-    return Ref(name, ref, convention(load(ref), spec))
+    ref = target(spec, BUILTINS)
+    return Ref(name, ref, convention(load(ref, "reward.funcs", RewardFunctionError), spec))
 
 
 def _accepted(fn, kwargs: dict) -> dict:
@@ -165,39 +124,26 @@ def _accepted(fn, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _result(value):
-    """``value``, awaited on this process's one event loop if it is awaitable (an ``async def`` function)."""
-    global _loop
-    if not inspect.isawaitable(value):
-        return value
-    if _loop is None:
-        _loop = asyncio.new_event_loop()
-    return _loop.run_until_complete(value)
-
-
 def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[str, Any]]:
     """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
     ``completion_ids``, ``columns`` (the row's other columns), optionally ``trainer_state`` and, for
     an episode, ``messages`` (its turns after the prompt: TRL's completion then). Returns ``(reward or
     None, metrics, info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions
     pass)."""
-    fn = load(ref.target)
+    fn = load(ref.target, "reward.funcs", RewardFunctionError)
     columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
         kwargs = dict(data_source=columns.get("data_source"), solution_str=text, ground_truth=columns.get("answer"),
                       extra_info=columns.get("extra_info"))
-        return _value(_result(fn(**_accepted(fn, kwargs))))
+        return _value(awaited(fn(**_accepted(fn, kwargs))))
     completion = sample.get("messages") or (
         [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
     kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
               "completion_ids": [sample["completion_ids"]],
               "trainer_state": sample.get("trainer_state") or TrainerState()}  # as TRL: one object, not a list
-    values = _result(fn(**_accepted(fn, kwargs)))
+    values = awaited(fn(**_accepted(fn, kwargs)))
     if not isinstance(values, (list, tuple)):
-        raise BadValue(f"returned {type(values).__name__} {_short(values)}; a TRL-convention function returns a "
+        raise BadValue(f"returned {type(values).__name__} {short(values)}; a TRL-convention function returns a "
                          "list with one float or None per completion")
     if len(values) != 1:
         raise BadValue(f"returned {len(values)} values for 1 completion; a TRL-convention function returns one "
@@ -220,7 +166,7 @@ def _value(value) -> tuple[float | None, dict[str, float], dict[str, Any]]:
     if value is None:
         return None, metrics, info
     if not _is_number(value):
-        raise BadValue(f"returned {type(value).__name__} {_short(value)} for a completion; expected a float, an "
+        raise BadValue(f"returned {type(value).__name__} {short(value)} for a completion; expected a float, an "
                          "int or None")
     if not math.isfinite(float(value)):
         raise BadValue(f"returned {float(value)} for a completion; a reward must be finite")
@@ -229,11 +175,6 @@ def _value(value) -> tuple[float | None, dict[str, float], dict[str, Any]]:
 
 def _is_number(value) -> bool:
     return isinstance(value, numbers.Real)  # bools (verl's `return pred == gt`) and numpy scalars too
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def completion_text(completion) -> str:

@@ -5,9 +5,10 @@ The controller calls :meth:`RewardScheduler.submit` for every finished response 
 rewards that :meth:`poll` returns to the scheduling policy. When nothing is left running it
 blocks in :meth:`wait`, and that wait is the round's exposed reward time.
 
-A response's reward is the weighted sum of ``reward.funcs`` (:mod:`rollpacker.reward.functions`)
-over the functions that apply to its row (a function's None leaves it out). Each function is a
-:class:`RewardFunction`:
+A response's reward is composed here, once: the weighted sum of ``reward.funcs``
+(:mod:`rollpacker.reward.functions`) over the functions that apply to its row (a function's None
+leaves it out), plus its environment's rewards (an episode's step rewards, weight 1; with no
+function, they are its reward alone). Each function is a :class:`RewardFunction`:
 
 - a plain function, called in the killable worker processes of
   :class:`~rollpacker.reward.workers.RewardPool` (or inline with ``num_workers`` = 0, for
@@ -201,6 +202,10 @@ class _Scoring:
     row: dict
     order: int
     """When it was submitted (0, 1, ...)."""
+    env_reward: float = 0.0
+    """Its environment's rewards, summed (an episode's step rewards)."""
+    env_scored: bool = False
+    """Its environment gave a reward: it is scored even where no function applies."""
     values: dict[str, float | None] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     """Function name -> what went wrong."""
@@ -229,6 +234,8 @@ class RewardScheduler:
         self._scoring: dict[Any, _Scoring] = {}
         self._submitted = itertools.count()
         self._inline: list[Scored] = []
+        self._ready: list[tuple[Any, float]] = []
+        """Responses scored by their environment alone (no reward function), not yet polled."""
         self.seconds = 0.0
         """Scoring time of the samples scored since :meth:`take_metrics`, summed (workers run in parallel)."""
         self.values: dict[Any, dict[str, float | None]] = {}
@@ -251,9 +258,12 @@ class RewardScheduler:
         reward comes once, to whichever round polls it."""
         if key in self._scoring:
             return
+        self._scoring[key] = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards))
+        if not self.functions:
+            self._ready.append((key, self._reward(self._scoring.pop(key))))
+            return
         response = self.decode(output.token_ids)
         columns = {k: v for k, v in row.items() if k != "prompt"}
-        self._scoring[key] = _Scoring(row, next(self._submitted))
         for f in self.functions:
             if f.on_controller:
                 self._judge_todo.append(((key, f.name), (prompt_text(row["prompt"]), response, row.get("rubric"))))
@@ -261,7 +271,7 @@ class RewardScheduler:
             extra = f.extra(row)
             sample = {"prompt": row["prompt"], "completion": response, "completion_ids": list(output.token_ids),
                       "columns": {**columns, **extra}, "trainer_state": self.state,
-                      "messages": getattr(output, "messages", None)}  # an episode's turns
+                      "messages": output.messages}  # an episode's turns
             if self.pool:
                 self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
                 continue
@@ -274,7 +284,7 @@ class RewardScheduler:
         """Rewards finished since the last call, ``(key, reward)``. Never waits for a worker; scores
         one judge batch (one forward) if judge samples are queued."""
         done = self._judge_batch() if self._judge_todo else []
-        return self._settle(self._finished() + done)
+        return self._take_ready() + self._settle(self._finished() + done)
 
     def wait(self) -> list[tuple[Any, float]]:
         """Like :meth:`poll`, after every submitted response is scored."""
@@ -282,8 +292,12 @@ class RewardScheduler:
         while self._judge_todo:  # the workers score on meanwhile
             done += self._judge_batch()
         if self.pool:
-            return self._settle(self.pool.drain() + done)
-        return self._settle(self._finished() + done)
+            return self._take_ready() + self._settle(self.pool.drain() + done)
+        return self._take_ready() + self._settle(self._finished() + done)
+
+    def _take_ready(self) -> list[tuple[Any, float]]:
+        ready, self._ready = self._ready, []
+        return ready
 
     def _finished(self) -> list[Scored]:
         if not self.pool:
@@ -342,11 +356,12 @@ class RewardScheduler:
         return done
 
     def _reward(self, scoring: _Scoring) -> float:
-        """The weighted sum over the functions that apply; an error is raised (fail) or scored 0 (skip)."""
+        """The weighted sum over the functions that apply, plus the environment's rewards; a function's
+        error is raised (fail) or scored 0 (skip)."""
         applied = [(f.weight, scoring.values[f.name]) for f in self.functions if scoring.values[f.name] is not None]
         errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]
         self.responses += 1
-        if not errors and not applied:
+        if not errors and not applied and self.functions and not scoring.env_scored:
             none = (f"{', '.join(f.name for f in self.functions)} returned None (does not apply); add a function "
                     "that scores it, or take the row out of the data")
             errors = [f"no reward function scores row {scoring.row['id']!r}: {none}"]
@@ -356,8 +371,8 @@ class RewardScheduler:
                 raise RewardFunctionError(f"{'; '.join(errors)} (--reward.on-error fail stops the run; skip scores "
                                           "such a response 0 and counts it in reward/errors)")
             self.errors += 1
-            return 0.0
-        return sum(w * v for w, v in applied)
+            return scoring.env_reward
+        return sum(w * v for w, v in applied) + scoring.env_reward
 
     def take_values(self, keys: list[Any]) -> dict[Any, dict[str, float | None]]:
         """The per-function values of the responses ``keys`` (those scored), forgotten here."""

@@ -1,9 +1,11 @@
 """The round: one pure per-poll protocol that both drivers run (the exchange and the simulator).
 
 - :class:`RoundState` is the bookkeeping: slots, routing, outstanding requests, scores, complete
-  groups, and migration (what resumes, what came back whole, what is cut).
+  groups, and migration (what resumes, what is cut).
 - :class:`Round` is the protocol. A driver tells it what it saw since the last poll (:class:`Seen`)
-  and gets what to do now (:class:`Actions`): launch, resume, abort, feed, scale down, done.
+  and gets what to do now (:class:`Actions`): add, resume, abort, call environments, feed, scale
+  down, done. Every request is an episode run by its :class:`~rollpacker.schedule.runner.EpisodeRunner`:
+  a single-turn response is the one-turn episode without environment, so there is one request path.
 - :class:`RoundHooks` is how a feature joins (stream training, RolloutPipe). Hooks hear and
   decide; they never edit the state. Their decisions live in :mod:`rollpacker.schedule.scale_down`.
 
@@ -12,27 +14,11 @@ Invariants:
 - The call order on the policy is fixed here, once. Both drivers give the same policy the same
   calls in the same order (``tests/unit/test_sim.py`` checks it call by call).
 - Nothing here sends, measures time or imports torch. Time comes in as ``Seen.now``.
-- Only :class:`RoundState` writes ``migrating``.
+- Only :class:`RoundState` writes ``migrating``. Every action names its replica: drivers route nothing.
 
 Why: what happens at each poll is the heart of every RL step. Written once, the simulator runs
-the very protocol the job runs, and a new feature (a streaming variant, episodes) lands in one place.
-
-**Routing** (:class:`Routing`). By default each request goes to the next active replica, round-robin,
-so a group is spread over the replicas. ``by_group`` sends every request of a prompt to one replica,
-so its drafter sees all the siblings. ``longest_first`` dispatches a launch's requests longest first
-by the draft memory's estimate, each to the replica with the least estimated work so far (LPT).
-Migrated requests follow the same rules over the kept replicas; a group routed by group moves as one.
-
-**Episodes** (:class:`~rollpacker.schedule.episodes.EpisodeRunner`, when the round runs an
-environment): each request of the round is an episode, the unit the policy, the routing and the
-migration see. Its turns are the engines' requests (:attr:`Actions.turns`), each on its episode's
-replica; its environment's calls go to the workers (:attr:`Actions.env`) and come back in
-:attr:`Seen.env`. A finished turn leads to an environment step, a step to the next turn, and the
-policy hears of the episode once, when it is done. An abort cuts an episode where it is. A
-scale-down moves episodes at a turn boundary: one between turns (waiting for its environment) is
-routed to a kept replica at once; a running turn is aborted and resumed there, token for token.
-Turns go by frontier priority (:meth:`RoundState.turn_priority`): a turn of a group with more of its
-episodes finished is admitted first, so the groups about to complete are not held up by fresh ones.
+the very protocol the job runs, and a new feature lands in one place. Routing and episodes in the
+round: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -40,12 +26,16 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
 from rollpacker.schedule.drafts import DraftMemory
-from rollpacker.schedule.episodes import EnvCall, EpisodeRunner
 from rollpacker.topology import kept_replicas
+
+if TYPE_CHECKING:
+    from rollpacker.env.contract import EnvCall
+    from rollpacker.env.episode import TurnRequest
+    from rollpacker.schedule.runner import EpisodeRunner
 
 
 @dataclass
@@ -62,7 +52,9 @@ class Launch:
 
 @dataclass(frozen=True, kw_only=True)
 class Routing:
-    """Which replica runs each request (see the module docstring)."""
+    """Which replica runs each request. By default the next active replica, round-robin, so a group
+    is spread over the replicas; an episode's turns all go to its replica. Migrated requests follow
+    the same rules over the kept replicas; a group routed by group moves as one."""
 
     by_group: bool = False
     """Every request of a prompt on one replica (its drafter sees all the siblings)."""
@@ -83,14 +75,12 @@ class Decided:
 
 @dataclass
 class Returned:
-    """The aborted outputs of one poll, sorted by what happens to them (:meth:`RoundState.aborted`)."""
+    """The aborted outputs of one poll, sorted by what happens to them (:meth:`Round._returned`)."""
 
     resume: list[Any] = field(default_factory=list)
     """Migrated partial outputs: resumed on a kept replica by recomputation."""
-    whole: list[Any] = field(default_factory=list)
-    """Migrating requests their engine finished before the abort reached it: finished responses."""
     cut: list[Any] = field(default_factory=list)
-    """Requests the policy aborted: the partial outputs ``end_round`` gets."""
+    """Episodes the policy aborted, cut: what ``end_round`` gets."""
     moved: int = 0
     """How many of the outputs were migrating."""
 
@@ -236,18 +226,6 @@ class RoundState:
         self.migrating.discard(rid)
         return moving
 
-    def aborted(self, outputs: list[Any]) -> Returned:
-        """The partial outputs of aborted requests: a migrating one resumes (or, finished by its engine
-        before the abort reached it, counts as finished); any other is cut for the policy."""
-        back = Returned(moved=sum(o.id in self.migrating for o in outputs))
-        for out in outputs:
-            if out.id in self.migrating and out.id in self.outstanding:
-                (back.resume if out.finish_reason == "abort" else back.whole).append(out)
-            else:
-                back.cut.append(out)
-        self.migrating -= {o.id for o in outputs}
-        return back
-
     def take_complete(self, cap: float = 0.0) -> list[Group]:
         """The complete groups whose responses are all scored, in completion order, at most
         ``cap`` x ``plan.keep`` of them with a cap; their rewards set, marked ``streamed``."""
@@ -330,7 +308,7 @@ class RoundHooks:
 
 
 class Scorer(Protocol):
-    """Scores each response as it finishes; ``row`` is its dataset row."""
+    """Scores each response as it finishes; ``row`` is its dataset row (the reward side composes the reward)."""
 
     def submit(self, key: str, row: int, output: Any) -> None: ...
 
@@ -350,43 +328,41 @@ class Seen:
     now: float = 0.0
     """The driver's clock (wall or simulated seconds)."""
     finished: list[Any] = field(default_factory=list)
-    """Requests that finished, in finish order."""
+    """Turns that finished at the engines, in finish order."""
     aborted: list[Any] = field(default_factory=list)
-    """Partial outputs of the requests the last commands aborted."""
+    """Partial outputs of the turns the last actions aborted."""
+    env: list[Any] = field(default_factory=list)
+    """The environment workers' replies (:class:`~rollpacker.env.contract.EnvReply`)."""
     running: float = 0.0
     """Requests running per active replica during the last poll."""
     step_seconds: float = 0.0
     """Seconds an engine step took during the last poll (0: not measured)."""
     sink_ready: bool = True
     """The freed ranks have taken the last groups fed."""
-    env: list[Any] = field(default_factory=list)
-    """Episodes: the environment workers' replies (:class:`~rollpacker.env.workers.EnvReply`)."""
 
 
 @dataclass
 class Actions:
-    """What a driver must do now, in this order: launch and resume, abort, feed; then step on
-    the kept replicas (after ``scale_down``, the freed ones leave) unless ``done``."""
+    """What a driver must do now, in this order: add and resume, abort, end sessions, call the
+    environments, feed; then step on the kept replicas (after ``scale_down``, the freed ones leave)
+    unless ``done``."""
 
-    launch: list[Launch] = field(default_factory=list)
-    """New prompts' requests, each routed (:meth:`RoundState.replica`)."""
+    add: list[tuple[int, int, TurnRequest]] = field(default_factory=list)
+    """(replica, priority, turn) of each engine request to add."""
     resume: list[tuple[int, Any]] = field(default_factory=list)
-    """(replica, output) of each request that continues from an output: a migrated partial."""
-    abort: list[str] = field(default_factory=list)
-    """Request ids to abort now."""
+    """(replica, partial output) of each migrated turn, continued on a kept replica by recomputation."""
+    abort: list[tuple[int, str]] = field(default_factory=list)
+    """(replica, turn id) of each engine request to abort now."""
+    end_sessions: list[tuple[int, str]] = field(default_factory=list)
+    """(replica, episode) of each episode whose engine session (resident KV) can go, after the aborts."""
+    env: list[EnvCall] = field(default_factory=list)
+    """The calls for the environment workers, in order."""
     feed: list[Group] = field(default_factory=list)
     """Complete, scored groups for the freed ranks to train."""
     scale_down: bool = False
     """Move onto the kept replicas: the freed replicas abort everything and leave to train."""
     done: bool = False
     """The round is over once ``abort`` is applied: :meth:`Round.finish` with what comes back."""
-    turns: list[tuple[int, int, Any]] = field(default_factory=list)
-    """Episodes: (replica, priority, :class:`~rollpacker.env.episode.TurnRequest`) of each turn to add."""
-    env: list[EnvCall] = field(default_factory=list)
-    """Episodes: the calls for the environment workers, in order."""
-    end_sessions: list[tuple[int, str]] = field(default_factory=list)
-    """Episodes: (replica, episode) of each episode that ended (with ``done``: also those whose turns
-    ``abort`` cuts): its engine session (resident KV) can go."""
 
 
 @dataclass
@@ -397,7 +373,7 @@ class RoundOutcome:
     """The groups to train, with their rewards."""
     num_launched: int
     aborted: list[Any]
-    """The partial outputs of every cut request."""
+    """Every episode cut."""
     generated_tokens: int
     """Response tokens generated in the round, kept or not; a resumed carried response counts its new tokens."""
     last_finish: float
@@ -406,16 +382,19 @@ class RoundOutcome:
     num_fed: int
     """Groups fed to the freed ranks."""
     hook_metrics: dict[str, float]
+    """The hooks' metrics and the episodes' (``env/``, with an environment)."""
+    env: list[EnvCall] = field(default_factory=list)
+    """The last environment calls (the closes of the episodes cut at the end): the driver sends them."""
+    env_errors: list[str] = field(default_factory=list)
+    """What each environment error of the round said, in order."""
 
 
 class Round:
-    """One round of ``state``'s policy with ``hooks``, scored by ``scorer`` (the module docstring)."""
+    """One round of ``state``'s policy, its requests run as episodes by ``runner``, scored by
+    ``scorer``, with ``hooks`` (the module docstring)."""
 
-    def __init__(self, state: RoundState, scorer: Scorer, hooks: RoundHooks | None = None,
-                 episodes: EpisodeRunner | None = None):
-        self.state, self.scorer, self.hooks = state, scorer, hooks or RoundHooks()
-        self.episodes = episodes
-        """Runs each request as an episode (None: single-turn responses)."""
+    def __init__(self, state: RoundState, scorer: Scorer, runner: EpisodeRunner, hooks: RoundHooks | None = None):
+        self.state, self.scorer, self.runner, self.hooks = state, scorer, runner, hooks or RoundHooks()
         self.cut: list[Any] = []
         self.tokens_done = 0
         """Tokens of the responses finished so far."""
@@ -430,33 +409,35 @@ class Round:
         if scaled:
             self.state.scale_down(kept_replicas(self.state.num_replicas))  # nothing launched yet: nothing migrates
             self.scaled = ScaledDown(at=now, completed_frac=None, migration_s=0.0)
-        return self._episode_actions(Actions(launch=self._launch(self.state.launch(self.state.plan.prompts)),
-                                             scale_down=scaled))
+        self._open(self.state.launch(self.state.plan.prompts))
+        return self._actions(Actions(scale_down=scaled))
 
     def poll(self, seen: Seen, generated: Callable[[], list[tuple[int, int]]] = list) -> Actions:
         """What to do after ``seen``. ``generated()``: (prompt tokens, tokens generated) of each
-        outstanding request, asked only when a scale-down is considered."""
+        running turn (:meth:`running`), asked only when a scale-down is considered."""
         state, hooks = self.state, self.hooks
         if seen.step_seconds:
             hooks.on_poll(seen.running, seen.step_seconds)
         back, finished = self._returned(seen)
         self._migrated(back, seen.now)
-        resume = [(state.route(self.key(out.id)), out) for out in back.resume]
+        resume = [(state.route(self.runner.key(out.id)), out) for out in back.resume]
         self.cut += back.cut
-        self._finished([*finished, *back.whole], seen.now)
+        self._finished(finished, seen.now)
         state.scored(self.scorer.wait() if state.needs_all_scores else self.scorer.poll())
         # The policy hears of responses in finish order, once scored if it needs rewards to decide.
         decided = state.decide(resuming=bool(resume))
-        out = Actions(launch=self._launch(decided.launch), resume=resume, abort=self._abort(decided.abort),
-                      done=decided.done)
+        self._open(decided.launch)
+        out = Actions(resume=resume, abort=self._abort(decided.abort), done=decided.done)
         if not out.done and self.scaled is None and state.outstanding and hooks.scale_down(generated):
-            unsent = [rid for new in out.launch for _, rid, _ in new.run] + (self.episodes.idle if self.episodes
-                                                                              else [])
-            out.abort = self._abort(state.scale_down(kept_replicas(state.num_replicas), unsent)) + out.abort
+            out.abort = self._abort(state.scale_down(kept_replicas(state.num_replicas), self.runner.idle)) + out.abort
             out.scale_down = True
             self.scaled = ScaledDown(at=seen.now, completed_frac=state.num_complete / state.plan.keep)
         out.feed = self.feed(seen.sink_ready)
-        return self._episode_actions(out)
+        return self._actions(out)
+
+    def running(self) -> list[tuple[int, str]]:
+        """(replica, turn id) of every turn at an engine."""
+        return [(self.state.replica(key), tid) for tid, key in self.runner.running.items()]
 
     def feed(self, ready: bool) -> list[Group]:
         """The complete, scored groups the hooks feed the freed ranks now (``ready``: they took the last)."""
@@ -466,76 +447,59 @@ class Round:
         return groups
 
     def finish(self, aborted: list[Any], now: float = 0.0) -> RoundOutcome:
-        """The round's outcome, given the partial outputs of the final aborts (the policy's groups
-        wait for their missing scores)."""
-        if self.episodes:  # aborted turns: their episodes cut; any episode still open is cut too
-            aborted = [c for c in map(self.episodes.cut, aborted) if c is not None] + self.episodes.close_all()
-        self.cut += aborted
-        metrics = self.hooks.finish(self.scaled, self.num_fed) | (self.episodes.stats.metrics() if self.episodes
-                                                                   else {})
+        """The round's outcome, given the partial outputs of the final aborts (their episodes are cut,
+        and every episode still open; the policy's groups wait for their missing scores)."""
+        runner = self.runner
+        self.cut += [c for c in map(runner.cut, aborted) if c is not None] + runner.close_all()
+        metrics = self.hooks.finish(self.scaled, self.num_fed) | runner.stats.metrics()
         groups = self.state.finish(self.cut, wait=self.scorer.wait)
         carried = sum(len(o.token_ids) for o in self.state.plan.carried.values() if o.finish_reason == "abort")
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
                             generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.cut) - carried,
                             last_finish=self.last_finish, scaled=self.scaled, num_fed=self.num_fed,
-                            hook_metrics=metrics)
+                            hook_metrics=metrics, env=runner.take_calls(), env_errors=runner.stats.causes)
 
-    def _launch(self, launches: list[Launch]) -> list[Launch]:
-        """The launches for the driver; episodes are opened here instead (their turns follow)."""
-        for new in launches:  # finished in an earlier round: not run again; scored for this round
+    def _open(self, launches: list[Launch]) -> None:
+        """Open the episodes of ``launches``; responses an earlier round finished are only scored again."""
+        for new in launches:
             for earlier in new.rescore:
                 self.scorer.submit(earlier.id, new.row, earlier)
-        if self.episodes is None:
-            return launches
-        for new in launches:
-            for _, rid, _ in new.run:
-                self.episodes.open(rid, new.row, f"{self.state.step}:{new.slot}")
-        return []
-
-    def key(self, rid: str) -> str:
-        """The round's request of engine request ``rid``: itself, or the episode of a turn."""
-        return self.episodes.key(rid) if self.episodes else rid
+            for _, rid, earlier in new.run:
+                self.runner.open(rid, new.row, f"{self.state.step}:{new.slot}", resume=earlier)
 
     def _returned(self, seen: Seen) -> tuple[Returned, list[Any]]:
-        """What ``seen`` brings back: the aborted outputs sorted (:meth:`RoundState.aborted`), and the
-        responses that finished. With episodes: environment replies and finished turns move their
-        episodes on (those done finish); an aborted turn resumes (migrating) or cuts its episode."""
-        if self.episodes is None:
-            return self.state.aborted(seen.aborted), seen.finished
-        runner, back = self.episodes, Returned()
+        """What ``seen`` brings back: the responses that finished (environment replies and finished
+        turns move their episodes on), and the aborted turns sorted: one migrating resumes (or,
+        finished by its engine before the abort reached it, goes on), any other cuts its episode."""
+        runner, back = self.runner, Returned()
         finished = runner.on_env(seen.env, seen.now) + runner.on_turns(seen.finished)
         for out in seen.aborted:
-            if self.state.settle(runner.key(out.id)):
-                back.moved += 1
-                if out.finish_reason == "abort":
-                    back.resume.append(out)
-                else:  # its engine finished the turn before the abort reached it
-                    finished += runner.on_turns([out])
-            elif (cut := runner.cut(out)) is not None:
-                back.cut.append(cut)
+            migrating = self.state.settle(runner.key(out.id))
+            if not migrating:  # the policy's abort: its episode is cut (None: it had ended already)
+                back.cut += filter(None, [runner.cut(out)])
+                continue
+            back.moved += 1
+            if out.finish_reason == "abort":
+                back.resume.append(out)
+            else:  # its engine finished the turn before the abort reached it
+                finished += runner.on_turns([out])
         return back, finished
 
-    def _abort(self, rids: list[str]) -> list[str]:
-        """The engine requests to abort for the round's requests ``rids``; episodes between turns are cut at once."""
-        if self.episodes is None:
-            return rids
-        turns, cut = self.episodes.abort(rids)
+    def _abort(self, keys: list[str]) -> list[tuple[int, str]]:
+        """The engine requests to abort for the round's requests ``keys``; episodes between turns are cut at once."""
+        turns, cut = self.runner.abort(keys)
         self.cut += cut
-        return turns
+        return [(self.state.replica(self.runner.key(tid)), tid) for tid in turns]
 
-    def _episode_actions(self, out: Actions) -> Actions:
-        """The turns to add and the environment calls of this poll, into ``out``."""
-        if self.episodes is not None:
-            state = self.state
-            out.turns = []
-            for key, turn in self.episodes.take_turns():
-                slot = state.owner[key][1]
-                out.turns.append((state.replica(key), state.turn_priority(slot, self.hooks.priority(slot)), turn))
-            out.env = self.episodes.take_calls()
-            ended = self.episodes.take_ended()
-            if out.done:  # the episodes whose turns the last actions abort end at finish, after them: now
-                ended += sorted({self.key(rid) for rid in out.abort})
-            out.end_sessions = [(state.replica(key), key) for key in ended]
+    def _actions(self, out: Actions) -> Actions:
+        """The turns to add, the sessions to end and the environment calls of this poll, into ``out``."""
+        state, runner = self.state, self.runner
+        for key, turn in runner.take_turns():
+            slot = state.owner[key][1]
+            out.add.append((state.replica(key), state.turn_priority(slot, self.hooks.priority(slot)), turn))
+        ended = runner.take_ended([tid for _, tid in out.abort] if out.done else [])
+        out.end_sessions = [(state.replica(key), key) for key in ended]
+        out.env = runner.take_calls()
         return out
 
     def _finished(self, outputs: list[Any], now: float) -> None:

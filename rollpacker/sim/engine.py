@@ -53,6 +53,8 @@ class Seq:
     reused: int = 0
     """Prompt tokens whose KV its replica holds already (an episode's resident session): not prefilled at its
     first admission; a preempted or migrated request recomputes everything."""
+    session: str | None = None
+    """Its episode, when its replica keeps its KV for the episode's next turn (a resident session)."""
 
     @property
     def length(self) -> int:
@@ -98,6 +100,8 @@ class Replica:
         """(start time, iteration end times, running requests) of the planned run, or None at a boundary."""
         self.version = 0
         self.num_preemptions = 0
+        self.sessions: dict[str, int] = {}
+        """Session -> tokens of its last finished turn (prompt and generated): its resident KV here."""
         self.busy: list[tuple[float, float, int]] | None = [] if record else None
         """(start, end, running requests) of every executed run, when recording."""
 
@@ -125,7 +129,10 @@ class Replica:
 
     def command(self, now: float, abort: list[str], add: list[Seq]) -> list[Seq]:
         """Aborts and new requests sent at ``now``; they apply at the next iteration boundary
-        (at once when the replica is at one). Returns the aborted requests that were here."""
+        (at once when the replica is at one); a request of a session resident here prefills only what is new.
+        Returns the aborted requests that were here."""
+        for seq in add:
+            seq.reused = self.sessions.get(seq.session, 0)
         self._pending_abort += abort
         self._pending_add += add
         if self.plan is None:
@@ -138,6 +145,10 @@ class Replica:
         finished, aborted = self._execute(begun)
         assert not finished, "a cut plan ends before its first finish"
         return aborted
+
+    def end_session(self, session: str) -> None:
+        """The session's episode is over: its resident KV goes."""
+        self.sessions.pop(session, None)
 
     def abort_all(self, now: float) -> list[Seq]:
         """End of round (or a stream-trainer scale-down) at ``now``: every request leaves; returns
@@ -193,6 +204,8 @@ class Replica:
                 continue  # preempted or aborted since
             self._remove(seq)
             seq.finish_time = end
+            if seq.session is not None:
+                self.sessions[seq.session] = seq.prompt_tokens + seq.generated
             finished.append(seq)
         return finished, aborted
 

@@ -1,6 +1,6 @@
 """Episodes in the simulator: the workload of multi-turn episodes and the simulated environment workers.
 
-The simulator runs episodes through the job's own :class:`~rollpacker.schedule.episodes.EpisodeRunner`
+The simulator runs episodes through the job's own :class:`~rollpacker.schedule.runner.EpisodeRunner`
 (in the job's :class:`~rollpacker.schedule.round.Round`); what is simulated is only what an episode's
 turns and environment steps cost:
 
@@ -13,7 +13,8 @@ turns and environment steps cost:
 - :class:`ScriptedEpisode`: the episode the runner drives (it stands for
   :class:`~rollpacker.env.episode.Episode`): a turn's prompt is the whole conversation so far, its
   length the workload's, cut at the turn's cap (the episode goes on) or at the episode's token budget
-  (which ends it, as in the job);
+  (which ends it, as in the job); :class:`ScriptedResponse` is a response without environment, one
+  turn of the length model's draw;
 - :class:`SimEnvPool`: ``num_workers`` environment workers as :class:`~rollpacker.env.workers.EnvPool`
   runs them: an episode lives on the worker hosting the fewest episodes when it opens, and a worker
   runs its calls one at a time in order (reset and close are instant, a step takes its latency);
@@ -37,8 +38,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
+from rollpacker.env.contract import EnvCall, EnvReply
 from rollpacker.env.episode import Done, StepEnv, TurnRequest
-from rollpacker.schedule.episodes import EnvCall
 from rollpacker.sim.engine import Seq
 
 
@@ -164,15 +167,65 @@ def fit_run(run_dir: Path, workload: EpisodeWorkload) -> EpisodeWorkload:
                    latency=f"lognormal:{statistics.mean(seconds):.4f}:{sigma}")
 
 
+class ScriptedResponse:
+    """A simulated response without environment, as the runner drives an
+    :class:`~rollpacker.env.episode.Episode`: one turn (named by its id) of ``target`` tokens (its
+    launch's draw of the length model, cut at the cap); ``clock()`` stamps when it finished."""
+
+    def __init__(self, key: str, target: int, prompt_tokens: int, clock: Callable[[], float]):
+        self.id, self.target, self.prompt_tokens, self.clock = key, target, prompt_tokens, clock
+        self.step, self.slot, self.response = (int(x) for x in key.split(":"))
+        self.num_turns, self.partial = 0, None
+        self.done: Done | None = None
+        self.finished_at: float | None = None
+
+    def next_turn(self) -> TurnRequest:
+        return TurnRequest(self.id, range(self.prompt_tokens), self.target, 0)
+
+    def on_turn(self, token_ids, logprobs, finish_reason: str) -> Done:
+        self.num_turns, self.finished_at, self.target = 1, self.clock(), len(token_ids)
+        self.done = Done("answer")
+        return self.done
+
+    def abort(self, partial: Seq | None = None) -> Done:
+        self.partial, self.done = partial, Done("abort")
+        self.target = partial.target if partial is not None else self.target  # a resumed one keeps its own
+        return self.done
+
+    def fail(self, cause: str) -> Done:
+        self.done = Done("error", cause)
+        return self.done
+
+    def output(self) -> Seq:
+        """The response (finished: ``finish_time`` set; cut: its tokens so far, toward its own ``target``)."""
+        generated = self.target if self.finished_at is not None else self.partial.generated if self.partial else 0
+        return Seq(self.id, self.slot, self.response, self.prompt_tokens, self.target, generated=generated,
+                   finish_time=self.finished_at, num_turns=self.num_turns)
+
+    @classmethod
+    def maker(cls, lengths, num_responses: int, max_new_tokens: int, clock: Callable[[], float]):
+        """``make(key, row, reset)`` for a round's runner: each launch's lengths drawn once, as the job replays them."""
+        drawn: dict[tuple[int, int], list[int]] = {}
+
+        def make(key: str, row: int, reset) -> ScriptedResponse:
+            step, slot, k = (int(x) for x in key.split(":"))
+            if (step, slot) not in drawn:
+                drawn[step, slot] = np.minimum(lengths.lengths(row, step, slot, num_responses), max_new_tokens).tolist()
+            return cls(key, drawn[step, slot][k], lengths.prompt_tokens, clock)
+
+        return make
+
+
 class ScriptedEpisode:
     """One simulated episode of ``turns`` model turns (None: its environment never opened), as the runner
-    drives an :class:`~rollpacker.env.episode.Episode`; ``clock()`` stamps when it is done."""
+    drives an :class:`~rollpacker.env.episode.Episode`; ``clock()`` stamps when it is done; ``resident``:
+    its turns keep their KV at their replica for the next (``engine.resident_sessions``)."""
 
     def __init__(self, key: str, row: int, turns: int | None, *, lengths, prompt_tokens: int, obs_tokens: int,
-                 max_new_tokens: int, max_tokens: int, clock: Callable[[], float]):
+                 max_new_tokens: int, max_tokens: int, clock: Callable[[], float], resident: bool = True):
         self.id, self.row, self.turns, self.lengths = key, row, turns or 0, lengths
         self.step, self.slot, self.response = (int(x) for x in key.split(":"))
-        self.prompt_tokens, self.obs_tokens, self.clock = prompt_tokens, obs_tokens, clock
+        self.prompt_tokens, self.obs_tokens, self.clock, self.resident = prompt_tokens, obs_tokens, clock, resident
         self.max_new_tokens, self.max_tokens = max_new_tokens, max_tokens or max_new_tokens
         self.num_turns = self.model_tokens = self.env_tokens = 0
         self.done: Done | None = None
@@ -189,7 +242,8 @@ class ScriptedEpisode:
     def next_turn(self) -> TurnRequest:
         """The next turn: the conversation so far as its prompt, its length as its token budget."""
         length = self.lengths.turn_length(self.row, self.step, self.slot, self.response, self.num_turns)
-        return TurnRequest(f"{self.id}#{self.num_turns}", range(self.context), min(self.budget(), length), 0)
+        return TurnRequest(f"{self.id}#{self.num_turns}", range(self.context), min(self.budget(), length), 0,
+                           session=self.id if self.resident else None)
 
     def on_turn(self, token_ids, logprobs, finish_reason: str) -> StepEnv | Done:
         left = self.max_tokens - self.model_tokens
@@ -205,7 +259,9 @@ class ScriptedEpisode:
         self.env_tokens += self.obs_tokens
         return self.next_turn()
 
-    def abort(self) -> Done:
+    def abort(self, partial: Seq | None = None) -> Done:
+        if partial is not None and self.done is None:
+            self.model_tokens += partial.generated
         return self._end("abort")
 
     def fail(self, cause: str) -> Done:
@@ -226,17 +282,6 @@ class ScriptedEpisode:
 
 
 @dataclass
-class SimReply:
-    """A simulated environment call's reply (as :class:`~rollpacker.env.workers.EnvReply`)."""
-
-    key: str
-    kind: str
-    value: Any = None
-    error: str | None = None
-    seconds: float = 0.0
-
-
-@dataclass
 class SimEnvPool:
     """``workload.num_workers`` simulated environment workers (the module docstring); ``row_key(row)``
     names a dataset row for the workload's draws."""
@@ -251,7 +296,7 @@ class SimEnvPool:
     """(when it has run, episode) of every close sent."""
     episodes: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     """Episode -> (row key, episode key of the draws, steps so far)."""
-    pending: list[tuple[float, int, SimReply]] = field(default_factory=list)
+    pending: list[tuple[float, int, EnvReply]] = field(default_factory=list)
     _order: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -276,7 +321,7 @@ class SimEnvPool:
         heapq.heapify(self.pending)
         heapq.heapify(self.closing)
 
-    def _run(self, call: EnvCall, now: float) -> tuple[SimReply, float]:
+    def _run(self, call: EnvCall, now: float) -> tuple[EnvReply, float]:
         """The reply of ``call`` and its seconds (an open finds its episode a worker)."""
         w = self.workload
         if call.kind == "open":
@@ -288,22 +333,21 @@ class SimEnvPool:
             row = self.row_key(call.row)
             draws = call.key if w.per_episode else str(call.seed)
             self.episodes[call.key] = (row, draws, 0)
-            return SimReply(call.key, "open", w.num_turns(row, draws)), 0.0
+            return EnvReply(call.key, "open", w.num_turns(row, draws)), 0.0
         if call.kind == "step":
             row, draws, steps = self.episodes[call.key]
             self.episodes[call.key] = (row, draws, steps + 1)
             seconds = w.step_seconds(row, draws, steps + 1)
-            return SimReply(call.key, "step", seconds=seconds), seconds
-        return SimReply(call.key, "close"), 0.0
+            return EnvReply(call.key, "step", seconds=seconds), seconds
+        return EnvReply(call.key, "close"), 0.0
 
-    def next_time(self) -> float | None:
-        return self.pending[0][0] if self.pending else None
+    def next_reply(self) -> float | None:
+        """When the next reply is due, while a call other than a close is in flight (None: none is)."""
+        if not any(reply.kind != "close" for _, _, reply in self.pending):
+            return None
+        return self.pending[0][0]
 
-    def busy(self) -> bool:
-        """Calls other than closes are in flight."""
-        return any(reply.kind != "close" for _, _, reply in self.pending)
-
-    def take(self, now: float) -> list[SimReply]:
+    def take(self, now: float) -> list[EnvReply]:
         """The replies ready by ``now``, in the order they became ready."""
         out = []
         while self.pending and self.pending[0][0] <= now:

@@ -28,13 +28,13 @@ from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
-from rollpacker.schedule.episodes import EpisodeRunner
-from rollpacker.schedule.round import Actions, Launch, Round, RoundOutcome, RoundState, Seen
+from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen
+from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDown, StreamRound
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
-from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEpisode, SimEnvPool
+from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEpisode, ScriptedResponse, SimEnvPool
 from rollpacker.sim.speculation import SpecSimConfig
 from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 from rollpacker.topology import Topology
@@ -188,24 +188,29 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     lockstep as the controller's exchange loop does (``rollout.poll_steps`` iterations each, then an
     exchange of ``exchange_s``), instead of polling at each replica event.
 
-    ``episodes``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`), run by the
-    job's :class:`~rollpacker.schedule.episodes.EpisodeRunner` (reset seeds from ``seed``): its turns on
-    the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment calls on
-    simulated workers (``env``: the run's, carried from the last round, :meth:`SimEnvPool.shift`; else
-    fresh ones); ``row_key(row)`` names a dataset row for the workload's draws."""
+    ``episodes``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`): its
+    turns on the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment
+    calls on simulated workers (``env``: the run's, carried from the last round,
+    :meth:`SimEnvPool.shift`; else fresh ones), reset seeds from ``seed``; ``row_key(row)`` names a
+    dataset row for the workload's draws. Without, each response is one turn of its launch's length."""
     if poll and stream:
         raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
-    hooks = StreamRound(stream) if stream else None
     sim: _SimRound | None = None
-    runner = None
+
+    def clock() -> float:
+        return sim.now
+
+    make = ScriptedResponse.maker(lengths, plan.num_responses, max_new_tokens, clock)
     if episodes is not None:
-        runner = EpisodeRunner(lambda key, row, reset: ScriptedEpisode(
-            key, row, reset, lengths=lengths, prompt_tokens=lengths.prompt_tokens, obs_tokens=episodes.obs_tokens,
-            max_new_tokens=max_new_tokens, max_tokens=episodes.max_tokens, clock=lambda: sim.now), seed=seed)
-    rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), hooks, runner)
-    sim = _SimRound(step, plan, rnd, replicas, lengths, max_new_tokens, poll,
-                    env=(env or SimEnvPool(episodes, row_key)) if episodes else None)
+        def make(key: str, row: int, reset) -> ScriptedEpisode:
+            return ScriptedEpisode(key, row, reset, lengths=lengths, prompt_tokens=lengths.prompt_tokens,
+                                   obs_tokens=episodes.obs_tokens, max_new_tokens=max_new_tokens,
+                                   max_tokens=episodes.max_tokens, clock=clock, resident=episodes.resident)
+    runner = EpisodeRunner(make, seed=seed, environment=episodes is not None)
+    rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), runner,
+                StreamRound(stream) if stream else None)
+    sim = _SimRound(step, plan, rnd, replicas, poll, env or SimEnvPool(episodes or EpisodeWorkload(), row_key))
     return sim.run()
 
 
@@ -228,15 +233,15 @@ class _Instant:
 
 @dataclass
 class _SimRound:
-    """:func:`simulate_round`'s transport: the simulated requests and replicas, and what the round records."""
+    """:func:`simulate_round`'s transport: the simulated requests, replicas and environment workers,
+    and what the round records."""
 
     step: int
     plan: RoundPlan
     round: Round
     replicas: list[Replica]
-    lengths: LengthModel | TraceLengths
-    max_new_tokens: int
     poll: tuple[int, float] | None
+    env: SimEnvPool
     seqs: dict[str, Seq] = field(default_factory=dict)
     events: list[tuple[float, int, int]] = field(default_factory=list)
     """(end of a replica's planned run, replica, its plan's version): event-driven mode's queue."""
@@ -246,26 +251,20 @@ class _SimRound:
     trace: list[tuple[float, int]] = field(default_factory=list)
     fed: list[tuple[float, Group]] = field(default_factory=list)
     now: float = 0.0
-    env: SimEnvPool | None = None
-    """Episodes: the simulated environment workers."""
-    resident: dict[str, int] = field(default_factory=dict)
-    """Episode -> tokens of its last finished turn (prompt and generated): its resident session's KV."""
 
     def run(self) -> RoundRecord:
         self.apply(self.round.start(0.0), set())
         self.trace.append((0.0, self.round.state.num_launched))
         while True:
             finished, due = self.advance()
-            seen = Seen(now=self.now, finished=finished, aborted=self.take_aborted(),
-                        env=self.env.take(self.now) if self.env else [])
+            seen = Seen(now=self.now, finished=finished, aborted=self.take_aborted(), env=self.env.take(self.now))
             actions = self.round.poll(seen, self.generated)
             if actions.done:
                 self.fed += [(self.now, g) for g in actions.feed]
                 self.now += self.poll[1] if self.poll else 0.0  # the final command (its aborts) and the last reports
                 final = self.take_aborted() + [seq for replica in self.replicas for seq in replica.abort_all(self.now)]
                 outcome = self.round.finish(final, self.now)
-                if self.env:  # the environments of the episodes done last and of those cut at the end are closed
-                    self.env.send(actions.env + self.round.episodes.take_calls(), self.now)
+                self.env.send(actions.env + outcome.env, self.now)  # the closes of the last episodes done and cut
                 return self.record(outcome)
             if actions.scale_down:
                 self.migrate(actions)
@@ -274,19 +273,19 @@ class _SimRound:
                 self.trace.append((self.now, sum(r.num_requests() for r in self.replicas)))
 
     def apply(self, actions: Actions, due: set[int]) -> None:
-        """Send the launches, resumes and aborts to the active replicas (and a command to those due one)."""
+        """Send the requests, resumes and aborts to the active replicas (and a command to those due one)."""
         state = self.round.state
-        adds = self.launch(actions.launch)
+        adds: dict[int, list[Seq]] = defaultdict(list)
+        for replica, _, turn in actions.add:
+            adds[replica].append(self.request(turn))
         for replica, seq in actions.resume:  # prefilled again with its prompt and generated tokens
-            seq.reused = 0
             adds[replica].append(seq)
-        for replica, _, turn in actions.turns:
-            adds[replica].append(self.turn(turn))
-        if actions.env:
-            self.env.send(actions.env, self.now)
+        for replica, key in actions.end_sessions:
+            self.replicas[replica].end_session(key)
+        self.env.send(actions.env, self.now)
         to_abort: dict[int, list[str]] = defaultdict(list)
-        for rid in actions.abort:
-            to_abort[state.replica(self.round.key(rid))].append(rid)
+        for replica, rid in actions.abort:
+            to_abort[replica].append(rid)
         self.fed += [(self.now, g) for g in actions.feed]
         for i in sorted(i for i in due | set(to_abort) | set(adds) if i < state.active):
             self.send(i, to_abort.get(i, []), adds.get(i, []))
@@ -295,36 +294,25 @@ class _SimRound:
         """Rollout scaled down: the freed replicas abort everything at once, and the round resumes
         what migrates in this same instant (added to ``actions``, less the aborts the freed replicas did)."""
         state = self.round.state
-        actions.abort = [rid for rid in actions.abort if state.replica(self.round.key(rid)) < state.active]
+        actions.abort = [(replica, rid) for replica, rid in actions.abort if replica < state.active]
         leaving = [seq for replica in self.replicas[state.active:]  # in replica order, each sorted, as reported
                    for seq in sorted(replica.abort_all(self.now), key=lambda s: s.id)]
         back = self.round.poll(Seen(now=self.now, aborted=leaving), self.generated)
-        actions.launch += back.launch
+        actions.add += back.add
         actions.resume += back.resume
         actions.abort += back.abort
+        actions.env += back.env
+        actions.end_sessions += back.end_sessions
         actions.feed += back.feed
 
-    def launch(self, launches: list[Launch]) -> dict[int, list[Seq]]:
-        """The requests of the policy's launches, by the replica they are routed to."""
-        adds: dict[int, list[Seq]] = defaultdict(list)
-        for new in launches:
-            targets = np.minimum(self.lengths.lengths(new.row, self.step, new.slot, self.plan.num_responses),
-                                 self.max_new_tokens).tolist()
-            for k, rid, earlier in new.run:
-                # a partial response (sorted_partial) is resumed by recomputation, towards its own length
-                target = earlier.target if earlier is not None else targets[k]
-                self.seqs[rid] = seq = Seq(rid, new.slot, k, self.lengths.prompt_tokens, target,
-                                           generated=earlier.generated if earlier else 0)
-                adds[self.round.state.replica(rid)].append(seq)
-        return adds
-
-    def turn(self, turn) -> Seq:
-        """The request of an episode's turn: its prompt the conversation so far, of which the episode's
-        resident session holds the last turn's tokens (``workload.resident``)."""
-        key = self.round.key(turn.id)
-        _, slot, k = self.round.state.owner[key]
-        reused = self.resident.get(key, 0) if self.env.workload.resident else 0
-        self.seqs[turn.id] = seq = Seq(turn.id, slot, k, len(turn.prompt_ids), turn.max_new_tokens, reused=reused)
+    def request(self, turn) -> Seq:
+        """The simulated request of a turn: its prompt the conversation so far, its length its budget (a
+        resumed partial goes on toward its own length); its session's KV is its replica's to reuse."""
+        _, slot, k = (int(x) for x in EpisodeRunner.key(turn.id).split(":"))
+        partial = turn.resume_from
+        target, generated = (partial.target, partial.generated) if partial is not None else (turn.max_new_tokens, 0)
+        self.seqs[turn.id] = seq = Seq(turn.id, slot, k, len(turn.prompt_ids), target, generated=generated,
+                                       session=turn.session)
         return seq
 
     def send(self, i: int, abort: list[str], add: list[Seq]) -> None:
@@ -343,7 +331,7 @@ class _SimRound:
         finished by then and the replicas due a command."""
         finished: list[Seq] = []
         active, due = self.round.state.active, set()
-        waiting = self.env.next_time() if self.env and self.env.busy() else None
+        waiting = self.env.next_reply()
         running = any(r.num_requests() for r in self.replicas[:active])
         if self.poll and waiting is not None and not running:  # only environments work: polled until one replies
             self.now = max(self.now, waiting) + self.poll[1]
@@ -358,8 +346,6 @@ class _SimRound:
             self.now = waiting
         else:
             self._stalled()
-        for seq in finished:
-            self.resident[self.round.key(seq.id)] = seq.prompt_tokens + seq.generated
         self.completions += [(self.now, seq.id) for seq in finished]
         return finished, due
 
@@ -368,11 +354,10 @@ class _SimRound:
                            "replica is running")
 
     def generated(self) -> list[tuple[int, int]]:
-        """(prompt tokens, tokens generated) of each outstanding request, exactly."""
-        seqs, replicas, state = self.seqs, self.replicas, self.round.state
-        running = self.round.episodes.running if self.round.episodes else state.outstanding
-        return [(seqs[rid].prompt_tokens,
-                 replicas[state.replica(self.round.key(rid))].generated_at(seqs[rid], self.now)) for rid in running]
+        """(prompt tokens, tokens generated) of each running turn, exactly."""
+        seqs = self.seqs
+        return [(seqs[rid].prompt_tokens, self.replicas[replica].generated_at(seqs[rid], self.now))
+                for replica, rid in self.round.running()]
 
     def record(self, outcome: RoundOutcome) -> RoundRecord:
         replicas, scaled = self.replicas, outcome.scaled
@@ -525,7 +510,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload 
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
-    env = SimEnvPool(episodes) if episodes else None
+    env = SimEnvPool(episodes or EpisodeWorkload())
     rates = cfg.speculation.rates()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
@@ -548,9 +533,9 @@ def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload 
                              reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider,
                              episodes=episodes, seed=cfg.seed, env=env)
         result = step_times(step, rnd, cfg, cost, keep=record)
-        if env is not None:
+        if episodes:  # an episode's reward comes with it, from its environment: no reward stage
             result.reward_s = 0.0
-            env.shift(result.step_s)
+        env.shift(result.step_s)  # what its workers still run goes on into the next round
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push
             result.sync_s += cost.sync_s()
         if planner:

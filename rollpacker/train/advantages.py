@@ -123,10 +123,15 @@ def leaving_out(fn: Callable[[Tensor, Tensor, list[int]], Tensor], returns: Tens
     return adv
 
 
-def returns_to_go(rewards: Tensor, mask: Tensor, token_rewards: Tensor | None = None) -> Tensor:
-    """rewards [N], mask [N, T], per-token rewards [N, T] or None -> each token's return [N, T]:
-    the response's reward plus the token rewards from that token on (no discount)."""
+def returns_to_go(rewards: Tensor, mask: Tensor, token_rewards: Tensor | None = None,
+                  earned: Tensor | None = None) -> Tensor:
+    """rewards [N] (each response's whole reward), mask [N, T], per-token rewards [N, T] or None (added
+    from their token on: KL, a teacher), earned [N, T] or None (parts of the reward earned at a token:
+    an episode's step rewards, which a later token's return leaves out) -> each token's return [N, T]
+    (no discount)."""
     returns = rewards.float()[:, None].expand(mask.shape)
+    if earned is not None:
+        returns = returns - (earned.cumsum(1) - earned)
     if token_rewards is None:
         return returns
     after = token_rewards.where(mask, 0.0).flip(1).cumsum(1).flip(1)

@@ -34,11 +34,13 @@ it also computes the reference log-probs there, which the KL in the reward needs
 advantages. The engines' log-probs (the behaviour policy) enter only through
 ``train.rollout_correction`` and the ``train/rollout_*`` metrics.
 
-Episodes (:mod:`rollpacker.env`) train only the model's tokens: a sample's ``loss_mask`` leaves the
-environment's tokens out of the loss, every aggregation and normalizer, the advantages' token
-statistics, entropy and KL; its ``token_rewards`` (an environment's step rewards, on the last
-token of their action) go into the returns (:func:`~rollpacker.train.advantages.returns_to_go`).
-A sample without them (a single-turn response) trains exactly as before.
+Every sample is an episode (:mod:`rollpacker.env`) and trains only the model's tokens: its
+``loss_mask`` leaves an environment's tokens out of the loss, every aggregation and normalizer, the
+advantages' token statistics, entropy and KL. Its ``reward`` is its whole reward; its
+``token_rewards`` (an environment's step rewards, part of it) say where some of it was earned, on
+the last token of their action: a later token's return leaves those out
+(:func:`~rollpacker.train.advantages.returns_to_go`). A sample without them (a single-turn
+response) trains on its reward alone.
 
 With ``train.lora`` only the adapters get gradients and optimizer state, and the KL reference is
 the policy with its adapters off (:class:`~rollpacker.model.lora.AdaptersOff`). On-policy
@@ -78,7 +80,8 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     reward: float
-    """Its reward, with the reward terms the controller adds (DAPO's overlong punishment)."""
+    """Its whole reward (its step rewards included), with the terms the controller adds (DAPO's overlong
+    punishment)."""
     rollout_logprobs: list[float]
     """The engine's log-probs of the response tokens (the behaviour policy)."""
     group: int = 0
@@ -89,7 +92,8 @@ class Sample:
     """Per response token, whether the model sampled it (trained); None: all of them. An episode's
     environment tokens are False (their ``rollout_logprobs`` are 0.0, unused)."""
     token_rewards: dict[int, float] = field(default_factory=dict)
-    """Response position -> a reward on that token (an episode's step rewards), added to the returns."""
+    """Response position -> the part of ``reward`` earned at that token (an episode's step rewards): the
+    returns of the tokens after it leave it out."""
     failed: bool = False
     """An episode whose environment failed: it trains nothing and its reward enters no group's
     baseline or std (its siblings' advantages are those of the group without it)."""
@@ -357,12 +361,11 @@ class Trainer:
                 mask[i, :len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=torch.bool)
         token_rewards = self._token_rewards(samples, frozen, mask)
         steps = step_rewards(samples, tuple(mask.shape))
-        if steps is not None:
-            token_rewards = steps if token_rewards is None else token_rewards + steps
         rewards = torch.tensor([s.reward for s in samples])
         if cfg.teacher.path:
             rewards = cfg.teacher.task_weight * rewards
-        returns = returns_to_go(rewards, mask, token_rewards)  # [N, T]
+            steps = None if steps is None else cfg.teacher.task_weight * steps
+        returns = returns_to_go(rewards, mask, token_rewards, earned=steps)  # [N, T]
         adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples),
                           [not s.failed for s in samples])
         return [Prepared(adv[i, :n], *frozen.get(i, (None, None, None))) for i, n in enumerate(lengths)]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
+from rollpacker.env.episode import Response
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import RewardScheduler
 
@@ -19,7 +19,7 @@ def score_all(cfg: RewardConfig) -> dict:
     scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0]])
     try:
         for i, row in enumerate(ROWS[:2]):
-            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+            scheduler.submit(i, row, Response(id="", prompt_ids=[], token_ids=[i]))
         got = dict(scheduler.poll()) | dict(scheduler.wait())
         assert scheduler.take_metrics()["reward/seconds_total"] > 0
         assert scheduler.take_metrics() == {"reward/errors": 0, "reward/seconds_total": 0.0}
@@ -38,8 +38,8 @@ def test_a_hanging_reward_is_scored_0_and_counted_and_the_pool_goes_on(caplog):
     scheduler = RewardScheduler(RewardConfig(funcs=("math",), num_workers=1, timeout=2.0),
                                 lambda ids: RESPONSES[ids[0]])
     try:
-        scheduler.submit("hang", ROWS[2], SimpleNamespace(token_ids=[2]))
-        scheduler.submit("ok", ROWS[0], SimpleNamespace(token_ids=[0]))
+        scheduler.submit("hang", ROWS[2], Response(id="", prompt_ids=[], token_ids=[2]))
+        scheduler.submit("ok", ROWS[0], Response(id="", prompt_ids=[], token_ids=[0]))
         assert dict(scheduler.wait()) == {"hang": 0.0, "ok": 1.0}
         assert scheduler.take_metrics() | {"reward/seconds_total": 0} == {
             "reward/math": 1.0, "reward/errors": 1, "reward/seconds_total": 0}
@@ -71,7 +71,7 @@ def test_code_rows_are_sandboxed_and_teach_the_adaptive_timeout(workers):
     scheduler = RewardScheduler(RewardConfig(funcs=("code",), num_workers=workers), lambda ids: programs[ids[0]])
     try:
         for i in range(2):
-            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+            scheduler.submit(i, row, Response(id="", prompt_ids=[], token_ids=[i]))
         assert dict(scheduler.wait()) == {0: 1.0, 1: 0.0}
         [anchor] = scheduler.state_dict()["functions"]["code"]["anchors"].values()
         assert 0 < anchor < 2.0
@@ -109,7 +109,7 @@ def test_judge_scores_one_bounded_batch_per_poll_and_the_rest_in_wait(workers, c
     scheduler = RewardScheduler(cfg, lambda ids: JUDGED[ids[0]][1])
     try:
         for i, (row, _, _) in enumerate(JUDGED):
-            scheduler.submit(i, row, SimpleNamespace(token_ids=[i]))
+            scheduler.submit(i, row, Response(id="", prompt_ids=[], token_ids=[i]))
         assert scheduler.judge is None  # loaded on the first poll, not at submit
         polls = [scheduler.poll(), scheduler.poll()]
         assert scheduler.take_metrics()["reward/seconds_total"] > 0

@@ -12,9 +12,10 @@ import time
 import pytest
 from support.jobs import sandboxed_pids
 
+from rollpacker.imports import target
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig
-from rollpacker.reward.functions import Ref, target
+from rollpacker.reward.functions import BUILTINS, Ref
 from rollpacker.reward.sandbox import SandboxConfig
 from rollpacker.reward.workers import STOP_GRACE, RewardPool
 
@@ -27,7 +28,7 @@ def task(kind: str, payload: dict) -> tuple[Ref, dict, float | None]:
     if kind == "code":
         columns["sandbox"] = SandboxConfig()
     timeout = 3.0 + sum(columns["timeouts"]) if "timeouts" in columns else None
-    return Ref(kind, target(kind)), {"prompt": "", "completion": payload["response"], "completion_ids": [],
+    return Ref(kind, target(kind, BUILTINS)), {"prompt": "", "completion": payload["response"], "completion_ids": [],
                                      "columns": columns}, timeout
 
 

@@ -54,6 +54,7 @@ class LengthTableEngine:
         done = []
         for rid, out in list(self.running.items()):
             out.token_ids.append(1)
+            out.logprobs.append(0.0)
             if len(out.token_ids) == self.length(out.prompt_ids[0], int(rid.split(":")[2])):
                 out.finish_reason = "length"
                 done.append(self.running.pop(rid))
@@ -81,3 +82,13 @@ class StepClock:
             self.now += self.verify_s if verified > self.verified else 1.0
             self.verified = verified
         return self.now
+
+
+def single_turn_runner(prompt=lambda row: [1, 2], max_new_tokens: int = 8):
+    """The round's runner of responses without environment (each the one-turn episode of its row's
+    ``prompt(row)``), as the exchange builds it."""
+    from rollpacker.env.setup import Environments
+    from rollpacker.schedule.runner import EpisodeRunner
+
+    envs = Environments.none(max_new_tokens)
+    return EpisodeRunner(envs.maker(range(1 << 30), prompt), seed=envs.seed, environment=False)

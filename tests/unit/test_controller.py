@@ -8,9 +8,9 @@ import pytest
 from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.env.episode import Response
 from rollpacker.exchange import RoundResult
 from rollpacker.rollout.config import RolloutConfig
-from rollpacker.rollout.engine import Output
 from rollpacker.schedule.base import Group
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.train.config import TrainConfig
@@ -23,8 +23,10 @@ class Rewards:
         return {"reward/errors": 1, "reward/seconds_total": 1.5}
 
 
-def output(n: int, reason: str = "stop") -> Output:
-    return Output(id=f"r{n}", prompt_ids=[1, 2], token_ids=list(range(n)), logprobs=[-0.5] * n, finish_reason=reason)
+def output(n: int, reason: str = "stop") -> Response:
+    """A single-turn response: the one-turn episode, every token the model's."""
+    return Response(id=f"r{n}", prompt_ids=[1, 2], token_ids=list(range(n)), logprobs=[-0.5] * n, finish_reason=reason,
+                    loss_mask=[True] * n, num_turns=1)
 
 
 def round_result(groups: list[Group]) -> RoundResult:
@@ -72,27 +74,23 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
 
 
 def test_an_episode_trains_its_model_tokens_with_its_step_rewards_on_their_actions():
-    """An episode's sample: the loss mask and step rewards come along; the round's reward (its
-    environment's plus its functions') minus the step rewards is the sample's reward, so the return
-    at its first token is the round's reward. The overlong punishment counts model tokens against
-    env.max_tokens, the normalizer model tokens."""
-    from types import SimpleNamespace
-
+    """An episode's sample: the loss mask and step rewards come along; its reward is the round's (its
+    environment's plus its functions', composed by the reward side), so the return at its first token
+    is the round's reward. The overlong punishment counts model tokens against env.max_tokens, the
+    normalizer model tokens."""
     from rollpacker.env.config import EnvConfig
-    from rollpacker.env.episode import EpisodeOutput
 
     train = TrainConfig(overlong_buffer=4, overlong_penalty=1.0, aggregation="token-mean")
     config = Config(train=train, rollout=RolloutConfig(max_new_tokens=8), env=EnvConfig(factory="toy", max_tokens=10))
     ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
                      policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
-    ctl.episodes = SimpleNamespace(cfg=config.env)
     mask = [True] * 3 + [False] * 4 + [True] * 5  # 8 model tokens: 2 into the buffer of 4 before 10
-    episode = EpisodeOutput(id="0:0:0", prompt_ids=[1], token_ids=list(range(12)), logprobs=[-0.1] * 12,
+    episode = Response(id="0:0:0", prompt_ids=[1], token_ids=list(range(12)), logprobs=[-0.1] * 12,
                             finish_reason="stop", loss_mask=mask, step_rewards={2: 0.25, 11: 0.5}, num_turns=2)
     result = round_result([Group(prompt=0, outputs=[episode], rewards=[0.25 + 0.5 + 1.0])])  # a function gave 1.0
     (sample,), count = ctl.make_batch(result)
     assert sample.loss_mask == mask and sample.token_rewards == {2: 0.25, 11: 0.5}
-    assert sample.reward == pytest.approx(1.0 - 0.5)  # the function's 1.0, punished 2/4 of 1.0
+    assert sample.reward == pytest.approx(1.75 - 0.5)  # the round's 1.75, punished 2/4 of 1.0
     assert count == 8  # token-mean counts the model's tokens, not the environment's 4
     stats = ctl.round_stats(result)
     assert (stats["rollout/model_tokens"], stats["rollout/env_tokens"]) == (8, 4)

@@ -323,8 +323,9 @@ def test_stop_string_ends_generation_on_the_toy_model():
     from transformers import AutoTokenizer
 
     from rollpacker.data import toy
+    from rollpacker.data.chat import cut_at_stop
     from rollpacker.data.toy_model import toy_model_dir
-    from rollpacker.rollout.engine import cut_at_stop, text_decoder
+    from rollpacker.rollout.engine import text_decoder
 
     path = toy_model_dir()
     decode = text_decoder(path)

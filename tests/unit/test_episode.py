@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from rollpacker.env.contract import StepResult
@@ -31,30 +33,28 @@ def turn(text: str) -> list[int]:
 def test_turns_and_observations_interleave_with_the_mask_and_logprobs():
     e = episode()
     first = e.next_turn()
-    assert first == TurnRequest("3:1:2#0", [2, 3, 4], 10, turn_seed(7, "3:1:2#0"))
+    assert first == TurnRequest("3:1:2#0", [2, 3, 4], 10, turn_seed(7, "3:1:2#0"), session="3:1:2")
     assert e.on_turn(turn("ab"), [-0.1, -0.2], "stop") == StepEnv("ab")
     second = e.on_step(StepResult([{"role": "user", "content": "xy"}], reward=0.5))
-    assert second == TurnRequest("3:1:2#1", [2, 3, 4, *turn("ab"), 1, *turn("xy")], 10, turn_seed(7, "3:1:2#1"))
+    assert second == TurnRequest("3:1:2#1", [2, 3, 4, *turn("ab"), 1, *turn("xy")], 10, turn_seed(7, "3:1:2#1"),
+                                 session="3:1:2")
     assert e.on_turn(turn("c"), [-0.3], "stop") == StepEnv("c")
     done = e.on_step(StepResult([{"role": "user", "content": "bye"}], reward=1.0, terminated=True))
     assert done == Done("terminated") and done.finish_reason == "stop"
     assert e.response_ids == [*turn("ab"), 1, *turn("xy"), *turn("c")]  # the final observation is not appended
     assert e.loss_mask == [True, True, False, False, False, True]
     assert e.logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3]
-    assert e.step_rewards == {1: 0.5, 5: 1.0} and e.reward == 1.5  # each on its action's last token
+    assert e.step_rewards == {1: 0.5, 5: 1.0} and e.output().env_reward == 1.5  # each on its action's last token
     assert (e.num_turns, e.num_model_tokens, e.num_env_tokens) == (2, 3, 3)
     assert [m["role"] for m in e.messages] == ["assistant", "user", "assistant", "user"]
 
 
 def test_ids_and_seeds_are_fixed_by_the_episode_and_the_turn():
     """A turn replayed (resumed, migrated, or the episode run again) asks for the same request."""
-    from rollpacker.exchange import sampling_seed
-
     a, b = episode(), episode()
     for e in (a, b):
         e.on_turn(turn("ab"), [-1.0, -1.0], "stop")
     assert a.on_step(StepResult([])) == b.on_step(StepResult([]))
-    assert turn_seed(7, "3:1:2#1") == sampling_seed(7, "3:1:2#1")  # the round's seed of that request id
     assert turn_seed(7, "3:1:2#1") != turn_seed(7, "3:1:2#0") != turn_seed(8, "3:1:2#0")
     assert reset_seed(7, "3:1") == reset_seed(7, "3:1") != reset_seed(7, "3:2")
 
@@ -149,3 +149,23 @@ def test_a_turn_cut_at_its_own_limit_goes_to_the_environment():
     done = e.on_turn(turn("g"), [-1.0], "length")
     assert done == Done("max_tokens") and done.finish_reason == "length" and e.num_turns == 3
     assert e.step_rewards == {2: 0.5}
+
+
+def test_a_response_without_environment_is_the_one_turn_episode_named_and_seeded_as_itself():
+    """No bridge: the one turn is the episode's own request id and seed (a single-turn request's), keeps no
+    session, and ends the episode: "answer" when it stopped, "length" (truncated) when cut. Every token is
+    the model's; an abort keeps the tokens the engine had (a later round may resume them)."""
+    e = Episode("3:1:2", [2, 3, 4], None, seed=7, max_turns=1, max_tokens=10, max_new_tokens=10, max_context=100)
+    assert e.next_turn() == TurnRequest("3:1:2", [2, 3, 4], 10, turn_seed(7, "3:1:2"))
+    assert e.on_turn(turn("ab"), [-0.1, -0.2], "stop") == Done("answer")
+    out = e.output()
+    assert (out.token_ids, out.logprobs, out.loss_mask, out.finish_reason) == (turn("ab"), [-0.1, -0.2], [True] * 2,
+                                                                            "stop")
+    assert (out.num_turns, out.step_rewards, out.messages, out.describe(str)) == (1, {}, None, {})
+    cut = Episode("3:1:3", [2, 3, 4], None, seed=7, max_turns=1, max_tokens=3, max_new_tokens=3, max_context=100)
+    assert cut.on_turn(turn("abc"), [-1.0] * 3, "length").finish_reason == "length"
+    aborted = Episode("3:1:4", [2, 3, 4], None, seed=7, max_turns=1, max_tokens=10, max_new_tokens=10,
+                      max_context=100)
+    aborted.abort(SimpleNamespace(token_ids=turn("a"), logprobs=[-0.5]))
+    partial = aborted.output()
+    assert (partial.token_ids, partial.loss_mask, partial.finish_reason) == (turn("a"), [True], "abort")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from support.fakes import single_turn_runner
 
 from rollpacker.config import Config, parse
 from rollpacker.data.dataset import PromptSampler
@@ -46,7 +47,7 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     state = RoundState(0, RoundPlan("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
     pipe = PipeRound(ScaleDown(StreamConfig(), num_replicas=1, kv_capacity_tokens=1, max_new_tokens=1))
     pipe.begin(state)
-    rnd = Round(state, None, pipe)
+    rnd = Round(state, None, single_turn_runner(), pipe)
     complete, scores = state.complete, state.scores
     groups = {s: group(s) for s in range(4)}
 

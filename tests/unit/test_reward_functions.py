@@ -4,10 +4,10 @@ function, the row and the cause; real worker processes (a hang costs 2 s)."""
 from __future__ import annotations
 
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 
+from rollpacker.env.episode import Response
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.functions import RewardFunctionError, TrainerState, names
 from rollpacker.reward.scheduler import RewardScheduler
@@ -70,7 +70,7 @@ def scores(cfg: RewardConfig, rows: list[dict] = ROWS, state: TrainerState | Non
     scheduler.state = state or scheduler.state
     try:
         for i, row in enumerate(rows):
-            scheduler.submit(row["id"], row, SimpleNamespace(token_ids=[i] * (3 + i)))
+            scheduler.submit(row["id"], row, Response(id="", prompt_ids=[], token_ids=[i] * (3 + i)))
         return dict(scheduler.wait()), scheduler.take_metrics()
     finally:
         scheduler.close()

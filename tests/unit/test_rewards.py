@@ -69,13 +69,12 @@ def test_the_builtins_are_trl_convention_functions():
 def test_a_response_rescored_while_it_is_being_scored_is_scored_once():
     """sorted_partial submits a carried finished response again each round its prompt runs; a round
     does not wait for the rewards of groups it does not keep, so the earlier score may be in flight."""
-    from types import SimpleNamespace
-
+    from rollpacker.env.episode import Response
     from rollpacker.reward.config import RewardConfig
     from rollpacker.reward.scheduler import RewardScheduler
 
     scheduler = RewardScheduler(RewardConfig(funcs=("toy",), num_workers=0), lambda ids: " 1+2=3\n#### 3")
-    row, out = {"id": 7, "prompt": "Q: 1+2\nA:", "answer": "3"}, SimpleNamespace(token_ids=[1, 2])
+    row, out = {"id": 7, "prompt": "Q: 1+2\nA:", "answer": "3"}, Response(id="", prompt_ids=[], token_ids=[1, 2])
     scheduler.submit("4:1:0", row, out)
     scheduler.submit("4:1:0", row, out)  # the next round rescores it before the first score was polled
     assert scheduler.poll() == [("4:1:0", 1.0)] and scheduler.poll() == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from support.fakes import single_turn_runner
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.schedule.round import Round, RoundState, Seen
@@ -32,7 +33,8 @@ class Scores:
 
 
 def out(rid: str, tokens: int, reason: str = "stop"):
-    return SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * tokens, finish_reason=reason)
+    return SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * tokens, logprobs=[-0.5] * tokens,
+                           finish_reason=reason)
 
 
 def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alone():
@@ -43,41 +45,40 @@ def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alon
     state = RoundState(0, policy.start_round(0), policy, num_replicas=2)
     decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks, scores = StreamRound(decider), Scores()
-    rnd = Round(state, scores, hooks)
+    rnd = Round(state, scores, single_turn_runner(), hooks)
     slot = {row: i for i, row in enumerate(state.plan.prompts)}
     rid = {(s, k): f"0:{s}:{k}" for s in range(4) for k in range(2)}
 
     start = rnd.start(now=9.0)
-    assert [(new.slot, [r for _, r, _ in new.run]) for new in start.launch] == [
-        (s, [rid[s, 0], rid[s, 1]]) for s in range(4)]
+    assert [turn.id for _, _, turn in start.add] == [rid[s, k] for s in range(4) for k in range(2)]
     assert [state.replica(rid[s, k]) for s in range(4) for k in range(2)] == [0, 1] * 4
     assert not (start.resume or start.abort or start.feed or start.scale_down or start.done)
 
     # Poll 1: prompt 0 is complete (1 of 4): the trigger fires; replica 1's outstanding requests migrate.
     a = rnd.poll(Seen(now=10.0, finished=[out(rid[0, 0], 4), out(rid[0, 1], 4)]),
                  lambda: [(2, 1)] * len(state.outstanding))
-    assert (a.launch, a.resume, a.done, a.scale_down) == ([], [], False, True)
-    assert a.abort == [rid[1, 1], rid[2, 1], rid[3, 1]]
+    assert (a.add, a.resume, a.done, a.scale_down) == ([], [], False, True)
+    assert a.abort == [(1, rid[1, 1]), (1, rid[2, 1]), (1, rid[3, 1])]
     assert [g.prompt for g in a.feed] == [state.plan.prompts[0]] and a.feed[0].rewards == [1.0, 0.0]
     assert (rnd.scaled.at, rnd.scaled.completed_frac, state.active, list(decider.history)) == (10.0, 0.25, 1, [4, 4])
-    assert state.migrating == set(a.abort) and hooks.fetching
+    assert state.migrating == {r for _, r in a.abort} and hooks.fetching
 
     # Poll 2: the aborted outputs come back; the one finished before the abort counts as finished.
     partial = [out(rid[1, 1], 1, "abort"), out(rid[2, 1], 2, "abort"), out(rid[3, 1], 5, "length")]
     a = rnd.poll(Seen(now=11.0, aborted=partial))
     assert [(replica, o.id) for replica, o in a.resume] == [(0, rid[1, 1]), (0, rid[2, 1])]
-    assert (a.launch, a.abort, a.feed, a.scale_down, a.done) == ([], [], [], False, False)
+    assert (a.add, a.abort, a.feed, a.scale_down, a.done) == ([], [], [], False, False)
     assert rnd.scaled.migration_s is None and not state.migrating and rid[3, 1] not in state.outstanding
 
     # Poll 3: nothing migrating comes back: the migration took 2.5 s. Prompt 1 completes and is fed.
     a = rnd.poll(Seen(now=12.5, finished=[out(rid[1, 0], 3), out(rid[1, 1], 6)]))
     assert rnd.scaled.migration_s == 2.5 and rnd.scaled.migrated_tokens == (2 + 1) + (2 + 2)
     assert [g.prompt for g in a.feed] == [state.plan.prompts[1]]
-    assert (a.launch, a.resume, a.abort, a.scale_down, a.done) == ([], [], [], False, False)
+    assert (a.add, a.resume, a.abort, a.scale_down, a.done) == ([], [], [], False, False)
 
     # Poll 4: the rest finish; the round is done, nothing left to abort; prompts 2 and 3 are fed.
     a = rnd.poll(Seen(now=14.0, finished=[out(rid[2, 0], 2), out(rid[3, 0], 7), out(rid[2, 1], 8)]))
-    assert (a.launch, a.resume, a.abort, a.scale_down, a.done) == ([], [], [], False, True)
+    assert (a.add, a.resume, a.abort, a.scale_down, a.done) == ([], [], [], False, True)
     assert [slot[g.prompt] for g in a.feed] == [3, 2]  # completion order
 
     outcome = rnd.finish([], now=14.5)
@@ -103,10 +104,9 @@ def test_launches_of_the_scale_down_poll_go_to_the_kept_replicas_not_into_migrat
 
     policy = LaunchesOne(PromptSampler(8), 2, 2)
     state = RoundState(0, policy.start_round(0), policy, num_replicas=2)
-    rnd = Round(state, Scores(), StreamRound(ScaleDown(StreamConfig(trigger=0.5), num_replicas=2,
+    rnd = Round(state, Scores(), single_turn_runner(), StreamRound(ScaleDown(StreamConfig(trigger=0.5), num_replicas=2,
                                                        kv_capacity_tokens=100, max_new_tokens=8)))
     rnd.start()
     a = rnd.poll(Seen(now=1.0, finished=[out("0:0:0", 2), out("0:0:1", 2)]), lambda: [(2, 1)] * 3)
-    assert a.scale_down and a.abort == ["0:1:1"] and state.migrating == {"0:1:1"}
-    assert [(new.row, [(r, state.replica(r)) for _, r, _ in new.run]) for new in a.launch] == [
-        (7, [("0:2:0", 0), ("0:2:1", 0)])]
+    assert a.scale_down and a.abort == [(1, "0:1:1")] and state.migrating == {"0:1:1"}
+    assert [(state.row(turn.id), turn.id, replica) for replica, _, turn in a.add] == [(7, "0:2:0", 0), (7, "0:2:1", 0)]

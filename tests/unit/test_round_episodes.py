@@ -13,9 +13,9 @@ import pytest
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.env.contract import StepResult
-from rollpacker.env.episode import Episode, EpisodeOutput, reset_seed, turn_seed
-from rollpacker.schedule.episodes import EpisodeRunner
+from rollpacker.env.episode import Episode, Response, reset_seed, turn_seed
 from rollpacker.schedule.round import Round, RoundState, Seen
+from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDown, StreamRound
 from rollpacker.schedule.sorted import SortedConfig
 from rollpacker.schedule.sync import SyncConfig
@@ -59,7 +59,7 @@ class Scores:
         self.ready = []
 
     def submit(self, key, row, output):
-        assert isinstance(output, EpisodeOutput)
+        assert isinstance(output, Response)
         self.ready.append((key, output.env_reward))
 
     def poll(self):
@@ -87,7 +87,7 @@ class Driver:
         self.now = 0.0
 
     def apply(self, a) -> None:
-        for replica, _, turn in a.turns:
+        for replica, _, turn in a.add:
             assert turn.id not in self.turns and turn.seed == turn_seed(SEED, turn.id)
             self.turns[turn.id] = (turn.seed, turn.prompt_ids)
             self.running[turn.id] = [replica, turn, 1 + turn.seed % 3]
@@ -97,7 +97,7 @@ class Driver:
             assert replica == 0 and out.finish_reason == "abort"
             self.resumed.append(out.id)
             self.running[out.id] = [replica, self.requests[out.id], 1]
-        for rid in a.abort:
+        for _, rid in a.abort:
             replica, turn, _ = self.running.pop(rid)
             self.aborted.append(SimpleNamespace(id=rid, prompt_ids=turn.prompt_ids, token_ids=[], logprobs=[],
                                                 finish_reason="abort"))
@@ -113,7 +113,7 @@ class Driver:
                 result = StepResult([{"role": "user", "content": str(n)}], reward=float(n),
                                     terminated=n >= turns_of(call.key))
                 self.replies.append(SimpleNamespace(key=call.key, kind="step", value=result, error=None, seconds=0.1))
-        cut_last = {rid.rpartition("#")[0] for rid in a.abort} if getattr(a, "done", False) else set()
+        cut_last = {rid.rpartition("#")[0] for _, rid in a.abort} if getattr(a, "done", False) else set()
         for replica, key in getattr(a, "end_sessions", []):  # once, as its environment closes, or with its last turn
             assert key not in self.ended and (self.env_log[key][-1] == "close" or key in cut_last)
             self.ended[key] = replica
@@ -153,10 +153,10 @@ class Counting:
 def run_round(policy, step: int, driver: Driver, *, replicas: int = 2, hooks=None):
     counting = Counting(policy)
     state = RoundState(step, policy.start_round(step), counting, num_replicas=replicas)
-    runner = EpisodeRunner(make, seed=SEED)
-    rnd = Round(state, Scores(), hooks, runner)
+    runner = EpisodeRunner(make, seed=SEED, environment=True)
+    rnd = Round(state, Scores(), runner, hooks)
     a = rnd.start(now=driver.now)
-    assert not a.launch and [c.kind for c in a.env] == ["open"] * state.num_launched
+    assert not a.add and [c.kind for c in a.env] == ["open"] * state.num_launched
     scaled = False
     for _ in range(500):
         driver.apply(a)
@@ -167,13 +167,13 @@ def run_round(policy, step: int, driver: Driver, *, replicas: int = 2, hooks=Non
     else:
         pytest.fail("the round did not end")
     outcome = rnd.finish(driver.seen().aborted)
-    driver.apply(SimpleNamespace(turns=[], resume=[], abort=[], env=runner.take_calls()))
+    driver.apply(SimpleNamespace(add=[], resume=[], abort=[], env=outcome.env))
     assert max(counting.calls.values()) == 1  # one on_finished per episode
     assert not (runner.rows or runner.live or runner.running)
     return outcome, state, scaled
 
 
-def check_episode(out: EpisodeOutput, driver: Driver) -> None:
+def check_episode(out: Response, driver: Driver) -> None:
     """Its tokens are its turns as sampled and its observations, interleaved; only the turns' are masked in."""
     expected, mask, rewards = [], [], {}
     for k in range(out.num_turns):
@@ -206,7 +206,7 @@ def test_policies_run_scripted_episodes_each_heard_once_and_every_environment_cl
                 check_episode(o, driver)
             trained.append(g.prompt)
         for o in outcome.aborted:
-            assert isinstance(o, EpisodeOutput) and o.finish_reason == "abort"
+            assert isinstance(o, Response) and o.finish_reason == "abort"
     assert sorted(trained) == list(range(12))  # every prompt trained exactly once
     if hasattr(policy, "ledger"):
         assert policy.ledger.counts() == collections.Counter(trained=12) and not policy.ledger.queue
@@ -253,7 +253,7 @@ class Frontier(Driver):
         self.priorities: list[tuple[int, int, int]] = []  # (priority, slot, episodes of its group done then)
 
     def apply(self, a) -> None:
-        for _, priority, turn in a.turns:
+        for _, priority, turn in a.add:
             group = turn.id.rsplit(":", 1)[0]
             self.priorities.append((priority, int(group.split(":")[1]), self.done_in[group]))
         super().apply(a)
@@ -284,12 +284,16 @@ def long_reset_runner(on_error: str) -> EpisodeRunner:
     """The run's :class:`~rollpacker.env.setup.Episodes` over two rows with a context of 50 tokens
     (a prompt's token is its character); its workers are not needed to make an episode."""
     from rollpacker.env.config import EnvConfig
-    from rollpacker.env.setup import Episodes
+    from rollpacker.env.setup import Environments
 
-    episodes = Episodes(cfg=EnvConfig(factory="toy", on_error=on_error), pool=None, bridge=Bridge(),
-                        encode=lambda prompt, tools: [ord(c) % 97 for c in prompt], seed=SEED, max_new_tokens=8,
-                        max_context=50)
-    return episodes.runner([{"id": "short", "prompt": "2+2"}, {"id": "r1", "prompt": "3+3"}])
+    def encode(prompt, tools):
+        return [ord(c) % 97 for c in prompt]
+
+    envs = Environments(cfg=EnvConfig(factory="toy", on_error=on_error), pool=None, bridge=Bridge(), encode=encode,
+                        seed=SEED, max_new_tokens=8, max_context=50)
+    rows = [{"id": "short", "prompt": "2+2"}, {"id": "r1", "prompt": "3+3"}]
+    return EpisodeRunner(envs.maker(rows, lambda row: encode(row["prompt"], None)), seed=SEED, environment=True,
+                         on_error=on_error)
 
 
 def open_replies(runner: EpisodeRunner, prompts: dict[str, str]) -> list:

@@ -11,6 +11,7 @@ import pytest
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.data.lengths import LengthModel, LengthReplay
+from rollpacker.env.episode import TurnRequest
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.engine import Replica
@@ -106,7 +107,7 @@ def test_tail_over_episodes_keeps_the_first_r0_to_finish_and_the_ledger_is_exact
 def test_the_sim_and_the_replay_draw_the_same_turn_lengths():
     model = LengthModel(seed=5).for_cap(400)
     replay = LengthReplay(5, 400)
-    assert replay.turn("3:1:2#4", 17) == min(400, model.turn_length(17, 3, 1, 2, 4))
+    assert replay.turn(TurnRequest("3:1:2#4", [1], 400, 0), 17) == min(400, model.turn_length(17, 3, 1, 2, 4))
     assert len({model.turn_length(17, 3, 1, 2, t) for t in range(8)}) > 1  # fresh noise per turn
 
 
@@ -145,22 +146,29 @@ def test_fit_run_takes_turns_observations_and_latency_from_a_run(tmp_path):
 
 
 def test_replayed_lengths_force_each_turn_and_a_turn_short_of_its_budget_reads_as_stopped():
-    from rollpacker.env.episode import TurnRequest
-    from rollpacker.exchange import ExchangeRound, RoundLeader
-    from rollpacker.rollout.engine import Output, SamplingParams
-    from rollpacker.schedule.base import RoundPlan
+    from rollpacker.env.episode import Done, Episode, StepEnv
+    from rollpacker.exchange import RoundLeader
+    from rollpacker.rollout.engine import SamplingParams
 
     replay = LengthReplay(0, 400)
     leader = RoundLeader(policy=None, rows=[0] * 8, encode=lambda row: [1], rewards=None,
                          sampling=SamplingParams(max_new_tokens=400), lengths=replay)
-    req = leader.turn(TurnRequest("2:1:0#3", [1, 2], 400, 7), 5, 0)
-    assert req.params.max_new_tokens == replay.turn("2:1:0#3", 5) < 400 and req.params.ignore_eos
-    assert leader.turn(TurnRequest("2:1:0#3", [1, 2], 1, 7), 5, 0).params.max_new_tokens == 1  # the budget wins
-    rnd = ExchangeRound(leader, 2, RoundPlan(kind="sync", prompts=[], num_responses=1, keep=1), None)
-    rnd.forced.add("2:1:0#3")
-    cut = {"prompt_ids": [1], "token_ids": [3], "logprobs": [0.0], "finish_reason": "length"}
-    assert rnd.stopped(Output(id="2:1:0#3", **cut)).finish_reason == "stop"
-    assert rnd.stopped(Output(id="2:1:0#4", **cut)).finish_reason == "length"  # not forced short: cut at its budget
+    turn = TurnRequest("2:1:0#3", [1, 2], 400, 7)
+    req = leader.request(turn, 5, 0, ())
+    assert req.params.max_new_tokens == replay.turn(turn, 5) < 400 and req.params.ignore_eos
+    assert leader.request(TurnRequest("2:1:0#3", [1, 2], 1, 7), 5, 0, ()).params.max_new_tokens == 1  # the budget wins
+
+    class Bridge:
+        def action_text(self, token_ids):
+            return "x"
+
+    def episode(max_tokens):
+        return Episode("2:1:0", [1, 2], Bridge(), seed=0, max_turns=4, max_tokens=max_tokens, max_new_tokens=8,
+                       max_context=100)
+
+    # cut ("length") short of its budget: forced there, read as the model's stop; the episode goes on
+    assert episode(max_tokens=8).on_turn([3, 4], [0.0, 0.0], "length") == StepEnv("x")
+    assert episode(max_tokens=2).on_turn([3, 4], [0.0, 0.0], "length") == Done("max_tokens")  # at its budget: cut
 
 
 def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
@@ -195,7 +203,7 @@ def test_validate_simulates_the_episode_jobs_rounds(tmp_path):
 
 
 def test_a_step_in_flight_when_its_episode_is_cut_keeps_its_worker_into_the_next_round(tmp_path):
-    from rollpacker.schedule.episodes import EnvCall
+    from rollpacker.env.contract import EnvCall
 
     pool = SimEnvPool(workload(tmp_path, turns="fixed:3", num_workers=2))  # every step 0.5 s
     pool.send([EnvCall("open", "0:0:0", row=1), EnvCall("step", "0:0:0")], 0.0)

@@ -280,6 +280,7 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
             super().add(req)
             if req.resume_from is not None:
                 self.running[req.id].token_ids = list(req.resume_from.token_ids)
+                self.running[req.id].logprobs = list(req.resume_from.logprobs)
 
         def step(self):
             self.generated += len(self.running)

@@ -4,7 +4,7 @@ equivalence with synchronous steps and for whole runs with scale-downs."""
 from __future__ import annotations
 
 import pytest
-from support.fakes import InstantRewards
+from support.fakes import InstantRewards, single_turn_runner
 
 from rollpacker.schedule.scale_down import ScaleDown, StepCost, Trigger, decode_seconds, peak_kv_tokens, steps_left
 from rollpacker.train.config import StreamConfig
@@ -126,20 +126,22 @@ def test_a_stream_round_scales_down_once_times_the_migration_and_feeds_complete_
     state, sink = four_prompts_on_two_replicas(), Sink()
     decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks = StreamRound(decider)
-    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), hooks)
-    launches = rnd.start(now=9.0).launch
+    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), single_turn_runner(), hooks)
+    turns = rnd.start(now=9.0).add
     assert hooks.priority(3) == 0 and rnd.scaled is None
-    first = launches[0].run  # slot 0's two responses, on replicas 0 and 1
-    outputs = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * 4, finish_reason="stop")
-               for _, rid, _ in first]
+    first = [turn.id for _, _, turn in turns[:2]]  # slot 0's two responses, on replicas 0 and 1
+    outputs = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * 4, logprobs=[-0.5] * 4,
+                               finish_reason="stop") for rid in first]
     actions = rnd.poll(Seen(now=10.0, finished=outputs), lambda: [(2, 1)] * len(state.outstanding))
     sink.send(actions.feed)
-    moved = actions.abort
+    moved = [rid for _, rid in actions.abort]
     # 1 of 4 prompts complete: the fixed 25% trigger fires; replica 1's outstanding requests migrate
     assert moved == sorted(rid for rid in state.outstanding if state.replica(rid) == 1) and len(moved) == 3
+    assert {replica for replica, _ in actions.abort} == {1}
     assert (rnd.scaled.at, rnd.scaled.completed_frac, state.active, list(decider.history)) == (10.0, 0.25, 1, [4, 4])
     assert sink.batches == [[state.slots[0]]]  # the complete, scored group goes to the freed ranks
-    aborted = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3], finish_reason="abort") for rid in moved]
+    aborted = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3], logprobs=[-0.5], finish_reason="abort")
+               for rid in moved]
     aborted[-1].finish_reason = "length"  # its engine (SGLang's) finished it before the abort: whole, not resumed
     actions = rnd.poll(Seen(now=11.0, aborted=aborted))
     assert not actions.scale_down  # once per round
@@ -159,7 +161,7 @@ def test_a_pipe_round_runs_on_the_rollout_pool_from_the_start_frontier_first():
     state = four_prompts_on_two_replicas()
     decider = ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks = PipeRound(decider)
-    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), hooks)
+    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), single_turn_runner(), hooks)
     start = rnd.start(now=5.0)
     assert start.scale_down and state.active == 1 and {state.replica(rid) for rid in state.outstanding} == {0}
     assert [hooks.priority(slot) for slot in (0, 3)] == [0, 3]  # earliest group first

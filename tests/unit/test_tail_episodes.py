@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 from rollpacker.data.dataset import PromptSampler
-from rollpacker.env.episode import EpisodeOutput
-from rollpacker.schedule.episodes import EpisodeRunner
+from rollpacker.env.episode import Response
 from rollpacker.schedule.round import Round, RoundState
+from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.tail import TailConfig
 from tests.unit.test_round_episodes import Driver, Scores, check_episode, make
 
@@ -37,7 +37,7 @@ class Sessions(Driver):
         self.replica_of: dict[str, int] = {}
 
     def apply(self, a) -> None:
-        for replica, _, turn in a.turns:
+        for replica, _, turn in a.add:
             self.replica_of[turn.id.rpartition("#")[0]] = replica
         super().apply(a)
 
@@ -51,7 +51,7 @@ def tail_round(policy, step: int, driver: Sessions):
     """One round; its plan, outcome, state and the episodes in finish order."""
     plan = policy.start_round(step)
     state = RoundState(step, plan, policy, num_replicas=2)
-    rnd = Round(state, Scores(), None, EpisodeRunner(make, seed=SEED))
+    rnd = Round(state, Scores(), EpisodeRunner(make, seed=SEED, environment=True))
     a = rnd.start(now=driver.now)
     for _ in range(500):
         driver.apply(a)
@@ -61,7 +61,7 @@ def tail_round(policy, step: int, driver: Sessions):
     else:
         pytest.fail("the round did not end")
     outcome = rnd.finish(driver.seen().aborted)
-    driver.apply(SimpleNamespace(turns=[], resume=[], abort=[], env=rnd.episodes.take_calls()))
+    driver.apply(SimpleNamespace(add=[], resume=[], abort=[], env=outcome.env))
     return plan, outcome, state
 
 
@@ -85,7 +85,7 @@ def test_a_short_round_keeps_the_first_episodes_to_finish_and_cuts_closes_and_en
             check_episode(o, driver)
     trained = {o.id for g in outcome.groups for o in g.outputs}
     cut = [o for o in outcome.aborted if o.id not in trained]
-    assert cut and all(isinstance(o, EpisodeOutput) and o.finish_reason == "abort" for o in cut)
+    assert cut and all(isinstance(o, Response) and o.finish_reason == "abort" for o in cut)
     opened = set(driver.env_log)
     assert len(opened) == state.num_launched and all(calls[-1] == "close" for calls in driver.env_log.values())
     driver.check_sessions()  # kept, surplus or cut: every episode's session ended

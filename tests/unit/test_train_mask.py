@@ -83,10 +83,10 @@ def test_the_counts_are_the_model_tokens_and_an_untrained_episode_changes_nothin
 
 
 def test_a_one_turn_episode_trains_bitwise_as_a_single_turn_response(toy_random_dir):
-    """A one-turn episode: every token the model's, the environment's reward on its last token (a
+    """A one-turn episode: every token the model's, its reward earned on its last token (an environment's
     step reward), no reward function. It trains exactly as the response with that reward."""
     single = algorithm_batch()
-    episodes = [dataclasses.replace(s, reward=0.0, loss_mask=[True] * len(s.response_ids),
+    episodes = [dataclasses.replace(s, loss_mask=[True] * len(s.response_ids),
                                     token_rewards={len(s.response_ids) - 1: s.reward}) for s in single]
     stats, after = step(toy_random_dir, single)
     episode_stats, episode_after = step(toy_random_dir, episodes)
@@ -103,8 +103,8 @@ def test_step_rewards_reach_the_tokens_before_them(toy_random_dir):
 
     t = trainer(toy_random_dir, advantage="reinforce_pp")
     mask = [True, True, False, False, True, True]
-    a = Sample([5, 6], [7, 8, 30, 31, 9, 10], 0.0, [-1.0] * 6, loss_mask=mask, token_rewards={1: 1.0})
-    b = Sample([5, 6], [7, 8, 30, 31, 9, 10], 0.0, [-1.0] * 6, loss_mask=mask, token_rewards={5: 1.0})
+    a = Sample([5, 6], [7, 8, 30, 31, 9, 10], 1.0, [-1.0] * 6, loss_mask=mask, token_rewards={1: 1.0})
+    b = Sample([5, 6], [7, 8, 30, 31, 9, 10], 1.0, [-1.0] * 6, loss_mask=mask, token_rewards={5: 1.0})
     adv_a, adv_b = (p.advantages for p in t._prepare([a, b]))
     assert adv_a[0] == adv_a[1] > adv_a[4] == adv_a[5]  # the reward is behind tokens 4 and 5
     assert adv_b[0] == adv_b[1] == adv_b[4] == adv_b[5]  # ... and ahead of all of b's

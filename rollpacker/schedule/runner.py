@@ -1,51 +1,34 @@
-"""Episodes in the round: each response of a round may be a multi-turn episode (:mod:`rollpacker.env`).
+"""The round's runner: every request of a round is an episode (:mod:`rollpacker.env.episode`).
 
 :class:`EpisodeRunner` is the round's episode bookkeeping, pure like the round: nothing here sends,
 waits or imports torch. The round's request id of a response (``STEP:SLOT:K``) names its episode;
-the policy, the scorer and the trainer see one :class:`~rollpacker.env.episode.EpisodeOutput` per
-episode (one ``on_finished``). Underneath:
+the policy, the scorer and the trainer see one response per episode (one ``on_finished``).
 
-- a launched response opens its episode: an ``open`` :class:`EnvCall` (make the environment, reset
-  it with :func:`~rollpacker.env.episode.reset_seed` of its group ``STEP:SLOT``);
-- the reply starts the episode's first turn, an engine request ``EPISODE#TURN`` seeded by its id
-  (:class:`~rollpacker.env.episode.TurnRequest`) on the episode's replica;
-- a finished turn leads to a ``step`` call with its text, whose reply leads to the next turn, until
-  the episode is done: it then finishes for the policy, and its environment is closed;
-- an episode the policy aborts (tail's over-provisioning, the round's end) is cut where it is: its
-  running turn aborted at its engine, or, waiting for its environment, at once; either way its
-  environment is closed (``close`` after the calls in flight: a worker runs an episode's calls in order).
+- With an environment, a launched response opens it (an ``open`` :class:`EnvCall`, reset seeded
+  per group); the reply starts the first turn; a finished turn steps the environment with its text,
+  whose reply starts the next turn, until the episode is done and its environment closed.
+- Without one, a launched response is its one turn at once (a single-turn response).
+- An episode the policy aborts is cut where it is: its running turn aborted at its engine (its
+  tokens kept), or, between turns, at once; its environment is closed after the calls in flight.
 
-An environment that fails (its reply has an error, or its reset prompt leaves no room for a turn:
-the ``make`` raises :class:`~rollpacker.env.contract.EnvError`) ends its episode trained on nothing
-(``env.on_error`` skip, counted in ``env/errors``) or stops the run (fail).
+An environment that fails (its reply has an error, or its reset prompt leaves no room for a turn)
+ends its episode trained on nothing (``env.on_error`` skip, counted in ``env/errors``) or stops the
+run (fail).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from rollpacker.env.contract import EnvError
-from rollpacker.env.episode import Done, Episode, EpisodeOutput, StepEnv, TurnRequest, reset_seed
+from rollpacker.env.contract import EnvCall, EnvError
+from rollpacker.env.episode import Done, Episode, Response, StepEnv, TurnRequest, reset_seed
 from rollpacker.errors import UserError
-
-
-@dataclass(frozen=True)
-class EnvCall:
-    """One call for the environment workers (:class:`~rollpacker.env.workers.EnvPool`)."""
-
-    kind: str
-    """``open`` (make the environment for ``row``, reset it with ``seed``), ``step`` (with ``action``) or ``close``."""
-    key: str
-    """The episode: its round request id."""
-    row: int = -1
-    seed: int = 0
-    action: str = ""
 
 
 @dataclass
 class EpisodeStats:
-    """A round's episodes, for ``env/`` metrics."""
+    """A round's episodes, for ``env/`` metrics (none when no environment took part)."""
 
     turns: list[int] = field(default_factory=list)
     """Model turns of each episode that finished."""
@@ -58,6 +41,8 @@ class EpisodeStats:
     """Seconds of polls in which no turn ran at an engine while environment calls were in flight."""
 
     def metrics(self) -> dict[str, float]:
+        if not (self.step_seconds or self.errors):
+            return {}
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         return {"env/turns_mean": mean(self.turns), "env/step_seconds": mean(self.step_seconds),
                 "env/errors": float(self.errors), "rollout/env_wait_s": self.env_wait_s}
@@ -65,46 +50,61 @@ class EpisodeStats:
 
 class EpisodeRunner:
     """The episodes of one round (the module docstring). ``make(key, row, reset)`` builds episode
-    ``key`` of dataset row ``row`` from its environment's reset ``(prompt or None, info)``."""
+    ``key`` of dataset row ``row`` from its environment's reset ``(prompt or None, info)``, or from
+    none (None: the row's own prompt); ``environment``: episodes open an environment first."""
 
-    def __init__(self, make: Callable[[str, int, Any], Episode], *, seed: int, on_error: str = "skip"):
-        self.make, self.seed, self.on_error = make, seed, on_error
+    def __init__(self, make: Callable[[str, int, Any], Episode], *, seed: int, environment: bool,
+                 on_error: str = "skip"):
+        self.make, self.seed, self.environment, self.on_error = make, seed, environment, on_error
         self.rows: dict[str, int] = {}
         """Episode -> its dataset row, for every episode opened and not yet ended."""
         self.live: dict[str, Episode] = {}
-        """Episodes started (their environment reset)."""
+        """Episodes started (their environment reset, if any)."""
         self.running: dict[str, str] = {}
         """Turn id -> its episode, for every turn sent to an engine and not back."""
         self.waiting: set[str] = set()
         """Episodes whose environment call (open, step) is in flight."""
+        self.resume: dict[str, Any] = {}
+        """Episode -> the partial response its first turn continues (carried from an earlier round)."""
+        self.sessions: set[str] = set()
+        """Episodes whose turns asked their engine to keep their KV (:attr:`TurnRequest.session`)."""
         self.calls: list[EnvCall] = []
         """Environment calls to send (:meth:`take_calls`)."""
         self.turns: list[tuple[str, TurnRequest]] = []
         """(episode, turn) to send to an engine (:meth:`take_turns`)."""
         self.ended: list[str] = []
-        """Episodes that ended since :meth:`take_ended`: their engine sessions can go."""
+        """Episodes with a session that ended since :meth:`take_ended`: their engine sessions can go."""
+        self.early: list[Response] = []
+        """Episodes that ended as they opened (:meth:`on_env` returns them)."""
         self.stats = EpisodeStats()
         self._last_now: float | None = None
 
-    def open(self, key: str, row: int, group: str) -> None:
-        """Open episode ``key`` of dataset row ``row`` in prompt group ``group`` (``STEP:SLOT``)."""
+    def open(self, key: str, row: int, group: str, resume: Any = None) -> None:
+        """Open episode ``key`` of dataset row ``row`` in prompt group ``group`` (``STEP:SLOT``);
+        ``resume``: a partial response of it (an earlier round's) that its first turn continues."""
         self.rows[key] = row
+        if resume is not None:
+            self.resume[key] = resume
+        if not self.environment:
+            self.early += self._start(key, None)
+            return
         self.waiting.add(key)
         self.calls.append(EnvCall("open", key, row=row, seed=reset_seed(self.seed, group)))
 
-    def key(self, turn_id: str) -> str:
-        """The episode of turn ``turn_id`` (``EPISODE#TURN``)."""
-        return turn_id.rpartition("#")[0]
+    @staticmethod
+    def key(turn_id: str) -> str:
+        """The episode of turn ``turn_id`` (``EPISODE#TURN``, or the episode itself)."""
+        return turn_id.partition("#")[0]
 
     @property
     def idle(self) -> list[str]:
         """Episodes with no turn at an engine: waiting for their environment, or their turn not sent yet."""
         return sorted(self.waiting | {key for key, _ in self.turns})
 
-    def on_env(self, replies: list[Any], now: float) -> list[EpisodeOutput]:
-        """The environment workers' replies -> the episodes that finished."""
+    def on_env(self, replies: list[Any], now: float) -> list[Response]:
+        """The environment workers' replies -> the episodes that finished (and those that ended opening)."""
         self._wait(now)
-        done = []
+        done, self.early = self.early, []
         for reply in replies:
             if reply.kind == "close" or reply.key not in self.waiting:
                 continue  # a close, or the reply of an episode aborted meanwhile (or of an earlier round)
@@ -118,7 +118,7 @@ class EpisodeRunner:
                 done += self._next(reply.key, self.live[reply.key].on_step(reply.value))
         return done
 
-    def on_turns(self, outputs: list[Any]) -> list[EpisodeOutput]:
+    def on_turns(self, outputs: list[Any]) -> list[Response]:
         """Turns that finished at the engines -> the episodes that finished."""
         done = []
         for out in outputs:
@@ -128,9 +128,9 @@ class EpisodeRunner:
             done += self._next(key, self.live[key].on_turn(out.token_ids, out.logprobs, out.finish_reason))
         return done
 
-    def abort(self, keys: list[str]) -> tuple[list[str], list[EpisodeOutput]]:
+    def abort(self, keys: list[str]) -> tuple[list[str], list[Response]]:
         """Cut episodes ``keys`` -> (turn ids to abort at the engines, episodes cut at once: those
-        waiting for their environment). A turn aborted comes back to :meth:`cut`."""
+        between turns). A turn aborted comes back to :meth:`cut`."""
         turns = {key: tid for tid, key in self.running.items()}
         abort, cut = [], []
         for key in keys:
@@ -141,14 +141,14 @@ class EpisodeRunner:
                 cut.append(self._end(key, self._episode(key).abort()))
         return abort, cut
 
-    def cut(self, out: Any) -> EpisodeOutput | None:
+    def cut(self, out: Any) -> Response | None:
         """The partial output of an aborted turn -> its episode, cut (None: not ours, or ended already)."""
         key = self.running.pop(out.id, None)
         if key is None:
             return None
-        return self._end(key, self.live[key].abort())
+        return self._end(key, self.live[key].abort(out))
 
-    def close_all(self) -> list[EpisodeOutput]:
+    def close_all(self) -> list[Response]:
         """The round is over: every episode still open is cut."""
         self.running.clear()
         self.turns.clear()
@@ -158,14 +158,19 @@ class EpisodeRunner:
         calls, self.calls = self.calls, []
         return calls
 
-    def take_ended(self) -> list[str]:
+    def take_ended(self, aborting: list[str] = ()) -> list[str]:
+        """Episodes whose engine sessions can go: those ended since the last call, and those of the
+        turns ``aborting`` (their episodes end once the aborts are back)."""
         ended, self.ended = self.ended, []
-        return ended
+        return ended + sorted({key for key in map(self.key, aborting) if key in self.sessions})
 
     def take_turns(self) -> list[tuple[str, TurnRequest]]:
         """The turns to send now; each is running from here on."""
         turns, self.turns = self.turns, []
-        self.running |= {turn.id: key for key, turn in turns}
+        for key, turn in turns:
+            self.running[turn.id] = key
+            if turn.session:
+                self.sessions.add(key)
         return turns
 
     def _episode(self, key: str) -> Episode:
@@ -174,16 +179,17 @@ class EpisodeRunner:
             self.live[key] = self.make(key, self.rows[key], None)
         return self.live[key]
 
-    def _start(self, key: str, reset: Any) -> list[EpisodeOutput]:
+    def _start(self, key: str, reset: Any) -> list[Response]:
         """Episode ``key`` from its environment's reset: its first turn, or (no room for one) its failure."""
         try:
             episode = self.live[key] = self.make(key, self.rows[key], reset)
         except EnvError as e:
             return self._failed(key, str(e))
-        self.turns.append((key, episode.next_turn()))
+        turn, resume = episode.next_turn(), self.resume.pop(key, None)
+        self.turns.append((key, turn if resume is None else replace(turn, resume_from=resume)))
         return []
 
-    def _next(self, key: str, what: StepEnv | TurnRequest | Done) -> list[EpisodeOutput]:
+    def _next(self, key: str, what: StepEnv | TurnRequest | Done) -> list[Response]:
         if isinstance(what, StepEnv):
             self.waiting.add(key)
             self.calls.append(EnvCall("step", key, action=what.action))
@@ -194,7 +200,7 @@ class EpisodeRunner:
         self.stats.turns.append(self.live[key].num_turns)
         return [self._end(key, what)]
 
-    def _failed(self, key: str, error: str) -> list[EpisodeOutput]:
+    def _failed(self, key: str, error: str) -> list[Response]:
         self.stats.errors += 1
         self.stats.causes.append(error)
         if self.on_error == "fail":
@@ -202,13 +208,17 @@ class EpisodeRunner:
                             "counts it in env/errors)")
         return [self._end(key, self._episode(key).fail(error))]
 
-    def _end(self, key: str, done: Done) -> EpisodeOutput:
-        """Episode ``key`` ended (``done``): its environment is closed; its output."""
+    def _end(self, key: str, done: Done) -> Response:
+        """Episode ``key`` ended (``done``): its environment is closed, its session can go; its output."""
         episode = self.live.pop(key)
         self.rows.pop(key)
         self.waiting.discard(key)
-        self.calls.append(EnvCall("close", key))
-        self.ended.append(key)
+        self.resume.pop(key, None)
+        if self.environment:
+            self.calls.append(EnvCall("close", key))
+        if key in self.sessions:
+            self.sessions.discard(key)
+            self.ended.append(key)
         return episode.output()
 
     def _wait(self, now: float) -> None:

@@ -1,0 +1,288 @@
+"""Killable worker processes: the pool that reward functions and environments run in.
+
+:class:`WorkerPool` spawns ``num_workers`` processes (never ``fork``: the trainer has torch and
+threads) and a manager thread in the caller that hands out tasks and enforces each task's
+wall-clock timeout. A worker that overruns, crashes or dies is replaced at once, so capacity
+recovers, and its task comes back failed (:meth:`WorkerPool._lost`), never silently. The old worker
+gets ``RETIRE`` (SIGUSR2), which unwinds a sandbox run, then SIGKILL after ``STOP_GRACE`` seconds.
+
+A tenant (:class:`~rollpacker.reward.workers.RewardPool`, :class:`~rollpacker.env.workers.EnvPool`)
+says what a worker runs (``_main``, ``_main_args``), which task a free worker takes (``_next_task``),
+what goes down its pipe (``_wire``), what comes back (``_received``) and what a task lost with its
+worker becomes (``_lost``); results go to :meth:`poll` and :meth:`drain` through :meth:`_finish`.
+
+Workers ignore the job's stop signals (SIGTERM, SIGINT, SIGUSR1: :mod:`rollpacker.preempt`): the
+step in progress must finish with live workers, and the pool stops them after it. They are spawned
+with those signals blocked, so none slips in before they ignore it, and die with their parent.
+A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import multiprocessing.resource_tracker
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE = 2.0
+"""Seconds a worker told to stop (``RETIRE``) gets before SIGKILL."""
+RETIRE = signal.SIGUSR2
+"""What the pool sends a worker to stop it: the stop signals (``STOP_SIGNALS``) are the trainer's."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PR_SET_PDEATHSIG = 1
+
+
+def ignore_stops(parent: int) -> None:
+    """In a new worker: the stop signals ignored, then unblocked; RETIRE unwinds; die with ``parent``."""
+    import ctypes
+
+    for sig in STOP_SIGNALS:  # the trainer's to handle: it stops after the step, then closes the pool
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the spawning thread: pending ones drop
+    signal.signal(RETIRE, lambda *_: sys.exit(1))  # unwinds a sandbox run, which kills its sandbox
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
+
+
+def leaving() -> None:
+    """A worker's loop is over: the RETIRE that follows a closed pipe must not raise in the interpreter's exit
+    (a SystemExit inside an atexit finalizer prints a traceback that reads like a crash)."""
+    signal.signal(RETIRE, signal.SIG_IGN)
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: mp.connection.Connection
+    ready: bool = False
+    task: Any = None
+    """The task it runs (it has a ``timeout`` in seconds), or None."""
+    started: float = 0.0
+    """When ``task`` was handed over (time.monotonic)."""
+
+
+class WorkerPool:
+    """``num_workers`` worker processes and the manager thread that feeds and polices them (the module
+    docstring). Use as a context manager, or call :meth:`close`: it stops every worker."""
+
+    _name = "worker"
+    """Names the workers and their timeout setting (``NAME.timeout``) in messages."""
+
+    def __init__(self, num_workers: int):
+        self._ctx = mp.get_context("spawn")
+        self._cond = threading.Condition()
+        self._done: list[Any] = []
+        self._num_unfinished = 0
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._retiring: list[tuple[Any, float]] = []  # stopping workers: (process, when to SIGKILL it)
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+        self._manager = threading.Thread(target=self._manage, name=f"{self._name}-pool", daemon=True)
+        self._manager.start()
+        atexit.register(self.close)  # before multiprocessing's exit hook, whose SIGTERM the workers ignore
+
+    # the caller's side
+
+    def poll(self) -> list[Any]:
+        """The results finished since the last call (maybe none); never waits."""
+        with self._cond:
+            self._check_alive()
+            done, self._done = self._done, []
+        return done
+
+    def drain(self, timeout: float | None = None) -> list[Any]:
+        """Wait until every task submitted is finished; return the results not yet returned by poll()."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._num_unfinished == 0 or self._failure, timeout):
+                raise TimeoutError(f"{self._name} pool: {self._num_unfinished} tasks unfinished after {timeout} s")
+        return self.poll()
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a result, when a task is unfinished and none is ready."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or not self._num_unfinished or self._failure, timeout)
+
+    def close(self) -> None:
+        """Stop the manager, every worker and their sandboxes; unfinished tasks are dropped."""
+        if self._closing:
+            return
+        atexit.unregister(self.close)
+        with self._cond:
+            self._closing = True
+        os.write(self._wake_w, b".")
+        self._manager.join()
+        for w in self._workers:
+            self._retire(w)
+        deadline = time.monotonic() + STOP_GRACE
+        for process, _ in self._retiring:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._reap_retired(force=True)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"{self._name} pool: its manager thread failed: {self._failure!r}") from self._failure
+        if self._closing:
+            raise RuntimeError(f"{self._name} pool is closed")
+
+    def _wake(self) -> None:
+        """Tell the manager thread that a task was queued."""
+        os.write(self._wake_w, b".")
+
+    # what a tenant says
+
+    @staticmethod
+    def _main(conn: mp.connection.Connection, parent: int, *args) -> None:
+        """A worker process's main function: ``main(conn, parent_pid, *_main_args())``; it starts with
+        :func:`ignore_stops` (``parent_pid``), says ready (sends None), then answers each task it receives."""
+        raise NotImplementedError
+
+    def _main_args(self) -> tuple:
+        return ()
+
+    def _next_task(self, i: int) -> Any:
+        """The task free worker ``i`` takes now, or None (called holding ``_cond``)."""
+        raise NotImplementedError
+
+    def _wire(self, task: Any) -> Any:
+        """What a worker gets for ``task``."""
+        raise NotImplementedError
+
+    def _received(self, task: Any, message: Any) -> None:
+        """A worker's answer to ``task``."""
+        raise NotImplementedError
+
+    def _lost(self, i: int, task: Any, reason: str, seconds: float) -> None:
+        """Worker ``i`` was replaced for ``reason`` while running ``task`` (None: while idle)."""
+        raise NotImplementedError
+
+    def _finish(self, result: Any) -> None:
+        """One task is done: ``result`` goes to :meth:`poll`."""
+        with self._cond:
+            self._done.append(result)
+            self._num_unfinished -= 1
+            self._cond.notify_all()
+
+    # the manager thread's side
+
+    def _manage(self) -> None:
+        try:
+            while not self._closing:
+                self._dispatch()
+                deadlines = [w.started + w.task.timeout for w in self._workers if w.task is not None]
+                deadlines += [deadline for _, deadline in self._retiring]
+                wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                handles = [self._wake_r, *(w.conn for w in self._workers), *(w.process.sentinel for w in self._workers),
+                           *(process.sentinel for process, _ in self._retiring)]
+                ready = set(mp.connection.wait(handles, wait))
+                self._reap_retired()
+                if self._wake_r in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_r, 4096):
+                            pass
+                for i in range(len(self._workers)):
+                    self._check(i, ready)
+        except BaseException as e:  # noqa: BLE001  (surfaced to the caller by poll/drain/submit)
+            logger.exception("%s pool manager failed", self._name)
+            with self._cond:
+                self._failure = e
+                self._cond.notify_all()
+
+    def _check(self, i: int, ready: set) -> None:
+        """Take worker ``i``'s message, if any; replace it if it died or overran its task's timeout."""
+        w = self._workers[i]
+        if w.conn in ready:
+            try:
+                message = w.conn.recv()
+            except (EOFError, OSError):
+                w.process.join(timeout=1)
+                self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
+                return
+            if message is None:
+                w.ready = True
+            else:
+                task, w.task = w.task, None
+                self._received(task, message)
+        elif w.process.sentinel in ready:
+            w.process.join(timeout=1)
+            if not w.ready:
+                raise RuntimeError(f"a {self._name} worker exited while starting (exit code {w.process.exitcode}); "
+                                   f"see its traceback above (a script that starts a {type(self).__name__} needs "
+                                   "if __name__ == '__main__':)")
+            self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
+        elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
+            self._replace(i, f"timed out after {w.task.timeout:g} s ({self._name}.timeout); its worker was replaced")
+
+    def _dispatch(self) -> None:
+        for i, w in enumerate(self._workers):
+            if w.ready and w.task is None:
+                with self._cond:
+                    task = self._next_task(i)
+                if task is None:
+                    continue
+                w.task, w.started = task, time.monotonic()
+                with contextlib.suppress(OSError):  # it just died: its sentinel says so next, the task is flagged
+                    w.conn.send(self._wire(task))
+
+    def _replace(self, i: int, reason: str) -> None:
+        """Stop worker ``i`` and start a fresh one in its place; flag its task with ``reason``."""
+        w = self._workers[i]
+        self._retire(w)
+        self._workers[i] = self._start_worker()
+        self._lost(i, w.task, reason, time.monotonic() - w.started)
+
+    def _start_worker(self) -> _Worker:
+        conn, child_conn = self._ctx.Pipe()
+        process = self._ctx.Process(target=self._main, args=(child_conn, os.getpid(), *self._main_args()),
+                                    name=f"{self._name}-worker", daemon=True)
+        mp.resource_tracker.ensure_running()  # its first start would unblock SIGINT and SIGTERM below
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited: see ignore_stops
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        child_conn.close()
+        return _Worker(process, conn)
+
+    def _retire(self, w: _Worker) -> None:
+        """Ask ``w`` to exit (RETIRE unwinds a sandbox run, which kills and reaps its sandbox); SIGKILL it
+        if it is still there ``STOP_GRACE`` seconds later (a hang in C code), see :meth:`_reap_retired`."""
+        w.conn.close()
+        if w.process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.process.pid, RETIRE)
+        self._retiring.append((w.process, time.monotonic() + STOP_GRACE))
+
+    def _reap_retired(self, force: bool = False) -> None:
+        still = []
+        for process, deadline in self._retiring:
+            if process.is_alive() and (force or time.monotonic() > deadline):
+                process.kill()  # its sandbox, if any, dies with it (parent-death signal)
+                process.join()
+            if process.is_alive():
+                still.append((process, deadline))
+            else:
+                process.join()
+                process.close()
+        self._retiring = still
