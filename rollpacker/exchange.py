@@ -1,24 +1,18 @@
 """A rollout round across the job, as transport: rank 0 decides, every rank steps its slice of an engine.
 
-One exchange, a few times per second over the gloo control plane:
-
-1. rank 0 broadcasts a :class:`Command`: requests to add, ids to abort;
-2. every rank applies what concerns its replica and steps its engine ``poll_steps`` times;
-3. the replica leaders report finished and aborted outputs (:class:`Report`);
-4. rank 0 gives what came back to the round's protocol
-   (:class:`~rollpacker.schedule.round.Round`) and turns its actions into the next command.
+Each exchange, a few times per second over the gloo control plane: rank 0 broadcasts a
+:class:`Command` (requests to add, ids to abort); every rank applies its replica's part and steps
+its engine ``poll_steps`` times; the replica leaders report (:class:`Report`); rank 0 gives that to
+the round (:class:`~rollpacker.schedule.round.Round`) and turns its actions into the next command.
+:class:`RoundLeader` is rank 0's side for a run (rows, policy, scorer, environments); each round
+is an :class:`ExchangeRound`.
 
 Invariants:
 
-- No decision is made here: what to launch, abort, feed or scale down is the ``Round``'s.
-- Nothing here imports the trainer. Stream training joins through the round's hooks and a
-  :class:`GroupSink` (the freed ranks); when a round scales down, the freed ranks leave with
-  :class:`Freed`, and the caller serves.
+- No decision is made here: what to add, abort, feed or scale down is the ``Round``'s.
+- Nothing here imports the trainer: stream training joins through the round's hooks and a
+  :class:`GroupSink`; the ranks a scale-down frees leave with :class:`Freed`.
 - Rank 0 alone measures wall-clock: the running trace (bubble ratio), the tail phase, CPU time.
-
-:class:`RoundLeader` is rank 0's side for a whole run, built once: the rows, the policy, the scorer,
-the environments. Each round is an :class:`ExchangeRound` (``leader.round(step, plan, hooks)``):
-it turns the round's turns into engine requests and carries environment calls and replies.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """One episode as a pure state machine: model turns and environment steps, token in, token out.
 
-Every response is an episode: a response without environment is the one-turn episode whose turn is
-its answer. An :class:`Episode` holds one episode's tokens: its prompt, each model turn exactly as
-sampled, each observation's tokens (:class:`~rollpacker.env.render.ChatBridge`), with a mask (the
-model's token or not), the engine's log-probs of the model's tokens (0.0 elsewhere), and the step
-rewards, each on the last token of its step's action. A driver (the round's runner) moves it:
+Every response is an episode; one without environment is the one-turn episode whose turn is its
+answer. An :class:`Episode` holds its tokens (the prompt, each turn as sampled, each observation's
+tokens), a mask of the model's tokens, their log-probs, and the step rewards, each on the last
+token of its step's action. The round's runner moves it: :meth:`~Episode.next_turn` gives a
+:class:`TurnRequest`; the finished turn to :meth:`~Episode.on_turn` gives :class:`StepEnv` or
+:class:`Done`; the environment's step to :meth:`~Episode.on_step` gives the next turn or the end.
 
-1. :meth:`Episode.next_turn` -> a :class:`TurnRequest`: one engine request, whose id and seed are
-   fixed by the episode and the turn, so a turn resumed or migrated elsewhere replays exactly;
-2. the finished turn to :meth:`Episode.on_turn` -> :class:`StepEnv` (step the environment with
-   this text) or :class:`Done`;
-3. the environment's checked step to :meth:`Episode.on_step` -> the next :class:`TurnRequest` or
-   :class:`Done`. :meth:`Episode.fail` and :meth:`Episode.abort` end it from outside.
-
-Limits: an episode ends when the environment says so, after ``max_turns`` model turns, or when a
-turn stops at the episode's token limit (``max_tokens`` model tokens, or the context): those are
-truncated (``finish_reason`` "length"). A turn cut at its own ``max_new_tokens`` with budget left
-is an action like any other (as verifiers' ``MultiTurnEnv``). Nothing here sends, waits or imports
-torch.
+Invariants: a turn's id and seed are fixed by the episode and the turn, so a resumed or migrated
+turn replays exactly; only the model's tokens are masked in; nothing here sends, waits or imports
+torch. Its limits (turns, tokens, context): ``docs/environments.md``.
 """
 
 from __future__ import annotations

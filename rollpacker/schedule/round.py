@@ -1,24 +1,18 @@
 """The round: one pure per-poll protocol that both drivers run (the exchange and the simulator).
 
-- :class:`RoundState` is the bookkeeping: slots, routing, outstanding requests, scores, complete
-  groups, and migration (what resumes, what is cut).
-- :class:`Round` is the protocol. A driver tells it what it saw since the last poll (:class:`Seen`)
-  and gets what to do now (:class:`Actions`): add, resume, abort, call environments, feed, scale
-  down, done. Every request is an episode run by its :class:`~rollpacker.schedule.runner.EpisodeRunner`:
-  a single-turn response is the one-turn episode without environment, so there is one request path.
-- :class:`RoundHooks` is how a feature joins (stream training, RolloutPipe). Hooks hear and
-  decide; they never edit the state. Their decisions live in :mod:`rollpacker.schedule.scale_down`.
+:class:`RoundState` is the bookkeeping (slots, routing, outstanding requests, scores, complete
+groups, migration). :class:`Round` is the protocol: a driver tells it what it saw since the last
+poll (:class:`Seen`) and gets what to do now (:class:`Actions`). Every request is an episode run by
+the round's :class:`~rollpacker.schedule.runner.EpisodeRunner`; a single-turn response is the
+one-turn episode, so there is one request path. :class:`RoundHooks` is how a feature joins (stream
+training, RolloutPipe): hooks hear and decide, never edit the state.
 
 Invariants:
 
-- The call order on the policy is fixed here, once. Both drivers give the same policy the same
-  calls in the same order (``tests/unit/test_sim.py`` checks it call by call).
+- The call order on the policy is fixed here, once: both drivers give a policy the same calls in
+  the same order (``tests/unit/test_sim.py`` checks it call by call).
 - Nothing here sends, measures time or imports torch. Time comes in as ``Seen.now``.
 - Only :class:`RoundState` writes ``migrating``. Every action names its replica: drivers route nothing.
-
-Why: what happens at each poll is the heart of every RL step. Written once, the simulator runs
-the very protocol the job runs, and a new feature lands in one place. Routing and episodes in the
-round: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
