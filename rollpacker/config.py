@@ -38,9 +38,10 @@ from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import refuse_with_pools
 from rollpacker.schedule.config import names, schedule_args, schedule_config
 from rollpacker.schedule.eval import EvalConfig
+from rollpacker.schedule.scale_down import StreamConfig
 from rollpacker.schedule.sync import SyncConfig
 from rollpacker.topology import Topology
-from rollpacker.train.config import StreamConfig, TrainConfig
+from rollpacker.train.config import TrainConfig
 from rollpacker.watchdog import DistConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -67,7 +68,7 @@ class ModelConfig:
         """``path``, or the shipped toy model's directory when it is empty."""
         if self.path:
             return Path(self.path)
-        from rollpacker.data.toy_model import toy_model_dir
+        from rollpacker.toy.model import toy_model_dir
 
         return toy_model_dir()
 

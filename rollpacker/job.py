@@ -161,13 +161,15 @@ def build(config: Config) -> Job:
     torch.manual_seed(config.seed)
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
     dtype = engine_dtype(config.model.dtype, meshes.device)
+    plan_bytes = 0.0
     if meshes.device.type == "cuda":  # the memory plan: refuse a config that cannot fit (rollpacker.plan.memory)
         plan = check_fits(config, Shape.from_hf(read_config(path)), world,
                           torch.cuda.get_device_properties(meshes.device).total_memory)
         logger.info("memory plan: peak %.1f GB per GPU (%s), headroom %.0f%%", plan.peak / 1e9,
                     plan.peak_phase.name, 100 * plan.headroom)
+        plan_bytes = plan.engine_bytes
     if meshes.rank in meshes.rollout_ranks:
-        engine = build_engine(config.engine, path, meshes.device, dtype, meshes.rollout_tp)
+        engine = build_engine(config.engine, path, meshes.device, dtype, meshes.rollout_tp, plan_bytes)
         engine.decode = stop_decoder(config, path)
     elif ENGINES[config.engine.kind].needs_world_groups:  # the engines' start makes groups over the whole world
         ENGINES[config.engine.kind].join_world(path, config.engine, config.rollout.tp, dtype)

@@ -81,7 +81,7 @@ class MemoryRegime:
 def memory_regime_flags(args: MemoryRegime) -> list[str]:
     """The ``rollpacker.run`` flags of the memory-bound regime (the random model written first if missing)."""
     if not (args.model_dir / "config.json").exists():
-        from rollpacker.data.random_model import RandomModelConfig, write
+        from rollpacker.toy.random_model import RandomModelConfig, write
 
         write(RandomModelConfig(out=args.model_dir, num_layers=args.num_layers, hidden_size=args.hidden_size,
                                 num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,

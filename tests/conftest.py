@@ -29,8 +29,8 @@ def qwen3_tied_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def toy_random_dir(tmp_path_factory):
     """A random (untrained) model with the toy task's tokenizer: fast, and reward stays near 0."""
-    from rollpacker.data.toy_model import build_tokenizer, model_config
     from rollpacker.model import ModelArgs, Transformer, save_model
+    from rollpacker.toy.model import build_tokenizer, model_config
 
     path = tmp_path_factory.mktemp("toyrand")
     tokenizer = build_tokenizer()

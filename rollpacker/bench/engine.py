@@ -74,7 +74,7 @@ PROG = "python -m rollpacker.bench engine"
 @dataclass(kw_only=True)
 class EngineBenchConfig:
     model: str = ""
-    """Hugging Face model directory; empty means the toy model (rollpacker.data.toy_model)."""
+    """Hugging Face model directory; empty means the toy model (rollpacker.toy.model)."""
     engines: tuple[Literal["torch", "vllm", "sglang", "hf"], ...] = ("torch", "hf")
     """Engines compared on the same prompts: TorchEngine, vLLM in-process, SGLang, transformers' generate."""
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128)
@@ -438,7 +438,7 @@ def open_model(cfg: EngineBenchConfig):
     if cfg.model:
         path = Path(cfg.model)
     else:
-        from rollpacker.data.toy_model import toy_model_dir
+        from rollpacker.toy.model import toy_model_dir
 
         path = toy_model_dir()
     if cfg.device == "cuda":  # fp32 as on CPU: the engines' greedy tokens compared exactly

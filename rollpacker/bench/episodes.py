@@ -48,7 +48,7 @@ class HeavyTailEnv:
     """The toy task over heavy-tailed turns with replayed step latency (the module docstring)."""
 
     def __init__(self, row: dict, *, latency: str, alpha: float, max_turns: int):
-        from rollpacker.data.toy import PROMPT_PREFIX, PROMPT_SUFFIX
+        from rollpacker.toy.task import PROMPT_PREFIX, PROMPT_SUFFIX
 
         self.id, self.answer = row["id"], row["answer"]
         self.problem = row["prompt"].removeprefix(PROMPT_PREFIX).removesuffix(PROMPT_SUFFIX)
@@ -63,7 +63,7 @@ class HeavyTailEnv:
     def step(self, action: str):
         import time
 
-        from rollpacker.data.toy import score
+        from rollpacker.toy.task import score
 
         self.steps += 1
         if self.steps == 1:

@@ -6,7 +6,7 @@ requests run: every step streams the weights from DRAM whatever the batch. vLLM'
 (oneDNN linears on pre-packed weights) keeps its step flat there (``bench engine --engines vllm
 --model M``: within 1.3x of one request's up to 4-8 running on a 50-180M model), while
 TorchEngine's GEMMs are not (~1.9x at 2). So the job runs on ``--engine.kind vllm`` with a
-Qwen2-shaped random model (``rollpacker.data.random_model``, written once into ``--model-dir``)
+Qwen2-shaped random model (``rollpacker.toy.random_model``, written once into ``--model-dir``)
 and a small per-rank batch, every response's length forced to the paper's long-tailed mix
 (``--rollout.replay-lengths``: a random model rolls out the tail a trained one would), and
 training skipped (``--train.skip``: on CPU a large model's training is compute-bound and is not

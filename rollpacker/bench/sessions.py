@@ -81,10 +81,10 @@ def episodes(engine, cfg: SessionsBenchConfig, keep: bool) -> tuple[dict, float,
 def run(cfg: SessionsBenchConfig) -> dict:
     import torch
 
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.model import toy_model_dir
 
     torch.set_num_threads(cfg.num_threads)
     path = toy_model_dir()

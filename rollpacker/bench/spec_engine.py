@@ -157,13 +157,13 @@ def run(cfg: SpecBenchConfig) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from rollpacker.data import toy
     from rollpacker.data.dataset import DataConfig
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import SpecStats, spec_metrics
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy import task as toy
+    from rollpacker.toy.model import toy_model_dir
 
     torch.set_num_threads(cfg.num_threads)
     path = toy_model_dir()

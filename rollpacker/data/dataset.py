@@ -1,7 +1,7 @@
 """Prompt datasets and the stateful sampler that draws them.
 
 A dataset is a list of rows ``{"id", "prompt", ...}``: the synthetic toy task
-(:mod:`rollpacker.data.toy`, the embedded default) or a file read with Hugging Face ``datasets``
+(:mod:`rollpacker.toy.task`, the embedded default) or a file read with Hugging Face ``datasets``
 (JSON lines, JSON, parquet, arrow, a directory written by ``save_to_disk``, or a Hub id). A
 prompt is a string or a list of chat messages. ``answer`` is the reference answer, read from
 ``data.answer_key`` or, in verl's RL layout, from ``reward_model.ground_truth``. Every other
@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from rollpacker.choices import check_choices
-from rollpacker.data import toy
 from rollpacker.errors import UserError
+from rollpacker.toy import task as toy
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
 - :mod:`~rollpacker.env.render`: observations as chat-template deltas (token in, token out);
 - :mod:`~rollpacker.env.tools`: tools as Python functions, tool-call parsers, the ``python`` tool;
 - :mod:`~rollpacker.env.workers`: environments in killable worker processes;
-- :mod:`~rollpacker.env.toy`: the built-in toy environment; adapters for existing libraries:
+- :mod:`~rollpacker.toy.env`: the built-in toy environment; adapters for existing libraries:
   :mod:`~rollpacker.env.verifiers`, :mod:`~rollpacker.env.skyrl_gym`.
 
 Nothing here imports torch. ``docs/environments.md`` is the user's guide.

@@ -11,7 +11,7 @@ from typing import Literal
 from rollpacker.choices import check_choices
 
 OnError = Literal["skip", "fail"]
-FACTORIES = {"toy": "rollpacker.env.toy:make_env"}
+FACTORIES = {"toy": "rollpacker.toy.env:make_env"}
 """Built-in environments of ``env.factory``, by name."""
 
 

@@ -365,10 +365,10 @@ def stage_engine(device: str, out: Path, size: dict) -> dict:
     by recomputation) gives the same fp32 tokens; the decode workspace's peak."""
     from transformers import AutoModelForCausalLM
 
-    from rollpacker.data.random_model import RandomModelConfig, write
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.random_model import RandomModelConfig, write
 
     e = size["engine"]
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False

@@ -1,9 +1,19 @@
-"""The decoder model, its Hugging Face load/save and its parallelization."""
+"""The decoder model, its Hugging Face load/save and its parallelization.
 
-from rollpacker.model.args import ModelArgs
-from rollpacker.model.attention import AttentionBackend, CausalAttention
-from rollpacker.model.hf import INDEX, checkpoint_dtype, empty_model, engine_dtype, load_model, read_args, save_model
-from rollpacker.model.transformer import Transformer
+Its names are imported on first use, so the torch-free settings (:mod:`rollpacker.model.config`)
+parse without torch.
+"""
 
-__all__ = ["INDEX", "AttentionBackend", "CausalAttention", "ModelArgs", "Transformer", "checkpoint_dtype",
-           "empty_model", "engine_dtype", "load_model", "read_args", "save_model"]
+import importlib
+
+_WHERE = {"ModelArgs": "args", "AttentionBackend": "attention", "CausalAttention": "attention", "INDEX": "hf",
+          "checkpoint_dtype": "hf", "empty_model": "hf", "engine_dtype": "hf", "load_model": "hf", "read_args": "hf",
+          "save_model": "hf", "Transformer": "transformer"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'rollpacker.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rollpacker.model.{_WHERE[name]}"), name)

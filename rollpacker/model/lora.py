@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rollpacker.train.config import LoraConfig
+from rollpacker.model.config import LoraConfig
 
 ADAPTER = "default"
 """PEFT's adapter name (one adapter per model)."""

@@ -37,8 +37,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from rollpacker.model.config import MemoryConfig
 from rollpacker.model.transformer import Transformer
-from rollpacker.train.config import TrainConfig
 
 
 def checkpointed(num_layers: int, mode: str, every: int, part: str) -> list[tuple[int, str]]:
@@ -70,7 +70,7 @@ def apply_rollout_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     model.tie_weights()  # both sides are sharded on the vocabulary dim: the tie survives
 
 
-def apply_activation_checkpointing(layers: nn.ModuleList, config: TrainConfig) -> None:
+def apply_activation_checkpointing(layers: nn.ModuleList, config: MemoryConfig) -> None:
     """Composable ``checkpoint`` on the blocks (or their parts) that :func:`checkpointed` names."""
     from torch.distributed._composable import checkpoint
 
@@ -93,7 +93,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: bool, of
     fully_shard(model, **kw)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, *, mixed_precision: bool,
+def parallelize(model: nn.Module, mesh: DeviceMesh, config: MemoryConfig, *, mixed_precision: bool,
                 offload: bool | None = None) -> nn.Module:
     """The policy for training: LoRA adapters (``train.lora``, unless it has them), activation
     checkpointing, then FSDP2 (in place; returned)."""
@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, *, mixe
     return model
 
 
-def prepare_reference(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, *, mixed_precision: bool,
+def prepare_reference(model: nn.Module, mesh: DeviceMesh, config: MemoryConfig, *, mixed_precision: bool,
                       device: torch.device) -> nn.Module:
     """The frozen KL reference: with ``train.offload`` kept in host memory and streamed to ``device``
     layer by layer (the judge's :class:`~rollpacker.model.offload.StreamedModel`; a Hugging Face model
@@ -120,7 +120,7 @@ def prepare_reference(model: nn.Module, mesh: DeviceMesh, config: TrainConfig, *
     return model
 
 
-def build_for_training(path: str, impl: str, mesh: DeviceMesh, config: TrainConfig, *, src: int,
+def build_for_training(path: str, impl: str, mesh: DeviceMesh, config: MemoryConfig, *, src: int,
                        group: dist.ProcessGroup | None, device: torch.device, reference: bool = False) -> nn.Module:
     """The policy (or, with ``reference``, the frozen KL reference) of the model directory ``path`` for
     training, never whole on the device: built on the meta device, parallelized, then filled from the

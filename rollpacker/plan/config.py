@@ -16,7 +16,7 @@ class PlanConfig:
     enabled: bool = False
     """Choose the rollout TP per step from the profile and the preemptions (paper §4.2); rollout.tp is then ignored."""
     profile: str = ""
-    """Profile file from python -m rollpacker.plan.profile; empty: the one cached under profile_dir (made at start)."""
+    """Profile file from python -m rollpacker.profile; empty: the one cached under profile_dir (made at start)."""
     profile_dir: str = "runs/profiles"
     """Where profiles are cached, one file per (model, device, world, engine settings)."""
     initial_tp: int = 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -468,20 +467,6 @@ def engine_weights(s: Shape, r: RolloutSetup) -> float:
     return s.num_params * r.weight_bytes / r.tp
 
 
-def sglang_memory_fraction(s: Shape, r: RolloutSetup, free_bytes: float) -> float:
-    """SGLang's ``mem_fraction_static`` on GPU: its plan terms (:func:`engine_terms`) over the GPU
-    memory free when it starts. SGLang 0.5.23 sizes its KV pool as the memory free after loading its
-    weights less ``(1 - fraction)`` of what was free before, capped at ``max_total_tokens`` (the KV
-    budget), and refuses to start when that is not positive (``kv_cache_configurator``). So this
-    fraction gives it the whole budget and leaves the rest to the trainer."""
-    static = sum(t.bytes for t in engine_terms(s, r))
-    if static >= free_bytes:
-        raise ValueError(f"memory plan: SGLang needs {static / GB:.1f} GB per GPU (weights, KV budget, activations, "
-                         f"its process) but {free_bytes / GB:.1f} GB are free; set a smaller engine.kv_memory_mb "
-                         "or a larger rollout.tp")
-    return min(0.99, math.ceil(1000 * static / free_bytes) / 1000)
-
-
 # ---- a config's plan ----------------------------------------------------------------------------
 
 
@@ -493,6 +478,8 @@ class Plan:
     """Bytes of one GPU."""
     host_bytes: float
     """Host memory per rank for offloaded state."""
+    engine_bytes: float = 0.0
+    """What the engine holds on one GPU while it rolls out (:func:`engine_terms`): SGLang sizes itself by it."""
 
     @property
     def peak_phase(self) -> Phase:
@@ -590,7 +577,8 @@ def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float
     host = (4 * shape.num_params + 12 * trained_params(shape, train)) / train.shard_size if train.offload else 0.0
     if train.reference == "streamed":
         host += train.compute_bytes * shape.num_params
-    return Plan(shape=shape, phases=phases, capacity=capacity, host_bytes=host)
+    return Plan(shape=shape, phases=phases, capacity=capacity, host_bytes=host,
+                engine_bytes=sum(t.bytes for t in engine_terms(shape, rollout)))
 
 
 def config_plan(config, world_size: int, capacity: float, shape: Shape | None = None) -> Plan:

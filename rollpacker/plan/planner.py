@@ -129,7 +129,7 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
 
 def decode_ms(entry: dict, batch: float, context: float) -> float:
     """A profiled TP's decode step time at ``batch`` running requests of ``context`` tokens (interpolated)."""
-    points = entry["decode_ms"]  # {context: {batch: ms}}, as written by rollpacker.plan.profile
+    points = entry["decode_ms"]  # {context: {batch: ms}}, as written by rollpacker.profile
     contexts = sorted(int(c) for c in points)
     per_context = []
     for c in contexts:

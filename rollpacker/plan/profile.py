@@ -1,4 +1,4 @@
-"""The planner's offline profiling phase: ``torchrun --nproc_per_node=N -m rollpacker.plan.profile [run flags]``.
+"""The planner's offline profiling phase (its command: ``torchrun -m rollpacker.profile [run flags]``).
 
 Takes the same flags as ``rollpacker.run`` (``--preset``, ``--model.path``, ``--engine.*``,
 ``--plan.*``) and measures, on this machine's devices and that model, for every rollout TP the
@@ -37,18 +37,15 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-from rollpacker.config import Config, parse
 
 logger = logging.getLogger("rollpacker")
 VERSION = 1
 
 
-def profile_key(config: Config, model_dir: Path, device: str, world: int) -> dict[str, Any]:
+def profile_key(config, model_dir: Path, device: str, world: int) -> dict[str, Any]:
     e = config.engine
     return {
         "version": VERSION,
@@ -61,7 +58,7 @@ def profile_key(config: Config, model_dir: Path, device: str, world: int) -> dic
     }
 
 
-def cache_path(config: Config, key: dict) -> Path:
+def cache_path(config, key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(config.plan.profile_dir) / f"profile-{digest}.json"
 
@@ -79,12 +76,12 @@ def device_name(device) -> str:
 def check(profile: Any, key: dict, where: str) -> dict:
     """``profile`` if it is a profile for ``key``; a ValueError naming every difference otherwise."""
     if not isinstance(profile, dict) or not isinstance(profile.get("key"), dict) or "tp" not in profile:
-        raise ValueError(f"{where}: not a rollpacker profile (write one with python -m rollpacker.plan.profile)")
+        raise ValueError(f"{where}: not a rollpacker profile (write one with python -m rollpacker.profile)")
     have = profile["key"]
     diffs = [f"{k}: profile has {have.get(k)!r}, this run {v!r}" for k, v in key.items() if have.get(k) != v]
     if diffs:
         raise ValueError(f"{where}: the profile is for another setup ({'; '.join(diffs)}); profile again with "
-                         "python -m rollpacker.plan.profile and the run's flags, or drop --plan.profile to use the "
+                         "python -m rollpacker.profile and the run's flags, or drop --plan.profile to use the "
                          "cache")
     return profile
 
@@ -97,7 +94,7 @@ def load(path: Path, key: dict) -> dict:
     return check(profile, key, str(path))
 
 
-def measure(config: Config, meshes, model_dir: Path, dtype, key: dict) -> dict:
+def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     """Profile every usable TP (collective over all ranks); leaves the meshes at the TP they had."""
     import torch
 
@@ -221,7 +218,7 @@ def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]
     return times[-1]
 
 
-def obtain(config: Config, meshes, model_dir: Path, dtype) -> dict:
+def obtain(config, meshes, model_dir: Path, dtype) -> dict:
     """The profile for this run (collective): ``plan.profile`` if it matches, else the cached one,
     else a fresh one, measured now and cached. Every rank gets rank 0's."""
     key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
@@ -262,32 +259,3 @@ def summary(profile: dict) -> str:
         lines.append(f"  TP {tp}: KV capacity {e['kv_capacity_tokens']} tokens/replica "
                      f"({e['kv_bytes_per_token']} B/token/rank); decode ms by batch: {curve}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    try:
-        config = parse(argv)
-    except (ValueError, FileNotFoundError) as e:
-        sys.exit(f"rollpacker.plan.profile: config error: {e}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    import torch.distributed as dist
-
-    from rollpacker.dist import build_meshes
-    from rollpacker.model import engine_dtype
-
-    meshes = build_meshes(1, 0)
-    model_dir = config.model.directory()
-    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
-    rank = meshes.rank  # a profiled vLLM engine's shutdown destroys the process group
-    profile = measure(config, meshes, model_dir, engine_dtype(config.model.dtype, meshes.device), key)
-    if rank == 0:
-        path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
-        save(profile, path)
-        print(summary(profile))
-        print(f"wrote {path}")
-    if dist.is_initialized():  # a profiled vLLM engine destroyed it
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

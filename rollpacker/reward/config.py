@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from rollpacker.choices import check_choices
-from rollpacker.data.rubric import check_rubric
+from rollpacker.reward.rubric import check_rubric
 from rollpacker.reward.sandbox import SandboxConfig
 
 OnError = Literal["skip", "fail"]

@@ -12,8 +12,8 @@ A response that holds no answer scores 0; anything that goes wrong while scoring
 
 from __future__ import annotations
 
-from rollpacker.data import toy as toy_task
 from rollpacker.reward.functions import completion_text
+from rollpacker.toy import task as toy_task
 
 
 class RewardError(RuntimeError):

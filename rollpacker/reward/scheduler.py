@@ -133,7 +133,7 @@ class JudgeFunction(RewardFunction):
     on_controller = True
 
     def check_row(self, row: dict) -> None:
-        from rollpacker.data.rubric import check_rubric
+        from rollpacker.reward.rubric import check_rubric
 
         if row.get("rubric") is not None:
             if not isinstance(row["rubric"], str):

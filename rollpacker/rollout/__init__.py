@@ -63,6 +63,8 @@ class EngineKind:
     """It runs a scheduler process of its own on each GPU, which stays while the trainer trains."""
     batches_model_len: bool = False
     """One forward takes up to max(max_prefill_tokens, max_model_len) tokens (vLLM's max_num_batched_tokens)."""
+    plan_sized: bool = False
+    """On GPU it sizes its static memory by the memory plan's bytes of it (:func:`build_engine`'s ``plan_bytes``)."""
 
     @property
     def supports_tp_switch(self) -> bool:
@@ -74,8 +76,9 @@ class EngineKind:
         """Ranks without an engine must join its start (one_step_off's training pool)."""
         return bool(self.world_joiner)
 
-    def load(self, config: EngineConfig, model_path, device, dtype, tp_mesh) -> Engine:
-        return self._builder(self.loader)(config, model_path, device, dtype, tp_mesh)
+    def load(self, config: EngineConfig, model_path, device, dtype, tp_mesh, plan_bytes: float = 0.0) -> Engine:
+        sized = {"plan_bytes": plan_bytes} if self.plan_sized else {}
+        return self._builder(self.loader)(config, model_path, device, dtype, tp_mesh, **sized)
 
     def empty(self, model_args: ModelArgs, config: EngineConfig, device, dtype, tp_mesh) -> Engine:
         return self._builder(self.rebuilder)(model_args, config, device, dtype, tp_mesh)
@@ -101,7 +104,7 @@ ENGINES: dict[str, EngineKind] = {
         "the whole world (its shutdown destroys the trainer's default process group)")),
     "sglang": EngineKind(module="rollpacker.rollout.sglang_engine", nccl_settings="nccl_env", package="sglang",
                          own_drafter=True, releases_weights=True, title="SGLang", scheduler_process=True,
-                         no_tp_switch=(
+                         plan_sized=True, no_tp_switch=(
         "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
         "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }
@@ -132,14 +135,15 @@ def resolve_kind(kind: str, device_type: str, planner: bool = False, native: boo
 
 
 def build_engine(config: EngineConfig, model_path: str | Path, device: torch.device | str,
-                 dtype: torch.dtype, tp_mesh: DeviceMesh | None = None) -> Engine:
+                 dtype: torch.dtype, tp_mesh: DeviceMesh | None = None, plan_bytes: float = 0.0) -> Engine:
     """This rank's rollout engine (replica or TP shard) of ``config.kind`` (``auto``: see
-    :func:`resolve_kind`), loaded from the Hugging Face directory ``model_path``. Imports the chosen
+    :func:`resolve_kind`), loaded from the Hugging Face directory ``model_path``; ``plan_bytes``: the
+    memory plan's bytes of it on one GPU, for an engine that sizes itself by them. Imports the chosen
     engine only."""
     import torch
 
     return ENGINES[resolve_kind(config.kind, torch.device(device).type)].load(config, model_path, device, dtype,
-                                                                              tp_mesh)
+                                                                              tp_mesh, plan_bytes)
 
 
 def sglang_speculative_args(config: EngineConfig, device_type: str) -> dict:

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import multiprocessing
 import os
 import random
@@ -253,15 +254,15 @@ def _import_sglang(on_cpu: bool):
 
 
 def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dtype: torch.dtype, on_cpu: bool,
-                free_bytes: float = 0.0) -> dict:
+                free_bytes: float = 0.0, plan_bytes: float = 0.0) -> dict:
     """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's
     :class:`~rollpacker.model.hf_decoder.DecoderFacts`). Its
     KV holds ``engine.kv_memory_mb`` per rank, as TorchEngine's and vLLM's; on CPU, SGLang's CPU
     device and torch_native attention, no memory saver (it is CUDA-only), and a static memory
     fraction of 0.9: SGLang checks it against the host's free RAM, which other processes move (it
     failed with 0.1 while another rank's engine loaded; the KV stays ``max_total_tokens``). On GPU the
-    fraction is the memory plan's SGLang terms over ``free_bytes``, the GPU memory free at its start
-    (:func:`memory_fraction`). SGLang picks a free port for its schedulers' process group (a fixed one
+    fraction is the memory plan's bytes of this engine (``plan_bytes``) over ``free_bytes``, the GPU memory
+    free at its start (:func:`memory_fraction`). SGLang picks a free port for its schedulers' process group (a fixed one
     collides with another job's)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     port = 30000 + 8 * (rank % 1000)
@@ -270,7 +271,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
         model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
         port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
         random_seed=config.seed, context_length=max_model_len(config, args) + 2,
-        mem_fraction_static=0.9 if on_cpu else memory_fraction(model_path, config, tp, dtype, free_bytes),
+        mem_fraction_static=0.9 if on_cpu else memory_fraction(plan_bytes, free_bytes),
         max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,
         max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
         page_size=config.block_size, disable_cuda_graph=config.enforce_eager,
@@ -281,17 +282,21 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
     ) | ({"device": "cpu", "attention_backend": "torch_native"} if on_cpu else {})
 
 
-def memory_fraction(model_path: str | Path, config: EngineConfig, tp: int, dtype: torch.dtype,
-                    free_bytes: float) -> float:
-    """SGLang's ``mem_fraction_static`` on GPU: :func:`~rollpacker.plan.memory.sglang_memory_fraction`
-    of this engine's plan terms (weights, KV budget, activations, its process) over ``free_bytes``."""
-    from rollpacker.model.hf_decoder import read_config
-    from rollpacker.plan.memory import RolloutSetup, Shape, sglang_memory_fraction
-
-    setup = RolloutSetup(engine="sglang", tp=tp, weight_bytes=dtype.itemsize, kv_bytes=config.kv_memory_mb * 2**20,
-                         max_num_seqs=config.max_num_seqs, prefill_tokens=config.max_prefill_tokens, released=True,
-                         max_model_len=config.max_model_len)
-    return sglang_memory_fraction(Shape.from_hf(read_config(model_path)), setup, free_bytes)
+def memory_fraction(plan_bytes: float, free_bytes: float) -> float:
+    """SGLang's ``mem_fraction_static`` on GPU: the memory plan's bytes of this engine (weights, KV
+    budget, activations, its process: :attr:`~rollpacker.plan.memory.Plan.engine_bytes`) over the GPU
+    memory free when it starts. SGLang 0.5.23 sizes its KV pool as the memory free after loading its
+    weights less ``(1 - fraction)`` of what was free before, capped at ``max_total_tokens`` (the KV
+    budget), and refuses to start when that is not positive (``kv_cache_configurator``). So this
+    fraction gives it the whole budget and leaves the rest to the trainer."""
+    if plan_bytes <= 0:
+        raise ValueError("SGLang on GPU sizes its memory by the memory plan: build it with "
+                         "build_engine(..., plan_bytes=the plan's engine_bytes), as the job does")
+    if plan_bytes >= free_bytes:
+        raise ValueError(f"memory plan: SGLang needs {plan_bytes / 1e9:.1f} GB per GPU (weights, KV budget, "
+                         f"activations, its process) but {free_bytes / 1e9:.1f} GB are free; set a smaller "
+                         "engine.kv_memory_mb or a larger rollout.tp")
+    return min(0.99, math.ceil(1000 * plan_bytes / free_bytes) / 1000)
 
 
 def nccl_env(tp: int) -> dict[str, str]:
@@ -362,8 +367,10 @@ class SGLangEngine:
     logprobs_truncated = False
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, *, tp_mesh=None,
-                 dtype: torch.dtype = torch.bfloat16, bucket_mb: float = 512.0, **server_args):
-        """``server_args`` override or extend SGLang's ``ServerArgs`` (e.g. ``attention_backend``)."""
+                 dtype: torch.dtype = torch.bfloat16, bucket_mb: float = 512.0, plan_bytes: float = 0.0,
+                 **server_args):
+        """``plan_bytes``: the memory plan's bytes of this engine (on GPU, its memory fraction); ``server_args``
+        override or extend SGLang's ``ServerArgs`` (e.g. ``attention_backend``)."""
         self.config = config = config or EngineConfig()
         self.on_cpu = not torch.cuda.is_available()
         sgl = _import_sglang(self.on_cpu)
@@ -405,8 +412,8 @@ class SGLangEngine:
         if self.owner:
             with _without_agent_store(), _keeping_signal_handlers() as restore:
                 free = 0 if self.on_cpu else torch.cuda.mem_get_info()[0]
-                self.engine = sgl.Engine(**engine_args(model_path, config, args, self.tp, dtype, self.on_cpu, free)
-                                         | server_args)
+                self.engine = sgl.Engine(**engine_args(model_path, config, args, self.tp, dtype, self.on_cpu, free,
+                                                       plan_bytes) | server_args)
                 num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop's thread
                 restore(self.engine.loop)
             _STARTED.update((pid, _title(p)) for pid, p in _sglang_processes().items())
@@ -638,10 +645,10 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang {what} failed: {message}")
 
 
-def load(config: EngineConfig, model_path, device, dtype, tp_mesh) -> SGLangEngine:
-    """The registry's loader (:data:`rollpacker.rollout.ENGINES`): this rank's engine, with its
-    speculative decoding as ``engine.speculative`` says."""
+def load(config: EngineConfig, model_path, device, dtype, tp_mesh, plan_bytes: float = 0.0) -> SGLangEngine:
+    """The registry's loader (:data:`rollpacker.rollout.ENGINES`): this rank's engine, sized by the memory
+    plan's ``plan_bytes`` on GPU, with its speculative decoding as ``engine.speculative`` says."""
     from rollpacker.rollout import sglang_speculative_args
 
-    return SGLangEngine(model_path, config, tp_mesh=tp_mesh, dtype=dtype,
+    return SGLangEngine(model_path, config, tp_mesh=tp_mesh, dtype=dtype, plan_bytes=plan_bytes,
                         **sglang_speculative_args(config, torch.device(device).type))

@@ -19,13 +19,38 @@ import bisect
 import collections
 import logging
 import math
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Literal
 
+from rollpacker.choices import check_choices
 from rollpacker.schedule.round import RoundHooks, RoundState, ScaledDown
 from rollpacker.topology import kept_replicas
-from rollpacker.train.config import StreamConfig
 
 logger = logging.getLogger(__name__)
+
+@dataclass(kw_only=True)
+class StreamConfig:
+    """Stream training (paper §4.4): ranks freed from rollout train on finished groups meanwhile."""
+
+    enabled: bool = False
+    """Scale rollout down to half its replicas once enough prompts are complete; the freed ranks train."""
+    trigger: float = 0.0
+    """0: adaptive (docs/stream.md); else scale down unconditionally at this completed fraction."""
+    fetch_cap: float = 0.0
+    """0: fetch every group as it completes; else fetch once, at most this fraction of the round's groups."""
+    length_quantile: float = 0.9
+    """KV projection: a running request ends at this quantile of past lengths longer than its own so far."""
+    criterion: Literal["kv", "throughput"] = "throughput"
+    """Adaptive trigger: kv (the paper's KV fit) or throughput (the KV fit, and it must pay; docs/stream.md)."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "stream")
+        for name in ("trigger", "fetch_cap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"stream.{name} must be in [0, 1], got {getattr(self, name)}")
+        if not 0 < self.length_quantile <= 1:
+            raise ValueError(f"stream.length_quantile must be in (0, 1], got {self.length_quantile}")
+
 
 MILESTONES = (4, 10)
 """Scale-down looks happen between 4/20 and 10/20 of the round's prompts complete, in steps of 1/20."""

@@ -33,7 +33,7 @@ Where each default comes from (none is fitted to the paper's Table 2):
   0.8 per-iteration scheduling, sampling and Python bookkeeping, and NCCL's small-message latency
   inside a node. :func:`fit_calibration` refits the two overheads and the decode efficiency from a
   measured decode curve (``python -m rollpacker.bench engine --out profile.json``, or the planner's
-  profile, ``python -m rollpacker.plan.profile``).
+  profile, ``python -m rollpacker.profile``).
 - ``memory_utilization = 0.8``, ``activation_reserve_gb = 3``: what the engine may take of HBM
   (vLLM's ``gpu_memory_utilization``) and keeps for activations and CUDA graphs.
 - ``train_efficiency = 0.165``: fitted to the paper's Table 1 (training is 21–23% of a veRL step
@@ -271,7 +271,7 @@ def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibra
         Calibration, Hardware]:
     """Refit ``step_overhead_s`` and ``decode_flops_efficiency`` to a decode curve measured by
     ``python -m rollpacker.bench engine --out profile.json`` (TorchEngine, one replica), or to the
-    TP=1 curve of a planner profile (``python -m rollpacker.plan.profile``).
+    TP=1 curve of a planner profile (``python -m rollpacker.profile``).
 
     The curve gives ms per decode iteration against running requests N at a short context. A line
     ``ms = a + s * N`` is fitted by least squares; ``a`` is the iteration overhead and the slope is
@@ -281,7 +281,7 @@ def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibra
     calibration and the profiled machine as a :class:`Hardware` (a CPU: compute-bound).
     """
     record = profile if isinstance(profile, dict) else json.loads(Path(profile).read_text())
-    if "tp" in record:  # a planner profile (python -m rollpacker.plan.profile): its TP=1 curve, shortest context
+    if "tp" in record:  # a planner profile (python -m rollpacker.profile): its TP=1 curve, shortest context
         entry = record["tp"]["1"]
         context = min(entry["decode_ms"], key=int)
         record = {"decode_ms_per_iter": entry["decode_ms"][context], "context_len": [int(context)],
@@ -317,7 +317,7 @@ def _interp(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ProfiledCost:
-    """One replica's rollout costs read off a measured profile (``python -m rollpacker.plan.profile``)
+    """One replica's rollout costs read off a measured profile (``python -m rollpacker.profile``)
     instead of a roofline: the cost model of the machine that was profiled, for checking the
     simulator against runs there (``python -m rollpacker.sim validate``). Nothing is fitted: a
     decode iteration costs the profile's time for that many running requests at that mean context

@@ -48,7 +48,7 @@ class GrowthArgs:
 
 
 def linear_profile(growth: float) -> dict:
-    """A profile (``python -m rollpacker.plan.profile``'s format) whose decode iteration costs
+    """A profile (``python -m rollpacker.profile``'s format) whose decode iteration costs
     ``STEP_MS * (1 + growth * (running - 1))`` at every context, with free prefill and exchange."""
     decode = {str(b): STEP_MS * (1 + growth * (b - 1)) for b in BATCHES}
     return {"exchange_ms": 0.0, "tp": {"1": {"kv_capacity_tokens": 10**9, "decode_ms": {"64": decode},

@@ -30,7 +30,7 @@ from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
 from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
-from rollpacker.schedule.scale_down import ScaleDown, StreamRound
+from rollpacker.schedule.scale_down import ScaleDown, StreamConfig, StreamRound
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
@@ -38,7 +38,6 @@ from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEpisode, ScriptedRe
 from rollpacker.sim.speculation import SpecSimConfig
 from rollpacker.sim.workload import RewardModel, TraceLengths, adaptive_timeouts, read_length_trace
 from rollpacker.topology import Topology
-from rollpacker.train.config import StreamConfig
 
 
 @dataclass(kw_only=True)

@@ -10,7 +10,7 @@ very lengths :class:`~rollpacker.data.lengths.LengthModel` gives the simulator f
   it barely does (memory-bound, as GPUs are).
 
 For each regime: the engine is profiled under torchrun with the job's own flags
-(``python -m rollpacker.plan.profile``: decode ms by running requests and context, prefill
+(``python -m rollpacker.profile``: decode ms by running requests and context, prefill
 throughput, KV capacity), each policy's job runs (``bench schedulers``' launcher), and the
 simulator drives the same policy objects through :class:`~rollpacker.sim.cost.ProfiledCost`
 replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout time per step
@@ -155,7 +155,7 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
     profile_argv = ["--preset", "toy-cpu", *PROFILE_FLAGS[profiled(regime)],
                     *regime_flags(profiled(regime), args, extra), "--plan.profile", str(profile)]
     if not kept(base / "profile.argv.json", profile_argv, args.fresh):  # the regime's flags override the points
-        torchrun("rollpacker.plan.profile", profile_argv, base / "profile.argv.json")
+        torchrun("rollpacker.profile", profile_argv, base / "profile.argv.json")
     label = label or policy
     run_dir = where / label
     argv = job_argv(JobArgs(), [*flags, *variant], policy_args(policy), args.seed, str(run_dir))

@@ -17,33 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rollpacker.choices import check_choices
-
-
-@dataclass(kw_only=True)
-class LoraConfig:
-    """LoRA (rollpacker.model.lora): only low-rank adapters train; the base stays frozen."""
-
-    rank: int = 0
-    """Rank of the adapters (0 = off: every weight trains)."""
-    alpha: float = 16.0
-    """Scaling numerator: an adapter adds (alpha / rank) x B A to its weight."""
-    dropout: float = 0.0
-    """Dropout on an adapter's input while training."""
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """Linear layers that get adapters, by module name ("all-linear": every linear but the output head)."""
-    export_merged: bool = False
-    """At export, also write the merged weights as a whole Hugging Face model (run_dir/hf_merged)."""
-
-    def __post_init__(self) -> None:
-        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
-            raise ValueError(f"train.lora: rank must be >= 0 (got {self.rank}), alpha > 0 (got {self.alpha}) and "
-                             f"dropout in [0, 1) (got {self.dropout})")
-        if self.rank and not self.target_modules:
-            raise ValueError("train.lora.target_modules is empty: name the linear layers to adapt (e.g. q_proj v_proj)")
-        bad = [m for m in self.target_modules if m in ("lm_head", "embed_tokens")]
-        if bad:
-            raise ValueError(f"train.lora.target_modules names {bad}: rollpacker adapts the decoder layers' linears "
-                             "only (the output head and embedding can be tied); drop them")
+from rollpacker.model.config import MemoryConfig
 
 
 @dataclass(kw_only=True)
@@ -71,7 +45,9 @@ class TeacherConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(MemoryConfig):
+    """The trainer's settings; its memory settings (:class:`~rollpacker.model.config.MemoryConfig`) are the model's."""
+
     skip: bool = False
     """Roll out and score only: no optimizer step, no weight push (rollout measured alone)."""
     lr: float = 2e-4
@@ -131,31 +107,20 @@ class TrainConfig:
     """token_tis, seq_tis: weights truncated at this; token_mask, seq_mask: ratios above it contribute nothing."""
     train_shard_size: int = 0
     """Ranks that FSDP2 shards one training replica over (HSDP: replicas = world / this); 0 = world."""
-    mixed_precision: bool = True
-    """bf16 compute with fp32 master weights and gradient reduction, on GPU only (CPU stays fp32)."""
     logprobs_impl: Literal["auto", "triton", "torch"] = "auto"
     """Token log-probs: triton (fused, vocab-tiled kernel), torch (chunked over tokens), auto (triton on CUDA)."""
     max_skipped_steps: int = 3
     """Stop the run after this many consecutive steps skipped for a non-finite loss or gradient (0 = never stop)."""
-    # ---- memory (rollpacker.model.parallelize, rollpacker.plan.memory) ----
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block) or selective (see ac_every and ac_part)."""
-    ac_every: int = 2
-    """selective: checkpoint every this many blocks (1: all of them)."""
-    ac_part: Literal["block", "attention", "mlp"] = "block"
-    """selective: what a checkpointed block recomputes: the whole block, its attention or its MLP."""
-    offload: bool = False
-    """Keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy); the KL reference too."""
     reduce_every_micro_batch: bool = False
     """Reduce-scatter gradients after every micro-batch: kept sharded (4/N bytes a parameter, not 4), more traffic."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choices(self, "train")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("lr", "micro_batch_tokens", "adam_eps", "mini_batches", "epochs", "ac_every"):
+        for name in ("lr", "micro_batch_tokens", "adam_eps", "mini_batches", "epochs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",
@@ -172,27 +137,3 @@ class TrainConfig:
         if self.kl_in_reward and not self.kl_coef:
             raise ValueError("train.kl_in_reward with train.kl_coef=0: there is no KL to put in the reward; "
                              "set train.kl_coef > 0")
-
-
-@dataclass(kw_only=True)
-class StreamConfig:
-    """Stream training (paper §4.4): ranks freed from rollout train on finished groups meanwhile."""
-
-    enabled: bool = False
-    """Scale rollout down to half its replicas once enough prompts are complete; the freed ranks train."""
-    trigger: float = 0.0
-    """0: adaptive (see this module's docstring); else scale down unconditionally at this completed fraction."""
-    fetch_cap: float = 0.0
-    """0: fetch every group as it completes; else fetch once, at most this fraction of the round's groups."""
-    length_quantile: float = 0.9
-    """KV projection: a running request ends at this quantile of past lengths longer than its own so far."""
-    criterion: Literal["kv", "throughput"] = "throughput"
-    """Adaptive trigger: kv (the paper's KV fit) or throughput (the KV fit, and it must pay; see the docstring)."""
-
-    def __post_init__(self) -> None:
-        check_choices(self, "stream")
-        for name in ("trigger", "fetch_cap"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"stream.{name} must be in [0, 1], got {getattr(self, name)}")
-        if not 0 < self.length_quantile <= 1:
-            raise ValueError(f"stream.length_quantile must be in (0, 1], got {self.length_quantile}")

@@ -21,8 +21,7 @@ import pickle
 import time
 from typing import Any
 
-from rollpacker.schedule.scale_down import PipeRound, ScaleDown, StreamRound
-from rollpacker.train.config import StreamConfig
+from rollpacker.schedule.scale_down import PipeRound, ScaleDown, StreamConfig, StreamRound
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ VF_ENV = '''
 import verifiers as vf
 from datasets import Dataset
 
-from rollpacker.data.toy import score
+from rollpacker.toy.task import score
 from rollpacker.env.verifiers import factory
 
 
@@ -61,10 +61,10 @@ make_tool_env = factory(lambda: vf.ToolEnv(tools=[add], max_turns=3, rubric=vf.R
 def toy_engine():
     import torch
 
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.model import toy_model_dir
 
     return TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32), EngineConfig())
 
@@ -72,15 +72,15 @@ def toy_engine():
 def toy_bridge():
     from transformers import AutoTokenizer
 
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.env.render import ChatBridge
+    from rollpacker.toy.model import toy_model_dir
 
     return ChatBridge(AutoTokenizer.from_pretrained(toy_model_dir()))
 
 
 def chat_rows(n: int, **extra) -> list[dict]:
     """Toy problems as chat rows: the toy template renders the user turn as the toy task's prompt."""
-    from rollpacker.data.toy import make_dataset
+    from rollpacker.toy.task import make_dataset
 
     return [{**row, "prompt": [{"role": "user", "content": row["prompt"][3:-3]}], **extra}
             for row in make_dataset(n, seed=11, alpha=1.6)]
@@ -107,7 +107,7 @@ def test_a_verifiers_multiturn_env_runs_its_loop_and_rubric_on_engine_turns(vf_f
         assert e.prompt_ids == bridge.encode(f"Q: {row['prompt'][0]['content']}\nA:")
         assert e.done.reason in ("terminated", "length"), e.done
         if e.done.reason == "terminated":  # the rubric scored the rollout: the last answer's correctness
-            from rollpacker.data.toy import score
+            from rollpacker.toy.task import score
 
             (reward,) = e.step_rewards.values()
             assert reward == score(e.messages[-1]["content"], row["answer"])

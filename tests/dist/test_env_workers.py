@@ -56,12 +56,12 @@ def test_toy_episodes_with_the_toy_model_and_environments_in_workers():
     import torch
     from transformers import AutoTokenizer
 
-    from rollpacker.data.toy import make_dataset
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.env.render import ChatBridge
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.model import toy_model_dir
+    from rollpacker.toy.task import make_dataset
     from tests.support.episodes import run_episodes
 
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())

@@ -46,7 +46,7 @@ def one_in_ten(completions, id, trainer_state, **kwargs):  # fails on rows:3, ro
 
 def write_task(tmp_path: Path) -> Path:
     """NUM_ROWS toy problems as chat messages (the toy model's template renders them) and the functions."""
-    from rollpacker.data import toy
+    from rollpacker.toy import task as toy
 
     rows = [{"prompt": [{"role": "user", "content": r["prompt"][3:-3]}], "answer": r["answer"]}
             for r in toy.make_dataset(NUM_ROWS, seed=0)]
@@ -114,7 +114,7 @@ def test_ctrl_c_stops_cleanly_and_resume_passes_a_damaged_checkpoint_training_ea
     from transformers import AutoTokenizer
 
     from rollpacker.data.chat import encode, render
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     write_task(tmp_path)
     run_dir = tmp_path / "run"

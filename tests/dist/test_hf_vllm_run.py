@@ -22,7 +22,7 @@ SHAPE = dict(vocab_size=258, hidden_size=128, intermediate_size=256, num_attenti
 
 
 def model_with_toy_tokenizer(path, kind):
-    from rollpacker.data.toy_model import build_tokenizer, save_tokenizer
+    from rollpacker.toy.model import build_tokenizer, save_tokenizer
 
     make_hf_model(path, kind, **SHAPE)
     save_tokenizer(build_tokenizer(), path)

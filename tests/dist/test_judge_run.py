@@ -12,7 +12,7 @@ import pytest
 from support.jobs import launch_job
 
 from rollpacker.config import load_preset, parse
-from rollpacker.data.toy_model import toy_model_dir
+from rollpacker.toy.model import toy_model_dir
 
 SCORES_2 = "{prompt}{response}\nQ: 1+1\nA: 1+1=2\n#### "  # the toy model's verdict: "2"
 UNPARSEABLE = "{prompt}{response}\nQ: 1+1\nA:"  # the toy model's verdict: " " (it answers " 1+1=2")

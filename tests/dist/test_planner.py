@@ -24,7 +24,7 @@ def test_the_profiler_cli_writes_a_profile_the_planner_reads(tmp_path):
     path = tmp_path / "profile.json"
     flags = ["--plan.profile", str(path), "--plan.profile-batches", "1", "2", "--plan.profile-contexts", "16", "40",
              "--plan.profile-steps", "2"]
-    proc = launch_job(*flags, nproc=1, module="rollpacker.plan.profile", timeout=300)
+    proc = launch_job(*flags, nproc=1, module="rollpacker.profile", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"wrote {path}" in proc.stdout and "TP 1: KV capacity" in proc.stdout
     profile = json.loads(path.read_text())

@@ -95,8 +95,8 @@ JUDGED = [  # (row, response, reward with max_score 7; None: a reward_error)
 
 
 def judge_config(**overrides):
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.reward.config import JudgeConfig
+    from rollpacker.toy.model import toy_model_dir
 
     return JudgeConfig(model_path=str(toy_model_dir()), rubric=ADDER, max_score=7, max_tokens=14, **overrides)
 

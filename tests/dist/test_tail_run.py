@@ -45,8 +45,8 @@ def test_the_run_ends_with_its_policy_as_a_hugging_face_model(reference, tmp_pat
     from transformers import AutoTokenizer
 
     from rollpacker.checkpoint import latest
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
+    from rollpacker.toy.model import toy_model_dir
 
     dcp_to_torch_save(latest(reference), tmp_path / "final.pt")
     final = torch.load(tmp_path / "final.pt")["model"]

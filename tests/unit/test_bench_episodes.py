@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from rollpacker.bench.episodes import Args, HeavyTailEnv, latency_sampler
-from rollpacker.data.toy import make_dataset
+from rollpacker.toy.task import make_dataset
 
 
 def test_lognormal_latency_has_its_mean_and_is_deterministic():

@@ -115,7 +115,8 @@ def test_every_registered_algorithm_piece_is_a_cli_choice():
 ])
 def test_streaming_refuses_what_a_group_cannot_finish_alone(settings, message):
     from rollpacker.config import Config
-    from rollpacker.train.config import StreamConfig, TrainConfig
+    from rollpacker.schedule.scale_down import StreamConfig
+    from rollpacker.train.config import TrainConfig
 
     with pytest.raises(ValueError, match=f"stream.enabled with {message}"):
         Config(train=TrainConfig(**settings), stream=StreamConfig(enabled=True))

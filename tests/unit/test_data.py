@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from rollpacker.data import toy
 from rollpacker.data.dataset import DataConfig, DatasetError, PromptSampler, load_rows
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import build_functions, check_row
+from rollpacker.toy import task as toy
 
 
 def write(tmp_path, lines: list[str], name: str = "train.jsonl") -> str:
@@ -267,7 +267,7 @@ def test_verl_parquet_and_chat_prompts_reach_the_token_ids(tmp_path):
 
     from rollpacker.config import Config
     from rollpacker.controller import encode
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     path = tmp_path / "rl.parquet"
     pd.DataFrame({"prompt": [[{"role": "user", "content": "3+5"}],

@@ -83,7 +83,8 @@ def test_a_student_equal_to_its_teacher_gets_no_signal(qwen2_dir, in_loss):
 
 def test_teacher_config_and_stream_refusal():
     from rollpacker.config import Config
-    from rollpacker.train.config import StreamConfig, TeacherConfig, TrainConfig
+    from rollpacker.schedule.scale_down import StreamConfig
+    from rollpacker.train.config import TeacherConfig, TrainConfig
 
     with pytest.raises(ValueError, match="train.teacher.coef"):
         TeacherConfig(coef=-1)
@@ -97,9 +98,9 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.errors import UserError
     from rollpacker.job import check_teacher
+    from rollpacker.toy.model import toy_model_dir
 
     check_teacher(toy_model_dir(), str(toy_model_dir()))
     other = tmp_path / "other"

@@ -322,10 +322,10 @@ def test_stop_string_ends_generation_on_the_toy_model():
     """A stop string ends the response at the token completing it; the text is cut before it."""
     from transformers import AutoTokenizer
 
-    from rollpacker.data import toy
     from rollpacker.data.chat import cut_at_stop
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.rollout.engine import text_decoder
+    from rollpacker.toy import task as toy
+    from rollpacker.toy.model import toy_model_dir
 
     path = toy_model_dir()
     decode = text_decoder(path)

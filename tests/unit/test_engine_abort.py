@@ -7,11 +7,11 @@ from __future__ import annotations
 def test_abort_frees_engine_memory():
     import torch
 
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import Request, SamplingParams
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.model import toy_model_dir
 
     engine = TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32),
                          EngineConfig(kv_memory_mb=1, block_size=4), None)

@@ -202,8 +202,8 @@ def test_tools_around_an_environment_step_it_when_the_model_answers(files):
 
 
 def test_the_toy_environment_gives_another_try_after_a_wrong_answer():
-    from rollpacker.data.toy import make_dataset, solution
-    from rollpacker.env.toy import LATER, make_env
+    from rollpacker.toy.env import LATER, make_env
+    from rollpacker.toy.task import make_dataset, solution
 
     row = make_dataset(1, seed=3)[0]
     right, wrong = solution(row), solution(row).rsplit("####", 1)[0] + "#### 1000"

@@ -80,7 +80,7 @@ def test_toy_canonical_tokens_and_deltas_are_the_whole_render_but_for_the_eos_th
     the template's "\\n" follows it."""
     from transformers import AutoTokenizer
 
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
     bridge = ChatBridge(tokenizer)
@@ -124,7 +124,7 @@ def test_a_turn_cut_on_the_templates_end_of_turn_token_gets_the_whole_end_of_tur
     follows, so the tokens are the render of the conversation with that turn as its content."""
     from transformers import AutoTokenizer
 
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())
     bridge = ChatBridge(tokenizer)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollpacker.data.toy_model import toy_model_dir
 from rollpacker.model import CausalAttention, ModelArgs, Transformer, load_model
 from rollpacker.reward.judge import (
     Judge,
@@ -21,6 +20,7 @@ from rollpacker.reward.judge import (
     parse_verdict,
 )
 from rollpacker.reward.rules import RewardError
+from rollpacker.toy.model import toy_model_dir
 
 ADDER = "Q: {prompt}+{response}\nA: {prompt}+{response}="
 PAIRS = [("3", "4"), ("2", "5"), ("1", "1"), ("40", "6"), ("8", "1+2+3+4+5+6+7+8+9-9-8-7-6")]

@@ -16,7 +16,7 @@ SCORES_2 = "{prompt}{response}\nQ: 1+1\nA: 1+1=2\n#### "  # the toy model's verd
 
 
 def load(path: str, funcs: tuple[str, ...] = ("judge",)) -> list[dict]:
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     functions = build_functions(RewardConfig(funcs=funcs, judge=JudgeConfig(model_path=str(toy_model_dir()))))
     return load_rows(DataConfig(path=path), lambda row: check_row(functions, row))

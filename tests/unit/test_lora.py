@@ -14,8 +14,9 @@ PROMPT = [3, 9, 4, 17, 22, 5]
 def lora_trainer(path, impl: str = "native", **train):
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
+    from rollpacker.model.config import LoraConfig
     from rollpacker.model.hf_decoder import load_hf
-    from rollpacker.train.config import LoraConfig, TrainConfig
+    from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import Trainer
 
     meshes = build_meshes(1, 0)
@@ -105,7 +106,7 @@ def test_engine_after_a_push_generates_what_the_merged_model_generates(qwen2_dir
 
 
 def test_lora_config_names_bad_settings():
-    from rollpacker.train.config import LoraConfig
+    from rollpacker.model.config import LoraConfig
 
     with pytest.raises(ValueError, match="train.lora"):
         LoraConfig(rank=-1)

@@ -202,7 +202,11 @@ def test_torch_engine_workspace_under_the_plans_bound(toy_random_dir):
 def test_sglang_memory_fraction_leaves_sglang_its_kv_budget():
     """SGLang 0.5.23 (kv_cache_configurator._profile_available_bytes): KV = (free after its weights) - (free before)
     x (1 - mem_fraction_static), capped at max_total_tokens; it refuses to start when that is not positive."""
-    from rollpacker.plan.memory import engine_terms, sglang_memory_fraction
+    from rollpacker.plan.memory import engine_terms
+    from rollpacker.rollout.sglang_engine import memory_fraction
+
+    def sglang_memory_fraction(shape, setup, free):
+        return memory_fraction(sum(t.bytes for t in engine_terms(shape, setup)), free)
 
     setup = _rollout("sglang")
     weights = QWEN7B.num_params * 2 / 2
@@ -224,9 +228,9 @@ def test_the_plan_counts_lora_adapters_as_peft_makes_them(qwen2_dir):
     and AdamW state, so the 32B preset fits without offload (the full model does not)."""
     from rollpacker.config import parse
     from rollpacker.model import load_model, lora
+    from rollpacker.model.config import LoraConfig
     from rollpacker.model.hf_decoder import read_config
     from rollpacker.plan.memory import GB, Shape, config_plan, lora_params, model_shape
-    from rollpacker.train.config import LoraConfig
 
     for targets in (("q_proj", "v_proj"), ("all-linear",)):
         model = lora.apply(load_model(qwen2_dir), LoraConfig(rank=4, target_modules=targets))

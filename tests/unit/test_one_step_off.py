@@ -14,7 +14,8 @@ from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule.one_step_off import OneStepOffConfig, OneStepOffPolicy
-from rollpacker.train.config import StreamConfig, TrainConfig
+from rollpacker.schedule.scale_down import StreamConfig
+from rollpacker.train.config import TrainConfig
 
 
 def test_policy_stamps_the_staleness_of_its_weights():
@@ -68,9 +69,9 @@ def test_the_rollout_pool_knows_the_trainers_parameters_from_the_model_directory
     directory's architecture, on the meta device) are the trainer's, in order."""
     import torch
 
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
     from rollpacker.rollout.weights import parameter_shapes
+    from rollpacker.toy.model import toy_model_dir
 
     trainer_side = parameter_shapes(load_model(toy_model_dir(), torch.device("cpu"), torch.float32), toy_model_dir())
     assert trainer_side == parameter_shapes(None, toy_model_dir()) and len(trainer_side) > 10

@@ -16,10 +16,10 @@ from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.schedule.base import Group, RoundPlan
 from rollpacker.schedule.round import Round, RoundState
-from rollpacker.schedule.scale_down import PipeRound, ScaleDown
+from rollpacker.schedule.scale_down import PipeRound, ScaleDown, StreamConfig
 from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 from rollpacker.schedule.tail import TailConfig
-from rollpacker.train.config import StreamConfig, TrainConfig
+from rollpacker.train.config import TrainConfig
 
 
 class FakeSink:
@@ -74,11 +74,11 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
 def test_engine_admits_the_best_priority_first():
     import torch
 
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import Request, SamplingParams
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.model import toy_model_dir
 
     engine = TorchEngine(load_model(toy_model_dir(), torch.device("cpu"), torch.float32),
                          EngineConfig(kv_memory_mb=1, block_size=4, max_num_seqs=1), None)

@@ -99,7 +99,7 @@ def test_default_tp_from_a_profile_by_hand():
 
 def test_profile_round_trips_and_a_mismatch_is_refused(tmp_path):
     config = parse(["--plan.profile-dir", str(tmp_path)])
-    from rollpacker.data.toy_model import toy_model_dir
+    from rollpacker.toy.model import toy_model_dir
 
     key = profile_key(config, toy_model_dir(), "cpu test", 2)
     profile = {"key": key, "tp": {"1": entry(100, 1.0, 2.0)}}
@@ -118,10 +118,10 @@ def test_profile_round_trips_and_a_mismatch_is_refused(tmp_path):
 
 
 def test_engine_memory_mb_gives_the_kv_cache_what_the_weights_leave():
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.model import toy_model_dir
 
     model = load_model(toy_model_dir())
     weights = sum(p.nbytes for p in model.parameters())  # tied embedding counted once

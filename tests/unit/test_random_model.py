@@ -1,4 +1,4 @@
-"""``rollpacker.data.random_model``: a Qwen2-shaped random model in HF format that our loader and
+"""``rollpacker.toy.random_model``: a Qwen2-shaped random model in HF format that our loader and
 transformers both read, with the toy tokenizer."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollpacker.data.random_model import RandomModelConfig, write
+from rollpacker.toy.random_model import RandomModelConfig, write
 
 
 def test_writes_a_model_both_loaders_read_with_the_same_logits(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollpacker.data import toy
 from rollpacker.reward import RewardError, math_reward, rules, toy_reward
+from rollpacker.toy import task as toy
 
 
 @pytest.mark.parametrize(

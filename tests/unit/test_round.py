@@ -10,9 +10,8 @@ from support.fakes import single_turn_runner
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.schedule.round import Round, RoundState, Seen
-from rollpacker.schedule.scale_down import ScaleDown, StreamRound
+from rollpacker.schedule.scale_down import ScaleDown, StreamConfig, StreamRound
 from rollpacker.schedule.sync import SyncPolicy
-from rollpacker.train.config import StreamConfig
 
 
 class Scores:

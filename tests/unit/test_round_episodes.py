@@ -16,11 +16,10 @@ from rollpacker.env.contract import StepResult
 from rollpacker.env.episode import Episode, Response, reset_seed, turn_seed
 from rollpacker.schedule.round import Round, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
-from rollpacker.schedule.scale_down import ScaleDown, StreamRound
+from rollpacker.schedule.scale_down import ScaleDown, StreamConfig, StreamRound
 from rollpacker.schedule.sorted import SortedConfig
 from rollpacker.schedule.sync import SyncConfig
 from rollpacker.schedule.tail import TailConfig
-from rollpacker.train.config import StreamConfig
 
 SEED = 3
 OBS = 900

@@ -149,9 +149,9 @@ def test_cpu_binding_gives_each_local_rank_its_share_of_the_cores():
 
 
 def test_engine_args_size_the_kv_like_the_other_engines_and_pick_the_cpu_path():
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model.hf import read_args
     from rollpacker.rollout.config import EngineConfig
+    from rollpacker.toy.model import toy_model_dir
 
     args = read_args(toy_model_dir())
     config = EngineConfig(kind="sglang", kv_memory_mb=4, max_num_seqs=8)
@@ -164,10 +164,18 @@ def test_engine_args_size_the_kv_like_the_other_engines_and_pick_the_cpu_path():
     assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native"
     assert not cpu["enable_memory_saver"] and cpu["enable_deterministic_inference"]
     assert cpu["mem_fraction_static"] == 0.9
-    gpu = engine_args(toy_model_dir(), config, args, 2, torch.bfloat16, on_cpu=False, free_bytes=8e9)
+    from rollpacker.model.hf_decoder import read_config
+    from rollpacker.plan.memory import RolloutSetup, Shape, engine_terms
+
+    setup = RolloutSetup(engine="sglang", tp=2, weight_bytes=2, kv_bytes=config.kv_memory_mb * 2**20,
+                         max_num_seqs=config.max_num_seqs, prefill_tokens=config.max_prefill_tokens, released=True,
+                         max_model_len=config.max_model_len)
+    plan_bytes = sum(t.bytes for t in engine_terms(Shape.from_hf(read_config(toy_model_dir())), setup))
+    gpu = engine_args(toy_model_dir(), config, args, 2, torch.bfloat16, on_cpu=False, free_bytes=8e9,
+                      plan_bytes=plan_bytes)
     assert gpu["enable_memory_saver"] and "device" not in gpu and gpu["tp_size"] == 2
     # the memory plan's SGLang terms over the free memory: its process's 2 GB allowance dominates the toy model
-    assert gpu["mem_fraction_static"] == memory_fraction(toy_model_dir(), config, 2, torch.bfloat16, 8e9)
+    assert gpu["mem_fraction_static"] == memory_fraction(plan_bytes, 8e9)
     assert 0.25 < gpu["mem_fraction_static"] < 0.3
     half_heads = 2 * args.num_layers * max(1, args.num_kv_heads // 2) * args.head_dim * 2  # bf16, TP 2
     assert gpu["max_total_tokens"] == 4 * 2**20 // half_heads

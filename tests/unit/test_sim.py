@@ -198,7 +198,7 @@ def test_kv_capacity_shrinks_with_the_weights_and_grows_with_tp():
 
 
 def test_calibration_is_fitted_from_a_measured_decode_curve():
-    shape = ModelShape.from_hf_config(Path(__file__).parents[2] / "rollpacker/data/toy_model/config.json")
+    shape = ModelShape.from_hf_config(Path(__file__).parents[2] / "rollpacker/toy/weights/config.json")
     peak, context = 50e9, 20.0
     per_token = 2 * shape.matmul_params + shape.attention_flops(context)
     slope_ms = per_token / (peak * 0.2) * 1e3  # 20% of peak per request
@@ -345,9 +345,8 @@ def stream_round(scale_down):
 
 
 def test_a_scale_down_migrates_by_recomputation_and_the_freed_gpus_train_what_completes():
-    from rollpacker.schedule.scale_down import ScaleDown
+    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
     from rollpacker.sim.simulate import streamed_gpu_s
-    from rollpacker.train.config import StreamConfig
 
     decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=10)
     rnd, reps = stream_round(decider)
@@ -374,9 +373,8 @@ def test_a_scale_down_migrates_by_recomputation_and_the_freed_gpus_train_what_co
 
 
 def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
-    from rollpacker.schedule.scale_down import ScaleDown
+    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
     from rollpacker.sim.simulate import step_times, streamed_gpu_s
-    from rollpacker.train.config import StreamConfig
 
     rnd, _ = stream_round(ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1,
                                     max_new_tokens=10))
@@ -397,8 +395,7 @@ def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
 
 @pytest.mark.parametrize("capacity,scaled", [(39, None), (40, 0.5), (60, 0.25)])
 def test_a_projected_kv_overflow_cancels_the_scale_down(capacity, scaled):
-    from rollpacker.schedule.scale_down import ScaleDown
-    from rollpacker.train.config import StreamConfig
+    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
 
     # The adaptive trigger looks at 1 and 2 of 4 prompts complete. At 1 (4 s): six requests of 1 + 2 tokens,
     # none of the history [2, 2] longer, so each runs to max_new_tokens (8 more): peak 6 x 3 + 6 x 7 = 60
@@ -417,9 +414,8 @@ def test_stream_without_the_reward_scheduler_is_refused():
 def test_the_simulator_drives_the_decision_the_controllers_stream_trainer_uses():
     from types import SimpleNamespace
 
-    from rollpacker.schedule.scale_down import ScaleDown
+    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
     from rollpacker.topology import Topology
-    from rollpacker.train.config import StreamConfig
     from rollpacker.train.stream import StreamTrainer
 
     meshes = SimpleNamespace(topology=Topology(2, tp=1, train_shard_size=1), rank=0)  # 2 replicas, shard groups of 1

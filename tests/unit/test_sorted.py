@@ -355,11 +355,11 @@ def test_stale_tokens_are_weighted_by_truncated_importance_sampling():
 
 
 def test_partial_resume_across_a_weight_change_concatenates_each_segments_logprobs():
-    from rollpacker.data.toy_model import toy_model_dir
     from rollpacker.model import CausalAttention, load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import Request, SamplingParams, generate
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.toy.model import toy_model_dir
 
     def recompute(model, prompt, tokens):
         """Teacher-forced log-probs of ``tokens`` after ``prompt`` (temperature 1)."""

@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 from support.fakes import InstantRewards, single_turn_runner
 
-from rollpacker.schedule.scale_down import ScaleDown, StepCost, Trigger, decode_seconds, peak_kv_tokens, steps_left
-from rollpacker.train.config import StreamConfig
+from rollpacker.schedule.scale_down import (
+    ScaleDown,
+    StepCost,
+    StreamConfig,
+    Trigger,
+    decode_seconds,
+    peak_kv_tokens,
+    steps_left,
+)
 
 
 def test_adaptive_trigger_looks_at_5_percent_milestones_between_20_and_50():

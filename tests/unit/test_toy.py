@@ -8,9 +8,10 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from rollpacker.data import toy, toy_model
-from rollpacker.data.toy_model import TOY_MODEL_DIR, toy_model_dir
 from rollpacker.model import load_model
+from rollpacker.toy import model as toy_model
+from rollpacker.toy import task as toy
+from rollpacker.toy.model import TOY_MODEL_DIR, toy_model_dir
 
 
 def test_dataset_is_deterministic_by_seed():

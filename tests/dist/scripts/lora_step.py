@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from rollpacker.dist import build_meshes
 from rollpacker.model import CausalAttention, load_model, lora, save_model
+from rollpacker.model.config import LoraConfig
 from rollpacker.model.hf_decoder import load_hf, save_hf
-from rollpacker.train.config import LoraConfig, TrainConfig
+from rollpacker.train.config import TrainConfig
 from rollpacker.train.trainer import Sample, Trainer
 
 PROMPT = [3, 9, 4, 17, 22, 5]

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from rollpacker.dist import build_meshes
 from rollpacker.model import load_model
-from rollpacker.train.config import StreamConfig, TrainConfig
+from rollpacker.schedule.scale_down import StreamConfig
+from rollpacker.train.config import TrainConfig
 from rollpacker.train.losses import normalizer
 from rollpacker.train.stream import StreamTrainer
 from rollpacker.train.trainer import Sample, Trainer

@@ -8,11 +8,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from rollpacker.data import toy  # noqa: E402
-from rollpacker.data.toy_model import toy_model_dir  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
 from rollpacker.rollout.engine import Request, SamplingParams, generate, spec_metrics  # noqa: E402
+from rollpacker.toy import task as toy  # noqa: E402
+from rollpacker.toy.model import toy_model_dir  # noqa: E402
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ Why the length is heavy-tailed: the number of terms is drawn from a Pareto distr
 tokens per term. Nearly three quarters of the problems have 2 to 6 terms (15 to 45 tokens, median
 about 27), about 6% have 25 to 48 (190 to 385 tokens), so the longest responses are over 8x the
 median: the shape of the RollPacker paper's Fig. 2a. Tokens are characters here (the toy model's
-tokenizer, :mod:`rollpacker.data.toy_model`, has one per character), plus one EOS.
+tokenizer, :mod:`rollpacker.toy.model`, has one per character), plus one EOS.
 """
 
 from __future__ import annotations

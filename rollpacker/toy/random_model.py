@@ -1,4 +1,4 @@
-"""``python -m rollpacker.data.random_model --out DIR``: a Qwen2-shaped model with random weights, in
+"""``python -m rollpacker.toy.random_model --out DIR``: a Qwen2-shaped model with random weights, in
 Hugging Face format, with the toy task's byte-level tokenizer: engines measured at sizes the toy
 model does not reach (the memory-bound regime of ``bench engine``), nothing downloaded.
 
@@ -42,8 +42,8 @@ def write(cfg: RandomModelConfig) -> int:
     import torch
     from transformers import Qwen2Config
 
-    from rollpacker.data.toy_model import build_tokenizer, save_tokenizer
     from rollpacker.model import ModelArgs, Transformer, save_model
+    from rollpacker.toy.model import build_tokenizer, save_tokenizer
 
     tokenizer = build_tokenizer()
     hf = Qwen2Config(
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     import tyro
 
     cfg = tyro.cli(RandomModelConfig, args=sys.argv[1:] if argv is None else argv,
-                   prog="python -m rollpacker.data.random_model")
+                   prog="python -m rollpacker.toy.random_model")
     print(f"wrote {cfg.out}: {write(cfg) / 1e6:.1f}M parameters")
 
 

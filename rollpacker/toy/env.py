@@ -10,7 +10,7 @@ second draw of the same skill that the reward asks to get right the first time.
 
 from __future__ import annotations
 
-from rollpacker.data.toy import PROMPT_PREFIX, PROMPT_SUFFIX, score
+from rollpacker.toy.task import PROMPT_PREFIX, PROMPT_SUFFIX, score
 
 TRIES = 2
 """Answers per episode at most."""

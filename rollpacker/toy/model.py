@@ -4,14 +4,14 @@ It is the default policy for CPU runs and tests: a real Hugging Face model direc
 (``config.json``, ``model.safetensors``, a byte-level tokenizer without merges, so one token per
 character) that any engine can load — head_dim 32, a size vLLM's CPU attention accepts — and small
 enough (0.76M parameters, 3 MB) to generate fast on two CPU cores. Supervised fine-tuning on worked
-solutions of :mod:`rollpacker.data.toy` stops early on purpose, at step 600 of a 1750-step
+solutions of :mod:`rollpacker.toy.task` stops early on purpose, at step 600 of a 1750-step
 learning-rate schedule: the model follows the format at every length and is mostly right on two
 terms, but it still slips on single-digit sums and on finding the later terms of longer prompts, so
 one of eight sampled answers is often right where its greedy one is wrong. That is the room RL has:
 the default job raises greedy accuracy on two- to four-term problems within minutes (docs/results.md,
 "Why these settings", says why step 600).
 
-``python -m rollpacker.data.toy_model build`` regenerates the artifacts deterministically (about
+``python -m rollpacker.toy.model build`` regenerates the artifacts deterministically (about
 a minute on one idle core); ``eval`` reports greedy accuracy by problem length through the rollout
 engine. :func:`toy_model_dir` returns the shipped directory, or builds one into a cache once if
 the package was installed without it.
@@ -35,16 +35,16 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
-from rollpacker.data import toy
 from rollpacker.model import CausalAttention, ModelArgs, Transformer, load_model, save_model
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate
 from rollpacker.rollout.torch_engine import TorchEngine
+from rollpacker.toy import task as toy
 from rollpacker.train.trainer import warmup_cosine
 
 logger = logging.getLogger(__name__)
 
-TOY_MODEL_DIR = Path(__file__).parent / "toy_model"
+TOY_MODEL_DIR = Path(__file__).parent / "weights"
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\\n' }}"

@@ -1,0 +1,43 @@
+"""``torchrun --nproc_per_node=N -m rollpacker.profile [run flags]``: the planner's offline profile.
+
+It takes ``rollpacker.run``'s flags and writes the profile the parallelism planner reads
+(:mod:`rollpacker.plan.profile`: what it measures, where it is cached, when it is valid).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from rollpacker.config import parse
+from rollpacker.plan.profile import cache_path, device_name, measure, profile_key, save, summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse(argv)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"rollpacker.profile: config error: {e}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    import torch.distributed as dist
+
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import engine_dtype
+
+    meshes = build_meshes(1, 0)
+    model_dir = config.model.directory()
+    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
+    rank = meshes.rank  # a profiled vLLM engine's shutdown destroys the process group
+    profile = measure(config, meshes, model_dir, engine_dtype(config.model.dtype, meshes.device), key)
+    if rank == 0:
+        path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
+        save(profile, path)
+        print(summary(profile))
+        print(f"wrote {path}")
+    if dist.is_initialized():  # a profiled vLLM engine destroyed it
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
