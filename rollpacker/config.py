@@ -170,16 +170,15 @@ class Config:
                 "rolling out, and pipe rolls out on half of them. Turn one of them off")
 
     def _check_episodes(self) -> None:
-        """What episodes (``env.factory``, ``env.tools``) do not compose with, and why."""
+        """What episodes (``env.factory``, ``env.tools``) do not compose with, and why. (The planner's TP
+        switch composes: it lands between steps, and every episode starts and ends within its round.)"""
         s, setting = self.schedule, "env.factory" if self.env.factory else "env.tools"
         if s.carries_responses:
-            raise ValueError(f"schedule:{s.name} with {setting}: {s.carries_responses}, and an episode cannot be "
-                             "carried: its environment lives in a worker that the round closes. Use "
-                             f"schedule:{s.on_policy_alternative}")
-        if self.plan.enabled:
-            raise ValueError(f"plan.enabled with {setting}: the planner switches rollout TP between rounds and "
-                             "within a round's tail, which would move episodes mid-way between engines of another "
-                             "shape; episodes do not support that yet. Turn plan.enabled off (set rollout.tp)")
+            raise ValueError(f"schedule:{s.name} with {setting}: {s.carries_responses}. An episode carried to a "
+                             "later round would go on off-policy (its next turns under newer weights than its "
+                             "earlier ones, as partial responses do) with its environment kept open across "
+                             "rounds, and a round closes every environment it opened. Use "
+                             f"schedule:{s.on_policy_alternative} (on-policy)")
 
     def _check_streaming(self, streaming: str) -> None:
         """Stream training trains each group as soon as it completes, with the step's first weights:

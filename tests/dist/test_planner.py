@@ -73,6 +73,22 @@ def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
     assert "world: profile has 8, this run 2" in proc.stderr
 
 
+def test_episodes_run_with_the_planner_its_switch_landing_between_steps(tmp_path):
+    """The toy environment's episodes (a wrong answer gets a second try) under the planner: it switches
+    TP between steps as for single-turn responses; every step's episodes finish in their round (none is
+    left holding a session or an environment error)."""
+    proc = launch_job("--run-dir", str(tmp_path / "run"), "--num-steps", "4", *RUN, "--preset", "toy-env",
+                      "--plan.enabled", "--plan.initial-tp", "1", "--plan.quiet-steps", "1", "--plan.no-profile-guard",
+                      "--plan.profile-dir", str(tmp_path / "profiles"), "--engine.memory-mb", "3.35")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tps = [r["plan/rollout_tp"] for r in rows]
+    assert tps[0] == 1 and 2 in tps and any(r["plan/switched"] for r in rows), tps
+    assert all(r["env/errors"] == 0 and r["rollout/resident_sessions"] == 0 and r["env/turns_mean"] >= 1
+               for r in rows)
+    assert all(r["sched/trained_prompts"] == 4 for r in rows)
+
+
 @pytest.mark.slow  # a benchmark's plumbing
 def test_planner_bench_smoke(capsys):
     from rollpacker.bench.__main__ import main
