@@ -203,7 +203,7 @@ class RoundState:
             self.outstanding.clear()
         return out
 
-    def scale_down(self, kept: int, unsent: list[str] = ()) -> list[str]:
+    def migrate_to(self, kept: int, unsent: list[str] = ()) -> list[str]:
         """Route to the first ``kept`` replicas from now on. ``unsent`` requests (launched, not sent
         yet) on the others are routed again; the outstanding requests there, sorted, are returned:
         they are ``migrating`` now."""
@@ -271,7 +271,7 @@ class RoundHooks:
     - ``begin(state)`` before anything launches: True runs the round on the kept replicas from the start;
     - ``priority(slot)`` per request launched: engines admit lower values first;
     - per poll: ``on_poll(running, step_seconds)`` when the driver timed an engine step,
-      ``on_finished(lengths)``, then, after the policy decided, ``scale_down(generated)`` (True:
+      ``on_finished(lengths)``, then, after the policy decided, ``scale_down_now(generated)`` (True:
       move onto the kept replicas now) and ``fetch(ready)`` (a cap on the groups to feed, None: none);
     - ``finish(scaled, num_fed)`` at the end: the round's metrics.
     """
@@ -288,7 +288,7 @@ class RoundHooks:
     def on_finished(self, lengths: list[int]) -> None:
         pass
 
-    def scale_down(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
+    def scale_down_now(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
         """``generated()``: (prompt tokens, tokens generated so far) of each outstanding request."""
         return False
 
@@ -401,7 +401,7 @@ class Round:
         self.last_finish = now
         scaled = self.hooks.begin(self.state)
         if scaled:
-            self.state.scale_down(kept_replicas(self.state.num_replicas))  # nothing launched yet: nothing migrates
+            self.state.migrate_to(kept_replicas(self.state.num_replicas))  # nothing launched yet: nothing migrates
             self.scaled = ScaledDown(at=now, completed_frac=None, migration_s=0.0)
         self._open(self.state.launch(self.state.plan.prompts))
         return self._actions(Actions(scale_down=scaled))
@@ -422,8 +422,8 @@ class Round:
         decided = state.decide(resuming=bool(resume))
         self._open(decided.launch)
         out = Actions(resume=resume, abort=self._abort(decided.abort), done=decided.done)
-        if not out.done and self.scaled is None and state.outstanding and hooks.scale_down(generated):
-            out.abort = self._abort(state.scale_down(kept_replicas(state.num_replicas), self.runner.idle)) + out.abort
+        if not out.done and self.scaled is None and state.outstanding and hooks.scale_down_now(generated):
+            out.abort = self._abort(state.migrate_to(kept_replicas(state.num_replicas), self.runner.idle)) + out.abort
             out.scale_down = True
             self.scaled = ScaledDown(at=seen.now, completed_frac=state.num_complete / state.plan.keep)
         out.feed = self.feed(seen.sink_ready)

@@ -1,6 +1,6 @@
 """Stream training's decisions on rank 0, as plain Python (paper §4.4, Algorithm 1).
 
-- :class:`ScaleDown` decides whether rollout moves onto the kept replicas: when to look
+- :class:`ScaleDownDecider` decides whether rollout moves onto the kept replicas: when to look
   (:class:`Trigger`), whether the running requests' projected KV peak fits there
   (:func:`peak_kv_tokens`), and, with ``stream.criterion throughput``, whether it pays
   (:class:`StepCost`, :func:`decode_seconds`). It lives across rounds.
@@ -156,7 +156,7 @@ def peak_kv_tokens(requests: list[tuple[int, int]], history: list[int], max_new_
     return peak
 
 
-class ScaleDown:
+class ScaleDownDecider:
     """Rank 0's scale-down decision (Algorithm 1, lines 13–17): when to look (:class:`Trigger`) and
     whether the running requests' projected KV peak fits the kept replicas. It lives across rounds
     (the length histories, what the throughput criterion learned): the stream trainer holds one,
@@ -191,7 +191,7 @@ class ScaleDown:
         self.last: dict[str, float] = {}
         """The last look's projections (seconds): rollout left as it is and scaled down, migration, training saved."""
 
-    def start_round(self, kind: str) -> None:
+    def new_round(self, kind: str) -> None:
         self.trigger.reset()
         self.kind, self.last = kind, {}
         self.history = self.histories.setdefault(kind, collections.deque(maxlen=4096))
@@ -254,7 +254,7 @@ class StreamRound(RoundHooks):
     says when to scale down, and the complete, scored groups go to the freed ranks from then on
     (once, capped, with ``stream.fetch_cap``)."""
 
-    def __init__(self, decider: ScaleDown):
+    def __init__(self, decider: ScaleDownDecider):
         self.decider = decider
         self.state: RoundState | None = None
         self.kind = ""
@@ -266,7 +266,7 @@ class StreamRound(RoundHooks):
 
     def begin(self, state: RoundState) -> bool:
         self.state, self.kind = state, state.plan.kind
-        self.decider.start_round(self.kind)
+        self.decider.new_round(self.kind)
         return False
 
     def on_poll(self, running: float, step_seconds: float) -> None:
@@ -275,8 +275,8 @@ class StreamRound(RoundHooks):
     def on_finished(self, lengths: list[int]) -> None:
         self.decider.history.extend(lengths)
 
-    def scale_down(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
-        """When the :class:`ScaleDown` says so, given the round's progress; feeding starts."""
+    def scale_down_now(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
+        """When the :class:`ScaleDownDecider` says so, given the round's progress; feeding starts."""
         state = self.state
         self.fetching = self.decider.consider(state.num_complete, state.plan.keep, generated)
         return self.fetching
@@ -315,5 +315,5 @@ class PipeRound(StreamRound):
     def priority(self, slot: int) -> int:
         return slot
 
-    def scale_down(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
+    def scale_down_now(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
         return False

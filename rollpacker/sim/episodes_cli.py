@@ -97,7 +97,7 @@ def main(argv: list[str]) -> dict:
         runs = {p: config(args, p) for p in args.policies.split(",")}
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    results = {p: per_prompt(simulate(cfg, record=True, episodes=workload)) for p, cfg in runs.items()}
+    results = {p: per_prompt(simulate(cfg, record=True, env_workload=workload)) for p, cfg in runs.items()}
     return report(args, runs, workload, results)
 
 

@@ -13,7 +13,7 @@
   (asynchronous scoring, adaptive code timeouts, judge colocated), then with the parallelism
   planner (the real :class:`~rollpacker.plan.planner.Planner` picks each round's TP from its
   simulated preemptions, starting at §6's TP), then with the stream trainer (the real
-  :class:`~rollpacker.schedule.scale_down.ScaleDown` decides each round's scale-down; the freed GPUs
+  :class:`~rollpacker.schedule.scale_down.ScaleDownDecider` decides each round's scale-down; the freed GPUs
   train on complete groups under the rollout). Speedup = mean step time over the same number of
   steps. Nothing was fitted to Table 2; rows whose parts are not built yet say so.
 """

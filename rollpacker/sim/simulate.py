@@ -30,7 +30,7 @@ from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
 from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
-from rollpacker.schedule.scale_down import ScaleDown, StreamConfig, StreamRound
+from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
@@ -174,8 +174,8 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
-                   stream: ScaleDown | None = None, poll: tuple[int, float] | None = None,
-                   episodes: EpisodeWorkload | None = None, row_key: Callable[[int], str] = str,
+                   stream: ScaleDownDecider | None = None, poll: tuple[int, float] | None = None,
+                   env_workload: EpisodeWorkload | None = None, row_key: Callable[[int], str] = str,
                    seed: int = 0, env: SimEnvPool | None = None) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
     (:class:`~rollpacker.schedule.round.Round`) on simulated time.
@@ -187,7 +187,7 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     lockstep as the controller's exchange loop does (``rollout.poll_steps`` iterations each, then an
     exchange of ``exchange_s``), instead of polling at each replica event.
 
-    ``episodes``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`): its
+    ``env_workload``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`): its
     turns on the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment
     calls on simulated workers (``env``: the run's, carried from the last round,
     :meth:`SimEnvPool.shift`; else fresh ones), reset seeds from ``seed``; ``row_key(row)`` names a
@@ -201,15 +201,15 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         return sim.now
 
     make = ScriptedResponse.maker(lengths, plan.num_responses, max_new_tokens, clock)
-    if episodes is not None:
+    if env_workload is not None:
         def make(key: str, row: int, reset) -> ScriptedEpisode:
             return ScriptedEpisode(key, row, reset, lengths=lengths, prompt_tokens=lengths.prompt_tokens,
-                                   obs_tokens=episodes.obs_tokens, max_new_tokens=max_new_tokens,
-                                   max_tokens=episodes.max_tokens, clock=clock, resident=episodes.resident)
-    runner = EpisodeRunner(make, seed=seed, environment=episodes is not None)
+                                   obs_tokens=env_workload.obs_tokens, max_new_tokens=max_new_tokens,
+                                   max_tokens=env_workload.max_tokens, clock=clock, resident=env_workload.resident)
+    runner = EpisodeRunner(make, seed=seed, environment=env_workload is not None)
     rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), runner,
                 StreamRound(stream) if stream else None)
-    sim = _SimRound(step, plan, rnd, replicas, poll, env or SimEnvPool(episodes or EpisodeWorkload(), row_key))
+    sim = _SimRound(step, plan, rnd, replicas, poll, env or SimEnvPool(env_workload or EpisodeWorkload(), row_key))
     return sim.run()
 
 
@@ -494,9 +494,9 @@ def streamed_gpu_s(record: RoundRecord, cost: CostModel, prompt_tokens: int) -> 
     return done
 
 
-def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload | None = None) -> list[StepResult]:
+def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkload | None = None) -> list[StepResult]:
     """``cfg.num_steps`` steps of ``cfg.policy``; ``record`` keeps each round's per-replica activity;
-    ``episodes``: each response an episode of that workload (its environment's reward comes with it:
+    ``env_workload``: each response an episode of that workload (its environment's reward comes with it:
     no reward stage)."""
     base = cfg.cost()
     policy = cfg.build_policy()
@@ -509,7 +509,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload 
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
-    env = SimEnvPool(episodes or EpisodeWorkload())
+    env = SimEnvPool(env_workload or EpisodeWorkload())
     rates = cfg.speculation.rates()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
@@ -524,15 +524,15 @@ def simulate(cfg: SimConfig, *, record: bool = False, episodes: EpisodeWorkload 
         if cfg.stream and (decider is None or switched):  # as StreamTrainer.rebuild: the histories carry over
             histories = decider.histories if decider else {}
             # the paper's KV-fit criterion: the throughput one learns from measured polls, which a simulation has not
-            decider = ScaleDown(replace(cfg.stream_config, criterion="kv"), num_replicas=len(replicas),
+            decider = ScaleDownDecider(replace(cfg.stream_config, criterion="kv"), num_replicas=len(replicas),
                                 max_new_tokens=cfg.rollout.max_new_tokens,
                                 kv_capacity_tokens=cost.kv_capacity_tokens())
             decider.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                              reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider,
-                             episodes=episodes, seed=cfg.seed, env=env)
+                             env_workload=env_workload, seed=cfg.seed, env=env)
         result = step_times(step, rnd, cfg, cost, keep=record)
-        if episodes:  # an episode's reward comes with it, from its environment: no reward stage
+        if env_workload:  # an episode's reward comes with it, from its environment: no reward stage
             result.reward_s = 0.0
         env.shift(result.step_s)  # what its workers still run goes on into the next round
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push

@@ -204,7 +204,7 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
     episodes = {}
     if cfg.env.enabled:  # one pool of environment workers for the run, as the job's
         workload = episode_workload(cfg, tokenizer)
-        episodes = {"episodes": workload, "seed": cfg.seed,
+        episodes = {"env_workload": workload, "seed": cfg.seed,
                     "env": SimEnvPool(workload, row_key=lambda i: str(rows[i]["id"]))}
     times = []
     for step in range(cfg.num_steps):

@@ -21,14 +21,14 @@ import pickle
 import time
 from typing import Any
 
-from rollpacker.schedule.scale_down import PipeRound, ScaleDown, StreamConfig, StreamRound
+from rollpacker.schedule.scale_down import PipeRound, ScaleDownDecider, StreamConfig, StreamRound
 
 logger = logging.getLogger(__name__)
 
 
 class StreamTrainer:
     """Both ends of stream training: rank 0 feeds (a :class:`~rollpacker.exchange.GroupSink`) and
-    holds the :class:`ScaleDown` decider; the freed ranks serve."""
+    holds the :class:`ScaleDownDecider` decider; the freed ranks serve."""
 
     def __init__(self, config: StreamConfig, trainer, meshes, *, kv_capacity_tokens: int, max_new_tokens: int,
                  pipe: bool = False):
@@ -49,11 +49,11 @@ class StreamTrainer:
         self.seconds = 0.0
         """Training time of this rank during the last round (freed ranks), as :meth:`after_step` took it."""
 
-    def _decider(self, kv_capacity_tokens: int) -> ScaleDown:
+    def _decider(self, kv_capacity_tokens: int) -> ScaleDownDecider:
         topology = self.meshes.topology
         if topology.refused and self.meshes.rank == 0:
             logger.warning("stream training: no scale-down will happen: %s", topology.refused)
-        return ScaleDown(self.config, num_replicas=topology.num_replicas, kv_capacity_tokens=kv_capacity_tokens,
+        return ScaleDownDecider(self.config, num_replicas=topology.num_replicas, kv_capacity_tokens=kv_capacity_tokens,
                          max_new_tokens=self.max_new_tokens, refused=topology.refused)
 
     @property

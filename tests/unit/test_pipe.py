@@ -16,7 +16,7 @@ from rollpacker.jobflags import policy_args
 from rollpacker.plan.config import PlanConfig
 from rollpacker.schedule.base import Group, RoundPlan
 from rollpacker.schedule.round import Round, RoundState
-from rollpacker.schedule.scale_down import PipeRound, ScaleDown, StreamConfig
+from rollpacker.schedule.scale_down import PipeRound, ScaleDownDecider, StreamConfig
 from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.train.config import TrainConfig
@@ -45,7 +45,7 @@ def test_complete_groups_go_fifo_as_soon_as_the_train_pool_is_free():
     """Scripted: groups complete in the order 2, 0, 1, 3; group 0's second response is scored late."""
     stream = FakeSink()
     state = RoundState(0, RoundPlan("sync", [], 2, keep=4), SyncPolicy(PromptSampler(4), 4, 2), num_replicas=1)
-    pipe = PipeRound(ScaleDown(StreamConfig(), num_replicas=1, kv_capacity_tokens=1, max_new_tokens=1))
+    pipe = PipeRound(ScaleDownDecider(StreamConfig(), num_replicas=1, kv_capacity_tokens=1, max_new_tokens=1))
     pipe.begin(state)
     rnd = Round(state, None, single_turn_runner(), pipe)
     complete, scores = state.complete, state.scores

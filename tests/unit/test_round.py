@@ -10,7 +10,7 @@ from support.fakes import single_turn_runner
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.schedule.round import Round, RoundState, Seen
-from rollpacker.schedule.scale_down import ScaleDown, StreamConfig, StreamRound
+from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.sync import SyncPolicy
 
 
@@ -42,7 +42,7 @@ def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alon
     them its engine finished before the abort reached it); every complete group is fed."""
     policy = SyncPolicy(PromptSampler(4), 4, 2)
     state = RoundState(0, policy.start_round(0), policy, num_replicas=2)
-    decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
+    decider = ScaleDownDecider(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks, scores = StreamRound(decider), Scores()
     rnd = Round(state, scores, single_turn_runner(), hooks)
     slot = {row: i for i, row in enumerate(state.plan.prompts)}
@@ -103,8 +103,8 @@ def test_launches_of_the_scale_down_poll_go_to_the_kept_replicas_not_into_migrat
 
     policy = LaunchesOne(PromptSampler(8), 2, 2)
     state = RoundState(0, policy.start_round(0), policy, num_replicas=2)
-    rnd = Round(state, Scores(), single_turn_runner(), StreamRound(ScaleDown(StreamConfig(trigger=0.5), num_replicas=2,
-                                                       kv_capacity_tokens=100, max_new_tokens=8)))
+    decider = ScaleDownDecider(StreamConfig(trigger=0.5), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
+    rnd = Round(state, Scores(), single_turn_runner(), StreamRound(decider))
     rnd.start()
     a = rnd.poll(Seen(now=1.0, finished=[out("0:0:0", 2), out("0:0:1", 2)]), lambda: [(2, 1)] * 3)
     assert a.scale_down and a.abort == [(1, "0:1:1")] and state.migrating == {"0:1:1"}

@@ -16,7 +16,7 @@ from rollpacker.env.contract import StepResult
 from rollpacker.env.episode import Episode, Response, reset_seed, turn_seed
 from rollpacker.schedule.round import Round, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
-from rollpacker.schedule.scale_down import ScaleDown, StreamConfig, StreamRound
+from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.sorted import SortedConfig
 from rollpacker.schedule.sync import SyncConfig
 from rollpacker.schedule.tail import TailConfig
@@ -229,7 +229,7 @@ def test_a_stream_round_migrates_episodes_at_a_turn_boundary():
     """A scale-down mid-round: episodes between turns move to the kept replica at once; running turns
     are aborted and resumed there. Every episode still finishes whole, heard once; every group is fed."""
     policy = SyncConfig().build(PromptSampler(8), 4, 2, num_epochs=1)
-    hooks = StreamRound(ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100,
+    hooks = StreamRound(ScaleDownDecider(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100,
                                   max_new_tokens=8))
     driver = Driver()
     outcome, state, scaled = run_round(policy, 0, driver, hooks=hooks)
@@ -271,7 +271,7 @@ def test_turns_of_groups_closer_to_complete_are_admitted_first(hooks):
 
     group_size = 3
     driver, policy = Frontier(), SyncConfig().build(PromptSampler(12), 4, group_size, num_epochs=1)
-    decider = ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=1)
+    decider = ScaleDownDecider(StreamConfig(), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=1)
     run_round(policy, 0, driver, hooks=PipeRound(decider) if hooks else None)
     assert any(done for _, _, done in driver.priorities)  # some turns came after a sibling finished
     for priority, slot, done in driver.priorities:

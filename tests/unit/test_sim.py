@@ -345,10 +345,10 @@ def stream_round(scale_down):
 
 
 def test_a_scale_down_migrates_by_recomputation_and_the_freed_gpus_train_what_completes():
-    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
+    from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig
     from rollpacker.sim.simulate import streamed_gpu_s
 
-    decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=10)
+    decider = ScaleDownDecider(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1, max_new_tokens=10)
     rnd, reps = stream_round(decider)
     # Iteration 1 prefills 4 one-token prompts per replica (1 + 4 x 0.5 = 3 s), iteration 2 ends at 4 s with
     # prompt 0's responses: 1 of 4 prompts complete, the fixed 25% trigger fires. Replica 1's three requests
@@ -373,10 +373,10 @@ def test_a_scale_down_migrates_by_recomputation_and_the_freed_gpus_train_what_co
 
 
 def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
-    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
+    from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig
     from rollpacker.sim.simulate import step_times, streamed_gpu_s
 
-    rnd, _ = stream_round(ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1,
+    rnd, _ = stream_round(ScaleDownDecider(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=1,
                                     max_new_tokens=10))
     cfg = SimConfig(model="qwen2.5-7b", gpus=2, rollout=RolloutConfig(tp=1), reward_scheduler=True, stream=True)
     cost = cfg.cost()
@@ -395,12 +395,13 @@ def test_the_train_stage_shrinks_by_the_hidden_work_over_every_gpu():
 
 @pytest.mark.parametrize("capacity,scaled", [(39, None), (40, 0.5), (60, 0.25)])
 def test_a_projected_kv_overflow_cancels_the_scale_down(capacity, scaled):
-    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
+    from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig
 
     # The adaptive trigger looks at 1 and 2 of 4 prompts complete. At 1 (4 s): six requests of 1 + 2 tokens,
     # none of the history [2, 2] longer, so each runs to max_new_tokens (8 more): peak 6 x 3 + 6 x 7 = 60
     # tokens. At 2 (6 s, without a scale-down): four requests of 1 + 4 tokens, 6 more each: 4 x 5 + 4 x 5 = 40.
-    rnd, _ = stream_round(ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=capacity, max_new_tokens=10))
+    rnd, _ = stream_round(ScaleDownDecider(StreamConfig(), num_replicas=2, kv_capacity_tokens=capacity,
+                                           max_new_tokens=10))
     assert (rnd.scaled_at is not None, rnd.scaled_frac) == (scaled is not None, scaled or 0.0)
     if scaled is None:
         assert rnd.rollout_s == 12.0 and rnd.streamed == [] and rnd.num_freed == 0  # as without a stream trainer
@@ -414,19 +415,19 @@ def test_stream_without_the_reward_scheduler_is_refused():
 def test_the_simulator_drives_the_decision_the_controllers_stream_trainer_uses():
     from types import SimpleNamespace
 
-    from rollpacker.schedule.scale_down import ScaleDown, StreamConfig
+    from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig
     from rollpacker.topology import Topology
     from rollpacker.train.stream import StreamTrainer
 
     meshes = SimpleNamespace(topology=Topology(2, tp=1, train_shard_size=1), rank=0)  # 2 replicas, shard groups of 1
     trainer = StreamTrainer(StreamConfig(), None, meshes, kv_capacity_tokens=50, max_new_tokens=10)
     decider = trainer.decider
-    assert type(decider) is ScaleDown and decider.kept_replicas == 1 and not decider.refused
-    # The controller asks the StreamTrainer's ScaleDown (consider, history, kept_replicas): driven the same way,
-    # it decides what a ScaleDown decides alone, and its history is the simulator's. With 50 tokens of KV it
+    assert type(decider) is ScaleDownDecider and decider.kept_replicas == 1 and not decider.refused
+    # The controller asks the StreamTrainer's ScaleDownDecider (consider, history, kept_replicas): driven the same way,
+    # it decides what a ScaleDownDecider decides alone, and its history is the simulator's. With 50 tokens of KV it
     # scales down at 2 of 4 prompts (6 s); replica 1's two requests of 1 + 4 tokens are prefilled again on
     # replica 0 (1 + 5 s) and need 5 more iterations: 17 s.
-    alone, _ = stream_round(ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=50, max_new_tokens=10))
+    alone, _ = stream_round(ScaleDownDecider(StreamConfig(), num_replicas=2, kv_capacity_tokens=50, max_new_tokens=10))
     driven, _ = stream_round(decider)
     assert (driven.scaled_at, driven.scaled_frac, driven.rollout_s) == (alone.scaled_at, alone.scaled_frac,
                                                                           alone.rollout_s) == (6.0, 0.5, 17.0)

@@ -7,7 +7,7 @@ import pytest
 from support.fakes import InstantRewards, single_turn_runner
 
 from rollpacker.schedule.scale_down import (
-    ScaleDown,
+    ScaleDownDecider,
     StepCost,
     StreamConfig,
     Trigger,
@@ -71,9 +71,9 @@ def test_throughput_criterion_weighs_the_slowdown_against_the_training_it_hides(
     as on these cores): 20 s left as they are, 40 s on one replica; the freed half trains 20 s of
     the 30 s step, which does not beat the 20 s lost. Memory-bound steps (a fixed cost, as on a
     GPU): 10 s either way, so the scale-down pays."""
-    decider = ScaleDown(StreamConfig(criterion="throughput"), num_replicas=2, kv_capacity_tokens=10 ** 6,
+    decider = ScaleDownDecider(StreamConfig(criterion="throughput"), num_replicas=2, kv_capacity_tokens=10 ** 6,
                         max_new_tokens=10)
-    decider.start_round("short")
+    decider.new_round("short")
     decider.train_seconds = 30.0
     for b in (1, 2, 3, 4):
         decider.step_cost.observe(b, a + c * b)
@@ -87,18 +87,18 @@ def test_throughput_criterion_learns_migration_and_realized_savings():
     half): it pays until the run shows that recomputing the freed half's 10 tokens costs as much
     (at 0.5 s a token), or, for a round kind whose last scale-down saved only 0.5 s, that a cheaper
     recomputation (at 0.05 s a token) costs as much as that."""
-    decider = ScaleDown(StreamConfig(criterion="throughput"), num_replicas=2, kv_capacity_tokens=10 ** 6,
+    decider = ScaleDownDecider(StreamConfig(criterion="throughput"), num_replicas=2, kv_capacity_tokens=10 ** 6,
                         max_new_tokens=10)
     for b in (1, 2, 3, 4):
         decider.step_cost.observe(b, 1.0)
-    decider.start_round("long")
+    decider.new_round("long")
     decider.learn("short", train_seconds=30.0, saved=0.5)  # realized by short rounds only
     assert decider.pays([(5, 0)] * 4) and decider.last["saved"] == 5.0
     decider.learn_migration(seconds=2.0, tokens=4)
     assert not decider.pays([(5, 0)] * 4) and decider.last["migration"] == 5.0
     decider.learn_migration(seconds=0.2, tokens=4)
     assert decider.pays([(5, 0)] * 4) and decider.last["migration"] == pytest.approx(0.5)
-    decider.start_round("short")
+    decider.new_round("short")
     assert not decider.pays([(5, 0)] * 4) and decider.last["saved"] == 0.5
 
 
@@ -131,7 +131,7 @@ def test_a_stream_round_scales_down_once_times_the_migration_and_feeds_complete_
     from rollpacker.schedule.scale_down import StreamRound
 
     state, sink = four_prompts_on_two_replicas(), Sink()
-    decider = ScaleDown(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
+    decider = ScaleDownDecider(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks = StreamRound(decider)
     rnd = Round(state, InstantRewards(lambda row, rid: 1.0), single_turn_runner(), hooks)
     turns = rnd.start(now=9.0).add
@@ -166,13 +166,13 @@ def test_a_pipe_round_runs_on_the_rollout_pool_from_the_start_frontier_first():
     from rollpacker.schedule.scale_down import PipeRound
 
     state = four_prompts_on_two_replicas()
-    decider = ScaleDown(StreamConfig(), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
+    decider = ScaleDownDecider(StreamConfig(), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
     hooks = PipeRound(decider)
     rnd = Round(state, InstantRewards(lambda row, rid: 1.0), single_turn_runner(), hooks)
     start = rnd.start(now=5.0)
     assert start.scale_down and state.active == 1 and {state.replica(rid) for rid in state.outstanding} == {0}
     assert [hooks.priority(slot) for slot in (0, 3)] == [0, 3]  # earliest group first
-    assert not hooks.scale_down(lambda: []) and rnd.poll(Seen(now=6.0)).resume == []
+    assert not hooks.scale_down_now(lambda: []) and rnd.poll(Seen(now=6.0)).resume == []
     stats = hooks.finish(rnd.scaled, rnd.num_fed)
     assert rnd.scaled is not None and stats["stream/scaled_down"] == 0.0 and stats["time/migration"] == 0.0
     none = RoundHooks()  # a round without a stream trainer: nothing happens
