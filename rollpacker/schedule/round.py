@@ -10,7 +10,7 @@ training, RolloutPipe): hooks hear and decide, never edit the state.
 Invariants:
 
 - The call order on the policy is fixed here, once: both drivers give a policy the same calls in
-  the same order (``tests/unit/test_sim.py`` checks it call by call).
+  the same order (``tests/unit/sim/test_sim.py`` checks it call by call).
 - Nothing here sends, measures time or imports torch. Time comes in as ``Seen.now``.
 - Only :class:`RoundState` writes ``migrating``. Every action names its replica: drivers route nothing.
 """

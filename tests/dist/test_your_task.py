@@ -6,8 +6,8 @@ scored, and the metrics are their means. Then the run is resumed from its step-2
 third function that raises and miscounts on rows of those steps (reward.on_error skip): the same
 prompts, the errors counted and named. Last, a failing function with on_error fail, said once.
 
-The hang of a reward function and a missing data file are unit-tested (tests/unit/test_reward_functions.py,
-tests/unit/test_data.py): a launch each cost more than what they add here."""
+The hang of a reward function and a missing data file are unit-tested (tests/unit/reward/test_functions.py,
+tests/unit/data/test_data.py): a launch each cost more than what they add here."""
 
 from __future__ import annotations
 

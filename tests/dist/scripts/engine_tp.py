@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_engine.py: TP=2 engines against TP=1 (speculation off, on
+"""Run on 2 gloo ranks by tests/dist/rollout/test_engine.py: TP=2 engines against TP=1 (speculation off, on
 and auto; auto's back-off decided by TP rank 0), and FSDP2 weight push."""
 
 import sys

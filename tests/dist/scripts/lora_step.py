@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_lora.py: LoRA sharded with FSDP2 over both ranks, for the
+"""Run on 2 gloo ranks by tests/dist/train/test_lora.py: LoRA sharded with FSDP2 over both ranks, for the
 native decoder and a Hugging Face one (argv: the model directory).
 
 At initialization the merged weights equal the base; after two steps only adapters changed; the

@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_memory.py: the memory settings change memory, not the update.
+"""Run on 2 gloo ranks by tests/dist/train/test_memory.py: the memory settings change memory, not the update.
 
 - the model built on the meta device and filled from rank 0's host copy equals the loaded one;
 - activation checkpointing (full; selective attention; selective MLP every 2nd block) gives the

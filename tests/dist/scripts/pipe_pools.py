@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_pipe.py: under ``schedule.pipe`` the train pool never rolls out.
+"""Run on 2 gloo ranks by tests/dist/schedule/test_pipe.py: under ``schedule.pipe`` the train pool never rolls out.
 
 Two RL steps of the real job (``rollpacker.job.build`` and ``rl_step``, the shipped toy model);
 then rank 1 (the train pool) has generated no token and holds no KV cache, rank 0 (the rollout

@@ -1,4 +1,4 @@
-"""Run by tests/dist/test_sglang_engine.py in its own process (SGLang on CPU, the test stubs on
+"""Run by tests/dist/rollout/test_sglang_engine.py in its own process (SGLang on CPU, the test stubs on
 PYTHONPATH): one SGLangEngine, every check of the adapter against transformers, TorchEngine and
 the trainer. Each check's result goes to the JSON file ``argv[3]`` (``"ok"`` or its traceback), so
 one failing check fails one test. Args: model a, model b (other weights), results path."""

@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_sglang_run.py: the toy job on SGLang under each policy
+"""Run on 2 gloo ranks by tests/dist/rollout/test_sglang_run.py: the toy job on SGLang under each policy
 given, one job after another in this one torchrun launch. Each job is built and trained by the
 code ``rollpacker.run`` runs (:func:`rollpacker.job.build`, :func:`rollpacker.loops.train`); only
 the engines are shared: each rank's SGLang engine starts once (tens of seconds on CPU) and every

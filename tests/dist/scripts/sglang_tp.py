@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_sglang_engine.py: one SGLang engine at TP 2 over both
+"""Run on 2 gloo ranks by tests/dist/rollout/test_sglang_engine.py: one SGLang engine at TP 2 over both
 ranks (its two schedulers spawned by rank 0) against TorchEngine at TP 1: greedy tokens, a weight
 push from the FSDP2-sharded trainer (every rank sends its tensors), abort with partial output and
 memory release across the group; the trainer's default group still works. Arg: model."""

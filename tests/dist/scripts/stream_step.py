@@ -1,4 +1,4 @@
-"""Run on 2 and 4 gloo ranks by tests/dist/test_stream.py: stream-trained steps equal synchronous ones,
+"""Run on 2 and 4 gloo ranks by tests/dist/schedule/test_stream.py: stream-trained steps equal synchronous ones,
 for each aggregation mode given (comma-separated).
 
 Two trainers start from the same weights. The synchronous one takes ``Trainer.step`` on each

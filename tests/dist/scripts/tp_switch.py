@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_planner.py: a job whose rollout TP switches 1 -> 2 -> 1 between
+"""Run on 2 gloo ranks by tests/dist/plan/test_planner.py: a job whose rollout TP switches 1 -> 2 -> 1 between
 steps rolls out and trains exactly as a job at fixed TP 1.
 
 Each job takes 3 RL steps (seeded sampling, so the weights really change) and after every step

@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_train.py: FSDP2 steps equal plain single-process steps.
+"""Run on 2 gloo ranks by tests/dist/train/test_train.py: FSDP2 steps equal plain single-process steps.
 
 For every aggregation mode, each policy loss, a rollout correction, the KL in the loss and in the
 reward, an entropy bonus and two mini-batches: the trainer's step (micro-batch losses summed over

@@ -1,4 +1,4 @@
-"""Run by tests/dist/test_vllm_engine.py (issue 37): a bf16 vLLM engine receives the trainer's fp32 masters
+"""Run by tests/dist/rollout/test_vllm_engine.py (issue 37): a bf16 vLLM engine receives the trainer's fp32 masters
 (converted to its dtype as they are pushed) and then generates what a bf16 TorchEngine loaded with the
 same weights generates. Its own process: vLLM's in-process state is per process. Argv: the two models."""
 

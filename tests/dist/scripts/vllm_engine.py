@@ -1,4 +1,4 @@
-"""Run on 2 gloo ranks by tests/dist/test_vllm_engine.py: VLLMEngine replicas (TP 1) or one TP-2
+"""Run on 2 gloo ranks by tests/dist/rollout/test_vllm_engine.py: VLLMEngine replicas (TP 1) or one TP-2
 replica reusing the trainer's gloo group; greedy against transformers before and after a weight
 push; the default group still usable; engine shut down last. Args: tp, model a, model b."""
 

@@ -1,4 +1,4 @@
-"""Run by tests/dist/test_vllm_engine.py (slow tier): vLLM's own n-gram speculation through the
+"""Run by tests/dist/rollout/test_vllm_engine.py (slow tier): vLLM's own n-gram speculation through the
 adapter, greedy on the toy model, against TorchEngine; a sampled request refused on CPU."""
 
 import os

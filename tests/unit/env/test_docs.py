@@ -8,7 +8,7 @@ from pathlib import Path
 from rollpacker.env import contract
 from rollpacker.env.tools import ToolEnv, load_tools
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "environments.md"
 
 
 def page_file(name: str) -> str:

@@ -21,7 +21,7 @@ from rollpacker.env.episode import Response
 from rollpacker.schedule.round import Round, RoundState
 from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.tail import TailConfig
-from tests.unit.test_round_episodes import Driver, Scores, check_episode, make
+from tests.unit.env.test_round import Driver, Scores, check_episode, make
 
 SEED = 3
 P0, R0 = 4, 2

@@ -17,7 +17,7 @@ from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.engine import Replica
 from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEnv, SimEnvPool, fit_run, turns_sampler
 from rollpacker.sim.simulate import simulate_round
-from tests.unit.test_sim import StepCost
+from tests.unit.sim.test_sim import StepCost
 
 
 class Turns:

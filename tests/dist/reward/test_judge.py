@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-MPS_SH = Path(__file__).parents[2] / "launch" / "mps.sh"
+MPS_SH = Path(__file__).parents[3] / "launch" / "mps.sh"
 
 
 # --- verdicts ---------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ def test_a_run_killed_with_episodes_in_flight_resumes_and_trains_every_prompt_on
     assert sum(r["sched/trained_prompts"] for r in by_step.values()) == rows and done[-1] < max(by_step)
 
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "environments.md"
 
 
 def page_file(name: str) -> str:

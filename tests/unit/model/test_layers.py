@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOOLS = ("rollpacker.sim", "rollpacker.bench")
 """Packages that measure or model the trainer; nothing else may import them."""
 

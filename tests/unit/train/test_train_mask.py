@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.unit.test_train import algorithm_batch, weights
+from tests.unit.train.test_train import algorithm_batch, weights
 
 
 def episode_batch(env_ids: int = 40, env_logprob: float = 0.0) -> list:

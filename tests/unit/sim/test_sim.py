@@ -198,7 +198,7 @@ def test_kv_capacity_shrinks_with_the_weights_and_grows_with_tp():
 
 
 def test_calibration_is_fitted_from_a_measured_decode_curve():
-    shape = ModelShape.from_hf_config(Path(__file__).parents[2] / "rollpacker/toy/weights/config.json")
+    shape = ModelShape.from_hf_config(Path(__file__).parents[3] / "rollpacker/toy/weights/config.json")
     peak, context = 50e9, 20.0
     per_token = 2 * shape.matmul_params + shape.attention_flops(context)
     slope_ms = per_token / (peak * 0.2) * 1e3  # 20% of peak per request
