@@ -113,13 +113,14 @@ class Controller:
 
     def build_episodes(self) -> None:
         """The environment workers, and how an episode's prompt is encoded (as a row's, with its tools)."""
+        from rollpacker.env.parsers import PARSERS
         from rollpacker.env.render import ChatBridge
         from rollpacker.env.setup import Episodes
         from rollpacker.env.workers import EnvPool
 
         cfg = self.config
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
-                            template_breaks=cfg.env.template_breaks)
+                            template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)
 
         def encode_episode(prompt, tools):
             return encode(self.tokenizer, cfg, prompt, tools)
