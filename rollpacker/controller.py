@@ -116,6 +116,7 @@ class Controller:
     def build_envs(self) -> None:
         """How each episode starts: the environment's workers and chat bridge with one (``env``), and
         how an episode's prompt is encoded (as a row's, with its tools)."""
+        from rollpacker.env.parsers import PARSERS
         from rollpacker.env.render import ChatBridge
         from rollpacker.env.setup import Environments
         from rollpacker.env.workers import EnvPool
@@ -125,7 +126,7 @@ class Controller:
             self.envs = Environments.none(cfg.rollout.max_new_tokens, seed=cfg.seed, max_context=self.max_model_len)
             return
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
-                            template_breaks=cfg.env.template_breaks)
+                            template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)
         self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env), bridge=bridge,
                                  encode=functools.partial(encode, self.tokenizer, cfg), seed=cfg.seed,
                                  max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len)

@@ -22,7 +22,8 @@ class EnvConfig:
     tools: tuple[str, ...] = ()
     """Python functions the model may call: path/to/file.py:fn, package.module:fn, or python (code in the sandbox)."""
     tool_parser: str = "hermes"
-    """How tool calls are read from the model's text: hermes (<tool_call>{"name", "arguments"}</tool_call>)."""
+    """How tool calls are read from the model's text, in its family's format: hermes (Qwen2.5, Qwen3), qwen3_coder
+    (Qwen3-Coder's XML), llama3_json (Llama 3.1-3.3's JSON) or mistral ([TOOL_CALLS]); see docs/environments.md."""
     max_turns: int = 4
     """Model turns per episode at most."""
     max_tokens: int = 0

@@ -38,16 +38,20 @@ class ChatBridge:
     """Renders observations as token deltas with ``tokenizer``'s chat template (see the module docstring).
 
     ``tools``: schemas the template gets (its ``tools``); ``template_kwargs``: more keyword arguments of
-    ``apply_chat_template``; ``stop``: the rollout's stop strings, cut from the action text.
+    ``apply_chat_template``; ``stop``: the rollout's stop strings, cut from the action text; ``keep``:
+    special tokens the action text keeps (the tool parser's markers, as Mistral's ``[TOOL_CALLS]``).
     """
 
     def __init__(self, tokenizer, *, tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                 stop: tuple[str, ...] = (), template_breaks: str = "fail"):
+                 stop: tuple[str, ...] = (), template_breaks: str = "fail", keep: tuple[str, ...] = ()):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"the model's tokenizer ({tokenizer.name_or_path}) has no chat template, which "
                             "episodes need to render observations: use a chat model's tokenizer")
         self.tokenizer, self.tools, self.kwargs = tokenizer, tools or None, dict(template_kwargs or {})
         self.stop, self.template_breaks = stop, template_breaks
+        vocab = tokenizer.get_vocab()
+        self.keep = {vocab[t]: t for t in keep if t in vocab}
+        """The kept special tokens of this vocabulary, by id."""
         self.breaks = 0
         """Observations rendered with a broken template (``template_breaks = "count"``)."""
         base = self.render(BASE)
@@ -71,8 +75,15 @@ class ChatBridge:
         return self.encode(self.render(messages, generation=True, tools=tools))
 
     def action_text(self, token_ids: list[int]) -> str:
-        """A model turn as the environment sees it: its text, cut before a stop string."""
-        return cut_at_stop(self.tokenizer.decode(token_ids, skip_special_tokens=True), self.stop)
+        """A model turn as the environment sees it: its text without special tokens but the kept ones,
+        cut before a stop string."""
+        parts, start = [], 0
+        for i, token in enumerate(token_ids):
+            if token in self.keep:
+                parts += [self.tokenizer.decode(token_ids[start:i], skip_special_tokens=True), self.keep[token]]
+                start = i + 1
+        parts.append(self.tokenizer.decode(token_ids[start:], skip_special_tokens=True))
+        return cut_at_stop("".join(parts), self.stop)
 
     def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]:
         """The tokens to append after a model turn ``turn_ids`` for ``observation``: the rest of the
@@ -84,8 +95,17 @@ class ChatBridge:
 
     def delta(self, observation: list[Message]) -> str:
         """The text the template renders for ``observation`` after an assistant turn."""
+        from jinja2 import TemplateError  # what apply_chat_template renders with
+
         base = _base(observation)
-        before, after = self.render(base), self.render(base + observation, generation=True)
+        try:
+            before = self.render(base)
+        except TemplateError:
+            if len(base[-1].get("tool_calls", ())) < 2:
+                raise
+            base = _base(observation, num_calls=1)  # a template of one call per turn (Llama 3.1's): one answers all
+            before = self.render(base)
+        after = self.render(base + observation, generation=True)
         if after.startswith(before):
             return after[len(before):]
         roles = tuple(m["role"] for m in observation)
@@ -100,11 +120,13 @@ class ChatBridge:
         return after[common:]
 
 
-def _base(observation: list[Message]) -> list[Message]:
-    """The base conversation for ``observation``: its assistant turn calls the tools that answer, if any."""
-    names = [m.get("name") for m in observation if m["role"] == "tool"]
-    if not names:
+def _base(observation: list[Message], num_calls: int | None = None) -> list[Message]:
+    """The base conversation for ``observation``: its assistant turn calls the tools that answer, if any, with
+    their ids (Mistral's template requires them); ``num_calls``: only the first calls."""
+    answers = [m for m in observation if m["role"] == "tool"][:num_calls]
+    if not answers:
         return BASE
-    calls = [{"type": "function", "function": {"name": n or "tool", "arguments": {}}} for n in names]
+    calls = [{"type": "function", "function": {"name": m.get("name") or "tool", "arguments": {}},
+              **({"id": m["tool_call_id"]} if m.get("tool_call_id") else {})} for m in answers]
     return [BASE[0], {**BASE[1], "tool_calls": calls}]
 

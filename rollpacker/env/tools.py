@@ -1,9 +1,9 @@
-"""Tools as plain Python functions (TRL's ``tools=[fn]`` convention), and the tool-call parsers.
+"""Tools as plain Python functions (TRL's ``tools=[fn]`` convention), and the environment that runs them.
 
 ``env.tools`` lists functions with type hints and a Google-style docstring; their JSON schemas
 (transformers' ``get_json_schema``) go to the chat template's ``tools``. Each model turn is
-parsed for tool calls by ``env.tool_parser`` (:data:`PARSERS`). :class:`ToolEnv` is the
-environment that runs them, itself an environment of the contract
+parsed for tool calls by ``env.tool_parser`` (:mod:`rollpacker.env.parsers`). :class:`ToolEnv` is
+the environment that runs them, itself an environment of the contract
 (:mod:`rollpacker.env.contract`), wrapped around the user's environment or none:
 
 - a turn with tool calls: each call runs (``async def`` too) and its result comes back as a
@@ -21,58 +21,16 @@ that hangs is killed with its worker. The built-in ``python`` runs code in the c
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from rollpacker.env.contract import EnvError
+from rollpacker.env.parsers import PARSERS, ToolCall, hermes  # noqa: F401  (hermes: imported from here too)
 from rollpacker.imports import load, target
 
 PYTHON_TIMEOUT = 10.0
 """Wall-clock seconds the built-in ``python`` tool gives a program."""
 MAX_RESULT_CHARS = 4000
 """A tool's result is cut to this many characters."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One tool call read from a model turn; ``error`` says why it cannot run."""
-
-    name: str
-    arguments: dict
-    id: str
-    error: str = ""
-
-
-_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-
-def hermes(text: str) -> list[ToolCall]:
-    """Hermes-style calls (Qwen2.5/3, NousResearch): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-    a call cut by a stop string before its closing tag still counts."""
-    calls = []
-    for i, body in enumerate(_HERMES.findall(text)):
-        call_id = f"call_{i}"
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", {}, call_id, f"the tool call is not JSON ({e.msg} at {e.pos})"))
-            continue
-        arguments = value.get("arguments", {}) if isinstance(value, dict) else None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
-            calls.append(ToolCall("", {}, call_id, 'a tool call is {"name": str, "arguments": {...}}'))
-            continue
-        calls.append(ToolCall(value["name"], arguments, call_id))
-    return calls
-
-
-PARSERS: dict[str, Callable[[str], list[ToolCall]]] = {"hermes": hermes}
-"""``env.tool_parser`` -> ``(turn text) -> its tool calls`` (none: the turn is an answer)."""
 TOOLS = {"python": "rollpacker.env.tools:python"}
 """Built-in tools of ``env.tools``, by name."""
 
@@ -109,6 +67,7 @@ class ToolEnv:
     def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None):
         self.tools, self.parse, self.inner = tools, PARSERS[parser], inner
         self.schemas = schemas(tools)
+        """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
 
     async def reset(self, *, seed: int, options: dict):
         observation, info = (None, {}) if self.inner is None else await _call(self.inner.reset, seed=seed,
@@ -118,7 +77,7 @@ class ToolEnv:
         return observation, info
 
     async def step(self, action: str):
-        calls = self.parse(action)
+        calls = self.parse(action, self.schemas)
         if not calls:
             if self.inner is None:
                 return None, None, True, False, {}

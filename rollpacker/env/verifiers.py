@@ -117,8 +117,8 @@ class VerifiersEnv:
         self._answer = asyncio.get_running_loop().create_future()
         self._asked.set_result(([_message(m) for m in prompt], tools))
         text = await self._answer
-        calls = [VfToolCall(id=c.id, name=c.name, arguments=json.dumps(c.arguments)) for c in self.parse(text)
-                 if not c.error]
+        calls = [VfToolCall(id=c.id, name=c.name, arguments=json.dumps(c.arguments))
+                 for c in self.parse(text, [_tool(t) for t in tools or ()]) if not c.error]
         message = ResponseMessage(content=text, tool_calls=calls or None, is_truncated=False,
                                   finish_reason="tool_calls" if calls else "stop")
         return Response(id=f"rollpacker-{id(self)}", created=int(time.time()), model="rollpacker", message=message)
