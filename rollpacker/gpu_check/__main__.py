@@ -77,14 +77,17 @@ def run_in_group(cmd: list[str], limit_s: float, log: Path, env: dict[str, str])
 
 
 def stage_row(name: str, text: str, rc: int | None, seconds: float, limit_s: float, log: Path) -> dict:
-    """A stage's line: its last result (every measurement it printed), failed unless it finished with ok."""
+    """A stage's line: its last result (every measurement it printed); it passes when that result says ok and
+    the stage exited 0, or hung only after printing it (said in ``error``)."""
     row = {"stage": name, "letter": STAGES[name].letter, "seconds": round(seconds, 1), "limit_s": limit_s}
     lines = [line for line in text.splitlines() if line.startswith(RESULT)]
     result = json.loads(lines[-1].removeprefix(RESULT)) if lines else {}
-    finished = "ok" in result
-    ok = bool(result.pop("ok", False)) and rc == 0
-    if rc is None:
-        result["error"] = f"timed out after {limit_s} s; kept what it printed before (log: {log.name})"
+    finished, passed = "ok" in result, bool(result.pop("ok", False))
+    ok = passed and rc in (0, None)  # None: a limit reached after the result (below) keeps it
+    if rc is None and finished:  # its exit hung (a process group's teardown, say): its result stands
+        result["error"] = f"hung at exit after its result; killed after {limit_s} s (log: {log.name})"
+    elif rc is None:
+        ok, result["error"] = False, f"timed out after {limit_s} s; kept what it printed before (log: {log.name})"
     elif not finished:
         result["error"] = f"exited {rc} before its result: {text.strip()[-600:]}"
     return row | {"ok": ok} | result

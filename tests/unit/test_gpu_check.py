@@ -63,6 +63,11 @@ def test_a_stage_that_dies_keeps_its_measurements_and_fails(tmp_path):
     assert stage_row("train", 'GPU_CHECK_RESULT {"ok": true}', 1, 3.0, 80, tmp_path)["ok"] is False  # rc decides too
 
 
+def test_a_stage_that_hangs_after_its_result_keeps_it_and_says_so(tmp_path):
+    row = stage_row("offload", 'GPU_CHECK_RESULT {"backend": "nccl", "ok": true}', None, 30.0, 30, tmp_path / "o.log")
+    assert row["ok"] is True and row["backend"] == "nccl" and row["error"].startswith("hung at exit after its result")
+
+
 def test_near_tie_accepts_two_tokens_at_the_top_within_eps_only():
     lp = torch.log_softmax(torch.tensor([2.0, 2.0 - 5e-5, 1.0, 2.0 - 1e-3]), -1)
     assert near_tie(lp, 0, 1, 1e-4) and near_tie(lp, 1, 0, 1e-4)
