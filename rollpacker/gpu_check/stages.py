@@ -1,5 +1,10 @@
-"""The stages of :mod:`rollpacker.gpu_check`, one per process: ``python -m rollpacker.gpu_check.stages NAME
---device cuda|cpu --out DIR`` prints its result as one ``GPU_CHECK_RESULT {json}`` line.
+"""The stages of :mod:`rollpacker.gpu_check`, one per process group: ``python -m rollpacker.gpu_check.stages NAME
+--device cuda|cpu --out DIR --work DIR --limit-s S --logprobs-impl triton|torch``.
+
+Contract: a stage prints its result as ``GPU_CHECK_RESULT {json}`` each time it measures something (the whole
+result so far, so the driver keeps the last line even when a later measurement overruns); the last line has
+``ok``. It writes only small files to ``--out`` and models and checkpoints to ``--work``, and destroys its
+process group before it exits.
 
 The same code runs on both devices; :data:`SIZES` holds what differs (the GPU sizes the issue names, toy sizes
 on CPU). What a stage asserts sets ``ok``; everything else it measures is reported for docs/results.md.
@@ -10,11 +15,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,7 +33,6 @@ QWEN7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermedi
               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
               rope_theta=1e6, tie_word_embeddings=False)
 """Qwen2.5-7B's shape (random weights, built in memory: nothing is downloaded)."""
-
 SIZES = {
     "cuda": dict(
         toy_steps=4, toy_args=["--eval-every", "2", "--checkpoint-every", "2", "--data.num-eval-prompts", "64"],
@@ -57,14 +63,42 @@ SIZES = {
 }
 
 
+PUSH_BAR = 2.5
+"""(b)'s push passes when its mean |log-prob| gap to the fp32 recompute is at most this many times the gap of a
+recompute in the engine's dtype, + 1e-4. Measured on CPU with a bf16 TorchEngine, 16 tokens (mean gaps): the
+1.34B random model: a correct push 0.022, the recompute in bf16 0.017, the last layer's gate and up swapped
+0.108, weights through fp8 0.21, two layers' down projections swapped 0.43; the toy model (three seeds): 0.0011,
+0.0013-0.0015, 0.010-0.011 (the same swap), 0.006-0.014 (fp8)."""
+
+
+@dataclass
+class StageRun:
+    """One stage's context and its result so far."""
+
+    device: str
+    out: Path
+    """Small results only (logs, metrics)."""
+    work: Path
+    """Models and checkpoints."""
+    size: dict
+    deadline: float
+    """``time.perf_counter()`` by which the stage must have printed its last measurement."""
+    logprobs_impl: str = "triton"
+    """The trainer's head: torch where Triton cannot compile (the preflight says)."""
+    result: dict = field(default_factory=dict)
+
+    def report(self, **measured) -> None:
+        """Add ``measured`` to the result and print the whole of it: a stage killed later keeps it."""
+        self.result.update(measured)
+        print(RESULT + json.dumps(self.result, default=str), flush=True)
+
+    def left_s(self) -> float:
+        return self.deadline - time.perf_counter()
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def peak_bytes(device: str) -> int | None:
-    """The CUDA allocator's peak since the last reset; None on CPU (``bench memory`` measures CPU peaks)."""
-    return torch.cuda.max_memory_allocated() if device == "cuda" else None
 
 
 def reset_peak(device: str) -> None:
@@ -78,48 +112,63 @@ def gb(n: float | None) -> float | None:
     return None if n is None else float(f"{n / GB:.4g}")
 
 
+def memory(device: str) -> dict[str, float | None]:
+    """The CUDA allocator's peaks since the last reset, allocated and reserved (fragmentation and the cache),
+    and the device's free memory now (the CUDA context and NCCL included); None on CPU (``bench memory``
+    measures CPU peaks)."""
+    if device != "cuda":
+        return {"peak_allocated_gb": None, "peak_reserved_gb": None, "free_gb": None}
+    return {"peak_allocated_gb": gb(torch.cuda.max_memory_allocated()),
+            "peak_reserved_gb": gb(torch.cuda.max_memory_reserved()), "free_gb": gb(torch.cuda.mem_get_info()[0])}
+
+
+def once_ms(fn, device: str) -> float:
+    """``fn()``'s synchronized wall time in ms."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return 1e3 * (time.perf_counter() - start)
+
+
 def timed_ms(fn, device: str, reps: int = 3) -> float:
     """Median ms of ``fn()`` after one warm-up (CUDA: synchronized wall time)."""
     fn()
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    return statistics.median(once_ms(fn, device) for _ in range(reps))
 
 
 # ---- (a) the default job ------------------------------------------------------------------------
 
 
-def stage_toy(device: str, out: Path, size: dict) -> dict:
+def stage_toy(run: StageRun) -> bool:
     """The default job (``auto``: TorchEngine here) for a few steps with checkpoints and evaluation, its
-    Hugging Face export, then ``--resume auto`` for two more steps from its last checkpoint."""
-    run_dir = out / "toy"
-    quiet = ["--metrics.wandb-mode", "disabled", "--metrics.no-live", "--run-dir", str(run_dir)]
-    steps = size["toy_steps"]
-    first = [sys.executable, "-m", "rollpacker.run", "--num-steps", str(steps), *size["toy_args"], *quiet]
-    resumed = [sys.executable, "-m", "rollpacker.run", "--num-steps", str(steps + 2), "--resume", "auto",
-               *size["toy_args"], *quiet]
+    Hugging Face export, then ``--resume auto`` for two more steps from its last checkpoint. Its run folder
+    is in the work folder; its metrics are copied to ``OUT/toy_metrics.jsonl``, its output is this log."""
+    run_dir, steps, size = run.work / "toy", run.size["toy_steps"], run.size
+    shutil.rmtree(run_dir, ignore_errors=True)
+    flags = [*size["toy_args"], "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--run-dir", str(run_dir),
+             "--train.logprobs-impl", "auto" if run.logprobs_impl == "triton" else run.logprobs_impl]
+    job = [sys.executable, "-m", "rollpacker.run"]
     times = []
-    for cmd in (first, resumed):
+    for more in ([], ["--resume", "auto"]):
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rc = subprocess.run([*job, "--num-steps", str(steps + (2 if more else 0)), *more, *flags]).returncode
         times.append(round(time.perf_counter() - start, 1))
-        if proc.returncode:
-            return {"ok": False, "error": f"{' '.join(cmd[2:4])} exited {proc.returncode}: {proc.stderr[-1500:]}"}
+        if (run_dir / "metrics.jsonl").is_file():
+            shutil.copyfile(run_dir / "metrics.jsonl", run.out / "toy_metrics.jsonl")
+        run.report(run_s=times)
+        if rc:
+            run.report(error=f"rollpacker.run {' '.join(more) or '(first run)'} exited {rc}: its output is above")
+            return False
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = sorted({r["step"] for r in rows if "train/loss" in r})
     export = sorted(p.name for p in (run_dir / "hf").iterdir())
     diff = [r["train/rollout_logprob_diff"] for r in rows if "train/rollout_logprob_diff" in r]
-    step_s = [round(r["time/step"], 2) for r in rows if "time/step" in r]
-    ok = trained == list(range(steps + 2)) and "config.json" in export and any(n.endswith(".safetensors")
-                                                                                for n in export)
-    return {"ok": ok, "trained_steps": trained, "run_s": times, "step_s": step_s, "hf_export": export,
-            "engine_trainer_logprob_diff": [round(d, 5) for d in diff],
-            "eval": {k: round(v, 4) for r in rows for k, v in r.items() if k.startswith("eval/")}}
+    run.report(trained_steps=trained, step_s=[round(r["time/step"], 2) for r in rows if "time/step" in r],
+               hf_export=export, engine_trainer_logprob_diff=[round(d, 5) for d in diff],
+               eval={k: round(v, 4) for r in rows for k, v in r.items() if k.startswith("eval/")})
+    return trained == list(range(steps + 2)) and "config.json" in export and any(
+        n.endswith(".safetensors") for n in export)
 
 
 # ---- (b) and (c) the trainer ---------------------------------------------------------------------
@@ -139,7 +188,7 @@ def samples(lengths: list[int], vocab: int, seed: int = 0) -> list:
 
 
 def build_trainer(device: str, model_cfg: dict, offload: bool = False, **train_kw):
-    """A trainer at world size 1 on ``device``: the model built on meta, then on the device (or, with
+    """(trainer, meshes) at world size 1 on ``device``: the model built on meta, then on the device (or, with
     ``offload``, FSDP2's host shards), weights initialized there."""
     from rollpacker.dist import build_meshes, init_distributed
     from rollpacker.model import ModelArgs, Transformer
@@ -153,11 +202,11 @@ def build_trainer(device: str, model_cfg: dict, offload: bool = False, **train_k
     model.to_empty(device="cpu" if offload else meshes.device)
     model.init_weights()
     cfg = TrainConfig(lr=1e-5, warmup_steps=0, offload=offload, **train_kw)
-    return Trainer(model, cfg, meshes.train, num_steps=2)
+    return Trainer(model, cfg, meshes.train, num_steps=2), meshes
 
 
-def measured_step(trainer, lengths: list[int], vocab: int, device: str) -> tuple[int | None, float]:
-    """A small step (AdamW's state is created), then the measured one: (peak bytes, seconds)."""
+def measured_step(trainer, lengths: list[int], vocab: int, device: str) -> dict:
+    """A small step (AdamW's state is created), then the measured one: its seconds and memory."""
     from rollpacker.train.losses import normalizer
 
     for batch, measure in ((samples([16, 16], vocab, seed=1), False), (samples(lengths, vocab), True)):
@@ -169,7 +218,7 @@ def measured_step(trainer, lengths: list[int], vocab: int, device: str) -> tuple
         synchronize(device)
         if any(v != v for v in stats.values()):
             raise RuntimeError(f"a NaN in the step's metrics: {stats}")
-    return peak_bytes(device), time.perf_counter() - start
+    return {"step_s": round(time.perf_counter() - start, 3), **memory(device)}
 
 
 def planned_train_peak(device: str, model_cfg: dict, lengths: list[int], checkpointing: str, head: str) -> dict:
@@ -183,119 +232,176 @@ def planned_train_peak(device: str, model_cfg: dict, lengths: list[int], checkpo
     return {"plan_gb": gb(peak.total), "plan_phase": peak.name}
 
 
-def push_and_compare(trainer, model_cfg: dict, device: str) -> dict:
-    """The trainer's fp32 shards pushed into a TorchEngine in the engine's dtype (bf16 on GPU), then the
-    engine's greedy log-probs against the trainer's own on the same tokens."""
-    from rollpacker.model import ModelArgs, empty_model, engine_dtype
-    from rollpacker.rollout.config import EngineConfig
-    from rollpacker.rollout.engine import Request, SamplingParams, generate
-    from rollpacker.rollout.torch_engine import TorchEngine
-    from rollpacker.train.trainer import Sample
+def recomputed_logprobs(weights, model_cfg: dict, dtype: torch.dtype, compute: torch.dtype, prompt: list[int],
+                        tokens: list[int], device: str) -> torch.Tensor:
+    """``tokens``' log-probs after ``prompt`` [len(tokens)], recomputed in ``compute`` (TF32 off) by our
+    Transformer from ``weights`` (``(name, tensor)`` pairs, the trainer's) rounded to ``dtype``."""
+    from rollpacker.model import CausalAttention, ModelArgs, empty_model
 
-    engine = TorchEngine(empty_model(ModelArgs.from_hf(model_cfg), device, engine_dtype("auto", torch.device(device))),
-                         EngineConfig(kv_memory_mb=64, max_num_seqs=8))
-    synchronize(device)
-    start = time.perf_counter()
-    engine.update_weights(trainer.model.named_parameters())
-    synchronize(device)
-    push_s = time.perf_counter() - start
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ref = empty_model(ModelArgs.from_hf(model_cfg), device, compute)
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, tensor in weights:
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            params[name.removeprefix("model.")].copy_(tensor.to(dtype))
+        ids = torch.tensor(prompt + tokens, device=device)
+        hidden = ref(ids, torch.arange(len(ids), device=device), CausalAttention([len(ids)], device))
+        logprobs = torch.log_softmax(ref.logits(hidden[len(prompt) - 1:-1]), -1)
+    return logprobs.gather(1, torch.tensor(tokens, device=device)[:, None]).squeeze(1).cpu()
+
+
+def compare_push(engine, weights, model_cfg: dict, device: str) -> dict:
+    """The engine's greedy log-probs after a push against an fp32 recompute from ``weights()`` (the pushed
+    pairs) rounded to the engine's dtype; within the bar when the mean gap is at most :data:`PUSH_BAR` times a
+    recompute's in the engine's dtype (the rounding of its activations, which grows with the model) + 1e-4."""
+    from rollpacker.rollout.engine import Request, SamplingParams, generate
+
     prompt = samples([64], model_cfg["vocab_size"], seed=2)[0].prompt_ids
     out = generate(engine, [Request(id="p", prompt_ids=prompt, params=SamplingParams(
         max_new_tokens=16, temperature=0.0, ignore_eos=True))])["p"]
-    with torch.no_grad():
-        mine = trainer._logprobs(trainer.model, [Sample(prompt, out.token_ids, 0.0, out.logprobs)])
-    gap = (mine.float().cpu() - torch.tensor(out.logprobs)).abs().max().item()
-    return {"push_s": round(push_s, 3), "engine_dtype": str(engine.dtype), "engine_vs_trainer_max_dlogprob": gap}
+    fp32 = recomputed_logprobs(weights(), model_cfg, engine.dtype, torch.float32, prompt, out.token_ids, device)
+    own = recomputed_logprobs(weights(), model_cfg, engine.dtype, engine.dtype, prompt, out.token_ids, device)
+    gap, rounding = (torch.tensor(out.logprobs) - fp32).abs(), (own - fp32).abs().mean().item()
+    bar = PUSH_BAR * rounding + 1e-4
+    return {"engine_dtype": str(engine.dtype), "tokens": len(out.token_ids), "max_dlogprob": gap.max().item(),
+            "mean_dlogprob": gap.mean().item(), "recompute_in_engine_dtype_mean_dlogprob": rounding,
+            "bar": bar, "within_bar": gap.mean().item() <= bar}
 
 
-def stage_train(device: str, out: Path, size: dict) -> dict:
-    """FSDP2 on ``device`` at world size 1: activation checkpointing off and full (with the fused head),
+def push_and_compare(trainer, model_cfg: dict, device: str) -> dict:
+    """The trainer's fp32 shards pushed into a TorchEngine in the engine's dtype (bf16 on GPU), timed, then
+    :func:`compare_push`."""
+    from rollpacker.model import ModelArgs, empty_model, engine_dtype
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(empty_model(ModelArgs.from_hf(model_cfg), device, engine_dtype("auto", torch.device(device))),
+                         EngineConfig(kv_memory_mb=64, max_num_seqs=8))
+    push_ms = once_ms(lambda: engine.update_weights(trainer.model.named_parameters()), device)
+    return {"push_s": round(push_ms / 1e3, 3)} | compare_push(engine, trainer.model.named_parameters, model_cfg, device)
+
+
+def stage_train(run: StageRun) -> bool:
+    """FSDP2 on the device at world size 1: activation checkpointing off and full (with the fused head),
     full with the torch head; each step's measured peak against the plan; the weight push."""
-    model_cfg, lengths, res = size["train_model"], size["train_lengths"], {}
-    for ac, head in (("none", "fused"), ("full", "fused"), ("full", "torch")):
-        trainer = build_trainer(device, model_cfg, activation_checkpointing=ac, micro_batch_tokens=sum(lengths),
-                                logprobs_impl="triton" if head == "fused" else "torch")
-        peak, seconds = measured_step(trainer, lengths, model_cfg["vocab_size"], device)
-        row = {"measured_gb": gb(peak), "step_s": round(seconds, 3)}
+    model_cfg, lengths, device = run.size["train_model"], run.size["train_lengths"], run.device
+    configs = [("none", "fused"), ("full", "fused"), ("full", "torch")]
+    if run.logprobs_impl == "torch":  # Triton cannot compile here (the preflight line says why)
+        configs = [("none", "torch"), ("full", "torch")]
+    errors = []
+    for ac, head in configs:
+        trainer, _ = build_trainer(device, model_cfg, activation_checkpointing=ac, micro_batch_tokens=sum(lengths),
+                                   logprobs_impl="triton" if head == "fused" else "torch")
+        row = measured_step(trainer, lengths, model_cfg["vocab_size"], device)
         row |= planned_train_peak(device, model_cfg, lengths, ac, head)
-        if peak:
-            row["plan_rel_error"] = round((row["plan_gb"] * GB - peak) / peak, 3)
-        res[f"ac={ac},head={head}"] = row
-        if ac == "full" and head == "fused":
-            res["push"] = push_and_compare(trainer, model_cfg, device)
+        if row["peak_allocated_gb"]:  # the plan counts allocated bytes
+            row["plan_rel_error"] = round((row["plan_gb"] - row["peak_allocated_gb"]) / row["peak_allocated_gb"], 3)
+            errors.append(abs(row["plan_rel_error"]))
+        run.report(**{f"ac={ac},head={head}": row})
+        if (ac, head) == configs[1]:  # full checkpointing, the fused head where it runs
+            run.report(push=push_and_compare(trainer, model_cfg, device))
         del trainer
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    errors = [abs(r["plan_rel_error"]) for r in res.values() if "plan_rel_error" in r]
-    limit = 0.05 if device == "cpu" else 0.5  # fp32 on CPU; a bf16 engine against the fp32 trainer on GPU
-    ok = all(e < 0.15 for e in errors) and res["push"]["engine_vs_trainer_max_dlogprob"] < limit
-    return {"ok": ok, **res}
+    push = run.result["push"]
+    right_dtype = push["engine_dtype"] == ("torch.bfloat16" if device == "cuda" else "torch.float32")
+    return all(e < 0.15 for e in errors) and right_dtype and push["within_bar"]
 
 
-def stage_offload(device: str, out: Path, size: dict) -> dict:
-    """``train.offload`` on one rank: FSDP2 keeps shards and gradients on the host, so the gradient norm
-    and a weight push's ``full_tensor`` run collectives on CPU tensors: they need gloo beside NCCL."""
+def cpu_collectives(groups: dict) -> dict[str, str | None]:
+    """An all-reduce of a CPU tensor over each of ``groups`` (name -> process group): None where it ran, the
+    error where the group has no CPU backend. An NCCL-only group raises even at one rank, where DTensor and
+    FSDP2 skip their own collectives."""
     import torch.distributed as dist
 
-    model_cfg = dict(size["train_model"], num_hidden_layers=size["offload_layers"])
-    lengths = size["offload_lengths"]
-    trainer = build_trainer(device, model_cfg, offload=True, activation_checkpointing="full",
-                            micro_batch_tokens=sum(lengths))
-    peak, seconds = measured_step(trainer, lengths, model_cfg["vocab_size"], device)
+    ran = {}
+    for name, group in groups.items():
+        try:
+            dist.all_reduce(torch.zeros(1), group=group)
+            ran[name] = None
+        except RuntimeError as e:
+            ran[name] = str(e)[:300]
+    return ran
+
+
+def stage_offload(run: StageRun) -> bool:
+    """``train.offload`` on one rank: FSDP2 keeps shards and gradients on the host, so the gradient norm and a
+    weight push's ``full_tensor`` run collectives on CPU tensors: every group they use needs gloo beside NCCL.
+    At world size 1 they skip their collectives, so a CPU all-reduce over each group proves it."""
+    import torch.distributed as dist
+
+    model_cfg = dict(run.size["train_model"], num_hidden_layers=run.size["offload_layers"])
+    lengths = run.size["offload_lengths"]
+    trainer, meshes = build_trainer(run.device, model_cfg, offload=True, activation_checkpointing="full",
+                                    micro_batch_tokens=sum(lengths), logprobs_impl=run.logprobs_impl)
+    groups = {"world": dist.group.WORLD} | {f"train.{d}": meshes.train.get_group(d)
+                                            for d in meshes.train.mesh_dim_names}
+    collectives = cpu_collectives(groups)
+    run.report(backend=str(dist.get_backend()), cpu_collectives=collectives)
+    run.report(**measured_step(trainer, lengths, model_cfg["vocab_size"], run.device))
     name, param = next(iter(trainer.model.named_parameters()))
     full = param.full_tensor()
-    return {"ok": full.shape == param.shape, "backend": str(dist.get_backend()), "measured_gb": gb(peak),
-            "step_s": round(seconds, 3), "shard_device": str(param.to_local().device),
-            "full_tensor_device": str(full.device)}
+    run.report(shard_device=str(param.to_local().device), full_tensor_device=str(full.device))
+    return full.shape == param.shape and all(error is None for error in collectives.values())
 
 
 # ---- (d) the Triton kernel -----------------------------------------------------------------------
 
 
-def stage_kernel(device: str, out: Path, size: dict) -> dict:
-    """The fused kernel and the chunked torch path on the same bf16 operands (both compute in fp32):
-    values and gradients at one size, then forward+backward ms, peak and TFLOP/s at the others."""
+def stage_kernel(run: StageRun) -> bool:
+    """The fused kernel and the chunked torch path on the same bf16 operands (both compute in fp32): values and
+    gradients at the smallest size, then forward+backward ms, peak and TFLOP/s at the others, smallest first;
+    a size whose two calls would pass the deadline (scaled from the last size measured) is skipped."""
     from rollpacker_kernels.logprobs import fused_token_logprobs
     from rollpacker_kernels.reference import chunked_token_logprobs_entropy
 
-    k, g = size["kernel"], torch.Generator(device=device).manual_seed(0)
+    k, device = run.size["kernel"], run.device
+    g = torch.Generator(device=device).manual_seed(0)
     d, v = k["hidden"], k["vocab"]
     weight = (torch.randn(v, d, device=device, generator=g) * 0.02).bfloat16()
     paths = {"kernel": fused_token_logprobs, "torch": chunked_token_logprobs_entropy}
 
-    def run(path: str, hidden, w, targets, grads: bool = True):
-        lp, ent = paths[path](hidden, w, targets, 0.8)
-        if grads:
-            (lp.sum() + 0.01 * ent.sum()).backward()
-        return lp, ent
-
-    res, n = {}, k["values_tokens"]
-    targets = torch.randint(0, v, (n,), device=device, generator=g)
-    base = torch.randn(n, d, device=device, generator=g).bfloat16()
-    got = {}
-    for path in paths:
-        h, w = base.clone().requires_grad_(), weight.clone().requires_grad_()
-        got[path] = (*run(path, h, w, targets), h.grad, w.grad)
-    diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(got["kernel"], got["torch"])]
-    res["max_abs_diff"] = dict(zip(("logprob", "entropy", "grad_hidden", "grad_weight"), diffs))
-    for t in k["tokens"]:
+    def inputs(t: int):
         h = torch.randn(t, d, device=device, generator=g).bfloat16().requires_grad_()
-        w = weight.clone().requires_grad_()
-        y = torch.randint(0, v, (t,), device=device, generator=g)
+        return h, weight.clone().requires_grad_(), torch.randint(0, v, (t,), device=device, generator=g)
+
+    def call(path: str, h, w, y):
+        lp, ent = paths[path](h, w, y, 0.8)
+        (lp.sum() + 0.01 * ent.sum()).backward()
+        grads = h.grad, w.grad
+        h.grad = w.grad = None
+        return lp, ent, *grads
+
+    n = k["values_tokens"]
+    h, w, y = inputs(n)
+    got = {path: call(path, h, w, y) for path in paths}
+    diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(got["kernel"], got["torch"])]
+    last = {path: (n, once_ms(lambda path=path: call(path, h, w, y), device)) for path in paths}  # compiled
+    run.report(hidden=d, vocab=v, max_abs_diff=dict(zip(("logprob", "entropy", "grad_hidden", "grad_weight"), diffs)),
+               **{f"{path}_T{n}_ms": round(ms, 2) for path, (_, ms) in last.items()})
+    for t in sorted(k["tokens"]):
+        h, w, y = inputs(t)
         for path in paths:
-            def step(path=path):
-                run(path, h, w, y)
-                h.grad = w.grad = None
+            seen, ms = last[path]
+            if 2 * ms / 1e3 * t / seen > run.left_s():  # a warm-up and one timed call
+                run.report(**{f"{path}_T{t}": {"skipped": f"about {2 * ms / 1e3 * t / seen:.0f} s, "
+                                                          f"{run.left_s():.0f} s left"}})
+                continue
             reset_peak(device)
             held = torch.cuda.memory_allocated() if device == "cuda" else 0
-            ms = timed_ms(step, device, reps=2)
+            times = [once_ms(lambda path=path: call(path, h, w, y), device)]  # the warm-up
+            while len(times) < 3 and run.left_s() > 2 * times[-1] / 1e3:
+                times.append(once_ms(lambda path=path: call(path, h, w, y), device))
+            ms = statistics.median(times[1:] or times)
+            last[path] = (t, ms)
             flops = (10 if path == "kernel" else 8) * t * v * d  # logit-sized GEMMs of a forward + backward
-            peak = peak_bytes(device)
-            res[f"{path}_T{t}"] = {"ms": round(ms, 2), "peak_gb": gb(peak - held if peak else None),
-                                   "tflops": round(flops / ms / 1e9, 3)}
-    ok = diffs[0] < 1e-3 and diffs[1] < 1e-2
-    return {"ok": ok, "hidden": d, "vocab": v, **res}
+            mem = memory(device)
+            peak = mem["peak_allocated_gb"] and mem["peak_allocated_gb"] - gb(held)
+            run.report(**{f"{path}_T{t}": {"ms": round(ms, 2), "timed_calls": len(times) - 1, "peak_gb": peak,
+                                           **mem, "tflops": round(flops / ms / 1e9, 3)}})
+    return diffs[0] < 1e-3 and diffs[1] < 1e-2
 
 
 # ---- (e) TorchEngine against transformers ------------------------------------------------------------
@@ -333,6 +439,36 @@ def teacher_forced(hf, outs: dict, eps: float, device: str) -> dict:
     return {"tokens": total, "not_greedy": not_greedy, "worst_gap_to_best": worst_gap, "max_abs_dlogprob": worst}
 
 
+def near_tie(logprobs: torch.Tensor, a: int, b: int, eps: float) -> bool:
+    """Whether tokens ``a`` and ``b`` are both within ``eps`` of the best of ``logprobs`` [vocab]: a tie that
+    rounding may break either way."""
+    best = logprobs.max()
+    return bool(best - logprobs[a] <= eps and best - logprobs[b] <= eps)
+
+
+def preempted_against_first(hf, outs: dict, again: dict, eps: float, device: str) -> dict:
+    """The preempted run's tokens against the first run's: where they first differ, a near-tie of transformers'
+    fp32 log-probs (:func:`near_tie`) is tolerated, anything else (another token, another length) counts as a
+    difference; before it, how far the log-probs moved."""
+    ties = differ = 0
+    moved = 0.0
+    for key, first in outs.items():
+        a, b = first.token_ids, again[key].token_ids
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        moved = max([moved] + [abs(p - q) for p, q in zip(first.logprobs[:i], again[key].logprobs[:i])])
+        if i == len(a) == len(b):
+            continue
+        if i < min(len(a), len(b)):
+            ids = torch.tensor(first.prompt_ids + a[:i], device=device)
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(input_ids=ids[None]).logits[0, -1].float(), -1)
+            if near_tie(lp, a[i], b[i], eps):
+                ties += 1
+                continue
+        differ += 1
+    return {"preempted_near_ties": ties, "preempted_tokens_differ": differ, "preempted_max_dlogprob": moved}
+
+
 def workspace_peak(engine, batch: list[list[int]], new: int, device: str) -> dict:
     """The decode workspace beside the pool over a batch crossing a length group, against the plan's bound."""
     from rollpacker.plan.memory import RolloutSetup, Shape, decode_workspace
@@ -353,16 +489,15 @@ def workspace_peak(engine, batch: list[list[int]], new: int, device: str) -> dic
         engine="torch", tp=1, weight_bytes=engine.dtype.itemsize, kv_bytes=engine.cache.nbytes,
         max_num_seqs=engine.config.max_num_seqs, prefill_tokens=0, released=False,
         longest=max(map(len, batch)) + new))
-    allocated = peak_bytes(device)
     return {"workspace_gb": gb(peak), "kv_pool_gb": gb(engine.cache.nbytes), "weights_gb": gb(engine.weight_bytes),
             "workspace_over_pool": round(peak / engine.cache.nbytes, 2), "plan_bound_gb": gb(bound),
-            "within_plan": peak <= bound, "allocated_peak_gb": gb(allocated)}
+            "within_plan": peak <= bound, **memory(device)}
 
 
-def stage_engine(device: str, out: Path, size: dict) -> dict:
-    """A random Qwen2 on ``device``: TorchEngine's greedy tokens and log-probs teacher-forced through
+def stage_engine(run: StageRun) -> bool:
+    """A random Qwen2 on the device: TorchEngine's greedy tokens and log-probs teacher-forced through
     transformers, fp32 (TF32 off: within 1e-3) and bf16 (the gap, reported); a tiny KV budget (preemption
-    by recomputation) gives the same fp32 tokens; the decode workspace's peak."""
+    by recomputation) gives the same fp32 tokens up to a near-tie; the decode workspace's peak."""
     from transformers import AutoModelForCausalLM
 
     from rollpacker.model import load_model
@@ -370,78 +505,79 @@ def stage_engine(device: str, out: Path, size: dict) -> dict:
     from rollpacker.rollout.torch_engine import TorchEngine
     from rollpacker.toy.random_model import RandomModelConfig, write
 
-    e = size["engine"]
+    e, device = run.size["engine"], run.device
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    path = out / "random_model"
+    path = run.work / "random_model"
     shape = {k: e[k] for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size")}
     write(RandomModelConfig(out=path, max_position_embeddings=4096, **shape))
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     batch = prompts(e["prompts"], 258, 8, 4 * e["new"])
-    res = {}
     for name, dtype, eps in (("fp32", torch.float32, 1e-4), ("bf16", torch.bfloat16, 5e-2)):
         engine = TorchEngine(load_model(path, dev, dtype), EngineConfig(kv_memory_mb=e["kv_mb"], max_num_seqs=64))
         start = time.perf_counter()
         outs = greedy(engine, batch, e["new"])
-        res[f"{name}_rollout_s"] = round(time.perf_counter() - start, 2)
+        run.report(**{f"{name}_rollout_s": round(time.perf_counter() - start, 2)})
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
-        res[name] = teacher_forced(hf, outs, eps, device)
+        run.report(**{name: teacher_forced(hf, outs, eps, device)})
         if name == "fp32":
             small = TorchEngine(load_model(path, dev, dtype),
                                 EngineConfig(kv_memory_mb=e["small_kv_mb"], max_num_seqs=64))
             again = greedy(small, batch, e["new"])
-            res["preemptions"] = small.stats().num_preemptions
-            res["preempted_tokens_differ"] = sum(outs[k].token_ids != again[k].token_ids for k in outs)
+            run.report(preemptions=small.stats().num_preemptions,
+                       **preempted_against_first(hf, outs, again, eps, device))
         del engine, hf
         gc.collect()
     engine = TorchEngine(load_model(path, dev, torch.bfloat16),
                          EngineConfig(kv_memory_mb=e["kv_mb"], max_num_seqs=e["rows"]))
-    res["workspace"] = workspace_peak(engine, prompts(e["rows"], 258, e["context"], e["context"] + 10, seed=1),
-                                      e["new"], device)
-    fp32 = res["fp32"]
-    ok = (fp32["not_greedy"] == 0 and fp32["max_abs_dlogprob"] < 1e-3 and res["preemptions"] > 0
-          and res["preempted_tokens_differ"] == 0 and res["workspace"]["within_plan"])
-    return {"ok": ok, **res}
+    run.report(workspace=workspace_peak(engine, prompts(e["rows"], 258, e["context"], e["context"] + 10, seed=1),
+                                        e["new"], device))
+    res = run.result
+    return (res["fp32"]["not_greedy"] == 0 and res["fp32"]["max_abs_dlogprob"] < 1e-3 and res["preemptions"] > 0
+            and res["preempted_tokens_differ"] == 0 and res["preempted_max_dlogprob"] < 1e-3
+            and res["workspace"]["within_plan"])
 
 
 # ---- (f) the speculative verify cost ------------------------------------------------------------
 
 
-def stage_spec(device: str, out: Path, size: dict) -> dict:
+def stage_spec(run: StageRun) -> bool:
     """TorchEngine's verify step with k draft tokens against a plain decode step
     (:func:`~rollpacker.rollout.probe.measure_spec_cost`: what ``engine.speculative auto`` and ``sim spec``
-    use), on a random Qwen2.5-7B-shaped model in bf16 (toy-shaped on CPU)."""
+    use), on a random Qwen2.5-7B-shaped model in bf16 (toy-shaped on CPU). Eager TorchEngine, launch-bound
+    at small batches: not vLLM's or SGLang's verify cost."""
     from rollpacker.model import ModelArgs, Transformer, engine_dtype
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.probe import measure_spec_cost
     from rollpacker.rollout.torch_engine import TorchEngine
 
-    s = size["spec"]
-    cfg = s["model"] or dict(size["train_model"], vocab_size=258)
+    s, device = run.size["spec"], run.device
+    cfg = s["model"] or dict(run.size["train_model"], vocab_size=258)
     with torch.device("meta"):
         model = Transformer(ModelArgs.from_hf(cfg)).to(engine_dtype("auto", torch.device(device)))
     model = model.to_empty(device=device)  # never an fp32 copy of 15 GB
     model.init_weights()
     engine = TorchEngine(model, EngineConfig(kv_memory_mb=s["kv_mb"], max_num_seqs=64, spec_max_tokens=s["drafts"]))
+    reset_peak(device)
     cost = measure_spec_cost(engine, s["rows"], s["drafts"], s["prompt"], steps=s["steps"])
     ratios = {f"n{n}": {f"k{k}": round(ms[j] / ms[0], 3) for j, k in enumerate(cost.draft_lens) if k}
               for n, ms in zip(cost.rows, cost.ms)}
-    return {"ok": all(ms[0] > 0 for ms in cost.ms), "rows": list(cost.rows), "draft_lens": list(cost.draft_lens),
-            "plain_decode_ms": {f"n{n}": round(ms[0], 3) for n, ms in zip(cost.rows, cost.ms)},
-            "verify_over_plain": ratios, "draft_ms": round(cost.draft_ms, 4), "max_rows": cost.max_rows,
-            "peak_gb": gb(peak_bytes(device))}
+    run.report(engine="torch (eager)", rows=list(cost.rows), draft_lens=list(cost.draft_lens),
+               plain_decode_ms={f"n{n}": round(ms[0], 3) for n, ms in zip(cost.rows, cost.ms)},
+               verify_over_plain=ratios, draft_ms=round(cost.draft_ms, 4), max_rows=cost.max_rows, **memory(device))
+    return all(ms[0] > 0 for ms in cost.ms)
 
 
 # ---- (g) the judge's layer streaming ------------------------------------------------------------
 
 
-def stage_judge(device: str, out: Path, size: dict) -> dict:
+def stage_judge(run: StageRun) -> bool:
     """Layers streamed from host memory on the side stream (``model/offload.py``): logits bit-equal to the
     resident model's, and on CUDA more than half the shorter of copy and compute hidden."""
     from rollpacker.model import CausalAttention, ModelArgs, Transformer
     from rollpacker.model.offload import OffloadedLayers
     from rollpacker.model.transformer import rope_cos_sin
 
-    j = size["judge"]
+    j, device = run.size["judge"], run.device
     cfg = dict(model_type="qwen2", num_attention_heads=16 if device == "cuda" else 4, num_key_value_heads=4 if
                device == "cuda" else 2, max_position_embeddings=4096,
                **{k: j[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")})
@@ -469,28 +605,39 @@ def stage_judge(device: str, out: Path, size: dict) -> dict:
     buffer = torch.empty_like(layers.host[0], device=device)
     copy_ms = timed_ms(lambda: [buffer.copy_(h, non_blocking=True) for h in layers.host], device)
     equal = torch.equal(hidden(), resident)
+    run.report(bit_equal=equal, compute_ms=round(compute_ms, 2), copy_ms=round(copy_ms, 2))
     offloaded_ms = timed_ms(hidden, device)
     hidden_ms = compute_ms + copy_ms - offloaded_ms
     overlap = hidden_ms > 0.5 * min(compute_ms, copy_ms) if device == "cuda" else None
-    return {"ok": equal and overlap is not False, "bit_equal": equal, "compute_ms": round(compute_ms, 2),
-            "copy_ms": round(copy_ms, 2), "offloaded_ms": round(offloaded_ms, 2), "hidden_ms": round(hidden_ms, 2),
-            "overlap_over_half": overlap}
+    run.report(offloaded_ms=round(offloaded_ms, 2), hidden_ms=round(hidden_ms, 2), overlap_over_half=overlap)
+    return equal and overlap is not False
 
 
 def main(argv: list[str] | None = None) -> None:
+    import torch.distributed as dist
+
     parser = argparse.ArgumentParser(prog="python -m rollpacker.gpu_check.stages")
     parser.add_argument("stage", choices=("toy", "train", "offload", "kernel", "engine", "spec", "judge"))
     parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="small results only")
+    parser.add_argument("--work", type=Path, required=True, help="models and checkpoints")
+    parser.add_argument("--limit-s", type=float, default=600, help="the driver's limit on this stage")
+    parser.add_argument("--logprobs-impl", choices=("triton", "torch"), default="triton")
     args = parser.parse_args(argv)
+    margin = max(5.0, 0.1 * args.limit_s)  # the stage's own exit: destroying the group, the interpreter
+    run = StageRun(args.device, args.out, args.work, SIZES[args.device], time.perf_counter() + args.limit_s - margin,
+                   args.logprobs_impl)
     torch.manual_seed(0)
     try:
-        result = globals()[f"stage_{args.stage}"](args.device, args.out, SIZES[args.device])
+        ok = globals()[f"stage_{args.stage}"](run)
     except Exception as e:  # the stage failed: say how, in its result line
         traceback.print_exc()
-        result = {"ok": False, "error": repr(e)[:600]}
-    print(RESULT + json.dumps(result, default=str), flush=True)
-    sys.exit(0 if result["ok"] else 1)
+        ok = False
+        run.result["error"] = repr(e)[:600]
+    run.report(ok=bool(ok))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from rollpacker import report
 from rollpacker.metrics import LiveDisplay, MetricsConfig, MetricsLogger, Timer, bubble_ratio, length_stats
@@ -59,6 +60,19 @@ def test_timer_accumulates_and_pops():
     timer.times = {"time/rollout": 5.0}
     timer.move(1.5, "rollout", "reward")  # the rollout's wait for its last scores is reward time
     assert timer.pop() == {"time/rollout": 3.5, "time/reward": 1.5}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the Timer synchronizes it")
+def test_timer_counts_a_phases_queued_cuda_kernels_in_that_phase():
+    torch.cuda.synchronize()
+    timer = Timer()
+    with timer("train"):
+        torch.cuda._sleep(int(1e9))  # a kernel spinning ~0.5 s, queued: the host goes on at once
+    with timer("rollout"):
+        pass
+    times = timer.pop()
+    assert times["time/train"] > 0.2 and times["time/rollout"] < 0.05, times
 
 
 def test_config_validates():

@@ -214,11 +214,10 @@ needs_cuda = pytest.mark.skipif(
 def test_gpu_prefetch_overlaps_compute_and_matches_resident(tmp_path):
     """The GPU check's stage (g) (rollpacker.gpu_check): 6 layers of 2048 hidden, 8192 tokens, so a layer's
     compute is about as long as its copy; more than half the shorter of the two hidden, logits bit-equal."""
-    from rollpacker.gpu_check.stages import SIZES, stage_judge
+    from rollpacker.gpu_check.stages import SIZES, StageRun, stage_judge
 
-    result = stage_judge("cuda", tmp_path, SIZES["cuda"])
-    print(result)
-    assert result["bit_equal"] and result["overlap_over_half"], result
+    run = StageRun("cuda", tmp_path, tmp_path, SIZES["cuda"], deadline=float("inf"))
+    assert stage_judge(run) and run.result["bit_equal"] and run.result["overlap_over_half"], run.result
 
 
 @pytest.mark.gpu
