@@ -5,7 +5,7 @@ terms, the two peaks and whether the larger fits, with its headroom; the last li
 ``fits`` and ``peak_gb``. On GPU the job runs the same computation at start-up
 (:func:`check_fits`) and refuses a config that cannot fit, naming the largest term and the
 setting that shrinks it. SGLang's ``mem_fraction_static`` comes from the same engine terms
-(:func:`sglang_memory_fraction`).
+(:attr:`Plan.engine_bytes`, which the job passes to the engine).
 
 Invariants: it models the code, not the allocator (fragmentation is not counted: keep 10%
 headroom); an engine's terms follow its capabilities (``EngineKind``), never its name.
