@@ -22,11 +22,11 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import tyro
 
+from rollpacker.env.episode import Response
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import RewardScheduler
 
@@ -76,12 +76,12 @@ def one_round(scheduler: RewardScheduler, responses: list[str], finish: list[flo
     for i, (text, at) in enumerate(zip(responses, finish)):
         if overlap:
             time.sleep(max(0.0, start + at - time.perf_counter()))
-            scheduler.submit(i, row, SimpleNamespace(token_ids=text))  # already text: decode is the identity
+            scheduler.submit(i, row, Response(id=str(i), prompt_ids=[], token_ids=text))  # decode is the identity
     time.sleep(max(0.0, start + finish[-1] - time.perf_counter()))
     rollout_end = time.perf_counter()
     if not overlap:
         for i, text in enumerate(responses):
-            scheduler.submit(i, row, SimpleNamespace(token_ids=text))  # already text: decode is the identity
+            scheduler.submit(i, row, Response(id=str(i), prompt_ids=[], token_ids=text))  # decode is the identity
     scores = dict(scheduler.wait())
     end = time.perf_counter()
     metrics = scheduler.take_metrics()
