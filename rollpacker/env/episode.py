@@ -158,7 +158,7 @@ class Episode:
 
     def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge | None, *, seed: int, max_turns: int,
                  max_tokens: int, max_new_tokens: int, max_context: int):
-        if not prompt_ids or len(prompt_ids) >= max_context:  # the caller's to refuse (Environments.episode: an EnvError)
+        if not prompt_ids or len(prompt_ids) >= max_context:  # Environments.episode refuses it first
             raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
                              f"context of {max_context}")
         self.id, self.prompt_ids, self.bridge, self.seed = id, list(prompt_ids), bridge, seed
