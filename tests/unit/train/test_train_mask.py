@@ -129,3 +129,36 @@ def test_a_failed_episode_shifts_no_siblings_advantage(toy_random_dir, advantage
         torch.testing.assert_close(a.advantages, b.advantages, atol=0, rtol=0)
     every_failed = [dataclasses.replace(s, failed=True, loss_mask=[False] * len(s.loss_mask)) for s in samples]
     assert not any(p.advantages.any() for p in t._prepare(every_failed))
+
+
+def test_a_response_through_the_one_request_path_trains_bitwise_as_a_plain_single_turn_sample(toy_random_dir):
+    """The one request path: a single-turn response is the one-turn episode without environment
+    (:class:`~rollpacker.env.episode.Episode` with no bridge); the controller's samples of its
+    :class:`~rollpacker.env.episode.Response` (loss mask all the model's, no step reward) train bitwise as
+    the plain samples of the engine's outputs did (no mask, the reward alone)."""
+    from rollpacker.config import Config
+    from rollpacker.controller import Controller
+    from rollpacker.data.dataset import PromptSampler
+    from rollpacker.env.episode import Episode
+    from rollpacker.schedule.base import Group
+    from rollpacker.schedule.sync import SyncPolicy
+
+    plain = algorithm_batch()
+    ctl = Controller(config=Config(), rows=[], eval_rows=None, tokenizer=None, rewards=None,
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
+    through = []
+    for group in (0, 1):
+        responses = []
+        for k, s in enumerate(x for x in plain if x.group == group):
+            episode = Episode(f"0:{group}:{k}", s.prompt_ids, None, seed=0, max_turns=1, max_tokens=64,
+                              max_new_tokens=64, max_context=200)
+            episode.on_turn(s.response_ids, s.rollout_logprobs, "stop")
+            responses.append(episode.output())
+        rewards = [s.reward for s in plain if s.group == group]
+        through += ctl.group_samples(Group(prompt=group, outputs=responses, rewards=rewards))
+    assert [(s.prompt_ids, s.response_ids, s.reward, s.rollout_logprobs) for s in through] == [
+        (s.prompt_ids, s.response_ids, s.reward, s.rollout_logprobs) for s in plain]
+    stats, after = step(toy_random_dir, plain)
+    through_stats, through_after = step(toy_random_dir, through)
+    assert stats == through_stats and stats["train/loss"] != 0.0
+    assert all(torch.equal(after[k], through_after[k]) for k in after)
