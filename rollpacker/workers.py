@@ -79,6 +79,8 @@ class WorkerPool:
 
     _name = "worker"
     """Names the workers and their timeout setting (``NAME.timeout``) in messages."""
+    _unfinished = "tasks unfinished"
+    """What :meth:`drain`'s timeout says of the tasks left (the reward pool's: samples still unscored)."""
 
     def __init__(self, num_workers: int):
         self._ctx = mp.get_context("spawn")
@@ -108,7 +110,7 @@ class WorkerPool:
         """Wait until every task submitted is finished; return the results not yet returned by poll()."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._num_unfinished == 0 or self._failure, timeout):
-                raise TimeoutError(f"{self._name} pool: {self._num_unfinished} tasks unfinished after {timeout} s")
+                raise TimeoutError(f"{self._name} pool: {self._num_unfinished} {self._unfinished} after {timeout} s")
         return self.poll()
 
     def wait(self, timeout: float) -> None:

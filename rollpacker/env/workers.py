@@ -135,6 +135,7 @@ class EnvPool(WorkerPool):
     call :meth:`close`: it stops every worker and the environments in them (their ``close`` is not called)."""
 
     _name = "env"
+    _unfinished = "calls still unanswered"
     _main = staticmethod(_serve)
 
     def __init__(self, cfg: EnvConfig, spec: EnvSpec | None = None):

@@ -99,6 +99,7 @@ class RewardPool(WorkerPool):
     """``reward.num_workers`` reward worker processes (the module docstring)."""
 
     _name = "reward"
+    _unfinished = "samples still unscored"
     _main = staticmethod(_work)
 
     def __init__(self, cfg: RewardConfig | None = None):
