@@ -7,7 +7,7 @@ is one JSON object.
 
 Invariants:
 
-- One run, one machine, one thread count; every response forced to the same length.
+- One run, one machine, one thread count. Every response's length is forced (greedy, EOS ignored).
 - The engines alternate, and the fastest of ``repeats`` calls counts (robust to a shared machine).
 - ``same_tokens_*`` checks each engine's greedy tokens against the first engine's.
 

@@ -1,8 +1,8 @@
 """Token in, token out: observations as the chat template's delta, appended to the sampled tokens.
 
 An observation (chat messages) becomes the tokens the template renders for it after an assistant
-turn: the rest of the template's end of turn, then the delta, the observation's turns and the next
-assistant header. :class:`ChatBridge` renders them.
+turn: the rest of the template's end of turn, then the delta (the observation's turns and the next
+assistant header). :class:`ChatBridge` renders them.
 
 Invariants:
 

@@ -7,7 +7,8 @@ Invariants:
 
 - No network, a read-only root, a private ``/tmp``, an empty environment. A trainer running as
   root runs the sandbox as ``nobody``.
-- The program is never pid 1. A call returns only after pid 1 is gone, so nothing it started survives.
+- In the namespace modes the program is never pid 1, and a call returns only after pid 1 is gone:
+  nothing the program started survives it.
 - The verdict is the program's stdout against the expected output, never its exit code.
 - Without isolation, :class:`Sandbox` refuses to start and says how to enable it.
   ``isolation = "none"`` is an explicit opt-out: rlimits only.

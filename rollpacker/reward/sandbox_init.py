@@ -11,8 +11,8 @@ Invariants:
 - In the namespace modes this init stays pid 1 and exits the moment the program does. Whatever the
   program left behind dies with the pid namespace.
 
-Why our own init: pid 1 stays ours (the program cannot clear its parent-death signal), so killing
-it ends everything inside. The steps of each mode: ``docs/rewards-and-judge.md``.
+Why our own init: its parent-death signal is one the program cannot clear, and as pid 1 its end
+ends everything inside. The steps of each mode: ``docs/rewards-and-judge.md``.
 """
 
 import contextlib

@@ -2,8 +2,8 @@
 
 A prompt's index holds what this replica has of that prompt: the prompt itself, its requests'
 tokens so far (``self`` and ``sibling``), and the controller's :class:`~rollpacker.rollout.engine.DraftContext`.
-A draft continues a request's last ``n`` tokens, for the longest ``n`` found elsewhere, with what
-most occurrences followed them with.
+A draft continues a request's last ``n`` tokens, for the longest ``n`` found elsewhere, with the
+continuation most of their occurrences share.
 
 Invariants:
 

@@ -8,7 +8,7 @@ Invariants:
 - Every rank of a replica (its TP group) makes the same calls in the same order.
 - A bad request raises one ``ValueError`` naming it; the engine serves the others.
 - An abort returns the tokens and log-probs so far. ``Request.resume_from`` continues them by
-  recomputation, exactly: sampling is seeded per position.
+  recomputation: exactly where sampling is seeded per position (TorchEngine, SGLang).
 - Log-probs are those of ``softmax(logits / temperature)`` before top-k/top-p. An engine that
   reports them after truncation sets ``logprobs_truncated``.
 - Drafts (``Request.draft_context``) and sessions (``Request.session``) never change a token.

@@ -11,8 +11,8 @@ It runs on GPU and, for CI, on CPU (SGLang's CPU platform). It has never run on 
 - An abort that reaches a request SGLang already finished returns it whole.
 - A weight push and a memory release wait until SGLang is idle.
 
-Why so much here: SGLang's schedulers are other processes, and they expect to own theirs. The
-adapter must keep them in step with the controller and alive inside a torchrun rank. How each
+Why so much here: SGLang runs its schedulers in processes of its own, with their own signal
+handling. The adapter must keep them in step with the controller and alive inside a torchrun rank. How each
 call maps onto SGLang, and each fix: ``docs/sglang.md``.
 """
 

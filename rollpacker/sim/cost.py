@@ -7,7 +7,7 @@ and compute time, plus prefill, fixed overheads and TP all-reduces.
 
 Invariants:
 
-- Every constant is a named field with its source; none is fitted to the paper's Table 2.
+- Every constant is a named field, and none is fitted to the paper's Table 2.
 - :func:`fit_calibration` refits the overheads and the decode efficiency from a measured decode curve.
 - :class:`ProfiledCost` uses a measured profile in place of the roofline.
 
