@@ -1,34 +1,18 @@
 """Every process group and device mesh of the job, built once, in one place.
 
-- ``world``: all ranks (NCCL on GPU, gloo on CPU).
-- ``control``: the gloo control plane. Rank 0 decides; the others follow through object
-  collectives on it (a few times per second, never per token).
-- ``rollout``: a 2-D (replica, tp) mesh; ``rollout_tp`` is this rank's engine TP sub-mesh. The
-  parallelism planner changes the TP between steps (:meth:`Meshes.set_rollout_tp`); each TP's
-  groups are built the first time it is used, then reused.
-- ``train``: the 2-D (replicate, shard) HSDP mesh of the trainer. Each replica group is a whole
-  copy of the model, so a subset of replicas can compute gradients on its own (stream training).
-- With stream training: ``stream_group``, a gloo group of all ranks for rank 0's point-to-point sends
-  to the ranks it frees, and ``kept_control``, the control plane of the ranks that keep rolling
-  out after a scale-down (the first half of the rollout replicas, rounded up).
-- Disaggregated pools (``one_step_off``, ``rollout_ranks`` < world): the rollout mesh covers the first
-  ``rollout_ranks`` ranks only and the training mesh the rest; ``rollout_control`` is the rollout
-  pool's control plane, ``train_group`` the training pool's group (the trainer's metric sums),
-  ``handoff`` the gloo group of rank 0 and the training pool (each batch goes over it), and
-  ``weights`` the data-plane group (NCCL on GPU) of the first training rank and the rollout pool,
-  over which new weights are broadcast. Without pools the first two are ``control`` and the world.
+:class:`Meshes` holds them: the world, the gloo control plane, the rollout (replica, tp) mesh,
+the trainer's HSDP mesh, and the groups stream training and disaggregated pools add. Which ranks
+are which is a :class:`~rollpacker.topology.Topology` (``Meshes.topology``), pure data.
 
-Which ranks are which is a :class:`~rollpacker.topology.Topology` (``Meshes.topology``), pure data.
+Invariants:
 
-World size 1 is not special: ``python -m rollpacker.run`` gets a one-rank gloo group like any
-other run. Nobody else creates process groups.
+- Nobody else creates process groups.
+- World size 1 is not special: one rank gets a gloo group like any other run.
+- Every rank exports the same NCCL settings (:data:`NCCL_ENV`) before the default group exists.
+- A rollout TP's groups are built the first time it is used, then reused.
 
-The default group is NCCL on GPU, gloo on CPU, and ``cuda:nccl,cpu:gloo`` when CPU tensors meet in
-collectives (``train.offload``: FSDP2 keeps shards, gradients and their norm on the host). Before it
-exists, every rank exports the same NCCL settings (:data:`NCCL_ENV`, plus what the engine's start
-would set in one process only) and logs them: communicators built with different settings on
-different ranks fail or hang. ``dist.device=cpu`` (or ``ROLLPACKER_DEVICE=cpu``, which the test
-suite sets) runs on CPU and gloo while a GPU is visible.
+Why one place: communicators built differently on different ranks fail or hang, and one builder
+keeps them alike. Each group and what travels over it: ``docs/architecture.md`` (Process groups).
 """
 
 from __future__ import annotations

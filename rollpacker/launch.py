@@ -4,21 +4,17 @@
     # is: torchrun --standalone --nproc-per-node 2 -m rollpacker.run --num-steps 50
 
 The leading arguments that are torchrun's options go to torchrun (``--`` ends them), the rest to
-``rollpacker.run``. Without a rendezvous option it runs one node (``--standalone``); with
-``--max-restarts`` it sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the environment says
-otherwise (a restarted group otherwise reads the old group's addresses: pytorch#135712). torchrun itself
-keeps working as it does; this adds what a user at a terminal wants from it:
+``rollpacker.run``. ``python -m rollpacker.launch`` is the same command.
 
-- **One error, last.** A rank's error (:func:`rollpacker.errors.fail`) goes to a file this
-  launcher names; once torchrun is done, the launcher prints it, so it is the last line. torchrun
-  runs in a child process without its ``@record`` wrapper, so its 25-line ``ChildFailedError``
-  trailer is not printed; its one-line log of the failed rank is.
-- **Stops are stops.** SIGINT (Ctrl-C), SIGTERM and SIGUSR1 go to the ranks, not to torchrun:
-  they stop after the step in progress with a checkpoint (:mod:`rollpacker.preempt`) and exit 0,
-  and so does the launcher. A second Ctrl-C stops the ranks at once and torchrun with them (no
-  restart). torchrun runs in a session of its own, so a terminal's Ctrl-C reaches only the launcher.
+Invariants:
 
-``python -m rollpacker.launch`` is the same command.
+- torchrun keeps working as it does; this only adds what a user at a terminal wants.
+- A rank's error is printed once, last, without torchrun's trailer.
+- A signal goes to the ranks, which stop after the step in progress with a checkpoint and exit 0.
+  A second Ctrl-C stops at once.
+
+Why: a terminal user needs one readable error and a clean stop. The details (one node by default,
+the rendezvous store, sessions): ``docs/cluster-and-faults.md``.
 """
 
 from __future__ import annotations

@@ -2,21 +2,18 @@
 
     python -m rollpacker.report RUN_DIR
 
-writes ``RUN_DIR/plots/step_time.png`` (stacked ``time/*`` stages per step, ``time/step`` as a
-dot above them), ``response_lengths.png`` (a box per step of ``rollout/response_lengths``, on a
-log scale when all are positive, tail batching's long rounds marked red: the paper's Fig. 4a),
-``reward.png`` (``reward/mean``, ``reward/accuracy`` and held-out ``eval/accuracy`` vs step),
-``reward_functions.png`` (each reward function's mean, ``reward/NAME``, and the responses whose
-reward failed, ``reward/errors``), ``eval.png`` (held-out ``pass@k`` and ``mean@n``, overall and
-per data source), and ``samples.md``: a few responses of the last training step saved with ``--metrics.samples-every``
-(the best and worst rewarded, the longest, the shortest; an episode turn by turn, each with its role
-and whether it was trained), and prints their paths. A plot whose
-metrics appear in no step, or a run without samples, is skipped with a note.
-When a step was logged twice (a resumed run), its last line wins.
+writes ``RUN_DIR/plots/`` (step time, response lengths, reward, reward functions, evaluation, and
+``samples.md``) and prints their paths. It also prints what the newest whole checkpoint says of
+the prompts (:func:`prompt_ledger`).
 
-It also prints what the newest whole checkpoint says of the prompts (:func:`prompt_ledger`): per
-epoch, the rows trained, each once or not, against the prompts metrics.jsonl counts as trained. That
-is the check that every prompt trained exactly once, from a run directory alone.
+Invariants:
+
+- A plot whose metrics appear in no step is skipped with a note, not drawn empty.
+- When a step was logged twice (a resumed run), its last line wins.
+- The prompt ledger is checked against the prompts ``metrics.jsonl`` counts as trained.
+
+Why: a run directory alone must show what the run did, and that every prompt trained exactly once.
+Each plot: ``docs/your-task.md`` (Metrics to watch).
 """
 
 from __future__ import annotations

@@ -1,23 +1,20 @@
 """Stalled ranks are detected, never waited on forever.
 
-Every process group gets a timeout from :class:`DistConfig` (a longer one until the first step
-is done: model loading, first-step compilation), so a collective that a rank never joins raises
-on the ranks that wait. Each rank also writes a heartbeat (time, step, phase) into the job's
-TCPStore every second from a thread; a SIGSTOPped or wedged rank stops beating. When a timeout
-fires, one line names this rank's step and phase and the ranks whose heartbeat went stale (or
-never came), then the process exits non-zero so torchrun ``--max-restarts`` (or Slurm's requeue)
-restarts the job. A phase that waits in one collective for long in normal operation (one_step_off's
-hand-off, stream training's freed ranks, a checkpoint) runs under :func:`waiting`: its own timeout,
-sized from the config, and a deadline at which the heartbeat thread prints the same diagnosis and
-exits, before NCCL's watchdog, which aborts the process without a Python exception, would.
+Every process group gets a timeout from :class:`DistConfig`, longer until the first step is done.
+Each rank writes a heartbeat (time, step, phase) into the job's TCPStore every second. When a
+timeout fires, one line names this rank's step and phase and the ranks whose heartbeat went stale,
+then the process exits non-zero so that torchrun (or Slurm) restarts the job.
 
-The store is hosted by rank 0 (or torchrun's agent); when that host is stopped, a store call never
-returns (TCPStore's timeout covers neither its connect handshake nor a get), so every store call
-runs in a thread of its own and is given up after ``STORE_WAIT_S``: the diagnosis then names the
-store's host. The heartbeat thread also ends a rank whose launcher died: torchrun starts its ranks
-in sessions of their own, so a SIGKILLed (or OOM-killed) torchrun would leave them training on into
-the run directory beside the job that resumes there. Nothing here imports torch at module level:
-:class:`DistConfig` is part of the config tree.
+Invariants:
+
+- A phase that waits long in normal operation runs under :func:`waiting`: its own timeout, and a
+  deadline at which the heartbeat thread prints the diagnosis and exits, before NCCL would abort.
+- No store call waits without a deadline (``STORE_WAIT_S``); a silent store names its host.
+- A rank whose launcher died ends too.
+- Nothing here imports torch at module level: :class:`DistConfig` is part of the config tree.
+
+Why: a stalled rank otherwise hangs the whole job with no message. The timeouts and messages:
+``docs/cluster-and-faults.md`` (A rank stalls).
 """
 
 from __future__ import annotations

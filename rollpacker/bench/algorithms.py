@@ -1,27 +1,19 @@
 """``python -m rollpacker.bench algorithms``: advantage estimators and policy losses side by side on the default job.
 
-Runs the toy job (``--preset``, default toy-cpu) under torchrun once per algorithm and seed, seed 0
-of every algorithm first, then seed 1, and so on, so that slow drift of the machine hits each
-alike. Every run has the same data order and number of steps; only the ``train.*`` flags of
-:data:`ALGORITHMS` differ. ``gspo`` and ``cispo`` run as their papers do, with two optimizer
-steps per batch (``--train.mini-batches 2``): with one update per batch the ratio is exactly 1
-and both reduce to the plain policy gradient; ``grpo_mb2`` is their GRPO baseline. ``lora`` is GRPO
-training rank-16 LoRA adapters only (at a learning rate ten times the full model's, as LoRA needs);
-``distill`` is on-policy distillation alone (the task reward weighs 0): its teacher is the default
-job's own trained checkpoint, a GRPO run of ``--teacher-steps`` steps that the bench makes first
-(or ``--teacher DIR``), so the student can only learn the task through the teacher's log-probs.
+It runs the toy job (``--preset``, default toy-cpu) under torchrun once per algorithm and seed.
+Only the ``train.*`` flags of :data:`ALGORITHMS` differ. Per algorithm it prints the mean over
+seeds of the eval gain, the reward gain, the entropy and the wall time of a run. The last line is
+JSON (``eval_gain_<name>``, ...).
 
-By default the runs are the short setting: ``--steps 50`` RL steps, evaluated at steps 0, 25 and 50
-(``--eval-every 25``), with the default job's learning-rate schedule compressed into those steps.
-``--steps 200`` is the whole default job. Per algorithm it prints the mean over seeds of:
+Invariants:
 
-- eval gain: held-out greedy accuracy (``eval/accuracy``) after the run minus before it;
-- reward gain: the mean training reward (``reward/mean``) of the last quarter of steps minus the first;
-- entropy: the mean token entropy (``train/entropy``) of the first and of the last quarter;
-- wall time of a run (torchrun start to exit).
+- Every run has the same data order and number of steps.
+- Seed by seed, every algorithm within a seed: slow drift of the machine hits each alike.
+- ``distill``'s teacher is a GRPO run of the same job, made first, so the student learns the task
+  only through it. Flags after ``--`` go to every run.
 
-Flags after ``--`` go to every ``rollpacker.run`` unchanged. The last line is JSON:
-``eval_gain_<name>``, ``reward_gain_<name>``, ``entropy_<name>`` (last quarter) and ``wall_s_<name>``.
+Why: the algorithms are one flag each, so one workload compares them. The short setting
+(``--steps 50``), the algorithms and the keys: ``docs/algorithms.md`` and ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

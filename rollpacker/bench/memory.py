@@ -1,31 +1,19 @@
 """``python -m rollpacker.bench memory [MODEL ...] [--device cuda]``: the memory plan's training peak against
 real steps.
 
-Each case builds a random native decoder (5M, 33M or 125M parameters) on the meta device, shards it
-with FSDP2 on 1 or 2 gloo ranks, and runs two real trainer steps: a small one that creates AdamW's
-state, then the measured one (one or two micro-batches of the case's sequences per rank), with
-activation checkpointing off, full or selective. Each case runs in fresh processes.
+Each case builds a random native decoder (5M, 33M or 125M parameters), shards it with FSDP2 on 1
+or 2 gloo ranks, and measures the peak of a real trainer step. It compares that with
+:func:`rollpacker.plan.memory.train_phases` for the same shapes and the device's settings. The
+last line is JSON (``plan_max_rel_error``, the checkpointing factor, the rows).
 
-**How CPU memory is measured.** torch 2.13 has no CPU counterpart of
-``torch.cuda.max_memory_allocated``. ``torch.profiler.profile(profile_memory=True)`` records every
-allocation and free of the CPU allocator on the profiled thread (c10's profiled memory reporter),
-each with the running total allocated since profiling began. Everything is allocated inside the
-profile, so the largest total during the measured step is its peak. Frees on gloo's worker threads
-are not recorded (its reduce-scatter buffers, a block's worth): the total drifts up by them. At the
-start of the measured step the truth is known exactly (the parameters' and optimizer state's
-storages), so the peak is corrected by the drift up to then (``profile_all_threads`` would see them,
-but in torch 2.13 it records no memory events at all).
+Invariants:
 
-**On a GPU** (``--device cuda``) the peak is ``torch.cuda.max_memory_allocated`` over the measured
-step, less nothing (the allocator sees every tensor), and the cases of one rank run (two need two GPUs).
+- Each case runs in fresh processes. A first step creates AdamW's state; the second is measured.
+- On CPU the profiler's peak is corrected by the drift of frees it cannot see.
+- On a GPU only the one-rank cases run.
 
-The plan's number is :func:`rollpacker.plan.memory.train_phases` for the same shapes with the
-device's settings (CPU: fp32, the torch log-prob head, the optimizer one tensor at a time, gloo;
-GPU: bf16 mixed precision, the fused head, ``foreach``, NCCL), without the allowances.
-``activations`` is the peak less the state at the step's start, measured and planned. The last line
-is JSON: ``device``, ``plan_max_rel_error`` (the largest ``|plan - measured| / measured`` of the
-peaks), the checkpointing factor (activations with full checkpointing over without, 5M model
-at 2048 tokens) measured and planned, and the rows.
+Why: no GPU was lent, so the plan's formulae are checked where the same code runs, in fp32 on CPU.
+How memory is measured: ``docs/memory.md``; the keys: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

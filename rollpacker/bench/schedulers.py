@@ -1,37 +1,19 @@
-"""``python -m rollpacker.bench schedulers --policies sync,tail,tail+stream,sorted,sorted_partial``: scheduling
-policies side by side (also ``pipe`` and ``tail+pipe``).
+"""``python -m rollpacker.bench schedulers --policies sync,tail,tail+stream,sorted,sorted_partial``:
+scheduling policies side by side (also ``pipe``, ``tail+pipe`` and ``one_step_off``).
 
-Runs the same toy job (``--preset``, default toy-cpu) under torchrun once per policy and seed, in
-the order seed 0 of every policy, then seed 1, … so that slow drift of the machine hits every
-policy alike. ``tail+stream`` is ``tail`` with stream training (``--stream.enabled``; ``+stream_kv`` and
-``+stream_throughput`` pick its scale-down criterion); ``pipe`` is
-RolloutPipe (``sync`` with ``--schedule.pipe``: 1 rollout rank, 1 train rank on 2 ranks) and
-``tail+pipe`` tail batching's rounds with it; ``one_step_off`` is verl's recipe (1 rollout rank, 1
-training rank on 2 ranks); ``sorted_partial`` and ``one_step_off`` train with truncated importance
-sampling (``--train.rollout-correction token_tis``). Every run uses ``--train.train-shard-size`` =
-``--train-shard-size`` (default 1: each rank a whole training replica, which stream training needs
-to free a rank), so the policies train alike. Every run has the same seed, data order and number
-of steps (P0 groups of R0 responses per step; a tail run's last step flushes its long-prompt
-queue, so it may train a few prompts fewer, which the table shows). Per policy it prints the mean over seeds of:
+It runs the same toy job (``--preset``, default toy-cpu) under torchrun once per policy and seed.
+Per policy it prints the mean over seeds of rollout time per round kind, step time and speedup,
+bubble ratio, waste, staleness and held-out accuracy. ``--ablations`` adds the paper's Tables 3
+and 4. The last line is JSON (``speedup_<policy>``, ...).
 
-- rollout time per round, by round kind (sync, short, long, sorted);
-- average step time (steps after the first, which warms up), the speedup vs the first policy, and
-  trained samples per second over those steps;
-- bubble ratio, tokens generated then thrown away, samples trained, staleness of trained samples (mean, max);
-- rollout start to train end per step (``pipe/rollout_to_train_end``; rollout + reward + train time for
-  the colocated policies) and, with pipe, the train pool's waiting ratio;
-- held-out greedy accuracy before and after training, per seed.
+Invariants:
 
-With ``--ablations``, it then runs the paper's stream-trainer ablations on seed 0 for
-``--ablation-steps`` steps and prints the average step time of long rounds and of all rounds:
-Table 3 (no scaling, fixed triggers at 20/30/40% of prompts complete, adaptive with the paper's
-KV-fit criterion) and Table 4
-(asynchronous fetching vs one fetch capped at 20/30/40/50% of the round's prompts).
+- Every run has the same seed, data order, number of steps and training shard size.
+- Seed by seed, every policy within a seed: slow drift of the machine hits each alike.
+- Flags after ``--`` go to every ``rollpacker.run`` unchanged.
 
-Flags after ``--`` go to every ``rollpacker.run`` unchanged (``-- --num-steps 40``). The last line
-is JSON: ``speedup_<policy>`` (first policy's step time ÷ this one's, ``+`` written ``_``), mean
-step times and accuracies, and with ablations ``table3_<variant>``/``table4_<variant>`` speedups
-of the long-round step time over their tables' first column.
+Why: rollpacker exists to compare policies on one workload, and this is that comparison.
+The policies' flags, the columns and the keys: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
 """``python -m rollpacker.bench spec``: the default job's rollout with speculative decoding off and on,
 side by side in one run.
 
-Each run is the 2-rank toy job (``torchrun --nproc_per_node=2 -m rollpacker.run``, the ``toy-cpu``
-preset) under ``--policies`` (``tail``, the paper's setting, and ``sync``, the default), rolling out
-alone (``--train.skip``: every step samples from the shipped model, so two runs can be compared token
-by token; with training, a run that keeps other responses trains other weights). Variants are flag
-sets, joined with ``+``:
+Each run is the 2-rank toy job rolling out alone (``--train.skip``) under ``--policies`` and each
+variant: ``off``, ``spec``, ``on``, ``group`` and ``lf``, joined with ``+``. Per policy and variant
+it prints rollout, tail-phase and long-round seconds (also as CPU seconds), acceptance by draft
+source, and the tokens that differ from the first variant's run. The last line is JSON
+(``rollout_speedup_spec``, ``tokens_changed``, ...).
 
-- ``off``: no speculation, today's order (the baseline: the first variant);
-- ``spec``: ``--engine.speculative auto`` (drafts where the engine's measured cost says they pay);
-- ``on``: ``--engine.speculative on`` (every draft verified);
-- ``group``: ``--rollout.routing group`` (a prompt's requests on one replica: all siblings for its drafter);
-- ``lf``: ``--rollout.longest-first`` (long rounds longest first, LPT over the replicas).
+Invariants:
 
-Runs go seed by seed, every policy and variant within a seed, so that the machine's drift hits them
-alike. Per policy and variant, over the steps after the first (the first calibrates the engines):
-rollout seconds (``time/rollout``), seconds in the tail phase (polls that began with at most 8
-requests on every rank), seconds in long rounds, the same as CPU seconds of the ranks' processes
-(what a loaded, shared machine distorts least), acceptance and tokens per verified row by draft source,
-and the tokens that differ from the first variant's run of the same seed, response by response
-(responses with the same request id and prompt; an aborted one compared up to where both have
-tokens). The jobs run under :mod:`rollpacker.bench.spec_job`, which records every round's responses.
+- Rolling out alone, every step samples from the shipped model, so runs compare token by token.
+- The first step calibrates the engines and is not counted.
+- Flags after ``--`` go to every run.
 
-Flags after ``--`` go to every run. The last line is JSON: ``rollout_speedup_spec``,
-``tail_speedup_spec``, ``spec_acceptance`` (accepted / drafted tokens) and ``spec_accept_rate`` (the
-per-token rate the simulator takes: ``rollout/spec_accept_rate``) of the first policy's ``--headline``
-variant against its first, ``tokens_changed`` over all runs, their ``*_cpu`` twins, ``long_speedup_longest_first`` (long
-rounds of the first ``lf`` variant against the same without ``lf``: today's order), and
-``<figure>_<policy>_<variant>`` for every pair.
+Why: speculation must change no token, and the job, not the engine alone, says what it saves.
+The variants and the keys: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -1,32 +1,19 @@
 """``python -m rollpacker.bench spec-engine``: TorchEngine's speculative decoding on the toy model,
 off against on, side by side in one run (``--device cuda``: on the GPU).
 
-Workload: batches of the default job's rollout on one engine, the share of one rank. Each batch
-is ``num_prompts`` toy problems (the default job's data: ``DataConfig``'s tail exponent) with
-``group_size / replicas`` responses each (the controller routes a group's requests round-robin
-over the replicas), sampled as the default job samples (``RolloutConfig``: temperature, top-p,
-top-k, ``max_new_tokens``), one seed per response, EOS ends a response. Modes, on the same requests:
+The workload is batches of the default job's rollout on one engine, sampled as the job samples.
+Modes, on the same requests: ``off``, ``engine`` (the drafts the engine has alone) and ``epoch``
+(also an earlier epoch's responses). Per mode it prints wall and CPU time, the tail's time, engine
+steps, acceptance by source, and tokens changed against ``off``, with the measured cost table.
 
-- ``off``: no speculation (the baseline);
-- ``engine``: ``engine.speculative=auto`` with the sources the engine has alone: the prompt, the
-  request's own tokens, its siblings on this engine;
-- ``epoch``: as ``engine``, each request also offered its prompt's responses of an earlier epoch
-  (``Request.draft_context``, source ``epoch``), here a rollout of the same prompts with other seeds
-  by the same weights: what the controller will attach (issue #30, phase 2).
+Invariants:
 
-Each mode's cost table is measured once before timing (:meth:`TorchEngine.calibrate`). Every
-batch runs each mode ``repeats`` times, alternating; the fastest run counts (a shared machine).
-Per mode: the rollout's wall time, the time in its tail (steps that start with at most
-``tail_running`` requests queued or running), both also as this process's CPU time (the engine runs
-one thread: CPU time is what a loaded, shared machine distorts least), engine steps, acceptance and tokens per
-verified row
-by draft source, and tokens that differ from ``off`` (position by position, plus length
-differences; must be 0). The cost table is printed as the ratio of a verify step with ``k`` draft
-tokens to a plain step: how much more a multi-token forward costs at each batch size.
+- Each mode's cost table is measured once, before timing.
+- The modes alternate, and the fastest of ``repeats`` runs counts.
+- ``tokens_changed`` must be 0.
 
-The last line is JSON: ``rollout_speedup_spec``, ``tail_speedup_spec``, ``spec_acceptance`` (mode
-``epoch``: all sources), their ``*_engine_sources`` twins (mode ``engine``), ``tokens_changed``
-(both modes), ``*_cpu`` twins of the speedups, ``steps_ratio_spec``, ``verify_cost_ratio_k{K}_n{N}``.
+Why: the engine alone isolates what a verify step costs from what the job around it adds.
+The workload, the columns and the keys: ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,20 @@
 """Prompt datasets and the stateful sampler that draws them.
 
 A dataset is a list of rows ``{"id", "prompt", ...}``: the synthetic toy task
-(:mod:`rollpacker.toy.task`, the embedded default) or a file read with Hugging Face ``datasets``
-(JSON lines, JSON, parquet, arrow, a directory written by ``save_to_disk``, or a Hub id). A
-prompt is a string or a list of chat messages. ``answer`` is the reference answer, read from
-``data.answer_key`` or, in verl's RL layout, from ``reward_model.ground_truth``. Every other
-column is kept as it is, for the reward functions.
+(:mod:`rollpacker.toy.task`, the embedded default) or a file read with Hugging Face ``datasets``.
+A prompt is a string or chat messages; the other columns are kept for the reward functions.
+:class:`PromptSampler` hands out row indices in a seeded permutation per epoch.
 
-Loading is strict: a bad row raises one :class:`DatasetError` naming the file and the row (the
-line, in a JSON lines file) and what is wrong. ``data.skip_bad_lines`` skips bad rows instead,
-with one warning that counts them and names the first few. The reward functions add their own
-checks (:meth:`rollpacker.reward.scheduler.RewardScheduler.check_row`): a row none of them can
-score is refused here, before the run starts.
+Invariants:
 
-A row's id is its ``id`` column (a string or an integer), else ``"<file stem>:<n>"``, with n its
-line in a JSON lines file and its 1-based position in any other: stable for a given file.
+- Loading is strict: a bad row raises one :class:`DatasetError` naming the file, the row and what
+  is wrong, unless ``data.skip_bad_lines``. The reward functions' checks run here too
+  (:meth:`~rollpacker.reward.scheduler.RewardScheduler.check_row`).
+- A row's id is stable for a given file: its ``id`` column, else ``"<file stem>:<n>"``.
+- The sampler's whole state is a few ints, so a resumed run draws exactly the same prompts.
 
-:class:`PromptSampler` hands out row indices in a seeded permutation per epoch. Its whole state
-is a few ints, so a checkpoint can hold it and a resumed run draws exactly the same prompts.
+Why: a bad row is cheapest to fix before the run starts, and nothing is dropped silently.
+The formats, columns and ids: ``docs/your-task.md`` (Data).
 """
 
 from __future__ import annotations

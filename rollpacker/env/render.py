@@ -1,22 +1,18 @@
 """Token in, token out: observations as the chat template's delta, appended to the sampled tokens.
 
-The model's tokens are never decoded and encoded again. An observation (chat messages) becomes
-the tokens the template renders after an assistant turn:
+An observation (chat messages) becomes the tokens the template renders for it after an assistant
+turn: the rest of the template's end of turn, then the delta (the observation's turns and the next
+assistant header). :class:`ChatBridge` renders them.
 
-- the **delta**: ``render(base + observation, generation prompt)`` minus ``render(base)``, where
-  ``base`` is a fixed conversation ending with an assistant turn (as TRL and SkyRL do). It holds
-  the observation's turns and the next assistant header;
-- before it, the rest of the template's **end of turn** after the model's last token: what
-  ``render(base)`` has after the assistant's content (Qwen's ``<|im_end|>\\n``), less its first
-  token when the model sampled that token itself (it stopped on ``<|im_end|>``). A template
-  that writes nothing the model samples (the toy's ``\\n``, after the model's EOS) is appended
-  whole.
+Invariants:
 
-The delta is right only if the template is *prefix-preserving* for that kind of observation:
-``render(base)`` a prefix of ``render(base + observation)``. That is checked once per template
-and observation roles; a break is an error naming the template and the roles, or, with
-``env.template_breaks = "count"``, counted (:attr:`ChatBridge.breaks`) and the suffix after the
-longest common prefix used.
+- The model's tokens are never decoded and encoded again.
+- The template must be prefix-preserving for each kind of observation. That is checked once per
+  template and observation roles. A break is an error naming both, unless
+  ``env.template_breaks = "count"`` counts it (:attr:`ChatBridge.breaks`).
+
+Why: re-tokenizing the model's text can change its tokens, and then the trainer's log-probs are not
+the engine's. How the delta is computed: ``docs/environments.md`` (Token in, token out).
 """
 
 from __future__ import annotations

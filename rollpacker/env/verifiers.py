@@ -1,28 +1,19 @@
 """verifiers environments (``MultiTurnEnv``, ``ToolEnv``, ``SingleTurnEnv``: its v0 API) through the contract.
 
-A verifiers environment owns its loop: ``env.rollout(input, client, model, sampling_args)`` asks
-its client for each model turn, then runs ``env_response`` (tool calls, feedback) and its stop
-conditions; its rubric scores the finished rollout. :class:`VerifiersEnv` runs that loop in the
-environment's worker and turns it inside out, so that it is an environment of the contract
-(:mod:`rollpacker.env.contract`):
+A verifiers environment owns its loop and asks its client for each model turn.
+:class:`VerifiersEnv` runs that loop in the environment's worker and turns it inside out: its
+:class:`EpisodeClient` answers each call with the episode's next model turn, which ``step``
+brings. Its rubric scores the finished rollout. A factory file holds one line::
 
-- its client (:class:`EpisodeClient`, a ``vf.Client``) answers ``get_response`` with the
-  episode's next model turn: the prompt it is given becomes the observation (the messages after
-  the last turn: ``env_response``'s), and the loop waits until ``step`` brings the model's action;
-- the engines sample the turn token in, token out in the episode
-  (:class:`~rollpacker.env.episode.Episode`): verifiers sees the text, with the tool calls parsed
-  by ``env.tool_parser``; it never re-tokenizes anything;
-- the finished rollout is scored by ``env.rubric.score_rollout``: its reward is the last step's,
-  its metrics the step's info. A rollout that ended with an error (``state["error"]``) fails the step.
-
-Write a factory file for it::
-
-    from rollpacker.env.verifiers import factory
     make_env = factory(lambda: vf.load_environment("my-env", max_turns=4))
 
-The environment is built once per worker process. Give it the same turn limit as ``env.max_turns``:
-an episode that rollpacker ends first (turns, tokens) is closed unscored, with the reward its
-steps had. The v1 stack (tasksets, harnesses) talks HTTP and is not adapted here.
+Invariants:
+
+- Token in, token out: verifiers sees text, and nothing is tokenized again.
+- The rollout's reward is the last step's. A rollout that ended with an error fails the step.
+- An episode rollpacker ends first is closed unscored: give verifiers ``env.max_turns``.
+
+Why: a verifiers environment then trains unchanged. How the loop runs: ``docs/environments.md``.
 """
 
 from __future__ import annotations

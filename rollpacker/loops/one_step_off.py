@@ -1,44 +1,20 @@
 """The loop of ``one_step_off`` (verl's one-step-off-policy recipe): a rollout pool generates the
 next batch while a training pool trains this one.
 
-The first ``schedule.rollout_ranks`` ranks (rank 0, the controller, among them) hold the engines;
-the others hold the FSDP2 trainer, sharded over them alone (``Meshes.train``). Every rank runs
-:func:`run`, and each step k reads as:
+Every rank runs :func:`run`. Each step starts at a :func:`boundary`, collective over all ranks:
+batch k goes to the training pool, its last metrics to rank 0, and its new weights to the rollout
+pool. Then :func:`rollout_pool_step` generates batch k+1 while :func:`train_pool_step` trains
+batch k. What crosses from one boundary to the next is a :class:`Loop`.
 
-1. :func:`boundary`, collective over all ranks:
+Invariants:
 
-   - rank 0 sends batch k (generated during step k−1, scored, with its advantages) to the
-     training pool over ``Meshes.handoff``; the other rollout ranks only hear whether there is one;
-   - the training pool's first rank sends the metrics of its step k−1 to rank 0, which logs them;
-   - the training pool broadcasts the weights of its k optimizer steps to the rollout pool
-     (:class:`~rollpacker.rollout.weights.Broadcast`, over ``Meshes.weights``: NCCL on GPU).
+- Batch k+1 is sampled by the weights of step k: staleness 1 (batch 0: staleness 0).
+- A step's ``time/step`` is the training pool's, as verl times it.
+- Stops and checkpoints happen only at a boundary. The batch generated but not trained is thrown
+  away and generated again on resume, so no prompt is lost or trained twice.
 
-2. Both pools at once:
-
-   - :func:`rollout_pool_step`: the rollout pool evaluates when due, then generates batch k+1
-     with those weights. So batch k+1 is trained one step after its weights (staleness 1,
-     ``OneStepOffPolicy``);
-   - :func:`train_pool_step`: the training pool takes step k on batch k, then waits at the next
-     boundary for batch k+1 (``time/wait_prev_gen``, verl's name).
-
-What crosses from one boundary to the next is a :class:`Loop`.
-
-Batch 0 is generated before the first boundary with the initial weights (staleness 0), while the
-training pool waits. A step's ``time/step`` is the training pool's: its wait for the batch, the
-weight broadcast and its optimizer step, which is what verl times (``step ≈ wait_prev_gen +
-update_actor``); ``time/rollout`` and ``time/reward`` are those of the step's batch, spent during
-the step before. Evaluation pauses the rollout pool between two batches; as in the colocated loop it
-is not step time, so it is taken off the wait it causes.
-
-How it differs from verl: one SPMD program, no Ray; the weights go out once per step at the
-boundary (verl syncs before launching each generation, the same point); the loss weights each
-token by the trainer's log-prob over the engine's, which sampled it (``train.rollout_correction``).
-
-A stop signal (:mod:`rollpacker.preempt`) ends the run at the next boundary, with a checkpoint.
-Checkpoints are taken at a boundary: the training pool's weights and optimizer after k steps, and
-the policy's state from before batch k was drawn. Batch k, generated but not trained, is thrown
-away; a resumed run generates it again with the checkpoint's weights (staleness 0 for that batch),
-so no prompt is lost or trained twice.
+Why: rollout and training overlap fully, at the price of one step of staleness, which
+``train.rollout_correction`` weighs out. Step by step: ``docs/architecture.md`` (one_step_off loop).
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
 """Any Hugging Face decoder as the trainer's model (``--model.impl hf``).
 
-:class:`HFDecoder` holds a ``transformers`` ``AutoModelForCausalLM``'s decoder (``model``) and output
-head (``lm_head``) as its own submodules, so its parameter names are the Hugging Face ones, and
-runs them with the native decoder's calling convention: packed tokens and positions in, the final
-hidden states (or ``head(hidden, lm_head.weight)``, the trainer's fused log-prob head) out. The
-packing is read from the positions: ``transformers`` builds a block-causal mask (a sliding window
-where the architecture has one) for sequences whose positions restart at 0. Gemma-2's capped
-logits are applied by the log-prob head (``logit_softcap``).
+:class:`HFDecoder` holds a ``transformers`` causal LM's decoder (``model``) and output head
+(``lm_head``) as its own submodules, and runs them with the native decoder's calling convention:
+packed tokens and positions in, the final hidden states (or the fused log-prob head's output) out.
 
-``model.impl`` auto picks the native decoder for what it implements (Llama, Qwen2, Qwen3 without
-sliding windows) and this one otherwise (Qwen3-MoE, Gemma-2/3, Mistral, ...). Rollout then runs on
-vLLM (or SGLang on GPU): TorchEngine runs the native decoder only. Weights are pushed under the
-checkpoint's names (:func:`checkpoint_format`: ``transformers`` 5 fuses a MoE layer's experts into
-one tensor; vLLM loads them per expert).
+Invariants:
 
-How it differs from the native path: the MoE router's auxiliary load-balancing loss is not added
-(RL fine-tuning with a frozen-ish router, as verl's defaults do); attention is ``transformers``'
-own (SDPA with a ``[T, T]`` mask on CPU, FlashAttention's variable-length kernel when installed).
+- Parameter names are the Hugging Face ones.
+- Packed sequences are told apart by their positions, which restart at 0; ``transformers`` builds
+  the block-causal (or sliding-window) mask from them.
+- Weights are pushed under the checkpoint's names (:func:`checkpoint_format`).
+- Rollout runs on vLLM or SGLang: TorchEngine runs the native decoder only.
+
+Why: the trainer can then train decoders the native one does not implement. Which models pick it,
+and how it differs from the native path: ``docs/memory.md`` (Any Hugging Face decoder).
 """
 
 from __future__ import annotations

@@ -1,30 +1,20 @@
 """How the decoder is split across devices, for rollout and for training.
 
-Rollout side: Megatron-style tensor parallelism with DTensor (column-parallel q/k/v and
-gate/up, row-parallel o and down, vocabulary-parallel embedding and output head). Each TP rank
-keeps ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV heads, so its KV cache holds
-only its slice.
+Rollout: Megatron-style tensor parallelism with DTensor; each TP rank keeps its slice of the heads
+and of the KV cache. Training (:func:`parallelize`): activation checkpointing per block, then FSDP2
+per block, then the root, as torchtitan orders it.
 
-Training side (:func:`parallelize`), torchtitan's order: activation checkpointing per block, then
-FSDP2 ``fully_shard`` per block, then the root (embedding, final norm, output head).
+Invariants:
 
-- Checkpointing is PyTorch's composable ``checkpoint`` (``torch.distributed._composable``): the
-  non-reentrant ``torch.utils.checkpoint`` run from forward hooks. Unlike ``checkpoint_wrapper`` it
-  leaves parameter names alone, so weight pushes, checkpoints and the Hugging Face export see the
-  same names with it on or off. ``full`` checkpoints every block; ``selective`` every
-  ``ac_every``-th block (0, k, 2k, ...), the whole block or only its attention or MLP
-  (``ac_part``), as torchtitan's per-layer selective mode does.
-- ``train.offload`` gives FSDP2 a ``CPUOffloadPolicy``: sharded parameters, gradients and the
-  optimizer state live in host memory; each block is copied in when it runs.
-- A big model is not loaded whole on any device: :func:`load_sharded` fills a model built on
-  the meta device and sharded, tensor by tensor, from the full state dict that one rank holds in
-  host memory (a broadcast, then each rank keeps its shard).
+- Loading never puts the whole model on a device: :func:`load_sharded` fills a sharded meta model
+  from the state dict one rank holds in host memory.
+- Parameter names do not change with checkpointing on or off.
+- With ``train.lora`` the adapters go in first, so each block's adapters shard with it.
+- The native :class:`~rollpacker.model.transformer.Transformer` and
+  :class:`~rollpacker.model.hf_decoder.HFDecoder` both offer ``layers`` with ``self_attn`` and ``mlp``.
 
-With ``train.lora`` the policy gets PEFT's LoRA linears first (:mod:`rollpacker.model.lora`), so
-FSDP2 shards each block's adapters with it.
-
-Both the native :class:`~rollpacker.model.transformer.Transformer` and the Hugging Face path's
-:class:`~rollpacker.model.hf_decoder.HFDecoder` offer ``layers``, each with ``self_attn`` and ``mlp``.
+Why one function per side: every model takes the same split, and weight pushes, checkpoints and
+the export see the same names. Settings and their memory: ``docs/memory.md``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,18 @@
 """The parallelism planner: which rollout TP each step runs at (paper §4.2).
 
-- **Candidates.** A TP must divide the world size and the model's KV heads, and stay within one
-  node (``plan.max_tp``, default the ranks per node): TP groups never cross a node.
-- **Default TP** (:func:`best_tp`): the profile's fastest TP for a round without tail batching,
-  ``P0 x R0`` requests of ``rollout.max_new_tokens`` new tokens spread over ``world / TP``
-  replicas. Each replica runs as many requests at once as its KV capacity holds; the round takes
-  ``waves x max_new_tokens`` decode steps at the profiled step time of that batch and context.
-- **Online heuristic**, after every step, on that step's preemption count:
+:func:`best_tp` picks the first TP from the profile. After every step, the online heuristic
+doubles TP on a jump in preemptions and halves it after quiet steps. The profile guard vetoes a
+change the profile estimates slower.
 
-  - it *jumps* when it exceeds ``raise_factor`` (1.05) times the recent level (the mean of the
-    last ``recent_steps`` steps of the same round kind; 0 before any): TP doubles (the next
-    candidate of at least twice the size);
-  - after ``quiet_steps`` (4) consecutive steps with no preemption, TP halves (the largest
-    candidate of at most half the size).
+Invariants:
 
-  The level carries over a TP change: a rise is judged against the pressure before the change.
-- **Profile guard** (ours, ``plan.profile_guard``): a change the profile estimates slower for the
-  round just seen (its requests, prompt and mean response lengths, by :func:`round_seconds`) is
-  vetoed, and the veto logged. Where communication is cheap against KV pressure (NVLink) the
-  guard lets the paper's heuristic act; where a larger TP costs more than preemptions save (gloo
-  on CPU) it keeps the TP. Off, the heuristic is the paper's alone.
-- **Round kinds.** Short and long rounds (and sync rounds) keep separate TPs and histories
-  (``plan.per_kind``), since speculation makes short rounds press harder on memory.
+- A TP divides the world size and the model's KV heads, and never crosses a node.
+- Short, long and sync rounds keep their own TP and history (``plan.per_kind``).
+- Every change comes with a sentence of the numbers that triggered it, which the run logs.
+- Pure logic: no torch, no processes.
 
-Every change comes with a sentence holding the numbers that triggered it, which the run logs.
-The paper gives the thresholds, not the level the rise is measured against; the mean of the
-last few steps is our choice. Pure logic: no torch, no processes.
+Why: KV pressure changes from step to step and by round kind. A larger TP relieves it at a cost
+in communication. The thresholds, and what is ours and not the paper's: ``docs/planner.md``.
 """
 
 from __future__ import annotations

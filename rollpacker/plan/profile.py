@@ -1,31 +1,18 @@
 """The planner's offline profiling phase (its command: ``torchrun -m rollpacker.profile [run flags]``).
 
-Takes the same flags as ``rollpacker.run`` (``--preset``, ``--model.path``, ``--engine.*``,
-``--plan.*``) and measures, on this machine's devices and that model, for every rollout TP the
-world can run (:func:`~rollpacker.plan.planner.candidate_tps`):
+It takes the flags of ``rollpacker.run`` and measures, for every rollout TP the world can run,
+decode step time by batch and context, prefill throughput, KV footprint and capacity, and the
+control exchange's cost. With speculation on, it also records TorchEngine's verify-step costs.
 
-- decode step time against running requests (``plan.profile_batches``) and context length
-  (``plan.profile_contexts``): the median of ``plan.profile_steps`` timed ``step()`` calls of a
-  TorchEngine on that TP's sub-mesh, the slowest rank's, sampling as the run does (its
-  temperature, top-p and top-k);
-- prefill throughput at each context length;
-- the per-token KV footprint on one rank and the KV capacity of one replica under the run's
-  engine settings (with ``engine.memory_mb``, what the weight shard leaves: more at a larger TP);
-- the control exchange the rollout loop makes every ``rollout.poll_steps`` engine steps
-  (``exchange_ms``: a command broadcast, the reports gathered);
-- with ``engine.speculative`` on or auto, TorchEngine's verify-step costs (``spec``: the
-  :class:`~rollpacker.rollout.spec_cost.SpecCost` its ``calibrate`` measures), which the simulator's
-  speculation reads.
+Invariants:
 
-The profile is JSON, written to ``plan.profile`` or cached as ``plan.profile_dir/<key>.json``. Its
-``key`` names what it is valid for: the model's architecture (a hash of ``config.json``), the
-device, the world size, the engine dtype and KV settings, and the format version. A run with the
-planner on reads the cached profile for its key, and profiles first when there is none; a profile
-named with ``plan.profile`` whose key differs is refused with the differences listed, never used.
-The simulator's :func:`~rollpacker.sim.cost.fit_calibration` reads the TP=1 decode curve, and
-:class:`~rollpacker.sim.cost.ProfiledCost` the whole profile. With ``engine.kind`` vllm (or
-sglang) the run's own engine is profiled, at the run's ``rollout.tp`` only (the planner, which
-switches TP, drives TorchEngine alone).
+- A profile is JSON under a ``key``: model architecture, device, world size, engine dtype and KV
+  settings, format version.
+- A run reads the cached profile for its key, and profiles first when there is none.
+- A profile named with ``plan.profile`` whose key differs is refused, with the differences listed.
+
+Why: the planner and the simulator price TPs they have not run from this one measurement. What is
+measured, and who reads it: ``docs/planner.md``.
 """
 
 from __future__ import annotations

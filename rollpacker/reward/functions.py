@@ -1,25 +1,19 @@
 """Reward functions: the built-ins and the user's own, called the same way.
 
-``reward.funcs`` lists them. An entry is a built-in name (``toy``, ``math``, ``code``, ``judge``)
-or a reference: ``package.module:function`` or ``path/to/file.py:function``. A function follows
-one of two calling conventions, told apart by its parameters:
+``reward.funcs`` lists them: a built-in name (``toy``, ``math``, ``code``, ``judge``), or a
+reference, ``package.module:function`` or ``path/to/file.py:function``. A function follows TRL's
+``reward_funcs`` convention or verl's ``compute_score``, told apart by its parameters
+(``solution_str`` is verl's).
 
-- TRL's ``reward_funcs``: ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``.
-  Every dataset column comes as a keyword, one value per completion, and so does TRL's
-  ``trainer_state`` (:class:`TrainerState`). A completion is a string, or
-  ``[{"role": "assistant", "content": ...}]`` when the prompt is a list of messages. It may be
-  ``async def``. A function that takes ``solution_str`` is not this one.
-- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``:
-  ``ground_truth`` is the row's answer. A dict's ``score`` is the reward; its other numbers become
-  metrics (``reward/NAME/KEY``).
+Invariants:
 
-None means "does not apply to this row". The scheduler sums the others with ``reward.weights``.
+- None means "does not apply to this row". The scheduler sums the others with ``reward.weights``.
+- A function is called on one response at a time, as each finishes (TRL's lists hold one item),
+  in a worker process that can be killed when it hangs.
+- A verl dict's ``score`` is the reward; its other numbers become ``reward/NAME/KEY`` metrics.
 
-How this departs from TRL: a function is called on one response at a time, as each finishes
-(the lists hold one item), in a worker process that can be killed when it hangs. TRL calls it
-once per batch. ``toy``, ``math`` and ``code`` are TRL-convention functions in
-:mod:`rollpacker.reward.rules` and :mod:`rollpacker.reward.code`; ``judge`` runs on the
-controller's device, batched (:class:`JudgeFunction`).
+Why TRL's and verl's conventions: a user's existing function runs unchanged. Both conventions in
+full: ``docs/rewards.md``. The judge runs batched on the controller's device (:class:`JudgeFunction`).
 """
 
 from __future__ import annotations

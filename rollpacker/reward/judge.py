@@ -1,38 +1,20 @@
 """The LLM judge: a model scores (prompt, response) pairs against a rubric, colocated with the actor.
 
-**Protocol.** The rubric is the whole judge prompt, a template with ``{prompt}`` and ``{response}``
-placeholders that asks for a single-digit score and ends where the score goes (``Score: ``). A
-chat model's markup, if wanted, belongs in the template. The judge runs one forward over the
-packed prompts, with no generation, and its **verdict** is the most likely next token, decoded
-and stripped of whitespace. :func:`parse_verdict` reads it: it must be an integer from 0 to
-``max_score`` (every score must be a single token of the judge's tokenizer), and the reward is
-``score / max_score`` in [0, 1]. Anything else (a word, EOS, a score above ``max_score``, an
-input over ``max_tokens``, a batch that does not fit in memory) is a :class:`RewardError` for
-that sample (a flagged reward_error upstream), never a silent 0. A data row may carry its own
-``rubric`` (same rules), which replaces the configured one for that row.
+The rubric is the whole judge prompt: a template with ``{prompt}`` and ``{response}`` that ends
+where the score goes. One forward over the packed prompts gives the verdict, the most likely next
+token. :func:`parse_verdict` reads it as an integer from 0 to ``max_score``; the reward is
+``score / max_score``.
 
-**In the loop** (``--reward.funcs judge``): the controller's
-:class:`~rollpacker.reward.scheduler.RewardScheduler` loads the judge on its first sample, on the
-device of rank 0 (the actor's), queues each response as it finishes and scores one packed batch
-(at most ``max_batch_tokens``) per poll, so rollout goes on between batches, and the rest when
-the round waits for its rewards.
+Invariants:
 
-**Layer-wise offloading** (:class:`~rollpacker.model.offload.OffloadedLayers`, shared with the
-trainer's offloaded KL reference). The judge lives in the trainer process on
-the actor's device. Its embedding, final norm and output head stay on the device; of its decoder
-layers the first K stay resident and the rest stream in from pinned host memory on a side CUDA
-stream into two reused device buffers: layer i+1 is copied while layer i computes, with events
-ordering each copy after the last use of its buffer and each layer's compute after its copy.
-K is chosen per batch by :func:`choose_resident_layers` from the batch's token count (activation
-memory) and the memory free on the device, so the judge shrinks when the actor's KV cache grows.
-On CPU the same loop runs with plain host tensors: resident layers share their host storage and
-streamed layers are real copies into the reused buffers, with no streams or events, and the
-logits equal the resident model's bit for bit.
+- Anything but such a score is a :class:`RewardError` for that sample, never a silent 0.
+- A row's own ``rubric`` replaces the configured one for that row.
+- Decoder layers that do not fit stream in from host memory. :func:`choose_resident_layers`
+  picks how many stay resident, per batch, from the memory free.
+- On CPU the streamed judge's logits equal the resident model's bit for bit.
 
-How this differs from the paper (§4.3): the paper does not say how the verdict is read; we read
-it from one forward (no decoding, so each layer streams in once per batch). The published code
-keeps a configured fraction of layers resident; we recompute K per batch as the paper describes.
-MPS, which lets the judge and the actor share the SMs, is started by ``launch/mps.sh``.
+Why: the judge shares the actor's GPU, so it must fit in what the KV cache leaves. Details and
+how it differs from the paper: ``docs/rewards-and-judge.md``.
 """
 
 from __future__ import annotations

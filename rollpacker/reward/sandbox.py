@@ -1,30 +1,19 @@
 """The code sandbox: run an untrusted Python program on one test input, isolated by the OS.
 
-Isolation, in layers (each one alone would not do):
+Isolation comes in layers: fresh namespaces (bubblewrap, else ``unshare`` and
+:mod:`rollpacker.reward.sandbox_init`), rlimits, and killing the sandbox's pid 1 at the deadline.
 
-- **Namespaces.** bubblewrap (``bwrap``; Debian package ``bubblewrap``) when it works, else
-  util-linux ``unshare`` plus our own setup (:mod:`rollpacker.reward.sandbox_init`), build fresh
-  user, pid, mount, network, ipc and uts namespaces: no network but a private loopback, only the
-  sandbox's own processes visible or signalable, the whole root file system read-only, empty
-  read-only tmpfs over ``/root``, ``/home`` and ``/run`` (secrets, sockets; the interpreter's own
-  directories are mounted back), a fresh size-capped tmpfs as ``/tmp`` (the working directory,
-  holding ``main.py``) and ``/dev/shm``, stdin from an in-memory file, and an empty environment.
-  When the trainer runs as root the sandbox runs as ``nobody`` (uid 65534): root does not count
-  against ``RLIMIT_NPROC`` and can read every file.
-- **rlimits** on the program: CPU seconds, address space, file size, open files, core = 0 and a
-  process cap (``RLIMIT_NPROC``, per user namespace).
-- **Killing.** The program is never pid 1: our own init is (:mod:`rollpacker.reward.sandbox_init`),
-  and both it and the outer ``bwrap``/``unshare`` die with their parent. The harness reads
-  stdout incrementally up to a cap, and at the wall-clock deadline, past the cap, or when the
-  program exits, SIGKILLs pid 1 (through a pidfd) and then the whole process group of the outer
-  process; leaving pid 1 tears down the pid namespace with every daemon, fork bomb and
-  signal-ignoring child in it. A call returns only after pid 1 is gone, so nothing survives it.
-- **Verdict** from the harness: the program's stdout against the expected output (trailing
-  whitespace ignored), never the program's exit code.
+Invariants:
 
-If no isolation works here, :class:`Sandbox` refuses to start and says how to enable it;
-``isolation = "none"`` (an explicit opt-out) runs the program with the rlimits only, in a host
-temporary directory, and daemons that start a new session can outlive it.
+- No network, a read-only root, a private ``/tmp``, an empty environment. A trainer running as
+  root runs the sandbox as ``nobody``.
+- In the namespace modes the program is never pid 1, and a call returns only after pid 1 is gone:
+  nothing the program started survives it.
+- The verdict is the program's stdout against the expected output, never its exit code.
+- Without isolation, :class:`Sandbox` refuses to start and says how to enable it.
+  ``isolation = "none"`` is an explicit opt-out: rlimits only.
+
+Why layers: each one alone would not do. What each layer holds: ``docs/rewards-and-judge.md``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,18 @@
 """The first code to run inside the code sandbox: finish the isolation, then exec the program.
 
-Not imported by the trainer: :mod:`rollpacker.reward.sandbox` passes this file's text to the
-sandbox interpreter as ``python -I -S -c SOURCE CONFIG_JSON`` (the package may live under a
-directory the sandbox hides), so it uses the standard library only. CONFIG_JSON names the file
-descriptors the parent passed in: ``program_fd`` (the untrusted program, read to ``main.py``),
-``ready_fd`` (one byte is written there just before the program is exec'd: no byte means the sandbox
-failed, not the program) and, in ``unshare`` mode, ``info_fd``.
+:mod:`rollpacker.reward.sandbox` passes this file's text to the sandbox interpreter
+(``python -I -S -c SOURCE CONFIG_JSON``). ``CONFIG_JSON`` names the file descriptors the parent
+passed in and the ``mode``: ``bwrap``, ``unshare`` (build what bubblewrap would) or ``none``.
 
-Per ``mode``:
+Invariants:
 
-- ``bwrap``: bubblewrap built the namespaces and the file system and made us pid 1 (``--as-pid-1``).
-- ``unshare``: we run as root of fresh user, pid, mount, net, ipc and uts namespaces (``unshare``
-  made them) and are pid 1. Build what bubblewrap would: every mount read-only, a fresh ``/proc``,
-  empty read-only tmpfs over the directories that hold secrets or sockets (keeping the
-  interpreter's own directories visible), a size-capped tmpfs for ``/tmp`` (the working directory)
-  and ``/dev/shm``; report ``{"child-pid", "pid-namespace"}`` on ``info_fd`` as ``bwrap --info-fd``
-  does. The program's process drops every capability before exec.
-- ``none`` (the user opted out of isolation): rlimits only, in a host directory; no fork.
+- Standard library only, never imported by the trainer: the package may be hidden in the sandbox.
+- One byte on ``ready_fd`` just before the exec: no byte means the sandbox failed, not the program.
+- In the namespace modes this init stays pid 1 and exits the moment the program does. Whatever the
+  program left behind dies with the pid namespace.
 
-In both namespace modes we fork: the child sets the rlimits and execs the program; pid 1 stays
-ours (the program cannot clear its parent-death signal), reaps, and exits with the program's
-status the moment the program exits. Leaving pid 1 tears down the pid namespace, so whatever the
-program left behind dies with it, and the outer process, which reaps pid 1, gets the program's
-CPU time in its rusage.
+Why our own init: its parent-death signal is one the program cannot clear, and as pid 1 its end
+ends everything inside. The steps of each mode: ``docs/rewards-and-judge.md``.
 """
 
 import contextlib

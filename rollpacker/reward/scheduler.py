@@ -1,37 +1,20 @@
 """The reward scheduler (paper §4.3): each response is scored the moment it finishes, overlapped
 with the rest of the rollout.
 
-The controller calls :meth:`RewardScheduler.submit` for every finished response and hands the
-rewards that :meth:`poll` returns to the scheduling policy. When nothing is left running it
-blocks in :meth:`wait`, and that wait is the round's exposed reward time.
+The controller calls :meth:`RewardScheduler.submit` for every finished response and hands what
+:meth:`~RewardScheduler.poll` returns to the policy. When nothing is left running it blocks in
+:meth:`~RewardScheduler.wait`: that wait is the round's exposed reward time.
 
-A response's reward is composed here, once: the weighted sum of ``reward.funcs``
-(:mod:`rollpacker.reward.functions`) over the functions that apply to its row (a function's None
-leaves it out), plus its environment's rewards (an episode's step rewards, weight 1; with no
-function, they are its reward alone). Each function is a :class:`RewardFunction`:
+Invariants:
 
-- a plain function, called in the killable worker processes of
-  :class:`~rollpacker.reward.workers.RewardPool` (or inline with ``num_workers`` = 0, for
-  debugging: nothing can kill a hung function there);
-- ``code`` (:class:`CodeFunction`), the same with the adaptive per-test timeouts, whose anchors
-  go into the checkpoint;
-- ``judge`` (:class:`JudgeFunction`), the LLM judge (:mod:`rollpacker.reward.judge`), run here in
-  the controller on the device it is given (rank 0's, which the actor shares), loaded on first
-  use. Its responses are queued at :meth:`submit`; each :meth:`poll` scores one packed batch from
-  the head of the queue (at most ``judge.max_batch_tokens`` tokens, one forward), so a poll holds
-  rollout up for one forward at most, and :meth:`wait` scores the rest.
+- A response's reward is composed here, once: the weighted sum of the functions that apply to its
+  row, plus its environment's step rewards.
+- Plain functions run in killable worker processes; the judge runs here, one packed batch per poll.
+- A failure is an error naming the function, the row and the cause. ``reward.on_error`` decides.
+- A step whose rewards are noise stops the run before it trains (:meth:`~RewardScheduler.take_metrics`).
 
-A function that raises, hangs or returns a bad value, and a row no function applies to, is an
-error naming the function, the row and the cause. ``reward.on_error`` decides: ``skip`` scores the
-response 0 and counts it (``reward/errors``); ``fail`` raises :class:`RewardFunctionError`, which
-stops the run. :meth:`take_metrics` gives the step's ``reward/NAME`` means, the errors and the
-scoring time, logs one line per failing function, and stops the run (:class:`RewardFunctionError`)
-before a step that would train on noise: a function failed on every call, or more than
-``reward.max_error_frac`` of the responses erred. A broken function is the commonest first-run
-bug, and skipping its errors for a whole run trains on zeros.
-
-TRL-convention functions get :attr:`RewardScheduler.state` as ``trainer_state``; the controller
-sets it at the start of each round.
+Why: scored as each response finishes, rewards hide under the rollout, all but the last few.
+The failure rules: ``docs/rewards.md``; the scheduler and the judge: ``docs/rewards-and-judge.md``.
 """
 
 from __future__ import annotations

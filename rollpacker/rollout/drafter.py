@@ -1,29 +1,18 @@
 """Model-free drafts for speculative decoding: an n-gram index over the token sequences of one prompt.
 
-A prompt's index holds the token sequences this engine replica has of that prompt:
+A prompt's index holds what this replica has of that prompt: the prompt itself, its requests'
+tokens so far (``self`` and ``sibling``), and the controller's :class:`~rollpacker.rollout.engine.DraftContext`.
+A draft continues a request's last ``n`` tokens, for the longest ``n`` found elsewhere, with the
+continuation most of their occurrences share.
 
-- the prompt itself (source ``prompt``);
-- its requests on this engine, prompt + tokens so far, growing as they decode: the other
-  requests' tokens are ``sibling``, the request's own earlier tokens ``self``;
-- the controller's :class:`~rollpacker.rollout.engine.DraftContext` of its requests (an aborted
-  partial, an earlier epoch's response), each under its own source name, indexed once per prompt.
+Invariants:
 
-A draft continues the request's last ``n`` tokens (the longest ``n`` from ``max_n`` down to
-``min_n`` found elsewhere) with what followed them there. Where the occurrences disagree, the
-drafter takes, token by token, the continuation most of them share (the frequency rule of
-SuffixDecoding, on an n-gram table), so a draft follows the majority of the siblings. Its source
-is the one most of the occurrences that agree with the whole draft come from.
+- Memory is bounded: ``max_tokens`` positions per prompt, ``max_matches`` occurrences per n-gram.
+  A prompt's index is dropped when its last request leaves.
+- Indexing is lazy, so an engine that does not speculate pays nothing.
 
-Memory is bounded: a prompt indexes at most ``max_tokens`` positions (later ones are not indexed),
-an n-gram keeps its ``max_matches`` latest occurrences, and a prompt's index is dropped when its
-last request leaves the engine. Indexing is lazy: a prompt's new tokens are indexed when one of
-its requests asks for a draft, so an engine that is not speculating pays nothing for it.
-
-Why no library: arctic-inference (SuffixDecoding's suffix trees, which vLLM's ``suffix`` method
-wraps) installs here only from source; its build pins another torch, and it registers a vLLM
-plugin that patches vLLM at import. vLLM's and SGLang's n-gram proposers live inside their
-engines and draft from one request's own context or an engine-wide trie, not from one prompt's
-sequences. A hash table of n-grams is a few dozen lines and does what is needed.
+Why no library: none drafts from one prompt's group of responses, and arctic-inference patches
+vLLM. The sources, the rule and the bounds: ``docs/speculative.md``.
 """
 
 from __future__ import annotations

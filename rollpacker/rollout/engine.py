@@ -1,55 +1,20 @@
 """The engine contract: what every rollout engine (TorchEngine, VLLMEngine, SGLangEngine) offers the controller.
 
-A small protocol, SPMD-friendly: every rank of one engine replica (its TP group) makes the same
-calls in the same order; the engine never knows which scheduling policy drives it.
+An engine queues requests (``add``), steps them (``step`` returns what finished) and aborts them.
+It also loads weights in place, releases and resumes its memory, ends sessions and shuts down.
 
-- ``add(request)`` queues a request. Bad requests (empty prompt, prompt beyond the context
-  length, ``max_new_tokens <= 0``, more KV than the whole cache) raise ``ValueError`` naming the
-  request, and the engine keeps serving the others.
-- ``step()`` advances every running request by one forward pass and returns the requests that
-  finished in it. ``stats()`` reports progress counters; ``has_unfinished()`` says whether any
-  request is still queued or running.
-- Waiting requests are admitted by ``Request.priority`` (lower first), FIFO among equals; a
-  request preempted for lack of KV memory goes back ahead of its equals.
-- ``abort(request_id)`` removes a request at once, frees its KV and returns its partial
-  :class:`Output` (tokens and log-probs so far, ``finish_reason="abort"``). An engine that runs
-  apart from ``step()`` (SGLang's) may have finished the request before the abort reached it: then
-  the output is whole and keeps its own finish reason (a partial is never one that could not be
-  continued; the policies keep a whole one as finished).
-- ``Request.resume_from`` continues a partial output by recomputation: the engine prefills the
-  prompt plus the partial tokens and goes on; the returned output holds the partial tokens and
-  log-probs followed by the new ones, and ``max_new_tokens`` counts all of them. Seeded sampling
-  draws position by position, so a resumed request continues exactly as if never interrupted.
-- ``update_weights(named_tensors)`` loads new weights in place from ``(name, tensor)`` pairs
-  named like the model's ``state_dict``: plain tensors or DTensors (FSDP2/TP shards, gathered
-  with ``full_tensor()``, a collective every rank of their mesh must join). No disk.
-- ``release_memory()`` frees the KV cache (no request may be in flight); ``resume_memory()``
-  allocates it again. ``shutdown()`` stops the engine for good (called last: vLLM's destroys the
-  default process group).
-- ``max_model_len`` (longest prompt + response) and ``kv_capacity_tokens`` (tokens the KV cache
-  holds) size the controller's admission and the stream trainer's scale-down.
-- ``Request.draft_context`` offers the engine's drafter more text of the same prompt (an aborted
-  partial response, an earlier epoch's response), each tagged with its source. Engines without a
-  drafter ignore it. Speculation never changes a token (``docs/speculative.md``); its counters are
-  ``EngineStats.spec`` (:class:`SpecStats`), turned into metrics by :func:`spec_metrics`.
-- ``Request.session`` names an episode whose next turn extends this request's prompt and tokens: the
-  engine may keep the request's KV once it finishes, and a later request of the same session whose
-  prompt starts with them prefills only what is new. TorchEngine keeps it resident until
-  ``end_session(session)`` or until memory runs short (evicted: the next turn recomputes it); vLLM
-  and SGLang reuse it through their prefix caches (``end_session`` has nothing to free there). The
-  tokens and log-probs are those of a request prefilled from scratch.
+Invariants:
 
-Log-probs are those of the sampled token under ``softmax(logits / temperature)`` (temperature 1
-for greedy), before top-k/top-p truncation: the policy's own probability, what the trainer's
-importance ratio needs. An engine whose kernels only report the truncated distribution (vLLM's
-``processed_logprobs``: renormalized over the top-k/top-p set) says so with
-``logprobs_truncated = True``; both conventions agree when ``top_k == 0`` and ``top_p == 1``.
-:func:`reference_logprobs` recomputes either from logits, for tests and the trainer.
+- Every rank of a replica (its TP group) makes the same calls in the same order.
+- A bad request raises one ``ValueError`` naming it; the engine serves the others.
+- An abort returns the tokens and log-probs so far. ``Request.resume_from`` continues them by
+  recomputation: exactly where sampling is seeded per position (TorchEngine, SGLang).
+- Log-probs are those of ``softmax(logits / temperature)`` before top-k/top-p. An engine that
+  reports them after truncation sets ``logprobs_truncated``.
+- Drafts (``Request.draft_context``) and sessions (``Request.session``) never change a token.
 
-Bookkeeping every engine shares (the request checks of ``add``; the output a request starts from,
-resumed or not; appending a token; finishing; the HF names production engines load weights by)
-lives here once: :func:`check_request`, :func:`start_output`, :func:`append_token`, :func:`finish`,
-:func:`hf_names`.
+Why: the engine never knows which policy drives it, so any policy runs on any engine. Each call
+in detail, and the helpers every engine shares (:func:`check_request`, ...): ``docs/engines.md``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measuring an engine on this machine: random prompts, decode-step timings, peak matmul FLOP/s.
 
-Shared by the planner's profiler (``rollpacker.plan.profile``), the engine benchmark
+Shared by the planner's profiler (``rollpacker.profile``), the engine benchmark
 (``rollpacker.bench.engine``) and TorchEngine's speculation cost (:func:`measure_spec_cost`).
 """
 

@@ -1,84 +1,19 @@
-"""SGLangEngine: SGLang's offline ``sgl.Engine`` behind the engine contract, pinned to
-:data:`SGLANG_VERSION`. Runs on GPU and, for CI, on CPU (SGLang's CPU platform, torch_native
-attention; docs/sglang.md says what CPU cannot verify). Never run on a GPU yet.
+"""SGLangEngine: SGLang's offline ``sgl.Engine`` behind the engine contract, pinned to :data:`SGLANG_VERSION`.
 
-Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` sections 3 and 4, and
-``../shared/reviews/sglang-cpu-2026-11.md``.
+It runs on GPU and, for CI, on CPU (SGLang's CPU platform). It has never run on a GPU.
 
-- **One Engine per TP group, on its first rank** (verl's SPMD pattern). SGLang spawns its own
-  scheduler process per TP rank (GPUs ``base_gpu_id .. base_gpu_id + TP - 1``: the group must be
-  contiguous ranks of one node). Every rank of the group makes the same contract calls; the first
-  rank serves them and broadcasts what they return (finished outputs, aborted partials, counters)
-  over the TP group, so the others mirror its state.
-- **No step() API in SGLang**: the Engine's event loop runs in a background thread; each request is
-  an ``async_generate(stream=True, rid=...)`` task whose cumulative chunks (SGLang's default; its
-  incremental mode repeats the last token in an abort's echo) :func:`apply_chunk` turns into DELTA
-  updates of our :class:`Output` with the shared helpers. SGLang streams every
-  :data:`STREAM_INTERVAL` tokens (and a request's first and last at once): each update crosses two
-  processes and the adapter's callback, which cost 8-40% of throughput on CPU at one token per update.
-  ``step()`` returns once SGLang has made a decode step's progress (as many new tokens as requests
-  were running) or a request ended, so a streamed update of several tokens counts as that many
-  steps and the controller's polls keep their pace in tokens; timestamps are arrival times in this
-  process.
-- **Abort** goes through ``tokenizer_manager.abort_request``: the stream then ends normally with
-  the partial tokens and log-probs, which ``abort`` waits for and returns.
-- **Resume by recomputation**: a new SGLang request with prompt + partial tokens and the remaining
-  budget (:func:`~rollpacker.rollout.engine.start_output` carries the partial over).
-- **Log-probs** are SGLang's default ``log_softmax(logits / T)`` (unscaled when greedy), before
-  top-k/top-p: the contract's convention, so ``logprobs_truncated = False`` and the trainer needs
-  no recomputation for the importance ratio. ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` would change that
-  to T = 1: the adapter refuses to start with it set.
-- **Seeding**: ``sampling_seed`` is honoured only with ``enable_deterministic_inference`` and the
-  pytorch sampling backend, which the adapter sets. SGLang's seeded sampling is keyed by position,
-  so a resumed seeded request continues as if never interrupted (checked on CPU, where SGLang's
-  deterministic mode needs the test patches of docs/sglang.md).
-- **Weights**: inside ``begin_weight_update``/``end_weight_update``, every TP rank gathers its
-  parameters whole (``full_tensor()``, HF-named by :func:`hf_names`) in buckets of
-  ``bucket_mb``; each rank's bucket goes to the first rank as CUDA-IPC handles (``gather_object``),
-  which hands SGLang one ``LocalSerializedTensor`` per tensor (each scheduler reads its own GPU's
-  copy). Then ``flush_cache`` (unless released). The engine must be idle (SGLang flushes only then).
-  An SGLang error raises on the first rank only (the others then wait at the group's barrier).
-- **Memory**: ``enable_memory_saver``; ``release_memory`` releases KV cache, weights and CUDA graphs;
-  ``resume_memory`` resumes the weights first, then the KV cache and graphs (verl/slime's order),
-  each after PyTorch's CUDA cache is emptied on every rank of the group (SGLang's scheduler is
-  another process: it cannot use our cached blocks); ``mem_fraction_static`` comes from the memory
-  plan (:func:`memory_fraction`);
-  a weight push while released resumes the weights, loads them, and leaves the KV to ``resume_memory``.
-  The weights come back as they were (``enable_weights_cpu_backup``: a host copy).
-- **Stop tokens**: SGLang's ``ignore_eos`` ignores ``stop_token_ids`` too, so a request with both is
-  refused (ValueError); otherwise the model's EOS ids are passed as stop tokens, kept in the output.
-  Stop strings need a tokenizer, which SGLang runs without: the adapter matches them on the streamed
-  tokens (:func:`~rollpacker.rollout.engine.stop_string_hit`, as TorchEngine and vLLM) and aborts.
-- **Preemptions** are SGLang's retractions (``meta_info["num_retractions"]``, cumulative per request).
-- **Prefix cache**: an episode's next turn (``Request.session``) reuses the turn before's KV through
-  SGLang's radix cache; ``end_session`` has nothing to free. SGLang keeps the radix cache on under
-  ``enable_deterministic_inference`` only with the ``fa3`` or ``triton`` attention backends (its
-  ``RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND``); with others (``torch_native`` on CPU,
-  ``flashinfer``) it turns the cache off and every turn recomputes its prefix: pass
-  ``attention_backend="triton"`` to keep it. Which backend SGLang picks by default on a given GPU is
-  not checked here (no GPU).
+- One Engine per TP group, on its first rank. Every rank makes the same contract calls; the
+  first rank serves them and broadcasts the results over the TP group.
+- SGLang has no ``step()``: requests stream from a background event loop. ``step()`` returns once
+  a decode step's worth of tokens came back, or a request ended.
+- Log-probs follow the contract (``logprobs_truncated = False``). Seeded sampling is keyed by
+  position, so a resumed request continues exactly.
+- An abort that reaches a request SGLang already finished returns it whole.
+- A weight push and a memory release wait until SGLang is idle.
 
-``kv_capacity_tokens`` is SGLang's token capacity (``engine.kv_memory_mb`` per rank, as the other
-engines). ``num_running``/``num_waiting`` count requests with and without a first token, a guess:
-SGLang does not report them per step.
-
-Living inside a torchrun rank (each fix holds on GPU as on CPU):
-
-- torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` is hidden while SGLang spawns its schedulers, whose
-  own rendezvous would otherwise wait forever for a store nobody hosts (every Engine hung).
-- A failed SGLang process sends this one SIGQUIT, on which SGLang SIGKILLs it (no message left).
-  The adapter takes SIGQUIT (:func:`engine_died`: SGLang's processes stopped, one
-  :class:`EngineDied` naming them, the rank exits and torchrun's restart resumes the job) and gives
-  SIGTERM back to the handler it had (a Slurm stop still saves).
-- SGLang's ``Engine.shutdown`` kills every child process of this one, not only its own.
-- On CPU: ``file_descriptor`` tensor sharing (process-wide), every rank of a TP group with the
-  multiprocessing authkey of its first rank, which SGLang's schedulers inherit: they fetch each
-  rank's descriptors from its resource sharer, which authenticates with it. ``file_system`` sharing
-  went through torch's shared-memory manager, which must answer each tensor a scheduler opens within
-  1 s; on a loaded CPU it did not, and the scheduler died ("Shared memory manager connection has
-  timed out"). ``SGLANG_CPU_OMP_THREADS_BIND`` with one share of the cores per local rank
-  (:func:`cpu_binding`) unless set, and ``monkey_patch_torch_reductions`` is skipped (it rewrites
-  CUDA tensors' pickling and breaks CPU tensors').
+Why so much here: SGLang runs its schedulers in processes of its own, with their own signal
+handling. The adapter must keep them in step with the controller and alive inside a torchrun rank. How each
+call maps onto SGLang, and each fix: ``docs/sglang.md``.
 """
 
 from __future__ import annotations

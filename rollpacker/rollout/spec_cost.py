@@ -1,24 +1,18 @@
 """When speculation pays: the engine's measured verify-step cost and the draft length it implies.
 
-A verify step runs ``k + 1`` queries for each of ``n`` running requests. Its time, measured on the
-engine itself (:func:`~rollpacker.rollout.probe.verify_step_ms`), is a table over ``n`` and ``k``
-(``k = 0`` is a plain decode step). A request whose drafts are accepted at rate ``a`` emits
-``1 + a + ... + a^k`` tokens per step in expectation (each draft token is kept while all before
-it were). Each step takes the ``k`` that maximizes expected tokens per millisecond over the running
-requests, ``0`` included. Drafting has its own measured cost per request (``draft_ms``): the engine
-asks the drafter only when full-length drafts at the requests' acceptance would pay it too, and
-never above ``max_rows`` running requests (where not even sure drafts would).
+The cost table gives a verify step's time over ``n`` running requests and ``k`` draft tokens
+(``k = 0``: a plain step). Each step takes the ``k`` that maximizes expected tokens per
+millisecond, at each request's own measured acceptance rate.
 
-The table is measured once, on an idle engine; what a step costs in the run (other processes, a
-loaded machine, the Python around the forward) is not what it said. So ``auto`` also measures what
-it realizes (:class:`Realized`): each decode step's tokens and time, with drafts and without. Where
-its drafted steps emit fewer tokens per second than its plain ones, it drafts
-nothing for a while (a back-off that doubles each time drafting fails again), then tries again.
+Invariants:
 
-The acceptance rate of a request is its own, measured: hits over trials of its recent verify steps
-(a trial is a draft token verified up to and including the first rejected one), with a prior of
-one hit in two trials and old steps decayed (also while it is not verified, so that a request
-whose drafts failed early gets drafts again later).
+- ``k = 0`` is always a candidate: no draft where the table says it does not pay.
+- Above ``max_rows`` running requests nothing is drafted.
+- :class:`Realized` has the last word: where drafted steps realize fewer tokens per second than
+  plain ones, ``auto`` backs off, for longer at each failure.
+
+Why both a table and a check: the table is measured once on an idle engine, and a loaded machine
+costs what the table cannot see. The rule step by step: ``docs/speculative.md`` (When it runs).
 """
 
 from __future__ import annotations

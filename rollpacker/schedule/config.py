@@ -1,27 +1,20 @@
-"""The registry of scheduling policies: their settings as one tagged union (no torch import here:
-configs parse before heavy imports).
+"""The registry of scheduling policies: their settings as one tagged union.
 
-Each policy's settings class lives beside the policy (:class:`~rollpacker.schedule.base.PolicyConfig`
-in ``schedule/<policy>.py``) and holds exactly the settings that apply to it, so which settings
-combine is the type: ``eta_*`` exist only on tail, ``sorted_batches`` only on the SortedRL policies,
-``rollout_ranks`` only on one_step_off and ``pipe`` only where RolloutPipe composes (sync, tail).
-:data:`POLICY_CONFIGS` lists them; the union, the ``schedule:NAME`` subcommands of ``--help`` and
-the names a preset may use all follow from it. On the command line the union is a subcommand,
-``schedule:tail --schedule.eta-prompts 1.5``; a ``--schedule.*`` flag alone applies to the preset's
-policy. In a TOML preset it is a table with a ``policy`` key: ``[schedule] policy = "tail"``.
+Each policy's settings class lives beside the policy
+(:class:`~rollpacker.schedule.base.PolicyConfig` in ``schedule/<policy>.py``).
+:data:`POLICY_CONFIGS` lists them. The union, the ``schedule:NAME`` subcommands and the names a
+preset may use all follow from it. A policy outside the package is named by its settings class
+(``--schedule.policy package.module:MyConfig``); :func:`register` adds it and rebuilds
+:data:`ScheduleConfig`.
 
-A policy outside the package is named by its settings class: ``--schedule.policy
-package.module:MyConfig`` (or ``path/to/file.py:MyConfig``), ``[schedule] policy =
-"package.module:MyConfig"`` in a preset. :func:`register` imports it and adds it to the registry,
-whose union :data:`ScheduleConfig` is rebuilt: it is then a ``schedule:NAME`` like the others.
+Invariants:
 
-``pipe``: RolloutPipe on top of sync or tail: a fixed rollout pool (the first half of the replicas)
-and train pool (the rest); each complete, scored group goes FIFO to the train pool as it
-materializes (complete-group pipelining), and engines admit the requests of the earliest groups
-first (frontier-group dispatch). It composes only with policies whose complete groups are final
-when they complete: SortedRL's partial mode resumes responses under newer weights, its
-oversubscription would be undone by frontier-group dispatch, and a policy with pools of its own
-already trains apart.
+- A settings class holds exactly the settings that apply to its policy. A setting of another
+  policy is refused by name.
+- Nothing here imports torch: configs parse before heavy imports.
+
+Why a union: which settings combine is then the type, checked at parse time, not by hand.
+Choosing a policy and RolloutPipe's composition: ``docs/policies.md``; adding one: ``docs/extending.md``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,19 @@
-"""What earlier rounds generated for each prompt: drafts for speculative decoding, and a length estimate
-for longest-first dispatch.
+"""What earlier rounds generated for each prompt: drafts for speculative decoding, and a length
+estimate for longest-first dispatch.
 
-Plain data on rank 0 (token ids, no tensors, no engine). Per dataset row, a few responses under two
-sources, named as the drafter counts them (``docs/speculative.md``):
+:class:`DraftMemory` keeps, per dataset row, a few responses under two sources: ``partial`` (what
+rounds generated while not training the prompt) and ``epoch`` (the responses of the round that
+last trained it). The longest ``partial`` response bounds the prompt's length
+(:meth:`DraftMemory.length_bound`).
 
-- ``partial``: what earlier rounds generated for the prompt while it was *not* trained: the responses
-  a short round aborted or threw away when it deferred the prompt (tail), returned it to its buffer
-  (sorted) or filtered it (zero reward variance);
-- ``epoch``: the finished responses of the round that last trained the prompt. A trained prompt comes
-  back only in a later epoch, so these are an earlier epoch's responses.
+Invariants:
 
-A row keeps the ``max_responses`` longest responses of each source. A round that trains the prompt
-replaces its ``epoch`` responses and clears its ``partial`` ones. The longest ``partial`` response is
-the prompt's length estimate (:meth:`DraftMemory.length_bound`): its responses had reached that
-length when they were cut (Seer's estimate for longest-first).
+- Plain data on rank 0: token ids, no tensors, no engine.
+- Bounded: ``max_responses`` per source and row, ``max_tokens`` in all; the oldest rows go first.
+- Saved in the controller's checkpoint, so a resumed run drafts and dispatches as an uninterrupted one.
 
-Bounded: at most ``max_tokens`` tokens in all, stored as 4-byte ints (16 MiB at the default 4M
-tokens). The rows recorded longest ago are dropped first. The memory is saved in the controller's
-checkpoint, so a resumed run offers the engines the same drafts (and dispatches in the same order) as
-an uninterrupted one.
+Why: a prompt comes back in later rounds, and what it generated before drafts what it generates
+again. The sources and their lifetimes: ``docs/speculative.md``.
 """
 
 from __future__ import annotations

@@ -1,47 +1,20 @@
 """``sorted`` and ``sorted_partial``: SortedRL's online length-aware scheduling (SortedRL §3).
 
-**Cache-aware loading.** The policy draws a *load group* of n·P0 prompts at once (n =
-``schedule.sorted_batches``) into its rollout buffer, and draws no more until every one of them has
-been consumed (trained or filtered). Each round launches every unconsumed prompt of the buffer, R0
-responses each: the engines are fed more than one update batch (oversubscription).
+The policy loads ``schedule.sorted_batches`` x P0 prompts into its buffer at once and launches
+every unconsumed one each round. A round ends once P0 groups are complete, so updates come short
+first. ``sorted`` throws away what a round cut; ``sorted_partial`` keeps it and resumes it under
+the next weights.
 
-**Early termination.** The round ends as soon as P0 prompts have R0 finished responses; those are
-trained, so updates come in length order within a load group (short first). When fewer than P0
-prompts are left in the buffer, the round completes all of them.
+Invariants:
 
-**On-policy mode** (``sorted``): every request still running at the end of the round is aborted and
-its prompt returns to the buffer with its partial tokens *and* its finished sibling responses
-thrown away (sampled by weights about to change), to be generated afresh under the new weights.
-Every trained token was sampled by the current step's weights: staleness 0.
+- No prompt is drawn until the whole load group is consumed (trained or filtered).
+- Groups complete only inside a round.
+- ``sorted`` trains only tokens of the current weights (staleness 0). ``sorted_partial`` records
+  each response's segment steps (``Group.staleness``) and needs a rollout correction.
+- Every prompt is in exactly one ledger state. A save mid-round replays the round.
 
-**Partial mode** (``sorted_partial``): the buffer keeps the partial tokens and log-probs of unfinished
-responses and the finished responses of incomplete groups. The next round resumes the partial ones
-under the new weights (``RoundPlan.carried``, ``Request.resume_from``) and launches nothing for the
-finished ones. The engine concatenates the log-probs of each segment, so every token keeps the
-log-prob it was sampled with, which ``train.rollout_correction`` corrects with. Each response
-records the step of each segment; its staleness is the training step minus the step its oldest
-token was sampled at (``Group.staleness``; ``sched/staleness_mean`` and ``sched/staleness_max``).
-
-A buffer entry holds the prompt (epoch, row), per response its trajectory (an engine output:
-tokens and log-probs, finished or partial: the done flag), reward and segment steps, and its
-lifecycle: waiting, running, complete or filtered; a consumed prompt leaves the buffer. The
-:class:`~rollpacker.schedule.ledger.Ledger` holds every prompt's state as for tail (waiting in the
-buffer = deferred, its queue; running = in flight), saved with the sampler and, in partial mode,
-the buffered trajectories as they were when the round started: a save taken mid-round re-queues
-the in-flight prompts and the round is replayed.
-
-How this differs from the paper:
-
-- the early-termination threshold counts complete *groups* (GRPO needs whole groups), not finished
-  trajectories;
-- a response that finishes after the cut-off (in the same exchange as the round's last group) is
-  thrown away in on-policy mode, kept in partial mode unless it would complete its group (then it
-  is generated afresh next round, so that groups complete only inside a round); the same holds for
-  a response the round's end aborted after its engine had finished it (SGLang's engine runs apart
-  from the controller's polls: such an abort returns the response whole);
-- dynamic sampling (``filter_zero_variance``) and ``num_epochs`` behave as in tail: a filtered group
-  does not count towards P0 (no prompt replaces it: the whole buffer is already running), and
-  the last load group of the last epoch takes what is left.
+Why: oversubscribing the engines and training the short groups first cuts the wait for the
+longest responses. The mechanics and how they differ from the paper: ``docs/policies.md``.
 """
 
 from __future__ import annotations

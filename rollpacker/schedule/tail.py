@@ -1,31 +1,19 @@
 """``tail``: RollPacker's tail batching (paper §3).
 
-**Short round** (the usual one): launch ⌈η_P·P0⌉ fresh prompts with ⌈η_R·R0⌉ responses each. A
-prompt *completes* when its first R0 responses finish; its other responses are aborted at once.
-The round ends when P0 prompts have completed; every prompt still running is aborted and
-deferred to the long-prompt queue with its identity (on-policy: its partial and finished
-responses are thrown away, a long round generates its group afresh).
+A short round launches ⌈η_P·P0⌉ fresh prompts with ⌈η_R·R0⌉ responses each. It keeps each
+prompt's first R0 responses and the first P0 prompts to complete; the rest go to the long-prompt
+queue. Once the queue holds P0 prompts, a long round runs the oldest P0 to completion, R0 each.
 
-**Long round**: when the queue holds ≥ P0 prompts, the round takes the oldest P0, exactly R0
-responses each, no speculation, run to completion (``rollout.max_new_tokens`` still applies).
+Invariants:
 
-**Epoch boundary**: deferred prompts stay in the queue across the epoch boundary (they keep
-their epoch in the ledger), and short rounds draw on into the next epoch. Nothing waits forever:
+- On-policy: a deferred prompt's responses are thrown away, and its long round generates afresh.
+- A filtered prompt (``filter_zero_variance``) does not count towards P0: a fresh one replaces it.
+- Nothing waits forever: the queue is flushed at the last epoch and at the run's last step.
+- Every prompt is in exactly one state of the :class:`~rollpacker.schedule.ledger.Ledger`, saved
+  with the sampler in the checkpoint.
 
-- with ``num_epochs`` set, once the last epoch's prompts are all drawn, the queue is flushed by
-  long rounds of up to P0 prompts, then the policy is ``done()``; when fewer fresh prompts are
-  left than a short round launches, the short round takes what is left and completes
-  ``min(P0, left)`` of them;
-- at the run's last step (``last_step``), a non-empty queue is flushed whole in one long round,
-  instead of a short round.
-
-**Dynamic sampling** (``filter_zero_variance``, DAPO style, paper §7): a completed prompt whose
-R0 rewards are all equal is *filtered*: not trained, not queued, and counted. It does not count
-towards the P0 completions of a short round; a fresh prompt is launched in its place, so the
-round keeps P0 informative groups when the data allows.
-
-Every prompt is at every moment in exactly one state of the :class:`~rollpacker.schedule.ledger.Ledger`,
-which is saved with the sampler in the checkpoint.
+Why: the longest responses hold a synchronous round up. Short rounds cut them off, and long
+rounds batch them together. The rules in full: ``docs/policies.md`` (tail).
 """
 
 from __future__ import annotations

@@ -1,47 +1,18 @@
 """The cost model: seconds per engine iteration, prefill, training step and weight sync, from a roofline.
 
-One module for the simulator and the parallelism planner. Three parts:
+One module for the simulator and the parallelism planner. :class:`Hardware` holds data-sheet
+figures, :class:`ModelShape` a decoder's shape, and :class:`Calibration` the efficiencies and
+overheads no data sheet gives. :class:`CostModel` prices an iteration as the larger of its memory
+and compute time, plus prefill, fixed overheads and TP all-reduces.
 
-- :class:`Hardware`: HBM capacity and bandwidth, dense bf16 FLOP/s, NVLink and network bandwidth
-  (data sheets; ``H800`` is the paper's cluster, §6: 400 GB/s NVLink, 400 Gb/s InfiniBand).
-- :class:`ModelShape`: layers, widths and heads of a decoder; from them the matmul weights, the
-  weight bytes and the KV bytes per token (``2 * layers * kv_heads * head_dim * 2`` in bf16).
-  Qwen2.5-7B/14B/32B are built in; :meth:`ModelShape.from_hf_config` reads any ``config.json``.
-- :class:`Calibration`: the efficiencies and overheads no data sheet gives, as named fields.
+Invariants:
 
-One engine iteration of a replica of TP size ``t`` with ``b`` running requests whose contexts sum
-to ``C`` tokens, prefilling ``P`` tokens in the same iteration, takes::
+- Every constant is a named field, and none is fitted to the paper's Table 2.
+- :func:`fit_calibration` refits the overheads and the decode efficiency from a measured decode curve.
+- :class:`ProfiledCost` uses a measured profile in place of the roofline.
 
-    max(bytes / (hbm_bw * hbm_efficiency), flops / (flops_peak * decode_flops_efficiency))
-      + prefill_flops / (flops_peak * prefill_flops_efficiency)
-      + step_overhead_s + seq_overhead_s * b + all-reduce(t)
-
-with ``bytes = (weights + C * kv_bytes_per_token) / t`` and ``flops = (2 * matmul_params * b +
-4 * layers * heads * head_dim * C) / t`` per GPU, and two ring all-reduces of the activations per
-layer (over NVLink inside a node, the network beyond), each paying ``allreduce_latency_s``.
-Training does :data:`TRAIN_PASSES` = 6 forward passes' worth of FLOPs per token (old and
-reference log-probs, then the update's forward, recomputed forward and backward: 1 + 1 + 1 + 1 + 2,
-plus causal attention over each sequence) at ``train_efficiency`` of the peak of every GPU; a
-weight sync sends every GPU its TP shard of the weights over NVLink.
-
-Where each default comes from (none is fitted to the paper's Table 2):
-
-- ``hbm_efficiency = 0.75``, ``decode_flops_efficiency = 0.5``, ``prefill_flops_efficiency =
-  0.55``: first principles (memory-bound decode GEMV and FlashAttention-decode reach 70–80% of
-  HBM bandwidth on Hopper; large prefill GEMMs 50–60% MFU).
-- ``step_overhead_s = 3 ms``, ``seq_overhead_s = 20 us``, ``allreduce_latency_s = 10 us``: vLLM
-  0.8 per-iteration scheduling, sampling and Python bookkeeping, and NCCL's small-message latency
-  inside a node. :func:`fit_calibration` refits the two overheads and the decode efficiency from a
-  measured decode curve (``python -m rollpacker.bench engine --out profile.json``, or the planner's
-  profile, ``python -m rollpacker.profile``).
-- ``memory_utilization = 0.8``, ``activation_reserve_gb = 3``: what the engine may take of HBM
-  (vLLM's ``gpu_memory_utilization``) and keeps for activations and CUDA graphs.
-- ``train_efficiency = 0.165``: fitted to the paper's Table 1 (training is 21–23% of a veRL step
-  of Qwen2.5-14B/16k on 32 H800s, §2.2) by hand; ``python -m rollpacker.sim table1`` prints the
-  check. The same value serves 7B and 32B.
-- ``train_overhead_s = 5``, ``sync_overhead_s = 2``, ``sync_efficiency = 0.5``: per-step fixed
-  costs of a colocated trainer (optimizer step, offload/onload) and of pushing weights into the
-  engines (engine sleep/wake); first principles, a few seconds each.
+Why a roofline: it scales to clusters we cannot run, with few enough constants to check one by
+one. The formula and where each default comes from: ``docs/simulator.md`` (The cost model).
 """
 
 from __future__ import annotations

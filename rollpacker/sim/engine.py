@@ -1,24 +1,18 @@
 """One simulated engine replica: continuous batching over a KV cache, preemption by recompute.
 
-The replica behaves like vLLM / TorchEngine at iteration granularity. At every iteration boundary:
+The replica behaves like vLLM or TorchEngine at iteration granularity. At each iteration boundary
+commands apply, the newest request is preempted if the KV cannot grow, else waiting requests are
+admitted; then every running request advances one token, at :meth:`CostModel.iteration_times`.
 
-1. commands that arrived since the last boundary apply: aborts leave at once (an aborted request
-   never finishes afterwards), new requests join the FIFO waiting queue;
-2. if the running requests' KV (prompt + generated tokens each) cannot grow by one token each,
-   the most recently admitted one is *preempted*: its KV is freed and it goes back to the front of
-   the queue with its tokens, to be prefilled again (recompute) when it is re-admitted;
-3. otherwise waiting requests are admitted in order while their KV fits under the cache less a
-   watermark, up to ``max_num_seqs`` running and ``max_prefill_tokens`` prefilled per iteration;
-4. the next iteration advances every running request by one token (a just-admitted request gets
-   its first token from its prefill); it costs :meth:`CostModel.iteration_times`.
+Invariants:
 
-Nothing changes between two boundaries where no request finishes, none is admitted and the cache
-does not fill, so the replica plans such a run of identical iterations at once (its *plan*, the
-iteration end times as one array) and the simulator only visits its end. A command that arrives
-in the middle of a plan cuts it at the first iteration boundary after the command.
+- An aborted request never finishes afterwards.
+- A run of identical iterations is planned at once (the replica's *plan*). A command that arrives
+  mid-plan cuts it at the next iteration boundary.
+- KV is counted in tokens, not blocks; prefill is not chunked.
 
-Differences from vLLM: KV is counted in tokens, not blocks; prefill is not chunked (a recompute of
-a long request costs one long iteration).
+Why plans: the simulator visits only the iterations where something changes, not every one.
+The boundary step by step: ``docs/simulator.md`` (A replica).
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Episodes in the simulator: the workload of multi-turn episodes and the simulated environment workers.
 
 The simulator runs episodes through the job's own :class:`~rollpacker.schedule.runner.EpisodeRunner`
-(in the job's :class:`~rollpacker.schedule.round.Round`); what is simulated is only what an episode's
-turns and environment steps cost:
+in the job's :class:`~rollpacker.schedule.round.Round`. Only what turns and environment steps cost
+is simulated:
 
-- :class:`EpisodeWorkload`: turns per episode (``pareto:ALPHA:MAX``, ``fixed:N`` or ``trace:PATH``,
-  plus one more with probability ``extra_turn``), each turn's length (the run's
-  :meth:`~rollpacker.data.lengths.LengthModel.turn_length`, as ``--rollout.replay-lengths`` forces it),
-  observation tokens, and the environment's latency per step (``lognormal:MEAN:SIGMA`` or
-  ``trace:PATH``), every draw deterministic in its key; :func:`fit_run` takes turns, observation
-  tokens and latency from a run's samples and metrics;
-- :class:`ScriptedEpisode`: the episode the runner drives (it stands for
-  :class:`~rollpacker.env.episode.Episode`): a turn's prompt is the whole conversation so far, its
-  length the workload's, cut at the turn's cap (the episode goes on) or at the episode's token budget
-  (which ends it, as in the job); :class:`ScriptedResponse` is a response without environment, one
-  turn of the length model's draw;
-- :class:`SimEnvPool`: ``num_workers`` environment workers as :class:`~rollpacker.env.workers.EnvPool`
-  runs them: an episode lives on the worker hosting the fewest episodes when it opens, and a worker
-  runs its calls one at a time in order (reset and close are instant, a step takes its latency);
-- :class:`ScriptedEnv`: the same workload as a real environment, for the measured side of
-  ``sim validate --workload episodes`` (it sees only its row and its reset seed: a group's episodes
-  are alike in turns and latency there, ``per_episode=False``).
+- :class:`EpisodeWorkload`: turns per episode, each turn's length, observation tokens and the
+  environment's latency per step; :func:`fit_run` takes them from a run;
+- :class:`ScriptedEpisode` stands for :class:`~rollpacker.env.episode.Episode`;
+  :class:`ScriptedResponse` is a response without environment;
+- :class:`SimEnvPool`: environment workers placed and run as :class:`~rollpacker.env.workers.EnvPool` does;
+- :class:`ScriptedEnv`: the same workload as a real environment, for ``sim validate --workload episodes``.
+
+Invariant: every draw is deterministic in its key. Why: the simulator is only a transport, so a
+policy meets episodes there exactly as in the job. The details: ``docs/simulator.md`` (Episodes).
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Speculative decoding in the simulator: TorchEngine's ``engine.speculative auto`` as a cost.
 
-A verify iteration runs ``k + 1`` tokens of each running request through the model (its newest
-token and a ``k``-token draft) and emits ``1 + a + ... + a^k`` tokens per request in expectation,
-where ``a`` is the chance that a draft token is kept once every one before it was
-(``rollout/spec_accept_rate``). As the engine does, every iteration takes the ``k`` (0 included:
-a plain step) that gives the most tokens per second, from the cost model's time of a verify
-iteration (:meth:`CostModel.iteration_times` with ``queries = k + 1``: the weights and the KV are
-read once, the FLOPs scale with the queries; or the engine's own measured verify-step table, for a
-:class:`~rollpacker.sim.cost.ProfiledCost`) plus the drafter's host time per request.
+A verify iteration runs ``k + 1`` tokens of each running request and emits ``1 + a + ... + a^k``
+in expectation, ``a`` the acceptance rate. As the engine does, each iteration takes the ``k``
+(0 included) that gives the most tokens per second. :class:`SpeculativeCost` charges each of a
+replica's token-iterations the best verify step's time over its expected tokens.
 
-The replicas count in tokens: an iteration of :class:`~rollpacker.sim.engine.Replica` advances every
-running request by one token. :class:`SpeculativeCost` charges each such token-iteration the best
-verify step's time over its expected tokens, so a replica's requests advance at the expected rate.
+Invariants:
 
-Differences from the engine: one acceptance rate for every request of a step (the engine keeps one
-per request, so it drafts for some requests and not others); tokens per verify step are their
-expectation, not a draw; no ``max_rows`` cut-off beyond what the times say.
+- Speculation changes only time: lengths, preemptions and policy decisions stay as without it.
+- One acceptance rate per step, from a flag or replayed from a run's ``metrics.jsonl``.
 
-Acceptance comes from a flag or is replayed, step by step, from a run's ``metrics.jsonl``
-(``SpecSimConfig.trace``): ``python -m rollpacker.sim validate`` replays each run's own.
+Why a rate and not drafts: what the drafts' text gives is a property of the workload, not of the
+hardware. What it leaves out of the engine: ``docs/speculative.md`` (In the simulator).
 """
 
 from __future__ import annotations

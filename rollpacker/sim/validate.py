@@ -1,31 +1,18 @@
 """``python -m rollpacker.sim validate``: the simulator against rollouts measured on this machine.
 
-Two regimes, each a 2-rank job whose rollout runs alone (``--train.skip``) with every response
-forced to a length of the simulator's own long-tailed mixture (``--rollout.replay-lengths``, the
-very lengths :class:`~rollpacker.data.lengths.LengthModel` gives the simulator for the same seed):
+In each regime (``compute``: the toy model on TorchEngine; ``memory``: a random model on vLLM) it
+profiles the engine, runs each policy's job with replayed lengths, and simulates the same policy
+objects on replicas of that profile. It compares rollout seconds per step.
 
-- ``compute``: the toy model on TorchEngine (the ``toy-cpu`` preset: P0=16, R0=8, cap 400), where
-  a decode step grows with the running requests (compute-bound, as CPUs are with small models);
-- ``memory``: ``bench regime``'s job, a 51M random model on vLLM (P0=4, R0=2, cap 1024), where
-  it barely does (memory-bound, as GPUs are).
+Invariants:
 
-For each regime: the engine is profiled under torchrun with the job's own flags
-(``python -m rollpacker.profile``: decode ms by running requests and context, prefill
-throughput, KV capacity), each policy's job runs (``bench schedulers``' launcher), and the
-simulator drives the same policy objects through :class:`~rollpacker.sim.cost.ProfiledCost`
-replicas of that profile, on the same rows, seed, P0, R0, η and ranks. Rollout time per step
-(rollout and the scoring after it, steps after the first) is compared per (regime, policy); the
-profile is the only thing the simulator learns from this machine.
+- The profile is the only thing the simulator learns from this machine.
+- Job and simulator share the policy objects, rows, seed, lengths, P0, R0, η and ranks.
+- Runs and profiles in ``--work-dir`` are reused while their flags stay the same (``--fresh``
+  measures again).
 
-In the compute regime, ``--spec-policies`` also run with speculative decoding
-(``--engine.speculative auto``, reported as ``<policy>+spec``): the profile holds TorchEngine's
-verify-step costs, and the simulator (:mod:`rollpacker.sim.speculation`) replays each step's
-measured acceptance rate (``rollout/spec_accept_rate``; what the drafts' text gives, which no cost
-model knows). Runs and profiles are kept in
-``--work-dir`` and reused when their flags are the same (``--fresh`` measures again). Last line
-JSON: ``sim_max_rel_error`` and ``measured_s_<regime>_<policy>`` /
-``simulated_s_<regime>_<policy>``. Flags after ``--`` go to every job and profile
-(``-- --rollout.num-prompts 8``; ``--plan.profile-*`` there override the profiled points).
+Why two regimes: CPUs decode compute-bound and GPUs memory-bound, and the simulator must get both
+right. The method and JSON keys: ``docs/simulator.md``; the figures: ``docs/results.md``.
 """
 
 from __future__ import annotations

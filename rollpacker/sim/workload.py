@@ -1,38 +1,17 @@
 """Workloads of the simulator: how long each response is, and how long scoring it takes.
 
-**Response lengths.** Every launch of a prompt samples fresh lengths for its responses (a long
-round regenerates a deferred prompt's group, as on-policy tail batching does), but a prompt keeps
-its *length scale* across launches: hard prompts stay long (§3, §6.3 "some difficult prompts
-consistently produce long responses"). Two sources:
+Response lengths come from :class:`~rollpacker.data.lengths.LengthModel` (fitted to the paper's
+statistics by :func:`fit_length_model`) or from a recorded trace (:class:`TraceLengths`).
+:class:`RewardModel` prices scoring per task: math, code and judge.
 
-- :class:`~rollpacker.data.lengths.LengthModel`, a two-component mixture over prompts (shared
-  with the run's ``--rollout.replay-lengths``). Its defaults were fitted by
-  :func:`fit_length_model` (a seeded random search, ``python -m rollpacker.sim workload --fit``)
-  to the paper's statistics of Qwen2.5-14B with a 16k cap (§2.2, Fig. 2a, Fig. 4a), see
-  :data:`PAPER_LENGTHS`; they cannot all be met (a P75 under 1.1k wants less spread than an 8.9x
-  shorter best short round): the fit lands at P75 ~1.17k, max/median ~33, best short round
-  ~9.2x, cap reached in ~97% of steps (``python -m rollpacker.sim workload``).
-- :class:`TraceLengths`: groups of recorded lengths (:func:`read_length_trace` reads a JSONL
-  file; a run's own ``metrics.jsonl`` works, its ``rollout/response_lengths`` are consecutive
-  groups of ``group_size``). Row ``r`` replays group ``r mod #groups``, drawing with replacement.
+Invariants:
 
-**Reward times** (:class:`RewardModel`). Row ``r``'s task is ``tasks[r mod len(tasks)]`` (the
-paper's §6 mix is uniform over math, code and judge). Per response:
+- Every launch samples fresh lengths, but a prompt keeps its length scale: hard prompts stay long.
+- The length model is the one the run's ``--rollout.replay-lengths`` forces, so both see the same lengths.
+- Synchronous scoring starts when rollout ends and lasts until the slowest task's pool is done.
 
-- math: rule-based on CPU workers, lognormal seconds, cut at the 2 s timeout (§5);
-- code: sandbox on CPU workers, lognormal seconds; a share ``code_timeout_rate`` runs into the
-  30 s timeout (Fig. 7a: about 5% of prompts hit it; §5);
-- judge: a 7B judge LLM on ``judge_gpus`` GPUs batching ``judge_batch`` requests each: prefill of
-  prompt + response, then ``judge_output_tokens`` decode iterations, priced by the cost model.
-
-Synchronous scoring (veRL, and RollPacker before its reward scheduler) starts when rollout ends:
-each task's pool works through its responses in completion order; the stage lasts until the
-slowest pool is done. The code timeout share (Fig. 7a) and the timeouts (§5) are the paper's;
-the medians, worker counts and judge output length were set by hand so that the simulated veRL
-step of Qwen2.5-14B/16k on 32 H800s spends what Table 1 reports on reward per task (math 5%, code
-13%, judge 7%); ``python -m rollpacker.sim table1`` prints the check. The spread of code runs
-does not move Table 1 (the 30 s timeouts set the code stage) but sets what the adaptive timeout
-saves, so it was fitted to Fig. 13c's 1.6x (``python -m rollpacker.sim fig13c``).
+Why these fits: the paper's figures, not Table 2, set every number, so Table 2 stays a real
+check. The fits and what they land at: ``docs/simulator.md`` (Workloads).
 """
 
 from __future__ import annotations

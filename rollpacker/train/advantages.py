@@ -1,32 +1,20 @@
 """Advantage estimators: a step's returns and its groups in, each token's advantage out.
 
 An estimator is a pure function ``(returns [N, T], mask [N, T], sizes) -> advantages [N, T]``.
-``returns[i, t]`` is response i's reward-to-go from token t: its reward, plus the per-token
-rewards after t (``-kl_coef * KL`` with ``train.kl_in_reward``, else none, so the row is
-constant). ``returns[i, 0]`` is the whole response's return. ``sizes`` are the group sizes: the
-first ``sizes[0]`` responses answer one prompt, the next ``sizes[1]`` the next, and so on.
-:data:`ADVANTAGES` registers each by name with its capability ``per_group``: whether a group's
-advantages depend on its own returns alone. Stream training needs that, since it trains a group
-as soon as it completes.
+``returns[i, t]`` is response i's reward-to-go from token t; ``returns[i, 0]`` is its whole
+return. ``sizes`` are the group sizes, in order. :data:`ADVANTAGES` registers each by name.
 
-- ``grpo`` (Shao et al. 2024): ``(R - mean_group) / (std_group + eps)``.
-- ``dr_grpo`` (Liu et al. 2025, "Understanding R1-Zero-like training"): ``R - mean_group``.
-- ``rloo`` (Ahmadian et al. 2024): ``R - mean of the group's other responses``.
-- ``reinforce_pp`` (Hu 2025, REINFORCE++): every token's return, whitened over the step's tokens.
-- ``reinforce_pp_baseline`` (the same paper's variant with a group baseline): ``R - mean_group``,
-  whitened over the step's tokens.
+Invariants:
 
-How this departs from the papers:
+- ``per_group`` says whether a group's advantages depend on its own returns alone. Stream
+  training trains a group as soon as it completes, so it needs that.
+- A group (or batch) whose returns are all equal gets advantage exactly 0.
+- A sample left out (:func:`leaving_out`) shifts no group's statistics, and its advantages are 0.
+- Torch is not imported here, so the config can read ``per_group`` before torch loads.
 
-- The std is the unbiased one (``torch.std``, as verl). A group whose returns are all equal
-  (a group of one too) gets advantage exactly 0, not ``0 / eps``.
-- Whitening is over every response token of the step's batch (each response weighs by its
-  length, as REINFORCE++ normalizes over tokens). A batch whose returns are all equal gets 0.
-- A sample left out (:func:`leaving_out`: an episode whose environment failed) is absent to
-  the estimator: its reward shifts no group's mean or std, and its advantages are 0.
-
-Torch is not imported here (tensor methods only), so the config can read ``per_group`` before
-torch loads. :func:`overlong_penalty` is DAPO's length shaping, a reward term the controller adds.
+Why pure functions: an estimator is its paper's formula, checked by hand on small tensors. The
+estimators and how they depart from their papers: ``docs/algorithms.md``. :func:`overlong_penalty`
+is DAPO's length shaping, a reward term the controller adds.
 """
 
 from __future__ import annotations

@@ -1,32 +1,19 @@
 """Policy losses, their aggregation, KL estimators and rollout correction, as small pure functions.
 
 Every function takes per-token tensors ``[N, T]`` (N responses, T the longest) and a boolean
-``mask`` [N, T] of real response tokens. Values off the mask may be anything, even inf or NaN.
+``mask`` of real response tokens. The registries (:data:`LOSSES`, :data:`AGGREGATIONS`,
+:data:`KL_ESTIMATORS`, :data:`CORRECTIONS`) name them for ``train.*``.
+:func:`policy_objective` puts them together; the trainer calls only it.
 
-- A **policy loss** (:data:`LOSSES`) maps log-probs, old log-probs, advantages and the mask to
-  each token's loss and its ratio. ``ppo`` is PPO's clipped ratio (Schulman et al. 2017), with
-  DAPO's clip-higher and optional dual-clip (Ye et al. 2020). ``gspo`` is GSPO's sequence ratio
-  (Zheng et al. 2025). ``cispo`` is MiniMax-M1's clipped IS weight (2025).
-- An **aggregation** (:data:`AGGREGATIONS`) sums token losses into a micro-batch's share. The
-  trainer divides the step's sum by one global count, from :func:`normalizer`.
-- **KL estimators** (:data:`KL_ESTIMATORS`): Schulman's k1, k2, k3 and a clamped k3.
-- **Rollout correction** (:data:`CORRECTIONS`): weights for the gap between the trainer's
-  log-probs and the engine's, which sampled the tokens.
-- :func:`policy_objective` puts them together as ``train.*`` asks. The trainer calls only it.
+Invariants:
 
-How this departs from the papers:
+- Values off the mask may be anything, even inf or NaN; none reaches a loss or a gradient.
+- Losses are sums over a micro-batch, never means. The trainer divides by one global count
+  (:func:`normalizer`), so the update does not depend on how samples were split.
+- A rollout correction weighs the policy term only.
 
-- Losses are sums over a micro-batch, never means. Each aggregation's global count spans the
-  whole step (all ranks, micro-batches and streamed groups), so the update does not depend on
-  how samples were split. The papers normalize per batch, which is the same thing in one process.
-- GSPO is written in its token form (the paper's GSPO-token): each token's ratio has the value
-  of its sequence's ratio and the gradient of its own log-prob. With ``seq-mean-token-mean`` it
-  is the paper's sequence objective exactly; with other aggregations, the same ratio weighted
-  differently.
-- CISPO takes its IS-weight bounds from ``clip_low`` and ``clip_high``. MiniMax-M1 sets no lower
-  bound; ``clip_low 1`` does the same.
-- Masked and truncated IS weight only the policy term. The KL and entropy terms of a token a
-  correction masks are dropped with it.
+Why: each formula is a few lines, tested on CPU against hand-computed values. How each departs
+from its paper (GSPO's token form, CISPO's bounds): ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

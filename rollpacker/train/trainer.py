@@ -1,54 +1,20 @@
 """The FSDP2 trainer: its optimizer steps per RL step, whatever the spread of samples over ranks.
 
-- FSDP2 ``fully_shard`` per block, then the root, over the training mesh (2-D replicate x shard
-  = HSDP; a 1-D mesh is plain FSDP); bf16 compute with fp32 reduction on GPU; activation
-  checkpointing and CPU offload as configured (:func:`~rollpacker.model.parallelize.parallelize`).
-- Samples are spread over ranks longest-first onto the least-loaded rank (by tokens), then
-  packed into micro-batches under a token budget. All ranks run the same number of micro-batches
-  (a rank with fewer runs zero-weighted ones: FSDP2's collectives must match), and gradients are
-  reduced only after the last one.
-- Every normalizer is global (all response tokens, or all sequences, of the step): micro-batch
-  losses are *sums*, and the reduced gradient is divided by the step's global count just before
-  clipping (times the number of ranks, since FSDP2's reduction averages over them). The update
-  is the one a single process would take on the whole batch, and it does
-  not matter when a sample's gradient was computed.
-- Stream training (``accumulate``, paper §4.4): ranks freed from rollout compute gradients of
-  finished groups while rollout goes on, with no gradient sync and no optimizer step; FSDP2 keeps
-  them in its unsharded accumulators, and the next :meth:`Trainer.step`, which every rank joins,
-  reduces them with the rest. Optimizer state is not touched until then.
-- Several updates per RL step (``train.mini_batches`` x ``train.epochs``): the batch's groups
-  are split into contiguous mini-batches, each one optimizer step normalized by its own share
-  of the step's global count; the learning-rate schedule advances once per RL step.
-- A non-finite gradient norm skips the update: no weight changes, ``train/skipped`` = 1, and
-  ``train/skipped_steps`` counts them over the run; ``train.max_skipped_steps`` in a row raise
-  :class:`NonFiniteError` (the run stops), and while a run of skipped steps lasts,
-  :attr:`Trainer.skipping` tells the checkpoint not to save weights that produced it.
+:meth:`Trainer.step` takes the step's samples and global normalizer, computes the advantages
+(:mod:`rollpacker.train.advantages`) and the loss (:func:`~rollpacker.train.losses.policy_objective`),
+and steps the optimizer. :meth:`Trainer.accumulate` is stream training's gradient without a step.
 
-Advantages are computed here, on every rank alike, from each sample's reward and group
-(:mod:`rollpacker.train.advantages`); the loss is :func:`~rollpacker.train.losses.policy_objective`.
-With one update per RL step (``train.mini_batches`` = ``train.epochs`` = 1) the "old" log-probs of
-the ratio are the current policy's own, detached: the ratio is 1, as recomputing them first
-would give. With several, a first pass without gradients computes them once, before the first
-update, on the same micro-batches the updates use (the first update's ratios are exactly 1);
-it also computes the reference log-probs there, which the KL in the reward needs before the
-advantages. The engines' log-probs (the behaviour policy) enter only through
-``train.rollout_correction`` and the ``train/rollout_*`` metrics.
+Invariants:
 
-Every sample is an episode (:mod:`rollpacker.env`) and trains only the model's tokens: its
-``loss_mask`` leaves an environment's tokens out of the loss, every aggregation and normalizer, the
-advantages' token statistics, entropy and KL. Its ``reward`` is its whole reward; its
-``token_rewards`` (an environment's step rewards, part of it) say where some of it was earned, on
-the last token of their action: a later token's return leaves those out
-(:func:`~rollpacker.train.advantages.returns_to_go`). A sample without them (a single-turn
-response) trains on its reward alone.
+- The update is the one a single process would take on the whole batch: losses are sums, divided
+  once by the step's global count, whatever the ranks, micro-batches or streamed groups.
+- All ranks run the same number of micro-batches (FSDP2's collectives must match).
+- With one update per step the "old" log-probs are the current ones, detached: the ratio is 1.
+- Only the model's tokens train (``loss_mask``); an environment's tokens never do.
+- A non-finite gradient norm skips the update, and the checkpoint does not save its weights.
 
-With ``train.lora`` only the adapters get gradients and optimizer state, and the KL reference is
-the policy with its adapters off (:class:`~rollpacker.model.lora.AdaptersOff`). On-policy
-distillation (``train.teacher``): a frozen teacher, sharded or streamed as the KL reference is,
-scores each sampled token; its reverse KL ``log p - log p_teacher`` becomes a token reward, added to
-the KL reference's in the same tensor (so whatever mask the returns apply, applies to both), computed
-in the frozen pass; or, with ``train.teacher.in_loss``, a loss term (:func:`policy_objective`). Either
-way ``train/teacher_kl`` is its mean per token.
+Why: the update must not depend on how samples were scheduled, spread or streamed. How a step runs:
+``docs/architecture.md`` (The trainer takes one step); the algorithms around it: ``docs/algorithms.md``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """TorchEngine: continuous batching over rollpacker's own decoder, on CPU or GPU (the scheduler).
 
-- **Continuous batching.** Each ``step()`` is one forward pass: a prefill of newly admitted
-  requests when any can be admitted (prefill first, as vLLM's v0 scheduler), otherwise one decode
-  token for every running request. Finished requests leave and free their blocks at once.
-- **Admission by priority.** Waiting requests are admitted lowest ``Request.priority`` first,
-  FIFO among equals (all equal by default: plain FIFO).
-- **Preemption by recomputation.** When a decode needs a block and none is free, the most
-  recently admitted request of the worst priority is evicted: its blocks are freed, its tokens
-  kept, and it is re-prefilled later, ahead of its equals. Each eviction is counted (the
-  parallelism planner's signal).
-- **Resident sessions.** A finished request with ``Request.session`` keeps its KV blocks for its
-  episode's next turn, which prefills only its new tokens (:mod:`.resident`); sessions are evicted,
-  least recently kept first, before any running request is preempted.
-- **Tensor parallelism** over a TP sub-mesh: every rank of the group runs the same schedule on its
-  slice of heads.
+Each ``step()`` is one forward pass: a prefill of newly admitted requests if any fit, else one
+decode token for every running request.
 
-The parts: the paged KV pool and decode workspace (:mod:`.kv`), the fused inference layout
-(:mod:`.layout`), seeded sampling (:mod:`.sampling`), speculative verify steps (:mod:`.verify`).
-What it leaves out for now: prefix sharing across a prompt's group, chunked prefill (both would
-need the decoded K/V written back to the pool), and CUDA graphs.
+Invariants:
+
+- Waiting requests are admitted lowest ``Request.priority`` first, FIFO among equals.
+- Without a free block, the newest request of the worst priority is preempted and recomputed
+  later. Each preemption is counted.
+- Resident sessions are evicted before any running request is preempted.
+- Every rank of a TP group runs the same schedule on its slice of heads.
+
+Why our own engine: it runs the native decoder on CPU, where it is the fastest we have, and its
+sampling makes exact resume and speculation possible. Its design: ``docs/engines.md``.
 """
 
 from __future__ import annotations
