@@ -183,6 +183,7 @@ def test_a_function_returning_a_string_stops_the_run_with_one_line_naming_it(tmp
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained on it
 
 
+@pytest.mark.slow  # the first Ctrl-C's stop and resume: the test above
 @pytest.mark.timeout(600)
 def test_a_second_ctrl_c_during_a_save_stops_at_once_leaving_nothing_resume_picks(tmp_path):
     write_task(tmp_path)

@@ -8,9 +8,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from support.jobs import job_env
 
 
+@pytest.mark.slow  # a benchmark's plumbing; the bench's parts: tests/unit/env/test_bench.py
 def test_episodes_bench_smoke(tmp_path):
     cmd = [sys.executable, "-m", "rollpacker.bench", "episodes", "--policies", "sync,tail", "--rows", "4",
            "--num-prompts", "2", "--group-size", "2", "--max-turns", "3", "--turn-tokens", "16",

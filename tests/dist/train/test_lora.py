@@ -30,7 +30,7 @@ POLICIES = {"sync": ("schedule:sync",), "tail": ("schedule:tail",),
             "one_step_off": ("schedule:one_step_off", "--train.rollout-correction", "token_tis")}
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.slow) if p == "tail" else p for p in POLICIES])
 def test_lora_trains_under_the_policy_with_the_engine_on_merged_weights(tmp_path, policy):
     """one_step_off: the training pool broadcasts the merged weights to its rollout pool."""
     rows = run_four_steps(tmp_path, *POLICIES[policy], *LORA, "--train.kl-coef", "0.01")
@@ -40,6 +40,7 @@ def test_lora_trains_under_the_policy_with_the_engine_on_merged_weights(tmp_path
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16
 
 
+@pytest.mark.slow  # stream equivalence is the stream tests'; LoRA's state under it, this one's
 def test_lora_stream_run_trains_what_the_plain_lora_run_trains(tmp_path):
     sampling = ("--schedule.eta-prompts", "1", "--schedule.eta-responses", "1")  # seeded, no speculation
     plain = run_four_steps(tmp_path / "plain", *sampling, *LORA, "--train.train-shard-size", "1")
@@ -51,6 +52,7 @@ def test_lora_stream_run_trains_what_the_plain_lora_run_trains(tmp_path):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.slow  # resume is test_train's; what LoRA adds to a checkpoint is checked by the unit tier too
 def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     """Checkpoint, stop, resume: the resumed step is the uninterrupted run's; the checkpoint holds the
     adapters and their optimizer state, not the base; the merged export is the PEFT adapter on the base."""
@@ -85,6 +87,7 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     assert torch.allclose(adapted, merged, atol=1e-5)
 
 
+@pytest.mark.slow  # the teacher's token rewards and loss term: tests/unit/train/test_distill.py
 def test_distillation_on_torch_engine(toy_random_dir, tmp_path):
     """A random student, the shipped (trained) toy model as its teacher: its reverse KL is the signal
     (the task reward weighs 0); a student that is its teacher gets none. In the loss with stream
@@ -111,7 +114,7 @@ def test_a_teacher_with_another_tokenizer_stops_the_job_at_start(qwen2_dir, tmp_
     assert str(toy_model_dir()) in proc.stderr or "tokenizer" in proc.stderr
 
 
-@pytest.mark.parametrize("impl", ["native", "hf"])
+@pytest.mark.parametrize("impl", ["native", pytest.param("hf", marks=pytest.mark.slow)])
 def test_lora_and_distillation_on_vllm(tmp_path, impl):
     """vLLM on CPU loads the merged weights as any push; the toy model teaches its own LoRA student,
     whose reverse KL to it is 0 until the adapters move (up to the entropy head's rounding)."""
