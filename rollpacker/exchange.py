@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from rollpacker.env.info import info_metrics
 from rollpacker.metrics import bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
 from rollpacker.schedule.base import Group, Policy, RoundPlan
@@ -165,6 +166,7 @@ class RoundResult:
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
             **episode_tokens([o for o, _ in trained]),
+            **info_metrics([o for o, _ in trained], "env/"),  # env/info/KEY[_frac]: what the environments counted
         }
 
 

@@ -23,11 +23,14 @@ model tokens, or the context length): those are truncated (``finish_reason`` "le
 single-turn response). A turn cut at its own limit (``max_new_tokens``) with the episode's budget
 left is an action like any other: the environment steps on it (as verifiers' ``MultiTurnEnv``).
 An observation that ends the episode is kept in :attr:`Episode.messages`, not in the tokens:
-nothing follows it.
+nothing follows it. The numbers in the steps' infos are summed per key (:attr:`Episode.info`: a
+:class:`~rollpacker.env.tools.ToolEnv`'s ``tool_calls`` and ``tool_errors``), for the metrics.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -101,6 +104,8 @@ class EpisodeOutput:
     step_rewards: dict[int, float] = field(default_factory=dict)
     messages: list[Message] = field(default_factory=list)
     """The conversation after the prompt (each action an assistant message; each observation's messages)."""
+    info: dict[str, float] = field(default_factory=dict)
+    """The numbers of the environment's step infos, summed per key over the episode (:attr:`Episode.info`)."""
     num_turns: int = 0
     reason: str = ""
     """Why it ended (:data:`REASONS`); ``detail`` says more for an error."""
@@ -155,10 +160,11 @@ class Bridge(Protocol):
 
 class Episode:
     """One episode (see the module docstring). ``seed``: the run's; ``max_new_tokens``: per turn;
-    ``max_tokens``: model tokens of the whole episode; ``max_context``: prompt and response tokens."""
+    ``max_tokens``: model tokens of the whole episode; ``max_context``: prompt and response tokens;
+    ``info_keys``: step-info counters that start at 0 (:attr:`info`)."""
 
     def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge, *, seed: int, max_turns: int,
-                 max_tokens: int, max_new_tokens: int, max_context: int):
+                 max_tokens: int, max_new_tokens: int, max_context: int, info_keys: tuple[str, ...] = ()):
         if not prompt_ids or len(prompt_ids) >= max_context:  # the caller's to refuse (Episodes.make: an EnvError)
             raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
                              f"context of {max_context}")
@@ -175,6 +181,9 @@ class Episode:
         """Response position (the last token of a step's action) -> that step's reward."""
         self.messages: list[Message] = []
         """The conversation after the prompt: each action as an assistant message, each observation's messages."""
+        self.info: dict[str, float] = dict.fromkeys(info_keys, 0.0)
+        """Per key, the finite numbers (bools count 1) of the environment's step infos, summed; ``info_keys``
+        start at 0, so an episode that never reports one (a turn without a tool call) counts 0, not nothing."""
         self.num_turns = 0
         self.num_model_tokens = 0
         self.done: Done | None = None
@@ -216,6 +225,9 @@ class Episode:
             last = len(self.response_ids) - 1
             self.step_rewards[last] = self.step_rewards.get(last, 0.0) + result.reward
         self.messages.extend(result.observation)
+        for key, value in result.info.items():
+            if isinstance(value, numbers.Real) and math.isfinite(value):
+                self.info[key] = self.info.get(key, 0.0) + float(value)
         if result.terminated or result.truncated:
             return self._end("terminated" if result.terminated else "truncated")
         if self.num_turns >= self.max_turns:
@@ -244,8 +256,8 @@ class Episode:
         return EpisodeOutput(id=self.id, prompt_ids=list(self.prompt_ids), token_ids=list(self.response_ids),
                              logprobs=list(self.logprobs), finish_reason=done.finish_reason,
                              loss_mask=list(self.loss_mask), step_rewards=dict(self.step_rewards),
-                             messages=list(self.messages), num_turns=self.num_turns, reason=done.reason,
-                             detail=done.detail)
+                             messages=list(self.messages), info=dict(self.info), num_turns=self.num_turns,
+                             reason=done.reason, detail=done.detail)
 
     @property
     def reward(self) -> float:

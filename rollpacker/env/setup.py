@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.contract import EnvError
 from rollpacker.env.episode import Episode
+from rollpacker.env.info import TOOL_INFO
 from rollpacker.env.workers import EnvPool, EnvSpec
 from rollpacker.schedule.episodes import EnvCall, EpisodeRunner
 
@@ -46,7 +47,7 @@ class Episodes:
                            "left for the first turn; raise --engine.max-model-len or shorten the environment's prompt")
         return Episode(key, ids, self.bridge, seed=self.seed, max_turns=self.cfg.max_turns,
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
-                       max_context=self.max_context)
+                       max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else ())
 
     def runner(self, rows: Sequence[dict]) -> EpisodeRunner:
         """A round's episodes over the data ``rows``."""
