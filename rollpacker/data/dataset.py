@@ -1,7 +1,8 @@
 """Prompt datasets and the stateful sampler that draws them.
 
-A dataset is a list of rows ``{"id", "prompt", ...}``: the synthetic toy task
-(:mod:`rollpacker.data.toy`, the embedded default) or a file read with Hugging Face ``datasets``
+A dataset is a list of rows ``{"id", "prompt", ...}``: a synthetic toy task
+(:mod:`rollpacker.data.toy`, the embedded default, or :mod:`rollpacker.data.toy_tools`,
+``data.toy_task``) or a file read with Hugging Face ``datasets``
 (JSON lines, JSON, parquet, arrow, a directory written by ``save_to_disk``, or a Hub id). A
 prompt is a string or a list of chat messages. ``answer`` is the reference answer, read from
 ``data.answer_key`` or, in verl's RL layout, from ``reward_model.ground_truth``. Every other
@@ -28,6 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -56,6 +58,8 @@ class DataConfig:
     """A system turn put before each prompt that has none (string prompts need model.chat_template)."""
     num_toy_prompts: int = 2048
     """Number of toy problems to generate (only used when path is empty)."""
+    toy_task: Literal["arithmetic", "tools"] = "arithmetic"
+    """The generated task when path is empty: arithmetic (worked sums) or tools (problems a calculator tool decides)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
     toy_tail_alpha: float = 1.6
@@ -97,8 +101,17 @@ RowCheck = Callable[[dict], None]
 def load_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
     """The rows of ``config``'s dataset: the generated toy task, or the data at ``config.path``."""
     if not config.path:
-        return toy.make_dataset(config.num_toy_prompts, config.toy_seed, config.toy_tail_alpha)
+        return toy_rows(config, config.num_toy_prompts, config.toy_seed)
     return read_rows(config.path, config, check=check)
+
+
+def toy_rows(config: DataConfig, num: int, seed: int) -> list[dict]:
+    """``num`` generated problems of ``config.toy_task``, drawn with ``seed``."""
+    if config.toy_task == "tools":
+        from rollpacker.data import toy_tools
+
+        return toy_tools.make_dataset(num, seed)
+    return toy.make_dataset(num, seed, config.toy_tail_alpha)
 
 
 def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
@@ -111,7 +124,7 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
                            "takes), or eval_every=0")
-    return toy.make_dataset(config.num_eval_prompts, 1_000_003 + config.toy_seed, config.toy_tail_alpha)
+    return toy_rows(config, config.num_eval_prompts, 1_000_003 + config.toy_seed)
 
 
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,
