@@ -11,11 +11,10 @@ factory) runs the model's calls and ends at its first turn without one: its answ
     the answer:         " #### 4042"
 
 :func:`correct` scores the answer (the last assistant turn's ``#### N``, as the toy task's
-:func:`~rollpacker.data.toy.score`); :func:`unaided` adds 0.1 to a right answer given without a
-call, so a call costs something where it does not help: the preset rewards the tool where it is
-needed, not everywhere. A right answer scores 1.0 or 1.1, either of them a success (reward >= 1).
-A row's ``data_source`` is its kind, so the held-out evaluation reports ``eval/easy/...`` and
-``eval/hard/...`` apart.
+:func:`~rollpacker.data.toy.score`); :func:`unaided` scores a right answer given without a call.
+The preset weighs it 0.3, so a call costs where it does not help, and a right answer scores 1.0 or
+1.3: a success either way (reward >= 1). A row's ``data_source`` is its kind, so the held-out
+evaluation reports ``eval/easy/...`` and ``eval/hard/...`` apart.
 
 The easy problems are few (243): training and held-out rows share them. What RL learns here is
 when to call the tool, not the products.

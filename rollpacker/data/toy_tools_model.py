@@ -1,4 +1,4 @@
-"""The toy tools model: the toy model's tiny Qwen2, fine-tuned to use a calculator, sometimes.
+"""The toy tools model (``model.path = toy-tools``): the toy model's tiny Qwen2, fine-tuned to use a calculator.
 
 The same architecture and byte-level tokenizer as :mod:`rollpacker.data.toy_model` (0.76M
 parameters, 3 MB, one token per character), with a chat template that renders ``tools`` (one
@@ -9,20 +9,23 @@ schemas in every prompt), ``tool`` messages (``R: ...``) and assistant ``tool_ca
 Supervised fine-tuning runs on episodes of the toy tool task (:mod:`rollpacker.data.toy_tools`),
 tokenized exactly as a run's episodes are (:class:`~rollpacker.env.render.ChatBridge`, the tool
 results and errors from :class:`~rollpacker.env.tools.ToolEnv` itself). Their behaviour is a
-deliberate mix, the same on easy and hard problems (:class:`SFTConfig`): answer directly most of
-the time, call the tool sometimes and answer from its result, and now and then write a call that
-fails (malformed JSON, a wrong argument name), after which the model mostly guesses. Prompts
-without tools are answered directly. So the shipped model answers hard problems in its head,
-greedily, and gets them wrong; sampled, it calls the tool on about one in four. That is the room
-RL has: held-out success about 0.5 where tool use on hard problems gives about 1.
+deliberate mix (:class:`SFTConfig`): answer directly most of the time; call the tool on 30% of the
+hard problems and 10% of the easy ones (a weak sense of when it helps) and answer from its result;
+now and then write a call that fails (malformed JSON, a wrong argument name), after which the model
+mostly guesses. Prompts without tools are answered directly. Practice episodes call the tool without
+training the choice to call: they teach copying the expression and the result, not calling more.
+So the shipped model answers every problem in its head, greedily, and gets the hard ones wrong;
+sampled, it calls the tool on about a quarter of the hard problems. That is the room RL has:
+held-out success about 0.5, where calling on hard problems gives about 0.95.
 
 ``python -m rollpacker.data.toy_tools_model build`` regenerates the artifacts deterministically
-(a few minutes on one core); ``eval`` runs held-out episodes through the rollout engine and
-reports, per kind of problem, success and how often the model called the tool and failed to.
+(about 9 minutes on one core); ``eval`` runs held-out episodes through the rollout engine and
+reports, per kind of problem, success and how often the model called the tool and had a call fail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -71,6 +74,7 @@ CHAT_TEMPLATE = (
 tool results as ``R: ...`` lines. It is prefix-preserving: an observation renders after the turns
 before it without changing them."""
 EVAL_NUM = 512
+"""Held-out problems of ``eval`` (the preset evaluates the first 256 of them)."""
 MAX_TURNS = 3
 """Model turns of an episode in ``eval``, as ``configs/toy-tools.toml``'s ``env.max_turns``."""
 MAX_NEW_TOKENS = 96
@@ -272,8 +276,8 @@ def run_episodes(engine, tokenizer, rows: list[dict], *, temperature: float = 0.
         live[episode.id] = (episode, ToolEnv(TOOLS), {"tool_calls": 0, "tool_errors": 0})
         todo.append(episode.next_turn())
     while todo:
-        outs = generate(engine, [Request(id=t.id, prompt_ids=t.prompt_ids, params=SamplingParams(
-            **{**params.__dict__, "max_new_tokens": t.max_new_tokens, "seed": t.seed})) for t in todo])
+        outs = generate(engine, [Request(id=t.id, prompt_ids=t.prompt_ids, params=dataclasses.replace(
+            params, max_new_tokens=t.max_new_tokens, seed=t.seed)) for t in todo])
         todo = []
         for out in outs.values():
             episode, env, counts = live[out.id.rpartition("#")[0]]
