@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import os
 import re
 import sys
@@ -46,12 +47,15 @@ from rollpacker.watchdog import DistConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "toy-cpu"
+SHIPPED_MODELS = {"toy": "rollpacker.toy.model:toy_model_dir",
+                  "toy-tools": "rollpacker.toy.tools_model:model_dir"}
+"""``model.path`` names of the models shipped in the package -> the function that returns the directory."""
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     path: str = ""
-    """Hugging Face model directory (config.json + safetensors + tokenizer); empty = the shipped toy model."""
+    """Hugging Face model directory (config.json, safetensors, tokenizer), or a shipped one: toy (empty), toy-tools."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Engine weights: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16; the trainer keeps fp32 masters."""
     chat_template: bool = False
@@ -64,13 +68,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_choices(self, "model")
 
-    def directory(self) -> Path:
-        """``path``, or the shipped toy model's directory when it is empty."""
-        if self.path:
-            return Path(self.path)
-        from rollpacker.toy.model import toy_model_dir
+    @property
+    def shipped(self) -> bool:
+        """``path`` names a model shipped in the package (:data:`SHIPPED_MODELS`; empty: the toy model)."""
+        return not self.path or self.path in SHIPPED_MODELS
 
-        return toy_model_dir()
+    def directory(self) -> Path:
+        """``path``, or the shipped model's directory."""
+        if not self.shipped:
+            return Path(self.path)
+        module, _, function = SHIPPED_MODELS[self.path or "toy"].partition(":")
+        return getattr(importlib.import_module(module), function)()
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from rollpacker.env.info import info_metrics
 from rollpacker.env.setup import Environments
 from rollpacker.metrics import bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
@@ -157,6 +158,7 @@ class RoundResult:
             **length_stats(lengths),
             "rollout/model_tokens": model,
             "rollout/env_tokens": sum(lengths) - model,
+            **info_metrics([o for o, _ in trained], "env/"),  # env/info/KEY[_frac]: what the environments counted
         }
 
 

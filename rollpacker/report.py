@@ -2,8 +2,8 @@
 
     python -m rollpacker.report RUN_DIR
 
-writes ``RUN_DIR/plots/`` (step time, response lengths, reward, reward functions, evaluation, and
-``samples.md``) and prints their paths. It also prints what the newest whole checkpoint says of
+writes ``RUN_DIR/plots/`` (step time, response lengths, reward, reward functions, evaluation, the environments'
+counts, and ``samples.md``) and prints their paths. It also prints what the newest whole checkpoint says of
 the prompts (:func:`prompt_ledger`).
 
 Invariants:
@@ -123,18 +123,45 @@ def plot_reward(records: list[dict], ax) -> bool:
         points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
         if not points or points in drawn:  # reward/mean is reward/accuracy when rewards are 0 or 1
             continue
-        steps, values = zip(*points)
-        if len(points) <= 50:
-            ax.plot(steps, values, marker="o", label=key)
-        else:
-            [line] = ax.plot(steps, values, alpha=0.3, lw=0.8)
-            means = [sum(values[max(0, i - SMOOTH + 1) : i + 1]) / min(i + 1, SMOOTH) for i in range(len(values))]
-            ax.plot(steps, means, color=line.get_color(), lw=2, label=f"{key} ({SMOOTH}-step mean)")
+        _plot_series(ax, points, key)
         drawn.append(points)
     if drawn:
         ax.set(xlabel="step", title="reward")
         ax.legend(fontsize="small")
     return bool(drawn)
+
+
+def _plot_series(ax, points: list[tuple[int, float]], label: str) -> None:
+    """``points`` against step: with markers, or, past 50 points, faint under their running mean over ``SMOOTH``."""
+    steps, values = zip(*points)
+    if len(points) <= 50:
+        ax.plot(steps, values, marker="o", label=label)
+        return
+    [line] = ax.plot(steps, values, alpha=0.3, lw=0.8)
+    means = [sum(values[max(0, i - SMOOTH + 1) : i + 1]) / min(i + 1, SMOOTH) for i in range(len(values))]
+    ax.plot(steps, means, color=line.get_color(), lw=2, label=f"{label} ({SMOOTH}-step mean)")
+
+
+INFO = re.compile(r"(?:env|eval)/(?:.+/)?info/.+_frac")
+"""The share of episodes in which an environment counted something (:func:`rollpacker.env.info.info_metrics`)."""
+
+
+def plot_env_info(records: list[dict], ax) -> bool:
+    """The share of episodes in which the environments counted something vs step: ``env/info/K_frac``
+    (training, solid) and ``eval/[SOURCE/]info/K_frac`` (held out, dashed), e.g. a ToolEnv's episodes
+    that called a tool (``tool_calls_frac``) and that had a call fail (``tool_errors_frac``)."""
+    keys = sorted({k for r in records for k in r if INFO.fullmatch(k)}, key=lambda k: (k.startswith("eval/"), k))
+    for i, key in enumerate(keys):
+        points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
+        if key.startswith("eval/"):
+            ax.plot(*zip(*points), marker="o", linestyle="--", color=f"C{i % 10}", label=key)
+        else:
+            _plot_series(ax, points, key)
+    if keys:
+        ax.set(xlabel="step", ylabel="share of episodes", ylim=(-0.02, 1.02),
+               title="what the environments counted: training (env/, solid) and held out (eval/, dashed)")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return bool(keys)
 
 
 OWN_REWARD_KEYS = ("mean", "accuracy", "errors", "seconds_total", "overlong_penalty_mean")
@@ -192,6 +219,7 @@ PLOTS = {
     "reward.png": (plot_reward, " or ".join(REWARDS)),
     "reward_functions.png": (plot_reward_functions, "reward/NAME or reward/errors"),
     "eval.png": (plot_eval, "eval/pass@k or eval/mean@n"),
+    "env_info.png": (plot_env_info, "env/info/K_frac or eval/info/K_frac (episodes' step infos)"),
 }
 
 

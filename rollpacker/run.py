@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         if config.resume:
             resolve_resume(config)
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
-        if config.model.path:
+        if not config.model.shipped:
             check_model_dir(Path(config.model.path))
     except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
         fail(as_flags(str(e)), prefix="rollpacker: config error: ")

@@ -34,7 +34,7 @@ def start_summary(job) -> str:
         f"  checkpoints: {every}at the end, in {cfg.run_dir}/checkpoints; metrics: {cfg.run_dir}/metrics.jsonl",
     ]
     row = ctl.rows[0]
-    ids = ctl.encode_prompt(row)
+    ids = _prompt_ids(ctl, row)
     from rollpacker.data.chat import prompt_text
 
     text = prompt_text(ctl.tokenizer, ids)
@@ -43,6 +43,17 @@ def start_summary(job) -> str:
                  "prompt_text):")
     lines.append(textwrap.indent(shown, "    | ", predicate=lambda _: True))
     return "\n".join(lines)
+
+
+def _prompt_ids(ctl, row: dict) -> list[int]:
+    """``row``'s prompt as the engine gets it; with tools alone, as an episode's (their schemas rendered by the
+    template). With an environment, its reset may give another prompt: the row's is shown."""
+    env = ctl.config.env
+    if env.tools and not env.factory:
+        from rollpacker.env.tools import load_tools, schemas
+
+        return ctl.episodes.encode(row["prompt"], schemas(load_tools(env.tools)))
+    return ctl.encode_prompt(row)
 
 
 def _rewards(ctl) -> str:

@@ -1,7 +1,8 @@
 """Prompt datasets and the stateful sampler that draws them.
 
-A dataset is a list of rows ``{"id", "prompt", ...}``: the synthetic toy task
-(:mod:`rollpacker.toy.task`, the embedded default) or a file read with Hugging Face ``datasets``.
+A dataset is a list of rows ``{"id", "prompt", ...}``: a synthetic toy task (:mod:`rollpacker.toy.task`,
+the embedded default, or :mod:`rollpacker.toy.tools`: ``data.toy_task``) or a file read with Hugging
+Face ``datasets``.
 A prompt is a string or chat messages; the other columns are kept for the reward functions.
 :class:`PromptSampler` hands out row indices in a seeded permutation per epoch.
 
@@ -19,18 +20,19 @@ The formats, columns and ids: ``docs/your-task.md`` (Data).
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 from rollpacker.choices import check_choices
 from rollpacker.errors import UserError
-from rollpacker.toy import task as toy
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class DataConfig:
     """A system turn put before each prompt that has none (string prompts need model.chat_template)."""
     num_toy_prompts: int = 2048
     """Number of toy problems to generate (only used when path is empty)."""
+    toy_task: Literal["arithmetic", "tools"] = "arithmetic"
+    """The generated task when path is empty: arithmetic (worked sums) or tools (problems a calculator tool decides)."""
     toy_seed: int = 0
     """Seed of the toy problem generator."""
     toy_tail_alpha: float = 1.6
@@ -94,8 +98,17 @@ RowCheck = Callable[[dict], None]
 def load_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
     """The rows of ``config``'s dataset: the generated toy task, or the data at ``config.path``."""
     if not config.path:
-        return toy.make_dataset(config.num_toy_prompts, config.toy_seed, config.toy_tail_alpha)
+        return toy_rows(config, config.num_toy_prompts, config.toy_seed)
     return read_rows(config.path, config, check=check)
+
+
+TOY_TASKS = {"arithmetic": "rollpacker.toy.task", "tools": "rollpacker.toy.tools"}
+"""``data.toy_task`` -> the module whose ``rows(config, num, seed)`` generates it (imported when used)."""
+
+
+def toy_rows(config: DataConfig, num: int, seed: int) -> list[dict]:
+    """``num`` generated problems of ``config.toy_task``, drawn with ``seed``."""
+    return importlib.import_module(TOY_TASKS[config.toy_task]).rows(config, num, seed)
 
 
 def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
@@ -108,7 +121,7 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
                            "takes), or eval_every=0")
-    return toy.make_dataset(config.num_eval_prompts, 1_000_003 + config.toy_seed, config.toy_tail_alpha)
+    return toy_rows(config, config.num_eval_prompts, 1_000_003 + config.toy_seed)
 
 
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,

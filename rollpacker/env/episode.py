@@ -9,11 +9,14 @@ token of its step's action. The round's runner moves it: :meth:`~Episode.next_tu
 
 Invariants: a turn's id and seed are fixed by the episode and the turn, so a resumed or migrated
 turn replays exactly; only the model's tokens are masked in; nothing here sends, waits or imports
-torch. Its limits (turns, tokens, context): ``docs/environments.md``.
+torch. The numbers of its environment's step infos are summed per key (:attr:`Episode.info`, e.g.
+a :class:`~rollpacker.env.tools.ToolEnv`'s ``tool_calls``). Its limits: ``docs/environments.md``.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -89,6 +92,8 @@ class Response(Output):
     messages: list[Message] | None = None
     """The conversation after the prompt (each action an assistant message; each observation's
     messages); None when no environment took part."""
+    info: dict[str, float] = field(default_factory=dict)
+    """The numbers of the environment's step infos, summed per key over the episode (:attr:`Episode.info`)."""
     num_turns: int = 0
     reason: str = ""
     """Why it ended (:data:`REASONS`); ``detail`` says more for an error."""
@@ -154,10 +159,10 @@ class Episode:
     """One episode (see the module docstring). ``bridge``: the chat's, None for a response without
     environment (its one turn, named by the episode's id, ends it); ``seed``: the run's;
     ``max_new_tokens``: per turn; ``max_tokens``: model tokens of the whole episode; ``max_context``:
-    prompt and response tokens."""
+    prompt and response tokens; ``info_keys``: step-info counters that start at 0 (:attr:`info`)."""
 
     def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge | None, *, seed: int, max_turns: int,
-                 max_tokens: int, max_new_tokens: int, max_context: int):
+                 max_tokens: int, max_new_tokens: int, max_context: int, info_keys: tuple[str, ...] = ()):
         if not prompt_ids or len(prompt_ids) >= max_context:  # Environments.episode refuses it first
             raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
                              f"context of {max_context}")
@@ -174,6 +179,9 @@ class Episode:
         """Response position (the last token of a step's action) -> that step's reward."""
         self.messages: list[Message] | None = [] if bridge is not None else None
         """The conversation after the prompt: each action as an assistant message, each observation's messages."""
+        self.info: dict[str, float] = dict.fromkeys(info_keys, 0.0)
+        """Per key, the finite numbers (bools count 1) of the environment's step infos, summed; ``info_keys``
+        start at 0, so an episode that never reports one (a turn without a tool call) counts 0, not nothing."""
         self.num_turns = 0
         self.num_model_tokens = 0
         self.done: Done | None = None
@@ -222,6 +230,9 @@ class Episode:
             last = len(self.response_ids) - 1
             self.step_rewards[last] = self.step_rewards.get(last, 0.0) + result.reward
         self.messages.extend(result.observation)
+        for key, value in result.info.items():
+            if isinstance(value, numbers.Real) and math.isfinite(value):
+                self.info[key] = self.info.get(key, 0.0) + float(value)
         if result.terminated or result.truncated:
             return self._end("terminated" if result.terminated else "truncated")
         if self.num_turns >= self.max_turns:
@@ -253,8 +264,9 @@ class Episode:
         done = self.done or Done("abort")
         return Response(id=self.id, prompt_ids=list(self.prompt_ids), token_ids=list(self.response_ids),
                         logprobs=list(self.logprobs), finish_reason=done.finish_reason, loss_mask=list(self.loss_mask),
-                        step_rewards=dict(self.step_rewards), num_turns=self.num_turns, reason=done.reason,
-                        detail=done.detail, messages=None if self.messages is None else list(self.messages))
+                        step_rewards=dict(self.step_rewards), info=dict(self.info), num_turns=self.num_turns,
+                        reason=done.reason, detail=done.detail,
+                        messages=None if self.messages is None else list(self.messages))
 
     def _budget(self) -> int:
         """The next turn's most tokens: the turn's, the episode's model tokens and the context's left."""

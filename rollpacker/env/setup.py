@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.contract import EnvCall, EnvError, EnvReply
 from rollpacker.env.episode import Bridge, Episode
+from rollpacker.env.info import TOOL_INFO
 from rollpacker.env.workers import EnvPool, EnvSpec
 
 ENV_IDLE_WAIT = 0.005
@@ -78,7 +79,7 @@ class Environments:
         turns = self.cfg.max_turns if self.enabled else 1
         return Episode(key, ids, self.bridge, seed=self.seed, max_turns=turns,
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
-                       max_context=self.max_context)
+                       max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else ())
 
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out

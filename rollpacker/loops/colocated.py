@@ -97,8 +97,10 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
 
 
 def evaluate(job: Job, step: int) -> dict[str, float]:
-    """The held-out metrics (:func:`~rollpacker.schedule.eval.eval_metrics`), through the same engines:
-    ``eval.n`` responses per prompt at ``eval.temperature`` (greedy, one each by default)."""
+    """The held-out metrics (:func:`~rollpacker.schedule.eval.eval_metrics`; an episode's step infos:
+    :func:`~rollpacker.env.info.info_metrics`), through the same engines: ``eval.n`` responses per prompt
+    at ``eval.temperature`` (greedy, one each by default)."""
+    from rollpacker.env.info import info_metrics
     from rollpacker.schedule.eval import eval_metrics
 
     ctl = job.controller
@@ -108,5 +110,7 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
         return {}
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
     ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
-    return eval_metrics([[r or 0.0 for r in g.rewards] for g in result.groups],
-                        [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups])
+    sources = [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups]
+    outputs = [(o, source) for g, source in zip(result.groups, sources) for o in g.outputs]
+    return (eval_metrics([[r or 0.0 for r in g.rewards] for g in result.groups], sources)
+            | info_metrics([o for o, _ in outputs], "eval/", [source for _, source in outputs]))

@@ -54,6 +54,11 @@ def make_problem(rng: random.Random, terms: int | None = None, alpha: float = PA
     return {"prompt": f"{PROMPT_PREFIX}{expr}{PROMPT_SUFFIX}", "answer": str(total), "num_terms": terms}
 
 
+def rows(config, num: int, seed: int) -> list[dict]:
+    """``data.toy_task arithmetic``: ``num`` problems drawn with ``seed`` and ``data.toy_tail_alpha``."""
+    return make_dataset(num, seed, config.toy_tail_alpha)
+
+
 def make_dataset(n: int, seed: int, alpha: float = PARETO_ALPHA) -> list[dict]:
     """``n`` problems as rows of the dataset schema ``{"id", "prompt", "answer", "num_terms"}``, their
     term counts drawn with tail exponent ``alpha``."""
