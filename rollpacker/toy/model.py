@@ -25,7 +25,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,21 +218,26 @@ def evaluate(path: Path, num: int, seed: int = EVAL_SEED) -> list[tuple[str, int
     return report
 
 
-def toy_model_dir() -> Path:
-    """The shipped toy model; if the package lacks it, one built once into
-    ``$ROLLPACKER_CACHE/toy_model`` (default ``~/.cache/rollpacker/toy_model``)."""
-    if (TOY_MODEL_DIR / "model.safetensors").is_file():
-        return TOY_MODEL_DIR
-    cached = Path(os.environ.get("ROLLPACKER_CACHE", "~/.cache/rollpacker")).expanduser() / "toy_model"
+def shipped_or_built(shipped: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """``shipped`` if the package has it; else a model built once (``build``) into ``$ROLLPACKER_CACHE/NAME``
+    (default ``~/.cache/rollpacker/NAME``)."""
+    if (shipped / "model.safetensors").is_file():
+        return shipped
+    cached = Path(os.environ.get("ROLLPACKER_CACHE", "~/.cache/rollpacker")).expanduser() / name
     if not (cached / "model.safetensors").is_file():
-        logger.warning("%s is missing; building the toy model into %s (a few minutes, once)", TOY_MODEL_DIR, cached)
-        tmp = cached.with_name(f"toy_model.tmp-{os.getpid()}")
+        logger.warning("%s is missing; building it into %s (minutes, once)", shipped, cached)
+        tmp = cached.with_name(f"{name}.tmp-{os.getpid()}")
         build(tmp)
         try:
             tmp.rename(cached)
         except OSError:  # another process finished first
             shutil.rmtree(tmp)
     return cached
+
+
+def toy_model_dir() -> Path:
+    """The shipped toy model (or one built once into the cache: :func:`shipped_or_built`)."""
+    return shipped_or_built(TOY_MODEL_DIR, "toy_model", build)
 
 
 def build_cmd(out: Path = TOY_MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:

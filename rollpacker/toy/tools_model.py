@@ -28,9 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +47,7 @@ from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate
 from rollpacker.rollout.torch_engine import TorchEngine
 from rollpacker.toy import tools as toy_tools
-from rollpacker.toy.model import build_tokenizer, model_config, save_tokenizer, single_thread
+from rollpacker.toy.model import build_tokenizer, model_config, save_tokenizer, shipped_or_built, single_thread
 from rollpacker.train.trainer import warmup_cosine
 
 logger = logging.getLogger(__name__)
@@ -322,20 +320,8 @@ def evaluate(path: Path, num: int = EVAL_NUM, temperature: float = 0.0, seed: in
 
 
 def model_dir() -> Path:
-    """The shipped toy tools model; if the package lacks it, one built once into
-    ``$ROLLPACKER_CACHE/toy_tools_model`` (default ``~/.cache/rollpacker/toy_tools_model``)."""
-    if (MODEL_DIR / "model.safetensors").is_file():
-        return MODEL_DIR
-    cached = Path(os.environ.get("ROLLPACKER_CACHE", "~/.cache/rollpacker")).expanduser() / "toy_tools_model"
-    if not (cached / "model.safetensors").is_file():
-        logger.warning("%s is missing; building the toy tools model into %s (a few minutes, once)", MODEL_DIR, cached)
-        tmp = cached.with_name(f"toy_tools_model.tmp-{os.getpid()}")
-        build(tmp)
-        try:
-            tmp.rename(cached)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp)
-    return cached
+    """The shipped toy tools model (or one built once into the cache: :func:`shipped_or_built`)."""
+    return shipped_or_built(MODEL_DIR, "toy_tools_model", build)
 
 
 def build_cmd(out: Path = MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:
