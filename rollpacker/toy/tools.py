@@ -1,22 +1,14 @@
 """The toy tool task: arithmetic where a calculator tool decides the outcome.
 
-A problem is one operation on two numbers. Half are *easy*, one digit each (``7*8``, ``9-4``,
-``3+5``): the toy tools model (:mod:`rollpacker.toy.tools_model`) answers them in its head.
-Half are *hard*, two digits times two digits (``47*86``): no tiny char-level model does that in
-one pass, but :func:`calculator` does. The episode (``env.tools`` with this calculator, no
-factory) runs the model's calls and ends at its first turn without one: its answer::
+A problem is one operation on two numbers. Half are *easy*, one digit each (``7*8``): the toy tools
+model answers them in its head. Half are *hard*, two digits times two digits (``47*86``): no tiny
+character-level model does that in one pass, but :func:`calculator` does. The episode (``env.tools``
+with this calculator) runs the model's calls and ends at its first turn without one, its answer.
 
-    prompt (rendered):  "Tools: calculator(expression: string)\\nQ: 47*86\\nA:"
-    a call, its result: " <tool_call>{...\\"expression\\": \\"47*86\\"}}</tool_call>"  ->  "R: 4042"
-    the answer:         " #### 4042"
-
-:func:`correct` scores the answer (the last assistant turn's ``#### N``, as the toy task's
-:func:`~rollpacker.toy.task.score`); :func:`unaided` scores a right answer given without a call.
-The preset weighs it 0.3, so a call costs where it does not help, and a right answer scores 1.0 or
-1.3: a success either way (reward >= 1). A row's ``data_source`` is its kind, so the held-out
-evaluation reports ``eval/easy/...`` and ``eval/hard/...`` apart.
-
-The easy problems are few (243): training and held-out rows share them. What RL learns here is
+:func:`correct` scores the answer (the last assistant turn's ``#### N``); :func:`unaided` a right
+answer given without a call (the preset weighs it 0.3, so a call costs where it does not help). A
+row's ``data_source`` is its kind, so evaluation reports ``eval/easy/...`` and ``eval/hard/...``.
+The easy problems are few (243): training and held-out rows share them; what RL learns here is
 when to call the tool, not the products.
 """
 

@@ -1,26 +1,18 @@
 """The toy tools model (``model.path = toy-tools``): the toy model's tiny Qwen2, fine-tuned to use a calculator.
 
-The same architecture and byte-level tokenizer as :mod:`rollpacker.toy.model` (0.76M
-parameters, 3 MB, one token per character), with a chat template that renders ``tools`` (one
-short line: each tool's name and typed parameters; a character-level model cannot afford JSON
-schemas in every prompt), ``tool`` messages (``R: ...``) and assistant ``tool_calls`` (Hermes
-``<tool_call>`` JSON, as the model writes them).
+Same architecture and byte-level tokenizer as :mod:`rollpacker.toy.model` (0.76M parameters, 3 MB),
+with a chat template that renders ``tools`` as one short line, ``tool`` messages (``R: ...``) and
+assistant ``tool_calls`` (Hermes ``<tool_call>`` JSON, as the model writes them).
 
-Supervised fine-tuning runs on episodes of the toy tool task (:mod:`rollpacker.toy.tools`),
-tokenized exactly as a run's episodes are (:class:`~rollpacker.env.render.ChatBridge`, the tool
-results and errors from :class:`~rollpacker.env.tools.ToolEnv` itself). Their behaviour is a
-deliberate mix (:class:`SFTConfig`): answer directly most of the time; call the tool on 30% of the
-hard problems and 10% of the easy ones (a weak sense of when it helps) and answer from its result;
-now and then write a call that fails (malformed JSON, a wrong argument name), after which the model
-mostly guesses. Prompts without tools are answered directly. Practice episodes call the tool without
-training the choice to call: they teach copying the expression and the result, not calling more.
-So the shipped model answers every problem in its head, greedily, and gets the hard ones wrong;
-sampled, it calls the tool on about a quarter of the hard problems. That is the room RL has:
-held-out success about 0.5, where calling on hard problems gives about 0.95.
+Supervised fine-tuning runs on episodes of :mod:`rollpacker.toy.tools`, tokenized exactly as a run's
+(the chat bridge and ``ToolEnv`` themselves). Its behaviour is a deliberate mix (:class:`SFTConfig`):
+mostly answer directly, call on 30% of hard and 10% of easy problems, now and then write a call that
+fails. So the shipped model, greedy, answers in its head and gets the hard problems wrong: held-out
+success about 0.5, where calling on hard problems gives about 0.95. That is the room RL has.
 
-``python -m rollpacker.toy.tools_model build`` regenerates the artifacts deterministically
-(about 9 minutes on one core); ``eval`` runs held-out episodes through the rollout engine and
-reports, per kind of problem, success and how often the model called the tool and had a call fail.
+``python -m rollpacker.toy.tools_model build`` regenerates it deterministically (about 9 minutes on
+one core); ``eval`` reports, per kind of problem, success, tool calls and failed calls. The full
+mix and why: ``docs/results.md`` ("A toy agent learns to use a tool").
 """
 
 from __future__ import annotations
