@@ -172,8 +172,11 @@ def _is_number(value) -> bool:
 
 
 def completion_text(completion) -> str:
-    """A completion as TRL passes it (a string or assistant messages) as text."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """A completion as TRL passes it (a string, or messages: an episode's turns) as text: its last
+    assistant message, the answer (never a tool's or an environment's message after it)."""
+    if isinstance(completion, str):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m.get("role") == "assistant"), "")
 
 
 def prompt_text(prompt) -> str:

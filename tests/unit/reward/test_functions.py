@@ -168,3 +168,15 @@ def test_loading_errors_name_the_function(funcs, tmp_path):
         build_functions(RewardConfig(funcs=(f"{odd}:f",)))
     assert names(("toy", "a.py:compute_score", "pkg.b:compute_score", "c.py:mean")) == [
         "toy", "a.compute_score", "b.compute_score", "c.mean"]
+
+
+def test_an_episodes_answer_is_its_last_assistant_message_not_a_tool_result_after_it():
+    """An episode cut at env.max_turns right after a call ends on the tool's message: the built-in rewards
+    score the model's last answer, never the tool's output (a calculator's '#### 4042' earns nothing)."""
+    from rollpacker.reward.functions import completion_text
+    from rollpacker.reward.rules import math, toy
+
+    turns = [{"role": "assistant", "content": "<tool_call>{}</tool_call>"}, {"role": "tool", "content": "#### 4042"}]
+    assert completion_text(turns) == "<tool_call>{}</tool_call>" and completion_text("#### 1") == "#### 1"
+    assert toy(prompts=["q"], completions=[turns], answer=["4042"]) == [0.0]
+    assert math(prompts=["q"], completions=[turns], answer=["4042"]) == [0.0]
