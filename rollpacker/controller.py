@@ -119,7 +119,7 @@ class Controller:
         from rollpacker.env.parsers import PARSERS
         from rollpacker.env.render import ChatBridge
         from rollpacker.env.setup import Environments
-        from rollpacker.env.workers import EnvPool
+        from rollpacker.env.workers import EnvPool, EnvSpec
 
         cfg = self.config
         if not cfg.env.enabled:
@@ -127,7 +127,9 @@ class Controller:
             return
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
                             template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)
-        self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env), bridge=bridge,
+        # reward functions taking TRL's `environments` get a copy of each episode's environment
+        spec = EnvSpec.from_config(cfg.env, states=any(f.ref.environments for f in self.rewards.functions))
+        self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env, spec), bridge=bridge,
                                  encode=functools.partial(encode, self.tokenizer, cfg), seed=cfg.seed,
                                  max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len)
 

@@ -69,8 +69,9 @@ def target(spec: str, builtins: dict[str, str]) -> str:
 _loaded: dict[str, Any] = {}
 
 
-def load(target: str, setting: str, error: type[UserError] = UserError):
-    """The callable ``target`` names (cached per process); an ``error`` naming ``setting`` says why it cannot be had."""
+def load(target: str, setting: str, error: type[UserError] = UserError, *, mapping: bool = False):
+    """The callable ``target`` names (cached per process); an ``error`` naming ``setting`` says why it cannot be had.
+    ``mapping``: a dict there will do too (TRL's dict of environment factories)."""
     if target in _loaded:
         return _loaded[target]
     where, _, name = target.rpartition(":")
@@ -79,11 +80,19 @@ def load(target: str, setting: str, error: type[UserError] = UserError):
     except Exception as e:  # noqa: BLE001  (the user's module: whatever it raises is the cause to show)
         raise error(f"{setting}: cannot import {where}: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
-    if not callable(fn):
-        raise error(f"{setting}: {where} has no function {name!r}"
+    if not (callable(fn) or mapping and isinstance(fn, dict)):
+        raise error(f"{setting}: {where} has no {'function or dict' if mapping else 'function'} {name!r}"
                     f"{' (it is a ' + type(fn).__name__ + ')' if fn is not None else ''}")
     _loaded[target] = fn
     return fn
+
+
+def accepted(fn, kwargs: dict) -> dict:
+    """The keyword arguments ``fn`` takes: all of them with ``**kwargs``, else those it names."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 _loop: asyncio.AbstractEventLoop | None = None

@@ -52,7 +52,7 @@ def _prompt_ids(ctl, row: dict) -> list[int]:
     if env.tools and not env.factory:
         from rollpacker.env.tools import load_tools, schemas
 
-        return ctl.episodes.encode(row["prompt"], schemas(load_tools(env.tools)))
+        return ctl.envs.encode(row["prompt"], schemas(load_tools(env.tools)))
     return ctl.encode_prompt(row)
 
 

@@ -9,6 +9,7 @@
 - :mod:`~rollpacker.env.parsers`: tool calls read from a turn, one parser per model family's format;
 - :mod:`~rollpacker.env.workers`: environments in killable worker processes;
 - :mod:`~rollpacker.toy.env`: the built-in toy environment; adapters for existing libraries:
+  :mod:`~rollpacker.env.trl` (TRL's ``environment_factory`` classes, chosen by their shape),
   :mod:`~rollpacker.env.verifiers`, :mod:`~rollpacker.env.skyrl_gym`.
 
 Nothing here imports torch. ``docs/environments.md`` is the user's guide.

@@ -66,6 +66,9 @@ class EnvReply:
     """Set when the call failed; names the environment, the row and the cause."""
     seconds: float = 0.0
     """Wall time of the call in its worker (queueing excluded)."""
+    state: Any = None
+    """After an open or a step, a copy of the environment for reward functions that take ``environments``
+    (:class:`~rollpacker.env.trl.EnvState`, TRL's environments); else None."""
 
 
 @dataclass

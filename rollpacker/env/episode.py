@@ -98,6 +98,11 @@ class Response(Output):
     reason: str = ""
     """Why it ended (:data:`REASONS`); ``detail`` says more for an error."""
     detail: str = ""
+    prompt: str | list[Message] | None = None
+    """The prompt its environment's reset gave (a string or chat messages); None: its row's own."""
+    env_state: Any = None
+    """A copy of its environment after its last call, for reward functions that take ``environments``
+    (:attr:`Episode.env_state`); None without one."""
 
     @property
     def env_reward(self) -> float:
@@ -162,7 +167,8 @@ class Episode:
     prompt and response tokens; ``info_keys``: step-info counters that start at 0 (:attr:`info`)."""
 
     def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge | None, *, seed: int, max_turns: int,
-                 max_tokens: int, max_new_tokens: int, max_context: int, info_keys: tuple[str, ...] = ()):
+                 max_tokens: int, max_new_tokens: int, max_context: int, info_keys: tuple[str, ...] = (),
+                 prompt: str | list[Message] | None = None):
         if not prompt_ids or len(prompt_ids) >= max_context:  # Environments.episode refuses it first
             raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
                              f"context of {max_context}")
@@ -182,6 +188,11 @@ class Episode:
         self.info: dict[str, float] = dict.fromkeys(info_keys, 0.0)
         """Per key, the finite numbers (bools count 1) of the environment's step infos, summed; ``info_keys``
         start at 0, so an episode that never reports one (a turn without a tool call) counts 0, not nothing."""
+        self.prompt = prompt
+        """The prompt its environment's reset gave, encoded as ``prompt_ids``; None: its row's own."""
+        self.env_state: Any = None
+        """A copy of its environment after its last call (set by the runner from the replies), for reward functions
+        that take ``environments`` (:class:`~rollpacker.env.trl.EnvState`); None when none was sent."""
         self.num_turns = 0
         self.num_model_tokens = 0
         self.done: Done | None = None
@@ -265,7 +276,7 @@ class Episode:
         return Response(id=self.id, prompt_ids=list(self.prompt_ids), token_ids=list(self.response_ids),
                         logprobs=list(self.logprobs), finish_reason=done.finish_reason, loss_mask=list(self.loss_mask),
                         step_rewards=dict(self.step_rewards), info=dict(self.info), num_turns=self.num_turns,
-                        reason=done.reason, detail=done.detail,
+                        reason=done.reason, detail=done.detail, prompt=self.prompt, env_state=self.env_state,
                         messages=None if self.messages is None else list(self.messages))
 
     def _budget(self) -> int:

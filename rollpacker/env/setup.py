@@ -65,13 +65,13 @@ class Environments:
                 ids = cache[row]
             else:
                 ids = self.encode(rows[row]["prompt"] if prompt is None else prompt, info.get("tools"))
-            return self.episode(key, rows[row], ids)
+            return self.episode(key, rows[row], ids, prompt)
 
         return make
 
-    def episode(self, key: str, row: dict, ids: list[int]) -> Episode:
-        """Episode ``key`` of ``row`` whose prompt is ``ids``. An :class:`EnvError` if it leaves no token
-        for the first turn."""
+    def episode(self, key: str, row: dict, ids: list[int], prompt: Any = None) -> Episode:
+        """Episode ``key`` of ``row`` whose prompt is ``ids`` (encoded from ``prompt``, its reset's, or None: the
+        row's own). An :class:`EnvError` if it leaves no token for the first turn."""
         if len(ids) >= self.max_context:
             raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {row['id']!r}): its reset "
                            f"prompt is {len(ids)} tokens and the context length is {self.max_context}: no token is "
@@ -79,7 +79,7 @@ class Environments:
         turns = self.cfg.max_turns if self.enabled else 1
         return Episode(key, ids, self.bridge, seed=self.seed, max_turns=turns,
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
-                       max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else ())
+                       max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else (), prompt=prompt)
 
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out

@@ -47,8 +47,9 @@ def load_tools(specs: tuple[str, ...]) -> dict[str, Callable]:
     return tools
 
 
-def schemas(tools: dict[str, Callable]) -> list[dict]:
-    """Each tool's JSON schema, for the chat template; an :class:`EnvError` says what a function lacks."""
+def schemas(tools: dict[str, Callable], where: str = "env.tools") -> list[dict]:
+    """Each tool's JSON schema, for the chat template; an :class:`EnvError` naming ``where`` says what a function
+    lacks."""
     from transformers.utils import get_json_schema
 
     out = []
@@ -56,7 +57,7 @@ def schemas(tools: dict[str, Callable]) -> list[dict]:
         try:
             out.append(get_json_schema(fn))
         except Exception as e:  # noqa: BLE001  (transformers' DocstringParsingException, TypeHintParsingException)
-            raise EnvError(f"env.tools: {name}: no JSON schema from its signature and docstring ({e}). A tool needs "
+            raise EnvError(f"{where}: {name}: no JSON schema from its signature and docstring ({e}). A tool needs "
                            "type hints on every argument and a Google-style docstring with an Args: section") from None
     return out
 
@@ -64,13 +65,13 @@ def schemas(tools: dict[str, Callable]) -> list[dict]:
 class ToolEnv:
     """An environment that runs the model's tool calls, around ``inner`` (an environment, or None: tools alone)."""
 
-    def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None):
+    def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None, where: str = "env.tools"):
         self.tools, self.parse, self.inner = tools, PARSERS[parser], inner
-        self.schemas = schemas(tools)
+        self.schemas = schemas(tools, where)
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
 
     async def reset(self, *, seed: int, options: dict):
-        observation, info = (None, {}) if self.inner is None else await _call(self.inner.reset, seed=seed,
+        observation, info = (None, {}) if self.inner is None else await invoke(self.inner.reset, seed=seed,
                                                                               options=options)
         info = dict(info or {})
         info["tools"] = [*info.get("tools", []), *self.schemas]
@@ -81,7 +82,7 @@ class ToolEnv:
         if not calls:
             if self.inner is None:
                 return None, None, True, False, {}
-            return await _call(self.inner.step, action)
+            return await invoke(self.inner.step, action)
         results = [await self._run(call) for call in calls]
         errors = sum(r.startswith("error: ") for r in results)
         return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": r}
@@ -90,7 +91,7 @@ class ToolEnv:
 
     async def close(self):
         if self.inner is not None and callable(getattr(self.inner, "close", None)):
-            await _call(self.inner.close)
+            await invoke(self.inner.close)
 
     async def _run(self, call: ToolCall) -> str:
         if call.error:
@@ -99,14 +100,14 @@ class ToolEnv:
         if fn is None:
             return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})"
         try:
-            value = await _call(fn, **call.arguments)
+            value = await invoke(fn, **call.arguments)
         except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
             return f"error: {type(e).__name__}: {e}"[:MAX_RESULT_CHARS]
         text = value if isinstance(value, str) else json.dumps(value, default=str)
         return text[:MAX_RESULT_CHARS]
 
 
-async def _call(fn, *args, **kwargs):
+async def invoke(fn, *args, **kwargs):
     """``fn(...)``, awaited if it returns an awaitable."""
     value = fn(*args, **kwargs)
     if hasattr(value, "__await__"):

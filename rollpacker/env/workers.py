@@ -30,8 +30,8 @@ from typing import Any
 
 from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
-from rollpacker.env.contract import EnvReply
-from rollpacker.imports import target
+from rollpacker.env.contract import EnvError, EnvReply
+from rollpacker.imports import load, target
 from rollpacker.workers import WorkerPool, ignore_stops, leaving
 
 
@@ -46,11 +46,16 @@ class EnvSpec:
     observation_role: str = "user"
     label: str = ""
     """The environment as the user named it (``env.factory``), for messages."""
+    max_turns: int = 4
+    """``env.max_turns``: a TRL environment's reward comes after the last turn (:mod:`rollpacker.env.trl`)."""
+    states: bool = False
+    """Send back a copy of the environment after each call, for reward functions that take ``environments``
+    (environments that make one: TRL's)."""
 
     @classmethod
-    def from_config(cls, cfg: EnvConfig) -> EnvSpec:
+    def from_config(cls, cfg: EnvConfig, states: bool = False) -> EnvSpec:
         return cls(target(cfg.factory, FACTORIES) if cfg.factory else "", cfg.tools, cfg.tool_parser,
-                   cfg.observation_role, cfg.factory)
+                   cfg.observation_role, cfg.factory, cfg.max_turns, states)
 
     @property
     def name(self) -> str:
@@ -58,8 +63,15 @@ class EnvSpec:
         return self.label or self.factory or f"tools {', '.join(self.tools)}"
 
     def build(self, row: dict):
-        """A fresh environment for ``row``: the factory's, wrapped in the tools if any."""
-        inner = contract.make(self.factory, row) if self.factory else None
+        """A fresh environment for ``row``: the factory's, wrapped in the tools if any; a TRL environment's
+        episode (:mod:`rollpacker.env.trl`) when the factory has TRL's shape."""
+        from rollpacker.env import trl
+
+        factory = load(self.factory, "env.factory", EnvError, mapping=True) if self.factory else None
+        trl_factories = trl.factories(factory, self.name) if factory is not None else None
+        if trl_factories is not None:
+            return trl.make(self, trl_factories, row)
+        inner = factory(row) if factory is not None else None
         if not self.tools:
             return inner
         from rollpacker.env.tools import ToolEnv, load_tools
@@ -96,38 +108,44 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
         conn.send(None)
         while (task := conn.recv()) is not None:
             wall = time.perf_counter()
-            value, error = _run(spec, envs, *task)
+            value, error, state = _run(spec, envs, *task)
             try:
-                conn.send((value, error, time.perf_counter() - wall))
+                conn.send((value, error, time.perf_counter() - wall, state))
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 envs.pop(task[1], None)
                 conn.send((None, f"returned something that cannot be sent back ({type(e).__name__}: {e})",
-                           time.perf_counter() - wall))
+                           time.perf_counter() - wall, None))
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
         return
     finally:
         leaving()
 
 
-def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None]:
-    """One call in a worker: ``(value, error)``; a failed environment is dropped."""
+def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None, Any]:
+    """One call in a worker: ``(value, error, state)`` (:attr:`EnvReply.state`); a failed environment is dropped."""
     try:
         if kind == "open":
             row, seed = payload
             envs[key] = env = spec.build(row)
-            return contract.reset(env, seed=seed, row=row), None
+            return contract.reset(env, seed=seed, row=row), None, _state(spec, env)
         if kind == "step":
-            return contract.step(envs[key], payload, spec.observation_role), None
+            return contract.step(envs[key], payload, spec.observation_role), None, _state(spec, envs[key])
         env = envs.pop(key, None)
         if env is not None:
             contract.close(env)
-        return None, None
+        return None, None, None
     except contract.BadReturn as e:
         cause = f"returned garbage: {e}"
     except Exception as e:  # noqa: BLE001  (the user's environment: whatever it raises is the cause to report)
         cause = f"raised {type(e).__name__}: {str(e)[:500]}"
     envs.pop(key, None)
-    return None, f"{kind} {cause}"
+    return None, f"{kind} {cause}", None
+
+
+def _state(spec: EnvSpec, env) -> Any:
+    """A copy of ``env`` for the reward functions, if they take ``environments`` and it makes one (TRL's)."""
+    make = getattr(env, "reward_state", None)
+    return make() if spec.states and callable(make) else None
 
 
 class EnvPool(WorkerPool):
@@ -196,9 +214,9 @@ class EnvPool(WorkerPool):
         return task.kind, task.key, task.payload
 
     def _received(self, task: _Call, message: Any) -> None:
-        value, error, seconds = message
+        value, error, seconds, state = message
         with self._cond:
-            self._reply(task, value, self._cause(task, error) if error else None, seconds)
+            self._reply(task, value, self._cause(task, error) if error else None, seconds, state)
 
     def _lost(self, i: int, task: _Call | None, reason: str, seconds: float) -> None:
         """Worker ``i`` was killed: its running call fails with ``reason``; every episode it hosted loses
@@ -216,7 +234,8 @@ class EnvPool(WorkerPool):
                 lost = self._episodes[call.key].lost
                 self._reply(call, error=lost if call.kind != "close" else None)
 
-    def _reply(self, call: _Call, value: Any = None, error: str | None = None, seconds: float = 0.0) -> None:
+    def _reply(self, call: _Call, value: Any = None, error: str | None = None, seconds: float = 0.0,
+               state: Any = None) -> None:
         """Hand back the outcome of ``call`` (holding ``_cond``); a closed episode is forgotten."""
         episode = self._episodes[call.key]
         episode.calls -= 1
@@ -224,7 +243,7 @@ class EnvPool(WorkerPool):
             episode.lost = episode.lost or error
         if call.kind == "close" and not episode.calls:
             del self._episodes[call.key]
-        self._done.append(EnvReply(call.key, call.kind, value, error, seconds))
+        self._done.append(EnvReply(call.key, call.kind, value, error, seconds, state))
         self._num_unfinished -= 1
         self._cond.notify_all()
 

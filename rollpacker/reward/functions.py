@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.errors import UserError
-from rollpacker.imports import awaited, load, short, target
+from rollpacker.imports import accepted, awaited, load, short, target
 
 BUILTINS = {"toy": "rollpacker.reward.rules:toy", "math": "rollpacker.reward.rules:math",
             "code": "rollpacker.reward.code:code", "judge": ""}
@@ -41,7 +41,7 @@ class RewardFunctionError(UserError):
 
 
 class BadValue(Exception):
-    """A function returned something that is not a reward; the message says what."""
+    """A function returned something that is not a reward, or cannot be given what it takes; the message says what."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class Ref:
     """``package.module:function`` or ``/absolute/path/file.py:function``."""
     convention: str = "trl"
     """``trl`` or ``verl``."""
+    environments: bool = False
+    """It is given TRL's ``environments`` (it names them, or takes ``**kwargs``): an episode's environment
+    then sends a copy of itself (:class:`~rollpacker.env.trl.EnvState`)."""
 
 
 @dataclass
@@ -92,50 +95,51 @@ def names(specs: tuple[str, ...]) -> list[str]:
 
 
 def convention(fn, spec: str) -> str:
-    """``verl`` if ``fn`` takes ``solution_str``, ``trl`` if it takes ``completions`` or ``**kwargs``."""
+    """``verl`` if ``fn`` takes ``solution_str``, ``trl`` if it takes ``completions``, ``environments`` or
+    ``**kwargs``."""
     params = inspect.signature(fn).parameters
     if "solution_str" in params:
         return "verl"
-    if "completions" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    if "completions" in params or "environments" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return "trl"
     raise RewardFunctionError(
         f"reward.funcs: {spec}: its parameters ({', '.join(params)}) follow neither TRL's convention "
-        "(prompts, completions, completion_ids, **columns) -> list[float | None] nor verl's "
+        "(prompts, completions, completion_ids, environments, **columns) -> list[float | None] nor verl's "
         "(data_source, solution_str, ground_truth, extra_info) -> float | dict")
 
 
 def resolve(spec: str, name: str) -> Ref:
     """The :class:`Ref` of one entry of reward.funcs, its function imported here to check it (fail early)."""
     ref = target(spec, BUILTINS)
-    return Ref(name, ref, convention(load(ref, "reward.funcs", RewardFunctionError), spec))
-
-
-def _accepted(fn, kwargs: dict) -> dict:
-    """The keyword arguments ``fn`` takes: all of them with ``**kwargs``, else those it names."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+    fn = load(ref, "reward.funcs", RewardFunctionError)
+    kind = convention(fn, spec)
+    return Ref(name, ref, kind, environments=kind == "trl" and bool(accepted(fn, {"environments": None})))
 
 
 def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[str, Any]]:
     """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
     ``completion_ids``, ``columns`` (the row's other columns), optionally ``trainer_state`` and, for
-    an episode, ``messages`` (its turns after the prompt: TRL's completion then). Returns ``(reward or
-    None, metrics, info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions
-    pass)."""
+    an episode, ``messages`` (its turns after the prompt: TRL's completion then) and ``environment``
+    (a copy of its environment: TRL's ``environments`` hold it). Returns ``(reward or None, metrics,
+    info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
     fn = load(ref.target, "reward.funcs", RewardFunctionError)
     columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
         kwargs = dict(data_source=columns.get("data_source"), solution_str=text, ground_truth=columns.get("answer"),
                       extra_info=columns.get("extra_info"))
-        return _value(awaited(fn(**_accepted(fn, kwargs))))
+        return _value(awaited(fn(**accepted(fn, kwargs))))
     completion = sample.get("messages") or (
         [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
     kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
               "completion_ids": [sample["completion_ids"]],
               "trainer_state": sample.get("trainer_state") or TrainerState()}  # as TRL: one object, not a list
-    values = awaited(fn(**_accepted(fn, kwargs)))
+    if sample.get("environment") is not None and accepted(fn, {"environments": None}):
+        kwargs["environments"] = [sample["environment"].restore()]
+    elif "environments" in inspect.signature(fn).parameters and sample.get("environment") is None:
+        raise BadValue("takes environments, and this response has no copy of its environment: they are given with "
+                       "an env.factory of TRL's shape (a class made without arguments; docs/environments.md), and an "
+                       "episode whose environment failed before its reset returned has none")
+    values = awaited(fn(**accepted(fn, kwargs)))
     if not isinstance(values, (list, tuple)):
         raise BadValue(f"returned {type(values).__name__} {short(values)}; a TRL-convention function returns a "
                          "list with one float or None per completion")

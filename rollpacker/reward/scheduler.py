@@ -246,15 +246,17 @@ class RewardScheduler:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
             return
         response = self.decode(output.token_ids)
+        prompt = row["prompt"] if output.prompt is None else output.prompt  # an episode's: its reset's, if any
         columns = {k: v for k, v in row.items() if k != "prompt"}
         for f in self.functions:
             if f.on_controller:
-                self._judge_todo.append(((key, f.name), (prompt_text(row["prompt"]), response, row.get("rubric"))))
+                self._judge_todo.append(((key, f.name), (prompt_text(prompt), response, row.get("rubric"))))
                 continue
             extra = f.extra(row)
-            sample = {"prompt": row["prompt"], "completion": response, "completion_ids": list(output.token_ids),
+            sample = {"prompt": prompt, "completion": response, "completion_ids": list(output.token_ids),
                       "columns": {**columns, **extra}, "trainer_state": self.state,
-                      "messages": output.messages}  # an episode's turns
+                      "messages": output.messages,  # an episode's turns
+                      "environment": output.env_state}  # a copy of its environment, for TRL's `environments`
             if self.pool:
                 self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
                 continue

@@ -113,9 +113,11 @@ class EpisodeRunner:
             if reply.error:
                 done += self._failed(reply.key, reply.error)
             elif reply.kind == "open":
-                done += self._start(reply.key, reply.value)
+                done += self._start(reply.key, reply.value, reply.state)
             else:
-                done += self._next(reply.key, self.live[reply.key].on_step(reply.value))
+                episode = self.live[reply.key]
+                episode.env_state = reply.state if reply.state is not None else episode.env_state
+                done += self._next(reply.key, episode.on_step(reply.value))
         return done
 
     def on_turns(self, outputs: list[Any]) -> list[Response]:
@@ -179,12 +181,14 @@ class EpisodeRunner:
             self.live[key] = self.make(key, self.rows[key], None)
         return self.live[key]
 
-    def _start(self, key: str, reset: Any) -> list[Response]:
-        """Episode ``key`` from its environment's reset: its first turn, or (no room for one) its failure."""
+    def _start(self, key: str, reset: Any, state: Any = None) -> list[Response]:
+        """Episode ``key`` from its environment's reset (and the copy of its environment, ``state``): its first
+        turn, or (no room for one) its failure."""
         try:
             episode = self.live[key] = self.make(key, self.rows[key], reset)
         except EnvError as e:
             return self._failed(key, str(e))
+        episode.env_state = state
         turn, resume = episode.next_turn(), self.resume.pop(key, None)
         self.turns.append((key, turn if resume is None else replace(turn, resume_from=resume)))
         return []

@@ -1,4 +1,5 @@
-"""docs/environments.md's environment and tools files, taken from the page as written, through the contract."""
+"""docs/environments.md's environment, tools and TRL environment files, taken from the page as written, through the
+contract (the TRL one in the environment workers, as a run has it)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,40 @@ def test_the_pages_tools_are_called(tmp_path, monkeypatch):
                                                                              "description": "The first number."}
     step = contract.step(env, '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>')
     assert step.observation == [{"role": "tool", "name": "multiply", "tool_call_id": "call_0", "content": "42"}]
+
+
+def test_the_pages_trl_environment_and_its_reward_function_run_as_written(tmp_path, monkeypatch):
+    """A group's episodes (one reset seed) draw the same target; the tool counts; get_reward scores the
+    answer; the reward function reads the copy of the environment."""
+    import json
+    import re
+
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.env.workers import EnvPool, EnvSpec
+    from rollpacker.reward.functions import call, resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "increment_env.py").write_text(page_file("increment_env.py"))
+    cfg = EnvConfig(factory="increment_env.py:IncrementEnv", num_workers=1, timeout=60)
+    row = {"id": "r0", "prompt": [{"role": "user", "content": "Use the increment tool. "}]}
+    with EnvPool(cfg, EnvSpec.from_config(cfg, states=True)) as pool:
+        for key in ("hit", "over"):
+            pool.open_episode(key, row, 17)
+        opened = {r.key: r for r in pool.drain(60)}
+        (hit_prompt, info), (over_prompt, _) = opened["hit"].value, opened["over"].value
+        assert hit_prompt == over_prompt and [t["function"]["name"] for t in info["tools"]] == ["increment"]
+        text = hit_prompt[0]["content"]
+        assert re.fullmatch(r"Use the increment tool\. Add [1-6] to the counter\.", text), text
+        target = int(text.split()[-4])
+        for key, step in (("hit", target), ("over", target + 1)):
+            pool.step_episode(key, f'<tool_call>{json.dumps({"name": "increment", "arguments": {"step": step}})}'
+                                   '</tool_call>')
+            pool.step_episode(key, "Done.")
+        steps = pool.drain(60)
+    called = {r.key: r for r in steps if not r.value.terminated}
+    answered = {r.key: r for r in steps if r.value.terminated}
+    assert called["hit"].value.observation[0]["content"] == str(target)
+    assert (answered["hit"].value.reward, answered["over"].value.reward) == (1.0, 0.0)
+    overshoot = resolve("increment_env.py:overshoot", "overshoot")
+    sample = {"prompt": row["prompt"], "completion": "Done.", "completion_ids": [], "columns": {}}
+    assert [call(overshoot, {**sample, "environment": answered[k].state})[0] for k in ("hit", "over")] == [0.0, -1.0]

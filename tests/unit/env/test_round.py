@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from rollpacker.data.dataset import PromptSampler
-from rollpacker.env.contract import StepResult
+from rollpacker.env.contract import EnvReply, StepResult
 from rollpacker.env.episode import Episode, Response, reset_seed, turn_seed
 from rollpacker.schedule.round import Round, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
@@ -104,14 +104,13 @@ class Driver:
             self.env_log[call.key].append(call.kind)
             if call.kind == "open":
                 assert call.seed == reset_seed(SEED, call.key.rpartition(":")[0])
-                self.replies.append(SimpleNamespace(key=call.key, kind="open", value=(None, {}), error=None,
-                                                    seconds=0.1))
+                self.replies.append(EnvReply(call.key, "open", (None, {}), seconds=0.1))
             elif call.kind == "step":
                 self.steps[call.key] += 1
                 n = self.steps[call.key]
                 result = StepResult([{"role": "user", "content": str(n)}], reward=float(n),
                                     terminated=n >= turns_of(call.key))
-                self.replies.append(SimpleNamespace(key=call.key, kind="step", value=result, error=None, seconds=0.1))
+                self.replies.append(EnvReply(call.key, "step", result, seconds=0.1))
         cut_last = {rid.rpartition("#")[0] for _, rid in a.abort} if getattr(a, "done", False) else set()
         for replica, key in getattr(a, "end_sessions", []):  # once, as its environment closes, or with its last turn
             assert key not in self.ended and (self.env_log[key][-1] == "close" or key in cut_last)
@@ -299,7 +298,7 @@ def open_replies(runner: EpisodeRunner, prompts: dict[str, str]) -> list:
     for key in prompts:
         runner.open(key, int(key[-1]), key.rpartition(":")[0])
     assert [c.kind for c in runner.take_calls()] == ["open"] * len(prompts)
-    return [SimpleNamespace(key=k, kind="open", value=(p, {}), error=None, seconds=0.0) for k, p in prompts.items()]
+    return [EnvReply(k, "open", (p, {})) for k, p in prompts.items()]
 
 
 def test_a_reset_prompt_with_no_room_for_a_turn_is_an_environment_error_of_its_episode():
