@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from support.jobs import QUIET, cause, launch_job, records
 
 TRL_ENV = '''
@@ -38,7 +37,6 @@ def used_tool(environments, **kwargs):
 '''
 
 
-@pytest.mark.slow
 def test_a_trl_environment_trains_on_two_ranks(tmp_path):
     (tmp_path / "trl_env.py").write_text(TRL_ENV)
     run = tmp_path / "run"
