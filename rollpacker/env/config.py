@@ -32,6 +32,8 @@ class EnvConfig:
     """Wall-clock seconds one environment call (reset, step with its tool calls, close) may take, then it is killed."""
     on_error: OnError = "skip"
     """An environment that raises, hangs or returns garbage: skip (its episode ends untrained; env/errors) or fail."""
+    max_error_frac: float = 0.5
+    """Stop after a step where over this share of the episodes failed in their environment (1: never)."""
     observation_role: Literal["user", "tool", "system"] = "user"
     """The chat role of an observation given as a string."""
     num_workers: int = 2
@@ -56,6 +58,8 @@ class EnvConfig:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
         if self.max_tokens < 0:
             raise ValueError(f"env.max_tokens must be >= 0 (0: rollout.max_new_tokens), got {self.max_tokens}")
+        if not 0 <= self.max_error_frac <= 1:
+            raise ValueError(f"env.max_error_frac must be in [0, 1] (1: never stop), got {self.max_error_frac}")
         if self.timeout <= 0:
             raise ValueError(f"env.timeout must be positive, got {self.timeout}")
         if self.num_workers < 1:

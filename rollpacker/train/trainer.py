@@ -278,7 +278,7 @@ class Trainer:
         loss = sums["loss"] / normalizer
         skipped = not math.isfinite(norm) or not math.isfinite(loss)
         lr = self.scheduler.get_last_lr()[0]
-        if not skipped:
+        if not skipped and sums["tokens"]:  # no model token anywhere (every episode failed): no update at all
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skipped
@@ -423,7 +423,7 @@ class Trainer:
             p = start + len(s.prompt_ids) - 1
             pick.extend(range(p, p + len(s.response_ids)))
             start += s.num_tokens
-        pick_t = torch.tensor(pick, device=self.device)
+        pick_t = torch.tensor(pick, dtype=torch.long, device=self.device)  # empty: a micro-batch of no response token
         targets = tokens[pick_t + 1]
         attn = CausalAttention([s.num_tokens for s in batch], self.device)
         fn = token_logprobs_entropy if entropy else token_logprobs

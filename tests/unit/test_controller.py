@@ -94,3 +94,26 @@ def test_an_episode_trains_its_model_tokens_with_its_step_rewards_on_their_actio
     assert count == 8  # token-mean counts the model's tokens, not the environment's 4
     stats = ctl.round_stats(result)
     assert (stats["rollout/model_tokens"], stats["rollout/env_tokens"]) == (8, 4)
+
+
+def test_a_round_where_most_episodes_failed_in_their_environment_stops_the_run():
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.env.contract import EnvError
+    from rollpacker.reward.functions import TrainerState
+
+    def controller(frac):
+        rewards = Rewards()
+        rewards.state = TrainerState(global_step=3)
+        return Controller(config=Config(env=EnvConfig(factory="toy", max_error_frac=frac)), rows=[], eval_rows=None,
+                          tokenizer=None, rewards=rewards, policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None,
+                          display=None, max_model_len=200)
+
+    result = round_result([Group(prompt=0, outputs=[output(3)], rewards=[1.0])])  # 6 episodes launched
+    result.env_errors = ["toy: episode '3:0:1' (row 'r1'): step raised RuntimeError: broken"] * 3
+    controller(0.5).check_environments(result)  # 3 of 6: not over half
+    with pytest.raises(EnvError, match=r"4 of 6 episodes at step 3 failed in their environment, more than "
+                                       r"--env.max-error-frac 0.5; the first: toy: episode '3:0:1' \(row 'r1'\).*"
+                                       r"RuntimeError: broken.*--resume auto"):
+        result.env_errors.append(result.env_errors[0])
+        controller(0.5).check_environments(result)
+    controller(1.0).check_environments(result)  # never

@@ -311,10 +311,10 @@ def make_env(row):
 '''
 
 
-def faulty_job(tmp_path: Path, on_error: str) -> subprocess.CompletedProcess:
+def faulty_job(tmp_path: Path, on_error: str, max_error_frac: str = "1") -> subprocess.CompletedProcess:
     (tmp_path / "faulty.py").write_text(FAULTY)
     cmd = job_command("schedule:sync", "--env.factory", "faulty.py:make_env", "--env.timeout", "3",
-                      "--env.on-error", on_error, "--data.num-toy-prompts", "5",
+                      "--env.on-error", on_error, "--env.max-error-frac", max_error_frac, "--data.num-toy-prompts", "5",
                       "--rollout.num-prompts", "5", "--rollout.group-size", "2", "--rollout.max-new-tokens", "48",
                       "--num-steps", "1", "--eval-every", "0", "--metrics.samples-every", "1", "--run-dir", "run",
                       *QUIET)
@@ -343,6 +343,18 @@ def test_raising_hanging_and_garbage_environments_are_skipped_counted_and_named(
     said = [line for line in proc.stderr.splitlines() if "an episode ended untrained" in line]
     assert len(said) == 3 and len(set(said)) == 3 and "more environment errors" in proc.stderr  # each once, 3 shown
     assert all(r["end"] != "error" for r in by_row["toy-0-2"])
+
+
+def test_a_step_where_most_episodes_failed_stops_the_run_naming_the_environment_before_training(tmp_path):
+    """Over --env.max-error-frac (default 0.5) of the step's episodes failed in their environment: the run stops
+    once, naming the count, the environment, a row, the error and the fix, and trains nothing."""
+    proc = faulty_job(tmp_path, "skip", max_error_frac="0.5")
+    assert proc.returncode != 0
+    said = proc.stderr.count("failed in their environment, more than --env.max-error-frac 0.5")
+    assert said == 1, proc.stderr[-4000:]
+    assert "faulty.py:make_env: episode" in proc.stderr and "--resume auto" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own; none from a rank
+    assert not (tmp_path / "run" / "hf").exists()
 
 
 def test_an_environment_error_stops_the_run_with_on_error_fail_said_once(tmp_path):

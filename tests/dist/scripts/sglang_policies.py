@@ -21,10 +21,10 @@ _build_engine = rollpacker.job.build_engine
 _engines: dict[str, object] = {}
 
 
-def shared_engine(config, model_path, device, dtype, tp_mesh=None):
+def shared_engine(config, model_path, device, dtype, tp_mesh=None, plan_bytes=0.0):
     """This rank's one engine, built by the job's first call."""
     if "engine" not in _engines:
-        _engines["engine"] = _build_engine(config, model_path, device, dtype, tp_mesh)
+        _engines["engine"] = _build_engine(config, model_path, device, dtype, tp_mesh, plan_bytes)
     return _engines["engine"]
 
 

@@ -162,3 +162,20 @@ def test_a_response_through_the_one_request_path_trains_bitwise_as_a_plain_singl
     through_stats, through_after = step(toy_random_dir, through)
     assert stats == through_stats and stats["train/loss"] != 0.0
     assert all(torch.equal(after[k], through_after[k]) for k in after)
+
+
+@pytest.mark.parametrize("case", ["no_token", "all_masked", "empty"])
+def test_a_step_with_nothing_to_train_changes_no_weight_and_does_not_crash(toy_random_dir, case):
+    """Every episode's environment failed: at its reset (no token at all), or later (every token masked
+    out), or every group was left out. The step takes no update and raises nothing (a micro-batch of no
+    response token indexed with a float tensor raised IndexError on every rank)."""
+    from rollpacker.train.trainer import Sample
+
+    t = trainer(toy_random_dir)
+    samples = {"no_token": [Sample([1, 2], [], 0.0, [], failed=True, loss_mask=[]) for _ in range(2)],
+               "all_masked": [Sample([1, 2], [3], 0.0, [0.0], failed=True, loss_mask=[False]) for _ in range(2)],
+               "empty": []}[case]
+    before = weights(t)
+    stats = t.step(samples, 1)
+    assert stats["train/loss"] == 0.0 and stats["train/grad_norm"] == 0.0
+    assert all(torch.equal(before[k], v) for k, v in weights(t).items())
