@@ -252,18 +252,19 @@ class Controller:
                 **result.hook_metrics,
                 **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 
-    def check_environments(self, result: RoundResult) -> None:
+    def check_environments(self, result: RoundResult, where: str = "") -> None:
         """Stop the run (an :class:`~rollpacker.env.contract.EnvError`, said once) when more than
         ``env.max_error_frac`` of the round's episodes failed in their environment: a broken environment
-        would train on nothing, step after step."""
+        would train on nothing, step after step. ``where``: the round, for the message (default: this step)."""
         from rollpacker.env.contract import EnvError
 
         failed, frac = len(result.env_errors), self.config.env.max_error_frac
         if failed and frac < 1 and failed > frac * result.num_launched:
-            raise EnvError(f"{failed} of {result.num_launched} episodes at step {self.rewards.state.global_step} "
-                           f"failed in their environment, more than --env.max-error-frac {frac:g}; the first: "
-                           f"{result.env_errors[0]}. Stopped before training on them: fix the environment, then "
-                           "run again with --resume auto (--env.max-error-frac 1 trains on without them)")
+            where = where or f"at step {self.rewards.state.global_step}"
+            raise EnvError(f"{failed} of {result.num_launched} episodes {where} failed in their environment, more "
+                           f"than --env.max-error-frac {frac:g}; the first: {result.env_errors[0]}. Stopped before "
+                           "using them: fix the environment, then run again with --resume auto "
+                           "(--env.max-error-frac 1 goes on without them)")
 
     def write_samples(self, step: int, result: RoundResult, rows: list[dict] | None = None, name: str = "") -> None:
         """Every response of ``result`` to ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when

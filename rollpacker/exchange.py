@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from rollpacker.env.info import info_metrics
+from rollpacker.env.info import info_metrics, selection_metrics
 from rollpacker.env.setup import Environments
 from rollpacker.metrics import bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
@@ -81,7 +81,8 @@ class RoundResult:
     kind: str
     groups: list[Group]
     num_launched: int
-    num_aborted: int
+    cut: list[Any]
+    """Every response the round cut (aborted), finished or carried by none of its groups."""
     generated_tokens: int
     """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus); a response
     resumed from an earlier round (``RoundPlan.carried``) counts only its new tokens."""
@@ -110,6 +111,10 @@ class RoundResult:
     """Sessions still holding KV after the round's last command (every episode ended: 0)."""
     env_errors: list[str] = field(default_factory=list)
     """What each environment error of the round said (its episode trained nothing), in order."""
+
+    @property
+    def num_aborted(self) -> int:
+        return len(self.cut)
 
     @property
     def reward_exposed_s(self) -> float:
@@ -159,6 +164,7 @@ class RoundResult:
             "rollout/model_tokens": model,
             "rollout/env_tokens": sum(lengths) - model,
             **info_metrics([o for o, _ in trained], "env/"),  # env/info/KEY[_frac]: what the environments counted
+            **selection_metrics(self.groups, self.cut),  # sched/kept/K beside sched/cut/K
         }
 
 
@@ -378,7 +384,7 @@ class ExchangeRound:
         self.leader.envs.send(outcome.env, self.leader.rows, self.leader.env_tag)
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
-                           num_aborted=len(outcome.aborted), generated_tokens=outcome.generated_tokens,
+                           cut=outcome.aborted, generated_tokens=outcome.generated_tokens,
                            running_trace=self.trace, start=self.start, last_finish=outcome.last_finish,
                            end=time.time(), num_preemptions=sum(r.num_preemptions for r in counters),
                            hook_metrics=outcome.hook_metrics,

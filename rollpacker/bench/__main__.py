@@ -20,6 +20,7 @@ BENCHES = {
     "memory": "rollpacker.bench.memory",
     "sessions": "rollpacker.bench.sessions",
     "episodes": "rollpacker.bench.episodes",
+    "parity": "rollpacker.bench.parity",
 }
 """Subcommand -> module with a ``main(argv)``."""
 

@@ -95,6 +95,8 @@ class Response(Output):
     info: dict[str, float] = field(default_factory=dict)
     """The numbers of the environment's step infos, summed per key over the episode (:attr:`Episode.info`)."""
     num_turns: int = 0
+    env_seconds: float = 0.0
+    """Seconds its environment's calls (reset, steps) took in their worker."""
     reason: str = ""
     """Why it ended (:data:`REASONS`); ``detail`` says more for an error."""
     detail: str = ""
@@ -195,6 +197,8 @@ class Episode:
         that take ``environments`` (:class:`~rollpacker.env.trl.EnvState`); None when none was sent."""
         self.num_turns = 0
         self.num_model_tokens = 0
+        self.env_seconds = 0.0
+        """Seconds its environment's calls took in their worker (set by the runner from the replies)."""
         self.done: Done | None = None
         self._turn: list[int] = []  # the last turn's tokens if it stopped; [] if cut (it stopped on no token)
         self._waiting = "turn"  # what the episode waits for: "turn", "step", or "" when done
@@ -264,7 +268,13 @@ class Episode:
 
     def abort(self, partial: Output | None = None) -> Done:
         """The policy ended the episode (its group is complete, or the round is over). ``partial``: its
-        running turn as the engine cut it; its tokens are kept (a later round may resume them)."""
+        running turn as the engine cut it; its tokens are kept (a later round may resume them). A whole
+        turn of an episode without environment (its engine finished it, or it fills its budget, before
+        the abort reached it) is the episode's end: nothing would be left to resume."""
+        if partial is not None and self.done is None and self.bridge is None and (
+                partial.finish_reason != "abort" or len(partial.token_ids) >= self._budget()):
+            return self.on_turn(partial.token_ids, partial.logprobs,
+                                "length" if partial.finish_reason == "abort" else partial.finish_reason)
         if partial is not None and self.done is None:
             self._append(partial.token_ids, partial.logprobs, model=True)
             self.num_model_tokens += len(partial.token_ids)
@@ -276,6 +286,7 @@ class Episode:
         return Response(id=self.id, prompt_ids=list(self.prompt_ids), token_ids=list(self.response_ids),
                         logprobs=list(self.logprobs), finish_reason=done.finish_reason, loss_mask=list(self.loss_mask),
                         step_rewards=dict(self.step_rewards), info=dict(self.info), num_turns=self.num_turns,
+                        env_seconds=self.env_seconds,
                         reason=done.reason, detail=done.detail, prompt=self.prompt, env_state=self.env_state,
                         messages=None if self.messages is None else list(self.messages))
 

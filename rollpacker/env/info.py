@@ -31,3 +31,24 @@ def info_metrics(outputs: Sequence[Any], prefix: str, sources: Sequence[str | No
             out[f"{where}info/{key}"] = sum(values) / len(values)
             out[f"{where}info/{key}_frac"] = sum(v > 0 for v in values) / len(values)
     return out
+
+
+def selection_metrics(groups: Sequence[Any], cut: Sequence[Any]) -> dict[str, float]:
+    """What keep-first keeps, per step: over the trained groups some of whose episodes were cut, the
+    kept episodes' and the cut ones' means of turns, model tokens, tool calls and environment seconds
+    (``sched/kept/K``, ``sched/cut/K``; a cut episode counts up to its cut), and how many were cut
+    (``sched/cut_episodes``). ``groups``: the step's; ``cut``: the round's cut responses."""
+    def group(o) -> str:
+        return o.id.rpartition(":")[0]  # STEP:SLOT of response id STEP:SLOT:K
+
+    trained = {group(o) for g in groups for o in g.outputs}
+    cut = [o for o in cut if group(o) in trained]
+    of_cut = {group(o) for o in cut}
+    kept = [o for g in groups for o in g.outputs if group(o) in of_cut]
+    out = {"sched/cut_episodes": float(len(cut))}
+    for name, episodes in (("kept", kept), ("cut", cut)) if cut else ():
+        for key, value in (("turns", lambda o: o.num_turns), ("model_tokens", lambda o: o.num_model_tokens),
+                           ("tool_calls", lambda o: o.info.get("tool_calls", 0.0)),
+                           ("env_seconds", lambda o: o.env_seconds)):
+            out[f"sched/{name}/{key}"] = sum(map(value, episodes)) / len(episodes)
+    return out

@@ -62,6 +62,15 @@ class EnvSpec:
         """The environment, for messages."""
         return self.label or self.factory or f"tools {', '.join(self.tools)}"
 
+    def warm(self) -> None:
+        """Import our modules :meth:`build` uses (and transformers, for the tools' schemas) before the worker
+        says ready, so its first call does not pay for them against ``env.timeout``: 32 workers starting
+        together on 2 cores took over 30 s. The user's module stays in that call, where a hang is caught."""
+        from rollpacker.env import tools, trl  # noqa: F401
+
+        if self.tools:
+            from transformers.utils import get_json_schema  # noqa: F401
+
     def build(self, row: dict):
         """A fresh environment for ``row``: the factory's, wrapped in the tools if any; a TRL environment's
         episode (:mod:`rollpacker.env.trl`) when the factory has TRL's shape."""
@@ -104,6 +113,7 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
     until told None."""
     ignore_stops(parent)
     envs: dict[Hashable, Any] = {}
+    spec.warm()
     try:
         conn.send(None)
         while (task := conn.recv()) is not None:

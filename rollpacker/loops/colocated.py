@@ -109,6 +109,7 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     if not ctl:
         return {}
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
+    ctl.check_environments(result, f"of the evaluation before step {step}")
     ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
     sources = [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups]
     outputs = [(o, source) for g, source in zip(result.groups, sources) for o in g.outputs]

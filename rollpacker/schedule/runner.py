@@ -76,6 +76,8 @@ class EpisodeRunner:
         """Episodes with a session that ended since :meth:`take_ended`: their engine sessions can go."""
         self.early: list[Response] = []
         """Episodes that ended as they opened (:meth:`on_env` returns them)."""
+        self.env_seconds: dict[str, float] = {}
+        """Episode -> seconds its environment's calls took so far."""
         self.stats = EpisodeStats()
         self._last_now: float | None = None
 
@@ -110,6 +112,7 @@ class EpisodeRunner:
                 continue  # a close, or the reply of an episode aborted meanwhile (or of an earlier round)
             self.waiting.discard(reply.key)
             self.stats.step_seconds.append(reply.seconds)
+            self.env_seconds[reply.key] = self.env_seconds.get(reply.key, 0.0) + reply.seconds
             if reply.error:
                 done += self._failed(reply.key, reply.error)
             elif reply.kind == "open":
@@ -215,6 +218,7 @@ class EpisodeRunner:
     def _end(self, key: str, done: Done) -> Response:
         """Episode ``key`` ended (``done``): its environment is closed, its session can go; its output."""
         episode = self.live.pop(key)
+        episode.env_seconds = self.env_seconds.pop(key, 0.0)
         self.rows.pop(key)
         self.waiting.discard(key)
         self.resume.pop(key, None)

@@ -103,6 +103,9 @@ def test_episodes_train_under_tail_with_every_turn_stepped_and_every_environment
     run_dir, log = env_run
     check_run(run_dir, log)
     assert any(r["sched/aborted_responses"] for r in records(run_dir))  # tail's over-provisioned episodes were cut
+    selected = [r for r in records(run_dir) if r["sched/cut_episodes"]]  # ... beside the kept of their groups
+    assert selected and all(r["sched/kept/turns"] >= 1 and r["sched/cut/env_seconds"] >= 0 for r in selected)
+    assert all(r["sched/kept/env_seconds"] > 0 for r in selected)  # every kept episode reset its environment
     # each later turn extended its episode's session: the engines prefilled its earlier turns from resident KV
     assert sum(r.get("rollout/reused_prefill_tokens", 0) for r in records(run_dir)) > 0
     assert all(r["rollout/resident_sessions"] == 0 for r in records(run_dir))  # every session ended with its round

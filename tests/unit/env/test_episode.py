@@ -166,6 +166,18 @@ def test_a_response_without_environment_is_the_one_turn_episode_named_and_seeded
     assert cut.on_turn(turn("abc"), [-1.0] * 3, "length").finish_reason == "length"
     aborted = Episode("3:1:4", [2, 3, 4], None, seed=7, max_turns=1, max_tokens=10, max_new_tokens=10,
                       max_context=100)
-    aborted.abort(SimpleNamespace(token_ids=turn("a"), logprobs=[-0.5]))
+    aborted.abort(SimpleNamespace(token_ids=turn("a"), logprobs=[-0.5], finish_reason="abort"))
     partial = aborted.output()
     assert (partial.token_ids, partial.loss_mask, partial.finish_reason) == (turn("a"), [True], "abort")
+
+
+@pytest.mark.parametrize(("tokens", "reason", "done"), [
+    ("abc", "abort", Done("length")), ("ab", "stop", Done("answer")), ("abc", "length", Done("length"))])
+def test_an_abort_that_reaches_a_whole_turn_without_environment_ends_the_episode_leaving_nothing_to_resume(
+        tokens, reason, done):
+    """An engine's abort that came back with the turn's whole budget (SGLang's, at the budget's last token)
+    or a finished turn: the one-turn episode is done, not a partial a later round would resume with no token
+    left to generate."""
+    e = Episode("3:1:2", [2, 3, 4], None, seed=7, max_turns=1, max_tokens=3, max_new_tokens=3, max_context=100)
+    assert e.abort(SimpleNamespace(token_ids=turn(tokens), logprobs=[-1.0] * len(tokens), finish_reason=reason)) == done
+    assert e.output().finish_reason == done.finish_reason and e.output().token_ids == turn(tokens)

@@ -8,7 +8,8 @@ import json
 from rollpacker import report
 from rollpacker.env.contract import StepResult
 from rollpacker.env.episode import Episode, Response
-from rollpacker.env.info import TOOL_INFO, info_metrics
+from rollpacker.env.info import TOOL_INFO, info_metrics, selection_metrics
+from rollpacker.schedule.base import Group
 from tests.unit.env.test_episode import Letters, turn
 
 
@@ -45,3 +46,22 @@ def test_report_plots_what_the_environments_counted(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0
     assert (tmp_path / "plots" / "env_info.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(tmp_path / "plots" / "env_info.png") in capsys.readouterr().out.split()
+
+
+def test_selection_metrics_set_the_kept_episodes_beside_the_cut_ones_of_the_same_groups():
+    """Group 4:0 kept two quick episodes and cut a slow one; group 4:1 cut none (left out of the kept side);
+    a cut episode of a group not trained (deferred whole) is left out of both."""
+    def ep(rid, turns, tools, seconds, tokens):
+        return Response(id=rid, prompt_ids=[1], token_ids=[5] * tokens, loss_mask=[True] * tokens, num_turns=turns,
+                        info={"tool_calls": tools}, env_seconds=seconds)
+
+    groups = [Group(0, [ep("4:0:0", 1, 0.0, 0.5, 10), ep("4:0:2", 1, 0.0, 1.5, 20)], [1.0, 0.0]),
+              Group(1, [ep("4:1:0", 3, 2.0, 9.0, 90)], [1.0])]
+    cut = [ep("4:0:1", 2, 1.0, 6.0, 40), ep("4:2:0", 5, 4.0, 20.0, 99)]
+    assert selection_metrics(groups, cut) == {
+        "sched/cut_episodes": 1.0,
+        "sched/kept/turns": 1.0, "sched/kept/model_tokens": 15.0, "sched/kept/tool_calls": 0.0,
+        "sched/kept/env_seconds": 1.0,
+        "sched/cut/turns": 2.0, "sched/cut/model_tokens": 40.0, "sched/cut/tool_calls": 1.0,
+        "sched/cut/env_seconds": 6.0}
+    assert selection_metrics(groups, cut[1:]) == {"sched/cut_episodes": 0.0}
