@@ -142,17 +142,25 @@ def stop_decoder(config: Config, model_dir: Path):
     return text_decoder(model_dir) if config.rollout.stop else None
 
 
-def build(config: Config) -> Job:
-    """Every rank's parts (collective)."""
+def join(config: Config) -> tuple[Path, str]:
+    """Join the job's process group as ``config`` asks (``dist.device``, gloo beside NCCL for offload, the
+    engine's NCCL settings), its engine kind resolved for its model; the model's directory and its
+    implementation (:func:`~rollpacker.model.hf_decoder.resolve_impl`)."""
     path = config.model.directory()
     impl = resolve_impl(config.model.impl, path)
     if impl == "hf":
         check_hf(config)
-    if config.train.teacher.path:
-        check_teacher(path, config.train.teacher.path)
     device_type, _ = backend(config.dist.device)
     config.engine.kind = model_engine(impl, config.engine.kind, device_type, config.plan.enabled)
     init_distributed(config.dist.device, cpu_collectives=config.train.offload, nccl_env=engine_nccl_env(config))
+    return path, impl
+
+
+def build(config: Config) -> Job:
+    """Every rank's parts (collective)."""
+    path, impl = join(config)
+    if config.train.teacher.path:
+        check_teacher(path, config.train.teacher.path)
     world = torch.distributed.get_world_size()
     config.check_world(world)
     streaming = config.stream.enabled or config.pipe

@@ -23,10 +23,11 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from rollpacker.dist import build_meshes
+    from rollpacker.job import join
     from rollpacker.model import engine_dtype
 
+    model_dir, _ = join(config)  # the job's device, groups and NCCL settings: what the profile is of
     meshes = build_meshes(1, 0)
-    model_dir = config.model.directory()
     key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
     rank = meshes.rank  # a profiled vLLM engine's shutdown destroys the process group
     profile = measure(config, meshes, model_dir, engine_dtype(config.model.dtype, meshes.device), key)

@@ -262,7 +262,14 @@ class VLLMEngine:
             self.engine.collective_rpc(_repack_tied_head)
         if self.moe and self.on_cpu:
             self.engine.collective_rpc(_repack_moe)
-        self.engine.reset_prefix_cache()
+        self.reset_prefix_cache("a weight push")
+
+    def reset_prefix_cache(self, after: str) -> None:
+        """Drop every cached prefix (its KV was computed by the weights before ``after``); vLLM says False when
+        it could not (requests still running), which would serve stale KV to the next round: a RuntimeError."""
+        if not self.engine.reset_prefix_cache():
+            raise RuntimeError(f"vLLM did not reset its prefix cache after {after} ({len(self.live)} requests in "
+                               "flight): the next round would reuse KV of the old weights. Finish or abort them first")
 
     def end_session(self, session: str) -> None:
         """Nothing to free: an episode's turns share KV through vLLM's prefix cache, which evicts by itself."""
@@ -272,6 +279,7 @@ class VLLMEngine:
             raise RuntimeError(f"release_memory with {len(self.live)} requests in flight: finish or abort them first")
         if not self.on_cpu and not self.released:
             self.engine.sleep(level=1)  # weights offloaded to host memory, KV discarded
+            self.reset_prefix_cache("a release")  # LLMEngine.sleep, unlike LLM.sleep, keeps the prefix cache's index
         self.released, self.weights_awake = True, False
 
     def resume_memory(self) -> None:

@@ -391,9 +391,8 @@ class TorchEngine(Speculation):
         prefixed = []
         for s, n, start in zip(seqs, new, starts):
             if s.cached:
-                context = torch.arange(len(s.tokens))
-                mask = context[None, :] <= torch.arange(s.cached, len(s.tokens))[:, None]
-                prefixed.append(Prefixed(start, start + n, pool_slots([s], context[None], bs)[0].to(dev), mask.to(dev)))
+                context = torch.arange(len(s.tokens))[None]
+                prefixed.append(Prefixed(start, start + n, pool_slots([s], context, bs)[0].to(dev)))
         valid = offsets < torch.tensor(new)[:, None]
         return PrefillAttention(self.cache, slots[valid].to(dev), buckets, prefixed)
 

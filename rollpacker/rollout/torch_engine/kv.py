@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from rollpacker.model.attention import Bucket, causal_packed_attention
 from rollpacker.rollout.torch_engine.sampling import Sampling
@@ -30,9 +31,7 @@ class Prefixed:
     stop: int
     """Its new tokens' range in the prefill's flat tokens."""
     slots: torch.Tensor
-    """Pool slots of its whole context [context]."""
-    mask: torch.Tensor
-    """Which context tokens each new token attends to [new, context] (causal)."""
+    """Pool slots of its whole context [context]; its new tokens are the last ones."""
 
 
 class PrefillAttention:
@@ -47,11 +46,13 @@ class PrefillAttention:
     def __call__(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         self.cache[layer].index_copy_(0, self.slots, kv)
         out = causal_packed_attention(q, kv[:, 0], kv[:, 1], self.buckets)
-        for p in self.prefixed:
+        for p in self.prefixed:  # 4-D, K/V at every head, lower-right causal: a fused kernel on CUDA (flash)
             context = self.cache[layer].index_select(0, p.slots).permute(1, 2, 0, 3)  # [2, kv, context, d]
-            qp = q[p.start:p.stop].transpose(0, 1)  # [heads, new, d]
-            o = F.scaled_dot_product_attention(qp, context[0], context[1], attn_mask=p.mask, enable_gqa=True)
-            out[p.start:p.stop] = o.transpose(0, 1)
+            context = context.repeat_interleave(q.shape[1] // context.shape[1], dim=1)  # [2, heads, context, d]
+            qp = q[p.start:p.stop].transpose(0, 1)[None]  # [1, heads, new, d]
+            causal = causal_lower_right(p.stop - p.start, p.slots.numel())  # the new tokens end the context
+            o = F.scaled_dot_product_attention(qp, context[0][None], context[1][None], attn_mask=causal)
+            out[p.start:p.stop] = o[0].transpose(0, 1)
         return out.flatten(1)
 
 

@@ -444,7 +444,7 @@ def test_pytorchs_cuda_cache_is_emptied_before_vllm_takes_memory_back(monkeypatc
     assert contract.free_cached_memory() and calls == ["empty_cache"]
     calls.clear()
     vllm = SimpleNamespace(wake_up=lambda tags=None: calls.append(f"wake_up {tags}"), sleep=lambda level: None,
-                           reset_prefix_cache=lambda: calls.append("reset_prefix_cache"),
+                           reset_prefix_cache=lambda: calls.append("reset_prefix_cache") or True,
                            collective_rpc=lambda method, kwargs: calls.append(
                                f"{method} {sorted({t.dtype for _, t in kwargs['weights_iterator']})}"))
     engine = object.__new__(VLLMEngine)
@@ -453,7 +453,10 @@ def test_pytorchs_cuda_cache_is_emptied_before_vllm_takes_memory_back(monkeypatc
     engine.release_memory()
     engine.update_weights([("layers.0.mlp.up_proj.weight", torch.ones(2))])  # an fp32 master
     engine.resume_memory()
-    assert calls == ["empty_cache", "wake_up ['weights']", "reload_weights [torch.bfloat16]", "reset_prefix_cache",
-                     "empty_cache", "wake_up ['kv_cache']"]
+    assert calls == ["reset_prefix_cache", "empty_cache", "wake_up ['weights']", "reload_weights [torch.bfloat16]",
+                     "reset_prefix_cache", "empty_cache", "wake_up ['kv_cache']"]
+    vllm.reset_prefix_cache = lambda: False  # vLLM could not: the next round would reuse the old weights' KV
+    with pytest.raises(RuntimeError, match="did not reset its prefix cache after a weight push"):
+        engine.update_weights([("layers.0.mlp.up_proj.weight", torch.ones(2))])
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert not contract.free_cached_memory()  # CPU: nothing to empty
