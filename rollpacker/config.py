@@ -145,6 +145,7 @@ class Config:
             self._check_streaming(streaming)
         if self.env.enabled:
             self._check_episodes()
+        self.schedule.settle(episodes=self.env.enabled)
         if self.train.mini_batches > self.rollout.num_prompts:
             raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
                              f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")

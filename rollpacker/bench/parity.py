@@ -1,10 +1,10 @@
 """``python -m rollpacker.bench parity``: does tail batching's keep-the-first-episodes rule bias what an agent learns?
 
 It trains ``--preset toy-tools`` (a tool call costs a turn, about 85 tokens, and the calculator's
-latency, ``--latency``) under each of ``--policies``: ``sync``; ``tail``, the paper's policy with
-its defaults (η_P prompts and η_R episodes per prompt over-provisioned, the first R0 of a group
-kept); ``tail_whole``, tail with ``--schedule.eta-responses 1`` (whole prompts deferred, no choice
-inside a group). Same seeds and steps. Per policy, the mean over seeds of the held-out gain, the
+latency, ``--latency``) under each of ``--policies``: ``sync``; ``tail``, its default for episodes
+(η_P prompts over-provisioned, deferred whole; η_R 1: no choice inside a group); ``tail_keep_first``,
+the paper's rule (``--schedule.eta-responses 1.25``: the first R0 of a group's episodes kept). Same
+seeds and steps. Per policy, the mean over seeds of the held-out gain, the
 final tool-call rate (held out, greedy) and what keep-first kept beside what it cut in the same
 groups (turns, model tokens, tool calls, environment seconds). The last line is JSON:
 ``eval_gain_<policy>``, ``tool_rate_<policy>``, the kept and cut figures, and the bar's gaps.
@@ -38,7 +38,7 @@ from rollpacker.sim.episodes import latency_sampler
 PROG = "python -m rollpacker.bench parity"
 
 POLICIES = {"sync": ["schedule:sync"], "tail": ["schedule:tail"],
-            "tail_whole": ["schedule:tail", "--schedule.eta-responses", "1"]}
+            "tail_keep_first": ["schedule:tail", "--schedule.eta-responses", "1.25"]}
 """Name -> its ``rollpacker.run`` flags."""
 
 SELECTION = ("turns", "model_tokens", "tool_calls", "env_seconds")
@@ -111,14 +111,16 @@ def run(args: Args, tools_file: Path, policy: str, seed: int, run_dir: Path, run
 
 
 def summarize(records: list[dict], wall: float) -> dict[str, float]:
-    """Held-out gain and final tool-call rate (greedy), the sampled tool-call rate over the last quarter
-    of steps, and the kept and cut episodes' means over the steps that cut any."""
+    """Held-out gain, its mean over the evaluations after the first (how fast it learns) and the final
+    tool-call rate (greedy), the sampled tool-call rate over the last quarter of steps, and the kept and
+    cut episodes' means over the steps that cut any."""
     evals = [r for r in records if "eval/accuracy" in r]
     steps = [r for r in records if "reward/mean" in r]
     last = steps[-max(1, len(steps) // 4):]
     cutting = [r for r in steps if r.get("sched/cut_episodes")]
     out = {"eval_before": evals[0]["eval/accuracy"], "eval_after": evals[-1]["eval/accuracy"],
            "eval_gain": evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"],
+           "eval_mean": statistics.mean(r["eval/accuracy"] for r in evals[1:] or evals),
            "tool_rate": evals[-1].get("eval/info/tool_calls_frac", 0.0),
            "tool_rate_hard": evals[-1].get("eval/hard/info/tool_calls_frac", 0.0),
            "train_tool_rate": statistics.mean(r.get("env/info/tool_calls_frac", 0.0) for r in last),
@@ -138,6 +140,7 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
           f"mean over seeds {args.seeds}:")
     print(f"{'':<28}" + "".join(f"{p:>12}" for p in policies))
     rows = [("held-out before", "eval_before"), ("held-out after", "eval_after"), ("held-out gain", "eval_gain"),
+            ("held-out, mean of evals", "eval_mean"),
             ("tool-call rate, held out", "tool_rate"), ("  on hard problems", "tool_rate_hard"),
             ("sampled, last quarter", "train_tool_rate"), ("episodes cut", "cut_episodes"),
             *((f"{side} {key.replace('_', ' ')}", f"{side}_{key}") for key in SELECTION for side in ("kept", "cut")),
@@ -147,7 +150,8 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
     for p in policies:
         print(f"  {p} held-out gain per seed: " + " / ".join(f"{r['eval_gain']:+.3f}" for r in results[p]))
     base = policies[0]
-    summary = {f"{key}_{p}": round(mean[p][key], 4) for key in ("eval_gain", "tool_rate") for p in policies}
+    summary = {f"{key}_{p}": round(mean[p][key], 4) for key in ("eval_gain", "eval_mean", "tool_rate")
+               for p in policies}
     summary |= {f"{side}_{key}_{p}": round(mean[p][f"{side}_{key}"], 4)
                 for p in policies[1:] for side in ("kept", "cut") for key in SELECTION}
     for p in policies[1:]:

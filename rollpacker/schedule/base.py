@@ -147,6 +147,10 @@ class PolicyConfig:
         """The ranks (the simulator: GPUs) of ``world`` that roll out: all, unless it has pools."""
         return world
 
+    def settle(self, episodes: bool) -> None:
+        """Settle the defaults that depend on whether responses are episodes with an environment (the
+        config calls it once, the simulator before it builds the policy)."""
+
 
 def refuse_with_pools(policy: PolicyConfig, *, stream: tuple[str, bool], planner: tuple[str, bool]) -> None:
     """A policy with pools of its own rolls out apart from training, in its own loop: stream training

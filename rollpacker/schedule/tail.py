@@ -34,6 +34,9 @@ from rollpacker.schedule.base import (
 )
 from rollpacker.schedule.ledger import Key, Ledger
 
+PAPER_ETA_RESPONSES = 1.25
+"""η_R of single-turn responses (RollPacker's default)."""
+
 
 @dataclass(kw_only=True)
 class TailConfig(PolicyConfig):
@@ -42,21 +45,28 @@ class TailConfig(PolicyConfig):
     name: ClassVar[str] = "tail"
     eta_prompts: float = 1.25
     """η_P: short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation)."""
-    eta_responses: float = 1.25
-    """η_R: short rounds launch ⌈η_R·R0⌉ responses per prompt (1 = no response speculation)."""
+    eta_responses: float | None = None
+    """η_R: short rounds launch ⌈η_R·R0⌉ responses per prompt, keep the first R0 (1 = no response speculation).
+    None: 1.25 (the paper's), but 1 for episodes: keeping a group's first episodes teaches an agent to avoid
+    its slow actions (docs/policies.md, bench parity)."""
     pipe: bool = False
     """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
 
     def __post_init__(self) -> None:
-        if self.eta_prompts < 1 or self.eta_responses < 1:
+        if self.eta_prompts < 1 or (self.eta_responses is not None and self.eta_responses < 1):
             raise ValueError(f"schedule.eta_prompts={self.eta_prompts} and schedule.eta_responses="
                              f"{self.eta_responses} must be >= 1")
+
+    def settle(self, episodes: bool) -> None:
+        if self.eta_responses is None:
+            self.eta_responses = 1.0 if episodes else PAPER_ETA_RESPONSES
 
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> TailPolicy:
         """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
+        eta_responses = PAPER_ETA_RESPONSES if self.eta_responses is None else self.eta_responses
         return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts,
-                          eta_responses=self.eta_responses, filter_zero_variance=self.filter_zero_variance,
+                          eta_responses=eta_responses, filter_zero_variance=self.filter_zero_variance,
                           num_epochs=num_epochs, last_step=last_step)
 
 

@@ -26,3 +26,15 @@ def test_episodes_bench_smoke(tmp_path):
     assert "tokens changed by speculation (auto vs off, sync, 8 episodes): 0" in proc.stdout  # 2 steps x 2 x 2
     reused = next(line for line in proc.stdout.splitlines() if line.startswith("prefill tokens reused"))
     assert all(int(n) > 0 for n in reused.split()[3:])  # resident sessions served later turns under both
+
+
+@pytest.mark.slow  # a benchmark's plumbing; its parts: tests/unit/env/test_parity.py
+def test_parity_bench_smoke(tmp_path):
+    cmd = [sys.executable, "-m", "rollpacker.bench", "parity", "--policies", "sync,tail", "--seeds", "0",
+           "--steps", "2", "--eval-every", "2", "--latency", "lognormal:0.02:1.0", "--env-workers", "2",
+           "--", "--data.num-eval-prompts", "16", "--rollout.num-prompts", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=job_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert {"eval_gain_sync", "eval_gain_tail", "tool_rate_sync", "tool_rate_tail", "parity_tail"} <= set(summary)
+    assert summary["cut_turns_tail"] >= 0 and "bar: tail's gain" in proc.stdout

@@ -170,6 +170,17 @@ def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
         TailConfig(eta_prompts=0.8)
 
 
+def test_episodes_default_to_no_choice_inside_a_group_and_the_papers_rule_stays_a_flag():
+    """Keeping a group's first episodes biases an agent against its slow actions (bench parity): with an
+    environment, tail's η_R defaults to 1 (prompts still over-provisioned and deferred whole)."""
+    from rollpacker.config import parse
+
+    tools = ["--env.tools", "rollpacker.toy.tools:calculator"]
+    assert parse(["schedule:tail", *tools]).schedule.eta_responses == 1.0
+    assert parse(["schedule:tail", *tools, "--schedule.eta-responses", "1.25"]).schedule.eta_responses == 1.25
+    assert parse(["schedule:tail"]).schedule.eta_responses == 1.25
+
+
 def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
     import json
 

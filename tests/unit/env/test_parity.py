@@ -1,0 +1,36 @@
+"""``bench parity``'s parts: the delayed tool keeps the schema the model sees; a run's metrics summarized."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollpacker.bench.parity import Args, delayed, summarize
+from rollpacker.toy.tools import calculator
+
+
+def test_a_delayed_tool_keeps_its_schema_and_result():
+    from transformers.utils import get_json_schema
+
+    slow = delayed(calculator, "lognormal:0.001:1.0")
+    assert get_json_schema(slow) == get_json_schema(calculator) and slow("47*86") == "4042"
+
+
+def test_summarize_reads_the_gain_the_tool_rate_and_what_keep_first_kept():
+    records = [{"step": 0, "eval/accuracy": 0.5, "eval/info/tool_calls_frac": 0.0},
+               {"step": 0, "reward/mean": 0.5, "env/info/tool_calls_frac": 0.1, "sched/cut_episodes": 2.0,
+                **{f"sched/{side}/{k}": v for side, v in (("kept", 1.0), ("cut", 3.0))
+                   for k in ("turns", "model_tokens", "tool_calls", "env_seconds")}},
+               {"step": 1, "reward/mean": 0.9, "env/info/tool_calls_frac": 0.5, "sched/cut_episodes": 0.0},
+               {"step": 2, "eval/accuracy": 0.75, "eval/info/tool_calls_frac": 0.5,
+                "eval/hard/info/tool_calls_frac": 1.0}]
+    s = summarize(records, 12.0)
+    assert (s["eval_gain"], s["eval_mean"], s["tool_rate"], s["tool_rate_hard"]) == (0.25, 0.75, 0.5, 1.0)
+    assert s["train_tool_rate"] == 0.5 and s["cut_episodes"] == 2.0  # the last quarter: step 1
+    assert (s["kept_tool_calls"], s["cut_tool_calls"], s["cut_turns"], s["wall_s"]) == (1.0, 3.0, 3.0, 12.0)
+
+
+def test_bad_arguments_say_what_to_write():
+    with pytest.raises(ValueError, match="unknown"):
+        Args(policies="sync,fast")
+    with pytest.raises(ValueError, match="lognormal:MEAN_SECONDS:SIGMA"):
+        Args(latency="gauss")
