@@ -354,10 +354,9 @@ class ExchangeRound:
         return req
 
     def resume(self, out: Output) -> Request:
-        """A migrated request, resumed on a kept replica by recomputation."""
+        """A migrated request, resumed on a kept replica by recomputation (its priority and drafts kept)."""
         old = self.requests[out.id][0]
-        return self.add(Request(id=old.id, prompt_ids=old.prompt_ids, params=old.params, resume_from=out,
-                                session=old.session))
+        return self.add(dataclasses.replace(old, resume_from=out))
 
     def count(self, reports: list[Report | None]) -> None:
         """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
