@@ -138,7 +138,8 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
     policies = list(mean)
     print(f"\n{args.preset}, {args.nproc} ranks, {args.steps} steps, latency {args.latency}, "
           f"mean over seeds {args.seeds}:")
-    print(f"{'':<28}" + "".join(f"{p:>12}" for p in policies))
+    width = max(12, *(len(p) + 2 for p in policies))
+    print(f"{'':<28}" + "".join(f"{p:>{width}}" for p in policies))
     rows = [("held-out before", "eval_before"), ("held-out after", "eval_after"), ("held-out gain", "eval_gain"),
             ("held-out, mean of evals", "eval_mean"),
             ("tool-call rate, held out", "tool_rate"), ("  on hard problems", "tool_rate_hard"),
@@ -146,7 +147,7 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
             *((f"{side} {key.replace('_', ' ')}", f"{side}_{key}") for key in SELECTION for side in ("kept", "cut")),
             ("wall s", "wall_s")]
     for label, key in rows:
-        print(f"{label:<28}" + "".join(f"{mean[p][key]:>12.3f}" for p in policies))
+        print(f"{label:<28}" + "".join(f"{mean[p][key]:>{width}.3f}" for p in policies))
     for p in policies:
         print(f"  {p} held-out gain per seed: " + " / ".join(f"{r['eval_gain']:+.3f}" for r in results[p]))
     base = policies[0]

@@ -60,7 +60,8 @@ def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
 
 def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     tail = parse(["--seed", "3", "schedule:tail", "--schedule.eta-prompts", "1.5", "--num-steps", "4"])
-    assert (tail.policy, tail.schedule, tail.seed, tail.num_steps) == ("tail", TailConfig(eta_prompts=1.5, eta_responses=1.25), 3, 4)
+    assert (tail.policy, tail.schedule, tail.seed, tail.num_steps) == (
+        "tail", TailConfig(eta_prompts=1.5, eta_responses=1.25), 3, 4)
     assert parse(["schedule:sorted-partial", "--train.rollout-correction", "token_tis"]).policy == "sorted_partial"
     with pytest.raises(SystemExit, match=r"schedule.eta_prompts does not apply to policy sync \(it is a setting "
                                          r"of tail\)"):

@@ -91,7 +91,10 @@ def read_log(log: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def env_run(tmp_path_factory):
-    return run_env_job(tmp_path_factory.mktemp("env_tail"), "--engine.max-num-seqs", "2")  # turns queue: some cut there
+    """Tail with the paper's keep-first rule (episodes default to η_R 1: no choice inside a group), its turns
+    queued (at most 2 running per engine), so episodes are cut at every point of their lives."""
+    return run_env_job(tmp_path_factory.mktemp("env_tail"), "--engine.max-num-seqs", "2",
+                       "--schedule.eta-responses", "1.25")
 
 
 def samples(run_dir: Path) -> list[dict]:
@@ -102,7 +105,7 @@ def samples(run_dir: Path) -> list[dict]:
 def test_episodes_train_under_tail_with_every_turn_stepped_and_every_environment_closed(env_run):
     run_dir, log = env_run
     check_run(run_dir, log)
-    assert any(r["sched/aborted_responses"] for r in records(run_dir))  # tail's over-provisioned episodes were cut
+    assert any(r["sched/aborted_responses"] for r in records(run_dir))  # keep-first's surplus episodes were cut
     selected = [r for r in records(run_dir) if r["sched/cut_episodes"]]  # ... beside the kept of their groups
     assert selected and all(r["sched/kept/turns"] >= 1 and r["sched/cut/env_seconds"] >= 0 for r in selected)
     assert all(r["sched/kept/env_seconds"] > 0 for r in selected)  # every kept episode reset its environment
