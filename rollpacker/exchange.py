@@ -82,7 +82,7 @@ class RoundResult:
     groups: list[Group]
     num_launched: int
     cut: list[Any]
-    """Every response the round cut (aborted), finished or carried by none of its groups."""
+    """The episodes the round cut (aborted), as they were when cut."""
     generated_tokens: int
     """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus); a response
     resumed from an earlier round (``RoundPlan.carried``) counts only its new tokens."""

@@ -4,10 +4,10 @@ It trains ``--preset toy-tools`` (a tool call costs a turn, about 85 tokens, and
 latency, ``--latency``) under each of ``--policies``: ``sync``; ``tail``, its default for episodes
 (η_P prompts over-provisioned, deferred whole; η_R 1: no choice inside a group); ``tail_keep_first``,
 the paper's rule (``--schedule.eta-responses 1.25``: the first R0 of a group's episodes kept). Same
-seeds and steps. Per policy, the mean over seeds of the held-out gain, the
-final tool-call rate (held out, greedy) and what keep-first kept beside what it cut in the same
-groups (turns, model tokens, tool calls, environment seconds). The last line is JSON:
-``eval_gain_<policy>``, ``tool_rate_<policy>``, the kept and cut figures, and the bar's gaps.
+seeds and steps. Per policy, the mean over seeds of the held-out gain, the final tool-call rate
+(held out, greedy) and what keep-first kept beside what it cut in the same groups (turns, model
+tokens, tool calls, environment seconds). The last line is JSON: ``eval_gain_<policy>``,
+``tool_rate_<policy>``, the kept and cut figures, and the bar's gaps.
 
 Invariants:
 

@@ -178,6 +178,7 @@ def test_ranks_exit_when_their_torchrun_is_killed(tmp_path):
                     os.killpg(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # 18 s; a phase's deadline and restore: tests/unit/test_dist.py; stopped ranks named: above
 def test_a_waiting_phase_names_the_stopped_rank_at_its_deadline_before_the_collectives_timeout():
     """Issue 37: on NCCL a collective's timeout aborts the process without a Python exception, so a phase that
     waits long (hand-off, freed ranks, checkpoints) prints the diagnosis itself at its deadline and exits."""

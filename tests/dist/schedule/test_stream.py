@@ -36,6 +36,7 @@ def test_stream_run_trains_what_the_plain_run_trains(tmp_path, sampling):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.slow  # two jobs; the KV projection it rests on: tests/unit/schedule/test_stream.py
 def test_scale_down_is_refused_when_it_would_split_a_shard_group_or_overflow_kv(tmp_path):
     # FSDP over both ranks (train_shard_size 0 = world): freeing rank 1 would split the shard group.
     rows = run(tmp_path / "split", "--stream.enabled", "--stream.criterion", "kv")
