@@ -83,7 +83,7 @@ class TailPolicy(QueuedPolicy):
     name = "tail"
 
     def __init__(self, sampler, num_prompts: int, group_size: int, *, eta_prompts: float = 1.25,
-                 eta_responses: float = 1.25, filter_zero_variance: bool = False, num_epochs: int = 0,
+                 eta_responses: float = PAPER_ETA_RESPONSES, filter_zero_variance: bool = False, num_epochs: int = 0,
                  last_step: int | None = None):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.eta_prompts, self.eta_responses = eta_prompts, eta_responses

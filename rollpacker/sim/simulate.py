@@ -499,6 +499,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
     ``env_workload``: each response an episode of that workload (its environment's reward comes with it:
     no reward stage)."""
     base = cfg.cost()
+    cfg = replace(cfg, schedule=replace(cfg.schedule))  # settled on a copy: the caller's config stays as given
     cfg.schedule.settle(episodes=env_workload is not None)  # the policy as the job builds it
     policy = cfg.build_policy()
     lengths = cfg.workload()
