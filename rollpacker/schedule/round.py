@@ -463,8 +463,8 @@ class Round:
 
     def _returned(self, seen: Seen) -> tuple[Returned, list[Any]]:
         """What ``seen`` brings back: the responses that finished (environment replies and finished
-        turns move their episodes on), and the aborted turns sorted: one migrating resumes (or,
-        finished by its engine before the abort reached it, goes on), any other cuts its episode."""
+        turns move their episodes on), and the aborted turns sorted: one migrating resumes (or, a whole
+        turn before the abort reached it, goes on), any other cuts its episode."""
         runner, back = self.runner, Returned()
         finished = runner.on_env(seen.env, seen.now) + runner.on_turns(seen.finished)
         for out in seen.aborted:
@@ -473,10 +473,11 @@ class Round:
                 back.cut += filter(None, [runner.cut(out)])
                 continue
             back.moved += 1
-            if out.finish_reason == "abort":
+            whole = runner.migrated(out)  # None: it resumes; a whole turn goes on
+            if whole is None:
                 back.resume.append(out)
-            else:  # its engine finished the turn before the abort reached it
-                finished += runner.on_turns([out])
+            else:
+                finished += whole
         return back, finished
 
     def _abort(self, keys: list[str]) -> list[tuple[int, str]]:

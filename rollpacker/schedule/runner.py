@@ -62,6 +62,8 @@ class EpisodeRunner:
         """Episodes started (their environment reset, if any)."""
         self.running: dict[str, str] = {}
         """Turn id -> its episode, for every turn sent to an engine and not back."""
+        self.budgets: dict[str, int] = {}
+        """Turn id -> its token budget (``max_new_tokens``), for every running turn."""
         self.waiting: set[str] = set()
         """Episodes whose environment call (open, step) is in flight."""
         self.resume: dict[str, Any] = {}
@@ -125,13 +127,15 @@ class EpisodeRunner:
 
     def on_turns(self, outputs: list[Any]) -> list[Response]:
         """Turns that finished at the engines -> the episodes that finished."""
-        done = []
-        for out in outputs:
-            key = self.running.pop(out.id, None)
-            if key is None:
-                continue  # its episode was cut meanwhile
-            done += self._next(key, self.live[key].on_turn(out.token_ids, out.logprobs, out.finish_reason))
-        return done
+        return [r for out in outputs for r in self._turn(out, out.finish_reason)]
+
+    def migrated(self, out: Any) -> list[Response] | None:
+        """A migrating turn's output as its abort brought it back. A whole turn (its engine finished it,
+        or it fills the turn's budget: "length") goes on as finished -> the episodes that finished;
+        None: tokens are left to generate, it resumes."""
+        if out.finish_reason != "abort":
+            return self._turn(out, out.finish_reason)
+        return self._turn(out, "length") if len(out.token_ids) >= self.budgets.get(out.id, 1 << 62) else None
 
     def abort(self, keys: list[str]) -> tuple[list[str], list[Response]]:
         """Cut episodes ``keys`` -> (turn ids to abort at the engines, episodes cut at once: those
@@ -149,6 +153,7 @@ class EpisodeRunner:
     def cut(self, out: Any) -> Response | None:
         """The partial output of an aborted turn -> its episode, cut (None: not ours, or ended already)."""
         key = self.running.pop(out.id, None)
+        self.budgets.pop(out.id, None)
         if key is None:
             return None
         return self._end(key, self.live[key].abort(out))
@@ -156,6 +161,7 @@ class EpisodeRunner:
     def close_all(self) -> list[Response]:
         """The round is over: every episode still open is cut."""
         self.running.clear()
+        self.budgets.clear()
         self.turns.clear()
         return [self._end(key, self._episode(key).abort()) for key in sorted(self.rows)]
 
@@ -173,7 +179,7 @@ class EpisodeRunner:
         """The turns to send now; each is running from here on."""
         turns, self.turns = self.turns, []
         for key, turn in turns:
-            self.running[turn.id] = key
+            self.running[turn.id], self.budgets[turn.id] = key, turn.max_new_tokens
             if turn.session:
                 self.sessions.add(key)
         return turns
@@ -195,6 +201,14 @@ class EpisodeRunner:
         turn, resume = episode.next_turn(), self.resume.pop(key, None)
         self.turns.append((key, turn if resume is None else replace(turn, resume_from=resume)))
         return []
+
+    def _turn(self, out: Any, finish_reason: str) -> list[Response]:
+        """Turn ``out`` finished (``finish_reason``) -> the episodes that finished."""
+        key = self.running.pop(out.id, None)
+        self.budgets.pop(out.id, None)
+        if key is None:
+            return []  # its episode was cut meanwhile
+        return self._next(key, self.live[key].on_turn(out.token_ids, out.logprobs, finish_reason))
 
     def _next(self, key: str, what: StepEnv | TurnRequest | Done) -> list[Response]:
         if isinstance(what, StepEnv):

@@ -36,10 +36,13 @@ def out(rid: str, tokens: int, reason: str = "stop"):
                            finish_reason=reason)
 
 
-def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alone():
+@pytest.mark.parametrize("whole", [(5, "length"), (8, "abort")], ids=["finished", "budget-filled"])
+def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alone(whole):
     """4 prompts x 2 responses on 2 replicas, round-robin: replica 1 runs every response 1. A fixed
-    25% trigger scales down once prompt 0 is complete; replica 1's three requests migrate (one of
-    them its engine finished before the abort reached it); every complete group is fed."""
+    25% trigger scales down once prompt 0 is complete; replica 1's three requests migrate (one a
+    whole turn before the abort reached it: its engine finished it, or the abort brings back its
+    whole 8-token budget, which left to resume would leave nothing to generate); every complete
+    group is fed."""
     policy = SyncPolicy(PromptSampler(4), 4, 2)
     state = RoundState(0, policy.start_round(0), policy, num_replicas=2)
     decider = ScaleDownDecider(StreamConfig(trigger=0.25), num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)
@@ -62,8 +65,8 @@ def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alon
     assert (rnd.scaled.at, rnd.scaled.completed_frac, state.active, list(decider.history)) == (10.0, 0.25, 1, [4, 4])
     assert state.migrating == {r for _, r in a.abort} and hooks.fetching
 
-    # Poll 2: the aborted outputs come back; the one finished before the abort counts as finished.
-    partial = [out(rid[1, 1], 1, "abort"), out(rid[2, 1], 2, "abort"), out(rid[3, 1], 5, "length")]
+    # Poll 2: the aborted outputs come back; the whole one counts as finished.
+    partial = [out(rid[1, 1], 1, "abort"), out(rid[2, 1], 2, "abort"), out(rid[3, 1], *whole)]
     a = rnd.poll(Seen(now=11.0, aborted=partial))
     assert [(replica, o.id) for replica, o in a.resume] == [(0, rid[1, 1]), (0, rid[2, 1])]
     assert (a.add, a.abort, a.feed, a.scale_down, a.done) == ([], [], [], False, False)
@@ -83,7 +86,7 @@ def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alon
     outcome = rnd.finish([], now=14.5)
     assert sorted(slot[g.prompt] for g in outcome.groups) == [0, 1, 2, 3] and all(g.streamed for g in outcome.groups)
     assert (outcome.num_launched, outcome.aborted, outcome.num_fed, outcome.last_finish) == (8, [], 4, 14.0)
-    assert outcome.generated_tokens == 4 + 4 + 5 + 3 + 6 + 2 + 7 + 8  # resumed requests count their whole output
+    assert outcome.generated_tokens == 4 + 4 + whole[0] + 3 + 6 + 2 + 7 + 8  # resumed requests count their whole output
     assert outcome.hook_metrics == {"stream/scaled_down": 1.0, "stream/trigger_completed_frac": 0.25,
                                     "time/migration": 2.5, "stream/streamed_groups": 4.0}
     assert decider.migration_seconds_per_token == pytest.approx(2.5 / 7)
