@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from rollpacker.env.info import info_metrics, selection_metrics
 from rollpacker.env.setup import Environments
-from rollpacker.metrics import bubble_ratio, length_stats
+from rollpacker.metrics import Phases, bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
 from rollpacker.schedule.base import Group, Policy, RoundPlan
 from rollpacker.schedule.drafts import DraftMemory
@@ -72,6 +72,10 @@ class Report:
     """Since the round began: resident sessions evicted for memory."""
     resident_sessions: int = 0
     """Sessions holding KV now."""
+    prefill_s: float = 0.0
+    """This poll's seconds in engine steps that prefilled a request (:class:`~rollpacker.metrics.Phases`)."""
+    decode_s: float = 0.0
+    """This poll's seconds in the other engine steps."""
 
 
 @dataclass
@@ -111,6 +115,8 @@ class RoundResult:
     """Sessions still holding KV after the round's last command (every episode ended: 0)."""
     env_errors: list[str] = field(default_factory=list)
     """What each environment error of the round said (its episode trained nothing), in order."""
+    phases: Phases = field(default_factory=Phases)
+    """Where the round's polls spent their seconds."""
 
     @property
     def num_aborted(self) -> int:
@@ -159,6 +165,7 @@ class RoundResult:
             "rollout/session_evictions": self.session_evictions,
             "rollout/resident_sessions": self.resident_sessions,
             **spec_metrics(self.spec),
+            **self.phases.metrics(),
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
             "rollout/model_tokens": model,
@@ -289,6 +296,7 @@ class ExchangeRound:
         self.counters: dict[int, Report] = {}
         """Rank -> its last report (a freed rank's: its last before leaving): the round's counters."""
         self.tail_s = self.tail_cpu_s = 0.0
+        self.phases = Phases()
         self.in_tail = False
         """The last report had at most TAIL_RUNNING requests on every replica: the next poll is in the tail."""
         self.freed_left = False
@@ -360,8 +368,10 @@ class ExchangeRound:
 
     def count(self, reports: list[Report | None]) -> None:
         """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
-        ended to the tail phase if it began there."""
+        ended to the phases, and to the tail phase if it began there."""
         now, cpu = time.time(), sum(r.cpu_s for r in self.counters.values())
+        self.phases.add(now - (self.trace[-1][0] if self.trace else self.start),
+                        [(r.prefill_s, r.decode_s) for r in reports if r])
         self.counters |= {rank: r for rank, r in enumerate(reports) if r}
         if self.in_tail:
             self.tail_s += now - self.trace[-1][0] if self.trace else 0.0
@@ -392,7 +402,7 @@ class ExchangeRound:
                            reused_tokens=sum(r.reused_tokens for r in counters),
                            session_evictions=sum(r.session_evictions for r in counters),
                            resident_sessions=sum(r.resident_sessions for r in reports if r),
-                           env_errors=outcome.env_errors)
+                           env_errors=outcome.env_errors, phases=self.phases)
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
@@ -405,13 +415,19 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
         if replica == mine:
             engine.end_session(session)
     finished: list[Output] = []
+    seconds = [0.0, 0.0]  # (prefill, decode): a step prefilled if it is the poll's first after adds or its counter grew
     if not cmd.final and not (cmd.scale_down and meshes.freed):
+        added = any(replica == mine for replica, _ in cmd.add)
         for _ in range(poll_steps):
             if not engine.has_unfinished():
                 break
+            prefilled, begin = engine.num_prefill_tokens, time.perf_counter()
             finished += engine.step()
+            prefill = added or engine.num_prefill_tokens != prefilled
+            seconds[not prefill] += time.perf_counter() - begin
+            added = False
     stats, start = engine.stats(), base[0]
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
                   stats.num_preemptions - start.num_preemptions, stats.spec.since(start.spec),
                   time.process_time() - base[1], stats.num_reused_prefill_tokens - start.num_reused_prefill_tokens,
-                  stats.num_session_evictions - start.num_session_evictions, stats.num_resident_sessions)
+                  stats.num_session_evictions - start.num_session_evictions, stats.num_resident_sessions, *seconds)

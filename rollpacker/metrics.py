@@ -17,6 +17,7 @@ the same in the JSONL file, wandb, the console and :mod:`rollpacker.report`'s pl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -87,6 +88,31 @@ def bubble_ratio(samples: list[tuple[float, int]], capacity: int, end_time: floa
         idle += (capacity - num_running) * (t_next - t)
     total = end_time - samples[0][0]
     return idle / (capacity * total) if total > 0 else 0.0
+
+
+@dataclass
+class Phases:
+    """Where a round's polls spent their seconds (the job's and the simulator's alike): each poll's
+    wall time is its slowest replica's engine steps (``prefill``: those that prefilled a request;
+    ``decode``: the others) and the rest (``exchange``: the command, the reports and rank 0's
+    round), or, when no replica stepped, ``idle`` (waiting on environments)."""
+
+    prefill: float = 0.0
+    decode: float = 0.0
+    exchange: float = 0.0
+    idle: float = 0.0
+
+    def add(self, wall: float, engines: Sequence[tuple[float, float]]) -> None:
+        """A poll of ``wall`` seconds whose replicas stepped ``(prefill_s, decode_s)`` each."""
+        prefill, decode = max(engines, key=sum, default=(0.0, 0.0))
+        if not prefill + decode:
+            self.idle += wall
+            return
+        self.prefill, self.decode = self.prefill + prefill, self.decode + decode
+        self.exchange += max(0.0, wall - prefill - decode)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"rollout/phase_{name}_s": value for name, value in dataclasses.asdict(self).items()}
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:

@@ -106,6 +106,8 @@ class Engine(Protocol):
     """Between ``release_memory()`` and ``resume_memory()``."""
     decode: Callable[[list[int]], str] | None
     """Response token ids -> text, for stop strings (:func:`text_decoder`); None refuses them."""
+    num_prefill_tokens: int
+    """Prompt tokens prefilled so far (``stats()``'s; vLLM and SGLang count a request's at ``add``)."""
 
     def add(self, request: Request) -> None: ...
 

@@ -98,6 +98,11 @@ class Replica:
         """Session -> tokens of its last finished turn (prompt and generated): its resident KV here."""
         self.busy: list[tuple[float, float, int]] | None = [] if record else None
         """(start, end, running requests) of every executed run, when recording."""
+        self.prefill_s = self.decode_s = 0.0
+        """Seconds of executed iterations that prefilled a request, and of the others (as the job's
+        :class:`~rollpacker.metrics.Phases` counts them)."""
+        self._prefills = False
+        """The planned run's first iteration prefills."""
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -185,6 +190,8 @@ class Replica:
         end = float(ends[num_iters - 1]) if num_iters else start
         if num_iters and self.busy is not None:
             self.busy.append((start, end, batch))
+        first = float(ends[0]) if num_iters and self._prefills else start
+        self.prefill_s, self.decode_s = self.prefill_s + first - start, self.decode_s + end - first
         self.iters += num_iters
         self.clock = end
         self.plan = None
@@ -279,5 +286,6 @@ class Replica:
         num_iters = 1 if budget_full else max(1, min(until_finish, until_full))
         times = self.cost.iteration_times(batch, self.kv_used(), num_iters, prefill, prefill_sq)
         self.plan = (self.clock, self.clock + np.cumsum(times), batch)
+        self._prefills = prefill > 0
         self.version += 1
         return self.next_event()

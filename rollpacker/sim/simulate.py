@@ -22,7 +22,7 @@ import numpy as np
 from rollpacker.choices import check_choices
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.data.lengths import LengthModel
-from rollpacker.metrics import bubble_ratio
+from rollpacker.metrics import Phases, bubble_ratio
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
@@ -164,6 +164,8 @@ class RoundRecord:
     """Replicas the scale-down freed (their GPUs train)."""
     streamed: list[tuple[float, Group]] = field(default_factory=list)
     """(time it was fed, group) of every group fed to the freed GPUs, in feed order."""
+    phases: Phases = field(default_factory=Phases)
+    """Where the round's polls spent their seconds (lockstep polling only)."""
 
 
 def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 1024, max_prefill_tokens: int = 16384,
@@ -249,6 +251,7 @@ class _SimRound:
     completions: list[tuple[float, str]] = field(default_factory=list)
     trace: list[tuple[float, int]] = field(default_factory=list)
     fed: list[tuple[float, Group]] = field(default_factory=list)
+    phases: Phases = field(default_factory=Phases)
     now: float = 0.0
 
     def run(self) -> RoundRecord:
@@ -261,6 +264,7 @@ class _SimRound:
             if actions.done:
                 self.fed += [(self.now, g) for g in actions.feed]
                 self.now += self.poll[1] if self.poll else 0.0  # the final command (its aborts) and the last reports
+                self.phases.add(self.poll[1] if self.poll else 0.0, [])
                 final = self.take_aborted() + [seq for replica in self.replicas for seq in replica.abort_all(self.now)]
                 outcome = self.round.finish(final, self.now)
                 self.env.send(actions.env + outcome.env, self.now)  # the closes of the last episodes done and cut
@@ -333,9 +337,10 @@ class _SimRound:
         waiting = self.env.next_reply()
         running = any(r.num_requests() for r in self.replicas[:active])
         if self.poll and waiting is not None and not running:  # only environments work: polled until one replies
-            self.now = max(self.now, waiting) + self.poll[1]
+            before, self.now = self.now, max(self.now, waiting) + self.poll[1]
+            self.phases.add(self.now - before, [])
         elif self.poll:
-            self.now = _poll(self.replicas[:active], self.now, *self.poll, finished, self.aborted)
+            self.now = _poll(self.replicas[:active], self.now, *self.poll, finished, self.aborted, self.phases)
             due = set(range(active))
             if not finished and not any(r.num_requests() for r in self.replicas) and waiting is None:
                 self._stalled()
@@ -367,7 +372,7 @@ class _SimRound:
             bubble_ratio=bubble_ratio(self.trace, outcome.num_launched, self.now), completions=self.completions,
             busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
             scaled_at=scaled.at if scaled else None, scaled_frac=(scaled.completed_frac or 0.0) if scaled else 0.0,
-            num_freed=len(replicas) - self.round.state.active, streamed=self.fed)
+            num_freed=len(replicas) - self.round.state.active, streamed=self.fed, phases=self.phases)
 
 
 def _next_event(events: list[tuple[float, int, int]], replicas: list[Replica], finished: list[Seq],
@@ -387,14 +392,19 @@ def _next_event(events: list[tuple[float, int, int]], replicas: list[Replica], f
 
 
 def _poll(replicas: list[Replica], now: float, steps: int, exchange_s: float, finished: list[Seq],
-          aborted: list[Seq]) -> float:
+          aborted: list[Seq], phases: Phases) -> float:
     """Every replica runs ``steps`` iterations from ``now`` (adding to ``finished`` and ``aborted``);
-    then the exchange, where the controller sees them. Returns its end."""
+    then the exchange, where the controller sees them. Returns its end (the poll added to ``phases``)."""
+    engines = []
     for replica in replicas:
+        before = replica.prefill_s, replica.decode_s
         done_here, aborted_here = replica.run_steps(now, steps)
         finished += done_here
         aborted += aborted_here
-    return max(r.clock for r in replicas) + exchange_s
+        engines.append((replica.prefill_s - before[0], replica.decode_s - before[1]))
+    end = max(r.clock for r in replicas) + exchange_s
+    phases.add(end - now, engines)
+    return end
 
 
 @dataclass

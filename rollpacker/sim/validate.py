@@ -24,12 +24,15 @@ import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from rollpacker.schedule.config import names
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.episodes import EpisodeWorkload, SimEnvPool
 from rollpacker.sim.speculation import ACCEPT_RATE
+
+if TYPE_CHECKING:
+    from rollpacker.sim.simulate import RoundRecord
 
 REGIMES = ("compute", "memory")
 EPISODES = EpisodeWorkload(turns="pareto:1.2:4", extra_turn=0.5, latency="lognormal:0.3:1.0", num_workers=8,
@@ -154,9 +157,14 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
 
 
 def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ()) -> list[float]:
-    """Rollout seconds of every step of the job ``argv`` (``rollpacker.run`` flags), simulated on
-    replicas of ``profile``: the run's own policy, rows, lengths and engine limits; with its
-    speculative decoding, at ``accept_rates[step]`` (the run's measured rate of each step)."""
+    """Rollout seconds of every step of :func:`simulate_rounds`."""
+    return [r.rollout_s for r in simulate_rounds(argv, profile, accept_rates)]
+
+
+def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = ()) -> list[RoundRecord]:
+    """Every round of the job ``argv`` (``rollpacker.run`` flags), simulated on replicas of
+    ``profile``: the run's own policy, rows, lengths and engine limits; with its speculative
+    decoding, at ``accept_rates[step]`` (the run's measured rate of each step)."""
     from transformers import AutoTokenizer
 
     from rollpacker.config import parse
@@ -193,7 +201,7 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
         workload = episode_workload(cfg, tokenizer)
         episodes = {"env_workload": workload, "seed": cfg.seed,
                     "env": SimEnvPool(workload, row_key=lambda i: str(rows[i]["id"]))}
-    times = []
+    rounds = []
     for step in range(cfg.num_steps):
         if policy.done():
             break
@@ -201,11 +209,11 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
         replicas = build_replicas(spec.cost(cost, accept_rates[step] if spec.enabled else 0.0, draft_s),
                                   RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
-        times.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
-                                    poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3), **episodes).rollout_s)
+        rounds.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
+                                     poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3), **episodes))
         if episodes:
-            episodes["env"].shift(times[-1])
-    return times
+            episodes["env"].shift(rounds[-1].rollout_s)
+    return rounds
 
 
 def episode_workload(cfg, tokenizer) -> EpisodeWorkload:
@@ -226,6 +234,16 @@ def rollout_per_step(times: list[float]) -> float:
     return statistics.mean(times[1:] or times)  # the first step warms the engines up
 
 
+PHASES = ("prefill", "decode", "exchange", "idle")
+
+
+def phase_seconds(totals: list[float], phases: list[dict[str, float]]) -> dict[str, float]:
+    """Seconds per step (as :func:`rollout_per_step`) of each phase of :data:`PHASES`, and ``other``:
+    the rest of each step's ``totals`` (outside the round's polls: its setup, the exposed reward wait)."""
+    other = [total - sum(p.values()) for total, p in zip(totals, phases)]
+    return {name: rollout_per_step([p[name] for p in phases]) for name in PHASES} | {"other": rollout_per_step(other)}
+
+
 def main(argv: list[str]) -> dict:
     import tyro
 
@@ -244,15 +262,20 @@ def main(argv: list[str]) -> dict:
             run_argv, records, profile = measure(regime, policy, args, extra, variant, label)
             steps = [r for r in records if "time/rollout" in r]
             rates = [r.get(ACCEPT_RATE, 0.0) for r in steps]  # a step that verified nothing: none accepted
-            simulated = simulate_run(run_argv, profile, rates if variant else ())
-            m = rollout_per_step([r["time/rollout"] + r["time/reward"] for r in steps])
-            s = rollout_per_step(simulated)
-            rows.append((regime, label, m, s, s / m - 1))
+            simulated = simulate_rounds(run_argv, profile, rates if variant else ())
+            totals = [r["time/rollout"] + r["time/reward"] for r in steps]
+            m, s = rollout_per_step(totals), rollout_per_step([r.rollout_s for r in simulated])
+            phases = (phase_seconds(totals, [{n: r.get(f"rollout/phase_{n}_s", 0.0) for n in PHASES} for r in steps]),
+                      phase_seconds([r.rollout_s for r in simulated], [vars(r.phases) for r in simulated]))
+            rows.append((regime, label, m, s, s / m - 1, phases))
             figures[f"measured_s_{regime}_{label}"] = round(m, 4)
             figures[f"simulated_s_{regime}_{label}"] = round(s, 4)
     print(f"\nrollout seconds per step (steps 1-{args.num_steps - 1}), 2 ranks, seed {args.seed}; the simulator "
           "on each regime's profile")
-    print(f"{'regime':<10}{'policy':<16}{'measured':>10}{'simulated':>11}{'error':>9}")
-    for regime, policy, m, s, err in rows:
-        print(f"{regime:<10}{policy:<16}{m:>10.3f}{s:>11.3f}{err:>+9.1%}")
+    print(f"{'regime':<10}{'policy':<16}{'measured':>10}{'simulated':>11}{'error':>9}   "
+          + "  ".join(f"{name:>16}" for name in (*PHASES, "other")))
+    for regime, policy, m, s, err, (mp, sp) in rows:
+        print(f"{regime:<10}{policy:<16}{m:>10.3f}{s:>11.3f}{err:>+9.1%}   "
+              + "  ".join(f"{mp[name]:>7.3f} {sp[name] - mp[name]:>+8.3f}" for name in mp))
+    print("each phase: measured seconds per step, and the simulator's difference (rollpacker.metrics.Phases)")
     return {"sim_max_rel_error": round(max(abs(r[4]) for r in rows), 4), **figures}

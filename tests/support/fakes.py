@@ -40,7 +40,7 @@ class LengthTableEngine:
     finishes at ``length(row, response)`` tokens, the row being its one prompt token."""
 
     def __init__(self, length):
-        self.length, self.running = length, {}
+        self.length, self.running, self.num_prefill_tokens = length, {}, 0
 
     def add(self, req):
         self.running[req.id] = Output(id=req.id, prompt_ids=req.prompt_ids)
@@ -65,7 +65,7 @@ class LengthTableEngine:
 
     def stats(self):
         return EngineStats(num_running=len(self.running), num_waiting=0, num_preemptions=0, num_generated_tokens=0,
-                           num_prefill_tokens=0)
+                           num_prefill_tokens=self.num_prefill_tokens)
 
 
 class StepClock:
