@@ -122,10 +122,11 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
             found["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(engine, n, c, args.vocab_size, avoid)) / 1e3)
         return found
 
-    out["exchange_ms"] = _exchange_ms(meshes)
+    exchange_ms = functools.partial(_exchange_ms, config, meshes, vocab_size=args.vocab_size, avoid=avoid)
     kind = resolve_kind(config.engine.kind, device.type)
     if not ENGINES[kind].supports_tp_switch:  # the run's own engine at the run's TP: the planner cannot switch it
         engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
+        out["exchange_ms"] = exchange_ms(engine)
         tp = meshes.rollout_tp.size()
         shapes = empty_model(args, "meta", dtype)
         entry = {"kv_capacity_tokens": engine.kv_capacity_tokens,
@@ -144,6 +145,9 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
         entry = {"kv_capacity_tokens": sized.kv_capacity_tokens,
                  "kv_bytes_per_token": 2 * args.num_layers * sized.num_kv_heads * args.head_dim * dtype.itemsize,
                  "weight_bytes": sized.weight_bytes, "decode_ms": {}, "prefill_tok_s": {}}
+        if tp == before:  # the run's own engine, as its rounds poll it
+            sized.update_weights(weights.named_parameters())
+            out["exchange_ms"] = exchange_ms(sized)
         del sized
         per_token = entry["kv_bytes_per_token"]
         probe = TorchEngine(empty_model(args, device, dtype), EngineConfig(
@@ -171,18 +175,34 @@ def _slowest(meshes, ms: float) -> float:
     return t.item()
 
 
-def _exchange_ms(meshes, reps: int = 100) -> float:
-    """One control exchange as the rollout loop makes one every poll: a command broadcast from rank
-    0, a report gathered back (empty ones: the fixed cost); the median, the slowest rank's."""
-    from rollpacker.exchange import Command, Report
+def _exchange_ms(config, meshes, engine, vocab_size: int, avoid: set[int], rounds: int = 4) -> float:
+    """A poll's control exchange as the job makes it: ``rounds`` synchronous rounds of the run's P0 x R0
+    requests (random 32-token prompts, 8 polls' tokens each, ignoring EOS) through the real exchange on
+    ``engine``; the seconds of their polls less their slowest replica's engine steps
+    (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's round, and the first
+    round warming up not counted), per poll. Exchanged in a tight loop, without engine steps between,
+    it took half as long."""
+    from rollpacker.data.dataset import PromptSampler
+    from rollpacker.exchange import RoundLeader, run_round
+    from rollpacker.rollout.engine import SamplingParams
+    from rollpacker.rollout.probe import random_prompts
+    from rollpacker.schedule.round import InstantScorer
+    from rollpacker.schedule.sync import SyncPolicy
 
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        meshes.broadcast(Command() if meshes.rank == 0 else None)
-        meshes.gather(Report([], [], 0, 0))
-        times.append(1e3 * (time.perf_counter() - start))
-    return _slowest(meshes, statistics.median(times))
+    r = config.rollout
+    rows = random_prompts(r.num_prompts, 32, vocab_size, avoid, seed=0)
+    sampling = SamplingParams(max_new_tokens=8 * r.poll_steps, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, ignore_eos=True)
+    seconds = polls = 0.0
+    for i in range(rounds):
+        policy = SyncPolicy(PromptSampler(len(rows)), r.num_prompts, r.group_size)
+        leader = RoundLeader(policy=policy, rows=rows, encode=list, rewards=InstantScorer(lambda row, out: 0.0),
+                             sampling=sampling).round(i, policy.start_round(i)) if meshes.rank == 0 else None
+        result = run_round(meshes, engine, r.poll_steps, leader)
+        if result is not None and i:
+            seconds += result.phases.exchange + result.phases.idle
+            polls += len(result.running_trace) + 1  # the final command's poll too
+    return _slowest(meshes, 1e3 * seconds / polls if polls else 0.0)
 
 
 def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:

@@ -28,19 +28,21 @@ def test_profiled_cost_interpolates_batches_and_contexts_and_adds_prefill():
 def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
     """On a flat profile (d ms per iteration, free prefill) a sync round lasts d x its longest response,
     whose length is the one the real run forces (rollpacker.data.lengths.LengthReplay) for that slot, plus
-    one exchange per poll of rollout.poll_steps iterations and a last one for the final command."""
+    one exchange per poll of rollout.poll_steps iterations and a last one for the final command. Its
+    phases: the first iteration prefills, the rest decode, the polls exchange, the final command idles."""
     from rollpacker.config import parse
     from rollpacker.data.dataset import PromptSampler
     from rollpacker.data.lengths import LengthReplay
     from rollpacker.jobflags import JobArgs as Args
     from rollpacker.jobflags import job_argv, policy_args
-    from rollpacker.sim.validate import ValidateArgs, regime_flags, simulate_run
+    from rollpacker.sim.validate import ValidateArgs, regime_flags, simulate_rounds
 
     flat = {"exchange_ms": 1.0, "tp": {"1": {"kv_capacity_tokens": 1_000_000,
                                              "decode_ms": {"32": {"1": 5.0, "64": 5.0}},
                                              "prefill_tok_s": {"32": 1e12}}}}
     argv = job_argv(Args(), regime_flags("compute", ValidateArgs(num_steps=3)), policy_args("sync"), 0, str(tmp_path))
-    times = simulate_run(argv, flat)
+    rounds = simulate_rounds(argv, flat)
+    times = [r.rollout_s for r in rounds]
     cfg = parse(argv)
     assert len(times) == 3
     policy = cfg.schedule.build(PromptSampler(cfg.data.num_toy_prompts, cfg.data.shuffle_seed),
@@ -52,6 +54,9 @@ def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
                       for k in range(plan.num_responses))
         polls = -(-longest // cfg.rollout.poll_steps)
         assert seconds == pytest.approx(5e-3 * longest + 1e-3 * (polls + 1))
+        phases = rounds[step].phases
+        assert (phases.prefill, phases.decode, phases.exchange, phases.idle) == pytest.approx(
+            (5e-3, 5e-3 * (longest - 1), 1e-3 * polls, 1e-3))
         policy.end_round([])  # nothing kept: the next plan draws the next prompts
     assert np.std(times) > 0  # the steps differ: their longest responses do
 
