@@ -126,7 +126,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     kind = resolve_kind(config.engine.kind, device.type)
     if not ENGINES[kind].supports_tp_switch:  # the run's own engine at the run's TP: the planner cannot switch it
         engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
-        out["exchange_ms"] = exchange_ms(engine)
+        out["exchange_ms"], out["exchange_request_ms"] = exchange_ms(engine)
         tp = meshes.rollout_tp.size()
         shapes = empty_model(args, "meta", dtype)
         entry = {"kv_capacity_tokens": engine.kv_capacity_tokens,
@@ -147,7 +147,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
                  "weight_bytes": sized.weight_bytes, "decode_ms": {}, "prefill_tok_s": {}}
         if tp == before:  # the run's own engine, as its rounds poll it
             sized.update_weights(weights.named_parameters())
-            out["exchange_ms"] = exchange_ms(sized)
+            out["exchange_ms"], out["exchange_request_ms"] = exchange_ms(sized)
         del sized
         per_token = entry["kv_bytes_per_token"]
         probe = TorchEngine(empty_model(args, device, dtype), EngineConfig(
@@ -175,13 +175,16 @@ def _slowest(meshes, ms: float) -> float:
     return t.item()
 
 
-def _exchange_ms(config, meshes, engine, vocab_size: int, avoid: set[int], rounds: int = 4) -> float:
-    """A poll's control exchange as the job makes it: ``rounds`` synchronous rounds of the run's P0 x R0
-    requests (random 32-token prompts, 8 polls' tokens each, ignoring EOS) through the real exchange on
-    ``engine``; the seconds of their polls less their slowest replica's engine steps
-    (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's round, and the first
-    round warming up not counted), per poll. Exchanged in a tight loop, without engine steps between,
-    it took half as long."""
+def _exchange_ms(config, meshes, engine, vocab_size: int, avoid: set[int], repeats: int = 3) -> tuple[float, float]:
+    """A poll's control exchange as the job makes it: ms per poll and ms per request added or finished.
+    Synchronous rounds of the run's P0 x R0 requests (random 32-token prompts, ignoring EOS) run through
+    the real exchange on ``engine``, ``repeats`` of 8 polls' tokens each and as many of 32 (after one
+    warming up); each round's seconds of polls less their slowest replica's engine steps
+    (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's round) are fitted as
+    ``polls x per poll + (adds + finishes) x per request``. Exchanged in a tight loop, empty, without
+    engine steps between, a poll took half as long as the job's."""
+    import numpy as np
+
     from rollpacker.data.dataset import PromptSampler
     from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.rollout.engine import SamplingParams
@@ -191,18 +194,22 @@ def _exchange_ms(config, meshes, engine, vocab_size: int, avoid: set[int], round
 
     r = config.rollout
     rows = random_prompts(r.num_prompts, 32, vocab_size, avoid, seed=0)
-    sampling = SamplingParams(max_new_tokens=8 * r.poll_steps, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, ignore_eos=True)
-    seconds = polls = 0.0
-    for i in range(rounds):
+    seen = []  # (polls, requests added and finished, seconds)
+    for i, polls in enumerate([8] + [8, 32] * repeats):
         policy = SyncPolicy(PromptSampler(len(rows)), r.num_prompts, r.group_size)
+        sampling = SamplingParams(max_new_tokens=polls * r.poll_steps, temperature=r.temperature, top_p=r.top_p,
+                                  top_k=r.top_k, ignore_eos=True)
         leader = RoundLeader(policy=policy, rows=rows, encode=list, rewards=InstantScorer(lambda row, out: 0.0),
                              sampling=sampling).round(i, policy.start_round(i)) if meshes.rank == 0 else None
         result = run_round(meshes, engine, r.poll_steps, leader)
         if result is not None and i:
-            seconds += result.phases.exchange + result.phases.idle
-            polls += len(result.running_trace) + 1  # the final command's poll too
-    return _slowest(meshes, 1e3 * seconds / polls if polls else 0.0)
+            seen.append((len(result.running_trace) + 1, 2 * result.num_launched,  # the final command's poll too
+                         result.phases.exchange + result.phases.idle))
+    fit = np.zeros(2)
+    if seen:
+        counts, seconds = np.array([s[:2] for s in seen], dtype=float), np.array([s[2] for s in seen])
+        fit = np.clip(np.linalg.lstsq(counts, seconds, rcond=None)[0], 0.0, None)
+    return _slowest(meshes, 1e3 * fit[0]), _slowest(meshes, 1e3 * fit[1])
 
 
 def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:

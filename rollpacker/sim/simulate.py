@@ -168,6 +168,20 @@ class RoundRecord:
     """Where the round's polls spent their seconds (lockstep polling only)."""
 
 
+@dataclass(frozen=True)
+class Polling:
+    """Lockstep polling as the controller's exchange loop does it: every replica runs ``steps``
+    iterations (``rollout.poll_steps``), then an exchange of ``exchange_s`` plus ``request_s`` for each
+    request added or finished in the poll (the profile's ``exchange_ms`` and ``exchange_request_ms``)."""
+
+    steps: int
+    exchange_s: float
+    request_s: float = 0.0
+
+    def exchange(self, requests: int) -> float:
+        return self.exchange_s + self.request_s * requests
+
+
 def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 1024, max_prefill_tokens: int = 16384,
                    record: bool = False) -> list[Replica]:
     capacity = cost.kv_capacity_tokens()
@@ -176,7 +190,7 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
-                   stream: ScaleDownDecider | None = None, poll: tuple[int, float] | None = None,
+                   stream: ScaleDownDecider | None = None, poll: Polling | None = None,
                    env_workload: EpisodeWorkload | None = None, row_key: Callable[[int], str] = str,
                    seed: int = 0, env: SimEnvPool | None = None) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
@@ -185,9 +199,8 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     ``lengths.lengths(row, step, slot, n)`` gives the natural lengths of a launch (cut at
     ``max_new_tokens``), ``lengths.prompt_tokens`` the prompt size; ``reward(row, seq)`` the reward
     of a response (scored at once); ``plan``, the round when the caller already asked the policy for
-    it; ``stream``, the stream trainer's decider. ``poll = (steps, exchange_s)`` runs the replicas in
-    lockstep as the controller's exchange loop does (``rollout.poll_steps`` iterations each, then an
-    exchange of ``exchange_s``), instead of polling at each replica event.
+    it; ``stream``, the stream trainer's decider. ``poll`` runs the replicas in lockstep as the
+    controller's exchange loop does (:class:`Polling`), instead of polling at each replica event.
 
     ``env_workload``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`): its
     turns on the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment
@@ -224,7 +237,7 @@ class _SimRound:
     plan: RoundPlan
     round: Round
     replicas: list[Replica]
-    poll: tuple[int, float] | None
+    poll: Polling | None
     env: SimEnvPool
     seqs: dict[str, Seq] = field(default_factory=dict)
     events: list[tuple[float, int, int]] = field(default_factory=list)
@@ -236,6 +249,8 @@ class _SimRound:
     fed: list[tuple[float, Group]] = field(default_factory=list)
     phases: Phases = field(default_factory=Phases)
     now: float = 0.0
+    sent: int = 0
+    """Requests added (and resumed) by the last command: the next poll's exchange carries them."""
 
     def run(self) -> RoundRecord:
         self.apply(self.round.start(0.0), set())
@@ -246,8 +261,9 @@ class _SimRound:
             actions = self.round.poll(seen, self.generated)
             if actions.done:
                 self.fed += [(self.now, g) for g in actions.feed]
-                self.now += self.poll[1] if self.poll else 0.0  # the final command (its aborts) and the last reports
-                self.phases.add(self.poll[1] if self.poll else 0.0, [])
+                final_s = self.poll.exchange(0) if self.poll else 0.0  # the final command (its aborts), the reports
+                self.now += final_s
+                self.phases.add(final_s, [])
                 final = self.take_aborted() + [seq for replica in self.replicas for seq in replica.abort_all(self.now)]
                 outcome = self.round.finish(final, self.now)
                 self.env.send(actions.env + outcome.env, self.now)  # the closes of the last episodes done and cut
@@ -262,6 +278,7 @@ class _SimRound:
         """Send the requests, resumes and aborts to the active replicas (and a command to those due one)."""
         state = self.round.state
         adds: dict[int, list[Seq]] = defaultdict(list)
+        self.sent = len(actions.add) + len(actions.resume)
         for replica, _, turn in actions.add:
             adds[replica].append(self.request(turn))
         for replica, seq in actions.resume:  # prefilled again with its prompt and generated tokens
@@ -320,10 +337,13 @@ class _SimRound:
         waiting = self.env.next_reply()
         running = any(r.num_requests() for r in self.replicas[:active])
         if self.poll and waiting is not None and not running:  # only environments work: polled until one replies
-            before, self.now = self.now, max(self.now, waiting) + self.poll[1]
+            before, self.now = self.now, max(self.now, waiting) + self.poll.exchange(self.sent)
             self.phases.add(self.now - before, [])
         elif self.poll:
-            self.now = _poll(self.replicas[:active], self.now, *self.poll, finished, self.aborted, self.phases)
+            end, engines = _poll(self.replicas[:active], self.now, self.poll.steps, finished, self.aborted)
+            end += self.poll.exchange(self.sent + len(finished))
+            self.phases.add(end - self.now, engines)
+            self.now = end
             due = set(range(active))
             if not finished and not any(r.num_requests() for r in self.replicas) and waiting is None:
                 self._stalled()
@@ -374,10 +394,10 @@ def _next_event(events: list[tuple[float, int, int]], replicas: list[Replica], f
     return now, due
 
 
-def _poll(replicas: list[Replica], now: float, steps: int, exchange_s: float, finished: list[Seq],
-          aborted: list[Seq], phases: Phases) -> float:
-    """Every replica runs ``steps`` iterations from ``now`` (adding to ``finished`` and ``aborted``);
-    then the exchange, where the controller sees them. Returns its end (the poll added to ``phases``)."""
+def _poll(replicas: list[Replica], now: float, steps: int, finished: list[Seq],
+          aborted: list[Seq]) -> tuple[float, list[tuple[float, float]]]:
+    """Every replica runs ``steps`` iterations from ``now`` (adding to ``finished`` and ``aborted``).
+    Returns when the last is done, and each one's (prefill, decode) seconds."""
     engines = []
     for replica in replicas:
         before = replica.prefill_s, replica.decode_s
@@ -385,9 +405,7 @@ def _poll(replicas: list[Replica], now: float, steps: int, exchange_s: float, fi
         finished += done_here
         aborted += aborted_here
         engines.append((replica.prefill_s - before[0], replica.decode_s - before[1]))
-    end = max(r.clock for r in replicas) + exchange_s
-    phases.add(end - now, engines)
-    return end
+    return max(r.clock for r in replicas), engines
 
 
 @dataclass

@@ -32,7 +32,7 @@ from rollpacker.sim.episodes import EpisodeWorkload, SimEnvPool
 from rollpacker.sim.speculation import ACCEPT_RATE
 
 if TYPE_CHECKING:
-    from rollpacker.sim.simulate import RoundRecord
+    from rollpacker.sim.simulate import Polling, RoundRecord
 
 REGIMES = ("compute", "memory")
 EPISODES = EpisodeWorkload(turns="pareto:1.2:4", extra_turn=0.5, latency="lognormal:0.3:1.0", num_workers=8,
@@ -210,10 +210,17 @@ def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = 
                                   RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         rounds.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
-                                     poll=(cfg.rollout.poll_steps, profile["exchange_ms"] / 1e3), **episodes))
+                                     poll=polling(profile, cfg.rollout.poll_steps), **episodes))
         if episodes:
             episodes["env"].shift(rounds[-1].rollout_s)
     return rounds
+
+
+def polling(profile: dict, steps: int) -> Polling:
+    """The job's lockstep polls of ``steps`` engine steps, their exchange as ``profile`` measured it."""
+    from rollpacker.sim.simulate import Polling
+
+    return Polling(steps, profile["exchange_ms"] / 1e3, profile.get("exchange_request_ms", 0.0) / 1e3)
 
 
 def episode_workload(cfg, tokenizer) -> EpisodeWorkload:
