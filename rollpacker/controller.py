@@ -84,7 +84,7 @@ class Controller:
         from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
         from rollpacker.data.lengths import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
-        from rollpacker.reward.scheduler import RewardScheduler, build_functions, check_row
+        from rollpacker.reward.scheduler import build_functions, check_row
         from rollpacker.schedule.drafts import DraftMemory
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -98,9 +98,7 @@ class Controller:
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
-                   rewards=RewardScheduler(config.reward, functools.partial(response_text, tokenizer,
-                                                                            config.rollout.stop),
-                                           meshes.device, functions=functions),
+                   rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
                    policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed),
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
@@ -328,6 +326,15 @@ class Controller:
         self.rewards.close()
         self.metrics.close()
         self.display.close()
+
+
+def reward_scheduler(config: Config, tokenizer, device, functions=None):
+    """The run's :class:`~rollpacker.reward.scheduler.RewardScheduler` (``functions``: its reward
+    functions built already; else built here)."""
+    from rollpacker.reward.scheduler import RewardScheduler
+
+    return RewardScheduler(config.reward, functools.partial(response_text, tokenizer, config.rollout.stop), device,
+                           functions=functions)
 
 
 def response_text(tokenizer, stop: tuple[str, ...], token_ids: list[int]) -> str:

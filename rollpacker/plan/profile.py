@@ -122,7 +122,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
             found["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(engine, n, c, args.vocab_size, avoid)) / 1e3)
         return found
 
-    exchange_ms = functools.partial(_exchange_ms, config, meshes, vocab_size=args.vocab_size, avoid=avoid)
+    exchange_ms = functools.partial(_exchange_ms, config, meshes, model_dir=model_dir)
     kind = resolve_kind(config.engine.kind, device.type)
     if not ENGINES[kind].supports_tp_switch:  # the run's own engine at the run's TP: the planner cannot switch it
         engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
@@ -175,36 +175,44 @@ def _slowest(meshes, ms: float) -> float:
     return t.item()
 
 
-def _exchange_ms(config, meshes, engine, vocab_size: int, avoid: set[int], repeats: int = 3) -> tuple[float, float]:
+def _exchange_ms(config, meshes, engine, model_dir: Path, repeats: int = 3) -> tuple[float, float]:
     """A poll's control exchange as the job makes it: ms per poll and ms per request added or finished.
-    Synchronous rounds of the run's P0 x R0 requests (random 32-token prompts, ignoring EOS) run through
-    the real exchange on ``engine``, ``repeats`` of 8 polls' tokens each and as many of 32 (after one
-    warming up); each round's seconds of polls less their slowest replica's engine steps
-    (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's round) are fitted as
-    ``polls x per poll + (adds + finishes) x per request``. Exchanged in a tight loop, empty, without
-    engine steps between, a poll took half as long as the job's."""
+    Synchronous rounds of the run's P0 x R0 requests (its data's prompts, ignoring EOS, scored by its
+    reward scheduler) run through the real exchange on ``engine``, ``repeats`` of 8 polls' tokens each
+    and as many of 32 (after one warming up); each round's seconds of polls less their slowest
+    replica's engine steps (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's
+    round and scoring) are fitted as ``polls x per poll + (adds + finishes) x per request``. Exchanged
+    in a tight loop, empty, without engine steps between, a poll took half as long as the job's."""
     import numpy as np
+    from transformers import AutoTokenizer
 
-    from rollpacker.data.dataset import PromptSampler
+    from rollpacker.controller import encode, reward_scheduler
+    from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
     from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.rollout.engine import SamplingParams
-    from rollpacker.rollout.probe import random_prompts
-    from rollpacker.schedule.round import InstantScorer
     from rollpacker.schedule.sync import SyncPolicy
 
-    r = config.rollout
-    rows = random_prompts(r.num_prompts, 32, vocab_size, avoid, seed=0)
+    r, rank0 = config.rollout, meshes.rank == 0
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def prompt(row: dict) -> list[int]:
+        return encode(tokenizer, config, row["prompt"])
+
+    rows = fit_rows(load_rows(config.data)[:4 * r.num_prompts], prompt, engine.max_model_len,
+                    engine.kv_capacity_tokens, 32 * r.poll_steps)
+    scorer = reward_scheduler(config, tokenizer, meshes.device) if rank0 else None
     seen = []  # (polls, requests added and finished, seconds)
     for i, polls in enumerate([8] + [8, 32] * repeats):
-        policy = SyncPolicy(PromptSampler(len(rows)), r.num_prompts, r.group_size)
+        policy = SyncPolicy(PromptSampler(len(rows), i), r.num_prompts, r.group_size)
         sampling = SamplingParams(max_new_tokens=polls * r.poll_steps, temperature=r.temperature, top_p=r.top_p,
                                   top_k=r.top_k, ignore_eos=True)
-        leader = RoundLeader(policy=policy, rows=rows, encode=list, rewards=InstantScorer(lambda row, out: 0.0),
-                             sampling=sampling).round(i, policy.start_round(i)) if meshes.rank == 0 else None
-        result = run_round(meshes, engine, r.poll_steps, leader)
+        leader = RoundLeader(policy=policy, rows=rows, encode=prompt, rewards=scorer, sampling=sampling)
+        result = run_round(meshes, engine, r.poll_steps, leader.round(i, policy.start_round(i)) if rank0 else None)
         if result is not None and i:
             seen.append((len(result.running_trace) + 1, 2 * result.num_launched,  # the final command's poll too
                          result.phases.exchange + result.phases.idle))
+    if scorer:
+        scorer.close()
     fit = np.zeros(2)
     if seen:
         counts, seconds = np.array([s[:2] for s in seen], dtype=float), np.array([s[2] for s in seen])
