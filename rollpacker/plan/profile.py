@@ -177,9 +177,10 @@ def _slowest(meshes, ms: float) -> float:
 
 def _exchange_ms(config, meshes, engine, model_dir: Path, repeats: int = 3) -> tuple[float, float]:
     """A poll's control exchange as the job makes it: ms per poll and ms per request added or finished.
-    Synchronous rounds of the run's P0 x R0 requests (its data's prompts, ignoring EOS, scored by its
-    reward scheduler) run through the real exchange on ``engine``, ``repeats`` of 8 polls' tokens each
-    and as many of 32 (after one warming up); each round's seconds of polls less their slowest
+    Synchronous rounds of the run's P0 x R0 requests (its data's prompts, lengths forced from the
+    long-tailed mixture of ``rollout.replay_lengths``, scored by its reward scheduler) run through the
+    real exchange on ``engine``, ``repeats`` capped at 8 polls' tokens and as many at 32 (after one
+    warming up); each round's seconds of polls less their slowest
     replica's engine steps (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's
     round and scoring) are fitted as ``polls x per poll + (adds + finishes) x per request``. Exchanged
     in a tight loop, empty, without engine steps between, a poll took half as long as the job's."""
@@ -188,6 +189,7 @@ def _exchange_ms(config, meshes, engine, model_dir: Path, repeats: int = 3) -> t
 
     from rollpacker.controller import encode, reward_scheduler
     from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
+    from rollpacker.data.lengths import LengthReplay
     from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.rollout.engine import SamplingParams
     from rollpacker.schedule.sync import SyncPolicy
@@ -204,9 +206,10 @@ def _exchange_ms(config, meshes, engine, model_dir: Path, repeats: int = 3) -> t
     seen = []  # (polls, requests added and finished, seconds)
     for i, polls in enumerate([8] + [8, 32] * repeats):
         policy = SyncPolicy(PromptSampler(len(rows), i), r.num_prompts, r.group_size)
-        sampling = SamplingParams(max_new_tokens=polls * r.poll_steps, temperature=r.temperature, top_p=r.top_p,
-                                  top_k=r.top_k, ignore_eos=True)
-        leader = RoundLeader(policy=policy, rows=rows, encode=prompt, rewards=scorer, sampling=sampling)
+        cap = polls * r.poll_steps
+        sampling = SamplingParams(max_new_tokens=cap, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        leader = RoundLeader(policy=policy, rows=rows, encode=prompt, rewards=scorer, sampling=sampling,
+                             lengths=LengthReplay(i, cap))
         result = run_round(meshes, engine, r.poll_steps, leader.round(i, policy.start_round(i)) if rank0 else None)
         if result is not None and i:
             seen.append((len(result.running_trace) + 1, 2 * result.num_launched,  # the final command's poll too
