@@ -18,10 +18,14 @@ right. The method and JSON keys: ``docs/simulator.md``; the figures: ``docs/resu
 from __future__ import annotations
 
 import json
+import math
+import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -66,6 +70,8 @@ class ValidateArgs:
     """Steps per run (the first warms the engines up and is not compared)."""
     seed: int = 0
     """Seed of the runs: data order, sampling and the replayed lengths."""
+    repeats: int = 3
+    """Runs of each measured job: the median is compared, the spread printed beside it."""
     work_dir: Path = Path("runs/validate")
     """Profiles and runs are kept here and reused while their flags stay the same."""
     fresh: bool = False
@@ -76,6 +82,8 @@ class ValidateArgs:
     --policies says."""
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if self.num_steps < 2:
             raise ValueError(f"--num-steps must be >= 2 (the first step is not compared), got {self.num_steps}")
 
@@ -114,27 +122,59 @@ SPEC_FLAGS = ["--engine.speculative", "auto"]
 
 
 RANKS = 2
+LOADED = 0.25
+"""Cores other processes may keep busy during a measured run before the figures say the machine was loaded."""
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (``/proc/stat``; steal counts: a VM's neighbours), or
+    NaN where that cannot be read."""
+    try:
+        user, nice, system, _, _, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    except (OSError, ValueError):
+        return math.nan
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have ended."""
+    here, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return here.ru_utime + here.ru_stime + children.ru_utime + children.ru_stime
 
 
 def torchrun(module: str, argv: list[str], done: Path) -> None:
-    """``module`` on RANKS ranks; ``done`` records ``argv`` once it has run."""
+    """``module`` on RANKS ranks; ``done`` records ``argv`` once it has run, and the load beside it:
+    the cores other processes kept busy meanwhile, on average."""
     done.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", "-m", module,
            *argv]
     print("$", " ".join(cmd[1:]), flush=True)
+    start, busy, own = time.monotonic(), busy_cpu_s(), own_cpu_s()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    done.write_text(json.dumps(argv))
+    other = (busy_cpu_s() - busy - (own_cpu_s() - own)) / (time.monotonic() - start)
+    done.write_text(json.dumps({"argv": argv, "other_cores": None if math.isnan(other) else round(max(0.0, other), 3)}))
 
 
 def kept(done: Path, argv: list[str], fresh: bool) -> bool:
     """A result of ``argv`` is there to reuse."""
-    return not fresh and done.exists() and json.loads(done.read_text()) == argv
+    return not fresh and done.exists() and json.loads(done.read_text()).get("argv") == argv
+
+
+@dataclass
+class Measured:
+    """One measured job: its flags, its metrics records, its regime's profile, the load while it ran."""
+
+    argv: list[str]
+    records: list[dict]
+    profile: dict
+    other_cores: float | None
+    """Cores other processes kept busy while it ran, on average (None: unknown)."""
 
 
 def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (), variant: list[str] = (),
-            label: str = "") -> tuple[list[str], list[dict], dict]:
-    """The job's flags, its metrics records and the regime's profile (measured unless kept).
-    ``variant``: more flags of this job only (not of the profile); its runs are kept as ``label``."""
+            label: str = "") -> Measured:
+    """The job (measured unless kept) and the regime's profile (too). ``variant``: more flags of this job
+    only (not of the profile); its runs are kept as ``label``."""
     from rollpacker.jobflags import JobArgs, job_argv, policy_args
 
     where, base = args.work_dir / regime, args.work_dir / profiled(regime)
@@ -149,11 +189,12 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
     label = label or policy
     run_dir = where / label
     argv = job_argv(JobArgs(), [*flags, *variant], policy_args(policy), args.seed, str(run_dir))
-    if not kept(where / f"{label}.argv.json", argv, args.fresh):
+    done = where / f"{label}.argv.json"
+    if not kept(done, argv, args.fresh):
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not appended to an earlier one
-        torchrun("rollpacker.run", argv, where / f"{label}.argv.json")
+        torchrun("rollpacker.run", argv, done)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return argv, records, json.loads(profile.read_text())
+    return Measured(argv, records, json.loads(profile.read_text()), json.loads(done.read_text())["other_cores"])
 
 
 def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ()) -> list[float]:
@@ -244,6 +285,14 @@ def rollout_per_step(times: list[float]) -> float:
 PHASES = ("prefill", "decode", "exchange", "idle")
 
 
+def measured_phases(job: Measured) -> tuple[float, dict[str, float]]:
+    """A measured job's seconds per step (rollout and exposed reward) and its :func:`phase_seconds`."""
+    steps = [r for r in job.records if "time/rollout" in r]
+    totals = [r["time/rollout"] + r["time/reward"] for r in steps]
+    return rollout_per_step(totals), phase_seconds(totals, [{n: r.get(f"rollout/phase_{n}_s", 0.0) for n in PHASES}
+                                                            for r in steps])
+
+
 def phase_seconds(totals: list[float], phases: list[dict[str, float]]) -> dict[str, float]:
     """Seconds per step (as :func:`rollout_per_step`) of each phase of :data:`PHASES`, and ``other``:
     the rest of each step's ``totals`` (outside the round's polls: its setup, the exposed reward wait)."""
@@ -266,23 +315,34 @@ def main(argv: list[str]) -> dict:
         runs = [(policy, policy, []) for policy in policies]
         runs += [(f"{policy}+spec", policy, SPEC_FLAGS) for policy in args.spec_policies if regime == "compute"]
         for label, policy, variant in runs:
-            run_argv, records, profile = measure(regime, policy, args, extra, variant, label)
-            steps = [r for r in records if "time/rollout" in r]
+            jobs = [measure(regime, policy, args, extra, variant, label + (f".{k}" if k else ""))
+                    for k in range(args.repeats)]
+            measured = sorted(((*measured_phases(job), job) for job in jobs), key=lambda x: x[0])
+            m, phases, job = measured[(len(measured) - 1) // 2]  # the median run
+            spread = (measured[-1][0] - measured[0][0]) / m
+            load = max((j.other_cores for j in jobs if j.other_cores is not None), default=math.nan)
+            steps = [r for r in job.records if "time/rollout" in r]
             rates = [r.get(ACCEPT_RATE, 0.0) for r in steps]  # a step that verified nothing: none accepted
-            simulated = simulate_rounds(run_argv, profile, rates if variant else ())
-            totals = [r["time/rollout"] + r["time/reward"] for r in steps]
-            m, s = rollout_per_step(totals), rollout_per_step([r.rollout_s for r in simulated])
-            phases = (phase_seconds(totals, [{n: r.get(f"rollout/phase_{n}_s", 0.0) for n in PHASES} for r in steps]),
-                      phase_seconds([r.rollout_s for r in simulated], [vars(r.phases) for r in simulated]))
-            rows.append((regime, label, m, s, s / m - 1, phases))
+            simulated = simulate_rounds(job.argv, job.profile, rates if variant else ())
+            times = [r.rollout_s for r in simulated]
+            s = rollout_per_step(times)
+            rows.append((regime, label, m, spread, load, s, s / m - 1,
+                         (phases, phase_seconds(times, [vars(r.phases) for r in simulated]))))
             figures[f"measured_s_{regime}_{label}"] = round(m, 4)
             figures[f"simulated_s_{regime}_{label}"] = round(s, 4)
-    print(f"\nrollout seconds per step (steps 1-{args.num_steps - 1}), 2 ranks, seed {args.seed}; the simulator "
-          "on each regime's profile")
-    print(f"{'regime':<10}{'policy':<16}{'measured':>10}{'simulated':>11}{'error':>9}   "
+    print(f"\nrollout seconds per step (steps 1-{args.num_steps - 1}), 2 ranks, seed {args.seed}, the median of "
+          f"{args.repeats} runs (spread: max - min over it; load: cores other processes kept busy, the most of any "
+          "run); the simulator on each regime's profile")
+    print(f"{'regime':<10}{'policy':<16}{'measured':>9}{'spread':>8}{'load':>6}{'simulated':>10}{'error':>8}   "
           + "  ".join(f"{name:>16}" for name in (*PHASES, "other")))
-    for regime, policy, m, s, err, (mp, sp) in rows:
-        print(f"{regime:<10}{policy:<16}{m:>10.3f}{s:>11.3f}{err:>+9.1%}   "
+    for regime, policy, m, spread, load, s, err, (mp, sp) in rows:
+        print(f"{regime:<10}{policy:<16}{m:>9.3f}{spread:>8.1%}{load:>6.2f}{s:>10.3f}{err:>+8.1%}   "
               + "  ".join(f"{mp[name]:>7.3f} {sp[name] - mp[name]:>+8.3f}" for name in mp))
     print("each phase: measured seconds per step, and the simulator's difference (rollpacker.metrics.Phases)")
-    return {"sim_max_rel_error": round(max(abs(r[4]) for r in rows), 4), **figures}
+    load = max((r[4] for r in rows if not math.isnan(r[4])), default=None)
+    if load is not None and load > LOADED:
+        print(f"the machine was loaded: other processes kept {load:.2f} cores busy during a run (more than "
+              f"{LOADED}); the errors above are not the simulator's alone: measure again on a quiet machine")
+    return {"sim_max_rel_error": round(max(abs(r[6]) for r in rows), 4),
+            "spread_max": round(max(r[3] for r in rows), 4), "other_cores_max": load,
+            "loaded": load is not None and load > LOADED, **figures}

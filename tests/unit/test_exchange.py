@@ -43,7 +43,6 @@ def test_a_rounds_phases_count_the_step_after_adds_as_prefill(monkeypatch):
     from support.fakes import InstantRewards, LengthTableEngine, OneReplica
 
     import rollpacker.exchange
-
     from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.schedule.eval import EvalPolicy
 

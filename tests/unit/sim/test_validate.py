@@ -97,3 +97,29 @@ def test_tail_gains_less_on_a_step_that_grows_with_the_batch(tmp_path):
                     "--work-dir", str(tmp_path)])
     assert set(figures) == {"speedup_tail_4x2_g0", "speedup_tail_4x2_g1"}
     assert figures["speedup_tail_4x2_g0"] > 1.2 and figures["speedup_tail_4x2_g1"] < figures["speedup_tail_4x2_g0"]
+
+
+def test_validate_compares_the_median_of_the_repeats_and_says_when_the_machine_was_loaded(monkeypatch, capsys):
+    """Three runs of each job (2.0, 1.0 and 1.5 s a step after the first): the median one (1.5 s) is
+    compared with the simulator, its phases printed; the spread is (2 - 1) / 1.5; a run during which
+    other processes kept 0.5 cores busy marks the figures loaded."""
+    from types import SimpleNamespace
+
+    from rollpacker.metrics import Phases
+    from rollpacker.sim import validate
+
+    def run(seconds: float, other_cores: float) -> validate.Measured:
+        steps = [{"time/rollout": seconds, "time/reward": 0.0, "rollout/phase_decode_s": seconds - 0.25,
+                  "rollout/phase_exchange_s": 0.25} for _ in range(3)]
+        return validate.Measured(["--seed", "0"], steps, {}, other_cores)
+
+    runs = iter([run(2.0, 0.0), run(1.0, 0.5), run(1.5, 0.1)])
+    monkeypatch.setattr(validate, "measure", lambda *a, **k: next(runs))
+    simulated = [SimpleNamespace(rollout_s=1.2, phases=Phases(decode=1.0, exchange=0.2))] * 3
+    monkeypatch.setattr(validate, "simulate_rounds", lambda *a: simulated)
+    figures = validate.main(["--regimes", "compute", "--policies", "sync", "--spec-policies"])
+    assert figures["measured_s_compute_sync"] == 1.5 and figures["simulated_s_compute_sync"] == 1.2
+    assert figures["sim_max_rel_error"] == pytest.approx(0.2) and figures["spread_max"] == pytest.approx(1 / 1.5, 1e-3)
+    assert (figures["other_cores_max"], figures["loaded"]) == (0.5, True)
+    out = capsys.readouterr().out
+    assert "1.250   -0.250" in out and "the machine was loaded" in out  # decode: measured, the simulator's difference
