@@ -95,7 +95,7 @@ class Phases:
     """Where a round's polls spent their seconds (the job's and the simulator's alike): each poll's
     wall time is its slowest replica's engine steps (``prefill``: those that prefilled a request;
     ``decode``: the others) and the rest (``exchange``: the command, the reports and rank 0's
-    round), or, when no replica stepped, ``idle`` (waiting on environments)."""
+    round), or, when no replica stepped, ``idle`` (waiting on environments; the final command)."""
 
     prefill: float = 0.0
     decode: float = 0.0

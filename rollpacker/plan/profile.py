@@ -177,13 +177,14 @@ def _slowest(meshes, ms: float) -> float:
 
 def _exchange_ms(config, meshes, engine, model_dir: Path, repeats: int = 3) -> tuple[float, float]:
     """A poll's control exchange as the job makes it: ms per poll and ms per request added or finished.
+
     Synchronous rounds of the run's P0 x R0 requests (its data's prompts, lengths forced from the
     long-tailed mixture of ``rollout.replay_lengths``, scored by its reward scheduler) run through the
-    real exchange on ``engine``, ``repeats`` capped at 8 polls' tokens and as many at 32 (after one
-    warming up); each round's seconds of polls less their slowest
-    replica's engine steps (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's
-    round and scoring) are fitted as ``polls x per poll + (adds + finishes) x per request``. Exchanged
-    in a tight loop, empty, without engine steps between, a poll took half as long as the job's."""
+    real exchange on ``engine``: ``repeats`` capped at 8 polls' tokens and as many at 32, after one
+    warming up. Each round's seconds of polls less their slowest replica's engine steps
+    (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's round and scoring) are
+    fitted as ``polls x per poll + (adds + finishes) x per request``. Exchanged empty in a tight loop,
+    without engine steps between, a poll took half as long as the job's."""
     import numpy as np
     from transformers import AutoTokenizer
 
