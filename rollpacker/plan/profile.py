@@ -87,7 +87,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
 
     from rollpacker.model import empty_model, load_model, read_args
     from rollpacker.plan.planner import candidate_tps
-    from rollpacker.rollout import ENGINES, build_engine, resolve_kind
+    from rollpacker.rollout import ENGINES, resolve_kind
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import SamplingParams
     from rollpacker.rollout.probe import decode_step_ms, measure_spec_cost, peak_flops
@@ -122,22 +122,9 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
             found["prefill_tok_s"][str(c)] = n * c / (slowest(_prefill_ms(engine, n, c, args.vocab_size, avoid)) / 1e3)
         return found
 
-    exchange_ms = functools.partial(_exchange_ms, config, meshes, model_dir=model_dir)
     kind = resolve_kind(config.engine.kind, device.type)
     if not ENGINES[kind].supports_tp_switch:  # the run's own engine at the run's TP: the planner cannot switch it
-        engine = build_engine(config.engine, model_dir, device, dtype, meshes.rollout_tp)
-        out["exchange_ms"], out["exchange_request_ms"] = exchange_ms(engine)
-        tp = meshes.rollout_tp.size()
-        shapes = empty_model(args, "meta", dtype)
-        entry = {"kv_capacity_tokens": engine.kv_capacity_tokens,
-                 "kv_bytes_per_token": 2 * args.num_layers * max(1, args.num_kv_heads // tp) * args.head_dim
-                 * dtype.itemsize,
-                 "weight_bytes": sum(p.numel() for p in shapes.parameters()) * dtype.itemsize // tp,
-                 **curves(engine)}
-        engine.shutdown()  # last: vLLM's destroys the default process group (the planner never gets here)
-        out["engine"] = kind
-        out["tp"][str(tp)] = entry
-        return out
+        return out | _own_engine(config, meshes, model_dir, dtype, kind, curves)
     weights = load_model(model_dir, device, dtype)
     for tp in candidate_tps(world, args.num_kv_heads, p.max_tp or node):
         meshes.set_rollout_tp(tp)
@@ -147,7 +134,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
                  "weight_bytes": sized.weight_bytes, "decode_ms": {}, "prefill_tok_s": {}}
         if tp == before:  # the run's own engine, as its rounds poll it
             sized.update_weights(weights.named_parameters())
-            out["exchange_ms"], out["exchange_request_ms"] = exchange_ms(sized)
+            out |= _exchange(config, meshes, sized, model_dir)
         del sized
         per_token = entry["kv_bytes_per_token"]
         probe = TorchEngine(empty_model(args, device, dtype), EngineConfig(
@@ -166,6 +153,24 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     return out
 
 
+def _own_engine(config, meshes, model_dir: Path, dtype, kind: str, curves) -> dict:
+    """The profile of the run's own engine (``kind``, one that cannot switch TP) at the run's TP."""
+    from rollpacker.model import empty_model, read_args
+    from rollpacker.rollout import build_engine
+
+    args, tp = read_args(model_dir), meshes.rollout_tp.size()
+    engine = build_engine(config.engine, model_dir, meshes.device, dtype, meshes.rollout_tp)
+    out = _exchange(config, meshes, engine, model_dir)
+    shapes = empty_model(args, "meta", dtype)
+    entry = {"kv_capacity_tokens": engine.kv_capacity_tokens,
+             "kv_bytes_per_token": 2 * args.num_layers * max(1, args.num_kv_heads // tp) * args.head_dim
+             * dtype.itemsize,
+             "weight_bytes": sum(p.numel() for p in shapes.parameters()) * dtype.itemsize // tp,
+             **curves(engine)}
+    engine.shutdown()  # last: vLLM's destroys the default process group (the planner never gets here)
+    return out | {"engine": kind, "tp": {str(tp): entry}}
+
+
 def _slowest(meshes, ms: float) -> float:
     """The slowest rank's time (collective): a replica is as fast as its slowest rank."""
     import torch
@@ -175,8 +180,9 @@ def _slowest(meshes, ms: float) -> float:
     return t.item()
 
 
-def _exchange_ms(config, meshes, engine, model_dir: Path, repeats: int = 3) -> tuple[float, float]:
-    """A poll's control exchange as the job makes it: ms per poll and ms per request added or finished.
+def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict[str, float]:
+    """A poll's control exchange as the job makes it: ``exchange_ms`` per poll and ``exchange_request_ms``
+    per request added or finished.
 
     Synchronous rounds of the run's P0 x R0 requests (its data's prompts, lengths forced from the
     long-tailed mixture of ``rollout.replay_lengths``, scored by its reward scheduler) run through the
@@ -221,7 +227,7 @@ def _exchange_ms(config, meshes, engine, model_dir: Path, repeats: int = 3) -> t
     if seen:
         counts, seconds = np.array([s[:2] for s in seen], dtype=float), np.array([s[2] for s in seen])
         fit = np.clip(np.linalg.lstsq(counts, seconds, rcond=None)[0], 0.0, None)
-    return _slowest(meshes, 1e3 * fit[0]), _slowest(meshes, 1e3 * fit[1])
+    return {"exchange_ms": _slowest(meshes, 1e3 * fit[0]), "exchange_request_ms": _slowest(meshes, 1e3 * fit[1])}
 
 
 def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:
