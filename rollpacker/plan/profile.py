@@ -25,6 +25,8 @@ import logging
 import os
 import statistics
 import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,19 +186,19 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
     """A poll's control exchange as the job makes it: ``exchange_ms`` per poll and ``exchange_request_ms``
     per request added or finished.
 
-    Synchronous rounds of the run's P0 x R0 requests (its data's prompts, lengths forced from the
-    long-tailed mixture of ``rollout.replay_lengths``, scored by its reward scheduler) run through the
-    real exchange on ``engine``: ``repeats`` capped at 8 polls' tokens and as many at 32, after one
-    warming up. Each round's seconds of polls less their slowest replica's engine steps
-    (:class:`~rollpacker.metrics.Phases`: the command, the reports, rank 0's round and scoring) are
-    fitted as ``polls x per poll + (adds + finishes) x per request``. Exchanged empty in a tight loop,
-    without engine steps between, a poll took half as long as the job's."""
+    Synchronous rounds of the run's P0 x R0 requests (its data's prompts, scored by its reward
+    scheduler, lengths forced evenly over 1..cap so they finish poll after poll, as a run's do) run
+    through the real exchange on ``engine``: ``repeats`` capped at 32 polls' tokens (or
+    ``rollout.max_new_tokens``) and as many at a quarter of that, after one warming up. Each round's
+    seconds of polls less their slowest replica's engine steps (:class:`~rollpacker.metrics.Phases`:
+    the command, the reports, rank 0's round and scoring) are fitted as ``polls x per poll + (adds +
+    finishes) x per request``. Exchanged empty in a tight loop, without engine steps between, a poll
+    took half as long as the job's."""
     import numpy as np
     from transformers import AutoTokenizer
 
     from rollpacker.controller import encode, reward_scheduler
     from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
-    from rollpacker.data.lengths import LengthReplay
     from rollpacker.exchange import RoundLeader, run_round
     from rollpacker.rollout.engine import SamplingParams
     from rollpacker.schedule.sync import SyncPolicy
@@ -207,16 +209,16 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
     def prompt(row: dict) -> list[int]:
         return encode(tokenizer, config, row["prompt"])
 
+    long = min(32 * r.poll_steps, r.max_new_tokens)  # what the run's rows fit in
     rows = fit_rows(load_rows(config.data)[:4 * r.num_prompts], prompt, engine.max_model_len,
-                    engine.kv_capacity_tokens, 32 * r.poll_steps)
+                    engine.kv_capacity_tokens, long)
     scorer = reward_scheduler(config, tokenizer, meshes.device) if rank0 else None
     seen = []  # (polls, requests added and finished, seconds)
-    for i, polls in enumerate([8] + [8, 32] * repeats):
+    for i, cap in enumerate([long // 4] * 2 + [long] + [long // 4, long] * (repeats - 1)):
         policy = SyncPolicy(PromptSampler(len(rows), i), r.num_prompts, r.group_size)
-        cap = polls * r.poll_steps
         sampling = SamplingParams(max_new_tokens=cap, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         leader = RoundLeader(policy=policy, rows=rows, encode=prompt, rewards=scorer, sampling=sampling,
-                             lengths=LengthReplay(i, cap))
+                             lengths=_Spread(cap))
         result = run_round(meshes, engine, r.poll_steps, leader.round(i, policy.start_round(i)) if rank0 else None)
         if result is not None and i:
             seen.append((len(result.running_trace) + 1, 2 * result.num_launched,  # the final command's poll too
@@ -228,6 +230,17 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
         counts, seconds = np.array([s[:2] for s in seen], dtype=float), np.array([s[2] for s in seen])
         fit = np.clip(np.linalg.lstsq(counts, seconds, rcond=None)[0], 0.0, None)
     return {"exchange_ms": _slowest(meshes, 1e3 * fit[0]), "exchange_request_ms": _slowest(meshes, 1e3 * fit[1])}
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """Forced response lengths (:attr:`~rollpacker.exchange.RoundLeader.lengths`) spread evenly over
+    1..``cap`` by request id."""
+
+    cap: int
+
+    def turn(self, turn, row: int) -> int:
+        return 1 + zlib.crc32(turn.id.encode()) % self.cap
 
 
 def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]) -> float:

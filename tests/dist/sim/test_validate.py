@@ -1,14 +1,11 @@
 """``python -m rollpacker.sim validate`` end to end on a tiny compute-bound run: profile, runs (one speculative),
-simulation, each phase beside the run's, and the simulator within a bound of the plain run."""
+simulation, each phase beside the run's; and a small sync job, the simulator within a bound of it."""
 
 import json
 import subprocess
 import sys
 
 import pytest
-
-BOUND = 0.3
-"""The simulator's error on the tiny plain run (3 steps of 4 x 2 responses; 0.15 is the bar at full size)."""
 
 
 @pytest.mark.slow  # a benchmark: profile, two runs, simulation
@@ -40,7 +37,6 @@ def test_validate_profiles_runs_and_simulates(tmp_path):
         errors.append((abs(s / m - 1), 5e-5 * (1 + s / m) / m + 5e-5))  # the figures are rounded to 4 decimals
     error, rounding = max(errors)
     assert abs(figures["sim_max_rel_error"] - error) <= rounding
-    assert errors[0][0] <= BOUND, proc.stdout[-3000:]  # the plain run: prefill, decode and exchange as profiled
     assert figures["spread_max"] == 0 and figures["loaded"] == (figures["other_cores_max"] > 0.25)
     assert "compute   tail" in proc.stdout and "$ -m torch.distributed.run" in proc.stdout
 
@@ -48,3 +44,22 @@ def test_validate_profiles_runs_and_simulates(tmp_path):
     assert again.returncode == 0, again.stderr[-4000:]
     assert "$ " not in again.stdout
     assert json.loads(again.stdout.strip().splitlines()[-1]) == figures
+
+
+BOUND = 0.25
+"""The simulator's error on a small sync job (0.15 is the bar at full size, where one step weighs less)."""
+
+
+@pytest.mark.slow  # a benchmark: profile, three runs, simulation
+def test_validate_holds_the_simulator_within_a_bound_of_a_small_sync_job(tmp_path):
+    small = ["--rollout.num-prompts", "8", "--rollout.group-size", "4", "--rollout.max-new-tokens", "128",
+             "--plan.profile-batches", "1", "8", "32", "--plan.profile-contexts", "32", "128",
+             "--plan.profile-steps", "5"]
+    cmd = [sys.executable, "-m", "rollpacker.sim", "validate", "--regimes", "compute", "--policies", "sync",
+           "--spec-policies", "--num-steps", "6", "--work-dir", str(tmp_path), "--", *small]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    if figures["loaded"]:
+        pytest.skip(f"other processes kept {figures['other_cores_max']} cores busy: the error is not the simulator's")
+    assert figures["sim_max_rel_error"] <= BOUND, proc.stdout[-3000:]
