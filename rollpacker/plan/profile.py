@@ -188,8 +188,9 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
 
     Synchronous rounds of the run's P0 x R0 requests (its data's prompts, scored by its reward
     scheduler, lengths forced evenly over 1..cap so they finish poll after poll, as a run's do) run
-    through the real exchange on ``engine``: ``repeats`` capped at 32 polls' tokens (or
-    ``rollout.max_new_tokens``) and as many at a quarter of that, after one warming up. Each round's
+    through the real exchange on ``engine``, ``repeats`` times each of: capped at 32 polls' tokens (or
+    ``rollout.max_new_tokens``), at a quarter of that, and at a quarter with a quarter of the prompts
+    (so polls and requests vary apart), after one round warming up. Each round's
     seconds of polls less their slowest replica's engine steps (:class:`~rollpacker.metrics.Phases`:
     the command, the reports, rank 0's round and scoring) are fitted as ``polls x per poll + (adds +
     finishes) x per request``. Exchanged empty in a tight loop, without engine steps between, a poll
@@ -214,8 +215,9 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
                     engine.kv_capacity_tokens, long)
     scorer = reward_scheduler(config, tokenizer, meshes.device) if rank0 else None
     seen = []  # (polls, requests added and finished, seconds)
-    for i, cap in enumerate([long // 4] * 2 + [long] + [long // 4, long] * (repeats - 1)):
-        policy = SyncPolicy(PromptSampler(len(rows), i), r.num_prompts, r.group_size)
+    shapes = [(long // 4, r.num_prompts), (long, r.num_prompts), (long // 4, max(1, r.num_prompts // 4))]
+    for i, (cap, prompts) in enumerate(shapes[:1] + shapes * repeats):  # polls and requests vary apart
+        policy = SyncPolicy(PromptSampler(len(rows), i), prompts, r.group_size)
         sampling = SamplingParams(max_new_tokens=cap, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
         leader = RoundLeader(policy=policy, rows=rows, encode=prompt, rewards=scorer, sampling=sampling,
                              lengths=_Spread(cap))
@@ -228,7 +230,10 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
     fit = np.zeros(2)
     if seen:
         counts, seconds = np.array([s[:2] for s in seen], dtype=float), np.array([s[2] for s in seen])
-        fit = np.clip(np.linalg.lstsq(counts, seconds, rcond=None)[0], 0.0, None)
+        fit = np.linalg.lstsq(counts, seconds, rcond=None)[0]
+        if fit.min() < 0:  # one term alone, the other 0 (the better of the two)
+            alone = [np.eye(2)[j] * seconds.sum() / counts[:, j].sum() for j in (0, 1)]
+            fit = min(alone, key=lambda f: float(((counts @ f - seconds) ** 2).sum()))
     return {"exchange_ms": _slowest(meshes, 1e3 * fit[0]), "exchange_request_ms": _slowest(meshes, 1e3 * fit[1])}
 
 
