@@ -112,7 +112,7 @@ class Phases:
         self.exchange += max(0.0, wall - prefill - decode)
 
     def metrics(self) -> dict[str, float]:
-        return {f"rollout/phase_{name}_s": value for name, value in dataclasses.asdict(self).items()}
+        return {f"rollout/{name}_seconds": value for name, value in dataclasses.asdict(self).items()}
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:

@@ -289,7 +289,7 @@ def measured_phases(job: Measured) -> tuple[float, dict[str, float]]:
     """A measured job's seconds per step (rollout and exposed reward) and its :func:`phase_seconds`."""
     steps = [r for r in job.records if "time/rollout" in r]
     totals = [r["time/rollout"] + r["time/reward"] for r in steps]
-    return rollout_per_step(totals), phase_seconds(totals, [{n: r.get(f"rollout/phase_{n}_s", 0.0) for n in PHASES}
+    return rollout_per_step(totals), phase_seconds(totals, [{n: r.get(f"rollout/{n}_seconds", 0.0) for n in PHASES}
                                                             for r in steps])
 
 

@@ -31,7 +31,7 @@ def test_a_poll_is_its_slowest_replicas_steps_and_the_rest_exchange_or_idle_when
     phases.add(0.5, [(0.0, 0.0)])  # nothing stepped (environments, or the final command)
     phases.add(0.1, [(0.0, 0.2)])  # a step longer than the poll's wall clock: no negative exchange
     assert (phases.prefill, phases.decode, phases.exchange, phases.idle) == pytest.approx((0.0, 0.8, 0.4, 0.5))
-    assert set(phases.metrics()) == {f"rollout/phase_{n}_s" for n in ("prefill", "decode", "exchange", "idle")}
+    assert set(phases.metrics()) == {f"rollout/{n}_seconds" for n in ("prefill", "decode", "exchange", "idle")}
 
 
 def test_a_rounds_phases_count_the_step_after_adds_as_prefill(monkeypatch):

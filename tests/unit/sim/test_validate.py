@@ -109,8 +109,8 @@ def test_validate_compares_the_median_of_the_repeats_and_says_when_the_machine_w
     from rollpacker.sim import validate
 
     def run(seconds: float, other_cores: float) -> validate.Measured:
-        steps = [{"time/rollout": seconds, "time/reward": 0.0, "rollout/phase_decode_s": seconds - 0.25,
-                  "rollout/phase_exchange_s": 0.25} for _ in range(3)]
+        steps = [{"time/rollout": seconds, "time/reward": 0.0, "rollout/decode_seconds": seconds - 0.25,
+                  "rollout/exchange_seconds": 0.25} for _ in range(3)]
         return validate.Measured(["--seed", "0"], steps, {}, other_cores)
 
     runs = iter([run(2.0, 0.0), run(1.0, 0.5), run(1.5, 0.1)])
