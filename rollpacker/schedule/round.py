@@ -316,24 +316,6 @@ class Scorer(Protocol):
 
 
 @dataclass
-class InstantScorer:
-    """Every response scored the moment it is submitted, by ``reward(row, output)`` (the simulator's
-    scorer, and the profile's round)."""
-
-    reward: Callable[[int, Any], float | None]
-    done: list[tuple[str, float | None]] = field(default_factory=list)
-
-    def submit(self, key: str, row: int, output: Any) -> None:
-        self.done.append((key, self.reward(row, output)))
-
-    def poll(self) -> list[tuple[str, float | None]]:
-        done, self.done = self.done, []
-        return done
-
-    wait = poll
-
-
-@dataclass
 class Seen:
     """What a driver observed since its last poll."""
 

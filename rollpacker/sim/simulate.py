@@ -28,7 +28,7 @@ from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
-from rollpacker.schedule.round import Actions, InstantScorer, Round, RoundOutcome, RoundState, Seen
+from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.tail import TailConfig
@@ -222,10 +222,27 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
                                    obs_tokens=env_workload.obs_tokens, max_new_tokens=max_new_tokens,
                                    max_tokens=env_workload.max_tokens, clock=clock, resident=env_workload.resident)
     runner = EpisodeRunner(make, seed=seed, environment=env_workload is not None)
-    rnd = Round(RoundState(step, plan, policy, len(replicas)), InstantScorer(reward), runner,
+    rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), runner,
                 StreamRound(stream) if stream else None)
     sim = _SimRound(step, plan, rnd, replicas, poll, env or SimEnvPool(env_workload or EpisodeWorkload(), row_key))
     return sim.run()
+
+
+@dataclass
+class _Instant:
+    """The simulator's scorer: every response scored the moment it is submitted."""
+
+    reward: Callable[[int, Seq], float | None]
+    done: list[tuple[str, float | None]] = field(default_factory=list)
+
+    def submit(self, key: str, row: int, output: Seq) -> None:
+        self.done.append((key, self.reward(row, output)))
+
+    def poll(self) -> list[tuple[str, float | None]]:
+        done, self.done = self.done, []
+        return done
+
+    wait = poll
 
 
 @dataclass
