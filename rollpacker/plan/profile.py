@@ -215,7 +215,8 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
                     engine.kv_capacity_tokens, long)
     scorer = reward_scheduler(config, tokenizer, meshes.device) if rank0 else None
     seen = []  # (polls, requests added and finished, seconds)
-    shapes = [(long // 4, r.num_prompts), (long, r.num_prompts), (long // 4, max(1, r.num_prompts // 4))]
+    short = max(1, long // 4)
+    shapes = [(short, r.num_prompts), (long, r.num_prompts), (short, max(1, r.num_prompts // 4))]
     for i, (cap, prompts) in enumerate(shapes[:1] + shapes * repeats):  # polls and requests vary apart
         policy = SyncPolicy(PromptSampler(len(rows), i), prompts, r.group_size)
         sampling = SamplingParams(max_new_tokens=cap, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
