@@ -78,14 +78,16 @@ def sample(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: 
     """Inverse-CDF sampling of one token per row with top-k/top-p truncation. logprobs: [B, V];
     top_k, top_p, u (the uniform draws): [B].
 
-    Rows are always walked in descending-probability order, truncated or not, so a row's token
-    depends on its own distribution and draw only, never on which other rows share the batch.
+    The truncation walks a row in descending-probability order; the draw walks the kept tokens in
+    vocabulary order. A row's probabilities differ in their last bits with what shares its batch,
+    which would reorder a near-uniform row's descending walk and move its draw to another token; in
+    vocabulary order they move the draw's boundaries by as much, so the token stays the same but
+    for a draw that far from a boundary.
     """
     vocab = logprobs.shape[1]
     probs, order = logprobs.exp().sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=probs.device)[None, :]
     before = probs.cumsum(-1) - probs  # mass strictly before each token
-    probs = probs * ((rank < top_k[:, None]) & ((before < top_p[:, None]) | (rank == 0)))
-    cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
-    return order.gather(1, idx).squeeze(1)
+    kept = probs * ((rank < top_k[:, None]) & ((before < top_p[:, None]) | (rank == 0)))
+    cdf = torch.zeros_like(kept).scatter_(1, order, kept).cumsum(-1)  # in vocabulary order
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1).squeeze(1)

@@ -460,3 +460,23 @@ def test_pytorchs_cuda_cache_is_emptied_before_vllm_takes_memory_back(monkeypatc
         engine.update_weights([("layers.0.mlp.up_proj.weight", torch.ones(2))])
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert not contract.free_cached_memory()  # CPU: nothing to empty
+
+
+def test_a_near_uniform_row_draws_the_same_token_when_its_probabilities_move_in_the_last_bits():
+    """What shares a row's batch moves its logits in the last bits. On a near-uniform row (the toy model far
+    past its training contexts) that reorders a descending-probability walk, and most draws land on another
+    token; walked in vocabulary order, the draws stay. The truncation and the frequencies are top-k/top-p's."""
+    from rollpacker.rollout.torch_engine.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 256, 256
+    logits = torch.randn(rows, vocab, generator=g) * 1e-3
+    moved = logits + torch.randn(rows, vocab, generator=g) * 1e-6
+    u, everything = torch.rand(rows, generator=g), (torch.full((rows,), vocab), torch.ones(rows))
+    drawn = sample(torch.log_softmax(logits, -1), *everything, u)
+    assert torch.equal(drawn, sample(torch.log_softmax(moved, -1), *everything, u))
+    assert len(set(drawn.tolist())) > vocab // 2  # the draws spread over the row
+    peaked = torch.log_softmax(torch.tensor([[0.0, 3.0, 2.0, 1.0, 2.9]]), -1).expand(20000, 5)
+    draws = sample(peaked, torch.full((20000,), 2), torch.full((20000,), 0.99), torch.rand(20000, generator=g))
+    share = (draws == 1).float().mean().item()
+    assert set(draws.tolist()) == {1, 4} and abs(share - 1 / (1 + torch.e ** -0.1)) < 0.01  # the top two, renormalized
