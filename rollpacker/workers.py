@@ -13,7 +13,8 @@ worker becomes (``_lost``); results go to :meth:`poll` and :meth:`drain` through
 
 Workers ignore the job's stop signals (SIGTERM, SIGINT, SIGUSR1: :mod:`rollpacker.preempt`): the
 step in progress must finish with live workers, and the pool stops them after it. They are spawned
-with those signals blocked, so none slips in before they ignore it, and die with their parent.
+with those signals blocked, so none slips in before they ignore it. They unwind when their parent
+dies (RETIRE is their parent-death signal), and are killed if that does not end them.
 A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.resource_tracker
@@ -50,10 +52,18 @@ def ignore_stops(parent: int) -> None:
     for sig in STOP_SIGNALS:  # the trainer's to handle: it stops after the step, then closes the pool
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the spawning thread: pending ones drop
-    signal.signal(RETIRE, lambda *_: sys.exit(1))  # unwinds a sandbox run, which kills its sandbox
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    signal.signal(RETIRE, _retired)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, RETIRE, 0, 0, 0)
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
+
+
+def _retired(*_) -> None:
+    """RETIRE (the pool's, or its process's death): unwind, so a sandbox run kills its sandbox and an environment
+    worker closes its environments; SIGALRM's default kills the worker ``STOP_GRACE`` seconds on if that hangs
+    (no pool is left to SIGKILL it when its process died)."""
+    signal.alarm(math.ceil(STOP_GRACE))
+    sys.exit(1)
 
 
 def leaving() -> None:

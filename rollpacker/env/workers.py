@@ -12,7 +12,8 @@ A call that raises, returns something the contract does not allow
 comes back with ``error`` naming the environment, the episode's row and the cause, once; the
 environment is dropped, and closing it later is a no-op. Episodes whose environments lived on a
 killed worker lose them too: their next step comes back with an error saying why. Nothing is
-retried here: the caller decides (``env.on_error``).
+retried here: the caller decides (``env.on_error``). A worker that stops (the pool closed, the
+worker replaced, the job's process gone) closes the environments it still holds first.
 
 A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
 """
@@ -23,6 +24,7 @@ import collections
 import multiprocessing as mp
 import multiprocessing.connection
 import pickle
+import sys
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -129,6 +131,11 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
         return
     finally:
         leaving()
+        for env in envs.values():  # stopped, replaced or orphaned: every environment made is closed
+            try:
+                contract.close(env)
+            except Exception as e:  # noqa: BLE001  (the user's close: one that fails must not keep the others open)
+                print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None, Any]:
@@ -160,7 +167,7 @@ def _state(spec: EnvSpec, env) -> Any:
 
 class EnvPool(WorkerPool):
     """``env.num_workers`` environment workers (see the module docstring). Use as a context manager, or
-    call :meth:`close`: it stops every worker and the environments in them (their ``close`` is not called)."""
+    call :meth:`close`: it stops every worker, each closing the environments it still holds."""
 
     _name = "env"
     _unfinished = "calls still unanswered"

@@ -3,7 +3,11 @@ tools in the workers, and environments that hang, raise, return garbage or canno
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -165,3 +169,83 @@ def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
     assert opened.error == "slow.py:make_env: episode 'e' (row 'r'): timed out after 3 s (env.timeout); its worker " \
                            "was replaced"
     assert closed.error is None
+
+
+TRACKED_ENV = '''
+import os
+import uuid
+from pathlib import Path
+
+
+class Env:
+    def __init__(self, row):
+        self.name = f"{row['id']}-{uuid.uuid4().hex[:8]}"
+        (Path(os.environ["ENV_LOG"]) / f"made-{self.name}").write_text(str(os.getpid()))
+
+    def reset(self, *, seed, options):
+        return None, {}
+
+    def step(self, action):
+        return "obs", None, False, False, {}
+
+    def close(self):
+        (Path(os.environ["ENV_LOG"]) / f"closed-{self.name}").touch()
+
+
+def make_env(row):
+    return Env(row)
+'''
+
+ORPHAN = '''
+import os, signal, sys
+from rollpacker.env.config import EnvConfig
+from rollpacker.env.workers import EnvPool
+
+if __name__ == "__main__":
+    pool = EnvPool(EnvConfig(factory="tracked.py:make_env", num_workers=2))
+    for key in ("a", "b", "c"):
+        pool.open_episode(key, {"id": key}, 0)
+    pool.drain(60)
+    os.kill(os.getpid(), signal.SIGKILL)  # the job's process dies with environments open
+'''
+
+
+def _made_and_closed(log) -> tuple[set[str], set[str], set[int]]:
+    made = {p.name.removeprefix("made-") for p in log.glob("made-*")}
+    return made, {p.name.removeprefix("closed-") for p in log.glob("closed-*")}, \
+        {int(p.read_text()) for p in log.glob("made-*")}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return b"multiprocessing" not in open(f"/proc/{pid}/cmdline", "rb").read()  # noqa: SIM115
+    except OSError:
+        return True
+
+
+def test_every_environment_made_is_closed_when_the_pool_stops_or_its_process_dies(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tracked.py").write_text(textwrap.dedent(TRACKED_ENV))
+    for name in ("pool", "orphan"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setenv("ENV_LOG", str(tmp_path / "pool"))
+    with EnvPool(EnvConfig(factory="tracked.py:make_env", num_workers=2)) as pool:
+        for key in ("a", "b", "c"):
+            pool.open_episode(key, {"id": key}, 0)
+        pool.drain(60)
+        pool.close_episode("a")  # one closed by its episode, two open when the pool stops
+        pool.drain(60)
+    made, closed, _ = _made_and_closed(tmp_path / "pool")
+    assert len(made) == 3 and closed == made
+
+    (tmp_path / "orphan.py").write_text(textwrap.dedent(ORPHAN))
+    proc = subprocess.run([sys.executable, "orphan.py"], env={**os.environ, "ENV_LOG": str(tmp_path / "orphan")},
+                          timeout=120)
+    assert proc.returncode == -9
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        made, closed, pids = _made_and_closed(tmp_path / "orphan")
+        if closed == made and all(map(_gone, pids)):
+            break
+        time.sleep(0.1)
+    assert len(made) == 3 and closed == made and pids and all(map(_gone, pids))
