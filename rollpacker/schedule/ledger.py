@@ -30,15 +30,16 @@ class Ledger:
             self.queue.remove(key)
         self.state[key] = "in_flight"
 
-    def settle(self, key: Key, state: str) -> None:
-        """An in-flight prompt ends the round ``state``: trained, filtered or deferred (queued last)."""
+    def settle(self, key: Key, state: str, *, front: bool = False) -> None:
+        """An in-flight prompt ends the round ``state``: trained, filtered or deferred (queued last; ``front``:
+        first)."""
         if state not in STATES[1:]:
             raise ValueError(f"ledger: unknown state {state!r}")
         if self.state.get(key) != "in_flight":
             raise ValueError(f"ledger: prompt {key} is {self.state.get(key, 'not drawn')}, not in flight")
         self.state[key] = state
         if state == "deferred":
-            self.queue.append(key)
+            self.queue.appendleft(key) if front else self.queue.append(key)
 
     def counts(self) -> Counter:
         return Counter(self.state.values())

@@ -2,13 +2,16 @@
 
 A short round launches ⌈η_P·P0⌉ fresh prompts with ⌈η_R·R0⌉ responses each. It keeps each
 prompt's first R0 responses and the first P0 prompts to complete; the rest go to the long-prompt
-queue. Once the queue holds P0 prompts, a long round runs the oldest P0 to completion, R0 each.
+queue. Once the queue holds ⌈η_L·P0⌉ prompts, a long round launches the oldest of them, R0 each,
+and keeps the first P0 to complete (the paper's η_L = 1: all to completion); the rest go back to
+the front of the queue.
 
 Invariants:
 
 - On-policy: a deferred prompt's responses are thrown away, and its long round generates afresh.
 - A filtered prompt (``filter_zero_variance``) does not count towards P0: a fresh one replaces it.
-- Nothing waits forever: the queue is flushed at the last epoch and at the run's last step.
+- Nothing waits forever: the queue is flushed at the last epoch and at the run's last step (a long
+  round that holds the whole queue, or the run's last, keeps every prompt it launched).
 - Every prompt is in exactly one state of the :class:`~rollpacker.schedule.ledger.Ledger`, saved
   with the sampler in the checkpoint.
 
@@ -34,8 +37,10 @@ from rollpacker.schedule.base import (
 )
 from rollpacker.schedule.ledger import Key, Ledger
 
-PAPER_ETA_RESPONSES = 1.25
-"""η_R of single-turn responses (RollPacker's default)."""
+PAPER_ETA_PROMPTS = PAPER_ETA_RESPONSES = 1.25
+"""η_P and η_R of single-turn responses (RollPacker's defaults)."""
+EPISODES_ETA_PROMPTS = EPISODES_ETA_LONG = 2.0
+"""η_P and η_L of episodes (bench episodes: docs/results.md)."""
 
 
 @dataclass(kw_only=True)
@@ -43,30 +48,40 @@ class TailConfig(PolicyConfig):
     """tail: RollPacker's tail batching, speculative short rounds and a long-prompt queue."""
 
     name: ClassVar[str] = "tail"
-    eta_prompts: float = 1.25
-    """η_P: short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation)."""
+    eta_prompts: float | None = None
+    """η_P: short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation). None: 1.25 (the paper's), but 2 for
+    episodes, whose cost varies far more between prompts (docs/policies.md, bench episodes)."""
     eta_responses: float | None = None
     """η_R: short rounds launch ⌈η_R·R0⌉ responses per prompt, keep the first R0 (1 = no response speculation).
     None: 1.25 (the paper's), but 1 for episodes: keeping a group's first episodes teaches an agent to avoid
     its slow actions (docs/policies.md, bench parity)."""
+    eta_long: float | None = None
+    """η_L: long rounds launch ⌈η_L·P0⌉ of the queue's prompts and keep the first P0 to complete (1: the paper's,
+    all to completion). None: 1, but 2 for episodes, whose heavy prompts are heavy by their own draws too
+    (docs/policies.md, bench episodes)."""
     pipe: bool = False
     """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
 
     def __post_init__(self) -> None:
-        if self.eta_prompts < 1 or (self.eta_responses is not None and self.eta_responses < 1):
-            raise ValueError(f"schedule.eta_prompts={self.eta_prompts} and schedule.eta_responses="
-                             f"{self.eta_responses} must be >= 1")
+        if min(self.eta_prompts or 1, self.eta_responses or 1, self.eta_long or 1) < 1:
+            raise ValueError(f"schedule.eta_prompts={self.eta_prompts}, schedule.eta_responses={self.eta_responses} "
+                             f"and schedule.eta_long={self.eta_long} must be >= 1")
 
     def settle(self, episodes: bool) -> None:
+        if self.eta_prompts is None:
+            self.eta_prompts = EPISODES_ETA_PROMPTS if episodes else PAPER_ETA_PROMPTS
         if self.eta_responses is None:
             self.eta_responses = 1.0 if episodes else PAPER_ETA_RESPONSES
+        if self.eta_long is None:
+            self.eta_long = EPISODES_ETA_LONG if episodes else 1.0
 
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> TailPolicy:
         """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
         eta_responses = PAPER_ETA_RESPONSES if self.eta_responses is None else self.eta_responses
-        return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts,
-                          eta_responses=eta_responses, filter_zero_variance=self.filter_zero_variance,
+        return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts or PAPER_ETA_PROMPTS,
+                          eta_responses=eta_responses, eta_long=self.eta_long or 1.0,
+                          filter_zero_variance=self.filter_zero_variance,
                           num_epochs=num_epochs, last_step=last_step)
 
 
@@ -83,10 +98,10 @@ class TailPolicy(QueuedPolicy):
     name = "tail"
 
     def __init__(self, sampler, num_prompts: int, group_size: int, *, eta_prompts: float = 1.25,
-                 eta_responses: float = PAPER_ETA_RESPONSES, filter_zero_variance: bool = False, num_epochs: int = 0,
-                 last_step: int | None = None):
+                 eta_responses: float = PAPER_ETA_RESPONSES, eta_long: float = 1.0, filter_zero_variance: bool = False,
+                 num_epochs: int = 0, last_step: int | None = None):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
-        self.eta_prompts, self.eta_responses = eta_prompts, eta_responses
+        self.eta_prompts, self.eta_responses, self.eta_long = eta_prompts, eta_responses, eta_long
         self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
         self.ledger = Ledger()
         self.slots: list[_Launched] = []
@@ -102,10 +117,12 @@ class TailPolicy(QueuedPolicy):
         left = remaining(self.sampler, self.num_epochs)
         queue = self.ledger.queue
         self.step, self.slots = step, []
-        if len(queue) >= self.num_prompts or queue and (left == 0 or step == self.last_step):
-            n = len(queue) if step == self.last_step else min(len(queue), self.num_prompts)
+        long = math.ceil(self.eta_long * self.num_prompts)
+        if len(queue) >= long or queue and (left == 0 or step == self.last_step):
+            n = len(queue) if step == self.last_step else min(len(queue), long)
             keys = [queue[i] for i in range(n)]
-            self.target, responses, kind = n, self.group_size, "long"
+            flush = step == self.last_step or n == len(queue) and left == 0
+            self.target, responses, kind = n if flush else min(n, self.num_prompts), self.group_size, "long"
         else:
             launch = math.ceil(self.eta_prompts * self.num_prompts)
             keys = self.sampler.draw(launch if left is None else min(launch, left))
@@ -154,19 +171,19 @@ class TailPolicy(QueuedPolicy):
         return decision
 
     def end_round(self, aborted: list[Any]) -> list[Group]:
-        groups, deferred = [], 0
+        groups, long = [], self.round.kind == "long"
         for p in self.slots:
-            if p.state == "running":
-                self.ledger.settle(p.key, "deferred")
-                deferred += 1
-            elif p.state == "filtered":
-                self.ledger.settle(p.key, "filtered")
-            else:
+            if p.state == "complete":
                 self.ledger.settle(p.key, "trained")
                 groups.append(p.group)
-        if self.round.kind == "long" and deferred:
-            raise AssertionError("tail: a long round ended with prompts still running")
-        self._stats |= {"deferred": deferred, "long_queue_len": len(self.ledger.queue),
+            elif p.state == "filtered":
+                self.ledger.settle(p.key, "filtered")
+        deferred = [p.key for p in self.slots if p.state == "running"]
+        for key in reversed(deferred) if long else deferred:  # a long round's go back to the front, oldest first
+            self.ledger.settle(key, "deferred", front=long)
+        if long and len(deferred) > len(self.slots) - self.target:
+            raise AssertionError("tail: a long round deferred prompts it had to keep")
+        self._stats |= {"deferred": len(deferred), "long_queue_len": len(self.ledger.queue),
                         "epoch": self.sampler.epoch}
         self.slots = []
         return groups

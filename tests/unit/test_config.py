@@ -61,7 +61,7 @@ def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
 def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     tail = parse(["--seed", "3", "schedule:tail", "--schedule.eta-prompts", "1.5", "--num-steps", "4"])
     assert (tail.policy, tail.schedule, tail.seed, tail.num_steps) == (
-        "tail", TailConfig(eta_prompts=1.5, eta_responses=1.25), 3, 4)
+        "tail", TailConfig(eta_prompts=1.5, eta_responses=1.25, eta_long=1.0), 3, 4)
     assert parse(["schedule:sorted-partial", "--train.rollout-correction", "token_tis"]).policy == "sorted_partial"
     with pytest.raises(SystemExit, match=r"schedule.eta_prompts does not apply to policy sync \(it is a setting "
                                          r"of tail\)"):
@@ -69,7 +69,7 @@ def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
     preset = tmp_path / "tail.toml"
     preset.write_text('[schedule]\npolicy = "tail"\neta_responses = 2.0\n')
     assert parse(["--preset", str(preset), "--schedule.eta-prompts", "1.5"]).schedule == TailConfig(
-        eta_prompts=1.5, eta_responses=2.0)  # a --schedule flag alone applies to the preset's policy
+        eta_prompts=1.5, eta_responses=2.0, eta_long=1.0)  # a --schedule flag alone applies to the preset's policy
     preset.write_text('[schedule]\npolicy = "sorted"\neta_prompts = 2.0\n')
     with pytest.raises(ValueError, match="schedule.eta_prompts does not apply to policy sorted"):
         load_preset(str(preset))

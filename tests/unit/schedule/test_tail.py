@@ -98,6 +98,26 @@ def test_queue_grows_until_p0_then_a_long_round_takes_the_oldest_p0_without_spec
     assert policy.ledger.counts() == Counter(trained=20)
 
 
+def test_an_over_provisioned_long_round_keeps_its_first_p0_and_requeues_the_rest_in_front_oldest_first():
+    policy = tail(num_rows=12, p0=2, r0=2, eta_prompts=2, eta_long=2, num_epochs=1)
+    for step in range(2):  # short rounds launch 4, keep 2, defer 2
+        rnd, groups, _, _ = play(policy, step, lambda row, k: 1000 + row + k)
+        assert rnd.kind == "short" and len(groups) == 2
+    queue = list(policy.ledger.queue)
+    assert len(queue) == 4
+    # the queue's two newest finish first: the long round keeps them, the two oldest go back in front, in order
+    rnd, groups, _, aborted = play(policy, 2, lambda row, k: -[r for _, r in queue].index(row))
+    assert rnd.kind == "long" and rnd.prompts == [r for _, r in queue] and rnd.keep == 2
+    assert [(g.epoch, g.prompt) for g in groups] == queue[2:] and len(aborted) == 4
+    assert list(policy.ledger.queue) == queue[:2] and policy.stats()["sched/deferred"] == 2
+    step = 3
+    while not policy.done():  # the epoch's end flushes: every prompt trained once
+        play(policy, step, lambda row, k: row + k)
+        step += 1
+        assert step < 50
+    assert policy.ledger.rows(0, "trained") == list(range(12)) and not policy.ledger.queue
+
+
 def test_epoch_limit_trains_every_prompt_exactly_once_and_flushes_the_queue():
     num_rows, policy = 22, tail(num_rows=22, p0=4, r0=2, num_epochs=2)
     step = 0
@@ -172,13 +192,16 @@ def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
 
 def test_episodes_default_to_no_choice_inside_a_group_and_the_papers_rule_stays_a_flag():
     """Keeping a group's first episodes biases an agent against its slow actions (bench parity): with an
-    environment, tail's η_R defaults to 1 (prompts still over-provisioned and deferred whole)."""
+    environment, tail's η_R defaults to 1 (prompts still over-provisioned and deferred whole, η_P and η_L 2:
+    bench episodes)."""
     from rollpacker.config import parse
 
     tools = ["--env.tools", "rollpacker.toy.tools:calculator"]
     assert parse(["schedule:tail", *tools]).schedule.eta_responses == 1.0
     assert parse(["schedule:tail", *tools, "--schedule.eta-responses", "1.25"]).schedule.eta_responses == 1.25
     assert parse(["schedule:tail"]).schedule.eta_responses == 1.25
+    episodes, single = parse(["schedule:tail", *tools]).schedule, parse(["schedule:tail"]).schedule
+    assert (episodes.eta_prompts, episodes.eta_long, single.eta_prompts, single.eta_long) == (2.0, 2.0, 1.25, 1.0)
 
 
 def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
