@@ -1,10 +1,11 @@
 """``python -m rollpacker.bench episodes``: RollPacker over multi-turn episodes, side by side in one run.
 
-Each run is the 2-rank toy job with a toy environment (:class:`HeavyTailEnv`): heavy-tailed turn
-counts and a replayed latency per environment step, over one epoch of the same prompts. It runs
-under each of ``--policies`` (default ``sync``, ``tail``, ``tail+stream``, ``one_step_off``). Per
-policy it prints rollout and step seconds per trained prompt and their speedups, environment wait,
-reused prefill, and prompts lost or trained twice. The last line is JSON.
+Each run is the 2-rank toy job with a toy environment (:class:`WorkloadEnv`) shaped as ``--workload``
+(:mod:`rollpacker.sim.agentic`; agentic by default): heavy-tailed turns, environment latency and cold
+starts, over one epoch of the same prompts. It runs under each of ``--policies`` (default ``sync``,
+``tail``, ``tail+stream``, ``one_step_off``) for each of ``--seeds``. Per seed and policy it prints
+rollout and step seconds per trained prompt and their speedups, environment wait, reused prefill, and
+prompts lost or trained twice. The last line is JSON: the seeds' mean speedups, summed counts.
 
 Invariants:
 
@@ -19,65 +20,98 @@ The environment and the keys: ``docs/benchmarks.md``; the figures: ``docs/result
 from __future__ import annotations
 
 import json
-import random
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import zlib
+import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollpacker.sim.episodes import latency_sampler
-
 PROG = "python -m rollpacker.bench episodes"
 
 
-class HeavyTailEnv:
-    """The toy task over heavy-tailed turns with replayed step latency (the module docstring)."""
+class WorkloadEnv:
+    """The toy task over a workload's turns and latencies (:mod:`rollpacker.sim.agentic`): each answer but the
+    last gets the problem again; the reward is the toy task's score of the last answer."""
 
-    def __init__(self, row: dict, *, latency: str, alpha: float, max_turns: int):
+    def __init__(self, row: dict, workload, log: str = ""):
         from rollpacker.toy.task import PROMPT_PREFIX, PROMPT_SUFFIX
 
-        self.id, self.answer = row["id"], row["answer"]
+        self.row, self.answer, self.workload = str(row["id"]), row["answer"], workload
         self.problem = row["prompt"].removeprefix(PROMPT_PREFIX).removesuffix(PROMPT_SUFFIX)
-        self.base = min(max_turns, int(random.Random(f"turns/{self.id}").paretovariate(alpha)))
-        self.max_turns, self.latency = max_turns, latency_sampler(latency)
-        self.need = self.steps = 0
+        self.episode, self.need, self.steps = "", 0, 0
+        self.log = Path(log) / f"{self.row}-{uuid.uuid4().hex}" if log else None
+        if self.log:  # bench faults: every environment made is closed, no worker outlives the run
+            self.log.with_suffix(".made").write_text(str(os.getpid()))
 
     def reset(self, *, seed: int, options: dict):
+        time.sleep(self.workload.reset_seconds(self.row))
         self.steps = 0
         return None, {}
 
     def step(self, action: str):
-        import time
-
         from rollpacker.toy.task import score
 
         self.steps += 1
-        if self.steps == 1:
-            self.need = min(self.max_turns, self.base + zlib.crc32(action.encode()) % 2)
-        time.sleep(self.latency(f"{self.id}/{self.steps}/{action}"))
+        if self.steps == 1:  # an episode is named by its first answer: siblings differ, every policy meets the same
+            self.episode, self.need = action, self.workload.turns(self.row, action)
+        time.sleep(self.workload.step_seconds(self.row, self.episode, self.steps, action))
         if self.steps >= self.need:
             return None, float(score(action, self.answer)), True, False, {}
         return self.problem, None, False, False, {}
 
+    def close(self) -> None:
+        if self.log:
+            self.log.with_suffix(".closed").touch()
 
-ENV_FILE = """from rollpacker.bench.episodes import HeavyTailEnv
+
+ENV_FILE = """from rollpacker.bench.episodes import WorkloadEnv, bench_workload
+
+WORKLOAD = bench_workload({workload!r}, sigma={sigma!r}, max_turns={max_turns!r}, median_s={median_s!r})
 
 
 def make_env(row):
-    return HeavyTailEnv(row, latency={latency!r}, alpha={alpha!r}, max_turns={max_turns!r})
+    return WorkloadEnv(row, WORKLOAD, log={log!r})
 """
+
+
+def bench_workload(spec: str, *, sigma: float = 0.0, max_turns: int = 0, median_s: float = 0.0):
+    """Workload ``spec`` (``agentic``, ``light``, ``trace:PATH``) with the given latency sigma, turn cap and
+    median step (0: its own); a trace takes none of them."""
+    from dataclasses import replace
+
+    from rollpacker.sim.agentic import Workload, workload
+
+    shape = workload(spec)
+    if not isinstance(shape, Workload):
+        if sigma or max_turns or median_s:
+            raise ValueError(f"--workload {spec}: a trace replays its own turns and seconds; drop --sigma, "
+                             "--max-turns and --median-s")
+        return shape
+    shape = shape.with_sigma(sigma) if sigma else shape
+    return replace(shape, max_turns=max_turns or shape.max_turns, median_s=median_s or shape.median_s)
 
 
 @dataclass
 class Args:
-    policies: str = "sync,tail,tail+stream,one_step_off"
-    """Comma-separated policies (as bench schedulers names them); the first is the baseline of the speedups."""
-    seed: int = 0
-    """Seed of every run (sampling, data order, init)."""
+    policies: str = "sync,tail+paper,tail,tail+stream,one_step_off"
+    """Comma-separated policies (as bench schedulers names them); the first is the baseline of the speedups.
+    ``tail+paper``: the paper's policy alone (long rounds of exactly P0), before tail's additions for episodes."""
+    seeds: str = "0"
+    """Comma-separated seeds (sampling, data order, init); each runs every policy, the JSON holds their means."""
+    workload: str = "agentic"
+    """The environment's shape (rollpacker.sim.agentic): agentic (coding agents' tool calls, the default),
+    light (the lighter shape of earlier results) or trace:PATH (recorded episodes, JSON lines)."""
+    sigma: float = 0.0
+    """The step latency's lognormal sigma (0: the workload's; the mean step stays)."""
+    max_turns: int = 0
+    """Model turns per episode at most (0: the workload's)."""
+    median_s: float = 0.0
+    """The median environment step in seconds (0: the workload's)."""
     rows: int = 64
     """Prompts in the epoch every policy trains once (16 steps of P0=4: fewer leave the speedups to chance)."""
     num_prompts: int = 4
@@ -86,20 +120,19 @@ class Args:
     """R0: episodes per prompt."""
     turn_tokens: int = 32
     """Tokens per model turn at most (rollout.max_new_tokens)."""
-    max_turns: int = 8
-    """Model turns per episode at most."""
-    alpha: float = 1.2
-    """Pareto tail index of the turns per row (smaller: a heavier tail)."""
-    latency: str = "lognormal:0.3:1.0"
-    """Environment latency per step: lognormal:MEAN_SECONDS:SIGMA, or trace:PATH (seconds, one per line)."""
     env_workers: int = 32
     """env.num_workers: environment processes (a worker runs its episodes' steps one at a time). The latency
     is a remote service's: a worker per episode in flight (tail's 25, and the cut ones' last steps), so
     no episode waits behind another's latency."""
-    eta_prompts: float = 1.25
-    """tail's η_P (--schedule.eta-prompts of the tail policies): prompts launched per short round over P0."""
-    eta_responses: float = 1.25
-    """tail's η_R (--schedule.eta-responses of the tail policies): episodes launched per prompt over R0."""
+    eta_prompts: float = 0.0
+    """tail's η_P (--schedule.eta-prompts of the tail policies): prompts launched per short round over P0 (0: the
+    policy's default over episodes, 2; tail+paper: 1.25)."""
+    eta_responses: float = 0.0
+    """tail's η_R (--schedule.eta-responses of the tail policies): episodes launched per prompt over R0 (0: the
+    policy's default over episodes, 1: keeping a group's first episodes would bias what it learns, bench parity)."""
+    eta_long: float = 0.0
+    """tail's η_L (--schedule.eta-long): prompts launched per long round over P0 (0: the policy's default over
+    episodes, 2; tail+paper: 1)."""
     speculative: str = "auto"
     """engine.speculative of every run; tokens_changed compares it with off."""
     nproc: int = 2
@@ -110,27 +143,37 @@ class Args:
     """--train.train-shard-size of every run (stream training frees whole training replicas)."""
 
     def __post_init__(self) -> None:
-        for name in ("rows", "num_prompts", "group_size", "turn_tokens", "max_turns", "env_workers", "nproc"):
+        for name in ("rows", "num_prompts", "group_size", "turn_tokens", "env_workers", "nproc"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.alpha <= 0:
-            raise ValueError(f"--alpha must be positive, got {self.alpha}")
-        latency_sampler(self.latency)
+        if min(self.sigma, self.max_turns, self.median_s) < 0:
+            raise ValueError("--sigma, --max-turns and --median-s must be >= 0 (0: the workload's)")
+        try:
+            [int(seed) for seed in self.seeds.split(",")]
+        except ValueError:
+            raise ValueError(f"--seeds {self.seeds!r}: write comma-separated integers (0,1,2)") from None
+        self.shape  # noqa: B018 (a bad workload says so now)
+
+    @property
+    def shape(self):
+        """The workload with this run's overrides."""
+        return bench_workload(self.workload, sigma=self.sigma, max_turns=self.max_turns, median_s=self.median_s)
 
 
-def job(args: Args, env_file: Path, policy_flags: list[str], run_dir: Path, run_args: list[str],
+def job(args: Args, seed: int, env_file: Path, policy_flags: list[str], run_dir: Path, run_args: list[str],
         speculative: str = "") -> list[dict]:
     """One run to its end (speculation ``speculative``, empty: ``args.speculative``); its metrics records."""
     from rollpacker.jobflags import job_argv
 
-    flags = [*policy_flags, "--env.factory", f"{env_file}:make_env", "--env.max-turns", str(args.max_turns),
-             "--env.max-tokens", str(args.turn_tokens * args.max_turns), "--env.num-workers", str(args.env_workers),
+    turns = args.shape.max_turns
+    flags = [*policy_flags, "--env.factory", f"{env_file}:make_env", "--env.max-turns", str(turns),
+             "--env.max-tokens", str(args.turn_tokens * turns), "--env.num-workers", str(args.env_workers),
              "--rollout.max-new-tokens", str(args.turn_tokens), "--data.num-toy-prompts", str(args.rows),
              "--rollout.num-prompts", str(args.num_prompts), "--rollout.group-size", str(args.group_size),
              "--num-epochs", "1", "--num-steps", "1000", "--eval-every", "0", "--checkpoint-every", "0",
              "--metrics.samples-every", "1", "--engine.speculative", speculative or args.speculative]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "rollpacker.run", *job_argv(args, [*flags, *run_args], [], args.seed, str(run_dir))]
+           "-m", "rollpacker.run", *job_argv(args, [*flags, *run_args], [], seed, str(run_dir))]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -157,13 +200,13 @@ def summarize(args: Args, records: list[dict], run_dir: Path) -> dict[str, float
             "lost": args.rows - len(groups), "twice": round(sum(max(0.0, n - 1) for n in groups.values()))}
 
 
-def tokens_changed(args: Args, env_file: Path, work: Path, run_args: list[str]) -> tuple[int, int]:
+def tokens_changed(args: Args, seed: int, env_file: Path, work: Path, run_args: list[str]) -> tuple[int, int]:
     """Two rollout-only sync steps, speculation off and ``args.speculative``: (tokens of the episodes whose
     text differs, episodes compared)."""
     runs = {}
     for spec in ("off", args.speculative):
         run_dir = work / f"spec_{spec}"
-        job(args, env_file, ["schedule:sync"], run_dir, [*run_args, "--train.skip", "--num-steps", "2"], spec)
+        job(args, seed, env_file, ["schedule:sync"], run_dir, [*run_args, "--train.skip", "--num-steps", "2"], spec)
         runs[spec] = sorted((s["step"], s["row"], s["completion"], s["length"]) for s in samples(run_dir))
     off, on = runs["off"], runs[args.speculative]
     unmatched = off[len(on):] + on[len(off):]
@@ -171,11 +214,23 @@ def tokens_changed(args: Args, env_file: Path, work: Path, run_args: list[str]) 
     return changed, len(off)
 
 
-def tail_flags(args: Args, policy: str) -> list[str]:
-    """The tail policies' over-provisioning."""
-    if policy.partition("+")[0] != "tail":
-        return []
-    return ["--schedule.eta-prompts", str(args.eta_prompts), "--schedule.eta-responses", str(args.eta_responses)]
+PAPER = "+paper"
+"""A tail row's suffix: the paper's policy alone (long rounds of exactly P0 prompts), the ablation's first row."""
+
+
+def run_flags(args: Args, policy: str) -> list[str]:
+    """The flags of row ``policy``: its policy's (tail's over-provisioning as the bench sets it)."""
+    from rollpacker.jobflags import policy_args
+    from rollpacker.schedule.tail import PAPER_ETA_PROMPTS
+
+    name = policy.replace(PAPER, "")
+    if name.partition("+")[0] != "tail":
+        return policy_args(name)
+    etas = {"prompts": args.eta_prompts, "responses": args.eta_responses, "long": args.eta_long}
+    if PAPER in policy:
+        etas |= {"prompts": args.eta_prompts or PAPER_ETA_PROMPTS, "long": 1.0}
+    return policy_args(name) + [flag for eta, value in etas.items() if value
+                                for flag in (f"--schedule.eta-{eta}", str(value))]
 
 
 ROWS = [("rollout s / prompt", "rollout_s", ".3f"), ("step s / prompt", "step_s", ".3f"),
@@ -184,13 +239,13 @@ ROWS = [("rollout s / prompt", "rollout_s", ".3f"), ("step s / prompt", "step_s"
         ("prompts trained", "prompts", ".0f"), ("prompts lost", "lost", ".0f"), ("trained twice", "twice", ".0f")]
 
 
-def report(args: Args, results: dict[str, dict], changed: int, compared: int) -> dict:
-    """The table, and the JSON summary."""
+def report(args: Args, seed: int, results: dict[str, dict], changed: int, compared: int) -> dict:
+    """One seed's table, and its summary."""
     policies, base = list(results), results[next(iter(results))]
     width = max(14, *(len(p) + 2 for p in policies))
-    print(f"\n{args.preset}, {args.nproc} ranks, seed {args.seed}, {args.rows} prompts x {args.group_size} "
-          f"episodes, latency {args.latency}, alpha {args.alpha}, tail's eta {args.eta_prompts}/{args.eta_responses}, "
-          f"speculative {args.speculative}:")
+    etas = "/".join(str(eta or "default") for eta in (args.eta_prompts, args.eta_responses, args.eta_long))
+    print(f"\n{args.preset}, {args.nproc} ranks, seed {seed}, {args.rows} prompts x {args.group_size} episodes, "
+          f"workload {args.workload} ({args.shape}), tail's eta P/R/L {etas}, speculative {args.speculative}:")
     print(f"{'':<24}" + "".join(f"{p:>{width}}" for p in policies))
     for label, key, fmt in ROWS[:2]:
         print(f"{label:<24}" + "".join(f"{format(r[key], fmt):>{width}}" for r in results.values()))
@@ -208,18 +263,30 @@ def report(args: Args, results: dict[str, dict], changed: int, compared: int) ->
                       "prompts_trained_twice": sum(r["twice"] for r in results.values())}
 
 
+def mean_summary(summaries: list[dict]) -> dict:
+    """The seeds' summaries as one: speedups and waits their mean, counts their sum."""
+    counts = ("tokens_changed", "prompts_lost", "prompts_trained_twice")
+    out = {key: round(statistics.mean(s[key] for s in summaries), 3) for key in summaries[0] if key not in counts}
+    return out | {key: sum(s[key] for s in summaries) for key in counts} | {"seeds": len(summaries)}
+
+
 def main(argv: list[str] | None = None) -> None:
     import tyro
 
-    from rollpacker.jobflags import policy_args, split_run_args
+    from rollpacker.jobflags import split_run_args
 
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog=PROG, description=__doc__.splitlines()[0])
+    summaries = []
     with tempfile.TemporaryDirectory(prefix="rollpacker-episodes-") as tmp:
-        work = Path(tmp)
-        env_file = work / "heavy_env.py"
-        env_file.write_text(ENV_FILE.format(latency=args.latency, alpha=args.alpha, max_turns=args.max_turns))
-        results = {p: summarize(args, job(args, env_file, policy_args(p) + tail_flags(args, p), work / p, run_args),
-                                work / p) for p in args.policies.split(",")}
-        changed, compared = tokens_changed(args, env_file, work, run_args) if args.speculative != "off" else (0, 0)
-    print(json.dumps(report(args, results, changed, compared)), flush=True)
+        env_file = Path(tmp) / "workload_env.py"
+        env_file.write_text(ENV_FILE.format(workload=args.workload, sigma=args.sigma, max_turns=args.max_turns,
+                                            median_s=args.median_s, log=""))
+        for seed in (int(s) for s in args.seeds.split(",")):
+            work = Path(tmp) / f"seed{seed}"
+            results = {p: summarize(args, job(args, seed, env_file, run_flags(args, p), work / p, run_args), work / p)
+                       for p in args.policies.split(",")}
+            changed, compared = (tokens_changed(args, seed, env_file, work, run_args) if args.speculative != "off"
+                                 else (0, 0))
+            summaries.append(report(args, seed, results, changed, compared))
+    print(json.dumps(mean_summary(summaries)), flush=True)

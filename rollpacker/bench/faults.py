@@ -10,6 +10,11 @@ with an uninterrupted run's. Last line JSON: ``runs``, ``recovered`` (exit 0 and
 matches), ``prompts_lost``, ``prompts_trained_twice``, ``hangs`` (runs killed at the outer time
 limit) and ``mean_recovery_s`` (from the fault to the first step the restarted group trains: fault
 detection, torchrun's restart, model loading, the resume and one step; over recovered runs).
+
+``--workload episodes``: every response an episode of ``bench episodes``' agentic environment, so
+faults land with environments in flight. Each environment made records itself and its closing;
+the JSON adds ``envs_made``, ``envs_unclosed`` (made and never closed) and ``workers_left``
+(environment workers alive after their run ended); a run recovers only with both 0.
 """
 
 from __future__ import annotations
@@ -39,10 +44,37 @@ ARGS = ["schedule:tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num
 stopped rank in a later checkpoint (a save of the toy model takes about a second) is named at 15 s too."""
 
 
-def launch(run_dir: Path) -> tuple[subprocess.Popen, Path]:
+EPISODE_ARGS = ["--env.max-turns", "8", "--env.max-tokens", "256", "--env.num-workers", "8", "--env.timeout", "30"]
+"""Episodes of the agentic workload capped at 8 turns (a run's steps stay about as long as single-turn ones)."""
+
+
+def episode_flags(run_dir: Path) -> list[str]:
+    """The flags of ``--workload episodes``: the agentic environment, recording its environments in
+    ``RUN_DIR.envs/``."""
+    from rollpacker.bench.episodes import ENV_FILE
+
+    log = run_dir.with_suffix(".envs")
+    log.mkdir(parents=True, exist_ok=True)
+    env_file = run_dir.with_suffix(".env.py")
+    env_file.write_text(ENV_FILE.format(workload="agentic", sigma=0.0, max_turns=8, median_s=0.0, log=str(log)))
+    return ["--env.factory", f"{env_file}:make_env", *EPISODE_ARGS]
+
+
+def environments(run_dir: Path) -> dict[str, int]:
+    """``envs_made``, ``envs_unclosed`` and ``workers_left`` of the run in ``run_dir`` (``--workload episodes``)."""
+    log = run_dir.with_suffix(".envs")
+    made = {p.stem: int(p.read_text()) for p in log.glob("*.made")}
+    closed = {p.stem for p in log.glob("*.closed")}
+    alive = {pid for pid in made.values() if Path(f"/proc/{pid}").exists()
+             and b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    return {"envs_made": len(made), "envs_unclosed": len(made.keys() - closed), "workers_left": len(alive)}
+
+
+def launch(run_dir: Path, episodes: bool = False) -> tuple[subprocess.Popen, Path]:
     log = run_dir.with_suffix(".log")
+    flags = episode_flags(run_dir) if episodes else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=3",
-           "-m", "rollpacker.run", *ARGS, "--run-dir", str(run_dir)]
+           "-m", "rollpacker.run", *ARGS, *flags, "--run-dir", str(run_dir)]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # pytorch#135712, as in train.sbatch
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, start_new_session=True, env=env)
@@ -101,9 +133,10 @@ def inject(fault: str, run_dir: Path, proc: subprocess.Popen, rng: random.Random
     return None
 
 
-def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, reference: list) -> dict:
+def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, reference: list,
+            episodes: bool = False) -> dict:
     run_dir = work / f"run_{i:02d}"
-    proc, log = launch(run_dir)
+    proc, log = launch(run_dir, episodes)
     deadline = time.time() + limit_s
     injected = inject(fault, run_dir, proc, rng, deadline)
     failed_at_line = resumed = None  # metrics lines when torchrun saw the group fail; when the next one came
@@ -124,10 +157,21 @@ def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, 
     got, want = Counter(trained(run_dir)), Counter(reference)
     lost = sum((want - got).values())
     twice = sum(n - 1 for n in got.values() if n > 1)
-    ok = proc.returncode == 0 and not hang and got == want
+    envs = settled(run_dir) if episodes else {}
+    ok = proc.returncode == 0 and not hang and got == want and not envs.get("envs_unclosed")
+    ok = ok and not envs.get("workers_left")
     return {"run": i, "fault": fault, "injected": injected is not None, "exit": proc.returncode, "hang": hang,
             "recovered": ok, "prompts_lost": lost, "prompts_trained_twice": twice,
-            "recovery_s": round(resumed - injected, 1) if resumed and injected else None}
+            "recovery_s": round(resumed - injected, 1) if resumed and injected else None, **envs}
+
+
+def settled(run_dir: Path, grace_s: float = 10.0) -> dict[str, int]:
+    """:func:`environments` once its workers had ``grace_s`` to close what they held (an orphan closes its
+    environments as it unwinds, then exits)."""
+    deadline = time.monotonic() + grace_s
+    while (envs := environments(run_dir))["envs_unclosed"] + envs["workers_left"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return envs
 
 
 @dataclass
@@ -140,13 +184,21 @@ class Args:
     """Outer time limit of one run (past it: a hang)."""
     work_dir: str = ""
     """Where runs go (empty: a temporary directory)."""
+    workload: str = "single"
+    """single (one response per prompt's sample) or episodes (bench episodes' agentic environment: faults land
+    with environments in flight; every environment made must be closed, no worker may outlive its run)."""
+
+    def __post_init__(self) -> None:
+        if self.workload not in ("single", "episodes"):
+            raise ValueError(f"--workload {self.workload!r}: write single or episodes")
 
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=argv, prog="python -m rollpacker.bench faults", description=__doc__.split("\n\n")[0])
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollpacker-faults-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    proc, log = launch(work / "reference")
+    episodes = args.workload == "episodes"
+    proc, log = launch(work / "reference", episodes)
     if proc.wait(timeout=args.limit_s) != 0:
         sys.exit(f"bench faults: the uninterrupted reference run failed; see {log}")
     reference = trained(work / "reference")
@@ -154,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for i in range(args.runs):
         fault = FAULTS[i % len(FAULTS)] if args.runs >= len(FAULTS) else rng.choice(FAULTS)
-        result = one_run(i, fault, work, rng, args.limit_s, reference)
+        result = one_run(i, fault, work, rng, args.limit_s, reference, episodes)
         print(json.dumps(result), flush=True)
         results.append(result)
     recoveries = [r["recovery_s"] for r in results if r["recovered"] and r["recovery_s"] is not None]
@@ -165,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         "prompts_trained_twice": sum(r["prompts_trained_twice"] for r in results),
         "hangs": sum(r["hang"] for r in results),
         "mean_recovery_s": round(sum(recoveries) / len(recoveries), 1) if recoveries else None,
+        **({key: sum(r[key] for r in results) for key in ("envs_made", "envs_unclosed", "workers_left")}
+           if episodes else {}),
     }))
 
 

@@ -109,12 +109,15 @@ class EpisodeWorkload:
     per_episode: bool = True
     """Each episode draws its own extra turn and latencies (False: a group's episodes alike, as an environment
     that sees only its row and reset seed)."""
+    workload: str = ""
+    """A named shape (rollpacker.sim.agentic: agentic, light or trace:PATH): its turns, step latency and cold
+    starts in place of --turns, --extra-turn and --latency, whose mean (lognormal:MEAN:...) sets its scale."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.extra_turn <= 1 or self.obs_tokens < 0 or self.num_workers < 1 or self.max_tokens < 0:
             raise ValueError(f"episodes: extra_turn={self.extra_turn} must be in [0, 1], obs_tokens={self.obs_tokens} "
                              f"and max_tokens={self.max_tokens} >= 0, num_workers={self.num_workers} >= 1")
-        self._turns, self._latency  # noqa: B018 (a bad spec says so now)
+        self._turns, self._latency, self._shape  # noqa: B018 (a bad spec says so now)
 
     @cached_property
     def _turns(self):
@@ -124,14 +127,34 @@ class EpisodeWorkload:
     def _latency(self):
         return latency_sampler(self.latency)
 
+    @cached_property
+    def _shape(self):
+        """The named workload (None: none), scaled to ``latency``'s mean."""
+        from rollpacker.sim.agentic import Workload, workload
+
+        if not self.workload:
+            return None
+        shape = workload(self.workload)
+        if isinstance(shape, Workload) and self.latency.startswith("lognormal:"):
+            return shape.with_mean(float(self.latency.split(":")[1]))
+        return shape
+
     def num_turns(self, row_key: str, episode_key: str) -> int:
         """Model turns of an episode of row ``row_key`` (the environment ends it after the last one's step)."""
+        if self._shape is not None:
+            return self._shape.turns(row_key, episode_key)
         extra = random.Random(f"extra/{row_key}/{episode_key}").random() < self.extra_turn
         return self._turns(row_key) + extra
 
     def step_seconds(self, row_key: str, episode_key: str, step: int) -> float:
         """Seconds of the environment's ``step``-th step (1-based) in that episode."""
+        if self._shape is not None:
+            return self._shape.step_seconds(row_key, episode_key, step, "")
         return self._latency(f"{row_key}/{episode_key}/{step}")
+
+    def reset_seconds(self, row_key: str) -> float:
+        """Seconds of a reset of row ``row_key``'s environment (a named workload's cold start; else none)."""
+        return self._shape.reset_seconds(row_key) if self._shape is not None else 0.0
 
 
 def fit_run(run_dir: Path, workload: EpisodeWorkload) -> EpisodeWorkload:
@@ -325,7 +348,8 @@ class SimEnvPool:
             row = self.row_key(call.row)
             draws = call.key if w.per_episode else str(call.seed)
             self.episodes[call.key] = (row, draws, 0)
-            return EnvReply(call.key, "open", w.num_turns(row, draws)), 0.0
+            seconds = w.reset_seconds(row)
+            return EnvReply(call.key, "open", w.num_turns(row, draws), seconds=seconds), seconds
         if call.kind == "step":
             row, draws, steps = self.episodes[call.key]
             self.episodes[call.key] = (row, draws, steps + 1)
@@ -358,8 +382,11 @@ class ScriptedEnv:
         self.key, self.turns, self.steps = "", 0, 0
 
     def reset(self, *, seed: int, options: dict | None = None):
+        import time
+
         self.key, self.steps = str(seed), 0
         self.turns = self.workload.num_turns(self.row_key, self.key)
+        time.sleep(self.workload.reset_seconds(self.row_key))
         return None, {}
 
     def step(self, action: str):

@@ -21,8 +21,8 @@ import tyro
 
 from rollpacker.sim.episodes import EpisodeWorkload
 
-VARIANTS = {"": {}, "stream": {"stream": True, "reward_scheduler": True}}
-"""A policy's ``+VARIANT``: the simulator's settings it turns on."""
+VARIANTS = {"": {}, "stream": {"stream": True, "reward_scheduler": True}, "paper": {}}
+"""A policy's ``+VARIANT``: the simulator's settings it turns on (``tail+paper``: the paper's η_P and η_L)."""
 
 
 @dataclass(kw_only=True)
@@ -31,8 +31,9 @@ class EpisodesArgs:
     """Preset: the model (by name), P0, R0, TP and the per-turn cap (rollout.max_new_tokens)."""
     gpus: int = 128
     """GPUs of the job."""
-    policies: str = "sync,tail,tail+stream"
-    """Comma-separated policies (POLICY or POLICY+stream); the first is the baseline of the speedups."""
+    policies: str = "sync,tail+paper,tail,tail+stream"
+    """Comma-separated policies (POLICY, POLICY+stream, tail+paper: the paper's policy alone); the first is the
+    baseline of the speedups."""
     num_steps: int = 10
     """Steps simulated per policy (tail: two periods of 4 short rounds and a long one)."""
     num_prompts: int = 0
@@ -68,14 +69,18 @@ def config(args: EpisodesArgs, policy: str):
     from rollpacker.sim.simulate import preset_config
 
     name, _, variant = policy.partition("+")
-    if name not in POLICY_CONFIGS or variant not in VARIANTS:
-        raise ValueError(f"--policies: unknown policy {policy!r}: write POLICY or POLICY+stream, POLICY one of "
-                         f"{', '.join(POLICY_CONFIGS)}")
+    if name not in POLICY_CONFIGS or variant not in VARIANTS or variant == "paper" and name != "tail":
+        raise ValueError(f"--policies: unknown policy {policy!r}: write POLICY, POLICY+stream or tail+paper, POLICY "
+                         f"one of {', '.join(POLICY_CONFIGS)}")
+    from rollpacker.schedule.tail import PAPER_ETA_PROMPTS
+
+    schedule = POLICY_CONFIGS[name](**({"eta_prompts": PAPER_ETA_PROMPTS, "eta_long": 1.0} if variant == "paper"
+                                       else {}))
     cfg = preset_config(args.preset)
     rollout = replace(cfg.rollout, num_prompts=args.num_prompts or cfg.rollout.num_prompts,
                       group_size=args.group_size or cfg.rollout.group_size,
                       max_new_tokens=args.turn_tokens or cfg.rollout.max_new_tokens)
-    return replace(cfg, gpus=args.gpus, rollout=rollout, schedule=POLICY_CONFIGS[name](), num_steps=args.num_steps,
+    return replace(cfg, gpus=args.gpus, rollout=rollout, schedule=schedule, num_steps=args.num_steps,
                    seed=args.seed, **VARIANTS[variant])
 
 
@@ -101,13 +106,20 @@ def main(argv: list[str]) -> dict:
     return report(args, runs, workload, results)
 
 
+def shape(workload: EpisodeWorkload) -> str:
+    """The turns and latency of ``workload``, in words."""
+    if workload.workload:
+        return f"workload {workload.workload} (mean step {workload.latency.split(':')[1]} s)"
+    return f"turns {workload.turns} (+1 at p={workload.extra_turn}), latency {workload.latency}"
+
+
 def report(args: EpisodesArgs, runs: dict, workload: EpisodeWorkload, results: dict[str, dict]) -> dict:
     """The table, and the JSON summary."""
     cfg = next(iter(runs.values()))
     base = results[next(iter(results))]
     print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs, {cfg.num_replicas} replicas of TP {cfg.tp}; P0="
           f"{cfg.rollout.num_prompts}, R0={cfg.rollout.group_size} episodes, up to {cfg.rollout.max_new_tokens} "
-          f"tokens a turn; turns {workload.turns} (+1 at p={workload.extra_turn}), latency {workload.latency} on "
+          f"tokens a turn; {shape(workload)} on "
           f"{workload.num_workers} workers, {workload.obs_tokens} observation tokens, "
           f"{'resident' if workload.resident else 'no resident'} sessions; {args.num_steps} steps")
     print(f"{'policy':<14}{'rollout s/step':>16}{'step s/step':>13}{'rollout s/prompt':>18}{'step s/prompt':>15}"

@@ -56,3 +56,40 @@ def test_sessions_bench_smoke(capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["tokens_changed"] == 0 and summary["logprob_max_diff"] < 1e-5
     assert 0 < summary["prefill_tokens_ratio"] < 1 and summary["session_evictions"] > 0, summary
+
+
+def _sleep_a_while(ready) -> None:
+    import time
+
+    ready.set()
+    time.sleep(60)
+
+
+def test_faults_over_episodes_count_environments_left_open_and_workers_left_alive(tmp_path):
+    """``bench faults --workload episodes``' accounting: each environment records itself made (with its worker's
+    pid) and closed; one never closed, and a worker still alive after its run, are counted."""
+    import multiprocessing as mp
+
+    from rollpacker.bench.faults import Args, environments, episode_flags
+
+    run_dir = tmp_path / "run_00"
+    flags = episode_flags(run_dir)
+    assert flags[:2] == ["--env.factory", f"{run_dir.with_suffix('.env.py')}:make_env"]
+    assert "log=" in run_dir.with_suffix(".env.py").read_text()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    worker = ctx.Process(target=_sleep_a_while, args=(ready,), daemon=True)
+    worker.start()
+    try:
+        assert ready.wait(60)
+        log = run_dir.with_suffix(".envs")
+        (log / "1-a.made").write_text(str(worker.pid))  # open, its worker alive
+        (log / "2-b.made").write_text("999999999")  # closed, its worker gone
+        (log / "2-b.closed").touch()
+        assert environments(run_dir) == {"envs_made": 2, "envs_unclosed": 1, "workers_left": 1}
+    finally:
+        worker.kill()
+        worker.join()
+    assert environments(run_dir)["workers_left"] == 0
+    with pytest.raises(ValueError, match="single or episodes"):
+        Args(workload="agentic")

@@ -16,7 +16,7 @@ from support.jobs import job_env
 def test_episodes_bench_smoke(tmp_path):
     cmd = [sys.executable, "-m", "rollpacker.bench", "episodes", "--policies", "sync,tail", "--rows", "4",
            "--num-prompts", "2", "--group-size", "2", "--max-turns", "3", "--turn-tokens", "16",
-           "--latency", "lognormal:0.02:1.0", "--env-workers", "2"]
+           "--workload", "light", "--median-s", "0.01", "--env-workers", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=job_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.splitlines()[-1])

@@ -11,9 +11,11 @@ import pytest
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.data.lengths import LengthModel, LengthReplay
+from rollpacker.env.contract import EnvCall
 from rollpacker.env.episode import TurnRequest
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.schedule.tail import TailConfig
+from rollpacker.sim.agentic import WORKLOADS
 from rollpacker.sim.engine import Replica
 from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEnv, SimEnvPool, fit_run, turns_sampler
 from rollpacker.sim.simulate import simulate_round
@@ -125,6 +127,18 @@ def test_workload_draws_are_deterministic_and_the_scripted_env_follows_them():
     assert pool.workload.step_seconds("row7", "11", 1) == w.step_seconds("row7", "11", 1) > 0
 
 
+def test_a_named_workload_takes_the_latency_specs_mean_as_its_scale_and_opens_with_a_cold_start():
+    w = EpisodeWorkload(workload="agentic", latency="lognormal:2.0:1.0")
+    steps = [w.step_seconds(str(r), "e", k) for r in range(3000) for k in (1, 2)]
+    assert np.mean(steps) == pytest.approx(2.0, rel=0.15) and np.median(steps) < 0.2  # its shape, at this scale
+    assert w.num_turns("5", "e") == WORKLOADS["agentic"].turns("5", "e") and w.reset_seconds("5") > 0
+    pool = SimEnvPool(w, row_key=str)
+    pool.send([EnvCall("open", "0:0:0", row=5, seed=1)], 0.0)
+    assert pool.take(10.0)[0].seconds == w.reset_seconds("5") == pool.free_at[0]
+    with pytest.raises(ValueError, match="agentic, light or trace:PATH"):
+        EpisodeWorkload(workload="heavy")
+
+
 @pytest.mark.parametrize("spec", ["pareto:1.2", "fixed:0", "gauss:1", "trace:/nonexistent"])
 def test_a_bad_turns_spec_says_how_to_write_one(spec):
     with pytest.raises(ValueError, match="--turns"):
@@ -175,9 +189,15 @@ def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
     from rollpacker.sim.episodes_cli import main
 
     figures = main(["--gpus", "8", "--num-steps", "2", "--num-prompts", "8", "--group-size", "4",
-                    "--turn-tokens", "512", "--num-workers", "16", "--policies", "sync,tail"])
+                    "--turn-tokens", "512", "--num-workers", "16", "--policies", "sync,tail+paper,tail",
+                    "--workload", "agentic"])
     assert figures["rollout_s_sync"] > 0 and figures["rollout_speedup_tail"] > 0 and figures["turns_mean"] >= 1
-    assert "tail" in capsys.readouterr().out
+    assert figures["rollout_speedup_tail_paper"] > 0 and "workload agentic" in capsys.readouterr().out
+    from rollpacker.sim.episodes_cli import EpisodesArgs, config
+
+    assert config(EpisodesArgs(), "tail+paper").schedule == TailConfig(eta_prompts=1.25, eta_long=1.0)
+    with pytest.raises(ValueError, match="tail\\+paper"):
+        config(EpisodesArgs(), "sync+paper")
     with pytest.raises(SystemExit):
         main(["--latency", "normal:1"])
     said = capsys.readouterr().err
