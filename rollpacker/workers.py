@@ -13,8 +13,9 @@ worker becomes (``_lost``); results go to :meth:`poll` and :meth:`drain` through
 
 Workers ignore the job's stop signals (SIGTERM, SIGINT, SIGUSR1: :mod:`rollpacker.preempt`): the
 step in progress must finish with live workers, and the pool stops them after it. They are spawned
-with those signals blocked, so none slips in before they ignore it. They unwind when their parent
-dies (RETIRE is their parent-death signal), and are killed if that does not end them.
+with those signals blocked, so none slips in before they ignore it. Each runs in a process group of
+its own, out of reach of a kill of its rank's group (torchrun's teardown): it unwinds when its parent
+dies (RETIRE is its parent-death signal), and is killed if that does not end it.
 A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
 """
 
@@ -46,9 +47,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def ignore_stops(parent: int) -> None:
-    """In a new worker: the stop signals ignored, then unblocked; RETIRE unwinds; die with ``parent``."""
+    """In a new worker: a process group of its own, the stop signals ignored, then unblocked; RETIRE unwinds;
+    unwind when ``parent`` dies."""
     import ctypes
 
+    os.setpgid(0, 0)  # torchrun kills a failed rank's process group: a worker follows its rank instead, unwinding
     for sig in STOP_SIGNALS:  # the trainer's to handle: it stops after the step, then closes the pool
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the spawning thread: pending ones drop

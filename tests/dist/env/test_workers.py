@@ -4,6 +4,7 @@ tools in the workers, and environments that hang, raise, return garbage or canno
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -197,7 +198,7 @@ def make_env(row):
 '''
 
 ORPHAN = '''
-import os, signal, sys
+import signal, time
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.workers import EnvPool
 
@@ -206,7 +207,9 @@ if __name__ == "__main__":
     for key in ("a", "b", "c"):
         pool.open_episode(key, {"id": key}, 0)
     pool.drain(60)
-    os.kill(os.getpid(), signal.SIGKILL)  # the job's process dies with environments open
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a rank: it stops after its step, torchrun kills it sooner
+    print("open", flush=True)
+    time.sleep(600)
 '''
 
 
@@ -238,10 +241,14 @@ def test_every_environment_made_is_closed_when_the_pool_stops_or_its_process_die
     made, closed, _ = _made_and_closed(tmp_path / "pool")
     assert len(made) == 3 and closed == made
 
-    (tmp_path / "orphan.py").write_text(textwrap.dedent(ORPHAN))
-    proc = subprocess.run([sys.executable, "orphan.py"], env={**os.environ, "ENV_LOG": str(tmp_path / "orphan")},
-                          timeout=120)
-    assert proc.returncode == -9
+    (tmp_path / "orphan.py").write_text(textwrap.dedent(ORPHAN))  # a rank with environments open, killed as
+    proc = subprocess.Popen([sys.executable, "orphan.py"], env={**os.environ, "ENV_LOG": str(tmp_path / "orphan")},
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # torchrun starts and stops one
+    assert proc.stdout.readline() == "open\n"
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(60) == -signal.SIGKILL
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         made, closed, pids = _made_and_closed(tmp_path / "orphan")
