@@ -3,9 +3,10 @@
 Each run is the 2-rank toy job with a toy environment (:class:`WorkloadEnv`) shaped as ``--workload``
 (:mod:`rollpacker.sim.agentic`; agentic by default): heavy-tailed turns, environment latency and cold
 starts, over one epoch of the same prompts. It runs under each of ``--policies`` (default ``sync``,
-``tail``, ``tail+stream``, ``one_step_off``) for each of ``--seeds``. Per seed and policy it prints
-rollout and step seconds per trained prompt and their speedups, environment wait, reused prefill, and
-prompts lost or trained twice. The last line is JSON: the seeds' mean speedups, summed counts.
+``tail+paper``: the paper's policy alone, ``tail``, ``tail+stream``, ``one_step_off``) for each of
+``--seeds``. Per seed and policy it prints rollout and step seconds per trained prompt and their
+speedups, environment wait, reused prefill, and prompts lost or trained twice. The last line is JSON:
+the seeds' mean speedups, summed counts.
 
 Invariants:
 
