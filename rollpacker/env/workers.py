@@ -130,12 +130,21 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
         return
     finally:
-        leaving()
-        for env in envs.values():  # stopped, replaced or orphaned: every environment made is closed
-            try:
-                contract.close(env)
-            except Exception as e:  # noqa: BLE001  (the user's close: one that fails must not keep the others open)
-                print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
+        try:  # the pool's RETIRE follows a closed pipe: it may land here, before RETIRE is ignored
+            leaving()
+        finally:
+            _close_all(spec, envs)
+
+
+def _close_all(spec: EnvSpec, envs: dict) -> None:
+    """The worker stops (the pool closed, the worker replaced, its process gone): every environment it holds
+    is closed, a second RETIRE (its process's death after the pool's) ignored."""
+    leaving()
+    for env in envs.values():
+        try:
+            contract.close(env)
+        except Exception as e:  # noqa: BLE001  (the user's close: one that fails must not keep the others open)
+            print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None, Any]:
