@@ -32,7 +32,8 @@ def test_batches_are_one_step_stale_and_every_prompt_is_trained_once_per_epoch(r
     """Staleness, computed independently: batch 0 is generated with the initial weights and
     trained first (0); every later batch k is generated while batch k−1 trains, with the weights
     of step k−1 (1). The engines' log-probs say the same: they equal the trainer's to fp32
-    rounding exactly when the batch is fresh."""
+    rounding exactly when the batch is fresh, or the step before it did not move the weights: no step
+    so far had a gradient (every group's rewards equal), so Adam has no momentum to move them with."""
     records = steps(reference)
     assert sorted(records) == list(range(2 * NUM_ROWS // 4))  # 12 steps of 4 prompts: two epochs
     assert sum(r["sched/trained_prompts"] for r in records.values()) == 2 * NUM_ROWS
@@ -41,7 +42,8 @@ def test_batches_are_one_step_stale_and_every_prompt_is_trained_once_per_epoch(r
     for step, r in records.items():
         stale = 0 if step == 0 else 1
         assert (r["sched/staleness_mean"], r["sched/staleness_max"]) == (stale, stale), step
-        assert (r["train/rollout_logprob_diff"] < 1e-5) == (stale == 0), (step, r["train/rollout_logprob_diff"])
+        moved = stale and any(records[j]["train/grad_norm"] > 0 for j in range(step))
+        assert (r["train/rollout_logprob_diff"] < 1e-5) == (not moved), (step, r["train/rollout_logprob_diff"])
         assert r["time/wait_prev_gen"] >= 0 and r["time/step"] >= r["time/train"]
 
 
