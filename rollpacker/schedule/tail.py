@@ -78,9 +78,8 @@ class TailConfig(PolicyConfig):
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> TailPolicy:
         """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
-        eta_responses = PAPER_ETA_RESPONSES if self.eta_responses is None else self.eta_responses
         return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts or PAPER_ETA_PROMPTS,
-                          eta_responses=eta_responses, eta_long=self.eta_long or 1.0,
+                          eta_responses=self.eta_responses or PAPER_ETA_RESPONSES, eta_long=self.eta_long or 1.0,
                           filter_zero_variance=self.filter_zero_variance,
                           num_epochs=num_epochs, last_step=last_step)
 

@@ -114,8 +114,8 @@ class Workload:
 
 
 AGENTIC_MEDIAN_S = 0.004
-"""``agentic``'s median step: its mean step (0.42 s with the timeout) about 1.4 times the toy model's mean
-decode per turn in ``bench episodes`` (docs/results.md)."""
+"""``agentic``'s median step: its mean step (0.056 s with the timeout) about 1.4 times the toy model's decode
+per turn in ``bench episodes``, 0.03-0.05 s (docs/results.md)."""
 
 WORKLOADS = {
     "agentic": Workload(turn_alpha=1.0, max_turns=32, turn_sigma=0.5, median_s=AGENTIC_MEDIAN_S, prompt_sigma=1.0,
