@@ -172,7 +172,8 @@ class Realized:
 
     def record(self, n: int, drafted: bool, tokens: int, seconds: float, plain_ms: float) -> None:
         """After a decode step of ``n`` running requests that emitted ``tokens`` in ``seconds`` (``drafted``:
-        it verified drafts); ``plain_ms``: the cost table's plain step at ``n`` (:meth:`SpecCost.plain_ms`)."""
+        it asked the drafter, whatever came of it); ``plain_ms``: the cost table's plain step at ``n``
+        (:meth:`SpecCost.plain_ms`)."""
         self.num_steps += 1
         work = tokens * plain_ms / n
         if not drafted:

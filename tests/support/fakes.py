@@ -70,17 +70,20 @@ class LengthTableEngine:
 
 class StepClock:
     """A clock for TorchEngine's ``auto`` payoff (read before and after each decode step): a plain step
-    takes 1 s, a verify step ``verify_s``. Set ``engine`` once the engine is built."""
+    takes 1 s, a verify step ``verify_s``, and a step that asked the drafter ``propose_s`` more. Set
+    ``engine`` once the engine is built."""
 
-    def __init__(self, verify_s: float):
-        self.verify_s, self.now, self.reads, self.verified, self.engine = verify_s, 0.0, 0, 0, None
+    def __init__(self, verify_s: float, propose_s: float = 0.0):
+        self.verify_s, self.propose_s, self.now, self.reads, self.engine = verify_s, propose_s, 0.0, 0, None
+        self.verified = self.proposed = 0
 
     def __call__(self) -> float:
         self.reads += 1
         if self.reads % 2 == 0:  # the end of a step
-            verified = self.engine.spec.num_verify_steps
+            verified, proposed = self.engine.spec.num_verify_steps, self.engine.num_proposing_steps
             self.now += self.verify_s if verified > self.verified else 1.0
-            self.verified = verified
+            self.now += self.propose_s if proposed > self.proposed else 0.0
+            self.verified, self.proposed = verified, proposed
         return self.now
 
 

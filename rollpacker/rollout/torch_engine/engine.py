@@ -112,6 +112,8 @@ class TorchEngine(Speculation):
         self.spec_cost = spec_cost
         self.calibrating = False
         self.realized = Realized(agree=self._tp_rank0 if self.tp_group is not None else None)
+        self.num_proposing_steps = 0
+        """Decode steps that asked the drafter for drafts (:meth:`_propose`), verified or not."""
         if clock is None:
             from rollpacker.rollout.probe import step_clock
 
@@ -421,13 +423,14 @@ class TorchEngine(Speculation):
         return self._append(batch.seqs, [[t] for t in tokens.tolist()], [[lp] for lp in logprobs.tolist()])
 
     def _timed_decode(self) -> list[Output]:
-        """A decode step whose tokens and time ``auto``'s realized payoff records (once there is a cost table)."""
+        """A decode step whose tokens and time ``auto``'s realized payoff records (once there is a cost table).
+        A step that asked for drafts counts as drafted even if none came: the asking is drafting's cost."""
         if self.spec_cost is None:
             return self._decode()
-        n, verified, generated = len(self.running), self.spec.num_verify_steps, self.num_generated_tokens
+        n, proposing, generated = len(self.running), self.num_proposing_steps, self.num_generated_tokens
         start = self.clock()
         done = self._decode()
-        self.realized.record(n, self.spec.num_verify_steps > verified, self.num_generated_tokens - generated,
+        self.realized.record(n, self.num_proposing_steps > proposing, self.num_generated_tokens - generated,
                              self.clock() - start, self.spec_cost.plain_ms(n))
         return done
 

@@ -84,6 +84,7 @@ class Speculation:
             for seq in self.running:  # not even full drafts would pay at their acceptance: don't draft
                 seq.acceptance.fade()
             return 0
+        self.num_proposing_steps += 1  # drafting costs this step whether or not a draft comes of it
         for seq in self.running:
             room = seq.max_len - len(seq.tokens) - 1  # a verify step appends up to draft + 1 tokens
             if room > 0:

@@ -272,6 +272,27 @@ def test_auto_backs_off_where_drafting_does_not_pay(qwen2_dir, verify_s):
         assert all(verify_steps) and eng.realized.num_backoffs == 0, verify_steps
 
 
+def test_auto_counts_asking_for_drafts_as_drafting(qwen2_dir):
+    """Asking the drafter costs a step even when no draft comes of it (here 4 s on a 1 s step, verifying
+    free, no earlier epoch offered): those steps count as drafted, not as plain, so ``auto`` compares
+    them with steps that did not ask, backs off, and asks in few steps of the last batch."""
+    reqs = lambda b: [Request(id=f"b{b}-{i}", prompt_ids=p, params=SamplingParams(  # noqa: E731
+        max_new_tokens=150, temperature=0, ignore_eos=True)) for i, p in enumerate(PROMPTS[:3])]
+    plain = generate(engine(qwen2_dir), reqs(0))
+    cheap_up_to_4 = SpecCost((1, 4, 8), (0, 1, 2, 4), ((1, 1.1, 1.2, 1.4), (1.2, 1.3, 1.4, 1.6), (2, 5, 8, 14)))
+    clock = StepClock(1.0, propose_s=4.0)
+    eng = TorchEngine(load_model(qwen2_dir), EngineConfig(block_size=4, speculative="auto", spec_max_tokens=4),
+                      spec_cost=cheap_up_to_4, clock=clock)
+    clock.engine = eng
+    asked = []
+    for b in range(4):
+        before = eng.num_proposing_steps
+        out = generate(eng, reqs(b))
+        assert {k[3:]: o.token_ids for k, o in out.items()} == {k[3:]: o.token_ids for k, o in plain.items()}
+        asked.append(eng.num_proposing_steps - before)
+    assert eng.realized.num_backoffs >= 2 and asked[-1] < asked[0] / 2, (asked, eng.realized.num_backoffs)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(qwen2_dir):
     first = generate(engine(qwen2_dir), sampled_requests())
     # a different batch composition and cache pressure: same samples
