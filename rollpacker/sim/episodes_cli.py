@@ -48,6 +48,14 @@ class EpisodesArgs:
     fit: str = ""
     """A run directory (metrics.jsonl and samples/ of a run with episodes): turns, observations and latency from it."""
     seed: int = 0
+    eta_prompts: float = 0.0
+    """tail's η_P (prompts launched per short round over P0) for the tail policies, as ``bench episodes`` sets it
+    (0: the policy's default over episodes, 2; tail+paper: 1.25)."""
+    eta_responses: float = 0.0
+    """tail's η_R (episodes launched per prompt over R0) for the tail policies (0: the policy's default, 1)."""
+    eta_long: float = 0.0
+    """tail's η_L (prompts launched per long round over P0) for tail (0: the default over episodes, 2;
+    tail+paper: 1)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "num_steps"):
@@ -74,8 +82,10 @@ def config(args: EpisodesArgs, policy: str):
                          f"one of {', '.join(POLICY_CONFIGS)}")
     from rollpacker.schedule.tail import PAPER_ETA_PROMPTS
 
-    schedule = POLICY_CONFIGS[name](**({"eta_prompts": PAPER_ETA_PROMPTS, "eta_long": 1.0} if variant == "paper"
-                                       else {}))
+    etas = {"eta_prompts": args.eta_prompts, "eta_responses": args.eta_responses, "eta_long": args.eta_long}
+    if variant == "paper":
+        etas |= {"eta_prompts": args.eta_prompts or PAPER_ETA_PROMPTS, "eta_long": 1.0}
+    schedule = POLICY_CONFIGS[name](**({k: v for k, v in etas.items() if v} if name == "tail" else {}))
     cfg = preset_config(args.preset)
     rollout = replace(cfg.rollout, num_prompts=args.num_prompts or cfg.rollout.num_prompts,
                       group_size=args.group_size or cfg.rollout.group_size,

@@ -196,6 +196,12 @@ def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
     from rollpacker.sim.episodes_cli import EpisodesArgs, config
 
     assert config(EpisodesArgs(), "tail+paper").schedule == TailConfig(eta_prompts=1.25, eta_long=1.0)
+    raced = EpisodesArgs(eta_prompts=3, eta_long=4)
+    assert config(raced, "tail+stream").schedule == TailConfig(eta_prompts=3, eta_long=4)
+    assert config(raced, "tail+paper").schedule == TailConfig(eta_prompts=3, eta_long=1.0)
+    assert config(raced, "sync").schedule == config(EpisodesArgs(), "sync").schedule
+    with pytest.raises(ValueError, match="must be >= 1"):
+        config(EpisodesArgs(eta_long=0.5), "tail")
     with pytest.raises(ValueError, match="tail\\+paper"):
         config(EpisodesArgs(), "sync+paper")
     with pytest.raises(SystemExit):
