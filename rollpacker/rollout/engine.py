@@ -49,6 +49,10 @@ class SpecStats:
     num_trials: dict[str, int] = field(default_factory=dict)
     """Draft tokens verified up to and including a row's first rejected one (accepted, plus one where a token was
     rejected): the per-token acceptance rate's denominator. TorchEngine counts them; vLLM's counters do not."""
+    num_asked: int = 0
+    """Drafts asked of the drafter (one request in one step), whatever came of them (TorchEngine)."""
+    draft_seconds: float = 0.0
+    """Seconds spent asking: matching, and indexing what was generated since (TorchEngine)."""
 
     def count(self, source: str, drafted: int, accepted: int) -> None:
         """Record one verified row."""
@@ -65,7 +69,9 @@ class SpecStats:
                          num_drafts=minus(self.num_drafts, before.num_drafts),
                          num_draft_tokens=minus(self.num_draft_tokens, before.num_draft_tokens),
                          num_accepted_tokens=minus(self.num_accepted_tokens, before.num_accepted_tokens),
-                         num_trials=minus(self.num_trials, before.num_trials))
+                         num_trials=minus(self.num_trials, before.num_trials),
+                         num_asked=self.num_asked - before.num_asked,
+                         draft_seconds=self.draft_seconds - before.draft_seconds)
 
     def plus(self, other: SpecStats) -> SpecStats:
         """The sum of two engines' (or two periods') counts."""
@@ -76,7 +82,9 @@ class SpecStats:
                          num_drafts=add(self.num_drafts, other.num_drafts),
                          num_draft_tokens=add(self.num_draft_tokens, other.num_draft_tokens),
                          num_accepted_tokens=add(self.num_accepted_tokens, other.num_accepted_tokens),
-                         num_trials=add(self.num_trials, other.num_trials))
+                         num_trials=add(self.num_trials, other.num_trials),
+                         num_asked=self.num_asked + other.num_asked,
+                         draft_seconds=self.draft_seconds + other.draft_seconds)
 
 
 @dataclass(kw_only=True)
@@ -258,10 +266,13 @@ def spec_metrics(stats: SpecStats) -> dict[str, float]:
     (tokens a verified row emits: accepted + 1) and, where the engine counts trials,
     ``rollout/spec_accept_rate`` (a draft token's chance to be kept once every one before it was:
     accepted / trials, the rate ``auto`` and the simulator model), overall and
-    ``/<source>``; ``rollout/spec_verify_steps``. Empty when nothing was verified."""
+    ``/<source>``; ``rollout/spec_verify_steps``; ``rollout/spec_draft_ms`` (ms a draft asked of the
+    drafter cost, where any was). Empty when nothing was asked or verified."""
+    out: dict[str, float] = {"rollout/spec_draft_ms": 1e3 * stats.draft_seconds / stats.num_asked} \
+        if stats.num_asked else {}
     if not stats.num_verify_steps:
-        return {}
-    out: dict[str, float] = {"rollout/spec_verify_steps": float(stats.num_verify_steps)}
+        return out
+    out["rollout/spec_verify_steps"] = float(stats.num_verify_steps)
     sources = sorted(stats.num_drafts)
     for suffix, names in (("", sources), *((f"/{s}", [s]) for s in sources)):
         rows = sum(stats.num_drafts.get(s, 0) for s in names)

@@ -26,6 +26,8 @@ from rollpacker.rollout.config import MAX_SPEC_TOKENS
 from rollpacker.rollout.spec_cost import expected_tokens
 
 ACCEPT_RATE = "rollout/spec_accept_rate"
+DRAFT_MS = "rollout/spec_draft_ms"
+"""A run's ms a draft asked of the drafter cost: like the acceptance rate, what the drafts' text makes it."""
 
 
 @dataclass(kw_only=True)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal
 from rollpacker.schedule.config import names
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.episodes import EpisodeWorkload, SimEnvPool
-from rollpacker.sim.speculation import ACCEPT_RATE
+from rollpacker.sim.speculation import ACCEPT_RATE, DRAFT_MS
 
 if TYPE_CHECKING:
     from rollpacker.sim.simulate import Polling, RoundRecord
@@ -202,10 +202,12 @@ def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ())
     return [r.rollout_s for r in simulate_rounds(argv, profile, accept_rates)]
 
 
-def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = ()) -> list[RoundRecord]:
+def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = (),
+                    draft_ms: float | None = None) -> list[RoundRecord]:
     """Every round of the job ``argv`` (``rollpacker.run`` flags), simulated on replicas of
     ``profile``: the run's own policy, rows, lengths and engine limits; with its speculative
-    decoding, at ``accept_rates[step]`` (the run's measured rate of each step)."""
+    decoding, at ``accept_rates[step]`` (the run's measured rate of each step) and ``draft_ms`` a
+    draft asked (the run's measured cost; None: the profile's probe)."""
     from transformers import AutoTokenizer
 
     from rollpacker.config import parse
@@ -246,7 +248,7 @@ def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = 
     for step in range(cfg.num_steps):
         if policy.done():
             break
-        draft_s = cost.spec.draft_ms / 1e3 if spec.enabled else None
+        draft_s = (cost.spec.draft_ms if draft_ms is None else draft_ms) / 1e3 if spec.enabled else None
         replicas = build_replicas(spec.cost(cost, accept_rates[step] if spec.enabled else 0.0, draft_s),
                                   RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
@@ -323,7 +325,9 @@ def main(argv: list[str]) -> dict:
             load = max((j.other_cores for j in jobs if j.other_cores is not None), default=math.nan)
             steps = [r for r in job.records if "time/rollout" in r]
             rates = [r.get(ACCEPT_RATE, 0.0) for r in steps]  # a step that verified nothing: none accepted
-            simulated = simulate_rounds(job.argv, job.profile, rates if variant else ())
+            asked = [r[DRAFT_MS] for r in steps if DRAFT_MS in r]
+            simulated = simulate_rounds(job.argv, job.profile, rates if variant else (),
+                                        statistics.mean(asked) if variant and asked else None)
             times = [r.rollout_s for r in simulated]
             s = rollout_per_step(times)
             rows.append((regime, label, m, spread, load, s, s / m - 1,

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -85,10 +86,13 @@ class Speculation:
                 seq.acceptance.fade()
             return 0
         self.num_proposing_steps += 1  # drafting costs this step whether or not a draft comes of it
+        start = time.perf_counter()
         for seq in self.running:
             room = seq.max_len - len(seq.tokens) - 1  # a verify step appends up to draft + 1 tokens
             if room > 0:
                 seq.draft = self.drafter.propose(seq.req.id, min(k_max, room))
+                self.spec.num_asked += 1
+        self.spec.draft_seconds += time.perf_counter() - start
         drafted = [s for s in self.running if s.draft is not None]
         k = max((len(s.draft.tokens) for s in drafted), default=0)
         if mode == "auto" and drafted:

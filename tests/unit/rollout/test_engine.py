@@ -291,6 +291,8 @@ def test_auto_counts_asking_for_drafts_as_drafting(qwen2_dir):
         assert {k[3:]: o.token_ids for k, o in out.items()} == {k[3:]: o.token_ids for k, o in plain.items()}
         asked.append(eng.num_proposing_steps - before)
     assert eng.realized.num_backoffs >= 2 and asked[-1] < asked[0] / 2, (asked, eng.realized.num_backoffs)
+    spec = eng.stats().spec  # every request of every step that asked was asked, and the asking timed
+    assert spec.num_asked >= sum(asked) > 0 and spec.draft_seconds > 0
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(qwen2_dir):

@@ -174,7 +174,10 @@ def test_spec_counters_and_metrics():
     delta = s.since(before)
     assert (delta.num_verify_steps, delta.num_drafts, delta.num_accepted_tokens) == (1, {"epoch": 1}, {})
     assert s.plus(delta).num_draft_tokens["epoch"] == 6
-    assert spec_metrics(SpecStats()) == {}
+    assert spec_metrics(SpecStats()) == {} and "rollout/spec_draft_ms" not in m
+    asked = SpecStats(num_asked=4, draft_seconds=0.002)  # asked, nothing verified: the asking's cost alone
+    assert spec_metrics(asked) == {"rollout/spec_draft_ms": pytest.approx(0.5)}
+    assert asked.plus(asked).since(asked) == asked
 
 
 def test_settings_are_validated():
