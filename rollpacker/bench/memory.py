@@ -71,9 +71,9 @@ CASES = (
     Case("125M", (128,), world=2),
 )
 FACTOR_CASES = (CASES[2], CASES[3])
+"""Checkpointing off and full at 2048 tokens: the factor by which full checkpointing shrinks activations."""
 REPEATS = 3
 """Runs of a case of several ranks: on a loaded machine one run measured up to 16% over the plan."""
-"""Checkpointing off and full at 2048 tokens: the factor by which full checkpointing shrinks activations."""
 
 
 def model_config(case: Case) -> dict:
