@@ -222,16 +222,14 @@ PAPER = "+paper"
 def run_flags(args: Args, policy: str) -> list[str]:
     """The flags of row ``policy``: its policy's (tail's over-provisioning as the bench sets it)."""
     from rollpacker.jobflags import policy_args
-    from rollpacker.schedule.tail import PAPER_ETA_PROMPTS
+    from rollpacker.schedule.tail import eta_overrides
 
     name = policy.replace(PAPER, "")
     if name.partition("+")[0] != "tail":
         return policy_args(name)
-    etas = {"prompts": args.eta_prompts, "responses": args.eta_responses, "long": args.eta_long}
-    if PAPER in policy:
-        etas |= {"prompts": args.eta_prompts or PAPER_ETA_PROMPTS, "long": 1.0}
-    return policy_args(name) + [flag for eta, value in etas.items() if value
-                                for flag in (f"--schedule.eta-{eta}", str(value))]
+    etas = eta_overrides(args.eta_prompts, args.eta_responses, args.eta_long, paper=PAPER in policy)
+    return policy_args(name) + [flag for key, value in etas.items()
+                                for flag in (f"--schedule.{key.replace('_', '-')}", str(value))]
 
 
 ROWS = [("rollout s / prompt", "rollout_s", ".3f"), ("step s / prompt", "step_s", ".3f"),

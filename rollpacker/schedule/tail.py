@@ -43,6 +43,15 @@ EPISODES_ETA_PROMPTS = EPISODES_ETA_LONG = 2.0
 """η_P and η_L of episodes (bench episodes: docs/results.md)."""
 
 
+def eta_overrides(prompts: float = 0.0, responses: float = 0.0, long: float = 0.0, paper: bool = False) -> dict:
+    """tail's η as the benchmarks' flags give them (0: the policy's default), as ``TailConfig`` fields;
+    ``paper``: the paper's policy alone (η_P 1.25 unless given, long rounds of exactly P0)."""
+    etas = {"eta_prompts": prompts, "eta_responses": responses, "eta_long": long}
+    if paper:
+        etas |= {"eta_prompts": prompts or PAPER_ETA_PROMPTS, "eta_long": 1.0}
+    return {key: value for key, value in etas.items() if value}
+
+
 @dataclass(kw_only=True)
 class TailConfig(PolicyConfig):
     """tail: RollPacker's tail batching, speculative short rounds and a long-prompt queue."""

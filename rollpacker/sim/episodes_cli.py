@@ -80,12 +80,10 @@ def config(args: EpisodesArgs, policy: str):
     if name not in POLICY_CONFIGS or variant not in VARIANTS or variant == "paper" and name != "tail":
         raise ValueError(f"--policies: unknown policy {policy!r}: write POLICY, POLICY+stream or tail+paper, POLICY "
                          f"one of {', '.join(POLICY_CONFIGS)}")
-    from rollpacker.schedule.tail import PAPER_ETA_PROMPTS
+    from rollpacker.schedule.tail import eta_overrides
 
-    etas = {"eta_prompts": args.eta_prompts, "eta_responses": args.eta_responses, "eta_long": args.eta_long}
-    if variant == "paper":
-        etas |= {"eta_prompts": args.eta_prompts or PAPER_ETA_PROMPTS, "eta_long": 1.0}
-    schedule = POLICY_CONFIGS[name](**({k: v for k, v in etas.items() if v} if name == "tail" else {}))
+    etas = eta_overrides(args.eta_prompts, args.eta_responses, args.eta_long, paper=variant == "paper")
+    schedule = POLICY_CONFIGS[name](**(etas if name == "tail" else {}))
     cfg = preset_config(args.preset)
     rollout = replace(cfg.rollout, num_prompts=args.num_prompts or cfg.rollout.num_prompts,
                       group_size=args.group_size or cfg.rollout.group_size,
