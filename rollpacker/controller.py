@@ -192,6 +192,14 @@ class Controller:
         return TrainerState(global_step=step, epoch=epoch, max_steps=cfg.num_steps, num_train_epochs=cfg.num_epochs,
                             train_batch_size=cfg.rollout.num_prompts * cfg.rollout.group_size)
 
+    def warm(self, step: int) -> None:
+        """With ``env.warm``: open the environments of the first episodes of ``step``'s round now, as the policy
+        will plan it (planned on a copy of it), so their resets run while the step before trains."""
+        from rollpacker.schedule.runner import opens_ahead
+
+        if self.config.env.warm and self.envs.enabled and step < self.config.num_steps:
+            self.envs.warm(opens_ahead(self.policy, step, self.envs.seed), self.rows)
+
     def eval_round(self, step: int) -> ExchangeRound:
         """A held-out round: every eval row once."""
         return self.eval_leader.round(step, self.eval_leader.policy.start_round(step))
@@ -246,8 +254,9 @@ class Controller:
         reward functions' (:meth:`~rollpacker.reward.scheduler.RewardScheduler.take_metrics`)."""
         self.check_environments(result)
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
+        warm = {"env/warm_opens": self.envs.take_warm_opens()} if self.config.env.warm else {}
         return {**result.metrics(trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
-                **result.hook_metrics,
+                **result.hook_metrics, **warm,
                 **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 
     def check_environments(self, result: RoundResult, where: str = "") -> None:

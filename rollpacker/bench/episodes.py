@@ -2,11 +2,11 @@
 
 Each run is the 2-rank toy job with a toy environment (:class:`WorkloadEnv`) shaped as ``--workload``
 (:mod:`rollpacker.sim.agentic`; agentic by default): heavy-tailed turns, environment latency and cold
-starts, over one epoch of the same prompts. It runs under each of ``--policies`` (default ``sync``,
-``tail+paper``: the paper's policy alone, ``tail``, ``tail+stream``, ``one_step_off``) for each of
-``--seeds``. Per seed and policy it prints rollout and step seconds per trained prompt and their
-speedups, environment wait, reused prefill, and prompts lost or trained twice. The last line is JSON:
-the seeds' mean speedups, summed counts.
+starts, over ``--epochs`` of the same prompts. It runs under each of ``--policies`` (default ``sync``,
+``tail+paper``: the paper's policy alone, ``tail``, ``tail+warm``: environments warmed ahead,
+``tail+stream``, ``one_step_off``) for each of ``--seeds``. Per seed and policy it prints rollout and
+step seconds per trained prompt and their speedups, environment wait, reused prefill, and prompts
+lost or trained twice. The last line is JSON: the seeds' mean speedups, summed counts.
 
 Invariants:
 
@@ -99,9 +99,10 @@ def bench_workload(spec: str, *, sigma: float = 0.0, max_turns: int = 0, median_
 
 @dataclass
 class Args:
-    policies: str = "sync,tail+paper,tail,tail+stream,one_step_off"
+    policies: str = "sync,tail+paper,tail,tail+warm,tail+stream,one_step_off"
     """Comma-separated policies (as bench schedulers names them); the first is the baseline of the speedups.
-    ``tail+paper``: the paper's policy alone (long rounds of exactly P0), before tail's additions for episodes."""
+    ``tail+paper``: the paper's policy alone (long rounds of exactly P0), before tail's additions for episodes;
+    a ``+warm`` suffix: environments warmed ahead (--env.warm)."""
     seeds: str = "0"
     """Comma-separated seeds (sampling, data order, init); each runs every policy, the JSON holds their means."""
     workload: str = "agentic"
@@ -115,6 +116,8 @@ class Args:
     """The median environment step in seconds (0: the workload's)."""
     rows: int = 64
     """Prompts in the epoch every policy trains once (16 steps of P0=4: fewer leave the speedups to chance)."""
+    epochs: int = 1
+    """Epochs over the prompts (every policy trains each prompt once an epoch)."""
     num_prompts: int = 4
     """P0: prompts trained per step."""
     group_size: int = 4
@@ -144,7 +147,7 @@ class Args:
     """--train.train-shard-size of every run (stream training frees whole training replicas)."""
 
     def __post_init__(self) -> None:
-        for name in ("rows", "num_prompts", "group_size", "turn_tokens", "env_workers", "nproc"):
+        for name in ("rows", "epochs", "num_prompts", "group_size", "turn_tokens", "env_workers", "nproc"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if min(self.sigma, self.max_turns, self.median_s) < 0:
@@ -171,7 +174,7 @@ def job(args: Args, seed: int, env_file: Path, policy_flags: list[str], run_dir:
              "--env.max-tokens", str(args.turn_tokens * turns), "--env.num-workers", str(args.env_workers),
              "--rollout.max-new-tokens", str(args.turn_tokens), "--data.num-toy-prompts", str(args.rows),
              "--rollout.num-prompts", str(args.num_prompts), "--rollout.group-size", str(args.group_size),
-             "--num-epochs", "1", "--num-steps", "1000", "--eval-every", "0", "--checkpoint-every", "0",
+             "--num-epochs", str(args.epochs), "--num-steps", "1000", "--eval-every", "0", "--checkpoint-every", "0",
              "--metrics.samples-every", "1", "--engine.speculative", speculative or args.speculative]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "rollpacker.run", *job_argv(args, [*flags, *run_args], [], seed, str(run_dir))]
@@ -186,19 +189,20 @@ def samples(run_dir: Path) -> list[dict]:
 
 
 def summarize(args: Args, records: list[dict], run_dir: Path) -> dict[str, float]:
-    """Per trained prompt over the steps after the first; prompts lost and trained twice over the epoch."""
+    """Per trained prompt over the steps after the first; prompts lost and trained twice over the epochs."""
     steps = [r for r in records if "time/step" in r]
     timed = steps[1:] or steps
     prompts = sum(r["sched/trained_prompts"] for r in timed)
     trained = Counter(s["row"] for s in samples(run_dir))
-    groups = {row: n / args.group_size for row, n in trained.items()}
+    groups = [n / args.group_size for n in trained.values()] + [0.0] * (args.rows - len(trained))  # once an epoch
     return {"rollout_s": sum(r["time/rollout"] for r in timed) / prompts,
             "step_s": sum(r["time/step"] for r in timed) / prompts,
             "env_wait_s": statistics.mean(r.get("rollout/env_wait_s", 0.0) for r in timed),
             "turns": statistics.mean(r.get("env/turns_mean", 0.0) for r in timed),
             "reused_prefill": sum(r.get("rollout/reused_prefill_tokens", 0) for r in steps),
             "steps": len(steps), "prompts": sum(r["sched/trained_prompts"] for r in steps),
-            "lost": args.rows - len(groups), "twice": round(sum(max(0.0, n - 1) for n in groups.values()))}
+            "lost": round(sum(max(0.0, args.epochs - n) for n in groups)),
+            "twice": round(sum(max(0.0, n - args.epochs) for n in groups))}
 
 
 def tokens_changed(args: Args, seed: int, env_file: Path, work: Path, run_args: list[str]) -> tuple[int, int]:
@@ -217,19 +221,23 @@ def tokens_changed(args: Args, seed: int, env_file: Path, work: Path, run_args: 
 
 PAPER = "+paper"
 """A tail row's suffix: the paper's policy alone (long rounds of exactly P0 prompts), the ablation's first row."""
+WARM = "+warm"
+"""A row's suffix: environments warmed ahead (``--env.warm``)."""
 
 
 def run_flags(args: Args, policy: str) -> list[str]:
-    """The flags of row ``policy``: its policy's (tail's over-provisioning as the bench sets it)."""
+    """The flags of row ``policy``: its policy's (tail's over-provisioning as the bench sets it), and
+    ``--env.warm`` with ``+warm``."""
     from rollpacker.jobflags import policy_args
     from rollpacker.schedule.tail import eta_overrides
 
-    name = policy.replace(PAPER, "")
+    name = policy.replace(PAPER, "").replace(WARM, "")
+    warm = ["--env.warm"] if WARM in policy else []
     if name.partition("+")[0] != "tail":
-        return policy_args(name)
+        return policy_args(name) + warm
     etas = eta_overrides(args.eta_prompts, args.eta_responses, args.eta_long, paper=PAPER in policy)
-    return policy_args(name) + [flag for key, value in etas.items()
-                                for flag in (f"--schedule.{key.replace('_', '-')}", str(value))]
+    return policy_args(name) + warm + [flag for key, value in etas.items()
+                                       for flag in (f"--schedule.{key.replace('_', '-')}", str(value))]
 
 
 ROWS = [("rollout s / prompt", "rollout_s", ".3f"), ("step s / prompt", "step_s", ".3f"),

@@ -38,6 +38,8 @@ class EnvConfig:
     """The chat role of an observation given as a string."""
     num_workers: int = 2
     """Environment worker processes (environments live there, one episode's on one worker)."""
+    warm: bool = False
+    """Open the next round's first environments while a step trains, so their resets (a cold start) run ahead."""
     template_breaks: Literal["fail", "count"] = "fail"
     """A chat template that is not prefix-preserving for an observation: fail, or count it (env/template_breaks)."""
 

@@ -39,6 +39,14 @@ class Environments:
     """Per turn (``rollout.max_new_tokens``); also the episode's model tokens unless ``env.max_tokens``."""
     max_context: int
     """The engines' context length."""
+    warmed: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Episode -> (row, reset seed) of each environment opened ahead (:meth:`warm`) that no round opened yet."""
+    held: dict[str, EnvReply] = dataclasses.field(default_factory=dict)
+    """The replies of the environments opened ahead, until a round opens them."""
+    claimed: list[EnvReply] = dataclasses.field(default_factory=list)
+    """Held replies of the environments a round has since opened: the next poll gives them."""
+    warm_opens: int = 0
+    """Opens answered by an environment opened ahead, since :meth:`take_warm_opens`."""
 
     @classmethod
     def none(cls, max_new_tokens: int, *, seed: int = 0, max_context: int = 1 << 62) -> Environments:
@@ -81,12 +89,35 @@ class Environments:
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
                        max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else (), prompt=prompt)
 
+    def warm(self, opens: list[EnvCall], rows: Sequence[dict]) -> None:
+        """Open the environments of ``opens`` now (``env.warm``: the next round's first episodes, while this
+        step trains), so their resets run ahead; a round's open of one is then answered by its reply. Those
+        opened ahead before and never opened by a round are closed."""
+        for key in self.warmed:
+            self.pool.close_episode(key)
+        self.warmed, self.held = {}, {}
+        for call in opens:
+            self.pool.open_episode(call.key, rows[call.row], call.seed)
+            self.warmed[call.key] = (call.row, call.seed)
+
+    def take_warm_opens(self) -> int:
+        """Opens answered by an environment opened ahead since the last call."""
+        opens, self.warm_opens = self.warm_opens, 0
+        return opens
+
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out
         rounds' episodes share a step's ids with the training round's, not their names)."""
         for call in calls:
             key = tag + call.key
-            if call.kind == "open":
+            if call.kind == "open" and key in self.warmed:  # opened ahead: its reply is the open's
+                if self.warmed.pop(key) != (call.row, call.seed):
+                    raise RuntimeError(f"episode {key!r} opens row {call.row} with reset seed {call.seed}, but its "
+                                       "environment was opened ahead for another: env.warm planned the round wrong")
+                self.warm_opens += 1
+                if key in self.held:
+                    self.claimed.append(self.held.pop(key))
+            elif call.kind == "open":
                 self.pool.open_episode(key, rows[call.row], call.seed)
             elif call.kind == "step":
                 self.pool.step_episode(key, call.action)
@@ -101,9 +132,11 @@ class Environments:
             return []
         if idle:
             self.pool.wait(ENV_IDLE_WAIT)
-        out = []
-        for reply in self.pool.poll():
-            if isinstance(reply.key, str) and reply.key.startswith(tag) and (tag or "/" not in reply.key):
+        out, replies, self.claimed = [], self.claimed + self.pool.poll(), []
+        for reply in replies:
+            if reply.key in self.warmed:  # opened ahead, no round's yet
+                self.held[reply.key] = reply
+            elif isinstance(reply.key, str) and reply.key.startswith(tag) and (tag or "/" not in reply.key):
                 out.append(dataclasses.replace(reply, key=reply.key[len(tag):]))
         return out
 

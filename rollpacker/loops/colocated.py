@@ -47,6 +47,8 @@ def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
             stats |= job.switch_tp(meshes.broadcast(ctl.planner.tp_for(plan.kind) if ctl else None))
     batch, result, round_stats = generate(job, step, plan, timer)  # roll out and score
     stats |= round_stats
+    if ctl:  # env.warm: the next round's environments reset while this step trains
+        ctl.warm(step + 1)
     if not job.config.train.skip:
         train_step(job, timer, batch, stats)  # train, then sync the engines' weights
     if ctl:

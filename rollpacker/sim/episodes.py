@@ -312,14 +312,25 @@ class SimEnvPool:
     episodes: dict[str, tuple[str, str, int]] = field(default_factory=dict)
     """Episode -> (row key, episode key of the draws, steps so far)."""
     pending: list[tuple[float, int, EnvReply]] = field(default_factory=list)
+    warmed: set[str] = field(default_factory=set)
+    """Episodes opened ahead (:meth:`warm`) whose round has not opened them yet."""
     _order: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         self.free_at = self.free_at or [0.0] * self.workload.num_workers
 
+    def warm(self, opens: list[EnvCall], now: float) -> None:
+        """Open ``opens`` at ``now``, ahead of their round (``env.warm``): its open of one is answered by
+        this reply, as :meth:`Environments.send <rollpacker.env.setup.Environments.send>` does."""
+        self.send(opens, now)
+        self.warmed = {call.key for call in opens}
+
     def send(self, calls: list[EnvCall], now: float) -> None:
         """Queue ``calls`` at ``now``, each on its episode's worker after the calls before it."""
         for call in calls:
+            if call.kind == "open" and call.key in self.warmed:
+                self.warmed.discard(call.key)
+                continue
             reply, seconds = self._run(call, now)
             worker = self.home[call.key]
             end = self.free_at[worker] = max(now, self.free_at[worker]) + seconds

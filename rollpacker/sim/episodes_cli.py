@@ -21,8 +21,9 @@ import tyro
 
 from rollpacker.sim.episodes import EpisodeWorkload
 
-VARIANTS = {"": {}, "stream": {"stream": True, "reward_scheduler": True}, "paper": {}}
-"""A policy's ``+VARIANT``: the simulator's settings it turns on (``tail+paper``: the paper's η_P and η_L)."""
+VARIANTS = {"stream": {"stream": True, "reward_scheduler": True}, "paper": {}, "warm": {"warm": True}}
+"""A policy's ``+VARIANT`` (one or more): the simulator's settings it turns on (``tail+paper``: the paper's η_P
+and η_L; ``+warm``: environments warmed ahead)."""
 
 
 @dataclass(kw_only=True)
@@ -32,8 +33,8 @@ class EpisodesArgs:
     gpus: int = 128
     """GPUs of the job."""
     policies: str = "sync,tail+paper,tail,tail+stream"
-    """Comma-separated policies (POLICY, POLICY+stream, tail+paper: the paper's policy alone); the first is the
-    baseline of the speedups."""
+    """Comma-separated policies (POLICY, POLICY+stream, tail+paper: the paper's policy alone, +warm: environments
+    warmed ahead); the first is the baseline of the speedups."""
     num_steps: int = 10
     """Steps simulated per policy (tail: two periods of 4 short rounds and a long one)."""
     num_prompts: int = 0
@@ -76,20 +77,21 @@ def config(args: EpisodesArgs, policy: str):
     from rollpacker.schedule.config import POLICY_CONFIGS
     from rollpacker.sim.simulate import preset_config
 
-    name, _, variant = policy.partition("+")
-    if name not in POLICY_CONFIGS or variant not in VARIANTS or variant == "paper" and name != "tail":
-        raise ValueError(f"--policies: unknown policy {policy!r}: write POLICY, POLICY+stream or tail+paper, POLICY "
-                         f"one of {', '.join(POLICY_CONFIGS)}")
+    name, *variants = policy.split("+")
+    if name not in POLICY_CONFIGS or not set(variants) <= set(VARIANTS) or "paper" in variants and name != "tail":
+        raise ValueError(f"--policies: unknown policy {policy!r}: write POLICY, POLICY+stream, POLICY+warm or "
+                         f"tail+paper, POLICY one of {', '.join(POLICY_CONFIGS)}")
     from rollpacker.schedule.tail import eta_overrides
 
-    etas = eta_overrides(args.eta_prompts, args.eta_responses, args.eta_long, paper=variant == "paper")
+    etas = eta_overrides(args.eta_prompts, args.eta_responses, args.eta_long, paper="paper" in variants)
     schedule = POLICY_CONFIGS[name](**(etas if name == "tail" else {}))
     cfg = preset_config(args.preset)
     rollout = replace(cfg.rollout, num_prompts=args.num_prompts or cfg.rollout.num_prompts,
                       group_size=args.group_size or cfg.rollout.group_size,
                       max_new_tokens=args.turn_tokens or cfg.rollout.max_new_tokens)
+    settings = {key: value for v in variants for key, value in VARIANTS[v].items()}
     return replace(cfg, gpus=args.gpus, rollout=rollout, schedule=schedule, num_steps=args.num_steps,
-                   seed=args.seed, **VARIANTS[variant])
+                   seed=args.seed, **settings)
 
 
 def per_prompt(results) -> dict[str, float]:

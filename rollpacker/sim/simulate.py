@@ -29,7 +29,7 @@ from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
 from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen
-from rollpacker.schedule.runner import EpisodeRunner
+from rollpacker.schedule.runner import EpisodeRunner, opens_ahead
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
@@ -60,6 +60,8 @@ class SimConfig:
     """§4.2: the real parallelism planner picks each round's TP from its preemptions (a switch costs a weight sync)."""
     stream: bool = False
     """§4.4: the stream trainer frees half the replicas to train complete groups (needs reward_scheduler)."""
+    warm: bool = False
+    """Episodes: the next round's first environments open as a round ends (``env.warm``), resetting while it trains."""
     stream_config: StreamConfig = field(default_factory=StreamConfig)
     """The stream trainer's trigger, fetch cap and KV projection quantile (its ``enabled`` also turns ``stream`` on)."""
     num_steps: int = 20
@@ -564,6 +566,8 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
         result = step_times(step, rnd, cfg, cost, keep=record)
         if env_workload:  # an episode's reward comes with it, from its environment: no reward stage
             result.reward_s = 0.0
+        if cfg.warm and env_workload and step + 1 < cfg.num_steps:  # env.warm: as this round ends
+            env.warm(opens_ahead(policy, step + 1, cfg.seed), result.rollout_s)
         env.shift(result.step_s)  # what its workers still run goes on into the next round
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push
             result.sync_s += cost.sync_s()

@@ -148,12 +148,19 @@ def test_the_report_shows_an_episode_turn_by_turn(env_run, tmp_path):
     ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
 ], ids=["sync", "sorted", "stream", "pipe", "one_step_off"])
 def test_episodes_run_under_every_policy(tmp_path, policy):
-    held_out = ("--eval-every", "1", "--data.num-eval-prompts", "4") if policy == ("schedule:sync",) else ()
+    # sync with held-out episodes between its steps, and the next step's environments warmed ahead across them
+    held_out = ("--eval-every", "1", "--data.num-eval-prompts", "4", "--env.warm") if policy == ("schedule:sync",) \
+        else ()
     run_dir, log = run_env_job(tmp_path, *held_out, policy=policy)
     check_run(run_dir, log, held_out=bool(held_out))
     if held_out:  # held-out episodes too (greedy), each step, on the same workers as training's
         evals = [r for r in records(run_dir) if "eval/accuracy" in r]  # before each step, and at the end
         assert len(evals) == len(records(run_dir)) >= 3 and all(0 <= r["eval/reward_mean"] <= 1 for r in evals)
+        # every episode of a step after the first opened the environment warmed for it: none was made twice
+        warm = [r["env/warm_opens"] for r in records(run_dir) if "env/warm_opens" in r]
+        assert warm[0] == 0 and warm[1:] == [4 * 2] * (len(warm) - 1) and len(warm) >= 2
+        made = [r for r in log if r["event"] == "reset" and r["row"].startswith("toy-0-")]
+        assert len(made) == len(samples(run_dir))
     if "--stream.enabled" in policy:
         assert sum(r["stream/scaled_down"] for r in records(run_dir)) >= 1  # episodes moved at a turn boundary
 

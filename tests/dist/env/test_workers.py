@@ -256,3 +256,41 @@ def test_every_environment_made_is_closed_when_the_pool_stops_or_its_process_die
             break
         time.sleep(0.1)
     assert len(made) == 3 and closed == made and pids and all(map(_gone, pids))
+
+
+def test_environments_opened_ahead_answer_their_rounds_opens_and_the_others_are_closed(tmp_path, monkeypatch):
+    """env.warm: a round's open of an environment opened ahead sends nothing and gets the reply of the reset
+    that ran ahead (held through a held-out round's polls); the next warming closes those no round opened;
+    one opened ahead for another row is a loud error."""
+    from rollpacker.env.contract import EnvCall
+    from rollpacker.env.setup import Environments
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tracked.py").write_text(textwrap.dedent(TRACKED_ENV))
+    (tmp_path / "log").mkdir()
+    monkeypatch.setenv("ENV_LOG", str(tmp_path / "log"))
+    cfg = EnvConfig(factory="tracked.py:make_env", num_workers=2, warm=True)
+    rows = [{"id": "a"}, {"id": "b"}]
+    envs = Environments(cfg=cfg, pool=EnvPool(cfg), bridge=None, encode=None, seed=0, max_new_tokens=8,
+                        max_context=64)
+    try:
+        envs.warm([EnvCall("open", "3:0:0", row=0, seed=7), EnvCall("open", "3:1:0", row=1, seed=8)], rows)
+        deadline = time.monotonic() + 60
+        while len(envs.held) < 2 and time.monotonic() < deadline:  # a held-out round's polls hold their replies
+            assert envs.poll("eval/", idle=True) == []
+        assert len(envs.held) == 2 and len(_made_and_closed(tmp_path / "log")[0]) == 2
+        envs.send([EnvCall("open", "3:0:0", row=0, seed=7)], rows)
+        assert [(r.key, r.kind, r.error) for r in envs.poll()] == [("3:0:0", "open", None)]
+        assert envs.take_warm_opens() == 1 and envs.take_warm_opens() == 0
+        assert len(_made_and_closed(tmp_path / "log")[0]) == 2  # the round's open made nothing
+
+        envs.warm([EnvCall("open", "4:0:0", row=1, seed=9)], rows)  # 3:1:0 was never opened: it is closed
+        envs.pool.drain(60)
+        made, closed, _ = _made_and_closed(tmp_path / "log")
+        assert len(made) == 3 and len(closed) == 1 and next(iter(closed)).startswith("b-")
+        with pytest.raises(RuntimeError, match="opened ahead for another"):
+            envs.send([EnvCall("open", "4:0:0", row=0, seed=9)], rows)
+    finally:
+        envs.close()
+    made, closed, _ = _made_and_closed(tmp_path / "log")
+    assert closed == made

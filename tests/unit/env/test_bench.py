@@ -104,6 +104,8 @@ def test_the_ablation_rows_and_the_seeds_mean():
                                              "--schedule.eta-long", "1.0"]
     assert run_flags(args, "tail") == ["schedule:tail"] and run_flags(args, "sync") == ["schedule:sync"]
     assert run_flags(Args(eta_long=3.0), "tail+stream")[-2:] == ["--schedule.eta-long", "3.0"]
+    assert run_flags(args, "tail+warm") == ["schedule:tail", "--env.warm"]
+    assert run_flags(args, "sync+warm") == ["schedule:sync", "--env.warm"]
     summary = mean_summary([{"rollout_speedup_tail": 2.0, "tokens_changed": 0, "prompts_lost": 1,
                              "prompts_trained_twice": 0},
                             {"rollout_speedup_tail": 3.0, "tokens_changed": 0, "prompts_lost": 0,

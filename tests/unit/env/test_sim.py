@@ -139,6 +139,17 @@ def test_a_named_workload_takes_the_latency_specs_mean_as_its_scale_and_opens_wi
         EpisodeWorkload(workload="heavy")
 
 
+def test_an_environment_warmed_ahead_answers_its_rounds_open_with_the_reset_it_ran_before():
+    w = EpisodeWorkload(workload="agentic", latency="lognormal:2.0:1.0")
+    pool = SimEnvPool(w, row_key=str)
+    pool.warm([EnvCall("open", "1:0:0", row=5, seed=1)], 10.0)  # as round 0 ends, 10 s after it began
+    pool.shift(12.0)  # round 1 begins as step 0 ends
+    pool.send([EnvCall("open", "1:0:0", row=5, seed=1), EnvCall("open", "1:1:0", row=6, seed=2)], 0.0)
+    due = 10.0 + w.reset_seconds("5") - 12.0
+    assert [r.key for r in pool.take(max(due, 0.0))] == ["1:0:0"]  # its reset ran during the 2 s of training
+    assert [r.key for r in pool.take(100.0)] == ["1:1:0"] and not pool.warmed  # the other reset from the round
+
+
 @pytest.mark.parametrize("spec", ["pareto:1.2", "fixed:0", "gauss:1", "trace:/nonexistent"])
 def test_a_bad_turns_spec_says_how_to_write_one(spec):
     with pytest.raises(ValueError, match="--turns"):
@@ -189,10 +200,11 @@ def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
     from rollpacker.sim.episodes_cli import main
 
     figures = main(["--gpus", "8", "--num-steps", "2", "--num-prompts", "8", "--group-size", "4",
-                    "--turn-tokens", "512", "--num-workers", "16", "--policies", "sync,tail+paper,tail",
-                    "--workload", "agentic"])
+                    "--turn-tokens", "512", "--num-workers", "16", "--workload", "agentic",
+                    "--policies", "sync,tail+paper,tail,tail+stream+warm"])
     assert figures["rollout_s_sync"] > 0 and figures["rollout_speedup_tail"] > 0 and figures["turns_mean"] >= 1
     assert figures["rollout_speedup_tail_paper"] > 0 and "workload agentic" in capsys.readouterr().out
+    assert figures["rollout_speedup_tail_stream_warm"] > 0
     from rollpacker.sim.episodes_cli import EpisodesArgs, config
 
     assert config(EpisodesArgs(), "tail+paper").schedule == TailConfig(eta_prompts=1.25, eta_long=1.0)
@@ -200,6 +212,8 @@ def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
     assert config(raced, "tail+stream").schedule == TailConfig(eta_prompts=3, eta_long=4)
     assert config(raced, "tail+paper").schedule == TailConfig(eta_prompts=3, eta_long=1.0)
     assert config(raced, "sync").schedule == config(EpisodesArgs(), "sync").schedule
+    both = config(raced, "tail+stream+warm")
+    assert both.warm and both.stream and not config(raced, "tail+stream").warm
     with pytest.raises(ValueError, match="must be >= 1"):
         config(EpisodesArgs(eta_long=0.5), "tail")
     with pytest.raises(ValueError, match="tail\\+paper"):
