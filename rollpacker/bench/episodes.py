@@ -136,7 +136,7 @@ class Args:
     policy's default over episodes, 1: keeping a group's first episodes would bias what it learns, bench parity)."""
     eta_long: float = 0.0
     """tail's η_L (--schedule.eta-long): prompts launched per long round over P0 (0: the policy's default over
-    episodes, 2; tail+paper: 1)."""
+    episodes, 4; tail+paper: 1)."""
     speculative: str = "auto"
     """engine.speculative of every run; tokens_changed compares it with off."""
     nproc: int = 2

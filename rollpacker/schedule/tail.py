@@ -39,8 +39,8 @@ from rollpacker.schedule.ledger import Key, Ledger
 
 PAPER_ETA_PROMPTS = PAPER_ETA_RESPONSES = 1.25
 """η_P and η_R of single-turn responses (RollPacker's defaults)."""
-EPISODES_ETA_PROMPTS = EPISODES_ETA_LONG = 2.0
-"""η_P and η_L of episodes (bench episodes: docs/results.md)."""
+EPISODES_ETA_PROMPTS, EPISODES_ETA_LONG = 2.0, 4.0
+"""η_P and η_L of episodes (bench episodes and sim episodes: docs/results.md)."""
 
 
 def eta_overrides(prompts: float = 0.0, responses: float = 0.0, long: float = 0.0, paper: bool = False) -> dict:
@@ -66,7 +66,7 @@ class TailConfig(PolicyConfig):
     its slow actions (docs/policies.md, bench parity)."""
     eta_long: float | None = None
     """η_L: long rounds launch ⌈η_L·P0⌉ of the queue's prompts and keep the first P0 to complete (1: the paper's,
-    all to completion). None: 1, but 2 for episodes, whose heavy prompts are heavy by their own draws too
+    all to completion). None: 1, but 4 for episodes, whose heavy prompts are heavy by their own draws too
     (docs/policies.md, bench episodes)."""
     pipe: bool = False
     """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""

@@ -55,7 +55,7 @@ class EpisodesArgs:
     eta_responses: float = 0.0
     """tail's η_R (episodes launched per prompt over R0) for the tail policies (0: the policy's default, 1)."""
     eta_long: float = 0.0
-    """tail's η_L (prompts launched per long round over P0) for tail (0: the default over episodes, 2;
+    """tail's η_L (prompts launched per long round over P0) for tail (0: the default over episodes, 4;
     tail+paper: 1)."""
 
     def __post_init__(self) -> None:
