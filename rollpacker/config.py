@@ -145,6 +145,9 @@ class Config:
             self._check_streaming(streaming)
         if self.env.enabled:
             self._check_episodes()
+        elif self.env.warm:
+            raise ValueError("env.warm opens the next round's environments ahead, but there is no environment: set "
+                             "env.factory or env.tools, or drop env.warm")
         self.schedule.settle(episodes=self.env.enabled)
         if self.train.mini_batches > self.rollout.num_prompts:
             raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
@@ -188,6 +191,9 @@ class Config:
                              "earlier ones, as partial responses do) with its environment kept open across "
                              "rounds, and a round closes every environment it opened. Use "
                              f"schedule:{s.on_policy_alternative} (on-policy)")
+        if self.env.warm and s.own_pools:
+            raise ValueError(f"env.warm with schedule:{s.name}: its rollout already runs beside training, so no reset "
+                             "waits for a step to train behind; drop env.warm")
 
     def _check_streaming(self, streaming: str) -> None:
         """Stream training trains each group as soon as it completes, with the step's first weights:

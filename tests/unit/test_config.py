@@ -187,3 +187,17 @@ def test_episodes_refuse_sorted_partial_with_the_reason_and_run_with_the_planner
     Config(env=EnvConfig(tools=("python",)), plan=PlanConfig(enabled=True))  # a TP switch lands between steps
     Config(schedule=SortedConfig(), env=env)  # on-policy sorted runs episodes
     Config(schedule=SortedPartialConfig(), train=TrainConfig(rollout_correction="token_tis"))  # no episodes: fine
+
+
+def test_env_warm_is_refused_where_it_would_do_nothing():
+    from rollpacker.config import Config
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.schedule.one_step_off import OneStepOffConfig
+    from rollpacker.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="env.warm .* there is no environment: set env.factory or env.tools"):
+        Config(env=EnvConfig(warm=True))
+    with pytest.raises(ValueError, match="env.warm with schedule:one_step_off: its rollout already runs beside"):
+        Config(schedule=OneStepOffConfig(), env=EnvConfig(factory="toy", warm=True),
+               train=TrainConfig(rollout_correction="token_tis"))
+    Config(env=EnvConfig(factory="toy", warm=True))
