@@ -44,8 +44,10 @@ ARGS = ["schedule:tail", "--data.num-toy-prompts", str(NUM_ROWS), "--rollout.num
 stopped rank in a later checkpoint (a save of the toy model takes about a second) is named at 15 s too."""
 
 
-EPISODE_ARGS = ["--env.max-turns", "8", "--env.max-tokens", "256", "--env.num-workers", "8", "--env.timeout", "30"]
-"""Episodes of the agentic workload capped at 8 turns (a run's steps stay about as long as single-turn ones)."""
+EPISODE_ARGS = ["--env.max-turns", "8", "--env.max-tokens", "256", "--env.num-workers", "8", "--env.timeout", "30",
+                "--env.warm"]
+"""Episodes of the agentic workload capped at 8 turns (a run's steps stay about as long as single-turn ones), the
+next round's environments warmed ahead (a fault also lands while they are open)."""
 
 
 def episode_flags(run_dir: Path) -> list[str]:
