@@ -197,8 +197,8 @@ class Controller:
         will plan it (planned on a copy of it), so their resets run while the step before trains."""
         from rollpacker.schedule.runner import opens_ahead
 
-        if self.config.env.warm and self.envs.enabled and step < self.config.num_steps:
-            self.envs.warm(opens_ahead(self.policy, step, self.envs.seed), self.rows)
+        if step < self.config.num_steps:
+            self.envs.warm(lambda: opens_ahead(self.policy, step, self.envs.seed), self.rows)
 
     def eval_round(self, step: int) -> ExchangeRound:
         """A held-out round: every eval row once."""
@@ -254,9 +254,8 @@ class Controller:
         reward functions' (:meth:`~rollpacker.reward.scheduler.RewardScheduler.take_metrics`)."""
         self.check_environments(result)
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
-        warm = {"env/warm_opens": self.envs.take_warm_opens()} if self.config.env.warm else {}
         return {**result.metrics(trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
-                **result.hook_metrics, **warm,
+                **result.hook_metrics, **self.envs.take_metrics(),
                 **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 
     def check_environments(self, result: RoundResult, where: str = "") -> None:

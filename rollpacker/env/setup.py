@@ -46,7 +46,7 @@ class Environments:
     claimed: list[EnvReply] = dataclasses.field(default_factory=list)
     """Held replies of the environments a round has since opened: the next poll gives them."""
     warm_opens: int = 0
-    """Opens answered by an environment opened ahead, since :meth:`take_warm_opens`."""
+    """Opens answered by an environment opened ahead, since :meth:`take_metrics`."""
 
     @classmethod
     def none(cls, max_new_tokens: int, *, seed: int = 0, max_context: int = 1 << 62) -> Environments:
@@ -89,10 +89,13 @@ class Environments:
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
                        max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else (), prompt=prompt)
 
-    def warm(self, opens: list[EnvCall], rows: Sequence[dict]) -> None:
-        """Open the environments of ``opens`` now (``env.warm``: the next round's first episodes, while this
+    def warm(self, plan: Callable[[], list[EnvCall]], rows: Sequence[dict]) -> None:
+        """With ``env.warm``: open the environments of ``plan()`` now (the next round's first episodes, while this
         step trains), so their resets run ahead; a round's open of one is then answered by its reply. Those
         opened ahead before and never opened by a round are closed."""
+        if not (self.cfg.warm and self.enabled):
+            return
+        opens = plan()
         for key in self.warmed:
             self.pool.close_episode(key)
         self.warmed, self.held = {}, {}
@@ -100,10 +103,10 @@ class Environments:
             self.pool.open_episode(call.key, rows[call.row], call.seed)
             self.warmed[call.key] = (call.row, call.seed)
 
-    def take_warm_opens(self) -> int:
-        """Opens answered by an environment opened ahead since the last call."""
+    def take_metrics(self) -> dict[str, float]:
+        """With ``env.warm``: ``env/warm_opens``, the opens answered by environments opened ahead since last called."""
         opens, self.warm_opens = self.warm_opens, 0
-        return opens
+        return {"env/warm_opens": opens} if self.cfg.warm else {}
 
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out

@@ -9,11 +9,15 @@ from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.env.episode import Response
+from rollpacker.env.setup import Environments
 from rollpacker.exchange import RoundResult
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule.base import Group
 from rollpacker.schedule.sync import SyncPolicy
 from rollpacker.train.config import TrainConfig
+
+NO_ENVS = Environments.none(8)
+"""The controller's environments where the tests' rounds come without them (round_stats asks for their metrics)."""
 
 
 class Rewards:
@@ -41,7 +45,8 @@ def test_make_batch_and_round_stats(mask_truncated):
                         mask_truncated=mask_truncated)
     config = Config(train=train, rollout=RolloutConfig(max_new_tokens=100))
     ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
-                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200,
+                     envs=NO_ENVS)
     streamed = Group(prompt=0, outputs=[output(10), output(90)], rewards=[1.0, 0.0], streamed=True)
     kept = Group(prompt=1, outputs=[output(100, "length"), output(5), output(7)], rewards=[0.0, 0.0, 1.0])
     result = round_result([streamed, kept])
@@ -66,7 +71,8 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
     """A failed episode (finish_reason "error", counted in env/errors) is out of its group's advantages:
     its reward (0, or whatever its functions gave) is out of reward/mean and reward/accuracy too."""
     ctl = Controller(config=Config(), rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
-                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200,
+                     envs=NO_ENVS)
     group = Group(prompt=0, outputs=[output(3), output(4, "error"), output(5)], rewards=[1.0, 5.0, 0.0])
     stats = ctl.round_stats(round_result([group]))
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/accuracy"] == pytest.approx(0.5)
@@ -83,7 +89,8 @@ def test_an_episode_trains_its_model_tokens_with_its_step_rewards_on_their_actio
     train = TrainConfig(overlong_buffer=4, overlong_penalty=1.0, aggregation="token-mean")
     config = Config(train=train, rollout=RolloutConfig(max_new_tokens=8), env=EnvConfig(factory="toy", max_tokens=10))
     ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
-                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200)
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200,
+                     envs=NO_ENVS)
     mask = [True] * 3 + [False] * 4 + [True] * 5  # 8 model tokens: 2 into the buffer of 4 before 10
     episode = Response(id="0:0:0", prompt_ids=[1], token_ids=list(range(12)), logprobs=[-0.1] * 12,
                             finish_reason="stop", loss_mask=mask, step_rewards={2: 0.25, 11: 0.5}, num_turns=2)
@@ -106,7 +113,7 @@ def test_a_round_where_most_episodes_failed_in_their_environment_stops_the_run()
         rewards.state = TrainerState(global_step=3)
         return Controller(config=Config(env=EnvConfig(factory="toy", max_error_frac=frac)), rows=[], eval_rows=None,
                           tokenizer=None, rewards=rewards, policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None,
-                          display=None, max_model_len=200)
+                          display=None, max_model_len=200, envs=NO_ENVS)
 
     result = round_result([Group(prompt=0, outputs=[output(3)], rewards=[1.0])])  # 6 episodes launched
     result.env_errors = ["toy: episode '3:0:1' (row 'r1'): step raised RuntimeError: broken"] * 3

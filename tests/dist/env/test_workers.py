@@ -274,17 +274,17 @@ def test_environments_opened_ahead_answer_their_rounds_opens_and_the_others_are_
     envs = Environments(cfg=cfg, pool=EnvPool(cfg), bridge=None, encode=None, seed=0, max_new_tokens=8,
                         max_context=64)
     try:
-        envs.warm([EnvCall("open", "3:0:0", row=0, seed=7), EnvCall("open", "3:1:0", row=1, seed=8)], rows)
+        envs.warm(lambda: [EnvCall("open", "3:0:0", row=0, seed=7), EnvCall("open", "3:1:0", row=1, seed=8)], rows)
         deadline = time.monotonic() + 60
         while len(envs.held) < 2 and time.monotonic() < deadline:  # a held-out round's polls hold their replies
             assert envs.poll("eval/", idle=True) == []
         assert len(envs.held) == 2 and len(_made_and_closed(tmp_path / "log")[0]) == 2
         envs.send([EnvCall("open", "3:0:0", row=0, seed=7)], rows)
         assert [(r.key, r.kind, r.error) for r in envs.poll()] == [("3:0:0", "open", None)]
-        assert envs.take_warm_opens() == 1 and envs.take_warm_opens() == 0
+        assert envs.take_metrics() == {"env/warm_opens": 1} and envs.take_metrics() == {"env/warm_opens": 0}
         assert len(_made_and_closed(tmp_path / "log")[0]) == 2  # the round's open made nothing
 
-        envs.warm([EnvCall("open", "4:0:0", row=1, seed=9)], rows)  # 3:1:0 was never opened: it is closed
+        envs.warm(lambda: [EnvCall("open", "4:0:0", row=1, seed=9)], rows)  # 3:1:0 was never opened: it is closed
         envs.pool.drain(60)
         made, closed, _ = _made_and_closed(tmp_path / "log")
         assert len(made) == 3 and len(closed) == 1 and next(iter(closed)).startswith("b-")
