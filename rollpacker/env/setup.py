@@ -93,7 +93,7 @@ class Environments:
         """With ``env.warm``: open the environments of ``plan()`` now (the next round's first episodes, while this
         step trains), so their resets run ahead; a round's open of one is then answered by its reply. Those
         opened ahead before and never opened by a round are closed."""
-        if not (self.cfg.warm and self.enabled):
+        if not self.cfg.warm:  # (the config refuses env.warm without an environment)
             return
         opens = plan()
         for key in self.warmed:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from rollpacker.env.contract import EnvCall, EnvError
 from rollpacker.env.episode import Done, Episode, Response, StepEnv, TurnRequest, reset_seed
 from rollpacker.errors import UserError
-from rollpacker.schedule.base import Policy, request_id
+from rollpacker.schedule.base import Policy
 
 
 @dataclass
@@ -48,18 +48,6 @@ class EpisodeStats:
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         return {"env/turns_mean": mean(self.turns), "env/step_seconds": mean(self.step_seconds),
                 "env/errors": float(self.errors), "rollout/env_wait_s": self.env_wait_s}
-
-
-def opens_ahead(policy: Policy, step: int, seed: int) -> list[EnvCall]:
-    """The environment opens of the episodes ``step``'s round will launch first, as ``policy`` will plan it
-    (planned on a copy), named and seeded as its runner opens them (``env.warm``); none once it is done."""
-    ahead = copy.deepcopy(policy)
-    if ahead.done():
-        return []
-    plan = ahead.start_round(step)  # RoundState.launch numbers slot i for plan.prompts[i]
-    return [EnvCall("open", request_id(step, slot, k), row=row, seed=reset_seed(seed, f"{step}:{slot}"))
-            for slot, row in enumerate(plan.prompts) for k in range(plan.num_responses)
-            if getattr(plan.carried.get((slot, k)), "finish_reason", "abort") == "abort"]
 
 
 class EpisodeRunner:
@@ -262,3 +250,18 @@ class EpisodeRunner:
         if self._last_now is not None and self.waiting and not self.running:
             self.stats.env_wait_s += now - self._last_now
         self._last_now = now
+
+
+def opens_ahead(policy: Policy, step: int, seed: int) -> list[EnvCall]:
+    """The environment opens of the episodes ``step``'s round will launch first, as ``policy`` will plan it
+    (planned on a copy) and its round launch and open them (``env.warm``); none once it is done."""
+    from rollpacker.schedule.round import RoundState
+
+    ahead = copy.deepcopy(policy)
+    if ahead.done():
+        return []
+    plan, runner = ahead.start_round(step), EpisodeRunner(None, seed=seed, environment=True)
+    for new in RoundState(step, plan, ahead, 1).launch(plan.prompts):
+        for _, rid, _ in new.run:
+            runner.open(rid, new.row, f"{step}:{new.slot}")
+    return runner.take_calls()
