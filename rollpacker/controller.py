@@ -195,7 +195,7 @@ class Controller:
     def warm(self, step: int) -> None:
         """With ``env.warm``: open the environments of the first episodes of ``step``'s round now, as the policy
         will plan it (planned on a copy of it), so their resets run while the step before trains."""
-        from rollpacker.schedule.runner import opens_ahead
+        from rollpacker.schedule.round import opens_ahead
 
         if step < self.config.num_steps:
             self.envs.warm(lambda: opens_ahead(self.policy, step, self.envs.seed), self.rows)

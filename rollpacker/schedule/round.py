@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
@@ -515,3 +516,18 @@ class Round:
         if scaled.migration_s is None and not back.moved:
             scaled.migration_s = now - scaled.at
         scaled.migrated_tokens += sum(len(o.prompt_ids) + len(o.token_ids) for o in back.resume)
+
+
+def opens_ahead(policy: Policy, step: int, seed: int) -> list[EnvCall]:
+    """The environment opens of the episodes ``step``'s round will launch first, as ``policy`` will plan it
+    (planned on a copy) and :meth:`RoundState.launch` number them, seeded as the round's runner opens them
+    (``env.warm``); none once it is done."""
+    from rollpacker.env.contract import EnvCall
+    from rollpacker.env.episode import reset_seed
+
+    ahead = copy.deepcopy(policy)
+    if ahead.done():
+        return []
+    plan = ahead.start_round(step)
+    return [EnvCall("open", rid, row=new.row, seed=reset_seed(seed, f"{step}:{new.slot}"))
+            for new in RoundState(step, plan, ahead, 1).launch(plan.prompts) for _, rid, _ in new.run]

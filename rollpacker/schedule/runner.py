@@ -18,14 +18,12 @@ run (fail).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rollpacker.env.contract import EnvCall, EnvError
 from rollpacker.env.episode import Done, Episode, Response, StepEnv, TurnRequest, reset_seed
 from rollpacker.errors import UserError
-from rollpacker.schedule.base import Policy
 
 
 @dataclass
@@ -250,18 +248,3 @@ class EpisodeRunner:
         if self._last_now is not None and self.waiting and not self.running:
             self.stats.env_wait_s += now - self._last_now
         self._last_now = now
-
-
-def opens_ahead(policy: Policy, step: int, seed: int) -> list[EnvCall]:
-    """The environment opens of the episodes ``step``'s round will launch first, as ``policy`` will plan it
-    (planned on a copy) and its round launch and open them (``env.warm``); none once it is done."""
-    from rollpacker.schedule.round import RoundState
-
-    ahead = copy.deepcopy(policy)
-    if ahead.done():
-        return []
-    plan, runner = ahead.start_round(step), EpisodeRunner(None, seed=seed, environment=True)
-    for new in RoundState(step, plan, ahead, 1).launch(plan.prompts):
-        for _, rid, _ in new.run:
-            runner.open(rid, new.row, f"{step}:{new.slot}")
-    return runner.take_calls()

@@ -28,8 +28,8 @@ from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
-from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen
-from rollpacker.schedule.runner import EpisodeRunner, opens_ahead
+from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen, opens_ahead
+from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
