@@ -89,7 +89,7 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, rank):
     """Rank 1 stopped in the round, and rank 0 right after a checkpoint commits: rank 0 hosts the job's
     store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the launch line of docs/cluster-and-faults.md), so
     a store call on rank 1 never returned and the job hung for good (issue #36)."""
-    timeout_s, log = 20, tmp_path.with_suffix(".log")
+    timeout_s, log = 10, tmp_path.with_suffix(".log")
     with log.open("w") as f:
         proc = subprocess.Popen(job(tmp_path, "--num-steps", "50", "--dist.timeout-s", str(timeout_s),
                                     "--dist.checkpoint-timeout-s", str(timeout_s)),
