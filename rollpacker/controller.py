@@ -294,7 +294,7 @@ class Controller:
              "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
              "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
-             "reward": reward, "rewards": values.get(o.id, {}), "length": len(o.token_ids),
+             "reward": reward, **values.get(o.id, {"rewards": {}, "extra": {}}), "length": len(o.token_ids),
              "finish_reason": o.finish_reason, **o.describe(decode)}
             for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
 

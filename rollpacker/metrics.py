@@ -243,16 +243,17 @@ class MetricsLogger:
 
     def log_samples(self, step: int, name: str, samples: list[dict[str, Any]]) -> Path:
         """Write ``samples`` (one JSON object per response) to ``run_dir/samples/NAME.jsonl``, replacing it,
-        and to the wandb table ``samples`` at ``step``."""
+        and to the wandb table ``samples`` at ``step``; a value JSON has no type for (what a reward function
+        logged) as its ``str``."""
         path = self.run_dir / "samples" / f"{name}.jsonl"
         path.parent.mkdir(exist_ok=True)
-        path.write_text("".join(json.dumps(s) + "\n" for s in samples), encoding="utf-8")
+        path.write_text("".join(json.dumps(s, default=str) + "\n" for s in samples), encoding="utf-8")
         if self._wandb_run is not None and samples:
             import wandb
 
             columns = list(samples[0])
-            rows = [[v if isinstance(v, (int, float, str)) or v is None else json.dumps(v) for v in s.values()]
-                    for s in samples]
+            rows = [[v if isinstance(v, (int, float, str)) or v is None else json.dumps(v, default=str)
+                     for v in s.values()] for s in samples]
             self._wandb_run.log({"samples": wandb.Table(columns=columns, data=rows)}, step=step)
         return path
 

@@ -121,7 +121,8 @@ def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[s
     ``completion_ids``, ``columns`` (the row's other columns), optionally ``trainer_state`` and, for
     an episode, ``messages`` (its turns after the prompt: TRL's completion then) and ``environment``
     (a copy of its environment: TRL's ``environments`` hold it). Returns ``(reward or None, metrics,
-    info)``; raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
+    info)``: a dict's other numbers and TRL's ``log_metric`` are metrics, the rest and TRL's ``log_extra``
+    info. Raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
     fn = load(ref.target, "reward.funcs", RewardFunctionError)
     columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
@@ -130,9 +131,12 @@ def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[s
         return _value(awaited(fn(**accepted(fn, kwargs))))
     completion = sample.get("messages") or (
         [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
+    logged, extra = {}, {}
     kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
               "completion_ids": [sample["completion_ids"]],
-              "trainer_state": sample.get("trainer_state") or TrainerState()}  # as TRL: one object, not a list
+              "trainer_state": sample.get("trainer_state") or TrainerState(),  # as TRL: one object, not a list
+              "log_metric": lambda name, value: logged.__setitem__(str(name), float(value)),
+              "log_extra": lambda column, values: extra.__setitem__(str(column), _one(values))}
     if sample.get("environment") is not None and accepted(fn, {"environments": None}):
         kwargs["environments"] = [sample["environment"].restore()]
     elif "environments" in inspect.signature(fn).parameters and sample.get("environment") is None:
@@ -146,7 +150,13 @@ def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[s
     if len(values) != 1:
         raise BadValue(f"returned {len(values)} values for 1 completion; a TRL-convention function returns one "
                          "float or None per completion")
-    return _value(values[0])
+    value, metrics, info = _value(values[0])
+    return value, logged | metrics, extra | info
+
+
+def _one(values):
+    """What TRL's ``log_extra(column, values)`` logged for the one completion of a call: a list's one item."""
+    return values[0] if isinstance(values, (list, tuple)) and len(values) == 1 else values
 
 
 def _value(value) -> tuple[float | None, dict[str, float], dict[str, Any]]:

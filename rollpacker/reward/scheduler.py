@@ -192,6 +192,8 @@ class _Scoring:
     values: dict[str, float | None] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     """Function name -> what went wrong."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """``NAME/KEY`` -> what function NAME said besides numbers: a dict's other values, TRL's ``log_extra``."""
 
 
 MAX_VALUES = 1 << 16
@@ -221,8 +223,9 @@ class RewardScheduler:
         """Responses scored by their environment alone (no reward function), not yet polled."""
         self.seconds = 0.0
         """Scoring time of the samples scored since :meth:`take_metrics`, summed (workers run in parallel)."""
-        self.values: dict[Any, dict[str, float | None]] = {}
-        """Each scored response's value per function (None: did not apply or failed), until :meth:`take_values`."""
+        self.values: dict[Any, dict[str, dict]] = {}
+        """Each scored response's ``rewards`` (the value per function; None: did not apply or failed) and
+        ``extra`` (:attr:`_Scoring.extra`), until :meth:`take_values`."""
         self._sums: collections.Counter[str] = collections.Counter()
         self._counts: collections.Counter[str] = collections.Counter()
         self.errors = 0
@@ -328,6 +331,7 @@ class RewardScheduler:
                 scoring.errors[name] = f"reward function {name!r} failed on row {scoring.row['id']!r}: {s.error}"
             else:
                 self._by_name[name].observe(scoring.row, s.info)
+                scoring.extra |= {f"{name}/{k}": v for k, v in s.info.items()}
                 for metric, value in ({name: s.score} | {f"{name}/{k}": v for k, v in s.metrics.items()}).items():
                     if value is not None:
                         self._sums[metric] += value
@@ -335,7 +339,7 @@ class RewardScheduler:
             scoring.values[name] = s.score
             if len(scoring.values) == len(self.functions):
                 done.append((key, self._reward(self._scoring.pop(key))))
-                self.values[key] = scoring.values
+                self.values[key] = {"rewards": scoring.values, "extra": scoring.extra}
                 if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
                     del self.values[next(iter(self.values))]
         return done
@@ -359,8 +363,8 @@ class RewardScheduler:
             return scoring.env_reward
         return sum(w * v for w, v in applied) + scoring.env_reward
 
-    def take_values(self, keys: list[Any]) -> dict[Any, dict[str, float | None]]:
-        """The per-function values of the responses ``keys`` (those scored), forgotten here."""
+    def take_values(self, keys: list[Any]) -> dict[Any, dict[str, dict]]:
+        """The ``rewards`` and ``extra`` of the responses ``keys`` (those scored: :attr:`values`), forgotten here."""
         return {k: self.values.pop(k) for k in keys if k in self.values}
 
     def take_metrics(self, where: str = "") -> dict[str, float]:

@@ -92,6 +92,7 @@ def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and
         assert len(got) == PROMPTS * GROUP and {s["step"] for s in got} == {step}
         for s in got:
             assert s["rewards"] == pytest.approx(rescore(funcs, s)), s
+            assert s["extra"] == {"correct/found": s["completion"].rsplit("####", 1)[-1].strip()}
             assert s["reward"] == pytest.approx(sum(WEIGHTS[k] * v for k, v in s["rewards"].items()))
             assert "Q:" not in s["completion"] and s["finish_reason"] in ("stop", "length") and s["length"] > 0
             assert s["prompt"][0] == {"role": "system", "content": "Add."} and s["row"].startswith("train:")

@@ -43,6 +43,17 @@ def hangs(completions, **kwargs):
 def step(completions, trainer_state, **kwargs):  # TRL's trainer_state, required
     return [trainer_state.global_step + trainer_state.epoch]
 
+def logs(completions, answer, log_extra=None, log_metric=None, **kwargs):  # TRL's docs' example 6
+    extracted = [c[0]["content"].strip() for c in completions]
+    rewards = [float(e == a) for e, a in zip(extracted, answer)]
+    log_extra("golden_answer", list(answer))
+    log_extra("extracted_answer", extracted)
+    log_metric("accuracy", sum(rewards) / len(rewards))
+    return rewards
+
+def verl_pred(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 1.0, "pred": solution_str.strip(), "ok": True}
+
 def one_in_three(completions, id, **kwargs):
     if id[0].endswith("3"):
         raise ValueError("row three")
@@ -146,6 +157,26 @@ def test_trl_functions_get_trainer_state(funcs):
     for workers in (0, 1):
         assert scores(RewardConfig(funcs=funcs("step"), num_workers=workers), state=state)[0] == {
             "a:1": 6.25, "a:2": 6.25}
+
+
+def test_trl_log_metric_and_log_extra_and_a_verl_dicts_other_values_reach_the_metrics_and_samples(funcs):
+    """TRL's ``log_metric`` is logged as ``reward/NAME/METRIC`` (a mean over the responses); ``log_extra``'s
+    columns and a verl dict's values that are not numbers go to each response's samples as ``extra``."""
+    for workers in (0, 1):
+        scheduler = RewardScheduler(RewardConfig(funcs=funcs("logs", "verl_pred"), num_workers=workers),
+                                    lambda ids: RESPONSES[ids[0] % 2])
+        try:
+            for i, row in enumerate(ROWS):
+                scheduler.submit(row["id"], row, Response(id="", prompt_ids=[], token_ids=[i]))
+            assert dict(scheduler.wait()) == {"a:1": 2.0, "a:2": 1.0}
+            metrics = scheduler.take_metrics()
+            values = scheduler.take_values(["a:1", "a:2"])
+        finally:
+            scheduler.close()
+        assert metrics["reward/logs/accuracy"] == 0.5 and metrics["reward/verl_pred/ok"] == 1.0
+        assert values["a:1"] == {"rewards": {"logs": 1.0, "verl_pred": 1.0}, "extra": {
+            "logs/golden_answer": "2", "logs/extracted_answer": "2", "verl_pred/pred": "2"}}
+        assert values["a:2"]["extra"]["logs/extracted_answer"] == "hello there"
 
 
 def test_a_row_no_function_scores_is_an_error_naming_it(funcs):
