@@ -13,6 +13,9 @@ a fresh environment for one episode:
   number or None) is this step's, placed on the last token of the action.
 - optional ``close()``, called when the episode ends or is aborted.
 
+An adapter's environment may also score the episode that a token limit ended, which no step of its
+ended: ``finishes`` true after its reset, and ``finish() -> reward or None`` (TRL's ``get_reward``).
+
 Any of them may be ``async def``. What they return is checked here: anything else is a
 :class:`BadReturn` naming what came back, which the workers report as the environment's error.
 """
@@ -45,7 +48,8 @@ class EnvCall:
     """One call on an episode's environment, for the workers (:class:`~rollpacker.env.workers.EnvPool`)."""
 
     kind: str
-    """``open`` (make the environment for ``row``, reset it with ``seed``), ``step`` (with ``action``) or ``close``."""
+    """``open`` (make the environment for ``row``, reset it with ``seed``), ``step`` (with ``action``), ``finish``
+    (the environment's reward for an episode a token limit ended) or ``close``."""
     key: str
     """The episode: its round request id."""
     row: int = -1
@@ -59,9 +63,9 @@ class EnvReply:
 
     key: Hashable
     kind: str
-    """``open`` (make and reset), ``step`` or ``close``."""
+    """``open`` (make and reset), ``step``, ``finish`` or ``close``."""
     value: Any = None
-    """open: ``(prompt or None, info)``; step: a :class:`StepResult`; close: None."""
+    """open: ``(prompt or None, info)``; step: a :class:`StepResult`; finish: a reward or None; close: None."""
     error: str | None = None
     """Set when the call failed; names the environment, the row and the cause."""
     seconds: float = 0.0
@@ -69,6 +73,8 @@ class EnvReply:
     state: Any = None
     """After an open or a step, a copy of the environment for reward functions that take ``environments``
     (:class:`~rollpacker.env.trl.EnvState`, TRL's environments); else None."""
+    finishes: bool = False
+    """After an open: the environment scores an episode that a token limit ends (:func:`finish`)."""
 
 
 @dataclass
@@ -109,15 +115,30 @@ def step(env, action: str, role: str = "user") -> StepResult:
         raise BadReturn(f"step returned {_what(value)}; gymnasium's step returns (observation, reward, terminated, "
                         "truncated, info)")
     observation, reward, terminated, truncated, info = value
-    if reward is not None:
-        if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-            raise BadReturn(f"step returned reward {short(reward)}; expected a finite number or None")
-        reward = float(reward)
+    reward = _reward(reward, "step")
     for name, flag in (("terminated", terminated), ("truncated", truncated)):
         if not isinstance(flag, (bool, numbers.Integral)) and type(flag).__name__ != "bool_":
             raise BadReturn(f"step returned {name}={short(flag)}; expected a bool")
     return StepResult(messages(observation, role, "step"), reward, bool(terminated), bool(truncated),
                       _info(info, "step"))
+
+
+def finishes(env) -> bool:
+    """Whether ``env`` scores an episode that a token limit ended (:func:`finish`)."""
+    return bool(getattr(env, "finishes", False))
+
+
+def finish(env) -> float | None:
+    """``env.finish()`` called and checked: its reward for an episode that a token limit ended."""
+    return _reward(awaited(env.finish()), "finish")
+
+
+def _reward(reward, where: str) -> float | None:
+    if reward is None:
+        return None
+    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+        raise BadReturn(f"{where} returned reward {short(reward)}; expected a finite number or None")
+    return float(reward)
 
 
 def close(env) -> None:

@@ -241,9 +241,7 @@ class Episode:
     def on_step(self, result: StepResult) -> TurnRequest | Done:
         """The environment's step on the last action -> the next turn, or the end."""
         self._expect("step")
-        if result.reward is not None:
-            last = len(self.response_ids) - 1
-            self.step_rewards[last] = self.step_rewards.get(last, 0.0) + result.reward
+        self._reward(result.reward)
         self.messages.extend(result.observation)
         for key, value in result.info.items():
             if isinstance(value, numbers.Real) and math.isfinite(value):
@@ -261,10 +259,21 @@ class Episode:
         self._waiting = "turn"
         return self.next_turn()
 
+    def on_finish(self, reward: float | None) -> Done:
+        """Its environment's reward for the episode a token limit ended (:func:`~rollpacker.env.contract.finish`),
+        on its last token."""
+        if self.done is None or self.done.reason not in LENGTH_REASONS:
+            raise RuntimeError(f"episode {self.id}: a finish reply, but no token limit ended it")
+        self._reward(reward)
+        return self.done
+
     def fail(self, cause: str) -> Done:
-        """The environment failed (raised, hung, returned garbage): the episode ends and trains nothing."""
+        """The environment failed (raised, hung, returned garbage): the episode ends, once, and trains nothing;
+        one a token limit ended reads as failed when its environment fails to score it."""
         self.loss_mask = [False] * len(self.response_ids)
-        return self._end("error", cause)
+        if self.done is None or self.done.reason != "error":
+            self.done, self._waiting = Done("error", cause), ""
+        return self.done
 
     def abort(self, partial: Output | None = None) -> Done:
         """The policy ended the episode (its group is complete, or the round is over). ``partial``: its
@@ -289,6 +298,12 @@ class Episode:
                         env_seconds=self.env_seconds,
                         reason=done.reason, detail=done.detail, prompt=self.prompt, env_state=self.env_state,
                         messages=None if self.messages is None else list(self.messages))
+
+    def _reward(self, reward: float | None) -> None:
+        """An environment's reward, on the last token so far (the first place, none yet: an empty turn)."""
+        if reward is not None:
+            last = max(len(self.response_ids) - 1, 0)
+            self.step_rewards[last] = self.step_rewards.get(last, 0.0) + reward
 
     def _budget(self) -> int:
         """The next turn's most tokens: the turn's, the episode's model tokens and the context's left."""

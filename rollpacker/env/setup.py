@@ -124,6 +124,8 @@ class Environments:
                 self.pool.open_episode(key, rows[call.row], call.seed)
             elif call.kind == "step":
                 self.pool.step_episode(key, call.action)
+            elif call.kind == "finish":
+                self.pool.finish_episode(key)
             else:
                 self.pool.close_episode(key)
 

@@ -10,8 +10,9 @@ column (:func:`factories`). One episode of such an environment (:class:`TRLEnv`)
 - Its public methods but ``reset`` and ``get_reward`` are its tools, ``env.tools`` beside them,
   run by a :class:`~rollpacker.env.tools.ToolEnv`; their schemas come from their docstrings.
 - A turn without a tool call is the answer and ends the episode. ``get_reward()``, if defined, is
-  called then, or after the last turn ``env.max_turns`` allows: its value is that step's reward,
-  which the reward scheduler adds with weight 1.
+  called then, or after the last turn ``env.max_turns`` allows, or when a token limit ends the
+  episode (``finish``): once per episode, however it ends, as TRL calls it. Its value is the
+  episode's last step's reward, which the reward scheduler adds with weight 1.
 - With :attr:`~rollpacker.env.workers.EnvSpec.states`, every call sends back a copy of the
   instance (:class:`EnvState`) for the reward functions that take ``environments``.
 - An instance whose episode closed is reused by a later episode in its worker (TRL pools them too).
@@ -134,6 +135,15 @@ class TRLEnv:
         if (answered or self.turns >= self.max_turns) and callable(getattr(self.instance, "get_reward", None)):
             reward = await invoke(self.instance.get_reward)
         return observation, reward, answered, False, {**dict.fromkeys(TOOL_INFO, 0), **info}
+
+    @property
+    def finishes(self) -> bool:
+        """It scores an episode that a token limit ended: it has ``get_reward``."""
+        return callable(getattr(self.instance, "get_reward", None))
+
+    async def finish(self):
+        """``get_reward()`` for an episode that a token limit ended, which no step of its ended."""
+        return await invoke(self.instance.get_reward)
 
     async def close(self) -> None:
         self.release(self.instance)

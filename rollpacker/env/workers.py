@@ -120,13 +120,13 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
         conn.send(None)
         while (task := conn.recv()) is not None:
             wall = time.perf_counter()
-            value, error, state = _run(spec, envs, *task)
+            value, error, state, finishes = _run(spec, envs, *task)
             try:
-                conn.send((value, error, time.perf_counter() - wall, state))
+                conn.send((value, error, time.perf_counter() - wall, state, finishes))
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 envs.pop(task[1], None)
                 conn.send((None, f"returned something that cannot be sent back ({type(e).__name__}: {e})",
-                           time.perf_counter() - wall, None))
+                           time.perf_counter() - wall, None, False))
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
         return
     finally:
@@ -147,25 +147,28 @@ def _close_all(spec: EnvSpec, envs: dict) -> None:
             print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None, Any]:
-    """One call in a worker: ``(value, error, state)`` (:attr:`EnvReply.state`); a failed environment is dropped."""
+def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None, Any, bool]:
+    """One call in a worker: ``(value, error, state, finishes)`` (:class:`EnvReply`'s); a failed environment is
+    dropped."""
     try:
         if kind == "open":
             row, seed = payload
             envs[key] = env = spec.build(row)
-            return contract.reset(env, seed=seed, row=row), None, _state(spec, env)
+            return contract.reset(env, seed=seed, row=row), None, _state(spec, env), contract.finishes(env)
         if kind == "step":
-            return contract.step(envs[key], payload, spec.observation_role), None, _state(spec, envs[key])
+            return contract.step(envs[key], payload, spec.observation_role), None, _state(spec, envs[key]), False
+        if kind == "finish":
+            return contract.finish(envs[key]), None, None, False
         env = envs.pop(key, None)
         if env is not None:
             contract.close(env)
-        return None, None, None
+        return None, None, None, False
     except contract.BadReturn as e:
         cause = f"returned garbage: {e}"
     except Exception as e:  # noqa: BLE001  (the user's environment: whatever it raises is the cause to report)
         cause = f"raised {type(e).__name__}: {str(e)[:500]}"
     envs.pop(key, None)
-    return None, f"{kind} {cause}", None
+    return None, f"{kind} {cause}", None, False
 
 
 def _state(spec: EnvSpec, env) -> Any:
@@ -206,6 +209,11 @@ class EnvPool(WorkerPool):
         """Step episode ``key``'s environment with ``action``; the reply's value is a ``StepResult``."""
         self._submit(self._call(key, "step", action))
 
+    def finish_episode(self, key: Hashable) -> None:
+        """Ask episode ``key``'s environment for its reward, a token limit having ended the episode (it
+        :attr:`~rollpacker.env.contract.EnvReply.finishes`); the reply's value is a reward or None."""
+        self._submit(self._call(key, "finish", None))
+
     def close_episode(self, key: Hashable) -> None:
         """Close episode ``key``'s environment (``close()`` if it has one) and forget the episode."""
         self._submit(self._call(key, "close", None))
@@ -240,9 +248,9 @@ class EnvPool(WorkerPool):
         return task.kind, task.key, task.payload
 
     def _received(self, task: _Call, message: Any) -> None:
-        value, error, seconds, state = message
+        value, error, seconds, state, finishes = message
         with self._cond:
-            self._reply(task, value, self._cause(task, error) if error else None, seconds, state)
+            self._reply(task, value, self._cause(task, error) if error else None, seconds, state, finishes)
 
     def _lost(self, i: int, task: _Call | None, reason: str, seconds: float) -> None:
         """Worker ``i`` was killed: its running call fails with ``reason``; every episode it hosted loses
@@ -261,7 +269,7 @@ class EnvPool(WorkerPool):
                 self._reply(call, error=lost if call.kind != "close" else None)
 
     def _reply(self, call: _Call, value: Any = None, error: str | None = None, seconds: float = 0.0,
-               state: Any = None) -> None:
+               state: Any = None, finishes: bool = False) -> None:
         """Hand back the outcome of ``call`` (holding ``_cond``); a closed episode is forgotten."""
         episode = self._episodes[call.key]
         episode.calls -= 1
@@ -269,7 +277,7 @@ class EnvPool(WorkerPool):
             episode.lost = episode.lost or error
         if call.kind == "close" and not episode.calls:
             del self._episodes[call.key]
-        self._done.append(EnvReply(call.key, call.kind, value, error, seconds, state))
+        self._done.append(EnvReply(call.key, call.kind, value, error, seconds, state, finishes))
         self._num_unfinished -= 1
         self._cond.notify_all()
 

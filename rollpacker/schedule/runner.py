@@ -6,10 +6,13 @@ the policy, the scorer and the trainer see one response per episode (one ``on_fi
 
 - With an environment, a launched response opens it (an ``open`` :class:`EnvCall`, reset seeded
   per group); the reply starts the first turn; a finished turn steps the environment with its text,
-  whose reply starts the next turn, until the episode is done and its environment closed.
+  whose reply starts the next turn, until the episode is done and its environment closed. An
+  episode that a token limit ended first asks its environment for a last reward (a ``finish``),
+  if its environment scores such an episode (TRL's ``get_reward``; said in its reset's reply).
 - Without one, a launched response is its one turn at once (a single-turn response).
 - An episode the policy aborts is cut where it is: its running turn aborted at its engine (its
   tokens kept), or, between turns, at once; its environment is closed after the calls in flight.
+  One waiting for its last reward is whole: it ends at once, without that reward.
 
 An environment that fails (its reply has an error, or its reset prompt leaves no room for a turn)
 ends its episode trained on nothing (``env.on_error`` skip, counted in ``env/errors``) or stops the
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rollpacker.env.contract import EnvCall, EnvError
-from rollpacker.env.episode import Done, Episode, Response, StepEnv, TurnRequest, reset_seed
+from rollpacker.env.episode import LENGTH_REASONS, Done, Episode, Response, StepEnv, TurnRequest, reset_seed
 from rollpacker.errors import UserError
 
 
@@ -65,7 +68,9 @@ class EpisodeRunner:
         self.budgets: dict[str, int] = {}
         """Turn id -> its token budget (``max_new_tokens``), for every running turn."""
         self.waiting: set[str] = set()
-        """Episodes whose environment call (open, step) is in flight."""
+        """Episodes whose environment call (open, step, finish) is in flight."""
+        self.finishes: set[str] = set()
+        """Episodes whose environment scores the episode a token limit ends (its reset's reply said so)."""
         self.resume: dict[str, Any] = {}
         """Episode -> the partial response its first turn continues (carried from an earlier round)."""
         self.sessions: set[str] = set()
@@ -118,7 +123,10 @@ class EpisodeRunner:
             if reply.error:
                 done += self._failed(reply.key, reply.error)
             elif reply.kind == "open":
+                self.finishes.update([reply.key] if reply.finishes else [])
                 done += self._start(reply.key, reply.value, reply.state)
+            elif reply.kind == "finish":
+                done.append(self._end(reply.key, self.live[reply.key].on_finish(reply.value)))
             else:
                 episode = self.live[reply.key]
                 episode.env_state = reply.state if reply.state is not None else episode.env_state
@@ -219,6 +227,10 @@ class EpisodeRunner:
             self.turns.append((key, what))
             return []
         self.stats.turns.append(self.live[key].num_turns)
+        if key in self.finishes and what.reason in LENGTH_REASONS:  # its environment's last word first
+            self.waiting.add(key)
+            self.calls.append(EnvCall("finish", key))
+            return []
         return [self._end(key, what)]
 
     def _failed(self, key: str, error: str) -> list[Response]:
@@ -235,6 +247,7 @@ class EpisodeRunner:
         episode.env_seconds = self.env_seconds.pop(key, 0.0)
         self.rows.pop(key)
         self.waiting.discard(key)
+        self.finishes.discard(key)
         self.resume.pop(key, None)
         if self.environment:
             self.calls.append(EnvCall("close", key))

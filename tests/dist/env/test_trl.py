@@ -1,6 +1,7 @@
 """A TRL environment class in a whole job: 2 gloo ranks, the toy-tools model calling the class's
-calculator method, its get_reward as the episode's environment reward, and a reward function taking
-``environments`` scored in the reward workers from a copy of each episode's environment."""
+calculator method, its get_reward as the episode's environment reward (after the answer, or after the
+token limit cut the answer's turn), and a reward function taking ``environments`` scored in the
+reward workers from a copy of each episode's environment."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_a_trl_environment_trains_on_two_ranks(tmp_path):
     run = tmp_path / "run"
     proc = launch_job("--model.path", "toy-tools", "--data.toy-task", "tools", "--env.factory", "trl_env.py:Calculator",
                       "--reward.funcs", "trl_env.py:used_tool", "rollpacker.toy.tools:correct", "--env.max-turns", "3",
-                      "--env.max-tokens", "224", "--rollout.max-new-tokens", "96", "--num-steps", "2",
+                      "--env.max-tokens", "92", "--rollout.max-new-tokens", "96", "--num-steps", "2",
                       "--eval-every", "0", "--metrics.samples-every", "1", "--run-dir", str(run), *QUIET,
                       cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, cause(proc.stderr)
@@ -56,4 +57,6 @@ def test_a_trl_environment_trains_on_two_ranks(tmp_path):
     # get_reward scored the episode's own state: did the calculator produce the answer
     assert [e["env_reward"] for e in episodes] == [float(any(f"R: {e['answer']}\n" in t for t in r))
                                                    for e, r in zip(episodes, results)]
-    assert any(results) and any(e["env_reward"] for e in episodes)
+    assert any(results) and any(e["env_reward"] for e in episodes if e["end"] == "terminated")
+    # 92 model tokens: a calculator call (about 90) leaves a few for the answer; a cut one is scored all the same
+    assert any(e["env_reward"] for e in episodes if e["end"] == "max_tokens")

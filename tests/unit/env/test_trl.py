@@ -57,6 +57,11 @@ class Counter:
         return "not a tool"
 
 
+class Unscored(Counter):
+    def get_reward(self) -> float:
+        raise RuntimeError("no score today")
+
+
 class Echo:
     def reset(self, **kwargs):
         self.columns = sorted(kwargs)
@@ -112,11 +117,12 @@ def env_file(tmp_path, monkeypatch):
     return tmp_path
 
 
-def run(pool: EnvPool, rows: list[dict], scripts: list[list[int]], max_turns: int) -> list:
+def run(pool: EnvPool, rows: list[dict], scripts: list[list[int]], max_turns: int, max_tokens: int = 0) -> list:
     """Each row's episode to its end, as a round runs it: the real ``Environments`` and ``EpisodeRunner``,
-    the model's turns taken from ``scripts`` (ACTIONS indices per turn)."""
-    envs = Environments(cfg=EnvConfig(factory="trl_env.py:Counter", max_turns=max_turns), pool=pool, bridge=Bridge(),
-                        encode=lambda prompt, tools: [1, 2], seed=0, max_new_tokens=8, max_context=1000)
+    the model's turns taken from ``scripts`` (ACTIONS indices per turn, one token each)."""
+    envs = Environments(cfg=EnvConfig(factory="trl_env.py:Counter", max_turns=max_turns, max_tokens=max_tokens),
+                        pool=pool, bridge=Bridge(), encode=lambda prompt, tools: [1, 2], seed=0, max_new_tokens=8,
+                        max_context=1000)
     runner = EpisodeRunner(envs.maker(rows, lambda row: [1, 2]), seed=0, environment=True)
     for k in range(len(rows)):
         runner.open(f"0:{k}:0", k, f"0:{k}")
@@ -192,6 +198,30 @@ def test_get_reward_comes_with_the_last_turn_env_max_turns_allows(env_file):
         (done,) = run(pool, [row], [[0, 1]], max_turns=2)
     assert done.reason == "max_turns" and done.env_reward == 1.0 and done.prompt == "Count. Reach 5."
     assert done.env_state is None  # no reward function asked for a copy
+
+
+def test_get_reward_scores_an_episode_a_token_limit_ended_once(env_file):
+    """TRL calls get_reward once per rollout, however it ended: an episode whose model tokens ran out
+    (env.max_tokens 2, one token a turn) after its second tool call is scored by it all the same, on its
+    last token; a get_reward that raises then is the episode's environment error; an environment
+    without get_reward is not asked."""
+    rows = [{"id": "r", "prompt": "Count.", "target": 5}, {"id": "s", "prompt": "Count.", "target": 5}]
+    scripts = [[0, 1], [4]]  # add 2, add 3: out of tokens at 5; answer "It is 3." at once
+
+    def episodes(factory: str, num: int) -> list:
+        cfg = EnvConfig(factory=f"trl_env.py:{factory}", num_workers=1, timeout=60, max_turns=3)
+        with EnvPool(cfg) as pool:
+            return run(pool, rows[:num], scripts, max_turns=3, max_tokens=2)
+
+    cut, answered = episodes("Counter", 2)
+    assert (cut.reason, cut.env_reward, cut.step_rewards) == ("max_tokens", 1.0, {2: 1.0})
+    assert cut.token_ids == [0, 900, 1] and cut.loss_mask == [True, False, True]
+    assert (answered.reason, answered.env_reward) == ("terminated", 0.0)
+    cut, answered = episodes("Unscored", 2)
+    assert (cut.reason, answered.reason) == ("error", "error") and not any(cut.loss_mask)
+    assert cut.detail.endswith("finish raised RuntimeError: no score today")
+    (echo,) = episodes("Echo", 1)
+    assert (echo.reason, echo.env_reward) == ("max_tokens", 0.0)
 
 
 def test_a_dict_of_environments_is_picked_by_the_rows_environment_column(env_file):
