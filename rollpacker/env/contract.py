@@ -13,8 +13,9 @@ a fresh environment for one episode:
   number or None) is this step's, placed on the last token of the action.
 - optional ``close()``, called when the episode ends or is aborted.
 
-An adapter's environment may also score the episode that a token limit ended, which no step of its
-ended: ``finishes`` true after its reset, and ``finish() -> reward or None`` (TRL's ``get_reward``).
+An adapter's environment may also score an episode that a token limit ended (no step of its ended
+it): ``finishes`` true, and ``finish() -> reward or None`` (:class:`~rollpacker.env.trl.TRLEnv`'s
+``get_reward``).
 
 Any of them may be ``async def``. What they return is checked here: anything else is a
 :class:`BadReturn` naming what came back, which the workers report as the environment's error.

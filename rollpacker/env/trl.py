@@ -142,7 +142,7 @@ class TRLEnv:
         return callable(getattr(self.instance, "get_reward", None))
 
     async def finish(self):
-        """``get_reward()`` for an episode that a token limit ended, which no step of its ended."""
+        """``get_reward()`` for an episode that a token limit ended (no step of its ended it)."""
         return await invoke(self.instance.get_reward)
 
     async def close(self) -> None:
