@@ -197,6 +197,8 @@ class _Scoring:
 
 
 MAX_VALUES = 1 << 16
+ENVIRONMENT = "environment"
+"""``reward/environment``: the mean of the environments' rewards over the responses they scored."""
 """Most per-function values :class:`RewardScheduler` keeps for responses not taken yet."""
 
 
@@ -245,6 +247,9 @@ class RewardScheduler:
         if key in self._scoring:
             return
         self._scoring[key] = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards))
+        if output.step_rewards:  # TRL's rewards/ENV/mean
+            self._sums[ENVIRONMENT] += output.env_reward
+            self._counts[ENVIRONMENT] += 1
         if not self.functions:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
             return
@@ -369,7 +374,8 @@ class RewardScheduler:
 
     def take_metrics(self, where: str = "") -> dict[str, float]:
         """Since the last call: ``reward/NAME`` (each function's mean where it applied, and of the other
-        numbers it returned), ``reward/errors`` and ``reward/seconds_total`` (summed scoring time).
+        numbers it returned), ``reward/environment`` (the environments' rewards, where they gave one),
+        ``reward/errors`` and ``reward/seconds_total`` (summed scoring time).
         Logs one warning per function that failed, with a count. Raises :class:`RewardFunctionError`
         when the round's rewards (``where``: default "step N") are noise (:meth:`verdict`)."""
         where = where or f"step {self.state.global_step}"

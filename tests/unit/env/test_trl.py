@@ -187,6 +187,7 @@ def test_a_trl_environment_runs_unchanged_and_its_rewards_are_composed_once(env_
         # exact: 1 for right (0.5 weighted; its prompt ends with reset's text); 0 for cut, whose last message is a
         # tool's
         assert dict(scheduler.wait()) == {right.id: 1.5, wrong.id: 0.0, cut.id: 1.0}
+        assert scheduler.take_metrics()["reward/environment"] == pytest.approx(2 / 3)  # get_reward's mean
     finally:
         scheduler.close()
 
