@@ -31,7 +31,9 @@ from rollpacker.imports import accepted, awaited, load, short, target
 BUILTINS = {"toy": "rollpacker.reward.rules:toy", "math": "rollpacker.reward.rules:math",
             "code": "rollpacker.reward.code:code", "judge": ""}
 """Built-in name -> the function it stands for (the judge runs on the controller, see :class:`JudgeFunction`)."""
-RESERVED = ("mean", "accuracy", "errors", "seconds_total")
+ENVIRONMENT = "environment"
+"""``reward/environment``: the mean of the environments' rewards over the responses they scored."""
+RESERVED = ("mean", "accuracy", "errors", "seconds_total", ENVIRONMENT)
 """``reward/`` metric names the controller and the scheduler use themselves."""
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
-from rollpacker.reward.functions import Ref, RewardFunctionError, TrainerState, names, prompt_text, resolve
+from rollpacker.reward.functions import ENVIRONMENT, Ref, RewardFunctionError, TrainerState, names, prompt_text, resolve
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.workers import Scored, score
 
@@ -197,8 +197,6 @@ class _Scoring:
 
 
 MAX_VALUES = 1 << 16
-ENVIRONMENT = "environment"
-"""``reward/environment``: the mean of the environments' rewards over the responses they scored."""
 """Most per-function values :class:`RewardScheduler` keeps for responses not taken yet."""
 
 

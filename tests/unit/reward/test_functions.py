@@ -197,8 +197,8 @@ def test_loading_errors_name_the_function(funcs, tmp_path):
     odd.write_text("def f(x, y):\n    return 1\n")
     with pytest.raises(RewardFunctionError, match=r"odd.py:f: its parameters \(x, y\) follow neither TRL's"):
         build_functions(RewardConfig(funcs=(f"{odd}:f",)))
-    assert names(("toy", "a.py:compute_score", "pkg.b:compute_score", "c.py:mean")) == [
-        "toy", "a.compute_score", "b.compute_score", "c.mean"]
+    assert names(("toy", "a.py:compute_score", "pkg.b:compute_score", "c.py:mean", "d.py:environment")) == [
+        "toy", "a.compute_score", "b.compute_score", "c.mean", "d.environment"]  # not the scheduler's own
 
 
 def test_an_episodes_answer_is_its_last_assistant_message_not_a_tool_result_after_it():
