@@ -42,7 +42,8 @@ def rehearsal_venv(path: Path) -> Path:
     site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                capture_output=True, text=True, check=True).stdout.strip())
     pins = [f"triton=={TRITON_ON_THE_GPU_MACHINE}", "numpy<2.4"]
-    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=True, timeout=300)  # torch's
+    # the venv's own setuptools is older than torch requires: this machine's is linked in with torch
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "setuptools"], check=True, timeout=300)
     link_installed(["torch", "transformers"], site, installed_there=["triton", "numpy"])
     proc = subprocess.run([python, "-m", "pip", "install", "-q", *pins], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"pip install {' '.join(pins)} into a fresh venv:\n{proc.stderr[-3000:]}"
