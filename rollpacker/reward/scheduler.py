@@ -244,9 +244,10 @@ class RewardScheduler:
         reward comes once, to whichever round polls it."""
         if key in self._scoring:
             return
-        self._scoring[key] = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards))
-        if output.step_rewards:  # TRL's rewards/ENV/mean
-            self._sums[ENVIRONMENT] += output.env_reward
+        scoring = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards))
+        self._scoring[key] = scoring
+        if scoring.env_scored:  # TRL's rewards/ENV/mean
+            self._sums[ENVIRONMENT] += scoring.env_reward
             self._counts[ENVIRONMENT] += 1
         if not self.functions:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
