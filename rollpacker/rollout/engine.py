@@ -266,8 +266,10 @@ def spec_metrics(stats: SpecStats) -> dict[str, float]:
     (tokens a verified row emits: accepted + 1) and, where the engine counts trials,
     ``rollout/spec_accept_rate`` (a draft token's chance to be kept once every one before it was:
     accepted / trials, the rate ``auto`` and the simulator model), overall and
-    ``/<source>``; ``rollout/spec_verify_steps``; ``rollout/spec_draft_ms`` (ms a draft asked of the
-    drafter cost, where any was). Empty when nothing was asked or verified."""
+    ``/<source>``, and ``rollout/spec_drafted_frac`` (verified rows that had a draft: the rest emitted one
+    token each) and ``rollout/spec_draft_len`` (draft tokens per row that had a draft);
+    ``rollout/spec_verify_steps``; ``rollout/spec_draft_ms`` (ms a draft asked of the drafter cost,
+    where any was). Empty when nothing was asked or verified."""
     out: dict[str, float] = {"rollout/spec_draft_ms": 1e3 * stats.draft_seconds / stats.num_asked} \
         if stats.num_asked else {}
     if not stats.num_verify_steps:
@@ -285,6 +287,10 @@ def spec_metrics(stats: SpecStats) -> dict[str, float]:
             trials = sum(stats.num_trials.get(s, 0) for s in names)
             if trials:
                 out[f"rollout/spec_accept_rate{suffix}"] = accepted / trials
+                with_draft = rows - stats.num_drafts.get("none", 0)
+                if not suffix and with_draft:  # the engines that count trials count the rows without a draft too
+                    out["rollout/spec_drafted_frac"] = with_draft / rows
+                    out["rollout/spec_draft_len"] = drafted / with_draft
         out[f"rollout/spec_tokens_per_step{suffix}"] = (accepted + rows) / rows
     return out
 

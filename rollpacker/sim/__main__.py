@@ -114,7 +114,8 @@ def spec(argv: list[str]) -> dict:
                       "tail_s": np.mean([tail_s(r.record.busy, r.rollout_s) for r in steps]),
                       "long_s": np.mean(long) if long else float("nan")}
     s = cfg.speculation
-    rate = f"trace {s.trace}" if s.trace else f"accept rate {s.accept_rate}"
+    rate = (f"trace {s.trace}" if s.trace else f"accept rate {s.accept_rate}, drafts for {s.drafted:.0%} of requests"
+            + (f" of {s.draft_len:g} tokens on average" if s.draft_len else ""))
     print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs, TP {cfg.tp}, policy {cfg.policy}, {cfg.num_steps} steps; "
           f"speculation: {rate}, up to {s.max_tokens} draft tokens, {s.draft_us:g} us drafting per request")
     print(f"{'speculation':<13}{'rollout s':>11}{'tail s':>9}{'long round s':>14}{'step s':>9}   (per step; tail: "

@@ -542,7 +542,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
     env = SimEnvPool(env_workload or EpisodeWorkload())
-    rates = cfg.speculation.rates()
+    drafts = cfg.speculation.drafts()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
             policy.weights_step = max(step - 1, 0)
@@ -550,7 +550,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
         switched = planner is not None and planner.tp_for(plan.kind) != tp
         tp = planner.tp_for(plan.kind) if planner else tp
         cost = replace(base, tp=tp)
-        replicas = build_replicas(cfg.speculation.cost(cost, rates[step % len(rates)]), cfg.rollout_pool // tp,
+        replicas = build_replicas(cfg.speculation.cost(cost, drafts[step % len(drafts)]), cfg.rollout_pool // tp,
                                   max_num_seqs=cfg.max_num_seqs, max_prefill_tokens=cfg.max_prefill_tokens,
                                   record=record)
         if cfg.stream and (decider is None or switched):  # as StreamTrainer.rebuild: the histories carry over

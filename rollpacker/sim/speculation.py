@@ -1,31 +1,38 @@
 """Speculative decoding in the simulator: TorchEngine's ``engine.speculative auto`` as a cost.
 
-A verify iteration runs ``k + 1`` tokens of each running request and emits ``1 + a + ... + a^k``
-in expectation, ``a`` the acceptance rate. As the engine does, each iteration takes the ``k``
-(0 included) that gives the most tokens per second. :class:`SpeculativeCost` charges each of a
-replica's token-iterations the best verify step's time over its expected tokens.
+A verify iteration runs ``k + 1`` tokens of each running request. A request with a draft of ``m``
+tokens emits ``1 + a + ... + a^m`` in expectation, ``a`` the acceptance rate, ``m`` the smaller of
+``k`` and what the drafter's match holds; one without a draft (no match) emits one. As the engine
+does, each iteration takes the ``k`` (0 included) that gives the most tokens per second.
+:class:`SpeculativeCost` charges each of a replica's token-iterations the best verify step's time
+over its expected tokens.
 
 Invariants:
 
 - Speculation changes only time: lengths, preemptions and policy decisions stay as without it.
-- One acceptance rate per step, from a flag or replayed from a run's ``metrics.jsonl``.
+- One :class:`Drafts` per step (acceptance rate, share of requests drafted for, draft length), from
+  flags or replayed from a run's ``metrics.jsonl``.
 
-Why a rate and not drafts: what the drafts' text gives is a property of the workload, not of the
+Why figures and not drafts: what the drafts' text gives is a property of the workload, not of the
 hardware. What it leaves out of the engine: ``docs/speculative.md`` (In the simulator).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from rollpacker.rollout.config import MAX_SPEC_TOKENS
-from rollpacker.rollout.spec_cost import expected_tokens
 
 ACCEPT_RATE = "rollout/spec_accept_rate"
+DRAFTED = "rollout/spec_drafted_frac"
+"""A run's share of verified rows that had a draft (TorchEngine's; the others emit one token each)."""
+DRAFT_LEN = "rollout/spec_draft_len"
+"""A run's draft tokens verified per row that had a draft."""
 DRAFT_MS = "rollout/spec_draft_ms"
 """A run's ms a draft asked of the drafter cost: like the acceptance rate, what the drafts' text makes it."""
 
@@ -36,8 +43,15 @@ class SpecSimConfig:
     """Simulate speculative decoding (TorchEngine's engine.speculative auto) on every replica."""
     accept_rate: float = 0.6
     """Chance a draft token is kept once every one before it was (rollout/spec_accept_rate; see docs/speculative.md)."""
+    drafted: float = 0.93
+    """Share of the running requests a verify iteration has a draft for (rollout/spec_drafted_frac; sim validate's
+    tail+spec runs measured 0.91-0.94); the rest emit one token each."""
+    draft_len: float = 3.3
+    """Mean tokens a draft holds (rollout/spec_draft_len; those runs: 2.2-3.5): the drafter's matches run out
+    (0: max_tokens, always)."""
     trace: str = ""
-    """A run's metrics.jsonl: replay its steps' rollout/spec_accept_rate in turn instead of accept_rate."""
+    """A run's metrics.jsonl: replay its steps' rollout/spec_accept_rate, spec_drafted_frac and spec_draft_len
+    (where a line has them: else the flags') in turn."""
     max_tokens: int = 8
     """Most draft tokens per request and iteration (engine.spec_max_tokens)."""
     draft_us: float = 20.0
@@ -46,49 +60,80 @@ class SpecSimConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.accept_rate < 1:
             raise ValueError(f"speculation.accept_rate must be in [0, 1), got {self.accept_rate}")
+        if not 0 <= self.drafted <= 1:
+            raise ValueError(f"speculation.drafted must be in [0, 1], got {self.drafted}")
+        if self.draft_len < 0:
+            raise ValueError(f"speculation.draft_len must be >= 0 (0: max_tokens), got {self.draft_len}")
         if not 1 <= self.max_tokens <= MAX_SPEC_TOKENS:
             raise ValueError(f"speculation.max_tokens must be in 1..{MAX_SPEC_TOKENS}, got {self.max_tokens}")
         if self.draft_us < 0:
             raise ValueError(f"speculation.draft_us must be >= 0, got {self.draft_us}")
 
-    def rates(self) -> list[float]:
-        """The acceptance rate of each step, cycled: the trace's, or ``accept_rate``."""
-        return read_accept_rates(self.trace) if self.trace else [self.accept_rate]
+    def drafts(self) -> list[Drafts]:
+        """The drafts of each step, cycled: the trace's, or the flags'."""
+        flags = Drafts(self.accept_rate, self.drafted, self.draft_len or math.inf)
+        return read_drafts(self.trace, flags) if self.trace else [flags]
 
-    def cost(self, base, rate: float, draft_s: float | None = None):
-        """``base`` as replicas see it: speculative at ``rate`` when enabled (``draft_s``: the drafter's
-        seconds per request, ``draft_us`` unless given)."""
+    def cost(self, base, drafts: Drafts, draft_s: float | None = None):
+        """``base`` as replicas see it: speculative, with ``drafts``, when enabled (``draft_s``: the
+        drafter's seconds per request, ``draft_us`` unless given)."""
         if not self.enabled:
             return base
-        return SpeculativeCost(base, rate, self.max_tokens, self.draft_us * 1e-6 if draft_s is None else draft_s)
+        return SpeculativeCost(base, drafts, self.max_tokens, self.draft_us * 1e-6 if draft_s is None else draft_s)
 
 
-def read_accept_rates(path: str | Path) -> list[float]:
-    """``rollout/spec_accept_rate`` of every line of a run's metrics that has one, in order."""
+@dataclass(frozen=True)
+class Drafts:
+    """What a step's drafts give, as a run measured them (or flags say)."""
+
+    accept_rate: float
+    """Chance a draft token is kept once every one before it was."""
+    drafted: float = 1.0
+    """Share of the running requests with a draft."""
+    length: float = math.inf
+    """Mean tokens in a draft: a verify step of ``k`` draft tokens verifies ``min(k, length)`` of a request's."""
+
+    @classmethod
+    def measured(cls, record: dict, default: Drafts) -> Drafts:
+        """A step's drafts from its metrics ``record`` (a step that verified nothing: none accepted); what the
+        record lacks (a run from before it was measured) from ``default``."""
+        return cls(min(float(record.get(ACCEPT_RATE, 0.0)), 0.99),  # a rate of 1 would make a draft's tokens endless
+                   float(record.get(DRAFTED, default.drafted)), float(record.get(DRAFT_LEN, default.length)))
+
+    def tokens(self, k: int) -> float:
+        """Tokens a running request emits on average in a verify step of ``k`` draft tokens."""
+        m, a = min(k, self.length), self.accept_rate
+        return 1 + self.drafted * ((1 - a ** (m + 1)) / (1 - a) - 1)  # 1 + a + ... + a^m for a fractional m too
+
+
+def read_drafts(path: str | Path, default: Drafts) -> list[Drafts]:
+    """The :class:`Drafts` of every line of a run's metrics that has ``rollout/spec_accept_rate``, in order
+    (``default``: what a line lacks)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"acceptance trace: no such file: {path}")
-    rates = []
+    steps = []
     for line_no, text in enumerate(path.read_text().splitlines(), start=1):
         try:
             record = json.loads(text) if text.strip() else {}
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{line_no}: invalid JSON ({e.msg})") from None
         if isinstance(record, dict) and ACCEPT_RATE in record:
-            rates.append(min(float(record[ACCEPT_RATE]), 0.99))
-    if not rates:
+            steps.append(Drafts.measured(record, default))
+    if not steps:
         raise ValueError(f"{path}: no line has {ACCEPT_RATE} (a run with --engine.speculative auto on TorchEngine)")
-    return rates
+    return steps
 
 
 @dataclass(frozen=True)
 class SpeculativeCost:
     """A replica's cost model with speculation: each token-iteration costs the best verify step's
-    time over the tokens it emits per request (see the module docstring)."""
+    time over the tokens it emits per request, on average over the requests with a draft and those
+    without (see the module docstring)."""
 
     base: object
     """A :class:`~rollpacker.sim.cost.CostModel` or :class:`~rollpacker.sim.cost.ProfiledCost`."""
-    accept_rate: float
+    drafts: Drafts
     max_tokens: int
     draft_s: float
 
@@ -104,7 +149,7 @@ class SpeculativeCost:
         out = [self.base.iteration_times(num_running, context, num_iters)]
         for k in range(1, self.max_tokens + 1):
             verify = self.base.iteration_times(num_running, context, num_iters, queries=k + 1)
-            out.append((verify + num_running * self.draft_s) / expected_tokens(self.accept_rate, k))
+            out.append((verify + num_running * self.draft_s) / self.drafts.tokens(k))
         return out
 
     def iteration_times(self, num_running: int, context: int, num_iters: int, prefill_tokens: int = 0,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Literal
 from rollpacker.schedule.config import names
 from rollpacker.schedule.tail import TailConfig
 from rollpacker.sim.episodes import EpisodeWorkload, SimEnvPool
-from rollpacker.sim.speculation import ACCEPT_RATE, DRAFT_MS
+from rollpacker.sim.speculation import DRAFT_MS, Drafts
 
 if TYPE_CHECKING:
     from rollpacker.sim.simulate import Polling, RoundRecord
@@ -156,8 +156,9 @@ def torchrun(module: str, argv: list[str], done: Path) -> None:
 
 
 def kept(done: Path, argv: list[str], fresh: bool) -> bool:
-    """A result of ``argv`` is there to reuse."""
-    return not fresh and done.exists() and json.loads(done.read_text()).get("argv") == argv
+    """A result of ``argv`` is there to reuse (not one recorded before the load was: a bare list of flags)."""
+    record = json.loads(done.read_text()) if not fresh and done.exists() else None
+    return isinstance(record, dict) and record.get("argv") == argv
 
 
 @dataclass
@@ -197,16 +198,16 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
     return Measured(argv, records, json.loads(profile.read_text()), json.loads(done.read_text())["other_cores"])
 
 
-def simulate_run(argv: list[str], profile: dict, accept_rates: list[float] = ()) -> list[float]:
+def simulate_run(argv: list[str], profile: dict) -> list[float]:
     """Rollout seconds of every step of :func:`simulate_rounds`."""
-    return [r.rollout_s for r in simulate_rounds(argv, profile, accept_rates)]
+    return [r.rollout_s for r in simulate_rounds(argv, profile)]
 
 
-def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = (),
+def simulate_rounds(argv: list[str], profile: dict, drafts: list[Drafts] = (),
                     draft_ms: float | None = None) -> list[RoundRecord]:
     """Every round of the job ``argv`` (``rollpacker.run`` flags), simulated on replicas of
     ``profile``: the run's own policy, rows, lengths and engine limits; with its speculative
-    decoding, at ``accept_rates[step]`` (the run's measured rate of each step) and ``draft_ms`` a
+    decoding, with ``drafts[step]`` (what the run's drafts gave at each step) and ``draft_ms`` a
     draft asked (the run's measured cost; None: the profile's probe)."""
     from transformers import AutoTokenizer
 
@@ -236,9 +237,9 @@ def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = 
     policy = cfg.schedule.build(PromptSampler(len(rows), cfg.data.shuffle_seed), cfg.rollout.num_prompts,
                                 cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
     spec = SpecSimConfig(enabled=cfg.engine.speculative != "off", max_tokens=cfg.engine.spec_max_tokens)
-    if spec.enabled and (cfg.engine.speculative != "auto" or cost.spec is None or len(accept_rates) < cfg.num_steps):
+    if spec.enabled and (cfg.engine.speculative != "auto" or cost.spec is None or len(drafts) < cfg.num_steps):
         raise ValueError("simulate_run: speculation is simulated as engine.speculative auto, on a profile with "
-                         "verify-step costs, with an acceptance rate for every step")
+                         "verify-step costs, with the drafts of every step")
     episodes = {}
     if cfg.env.enabled:  # one pool of environment workers for the run, as the job's
         workload = episode_workload(cfg, tokenizer)
@@ -249,7 +250,7 @@ def simulate_rounds(argv: list[str], profile: dict, accept_rates: list[float] = 
         if policy.done():
             break
         draft_s = (cost.spec.draft_ms if draft_ms is None else draft_ms) / 1e3 if spec.enabled else None
-        replicas = build_replicas(spec.cost(cost, accept_rates[step] if spec.enabled else 0.0, draft_s),
+        replicas = build_replicas(spec.cost(cost, drafts[step] if spec.enabled else None, draft_s),
                                   RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         rounds.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -324,9 +325,9 @@ def main(argv: list[str]) -> dict:
             spread = (measured[-1][0] - measured[0][0]) / m
             load = max((j.other_cores for j in jobs if j.other_cores is not None), default=math.nan)
             steps = [r for r in job.records if "time/rollout" in r]
-            rates = [r.get(ACCEPT_RATE, 0.0) for r in steps]  # a step that verified nothing: none accepted
+            drafts = [Drafts.measured(r, Drafts(0.0)) for r in steps]
             asked = [r[DRAFT_MS] for r in steps if DRAFT_MS in r]
-            simulated = simulate_rounds(job.argv, job.profile, rates if variant else (),
+            simulated = simulate_rounds(job.argv, job.profile, drafts if variant else (),
                                         statistics.mean(asked) if variant and asked else None)
             times = [r.rollout_s for r in simulated]
             s = rollout_per_step(times)

@@ -168,6 +168,8 @@ def test_spec_counters_and_metrics():
     # trials: each row's accepted tokens, plus its rejected one (3 + 1, 1 + 1, 2 + 0): the geometric rate
     assert m["rollout/spec_accept_rate"] == pytest.approx(6 / 8) and m["rollout/spec_accept_rate/epoch"] == 1.0
     assert m["rollout/spec_accept_rate/sibling"] == pytest.approx(4 / 6)
+    assert m["rollout/spec_drafted_frac"] == 3 / 4 and "rollout/spec_drafted_frac/epoch" not in m  # one row had none
+    assert m["rollout/spec_draft_len"] == 10 / 3
     before = s.plus(SpecStats())
     s.count("epoch", 2, 0)
     s.num_verify_steps += 1
