@@ -13,6 +13,7 @@ What the job prints of its own: a user's error once, as one line without a trace
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from rollpacker import preempt
 from rollpacker.config import Config, as_flags, parse
 from rollpacker.errors import UserError, fail, report
+from rollpacker.model.args import score_labels
 
 
 def resolve_resume(config: Config) -> None:
@@ -52,6 +54,14 @@ def check_model_dir(path: Path) -> None:
     if missing:
         raise UserError(f"model.path: {path} has no {' and no '.join(missing)}: it is not a Hugging Face model "
                         "directory (save one with save_pretrained, or leave model.path empty for the toy model)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError:
+        return  # reading it as the model's says what is wrong
+    if score_labels(config):
+        raise UserError(f"model.path: {path} is a sequence classifier (a reward model), which cannot generate: the "
+                        "policy is a causal LM; to reward with it, --reward.funcs judge --reward.judge.model-path "
+                        f"{path}")
 
 
 def parse_once(argv: list[str] | None) -> Config:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.models import make_hf_model
+from support.models import make_hf_model, make_reward_model
 
 os.environ.setdefault("ROLLPACKER_DEVICE", "cpu")  # CPU and gloo where a GPU is visible too (rollpacker.dist.backend);
 # the gpu-marked tests use the GPU directly, and `ROLLPACKER_DEVICE=auto pytest ...` runs the rest on it
@@ -19,6 +19,11 @@ if not torch.cuda.is_available():  # the Triton kernels' tests run on CPU under 
 @pytest.fixture(scope="session")
 def qwen2_dir(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory) -> Path:
+    return make_reward_model(tmp_path_factory.mktemp("rm"))
 
 
 @pytest.fixture(scope="session")

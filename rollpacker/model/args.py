@@ -91,3 +91,11 @@ class ModelArgs:
     def kv_elements_per_token(self) -> int:
         """Elements of K and V one token occupies over all layers (before tensor parallelism)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def score_labels(cfg: dict[str, Any]) -> int:
+    """The labels of a sequence-classification checkpoint's ``score`` head, from its ``config.json``
+    (a reward model has one); 0 for any other model."""
+    if not any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
+        return 0
+    return len(cfg.get("id2label") or {}) or cfg.get("num_labels") or 2  # Hugging Face's default: 2

@@ -3,33 +3,42 @@
 Loading builds the decoder on the meta device and assigns the checkpoint's tensors
 (``load_state_dict(assign=True)``), so no memory is spent on a random init. Names map by
 stripping Hugging Face's ``model.`` prefix. Every problem names the tensor and the file.
+
+A sequence-classification checkpoint (a reward model: ``*ForSequenceClassification``) loads with its
+``score`` head as the output head: the decoder's logits are then its scores, one per label.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from rollpacker.model.args import ModelArgs
+from rollpacker.model.args import ModelArgs, score_labels
 from rollpacker.model.transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-def read_args(path: str | Path) -> ModelArgs:
+def read_config(path: str | Path) -> dict:
+    """A model directory's ``config.json``."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file} not found: point at a Hugging Face model directory")
     try:
-        cfg = json.loads(cfg_file.read_text())
+        return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
-    return ModelArgs.from_hf(cfg, where=str(cfg_file))
+
+
+def read_args(path: str | Path) -> ModelArgs:
+    return ModelArgs.from_hf(read_config(path), where=str(Path(path) / "config.json"))
 
 
 def _shard_files(path: Path) -> dict[Path, list[str]]:
@@ -47,14 +56,19 @@ def _shard_files(path: Path) -> dict[Path, list[str]]:
 def load_model(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> Transformer:
-    """Load a Hugging Face model directory into a :class:`Transformer` on ``device``.
+    """Load a Hugging Face model directory into a :class:`Transformer` on ``device`` (a sequence
+    classifier's ``score`` head as its output head).
 
     ``dtype`` converts every tensor; ``None`` keeps the checkpoint's own.
     """
     path = Path(path)
-    args = read_args(path)
+    args, labels = read_args(path), score_labels(read_config(path))
+    if labels:
+        args = replace(args, tie_word_embeddings=False)  # the score head is its own
     with torch.device("meta"):
         model = Transformer(args)
+        if labels:
+            model.lm_head = nn.Linear(args.hidden_size, labels, bias=False)
     expected = model.state_dict()
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -65,6 +79,8 @@ def load_model(
         with safe_open(file, framework="pt", device=str(device)) as f:
             for key in f.keys():
                 name = key.removeprefix("model.")
+                if labels and name == "score.weight":
+                    name = "lm_head.weight"
                 if name == "lm_head.weight" and args.tie_word_embeddings or "rotary_emb" in name:
                     continue
                 if name not in expected:

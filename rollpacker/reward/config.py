@@ -27,11 +27,13 @@ DEFAULT_RUBRIC = (
 @dataclass(kw_only=True)
 class JudgeConfig:
     model_path: str = ""
-    """Hugging Face directory of the judge model and its tokenizer; needed when reward.funcs has judge."""
+    """Hugging Face directory of the judge and its tokenizer, needed when reward.funcs has judge: a causal LM (its
+    verdict on the rubric) or a reward model (a *ForSequenceClassification checkpoint: its score is the reward)."""
     rubric: str = DEFAULT_RUBRIC
-    """The judge prompt: {prompt} and {response} in a template ending where the score goes (a row's 'rubric' wins)."""
+    """The judge prompt: {prompt} and {response} in a template ending where the score goes (a row's 'rubric' wins;
+    a reward model scores the conversation in its chat template instead)."""
     max_score: int = 9
-    """Scores are the integers 0..max_score, each a single token; reward = score / max_score."""
+    """Verdicts are the integers 0..max_score, each a single token; reward = verdict / max_score (a causal LM's)."""
     dtype: JudgeDtype = "auto"
     """Judge weights' dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
     resident_layers: int = -1
@@ -67,7 +69,8 @@ class JudgeConfig:
 @dataclass(kw_only=True)
 class RewardConfig:
     funcs: tuple[str, ...] = ()
-    """Reward functions, summed: a built-in (toy, math, code, judge), package.module:function or file.py:function.
+    """Reward functions, summed: a built-in (toy, math, code, judge: an LLM judge or a reward model),
+    package.module:function or file.py:function.
     Empty: toy, or none with an environment (env.factory), whose rewards then count alone (tools alone: toy)."""
     weights: tuple[float, ...] = ()
     """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
@@ -88,7 +91,7 @@ class RewardConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Isolation and limits of the code sandbox."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    """The LLM judge (reward.funcs judge): run in the controller on the actor's device."""
+    """The LLM judge or reward model (reward.funcs judge): run in the controller on the actor's device."""
 
     def functions(self, environment: bool = False) -> tuple[str, ...]:
         """The reward functions to run: ``funcs``, or by default toy, or none with an environment (``env.factory``)."""

@@ -1,14 +1,19 @@
-"""The LLM judge: a model scores (prompt, response) pairs against a rubric, colocated with the actor.
+"""The LLM judge: a model scores (prompt, response) pairs, colocated with the actor.
 
-The rubric is the whole judge prompt: a template with ``{prompt}`` and ``{response}`` that ends
-where the score goes. One forward over the packed prompts gives the verdict, the most likely next
-token. :func:`parse_verdict` reads it as an integer from 0 to ``max_score``; the reward is
-``score / max_score``.
+A generative judge (a causal LM) scores against a rubric: the whole judge prompt, a template with
+``{prompt}`` and ``{response}`` that ends where the score goes. One forward over the packed prompts
+gives the verdict, the most likely next token. :func:`parse_verdict` reads it as an integer from 0 to
+``max_score``; the reward is ``score / max_score``.
+
+A reward model (a ``*ForSequenceClassification`` checkpoint) scores the conversation: the prompt, then
+the response as the assistant's turn (an episode's turns as they went), in its tokenizer's chat
+template (without one: the prompt's text and the response's, as TRL joins them). Its first label's
+logit after the last token that is not padding is the reward, as TRL and Hugging Face read it.
 
 Invariants:
 
 - Anything but such a score is a :class:`RewardError` for that sample, never a silent 0.
-- A row's own ``rubric`` replaces the configured one for that row.
+- A row's own ``rubric`` replaces the configured one for that row (a generative judge's).
 - Decoder layers that do not fit stream in from host memory. :func:`choose_resident_layers`
   picks how many stay resident, per batch, from the memory free.
 - On CPU the streamed judge's logits equal the resident model's bit for bit.
@@ -24,12 +29,13 @@ from collections.abc import Sequence
 
 import torch
 
-from rollpacker.model.args import ModelArgs
+from rollpacker.model.args import ModelArgs, score_labels
 from rollpacker.model.attention import CausalAttention
-from rollpacker.model.hf import load_model
+from rollpacker.model.hf import load_model, read_config
 from rollpacker.model.offload import OffloadedLayers
 from rollpacker.model.transformer import rope_cos_sin
 from rollpacker.reward.config import JudgeConfig
+from rollpacker.reward.functions import prompt_text
 from rollpacker.reward.rules import RewardError
 
 logger = logging.getLogger(__name__)
@@ -90,7 +96,8 @@ def choose_resident_layers(
 
 
 class Judge:
-    """Scores (prompt, response) pairs with a judge model on ``device`` (the actor's), many per call."""
+    """Scores (prompt, response) pairs with a judge model or a reward model on ``device`` (the actor's),
+    many per call."""
 
     def __init__(self, cfg: JudgeConfig, device: torch.device | str = "cpu"):
         from transformers import AutoTokenizer
@@ -100,7 +107,9 @@ class Judge:
         self.cfg = cfg
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        for score in range(cfg.max_score + 1):
+        self.reward_model = score_labels(read_config(cfg.model_path)) > 0
+        """A reward model: its score is the reward (no rubric, no verdict)."""
+        for score in range(0 if self.reward_model else cfg.max_score + 1):
             if len(self.tokenizer.encode(str(score), add_special_tokens=False)) != 1:
                 raise ValueError(f"judge.max_score={cfg.max_score}: {str(score)!r} is several tokens for the judge's "
                                  f"tokenizer; scores must be single tokens (try judge.max_score=9)")
@@ -117,9 +126,25 @@ class Judge:
         self.fixed_bytes = sum(p.numel() * p.element_size() for p in weights)
         self.bytes_per_token = activation_bytes_per_token(model.args, self.layers.host[0].dtype)
 
-    def encode(self, prompt: str, response: str, rubric: str | None = None) -> list[int]:
-        """Token ids of the judge prompt for one pair, with ``rubric`` (a data row's own) or the configured one."""
-        return self.tokenizer.encode((rubric or self.cfg.rubric).format(prompt=prompt, response=response))
+    def encode(self, prompt: str | list[dict], response: str, rubric: str | None = None,
+               turns: list[dict] | None = None) -> list[int]:
+        """Token ids of the judge's input for one pair (``prompt``: a string or chat messages): the rubric
+        (a data row's own, or the configured one) filled in, or a reward model's conversation
+        (``turns``: an episode's messages after its prompt, in place of the response)."""
+        if not self.reward_model:
+            return self.tokenizer.encode((rubric or self.cfg.rubric).format(prompt=prompt_text(prompt),
+                                                                            response=response))
+        tok = self.tokenizer
+        if tok.chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            text = tok.apply_chat_template(messages + (turns or [{"role": "assistant", "content": response}]),
+                                           tokenize=False)
+        else:
+            text = prompt_text(prompt) + response
+        ids = tok.encode(text, add_special_tokens=False)  # the template has them, as TRL encodes it
+        while ids and ids[-1] == tok.pad_token_id:  # scored after the last token that is not padding
+            ids.pop()
+        return ids
 
     def _budget_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -133,7 +158,7 @@ class Judge:
         """K for a batch: the configured one, or :func:`choose_resident_layers` on memory free now."""
         if self.cfg.resident_layers >= 0:
             return self.cfg.resident_layers
-        logits_bytes = len(seq_lens) * self.model.args.vocab_size * 4
+        logits_bytes = len(seq_lens) * self.model.lm_head.out_features * 4
         return choose_resident_layers(
             num_layers=len(self.layers), layer_bytes=self.layers.layer_bytes,
             fixed_bytes=self.fixed_bytes + logits_bytes, num_tokens=sum(seq_lens),
@@ -142,7 +167,7 @@ class Judge:
 
     @torch.inference_mode()
     def last_logits(self, seqs: list[list[int]]) -> torch.Tensor:
-        """Token ids of packed judge prompts -> next-token logits [N, vocab] (fp32) after each."""
+        """Token ids of packed judge inputs -> the logits [N, vocab or labels] (fp32) after each."""
         seq_lens = [len(s) for s in seqs]
         k = self.num_resident_for(seq_lens)
         if k != self.layers.num_resident:
@@ -158,8 +183,8 @@ class Judge:
 
     def score(self, pairs: Sequence[tuple[str, str]], rubrics: Sequence[str | None] | None = None
               ) -> list[float | RewardError]:
-        """Rewards in [0, 1] of (prompt, response) pairs, or the :class:`RewardError` of each pair
-        that could not be scored. ``rubrics``: a rubric per pair (None: the configured one)."""
+        """Rewards of (prompt, response) pairs (a generative judge's in [0, 1]), or the :class:`RewardError`
+        of each pair that could not be scored. ``rubrics``: a rubric per pair (None: the configured one)."""
         rubrics = [None] * len(pairs) if rubrics is None else rubrics
         return self.score_ids([self.encode(p, r, rubric) for (p, r), rubric in zip(pairs, rubrics, strict=True)])
 
@@ -181,17 +206,20 @@ class Judge:
             size += len(ids)
         for batch in batches:
             try:
-                tokens = self.last_logits([seqs[i] for i in batch]).argmax(-1).tolist()  # the verdicts
+                logits = self.last_logits([seqs[i] for i in batch])
+                scores = (logits[:, 0].tolist() if self.reward_model
+                          else [self._reward(token) for token in logits.argmax(-1).tolist()])
             except torch.OutOfMemoryError as e:
-                tokens = [RewardError(f"judge ran out of device memory on {len(batch)} pairs ({e}); "
+                scores = [RewardError(f"judge ran out of device memory on {len(batch)} pairs ({e}); "
                                       "lower judge.memory_fraction or judge.max_batch_tokens")] * len(batch)
             except RewardError as e:
-                tokens = [e] * len(batch)
-            for i, token in zip(batch, tokens):
-                results[i] = token if isinstance(token, RewardError) else self._reward(token)
+                scores = [e] * len(batch)
+            for i, score in zip(batch, scores):
+                results[i] = score
         return results
 
     def _reward(self, token: int) -> float | RewardError:
+        """A generative judge's verdict token as its reward."""
         try:
             return parse_verdict(self.tokenizer.decode([token]), self.cfg.max_score)
         except RewardError as e:

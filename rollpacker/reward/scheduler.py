@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
-from rollpacker.reward.functions import ENVIRONMENT, Ref, RewardFunctionError, TrainerState, names, prompt_text, resolve
+from rollpacker.reward.functions import ENVIRONMENT, Ref, RewardFunctionError, TrainerState, names, resolve
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.workers import Scored, score
 
@@ -111,7 +111,8 @@ class CodeFunction(RewardFunction):
 
 
 class JudgeFunction(RewardFunction):
-    """``judge``: an LLM scores (prompt, response) against a rubric (a row's own ``rubric`` wins)."""
+    """``judge``: an LLM scores (prompt, response) against a rubric (a row's own ``rubric`` wins), or a reward
+    model scores the conversation."""
 
     on_controller = True
 
@@ -210,7 +211,8 @@ class RewardScheduler:
         self.judge = None
         """The :class:`~rollpacker.reward.judge.Judge`, loaded on the first judge sample."""
         self._judge_todo: collections.deque[tuple[Any, tuple | list[int]]] = collections.deque()
-        """Judge samples not scored yet: ``(key, (prompt, response, rubric))``, or ``(key, token ids)`` once encoded."""
+        """Judge samples not scored yet: ``(key, (prompt, response, rubric, an episode's turns))``, or
+        ``(key, token ids)`` once encoded."""
         self.pool = None
         if cfg.num_workers and any(not f.on_controller for f in self.functions):
             from rollpacker.reward.workers import RewardPool
@@ -257,7 +259,7 @@ class RewardScheduler:
         columns = {k: v for k, v in row.items() if k != "prompt"}
         for f in self.functions:
             if f.on_controller:
-                self._judge_todo.append(((key, f.name), (prompt_text(prompt), response, row.get("rubric"))))
+                self._judge_todo.append(((key, f.name), (prompt, response, row.get("rubric"), output.messages)))
                 continue
             extra = f.extra(row)
             sample = {"prompt": prompt, "completion": response, "completion_ids": list(output.token_ids),

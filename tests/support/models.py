@@ -35,3 +35,25 @@ def make_hf_model(path: Path, kind: str = "qwen2", **overrides) -> Path:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return path
+
+
+def make_reward_model(path: Path) -> Path:
+    """Save a tiny random Qwen2 reward model (a sequence classifier with one label) with the toy task's
+    tokenizer and its chat template to ``path``."""
+    import transformers
+
+    from rollpacker.toy.model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from rollpacker import report
 from rollpacker.config import as_flags
 from rollpacker.launch import option, split
@@ -24,6 +26,18 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
     assert split(["--standalone", "schedule:tail", "--help"]) == (["--standalone"], ["schedule:tail", "--help"])
     assert option(["--standalone", "--max_restarts", "3"], "--max-restarts", "0") == "3"
     assert option(["--nproc-per-node=2"], "--nproc-per-node", "1") == "2" and option([], "--nnodes", "1") == "1"
+
+
+def test_a_reward_model_as_the_policy_is_refused_saying_where_it_goes(reward_model_dir):
+    from rollpacker.errors import UserError
+    from rollpacker.run import check_model_dir
+    from rollpacker.toy.model import toy_model_dir
+
+    with pytest.raises(UserError, match=f"is a sequence classifier .a reward model., which cannot generate: the "
+                                        f"policy is a causal LM; to reward with it, --reward.funcs judge "
+                                        f"--reward.judge.model-path {reward_model_dir}"):
+        check_model_dir(reward_model_dir)
+    check_model_dir(toy_model_dir())  # a causal LM
 
 
 def test_messages_name_settings_as_the_flags_typed():

@@ -1,5 +1,6 @@
-"""The LLM judge as a reward kind: judge rows, the [reward.judge] config, and a 1-rank run whose
-responses the shipped toy model judges (it adds digits, so some of its verdicts do not parse)."""
+"""The LLM judge as a reward kind: judge rows, the [reward.judge] config, a 1-rank run whose
+responses the shipped toy model judges (it adds digits, so some of its verdicts do not parse), and
+one a reward model scores."""
 
 from __future__ import annotations
 
@@ -65,3 +66,33 @@ def test_one_rank_run_with_the_judge(tmp_path):
     assert record["reward/seconds_total"] > 0
     assert ("reward function 'judge' failed on 2 of 4 responses at step 0, scored 0 (--reward.on-error skip); first "
             "on row 'judge:2': judge verdict ' ' is not a score") in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_run_rewarded_by_a_reward_model_as_transformers_scores(tmp_path, reward_model_dir):
+    """A string prompt and a chat one: each response's reward is the reward model's score of the conversation."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    data = write_jsonl(tmp_path / "rm.jsonl", [{"prompt": "Q: 3+4\nA:"},
+                                               {"prompt": [{"role": "user", "content": "2+5-1"}]}])
+    run_dir = tmp_path / "run"
+    proc = launch_job("--data.path", data, "--reward.funcs", "judge", "--reward.judge.model-path",
+                      str(reward_model_dir), "--num-steps", "1", "--rollout.num-prompts", "2", "--rollout.group-size",
+                      "2", "--rollout.max-new-tokens", "16", "--eval-every", "0", "--metrics.samples-every", "1",
+                      "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--run-dir", str(run_dir), nproc=1,
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [record] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (run_dir / "samples" / "step_0.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    reference = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    for s in samples:
+        prompt = [{"role": "user", "content": s["prompt"]}] if isinstance(s["prompt"], str) else s["prompt"]
+        text = tokenizer.apply_chat_template([*prompt, {"role": "assistant", "content": s["completion"]}],
+                                             tokenize=False)
+        with torch.no_grad():
+            score = reference(**tokenizer(text, add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+        assert s["rewards"]["judge"] == pytest.approx(score, abs=1e-4) and s["reward"] == s["rewards"]["judge"]
+    assert len(samples) == 4 and record["reward/errors"] == 0
+    assert record["reward/judge"] == pytest.approx(sum(s["reward"] for s in samples) / 4)

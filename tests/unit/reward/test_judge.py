@@ -180,6 +180,43 @@ def test_score_packs_batches_and_flags_what_does_not_fit():
     assert all(isinstance(r, RewardError) and "lower judge.max_batch_tokens" in str(r) for r in judge.score(PAIRS[:4]))
 
 
+# --- a reward model ----------------------------------------------------------------------------
+
+RM_SAMPLES = [("1+2", "3", None), ([{"role": "user", "content": "2+5"}], "8", None),
+              ("4+4", "", [{"role": "assistant", "content": "9"}, {"role": "user", "content": "wrong"},
+                           {"role": "assistant", "content": "8"}])]
+"""(prompt, response, an episode's turns): a string prompt, chat messages, a multi-turn episode."""
+
+
+def test_a_reward_model_scores_the_conversation_as_transformers_does(reward_model_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    judge = Judge(JudgeConfig(model_path=str(reward_model_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    reference = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    seqs, expected = [], []
+    for prompt, response, turns in RM_SAMPLES:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        text = tokenizer.apply_chat_template(messages + (turns or [{"role": "assistant", "content": response}]),
+                                             tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert judge.encode(prompt, response, None, turns) == ids  # the conversation in the RM's own template
+        seqs.append(ids)
+        with torch.no_grad():
+            expected.append(reference(torch.tensor([ids])).logits[0, 0].item())
+    scores = judge.score_ids(seqs)  # one packed forward
+    assert scores == pytest.approx(expected, abs=1e-5) and len(set(scores)) == 3
+    streamed = Judge(JudgeConfig(model_path=str(reward_model_dir), resident_layers=0))
+    assert streamed.score_ids(seqs) == scores  # every layer streamed from host memory: the same, bit for bit
+    # a rubric is a generative judge's: a reward model takes none, and max_score does not bind it
+    assert Judge(JudgeConfig(model_path=str(reward_model_dir), rubric=ADDER, max_score=99)).score_ids(seqs) == scores
+    judge.tokenizer.chat_template = None  # without a template: the prompt's text and the response's, as TRL joins them
+    assert judge.encode("Q: 1+2\nA:", " 3") == tokenizer("Q: 1+2\nA: 3", add_special_tokens=False)["input_ids"]
+    pad = tokenizer.pad_token_id  # scored after the last token that is not padding, as Hugging Face reads it
+    assert judge.encode("1+2", " 3<|pad|><|pad|>") == judge.encode("1+2", " 3") != []
+    assert pad in tokenizer("<|pad|>", add_special_tokens=False)["input_ids"]
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(rubric="{prompt} only"), "must contain {response}"),
     (dict(rubric="{prompt} {response} {x}"), "not a valid template"),
