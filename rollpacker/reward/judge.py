@@ -130,15 +130,20 @@ class Judge:
                turns: list[dict] | None = None) -> list[int]:
         """Token ids of the judge's input for one pair (``prompt``: a string or chat messages): the rubric
         (a data row's own, or the configured one) filled in, or a reward model's conversation
-        (``turns``: an episode's messages after its prompt, in place of the response)."""
+        (``turns``: an episode's messages after its prompt, in place of the response). Raises
+        :class:`RewardError` where the reward model's chat template refuses the conversation."""
         if not self.reward_model:
             return self.tokenizer.encode((rubric or self.cfg.rubric).format(prompt=prompt_text(prompt),
                                                                             response=response))
         tok = self.tokenizer
         if tok.chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            text = tok.apply_chat_template(messages + (turns or [{"role": "assistant", "content": response}]),
-                                           tokenize=False)
+            try:
+                text = tok.apply_chat_template(messages + (turns or [{"role": "assistant", "content": response}]),
+                                               tokenize=False)
+            except Exception as e:  # the template refuses the conversation (roles that do not alternate, a tool's)
+                raise RewardError(f"the reward model's chat template refused the conversation: "
+                                  f"{type(e).__name__}: {e}") from None
         else:
             text = prompt_text(prompt) + response
         ids = tok.encode(text, add_special_tokens=False)  # the template has them, as TRL encodes it

@@ -308,10 +308,15 @@ class RewardScheduler:
             logger.info("loading the judge %s on %s", self.cfg.judge.model_path, self.device)
             self.judge = Judge(self.cfg.judge, self.device)
         cfg = self.judge.cfg
-        keys, seqs, size = [], [], 0
+        keys, seqs, size, refused = [], [], 0, []
         while self._judge_todo:
             key, sample = self._judge_todo[0]
-            ids = sample if isinstance(sample, list) else self.judge.encode(*sample)
+            try:
+                ids = sample if isinstance(sample, list) else self.judge.encode(*sample)
+            except RewardError as e:
+                self._judge_todo.popleft()
+                refused.append(Scored(key, None, str(e), 0.0, 0.0))
+                continue
             num_tokens = len(ids) if len(ids) <= cfg.max_tokens else 0  # too long: flagged without a forward
             if keys and size + num_tokens > cfg.max_batch_tokens:
                 self._judge_todo[0] = (key, ids)  # next poll's first: encoded once
@@ -321,9 +326,9 @@ class RewardScheduler:
             seqs.append(ids)
             size += num_tokens
         results = self.judge.score_ids(seqs)
-        seconds = (time.perf_counter() - start) / len(keys)
-        return [Scored(key, None, str(r), seconds, seconds) if isinstance(r, RewardError)
-                else Scored(key, r, None, seconds, seconds) for key, r in zip(keys, results)]
+        seconds = (time.perf_counter() - start) / max(len(keys), 1)
+        return refused + [Scored(key, None, str(r), seconds, seconds) if isinstance(r, RewardError)
+                          else Scored(key, r, None, seconds, seconds) for key, r in zip(keys, results)]
 
     def _settle(self, scored: list[Scored]) -> list[tuple[Any, float]]:
         """Record each function's value; the responses all of whose functions are done, with their rewards."""

@@ -132,6 +132,40 @@ def test_judge_scores_one_bounded_batch_per_poll_and_the_rest_in_wait(workers, c
         scheduler.close()
 
 
+def test_a_reward_model_whose_template_refuses_a_conversation_fails_that_response_alone(
+        reward_model_dir, tmp_path, caplog):
+    """An episode's tool turn that the reward model's chat template refuses: a reward_error for that
+    response, the others scored."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rollpacker.reward.config import JudgeConfig
+
+    rm = tmp_path / "rm"
+    shutil.copytree(reward_model_dir, rm)
+    tokenizer = AutoTokenizer.from_pretrained(rm)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool "
+                               "turns') }}{% endif %}{{ m.content }}\n{% endfor %}")
+    tokenizer.save_pretrained(rm)
+    cfg = RewardConfig(funcs=("judge",), num_workers=0, judge=JudgeConfig(model_path=str(rm)))
+    tool_turns = [{"role": "assistant", "content": "calc(1+2)"}, {"role": "tool", "content": "3"},
+                  {"role": "assistant", "content": "3"}]
+    scheduler = RewardScheduler(cfg, lambda ids: "3")
+    try:
+        scheduler.submit(0, {"id": "a", "prompt": "1+2"}, Response(id="", prompt_ids=[], token_ids=[0]))
+        scheduler.submit(1, {"id": "b", "prompt": "1+2"}, Response(id="", prompt_ids=[], token_ids=[0],
+                                                                 messages=tool_turns))
+        got = dict(scheduler.wait())
+        metrics = scheduler.take_metrics()
+    finally:
+        scheduler.close()
+    assert got[1] == 0.0 and got[0] != 0.0 and metrics["reward/errors"] == 1
+    [error] = [r.getMessage() for r in caplog.records if "reward function 'judge' failed" in r.getMessage()]
+    assert ("row 'b': the reward model's chat template refused the conversation: TemplateError: no tool turns"
+            in error)
+
+
 def test_judge_needs_a_model_directory(tmp_path):
     from rollpacker.reward.config import JudgeConfig
 
