@@ -1,9 +1,6 @@
-"""The LLM judge: verdict parsing, the choice of resident layers, layer-wise offloading equal to
-the resident model bit for bit (CPU; overlap on GPU), and launch/mps.sh.
-
-The toy model stands in for a judge: it adds single digits, so with the rubric ``ADDER`` its
-verdict on the pair ("3", "4") is the token "7".
-"""
+"""launch/mps.sh, the CUDA MPS wrapper of a colocated judge: off by default, and the daemon started and
+stopped around the command (a stand-in daemon; the real one needs a GPU). The judge itself:
+tests/unit/reward/test_judge.py."""
 
 from __future__ import annotations
 
@@ -12,24 +9,6 @@ import subprocess
 from pathlib import Path
 
 MPS_SH = Path(__file__).parents[3] / "launch" / "mps.sh"
-
-
-# --- verdicts ---------------------------------------------------------------------------------
-
-
-# --- choosing K -------------------------------------------------------------------------------
-
-
-# --- offloading equals the resident path, bit for bit ------------------------------------------
-
-
-# --- scoring ----------------------------------------------------------------------------------
-
-
-# --- GPU: prefetch overlaps compute -------------------------------------------------------------
-
-
-# --- launch/mps.sh ----------------------------------------------------------------------------
 
 
 def run_mps(tmp_path: Path, *cmd: str, **env: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """The LLM judge: verdict parsing, the choice of resident layers, layer-wise offloading equal to
-the resident model bit for bit (CPU; overlap on GPU), and launch/mps.sh.
+the resident model bit for bit (CPU; overlap on GPU), and a reward model's scores against transformers'.
 
 The toy model stands in for a judge: it adds single digits, so with the rubric ``ADDER`` its
 verdict on the pair ("3", "4") is the token "7".
