@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ class CheckpointConfig:
     """Keep the newest this many committed checkpoints, deleting older ones once a new one is committed (0 = all)."""
     export_hf: bool = True
     """At the run's end, also write the policy as a Hugging Face model (weights, config, tokenizer) in run_dir/hf."""
+    export_hf_each: bool = False
+    """Also write it in each checkpoint (checkpoints/step_N/hf), to evaluate or serve that step: the model's size
+    again per checkpoint kept."""
 
     def __post_init__(self) -> None:
         if self.keep < 0:
@@ -52,7 +56,7 @@ class CheckpointError(UserError):
 
 
 def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trainer_rank: int = 0,
-         keep: int = 0) -> None:
+         keep: int = 0, also: Callable[[], None] | None = None) -> None:
     """Collective. ``controller`` (rank 0's plain-data state: the policy's sampler and ledger, the
     reward timeouts' anchors) matters on rank 0 only. ``trainer`` is None on ranks that do not
     train (one_step_off's rollout pool); ``trainer_rank``, the first rank that does, sends its LR
@@ -61,8 +65,10 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     skipped for a non-finite update (``trainer.skipping``).
 
     A write that fails on any rank removes the partial directory and raises :class:`CheckpointError`
-    on every rank, naming the ranks and the error; earlier checkpoints are untouched. Once the new
-    one is committed, all but the newest ``keep`` committed checkpoints (0: all) are deleted."""
+    on every rank, naming the ranks and the error; earlier checkpoints are untouched. ``also``
+    (collective, on every rank) writes more into ``path`` once the state is saved, before the commit:
+    its write failing fails the save the same way. Once the new one is committed, all but the newest
+    ``keep`` committed checkpoints (0: all) are deleted."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -98,9 +104,13 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             failed = {rank: _first_line(e)}
     info = [(trainer.scheduler.state_dict(), model_shapes(trainer)) if trainer is not None else None]
     dist.broadcast_object_list(info, src=trainer_rank)
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failed)
-    failed = {r: why for f in failures for r, why in f.items()}
+    failed = _everyones(failed)
+    if also is not None and not failed:
+        try:
+            also()
+        except OSError as e:
+            failed = {rank: _first_line(e)}
+        failed = _everyones(failed)
     if rank == 0 and not failed:
         meta = {"step": step, "scheduler": info[0][0], "world_size": dist.get_world_size(), "model": info[0][1],
                 **(controller or {})}
@@ -127,6 +137,15 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     if rank == 0 and keep:
         prune(path.parent, keep)
     dist.barrier()
+
+
+def _everyones(failed: dict[int, str]) -> dict[int, str]:
+    """Collective: every rank's failures (rank -> why), on every rank."""
+    import torch.distributed as dist
+
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failed)
+    return {r: why for f in failures for r, why in f.items()}
 
 
 def _first_line(e: BaseException) -> str:

@@ -90,12 +90,14 @@ class Job:
         return stats
 
     def save(self, step: int, policy_state: dict[str, Any] | None = None) -> None:
-        """Collective: the checkpoint of ``step``, with the policy's current state or ``policy_state``."""
+        """Collective: the checkpoint of ``step``, with the policy's current state or ``policy_state`` (and
+        the policy as a Hugging Face model in it, with ``checkpoint.export_hf_each``)."""
         path = Path(self.config.run_dir) / "checkpoints" / f"step_{step}"
         state = self.controller.state_dict(policy_state) if self.controller else None
+        also = (lambda: self.export(path / "hf")) if self.config.checkpoint.export_hf_each else None
         with watchdog.waiting("checkpoint", self.config.dist.checkpoint_timeout_s):
             checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
-                            keep=self.config.checkpoint.keep)
+                            keep=self.config.checkpoint.keep, also=also)
         self.saved = step
 
     def export(self, path: Path) -> None:

@@ -118,6 +118,34 @@ def test_keep_deletes_the_oldest_committed_checkpoints_and_stale_interrupted_one
         checkpoint.CheckpointConfig(keep=-1)
 
 
+def test_what_a_save_also_writes_is_in_the_commit_and_its_failure_fails_the_save(toy_random_dir, tmp_path):
+    """``also`` (the Hugging Face export of checkpoint.export_hf_each) writes into the checkpoint before its commit
+    marker: a committed checkpoint has it, and a failed write removes the save like a failed shard."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
+    first = tmp_path / "checkpoints" / "step_1"
+
+    def export() -> None:
+        assert not (first / checkpoint.MARKER).exists()  # before the commit
+        (first / "hf").mkdir()
+        (first / "hf" / "config.json").write_text("{}")
+
+    checkpoint.save(first, trainer, 1, {}, also=export)
+    assert checkpoint.latest(tmp_path) == first and (first / "hf" / "config.json").is_file()
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"saving step 2 .* failed on rank\(s\) \[0\] \(rank 0: "
+                                                         r"OSError: \[Errno 28\] No space left on device"):
+        checkpoint.save(tmp_path / "checkpoints" / "step_2", trainer, 2, {}, also=full_disk)
+    assert checkpoint.latest(tmp_path) == first and not (tmp_path / "checkpoints" / "step_2").exists()
+
+
 def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(toy_random_dir, tmp_path):
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model

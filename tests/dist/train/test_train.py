@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+from safetensors.torch import load_file
 from support.jobs import launch_job, torchrun
 
 
@@ -13,11 +15,20 @@ def test_two_rank_step_equals_single_process_reference(toy_random_dir):
 
 
 def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp_path):
+    # the random model's rewards are 0: the entropy bonus makes its weights (and Adam's moments) move all the same
     common = ["--model.path", str(toy_random_dir), "--run-dir", str(tmp_path), "--rollout.num-prompts", "4",
               "--rollout.group-size", "4", "--rollout.max-new-tokens", "24", "--metrics.wandb-mode", "disabled",
-              "--checkpoint-every", "1", "--eval-every", "0"]
-    proc = launch_job(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8", nproc=2)
+              "--checkpoint-every", "1", "--eval-every", "0", "--train.entropy-coef", "0.01"]
+    proc = launch_job(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8",
+                      "--checkpoint.export-hf-each", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # each checkpoint holds the policy of its step as a Hugging Face model; the last one's is the run's export
+    exported = {step: load_file(tmp_path / "checkpoints" / f"step_{step}" / "hf" / "model.safetensors")
+                for step in (1, 2)}
+    final = load_file(tmp_path / "hf" / "model.safetensors")
+    assert final.keys() == exported[2].keys() and all(torch.equal(final[k], exported[2][k]) for k in final)
+    assert not all(torch.equal(exported[1][k], exported[2][k]) for k in final)  # step 2 trained on
+    assert (tmp_path / "checkpoints" / "step_1" / "hf" / "tokenizer.json").is_file()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]  # step 2: the final evaluation
     assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2] and "eval/accuracy" not in lines[1]
@@ -33,12 +44,14 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [0, 1, 2]  # each step once: the resumed step 2 replaces the eval line
-    # the resumed step 2 is the uninterrupted run's step 2, bit for bit (seeded sampling, exact fp32 state)
+    # the resumed step 2 is the uninterrupted run's step 2, bit for bit (seeded sampling, exact fp32 state); that
+    # run evaluates before step 0 as the first did (an evaluation leaves the engine's later numerics changed)
     straight = tmp_path / "straight"
-    proc = launch_job(*common[:3], str(straight), *common[4:], "--num-steps", "3", nproc=2)
+    proc = launch_job(*common[:3], str(straight), *common[4:], "--num-steps", "3", "--eval-every", "3",
+                      "--data.num-eval-prompts", "8", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reference = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in reference] == [0, 1, 2]
+    assert [r["step"] for r in reference] == [0, 1, 2, 3]  # step 3: the final evaluation
     timing = ("time/", "_per_s", "seconds", "wait_ratio", "bubble_ratio")  # wall-clock measurements
     same = {k: v for k, v in reference[2].items() if not any(t in k for t in timing)}
     assert {k: resumed[2].get(k) for k in same} == same
