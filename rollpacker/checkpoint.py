@@ -70,9 +70,6 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     its write failing fails the save the same way. Once the new one is committed, all but the newest
     ``keep`` committed checkpoints (0: all) are deleted."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from rollpacker import watchdog
 
@@ -89,19 +86,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
-    failed: dict[int, str] = {}
-    if trainer is not None:
-        state = {
-            "model": trained_state(trainer.model),
-            "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
-        }
-        try:
-            dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
-        except CheckpointException as e:  # every rank of the group gets every rank's failure
-            to_global = (lambda r: dist.get_global_rank(trainer.group, r)) if trainer.group is not None else int
-            failed = {to_global(r): _first_line(exc) for r, (exc, _) in e.failures.items()}
-        except OSError as e:
-            failed = {rank: _first_line(e)}
+    failed = _save_trainer(path, trainer) if trainer is not None else {}
     info = [(trainer.scheduler.state_dict(), model_shapes(trainer)) if trainer is not None else None]
     dist.broadcast_object_list(info, src=trainer_rank)
     failed = _everyones(failed)
@@ -137,6 +122,25 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     if rank == 0 and keep:
         prune(path.parent, keep)
     dist.barrier()
+
+
+def _save_trainer(path: Path, trainer) -> dict[int, str]:
+    """Collective over the trainer's group: its model and optimizer state into ``path`` (DCP); the
+    ranks that failed (rank -> why)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {"model": trained_state(trainer.model), "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer)}
+    try:
+        dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
+    except CheckpointException as e:  # every rank of the group gets every rank's failure
+        to_global = (lambda r: dist.get_global_rank(trainer.group, r)) if trainer.group is not None else int
+        return {to_global(r): _first_line(exc) for r, (exc, _) in e.failures.items()}
+    except OSError as e:
+        return {dist.get_rank(): _first_line(e)}
+    return {}
 
 
 def _everyones(failed: dict[int, str]) -> dict[int, str]:
