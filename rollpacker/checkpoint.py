@@ -254,9 +254,10 @@ def model_shapes(trainer) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in trainer.model.named_parameters()}
 
 
-def check(path: Path, policy: str | None = None, world_size: int | None = None) -> None:
+def check(path: Path, policy: str | None = None, world_size: int | None = None, any_world: bool = False) -> None:
     """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy or
-    another world size (``world_size``: this run's, by default torchrun's ``WORLD_SIZE``)."""
+    another world size (``world_size``: this run's, by default torchrun's ``WORLD_SIZE``; ``any_world``:
+    whatever it was, for a read of the weights alone)."""
     if not path.is_dir():
         raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
@@ -267,7 +268,7 @@ def check(path: Path, policy: str | None = None, world_size: int | None = None) 
         raise CheckpointError(f"resume: {path} was written by policy {saved!r}, this run uses {policy!r}: "
                          f"resume with schedule:{saved}")
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    if meta.get("world_size", world_size) != world_size:
+    if not any_world and meta.get("world_size", world_size) != world_size:
         raise CheckpointError(f"resume: {path} was written by {meta['world_size']} ranks, this run has {world_size}: "
                          f"launch it with {meta['world_size']} ranks (torchrun --nproc_per_node), or start afresh")
 
@@ -286,9 +287,10 @@ def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, 
                      "Resume with the model the run started with (model.path), or start afresh")
 
 
-def load(path: Path, trainer) -> dict[str, Any]:
+def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
     """Collective over the trainer's ranks: restores the trainer in place (None on a rank that does
-    not train); returns the saved train state (step, controller state)."""
+    not train); returns the saved train state (step, controller state). ``weights_only``: the trained
+    weights alone, whatever world size wrote them (an export: DCP reshards)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
@@ -298,20 +300,20 @@ def load(path: Path, trainer) -> dict[str, Any]:
         set_optimizer_state_dict,
     )
 
-    check(path)
+    check(path, any_world=weights_only)
     meta = train_state(path)
     if trainer is not None:
         check_model(path, meta.get("model"), model_shapes(trainer))
-        state = {
-            "model": trained_state(trainer.model),
-            "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
-        }
+        state = {"model": trained_state(trainer.model)}
+        if not weights_only:
+            state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001  (damaged past what verify() sees: one line)
             raise CheckpointError(f"resume: {path} cannot be read ({_first_line(e)}): move it away and resume "
                                   "with --resume auto, which takes the checkpoint before it") from None
         set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
-        trainer.scheduler.load_state_dict(meta["scheduler"])
+        if not weights_only:
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
+            trainer.scheduler.load_state_dict(meta["scheduler"])
     return meta

@@ -29,6 +29,14 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert final.keys() == exported[2].keys() and all(torch.equal(final[k], exported[2][k]) for k in final)
     assert not all(torch.equal(exported[1][k], exported[2][k]) for k in final)  # step 2 trained on
     assert (tmp_path / "checkpoints" / "step_1" / "hf" / "tokenizer.json").is_file()
+    # the export tool writes the same from the checkpoint afterwards, on one process (DCP reshards the two ranks')
+    out = tmp_path / "exported"
+    proc = launch_job(str(tmp_path / "checkpoints" / "step_1"), "--out", str(out), "--", "--model.path",
+                      str(toy_random_dir), nproc=1, module="rollpacker.export")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    again = load_file(out / "model.safetensors")
+    assert again.keys() == final.keys() and all(torch.equal(again[k], exported[1][k]) for k in again)
+    assert (out / "config.json").read_text() == (tmp_path / "hf" / "config.json").read_text()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]  # step 2: the final evaluation
     assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2] and "eval/accuracy" not in lines[1]
