@@ -62,7 +62,8 @@ def load_model(
     ``dtype`` converts every tensor; ``None`` keeps the checkpoint's own.
     """
     path = Path(path)
-    args, labels = read_args(path), score_labels(read_config(path))
+    cfg = read_config(path)
+    args, labels = ModelArgs.from_hf(cfg, where=str(path / "config.json")), score_labels(cfg)
     if labels:
         args = replace(args, tie_word_embeddings=False)  # the score head is its own
     with torch.device("meta"):
