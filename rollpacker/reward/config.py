@@ -76,6 +76,9 @@ class RewardConfig:
     """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
     num_workers: int = 2
     """Reward worker processes, killed if they hang (0: score inline in the controller, for debugging)."""
+    max_concurrent: int = 64
+    """async def functions (a remote reward model, an API judge): calls awaited at once, in the controller, as TRL
+    awaits them; a plain def runs in the workers, one call each."""
     timeout: float = 10.0
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
     on_error: OnError = "skip"
@@ -117,6 +120,8 @@ class RewardConfig:
             raise ValueError(f"reward.max_error_frac must be in [0, 1] (1: never stop), got {self.max_error_frac}")
         if self.num_workers < 0:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
+        if self.max_concurrent < 1:
+            raise ValueError(f"reward.max_concurrent must be >= 1, got {self.max_concurrent}")
         for name in ("timeout", "timeout_factor", "timeout_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")

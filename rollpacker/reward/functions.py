@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ class Ref:
     environments: bool = False
     """It is given TRL's ``environments`` (it names them, or takes ``**kwargs``): an episode's environment
     then sends a copy of itself (:class:`~rollpacker.env.trl.EnvState`)."""
+    asynchronous: bool = False
+    """An ``async def`` function: awaited concurrently in the controller (:func:`acall`), not in a worker."""
 
 
 @dataclass
@@ -115,22 +118,42 @@ def resolve(spec: str, name: str) -> Ref:
     ref = target(spec, BUILTINS)
     fn = load(ref, "reward.funcs", RewardFunctionError)
     kind = convention(fn, spec)
-    return Ref(name, ref, kind, environments=kind == "trl" and bool(accepted(fn, {"environments": None})))
+    return Ref(name, ref, kind, environments=kind == "trl" and bool(accepted(fn, {"environments": None})),
+               asynchronous=inspect.iscoroutinefunction(fn))
 
 
-def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[str, Any]]:
+Value = tuple["float | None", dict[str, float], dict[str, Any]]
+"""A function's value for one response: ``(reward or None, metrics, info)``."""
+
+
+def call(ref: Ref, sample: dict) -> Value:
     """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
     ``completion_ids``, ``columns`` (the row's other columns), optionally ``trainer_state`` and, for
     an episode, ``messages`` (its turns after the prompt: TRL's completion then) and ``environment``
     (a copy of its environment: TRL's ``environments`` hold it). Returns ``(reward or None, metrics,
     info)``: a dict's other numbers and TRL's ``log_metric`` are metrics, the rest and TRL's ``log_extra``
-    info. Raises :class:`BadValue` saying what it returned wrong (its own exceptions pass)."""
+    info. Raises :class:`BadValue` saying what it returned wrong (its own exceptions pass). An ``async
+    def`` function is run to its end on this process's event loop."""
+    fn, kwargs, read = _prepared(ref, sample)
+    return read(awaited(fn(**kwargs)))
+
+
+async def acall(ref: Ref, sample: dict) -> Value:
+    """:func:`call`, awaiting an ``async def`` function on the running event loop."""
+    fn, kwargs, read = _prepared(ref, sample)
+    value = fn(**kwargs)
+    return read(await value if inspect.isawaitable(value) else value)
+
+
+def _prepared(ref: Ref, sample: dict) -> tuple[Callable, dict, Callable[[Any], Value]]:
+    """``ref``'s function, the keyword arguments of its call on ``sample`` (:func:`call`), and what reads
+    what it returned."""
     fn = load(ref.target, "reward.funcs", RewardFunctionError)
     columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
         kwargs = dict(data_source=columns.get("data_source"), solution_str=text, ground_truth=columns.get("answer"),
                       extra_info=columns.get("extra_info"))
-        return _value(awaited(fn(**accepted(fn, kwargs))))
+        return fn, accepted(fn, kwargs), _value
     completion = sample.get("messages") or (
         [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
     logged, extra = {}, {}
@@ -145,15 +168,18 @@ def call(ref: Ref, sample: dict) -> tuple[float | None, dict[str, float], dict[s
         raise BadValue("takes environments, and this response has no copy of its environment: they are given with "
                        "an env.factory of TRL's shape (a class made without arguments; docs/environments.md), and an "
                        "episode whose environment failed before its reset returned has none")
-    values = awaited(fn(**accepted(fn, kwargs)))
-    if not isinstance(values, (list, tuple)):
-        raise BadValue(f"returned {type(values).__name__} {short(values)}; a TRL-convention function returns a "
-                         "list with one float or None per completion")
-    if len(values) != 1:
-        raise BadValue(f"returned {len(values)} values for 1 completion; a TRL-convention function returns one "
-                         "float or None per completion")
-    value, metrics, info = _value(values[0])
-    return value, logged | metrics, extra | info
+
+    def read(values) -> Value:
+        if not isinstance(values, (list, tuple)):
+            raise BadValue(f"returned {type(values).__name__} {short(values)}; a TRL-convention function returns a "
+                           "list with one float or None per completion")
+        if len(values) != 1:
+            raise BadValue(f"returned {len(values)} values for 1 completion; a TRL-convention function returns "
+                           "one float or None per completion")
+        value, metrics, info = _value(values[0])
+        return value, logged | metrics, extra | info
+
+    return fn, accepted(fn, kwargs), read
 
 
 def _one(values):
@@ -161,7 +187,7 @@ def _one(values):
     return values[0] if isinstance(values, (list, tuple)) and len(values) == 1 else values
 
 
-def _value(value) -> tuple[float | None, dict[str, float], dict[str, Any]]:
+def _value(value) -> Value:
     """A function's value for one response as ``(reward or None, metrics, info)``: a dict's ``score``
     is the reward, its other numbers metrics and the rest info."""
     metrics, info = {}, {}

@@ -213,11 +213,15 @@ class RewardScheduler:
         self._judge_todo: collections.deque[tuple[Any, tuple | list[int]]] = collections.deque()
         """Judge samples not scored yet: ``(key, (prompt, response, rubric, an episode's turns))``, or
         ``(key, token ids)`` once encoded."""
-        self.pool = None
-        if cfg.num_workers and any(not f.on_controller for f in self.functions):
+        self.pool = self.async_calls = None
+        if cfg.num_workers and any(not f.on_controller and not f.ref.asynchronous for f in self.functions):
             from rollpacker.reward.workers import RewardPool
 
             self.pool = RewardPool(cfg)
+        if cfg.num_workers and any(f.ref.asynchronous for f in self.functions):
+            from rollpacker.reward.workers import AsyncCalls
+
+            self.async_calls = AsyncCalls(cfg.max_concurrent)
         self._scoring: dict[Any, _Scoring] = {}
         self._submitted = itertools.count()
         self._inline: list[Scored] = []
@@ -266,6 +270,9 @@ class RewardScheduler:
                       "columns": {**columns, **extra}, "trainer_state": self.state,
                       "messages": output.messages,  # an episode's turns
                       "environment": output.env_state}  # a copy of its environment, for TRL's `environments`
+            if self.async_calls and f.ref.asynchronous:
+                self.async_calls.submit((key, f.name), f.ref, sample, f.timeout(extra))
+                continue
             if self.pool:
                 self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
                 continue
@@ -285,6 +292,7 @@ class RewardScheduler:
         done = []
         while self._judge_todo:  # the workers score on meanwhile
             done += self._judge_batch()
+        done += self.async_calls.drain() if self.async_calls else []
         if self.pool:
             return self._take_ready() + self._settle(self.pool.drain() + done)
         return self._take_ready() + self._settle(self._finished() + done)
@@ -294,10 +302,11 @@ class RewardScheduler:
         return ready
 
     def _finished(self) -> list[Scored]:
+        done = self.async_calls.poll() if self.async_calls else []
         if not self.pool:
-            done, self._inline = self._inline, []
+            done, self._inline = done + self._inline, []
             return done
-        return self.pool.poll()
+        return done + self.pool.poll()
 
     def _judge_batch(self) -> list[Scored]:
         """Score the judge samples at the head of the queue that fit one forward (at least one)."""
@@ -436,4 +445,6 @@ class RewardScheduler:
     def close(self) -> None:
         if self.pool:
             self.pool.close()
+        if self.async_calls:
+            self.async_calls.close()
         self.judge = None

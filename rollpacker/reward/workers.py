@@ -1,4 +1,5 @@
-"""Reward workers: score samples asynchronously, in processes that can be killed.
+"""Reward workers: score samples asynchronously, in processes that can be killed, or (``async def``
+functions) on an event loop of the controller's.
 
 :class:`RewardPool` is the generic :class:`~rollpacker.workers.WorkerPool` with reward tasks. The
 controller calls :meth:`RewardPool.submit` the moment a response finishes (it returns at once),
@@ -12,23 +13,34 @@ timeout only works on a main thread, ours is the pool's kill; the toy check; cod
 or the user's own, imported once per worker. A sample whose function raised, returned a bad value,
 overran ``reward.timeout`` or lost its worker comes back flagged (``error`` set, ``score`` None),
 never as a silent 0.
+
+An ``async def`` function waits on I/O (a remote reward model, an LLM judge's API), so one call per
+worker would leave most of its time idle. :class:`AsyncCalls` awaits such calls on an event loop
+in a thread of the controller, up to ``reward.max_concurrent`` at once, as TRL awaits its async
+reward functions together; one over its timeout is cancelled, and flagged the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import queue
 import resource
+import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollpacker.reward.config import RewardConfig
-from rollpacker.reward.functions import BadValue, Ref, call
+from rollpacker.reward.functions import BadValue, Ref, RewardFunctionError, Value, acall, call
 from rollpacker.workers import STOP_GRACE, WorkerPool, ignore_stops, leaving  # noqa: F401  (STOP_GRACE: the tests')
+
+STALL_GRACE_S = 30.0
+"""Seconds past the longest timeout an async call may take to come back before its loop counts as stalled."""
 
 
 @dataclass
@@ -54,12 +66,25 @@ def score(ref: Ref, sample: dict) -> tuple[float | None, str | None, dict, dict]
     """Call one reward function on one response in this process, what a worker runs:
     ``(value, error, metrics, info)``, with ``error`` the cause when it failed."""
     try:
-        value, metrics, info = call(ref, sample)
-    except BadValue as e:
-        return None, str(e), {}, {}
+        return _scored(call(ref, sample))
     except Exception as e:  # noqa: BLE001  (the user's code: whatever it raises is the cause to report)
-        return None, f"raised {type(e).__name__}: {str(e)[:500]}", {}, {}
-    return value, None, metrics, info
+        return _failed(e)
+
+
+async def ascore(ref: Ref, sample: dict) -> tuple[float | None, str | None, dict, dict]:
+    """:func:`score`, awaited on the running event loop (its cancellation passes)."""
+    try:
+        return _scored(await acall(ref, sample))
+    except Exception as e:  # noqa: BLE001  (as score's)
+        return _failed(e)
+
+
+def _scored(value: Value) -> tuple[float | None, str | None, dict, dict]:
+    return value[0], None, value[1], value[2]
+
+
+def _failed(e: Exception) -> tuple[None, str, dict, dict]:
+    return None, str(e) if isinstance(e, BadValue) else f"raised {type(e).__name__}: {str(e)[:500]}", {}, {}
 
 
 def _cpu_seconds() -> float:
@@ -129,3 +154,77 @@ class RewardPool(WorkerPool):
     def _lost(self, i: int, task: _Task | None, reason: str, seconds: float) -> None:
         if task is not None:
             self._finish(Scored(task.key, None, reason, seconds, seconds))
+
+
+class AsyncCalls:
+    """``async def`` reward functions' calls, awaited on an event loop in a thread of this process, at
+    most ``max_concurrent`` at once (the module docstring). ``poll`` and ``drain`` are the pool's."""
+
+    def __init__(self, max_concurrent: int):
+        self._loop = asyncio.new_event_loop()
+        self._limit = asyncio.Semaphore(max_concurrent)
+        self._done: queue.SimpleQueue[Scored] = queue.SimpleQueue()
+        self._pending = 0
+        self._longest = 0.0
+        """The longest timeout of a call submitted: a live loop finishes some call within it."""
+        self._running: dict[int, str] = {}
+        """The calls being awaited (by task id): their function's name."""
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollpacker-async-rewards", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: Hashable, ref: Ref, sample: dict, timeout: float) -> None:
+        """Start awaiting ``ref`` on one response; returns at once."""
+        self._pending += 1
+        self._longest = max(self._longest, timeout)
+        asyncio.run_coroutine_threadsafe(self._score(key, ref, sample, timeout), self._loop)
+
+    async def _score(self, key: Hashable, ref: Ref, sample: dict, timeout: float) -> None:
+        async with self._limit:
+            start, me = time.perf_counter(), id(asyncio.current_task())
+            self._running[me] = ref.name
+            try:
+                value, error, metrics, info = await asyncio.wait_for(ascore(ref, sample), timeout)
+            except TimeoutError:
+                value, error, metrics, info = None, f"timed out after {timeout:g} s (reward.timeout): cancelled", {}, {}
+            finally:
+                del self._running[me]
+            seconds = time.perf_counter() - start
+            self._done.put(Scored(key, value, error, seconds, seconds, metrics, info))
+
+    def poll(self) -> list[Scored]:
+        """The calls finished since the last ``poll`` or ``drain``."""
+        done = []
+        while True:
+            try:
+                done.append(self._done.get_nowait())
+            except queue.Empty:
+                self._pending -= len(done)
+                return done
+
+    def drain(self) -> list[Scored]:
+        """Every call not taken yet, once finished. Raises :class:`RewardFunctionError` where none has
+        finished within the longest timeout and :data:`STALL_GRACE_S`: a call that blocks the loop
+        instead of awaiting cannot be cancelled, and would hold the run forever."""
+        done = []
+        while len(done) < self._pending:
+            try:
+                done.append(self._done.get(timeout=self._longest + STALL_GRACE_S))
+            except queue.Empty:
+                names = ", ".join(sorted(set(self._running.values()))) or "?"
+                raise RewardFunctionError(
+                    f"async reward function {names}: no call returned within {self._longest + STALL_GRACE_S:g} s, "
+                    "its timeout and a grace: a call that blocks (a sync request, time.sleep) instead of awaiting "
+                    "stalls every async call and cannot be cancelled. Await its I/O, or make it a plain def, which "
+                    "runs in the killable reward workers") from None
+        self._pending = 0
+        return done
+
+    def close(self) -> None:
+        """Cancel the calls in flight and stop the loop."""
+        def stop() -> None:
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(stop)
+        self._thread.join(timeout=5)

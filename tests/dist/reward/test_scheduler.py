@@ -166,6 +166,66 @@ def test_a_reward_model_whose_template_refuses_a_conversation_fails_that_respons
             in error)
 
 
+ASYNC_REWARDS = """
+import asyncio, time
+
+state = {"in_flight": 0, "peak": 0}
+
+
+async def remote(completions, **kwargs):  # a remote reward model: its time is the network's
+    text = completions[0]
+    state["in_flight"] += 1
+    state["peak"] = max(state["peak"], state["in_flight"])
+    try:
+        await asyncio.sleep(3600 if text == "hang" else 0.3)
+        return [float(len(text))]
+    finally:
+        state["in_flight"] -= 1
+
+
+async def blocking(completions, **kwargs):  # a sync request inside async def: it holds the loop
+    time.sleep(3)
+    return [1.0]
+"""
+
+
+def test_async_functions_are_awaited_together_up_to_max_concurrent_and_cancelled_at_their_timeout(tmp_path):
+    from rollpacker.imports import load
+
+    (tmp_path / "remote_rm.py").write_text(ASYNC_REWARDS)
+    spec = f"{tmp_path / 'remote_rm.py'}:remote"
+    texts = ["a", "bb", "hang", "ccc", "dddd", "eeeee", "ffffff", "ggggggg", "hhhhhhhh"]
+    cfg = RewardConfig(funcs=(spec,), num_workers=2, max_concurrent=4, timeout=2.0)
+    scheduler = RewardScheduler(cfg, lambda ids: texts[ids[0]])
+    assert scheduler.pool is None and scheduler.async_calls is not None  # no worker process for an async function
+    try:
+        for i in range(len(texts)):
+            scheduler.submit(i, {"id": str(i), "prompt": "p"}, Response(id="", prompt_ids=[], token_ids=[i]))
+        got = dict(scheduler.poll()) | dict(scheduler.wait())
+        metrics = scheduler.take_metrics()
+    finally:
+        scheduler.close()
+    assert got == {i: 0.0 if t == "hang" else float(len(t)) for i, t in enumerate(texts)}
+    assert load(spec, "reward.funcs").__globals__["state"]["peak"] == 4  # awaited together, never more than 4
+    assert metrics["reward/errors"] == 1
+
+
+def test_an_async_function_that_blocks_its_loop_stops_the_run_naming_it(tmp_path, monkeypatch):
+    from rollpacker.reward import workers
+    from rollpacker.reward.functions import RewardFunctionError
+
+    monkeypatch.setattr(workers, "STALL_GRACE_S", 0.5)
+    (tmp_path / "remote_rm.py").write_text(ASYNC_REWARDS)
+    cfg = RewardConfig(funcs=(f"{tmp_path / 'remote_rm.py'}:blocking",), num_workers=1, timeout=0.5)
+    scheduler = RewardScheduler(cfg, lambda ids: "x")
+    try:
+        scheduler.submit(0, {"id": "0", "prompt": "p"}, Response(id="", prompt_ids=[], token_ids=[0]))
+        with pytest.raises(RewardFunctionError, match="async reward function blocking: no call returned within 1 s"):
+            scheduler.wait()
+    finally:
+        scheduler.close()
+
+
 def test_judge_needs_a_model_directory(tmp_path):
     from rollpacker.reward.config import JudgeConfig
 
