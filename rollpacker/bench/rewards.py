@@ -13,11 +13,17 @@ ways, side by side:
   (min(max(T_min, λ·T_anchor), T_max), anchors learned from a warm-up round of correct runs).
 
 It prints the exposed reward time (after the last response finished) and the step time (rollout
-+ exposed reward) of each, with the ratios against sync + fixed. Last line: JSON.
++ exposed reward) of each, with the ratios against sync + fixed.
+
+Then a remote reward model: each call waits on the network (``--remote-median-s``, lognormal), scored
+as each response finishes, by a plain ``def`` in the workers (one call per worker) and by an
+``async def`` awaited in the controller (``reward.max_concurrent`` at once), the same waits side by
+side. Last line: JSON.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -55,6 +61,8 @@ class Args:
     """The fixed per-test timeout compared against the adaptive one."""
     workers: int = 2
     """Reward worker processes."""
+    remote_median_s: float = 0.5
+    """The remote reward model's median seconds per call (lognormal, sigma 0.5)."""
     seed: int = 0
     """Seeds the workload."""
 
@@ -68,6 +76,18 @@ def workload(args: Args) -> tuple[list[str], list[float]]:
     finish = np.sort(rng.pareto(1.5, args.responses))
     finish = args.rollout_seconds * finish / finish[-1]
     return [f"```python\n{PROGRAMS[k]}```" for k in kinds], finish.tolist()
+
+
+def remote(completions, **kwargs) -> list[float]:
+    """A remote reward model called by a plain ``def``: the call waits for its answer."""
+    time.sleep(float(completions[0]))
+    return [1.0]
+
+
+async def remote_awaited(completions, **kwargs) -> list[float]:
+    """The same, by an ``async def``."""
+    await asyncio.sleep(float(completions[0]))
+    return [1.0]
 
 
 def one_round(scheduler: RewardScheduler, responses: list[str], finish: list[float], overlap: bool) -> dict:
@@ -109,14 +129,29 @@ def main(argv: list[str] | None = None) -> None:
                       f"/{args.responses}   flagged {results[name]['errors']}", flush=True)
         finally:
             scheduler.close()
+    rng = np.random.default_rng(args.seed)
+    waits = [str(w) for w in args.remote_median_s * rng.lognormal(0.0, 0.5, args.responses)]  # the responses' calls
+    for name in ("remote", "remote_awaited"):
+        cfg = RewardConfig(funcs=(f"rollpacker.bench.rewards:{name}",), num_workers=args.workers, timeout=60.0)
+        scheduler = RewardScheduler(cfg, decode=lambda text: text)
+        try:
+            results[name] = one_round(scheduler, waits, finish, overlap=True)
+        finally:
+            scheduler.close()
+        print(f"{name:<16} exposed {results[name]['exposed']:7.2f} s   step {results[name]['step']:7.2f} s   "
+              f"reward time {results[name]['reward_seconds']:7.2f} s", flush=True)
     base = results["sync_fixed"]
     print(f"\n{'':<16}{'exposed (s)':>12}{'step (s)':>10}{'step speedup':>14}")
     for name, r in results.items():
-        print(f"{name:<16}{r['exposed']:>12.2f}{r['step']:>10.2f}{base['step'] / r['step']:>13.2f}x")
+        if not name.startswith("remote"):
+            print(f"{name:<16}{r['exposed']:>12.2f}{r['step']:>10.2f}{base['step'] / r['step']:>13.2f}x")
+    print(f"remote reward model: step {results['remote']['step']:.2f} s with one call per worker, "
+          f"{results['remote_awaited']['step']:.2f} s awaited together")
     summary = {f"exposed_{name}": round(r["exposed"], 3) for name, r in results.items()}
     summary |= {f"step_{name}": round(r["step"], 3) for name, r in results.items()}
     summary |= {"exposed_ratio": round(base["exposed"] / max(results["async_adaptive"]["exposed"], 1e-3), 2),
-                "step_speedup": round(base["step"] / results["async_adaptive"]["step"], 2)}
+                "step_speedup": round(base["step"] / results["async_adaptive"]["step"], 2),
+                "remote_step_speedup": round(results["remote"]["step"] / results["remote_awaited"]["step"], 2)}
     print(json.dumps(summary))
 
 

@@ -53,7 +53,7 @@ def test_rewards_bench_smoke(capsys):
     from rollpacker.bench.rewards import main
 
     main(["--responses", "4", "--rollout-seconds", "0.5", "--fixed-timeout", "3", "--loop-fraction", "0",
-          "--slow-fraction", "0", "--wrong-fraction", "0.3"])
+          "--slow-fraction", "0", "--wrong-fraction", "0.3", "--remote-median-s", "0.05"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):  # step = rollout + exposed scoring
         assert summary[f"exposed_{name}"] >= 0
@@ -62,6 +62,8 @@ def test_rewards_bench_smoke(capsys):
                                                     abs=0.02)
     assert summary["exposed_ratio"] == pytest.approx(
         summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02)
+    assert summary["remote_step_speedup"] == pytest.approx(
+        summary["step_remote"] / summary["step_remote_awaited"], abs=0.02)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
