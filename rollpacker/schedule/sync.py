@@ -3,8 +3,9 @@
 Each round draws P0 prompts from the seeded sampler, launches R0 responses each and waits for
 all of them: the long tail of the slowest response sets the round's length. A group is complete
 when its R0 responses are in. With ``filter_zero_variance``, a group whose rewards are all equal
-is dropped then instead (counted in ``sched/filtered``); with ``num_epochs``, the last round takes
-what is left.
+is dropped then instead (counted in ``sched/filtered``), and with ``refill`` a fresh prompt is
+launched in its place, so that the round keeps P0 groups while the data lasts (DAPO's dynamic
+sampling, verl's ``filter_groups``); with ``num_epochs``, the last round takes what is left.
 """
 
 from __future__ import annotations
@@ -22,20 +23,27 @@ class SyncConfig(PolicyConfig):
     name: ClassVar[str] = "sync"
     pipe: bool = False
     """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
+    refill: bool = False
+    """With filter_zero_variance: launch a fresh prompt in a dropped group's place, until P0 groups are kept or the
+    data runs out (DAPO's dynamic sampling, verl's filter_groups; the round runs on meanwhile)."""
+
+    def __post_init__(self) -> None:
+        if self.refill and not self.filter_zero_variance:
+            raise ValueError("schedule.refill replaces the groups schedule.filter_zero_variance drops: set both")
 
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> SyncPolicy:
         return SyncPolicy(sampler, num_prompts, group_size, filter_zero_variance=self.filter_zero_variance,
-                          num_epochs=num_epochs)
+                          num_epochs=num_epochs, refill=self.refill)
 
 
 class SyncPolicy:
     name = "sync"
 
     def __init__(self, sampler, num_prompts: int, group_size: int, *, filter_zero_variance: bool = False,
-                 num_epochs: int = 0):
+                 num_epochs: int = 0, refill: bool = False):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
-        self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
+        self.filter_zero_variance, self.num_epochs, self.refill = filter_zero_variance, num_epochs, refill
         self.groups: list[Group] = []
         self.dropped: set[int] = set()
         self.pending = 0
@@ -61,12 +69,18 @@ class SyncPolicy:
         group.outputs.append(output)
         group.rewards.append(reward)
         self.pending -= 1
-        decision = PolicyDecision(round_done=self.pending == 0)
+        decision = PolicyDecision()
         if len(group.outputs) == self.group_size:
             if self.filter_zero_variance and zero_variance(group.rewards):
                 self.dropped.add(slot)
+                if self.refill and remaining(self.sampler, self.num_epochs) != 0:  # its slot: the next one
+                    [(epoch, row)] = self.sampler.draw(1)
+                    self.groups.append(Group(prompt=row, outputs=[], rewards=[], epoch=epoch))
+                    self.pending += self.group_size
+                    decision.launch = [row]
             else:
                 decision.complete = [group]
+        decision.round_done = self.pending == 0
         return decision
 
     def end_round(self, aborted: list[Any]) -> list[Group]:

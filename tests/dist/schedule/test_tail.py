@@ -84,6 +84,21 @@ def test_sigkill_mid_round_and_mid_save_then_resume_loses_and_repeats_nothing(re
         assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], rel=1e-6, abs=1e-9), step
 
 
+def test_sync_refill_trains_p0_groups_a_step_and_every_row_once(tmp_path):
+    """DAPO's dynamic sampling under sync: a dropped group's slot goes to a fresh prompt."""
+    from support.jobs import QUIET, launch_job
+
+    proc = launch_job("schedule:sync", "--schedule.filter-zero-variance", "--schedule.refill", "--data.num-toy-prompts",
+                      str(NUM_ROWS), "--rollout.num-prompts", "4", "--rollout.group-size", "4",
+                      "--rollout.max-new-tokens", "96", "--num-epochs", "1", "--num-steps", "100", "--eval-every", "0",
+                      "--checkpoint-every", "0", "--checkpoint.no-export-hf", *QUIET, "--run-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [steps(tmp_path)[s] for s in sorted(steps(tmp_path))]
+    kept, dropped = [r["sched/trained_prompts"] for r in records], [r["sched/filtered"] for r in records]
+    assert kept[:-1] == [4] * (len(kept) - 1) and 0 < kept[-1] <= 4  # the last round kept what was left
+    assert sum(kept) + sum(dropped) == NUM_ROWS and sum(dropped) > 0
+
+
 def test_zero_variance_filter_accounts_for_every_prompt(tmp_path):
     finish(launch(tmp_path, "--schedule.filter-zero-variance", "--num-epochs", "1", "--rollout.group-size", "4"))
     state = ledger(tmp_path)

@@ -9,7 +9,7 @@ import pytest
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.schedule.base import request_id
 from rollpacker.schedule.ledger import Ledger
-from rollpacker.schedule.sync import SyncPolicy
+from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 
 
@@ -178,6 +178,24 @@ def test_sync_stops_at_the_epoch_limit_and_filters_after_the_round():
         rnd, groups, _, _ = play(policy, 0, lambda row, k: row + k, lambda row, k: float(row % 2 and k))
         seen += rnd.prompts
     assert sorted(seen) == list(range(10)) and len(rnd.prompts) == 2
+
+
+def test_sync_refill_keeps_p0_groups_while_the_data_lasts():
+    """DAPO's dynamic sampling under sync: a dropped group's slot goes to a fresh prompt, whose own
+    group may be dropped and replaced in turn; the last round runs out of data first."""
+    policy = SyncPolicy(PromptSampler(10, seed=0), 4, 2, num_epochs=1, filter_zero_variance=True, refill=True)
+    flat = lambda row, k: 1.0 if row % 3 == 0 else float(k % 2)  # noqa: E731  (rows 0, 3, 6, 9: all equal)
+    rnd, groups, finished, _ = play(policy, 0, lambda row, k: row + k, flat)
+    dropped = [row for row in rnd.prompts if row % 3 == 0]
+    assert len(groups) == 4 and all(g.prompt % 3 for g in groups) and len(dropped) > 0
+    assert len(finished) == 2 * (4 + policy.stats()["sched/filtered"])  # every launched response, refills too
+    seen = [g.prompt for g in groups]
+    while not policy.done():
+        _, groups, _, _ = play(policy, 1, lambda row, k: row + k, flat)
+        seen += [g.prompt for g in groups]
+    assert sorted(seen) == [1, 2, 4, 5, 7, 8]  # each kept once; the last round kept what was left
+    with pytest.raises(ValueError, match="schedule.refill replaces the groups schedule.filter_zero_variance drops"):
+        SyncConfig(refill=True)
 
 
 def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
