@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from rollpacker.data.chat import messages
 from rollpacker.model.args import ModelArgs, score_labels
 from rollpacker.model.attention import CausalAttention
 from rollpacker.model.hf import load_model, read_config
@@ -137,10 +138,9 @@ class Judge:
                                                                             response=response))
         tok = self.tokenizer
         if tok.chat_template:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            conversation = messages(prompt) + (turns or [{"role": "assistant", "content": response}])
             try:
-                text = tok.apply_chat_template(messages + (turns or [{"role": "assistant", "content": response}]),
-                                               tokenize=False)
+                text = tok.apply_chat_template(conversation, tokenize=False)
             except Exception as e:  # the template refuses the conversation (roles that do not alternate, a tool's)
                 raise RewardError(f"the reward model's chat template refused the conversation: "
                                   f"{type(e).__name__}: {e}") from None
