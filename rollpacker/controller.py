@@ -170,11 +170,7 @@ class Controller:
     @property
     def sampling(self) -> SamplingParams:
         """The rollout's sampling settings."""
-        from rollpacker.rollout.engine import SamplingParams
-
-        r = self.config.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              stop=r.stop, stop_token_ids=r.stop_token_ids)
+        return self.config.rollout.sampling()
 
     def train_round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Training round ``plan`` of ``step`` for the exchange, with ``hooks``; the live display starts the step."""

@@ -94,7 +94,7 @@ def batch_requests(cfg: SpecBenchConfig, tokenizer, rows: list[dict], batch: int
     """The requests of one batch: ``group_size / replicas`` per prompt, seeded; ``epoch`` draws the
     earlier epoch's seeds instead; ``context`` (prompt index -> responses) is offered to each."""
     from rollpacker.rollout.config import RolloutConfig
-    from rollpacker.rollout.engine import DraftContext, Request, SamplingParams
+    from rollpacker.rollout.engine import DraftContext, Request
 
     r = RolloutConfig()
     per_prompt = cfg.group_size // cfg.replicas
@@ -105,8 +105,7 @@ def batch_requests(cfg: SpecBenchConfig, tokenizer, rows: list[dict], batch: int
         offered = tuple(DraftContext(source="epoch", token_ids=tuple(t)) for t in (context or {}).get(i, ()))
         for j in range(per_prompt):
             seed = (cfg.seed * 7919 + batch) * 100_003 + i * per_prompt + j + (50_000 if epoch else 0)
-            params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                    top_k=r.top_k, seed=seed)
+            params = r.sampling(stop=(), stop_token_ids=(), seed=seed)
             reqs.append(Request(id=f"{i}:{j}", prompt_ids=ids, params=params, draft_context=offered))
     return reqs
 

@@ -91,7 +91,6 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     from rollpacker.plan.planner import candidate_tps
     from rollpacker.rollout import ENGINES, resolve_kind
     from rollpacker.rollout.config import EngineConfig
-    from rollpacker.rollout.engine import SamplingParams
     from rollpacker.rollout.probe import decode_step_ms, measure_spec_cost, peak_flops
     from rollpacker.rollout.torch_engine import TorchEngine
 
@@ -107,7 +106,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
                            "peak_gflops": peak_flops(512, 5) / 1e9 if device.type == "cpu" else None}
     before = meshes.rollout_tp.size()
     r = config.rollout  # decode steps sample as the run's do
-    sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    sampling = r.sampling(stop=(), stop_token_ids=())
 
     slowest = functools.partial(_slowest, meshes)
 
@@ -201,7 +200,6 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
     from rollpacker.controller import encode, reward_scheduler
     from rollpacker.data.dataset import PromptSampler, fit_rows, load_rows
     from rollpacker.exchange import RoundLeader, run_round
-    from rollpacker.rollout.engine import SamplingParams
     from rollpacker.schedule.sync import SyncPolicy
 
     r, rank0 = config.rollout, meshes.rank == 0
@@ -219,7 +217,7 @@ def _exchange(config, meshes, engine, model_dir: Path, repeats: int = 3) -> dict
     shapes = [(short, r.num_prompts), (long, r.num_prompts), (short, max(1, r.num_prompts // 4))]
     for i, (cap, prompts) in enumerate(shapes[:1] + shapes * repeats):  # polls and requests vary apart
         policy = SyncPolicy(PromptSampler(len(rows), i), prompts, r.group_size)
-        sampling = SamplingParams(max_new_tokens=cap, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        sampling = r.sampling(max_new_tokens=cap, stop=(), stop_token_ids=())
         leader = RoundLeader(policy=policy, rows=rows, encode=prompt, rewards=scorer, sampling=sampling,
                              lengths=_Spread(cap))
         result = run_round(meshes, engine, r.poll_steps, leader.round(i, policy.start_round(i)) if rank0 else None)

@@ -4,9 +4,10 @@ before heavy imports)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from rollpacker.choices import check_choices
+from rollpacker.rollout.types import SamplingParams
 
 
 @dataclass(kw_only=True)
@@ -23,6 +24,10 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling (0 = off)."""
+    min_p: float = 0.0
+    """Min-p sampling: keep tokens at least this share of the likeliest one's probability (0 = off)."""
+    repetition_penalty: float = 1.0
+    """Penalize tokens already in the prompt or response, as Hugging Face and vLLM do (1 = off; > 1 penalizes)."""
     stop: tuple[str, ...] = ()
     """Strings that end a response; the reward sees its text cut before the first (vLLM's default)."""
     stop_token_ids: tuple[int, ...] = ()
@@ -38,16 +43,20 @@ class RolloutConfig:
     longest_first: bool = False
     """Dispatch a deferred prompt's requests longest first (its cut responses' length), to the least-loaded replica."""
 
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        """The rollout's sampling settings as an engine request's (``overrides`` replace fields)."""
+        fields = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                      top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                      stop=self.stop, stop_token_ids=self.stop_token_ids)
+        return SamplingParams(**(fields | overrides))
+
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
         for name in ("num_prompts", "group_size", "max_new_tokens", "tp", "poll_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"rollout.{name} must be positive, got {getattr(self, name)}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(
-                f"rollout sampling: temperature={self.temperature} must be >= 0, top_p={self.top_p} "
-                f"in (0, 1], top_k={self.top_k} >= 0"
-            )
+        if problem := sampling_problem(self):
+            raise ValueError(f"rollout sampling: {problem}")
         if any(not s for s in self.stop) or any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop={self.stop} holds an empty string or rollout.stop_token_ids="
                              f"{self.stop_token_ids} a negative id: remove it")
@@ -59,6 +68,14 @@ class RolloutConfig:
             except ValueError as e:
                 raise ValueError(f"rollout.replay_lengths with rollout.max_new_tokens={self.max_new_tokens}: {e}; "
                                  "use a larger max_new_tokens") from None
+
+
+def sampling_problem(p: RolloutConfig | SamplingParams) -> str | None:
+    """What is wrong with ``p``'s sampling settings, or None."""
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p <= 1 or p.repetition_penalty <= 0:
+        return (f"temperature={p.temperature} must be >= 0, top_p={p.top_p} in (0, 1], top_k={p.top_k} >= 0, "
+                f"min_p={p.min_p} in [0, 1], repetition_penalty={p.repetition_penalty} > 0")
+    return None
 
 
 MAX_SPEC_TOKENS = 32

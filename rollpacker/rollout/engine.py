@@ -9,8 +9,8 @@ Invariants:
 - A bad request raises one ``ValueError`` naming it; the engine serves the others.
 - An abort returns the tokens and log-probs so far. ``Request.resume_from`` continues them by
   recomputation: exactly where sampling is seeded per position (TorchEngine, SGLang).
-- Log-probs are those of ``softmax(logits / temperature)`` before top-k/top-p. An engine that
-  reports them after truncation sets ``logprobs_truncated``.
+- Log-probs are those of ``softmax(logits / temperature)`` before a repetition penalty and
+  min-p/top-k/top-p. An engine that reports them after these sets ``logprobs_truncated``.
 - Drafts (``Request.draft_context``) and sessions (``Request.session``) never change a token.
 
 Why: the engine never knows which policy drives it, so any policy runs on any engine. Each call
@@ -243,12 +243,15 @@ def free_cached_memory() -> bool:
 def reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
                        truncated: bool = False) -> torch.Tensor:
     """Log-probs of ``tokens`` [N] under ``logits`` [N, vocab] by the contract's convention:
-    ``log_softmax(logits / T)`` (T = 1 when greedy); ``truncated`` renormalizes over the top-k
-    (then top-p) set first, as vLLM's ``processed_logprobs`` does."""
+    ``log_softmax(logits / T)`` (T = 1 when greedy); ``truncated`` renormalizes over the min-p, top-k
+    (then top-p) set first, as vLLM's ``processed_logprobs`` does (a repetition penalty aside)."""
     logits = logits.float()
     if params.temperature > 0:
         logits = logits / params.temperature
     if truncated and params.temperature > 0:
+        if params.min_p > 0:
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
         if 0 < params.top_k < logits.shape[-1]:
             kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

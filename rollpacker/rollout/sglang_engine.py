@@ -147,7 +147,8 @@ def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], s
         raise ValueError("SGLang's ignore_eos also ignores stop_token_ids: set one of ignore_eos and stop_token_ids")
     stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
     return {"max_new_tokens": remaining, "temperature": p.temperature, "top_p": p.top_p,
-            "top_k": p.top_k if p.top_k > 0 else -1, "stop_token_ids": stop, "ignore_eos": p.ignore_eos,
+            "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
+            "stop_token_ids": stop, "ignore_eos": p.ignore_eos,
             "sampling_seed": seed, "no_stop_trim": True}
 
 

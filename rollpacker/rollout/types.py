@@ -18,6 +18,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     """0 means no top-k truncation."""
+    min_p: float = 0.0
+    """Keep only tokens at least this share of the likeliest one's probability; 0 means off."""
+    repetition_penalty: float = 1.0
+    """Divides the positive logits (multiplies the negative) of tokens already in the prompt or the
+    response, as Hugging Face and vLLM do; 1 means off."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end the response besides the model's EOS tokens."""
     stop: tuple[str, ...] = ()

@@ -167,7 +167,8 @@ class VLLMEngine:
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
         params = VSamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty,
             seed=seed if p.temperature > 0 else None, max_tokens=remaining, stop_token_ids=list(stop),
             ignore_eos=p.ignore_eos, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA,
         )

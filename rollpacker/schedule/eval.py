@@ -21,7 +21,7 @@ class EvalConfig:
     n: int = 1
     """Responses per held-out prompt: eval/mean@n, and eval/pass@k for k in 1 and n."""
     temperature: float = 0.0
-    """Sampling temperature of the evaluation (top_p, top_k and stop as rollout's); 0 = greedy."""
+    """Sampling temperature of the evaluation (the rest of sampling as rollout's); 0 = greedy."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.temperature < 0:

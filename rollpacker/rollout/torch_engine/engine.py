@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from rollpacker.model.attention import length_buckets
 from rollpacker.model.parallelize import apply_rollout_tp
 from rollpacker.model.transformer import Transformer
-from rollpacker.rollout.config import EngineConfig
+from rollpacker.rollout.config import EngineConfig, sampling_problem
 from rollpacker.rollout.drafter import Drafter
 from rollpacker.rollout.engine import (
     ENGINE_DRAFT_SOURCES,
@@ -252,8 +252,8 @@ class TorchEngine(Speculation):
             problems.append(f"max_new_tokens={p.max_new_tokens} must be positive")
         elif done >= p.max_new_tokens:
             problems.append(f"the resumed output already has {done} >= max_new_tokens tokens")
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
-            problems.append(f"bad sampling: temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}")
+        if problem := sampling_problem(p):
+            problems.append(f"bad sampling: {problem}")
         problems += check_stop(self, request)
         for c in request.draft_context:
             if not c.source or c.source in ENGINE_DRAFT_SOURCES or c.source == "none":

@@ -174,6 +174,7 @@ class DecodeBatch:
         """After a step that sampled ``tokens`` for every row: move every row one position on."""
         self.tokens = tokens
         self.positions += 1
+        self.sampling.advance(tokens)
         for group in self.order:
             if not group.advance():
                 self.changed = True  # a row outgrew its group: moved at the next update

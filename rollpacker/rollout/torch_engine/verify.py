@@ -127,7 +127,9 @@ class Speculation:
         rows = [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
         offsets = [j for d in drafts for j in range(len(d) + 1)]
         logits = self.model.logits(hidden[torch.tensor(picked, device=dev)])
-        sampled, logprobs = self._sample(rows, logits, Sampling.of(rows, self.model.args.vocab_size, dev), offsets)
+        before = [d[:j] for d in drafts for j in range(len(d) + 1)]  # what the penalty counts besides the row's tokens
+        sampling = Sampling.of(rows, self.model.args.vocab_size, dev, before)
+        sampled, logprobs = self._sample(rows, logits, sampling, offsets)
         sampled, logprobs = sampled.tolist(), logprobs.tolist()
         kept_tokens, kept_logprobs, i = [], [], 0
         for seq, draft in zip(seqs, drafts):

@@ -52,6 +52,16 @@ def test_greedy_matches_torch_engine_and_transformers(pair, engine):
         torch.testing.assert_close(torch.tensor(got[r.id].logprobs), ref, atol=1e-4, rtol=0)
 
 
+def test_a_repetition_penalty_takes_torch_engines_greedy_tokens(pair, engine):
+    reqs = [greedy(i, p, 16) for i, p in enumerate(prompts(3, 12, seed=2))]
+    for r in reqs:
+        r.params.repetition_penalty = 1.5
+    got = generate(engine, reqs)
+    torch_out = generate(build_engine(EngineConfig(), pair[0], "cpu", torch.float32), reqs)
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in torch_out.items()}
+    assert got["g0"].token_ids != hf_greedy(hf_model(pair[0]), reqs[0].prompt_ids, 16)
+
+
 def test_logprobs_are_the_sampling_distribution(pair, engine):
     """T = 0.7 with top-k 5: vLLM reports the top-k-renormalized distribution it samples from."""
     assert engine.logprobs_truncated

@@ -182,12 +182,12 @@ def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_wit
 
 def sibling_requests(draft_context: dict[str, tuple[int, ...]] | None = None) -> list[Request]:
     """Three siblings per prompt (greedy; T 0.9 top-p 0.9; T 0.7 top-k 20), each offered
-    ``draft_context[id]`` as an earlier epoch's response when given."""
-    reqs = []
+    ``draft_context[id]`` as an earlier epoch's response where it holds one."""
+    reqs, draft_context = [], draft_context or {}
     for i, (p, n) in enumerate(zip(PROMPTS[:4], (24, 12, 32, 16))):
         for j, (t, top_p, top_k) in enumerate([(0, 1, 0), (0.9, 0.9, 0), (0.7, 1, 20)]):
             rid = f"p{i}-{j}"
-            context = (DraftContext(source="epoch", token_ids=draft_context[rid]),) if draft_context else ()
+            context = (DraftContext(source="epoch", token_ids=draft_context[rid]),) if rid in draft_context else ()
             reqs.append(Request(id=rid, prompt_ids=p, draft_context=context, params=SamplingParams(
                 max_new_tokens=n, temperature=t, top_p=top_p, top_k=top_k, seed=10 * i + j, ignore_eos=True)))
     return reqs
@@ -503,3 +503,60 @@ def test_a_near_uniform_row_draws_the_same_token_when_its_probabilities_move_in_
     draws = sample(peaked, torch.full((20000,), 2), torch.full((20000,), 0.99), torch.rand(20000, generator=g))
     share = (draws == 1).float().mean().item()
     assert set(draws.tolist()) == {1, 4} and abs(share - 1 / (1 + torch.e ** -0.1)) < 0.01  # the top two, renormalized
+
+
+def test_repetition_penalty_is_transformers_and_min_p_keeps_every_invariant(qwen2_dir):
+    """Greedy under a repetition penalty takes transformers' ``generate`` tokens, and log-probs stay the
+    model's own. Sampled rows with a penalty and min-p draw the same tokens whatever their batch, cache
+    pressure (preempted and recomputed) or speculation (drafts verified with the penalty they would see)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32).eval()
+    reqs = greedy_requests(repetition_penalty=1.5)
+    got = generate(engine(qwen2_dir), reqs)
+    for r in reqs:
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.params.max_new_tokens, do_sample=False,
+                              repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)[0, len(r.prompt_ids):]
+            logits = hf(ids[None, :0].new_tensor([r.prompt_ids + ids.tolist()])).logits[0, len(r.prompt_ids) - 1:-1]
+        assert got[r.id].token_ids == ids.tolist(), r.id
+        own = torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(got[r.id].logprobs), own, atol=1e-4, rtol=0)
+    assert got != generate(engine(qwen2_dir), greedy_requests())
+
+    def penalized(draft_context=None):
+        return [dataclasses.replace(r, params=dataclasses.replace(r.params, repetition_penalty=1.3 + 0.2 * (i % 2),
+                                                                  min_p=0.05 * (i % 3)))
+                for i, r in enumerate(sibling_requests(draft_context)) if r.params.temperature > 0]
+
+    plain, _ = run(engine(qwen2_dir), penalized())
+    pressed = generate(engine(qwen2_dir, kv_memory_mb=0.05, max_num_seqs=3), penalized()[::-1])
+    eng = engine(qwen2_dir, speculative="on", spec_max_tokens=4)
+    spec, _ = run(eng, penalized({k: tuple(o.token_ids) for k, o in plain.items()}))
+    assert eng.stats().spec.num_verify_steps > 0 and eng.num_preemptions == 0
+    for k, o in plain.items():
+        assert spec[k].token_ids == pressed[k].token_ids == o.token_ids, k
+        torch.testing.assert_close(spec[k].logprobs, o.logprobs, rtol=0, atol=1e-5, msg=k)
+    unpenalized, _ = run(engine(qwen2_dir), [r for r in sibling_requests() if r.params.temperature > 0])
+    assert any(unpenalized[k].token_ids != o.token_ids for k, o in plain.items())
+
+
+def test_min_p_then_top_k_then_top_p_over_what_they_keep():
+    """vLLM's and Hugging Face's order: min-p and top-k cut, then top-p walks the mass they kept, renormalized."""
+    from rollpacker.rollout.torch_engine.sampling import sample
+
+    g, n = torch.Generator().manual_seed(0), 20000
+    u = torch.rand(n, generator=g)
+
+    def shares(probs, top_k, top_p, min_p):
+        rows = torch.tensor(probs).log().expand(n, len(probs))
+        full = torch.full((n,), 1.0)
+        drawn = sample(rows, (full * (top_k or len(probs))).long(), full * top_p, u, full * min_p)
+        return torch.bincount(drawn, minlength=len(probs)).float() / n
+
+    # top-2 keeps 0.4 and 0.3; renormalized, 0.4 alone is past top-p 0.5 (over the whole row both would be)
+    assert shares([0.4, 0.3, 0.3], 2, 0.5, 0).tolist() == [1, 0, 0]
+    # min-p 0.25 of the likeliest 0.5 keeps what is at least 0.125, in proportion
+    got = shares([0.5, 0.05, 0.3, 0.15], 0, 1.0, 0.25)
+    torch.testing.assert_close(got, torch.tensor([0.5, 0, 0.3, 0.15]) / 0.95, atol=0.01, rtol=0)
+    assert got[1] == 0
