@@ -1,6 +1,6 @@
 """Checkpoints that resume exactly: model and optimizer shards (torch.distributed.checkpoint), the
-step, the LR schedule, the scheduling policy's state (sampler position, sample ledger) and the
-reward scheduler's (adaptive-timeout anchors).
+step, the LR schedule, the adaptive KL coefficient, the scheduling policy's state (sampler position,
+sample ledger) and the reward scheduler's (adaptive-timeout anchors).
 
 The model's frozen parameters are not saved (:func:`trained_state`): with LoRA a checkpoint holds the
 adapters and their optimizer state; the base comes from ``model.path`` again at resume.
@@ -87,7 +87,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
     failed = _save_trainer(path, trainer) if trainer is not None else {}
-    info = [(trainer.scheduler.state_dict(), model_shapes(trainer)) if trainer is not None else None]
+    info = [(trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value) if trainer is not None else None]
     dist.broadcast_object_list(info, src=trainer_rank)
     failed = _everyones(failed)
     if also is not None and not failed:
@@ -98,7 +98,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         failed = _everyones(failed)
     if rank == 0 and not failed:
         meta = {"step": step, "scheduler": info[0][0], "world_size": dist.get_world_size(), "model": info[0][1],
-                **(controller or {})}
+                "kl_coef": info[0][2], **(controller or {})}
         try:
             (path / "train_state.json").write_text(json.dumps(meta))
             (path / MARKER).write_text("")
@@ -316,4 +316,5 @@ def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
         if not weights_only:
             set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
             trainer.scheduler.load_state_dict(meta["scheduler"])
+            trainer.kl.value = meta.get("kl_coef", trainer.kl.value)  # an older checkpoint's: the configured one
     return meta

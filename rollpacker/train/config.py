@@ -99,6 +99,10 @@ class TrainConfig(MemoryConfig):
     """KL estimator per token (Schulman's k1, k2, k3; low_var_kl: k3 clamped)."""
     kl_in_reward: bool = False
     """Put -kl_coef x KL in each token's reward (REINFORCE++) instead of in the loss."""
+    kl_target: float = 0.0
+    """Adaptive KL (Ziegler et al.; verl's kl_ctrl adaptive): kl_coef is the start, steered toward this train/kl."""
+    kl_horizon: int = 10000
+    """Adaptive KL: responses over which the coefficient moves by up to 20% of its error (verl's horizon)."""
     rollout_correction: Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"] = "none"
     """Weights for the gap between the engine's log-probs and the trainer's (mismatch, staleness)."""
     rollout_is_low: float = 0.5
@@ -137,3 +141,6 @@ class TrainConfig(MemoryConfig):
         if self.kl_in_reward and not self.kl_coef:
             raise ValueError("train.kl_in_reward with train.kl_coef=0: there is no KL to put in the reward; "
                              "set train.kl_coef > 0")
+        if self.kl_target < 0 or self.kl_horizon <= 0 or (self.kl_target and not self.kl_coef):
+            raise ValueError(f"train.kl_target={self.kl_target} must be >= 0 with train.kl_horizon={self.kl_horizon} "
+                             f"> 0, and an adaptive KL starts from train.kl_coef={self.kl_coef}: set it > 0")

@@ -144,6 +144,22 @@ KL_ESTIMATORS = {"k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl}
 """``train.kl_estimator`` -> ``(logp, ref) -> KL per token``."""
 
 
+@dataclass
+class KLController:
+    """The KL coefficient a step uses: fixed, or adaptive with a ``target`` (Ziegler et al. 2019, as verl's
+    ``AdaptiveKLController``): after a step whose mean token KL was ``kl`` over ``n`` responses, the
+    coefficient is multiplied by ``1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon``."""
+
+    value: float
+    target: float = 0.0
+    """0: fixed."""
+    horizon: int = 10000
+
+    def update(self, kl: float, n: float) -> None:
+        if self.target:
+            self.value *= 1 + min(max(kl / self.target - 1, -0.2), 0.2) * n / self.horizon
+
+
 def reverse_kl(logp: Tensor, teacher: Tensor) -> Tensor:
     """Distillation's per-token reverse KL, KL(student || teacher) sampled at the student's token:
     ``log p_student - log p_teacher`` (k1; its negative is the token's reward)."""
@@ -194,15 +210,15 @@ STATS = ("tokens", "clipped", "ratio_dev", "kl", "entropy", "rollout_is", "rollo
 
 
 def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, mask: Tensor, cfg, *,
-                     entropy: Tensor | None = None, ref: Tensor | None = None, teacher: Tensor | None = None
-                     ) -> tuple[Tensor, dict[str, Tensor]]:
+                     entropy: Tensor | None = None, ref: Tensor | None = None, teacher: Tensor | None = None,
+                     kl_coef: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's loss, a sum (divide by the step's :func:`normalizer`), and its stats.
 
     All [N, T]: ``logp`` (current log-probs, with grad), ``old`` (before this step's first update,
     no grad), ``behavior`` (the engine's), ``adv`` (advantages), ``mask`` (response tokens),
     ``entropy`` (per token, for its bonus and its metric), ``ref`` (the reference policy's, for
     the KL in the loss or its metric) and ``teacher`` (distillation's teacher's, no grad).
-    ``cfg`` is the :class:`~rollpacker.train.config.TrainConfig`.
+    ``cfg`` is the :class:`~rollpacker.train.config.TrainConfig`; ``kl_coef`` replaces its own (an adaptive KL's).
 
     Per token: the ``cfg.loss`` term times the ``cfg.rollout_correction`` weight, plus
     ``kl_coef * KL`` (unless the KL is in the reward), plus ``teacher.coef * k2(logp, teacher)``
@@ -222,8 +238,9 @@ def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, m
     kl = torch.zeros_like(token_loss)
     if ref is not None:
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp, torch.where(mask, ref, logp))
-        if cfg.kl_coef and not cfg.kl_in_reward:
-            token_loss = token_loss + cfg.kl_coef * kl
+        kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
+        if kl_coef and not cfg.kl_in_reward:
+            token_loss = token_loss + kl_coef * kl
     teacher_kl = torch.zeros_like(token_loss)
     if teacher is not None:
         teacher = torch.where(mask, teacher, logp)

@@ -36,7 +36,7 @@ from rollpacker.model.parallelize import parallelize, prepare_reference
 from rollpacker.train.advantages import ADVANTAGES, leaving_out, returns_to_go
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
-from rollpacker.train.losses import KL_ESTIMATORS, STATS, policy_objective, reverse_kl, units
+from rollpacker.train.losses import KL_ESTIMATORS, STATS, KLController, policy_objective, reverse_kl, units
 
 
 @dataclass
@@ -212,6 +212,8 @@ class Trainer:
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
                                                            lambda step: lr_factor(step, config, num_steps))
+        self.kl = KLController(config.kl_coef, config.kl_target, config.kl_horizon)
+        """The KL coefficient (adaptive with ``train.kl_target``); a checkpoint saves its value."""
         self.skipped_steps = 0
         """Steps skipped for a non-finite loss or gradient norm, over the run (since this process started)."""
         self.skipping = 0
@@ -253,6 +255,10 @@ class Trainer:
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
+        stats["train/num_samples"] = float(sum(u["train/num_samples"] for u in updates[:len(batches)]))
+        if self.reference is not None:
+            stats["train/kl_coef"] = self.kl.value  # this step's
+            self.kl.update(stats["train/kl"], stats["train/num_samples"])
         stats["train/skipped_steps"] = float(self.skipped_steps)
         stats["train/num_updates"] = float(len(updates))
         self.updates = updates
@@ -303,6 +309,7 @@ class Trainer:
             "train/rollout_is_weight_mean": sums["rollout_is"] / tokens,
             "train/rollout_is_outside_frac": sums["rollout_is_outside"] / tokens,
             "train/masked_truncated": sums["masked_truncated"],
+            "train/num_samples": sums["samples"],
             "train/lr": lr,
             "train/skipped": float(skipped),
             "train/num_micro_batches": float(num_micro),
@@ -353,7 +360,7 @@ class Trainer:
         for i, (old, ref, teacher) in frozen.items():
             reward = torch.zeros_like(old)
             if cfg.kl_in_reward:
-                reward = reward - cfg.kl_coef * KL_ESTIMATORS[cfg.kl_estimator](old, ref)
+                reward = reward - self.kl.value * KL_ESTIMATORS[cfg.kl_estimator](old, ref)
             if cfg.teacher.in_reward:
                 reward = reward - cfg.teacher.coef * reverse_kl(old, teacher)
             flat[offsets[i]:offsets[i + 1]] = reward
@@ -457,9 +464,9 @@ class Trainer:
         behavior = padded(torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device))
         adv = padded(torch.cat([p.advantages for p in prepared]).to(self.device))
         loss, stats = policy_objective(logp, old, behavior, adv, mask, self.config, entropy=padded(entropy_flat),
-                                       ref=ref, teacher=teacher)
-        masked = torch.tensor(float(sum(map(self._masked, batch))), device=self.device)
-        return loss, [stats[k] for k in STATS] + [masked]
+                                       ref=ref, teacher=teacher, kl_coef=self.kl.value)
+        counts = torch.tensor([float(sum(map(self._masked, batch))), float(len(batch))], device=self.device)
+        return loss, [stats[k] for k in STATS] + [*counts]
 
     def _idle_loss(self, model: nn.Module | None = None) -> torch.Tensor:
         """A zero-weighted forward/backward that joins FSDP2's collectives on a rank with no work."""
@@ -472,5 +479,5 @@ class Trainer:
 Frozen = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 """A sample's log-probs before the step's first update [T]: the policy's, the reference's, the teacher's."""
 
-TOTALS = ("loss", *STATS, "masked_truncated")
+TOTALS = ("loss", *STATS, "masked_truncated", "samples")
 """What a trainer sums over micro-batches and ranks for an update's metrics."""

@@ -132,6 +132,7 @@ def test_algorithm_settings_name_the_field():
                               (dict(clip_low=1.5), "train.clip_low must be in"),
                               (dict(rollout_is_low=1.5), "train.rollout_is_low=1.5"),
                               (dict(kl_in_reward=True), "train.kl_in_reward with train.kl_coef=0"),
+                              (dict(kl_target=0.1), "adaptive KL starts from train.kl_coef=0.0: set it > 0"),
                               (dict(overlong_buffer=-1), "train.overlong_buffer must be >= 0")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**settings)

@@ -1,7 +1,7 @@
 """Run on 2 gloo ranks by tests/dist/train/test_train.py: FSDP2 steps equal plain single-process steps.
 
 For every aggregation mode, each policy loss, a rollout correction, the KL in the loss and in the
-reward, an entropy bonus and two mini-batches: the trainer's step (micro-batch losses summed over
+reward (adaptive there), an entropy bonus and two mini-batches: the trainer's step (micro-batch losses summed over
 ranks, divided by the step's global count) against the same update written plainly (one process,
 the whole batch, full logits, the registries' functions). With two mini-batches the first update's
 ratios are exactly 1 on every rank.
@@ -28,7 +28,7 @@ CASES = [  # the default, then every aggregation, loss, correction and KL placem
     dict(aggregation="seq-mean-token-sum-norm", advantage="dr_grpo", rollout_correction="seq_mask",
          rollout_is_low=0.2, rollout_is_high=5.0),
     dict(mini_batches=2, kl_coef=0.05, kl_estimator="k2", advantage="rloo"),
-    dict(kl_coef=0.05, kl_in_reward=True, kl_estimator="k1", advantage="reinforce_pp"),
+    dict(kl_coef=0.05, kl_in_reward=True, kl_estimator="k1", advantage="reinforce_pp", kl_target=0.01, kl_horizon=100),
 ]
 
 
@@ -125,6 +125,10 @@ def main(path: str) -> None:
         if cfg.mini_batches > 1:  # the frozen log-probs are exactly those the first update recomputes
             assert first["train/ratio_dev"] == 0.0 and trainer.updates[1]["train/ratio_dev"] > 0, trainer.updates
         assert 0 < stats["train/entropy"] < 10 and (stats["train/kl"] > 0) == bool(cfg.kl_coef), stats
+        assert stats["train/num_samples"] == len(samples) and stats.get("train/kl_coef") == (cfg.kl_coef or None)
+        if cfg.kl_target:  # the step used kl_coef; the next one's moved by the step's KL over its 7 responses
+            error = min(max(stats["train/kl"] / cfg.kl_target - 1, -0.2), 0.2)
+            assert error and trainer.kl.value == cfg.kl_coef * (1 + error * len(samples) / cfg.kl_horizon), stats
         if dist.get_rank() == 0:
             print(f"{case}: loss {first['train/loss']:.6f} (plain {first_loss:.6f}), max relative error of weights "
                   f"{worst_weight:.1e}, of updates {worst_update:.1e}", flush=True)

@@ -17,6 +17,7 @@ from rollpacker.train.losses import (
     KL_ESTIMATORS,
     LOSSES,
     STATS,
+    KLController,
     cispo,
     normalizer,
     policy_objective,
@@ -235,6 +236,26 @@ def test_kl_estimators_hand_computed():
     loss, stats = policy_objective(logp, logp, logp, torch.zeros(1, 2), mask,
                                    TrainConfig(kl_coef=0.1, kl_in_reward=True), ref=ref)
     assert loss.item() == 0 and stats["kl"].item() == pytest.approx(0.5)
+
+    # A coefficient given (an adaptive KL's) replaces the config's: 0.3 * 0.5.
+    loss, _ = policy_objective(logp, logp, logp, torch.zeros(1, 2), mask, TrainConfig(kl_coef=0.1), ref=ref,
+                               kl_coef=0.3)
+    torch.testing.assert_close(loss, torch.tensor(0.15))
+
+
+def test_adaptive_kl_moves_the_coefficient_as_verls_controller():
+    """b *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon; no target keeps b."""
+    kl = KLController(0.1, target=0.05, horizon=10000)
+    kl.update(0.055, 256)  # error +0.1
+    assert kl.value == pytest.approx(0.1 * (1 + 0.1 * 256 / 10000))
+    kl.update(1.0, 5000)  # error clipped to +0.2
+    assert kl.value == pytest.approx(0.1 * (1 + 0.1 * 256 / 10000) * 1.1)
+    kl = KLController(0.1, target=0.05, horizon=100)
+    kl.update(0.0, 100)  # no KL: -0.2, at most
+    assert kl.value == pytest.approx(0.08)
+    fixed = KLController(0.1)
+    fixed.update(1.0, 10000)
+    assert fixed.value == 0.1
 
 
 def test_entropy_bonus_and_metric():
