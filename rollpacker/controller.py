@@ -99,7 +99,8 @@ class Controller:
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
-                   policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed),
+                   policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed,
+                                                              config.data.retire_solved),
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
@@ -184,7 +185,7 @@ class Controller:
         from rollpacker.reward.functions import TrainerState
 
         cfg, sampler = self.config, getattr(self.policy, "sampler", None)
-        epoch = sampler.epoch + sampler.position / sampler.num_rows if sampler else 0.0
+        epoch = sampler.epochs_drawn if sampler else 0.0
         return TrainerState(global_step=step, epoch=epoch, max_steps=cfg.num_steps, num_train_epochs=cfg.num_epochs,
                             train_batch_size=cfg.rollout.num_prompts * cfg.rollout.group_size)
 
@@ -206,6 +207,14 @@ class Controller:
             raise ValueError(f"data row {row['id']!r}: its prompt is {len(ids)} tokens; the context length is "
                              f"{self.max_model_len}")
         return ids
+
+    def retire_solved(self, result: RoundResult) -> None:
+        """With ``data.retire_solved``: the sampler hears the rewards of the round's groups, trained and filtered,
+        and leaves the solved ones' prompts out of later epochs."""
+        sampler = getattr(self.policy, "sampler", None)
+        if self.config.data.retire_solved and sampler is not None:
+            for group in result.groups + result.filtered:
+                sampler.observe(group.prompt, group.rewards)
 
     def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:
         """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already: reward.on_error)."""
@@ -250,7 +259,9 @@ class Controller:
         reward functions' (:meth:`~rollpacker.reward.scheduler.RewardScheduler.take_metrics`)."""
         self.check_environments(result)
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
-        return {**result.metrics(trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(),
+        sampler = getattr(self.policy, "sampler", None)
+        retired = {"sched/retired": len(sampler.retired | sampler.retiring)} if self.config.data.retire_solved else {}
+        return {**result.metrics(trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(), **retired,
                 **result.hook_metrics, **self.envs.take_metrics(),
                 **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 

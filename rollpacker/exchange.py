@@ -115,6 +115,8 @@ class RoundResult:
     """Sessions still holding KV after the round's last command (every episode ended: 0)."""
     env_errors: list[str] = field(default_factory=list)
     """What each environment error of the round said (its episode trained nothing), in order."""
+    filtered: list[Group] = field(default_factory=list)
+    """The groups the policy filtered out (zero reward variance), with their rewards."""
     phases: Phases = field(default_factory=Phases)
     """Where the round's polls spent their seconds."""
 
@@ -402,7 +404,7 @@ class ExchangeRound:
                            reused_tokens=sum(r.reused_tokens for r in counters),
                            session_evictions=sum(r.session_evictions for r in counters),
                            resident_sessions=sum(r.resident_sessions for r in reports if r),
-                           env_errors=outcome.env_errors, phases=self.phases)
+                           env_errors=outcome.env_errors, phases=self.phases, filtered=outcome.filtered)
 
 
 def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:

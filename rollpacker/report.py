@@ -292,20 +292,20 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
     policy, step = state.get("policy", {}), state["step"]
     counted = sum(r.get("sched/trained_prompts", 0) for r in records if r["step"] < step)
     where = f"prompts (checkpoint {newest}, step {step}, schedule:{policy.get('name')})"
+    sampler = policy.get("sampler", {})
+    sizes = sampler.get("sizes") or [sampler.get("num_rows", 0)] * (sampler.get("epoch", 0) + 1)  # rows per epoch
     if "ledger" not in policy:  # sync trains every prompt it draws, once
-        sampler = policy.get("sampler", {})
-        drawn = sampler.get("epoch", 0) * sampler.get("num_rows", 0) + sampler.get("position", 0)
+        drawn = sum(sizes[:-1]) + sampler.get("position", 0)
         verdict = "each once" if drawn == counted else f"but metrics.jsonl counts {counted} trained"
         return f"{where}: {drawn} drawn in order and trained, {verdict}"
     ledger = policy["ledger"]
     trained = collections.Counter(tuple(k) for k in ledger["trained"])
     lines = [f"{where}: {sum(trained.values())} trained ({counted} in metrics.jsonl), "
              f"{len(ledger['queue'])} deferred, {len(ledger['filtered'])} filtered"]
-    num_rows = policy.get("sampler", {}).get("num_rows")
     for epoch in sorted({e for e, _ in trained}):
         rows = collections.Counter({r: n for (e, r), n in trained.items() if e == epoch})
         twice = sorted(r for r, n in rows.items() if n > 1)
-        lines.append(f"  epoch {epoch}: {len(rows)} of {num_rows} rows trained; "
+        lines.append(f"  epoch {epoch}: {len(rows)} of {sizes[epoch]} rows trained; "
                      + (f"twice: {twice}" if twice else "none twice"))
     if sum(trained.values()) != counted:
         lines.append(f"  metrics.jsonl counts {counted} prompts trained before step {step}: not each once")

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -71,6 +71,9 @@ class DataConfig:
     """Held-out prompts per evaluation (the first this many of the eval set)."""
     skip_bad_lines: bool = False
     """Skip rows (and JSON lines) that are not valid, logging how many and where, instead of stopping at the first."""
+    retire_solved: float = 0.0
+    """Leave a prompt out of later epochs once this share of a group of it solved it (reward >= 1; 1.0: every
+    response; POLARIS' and Skywork-OR1's filtering of solved prompts); 0 = off."""
 
     def __post_init__(self) -> None:
         check_choices(self, "data")
@@ -82,6 +85,9 @@ class DataConfig:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
             raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
+        if not 0 <= self.retire_solved <= 1:
+            raise ValueError(f"data.retire_solved must be in [0, 1] (a share of a group's responses), got "
+                             f"{self.retire_solved}")
         for name in ("split", "prompt_key", "answer_key"):
             if not getattr(self, name):
                 raise ValueError(f"data.{name} must not be empty")
@@ -327,17 +333,28 @@ class PromptSampler:
     once from each). The rollover is lazy: after the last index of epoch ``e`` is drawn,
     ``epoch == e`` and ``position == num_rows`` until the next draw.
 
-    The state is ``(epoch, position)`` plus the seed and size it was made with;
-    :meth:`state_dict` / :meth:`load_state_dict` save and restore it as plain ints.
+    With ``retire_solved`` (``data.retire_solved``), a row whose group :meth:`observe` saw solved by
+    that share of its responses is left out of every epoch after the current one: the epoch's order
+    is its permutation without the rows retired when it began, so epochs shrink (``sizes``).
+
+    The state is ``(epoch, position)``, the retired rows and the epochs' sizes, plus the seed and size
+    it was made with; :meth:`state_dict` / :meth:`load_state_dict` save and restore it as plain data.
     """
 
-    def __init__(self, num_rows: int, seed: int = 0) -> None:
+    def __init__(self, num_rows: int, seed: int = 0, retire_solved: float = 0.0) -> None:
         if num_rows <= 0:
             raise ValueError(f"PromptSampler needs at least one row, got num_rows={num_rows}")
         if seed < 0:
             raise ValueError(f"PromptSampler seed must be >= 0, got {seed}")
         self.num_rows = num_rows
         self.seed = seed
+        self.retire_solved = retire_solved
+        self.retired: set[int] = set()
+        """Rows out of the current epoch's order and every later one's."""
+        self.retiring: set[int] = set()
+        """Rows solved since the current epoch began: out from the next one."""
+        self.sizes = [num_rows]
+        """Rows of each epoch so far."""
         self._epoch = 0
         self._position = 0
         self._order = self._permutation(0)
@@ -349,11 +366,35 @@ class PromptSampler:
 
     @property
     def position(self) -> int:
-        """How many indices of the current epoch have been drawn, ``0..num_rows``."""
+        """How many indices of the current epoch have been drawn, ``0..sizes[epoch]``."""
         return self._position
 
+    @property
+    def epochs_drawn(self) -> float:
+        """Passes over the data drawn so far, fractional."""
+        return self._epoch + self._position / max(1, len(self._order))
+
     def _permutation(self, epoch: int) -> list[int]:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist()
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist()
+        return [row for row in order if row not in self.retired]
+
+    def remaining(self, num_epochs: int) -> int | None:
+        """Rows left to draw within ``num_epochs`` epochs, as the rows retired so far leave them; None when
+        unlimited (0) while any row is left."""
+        live = self.num_rows - len(self.retired | self.retiring)
+        now = len(self._order) - self._position
+        if not num_epochs:
+            return None if live else now
+        return 0 if self._epoch >= num_epochs else now + (num_epochs - self._epoch - 1) * live
+
+    def observe(self, row: int, rewards: list[float | None]) -> bool:
+        """A group of ``row`` was scored ``rewards``: with ``retire_solved``, retire the row from the next epoch
+        on when that share of them solved it (reward >= 1, as ``reward/accuracy`` counts). True if it was."""
+        if not self.retire_solved or not rewards or row in self.retired:
+            return False
+        if sum(r is not None and r >= 1 for r in rewards) >= self.retire_solved * len(rewards):
+            self.retiring.add(row)
+        return row in self.retiring
 
     def draw(self, n: int) -> list[tuple[int, int]]:
         """The next ``n`` indices as ``(epoch, index)`` pairs: a prompt's identity in the ledger."""
@@ -361,19 +402,25 @@ class PromptSampler:
             raise ValueError(f"batch size must be >= 0, got {n}")
         out: list[tuple[int, int]] = []
         while len(out) < n:
-            if self._position == self.num_rows:
+            if self._position == len(self._order):
+                if len(self.retired | self.retiring) == self.num_rows:
+                    raise ValueError("sampler: every row is retired: draw at most remaining(num_epochs) rows")
                 self._epoch += 1
                 self._position = 0
+                self.retired |= self.retiring
+                self.retiring = set()
                 self._order = self._permutation(self._epoch)
-            take = min(n - len(out), self.num_rows - self._position)
+                self.sizes.append(len(self._order))
+            take = min(n - len(out), len(self._order) - self._position)
             out.extend((self._epoch, row) for row in self._order[self._position:self._position + take])
             self._position += take
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self._epoch, "position": self._position}
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self._epoch, "position": self._position,
+                "retired": sorted(self.retired), "retiring": sorted(self.retiring), "sizes": list(self.sizes)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; the dataset size and seed must match the saved ones."""
         for key, mine in (("num_rows", self.num_rows), ("seed", self.seed)):
             if int(state[key]) != mine:
@@ -382,9 +429,11 @@ class PromptSampler:
                     "resume with the same dataset and data.shuffle_seed, or start a fresh run"
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self.num_rows:
-            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}: expected epoch >= 0 and "
-                             f"0 <= position <= {self.num_rows}")
+        self.retired, self.retiring = set(state.get("retired", ())), set(state.get("retiring", ()))
+        self.sizes = list(state.get("sizes", [self.num_rows] * (epoch + 1)))  # saved before retirement: all whole
+        if epoch < 0 or len(self.sizes) != epoch + 1 or not 0 <= position <= self.sizes[-1]:
+            raise ValueError(f"sampler checkpoint has epoch={epoch}, position={position}, sizes={self.sizes}: expected "
+                             f"epoch >= 0, one size per epoch and 0 <= position <= the last")
         self._epoch, self._position = epoch, position
         self._order = self._permutation(epoch)
 

@@ -92,6 +92,7 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
     if not ctl:
         return None, None, {}
     with timer("reward"):  # the batch of the kept groups (responses were scored as they finished)
+        ctl.retire_solved(result)
         batch, round_stats = ctl.make_batch(result), ctl.round_stats(result)
         ctl.write_samples(step, result)
     timer.move(result.reward_exposed_s, "rollout", "reward")  # the wait for the last scores is reward time

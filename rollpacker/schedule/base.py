@@ -62,6 +62,9 @@ class PolicyDecision:
     """Dataset rows to launch now, ``RoundPlan.num_responses`` responses each; they take the next slots."""
     complete: list[Group] = field(default_factory=list)
     """Groups that became complete with this response: final, ``end_round`` returns them."""
+    filtered: list[Group] = field(default_factory=list)
+    """Groups the zero-variance filter dropped with this response, with their rewards (``data.retire_solved``
+    reads them)."""
     round_done: bool = False
     """True when the round is over: everything still running gets aborted."""
 
@@ -76,13 +79,6 @@ def zero_variance(rewards: list[float | None]) -> bool:
     return max(values) == min(values)
 
 
-def remaining(sampler, num_epochs: int) -> int | None:
-    """Rows ``sampler`` can still draw within ``num_epochs`` epochs; None when unlimited (0)."""
-    if not num_epochs:
-        return None
-    return max(0, num_epochs * sampler.num_rows - (sampler.epoch * sampler.num_rows + sampler.position))
-
-
 class QueuedPolicy:
     """What the policies that hold prompts back in their ledger's queue (tail, sorted) share; they
     set ``sampler``, ``num_epochs``, ``ledger`` and ``filter_zero_variance``."""
@@ -93,7 +89,7 @@ class QueuedPolicy:
         return self.filter_zero_variance
 
     def done(self) -> bool:
-        return remaining(self.sampler, self.num_epochs) == 0 and not self.ledger.queue
+        return self.sampler.remaining(self.num_epochs) == 0 and not self.ledger.queue
 
 
 class Policy(Protocol):

@@ -52,7 +52,7 @@ class Ledger:
         """Raise unless the ledger and the sampler account for every prompt exactly once."""
         drawn = Counter(e for e, _ in self.state)
         for epoch in range(sampler.epoch + 1):
-            expected = sampler.num_rows if epoch < sampler.epoch else sampler.position
+            expected = sampler.sizes[epoch] if epoch < sampler.epoch else sampler.position
             if drawn.get(epoch, 0) != expected:
                 raise AssertionError(f"ledger: epoch {epoch} has {drawn.get(epoch, 0)} drawn prompts, "
                                      f"the sampler drew {expected}")

@@ -104,6 +104,8 @@ class RoundState:
         self.complete: list[Group] = []
         """Complete groups not taken by :meth:`take_complete` yet."""
         self.num_complete = 0
+        self.filtered: list[Group] = []
+        """The groups the policy filtered out."""
         self.outputs: list[Any] = []
         """Every finished response, in finish order."""
         self.num_finished: collections.Counter[int] = collections.Counter()
@@ -196,6 +198,7 @@ class RoundState:
             out.launch += self.launch(decision.launch)
             self.complete += decision.complete
             self.num_complete += len(decision.complete)
+            self.filtered += decision.filtered
             out.done |= decision.round_done
         if not (self.outstanding or resuming or any(new.run for new in out.launch) or self.undecided):
             out.done = True  # nothing left to run or decide: a policy that forgot to say so still ends its round
@@ -382,6 +385,8 @@ class RoundOutcome:
     """The last environment calls (the closes of the episodes cut at the end): the driver sends them."""
     env_errors: list[str] = field(default_factory=list)
     """What each environment error of the round said, in order."""
+    filtered: list[Group] = field(default_factory=list)
+    """The groups the policy filtered out, with their rewards."""
 
 
 class Round:
@@ -452,7 +457,8 @@ class Round:
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
                             generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.cut) - carried,
                             last_finish=self.last_finish, scaled=self.scaled, num_fed=self.num_fed,
-                            hook_metrics=metrics, env=runner.take_calls(), env_errors=runner.stats.causes)
+                            hook_metrics=metrics, env=runner.take_calls(), env_errors=runner.stats.causes,
+                            filtered=self.state.filtered)
 
     def _open(self, launches: list[Launch]) -> None:
         """Open the episodes of ``launches``; responses an earlier round finished are only scored again."""

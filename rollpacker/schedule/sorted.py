@@ -29,7 +29,6 @@ from rollpacker.schedule.base import (
     PolicyDecision,
     QueuedPolicy,
     RoundPlan,
-    remaining,
     request_id,
     zero_variance,
 )
@@ -118,7 +117,7 @@ class SortedPolicy(QueuedPolicy):
     def start_round(self, step: int) -> RoundPlan:
         self.step, self.closed, loaded = step, False, 0
         if not self.ledger.queue:  # the load group is consumed: load the next one
-            left = remaining(self.sampler, self.num_epochs)
+            left = self.sampler.remaining(self.num_epochs)
             n = self.num_batches * self.num_prompts
             keys = self.sampler.draw(n if left is None else min(n, left))
             if not keys:
@@ -152,13 +151,14 @@ class SortedPolicy(QueuedPolicy):
         if finished < self.group_size:
             return PolicyDecision()
         decision = PolicyDecision()
+        group = Group(prompt=e.key[1], outputs=list(e.outputs), rewards=list(e.rewards), epoch=e.key[0],
+                      staleness=[self.step - (segs[0][0] if segs else self.step) for segs in e.segments])
         if self.filter_zero_variance and zero_variance(e.rewards):
             e.state = "filtered"
             self._stats["filtered"] += 1
+            decision.filtered = [group]
         else:
-            e.state = "complete"
-            e.group = Group(prompt=e.key[1], outputs=list(e.outputs), rewards=list(e.rewards), epoch=e.key[0],
-                            staleness=[self.step - (segs[0][0] if segs else self.step) for segs in e.segments])
+            e.state, e.group = "complete", group
             decision.complete = [e.group]
         complete = sum(s.state == "complete" for s in self.slots)
         running = sum(s.state == "running" for s in self.slots)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Group, PolicyConfig, PolicyDecision, RoundPlan, remaining, zero_variance
+from rollpacker.schedule.base import Group, PolicyConfig, PolicyDecision, RoundPlan, zero_variance
 
 
 @dataclass(kw_only=True)
@@ -54,10 +54,10 @@ class SyncPolicy:
         return self.filter_zero_variance
 
     def done(self) -> bool:
-        return remaining(self.sampler, self.num_epochs) == 0
+        return self.sampler.remaining(self.num_epochs) == 0
 
     def start_round(self, step: int) -> RoundPlan:
-        left = remaining(self.sampler, self.num_epochs)
+        left = self.sampler.remaining(self.num_epochs)
         keys = self.sampler.draw(self.num_prompts if left is None else min(self.num_prompts, left))
         self.groups = [Group(prompt=row, outputs=[], rewards=[], epoch=epoch) for epoch, row in keys]
         self.dropped, self.pending = set(), len(keys) * self.group_size
@@ -73,7 +73,8 @@ class SyncPolicy:
         if len(group.outputs) == self.group_size:
             if self.filter_zero_variance and zero_variance(group.rewards):
                 self.dropped.add(slot)
-                if self.refill and remaining(self.sampler, self.num_epochs) != 0:  # its slot: the next one
+                decision.filtered = [group]
+                if self.refill and self.sampler.remaining(self.num_epochs) != 0:  # its slot: the next one
                     [(epoch, row)] = self.sampler.draw(1)
                     self.groups.append(Group(prompt=row, outputs=[], rewards=[], epoch=epoch))
                     self.pending += self.group_size

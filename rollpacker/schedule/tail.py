@@ -31,7 +31,6 @@ from rollpacker.schedule.base import (
     PolicyDecision,
     QueuedPolicy,
     RoundPlan,
-    remaining,
     request_id,
     zero_variance,
 )
@@ -122,7 +121,7 @@ class TailPolicy(QueuedPolicy):
     # -- planning ----------------------------------------------------------------------------
 
     def start_round(self, step: int) -> RoundPlan:
-        left = remaining(self.sampler, self.num_epochs)
+        left = self.sampler.remaining(self.num_epochs)
         queue = self.ledger.queue
         self.step, self.slots = step, []
         long = math.ceil(self.eta_long * self.num_prompts)
@@ -166,7 +165,8 @@ class TailPolicy(QueuedPolicy):
         if self.filter_zero_variance and zero_variance(p.group.rewards):
             p.state = "filtered"
             self._stats["filtered"] += 1
-            if self.round.kind == "short" and remaining(self.sampler, self.num_epochs) != 0:
+            decision.filtered = [p.group]
+            if self.round.kind == "short" and self.sampler.remaining(self.num_epochs) != 0:
                 key = self.sampler.draw(1)[0]  # launch a fresh prompt in its place
                 self._launch(key)
                 decision.launch = [key[1]]

@@ -99,6 +99,20 @@ def test_sync_refill_trains_p0_groups_a_step_and_every_row_once(tmp_path):
     assert sum(kept) + sum(dropped) == NUM_ROWS and sum(dropped) > 0
 
 
+def test_solved_prompts_retire_from_the_next_epoch_and_the_rest_train_once(tmp_path):
+    """``--data.retire-solved 1``: a prompt all 4 responses solved (a zero-variance group, so filtered) is not
+    drawn again; every other prompt of epoch 0 is, once."""
+    finish(launch(tmp_path, "--schedule.filter-zero-variance", "--data.retire-solved", "1",
+                  "--rollout.group-size", "4"))
+    state = ledger(tmp_path)
+    drawn = {e: sorted(row for epoch, row in state["trained"] + state["filtered"] if epoch == e) for e in (0, 1)}
+    assert drawn[0] == list(range(NUM_ROWS)) and state["queue"] == []
+    retired = set(range(NUM_ROWS)) - set(drawn[1])
+    assert retired and retired <= {row for epoch, row in state["filtered"] if epoch == 0}
+    retired_metric = max(r["sched/retired"] for r in steps(tmp_path).values())
+    assert len(drawn[1]) == len(set(drawn[1])) and retired_metric >= len(retired)
+
+
 def test_zero_variance_filter_accounts_for_every_prompt(tmp_path):
     finish(launch(tmp_path, "--schedule.filter-zero-variance", "--num-epochs", "1", "--rollout.group-size", "4"))
     state = ledger(tmp_path)

@@ -232,7 +232,7 @@ def test_state_dict_round_trip(consumed):
     sampler = PromptSampler(20, seed=9)
     next_batch(sampler, consumed)
     state = sampler.state_dict()
-    assert all(type(v) is int for v in state.values())
+    assert state == json.loads(json.dumps(state))  # plain data
     expected = draw(sampler, [6] * 8)  # crosses at least two epoch boundaries
 
     resumed = PromptSampler(20, seed=9)
@@ -293,3 +293,34 @@ def test_verl_parquet_and_chat_prompts_reach_the_token_ids(tmp_path):
     with pytest.raises(DatasetError, match=r"rl\.parquet: row 2: missing field 'answer' \(toy\)"):
         pd.DataFrame({"prompt": ["a", "b"], "reward_model": [{"ground_truth": "1"}, None]}).to_parquet(path)
         load(str(path), ("toy",))
+
+
+def test_retired_rows_leave_every_later_epoch_and_a_resume_keeps_them():
+    """A row solved by the share retire_solved asks is out of the epochs after the current one."""
+    sampler = PromptSampler(10, seed=4, retire_solved=0.5)
+    first = next_batch(sampler, 6)
+    assert sampler.observe(first[0], [1.0, 0.0]) and sampler.observe(first[2], [1.0, 1.5])
+    assert not sampler.observe(first[1], [0.0, 0.5, None, 1.0])  # 1 of 4 solved it
+    assert sampler.remaining(2) == 4 + 8 and sampler.remaining(0) is None
+    state = json.loads(json.dumps(sampler.state_dict()))
+    rest = draw(sampler, [4, 8])  # epoch 0's last 4, then epoch 1 without the two
+    assert sorted(first + rest[:4]) == list(range(10))
+    assert sorted(rest[4:]) == sorted(set(range(10)) - {first[0], first[2]})
+    assert sampler.sizes == [10, 8] and sampler.remaining(2) == 0 and sampler.epochs_drawn == 2
+    resumed = PromptSampler(10, seed=4, retire_solved=0.5)
+    resumed.load_state_dict(state)
+    assert draw(resumed, [12]) == rest
+    old = {k: state[k] for k in ("num_rows", "seed", "epoch", "position")}  # a checkpoint from before retirement
+    resumed.load_state_dict(old)
+    assert resumed.sizes == [10] and not resumed.retired and not resumed.retiring
+    off = PromptSampler(3)
+    assert not off.observe(0, [1.0]) and off.remaining(0) is None
+
+
+def test_when_every_row_is_retired_nothing_is_left_to_draw():
+    sampler = PromptSampler(3, retire_solved=1.0)
+    for row in next_batch(sampler, 3):
+        sampler.observe(row, [1.0, 1.0])
+    assert sampler.remaining(0) == 0 and sampler.remaining(5) == 0
+    with pytest.raises(ValueError, match="every row is retired"):
+        sampler.draw(1)

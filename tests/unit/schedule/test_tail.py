@@ -198,6 +198,34 @@ def test_sync_refill_keeps_p0_groups_while_the_data_lasts():
         SyncConfig(refill=True)
 
 
+def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest():
+    """Every row trains in epoch 0; the solved ones (a third) are out of epoch 2, and out of epoch 1 unless
+    their epoch-0 group ended after epoch 1 began (a round draws ahead); the ledger checks every event."""
+    num_rows, solved = 22, {row for row in range(22) if row % 3 == 0}
+    policy = TailPolicy(PromptSampler(num_rows, seed=1, retire_solved=1.0), 4, 2, num_epochs=3)
+    step = 0
+    while not policy.done():
+        _, groups, _, _ = play(policy, step, lambda row, k: 1000 if row % 5 == 0 else row + k,
+                               reward=lambda row, k: 1.0 if row in solved else float(k % 2))
+        for g in groups:
+            policy.sampler.observe(g.prompt, g.rewards)
+        step += 1
+    assert policy.ledger.rows(0, "trained") == list(range(num_rows))
+    assert policy.ledger.rows(2, "trained") == sorted(set(range(num_rows)) - solved)
+    late = set(policy.ledger.rows(1, "trained")) & solved
+    assert set(policy.ledger.rows(1, "trained")) - late == set(range(num_rows)) - solved and len(late) < 2
+    assert policy.sampler.sizes == [num_rows, num_rows - len(solved) + len(late), num_rows - len(solved)]
+
+
+def test_filtered_groups_come_back_with_their_rewards():
+    policy = SyncPolicy(PromptSampler(4, seed=0), 2, 2, filter_zero_variance=True)
+    rnd = policy.start_round(0)
+    decisions = [policy.on_finished(slot, k, f"o{slot}.{k}", 1.0 if slot == 0 else float(k))
+                 for slot in range(2) for k in range(2)]
+    filtered = [g for d in decisions for g in d.filtered]
+    assert [(g.prompt, g.rewards) for g in filtered] == [(rnd.prompts[0], [1.0, 1.0])]
+
+
 def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
     from rollpacker.config import parse
     from rollpacker.schedule.tail import TailConfig
