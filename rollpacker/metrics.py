@@ -1,4 +1,4 @@
-"""Metrics: stage timers, bubble ratio, length statistics, the JSONL + wandb sink, a live display.
+"""Metrics: stage timers, bubble ratio, length statistics, the JSONL + wandb + TensorBoard sink, a live display.
 
 Metric names are namespaced (``rollout/``, ``reward/``, ``train/``, ``time/``, ``sched/``) and
 the same in the JSONL file, wandb, the console and :mod:`rollpacker.report`'s plots.
@@ -10,7 +10,9 @@ the same in the JSONL file, wandb, the console and :mod:`rollpacker.report`'s pl
   (one JSON object per step, list-valued metrics kept whole); wandb is a mirror of it where
   list-valued metrics become histograms. wandb runs ``offline`` by default and never reaches a
   server unless ``wandb_mode="online"``; its usage telemetry is switched off
-  (``WANDB_ERROR_REPORTING=false`` unless the environment says otherwise).
+  (``WANDB_ERROR_REPORTING=false`` unless the environment says otherwise). With ``tensorboard``,
+  ``run_dir/tensorboard`` gets the same (numbers as scalars, lists as histograms); a resumed run
+  hides what the earlier one logged from its first step on (``purge_step``), as it drops those records.
 - :class:`LiveDisplay` draws a rich progress bar only when stdout is a terminal; elsewhere (CI,
   Slurm logs) it prints one plain summary line per step.
 """
@@ -54,6 +56,8 @@ class MetricsConfig:
     """Show a live progress bar on rank 0 when stdout is a terminal."""
     samples_every: int = 0
     """Write every scored response of every this many steps to run_dir/samples/step_N.jsonl; 0 = never."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to run_dir/tensorboard (pip install tensorboard; rollpacker[tensorboard])."""
 
     def __post_init__(self) -> None:
         check_choices(self, "metrics")
@@ -200,6 +204,14 @@ class MetricsLogger:
         """(step, its ``eval/`` metrics) dropped by :meth:`start_at`, for the run's record of that step."""
         if config.wandb_mode != "disabled":
             self._wandb_run = _init_wandb(self.run_dir, config, run_config)
+        self._tensorboard_on, self._tensorboard, self._purge_step = config.tensorboard, None, None
+        """The TensorBoard writer is made at the first record: it takes the step a resume starts from."""
+        if config.tensorboard:
+            try:
+                import torch.utils.tensorboard  # noqa: F401
+            except ImportError as e:
+                raise ImportError("metrics.tensorboard needs TensorBoard: `pip install tensorboard` (or "
+                                  "rollpacker[tensorboard]), or drop --metrics.tensorboard") from e
 
     def start_at(self, step: int) -> None:
         """Drop the records of ``step`` and later: this run logs them (again, after a resume)."""
@@ -210,6 +222,7 @@ class MetricsLogger:
         evaluated = {k: v for line in lines if _step_of(line) == step
                      for k, v in json.loads(line).items() if k.startswith("eval/")}
         self._held = (step, evaluated) if evaluated else None
+        self._purge_step = step
         if len(kept) < len(lines):
             self._file.close()
             self.path.write_text("".join(kept), encoding="utf-8")
@@ -240,6 +253,21 @@ class MetricsLogger:
                 elif value is not None:
                     data[key] = value
             self._wandb_run.log(data, step=step)
+        if self._tensorboard_on:
+            self._log_tensorboard(step, metrics)
+
+    def _log_tensorboard(self, step: int, metrics: dict[str, Any]) -> None:
+        """Numbers as scalars, non-empty lists of numbers as histograms; text (a round's kind) is left out."""
+        if self._tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self._purge_step)
+        for key, value in metrics.items():
+            if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+                self._tensorboard.add_histogram(key, np.asarray(value, dtype=np.float64), step)
+            elif isinstance(value, (int, float)):
+                self._tensorboard.add_scalar(key, value, step)
+        self._tensorboard.flush()
 
     def log_samples(self, step: int, name: str, samples: list[dict[str, Any]]) -> Path:
         """Write ``samples`` (one JSON object per response) to ``run_dir/samples/NAME.jsonl``, replacing it,
@@ -268,6 +296,9 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard, self._tensorboard_on = None, False
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -104,6 +104,29 @@ def test_logger_disabled_writes_jsonl_without_wandb(tmp_path):
         logger.log(2, {})
 
 
+def test_tensorboard_mirrors_the_record_and_a_resume_replaces_the_steps_it_redoes(tmp_path):
+    """Numbers are scalars, lists histograms, text left out; a resume from step 1 hides the first run's steps 1-2
+    (TensorBoard's purge_step), as it drops their records from metrics.jsonl."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run_dir, config = tmp_path / "run", MetricsConfig(wandb_mode="disabled", tensorboard=True)
+    with MetricsLogger(run_dir, config, {}) as logger:
+        for step in range(3):
+            logger.log(step, {"reward/mean": 0.1 * step, "rollout/response_lengths": [1, 2, 3 + step],
+                              "sched/round_kind": "short", "train/kl_coef": None})
+    with MetricsLogger(run_dir, config, {}) as logger:
+        logger.start_at(1)
+        for step in (1, 2, 3):
+            logger.log(step, {"reward/mean": 1.0 + step, "rollout/response_lengths": [step]})
+    events = accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert tags["scalars"] == ["reward/mean"] and tags["histograms"] == ["rollout/response_lengths"]
+    scalars = [(e.step, round(e.value, 6)) for e in events.Scalars("reward/mean")]
+    assert scalars == [(0, 0.0), (1, 2.0), (2, 3.0), (3, 4.0)]
+    assert [(e.step, e.histogram_value.num) for e in events.Histograms("rollout/response_lengths")] == [
+        (0, 3), (1, 1), (2, 1), (3, 1)]
+
+
 def test_logger_offline_writes_jsonl_and_wandb_files(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ERROR_REPORTING"):
