@@ -12,6 +12,7 @@ Invariants:
 - Token in, token out: verifiers sees text, and nothing is tokenized again.
 - The rollout's reward is the last step's. A rollout that ended with an error fails the step.
 - An episode rollpacker ends first is closed unscored: give verifiers ``env.max_turns``.
+- Each rollout is scored alone (``score_rollout``): a rubric with group-level functions is refused at the first reset.
 
 Why: a verifiers environment then trains unchanged. How the loop runs: ``docs/environments.md``.
 """
@@ -36,10 +37,22 @@ def factory(load: Callable[[], Any], parser: str = "hermes") -> Callable[[dict],
 
     def make_env(row: dict) -> VerifiersEnv:
         if not built:
-            built.append(load())
+            built.append(scored_alone(load()))
         return VerifiersEnv(built[0], row, parser=parser)
 
     return make_env
+
+
+def scored_alone(env):
+    """``env``, unless its rubric scores rollouts by group (verifiers' ``score_group``): each episode here is scored
+    on its own, and ``score_rollout`` would fail each one only once it had run all its turns."""
+    if env.score_rollouts and env.rubric.has_group_rewards:
+        rubrics = getattr(env.rubric, "rubrics", [env.rubric])  # a RubricGroup (what environments wrap theirs in)
+        names = ", ".join(f.__name__ for r in rubrics for f in r._get_group_reward_funcs())
+        raise ValueError(f"the verifiers environment {type(env).__name__}'s rubric has group-level reward functions "
+                         f"({names}: plural parameters such as completions, or a list returned), and rollpacker "
+                         "scores each rollout alone: make them per-rollout functions (one completion, one float)")
+    return env
 
 
 class EpisodeClient(vf.Client):

@@ -55,6 +55,13 @@ def dataset():
 make_env = factory(lambda: Again(max_turns=2, rubric=vf.Rubric(funcs=[correct]), dataset=dataset()))
 make_tool_env = factory(lambda: vf.ToolEnv(tools=[add], max_turns=3, rubric=vf.Rubric(funcs=[correct]),
                                            dataset=dataset()))
+
+
+def distinct(completions, **kwargs) -> list[float]:
+    return [float(len({c[-1].content for c in completions}))] * len(completions)
+
+
+make_group_env = factory(lambda: Again(max_turns=2, rubric=vf.Rubric(funcs=[correct, distinct]), dataset=dataset()))
 '''
 
 
@@ -136,6 +143,14 @@ def test_a_verifiers_tool_env_runs_its_tools(vf_file):
         answered, closed = pool.drain(60)
     assert (answered.value.reward, answered.value.terminated) == (1.0, True)
     assert answered.value.info["total_tool_calls"] == 1.0 and not closed.error
+
+
+def test_a_verifiers_rubric_scoring_by_group_is_refused_at_the_first_reset(vf_file):
+    """Scored alone, each rollout would fail only at its end, after all its turns: refused before the first."""
+    with EnvPool(EnvConfig(factory="vf_env.py:make_group_env", num_workers=1, timeout=60)) as pool:
+        pool.open_episode("e", {"id": "r0", "prompt": "1+1", "answer": "2"}, 0)
+        (opened,) = pool.drain(60)
+    assert "group-level reward functions (distinct" in opened.error and "one completion, one float" in opened.error
 
 
 def test_a_skyrl_gym_environment_runs_through_the_contract():
