@@ -1,6 +1,6 @@
 """Checkpoints that resume exactly: model and optimizer shards (torch.distributed.checkpoint), the
-step, the LR schedule, the adaptive KL coefficient, the scheduling policy's state (sampler position,
-sample ledger) and the reward scheduler's (adaptive-timeout anchors).
+step, the LR schedule, the adaptive KL coefficient, a moving KL reference, the scheduling policy's state
+(sampler position, sample ledger) and the reward scheduler's (adaptive-timeout anchors).
 
 The model's frozen parameters are not saved (:func:`trained_state`): with LoRA a checkpoint holds the
 adapters and their optimizer state; the base comes from ``model.path`` again at resume.
@@ -87,7 +87,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
     failed = _save_trainer(path, trainer) if trainer is not None else {}
-    info = [(trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value) if trainer is not None else None]
+    info = [(trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value,
+             bool(trainer.config.ref_sync_steps)) if trainer is not None else None]
     dist.broadcast_object_list(info, src=trainer_rank)
     failed = _everyones(failed)
     if also is not None and not failed:
@@ -98,7 +99,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         failed = _everyones(failed)
     if rank == 0 and not failed:
         meta = {"step": step, "scheduler": info[0][0], "world_size": dist.get_world_size(), "model": info[0][1],
-                "kl_coef": info[0][2], **(controller or {})}
+                "kl_coef": info[0][2], "reference": info[0][3], **(controller or {})}
         try:
             (path / "train_state.json").write_text(json.dumps(meta))
             (path / MARKER).write_text("")
@@ -132,7 +133,8 @@ def _save_trainer(path: Path, trainer) -> dict[int, str]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = {"model": trained_state(trainer.model), "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer)}
+    state = {"model": trained_state(trainer.model), "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
+             **moved_reference(trainer)}
     try:
         dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
     except CheckpointException as e:  # every rank of the group gets every rank's failure
@@ -240,6 +242,14 @@ def newest_whole(run_dir: Path, announce: bool = True) -> Path | None:
     return None
 
 
+def moved_reference(trainer) -> dict[str, Any]:
+    """``{"reference": its state}`` when ``train.ref_sync_steps`` moves the KL reference (a checkpoint keeps it
+    then), else nothing."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {"reference": get_model_state_dict(trainer.reference)} if trainer.config.ref_sync_steps else {}
+
+
 def trained_state(model) -> dict[str, Any]:
     """The model's state dict without its frozen parameters, a tied alias of one included."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -307,12 +317,16 @@ def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
         state = {"model": trained_state(trainer.model)}
         if not weights_only:
             state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+            if meta.get("reference"):  # saved moved: resumed as it was (not with ref_sync_steps off: the initial one)
+                state |= moved_reference(trainer)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001  (damaged past what verify() sees: one line)
             raise CheckpointError(f"resume: {path} cannot be read ({_first_line(e)}): move it away and resume "
                                   "with --resume auto, which takes the checkpoint before it") from None
         set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=False))
+        if "reference" in state:
+            set_model_state_dict(trainer.reference, state["reference"])
         if not weights_only:
             set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
             trainer.scheduler.load_state_dict(meta["scheduler"])

@@ -103,6 +103,11 @@ class TrainConfig(MemoryConfig):
     """Adaptive KL (Ziegler et al.; verl's kl_ctrl adaptive): kl_coef is the start, steered toward this train/kl."""
     kl_horizon: int = 10000
     """Adaptive KL: responses over which the coefficient moves by up to 20% of its error (verl's horizon)."""
+    ref_sync_steps: int = 0
+    """Every this many steps the KL reference moves to ref_mixup_alpha x policy + (1 - alpha) x itself (TRL's
+    sync_ref_model, TR-DPO); 0 = it stays the initial policy."""
+    ref_mixup_alpha: float = 0.6
+    """ref_sync_steps: the policy's share of the new reference (1 = a copy of the policy)."""
     rollout_correction: Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask"] = "none"
     """Weights for the gap between the engine's log-probs and the trainer's (mismatch, staleness)."""
     rollout_is_low: float = 0.5
@@ -141,6 +146,13 @@ class TrainConfig(MemoryConfig):
         if self.kl_in_reward and not self.kl_coef:
             raise ValueError("train.kl_in_reward with train.kl_coef=0: there is no KL to put in the reward; "
                              "set train.kl_coef > 0")
+        if self.ref_sync_steps < 0 or not 0 < self.ref_mixup_alpha <= 1:
+            raise ValueError(f"train.ref_sync_steps={self.ref_sync_steps} must be >= 0 and train.ref_mixup_alpha="
+                             f"{self.ref_mixup_alpha} in (0, 1]")
+        if self.ref_sync_steps and (not self.kl_coef or self.lora.rank or self.offload):
+            raise ValueError("train.ref_sync_steps moves the KL reference, which needs train.kl_coef > 0 and is "
+                             "sharded like the policy: not LoRA's (the base with the adapters off; TRL refuses it "
+                             "with PEFT too) nor train.offload's (whole in host memory)")
         if self.kl_target < 0 or self.kl_horizon <= 0 or (self.kl_target and not self.kl_coef):
             raise ValueError(f"train.kl_target={self.kl_target} must be >= 0 with train.kl_horizon={self.kl_horizon} "
                              f"> 0, and an adaptive KL starts from train.kl_coef={self.kl_coef}: set it > 0")

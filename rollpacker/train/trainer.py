@@ -252,6 +252,8 @@ class Trainer:
                                             share, frozen=needs_frozen))
         if not all(u["train/skipped"] for u in updates):
             self.scheduler.step()
+            if cfg.ref_sync_steps and self.scheduler.last_epoch % cfg.ref_sync_steps == 0:
+                self._mix_reference()
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
@@ -314,6 +316,16 @@ class Trainer:
             "train/skipped": float(skipped),
             "train/num_micro_batches": float(num_micro),
         } | ({"train/teacher_kl": sums["teacher_kl"] / tokens} if self.teacher is not None else {})
+
+    @torch.no_grad()
+    def _mix_reference(self) -> None:
+        """``train.ref_sync_steps``: reference = alpha x policy + (1 - alpha) x reference, shard by shard (both are
+        sharded alike, so no collective)."""
+        alpha = self.config.ref_mixup_alpha
+        for model in (self.model, self.reference):
+            model.reshard()  # FSDP2 leaves a root's parameters unsharded after a forward without backward
+        for ref, policy in zip(self.reference.parameters(), self.model.parameters(), strict=True):
+            ref.mul_(1 - alpha).add_(policy, alpha=alpha)
 
     def _units(self, samples: list[Sample]) -> int:
         """What the aggregation counts in ``samples``, leaving out those whose loss is masked."""

@@ -133,6 +133,9 @@ def test_algorithm_settings_name_the_field():
                               (dict(rollout_is_low=1.5), "train.rollout_is_low=1.5"),
                               (dict(kl_in_reward=True), "train.kl_in_reward with train.kl_coef=0"),
                               (dict(kl_target=0.1), "adaptive KL starts from train.kl_coef=0.0: set it > 0"),
+                              (dict(ref_sync_steps=10), "ref_sync_steps moves the KL reference, which needs"),
+                              (dict(ref_sync_steps=10, kl_coef=0.1, offload=True), "nor train.offload's"),
+                              (dict(ref_sync_steps=10, kl_coef=0.1, ref_mixup_alpha=0), "ref_mixup_alpha=0 in"),
                               (dict(overlong_buffer=-1), "train.overlong_buffer must be >= 0")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**settings)

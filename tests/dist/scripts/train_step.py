@@ -1,10 +1,10 @@
 """Run on 2 gloo ranks by tests/dist/train/test_train.py: FSDP2 steps equal plain single-process steps.
 
 For every aggregation mode, each policy loss, a rollout correction, the KL in the loss and in the
-reward (adaptive there), an entropy bonus and two mini-batches: the trainer's step (micro-batch losses summed over
-ranks, divided by the step's global count) against the same update written plainly (one process,
-the whole batch, full logits, the registries' functions). With two mini-batches the first update's
-ratios are exactly 1 on every rank.
+reward (adaptive there), a reference moved toward the policy, an entropy bonus and two mini-batches:
+the trainer's step (micro-batch losses summed over ranks, divided by the step's global count) against
+the same update written plainly (one process, the whole batch, full logits, the registries'
+functions). With two mini-batches the first update's ratios are exactly 1 on every rank.
 """
 
 import sys
@@ -27,7 +27,7 @@ CASES = [  # the default, then every aggregation, loss, correction and KL placem
     dict(aggregation="seq-mean-token-sum", loss="cispo", rollout_correction="token_tis"),
     dict(aggregation="seq-mean-token-sum-norm", advantage="dr_grpo", rollout_correction="seq_mask",
          rollout_is_low=0.2, rollout_is_high=5.0),
-    dict(mini_batches=2, kl_coef=0.05, kl_estimator="k2", advantage="rloo"),
+    dict(mini_batches=2, kl_coef=0.05, kl_estimator="k2", advantage="rloo", ref_sync_steps=1, ref_mixup_alpha=0.6),
     dict(kl_coef=0.05, kl_in_reward=True, kl_estimator="k1", advantage="reinforce_pp", kl_target=0.01, kl_horizon=100),
 ]
 
@@ -126,6 +126,11 @@ def main(path: str) -> None:
             assert first["train/ratio_dev"] == 0.0 and trainer.updates[1]["train/ratio_dev"] > 0, trainer.updates
         assert 0 < stats["train/entropy"] < 10 and (stats["train/kl"] > 0) == bool(cfg.kl_coef), stats
         assert stats["train/num_samples"] == len(samples) and stats.get("train/kl_coef") == (cfg.kl_coef or None)
+        if cfg.ref_sync_steps:  # after the step, the reference moved 60% of the way to the policy
+            moved = reference_model(path).state_dict()
+            for (name, ref), p in zip(trainer.reference.named_parameters(), trainer.model.parameters()):
+                want = moved[name].mul_(1 - cfg.ref_mixup_alpha).add_(p.full_tensor(), alpha=cfg.ref_mixup_alpha)
+                assert torch.equal(ref.full_tensor(), want), name
         if cfg.kl_target:  # the step used kl_coef; the next one's moved by the step's KL over its 7 responses
             error = min(max(stats["train/kl"] / cfg.kl_target - 1, -0.2), 0.2)
             assert error and trainer.kl.value == cfg.kl_coef * (1 + error * len(samples) / cfg.kl_horizon), stats

@@ -17,11 +17,12 @@ def test_two_rank_step_equals_single_process_reference(toy_random_dir):
 
 def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp_path):
     # the random model's rewards are 0: the entropy bonus makes its weights (and Adam's moments) move all the same;
-    # its KL stays far under the target, so the adaptive coefficient falls each step (a resume must keep it)
+    # its KL stays far under the target, so the adaptive coefficient falls each step, and the KL reference moves toward
+    # the policy each step (a resume must keep both)
     common = ["--model.path", str(toy_random_dir), "--run-dir", str(tmp_path), "--rollout.num-prompts", "4",
               "--rollout.group-size", "4", "--rollout.max-new-tokens", "24", "--metrics.wandb-mode", "disabled",
               "--checkpoint-every", "1", "--eval-every", "0", "--train.entropy-coef", "0.01", "--train.kl-coef", "0.05",
-              "--train.kl-target", "0.1", "--train.kl-horizon", "32"]
+              "--train.kl-target", "0.1", "--train.kl-horizon", "32", "--train.ref-sync-steps", "1"]
     proc = launch_job(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8",
                       "--checkpoint.export-hf-each", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
