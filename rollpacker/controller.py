@@ -94,13 +94,14 @@ class Controller:
         check = functools.partial(check_row, functions) if functions else None  # a row no function scores: an error
         fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,
-                                max_new_tokens=config.rollout.max_new_tokens)
+                                max_new_tokens=config.rollout.max_new_tokens,
+                                max_prompt_length=config.data.max_prompt_length)
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
                    policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed,
-                                                              config.data.retire_solved),
+                                                              config.data.retire_solved, config.data.shuffle),
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),

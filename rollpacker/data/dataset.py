@@ -61,8 +61,13 @@ class DataConfig:
     """Seed of the toy problem generator."""
     toy_tail_alpha: float = 1.6
     """Pareto exponent of the toy problems' term count (their length tail): larger is thinner; the task's own: 1.3."""
+    shuffle: bool = True
+    """Shuffle the prompts each epoch; off, every epoch goes in the dataset's order (a curriculum sorted by hand)."""
     shuffle_seed: int = 0
     """Seed of the per-epoch prompt order; epoch e is shuffled with (shuffle_seed, e)."""
+    max_prompt_length: int = 0
+    """Leave out prompts longer than this many tokens, counted in one warning (verl's filter_overlong_prompts);
+    0 = only those the context and the KV cache cannot serve."""
     eval_path: str = ""
     """Held-out prompts for evaluation, in any format path takes; empty = held-out toy problems (toy data only)."""
     eval_split: str = ""
@@ -85,6 +90,8 @@ class DataConfig:
             raise ValueError(f"data.num_toy_prompts must be positive, got {self.num_toy_prompts}")
         if self.shuffle_seed < 0:
             raise ValueError(f"data.shuffle_seed must be >= 0, got {self.shuffle_seed}")
+        if self.max_prompt_length < 0:
+            raise ValueError(f"data.max_prompt_length must be >= 0 (0 = no limit), got {self.max_prompt_length}")
         if not 0 <= self.retire_solved <= 1:
             raise ValueError(f"data.retire_solved must be in [0, 1] (a share of a group's responses), got "
                              f"{self.retire_solved}")
@@ -341,13 +348,15 @@ class PromptSampler:
     it was made with; :meth:`state_dict` / :meth:`load_state_dict` save and restore it as plain data.
     """
 
-    def __init__(self, num_rows: int, seed: int = 0, retire_solved: float = 0.0) -> None:
+    def __init__(self, num_rows: int, seed: int = 0, retire_solved: float = 0.0, shuffle: bool = True) -> None:
         if num_rows <= 0:
             raise ValueError(f"PromptSampler needs at least one row, got num_rows={num_rows}")
         if seed < 0:
             raise ValueError(f"PromptSampler seed must be >= 0, got {seed}")
         self.num_rows = num_rows
         self.seed = seed
+        self.shuffle = shuffle
+        """Off: every epoch in row order."""
         self.retire_solved = retire_solved
         self.retired: set[int] = set()
         """Rows out of the current epoch's order and every later one's."""
@@ -375,7 +384,8 @@ class PromptSampler:
         return self._epoch + self._position / max(1, len(self._order))
 
     def _permutation(self, epoch: int) -> list[int]:
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist()
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows).tolist() if self.shuffle else (
+            range(self.num_rows))
         return [row for row in order if row not in self.retired]
 
     def remaining(self, num_epochs: int) -> int | None:
@@ -417,16 +427,19 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_rows": self.num_rows, "seed": self.seed, "epoch": self._epoch, "position": self._position,
-                "retired": sorted(self.retired), "retiring": sorted(self.retiring), "sizes": list(self.sizes)}
+        return {"num_rows": self.num_rows, "seed": self.seed, "shuffle": self.shuffle, "epoch": self._epoch,
+                "position": self._position, "retired": sorted(self.retired), "retiring": sorted(self.retiring),
+                "sizes": list(self.sizes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the dataset size and seed must match the saved ones."""
-        for key, mine in (("num_rows", self.num_rows), ("seed", self.seed)):
-            if int(state[key]) != mine:
+        """Restore a :meth:`state_dict`; the dataset size, seed and shuffling must match the saved ones."""
+        saved = {"num_rows": int(state["num_rows"]), "seed": int(state["seed"]),
+                 "shuffle": bool(state.get("shuffle", True))}  # a checkpoint from before data.shuffle: shuffled
+        for key, mine in (("num_rows", self.num_rows), ("seed", self.seed), ("shuffle", self.shuffle)):
+            if saved[key] != mine:
                 raise ValueError(
                     f"sampler checkpoint has {key}={state[key]} but this run has {key}={mine}: "
-                    "resume with the same dataset and data.shuffle_seed, or start a fresh run"
+                    "resume with the same dataset, data.shuffle and data.shuffle_seed, or start a fresh run"
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         self.retired, self.retiring = set(state.get("retired", ())), set(state.get("retiring", ()))
@@ -438,24 +451,29 @@ class PromptSampler:
         self._order = self._permutation(epoch)
 
 
-def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int) -> list[dict]:
+def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int,
+             max_prompt_length: int = 0) -> list[dict]:
     """The rows whose prompt the engines can serve: ``encode(row)`` (its token ids) is non-empty,
     shorter than the context ``max_model_len``, and with up to ``max_new_tokens`` more fits the KV
-    cache of ``kv_tokens``. The others are left out (the engine would reject their requests) and
-    counted in one warning naming the first few; an error if none is left."""
+    cache of ``kv_tokens``; and at most ``max_prompt_length`` tokens long (``data.max_prompt_length``,
+    0 = any). The others are left out (the engine would reject their requests) and counted in one
+    warning naming the first few; an error if none is left."""
     kept, dropped = [], []
     for row in rows:
         n = len(encode(row))
-        if n == 0 or n >= max_model_len or min(n + max_new_tokens, max_model_len) > kv_tokens:
+        if n == 0 or n >= max_model_len or min(n + max_new_tokens, max_model_len) > kv_tokens or (
+                max_prompt_length and n > max_prompt_length):
             dropped.append(f"{row['id']!r} ({n} tokens)")
         else:
             kept.append(row)
     if dropped:
-        logger.warning("left out %d of %d prompts that are empty or do not fit the context length %d or the KV "
-                       "cache of %d tokens (with rollout.max_new_tokens=%d): %s", len(dropped), len(rows),
+        limit = f", longer than data.max_prompt_length={max_prompt_length}" if max_prompt_length else ""
+        logger.warning("left out %d of %d prompts that are empty%s or do not fit the context length %d or the KV "
+                       "cache of %d tokens (with rollout.max_new_tokens=%d): %s", len(dropped), len(rows), limit,
                        max_model_len, kv_tokens, max_new_tokens, ", ".join(dropped[:5]))
     if not kept:
         raise DatasetError(f"no prompt fits the context length {max_model_len} and the KV cache of {kv_tokens} tokens "
-                           f"with rollout.max_new_tokens={max_new_tokens}: shorten the prompts or raise "
-                           "engine.kv_memory_mb / the model's context")
+                           f"with rollout.max_new_tokens={max_new_tokens}"
+                           + (f" and data.max_prompt_length={max_prompt_length}" if max_prompt_length else "")
+                           + ": shorten the prompts or raise engine.kv_memory_mb / the model's context")
     return kept

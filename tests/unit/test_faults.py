@@ -77,6 +77,10 @@ def test_prompts_that_do_not_fit_are_left_out_and_counted(caplog):
     assert [r["n"] for r in fit_rows(rows, lambda r: [1] * r["n"], 64, 16, 8)] == [3]
     with pytest.raises(DatasetError, match="no prompt fits the context length 16 and the KV cache of 2 tokens"):
         fit_rows(rows, lambda r: [1] * r["n"], 16, 2, 4)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):  # data.max_prompt_length: verl's filter
+        assert [r["n"] for r in fit_rows(rows, lambda r: [1] * r["n"], 64, 64, 4, max_prompt_length=10)] == [3, 10]
+    assert "left out 3 of 5 prompts that are empty, longer than data.max_prompt_length=10 or do not fit" in caplog.text
 
 
 def committed(tmp_path, **meta):

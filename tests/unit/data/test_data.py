@@ -324,3 +324,13 @@ def test_when_every_row_is_retired_nothing_is_left_to_draw():
     assert sampler.remaining(0) == 0 and sampler.remaining(5) == 0
     with pytest.raises(ValueError, match="every row is retired"):
         sampler.draw(1)
+
+
+def test_unshuffled_epochs_go_in_the_datasets_order_and_a_resume_keeps_to_it():
+    sampler = PromptSampler(5, seed=3, shuffle=False, retire_solved=1.0)
+    assert next_batch(sampler, 5) == [0, 1, 2, 3, 4]
+    sampler.observe(2, [1.0])
+    assert next_batch(sampler, 4) == [0, 1, 3, 4]
+    shuffled = PromptSampler(5, seed=3)
+    with pytest.raises(ValueError, match="shuffle=False but this run has shuffle=True"):
+        shuffled.load_state_dict(sampler.state_dict())
