@@ -213,7 +213,9 @@ class Config:
                  "put the KL in the loss"),
                 (t.teacher.in_reward, "train.teacher.path (the teacher's KL in the reward)",
                  "a group's advantages then depend on the teacher's KL, which the freed ranks cannot share",
-                 "set train.teacher.in_loss")):
+                 "set train.teacher.in_loss"),
+                (t.top_entropy_quantile < 1, f"train.top_entropy_quantile={t.top_entropy_quantile}",
+                 "the entropy threshold is the whole step's, known only when rollout ends", "set it to 1")):
             if bad:
                 raise ValueError(f"{streaming} with {setting}: stream training trains each group as soon as it "
                                  f"completes, and {why}. Either {fix}, or turn {streaming} off")

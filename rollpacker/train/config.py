@@ -93,6 +93,9 @@ class TrainConfig(MemoryConfig):
     """Responses cut by rollout.max_new_tokens contribute no loss (DAPO's overlong filtering)."""
     entropy_coef: float = 0.0
     """Entropy bonus: each token's loss gets minus this times its entropy (0 = off; train/entropy is logged anyway)."""
+    top_entropy_quantile: float = 1.0
+    """The policy term trains only the step's tokens in this top share by entropy (before the step), as TRL's
+    top_entropy_quantile ("Beyond the 80/20 rule": 0.2); 1 = every token."""
     kl_coef: float = 0.0
     """Weight of the KL to the frozen initial policy; 0 keeps no reference model."""
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
@@ -146,6 +149,9 @@ class TrainConfig(MemoryConfig):
         if self.kl_in_reward and not self.kl_coef:
             raise ValueError("train.kl_in_reward with train.kl_coef=0: there is no KL to put in the reward; "
                              "set train.kl_coef > 0")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            raise ValueError(f"train.top_entropy_quantile must be in [0, 1] (1 = every token), got "
+                             f"{self.top_entropy_quantile}")
         if self.ref_sync_steps < 0 or not 0 < self.ref_mixup_alpha <= 1:
             raise ValueError(f"train.ref_sync_steps={self.ref_sync_steps} must be >= 0 and train.ref_mixup_alpha="
                              f"{self.ref_mixup_alpha} in (0, 1]")

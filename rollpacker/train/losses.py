@@ -211,7 +211,8 @@ STATS = ("tokens", "clipped", "ratio_dev", "kl", "entropy", "rollout_is", "rollo
 
 def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, mask: Tensor, cfg, *,
                      entropy: Tensor | None = None, ref: Tensor | None = None, teacher: Tensor | None = None,
-                     kl_coef: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                     kl_coef: float | None = None, focus: Tensor | None = None
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
     """One micro-batch's loss, a sum (divide by the step's :func:`normalizer`), and its stats.
 
     All [N, T]: ``logp`` (current log-probs, with grad), ``old`` (before this step's first update,
@@ -219,8 +220,9 @@ def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, m
     ``entropy`` (per token, for its bonus and its metric), ``ref`` (the reference policy's, for
     the KL in the loss or its metric) and ``teacher`` (distillation's teacher's, no grad).
     ``cfg`` is the :class:`~rollpacker.train.config.TrainConfig`; ``kl_coef`` replaces its own (an adaptive KL's).
+    ``focus`` [N, T] (``train.top_entropy_quantile``): the tokens whose policy term counts.
 
-    Per token: the ``cfg.loss`` term times the ``cfg.rollout_correction`` weight, plus
+    Per token: the ``cfg.loss`` term times the ``cfg.rollout_correction`` weight (where ``focus``), plus
     ``kl_coef * KL`` (unless the KL is in the reward), plus ``teacher.coef * k2(logp, teacher)``
     with ``teacher.in_loss`` (k2's gradient is the reverse KL's: ``(logp - teacher) grad logp``),
     minus ``entropy_coef * entropy``; tokens the correction masks contribute nothing. The
@@ -235,6 +237,8 @@ def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, m
     token_loss, ratio, clipped = LOSSES[cfg.loss](logp, old, adv, mask, cfg)
     if weights is not None:
         token_loss = token_loss * weights.detach()
+    if focus is not None:
+        token_loss = torch.where(focus, token_loss, 0.0)
     kl = torch.zeros_like(token_loss)
     if ref is not None:
         kl = KL_ESTIMATORS[cfg.kl_estimator](logp, torch.where(mask, ref, logp))

@@ -107,6 +107,8 @@ class Prepared:
     """The reference policy's log-probs [T]; None: computed with the loss, when there is a reference."""
     teacher: torch.Tensor | None = None
     """The teacher's log-probs [T]; None: computed with the loss, when there is a teacher."""
+    focus: torch.Tensor | None = None
+    """``train.top_entropy_quantile``: the tokens [T] whose policy term counts; None: every one."""
 
 
 def group_sizes(samples: list[Sample]) -> list[int]:
@@ -214,6 +216,8 @@ class Trainer:
                                                            lambda step: lr_factor(step, config, num_steps))
         self.kl = KLController(config.kl_coef, config.kl_target, config.kl_horizon)
         """The KL coefficient (adaptive with ``train.kl_target``); a checkpoint saves its value."""
+        self.entropy_threshold = math.inf
+        """``train.top_entropy_quantile``: the last step's entropy threshold."""
         self.skipped_steps = 0
         """Steps skipped for a non-finite loss or gradient norm, over the run (since this process started)."""
         self.skipping = 0
@@ -239,7 +243,7 @@ class Trainer:
         batches = mini_batches(group_sizes(samples), cfg.mini_batches)
         plans = [spread([samples[i].num_tokens for i in b], len(self.ranks), cfg.micro_batch_tokens) for b in batches]
         several = len(batches) * cfg.epochs > 1
-        needs_frozen = several or cfg.kl_in_reward or cfg.teacher.in_reward
+        needs_frozen = several or cfg.kl_in_reward or cfg.teacher.in_reward or cfg.top_entropy_quantile < 1
         frozen = self._frozen(samples, batches, plans) if needs_frozen else {}
         prepared = self._prepare(samples, frozen)
         total = self._units(samples)
@@ -258,6 +262,8 @@ class Trainer:
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
         stats["train/num_samples"] = float(sum(u["train/num_samples"] for u in updates[:len(batches)]))
+        if cfg.top_entropy_quantile < 1:
+            stats["train/entropy_threshold"] = self.entropy_threshold
         if self.reference is not None:
             stats["train/kl_coef"] = self.kl.value  # this step's
             self.kl.update(stats["train/kl"], stats["train/num_samples"])
@@ -353,7 +359,23 @@ class Trainer:
         returns = returns_to_go(rewards, mask, token_rewards, earned=steps)  # [N, T]
         adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples),
                           [not s.failed for s in samples])
-        return [Prepared(adv[i, :n], *frozen.get(i, (None, None, None))) for i, n in enumerate(lengths)]
+        focus = self._focus(samples, frozen)
+        return [Prepared(adv[i, :n], *frozen.get(i, (None,) * 4)[:3], focus=focus.get(i))
+                for i, n in enumerate(lengths)]
+
+    def _focus(self, samples: list[Sample], frozen: dict[int, Frozen]) -> dict[int, torch.Tensor]:
+        """``train.top_entropy_quantile``: each of this rank's samples' tokens whose entropy before the step is at
+        least the quantile over every token the step trains, on every rank (``train/entropy_threshold``)."""
+        q = self.config.top_entropy_quantile
+        if q >= 1:
+            return {}
+        entropy = {i: f[3] for i, f in frozen.items()}
+        trained = [e[torch.tensor(samples[i].model_mask(), dtype=torch.bool, device=e.device)]
+                   for i, e in sorted(entropy.items()) if not self._masked(samples[i])]
+        every = gather_varlen(torch.cat(trained) if trained else torch.zeros(0, device=self.device), self.group)
+        rank = 1 + int((1 - q) * (len(every) - 1))  # the lower of the quantile's neighbours, as numpy's "lower"
+        self.entropy_threshold = every.kthvalue(rank).values.item() if len(every) else math.inf
+        return {i: e >= self.entropy_threshold for i, e in entropy.items()}
 
     def _token_rewards(self, samples: list[Sample], frozen: dict[int, Frozen], mask: torch.Tensor
                        ) -> torch.Tensor | None:
@@ -369,7 +391,7 @@ class Trainer:
         for n in lengths:
             offsets.append(offsets[-1] + n)
         flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
-        for i, (old, ref, teacher) in frozen.items():
+        for i, (old, ref, teacher, _) in frozen.items():
             reward = torch.zeros_like(old)
             if cfg.kl_in_reward:
                 reward = reward - self.kl.value * KL_ESTIMATORS[cfg.kl_estimator](old, ref)
@@ -390,8 +412,8 @@ class Trainer:
     def _frozen(self, samples: list[Sample], batches: list[list[int]], plans: list[list[list[list[int]]]]
                 ) -> dict[int, Frozen]:
         """Log-probs (and the reference's and teacher's) of this rank's samples before the step's
-        first update, on the micro-batches the updates will use: index -> (old, ref, teacher) [T]
-        each (None without that model)."""
+        first update, on the micro-batches the updates will use: index -> (old, ref, teacher, entropy) [T]
+        each (None without that model; the entropy with ``train.top_entropy_quantile`` only)."""
         out = {}
         for batch, plan in zip(batches, plans):
             mine, num_micro = plan[self.ranks.index(self.rank)], max(1, *(len(p) for p in plan))
@@ -402,10 +424,15 @@ class Trainer:
                     continue
                 micro = [samples[batch[j]] for j in mine[i]]
                 lengths = [len(s.response_ids) for s in micro]
-                old, ref, teacher = (self._logprobs(m, micro).split(lengths) if m is not None else [None] * len(micro)
-                                     for m in (self.model, self.reference, self.teacher))
-                for j, o, r, t in zip(mine[i], old, ref, teacher):
-                    out[batch[j]] = (o, r, t)
+                entropy = [None] * len(micro)
+                if self.config.top_entropy_quantile < 1:
+                    old, entropy = (x.split(lengths) for x in self._logprobs(self.model, micro, entropy=True))
+                else:
+                    old = self._logprobs(self.model, micro).split(lengths)
+                ref, teacher = (self._logprobs(m, micro).split(lengths) if m is not None else [None] * len(micro)
+                                for m in (self.reference, self.teacher))
+                for j, o, r, t, e in zip(mine[i], old, ref, teacher, entropy):
+                    out[batch[j]] = (o, r, t, e)
         return out
 
     def _backward(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
@@ -475,8 +502,9 @@ class Trainer:
         old = padded(torch.cat([p.old for p in prepared])) if prepared[0].old is not None else logp.detach()
         behavior = padded(torch.tensor([lp for s in batch for lp in s.rollout_logprobs], device=self.device))
         adv = padded(torch.cat([p.advantages for p in prepared]).to(self.device))
+        focus = None if prepared[0].focus is None else padded(torch.cat([p.focus for p in prepared]).to(self.device))
         loss, stats = policy_objective(logp, old, behavior, adv, mask, self.config, entropy=padded(entropy_flat),
-                                       ref=ref, teacher=teacher, kl_coef=self.kl.value)
+                                       ref=ref, teacher=teacher, kl_coef=self.kl.value, focus=focus)
         counts = torch.tensor([float(sum(map(self._masked, batch))), float(len(batch))], device=self.device)
         return loss, [stats[k] for k in STATS] + [*counts]
 
@@ -488,8 +516,20 @@ class Trainer:
         return out * 0.0
 
 
-Frozen = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
-"""A sample's log-probs before the step's first update [T]: the policy's, the reference's, the teacher's."""
+Frozen = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
+"""A sample's log-probs before the step's first update [T]: the policy's, the reference's, the teacher's; and the
+policy's entropies (``train.top_entropy_quantile``)."""
+
+
+def gather_varlen(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``values`` (1-D, any length), concatenated in rank order, on every rank of ``group``."""
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=values.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(values)], device=values.device), group=group)
+    longest = max(int(s) for s in sizes)
+    parts = [torch.empty(longest, dtype=values.dtype, device=values.device) for _ in range(world)]
+    dist.all_gather(parts, torch.cat([values, values.new_zeros(longest - len(values))]), group=group)
+    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
 
 TOTALS = ("loss", *STATS, "masked_truncated", "samples")
 """What a trainer sums over micro-batches and ranks for an update's metrics."""

@@ -113,6 +113,7 @@ def test_every_registered_algorithm_piece_is_a_cli_choice():
     (dict(mini_batches=2), "train.mini_batches=2, train.epochs=1.*set both to 1"),
     (dict(epochs=3), "train.mini_batches=1, train.epochs=3"),
     (dict(kl_coef=0.1, kl_in_reward=True), "train.kl_in_reward.*put the KL in the loss"),
+    (dict(top_entropy_quantile=0.2), "train.top_entropy_quantile=0.2.*the whole step's.*set it to 1"),
 ])
 def test_streaming_refuses_what_a_group_cannot_finish_alone(settings, message):
     from rollpacker.config import Config

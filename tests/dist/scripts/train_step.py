@@ -1,7 +1,8 @@
 """Run on 2 gloo ranks by tests/dist/train/test_train.py: FSDP2 steps equal plain single-process steps.
 
 For every aggregation mode, each policy loss, a rollout correction, the KL in the loss and in the
-reward (adaptive there), a reference moved toward the policy, an entropy bonus and two mini-batches:
+reward (adaptive there), a reference moved toward the policy, an entropy bonus, the top-entropy tokens
+alone and two mini-batches:
 the trainer's step (micro-batch losses summed over ranks, divided by the step's global count) against
 the same update written plainly (one process, the whole batch, full logits, the registries'
 functions). With two mini-batches the first update's ratios are exactly 1 on every rank.
@@ -23,7 +24,7 @@ from rollpacker.train.trainer import Sample, Trainer, group_sizes, mini_batches
 MAX_TOKENS = 64  # rollout.max_new_tokens: seq-mean-token-sum-norm's constant
 CASES = [  # the default, then every aggregation, loss, correction and KL placement at least once
     dict(),
-    dict(aggregation="seq-mean-token-mean", loss="gspo", entropy_coef=0.01),
+    dict(aggregation="seq-mean-token-mean", loss="gspo", entropy_coef=0.01, top_entropy_quantile=0.3),
     dict(aggregation="seq-mean-token-sum", loss="cispo", rollout_correction="token_tis"),
     dict(aggregation="seq-mean-token-sum-norm", advantage="dr_grpo", rollout_correction="seq_mask",
          rollout_is_low=0.2, rollout_is_high=5.0),
@@ -70,8 +71,12 @@ def reference_steps(path: str, cfg: TrainConfig, samples: list[Sample], temperat
     mask = pad_sequence([torch.ones(n, dtype=torch.bool) for n in lengths], batch_first=True)
     behavior = pad_sequence([torch.tensor(s.rollout_logprobs) for s in samples], batch_first=True)
     with torch.no_grad():
-        old = plain_logprobs(model, samples, temperature)[0]
+        old, old_entropy = plain_logprobs(model, samples, temperature)
         ref = plain_logprobs(reference, samples, temperature)[0] if reference else None
+    focus = None
+    if cfg.top_entropy_quantile < 1:  # the tokens in the top share by entropy, over the whole batch
+        every = old_entropy[mask]
+        focus = old_entropy >= every.kthvalue(1 + int((1 - cfg.top_entropy_quantile) * (len(every) - 1))).values
     kl_reward = -cfg.kl_coef * KL_ESTIMATORS[cfg.kl_estimator](old, ref) if cfg.kl_in_reward else None
     returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, kl_reward)
     adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
@@ -83,8 +88,9 @@ def reference_steps(path: str, cfg: TrainConfig, samples: list[Sample], temperat
         logp, entropy = plain_logprobs(model, [samples[i] for i in b], temperature)
         t = logp.shape[1]
         frozen = logp.detach() if len(parts) == 1 else old[b, :t]
+        part = lambda x: None if x is None else x[b, :t]  # noqa: E731
         loss, _ = policy_objective(logp, frozen, behavior[b, :t], adv[b, :t], mask[b, :t], cfg, entropy=entropy,
-                                   ref=None if ref is None else ref[b, :t])
+                                   ref=part(ref), focus=part(focus))
         share = total * units(cfg.aggregation, [lengths[i] for i in b]) / units(cfg.aggregation, lengths)
         (loss / share).backward()
         losses.append(loss.item() / share)
@@ -126,6 +132,7 @@ def main(path: str) -> None:
             assert first["train/ratio_dev"] == 0.0 and trainer.updates[1]["train/ratio_dev"] > 0, trainer.updates
         assert 0 < stats["train/entropy"] < 10 and (stats["train/kl"] > 0) == bool(cfg.kl_coef), stats
         assert stats["train/num_samples"] == len(samples) and stats.get("train/kl_coef") == (cfg.kl_coef or None)
+        assert ("train/entropy_threshold" in stats) == (cfg.top_entropy_quantile < 1), stats
         if cfg.ref_sync_steps:  # after the step, the reference moved 60% of the way to the policy
             moved = reference_model(path).state_dict()
             for (name, ref), p in zip(trainer.reference.named_parameters(), trainer.model.parameters()):

@@ -388,3 +388,16 @@ def test_token_entropy_gradcheck_float64():
     hidden, weight, targets, _ = logprob_case(num_tokens=5, dim=3, vocab=7, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda h, w: token_logprobs_entropy(h, w, targets, 0.9, chunk_size=2),
                                     (hidden, weight))
+
+
+def test_focus_keeps_the_policy_term_of_its_tokens_and_every_other_term():
+    """train.top_entropy_quantile's mask: the policy term of the tokens outside it is 0; the KL stays on every token."""
+    logp, mask = torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool)
+    adv, ref = torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[math.log(2), 0.0, 0.0]])
+    cfg = TrainConfig(kl_coef=0.1, aggregation="seq-mean-token-sum")
+    full, _ = policy_objective(logp, logp, logp, adv, mask, cfg, ref=ref)
+    focused, _ = policy_objective(logp, logp, logp, adv, mask, cfg, ref=ref,
+                                  focus=torch.tensor([[False, True, False]]))
+    kl = 0.1 * (1 - math.log(2))  # k3 at d = ln 2, on the first token
+    torch.testing.assert_close(full, torch.tensor(-6.0 + kl))  # ratio 1: the policy term is -A per token
+    torch.testing.assert_close(focused, torch.tensor(-2.0 + kl))
