@@ -335,10 +335,10 @@ class PromptSampler:
     """Row indices in a seeded permutation per epoch, drawn a batch at a time.
 
     Epoch ``e`` visits every index of ``range(num_rows)`` exactly once, in the order of a
-    permutation seeded with ``(seed, e)``. A batch that runs past the end of an epoch continues
-    into the next one, so a batch can straddle two epochs (and then may hold an index twice,
-    once from each). The rollover is lazy: after the last index of epoch ``e`` is drawn,
-    ``epoch == e`` and ``position == num_rows`` until the next draw.
+    permutation seeded with ``(seed, e)`` (in row order without ``shuffle``). A batch that runs past
+    the end of an epoch continues into the next one, so a batch can straddle two epochs (and then
+    may hold an index twice, once from each). The rollover is lazy: after the last index of epoch
+    ``e`` is drawn, ``epoch == e`` and ``position == sizes[e]`` until the next draw.
 
     With ``retire_solved`` (``data.retire_solved``), a row whose group :meth:`observe` saw solved by
     that share of its responses is left out of every epoch after the current one: the epoch's order

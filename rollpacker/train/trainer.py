@@ -266,7 +266,8 @@ class Trainer:
             stats["train/entropy_threshold"] = self.entropy_threshold
         if self.reference is not None:
             stats["train/kl_coef"] = self.kl.value  # this step's
-            self.kl.update(stats["train/kl"], stats["train/num_samples"])
+            if math.isfinite(stats["train/kl"]):  # a skipped step's may not be
+                self.kl.update(stats["train/kl"], stats["train/num_samples"])
         stats["train/skipped_steps"] = float(self.skipped_steps)
         stats["train/num_updates"] = float(len(updates))
         self.updates = updates
