@@ -142,14 +142,18 @@ def apply_chunk(track: Track, chunk: dict, now: float) -> tuple[int, int]:
 
 def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], seed: int) -> dict:
     """SGLang's ``sampling_params`` dict for ``p`` with ``remaining`` tokens left to generate. SGLang's
-    ``ignore_eos`` ignores stop tokens too, so the contract's ignore_eos + stop_token_ids is refused."""
+    ``ignore_eos`` ignores stop tokens too, so the contract's ignore_eos + stop_token_ids is refused; its
+    repetition penalty counts only the tokens it generated, so a penalty is refused too."""
     if p.ignore_eos and p.stop_token_ids:
         raise ValueError("SGLang's ignore_eos also ignores stop_token_ids: set one of ignore_eos and stop_token_ids")
+    if p.repetition_penalty != 1:
+        raise ValueError("SGLang 0.5.23's repetition penalty counts only the tokens it generated, not the prompt's "
+                         "(nor a resumed request's earlier ones), unlike transformers, vLLM and TorchEngine: set "
+                         "rollout.repetition_penalty=1, or engine.kind torch or vllm")
     stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
     return {"max_new_tokens": remaining, "temperature": p.temperature, "top_p": p.top_p,
-            "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
-            "stop_token_ids": stop, "ignore_eos": p.ignore_eos,
-            "sampling_seed": seed, "no_stop_trim": True}
+            "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, "stop_token_ids": stop,
+            "ignore_eos": p.ignore_eos, "sampling_seed": seed, "no_stop_trim": True}
 
 
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

@@ -54,6 +54,20 @@ def greedy_matches_transformers_and_torch_engine(engine, a, b):
         torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
 
 
+def a_repetition_penalty_is_refused_and_the_engine_serves_on(engine, a, b):
+    """SGLang's penalty counts only the tokens it generated (TorchEngine's, vLLM's and transformers' the prompt's
+    too): refused by name, and a request after it runs."""
+    penalized = greedy("p0", prompts(1, 12, seed=2)[0])
+    penalized.params.repetition_penalty = 1.5
+    try:
+        engine.add(penalized)
+    except ValueError as e:
+        assert "not the prompt's" in str(e), e
+    else:
+        raise AssertionError("a repetition penalty was not refused")
+    assert generate(engine, [greedy("after", penalized.prompt_ids)])["after"].finish_reason == "length"
+
+
 def logprobs_equal_the_trainers(engine, a, b):
     """Sampled at T = 0.8: the rollout log-probs are what the trainer recomputes for the importance ratio."""
     params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
@@ -200,7 +214,8 @@ def release_and_push_right_after_a_finish(engine, a, b):
     assert generate(engine, [greedy("after", prompt, 8)])["after"].token_ids == hf_greedy(hf_model(a), prompt, 8)
 
 
-CHECKS = [greedy_matches_transformers_and_torch_engine, logprobs_equal_the_trainers, abort_then_resume_continues_greedy,
+CHECKS = [greedy_matches_transformers_and_torch_engine, a_repetition_penalty_is_refused_and_the_engine_serves_on,
+          logprobs_equal_the_trainers, abort_then_resume_continues_greedy,
           bad_requests_raise, stop_string_ends_generation_as_on_torch_engine, seeded_sampling_reproduces_and_resumes,
           a_step_is_a_decode_step, update_weights_then_release_and_resume, release_and_push_right_after_a_finish]
 
