@@ -100,8 +100,7 @@ class Controller:
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
-                   policy=config.schedule.build(PromptSampler(len(rows), config.data.shuffle_seed,
-                                                              config.data.retire_solved, config.data.shuffle),
+                   policy=config.schedule.build(PromptSampler.for_data(len(rows), config.data),
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
@@ -261,7 +260,7 @@ class Controller:
         self.check_environments(result)
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
         sampler = getattr(self.policy, "sampler", None)
-        retired = {"sched/retired": len(sampler.retired | sampler.retiring)} if self.config.data.retire_solved else {}
+        retired = {"sched/retired": sampler.num_retired} if self.config.data.retire_solved else {}
         return {**result.metrics(trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(), **retired,
                 **result.hook_metrics, **self.envs.take_metrics(),
                 **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total

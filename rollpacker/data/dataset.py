@@ -378,6 +378,16 @@ class PromptSampler:
         """How many indices of the current epoch have been drawn, ``0..sizes[epoch]``."""
         return self._position
 
+    @classmethod
+    def for_data(cls, num_rows: int, data: DataConfig) -> PromptSampler:
+        """The sampler of ``num_rows`` rows as ``data`` (``data.*``) orders and retires them."""
+        return cls(num_rows, data.shuffle_seed, data.retire_solved, data.shuffle)
+
+    @property
+    def num_retired(self) -> int:
+        """Rows retired, from the current epoch on or from the next."""
+        return len(self.retired | self.retiring)
+
     @property
     def epochs_drawn(self) -> float:
         """Passes over the data drawn so far, fractional."""
@@ -391,7 +401,7 @@ class PromptSampler:
     def remaining(self, num_epochs: int) -> int | None:
         """Rows left to draw within ``num_epochs`` epochs, as the rows retired so far leave them; None when
         unlimited (0) while any row is left."""
-        live = self.num_rows - len(self.retired | self.retiring)
+        live = self.num_rows - self.num_retired
         now = len(self._order) - self._position
         if not num_epochs:
             return None if live else now
@@ -413,7 +423,7 @@ class PromptSampler:
         out: list[tuple[int, int]] = []
         while len(out) < n:
             if self._position == len(self._order):
-                if len(self.retired | self.retiring) == self.num_rows:
+                if self.num_retired == self.num_rows:
                     raise ValueError("sampler: every row is retired: draw at most remaining(num_epochs) rows")
                 self._epoch += 1
                 self._position = 0
