@@ -169,7 +169,7 @@ class Measured:
     records: list[dict]
     profile: dict
     other_cores: float | None
-    """Cores other processes kept busy while it ran, on average (None: unknown)."""
+    """Cores other processes kept busy while it ran or its profile did, on average (the more; None: unknown)."""
 
 
 def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (), variant: list[str] = (),
@@ -195,7 +195,9 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not appended to an earlier one
         torchrun("rollpacker.run", argv, done)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return Measured(argv, records, json.loads(profile.read_text()), json.loads(done.read_text())["other_cores"])
+    loads = [json.loads(f.read_text())["other_cores"] for f in (done, base / "profile.argv.json")]
+    return Measured(argv, records, json.loads(profile.read_text()), max((x for x in loads if x is not None),
+                                                                         default=None))
 
 
 def simulate_run(argv: list[str], profile: dict) -> list[float]:
@@ -338,7 +340,7 @@ def main(argv: list[str]) -> dict:
             figures[f"simulated_s_{regime}_{label}"] = round(s, 4)
     print(f"\nrollout seconds per step (steps 1-{args.num_steps - 1}), 2 ranks, seed {args.seed}, the median of "
           f"{args.repeats} runs (spread: max - min over it; load: cores other processes kept busy, the most of any "
-          "run); the simulator on each regime's profile")
+          "run or its profile); the simulator on each regime's profile")
     print(f"{'regime':<10}{'policy':<16}{'measured':>9}{'spread':>8}{'load':>6}{'simulated':>10}{'error':>8}   "
           + "  ".join(f"{name:>16}" for name in (*PHASES, "other")))
     for regime, policy, m, spread, load, s, err, (mp, sp) in rows:
@@ -347,7 +349,7 @@ def main(argv: list[str]) -> dict:
     print("each phase: measured seconds per step, and the simulator's difference (rollpacker.metrics.Phases)")
     load = max((r[4] for r in rows if not math.isnan(r[4])), default=None)
     if load is not None and load > LOADED:
-        print(f"the machine was loaded: other processes kept {load:.2f} cores busy during a run (more than "
+        print(f"the machine was loaded: other processes kept {load:.2f} cores busy during a run or profile (more than "
               f"{LOADED}); the errors above are not the simulator's alone: measure again on a quiet machine")
     return {"sim_max_rel_error": round(max(abs(r[6]) for r in rows), 4),
             "spread_max": round(max(r[3] for r in rows), 4), "other_cores_max": load,
