@@ -128,6 +128,11 @@ class Config:
             switchable = " or ".join(repr(k) for k, e in ENGINES.items() if e.supports_tp_switch)
             raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: {engine.no_tp_switch}; use "
                              f"engine.kind={switchable} with the planner, or a fixed rollout.tp")
+        if engine and engine.no_repetition_penalty and self.rollout.repetition_penalty != 1:
+            able = " or ".join(repr(k) for k, e in ENGINES.items() if not e.no_repetition_penalty)
+            raise ValueError(f"rollout.repetition_penalty={self.rollout.repetition_penalty} with engine.kind="
+                             f"{self.engine.kind!r}: {engine.no_repetition_penalty}; set rollout.repetition_penalty"
+                             f"=1, or engine.kind={able}")
         s = self.schedule
         if s.stale_samples and self.train.rollout_correction == "none":
             raise ValueError(

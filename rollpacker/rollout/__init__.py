@@ -65,6 +65,8 @@ class EngineKind:
     """One forward takes up to max(max_prefill_tokens, max_model_len) tokens (vLLM's max_num_batched_tokens)."""
     plan_sized: bool = False
     """On GPU it sizes its static memory by the memory plan's bytes of it (:func:`build_engine`'s ``plan_bytes``)."""
+    no_repetition_penalty: str = ""
+    """Why it cannot apply ``rollout.repetition_penalty`` as transformers does. "": it can."""
 
     @property
     def supports_tp_switch(self) -> bool:
@@ -104,7 +106,9 @@ ENGINES: dict[str, EngineKind] = {
         "the whole world (its shutdown destroys the trainer's default process group)")),
     "sglang": EngineKind(module="rollpacker.rollout.sglang_engine", nccl_settings="nccl_env", package="sglang",
                          own_drafter=True, releases_weights=True, title="SGLang", scheduler_process=True,
-                         plan_sized=True, no_tp_switch=(
+                         plan_sized=True, no_repetition_penalty=(
+        "SGLang 0.5.23's repetition penalty counts only the tokens it generated, not the prompt's (nor a resumed "
+        "request's earlier ones), unlike transformers, vLLM and TorchEngine"), no_tp_switch=(
         "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
         "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.model.hf_decoder import checkpoint_format, decoder_facts
+from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import (
     EngineStats,
@@ -146,10 +147,9 @@ def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], s
     repetition penalty counts only the tokens it generated, so a penalty is refused too."""
     if p.ignore_eos and p.stop_token_ids:
         raise ValueError("SGLang's ignore_eos also ignores stop_token_ids: set one of ignore_eos and stop_token_ids")
-    if p.repetition_penalty != 1:
-        raise ValueError("SGLang 0.5.23's repetition penalty counts only the tokens it generated, not the prompt's "
-                         "(nor a resumed request's earlier ones), unlike transformers, vLLM and TorchEngine: set "
-                         "rollout.repetition_penalty=1, or engine.kind torch or vllm")
+    if p.repetition_penalty != 1:  # engine.kind=sglang is refused at parse; auto may pick SGLang on a GPU
+        raise ValueError(f"{ENGINES['sglang'].no_repetition_penalty}: set rollout.repetition_penalty=1, or "
+                         "engine.kind torch or vllm")
     stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
     return {"max_new_tokens": remaining, "temperature": p.temperature, "top_p": p.top_p,
             "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, "stop_token_ids": stop,

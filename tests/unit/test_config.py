@@ -149,7 +149,7 @@ def test_engine_rules_ask_the_engine_registry():
     from rollpacker.config import Config
     from rollpacker.plan.config import PlanConfig
     from rollpacker.rollout import ENGINES
-    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.config import EngineConfig, RolloutConfig
 
     assert set(choices(EngineConfig)["kind"]) == {"auto", *ENGINES}
     assert ENGINES["torch"].supports_tp_switch and ENGINES["vllm"].needs_world_groups
@@ -160,6 +160,14 @@ def test_engine_rules_ask_the_engine_registry():
         else:
             with pytest.raises(ValueError, match=f"plan.enabled with engine.kind='{kind}': a TP switch"):
                 Config(engine=EngineConfig(kind=kind), plan=PlanConfig(enabled=True))
+    penalized = RolloutConfig(repetition_penalty=1.2)  # refused at parse where the engine cannot, auto at its start
+    for kind in ("auto", *ENGINES):
+        if kind == "auto" or not ENGINES[kind].no_repetition_penalty:
+            Config(engine=EngineConfig(kind=kind), rollout=penalized)
+        else:
+            with pytest.raises(ValueError, match=f"repetition_penalty=1.2 with engine.kind='{kind}': SGLang 0.5.23.s "
+                                                 "repetition penalty counts only .* or engine.kind='torch' or 'vllm'"):
+                Config(engine=EngineConfig(kind=kind), rollout=penalized)
 
 
 def test_choice_fields_are_checked_once_on_every_path(tmp_path):
