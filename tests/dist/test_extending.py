@@ -4,6 +4,7 @@ run it as they run the shipped policies, and its ledger is in the checkpoint."""
 
 from __future__ import annotations
 
+import pytest
 from support.docs import example_code, example_command
 from support.jobs import QUIET, launch_job, ledger, records, torchrun
 
@@ -20,6 +21,7 @@ def test_the_example_policy_trains_in_a_real_job(tmp_path):
     assert len(saved["trained"]) == 4 and len(saved["queue"]) == 2
 
 
+@pytest.mark.slow  # the page's command as written; the example policy trains in a real job above
 def test_the_pages_command_trains_the_example_out_of_tree(tmp_path):
     (tmp_path / "fifo.py").write_text(example_code())
     run = tmp_path / "run"

@@ -42,6 +42,7 @@ def can_mount_tmpfs() -> bool:
         ["unshare", "-m", "sh", "-c", probe], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow  # a rare fault; an interrupted save's atomicity is test_tail's sigkill test's
 @pytest.mark.skipif(not can_mount_tmpfs(), reason="needs unshare -m and a tmpfs mount (root or user namespaces)")
 def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     disk, copy = tmp_path / "disk", tmp_path / "copy"
@@ -125,6 +126,7 @@ def ready(run_dir, rank: int) -> bool:
     return rank or (run_dir / "checkpoints" / f"step_{metric_lines(run_dir)}" / checkpoint.MARKER).exists()
 
 
+@pytest.mark.slow  # torchrun's restart; a kill losing nothing is test_tail's sigkill test
 def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_path):
     """The launch line of docs/cluster-and-faults.md on one node: torchrun --max-restarts with --resume auto."""
     cmd = job(tmp_path, "--num-steps", "100", "--num-epochs", "1", "--resume", "auto")

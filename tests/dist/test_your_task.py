@@ -72,6 +72,7 @@ def rescore(funcs, sample: dict) -> dict[str, float]:
             "compute_score": funcs.compute_score(sample["data_source"], sample["completion"], sample["answer"], {})}
 
 
+@pytest.mark.slow  # the page's commands as written; a task of your own runs in the default tier's first-run tests
 @pytest.mark.timeout(1200)
 def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and_it_resumes(tmp_path, monkeypatch):
     blocks = doc_blocks()

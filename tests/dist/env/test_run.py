@@ -226,6 +226,7 @@ def test_episodes_run_on_sglang(tmp_path):
     check_run(run_dir, log)
 
 
+@pytest.mark.slow  # a kill mid-round and its resume: test_tail's sigkill test, on the same episode path
 def test_a_run_killed_with_episodes_in_flight_resumes_and_trains_every_prompt_once(tmp_path):
     """SIGKILL the whole run (ranks, environment workers) once a step is committed and episodes are
     in flight (environments open); ``--resume auto`` trains every prompt exactly once."""
@@ -278,6 +279,7 @@ def page_commands(name: str) -> list[list[str]]:
     return commands
 
 
+@pytest.mark.slow  # the page's commands as written; every path they take runs in this file's other tests
 @pytest.mark.timeout(900)
 def test_the_pages_commands_run_as_written(tmp_path):
     """docs/environments.md's environment file and tools file, and its commands, in a fresh directory."""

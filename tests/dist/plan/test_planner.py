@@ -73,6 +73,7 @@ def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
     assert "world: profile has 8, this run 2" in proc.stderr
 
 
+@pytest.mark.slow  # the switch is the test above's; every response is an episode, so it runs on the episode path
 def test_episodes_run_with_the_planner_its_switch_landing_between_steps(tmp_path):
     """The toy environment's episodes (a wrong answer gets a second try) under the planner: it switches
     TP between steps as for single-turn responses; every step's episodes finish in their round (none is

@@ -45,6 +45,7 @@ def test_pipe_run_trains_what_the_sync_run_trains(tmp_path):
         assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.slow  # pipe's rounds are the test above's; tail's ledger under them, this one's
 def test_tail_pipe_trains_every_prompt_exactly_once_per_epoch(tmp_path):
     finish(launch(tmp_path, "--schedule.pipe", "--train.train-shard-size", "1"))
     assert trained(tmp_path) == {0: list(range(NUM_ROWS)), 1: list(range(NUM_ROWS))}

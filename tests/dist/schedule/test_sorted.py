@@ -24,7 +24,7 @@ import pytest
 # --- for real: 2 gloo ranks ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["sorted", "sorted_partial"])
+@pytest.mark.parametrize("policy", [pytest.param("sorted", marks=pytest.mark.slow), "sorted_partial"])  # partial: more
 def test_two_rank_runs_train_every_prompt_once_per_epoch(policy, tmp_path):
     from support.jobs import finish, steps, trained
     from support.jobs import start_job as launch  # the tail job's flags; later flags win

@@ -19,9 +19,9 @@ def test_stream_step_equals_sync_step(toy_random_dir, nproc, shard, aggregations
 STREAM = ("--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1")
 
 
+@pytest.mark.slow  # the step-level equality is the test above's; a whole stream run, this one's
 @pytest.mark.parametrize("sampling", [["--rollout.temperature", "0"],
-                                      pytest.param(["--schedule.eta-prompts", "1", "--schedule.eta-responses", "1"],
-                                                   marks=pytest.mark.slow)])
+                                      ["--schedule.eta-prompts", "1", "--schedule.eta-responses", "1"]])
 def test_stream_run_trains_what_the_plain_run_trains(tmp_path, sampling):
     """Migrated requests finish as if never moved: greedy, and seeded sampling (there without
     speculation, which keeps whichever responses finish first, and migration changes that order).

@@ -30,7 +30,7 @@ POLICIES = {"sync": ("schedule:sync",), "tail": ("schedule:tail",),
             "one_step_off": ("schedule:one_step_off", "--train.rollout-correction", "token_tis")}
 
 
-@pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.slow) if p == "tail" else p for p in POLICIES])
+@pytest.mark.parametrize("policy", [p if p == "sync" else pytest.param(p, marks=pytest.mark.slow) for p in POLICIES])
 def test_lora_trains_under_the_policy_with_the_engine_on_merged_weights(tmp_path, policy):
     """one_step_off: the training pool broadcasts the merged weights to its rollout pool."""
     rows = run_four_steps(tmp_path, *POLICIES[policy], *LORA, "--train.kl-coef", "0.01")
