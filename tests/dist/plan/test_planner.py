@@ -20,6 +20,7 @@ RUN = ["--data.num-toy-prompts", "32", "--rollout.num-prompts", "4", "--rollout.
        "--plan.profile-batches", "1", "4", "--plan.profile-contexts", "32", "--plan.profile-steps", "2"]
 
 
+@pytest.mark.slow  # the CLI runs in sim validate's slow tests; the run below profiles at its start
 def test_the_profiler_cli_writes_a_profile_the_planner_reads(tmp_path):
     path = tmp_path / "profile.json"
     flags = ["--plan.profile", str(path), "--plan.profile-batches", "1", "2", "--plan.profile-contexts", "16", "40",
