@@ -182,11 +182,11 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
     where.mkdir(parents=True, exist_ok=True)
     base.mkdir(parents=True, exist_ok=True)
     flags = regime_flags(regime, args, extra)
-    profile = base / "profile.json"
+    profile, profiled_done = base / "profile.json", base / "profile.argv.json"
     profile_argv = ["--preset", "toy-cpu", *PROFILE_FLAGS[profiled(regime)],
                     *regime_flags(profiled(regime), args, extra), "--plan.profile", str(profile)]
-    if not kept(base / "profile.argv.json", profile_argv, args.fresh):  # the regime's flags override the points
-        torchrun("rollpacker.profile", profile_argv, base / "profile.argv.json")
+    if not kept(profiled_done, profile_argv, args.fresh):  # the regime's flags override the points
+        torchrun("rollpacker.profile", profile_argv, profiled_done)
     label = label or policy
     run_dir = where / label
     argv = job_argv(JobArgs(), [*flags, *variant], policy_args(policy), args.seed, str(run_dir))
@@ -195,9 +195,8 @@ def measure(regime: str, policy: str, args: ValidateArgs, extra: list[str] = (),
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, not appended to an earlier one
         torchrun("rollpacker.run", argv, done)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    loads = [json.loads(f.read_text())["other_cores"] for f in (done, base / "profile.argv.json")]
-    return Measured(argv, records, json.loads(profile.read_text()), max((x for x in loads if x is not None),
-                                                                         default=None))
+    loads = [x for f in (done, profiled_done) if (x := json.loads(f.read_text())["other_cores"]) is not None]
+    return Measured(argv, records, json.loads(profile.read_text()), max(loads, default=None))
 
 
 def simulate_run(argv: list[str], profile: dict) -> list[float]:
