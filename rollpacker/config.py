@@ -141,6 +141,10 @@ class Config:
                 "policy's. Set "
                 "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
                 f"or use schedule:{s.on_policy_alternative}")
+        if s.filter_zero_variance and self.reward.group_funcs:
+            raise ValueError(f"schedule.filter_zero_variance with reward.group_funcs {list(self.reward.group_funcs)}: "
+                             "the filter decides on each response's reward as it is scored, before a group function "
+                             "has seen its group; drop one of them")
         refuse_with_pools(s, stream=("stream.enabled", self.stream.enabled),
                           planner=("plan.enabled", self.plan.enabled))
         if self.pipe:

@@ -262,6 +262,9 @@ class RoundLeader:
     def submit(self, key: str, row: int, output: Any) -> None:
         self.rewards.submit(key, self.rows[row], output)
 
+    def submit_group(self, keys: list[str], row: int, outputs: list[Any]) -> None:
+        self.rewards.submit_group(keys, self.rows[row], outputs)
+
     def poll(self) -> list[tuple[str, float | None]]:
         return self.rewards.poll()
 

@@ -74,6 +74,9 @@ class RewardConfig:
     Empty: toy, or none with an environment (env.factory), whose rewards then count alone (tools alone: toy)."""
     weights: tuple[float, ...] = ()
     """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
+    group_funcs: tuple[str, ...] = ()
+    """Functions of funcs, by metric name (reward/NAME), called once per group on all its responses when the policy
+    completes it (TRL's call on a batch, the batch one prompt's group), not once per response as each finishes."""
     num_workers: int = 2
     """Reward worker processes, killed if they hang (0: score inline in the controller, for debugging)."""
     max_concurrent: int = 64
@@ -116,6 +119,12 @@ class RewardConfig:
                              f"({', '.join(names(self.funcs))}): give one each, or none for 1 each")
         if "judge" in self.funcs:
             check_judge_path(self.judge.model_path)
+        for name in self.group_funcs:
+            if name in BUILTINS or name not in names(self.funcs):
+                why = ("a built-in, which scores each response alone" if name in BUILTINS else
+                       f"not the metric name of one of reward.funcs ({', '.join(names(self.funcs)) or 'none'})")
+                raise ValueError(f"reward.group_funcs names {name!r}: {why}. Name a function of your own from "
+                                 "reward.funcs, as reward/NAME logs it")
         if not 0 <= self.max_error_frac <= 1:
             raise ValueError(f"reward.max_error_frac must be in [0, 1] (1: never stop), got {self.max_error_frac}")
         if self.num_workers < 0:

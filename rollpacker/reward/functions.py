@@ -9,7 +9,9 @@ Invariants:
 
 - None means "does not apply to this row". The scheduler sums the others with ``reward.weights``.
 - A function is called on one response at a time, as each finishes (TRL's lists hold one item),
-  in a worker process that can be killed when it hangs.
+  in a worker process that can be killed when it hangs; one named in ``reward.group_funcs`` is
+  called once per group, on the group's responses, once the policy completes it (TRL's batch call,
+  the batch one prompt's group).
 - A verl dict's ``score`` is the reward; its other numbers become ``reward/NAME/KEY`` metrics.
 
 Why TRL's and verl's conventions: a user's existing function runs unchanged. Both conventions in
@@ -62,6 +64,8 @@ class Ref:
     then sends a copy of itself (:class:`~rollpacker.env.trl.EnvState`)."""
     asynchronous: bool = False
     """An ``async def`` function: awaited concurrently in the controller (:func:`acall`), not in a worker."""
+    per_group: bool = False
+    """Called once per group with the group's responses (``reward.group_funcs``), not once per response."""
 
 
 @dataclass
@@ -113,78 +117,95 @@ def convention(fn, spec: str) -> str:
         "(data_source, solution_str, ground_truth, extra_info) -> float | dict")
 
 
-def resolve(spec: str, name: str) -> Ref:
-    """The :class:`Ref` of one entry of reward.funcs, its function imported here to check it (fail early)."""
+def resolve(spec: str, name: str, per_group: bool = False) -> Ref:
+    """The :class:`Ref` of one entry of reward.funcs, its function imported here to check it (fail early);
+    ``per_group``: it is named in reward.group_funcs."""
     ref = target(spec, BUILTINS)
     fn = load(ref, "reward.funcs", RewardFunctionError)
     kind = convention(fn, spec)
+    if per_group and kind == "verl":
+        raise RewardFunctionError(f"reward.group_funcs: {name} ({spec}) follows verl's convention, which scores one "
+                                  "response (solution_str); a group function takes TRL's lists (prompts, completions, "
+                                  "**columns) and returns one value per completion")
     return Ref(name, ref, kind, environments=kind == "trl" and bool(accepted(fn, {"environments": None})),
-               asynchronous=inspect.iscoroutinefunction(fn))
+               asynchronous=inspect.iscoroutinefunction(fn), per_group=per_group)
 
 
 Value = tuple["float | None", dict[str, float], dict[str, Any]]
 """A function's value for one response: ``(reward or None, metrics, info)``."""
 
 
-def call(ref: Ref, sample: dict) -> Value:
+def call(ref: Ref, sample: dict | list[dict]) -> Value | list[Value]:
     """Call ``ref`` on one response: ``sample`` holds ``prompt``, ``completion`` (text),
     ``completion_ids``, ``columns`` (the row's other columns), optionally ``trainer_state`` and, for
     an episode, ``messages`` (its turns after the prompt: TRL's completion then) and ``environment``
     (a copy of its environment: TRL's ``environments`` hold it). Returns ``(reward or None, metrics,
     info)``: a dict's other numbers and TRL's ``log_metric`` are metrics, the rest and TRL's ``log_extra``
     info. Raises :class:`BadValue` saying what it returned wrong (its own exceptions pass). An ``async
-    def`` function is run to its end on this process's event loop."""
+    def`` function is run to its end on this process's event loop. A group function (``ref.per_group``)
+    takes a group's samples, a list, in one call, and returns a list: one value each."""
     fn, kwargs, read = _prepared(ref, sample)
     return read(awaited(fn(**kwargs)))
 
 
-async def acall(ref: Ref, sample: dict) -> Value:
+async def acall(ref: Ref, sample: dict | list[dict]) -> Value | list[Value]:
     """:func:`call`, awaiting an ``async def`` function on the running event loop."""
     fn, kwargs, read = _prepared(ref, sample)
     value = fn(**kwargs)
     return read(await value if inspect.isawaitable(value) else value)
 
 
-def _prepared(ref: Ref, sample: dict) -> tuple[Callable, dict, Callable[[Any], Value]]:
+def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Callable[[Any], Value | list[Value]]]:
     """``ref``'s function, the keyword arguments of its call on ``sample`` (:func:`call`), and what reads
     what it returned."""
     fn = load(ref.target, "reward.funcs", RewardFunctionError)
-    columns, text = sample["columns"], sample["completion"]
     if ref.convention == "verl":
-        kwargs = dict(data_source=columns.get("data_source"), solution_str=text, ground_truth=columns.get("answer"),
-                      extra_info=columns.get("extra_info"))
+        columns = sample["columns"]
+        kwargs = dict(data_source=columns.get("data_source"), solution_str=sample["completion"],
+                      ground_truth=columns.get("answer"), extra_info=columns.get("extra_info"))
         return fn, accepted(fn, kwargs), _value
-    completion = sample.get("messages") or (
-        [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
+    samples = sample if ref.per_group else [sample]
     logged, extra = {}, {}
-    kwargs = {**{k: [v] for k, v in columns.items()}, "prompts": [sample["prompt"]], "completions": [completion],
-              "completion_ids": [sample["completion_ids"]],
-              "trainer_state": sample.get("trainer_state") or TrainerState(),  # as TRL: one object, not a list
+    kwargs = {**{k: [s["columns"].get(k) for s in samples] for k in samples[0]["columns"]},
+              "prompts": [s["prompt"] for s in samples], "completions": [_completion(s) for s in samples],
+              "completion_ids": [s["completion_ids"] for s in samples],
+              "trainer_state": samples[0].get("trainer_state") or TrainerState(),  # as TRL: one object, not a list
               "log_metric": lambda name, value: logged.__setitem__(str(name), float(value)),
-              "log_extra": lambda column, values: extra.__setitem__(str(column), _one(values))}
-    if sample.get("environment") is not None and accepted(fn, {"environments": None}):
-        kwargs["environments"] = [sample["environment"].restore()]
-    elif "environments" in inspect.signature(fn).parameters and sample.get("environment") is None:
+              "log_extra": lambda column, values: extra.__setitem__(str(column), values)}
+    if all(s.get("environment") is not None for s in samples) and accepted(fn, {"environments": None}):
+        kwargs["environments"] = [s["environment"].restore() for s in samples]
+    elif "environments" in inspect.signature(fn).parameters:
         raise BadValue("takes environments, and this response has no copy of its environment: they are given with "
                        "an env.factory of TRL's shape (a class made without arguments; docs/environments.md), and an "
                        "episode whose environment failed before its reset returned has none")
+    n = len(samples)
 
-    def read(values) -> Value:
+    def read(values) -> Value | list[Value]:
         if not isinstance(values, (list, tuple)):
             raise BadValue(f"returned {type(values).__name__} {short(values)}; a TRL-convention function returns a "
                            "list with one float or None per completion")
-        if len(values) != 1:
-            raise BadValue(f"returned {len(values)} values for 1 completion; a TRL-convention function returns "
-                           "one float or None per completion")
-        value, metrics, info = _value(values[0])
-        return value, logged | metrics, extra | info
+        if len(values) != n:
+            raise BadValue(f"returned {len(values)} values for {n} completion{'s' * (n > 1)}; a TRL-convention "
+                           "function returns one float or None per completion")
+        out = []
+        for i, value in enumerate(values):
+            value, metrics, info = _value(value)
+            out.append((value, logged | metrics, {k: _nth(v, i, n) for k, v in extra.items()} | info))
+        return out if ref.per_group else out[0]
 
     return fn, accepted(fn, kwargs), read
 
 
-def _one(values):
-    """What TRL's ``log_extra(column, values)`` logged for the one completion of a call: a list's one item."""
-    return values[0] if isinstance(values, (list, tuple)) and len(values) == 1 else values
+def _completion(sample: dict):
+    """A sample's completion as TRL passes it: an episode's turns, else the text (as a message after a chat prompt)."""
+    text = sample["completion"]
+    return sample.get("messages") or (
+        [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
+
+
+def _nth(values, i: int, n: int):
+    """What TRL's ``log_extra(column, values)`` logged for completion ``i`` of a call on ``n``: a list's item."""
+    return values[i] if isinstance(values, (list, tuple)) and len(values) == n else values
 
 
 def _value(value) -> Value:

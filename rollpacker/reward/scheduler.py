@@ -141,7 +141,7 @@ def build_functions(cfg: RewardConfig, environment: bool = False) -> list[Reward
             check_judge_path(cfg.judge.model_path)
             functions.append(JudgeFunction(Ref("judge", ""), weight, cfg))
         else:
-            functions.append(kinds.get(spec, RewardFunction)(resolve(spec, name), weight, cfg))
+            functions.append(kinds.get(spec, RewardFunction)(resolve(spec, name, name in cfg.group_funcs), weight, cfg))
     return functions
 
 
@@ -179,6 +179,13 @@ NONE_APPLIES = ""
 """The :class:`_Failures` key of the responses that no function scored (all returned None)."""
 
 
+@dataclass(frozen=True)
+class Members:
+    """The key of a group function's call: the responses of the group, in order."""
+
+    keys: tuple
+
+
 @dataclass
 class _Scoring:
     """A response being scored: what each function said so far."""
@@ -190,7 +197,10 @@ class _Scoring:
     """Its environment's rewards, summed (an episode's step rewards)."""
     env_scored: bool = False
     """Its environment gave a reward: it is scored even where no function applies."""
+    scored: dict[str, Scored] = field(default_factory=dict)
+    """Function name -> what it returned, so far."""
     values: dict[str, float | None] = field(default_factory=dict)
+    """Function name -> its value (None: did not apply, or failed), once every function returned."""
     errors: dict[str, str] = field(default_factory=dict)
     """Function name -> what went wrong."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -247,39 +257,62 @@ class RewardScheduler:
         """Start scoring one finished response (``output``: an engine output) of ``row``; returns at once.
         A response still being scored is not submitted again (sorted_partial rescores a finished response
         each round its prompt runs, and a round does not wait for the rewards it keeps no group of): its
-        reward comes once, to whichever round polls it."""
+        reward comes once, to whichever round polls it. With group functions it comes once its group's
+        :meth:`submit_group` is scored too."""
         if key in self._scoring:
             return
         scoring = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards))
         self._scoring[key] = scoring
+        if len(self._scoring) > MAX_VALUES:  # responses waiting for a group the policy never completed
+            del self._scoring[next(iter(self._scoring))]
         if scoring.env_scored:  # TRL's rewards/ENV/mean
             self._sums[ENVIRONMENT] += scoring.env_reward
             self._counts[ENVIRONMENT] += 1
         if not self.functions:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
             return
-        response = self.decode(output.token_ids)
-        prompt = row["prompt"] if output.prompt is None else output.prompt  # an episode's: its reset's, if any
-        columns = {k: v for k, v in row.items() if k != "prompt"}
+        sample = None
         for f in self.functions:
+            if f.ref.per_group:
+                continue
             if f.on_controller:
-                self._judge_todo.append(((key, f.name), (prompt, response, row.get("rubric"), output.messages)))
+                prompt = row["prompt"] if output.prompt is None else output.prompt
+                self._judge_todo.append(((key, f.name), (prompt, self.decode(output.token_ids), row.get("rubric"),
+                                                         output.messages)))
                 continue
             extra = f.extra(row)
-            sample = {"prompt": prompt, "completion": response, "completion_ids": list(output.token_ids),
-                      "columns": {**columns, **extra}, "trainer_state": self.state,
-                      "messages": output.messages,  # an episode's turns
-                      "environment": output.env_state}  # a copy of its environment, for TRL's `environments`
-            if self.async_calls and f.ref.asynchronous:
-                self.async_calls.submit((key, f.name), f.ref, sample, f.timeout(extra))
-                continue
-            if self.pool:
-                self.pool.submit((key, f.name), f.ref, sample, f.timeout(extra))
-                continue
+            sample = sample or self._sample(row, output)
+            self._dispatch((key, f.name), f, sample | {"columns": sample["columns"] | extra}, f.timeout(extra))
+
+    def submit_group(self, keys: list[Any], row: dict, outputs: list) -> None:
+        """Start the group functions' calls on a group the policy completed: the responses ``keys``
+        (submitted already), their ``outputs``, of ``row``; returns at once."""
+        group = [f for f in self.functions if f.ref.per_group]
+        if not group or not all(k in self._scoring for k in keys):
+            return  # none, or scored already (a carried group's responses are rescored, not regrouped)
+        samples = [self._sample(row, out) for out in outputs]
+        for f in group:
+            self._dispatch((Members(tuple(keys)), f.name), f, samples, f.timeout({}))
+
+    def _sample(self, row: dict, output) -> dict:
+        """What a function is called on for one response (:func:`~rollpacker.reward.functions.call`)."""
+        return {"prompt": row["prompt"] if output.prompt is None else output.prompt,  # an episode's: its reset's
+                "completion": self.decode(output.token_ids), "completion_ids": list(output.token_ids),
+                "columns": {k: v for k, v in row.items() if k != "prompt"}, "trainer_state": self.state,
+                "messages": output.messages,  # an episode's turns
+                "environment": output.env_state}  # a copy of its environment, for TRL's `environments`
+
+    def _dispatch(self, key: tuple, f: RewardFunction, sample: dict | list[dict], timeout: float) -> None:
+        """Call ``f`` on ``sample`` (one response's, or a group's): awaited, in a worker, or here."""
+        if self.async_calls and f.ref.asynchronous:
+            self.async_calls.submit(key, f.ref, sample, timeout)
+        elif self.pool:
+            self.pool.submit(key, f.ref, sample, timeout)
+        else:
             start = time.perf_counter()
             value, error, metrics, info = score(f.ref, sample)
             seconds = time.perf_counter() - start
-            self._inline.append(Scored((key, f.name), value, error, seconds, seconds, metrics, info))
+            self._inline.append(Scored(key, value, error, seconds, seconds, metrics, info))
 
     def poll(self) -> list[tuple[Any, float]]:
         """Rewards finished since the last call, ``(key, reward)``. Never waits for a worker; scores
@@ -345,24 +378,39 @@ class RewardScheduler:
         for s in scored:
             key, name = s.key
             self.seconds += s.seconds
-            scoring = self._scoring[key]
-            self._failures[name].add(scoring, s.error)
-            if s.error is not None:
-                scoring.errors[name] = f"reward function {name!r} failed on row {scoring.row['id']!r}: {s.error}"
+            if isinstance(key, Members):  # a group function's call: one value per response
+                n = len(key.keys)
+                values, infos = (s.score, s.info) if s.error is None else ([None] * n, [{}] * n)
+                for k, value, info in zip(key.keys, values, infos):
+                    if k in self._scoring:
+                        done += self._record(k, name, Scored(s.key, value, s.error, 0.0, 0.0, s.metrics, info))
+            elif key in self._scoring:
+                done += self._record(key, name, s)
+        return done
+
+    def _record(self, key: Any, name: str, s: Scored) -> list[tuple[Any, float]]:
+        """Record function ``name``'s value for response ``key``; its reward if that was the last one (a response
+        whose group never comes counts nowhere)."""
+        scoring = self._scoring[key]
+        scoring.scored[name] = s
+        if len(scoring.scored) < len(self.functions):
+            return []
+        for fname, r in scoring.scored.items():
+            self._failures[fname].add(scoring, r.error)
+            if r.error is not None:
+                scoring.errors[fname] = f"reward function {fname!r} failed on row {scoring.row['id']!r}: {r.error}"
             else:
-                self._by_name[name].observe(scoring.row, s.info)
-                scoring.extra |= {f"{name}/{k}": v for k, v in s.info.items()}
-                for metric, value in ({name: s.score} | {f"{name}/{k}": v for k, v in s.metrics.items()}).items():
+                self._by_name[fname].observe(scoring.row, r.info)
+                scoring.extra |= {f"{fname}/{k}": v for k, v in r.info.items()}
+                for metric, value in ({fname: r.score} | {f"{fname}/{k}": v for k, v in r.metrics.items()}).items():
                     if value is not None:
                         self._sums[metric] += value
                         self._counts[metric] += 1
-            scoring.values[name] = s.score
-            if len(scoring.values) == len(self.functions):
-                done.append((key, self._reward(self._scoring.pop(key))))
-                self.values[key] = {"rewards": scoring.values, "extra": scoring.extra}
-                if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
-                    del self.values[next(iter(self.values))]
-        return done
+        scoring.values = {f.name: scoring.scored[f.name].score for f in self.functions}
+        self.values[key] = {"rewards": scoring.values, "extra": scoring.extra}
+        if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
+            del self.values[next(iter(self.values))]
+        return [(key, self._reward(self._scoring.pop(key)))]
 
     def _reward(self, scoring: _Scoring) -> float:
         """The weighted sum over the functions that apply, plus the environment's rewards; a function's

@@ -29,6 +29,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import queue
 import resource
+import statistics
 import threading
 import time
 from collections.abc import Hashable
@@ -48,8 +49,9 @@ class Scored:
     """One finished sample."""
 
     key: Hashable
-    score: float | None
-    """The function's value; None when it does not apply to the row, or failed (then ``error`` says why)."""
+    score: float | None | list[float | None]
+    """The function's value; None when it does not apply to the row, or failed (then ``error`` says why). A
+    group function's: one per response of the group (its ``metrics`` their means, its ``info`` one dict each)."""
     error: str | None
     """Set when the function failed: it raised, returned a bad value, timed out, or its worker died."""
     seconds: float
@@ -62,16 +64,16 @@ class Scored:
     """The rest of such a dict, e.g. code's ``{"verdicts", "seconds"}`` per test run."""
 
 
-def score(ref: Ref, sample: dict) -> tuple[float | None, str | None, dict, dict]:
-    """Call one reward function on one response in this process, what a worker runs:
-    ``(value, error, metrics, info)``, with ``error`` the cause when it failed."""
+def score(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | list, str | None, dict, dict | list]:
+    """Call one reward function on one response (a group function: on a group's, a list) in this process,
+    what a worker runs: ``(value, error, metrics, info)``, with ``error`` the cause when it failed."""
     try:
         return _scored(call(ref, sample))
     except Exception as e:  # noqa: BLE001  (the user's code: whatever it raises is the cause to report)
         return _failed(e)
 
 
-async def ascore(ref: Ref, sample: dict) -> tuple[float | None, str | None, dict, dict]:
+async def ascore(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | list, str | None, dict, dict | list]:
     """:func:`score`, awaited on the running event loop (its cancellation passes)."""
     try:
         return _scored(await acall(ref, sample))
@@ -79,8 +81,11 @@ async def ascore(ref: Ref, sample: dict) -> tuple[float | None, str | None, dict
         return _failed(e)
 
 
-def _scored(value: Value) -> tuple[float | None, str | None, dict, dict]:
-    return value[0], None, value[1], value[2]
+def _scored(value: Value | list[Value]) -> tuple[float | None | list, str | None, dict, dict | list]:
+    if not isinstance(value, list):
+        return value[0], None, value[1], value[2]
+    metrics = {k: statistics.fmean(m[k] for _, m, _ in value if k in m) for k in {k for _, m, _ in value for k in m}}
+    return [v for v, _, _ in value], None, metrics, [info for _, _, info in value]
 
 
 def _failed(e: Exception) -> tuple[None, str, dict, dict]:

@@ -64,6 +64,8 @@ class Decided:
     abort: list[str] = field(default_factory=list)
     """Request ids to abort now (only outstanding ones, none migrating)."""
     launch: list[Launch] = field(default_factory=list)
+    complete: list[Group] = field(default_factory=list)
+    """The groups the policy completed."""
     done: bool = False
     """The round is over: ``abort`` holds everything still outstanding."""
 
@@ -197,6 +199,7 @@ class RoundState:
             self.outstanding -= set(decision.abort)
             out.launch += self.launch(decision.launch)
             self.complete += decision.complete
+            out.complete += decision.complete
             self.num_complete += len(decision.complete)
             self.filtered += decision.filtered
             out.done |= decision.round_done
@@ -240,10 +243,14 @@ class RoundState:
     def num_launched(self) -> int:
         return len(self.owner)
 
-    def finish(self, aborted: list[Any], wait: Callable[[], Any] | None = None) -> list[Group]:
+    def finish(self, aborted: list[Any], wait: Callable[[], Any] | None = None,
+               grouped: Callable[[list[Group]], None] | None = None) -> list[Group]:
         """The policy's groups to train, given the partial outputs of the aborted requests, with
-        their rewards; ``wait()`` gives the scores still missing when some response they keep has none."""
+        their rewards; ``grouped(groups)`` is told them first, ``wait()`` gives the scores still missing
+        when some response they keep has none."""
         groups = self.policy.end_round(aborted)
+        if grouped:
+            grouped(groups)
         if wait and any(o.id not in self.scores for g in groups for o in g.outputs):
             self.scored(wait())
         for g in groups:
@@ -309,6 +316,11 @@ class Scorer(Protocol):
     """Scores each response as it finishes; ``row`` is its dataset row (the reward side composes the reward)."""
 
     def submit(self, key: str, row: int, output: Any) -> None: ...
+
+    def submit_group(self, keys: list[str], row: int, outputs: list[Any]) -> None:
+        """A group the policy completed, its responses submitted already: the group functions' call
+        (``reward.group_funcs``); the scores of its responses include their values."""
+        ...
 
     def poll(self) -> list[tuple[str, float | None]]:
         """The scores ready now."""
@@ -401,6 +413,8 @@ class Round:
         self.last_finish = 0.0
         self.scaled: ScaledDown | None = None
         self.num_fed = 0
+        self.grouped: set[tuple[str, ...]] = set()
+        """The groups given to the scorer, by their responses' ids."""
 
     def start(self, now: float = 0.0) -> Actions:
         """Launch the plan's prompts (on the kept replicas when the hooks begin scaled down)."""
@@ -426,6 +440,7 @@ class Round:
         state.scored(self.scorer.wait() if state.needs_all_scores else self.scorer.poll())
         # The policy hears of responses in finish order, once scored if it needs rewards to decide.
         decided = state.decide(resuming=bool(resume))
+        self._group(decided.complete)
         self._open(decided.launch)
         out = Actions(resume=resume, abort=self._abort(decided.abort), done=decided.done)
         if not out.done and self.scaled is None and state.outstanding and hooks.scale_down_now(generated):
@@ -452,13 +467,21 @@ class Round:
         runner = self.runner
         self.cut += [c for c in map(runner.cut, aborted) if c is not None] + runner.close_all()
         metrics = self.hooks.finish(self.scaled, self.num_fed) | runner.stats.metrics()
-        groups = self.state.finish(self.cut, wait=self.scorer.wait)
+        groups = self.state.finish(self.cut, wait=self.scorer.wait, grouped=self._group)
         carried = sum(len(o.token_ids) for o in self.state.plan.carried.values() if o.finish_reason == "abort")
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
                             generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.cut) - carried,
                             last_finish=self.last_finish, scaled=self.scaled, num_fed=self.num_fed,
                             hook_metrics=metrics, env=runner.take_calls(), env_errors=runner.stats.causes,
                             filtered=self.state.filtered)
+
+    def _group(self, groups: list[Group]) -> None:
+        """Give the scorer each of ``groups`` it has not had."""
+        for g in groups:
+            ids = tuple(o.id for o in g.outputs)
+            if ids and ids not in self.grouped:
+                self.grouped.add(ids)
+                self.scorer.submit_group(list(ids), g.prompt, g.outputs)
 
     def _open(self, launches: list[Launch]) -> None:
         """Open the episodes of ``launches``; responses an earlier round finished are only scored again."""

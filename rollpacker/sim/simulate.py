@@ -240,6 +240,9 @@ class _Instant:
     def submit(self, key: str, row: int, output: Seq) -> None:
         self.done.append((key, self.reward(row, output)))
 
+    def submit_group(self, keys: list[str], row: int, outputs: list[Seq]) -> None:
+        """Nothing: a simulated response's reward is whole when it is submitted."""
+
     def poll(self) -> list[tuple[str, float | None]]:
         done, self.done = self.done, []
         return done

@@ -41,6 +41,9 @@ def one_in_ten(completions, id, trainer_state, **kwargs):  # fails on rows:3, ro
     if id[0].endswith("3"):
         raise ValueError(f"row three at step {trainer_state.global_step}")
     return [None]
+
+def siblings(completions, **kwargs):  # a group function (reward.group_funcs): the size of its group
+    return [float(len(completions))] * len(completions)
 '''
 
 
@@ -143,9 +146,11 @@ def test_ctrl_c_stops_cleanly_and_resume_passes_a_damaged_checkpoint_training_ea
                                                                         system_prompt=SYSTEM)
         assert sample["prompt_text"].startswith(f"{SYSTEM}\nQ: ")
 
-    # the newest checkpoint damaged; resumed by plain torchrun, with a function failing on 1 row in 10
+    # the newest checkpoint damaged; resumed by plain torchrun, with a function failing on 1 row in 10 and a
+    # group function, weighted 0
     (stopped / ".metadata").write_bytes((stopped / ".metadata").read_bytes()[:100])
-    resume = args(tmp_path, run_dir, "--resume", "auto", "--reward.funcs", "toy", "funcs.py:one_in_ten")
+    resume = args(tmp_path, run_dir, "--resume", "auto", "--reward.funcs", "toy", "funcs.py:one_in_ten",
+                  "funcs.py:siblings", "--reward.weights", "1", "1", "0", "--reward.group-funcs", "siblings")
     proc, out, err = start(tmp_path, "resumed", torchrun(*resume))
     assert finish(proc) == 0, err.read_text()[-4000:]
     said = err.read_text()
@@ -156,6 +161,10 @@ def test_ctrl_c_stops_cleanly_and_resume_passes_a_damaged_checkpoint_training_ea
     assert f"resuming from {previous}" in said
     final = records(run_dir)
     assert [r["step"] for r in final] == list(range(NUM_ROWS // 4))  # each step once
+    assert all(r["reward/siblings"] == 2.0 for r in final[step - 1:])  # called on each group of 2, every step
+    resumed = [json.loads(line) for r in final[step - 1:]
+               for line in (run_dir / "samples" / f"step_{r['step']}.jsonl").read_text().splitlines()]
+    assert resumed and all(s["rewards"]["siblings"] == 2.0 for s in resumed)
     trained = json.loads((checkpoint.latest(run_dir) / "train_state.json").read_text())["policy"]["ledger"]["trained"]
     assert sorted(trained) == [[0, row] for row in range(NUM_ROWS)]  # every prompt once
     failed = [r["step"] for r in final if r["reward/errors"]]  # trained on, scored 0: the run went on

@@ -92,13 +92,16 @@ def test_report_plots_eval_pass_at_k_per_source_and_each_reward_function_with_th
 
 
 def test_the_rewards_page_tests_a_function_as_it_says_on_its_own_example(tmp_path, monkeypatch, capsys):
-    """docs/rewards.md's "Testing your function" runs as written on the page's format_ok."""
+    """docs/rewards.md's "Testing your function" runs as written on the page's format_ok and distinct."""
     page = Path(__file__).resolve().parents[2] / "docs" / "rewards.md"
     blocks = dict(re.findall(r"<!-- test: (\S+) -->\n```\w+\n(.*?)```", page.read_text(), re.S))
     (tmp_path / "my_rewards.py").write_text(blocks["my_rewards.py"])
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks["testing"], "testing", "exec"), {})  # noqa: S102 - the page's own snippet
     assert capsys.readouterr().out == "(1.0, {}, {})\n"
+    (tmp_path / "my_group_rewards.py").write_text(blocks["my_group_rewards.py"])
+    exec(compile(blocks["testing-group"], "testing-group", "exec"), {})  # noqa: S102 - the page's own snippet
+    assert capsys.readouterr().out == "[0.5, 0.5, 1.0]\n"
 
 
 def test_the_live_display_on_a_terminal_shows_the_run_and_the_rollout():

@@ -54,6 +54,16 @@ def logs(completions, answer, log_extra=None, log_metric=None, **kwargs):  # TRL
 def verl_pred(data_source, solution_str, ground_truth, extra_info=None):
     return {"score": 1.0, "pred": solution_str.strip(), "ok": True}
 
+def distinct(completions, answer, log_extra=None, **kwargs):  # a group function: a completion its siblings share
+    texts = [c[0]["content"] for c in completions]            # scores less
+    assert len(set(answer)) == 1  # one prompt's group
+    log_extra("copies", [texts.count(t) for t in texts])
+    return [1.0 / texts.count(t) for t in texts]
+
+async def shortest(completion_ids, log_metric=None, **kwargs):  # an async group function: 1 for the shortest
+    log_metric("size", len(completion_ids))
+    return [float(len(ids) == min(map(len, completion_ids))) for ids in completion_ids]
+
 def one_in_three(completions, id, **kwargs):
     if id[0].endswith("3"):
         raise ValueError("row three")
@@ -177,6 +187,62 @@ def test_trl_log_metric_and_log_extra_and_a_verl_dicts_other_values_reach_the_me
         assert values["a:1"] == {"rewards": {"logs": 1.0, "verl_pred": 1.0}, "extra": {
             "logs/golden_answer": "2", "logs/extracted_answer": "2", "verl_pred/pred": "2"}}
         assert values["a:2"]["extra"]["logs/extracted_answer"] == "hello there"
+
+
+def test_group_functions_score_a_completed_group_and_its_rewards_wait_for_them(funcs, caplog):
+    """reward.group_funcs: a function is called once on a group's responses, TRL's lists holding the group, when
+    the round says the group is complete; each response's reward is its per-response functions' and its value in
+    the group's call, and comes only then. A group function that fails fails each response of its group."""
+    row = ROWS[0]
+    group = {f"a:1:{k}": Response(id="", prompt_ids=[], token_ids=[k] * (3 + k)) for k in range(3)}  # " 2", "hello
+    for workers in (0, 1):                                                                         # there", " 2"
+        cfg = RewardConfig(funcs=funcs("length", "distinct", "shortest"), weights=(1.0, 1.0, 10.0),
+                           group_funcs=("distinct", "shortest"), num_workers=workers, on_error="fail")
+        scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0] % 2])
+        try:
+            for key, response in group.items():
+                scheduler.submit(key, row, response)
+            assert scheduler.poll() == []  # length is in: the rewards wait for the group's call
+            scheduler.submit_group(list(group), row, list(group.values()))
+            got, metrics = dict(scheduler.wait()), scheduler.take_metrics()
+            values = scheduler.take_values(list(group))
+        finally:
+            scheduler.close()
+        assert got == {"a:1:0": pytest.approx(0.3 + 0.5 + 10), "a:1:1": pytest.approx(0.4 + 1.0),
+                       "a:1:2": pytest.approx(0.5 + 0.5)}
+        assert metrics | {"reward/seconds_total": 0} == pytest.approx({
+            "reward/length": 0.4, "reward/distinct": 2 / 3, "reward/shortest": 1 / 3, "reward/shortest/size": 3.0,
+            "reward/errors": 0, "reward/seconds_total": 0})
+        assert values["a:1:1"] == {"rewards": {"length": 0.4, "distinct": 1.0, "shortest": 0.0},
+                                   "extra": {"distinct/copies": 1}}
+    scheduler = RewardScheduler(RewardConfig(funcs=funcs("two"), group_funcs=("two",), num_workers=0,
+                                             max_error_frac=1.0), lambda ids: RESPONSES[0])
+    for key, response in group.items():
+        scheduler.submit(key, row, response)
+    scheduler.submit_group(list(group), row, list(group.values()))
+    assert dict(scheduler.wait()) == dict.fromkeys(group, 0.0) and scheduler.take_metrics()["reward/errors"] == 3
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "reward function 'two' failed on 3 of 3 responses at step 0, scored 0 (--reward.on-error skip); first on row "
+        "'a:1': returned 2 values for 3 completions; a TRL-convention function returns one float or None per "
+        "completion"]
+
+
+def test_group_functions_are_users_functions_of_trls_convention(funcs):
+    from rollpacker.config import Config
+    from rollpacker.reward.scheduler import build_functions
+    from rollpacker.schedule.sync import SyncConfig
+
+    with pytest.raises(ValueError, match=r"reward.group_funcs names 'toy': a built-in, which scores each response "
+                                         r"alone\. Name a function of your own"):
+        RewardConfig(funcs=("toy",), group_funcs=("toy",))
+    with pytest.raises(ValueError, match=r"names 'length': not the metric name of one of reward.funcs \(toy\)"):
+        RewardConfig(funcs=("toy",), group_funcs=("length",))
+    with pytest.raises(RewardFunctionError, match=r"group_funcs: compute_score \(.*\) follows verl's convention"):
+        build_functions(RewardConfig(funcs=funcs("compute_score"), group_funcs=("compute_score",)))
+    with pytest.raises(ValueError, match=r"schedule.filter_zero_variance with reward.group_funcs \['distinct'\]: the "
+                                         r"filter decides on each response's reward as it is scored"):
+        Config(reward=RewardConfig(funcs=funcs("distinct"), group_funcs=("distinct",)),
+               schedule=SyncConfig(filter_zero_variance=True))
 
 
 def test_a_row_no_function_scores_is_an_error_naming_it(funcs):

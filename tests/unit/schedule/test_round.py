@@ -18,11 +18,15 @@ class Scores:
     """Scores every response at once: reward 1 for response 0, 0 for response 1."""
 
     def __init__(self):
-        self.ready, self.rows = [], {}
+        self.ready, self.rows, self.groups = [], {}, []
 
     def submit(self, key, row, output):
         self.rows[key] = row
         self.ready.append((key, float(key.endswith(":0"))))
+
+    def submit_group(self, keys, row, outputs):
+        assert [o.id for o in outputs] == keys and all(k in self.rows for k in keys)
+        self.groups.append((row, keys))
 
     def poll(self):
         ready, self.ready = self.ready, []
@@ -62,6 +66,7 @@ def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alon
     assert (a.add, a.resume, a.done, a.scale_down) == ([], [], False, True)
     assert a.abort == [(1, rid[1, 1]), (1, rid[2, 1]), (1, rid[3, 1])]
     assert [g.prompt for g in a.feed] == [state.plan.prompts[0]] and a.feed[0].rewards == [1.0, 0.0]
+    assert scores.groups == [(state.plan.prompts[0], [rid[0, 0], rid[0, 1]])]  # the group functions' call, at once
     assert (rnd.scaled.at, rnd.scaled.completed_frac, state.active, list(decider.history)) == (10.0, 0.25, 1, [4, 4])
     assert state.migrating == {r for _, r in a.abort} and hooks.fetching
 
@@ -91,6 +96,7 @@ def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alon
                                     "time/migration": 2.5, "stream/streamed_groups": 4.0}
     assert decider.migration_seconds_per_token == pytest.approx(2.5 / 7)
     assert scores.rows[rid[3, 1]] == state.plan.prompts[3]  # the whole one was scored as its row's response
+    assert sorted(scores.groups) == sorted((g.prompt, [o.id for o in g.outputs]) for g in outcome.groups)  # once each
 
 
 def test_launches_of_the_scale_down_poll_go_to_the_kept_replicas_not_into_migration():
