@@ -12,7 +12,8 @@ Invariants:
 - Token in, token out: verifiers sees text, and nothing is tokenized again.
 - The rollout's reward is the last step's. A rollout that ended with an error fails the step.
 - An episode rollpacker ends first is closed unscored: give verifiers ``env.max_turns``.
-- Each rollout is scored alone (``score_rollout``): a rubric with group-level functions is refused at the first reset.
+- Each rollout is scored alone (``score_rollout``): a rubric with group-level functions is refused at the first reset
+  (``reward.group_funcs`` scores a group, outside the environment).
 
 Why: a verifiers environment then trains unchanged. How the loop runs: ``docs/environments.md``.
 """
@@ -51,7 +52,9 @@ def scored_alone(env):
         names = ", ".join(f.__name__ for r in rubrics for f in r._get_group_reward_funcs())
         raise ValueError(f"the verifiers environment {type(env).__name__}'s rubric has group-level reward functions "
                          f"({names}: plural parameters such as completions, or a list returned), and rollpacker "
-                         "scores each rollout alone: make them per-rollout functions (one completion, one float)")
+                         "scores each rollout alone: make them per-rollout functions (one completion, one float), or "
+                         "score the group with a function of reward.group_funcs (TRL's lists over the group's "
+                         "completions: docs/rewards.md)")
     return env
 
 

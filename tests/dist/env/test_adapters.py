@@ -151,6 +151,7 @@ def test_a_verifiers_rubric_scoring_by_group_is_refused_at_the_first_reset(vf_fi
         pool.open_episode("e", {"id": "r0", "prompt": "1+1", "answer": "2"}, 0)
         (opened,) = pool.drain(60)
     assert "group-level reward functions (distinct" in opened.error and "one completion, one float" in opened.error
+    assert "or score the group with a function of reward.group_funcs" in opened.error
 
 
 def test_a_skyrl_gym_environment_runs_through_the_contract():
