@@ -271,17 +271,15 @@ class RewardScheduler:
         if not self.functions:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
             return
-        sample = None
+        sample = self._sample(row, output)
         for f in self.functions:
             if f.ref.per_group:
                 continue
             if f.on_controller:
-                prompt = row["prompt"] if output.prompt is None else output.prompt
-                self._judge_todo.append(((key, f.name), (prompt, self.decode(output.token_ids), row.get("rubric"),
+                self._judge_todo.append(((key, f.name), (sample["prompt"], sample["completion"], row.get("rubric"),
                                                          output.messages)))
                 continue
             extra = f.extra(row)
-            sample = sample or self._sample(row, output)
             self._dispatch((key, f.name), f, sample | {"columns": sample["columns"] | extra}, f.timeout(extra))
 
     def submit_group(self, keys: list[Any], row: dict, outputs: list) -> None:
