@@ -199,12 +199,15 @@ class _Scoring:
     """Its environment gave a reward: it is scored even where no function applies."""
     scored: dict[str, Scored] = field(default_factory=dict)
     """Function name -> what it returned, so far."""
-    values: dict[str, float | None] = field(default_factory=dict)
-    """Function name -> its value (None: did not apply, or failed), once every function returned."""
     errors: dict[str, str] = field(default_factory=dict)
     """Function name -> what went wrong."""
     extra: dict[str, Any] = field(default_factory=dict)
     """``NAME/KEY`` -> what function NAME said besides numbers: a dict's other values, TRL's ``log_extra``."""
+
+    @property
+    def values(self) -> dict[str, float | None]:
+        """Function name -> its value (None: did not apply, or failed)."""
+        return {name: r.score for name, r in self.scored.items()}
 
 
 MAX_VALUES = 1 << 16
@@ -404,7 +407,6 @@ class RewardScheduler:
                     if value is not None:
                         self._sums[metric] += value
                         self._counts[metric] += 1
-        scoring.values = {f.name: scoring.scored[f.name].score for f in self.functions}
         self.values[key] = {"rewards": scoring.values, "extra": scoring.extra}
         if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
             del self.values[next(iter(self.values))]
@@ -413,7 +415,8 @@ class RewardScheduler:
     def _reward(self, scoring: _Scoring) -> float:
         """The weighted sum over the functions that apply, plus the environment's rewards; a function's
         error is raised (fail) or scored 0 (skip)."""
-        applied = [(f.weight, scoring.values[f.name]) for f in self.functions if scoring.values[f.name] is not None]
+        values = scoring.values
+        applied = [(f.weight, values[f.name]) for f in self.functions if values[f.name] is not None]
         errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]
         self.responses += 1
         if not errors and not applied and self.functions and not scoring.env_scored:
