@@ -1,5 +1,6 @@
 """Checkpoints that resume exactly: model and optimizer shards (torch.distributed.checkpoint), the
-step, the LR schedule, the adaptive KL coefficient, a moving KL reference, the scheduling policy's state
+step, the LR schedule, the adaptive KL coefficient, a moving KL reference, PPO's critic (its weights, optimizer
+and LR schedule), the scheduling policy's state
 (sampler position, sample ledger) and the reward scheduler's (adaptive-timeout anchors).
 
 The model's frozen parameters are not saved (:func:`trained_state`): with LoRA a checkpoint holds the
@@ -88,7 +89,9 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     dist.barrier()
     failed = _save_trainer(path, trainer) if trainer is not None else {}
     info = [(trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value,
-             bool(trainer.config.ref_sync_steps)) if trainer is not None else None]
+             bool(trainer.config.ref_sync_steps),
+             trainer.critic_scheduler.state_dict() if trainer.critic is not None else None)
+            if trainer is not None else None]
     dist.broadcast_object_list(info, src=trainer_rank)
     failed = _everyones(failed)
     if also is not None and not failed:
@@ -99,7 +102,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         failed = _everyones(failed)
     if rank == 0 and not failed:
         meta = {"step": step, "scheduler": info[0][0], "world_size": dist.get_world_size(), "model": info[0][1],
-                "kl_coef": info[0][2], "reference": info[0][3], **(controller or {})}
+                "kl_coef": info[0][2], "reference": info[0][3], "critic": info[0][4], **(controller or {})}
         try:
             (path / "train_state.json").write_text(json.dumps(meta))
             (path / MARKER).write_text("")
@@ -134,7 +137,7 @@ def _save_trainer(path: Path, trainer) -> dict[int, str]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = {"model": trained_state(trainer.model), "optim": get_optimizer_state_dict(trainer.model, trainer.optimizer),
-             **moved_reference(trainer)}
+             **moved_reference(trainer), **critic_state(trainer)}
     try:
         dcp.save(state, checkpoint_id=str(path), process_group=trainer.group)
     except CheckpointException as e:  # every rank of the group gets every rank's failure
@@ -250,6 +253,16 @@ def moved_reference(trainer) -> dict[str, Any]:
     return {"reference": get_model_state_dict(trainer.reference)} if trainer.config.ref_sync_steps else {}
 
 
+def critic_state(trainer) -> dict[str, Any]:
+    """``{"critic": its weights, "critic_optim": its optimizer's state}`` with PPO's critic, else nothing."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if trainer.critic is None:
+        return {}
+    return {"critic": get_model_state_dict(trainer.critic),
+            "critic_optim": get_optimizer_state_dict(trainer.critic, trainer.critic_optimizer)}
+
+
 def trained_state(model) -> dict[str, Any]:
     """The model's state dict without its frozen parameters, a tied alias of one included."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -319,6 +332,10 @@ def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
             state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)
             if meta.get("reference"):  # saved moved: resumed as it was (not with ref_sync_steps off: the initial one)
                 state |= moved_reference(trainer)
+            if trainer.critic is not None and not meta.get("critic"):
+                raise CheckpointError(f"resume: {path} holds no critic (it was written with train.advantage other "
+                                      "than gae): resume with the advantage it was written with, or start afresh")
+            state |= critic_state(trainer)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=trainer.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001  (damaged past what verify() sees: one line)
@@ -327,6 +344,10 @@ def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
         set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=False))
         if "reference" in state:
             set_model_state_dict(trainer.reference, state["reference"])
+        if "critic" in state:
+            set_model_state_dict(trainer.critic, state["critic"])
+            set_optimizer_state_dict(trainer.critic, trainer.critic_optimizer, state["critic_optim"])
+            trainer.critic_scheduler.load_state_dict(meta["critic"])
         if not weights_only:
             set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
             trainer.scheduler.load_state_dict(meta["scheduler"])

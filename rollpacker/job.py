@@ -161,8 +161,10 @@ def join(config: Config) -> tuple[Path, str]:
 def build(config: Config) -> Job:
     """Every rank's parts (collective)."""
     path, impl = join(config)
-    if config.train.teacher.path:
-        check_teacher(path, config.train.teacher.path)
+    for setting, other in (("train.teacher.path", config.train.teacher.path),
+                           ("train.critic.path", config.train.critic.path)):
+        if other:
+            check_tokenizer(path, other, setting)
     world = torch.distributed.get_world_size()
     config.check_world(world)
     streaming = config.stream.enabled or config.pipe
@@ -238,9 +240,9 @@ def check_hf(config: Config) -> None:
 
 def build_trainer(config: Config, impl: str, meshes: Meshes) -> Trainer:
     """This rank's shard of the trainer: the policy (with its LoRA adapters), the KL reference (when
-    train.kl_coef > 0, unless LoRA's adapters-off policy is the reference) and distillation's teacher,
-    each built on the meta device and filled from the first training rank's host copy (collective over
-    the pool)."""
+    train.kl_coef > 0, unless LoRA's adapters-off policy is the reference), distillation's teacher and
+    PPO's critic (train.advantage gae), each built on the meta device and filled from the first training
+    rank's host copy (collective over the pool)."""
     t = config.train
     kw = dict(src=meshes.train_ranks[0], group=meshes.train_group, device=compute_device(meshes.train))
     path = str(config.model.directory())
@@ -249,18 +251,21 @@ def build_trainer(config: Config, impl: str, meshes: Meshes) -> Trainer:
         if t.kl_coef and not t.lora.rank else None
     teacher = build_for_training(t.teacher.path, resolve_impl("auto", t.teacher.path), meshes.train, t,
                                  reference=True, **kw) if t.teacher.path else None
+    critic_impl = resolve_impl("auto", t.critic.path) if t.critic.path else impl
+    critic = build_for_training(t.critic.path or path, critic_impl, meshes.train, t, critic=True,
+                                **kw) if t.advantage == "gae" else None
     return Trainer(policy, t, meshes.train, temperature=config.rollout.temperature or 1.0, reference=reference,
-                   teacher=teacher, group=meshes.train_group, num_steps=config.num_steps)
+                   teacher=teacher, critic=critic, group=meshes.train_group, num_steps=config.num_steps)
 
 
-def check_teacher(student: Path, teacher: str) -> None:
-    """Refuse a teacher (train.teacher.path) whose tokenizer is not the student's: its log-probs
-    would score other tokens than the ones sampled."""
+def check_tokenizer(student: Path, other: str, setting: str) -> None:
+    """Refuse a teacher (train.teacher.path) or a critic (train.critic.path) whose tokenizer is not the
+    student's: it would score other tokens than the ones sampled."""
     from transformers import AutoTokenizer
 
-    where = Path(teacher)
+    where = Path(other)
     if not (where / "config.json").is_file():
-        raise UserError(f"train.teacher.path: {where} has no config.json: point it at a Hugging Face model directory")
+        raise UserError(f"{setting}: {where} has no config.json: point it at a Hugging Face model directory")
     mine, theirs = (AutoTokenizer.from_pretrained(p) for p in (student, where))
     a, b = mine.get_vocab(), theirs.get_vocab()
     differ = sorted({t for t in a.keys() | b.keys() if a.get(t) != b.get(t)}, key=lambda t: a.get(t, b.get(t)))
@@ -268,10 +273,9 @@ def check_teacher(student: Path, teacher: str) -> None:
                if getattr(mine, k) != getattr(theirs, k)]
     if differ or special:
         ids = f"; special ids differ: {', '.join(special)}" if special else ""
-        raise UserError(f"train.teacher.path: {where}'s tokenizer is not model.path's ({student}): "
-                        f"{len(differ)} token(s) differ (e.g. {differ[:3]}){ids}. On-policy distillation scores the "
-                        "student's tokens with the teacher, so both must share one tokenizer: pick a teacher of the "
-                        "same family")
+        raise UserError(f"{setting}: {where}'s tokenizer is not model.path's ({student}): "
+                        f"{len(differ)} token(s) differ (e.g. {differ[:3]}){ids}. It scores the policy's sampled "
+                        "tokens, so both must share one tokenizer: pick a model of the same family")
 
 
 def build_planner(job: Job) -> None:

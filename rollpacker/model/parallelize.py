@@ -84,15 +84,24 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, *, mixed_precision: bool, of
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, config: MemoryConfig, *, mixed_precision: bool,
-                offload: bool | None = None) -> nn.Module:
-    """The policy for training: LoRA adapters (``train.lora``, unless it has them), activation
-    checkpointing, then FSDP2 (in place; returned)."""
+                offload: bool | None = None, adapters: bool = True) -> nn.Module:
+    """The policy for training: LoRA adapters (``train.lora``, unless it has them or not ``adapters``: a
+    critic trains whole), activation checkpointing, then FSDP2 (in place; returned)."""
     from rollpacker.model import lora
 
-    if config.lora.rank and not lora.has_adapters(model):
+    if adapters and config.lora.rank and not lora.has_adapters(model):
         lora.apply(model, config.lora)
     apply_activation_checkpointing(model.layers, config)
     shard_model(model, mesh, mixed_precision=mixed_precision, offload=config.offload if offload is None else offload)
+    return model
+
+
+def with_value_head(model: nn.Module) -> nn.Module:
+    """PPO's critic made of a decoder (in place; returned): its output head becomes one output, zero (the first
+    values are 0), never tied to the embedding."""
+    hidden = model.lm_head.weight.shape[1]
+    model.lm_head = nn.Linear(hidden, 1, bias=False, device=model.lm_head.weight.device)
+    nn.init.zeros_(model.lm_head.weight)
     return model
 
 
@@ -111,11 +120,13 @@ def prepare_reference(model: nn.Module, mesh: DeviceMesh, config: MemoryConfig, 
 
 
 def build_for_training(path: str, impl: str, mesh: DeviceMesh, config: MemoryConfig, *, src: int,
-                       group: dist.ProcessGroup | None, device: torch.device, reference: bool = False) -> nn.Module:
-    """The policy (or, with ``reference``, the frozen KL reference) of the model directory ``path`` for
-    training, never whole on the device: built on the meta device, parallelized, then filled from the
-    whole model that rank ``src`` alone loads into host memory (:func:`load_sharded`). A streamed
-    reference is whole in every rank's host memory. ``impl``: native or hf."""
+                       group: dist.ProcessGroup | None, device: torch.device, reference: bool = False,
+                       critic: bool = False) -> nn.Module:
+    """The policy (or, with ``reference``, the frozen KL reference; with ``critic``, PPO's critic:
+    :func:`with_value_head`, no LoRA) of the model directory ``path`` for training, never whole on the
+    device: built on the meta device, parallelized, then filled from the whole model that rank ``src``
+    alone loads into host memory (:func:`load_sharded`). A streamed reference is whole in every rank's
+    host memory. ``impl``: native or hf."""
     from rollpacker.model import lora
     from rollpacker.model.hf import load_model, read_args
     from rollpacker.model.hf_decoder import full_state, load_hf
@@ -127,21 +138,23 @@ def build_for_training(path: str, impl: str, mesh: DeviceMesh, config: MemoryCon
 
     def build(meta: bool) -> nn.Module:
         if impl == "hf":
-            return load_hf(path, meta=meta)
-        if not meta:
-            return load_model(path, "cpu", torch.float32)
-        with torch.device("meta"):
-            return Transformer(read_args(path))
+            model = load_hf(path, meta=meta)
+        elif not meta:
+            model = load_model(path, "cpu", torch.float32)
+        else:
+            with torch.device("meta"):
+                model = Transformer(read_args(path))
+        return with_value_head(model) if critic else model
 
     model = build(meta=True)
     full = None
     if dist.get_rank() == src:  # the adapters' initial values too (PEFT's init: A random, B zero)
         whole = build(meta=False)
-        full = full_state(lora.apply(whole, config.lora) if config.lora.rank and not reference else whole)
+        full = full_state(lora.apply(whole, config.lora) if config.lora.rank and not (reference or critic) else whole)
     if reference:
         shard_model(model.requires_grad_(False).eval(), mesh, mixed_precision=mixed, offload=config.offload)
     else:
-        parallelize(model, mesh, config, mixed_precision=mixed)
+        parallelize(model, mesh, config, mixed_precision=mixed, adapters=not critic)
     load_sharded(model, full, src=src, group=group, device=device, offload=config.offload)
     return model
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,9 @@ class TrainSetup:
     """Collectives run on gloo (CPU), whose reduce-scatter copies its input."""
     lora_params: int = 0
     """LoRA: the adapters' parameters, the only ones trained (0: every parameter trains)."""
+    critic: bool = False
+    """PPO's critic (train.advantage gae): a model as large as the policy, trained whole beside it. Its own
+    passes come after the policy's in each micro-batch, with a one-output head: the policy's phases bound them."""
 
     @property
     def tokens(self) -> int:
@@ -321,7 +324,7 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
     off, trained = "train.offload", trained_params(s, t)
     state = [Term(name="parameters (fp32, sharded)", bytes=device * 4 * (s.num_params + t.lora_params) / n, fix=off),
              Term(name="optimizer state (AdamW, fp32, sharded)", bytes=device * 8 * trained / n, fix=off),
-             gradients(s, t), *reference_state(s, t)]
+             gradients(s, t), *reference_state(s, t), *critic_state(s, t)]
     root = Term(name="unsharded root (embedding, norm, head)", bytes=b * s.root_params)
     block_trained = t.lora_params or s.num_layers * s.layer_params
     sharded_grads = 0 if state[2].bytes else device * 4 * block_trained / n  # first micro-batch
@@ -355,8 +358,19 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
     temp = 4 * trained / n if t.foreach else 2 * 4 * largest
     phases.append(Phase(name="optimizer step", terms=[
         *state[:2], Term(name="gradients (fp32, sharded)", bytes=device * 4 * trained / n, fix=off),
-        *reference_state(s, t), Term(name="AdamW temporaries", bytes=device * temp, fix=off)]))
+        *reference_state(s, t), *critic_state(s, t), Term(name="AdamW temporaries", bytes=device * temp, fix=off)]))
     return phases
+
+
+def critic_state(s: Shape, t: TrainSetup, held: bool = True) -> list[Term]:
+    """What PPO's critic keeps on the device: its fp32 shards and AdamW state, and (``held``: while it trains)
+    its gradients as the policy's."""
+    if not t.critic:
+        return []
+    state = Term(name="critic: parameters and optimizer state (fp32, sharded)",
+                 bytes=(not t.offload) * 12 * s.num_params / t.shard_size, fix="train.offload")
+    grads = gradients(s, replace(t, lora_params=0))
+    return [state, replace(grads, name=f"critic: {grads.name}")] if held else [state]
 
 
 def reference_state(s: Shape, t: TrainSetup) -> list[Term]:
@@ -402,7 +416,7 @@ def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
     terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=device * held / n,
                   fix="train.offload"),
              *engine_terms(s, r)]
-    return Phase(name="rollout", terms=terms + reference_state(s, t))
+    return Phase(name="rollout", terms=terms + reference_state(s, t) + critic_state(s, t, held=False))
 
 
 def engine_terms(s: Shape, r: RolloutSetup) -> list[Term]:
@@ -555,7 +569,8 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
                        ac_every=t.ac_every, ac_part=t.ac_part, offload=t.offload, head=head,
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
                        streaming=config.stream.enabled or config.pipe, gloo=device != "cuda",
-                       lora_params=lora_params(shape, t.lora.rank, t.lora.target_modules) if t.lora.rank else 0)
+                       lora_params=lora_params(shape, t.lora.rank, t.lora.target_modules) if t.lora.rank else 0,
+                       critic=t.advantage == "gae")
     kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
     rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
@@ -574,7 +589,8 @@ def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float
     phases.append(rollout_phase(shape, train, rollout))
     for phase in phases:
         phase.terms.append(Term(name="CUDA context, NCCL, cuBLAS (allowance)", bytes=context))
-    host = (4 * shape.num_params + 12 * trained_params(shape, train)) / train.shard_size if train.offload else 0.0
+    host = (4 * shape.num_params + 12 * trained_params(shape, train) + train.critic * 16 * shape.num_params
+            ) / train.shard_size if train.offload else 0.0  # a critic's weights, gradients and AdamW state
     if train.reference == "streamed":
         host += train.compute_bytes * shape.num_params
     return Plan(shape=shape, phases=phases, capacity=capacity, host_bytes=host,

@@ -3,6 +3,7 @@
 An estimator is a pure function ``(returns [N, T], mask [N, T], sizes) -> advantages [N, T]``.
 ``returns[i, t]`` is response i's reward-to-go from token t; ``returns[i, 0]`` is its whole
 return. ``sizes`` are the group sizes, in order. :data:`ADVANTAGES` registers each by name.
+:func:`gae` is PPO's with a critic: per-token rewards and the critic's values in instead.
 
 Invariants:
 
@@ -76,10 +77,33 @@ def reinforce_pp_baseline(returns: Tensor, mask: Tensor, sizes: list[int]) -> Te
     return whiten(group_centred(returns, sizes, scale=False), mask)
 
 
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016) over each response's model tokens.
+
+    rewards [N, T] (the reward earned at each token; off the response, 0), values [N, T] (the critic's value
+    of the state before each token), mask [N, T] (the model's tokens) -> (advantages, returns = advantages +
+    values), both [N, T], 0 off the mask. A token off the mask (an environment's) is no action: the
+    recursion passes over it, its reward joining the model token before it, as verl's multi-turn GAE does.
+    """
+    rewards, values = rewards.float(), values.float()
+    adv = values.new_zeros(values.shape)
+    last = next_value = pending = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        on = mask[:, t]
+        reward = rewards[:, t] + pending
+        delta = reward + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * last
+        last, next_value = step.where(on, last), values[:, t].where(on, next_value)
+        pending = reward.where(~on, 0.0)
+        adv[:, t] = step.where(on, 0.0)
+    return adv, (adv + values).where(mask, 0.0)
+
+
 @dataclass(frozen=True)
 class Estimator:
-    fn: Callable[[Tensor, Tensor, list[int]], Tensor]
-    """``(returns [N, T], mask [N, T], group sizes) -> advantages [N, T]``."""
+    fn: Callable[[Tensor, Tensor, list[int]], Tensor] | None
+    """``(returns [N, T], mask [N, T], group sizes) -> advantages [N, T]``; None: :func:`gae`, from the
+    critic's values."""
     per_group: bool
     """A group's advantages depend on its own returns alone (stream training needs this)."""
 
@@ -90,6 +114,7 @@ ADVANTAGES = {
     "rloo": Estimator(rloo, per_group=True),
     "reinforce_pp": Estimator(reinforce_pp, per_group=False),
     "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, per_group=False),
+    "gae": Estimator(None, per_group=False),  # whitened over the step's batch, as verl's
 }
 """``train.advantage`` -> its estimator."""
 
@@ -124,6 +149,14 @@ def returns_to_go(rewards: Tensor, mask: Tensor, token_rewards: Tensor | None = 
         return returns
     after = token_rewards.where(mask, 0.0).flip(1).cumsum(1).flip(1)
     return returns + after
+
+
+def earned_at(returns: Tensor, within: Tensor) -> Tensor:
+    """returns [N, T] (undiscounted, :func:`returns_to_go`), within [N, T] (each response's tokens) -> the
+    reward earned at each token [N, T]: the return's drop to the next token; at the last, all that is left."""
+    after = returns.new_zeros(returns.shape)
+    after[:, :-1] = returns[:, 1:].where(within[:, 1:], 0.0)
+    return (returns - after).where(within, 0.0)
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float) -> float:

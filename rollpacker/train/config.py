@@ -45,6 +45,25 @@ class TeacherConfig:
 
 
 @dataclass(kw_only=True)
+class CriticConfig:
+    """PPO's value model, with train.advantage gae: the policy's architecture with a one-output head
+    (zero at the start), trained beside it by its own AdamW (docs/algorithms.md)."""
+
+    path: str = ""
+    """Its initial weights' Hugging Face model directory (same tokenizer as model.path); empty = model.path."""
+    lr: float = 0.0
+    """Its peak AdamW learning rate, on train.lr's schedule (verl's critic.optim.lr); 0 = train.lr."""
+    value_clip: float = 0.5
+    """The value loss is the larger of the plain and the clipped one, the values clipped to within this of
+    the step's first (verl's cliprange_value); 0 = no clip."""
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "value_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.critic.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
 class TrainConfig(MemoryConfig):
     """The trainer's settings; its memory settings (:class:`~rollpacker.model.config.MemoryConfig`) are the model's."""
 
@@ -68,8 +87,12 @@ class TrainConfig(MemoryConfig):
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward micro-batch per rank (a longer sample goes alone)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
-    """Advantage estimator (rollpacker.train.advantages; docs/algorithms.md)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    """Advantage estimator (rollpacker.train.advantages; docs/algorithms.md); gae trains a critic (train.critic)."""
+    gamma: float = 1.0
+    """gae: the discount per token (verl's algorithm.gamma)."""
+    lam: float = 1.0
+    """gae: lambda, the bias-variance trade of the advantage (verl's algorithm.lam)."""
     loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -126,6 +149,7 @@ class TrainConfig(MemoryConfig):
     reduce_every_micro_batch: bool = False
     """Reduce-scatter gradients after every micro-batch: kept sharded (4/N bytes a parameter, not 4), more traffic."""
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,6 +183,11 @@ class TrainConfig(MemoryConfig):
             raise ValueError("train.ref_sync_steps moves the KL reference, which needs train.kl_coef > 0 and is "
                              "sharded like the policy: not LoRA's (the base with the adapters off; TRL refuses it "
                              "with PEFT too) nor train.offload's (whole in host memory)")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"train.gamma={self.gamma} and train.lam={self.lam} must be in [0, 1]")
+        if self.critic.path and self.advantage != "gae":
+            raise ValueError(f"train.critic.path with train.advantage={self.advantage!r}: only gae trains a critic; "
+                             "set train.advantage gae, or drop train.critic.path")
         if self.kl_target < 0 or self.kl_horizon <= 0 or (self.kl_target and not self.kl_coef):
             raise ValueError(f"train.kl_target={self.kl_target} must be >= 0 with train.kl_horizon={self.kl_horizon} "
                              f"> 0, and an adaptive KL starts from train.kl_coef={self.kl_coef}: set it > 0")

@@ -33,7 +33,7 @@ from rollpacker.model.attention import CausalAttention
 from rollpacker.model.lora import AdaptersOff
 from rollpacker.model.offload import StreamedModel
 from rollpacker.model.parallelize import parallelize, prepare_reference
-from rollpacker.train.advantages import ADVANTAGES, leaving_out, returns_to_go
+from rollpacker.train.advantages import ADVANTAGES, earned_at, gae, leaving_out, returns_to_go, whiten
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
 from rollpacker.train.losses import KL_ESTIMATORS, STATS, KLController, policy_objective, reverse_kl, units
@@ -109,6 +109,10 @@ class Prepared:
     """The teacher's log-probs [T]; None: computed with the loss, when there is a teacher."""
     focus: torch.Tensor | None = None
     """``train.top_entropy_quantile``: the tokens [T] whose policy term counts; None: every one."""
+    values: torch.Tensor | None = None
+    """``train.advantage gae``: the critic's values before the step's first update [T]."""
+    returns: torch.Tensor | None = None
+    """``train.advantage gae``: the critic's targets [T] (advantages before whitening plus ``values``)."""
 
 
 def group_sizes(samples: list[Sample]) -> list[int]:
@@ -191,11 +195,12 @@ class Trainer:
 
     def __init__(self, model: nn.Module, config: TrainConfig, mesh: DeviceMesh, *, temperature: float = 1.0,
                  reference: nn.Module | None = None, teacher: nn.Module | None = None,
-                 group: dist.ProcessGroup | None = None, num_steps: int):
+                 critic: nn.Module | None = None, group: dist.ProcessGroup | None = None, num_steps: int):
         """``model``: the policy, sharded by :func:`~rollpacker.model.parallelize.parallelize` (or whole,
         then sharded here, with its LoRA adapters); ``reference``: the KL reference, sharded, streamed or
         whole (then sharded), or None: with LoRA and ``kl_coef`` the policy with its adapters off;
-        ``teacher``: distillation's teacher, as the reference."""
+        ``teacher``: distillation's teacher, as the reference; ``critic``: ``train.advantage gae``'s value
+        model (:func:`~rollpacker.model.parallelize.with_value_head`), sharded or whole (then sharded)."""
         self.config, self.temperature = config, temperature
         self.device = compute_device(mesh)
         mixed = config.mixed_precision and self.device.type == "cuda"
@@ -209,11 +214,17 @@ class Trainer:
             else prepare_reference(m, mesh, config, mixed_precision=mixed, device=self.device)
             for m in (reference, teacher))
         self.rank, self.ranks, self.group = dist.get_rank(), mesh.mesh.flatten().tolist(), group
+        if (critic is None) == (config.advantage == "gae"):
+            raise ValueError(f"Trainer: a critic is trained with train.advantage gae only (got {config.advantage!r} "
+                             f"and {'a' if critic is not None else 'no'} critic)")
+        if critic is not None and not isinstance(critic, FSDPModule):
+            parallelize(critic, mesh, config, mixed_precision=mixed, adapters=False)
+        self.critic = critic
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
-        self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=config.betas,
-                                           eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
-                                                           lambda step: lr_factor(step, config, num_steps))
+        self.optimizer, self.scheduler = self._optimizer(trainable, config.lr, num_steps)
+        self.critic_optimizer, self.critic_scheduler = (
+            self._optimizer(list(critic.parameters()), config.critic.lr or config.lr, num_steps) if critic else
+            (None, None))
         self.kl = KLController(config.kl_coef, config.kl_target, config.kl_horizon)
         """The KL coefficient (adaptive with ``train.kl_target``); a checkpoint saves its value."""
         self.entropy_threshold = math.inf
@@ -224,6 +235,12 @@ class Trainer:
         """Consecutive skipped steps up to the last one (0: the last step was taken)."""
         self.totals = torch.zeros(len(TOTALS), dtype=torch.float64, device=self.device)
         """Sums since the last update, :data:`TOTALS` in order."""
+
+    def _optimizer(self, params: list[nn.Parameter], lr: float, num_steps: int
+                   ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+        cfg = self.config
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, num_steps))
 
     def accumulate(self, samples: list[Sample], ranks: list[int]) -> None:
         """Gradients of this rank's share of ``samples`` among ``ranks`` (the ranks training now,
@@ -243,7 +260,8 @@ class Trainer:
         batches = mini_batches(group_sizes(samples), cfg.mini_batches)
         plans = [spread([samples[i].num_tokens for i in b], len(self.ranks), cfg.micro_batch_tokens) for b in batches]
         several = len(batches) * cfg.epochs > 1
-        needs_frozen = several or cfg.kl_in_reward or cfg.teacher.in_reward or cfg.top_entropy_quantile < 1
+        needs_frozen = (several or cfg.kl_in_reward or cfg.teacher.in_reward or cfg.top_entropy_quantile < 1
+                        or self.critic is not None)
         frozen = self._frozen(samples, batches, plans) if needs_frozen else {}
         prepared = self._prepare(samples, frozen)
         total = self._units(samples)
@@ -256,6 +274,8 @@ class Trainer:
                                             share, frozen=needs_frozen))
         if not all(u["train/skipped"] for u in updates):
             self.scheduler.step()
+            if self.critic_scheduler is not None:
+                self.critic_scheduler.step()
             if cfg.ref_sync_steps and self.scheduler.last_epoch % cfg.ref_sync_steps == 0:
                 self._mix_reference()
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
@@ -306,7 +326,8 @@ class Trainer:
                 "weights: the newest committed checkpoint predates them. Lower train.lr, raise train.adam_eps, check "
                 "the rewards and data, then resume from that checkpoint")
         tokens = max(sums["tokens"], 1)
-        return {
+        critic = self._critic_step(sums) if self.critic is not None else {}
+        return critic | {
             "train/loss": loss,
             "train/grad_norm": norm,
             "train/clip_frac": sums["clipped"] / tokens,
@@ -323,6 +344,24 @@ class Trainer:
             "train/skipped": float(skipped),
             "train/num_micro_batches": float(num_micro),
         } | ({"train/teacher_kl": sums["teacher_kl"] / tokens} if self.teacher is not None else {})
+
+    def _critic_step(self, sums: dict[str, float]) -> dict[str, float]:
+        """The critic's optimizer step on the value loss's gradients (a token mean over the update's
+        trained tokens, whatever the aggregation); skipped, alone, on a non-finite gradient norm."""
+        cfg, tokens = self.config, max(sums["vf_tokens"], 1)
+        params = [p for p in self.critic.parameters() if p.grad is not None]
+        for p in params:
+            p.grad.div_(tokens / len(self.ranks))
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if math.isfinite(norm) and sums["vf_tokens"]:
+            self.critic_optimizer.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        variance = {k: sums[f"{k}_sq"] / tokens - (sums[k] / tokens) ** 2 for k in ("ret", "err")}
+        return {"critic/vf_loss": sums["vf_loss"] / tokens, "critic/vf_clipfrac": sums["vf_clipped"] / tokens,
+                "critic/vpred_mean": sums["vpred"] / tokens, "critic/returns_mean": sums["ret"] / tokens,
+                "critic/vf_explained_var": 1 - variance["err"] / variance["ret"] if variance["ret"] > 1e-12 else 0.0,
+                "critic/grad_norm": norm, "critic/lr": self.critic_scheduler.get_last_lr()[0]}
 
     @torch.no_grad()
     def _mix_reference(self) -> None:
@@ -358,10 +397,20 @@ class Trainer:
             rewards = cfg.teacher.task_weight * rewards
             steps = None if steps is None else cfg.teacher.task_weight * steps
         returns = returns_to_go(rewards, mask, token_rewards, earned=steps)  # [N, T]
-        adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples),
-                          [not s.failed for s in samples])
+        kept = [not s.failed for s in samples]
+        values = targets = None
+        if self.critic is not None:
+            within = torch.arange(mask.shape[1])[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
+            values = self._everyones(samples, {i: f[4] for i, f in frozen.items()}, mask.shape)
+            adv, targets = gae(earned_at(returns, within), values, mask, cfg.gamma, cfg.lam)
+            trained = mask & torch.tensor(kept)[:, None]
+            adv = whiten(adv, trained).where(trained, 0.0)  # over the step's batch, as verl's
+        else:
+            adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples), kept)
         focus = self._focus(samples, frozen)
-        return [Prepared(adv[i, :n], *frozen.get(i, (None,) * 4)[:3], focus=focus.get(i))
+        return [Prepared(adv[i, :n], *frozen.get(i, (None,) * 4)[:3], focus=focus.get(i),
+                         values=None if values is None else values[i, :n],
+                         returns=None if targets is None else targets[i, :n])
                 for i, n in enumerate(lengths)]
 
     def _focus(self, samples: list[Sample], frozen: dict[int, Frozen]) -> dict[int, torch.Tensor]:
@@ -387,21 +436,29 @@ class Trainer:
         cfg = self.config
         if not (cfg.kl_in_reward or cfg.teacher.in_reward):
             return None
-        lengths = [len(s.response_ids) for s in samples]
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
-        for i, (old, ref, teacher, _) in frozen.items():
+        mine = {}
+        for i, (old, ref, teacher, *_) in frozen.items():
             reward = torch.zeros_like(old)
             if cfg.kl_in_reward:
                 reward = reward - self.kl.value * KL_ESTIMATORS[cfg.kl_estimator](old, ref)
             if cfg.teacher.in_reward:
                 reward = reward - cfg.teacher.coef * reverse_kl(old, teacher)
-            flat[offsets[i]:offsets[i + 1]] = reward
+            mine[i] = reward
+        return self._everyones(samples, mine, tuple(mask.shape))
+
+    def _everyones(self, samples: list[Sample], mine: dict[int, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+        """Every sample's per-token values [N, T] (``shape``; 0 past a response), on every rank, from each rank's
+        ``mine`` (index -> [its response length], this rank's samples): one all-reduce."""
+        lengths = [len(s.response_ids) for s in samples]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        for i, values in mine.items():
+            flat[offsets[i]:offsets[i + 1]] = values
         dist.all_reduce(flat, group=self.group)
         padded = pad_sequence(flat.cpu().split(lengths), batch_first=True)  # [N, T'], T' <= T
-        out = torch.zeros(mask.shape)
+        out = torch.zeros(shape)
         out[:, :padded.shape[1]] = padded
         return out
 
@@ -409,18 +466,21 @@ class Trainer:
         """The frozen models whose log-probs a step needs besides the policy's: reference, teacher."""
         return [m for m in (self.reference, self.teacher) if m is not None]
 
+    def _critics(self) -> list[nn.Module]:
+        return [self.critic] if self.critic is not None else []
+
     @torch.no_grad()
     def _frozen(self, samples: list[Sample], batches: list[list[int]], plans: list[list[list[list[int]]]]
                 ) -> dict[int, Frozen]:
-        """Log-probs (and the reference's and teacher's) of this rank's samples before the step's
-        first update, on the micro-batches the updates will use: index -> (old, ref, teacher, entropy) [T]
-        each (None without that model; the entropy with ``train.top_entropy_quantile`` only)."""
+        """Log-probs (and the reference's and teacher's; the critic's values) of this rank's samples before the
+        step's first update, on the micro-batches the updates will use: index -> (old, ref, teacher, entropy,
+        value) [T] each (None without that model; the entropy with ``train.top_entropy_quantile`` only)."""
         out = {}
         for batch, plan in zip(batches, plans):
             mine, num_micro = plan[self.ranks.index(self.rank)], max(1, *(len(p) for p in plan))
             for i in range(num_micro):
                 if i >= len(mine):  # FSDP2's all-gathers must match: an idle forward
-                    for model in (self.model, *self._frozen_models()):
+                    for model in (self.model, *self._frozen_models(), *self._critics()):
                         self._idle_loss(model)
                     continue
                 micro = [samples[batch[j]] for j in mine[i]]
@@ -432,8 +492,9 @@ class Trainer:
                     old = self._logprobs(self.model, micro).split(lengths)
                 ref, teacher = (self._logprobs(m, micro).split(lengths) if m is not None else [None] * len(micro)
                                 for m in (self.reference, self.teacher))
-                for j, o, r, t, e in zip(mine[i], old, ref, teacher, entropy):
-                    out[batch[j]] = (o, r, t, e)
+                values = self._values(micro).split(lengths) if self.critic is not None else [None] * len(micro)
+                for j, o, r, t, e, v in zip(mine[i], old, ref, teacher, entropy, values):
+                    out[batch[j]] = (o, r, t, e, v)
         return out
 
     def _backward(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
@@ -445,46 +506,85 @@ class Trainer:
         reduces what earlier calls accumulated)."""
         mine, num_micro = plan[ranks.index(self.rank)], max(1, *(len(p) for p in plan))
         reduce_every = self.config.reduce_every_micro_batch
-        self.model.train()
+        for model in (self.model, *self._critics()):
+            model.train()
         for i in range(num_micro):
-            self.model.set_requires_gradient_sync(sync_last and (i == num_micro - 1 or reduce_every))
+            for model in (self.model, *self._critics()):
+                model.set_requires_gradient_sync(sync_last and (i == num_micro - 1 or reduce_every))
             if i < len(mine):
-                loss, stats = self._loss([samples[j] for j in mine[i]], [prepared[j] for j in mine[i]])
-                self.totals += torch.stack([loss.detach().double(), *stats]).to(self.totals)
-            else:
-                if not frozen:
-                    with torch.no_grad():
-                        for model in self._frozen_models():
-                            self._idle_loss(model)
-                loss = self._idle_loss()
-            loss.backward()
+                batch, ready = [samples[j] for j in mine[i]], [prepared[j] for j in mine[i]]
+                loss, stats = self._loss(batch, ready)
+                loss.backward()
+                totals = [loss.detach(), *stats]
+                if self.critic is not None:
+                    value_loss, critic_stats = self._value_loss(batch, ready)
+                    value_loss.backward()
+                    totals += critic_stats
+                self.totals[:len(totals)] += torch.stack(totals).to(self.totals)
+                continue
+            if not frozen:
+                with torch.no_grad():
+                    for model in self._frozen_models():
+                        self._idle_loss(model)
+            for model in (self.model, *self._critics()):
+                self._idle_loss(model).backward()
         return num_micro
 
-    def _logprobs(self, model: nn.Module, batch: list[Sample], entropy: bool = False):
-        """Log-probs of every response token of ``batch``, flat [sum of response lengths]; with
-        ``entropy``, also each token's entropy, the same shape."""
+    def _packed(self, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, CausalAttention, torch.Tensor]:
+        """``batch`` packed for a forward: its tokens, their positions, the attention, and the position
+        predicting each response token (empty: a micro-batch of no response token)."""
         tokens = torch.tensor([t for s in batch for t in (*s.prompt_ids, *s.response_ids)], device=self.device)
         positions = torch.cat([torch.arange(s.num_tokens) for s in batch]).to(self.device)
-        pick, start = [], 0  # the position predicting each response token
+        pick, start = [], 0
         for s in batch:
             p = start + len(s.prompt_ids) - 1
             pick.extend(range(p, p + len(s.response_ids)))
             start += s.num_tokens
-        pick_t = torch.tensor(pick, dtype=torch.long, device=self.device)  # empty: a micro-batch of no response token
-        targets = tokens[pick_t + 1]
         attn = CausalAttention([s.num_tokens for s in batch], self.device)
+        return tokens, positions, attn, torch.tensor(pick, dtype=torch.long, device=self.device)
+
+    def _logprobs(self, model: nn.Module, batch: list[Sample], entropy: bool = False):
+        """Log-probs of every response token of ``batch``, flat [sum of response lengths]; with
+        ``entropy``, also each token's entropy, the same shape."""
+        tokens, positions, attn, pick = self._packed(batch)
         fn = token_logprobs_entropy if entropy else token_logprobs
         return model(tokens, positions, attn,
-                     head=lambda h, w: fn(h[pick_t], w, targets, self.temperature,
+                     head=lambda h, w: fn(h[pick], w, tokens[pick + 1], self.temperature,
                                           impl=self.config.logprobs_impl, softcap=model.logit_softcap))
+
+    def _values(self, batch: list[Sample]) -> torch.Tensor:
+        """The critic's value of the state before every response token of ``batch``, flat [sum of response
+        lengths]."""
+        tokens, positions, attn, pick = self._packed(batch)
+        return self.critic(tokens, positions, attn, head=lambda h, w: (h[pick] @ w[0]).float())
+
+    def _value_loss(self, batch: list[Sample], prepared: list[Prepared]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A micro-batch's value loss, a sum over the tokens the policy trains on (not a failed episode's):
+        ``0.5 x max((V - R)^2, (clip(V, V_old +- value_clip) - R)^2)``; and its totals (:data:`CRITIC_TOTALS`)."""
+        lengths = [len(s.response_ids) for s in batch]
+        vpred = pad(self._values(batch), lengths)
+        old, returns = (pad(torch.cat([getattr(p, k) for p in prepared]).to(self.device), lengths)
+                        for k in ("values", "returns"))
+        mask = pad_sequence([torch.tensor(s.model_mask(), dtype=torch.bool, device=self.device)
+                             & (not self._masked(s)) & (not s.failed) for s in batch], batch_first=True)
+        loss = (vpred - returns) ** 2
+        clipped = torch.zeros_like(mask)
+        if clip := self.config.critic.value_clip:
+            bounded = (old + (vpred - old).clamp(-clip, clip) - returns) ** 2
+            clipped, loss = bounded > loss, torch.maximum(loss, bounded)
+        loss = 0.5 * loss.where(mask, 0.0).sum()
+        error = (returns - vpred.detach()).where(mask, 0.0)
+        returns = returns.where(mask, 0.0)
+        return loss, [loss.detach(), (mask & clipped).sum().float(), vpred.detach().where(mask, 0.0).sum(),
+                      mask.sum().float(), returns.sum(), (returns ** 2).sum(), error.sum(), (error ** 2).sum()]
 
     def _loss(self, batch: list[Sample], prepared: list[Prepared]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A micro-batch's loss (a sum) and its :data:`TOTALS` after the loss. The frozen models'
         log-probs not given in ``prepared`` are computed first (the order an idle rank follows)."""
         lengths = [len(s.response_ids) for s in batch]
 
-        def padded(flat: torch.Tensor) -> torch.Tensor:  # flat [sum of lengths] -> [N, T]
-            return pad_sequence(flat.split(lengths), batch_first=True)
+        def padded(flat: torch.Tensor) -> torch.Tensor:
+            return pad(flat, lengths)
 
         def frozen(model: nn.Module | None, given: list[torch.Tensor | None]) -> torch.Tensor | None:
             if model is None:
@@ -517,9 +617,14 @@ class Trainer:
         return out * 0.0
 
 
-Frozen = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
-"""A sample's log-probs before the step's first update [T]: the policy's, the reference's, the teacher's; and the
-policy's entropies (``train.top_entropy_quantile``)."""
+Frozen = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None", "torch.Tensor | None"]
+"""A sample's log-probs before the step's first update [T]: the policy's, the reference's, the teacher's; the
+policy's entropies (``train.top_entropy_quantile``); the critic's values (``train.advantage gae``)."""
+
+
+def pad(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per-token values of consecutive responses, flat [sum of ``lengths``] -> [N, T], zero-padded."""
+    return pad_sequence(flat.split(lengths), batch_first=True)
 
 
 def gather_varlen(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -532,5 +637,8 @@ def gather_varlen(values: torch.Tensor, group: dist.ProcessGroup | None) -> torc
     dist.all_gather(parts, torch.cat([values, values.new_zeros(longest - len(values))]), group=group)
     return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
 
-TOTALS = ("loss", *STATS, "masked_truncated", "samples")
+CRITIC_TOTALS = ("vf_loss", "vf_clipped", "vpred", "vf_tokens", "ret", "ret_sq", "err", "err_sq")
+"""The critic's sums of an update (``train.advantage gae``): its loss, its clipped tokens, its values, its tokens, and
+of its targets R and errors R - V, each and squared (the explained variance)."""
+TOTALS = ("loss", *STATS, "masked_truncated", "samples", *CRITIC_TOTALS)
 """What a trainer sums over micro-batches and ranks for an update's metrics."""

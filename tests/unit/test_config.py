@@ -110,6 +110,7 @@ def test_every_registered_algorithm_piece_is_a_cli_choice():
 @pytest.mark.parametrize("settings,message", [
     (dict(advantage="reinforce_pp"), "train.advantage='reinforce_pp'.*per-group estimator"),
     (dict(advantage="reinforce_pp_baseline"), ".*whole step's batch"),
+    (dict(advantage="gae"), "train.advantage='gae'.*whole step's batch"),
     (dict(mini_batches=2), "train.mini_batches=2, train.epochs=1.*set both to 1"),
     (dict(epochs=3), "train.mini_batches=1, train.epochs=3"),
     (dict(kl_coef=0.1, kl_in_reward=True), "train.kl_in_reward.*put the KL in the loss"),
@@ -127,7 +128,7 @@ def test_streaming_refuses_what_a_group_cannot_finish_alone(settings, message):
 
 def test_algorithm_settings_name_the_field():
     from rollpacker.config import Config
-    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.config import CriticConfig, TrainConfig
 
     for settings, message in ((dict(mini_batches=0), "train.mini_batches must be positive"),
                               (dict(clip_low=1.5), "train.clip_low must be in"),
@@ -137,9 +138,13 @@ def test_algorithm_settings_name_the_field():
                               (dict(ref_sync_steps=10), "ref_sync_steps moves the KL reference, which needs"),
                               (dict(ref_sync_steps=10, kl_coef=0.1, offload=True), "nor train.offload's"),
                               (dict(ref_sync_steps=10, kl_coef=0.1, ref_mixup_alpha=0), "ref_mixup_alpha=0 in"),
-                              (dict(overlong_buffer=-1), "train.overlong_buffer must be >= 0")):
+                              (dict(overlong_buffer=-1), "train.overlong_buffer must be >= 0"),
+                              (dict(lam=1.5), "train.gamma=1.0 and train.lam=1.5 must be in"),
+                              (dict(critic=CriticConfig(path="/critic")), "only gae trains a critic")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(**settings)
+    with pytest.raises(ValueError, match="train.critic.value_clip must be >= 0"):
+        CriticConfig(value_clip=-1)
     with pytest.raises(ValueError, match="train.mini_batches=32 exceeds rollout.num_prompts=16"):
         Config(train=TrainConfig(mini_batches=32))
 

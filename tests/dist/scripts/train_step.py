@@ -2,7 +2,7 @@
 
 For every aggregation mode, each policy loss, a rollout correction, the KL in the loss and in the
 reward (adaptive there), a reference moved toward the policy, an entropy bonus, the top-entropy tokens
-alone and two mini-batches:
+alone, two mini-batches, and PPO with a critic (GAE, the critic's clipped value loss and its own AdamW):
 the trainer's step (micro-batch losses summed over ranks, divided by the step's global count) against
 the same update written plainly (one process, the whole batch, full logits, the registries'
 functions). With two mini-batches the first update's ratios are exactly 1 on every rank.
@@ -16,6 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from rollpacker.dist import build_meshes
 from rollpacker.model import CausalAttention, load_model
+from rollpacker.model.parallelize import with_value_head
 from rollpacker.train.advantages import ADVANTAGES, returns_to_go
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.losses import KL_ESTIMATORS, normalizer, policy_objective, units
@@ -30,6 +31,7 @@ CASES = [  # the default, then every aggregation, loss, correction and KL placem
          rollout_is_low=0.2, rollout_is_high=5.0),
     dict(mini_batches=2, kl_coef=0.05, kl_estimator="k2", advantage="rloo", ref_sync_steps=1, ref_mixup_alpha=0.6),
     dict(kl_coef=0.05, kl_in_reward=True, kl_estimator="k1", advantage="reinforce_pp", kl_target=0.01, kl_horizon=100),
+    dict(advantage="gae", gamma=0.9, lam=0.8, mini_batches=2, kl_coef=0.05, kl_in_reward=True),
 ]
 
 
@@ -48,6 +50,42 @@ def reference_model(path: str):
     with torch.no_grad():
         model.norm.weight.mul_(1.5)
     return model
+
+
+def value_model(path: str):
+    """A critic whose head is not zero, so that its values shape the first step's advantages."""
+    critic = with_value_head(load_model(path))
+    with torch.no_grad():
+        critic.lm_head.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(1))
+    return critic
+
+
+def plain_values(critic, samples: list[Sample]) -> torch.Tensor:
+    """The critic's value [N, T] of the state before each response token."""
+    values = []
+    for s in samples:
+        tokens = torch.tensor(s.prompt_ids + s.response_ids)
+        hidden = critic(tokens, torch.arange(len(tokens)), CausalAttention([len(tokens)]))
+        values.append((hidden @ critic.lm_head.weight.T)[len(s.prompt_ids) - 1:-1, 0])
+    return pad_sequence(values, batch_first=True)
+
+
+def plain_gae(cfg: TrainConfig, samples: list[Sample], kl_reward: torch.Tensor | None, values: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages (whitened over every token of the batch) and returns [N, T], the sums written out:
+    A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t (V past the end 0)."""
+    adv, ret = torch.zeros(values.shape), torch.zeros(values.shape)
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        r = torch.zeros(n) if kl_reward is None else kl_reward[i, :n].clone()
+        r[-1] += s.reward
+        v = torch.cat([values[i, :n], torch.zeros(1)])
+        delta = r + cfg.gamma * v[1:] - v[:-1]
+        for t in range(n):
+            adv[i, t] = sum((cfg.gamma * cfg.lam) ** k * delta[t + k] for k in range(n - t))
+        ret[i, :n] = adv[i, :n] + v[:-1]
+    mask = pad_sequence([torch.ones(len(s.response_ids), dtype=torch.bool) for s in samples], batch_first=True)
+    return torch.where(mask, (adv - adv[mask].mean()) / (adv[mask].std() + 1e-6), 0.0), ret
 
 
 def plain_logprobs(model, samples: list[Sample], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,8 +116,16 @@ def reference_steps(path: str, cfg: TrainConfig, samples: list[Sample], temperat
         every = old_entropy[mask]
         focus = old_entropy >= every.kthvalue(1 + int((1 - cfg.top_entropy_quantile) * (len(every) - 1))).values
     kl_reward = -cfg.kl_coef * KL_ESTIMATORS[cfg.kl_estimator](old, ref) if cfg.kl_in_reward else None
-    returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, kl_reward)
-    adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
+    critic = value_model(path) if cfg.advantage == "gae" else None
+    if critic is None:
+        returns = returns_to_go(torch.tensor([s.reward for s in samples]), mask, kl_reward)
+        adv = ADVANTAGES[cfg.advantage].fn(returns, mask, group_sizes(samples))
+    else:
+        with torch.no_grad():
+            values = plain_values(critic, samples)
+        adv, returns = plain_gae(cfg, samples, kl_reward, values)
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                       weight_decay=cfg.weight_decay)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
                             weight_decay=cfg.weight_decay)
     total, losses = normalizer(cfg.aggregation, lengths, MAX_TOKENS), []
@@ -97,7 +143,16 @@ def reference_steps(path: str, cfg: TrainConfig, samples: list[Sample], temperat
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad()
-    return dict(model.named_parameters()), losses[0]
+        if critic is not None:  # 0.5 max((V - R)^2, (clip(V, V_old +- c) - R)^2), a mean over the mini-batch's tokens
+            v, clip, target = plain_values(critic, [samples[i] for i in b]), cfg.critic.value_clip, returns[b, :t]
+            bounded = values[b, :t] + (v - values[b, :t]).clamp(-clip, clip)
+            loss = 0.5 * torch.maximum((v - target) ** 2, (bounded - target) ** 2)
+            (torch.where(mask[b, :t], loss, 0.0).sum() / mask[b, :t].sum()).backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.grad_clip)
+            critic_opt.step()
+            critic_opt.zero_grad()
+    critic_weights = {f"critic.{k}": v for k, v in critic.named_parameters()} if critic is not None else {}
+    return dict(model.named_parameters()) | critic_weights, losses[0]
 
 
 def main(path: str) -> None:
@@ -111,12 +166,18 @@ def main(path: str) -> None:
         cfg = TrainConfig(lr=1e-2, warmup_steps=0, micro_batch_tokens=40, grad_clip=0.5, weight_decay=0.01,
                           adam_eps=1.0, **case)
         reference = reference_model(path) if cfg.kl_coef else None
-        trainer = Trainer(load_model(path), cfg, meshes.train, temperature=0.8, reference=reference, num_steps=1)
+        critic = value_model(path) if cfg.advantage == "gae" else None
+        trainer = Trainer(load_model(path), cfg, meshes.train, temperature=0.8, reference=reference, critic=critic,
+                          num_steps=1)
         stats = trainer.step(samples, normalizer(cfg.aggregation, lengths, MAX_TOKENS))
         expected, first_loss = reference_steps(path, cfg, samples, 0.8)
         initial = dict(load_model(path).named_parameters())
+        if critic is not None:
+            initial |= {f"critic.{k}": v for k, v in value_model(path).named_parameters()}
+        trained = [*trainer.model.named_parameters(),
+                   *(() if critic is None else ((f"critic.{k}", v) for k, v in trainer.critic.named_parameters()))]
         worst_weight = max_diff = max_update = 0.0
-        for name, p in trainer.model.named_parameters():
+        for name, p in trained:
             full, ref, w0 = p.full_tensor().detach(), expected[name].detach(), initial[name].detach()
             worst_weight = max(worst_weight, ((full - ref).abs().max() / ref.abs().max()).item())
             max_diff = max(max_diff, (full - ref).abs().max().item())

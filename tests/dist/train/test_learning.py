@@ -57,3 +57,26 @@ def test_toy_tools_preset_learns_to_call_the_tool_where_it_helps(tmp_path):
     assert len(calls) == 100 and all(c > 0 for c in calls[-len(calls) // 4:]), calls
     assert last["eval/hard/info/tool_calls_frac"] >= last["eval/easy/info/tool_calls_frac"] + 0.5, last
     assert all(r["env/errors"] == 0 for r in rows if "env/errors" in r)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_raises_heldout_accuracy_and_its_critic_learns(tmp_path):
+    """``--train.advantage gae`` on the default job's short setting (50 steps, the bench's): held-out greedy
+    accuracy rises by at least 0.06 (seeds 0-2 measured +0.109, +0.129, +0.133: docs/algorithms.md). The critic
+    learns: its explained variance rises from the first quarter of the steps to the last (seed 0 measured 0.008 ->
+    0.167), and its mean value there meets the mean target (0.229 and 0.228)."""
+    proc = launch_job("--train.advantage", "gae", "--num-steps", "50", "--eval-every", "50", "--run-dir",
+                      str(tmp_path), *QUIET, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    assert accuracy[-1] >= accuracy[0] + 0.06, f"held-out accuracy went {accuracy[0]:.3f} -> {accuracy[-1]:.3f}"
+    steps = [r for r in rows if "critic/vf_loss" in r]
+    first, last = steps[:len(steps) // 4], steps[-len(steps) // 4:]
+
+    def mean(rows: list[dict], key: str) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    assert len(steps) == 50 and steps[0]["critic/vpred_mean"] == 0.0  # the zero head
+    assert mean(last, "critic/vf_explained_var") >= mean(first, "critic/vf_explained_var") + 0.05
+    assert abs(mean(last, "critic/vpred_mean") - mean(last, "critic/returns_mean")) < 0.05

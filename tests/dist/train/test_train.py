@@ -18,11 +18,13 @@ def test_two_rank_step_equals_single_process_reference(toy_random_dir):
 def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp_path):
     # the random model's rewards are 0: the entropy bonus makes its weights (and Adam's moments) move all the same;
     # its KL stays far under the target, so the adaptive coefficient falls each step, and the KL reference moves toward
-    # the policy each step (a resume must keep both)
+    # the policy each step (a resume must keep both). PPO's critic learns the KL in the reward (a resume must keep its
+    # weights, its optimizer and its schedule too)
     common = ["--model.path", str(toy_random_dir), "--run-dir", str(tmp_path), "--rollout.num-prompts", "4",
               "--rollout.group-size", "4", "--rollout.max-new-tokens", "24", "--metrics.wandb-mode", "disabled",
               "--checkpoint-every", "1", "--eval-every", "0", "--train.entropy-coef", "0.01", "--train.kl-coef", "0.05",
-              "--train.kl-target", "0.1", "--train.kl-horizon", "32", "--train.ref-sync-steps", "1"]
+              "--train.kl-target", "0.1", "--train.kl-horizon", "32", "--train.ref-sync-steps", "1",
+              "--train.kl-in-reward", "--train.advantage", "gae", "--train.lam", "0.9"]
     proc = launch_job(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8",
                       "--checkpoint.export-hf-each", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -68,6 +70,7 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     same = {k: v for k, v in reference[2].items() if not any(t in k for t in timing)}
     assert {k: resumed[2].get(k) for k in same} == same
     assert "train/loss" in same and "train/grad_norm" in same and "rollout/response_lengths" in same
+    assert same["critic/vf_loss"] > 0 and same["critic/grad_norm"] > 0
     assert [r["train/kl_coef"] for r in reference[:3]] == pytest.approx([0.05, 0.05 * 0.9, 0.05 * 0.9 * 0.9])
 
 

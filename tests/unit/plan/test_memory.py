@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from rollpacker.plan.memory import GB, QWEN2_5, Shape, TrainSetup, activations, block_saved, train_phases
+from rollpacker.plan.memory import (
+    GB,
+    QWEN2_5,
+    RolloutSetup,
+    Shape,
+    TrainSetup,
+    activations,
+    block_saved,
+    rollout_phase,
+    train_phases,
+)
 
 TINY = Shape(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2, num_heads=2, num_kv_heads=1,
              head_dim=2, qkv_bias=True)
@@ -40,6 +51,17 @@ def test_the_plans_terms_for_a_tiny_model_equal_a_hand_count():
         "gradients of earlier micro-batches": 0, "unsharded root (embedding, norm, head)": 4 * 84,
         "saved activations": 8 * 585 + 400,
         "log-prob head forward (torch)": 2 * 4 * 10 * 4}  # the [chunk, V] logits and logsumexp's temporary
+    # PPO's critic: its weights and AdamW state, and (two micro-batches) its gradients held whole, in every phase
+    critic = replace(setup, critic=True, micro_batches=2)
+    for phase in train_phases(TINY, critic):
+        terms = {t.name: t.bytes for t in phase.terms}
+        assert terms["critic: parameters and optimizer state (fp32, sharded)"] == 12 * 356, phase.name
+        assert terms["critic: gradients accumulated unsharded (fp32)"] == 4 * 356, phase.name
+    engine = RolloutSetup(engine="vllm", tp=1, weight_bytes=4, kv_bytes=0, max_num_seqs=1, prefill_tokens=8,
+                          released=False)
+    rollout = {t.name: t.bytes for t in rollout_phase(TINY, critic, engine).terms}
+    assert rollout["critic: parameters and optimizer state (fp32, sharded)"] == 12 * 356
+    assert not any(name.startswith("critic: gradients") for name in rollout)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])

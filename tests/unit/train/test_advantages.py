@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollpacker.train.advantages import ADVANTAGES, leaving_out, overlong_penalty, returns_to_go
+from rollpacker.train.advantages import ADVANTAGES, earned_at, gae, leaving_out, overlong_penalty, returns_to_go
+
+OF_RETURNS = sorted(name for name, e in ADVANTAGES.items() if e.fn)
+"""The estimators of returns alone (gae's takes the critic's values: its own tests)."""
 
 
 def estimate(name: str, rewards: list[float], sizes: list[int], lengths: list[int] | None = None,
@@ -61,7 +64,7 @@ def test_reinforce_pp_baseline_hand_computed():
     torch.testing.assert_close(adv, torch.tensor([1.2247449, -1.2247449, 0.0, 0.0]), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("name", OF_RETURNS)
 def test_edge_cases_give_exactly_zero(name):
     # All-equal rewards (0.7 has no exact float: a mean need not give exactly 0 without the check).
     assert (estimate(name, [0.7, 0.7, 0.7], [3]) == 0).all()
@@ -76,7 +79,7 @@ def test_edge_cases_give_exactly_zero(name):
     assert torch.isfinite(adv).all()
 
 
-@pytest.mark.parametrize("name", sorted(ADVANTAGES))
+@pytest.mark.parametrize("name", OF_RETURNS)
 def test_per_group_is_what_stream_training_relies_on(name):
     """A per-group estimator gives each group, alone, bitwise what it gives it inside the batch."""
     g = torch.Generator().manual_seed(0)
@@ -90,6 +93,35 @@ def test_per_group_is_what_stream_training_relies_on(name):
     mask = torch.arange(whole.shape[1])[None, :] < torch.tensor(lengths)[:, None]
     same = torch.equal(torch.where(mask, whole, 0), torch.where(mask, torch.cat(alone), 0))
     assert same == ADVANTAGES[name].per_group
+
+
+def test_gae_hand_computed_and_an_environments_tokens_are_no_actions():
+    # gamma 0.9, lambda 0.5; response 0: three model tokens, reward 1 at the last; response 1: one token, reward 0
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.5, 0.2, 0.1], [0.3, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    adv, returns = gae(rewards, values, mask, 0.9, 0.5)
+    # delta = r + 0.9 V' - V: 0.9, 0 + 0.09 - 0.2 = -0.11, 0 + 0.18 - 0.5 = -0.32; A = delta + 0.45 A'
+    torch.testing.assert_close(adv, torch.tensor([[-0.32 + 0.45 * 0.295, -0.11 + 0.45 * 0.9, 0.9],
+                                                  [-0.3, 0.0, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.5 - 0.18725, 0.2 + 0.295, 1.0], [0.0, 0.0, 0.0]]))
+    # gamma = lambda = 1: each token's advantage is its return minus its value
+    assert torch.allclose(gae(rewards, values, mask, 1.0, 1.0)[0][0], torch.tensor([0.5, 0.8, 0.9]))
+    # an environment's token (off the mask) between two model tokens: passed over, its reward (0.5) joining the
+    # model token before it; its own advantage 0. A step reward at a model token stays there.
+    env = torch.tensor([[True, False, True], [True, True, False]])
+    values = torch.tensor([[0.5, 7.0, 0.1], [0.3, 0.0, 7.0]])  # an environment token's value is never read
+    adv, _ = gae(torch.tensor([[0.0, 0.5, 1.0], [0.0, 1.0, 0.0]]), values, env, 1.0, 1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5 + 0.1 - 0.5 + 0.9, 0.0, 0.9], [-0.3 + 1.0, 1.0, 0.0]]))
+
+
+def test_earned_at_recovers_each_tokens_reward_from_the_returns():
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    token_rewards = torch.tensor([[-0.1, -0.2, 0.0, -0.3], [-0.5, 0.25, 9.0, 9.0]])
+    earned = torch.tensor([[0.0, 0.4, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # an episode's step reward at token 1
+    returns = returns_to_go(torch.tensor([1.0, 2.0]), mask, token_rewards, earned=earned)
+    torch.testing.assert_close(earned_at(returns, mask), torch.tensor([[-0.1, 0.4 - 0.2, 0.0, 0.6 - 0.3],
+                                                                       [-0.5, 2.0 + 0.25, 0.0, 0.0]]))
 
 
 def test_overlong_penalty_hand_computed():

@@ -99,17 +99,17 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
     from transformers import AutoTokenizer
 
     from rollpacker.errors import UserError
-    from rollpacker.job import check_teacher
+    from rollpacker.job import check_tokenizer
     from rollpacker.toy.model import toy_model_dir
 
-    check_teacher(toy_model_dir(), str(toy_model_dir()))
+    check_tokenizer(toy_model_dir(), str(toy_model_dir()), "train.teacher.path")
     other = tmp_path / "other"
     shutil.copytree(toy_model_dir(), other)
     tokenizer = AutoTokenizer.from_pretrained(other)
     tokenizer.add_tokens(["<teacher-only>"])
     tokenizer.save_pretrained(other)
     with pytest.raises(UserError, match=r"train.teacher.path: .*1 token\(s\) differ \(e.g. \['<teacher-only>'\]"):
-        check_teacher(toy_model_dir(), str(other))
+        check_tokenizer(toy_model_dir(), str(other), "train.teacher.path")
 
 
 def test_the_teachers_loss_term_has_the_reverse_kls_gradient():

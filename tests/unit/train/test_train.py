@@ -148,3 +148,30 @@ def test_mask_truncated_trains_nothing_on_a_truncated_response(toy_random_dir):
     assert stats["train/masked_truncated"] == len(samples) and stats["train/loss"] == 0.0
     after = weights(trainer)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("impl", ["native", "hf"])
+def test_a_critic_starts_at_zero_and_learns_its_returns(impl, toy_random_dir, qwen3_tied_dir):
+    """PPO with a critic on one rank, the native decoder and a Hugging Face one (both with a tied embedding): the
+    zero head's first values are 0, and steps on one batch bring the value loss down. The critic's head is its
+    own: one output, not the embedding."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.model.hf_decoder import load_hf
+    from rollpacker.model.parallelize import with_value_head
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    path, load = (toy_random_dir, load_model) if impl == "native" else (qwen3_tied_dir, load_hf)
+    cfg = TrainConfig(lr=1e-3, warmup_steps=0, lr_schedule="constant", advantage="gae", lam=0.95)
+    meshes = build_meshes(1, 0)
+    with pytest.raises(ValueError, match="a critic is trained with train.advantage gae only"):
+        Trainer(load(path), cfg, meshes.train, num_steps=1)
+    trainer = Trainer(load(path), cfg, meshes.train, critic=with_value_head(load(path)), num_steps=8)
+    assert trainer.critic.lm_head.weight.shape == (1, trainer.model.lm_head.weight.shape[1])  # not the embedding
+    samples = algorithm_batch()
+    steps = [trainer.step(samples, sum(len(s.response_ids) for s in samples)) for _ in range(8)]
+    assert steps[0]["critic/vpred_mean"] == 0.0 and steps[0]["critic/vf_loss"] > 0.1, steps[0]
+    losses = [s["critic/vf_loss"] for s in steps]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(s["train/grad_norm"] > 0 and s["critic/lr"] == 1e-3 for s in steps)
