@@ -3,6 +3,8 @@
 :meth:`Trainer.step` takes the step's samples and global normalizer, computes the advantages
 (:mod:`rollpacker.train.advantages`) and the loss (:func:`~rollpacker.train.losses.policy_objective`),
 and steps the optimizer. :meth:`Trainer.accumulate` is stream training's gradient without a step.
+With ``train.advantage gae`` it also trains PPO's critic: the critic's values give the advantages
+(:func:`~rollpacker.train.advantages.gae`), and each update steps the critic on its value loss.
 
 Invariants:
 
