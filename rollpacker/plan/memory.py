@@ -367,10 +367,10 @@ def critic_state(s: Shape, t: TrainSetup, held: bool = True) -> list[Term]:
     its gradients as the policy's."""
     if not t.critic:
         return []
-    state = Term(name="critic: parameters and optimizer state (fp32, sharded)",
+    state = Term(name="critic parameters + optimizer state (sharded)",
                  bytes=(not t.offload) * 12 * s.num_params / t.shard_size, fix="train.offload")
     grads = gradients(s, replace(t, lora_params=0))
-    return [state, replace(grads, name=f"critic: {grads.name}")] if held else [state]
+    return [state, replace(grads, name=f"critic {grads.name}")] if held else [state]
 
 
 def reference_state(s: Shape, t: TrainSetup) -> list[Term]:
