@@ -405,8 +405,8 @@ class Trainer:
             within = torch.arange(mask.shape[1])[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
             values = self._everyones(samples, {i: f[4] for i, f in frozen.items()}, mask.shape)
             adv, targets = gae(earned_at(returns, within), values, mask, cfg.gamma, cfg.lam)
-            trained = mask & torch.tensor(kept)[:, None]
-            adv = whiten(adv, trained).where(trained, 0.0)  # over the step's batch, as verl's
+            trained = mask & torch.tensor([k and not self._masked(s) for k, s in zip(kept, samples)])[:, None]
+            adv = whiten(adv, trained).where(trained, 0.0)  # over the tokens the step trains, as verl's
         else:
             adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples), kept)
         focus = self._focus(samples, frozen)

@@ -52,8 +52,8 @@ def algorithm_batch() -> list:
     return samples
 
 
-def weights(trainer) -> dict:
-    return {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
+def weights(trainer, which: str = "model") -> dict:
+    return {f"{which}.{k}": v.full_tensor().clone() for k, v in getattr(trainer, which).state_dict().items()}
 
 
 def test_one_mini_batch_one_epoch_is_bitwise_the_plain_ppo_step(toy_random_dir):
@@ -132,21 +132,26 @@ def test_mini_batches_split_whole_groups():
     assert mini_batches([], 2) == [[]]
 
 
-def test_mask_truncated_trains_nothing_on_a_truncated_response(toy_random_dir):
+@pytest.mark.parametrize("advantage", ["grpo", "gae"])
+def test_mask_truncated_trains_nothing_on_a_truncated_response(advantage, toy_random_dir):
+    """Nor does PPO's critic learn from one."""
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
+    from rollpacker.model.parallelize import with_value_head
     from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import Trainer
 
-    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, mask_truncated=True), build_meshes(1, 0).train,
-                      num_steps=2)
+    critic = with_value_head(load_model(toy_random_dir)) if advantage == "gae" else None
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, mask_truncated=True, advantage=advantage),
+                      build_meshes(1, 0).train, critic=critic, num_steps=2)
     samples = algorithm_batch()
     for s in samples:
         s.truncated = True
-    before = weights(trainer)
+    before = weights(trainer) | (weights(trainer, "critic") if critic else {})
     stats = trainer.step(samples, 1)
     assert stats["train/masked_truncated"] == len(samples) and stats["train/loss"] == 0.0
-    after = weights(trainer)
+    assert stats.get("critic/vf_loss", 0.0) == 0.0
+    after = weights(trainer) | (weights(trainer, "critic") if critic else {})
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
