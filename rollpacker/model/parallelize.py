@@ -97,10 +97,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: MemoryConfig, *, mix
 
 
 def with_value_head(model: nn.Module) -> nn.Module:
-    """PPO's critic made of a decoder (in place; returned): its output head becomes one output, zero (the first
-    values are 0), never tied to the embedding."""
-    hidden = model.lm_head.weight.shape[1]
-    model.lm_head = nn.Linear(hidden, 1, bias=False, device=model.lm_head.weight.device)
+    """PPO's critic made of a decoder (in place; returned): its output head becomes one output, never tied to
+    the embedding. A reward model's score head (one output, which the native decoder loads as its head) stays:
+    the critic starts as the reward model, as OpenRLHF's and verl's do. Any other head starts at zero (the first
+    values are 0)."""
+    head = model.lm_head.weight
+    if head.shape[0] == 1:
+        return model
+    model.lm_head = nn.Linear(head.shape[1], 1, bias=False, device=head.device)
     nn.init.zeros_(model.lm_head.weight)
     return model
 

@@ -46,11 +46,12 @@ class TeacherConfig:
 
 @dataclass(kw_only=True)
 class CriticConfig:
-    """PPO's value model, with train.advantage gae: the policy's architecture with a one-output head
-    (zero at the start), trained beside it by its own AdamW (docs/algorithms.md)."""
+    """PPO's value model, with train.advantage gae: a decoder with a one-output head (zero at the start, or a
+    reward model's score head), trained beside the policy by its own AdamW (docs/algorithms.md)."""
 
     path: str = ""
-    """Its initial weights' Hugging Face model directory (same tokenizer as model.path); empty = model.path."""
+    """Its initial weights' Hugging Face model directory (same tokenizer as model.path); empty = model.path. A
+    reward model's (one label) keeps its score head: the critic starts as the reward model."""
     lr: float = 0.0
     """Its peak AdamW learning rate, on train.lr's schedule (verl's critic.optim.lr); 0 = train.lr."""
     value_clip: float = 0.5

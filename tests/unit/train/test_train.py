@@ -180,3 +180,21 @@ def test_a_critic_starts_at_zero_and_learns_its_returns(impl, toy_random_dir, qw
     losses = [s["critic/vf_loss"] for s in steps]
     assert losses[-1] < 0.5 * losses[0], losses
     assert all(s["train/grad_norm"] > 0 and s["critic/lr"] == 1e-3 for s in steps)
+
+
+def test_a_critic_from_a_reward_model_starts_as_the_reward_model(reward_model_dir):
+    """``train.critic.path`` a reward model (a sequence classifier with one label): the critic keeps its score
+    head, so its value after the last token is the reward model's score (transformers' own forward)."""
+    import transformers
+
+    from rollpacker.model import CausalAttention, load_model
+    from rollpacker.model.parallelize import with_value_head
+
+    critic = with_value_head(load_model(reward_model_dir))
+    reward_model = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    tokens = torch.tensor([5, 17, 42, 9, 33, 8])
+    with torch.no_grad():
+        hidden = critic(tokens, torch.arange(len(tokens)), CausalAttention([len(tokens)]))
+        torch.testing.assert_close((hidden @ critic.lm_head.weight.T)[-1, 0],
+                                   reward_model(tokens[None]).logits[0, 0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(critic.lm_head.weight, load_model(reward_model_dir).lm_head.weight)
