@@ -57,9 +57,12 @@ class CriticConfig:
     value_clip: float = 0.5
     """The value loss is the larger of the plain and the clipped one, the values clipped to within this of
     the step's first (verl's cliprange_value); 0 = no clip."""
+    warmup_steps: int = 0
+    """The run's first this many steps train the critic alone: the policy's weights and its LR schedule wait
+    (verl's trainer.critic_warmup)."""
 
     def __post_init__(self) -> None:
-        for name in ("lr", "value_clip"):
+        for name in ("lr", "value_clip", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.critic.{name} must be >= 0, got {getattr(self, name)}")
 

@@ -275,11 +275,12 @@ class Trainer:
                 updates.append(self._update([samples[i] for i in batch], [prepared[i] for i in batch], plan,
                                             share, frozen=needs_frozen))
         if not all(u["train/skipped"] for u in updates):
-            self.scheduler.step()
+            if not self.warming:
+                self.scheduler.step()
+                if cfg.ref_sync_steps and self.scheduler.last_epoch % cfg.ref_sync_steps == 0:
+                    self._mix_reference()
             if self.critic_scheduler is not None:
                 self.critic_scheduler.step()
-            if cfg.ref_sync_steps and self.scheduler.last_epoch % cfg.ref_sync_steps == 0:
-                self._mix_reference()
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
@@ -315,7 +316,7 @@ class Trainer:
         loss = sums["loss"] / normalizer
         skipped = not math.isfinite(norm) or not math.isfinite(loss)
         lr = self.scheduler.get_last_lr()[0]
-        if not skipped and sums["tokens"]:  # no model token anywhere (every episode failed): no update at all
+        if not skipped and sums["tokens"] and not self.warming:  # no model token anywhere: no update at all
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skipped
@@ -347,6 +348,11 @@ class Trainer:
             "train/num_micro_batches": float(num_micro),
         } | ({"train/teacher_kl": sums["teacher_kl"] / tokens} if self.teacher is not None else {})
 
+    @property
+    def warming(self) -> bool:
+        """``train.critic.warmup_steps``: this step trains the critic alone (the policy's weights and schedule wait)."""
+        return self.critic is not None and self.critic_scheduler.last_epoch < self.config.critic.warmup_steps
+
     def _critic_step(self, sums: dict[str, float]) -> dict[str, float]:
         """The critic's optimizer step on the value loss's gradients (a token mean over the update's
         trained tokens, whatever the aggregation); skipped, alone, on a non-finite gradient norm."""
@@ -363,7 +369,8 @@ class Trainer:
         return {"critic/vf_loss": sums["vf_loss"] / tokens, "critic/vf_clipfrac": sums["vf_clipped"] / tokens,
                 "critic/vpred_mean": sums["vpred"] / tokens, "critic/returns_mean": sums["ret"] / tokens,
                 "critic/vf_explained_var": 1 - variance["err"] / variance["ret"] if variance["ret"] > 1e-12 else 0.0,
-                "critic/grad_norm": norm, "critic/lr": self.critic_scheduler.get_last_lr()[0]}
+                "critic/grad_norm": norm, "critic/lr": self.critic_scheduler.get_last_lr()[0],
+                "critic/warmup": float(self.warming)}
 
     @torch.no_grad()
     def _mix_reference(self) -> None:

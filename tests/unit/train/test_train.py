@@ -198,3 +198,27 @@ def test_a_critic_from_a_reward_model_starts_as_the_reward_model(reward_model_di
         torch.testing.assert_close((hidden @ critic.lm_head.weight.T)[-1, 0],
                                    reward_model(tokens[None]).logits[0, 0], atol=1e-5, rtol=1e-5)
     assert torch.equal(critic.lm_head.weight, load_model(reward_model_dir).lm_head.weight)
+
+
+def test_critic_warmup_trains_the_critic_alone_first(toy_random_dir):
+    """``train.critic.warmup_steps 2`` (verl's critic_warmup): the first two steps move the critic and not the
+    policy, whose learning-rate schedule waits; the third moves both."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.model.parallelize import with_value_head
+    from rollpacker.train.config import CriticConfig, TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, advantage="gae", critic=CriticConfig(warmup_steps=2))
+    trainer = Trainer(load_model(toy_random_dir), cfg, build_meshes(1, 0).train,
+                      critic=with_value_head(load_model(toy_random_dir)), num_steps=4)
+    samples = algorithm_batch()
+    policy, critic = weights(trainer), weights(trainer, "critic")
+    for step in range(3):
+        stats = trainer.step(samples, sum(len(s.response_ids) for s in samples))
+        assert stats["critic/warmup"] == float(step < 2)
+        moved = {which: not all(torch.equal(v, weights(trainer, which)[k]) for k, v in before.items())
+                 for which, before in (("model", policy), ("critic", critic))}
+        assert moved == {"model": step == 2, "critic": True}, (step, moved)
+        policy, critic = weights(trainer), weights(trainer, "critic")
+    assert (trainer.scheduler.last_epoch, trainer.critic_scheduler.last_epoch) == (1, 3)
