@@ -49,13 +49,16 @@ class Case:
     ac_part: str = "block"
     micro_batches: int = 1
     reduce_every: bool = False
+    critic: bool = False
+    """PPO's critic (train.advantage gae) trains beside the policy."""
 
     @property
     def name(self) -> str:
         ac = self.checkpointing + (f"/{self.ac_part}" if self.checkpointing == "selective" else "")
         every = " reduce-every" if self.reduce_every else ""
         micro = f" x{self.micro_batches}{every}" if self.micro_batches > 1 else ""
-        return f"{self.model} {len(self.seq_lens)}x{self.seq_lens[0]}{micro} ac={ac} ranks={self.world}"
+        critic = " critic" if self.critic else ""
+        return f"{self.model} {len(self.seq_lens)}x{self.seq_lens[0]}{micro}{critic} ac={ac} ranks={self.world}"
 
 
 CASES = (
@@ -69,6 +72,8 @@ CASES = (
     Case("33M", (512,), world=2, micro_batches=2, reduce_every=True),
     Case("125M", (256,)),
     Case("125M", (128,), world=2),
+    Case("5M", (512,) * 2, critic=True),
+    Case("33M", (512,), world=2, micro_batches=2, critic=True),
 )
 FACTOR_CASES = (CASES[2], CASES[3])
 """Checkpointing off and full at 2048 tokens: the factor by which full checkpointing shrinks activations."""
@@ -88,9 +93,10 @@ def planned(case: Case, device: str = "cpu") -> dict:
     setup = TrainSetup(shard_size=case.world, seq_lens=case.seq_lens, response_tokens=sum(case.seq_lens) // 2,
                        compute_bytes=2 if cuda else 4, checkpointing=case.checkpointing, ac_every=2,
                        ac_part=case.ac_part, head="fused" if cuda else "torch", foreach=cuda,
-                       micro_batches=case.micro_batches, reduce_every=case.reduce_every, gloo=not cuda)
+                       micro_batches=case.micro_batches, reduce_every=case.reduce_every, gloo=not cuda,
+                       critic=case.critic)
     phases = train_phases(Shape.from_hf(model_config(case)), setup)
-    before = sum(t.bytes for t in phases[0].terms if t.name.startswith(("parameters", "optimizer")))
+    before = sum(t.bytes for t in phases[0].terms if t.name.startswith(("parameters", "optimizer", "critic param")))
     peak = max(phases, key=lambda p: p.total)
     return {"peak": peak.total, "before": before, "phase": peak.name}
 
@@ -102,10 +108,11 @@ def cuda_worker(case: Case) -> dict[str, float]:
     from rollpacker.train.losses import normalizer
     from rollpacker.train.trainer import Trainer
 
-    meshes, model, cfg, batches = setup(case)
-    model.to_empty(device=meshes.device)
-    model.init_weights()
-    trainer = Trainer(model, cfg, meshes.train, num_steps=2)
+    meshes, model, critic, cfg, batches = setup(case)
+    for m in (model, critic) if critic else (model,):
+        m.to_empty(device=meshes.device)
+        m.init_weights()
+    trainer = Trainer(model, cfg, meshes.train, critic=critic, num_steps=2)
     for batch in batches:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -116,21 +123,23 @@ def cuda_worker(case: Case) -> dict[str, float]:
 
 
 def setup(case: Case):
-    """This rank's meshes, ``case``'s model on the meta device, its training config, and its two batches
-    (identical on every rank): a small one that creates AdamW's state, then the measured one."""
+    """This rank's meshes, ``case``'s model (and critic, or None) on the meta device, its training config, and
+    its two batches (identical on every rank): a small one that creates AdamW's state, then the measured one."""
     import torch
 
     from rollpacker.dist import build_meshes
     from rollpacker.model import ModelArgs, Transformer
+    from rollpacker.model.parallelize import with_value_head
     from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import Sample
 
     meshes = build_meshes(rollout_tp=1, train_shard_size=0)
     with torch.device("meta"):
         model = Transformer(ModelArgs.from_hf(model_config(case)))
+        critic = with_value_head(Transformer(ModelArgs.from_hf(model_config(case)))) if case.critic else None
     cfg = TrainConfig(lr=1e-4, warmup_steps=0, micro_batch_tokens=sum(case.seq_lens),
                       activation_checkpointing=case.checkpointing, ac_every=2, ac_part=case.ac_part,
-                      reduce_every_micro_batch=case.reduce_every)
+                      reduce_every_micro_batch=case.reduce_every, advantage="gae" if case.critic else "grpo")
     g = torch.Generator().manual_seed(0)
 
     def samples(lengths: list[int]) -> list[Sample]:
@@ -139,7 +148,7 @@ def setup(case: Case):
 
     batches = samples([16] * case.world), samples(list(case.seq_lens) * case.world * case.micro_batches)
     torch.manual_seed(0)
-    return meshes, model, cfg, batches
+    return meshes, model, critic, cfg, batches
 
 
 def worker(case: Case) -> dict[str, float]:
@@ -150,11 +159,12 @@ def worker(case: Case) -> dict[str, float]:
     from rollpacker.train.losses import normalizer
     from rollpacker.train.trainer import Trainer
 
-    meshes, model, cfg, (warmup, measured) = setup(case)
+    meshes, model, critic, cfg, (warmup, measured) = setup(case)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model.to_empty(device="cpu")
-        model.init_weights()
-        trainer = Trainer(model, cfg, meshes.train, num_steps=2)
+        for m in (model, critic) if critic else (model,):
+            m.to_empty(device="cpu")
+            m.init_weights()
+        trainer = Trainer(model, cfg, meshes.train, critic=critic, num_steps=2)
         for name, batch in (("warmup_step", warmup), ("measured_step", measured)):
             with record_function(name):
                 lengths = [len(s.response_ids) for s in batch]
@@ -175,7 +185,9 @@ def worker(case: Case) -> dict[str, float]:
     totals.sort()
     before = next(total for t, total in reversed(totals) if t < window[0])
     peak = max(total for t, total in totals if window[0] <= t <= window[1])
-    state = [*trainer.model.parameters(), *(v for s in trainer.optimizer.state.values() for v in s.values())]
+    trained = [(trainer.model, trainer.optimizer), (trainer.critic, trainer.critic_optimizer)]
+    state = [t for m, opt in trained if m is not None
+             for t in (*m.parameters(), *(v for s in opt.state.values() for v in s.values()))]
     state_bytes = sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes() for t in state)
     return {"peak": peak - (before - state_bytes), "before": state_bytes, "missed_frees": before - state_bytes}
 

@@ -155,8 +155,8 @@ class TrainSetup:
     lora_params: int = 0
     """LoRA: the adapters' parameters, the only ones trained (0: every parameter trains)."""
     critic: bool = False
-    """PPO's critic (train.advantage gae): a model as large as the policy, trained whole beside it. Its own
-    passes come after the policy's in each micro-batch, with a one-output head: the policy's phases bound them."""
+    """PPO's critic (train.advantage gae): the policy's blocks and embedding with a one-row head, trained whole
+    beside it; its backward comes after the policy's in each micro-batch (its own phase)."""
 
     @property
     def tokens(self) -> int:
@@ -354,6 +354,15 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
         phases.append(Phase(name="forward (KL reference)", terms=[
             *state, root, saved, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
                                 bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t))]))
+    if t.critic:  # after the policy's backward, with its gradients: no vocabulary head, its embedding unsharded
+        policy_grads = 0 if state[2].bytes else device * 4 * trained / n  # else held in the state already
+        phases.append(Phase(name="backward (critic)", terms=[
+            *state, Term(name="policy gradients (fp32, sharded)", bytes=policy_grads, fix=off),
+            Term(name="unsharded critic root (embedding, norm, head)", bytes=b * (s.vocab_size + 2) * s.hidden_size),
+            Term(name="saved activations", bytes=acts["blocks"], fix=fix),
+            Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
+            Term(name="unsharded blocks in flight (2)", bytes=2 * b * s.layer_params),
+            Term(name="block backward (activation and weight gradients)", bytes=block_backward(s, t))]))
     largest = (t.lora_params / s.num_layers if t.lora_params else max(s.vocab_size * s.hidden_size, s.layer_params)) / n
     temp = 4 * trained / n if t.foreach else 2 * 4 * largest
     phases.append(Phase(name="optimizer step", terms=[
@@ -368,9 +377,14 @@ def critic_state(s: Shape, t: TrainSetup, held: bool = True) -> list[Term]:
     if not t.critic:
         return []
     state = Term(name="critic parameters + optimizer state (sharded)",
-                 bytes=(not t.offload) * 12 * s.num_params / t.shard_size, fix="train.offload")
-    grads = gradients(s, replace(t, lora_params=0))
+                 bytes=(not t.offload) * 12 * critic_params(s) / t.shard_size, fix="train.offload")
+    grads = gradients(s, replace(t, lora_params=critic_params(s)))  # trained: the critic's parameters, all of them
     return [state, replace(grads, name=f"critic {grads.name}")] if held else [state]
+
+
+def critic_params(s: Shape) -> int:
+    """PPO's critic's parameters: the blocks, the embedding, the final norm and a one-row head (no vocabulary)."""
+    return s.num_layers * s.layer_params + s.vocab_size * s.hidden_size + 2 * s.hidden_size
 
 
 def reference_state(s: Shape, t: TrainSetup) -> list[Term]:
@@ -589,7 +603,7 @@ def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float
     phases.append(rollout_phase(shape, train, rollout))
     for phase in phases:
         phase.terms.append(Term(name="CUDA context, NCCL, cuBLAS (allowance)", bytes=context))
-    host = (4 * shape.num_params + 12 * trained_params(shape, train) + train.critic * 16 * shape.num_params
+    host = (4 * shape.num_params + 12 * trained_params(shape, train) + train.critic * 16 * critic_params(shape)
             ) / train.shard_size if train.offload else 0.0  # a critic's weights, gradients and AdamW state
     if train.reference == "streamed":
         host += train.compute_bytes * shape.num_params

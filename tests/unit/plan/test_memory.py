@@ -51,16 +51,21 @@ def test_the_plans_terms_for_a_tiny_model_equal_a_hand_count():
         "gradients of earlier micro-batches": 0, "unsharded root (embedding, norm, head)": 4 * 84,
         "saved activations": 8 * 585 + 400,
         "log-prob head forward (torch)": 2 * 4 * 10 * 4}  # the [chunk, V] logits and logsumexp's temporary
-    # PPO's critic: its weights and AdamW state, and (two micro-batches) its gradients held whole, in every phase
+    # PPO's critic (the blocks, the embedding, the norm and a one-row head: 2 x 136 + 40 + 4 + 4 parameters): its
+    # weights and AdamW state, and (two micro-batches) its gradients held whole, in every phase; its own backward
     critic = replace(setup, critic=True, micro_batches=2)
-    for phase in train_phases(TINY, critic):
+    phases = train_phases(TINY, critic)
+    for phase in phases:
         terms = {t.name: t.bytes for t in phase.terms}
-        assert terms["critic parameters + optimizer state (sharded)"] == 12 * 356, phase.name
-        assert terms["critic gradients accumulated unsharded (fp32)"] == 4 * 356, phase.name
+        assert terms["critic parameters + optimizer state (sharded)"] == 12 * 320, phase.name
+        assert terms["critic gradients accumulated unsharded (fp32)"] == 4 * 320, phase.name
+    backward = {t.name: t.bytes for t in next(p for p in phases if p.name == "backward (critic)").terms}
+    assert backward["unsharded critic root (embedding, norm, head)"] == 4 * 12 * 4
+    assert backward["policy gradients (fp32, sharded)"] == 0  # held whole in the state (two micro-batches)
     engine = RolloutSetup(engine="vllm", tp=1, weight_bytes=4, kv_bytes=0, max_num_seqs=1, prefill_tokens=8,
                           released=False)
     rollout = {t.name: t.bytes for t in rollout_phase(TINY, critic, engine).terms}
-    assert rollout["critic parameters + optimizer state (sharded)"] == 12 * 356
+    assert rollout["critic parameters + optimizer state (sharded)"] == 12 * 320
     assert not any(name.startswith("critic gradients") for name in rollout)
 
 
