@@ -30,6 +30,9 @@ BF16 = 2
 TRAIN_PASSES = 6
 """Forward passes' worth of FLOPs per trained token: old and reference log-probs (1 + 1), then the
 update's forward, recomputed forward (activation checkpointing) and backward (1 + 1 + 2)."""
+CRITIC_PASSES = 5
+"""What PPO's critic adds (``train.advantage gae``): its values before the step (1), then its forward,
+recomputed forward and backward (1 + 1 + 2); its one-row head costs nothing beside the blocks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +167,8 @@ class CostModel:
     model: ModelShape
     tp: int = 1
     calib: Calibration = Calibration()
+    train_passes: int = TRAIN_PASSES
+    """Forward passes' worth of FLOPs per trained token (with a critic, ``TRAIN_PASSES + CRITIC_PASSES``)."""
 
     def __post_init__(self) -> None:
         if self.tp <= 0:
@@ -222,7 +227,7 @@ class CostModel:
         squared lengths): old and reference log-probs, then forward + backward; no fixed costs."""
         m, c = self.model, self.calib
         forward = 2 * m.matmul_params * tokens + m.attention_flops(tokens_sq / 2)
-        return TRAIN_PASSES * forward / (self.hardware.flops * c.train_efficiency)
+        return self.train_passes * forward / (self.hardware.flops * c.train_efficiency)
 
     def train_s(self, tokens: float, tokens_sq: float, num_gpus: int) -> float:
         """One training step over those sequences on ``num_gpus``: their work spread evenly, plus

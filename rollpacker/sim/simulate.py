@@ -32,7 +32,7 @@ from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, 
 from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.tail import TailConfig
-from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel
+from rollpacker.sim.cost import CRITIC_PASSES, HARDWARE, MODELS, TRAIN_PASSES, Calibration, CostModel
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.episodes import EpisodeWorkload, ScriptedEpisode, ScriptedResponse, SimEnvPool
 from rollpacker.sim.speculation import SpecSimConfig
@@ -60,6 +60,8 @@ class SimConfig:
     """§4.2: the real parallelism planner picks each round's TP from its preemptions (a switch costs a weight sync)."""
     stream: bool = False
     """§4.4: the stream trainer frees half the replicas to train complete groups (needs reward_scheduler)."""
+    critic: bool = False
+    """PPO's critic trains beside the policy (train.advantage gae): 5 more forward passes' worth a trained token."""
     warm: bool = False
     """Episodes: the next round's first environments open as a round ends (``env.warm``), resetting while it trains."""
     stream_config: StreamConfig = field(default_factory=StreamConfig)
@@ -95,6 +97,9 @@ class SimConfig:
         refuse_with_pools(self.schedule, stream=("sim.stream", self.stream or self.stream_config.enabled),
                           planner=("sim.planner", self.planner))
         self.stream = self.stream or self.stream_config.enabled
+        if self.stream and self.critic:
+            raise ValueError("sim.stream with sim.critic: GAE's advantages are whitened over the step's batch, so "
+                             "stream training refuses train.advantage gae; drop one")
         if self.stream and not self.reward_scheduler:
             raise ValueError("sim.stream needs sim.reward_scheduler: the freed GPUs train each group once it is "
                              "scored, and without the reward scheduler nothing is scored before rollout ends")
@@ -129,7 +134,8 @@ class SimConfig:
         return self.topology.num_replicas
 
     def cost(self) -> CostModel:
-        return CostModel(HARDWARE[self.hardware], MODELS[self.model], self.tp, self.calib)
+        return CostModel(HARDWARE[self.hardware], MODELS[self.model], self.tp, self.calib,
+                         train_passes=TRAIN_PASSES + CRITIC_PASSES * self.critic)
 
     def workload(self):
         if not self.trace:

@@ -467,6 +467,19 @@ def test_one_step_off_overlaps_the_next_rollout_with_training_on_its_own_gpus():
         SimConfig(schedule=OneStepOffConfig(rollout_ranks=3), gpus=6, rollout=RolloutConfig(tp=2))
 
 
+def test_a_critic_adds_its_passes_to_the_train_stage_alone():
+    """``sim.critic`` (PPO's critic): the same rollout, the train stage's work 11/6 of the policy's alone (its
+    values, forward, recomputation and backward beside the policy's six passes); stream training refuses it."""
+    base = SimConfig(model="qwen2.5-7b", gpus=4, rollout=rollout(8, 2, 2048), num_steps=2, schedule=SyncConfig())
+    plain, critic = simulate(base), simulate(replace(base, critic=True))
+    overhead = base.cost().calib.train_overhead_s
+    for a, b in zip(plain, critic, strict=True):
+        assert b.rollout_s == a.rollout_s and b.trained_tokens == a.trained_tokens
+        assert b.train_s - overhead == pytest.approx(11 / 6 * (a.train_s - overhead))
+    with pytest.raises(ValueError, match="sim.stream with sim.critic"):
+        SimConfig(critic=True, stream=True, reward_scheduler=True)
+
+
 def test_the_cli_embeds_the_runs_rollout_and_schedule_settings():
     from rollpacker.schedule.tail import TailConfig
     from rollpacker.sim.__main__ import parse
