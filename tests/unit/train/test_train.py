@@ -201,24 +201,24 @@ def test_a_critic_from_a_reward_model_starts_as_the_reward_model(reward_model_di
 
 
 def test_critic_warmup_trains_the_critic_alone_first(toy_random_dir):
-    """``train.critic.warmup_steps 2`` (verl's critic_warmup): the first two steps move the critic and not the
-    policy, whose learning-rate schedule waits; the third moves both."""
+    """``train.critic.warmup_steps 1`` (verl's critic_warmup): the first step moves the critic and not the
+    policy, whose learning-rate schedule waits; the second moves both."""
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
     from rollpacker.model.parallelize import with_value_head
     from rollpacker.train.config import CriticConfig, TrainConfig
     from rollpacker.train.trainer import Trainer
 
-    cfg = TrainConfig(lr=1e-2, warmup_steps=0, advantage="gae", critic=CriticConfig(warmup_steps=2))
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, advantage="gae", critic=CriticConfig(warmup_steps=1))
     trainer = Trainer(load_model(toy_random_dir), cfg, build_meshes(1, 0).train,
                       critic=with_value_head(load_model(toy_random_dir)), num_steps=4)
     samples = algorithm_batch()
     policy, critic = weights(trainer), weights(trainer, "critic")
-    for step in range(3):
+    for step in range(2):
         stats = trainer.step(samples, sum(len(s.response_ids) for s in samples))
-        assert stats["critic/warmup"] == float(step < 2)
+        assert stats["critic/warmup"] == float(step < 1)
         moved = {which: not all(torch.equal(v, weights(trainer, which)[k]) for k, v in before.items())
                  for which, before in (("model", policy), ("critic", critic))}
-        assert moved == {"model": step == 2, "critic": True}, (step, moved)
+        assert moved == {"model": step == 1, "critic": True}, (step, moved)
         policy, critic = weights(trainer), weights(trainer, "critic")
-    assert (trainer.scheduler.last_epoch, trainer.critic_scheduler.last_epoch) == (1, 3)
+    assert (trainer.scheduler.last_epoch, trainer.critic_scheduler.last_epoch) == (1, 2)
