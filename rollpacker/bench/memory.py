@@ -205,8 +205,8 @@ def run_case(case: Case, device: str = "cpu") -> dict[str, float]:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode:
             raise RuntimeError(f"bench memory: {case.name} failed:\n{proc.stderr[-4000:]}")
-        ranks += [json.loads(line.removeprefix("MEASURED ")) for line in proc.stdout.splitlines()
-                  if line.startswith("MEASURED ")]
+        decoder = json.JSONDecoder()  # each rank's object after its marker, whatever another rank wrote after it
+        ranks += [decoder.raw_decode(part)[0] for part in proc.stdout.split("MEASURED ")[1:]]
     return min(ranks, key=lambda m: m["peak"])
 
 
@@ -215,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["--worker"]:
         raw = json.loads(argv[1])
         case = Case(**{**raw, "seq_lens": tuple(raw["seq_lens"])})
-        print("MEASURED " + json.dumps((cuda_worker if argv[2] == "cuda" else worker)(case)), flush=True)
+        measured = json.dumps((cuda_worker if argv[2] == "cuda" else worker)(case))
+        sys.stdout.write(f"MEASURED {measured}\n")  # one write: the ranks share the pipe
+        sys.stdout.flush()
         return
     device = "cpu"
     if "--device" in argv:
