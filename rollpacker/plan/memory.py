@@ -304,16 +304,18 @@ def trained_params(s: Shape, t: TrainSetup) -> int:
     return t.lora_params or s.num_params
 
 
-def gradients(s: Shape, t: TrainSetup) -> Term:
+def gradients(s: Shape, t: TrainSetup, trained: int | None = None) -> Term:
     """The gradients held before a micro-batch's backward: none in a step's only micro-batch; else
     the earlier ones', sharded in fp32 when every micro-batch reduces, else unsharded (FSDP2 keeps
-    gradients it does not reduce-scatter whole, in fp32), as stream training's always are."""
+    gradients it does not reduce-scatter whole, in fp32), as stream training's always are.
+    ``trained``: the parameters with gradients (None: the policy's, :func:`trained_params`)."""
+    trained = trained_params(s, t) if trained is None else trained
     if t.micro_batches == 1 and not t.streaming:
         return Term(name="gradients of earlier micro-batches", bytes=0)
     if t.reduce_every and not t.streaming:
-        return Term(name="gradients (fp32, sharded)", bytes=(not t.offload) * 4 * trained_params(s, t) / t.shard_size,
+        return Term(name="gradients (fp32, sharded)", bytes=(not t.offload) * 4 * trained / t.shard_size,
                     fix="train.offload")
-    return Term(name="gradients accumulated unsharded (fp32)", bytes=4 * trained_params(s, t),
+    return Term(name="gradients accumulated unsharded (fp32)", bytes=4 * trained,
                 fix="train.reduce-every-micro-batch" if not t.streaming else "stream.enabled false")
 
 
@@ -378,7 +380,7 @@ def critic_state(s: Shape, t: TrainSetup, held: bool = True) -> list[Term]:
         return []
     state = Term(name="critic parameters + optimizer state (sharded)",
                  bytes=(not t.offload) * 12 * critic_params(s) / t.shard_size, fix="train.offload")
-    grads = gradients(s, replace(t, lora_params=critic_params(s)))  # trained: the critic's parameters, all of them
+    grads = gradients(s, t, trained=critic_params(s))
     return [state, replace(grads, name=f"critic {grads.name}")] if held else [state]
 
 

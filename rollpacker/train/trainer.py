@@ -389,6 +389,10 @@ class Trainer:
     def _masked(self, sample: Sample) -> bool:
         return self.config.mask_truncated and sample.truncated
 
+    def _trains(self, sample: Sample) -> bool:
+        """Its model tokens train: neither a failed episode nor masked for truncation (the critic's tokens)."""
+        return not (sample.failed or self._masked(sample))
+
     def _prepare(self, samples: list[Sample], frozen: dict[int, Frozen] | None = None) -> list[Prepared]:
         """Each sample's advantages (``train.advantage`` over its group or the whole of ``samples``),
         with the frozen log-probs of ``frozen`` (index -> (old, ref, teacher), this rank's samples).
@@ -412,7 +416,7 @@ class Trainer:
             within = torch.arange(mask.shape[1])[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
             values = self._everyones(samples, {i: f[4] for i, f in frozen.items()}, mask.shape)
             adv, targets = gae(earned_at(returns, within), values, mask, cfg.gamma, cfg.lam)
-            trained = mask & torch.tensor([k and not self._masked(s) for k, s in zip(kept, samples)])[:, None]
+            trained = mask & torch.tensor([self._trains(s) for s in samples])[:, None]
             adv = whiten(adv, trained).where(trained, 0.0)  # over the tokens the step trains, as verl's
         else:
             adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples), kept)
@@ -574,8 +578,8 @@ class Trainer:
         vpred = pad(self._values(batch), lengths)
         old, returns = (pad(torch.cat([getattr(p, k) for p in prepared]).to(self.device), lengths)
                         for k in ("values", "returns"))
-        mask = pad_sequence([torch.tensor(s.model_mask(), dtype=torch.bool, device=self.device)
-                             & (not self._masked(s)) & (not s.failed) for s in batch], batch_first=True)
+        mask = pad_sequence([torch.tensor(s.model_mask(), dtype=torch.bool, device=self.device) & self._trains(s)
+                             for s in batch], batch_first=True)
         loss = (vpred - returns) ** 2
         clipped = torch.zeros_like(mask)
         if clip := self.config.critic.value_clip:
