@@ -12,8 +12,10 @@ Invariants:
 - Token in, token out: verifiers sees text, and nothing is tokenized again.
 - The rollout's reward is the last step's. A rollout that ended with an error fails the step.
 - An episode rollpacker ends first is closed unscored: give verifiers ``env.max_turns``.
-- Each rollout is scored alone (``score_rollout``): a rubric with group-level functions is refused at the first reset
-  (``reward.group_funcs`` scores a group, outside the environment).
+- A rollout is scored alone (``score_rollout``) in its worker, unless its rubric has group-level functions: then
+  its group is, by the factory's ``score_group`` (a ``reward.group_funcs`` function), on copies of the group's
+  finished states, in a reward worker. Such a rubric without that function configured is refused at the first
+  reset: its episodes would train on no reward.
 
 Why: a verifiers environment then trains unchanged. How the loop runs: ``docs/environments.md``.
 """
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import verifiers as vf
@@ -30,32 +34,39 @@ from verifiers.legacy.types import Response, ResponseMessage
 from verifiers.legacy.types import ToolCall as VfToolCall
 
 from rollpacker.env.tools import PARSERS
+from rollpacker.imports import awaited
 
 
-def factory(load: Callable[[], Any], parser: str = "hermes") -> Callable[[dict], VerifiersEnv]:
+def factory(load: Callable[[], Any], parser: str = "hermes") -> Factory:
     """``make_env(row)`` for ``env.factory``: the environment ``load()`` returns, built once per process."""
-    built: list = []
-
-    def make_env(row: dict) -> VerifiersEnv:
-        if not built:
-            built.append(scored_alone(load()))
-        return VerifiersEnv(built[0], row, parser=parser)
-
-    return make_env
+    return Factory(load, parser)
 
 
-def scored_alone(env):
-    """``env``, unless its rubric scores rollouts by group (verifiers' ``score_group``): each episode here is scored
-    on its own, and ``score_rollout`` would fail each one only once it had run all its turns."""
-    if env.score_rollouts and env.rubric.has_group_rewards:
-        rubrics = getattr(env.rubric, "rubrics", [env.rubric])  # a RubricGroup (what environments wrap theirs in)
-        names = ", ".join(f.__name__ for r in rubrics for f in r._get_group_reward_funcs())
-        raise ValueError(f"the verifiers environment {type(env).__name__}'s rubric has group-level reward functions "
-                         f"({names}: plural parameters such as completions, or a list returned), and rollpacker "
-                         "scores each rollout alone: make them per-rollout functions (one completion, one float), or "
-                         "score the group with a function of reward.group_funcs (TRL's lists over the group's "
-                         "completions: docs/rewards.md)")
-    return env
+class Factory:
+    """``make_env`` (see :func:`factory`), and ``make_env.score_group``: the group-level scoring of a rubric with
+    group functions, a TRL group function of the group's environments (the module docstring)."""
+
+    def __init__(self, load: Callable[[], Any], parser: str):
+        self.load, self.parser = load, parser
+        self._env = None
+
+    @property
+    def env(self):
+        """The environment, loaded on first use in this process."""
+        if self._env is None:
+            self._env = self.load()
+        return self._env
+
+    def __call__(self, row: dict) -> VerifiersEnv:
+        return VerifiersEnv(self.env, row, parser=self.parser)
+
+    def score_group(self, environments: list, **kwargs) -> list[dict | float]:
+        """verifiers' ``rubric.score_group`` on the group's finished rollouts: each one's reward, and its functions'
+        values as metrics. A rollout rollpacker ended first (no finished state) scores 0, as when scored alone."""
+        states = [e for e in environments if e is not None]
+        if states:
+            awaited(self.env.rubric.score_group(states))
+        return [0.0 if e is None else {"score": e["reward"], **_numbers(e.get("metrics"))} for e in environments]
 
 
 class EpisodeClient(vf.Client):
@@ -100,6 +111,8 @@ class VerifiersEnv:
         self._asked: asyncio.Future | None = None
         self._answer: asyncio.Future | None = None
         self._seen: list[dict] = []
+        self.grouped = env.score_rollouts and env.rubric.has_group_rewards
+        """Its rubric scores a group (verifiers' ``score_group``): the factory's ``score_group`` does, later."""
 
     async def reset(self, *, seed: int, options: dict):
         loop = asyncio.get_running_loop()
@@ -113,6 +126,22 @@ class VerifiersEnv:
     async def step(self, action: str):
         self._answer.set_result(action)
         return await self._next()
+
+    @property
+    def unscored_alone(self) -> str | None:
+        """Why this environment's episodes need a reward function that takes their state, or None."""
+        if not self.grouped:
+            return None
+        rubrics = getattr(self.env.rubric, "rubrics", [self.env.rubric])  # a RubricGroup (what environments use)
+        names = ", ".join(f.__name__ for r in rubrics for f in r._get_group_reward_funcs())
+        return (f"the verifiers environment {type(self.env).__name__}'s rubric scores rollouts by group ({names}: "
+                "plural parameters such as completions, or a list returned), and no reward function takes the group's "
+                "states: add `score_group = make_env.score_group` to the factory's file and pass --reward.funcs "
+                "FILE:score_group --reward.group-funcs score_group (docs/environments.md)")
+
+    def reward_state(self) -> RolloutCopy:
+        """The rollout's state for reward functions that take ``environments``, once it is finished."""
+        return RolloutCopy.of(self._task.result() if self._task is not None and self._task.done() else None)
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
@@ -136,7 +165,7 @@ class VerifiersEnv:
                     "example_id": int(self.row.get("example_id", 0)), "answer": str(self.row.get("answer", "")),
                     "info": self.row.get("info") or {}}
         state = await self.env.rollout(vf_input, EpisodeClient(self), "rollpacker", {})
-        if self.env.score_rollouts:
+        if self.env.score_rollouts and not self.grouped:
             await self.env.rubric.score_rollout(state)
         await self.env.rubric.cleanup(state)
         return state
@@ -148,8 +177,7 @@ class VerifiersEnv:
             state = self._task.result()
             if state.get("error") is not None:
                 raise RuntimeError(f"the verifiers rollout failed: {state['error']!r}")
-            metrics = {k: float(v) for k, v in (state.get("metrics") or {}).items() if isinstance(v, (int, float))}
-            return None, state.get("reward"), True, False, metrics
+            return None, state.get("reward"), True, False, _numbers(state.get("metrics"))
         messages, tools = self._asked.result()
         self._asked = asyncio.get_running_loop().create_future()
         info = {"tools": [_tool(t) for t in tools]} if tools else {}
@@ -162,6 +190,36 @@ class VerifiersEnv:
                                "rollout): episodes append to it, token in, token out")
         self._seen = messages
         return messages[before:], None, False, False, info
+
+
+@dataclass(frozen=True)
+class RolloutCopy:
+    """A finished rollout's verifiers ``State``, pickled without what does not pickle (its client), or None: what
+    :meth:`VerifiersEnv.reward_state` sends to the reward functions that take ``environments``."""
+
+    data: bytes | None
+
+    @classmethod
+    def of(cls, state) -> RolloutCopy:
+        if state is None:
+            return cls(None)
+        copy = type(state)()
+        for key, value in dict.items(state):
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001  (the client, with its futures: not a reward's business)
+                continue
+            dict.__setitem__(copy, key, value)
+        return cls(pickle.dumps(copy))
+
+    def restore(self):
+        """The state (None: the rollout did not finish: rollpacker ended its episode first)."""
+        return None if self.data is None else pickle.loads(self.data)
+
+
+def _numbers(metrics: dict | None) -> dict[str, float]:
+    """verifiers' metrics, the numbers among them."""
+    return {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
 
 
 def _message(message) -> dict:

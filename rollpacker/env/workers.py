@@ -172,7 +172,10 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> t
 
 
 def _state(spec: EnvSpec, env) -> Any:
-    """A copy of ``env`` for the reward functions, if they take ``environments`` and it makes one (TRL's)."""
+    """A copy of ``env`` for the reward functions, if they take ``environments`` and it makes one (TRL's, a
+    verifiers rollout's state). Raises where it needs one and none takes it (``unscored_alone``: why)."""
+    if not spec.states and (why := getattr(env, "unscored_alone", None)):
+        raise EnvError(why)
     make = getattr(env, "reward_state", None)
     return make() if spec.states and callable(make) else None
 

@@ -62,6 +62,7 @@ def distinct(completions, **kwargs) -> list[float]:
 
 
 make_group_env = factory(lambda: Again(max_turns=2, rubric=vf.Rubric(funcs=[correct, distinct]), dataset=dataset()))
+score_group = make_group_env.score_group
 '''
 
 
@@ -145,13 +146,40 @@ def test_a_verifiers_tool_env_runs_its_tools(vf_file):
     assert answered.value.info["total_tool_calls"] == 1.0 and not closed.error
 
 
-def test_a_verifiers_rubric_scoring_by_group_is_refused_at_the_first_reset(vf_file):
-    """Scored alone, each rollout would fail only at its end, after all its turns: refused before the first."""
-    with EnvPool(EnvConfig(factory="vf_env.py:make_group_env", num_workers=1, timeout=60)) as pool:
-        pool.open_episode("e", {"id": "r0", "prompt": "1+1", "answer": "2"}, 0)
+def test_a_verifiers_rubric_scoring_by_group_scores_each_group_as_verifiers_does(vf_file):
+    """Scripted episodes of one row in two workers: each finished rollout's state reaches the factory's
+    score_group, which runs verifiers' score_group over the group (correct + distinct); a rollout rollpacker ended
+    first scores 0. Without a function that takes the states, the first reset refuses, naming the fix."""
+    from rollpacker.env.workers import EnvSpec
+    from rollpacker.reward.functions import call, resolve
+
+    row, actions = {"id": "r0", "prompt": "1+1", "answer": "2"}, [["#### 2"], ["#### 2"], ["#### 3", "#### 5"],
+                                                                  ["#### 7"]]
+    cfg = EnvConfig(factory="vf_env.py:make_group_env", num_workers=2, timeout=60)
+    with EnvPool(cfg, EnvSpec.from_config(cfg, states=True)) as pool:
+        for i in range(len(actions)):
+            pool.open_episode(i, row, 0)
+        states = {r.key: r.state for r in pool.drain(60)}
+        assert {s.restore() for s in states.values()} == {None}  # nothing finished yet
+        for turn in range(2):
+            for i, acts in enumerate(actions):
+                if turn < len(acts):
+                    pool.step_episode(i, acts[turn])
+            for r in pool.drain(60):
+                assert r.error is None and r.value.reward is None  # scored by the group, later
+                states[r.key] = r.state
+    samples = [{"prompt": row["prompt"], "completion": acts[-1], "completion_ids": [], "columns": {},
+                "environment": states[i]} for i, acts in enumerate(actions)]
+    scored = call(resolve("vf_env.py:score_group", "score_group", per_group=True), samples)
+    assert [value for value, _, _ in scored] == [3.0, 3.0, 2.0, 0.0]  # correct + 2 distinct answers; unfinished: 0
+    assert [m for _, m, _ in scored][:3] == [{"correct": 1.0, "distinct": 2.0, "num_turns": 1.0}] * 2 + [
+        {"correct": 0.0, "distinct": 2.0, "num_turns": 2.0}]  # verifiers' metrics, its MultiTurnEnv's too
+
+    with EnvPool(cfg) as pool:  # no reward function takes the states: refused before the first turn
+        pool.open_episode("e", row, 0)
         (opened,) = pool.drain(60)
-    assert "group-level reward functions (distinct" in opened.error and "one completion, one float" in opened.error
-    assert "or score the group with a function of reward.group_funcs" in opened.error
+    assert "rubric scores rollouts by group (distinct:" in opened.error
+    assert "--reward.funcs FILE:score_group --reward.group-funcs score_group" in opened.error
 
 
 def test_a_skyrl_gym_environment_runs_through_the_contract():
@@ -191,6 +219,8 @@ def multiply(a: float, b: float) -> float:
 
 LIBRARIES = {  # the tools file wraps SkyRL's environment: a turn without a tool call steps it (one launch for both)
     "verifiers": (("--env.factory", "vf_env.py:make_env"), {}),
+    "verifiers_group": (("--env.factory", "vf_env.py:make_group_env", "--reward.funcs", "vf_env.py:score_group",
+                         "--reward.group-funcs", "score_group"), {}),
     "skyrl_gym+tools": (("--env.factory", "rollpacker.env.skyrl_gym:make_env", "--env.tools", "tools.py:multiply",
                          "python"), {"env_class": "gsm8k_multi_turn", "extra_info": {"max_turns": 2}}),
 }
@@ -201,11 +231,14 @@ ENGINES = [
 ]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("library", LIBRARIES)
+@pytest.mark.parametrize("library,engine", [
+    pytest.param(library, *engine.values, marks=engine.marks, id=f"{engine.values[0]}-{library}")
+    for library in LIBRARIES for engine in ENGINES
+    if not library.startswith("verifiers") or (library == "verifiers_group") == (engine.values == ("torch",))])
 def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, library, engine):
     """The whole job, 2 ranks, 2 steps, on each engine: the library's environment (and the tools file)
-    in the workers, its episodes trained."""
+    in the workers, its episodes trained. verifiers' environment on torch is the one whose rubric scores by group
+    (each group scored together); on the others, the one scored alone."""
     import json
 
     from support.jobs import QUIET, cause, launch_job, records, sglang_env
@@ -228,3 +261,7 @@ def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, library, e
         assert [t["role"] for t in r["turns"]] == ["assistant", "user"] * (r["num_turns"] - 1) + ["assistant"]
         assert [t["trained"] for t in r["turns"]] == [t["role"] == "assistant" for t in r["turns"]]
     assert all(m["env/errors"] == 0 and m["rollout/env_tokens"] > 0 for m in records(tmp_path / "run"))
+    if library == "verifiers_group":  # correct (0 or 1) + distinct answers in the group (1 or 2); a cut rollout: 0
+        assert all(r["rewards"] == {"score_group": r["reward"]} and r["reward"] in (0, 1, 2, 3) for r in episodes)
+        assert all(m["reward/errors"] == 0 and 1 <= m["reward/score_group/distinct"] <= 2
+                   for m in records(tmp_path / "run"))
