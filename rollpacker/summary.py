@@ -23,8 +23,8 @@ def start_summary(job) -> str:
     lines = [
         f"rollpacker: {meshes.world_size} rank(s) on {meshes.device.type}, schedule:{cfg.policy}, steps "
         f"{job.start_step} to {cfg.num_steps - 1}, each {r.num_prompts} prompts x {r.group_size} responses{resumed}",
-        f"  data: {_rows(ctl.rows, cfg.data.path or 'the toy task')}"
-        + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path or 'the toy task')}" if ctl.eval_rows else ""),
+        f"  data: {_rows(ctl.rows, cfg.data.path)}"
+        + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path)}" if ctl.eval_rows else ""),
         f"  model: {cfg.model.path or 'the shipped toy model'} ({job.model_dir}), engine {cfg.engine.kind}; "
         f"{_template(ctl.tokenizer, cfg)}",
         f"  rewards: {_rewards(ctl)}; a failing call: "
@@ -71,7 +71,8 @@ def _episodes(env) -> str:
             f"{env.timeout:g} s per call, on error {env.on_error}")
 
 
-def _rows(rows: list[dict], where: str) -> str:
+def _rows(rows: list[dict], sources: tuple[str, ...]) -> str:
+    where = ", ".join(sources) or "the toy task"
     sources = collections.Counter(row.get("data_source") for row in rows)
     named = ", ".join(f"{s} {n}" for s, n in sources.most_common(5) if s is not None)
     more = f" and {len(sources) - 5} more sources" if len(sources) > 5 else ""

@@ -43,8 +43,9 @@ ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass(kw_only=True)
 class DataConfig:
-    path: str = ""
-    """Training prompts: a JSONL, JSON, parquet or arrow file, a saved dataset or a Hub id; empty = the toy task."""
+    path: tuple[str, ...] = ()
+    """Training prompts: JSONL, JSON, parquet or arrow files, saved datasets or Hub ids, one or more (verl's
+    train_files; a row of several without data_source gets its file's name); empty = the toy task."""
     split: str = "train"
     """Split of path to read (a local file has one, train; slices work: train[:90%])."""
     prompt_key: str = "prompt"
@@ -68,12 +69,14 @@ class DataConfig:
     max_prompt_length: int = 0
     """Leave out prompts longer than this many tokens, counted in one warning (verl's filter_overlong_prompts);
     0 = only those the context and the KV cache cannot serve."""
-    eval_path: str = ""
-    """Held-out prompts for evaluation, in any format path takes; empty = held-out toy problems (toy data only)."""
+    eval_path: tuple[str, ...] = ()
+    """Held-out prompts for evaluation, one or more sets in any format path takes (verl's val_files; eval metrics per
+    data_source, which a row of several sets lacking one takes from its file's name); empty = held-out toy problems
+    (toy data only)."""
     eval_split: str = ""
     """Split of eval_path (empty: split)."""
     num_eval_prompts: int = 256
-    """Held-out prompts per evaluation (the first this many of the eval set)."""
+    """Held-out prompts per evaluation (the first this many of each eval set)."""
     skip_bad_lines: bool = False
     """Skip rows (and JSON lines) that are not valid, logging how many and where, instead of stopping at the first."""
     retire_solved: float = 0.0
@@ -82,6 +85,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "data")
+        for name in ("path", "eval_path"):  # a single source given in code, as a string
+            if isinstance(getattr(self, name), (str, Path)):
+                setattr(self, name, (str(getattr(self, name)),) if getattr(self, name) else ())
         if self.num_eval_prompts <= 0:
             raise ValueError(f"data.num_eval_prompts must be positive, got {self.num_eval_prompts}")
         if self.toy_tail_alpha <= 0:
@@ -112,7 +118,7 @@ def load_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
     """The rows of ``config``'s dataset: the generated toy task, or the data at ``config.path``."""
     if not config.path:
         return toy_rows(config, config.num_toy_prompts, config.toy_seed)
-    return read_rows(config.path, config, check=check)
+    return read_sources(config.path, config, check=check)
 
 
 TOY_TASKS = {"arithmetic": "rollpacker.toy.task", "tools": "rollpacker.toy.tools"}
@@ -125,16 +131,32 @@ def toy_rows(config: DataConfig, num: int, seed: int) -> list[dict]:
 
 
 def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
-    """Held-out rows: the first ``num_eval_prompts`` of ``eval_path``, or fresh toy problems drawn
+    """Held-out rows: the first ``num_eval_prompts`` of each set of ``eval_path``, or fresh toy problems drawn
     with a seed the training set never uses."""
     if config.eval_path:
-        rows = read_rows(config.eval_path, config, split=config.eval_split or config.split, check=check,
-                         field="data.eval_path")
-        return rows[: config.num_eval_prompts]
+        return read_sources(config.eval_path, config, split=config.eval_split or config.split, check=check,
+                            field="data.eval_path", first=config.num_eval_prompts)
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
                            "takes), or eval_every=0")
     return toy_rows(config, config.num_eval_prompts, 1_000_003 + config.toy_seed)
+
+
+def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,
+                 check: RowCheck | None = None, field: str = "data.path", first: int | None = None) -> list[dict]:
+    """The rows of each source in turn (the ``first`` of each): :func:`read_rows`. Of several, a row without a
+    ``data_source`` takes its file's name (verl's datasets name theirs), and ids must be unique across them."""
+    rows, where_of = [], {}
+    for source in sources:
+        for row in read_rows(source, config, split=split, check=check, field=field)[:first]:
+            if row["id"] in where_of:
+                raise DatasetError(f"{field}: {source} and {where_of[row['id']]} both have a row with id {row['id']!r};"
+                                   " ids must be unique across the files (give each its own ids, or leave them out)")
+            where_of[row["id"]] = source
+            if len(sources) > 1 and row.get("data_source") is None:
+                row["data_source"] = Path(source).stem
+            rows.append(row)
+    return rows
 
 
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,

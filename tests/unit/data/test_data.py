@@ -30,7 +30,7 @@ def load(path: str, funcs: tuple[str, ...] = ("math", "code"), **config) -> list
 
 def test_config_defaults_are_valid():
     config = DataConfig()
-    assert config.path == "" and (config.split, config.prompt_key, config.answer_key) == ("train", "prompt", "answer")
+    assert config.path == () and (config.split, config.prompt_key, config.answer_key) == ("train", "prompt", "answer")
 
 
 @pytest.mark.parametrize(
@@ -151,6 +151,26 @@ def test_default_id_collides_with_explicit_id(tmp_path):
                             json.dumps({"prompt": "q", "answer": "y"})])
     with pytest.raises(DatasetError, match=r"train\.jsonl:2: duplicate id 'train:2'"):
         load(path)
+
+
+def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_path):
+    """As verl's train_files and val_files: the rows of every file, ids unique across them; a row without a
+    data_source takes its file's name, one with it keeps it; each eval set gives its first num_eval_prompts."""
+    from rollpacker.data.dataset import load_eval_rows
+
+    gsm = write(tmp_path, [json.dumps({"prompt": f"g{i}", "answer": "1"}) for i in range(3)], "gsm.jsonl")
+    mixed = write(tmp_path, [json.dumps({"prompt": "m", "answer": "2", "data_source": "lighteval/MATH"}),
+                             json.dumps({"prompt": "n", "answer": "3"})], "math.jsonl")
+    rows = load_rows(DataConfig(path=(gsm, mixed)))
+    assert [(r["id"], r["data_source"]) for r in rows] == [
+        ("gsm:1", "gsm"), ("gsm:2", "gsm"), ("gsm:3", "gsm"), ("math:1", "lighteval/MATH"), ("math:2", "math")]
+    assert "data_source" not in load_rows(DataConfig(path=gsm))[0]  # one file: the rows as they are
+    held_out = load_eval_rows(DataConfig(path=gsm, eval_path=(gsm, mixed), num_eval_prompts=2))
+    assert [r["id"] for r in held_out] == ["gsm:1", "gsm:2", "math:1", "math:2"]
+
+    again = write(tmp_path, [json.dumps({"id": "gsm:2", "prompt": "p", "answer": "x"})], "again.jsonl")
+    with pytest.raises(DatasetError, match=r"again\.jsonl and .*gsm\.jsonl both have a row with id 'gsm:2'"):
+        load_rows(DataConfig(path=(gsm, again)))
 
 
 def test_invalid_utf8_names_line(tmp_path):
