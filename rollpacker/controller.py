@@ -233,14 +233,26 @@ class Controller:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards with the
         overlong punishment, one group number for all of them. A response trains its model's tokens;
         its environment's step rewards (part of its reward) mark where they were earned. One whose
-        environment failed is ``failed``: outside its group's advantage statistics."""
+        environment failed is ``failed``: outside its group's advantage statistics. With ``train.advantage gdpo``
+        the reward's parts go apart (:meth:`reward_parts`), for the trainer to normalize each in the group."""
         from rollpacker.train.trainer import Sample
 
-        number = next(self.group_ids)
-        return [Sample(o.prompt_ids, o.token_ids, r + self.overlong(o), o.logprobs, group=number,
+        number, gdpo = next(self.group_ids), self.config.train.advantage == "gdpo"
+        return [Sample(o.prompt_ids, o.token_ids, (0.0 if gdpo else r) + self.overlong(o), o.logprobs, group=number,
                        truncated=o.finish_reason == "length", loss_mask=o.loss_mask,
-                       token_rewards=dict(o.step_rewards), failed=o.finish_reason == "error")
+                       token_rewards={} if gdpo else dict(o.step_rewards), failed=o.finish_reason == "error",
+                       parts=self.reward_parts(o) if gdpo else ())
                 for o, r in self.trained_rewards(group)]
+
+    def reward_parts(self, output: Any) -> tuple[tuple[float, float | None], ...]:
+        """GDPO's parts of ``output``'s reward (:attr:`~rollpacker.train.trainer.Sample.parts`): each reward
+        function's weight and value (None: it did not apply, or failed), then its environment's rewards, summed."""
+        if self.rewards.functions and output.id not in self.rewards.values:
+            raise RuntimeError(f"train.advantage gdpo: response {output.id!r} trains with no reward function's value "
+                               "recorded (a bug: its parts would be lost silently)")
+        values = self.rewards.values.get(output.id, {}).get("rewards", {})
+        env = sum(output.step_rewards.values()) if output.step_rewards else None
+        return (*((f.weight, values.get(f.name)) for f in self.rewards.functions), (1.0, env))
 
     def make_batch(self, result: RoundResult) -> tuple[list[Sample], int]:
         """The samples left to train (those the stream trainer has not taken) and the step's global

@@ -4,6 +4,7 @@ An estimator is a pure function ``(returns [N, T], mask [N, T], sizes) -> advant
 ``returns[i, t]`` is response i's reward-to-go from token t; ``returns[i, 0]`` is its whole
 return. ``sizes`` are the group sizes, in order. :data:`ADVANTAGES` registers each by name.
 :func:`gae` is PPO's with a critic: per-token rewards and the critic's values in instead.
+:func:`gdpo` takes returns whose rewards :func:`decoupled` made from each reward part alone.
 
 Invariants:
 
@@ -77,6 +78,34 @@ def reinforce_pp_baseline(returns: Tensor, mask: Tensor, sizes: list[int]) -> Te
     return whiten(group_centred(returns, sizes, scale=False), mask)
 
 
+def gdpo(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
+    """GDPO's second stage: each response's whole return (:func:`decoupled`'s sum, with the rest of its reward)
+    whitened over the step's responses, one each (TRL's normalize_then_sum); 0 if they are all equal."""
+    scores = returns[:, 0].float()
+    if scores.numel() < 2 or bool(scores.amax() == scores.amin()):
+        return returns.float().new_zeros(returns.shape)
+    return ((scores - scores.mean()) / (scores.std() + EPS))[:, None].expand(returns.shape)
+
+
+def decoupled(parts: Tensor, weights: Tensor, sizes: list[int]) -> Tensor:
+    """GDPO's first stage (Liu et al. 2026): parts [N, K] (each response's value of each reward part; NaN: it did
+    not apply), weights [K] -> [N], per group each part centred and scaled by its own mean and unbiased std
+    over the responses it applies to, then weighted and summed; NaN where no part applies."""
+    out = parts.new_full(parts.shape[:1], float("nan"))
+    start = 0
+    for n in sizes:
+        v = parts[start:start + n]  # [n, K]
+        on = ~v.isnan()
+        count = on.sum(0)  # [K]
+        mean = v.nan_to_num(0.0).sum(0) / count.clamp(min=1)
+        centred = (v - mean).nan_to_num(0.0)
+        std = (centred.square().sum(0) / (count - 1).clamp(min=1)).sqrt()
+        total = (centred / (std + EPS) * weights).sum(1)
+        out[start:start + n] = total.where(on.any(1), float("nan"))
+        start += n
+    return out
+
+
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016) over each response's model tokens.
 
@@ -115,6 +144,7 @@ ADVANTAGES = {
     "reinforce_pp": Estimator(reinforce_pp, per_group=False),
     "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, per_group=False),
     "gae": Estimator(None, per_group=False),  # whitened over the step's batch, as verl's
+    "gdpo": Estimator(gdpo, per_group=False),  # on decoupled rewards (Sample.parts)
 }
 """``train.advantage`` -> its estimator."""
 

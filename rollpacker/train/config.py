@@ -91,8 +91,9 @@ class TrainConfig(MemoryConfig):
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward micro-batch per rank (a longer sample goes alone)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
-    """Advantage estimator (rollpacker.train.advantages; docs/algorithms.md); gae trains a critic (train.critic)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gdpo"] = "grpo"
+    """Advantage estimator (rollpacker.train.advantages; docs/algorithms.md); gae trains a critic (train.critic);
+    gdpo normalizes each reward function in the group before the weighted sum (TRL's normalize_then_sum)."""
     gamma: float = 1.0
     """gae: the discount per token (verl's algorithm.gamma)."""
     lam: float = 1.0

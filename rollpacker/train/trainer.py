@@ -35,7 +35,7 @@ from rollpacker.model.attention import CausalAttention
 from rollpacker.model.lora import AdaptersOff
 from rollpacker.model.offload import StreamedModel
 from rollpacker.model.parallelize import parallelize, prepare_reference
-from rollpacker.train.advantages import ADVANTAGES, earned_at, gae, leaving_out, returns_to_go, whiten
+from rollpacker.train.advantages import ADVANTAGES, decoupled, earned_at, gae, leaving_out, returns_to_go, whiten
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.logprobs import token_logprobs, token_logprobs_entropy
 from rollpacker.train.losses import KL_ESTIMATORS, STATS, KLController, policy_objective, reverse_kl, units
@@ -65,6 +65,10 @@ class Sample:
     failed: bool = False
     """An episode whose environment failed: it trains nothing and its reward enters no group's
     baseline or std (its siblings' advantages are those of the group without it)."""
+    parts: tuple[tuple[float, float | None], ...] = ()
+    """With ``train.advantage gdpo``: ``(weight, value)`` of each part of its reward that GDPO normalizes alone in
+    its group (each reward function, then its environment; value None: did not apply). ``reward`` is then the
+    rest, and no part is in ``token_rewards``."""
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +99,17 @@ def step_rewards(samples: list[Sample], shape: tuple[int, int]) -> torch.Tensor 
         for position, reward in s.token_rewards.items():
             out[i, position] += reward
     return out
+
+
+def _parts(samples: list[Sample], kept: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples' ``parts`` as values [N, K] (NaN: did not apply, or the sample is not ``kept``) and weights [K]."""
+    if not samples:
+        return torch.zeros(0, 0), torch.zeros(0)
+    if not samples[0].parts:
+        raise ValueError("train.advantage gdpo needs each sample's reward parts (Sample.parts): none came")
+    values = torch.tensor([[float("nan") if v is None or not k else v for _, v in s.parts]
+                           for s, k in zip(samples, kept)])
+    return values, torch.tensor([w for w, _ in samples[0].parts])
 
 
 @dataclass
@@ -406,11 +421,15 @@ class Trainer:
         token_rewards = self._token_rewards(samples, frozen, mask)
         steps = step_rewards(samples, tuple(mask.shape))
         rewards = torch.tensor([s.reward for s in samples])
+        kept = [not s.failed for s in samples]
+        if cfg.advantage == "gdpo":  # GDPO's first stage; a response no part applies to has no advantage
+            parts = decoupled(*_parts(samples, kept), group_sizes(samples))
+            kept = [k and not math.isnan(p) for k, p in zip(kept, parts.tolist())]
+            rewards = rewards + parts.nan_to_num(0.0)
         if cfg.teacher.path:
             rewards = cfg.teacher.task_weight * rewards
             steps = None if steps is None else cfg.teacher.task_weight * steps
         returns = returns_to_go(rewards, mask, token_rewards, earned=steps)  # [N, T]
-        kept = [not s.failed for s in samples]
         values = targets = None
         if self.critic is not None:
             within = torch.arange(mask.shape[1])[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]

@@ -147,10 +147,11 @@ def test_ctrl_c_stops_cleanly_and_resume_passes_a_damaged_checkpoint_training_ea
         assert sample["prompt_text"].startswith(f"{SYSTEM}\nQ: ")
 
     # the newest checkpoint damaged; resumed by plain torchrun, with a function failing on 1 row in 10 and a
-    # group function, weighted 0
+    # group function, weighted 0, each normalized in its group before the sum (GDPO: its parts from every function)
     (stopped / ".metadata").write_bytes((stopped / ".metadata").read_bytes()[:100])
     resume = args(tmp_path, run_dir, "--resume", "auto", "--reward.funcs", "toy", "funcs.py:one_in_ten",
-                  "funcs.py:siblings", "--reward.weights", "1", "1", "0", "--reward.group-funcs", "siblings")
+                  "funcs.py:siblings", "--reward.weights", "1", "1", "0", "--reward.group-funcs", "siblings",
+                  "--train.advantage", "gdpo")
     proc, out, err = start(tmp_path, "resumed", torchrun(*resume))
     assert finish(proc) == 0, err.read_text()[-4000:]
     said = err.read_text()

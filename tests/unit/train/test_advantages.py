@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollpacker.train.advantages import ADVANTAGES, earned_at, gae, leaving_out, overlong_penalty, returns_to_go
+from rollpacker.train.advantages import (
+    ADVANTAGES,
+    decoupled,
+    earned_at,
+    gae,
+    leaving_out,
+    overlong_penalty,
+    returns_to_go,
+)
 
 OF_RETURNS = sorted(name for name, e in ADVANTAGES.items() if e.fn)
 """The estimators of returns alone (gae's takes the critic's values: its own tests)."""
@@ -62,6 +70,21 @@ def test_reinforce_pp_baseline_hand_computed():
     # unbiased std sqrt(0.5 / 3) = 0.4082483 -> (1.2247449, -1.2247449, 0, 0).
     adv = estimate("reinforce_pp_baseline", [1.0, 0.0, 1.0, 1.0], [2, 2])[:, 0]
     torch.testing.assert_close(adv, torch.tensor([1.2247449, -1.2247449, 0.0, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_gdpo_hand_computed():
+    """Each part normalized in its group over the responses it applies to, then weighted (1, 2) and summed.
+    Group 0, part 0 (1, 0, 1): mean 2/3, unbiased std sqrt(1/3) -> (0.5773503, -1.1547005, 0.5773503); part 1
+    (0.5, -, 0.1): mean 0.3, std 0.2828427 -> (0.7071068, 0, -0.7071068). Group 1 applies nothing: NaN. Group 2
+    (one response): 0. Then GDPO whitens each response's return over the step."""
+    nan = float("nan")
+    parts = torch.tensor([[1.0, 0.5], [0.0, nan], [1.0, 0.1], [nan, nan], [nan, nan], [1.0, nan]])
+    out = decoupled(parts, torch.tensor([1.0, 2.0]), [3, 2, 1])
+    expected = torch.tensor([0.5773503 + 2 * 0.7071068, -1.1547005, 0.5773503 - 2 * 0.7071068, nan, nan, 0.0])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0, equal_nan=True)
+    # scores (3, 1, 2): mean 2, unbiased std 1 -> (1, -1, 0), the same on every token
+    whitened = estimate("gdpo", [3.0, 1.0, 2.0], [1, 2], [2, 1, 3])[:, 0]
+    torch.testing.assert_close(whitened, torch.tensor([1.0, -1.0, 0.0]))
 
 
 @pytest.mark.parametrize("name", OF_RETURNS)

@@ -179,3 +179,28 @@ def test_a_step_with_nothing_to_train_changes_no_weight_and_does_not_crash(toy_r
     stats = t.step(samples, 1)
     assert stats["train/loss"] == 0.0 and stats["train/grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in weights(t).items())
+
+
+def test_gdpo_normalizes_each_reward_part_in_its_group_then_whitens_the_responses(toy_random_dir):
+    """train.advantage gdpo: a sample's parts (weight, value) are normalized in its group, weighted and summed, its
+    reward (the rest: an overlong punishment) added, then each response's return whitened over the step. An
+    episode whose environment failed shifts nothing, and one that no part applies to gets no advantage."""
+    from rollpacker.train.advantages import decoupled
+    from rollpacker.train.trainer import Sample
+
+    t = trainer(toy_random_dir, advantage="gdpo")
+    rows = [(0, -0.5, (1.0, 0.5), False), (0, 0.0, (0.0, None), False), (0, 0.0, (1.0, 0.1), False),
+            (1, 0.0, (1.0, 0.0), False), (1, 0.0, (0.0, 1.0), False), (1, 0.0, (1.0, 1.0), True),
+            (2, 0.0, (None, None), False)]
+    samples = [Sample([5, 6], [7 + i, 8, 9][:1 + i % 3], rest, [-1.0] * (1 + i % 3), group=g, failed=failed,
+                      parts=((1.0, a), (2.0, b)))
+               for i, (g, rest, (a, b), failed) in enumerate(rows)]
+    prepared = t._prepare(samples)
+    nan = float("nan")
+    values = torch.tensor([[nan if v is None or f else v for v in ab] for _, _, ab, f in rows])
+    sums = decoupled(values, torch.tensor([1.0, 2.0]), [3, 3, 1]) + torch.tensor([r for _, r, _, _ in rows])
+    kept = sums[:5]  # the failed episode and the unscored response are out
+    expected = ((kept - kept.mean()) / (kept.std() + 1e-6)).tolist() + [0.0, 0.0]
+    for p, s, e in zip(prepared, samples, expected):
+        torch.testing.assert_close(p.advantages, torch.full((len(s.response_ids),), e), atol=1e-5, rtol=0)
+    assert expected[3] != expected[4]  # group 1 without its failed episode still compares its two parts
