@@ -71,11 +71,11 @@ def _episodes(env) -> str:
             f"{env.timeout:g} s per call, on error {env.on_error}")
 
 
-def _rows(rows: list[dict], sources: tuple[str, ...]) -> str:
-    where = ", ".join(sources) or "the toy task"
+def _rows(rows: list[dict], paths: tuple[str, ...]) -> str:
     sources = collections.Counter(row.get("data_source") for row in rows)
     named = ", ".join(f"{s} {n}" for s, n in sources.most_common(5) if s is not None)
     more = f" and {len(sources) - 5} more sources" if len(sources) > 5 else ""
+    where = ", ".join(paths) or "the toy task"
     return f"{len(rows)} rows from {where}" + (f" (sources: {named}{more})" if named else "")
 
 
