@@ -57,7 +57,7 @@ class CheckpointError(UserError):
 
 
 def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trainer_rank: int = 0,
-         keep: int = 0, also: Callable[[], None] | None = None) -> None:
+         keep: int = 0, also: Callable[[], None] | None = None, control: Any = None) -> None:
     """Collective. ``controller`` (rank 0's plain-data state: the policy's sampler and ledger, the
     reward timeouts' anchors) matters on rank 0 only. ``trainer`` is None on ranks that do not
     train (one_step_off's rollout pool); ``trainer_rank``, the first rank that does, sends its LR
@@ -69,7 +69,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     on every rank, naming the ranks and the error; earlier checkpoints are untouched. ``also``
     (collective, on every rank) writes more into ``path`` once the state is saved, before the commit:
     its write failing fails the save the same way. Once the new one is committed, all but the newest
-    ``keep`` committed checkpoints (0: all) are deleted."""
+    ``keep`` committed checkpoints (0: all) are deleted. Its plain data goes over ``control`` (the gloo control
+    plane; None: the default group)."""
     import torch.distributed as dist
 
     from rollpacker import watchdog
@@ -77,7 +78,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     watchdog.phase("checkpoint")
     rank = dist.get_rank()
     skipping = [trainer.skipping if trainer is not None else 0]
-    dist.broadcast_object_list(skipping, src=trainer_rank)
+    dist.broadcast_object_list(skipping, src=trainer_rank, group=control)
     if skipping[0]:  # these weights just produced a non-finite update: keep the previous checkpoint newest
         if rank == 0:
             logger.warning("checkpoint: not saving step %d: the last %d step(s) were skipped for a non-finite update; "
@@ -86,20 +87,20 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     if rank == 0:  # an older save of this step (damaged, or a run redone): its marker first, then the rest
         (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=control)
     failed = _save_trainer(path, trainer) if trainer is not None else {}
     info = [(trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value,
              bool(trainer.config.ref_sync_steps),
              trainer.critic_scheduler.state_dict() if trainer.critic is not None else None)
             if trainer is not None else None]
-    dist.broadcast_object_list(info, src=trainer_rank)
-    failed = _everyones(failed)
+    dist.broadcast_object_list(info, src=trainer_rank, group=control)
+    failed = _everyones(failed, control)
     if also is not None and not failed:
         try:
             also()
         except OSError as e:
             failed = {rank: _first_line(e)}
-        failed = _everyones(failed)
+        failed = _everyones(failed, control)
     if rank == 0 and not failed:
         meta = {"step": step, "scheduler": info[0][0], "world_size": dist.get_world_size(), "model": info[0][1],
                 "kl_coef": info[0][2], "reference": info[0][3], "critic": info[0][4], **(controller or {})}
@@ -110,11 +111,11 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             (path / MARKER).unlink(missing_ok=True)
             failed = {0: _first_line(e)}
     verdict = [failed]
-    dist.broadcast_object_list(verdict, src=0)
+    dist.broadcast_object_list(verdict, src=0, group=control)
     if verdict[0]:
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=control)
         newest = latest(path.parent.parent)
         whys = "; ".join(f"rank {r}: {why}" for r, why in sorted(verdict[0].items()))
         free = shutil.disk_usage(path.parent).free / 2**20
@@ -125,7 +126,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             f"Free disk space or fix the permissions under {path.parent}, then resume")
     if rank == 0 and keep:
         prune(path.parent, keep)
-    dist.barrier()
+    dist.barrier(group=control)
 
 
 def _save_trainer(path: Path, trainer) -> dict[int, str]:
@@ -148,12 +149,12 @@ def _save_trainer(path: Path, trainer) -> dict[int, str]:
     return {}
 
 
-def _everyones(failed: dict[int, str]) -> dict[int, str]:
-    """Collective: every rank's failures (rank -> why), on every rank."""
+def _everyones(failed: dict[int, str], group: Any = None) -> dict[int, str]:
+    """Collective over ``group``: every rank's failures (rank -> why), on every rank."""
     import torch.distributed as dist
 
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failed)
+    failures = [None] * dist.get_world_size(group)
+    dist.all_gather_object(failures, failed, group=group)
     return {r: why for f in failures for r, why in f.items()}
 
 

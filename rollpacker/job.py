@@ -97,7 +97,7 @@ class Job:
         also = (lambda: self.export(path / "hf")) if self.config.checkpoint.export_hf_each else None
         with watchdog.waiting("checkpoint", self.config.dist.checkpoint_timeout_s):
             checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
-                            keep=self.config.checkpoint.keep, also=also)
+                            keep=self.config.checkpoint.keep, also=also, control=self.meshes.control)
         self.saved = step
 
     def export(self, path: Path) -> None:
