@@ -12,6 +12,7 @@ What the job prints of its own: a user's error once, as one line without a trace
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import json
 import logging
@@ -82,6 +83,7 @@ def parse_once(argv: list[str] | None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> None:
+    faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's Python stack first
     preempt.install()  # a stop (Ctrl-C, SIGTERM) during setup stops before the first step
     try:
         config = parse_once(argv)
