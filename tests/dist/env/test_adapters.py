@@ -231,8 +231,9 @@ ENGINES = [
 ]
 
 
-@pytest.mark.parametrize("library,engine", [
-    pytest.param(library, *engine.values, marks=engine.marks, id=f"{engine.values[0]}-{library}")
+@pytest.mark.parametrize("library,engine", [  # the group's rubric in the slow tier: its pool test is above
+    pytest.param(library, *engine.values, id=f"{engine.values[0]}-{library}",
+                 marks=[*engine.marks, *[pytest.mark.slow] * (library == "verifiers_group")])
     for library in LIBRARIES for engine in ENGINES
     if not library.startswith("verifiers") or (library == "verifiers_group") == (engine.values == ("torch",))])
 def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, library, engine):

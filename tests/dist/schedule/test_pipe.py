@@ -19,6 +19,7 @@ def test_pipe_refuses_a_train_pool_that_splits_a_shard_group(tmp_path):
     assert "--train.train-shard-size" in proc.stderr
 
 
+@pytest.mark.slow  # the pools' split by script; the run below proves the train pool takes its groups
 def test_the_train_pool_never_rolls_out(tmp_path):
     out = torchrun("pipe_pools.py", 2, str(tmp_path), timeout=300)
     assert out.count("OK") == 2, out

@@ -99,6 +99,7 @@ def test_sync_refill_trains_p0_groups_a_step_and_every_row_once(tmp_path):
     assert sum(kept) + sum(dropped) == NUM_ROWS and sum(dropped) > 0
 
 
+@pytest.mark.slow  # the sampler's retiring is unit-tested (tests/unit/data/test_data.py); the ledger under it, here
 def test_solved_prompts_retire_from_the_next_epoch_and_the_rest_train_once(tmp_path):
     """``--data.retire-solved 1``: a prompt all 4 responses solved (a zero-variance group, so filtered) is not
     drawn again; every other prompt of epoch 0 is, once."""
