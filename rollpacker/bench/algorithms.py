@@ -40,6 +40,7 @@ ALGORITHMS = {
     "cispo": ["--train.loss", "cispo", "--train.clip-low", "1.0", "--train.mini-batches", "2"],
     "grpo_mb2": ["--train.mini-batches", "2"],
     "ppo": ["--train.advantage", "gae"],
+    "gdpo": ["--train.advantage", "gdpo"],
     "lora": ["--train.lora.rank", "16", "--train.lora.alpha", "32", "--train.lr", "2e-3"],
     "distill": ["--train.teacher.path", "{teacher}", "--train.teacher.task-weight", "0"],
 }

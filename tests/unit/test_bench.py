@@ -39,6 +39,7 @@ def test_algorithms_bench_flags_parse_and_its_summary_is_what_it_says():
     assert (configs["dr_grpo"].advantage, configs["dr_grpo"].aggregation) == ("dr_grpo", "seq-mean-token-sum-norm")
     assert (configs["gspo"].loss, configs["cispo"].loss, configs["gspo"].mini_batches) == ("gspo", "cispo", 2)
     assert (configs["lora"].lora.rank, configs["distill"].teacher.task_weight) == (16, 0.0)
+    assert configs["gdpo"].advantage == "gdpo"
     rows = [{"step": 0, "eval/accuracy": 0.25}]
     rows += [{"step": s, "reward/mean": s / 10, "train/entropy": 1.0 - s / 10} for s in range(8)]
     rows += [{"step": 8, "eval/accuracy": 0.5}]
