@@ -10,7 +10,8 @@ brings. Its rubric scores the finished rollout. A factory file holds one line::
 Invariants:
 
 - Token in, token out: verifiers sees text, and nothing is tokenized again.
-- The rollout's reward is the last step's. A rollout that ended with an error fails the step.
+- The rollout's reward is the last step's (by group: none; the group's, later). A rollout that ended with an error
+  fails the step.
 - An episode rollpacker ends first is closed unscored: give verifiers ``env.max_turns``.
 - A rollout is scored alone (``score_rollout``) in its worker, unless its rubric has group-level functions: then
   its group is, by the factory's ``score_group`` (a ``reward.group_funcs`` function), on copies of the group's
