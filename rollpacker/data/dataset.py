@@ -86,8 +86,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_choices(self, "data")
         for name in ("path", "eval_path"):  # a single source given in code, as a string
-            if isinstance(getattr(self, name), (str, Path)):
-                setattr(self, name, (str(getattr(self, name)),) if getattr(self, name) else ())
+            value = getattr(self, name)
+            if isinstance(value, (str, Path)):
+                setattr(self, name, (str(value),) if value else ())
         if self.num_eval_prompts <= 0:
             raise ValueError(f"data.num_eval_prompts must be positive, got {self.num_eval_prompts}")
         if self.toy_tail_alpha <= 0:

@@ -205,13 +205,16 @@ class RolloutCopy:
         if state is None:
             return cls(None)
         copy = type(state)()
-        for key, value in dict.items(state):
-            try:
-                pickle.dumps(value)
-            except Exception:  # noqa: BLE001  (the client, with its futures: not a reward's business)
-                continue
-            dict.__setitem__(copy, key, value)
-        return cls(pickle.dumps(copy))
+        dict.update(copy, {k: v for k, v in dict.items(state) if k != "client"})  # its futures: no reward's business
+        try:
+            return cls(pickle.dumps(copy))
+        except Exception:  # noqa: BLE001  (an environment's own object in the state: left out, by name)
+            for key, value in list(dict.items(copy)):
+                try:
+                    pickle.dumps(value)
+                except Exception:  # noqa: BLE001
+                    dict.__delitem__(copy, key)
+            return cls(pickle.dumps(copy))
 
     def restore(self):
         """The state (None: the rollout did not finish: rollpacker ended its episode first)."""
