@@ -26,9 +26,9 @@ POLICIES = {
 }
 
 
-# tail (short and long rounds), one_step_off (a vLLM rollout pool fed by broadcast) in the default tier; the
-# others add no vLLM path of their own and run in the slow tier
-@pytest.mark.parametrize("policy", [p if p in ("tail", "one_step_off") else pytest.param(p, marks=pytest.mark.slow)
+# tail (short and long rounds) in the default tier; the others run in the slow tier: one_step_off's rollout pool
+# fed by broadcast is test_one_step_off's (torch engine) and its vLLM push test_vllm_engine's
+@pytest.mark.parametrize("policy", [p if p == "tail" else pytest.param(p, marks=pytest.mark.slow)
                                     for p in POLICIES])
 def test_every_policy_trains_every_prompt_once_on_vllm(policy, tmp_path):
     finish(start_job(tmp_path, *ONE_EPOCH, *POLICIES[policy]))

@@ -114,7 +114,9 @@ def test_a_teacher_with_another_tokenizer_stops_the_job_at_start(qwen2_dir, tmp_
     assert str(toy_model_dir()) in proc.stderr or "tokenizer" in proc.stderr
 
 
-@pytest.mark.parametrize("impl", ["native", pytest.param("hf", marks=pytest.mark.slow)])
+# the slow tier: vLLM loads merged weights as any push (test_vllm_engine); LoRA under a policy, the tests above
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["native", "hf"])
 def test_lora_and_distillation_on_vllm(tmp_path, impl):
     """vLLM on CPU loads the merged weights as any push; the toy model teaches its own LoRA student,
     whose reverse KL to it is 0 until the adapters move (up to the entropy head's rounding)."""
