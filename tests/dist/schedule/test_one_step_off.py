@@ -62,6 +62,7 @@ def test_resume_regenerates_the_checkpointed_batch_with_its_weights(reference, t
     assert sampler_state(tmp_path) == sampler_state(reference)
 
 
+@pytest.mark.slow  # 4 ranks; the broadcast to a TP-1 pool is the tests above', TP's slicing test_engine's
 def test_weights_reach_a_tensor_parallel_rollout_pool_whole(tmp_path):
     """4 ranks: a rollout pool of one TP-2 engine, a training pool FSDP2-sharded over 2 ranks. With
     a learning rate too small to move fp32 weights, every step's batch comes from weights pushed
