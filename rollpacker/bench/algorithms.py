@@ -34,6 +34,7 @@ from rollpacker.jobflags import split_run_args
 ALGORITHMS = {
     "grpo": [],
     "dr_grpo": ["--train.advantage", "dr_grpo", "--train.aggregation", "seq-mean-token-sum-norm"],
+    "grpo_batch_std": ["--train.advantage", "grpo_batch_std"],
     "rloo": ["--train.advantage", "rloo"],
     "gspo": ["--train.loss", "gspo", "--train.aggregation", "seq-mean-token-mean", "--train.clip-low", "3e-4",
              "--train.clip-high", "4e-4", "--train.mini-batches", "2"],

@@ -66,6 +66,14 @@ def dr_grpo(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
     return group_centred(returns, sizes, scale=False)
 
 
+def grpo_batch_std(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
+    """The group's mean off, over the std of the step's returns, one per response (TRL's scale_rewards="batch",
+    LitePPO's group mean and batch std): a group of near-equal rewards is not magnified as by its own std."""
+    centred = group_centred(returns, sizes, scale=False)
+    scores = returns[:, 0].float()
+    return centred if scores.numel() < 2 else centred / (scores.std() + EPS)
+
+
 def rloo(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
     return group_centred(returns, sizes, scale=False, leave_one_out=True)
 
@@ -140,6 +148,7 @@ class Estimator:
 ADVANTAGES = {
     "grpo": Estimator(grpo, per_group=True),
     "dr_grpo": Estimator(dr_grpo, per_group=True),
+    "grpo_batch_std": Estimator(grpo_batch_std, per_group=False),
     "rloo": Estimator(rloo, per_group=True),
     "reinforce_pp": Estimator(reinforce_pp, per_group=False),
     "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, per_group=False),

@@ -91,9 +91,11 @@ class TrainConfig(MemoryConfig):
     """Clip the global gradient norm to this (0 disables clipping; the norm is still logged)."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward micro-batch per rank (a longer sample goes alone)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "gdpo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "grpo_batch_std", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae",
+                       "gdpo"] = "grpo"
     """Advantage estimator (rollpacker.train.advantages; docs/algorithms.md); gae trains a critic (train.critic);
-    gdpo normalizes each reward function in the group before the weighted sum (TRL's normalize_then_sum)."""
+    grpo_batch_std scales by the step's std (TRL's scale_rewards="batch"); gdpo normalizes each reward function
+    in the group before the weighted sum (TRL's normalize_then_sum)."""
     gamma: float = 1.0
     """gae: the discount per token (verl's algorithm.gamma)."""
     lam: float = 1.0

@@ -49,6 +49,15 @@ def test_dr_grpo_and_rloo_hand_computed():
                                torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, -1.0]))
 
 
+def test_grpo_batch_std_hand_computed():
+    # Centred as Dr. GRPO: (0.5, -0.5, 0, 0, 0.25, 0.25, 0.25, -0.75); the 8 rewards (6 ones, 2 zeros) have mean
+    # 0.75 and unbiased std sqrt((6 * 0.25^2 + 2 * 0.75^2) / 7) = 0.4629100. The flat group (1, 1) stays 0.
+    rewards, sizes = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0], [2, 2, 4]
+    adv = estimate("grpo_batch_std", rewards, sizes)[:, 0]
+    want = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.25, 0.25, 0.25, -0.75]) / 0.4629100
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
+
+
 def test_reinforce_pp_whitens_every_token_of_the_batch():
     # Rewards (1, 0), lengths (1, 3): token returns (1 | 0, 0, 0). Mean 0.25, unbiased std
     # sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5 -> (1.5 | -0.5, -0.5, -0.5).
