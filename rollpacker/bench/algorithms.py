@@ -137,12 +137,13 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['wall_s']:.0f} s", flush=True)
     mean = {n: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
     print(f"\n{args.preset}, {args.nproc} ranks, {args.steps} steps, mean over seeds {args.seeds}:")
-    print(f"{'algorithm':<12}{'eval gain':>10}{'reward gain':>13}{'entropy first->last':>21}{'wall s':>8}"
+    width = max(12, *(len(n) + 2 for n in names))
+    print(f"{'algorithm':<{width}}{'eval gain':>10}{'reward gain':>13}{'entropy first->last':>21}{'wall s':>8}"
           "  eval gain per seed")
     for n in names:
         m = mean[n]
         per_seed = " / ".join(f"{r['eval_gain']:+.3f}" for r in results[n])
-        print(f"{n:<12}{m['eval_gain']:>+10.3f}{m['reward_gain']:>+13.3f}"
+        print(f"{n:<{width}}{m['eval_gain']:>+10.3f}{m['reward_gain']:>+13.3f}"
               f"{m['entropy_first']:>12.3f} -> {m['entropy']:.3f}{m['wall_s']:>8.0f}  {per_seed}")
     passed = all(mean[n]["eval_gain"] > 0 for n in names)
     print(f"bar: every algorithm's mean eval gain > 0: {'yes' if passed else 'NO'}")
