@@ -64,7 +64,9 @@ def ignore_stops(parent: int) -> None:
 def _retired(*_) -> None:
     """RETIRE (the pool's, or its process's death): unwind, so a sandbox run kills its sandbox and an environment
     worker closes its environments; SIGALRM's default kills the worker ``STOP_GRACE`` seconds on if that hangs
-    (no pool is left to SIGKILL it when its process died)."""
+    (no pool is left to SIGKILL it when its process died). Once: a second RETIRE (the pool's, then its process's
+    death) must not raise again inside the unwinding, where an atexit callback would print it as a crash."""
+    signal.signal(RETIRE, signal.SIG_IGN)
     signal.alarm(math.ceil(STOP_GRACE))
     sys.exit(1)
 
