@@ -39,6 +39,7 @@ ALGORITHMS = {
     "gspo": ["--train.loss", "gspo", "--train.aggregation", "seq-mean-token-mean", "--train.clip-low", "3e-4",
              "--train.clip-high", "4e-4", "--train.mini-batches", "2"],
     "cispo": ["--train.loss", "cispo", "--train.clip-low", "1.0", "--train.mini-batches", "2"],
+    "sapo": ["--train.loss", "sapo", "--train.mini-batches", "2"],
     "grpo_mb2": ["--train.mini-batches", "2"],
     "ppo": ["--train.advantage", "gae"],
     "gdpo": ["--train.advantage", "gdpo"],

@@ -100,8 +100,9 @@ class TrainConfig(MemoryConfig):
     """gae: the discount per token (verl's algorithm.gamma)."""
     lam: float = 1.0
     """gae: lambda, the bias-variance trade of the advantage (verl's algorithm.lam)."""
-    loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight)."""
+    loss: Literal["ppo", "gspo", "cispo", "sapo"] = "ppo"
+    """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight), sapo (a soft gate on the
+    ratio in place of the clip; train.tau_pos, train.tau_neg)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean")
     """How token losses become the step's loss; always over the step's global counts (docs/algorithms.md)."""
@@ -111,6 +112,10 @@ class TrainConfig(MemoryConfig):
     """Ratio clip above 1 (1 + clip_high), DAPO's clip-higher; cispo: its IS weight's upper bound."""
     dual_clip: float = 0.0
     """ppo: a negative-advantage token's loss is at most dual_clip x |A| (dual-clip PPO; > 1, 0 = off)."""
+    tau_pos: float = 1.0
+    """sapo: the gate's temperature on a positive-advantage token (larger: its gradient fades faster off r = 1)."""
+    tau_neg: float = 1.05
+    """sapo: the gate's temperature on a negative-advantage token (the paper's 1.05 > tau_pos: fades faster)."""
     mini_batches: int = 1
     """Optimizer steps per pass over the RL step's batch, each on a split of its groups."""
     epochs: int = 1
@@ -163,7 +168,7 @@ class TrainConfig(MemoryConfig):
         check_choices(self, "train")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        for name in ("lr", "micro_batch_tokens", "adam_eps", "mini_batches", "epochs"):
+        for name in ("lr", "micro_batch_tokens", "adam_eps", "mini_batches", "epochs", "tau_pos", "tau_neg"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "weight_decay", "grad_clip", "clip_low", "clip_high", "kl_coef",

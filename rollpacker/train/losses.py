@@ -13,7 +13,7 @@ Invariants:
 - A rollout correction weighs the policy term only.
 
 Why: each formula is a few lines, tested on CPU against hand-computed values. How each departs
-from its paper (GSPO's token form, CISPO's bounds): ``docs/algorithms.md``.
+from its paper (GSPO's token form, CISPO's bounds, SAPO's): ``docs/algorithms.md``.
 """
 
 from __future__ import annotations
@@ -71,7 +71,23 @@ def cispo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Te
     return -weight * adv * logp, ratio, mask & (weight != ratio)
 
 
-LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
+def sapo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
+    """SAPO per token: ``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau`` = ``cfg.tau_pos`` where A > 0, else
+    ``cfg.tau_neg``: a soft gate in place of PPO's clip.
+
+    Its gradient is ``4 g (1 - g) r A grad logp`` (g the gate): the plain policy gradient at r = 1, fading
+    smoothly as r leaves 1, faster under the larger tau. "Clipped": tokens whose gate passes under half
+    that gradient. All [N, T].
+    """
+    ratio = torch.exp(torch.where(mask, logp - old, 0.0))
+    tau = torch.where(adv > 0, cfg.tau_pos, cfg.tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    faded = 4 * gate.detach() * (1 - gate.detach()) < 0.5
+    return -(4 / tau) * gate * adv, ratio, mask & faded
+
+
+LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {"ppo": ppo, "gspo": gspo, "cispo": cispo,
+                                                                   "sapo": sapo}
 """``train.loss`` -> ``(logp, old, adv, mask, cfg) -> (token losses, ratios, clipped)``, all [N, T]."""
 
 # --- aggregation ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from rollpacker.train.losses import (
     normalizer,
     policy_objective,
     ppo,
+    sapo,
 )
 from rollpacker_kernels.reference import reference_token_logprobs, reference_token_logprobs_entropy
 
@@ -138,6 +139,32 @@ def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
     total, _ = objective(logp, old, torch.ones(1, 4), mask, loss="cispo")
     total.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.28, -0.8, -1.1, 0.0]]))
+
+
+# --- sapo ---------------------------------------------------------------------------------------
+
+
+def test_sapo_soft_gate_hand_computed():
+    """Gate g = sigmoid(tau (r - 1)), loss -(4 / tau) g A, gradient -4 g (1 - g) r A per token (tau_pos 1, tau_neg 2).
+    Row 0 (A = +1), r = (1.5, 0.5, 1): g = (0.6224593, 0.3775407, 0.5): losses (-2.4898373, -1.5101627, -2), gradients
+    -4 x 0.2350037 x (1.5, 0.5) and -1, the plain policy gradient at r = 1. Row 1 (A = -1), r = (1.5, 3, 1), tau 2:
+    g = (0.7310586, 0.9820138, 0.5): losses (1.4621172, 1.9640276, 1), gradients 4 g (1 - g) r = (1.1796716,
+    0.2119525, 1); r = 3's weight 4 g (1 - g) = 0.07 is under half: it counts as clipped. The last token of row 0 is
+    off the mask (a log-prob of 50): no loss, no gradient."""
+    r = torch.tensor([[1.5, 0.5, 1.0, 1.0], [1.5, 3.0, 1.0, 1.0]])
+    logp = torch.zeros(2, 4)
+    logp[0, 3] = 50.0
+    logp.requires_grad_(True)
+    old = torch.zeros(2, 4) - r.log()
+    adv, mask = torch.tensor([[1.0] * 4, [-1.0] * 4]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    loss, _, clipped = sapo(logp, old, adv, mask, TrainConfig(tau_pos=1.0, tau_neg=2.0))
+    torch.testing.assert_close(loss[:, :3], torch.tensor([[-2.4898373, -1.5101627, -2.0], [1.4621172, 1.9640276, 1.0]]))
+    assert clipped.tolist() == [[False, False, False, False], [False, True, False, False]]
+    total, stats = objective(logp, old, adv, mask, loss="sapo", tau_pos=1.0, tau_neg=2.0)
+    total.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.4100223, -0.4700074, -1.0, 0.0],
+                                                        [1.1796716, 0.2119525, 1.0, 0.0]]))
+    assert stats["clipped"].item() == 1
 
 
 # --- aggregation --------------------------------------------------------------------------------
