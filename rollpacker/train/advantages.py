@@ -67,8 +67,9 @@ def dr_grpo(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
 
 
 def grpo_batch_std(returns: Tensor, mask: Tensor, sizes: list[int]) -> Tensor:
-    """The group's mean off, over the std of the step's returns, one per response (TRL's scale_rewards="batch",
-    LitePPO's group mean and batch std): a group of near-equal rewards is not magnified as by its own std."""
+    """Each return minus its group's mean, over the std of the step's returns, one per response (TRL's
+    scale_rewards="batch", LitePPO's group mean and batch std): a group of near-equal rewards is not magnified
+    as by its own std."""
     centred = group_centred(returns, sizes, scale=False)
     scores = returns[:, 0].float()
     return centred if scores.numel() < 2 else centred / (scores.std() + EPS)
