@@ -82,8 +82,8 @@ def sapo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Ten
     ratio = torch.exp(torch.where(mask, logp - old, 0.0))
     tau = torch.where(adv > 0, cfg.tau_pos, cfg.tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1))
-    faded = 4 * gate.detach() * (1 - gate.detach()) < 0.5
-    return -(4 / tau) * gate * adv, ratio, mask & faded
+    g = gate.detach()
+    return -(4 / tau) * gate * adv, ratio, mask & (4 * g * (1 - g) < 0.5)
 
 
 LOSSES: dict[str, Callable[..., tuple[Tensor, Tensor, Tensor]]] = {"ppo": ppo, "gspo": gspo, "cispo": cispo,

@@ -85,7 +85,7 @@ def metric_lines(run_dir) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-@pytest.mark.slow  # 20 s each, most of it the timeout waited out; the deadline's logic: tests/unit/test_dist.py
+@pytest.mark.slow  # 20 s each, most of it the timeout waited out; phase timeouts' sizing: tests/unit/test_dist.py
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, rank):
     """Rank 1 stopped in the round, and rank 0 right after a checkpoint commits: rank 0 hosts the job's
