@@ -246,6 +246,8 @@ class Trainer:
         """The KL coefficient (adaptive with ``train.kl_target``); a checkpoint saves its value."""
         self.entropy_threshold = math.inf
         """``train.top_entropy_quantile``: the last step's entropy threshold."""
+        self.optimizer_steps = {"policy": 0, "critic": 0}
+        """The optimizers' steps since this process started."""
         self.skipped_steps = 0
         """Steps skipped for a non-finite loss or gradient norm, over the run (since this process started)."""
         self.skipping = 0
@@ -282,20 +284,21 @@ class Trainer:
         frozen = self._frozen(samples, batches, plans) if needs_frozen else {}
         prepared = self._prepare(samples, frozen)
         total = self._units(samples)
-        updates = []
+        updates, before = [], dict(self.optimizer_steps)
         for _ in range(cfg.epochs):
             for batch, plan in zip(batches, plans):
                 share = normalizer * self._units([samples[i] for i in batch]) / total if several and total else (
                     normalizer)
                 updates.append(self._update([samples[i] for i in batch], [prepared[i] for i in batch], plan,
                                             share, frozen=needs_frozen))
-        if not all(u["train/skipped"] for u in updates):
-            if not self.warming:
-                self.scheduler.step()
-                if cfg.ref_sync_steps and self.scheduler.last_epoch % cfg.ref_sync_steps == 0:
-                    self._mix_reference()
-            if self.critic_scheduler is not None:
-                self.critic_scheduler.step()
+        # each schedule advances once per RL step in which its optimizer stepped (HF Trainer's rule): a step that
+        # updated nothing (a non-finite gradient, no model token, the critic's warm-up) leaves it where it was
+        if self.optimizer_steps["policy"] > before["policy"]:
+            self.scheduler.step()
+            if cfg.ref_sync_steps and self.scheduler.last_epoch % cfg.ref_sync_steps == 0:
+                self._mix_reference()
+        if self.optimizer_steps["critic"] > before["critic"]:
+            self.critic_scheduler.step()
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
@@ -333,6 +336,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if not skipped and sums["tokens"] and not self.warming:  # no model token anywhere: no update at all
             self.optimizer.step()
+            self.optimizer_steps["policy"] += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skipped
         self.skipping = self.skipping + 1 if skipped else 0
@@ -379,6 +383,7 @@ class Trainer:
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if math.isfinite(norm) and sums["vf_tokens"]:
             self.critic_optimizer.step()
+            self.optimizer_steps["critic"] += 1
         self.critic_optimizer.zero_grad(set_to_none=True)
         variance = {k: sums[f"{k}_sq"] / tokens - (sums[k] / tokens) ** 2 for k in ("ret", "err")}
         return {"critic/vf_loss": sums["vf_loss"] / tokens, "critic/vf_clipfrac": sums["vf_clipped"] / tokens,

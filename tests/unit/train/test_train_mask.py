@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -168,7 +169,8 @@ def test_a_response_through_the_one_request_path_trains_bitwise_as_a_plain_singl
 def test_a_step_with_nothing_to_train_changes_no_weight_and_does_not_crash(toy_random_dir, case):
     """Every episode's environment failed: at its reset (no token at all), or later (every token masked
     out), or every group was left out. The step takes no update and raises nothing (a micro-batch of no
-    response token indexed with a float tensor raised IndexError on every rank)."""
+    response token indexed with a float tensor raised IndexError on every rank); the learning rate's
+    schedule stays where it was, with no warning from torch that it ran ahead of the optimizer."""
     from rollpacker.train.trainer import Sample
 
     t = trainer(toy_random_dir)
@@ -176,9 +178,12 @@ def test_a_step_with_nothing_to_train_changes_no_weight_and_does_not_crash(toy_r
                "all_masked": [Sample([1, 2], [3], 0.0, [0.0], failed=True, loss_mask=[False]) for _ in range(2)],
                "empty": []}[case]
     before = weights(t)
-    stats = t.step(samples, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = t.step(samples, 1)
     assert stats["train/loss"] == 0.0 and stats["train/grad_norm"] == 0.0
     assert all(torch.equal(before[k], v) for k, v in weights(t).items())
+    assert t.scheduler.last_epoch == 0 and t.optimizer_steps == {"policy": 0, "critic": 0}
 
 
 def test_gdpo_normalizes_each_reward_part_in_its_group_then_whitens_the_responses(toy_random_dir):
