@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import transformers
 from packaging.requirements import Requirement
@@ -78,7 +77,6 @@ def working_tree_copy(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow  # a fresh venv and every stage (about a minute); each stage's own checks are the tests below
 def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
     """docs/gpu-check.md's command with ``--device cpu``: .whl/ made by our script here, the working tree copied
     as a GPU machine gets it, a venv of torch, Triton and transformers only, results in $OUT; every stage passes

@@ -141,13 +141,14 @@ def test_the_report_shows_an_episode_turn_by_turn(env_run, tmp_path):
     assert "user, 26 tokens, not trained:\n\n```\n\nQ: Step 1 done. Again:\nA:\n```" in shown
 
 
-# sorted and pipe (the round's episode path under another policy, the stream trainer's feeding) in the slow tier
+# sorted, pipe and one_step_off (the round's episode path under another policy; the stream trainer's feeding;
+# the disaggregated pools, whose single-turn episodes tests/dist/schedule/test_one_step_off.py runs) in the slow tier
 @pytest.mark.parametrize("policy", [
     ("schedule:sync",),
     pytest.param(("schedule:sorted",), marks=pytest.mark.slow),
     ("schedule:sync", "--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1"),
     pytest.param(("schedule:tail", "--schedule.pipe", "--train.train-shard-size", "1"), marks=pytest.mark.slow),
-    ("schedule:one_step_off", "--train.rollout-correction", "token_tis"),
+    pytest.param(("schedule:one_step_off", "--train.rollout-correction", "token_tis"), marks=pytest.mark.slow),
 ], ids=["sync", "sorted", "stream", "pipe", "one_step_off"])
 def test_episodes_run_under_every_policy(tmp_path, policy):
     # sync with held-out episodes between its steps, and the next step's environments warmed ahead across them
