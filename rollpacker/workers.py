@@ -182,6 +182,10 @@ class WorkerPool:
         """The task free worker ``i`` takes now, or None (called holding ``_cond``)."""
         raise NotImplementedError
 
+    def _timers(self) -> list[float]:
+        """When (``time.monotonic()``) a task held back becomes ready to take (called holding ``_cond``)."""
+        return []
+
     def _wire(self, task: Any) -> Any:
         """What a worker gets for ``task``."""
         raise NotImplementedError
@@ -209,6 +213,8 @@ class WorkerPool:
                 self._dispatch()
                 deadlines = [w.started + w.task.timeout for w in self._workers if w.task is not None]
                 deadlines += [deadline for _, deadline in self._retiring]
+                with self._cond:
+                    deadlines += self._timers()
                 wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
                 handles = [self._wake_r, *(w.conn for w in self._workers), *(w.process.sentinel for w in self._workers),
                            *(process.sentinel for process, _ in self._retiring)]

@@ -30,6 +30,11 @@ class EnvConfig:
     """Model tokens per episode at most, all turns together (0: rollout.max_new_tokens)."""
     timeout: float = 30.0
     """Wall-clock seconds one environment call (reset, step with its tool calls, close) may take, then it is killed."""
+    reset_retries: int = 0
+    """Open an environment again when its make_env or reset raised, hung past env.timeout or lost its worker (a
+    sandbox that failed to start), up to this many times; a step is never retried."""
+    reset_retry_delay: float = 1.0
+    """Seconds before the first retry of a reset, doubled for each one after it."""
     on_error: OnError = "skip"
     """An environment that raises, hangs or returns garbage: skip (its episode ends untrained; env/errors) or fail."""
     max_error_frac: float = 0.5
@@ -62,6 +67,9 @@ class EnvConfig:
             raise ValueError(f"env.max_tokens must be >= 0 (0: rollout.max_new_tokens), got {self.max_tokens}")
         if not 0 <= self.max_error_frac <= 1:
             raise ValueError(f"env.max_error_frac must be in [0, 1] (1: never stop), got {self.max_error_frac}")
+        if self.reset_retries < 0 or self.reset_retry_delay < 0:
+            raise ValueError(f"env.reset_retries and env.reset_retry_delay must be >= 0, got {self.reset_retries} "
+                             f"and {self.reset_retry_delay}")
         if self.timeout <= 0:
             raise ValueError(f"env.timeout must be positive, got {self.timeout}")
         if self.num_workers < 1:

@@ -76,6 +76,8 @@ class EnvReply:
     (:class:`~rollpacker.env.trl.EnvState`, TRL's environments); else None."""
     finishes: bool = False
     """After an open: the environment scores an episode that a token limit ends (:func:`finish`)."""
+    retries: int = 0
+    """An open's: how many times it was tried again (``env.reset_retries``) before this outcome."""
 
 
 @dataclass

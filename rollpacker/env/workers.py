@@ -10,10 +10,13 @@ its :class:`~rollpacker.env.contract.EnvReply` comes back from ``poll`` (never w
 A call that raises, returns something the contract does not allow
 (:class:`~rollpacker.env.contract.BadReturn`), or hangs past the timeout (its worker is killed)
 comes back with ``error`` naming the environment, the episode's row and the cause, once; the
-environment is dropped, and closing it later is a no-op. Episodes whose environments lived on a
-killed worker lose them too: their next step comes back with an error saying why. Nothing is
-retried here: the caller decides (``env.on_error``). A worker that stops (the pool closed, the
-worker replaced, the job's process gone) closes the environments it still holds first.
+environment is closed and dropped, and closing it later is a no-op. Episodes whose environments
+lived on a killed worker lose them too: their next step comes back with an error saying why (one
+whose open had not run yet waits for the fresh worker). An open that failed is tried again
+``env.reset_retries`` times, each after a delay that doubles (``env.reset_retry_delay``), unless its
+episode is closed meanwhile; a step is never retried: the caller decides (``env.on_error``). A
+worker that stops (the pool closed, the worker replaced, the job's process gone) closes the
+environments it still holds first.
 
 A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
 """
@@ -21,13 +24,14 @@ A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``sp
 from __future__ import annotations
 
 import collections
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import pickle
 import sys
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rollpacker.env import contract
@@ -97,6 +101,12 @@ class _Call:
     payload: Any
     timeout: float
     row_id: Any = None
+    attempt: int = 0
+    """An open's retries so far."""
+    ready_at: float = 0.0
+    """``time.monotonic()`` from which a retried open may run."""
+    error: str = ""
+    """A retried open's last error (its reply's, should its episode close before it runs again)."""
 
 
 @dataclass
@@ -167,7 +177,10 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> t
         cause = f"returned garbage: {e}"
     except Exception as e:  # noqa: BLE001  (the user's environment: whatever it raises is the cause to report)
         cause = f"raised {type(e).__name__}: {str(e)[:500]}"
-    envs.pop(key, None)
+    env = envs.pop(key, None)
+    if env is not None and kind != "close":  # closed, so that a sandbox it started goes with it
+        with contextlib.suppress(Exception):  # its failure is the cause reported already
+            contract.close(env)
     return None, f"{kind} {cause}", None, False
 
 
@@ -231,6 +244,11 @@ class EnvPool(WorkerPool):
         with self._cond:
             self._check_alive()
             episode = self._episodes[call.key]
+            if call.kind == "close":  # an open waiting to be retried fails now, with its last error
+                queue = self._queues[episode.worker]
+                for waiting in [c for c in queue if c.key == call.key and c.attempt]:
+                    queue.remove(waiting)  # tried ``attempt`` times, not one more
+                    self._reply(replace(waiting, attempt=waiting.attempt - 1), error=waiting.error)
             episode.calls += 1
             self._num_unfinished += 1
             if episode.lost:  # its environment is gone: a step fails saying why, a close has nothing to do
@@ -245,7 +263,17 @@ class EnvPool(WorkerPool):
         return (self.spec,)
 
     def _next_task(self, i: int) -> _Call | None:
-        return self._queues[i].popleft() if self._queues[i] else None
+        now, queue = time.monotonic(), self._queues[i]
+        ready = next((k for k, call in enumerate(queue) if call.ready_at <= now), None)
+        if ready is None:
+            return None
+        call = queue[ready]
+        del queue[ready]
+        return call
+
+    def _timers(self) -> list[float]:
+        now = time.monotonic()
+        return [call.ready_at for queue in self._queues for call in queue if call.ready_at > now]
 
     def _wire(self, task: _Call) -> tuple:
         return task.kind, task.key, task.payload
@@ -253,34 +281,53 @@ class EnvPool(WorkerPool):
     def _received(self, task: _Call, message: Any) -> None:
         value, error, seconds, state, finishes = message
         with self._cond:
-            self._reply(task, value, self._cause(task, error) if error else None, seconds, state, finishes)
+            if not (error and self._retried(task, self._cause(task, error))):
+                self._reply(task, value, self._cause(task, error) if error else None, seconds, state, finishes)
+
+    def _retried(self, task: _Call, error: str) -> bool:
+        """Queue a failed open again if ``env.reset_retries`` allows and nothing else waits on its episode (a
+        close); False: it fails (holding ``_cond``)."""
+        episode = self._episodes[task.key]
+        if task.kind != "open" or task.attempt >= self.cfg.reset_retries or episode.calls > 1:
+            return False
+        ready_at = time.monotonic() + self.cfg.reset_retry_delay * 2 ** task.attempt
+        self._queues[episode.worker].append(replace(task, attempt=task.attempt + 1, ready_at=ready_at, error=error))
+        return True
 
     def _lost(self, i: int, task: _Call | None, reason: str, seconds: float) -> None:
-        """Worker ``i`` was killed: its running call fails with ``reason``; every episode it hosted loses
-        its environment (their queued and later steps fail saying so)."""
+        """Worker ``i`` was killed: its running call fails with ``reason`` (an open may be retried); every
+        episode it hosted loses its environment (their queued and later steps fail saying so), but those
+        whose open had not run yet: they wait for the fresh worker."""
         with self._cond:
             culprit = self._cause(task, reason) if task is not None else f"its {self._name} worker died ({reason})"
+            queued, self._queues[i] = self._queues[i], collections.deque()
+            unopened = {call.key for call in queued if call.kind == "open"}  # no environment yet: the fresh worker's
+            spared = unopened | ({task.key} if task is not None else set())
             for key, episode in self._episodes.items():
-                if episode.worker == i and not episode.lost and (task is None or key != task.key):
+                if episode.worker == i and not episode.lost and key not in spared:
                     episode.lost = (f"{self.spec.name}: the environment of episode {key!r} (row {episode.row_id!r}) "
                                     f"was lost with its worker, killed because {culprit}")
-            if task is not None:
+            if task is not None and not self._retried(task, culprit):
                 self._reply(task, error=culprit, seconds=seconds)
-            queued, self._queues[i] = self._queues[i], collections.deque()
             for call in queued:
-                lost = self._episodes[call.key].lost
-                self._reply(call, error=lost if call.kind != "close" else None)
+                if call.key in unopened:
+                    self._queues[i].append(call)
+                else:
+                    lost = self._episodes[call.key].lost
+                    self._reply(call, error=lost if call.kind != "close" else None)
 
     def _reply(self, call: _Call, value: Any = None, error: str | None = None, seconds: float = 0.0,
                state: Any = None, finishes: bool = False) -> None:
         """Hand back the outcome of ``call`` (holding ``_cond``); a closed episode is forgotten."""
         episode = self._episodes[call.key]
         episode.calls -= 1
+        if error and call.attempt:
+            error = f"{error} (tried {call.attempt + 1} times, env.reset_retries {self.cfg.reset_retries})"
         if error:
             episode.lost = episode.lost or error
         if call.kind == "close" and not episode.calls:
             del self._episodes[call.key]
-        self._done.append(EnvReply(call.key, call.kind, value, error, seconds, state, finishes))
+        self._done.append(EnvReply(call.key, call.kind, value, error, seconds, state, finishes, call.attempt))
         self._num_unfinished -= 1
         self._cond.notify_all()
 

@@ -42,13 +42,16 @@ class EpisodeStats:
     """What each environment error said (the environment, the episode, its row, the cause), in order."""
     env_wait_s: float = 0.0
     """Seconds of polls in which no turn ran at an engine while environment calls were in flight."""
+    reset_retries: int = 0
+    """Opens tried again (``env.reset_retries``), whatever came of them."""
 
     def metrics(self) -> dict[str, float]:
         if not (self.step_seconds or self.errors):
             return {}
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         return {"env/turns_mean": mean(self.turns), "env/step_seconds": mean(self.step_seconds),
-                "env/errors": float(self.errors), "rollout/env_wait_s": self.env_wait_s}
+                "env/errors": float(self.errors), "env/reset_retries": float(self.reset_retries),
+                "rollout/env_wait_s": self.env_wait_s}
 
 
 class EpisodeRunner:
@@ -119,6 +122,7 @@ class EpisodeRunner:
                 continue  # a close, or the reply of an episode aborted meanwhile (or of an earlier round)
             self.waiting.discard(reply.key)
             self.stats.step_seconds.append(reply.seconds)
+            self.stats.reset_retries += reply.retries
             self.env_seconds[reply.key] = self.env_seconds.get(reply.key, 0.0) + reply.seconds
             if reply.error:
                 done += self._failed(reply.key, reply.error)

@@ -302,17 +302,26 @@ def test_the_pages_commands_run_as_written(tmp_path):
 
 
 FAULTY = '''
+import os
 import time
 
 
 class Faulty:
     """Row toy-0-1 raises at its first step, toy-0-0 hangs there, toy-0-3 returns garbage, toy-0-4's
-    reset prompt does not fit the context (1024); the others end at once."""
+    reset prompt does not fit the context (1024); the first reset of toy-0-2 fails (a sandbox that did
+    not start: it is tried again); the others end at once."""
 
     def __init__(self, row):
         self.row = row["id"]
 
     def reset(self, *, seed, options):
+        if self.row == "toy-0-2":
+            try:
+                os.close(os.open("toy-0-2.first", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                raise ConnectionError("sandbox 503")
         return ("x " * 3000 if self.row == "toy-0-4" else None), {}
 
     def step(self, action):
@@ -333,6 +342,7 @@ def make_env(row):
 def faulty_job(tmp_path: Path, on_error: str, max_error_frac: str = "1") -> subprocess.CompletedProcess:
     (tmp_path / "faulty.py").write_text(FAULTY)
     cmd = job_command("schedule:sync", "--env.factory", "faulty.py:make_env", "--env.timeout", "3",
+                      "--env.reset-retries", "1", "--env.reset-retry-delay", "0.1",
                       "--env.on-error", on_error, "--env.max-error-frac", max_error_frac, "--data.num-toy-prompts", "5",
                       "--rollout.num-prompts", "5", "--rollout.group-size", "2", "--rollout.max-new-tokens", "48",
                       "--num-steps", "1", "--eval-every", "0", "--metrics.samples-every", "1", "--run-dir", "run",
@@ -359,6 +369,7 @@ def test_raising_hanging_and_garbage_environments_are_skipped_counted_and_named(
                 assert r["model_tokens"] == 0 and not any(t["trained"] for t in r["turns"])  # trains nothing
     errors = sum(r["end"] == "error" for rs in by_row.values() for r in rs)
     assert step["env/errors"] == errors >= 6, causes
+    assert step["env/reset_retries"] == 1  # toy-0-2's first reset, tried again: its episodes ran (below)
     said = [line for line in proc.stderr.splitlines() if "an episode ended untrained" in line]
     assert len(said) == 3 and len(set(said)) == 3 and "more environment errors" in proc.stderr  # each once, 3 shown
     assert all(r["end"] != "error" for r in by_row["toy-0-2"])

@@ -320,6 +320,19 @@ def test_a_reset_prompt_with_no_room_for_a_turn_is_an_environment_error_of_its_e
     assert key == "0:0:0" and turn.max_new_tokens == 8
 
 
+def test_the_retries_an_open_took_are_counted_in_env_reset_retries():
+    """The pool retries a failed open (``env.reset_retries``) and says how often on its reply; the round counts
+    them, whatever came of the open."""
+    runner = long_reset_runner("skip")
+    for key in ("0:0:0", "0:0:1"):
+        runner.open(key, int(key[-1]), "0:0")
+    runner.take_calls()
+    runner.on_env([EnvReply("0:0:0", "open", ("1+1", {}), retries=2),
+                   EnvReply("0:0:1", "open", error="toy: episode '0:0:1' (row 'r1'): open raised OSError (tried 4 "
+                            "times, env.reset_retries 3)", retries=3)], now=0.0)
+    assert runner.stats.reset_retries == 5 and runner.stats.metrics()["env/reset_retries"] == 5.0
+
+
 def test_a_reset_prompt_with_no_room_stops_the_run_with_on_error_fail():
     from rollpacker.errors import UserError
 
