@@ -179,7 +179,8 @@ def test_ctrl_c_stops_cleanly_and_resume_passes_a_damaged_checkpoint_training_ea
     assert said.count("reward function 'one_in_ten' failed on") == len(failed)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.slow  # its message: tests/unit/reward/test_functions.py; a reward function stopping a real job with one
+@pytest.mark.timeout(600)  # line and no traceback: tests/dist/test_your_task.py
 def test_a_function_returning_a_string_stops_the_run_with_one_line_naming_it(tmp_path):
     write_task(tmp_path)
     proc, out, err = start(tmp_path, "string", launcher(*args(tmp_path, tmp_path / "run", "--reward.funcs",
