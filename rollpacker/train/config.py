@@ -76,7 +76,7 @@ class TrainConfig(MemoryConfig):
     lr: float = 2e-4
     """Peak AdamW learning rate."""
     warmup_steps: int = 10
-    """Linear warm-up from 0 to lr over this many optimizer steps."""
+    """Linear warm-up from 0 to lr over this many RL steps that updated the policy."""
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     """After the warm-up: constant lr, or cosine decay to min_lr_ratio x lr at the run's last step (num_steps)."""
     min_lr_ratio: float = 0.1
