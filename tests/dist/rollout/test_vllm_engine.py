@@ -173,7 +173,8 @@ def test_update_weights_from_our_model(pair, engine):
     assert got[reqs[0].id].token_ids == hf_greedy(hf, reqs[0].prompt_ids, 12)
 
 
-def test_a_bf16_engine_takes_fp32_masters_in_its_dtype(pair):
+@pytest.mark.slow  # the push's conversion and vLLM's reload in bf16: tests/unit/rollout/test_engine.py; a push, then
+def test_a_bf16_engine_takes_fp32_masters_in_its_dtype(pair):  # greedy as transformers': test_torchrun_replicas_and_tp
     """Issue 37: the trainer's masters are fp32, a GPU engine bf16; the push converts them (vLLM's layerwise
     reload is never handed another dtype) and the engine then generates as a bf16 TorchEngine on those weights."""
     out = torchrun("vllm_dtype.py", 1, str(pair[0]), str(pair[1]), timeout=600)
