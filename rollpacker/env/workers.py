@@ -264,12 +264,11 @@ class EnvPool(WorkerPool):
 
     def _next_task(self, i: int) -> _Call | None:
         now, queue = time.monotonic(), self._queues[i]
-        ready = next((k for k, call in enumerate(queue) if call.ready_at <= now), None)
-        if ready is None:
-            return None
-        call = queue[ready]
-        del queue[ready]
-        return call
+        for k, call in enumerate(queue):  # a retried open waiting for its delay lets the calls behind it pass
+            if call.ready_at <= now:
+                del queue[k]
+                return call
+        return None
 
     def _timers(self) -> list[float]:
         now = time.monotonic()
@@ -281,8 +280,9 @@ class EnvPool(WorkerPool):
     def _received(self, task: _Call, message: Any) -> None:
         value, error, seconds, state, finishes = message
         with self._cond:
-            if not (error and self._retried(task, self._cause(task, error))):
-                self._reply(task, value, self._cause(task, error) if error else None, seconds, state, finishes)
+            cause = self._cause(task, error) if error else None
+            if not (cause and self._retried(task, cause)):
+                self._reply(task, value, cause, seconds, state, finishes)
 
     def _retried(self, task: _Call, error: str) -> bool:
         """Queue a failed open again if ``env.reset_retries`` allows and nothing else waits on its episode (a
