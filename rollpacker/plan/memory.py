@@ -424,6 +424,8 @@ class RolloutSetup:
     """engine.max_model_len (0: the model's max_position_embeddings)."""
     longest: int = 0
     """The longest context a request reaches (prompt + response; 0: max_model_len)."""
+    draft_tokens: int = 0
+    """Most draft tokens a request verifies in a step (engine.spec_max_tokens; 0: speculation off)."""
 
 
 def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
@@ -443,8 +445,8 @@ def engine_terms(s: Shape, r: RolloutSetup) -> list[Term]:
                   fix="a smaller engine.max_prefill_tokens (vLLM: engine.max_model_len too)")]
     kind = ENGINES[r.engine]
     if kind.decode_workspace:
-        terms.append(Term(name=f"{kind.title} decode workspace (each length group's most rows)",
-                          bytes=decode_workspace(s, r), fix="a smaller engine.max_num_seqs"))
+        terms.append(Term(name=f"{kind.title} decode workspace (bounded by the KV budget)",
+                          bytes=decode_workspace(s, r), fix="a smaller engine.kv_memory_mb or engine.max_num_seqs"))
     return terms + scheduler_process(r)
 
 
@@ -481,16 +483,19 @@ def engine_activations(s: Shape, r: RolloutSetup) -> float:
 
 
 def decode_workspace(s: Shape, r: RolloutSetup) -> float:
-    """TorchEngine's decode workspace beside its KV pool (``DecodeBatch`` in rollout/torch_engine/kv.py):
-    each power-of-two length group, from 16 tokens to the longest context's, keeps the most rows it held
-    at once (up to ``max_num_seqs``: a rollout's requests cross each length together) until the engine
-    releases its memory, each row its group's capacity of K and V. Measured on CPU: 5.3x the pool for
-    64 requests of up to 660 tokens (docs/memory.md)."""
+    """TorchEngine's decode workspace beside its KV pool (``DecodeBatch`` in rollout/torch_engine/kv.py).
+    A running request's row holds its power-of-two length group's capacity: under twice its context and
+    drafts, 16 tokens at least; a group holds at most 1.5x the rows it uses. So the workspace is at most
+    1.5x the running rows' capacities, bounded by the longest context for each of ``max_num_seqs`` rows and
+    by the running contexts, which the KV pool holds: 3x the pool, plus 1.5x 16 tokens (or twice the
+    drafts) per request. A group being reallocated is briefly held twice (docs/memory.md)."""
+    per_token = 2 * s.num_layers * max(1, s.num_kv_heads // r.tp) * s.head_dim * r.weight_bytes
     cap = r.max_model_len or s.max_position_embeddings
     longest = min(r.longest, cap) if r.longest and cap else r.longest or cap
-    top = max(16, 1 << (max(longest, 1) - 1).bit_length())
-    per_token = 2 * s.num_layers * max(1, s.num_kv_heads // r.tp) * s.head_dim * r.weight_bytes
-    return r.max_num_seqs * (2 * top - 16) * per_token
+    top = max(16, 1 << (max(longest + r.draft_tokens, 1) - 1).bit_length())
+    by_rows = r.max_num_seqs * top
+    by_pool = 2 * r.kv_bytes / per_token + r.max_num_seqs * max(16, 2 * r.draft_tokens)
+    return 1.5 * min(by_rows, by_pool) * per_token
 
 
 def engine_weights(s: Shape, r: RolloutSetup) -> float:
@@ -593,7 +598,7 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
                            kv_bytes=e.kv_memory_mb * 2**20,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
                            released=device == "cuda" and ENGINES[kind].releases_weights, max_model_len=e.max_model_len,
-                           longest=longest)
+                           longest=longest, draft_tokens=e.spec_max_tokens if e.speculative != "off" else 0)
     return train, rollout
 
 

@@ -92,9 +92,11 @@ class DecodeBatch:
     and a preempted one is recomputed. So the pool holds each request's prefill K/V, and the
     blocks charged to its decoded tokens keep the memory accounting (hence admission and
     preemption) as if they held theirs. The workspace costs memory on top of the pool: per row,
-    its group's capacity (under 2x its context), plus the spare rows of each group: a group's
-    rows grow by doubling and are kept (empty groups too) until ``release_memory``, so a steady
-    workload allocates nothing.
+    its group's capacity (under 2x its context), plus each group's spare rows. A group that needs
+    more rows grows to 1.25x the rows it needs; one left using under two thirds of its rows shrinks
+    to 1.25x those it uses; an empty group is freed. So a group holds at most 1.5x the rows it uses
+    (the memory plan's bound, ``plan.memory.decode_workspace``), and its store is reallocated only
+    once a sixth of its rows or more came or went.
 
     A step appends the K and V of a group's rows with one ``put_`` per layer (flat indices
     advanced in place), and attends over the group's longest context with an additive mask over
@@ -122,7 +124,11 @@ class DecodeBatch:
         """Drop ``seq``'s row: its request leaves the running set, and its K/V are not needed."""
         seq.group.drop([seq.slot])
         seq.group, seq.slot = None, -1
+        self._free_empty()
         self.changed = True
+
+    def _free_empty(self) -> None:
+        self.groups = {capacity: g for capacity, g in self.groups.items() if g.seqs}
 
     def update(self, running: list[Seq], extra: int = 0) -> None:
         """Before a decode step over ``running`` that appends ``extra + 1`` tokens per row (``extra``:
@@ -137,6 +143,7 @@ class DecodeBatch:
                         grown.setdefault(row_capacity(len(s.tokens) + extra), []).append(s)
                 for capacity, seqs in grown.items():
                     self._group(capacity).take(seqs)
+                self._free_empty()
                 self.changed = True
         if len(running) > sum(len(g.seqs) for g in self.groups.values()):
             admitted: dict[int, list[Seq]] = {}
@@ -254,14 +261,19 @@ class LengthGroup:
         layers, _, rows, kv, _ = self.store.shape
         return self.store[:, 1].view(layers, rows, kv, self.capacity, self.head_dim)
 
+    def resize(self, rows: int) -> None:
+        """Reallocate the store with ``rows`` rows, keeping those in use."""
+        used = len(self.seqs)
+        store = self.store.new_zeros(*self.store.shape[:2], rows, *self.store.shape[3:])
+        store[:, :, :used].copy_(self.store[:, :, :used])
+        self.store = store
+        self.changed = True
+
     def append(self, seqs: list[Seq]) -> int:
         """Give ``seqs`` the next rows (their K/V still to be written); the first one's index."""
-        first, rows = len(self.seqs), self.store.shape[2]
-        if first + len(seqs) > rows:  # grow by doubling, keeping the rows in use
-            store = self.store.new_zeros(*self.store.shape[:2], max(first + len(seqs), 2 * rows),
-                                         *self.store.shape[3:])
-            store[:, :, :first].copy_(self.store[:, :, :first])
-            self.store = store
+        first, needed = len(self.seqs), len(self.seqs) + len(seqs)
+        if needed > self.store.shape[2]:
+            self.resize(needed + needed // 4)
         for i, seq in enumerate(seqs, first):
             seq.group, seq.slot = self, i
         self.seqs += seqs
@@ -298,7 +310,8 @@ class LengthGroup:
         src.drop(rows)
 
     def drop(self, rows: list[int]) -> None:
-        """Free ``rows``: the last rows still in use move into those of them below the new end."""
+        """Free ``rows``: the last rows still in use move into those of them below the new end; the
+        store shrinks if it holds over 1.5x the rows left."""
         end, dropped = len(self.seqs) - len(rows), set(rows)
         holes = sorted(i for i in rows if i < end)
         movers = [i for i in range(end, len(self.seqs)) if i not in dropped]  # as many as the holes
@@ -310,6 +323,8 @@ class LengthGroup:
                 self.seqs[i] = self.seqs[j]
                 self.seqs[i].slot = i
         del self.seqs[end:]
+        if 2 * self.store.shape[2] > 3 * end:
+            self.resize(end + end // 4)
         self.changed = True
 
     def layout(self, start: int, decode: bool = True) -> None:

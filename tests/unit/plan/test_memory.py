@@ -179,11 +179,14 @@ def test_each_engines_real_footprint_is_in_the_rollout_phase():
     assert batched_tokens(QWEN7B, _rollout("sglang")) == batched_tokens(QWEN7B, _rollout("torch")) == 8192
     assert names["vllm"]["engine activations and logits"] > 5 * names["sglang"]["engine activations and logits"]
     assert names["sglang"]["SGLang scheduler process (allowance)"] == SGLANG_PROCESS_BYTES
-    # TorchEngine: every length group 16 .. 16384 (a 9216-token context) keeps 512 rows of K and V (28 layers,
-    # 2 of the 4 KV heads at TP 2, head_dim 128, bf16)
+    # TorchEngine: 1.5x the running rows' capacities, each under twice its context (28 layers, 2 of the 4 KV
+    # heads at TP 2, head_dim 128, bf16); the contexts fit the KV pool, or max_num_seqs rows of 16384 (9216 tokens)
     per_token = 2 * 28 * 2 * 128 * 2
-    assert decode_workspace(QWEN7B, _rollout("torch")) == 512 * (2 * 16384 - 16) * per_token
-    assert "TorchEngine decode workspace (each length group's most rows)" in names["torch"]
+    assert decode_workspace(QWEN7B, _rollout("torch")) == 1.5 * (2 * 40 * 2**30 + 512 * 16 * per_token)
+    assert decode_workspace(QWEN7B, _rollout("torch", kv_bytes=2**40)) == 1.5 * 512 * 16384 * per_token
+    with_drafts = decode_workspace(QWEN7B, _rollout("torch", longest=8190, draft_tokens=12))  # 8202 tokens: 16384
+    assert with_drafts == 1.5 * (2 * 40 * 2**30 + 512 * 24 * per_token)
+    assert "TorchEngine decode workspace (bounded by the KV budget)" in names["torch"]
     assert not any("workspace" in n for n in names["vllm"]) and not any("SGLang" in n for n in names["torch"])
 
 
@@ -195,9 +198,12 @@ def test_sglang_keeps_its_process_while_the_trainer_trains():
     assert kept["torch"] == QWEN7B.num_params * 2 / 2  # TorchEngine keeps its weight shard
 
 
-def test_torch_engine_workspace_under_the_plans_bound(toy_random_dir):
-    """A rollout's requests cross each length group together: the measured workspace stays under the plan's
-    bound, and reaches a good part of it (the bound is what the code does, not a guess)."""
+@pytest.mark.parametrize("kv_memory_mb, max_num_seqs, num_requests, most_new", [(0.5, 4, 6, 40), (1, 16, 24, 200)])
+def test_torch_engine_workspace_under_the_plans_bound(toy_random_dir, kv_memory_mb, max_num_seqs, num_requests,
+                                                       most_new):
+    """The measured workspace stays under the plan's bound and reaches a good part of it (the bound is what
+    the code does, not a guess): ``max_num_seqs`` rows of the longest context when few requests run, and
+    when many run, preempted by the KV budget, the running contexts the pool holds."""
     import random
 
     from rollpacker.model import load_model
@@ -207,11 +213,12 @@ def test_torch_engine_workspace_under_the_plans_bound(toy_random_dir):
     from rollpacker.rollout.torch_engine import TorchEngine
 
     model = load_model(toy_random_dir)
-    engine = TorchEngine(model, EngineConfig(kv_memory_mb=0.5, max_num_seqs=4))
-    rng = random.Random(0)
-    for i in range(6):
-        engine.add(Request(id=str(i), prompt_ids=[rng.randrange(3, 40) for _ in range(rng.randrange(8, 30))],
-                           params=SamplingParams(max_new_tokens=rng.randrange(20, 40), ignore_eos=True, seed=i)))
+    engine = TorchEngine(model, EngineConfig(kv_memory_mb=kv_memory_mb, max_num_seqs=max_num_seqs))
+    rng, longest = random.Random(0), 0
+    for i in range(num_requests):
+        prompt, new = [rng.randrange(3, 40) for _ in range(rng.randrange(8, 30))], rng.randrange(20, most_new)
+        engine.add(Request(id=str(i), prompt_ids=prompt, params=SamplingParams(max_new_tokens=new, ignore_eos=True)))
+        longest = max(longest, len(prompt) + new)
     peak = 0
     while engine.has_unfinished():
         engine.step()
@@ -220,10 +227,16 @@ def test_torch_engine_workspace_under_the_plans_bound(toy_random_dir):
     shape = Shape(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                   num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                   head_dim=args.head_dim)
-    bound = decode_workspace(shape, RolloutSetup(engine="torch", tp=1, weight_bytes=4, kv_bytes=2**19,
-                                                 max_num_seqs=4, prefill_tokens=8192, released=False, longest=70))
-    assert 0.3 * bound < peak <= bound, (peak, bound)
+
+    def bound(kv_bytes: float) -> float:
+        return decode_workspace(shape, RolloutSetup(engine="torch", tp=1, weight_bytes=4, kv_bytes=kv_bytes,
+                                                    max_num_seqs=max_num_seqs, prefill_tokens=8192, released=False,
+                                                    longest=longest))
+
+    assert 0.3 * bound(engine.cache.nbytes) < peak <= bound(engine.cache.nbytes), (peak, bound(engine.cache.nbytes))
     assert peak > engine.cache.nbytes  # beside the pool, more than the pool itself
+    by_pool = bound(engine.cache.nbytes) < bound(2**40)
+    assert by_pool == (max_num_seqs > 4) and (engine.num_preemptions > 0) == by_pool
 
 
 def test_sglang_memory_fraction_leaves_sglang_its_kv_budget():
