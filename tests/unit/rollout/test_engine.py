@@ -142,7 +142,8 @@ def test_ragged_stream_updates_the_workspace_row_by_row(qwen2_dir, reference_wit
     one of one prompt, whose rows outgrow their workspace group together), a running request
     aborted every seventh step and resumed on the same engine five steps later, preemptions forced
     by the KV budget, and finishes all along. The decode workspace drops, appends and moves rows
-    (alone and several at once) through all of it, and every output equals its reference (greedy:
+    (alone and several at once) through all of it, each length group holding at most 1.5x the rows
+    it uses and freed when empty, and every output equals its reference (greedy:
     the full-recompute decode; sampled: the same requests on a fresh engine with room for all of
     them): the same tokens, and log-probs equal up to float rounding (a wrong K or V column shifts
     them by more). With speculation on, verify steps append several tokens to some rows and leave
