@@ -12,9 +12,11 @@ A call that raises, returns something the contract does not allow
 comes back with ``error`` naming the environment, the episode's row and the cause, once; the
 environment is closed and dropped, and closing it later is a no-op. Episodes whose environments
 lived on a killed worker lose them too: their next step comes back with an error saying why (one
-whose open had not run yet waits for the fresh worker). An open that failed is tried again
-``env.reset_retries`` times, each after a delay that doubles (``env.reset_retry_delay``), unless its
-episode is closed meanwhile; a step is never retried: the caller decides (``env.on_error``). A
+whose open had not run yet waits for the fresh worker). An open that raised, hung or lost its
+worker is tried again ``env.reset_retries`` times, each after a delay that doubles
+(``env.reset_retry_delay``), unless its episode is closed meanwhile; one that returned what the
+contract does not allow (or cannot be sent back) fails at once, as it would again; a step is never
+retried: the caller decides (``env.on_error``). A
 worker that stops (the pool closed, the worker replaced, the job's process gone) closes the
 environments it still holds first.
 
@@ -130,13 +132,13 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
         conn.send(None)
         while (task := conn.recv()) is not None:
             wall = time.perf_counter()
-            value, error, state, finishes = _run(spec, envs, *task)
+            value, error, state, finishes, transient = _run(spec, envs, *task)
             try:
-                conn.send((value, error, time.perf_counter() - wall, state, finishes))
+                conn.send((value, error, time.perf_counter() - wall, state, finishes, transient))
             except (pickle.PicklingError, TypeError, AttributeError) as e:
                 envs.pop(task[1], None)
                 conn.send((None, f"returned something that cannot be sent back ({type(e).__name__}: {e})",
-                           time.perf_counter() - wall, None, False))
+                           time.perf_counter() - wall, None, False, False))
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
         return
     finally:
@@ -157,31 +159,32 @@ def _close_all(spec: EnvSpec, envs: dict) -> None:
             print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
 
 
-def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable, payload: Any) -> tuple[Any, str | None, Any, bool]:
-    """One call in a worker: ``(value, error, state, finishes)`` (:class:`EnvReply`'s); a failed environment is
-    dropped."""
+def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,
+         payload: Any) -> tuple[Any, str | None, Any, bool, bool]:
+    """One call in a worker: ``(value, error, state, finishes)`` (:class:`EnvReply`'s) and whether its failure
+    may pass on a retry (it raised, rather than broke the contract); a failed environment is dropped."""
     try:
         if kind == "open":
             row, seed = payload
             envs[key] = env = spec.build(row)
-            return contract.reset(env, seed=seed, row=row), None, _state(spec, env), contract.finishes(env)
+            return contract.reset(env, seed=seed, row=row), None, _state(spec, env), contract.finishes(env), False
         if kind == "step":
-            return contract.step(envs[key], payload, spec.observation_role), None, _state(spec, envs[key]), False
+            return contract.step(envs[key], payload, spec.observation_role), None, _state(spec, envs[key]), False, False
         if kind == "finish":
-            return contract.finish(envs[key]), None, None, False
+            return contract.finish(envs[key]), None, None, False, False
         env = envs.pop(key, None)
         if env is not None:
             contract.close(env)
-        return None, None, None, False
+        return None, None, None, False, False
     except contract.BadReturn as e:
-        cause = f"returned garbage: {e}"
+        cause, transient = f"returned garbage: {e}", False
     except Exception as e:  # noqa: BLE001  (the user's environment: whatever it raises is the cause to report)
-        cause = f"raised {type(e).__name__}: {str(e)[:500]}"
+        cause, transient = f"raised {type(e).__name__}: {str(e)[:500]}", True
     env = envs.pop(key, None)
     if env is not None and kind != "close":  # closed, so that a sandbox it started goes with it
         with contextlib.suppress(Exception):  # its failure is the cause reported already
             contract.close(env)
-    return None, f"{kind} {cause}", None, False
+    return None, f"{kind} {cause}", None, False, transient
 
 
 def _state(spec: EnvSpec, env) -> Any:
@@ -278,10 +281,10 @@ class EnvPool(WorkerPool):
         return task.kind, task.key, task.payload
 
     def _received(self, task: _Call, message: Any) -> None:
-        value, error, seconds, state, finishes = message
+        value, error, seconds, state, finishes, transient = message
         with self._cond:
             cause = self._cause(task, error) if error else None
-            if not (cause and self._retried(task, cause)):
+            if not (cause and transient and self._retried(task, cause)):
                 self._reply(task, value, cause, seconds, state, finishes)
 
     def _retried(self, task: _Call, error: str) -> bool:

@@ -308,14 +308,15 @@ class Env:
         self.tries = len(list(self.log.glob(f"{row['id']}-*.made")))
         self.name = f"{row['id']}-{self.tries}"
         (self.log / f"{self.name}.made").write_text(str(time.monotonic()))
-        self.fails = {"twice": 2, "always": 99, "hang_once": 0, "ok": 0}[row["mode"]]
+        self.fails = {"twice": 2, "always": 99, "hang_once": 0, "ok": 0, "garbage": 0}[row["mode"]]
+        self.mode = row["mode"]
         if row["mode"] == "hang_once" and self.tries == 0:
             time.sleep(600)
 
     def reset(self, *, seed, options):
         if self.tries < self.fails:
             raise ConnectionError(f"sandbox 503 (try {self.tries + 1})")
-        return None, {}
+        return "no info" if self.mode == "garbage" else (None, {})
 
     def step(self, action):
         return "obs", 1.0, True, False, {}
@@ -332,12 +333,12 @@ def make_env(row):
 def test_a_failed_reset_is_tried_again_later_and_each_failed_environment_closed(tmp_path, monkeypatch):
     """env.reset_retries 2 (delays 0.3 s, then 0.6 s): a reset that fails twice succeeds on its third try; one that
     always fails says so after three; a make_env that hangs (its worker replaced) succeeds on the fresh worker, and
-    the open queued behind it there, never run, waits for that worker rather than fail. Every environment whose
-    reset raised was closed."""
+    the open queued behind it there, never run, waits for that worker rather than fail; a reset that returns garbage
+    fails at once (it would again). Every environment whose reset raised was closed."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "flaky.py").write_text(textwrap.dedent(FLAKY_ENV))
     monkeypatch.setenv("ENV_LOG", str(tmp_path))
-    modes = {"e0": "twice", "e1": "hang_once", "e2": "always", "e3": "ok"}  # e1 and e3 share worker 1
+    modes = {"e0": "twice", "e1": "hang_once", "e2": "always", "e3": "ok", "e4": "garbage"}  # e1, e3 on worker 1
     cfg = EnvConfig(factory="flaky.py:make_env", num_workers=2, timeout=3, reset_retries=2, reset_retry_delay=0.3)
     with EnvPool(cfg) as pool:
         for key, mode in modes.items():
@@ -346,15 +347,17 @@ def test_a_failed_reset_is_tried_again_later_and_each_failed_environment_closed(
         for key in modes:
             pool.close_episode(key)
         pool.drain(60)
-    assert {k: (r.error, r.retries) for k, r in opened.items() if k != "e2"} == {
+    assert {k: (r.error, r.retries) for k, r in opened.items() if k not in ("e2", "e4")} == {
         "e0": (None, 2), "e1": (None, 1), "e3": (None, 0)}
+    assert opened["e4"].error.startswith("flaky.py:make_env: episode 'e4' (row 'garbage'): open returned garbage: ")
+    assert opened["e4"].retries == 0 and "tried" not in opened["e4"].error
     assert opened["e2"].error == ("flaky.py:make_env: episode 'e2' (row 'always'): open raised ConnectionError: "
                                   "sandbox 503 (try 3) (tried 3 times, env.reset_retries 2)")
     assert opened["e2"].retries == 2
     made = {p.stem: float(p.read_text()) for p in tmp_path.glob("*.made")}
     closed = {p.stem for p in tmp_path.glob("*.closed")}
-    assert sorted(made) == ["always-0", "always-1", "always-2", "hang_once-0", "hang_once-1", "ok-0", "twice-0",
-                            "twice-1", "twice-2"]
+    assert sorted(made) == ["always-0", "always-1", "always-2", "garbage-0", "hang_once-0", "hang_once-1", "ok-0",
+                            "twice-0", "twice-1", "twice-2"]
     assert closed == set(made) - {"hang_once-0"}  # its worker was killed in make_env: no environment to close
     assert made["twice-1"] - made["twice-0"] >= 0.3 and made["twice-2"] - made["twice-1"] >= 0.6  # the delays
 
