@@ -488,14 +488,14 @@ def decode_workspace(s: Shape, r: RolloutSetup) -> float:
     drafts, 16 tokens at least; a group holds at most 1.5x the rows it uses. So the workspace is at most
     1.5x the running rows' capacities, bounded by the longest context for each of ``max_num_seqs`` rows and
     by the running contexts, which the KV pool holds: 3x the pool, plus 1.5x 16 tokens (or twice the
-    drafts) per request. A group being reallocated is briefly held twice (docs/memory.md)."""
+    drafts) per request. A group is reallocated a layer at a time: one layer more while it is."""
     per_token = 2 * s.num_layers * max(1, s.num_kv_heads // r.tp) * s.head_dim * r.weight_bytes
     cap = r.max_model_len or s.max_position_embeddings
     longest = min(r.longest, cap) if r.longest and cap else r.longest or cap
     top = max(16, 1 << (max(longest + r.draft_tokens, 1) - 1).bit_length())
     by_rows = r.max_num_seqs * top
     by_pool = 2 * r.kv_bytes / per_token + r.max_num_seqs * max(16, 2 * r.draft_tokens)
-    return 1.5 * min(by_rows, by_pool) * per_token
+    return 1.5 * (1 + 1 / s.num_layers) * min(by_rows, by_pool) * per_token
 
 
 def engine_weights(s: Shape, r: RolloutSetup) -> float:

@@ -225,7 +225,7 @@ class TorchEngine(Speculation):
     @property
     def workspace_bytes(self) -> int:
         """Bytes the decode workspace holds now, beside the KV pool (:class:`~.kv.DecodeBatch`)."""
-        return sum(g.store.nbytes for g in self.batch.groups.values()) if self.batch is not None else 0
+        return sum(g.nbytes for g in self.batch.groups.values()) if self.batch is not None else 0
 
     def shutdown(self) -> None:
         self.cache = self.batch = None

@@ -64,10 +64,9 @@ def write_back(seq: Seq, cache: torch.Tensor, block_size: int) -> None:
     if seq.group is None or hi <= lo:
         return
     slots = pool_slots([seq], torch.arange(lo, hi)[None], block_size)[0].to(cache.device)
-    keys = seq.group.keys[:, seq.slot, :, :, lo:hi]  # [layers, kv, d, columns]
-    values = seq.group.values[:, seq.slot, :, lo:hi]  # [layers, kv, columns, d]
-    cache[:, slots, 0] = keys.permute(0, 3, 1, 2)
-    cache[:, slots, 1] = values.permute(0, 2, 1, 3)
+    for layer in range(len(seq.group.stores)):
+        cache[layer, slots, 0] = seq.group.keys(layer)[seq.slot, :, :, lo:hi].permute(2, 0, 1)  # [columns, kv, d]
+        cache[layer, slots, 1] = seq.group.values(layer)[seq.slot, :, lo:hi].transpose(0, 1)
 
 
 class DecodeBatch:
@@ -95,7 +94,7 @@ class DecodeBatch:
     its group's capacity (under 2x its context), plus each group's spare rows. A group that needs
     more rows grows to 1.25x the rows it needs; one left using under two thirds of its rows shrinks
     to 1.25x those it uses; an empty group is freed. So a group holds at most 1.5x the rows it uses
-    (the memory plan's bound, ``plan.memory.decode_workspace``), and its store is reallocated only
+    (the memory plan's bound, ``plan.memory.decode_workspace``), and its stores are reallocated only
     once a sixth of its rows or more came or went.
 
     A step appends the K and V of a group's rows with one ``put_`` per layer (flat indices
@@ -223,16 +222,19 @@ def row_capacity(context: int) -> int:
 
 class LengthGroup:
     """The decode rows whose context fits ``capacity`` columns (and, above 16, exceeds half of
-    it), each left-aligned in its own row of the group's workspace ``store``.
+    it), each left-aligned in its own row of the group's workspace, one store per layer.
 
-    ``store`` is ``[layers, 2, rows, kv_heads, head_dim * capacity]``: per layer and row, K^T
-    ``[kv_heads, head_dim, capacity]`` then V ``[kv_heads, capacity, head_dim]``; its first
-    ``len(seqs)`` rows are in use, ``seqs[i]`` in row ``i`` (and ``seqs[i].slot == i``)."""
+    ``stores[layer]`` is ``[2, rows, kv_heads, head_dim * capacity]``: per row, K^T ``[kv_heads,
+    head_dim, capacity]`` then V ``[kv_heads, capacity, head_dim]``; its first ``len(seqs)`` rows are
+    in use, ``seqs[i]`` in row ``i`` (and ``seqs[i].slot == i``). A store is reallocated a layer at a
+    time (:meth:`_realloc`), so a resize holds one layer twice, not the group."""
 
     def __init__(self, capacity: int, cache: torch.Tensor):
         num_layers, _, _, kv, d = cache.shape
         self.capacity, self.num_kv_heads, self.head_dim = capacity, kv, d
-        self.store = cache.new_zeros(num_layers, 2, 0, kv, d * capacity)  # zeros: padding is finite
+        # zeros: padding is finite
+        self.stores = [cache.new_zeros(2, 0, kv, d * capacity) for _ in range(num_layers)]
+        self.device = cache.device
         self.seqs: list[Seq] = []
         self.changed = True
         """Rows were added or dropped since the last layout."""
@@ -241,38 +243,57 @@ class LengthGroup:
         # (None while all rows have the same length), per-layer views of the rows in use
         self.start = self.stop = self.width = 0
         self.index = self.index_step = self.mask = self.mask_index = None
+        self._forget_views()
+        self.verify_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        """A verify step's write positions for its current shape (see :meth:`verify_index`)."""
+
+    def _forget_views(self) -> None:
         self.flat: list[torch.Tensor] = []
         self.keys_now: tuple[torch.Tensor, ...] = ()
         self.values_now: tuple[torch.Tensor, ...] = ()
         self.k_mats: tuple[torch.Tensor, ...] = ()
         self.v_mats: tuple[torch.Tensor, ...] = ()
-        self.verify_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        """A verify step's write positions for its current shape (see :meth:`verify_index`)."""
 
     @property
-    def keys(self) -> torch.Tensor:
-        """K^T [layers, rows, kv_heads, head_dim, capacity] (a view of ``store``)."""
-        layers, _, rows, kv, _ = self.store.shape
-        return self.store[:, 0].view(layers, rows, kv, self.head_dim, self.capacity)
+    def rows(self) -> int:
+        """Rows the stores hold, in use or spare."""
+        return self.stores[0].shape[1]
 
     @property
-    def values(self) -> torch.Tensor:
-        """V [layers, rows, kv_heads, capacity, head_dim] (a view of ``store``)."""
-        layers, _, rows, kv, _ = self.store.shape
-        return self.store[:, 1].view(layers, rows, kv, self.capacity, self.head_dim)
+    def nbytes(self) -> int:
+        return sum(store.nbytes for store in self.stores)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """A layer's K^T [rows, kv_heads, head_dim, capacity] (a view of its store)."""
+        return self.stores[layer][0].view(self.rows, self.num_kv_heads, self.head_dim, self.capacity)
+
+    def values(self, layer: int) -> torch.Tensor:
+        """A layer's V [rows, kv_heads, capacity, head_dim] (a view of its store)."""
+        return self.stores[layer][1].view(self.rows, self.num_kv_heads, self.capacity, self.head_dim)
+
+    def _realloc(self, remake) -> None:
+        """Replace each layer's store by ``remake(store)``, a layer at a time: the old one is freed
+        before the next is made (no view of it is kept: the next layout makes them again)."""
+        self._forget_views()
+        for layer in range(len(self.stores)):
+            self.stores[layer] = remake(self.stores[layer])
+        self.changed = True
 
     def resize(self, rows: int) -> None:
-        """Reallocate the store with ``rows`` rows, keeping those in use."""
+        """Give the stores ``rows`` rows, keeping those in use."""
         used = len(self.seqs)
-        store = self.store.new_zeros(*self.store.shape[:2], rows, *self.store.shape[3:])
-        store[:, :, :used].copy_(self.store[:, :, :used])
-        self.store = store
-        self.changed = True
+
+        def remake(store: torch.Tensor) -> torch.Tensor:
+            new = store.new_zeros(2, rows, *store.shape[2:])
+            new[:, :used].copy_(store[:, :used])
+            return new
+
+        self._realloc(remake)
 
     def append(self, seqs: list[Seq]) -> int:
         """Give ``seqs`` the next rows (their K/V still to be written); the first one's index."""
         first, needed = len(self.seqs), len(self.seqs) + len(seqs)
-        if needed > self.store.shape[2]:
+        if needed > self.rows:
             self.resize(needed + needed // 4)
         for i, seq in enumerate(seqs, first):
             seq.group, seq.slot = self, i
@@ -288,43 +309,50 @@ class LengthGroup:
         # [rows, width] positions; past a row's end, its last token again (overwritten or masked)
         position = torch.minimum(torch.arange(width)[None, :], torch.tensor(cached)[:, None] - 1)
         slots = pool_slots(seqs, position, block_size).flatten().to(cache.device)
-        num_layers, _, _, kv, d = cache.shape
-        cached_kv = cache.index_select(1, slots).view(num_layers, len(seqs), width, 2, kv, d)
-        rows = slice(first, first + len(seqs))
-        self.keys[:, rows, ..., :width].copy_(cached_kv[:, :, :, 0].permute(0, 1, 3, 4, 2))
-        self.values[:, rows, :, :width].copy_(cached_kv[:, :, :, 1].permute(0, 1, 3, 2, 4))
+        rows, kv, d = slice(first, first + len(seqs)), self.num_kv_heads, self.head_dim
+        for layer in range(len(self.stores)):
+            cached_kv = cache[layer].index_select(0, slots).view(len(seqs), width, 2, kv, d)
+            self.keys(layer)[rows, ..., :width].copy_(cached_kv[:, :, 0].permute(0, 2, 3, 1))
+            self.values(layer)[rows, :, :width].copy_(cached_kv[:, :, 1].permute(0, 2, 1, 3))
 
     def take(self, seqs: list[Seq]) -> None:
         """Move the rows of ``seqs`` here from the (one) smaller group they outgrew."""
         src, rows = seqs[0].group, [s.slot for s in seqs]
-        num_layers, _, _, kv, _ = src.store.shape
-        d, cap = self.head_dim, src.capacity
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # as when a whole batch grows: no gather
-            kv_rows = src.store[:, :, rows[0]:rows[0] + len(rows)]  # [layers, 2, rows, ...]
-        else:
-            kv_rows = src.store.index_select(2, torch.tensor(rows, device=src.store.device))
-        first = self.append(seqs)
-        moved = slice(first, first + len(seqs))
-        self.keys[:, moved, ..., :cap].copy_(kv_rows[:, 0].view(num_layers, len(rows), kv, d, cap))
-        self.values[:, moved, :, :cap].copy_(kv_rows[:, 1].view(num_layers, len(rows), kv, cap, d))
+        self._copy_in(src, rows, self.append(seqs))
         src.drop(rows)
+
+    def _copy_in(self, src: LengthGroup, rows: list[int], first: int) -> None:
+        """Copy ``src``'s ``rows`` into this group's rows from ``first`` on."""
+        kv, d, cap = self.num_kv_heads, self.head_dim, src.capacity
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))  # as when a whole batch grows: no gather
+        index = None if contiguous else torch.tensor(rows, device=self.device)
+        moved = slice(first, first + len(rows))
+        for layer, store in enumerate(src.stores):
+            kv_rows = store[:, rows[0]:rows[0] + len(rows)] if contiguous else store.index_select(1, index)
+            self.keys(layer)[moved, ..., :cap].copy_(kv_rows[0].view(len(rows), kv, d, cap))
+            self.values(layer)[moved, :, :cap].copy_(kv_rows[1].view(len(rows), kv, cap, d))
 
     def drop(self, rows: list[int]) -> None:
         """Free ``rows``: the last rows still in use move into those of them below the new end; the
-        store shrinks if it holds over 1.5x the rows left."""
+        stores shrink to 1.25x the rows left if they hold over 1.5x those (one gather per layer)."""
         end, dropped = len(self.seqs) - len(rows), set(rows)
         holes = sorted(i for i in rows if i < end)
         movers = [i for i in range(end, len(self.seqs)) if i not in dropped]  # as many as the holes
-        if holes:
-            dev = self.store.device
-            self.store.index_copy_(2, torch.tensor(holes, device=dev),
-                                   self.store.index_select(2, torch.tensor(movers, device=dev)))
+        if 2 * self.rows > 3 * end:
+            order = list(range(end))
             for i, j in zip(holes, movers):
-                self.seqs[i] = self.seqs[j]
-                self.seqs[i].slot = i
+                order[i] = j
+            order += order[:1] * (end // 4)  # spare rows: copies of a row, finite as the padding is
+            index = torch.tensor(order, dtype=torch.long, device=self.device)
+            self._realloc(lambda store: store.index_select(1, index))
+        elif holes:
+            holes_at, movers_at = (torch.tensor(i, device=self.device) for i in (holes, movers))
+            for store in self.stores:
+                store.index_copy_(1, holes_at, store.index_select(1, movers_at))
+        for i, j in zip(holes, movers):
+            self.seqs[i] = self.seqs[j]
+            self.seqs[i].slot = i
         del self.seqs[end:]
-        if 2 * self.store.shape[2] > 3 * end:
-            self.resize(end + end // 4)
         self.changed = True
 
     def layout(self, start: int, decode: bool = True) -> None:
@@ -334,13 +362,16 @@ class LengthGroup:
         self.start, self.stop = start, start + n
         if not self.changed:
             return
-        keys, values = self.keys[:, :n], self.values[:, :n]
-        self.keys_now, self.values_now = keys.unbind(0), values.unbind(0)  # [rows, kv, d | capacity, capacity | d]
-        self.k_mats, self.v_mats = keys.flatten(1, 2).unbind(0), values.flatten(1, 2).unbind(0)
+        layers = range(len(self.stores))
+        self.keys_now = tuple(self.keys(layer)[:n] for layer in layers)  # [rows, kv, d, capacity]
+        self.values_now = tuple(self.values(layer)[:n] for layer in layers)  # [rows, kv, capacity, d]
+        self.k_mats = tuple(k.flatten(0, 1) for k in self.keys_now)
+        self.v_mats = tuple(v.flatten(0, 1) for v in self.values_now)
+        self.flat = [store.view(-1) for store in self.stores]
         if not decode:
             return
         self.changed = False
-        dev = self.store.device
+        dev = self.device
         lengths = [len(s.tokens) for s in self.seqs]
         self.width = max(lengths)
         if min(lengths) == self.width:
@@ -351,27 +382,26 @@ class LengthGroup:
             heads = torch.arange(n * kv).view(n, kv, 1)
             dims = torch.arange(d)
             k_index = (heads * d + dims) * cap + newest
-            v_index = self.store.shape[2] * kv * d * cap + (heads * cap + newest) * d + dims
+            v_index = self.rows * kv * d * cap + (heads * cap + newest) * d + dims
             self.index = torch.stack((k_index, v_index), dim=1).to(dev)  # [n, 2, kv, d]: flat, in a layer's store
             self.index_step = torch.tensor([1, d], device=dev).view(1, 2, 1, 1)
-            self.flat = [layer.view(-1) for layer in self.store]
             valid = torch.arange(cap)[None, :] < contexts[:, None]  # [n, capacity]
-            mask = torch.where(valid, 0.0, float("-inf")).to(self.store.dtype).repeat_interleave(kv, dim=0)
+            mask = torch.where(valid, 0.0, float("-inf")).to(self.stores[0].dtype).repeat_interleave(kv, dim=0)
             self.mask = mask[:, None, :].to(dev)  # additive, over each row's right padding: [rows * kv, 1, capacity]
             self.mask_index = (torch.arange(n * kv) * cap + newest.flatten().repeat_interleave(kv)).to(dev)
 
     def verify_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat K and V positions [rows, width, 2, kv, d] of ``width`` columns from column 0 of
         every row in use, and their step per column of a row's start; cached per shape."""
-        key = (len(self.seqs), width, self.store.shape[2])
+        key = (len(self.seqs), width, self.rows)
         if key not in self.verify_cache:
             n, kv, d, cap = len(self.seqs), self.num_kv_heads, self.head_dim, self.capacity
             heads = torch.arange(n * kv).view(n, 1, kv, 1)
             dims, columns = torch.arange(d), torch.arange(width).view(1, width, 1, 1)
             k_index = (heads * d + dims) * cap + columns
-            v_index = self.store.shape[2] * kv * d * cap + (heads * cap + columns) * d + dims
+            v_index = self.rows * kv * d * cap + (heads * cap + columns) * d + dims
             step = torch.tensor([1, d]).view(1, 1, 2, 1, 1)
-            dev = self.store.device
+            dev = self.device
             self.verify_cache = {key: (torch.stack((k_index, v_index), dim=2).to(dev), step.to(dev))}
         return self.verify_cache[key]
 

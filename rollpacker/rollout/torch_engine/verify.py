@@ -38,7 +38,7 @@ class VerifyAttention:
     def _plan(self, g: LengthGroup) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The group's flat K and V write positions [rows, width, 2, kv, d], hidden columns
         [rows, 1, width, 1, attended] and attended width."""
-        n, w, dev = len(g.seqs), self.width, g.store.device
+        n, w, dev = len(g.seqs), self.width, g.device
         base, step = g.verify_index(w)
         lengths = [len(s.tokens) for s in g.seqs]
         newest = torch.tensor(lengths, device=dev) - 1  # the column of each row's first query
@@ -53,7 +53,7 @@ class VerifyAttention:
         outs = []
         for g, (index, hidden, attended) in zip(self.batch.order, self.plans):
             n, lo, hi = g.stop - g.start, g.start * w, g.stop * w
-            g.store[layer].view(-1).put_(index, kv[lo:hi])
+            g.flat[layer].put_(index, kv[lo:hi])
             qg = q[lo:hi].mul(self.scale).view(n, w, kv_heads, group_size, d).transpose(1, 2)
             scores = torch.bmm(qg.reshape(n * kv_heads, w * group_size, d), g.k_mats[layer][..., :attended])
             scores.view(n, kv_heads, w, group_size, attended).masked_fill_(hidden, float("-inf"))

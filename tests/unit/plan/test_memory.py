@@ -180,12 +180,13 @@ def test_each_engines_real_footprint_is_in_the_rollout_phase():
     assert names["vllm"]["engine activations and logits"] > 5 * names["sglang"]["engine activations and logits"]
     assert names["sglang"]["SGLang scheduler process (allowance)"] == SGLANG_PROCESS_BYTES
     # TorchEngine: 1.5x the running rows' capacities, each under twice its context (28 layers, 2 of the 4 KV
-    # heads at TP 2, head_dim 128, bf16); the contexts fit the KV pool, or max_num_seqs rows of 16384 (9216 tokens)
-    per_token = 2 * 28 * 2 * 128 * 2
-    assert decode_workspace(QWEN7B, _rollout("torch")) == 1.5 * (2 * 40 * 2**30 + 512 * 16 * per_token)
-    assert decode_workspace(QWEN7B, _rollout("torch", kv_bytes=2**40)) == 1.5 * 512 * 16384 * per_token
+    # heads at TP 2, head_dim 128, bf16), and one layer's more while a group is reallocated; the contexts fit
+    # the KV pool, or max_num_seqs rows of 16384 (9216 tokens)
+    per_token, most = 2 * 28 * 2 * 128 * 2, 1.5 * (1 + 1 / 28)
+    assert decode_workspace(QWEN7B, _rollout("torch")) == pytest.approx(most * (2 * 40 * 2**30 + 512 * 16 * per_token))
+    assert decode_workspace(QWEN7B, _rollout("torch", kv_bytes=2**40)) == pytest.approx(most * 512 * 16384 * per_token)
     with_drafts = decode_workspace(QWEN7B, _rollout("torch", longest=8190, draft_tokens=12))  # 8202 tokens: 16384
-    assert with_drafts == 1.5 * (2 * 40 * 2**30 + 512 * 24 * per_token)
+    assert with_drafts == pytest.approx(most * (2 * 40 * 2**30 + 512 * 24 * per_token))
     assert "TorchEngine decode workspace (bounded by the KV budget)" in names["torch"]
     assert not any("workspace" in n for n in names["vllm"]) and not any("SGLang" in n for n in names["torch"])
 
@@ -199,30 +200,50 @@ def test_sglang_keeps_its_process_while_the_trainer_trains():
 
 
 @pytest.mark.parametrize("kv_memory_mb, max_num_seqs, num_requests, most_new", [(0.5, 4, 6, 40), (1, 16, 24, 200)])
-def test_torch_engine_workspace_under_the_plans_bound(toy_random_dir, kv_memory_mb, max_num_seqs, num_requests,
-                                                       most_new):
-    """The measured workspace stays under the plan's bound and reaches a good part of it (the bound is what
-    the code does, not a guess): ``max_num_seqs`` rows of the longest context when few requests run, and
-    when many run, preempted by the KV budget, the running contexts the pool holds."""
+def test_torch_engine_workspace_under_the_plans_bound(toy_random_dir, monkeypatch, kv_memory_mb, max_num_seqs,
+                                                       num_requests, most_new):
+    """The measured workspace, reallocations included, stays under the plan's bound and reaches a good part
+    of it (the bound is what the code does, not a guess): ``max_num_seqs`` rows of the longest context when
+    few requests run, and when many run, preempted by the KV budget, the running contexts the pool holds.
+    A group is reallocated a layer at a time, each old layer's store freed before the next is made."""
     import random
+    import weakref
 
     from rollpacker.model import load_model
     from rollpacker.plan.memory import RolloutSetup, decode_workspace
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import Request, SamplingParams
     from rollpacker.rollout.torch_engine import TorchEngine
+    from rollpacker.rollout.torch_engine.kv import LengthGroup
 
     model = load_model(toy_random_dir)
     engine = TorchEngine(model, EngineConfig(kv_memory_mb=kv_memory_mb, max_num_seqs=max_num_seqs))
+    realloc, peak, reallocs = LengthGroup._realloc, 0, 0
+
+    def watched(group, remake):  # the workspace while a layer's new store and its old one are both held
+        nonlocal peak, reallocs
+        old = [weakref.ref(store.untyped_storage()) for store in group.stores]
+
+        def remake_watched(store):
+            nonlocal peak
+            new = remake(store)
+            peak = max(peak, engine.workspace_bytes + new.nbytes)
+            return new
+
+        realloc(group, remake_watched)
+        assert all(ref() is None for ref in old)  # freed: no view of an old store was kept
+        reallocs += 1
+
+    monkeypatch.setattr(LengthGroup, "_realloc", watched)
     rng, longest = random.Random(0), 0
     for i in range(num_requests):
         prompt, new = [rng.randrange(3, 40) for _ in range(rng.randrange(8, 30))], rng.randrange(20, most_new)
         engine.add(Request(id=str(i), prompt_ids=prompt, params=SamplingParams(max_new_tokens=new, ignore_eos=True)))
         longest = max(longest, len(prompt) + new)
-    peak = 0
     while engine.has_unfinished():
         engine.step()
         peak = max(peak, engine.workspace_bytes)
+    assert reallocs > 2
     args = model.args
     shape = Shape(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                   num_layers=args.num_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
