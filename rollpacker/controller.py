@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from rollpacker.config import Config
 
@@ -92,7 +92,7 @@ class Controller:
         # the user's reward code imported: its errors come first
         functions = build_functions(config.reward, environment=bool(config.env.factory))
         check = functools.partial(check_row, functions) if functions else None  # a row no function scores: an error
-        fit = functools.partial(fit_rows, encode=lambda row: encode(tokenizer, config, row["prompt"]),
+        fit = functools.partial(fit_rows, encode=row_encoder(tokenizer, config),
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,
                                 max_new_tokens=config.rollout.max_new_tokens,
                                 max_prompt_length=config.data.max_prompt_length)
@@ -369,6 +369,15 @@ def response_text(tokenizer, stop: tuple[str, ...], token_ids: list[int]) -> str
     from rollpacker.data.chat import cut_at_stop
 
     return cut_at_stop(tokenizer.decode(token_ids, skip_special_tokens=True), stop)
+
+
+def row_encoder(tokenizer, config: Config) -> Callable[[dict], list[int]]:
+    """A data row -> the token ids of its episodes' first prompt, as far as the row says it: its prompt, with
+    ``env.tools``' schemas in the chat template (what fits the engines is measured on it)."""
+    from rollpacker.env.tools import load_tools, schemas
+
+    tools = schemas(load_tools(config.env.tools)) if config.env.tools else None
+    return lambda row: encode(tokenizer, config, row["prompt"], tools)
 
 
 def encode(tokenizer, config: Config, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:

@@ -124,3 +124,29 @@ def test_a_round_where_most_episodes_failed_in_their_environment_stops_the_run()
         result.env_errors.append(result.env_errors[0])
         controller(0.5).check_environments(result)
     controller(1.0).check_environments(result)  # never
+
+
+def test_rows_are_fitted_with_the_schemas_of_the_tools_their_episodes_start_with():
+    """With env.tools, a row's prompt is measured with the tools' schemas in the chat template, as its episodes
+    start: a row that fits the context alone but not with them is left out (it would fail in every round)."""
+    import dataclasses
+
+    from rollpacker.controller import encode, row_encoder
+    from rollpacker.data.dataset import DatasetError, fit_rows
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.toy.tools_model import build_tools_tokenizer
+
+    tokenizer, row = build_tools_tokenizer(), {"id": "r", "prompt": "What is 12 * 34?"}
+    plain = Config()
+    with_tools = dataclasses.replace(plain, env=EnvConfig(tools=("rollpacker.toy.tools:calculator",)))
+    alone, tooled = row_encoder(tokenizer, plain)(row), row_encoder(tokenizer, with_tools)(row)
+    assert alone == encode(tokenizer, plain, row["prompt"]) and len(tooled) > len(alone) + 20
+    assert "calculator(expression: string)" in tokenizer.decode(tooled)
+
+    def fit(config: Config) -> list[dict]:
+        return fit_rows([row], row_encoder(tokenizer, config), max_model_len=len(alone) + 10, kv_tokens=4096,
+                        max_new_tokens=4)
+
+    assert fit(plain) == [row]
+    with pytest.raises(DatasetError, match="no prompt fits the context length"):
+        fit(with_tools)
