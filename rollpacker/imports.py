@@ -87,6 +87,19 @@ def load(target: str, setting: str, error: type[UserError] = UserError, *, mappi
     return fn
 
 
+def warm_up(target: str, setting: str, *, mapping: bool = False) -> None:
+    """In a worker before it says ready: import ``target`` (:func:`load`) and call its ``warm_up()``, or that of the
+    object it is a method of (a verifiers factory's ``score_group``), so that loading is not charged to its first
+    call's timeout. A failure here is left to that call, which meets it again and reports it."""
+    try:
+        fn = load(target, setting, mapping=mapping)
+        hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "__self__", None), "warm_up", None)
+        if callable(hook):
+            hook()
+    except Exception:  # noqa: BLE001  (the call meets it again and reports it, with its cause)
+        pass
+
+
 def accepted(fn, kwargs: dict) -> dict:
     """The keyword arguments ``fn`` takes: all of them with ``**kwargs``, else those it names."""
     params = inspect.signature(fn).parameters

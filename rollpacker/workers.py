@@ -77,6 +77,10 @@ def leaving() -> None:
     signal.signal(RETIRE, signal.SIG_IGN)
 
 
+class PoolError(RuntimeError):
+    """A pool cannot go on, said in full by its message: a worker that could not start."""
+
+
 @dataclass
 class _Worker:
     process: Any
@@ -85,7 +89,7 @@ class _Worker:
     task: Any = None
     """The task it runs (it has a ``timeout`` in seconds), or None."""
     started: float = 0.0
-    """When ``task`` was handed over (time.monotonic)."""
+    """When ``task`` was handed over, or, until it is ready, when it was started (time.monotonic)."""
 
 
 class WorkerPool:
@@ -96,6 +100,10 @@ class WorkerPool:
     """Names the workers and their timeout setting (``NAME.timeout``) in messages."""
     _unfinished = "tasks unfinished"
     """What :meth:`drain`'s timeout says of the tasks left (the reward pool's: samples still unscored)."""
+    _start_timeout: float | None = None
+    """Seconds a worker may take to say ready (``NAME.start_timeout``: it loads the user's code); None: no limit."""
+    _loads = "its modules"
+    """What a starting worker loads, for the message when it takes longer than ``_start_timeout``."""
 
     def __init__(self, num_workers: int):
         self._ctx = mp.get_context("spawn")
@@ -158,6 +166,8 @@ class WorkerPool:
         self.close()
 
     def _check_alive(self) -> None:
+        if isinstance(self._failure, PoolError):
+            raise PoolError(str(self._failure)) from None
         if self._failure is not None:
             raise RuntimeError(f"{self._name} pool: its manager thread failed: {self._failure!r}") from self._failure
         if self._closing:
@@ -212,6 +222,8 @@ class WorkerPool:
             while not self._closing:
                 self._dispatch()
                 deadlines = [w.started + w.task.timeout for w in self._workers if w.task is not None]
+                if self._start_timeout is not None:
+                    deadlines += [w.started + self._start_timeout for w in self._workers if not w.ready]
                 deadlines += [deadline for _, deadline in self._retiring]
                 with self._cond:
                     deadlines += self._timers()
@@ -227,7 +239,8 @@ class WorkerPool:
                 for i in range(len(self._workers)):
                     self._check(i, ready)
         except BaseException as e:  # noqa: BLE001  (surfaced to the caller by poll/drain/submit)
-            logger.exception("%s pool manager failed", self._name)
+            if not isinstance(e, PoolError):
+                logger.exception("%s pool manager failed", self._name)
             with self._cond:
                 self._failure = e
                 self._cond.notify_all()
@@ -250,12 +263,16 @@ class WorkerPool:
         elif w.process.sentinel in ready:
             w.process.join(timeout=1)
             if not w.ready:
-                raise RuntimeError(f"a {self._name} worker exited while starting (exit code {w.process.exitcode}); "
+                raise PoolError(f"a {self._name} worker exited while starting (exit code {w.process.exitcode}); "
                                    f"see its traceback above (a script that starts a {type(self).__name__} needs "
                                    "if __name__ == '__main__':)")
             self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
         elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
             self._replace(i, f"timed out after {w.task.timeout:g} s ({self._name}.timeout); its worker was replaced")
+        elif not w.ready and self._start_timeout is not None and time.monotonic() - w.started > self._start_timeout:
+            raise PoolError(f"a {self._name} worker did not start within {self._start_timeout:g} s "
+                               f"({self._name}.start_timeout) loading {self._loads}: it hangs, or needs longer "
+                               f"(--{self._name}.start-timeout)")
 
     def _dispatch(self) -> None:
         for i, w in enumerate(self._workers):
@@ -286,7 +303,7 @@ class WorkerPool:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_conn.close()
-        return _Worker(process, conn)
+        return _Worker(process, conn, started=time.monotonic())
 
     def _retire(self, w: _Worker) -> None:
         """Ask ``w`` to exit (RETIRE unwinds a sandbox run, which kills and reaps its sandbox); SIGKILL it

@@ -30,6 +30,9 @@ class EnvConfig:
     """Model tokens per episode at most, all turns together (0: rollout.max_new_tokens)."""
     timeout: float = 30.0
     """Wall-clock seconds one environment call (reset, step with its tool calls, close) may take, then it is killed."""
+    start_timeout: float = 300.0
+    """Seconds an environment worker may take to start: to import env.factory's and env.tools' modules and run the
+    factory's warm_up() (a verifiers environment's load), counted against no call's timeout. Longer stops the run."""
     reset_retries: int = 0
     """Open an environment again when its make_env or reset raised, hung past env.timeout or lost its worker (a
     sandbox that failed to start), up to this many times; a step is never retried."""
@@ -70,8 +73,9 @@ class EnvConfig:
         if self.reset_retries < 0 or self.reset_retry_delay < 0:
             raise ValueError(f"env.reset_retries and env.reset_retry_delay must be >= 0, got {self.reset_retries} "
                              f"and {self.reset_retry_delay}")
-        if self.timeout <= 0:
-            raise ValueError(f"env.timeout must be positive, got {self.timeout}")
+        for name in ("timeout", "start_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"env.{name} must be positive, got {getattr(self, name)}")
         if self.num_workers < 1:
             raise ValueError(f"env.num_workers must be >= 1 (environments run in killable workers), got "
                              f"{self.num_workers}")

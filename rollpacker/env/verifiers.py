@@ -58,6 +58,10 @@ class Factory:
             self._env = self.load()
         return self._env
 
+    def warm_up(self) -> None:
+        """Load the environment: a worker calls this as it starts, before its first call's timeout runs."""
+        self.env  # noqa: B018
+
     def __call__(self, row: dict) -> VerifiersEnv:
         return VerifiersEnv(self.env, row, parser=self.parser)
 

@@ -39,7 +39,7 @@ from typing import Any
 from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
 from rollpacker.env.contract import EnvError, EnvReply
-from rollpacker.imports import load, target
+from rollpacker.imports import load, target, warm_up
 from rollpacker.workers import WorkerPool, ignore_stops, leaving
 
 
@@ -71,13 +71,18 @@ class EnvSpec:
         return self.label or self.factory or f"tools {', '.join(self.tools)}"
 
     def warm(self) -> None:
-        """Import our modules :meth:`build` uses (and transformers, for the tools' schemas) before the worker
-        says ready, so its first call does not pay for them against ``env.timeout``: 32 workers starting
-        together on 2 cores took over 30 s. The user's module stays in that call, where a hang is caught."""
+        """Import the modules :meth:`build` uses (ours, transformers for the tools' schemas, the factory's and the
+        tools', running the factory's ``warm_up()``) before the worker says ready, so its first call does not pay for
+        them against ``env.timeout``: 32 workers starting together on 2 cores took over 30 s, a verifiers
+        environment may load a dataset. ``env.start_timeout`` catches a hang here; ``make_env`` runs in the call."""
         from rollpacker.env import tools, trl  # noqa: F401
 
         if self.tools:
             from transformers.utils import get_json_schema  # noqa: F401
+        if self.factory:
+            warm_up(self.factory, "env.factory", mapping=True)
+        for spec in self.tools:
+            warm_up(target(spec, tools.TOOLS), "env.tools")
 
     def build(self, row: dict):
         """A fresh environment for ``row``: the factory's, wrapped in the tools if any; a TRL environment's
@@ -209,6 +214,7 @@ class EnvPool(WorkerPool):
         self._queues: list[collections.deque[_Call]] = [collections.deque() for _ in range(cfg.num_workers)]
         self._episodes: dict[Hashable, _Episode] = {}
         self.cfg = cfg
+        self._start_timeout, self._loads = cfg.start_timeout, self.spec.name
         super().__init__(cfg.num_workers)
 
     # the caller's side

@@ -84,6 +84,9 @@ class RewardConfig:
     awaits them; a plain def runs in the workers, one call each."""
     timeout: float = 10.0
     """Wall-clock seconds one sample may take to score; a code sample gets its tests' timeouts on top."""
+    start_timeout: float = 300.0
+    """Seconds a reward worker may take to start: to import reward.funcs' modules and run their warm_up() (a
+    verifiers environment's load), counted against no sample's timeout. Longer stops the run."""
     on_error: OnError = "skip"
     """A reward function that raises, hangs or returns a bad value: skip (reward 0, in reward/errors) or fail (stop)."""
     max_error_frac: float = 0.5
@@ -131,7 +134,7 @@ class RewardConfig:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
         if self.max_concurrent < 1:
             raise ValueError(f"reward.max_concurrent must be >= 1, got {self.max_concurrent}")
-        for name in ("timeout", "timeout_factor", "timeout_min"):
+        for name in ("timeout", "start_timeout", "timeout_factor", "timeout_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")
         if self.timeout_max < self.timeout_min:

@@ -227,10 +227,11 @@ class RewardScheduler:
         """Judge samples not scored yet: ``(key, (prompt, response, rubric, an episode's turns))``, or
         ``(key, token ids)`` once encoded."""
         self.pool = self.async_calls = None
-        if cfg.num_workers and any(not f.on_controller and not f.ref.asynchronous for f in self.functions):
+        pooled = [f.ref.target for f in self.functions if not f.on_controller and not f.ref.asynchronous]
+        if cfg.num_workers and pooled:
             from rollpacker.reward.workers import RewardPool
 
-            self.pool = RewardPool(cfg)
+            self.pool = RewardPool(cfg, tuple(dict.fromkeys(pooled)))
         if cfg.num_workers and any(f.ref.asynchronous for f in self.functions):
             from rollpacker.reward.workers import AsyncCalls
 

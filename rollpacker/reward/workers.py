@@ -36,6 +36,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpacker.imports import warm_up
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.functions import BadValue, Ref, RewardFunctionError, Value, acall, call
 from rollpacker.workers import STOP_GRACE, WorkerPool, ignore_stops, leaving  # noqa: F401  (STOP_GRACE: the tests')
@@ -97,12 +98,15 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _work(conn: mp.connection.Connection, parent: int) -> None:
-    """A worker's life: warm up, say ready (None), then score ``(ref, sample)`` until told None."""
+def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...]) -> None:
+    """A worker's life: warm up (the functions of ``targets`` imported and warmed up), say ready (None), then
+    score ``(ref, sample)`` until told None."""
     ignore_stops(parent)
     import math_verify  # noqa: F401  (sympy behind it: a second, not part of the first sample's time)
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is the kill
+    for target in targets:
+        warm_up(target, "reward.funcs")
 
     try:
         conn.send(None)
@@ -132,10 +136,15 @@ class RewardPool(WorkerPool):
     _unfinished = "samples still unscored"
     _main = staticmethod(_work)
 
-    def __init__(self, cfg: RewardConfig | None = None):
-        self.cfg = cfg or RewardConfig()
+    def __init__(self, cfg: RewardConfig | None = None, targets: tuple[str, ...] = ()):
+        """``targets``: the functions the workers will call, loaded and warmed up as each starts."""
+        self.cfg, self.targets = cfg or RewardConfig(), targets
+        self._start_timeout, self._loads = self.cfg.start_timeout, ", ".join(targets) or "math-verify"
         self._todo: collections.deque[_Task] = collections.deque()
         super().__init__(self.cfg.num_workers)
+
+    def _main_args(self) -> tuple:
+        return (self.targets,)
 
     def submit(self, key: Hashable, ref: Ref, sample: dict, timeout: float | None = None) -> None:
         """Queue one call of ``ref`` on one response (``sample``, see :func:`~rollpacker.reward.functions.call`);

@@ -182,6 +182,17 @@ def test_a_verifiers_rubric_scoring_by_group_scores_each_group_as_verifiers_does
     assert "--reward.funcs FILE:score_group --reward.group-funcs score_group" in opened.error
 
 
+def test_a_verifiers_group_scorer_warms_up_its_factory(vf_file):
+    """A reward worker warms up score_group (a method of the factory) as it starts: the environment is loaded
+    then, not in the first group's reward.timeout."""
+    from rollpacker.imports import load, target, warm_up
+
+    score_group = load(target("vf_env.py:score_group", {}), "reward.funcs")
+    assert score_group.__self__._env is None
+    warm_up(target("vf_env.py:score_group", {}), "reward.funcs")
+    assert type(score_group.__self__._env).__name__ == "Again"
+
+
 def test_a_skyrl_gym_environment_runs_through_the_contract():
     from tests.support.episodes import run_episodes
 

@@ -172,6 +172,45 @@ def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
     assert closed.error is None
 
 
+SLOW_FACTORY = """
+import time
+
+
+class Env:
+    def reset(self, *, seed, options):
+        return None, {}
+
+    def step(self, action):
+        return "obs", 1.0, True, False, {}
+
+
+class Factory:
+    loaded = False
+
+    def warm_up(self):
+        time.sleep(2)
+        self.loaded = True
+
+    def __call__(self, row):
+        assert self.loaded, "not warmed up"
+        return Env()
+
+
+make_env = Factory()
+"""
+
+
+def test_a_factory_is_warmed_up_as_its_worker_starts_not_in_its_first_resets_timeout(tmp_path, monkeypatch):
+    """A factory whose warm_up() takes 2 s (a verifiers environment loading its dataset): the worker runs it before
+    it says ready, so the first reset opens within a 1 s env.timeout."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "slow_factory.py").write_text(SLOW_FACTORY)
+    with EnvPool(EnvConfig(factory="slow_factory.py:make_env", num_workers=1, timeout=1)) as pool:
+        pool.open_episode("e", {"id": "r"}, 0)
+        (opened,) = pool.drain(60)
+    assert opened.error is None
+
+
 TRACKED_ENV = '''
 import os
 import uuid

@@ -130,6 +130,53 @@ def test_crashed_worker_is_flagged_and_replaced():
         assert result.score == 1.0 and worker_pids(pool) != [pid]
 
 
+SLOW_TO_LOAD = """
+import time
+
+time.sleep(1.5)  # its import loads something, as a model or a dataset
+
+
+class Scorer:
+    warmed = False
+
+    def warm_up(self):
+        time.sleep(1.5)
+        self.warmed = True
+
+    def score(self, completions, **kwargs):
+        return [1.0 if self.warmed else 0.5 for _ in completions]
+
+
+score = Scorer().score
+{hang}
+"""
+
+
+def test_a_function_is_loaded_and_warmed_up_as_its_worker_starts_not_in_its_first_calls_timeout(tmp_path):
+    """A module that takes 1.5 s to import and whose function's object warms up 1.5 s more (as a verifiers
+    factory's score_group loads its environment): the worker does both before it says ready, so the first sample
+    is scored within a 1 s reward.timeout, warmed up. A warm-up that hangs stops the pool after
+    reward.start_timeout, naming it; the worker is stopped with the pool."""
+    (tmp_path / "slow.py").write_text(SLOW_TO_LOAD.format(hang=""))
+    ref, sample = Ref("score", f"{tmp_path / 'slow.py'}:score"), {"prompt": "", "completion": "x",
+                                                                 "completion_ids": [], "columns": {}}
+    with RewardPool(RewardConfig(num_workers=1, timeout=1.0), (ref.target,)) as pool:
+        pool.submit("first", ref, sample)
+        [result] = pool.drain(timeout=60)
+    assert (result.score, result.error) == (1.0, None)
+
+    (tmp_path / "hangs.py").write_text(SLOW_TO_LOAD.format(hang="Scorer.warm_up = lambda self: time.sleep(600)"))
+    ref = Ref("score", f"{tmp_path / 'hangs.py'}:score")
+    with RewardPool(RewardConfig(num_workers=1, timeout=1.0, start_timeout=4), (ref.target,)) as pool:
+        [pid] = worker_pids(pool)
+        pool.submit("never", ref, sample)
+        with pytest.raises(RuntimeError, match=r"a reward worker did not start within 4 s \(reward.start_timeout\) "
+                                               r"loading .*hangs.py:score: it hangs, or needs longer"):
+            pool.drain(timeout=60)
+    time.sleep(STOP_GRACE + 0.5)
+    assert not alive(pid)
+
+
 def test_hostile_code_through_the_pool(pool):
     before = sandboxed_pids()
     programs = {
