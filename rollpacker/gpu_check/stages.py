@@ -470,14 +470,17 @@ def preempted_against_first(hf, outs: dict, again: dict, eps: float, device: str
 
 
 def workspace_peak(engine, batch: list[list[int]], new: int, device: str) -> dict:
-    """The decode workspace beside the pool over a batch crossing a length group, against the plan's bound."""
-    from rollpacker.plan.memory import RolloutSetup, Shape, decode_workspace
+    """The decode workspace beside the pool over a batch crossing a length group, against the plan's bound.
+    On CUDA also the allocator's peak above the weights and the pool: the workspace with its reallocations'
+    transients, prefill's activations and the sampler's logits, against the plan's two terms for them."""
+    from rollpacker.plan.memory import RolloutSetup, Shape, decode_workspace, engine_activations
     from rollpacker.rollout.engine import Request, SamplingParams
 
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(batch):
         engine.add(Request(id=f"w{i}", prompt_ids=p, params=params))
     reset_peak(device)
+    held = torch.cuda.memory_allocated() if device == "cuda" else None
     peak = 0
     while engine.has_unfinished():
         engine.step()
@@ -485,13 +488,15 @@ def workspace_peak(engine, batch: list[list[int]], new: int, device: str) -> dic
     a = engine.model.args
     shape = Shape(vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
                   num_layers=a.num_layers, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim)
-    bound = decode_workspace(shape, RolloutSetup(
-        engine="torch", tp=1, weight_bytes=engine.dtype.itemsize, kv_bytes=engine.cache.nbytes,
-        max_num_seqs=engine.config.max_num_seqs, prefill_tokens=0, released=False,
-        longest=max(map(len, batch)) + new))
+    setup = RolloutSetup(engine="torch", tp=1, weight_bytes=engine.dtype.itemsize, kv_bytes=engine.cache.nbytes,
+                         max_num_seqs=engine.config.max_num_seqs, prefill_tokens=engine.config.max_prefill_tokens,
+                         released=False, longest=max(map(len, batch)) + new)
+    bound, acts = decode_workspace(shape, setup), engine_activations(shape, setup)
+    above = None if held is None else torch.cuda.max_memory_allocated() - held
     return {"workspace_gb": gb(peak), "kv_pool_gb": gb(engine.cache.nbytes), "weights_gb": gb(engine.weight_bytes),
             "workspace_over_pool": round(peak / engine.cache.nbytes, 2), "plan_bound_gb": gb(bound),
-            "within_plan": peak <= bound, **memory(device)}
+            "within_plan": peak <= bound, "allocated_above_pool_gb": gb(above), "plan_activations_gb": gb(acts),
+            "allocated_within_plan": None if above is None else above <= bound + acts, **memory(device)}
 
 
 def stage_engine(run: StageRun) -> bool:
@@ -534,7 +539,7 @@ def stage_engine(run: StageRun) -> bool:
     res = run.result
     return (res["fp32"]["not_greedy"] == 0 and res["fp32"]["max_abs_dlogprob"] < 1e-3 and res["preemptions"] > 0
             and res["preempted_tokens_differ"] == 0 and res["preempted_max_dlogprob"] < 1e-3
-            and res["workspace"]["within_plan"])
+            and res["workspace"]["within_plan"] and res["workspace"]["allocated_within_plan"] is not False)
 
 
 # ---- (f) the speculative verify cost ------------------------------------------------------------
