@@ -20,6 +20,7 @@ The formats, columns and ids: ``docs/your-task.md`` (Data).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import logging
@@ -390,6 +391,13 @@ class PromptSampler:
         self._epoch = 0
         self._position = 0
         self._order = self._permutation(0)
+
+    def __deepcopy__(self, memo: dict) -> PromptSampler:
+        """A copy that draws on alone, sharing the epoch's order (replaced at a rollover, never changed):
+        ``env.warm`` plans each next round on a copy of the policy, so copying costs no pass over the rows."""
+        new = memo[id(self)] = copy.copy(self)
+        new.retired, new.retiring, new.sizes = set(self.retired), set(self.retiring), list(self.sizes)
+        return new
 
     @property
     def epoch(self) -> int:

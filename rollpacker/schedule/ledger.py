@@ -22,6 +22,13 @@ class Ledger:
         self.queue: deque[Key] = deque()
         """The deferred prompts, oldest first."""
 
+    def __deepcopy__(self, memo: dict) -> Ledger:
+        """Keys and states are immutable: a copy copies the containers, not each key (``env.warm`` plans each
+        next round on a copy of the policy: a deep copy took 1 s at 500k prompts drawn)."""
+        new = memo[id(self)] = Ledger()
+        new.state, new.queue = dict(self.state), deque(self.queue)
+        return new
+
     def launch(self, key: Key) -> None:
         """``key`` goes in flight: freshly drawn, or taken from the front of the queue."""
         if self.state.get(key, "deferred") != "deferred":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -215,6 +216,30 @@ def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest
     late = set(policy.ledger.rows(1, "trained")) & solved
     assert set(policy.ledger.rows(1, "trained")) - late == set(range(num_rows)) - solved and len(late) < 2
     assert policy.sampler.sizes == [num_rows, num_rows - len(solved) + len(late), num_rows - len(solved)]
+
+
+def test_a_copy_plays_on_alone_as_the_policy_would():
+    """env.warm plans each next round on a deep copy of the policy (the sampler and ledger copy their
+    containers only): the copy, played through epoch rollovers and retirements, leaves the original as it
+    was, and the original then plays the same rounds."""
+    solved = {row for row in range(22) if row % 3 == 0}
+    policy = TailPolicy(PromptSampler(22, seed=1, retire_solved=1.0), 4, 2, num_epochs=4)
+
+    def rounds(p, steps):
+        out = []
+        for step in range(steps):
+            rnd, groups, _, _ = play(p, step, lambda row, k: 1000 if row % 5 == 0 else row + k,
+                                     reward=lambda row, k: 1.0 if row in solved else float(k % 2))
+            for g in groups:
+                p.sampler.observe(g.prompt, g.rewards)
+            out.append((rnd.kind, rnd.prompts, [g.prompt for g in groups]))
+        return out
+
+    rounds(policy, 3)
+    before = (policy.sampler.state_dict(), policy.ledger.state_dict())
+    ahead = rounds(copy.deepcopy(policy), 12)
+    assert (policy.sampler.state_dict(), policy.ledger.state_dict()) == before
+    assert rounds(policy, 12) == ahead and policy.sampler.epoch >= 2 and policy.sampler.retired
 
 
 def test_filtered_groups_come_back_with_their_rewards():
