@@ -80,6 +80,14 @@ def make_env(row):
 """
 
 
+def write_env_file(args: Args, folder: Path) -> Path:
+    """The environment factory of ``args``' workload, written into ``folder`` as the runs' ``--env.factory``."""
+    path = folder / "workload_env.py"
+    path.write_text(ENV_FILE.format(workload=args.workload, sigma=args.sigma, max_turns=args.max_turns,
+                                    median_s=args.median_s, log=""))
+    return path
+
+
 def bench_workload(spec: str, *, sigma: float = 0.0, max_turns: int = 0, median_s: float = 0.0):
     """Workload ``spec`` (``agentic``, ``light``, ``trace:PATH``) with the given latency sigma, turn cap and
     median step (0: its own); a trace takes none of them."""
@@ -260,13 +268,19 @@ def report(args: Args, seed: int, results: dict[str, dict], changed: int, compar
     for label, key, fmt in ROWS[2:]:
         print(f"{label:<24}" + "".join(f"{format(r[key], fmt):>{width}}" for r in results.values()))
     print(f"tokens changed by speculation ({args.speculative} vs off, sync, {compared} episodes): {changed}")
-    summary = {}
+    return speedups(results) | {"tokens_changed": changed}
+
+
+def speedups(results: dict[str, dict]) -> dict:
+    """The headline figures of one seed's runs (the first policy the baseline): each other policy's rollout and
+    step speedups, each policy's environment wait, prompts lost and trained twice."""
+    base, summary = results[next(iter(results))], {}
     for p, r in list(results.items())[1:]:
         name = p.replace("+", "_")
         summary |= {f"rollout_speedup_{name}": round(base["rollout_s"] / r["rollout_s"], 3),
                     f"step_speedup_{name}": round(base["step_s"] / r["step_s"], 3)}
     summary |= {f"env_wait_s_{p.replace('+', '_')}": round(r["env_wait_s"], 3) for p, r in results.items()}
-    return summary | {"tokens_changed": changed, "prompts_lost": sum(r["lost"] for r in results.values()),
+    return summary | {"prompts_lost": sum(r["lost"] for r in results.values()),
                       "prompts_trained_twice": sum(r["twice"] for r in results.values())}
 
 
@@ -286,9 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=own, prog=PROG, description=__doc__.splitlines()[0])
     summaries = []
     with tempfile.TemporaryDirectory(prefix="rollpacker-episodes-") as tmp:
-        env_file = Path(tmp) / "workload_env.py"
-        env_file.write_text(ENV_FILE.format(workload=args.workload, sigma=args.sigma, max_turns=args.max_turns,
-                                            median_s=args.median_s, log=""))
+        env_file = write_env_file(args, Path(tmp))
         for seed in (int(s) for s in args.seeds.split(",")):
             work = Path(tmp) / f"seed{seed}"
             results = {p: summarize(args, job(args, seed, env_file, run_flags(args, p), work / p, run_args), work / p)

@@ -30,6 +30,8 @@ class Stage:
     """It runs the Triton kernel itself: skipped where Triton cannot compile (the others use the torch head)."""
     writes_models: bool = False
     """It writes models or checkpoints to the work folder."""
+    default: bool = True
+    """It runs unless ``--stages`` says otherwise (off: only when named)."""
 
 
 STAGES = {
@@ -49,5 +51,10 @@ STAGES = {
                   "model", 40, 600),
     "judge": Stage("g", "the judge's layer streaming: copies on the side stream overlap compute, logits bit-equal "
                    "to resident", 40, 600),
+    "episodes": Stage("h", "issue 47's measurement where a decode step is flat: bench episodes' sync, tail and "
+                      "tail+warm on one rank, one seed; every prompt trained once, the speedups reported", 240, 900,
+                      default=False),
 }
-"""Every stage, in the order the check runs them (the issue's (a)-(g)); the CUDA limits sum to 420 s."""
+"""Every stage, in the order the check runs them: the issue's (a)-(g), whose CUDA limits sum to 420 s, by default;
+(h) when named, a second command's (docs/gpu-check.md)."""
+DEFAULT_STAGES = [name for name, stage in STAGES.items() if stage.default]

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollpacker.gpu_check import RESULT, STAGES
+from rollpacker.gpu_check import DEFAULT_STAGES, RESULT, STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 KILL_GRACE_S = 5
@@ -157,8 +157,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="results.jsonl, the stage logs and the toy job's metrics (small)")
     parser.add_argument("--work", type=Path, default=None,
                         help="models and checkpoints (default: a temporary folder, removed at the end)")
-    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), metavar="STAGE",
-                        help=f"a subset of {', '.join(STAGES)}")
+    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=DEFAULT_STAGES, metavar="STAGE",
+                        help=f"which of {', '.join(STAGES)} (default: all but episodes)")
     return parser.parse_args(argv)
 
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, stop)
     try:
         check = preflight(args.device, args.out, args.work, stage_env(args.device))
-        emit(check.row(), results)
+        emit(check.row(args.stages), results)
         env = stage_env(args.device, check.env)
         for name in (s for s in STAGES if s in args.stages):
             if name in check.skip:

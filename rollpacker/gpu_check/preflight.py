@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollpacker.gpu_check import STAGES
+from rollpacker.gpu_check import DEFAULT_STAGES, STAGES
 
 MIN_FREE_GB = 2.0
 """Free disk the work folder needs: the toy job's checkpoints and export, stage (e)'s 0.4 GB random model."""
@@ -42,11 +42,12 @@ class Preflight:
     env: dict[str, str] = field(default_factory=dict)
     """Variables the stages get (cache folders, Triton's libcuda path)."""
 
-    def row(self) -> dict[str, Any]:
-        runs = [s for s in STAGES if s not in self.skip]
+    def row(self, stages: list[str] = DEFAULT_STAGES) -> dict[str, Any]:
+        """The preflight's line, for a check of ``stages``."""
+        runs, skips = [s for s in stages if s not in self.skip], [s for s in stages if s in self.skip]
         head = "" if self.logprobs_impl == "triton" else f" (trainer stages with the {self.logprobs_impl} head)"
         says = (f"missing: {'; '.join(self.missing)}. " if self.missing else "nothing missing. ") + (
-            f"Runs {', '.join(runs) or 'nothing'}{head}" + (f"; skips {', '.join(self.skip)}" if self.skip else ""))
+            f"Runs {', '.join(runs) or 'nothing'}{head}" + (f"; skips {', '.join(skips)}" if skips else ""))
         return {"gpu_check": "preflight", "ok": not self.missing, "says": says, "missing": self.missing,
                 "skip": self.skip, "logprobs_impl": self.logprobs_impl, "env": self.env, **self.facts}
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rollpacker.gpu_check import RESULT
+from rollpacker.gpu_check import RESULT, STAGES
 
 GB = 1e9
 QWEN7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
@@ -45,6 +45,7 @@ SIZES = {
                     prompts=32, new=64, kv_mb=2048, small_kv_mb=16, rows=64, context=990),
         spec=dict(model=QWEN7B, kv_mb=8192, rows=32, drafts=8, prompt=512, steps=3),
         judge=dict(vocab_size=1024, hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, seqs=8, length=1024),
+        episodes=dict(),
     ),
     "cpu": dict(
         toy_steps=2, toy_args=["--eval-every", "2", "--checkpoint-every", "1", "--data.num-eval-prompts", "4",
@@ -59,6 +60,7 @@ SIZES = {
                     prompts=6, new=12, kv_mb=4, small_kv_mb=0.1, rows=6, context=60),
         spec=dict(model=None, kv_mb=4, rows=4, drafts=2, prompt=32, steps=2),
         judge=dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, seqs=2, length=64),
+        episodes=dict(rows=8, env_workers=8),
     ),
 }
 
@@ -618,11 +620,36 @@ def stage_judge(run: StageRun) -> bool:
     return equal and overlap is not False
 
 
+# ---- (h) issue 47's measurement, where a decode step is flat --------------------------------------
+
+
+def stage_episodes(run: StageRun) -> bool:
+    """``bench episodes``' sync, tail and tail+warm runs on one rank, one seed, its agentic workload: on a GPU the
+    toy model's decode step is flat in the running requests, as the issue's speedups assume (on two CPU cores it
+    is not). Each run's figures are reported as it ends, with the speedups over sync so far; a run the deadline
+    would cut (the last one's time) is skipped. It passes when every run trains each prompt once."""
+    from rollpacker.bench import episodes as bench
+
+    args = bench.Args(policies="sync,tail,tail+warm", seeds="0", nproc=1, **run.size["episodes"])
+    env_file, results, last_s = bench.write_env_file(args, run.work), {}, 0.0
+    for policy in args.policies.split(","):
+        if last_s > run.left_s():
+            run.report(**{policy: {"skipped": f"about {last_s:.0f} s, {run.left_s():.0f} s left"}})
+            continue
+        start, folder = time.perf_counter(), run.work / "episodes" / policy
+        records = bench.job(args, 0, env_file, bench.run_flags(args, policy), folder, [])
+        results[policy] = bench.summarize(args, records, folder)
+        last_s = time.perf_counter() - start
+        run.report(**{policy: {k: round(v, 4) for k, v in results[policy].items()} | {"run_s": round(last_s, 1)}},
+                   **bench.speedups(results))
+    return len(results) == 3 and all(r["lost"] == r["twice"] == 0 for r in results.values())
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(prog="python -m rollpacker.gpu_check.stages")
-    parser.add_argument("stage", choices=("toy", "train", "offload", "kernel", "engine", "spec", "judge"))
+    parser.add_argument("stage", choices=list(STAGES))
     parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
     parser.add_argument("--out", type=Path, required=True, help="small results only")
     parser.add_argument("--work", type=Path, required=True, help="models and checkpoints")

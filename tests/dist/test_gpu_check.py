@@ -15,13 +15,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from support.jobs import job_env
 
-from rollpacker.gpu_check import STAGES
+from rollpacker.gpu_check import DEFAULT_STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_ON_THE_GPU_MACHINE = "3.6.0"
@@ -77,10 +78,10 @@ def working_tree_copy(dest: Path) -> Path:
     return dest
 
 
-def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
-    """docs/gpu-check.md's command with ``--device cpu``: .whl/ made by our script here, the working tree copied
-    as a GPU machine gets it, a venv of torch, Triton and transformers only, results in $OUT; every stage passes
-    and $OUT holds only the small files a GPU run returns."""
+def rehearse(tmp_path: Path, *flags: str) -> tuple[list[dict], dict, Path]:
+    """docs/gpu-check.md's command with ``--device cpu`` and ``flags``: .whl/ made by our script here, the working
+    tree copied as a GPU machine gets it, a venv of torch, Triton and transformers only, results in $OUT. It
+    exits 0 (every stage passed); its stage lines, its summary and $OUT."""
     python = rehearsal_venv(tmp_path / "venv")
     tree, out, home = working_tree_copy(tmp_path / "tree"), tmp_path / "out", tmp_path / "home"
     wheels = subprocess.run(["bash", "launch/gpu_check_wheels.sh", str(tree / ".whl")], cwd=ROOT,
@@ -89,14 +90,20 @@ def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
     home.mkdir()
     env = {"PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}", "OUT": str(out), "HOME": str(home),
            "LANG": "C.UTF-8", "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--device", "cpu"], cwd=tree, capture_output=True, text=True,
-                          timeout=3600, env=env)
+    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--device", "cpu", *flags], cwd=tree, capture_output=True,
+                          text=True, timeout=3600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     preflight, *stages, summary = lines(proc.stdout)
     assert (out / "results.jsonl").read_text().splitlines() == proc.stdout.splitlines()
     assert preflight["gpu_check"] == "preflight" and preflight["ok"] and preflight["says"].startswith("nothing missing")
-    assert [s["stage"] for s in stages] == list(STAGES) and [s["letter"] for s in stages] == list("abcdefg")
     assert all(s["ok"] and s["seconds"] <= s["limit_s"] for s in stages), stages
+    return stages, summary, out
+
+
+def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
+    """The prepared command: every stage but (h) passes and $OUT holds only the small files a GPU run returns."""
+    stages, summary, out = rehearse(tmp_path)
+    assert [s["stage"] for s in stages] == DEFAULT_STAGES and [s["letter"] for s in stages] == list("abcdefg")
     assert summary["gpu_check"] == "summary" and summary["ok"] and summary["device"] == "cpu"
     assert summary["triton"] == TRITON_ON_THE_GPU_MACHINE and summary["torch"] == torch.__version__
     assert summary["transformers"] == transformers.__version__
@@ -112,9 +119,21 @@ def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
     assert by["engine"]["workspace"]["within_plan"] and by["engine"]["preempted_tokens_differ"] == 0
     assert by["spec"]["draft_lens"][0] == 0 and by["judge"]["bit_equal"]
     returned = sorted(p.name for p in out.iterdir())
-    assert returned == sorted(["results.jsonl", "toy_metrics.jsonl", *(f"{name}.log" for name in STAGES)])
+    assert returned == sorted(["results.jsonl", "toy_metrics.jsonl", *(f"{name}.log" for name in DEFAULT_STAGES)])
     assert sum(p.stat().st_size for p in out.iterdir()) < 1 << 20  # no model, no checkpoint
     assert not list(tmp_path.glob("rollpacker-gpu-check-*/random_model"))  # the work folder went away
+
+
+@pytest.mark.slow
+def test_issue_47s_measurement_rehearsed_in_the_same_bare_environment(tmp_path):
+    """Stage (h), the second command of docs/gpu-check.md: bench episodes' runs (toy job, environment workers,
+    the workload) need nothing the GPU machine lacks; each trains every prompt once and reports its speedup."""
+    (stage,), summary, out = rehearse(tmp_path, "--stages", "episodes")
+    assert stage["stage"] == "episodes" and stage["letter"] == "h" and summary["ok"]
+    for policy in ("sync", "tail", "tail+warm"):
+        assert stage[policy]["prompts"] == 8 and stage[policy]["lost"] == stage[policy]["twice"] == 0
+    assert stage["rollout_speedup_tail"] > 0 and stage["step_speedup_tail_warm"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["episodes.log", "results.jsonl"]
 
 
 def test_an_unknown_stage_is_refused_naming_the_stages():
