@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-TOOLS = ("rollpacker.sim", "rollpacker.bench")
+TOOLS = ("rollpacker.sim", "rollpacker.bench", "rollpacker.gpu_check")
 """Packages that measure or model the trainer; nothing else may import them."""
 
 
