@@ -631,8 +631,8 @@ def stage_episodes(run: StageRun) -> bool:
     from rollpacker.bench import episodes as bench
 
     args = bench.Args(policies="sync,tail,tail+warm", seeds="0", nproc=1, **run.size["episodes"])
-    env_file, results, last_s = bench.write_env_file(args, run.work), {}, 0.0
-    for policy in args.policies.split(","):
+    env_file, policies, results, last_s = bench.write_env_file(args, run.work), args.policies.split(","), {}, 0.0
+    for policy in policies:
         if last_s > run.left_s():
             run.report(**{policy: {"skipped": f"about {last_s:.0f} s, {run.left_s():.0f} s left"}})
             continue
@@ -642,7 +642,7 @@ def stage_episodes(run: StageRun) -> bool:
         last_s = time.perf_counter() - start
         run.report(**{policy: {k: round(v, 4) for k, v in results[policy].items()} | {"run_s": round(last_s, 1)}},
                    **bench.speedups(results))
-    return len(results) == 3 and all(r["lost"] == r["twice"] == 0 for r in results.values())
+    return len(results) == len(policies) and all(r["lost"] == r["twice"] == 0 for r in results.values())
 
 
 def main(argv: list[str] | None = None) -> None:
