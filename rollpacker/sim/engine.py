@@ -1,8 +1,9 @@
 """One simulated engine replica: continuous batching over a KV cache, preemption by recompute.
 
 The replica behaves like vLLM or TorchEngine at iteration granularity. At each iteration boundary
-commands apply, the newest request is preempted if the KV cannot grow, else waiting requests are
-admitted; then every running request advances one token, at :meth:`CostModel.iteration_times`.
+commands apply, the newest request of the worst priority is preempted if the KV cannot grow, else
+waiting requests are admitted, lowest priority first; then every running request advances one
+token, at :meth:`CostModel.iteration_times`.
 
 Invariants:
 
@@ -49,6 +50,8 @@ class Seq:
     first admission; a preempted or migrated request recomputes everything."""
     session: str | None = None
     """Its episode, when its replica keeps its KV for the episode's next turn (a resident session)."""
+    priority: int = 0
+    """Admission order, lower first, as ``Request.priority`` (the frontier's: the round's turn priority)."""
 
     @property
     def length(self) -> int:
@@ -230,6 +233,14 @@ class Replica:
         del self.running[seq.id]
         self._ctx_base -= seq.prompt_tokens + seq.generated - self.iters
 
+    def _enqueue(self, seq: Seq, *, ahead: bool = False) -> None:
+        """Queue ``seq`` by priority (lower first): after its equals, or ``ahead`` of them (preempted), as
+        TorchEngine does."""
+        p, i = seq.priority, len(self.waiting)
+        while i and (self.waiting[i - 1].priority > p or ahead and self.waiting[i - 1].priority == p):
+            i -= 1
+        self.waiting.insert(i, seq)
+
     def _admit(self, seq: Seq) -> None:
         seq.admitted_at, seq.admit_seq = self.iters, self._admit_count
         self._admit_count += 1
@@ -240,16 +251,17 @@ class Replica:
     def replan(self) -> float | None:
         """At a boundary: preempt or admit, then plan the next run. Returns its end time (None: idle)."""
         assert self.plan is None
-        self.waiting.extend(self._pending_add)
+        for seq in self._pending_add:
+            self._enqueue(seq)
         self._pending_add = []
         preempted = False
         while self.running and self.kv_used() + len(self.running) > self.kv_capacity:
-            victim = next(reversed(self.running.values()))
+            victim = max(reversed(self.running.values()), key=lambda s: s.priority)  # the newest of the worst
             self._remove(victim)
             victim.reused = 0
             victim.num_preemptions += 1
             self.num_preemptions += 1
-            self.waiting.appendleft(victim)
+            self._enqueue(victim, ahead=True)
             preempted = True
         prefill = prefill_sq = 0
         budget_full = False

@@ -307,8 +307,8 @@ class _SimRound:
         state = self.round.state
         adds: dict[int, list[Seq]] = defaultdict(list)
         self.sent = len(actions.add) + len(actions.resume)
-        for replica, _, turn in actions.add:
-            adds[replica].append(self.request(turn))
+        for replica, priority, turn in actions.add:
+            adds[replica].append(self.request(turn, priority))
         for replica, seq in actions.resume:  # prefilled again with its prompt and generated tokens
             adds[replica].append(seq)
         for replica, key in actions.end_sessions:
@@ -336,14 +336,15 @@ class _SimRound:
         actions.end_sessions += back.end_sessions
         actions.feed += back.feed
 
-    def request(self, turn) -> Seq:
+    def request(self, turn, priority: int = 0) -> Seq:
         """The simulated request of a turn: its prompt the conversation so far, its length its budget (a
-        resumed partial goes on toward its own length); its session's KV is its replica's to reuse."""
+        resumed partial goes on toward its own length), its admission ``priority`` the round's; its session's
+        KV is its replica's to reuse."""
         _, slot, k = (int(x) for x in EpisodeRunner.key(turn.id).split(":"))
         partial = turn.resume_from
         target, generated = (partial.target, partial.generated) if partial is not None else (turn.max_new_tokens, 0)
         self.seqs[turn.id] = seq = Seq(turn.id, slot, k, len(turn.prompt_ids), target, generated=generated,
-                                       session=turn.session)
+                                       session=turn.session, priority=priority)
         return seq
 
     def send(self, i: int, abort: list[str], add: list[Seq]) -> None:
