@@ -631,7 +631,8 @@ def stage_episodes(run: StageRun) -> bool:
     from rollpacker.bench import episodes as bench
 
     args = bench.Args(policies="sync,tail,tail+warm", seeds="0", nproc=1, **run.size["episodes"])
-    env_file, policies, results, last_s = bench.write_env_file(args, run.work), args.policies.split(","), {}, 0.0
+    env_file, policies = bench.write_env_file(args, run.work), args.policies.split(",")
+    results, last_s = {}, 0.0
     for policy in policies:
         if last_s > run.left_s():
             run.report(**{policy: {"skipped": f"about {last_s:.0f} s, {run.left_s():.0f} s left"}})

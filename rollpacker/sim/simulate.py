@@ -336,7 +336,7 @@ class _SimRound:
         actions.end_sessions += back.end_sessions
         actions.feed += back.feed
 
-    def request(self, turn, priority: int = 0) -> Seq:
+    def request(self, turn, priority: int) -> Seq:
         """The simulated request of a turn: its prompt the conversation so far, its length its budget (a
         resumed partial goes on toward its own length), its admission ``priority`` the round's; its session's
         KV is its replica's to reuse."""

@@ -109,7 +109,6 @@ def test_an_abort_in_the_middle_of_a_run_of_iterations_takes_effect_at_the_next_
     assert rep.replan() == 10.0
 
 
-
 def run_out(rep: Replica) -> list[str]:
     """Run ``rep`` until it idles: the ids it finished, in order."""
     done = []
@@ -120,7 +119,7 @@ def run_out(rep: Replica) -> list[str]:
 
 def test_a_replica_admits_and_preempts_by_priority_as_torch_engine_does():
     """Lowest priority first, FIFO among equals; the KV full, the newest of the worst priority is preempted
-    (here the older request: a frontier turn that came later keeps running) and queued ahead of its equals."""
+    (here the older request: a frontier turn that came later keeps running)."""
     rep = Replica(0, StepCost(1.0), 10**6, max_num_seqs=1)
     rep.command(0.0, [], [Seq("a", 0, 0, 1, 2, priority=1), Seq("b", 1, 0, 1, 2), Seq("c", 2, 0, 1, 2, priority=1)])
     assert run_out(rep) == ["b", "a", "c"]
@@ -130,6 +129,7 @@ def test_a_replica_admits_and_preempts_by_priority_as_torch_engine_does():
     rep.replan()
     rep.command(2.5, [], [b])  # at the boundary 3.0: a has 3 tokens
     assert run_out(rep) == ["b", "a"] and (a.num_preemptions, b.num_preemptions) == (1, 0)
+
 
 # ---- the same decisions as the real controller ---------------------------------------------------------
 
