@@ -1,12 +1,18 @@
-"""The process group's backend and NCCL settings, the device switch and the phase timeouts (issue 37):
-their logic, on CPU. The multi-rank behaviour runs in tests/dist/test_faults.py."""
+"""The process group's backend and NCCL settings, the device switch, the phase timeouts (issue 37) and
+the heartbeat's threads: their logic, on CPU. The multi-rank behaviour runs in tests/dist/test_faults.py."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import sys
+import threading
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rollpacker import dist as rdist
 from rollpacker import watchdog
@@ -82,3 +88,34 @@ def test_a_waiting_phase_restores_what_it_found():
             assert watchdog._state["phase"] == "checkpoint"
         assert watchdog._state["phase"] == "handoff"
     assert watchdog._state == before
+
+
+def test_a_second_job_in_one_process_keeps_one_heartbeat_and_stop_joins_it(monkeypatch):
+    """Two jobs built in one process (tests/dist/scripts/tp_switch.py) once started a heartbeat each; the
+    second dropped the first from the threads that stop() joins, and a sender of the first, still in a
+    store call at interpreter exit, aborted the process ("terminate called without an active exception")."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    xfsz = signal.getsignal(signal.SIGXFSZ)
+
+    def ours():
+        return [t for t in threading.enumerate() if t.name.startswith("rollpacker-")]
+
+    try:
+        watchdog.start(watchdog.DistConfig())
+        watchdog.start(watchdog.DistConfig())
+        deadline = time.monotonic() + 10
+        while not store.check([watchdog._key(0)]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.check([watchdog._key(0)]), "no heartbeat reached the store"
+        assert [t.name for t in ours()].count("rollpacker-heartbeat") == 1
+    finally:
+        watchdog.stop()
+        atexit.unregister(watchdog.stop)
+        signal.signal(signal.SIGXFSZ, xfsz)
+        monkeypatch.setattr(watchdog, "_config", None)
+    assert ours() == []
