@@ -99,6 +99,8 @@ def test_a_second_job_in_one_process_keeps_one_heartbeat_and_stop_joins_it(monke
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     monkeypatch.setattr(watchdog, "BEAT_S", 0.01)
+    for name, value in (("_config", None), ("_state", dict(watchdog._state))):  # what start() sets: restored
+        monkeypatch.setattr(watchdog, name, value)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     xfsz = signal.getsignal(signal.SIGXFSZ)
 
@@ -117,5 +119,4 @@ def test_a_second_job_in_one_process_keeps_one_heartbeat_and_stop_joins_it(monke
         watchdog.stop()
         atexit.unregister(watchdog.stop)
         signal.signal(signal.SIGXFSZ, xfsz)
-        monkeypatch.setattr(watchdog, "_config", None)
     assert ours() == []
