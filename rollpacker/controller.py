@@ -71,6 +71,8 @@ class Controller:
     """Rank 0's side of every held-out round (with ``eval_every``)."""
     envs: Environments | None = None
     """How each episode starts and reaches its environment, if any (:meth:`build_envs`)."""
+    closed: bool = False
+    """:meth:`close` ran."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int, *,
@@ -348,6 +350,10 @@ class Controller:
             self.drafts.load_state_dict(state["drafts"])
 
     def close(self) -> None:
+        """Stop the environment and reward workers, flush the metrics; safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
         if self.envs:
             self.envs.close()
         self.rewards.close()

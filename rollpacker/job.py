@@ -134,7 +134,10 @@ class Job:
             logger.info("%s: %s", what, path)
 
     def close(self) -> None:
-        """The engine shut down, last: vLLM's shutdown destroys the default process group."""
+        """The controller's workers stopped, then the engine shut down, last: vLLM's shutdown destroys the
+        default process group."""
+        if self.controller is not None:
+            self.controller.close()
         if self.engine is not None:
             self.engine.shutdown()
 

@@ -34,9 +34,7 @@ def job_run(run_dir: str, tps: list[int]) -> tuple[list[dict], list[float], floa
         reqs = [Request(id=str(i), prompt_ids=list(range(3, 9 + 3 * i)), params=params) for i in range(4)]
         greedy.append({k: o.token_ids for k, o in generate(job.engine, reqs).items()})
     moved = max((p.full_tensor() - q).abs().max().item() for p, q in zip(job.trainer.model.parameters(), first))
-    if job.controller:  # its reward workers, as run.py closes them
-        job.controller.close()
-    job.close()
+    job.close()  # its reward workers too
     return greedy, losses, moved, engines
 
 
