@@ -11,6 +11,8 @@ Invariants:
 - A run of identical iterations is planned at once (the replica's *plan*). A command that arrives
   mid-plan cuts it at the next iteration boundary.
 - KV is counted in tokens, not blocks; prefill is not chunked.
+- A resident session's KV counts against the cache until its next turn takes it over; sessions are
+  evicted, least recently kept first, before any running request is preempted (as TorchEngine).
 
 Why plans: the simulator visits only the iterations where something changes, not every one.
 The boundary step by step: ``docs/simulator.md`` (A replica).
@@ -45,11 +47,9 @@ class Seq:
     num_preemptions: int = 0
     num_turns: int = 0
     """An episode's output: its model turns."""
-    reused: int = 0
-    """Prompt tokens whose KV its replica holds already (an episode's resident session): not prefilled at its
-    first admission; a preempted or migrated request recomputes everything."""
     session: str | None = None
-    """Its episode, when its replica keeps its KV for the episode's next turn (a resident session)."""
+    """Its episode, when its replica keeps its KV for the episode's next turn (a resident session): a turn
+    whose session is still resident prefills only what is new; a preempted or migrated one recomputes all."""
     priority: int = 0
     """Admission order, lower first, as ``Request.priority`` (the frontier's: the round's turn priority)."""
 
@@ -96,9 +96,12 @@ class Replica:
         self.plan: tuple[float, np.ndarray, int] | None = None
         """(start time, iteration end times, running requests) of the planned run, or None at a boundary."""
         self.version = 0
-        self.num_preemptions = 0
+        self.num_preemptions = self.num_session_evictions = 0
         self.sessions: dict[str, int] = {}
-        """Session -> tokens of its last finished turn (prompt and generated): its resident KV here."""
+        """Session -> tokens of its last finished turn (prompt and generated): its resident KV here, least
+        recently kept first."""
+        self.held = 0
+        """Tokens of KV the resident sessions hold."""
         self.busy: list[tuple[float, float, int]] | None = [] if record else None
         """(start, end, running requests) of every executed run, when recording."""
         self.prefill_s = self.decode_s = 0.0
@@ -133,8 +136,6 @@ class Replica:
         """Aborts and new requests sent at ``now``; they apply at the next iteration boundary
         (at once when the replica is at one); a request of a session resident here prefills only what is new.
         Returns the aborted requests that were here."""
-        for seq in add:
-            seq.reused = self.sessions.get(seq.session, 0)
         self._pending_abort += abort
         self._pending_add += add
         if self.plan is None:
@@ -150,7 +151,22 @@ class Replica:
 
     def end_session(self, session: str) -> None:
         """The session's episode is over: its resident KV goes."""
-        self.sessions.pop(session, None)
+        self.held -= self.sessions.pop(session, 0)
+
+    def _make_room(self, tokens: int, spare: set[str | None] = frozenset()) -> bool:
+        """Evict resident sessions not in ``spare``, least recently kept first, until ``tokens`` more fit
+        the cache; whether they do."""
+        while self.kv_used() + self.held + tokens > self.kv_capacity:
+            session = next((s for s in self.sessions if s not in spare), None)
+            if session is None:
+                return False
+            self.held -= self.sessions.pop(session)
+            self.num_session_evictions += 1
+        return True
+
+    def _queued_sessions(self) -> set[str | None]:
+        """The sessions of the waiting requests, whose resident KV is about to be reused."""
+        return {s.session for s in self.waiting} if self.sessions else set()
 
     def abort_all(self, now: float) -> list[Seq]:
         """End of round (or a stream-trainer scale-down) at ``now``: every request leaves; returns
@@ -209,7 +225,9 @@ class Replica:
             self._remove(seq)
             seq.finish_time = end
             if seq.session is not None:
+                self.held -= self.sessions.pop(seq.session, 0)
                 self.sessions[seq.session] = seq.prompt_tokens + seq.generated
+                self.held += self.sessions[seq.session]
             finished.append(seq)
         return finished, aborted
 
@@ -242,6 +260,8 @@ class Replica:
         self.waiting.insert(i, seq)
 
     def _admit(self, seq: Seq) -> None:
+        """``seq`` runs; it takes over its session's resident KV, if any."""
+        self.held -= self.sessions.pop(seq.session, 0)
         seq.admitted_at, seq.admit_seq = self.iters, self._admit_count
         self._admit_count += 1
         self.running[seq.id] = seq
@@ -255,10 +275,10 @@ class Replica:
             self._enqueue(seq)
         self._pending_add = []
         preempted = False
-        while self.running and self.kv_used() + len(self.running) > self.kv_capacity:
+        while self.running and not (self._make_room(len(self.running), self._queued_sessions())
+                                    or self._make_room(len(self.running))):
             victim = max(reversed(self.running.values()), key=lambda s: s.priority)  # the newest of the worst
             self._remove(victim)
-            victim.reused = 0
             victim.num_preemptions += 1
             self.num_preemptions += 1
             self._enqueue(victim, ahead=True)
@@ -266,17 +286,21 @@ class Replica:
         prefill = prefill_sq = 0
         budget_full = False
         limit = self.kv_capacity * (1 - self.watermark)
+        queued = self._queued_sessions()
         while self.waiting and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             need = seq.prompt_tokens + seq.generated
-            if self.kv_used() + need + len(self.running) + 1 > (limit if self.running else self.kv_capacity):
-                break
-            if prefill and prefill + need > self.max_prefill_tokens:
+            new = need - self.sessions.get(seq.session, 0)
+            if prefill and prefill + new > self.max_prefill_tokens:
                 budget_full = True
+                break
+            # while requests run, a queued turn's session is not evicted for another (as TorchEngine)
+            spare = queued if self.running else {seq.session}
+            headroom = self.kv_capacity - limit if self.running else 0
+            if not self._make_room(new + len(self.running) + 1 + headroom, spare):
                 break
             self.waiting.popleft()
             self._admit(seq)
-            new = need - seq.reused
             prefill, prefill_sq = prefill + new, prefill_sq + new * need
         if not self.running:
             if self.waiting:
@@ -294,7 +318,7 @@ class Replica:
                 until_finish = at - self.iters
                 break
             heapq.heappop(self._finishes)
-        until_full = (self.kv_capacity - self.kv_used()) // batch
+        until_full = (self.kv_capacity - self.kv_used() - self.held) // batch  # then sessions are evicted
         num_iters = 1 if budget_full else max(1, min(until_finish, until_full))
         times = self.cost.iteration_times(batch, self.kv_used(), num_iters, prefill, prefill_sq)
         self.plan = (self.clock, self.clock + np.cumsum(times), batch)

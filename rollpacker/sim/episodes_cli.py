@@ -8,7 +8,8 @@ counts, observation tokens and mean step latency). Each policy (``sync``, ``tail
 is simulated on the same seed; rollout and step seconds per trained prompt (tail's long rounds train
 more prompts than a step's P0), and their speedups over the first policy. Last line JSON:
 ``rollout_speedup_<policy>``, ``step_speedup_<policy>`` (``+`` written ``_``), ``rollout_s_<policy>``,
-``step_s_<policy>`` (per step), ``turns_mean``.
+``step_s_<policy>`` (per step), ``session_evictions_<policy>`` (resident sessions evicted for KV, per
+step), ``turns_mean``.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def per_prompt(results) -> dict[str, float]:
     rollout, step = sum(r.rollout_s for r in results), sum(r.step_s for r in results)
     return {"rollout_s": rollout / prompts, "step_s": step / prompts, "rollout_step_s": rollout / len(results),
             "step_step_s": step / len(results), "prompts": prompts,
-            "turns": sum(o.num_turns for r in results for g in r.record.groups for o in g.outputs)}
+            "turns": sum(o.num_turns for r in results for g in r.record.groups for o in g.outputs),
+            "evictions": sum(r.record.num_session_evictions for r in results) / len(results)}
 
 
 def main(argv: list[str]) -> dict:
@@ -133,13 +135,15 @@ def report(args: EpisodesArgs, runs: dict, workload: EpisodeWorkload, results: d
           f"{workload.num_workers} workers, {workload.obs_tokens} observation tokens, "
           f"{'resident' if workload.resident else 'no resident'} sessions; {args.num_steps} steps")
     print(f"{'policy':<14}{'rollout s/step':>16}{'step s/step':>13}{'rollout s/prompt':>18}{'step s/prompt':>15}"
-          f"{'speedup rollout':>17}{'step':>7}")
+          f"{'speedup rollout':>17}{'step':>7}{'evictions/step':>16}")
     figures = {"model": cfg.model, "gpus": cfg.gpus, "tp": cfg.tp}
     for p, r in results.items():
         print(f"{p:<14}{r['rollout_step_s']:>16.1f}{r['step_step_s']:>13.1f}{r['rollout_s']:>18.2f}{r['step_s']:>15.2f}"
-              f"{base['rollout_s'] / r['rollout_s']:>16.2f}x{base['step_s'] / r['step_s']:>6.2f}x")
+              f"{base['rollout_s'] / r['rollout_s']:>16.2f}x{base['step_s'] / r['step_s']:>6.2f}x"
+              f"{r['evictions']:>16.0f}")
         name = p.replace("+", "_")
-        figures |= {f"rollout_s_{name}": round(r["rollout_step_s"], 2), f"step_s_{name}": round(r["step_step_s"], 2)}
+        figures |= {f"rollout_s_{name}": round(r["rollout_step_s"], 2), f"step_s_{name}": round(r["step_step_s"], 2),
+                    f"session_evictions_{name}": round(r["evictions"], 1)}
         if r is not base:
             figures |= {f"rollout_speedup_{name}": round(base["rollout_s"] / r["rollout_s"], 3),
                         f"step_speedup_{name}": round(base["step_s"] / r["step_s"], 3)}

@@ -159,6 +159,8 @@ class RoundRecord:
     generated_tokens: int
     """Tokens generated in the round, kept or thrown away."""
     num_preemptions: int
+    num_session_evictions: int
+    """Resident sessions evicted for KV (their next turns prefill everything again)."""
     bubble_ratio: float
     completions: list[tuple[float, str]]
     """(time, request id) of every finished response, in the order the policy was told."""
@@ -401,6 +403,7 @@ class _SimRound:
             kind=self.plan.kind, rollout_s=self.now, groups=outcome.groups, num_launched=outcome.num_launched,
             aborted=outcome.aborted, generated_tokens=outcome.generated_tokens,
             num_preemptions=sum(r.num_preemptions for r in replicas),
+            num_session_evictions=sum(r.num_session_evictions for r in replicas),
             bubble_ratio=bubble_ratio(self.trace, outcome.num_launched, self.now), completions=self.completions,
             busy=[r.busy for r in replicas] if replicas and replicas[0].busy is not None else None,
             scaled_at=scaled.at if scaled else None, scaled_frac=(scaled.completed_frac or 0.0) if scaled else 0.0,

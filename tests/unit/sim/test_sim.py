@@ -131,6 +131,25 @@ def test_a_replica_admits_and_preempts_by_priority_as_torch_engine_does():
     assert run_out(rep) == ["b", "a"] and (a.num_preemptions, b.num_preemptions) == (1, 0)
 
 
+def test_a_resident_session_holds_kv_and_is_evicted_least_recently_kept_first_before_any_preemption():
+    """As TorchEngine: a finished session turn's KV stays counted until its next turn takes it over; a request
+    that needs room evicts the least recently kept session, whose next turn then prefills everything."""
+    rep = Replica(0, StepCost(1.0, prefill_s=0.1), 20, watermark=0.0)
+    rep.command(0.0, [], [Seq("x0", 0, 0, 4, 2, session="x"), Seq("y0", 1, 0, 4, 2, session="y")])
+    assert run_out(rep) == ["x0", "y0"] and rep.held == 12  # 4 prompt + 2 generated tokens each, x kept first
+    rep.command(rep.clock, [], [Seq("z", 2, 0, 8, 2)])  # 8 + 1 do not fit beside 12 held: x goes
+    assert run_out(rep) == ["z"] and list(rep.sessions) == ["y"] and rep.num_session_evictions == 1
+    start = rep.clock
+    rep.command(start, [], [Seq("x1", 0, 0, 9, 1, session="x"), Seq("y1", 1, 0, 9, 1, session="y")])
+    assert run_out(rep) == ["x1", "y1"] and rep.held == 2 * 10
+    assert rep.clock - start == pytest.approx(1.0 + 0.1 * (9 + 3))  # x1 prefills all 9, y1 the 3 after its 6
+    rep.end_session("x")
+    assert rep.held == 10  # y's is kept; a running request grows into it rather than being preempted
+    w = Seq("w", 2, 0, 6, 8)
+    rep.command(rep.clock, [], [w])
+    assert run_out(rep) == ["w"] and w.num_preemptions == 0 and rep.sessions == {} and rep.held == 0
+
+
 # ---- the same decisions as the real controller ---------------------------------------------------------
 
 
