@@ -74,26 +74,25 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     import torch.distributed as dist
 
     from rollpacker import watchdog
+    from rollpacker.dist import broadcast
 
     watchdog.phase("checkpoint")
     rank = dist.get_rank()
-    skipping = [trainer.skipping if trainer is not None else 0]
-    dist.broadcast_object_list(skipping, src=trainer_rank, group=control)
-    if skipping[0]:  # these weights just produced a non-finite update: keep the previous checkpoint newest
+    skipping = broadcast(trainer.skipping if trainer is not None else 0, control, src=trainer_rank)
+    if skipping:  # these weights just produced a non-finite update: keep the previous checkpoint newest
         if rank == 0:
             logger.warning("checkpoint: not saving step %d: the last %d step(s) were skipped for a non-finite update; "
-                           "the newest committed checkpoint stays %s", step, skipping[0], latest(path.parent.parent))
+                           "the newest committed checkpoint stays %s", step, skipping, latest(path.parent.parent))
         return
     if rank == 0:  # an older save of this step (damaged, or a run redone): its marker first, then the rest
         (path / MARKER).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier(group=control)
     failed = _save_trainer(path, trainer) if trainer is not None else {}
-    info = [(trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value,
-             bool(trainer.config.ref_sync_steps),
-             trainer.critic_scheduler.state_dict() if trainer.critic is not None else None)
-            if trainer is not None else None]
-    dist.broadcast_object_list(info, src=trainer_rank, group=control)
+    info = broadcast((trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value,
+                      bool(trainer.config.ref_sync_steps),
+                      trainer.critic_scheduler.state_dict() if trainer.critic is not None else None)
+                     if trainer is not None else None, control, src=trainer_rank)
     failed = _everyones(failed, control)
     if also is not None and not failed:
         try:
@@ -102,25 +101,24 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             failed = {rank: _first_line(e)}
         failed = _everyones(failed, control)
     if rank == 0 and not failed:
-        meta = {"step": step, "scheduler": info[0][0], "world_size": dist.get_world_size(), "model": info[0][1],
-                "kl_coef": info[0][2], "reference": info[0][3], "critic": info[0][4], **(controller or {})}
+        meta = {"step": step, "scheduler": info[0], "world_size": dist.get_world_size(), "model": info[1],
+                "kl_coef": info[2], "reference": info[3], "critic": info[4], **(controller or {})}
         try:
             (path / "train_state.json").write_text(json.dumps(meta))
             (path / MARKER).write_text("")
         except OSError as e:
             (path / MARKER).unlink(missing_ok=True)
             failed = {0: _first_line(e)}
-    verdict = [failed]
-    dist.broadcast_object_list(verdict, src=0, group=control)
-    if verdict[0]:
+    verdict = broadcast(failed, control)
+    if verdict:
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         dist.barrier(group=control)
         newest = latest(path.parent.parent)
-        whys = "; ".join(f"rank {r}: {why}" for r, why in sorted(verdict[0].items()))
+        whys = "; ".join(f"rank {r}: {why}" for r, why in sorted(verdict.items()))
         free = shutil.disk_usage(path.parent).free / 2**20
         raise CheckpointError(
-            f"checkpoint: saving step {step} to {path} failed on rank(s) {sorted(verdict[0])} ({whys}; "
+            f"checkpoint: saving step {step} to {path} failed on rank(s) {sorted(verdict)} ({whys}; "
             f"{free:.1f} MiB free there on rank {rank}). The partial "
             f"save was removed; the newest committed checkpoint is {newest or 'none'}, which --resume auto picks. "
             f"Free disk space or fix the permissions under {path.parent}, then resume")

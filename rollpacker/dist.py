@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,14 @@ def init_distributed(device: str = "auto", cpu_collectives: bool = False,
     if "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def broadcast(obj: Any, group: dist.ProcessGroup | None, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (picklable), on every rank of ``group`` (None: the default group); what code
+    that holds a group but no :class:`Meshes` calls (checkpoints)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 @dataclass
@@ -160,9 +169,26 @@ class Meshes:
 
     def broadcast(self, obj: Any = None, group: dist.ProcessGroup | None = None, src: int = 0) -> Any:
         """Rank ``src``'s ``obj``, on every rank of ``group`` (default: the control plane)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=group or self.control)
-        return box[0]
+        return broadcast(obj, group or self.control, src)
+
+    def scatter(self, objs: list[Any] | None, group: dist.ProcessGroup | None = None) -> Any:
+        """Rank 0's ``objs[i]`` on the i-th rank of ``group`` (default: the control plane; rank 0 is in it).
+        An object given to several ranks (a replica's command, to each of its TP ranks) is pickled once."""
+        blobs = None
+        if objs is not None:
+            pickled: dict[int, bytes] = {}
+            for obj in objs:
+                if id(obj) not in pickled:
+                    pickled[id(obj)] = pickle.dumps(obj)
+            blobs = [pickled[id(obj)] for obj in objs]
+        box = [None]
+        dist.scatter_object_list(box, blobs, src=0, group=group or self.control)
+        return pickle.loads(box[0])
+
+    def replicas(self, group: dist.ProcessGroup | None = None) -> list[int]:
+        """The replica of each rank of ``group`` (default: the control plane; rolling out), in group order."""
+        replica = {rank: i for i, ranks in enumerate(self.rollout.mesh.tolist()) for rank in ranks}
+        return [replica[rank] for rank in dist.get_process_group_ranks(group or self.control)]
 
     def gather(self, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
         """Every rank's ``obj`` of ``group`` (default: the control plane), in rank order, on rank 0 (None elsewhere)."""

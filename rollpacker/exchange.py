@@ -1,7 +1,7 @@
 """A rollout round across the job, as transport: rank 0 decides, every rank steps its slice of an engine.
 
-Each exchange, a few times per second over the gloo control plane: rank 0 broadcasts a
-:class:`Command` (requests to add, ids to abort); every rank applies its replica's part and steps
+Each exchange, a few times per second over the gloo control plane: rank 0 sends every rank its
+replica's part of a :class:`Command` (requests to add, ids to abort); every rank applies it and steps
 its engine ``poll_steps`` times; the replica leaders report (:class:`Report`); rank 0 gives that to
 the round (:class:`~rollpacker.schedule.round.Round`) and turns its actions into the next command.
 :class:`RoundLeader` is rank 0's side for a run (rows, policy, scorer, environments); each round
@@ -13,6 +13,9 @@ Invariants:
 - Nothing here imports the trainer: stream training joins through the round's hooks and a
   :class:`GroupSink`; the ranks a scale-down frees leave with :class:`Freed`.
 - Rank 0 alone measures wall-clock: the running trace (bubble ratio), the tail phase, CPU time.
+- A prompt travels once, to its replica: no rank gets another replica's requests, and reports leave
+  out the prompts (rank 0 holds them). An episode's turn carries its whole conversation, so at scale
+  this is most of the control plane's bytes.
 """
 
 from __future__ import annotations
@@ -51,6 +54,15 @@ class Command:
     end_sessions: list[tuple[int, str]] = field(default_factory=list)
     """(replica, session) pairs to end: an episode is over, its turns' resident KV can go (after the aborts)."""
 
+    def split(self, replicas: list[int]) -> list[Command]:
+        """What each rank gets, by its replica (``replicas[i]``: rank i's): the replica's adds, aborts and
+        sessions, and the flags; one object per replica."""
+        parts = {r: dataclasses.replace(self, add=[], abort=[], end_sessions=[]) for r in set(replicas)}
+        for pairs, part in ((self.add, "add"), (self.abort, "abort"), (self.end_sessions, "end_sessions")):
+            for pair in pairs:
+                getattr(parts[pair[0]], part).append(pair)
+        return [parts[r] for r in replicas]
+
 
 TAIL_RUNNING = 8
 """A poll is in the round's tail when every replica ran at most this many requests (``RoundResult.tail_s``)."""
@@ -59,6 +71,7 @@ TAIL_RUNNING = 8
 @dataclass
 class Report:
     finished: list[Output]
+    """Without their prompts (``prompt_ids`` empty) until rank 0 gives them back (:meth:`ExchangeRound.received`)."""
     aborted: list[Output]
     num_running: int
     num_preemptions: int
@@ -206,14 +219,16 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int,
     base = engine.stats(), time.process_time()
     cmd = leader.begin(meshes.num_replicas, poll_steps) if leader else None
     group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
+    replicas = meshes.replicas(group) if leader else []
     while True:
-        cmd = meshes.broadcast(cmd, group)
-        report = _apply(cmd, meshes, engine, poll_steps, base)
+        cmd = meshes.scatter(cmd.split(replicas) if leader else None, group)
+        report = _apply(cmd, engine, poll_steps, base, stepping=not (cmd.scale_down and meshes.freed))
         reports = meshes.gather(report if meshes.is_replica_leader else None, group)
         if cmd.scale_down:
             if meshes.freed:  # migrated: the caller trains on what rank 0 streams until the round ends
                 return Freed()
             group = meshes.kept_control
+            replicas = meshes.replicas(group) if leader else []
         if cmd.final:
             return leader.finish(reports) if leader else None
         cmd = leader.on_reports(reports) if leader else None
@@ -321,6 +336,7 @@ class ExchangeRound:
 
     def on_reports(self, reports: list[Report | None]) -> Command:
         """The next command, from the replica leaders' reports (None from the other ranks)."""
+        reports = self.received(reports)
         self.count(reports)
         reports = [r for r in reports if r]
         now, leader = time.time(), self.leader
@@ -371,6 +387,12 @@ class ExchangeRound:
         old = self.requests[out.id][0]
         return self.add(dataclasses.replace(old, resume_from=out))
 
+    def received(self, reports: list[Report | None]) -> list[Report | None]:
+        """``reports``, each output given back the prompt it left out on the way."""
+        for output in (o for r in reports if r for o in (*r.finished, *r.aborted)):
+            output.prompt_ids = self.requests[output.id][0].prompt_ids
+        return reports
+
     def count(self, reports: list[Report | None]) -> None:
         """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
         ended to the phases, and to the tail phase if it began there."""
@@ -391,6 +413,7 @@ class ExchangeRound:
 
     def finish(self, reports: list[Report | None]) -> RoundResult:
         """The round's result, once the final command's aborts are reported."""
+        reports = self.received(reports)
         self.count(reports)
         if self.freed_left:  # the freed ranks stop serving
             self.leader.sink.close()
@@ -410,19 +433,18 @@ class ExchangeRound:
                            env_errors=outcome.env_errors, phases=self.phases, filtered=outcome.filtered)
 
 
-def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: tuple[EngineStats, float]) -> Report:
-    mine = meshes.replica
-    for replica, req in cmd.add:
-        if replica == mine:
-            engine.add(req)
-    aborted = [engine.abort(rid) for replica, rid in cmd.abort if replica == mine]
-    for replica, session in cmd.end_sessions:
-        if replica == mine:
-            engine.end_session(session)
+def _apply(cmd: Command, engine: Engine, poll_steps: int, base: tuple[EngineStats, float], stepping: bool) -> Report:
+    """This replica's part of a command (:meth:`Command.split`), then ``poll_steps`` engine steps unless it is the
+    last (final, or this rank freed): the replica's report, its outputs without their prompts."""
+    for _, req in cmd.add:
+        engine.add(req)
+    aborted = [engine.abort(rid) for _, rid in cmd.abort]
+    for _, session in cmd.end_sessions:
+        engine.end_session(session)
     finished: list[Output] = []
     seconds = [0.0, 0.0]  # (prefill, decode): a step prefilled if it is the poll's first after adds or its counter grew
-    if not cmd.final and not (cmd.scale_down and meshes.freed):
-        added = any(replica == mine for replica, _ in cmd.add)
+    if stepping and not cmd.final:
+        added = bool(cmd.add)
         for _ in range(poll_steps):
             if not engine.has_unfinished():
                 break
@@ -432,6 +454,7 @@ def _apply(cmd: Command, meshes: Meshes, engine: Engine, poll_steps: int, base: 
             seconds[not prefill] += time.perf_counter() - begin
             added = False
     stats, start = engine.stats(), base[0]
+    finished, aborted = ([dataclasses.replace(o, prompt_ids=[]) for o in outs] for outs in (finished, aborted))
     return Report(finished, aborted, stats.num_running + stats.num_waiting,
                   stats.num_preemptions - start.num_preemptions, stats.spec.since(start.spec),
                   time.process_time() - base[1], stats.num_reused_prefill_tokens - start.num_reused_prefill_tokens,

@@ -34,6 +34,12 @@ class OneReplica:
     def broadcast(self, obj, group=None):
         return obj
 
+    def scatter(self, objs, group=None):
+        return objs[0]
+
+    def replicas(self, group=None):
+        return [0]
+
     def gather(self, obj, group=None):
         return [obj]
 
