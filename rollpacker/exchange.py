@@ -56,11 +56,18 @@ class Command:
 
     def split(self, replicas: list[int]) -> list[Command]:
         """What each rank gets, by its replica (``replicas[i]``: rank i's): the replica's adds, aborts and
-        sessions, and the flags; one object per replica."""
+        sessions, and the flags; one object per replica. A pair for a replica none of them hosts (freed by a
+        scale-down) goes nowhere."""
         parts = {r: dataclasses.replace(self, add=[], abort=[], end_sessions=[]) for r in set(replicas)}
-        for pairs, part in ((self.add, "add"), (self.abort, "abort"), (self.end_sessions, "end_sessions")):
-            for pair in pairs:
-                getattr(parts[pair[0]], part).append(pair)
+        for pair in self.add:
+            if pair[0] in parts:
+                parts[pair[0]].add.append(pair)
+        for pair in self.abort:
+            if pair[0] in parts:
+                parts[pair[0]].abort.append(pair)
+        for pair in self.end_sessions:
+            if pair[0] in parts:
+                parts[pair[0]].end_sessions.append(pair)
         return [parts[r] for r in replicas]
 
 
