@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rollpacker.dist import broadcast
 from rollpacker.model.hf_decoder import checkpoint_format, decoder_facts
 from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig
@@ -366,11 +367,7 @@ class SGLangEngine:
 
     def _broadcast(self, obj):
         """``obj`` of the group's first rank, on every rank of the group."""
-        if self.group is None:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
+        return obj if self.group is None else broadcast(obj, self.group, self.src)
 
     def _call(self, coro):
         """Run a tokenizer-manager coroutine on the Engine's loop thread and wait for it."""
