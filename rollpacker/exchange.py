@@ -58,16 +58,12 @@ class Command:
         """What each rank gets, by its replica (``replicas[i]``: rank i's): the replica's adds, aborts and
         sessions, and the flags; one object per replica. A pair for a replica none of them hosts (freed by a
         scale-down) goes nowhere."""
-        parts = {r: dataclasses.replace(self, add=[], abort=[], end_sessions=[]) for r in set(replicas)}
-        for pair in self.add:
-            if pair[0] in parts:
-                parts[pair[0]].add.append(pair)
-        for pair in self.abort:
-            if pair[0] in parts:
-                parts[pair[0]].abort.append(pair)
-        for pair in self.end_sessions:
-            if pair[0] in parts:
-                parts[pair[0]].end_sessions.append(pair)
+        fields = ("add", "abort", "end_sessions")
+        parts = {r: dataclasses.replace(self, **{name: [] for name in fields}) for r in set(replicas)}
+        for name in fields:
+            for pair in getattr(self, name):
+                if pair[0] in parts:
+                    getattr(parts[pair[0]], name).append(pair)
         return [parts[r] for r in replicas]
 
 
@@ -343,7 +339,7 @@ class ExchangeRound:
 
     def on_reports(self, reports: list[Report | None]) -> Command:
         """The next command, from the replica leaders' reports (None from the other ranks)."""
-        reports = self.received(reports)
+        self.received(reports)
         self.count(reports)
         reports = [r for r in reports if r]
         now, leader = time.time(), self.leader
@@ -394,11 +390,10 @@ class ExchangeRound:
         old = self.requests[out.id][0]
         return self.add(dataclasses.replace(old, resume_from=out))
 
-    def received(self, reports: list[Report | None]) -> list[Report | None]:
-        """``reports``, each output given back the prompt it left out on the way."""
+    def received(self, reports: list[Report | None]) -> None:
+        """Give each output of ``reports`` back the prompt it left out on the way."""
         for output in (o for r in reports if r for o in (*r.finished, *r.aborted)):
             output.prompt_ids = self.requests[output.id][0].prompt_ids
-        return reports
 
     def count(self, reports: list[Report | None]) -> None:
         """Keep each replica leader's counters (a freed one's stay at its last); add the poll that just
@@ -420,7 +415,7 @@ class ExchangeRound:
 
     def finish(self, reports: list[Report | None]) -> RoundResult:
         """The round's result, once the final command's aborts are reported."""
-        reports = self.received(reports)
+        self.received(reports)
         self.count(reports)
         if self.freed_left:  # the freed ranks stop serving
             self.leader.sink.close()
