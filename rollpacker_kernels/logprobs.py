@@ -24,9 +24,18 @@ vocab-parallel head; its vocab-parallel cross-entropy starts from materialized l
 GRPO loss (torch, seq x vocab chunks) owns the whole loss and its normalization. Here operands are
 read in their own dtype and multiplied in fp32 (no TF32). Targets equal to ``ignore_index`` give 0
 and no gradient.
+
+:func:`compiled` compiles the three kernels ahead of time for a CUDA architecture with no GPU (Triton ships
+ptxas and cuobjdump) and reads their registers, local memory (spills) and shared memory: what the interpreter
+that runs them in CI cannot say.
 """
 
 from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -161,7 +170,7 @@ def vocab_start(weight: Tensor, group: dist.ProcessGroup | None) -> int:
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, blocks, grad_weight_rows):
+    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, blocks, grad_weight_rows, num_warps):
         block_t, block_v, block_d = blocks
         (num_tokens, dim), vocab = hidden.shape, weight.shape[0]
         offset = vocab_start(weight, group)
@@ -169,7 +178,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         grid = (triton.cdiv(num_tokens, block_t),)
         _forward_kernel[grid](hidden, weight, targets, *stats, num_tokens, vocab, dim, hidden.stride(0),
                               weight.stride(0), offset, 1.0 / temperature,
-                              BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d)
+                              BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, num_warps=num_warps)
         m, s, ps, tgt = stats
         if group is not None:
             m_all = m.clone()
@@ -184,7 +193,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         mean = lse - entropy  # E_p[z]
         ctx.save_for_backward(hidden, weight, targets, lse, mean, valid)
         ctx.temperature, ctx.group, ctx.offset, ctx.blocks = temperature, group, offset, blocks
-        ctx.grad_weight_rows = grad_weight_rows
+        ctx.grad_weight_rows, ctx.num_warps = grad_weight_rows, num_warps
         zero = torch.zeros_like(lse)
         return torch.where(valid, tgt - lse, zero), torch.where(valid, entropy, zero)
 
@@ -204,7 +213,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             grad_hidden = torch.zeros(num_tokens, dim, dtype=torch.float32, device=hidden.device)
             _grad_hidden_kernel[(triton.cdiv(num_tokens, block_t),)](
                 hidden, weight, *args, grad_hidden, num_tokens, vocab, dim, *scalars,
-                BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d)
+                BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, num_warps=ctx.num_warps)
             if ctx.group is not None:
                 dist.all_reduce(grad_hidden, group=ctx.group)
             grad_hidden = grad_hidden.to(hidden.dtype)
@@ -219,22 +228,24 @@ class _FusedTokenLogprobs(torch.autograd.Function):
                 out = scratch[:rows].zero_()
                 _grad_weight_kernel[(triton.cdiv(rows, block_v),)](
                     hidden, weight[start:start + rows], *args, out, num_tokens, rows, dim, hidden.stride(0),
-                    weight.stride(0), ctx.offset + start, inv_temp, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d)
+                    weight.stride(0), ctx.offset + start, inv_temp, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d,
+                    num_warps=ctx.num_warps)
                 if not fp32:
                     grad_weight[start:start + rows] = out
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def fused_token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
     group: dist.ProcessGroup | None = None, ignore_index: int = -100,
-    block_t: int = 64, block_v: int = 128, block_d: int = 64, grad_weight_rows: int = 8192,
+    block_t: int = 64, block_v: int = 128, block_d: int = 64, grad_weight_rows: int = 8192, num_warps: int = 4,
 ) -> tuple[Tensor, Tensor]:
     """hidden [T, D], weight [V, D] (the output head, or this rank's vocab slice of it with ``group``),
     targets [T] (global ids) -> (log p(target) [T], entropy [T]), fp32; 0 where target == ignore_index.
 
     Blocks are powers of two >= 16 (``tl.dot``'s minimum); any T, V, D work. A bf16/fp16 weight's
     grad is accumulated in fp32 ``grad_weight_rows`` vocab rows at a time (that much fp32 scratch).
+    ``num_warps`` per program (CUDA; the interpreter ignores it).
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_token_logprobs: expected hidden [T, D] and weight [V, D], "
@@ -248,10 +259,49 @@ def fused_token_logprobs(
     for b, name in ((block_t, "block_t"), (block_v, "block_v"), (block_d, "block_d")):
         if b < 16 or b & (b - 1):
             raise ValueError(f"fused_token_logprobs: {name}={b} must be a power of two >= 16")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"fused_token_logprobs: num_warps={num_warps} must be a power of two")
     if grad_weight_rows < 1:
         raise ValueError(f"fused_token_logprobs: grad_weight_rows={grad_weight_rows} must be >= 1")
     if temperature <= 0:
         raise ValueError(f"fused_token_logprobs: temperature={temperature} must be > 0")
     return _FusedTokenLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
                                      float(temperature), group, ignore_index, (block_t, block_v, block_d),
-                                     grad_weight_rows)
+                                     grad_weight_rows, num_warps)
+
+
+BLOCK_NAMES = ("BLOCK_T", "BLOCK_V", "BLOCK_D")
+OPERAND_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, *, block_t: int = 64, block_v: int = 128,
+             block_d: int = 64, num_warps: int = 4) -> dict[str, dict[str, int]]:
+    """The three kernels compiled for CUDA ``sm_{arch}`` as :func:`fused_token_logprobs` with these blocks and
+    warps compiles them on ``dtype`` operands, by Triton's compiler and ptxas, with no GPU: per kernel,
+    ``registers`` and ``local_bytes`` per thread (local memory: spilled registers, arrays not held in registers;
+    0 is best) and ``shared_bytes`` per program. Raises what the compiler raises: a kernel the interpreter runs
+    may still not compile. Needs ``TRITON_INTERPRET`` unset when this module was imported (the interpreter's
+    kernels cannot compile)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(_forward_kernel, triton.runtime.JITFunction):
+        raise RuntimeError("rollpacker_kernels.logprobs.compiled: the kernels were defined under TRITON_INTERPRET=1 "
+                           "and cannot compile; call it in a process without it")
+    operand = OPERAND_TYPES[dtype]
+    found = {}
+    for kernel in (_forward_kernel, _grad_hidden_kernel, _grad_weight_kernel):
+        types = {"h_ptr": f"*{operand}", "w_ptr": f"*{operand}", "y_ptr": "*i64", "inv_temp": "fp32"}
+        types |= {name: "constexpr" for name in BLOCK_NAMES}
+        signature = {name: types.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
+        source = ASTSource(kernel, signature, constexprs=dict(zip(BLOCK_NAMES, (block_t, block_v, block_d))))
+        binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp, "kernel.cubin")
+            cubin.write_bytes(binary.asm["cubin"])
+            usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(cubin)],
+                                   capture_output=True, text=True, check=True).stdout
+        registers, local = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+        name = kernel.fn.__name__.strip("_").removesuffix("_kernel")
+        found[name] = {"registers": int(registers), "local_bytes": int(local), "shared_bytes": binary.metadata.shared}
+    return found

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -352,10 +353,59 @@ def stage_offload(run: StageRun) -> bool:
 # ---- (d) the Triton kernel -----------------------------------------------------------------------
 
 
+KERNEL_CONFIGS = {"kernel": {}, "kernel_32x64x32_w8": dict(block_t=32, block_v=64, block_d=32, num_warps=8)}
+"""The kernel's default blocks and warps, and a smaller tile whose forward and hidden-grad kernels ptxas fits in
+registers (Triton 3.6, sm_90, bf16: the forward 255 registers and 840 bytes of local memory per thread at the default,
+128 and none at the smaller; docs/results.md). Timed side by side on the GPU, they choose the default."""
+
+COMPILE = """import json, sys
+from rollpacker.gpu_check.stages import KERNEL_CONFIGS
+from rollpacker_kernels.logprobs import compiled
+arch = int(sys.argv[1])
+print(json.dumps({name: compiled(arch, **config) for name, config in KERNEL_CONFIGS.items()}))"""
+"""A process compiling the kernels of :data:`KERNEL_CONFIGS` for ``sm_ARCH`` (argv[1]) with no interpreter."""
+
+
+def compiling(device: str) -> tuple[str, subprocess.Popen]:
+    """Start compiling the kernels ahead of time for this GPU's architecture (sm_90, the lent H200's, on CPU), on
+    the host beside the stage's GPU work: ``sm_ARCH`` and the process, which prints one JSON line."""
+    arch = "".join(map(str, torch.cuda.get_device_capability())) if device == "cuda" else "90"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return f"sm_{arch}", subprocess.Popen([sys.executable, "-c", COMPILE, arch], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env)
+
+
+def compiled_result(proc: subprocess.Popen, left_s: float) -> dict:
+    """What the compiling process printed, or why not: ``error`` when it failed, ``skipped`` when out of time."""
+    try:
+        stdout, stderr = proc.communicate(timeout=max(1.0, left_s))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"skipped": "not compiled before the stage's deadline"}
+    return json.loads(stdout) if proc.returncode == 0 else {"error": stderr.strip()[-600:]}
+
+
 def stage_kernel(run: StageRun) -> bool:
-    """The fused kernel and the chunked torch path on the same bf16 operands (both compute in fp32): values and
-    gradients at the smallest size, then forward+backward ms, peak and TFLOP/s at the others, smallest first;
-    a size whose two calls would pass the deadline (scaled from the last size measured) is skipped."""
+    """The kernel's values and times (:func:`kernel_timings`) while the host compiles it ahead of time for the GPU:
+    registers, local memory and shared memory per kernel and configuration, reported even when the timings fail.
+    Fails when a kernel does not compile or its values are off."""
+    arch, compiler = compiling(run.device)
+    try:
+        diffs = kernel_timings(run)
+    finally:
+        run.report(compiled={arch: compiled_result(compiler, run.left_s())})
+    return "error" not in run.result["compiled"][arch] and all(
+        d["logprob"] < 1e-3 and d["entropy"] < 1e-2 for d in diffs.values())
+
+
+def kernel_timings(run: StageRun) -> dict[str, dict[str, float]]:
+    """The fused kernel at each of :data:`KERNEL_CONFIGS` and the chunked torch path on the same bf16 operands (both
+    compute in fp32): values and gradients at the smallest size, then forward+backward ms, peak and TFLOP/s at the
+    others, smallest first; a size whose two calls would pass the deadline (scaled from the last size measured) is
+    skipped. Each configuration's largest gaps to torch."""
+    from functools import partial
+
     from rollpacker_kernels.logprobs import fused_token_logprobs
     from rollpacker_kernels.reference import chunked_token_logprobs_entropy
 
@@ -363,7 +413,8 @@ def stage_kernel(run: StageRun) -> bool:
     g = torch.Generator(device=device).manual_seed(0)
     d, v = k["hidden"], k["vocab"]
     weight = (torch.randn(v, d, device=device, generator=g) * 0.02).bfloat16()
-    paths = {"kernel": fused_token_logprobs, "torch": chunked_token_logprobs_entropy}
+    kernels = {name: partial(fused_token_logprobs, **config) for name, config in KERNEL_CONFIGS.items()}
+    paths = {"kernel": kernels.pop("kernel"), "torch": chunked_token_logprobs_entropy, **kernels}  # alternative last
 
     def inputs(t: int):
         h = torch.randn(t, d, device=device, generator=g).bfloat16().requires_grad_()
@@ -379,9 +430,11 @@ def stage_kernel(run: StageRun) -> bool:
     n = k["values_tokens"]
     h, w, y = inputs(n)
     got = {path: call(path, h, w, y) for path in paths}
-    diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(got["kernel"], got["torch"])]
+    diffs = {path: dict(zip(("logprob", "entropy", "grad_hidden", "grad_weight"),
+                            ((a.float() - b.float()).abs().max().item() for a, b in zip(got[path], got["torch"]))))
+             for path in KERNEL_CONFIGS}
     last = {path: (n, once_ms(lambda path=path: call(path, h, w, y), device)) for path in paths}  # compiled
-    run.report(hidden=d, vocab=v, max_abs_diff=dict(zip(("logprob", "entropy", "grad_hidden", "grad_weight"), diffs)),
+    run.report(hidden=d, vocab=v, **{f"max_abs_diff{p.removeprefix('kernel')}": diff for p, diff in diffs.items()},
                **{f"{path}_T{n}_ms": round(ms, 2) for path, (_, ms) in last.items()})
     for t in sorted(k["tokens"]):
         h, w, y = inputs(t)
@@ -398,12 +451,12 @@ def stage_kernel(run: StageRun) -> bool:
                 times.append(once_ms(lambda path=path: call(path, h, w, y), device))
             ms = statistics.median(times[1:] or times)
             last[path] = (t, ms)
-            flops = (10 if path == "kernel" else 8) * t * v * d  # logit-sized GEMMs of a forward + backward
+            flops = (8 if path == "torch" else 10) * t * v * d  # logit-sized GEMMs of a forward + backward
             mem = memory(device)
             peak = mem["peak_allocated_gb"] and mem["peak_allocated_gb"] - gb(held)
             run.report(**{f"{path}_T{t}": {"ms": round(ms, 2), "timed_calls": len(times) - 1, "peak_gb": peak,
                                            **mem, "tflops": round(flops / ms / 1e9, 3)}})
-    return diffs[0] < 1e-3 and diffs[1] < 1e-2
+    return diffs
 
 
 # ---- (e) TorchEngine against transformers ------------------------------------------------------------

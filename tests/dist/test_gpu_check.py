@@ -23,6 +23,7 @@ from packaging.utils import canonicalize_name
 from support.jobs import job_env
 
 from rollpacker.gpu_check import DEFAULT_STAGES
+from rollpacker.gpu_check.stages import KERNEL_CONFIGS, compiled_result
 
 ROOT = Path(__file__).resolve().parents[2]
 TRITON_ON_THE_GPU_MACHINE = "3.6.0"
@@ -115,6 +116,13 @@ def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
     assert by["train"]["push"]["within_bar"] and by["train"]["push"]["max_dlogprob"] < 1e-3  # fp32 on CPU
     assert by["offload"]["full_tensor_device"] == "cpu" and set(by["offload"]["cpu_collectives"].values()) == {None}
     assert by["kernel"]["max_abs_diff"]["logprob"] < 1e-5 and by["kernel"]["kernel_T128"]["timed_calls"] >= 1
+    assert by["kernel"]["max_abs_diff_32x64x32_w8"]["logprob"] < 1e-5
+    compiled = by["kernel"]["compiled"]["sm_90"]  # by the GPU machine's Triton and its ptxas, for the H200
+    assert sorted(compiled) == sorted(KERNEL_CONFIGS), compiled
+    for config in compiled.values():
+        assert sorted(config) == ["forward", "grad_hidden", "grad_weight"]
+        assert all(0 < k["registers"] <= 255 and 0 < k["shared_bytes"] <= 227 * 1024 for k in config.values())
+    assert compiled["kernel_32x64x32_w8"]["forward"]["local_bytes"] == 0  # KERNEL_CONFIGS's claim
     assert by["engine"]["fp32"]["not_greedy"] == 0 and by["engine"]["preemptions"] > 0
     assert by["engine"]["workspace"]["within_plan"] and by["engine"]["preempted_tokens_differ"] == 0
     assert by["spec"]["draft_lens"][0] == 0 and by["judge"]["bit_equal"]
@@ -217,3 +225,15 @@ def test_the_trainer_stage_runs_with_the_torch_head_where_triton_cannot_compile(
     assert proc.returncode == 0 and result["ok"], proc.stdout + proc.stderr[-2000:]
     assert [k for k in result if k.startswith("ac=")] == ["ac=none,head=torch", "ac=full,head=torch"]
     assert result["push"]["within_bar"]
+
+
+def test_the_kernel_stage_reports_a_compile_that_fails_or_overruns():
+    """Stage (d)'s ahead-of-time compile: a failure's message becomes the stage's ``error``; a compile still
+    running at the deadline is killed and reported skipped."""
+    def start(code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    assert compiled_result(start("import sys; sys.exit('ptxas failed')"), 60) == {"error": "ptxas failed"}
+    slow = start("import time; time.sleep(60)")
+    assert compiled_result(slow, 0.5) == {"skipped": "not compiled before the stage's deadline"}
+    assert slow.returncode is not None

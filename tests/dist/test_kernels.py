@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 from support.jobs import torchrun
 
 from rollpacker.train.logprobs import resolve_impl, token_logprobs
-from rollpacker_kernels.logprobs import fused_token_logprobs
+from rollpacker_kernels.logprobs import compiled, fused_token_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="runs CPU tensors through Triton's interpreter")
@@ -132,6 +132,11 @@ def test_impl_choice_and_errors(monkeypatch):
     hidden, weight, targets, _ = problem()
     with pytest.raises(ValueError, match="block_v=48"):
         fused_token_logprobs(hidden, weight, targets, block_v=48)
+    with pytest.raises(ValueError, match="num_warps=6"):
+        fused_token_logprobs(hidden, weight, targets, num_warps=6)
+    if not torch.cuda.is_available():  # the interpreter's kernels: gpu_check's stage (d) compiles them elsewhere
+        with pytest.raises(RuntimeError, match="in a process without it"):
+            compiled()
     with pytest.raises(ValueError, match="float64"):
         fused_token_logprobs(hidden.double(), weight, targets)
 
