@@ -383,7 +383,7 @@ def compiled_result(proc: subprocess.Popen, left_s: float) -> dict:
         proc.kill()
         proc.communicate()
         return {"skipped": "not compiled before the stage's deadline"}
-    return json.loads(stdout) if proc.returncode == 0 else {"error": stderr.strip()[-600:]}
+    return json.loads(stdout.splitlines()[-1]) if proc.returncode == 0 else {"error": stderr.strip()[-600:]}
 
 
 def stage_kernel(run: StageRun) -> bool:
