@@ -238,14 +238,15 @@ class _FusedTokenLogprobs(torch.autograd.Function):
 def fused_token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
     group: dist.ProcessGroup | None = None, ignore_index: int = -100,
-    block_t: int = 64, block_v: int = 128, block_d: int = 64, grad_weight_rows: int = 8192, num_warps: int = 4,
+    block_t: int = 64, block_v: int = 128, block_d: int | None = None, grad_weight_rows: int = 8192, num_warps: int = 4,
 ) -> tuple[Tensor, Tensor]:
     """hidden [T, D], weight [V, D] (the output head, or this rank's vocab slice of it with ``group``),
     targets [T] (global ids) -> (log p(target) [T], entropy [T]), fp32; 0 where target == ignore_index.
 
     Blocks are powers of two >= 16 (``tl.dot``'s minimum); any T, V, D work. A bf16/fp16 weight's
     grad is accumulated in fp32 ``grad_weight_rows`` vocab rows at a time (that much fp32 scratch).
-    ``num_warps`` per program (CUDA; the interpreter ignores it).
+    ``num_warps`` per program (CUDA; the interpreter ignores it). ``block_d`` defaults to
+    :func:`default_block_d`.
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_token_logprobs: expected hidden [T, D] and weight [V, D], "
@@ -256,6 +257,7 @@ def fused_token_logprobs(
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fused_token_logprobs: {name} is {t.dtype}; the kernel takes fp32, bf16 or fp16 "
                              "(use rollpacker.train.logprobs.reference_token_logprobs for fp64)")
+    block_d = block_d or default_block_d(hidden.dtype, weight.dtype)
     for b, name in ((block_t, "block_t"), (block_v, "block_v"), (block_d, "block_d")):
         if b < 16 or b & (b - 1):
             raise ValueError(f"fused_token_logprobs: {name}={b} must be a power of two >= 16")
@@ -270,12 +272,19 @@ def fused_token_logprobs(
                                      grad_weight_rows, num_warps)
 
 
+def default_block_d(*dtypes: torch.dtype) -> int:
+    """64 for 16-bit operands, 32 where one is fp32: the same bytes per operand tile. At 64, fp32 operands take
+    114688 bytes of shared memory in the hidden-grad kernel (Triton 3.6, sm_80 to sm_89), over the 101376 of sm_86
+    and sm_89 cards (A10, L40S, RTX 4090), whose launch would fail."""
+    return 32 if torch.float32 in dtypes else 64
+
+
 BLOCK_NAMES = ("BLOCK_T", "BLOCK_V", "BLOCK_D")
 OPERAND_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, *, block_t: int = 64, block_v: int = 128,
-             block_d: int = 64, num_warps: int = 4) -> dict[str, dict[str, int]]:
+             block_d: int | None = None, num_warps: int = 4) -> dict[str, dict[str, int]]:
     """The three kernels compiled for CUDA ``sm_{arch}`` as :func:`fused_token_logprobs` with these blocks and
     warps compiles them on ``dtype`` operands, by Triton's compiler and ptxas, with no GPU: per kernel,
     ``registers`` and ``local_bytes`` per thread (local memory: spilled registers, arrays not held in registers;
@@ -294,7 +303,8 @@ def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, *, block_t: in
         types = {"h_ptr": f"*{operand}", "w_ptr": f"*{operand}", "y_ptr": "*i64", "inv_temp": "fp32"}
         types |= {name: "constexpr" for name in BLOCK_NAMES}
         signature = {name: types.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
-        source = ASTSource(kernel, signature, constexprs=dict(zip(BLOCK_NAMES, (block_t, block_v, block_d))))
+        blocks = (block_t, block_v, block_d or default_block_d(dtype))
+        source = ASTSource(kernel, signature, constexprs=dict(zip(BLOCK_NAMES, blocks)))
         binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp, "kernel.cubin")

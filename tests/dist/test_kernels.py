@@ -7,7 +7,9 @@ of the blocks. The 2-rank vocab-parallel case runs on real gloo ranks (``tests/d
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -139,6 +141,20 @@ def test_impl_choice_and_errors(monkeypatch):
             compiled()
     with pytest.raises(ValueError, match="float64"):
         fused_token_logprobs(hidden.double(), weight, targets)
+
+
+@pytest.mark.slow
+def test_fp32_operands_fit_the_shared_memory_of_an_sm89_card():
+    """Compiled for sm_89 (L40S, RTX 4090: 101376 bytes of shared memory a program) by Triton's compiler with no
+    GPU, in a process without the interpreter: fp32 operands at their default blocks fit; bf16 ones too."""
+    script = ("import json, torch; from rollpacker_kernels.logprobs import compiled; "
+              "print(json.dumps({str(t): compiled(89, t) for t in (torch.float32, torch.bfloat16)}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    shared = {(dtype, name): k["shared_bytes"] for dtype, kernels in found.items() for name, k in kernels.items()}
+    assert len(shared) == 6 and max(shared.values()) <= 101376, shared
 
 
 def test_vocab_parallel_two_ranks():
