@@ -298,13 +298,13 @@ def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, *, block_t: in
         raise RuntimeError("rollpacker_kernels.logprobs.compiled: the kernels were defined under TRITON_INTERPRET=1 "
                            "and cannot compile; call it in a process without it")
     operand = OPERAND_TYPES[dtype]
+    types = {"h_ptr": f"*{operand}", "w_ptr": f"*{operand}", "y_ptr": "*i64", "inv_temp": "fp32"}
+    types |= {name: "constexpr" for name in BLOCK_NAMES}
+    blocks = dict(zip(BLOCK_NAMES, (block_t, block_v, block_d or default_block_d(dtype))))
     found = {}
     for kernel in (_forward_kernel, _grad_hidden_kernel, _grad_weight_kernel):
-        types = {"h_ptr": f"*{operand}", "w_ptr": f"*{operand}", "y_ptr": "*i64", "inv_temp": "fp32"}
-        types |= {name: "constexpr" for name in BLOCK_NAMES}
         signature = {name: types.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
-        blocks = (block_t, block_v, block_d or default_block_d(dtype))
-        source = ASTSource(kernel, signature, constexprs=dict(zip(BLOCK_NAMES, blocks)))
+        source = ASTSource(kernel, signature, constexprs=blocks)
         binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp, "kernel.cubin")
