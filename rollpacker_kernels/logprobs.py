@@ -22,8 +22,8 @@ tokens only and materializes a ``[chunk, V]`` logits block in the input dtype (b
 ~0.1-nat errors the trainer's importance ratios cannot afford), with no temperature, entropy or
 vocab-parallel head; its vocab-parallel cross-entropy starts from materialized logits; its fused
 GRPO loss (torch, seq x vocab chunks) owns the whole loss and its normalization. Here operands are
-read in their own dtype and multiplied in fp32 (no TF32). Targets equal to ``ignore_index`` give 0
-and no gradient.
+read in their own dtype and every logit is an exact fp32 sum of exact products (TF32 tensor cores for
+16-bit operands, :func:`default_precision`). Targets equal to ``ignore_index`` give 0 and no gradient.
 
 :func:`compiled` compiles the three kernels ahead of time for a CUDA architecture with no GPU (Triton ships
 ptxas and cuobjdump) and reads their registers, local memory (spills) and shared memory: what the interpreter
@@ -46,7 +46,7 @@ from torch import Tensor
 
 @triton.jit
 def _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w, inv_temp,
-                 BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """z[rows, cols] = hidden[rows] @ weight[cols].T * inv_temp, fp32 [BLOCK_T, BLOCK_V]."""
     acc = tl.zeros((BLOCK_T, BLOCK_V), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -54,9 +54,9 @@ def _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w
         d_ok = dd < D
         h = tl.load(h_ptr + rows[:, None] * stride_h + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_w + dd[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        # fp32 operands, no TF32. Native bf16 dots (exact products, fp32 accumulation) would use tensor
-        # cores, but Triton 3.9's interpreter computes them wrongly, so that path could not be tested here.
-        acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        # TF32 holds a bf16 or fp16 value exactly, so its tensor-core products are exact. Native bf16 dots
+        # would be twice as fast, but Triton's interpreter computes them wrongly: that path cannot be tested.
+        acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision=PRECISION)
     return acc * inv_temp
 
 
@@ -78,7 +78,7 @@ def _grad_tile(z, rows, cols, row_ok, col_ok, y_ptr, lse_ptr, mean_ptr, glp_ptr,
 @triton.jit
 def _forward_kernel(h_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, plogit_ptr, target_ptr,
                     T, V, D, stride_h, stride_w, target_offset, inv_temp,
-                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Per token over this weight's rows: max z, sum exp(z - max), sum exp(z - max) * (z - max), z[target]."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
@@ -91,7 +91,7 @@ def _forward_kernel(h_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, plogit_ptr, target
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w, inv_temp,
-                         BLOCK_T, BLOCK_V, BLOCK_D)
+                         BLOCK_T, BLOCK_V, BLOCK_D, PRECISION)
         z = tl.where(col_ok[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         alpha = tl.exp(m - m_new)
@@ -110,7 +110,7 @@ def _forward_kernel(h_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, plogit_ptr, target
 @triton.jit
 def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, gh_ptr,
                         T, V, D, stride_h, stride_w, target_offset, inv_temp,
-                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """grad_hidden[rows] (fp32, zero-initialized) += grad_z @ weight, this program's rows only."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
@@ -118,7 +118,7 @@ def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w, inv_temp,
-                         BLOCK_T, BLOCK_V, BLOCK_D)
+                         BLOCK_T, BLOCK_V, BLOCK_D, PRECISION)
         g = _grad_tile(z, rows, cols, row_ok, col_ok, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, target_offset,
                        inv_temp)
         for d0 in range(0, D, BLOCK_D):
@@ -129,14 +129,14 @@ def _grad_hidden_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
             out = gh_ptr + rows[:, None] * D + dd[None, :]
             ok = row_ok[:, None] & d_ok[None, :]
             acc = tl.load(out, mask=ok, other=0.0)
-            acc = tl.dot(g, w.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(g, w.to(tl.float32), acc, input_precision=PRECISION)
             tl.store(out, acc, mask=ok)
 
 
 @triton.jit
 def _grad_weight_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, gw_ptr,
                         T, V, D, stride_h, stride_w, target_offset, inv_temp,
-                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """grad_weight[cols] (fp32, zero-initialized) += grad_z.T @ hidden, this program's vocab rows only."""
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = cols < V
@@ -144,7 +144,7 @@ def _grad_weight_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
         rows = t0 + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         z = _logits_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D, stride_h, stride_w, inv_temp,
-                         BLOCK_T, BLOCK_V, BLOCK_D)
+                         BLOCK_T, BLOCK_V, BLOCK_D, PRECISION)
         g = _grad_tile(z, rows, cols, row_ok, col_ok, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_ptr, target_offset,
                        inv_temp)
         for d0 in range(0, D, BLOCK_D):
@@ -155,7 +155,7 @@ def _grad_weight_kernel(h_ptr, w_ptr, y_ptr, lse_ptr, mean_ptr, glp_ptr, gent_pt
             out = gw_ptr + cols[:, None] * D + dd[None, :]
             ok = col_ok[:, None] & d_ok[None, :]
             acc = tl.load(out, mask=ok, other=0.0)
-            acc = tl.dot(tl.trans(g), h.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(tl.trans(g), h.to(tl.float32), acc, input_precision=PRECISION)
             tl.store(out, acc, mask=ok)
 
 
@@ -170,7 +170,8 @@ def vocab_start(weight: Tensor, group: dist.ProcessGroup | None) -> int:
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, blocks, grad_weight_rows, num_warps):
+    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, blocks, grad_weight_rows, num_warps,
+                precision):
         block_t, block_v, block_d = blocks
         (num_tokens, dim), vocab = hidden.shape, weight.shape[0]
         offset = vocab_start(weight, group)
@@ -178,7 +179,8 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         grid = (triton.cdiv(num_tokens, block_t),)
         _forward_kernel[grid](hidden, weight, targets, *stats, num_tokens, vocab, dim, hidden.stride(0),
                               weight.stride(0), offset, 1.0 / temperature,
-                              BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, num_warps=num_warps)
+                              BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, PRECISION=precision,
+                              num_warps=num_warps)
         m, s, ps, tgt = stats
         if group is not None:
             m_all = m.clone()
@@ -193,7 +195,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         mean = lse - entropy  # E_p[z]
         ctx.save_for_backward(hidden, weight, targets, lse, mean, valid)
         ctx.temperature, ctx.group, ctx.offset, ctx.blocks = temperature, group, offset, blocks
-        ctx.grad_weight_rows, ctx.num_warps = grad_weight_rows, num_warps
+        ctx.grad_weight_rows, ctx.num_warps, ctx.precision = grad_weight_rows, num_warps, precision
         zero = torch.zeros_like(lse)
         return torch.where(valid, tgt - lse, zero), torch.where(valid, entropy, zero)
 
@@ -213,7 +215,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             grad_hidden = torch.zeros(num_tokens, dim, dtype=torch.float32, device=hidden.device)
             _grad_hidden_kernel[(triton.cdiv(num_tokens, block_t),)](
                 hidden, weight, *args, grad_hidden, num_tokens, vocab, dim, *scalars,
-                BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, num_warps=ctx.num_warps)
+                BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, PRECISION=ctx.precision, num_warps=ctx.num_warps)
             if ctx.group is not None:
                 dist.all_reduce(grad_hidden, group=ctx.group)
             grad_hidden = grad_hidden.to(hidden.dtype)
@@ -229,24 +231,28 @@ class _FusedTokenLogprobs(torch.autograd.Function):
                 _grad_weight_kernel[(triton.cdiv(rows, block_v),)](
                     hidden, weight[start:start + rows], *args, out, num_tokens, rows, dim, hidden.stride(0),
                     weight.stride(0), ctx.offset + start, inv_temp, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d,
-                    num_warps=ctx.num_warps)
+                    PRECISION=ctx.precision, num_warps=ctx.num_warps)
                 if not fp32:
                     grad_weight[start:start + rows] = out
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def fused_token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
     group: dist.ProcessGroup | None = None, ignore_index: int = -100,
-    block_t: int = 64, block_v: int = 128, block_d: int | None = None, grad_weight_rows: int = 8192, num_warps: int = 4,
+    block_t: int = 64, block_v: int = 128, block_d: int = 32, grad_weight_rows: int = 8192, num_warps: int = 8,
+    precision: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """hidden [T, D], weight [V, D] (the output head, or this rank's vocab slice of it with ``group``),
     targets [T] (global ids) -> (log p(target) [T], entropy [T]), fp32; 0 where target == ignore_index.
 
     Blocks are powers of two >= 16 (``tl.dot``'s minimum); any T, V, D work. A bf16/fp16 weight's
     grad is accumulated in fp32 ``grad_weight_rows`` vocab rows at a time (that much fp32 scratch).
-    ``num_warps`` per program (CUDA; the interpreter ignores it). ``block_d`` defaults to
-    :func:`default_block_d`.
+    ``num_warps`` per program (CUDA; the interpreter ignores it). ``precision``, the dots'
+    ``input_precision``, defaults to :func:`default_precision`. With the default blocks and warps, ptxas
+    fits all three kernels in registers for 16-bit operands on sm_80, sm_89 and sm_90 (no local memory,
+    Triton 3.6; docs/results.md), which 64 x 128 x 64 with 4 warps did not; ``block_d`` 32 keeps
+    fp32 operands within the 101376 bytes of shared memory of sm_86 and sm_89 cards (114688 at 64).
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_token_logprobs: expected hidden [T, D] and weight [V, D], "
@@ -257,7 +263,9 @@ def fused_token_logprobs(
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fused_token_logprobs: {name} is {t.dtype}; the kernel takes fp32, bf16 or fp16 "
                              "(use rollpacker.train.logprobs.reference_token_logprobs for fp64)")
-    block_d = block_d or default_block_d(hidden.dtype, weight.dtype)
+    precision = precision or default_precision(hidden.dtype, weight.dtype)
+    if precision not in PRECISIONS:
+        raise ValueError(f"fused_token_logprobs: precision={precision!r} must be one of {', '.join(PRECISIONS)}")
     for b, name in ((block_t, "block_t"), (block_v, "block_v"), (block_d, "block_d")):
         if b < 16 or b & (b - 1):
             raise ValueError(f"fused_token_logprobs: {name}={b} must be a power of two >= 16")
@@ -269,14 +277,20 @@ def fused_token_logprobs(
         raise ValueError(f"fused_token_logprobs: temperature={temperature} must be > 0")
     return _FusedTokenLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
                                      float(temperature), group, ignore_index, (block_t, block_v, block_d),
-                                     grad_weight_rows, num_warps)
+                                     grad_weight_rows, num_warps, precision)
 
 
-def default_block_d(*dtypes: torch.dtype) -> int:
-    """64 for 16-bit operands, 32 where one is fp32: the same bytes per operand tile. At 64, fp32 operands take
-    114688 bytes of shared memory in the hidden-grad kernel (Triton 3.6, sm_80 to sm_89), over the 101376 of sm_86
-    and sm_89 cards (A10, L40S, RTX 4090), whose launch would fail."""
-    return 32 if torch.float32 in dtypes else 64
+PRECISIONS = ("tf32", "ieee")
+"""The dots' ``input_precision``: TF32 tensor cores, or fp32 FMA."""
+
+
+def default_precision(*dtypes: torch.dtype) -> str:
+    """TF32 for 16-bit operands, fp32 FMA where one is fp32. TF32 keeps 10 mantissa bits, which hold any bf16 or
+    fp16 value exactly: the logit tiles' products are exact and accumulate in fp32, on tensor cores (about 7x fp32
+    FMA's throughput on an H100, by NVIDIA's datasheet). Only the grad tiles, computed in fp32, are rounded to TF32
+    (2^-11 relative) where they meet a 16-bit operand: finer than the bf16 gradients they make. An fp32 operand
+    would be rounded, so fp32 stays exact, as torch's matmul is by default."""
+    return "ieee" if torch.float32 in dtypes else "tf32"
 
 
 BLOCK_NAMES = ("BLOCK_T", "BLOCK_V", "BLOCK_D")
@@ -284,7 +298,7 @@ OPERAND_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 
 
 def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, *, block_t: int = 64, block_v: int = 128,
-             block_d: int | None = None, num_warps: int = 4) -> dict[str, dict[str, int]]:
+             block_d: int = 32, num_warps: int = 8, precision: str | None = None) -> dict[str, dict[str, int]]:
     """The three kernels compiled for CUDA ``sm_{arch}`` as :func:`fused_token_logprobs` with these blocks and
     warps compiles them on ``dtype`` operands, by Triton's compiler and ptxas, with no GPU: per kernel,
     ``registers`` and ``local_bytes`` per thread (local memory: spilled registers, arrays not held in registers;
@@ -299,12 +313,12 @@ def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, *, block_t: in
                            "and cannot compile; call it in a process without it")
     operand = OPERAND_TYPES[dtype]
     types = {"h_ptr": f"*{operand}", "w_ptr": f"*{operand}", "y_ptr": "*i64", "inv_temp": "fp32"}
-    types |= {name: "constexpr" for name in BLOCK_NAMES}
-    blocks = dict(zip(BLOCK_NAMES, (block_t, block_v, block_d or default_block_d(dtype))))
+    types |= {name: "constexpr" for name in (*BLOCK_NAMES, "PRECISION")}
+    constexprs = dict(zip(BLOCK_NAMES, (block_t, block_v, block_d)), PRECISION=precision or default_precision(dtype))
     found = {}
     for kernel in (_forward_kernel, _grad_hidden_kernel, _grad_weight_kernel):
         signature = {name: types.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
-        source = ASTSource(kernel, signature, constexprs=blocks)
+        source = ASTSource(kernel, signature, constexprs=constexprs)
         binary = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp, "kernel.cubin")

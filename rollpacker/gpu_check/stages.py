@@ -353,10 +353,12 @@ def stage_offload(run: StageRun) -> bool:
 # ---- (d) the Triton kernel -----------------------------------------------------------------------
 
 
-KERNEL_CONFIGS = {"kernel": {}, "kernel_32x64x32_w8": dict(block_t=32, block_v=64, block_d=32, num_warps=8)}
-"""The kernel's default blocks and warps, and a smaller tile whose forward and hidden-grad kernels ptxas fits in
-registers (Triton 3.6, sm_90, bf16: the forward 255 registers and 840 bytes of local memory per thread at the default,
-128 and none at the smaller; docs/results.md). Timed side by side on the GPU, they choose the default."""
+KERNEL_CONFIGS = {"kernel": {}, "kernel_32x64x32_w8": dict(block_t=32, block_v=64, block_d=32, num_warps=8),
+                  "kernel_ieee": dict(precision="ieee")}
+"""The kernel's default (64x128x32, 8 warps, TF32 dots on the bf16 operands), a smaller tile, and the default tile
+in fp32 FMA (no tensor cores), which the trainer used before: what TF32 buys. Compiled with Triton 3.6 for sm_90 on
+bf16 operands, the first two fit in registers and the third spills (docs/results.md). Timed side by side on the
+GPU, they choose the default."""
 
 COMPILE = """import json, sys
 from rollpacker.gpu_check.stages import KERNEL_CONFIGS
@@ -400,10 +402,10 @@ def stage_kernel(run: StageRun) -> bool:
 
 
 def kernel_timings(run: StageRun) -> dict[str, dict[str, float]]:
-    """The fused kernel at each of :data:`KERNEL_CONFIGS` and the chunked torch path on the same bf16 operands (both
-    compute in fp32): values and gradients at the smallest size, then forward+backward ms, peak and TFLOP/s at the
-    others, smallest first; a size whose two calls would pass the deadline (scaled from the last size measured) is
-    skipped. Each configuration's largest gaps to torch."""
+    """The fused kernel at each of :data:`KERNEL_CONFIGS` and the chunked torch path on the same bf16 operands (fp32
+    logits of exact products): values and gradients at the smallest size, then forward+backward ms, peak and TFLOP/s
+    at the others, smallest first; a size whose two calls would pass the deadline (scaled from the last size
+    measured) is skipped. Each configuration's largest gaps to torch."""
     from functools import partial
 
     from rollpacker_kernels.logprobs import fused_token_logprobs

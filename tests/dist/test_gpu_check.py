@@ -116,13 +116,14 @@ def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
     assert by["train"]["push"]["within_bar"] and by["train"]["push"]["max_dlogprob"] < 1e-3  # fp32 on CPU
     assert by["offload"]["full_tensor_device"] == "cpu" and set(by["offload"]["cpu_collectives"].values()) == {None}
     assert by["kernel"]["max_abs_diff"]["logprob"] < 1e-5 and by["kernel"]["kernel_T128"]["timed_calls"] >= 1
-    assert by["kernel"]["max_abs_diff_32x64x32_w8"]["logprob"] < 1e-5
+    assert all(by["kernel"][f"max_abs_diff_{c}"]["logprob"] < 1e-5 for c in ("32x64x32_w8", "ieee"))
     compiled = by["kernel"]["compiled"]["sm_90"]  # by the GPU machine's Triton and its ptxas, for the H200
     assert sorted(compiled) == sorted(KERNEL_CONFIGS), compiled
     for config in compiled.values():
         assert sorted(config) == ["forward", "grad_hidden", "grad_weight"]
         assert all(0 < k["registers"] <= 255 and 0 < k["shared_bytes"] <= 227 * 1024 for k in config.values())
-    assert compiled["kernel_32x64x32_w8"]["forward"]["local_bytes"] == 0  # KERNEL_CONFIGS's claim
+    for config in ("kernel", "kernel_32x64x32_w8"):  # KERNEL_CONFIGS's claim: TF32 tiles that fit in registers
+        assert all(k["local_bytes"] == 0 for k in compiled[config].values()), compiled[config]
     assert by["engine"]["fp32"]["not_greedy"] == 0 and by["engine"]["preemptions"] > 0
     assert by["engine"]["workspace"]["within_plan"] and by["engine"]["preempted_tokens_differ"] == 0
     assert by["spec"]["draft_lens"][0] == 0 and by["judge"]["bit_equal"]

@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 from support.jobs import torchrun
 
 from rollpacker.train.logprobs import resolve_impl, token_logprobs
-from rollpacker_kernels.logprobs import compiled, fused_token_logprobs
+from rollpacker_kernels.logprobs import compiled, default_precision, fused_token_logprobs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="runs CPU tensors through Triton's interpreter")
@@ -136,6 +136,11 @@ def test_impl_choice_and_errors(monkeypatch):
         fused_token_logprobs(hidden, weight, targets, block_v=48)
     with pytest.raises(ValueError, match="num_warps=6"):
         fused_token_logprobs(hidden, weight, targets, num_warps=6)
+    with pytest.raises(ValueError, match="precision='tf64' must be one of tf32, ieee"):
+        fused_token_logprobs(hidden, weight, targets, precision="tf64")
+    # TF32 holds 16-bit operands exactly, not fp32 ones
+    assert default_precision(torch.bfloat16, torch.float16) == "tf32"
+    assert default_precision(torch.bfloat16, torch.float32) == default_precision(torch.float32) == "ieee"
     if not torch.cuda.is_available():  # the interpreter's kernels: gpu_check's stage (d) compiles them elsewhere
         with pytest.raises(RuntimeError, match="in a process without it"):
             compiled()
