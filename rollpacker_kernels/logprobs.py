@@ -170,17 +170,13 @@ def vocab_start(weight: Tensor, group: dist.ProcessGroup | None) -> int:
 
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, blocks, grad_weight_rows, num_warps,
-                precision):
-        block_t, block_v, block_d = blocks
+    def forward(ctx, hidden, weight, targets, temperature, group, ignore_index, launch, grad_weight_rows):
         (num_tokens, dim), vocab = hidden.shape, weight.shape[0]
         offset = vocab_start(weight, group)
         stats = torch.empty(4, num_tokens, dtype=torch.float32, device=hidden.device)  # max, sumexp, plogit, target
-        grid = (triton.cdiv(num_tokens, block_t),)
-        _forward_kernel[grid](hidden, weight, targets, *stats, num_tokens, vocab, dim, hidden.stride(0),
-                              weight.stride(0), offset, 1.0 / temperature,
-                              BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, PRECISION=precision,
-                              num_warps=num_warps)
+        _forward_kernel[(triton.cdiv(num_tokens, launch["BLOCK_T"]),)](
+            hidden, weight, targets, *stats, num_tokens, vocab, dim, hidden.stride(0), weight.stride(0), offset,
+            1.0 / temperature, **launch)
         m, s, ps, tgt = stats
         if group is not None:
             m_all = m.clone()
@@ -194,15 +190,14 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         entropy = torch.log(s) - ps / s
         mean = lse - entropy  # E_p[z]
         ctx.save_for_backward(hidden, weight, targets, lse, mean, valid)
-        ctx.temperature, ctx.group, ctx.offset, ctx.blocks = temperature, group, offset, blocks
-        ctx.grad_weight_rows, ctx.num_warps, ctx.precision = grad_weight_rows, num_warps, precision
+        ctx.temperature, ctx.group, ctx.offset = temperature, group, offset
+        ctx.launch, ctx.grad_weight_rows = launch, grad_weight_rows
         zero = torch.zeros_like(lse)
         return torch.where(valid, tgt - lse, zero), torch.where(valid, entropy, zero)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse, mean, valid = ctx.saved_tensors
-        block_t, block_v, block_d = ctx.blocks
         (num_tokens, dim), vocab = hidden.shape, weight.shape[0]
         zero = torch.zeros_like(lse)
         glp = zero if grad_logp is None else torch.where(valid, grad_logp.float(), zero).contiguous()
@@ -213,9 +208,8 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_hidden = torch.zeros(num_tokens, dim, dtype=torch.float32, device=hidden.device)
-            _grad_hidden_kernel[(triton.cdiv(num_tokens, block_t),)](
-                hidden, weight, *args, grad_hidden, num_tokens, vocab, dim, *scalars,
-                BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, PRECISION=ctx.precision, num_warps=ctx.num_warps)
+            _grad_hidden_kernel[(triton.cdiv(num_tokens, ctx.launch["BLOCK_T"]),)](
+                hidden, weight, *args, grad_hidden, num_tokens, vocab, dim, *scalars, **ctx.launch)
             if ctx.group is not None:
                 dist.all_reduce(grad_hidden, group=ctx.group)
             grad_hidden = grad_hidden.to(hidden.dtype)
@@ -228,13 +222,12 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             for start in range(0, vocab, step):
                 rows = min(step, vocab - start)
                 out = scratch[:rows].zero_()
-                _grad_weight_kernel[(triton.cdiv(rows, block_v),)](
+                _grad_weight_kernel[(triton.cdiv(rows, ctx.launch["BLOCK_V"]),)](
                     hidden, weight[start:start + rows], *args, out, num_tokens, rows, dim, hidden.stride(0),
-                    weight.stride(0), ctx.offset + start, inv_temp, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d,
-                    PRECISION=ctx.precision, num_warps=ctx.num_warps)
+                    weight.stride(0), ctx.offset + start, inv_temp, **ctx.launch)
                 if not fp32:
                     grad_weight[start:start + rows] = out
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_token_logprobs(
@@ -275,9 +268,9 @@ def fused_token_logprobs(
         raise ValueError(f"fused_token_logprobs: grad_weight_rows={grad_weight_rows} must be >= 1")
     if temperature <= 0:
         raise ValueError(f"fused_token_logprobs: temperature={temperature} must be > 0")
+    launch = dict(BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, PRECISION=precision, num_warps=num_warps)
     return _FusedTokenLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
-                                     float(temperature), group, ignore_index, (block_t, block_v, block_d),
-                                     grad_weight_rows, num_warps, precision)
+                                     float(temperature), group, ignore_index, launch, grad_weight_rows)
 
 
 PRECISIONS = ("tf32", "ieee")
