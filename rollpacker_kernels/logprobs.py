@@ -22,7 +22,7 @@ tokens only and materializes a ``[chunk, V]`` logits block in the input dtype (b
 ~0.1-nat errors the trainer's importance ratios cannot afford), with no temperature, entropy or
 vocab-parallel head; its vocab-parallel cross-entropy starts from materialized logits; its fused
 GRPO loss (torch, seq x vocab chunks) owns the whole loss and its normalization. Here operands are
-read in their own dtype and every logit is an exact fp32 sum of exact products (TF32 tensor cores for
+read in their own dtype and every logit is an fp32 sum of exact products (TF32 tensor cores for
 16-bit operands, :func:`default_precision`). Targets equal to ``ignore_index`` give 0 and no gradient.
 
 :func:`compiled` compiles the three kernels ahead of time for a CUDA architecture with no GPU (Triton ships
@@ -32,6 +32,7 @@ that runs them in CI cannot say.
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import tempfile
@@ -256,19 +257,11 @@ def fused_token_logprobs(
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fused_token_logprobs: {name} is {t.dtype}; the kernel takes fp32, bf16 or fp16 "
                              "(use rollpacker.train.logprobs.reference_token_logprobs for fp64)")
-    precision = precision or default_precision(hidden.dtype, weight.dtype)
-    if precision not in PRECISIONS:
-        raise ValueError(f"fused_token_logprobs: precision={precision!r} must be one of {', '.join(PRECISIONS)}")
-    for b, name in ((block_t, "block_t"), (block_v, "block_v"), (block_d, "block_d")):
-        if b < 16 or b & (b - 1):
-            raise ValueError(f"fused_token_logprobs: {name}={b} must be a power of two >= 16")
-    if num_warps < 1 or num_warps & (num_warps - 1):
-        raise ValueError(f"fused_token_logprobs: num_warps={num_warps} must be a power of two")
+    launch = launch_settings((hidden.dtype, weight.dtype), block_t, block_v, block_d, num_warps, precision)
     if grad_weight_rows < 1:
         raise ValueError(f"fused_token_logprobs: grad_weight_rows={grad_weight_rows} must be >= 1")
     if temperature <= 0:
         raise ValueError(f"fused_token_logprobs: temperature={temperature} must be > 0")
-    launch = dict(BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, PRECISION=precision, num_warps=num_warps)
     return _FusedTokenLogprobs.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
                                      float(temperature), group, ignore_index, launch, grad_weight_rows)
 
@@ -286,28 +279,45 @@ def default_precision(*dtypes: torch.dtype) -> str:
     return "ieee" if torch.float32 in dtypes else "tf32"
 
 
-BLOCK_NAMES = ("BLOCK_T", "BLOCK_V", "BLOCK_D")
+def launch_settings(dtypes: tuple[torch.dtype, ...], block_t: int, block_v: int, block_d: int, num_warps: int,
+                    precision: str | None) -> dict:
+    """The kernels' constexprs and warps for operands of ``dtypes``, checked; ``precision`` None: the default."""
+    precision = precision or default_precision(*dtypes)
+    if precision not in PRECISIONS:
+        raise ValueError(f"fused_token_logprobs: precision={precision!r} must be one of {', '.join(PRECISIONS)}")
+    for b, name in ((block_t, "block_t"), (block_v, "block_v"), (block_d, "block_d")):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"fused_token_logprobs: {name}={b} must be a power of two >= 16")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"fused_token_logprobs: num_warps={num_warps} must be a power of two")
+    return dict(BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_D=block_d, PRECISION=precision, num_warps=num_warps)
+
+
+LAUNCH_ARGS = ("block_t", "block_v", "block_d", "num_warps", "precision")
+"""The settings of :func:`fused_token_logprobs` that :func:`compiled` takes, with the same defaults."""
+
 OPERAND_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, *, block_t: int = 64, block_v: int = 128,
-             block_d: int = 32, num_warps: int = 8, precision: str | None = None) -> dict[str, dict[str, int]]:
-    """The three kernels compiled for CUDA ``sm_{arch}`` as :func:`fused_token_logprobs` with these blocks and
-    warps compiles them on ``dtype`` operands, by Triton's compiler and ptxas, with no GPU: per kernel,
-    ``registers`` and ``local_bytes`` per thread (local memory: spilled registers, arrays not held in registers;
-    0 is best) and ``shared_bytes`` per program. Raises what the compiler raises: a kernel the interpreter runs
-    may still not compile. Needs ``TRITON_INTERPRET`` unset when this module was imported (the interpreter's
-    kernels cannot compile)."""
+def compiled(arch: int = 90, dtype: torch.dtype = torch.bfloat16, **config) -> dict[str, dict[str, int]]:
+    """The three kernels compiled for CUDA ``sm_{arch}`` as :func:`fused_token_logprobs` with ``config`` (its
+    :data:`LAUNCH_ARGS`, at its defaults) compiles them on ``dtype`` operands, by Triton's compiler and ptxas, with
+    no GPU: per kernel, ``registers`` and ``local_bytes`` per thread (local memory: spilled registers, arrays not
+    held in registers; 0 is best) and ``shared_bytes`` per program. Raises what the compiler raises: a kernel the
+    interpreter runs may still not compile. Needs ``TRITON_INTERPRET`` unset when this module was imported (the
+    interpreter's kernels cannot compile)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if not isinstance(_forward_kernel, triton.runtime.JITFunction):
         raise RuntimeError("rollpacker_kernels.logprobs.compiled: the kernels were defined under TRITON_INTERPRET=1 "
                            "and cannot compile; call it in a process without it")
+    defaults = {k: p.default for k, p in inspect.signature(fused_token_logprobs).parameters.items() if k in LAUNCH_ARGS}
+    constexprs = launch_settings((dtype,), **(defaults | config))
+    num_warps = constexprs.pop("num_warps")
     operand = OPERAND_TYPES[dtype]
     types = {"h_ptr": f"*{operand}", "w_ptr": f"*{operand}", "y_ptr": "*i64", "inv_temp": "fp32"}
-    types |= {name: "constexpr" for name in (*BLOCK_NAMES, "PRECISION")}
-    constexprs = dict(zip(BLOCK_NAMES, (block_t, block_v, block_d)), PRECISION=precision or default_precision(dtype))
+    types |= {name: "constexpr" for name in constexprs}
     found = {}
     for kernel in (_forward_kernel, _grad_hidden_kernel, _grad_weight_kernel):
         signature = {name: types.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.arg_names}
