@@ -12,6 +12,9 @@ A response that holds no answer scores 0; anything that goes wrong while scoring
 
 from __future__ import annotations
 
+import functools
+import logging
+
 from rollpacker.reward.functions import completion_text
 from rollpacker.toy import task as toy_task
 
@@ -28,10 +31,19 @@ def _as_latex(answer: str) -> str:
     return f"${answer}$"
 
 
+@functools.cache
+def _math_verify():
+    """math-verify's ``parse`` and ``verify``, imported on first use (sympy behind it: a second), not at config
+    time; its "timeout is disabled" warnings silenced: ours is the worker's kill."""
+    import math_verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return math_verify.parse, math_verify.verify
+
+
 def math_reward(response: str, answer: str) -> float:
     """1.0 if the response's final answer (``\\boxed{}``, else the last expression) equals ``answer``."""
-    from math_verify import parse, verify  # sympy behind it: imported on first use, not at config time
-
+    parse, verify = _math_verify()
     try:
         gold = parse(_as_latex(answer), parsing_timeout=None, raise_on_error=True)
     except Exception as e:
@@ -62,6 +74,9 @@ def math(completions: list, answer: list[str] | None = None, **_) -> list[float 
     """The built-in ``math``: :func:`math_reward` of each completion (None without an answer)."""
     return [None if a is None else math_reward(completion_text(c), a)
             for c, a in zip(completions, _or_none(answer, completions))]
+
+
+math.warm_up = _math_verify  # a reward worker imports math-verify before it says ready, not in its first call
 
 
 def _or_none(column: list | None, completions: list) -> list:

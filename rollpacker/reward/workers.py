@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import queue
@@ -102,9 +101,6 @@ def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...])
     """A worker's life: warm up (the functions of ``targets`` imported and warmed up), say ready (None), then
     score ``(ref, sample)`` until told None."""
     ignore_stops(parent)
-    import math_verify  # noqa: F401  (sympy behind it: a second, not part of the first sample's time)
-
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": ours is the kill
     for target in targets:
         warm_up(target, "reward.funcs")
 
@@ -139,7 +135,7 @@ class RewardPool(WorkerPool):
     def __init__(self, cfg: RewardConfig | None = None, targets: tuple[str, ...] = ()):
         """``targets``: the functions the workers will call, loaded and warmed up as each starts."""
         self.cfg, self.targets = cfg or RewardConfig(), targets
-        self._start_timeout, self._loads = self.cfg.start_timeout, ", ".join(targets) or "math-verify"
+        self._start_timeout, self._loads = self.cfg.start_timeout, ", ".join(targets) or self._loads
         self._todo: collections.deque[_Task] = collections.deque()
         super().__init__(self.cfg.num_workers)
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+
 import pytest
 
+from rollpacker.imports import target
 from rollpacker.reward import RewardError, math_reward, rules, toy_reward
+from rollpacker.reward.functions import BUILTINS
 from rollpacker.toy import task as toy
 
 
@@ -49,6 +55,16 @@ def test_math_reward_off_the_main_thread():
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(math_reward, "\\boxed{42}", "42").result() == 1.0
+
+
+def test_a_worker_warms_up_math_verify_for_math_alone():
+    """math-verify and sympy behind it (a second) are imported as a worker warms ``math`` up, before it says
+    ready, with their timeout warnings off; a worker of ``toy`` does without them."""
+    code = ("import logging, sys\nfrom rollpacker.imports import warm_up\nwarm_up(sys.argv[1], 'reward.funcs')\n"
+            "print('math_verify' in sys.modules, logging.getLogger('math_verify').level)")
+    warmed = {name: subprocess.run([sys.executable, "-c", code, target(name, BUILTINS)], capture_output=True,
+                                   text=True, timeout=120, check=True).stdout.split() for name in ("math", "toy")}
+    assert warmed == {"math": ["True", str(logging.ERROR)], "toy": ["False", str(logging.NOTSET)]}
 
 
 def test_toy_reward_is_toy_score():
