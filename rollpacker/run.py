@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("building the job on %s rank(s): model, engines, trainer, data", os.environ.get("WORLD_SIZE", "1"))
         if config.resume:
             logger.info("resuming from %s", config.resume)
-    import torch.distributed as dist
-
+    from rollpacker.dist import exit_process
     from rollpacker.job import build
     from rollpacker.loops import train
 
@@ -114,8 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             job.controller.close()  # the reward workers stopped
         fail(as_flags(str(e)))
     job.close()
-    if dist.is_initialized():  # vLLM's shutdown destroys it
-        dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

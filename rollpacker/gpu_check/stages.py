@@ -702,7 +702,7 @@ def stage_episodes(run: StageRun) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.distributed as dist
+    from rollpacker.dist import exit_process
 
     parser = argparse.ArgumentParser(prog="python -m rollpacker.gpu_check.stages")
     parser.add_argument("stage", choices=list(STAGES))
@@ -723,9 +723,7 @@ def main(argv: list[str] | None = None) -> None:
         ok = False
         run.result["error"] = repr(e)[:600]
     run.report(ok=bool(ok))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    exit_process(0 if ok else 1)
 
 
 if __name__ == "__main__":
