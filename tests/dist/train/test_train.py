@@ -25,15 +25,15 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
               "--checkpoint-every", "1", "--eval-every", "0", "--train.entropy-coef", "0.01", "--train.kl-coef", "0.05",
               "--train.kl-target", "0.1", "--train.kl-horizon", "32", "--train.ref-sync-steps", "1",
               "--train.kl-in-reward", "--train.advantage", "gae", "--train.lam", "0.9"]
-    proc = launch_job(*common, "--num-steps", "2", "--eval-every", "2", "--data.num-eval-prompts", "8",
+    proc = launch_job(*common, "--num-steps", "3", "--eval-every", "3", "--data.num-eval-prompts", "8",
                       "--checkpoint.export-hf-each", nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # each checkpoint holds the policy of its step as a Hugging Face model; the last one's is the run's export
     exported = {step: load_file(tmp_path / "checkpoints" / f"step_{step}" / "hf" / "model.safetensors")
-                for step in (1, 2)}
+                for step in (1, 2, 3)}
     final = load_file(tmp_path / "hf" / "model.safetensors")
-    assert final.keys() == exported[2].keys() and all(torch.equal(final[k], exported[2][k]) for k in final)
-    assert not all(torch.equal(exported[1][k], exported[2][k]) for k in final)  # step 2 trained on
+    assert final.keys() == exported[3].keys() and all(torch.equal(final[k], exported[3][k]) for k in final)
+    assert not all(torch.equal(exported[1][k], exported[2][k]) for k in final)  # step 1 trained on
     assert (tmp_path / "checkpoints" / "step_1" / "hf" / "tokenizer.json").is_file()
     # the export tool writes the same from the checkpoint afterwards, on one process (DCP reshards the two ranks')
     out = tmp_path / "exported"
@@ -43,35 +43,29 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     again = load_file(out / "model.safetensors")
     assert again.keys() == final.keys() and all(torch.equal(again[k], exported[1][k]) for k in again)
     assert (out / "config.json").read_text() == (tmp_path / "hf" / "config.json").read_text()
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [0, 1, 2]  # step 2: the final evaluation
-    assert "eval/accuracy" in lines[0] and "eval/accuracy" in lines[2] and "eval/accuracy" not in lines[1]
+    straight = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in straight] == [0, 1, 2, 3]  # step 3: the final evaluation
+    assert [("eval/accuracy" in r) for r in straight] == [True, False, False, True]
     for key in ("time/rollout", "time/reward", "time/reward_exposed", "reward/seconds_total", "time/train",
                 "time/weight_sync", "time/step", "sched/round_kind", "sched/aborted_responses", "rollout/wasted_tokens",
                 "rollout/bubble_ratio", "rollout/response_len_p90", "rollout/tokens_per_s", "reward/mean",
                 "reward/accuracy", "train/grad_norm"):
-        assert key in lines[0], key
-    assert len(lines[0]["rollout/response_lengths"]) == 16
-    assert lines[0]["train/rollout_logprob_diff"] < 1e-3  # engine and trainer agree on the policy
+        assert key in straight[0], key
+    assert len(straight[0]["rollout/response_lengths"]) == 16
+    assert straight[0]["train/rollout_logprob_diff"] < 1e-3  # engine and trainer agree on the policy
+    assert [r["train/kl_coef"] for r in straight[:3]] == pytest.approx([0.05, 0.05 * 0.9, 0.05 * 0.9 * 0.9])
     assert (tmp_path / "checkpoints" / "step_2" / "COMMITTED").exists()
+    # resumed at step 2 (the run's step 2 and final evaluation dropped from its record, done again): step 2 is the
+    # uninterrupted run's, bit for bit (seeded sampling, exact fp32 state)
     proc = launch_job(*common, "--num-steps", "3", "--resume", str(tmp_path / "checkpoints" / "step_2"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in resumed] == [0, 1, 2]  # each step once: the resumed step 2 replaces the eval line
-    # the resumed step 2 is the uninterrupted run's step 2, bit for bit (seeded sampling, exact fp32 state); that
-    # run evaluates before step 0 as the first did (an evaluation leaves the engine's later numerics changed)
-    straight = tmp_path / "straight"
-    proc = launch_job(*common[:3], str(straight), *common[4:], "--num-steps", "3", "--eval-every", "3",
-                      "--data.num-eval-prompts", "8", nproc=2)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    reference = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in reference] == [0, 1, 2, 3]  # step 3: the final evaluation
+    assert [r["step"] for r in resumed] == [0, 1, 2]  # each step once
     timing = ("time/", "_per_s", "seconds", "wait_ratio", "bubble_ratio")  # wall-clock measurements
-    same = {k: v for k, v in reference[2].items() if not any(t in k for t in timing)}
+    same = {k: v for k, v in straight[2].items() if not any(t in k for t in timing)}
     assert {k: resumed[2].get(k) for k in same} == same
     assert "train/loss" in same and "train/grad_norm" in same and "rollout/response_lengths" in same
     assert same["critic/vf_loss"] > 0 and same["critic/grad_norm"] > 0
-    assert [r["train/kl_coef"] for r in reference[:3]] == pytest.approx([0.05, 0.05 * 0.9, 0.05 * 0.9 * 0.9])
 
 
 def test_missing_checkpoint_and_bad_world_are_clear_errors(toy_random_dir, tmp_path):
