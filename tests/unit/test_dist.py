@@ -120,3 +120,20 @@ def test_a_second_job_in_one_process_keeps_one_heartbeat_and_stop_joins_it(monke
         atexit.unregister(watchdog.stop)
         signal.signal(signal.SIGXFSZ, xfsz)
     assert ours() == []
+
+
+def test_exit_process_finishes_threads_and_exit_handlers_then_exits_with_the_code():
+    """A rank's end without the interpreter's teardown still ends as any exit does: the default group
+    destroyed, a non-daemon thread finished, the exit handlers run, the output flushed."""
+    import subprocess
+
+    code = ("import atexit, sys, threading, time, torch.distributed as dist\n"
+            "from rollpacker.dist import exit_process\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+            "atexit.register(lambda: print('handler ran', dist.is_initialized()))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread finished'))).start()\n"
+            "print('unflushed', end='')\n"
+            "exit_process(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "unflushedthread finished\nhandler ran False\n", proc.stdout
