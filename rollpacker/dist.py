@@ -94,7 +94,7 @@ def exit_process(code: int) -> NoReturn:
     """End a process that closed what it opened: its default group destroyed, its other threads finished and
     its exit handlers run (logging's, wandb's), as at any exit; then out without the interpreter's teardown,
     which spends a second of CPU per process unloading torch and transformers."""
-    if dist.is_initialized():
+    if dist.is_initialized():  # vLLM's shutdown destroys it
         dist.destroy_process_group()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:

@@ -33,7 +33,7 @@ def _as_latex(answer: str) -> str:
 
 @functools.cache
 def _math_verify():
-    """math-verify's ``parse`` and ``verify``, imported on first use (sympy behind it: a second), not at config
+    """math-verify's ``parse`` and ``verify``, imported on first use (sympy behind it: half a second), not at config
     time; its "timeout is disabled" warnings silenced: ours is the worker's kill."""
     import math_verify
 

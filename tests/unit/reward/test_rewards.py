@@ -58,7 +58,7 @@ def test_math_reward_off_the_main_thread():
 
 
 def test_a_worker_warms_up_math_verify_for_math_alone():
-    """math-verify and sympy behind it (a second) are imported as a worker warms ``math`` up, before it says
+    """math-verify and sympy behind it (half a second) are imported as a worker warms ``math`` up, before it says
     ready, with their timeout warnings off; a worker of ``toy`` does without them."""
     code = ("import logging, sys\nfrom rollpacker.imports import warm_up\nwarm_up(sys.argv[1], 'reward.funcs')\n"
             "print('math_verify' in sys.modules, logging.getLogger('math_verify').level)")
