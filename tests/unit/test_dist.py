@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -125,8 +126,6 @@ def test_a_second_job_in_one_process_keeps_one_heartbeat_and_stop_joins_it(monke
 def test_exit_process_finishes_threads_and_exit_handlers_then_exits_with_the_code():
     """A rank's end without the interpreter's teardown still ends as any exit does: the default group
     destroyed, a non-daemon thread finished, the exit handlers run, the output flushed."""
-    import subprocess
-
     code = ("import atexit, sys, threading, time, torch.distributed as dist\n"
             "from rollpacker.dist import exit_process\n"
             "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
