@@ -243,10 +243,10 @@ def fused_token_logprobs(
     Blocks are powers of two >= 16 (``tl.dot``'s minimum); any T, V, D work. A bf16/fp16 weight's
     grad is accumulated in fp32 ``grad_weight_rows`` vocab rows at a time (that much fp32 scratch).
     ``num_warps`` per program (CUDA; the interpreter ignores it). ``precision``, the dots'
-    ``input_precision``, defaults to :func:`default_precision`. With the default blocks and warps, ptxas
-    fits all three kernels in registers for 16-bit operands on sm_80, sm_89 and sm_90 (no local memory,
-    Triton 3.6; docs/results.md), which 64 x 128 x 64 with 4 warps did not; ``block_d`` 32 keeps
-    fp32 operands within the 101376 bytes of shared memory of sm_86 and sm_89 cards (114688 at 64).
+    ``input_precision``, defaults to :func:`default_precision` (on AMD GPUs but MI300's, fp32 FMA). With the
+    default blocks and warps, ptxas fits all three kernels in registers for 16-bit operands on sm_80, sm_89
+    and sm_90 (no local memory, Triton 3.6; docs/results.md), which 64 x 128 x 64 with 4 warps did not;
+    ``block_d`` 32 keeps fp32 operands within the 101376 bytes of shared memory of sm_86 and sm_89 cards (114688 at 64).
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_token_logprobs: expected hidden [T, D] and weight [V, D], "
@@ -257,7 +257,8 @@ def fused_token_logprobs(
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fused_token_logprobs: {name} is {t.dtype}; the kernel takes fp32, bf16 or fp16 "
                              "(use rollpacker.train.logprobs.reference_token_logprobs for fp64)")
-    launch = launch_settings((hidden.dtype, weight.dtype), block_t, block_v, block_d, num_warps, precision)
+    launch = launch_settings((hidden.dtype, weight.dtype), block_t, block_v, block_d, num_warps, precision,
+                             amd_arch(hidden.device))
     if grad_weight_rows < 1:
         raise ValueError(f"fused_token_logprobs: grad_weight_rows={grad_weight_rows} must be >= 1")
     if temperature <= 0:
@@ -270,21 +271,38 @@ PRECISIONS = ("tf32", "ieee")
 """The dots' ``input_precision``: TF32 tensor cores, or fp32 FMA."""
 
 
-def default_precision(*dtypes: torch.dtype) -> str:
+def default_precision(*dtypes: torch.dtype, arch: str = "") -> str:
     """TF32 for 16-bit operands, fp32 FMA where one is fp32. TF32 keeps 10 mantissa bits, which hold any bf16 or
     fp16 value exactly: the logit tiles' products are exact and accumulate in fp32, on tensor cores (about 7x fp32
     FMA's throughput on an H100, by NVIDIA's datasheet). Only the grad tiles, computed in fp32, are rounded to TF32
     (2^-11 relative) where they meet a 16-bit operand: finer than the bf16 gradients they make. An fp32 operand
-    would be rounded, so fp32 stays exact, as torch's matmul is by default."""
-    return "ieee" if torch.float32 in dtypes else "tf32"
+    would be rounded, so fp32 stays exact, as torch's matmul is by default. ``arch``, an AMD GPU's (:func:`amd_arch`):
+    Triton takes TF32 there on gfx942 (MI300) alone, so fp32 FMA elsewhere."""
+    return "ieee" if torch.float32 in dtypes or not tf32_allowed(arch) else "tf32"
+
+
+def amd_arch(device: torch.device) -> str:
+    """The architecture of ``device`` when it is an AMD GPU (``gfx90a``, ``gfx942``...), else empty."""
+    if device.type != "cuda" or not torch.version.hip:
+        return ""
+    return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+
+
+def tf32_allowed(arch: str) -> bool:
+    """Whether Triton compiles a TF32 dot for ``arch`` (:func:`amd_arch`; empty: NVIDIA, or the interpreter)."""
+    return not arch or arch == "gfx942"
 
 
 def launch_settings(dtypes: tuple[torch.dtype, ...], block_t: int, block_v: int, block_d: int, num_warps: int,
-                    precision: str | None) -> dict:
-    """The kernels' constexprs and warps for operands of ``dtypes``, checked; ``precision`` None: the default."""
-    precision = precision or default_precision(*dtypes)
+                    precision: str | None, arch: str = "") -> dict:
+    """The kernels' constexprs and warps for operands of ``dtypes`` on ``arch`` (:func:`amd_arch`), checked;
+    ``precision`` None: the default."""
+    precision = precision or default_precision(*dtypes, arch=arch)
     if precision not in PRECISIONS:
         raise ValueError(f"fused_token_logprobs: precision={precision!r} must be one of {', '.join(PRECISIONS)}")
+    if precision == "tf32" and not tf32_allowed(arch):
+        raise ValueError(f"fused_token_logprobs: precision='tf32' does not compile on {arch} (Triton takes TF32 "
+                         "dots on AMD's gfx942 alone); use precision='ieee', or leave it unset")
     for b, name in ((block_t, "block_t"), (block_v, "block_v"), (block_d, "block_d")):
         if b < 16 or b & (b - 1):
             raise ValueError(f"fused_token_logprobs: {name}={b} must be a power of two >= 16")

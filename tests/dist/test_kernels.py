@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 from support.jobs import torchrun
 
 from rollpacker.train.logprobs import resolve_impl, token_logprobs
-from rollpacker_kernels.logprobs import compiled, default_precision, fused_token_logprobs
+from rollpacker_kernels.logprobs import compiled, default_precision, fused_token_logprobs, launch_settings, tf32_allowed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="runs CPU tensors through Triton's interpreter")
@@ -146,6 +146,21 @@ def test_impl_choice_and_errors(monkeypatch):
             compiled()
     with pytest.raises(ValueError, match="float64"):
         fused_token_logprobs(hidden.double(), weight, targets)
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx942", "gfx950", "gfx1100"])
+def test_on_an_amd_gpu_tf32_is_chosen_where_tritons_compiler_takes_it_and_refused_elsewhere(arch):
+    """MI250, MI300, MI355, RX 7900: the rule against the options Triton's AMD backend gives that architecture."""
+    from triton.backends.amd.compiler import HIPBackend
+    from triton.backends.compiler import GPUTarget
+
+    taken = "tf32" in HIPBackend(GPUTarget("hip", arch, 64)).parse_options({}).allowed_dot_input_precisions
+    assert tf32_allowed(arch) == taken
+    assert default_precision(torch.bfloat16, arch=arch) == ("tf32" if taken else "ieee")
+    assert default_precision(torch.float32, arch=arch) == "ieee"
+    if not taken:
+        with pytest.raises(ValueError, match=f"precision='tf32' does not compile on {arch}"):
+            launch_settings((torch.bfloat16,), 64, 128, 32, 8, "tf32", arch)
 
 
 @pytest.mark.slow
