@@ -3,10 +3,9 @@
 Each run is the 2-rank toy job with a toy environment (:class:`WorkloadEnv`) shaped as ``--workload``
 (:mod:`rollpacker.sim.agentic`; agentic by default): heavy-tailed turns, environment latency and cold
 starts, over ``--epochs`` of the same prompts. It runs under each of ``--policies`` (default ``sync``,
-``tail+paper``: the paper's policy alone, ``tail``, ``tail+warm``: environments warmed ahead,
-``tail+stream``, ``one_step_off``) for each of ``--seeds``. Per seed and policy it prints rollout and
-step seconds per trained prompt and their speedups, environment wait, reused prefill, and prompts
-lost or trained twice. The last line is JSON: the seeds' mean speedups, summed counts.
+``tail``, ``tail+warm``: environments warmed ahead, ``tail+stream``, ``one_step_off``) for each of ``--seeds``.
+Per seed and policy it prints rollout and step seconds per trained prompt and their speedups, environment wait,
+reused prefill, and prompts lost or trained twice. The last line is JSON: the seeds' mean speedups, summed counts.
 
 Invariants:
 
@@ -107,9 +106,9 @@ def bench_workload(spec: str, *, sigma: float = 0.0, max_turns: int = 0, median_
 
 @dataclass
 class Args:
-    policies: str = "sync,tail+paper,tail,tail+warm,tail+stream,one_step_off"
+    policies: str = "sync,tail,tail+warm,tail+stream,one_step_off"
     """Comma-separated policies (as bench schedulers names them); the first is the baseline of the speedups.
-    ``tail+paper``: the paper's policy alone (long rounds of exactly P0), before tail's additions for episodes;
+    ``tail+paper``: the paper's long rounds (exactly P0) whatever ``--eta-long`` says;
     a ``+warm`` suffix: environments warmed ahead (--env.warm)."""
     seeds: str = "0"
     """Comma-separated seeds (sampling, data order, init); each runs every policy, the JSON holds their means."""
@@ -138,13 +137,13 @@ class Args:
     no episode waits behind another's latency."""
     eta_prompts: float = 0.0
     """tail's η_P (--schedule.eta-prompts of the tail policies): prompts launched per short round over P0 (0: the
-    policy's default over episodes, 2; tail+paper: 1.25)."""
+    policy's, 1.25; raced at 2, the agent learned its tool later: bench parity)."""
     eta_responses: float = 0.0
     """tail's η_R (--schedule.eta-responses of the tail policies): episodes launched per prompt over R0 (0: the
     policy's default over episodes, 1: keeping a group's first episodes would bias what it learns, bench parity)."""
     eta_long: float = 0.0
-    """tail's η_L (--schedule.eta-long): prompts launched per long round over P0 (0: the policy's default over
-    episodes, 4; tail+paper: 1)."""
+    """tail's η_L (--schedule.eta-long): prompts launched per long round over P0 (0: the policy's, 1;
+    tail+paper: always 1)."""
     speculative: str = "auto"
     """engine.speculative of every run; tokens_changed compares it with off."""
     nproc: int = 2

@@ -37,9 +37,7 @@ from rollpacker.schedule.base import (
 from rollpacker.schedule.ledger import Key, Ledger
 
 PAPER_ETA_PROMPTS = PAPER_ETA_RESPONSES = 1.25
-"""η_P and η_R of single-turn responses (RollPacker's defaults)."""
-EPISODES_ETA_PROMPTS, EPISODES_ETA_LONG = 2.0, 4.0
-"""η_P and η_L of episodes (bench episodes and sim episodes: docs/results.md)."""
+"""η_P and η_R (RollPacker's defaults; over episodes η_R is 1)."""
 
 
 def eta_overrides(prompts: float = 0.0, responses: float = 0.0, long: float = 0.0, paper: bool = False) -> dict:
@@ -56,38 +54,33 @@ class TailConfig(PolicyConfig):
     """tail: RollPacker's tail batching, speculative short rounds and a long-prompt queue."""
 
     name: ClassVar[str] = "tail"
-    eta_prompts: float | None = None
-    """η_P: short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation). None: 1.25 (the paper's), but 2 for
-    episodes, whose cost varies far more between prompts (docs/policies.md, bench episodes)."""
+    eta_prompts: float = PAPER_ETA_PROMPTS
+    """η_P: short rounds launch ⌈η_P·P0⌉ prompts (1 = no prompt speculation; 1.25 the paper's). Over episodes 2
+    is faster, and learned the slow tool later than sync (docs/policies.md, bench parity)."""
     eta_responses: float | None = None
     """η_R: short rounds launch ⌈η_R·R0⌉ responses per prompt, keep the first R0 (1 = no response speculation).
     None: 1.25 (the paper's), but 1 for episodes: keeping a group's first episodes teaches an agent to avoid
     its slow actions (docs/policies.md, bench parity)."""
-    eta_long: float | None = None
+    eta_long: float = 1.0
     """η_L: long rounds launch ⌈η_L·P0⌉ of the queue's prompts and keep the first P0 to complete (1: the paper's,
-    all to completion). None: 1, but 4 for episodes, whose heavy prompts are heavy by their own draws too
-    (docs/policies.md, bench episodes)."""
+    all to completion)."""
     pipe: bool = False
     """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
 
     def __post_init__(self) -> None:
-        if min(self.eta_prompts or 1, self.eta_responses or 1, self.eta_long or 1) < 1:
+        if min(self.eta_prompts, self.eta_responses or 1, self.eta_long) < 1:
             raise ValueError(f"schedule.eta_prompts={self.eta_prompts}, schedule.eta_responses={self.eta_responses} "
                              f"and schedule.eta_long={self.eta_long} must be >= 1")
 
     def settle(self, episodes: bool) -> None:
-        if self.eta_prompts is None:
-            self.eta_prompts = EPISODES_ETA_PROMPTS if episodes else PAPER_ETA_PROMPTS
         if self.eta_responses is None:
             self.eta_responses = 1.0 if episodes else PAPER_ETA_RESPONSES
-        if self.eta_long is None:
-            self.eta_long = EPISODES_ETA_LONG if episodes else 1.0
 
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> TailPolicy:
         """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
-        return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts or PAPER_ETA_PROMPTS,
-                          eta_responses=self.eta_responses or PAPER_ETA_RESPONSES, eta_long=self.eta_long or 1.0,
+        return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts,
+                          eta_responses=self.eta_responses or PAPER_ETA_RESPONSES, eta_long=self.eta_long,
                           filter_zero_variance=self.filter_zero_variance,
                           num_epochs=num_epochs, last_step=last_step)
 

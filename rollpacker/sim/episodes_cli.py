@@ -33,7 +33,7 @@ class EpisodesArgs:
     """Preset: the model (by name), P0, R0, TP and the per-turn cap (rollout.max_new_tokens)."""
     gpus: int = 128
     """GPUs of the job."""
-    policies: str = "sync,tail+paper,tail,tail+stream"
+    policies: str = "sync,tail,tail+stream"
     """Comma-separated policies (POLICY, POLICY+stream, tail+paper: the paper's policy alone, +warm: environments
     warmed ahead); the first is the baseline of the speedups."""
     num_steps: int = 10
@@ -52,12 +52,12 @@ class EpisodesArgs:
     seed: int = 0
     eta_prompts: float = 0.0
     """tail's η_P (prompts launched per short round over P0) for the tail policies, as ``bench episodes`` sets it
-    (0: the policy's default over episodes, 2; tail+paper: 1.25)."""
+    (0: the policy's, 1.25)."""
     eta_responses: float = 0.0
     """tail's η_R (episodes launched per prompt over R0) for the tail policies (0: the policy's default, 1)."""
     eta_long: float = 0.0
-    """tail's η_L (prompts launched per long round over P0) for tail (0: the default over episodes, 4;
-    tail+paper: 1)."""
+    """tail's η_L (prompts launched per long round over P0) for tail (0: the policy's, 1;
+    tail+paper: always 1)."""
 
     def __post_init__(self) -> None:
         for name in ("gpus", "num_steps"):

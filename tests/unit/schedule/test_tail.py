@@ -263,8 +263,8 @@ def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
 
 def test_episodes_default_to_no_choice_inside_a_group_and_the_papers_rule_stays_a_flag():
     """Keeping a group's first episodes biases an agent against its slow actions (bench parity): with an
-    environment, tail's η_R defaults to 1 (prompts still over-provisioned and deferred whole, η_P 2 and η_L 4:
-    bench episodes)."""
+    environment, tail's η_R defaults to 1 (prompts still over-provisioned and deferred whole, at the paper's η_P and
+    η_L: raced harder, the agent learned its tool later, bench parity)."""
     from rollpacker.config import parse
 
     tools = ["--env.tools", "rollpacker.toy.tools:calculator"]
@@ -272,7 +272,7 @@ def test_episodes_default_to_no_choice_inside_a_group_and_the_papers_rule_stays_
     assert parse(["schedule:tail", *tools, "--schedule.eta-responses", "1.25"]).schedule.eta_responses == 1.25
     assert parse(["schedule:tail"]).schedule.eta_responses == 1.25
     episodes, single = parse(["schedule:tail", *tools]).schedule, parse(["schedule:tail"]).schedule
-    assert (episodes.eta_prompts, episodes.eta_long, single.eta_prompts, single.eta_long) == (2.0, 4.0, 1.25, 1.0)
+    assert (episodes.eta_prompts, episodes.eta_long, single.eta_prompts, single.eta_long) == (1.25, 1.0, 1.25, 1.0)
 
 
 def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
