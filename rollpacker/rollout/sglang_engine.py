@@ -1,4 +1,5 @@
-"""SGLangEngine: SGLang's offline ``sgl.Engine`` behind the engine contract, pinned to :data:`SGLANG_VERSION`.
+"""SGLangEngine: SGLang's offline ``sgl.Engine`` behind the engine contract, pinned to
+:data:`~rollpacker.rollout.sglang_process.SGLANG_VERSION`.
 
 It runs on GPU and, for CI, on CPU (SGLang's CPU platform). It has never run on a GPU.
 
@@ -11,20 +12,16 @@ It runs on GPU and, for CI, on CPU (SGLang's CPU platform). It has never run on 
 - An abort that reaches a request SGLang already finished returns it whole.
 - A weight push and a memory release wait until SGLang is idle.
 
-Why so much here: SGLang runs its schedulers in processes of its own, with their own signal
-handling. The adapter must keep them in step with the controller and alive inside a torchrun rank. How each
-call maps onto SGLang, and each fix: ``docs/sglang.md``.
+Starting, stopping and taming SGLang's own processes inside a torchrun rank:
+:mod:`~rollpacker.rollout.sglang_process`. How each call maps onto SGLang, and each fix: ``docs/sglang.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import multiprocessing
 import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -51,54 +48,20 @@ from rollpacker.rollout.engine import (
     start_output,
     stop_string_hit,
 )
+from rollpacker.rollout.sglang_process import (
+    engine_died,
+    import_sglang,
+    share_with_schedulers,
+    start,
+    stop,
+)
 
-SGLANG_VERSION = "0.5.23"
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 _ABORT_TIMEOUT_S = 60.0
 _IDLE_TIMEOUT_S = 60.0
 """How long a release or a weight push waits for SGLang's scheduler to finish what it still runs."""
 STREAM_INTERVAL = 8
 """Tokens per streamed update of a running request (SGLang's ``stream_interval``)."""
-
-
-class EngineDied(RuntimeError):
-    """SGLang's scheduler or detokenizer process failed; the engine is gone."""
-
-
-_STARTED: dict[int, str] = {}
-"""pid -> title of every SGLang process this one started (SGLang reaps a dead one before SIGQUIT)."""
-
-
-def _sglang_processes() -> dict:
-    """This process's live SGLang descendants (``sglang::...``), by pid."""
-    import psutil
-
-    return {p.pid: p for p in psutil.Process().children(recursive=True) if _title(p).startswith("sglang::")}
-
-
-def _title(process) -> str:
-    """A process's title (SGLang names its own ``sglang::...``); empty once it is gone."""
-    try:
-        return process.name()
-    except Exception:
-        return ""
-
-
-def engine_died(signum, frame) -> None:
-    """SIGQUIT, sent by an SGLang process that failed (SGLang's own handler would SIGKILL this
-    process, leaving no message): stop SGLang's processes and raise one error naming them."""
-    import psutil
-
-    procs = _sglang_processes()
-    gone = [f"{name} (pid {pid})" for pid, name in _STARTED.items()
-            if pid not in procs or procs[pid].status() == psutil.STATUS_ZOMBIE]
-    for p in procs.values():
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    what = f"{', '.join(gone)} exited" if gone else "one of its processes reported an error"
-    raise EngineDied(f"SGLang's engine failed: {what}; its traceback, if it printed one, is above. Its processes "
-                     "were stopped. Under torchrun --max-restarts with --resume auto the job restarts from its newest "
-                     "checkpoint")
 
 
 @dataclass
@@ -173,27 +136,6 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
-def _import_sglang(on_cpu: bool):
-    """SGLang, its CPU platform selected first on a machine without CUDA (its modules read it at import)."""
-    if on_cpu:
-        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    try:
-        import sglang
-    except ImportError as e:
-        raise ImportError(f"engine.kind=sglang needs SGLang ({e}): `bash launch/install.sh sglang` (CPU), or "
-                          f"pip install sglang=={SGLANG_VERSION} on a GPU machine") from None
-    if sglang.__version__ != SGLANG_VERSION:
-        raise ImportError(f"engine.kind=sglang is written against SGLang {SGLANG_VERSION}, found "
-                          f"{sglang.__version__}: pip install sglang=={SGLANG_VERSION}")
-    try:
-        import sglang.srt.entrypoints.engine  # noqa: F401
-    except ImportError as e:
-        stubs = " (on CPU: SGLang's CPU path imports torchvision and sgl_kernel without calling them; the tests put "
-        stubs += "tests/support/sglang_stubs on PYTHONPATH, see docs/sglang.md)" if on_cpu else ""
-        raise ImportError(f"SGLang {SGLANG_VERSION} is installed but its engine does not import: {e}{stubs}") from None
-    return sglang
-
-
 def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dtype: torch.dtype, on_cpu: bool,
                 free_bytes: float = 0.0, plan_bytes: float = 0.0) -> dict:
     """SGLang's ``ServerArgs`` for this rank's engine (``args``: the model's
@@ -259,49 +201,6 @@ def max_model_len(config: EngineConfig, args) -> int:
     return min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings - 2)
 
 
-def cpu_binding(cpus: list[int], num_local_ranks: int) -> str:
-    """SGLANG_CPU_OMP_THREADS_BIND for CPU engines: the cores split into one contiguous share per
-    local rank, ``|``-separated (a scheduler binds the share at its device index, the rank's
-    LOCAL_RANK + its TP rank); a core is shared when ranks outnumber cores."""
-    n = len(cpus)
-    if num_local_ranks >= n:
-        return "|".join(str(cpus[i % n]) for i in range(num_local_ranks))
-    return "|".join(",".join(map(str, cpus[i * n // num_local_ranks:(i + 1) * n // num_local_ranks]))
-                    for i in range(num_local_ranks))
-
-
-@contextlib.contextmanager
-def _keeping_signal_handlers():
-    """SGLang's tokenizer manager takes SIGTERM (to drain and exit) and SIGQUIT (to SIGKILL this
-    process when a child fails) on its event loop. Yields ``restore(loop)``, which gives SIGTERM
-    back to its handler from before (a Slurm stop asks the job to save) and SIGQUIT to
-    :func:`engine_died` (in the main thread only: elsewhere nothing was taken)."""
-    main = threading.current_thread() is threading.main_thread()
-    saved = signal.getsignal(signal.SIGTERM) if main else None
-
-    def restore(loop) -> None:
-        if main and saved is not None:
-            for sig in (signal.SIGTERM, signal.SIGQUIT):
-                loop.remove_signal_handler(sig)
-            signal.signal(signal.SIGTERM, saved)
-            signal.signal(signal.SIGQUIT, engine_died)
-
-    yield restore
-
-
-@contextlib.contextmanager
-def _without_agent_store():
-    """torchrun tells its ranks to reach its agent's store (TORCHELASTIC_USE_AGENT_STORE); SGLang's
-    spawned schedulers would inherit that and wait forever for a store nobody hosts at their own
-    rendezvous address. Hidden while the Engine spawns them."""
-    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
-
-
 class SGLangEngine:
     """SGLang's ``Engine`` on the TP group's first rank; see the module docstring."""
 
@@ -314,7 +213,7 @@ class SGLangEngine:
         override or extend SGLang's ``ServerArgs`` (e.g. ``attention_backend``)."""
         self.config = config = config or EngineConfig()
         self.on_cpu = not torch.cuda.is_available()
-        sgl = _import_sglang(self.on_cpu)
+        sgl = import_sglang(self.on_cpu)
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "0") not in ("", "0", "false"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report T = 1 log-probs, not the "
                              "contract's log_softmax(logits / T); unset it")
@@ -343,21 +242,12 @@ class SGLangEngine:
         """``num_generated_tokens`` when step() last counted progress."""
         self.engine = None
         num_tokens = 0
-        if self.on_cpu:  # weight pushes share file descriptors, which the schedulers fetch from each rank's sharer
-            torch.multiprocessing.set_sharing_strategy("file_descriptor")
-            # it authenticates with the process's authkey, which the schedulers inherit: the group's first rank's
-            me = multiprocessing.current_process()
-            me.authkey = self._broadcast(bytes(me.authkey))
-            os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_binding(
-                sorted(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        if self.on_cpu:
+            share_with_schedulers(self._broadcast)
         if self.owner:
-            with _without_agent_store(), _keeping_signal_handlers() as restore:
-                free = 0 if self.on_cpu else torch.cuda.mem_get_info()[0]
-                self.engine = sgl.Engine(**engine_args(model_path, config, args, self.tp, dtype, self.on_cpu, free,
-                                                       plan_bytes) | server_args)
-                num_tokens = self.engine.get_server_info()["max_total_num_tokens"]  # before the loop's thread
-                restore(self.engine.loop)
-            _STARTED.update((pid, _title(p)) for pid, p in _sglang_processes().items())
+            free = 0 if self.on_cpu else torch.cuda.mem_get_info()[0]
+            self.engine, num_tokens = start(sgl, engine_args(model_path, config, args, self.tp, dtype, self.on_cpu,
+                                                             free, plan_bytes) | server_args)
             self.loop = self.engine.loop
             self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
             self.thread.start()
@@ -558,9 +448,8 @@ class SGLangEngine:
         if self.owner and self.engine is not None:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=30)
-            self.engine.shutdown()
+            stop(self.engine)
             self.engine = None
-            _STARTED.clear()
 
     def _flush(self, what: str) -> None:
         """Flush SGLang's cache once its scheduler is idle. A request this adapter has finished can still

@@ -10,17 +10,16 @@ import torch
 
 from rollpacker.rollout.engine import Output, Request, SamplingParams, hf_names, start_output
 from rollpacker.rollout.sglang_engine import (
-    SGLANG_VERSION,
     SGLangEngine,
     Track,
     apply_chunk,
     buckets,
-    cpu_binding,
     engine_args,
     memory_fraction,
     nccl_env,
     sglang_params,
 )
+from rollpacker.rollout.sglang_process import SGLANG_VERSION, cpu_binding
 
 
 def chunk(ids, logprobs, reason=None, retractions=0):
