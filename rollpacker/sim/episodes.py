@@ -299,10 +299,11 @@ class ScriptedEpisode:
 @dataclass
 class SimEnvPool:
     """``workload.num_workers`` simulated environment workers (the module docstring); ``row_key(row)``
-    names a dataset row for the workload's draws."""
+    names a dataset row for the workload's draws; ``seed``, the episodes' reset seeds (the run's)."""
 
     workload: EpisodeWorkload
     row_key: Callable[[int], str] = str
+    seed: int = 0
     free_at: list[float] = field(default_factory=list)
     """Per worker: when its last call ends."""
     home: dict[str, int] = field(default_factory=dict)

@@ -201,8 +201,7 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
                    stream: ScaleDownDecider | None = None, poll: Polling | None = None,
-                   env_workload: EpisodeWorkload | None = None, row_key: Callable[[int], str] = str,
-                   seed: int = 0, env: SimEnvPool | None = None) -> RoundRecord:
+                   env: SimEnvPool | None = None) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
     (:class:`~rollpacker.schedule.round.Round`) on simulated time.
 
@@ -212,11 +211,10 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     it; ``stream``, the stream trainer's decider. ``poll`` runs the replicas in lockstep as the
     controller's exchange loop does (:class:`Polling`), instead of polling at each replica event.
 
-    ``env_workload``: each response is an episode of that workload (:mod:`rollpacker.sim.episodes`): its
+    ``env``: each response is an episode of the pool's workload (:mod:`rollpacker.sim.episodes`): its
     turns on the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment
-    calls on simulated workers (``env``: the run's, carried from the last round,
-    :meth:`SimEnvPool.shift`; else fresh ones), reset seeds from ``seed``; ``row_key(row)`` names a
-    dataset row for the workload's draws. Without, each response is one turn of its launch's length."""
+    calls on the pool's workers (the run's, carried from the last round: :meth:`SimEnvPool.shift`).
+    Without, each response is one turn of its launch's length."""
     if poll and stream:
         raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
@@ -226,15 +224,17 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
         return sim.now
 
     make = ScriptedResponse.maker(lengths, plan.num_responses, max_new_tokens, clock)
-    if env_workload is not None:
+    if env is not None:
+        work = env.workload
+
         def make(key: str, row: int, reset) -> ScriptedEpisode:
             return ScriptedEpisode(key, row, reset, lengths=lengths, prompt_tokens=lengths.prompt_tokens,
-                                   obs_tokens=env_workload.obs_tokens, max_new_tokens=max_new_tokens,
-                                   max_tokens=env_workload.max_tokens, clock=clock, resident=env_workload.resident)
-    runner = EpisodeRunner(make, seed=seed, environment=env_workload is not None)
+                                   obs_tokens=work.obs_tokens, max_new_tokens=max_new_tokens,
+                                   max_tokens=work.max_tokens, clock=clock, resident=work.resident)
+    runner = EpisodeRunner(make, seed=env.seed if env else 0, environment=env is not None)
     rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), runner,
                 StreamRound(stream) if stream else None)
-    sim = _SimRound(step, plan, rnd, replicas, poll, env or SimEnvPool(env_workload or EpisodeWorkload(), row_key))
+    sim = _SimRound(step, plan, rnd, replicas, poll, env or SimEnvPool(EpisodeWorkload()))
     return sim.run()
 
 
@@ -554,7 +554,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
-    env = SimEnvPool(env_workload or EpisodeWorkload())
+    env = SimEnvPool(env_workload, seed=cfg.seed) if env_workload else None
     drafts = cfg.speculation.drafts()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
@@ -574,14 +574,14 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
                                 kv_capacity_tokens=cost.kv_capacity_tokens())
             decider.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
-                             reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider,
-                             env_workload=env_workload, seed=cfg.seed, env=env)
+                             reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider, env=env)
         result = step_times(step, rnd, cfg, cost, keep=record)
         if env_workload:  # an episode's reward comes with it, from its environment: no reward stage
             result.reward_s = 0.0
-        if cfg.warm and env_workload and step + 1 < cfg.num_steps:  # env.warm: as this round ends
+        if cfg.warm and env and step + 1 < cfg.num_steps:  # env.warm: as this round ends
             env.warm(opens_ahead(policy, step + 1, cfg.seed), result.rollout_s)
-        env.shift(result.step_s)  # what its workers still run goes on into the next round
+        if env:
+            env.shift(result.step_s)  # what its workers still run goes on into the next round
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push
             result.sync_s += cost.sync_s()
         if planner:

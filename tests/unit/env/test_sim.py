@@ -42,7 +42,7 @@ def workload(tmp_path, seconds: float = 0.5, **kw) -> EpisodeWorkload:
 
 def one_round(policy, num_replicas, lengths, episodes, cost=StepCost(1.0), max_new_tokens=100):
     reps = [Replica(i, cost, 10**9, watermark=0.0) for i in range(num_replicas)]
-    return simulate_round(0, policy, reps, lengths, max_new_tokens=max_new_tokens, env_workload=episodes)
+    return simulate_round(0, policy, reps, lengths, max_new_tokens=max_new_tokens, env=SimEnvPool(episodes))
 
 
 def test_an_episodes_turns_and_environment_steps_make_its_timeline(tmp_path):
@@ -263,7 +263,6 @@ def test_every_environment_is_closed_at_the_rounds_end(tmp_path):
     policy = TailConfig(eta_prompts=1.0, eta_responses=2.0).build(PromptSampler(8, seed=0), 1, 2, last_step=10)
     pool = SimEnvPool(workload(tmp_path, turns="fixed:2"))
     reps = [Replica(i, StepCost(1.0), 10**9, watermark=0.0) for i in range(2)]
-    simulate_round(0, policy, reps, Turns(lambda k, t: 2 + 2 * k), max_new_tokens=100, env_workload=pool.workload,
-                   env=pool)
+    simulate_round(0, policy, reps, Turns(lambda k, t: 2 + 2 * k), max_new_tokens=100, env=pool)
     closes = [key for _, key in pool.closing]
     assert sorted(closes) == [f"0:0:{k}" for k in range(4)]
