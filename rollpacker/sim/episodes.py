@@ -299,9 +299,10 @@ class ScriptedEpisode:
 @dataclass
 class SimEnvPool:
     """``workload.num_workers`` simulated environment workers (the module docstring); ``row_key(row)``
-    names a dataset row for the workload's draws; ``seed``, the episodes' reset seeds (the run's)."""
+    names a dataset row for the workload's draws; ``seed``, the episodes' reset seeds (the run's).
+    Without a workload, responses are single turns and the pool has no workers."""
 
-    workload: EpisodeWorkload
+    workload: EpisodeWorkload | None = None
     row_key: Callable[[int], str] = str
     seed: int = 0
     free_at: list[float] = field(default_factory=list)
@@ -318,7 +319,7 @@ class SimEnvPool:
     _order: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        self.free_at = self.free_at or [0.0] * self.workload.num_workers
+        self.free_at = self.free_at or [0.0] * (self.workload.num_workers if self.workload else 0)
 
     def warm(self, opens: list[EnvCall], now: float) -> None:
         """Open ``opens`` at ``now``, ahead of their round (``env.warm``): its open of one is answered by

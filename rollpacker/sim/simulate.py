@@ -211,10 +211,10 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     it; ``stream``, the stream trainer's decider. ``poll`` runs the replicas in lockstep as the
     controller's exchange loop does (:class:`Polling`), instead of polling at each replica event.
 
-    ``env``: each response is an episode of the pool's workload (:mod:`rollpacker.sim.episodes`): its
-    turns on the replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment
-    calls on the pool's workers (the run's, carried from the last round: :meth:`SimEnvPool.shift`).
-    Without, each response is one turn of its launch's length."""
+    ``env``: the run's environment workers, carried from the last round (:meth:`SimEnvPool.shift`). With
+    a workload, each response is an episode of it (:mod:`rollpacker.sim.episodes`): its turns on the
+    replicas (``lengths.turn_length``, each cut at ``max_new_tokens``), its environment calls on the
+    pool's workers. Without, each response is one turn of its launch's length."""
     if poll and stream:
         raise ValueError("simulate_round: lockstep polling is not simulated with a stream trainer")
     plan = plan or policy.start_round(step)
@@ -223,18 +223,18 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     def clock() -> float:
         return sim.now
 
+    env = env or SimEnvPool()
     make = ScriptedResponse.maker(lengths, plan.num_responses, max_new_tokens, clock)
-    if env is not None:
-        work = env.workload
+    if (work := env.workload) is not None:
 
         def make(key: str, row: int, reset) -> ScriptedEpisode:
             return ScriptedEpisode(key, row, reset, lengths=lengths, prompt_tokens=lengths.prompt_tokens,
                                    obs_tokens=work.obs_tokens, max_new_tokens=max_new_tokens,
                                    max_tokens=work.max_tokens, clock=clock, resident=work.resident)
-    runner = EpisodeRunner(make, seed=env.seed if env else 0, environment=env is not None)
+    runner = EpisodeRunner(make, seed=env.seed, environment=work is not None)
     rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), runner,
                 StreamRound(stream) if stream else None)
-    sim = _SimRound(step, plan, rnd, replicas, poll, env or SimEnvPool(EpisodeWorkload()))
+    sim = _SimRound(step, plan, rnd, replicas, poll, env)
     return sim.run()
 
 
@@ -554,7 +554,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
         planner = Planner(cfg.plan, candidates, cfg.tp)
     results, tp, decider = [], cfg.tp, None
-    env = SimEnvPool(env_workload, seed=cfg.seed) if env_workload else None
+    env = SimEnvPool(env_workload, seed=cfg.seed)
     drafts = cfg.speculation.drafts()
     for step in range(cfg.num_steps):
         if cfg.schedule.own_pools:  # batch k is generated while batch k-1 trains, with the weights before it
@@ -578,10 +578,9 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
         result = step_times(step, rnd, cfg, cost, keep=record)
         if env_workload:  # an episode's reward comes with it, from its environment: no reward stage
             result.reward_s = 0.0
-        if cfg.warm and env and step + 1 < cfg.num_steps:  # env.warm: as this round ends
+        if cfg.warm and env_workload and step + 1 < cfg.num_steps:  # env.warm: as this round ends
             env.warm(opens_ahead(policy, step + 1, cfg.seed), result.rollout_s)
-        if env:
-            env.shift(result.step_s)  # what its workers still run goes on into the next round
+        env.shift(result.step_s)  # what its workers still run goes on into the next round
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push
             result.sync_s += cost.sync_s()
         if planner:

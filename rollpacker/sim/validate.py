@@ -242,9 +242,9 @@ def simulate_rounds(argv: list[str], profile: dict, drafts: list[Drafts] = (),
     if spec.enabled and (cfg.engine.speculative != "auto" or cost.spec is None or len(drafts) < cfg.num_steps):
         raise ValueError("simulate_run: speculation is simulated as engine.speculative auto, on a profile with "
                          "verify-step costs, with the drafts of every step")
-    env = None
-    if cfg.env.enabled:  # one pool of environment workers for the run, as the job's
-        env = SimEnvPool(episode_workload(cfg, tokenizer), row_key=lambda i: str(rows[i]["id"]), seed=cfg.seed)
+    # one pool of environment workers for the run, as the job's
+    env = SimEnvPool(episode_workload(cfg, tokenizer) if cfg.env.enabled else None,
+                     row_key=lambda i: str(rows[i]["id"]), seed=cfg.seed)
     rounds = []
     for step in range(cfg.num_steps):
         if policy.done():
@@ -255,8 +255,7 @@ def simulate_rounds(argv: list[str], profile: dict, drafts: list[Drafts] = (),
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         rounds.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                                      poll=polling(profile, cfg.rollout.poll_steps), env=env))
-        if env:
-            env.shift(rounds[-1].rollout_s)
+        env.shift(rounds[-1].rollout_s)
     return rounds
 
 
