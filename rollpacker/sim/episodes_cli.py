@@ -37,7 +37,8 @@ class EpisodesArgs:
     """Comma-separated policies (POLICY, POLICY+stream, tail+paper: the paper's policy alone, +warm: environments
     warmed ahead); the first is the baseline of the speedups."""
     num_steps: int = 10
-    """Steps simulated per policy (tail: two periods of 4 short rounds and a long one)."""
+    """Steps simulated per policy (tail: two periods of 4 short rounds and a long one): a quick look; policies a
+    few percent apart need 40 (docs/simulator.md)."""
     num_prompts: int = 0
     """P0 (0: the preset's)."""
     group_size: int = 0
