@@ -86,7 +86,7 @@ def start(sgl, server_args: dict):
 
 
 def stop(engine) -> None:
-    """Shut ``engine`` down. SGLang's shutdown kills every child process of this one, not only its own."""
+    """Shut ``engine`` down and forget its processes."""
     engine.shutdown()
     _STARTED.clear()
 
