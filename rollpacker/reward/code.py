@@ -40,7 +40,7 @@ def extract_code(response: str) -> str | None:
 
 def case_key(test: dict) -> str:
     """A test case's identity across the run: a hash of its input and expected output."""
-    text = json.dumps([test.get("input", ""), test["output"]])
+    text = json.dumps([test.get("input") or "", test["output"]])
     return hashlib.sha1(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 

@@ -144,7 +144,7 @@ class Sandbox:
 
     def check(self, program: str, test: dict, timeout: float) -> CaseResult:
         """Run ``program`` on ``test["input"]`` and judge its stdout against ``test["output"]``."""
-        run = self.run(program, test.get("input", ""), timeout)
+        run = self.run(program, test.get("input") or "", timeout)
         result = CaseResult(verdict(run, test["output"]), run.seconds)
         if result.verdict != "PASS":
             result.detail = run.stderr.decode("utf-8", "replace")[-500:]

@@ -194,7 +194,7 @@ class AsyncCalls:
             self._running[me] = ref.name
             try:
                 value, error, metrics, info = await asyncio.wait_for(ascore(ref, sample), timeout)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # the builtin from 3.11; its own class on 3.10
                 value, error, metrics, info = None, f"timed out after {timeout:g} s (reward.timeout): cancelled", {}, {}
             finally:
                 del self._running[me]

@@ -19,6 +19,7 @@ Starting, stopping and taming SGLang's own processes inside a torchrun rank:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import os
 import random
@@ -315,7 +316,7 @@ class SGLangEngine:
                 self.tasks.pop(request_id).result(timeout=_ABORT_TIMEOUT_S)
                 with self.lock:
                     result = (None, self.live[request_id].out)
-            except TimeoutError:
+            except concurrent.futures.TimeoutError:  # the builtin from 3.11; its own class on 3.10
                 result = (f"abort: SGLang did not end request {request_id!r} within {_ABORT_TIMEOUT_S:.0f} s", None)
         error, out = self._broadcast(result)
         if error:

@@ -309,6 +309,13 @@ def test_sandbox_config_validates():
         SandboxConfig(memory_mb=0)
 
 
+def test_a_null_input_is_empty_stdin_as_the_row_check_accepts_it(box):
+    """Arrow and ``datasets`` fill a test's missing ``input`` with None: it runs, and keys, as no input."""
+    hello = {"input": None, "output": "hi"}
+    assert box.check("print('hi')\n", hello, 5).verdict == "PASS"
+    assert case_key(hello) == case_key({"output": "hi"})
+
+
 def test_extract_code():
     assert extract_code("Here:\n```python\nprint(1)\n```\nand better:\n```py\nprint(2)\n```") == "print(2)\n"
     assert extract_code("```\nprint(3)\n```") == "print(3)\n"
