@@ -141,8 +141,8 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
             try:
                 conn.send((value, error, time.perf_counter() - wall, state, finishes, transient))
             except (pickle.PicklingError, TypeError, AttributeError) as e:
-                envs.pop(task[1], None)
-                conn.send((None, f"returned something that cannot be sent back ({type(e).__name__}: {e})",
+                _drop(envs, *task[:2])
+                conn.send((None, f"{task[0]} returned something that cannot be sent back ({type(e).__name__}: {e})",
                            time.perf_counter() - wall, None, False, False))
     except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
         return
@@ -185,11 +185,16 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,
         cause, transient = f"returned garbage: {e}", False
     except Exception as e:  # noqa: BLE001  (the user's environment: whatever it raises is the cause to report)
         cause, transient = f"raised {type(e).__name__}: {str(e)[:500]}", True
+    _drop(envs, kind, key)
+    return None, f"{kind} {cause}", None, False, transient
+
+
+def _drop(envs: dict, kind: str, key: Hashable) -> None:
+    """A failed call's environment is dropped and closed, so that a sandbox it started goes with it."""
     env = envs.pop(key, None)
-    if env is not None and kind != "close":  # closed, so that a sandbox it started goes with it
+    if env is not None and kind != "close":
         with contextlib.suppress(Exception):  # its failure is the cause reported already
             contract.close(env)
-    return None, f"{kind} {cause}", None, False, transient
 
 
 def _state(spec: EnvSpec, env) -> Any:

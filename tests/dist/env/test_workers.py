@@ -21,7 +21,10 @@ import time
 
 class Env:
     def __init__(self, row):
-        self.mode = row["mode"]
+        self.mode, self.id = row["mode"], row["id"]
+
+    def close(self):
+        open(f"closed-{self.id}", "w").close()
 
     def reset(self, *, seed, options):
         return None, {}
@@ -143,6 +146,9 @@ def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_repo
         pool.open_episode("e5", {"id": "row-ok2", "mode": "ok"}, 0)  # the replaced worker serves
         pool.step_episode("e5", "go")
         fresh = pool.drain(60)
+    # every environment closed: a failed one when it failed (the unpicklable too), the others with their workers
+    assert sorted(p.name.removeprefix("closed-row-") for p in tmp_path.glob("closed-*")) == [
+        "garbage", "hang", "ok", "ok2", "raise", "unpicklable"]
     where = "bad_env.py:make_env: episode 'e{}' (row 'row-{}'): "
     assert errors["e0"] == [where.format(0, "raise") + "step raised ValueError: the board is on fire"]
     assert errors["e1"] == [where.format(1, "hang") + "timed out after 3 s (env.timeout); its worker was replaced"]
@@ -152,7 +158,7 @@ def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_repo
         "bad_env.py:make_env: the environment of episode 'e3' (row 'row-ok') was lost with its worker, killed because "
         + where.format(1, "hang") + "timed out")
     assert len(errors["e4"]) == 1 and errors["e4"][0].startswith(
-        where.format(4, "unpicklable") + "returned something that cannot be sent back")
+        where.format(4, "unpicklable") + "step returned something that cannot be sent back")
     assert steps["e3"].error == errors["e3"][0] and {r.kind for r in later} == {"close"}
     assert [(r.kind, r.error, r.value.reward if r.kind == "step" else None) for r in fresh] == [
         ("open", None, None), ("step", None, 0.5)]
