@@ -434,7 +434,7 @@ class Round:
             hooks.on_poll(seen.running, seen.step_seconds)
         back, finished = self._returned(seen)
         self._migrated(back, seen.now)
-        resume = [(state.route(self.runner.key(out.id)), out) for out in back.resume]
+        resume = [(state.replica(self.runner.key(out.id)), out) for out in back.resume]
         self.cut += back.cut
         self._finished(finished, seen.now)
         state.scored(self.scorer.wait() if state.needs_all_scores else self.scorer.poll())
@@ -503,6 +503,7 @@ class Round:
                 back.cut += filter(None, [runner.cut(out)])
                 continue
             back.moved += 1
+            self.state.route(runner.key(out.id))  # to a kept replica: its resume, or its episode's next turn
             whole = runner.migrated(out)  # None: it resumes; a whole turn goes on
             if whole is None:
                 back.resume.append(out)

@@ -14,7 +14,7 @@ import pytest
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.env.contract import EnvReply, StepResult
 from rollpacker.env.episode import Episode, Response, reset_seed, turn_seed
-from rollpacker.schedule.round import Round, RoundState, Seen
+from rollpacker.schedule.round import Round, RoundHooks, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.sorted import SortedConfig
@@ -74,9 +74,11 @@ class Scores:
 class Driver:
     """Engines and environment workers, scripted: a turn finishes ``1 + seed % 3`` polls after it
     is added; an environment call is answered at the next poll; an aborted turn comes back at the
-    next poll with what it had. It records every call and turn it saw."""
+    next poll with what it had (``whole``: finished, as an engine that finished it before the abort
+    reached it answers). It records every call and turn it saw."""
 
-    def __init__(self):
+    def __init__(self, whole: bool = False):
+        self.whole, self.moved = whole, []  # the turn ids aborted
         self.running: dict[str, list] = {}  # turn id -> [replica, request, polls left, resumed]
         self.replies, self.aborted = [], []
         self.env_log: dict[str, list[str]] = collections.defaultdict(list)
@@ -101,8 +103,11 @@ class Driver:
             self.running[out.id] = [replica, self.requests[out.id], 1]
         for _, rid in a.abort:
             replica, turn, _ = self.running.pop(rid)
-            self.aborted.append(SimpleNamespace(id=rid, prompt_ids=turn.prompt_ids, token_ids=[], logprobs=[],
-                                                finish_reason="abort"))
+            self.moved.append(rid)
+            tokens = turn_tokens(turn.seed) if self.whole else []
+            self.aborted.append(SimpleNamespace(id=rid, prompt_ids=turn.prompt_ids, token_ids=tokens,
+                                                logprobs=[-0.5] * len(tokens),
+                                                finish_reason="stop" if self.whole else "abort"))
         for call in a.env:
             self.env_log[call.key].append(call.kind)
             if call.kind == "open":
@@ -243,6 +248,28 @@ def test_a_stream_round_migrates_episodes_at_a_turn_boundary():
     assert driver.resumed and not outcome.aborted  # some turns were running when it scaled down: resumed
     after = [replica for now, replica in driver.added if now >= outcome.scaled.at]
     assert after and set(after) == {0}  # every turn after the scale-down on the kept replica
+
+
+def test_a_migrating_turn_that_comes_back_whole_goes_on_on_the_kept_replica():
+    """An engine may finish a turn before the scale-down's abort reaches it (SGLang answers it whole):
+    its episode goes on, its next turns on the kept replica."""
+
+    class ScaleDownAtPoll4(RoundHooks):
+        polls = 0
+
+        def scale_down_now(self, generated) -> bool:
+            self.polls += 1
+            return self.polls == 4
+
+    driver = Driver(whole=True)
+    outcome, state, scaled = run_round(SyncConfig().build(PromptSampler(8), 4, 2, num_epochs=1), 0, driver,
+                                       hooks=ScaleDownAtPoll4())
+    assert scaled and driver.moved == ["0:2:1#1"] and not driver.resumed  # turn 1 of 3 came back whole
+    for g in outcome.groups:
+        for o in g.outputs:
+            check_episode(o, driver)
+    assert "0:2:1#2" in driver.turns
+    assert {replica for now, replica in driver.added if now >= outcome.scaled.at} == {0}
 
 
 class Frontier(Driver):
