@@ -19,6 +19,7 @@ policy: ``docs/extending.md``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -71,6 +72,11 @@ class PolicyDecision:
 
 def request_id(step: int, slot: int, response: int) -> str:
     return f"{step}:{slot}:{response}"
+
+
+def provisioned(eta: float, n: int) -> int:
+    """⌈η·n⌉ for a decimal η: 1.1 x 100 is 110 (the float product, 110.00000000000001, would round up to 111)."""
+    return math.ceil(round(eta * n, 9))
 
 
 def zero_variance(rewards: list[float | None]) -> bool:

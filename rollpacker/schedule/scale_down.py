@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 from rollpacker.choices import check_choices
+from rollpacker.schedule.base import provisioned
 from rollpacker.schedule.round import RoundHooks, RoundState, ScaledDown
 from rollpacker.topology import kept_replicas
 
@@ -72,7 +73,7 @@ class Trigger:
         if total <= 0 or self.fired:
             return False
         if self.fixed:
-            self.fired = completed >= self.fixed * total
+            self.fired = completed >= provisioned(self.fixed, total)
             return self.fired
         milestone = completed * 20 // total
         if not MILESTONES[0] <= milestone <= MILESTONES[1] or completed * 20 > total * MILESTONES[1]:

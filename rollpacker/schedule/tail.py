@@ -21,7 +21,6 @@ rounds batch them together. The rules in full: ``docs/policies.md`` (tail).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -31,6 +30,7 @@ from rollpacker.schedule.base import (
     PolicyDecision,
     QueuedPolicy,
     RoundPlan,
+    provisioned,
     request_id,
     zero_variance,
 )
@@ -117,19 +117,19 @@ class TailPolicy(QueuedPolicy):
         left = self.sampler.remaining(self.num_epochs)
         queue = self.ledger.queue
         self.step, self.slots = step, []
-        long = math.ceil(self.eta_long * self.num_prompts)
+        long = provisioned(self.eta_long, self.num_prompts)
         if len(queue) >= long or queue and (left == 0 or step == self.last_step):
             n = len(queue) if step == self.last_step else min(len(queue), long)
             keys = [queue[i] for i in range(n)]
             flush = step == self.last_step or n == len(queue) and left == 0
             self.target, responses, kind = n if flush else min(n, self.num_prompts), self.group_size, "long"
         else:
-            launch = math.ceil(self.eta_prompts * self.num_prompts)
+            launch = provisioned(self.eta_prompts, self.num_prompts)
             keys = self.sampler.draw(launch if left is None else min(launch, left))
             if not keys:
                 raise RuntimeError("tail: no prompt left to launch; check done() before start_round")
             self.target = min(self.num_prompts, len(keys))
-            responses, kind = math.ceil(self.eta_responses * self.group_size), "short"
+            responses, kind = provisioned(self.eta_responses, self.group_size), "short"
         for key in keys:
             self._launch(key)
         self.round = RoundPlan(kind=kind, prompts=[k[1] for k in keys], num_responses=responses, keep=self.target)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from rollpacker.data.lengths import LengthModel
+from rollpacker.schedule.base import provisioned
 from rollpacker.sim.cost import CostModel
 
 PAPER_LENGTHS = {
@@ -103,7 +104,7 @@ def length_stats(model: LengthModel, cap: int = 16384, num_prompts: int = 128, g
     rng = np.random.default_rng(seed)
     sync = np.minimum(cap, model.sample(num_prompts * num_steps, group_size, rng))
     per_step = sync.reshape(num_steps, -1)
-    prompts, responses = math.ceil(eta * num_prompts), math.ceil(eta * group_size)
+    prompts, responses = provisioned(eta, num_prompts), provisioned(eta, group_size)
     short = np.minimum(cap, model.sample(prompts * num_steps, responses, rng))
     done = np.sort(short, axis=1)[:, group_size - 1].reshape(num_steps, prompts)
     short_max = np.sort(done, axis=1)[:, num_prompts - 1]

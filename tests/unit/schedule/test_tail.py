@@ -67,6 +67,12 @@ def test_short_round_launches_eta_and_cuts_off_at_p0_completions():
     assert len(aborted) == 4 + 5  # one surplus response of each trained prompt, all 5 of the deferred one
 
 
+def test_eta_times_p0_and_r0_is_rounded_up_as_decimals_are():
+    """⌈1.1·100⌉ is 110: the float product (110.00000000000001) must not launch 111."""
+    rnd = tail(num_rows=400, p0=100, r0=10, eta_prompts=1.1, eta_responses=1.1).start_round(0)
+    assert (len(rnd.prompts), rnd.num_responses) == (110, 11)
+
+
 def test_each_prompt_keeps_its_first_r0_responses_and_aborts_the_rest_at_once():
     policy = tail(p0=1, r0=2, eta_prompts=1.0, eta_responses=2.0)
     rnd = policy.start_round(3)
