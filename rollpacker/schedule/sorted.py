@@ -180,7 +180,8 @@ class SortedPolicy(QueuedPolicy):
                 slot, k = self.where[out.id]
                 e = self.slots[slot]
                 completes = _finished(out) and sum(map(_finished, e.outputs)) + 1 == self.group_size
-                if e.state == "running" and not completes:  # a group completes only inside a round
+                # a group completes only inside a round; the filter decides on rewards, and the abort brought none
+                if e.state == "running" and not completes and not (self.filter_zero_variance and _finished(out)):
                     self._record(e, k, out)
         groups, deferred = [], 0
         for e in self.slots:

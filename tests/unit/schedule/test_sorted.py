@@ -172,23 +172,27 @@ def test_a_response_finishing_after_the_cut_off(partial):
     assert set(rnd.carried) == ({(0, 0), (1, 0)} if partial else set())
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_a_response_the_rounds_end_aborted_after_it_finished(partial):
+@pytest.mark.parametrize("partial,filtered", [(False, False), (True, False), (True, True)])
+def test_a_response_the_rounds_end_aborted_after_it_finished(partial, filtered):
     """SGLang may finish a response before the round end's abort reaches it: the abort returns it
-    whole. Partial mode keeps it, as finished, unless it would complete its group (then it reruns)."""
-    policy = sorted_policy(p0=1, r0=2, n=3, partial=partial)
+    whole. Partial mode keeps it, as finished, unless it would complete its group (then it reruns),
+    or the zero-variance filter needs its reward, which the abort did not bring (then it reruns too)."""
+    policy = sorted_policy(p0=1, r0=2, n=3, partial=partial, filter_zero_variance=filtered)
     policy.start_round(0)
 
     def out(s, k, reason):
         return Output(id=request_id(0, s, k), prompt_ids=[], token_ids=[0, 0], logprobs=[-1.0] * 2,
                       finish_reason=reason)
 
-    policy.on_finished(0, 0, out(0, 0, "stop"), None)
-    assert policy.on_finished(0, 1, out(0, 1, "stop"), None).round_done
+    policy.on_finished(0, 0, out(0, 0, "stop"), 0.0)
+    assert policy.on_finished(0, 1, out(0, 1, "stop"), 1.0).round_done
     assert len(policy.end_round([out(1, 0, "length"), out(1, 1, "abort"), out(2, 0, "stop"), out(2, 1, "length")])) == 1
     rnd = policy.start_round(1)  # slots 1 and 2 of round 0 are slots 0 and 1 now
     if not partial:
         assert rnd.carried == {}
+        return
+    if filtered:
+        assert {sk: o.finish_reason for sk, o in rnd.carried.items()} == {(0, 1): "abort"}
         return
     assert {sk: o.finish_reason for sk, o in rnd.carried.items()} == {(0, 0): "length", (0, 1): "abort",
                                                                       (1, 0): "stop"}
