@@ -84,27 +84,27 @@ class ToolEnv:
                 return None, None, True, False, {}
             return await invoke(self.inner.step, action)
         results = [await self._run(call) for call in calls]
-        errors = sum(r.startswith("error: ") for r in results)
-        return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": r}
-                 for c, r in zip(calls, results)], None, False, False,
-                {"tool_calls": len(calls), "tool_errors": errors})
+        return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": text}
+                 for c, (text, _) in zip(calls, results)], None, False, False,
+                {"tool_calls": len(calls), "tool_errors": sum(failed for _, failed in results)})
 
     async def close(self):
         if self.inner is not None and callable(getattr(self.inner, "close", None)):
             await invoke(self.inner.close)
 
-    async def _run(self, call: ToolCall) -> str:
+    async def _run(self, call: ToolCall) -> tuple[str, bool]:
+        """The tool message's text, and whether the call failed (a result may begin with "error: " too)."""
         if call.error:
-            return f"error: {call.error}"
+            return f"error: {call.error}", True
         fn = self.tools.get(call.name)
         if fn is None:
-            return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})"
+            return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", True
         try:
             value = await invoke(fn, **call.arguments)
         except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
-            return f"error: {type(e).__name__}: {e}"[:MAX_RESULT_CHARS]
+            return f"error: {type(e).__name__}: {e}"[:MAX_RESULT_CHARS], True
         text = value if isinstance(value, str) else json.dumps(value, default=str)
-        return text[:MAX_RESULT_CHARS]
+        return text[:MAX_RESULT_CHARS], False
 
 
 async def invoke(fn, *args, **kwargs):

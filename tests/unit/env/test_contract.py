@@ -82,6 +82,15 @@ async def shout(text: str) -> str:
     return text.upper() + "!"
 
 
+def echo(text: str) -> str:
+    """Say it back.
+
+    Args:
+        text: What to say.
+    """
+    return text
+
+
 def broken(x: int) -> int:
     """Always fails.
 
@@ -172,18 +181,21 @@ def test_tool_schemas_come_from_signatures_and_docstrings(files):
 
 
 def test_tools_alone_run_calls_until_the_model_answers(files):
-    env = ToolEnv(load_tools(("my_tools.py:add", "my_tools.py:shout", "my_tools.py:broken")))
+    env = ToolEnv(load_tools(("my_tools.py:add", "my_tools.py:shout", "my_tools.py:echo", "my_tools.py:broken")))
     prompt, info = contract.reset(env, seed=0, row={"prompt": "p"})
-    assert prompt is None and [t["function"]["name"] for t in info["tools"]] == ["add", "shout", "broken"]
+    assert prompt is None and [t["function"]["name"] for t in info["tools"]] == ["add", "shout", "echo", "broken"]
     step = contract.step(env, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>'
                               '<tool_call>{"name": "shout", "arguments": {"text": "hey"}}</tool_call>'
+                              '<tool_call>{"name": "echo", "arguments": {"text": "error: a result"}}</tool_call>'
                               '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
                               '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
                               '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     assert [m["content"] for m in step.observation] == [
-        "42", "HEY!", "error: ValueError: no", "error: no tool named 'nope' (tools: add, shout, broken)",
+        "42", "HEY!", "error: a result", "error: ValueError: no",
+        "error: no tool named 'nope' (tools: add, shout, echo, broken)",
         "error: TypeError: add() missing 1 required positional argument: 'b'"]
-    assert all(m["role"] == "tool" for m in step.observation) and step.info == {"tool_calls": 5, "tool_errors": 3}
+    # the echo succeeded, whatever its text: 3 of 6 calls failed
+    assert all(m["role"] == "tool" for m in step.observation) and step.info == {"tool_calls": 6, "tool_errors": 3}
     assert not step.terminated
     answer = contract.step(env, "It is 42.")
     assert (answer.observation, answer.reward, answer.terminated) == ([], None, True)
