@@ -134,7 +134,7 @@ class Response(Output):
                 observations.append([])
             else:
                 observations[-1].append(m["role"])
-        observations = [o for o in observations[1:] if o]
+        observations = observations[1:]  # an empty one (a step that said nothing) still has its end of turn
         spans: list[list] = []
         for i, m in enumerate(self.loss_mask):
             if spans and spans[-1][0] == m:
@@ -146,7 +146,8 @@ class Response(Output):
             if model:
                 role = "assistant"
             else:
-                role = "+".join(observations[seen]) if seen < len(observations) else "environment"
+                role = "+".join(observations[seen]) if seen < len(observations) and observations[seen] else (
+                    "environment")
                 seen += 1
             out.append({"role": role, "trained": model, "tokens": end - start,
                         "text": decode(self.token_ids[start:end])})

@@ -49,6 +49,18 @@ def test_turns_and_observations_interleave_with_the_mask_and_logprobs():
     assert [m["role"] for m in e.messages] == ["assistant", "user", "assistant", "user"]
 
 
+def test_the_samples_turns_name_each_observation_by_its_roles_one_that_said_nothing_environment():
+    e = episode()
+    e.on_turn(turn("a"), [-1.0], "stop")
+    e.on_step(StepResult([]))  # said nothing: its tokens are the end of turn alone
+    e.on_turn(turn("b"), [-1.0], "stop")
+    e.on_step(StepResult([{"role": "tool", "content": "T"}]))
+    e.on_turn(turn("c"), [-1.0], "stop")
+    assert [(t["role"], t["trained"], t["text"]) for t in e.output().turns(str)] == [
+        ("assistant", True, "[97]"), ("environment", False, "[1]"), ("assistant", True, "[98]"),
+        ("tool", False, "[1, 84]"), ("assistant", True, "[99]")]
+
+
 def test_ids_and_seeds_are_fixed_by_the_episode_and_the_turn():
     """A turn replayed (resumed, migrated, or the episode run again) asks for the same request."""
     a, b = episode(), episode()
