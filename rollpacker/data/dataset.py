@@ -25,7 +25,8 @@ import importlib
 import json
 import logging
 import tempfile
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -147,38 +148,42 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,
                  check: RowCheck | None = None, field: str = "data.path", first: int | None = None) -> list[dict]:
     """The rows of each source in turn (the ``first`` of each): :func:`read_rows`. Of several, a row without a
-    ``data_source`` takes its file's name (verl's datasets name theirs), and ids must be unique across them."""
+    ``data_source`` takes its file's name (verl's datasets name theirs), and ids must be unique across them.
+    Files of one name (verl's ``gsm8k/train.parquet`` and ``math/train.parquet``) are named with their folder."""
+    stems = Counter(Path(source).stem for source in sources)
     rows, where_of = [], {}
     for source in sources:
-        for row in read_rows(source, config, split=split, check=check, field=field)[:first]:
+        path = Path(source)
+        name = path.stem if stems[path.stem] == 1 else f"{path.parent.name}/{path.stem}"
+        for row in read_rows(source, config, split=split, check=check, field=field, name=name)[:first]:
             if row["id"] in where_of:
                 raise DatasetError(f"{field}: {source} and {where_of[row['id']]} both have a row with id {row['id']!r};"
                                    " ids must be unique across the files (give each its own ids, or leave them out)")
             where_of[row["id"]] = source
             if len(sources) > 1 and row.get("data_source") is None:
-                row["data_source"] = Path(source).stem
+                row["data_source"] = name
             rows.append(row)
     return rows
 
 
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,
-              check: RowCheck | None = None, field: str = "data.path") -> list[dict]:
-    """Rows of a dataset file, saved dataset or Hub id, each checked (:func:`make_row`, then ``check``).
+              check: RowCheck | None = None, field: str = "data.path", name: str | None = None) -> list[dict]:
+    """Rows of a dataset file, saved dataset or Hub id, each checked (:func:`make_row`, then ``check``); a row
+    without an id is ``NAME:N`` (``name``, else the file's; N its line or row).
 
     A bad row raises :class:`DatasetError` naming the file and row, or, with ``skip_bad_lines``,
     is left out and counted in one warning. Ids must be unique.
     """
     config = config or DataConfig(path=str(source))
     path = Path(source)
-    raw, lines, skipped = _read(path, split or config.split, config.skip_bad_lines, field)
+    numbered, by_line, skipped = _read(path, split or config.split, config.skip_bad_lines, field)
     rows: list[dict] = []
     where_of: dict[str, str] = {}
     bad: list[str] = []
-    for i, record in enumerate(raw):
-        n = lines[i] if lines else i + 1
-        where = f"{path}:{n}" if lines else f"{path}: row {n}"
+    for n, record in numbered:
+        where = f"{path}:{n}" if by_line else f"{path}: row {n}"
         try:
-            row = make_row(record, f"{path.stem}:{n}", config)
+            row = make_row(record, f"{name or path.stem}:{n}", config)
             if check:
                 check(row)
             if row["id"] in where_of:
@@ -199,9 +204,10 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
     return rows
 
 
-def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[dict], list[int] | None, list[str]]:
-    """The records of ``path`` as ``datasets`` reads them; for JSON lines, also each record's line
-    number and (``skip_bad``) the lines left out because they are not JSON objects."""
+def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tuple[int, dict]], bool, list[str]]:
+    """The records of ``split`` of ``path`` as ``datasets`` reads them, each with its number (:func:`_sliced`),
+    whether the numbers are lines (JSON lines), and (``skip_bad``) the lines left out because they are not
+    JSON objects."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -212,14 +218,11 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[dict
         except (FileNotFoundError, ValueError) as e:
             raise DatasetError(f"{field}: {path} is a directory but not a dataset saved with save_to_disk "
                                f"({e})") from None
-        if isinstance(data, datasets.DatasetDict):
-            if split not in data:
-                raise DatasetError(f"{field}: {path} has no split {split!r}; it has {', '.join(data)} (set data.split)")
-            data = data[split]
-        return list(data), None, []
+        splits = dict(data) if isinstance(data, datasets.DatasetDict) else {"train": data}
+        return _sliced(splits, None, split, path, field), False, []
     kind = FORMATS.get(path.suffix.lower())
     if kind is None and not path.exists() and not path.suffix:
-        return _hub(str(path), split, field), None, []
+        return _sliced(_hub(str(path), field), None, split, path, field), False, []
     if kind is None:
         raise DatasetError(f"{field}: {path} is not a dataset file: give a .jsonl, .json, .parquet or .arrow file "
                            "(or a directory written by save_to_disk, or a Hub id)")
@@ -228,11 +231,13 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[dict
                            "toy task)")
     lines = _record_lines(path) if path.suffix.lower() == ".jsonl" else None
     try:
-        return _load(path, kind, split, field), lines, []
+        records = _load(path, kind, field)
+        if lines is None or len(records) == len(lines):
+            return _sliced({"train": records}, lines, split, path, field), lines is not None, []
     except DatasetError:
         if lines is None:
             raise
-    bad = _bad_lines(path)  # why datasets could not read it, by line
+    bad = _bad_lines(path)  # why datasets could not read it (or read other than one record a line), by line
     if bad and not skip_bad:
         n, why = bad[0]
         raise DatasetError(f"{path}:{n}: {why} (fix the line, or set data.skip_bad_lines to skip bad rows)")
@@ -243,31 +248,46 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[dict
     with tempfile.TemporaryDirectory() as tmp, path.open("rb") as f:
         good = Path(tmp) / path.name  # its good lines without blank ones (which datasets reads only sometimes)
         good.write_bytes(b"".join(raw for n, raw in enumerate(f, start=1) if n in keep))
-        return _load(good, kind, split, field), lines, [f"{path}:{n}: {why}" for n, why in bad]
+        records = _load(good, kind, field)
+    by_line = len(records) == len(lines)  # else datasets read a line as several records: number them as rows
+    return (_sliced({"train": records}, lines if by_line else None, split, path, field), by_line,
+            [f"{path}:{n}: {why}" for n, why in bad])
 
 
-def _load(path: Path, kind: str, split: str, field: str):
+def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, path: Path,
+            field: str) -> list[tuple[int, dict]]:
+    """The records ``split`` names, in ``datasets``' syntax (``train``, ``train[:90%]``, ``train[10:]+test``),
+    each with its number: its line (``lines``: those of the one split's records), else its row in its split,
+    from 1. A slice keeps the numbers its records have in the whole: ``train[5:]`` starts at 6."""
     import datasets
 
     try:
-        return list(datasets.load_dataset(kind, data_files=str(path), split=split))
-    except ValueError as e:
-        if "split" in str(e).lower():
-            raise DatasetError(f"{field}: {path} has no split {split!r}: a local file has one, 'train' (slices such "
-                               "as train[:90%] work)") from None
-        raise DatasetError(f"{field}: {path} cannot be read as {kind}: {e}") from None
+        parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: len(v) for k, v in splits.items()})
+    except (ValueError, AssertionError) as e:
+        flag = "data.eval_split" if field == "data.eval_path" else "data.split"
+        raise DatasetError(f"{field}: {path} has no split {split!r} ({e}); it has {', '.join(splits)} (set {flag}: "
+                           "a split, or a slice such as train[:90%])") from None
+    records = {p.splitname: list(splits[p.splitname]) for p in parts}
+    return [(lines[i] if lines else i + 1, records[p.splitname][i]) for p in parts for i in range(p.from_, p.to)]
+
+
+def _load(path: Path, kind: str, field: str) -> list[dict]:
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(kind, data_files=str(path), split="train"))
     except Exception as e:  # noqa: BLE001  (datasets wraps pyarrow's errors in its own)
         cause = e.__cause__ or e
         raise DatasetError(f"{field}: {path} cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
 
 
-def _hub(name: str, split: str, field: str) -> list[dict]:
-    """A dataset from the Hugging Face Hub (needs network, or the datasets cache)."""
+def _hub(name: str, field: str) -> dict:
+    """A dataset's splits from the Hugging Face Hub (needs network, or the datasets cache)."""
     import datasets
 
     try:
-        return list(datasets.load_dataset(name, split=split))
-    except Exception as e:  # noqa: BLE001  (no network, no such dataset, no such split: all said by datasets)
+        return dict(datasets.load_dataset(name))
+    except Exception as e:  # noqa: BLE001  (no network, no such dataset: all said by datasets)
         raise DatasetError(f"{field}: {name} is neither a local file nor a dataset on the Hugging Face Hub that "
                            f"can be reached ({type(e).__name__}: {str(e)[:300]})") from None
 
@@ -305,15 +325,18 @@ def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     if row.get(config.prompt_key) is None:  # datasets fills a column a record lacks with None
         raise ValueError(f"missing field {config.prompt_key!r} (the prompt; data.prompt_key names its column)")
     row["prompt"] = check_prompt(row[config.prompt_key], config.prompt_key)
-    answer = _lookup(row, config.answer_key)
-    if answer is None and config.answer_key == "answer":
-        answer = _lookup(row, "reward_model.ground_truth")
+    key = config.answer_key
+    answer = _lookup(row, key)
+    if answer is None and key == "answer":
+        key, answer = "reward_model.ground_truth", _lookup(row, "reward_model.ground_truth")
     if answer is not None:
+        if isinstance(answer, float) and answer.is_integer():  # Arrow reads a column of 1 and 2.5 as floats
+            answer = int(answer)
         if isinstance(answer, int) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str):
             value = json.dumps(answer, default=str)[:40]
-            raise ValueError(f"field {config.answer_key!r} must be a string, got {type(answer).__name__} {value} "
+            raise ValueError(f"field {key!r} must be a string, got {type(answer).__name__} {value} "
                              "(quote it: \"...\")")
         row["answer"] = answer
     if row.get("id") is None:
@@ -479,7 +502,7 @@ class PromptSampler:
         for key, mine in (("num_rows", self.num_rows), ("seed", self.seed), ("shuffle", self.shuffle)):
             if saved[key] != mine:
                 raise ValueError(
-                    f"sampler checkpoint has {key}={state[key]} but this run has {key}={mine}: "
+                    f"sampler checkpoint has {key}={saved[key]} but this run has {key}={mine}: "
                     "resume with the same dataset, data.shuffle and data.shuffle_seed, or start a fresh run"
                 )
         epoch, position = int(state["epoch"]), int(state["position"])

@@ -89,7 +89,7 @@ def test_invalid_json_names_line(tmp_path):
 
 def test_not_an_object_names_line(tmp_path):
     path = write(tmp_path, ['["prompt", "answer"]'])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:1: missing field 'prompt'"):
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: expected a JSON object, got list"):
         load(path)
 
 
@@ -127,6 +127,13 @@ def test_answers_as_strings_integers_kept_as_their_text(tmp_path):
     assert load(write(tmp_path, [json.dumps({"prompt": "p", "answer": 42})]))[0]["answer"] == "42"
     path = write(tmp_path, [json.dumps({"prompt": "p", "answer": [4]})])
     with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'answer' must be a string, got list \[4\]"):
+        load(path)
+    # Arrow reads a column of 1 and 2.5 as floats: 1 stays "1", and the error names the row of the 2.5
+    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": 1}), json.dumps({"prompt": "q", "answer": 2.5})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: field 'answer' must be a string, got float 2.5"):
+        load(path)
+    path = write(tmp_path, [json.dumps({"prompt": "p", "reward_model": {"ground_truth": 1.5}})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'reward_model.ground_truth' must be a string"):
         load(path)
 
 
@@ -171,6 +178,51 @@ def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_pa
     again = write(tmp_path, [json.dumps({"id": "gsm:2", "prompt": "p", "answer": "x"})], "again.jsonl")
     with pytest.raises(DatasetError, match=r"again\.jsonl and .*gsm\.jsonl both have a row with id 'gsm:2'"):
         load_rows(DataConfig(path=(gsm, again)))
+
+
+def test_files_of_one_name_in_two_folders_are_named_by_their_folders(tmp_path):
+    """verl writes gsm8k/train.parquet and math/train.parquet: their rows' ids and sources do not collide."""
+    paths = []
+    for folder in ("gsm8k", "math"):
+        (tmp_path / folder).mkdir()
+        paths.append(write(tmp_path / folder, [json.dumps({"prompt": folder, "answer": "1"})] * 2))
+    rows = load_rows(DataConfig(path=tuple(paths)))
+    assert [(r["id"], r["data_source"]) for r in rows] == [
+        ("gsm8k/train:1", "gsm8k/train"), ("gsm8k/train:2", "gsm8k/train"),
+        ("math/train:1", "math/train"), ("math/train:2", "math/train")]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved", "saved_dict"])
+def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, kind):
+    """``train[3:]`` and ``train[:3]`` split one file into training and held-out rows whose default ids
+    (and the lines errors name) are those the rows have in the whole file, so the two never share one."""
+    import datasets
+
+    records = [{"prompt": f"q{i}", "answer": str(i)} for i in range(1, 6)]
+    path = tmp_path / "data"
+    if kind == "jsonl":
+        path = write(tmp_path, [json.dumps(r) for r in records], "data.jsonl")
+    elif kind == "parquet":
+        path = tmp_path / "data.parquet"
+        datasets.Dataset.from_list(records).to_parquet(str(path))
+    elif kind == "saved":
+        datasets.Dataset.from_list(records).save_to_disk(str(path))
+    else:
+        datasets.DatasetDict(train=datasets.Dataset.from_list(records)).save_to_disk(str(path))
+    config = DataConfig(path=str(path), split="train[3:]", eval_path=str(path), eval_split="train[:60%]")
+    from rollpacker.data.dataset import load_eval_rows
+
+    assert [(r["id"], r["prompt"]) for r in load_rows(config)] == [("data:4", "q4"), ("data:5", "q5")]
+    assert [r["id"] for r in load_eval_rows(config)] == ["data:1", "data:2", "data:3"]
+    with pytest.raises(DatasetError, match=r"data.eval_path: .*data(\.\w+)? has no split 'test' .*it has train "
+                                           r"\(set data.eval_split"):
+        load_eval_rows(DataConfig(path=str(path), eval_path=str(path), eval_split="test"))
+
+
+def test_a_bad_row_in_a_slice_is_named_by_its_line_in_the_file(tmp_path):
+    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": "1"})] * 3 + [json.dumps({"prompt": 5})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:4: field 'prompt' must be a string"):
+        load(path, split="train[2:]")
 
 
 def test_invalid_utf8_names_line(tmp_path):
@@ -267,6 +319,9 @@ def test_load_state_dict_rejects_other_dataset_or_seed():
         PromptSampler(21, seed=9).load_state_dict(state)
     with pytest.raises(ValueError, match="seed=9 but this run has seed=0"):
         PromptSampler(20, seed=0).load_state_dict(state)
+    del state["shuffle"]  # a checkpoint from before data.shuffle: it shuffled
+    with pytest.raises(ValueError, match="shuffle=True but this run has shuffle=False"):
+        PromptSampler(20, seed=9, shuffle=False).load_state_dict(state)
 
 
 def test_sampler_argument_errors():
