@@ -173,11 +173,12 @@ def stop_string_hit(decode: Callable[[list[int]], str] | None, token_ids: list[i
     """Whether the last tokens of a response spell one of ``stop``.
 
     Called after each new token, so the token completing a stop string ends the response.
-    Only a short tail is decoded: a token is at least one character.
+    Only a short tail is decoded: a token is at least one byte (byte-level BPE splits a rare character,
+    ``答`` or an emoji, into several tokens; the toy tokenizer has one a byte).
     """
     if not stop:
         return False
-    text = decode(token_ids[-(max(map(len, stop)) + 2):])
+    text = decode(token_ids[-(max(len(s.encode("utf-8")) for s in stop) + 2):])
     return any(s in text for s in stop)
 
 

@@ -344,6 +344,20 @@ def test_stop_tokens_and_eos(qwen2_dir, reference):
     assert out.finish_reason == "stop" and out.token_ids == reference["r3"][:1]
 
 
+@pytest.mark.parametrize("stop", ["ab", "答案", "🙂"], ids=["ascii", "cjk", "emoji"])
+def test_a_stop_string_is_found_at_the_token_completing_it_however_many_bytes_its_characters_take(stop):
+    """The toy tokenizer has a token a byte, as byte-level BPE splits rare characters: 答案 is 6 tokens."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.rollout.engine import stop_string_hit, text_decoder
+    from rollpacker.toy.model import toy_model_dir
+
+    ids = AutoTokenizer.from_pretrained(toy_model_dir()).encode("hello " + stop + " x", add_special_tokens=False)
+    decode = text_decoder(toy_model_dir())
+    hits = [n for n in range(1, len(ids) + 1) if stop_string_hit(decode, ids[:n], (stop,))]
+    assert hits[0] == len(ids) - 2 == next(n for n in range(len(ids) + 1) if stop in decode(ids[:n]))
+
+
 def test_stop_string_ends_generation_on_the_toy_model():
     """A stop string ends the response at the token completing it; the text is cut before it."""
     from transformers import AutoTokenizer
