@@ -68,8 +68,9 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     A write that fails on any rank removes the partial directory and raises :class:`CheckpointError`
     on every rank, naming the ranks and the error; earlier checkpoints are untouched. ``also``
     (collective, on every rank) writes more into ``path`` once the state is saved, before the commit:
-    its write failing fails the save the same way. Once the new one is committed, all but the newest
-    ``keep`` committed checkpoints (0: all) are deleted. Its plain data goes over ``control`` (the gloo control
+    its write failing fails the save the same way. Once the new one is committed, those of higher steps
+    are not (a run that went back left them), and all but the newest ``keep`` committed checkpoints (0: all)
+    are deleted. Its plain data goes over ``control`` (the gloo control
     plane; None: the default group)."""
     import torch.distributed as dist
 
@@ -122,9 +123,23 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             f"{free:.1f} MiB free there on rank {rank}). The partial "
             f"save was removed; the newest committed checkpoint is {newest or 'none'}, which --resume auto picks. "
             f"Free disk space or fix the permissions under {path.parent}, then resume")
-    if rank == 0 and keep:
-        prune(path.parent, keep)
+    if rank == 0:
+        _leave_later(path.parent, step)
+        if keep:
+            prune(path.parent, keep)
     dist.barrier(group=control)
+
+
+def _leave_later(checkpoints: Path, step: int) -> None:
+    """Un-commit the checkpoints newer than ``step``, just saved: they are of the run this one went back
+    from (``--resume auto`` passed a damaged one, or a resume from an older one). Else ``keep`` would
+    delete this run's and ``--resume auto`` would go back to theirs. Their files go as this run saves
+    their steps."""
+    for later in committed(checkpoints.parent):
+        if int(later.name.split("_")[1]) > step:
+            (later / MARKER).unlink(missing_ok=True)
+            logger.warning("checkpoint: %s is of the run this one went back from (it saved step %d): no longer "
+                           "committed, so --resume auto and checkpoint.keep see this run's", later, step)
 
 
 def _save_trainer(path: Path, trainer) -> dict[int, str]:

@@ -150,6 +150,26 @@ def test_what_a_save_also_writes_is_in_the_commit_and_its_failure_fails_the_save
     assert checkpoint.latest(tmp_path) == first and not (tmp_path / "checkpoints" / "step_2").exists()
 
 
+def test_a_run_that_went_back_uncommits_the_later_checkpoints_it_left_and_keep_spares_its_own(toy_random_dir,
+                                                                                             tmp_path):
+    """Resumed from step 2 (step 4 damaged, or a deliberate rollback), the run saves step 3: step 4 is the
+    abandoned run's, so --resume auto takes step 3 and checkpoint.keep=1 keeps it."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        checkpoint.save(root / f"step_{step}", trainer, step, {})
+    checkpoint.save(root / "step_3", trainer, 3, {}, keep=1)
+    assert checkpoint.committed(tmp_path) == [root / "step_3"] and checkpoint.newest_whole(tmp_path) == root / "step_3"
+    assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]  # step 4's files go when step 4 is saved
+    checkpoint.save(root / "step_4", trainer, 4, {}, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_4"] and checkpoint.latest(tmp_path) == root / "step_4"
+
+
 def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(toy_random_dir, tmp_path):
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
