@@ -365,5 +365,6 @@ def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
         if not weights_only:
             set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
             trainer.scheduler.load_state_dict(meta["scheduler"])
-            trainer.kl.value = meta.get("kl_coef", trainer.kl.value)  # an older checkpoint's: the configured one
+            if trainer.kl.target and meta.get("kl_coef"):  # the adaptive coefficient goes on; a fixed one is the flag's
+                trainer.kl.value = meta["kl_coef"]
     return meta

@@ -170,6 +170,25 @@ def test_a_run_that_went_back_uncommits_the_later_checkpoints_it_left_and_keep_s
     assert sorted(p.name for p in root.iterdir()) == ["step_4"] and checkpoint.latest(tmp_path) == root / "step_4"
 
 
+def test_a_resume_goes_on_with_the_adaptive_kl_coefficient_and_takes_a_fixed_one_from_its_flag(toy_random_dir,
+                                                                                               tmp_path):
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    def trainer(**kl) -> Trainer:
+        return Trainer(load_model(toy_random_dir), TrainConfig(**kl), build_meshes(1, 0).train, num_steps=4)
+
+    saved = trainer(kl_coef=0.1, kl_target=0.01)
+    saved.kl.value = 0.125  # where the controller had moved it
+    checkpoint.save(tmp_path / "step_1", saved, 1, {})
+    adaptive, fixed = trainer(kl_coef=0.1, kl_target=0.01), trainer(kl_coef=0.05)
+    for t in (adaptive, fixed):
+        checkpoint.load(tmp_path / "step_1", t)
+    assert (adaptive.kl.value, fixed.kl.value) == (0.125, 0.05)
+
+
 def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(toy_random_dir, tmp_path):
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
