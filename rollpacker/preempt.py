@@ -27,20 +27,23 @@ import threading
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 _received: signal.Signals | None = None
 _watcher: threading.Thread | None = None
+_wakeup: int | None = None  # the pipe's write end
 _lock = threading.RLock()  # a handler may interrupt itself in the main thread
 
 
 def install() -> None:
-    """From now on SIGUSR1/SIGTERM/SIGINT ask for a stop at the next step boundary instead of killing."""
-    global _watcher
+    """From now on SIGUSR1/SIGTERM/SIGINT ask for a stop at the next step boundary instead of killing.
+    Again once the engines are up: an asyncio loop's signal handler (SGLang's) takes the wakeup pipe over,
+    and leaves none when it is removed."""
+    global _watcher, _wakeup
     for sig in SIGNALS:
         signal.signal(sig, _note)
     if _watcher is None:
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        read, _wakeup = os.pipe()
+        os.set_blocking(_wakeup, False)
         _watcher = threading.Thread(target=_watch, args=(read,), daemon=True, name="rollpacker-stop-signals")
         _watcher.start()
+    signal.set_wakeup_fd(_wakeup, warn_on_full_buffer=False)
 
 
 def _note(signum: int, frame) -> None:

@@ -72,6 +72,7 @@ class Loop:
 def run(job: Job) -> int:
     """Run ``one_step_off`` from ``job.start_step``; returns the number of steps taken (the
     engines then hold the final weights)."""
+    preempt.install()  # again (run.main did), as colocated's: the engines are up
     loop = Loop(step=job.start_step, weights_step=job.start_step)
     rolls = job.meshes.rank in job.meshes.rollout_ranks
     if rolls:

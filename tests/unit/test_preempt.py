@@ -1,0 +1,24 @@
+"""The stop signals' wakeup pipe survives an engine's asyncio loop (SGLang's) taking it over."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = """
+import asyncio, signal
+from rollpacker import preempt
+
+preempt.install()
+loop = asyncio.new_event_loop()
+loop.add_signal_handler(signal.SIGTERM, lambda: None)  # takes the wakeup pipe over
+loop.remove_signal_handler(signal.SIGTERM)  # and leaves none
+lost = signal.set_wakeup_fd(-1) == -1
+preempt.install()  # again, as the loops do once the engines are up
+print(lost, signal.set_wakeup_fd(-1) != -1)
+"""
+
+
+def test_installing_again_gives_the_wakeup_pipe_back_after_an_asyncio_loop_took_it():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "True"], out.stderr
