@@ -415,6 +415,8 @@ class RolloutSetup:
     """Bytes per engine weight element (bf16 2, fp32 4)."""
     kv_bytes: float
     """The engine's KV cache budget per rank."""
+    kv_setting: str = "engine.kv_memory_mb"
+    """The setting that sizes it."""
     max_num_seqs: int
     prefill_tokens: int
     """engine.max_prefill_tokens."""
@@ -440,13 +442,13 @@ def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
 def engine_terms(s: Shape, r: RolloutSetup) -> list[Term]:
     """What the engine holds on one GPU while it rolls out."""
     terms = [Term(name=f"engine weights (TP {r.tp} shard)", bytes=engine_weights(s, r), fix="a larger rollout.tp"),
-             Term(name="engine KV cache budget", bytes=r.kv_bytes, fix="a smaller engine.kv_memory_mb"),
+             Term(name="engine KV cache budget", bytes=r.kv_bytes, fix=f"a smaller {r.kv_setting}"),
              Term(name="engine activations and logits", bytes=engine_activations(s, r),
                   fix="a smaller engine.max_prefill_tokens (vLLM: engine.max_model_len too)")]
     kind = ENGINES[r.engine]
     if kind.decode_workspace:
         terms.append(Term(name=f"{kind.title} decode workspace (bounded by the KV budget)",
-                          bytes=decode_workspace(s, r), fix="a smaller engine.kv_memory_mb or engine.max_num_seqs"))
+                          bytes=decode_workspace(s, r), fix=f"a smaller {r.kv_setting} or engine.max_num_seqs"))
     return terms + scheduler_process(r)
 
 
@@ -594,8 +596,13 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
                        critic=t.advantage == "gae")
     kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
-    rollout = RolloutSetup(engine=kind, tp=config.rollout.tp, weight_bytes=weight_bytes,
-                           kv_bytes=e.kv_memory_mb * 2**20,
+    # the planner may run any TP from 1 to the world: weights as at the smallest, a KV cache as at the largest
+    low, high = (1, world_size) if config.plan.enabled else (config.rollout.tp,) * 2
+    kv_bytes, kv_setting = e.kv_memory_mb * 2**20, "engine.kv_memory_mb"
+    if kind == "torch" and e.memory_mb:  # TorchEngine's KV gets what its weight shard leaves of engine.memory_mb
+        shape = shape or model_shape(str(config.model.directory()))
+        kv_bytes, kv_setting = e.memory_mb * 2**20 - shape.num_params * weight_bytes / high, "engine.memory_mb"
+    rollout = RolloutSetup(engine=kind, tp=low, weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_setting=kv_setting,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
                            released=device == "cuda" and ENGINES[kind].releases_weights, max_model_len=e.max_model_len,
                            longest=longest, draft_tokens=e.spec_max_tokens if e.speculative != "off" else 0)

@@ -302,3 +302,19 @@ def test_the_plan_counts_lora_adapters_as_peft_makes_them(qwen2_dir):
     full = config_plan(parse(flags), 8, 80 * GB, shape)
     adapted = config_plan(parse([*flags, "--train.lora.rank", "64"]), 8, 80 * GB, shape)
     assert not full.fits and adapted.fits and adapted.peak < full.peak
+
+
+def test_torch_engines_memory_mb_and_the_planners_tps_are_planned_as_they_run():
+    """engine.memory_mb sizes TorchEngine's KV cache as what its weight shard leaves; with the planner on,
+    the engine may run any TP: its weights are planned as at TP 1."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import setups
+
+    flags = ["--preset", "qwen2.5-7b-8k", "--engine.kind", "torch"]
+    _, fixed = setups(parse(flags), 8, shape=QWEN7B)
+    _, by_memory = setups(parse([*flags, "--engine.memory-mb", "50000"]), 8, shape=QWEN7B)
+    assert (fixed.kv_bytes, fixed.kv_setting) == (40960 * 2**20, "engine.kv_memory_mb")
+    assert by_memory.kv_bytes == 50000 * 2**20 - QWEN7B.num_params * 2 / 2  # what TP 2's bf16 weight shard leaves
+    assert by_memory.kv_setting == "engine.memory_mb"
+    _, planned = setups(parse([*flags, "--plan.enabled"]), 8, shape=QWEN7B)
+    assert (fixed.tp, planned.tp) == (2, 1)
