@@ -18,6 +18,7 @@ and how it differs from the native path: ``docs/memory.md`` (Any Hugging Face de
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -109,6 +110,9 @@ class HFDecoder(nn.Module):
         if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or head is None:
             raise ValueError(f"{type(causal_lm).__name__}: expected a decoder at .model with .layers and an output "
                              "head; not a decoder-only causal LM that rollpacker can train")
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(f"{type(causal_lm).__name__}: its output head has a bias (Phi's), which rollpacker's "
+                             "log-prob head does not add; this architecture is not supported")
         self.model, self.lm_head = decoder, head
         self.config = causal_lm.config
         self.__dict__["causal_lm"] = causal_lm  # shares the submodules; not registered (no second names)
@@ -161,6 +165,10 @@ def save_hf(model: HFDecoder, path: str | Path, *, write: bool = True, dtype: to
             state[name] = t.detach().to("cpu", dtype).contiguous()
     if write:
         model.causal_lm.save_pretrained(path, state_dict=state)
+        if dtype is not None:  # the config names the tensors' dtype, not the fp32 the model trains in
+            config = copy.deepcopy(model.causal_lm.config)
+            config.dtype = dtype
+            config.save_pretrained(path)
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -111,3 +111,21 @@ def test_hf_path_refuses_pools_of_their_own_and_the_planner(argv, message):
     check_hf(parse([]))
     with pytest.raises(ValueError, match=message):
         check_hf(parse(argv))
+
+
+def test_an_export_names_its_tensors_dtype_and_a_biased_output_head_is_refused(model_dirs, tmp_path):
+    """The model trains in fp32; exported in bf16, its config says bf16, so transformers loads it so.
+    Phi's output head adds a bias the log-prob head does not: refused, not trained on wrong log-probs."""
+    import json
+
+    from transformers import AutoModelForCausalLM, PhiConfig
+
+    from rollpacker.model.hf_decoder import HFDecoder, load_hf, save_hf
+
+    save_hf(load_hf(model_dirs["gemma2"]), tmp_path / "out", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+    phi = AutoModelForCausalLM.from_config(PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="PhiForCausalLM: its output head has a bias"):
+        HFDecoder(phi)
