@@ -68,6 +68,8 @@ class Shape:
     """MoE: experts per layer (0: dense)."""
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    """MoE: the expert every token goes through beside its routed ones, with its sigmoid gate (Qwen2-MoE's)."""
     max_position_embeddings: int = 0
 
     @classmethod
@@ -81,12 +83,13 @@ class Shape:
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=kind in ("qwen2", "qwen2_moe") and cfg.get("qkv_bias", True) or bool(cfg.get("attention_bias")),
             qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
             norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma3") else 2,
             num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
+            shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             max_position_embeddings=cfg.get("max_position_embeddings") or 0,
         )
 
@@ -105,9 +108,16 @@ class Shape:
         attn += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         if self.num_experts:
             mlp = self.num_experts * 3 * d * self.moe_intermediate_size + self.num_experts * d
+            mlp += (3 * d * self.shared_expert_intermediate_size + d) * bool(self.shared_expert_intermediate_size)
         else:
             mlp = 3 * d * self.intermediate_size
         return attn + mlp + self.norms_per_block * d
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's activations per token: the dense MLP's, or those of a token's experts (the shared one too)."""
+        return max(self.intermediate_size,
+                   self.experts_per_token * self.moe_intermediate_size + self.shared_expert_intermediate_size)
 
     @property
     def root_params(self) -> int:
@@ -217,7 +227,8 @@ def mlp_saved(s: Shape, b: int) -> float:
     and probabilities)."""
     if s.num_experts:
         per_expert = b * (4 * s.moe_intermediate_size + 2 * s.hidden_size)
-        return s.experts_per_token * per_expert + s.num_experts * (b + 4)
+        shared = (4 * b * s.shared_expert_intermediate_size + b + 4) * bool(s.shared_expert_intermediate_size)
+        return s.experts_per_token * per_expert + s.num_experts * (b + 4) + shared
     return 4 * b * s.intermediate_size
 
 
@@ -273,7 +284,7 @@ def block_backward(s: Shape, t: TrainSetup) -> float:
     """Transient bytes at the peak of one block's backward, its MLP's: the activation gradients
     (three ``[T, I]``), the gradient flowing between blocks (two ``[T, D]``) and the down
     projection's weight gradient. (The block's reduce-scatter comes after, with less alive.)"""
-    b, width = t.compute_bytes, max(s.intermediate_size, s.experts_per_token * s.moe_intermediate_size)
+    b, width = t.compute_bytes, s.mlp_width
     return t.tokens * (3 * width + 2 * s.hidden_size) * b + b * s.hidden_size * width
 
 
@@ -401,7 +412,7 @@ def reference_state(s: Shape, t: TrainSetup) -> list[Term]:
 def reference_activations(s: Shape, t: TrainSetup) -> float:
     """A no-grad forward keeps one block's transients: ~ q, k, v, the MLP's three [T, I], and the
     head's logits chunk."""
-    width = max(s.intermediate_size, s.experts_per_token * s.moe_intermediate_size)
+    width = s.mlp_width
     chunk = min(t.chunk_size, t.response_tokens) * s.vocab_size * 4 * 2 if t.head == "torch" else 0
     return t.tokens * t.compute_bytes * (3 * s.hidden_size + s.q_dim + 2 * s.kv_dim + 3 * width) + chunk
 

@@ -318,3 +318,16 @@ def test_torch_engines_memory_mb_and_the_planners_tps_are_planned_as_they_run():
     assert by_memory.kv_setting == "engine.memory_mb"
     _, planned = setups(parse([*flags, "--plan.enabled"]), 8, shape=QWEN7B)
     assert (fixed.tp, planned.tp) == (2, 1)
+
+
+def test_a_qwen2_moe_shape_counts_its_shared_expert_as_transformers_builds_it():
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = Shape.from_hf(cfg.to_dict())
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.mlp_width == 2 * 16 + 40
