@@ -120,7 +120,7 @@ def step(env, action: str, role: str = "user") -> StepResult:
     observation, reward, terminated, truncated, info = value
     reward = _reward(reward, "step")
     for name, flag in (("terminated", terminated), ("truncated", truncated)):
-        if not isinstance(flag, (bool, numbers.Integral)) and type(flag).__name__ != "bool_":
+        if not isinstance(flag, (bool, numbers.Integral)) and type(flag).__name__ not in ("bool", "bool_"):  # numpy's
             raise BadReturn(f"step returned {name}={short(flag)}; expected a bool")
     return StepResult(messages(observation, role, "step"), reward, bool(terminated), bool(truncated),
                       _info(info, "step"))

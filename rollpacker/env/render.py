@@ -112,6 +112,9 @@ class ChatBridge:
                 f"after: {after[:len(before)][-80:]!r}). Use a prefix-preserving template (model.path's "
                 "chat_template), or set env.template_breaks=count to append the delta anyway")
         self.breaks += 1
+        if (i := after.rfind(MARK)) >= 0:  # what follows the assistant turn's end (Qwen3 rewrites the turn itself)
+            tail, end = after[i + len(MARK):], before[before.rindex(MARK) + len(MARK):]
+            return tail.removeprefix(end)
         common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
         return after[common:]
 

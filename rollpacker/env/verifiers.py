@@ -190,11 +190,16 @@ class VerifiersEnv:
             self._seen = messages
             return messages, None, False, False, info
         before = len(self._seen) + 1  # the turns seen, then the model's action
-        if [m["role"] for m in messages[:len(self._seen)]] != [m["role"] for m in self._seen] or len(messages) < before:
+        if _turns(messages[:len(self._seen)]) != _turns(self._seen) or len(messages) < before:
             raise RuntimeError("the verifiers environment rewrote the conversation before the last turn (a non-linear "
                                "rollout): episodes append to it, token in, token out")
         self._seen = messages
         return messages[before:], None, False, False, info
+
+
+def _turns(messages: list[dict]) -> list[tuple]:
+    """What the model saw of ``messages``: who said what (an elided tool output or a replaced question is a rewrite)."""
+    return [(m["role"], m.get("content")) for m in messages]
 
 
 @dataclass(frozen=True)

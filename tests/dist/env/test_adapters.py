@@ -61,6 +61,20 @@ def distinct(completions, **kwargs) -> list[float]:
     return [float(len({c[-1].content for c in completions}))] * len(completions)
 
 
+class Elides(vf.MultiTurnEnv):
+    """Non-linear: from its second turn on, the question the model saw is replaced."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [vf.UserMessage(content="try again")]
+
+    async def get_prompt_messages(self, state):
+        messages = await super().get_prompt_messages(state)
+        if state["trajectory"]:
+            messages = [*messages[:-3], vf.UserMessage(content="[the question, elided]"), *messages[-2:]]
+        return messages
+
+
+make_eliding_env = factory(lambda: Elides(max_turns=3, rubric=vf.Rubric(funcs=[correct]), dataset=dataset()))
 make_group_env = factory(lambda: Again(max_turns=2, rubric=vf.Rubric(funcs=[correct, distinct]), dataset=dataset()))
 score_group = make_group_env.score_group
 '''
@@ -144,6 +158,20 @@ def test_a_verifiers_tool_env_runs_its_tools(vf_file):
         answered, closed = pool.drain(60)
     assert (answered.value.reward, answered.value.terminated) == (1.0, True)
     assert answered.value.info["total_tool_calls"] == 1.0 and not closed.error
+
+
+def test_a_verifiers_environment_that_rewrites_what_the_model_saw_is_refused(vf_file):
+    """The roles stay as they were; the question the model answered does not: a rewrite, not an episode."""
+    row = {"id": "r0", "prompt": "What is 40+2?", "answer": "42"}
+    with EnvPool(EnvConfig(factory="vf_env.py:make_eliding_env", num_workers=1, timeout=60)) as pool:
+        pool.open_episode("e", row, 0)
+        pool.drain(60)
+        pool.step_episode("e", "41")
+        (step,) = pool.drain(60)
+        pool.close_episode("e")
+        pool.drain(60)
+    assert "step raised RuntimeError: the verifiers environment rewrote the conversation before the last turn" in (
+        step.error or "")
 
 
 def test_a_verifiers_rubric_scoring_by_group_scores_each_group_as_verifiers_does(vf_file):

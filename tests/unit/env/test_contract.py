@@ -143,6 +143,17 @@ def test_garbage_is_named(files, bad, match):
         contract.step(env, "x")
 
 
+def test_numpys_bools_are_bools():
+    import numpy as np
+
+    class Env:
+        def step(self, action):
+            return "obs", np.float32(1.0), np.int64(3) == 3, np.bool_(False), {}
+
+    step = contract.step(Env(), "x")
+    assert (step.terminated, step.truncated) == (True, False)
+
+
 def test_a_factory_that_cannot_be_loaded_is_an_error_naming_the_setting(files):
     with pytest.raises(contract.EnvError, match="env.factory: .*my_env.py has no function 'nope'"):
         contract.make(f"{files}/my_env.py:nope", {})

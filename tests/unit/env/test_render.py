@@ -103,7 +103,22 @@ def test_a_template_that_rewrites_earlier_turns_is_caught_naming_it():
         bridge.observation_ids([{"role": "user", "content": "again"}], [5, 6])
     counting = ChatBridge(tokenizer, template_breaks="count")
     ids = counting.observation_ids([{"role": "user", "content": "again"}], [5, 6])
-    assert counting.breaks == 1 and tokenizer.decode(ids).endswith("user: again\nassistant:")
+    assert counting.breaks == 1 and tokenizer.decode(ids) == "\nuser: again\nassistant:"  # the end of turn, the delta
+
+
+def test_counted_breaks_append_what_follows_the_assistant_turn_when_the_template_rewrites_the_turn_itself():
+    """Qwen3's template shows an empty think block in the last assistant turn only: after an observation
+    the turn is rewritten, and what follows it is the delta (not the turn, which the model already said)."""
+    template = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+                "{%- if loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}"
+                "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+                "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    tokenizer = qwen_style_tokenizer(template)
+    bridge = ChatBridge(tokenizer, template_breaks="count")
+    turn = tokenizer("hello<|im_end|>", add_special_tokens=False)["input_ids"]
+    ids = bridge.observation_ids([{"role": "user", "content": "again"}], turn)
+    assert bridge.breaks == 1
+    assert tokenizer.decode(ids) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_a_turn_stopped_by_a_stop_string_gets_the_whole_end_of_turn():
