@@ -165,8 +165,7 @@ class VerifiersEnv:
         return Response(id=f"rollpacker-{id(self)}", created=int(time.time()), model="rollpacker", message=message)
 
     async def _rollout(self):
-        prompt = self.row["prompt"]
-        vf_input = {"prompt": [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
+        vf_input = {"prompt": self._prompt(self.row["prompt"]),
                     "example_id": int(self.row.get("example_id", 0)), "answer": str(self.row.get("answer", "")),
                     "info": self.row.get("info") or {}}
         state = await self.env.rollout(vf_input, EpisodeClient(self), "rollpacker", {})
@@ -174,6 +173,14 @@ class VerifiersEnv:
             await self.env.rubric.score_rollout(state)
         await self.env.rubric.cleanup(state)
         return state
+
+    def _prompt(self, prompt: str | list[dict]) -> list[dict]:
+        """The row's prompt as verifiers formats its own dataset's: its ``system_prompt`` first, unless the
+        prompt has one, and its ``few_shot`` turns before a string's question."""
+        env, system = self.env, [{"role": "system", "content": self.env.system_prompt}] * bool(self.env.system_prompt)
+        if isinstance(prompt, str):
+            return [*system, *(env.few_shot or []), {"role": "user", "content": prompt}]
+        return prompt if prompt and prompt[0]["role"] == "system" else [*system, *prompt]
 
     async def _next(self):
         """Run the rollout until it asks for the next turn, or ends: the step's 5-tuple."""

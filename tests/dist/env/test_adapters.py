@@ -74,7 +74,8 @@ class Elides(vf.MultiTurnEnv):
         return messages
 
 
-make_eliding_env = factory(lambda: Elides(max_turns=3, rubric=vf.Rubric(funcs=[correct]), dataset=dataset()))
+make_eliding_env = factory(lambda: Elides(max_turns=3, rubric=vf.Rubric(funcs=[correct]), dataset=dataset(),
+                                          system_prompt="Answer with a number."))
 make_group_env = factory(lambda: Again(max_turns=2, rubric=vf.Rubric(funcs=[correct, distinct]), dataset=dataset()))
 score_group = make_group_env.score_group
 '''
@@ -161,11 +162,14 @@ def test_a_verifiers_tool_env_runs_its_tools(vf_file):
 
 
 def test_a_verifiers_environment_that_rewrites_what_the_model_saw_is_refused(vf_file):
-    """The roles stay as they were; the question the model answered does not: a rewrite, not an episode."""
+    """Its system prompt comes first, as verifiers formats its own dataset. The roles stay as they were; the
+    question the model answered does not: a rewrite, not an episode."""
     row = {"id": "r0", "prompt": "What is 40+2?", "answer": "42"}
     with EnvPool(EnvConfig(factory="vf_env.py:make_eliding_env", num_workers=1, timeout=60)) as pool:
         pool.open_episode("e", row, 0)
-        pool.drain(60)
+        (opened,) = pool.drain(60)
+        assert opened.value[0] == [{"role": "system", "content": "Answer with a number."},
+                                   {"role": "user", "content": "What is 40+2?"}]
         pool.step_episode("e", "41")
         (step,) = pool.drain(60)
         pool.close_episode("e")
