@@ -21,17 +21,14 @@ class LoraConfig:
     """Rank of the adapters (0 = off: every weight trains)."""
     alpha: float = 16.0
     """Scaling numerator: an adapter adds (alpha / rank) x B A to its weight."""
-    dropout: float = 0.0
-    """Dropout on an adapter's input while training."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Linear layers that get adapters, by module name ("all-linear": every linear but the output head)."""
     export_merged: bool = False
     """At export, also write the merged weights as a whole Hugging Face model (run_dir/hf_merged)."""
 
     def __post_init__(self) -> None:
-        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
-            raise ValueError(f"train.lora: rank must be >= 0 (got {self.rank}), alpha > 0 (got {self.alpha}) and "
-                             f"dropout in [0, 1) (got {self.dropout})")
+        if self.rank < 0 or self.alpha <= 0:
+            raise ValueError(f"train.lora: rank must be >= 0 (got {self.rank}) and alpha > 0 (got {self.alpha})")
         if self.rank and not self.target_modules:
             raise ValueError("train.lora.target_modules is empty: name the linear layers to adapt (e.g. q_proj v_proj)")
         bad = [m for m in self.target_modules if m in ("lm_head", "embed_tokens")]

@@ -51,7 +51,7 @@ def peft_config(config: LoraConfig, **extra):
     import peft
 
     targets = "all-linear" if config.target_modules == ("all-linear",) else list(config.target_modules)
-    return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+    return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha,
                            target_modules=targets, exclude_modules=["lm_head"], **extra)
 
 

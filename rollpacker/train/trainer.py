@@ -237,6 +237,8 @@ class Trainer:
         if critic is not None and not isinstance(critic, FSDPModule):
             parallelize(critic, mesh, config, mixed_precision=mixed, adapters=False)
         self.critic = critic
+        for m in (model, *self._critics()):  # dropout off (TRL's disable_dropout): before the weights move, every
+            m.eval()  # forward of a sample gives the same log-probs, so the first update's ratios are 1
         trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters alone
         self.optimizer, self.scheduler = self._optimizer(trainable, config.lr, num_steps)
         self.critic_optimizer, self.critic_scheduler = (
@@ -543,8 +545,6 @@ class Trainer:
         reduces what earlier calls accumulated)."""
         mine, num_micro = plan[ranks.index(self.rank)], max(1, *(len(p) for p in plan))
         reduce_every = self.config.reduce_every_micro_batch
-        for model in (self.model, *self._critics()):
-            model.train()
         for i in range(num_micro):
             for model in (self.model, *self._critics()):
                 model.set_requires_gradient_sync(sync_last and (i == num_micro - 1 or reduce_every))

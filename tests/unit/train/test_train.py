@@ -100,17 +100,23 @@ def test_one_mini_batch_one_epoch_is_bitwise_the_plain_ppo_step(toy_random_dir):
     assert all(torch.equal(after[k], want[k]) for k in want)
 
 
-def test_several_updates_freeze_the_old_logprobs_first(toy_random_dir):
+@pytest.mark.parametrize("impl", ["native", "hf"])
+def test_several_updates_freeze_the_old_logprobs_first(toy_random_dir, tmp_path, impl):
     """Two mini-batches, two epochs: four optimizer steps. The first update's ratios are exactly 1
-    (the frozen log-probs are the ones it recomputes), the later ones' are not (the weights moved);
-    the learning-rate schedule advances once."""
+    (the frozen log-probs are the ones it recomputes; a model with attention dropout runs without it),
+    the later ones' are not (the weights moved); the learning-rate schedule advances once."""
+    from support.models import make_hf_model
+
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
+    from rollpacker.model.hf_decoder import load_hf
     from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import Trainer
 
     cfg = TrainConfig(lr=1e-2, warmup_steps=0, mini_batches=2, epochs=2)
-    trainer = Trainer(load_model(toy_random_dir), cfg, build_meshes(1, 0).train, temperature=0.8, num_steps=4)
+    model = load_model(toy_random_dir) if impl == "native" else load_hf(
+        make_hf_model(tmp_path / "hf", "qwen2", vocab_size=128, attention_dropout=0.5))
+    trainer = Trainer(model, cfg, build_meshes(1, 0).train, temperature=0.8, num_steps=4)
     samples = algorithm_batch()
     stats = trainer.step(samples, sum(len(s.response_ids) for s in samples))
     ratio_dev = [u["train/ratio_dev"] for u in trainer.updates]
