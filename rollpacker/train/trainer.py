@@ -301,6 +301,7 @@ class Trainer:
                 self._mix_reference()
         if self.optimizer_steps["critic"] > before["critic"]:
             self.critic_scheduler.step()
+        self._count_skipped(updates)
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
@@ -316,6 +317,21 @@ class Trainer:
         self.updates = updates
         """The last step's updates' stats, one dict each (tests read the first update's ratios)."""
         return stats
+
+    def _count_skipped(self, updates: list[dict[str, float]]) -> None:
+        """A step with an update skipped for a non-finite loss or gradient is a skipped step (its weights are not
+        saved); ``train.max_skipped_steps`` of them in a row stop the run (loss and norm are global: every training
+        rank raises)."""
+        skipped = next((u for u in updates if u["train/skipped"]), None)
+        self.skipped_steps += skipped is not None
+        self.skipping = self.skipping + 1 if skipped else 0
+        limit = self.config.max_skipped_steps
+        if limit and self.skipping >= limit:
+            raise NonFiniteError(
+                f"train: {self.skipping} consecutive steps skipped for a non-finite loss or gradient (last: "
+                f"loss={skipped['train/loss']}, grad_norm={skipped['train/grad_norm']}; train.max_skipped_steps="
+                f"{limit}). Stopping without saving these weights: the newest committed checkpoint predates them. "
+                "Lower train.lr, raise train.adam_eps, check the rewards and data, then resume from that checkpoint")
 
     def _update(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
                 normalizer: float, *, frozen: bool) -> dict[str, float]:
@@ -340,15 +356,6 @@ class Trainer:
             self.optimizer.step()
             self.optimizer_steps["policy"] += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.skipped_steps += skipped
-        self.skipping = self.skipping + 1 if skipped else 0
-        limit = cfg.max_skipped_steps
-        if limit and self.skipping >= limit:  # loss and norm are global: every training rank raises
-            raise NonFiniteError(
-                f"train: {self.skipping} consecutive updates skipped for a non-finite loss or gradient (last: "
-                f"loss={loss}, grad_norm={norm}; train.max_skipped_steps={limit}). Stopping without saving these "
-                "weights: the newest committed checkpoint predates them. Lower train.lr, raise train.adam_eps, check "
-                "the rewards and data, then resume from that checkpoint")
         tokens = max(sums["tokens"], 1)
         critic = self._critic_step(sums) if self.critic is not None else {}
         return critic | {

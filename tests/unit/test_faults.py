@@ -208,12 +208,17 @@ def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(
     with pytest.raises(NonFiniteError) as e:
         trainer.step(bad, 2)
     assert str(e.value) == (
-        "train: 2 consecutive updates skipped for a non-finite loss or gradient (last: loss=nan, grad_norm=nan; "
+        "train: 2 consecutive steps skipped for a non-finite loss or gradient (last: loss=nan, grad_norm=nan; "
         "train.max_skipped_steps=2). Stopping without saving these weights: the newest committed checkpoint "
         "predates them. Lower train.lr, raise train.adam_eps, check the rewards and data, then resume from that "
         "checkpoint")
     with pytest.raises(ValueError, match="train.max_skipped_steps must be"):
         TrainConfig(max_skipped_steps=-1)
+    # several updates a step (epochs) are one step: one bad step is one skipped, not three
+    many = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, epochs=3, max_skipped_steps=3),
+                   build_meshes(1, 0).train, num_steps=4)
+    stats = many.step(bad, 2)
+    assert (stats["train/skipped"], stats["train/skipped_steps"], many.skipping) == (3.0, 1.0, 1)
 
 
 def test_resume_auto_passes_over_a_damaged_checkpoint_with_one_warning_naming_the_file(toy_random_dir, tmp_path,
