@@ -177,7 +177,8 @@ class VerifiersEnv:
     def _prompt(self, prompt: str | list[dict]) -> list[dict]:
         """The row's prompt as verifiers formats its own dataset's: its ``system_prompt`` first, unless the
         prompt has one, and its ``few_shot`` turns before a string's question."""
-        env, system = self.env, [{"role": "system", "content": self.env.system_prompt}] * bool(self.env.system_prompt)
+        env = self.env
+        system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
         if isinstance(prompt, str):
             return [*system, *(env.few_shot or []), {"role": "user", "content": prompt}]
         return prompt if prompt and prompt[0]["role"] == "system" else [*system, *prompt]

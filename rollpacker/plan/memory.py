@@ -108,7 +108,7 @@ class Shape:
         attn += (self.q_dim + 2 * self.kv_dim) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         if self.num_experts:
             mlp = self.num_experts * 3 * d * self.moe_intermediate_size + self.num_experts * d
-            mlp += (3 * d * self.shared_expert_intermediate_size + d) * bool(self.shared_expert_intermediate_size)
+            mlp += 3 * d * self.shared_expert_intermediate_size + d * bool(self.shared_expert_intermediate_size)
         else:
             mlp = 3 * d * self.intermediate_size
         return attn + mlp + self.norms_per_block * d
@@ -227,7 +227,7 @@ def mlp_saved(s: Shape, b: int) -> float:
     and probabilities)."""
     if s.num_experts:
         per_expert = b * (4 * s.moe_intermediate_size + 2 * s.hidden_size)
-        shared = (4 * b * s.shared_expert_intermediate_size + b + 4) * bool(s.shared_expert_intermediate_size)
+        shared = 4 * b * s.shared_expert_intermediate_size + (b + 4) * bool(s.shared_expert_intermediate_size)
         return s.experts_per_token * per_expert + s.num_experts * (b + 4) + shared
     return 4 * b * s.intermediate_size
 
