@@ -610,7 +610,7 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
     # the planner may run any TP from 1 to the world: weights as at the smallest, a KV cache as at the largest
     low, high = (1, world_size) if config.plan.enabled else (config.rollout.tp,) * 2
     kv_bytes, kv_setting = e.kv_memory_mb * 2**20, "engine.kv_memory_mb"
-    if kind == "torch" and e.memory_mb:  # TorchEngine's KV gets what its weight shard leaves of engine.memory_mb
+    if ENGINES[kind].memory_mb and e.memory_mb:  # TorchEngine's KV gets what its weight shard leaves of it
         shape = shape or model_shape(str(config.model.directory()))
         kv_bytes, kv_setting = e.memory_mb * 2**20 - shape.num_params * weight_bytes / high, "engine.memory_mb"
     rollout = RolloutSetup(engine=kind, tp=low, weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_setting=kv_setting,

@@ -59,6 +59,8 @@ class EngineKind:
     """Its name in messages and memory-plan terms."""
     decode_workspace: bool = False
     """It keeps a per-row decode workspace beside its KV pool (the memory plan counts it)."""
+    memory_mb: bool = False
+    """``engine.memory_mb`` sizes it: its KV cache gets what its weight shard leaves of that."""
     scheduler_process: bool = False
     """It runs a scheduler process of its own on each GPU, which stays while the trainer trains."""
     batches_model_len: bool = False
@@ -99,7 +101,7 @@ class EngineKind:
 
 ENGINES: dict[str, EngineKind] = {
     "torch": EngineKind(module="rollpacker.rollout.torch_engine", rebuilder="empty", native_only=True,
-                        title="TorchEngine", decode_workspace=True),
+                        title="TorchEngine", decode_workspace=True, memory_mb=True),
     "vllm": EngineKind(module="rollpacker.rollout.vllm_engine", world_joiner="join_parallel_state", package="vllm",
                        own_drafter=True, releases_weights=True, title="vLLM", batches_model_len=True, no_tp_switch=(
         "a TP switch rebuilds the engines in-process, and vLLM's TP groups are process-wide state built once from "
