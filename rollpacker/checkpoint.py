@@ -70,8 +70,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     (collective, on every rank) writes more into ``path`` once the state is saved, before the commit:
     its write failing fails the save the same way. Once the new one is committed, those of higher steps
     are not (a run that went back left them), and all but the newest ``keep`` committed checkpoints (0: all)
-    are deleted. Its plain data goes over ``control`` (the gloo control
-    plane; None: the default group)."""
+    are deleted. Its plain data goes over ``control`` (the gloo control plane; None: the default group)."""
     import torch.distributed as dist
 
     from rollpacker import watchdog
@@ -124,18 +123,18 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             f"save was removed; the newest committed checkpoint is {newest or 'none'}, which --resume auto picks. "
             f"Free disk space or fix the permissions under {path.parent}, then resume")
     if rank == 0:
-        _leave_later(path.parent, step)
+        _leave_later(path.parent.parent, step)
         if keep:
             prune(path.parent, keep)
     dist.barrier(group=control)
 
 
-def _leave_later(checkpoints: Path, step: int) -> None:
+def _leave_later(run_dir: Path, step: int) -> None:
     """Un-commit the checkpoints newer than ``step``, just saved: they are of the run this one went back
     from (``--resume auto`` passed a damaged one, or a resume from an older one). Else ``keep`` would
     delete this run's and ``--resume auto`` would go back to theirs. Their files go as this run saves
     their steps."""
-    for later in committed(checkpoints.parent):
+    for later in committed(run_dir):
         if int(later.name.split("_")[1]) > step:
             (later / MARKER).unlink(missing_ok=True)
             logger.warning("checkpoint: %s is of the run this one went back from (it saved step %d): no longer "
