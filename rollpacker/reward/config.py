@@ -6,6 +6,7 @@ Plain dataclasses only (no torch): configs are parsed before anything heavy is i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -115,6 +116,13 @@ class RewardConfig:
             check_spec(spec, "reward.funcs", BUILTINS)
         if len(set(self.funcs)) < len(self.funcs):
             raise ValueError(f"reward.funcs names a function twice: {list(self.funcs)}; weight it with reward.weights")
+        metric_names = names(self.funcs)
+        for name in {n for n in metric_names if metric_names.count(n) > 1}:
+            same = [spec for spec, n in zip(self.funcs, metric_names) if n == name]
+            raise ValueError(f"reward.funcs: {' and '.join(same)} would both log as reward/{name}; "
+                             "rename one function or its file")
+        if not all(math.isfinite(w) for w in self.weights):
+            raise ValueError(f"reward.weights must be finite, got {list(self.weights)}")
         if self.weights and not self.funcs:
             raise ValueError(f"reward.weights={list(self.weights)} without reward.funcs: name the functions to weight")
         if self.weights and len(self.weights) != len(self.funcs):

@@ -265,6 +265,14 @@ def test_loading_errors_name_the_function(funcs, tmp_path):
         build_functions(RewardConfig(funcs=(f"{odd}:f",)))
     assert names(("toy", "a.py:compute_score", "pkg.b:compute_score", "c.py:mean", "d.py:environment")) == [
         "toy", "a.compute_score", "b.compute_score", "c.mean", "d.environment"]  # not the scheduler's own
+    twin = tmp_path / "twin" / "my_rewards.py"  # two files of one stem: one metric name would hide one function
+    twin.parent.mkdir()
+    twin.write_text(odd.read_text())
+    with pytest.raises(ValueError, match=r"my_rewards.py:f and .*twin/my_rewards.py:f would both log as "
+                                         r"reward/my_rewards.f; rename one"):
+        RewardConfig(funcs=(*funcs("f"), f"{twin}:f"))
+    with pytest.raises(ValueError, match=r"reward.weights must be finite, got \[1.0, nan\]"):
+        RewardConfig(funcs=("toy", "math"), weights=(1.0, float("nan")))
 
 
 def test_an_episodes_answer_is_its_last_assistant_message_not_a_tool_result_after_it():
