@@ -90,6 +90,8 @@ def stage_row(name: str, text: str, rc: int | None, seconds: float, limit_s: flo
         ok, result["error"] = False, f"timed out after {limit_s} s; kept what it printed before (log: {log.name})"
     elif not finished:
         result["error"] = f"exited {rc} before its result: {text.strip()[-600:]}"
+    elif rc != 0:  # a crash in its teardown (NCCL's, CUDA's) after an ok result
+        result["error"] = f"exited {rc} after its result (log: {log.name})"
     return row | {"ok": ok} | result
 
 
@@ -98,7 +100,8 @@ def run_stage(name: str, args: argparse.Namespace, impl: str, env: dict[str, str
     stopped meanwhile). Its output goes to ``OUT/NAME.log``."""
     limit = STAGES[name].cuda_s if args.device == "cuda" else STAGES[name].cpu_s
     cmd = [sys.executable, "-m", "rollpacker.gpu_check.stages", name, "--device", args.device, "--out",
-           str(args.out), "--work", str(args.work), "--limit-s", str(limit), "--logprobs-impl", impl]
+           str(args.out), "--work", str(args.work), "--limit-s", str(limit), "--logprobs-impl", impl,
+           "--started", str(time.time())]
     log = args.out / f"{name}.log"
     start, stopped = time.perf_counter(), None
     try:
@@ -159,7 +162,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="models and checkpoints (default: a temporary folder, removed at the end)")
     parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=DEFAULT_STAGES, metavar="STAGE",
                         help=f"which of {', '.join(STAGES)} (default: all but episodes)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.stages = [s for s in STAGES if s in args.stages]  # in order, each once
+    return args
 
 
 def stop(signum, frame) -> None:
@@ -174,14 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     temporary = args.work is None
     args.work = Path(tempfile.mkdtemp(prefix="rollpacker-gpu-check-")) if temporary else args.work
     args.work.mkdir(parents=True, exist_ok=True)
-    results, rows = args.out / "results.jsonl", []
+    results, rows, facts = args.out / "results.jsonl", [], {}
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
         check = preflight(args.device, args.out, args.work, stage_env(args.device))
+        facts = versions(args.device)  # now: a stopped check has seconds left for its summary, not for imports
         emit(check.row(args.stages), results)
         env = stage_env(args.device, check.env)
-        for name in (s for s in STAGES if s in args.stages):
+        for name in args.stages:
             if name in check.skip:
                 rows.append({"stage": name, "letter": STAGES[name].letter, "ok": None, "skipped": check.skip[name]})
             else:
@@ -193,10 +199,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"python -m rollpacker.gpu_check: stopped ({e}); the summary follows", file=sys.stderr)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ran = {r["stage"] for r in rows}
         summary = {"gpu_check": "summary", "ok": bool(rows) and len(rows) == len(args.stages) and all(
             r["ok"] for r in rows), "failed": [r["stage"] for r in rows if r["ok"] is False],
             "skipped": [r["stage"] for r in rows if r["ok"] is None],
-            "seconds": round(sum(r.get("seconds", 0) for r in rows), 1), **versions(args.device)}
+            "not_run": [s for s in args.stages if s not in ran],
+            "seconds": round(sum(r.get("seconds", 0) for r in rows), 1), **(facts or versions(args.device))}
         emit(summary, results)
         if temporary:
             shutil.rmtree(args.work, ignore_errors=True)

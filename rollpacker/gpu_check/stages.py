@@ -152,8 +152,15 @@ def stage_toy(run: StageRun) -> bool:
     flags = [*size["toy_args"], "--metrics.wandb-mode", "disabled", "--metrics.no-live", "--run-dir", str(run_dir),
              "--train.logprobs-impl", "auto" if run.logprobs_impl == "triton" else run.logprobs_impl]
     job = [sys.executable, "-m", "rollpacker.run"]
-    times = []
+    times, before = [], []
+
+    def trained_before_resume() -> list[str]:  # the first run's records of its steps, as written
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [line for line in lines if json.loads(line)["step"] < steps]
+
     for more in ([], ["--resume", "auto"]):
+        if more:
+            before = trained_before_resume()
         start = time.perf_counter()
         rc = subprocess.run([*job, "--num-steps", str(steps + (2 if more else 0)), *more, *flags]).returncode
         times.append(round(time.perf_counter() - start, 1))
@@ -167,10 +174,12 @@ def stage_toy(run: StageRun) -> bool:
     trained = sorted({r["step"] for r in rows if "train/loss" in r})
     export = sorted(p.name for p in (run_dir / "hf").iterdir())
     diff = [r["train/rollout_logprob_diff"] for r in rows if "train/rollout_logprob_diff" in r]
-    run.report(trained_steps=trained, step_s=[round(r["time/step"], 2) for r in rows if "time/step" in r],
+    resumed = before == trained_before_resume()  # a run that started over would rewrite them (new timings)
+    run.report(trained_steps=trained, resumed=resumed,
+               step_s=[round(r["time/step"], 2) for r in rows if "time/step" in r],
                hf_export=export, engine_trainer_logprob_diff=[round(d, 5) for d in diff],
                eval={k: round(v, 4) for r in rows for k, v in r.items() if k.startswith("eval/")})
-    return trained == list(range(steps + 2)) and "config.json" in export and any(
+    return resumed and trained == list(range(steps + 2)) and "config.json" in export and any(
         n.endswith(".safetensors") for n in export)
 
 
@@ -711,9 +720,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, required=True, help="models and checkpoints")
     parser.add_argument("--limit-s", type=float, default=600, help="the driver's limit on this stage")
     parser.add_argument("--logprobs-impl", choices=("triton", "torch"), default="triton")
+    parser.add_argument("--started", type=float, default=time.time(),
+                        help="when the driver launched the stage (time.time()): its limit counts from there")
     args = parser.parse_args(argv)
     margin = max(5.0, 0.1 * args.limit_s)  # the stage's own exit: destroying the group, the interpreter
-    run = StageRun(args.device, args.out, args.work, SIZES[args.device], time.perf_counter() + args.limit_s - margin,
+    left = args.limit_s - max(0.0, time.time() - args.started)  # less the imports before main
+    run = StageRun(args.device, args.out, args.work, SIZES[args.device], time.perf_counter() + left - margin,
                    args.logprobs_impl)
     torch.manual_seed(0)
     try:

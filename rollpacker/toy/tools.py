@@ -8,7 +8,7 @@ with this calculator) runs the model's calls and ends at its first turn without 
 :func:`correct` scores the answer (the last assistant turn's ``#### N``); :func:`unaided` a right
 answer given without a call (the preset weighs it 0.3, so a call costs where it does not help). A
 row's ``data_source`` is its kind, so evaluation reports ``eval/easy/...`` and ``eval/hard/...``.
-The easy problems are few (243): training and held-out rows share them; what RL learns here is
+The easy problems are few (207): training and held-out rows share them; what RL learns here is
 when to call the tool, not the products.
 """
 

@@ -113,6 +113,7 @@ def test_the_prepared_command_rehearsed_on_cpu_in_a_fresh_venv(tmp_path):
     assert summary["commit"] == f"{commit} (.whl/COMMIT)"  # the copy has no git
     by = {s["stage"]: s for s in stages}
     assert by["toy"]["trained_steps"] == [0, 1, 2, 3] and "config.json" in by["toy"]["hf_export"]  # resumed at 2
+    assert by["toy"]["resumed"]  # steps 0 and 1 as the first run wrote them: not trained again
     assert by["train"]["push"]["within_bar"] and by["train"]["push"]["max_dlogprob"] < 1e-3  # fp32 on CPU
     assert by["offload"]["full_tensor_device"] == "cpu" and set(by["offload"]["cpu_collectives"].values()) == {None}
     assert by["kernel"]["max_abs_diff"]["logprob"] < 1e-5 and by["kernel"]["kernel_T128"]["timed_calls"] >= 1
@@ -179,6 +180,7 @@ def test_a_stopped_check_kills_the_running_stage_whole_and_still_writes_its_summ
     preflight, toy, summary = lines(stdout)
     assert toy["stage"] == "toy" and toy["ok"] is False and toy["stopped"] == "SIGTERM"
     assert summary["gpu_check"] == "summary" and summary["ok"] is False and summary["failed"] == ["toy"]
+    assert summary["not_run"] == ["judge"] and summary["torch"] == torch.__version__
     assert (out / "results.jsonl").read_text().splitlines() == stdout.splitlines()
     assert processes_naming(str(work)) == {}  # the stage and the toy job it ran
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rollpacker.gpu_check import STAGES
-from rollpacker.gpu_check.__main__ import run_in_group, stage_env, stage_row, versions
+from rollpacker.gpu_check.__main__ import parse, run_in_group, stage_env, stage_row, versions
 from rollpacker.gpu_check.preflight import Preflight, cache_env, preflight, triton_facts
 from rollpacker.gpu_check.stages import SIZES, compare_push, memory, near_tie, preempted_against_first
 
@@ -60,7 +60,13 @@ def test_a_stage_that_dies_keeps_its_measurements_and_fails(tmp_path):
     text = 'GPU_CHECK_RESULT {"push": {"push_s": 0.2}}\nTraceback ...\nRuntimeError: CUDA error\n'
     row = stage_row("train", text, -9, 3.0, 80, tmp_path / "train.log")
     assert row["ok"] is False and row["push"] == {"push_s": 0.2} and "exited -9 before its result" in row["error"]
-    assert stage_row("train", 'GPU_CHECK_RESULT {"ok": true}', 1, 3.0, 80, tmp_path)["ok"] is False  # rc decides too
+    # an ok result, then a crash in the teardown: rc decides too, and the row says why
+    crashed = stage_row("train", 'GPU_CHECK_RESULT {"ok": true}', -11, 3.0, 80, tmp_path / "train.log")
+    assert crashed["ok"] is False and crashed["error"] == "exited -11 after its result (log: train.log)"
+
+
+def test_stages_run_in_order_each_once():
+    assert parse(["--stages", "judge", "toy", "judge"]).stages == ["toy", "judge"]
 
 
 def test_a_stage_that_hangs_after_its_result_keeps_it_and_says_so(tmp_path):
