@@ -52,7 +52,7 @@ def parse(argv: list[str]):
     cfg = tyro.cli(SimConfig, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                    prog="python -m rollpacker.sim",
                    description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, --gantt-steps N, "
-                               "or a command: table2, table1, fig13c, workload, validate, growth, spec).")
+                               "or a command: table2, table1, fig13c, workload, validate, growth, spec, episodes).")
     return cfg, gantt, gantt_steps
 
 

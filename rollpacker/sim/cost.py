@@ -258,6 +258,10 @@ def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibra
     """
     record = profile if isinstance(profile, dict) else json.loads(Path(profile).read_text())
     if "tp" in record:  # a planner profile (python -m rollpacker.profile): its TP=1 curve, shortest context
+        if record.get("peak_gflops") is None or "1" not in record["tp"]:
+            raise ValueError(f"fit_calibration: this profile has no CPU peak FLOP/s or no TP=1 curve (TPs "
+                             f"{sorted(record['tp'], key=int)}); fit from a CPU profile made at rollout.tp 1, or from "
+                             "python -m rollpacker.bench engine --out")
         entry = record["tp"]["1"]
         context = min(entry["decode_ms"], key=int)
         record = {"decode_ms_per_iter": entry["decode_ms"][context], "context_len": [int(context)],

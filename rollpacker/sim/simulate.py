@@ -28,7 +28,7 @@ from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
-from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Seen, opens_ahead
+from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Routing, Seen, opens_ahead
 from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
 from rollpacker.schedule.tail import TailConfig
@@ -77,7 +77,8 @@ class SimConfig:
     trace: str = ""
     """JSONL of recorded response lengths to replay instead of the length mixture (e.g. a run's metrics.jsonl)."""
     seed: int = 0
-    """Seeds the prompt order, the lengths and the reward times."""
+    """Seeds the prompt order (and a trace's draws); ``lengths.seed`` and ``reward.seed`` seed the lengths, the
+    rewards and their times."""
     lengths: LengthModel = field(default_factory=LengthModel)
     reward: RewardModel = field(default_factory=RewardModel)
     calib: Calibration = field(default_factory=Calibration)
@@ -94,9 +95,12 @@ class SimConfig:
         if topology.rollout_ranks % self.tp:
             raise ValueError(f"rollout.tp={self.tp} does not divide the {topology.rollout_ranks} GPUs rolling out")
         topology.check("GPUs")
-        refuse_with_pools(self.schedule, stream=("sim.stream", self.stream or self.stream_config.enabled),
-                          planner=("sim.planner", self.planner))
         self.stream = self.stream or self.stream_config.enabled
+        self.planner = self.planner or self.plan.enabled
+        refuse_with_pools(self.schedule, stream=("sim.stream", self.stream), planner=("sim.planner", self.planner))
+        if getattr(self.schedule, "pipe", False):
+            raise ValueError("sim: schedule.pipe (RolloutPipe) is not simulated: its rollout on half the replicas "
+                             "and the train pool beside it are not modelled. Drop schedule.pipe")
         if self.stream and self.critic:
             raise ValueError("sim.stream with sim.critic: GAE's advantages are whitened over the step's batch, so "
                              "stream training refuses train.advantage gae; drop one")
@@ -201,7 +205,7 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
                    stream: ScaleDownDecider | None = None, poll: Polling | None = None,
-                   env: SimEnvPool | None = None) -> RoundRecord:
+                   env: SimEnvPool | None = None, routing: Routing = Routing()) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
     (:class:`~rollpacker.schedule.round.Round`) on simulated time.
 
@@ -209,7 +213,8 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     ``max_new_tokens``), ``lengths.prompt_tokens`` the prompt size; ``reward(row, seq)`` the reward
     of a response (scored at once); ``plan``, the round when the caller already asked the policy for
     it; ``stream``, the stream trainer's decider. ``poll`` runs the replicas in lockstep as the
-    controller's exchange loop does (:class:`Polling`), instead of polling at each replica event.
+    controller's exchange loop does (:class:`Polling`), instead of polling at each replica event;
+    ``routing``, the job's (``rollout.routing``, ``rollout.longest_first``).
 
     ``env``: the run's environment workers, carried from the last round (:meth:`SimEnvPool.shift`). With
     a workload, each response is an episode of it (:mod:`rollpacker.sim.episodes`): its turns on the
@@ -232,7 +237,7 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
                                    obs_tokens=work.obs_tokens, max_new_tokens=max_new_tokens,
                                    max_tokens=work.max_tokens, clock=clock, resident=work.resident)
     runner = EpisodeRunner(make, seed=env.seed, environment=work is not None)
-    rnd = Round(RoundState(step, plan, policy, len(replicas)), _Instant(reward), runner,
+    rnd = Round(RoundState(step, plan, policy, len(replicas), routing=routing), _Instant(reward), runner,
                 StreamRound(stream) if stream else None)
     sim = _SimRound(step, plan, rnd, replicas, poll, env)
     return sim.run()
@@ -552,8 +557,9 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
         candidates = [t for t in candidate_tps(cfg.gpus, base.model.num_kv_heads,
                                                cfg.plan.max_tp or base.hardware.gpus_per_node)
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
-        planner = Planner(cfg.plan, candidates, cfg.tp)
-    results, tp, decider = [], cfg.tp, None
+        planner = Planner(cfg.plan, candidates, cfg.plan.initial_tp or cfg.tp)
+    results, tp, decider = [], planner.initial if planner else cfg.tp, None
+    routing = Routing(by_group=cfg.rollout.routing == "group", longest_first=cfg.rollout.longest_first)
     env = SimEnvPool(env_workload, seed=cfg.seed)
     drafts = cfg.speculation.drafts()
     for step in range(cfg.num_steps):
@@ -574,19 +580,22 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
                                 kv_capacity_tokens=cost.kv_capacity_tokens())
             decider.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
-                             reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider, env=env)
+                             reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider, env=env,
+                             routing=routing)
         result = step_times(step, rnd, cfg, cost, keep=record)
         if env_workload:  # an episode's reward comes with it, from its environment: no reward stage
             result.reward_s = 0.0
         if cfg.warm and env_workload and step + 1 < cfg.num_steps:  # env.warm: as this round ends
             env.warm(opens_ahead(policy, step + 1, cfg.seed), result.rollout_s)
-        env.shift(result.step_s)  # what its workers still run goes on into the next round
         if switched:  # the engines are rebuilt on the new TP and loaded from the trainer: one more weight push
             result.sync_s += cost.sync_s()
         if planner:
             planner.observe(plan.kind, rnd.num_preemptions)
+        last_train_s = results[-1].train_s if results else 0.0
         if cfg.schedule.own_pools:  # generated and scored from the last boundary, while the last batch trained
-            result.wait_s = max(0.0, result.rollout_s + result.reward_s - (results[-1].train_s if results else 0.0))
+            result.wait_s = max(0.0, result.rollout_s + result.reward_s - last_train_s)
+        # what its workers still run goes on into the next round, which one_step_off starts as this batch trains
+        env.shift(result.step_s + (last_train_s - result.train_s if cfg.schedule.own_pools else 0.0))
         results.append(result)
     return results
 

@@ -254,6 +254,8 @@ def test_calibration_is_fitted_from_a_measured_decode_curve():
     planner_profile = {"peak_gflops": peak / 1e9, "tp": {"1": {"decode_ms": {
         "20": profile["decode_ms_per_iter"], "200": {"1": 99.0, "8": 999.0}}}}}
     assert fit_calibration(planner_profile, shape)[0] == calib
+    with pytest.raises(ValueError, match="no CPU peak FLOP/s or no TP=1 curve"):  # a GPU's profile has no peak
+        fit_calibration(planner_profile | {"peak_gflops": None}, shape)
 
 
 # ---- workloads ----------------------------------------------------------------------------------------
@@ -328,6 +330,19 @@ def test_the_planner_picks_each_rounds_tp_from_the_simulated_preemptions():
         push = replace(cfg.cost(), tp=r.tp).sync_s()
         assert r.sync_s == pytest.approx(push * (1 + (r.tp != before.tp)))
     assert results[0].sync_s == fixed.sync_s
+    # the job's flags: plan.enabled turns the planner on, plan.initial_tp is the first step's TP
+    enabled = simulate(replace(cfg, planner=False, plan=PlanConfig(quiet_steps=2, enabled=True)))
+    assert [r.tp for r in enabled] == [r.tp for r in results]
+    initial = simulate(replace(cfg, num_steps=1, plan=PlanConfig(quiet_steps=2, initial_tp=4)))
+    assert initial[0].tp == 4 and initial[0].sync_s == replace(cfg.cost(), tp=4).sync_s()
+
+
+def test_the_simulator_routes_as_the_job_and_refuses_what_it_does_not_model():
+    base = SimConfig(model="qwen2.5-7b", gpus=8, rollout=rollout(16, 8, 8192), num_steps=2, schedule=SyncConfig())
+    by_group = simulate(replace(base, rollout=replace(base.rollout, routing="group")))
+    assert [r.rollout_s for r in by_group] != [r.rollout_s for r in simulate(base)]  # not round-robin per request
+    with pytest.raises(ValueError, match=r"schedule.pipe \(RolloutPipe\) is not simulated"):
+        SimConfig(schedule=SyncConfig(pipe=True))
 
 
 @pytest.mark.parametrize("policy", ["sorted", "sorted_partial"])
@@ -506,6 +521,33 @@ def test_one_step_off_overlaps_the_next_rollout_with_training_on_its_own_gpus():
         assert r.wait_s == pytest.approx(wait) and r.step_s == pytest.approx(wait + r.train_s + r.sync_s)
     with pytest.raises(ValueError, match="does not divide the 3 GPUs rolling out"):
         SimConfig(schedule=OneStepOffConfig(rollout_ranks=3), gpus=6, rollout=RolloutConfig(tp=2))
+
+
+def test_one_step_off_carries_environment_work_over_the_time_between_its_round_starts(monkeypatch):
+    """A round starts as the last batch trains: the environment workers' carried work is shifted by the
+    time from one round's start to the next (its wait, the last batch's training and the sync), not by the step."""
+    from rollpacker.sim.episodes import EpisodeWorkload, SimEnvPool
+
+    shifts, shift = [], SimEnvPool.shift
+    monkeypatch.setattr(SimEnvPool, "shift", lambda pool, seconds: (shifts.append(seconds), shift(pool, seconds)))
+    cfg = SimConfig(model="qwen2.5-7b", gpus=8, rollout=rollout(8, 4, 2048), num_steps=3, schedule=OneStepOffConfig())
+    off = simulate(cfg, env_workload=EpisodeWorkload(latency="lognormal:2.0:1.0", obs_tokens=64, num_workers=8))
+    starts = [r.wait_s + (prev.train_s if prev else 0.0) + r.sync_s for prev, r in zip([None, *off], off)]
+    assert shifts == pytest.approx(starts) and shifts != pytest.approx([r.step_s for r in off])
+
+
+def test_the_gantt_chart_spans_the_simulated_run(tmp_path, monkeypatch):
+    """one_step_off's rollout is drawn under the last step's training: the chart is as long as the run."""
+    import matplotlib.figure
+
+    from rollpacker.sim.gantt import plot
+
+    ends, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **kw: (
+        ends.append(fig.axes[0].get_xlim()[1]), save(fig, *a, **kw)))
+    cfg = SimConfig(model="qwen2.5-7b", gpus=4, rollout=rollout(8, 2, 2048), num_steps=3, schedule=OneStepOffConfig())
+    results = simulate(cfg, record=True)
+    assert plot(results, tmp_path / "g.png").is_file() and ends == [pytest.approx(sum(r.step_s for r in results))]
 
 
 def test_a_critic_adds_its_passes_to_the_train_stage_alone():
