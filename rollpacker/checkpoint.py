@@ -319,8 +319,12 @@ def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, 
     diffs = [f"{len(items)} {what}: {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
              for what, items in (("not in the checkpoint", missing), ("only in the checkpoint", extra),
                                  ("with other shapes (checkpoint vs this model)", shapes)) if items]
+    adapters = [any(".lora_A." in n for n in names) for names in (saved, mine)]
+    fix = {(True, False): "it holds LoRA adapters: give the run's train.lora settings (train.lora.rank)",
+           (False, True): "it holds no LoRA adapters: drop train.lora.rank"}.get(
+        tuple(adapters), "load it with the model the run started with (model.path)")
     raise CheckpointError(f"resume: {path} was written by a different model: parameters {'; '.join(diffs)}. "
-                     "Resume with the model the run started with (model.path), or start afresh")
+                          f"{fix[0].upper()}{fix[1:]}; a resume may instead start afresh")
 
 
 def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:

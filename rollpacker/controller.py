@@ -310,6 +310,7 @@ class Controller:
         from rollpacker.data.chat import prompt_text
 
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        table = "eval_samples" if name else "samples"
         self.metrics.log_samples(step, name or f"step_{step}", [
             {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
              "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
@@ -317,7 +318,7 @@ class Controller:
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
              "reward": reward, **values.get(o.id, {"rewards": {}, "extra": {}}), "length": len(o.token_ids),
              "finish_reason": o.finish_reason, **o.describe(decode)}
-            for g in result.groups for o, reward in zip(g.outputs, g.rewards)])
+            for g in result.groups for o, reward in zip(g.outputs, g.rewards)], table)
 
     def end_step(self, step: int, result: RoundResult, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of its kind)."""

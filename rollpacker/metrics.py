@@ -198,10 +198,14 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
+        _drop_torn_line(self.path)
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._wandb_run = None
         self._held: tuple[int, dict[str, Any]] | None = None
         """(step, its ``eval/`` metrics) dropped by :meth:`start_at`, for the run's record of that step."""
+        self._tables: dict[int, dict[str, Any]] = {}
+        """Step -> its wandb tables not logged yet: they go with the step's record (wandb drops a step logged
+        after a later one, and one_step_off writes batch k+1's samples before step k's record)."""
         if config.wandb_mode != "disabled":
             self._wandb_run = _init_wandb(self.run_dir, config, run_config)
         self._tensorboard_on, self._tensorboard, self._purge_step = config.tensorboard, None, None
@@ -246,6 +250,8 @@ class MetricsLogger:
             import wandb
 
             data = {}
+            for early in [s for s in self._tables if s <= step]:
+                data |= self._tables.pop(early)
             for key, value in metrics.items():
                 if isinstance(value, (list, tuple)):
                     if value:  # wandb cannot histogram nothing; the JSONL keeps the empty list
@@ -269,10 +275,10 @@ class MetricsLogger:
                 self._tensorboard.add_scalar(key, value, step)
         self._tensorboard.flush()
 
-    def log_samples(self, step: int, name: str, samples: list[dict[str, Any]]) -> Path:
+    def log_samples(self, step: int, name: str, samples: list[dict[str, Any]], table: str = "samples") -> Path:
         """Write ``samples`` (one JSON object per response) to ``run_dir/samples/NAME.jsonl``, replacing it,
-        and to the wandb table ``samples`` at ``step``; a value JSON has no type for (what a reward function
-        logged) as its ``str``."""
+        and to the wandb table ``table`` with ``step``'s record; a value JSON has no type for (what a reward
+        function logged) as its ``str``."""
         path = self.run_dir / "samples" / f"{name}.jsonl"
         path.parent.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(s, default=str) + "\n" for s in samples), encoding="utf-8")
@@ -282,7 +288,7 @@ class MetricsLogger:
             columns = list(samples[0])
             rows = [[v if isinstance(v, (int, float, str)) or v is None else json.dumps(v, default=str)
                      for v in s.values()] for s in samples]
-            self._wandb_run.log({"samples": wandb.Table(columns=columns, data=rows)}, step=step)
+            self._tables.setdefault(step, {})[table] = wandb.Table(columns=columns, data=rows)
         return path
 
     def close(self) -> None:
@@ -294,6 +300,8 @@ class MetricsLogger:
             self._file.close()
             self._file = None
         if self._wandb_run is not None:
+            for step in sorted(self._tables):  # samples of a step whose record never came (a stopped run)
+                self._wandb_run.log(self._tables.pop(step), step=step)
             self._wandb_run.finish()
             self._wandb_run = None
         if self._tensorboard is not None:
@@ -305,6 +313,19 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line a killed run left unfinished (no newline), so the next record starts a line of its own."""
+    if not path.is_file() or not path.stat().st_size:
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+    logger.warning("%s: dropped its last line, cut off unfinished (%d bytes): the run writing it was stopped",
+                   path, len(data) - data.rfind(b"\n") - 1)
 
 
 def _step_of(line: str) -> int:

@@ -70,15 +70,30 @@ def _bar_width(steps: list[int]) -> float:
     return 0.8 * min(gaps, default=1)
 
 
+WITHIN = ("time/reward_exposed", "time/migration")
+"""``time/`` metrics inside another stage: the wait for the last scores (reward), the stream trainer's moves
+(rollout)."""
+UNDER_TRAINING = ("time/rollout", "time/reward")
+"""one_step_off's (a record with ``time/wait_prev_gen``): its batch's, run under the last step's training."""
+
+
+def stacked(record: dict) -> dict[str, float]:
+    """The record's stages that add up to its ``time/step``."""
+    left_out = {*WITHIN, *(UNDER_TRAINING if "time/wait_prev_gen" in record else ())}
+    return {k: v for k, v in record.items()
+            if k.startswith("time/") and k != "time/step" and k not in left_out and _is_number(v)}
+
+
 def plot_step_time(records: list[dict], ax) -> bool:
-    present = {k for r in records for k in r if k.startswith("time/") and k != "time/step"}
+    stages = [stacked(r) for r in records]
+    present = {k for stage in stages for k in stage}
     keys = [k for k in STAGES if k in present] + sorted(present - set(STAGES))
     if not keys:
         return False
     steps = [r["step"] for r in records]
     bottom = [0.0] * len(records)
     for key in keys:
-        values = [r.get(key) or 0.0 for r in records]
+        values = [stage.get(key, 0.0) for stage in stages]
         ax.bar(steps, values, bottom=bottom, width=_bar_width(steps), label=key)
         bottom = [b + v for b, v in zip(bottom, values)]
     totals = [(r["step"], r["time/step"]) for r in records if _is_number(r.get("time/step"))]
@@ -150,7 +165,8 @@ def plot_env_info(records: list[dict], ax) -> bool:
     """The share of episodes in which the environments counted something vs step: ``env/info/K_frac``
     (training, solid) and ``eval/[SOURCE/]info/K_frac`` (held out, dashed), e.g. a ToolEnv's episodes
     that called a tool (``tool_calls_frac``) and that had a call fail (``tool_errors_frac``)."""
-    keys = sorted({k for r in records for k in r if INFO.fullmatch(k)}, key=lambda k: (k.startswith("eval/"), k))
+    keys = sorted({k for r in records for k, v in r.items() if INFO.fullmatch(k) and _is_number(v)},
+                  key=lambda k: (k.startswith("eval/"), k))
     for i, key in enumerate(keys):
         points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
         if key.startswith("eval/"):
@@ -195,7 +211,7 @@ def plot_reward_functions(records: list[dict], ax) -> bool:
 def eval_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """``eval/[SOURCE/]pass@k`` and ``eval/[SOURCE/]mean@n`` by key, as (step, value) points."""
     pattern = re.compile(r"eval/(?:.+/)?(pass|mean)@\d+")
-    keys = sorted({k for r in records for k in r if pattern.fullmatch(k)})
+    keys = sorted({k for r in records for k, v in r.items() if pattern.fullmatch(k) and _is_number(v)})
     return {k: [(r["step"], r[k]) for r in records if _is_number(r.get(k))] for k in keys}
 
 
@@ -252,12 +268,14 @@ def write_samples(run_dir: Path, out: Path) -> bool:
             raise ReportError(f"{files[-1]}:{lineno}: not valid JSON ({e.msg})") from None
     if not samples:
         return False
-    picks = {"best reward": max(samples, key=lambda x: x["reward"]),
-             "worst reward": min(samples, key=lambda x: x["reward"]),
+    scored = [x for x in samples if _is_number(x["reward"])] or samples  # a null reward: a failed score
+    picks = {"best reward": max(scored, key=lambda x: x["reward"] or 0.0),
+             "worst reward": min(scored, key=lambda x: x["reward"] or 0.0),
              "longest": max(samples, key=lambda x: x["length"]), "shortest": min(samples, key=lambda x: x["length"])}
     lines = [f"# Samples of step {samples[0]['step']} ({len(samples)} responses in {files[-1]})", ""]
     for title, x in picks.items():
-        lines += [f"## {title}: reward {x['reward']:.3g}, {x['length']} tokens, {x['finish_reason']}", "",
+        reward = f"{x['reward']:.3g}" if _is_number(x["reward"]) else "none"
+        lines += [f"## {title}: reward {reward}, {x['length']} tokens, {x['finish_reason']}", "",
                   f"rewards: {json.dumps(x.get('rewards', {}))}", "", "prompt, as the engine got it:", "", "```",
                   _cut(x.get("prompt_text", x["prompt"])), "```", "",
                   *(_episode(x) if "turns" in x else ["completion:", "", "```", _cut(x["completion"]), "```", ""])]
@@ -294,10 +312,13 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
     where = f"prompts (checkpoint {newest}, step {step}, schedule:{policy.get('name')})"
     sampler = policy.get("sampler", {})
     sizes = sampler.get("sizes") or [sampler.get("num_rows", 0)] * (sampler.get("epoch", 0) + 1)  # rows per epoch
-    if "ledger" not in policy:  # sync trains every prompt it draws, once
+    if "ledger" not in policy:  # sync trains every prompt it draws, once, but for those the filter drops
         drawn = sum(sizes[:-1]) + sampler.get("position", 0)
-        verdict = "each once" if drawn == counted else f"but metrics.jsonl counts {counted} trained"
-        return f"{where}: {drawn} drawn in order and trained, {verdict}"
+        filtered = sum(r.get("sched/filtered", 0) for r in records if r["step"] < step)
+        verdict = ("each once" if drawn == counted + filtered else
+                   f"but metrics.jsonl counts {counted} trained" + (f" and {filtered} filtered" if filtered else ""))
+        what = f"{counted} trained and {filtered} filtered" if filtered else "trained"
+        return f"{where}: {drawn} drawn in order and {what}, {verdict}"
     ledger = policy["ledger"]
     trained = collections.Counter(tuple(k) for k in ledger["trained"])
     lines = [f"{where}: {sum(trained.values())} trained ({counted} in metrics.jsonl), "

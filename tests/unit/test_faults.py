@@ -108,7 +108,13 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
     assert str(e.value) == (
         f"resume: {tmp_path} was written by a different model: parameters 1 not in the checkpoint: norm.weight; "
         "1 only in the checkpoint: layers.1.w; 1 with other shapes (checkpoint vs this model): "
-        "embed.weight [32, 8] vs [64, 8]. Resume with the model the run started with (model.path), or start afresh")
+        "embed.weight [32, 8] vs [64, 8]. Load it with the model the run started with (model.path); a resume may "
+        "instead start afresh")
+    lora = {"layers.0.w.base_layer.weight": [8, 8], "layers.0.w.lora_A.default.weight": [2, 8]}
+    with pytest.raises(checkpoint.CheckpointError, match=r"It holds LoRA adapters: give the run's train.lora"):
+        checkpoint.check_model(tmp_path, lora, mine)  # an export without the run's train.lora flags
+    with pytest.raises(checkpoint.CheckpointError, match=r"It holds no LoRA adapters: drop train.lora.rank"):
+        checkpoint.check_model(tmp_path, mine, lora)
 
 
 def test_keep_deletes_the_oldest_committed_checkpoints_and_stale_interrupted_ones(tmp_path):

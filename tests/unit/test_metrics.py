@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,12 @@ def test_logger_disabled_writes_jsonl_without_wandb(tmp_path):
     assert ("wandb" in sys.modules) == wandb_loaded  # disabled mode never imports wandb
     with pytest.raises(RuntimeError, match="closed"):
         logger.log(2, {})
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:  # a run killed while writing step 2's record
+        f.write('{"step": 2, "reward/mean": 0.')
+    with MetricsLogger(tmp_path / "run", MetricsConfig(wandb_mode="disabled"), {"seed": 0}) as resumed:
+        resumed.start_at(2)
+        resumed.log(2, {"reward/mean": 1.0})
+    assert [r["step"] for r in _read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
 
 
 def test_tensorboard_mirrors_the_record_and_a_resume_replaces_the_steps_it_redoes(tmp_path):
@@ -145,6 +152,33 @@ def test_logger_offline_writes_jsonl_and_wandb_files(tmp_path, monkeypatch):
     assert [r["step"] for r in records] == [0, 1]
     assert records[0]["rollout/response_lengths"] == [1, 2, 3]
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline wandb run written"
+
+
+def test_wandb_gets_each_steps_samples_with_its_record_in_step_order(tmp_path):
+    """one_step_off writes batch k+1's samples before step k's record: wandb, which drops a step logged after
+    a later one, gets every table with its own step's record; the evaluation's table is a table of its own."""
+    pytest.importorskip("wandb")
+
+    class Run:  # the wandb run's two calls, recorded: the order is what is checked
+        def __init__(self):
+            self.logged = []
+
+        def log(self, data, step):
+            self.logged.append((step, sorted(data)))
+
+        def finish(self):
+            pass
+
+    with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as logger:
+        logger._wandb_run = run = Run()
+        logger.log(0, {"reward/mean": 0.0})
+        logger.log_samples(2, "step_2", [{"reward": 1.0}])  # the next batch, scored first
+        logger.log_samples(1, "eval_step_1", [{"reward": 1.0}], table="eval_samples")
+        logger.log(1, {"reward/mean": 0.5})
+        logger.log(2, {"reward/mean": 1.0})
+        logger.log_samples(3, "step_3", [{"reward": 1.0}])  # its step never logged: at close, still in order
+    assert run.logged == [(0, ["reward/mean"]), (1, ["eval_samples", "reward/mean"]), (2, ["reward/mean", "samples"]),
+                          (3, ["samples"])]
 
 
 def test_live_display_plain_lines_when_not_a_terminal():
@@ -228,6 +262,44 @@ def test_report_shows_a_few_samples_of_the_last_saved_step(tmp_path, capsys):
     assert '"Q1"' in sections[0] and '"Q2"' in sections[1] and '"Q2"' in sections[2] and '"Q1"' in sections[3]
     assert "x" * 590 + " [...]" in sections[1] and "x" * 700 not in text  # cut, with a mark
     assert 'rewards: {"toy": 1.0}' in sections[0]
+
+
+def test_the_step_time_stack_adds_up_to_the_step():
+    """A stage inside another (the wait for the last scores) is not stacked twice; one_step_off's step is its
+    wait, training and sync (its batch's rollout and scoring ran under the last step's training)."""
+    colocated = {"time/rollout": 5.0, "time/reward": 1.0, "time/reward_exposed": 0.5, "time/migration": 0.2,
+                 "time/train": 3.0, "time/weight_sync": 1.0, "time/step": 10.0}
+    one_step_off = {"time/rollout": 6.0, "time/reward": 1.0, "time/wait_prev_gen": 2.0, "time/train": 3.0,
+                    "time/weight_sync": 1.0, "time/step": 6.0}
+    for record in (colocated, one_step_off):
+        assert sum(report.stacked(record).values()) == record["time/step"]
+
+
+def test_report_skips_what_is_always_null_and_shows_samples_without_a_reward(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _write_metrics(run_dir)
+    records = [json.loads(line) | {"env/info/tool_calls_frac": None, "eval/pass@1": None}
+               for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "samples").mkdir()
+    rows = [{"step": 3, "prompt": "Q", "completion": "A", "reward": reward, "length": 2, "finish_reason": "stop"}
+            for reward in (None, 0.5)]  # None: a failed score
+    (run_dir / "samples" / "step_3.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(run_dir)]) == 0
+    assert [Path(p).name for p in capsys.readouterr().out.split()] == [
+        "step_time.png", "response_lengths.png", "reward.png", "samples.md"]
+    assert "## best reward: reward 0.5" in (run_dir / "plots" / "samples.md").read_text()
+
+
+def test_the_prompt_check_of_sync_counts_the_groups_the_filter_dropped(tmp_path, monkeypatch):
+    from rollpacker import checkpoint
+
+    records = [{"step": s, "sched/trained_prompts": trained, "sched/filtered": 4 - trained}
+               for s, trained in enumerate([2, 1, 2])]
+    monkeypatch.setattr(checkpoint, "newest_whole", lambda run_dir, announce: tmp_path / "step_3")
+    monkeypatch.setattr(checkpoint, "train_state", lambda path: {"step": 3, "policy": {
+        "name": "sync", "sampler": {"num_rows": 100, "epoch": 0, "position": 12}}})
+    assert report.prompt_ledger(tmp_path, records).endswith("12 drawn in order and 5 trained and 7 filtered, each once")
 
 
 def test_report_missing_dir_and_file(tmp_path, capsys):
