@@ -118,7 +118,7 @@ def teacher(args: Args, run_args: list[str], work: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
-    args = tyro.cli(Args, args=own)
+    args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench algorithms")
     names, seeds = args.algorithms.split(","), [int(s) for s in args.seeds.split(",")]
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown:

@@ -528,7 +528,7 @@ def throughput_table(console, cfg: EngineBenchConfig, results: dict[int, dict[st
         table.add_row(*row)
     console.print(table)
     for kind, seconds in direct.items():
-        b = 32 if 32 in seconds else max(seconds)
+        b = 32 if 32 in seconds else max((x for x in seconds if x < 32), default=max(seconds))
         summary[f"{kind}_adapter_overhead"] = summary[f"{kind}_adapter_overhead_batch{b}"]
     return summary
 

@@ -6,15 +6,16 @@ random point: SIGKILL of a random rank mid-round, SIGKILL of a random rank durin
 of a random rank (the collective timeout fires, torchrun restarts the group), or a full disk during
 a save (a random rank's file-size limit drops to 1 MiB with ``prlimit``, so its next shard write
 fails with EFBIG; the restarted group has the normal limit again). The final ledger is compared
-with an uninterrupted run's. Last line JSON: ``runs``, ``recovered`` (exit 0 and the ledger
-matches), ``prompts_lost``, ``prompts_trained_twice``, ``hangs`` (runs killed at the outer time
-limit) and ``mean_recovery_s`` (from the fault to the first step the restarted group trains: fault
-detection, torchrun's restart, model loading, the resume and one step; over recovered runs).
+with an uninterrupted run's. Last line JSON: ``runs``, ``recovered`` (a fault landed, exit 0 and the
+ledger matches), ``not_injected`` (runs that ended before their fault's point), ``prompts_lost``,
+``prompts_trained_twice``, ``hangs`` (runs killed at the outer time limit) and ``mean_recovery_s``
+(from the fault to the first step the restarted group trains: fault detection, torchrun's restart,
+model loading, the resume and one step; over recovered runs).
 
 ``--workload episodes``: every response an episode of ``bench episodes``' agentic environment, so
-faults land with environments in flight. Each environment made records itself and its closing;
-the JSON adds ``envs_made``, ``envs_unclosed`` (made and never closed) and ``workers_left``
-(environment workers alive after their run ended); a run recovers only with both 0.
+faults land with environments in flight. Each environment made records itself and its closing; the
+JSON adds ``envs_made``, ``envs_unclosed`` (made and never closed) and ``workers_left`` (environment
+workers alive after their run ended); a run recovers only with both 0.
 """
 
 from __future__ import annotations
@@ -141,12 +142,15 @@ def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, 
     proc, log = launch(run_dir, episodes)
     deadline = time.time() + limit_s
     injected = inject(fault, run_dir, proc, rng, deadline)
-    failed_at_line = resumed = None  # metrics lines when torchrun saw the group fail; when the next one came
+    # metrics lines since torchrun saw the group fail, the fewest (a resume from an older checkpoint first drops
+    # the records it redoes); when one more came: the restarted group's first step
+    fewest = resumed = None
     while proc.poll() is None and time.time() < deadline:
-        if injected and failed_at_line is None and "failed (exitcode" in log.read_text():
-            failed_at_line = lines(run_dir)
-        if failed_at_line is not None and resumed is None and lines(run_dir) > failed_at_line:
-            resumed = time.time()
+        if injected and fewest is None and "failed (exitcode" in log.read_text():
+            fewest = lines(run_dir)
+        if fewest is not None and resumed is None:
+            now = lines(run_dir)
+            fewest, resumed = min(fewest, now), time.time() if now > fewest else None
         time.sleep(0.05)
     hang = proc.poll() is None
     if hang:  # torchrun's workers run in sessions of their own: kill them too
@@ -160,7 +164,7 @@ def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, 
     lost = sum((want - got).values())
     twice = sum(n - 1 for n in got.values() if n > 1)
     envs = settled(run_dir) if episodes else {}
-    ok = proc.returncode == 0 and not hang and got == want and not envs.get("envs_unclosed")
+    ok = injected is not None and proc.returncode == 0 and not hang and got == want and not envs.get("envs_unclosed")
     ok = ok and not envs.get("workers_left")
     return {"run": i, "fault": fault, "injected": injected is not None, "exit": proc.returncode, "hang": hang,
             "recovered": ok, "prompts_lost": lost, "prompts_trained_twice": twice,
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({
         "runs": len(results),
         "recovered": sum(r["recovered"] for r in results),
+        "not_injected": sum(not r["injected"] for r in results),
         "prompts_lost": sum(r["prompts_lost"] for r in results),
         "prompts_trained_twice": sum(r["prompts_trained_twice"] for r in results),
         "hangs": sum(r["hang"] for r in results),

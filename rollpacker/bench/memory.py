@@ -219,14 +219,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(f"MEASURED {measured}\n")  # one write: the ranks share the pipe
         sys.stdout.flush()
         return
+    usage = f"usage: python -m rollpacker.bench memory [{' '.join(MODELS)}] [--device cpu|cuda]"
+    if {"-h", "--help"} & set(argv):
+        print(f"{usage}\n\n{__doc__.strip()}")
+        return
     device = "cpu"
     if "--device" in argv:
         i = argv.index("--device")
         device, argv = (argv[i + 1:i + 2] or ["?"])[0], argv[:i] + argv[i + 2:]
     unknown = [a for a in argv if a not in MODELS]
     if unknown or device not in ("cpu", "cuda"):
-        sys.exit(f"usage: python -m rollpacker.bench memory [{' '.join(MODELS)}] [--device cpu|cuda]: unknown "
-                 f"{unknown or device}")
+        sys.exit(f"{usage}: unknown {unknown or device}")
     import torch
 
     gpus = torch.cuda.device_count() if device == "cuda" else 0
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{case.name:<44} {row['measured_gb']:>11.3f} {row['plan_gb']:>8.3f} {100 * row['rel_error']:>6.1f}% "
               f"{row['activations_measured_gb']:>11.3f} {row['activations_plan_gb']:>8.3f}  {plan['phase']}",
               flush=True)
+    if not rows:
+        sys.exit(f"bench memory: no case of {' '.join(argv) or 'any model'} runs on {device} with {gpus} GPU(s) "
+                 "(on CUDA a case needs a GPU per rank)")
     summary = {"device": device, "plan_max_rel_error": round(max(abs(r["rel_error"]) for r in rows.values()), 4)}
     if all(c in rows for c in FACTOR_CASES):
         off, full = (rows[c] for c in FACTOR_CASES)

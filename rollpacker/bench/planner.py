@@ -58,7 +58,7 @@ def by_kind(rows: list[dict], key: str, kind: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
-    args = tyro.cli(Args, args=own)
+    args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench planner")
     extra = ["schedule:tail", "--num-steps", str(args.steps), "--eval-every", "0",
              "--engine.memory-mb", str(args.memory_mb), *run_args]
     table: dict[str, dict] = {}

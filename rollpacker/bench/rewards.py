@@ -110,7 +110,7 @@ def one_round(scheduler: RewardScheduler, responses: list[str], finish: list[flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv)
+    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv, prog="python -m rollpacker.bench rewards")
     responses, finish = workload(args)
     warmup = [f"```python\n{PROGRAMS['correct']}```"] * 4
     results = {}

@@ -94,7 +94,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
-    args = tyro.cli(Args, args=own)
+    args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench schedulers")
     policies, seeds = args.policies.split(","), [int(s) for s in args.seeds.split(",")]
     results: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in seeds:

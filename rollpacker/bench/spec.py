@@ -100,8 +100,8 @@ def run(args: Args, policy: str, variant: str, seed: int, extra: list[str], run_
 
 
 def add(t: Totals, records: list[dict], rounds: list[dict]) -> None:
-    """Add the counted steps of one run."""
-    for r in records[1:]:
+    """Add the counted steps of one run (its first left out; a final evaluation's record is no step)."""
+    for r in [r for r in records if "time/rollout" in r][1:]:
         long = r["sched/round_kind"] == "long"
         t.rollout_s += r["time/rollout"]
         t.tail_s += r["rollout/tail_seconds"]

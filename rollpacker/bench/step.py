@@ -35,7 +35,7 @@ class Args:
 
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
-    args = tyro.cli(Args, args=own)
+    args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench step")
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                "-m", "rollpacker.run", "--preset", args.preset, "--run-dir", run_dir, "--num-steps", str(args.steps),
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True)
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "time/step" in r]  # not a final evaluation's record
     timed = rows[1:] or rows
     mean = {s: statistics.mean(r[f"time/{s}"] for r in timed) for s in (*STAGES, "step")}
     print(f"\nsync baseline, {args.preset}, {args.nproc} ranks, mean of steps {timed[0]['step']}..{timed[-1]['step']}:")

@@ -94,3 +94,21 @@ def test_faults_over_episodes_count_environments_left_open_and_workers_left_aliv
     assert environments(run_dir)["workers_left"] == 0
     with pytest.raises(ValueError, match="single or episodes"):
         Args(workload="agentic")
+
+
+def test_a_faults_run_that_ended_before_its_fault_is_not_a_recovery(tmp_path, monkeypatch):
+    """A job that ends before its fault's point exits 0 with the reference's ledger, but nothing was healed."""
+    import random
+    import subprocess
+    import sys
+
+    from rollpacker.bench import faults
+
+    def launch(run_dir, episodes=False):
+        log = run_dir.with_suffix(".log")
+        log.write_text("")
+        return subprocess.Popen([sys.executable, "-c", "pass"]), log
+
+    monkeypatch.setattr(faults, "launch", launch)
+    result = faults.one_run(0, "kill_rank", tmp_path, random.Random(0), 60, [])
+    assert result["injected"] is False and result["exit"] == 0 and result["recovered"] is False
