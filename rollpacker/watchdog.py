@@ -114,14 +114,17 @@ def start(config: DistConfig) -> None:
     # a file-size limit (quota) then fails the write with EFBIG, reported like a full disk, instead of killing us
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     set_timeout(config.first_step_timeout_s)
-    if not _store_address() or _threads:  # a second job in this process (tests): the heartbeat beats already
+    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+    if _threads or not (_store_address() or launcher):  # a second job in this process (tests): it beats already
         return
     rank = int(os.environ.get("RANK", "0"))
     _stop.clear()
     atexit.register(stop)  # a daemon thread inside a store call at interpreter exit aborts the process
-    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+    # one rank under torchrun has no store to beat to, but still exits with its launcher
     _threads.insert(0, threading.Thread(target=_beat, args=(rank, launcher), daemon=True, name="rollpacker-heartbeat"))
     _threads[0].start()
+    if not _store_address():
+        return
     previous = sys.excepthook
 
     def hook(kind, error, tb):
@@ -238,7 +241,7 @@ def _beat(rank: int, launcher: int | None) -> None:
         if _state["deadline"] and time.time() > _state["deadline"]:  # a waiting() phase overran: say who, then go
             print(f"rollpacker: {diagnose(rank, '', _heartbeats())}", file=sys.stderr, flush=True)
             os._exit(1)
-        if sending is None or not sending.is_alive():
+        if _store_address() and (sending is None or not sending.is_alive()):
             sending = threading.Thread(target=_send_beat, args=(rank,), daemon=True, name="rollpacker-beat-send")
             sending.start()
             _threads.append(sending)

@@ -26,8 +26,8 @@ ARGS = ["schedule:tail", "--data.num-toy-prompts", "24", "--rollout.num-prompts"
         "--metrics.wandb-mode", "disabled", "--metrics.no-live"]
 
 
-def job(run_dir, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def job(run_dir, *extra: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "rollpacker.run", *ARGS, "--run-dir", str(run_dir), *extra]
 
 
@@ -154,25 +154,26 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_p
     assert sum(r["sched/trained_prompts"] for r in steps(tmp_path).values()) == 24
 
 
-def test_ranks_exit_when_their_torchrun_is_killed(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])  # 1: a one-GPU node, whose rank has no store to beat to
+def test_ranks_exit_when_their_torchrun_is_killed(tmp_path, nproc):
     """Torchrun starts its ranks in sessions of their own; SIGKILLed, it cannot stop them, so each
     rank's heartbeat thread sees its parent gone and exits instead of training on into the run
     directory."""
-    proc = subprocess.Popen(job(tmp_path, "--num-steps", "200"), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(job(tmp_path, "--num-steps", "200", nproc=nproc), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True, env=job_env())
     ranks = []
     try:
         deadline = time.time() + 600
         while metric_lines(tmp_path) < 2 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        ranks = [worker_pid(tmp_path, rank) for rank in (0, 1)]
+        ranks = [worker_pid(tmp_path, rank) for rank in range(nproc)]
         assert all(ranks) and proc.poll() is None, "the run ended before its torchrun could be killed"
         os.kill(proc.pid, signal.SIGKILL)  # torchrun alone
         proc.wait()
         killed, deadline = metric_lines(tmp_path), time.time() + 30
-        while any(worker_pid(tmp_path, rank) for rank in (0, 1)) and time.time() < deadline:
+        while any(worker_pid(tmp_path, rank) for rank in range(nproc)) and time.time() < deadline:
             time.sleep(0.1)
-        assert not any(worker_pid(tmp_path, rank) for rank in (0, 1)), "ranks outlived their torchrun by 30 s"
+        assert not any(worker_pid(tmp_path, rank) for rank in range(nproc)), "ranks outlived their torchrun by 30 s"
         assert metric_lines(tmp_path) <= killed + 10  # a step or a few, not the run's 200
     finally:
         for pid in ranks:
