@@ -245,11 +245,11 @@ class Config:
         topology.check()
         if self.pipe and topology.refused:
             raise ValueError(f"schedule.pipe needs a train pool of whole training replicas: {topology.refused}")
-        if (r.num_prompts * r.group_size) % world:
+        if (r.num_prompts * r.group_size) % topology.rollout_ranks:
             raise ValueError(
                 f"rollout.num_prompts x rollout.group_size = {r.num_prompts} x {r.group_size} = "
-                f"{r.num_prompts * r.group_size} responses per step cannot be split evenly over {world} "
-                "ranks: make it a multiple of the world size"
+                f"{r.num_prompts * r.group_size} responses per step cannot be split evenly over the "
+                f"{topology.rollout_ranks} ranks rolling out: make it a multiple of {topology.rollout_ranks}"
             )
 
 

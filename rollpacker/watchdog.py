@@ -336,7 +336,12 @@ def _first_line(error: BaseException) -> str:
 
 
 def _fault(error: BaseException) -> str | None:
-    """What a failed collective's ``error`` says happened to the job, or None (not a fault: a bug)."""
+    """What a failed collective's ``error`` says happened to the job, or None (not a fault: a bug, or an error of
+    ours that says itself, as a reward worker's start timeout)."""
+    import torch.distributed as dist
+
+    if not isinstance(error, dist.DistError) and type(error) is not RuntimeError:  # c10d's, or a plain C++ one
+        return None
     text = str(error).lower()
     if "timed out" in text or "timeout" in text:
         return f"timed out after {_state['timeout']:g}s"

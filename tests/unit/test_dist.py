@@ -136,3 +136,17 @@ def test_exit_process_finishes_threads_and_exit_handlers_then_exits_with_the_cod
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "unflushedthread finished\nhandler ran False\n", proc.stdout
+
+
+def test_only_a_collectives_error_is_diagnosed_as_a_fault():
+    """c10d's errors (and a plain C++ RuntimeError) are the job's faults; an error of ours that says itself (a reward
+    worker that did not start within reward.start_timeout) is printed as it is, not as a collective timeout."""
+    import torch.distributed as dist
+
+    from rollpacker.watchdog import _fault
+    from rollpacker.workers import PoolError
+
+    assert _fault(dist.DistBackendError("[pair.cc:534] Timed out waiting 6000ms for recv")).startswith("timed out")
+    assert _fault(RuntimeError("Connection reset by peer")) == "lost its connection to another rank"
+    assert _fault(PoolError("a reward worker did not start within 3 s (reward.start_timeout)")) is None
+    assert _fault(ValueError("timeout")) is None
