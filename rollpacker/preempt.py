@@ -77,7 +77,10 @@ def _seen(signum: int) -> None:
             return
         _received = signal.Signals(signum)
         again = " (Ctrl-C again to stop at once, losing it)" if signum == signal.SIGINT else ""
-        _say(f"rollpacker: {_received.name}: stopping after step {max(watchdog.step(), 0)} with a checkpoint{again}")
+        step = watchdog.step()
+        when = (f"after step {step} with a checkpoint" if step >= 0 else
+                "before the first step (still starting: nothing to save)")
+        _say(f"rollpacker: {_received.name}: stopping {when}{again}")
 
 
 def _say(line: str) -> None:

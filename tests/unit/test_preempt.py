@@ -22,3 +22,11 @@ print(lost, signal.set_wakeup_fd(-1) != -1)
 def test_installing_again_gives_the_wakeup_pipe_back_after_an_asyncio_loop_took_it():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+def test_a_stop_before_the_first_step_says_nothing_will_be_saved():
+    script = ("import os, signal, time\nfrom rollpacker import preempt\npreempt.install()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\nprint(preempt.requested())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["SIGTERM"], out.stderr
+    assert out.stderr == "rollpacker: SIGTERM: stopping before the first step (still starting: nothing to save)\n"
