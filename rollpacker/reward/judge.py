@@ -201,8 +201,11 @@ class Judge:
         size = 0
         max_tokens = self.cfg.max_tokens
         for i, ids in enumerate(seqs):
-            if not 0 < len(ids) <= max_tokens:  # an empty input has no last token of its own to score
-                results[i] = RewardError(f"judge input is {len(ids)} tokens, not in [1, judge.max_tokens={max_tokens}]")
+            if len(ids) > max_tokens:
+                results[i] = RewardError(f"judge input is {len(ids)} tokens, over judge.max_tokens={max_tokens}")
+                continue
+            if not ids:  # no last token of its own to score
+                results[i] = RewardError("judge input is empty: no rubric text, prompt or response to score")
                 continue
             if not batches or size + len(ids) > self.cfg.max_batch_tokens:
                 batches.append([])
