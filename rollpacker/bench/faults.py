@@ -150,7 +150,9 @@ def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, 
             fewest = lines(run_dir)
         if fewest is not None and resumed is None:
             now = lines(run_dir)
-            fewest, resumed = min(fewest, now), time.time() if now > fewest else None
+            if now > fewest:
+                resumed = time.time()
+            fewest = min(fewest, now)
         time.sleep(0.05)
     hang = proc.poll() is None
     if hang:  # torchrun's workers run in sessions of their own: kill them too
