@@ -13,6 +13,8 @@ Invariants:
 - Nothing here imports the trainer: stream training joins through the round's hooks and a
   :class:`GroupSink`; the ranks a scale-down frees leave with :class:`Freed`.
 - Rank 0 alone measures wall-clock: the running trace (bubble ratio), the tail phase, CPU time.
+- No rank waits in one collective for longer than a poll or :data:`SCORE_WAIT_S`: rank 0 waits for
+  rewards in slices, between exchanges, so a slow reward function is slow, never a timeout.
 - A prompt travels once, to its replica: no rank gets another replica's requests, and reports leave
   out the prompts (rank 0 holds them). An episode's turn carries its whole conversation, so at scale
   this is most of the control plane's bytes.
@@ -32,13 +34,14 @@ from rollpacker.metrics import Phases, bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
 from rollpacker.schedule.base import Group, Policy, RoundPlan
 from rollpacker.schedule.drafts import DraftMemory
-from rollpacker.schedule.round import Actions, Round, RoundHooks, RoundOutcome, RoundState, Routing, Scorer, Seen
+from rollpacker.schedule.round import Actions, Round, RoundHooks, RoundOutcome, RoundState, Routing, Seen
 from rollpacker.schedule.runner import EpisodeRunner
 
 if TYPE_CHECKING:
     from rollpacker.data.lengths import LengthReplay
     from rollpacker.dist import Meshes
     from rollpacker.env.episode import TurnRequest
+    from rollpacker.reward.scheduler import RewardScheduler
 
 
 @dataclass
@@ -69,6 +72,9 @@ class Command:
 
 TAIL_RUNNING = 8
 """A poll is in the round's tail when every replica ran at most this many requests (``RoundResult.tail_s``)."""
+SCORE_WAIT_S = 1.0
+"""Seconds rank 0 waits for scores between two exchanges, when only scores can move the round on: the other
+ranks wait in a collective meanwhile, bounded by ``dist.timeout_s``, however long the scoring takes."""
 
 
 @dataclass
@@ -233,7 +239,11 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int,
             group = meshes.kept_control
             replicas = meshes.replicas(group) if leader else []
         if cmd.final:
-            return leader.finish(reports) if leader else None
+            if leader:
+                leader.end(reports)
+            while meshes.broadcast(leader.scoring() if leader else None, group):
+                pass  # rank 0 waits for the last scores a slice at a time: no rank waits long in one collective
+            return leader.finish() if leader else None
         cmd = leader.on_reports(reports) if leader else None
 
 
@@ -247,8 +257,8 @@ class RoundLeader:
     """The data rows; a launch names one by index."""
     encode: Callable[[Any], list[int]]
     """A row's own prompt token ids."""
-    rewards: Scorer
-    """Scores a response of a row (the row itself, not its index): the reward scheduler."""
+    rewards: RewardScheduler
+    """Scores a response of a row (the row itself, not its index)."""
     sampling: SamplingParams
     envs: Environments | None = None
     """How an episode starts and reaches its environment; None: responses without one (seed 0, any context)."""
@@ -286,8 +296,8 @@ class RoundLeader:
     def poll(self) -> list[tuple[str, float | None]]:
         return self.rewards.poll()
 
-    def wait(self) -> list[tuple[str, float | None]]:
-        return self.rewards.wait()
+    def wait(self, keys: list[str]) -> list[tuple[str, float | None]]:
+        return self.rewards.wait(keys, SCORE_WAIT_S)
 
     def runner(self) -> EpisodeRunner:
         """A round's runner over the rows."""
@@ -324,6 +334,8 @@ class ExchangeRound:
         """The last report had at most TAIL_RUNNING requests on every replica: the next poll is in the tail."""
         self.freed_left = False
         """A scale-down went out: the freed ranks serve the sink until the round ends."""
+        self.final: list[Report] = []
+        """The replica leaders' reports of the final command (its aborts)."""
         self.drafts: dict[int, tuple[DraftContext, ...]] = {}
         """Row -> its drafts this round (:meth:`contexts`): one tuple for all its turns, so a command pickles
         it once. The memory changes only when a round ends."""
@@ -413,13 +425,23 @@ class ExchangeRound:
         return [(len(self.requests[rid][0].prompt_ids), min(limit, (polls - self.requests[rid][1]) * self.poll_steps))
                 for _, rid in self.round.running()]
 
-    def finish(self, reports: list[Report | None]) -> RoundResult:
-        """The round's result, once the final command's aborts are reported."""
+    def end(self, reports: list[Report | None]) -> None:
+        """The policy ends the round, once the final command's aborts are reported (:meth:`scoring`
+        then says when the responses it keeps are scored)."""
         self.received(reports)
         self.count(reports)
+        self.final = [r for r in reports if r]
+        self.round.end([o for r in self.final for o in r.aborted])
+
+    def scoring(self) -> bool:
+        """Whether a response the round keeps is still being scored, after waiting :data:`SCORE_WAIT_S` at most."""
+        return not self.round.settle()
+
+    def finish(self) -> RoundResult:
+        """The round's result, every response it keeps scored."""
         if self.freed_left:  # the freed ranks stop serving
             self.leader.sink.close()
-        outcome: RoundOutcome = self.round.finish([o for r in reports if r for o in r.aborted])
+        outcome: RoundOutcome = self.round.finish()
         self.leader.envs.send(outcome.env, self.leader.rows, self.leader.env_tag)
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
@@ -431,7 +453,7 @@ class ExchangeRound:
                            tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
                            reused_tokens=sum(r.reused_tokens for r in counters),
                            session_evictions=sum(r.session_evictions for r in counters),
-                           resident_sessions=sum(r.resident_sessions for r in reports if r),
+                           resident_sessions=sum(r.resident_sessions for r in self.final),
                            env_errors=outcome.env_errors, phases=self.phases, filtered=outcome.filtered)
 
 

@@ -136,8 +136,13 @@ class WorkerPool:
                 raise TimeoutError(f"{self._name} pool: {self._num_unfinished} {self._unfinished} after {timeout} s")
         return self.poll()
 
-    def wait(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for a result, when a task is unfinished and none is ready."""
+    @property
+    def unfinished(self) -> int:
+        """Tasks submitted and not finished yet."""
+        return self._num_unfinished
+
+    def wait(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds (None: no limit) for a result, when a task is unfinished and none is ready."""
         with self._cond:
             self._cond.wait_for(lambda: self._done or not self._num_unfinished or self._failure, timeout)
 

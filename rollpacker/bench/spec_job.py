@@ -22,9 +22,9 @@ def main(argv: list[str]) -> None:
     run_dir = Path(argv[argv.index("--run-dir") + 1])
     finish = exchange.ExchangeRound.finish
 
-    def recording_finish(self, reports):
-        result = finish(self, reports)
-        outputs = [*self.round.state.outputs, *(o for r in reports if r for o in r.aborted)]
+    def recording_finish(self):
+        result = finish(self)
+        outputs = [*self.round.state.outputs, *(o for r in self.final for o in r.aborted)]
         record = {"step": self.step, "kind": result.kind, "spec": dataclasses.asdict(result.spec),
                   "outputs": [[o.id, o.prompt_ids, o.token_ids, o.finish_reason] for o in outputs]}
         with open(run_dir / RECORD, "a") as f:

@@ -2,8 +2,9 @@
 with the rest of the rollout.
 
 The controller calls :meth:`RewardScheduler.submit` for every finished response and hands what
-:meth:`~RewardScheduler.poll` returns to the policy. When nothing is left running it blocks in
-:meth:`~RewardScheduler.wait`: that wait is the round's exposed reward time.
+:meth:`~RewardScheduler.poll` returns to the policy. When only scores can move the round on, it
+waits in :meth:`~RewardScheduler.wait` for those it needs, a second at a time between exchanges with
+the other ranks (who wait in a collective meanwhile): that wait is the round's exposed reward time.
 
 Invariants:
 
@@ -24,7 +25,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
@@ -210,6 +211,8 @@ class _Scoring:
         return {name: r.score for name, r in self.scored.items()}
 
 
+BOTH_S = 0.05
+"""Seconds :meth:`RewardScheduler.wait` waits on the workers, then on the async calls, when both run."""
 MAX_VALUES = 1 << 16
 """Most per-function values :class:`RewardScheduler` keeps for responses not taken yet."""
 
@@ -322,15 +325,34 @@ class RewardScheduler:
         done = self._judge_batch() if self._judge_todo else []
         return self._take_ready() + self._settle(self._finished() + done)
 
-    def wait(self) -> list[tuple[Any, float]]:
-        """Like :meth:`poll`, after every submitted response is scored."""
+    def wait(self, keys: Collection | None = None, timeout: float | None = None) -> list[tuple[Any, float]]:
+        """Like :meth:`poll`, after waiting until the responses ``keys`` are scored (default: until no call
+        is left running) or ``timeout`` seconds passed (default: no limit). Raises RuntimeError when one of
+        ``keys`` is not being scored (never submitted, or waiting for a group never submitted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        missing = None if keys is None else set(keys)
         done = []
-        while self._judge_todo:  # the workers score on meanwhile
-            done += self._judge_batch()
-        done += self.async_calls.drain() if self.async_calls else []
-        if self.pool:
-            return self._take_ready() + self._settle(self.pool.drain() + done)
-        return self._take_ready() + self._settle(self._finished() + done)
+        while True:
+            busy = self._busy()  # before the poll: a call that finishes in between is polled next time
+            got = self.poll()
+            done += got
+            if missing is not None:
+                missing -= {key for key, _ in got}
+            left = None if deadline is None else deadline - time.monotonic()
+            if not (busy if missing is None else missing) or (left is not None and left <= 0):
+                return done
+            if not busy:
+                raise RuntimeError(f"responses {sorted(map(str, missing))[:3]} have no reward and none is being "
+                                   "computed: they were not submitted, or their group was not (submit_group)")
+            if not self._judge_todo:  # a judge batch is the next poll's
+                sources = [s for s in (self.pool, self.async_calls) if s and s.unfinished]
+                for source in sources:  # with both, each a short slice: neither's results wait long
+                    source.wait(left if len(sources) == 1 else min(left or BOTH_S, BOTH_S))
+
+    def _busy(self) -> bool:
+        """Whether a call is running or queued (a worker's, an async one, a judge sample)."""
+        return bool(self._judge_todo or (self.pool and self.pool.unfinished)
+                    or (self.async_calls and self.async_calls.unfinished))
 
     def _take_ready(self) -> list[tuple[Any, float]]:
         ready, self._ready = self._ready, []

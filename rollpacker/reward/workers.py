@@ -3,7 +3,7 @@ functions) on an event loop of the controller's.
 
 :class:`RewardPool` is the generic :class:`~rollpacker.workers.WorkerPool` with reward tasks. The
 controller calls :meth:`RewardPool.submit` the moment a response finishes (it returns at once),
-collects finished scores with ``poll`` while rollout goes on, and waits for the rest with ``drain``
+collects finished scores with ``poll`` while rollout goes on, and waits for the rest with ``wait``
 at the end of the round. That wait is ``time/reward_exposed``; the per-sample ``seconds`` summed is
 the total reward time.
 
@@ -168,15 +168,20 @@ class RewardPool(WorkerPool):
 
 class AsyncCalls:
     """``async def`` reward functions' calls, awaited on an event loop in a thread of this process, at
-    most ``max_concurrent`` at once (the module docstring). ``poll`` and ``drain`` are the pool's."""
+    most ``max_concurrent`` at once (the module docstring). ``poll``, ``wait`` and ``unfinished`` are the pool's."""
 
     def __init__(self, max_concurrent: int):
         self._loop = asyncio.new_event_loop()
         self._limit = asyncio.Semaphore(max_concurrent)
         self._done: queue.SimpleQueue[Scored] = queue.SimpleQueue()
-        self._pending = 0
+        self._waited: list[Scored] = []
+        """A result :meth:`wait` took from the queue, for the next :meth:`poll`."""
+        self.unfinished = 0
+        """Calls submitted and not polled yet."""
         self._longest = 0.0
         """The longest timeout of a call submitted: a live loop finishes some call within it."""
+        self._since = 0.0
+        """When a call last came back (or was submitted to an idle loop): the stall check counts from it."""
         self._running: dict[int, str] = {}
         """The calls being awaited (by task id): their function's name."""
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollpacker-async-rewards", daemon=True)
@@ -184,7 +189,9 @@ class AsyncCalls:
 
     def submit(self, key: Hashable, ref: Ref, sample: dict, timeout: float) -> None:
         """Start awaiting ``ref`` on one response; returns at once."""
-        self._pending += 1
+        if not self.unfinished:
+            self._since = time.monotonic()
+        self.unfinished += 1
         self._longest = max(self._longest, timeout)
         asyncio.run_coroutine_threadsafe(self._score(key, ref, sample, timeout), self._loop)
 
@@ -202,32 +209,37 @@ class AsyncCalls:
             self._done.put(Scored(key, value, error, seconds, seconds, metrics, info))
 
     def poll(self) -> list[Scored]:
-        """The calls finished since the last ``poll`` or ``drain``."""
-        done = []
+        """The calls finished since the last ``poll``. Raises :class:`RewardFunctionError` when calls are
+        unfinished and none has come back within the longest timeout and :data:`STALL_GRACE_S`: a call that
+        blocks the loop instead of awaiting cannot be cancelled, and would hold the run forever."""
+        done, self._waited = self._waited, []
         while True:
             try:
                 done.append(self._done.get_nowait())
             except queue.Empty:
-                self._pending -= len(done)
-                return done
-
-    def drain(self) -> list[Scored]:
-        """Every call not taken yet, once finished. Raises :class:`RewardFunctionError` where none has
-        finished within the longest timeout and :data:`STALL_GRACE_S`: a call that blocks the loop
-        instead of awaiting cannot be cancelled, and would hold the run forever."""
-        done = []
-        while len(done) < self._pending:
-            try:
-                done.append(self._done.get(timeout=self._longest + STALL_GRACE_S))
-            except queue.Empty:
-                names = ", ".join(sorted(set(self._running.values()))) or "?"
-                raise RewardFunctionError(
-                    f"async reward function {names}: no call returned within {self._longest + STALL_GRACE_S:g} s, "
-                    "its timeout and a grace: a call that blocks (a sync request, time.sleep) instead of awaiting "
-                    "stalls every async call and cannot be cancelled. Await its I/O, or make it a plain def, which "
-                    "runs in the killable reward workers") from None
-        self._pending = 0
+                break
+        self.unfinished -= len(done)
+        if done:
+            self._since = time.monotonic()
+        elif self.unfinished and time.monotonic() - self._since >= self._longest + STALL_GRACE_S:
+            names = ", ".join(sorted(set(self._running.values()))) or "?"
+            raise RewardFunctionError(
+                f"async reward function {names}: no call returned within {self._longest + STALL_GRACE_S:g} s, "
+                "its timeout and a grace: a call that blocks (a sync request, time.sleep) instead of awaiting "
+                "stalls every async call and cannot be cancelled. Await its I/O, or make it a plain def, which "
+                "runs in the killable reward workers")
         return done
+
+    def wait(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds (None: no limit), and no later than the stall check's deadline, for
+        a call to finish, when one is unfinished and none is ready."""
+        if not self.unfinished or self._waited:
+            return
+        stall = self._since + self._longest + STALL_GRACE_S - time.monotonic()
+        try:
+            self._waited.append(self._done.get(timeout=max(0.0, stall if timeout is None else min(stall, timeout))))
+        except queue.Empty:
+            pass
 
     def close(self) -> None:
         """Cancel the calls in flight and stop the loop."""

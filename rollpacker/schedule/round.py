@@ -21,7 +21,7 @@ import collections
 import copy
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
 from rollpacker.schedule.drafts import DraftMemory
@@ -243,16 +243,13 @@ class RoundState:
     def num_launched(self) -> int:
         return len(self.owner)
 
-    def finish(self, aborted: list[Any], wait: Callable[[], Any] | None = None,
-               grouped: Callable[[list[Group]], None] | None = None) -> list[Group]:
-        """The policy's groups to train, given the partial outputs of the aborted requests, with
-        their rewards; ``grouped(groups)`` is told them first, ``wait()`` gives the scores still missing
-        when some response they keep has none."""
-        groups = self.policy.end_round(aborted)
-        if grouped:
-            grouped(groups)
-        if wait and any(o.id not in self.scores for g in groups for o in g.outputs):
-            self.scored(wait())
+    def unscored(self, outputs: Iterable[Any]) -> list[str]:
+        """The ids of ``outputs`` without a score yet."""
+        return [o.id for o in outputs if o.id not in self.scores]
+
+    def finish(self, groups: list[Group], aborted: list[Any]) -> list[Group]:
+        """The policy's ``groups`` (:meth:`Policy.end_round`'s, every response scored), their rewards set;
+        the memory learns what the round generated (``aborted``: the partial outputs cut)."""
         for g in groups:
             g.rewards = [self.scores[o.id] for o in g.outputs]
         if self.memory is not None:
@@ -326,8 +323,9 @@ class Scorer(Protocol):
         """The scores ready now."""
         ...
 
-    def wait(self) -> list[tuple[str, float | None]]:
-        """Every score still missing."""
+    def wait(self, keys: list[str]) -> list[tuple[str, float | None]]:
+        """The scores ready, after a wait for those of ``keys``: until they are in, or a while (the driver's
+        choice: the exchange's waits a second at most, then the round polls again)."""
         ...
 
 
@@ -372,7 +370,7 @@ class Actions:
     scale_down: bool = False
     """Move onto the kept replicas: the freed replicas abort everything and leave to train."""
     done: bool = False
-    """The round is over once ``abort`` is applied: :meth:`Round.finish` with what comes back."""
+    """The round is over once ``abort`` is applied: :meth:`Round.end` with what comes back."""
 
 
 @dataclass
@@ -415,6 +413,8 @@ class Round:
         self.num_fed = 0
         self.grouped: set[tuple[str, ...]] = set()
         """The groups given to the scorer, by their responses' ids."""
+        self.groups: list[Group] = []
+        """The groups the policy keeps, once the round ended (:meth:`end`)."""
 
     def start(self, now: float = 0.0) -> Actions:
         """Launch the plan's prompts (on the kept replicas when the hooks begin scaled down)."""
@@ -437,7 +437,8 @@ class Round:
         resume = [(state.replica(self.runner.key(out.id)), out) for out in back.resume]
         self.cut += back.cut
         self._finished(finished, seen.now)
-        state.scored(self.scorer.wait() if state.needs_all_scores else self.scorer.poll())
+        waits = state.needs_all_scores  # only scores can move the round on
+        state.scored(self.scorer.wait(state.unscored(state.undecided)) if waits else self.scorer.poll())
         # The policy hears of responses in finish order, once scored if it needs rewards to decide.
         decided = state.decide(resuming=bool(resume))
         self._group(decided.complete)
@@ -461,13 +462,27 @@ class Round:
         self.num_fed += len(groups)
         return groups
 
-    def finish(self, aborted: list[Any], now: float = 0.0) -> RoundOutcome:
-        """The round's outcome, given the partial outputs of the final aborts (their episodes are cut,
-        and every episode still open; the policy's groups wait for their missing scores)."""
+    def end(self, aborted: list[Any]) -> None:
+        """The policy ends the round, given the partial outputs of the final aborts (their episodes are
+        cut, and every episode still open); the scorer gets its groups. Then :meth:`settle` until it
+        says so, then :meth:`finish`."""
         runner = self.runner
         self.cut += [c for c in map(runner.cut, aborted) if c is not None] + runner.close_all()
+        self.groups = self.state.policy.end_round(self.cut)
+        self._group(self.groups)
+
+    def settle(self) -> bool:
+        """Whether every response the round keeps is scored, after one wait of the scorer's for those missing."""
+        missing = self.state.unscored(o for g in self.groups for o in g.outputs)
+        if missing:
+            self.state.scored(self.scorer.wait(missing))
+        return not self.state.unscored(o for g in self.groups for o in g.outputs)
+
+    def finish(self) -> RoundOutcome:
+        """The round's outcome, once :meth:`settle` said every response it keeps is scored."""
+        runner = self.runner
         metrics = self.hooks.finish(self.scaled, self.num_fed) | runner.stats.metrics()
-        groups = self.state.finish(self.cut, wait=self.scorer.wait, grouped=self._group)
+        groups = self.state.finish(self.groups, self.cut)
         carried = sum(len(o.token_ids) for o in self.state.plan.carried.values() if o.finish_reason == "abort")
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
                             generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.cut) - carried,

@@ -260,7 +260,8 @@ class _Instant:
         done, self.done = self.done, []
         return done
 
-    wait = poll
+    def wait(self, keys: list[str]) -> list[tuple[str, float | None]]:
+        return self.poll()
 
 
 @dataclass
@@ -300,7 +301,9 @@ class _SimRound:
                 self.now += final_s
                 self.phases.add(final_s, [])
                 final = self.take_aborted() + [seq for replica in self.replicas for seq in replica.abort_all(self.now)]
-                outcome = self.round.finish(final, self.now)
+                self.round.end(final)
+                self.round.settle()  # the instant scorer has every score
+                outcome = self.round.finish()
                 self.env.send(actions.env + outcome.env, self.now)  # the closes of the last episodes done and cut
                 return self.record(outcome)
             if actions.scale_down:

@@ -236,3 +236,50 @@ def test_judge_needs_a_model_directory(tmp_path):
     with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
         RewardConfig(funcs=("judge",), num_workers=0, judge=JudgeConfig(model_path=str(tmp_path)))
     RewardScheduler(RewardConfig(funcs=("math",), num_workers=0), str).close()  # other functions need no judge
+
+
+SLOW_REWARD = """
+import time
+
+
+def slow(completions, **kwargs):  # a sandbox's tests, say: slower than the rollout
+    time.sleep(0.6)
+    return [float(len(completions[0]) % 2)]
+"""
+
+
+def test_a_wait_for_some_responses_ends_at_its_timeout_and_refuses_one_never_submitted(tmp_path):
+    (tmp_path / "slow_rm.py").write_text(SLOW_REWARD)
+    cfg = RewardConfig(funcs=(f"{tmp_path / 'slow_rm.py'}:slow",), num_workers=1)
+    scheduler = RewardScheduler(cfg, lambda ids: "x" * ids[0])
+    try:
+        for i in range(3):
+            scheduler.submit(i, {"id": str(i), "prompt": "p"}, Response(id="", prompt_ids=[], token_ids=[i]))
+        first = dict(scheduler.wait([0, 1, 2], timeout=0.1))  # three calls of 0.6 s: not all in
+        assert len(first) < 3
+        rest = dict(scheduler.wait([k for k in range(3) if k not in first]))
+        assert first | rest == {0: 0.0, 1: 1.0, 2: 0.0}
+        with pytest.raises(RuntimeError, match=r"responses \['7'\] have no reward and none is being computed"):
+            scheduler.wait([7], timeout=5)
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["end_of_round", "mid_round"])
+def test_scoring_longer_than_the_collective_timeout_is_waited_for(tmp_path, dynamic):
+    """Rank 0 waits for the last scores while the other rank waits in a collective: past dist.timeout_s
+    the job went on only if rank 0 polls them between exchanges (dynamic sampling waits mid-round too)."""
+    from support.jobs import QUIET, launch_job
+
+    (tmp_path / "slow_rm.py").write_text(SLOW_REWARD)
+    run_dir = tmp_path / "run"
+    proc = launch_job("--reward.funcs", f"{tmp_path / 'slow_rm.py'}:slow", "--reward.num-workers", "1",
+                      "--dist.timeout-s", "2", "--num-steps", "2", "--rollout.num-prompts", "4",
+                      "--rollout.group-size", "2", "--rollout.max-new-tokens", "32", "--eval-every", "0",
+                      *(["--schedule.filter-zero-variance"] if dynamic else []), *QUIET, "--run-dir", str(run_dir),
+                      timeout=200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[1]["time/reward_exposed"] > 2  # the wait outlasted the timeout of step 1's collectives

@@ -68,7 +68,8 @@ class Scores:
         ready, self.ready = self.ready, []
         return ready
 
-    wait = poll
+    def wait(self, keys=None, timeout=None):
+        return self.poll()
 
 
 class Driver:
@@ -172,7 +173,9 @@ def run_round(policy, step: int, driver: Driver, *, replicas: int = 2, hooks=Non
         scaled |= a.scale_down
     else:
         pytest.fail("the round did not end")
-    outcome = rnd.finish(driver.seen().aborted)
+    rnd.end(driver.seen().aborted)
+    assert rnd.settle()
+    outcome = rnd.finish()
     driver.apply(SimpleNamespace(add=[], resume=[], abort=[], env=outcome.env))
     assert max(counting.calls.values()) == 1  # one on_finished per episode
     assert not (runner.rows or runner.live or runner.running)

@@ -60,7 +60,9 @@ def tail_round(policy, step: int, driver: Sessions):
         a = rnd.poll(driver.seen(), driver.generated)
     else:
         pytest.fail("the round did not end")
-    outcome = rnd.finish(driver.seen().aborted)
+    rnd.end(driver.seen().aborted)
+    assert rnd.settle()
+    outcome = rnd.finish()
     driver.apply(SimpleNamespace(add=[], resume=[], abort=[], env=outcome.env))
     return plan, outcome, state
 

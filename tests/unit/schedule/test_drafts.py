@@ -103,7 +103,7 @@ def test_a_round_feeds_its_outputs_to_the_memory():
     state.finished(finished)
     state.scored((o.id, 1.0) for o in finished)
     assert state.decide().done
-    groups = state.finish([])
+    groups = state.finish(state.policy.end_round([]), [])
     assert {g.prompt for g in groups} == set(state.plan.prompts)
     for new in launches:  # every prompt trained: its finished responses are the next epoch's drafts
         assert memory.contexts(new.row) == [("epoch", (new.slot + 1,) * 3), ("epoch", (new.slot + 1,) * 2)]

@@ -32,7 +32,8 @@ class Scores:
         ready, self.ready = self.ready, []
         return ready
 
-    wait = poll
+    def wait(self, keys):
+        return self.poll()
 
 
 def out(rid: str, tokens: int, reason: str = "stop"):
@@ -88,7 +89,9 @@ def test_a_stream_round_scales_down_migrates_and_feeds_through_the_protocol_alon
     assert (a.add, a.resume, a.abort, a.scale_down, a.done) == ([], [], [], False, True)
     assert [slot[g.prompt] for g in a.feed] == [3, 2]  # completion order
 
-    outcome = rnd.finish([], now=14.5)
+    rnd.end([])
+    assert rnd.settle()
+    outcome = rnd.finish()
     assert sorted(slot[g.prompt] for g in outcome.groups) == [0, 1, 2, 3] and all(g.streamed for g in outcome.groups)
     assert (outcome.num_launched, outcome.aborted, outcome.num_fed, outcome.last_finish) == (8, [], 4, 14.0)
     assert outcome.generated_tokens == 4 + 4 + whole[0] + 3 + 6 + 2 + 7 + 8  # resumed requests count their whole output
