@@ -46,6 +46,16 @@ class Parser:
         return self.parse(text, tools)
 
 
+_NOT_JSON = (ValueError, RecursionError)
+"""What json raises on text it cannot read: JSONDecodeError (a ValueError); ValueError for an integer of more
+digits than ``sys.get_int_max_str_digits()``; RecursionError for nesting past the recursion limit."""
+
+
+def _why(e: Exception) -> str:
+    """Why json refused the text, in a few words."""
+    return f"{e.msg} at {e.pos}" if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:60]}"
+
+
 # hermes: Qwen2.5, Qwen3, NousResearch
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -59,14 +69,14 @@ def hermes(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
         call_id = f"call_{i}"
         try:
             value = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", {}, call_id, f"the tool call is not JSON ({e.msg} at {e.pos})"))
+        except _NOT_JSON as e:
+            calls.append(ToolCall("", {}, call_id, f"the tool call is not JSON ({_why(e)})"))
             continue
         arguments = value.get("arguments", {}) if isinstance(value, dict) else None
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except _NOT_JSON:
                 arguments = None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
             calls.append(ToolCall("", {}, call_id, 'a tool call is {"name": str, "arguments": {...}}'))
@@ -225,7 +235,7 @@ def _literal(value: str) -> Any:
     """JSON, else a Python literal (the template writes a dict or list argument with ``| string``); else the text."""
     try:
         return json.loads(value)
-    except json.JSONDecodeError:
+    except _NOT_JSON:
         pass
     try:
         return ast.literal_eval(value.strip())
@@ -268,8 +278,8 @@ def llama3_json(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
         call_id = f"call_{len(calls)}"
         try:
             value, pos = decoder.raw_decode(body, pos)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", {}, call_id, f"the tool call is not JSON ({e.msg} at {e.pos}): a tool call is "
+        except _NOT_JSON as e:
+            calls.append(ToolCall("", {}, call_id, f"the tool call is not JSON ({_why(e)}): a tool call is "
                                                    f"{_LLAMA_FORM}, several separated by ;"))
             return calls
         calls.append(_json_call(value, call_id, ("parameters", "arguments"), _LLAMA_FORM))
@@ -287,7 +297,7 @@ def _json_call(value: Any, call_id: str, keys: tuple[str, ...], form: str) -> To
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except _NOT_JSON:
             arguments = None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"] or not isinstance(
             arguments, dict):
@@ -325,8 +335,8 @@ def _mistral_list(body: str, first: int) -> list[ToolCall]:
     """v3: ``[{"name": ..., "arguments": {...}, "id": ...}, ...]``."""
     try:
         value, _ = json.JSONDecoder().raw_decode(body)
-    except json.JSONDecodeError as e:
-        return [ToolCall("", {}, _mistral_id(first), f"the tool calls are not JSON ({e.msg} at {e.pos}): "
+    except _NOT_JSON as e:
+        return [ToolCall("", {}, _mistral_id(first), f"the tool calls are not JSON ({_why(e)}): "
                                                      f"{_MISTRAL_FORM}")]
     if not isinstance(value, list) or not value:
         return [ToolCall("", {}, _mistral_id(first), f"[TOOL_CALLS] [ starts a list of calls: {_MISTRAL_FORM}")]
@@ -346,8 +356,8 @@ def _mistral_named(body: str, index: int) -> ToolCall:
         return ToolCall("", {}, call_id, f"[TOOL_CALLS] is followed by {body[:40]!r}: {_MISTRAL_FORM}")
     try:
         arguments, _ = json.JSONDecoder().raw_decode(args.lstrip())
-    except json.JSONDecodeError as e:
-        return ToolCall(name, {}, call_id, f"the arguments of {name} are not JSON ({e.msg} at {e.pos}): "
+    except _NOT_JSON as e:
+        return ToolCall(name, {}, call_id, f"the arguments of {name} are not JSON ({_why(e)}): "
                                            f"{_MISTRAL_FORM}")
     if not isinstance(arguments, dict):
         return ToolCall(name, {}, call_id, f"the arguments of {name} are not a JSON object: {_MISTRAL_FORM}")

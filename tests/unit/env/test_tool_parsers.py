@@ -217,6 +217,27 @@ def test_a_malformed_call_is_an_error_naming_the_format(parser, text, expected):
         assert (want in error) if want else error == "", (error, want)
 
 
+DIGITS, DEEP = "1" * 5000, "[" * 5000  # what a policy repeating one character writes: json raises other than JSONDecodeError
+
+
+@pytest.mark.parametrize("parser, text, expected", [
+    (hermes, f'<tool_call>{{"name": "add", "arguments": {{"a": {DIGITS}}}}}</tool_call>',
+     "the tool call is not JSON (ValueError: Exceeds the limit"),
+    (hermes, f"<tool_call>{DEEP}</tool_call>", "the tool call is not JSON (RecursionError"),
+    (llama3_json, f'{{"name": "add", "parameters": {{"a": {DIGITS}}}}}', "the tool call is not JSON (ValueError"),
+    (llama3_json, f'{{"name": "add", "parameters": {DEEP}', "the tool call is not JSON (RecursionError"),
+    (mistral, f'[TOOL_CALLS] [{{"name": "add", "arguments": {{"a": {DIGITS}}}}}]', "the tool calls are not JSON"),
+    (mistral, f"[TOOL_CALLS]add[ARGS]{DEEP}", "the arguments of add are not JSON (RecursionError"),
+    (qwen3_coder, f"<tool_call>\n<function=shout>\n<parameter=text>\n{DEEP}\n</parameter>\n</function>\n"
+                  "</tool_call>", ""),  # a string parameter: the text as it is
+    (qwen3_coder, f"<tool_call>\n<function=add>\n<parameter=a>\n{DEEP}\n</parameter>\n</function>\n</tool_call>",
+     "parameter 'a' of add: an integer, got '[[["),
+])
+def test_degenerate_json_is_a_malformed_call_not_a_crash(parser, text, expected):
+    [(_, error)] = errors(parser, text)
+    assert (expected in error) if expected else error == "", error
+
+
 def test_qwen3_coder_types_values_by_the_tools_schema():
     def parse(**values):
         body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
