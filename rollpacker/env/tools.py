@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from rollpacker.env.contract import EnvError
 from rollpacker.env.parsers import PARSERS, ToolCall, hermes  # noqa: F401  (hermes: imported from here too)
-from rollpacker.imports import load, target
+from rollpacker.imports import awaited, load, target
 
 PYTHON_TIMEOUT = 10.0
 """Wall-clock seconds the built-in ``python`` tool gives a program."""
@@ -70,29 +70,28 @@ class ToolEnv:
         self.schemas = schemas(tools, where)
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
 
-    async def reset(self, *, seed: int, options: dict):
-        observation, info = (None, {}) if self.inner is None else await invoke(self.inner.reset, seed=seed,
-                                                                              options=options)
+    def reset(self, *, seed: int, options: dict):
+        observation, info = (None, {}) if self.inner is None else invoke(self.inner.reset, seed=seed, options=options)
         info = dict(info or {})
         info["tools"] = [*info.get("tools", []), *self.schemas]
         return observation, info
 
-    async def step(self, action: str):
+    def step(self, action: str):
         calls = self.parse(action, self.schemas)
         if not calls:
             if self.inner is None:
                 return None, None, True, False, {}
-            return await invoke(self.inner.step, action)
-        results = [await self._run(call) for call in calls]
+            return invoke(self.inner.step, action)
+        results = [self._run(call) for call in calls]
         return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": text}
                  for c, (text, _) in zip(calls, results)], None, False, False,
                 {"tool_calls": len(calls), "tool_errors": sum(failed for _, failed in results)})
 
-    async def close(self):
+    def close(self):
         if self.inner is not None and callable(getattr(self.inner, "close", None)):
-            await invoke(self.inner.close)
+            invoke(self.inner.close)
 
-    async def _run(self, call: ToolCall) -> tuple[str, bool]:
+    def _run(self, call: ToolCall) -> tuple[str, bool]:
         """The tool message's text, and whether the call failed (a result may begin with "error: " too)."""
         if call.error:
             return f"error: {call.error}", True
@@ -100,19 +99,18 @@ class ToolEnv:
         if fn is None:
             return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", True
         try:
-            value = await invoke(fn, **call.arguments)
+            value = invoke(fn, **call.arguments)
         except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
             return f"error: {type(e).__name__}: {e}"[:MAX_RESULT_CHARS], True
         text = value if isinstance(value, str) else json.dumps(value, default=str)
         return text[:MAX_RESULT_CHARS], False
 
 
-async def invoke(fn, *args, **kwargs):
-    """``fn(...)``, awaited if it returns an awaitable."""
-    value = fn(*args, **kwargs)
-    if hasattr(value, "__await__"):
-        value = await value
-    return value
+def invoke(fn, *args, **kwargs):
+    """``fn(...)``, awaited on the worker's event loop if it returns an awaitable. Plain code, not a coroutine:
+    a plain ``def`` (a tool, an environment's ``step``) runs outside any running loop, as its library calls it,
+    so it may run a loop of its own (``asyncio.run``)."""
+    return awaited(fn(*args, **kwargs))
 
 
 def python(code: str) -> str:

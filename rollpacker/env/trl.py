@@ -117,23 +117,23 @@ class TRLEnv:
         self.tools = ToolEnv(tools, parser, where=self.name)
         self.turns = 0
 
-    async def reset(self, *, seed: int, options: dict):
+    def reset(self, *, seed: int, options: dict):
         row = options["row"]
-        _, info = await self.tools.reset(seed=seed, options=options)
+        _, info = self.tools.reset(seed=seed, options=options)
         columns = {k: v for k, v in row.items() if not (self.select and k == SELECTOR)}
         random.seed(seed)  # a group's episodes draw the same task
-        text = await invoke(self.instance.reset, **accepted(self.instance.reset, columns))
+        text = invoke(self.instance.reset, **accepted(self.instance.reset, columns))
         if text is not None and not isinstance(text, str):
             raise BadReturn(f"{self.name}.reset returned {type(text).__name__} {short(text)}; TRL's reset returns "
                             "None or a string (appended to the prompt's last message)")
         return (None if text is None else appended(row["prompt"], text)), info
 
-    async def step(self, action: str):
-        observation, _, answered, _, info = await self.tools.step(action)
+    def step(self, action: str):
+        observation, _, answered, _, info = self.tools.step(action)
         self.turns += 1
         reward = None
         if (answered or self.turns >= self.max_turns) and callable(getattr(self.instance, "get_reward", None)):
-            reward = await invoke(self.instance.get_reward)
+            reward = invoke(self.instance.get_reward)
         return observation, reward, answered, False, {**dict.fromkeys(TOOL_INFO, 0), **info}
 
     @property
@@ -141,11 +141,11 @@ class TRLEnv:
         """It scores an episode that a token limit ended: it has ``get_reward``."""
         return callable(getattr(self.instance, "get_reward", None))
 
-    async def finish(self):
+    def finish(self):
         """``get_reward()`` for an episode that a token limit ended (no step of its ended it)."""
-        return await invoke(self.instance.get_reward)
+        return invoke(self.instance.get_reward)
 
-    async def close(self) -> None:
+    def close(self) -> None:
         self.release(self.instance)
 
     def reward_state(self) -> EnvState:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
 
 import pytest
@@ -82,13 +81,17 @@ async def shout(text: str) -> str:
     return text.upper() + "!"
 
 
+async def _back(text: str) -> str:
+    return text
+
+
 def echo(text: str) -> str:
-    """Say it back.
+    """Say it back (a plain def around an async client, as tools often are: it runs a loop of its own).
 
     Args:
         text: What to say.
     """
-    return text
+    return asyncio.run(_back(text))
 
 
 def broken(x: int) -> int:
@@ -220,7 +223,7 @@ def test_tools_around_an_environment_step_it_when_the_model_answers(files):
         "content"] == "3"
     assert inner.steps == 0
     assert contract.step(env, "3").reward == 1.0 and inner.steps == 1
-    asyncio.run(env.close())
+    env.close()
     assert inner.closed
 
 

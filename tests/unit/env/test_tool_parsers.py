@@ -217,7 +217,7 @@ def test_a_malformed_call_is_an_error_naming_the_format(parser, text, expected):
         assert (want in error) if want else error == "", (error, want)
 
 
-DIGITS, DEEP = "1" * 5000, "[" * 5000  # what a policy repeating one character writes: json raises other than JSONDecodeError
+DIGITS, DEEP = "1" * 5000, "[" * 5000  # a policy repeating one character: json raises besides JSONDecodeError
 
 
 @pytest.mark.parametrize("parser, text, expected", [
