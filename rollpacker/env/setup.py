@@ -79,7 +79,10 @@ class Environments:
 
     def episode(self, key: str, row: dict, ids: list[int], prompt: Any = None) -> Episode:
         """Episode ``key`` of ``row`` whose prompt is ``ids`` (encoded from ``prompt``, its reset's, or None: the
-        row's own). An :class:`EnvError` if it leaves no token for the first turn."""
+        row's own). An :class:`EnvError` if it is empty or leaves no token for the first turn."""
+        if not ids:
+            raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {row['id']!r}): its reset "
+                           f"prompt {prompt!r} encodes to no token: the model needs a prompt to answer")
         if len(ids) >= self.max_context:
             raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {row['id']!r}): its reset "
                            f"prompt is {len(ids)} tokens and the context length is {self.max_context}: no token is "

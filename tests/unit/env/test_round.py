@@ -350,6 +350,14 @@ def test_a_reset_prompt_with_no_room_for_a_turn_is_an_environment_error_of_its_e
     assert key == "0:0:0" and turn.max_new_tokens == 8
 
 
+def test_a_reset_prompt_of_no_token_is_an_environment_error_of_its_episode():
+    runner = long_reset_runner("skip")
+    (failed,) = runner.on_env(open_replies(runner, {"0:0:1": "", "0:0:0": "1+1"}), now=0.0)
+    assert (failed.id, failed.reason) == ("0:0:1", "error")
+    assert "its reset prompt '' encodes to no token" in failed.detail
+    assert [key for key, _ in runner.take_turns()] == ["0:0:0"]
+
+
 def test_the_retries_an_open_took_are_counted_in_env_reset_retries():
     """The pool retries a failed open (``env.reset_retries``) and says how often on its reply; the round counts
     them, whatever came of the open."""
