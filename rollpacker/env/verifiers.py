@@ -165,9 +165,10 @@ class VerifiersEnv:
         return Response(id=f"rollpacker-{id(self)}", created=int(time.time()), model="rollpacker", message=message)
 
     async def _rollout(self):
-        vf_input = {"prompt": self._prompt(self.row["prompt"]),
-                    "example_id": int(self.row.get("example_id", 0)), "answer": str(self.row.get("answer", "")),
-                    "info": self.row.get("info") or {}}
+        # the row's every column, as verifiers passes a dataset's (its rubric's functions take them by name); not our id
+        vf_input = {k: v for k, v in self.row.items() if k != "id"} | {
+            "prompt": self._prompt(self.row["prompt"]), "example_id": int(self.row.get("example_id", 0)),
+            "answer": str(self.row.get("answer", "")), "info": self.row.get("info") or {}}
         state = await self.env.rollout(vf_input, EpisodeClient(self), "rollpacker", {})
         if self.env.score_rollouts and not self.grouped:
             await self.env.rubric.score_rollout(state)

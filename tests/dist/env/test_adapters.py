@@ -77,6 +77,13 @@ class Elides(vf.MultiTurnEnv):
 make_eliding_env = factory(lambda: Elides(max_turns=3, rubric=vf.Rubric(funcs=[correct]), dataset=dataset(),
                                           system_prompt="Answer with a number."))
 make_group_env = factory(lambda: Again(max_turns=2, rubric=vf.Rubric(funcs=[correct, distinct]), dataset=dataset()))
+
+
+def matches(completion, solution, **kwargs) -> float:  # a dataset column of its own, taken by name
+    return float(completion[-1].content == solution)
+
+
+make_single_env = factory(lambda: vf.SingleTurnEnv(rubric=vf.Rubric(funcs=[matches]), dataset=dataset()))
 score_group = make_group_env.score_group
 '''
 
@@ -159,6 +166,16 @@ def test_a_verifiers_tool_env_runs_its_tools(vf_file):
         answered, closed = pool.drain(60)
     assert (answered.value.reward, answered.value.terminated) == (1.0, True)
     assert answered.value.info["total_tool_calls"] == 1.0 and not closed.error
+
+
+def test_a_verifiers_rubric_gets_the_rows_other_columns_as_verifiers_gives_a_datasets(vf_file):
+    from rollpacker.env import contract
+
+    row = {"id": "r0", "prompt": "Solve for x.", "answer": "7", "solution": "x = 7"}
+    env = contract.make("vf_env.py:make_single_env", row)
+    contract.reset(env, seed=0, row=row)
+    assert contract.step(env, "x = 7").reward == 1.0
+    contract.close(env)
 
 
 def test_a_verifiers_environment_that_rewrites_what_the_model_saw_is_refused(vf_file):
