@@ -4,9 +4,10 @@
 a fresh environment for one episode:
 
 - ``reset(*, seed: int, options: dict) -> (observation, info)``: ``options["row"]`` is the dataset
-  row. The observation is the episode's prompt: None for the row's own, else a string or chat
-  messages, encoded as a row's prompt is (:func:`rollpacker.data.chat.encode`). ``info["tools"]``,
-  if given, are tool schemas for the chat template's ``tools``.
+  row, ``options["max_turns"]`` is ``env.max_turns``. The observation is the episode's prompt: None
+  for the row's own, else a string or chat messages, encoded as a row's prompt is
+  (:func:`rollpacker.data.chat.encode`). ``info["tools"]``, if given, are tool schemas for the chat
+  template's ``tools``.
 - ``step(action: str) -> (observation, reward, terminated, truncated, info)``: ``action`` is the
   model's turn as text; the observation is appended to the conversation: a string (one message of
   ``env.observation_role``), a list of chat messages, or None / [] for nothing. ``reward`` (a
@@ -97,9 +98,9 @@ def make(target: str, row: dict):
     return load(target, "env.factory", EnvError)(row)
 
 
-def reset(env, *, seed: int, row: dict) -> tuple[str | list[Message] | None, dict]:
-    """``env.reset`` called and checked: ``(prompt or None, info)``."""
-    value = awaited(env.reset(seed=seed, options={"row": row}))
+def reset(env, *, seed: int, row: dict, max_turns: int | None = None) -> tuple[str | list[Message] | None, dict]:
+    """``env.reset`` called and checked: ``(prompt or None, info)``; ``max_turns``: ``env.max_turns``."""
+    value = awaited(env.reset(seed=seed, options={"row": row, "max_turns": max_turns}))
     if not isinstance(value, tuple) or len(value) != 2:
         raise BadReturn(f"reset returned {_what(value)}; gymnasium's reset returns (observation, info)")
     observation, info = value

@@ -1,8 +1,9 @@
 """SkyRL-gym text environments through the contract: ``--env.factory rollpacker.env.skyrl_gym:make_env``.
 
-A SkyRL environment is made by id with the dataset row as its ``extras``
-(``skyrl_gym.make(id, env_config=..., extras=row)``), as SkyRL's generator does. Its API maps onto
-gymnasium's over text:
+A SkyRL environment is made by id at ``reset``, with the dataset row and ``env.max_turns`` as its
+``extras`` and its ``env_config`` an OmegaConf config (``skyrl_gym.make(id, env_config=...,
+extras=row | {"max_turns": ...})``), as SkyRL's generator makes it. Its API maps onto gymnasium's
+over text:
 
 - ``init(prompt) -> (messages, metadata)`` is ``reset``: the row's prompt (chat messages; a string
   is one user turn) goes in, the messages it returns are the episode's prompt;
@@ -23,14 +24,19 @@ class SkyRLEnv:
     """The SkyRL-gym environment ``env_id`` for one episode on ``row`` (see the module docstring)."""
 
     def __init__(self, env_id: str, row: dict, env_config: dict | None = None):
-        import skyrl_gym
-
-        extras = {"reward_spec": {"method": "rule", "ground_truth": row.get("answer")}, "extra_info": {}, **row}
-        self.env = skyrl_gym.make(env_id, env_config=env_config or {}, extras=extras)
-        self.prompt = row["prompt"]
+        self.env_id, self.row, self.env_config = env_id, row, env_config or {}
+        self.env = None
 
     def reset(self, *, seed: int, options: dict):
-        prompt = [{"role": "user", "content": self.prompt}] if isinstance(self.prompt, str) else self.prompt
+        import skyrl_gym
+        from omegaconf import OmegaConf
+
+        row = self.row
+        extras = {"reward_spec": {"method": "rule", "ground_truth": row.get("answer")}, "extra_info": {}, **row}
+        if options.get("max_turns"):  # SkyRL's generator gives its own; its environments' defaults differ (2 to 10)
+            extras["max_turns"] = options["max_turns"]
+        self.env = skyrl_gym.make(self.env_id, env_config=OmegaConf.create(self.env_config), extras=extras)
+        prompt = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
         messages, metadata = self.env.init(prompt)
         return messages, dict(metadata or {})
 
@@ -39,7 +45,8 @@ class SkyRLEnv:
         return out["observations"], out["reward"], bool(out["done"]), False, dict(out.get("metadata") or {})
 
     def close(self) -> None:
-        self.env.close()
+        if self.env is not None:
+            self.env.close()
 
 
 def make_env(row: dict) -> SkyRLEnv:

@@ -55,7 +55,8 @@ class EnvSpec:
     label: str = ""
     """The environment as the user named it (``env.factory``), for messages."""
     max_turns: int = 4
-    """``env.max_turns``: a TRL environment's reward comes after the last turn (:mod:`rollpacker.env.trl`)."""
+    """``env.max_turns``: a TRL environment's reward comes after the last turn (:mod:`rollpacker.env.trl`); an
+    environment's reset gets it (``options["max_turns"]``)."""
     states: bool = False
     """Send back a copy of the environment after each call, for reward functions that take ``environments``
     (environments that make one: TRL's)."""
@@ -172,7 +173,8 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,
         if kind == "open":
             row, seed = payload
             envs[key] = env = spec.build(row)
-            return contract.reset(env, seed=seed, row=row), None, _state(spec, env), contract.finishes(env), False
+            prompt = contract.reset(env, seed=seed, row=row, max_turns=spec.max_turns)
+            return prompt, None, _state(spec, env), contract.finishes(env), False
         if kind == "step":
             return contract.step(envs[key], payload, spec.observation_role), None, _state(spec, envs[key]), False, False
         if kind == "finish":

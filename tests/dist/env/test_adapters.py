@@ -246,11 +246,12 @@ def test_a_skyrl_gym_environment_runs_through_the_contract():
     from tests.support.episodes import run_episodes
 
     bridge = toy_bridge()
-    rows = chat_rows(8, env_class="gsm8k_multi_turn", extra_info={"max_turns": 2})
-    with EnvPool(EnvConfig(factory="rollpacker.env.skyrl_gym:make_env", num_workers=2, timeout=60)) as pool:
+    rows = chat_rows(8, env_class="gsm8k_multi_turn", extra_info={"max_turns": 5})  # env.max_turns comes first
+    with EnvPool(EnvConfig(factory="rollpacker.env.skyrl_gym:make_env", num_workers=2, timeout=60,
+                           max_turns=2)) as pool:
         run = run_episodes(toy_engine(), pool, bridge, rows, seed=4, max_turns=3, max_tokens=400, max_new_tokens=150)
     assert not run.errors
-    assert max(e.num_turns for e in run.episodes.values()) == 2  # SkyRL's max_turns=2 ends them
+    assert max(e.num_turns for e in run.episodes.values()) == 2  # SkyRL's max_turns=2 (env.max_turns) ends them
     for key, e in run.episodes.items():
         assert run.steps[key] == e.num_turns or e.done.reason == "length"
         assert len(e.step_rewards) == run.steps[key]  # SkyRL rewards every turn
@@ -264,6 +265,17 @@ def test_a_skyrl_row_needs_its_environment_class():
 
     with pytest.raises(ValueError, match="row 'r' has no env_class column"):
         make_env({"id": "r", "prompt": "p"})
+
+
+def test_a_skyrl_environment_reads_its_env_config_by_attribute_as_skyrl_gives_it():
+    from rollpacker.env import contract
+    from rollpacker.env.skyrl_gym import SkyRLEnv
+
+    env = SkyRLEnv("search", {"id": "r", "prompt": "q", "answer": "a"},
+                   env_config={"search_url": "http://127.0.0.1:9", "topk": 3, "timeout": 5, "log_requests": False})
+    assert contract.reset(env, seed=0, row={}, max_turns=3)[0] == [{"role": "user", "content": "q"}]
+    assert env.env.max_turns == 3
+    contract.close(env)
 
 
 TOOLS = '''
@@ -282,7 +294,7 @@ LIBRARIES = {  # the tools file wraps SkyRL's environment: a turn without a tool
     "verifiers_group": (("--env.factory", "vf_env.py:make_group_env", "--reward.funcs", "vf_env.py:score_group",
                          "--reward.group-funcs", "score_group"), {}),
     "skyrl_gym+tools": (("--env.factory", "rollpacker.env.skyrl_gym:make_env", "--env.tools", "tools.py:multiply",
-                         "python"), {"env_class": "gsm8k_multi_turn", "extra_info": {"max_turns": 2}}),
+                         "python", "--env.max-turns", "2"), {"env_class": "gsm8k_multi_turn"}),  # SkyRL's max too
 }
 ENGINES = [
     pytest.param("torch"),
@@ -309,8 +321,8 @@ def test_a_library_environment_trains_on_two_ranks(vf_file, tmp_path, library, e
     args, extra = LIBRARIES[library]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows(8, **extra)))
     (tmp_path / "tools.py").write_text(TOOLS)
-    proc = launch_job("schedule:sync", "--engine.kind", engine, "--data.path", "rows.jsonl", *args,
-                      "--env.max-turns", "3", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+    proc = launch_job("schedule:sync", "--engine.kind", engine, "--data.path", "rows.jsonl", "--env.max-turns", "3",
+                      *args, "--rollout.num-prompts", "4", "--rollout.group-size", "2",
                       "--rollout.max-new-tokens", "150", "--env.max-tokens", "400", "--num-steps", "2",
                       "--eval-every", "0", "--metrics.samples-every", "1", "--run-dir", "run", *QUIET, cwd=tmp_path,
                       timeout=1200, env=sglang_env() if engine == "sglang" else None)
