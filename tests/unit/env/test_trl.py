@@ -270,9 +270,8 @@ def test_what_a_copy_lacks_and_a_function_without_a_copy_say_why(env_file):
     names environments with no copy to give (not a TRL environment) is told how to get one."""
     spec = EnvSpec.from_config(EnvConfig(factory="trl_env.py:Counter"), states=True)
     env = spec.build({"id": "r", "prompt": "Count.", "target": 2})
-    import asyncio
 
-    asyncio.run(env.reset(seed=0, options={"row": {"id": "r", "prompt": "Count.", "target": 2}}))
+    env.reset(seed=0, options={"row": {"id": "r", "prompt": "Count.", "target": 2}})
     sample = {"prompt": "Count.", "completion": "", "completion_ids": [], "columns": {},
               "messages": [{"role": "assistant", "content": "2"}], "environment": env.reward_state()}
     assert call(resolve("trl_env.py:only_environments", "only_environments"), sample)[0] == 0.0
