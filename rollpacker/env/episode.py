@@ -159,8 +159,9 @@ class Bridge(Protocol):
 
     def action_text(self, token_ids: list[int]) -> str: ...
 
-    def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]:
-        """``turn_ids``: the model turn if it stopped (on its last token), [] if it was cut at its limit."""
+    def observation_ids(self, observation: list[Message], turn_ids: list[int], tools: list[dict] | None) -> list[int]:
+        """``turn_ids``: the model turn if it stopped (on its last token), [] if it was cut at its limit;
+        ``tools``: the schemas the prompt was rendered with."""
 
 
 class Episode:
@@ -171,7 +172,7 @@ class Episode:
 
     def __init__(self, id: str, prompt_ids: list[int], bridge: Bridge | None, *, seed: int, max_turns: int,
                  max_tokens: int, max_new_tokens: int, max_context: int, info_keys: tuple[str, ...] = (),
-                 prompt: str | list[Message] | None = None):
+                 prompt: str | list[Message] | None = None, tools: list[dict] | None = None):
         if not prompt_ids or len(prompt_ids) >= max_context:  # Environments.episode refuses it first
             raise ValueError(f"episode {id}: a prompt of {len(prompt_ids)} tokens leaves no room for a turn in a "
                              f"context of {max_context}")
@@ -193,6 +194,8 @@ class Episode:
         start at 0, so an episode that never reports one (a turn without a tool call) counts 0, not nothing."""
         self.prompt = prompt
         """The prompt its environment's reset gave, encoded as ``prompt_ids``; None: its row's own."""
+        self.tools = tools
+        """The tool schemas its prompt was rendered with; its observations are rendered with them too."""
         self.env_state: Any = None
         """A copy of its environment after its last call (set by the runner from the replies), for reward functions
         that take ``environments`` (:class:`~rollpacker.env.trl.EnvState`); None when none was sent."""
@@ -251,7 +254,7 @@ class Episode:
             return self._end("terminated" if result.terminated else "truncated")
         if self.num_turns >= self.max_turns:
             return self._end("max_turns")
-        ids = self.bridge.observation_ids(result.observation, self._turn)
+        ids = self.bridge.observation_ids(result.observation, self._turn, self.tools)
         if self.num_model_tokens >= self.max_tokens:
             return self._end("max_tokens")
         if len(self.prompt_ids) + len(self.response_ids) + len(ids) >= self.max_context:

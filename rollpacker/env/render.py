@@ -81,27 +81,30 @@ class ChatBridge:
         parts.append(self.tokenizer.decode(token_ids[start:], skip_special_tokens=True))
         return cut_at_stop("".join(parts), self.stop)
 
-    def observation_ids(self, observation: list[Message], turn_ids: list[int]) -> list[int]:
+    def observation_ids(self, observation: list[Message], turn_ids: list[int], tools: list[dict] | None = None
+                        ) -> list[int]:
         """The tokens to append after a model turn ``turn_ids`` for ``observation``: the rest of the
         template's end of turn, then the delta (the observation's turns and the next assistant header).
-        A turn cut at its token limit stopped on no token: give it as [] (the whole end of turn follows)."""
+        A turn cut at its token limit stopped on no token: give it as [] (the whole end of turn follows).
+        ``tools``: the schemas the conversation is rendered with."""
         end = self.end_of_turn[1:] if turn_ids and self.end_of_turn and turn_ids[-1] == self.end_of_turn[0] else (
             self.end_of_turn)
-        return [*end, *self.encode(self.delta(observation))]
+        return [*end, *self.encode(self.delta(observation, tools))]
 
-    def delta(self, observation: list[Message]) -> str:
-        """The text the template renders for ``observation`` after an assistant turn."""
+    def delta(self, observation: list[Message], tools: list[dict] | None = None) -> str:
+        """The text the template renders for ``observation`` after an assistant turn, with ``tools``' schemas (a
+        template may move them: Mistral's go before the last user turn)."""
         from jinja2 import TemplateError  # what apply_chat_template renders with
 
         base = _base(observation)
         try:
-            before = self.render(base)
+            before = self.render(base, tools=tools)
         except TemplateError:
             if len(base[-1].get("tool_calls", ())) < 2:
                 raise
             base = _base(observation, num_calls=1)  # a template of one call per turn (Llama 3.1's): one answers all
-            before = self.render(base)
-        after = self.render(base + observation, generation=True)
+            before = self.render(base, tools=tools)
+        after = self.render(base + observation, generation=True, tools=tools)
         if after.startswith(before):
             return after[len(before):]
         roles = tuple(m["role"] for m in observation)

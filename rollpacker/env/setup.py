@@ -73,13 +73,15 @@ class Environments:
                 ids = cache[row]
             else:
                 ids = self.encode(rows[row]["prompt"] if prompt is None else prompt, info.get("tools"))
-            return self.episode(key, rows[row], ids, prompt)
+            return self.episode(key, rows[row], ids, prompt, info.get("tools"))
 
         return make
 
-    def episode(self, key: str, row: dict, ids: list[int], prompt: Any = None) -> Episode:
+    def episode(self, key: str, row: dict, ids: list[int], prompt: Any = None, tools: list[dict] | None = None
+                ) -> Episode:
         """Episode ``key`` of ``row`` whose prompt is ``ids`` (encoded from ``prompt``, its reset's, or None: the
-        row's own). An :class:`EnvError` if it is empty or leaves no token for the first turn."""
+        row's own, with ``tools``' schemas). An :class:`EnvError` if it is empty or leaves no token for the first
+        turn."""
         if not ids:
             raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {row['id']!r}): its reset "
                            f"prompt {prompt!r} encodes to no token: the model needs a prompt to answer")
@@ -90,7 +92,8 @@ class Environments:
         turns = self.cfg.max_turns if self.enabled else 1
         return Episode(key, ids, self.bridge, seed=self.seed, max_turns=turns,
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,
-                       max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else (), prompt=prompt)
+                       max_context=self.max_context, info_keys=TOOL_INFO if self.cfg.tools else (), prompt=prompt,
+                       tools=tools)
 
     def warm(self, plan: Callable[[], list[EnvCall]], rows: Sequence[dict]) -> None:
         """With ``env.warm``: open the environments of ``plan()`` now (the next round's first episodes, while this

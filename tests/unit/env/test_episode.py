@@ -17,7 +17,7 @@ class Letters:
     def action_text(self, token_ids: list[int]) -> str:
         return "".join(chr(t) for t in token_ids if t > 1)
 
-    def observation_ids(self, observation: list[dict], turn_ids: list[int]) -> list[int]:
+    def observation_ids(self, observation: list[dict], turn_ids: list[int], tools=None) -> list[int]:
         return [1, *(ord(c) for m in observation for c in m["content"])]
 
 

@@ -7,7 +7,7 @@ import pytest
 from rollpacker.env.contract import StepResult
 from rollpacker.env.episode import Episode, StepEnv, TurnRequest
 from rollpacker.env.render import ChatBridge, TemplateBreak
-from tests.support.chat import COUNTING_TEMPLATE, qwen_style_tokenizer
+from tests.support.chat import COUNTING_TEMPLATE, mistral_style_tokenizer, qwen_style_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
@@ -26,12 +26,13 @@ CONVERSATION = [
 ]
 
 
-def play(bridge: ChatBridge, conversation: list[dict], sample) -> tuple[Episode, list[int]]:
-    """Run ``conversation`` through an episode: its assistant turns as the model's tokens (``sample``
-    gives a turn's tokens), the rest as observations. Returns the episode and the last turn's ids."""
+def play(bridge: ChatBridge, conversation: list[dict], sample, tools: list[dict] | None = None
+         ) -> tuple[Episode, list[int]]:
+    """Run ``conversation`` through an episode (prompted with ``tools``): its assistant turns as the model's tokens
+    (``sample`` gives a turn's tokens), the rest as observations. Returns the episode and the last turn's ids."""
     first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
-    episode = Episode("0:0:0", bridge.prompt_ids(conversation[:first]), bridge, seed=0, max_turns=99,
-                      max_tokens=10_000, max_new_tokens=1000, max_context=100_000)
+    episode = Episode("0:0:0", bridge.prompt_ids(conversation[:first], tools), bridge, seed=0, max_turns=99,
+                      max_tokens=10_000, max_new_tokens=1000, max_context=100_000, tools=tools)
     request, turn = episode.next_turn(), []
     observation: list[dict] = []
     for i in range(first, len(conversation)):
@@ -104,6 +105,19 @@ def test_a_template_that_rewrites_earlier_turns_is_caught_naming_it():
     counting = ChatBridge(tokenizer, template_breaks="count")
     ids = counting.observation_ids([{"role": "user", "content": "again"}], [5, 6])
     assert counting.breaks == 1 and tokenizer.decode(ids) == "\nuser: again\nassistant:"  # the end of turn, the delta
+
+
+def test_a_template_that_moves_the_episodes_tools_is_caught_with_them():
+    """Mistral v3 writes the tools before the last user turn: appending one moves them. Without the
+    episode's tools the render preserves the prefix; its observations are checked with them."""
+    bridge = ChatBridge(mistral_style_tokenizer())
+    again = [{"role": "user", "content": "Wrong, try again."}]
+    assert bridge.delta(again) == "[INST] Wrong, try again.[/INST]"
+    conversation = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "6"}, *again,
+                    {"role": "assistant", "content": "5"}]
+    with pytest.raises(TemplateBreak, match="not prefix-preserving for observations of roles"):
+        play(bridge, conversation, lambda before, m: bridge.encode(m["content"]) + [bridge.tokenizer.eos_token_id],
+             tools=TOOLS)
 
 
 def test_counted_breaks_append_what_follows_the_assistant_turn_when_the_template_rewrites_the_turn_itself():

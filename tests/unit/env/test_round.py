@@ -32,7 +32,7 @@ class Bridge:
     def action_text(self, token_ids):
         return " ".join(map(str, token_ids))
 
-    def observation_ids(self, observation, turn_ids):
+    def observation_ids(self, observation, turn_ids, tools=None):
         return [OBS + int(observation[0]["content"])] * 2
 
 
@@ -356,6 +356,14 @@ def test_a_reset_prompt_of_no_token_is_an_environment_error_of_its_episode():
     assert (failed.id, failed.reason) == ("0:0:1", "error")
     assert "its reset prompt '' encodes to no token" in failed.detail
     assert [key for key, _ in runner.take_turns()] == ["0:0:0"]
+
+
+def test_an_episode_keeps_the_tools_its_reset_gave_for_its_observations():
+    runner, tools = long_reset_runner("skip"), [{"type": "function", "function": {"name": "add"}}]
+    runner.open("0:0:0", 0, "0:0")
+    runner.take_calls()
+    runner.on_env([EnvReply("0:0:0", "open", ("1+1", {"tools": tools}))], now=0.0)
+    assert runner.live["0:0:0"].tools == tools
 
 
 def test_the_retries_an_open_took_are_counted_in_env_reset_retries():

@@ -106,7 +106,7 @@ class Bridge:
     def action_text(self, token_ids):
         return ACTIONS[token_ids[0]]
 
-    def observation_ids(self, observation, turn_ids):
+    def observation_ids(self, observation, turn_ids, tools=None):
         return [900]
 
 
