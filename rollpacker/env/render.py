@@ -27,7 +27,7 @@ BASE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": MAR
 
 
 class TemplateBreak(UserError):
-    """The chat template is not prefix-preserving for an observation; the message names it."""
+    """The chat template is not prefix-preserving for an observation, or refuses it; the message names it."""
 
 
 class ChatBridge:
@@ -104,10 +104,15 @@ class ChatBridge:
                 raise
             base = _base(observation, num_calls=1)  # a template of one call per turn (Llama 3.1's): one answers all
             before = self.render(base, tools=tools)
-        after = self.render(base + observation, generation=True, tools=tools)
+        roles = tuple(m["role"] for m in observation)
+        try:
+            after = self.render(base + observation, generation=True, tools=tools)
+        except TemplateError as e:
+            raise TemplateBreak(f"the chat template of {self.name} refuses observations of roles {roles} after an "
+                                f"assistant turn ({type(e).__name__}: {e}): set env.observation_role to a role it "
+                                "takes there, or use a template that takes them") from None
         if after.startswith(before):
             return after[len(before):]
-        roles = tuple(m["role"] for m in observation)
         if self.template_breaks == "fail":
             raise TemplateBreak(
                 f"the chat template of {self.name} is not prefix-preserving for observations of roles {roles}: "

@@ -7,7 +7,7 @@ import pytest
 from rollpacker.env.contract import StepResult
 from rollpacker.env.episode import Episode, StepEnv, TurnRequest
 from rollpacker.env.render import ChatBridge, TemplateBreak
-from tests.support.chat import COUNTING_TEMPLATE, mistral_style_tokenizer, qwen_style_tokenizer
+from tests.support.chat import COUNTING_TEMPLATE, chat_tokenizer, mistral_style_tokenizer, qwen_style_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
@@ -118,6 +118,21 @@ def test_a_template_that_moves_the_episodes_tools_is_caught_with_them():
     with pytest.raises(TemplateBreak, match="not prefix-preserving for observations of roles"):
         play(bridge, conversation, lambda before, m: bridge.encode(m["content"]) + [bridge.tokenizer.eos_token_id],
              tools=TOOLS)
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m.role == 'user') != loop.index0 is even %}"
+               "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+               "{{ '<turn>' + m.role + '\n' + m.content + '<end>\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<turn>assistant\n' }}{% endif %}")
+
+
+def test_a_template_that_refuses_an_observation_says_so_naming_its_roles():
+    bridge = ChatBridge(chat_tokenizer(ALTERNATING, ["<pad>", "<turn>", "<end>"], eos="<end>"))
+    assert bridge.delta([{"role": "user", "content": "again"}]) == "<turn>user\nagain<end>\n<turn>assistant\n"
+    with pytest.raises(TemplateBreak, match=r"refuses observations of roles \('tool',\) after an assistant turn "
+                                            r"\(TemplateError: roles must alternate user/assistant\): set "
+                                            "env.observation_role"):
+        bridge.delta([{"role": "tool", "name": "add", "content": "5"}])
 
 
 def test_counted_breaks_append_what_follows_the_assistant_turn_when_the_template_rewrites_the_turn_itself():
