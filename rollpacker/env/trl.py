@@ -10,7 +10,8 @@ column (:func:`factories`). One episode of such an environment (:class:`TRLEnv`)
 - Its public methods but ``reset`` and ``get_reward`` are its tools, ``env.tools`` beside them,
   run by a :class:`~rollpacker.env.tools.ToolEnv`; their schemas come from their docstrings.
 - A turn without a tool call is the answer and ends the episode. ``get_reward()``, if defined, is
-  called then, or after the last turn ``env.max_turns`` allows, or when a token limit ends the
+  called then, or after the last turn ``env.max_turns`` allows (whose calls are not run, as TRL's
+  loop leaves the calls of its last turn), or when a token limit ends the
   episode (``finish``): once per episode, however it ends, as TRL calls it. Its value is the
   episode's last step's reward, which the reward scheduler adds with weight 1.
 - With :attr:`~rollpacker.env.workers.EnvSpec.states`, every call sends back a copy of the
@@ -129,8 +130,11 @@ class TRLEnv:
         return (None if text is None else appended(row["prompt"], text)), info
 
     def step(self, action: str):
-        observation, _, answered, _, info = self.tools.step(action)
         self.turns += 1
+        if self.turns < self.max_turns:
+            observation, _, answered, _, info = self.tools.step(action)
+        else:  # TRL runs no call of the last turn it allows: get_reward sees the state the turn found
+            observation, answered, info = None, not self.tools.parse(action, self.tools.schemas), {}
         reward = None
         if (answered or self.turns >= self.max_turns) and callable(getattr(self.instance, "get_reward", None)):
             reward = invoke(self.instance.get_reward)

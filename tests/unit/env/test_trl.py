@@ -150,7 +150,7 @@ def test_a_trl_environment_runs_unchanged_and_its_rewards_are_composed_once(env_
     rows = [{"id": f"r{k}", "prompt": [{"role": "system", "content": "Be brief."},
                                        {"role": "user", "content": "Count."}], "target": 5, "answer": "5"}
             for k in range(3)]
-    scripts = [[0, 1, 2], [0, 4], [3, 0, 0]]  # right; a wrong answer; still calling at max_turns (3), counter 5
+    scripts = [[0, 1, 2], [0, 4], [0, 0, 3]]  # right; a wrong answer; still calling at max_turns (3): not run, 4
     with EnvPool(cfg, EnvSpec.from_config(cfg, states=True)) as pool:
         pool.open_episode("look", rows[0], 0)
         (opened,) = pool.drain(60)
@@ -164,7 +164,7 @@ def test_a_trl_environment_runs_unchanged_and_its_rewards_are_composed_once(env_
         right, wrong, cut = run(pool, rows, scripts, max_turns=3)
 
     assert [r.reason for r in (right, wrong, cut)] == ["terminated", "terminated", "max_turns"]
-    assert [r.env_reward for r in (right, wrong, cut)] == [1.0, 0.0, 1.0]
+    assert [r.env_reward for r in (right, wrong, cut)] == [1.0, 0.0, 0.0]
     assert list(right.step_rewards) == [len(right.token_ids) - 1]  # on the answer's last token
     assert right.messages[:2] == [{"role": "assistant", "content": ACTIONS[0]},
                                   {"role": "tool", "name": "add", "tool_call_id": "call_0", "content": "2"}]
@@ -173,7 +173,7 @@ def test_a_trl_environment_runs_unchanged_and_its_rewards_are_composed_once(env_
     copy = right.env_state.restore()
     assert type(copy).__name__ == "Counter" and (copy.counter, copy.target) == (5, 5)
     assert copy.columns == ["answer", "id", "prompt"]  # the row's columns but those reset names (target)
-    assert cut.env_state.restore().counter == 5
+    assert cut.env_state.restore().counter == 4 and cut.info["tool_calls"] == 2  # as TRL: the last turn's call not run
     # three instances for four episodes: the first episode's, closed, was reused
     assert sorted(r.env_state.restore().number for r in (right, wrong, cut)) == [1, 2, 3]
 
@@ -184,20 +184,20 @@ def test_a_trl_environment_runs_unchanged_and_its_rewards_are_composed_once(env_
     try:
         for r, row in zip((right, wrong, cut), rows):
             scheduler.submit(r.id, row, r)
-        # exact: 1 for right (0.5 weighted; its prompt ends with reset's text); 0 for cut, whose last message is a
-        # tool's
-        assert dict(scheduler.wait()) == {right.id: 1.5, wrong.id: 0.0, cut.id: 1.0}
-        assert scheduler.take_metrics()["reward/environment"] == pytest.approx(2 / 3)  # get_reward's mean
+        # exact: 1 for right (0.5 weighted; its prompt ends with reset's text); 0 for the others
+        assert dict(scheduler.wait()) == {right.id: 1.5, wrong.id: 0.0, cut.id: 0.0}
+        assert scheduler.take_metrics()["reward/environment"] == pytest.approx(1 / 3)  # get_reward's mean
     finally:
         scheduler.close()
 
 
-def test_get_reward_comes_with_the_last_turn_env_max_turns_allows(env_file):
+def test_get_reward_comes_with_the_last_turn_env_max_turns_allows_whose_calls_are_not_run(env_file):
+    """As TRL's loop: the calls of the last turn it allows are left, get_reward sees the state before them."""
     cfg = EnvConfig(factory="trl_env.py:Counter", num_workers=1, timeout=60, max_turns=2)
-    row = {"id": "r", "prompt": "Count.", "target": 5}
+    row = {"id": "r", "prompt": "Count.", "target": 3}
     with EnvPool(cfg) as pool:
-        (done,) = run(pool, [row], [[0, 1]], max_turns=2)
-    assert done.reason == "max_turns" and done.env_reward == 1.0 and done.prompt == "Count. Reach 5."
+        (done,) = run(pool, [row], [[1, 0]], max_turns=2)  # add 3, then add 2 at the last turn: 3, not 5
+    assert done.reason == "max_turns" and done.env_reward == 1.0 and done.prompt == "Count. Reach 3."
     assert done.env_state is None  # no reward function asked for a copy
 
 
