@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from rollpacker.env.episode import Response
 from rollpacker.schedule.base import (
     Group,
     PolicyConfig,
@@ -216,14 +217,12 @@ class SortedPolicy(QueuedPolicy):
     def state_dict(self) -> dict[str, Any]:
         snapshot = self.saved if self.saved is not None else self._snapshot()
         buffer = [{"key": list(key), "responses": [
-            {"output": dataclasses.asdict(out) if out is not None else None, "reward": reward,
+            {"output": _saved(out) if out is not None else None, "reward": reward,
              "segments": [list(seg) for seg in segs]} for out, reward, segs in zip(*entry)]}
             for key, entry in snapshot.items()]
         return {"sampler": self.sampler.state_dict(), "ledger": self.ledger.state_dict(), "buffer": buffer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from rollpacker.rollout.engine import Output
-
         self.sampler.load_state_dict(state["sampler"])
         self.ledger.load_state_dict(state["ledger"])
         self.ledger.check(self.sampler)
@@ -236,6 +235,22 @@ class SortedPolicy(QueuedPolicy):
                                  "group size it was saved with")
             e = self.buffer[key]
             for k, r in enumerate(responses):
-                e.outputs[k] = Output(**r["output"]) if r["output"] else None
+                e.outputs[k] = _loaded(r["output"]) if r["output"] else None
                 e.rewards[k] = r["reward"]
                 e.segments[k] = [(int(step), int(start)) for step, start in r["segments"]]
+
+
+def _saved(out: Response) -> dict[str, Any]:
+    """A buffered response as a checkpoint keeps it (JSON): its fields, its step rewards as (position, reward)
+    pairs, without its environment's copy (``env_state``: bytes, for reward functions; a resumed episode's
+    next reply brings a new one)."""
+    state = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.name != "env_state"}
+    state["step_rewards"] = sorted(out.step_rewards.items())
+    return state
+
+
+def _loaded(state: dict[str, Any]) -> Response:
+    """:func:`_saved`'s response back (a checkpoint from before it held an Output's fields, or string positions)."""
+    steps = state.get("step_rewards") or []
+    steps = steps.items() if isinstance(steps, dict) else steps
+    return Response(**{**state, "step_rewards": {int(pos): reward for pos, reward in steps}})

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rollpacker.data.dataset import PromptSampler
+from rollpacker.env.episode import Response
 from rollpacker.rollout.engine import Output
 from rollpacker.schedule.base import request_id
 from rollpacker.schedule.sorted import SortedPolicy
@@ -37,7 +38,7 @@ def play(policy, step, length, reward=lambda row, k: float(k % 2)):
         for k in range(rnd.num_responses):
             earlier = rnd.carried.get((s, k))
             if earlier is None or earlier.finish_reason == "abort":
-                out = Output(id=request_id(step, s, k), prompt_ids=[row])
+                out = Response(id=request_id(step, s, k), prompt_ids=[row], step_rewards={0: 0.5})  # an episode's
                 if earlier is not None:  # resumed: the partial tokens and log-probs, then new ones
                     out.token_ids, out.logprobs = list(earlier.token_ids), list(earlier.logprobs)
                 running[(s, k)] = out
@@ -264,6 +265,8 @@ def test_state_dict_round_trip_mid_load_group():
         resumed = sorted_policy(num_rows=30, p0=2, r0=2, n=3, partial=True)
         resumed.load_state_dict(state)
         resumed.ledger.check(resumed.sampler)
+        assert all(isinstance(o, Response) and o.step_rewards == {0: 0.5}  # an episode's, its positions numbers
+                   for e in resumed.buffer.values() for o in e.outputs if o is not None)
         rnd, groups, _ = play(resumed, 1, length)
         assert len(rnd.carried) == sum(r["output"] is not None for e in state["buffer"] for r in e["responses"])
         results.append(sorted((g.prompt, [o.token_ids for o in g.outputs], g.staleness) for g in groups))
