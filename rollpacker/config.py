@@ -141,6 +141,9 @@ class Config:
                 "policy's. Set "
                 "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
                 f"or use schedule:{s.on_policy_alternative}")
+        if s.filter_zero_variance and self.rollout.group_size < 2:
+            raise ValueError("schedule.filter_zero_variance drops the groups whose rewards are all equal: with "
+                             "rollout.group_size=1 that is every group; use a group size of 2 or more")
         if s.filter_zero_variance and self.reward.group_funcs:
             raise ValueError(f"schedule.filter_zero_variance with reward.group_funcs {list(self.reward.group_funcs)}: "
                              "the filter decides on each response's reward as it is scored, before a group function "

@@ -85,6 +85,20 @@ def zero_variance(rewards: list[float | None]) -> bool:
     return max(values) == min(values)
 
 
+def check_refill(drawn: int, num_prompts: int, max_gen_batches: int) -> None:
+    """Before a round draws a prompt to replace a group the filter dropped, having drawn ``drawn``: a
+    UserError once that is ``max_gen_batches`` times P0 (0: no limit). Else a round whose every
+    group has equal rewards (a reward that is 0 everywhere) would draw prompts forever."""
+    if max_gen_batches and drawn >= max_gen_batches * num_prompts:
+        from rollpacker.errors import UserError
+
+        raise UserError(f"a round drew {drawn} prompts (schedule.max_gen_batches={max_gen_batches} times "
+                        f"rollout.num_prompts) and schedule.filter_zero_variance still dropped the groups that would "
+                        "fill it: their responses got equal rewards. The data is too hard or too easy for the model, "
+                        "or the reward function scores everything alike (see reward/mean and a samples file); "
+                        "raise schedule.max_gen_batches (0: no limit) if the round should keep drawing")
+
+
 class QueuedPolicy:
     """What the policies that hold prompts back in their ledger's queue (tail, sorted) share; they
     set ``sampler``, ``num_epochs``, ``ledger`` and ``filter_zero_variance``."""
@@ -138,6 +152,10 @@ class PolicyConfig:
 
     filter_zero_variance: bool = False
     """Dynamic sampling (DAPO): do not train or queue prompts whose group rewards are all equal."""
+    max_gen_batches: int = 10
+    """With filter_zero_variance, where a fresh prompt replaces a dropped group (sync's refill, tail's short
+    rounds): a round that has drawn this many times rollout.num_prompts stops the run, saying why (verl's
+    max_num_gen_batches; 0: no limit)."""
 
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> Policy:

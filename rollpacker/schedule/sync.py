@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from rollpacker.schedule.base import Group, PolicyConfig, PolicyDecision, RoundPlan, zero_variance
+from rollpacker.schedule.base import Group, PolicyConfig, PolicyDecision, RoundPlan, check_refill, zero_variance
 
 
 @dataclass(kw_only=True)
@@ -34,16 +34,17 @@ class SyncConfig(PolicyConfig):
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> SyncPolicy:
         return SyncPolicy(sampler, num_prompts, group_size, filter_zero_variance=self.filter_zero_variance,
-                          num_epochs=num_epochs, refill=self.refill)
+                          num_epochs=num_epochs, refill=self.refill, max_gen_batches=self.max_gen_batches)
 
 
 class SyncPolicy:
     name = "sync"
 
     def __init__(self, sampler, num_prompts: int, group_size: int, *, filter_zero_variance: bool = False,
-                 num_epochs: int = 0, refill: bool = False):
+                 num_epochs: int = 0, refill: bool = False, max_gen_batches: int = 10):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.filter_zero_variance, self.num_epochs, self.refill = filter_zero_variance, num_epochs, refill
+        self.max_gen_batches = max_gen_batches
         self.groups: list[Group] = []
         self.dropped: set[int] = set()
         self.pending = 0
@@ -75,6 +76,7 @@ class SyncPolicy:
                 self.dropped.add(slot)
                 decision.filtered = [group]
                 if self.refill and self.sampler.remaining(self.num_epochs) != 0:  # its slot: the next one
+                    check_refill(len(self.groups), self.num_prompts, self.max_gen_batches)
                     [(epoch, row)] = self.sampler.draw(1)
                     self.groups.append(Group(prompt=row, outputs=[], rewards=[], epoch=epoch))
                     self.pending += self.group_size

@@ -30,6 +30,7 @@ from rollpacker.schedule.base import (
     PolicyDecision,
     QueuedPolicy,
     RoundPlan,
+    check_refill,
     provisioned,
     request_id,
     zero_variance,
@@ -81,7 +82,7 @@ class TailConfig(PolicyConfig):
         """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
         return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts,
                           eta_responses=self.eta_responses or PAPER_ETA_RESPONSES, eta_long=self.eta_long,
-                          filter_zero_variance=self.filter_zero_variance,
+                          filter_zero_variance=self.filter_zero_variance, max_gen_batches=self.max_gen_batches,
                           num_epochs=num_epochs, last_step=last_step)
 
 
@@ -99,10 +100,11 @@ class TailPolicy(QueuedPolicy):
 
     def __init__(self, sampler, num_prompts: int, group_size: int, *, eta_prompts: float = 1.25,
                  eta_responses: float = PAPER_ETA_RESPONSES, eta_long: float = 1.0, filter_zero_variance: bool = False,
-                 num_epochs: int = 0, last_step: int | None = None):
+                 max_gen_batches: int = 10, num_epochs: int = 0, last_step: int | None = None):
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.eta_prompts, self.eta_responses, self.eta_long = eta_prompts, eta_responses, eta_long
         self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
+        self.max_gen_batches = max_gen_batches
         self.ledger = Ledger()
         self.slots: list[_Launched] = []
         self.round: RoundPlan | None = None
@@ -160,6 +162,7 @@ class TailPolicy(QueuedPolicy):
             self._stats["filtered"] += 1
             decision.filtered = [p.group]
             if self.round.kind == "short" and self.sampler.remaining(self.num_epochs) != 0:
+                check_refill(len(self.slots), self.num_prompts, self.max_gen_batches)
                 key = self.sampler.draw(1)[0]  # launch a fresh prompt in its place
                 self._launch(key)
                 decision.launch = [key[1]]

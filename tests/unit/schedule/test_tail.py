@@ -205,6 +205,27 @@ def test_sync_refill_keeps_p0_groups_while_the_data_lasts():
         SyncConfig(refill=True)
 
 
+@pytest.mark.parametrize("name", ["sync_refill", "tail"])
+def test_a_round_whose_every_group_has_equal_rewards_stops_drawing_at_max_gen_batches(name):
+    """Unlimited epochs and a reward that is 0 everywhere: the round would draw prompts forever."""
+    from rollpacker.errors import UserError
+
+    sampler = PromptSampler(10, seed=0)
+    policy = (TailPolicy(sampler, 4, 2, filter_zero_variance=True, max_gen_batches=3) if name == "tail"
+              else SyncPolicy(sampler, 4, 2, filter_zero_variance=True, refill=True, max_gen_batches=3))
+    with pytest.raises(UserError, match=r"a round drew 12 prompts \(schedule.max_gen_batches=3 times "
+                                        r"rollout.num_prompts\) and schedule.filter_zero_variance still dropped"):
+        play(policy, 0, lambda row, k: row + k, lambda row, k: 0.0)
+
+
+def test_filtering_groups_of_one_response_is_refused(capsys):
+    from rollpacker.config import parse
+
+    with pytest.raises(SystemExit):
+        parse(["--schedule.filter-zero-variance", "--rollout.group-size", "1"])
+    assert "with rollout.group_size=1 that is every group" in capsys.readouterr().err
+
+
 def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest():
     """Every row trains in epoch 0; the solved ones (a third) are out of epoch 2, and out of epoch 1 unless
     their epoch-0 group ended after epoch 1 began (a round draws ahead); the ledger checks every event."""
