@@ -295,6 +295,8 @@ class _SimRound:
             finished, due = self.advance()
             seen = Seen(now=self.now, finished=finished, aborted=self.take_aborted(), env=self.env.take(self.now))
             actions = self.round.poll(seen, self.generated)
+            if actions.scale_down:
+                self.migrate(actions)  # what migrates may come back whole and end the round
             if actions.done:
                 self.fed += [(self.now, g) for g in actions.feed]
                 final_s = self.poll.exchange(0) if self.poll else 0.0  # the final command (its aborts), the reports
@@ -306,8 +308,6 @@ class _SimRound:
                 outcome = self.round.finish()
                 self.env.send(actions.env + outcome.env, self.now)  # the closes of the last episodes done and cut
                 return self.record(outcome)
-            if actions.scale_down:
-                self.migrate(actions)
             self.apply(actions, due)
             if due:
                 self.trace.append((self.now, sum(r.num_requests() for r in self.replicas)))
@@ -345,6 +345,7 @@ class _SimRound:
         actions.env += back.env
         actions.end_sessions += back.end_sessions
         actions.feed += back.feed
+        actions.done |= back.done
 
     def request(self, turn, priority: int) -> Seq:
         """The simulated request of a turn: its prompt the conversation so far, its length its budget (a

@@ -363,6 +363,29 @@ def test_sortedrl_runs_in_the_simulator_and_partial_mode_resumes_what_it_cut(pol
     assert all(n < 8 * 4 for n in launched) if policy == "sorted_partial" else launched == [8 * 4] * 2
 
 
+def test_a_round_that_the_migrated_requests_end_ends_in_the_simulator():
+    """sorted_partial with stream training: a carried sibling lets one migrated response that comes back
+    whole complete the last group, in the migration's own poll."""
+    import hashlib
+
+    from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig
+    from rollpacker.schedule.sorted import SortedPolicy
+
+    def length(*key):
+        return 1 + int(hashlib.md5(repr(key).encode()).hexdigest()[:8], 16) % 40
+
+    class Hashed(Table):
+        def lengths(self, row, step, slot, num):
+            return np.array([length(0, row, step, slot, k) for k in range(num)])
+
+    policy = SortedPolicy(PromptSampler(11, seed=3), 4, 3, num_batches=4, partial=True, num_epochs=2)
+    decider = ScaleDownDecider(StreamConfig(trigger=0.3), num_replicas=2, kv_capacity_tokens=10**9, max_new_tokens=40)
+    for step in range(3):  # step 1's migration ends its round
+        record = simulate_round(step, policy, replicas(2, StepCost(0.01)), Hashed(None), max_new_tokens=40,
+                                reward=lambda row, seq: 1.0, plan=policy.start_round(step), stream=decider)
+        assert len(record.groups) == 4
+
+
 def test_reward_scheduler_pieces_by_hand():
     from rollpacker.sim.workload import RewardModel, adaptive_timeouts, makespan
 
