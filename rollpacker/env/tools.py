@@ -11,7 +11,9 @@ the environment that runs them, itself an environment of the contract
   ``error: ...`` tool message (the model's mistake, not the environment's). The environment is
   not stepped;
 - a turn without one is the model's answer: it steps the wrapped environment, or, with tools
-  alone, ends the episode (``reward.funcs`` score it).
+  alone, ends the episode (``reward.funcs`` score it). So does a turn whose calls name none of
+  ``env.tools`` when the wrapped environment has tools of its own (its reset's ``info["tools"]``:
+  a verifiers ``ToolEnv``'s): those calls are its to run.
 
 The calls run in the environment's worker, under ``env.timeout`` for the whole turn, so a tool
 that hangs is killed with its worker. The built-in ``python`` runs code in the code sandbox
@@ -69,16 +71,19 @@ class ToolEnv:
         self.tools, self.parse, self.inner = tools, PARSERS[parser], inner
         self.schemas = schemas(tools, where)
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
+        self.inner_tools: list[dict] = []
+        """The wrapped environment's own tools' schemas, from its reset."""
 
     def reset(self, *, seed: int, options: dict):
         observation, info = (None, {}) if self.inner is None else invoke(self.inner.reset, seed=seed, options=options)
         info = dict(info or {})
-        info["tools"] = [*info.get("tools", []), *self.schemas]
+        self.inner_tools = list(info.get("tools", []))
+        info["tools"] = [*self.inner_tools, *self.schemas]
         return observation, info
 
     def step(self, action: str):
-        calls = self.parse(action, self.schemas)
-        if not calls:
+        calls = self.parse(action, [*self.inner_tools, *self.schemas])
+        if not calls or (self.inner_tools and not any(c.name in self.tools for c in calls)):
             if self.inner is None:
                 return None, None, True, False, {}
             return invoke(self.inner.step, action)

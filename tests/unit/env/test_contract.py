@@ -27,6 +27,15 @@ class Counter:  # sync, a class as the factory
         self.closed = True
 
 
+class Librarian(Counter):  # with a tool of its own, which it runs in its step
+    def reset(self, *, seed, options):
+        return "define cat", {"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]}
+
+    def step(self, action):
+        self.steps += 1
+        return [{"role": "tool", "content": "a small feline"}], None, False, False, {}
+
+
 class AsyncEnv:  # async methods
     async def reset(self, *, seed, options):
         return [{"role": "user", "content": "hi"}], None
@@ -225,6 +234,17 @@ def test_tools_around_an_environment_step_it_when_the_model_answers(files):
     assert contract.step(env, "3").reward == 1.0 and inner.steps == 1
     env.close()
     assert inner.closed
+
+
+def test_calls_of_the_environments_own_tools_go_to_its_step(files):
+    inner = contract.make(f"{files}/my_env.py:Librarian", {"n": 1})
+    env = ToolEnv(load_tools(("my_tools.py:add",)), inner=inner)
+    _, info = contract.reset(env, seed=0, row={"n": 1})
+    assert [t["function"]["name"] for t in info["tools"]] == ["lookup", "add"]
+    step = contract.step(env, '<tool_call>{"name": "lookup", "arguments": {"word": "cat"}}</tool_call>')
+    assert step.observation[0]["content"] == "a small feline" and inner.steps == 1
+    step = contract.step(env, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert step.observation[0]["content"] == "3" and inner.steps == 1
 
 
 def test_the_toy_environment_gives_another_try_after_a_wrong_answer():
