@@ -131,12 +131,13 @@ class TRLEnv:
 
     def step(self, action: str):
         self.turns += 1
-        if self.turns < self.max_turns:
+        last = self.turns >= self.max_turns
+        if not last:
             observation, _, answered, _, info = self.tools.step(action)
         else:  # TRL runs no call of the last turn it allows: get_reward sees the state the turn found
             observation, answered, info = None, not self.tools.parse(action, self.tools.schemas), {}
         reward = None
-        if (answered or self.turns >= self.max_turns) and callable(getattr(self.instance, "get_reward", None)):
+        if (answered or last) and callable(getattr(self.instance, "get_reward", None)):
             reward = invoke(self.instance.get_reward)
         return observation, reward, answered, False, {**dict.fromkeys(TOOL_INFO, 0), **info}
 

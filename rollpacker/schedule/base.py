@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from rollpacker.errors import UserError
+
 
 @dataclass
 class RoundPlan:
@@ -90,8 +92,6 @@ def check_refill(drawn: int, num_prompts: int, max_gen_batches: int) -> None:
     UserError once that is ``max_gen_batches`` times P0 (0: no limit). Else a round whose every
     group has equal rewards (a reward that is 0 everywhere) would draw prompts forever."""
     if max_gen_batches and drawn >= max_gen_batches * num_prompts:
-        from rollpacker.errors import UserError
-
         raise UserError(f"a round drew {drawn} prompts (schedule.max_gen_batches={max_gen_batches} times "
                         f"rollout.num_prompts) and schedule.filter_zero_variance still dropped the groups that would "
                         "fill it: their responses got equal rewards. The data is too hard or too easy for the model, "
