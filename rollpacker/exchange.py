@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
+from rollpacker import watchdog
 from rollpacker.env.info import info_metrics, selection_metrics
 from rollpacker.env.setup import Environments
 from rollpacker.metrics import Phases, bubble_ratio, length_stats
@@ -230,6 +231,7 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int,
     group = meshes.rollout_control  # the ranks rolling out; after a scale-down, the kept replicas' part of them
     replicas = meshes.replicas(group) if leader else []
     while True:
+        watchdog.progress()  # a rank waiting on this round (a freed one, the other pool) waits on
         cmd = meshes.scatter(cmd.split(replicas) if leader else None, group)
         report = _apply(cmd, engine, poll_steps, base, stepping=not (cmd.scale_down and meshes.freed))
         reports = meshes.gather(report if meshes.is_replica_leader else None, group)
@@ -241,8 +243,9 @@ def run_round(meshes: Meshes, engine: Engine, poll_steps: int,
         if cmd.final:
             if leader:
                 leader.end(reports)
+            # rank 0 waits for the last scores a slice at a time: no rank waits long in one collective
             while meshes.broadcast(leader.scoring() if leader else None, group):
-                pass  # rank 0 waits for the last scores a slice at a time: no rank waits long in one collective
+                watchdog.progress()
             return leader.finish() if leader else None
         cmd = leader.on_reports(reports) if leader else None
 

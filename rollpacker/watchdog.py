@@ -1,14 +1,16 @@
 """Stalled ranks are detected, never waited on forever.
 
 Every process group gets a timeout from :class:`DistConfig`, longer until the first step is done.
-Each rank writes a heartbeat (time, step, phase) into the job's TCPStore every second. When a
-timeout fires, one line names this rank's step and phase and the ranks whose heartbeat went stale,
-then the process exits non-zero so that torchrun (or Slurm) restarts the job.
+Each rank writes a heartbeat (time, step, phase, when its main thread last moved) into the job's
+TCPStore every second. When a timeout fires, one line names this rank's step and phase and the ranks
+whose heartbeat went stale, then the process exits non-zero so that torchrun (or Slurm) restarts the job.
 
 Invariants:
 
-- A phase that waits long in normal operation runs under :func:`waiting`: its own timeout, and a
-  deadline at which the heartbeat thread prints the diagnosis and exits, before NCCL would abort.
+- A phase that waits long in normal operation runs under :func:`waiting`: a deadline (a checkpoint's) or,
+  while the ranks it waits on work (one pool for the other, freed ranks for the round), none: the
+  heartbeat thread prints the diagnosis and exits once one of them stops beating or moving, before NCCL
+  would abort.
 - No store call waits without a deadline (``STORE_WAIT_S``); a silent store names its host.
 - A rank whose launcher died ends too.
 - Nothing here imports torch at module level: :class:`DistConfig` is part of the config tree.
@@ -36,6 +38,8 @@ STORE_WAIT_S = 5.0
 """Seconds a store call of the error path may take before its host counts as stalled."""
 GRACE_S = 30.0
 """Seconds a :func:`waiting` phase's collectives wait beyond its deadline: the diagnosis comes first."""
+CHECK_S = 5.0
+"""Seconds between two reads of the job's heartbeats by a rank waiting on working ranks."""
 
 
 @dataclass(kw_only=True)
@@ -44,9 +48,6 @@ class DistConfig:
     """Seconds a collective waits for a rank before the job fails naming it (after the first step)."""
     first_step_timeout_s: float = 900.0
     """The same until the first step is done: model loading and first-step compilation take longer."""
-    token_timeout_s: float = 0.25
-    """Seconds per response token a rank may wait through a rollout (one_step_off's hand-off, stream training's
-    freed ranks): rollout.max_new_tokens of them, at least dist.timeout_s."""
     checkpoint_timeout_s: float = 1800.0
     """Seconds a collective waits in a checkpoint save, load or Hugging Face export (a slow filesystem)."""
     device: Literal["auto", "cpu"] = "auto"
@@ -56,18 +57,19 @@ class DistConfig:
         if not 0 < self.timeout_s <= self.first_step_timeout_s:
             raise ValueError(f"dist.timeout_s={self.timeout_s} must be positive and at most "
                              f"dist.first_step_timeout_s={self.first_step_timeout_s}")
-        if self.token_timeout_s <= 0 or self.checkpoint_timeout_s <= 0:
-            raise ValueError(f"dist.token_timeout_s={self.token_timeout_s} and dist.checkpoint_timeout_s="
-                             f"{self.checkpoint_timeout_s} must be positive")
-
-    def rollout_wait_s(self, max_new_tokens: int) -> float:
-        """How long a collective may wait through a rollout of ``max_new_tokens``-token responses."""
-        return max(self.timeout_s, self.token_timeout_s * max_new_tokens)
+        if self.checkpoint_timeout_s <= 0:
+            raise ValueError(f"dist.checkpoint_timeout_s={self.checkpoint_timeout_s} must be positive")
 
 
-_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True, "deadline": 0.0, "sent": float("inf")}
-"""This rank's step and phase, its collectives' timeout, a :func:`waiting` phase's deadline, and when its
-last heartbeat got through."""
+LIVE_WAIT_S = 86400.0
+"""A collective's own timeout while its rank waits on working ranks (:func:`waiting` without a deadline): the
+heartbeat thread's liveness check ends the wait first."""
+
+_state = {"step": -1, "phase": "setup", "timeout": 0.0, "first": True, "deadline": 0.0, "sent": float("inf"),
+          "moved": time.time(), "waits": 0.0, "checked": 0.0}
+"""This rank's step and phase, its collectives' timeout, a :func:`waiting` phase's deadline, when its last
+heartbeat got through, when its main thread last moved (:func:`progress`), since when it waits on working
+ranks (0: it does not), and when that wait last read their heartbeats."""
 _config: DistConfig | None = None
 _stop = threading.Event()
 _threads: list[threading.Thread] = []
@@ -87,22 +89,34 @@ def set_timeout(seconds: float, grace: float = 0.0) -> None:
 
 
 @contextmanager
-def waiting(name: str, seconds: float):
-    """Phase ``name``, in which this rank may wait up to ``seconds`` in one collective: every group's
-    timeout is ``seconds`` + :data:`GRACE_S` meanwhile, and at ``seconds`` the heartbeat thread prints
-    the diagnosis (:func:`diagnose`) and exits non-zero, before a collective's own timeout (NCCL's
-    aborts the process and prints none). Restores the phase, timeout and deadline it found."""
-    before = _state["phase"], _state["timeout"], _state["deadline"]
+def waiting(name: str, seconds: float | None = None):
+    """Phase ``name``, in which this rank may wait long in one collective, and the diagnosis comes before NCCL's
+    timeout (which aborts the process and prints none).
+
+    With ``seconds``: every group's timeout is ``seconds`` + :data:`GRACE_S` meanwhile, and at ``seconds`` the
+    heartbeat thread prints the diagnosis (:func:`diagnose`) and exits non-zero. Without: the wait lasts as
+    long as the ranks it waits on work (:func:`stalled`, read every :data:`CHECK_S`); its collectives' own
+    timeout is :data:`LIVE_WAIT_S`. Restores the phase and deadline it found, and the timeout (the step's,
+    which :func:`at_step` may have changed meanwhile, outside another such phase)."""
+    before = _state["phase"], _state["timeout"], _state["deadline"], _state["waits"]
     started = _config is not None
     if started:
-        set_timeout(max(seconds, before[1]), GRACE_S)
-    _state["phase"], _state["deadline"] = name, time.time() + max(seconds, before[1])
+        set_timeout(LIVE_WAIT_S if seconds is None else max(seconds, before[1]), GRACE_S)
+    _state["phase"] = name
+    _state["deadline"] = 0.0 if seconds is None else time.time() + max(seconds, before[1])
+    _state["waits"], _state["checked"] = 0.0 if seconds is not None else time.time(), time.time()
     try:
         yield
     finally:
-        _state["phase"], _state["deadline"] = before[0], before[2]
+        _state["phase"], _state["deadline"], _state["waits"] = before[0], before[2], before[3]
         if started:
-            set_timeout(before[1])
+            set_timeout(before[1] if before[2] or before[3] else _step_timeout())
+        progress()
+
+
+def progress() -> None:
+    """This rank's main thread moved (a poll of the round, a micro-batch, a phase): ranks waiting on it wait on."""
+    _state["moved"] = time.time()
 
 
 def start(config: DistConfig) -> None:
@@ -151,9 +165,15 @@ def at_step(step: int, phase: str = "step") -> None:
     if _config and _state["first"] and _state["step"] >= 0 and step > _state["step"]:
         _state["first"] = False
     if _config:
-        set_timeout(_config.first_step_timeout_s if _state["first"] else _config.timeout_s)
+        set_timeout(_step_timeout())
     _state["step"] = step
     _state["phase"] = phase
+    progress()
+
+
+def _step_timeout() -> float:
+    """A collective's timeout outside :func:`waiting` phases: longer until the first step is done."""
+    return _config.first_step_timeout_s if _state["first"] else _config.timeout_s
 
 
 def step() -> int:
@@ -164,6 +184,7 @@ def step() -> int:
 def phase(name: str) -> None:
     """This rank's current phase (rollout, train, weight_sync, checkpoint, ...), reported on a timeout."""
     _state["phase"] = name
+    progress()
 
 
 def _key(rank: int) -> str:
@@ -241,6 +262,9 @@ def _beat(rank: int, launcher: int | None) -> None:
         if _state["deadline"] and time.time() > _state["deadline"]:  # a waiting() phase overran: say who, then go
             print(f"rollpacker: {diagnose(rank, '', _heartbeats())}", file=sys.stderr, flush=True)
             os._exit(1)
+        if _state["waits"] and time.time() - _state["checked"] >= CHECK_S:  # waiting on working ranks: are they?
+            _state["checked"] = time.time()
+            _check_wait(rank)
         if _store_address() and (sending is None or not sending.is_alive()):
             sending = threading.Thread(target=_send_beat, args=(rank,), daemon=True, name="rollpacker-beat-send")
             sending.start()
@@ -258,11 +282,49 @@ def _send_beat(rank: int) -> None:
         return
     try:
         _client[:] = _client or [_store()]
-        _client[0].set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"]}))
+        _client[0].set(_key(rank), json.dumps({"t": time.time(), "step": _state["step"], "phase": _state["phase"],
+                                                   "moved": _state["moved"],
+                                                   "waits": bool(_state["waits"] or _state["deadline"])}))
         _client[0].check([_key(rank)])  # a set is not answered; this is: the store's host is alive
         _state["sent"] = time.time()
     except Exception:  # noqa: BLE001  (a busy machine or a restarting store: a new client at the next beat)
         _client.clear()
+
+
+def _check_wait(rank: int) -> None:
+    """In a :func:`waiting` phase without a deadline: the diagnosis and exit once :func:`stalled` says so, or
+    once the store (its host) has not answered for a collective timeout; quietly if a rank reported an error."""
+    view, now = _read_view(), time.time()
+    bound = _step_timeout()
+    if view is None and now - max(_state["sent"], _state["waits"]) > bound:
+        waited = now - _state["waits"]
+        print(f"rollpacker: {diagnose(rank, f'waited {waited:.0f}s', None)}", file=sys.stderr, flush=True)
+        os._exit(1)
+    if view and view[0] not in ("", str(rank)):  # another rank printed a user error and left: nothing to add
+        os._exit(1)
+    why = stalled(rank, view[1], now, bound + 5 * BEAT_S) if view else None  # a heartbeat is up to 5 beats old
+    if why:
+        print(f"rollpacker: {why}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def stalled(rank: int, beats: dict[int, dict | None], now: float, bound: float) -> str | None:
+    """Why this rank's wait on working ranks ends (None: it waits on), from the other ranks' heartbeats: one
+    stopped beating (:func:`diagnose`), one working (not waiting itself) did not move for ``bound`` seconds
+    (a collective timeout), or all of them wait and none moved for as long."""
+    what = f"waited {now - _state['waits']:.0f}s"
+    beats = {r: b for r, b in beats.items() if r != rank}  # its own is older than what it knows
+    if any(b is None or now - b["t"] > 5 * BEAT_S for b in beats.values()):
+        return diagnose(rank, what, beats)
+    working = {r: b for r, b in beats.items() if not b["waits"]}
+    stuck = [r for r, b in (working or beats).items() if now - b["moved"] > bound]
+    if not stuck or (not working and len(stuck) < len(beats)):
+        return None
+    who = "; ".join(f"rank {r}: step {beats[r]['step']}, phase {beats[r]['phase']}, last moved "
+                    f"{now - beats[r]['moved']:.0f}s ago" for r in stuck)
+    why = f"rank(s) {stuck} beat but did not move for over {bound:g}s" if working else "every rank waits on another"
+    return (f"rank {rank} {what} at step {_state['step']}, phase {_state['phase']}: {why} ({who}): a hang. Exiting "
+            "non-zero so torchrun --max-restarts or Slurm's requeue restarts the job (--resume auto)")
 
 
 def _job_view() -> tuple[str, dict[int, dict | None]]:

@@ -86,8 +86,7 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
     with timer("rollout"):  # the engines generate the round (freed ranks stream-train)
         result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, leader)
         if isinstance(result, Freed):  # it waits for rank 0's sends through the rest of the rollout
-            cfg = job.config
-            with watchdog.waiting("serve", cfg.dist.rollout_wait_s(cfg.rollout.max_new_tokens)):
+            with watchdog.waiting("serve"):
                 job.stream.serve_freed(job.engine)
     if not ctl:
         return None, None, {}

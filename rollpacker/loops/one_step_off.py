@@ -95,11 +95,13 @@ def first_batch(job: Job, loop: Loop) -> None:
 
 
 def handoff(job: Job, loop: Loop) -> bool:
-    """:func:`boundary` under its own collective timeout: one pool waits there while the other
-    generates a batch or trains on one (``dist.token_timeout_s`` per response token)."""
-    cfg = job.config
-    with watchdog.waiting("handoff", cfg.dist.rollout_wait_s(cfg.rollout.max_new_tokens)):
-        return boundary(job, loop)
+    """:func:`boundary`, once every rank reached it: one pool waits there while the other generates a batch
+    or trains on one, as long as the other works (``watchdog.waiting`` without a deadline)."""
+    import torch.distributed as dist
+
+    with watchdog.waiting("handoff"):
+        dist.barrier(group=job.meshes.control)
+    return boundary(job, loop)
 
 
 def boundary(job: Job, loop: Loop) -> bool:

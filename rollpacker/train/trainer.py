@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 
+from rollpacker import watchdog
 from rollpacker.model.attention import CausalAttention
 from rollpacker.model.lora import AdaptersOff
 from rollpacker.model.offload import StreamedModel
@@ -525,6 +526,7 @@ class Trainer:
         for batch, plan in zip(batches, plans):
             mine, num_micro = plan[self.ranks.index(self.rank)], max(1, *(len(p) for p in plan))
             for i in range(num_micro):
+                watchdog.progress()  # a rank waiting on this step (the other pool) waits on
                 if i >= len(mine):  # FSDP2's all-gathers must match: an idle forward
                     for model in (self.model, *self._frozen_models(), *self._critics()):
                         self._idle_loss(model)
@@ -553,6 +555,7 @@ class Trainer:
         mine, num_micro = plan[ranks.index(self.rank)], max(1, *(len(p) for p in plan))
         reduce_every = self.config.reduce_every_micro_batch
         for i in range(num_micro):
+            watchdog.progress()  # a rank waiting on this step (the other pool) waits on
             for model in (self.model, *self._critics()):
                 model.set_requires_gradient_sync(sync_last and (i == num_micro - 1 or reduce_every))
             if i < len(mine):

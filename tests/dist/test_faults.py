@@ -85,7 +85,7 @@ def metric_lines(run_dir) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-@pytest.mark.slow  # 20 s each, most of it the timeout waited out; phase timeouts' sizing: tests/unit/test_dist.py
+@pytest.mark.slow  # 20 s each, most of it the timeout waited out; phases' timeouts: tests/unit/test_dist.py
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, rank):
     """Rank 1 stopped in the round, and rank 0 right after a checkpoint commits: rank 0 hosts the job's
@@ -182,10 +182,10 @@ def test_ranks_exit_when_their_torchrun_is_killed(tmp_path, nproc):
                     os.killpg(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow  # 18 s; a phase's deadline and restore: tests/unit/test_dist.py; stopped ranks named: above
-def test_a_waiting_phase_names_the_stopped_rank_at_its_deadline_before_the_collectives_timeout():
+@pytest.mark.slow  # 20 s; a phase's verdicts and restore: tests/unit/test_dist.py; stopped ranks named: above
+def test_a_waiting_phase_names_the_stopped_rank_before_the_collectives_timeout():
     """Issue 37: on NCCL a collective's timeout aborts the process without a Python exception, so a phase that
-    waits long (hand-off, freed ranks, checkpoints) prints the diagnosis itself at its deadline and exits."""
+    waits long (hand-off, freed ranks) prints the diagnosis itself once a rank it waits on stops, and exits."""
     from support.jobs import DIST_SCRIPTS
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -195,7 +195,7 @@ def test_a_waiting_phase_names_the_stopped_rank_at_its_deadline_before_the_colle
     assert "NCCL settings equal on both ranks: {'NCCL_CUMEM_ENABLE': '0', 'NCCL_NVLS_ENABLE': '0'" in proc.stdout
     for rank in (0, 1):  # each rank logged what it exported before its process group
         assert f"rank {rank}: NCCL environment NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0" in proc.stderr, proc.stderr
-    match = re.search(r"rollpacker: rank 0 timed out after 8s at step -1, phase handoff: rank\(s\) \[1\] did not "
+    match = re.search(r"rollpacker: rank 0 waited \d+s at step -1, phase handoff: rank\(s\) \[1\] did not "
                       r"answer \(rank 1: last heartbeat \d+s ago", proc.stderr)
     assert match, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr[:match.start()], proc.stderr[-4000:]  # no collective timed out first

@@ -71,24 +71,64 @@ def test_the_nccl_settings_are_exported_before_the_process_group_and_logged(gpu_
             in caplog.text)
 
 
-def test_phase_timeouts_are_sized_from_the_config():
-    cfg = watchdog.DistConfig()
-    assert cfg.rollout_wait_s(400) == 120.0  # the toy job: dist.timeout_s
-    assert cfg.rollout_wait_s(8192) == 2048.0  # the 7B preset: 0.25 s per response token
-    assert cfg.rollout_wait_s(32768) == 8192.0
-    assert cfg.checkpoint_timeout_s == 1800.0
-    with pytest.raises(ValueError, match="dist.token_timeout_s=0 and dist.checkpoint_timeout_s=1800.0 must be"):
-        watchdog.DistConfig(token_timeout_s=0)
+def test_a_checkpoint_phase_timeout_must_be_positive():
+    assert watchdog.DistConfig().checkpoint_timeout_s == 1800.0
+    with pytest.raises(ValueError, match="dist.checkpoint_timeout_s=0 must be positive"):
+        watchdog.DistConfig(checkpoint_timeout_s=0)
 
 
 def test_a_waiting_phase_restores_what_it_found():
     before = dict(watchdog._state)
-    with watchdog.waiting("handoff", 60.0):
-        assert watchdog._state["phase"] == "handoff" and watchdog._state["deadline"] > 0
+    with watchdog.waiting("handoff"):
+        assert watchdog._state["phase"] == "handoff" and watchdog._state["deadline"] == 0
+        assert watchdog._state["waits"] > 0
         with watchdog.waiting("checkpoint", 5.0):
-            assert watchdog._state["phase"] == "checkpoint"
-        assert watchdog._state["phase"] == "handoff"
-    assert watchdog._state == before
+            assert watchdog._state["phase"] == "checkpoint" and watchdog._state["deadline"] > 0
+            assert watchdog._state["waits"] == 0
+        assert watchdog._state["phase"] == "handoff" and watchdog._state["deadline"] == 0
+    after = dict(watchdog._state)
+    assert after.pop("moved") >= before.pop("moved") and after.pop("checked") > 0
+    before.pop("checked")
+    assert after == before
+
+
+def test_a_waiting_phase_in_which_the_first_step_ended_restores_the_later_steps_timeout(monkeypatch):
+    """one_step_off's hand-off once restored the first step's timeout (15 min) for good: a stall after the
+    first step waited that long to be named."""
+    monkeypatch.setattr(watchdog, "_config", watchdog.DistConfig(timeout_s=2.0, first_step_timeout_s=900.0))
+    monkeypatch.setattr(watchdog, "_state", dict(watchdog._state))
+    watchdog.at_step(0)
+    assert watchdog._state["timeout"] == 900.0
+    with watchdog.waiting("handoff"):
+        assert watchdog._state["timeout"] == watchdog.LIVE_WAIT_S
+        watchdog.at_step(1)
+        with watchdog.waiting("checkpoint", 60.0):
+            assert watchdog._state["timeout"] == 60.0
+        assert watchdog._state["timeout"] == 2.0  # what at_step set: the outer phase's collectives are done
+    assert watchdog._state["timeout"] == 2.0
+
+
+def beat(now: float, moved: float, waits: bool = False, phase: str = "rollout", t: float | None = None) -> dict:
+    return {"t": now if t is None else t, "step": 3, "phase": phase, "moved": moved, "waits": waits}
+
+
+def test_a_wait_on_working_ranks_lasts_while_they_beat_and_move(monkeypatch):
+    now = time.time()
+    monkeypatch.setattr(watchdog, "_state", dict(watchdog._state, step=3, phase="handoff", waits=now - 100))
+    stalled = watchdog.stalled
+    # rank 0 waits (its own heartbeat is older than what it knows); rank 1 works, moved 10 s ago
+    assert stalled(0, {0: None, 1: beat(now, now - 10)}, now, 120) is None
+    # rank 1 beats, but its main thread has not moved for 200 s: a hang in its phase
+    why = stalled(0, {0: beat(now, now, True), 1: beat(now, now - 200, phase="train")}, now, 120)
+    assert why.startswith("rank 0 waited 100s at step 3, phase handoff: rank(s) [1] beat but did not move for over "
+                          "120s (rank 1: step 3, phase train, last moved 200s ago): a hang. Exiting non-zero"), why
+    # rank 1 stopped beating: named as any stalled rank
+    why = stalled(0, {0: None, 1: beat(now, now, t=now - 9)}, now, 120)
+    assert "rank(s) [1] did not answer (rank 1: last heartbeat 9s ago, at step 3, phase rollout)" in why, why
+    # the others wait too: one of them moved lately (a freed rank training), so not a hang yet
+    assert stalled(0, {1: beat(now, now - 200, True), 2: beat(now, now - 5, True)}, now, 120) is None
+    why = stalled(0, {1: beat(now, now - 200, True), 2: beat(now, now - 130, True)}, now, 120)
+    assert ": every rank waits on another (rank 1: " in why, why
 
 
 def test_a_second_job_in_one_process_keeps_one_heartbeat_and_stop_joins_it(monkeypatch):

@@ -266,10 +266,18 @@ def test_a_wait_for_some_responses_ends_at_its_timeout_and_refuses_one_never_sub
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("dynamic", [False, True], ids=["end_of_round", "mid_round"])
-def test_scoring_longer_than_the_collective_timeout_is_waited_for(tmp_path, dynamic):
-    """Rank 0 waits for the last scores while the other rank waits in a collective: past dist.timeout_s
-    the job went on only if rank 0 polls them between exchanges (dynamic sampling waits mid-round too)."""
+@pytest.mark.parametrize("args", [
+    [], ["--schedule.filter-zero-variance"],
+    # 16 calls of 0.6 s after a rollout of 32-token responses: they outlasted its old bound of 8 s (0.25 s a token);
+    # one_step_off's first wait past the first step is the training pool's for batch 2
+    ["schedule:one_step_off", "--train.rollout-correction", "token_tis", "--rollout.num-prompts", "8",
+     "--num-steps", "3"],
+    ["--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1", "--rollout.num-prompts", "8"]],
+    ids=["end_of_round", "mid_round", "one_step_off", "stream"])
+def test_scoring_longer_than_the_collective_timeout_is_waited_for(tmp_path, args):
+    """Rank 0 waits for the last scores while the other ranks wait on it: past dist.timeout_s the job went on
+    only if rank 0 polls them between exchanges (dynamic sampling waits mid-round too), and if the training
+    pool (one_step_off) and the ranks stream training freed wait as long as rank 0 moves."""
     from support.jobs import QUIET, launch_job
 
     (tmp_path / "slow_rm.py").write_text(SLOW_REWARD)
@@ -277,9 +285,10 @@ def test_scoring_longer_than_the_collective_timeout_is_waited_for(tmp_path, dyna
     proc = launch_job("--reward.funcs", f"{tmp_path / 'slow_rm.py'}:slow", "--reward.num-workers", "1",
                       "--dist.timeout-s", "2", "--num-steps", "2", "--rollout.num-prompts", "4",
                       "--rollout.group-size", "2", "--rollout.max-new-tokens", "32", "--eval-every", "0",
-                      *(["--schedule.filter-zero-variance"] if dynamic else []), *QUIET, "--run-dir", str(run_dir),
-                      timeout=200)
+                      *QUIET, "--run-dir", str(run_dir), *args, timeout=200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == list(range(3 if "--num-steps" in args else 2))
+    if "--stream.enabled" in args:  # its freed rank waited through the scoring
+        assert all(r["stream/scaled_down"] == 1 for r in records)
     assert records[1]["time/reward_exposed"] > 2  # the wait outlasted the timeout of step 1's collectives
