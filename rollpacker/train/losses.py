@@ -275,7 +275,8 @@ def policy_objective(logp: Tensor, old: Tensor, behavior: Tensor, adv: Tensor, m
     loss = AGGREGATIONS[cfg.aggregation].reduce(token_loss, mask)
     with torch.no_grad():
         rho = torch.exp(log_rho)
-        outside = ~keep if weights is None or cfg.rollout_correction.endswith("mask") else weights != rho
+        masked = weights is None or cfg.rollout_correction.endswith("mask")
+        outside = ~keep if masked else weights >= cfg.rollout_is_high  # truncated: a token's or its response's
         zero = torch.zeros((), device=logp.device)
         stats = {
             "tokens": mask.sum().float(),

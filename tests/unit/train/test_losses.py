@@ -331,6 +331,13 @@ def test_rollout_correction_weights_the_policy_term_and_counts():
     loss, stats = objective(old, old.detach(), torch.ones(1, 4), mask, behavior, rollout_correction="token_mask")
     torch.testing.assert_close(loss, torch.tensor(-1.5))  # 0.5 and 1 kept; 3 and 0.25 contribute nothing
     assert stats["rollout_is_outside"].item() == 2
+    # per response: prod rho = 0.375 is not truncated (each token's weight differs from its rho: it once
+    # counted every token), a response of prod rho = 3 is, on each of its tokens
+    loss, stats = objective(old, old.detach(), torch.ones(1, 4), mask, behavior, rollout_correction="seq_tis")
+    assert stats["rollout_is_outside"].item() == 0
+    _, stats = objective(old, old.detach(), torch.ones(1, 4), mask, -torch.tensor([[3.0, 1, 1, 1]]).log(),
+                         rollout_correction="seq_tis")
+    assert stats["rollout_is_outside"].item() == 4
 
 
 # --- token log-probabilities --------------------------------------------------------------------
