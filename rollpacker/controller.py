@@ -212,11 +212,13 @@ class Controller:
 
     def retire_solved(self, result: RoundResult) -> None:
         """With ``data.retire_solved``: the sampler hears the rewards of the round's groups, trained and filtered,
-        and leaves the solved ones' prompts out of later epochs."""
+        and leaves the solved ones' prompts out of later epochs. An episode whose environment failed is not
+        heard (``reward/accuracy`` leaves it out too)."""
         sampler = getattr(self.policy, "sampler", None)
         if self.config.data.retire_solved and sampler is not None:
             for group in result.groups + result.filtered:
-                sampler.observe(group.prompt, group.rewards)
+                sampler.observe(group.prompt, [r for o, r in zip(group.outputs, group.rewards)
+                                               if o.finish_reason != "error"])
 
     def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:
         """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already: reward.on_error)."""
@@ -294,16 +296,18 @@ class Controller:
                            "(--env.max-error-frac 1 goes on without them)")
 
     def write_samples(self, step: int, result: RoundResult, rows: list[dict] | None = None, name: str = "") -> None:
-        """Every response of ``result`` to ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when
-        ``metrics.samples_every`` says the step is due; ``rows``: the round's data (the training rows).
-        The round's environment errors are said first, each once (at most ``SHOWN_ERRORS``)."""
+        """Every scored response of ``result`` (its filtered groups' too, not trained) to
+        ``run_dir/samples/NAME.jsonl`` (default ``step_N``) when ``metrics.samples_every`` says the step is
+        due; ``rows``: the round's data (the training rows). The round's environment errors are said first,
+        each once (at most ``SHOWN_ERRORS``)."""
         causes = result.env_errors
         for cause in causes[:SHOWN_ERRORS]:
             logger.warning("step %d: an episode ended untrained (env.on_error skip, env/errors): %s", step, cause)
         if len(causes) > SHOWN_ERRORS:
             logger.warning("step %d: %d more environment errors (env/errors)", step, len(causes) - SHOWN_ERRORS)
         rows = self.rows if rows is None else rows
-        values = self.rewards.take_values([o.id for g in result.groups for o in g.outputs])
+        groups = [(g, True) for g in result.groups] + [(g, False) for g in result.filtered]
+        values = self.rewards.take_values([o.id for g, _ in groups for o in g.outputs])
         every = self.config.metrics.samples_every
         if not every or step % every:
             return
@@ -313,12 +317,13 @@ class Controller:
         table = "eval_samples" if name else "samples"
         self.metrics.log_samples(step, name or f"step_{step}", [
             {"step": step, "kind": result.kind, "row": rows[g.prompt]["id"],
-             "data_source": rows[g.prompt].get("data_source"), "prompt": rows[g.prompt]["prompt"],
+             "data_source": rows[g.prompt].get("data_source"),
+             "prompt": rows[g.prompt]["prompt"] if o.prompt is None else o.prompt,  # its reset's, if it gave one
              "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
              "reward": reward, **values.get(o.id, {"rewards": {}, "extra": {}}), "length": len(o.token_ids),
-             "finish_reason": o.finish_reason, **o.describe(decode)}
-            for g in result.groups for o, reward in zip(g.outputs, g.rewards)], table)
+             "finish_reason": o.finish_reason, "trained": trained, **o.describe(decode)}
+            for g, trained in groups for o, reward in zip(g.outputs, g.rewards)], table)
 
     def end_step(self, step: int, result: RoundResult, stats: dict[str, Any]) -> None:
         """Log the step; the planner takes the round's preemptions (for the next round of its kind)."""

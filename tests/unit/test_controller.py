@@ -79,6 +79,54 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
     assert stats["rollout/response_lengths"] == [3, 4, 5]
 
 
+def test_a_prompt_retires_on_what_its_working_episodes_solved():
+    """data.retire_solved counts solved responses as reward/accuracy does: a failed episode that scored 1 once
+    retired a prompt nobody solved, and one that scored 0 kept a prompt every working episode solved."""
+    config = Config()
+    config.data.retire_solved = 1.0
+    sampler = PromptSampler(4, 0, retire_solved=1.0)
+    ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
+                     policy=SyncPolicy(sampler, 2, 2), metrics=None, display=None, max_model_len=200, envs=NO_ENVS)
+    ctl.retire_solved(round_result([Group(prompt=0, outputs=[output(3), output(4, "error")], rewards=[0.0, 1.0]),
+                                    Group(prompt=1, outputs=[output(3), output(4, "error")], rewards=[1.0, 0.0])]))
+    assert sampler.retiring == {1}
+
+
+def test_samples_hold_every_scored_response_and_the_prompt_each_episode_had(tmp_path):
+    """A filtered group's responses were scored but never written (and their reward values never taken);
+    an episode whose reset gave the prompt was written with its row's (empty) one."""
+    import json
+    from dataclasses import replace
+
+    from rollpacker.metrics import MetricsConfig, MetricsLogger
+    from rollpacker.toy.model import build_tokenizer
+
+    class Scored(Rewards):
+        values = {"r3": {"rewards": {"f": 1.0}, "extra": {}}, "r4": {"rewards": {"f": 0.0}, "extra": {}}}
+
+        def take_values(self, keys):
+            return {k: self.values.pop(k) for k in keys if k in self.values}
+
+        def decode(self, ids):
+            return str(ids)
+
+    config = Config()
+    config.metrics.samples_every = 1
+    rewards = Scored()
+    ctl = Controller(config=config, rows=[{"id": "a", "prompt": ""}, {"id": "b", "prompt": "Q: 1+1"}],
+                     eval_rows=None, tokenizer=build_tokenizer(), rewards=rewards,
+                     policy=SyncPolicy(PromptSampler(2, 0), 1, 1),
+                     metrics=MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}), display=None,
+                     max_model_len=200, envs=NO_ENVS)
+    result = round_result([Group(prompt=0, outputs=[replace(output(3), prompt="Q: 2+2")], rewards=[1.0])])
+    result.filtered = [Group(prompt=1, outputs=[output(4)], rewards=[0.0])]
+    ctl.write_samples(0, result)
+    rows = [json.loads(line) for line in (tmp_path / "samples" / "step_0.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["prompt"], r["trained"], r["rewards"]) for r in rows] == [
+        ("a", "Q: 2+2", True, {"f": 1.0}), ("b", "Q: 1+1", False, {"f": 0.0})]
+    assert rewards.values == {}
+
+
 def test_an_episode_trains_its_model_tokens_with_its_step_rewards_on_their_actions():
     """An episode's sample: the loss mask and step rewards come along; its reward is the round's (its
     environment's plus its functions', composed by the reward side), so the return at its first token
