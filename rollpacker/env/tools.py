@@ -9,7 +9,8 @@ the environment that runs them, itself an environment of the contract
 - a turn with tool calls: each call runs (``async def`` too) and its result comes back as a
   ``tool`` message; a call that cannot be parsed, names no tool, or raises is answered with an
   ``error: ...`` tool message (the model's mistake, not the environment's). The environment is
-  not stepped;
+  not stepped. The calls of the last turn ``env.max_turns`` allows (reset's ``options["max_turns"]``)
+  do not run: no turn would read their results (verl's and TRL's loops stop there too);
 - a turn without one is the model's answer: it steps the wrapped environment, or, with tools
   alone, ends the episode (``reward.funcs`` score it). So does a turn whose calls name none of
   ``env.tools`` when the wrapped environment has tools of its own (its reset's ``info["tools"]``:
@@ -73,8 +74,11 @@ class ToolEnv:
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
         self.inner_tools: list[dict] = []
         """The wrapped environment's own tools' schemas, from its reset."""
+        self.turns_left = 0
+        """The episode's turns after this one (its reset's ``max_turns`` less the steps since; negative: no limit)."""
 
     def reset(self, *, seed: int, options: dict):
+        self.turns_left = (options.get("max_turns") or 0) - 1
         observation, info = (None, {}) if self.inner is None else invoke(self.inner.reset, seed=seed, options=options)
         info = dict(info or {})
         self.inner_tools = list(info.get("tools", []))
@@ -82,11 +86,14 @@ class ToolEnv:
         return observation, info
 
     def step(self, action: str):
+        last, self.turns_left = self.turns_left == 0, self.turns_left - 1
         calls = self.parse(action, [*self.inner_tools, *self.schemas])
         if not calls or (self.inner_tools and not any(c.name in self.tools for c in calls)):
             if self.inner is None:
                 return None, None, True, False, {}
             return invoke(self.inner.step, action)
+        if last:  # the episode ends after this turn (max_turns): nobody would read the results
+            return None, None, False, False, {}
         results = [self._run(call) for call in calls]
         return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": text}
                  for c, (text, _) in zip(calls, results)], None, False, False,

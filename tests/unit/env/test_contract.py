@@ -224,6 +224,34 @@ def test_tools_alone_run_calls_until_the_model_answers(files):
     assert (answer.observation, answer.reward, answer.terminated) == ([], None, True)
 
 
+def test_the_calls_of_the_last_turn_allowed_do_not_run(files):
+    """As verl's and TRL's loops: the episode ends after its max_turns-th turn, so that turn's calls (a sandbox's
+    seconds each, with their side effects) once ran for results nobody read."""
+    (files / "counted.py").write_text(textwrap.dedent('''
+        calls = []
+
+
+        def tick(n: int) -> int:
+            """Count a call.
+
+            Args:
+                n: Anything.
+            """
+            calls.append(n)
+            return len(calls)
+    '''))
+    tools = load_tools(("counted.py:tick",))
+    calls, env = tools["tick"].__globals__["calls"], ToolEnv(tools)
+    call = '<tool_call>{"name": "tick", "arguments": {"n": 1}}</tool_call>'
+    for max_turns, ran in ((2, [1]), (1, []), (None, [1, 1, 1])):  # None: no limit (a direct reset)
+        calls.clear()
+        env.reset(seed=0, options={"row": {}, "max_turns": max_turns})
+        steps = [contract.step(env, call) for _ in range(max_turns or 3)]
+        assert calls == ran, max_turns
+        assert [m["content"] for m in steps[-1].observation] == ([] if max_turns else ["3"])
+        assert not steps[-1].terminated  # the episode ends at max_turns, not as an answer
+
+
 def test_tools_around_an_environment_step_it_when_the_model_answers(files):
     inner = contract.make(f"{files}/my_env.py:Counter", {"n": 3})
     env = ToolEnv(load_tools(("my_tools.py:add",)), inner=inner)
