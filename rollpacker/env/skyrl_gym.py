@@ -8,7 +8,9 @@ over text:
 - ``init(prompt) -> (messages, metadata)`` is ``reset``: the row's prompt (chat messages; a string
   is one user turn) goes in, the messages it returns are the episode's prompt;
 - ``step(action) -> {observations, reward, done, metadata}`` is ``step``: ``done`` is
-  ``terminated``, the observations are appended, the reward is the step's;
+  ``terminated``, the observations are appended, the reward is the step's; on ``done``, the numbers
+  of ``get_metrics()`` join the step's info (logged as ``env/info/K``, a mean per episode: SkyRL's
+  default aggregation);
 - ``close()`` is ``close``.
 
 :func:`make_env` takes the id from the row's ``env_class`` column (SkyRL's dataset layout). A row
@@ -41,8 +43,13 @@ class SkyRLEnv:
         return messages, dict(metadata or {})
 
     def step(self, action: str):
+        import numbers
+
         out = self.env.step(action)
-        return out["observations"], out["reward"], bool(out["done"]), False, dict(out.get("metadata") or {})
+        info = dict(out.get("metadata") or {})
+        if out["done"]:  # the episode's metrics, as SkyRL's generator takes them when it ends
+            info |= {k: v for k, v in self.env.get_metrics().items() if isinstance(v, numbers.Real)}
+        return out["observations"], out["reward"], bool(out["done"]), False, info
 
     def close(self) -> None:
         if self.env is not None:

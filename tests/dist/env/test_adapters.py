@@ -255,6 +255,8 @@ def test_a_skyrl_gym_environment_runs_through_the_contract():
     for key, e in run.episodes.items():
         assert run.steps[key] == e.num_turns or e.done.reason == "length"
         assert len(e.step_rewards) == run.steps[key]  # SkyRL rewards every turn
+        if e.done.reason == "terminated":  # its get_metrics() at the end: gsm8k_multi_turn's turns
+            assert e.info == {"steps": e.num_turns}
         if e.num_turns == 2:
             env_text = bridge.tokenizer.decode([t for t, m in zip(e.response_ids, e.loss_mask) if not m])
             assert env_text == "\nQ: Now provide only the final numeric answer in the exact format: '#### ANSWER'.\nA:"
