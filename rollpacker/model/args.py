@@ -9,7 +9,9 @@ One decoder covers Llama, Qwen2/Qwen2.5 and Qwen3; the differences are three swi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -45,7 +47,10 @@ class ModelArgs:
             )
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelArgs:
+    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json", *,
+                model_dir: str | Path | None = None) -> ModelArgs:
+        """The args of ``config.json``'s ``cfg``; ``model_dir``: the checkpoint it came from, whose
+        ``generation_config.json`` may add EOS ids (:func:`eos_token_ids`)."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -64,8 +69,6 @@ class ModelArgs:
             raise ValueError(f"{where}: rope_type={rope_type!r} is not supported (default, llama3)")
         num_heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -83,7 +86,7 @@ class ModelArgs:
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
             qk_norm=model_type == "qwen3",
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(cfg.get("eos_token_id"), model_dir),
             hf_config=dict(cfg),
         )
 
@@ -91,6 +94,24 @@ class ModelArgs:
     def kv_elements_per_token(self) -> int:
         """Elements of K and V one token occupies over all layers (before tensor parallelism)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def eos_token_ids(eos: int | list[int] | None, model_dir: str | Path | None = None) -> tuple[int, ...]:
+    """The ids a model's responses end at: ``eos`` (config.json's ``eos_token_id``: an int, a list or
+    None), then those the optional ``generation_config.json`` of ``model_dir`` adds, each once.
+
+    Hugging Face's ``generate`` stops at generation_config.json's ids. Qwen2.5/Qwen3 instruct list
+    [151645, 151643] there but 151645 alone in config.json. Every engine and the trainer take their
+    EOS ids from here."""
+    ids = [eos] if isinstance(eos, int) else list(eos or ())
+    gen_file = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if gen_file is not None and gen_file.is_file():
+        try:
+            extra = json.loads(gen_file.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"{gen_file}: not a JSON object ({e}); fix the file or delete it") from None
+        ids += [extra] if isinstance(extra, int) else list(extra or ())
+    return tuple(dict.fromkeys(ids))
 
 
 def score_labels(cfg: dict[str, Any]) -> int:

@@ -38,7 +38,8 @@ def read_config(path: str | Path) -> dict:
 
 
 def read_args(path: str | Path) -> ModelArgs:
-    return ModelArgs.from_hf(read_config(path), where=str(Path(path) / "config.json"))
+    """The model args of the directory ``path`` (EOS ids: config.json's and generation_config.json's)."""
+    return ModelArgs.from_hf(read_config(path), where=str(Path(path) / "config.json"), model_dir=path)
 
 
 def _shard_files(path: Path) -> dict[Path, list[str]]:
@@ -63,7 +64,7 @@ def load_model(
     """
     path = Path(path)
     cfg = read_config(path)
-    args, labels = ModelArgs.from_hf(cfg, where=str(path / "config.json")), score_labels(cfg)
+    args, labels = ModelArgs.from_hf(cfg, where=str(path / "config.json"), model_dir=path), score_labels(cfg)
     if labels:
         args = replace(args, tie_word_embeddings=False)  # the score head is its own
     with torch.device("meta"):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollpacker.model.args import ModelArgs
+from rollpacker.model.args import ModelArgs, eos_token_ids
 
 UNSUPPORTED_HEADS = ("logit_scale", "logits_scaling")
 """Config keys of architectures whose output head does more than a matmul (and a softcap): refused."""
@@ -51,6 +51,7 @@ class DecoderFacts:
     model_type: str
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    """config.json's, then generation_config.json's (:func:`~rollpacker.model.args.eos_token_ids`)."""
     max_position_embeddings: int
     moe: bool
     """A mixture of experts."""
@@ -63,9 +64,8 @@ class DecoderFacts:
 def decoder_facts(path: str | Path) -> DecoderFacts:
     cfg = read_config(path)
     text = cfg.get("text_config") or cfg
-    eos = text.get("eos_token_id", cfg.get("eos_token_id"))
     return DecoderFacts(model_type=text["model_type"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
-                        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+                        eos_token_ids=eos_token_ids(text.get("eos_token_id", cfg.get("eos_token_id")), path),
                         max_position_embeddings=text.get("max_position_embeddings") or 4096,
                         moe=bool(text.get("num_experts") or text.get("num_local_experts")),
                         num_layers=text["num_hidden_layers"],

@@ -571,8 +571,8 @@ def test_min_p_then_top_k_then_top_p_over_what_they_keep():
         drawn = sample(rows, (full * (top_k or len(probs))).long(), full * top_p, u, full * min_p)
         return torch.bincount(drawn, minlength=len(probs)).float() / n
 
-    # top-2 keeps 0.4 and 0.3; renormalized, 0.4 alone is past top-p 0.5 (over the whole row both would be)
-    assert shares([0.4, 0.3, 0.3], 2, 0.5, 0).tolist() == [1, 0, 0]
+    # top-2 keeps 0.4 and 0.35; renormalized, 0.4 alone is past top-p 0.5 (over the whole row both would be)
+    assert shares([0.4, 0.35, 0.25], 2, 0.5, 0).tolist() == [1, 0, 0]
     # min-p 0.25 of the likeliest 0.5 keeps what is at least 0.125, in proportion
     got = shares([0.5, 0.05, 0.3, 0.15], 0, 1.0, 0.25)
     torch.testing.assert_close(got, torch.tensor([0.5, 0, 0.3, 0.15]) / 0.95, atol=0.01, rtol=0)
