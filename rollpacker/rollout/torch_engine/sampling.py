@@ -105,7 +105,8 @@ def sample(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: 
            min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse-CDF sampling of one token per row with min-p, top-k, then top-p truncation (top-p over the
     mass the first two keep, as vLLM and Hugging Face renormalize). logprobs: [B, V]; top_k, top_p, u (the
-    uniform draws), min_p: [B].
+    uniform draws, in [0, 1]: a float32 draw may round up to 1), min_p: [B]. Top-k keeps every token
+    tied with the k-th, as Hugging Face's and vLLM's do. The token returned is always a kept one.
 
     The truncation walks a row in descending-probability order; the draw walks the kept tokens in
     vocabulary order. A row's probabilities differ in their last bits with what shares its batch,
@@ -116,11 +117,15 @@ def sample(logprobs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: 
     vocab = logprobs.shape[1]
     probs, order = logprobs.exp().sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=probs.device)[None, :]
-    kept = rank < top_k[:, None]
+    kept = probs >= probs.gather(1, top_k.clamp(1, vocab)[:, None] - 1)  # the k-th and all tied with it
     if min_p is not None:
         kept &= probs >= min_p[:, None] * probs[:, :1]
     before = (probs * kept).cumsum(-1) - probs  # kept mass strictly before each token
     kept &= (before < top_p[:, None] * (probs * kept).sum(-1, keepdim=True)) | (rank == 0) | (top_p[:, None] >= 1)
     kept = probs * kept
     cdf = torch.zeros_like(kept).scatter_(1, order, kept).cumsum(-1)  # in vocabulary order
-    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1).squeeze(1)
+    total = cdf[:, -1:]
+    # strictly below the kept mass: u * total rounds up to it when u rounds to 1 (float32), and a target at
+    # the total would land past the last kept token, on whatever ids follow it
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).clamp(max=vocab - 1).squeeze(1)  # clamp: a NaN row
