@@ -74,8 +74,9 @@ class ToolEnv:
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
         self.inner_tools: list[dict] = []
         """The wrapped environment's own tools' schemas, from its reset."""
-        self.turns_left = 0
-        """The episode's turns after this one (its reset's ``max_turns`` less the steps since; negative: no limit)."""
+        self.turns_left = -1
+        """The episode's turns after the next step's (its reset's ``max_turns`` less 1 and the steps since;
+        negative: no limit)."""
 
     def reset(self, *, seed: int, options: dict):
         self.turns_left = (options.get("max_turns") or 0) - 1
