@@ -66,7 +66,10 @@ class ModelConfig:
     """Trainer's model: native (Llama, Qwen2, Qwen3), hf (any transformers decoder; rollout on vLLM/SGLang), auto."""
 
     def __post_init__(self) -> None:
+        from rollpacker.data.chat import check_template_kwargs
+
         check_choices(self, "model")
+        check_template_kwargs(self.chat_template_kwargs)
 
     @property
     def shipped(self) -> bool:

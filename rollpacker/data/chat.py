@@ -1,11 +1,14 @@
 """A row's prompt as token ids: a string as it is, or chat messages through the tokenizer's template.
 
-A list of messages always goes through the chat template, with ``add_generation_prompt``. A
-string goes through it as one user turn when ``model.chat_template`` is set, and is tokenized as
-it is otherwise. ``data.system_prompt`` becomes the first turn of a prompt that has no system
-turn. ``model.chat_template_kwargs`` go to ``apply_chat_template`` (Qwen3's ``enable_thinking``,
-say). The template renders text, which is then tokenized without special tokens, as TRL and verl
-do: a template writes its own BOS.
+A list of messages always goes through the chat template, as TRL's ``apply_chat_template`` does:
+ending in an assistant turn it is a prefill the response continues (``continue_final_message``);
+ending in any other turn it gets the generation prompt (``add_generation_prompt``). A string goes
+through it as one user turn when ``model.chat_template`` is set, and is tokenized as it is otherwise.
+``data.system_prompt`` becomes the first turn of a prompt that has no system turn.
+``model.chat_template_kwargs`` go to ``apply_chat_template`` (Qwen3's ``enable_thinking``, say), but
+none of the arguments this module sets itself (:data:`RESERVED_TEMPLATE_KWARGS`). The template
+renders text, which is then tokenized without special tokens, as TRL and verl do: a template writes
+its own BOS. A prompt the template refuses raises :class:`TemplateRefused`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,24 @@ from __future__ import annotations
 from typing import Any
 
 from rollpacker.errors import UserError
+
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+                            "continue_final_message")
+"""Arguments of ``apply_chat_template`` that :func:`render` sets itself: not ``model.chat_template_kwargs``."""
+
+
+class TemplateRefused(UserError):
+    """The tokenizer's chat template raised an error rendering a prompt; the message says the template's."""
+
+
+def check_template_kwargs(kwargs: dict[str, Any], field: str = "model.chat_template_kwargs") -> None:
+    """Raise ValueError naming ``field`` if ``kwargs`` holds an argument :func:`render` sets itself."""
+    reserved = [key for key in kwargs if key in RESERVED_TEMPLATE_KWARGS]
+    if reserved:
+        raise ValueError(f"{field} sets {', '.join(map(repr, reserved))}, which rollpacker sets itself (a prompt "
+                         "ending in an assistant turn continues it, any other gets the generation prompt; the "
+                         f"messages and tools are the row's): remove {'them' if len(reserved) > 1 else 'it'} from "
+                         f"{field}")
 
 
 def messages(prompt: str | list[dict], system_prompt: str = "") -> list[dict]:
@@ -27,7 +48,10 @@ def render(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, 
            template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None) -> str:
     """The text ``prompt`` (a string, or a list of chat messages) becomes before it is tokenized:
     the chat template's output, or the string as it is. ``tools`` (JSON schemas, an episode's) go to
-    the template, which then renders a string prompt too."""
+    the template, which then renders a string prompt too. Messages ending in an assistant turn are
+    continued (``continue_final_message``), others get the generation prompt. Raises
+    :class:`TemplateRefused` if the template raises an error on the messages, and UserError if
+    ``template_kwargs`` holds a :data:`RESERVED_TEMPLATE_KWARGS` argument."""
     if isinstance(prompt, str) and not chat_template and not tools:
         if system_prompt:
             raise UserError("data.system_prompt is set but the prompts are plain strings tokenized as they are: "
@@ -37,8 +61,24 @@ def render(tokenizer, prompt: str | list[dict], *, chat_template: bool = False, 
         raise UserError(f"the model's tokenizer ({tokenizer.name_or_path}) has no chat template, which chat "
                         "prompts (a list of messages, model.chat_template or data.system_prompt) need: use a chat "
                         "model's tokenizer, or plain string prompts")
-    return tokenizer.apply_chat_template(messages(prompt, system_prompt), add_generation_prompt=True, tokenize=False,
-                                         tools=tools or None, **(template_kwargs or {}))
+    try:
+        check_template_kwargs(template_kwargs or {})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    from jinja2 import TemplateError
+
+    turns = messages(prompt, system_prompt)
+    prefill = turns[-1]["role"] == "assistant"  # TRL's rule: continue an assistant turn, else open a new one
+    try:
+        return tokenizer.apply_chat_template(turns, add_generation_prompt=not prefill, continue_final_message=prefill,
+                                             tokenize=False, tools=tools or None, **(template_kwargs or {}))
+    except (TemplateError, TypeError, ValueError) as e:  # raise_exception(...), None + str, a prefill it drops
+        added = len(turns) > (1 if isinstance(prompt, str) else len(prompt))  # data.system_prompt's turn
+        system = (f", with the system turn data.system_prompt adds ({system_prompt[:40]!r}; a template that takes no "
+                  "system turn needs data.system_prompt empty)") if added else ""
+        raise TemplateRefused(f"the chat template of {tokenizer.name_or_path or type(tokenizer).__name__} refused "
+                              f"the prompt{system}: {type(e).__name__}: {str(e)[:300]} (fix the prompt, or use a "
+                              "model whose template takes it)") from None
 
 
 def encode(tokenizer, prompt: str | list[dict], **settings) -> list[int]:

@@ -11,7 +11,8 @@ Invariants:
 - Loading is strict: a bad row raises one :class:`DatasetError` naming the file, the row and what
   is wrong, unless ``data.skip_bad_lines``. The reward functions' checks run here too
   (:meth:`~rollpacker.reward.scheduler.RewardScheduler.check_row`).
-- A row's id is stable for a given file: its ``id`` column, else ``"<file stem>:<n>"``.
+- A row's id is stable for a given file and split: its ``id`` column, else ``"<file stem>:<n>"``
+  (``"<file stem>:<split>:<n>"`` for a split joined after the first one: ``test`` of ``train+test``).
 - The sampler's whole state is a few ints, so a resumed run draws exactly the same prompts.
 
 Why: a bad row is cheapest to fix before the run starts, and nothing is dropped silently.
@@ -46,14 +47,16 @@ ROLES = ("system", "user", "assistant", "tool")
 @dataclass(kw_only=True)
 class DataConfig:
     path: tuple[str, ...] = ()
-    """Training prompts: JSONL, JSON, parquet or arrow files, saved datasets or Hub ids, one or more (verl's
-    train_files; a row of several without data_source gets its file's name); empty = the toy task."""
+    """Training prompts: JSONL, JSON, parquet or arrow files, saved datasets or Hub ids (NAME:CONFIG picks a
+    config), one or more (verl's train_files; a row of several without data_source gets its file's name); empty =
+    the toy task."""
     split: str = "train"
     """Split of path to read (a local file has one, train; slices work: train[:90%])."""
     prompt_key: str = "prompt"
     """Column of the prompt: a string, or a list of chat messages ({"role", "content"})."""
     answer_key: str = "answer"
-    """Column of the reference answer ("a.b" reads key b of dict column a); absent: verl's reward_model.ground_truth."""
+    """Column of the reference answer ("a.b" reads key b of dict column a); "answer" absent: verl's
+    reward_model.ground_truth."""
     system_prompt: str = ""
     """A system turn put before each prompt that has none (string prompts need model.chat_template)."""
     num_toy_prompts: int = 2048
@@ -149,12 +152,15 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
                  check: RowCheck | None = None, field: str = "data.path", first: int | None = None) -> list[dict]:
     """The rows of each source in turn (the ``first`` of each): :func:`read_rows`. Of several, a row without a
     ``data_source`` takes its file's name (verl's datasets name theirs), and ids must be unique across them.
-    Files of one name (verl's ``gsm8k/train.parquet`` and ``math/train.parquet``) are named with their folder."""
-    stems = Counter(Path(source).stem for source in sources)
+    Files of one name (verl's ``gsm8k/train.parquet`` and ``math/train.parquet``) are named with their folder,
+    Hub datasets of one name as given (``openai/gsm8k:main``)."""
+    stems = Counter(_stem(Path(source)) for source in sources)
     rows, where_of = [], {}
     for source in sources:
         path = Path(source)
-        name = path.stem if stems[path.stem] == 1 else f"{path.parent.name}/{path.stem}"
+        name = _stem(path)
+        if stems[name] > 1:
+            name = source if _is_hub(path) else f"{path.parent.name}/{name}"
         for row in read_rows(source, config, split=split, check=check, field=field, name=name)[:first]:
             if row["id"] in where_of:
                 raise DatasetError(f"{field}: {source} and {where_of[row['id']]} both have a row with id {row['id']!r};"
@@ -169,7 +175,8 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,
               check: RowCheck | None = None, field: str = "data.path", name: str | None = None) -> list[dict]:
     """Rows of a dataset file, saved dataset or Hub id, each checked (:func:`make_row`, then ``check``); a row
-    without an id is ``NAME:N`` (``name``, else the file's; N its line or row).
+    without an id is ``NAME:N`` (``name``, else the file's; N its line or row), or ``NAME:SPLIT:N`` if ``split``
+    joins it from a split other than its first (``train+test``).
 
     A bad row raises :class:`DatasetError` naming the file and row, or, with ``skip_bad_lines``,
     is left out and counted in one warning. Ids must be unique.
@@ -180,18 +187,21 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
     rows: list[dict] = []
     where_of: dict[str, str] = {}
     bad: list[str] = []
-    for n, record in numbered:
-        where = f"{path}:{n}" if by_line else f"{path}: row {n}"
+    for part, n, record in numbered:
+        where = f"{path}:{n}" if by_line else f"{path}: {f'split {part} ' if part else ''}row {n}"
         try:
-            row = make_row(record, f"{name or path.stem}:{n}", config)
+            row = make_row(record, f"{name or _stem(path)}:{f'{part}:' if part else ''}{n}", config)
             if check:
                 check(row)
             if row["id"] in where_of:
                 raise ValueError(f"duplicate id {row['id']!r} (first at {where_of[row['id']]}); ids must be unique")
         except ValueError as e:
+            why = f"{where}: {e}"
+            if config.answer_key != "answer" and "'answer'" in why and _lookup(record, config.answer_key) is None:
+                why += f" (data.answer_key reads column {config.answer_key!r}, which this row lacks)"
             if not config.skip_bad_lines:
-                raise DatasetError(f"{where}: {e} (fix the row, or set data.skip_bad_lines to skip bad rows)") from None
-            bad.append(f"{where}: {e}")
+                raise DatasetError(f"{why} (fix the row, or set data.skip_bad_lines to skip bad rows)") from None
+            bad.append(why)
             continue
         where_of[row["id"]] = where
         rows.append(row)
@@ -204,7 +214,7 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
     return rows
 
 
-def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tuple[int, dict]], bool, list[str]]:
+def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tuple[str, int, dict]], bool, list[str]]:
     """The records of ``split`` of ``path`` as ``datasets`` reads them, each with its number (:func:`_sliced`),
     whether the numbers are lines (JSON lines), and (``skip_bad``) the lines left out because they are not
     JSON objects."""
@@ -215,14 +225,16 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tupl
     if path.is_dir():
         try:
             data = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as e:
+        except FileNotFoundError:  # not save_to_disk's: a dataset repository's files (a Hub snapshot)?
+            return _sliced(_hub(path, field), None, split, path, field), False, []
+        except ValueError as e:
             raise DatasetError(f"{field}: {path} is a directory but not a dataset saved with save_to_disk "
                                f"({e})") from None
         splits = dict(data) if isinstance(data, datasets.DatasetDict) else {"train": data}
         return _sliced(splits, None, split, path, field), False, []
     kind = FORMATS.get(path.suffix.lower())
-    if kind is None and not path.exists() and not path.suffix:
-        return _sliced(_hub(str(path), field), None, split, path, field), False, []
+    if _is_hub(path):
+        return _sliced(_hub(path, field), None, split, path, field), False, []
     if kind is None:
         raise DatasetError(f"{field}: {path} is not a dataset file: give a .jsonl, .json, .parquet or .arrow file "
                            "(or a directory written by save_to_disk, or a Hub id)")
@@ -255,10 +267,12 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tupl
 
 
 def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, path: Path,
-            field: str) -> list[tuple[int, dict]]:
+            field: str) -> list[tuple[str, int, dict]]:
     """The records ``split`` names, in ``datasets``' syntax (``train``, ``train[:90%]``, ``train[10:]+test``),
-    each with its number: its line (``lines``: those of the one split's records), else its row in its split,
-    from 1. A slice keeps the numbers its records have in the whole: ``train[5:]`` starts at 6."""
+    each as ``(part, number, record)``: its number is its line (``lines``: those of the one split's records),
+    else its row in its split, from 1; ``part`` is its split's name if that is not the first split named
+    (``test`` of ``train+test``; numbers restart there), else empty. A slice keeps the numbers its records
+    have in the whole: ``train[5:]`` starts at 6."""
     import datasets
 
     try:
@@ -268,7 +282,9 @@ def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, pa
         raise DatasetError(f"{field}: {path} has no split {split!r} ({e}); it has {', '.join(splits)} (set {flag}: "
                            "a split, or a slice such as train[:90%])") from None
     records = {p.splitname: list(splits[p.splitname]) for p in parts}
-    return [(lines[i] if lines else i + 1, records[p.splitname][i]) for p in parts for i in range(p.from_, p.to)]
+    first = parts[0].splitname if parts else ""
+    return [("" if p.splitname == first else p.splitname, lines[i] if lines else i + 1, records[p.splitname][i])
+            for p in parts for i in range(p.from_, p.to)]
 
 
 def _load(path: Path, kind: str, field: str) -> list[dict]:
@@ -281,15 +297,34 @@ def _load(path: Path, kind: str, field: str) -> list[dict]:
         raise DatasetError(f"{field}: {path} cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
 
 
-def _hub(name: str, field: str) -> dict:
-    """A dataset's splits from the Hugging Face Hub (needs network, or the datasets cache)."""
+def _is_hub(path: Path) -> bool:
+    """``path`` names a Hub dataset, ``NAME`` or ``NAME:CONFIG``: nothing local has that name, and it does not
+    end as a dataset file does (a missing ``train.jsonl`` is a missing file)."""
+    return not path.exists() and path.suffix.lower() not in FORMATS
+
+
+def _stem(path: Path) -> str:
+    """A source's name in its rows' ids: a local file's stem (``train`` of ``train.jsonl``); a Hub dataset's
+    name without its owner and config (``gsm8k`` of ``openai/gsm8k:main``, ``s1K-1.1`` of ``simplescaling/s1K-1.1``)."""
+    return path.name.partition(":")[0] if _is_hub(path) else path.stem
+
+
+def _hub(path: Path, field: str) -> dict:
+    """The splits ``datasets.load_dataset`` reads for ``path``: a Hub dataset (needs network, or the datasets
+    cache), or a dataset repository's files in a directory (a Hub snapshot); ``NAME:CONFIG`` picks a config."""
     import datasets
 
+    name, _, config = str(path).partition(":")
+    if path.is_dir():
+        name, config, what = str(path), "", (f"{path} is a directory that neither load_from_disk (a dataset saved "
+                                             "with save_to_disk) nor datasets.load_dataset reads")
+    else:
+        what = f"{name} is neither a local file nor a dataset on the Hugging Face Hub that can be reached"
     try:
-        return dict(datasets.load_dataset(name))
-    except Exception as e:  # noqa: BLE001  (no network, no such dataset: all said by datasets)
-        raise DatasetError(f"{field}: {name} is neither a local file nor a dataset on the Hugging Face Hub that "
-                           f"can be reached ({type(e).__name__}: {str(e)[:300]})") from None
+        return dict(datasets.load_dataset(name, config or None))
+    except Exception as e:  # noqa: BLE001  (no network, no such dataset, no such config: all said by datasets)
+        raise DatasetError(f"{field}: {what} ({type(e).__name__}: {str(e)[:300]}); a dataset of several configs is "
+                           "named NAME:CONFIG, as openai/gsm8k:main") from None
 
 
 def _record_lines(path: Path) -> list[int]:
@@ -319,7 +354,9 @@ def _bad_lines(path: Path) -> list[tuple[int, str]]:
 
 def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     """A record as a row: every column kept, ``prompt`` from ``prompt_key`` (a string or chat messages),
-    ``answer`` from ``answer_key`` or verl's ``reward_model.ground_truth`` (a string), ``id`` a string.
+    ``answer`` from ``answer_key`` (a string), ``id`` a string. With the default ``answer_key`` a row
+    without ``answer`` takes verl's ``reward_model.ground_truth``; with another, ``answer`` is only
+    that column's (None when the row lacks it: never the row's own ``answer`` column).
     Raises ValueError saying what is wrong."""
     row = dict(record)
     if row.get(config.prompt_key) is None:  # datasets fills a column a record lacks with None
@@ -329,6 +366,8 @@ def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     answer = _lookup(row, key)
     if answer is None and key == "answer":
         key, answer = "reward_model.ground_truth", _lookup(row, "reward_model.ground_truth")
+    elif answer is None:  # another answer_key: never the row's own answer column (a reward check says it is missing)
+        row["answer"] = None
     if answer is not None:
         if isinstance(answer, float) and answer.is_integer():  # Arrow reads a column of 1 and 2.5 as floats
             answer = int(answer)
@@ -359,23 +398,37 @@ def _lookup(row: dict, key: str):
 
 
 def check_prompt(prompt, name: str = "prompt"):
-    """``prompt`` if it is a non-empty string or a non-empty list of chat messages, each a
-    ``{"role", "content"}`` of strings with a known role; else a ValueError saying what is wrong."""
+    """``prompt`` if it is a string with more than whitespace, or a non-empty list of chat messages
+    with a known role each; else a ValueError saying what is wrong.
+
+    A message keeps every key (``tool_calls``, ``name``, ``tool_call_id``: the template gets them as
+    TRL and verl pass them) but those that are None, which Arrow writes for a key other messages of
+    the column have. Its ``content`` is a string, or None (kept) when it has ``tool_calls``. A message's
+    content may be empty: an environment's reset can write the whole prompt (docs/environments.md)."""
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"field {name!r} is {'empty' if not prompt else 'only whitespace'}: give the question "
+                             "(a row whose environment's reset writes the whole prompt takes "
+                             '[{"role": "user", "content": ""}])')
         return prompt
     if not isinstance(prompt, list) or not prompt:
         value = json.dumps(prompt, default=str)[:40]
         raise ValueError(f"field {name!r} must be a string or a list of chat messages ({{\"role\", \"content\"}}), "
                          f"got {type(prompt).__name__} {value}")
+    turns = []
     for i, message in enumerate(prompt):
+        content = message.get("content") if isinstance(message, dict) else None
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise ValueError(f"field {name!r}: message {i} is not a {{\"role\": str, \"content\": str}} object: "
-                             f"{json.dumps(message, default=str)[:80]}")
+                and (isinstance(content, str) or content is None and message.get("tool_calls"))):
+            raise ValueError(f"field {name!r}: message {i} is not a {{\"role\": str, \"content\": str}} object "
+                             f"(content may be null with tool_calls): {json.dumps(message, default=str)[:80]}")
         if message["role"] not in ROLES:
             raise ValueError(f"field {name!r}: message {i} has role {message['role']!r}; expected one of "
                              f"{', '.join(ROLES)}")
-    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+        turn = {k: v for k, v in message.items() if v is not None}
+        turn.setdefault("content", None)  # OpenAI's tool-call turn: content null
+        turns.append(turn)
+    return turns
 
 
 class PromptSampler:
@@ -521,10 +574,16 @@ def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_n
     shorter than the context ``max_model_len``, and with up to ``max_new_tokens`` more fits the KV
     cache of ``kv_tokens``; and at most ``max_prompt_length`` tokens long (``data.max_prompt_length``,
     0 = any). The others are left out (the engine would reject their requests) and counted in one
-    warning naming the first few; an error if none is left."""
+    warning naming the first few; an error if none is left. A row the chat template refuses
+    (:class:`~rollpacker.data.chat.TemplateRefused`) raises :class:`DatasetError` naming it."""
+    from rollpacker.data.chat import TemplateRefused
+
     kept, dropped = [], []
     for row in rows:
-        n = len(encode(row))
+        try:
+            n = len(encode(row))
+        except TemplateRefused as e:
+            raise DatasetError(f"row {row['id']!r}: {e}") from None
         if n == 0 or n >= max_model_len or min(n + max_new_tokens, max_model_len) > kv_tokens or (
                 max_prompt_length and n > max_prompt_length):
             dropped.append(f"{row['id']!r} ({n} tokens)")
