@@ -138,14 +138,22 @@ def toy_rows(config: DataConfig, num: int, seed: int) -> list[dict]:
 
 def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
     """Held-out rows: the first ``num_eval_prompts`` of each set of ``eval_path``, or fresh toy problems drawn
-    with a seed the training set never uses."""
+    with a seed the training set never uses, none of them a training prompt (a small task draws a problem
+    twice: 75 of 256 were)."""
     if config.eval_path:
         return read_sources(config.eval_path, config, split=config.eval_split or config.split, check=check,
                             field="data.eval_path", first=config.num_eval_prompts)
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
                            "takes), or eval_every=0")
-    return toy_rows(config, config.num_eval_prompts, 1_000_003 + config.toy_seed)
+    trained = {row["prompt"] for row in toy_rows(config, config.num_toy_prompts, config.toy_seed)}
+    drawn = toy_rows(config, 4 * config.num_eval_prompts, 1_000_003 + config.toy_seed)
+    held_out = [row for row in drawn if row["prompt"] not in trained][:config.num_eval_prompts]
+    if len(held_out) < config.num_eval_prompts:
+        raise DatasetError(f"data.num_eval_prompts={config.num_eval_prompts}: only {len(held_out)} of "
+                           f"{len(drawn)} toy problems drawn are not training prompts; lower data.num_eval_prompts "
+                           "or data.num_toy_prompts")
+    return held_out
 
 
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,

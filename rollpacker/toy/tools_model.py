@@ -64,7 +64,7 @@ CHAT_TEMPLATE = (
 tool results as ``R: ...`` lines. It is prefix-preserving: an observation renders after the turns
 before it without changing them."""
 EVAL_NUM = 512
-"""Held-out problems of ``eval`` (the preset evaluates the first 256 of them)."""
+"""Held-out problems of ``eval`` (the preset evaluates the first 256 of them that are not its training prompts)."""
 MAX_TURNS = 3
 """Model turns of an episode in ``eval``, as ``configs/toy-tools.toml``'s ``env.max_turns``."""
 MAX_NEW_TOKENS = 96

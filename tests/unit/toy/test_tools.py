@@ -50,6 +50,10 @@ def test_data_config_generates_the_tool_task_with_held_out_rows():
     config = DataConfig(toy_task="tools", num_toy_prompts=5, num_eval_prompts=4, toy_seed=2)
     assert load_rows(config) == toy_tools.make_dataset(5, 2)
     assert load_eval_rows(config) == toy_tools.make_dataset(4, toy_tools.EVAL_SEED + 2)
+    # the preset's: none is a training prompt (the easy problems are few: a quarter of them were)
+    config = DataConfig(toy_task="tools")
+    held_out = load_eval_rows(config)
+    assert len(held_out) == 256 and not {r["prompt"] for r in held_out} & {r["prompt"] for r in load_rows(config)}
     with pytest.raises(ValueError, match="data.toy_task must be one of arithmetic, tools"):
         DataConfig(toy_task="calculator")
 
