@@ -131,11 +131,12 @@ class Config:
             switchable = " or ".join(repr(k) for k, e in ENGINES.items() if e.supports_tp_switch)
             raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: {engine.no_tp_switch}; use "
                              f"engine.kind={switchable} with the planner, or a fixed rollout.tp")
-        if engine and engine.no_repetition_penalty and self.rollout.repetition_penalty != 1:
-            able = " or ".join(repr(k) for k, e in ENGINES.items() if not e.no_repetition_penalty)
-            raise ValueError(f"rollout.repetition_penalty={self.rollout.repetition_penalty} with engine.kind="
-                             f"{self.engine.kind!r}: {engine.no_repetition_penalty}; set rollout.repetition_penalty"
-                             f"=1, or engine.kind={able}")
+        for name, off, why in (("repetition_penalty", 1, "no_repetition_penalty"), ("min_p", 0, "no_min_p")):
+            value = getattr(self.rollout, name)
+            if engine and getattr(engine, why) and value != off:  # auto: refused at its start, by the engine
+                able = " or ".join(repr(k) for k, e in ENGINES.items() if not getattr(e, why))
+                raise ValueError(f"rollout.{name}={value} with engine.kind={self.engine.kind!r}: "
+                                 f"{getattr(engine, why)}; set rollout.{name}={off}, or engine.kind={able}")
         s = self.schedule
         if s.stale_samples and self.train.rollout_correction == "none":
             raise ValueError(

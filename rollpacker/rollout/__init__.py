@@ -69,6 +69,8 @@ class EngineKind:
     """On GPU it sizes its static memory by the memory plan's bytes of it (:func:`build_engine`'s ``plan_bytes``)."""
     no_repetition_penalty: str = ""
     """Why it cannot apply ``rollout.repetition_penalty`` as transformers does. "": it can."""
+    no_min_p: str = ""
+    """Why it cannot sample with ``rollout.min_p``. "": it can."""
 
     @property
     def supports_tp_switch(self) -> bool:
@@ -110,7 +112,9 @@ ENGINES: dict[str, EngineKind] = {
                          own_drafter=True, releases_weights=True, title="SGLang", scheduler_process=True,
                          plan_sized=True, no_repetition_penalty=(
         "SGLang 0.5.23's repetition penalty counts only the tokens it generated, not the prompt's (nor a resumed "
-        "request's earlier ones), unlike transformers, vLLM and TorchEngine"), no_tp_switch=(
+        "request's earlier ones), unlike transformers, vLLM and TorchEngine"), no_min_p=(
+        "SGLang 0.5.23's sampler asserts on min-p with a per-request seed (its engine dies at the first step), and "
+        "without the seed a resumed run would not draw the same responses"), no_tp_switch=(
         "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
         "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }

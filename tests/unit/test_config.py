@@ -176,6 +176,15 @@ def test_engine_rules_ask_the_engine_registry():
             with pytest.raises(ValueError, match=f"repetition_penalty=1.2 with engine.kind='{kind}': SGLang 0.5.23.s "
                                                  "repetition penalty counts only .* or engine.kind='torch' or 'vllm'"):
                 Config(engine=EngineConfig(kind=kind), rollout=penalized)
+    # SGLang's sampler asserts on min-p with a request's seed: its engine died at the first step
+    for kind in ("auto", *ENGINES):
+        if kind == "auto" or not ENGINES[kind].no_min_p:
+            Config(engine=EngineConfig(kind=kind), rollout=RolloutConfig(min_p=0.05))
+        else:
+            with pytest.raises(ValueError, match=f"rollout.min_p=0.05 with engine.kind='{kind}': SGLang 0.5.23.s "
+                                                 "sampler asserts .*; set rollout.min_p=0, or engine.kind='torch' or "
+                                                 "'vllm'"):
+                Config(engine=EngineConfig(kind=kind), rollout=RolloutConfig(min_p=0.05))
 
 
 def test_choice_fields_are_checked_once_on_every_path(tmp_path):

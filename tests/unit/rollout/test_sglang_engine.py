@@ -89,8 +89,10 @@ def test_sampling_params():
     assert got["max_new_tokens"] == 6 and got["top_k"] == -1 and got["sampling_seed"] == 11
     assert got["stop_token_ids"] == [5, 257] and got["temperature"] == 0.7 and got["top_p"] == 0.9
     assert got["min_p"] == 0
-    got = sglang_params(SamplingParams(max_new_tokens=4, top_k=20, min_p=0.1, ignore_eos=True), 4, (257,), 0)
-    assert got["stop_token_ids"] == [] and got["ignore_eos"] and got["top_k"] == 20 and got["min_p"] == 0.1
+    got = sglang_params(SamplingParams(max_new_tokens=4, top_k=20, ignore_eos=True), 4, (257,), 0)
+    assert got["stop_token_ids"] == [] and got["ignore_eos"] and got["top_k"] == 20
+    with pytest.raises(ValueError, match="sampler asserts on min-p with a per-request seed"):  # auto picked SGLang
+        sglang_params(SamplingParams(max_new_tokens=4, min_p=0.1), 4, (257,), 0)
     with pytest.raises(ValueError, match="counts only the tokens it generated, not the prompt's"):
         sglang_params(SamplingParams(max_new_tokens=4, repetition_penalty=1.2), 4, (257,), 0)
     with pytest.raises(ValueError, match="ignore_eos also ignores stop_token_ids"):
