@@ -165,6 +165,8 @@ class VLLMEngine:
         out = start_output(request)
         prompt = out.prompt_ids + out.token_ids
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
+        if out.token_ids:  # vLLM's draws restart with its seed: a resume at k would draw tokens 0.. again
+            seed = random.Random(f"{seed}/{len(out.token_ids)}").getrandbits(63)
         stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_ids)
         params = VSamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, min_p=p.min_p,

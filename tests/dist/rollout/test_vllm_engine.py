@@ -100,6 +100,29 @@ def test_abort_then_resume_continues_greedy(engine):
     assert len(done[other.id].token_ids) == 30
 
 
+def test_a_resumed_sampled_request_draws_afresh(pair, engine):
+    """vLLM's draws restart with a request's seed: resumed at k with it, a response drew the random numbers of
+    tokens 0.. again. Every input embedding equal: the next-token distribution is the same at every position,
+    so the continuation repeated the first k tokens."""
+    model = load_model(pair[0])
+    with torch.no_grad():
+        model.embed_tokens.weight[:] = model.embed_tokens.weight[0].clone()
+    engine.update_weights(model.named_parameters())
+    try:
+        params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=7, ignore_eos=True)
+        engine.add(Request(id="flat", prompt_ids=list(range(1, 13)), params=params))
+        while len(engine.live["flat"].token_ids) < 8:
+            engine.step()
+        partial = engine.abort("flat")
+        k = len(partial.token_ids)
+        done = generate(engine, [Request(id="flat", prompt_ids=list(range(1, 13)), params=params,
+                                         resume_from=partial)])["flat"].token_ids
+        assert done[:k] == partial.token_ids and len(done) == 24
+        assert done[k:2 * k] != done[:k], done
+    finally:
+        engine.update_weights(load_model(pair[0]).named_parameters())
+
+
 def test_stop_string_ends_generation_as_on_torch_engine(pair, engine):
     """The adapter matches stop strings itself (vLLM runs without a tokenizer): the same tokens as TorchEngine."""
     def decode(ids: list[int]) -> str:  # the random model has no tokenizer: one letter per token
