@@ -109,12 +109,15 @@ def abort_then_resume_continues_greedy(engine, a, b):
 
 
 def bad_requests_raise(engine, a, b):
-    for request, message in ((greedy("bad", [], 4), "empty"), (greedy("bad", [1] * 600, 4), "max_model_len")):
+    pool, engine.pool_tokens = engine.pool_tokens, 304  # a pool SGLang would never start 100 + 176 in
+    for request, message in ((greedy("bad", [], 4), "empty"), (greedy("bad", [1] * 600, 4), "max_model_len"),
+                             (greedy("bad", [1] * 100, 176), "raise engine.kv_memory_mb")):
         try:
             engine.add(request)
             raise AssertionError(f"no error for a request with {message}")
         except ValueError as e:
             assert message in str(e), e
+    engine.pool_tokens = pool
     assert not engine.has_unfinished()
 
 

@@ -12,6 +12,7 @@ from rollpacker.rollout.engine import Output, Request, SamplingParams, hf_names,
 from rollpacker.rollout.sglang_engine import (
     SGLangEngine,
     Track,
+    admits,
     apply_chunk,
     buckets,
     engine_args,
@@ -97,6 +98,13 @@ def test_sampling_params():
         sglang_params(SamplingParams(max_new_tokens=4, repetition_penalty=1.2), 4, (257,), 0)
     with pytest.raises(ValueError, match="ignore_eos also ignores stop_token_ids"):
         sglang_params(SamplingParams(max_new_tokens=4, ignore_eos=True, stop_token_ids=(5,)), 4, (257,), 0)
+
+
+def test_what_sglang_never_starts():
+    """Measured on SGLang 0.5.23's CPU path, a pool of 304 tokens in pages of 16: a 100-token prompt with 170
+    to generate ran, with 176 its stream waited forever (and so did every request after it)."""
+    assert admits(100, 170, 16, 304) and admits(112, 175, 16, 304)
+    assert not admits(100, 176, 16, 304) and not admits(113, 170, 16, 304)
 
 
 def test_buckets_bound_their_size_and_keep_order():
