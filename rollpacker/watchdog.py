@@ -93,17 +93,19 @@ def waiting(name: str, seconds: float | None = None):
     """Phase ``name``, in which this rank may wait long in one collective, and the diagnosis comes before NCCL's
     timeout (which aborts the process and prints none).
 
-    With ``seconds``: every group's timeout is ``seconds`` + :data:`GRACE_S` meanwhile, and at ``seconds`` the
-    heartbeat thread prints the diagnosis (:func:`diagnose`) and exits non-zero. Without: the wait lasts as
-    long as the ranks it waits on work (:func:`stalled`, read every :data:`CHECK_S`); its collectives' own
-    timeout is :data:`LIVE_WAIT_S`. Restores the phase and deadline it found, and the timeout (the step's,
-    which :func:`at_step` may have changed meanwhile, outside another such phase)."""
+    With ``seconds`` (at least the step's timeout): every group's timeout is ``seconds`` + :data:`GRACE_S`, and
+    at ``seconds`` the heartbeat thread prints the diagnosis (:func:`diagnose`) and exits non-zero. Without: the
+    wait lasts as long as the ranks it waits on work (:func:`stalled`, read every :data:`CHECK_S`); its
+    collectives' own timeout is :data:`LIVE_WAIT_S`. Restores the phase and deadline it found, and the timeout
+    (the step's, which :func:`at_step` may have changed meanwhile, outside another such phase)."""
     before = _state["phase"], _state["timeout"], _state["deadline"], _state["waits"]
     started = _config is not None
+    if seconds is not None:  # never shorter than the step's own timeout (the first step's is long)
+        seconds = max(seconds, _step_timeout() if started else 0.0)
     if started:
-        set_timeout(LIVE_WAIT_S if seconds is None else max(seconds, before[1]), GRACE_S)
+        set_timeout(LIVE_WAIT_S if seconds is None else seconds, GRACE_S)
     _state["phase"] = name
-    _state["deadline"] = 0.0 if seconds is None else time.time() + max(seconds, before[1])
+    _state["deadline"] = 0.0 if seconds is None else time.time() + seconds
     _state["waits"], _state["checked"] = 0.0 if seconds is not None else time.time(), time.time()
     try:
         yield

@@ -101,6 +101,8 @@ def test_a_waiting_phase_in_which_the_first_step_ended_restores_the_later_steps_
     assert watchdog._state["timeout"] == 900.0
     with watchdog.waiting("handoff"):
         assert watchdog._state["timeout"] == watchdog.LIVE_WAIT_S
+        with watchdog.waiting("checkpoint", 60.0):  # the first step's timeout, not the live wait's
+            assert watchdog._state["timeout"] == 900.0
         watchdog.at_step(1)
         with watchdog.waiting("checkpoint", 60.0):
             assert watchdog._state["timeout"] == 60.0
