@@ -26,6 +26,7 @@ import importlib
 import json
 import logging
 import tempfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -128,32 +129,35 @@ def load_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
 
 
 TOY_TASKS = {"arithmetic": "rollpacker.toy.task", "tools": "rollpacker.toy.tools"}
-"""``data.toy_task`` -> the module whose ``rows(config, num, seed)`` generates it (imported when used)."""
+"""``data.toy_task`` -> the module whose ``rows(config, num, seed, keep)`` generates it (imported when used)."""
+TOY_HELD_OUT = 8
+"""One toy problem in this many (by a hash of its prompt) is held out: only evaluation draws it. A small task's
+problems repeat (there are 124 two-term sums), so held-out problems of the training mix must come from a part
+of the problem space training never sees."""
 
 
-def toy_rows(config: DataConfig, num: int, seed: int) -> list[dict]:
-    """``num`` generated problems of ``config.toy_task``, drawn with ``seed``."""
-    return importlib.import_module(TOY_TASKS[config.toy_task]).rows(config, num, seed)
+def toy_held_out(problem: dict) -> bool:
+    """Whether a toy problem is in the held-out part of its task's problem space."""
+    return zlib.crc32(str(problem["prompt"]).encode()) % TOY_HELD_OUT == 0
+
+
+def toy_rows(config: DataConfig, num: int, seed: int, *, held_out: bool = False) -> list[dict]:
+    """The first ``num`` problems of ``config.toy_task`` drawn with ``seed`` from the held-out part of the
+    problem space (``held_out``) or from the training part."""
+    task = importlib.import_module(TOY_TASKS[config.toy_task])
+    return task.rows(config, num, seed, keep=lambda problem: toy_held_out(problem) == held_out)
 
 
 def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
-    """Held-out rows: the first ``num_eval_prompts`` of each set of ``eval_path``, or fresh toy problems drawn
-    with a seed the training set never uses, none of them a training prompt (a small task draws a problem
-    twice: 75 of 256 were)."""
+    """Held-out rows: the first ``num_eval_prompts`` of each set of ``eval_path``, or toy problems of the
+    training mix from the part of the problem space training never draws, with a seed training never uses."""
     if config.eval_path:
         return read_sources(config.eval_path, config, split=config.eval_split or config.split, check=check,
                             field="data.eval_path", first=config.num_eval_prompts)
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
                            "takes), or eval_every=0")
-    trained = {row["prompt"] for row in toy_rows(config, config.num_toy_prompts, config.toy_seed)}
-    drawn = toy_rows(config, 4 * config.num_eval_prompts, 1_000_003 + config.toy_seed)
-    held_out = [row for row in drawn if row["prompt"] not in trained][:config.num_eval_prompts]
-    if len(held_out) < config.num_eval_prompts:
-        raise DatasetError(f"data.num_eval_prompts={config.num_eval_prompts}: only {len(held_out)} of "
-                           f"{len(drawn)} toy problems drawn are not training prompts; lower data.num_eval_prompts "
-                           "or data.num_toy_prompts")
-    return held_out
+    return toy_rows(config, config.num_eval_prompts, 1_000_003 + config.toy_seed, held_out=True)
 
 
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,

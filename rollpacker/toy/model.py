@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
+from rollpacker.data.dataset import DataConfig, toy_rows
 from rollpacker.model import CausalAttention, ModelArgs, Transformer, load_model, save_model
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate
@@ -203,7 +204,7 @@ def evaluate(path: Path, num: int, seed: int = EVAL_SEED) -> list[tuple[str, int
     bucket, then overall, ``(bucket, num_problems, accuracy, mean_response_tokens)``."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = TorchEngine(load_model(path), EngineConfig())
-    rows = toy.make_dataset(num, seed)
+    rows = toy_rows(DataConfig(toy_tail_alpha=toy.PARETO_ALPHA), num, seed, held_out=True)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
     with single_thread():
         outs = generate(engine, [Request(id=r["id"], prompt_ids=tokenizer.encode(r["prompt"]), params=params)

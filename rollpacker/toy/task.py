@@ -20,10 +20,12 @@ tokenizer, :mod:`rollpacker.toy.model`, has one per character), plus one EOS.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 MIN_TERMS = 2
@@ -54,16 +56,19 @@ def make_problem(rng: random.Random, terms: int | None = None, alpha: float = PA
     return {"prompt": f"{PROMPT_PREFIX}{expr}{PROMPT_SUFFIX}", "answer": str(total), "num_terms": terms}
 
 
-def rows(config, num: int, seed: int) -> list[dict]:
-    """``data.toy_task arithmetic``: ``num`` problems drawn with ``seed`` and ``data.toy_tail_alpha``."""
-    return make_dataset(num, seed, config.toy_tail_alpha)
+def rows(config, num: int, seed: int, keep: Callable[[dict], bool] = lambda _: True) -> list[dict]:
+    """``data.toy_task arithmetic``: the first ``num`` problems ``keep`` takes, drawn with ``seed`` and
+    ``data.toy_tail_alpha``."""
+    return make_dataset(num, seed, config.toy_tail_alpha, keep)
 
 
-def make_dataset(n: int, seed: int, alpha: float = PARETO_ALPHA) -> list[dict]:
-    """``n`` problems as rows of the dataset schema ``{"id", "prompt", "answer", "num_terms"}``, their
-    term counts drawn with tail exponent ``alpha``."""
+def make_dataset(n: int, seed: int, alpha: float = PARETO_ALPHA,
+                 keep: Callable[[dict], bool] = lambda _: True) -> list[dict]:
+    """The first ``n`` problems ``keep`` takes as rows of the dataset schema ``{"id", "prompt", "answer",
+    "num_terms"}``, their term counts drawn with tail exponent ``alpha``."""
     rng = random.Random(seed)
-    return [{"id": f"toy-{seed}-{i}", **make_problem(rng, alpha=alpha)} for i in range(n)]
+    problems = filter(keep, (make_problem(rng, alpha=alpha) for _ in itertools.count()))
+    return [{"id": f"toy-{seed}-{i}", **problem} for i, problem in enumerate(itertools.islice(problems, n))]
 
 
 def solution(problem: dict) -> str:

@@ -15,8 +15,10 @@ when to call the tool, not the products.
 from __future__ import annotations
 
 import ast
+import itertools
 import operator
 import random
+from collections.abc import Callable
 
 from rollpacker.toy import task as toy
 
@@ -72,15 +74,17 @@ def make_problem(rng: random.Random, kind: str | None = None) -> dict:
     return {"prompt": expression, "answer": calculator(expression), "data_source": kind}
 
 
-def rows(config, num: int, seed: int) -> list[dict]:
-    """``data.toy_task tools``: ``num`` problems drawn with ``seed``."""
-    return make_dataset(num, seed)
+def rows(config, num: int, seed: int, keep: Callable[[dict], bool] = lambda _: True) -> list[dict]:
+    """``data.toy_task tools``: the first ``num`` problems ``keep`` takes, drawn with ``seed``."""
+    return make_dataset(num, seed, keep)
 
 
-def make_dataset(n: int, seed: int) -> list[dict]:
-    """``n`` problems as rows ``{"id", "prompt", "answer", "data_source"}`` (data_source: easy or hard)."""
+def make_dataset(n: int, seed: int, keep: Callable[[dict], bool] = lambda _: True) -> list[dict]:
+    """The first ``n`` problems ``keep`` takes as rows ``{"id", "prompt", "answer", "data_source"}``
+    (data_source: easy or hard)."""
     rng = random.Random(seed)
-    return [{"id": f"tools-{seed}-{i}", **make_problem(rng)} for i in range(n)]
+    problems = filter(keep, (make_problem(rng) for _ in itertools.count()))
+    return [{"id": f"tools-{seed}-{i}", **problem} for i, problem in enumerate(itertools.islice(problems, n))]
 
 
 def final_answer(completion) -> str:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rollpacker.data.chat import encode
+from rollpacker.data.dataset import DataConfig, toy_rows
 from rollpacker.env import contract
 from rollpacker.env.episode import Episode, StepEnv, TurnRequest
 from rollpacker.env.render import ChatBridge
@@ -64,7 +65,7 @@ CHAT_TEMPLATE = (
 tool results as ``R: ...`` lines. It is prefix-preserving: an observation renders after the turns
 before it without changing them."""
 EVAL_NUM = 512
-"""Held-out problems of ``eval`` (the preset evaluates the first 256 of them that are not its training prompts)."""
+"""Held-out problems of ``eval`` (the preset evaluates the first 256 of them)."""
 MAX_TURNS = 3
 """Model turns of an episode in ``eval``, as ``configs/toy-tools.toml``'s ``env.max_turns``."""
 MAX_NEW_TOKENS = 96
@@ -305,7 +306,7 @@ def evaluate(path: Path, num: int = EVAL_NUM, temperature: float = 0.0, seed: in
     """:func:`summarize` of ``num`` held-out episodes (the preset's held-out problems, ``data.toy_seed`` 0)."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = TorchEngine(load_model(path), EngineConfig())
-    rows = toy_tools.make_dataset(num, toy_tools.EVAL_SEED)
+    rows = toy_rows(DataConfig(toy_task="tools"), num, toy_tools.EVAL_SEED, held_out=True)
     with single_thread():
         return summarize(run_episodes(engine, tokenizer, rows, temperature=temperature, seed=seed,
                                       with_tools=with_tools))

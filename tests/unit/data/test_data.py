@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rollpacker.data.dataset import DataConfig, DatasetError, PromptSampler, load_rows
+from rollpacker.data.dataset import DataConfig, DatasetError, PromptSampler, load_eval_rows, load_rows, toy_held_out
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import build_functions, check_row
 from rollpacker.toy import task as toy
@@ -53,9 +53,21 @@ def test_config_validation_names_field(kwargs, message):
 
 def test_toy_rows_when_no_path():
     rows = load_rows(DataConfig(num_toy_prompts=7, toy_seed=3))
-    assert rows == toy.make_dataset(7, 3, alpha=1.6)
-    assert load_rows(DataConfig(num_toy_prompts=7, toy_seed=3, toy_tail_alpha=1.3)) == toy.make_dataset(7, 3)
+    trained = [row for row in toy.make_dataset(20, 3, alpha=1.6) if not toy_held_out(row)]
+    assert [row["prompt"] for row in rows] == [row["prompt"] for row in trained[:7]]
+    assert [row["id"] for row in rows] == [f"toy-3-{i}" for i in range(7)]
+    thick = load_rows(DataConfig(num_toy_prompts=7, toy_seed=3, toy_tail_alpha=1.3))
+    assert thick == toy.make_dataset(7, 3, keep=lambda row: not toy_held_out(row))
     assert all({"id", "prompt", "answer"} <= row.keys() for row in rows)
+
+
+def test_toy_held_out_problems_are_never_trained_on_and_keep_the_training_mix():
+    config = DataConfig()
+    trained, held_out = load_rows(config), load_eval_rows(config)
+    assert len(held_out) == 256 and not {r["prompt"] for r in held_out} & {r["prompt"] for r in trained}
+    # the short problems repeat (124 two-term sums in 2048 training prompts), yet the held-out mix is training's
+    two_terms = [sum(r["num_terms"] == 2 for r in rows) / len(rows) for rows in (trained, held_out)]
+    assert two_terms[1] > 0.15 and abs(two_terms[0] - two_terms[1]) < 0.1, two_terms
 
 
 def test_valid_jsonl_loads(tmp_path):
@@ -163,7 +175,6 @@ def test_default_id_collides_with_explicit_id(tmp_path):
 def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_path):
     """As verl's train_files and val_files: the rows of every file, ids unique across them; a row without a
     data_source takes its file's name, one with it keeps it; each eval set gives its first num_eval_prompts."""
-    from rollpacker.data.dataset import load_eval_rows
 
     gsm = write(tmp_path, [json.dumps({"prompt": f"g{i}", "answer": "1"}) for i in range(3)], "gsm.jsonl")
     mixed = write(tmp_path, [json.dumps({"prompt": "m", "answer": "2", "data_source": "lighteval/MATH"}),
@@ -210,7 +221,6 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
     else:
         datasets.DatasetDict(train=datasets.Dataset.from_list(records)).save_to_disk(str(path))
     config = DataConfig(path=str(path), split="train[3:]", eval_path=str(path), eval_split="train[:60%]")
-    from rollpacker.data.dataset import load_eval_rows
 
     assert [(r["id"], r["prompt"]) for r in load_rows(config)] == [("data:4", "q4"), ("data:5", "q5")]
     assert [r["id"] for r in load_eval_rows(config)] == ["data:1", "data:2", "data:3"]

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from transformers.utils import get_json_schema
 
 from rollpacker.config import ModelConfig
-from rollpacker.data.dataset import DataConfig, load_eval_rows, load_rows
+from rollpacker.data.dataset import DataConfig, load_eval_rows, load_rows, toy_held_out
 from rollpacker.env.render import ChatBridge
 from rollpacker.env.tools import hermes
 from rollpacker.toy import tools as toy_tools
@@ -48,12 +48,13 @@ def test_dataset_is_deterministic_half_hard_and_right():
 
 def test_data_config_generates_the_tool_task_with_held_out_rows():
     config = DataConfig(toy_task="tools", num_toy_prompts=5, num_eval_prompts=4, toy_seed=2)
-    assert load_rows(config) == toy_tools.make_dataset(5, 2)
-    assert load_eval_rows(config) == toy_tools.make_dataset(4, toy_tools.EVAL_SEED + 2)
-    # the preset's: none is a training prompt (the easy problems are few: a quarter of them were)
+    assert load_rows(config) == toy_tools.make_dataset(5, 2, keep=lambda row: not toy_held_out(row))
+    assert load_eval_rows(config) == toy_tools.make_dataset(4, toy_tools.EVAL_SEED + 2, keep=toy_held_out)
+    # the preset's: none is a training prompt (the easy problems are few), half of them easy as in training
     config = DataConfig(toy_task="tools")
     held_out = load_eval_rows(config)
     assert len(held_out) == 256 and not {r["prompt"] for r in held_out} & {r["prompt"] for r in load_rows(config)}
+    assert 0.4 < sum(r["data_source"] == "easy" for r in held_out) / 256 < 0.6
     with pytest.raises(ValueError, match="data.toy_task must be one of arithmetic, tools"):
         DataConfig(toy_task="calculator")
 
