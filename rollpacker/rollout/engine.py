@@ -110,6 +110,8 @@ class Engine(Protocol):
     """True when log-probs are renormalized over the top-k/top-p set (see the module docstring)."""
     max_model_len: int
     kv_capacity_tokens: int
+    vocab_size: int
+    """Token ids a prompt may hold: ``[0, vocab_size)`` (the model's embedding rows)."""
     released: bool
     """Between ``release_memory()`` and ``resume_memory()``."""
     decode: Callable[[list[int]], str] | None
@@ -184,7 +186,8 @@ def stop_string_hit(decode: Callable[[list[int]], str] | None, token_ids: list[i
 
 def check_request(engine: Engine, request: Request, live: Container[str], *problems: str) -> int:
     """The tokens ``request`` may still generate on ``engine``, or one ValueError naming the request
-    and every problem: an id already queued or running (in ``live``), an empty prompt, no room left
+    and every problem: an id already queued or running (in ``live``), an empty prompt, a token id outside
+    the vocabulary (on a GPU an embedding lookup past its rows kills the engine's process), no room left
     in the context or under ``max_new_tokens``, stop strings without a decoder, and the engine's own
     ``problems``. What the production engines (vLLM, SGLang) check in ``add``."""
     p, done = request.params, len(request.resume_from.token_ids) if request.resume_from else 0
@@ -195,6 +198,9 @@ def check_request(engine: Engine, request: Request, live: Container[str], *probl
         found.append("its id is already queued or running")
     if not request.prompt_ids:
         found.append("the prompt is empty")
+    elif min(request.prompt_ids) < 0 or max(request.prompt_ids) >= engine.vocab_size:
+        found.append(f"a prompt token id is outside the vocabulary [0, {engine.vocab_size}): was it tokenized by "
+                     "another model's tokenizer?")
     if context >= engine.max_model_len:
         found.append(f"prompt (+ partial) of {context} tokens leaves no room in max_model_len {engine.max_model_len}")
     elif remaining <= 0:

@@ -75,6 +75,8 @@ class Track:
     stop: tuple[str, ...] = ()
     """Stop strings, matched by the adapter (SGLang runs without a tokenizer)."""
     decode: Callable[[list[int]], str] | None = None
+    aborted: bool = False
+    """``abort()`` was called (set on the loop thread)."""
 
 
 def apply_chunk(track: Track, chunk: dict, now: float) -> tuple[int, int]:
@@ -231,7 +233,7 @@ class SGLangEngine:
         args = decoder_facts(model_path)
         self.to_checkpoint = checkpoint_format(model_path)  # a Hugging Face MoE's experts, per expert
         self.tied, self.eos_ids, self.dtype = args.tie_word_embeddings, tuple(args.eos_token_ids), dtype
-        self.max_model_len = max_model_len(config, args)
+        self.max_model_len, self.vocab_size = max_model_len(config, args), args.vocab_size
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
@@ -278,6 +280,8 @@ class SGLangEngine:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     async def _consume(self, track: Track, prompt: list[int], params: dict, priority: int) -> None:
+        if track.aborted:  # aborted before it was sent: SGLang ignores an abort of a request it does not know yet
+            return
         try:
             stream = await self.engine.async_generate(input_ids=prompt, sampling_params=params, return_logprob=True,
                                                       rid=track.out.id, stream=True, priority=priority)
@@ -295,9 +299,14 @@ class SGLangEngine:
         except Exception as e:  # surfaced by step()
             track.error = e
         finally:
-            if track.out.finish_reason is None and track.error is None:
+            if track.out.finish_reason is None and track.error is None and not track.aborted:
                 track.error = RuntimeError(f"request {track.out.id!r}: SGLang's stream ended without a finish reason")
             self.arrived.set()
+
+    def _abort(self, track: Track) -> None:
+        """On the loop thread: abort ``track``'s SGLang request, or, not sent yet, never send it."""
+        track.aborted = True
+        self.engine.tokenizer_manager.abort_request(track.out.id)
 
     # ---- the contract -------------------------------------------------------------------
 
@@ -329,7 +338,7 @@ class SGLangEngine:
             raise KeyError(f"abort: no request {request_id!r} is queued or running")
         result = None
         if self.owner:  # SGLang ends the stream with the partial output; wait for it
-            self.loop.call_soon_threadsafe(self.engine.tokenizer_manager.abort_request, request_id)
+            self.loop.call_soon_threadsafe(self._abort, self.live[request_id])
             try:
                 self.tasks.pop(request_id).result(timeout=_ABORT_TIMEOUT_S)
                 with self.lock:

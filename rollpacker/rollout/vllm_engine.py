@@ -129,6 +129,7 @@ class VLLMEngine:
         self.moe = args.moe
         self.eos_ids = tuple(args.eos_token_ids)
         self.max_model_len = config.max_model_len or args.max_position_embeddings
+        self.vocab_size = args.vocab_size
         self.on_cpu = not torch.cuda.is_available()
         self.dtype = dtype
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads

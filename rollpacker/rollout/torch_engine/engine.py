@@ -78,6 +78,7 @@ class TorchEngine(Speculation):
         self.dtype = model.norm.weight.dtype
         self.num_kv_heads = args.num_kv_heads // tp
         self.max_model_len = config.max_model_len or args.max_position_embeddings
+        self.vocab_size = args.vocab_size
         self.eos_ids = frozenset(args.eos_token_ids)
         block_bytes = (
             config.block_size * 2 * args.num_layers * self.num_kv_heads * args.head_dim * self.dtype.itemsize
@@ -241,8 +242,8 @@ class TorchEngine(Speculation):
             problems.append("a request with this id is already queued or running")
         if not prompt:
             problems.append("the prompt is empty")
-        elif any(not 0 <= t < self.model.args.vocab_size for t in prompt):
-            problems.append(f"a prompt token id is outside the vocabulary [0, {self.model.args.vocab_size})")
+        elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            problems.append(f"a prompt token id is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt) + done >= self.max_model_len:
             problems.append(
                 f"prompt ({len(prompt)} tokens, {done} resumed) leaves no room in the context "
@@ -259,7 +260,7 @@ class TorchEngine(Speculation):
             if not c.source or c.source in ENGINE_DRAFT_SOURCES or c.source == "none":
                 problems.append(f"draft_context source {c.source!r} is empty or one of the engine's own "
                                 f"{ENGINE_DRAFT_SOURCES}: name it after what it is (e.g. 'partial', 'epoch')")
-            elif any(not 0 <= t < self.model.args.vocab_size for t in c.token_ids):
+            elif c.token_ids and (min(c.token_ids) < 0 or max(c.token_ids) >= self.vocab_size):
                 problems.append(f"a draft_context ({c.source}) token id is outside the vocabulary")
         longest = min(len(prompt) + p.max_new_tokens, self.max_model_len)
         if not problems and self._blocks_for(longest) > self.num_blocks:

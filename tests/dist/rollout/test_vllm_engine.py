@@ -148,6 +148,9 @@ def test_bad_requests_raise(engine):
         engine.add(greedy(9, [], 4))
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add(greedy(9, [1] * 600, 4))
+    for bad in (-1, engine.vocab_size):  # vLLM itself takes them (its check needs the tokenizer it runs without)
+        with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {engine.vocab_size}\)"):
+            engine.add(greedy(9, [1, bad, 2], 4))
     assert not engine.has_unfinished()
 
 

@@ -108,10 +108,24 @@ def abort_then_resume_continues_greedy(engine, a, b):
     assert not engine.has_unfinished()
 
 
+def an_abort_right_after_add_ends_the_request(engine, a, b):
+    """SGLang ignores an abort of a request it has not registered yet: one aborted right after its add (a round
+    whose quota filled in the same poll) ran on to its limit, and the abort waited for it (up to 60 s)."""
+    prompt = prompts(1, 20, seed=3)[0]
+    for i in range(4):
+        engine.add(greedy(f"quick{i}", prompt, 120))
+        out = engine.abort(f"quick{i}")
+        assert out.finish_reason == "abort" and len(out.token_ids) < 120, (i, out.finish_reason, len(out.token_ids))
+    assert not engine.has_unfinished()
+    assert generate(engine, [greedy("after", prompt, 8)])["after"].token_ids == hf_greedy(hf_model(a), prompt, 8)
+
+
 def bad_requests_raise(engine, a, b):
     pool, engine.pool_tokens = engine.pool_tokens, 304  # a pool SGLang would never start 100 + 176 in
     for request, message in ((greedy("bad", [], 4), "empty"), (greedy("bad", [1] * 600, 4), "max_model_len"),
-                             (greedy("bad", [1] * 100, 176), "raise engine.kv_memory_mb")):
+                             (greedy("bad", [1] * 100, 176), "raise engine.kv_memory_mb"),
+                             (greedy("bad", [1, engine.vocab_size], 4), "outside the vocabulary"),
+                             (greedy("bad", [-1, 1], 4), "outside the vocabulary")):
         try:
             engine.add(request)
             raise AssertionError(f"no error for a request with {message}")
@@ -218,7 +232,7 @@ def release_and_push_right_after_a_finish(engine, a, b):
 
 
 CHECKS = [greedy_matches_transformers_and_torch_engine, a_repetition_penalty_is_refused_and_the_engine_serves_on,
-          logprobs_equal_the_trainers, abort_then_resume_continues_greedy,
+          logprobs_equal_the_trainers, abort_then_resume_continues_greedy, an_abort_right_after_add_ends_the_request,
           bad_requests_raise, stop_string_ends_generation_as_on_torch_engine, seeded_sampling_reproduces_and_resumes,
           a_step_is_a_decode_step, update_weights_then_release_and_resume, release_and_push_right_after_a_finish]
 
