@@ -21,6 +21,9 @@ class EnvConfig:
     """The environment: path/to/file.py:make_env, package.module:make_env (a function or class of the row) or toy."""
     tools: tuple[str, ...] = ()
     """Python functions the model may call: path/to/file.py:fn, package.module:fn, or python (code in the sandbox)."""
+    max_tool_result_chars: int = 4000
+    """A tool result (or a failed call's error) longer than this many characters keeps its start and end, around a
+    marker of how many were cut (verl's max_tool_response_length, in characters); 0 = no limit."""
     tool_parser: str = "hermes"
     """How tool calls are read from the model's text, in its family's format: hermes (Qwen2.5, Qwen3), qwen3_coder
     (Qwen3-Coder's XML), llama3_json (Llama 3.1-3.3's JSON) or mistral ([TOOL_CALLS]); see docs/environments.md."""
@@ -66,6 +69,8 @@ class EnvConfig:
             raise ValueError(f"env.tool_parser must be one of {', '.join(PARSERS)}, got {self.tool_parser!r}")
         if self.max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_tool_result_chars < 0:
+            raise ValueError(f"env.max_tool_result_chars must be >= 0 (0: no limit), got {self.max_tool_result_chars}")
         if self.max_tokens < 0:
             raise ValueError(f"env.max_tokens must be >= 0 (0: rollout.max_new_tokens), got {self.max_tokens}")
         if not 0 <= self.max_error_frac <= 1:

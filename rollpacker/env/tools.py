@@ -32,8 +32,6 @@ from rollpacker.imports import awaited, load, target
 
 PYTHON_TIMEOUT = 10.0
 """Wall-clock seconds the built-in ``python`` tool gives a program."""
-MAX_RESULT_CHARS = 4000
-"""A tool's result is cut to this many characters."""
 TOOLS = {"python": "rollpacker.env.tools:python"}
 """Built-in tools of ``env.tools``, by name."""
 
@@ -68,8 +66,11 @@ def schemas(tools: dict[str, Callable], where: str = "env.tools") -> list[dict]:
 class ToolEnv:
     """An environment that runs the model's tool calls, around ``inner`` (an environment, or None: tools alone)."""
 
-    def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None, where: str = "env.tools"):
+    def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None, where: str = "env.tools",
+                 *, max_result_chars: int = 4000):
         self.tools, self.parse, self.inner = tools, PARSERS[parser], inner
+        self.max_result_chars = max_result_chars
+        """``env.max_tool_result_chars``: longer results are cut in their middle (0: no limit)."""
         self.schemas = schemas(tools, where)
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
         self.inner_tools: list[dict] = []
@@ -114,9 +115,16 @@ class ToolEnv:
         try:
             value = invoke(fn, **call.arguments)
         except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
-            return f"error: {type(e).__name__}: {e}"[:MAX_RESULT_CHARS], True
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
-        return text[:MAX_RESULT_CHARS], False
+            return self._cut(f"error: {type(e).__name__}: {e}"), True
+        return self._cut(value if isinstance(value, str) else json.dumps(value, default=str)), False
+
+    def _cut(self, text: str) -> str:
+        """``text``, or its first and last ``max_result_chars`` / 2 characters around a marker of how many were cut."""
+        limit = self.max_result_chars
+        if not limit or len(text) <= limit:
+            return text
+        head = limit // 2
+        return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
 
 
 def invoke(fn, *args, **kwargs):

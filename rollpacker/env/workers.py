@@ -60,11 +60,12 @@ class EnvSpec:
     states: bool = False
     """Send back a copy of the environment after each call, for reward functions that take ``environments``
     (environments that make one: TRL's)."""
+    max_tool_result_chars: int = 4000
 
     @classmethod
     def from_config(cls, cfg: EnvConfig, states: bool = False) -> EnvSpec:
         return cls(target(cfg.factory, FACTORIES) if cfg.factory else "", cfg.tools, cfg.tool_parser,
-                   cfg.observation_role, cfg.factory, cfg.max_turns, states)
+                   cfg.observation_role, cfg.factory, cfg.max_turns, states, cfg.max_tool_result_chars)
 
     @property
     def name(self) -> str:
@@ -99,7 +100,7 @@ class EnvSpec:
             return inner
         from rollpacker.env.tools import ToolEnv, load_tools
 
-        return ToolEnv(load_tools(self.tools), self.tool_parser, inner)
+        return ToolEnv(load_tools(self.tools), self.tool_parser, inner, max_result_chars=self.max_tool_result_chars)
 
 
 @dataclass

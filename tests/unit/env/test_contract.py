@@ -9,6 +9,7 @@ import pytest
 from rollpacker.env import contract
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.tools import ToolEnv, hermes, load_tools, schemas
+from rollpacker.env.workers import EnvSpec
 
 ENV_FILE = '''
 class Counter:  # sync, a class as the factory
@@ -250,6 +251,21 @@ def test_the_calls_of_the_last_turn_allowed_do_not_run(files):
         assert calls == ran, max_turns
         assert [m["content"] for m in steps[-1].observation] == ([] if max_turns else ["3"])
         assert not steps[-1].terminated  # the episode ends at max_turns, not as an answer
+
+
+def test_a_long_tool_result_keeps_its_start_and_end_and_says_what_was_cut(files):
+    """verl's max_tool_response_length: a result over env.max_tool_result_chars keeps its start and end (a
+    traceback's last line, a program's last output) and tells the model how much is gone; before, it was cut
+    at 4000 characters without a word."""
+    call = '<tool_call>{"name": "echo", "arguments": {"text": "%s"}}</tool_call>'
+    text = "a" * 30 + "b" * 40 + "c" * 30
+    for limit, expected in ((10, "aaaaa\n[... 90 characters cut ...]\nccccc"), (100, text), (0, text)):
+        env = ToolEnv(load_tools(("my_tools.py:echo",)), max_result_chars=limit)
+        env.reset(seed=0, options={"row": {}})
+        assert contract.step(env, call % text).observation[0]["content"] == expected, limit
+    assert EnvSpec.from_config(EnvConfig(tools=("python",), max_tool_result_chars=7)).max_tool_result_chars == 7
+    with pytest.raises(ValueError, match="env.max_tool_result_chars must be >= 0"):
+        EnvConfig(max_tool_result_chars=-1)
 
 
 def test_tools_around_an_environment_step_it_when_the_model_answers(files):
