@@ -415,8 +415,11 @@ def check_prompt(prompt, name: str = "prompt"):
 
     A message keeps every key (``tool_calls``, ``name``, ``tool_call_id``: the template gets them as
     TRL and verl pass them) but those that are None, which Arrow writes for a key other messages of
-    the column have. Its ``content`` is a string, or None (kept) when it has ``tool_calls``. A message's
-    content may be empty: an environment's reset can write the whole prompt (docs/environments.md)."""
+    the column have, at any depth of its tool calls too (Arrow gives an ``add`` call's arguments the
+    ``code: null`` of a ``python`` call in another row, which the template would render; a null
+    argument cannot be told from those, and goes too). Its ``content`` is a string, or None (kept)
+    when it has ``tool_calls``. A message's content may be empty: an environment's reset can write the
+    whole prompt (docs/environments.md)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"field {name!r} is {'empty' if not prompt else 'only whitespace'}: give the question "
@@ -437,10 +440,19 @@ def check_prompt(prompt, name: str = "prompt"):
         if message["role"] not in ROLES:
             raise ValueError(f"field {name!r}: message {i} has role {message['role']!r}; expected one of "
                              f"{', '.join(ROLES)}")
-        turn = {k: v for k, v in message.items() if v is not None}
+        turn = {k: _without_nulls(v) if k == "tool_calls" else v for k, v in message.items() if v is not None}
         turn.setdefault("content", None)  # OpenAI's tool-call turn: content null
         turns.append(turn)
     return turns
+
+
+def _without_nulls(value):
+    """``value`` without the None values of its dicts, at any depth."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 class PromptSampler:

@@ -76,6 +76,19 @@ def test_messages_keep_their_tool_calls_and_names_and_render_as_the_template_ren
         load(path)
 
 
+def test_a_parquet_tool_call_renders_without_the_arguments_of_other_rows_calls(tmp_path):
+    """Arrow gives every call's arguments the union of the keys in the column: the calculator call got the
+    ``code: null`` of another row's python call, and the template rendered it into the prompt."""
+    import datasets
+
+    python_call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(8)"}}}
+    histories = [HISTORY, [{"role": "user", "content": "8?"}, {"role": "assistant", "content": None,
+                                                             "tool_calls": [python_call]}]]
+    path = tmp_path / "calls.parquet"
+    datasets.Dataset.from_list([{"prompt": h, "answer": "8"} for h in histories]).to_parquet(path)
+    assert [row["prompt"] for row in load(path)] == histories
+
+
 # --- empty prompts ---------------------------------------------------------------------------------
 
 
