@@ -97,7 +97,8 @@ class Controller:
         fit = functools.partial(fit_rows, encode=row_encoder(tokenizer, config),
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,
                                 max_new_tokens=config.rollout.max_new_tokens,
-                                max_prompt_length=config.data.max_prompt_length)
+                                max_prompt_length=config.data.max_prompt_length,
+                                skip_bad=config.data.skip_bad_lines)
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,

@@ -593,26 +593,33 @@ class PromptSampler:
 
 
 def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int,
-             max_prompt_length: int = 0) -> list[dict]:
+             max_prompt_length: int = 0, skip_bad: bool = False) -> list[dict]:
     """The rows whose prompt the engines can serve: ``encode(row)`` (its token ids) is non-empty,
     shorter than the context ``max_model_len``, and with up to ``max_new_tokens`` more fits the KV
     cache of ``kv_tokens``; and at most ``max_prompt_length`` tokens long (``data.max_prompt_length``,
     0 = any). The others are left out (the engine would reject their requests) and counted in one
     warning naming the first few; an error if none is left. A row the chat template refuses
-    (:class:`~rollpacker.data.chat.TemplateRefused`) raises :class:`DatasetError` naming it."""
+    (:class:`~rollpacker.data.chat.TemplateRefused`) raises :class:`DatasetError` naming it, or, with
+    ``skip_bad`` (``data.skip_bad_lines``), is left out and counted in one warning."""
     from rollpacker.data.chat import TemplateRefused
 
-    kept, dropped = [], []
+    kept, dropped, refused = [], [], []
     for row in rows:
         try:
             n = len(encode(row))
         except TemplateRefused as e:
-            raise DatasetError(f"row {row['id']!r}: {e}") from None
+            if not skip_bad:
+                raise DatasetError(f"row {row['id']!r}: {e} (or set data.skip_bad_lines to skip such rows)") from None
+            refused.append(f"row {row['id']!r}: {e}")
+            continue
         if n == 0 or n >= max_model_len or min(n + max_new_tokens, max_model_len) > kv_tokens or (
                 max_prompt_length and n > max_prompt_length):
             dropped.append(f"{row['id']!r} ({n} tokens)")
         else:
             kept.append(row)
+    if refused:
+        logger.warning("left out %d of %d prompts the chat template refuses (data.skip_bad_lines); first: %s",
+                       len(refused), len(rows), "; ".join(refused[:3]))
     if dropped:
         limit = f", longer than data.max_prompt_length={max_prompt_length}" if max_prompt_length else ""
         logger.warning("left out %d of %d prompts that are empty%s or do not fit the context length %d or the KV "

@@ -3,6 +3,8 @@ otherwise, the template's own arguments not overridable, and a prompt the templa
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rollpacker.config import ModelConfig
@@ -47,7 +49,7 @@ ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.inde
 """A Mistral/Gemma-style template: roles alternate from a user turn, no system turn."""
 
 
-def test_a_row_the_template_refuses_is_a_dataset_error_naming_it_and_the_system_prompt():
+def test_a_row_the_template_refuses_is_a_dataset_error_naming_it_and_the_system_prompt(caplog):
     from rollpacker.config import Config
     from rollpacker.controller import row_encoder
     from rollpacker.data.dataset import DatasetError, fit_rows
@@ -67,6 +69,12 @@ def test_a_row_the_template_refuses_is_a_dataset_error_naming_it_and_the_system_
                                            r"data.system_prompt empty\): TemplateError: Conversation roles"):
         fit_rows(rows, encode=row_encoder(tokenizer, config), **fit)
     assert fit_rows(rows[:1], encode=row_encoder(tokenizer, Config()), **fit) == rows[:1]
+    # data.skip_bad_lines: left out, said once
+    with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
+        assert fit_rows(rows, encode=row_encoder(tokenizer, Config()), skip_bad=True, **fit) == rows[:1]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("left out 1 of 2 prompts the chat template refuses "
+                                                 "(data.skip_bad_lines); first: row 'a:2': the chat template"), said
     # a template that cannot render a tool-call turn without content: named as well
     tool_call = [{"role": "user", "content": "3+5"}, {"role": "assistant", "content": None, "tool_calls": [{}]},
                  {"role": "tool", "content": "8"}]
