@@ -247,12 +247,12 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tupl
     kind = FORMATS.get(path.suffix.lower())
     if _is_hub(path):
         return _sliced(_hub(path, field), None, split, path, field), False, []
+    if not path.exists():
+        raise DatasetError(f"{field}: no such file or directory: {path} (give a dataset file or directory, a Hub id "
+                           "as OWNER/NAME, or leave data.path empty for the toy task)")
     if kind is None:
         raise DatasetError(f"{field}: {path} is not a dataset file: give a .jsonl, .json, .parquet or .arrow file "
                            "(or a directory written by save_to_disk, or a Hub id)")
-    if not path.exists():
-        raise DatasetError(f"{field}: no such file: {path} (give a dataset file, or leave data.path empty for the "
-                           "toy task)")
     lines = _record_lines(path) if path.suffix.lower() == ".jsonl" else None
     try:
         records = _load(path, kind, field)
@@ -310,9 +310,13 @@ def _load(path: Path, kind: str, field: str) -> list[dict]:
 
 
 def _is_hub(path: Path) -> bool:
-    """``path`` names a Hub dataset, ``NAME`` or ``NAME:CONFIG``: nothing local has that name, and it does not
-    end as a dataset file does (a missing ``train.jsonl`` is a missing file)."""
-    return not path.exists() and path.suffix.lower() not in FORMATS
+    """``path`` names a Hub dataset, ``NAME`` or ``NAME:CONFIG`` (or ``DIR:CONFIG``, a dataset repository's files):
+    nothing local has that name, it does not end as a dataset file does (a missing ``train.jsonl`` is a missing
+    file), and it is no path to a missing directory (absolute, from ``~`` or ``..``, or deeper than OWNER/NAME;
+    a missing ``OWNER/NAME`` is the Hub's)."""
+    name = str(path).partition(":")[0]
+    local = Path(name).is_absolute() or name.startswith(("~", "..")) or name.count("/") > 1
+    return not path.exists() and path.suffix.lower() not in FORMATS and (not local or Path(name).is_dir())
 
 
 def _stem(path: Path) -> str:

@@ -244,7 +244,7 @@ def test_invalid_utf8_names_line(tmp_path):
 
 def test_missing_file_names_path(tmp_path):
     missing = tmp_path / "nope.jsonl"
-    with pytest.raises(DatasetError, match=re.escape(f"data.path: no such file: {missing}")):
+    with pytest.raises(DatasetError, match=re.escape(f"data.path: no such file or directory: {missing}")):
         load(str(missing))
 
 

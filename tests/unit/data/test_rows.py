@@ -4,6 +4,7 @@ and where a source that is no local file is read from."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -164,9 +165,12 @@ def test_two_configs_of_one_hub_dataset_are_named_as_given(hub):
                                                            ("openai/gsm8k:socratic:1", "openai/gsm8k:socratic")]
 
 
-def test_a_missing_dataset_file_is_no_hub_id(hub, tmp_path):
-    with pytest.raises(DatasetError, match="data.path: no such file: .*nope.parquet"):
-        load(str(tmp_path / "nope.parquet"))
+def test_a_missing_dataset_file_or_directory_is_no_hub_id(hub, tmp_path, monkeypatch):
+    """Before, a missing directory went to the Hub, and its error read as a download that failed."""
+    monkeypatch.chdir(tmp_path)
+    for missing in (tmp_path / "nope.parquet", tmp_path / "saved", "../saved", "data/math/saved"):
+        with pytest.raises(DatasetError, match=f"data.path: no such file or directory: {re.escape(str(missing))} "):
+            load(str(missing))
     assert hub == []
 
 
