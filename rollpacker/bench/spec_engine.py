@@ -143,19 +143,17 @@ def run(cfg: SpecBenchConfig) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from rollpacker.data.dataset import DataConfig
+    from rollpacker.data.dataset import DataConfig, load_rows
     from rollpacker.model import load_model
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.engine import SpecStats, spec_metrics
     from rollpacker.rollout.torch_engine import TorchEngine
-    from rollpacker.toy import task as toy
     from rollpacker.toy.model import toy_model_dir
 
     torch.set_num_threads(cfg.num_threads)
     path = toy_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    data = DataConfig()
-    rows = toy.make_dataset(data.num_toy_prompts, data.toy_seed, data.toy_tail_alpha)
+    rows = load_rows(DataConfig())  # the default job's training prompts
     model = load_model(path, cfg.device)
     spec_cfg = EngineConfig(speculative="auto", spec_max_tokens=cfg.spec_max_tokens)
     cost = TorchEngine(model, spec_cfg).calibrate()
