@@ -368,6 +368,9 @@ def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
         if not weights_only:
             set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optim"])
             trainer.scheduler.load_state_dict(meta["scheduler"])
+            if changed := trainer.take_settings():
+                logger.info("resume: %s (this run's flags; the optimizer's moments and the schedule's step are the "
+                            "checkpoint's)", ", ".join(changed))
             if trainer.kl.target and meta.get("kl_coef"):  # the adaptive coefficient goes on; a fixed one is the flag's
                 trainer.kl.value = meta["kl_coef"]
     return meta

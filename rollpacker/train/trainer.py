@@ -264,6 +264,28 @@ class Trainer:
         optimizer = torch.optim.AdamW(params, lr=lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, num_steps))
 
+    def take_settings(self) -> list[str]:
+        """After a checkpoint's optimizers and schedules are loaded: this run's ``train.lr`` (``critic.lr``),
+        ``betas``, ``adam_eps`` and ``weight_decay`` in place of the checkpoint's, the moments and the schedule's
+        step kept (the way out of a NaN run: resume with a lower lr). What changed, as ``name: saved -> now``."""
+        cfg, changed = self.config, []
+        for name, optimizer, scheduler, lr in (("lr", self.optimizer, self.scheduler, cfg.lr),
+                                               ("critic.lr", self.critic_optimizer, self.critic_scheduler,
+                                                cfg.critic.lr or cfg.lr)):
+            if optimizer is None:
+                continue
+            now = {name: lr, "betas": tuple(cfg.betas), "adam_eps": cfg.adam_eps, "weight_decay": cfg.weight_decay}
+            for group in optimizer.param_groups:
+                saved = {name: group["initial_lr"], "betas": tuple(group["betas"]), "adam_eps": group["eps"],
+                         "weight_decay": group["weight_decay"]}
+                changed += [f"train.{k}: {saved[k]} -> {v}" for k, v in now.items() if saved[k] != v]
+                group.update(initial_lr=lr, betas=now["betas"], eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+            scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+            factors = [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
+            for group, factor in zip(optimizer.param_groups, factors, strict=True):
+                group["lr"] = lr * factor
+        return list(dict.fromkeys(changed))
+
     def accumulate(self, samples: list[Sample], ranks: list[int]) -> None:
         """Gradients of this rank's share of ``samples`` among ``ranks`` (the ranks training now,
         whole FSDP shard groups), with no gradient sync and no optimizer step: the next
@@ -352,7 +374,7 @@ class Trainer:
         sums = dict(zip(TOTALS, totals.tolist()))
         loss = sums["loss"] / normalizer
         skipped = not math.isfinite(norm) or not math.isfinite(loss)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]
         if not skipped and sums["tokens"] and not self.warming:  # no model token anywhere: no update at all
             self.optimizer.step()
             self.optimizer_steps["policy"] += 1
@@ -399,7 +421,7 @@ class Trainer:
         return {"critic/vf_loss": sums["vf_loss"] / tokens, "critic/vf_clipfrac": sums["vf_clipped"] / tokens,
                 "critic/vpred_mean": sums["vpred"] / tokens, "critic/returns_mean": sums["ret"] / tokens,
                 "critic/vf_explained_var": 1 - variance["err"] / variance["ret"] if variance["ret"] > 1e-12 else 0.0,
-                "critic/grad_norm": norm, "critic/lr": self.critic_scheduler.get_last_lr()[0],
+                "critic/grad_norm": norm, "critic/lr": self.critic_optimizer.param_groups[0]["lr"],
                 "critic/warmup": float(self.warming)}
 
     @torch.no_grad()

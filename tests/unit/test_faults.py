@@ -195,6 +195,40 @@ def test_a_resume_goes_on_with_the_adaptive_kl_coefficient_and_takes_a_fixed_one
     assert (adaptive.kl.value, fixed.kl.value) == (0.125, 0.05)
 
 
+def test_a_resume_takes_the_lr_and_adam_settings_of_its_flags_and_keeps_the_schedules_step(toy_random_dir, tmp_path,
+                                                                                          caplog):
+    """The NaN stop's advice, "lower train.lr, raise train.adam_eps ... then resume": the checkpoint's lr and eps
+    were restored over the flags, so the resumed run went on as before."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer, lr_factor
+
+    def trainer(**train) -> Trainer:
+        return Trainer(load_model(toy_random_dir), TrainConfig(warmup_steps=4, **train), build_meshes(1, 0).train,
+                       num_steps=8)
+
+    saved = trainer(lr=2e-4)
+    for _ in range(2):
+        saved.optimizer.step()
+        saved.scheduler.step()
+    checkpoint.save(tmp_path / "step_2", saved, 2, {})
+    resumed = trainer(lr=1e-5, adam_eps=1e-3)
+    with caplog.at_level(logging.INFO, logger="rollpacker.checkpoint"):
+        checkpoint.load(tmp_path / "step_2", resumed)
+    group = resumed.optimizer.param_groups[0]
+    assert resumed.scheduler.last_epoch == 2 and group["eps"] == 1e-3
+    assert group["lr"] == pytest.approx(1e-5 * lr_factor(2, resumed.config, 8))
+    resumed.scheduler.step()
+    assert group["lr"] == pytest.approx(1e-5 * lr_factor(3, resumed.config, 8))
+    assert "resume: train.lr: 0.0002 -> 1e-05, train.adam_eps: 1e-08 -> 0.001" in caplog.text
+    same = trainer(lr=2e-4)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rollpacker.checkpoint"):
+        checkpoint.load(tmp_path / "step_2", same)
+    assert same.optimizer.param_groups[0]["lr"] == saved.optimizer.param_groups[0]["lr"] and not caplog.text
+
+
 def test_nonfinite_steps_are_counted_never_saved_and_stop_the_run_when_in_a_row(toy_random_dir, tmp_path):
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
