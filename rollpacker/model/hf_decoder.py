@@ -53,6 +53,8 @@ class DecoderFacts:
     eos_token_ids: tuple[int, ...]
     """config.json's, then generation_config.json's (:func:`~rollpacker.model.args.eos_token_ids`)."""
     max_position_embeddings: int
+    vocab_size: int
+    """Embedding rows: a prompt's token ids lie below it."""
     moe: bool
     """A mixture of experts."""
     num_layers: int
@@ -67,6 +69,7 @@ def decoder_facts(path: str | Path) -> DecoderFacts:
     return DecoderFacts(model_type=text["model_type"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
                         eos_token_ids=eos_token_ids(text.get("eos_token_id", cfg.get("eos_token_id")), path),
                         max_position_embeddings=text.get("max_position_embeddings") or 4096,
+                        vocab_size=text.get("vocab_size") or cfg["vocab_size"],
                         moe=bool(text.get("num_experts") or text.get("num_local_experts")),
                         num_layers=text["num_hidden_layers"],
                         num_kv_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
