@@ -297,6 +297,12 @@ def check(path: Path, policy: str | None = None, world_size: int | None = None, 
     if not path.is_dir():
         raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
+        run_dir = path.parent if path.name == "checkpoints" else path
+        if (run_dir / "checkpoints").is_dir():  # TRL and verl take the run's directory
+            newest = latest(run_dir)
+            raise CheckpointError(f"resume: {path} is a run's directory, not a checkpoint: resume with --resume auto "
+                                  f"--run-dir {run_dir} (its newest whole checkpoint), or --resume "
+                                  f"{newest or run_dir / 'checkpoints' / 'step_N'}")
         raise CheckpointError(f"resume: {path} has no {MARKER} marker: the save was interrupted; pick an earlier one")
     meta = train_state(path)
     saved = (meta.get("policy") or {}).get("name")

@@ -98,6 +98,18 @@ def test_a_checkpoint_of_another_world_size_is_refused(tmp_path):
                             "(torchrun --nproc_per_node), or start afresh")
 
 
+def test_a_run_directory_given_as_the_checkpoint_is_named_with_the_way_out(tmp_path):
+    """TRL and verl take the run's directory; ours said a save had been interrupted."""
+    step = tmp_path / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    committed(step, world_size=1)
+    for given in (tmp_path, tmp_path / "checkpoints"):
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(
+                f"resume: {given} is a run's directory, not a checkpoint: resume with --resume auto --run-dir "
+                f"{tmp_path} (its newest whole checkpoint), or --resume {step}")):
+            checkpoint.check(given, world_size=1)
+
+
 def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_path):
     mine = {"embed.weight": [64, 8], "layers.0.w": [8, 8], "norm.weight": [8]}
     checkpoint.check_model(tmp_path, dict(mine), mine)
