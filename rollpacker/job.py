@@ -206,7 +206,10 @@ def build(config: Config) -> Job:
             state = checkpoint.load(Path(config.resume), trainer)
         job.start_step = state["step"]
         if job.controller:
-            job.controller.load_state_dict(state)
+            try:
+                job.controller.load_state_dict(state)
+            except ValueError as e:  # a dataset or policy setting the checkpoint's state does not fit
+                raise checkpoint.CheckpointError(f"resume: {config.resume}: {e}") from None
         job.push_weights()  # the engines get the checkpoint's weights
     if job.controller:
         job.controller.metrics.start_at(job.start_step)  # each step once in metrics.jsonl

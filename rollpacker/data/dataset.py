@@ -585,6 +585,8 @@ class PromptSampler:
                 raise ValueError(
                     f"sampler checkpoint has {key}={saved[key]} but this run has {key}={mine}: "
                     "resume with the same dataset, data.shuffle and data.shuffle_seed, or start a fresh run"
+                    + (" (the rows that fit count: data.max_prompt_length, rollout.max_new_tokens and the "
+                       "context length as they were)" if key == "num_rows" else "")
                 )
         epoch, position = int(state["epoch"]), int(state["position"])
         self.retired, self.retiring = set(state.get("retired", ())), set(state.get("retiring", ()))

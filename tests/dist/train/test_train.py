@@ -66,6 +66,12 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert {k: resumed[2].get(k) for k in same} == same
     assert "train/loss" in same and "train/grad_norm" in same and "rollout/response_lengths" in same
     assert same["critic/vf_loss"] > 0 and same["critic/grad_norm"] > 0
+    # on another dataset: one line naming the checkpoint and the way out (it was a traceback of rank 0)
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    proc = launch_job(*common, "--num-steps", "3", "--data.num-toy-prompts", "100", "--resume", str(step_2), nproc=2)
+    assert proc.returncode != 0 and "ValueError" not in proc.stderr, proc.stderr[-4000:]  # torchrun's own traceback
+    assert proc.stderr.count(f"rollpacker: resume: {step_2}: sampler checkpoint has num_rows=2048 but this run has "
+                             "num_rows=100") == 1, proc.stderr[-4000:]
 
 
 def test_missing_checkpoint_and_bad_world_are_clear_errors(toy_random_dir, tmp_path):
