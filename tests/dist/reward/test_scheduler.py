@@ -272,7 +272,9 @@ def test_a_wait_for_some_responses_ends_at_its_timeout_and_refuses_one_never_sub
     # one_step_off's first wait past the first step is the training pool's for batch 2
     ["schedule:one_step_off", "--train.rollout-correction", "token_tis", "--rollout.num-prompts", "8",
      "--num-steps", "3"],
-    ["--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1", "--rollout.num-prompts", "8"]],
+    # shuffle seed 1: both steps' rounds free a rank (seed 0's second round ends without)
+    ["--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1", "--rollout.num-prompts", "8",
+     "--data.shuffle-seed", "1"]],
     ids=["end_of_round", "mid_round", "one_step_off", "stream"])
 def test_scoring_longer_than_the_collective_timeout_is_waited_for(tmp_path, args):
     """Rank 0 waits for the last scores while the other ranks wait on it: past dist.timeout_s the job went on

@@ -31,9 +31,10 @@ def test_pipe_run_trains_what_the_sync_run_trains(tmp_path):
     solves nearly everything at 1, and groups whose rewards all agree train nothing. A group's
     responses finish in another order on one rollout rank than on two, so the samples are summed in
     another order; ``adam_eps`` 1 keeps AdamW from blowing that rounding noise up into different
-    weights (see tests/dist/scripts/stream_step.py)."""
+    weights (see tests/dist/scripts/stream_step.py). Shuffle seed 2: every step has a group to train (with
+    seed 0, all 16 responses of step 3 scored 0)."""
     args = ("schedule:sync", "--train.train-shard-size", "1", "--rollout.temperature", "1.5",
-            "--train.adam-eps", "1")
+            "--train.adam-eps", "1", "--data.shuffle-seed", "2")
     plain = run(tmp_path / "plain", *args)
     pipe = run(tmp_path / "pipe", *args, "--schedule.pipe")
     assert {r["sched/round_kind"] for r in plain + pipe} == {"sync"}
