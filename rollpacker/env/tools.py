@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from rollpacker.env.config import EnvConfig
 from rollpacker.env.contract import EnvError
 from rollpacker.env.parsers import PARSERS, ToolCall, hermes  # noqa: F401  (hermes: imported from here too)
 from rollpacker.imports import awaited, load, target
@@ -67,7 +68,7 @@ class ToolEnv:
     """An environment that runs the model's tool calls, around ``inner`` (an environment, or None: tools alone)."""
 
     def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None, where: str = "env.tools",
-                 *, max_result_chars: int = 4000):
+                 *, max_result_chars: int = EnvConfig.max_tool_result_chars):
         self.tools, self.parse, self.inner = tools, PARSERS[parser], inner
         self.max_result_chars = max_result_chars
         """``env.max_tool_result_chars``: longer results are cut in their middle (0: no limit)."""

@@ -111,7 +111,7 @@ class TRLEnv:
     ``release`` takes the instance back when the episode closes."""
 
     def __init__(self, instance, tools: dict[str, Callable], *, parser: str, max_turns: int, select: bool,
-                 factory: str, release: Callable[[Any], None], max_result_chars: int = 4000):
+                 factory: str, release: Callable[[Any], None], max_result_chars: int):
         self.instance, self.max_turns, self.select, self.factory, self.release = (instance, max_turns, select,
                                                                                   factory, release)
         self.name = type(instance).__name__

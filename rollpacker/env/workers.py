@@ -60,7 +60,7 @@ class EnvSpec:
     states: bool = False
     """Send back a copy of the environment after each call, for reward functions that take ``environments``
     (environments that make one: TRL's)."""
-    max_tool_result_chars: int = 4000
+    max_tool_result_chars: int = EnvConfig.max_tool_result_chars
 
     @classmethod
     def from_config(cls, cfg: EnvConfig, states: bool = False) -> EnvSpec:
