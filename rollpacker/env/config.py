@@ -13,6 +13,8 @@ from rollpacker.choices import check_choices
 OnError = Literal["skip", "fail"]
 FACTORIES = {"toy": "rollpacker.toy.env:make_env"}
 """Built-in environments of ``env.factory``, by name."""
+TOOLS = {"python": "rollpacker.env.tools:python"}
+"""Built-in tools of ``env.tools``, by name."""
 
 
 @dataclass(kw_only=True)
@@ -56,7 +58,7 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "env")
-        from rollpacker.env.tools import PARSERS, TOOLS
+        from rollpacker.env.parsers import PARSERS
         from rollpacker.imports import check_spec
 
         if self.factory:

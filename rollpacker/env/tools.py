@@ -26,15 +26,13 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from rollpacker.env.config import EnvConfig
+from rollpacker.env.config import TOOLS, EnvConfig
 from rollpacker.env.contract import EnvError
 from rollpacker.env.parsers import PARSERS, ToolCall, hermes  # noqa: F401  (hermes: imported from here too)
 from rollpacker.imports import awaited, load, target
 
 PYTHON_TIMEOUT = 10.0
 """Wall-clock seconds the built-in ``python`` tool gives a program."""
-TOOLS = {"python": "rollpacker.env.tools:python"}
-"""Built-in tools of ``env.tools``, by name."""
 
 
 def load_tools(specs: tuple[str, ...]) -> dict[str, Callable]:
