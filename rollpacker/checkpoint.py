@@ -4,7 +4,8 @@ and LR schedule), the scheduling policy's state
 (sampler position, sample ledger) and the reward scheduler's (adaptive-timeout anchors).
 
 The model's frozen parameters are not saved (:func:`trained_state`): with LoRA a checkpoint holds the
-adapters and their optimizer state; the base comes from ``model.path`` again at resume.
+adapters and their optimizer state; the base comes from ``model.path`` again at resume, and must be the
+base the adapters were trained on (each frozen parameter's norm is saved to check it: :func:`check_base`).
 
 Layout: ``RUN_DIR/checkpoints/step_N/`` holds DCP's shard files, ``train_state.json`` and, written
 last by rank 0 after every rank finished, the ``COMMITTED`` marker. A directory without the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -91,7 +93,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     failed = _save_trainer(path, trainer) if trainer is not None else {}
     info = broadcast((trainer.scheduler.state_dict(), model_shapes(trainer), trainer.kl.value,
                       bool(trainer.config.ref_sync_steps),
-                      trainer.critic_scheduler.state_dict() if trainer.critic is not None else None)
+                      trainer.critic_scheduler.state_dict() if trainer.critic is not None else None,
+                      frozen_norms(trainer.model))
                      if trainer is not None else None, control, src=trainer_rank)
     failed = _everyones(failed, control)
     if also is not None and not failed:
@@ -102,7 +105,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         failed = _everyones(failed, control)
     if rank == 0 and not failed:
         meta = {"step": step, "scheduler": info[0], "world_size": dist.get_world_size(), "model": info[1],
-                "kl_coef": info[2], "reference": info[3], "critic": info[4], **(controller or {})}
+                "kl_coef": info[2], "reference": info[3], "critic": info[4], "frozen": info[5], **(controller or {})}
         try:
             (path / "train_state.json").write_text(json.dumps(meta))
             (path / MARKER).write_text("")
@@ -290,6 +293,31 @@ def model_shapes(trainer) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in trainer.model.named_parameters()}
 
 
+def frozen_norms(model) -> dict[str, float]:
+    """Each frozen parameter's L2 norm (float64): what a checkpoint keeps of the parameters it does not save.
+    Collective over the model's ranks."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    norms = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            norm = torch.linalg.vector_norm(p.detach(), dtype=torch.float64)
+            norms[name] = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    return norms
+
+
+def check_base(path: Path, saved: dict[str, float] | None, mine: dict[str, float]) -> None:
+    """Refuse a checkpoint whose frozen parameters (not saved: with LoRA, the base model) had other values than
+    this run's: its adapters were trained on another base, e.g. the instruct model of the same shapes."""
+    differ = sorted(n for n in (saved or {}).keys() & mine.keys() if not math.isclose(saved[n], mine[n], rel_tol=1e-6))
+    if differ:
+        raise CheckpointError(
+            f"resume: {path} was trained on another base model: {len(differ)} of the {len(saved)} frozen parameters "
+            f"it does not save differ from model.path's ({', '.join(differ[:3])}{', ...' if len(differ) > 3 else ''}). "
+            "Resume with the model.path the run started with, or start afresh")
+
+
 def check(path: Path, policy: str | None = None, world_size: int | None = None, any_world: bool = False) -> None:
     """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy or
     another world size (``world_size``: this run's, by default torchrun's ``WORLD_SIZE``; ``any_world``:
@@ -350,6 +378,7 @@ def load(path: Path, trainer, weights_only: bool = False) -> dict[str, Any]:
     meta = train_state(path)
     if trainer is not None:
         check_model(path, meta.get("model"), model_shapes(trainer))
+        check_base(path, meta.get("frozen"), frozen_norms(trainer.model))
         state = {"model": trained_state(trainer.model)}
         if not weights_only:
             state["optim"] = get_optimizer_state_dict(trainer.model, trainer.optimizer)

@@ -7,6 +7,7 @@ import logging
 import re
 
 import pytest
+import torch
 
 from rollpacker import checkpoint
 from rollpacker.config import load_preset
@@ -127,6 +128,27 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
         checkpoint.check_model(tmp_path, lora, mine)  # an export without the run's train.lora flags
     with pytest.raises(checkpoint.CheckpointError, match=r"It holds no LoRA adapters: drop train.lora.rank"):
         checkpoint.check_model(tmp_path, mine, lora)
+
+
+def test_adapters_trained_on_another_base_of_the_same_shapes_are_refused(tmp_path):
+    """A LoRA checkpoint holds no base: resumed on another model of the same shapes (the instruct one for the
+    base one), the adapters would go on training on it without a word."""
+    def base(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        model[0].requires_grad_(False)  # the frozen base; model[1] stands for the adapters
+        return model
+
+    saved = checkpoint.frozen_norms(base(0))
+    assert list(saved) == ["0.weight", "0.bias"]
+    checkpoint.check_base(tmp_path, saved, checkpoint.frozen_norms(base(0)))
+    checkpoint.check_base(tmp_path, None, saved)  # written before the norms were recorded
+    checkpoint.check_base(tmp_path, {}, saved)  # nothing frozen: a full fine-tune saves every parameter
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.check_base(tmp_path, saved, checkpoint.frozen_norms(base(1)))
+    assert str(e.value) == (
+        f"resume: {tmp_path} was trained on another base model: 2 of the 2 frozen parameters it does not save "
+        "differ from model.path's (0.bias, 0.weight). Resume with the model.path the run started with, or start afresh")
 
 
 def test_keep_deletes_the_oldest_committed_checkpoints_and_stale_interrupted_ones(tmp_path):

@@ -53,9 +53,10 @@ def test_lora_stream_run_trains_what_the_plain_lora_run_trains(tmp_path):
 
 
 @pytest.mark.slow  # resume is test_train's; what LoRA adds to a checkpoint is checked by the unit tier too
-def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
+def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path, toy_random_dir):
     """Checkpoint, stop, resume: the resumed step is the uninterrupted run's; the checkpoint holds the
-    adapters and their optimizer state, not the base; the merged export is the PEFT adapter on the base."""
+    adapters and their optimizer state, not the base, and refuses a resume on another base; the merged
+    export is the PEFT adapter on the base."""
     import peft
     import transformers
 
@@ -69,6 +70,10 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     proc = launch_job(*common, "--run-dir", str(tmp_path / "b"), "--num-steps", "3")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = launch_job(*common, "--run-dir", str(tmp_path / "a"), "--num-steps", "4", "--resume", "auto",
+                      "--model.path", str(toy_random_dir))  # the same shapes, other weights
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.stderr.count("was trained on another base model") == 1, proc.stderr[-4000:]
     resumed, straight = records(tmp_path / "a")[-1], records(tmp_path / "b")[-1]
     timing = ("time/", "_per_s", "seconds", "wait_ratio", "bubble_ratio")
     same = {k: v for k, v in straight.items() if not any(t in k for t in timing)}
