@@ -118,6 +118,9 @@ class RoundResult:
     start: float
     last_finish: float
     """When the last response the round waited for came back; ``end - last_finish`` is the exposed reward time."""
+    rollout_end: float
+    """When the round's final command (its aborts) came back: its rollout's end (the bubble ratio's and
+    tokens per second's window ends there, as the simulator's; the reward wait after it is not rollout)."""
     end: float
     num_preemptions: int
     hook_metrics: dict[str, float] = field(default_factory=dict)
@@ -179,8 +182,8 @@ class RoundResult:
             "reward/accuracy": mean([r >= 1.0 for r in rewards]),
             "reward/overlong_penalty_mean": mean(penalties),
             "time/reward_exposed": self.reward_exposed_s,
-            "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.end),
-            "rollout/tokens_per_s": self.generated_tokens / (self.end - self.start),
+            "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.rollout_end),
+            "rollout/tokens_per_s": self.generated_tokens / (self.rollout_end - self.start),
             "rollout/preemptions": self.num_preemptions,
             "rollout/truncated": sum(o.finish_reason == "length" for o, _ in trained),
             "rollout/tail_seconds": self.tail_s,
@@ -339,6 +342,8 @@ class ExchangeRound:
         """A scale-down went out: the freed ranks serve the sink until the round ends."""
         self.final: list[Report] = []
         """The replica leaders' reports of the final command (its aborts)."""
+        self.rollout_end = 0.0
+        """When they came back."""
         self.drafts: dict[int, tuple[DraftContext, ...]] = {}
         """Row -> its drafts this round (:meth:`contexts`): one tuple for all its turns, so a command pickles
         it once. The memory changes only when a round ends."""
@@ -433,7 +438,7 @@ class ExchangeRound:
         then says when the responses it keeps are scored)."""
         self.received(reports)
         self.count(reports)
-        self.final = [r for r in reports if r]
+        self.final, self.rollout_end = [r for r in reports if r], time.time()
         self.round.end([o for r in self.final for o in r.aborted])
 
     def scoring(self) -> bool:
@@ -450,8 +455,8 @@ class ExchangeRound:
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
                            cut=outcome.aborted, generated_tokens=outcome.generated_tokens,
                            running_trace=self.trace, start=self.start, last_finish=outcome.last_finish,
-                           end=time.time(), num_preemptions=sum(r.num_preemptions for r in counters),
-                           hook_metrics=outcome.hook_metrics,
+                           rollout_end=self.rollout_end, end=time.time(),
+                           num_preemptions=sum(r.num_preemptions for r in counters), hook_metrics=outcome.hook_metrics,
                            spec=functools.reduce(SpecStats.plus, (r.spec for r in counters), SpecStats()),
                            tail_s=self.tail_s, cpu_s=sum(r.cpu_s for r in counters), tail_cpu_s=self.tail_cpu_s,
                            reused_tokens=sum(r.reused_tokens for r in counters),

@@ -36,7 +36,8 @@ def output(n: int, reason: str = "stop") -> Response:
 def round_result(groups: list[Group]) -> RoundResult:
     lengths = sum(len(o.token_ids) for g in groups for o in g.outputs)
     return RoundResult(kind="sync", groups=groups, num_launched=6, cut=[], generated_tokens=lengths + 7,
-                       running_trace=[(1.0, 6), (2.0, 3)], start=0.0, last_finish=3.0, end=4.0, num_preemptions=2)
+                       running_trace=[(1.0, 6), (2.0, 3)], start=0.0, last_finish=3.0, rollout_end=3.5, end=4.0,
+                       num_preemptions=2)
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
@@ -65,6 +66,9 @@ def test_make_batch_and_round_stats(mask_truncated):
     assert stats["rollout/response_lengths"] == [10, 90, 100, 5, 7]
     assert stats["rollout/wasted_tokens"] == 7 and stats["reward/seconds_total"] == 1.5
     assert stats["time/reward_exposed"] == 1.0 and stats["sched/trained_prompts"] == 2
+    # Rollout ends when the final command came back (3.5), not after the reward wait (4.0): 3 of 6 idle from 2.0.
+    assert stats["rollout/bubble_ratio"] == pytest.approx(3 * 1.5 / (6 * 3.5))
+    assert stats["rollout/tokens_per_s"] == pytest.approx((212 + 7) / 3.5)
 
 
 def test_reward_metrics_leave_out_episodes_whose_environment_failed():
