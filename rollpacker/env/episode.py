@@ -36,7 +36,8 @@ def turn_seed(seed: int, turn_id: str) -> int:
 
 
 def reset_seed(seed: int, group: str) -> int:
-    """The environment's reset seed: one per prompt group (``STEP:SLOT``), so a group's episodes start alike."""
+    """The environment's reset seed: one per prompt group (``STEP:SLOT``, the held-out round's ``eval:SLOT``),
+    so a group's episodes start alike."""
     return random.Random(f"{seed}/reset/{group}").getrandbits(31)
 
 

@@ -39,6 +39,14 @@ class RoundPlan:
     carried: dict[tuple[int, int], Any] = field(default_factory=dict)
     """(slot, response) -> its output from an earlier round: partial ones are resumed, finished ones
     are not launched (only scored again). Empty: every response starts afresh."""
+    resets: str | None = None
+    """Names its prompt groups for their environments' reset seeds in place of the step (``RESETS:SLOT``):
+    the held-out round's "eval", so every evaluation opens the same episodes. None: ``STEP:SLOT``, each
+    round's episodes new."""
+
+    def group(self, step: int, slot: int) -> str:
+        """Prompt group ``slot``'s name: its episodes' environments reset with the seed of this name."""
+        return f"{step if self.resets is None else self.resets}:{slot}"
 
 
 @dataclass

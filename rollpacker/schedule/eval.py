@@ -1,7 +1,8 @@
 """``eval``: the held-out round. Every row once, ``num_responses`` responses each.
 
 It is not a training policy: nothing is filtered, deferred or trained, and it keeps no state
-across rounds. The controller builds one per run (:meth:`Controller.build_leaders`).
+across rounds; its episodes' environments reset alike at every evaluation (``RoundPlan.resets``), so
+its curve compares the same episodes. The controller builds one per run (:meth:`Controller.build_leaders`).
 :func:`eval_metrics` turns the round's rewards into ``eval/`` metrics: mean@n and unbiased
 pass@k, overall and per ``data_source``. A response counts as correct at reward >= 1, as
 ``reward/accuracy`` does.
@@ -77,7 +78,7 @@ class EvalPolicy:
         self.groups = [Group(prompt=row, outputs=[], rewards=[]) for row in range(self.num_rows)]
         self.pending = self.num_rows * self.num_responses
         return RoundPlan(kind="eval", prompts=list(range(self.num_rows)), num_responses=self.num_responses,
-                         keep=self.num_rows)
+                         keep=self.num_rows, resets="eval")
 
     def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         group = self.groups[slot]

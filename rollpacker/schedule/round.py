@@ -504,7 +504,7 @@ class Round:
             for earlier in new.rescore:
                 self.scorer.submit(earlier.id, new.row, earlier)
             for _, rid, earlier in new.run:
-                self.runner.open(rid, new.row, f"{self.state.step}:{new.slot}", resume=earlier)
+                self.runner.open(rid, new.row, self.state.plan.group(self.state.step, new.slot), resume=earlier)
 
     def _returned(self, seen: Seen) -> tuple[Returned, list[Any]]:
         """What ``seen`` brings back: the responses that finished (environment replies and finished
@@ -574,5 +574,5 @@ def opens_ahead(policy: Policy, step: int, seed: int) -> list[EnvCall]:
     if ahead.done():
         return []
     plan = ahead.start_round(step)
-    return [EnvCall("open", rid, row=new.row, seed=reset_seed(seed, f"{step}:{new.slot}"))
+    return [EnvCall("open", rid, row=new.row, seed=reset_seed(seed, plan.group(step, new.slot)))
             for new in RoundState(step, plan, ahead, 1).launch(plan.prompts) for _, rid, _ in new.run]

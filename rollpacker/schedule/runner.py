@@ -92,7 +92,7 @@ class EpisodeRunner:
         self._last_now: float | None = None
 
     def open(self, key: str, row: int, group: str, resume: Any = None) -> None:
-        """Open episode ``key`` of dataset row ``row`` in prompt group ``group`` (``STEP:SLOT``);
+        """Open episode ``key`` of dataset row ``row`` in prompt group ``group`` (:meth:`RoundPlan.group`);
         ``resume``: a partial response of it (an earlier round's) that its first turn continues."""
         self.rows[key] = row
         if resume is not None:

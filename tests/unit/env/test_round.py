@@ -14,6 +14,7 @@ import pytest
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.env.contract import EnvReply, StepResult
 from rollpacker.env.episode import Episode, Response, reset_seed, turn_seed
+from rollpacker.schedule.eval import EvalPolicy
 from rollpacker.schedule.round import Round, RoundHooks, RoundState, Seen
 from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
@@ -80,6 +81,7 @@ class Driver:
 
     def __init__(self, whole: bool = False):
         self.whole, self.moved = whole, []  # the turn ids aborted
+        self.opened: dict[str, int] = {}  # episode -> its environment's reset seed
         self.running: dict[str, list] = {}  # turn id -> [replica, request, polls left, resumed]
         self.replies, self.aborted = [], []
         self.env_log: dict[str, list[str]] = collections.defaultdict(list)
@@ -112,7 +114,7 @@ class Driver:
         for call in a.env:
             self.env_log[call.key].append(call.kind)
             if call.kind == "open":
-                assert call.seed == reset_seed(SEED, call.key.rpartition(":")[0])
+                self.opened[call.key] = call.seed
                 self.replies.append(EnvReply(call.key, "open", (None, {}), seconds=0.1))
             elif call.kind == "step":
                 self.steps[call.key] += 1
@@ -179,6 +181,9 @@ def run_round(policy, step: int, driver: Driver, *, replicas: int = 2, hooks=Non
     driver.apply(SimpleNamespace(add=[], resume=[], abort=[], env=outcome.env))
     assert max(counting.calls.values()) == 1  # one on_finished per episode
     assert not (runner.rows or runner.live or runner.running)
+    group = state.plan.resets if state.plan.resets is not None else step  # a prompt group's episodes start alike
+    assert all(seed == reset_seed(SEED, f"{group}:{key.split(':')[1]}") for key, seed in driver.opened.items()
+               if key.startswith(f"{step}:"))
     return outcome, state, scaled
 
 
@@ -233,6 +238,20 @@ def test_the_same_rounds_give_the_same_turns_ids_and_seeds():
         groups = [run_round(policy, step, driver)[0].groups for step in range(2)]
         runs.append((driver.turns, [[o.token_ids for o in g.outputs] for gs in groups for g in gs]))
     assert runs[0] == runs[1] and runs[0][0]
+
+
+def test_every_evaluation_opens_the_same_episodes_and_none_a_training_round_opens():
+    """The held-out round's environments reset alike at every evaluation (its curve compares the same
+    episodes), and unlike those of a training round's prompt group of the same step and slot."""
+    opened = []
+    for step in (3, 7):
+        driver = Driver()
+        run_round(EvalPolicy(4, 2), step, driver)
+        opened.append({key.partition(":")[2]: seed for key, seed in driver.opened.items()})
+    assert opened[0] == opened[1] and len(opened[0]) == 8 and len(set(opened[0].values())) == 4
+    driver = Driver()
+    run_round(SyncConfig().build(PromptSampler(4), 4, 2, num_epochs=1), 3, driver)
+    assert len(set(driver.opened.values())) == 4 and not set(driver.opened.values()) & set(opened[0].values())
 
 
 def test_a_stream_round_migrates_episodes_at_a_turn_boundary():
