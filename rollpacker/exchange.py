@@ -165,7 +165,8 @@ class RoundResult:
         ``trained``: the ``(output, reward)`` of every response trained in the step (streamed ones
         too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it).
         ``reward/mean`` and ``reward/accuracy`` leave out episodes whose environment failed (``env/errors``),
-        as their groups' advantages do."""
+        as their groups' advantages do, and are left out of a step that trains no response (0 would read as
+        every response wrong: its groups may have been filtered out for all solving their prompts)."""
         from rollpacker.rollout.engine import spec_metrics
 
         lengths = [len(o.token_ids) for o, _ in trained]
@@ -178,8 +179,7 @@ class RoundResult:
             "sched/trained_prompts": len(self.groups),
             "sched/aborted_responses": self.num_aborted,
             "rollout/wasted_tokens": self.generated_tokens - sum(lengths),
-            "reward/mean": mean(rewards),
-            "reward/accuracy": mean([r >= 1.0 for r in rewards]),
+            **({"reward/mean": mean(rewards), "reward/accuracy": mean([r >= 1.0 for r in rewards])} if rewards else {}),
             "reward/overlong_penalty_mean": mean(penalties),
             "time/reward_exposed": self.reward_exposed_s,
             "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.rollout_end),

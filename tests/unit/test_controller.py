@@ -81,6 +81,8 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
     stats = ctl.round_stats(round_result([group]))
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/accuracy"] == pytest.approx(0.5)
     assert stats["rollout/response_lengths"] == [3, 4, 5]
+    stats = ctl.round_stats(round_result([]))  # nothing trained (every group filtered out): no reward to mean
+    assert "reward/mean" not in stats and "reward/accuracy" not in stats and stats["sched/trained_prompts"] == 0
 
 
 def test_a_prompt_retires_on_what_its_working_episodes_solved():
