@@ -191,7 +191,7 @@ class MetricsLogger:
     :meth:`start_at` first drops the records of the steps the run does again, so that each step is
     there once. The evaluation of the step it starts at (a finished run's final evaluation, of the
     weights the resumed run starts from) is held, not lost: the run's record of that step takes it
-    in, unless it has its own evaluation; :meth:`close` writes it back if the run logged no such record.
+    in, unless it has its own evaluation; until then it stays in the file (a run that dies first keeps it).
     """
 
     def __init__(self, run_dir: Path, config: MetricsConfig, run_config: dict) -> None:
@@ -201,8 +201,9 @@ class MetricsLogger:
         _drop_torn_line(self.path)
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._wandb_run = None
-        self._held: tuple[int, dict[str, Any]] | None = None
-        """(step, its ``eval/`` metrics) dropped by :meth:`start_at`, for the run's record of that step."""
+        self._held: tuple[int, dict[str, Any], int] | None = None
+        """(step, its ``eval/`` metrics, where their line starts) kept by :meth:`start_at` as the file's last line,
+        for the run's record of that step to take in."""
         self._tables: dict[int, dict[str, Any]] = {}
         """Step -> its wandb tables not logged yet: they go with the step's record (wandb drops a step logged
         after a later one, and one_step_off writes batch k+1's samples before step k's record)."""
@@ -218,18 +219,20 @@ class MetricsLogger:
                                   "rollpacker[tensorboard]), or drop --metrics.tensorboard") from e
 
     def start_at(self, step: int) -> None:
-        """Drop the records of ``step`` and later: this run logs them (again, after a resume)."""
+        """Drop the records of ``step`` and later: this run logs them (again, after a resume). The evaluation
+        of ``step`` stays, as that step's last line, until this run's record of the step replaces it."""
         if self._file is None or not self.path.stat().st_size:
             return
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = [line for line in lines if _step_of(line) < step]
+        kept = "".join(line for line in lines if _step_of(line) < step)
         evaluated = {k: v for line in lines if _step_of(line) == step
                      for k, v in json.loads(line).items() if k.startswith("eval/")}
-        self._held = (step, evaluated) if evaluated else None
+        self._held = (step, evaluated, len(kept.encode())) if evaluated else None
         self._purge_step = step
-        if len(kept) < len(lines):
+        if kept != "".join(lines):
             self._file.close()
-            self.path.write_text("".join(kept), encoding="utf-8")
+            self.path.write_text(kept + (json.dumps({"step": step, **evaluated}) + "\n" if evaluated else ""),
+                                 encoding="utf-8")
             self._file = self.path.open("a", encoding="utf-8")
             logger.info("%s: dropped the %d records of step %d and later, which this run does again", self.path,
                         len(lines) - len(kept), step)
@@ -240,10 +243,13 @@ class MetricsLogger:
         if self._file is None:
             raise RuntimeError(f"MetricsLogger for {self.path} is closed")
         metrics = {k: _plain(v) for k, v in metrics.items()}
-        if self._held is not None and self._held[0] == step:
-            if not any(k.startswith("eval/") for k in metrics):
-                metrics |= self._held[1]
+        if self._held is not None and self._held[0] <= step:
+            held, evaluated, end = self._held
             self._held = None
+            if held == step:  # this record takes the held evaluation's line (the file's last) in
+                self._file.truncate(end)
+                if not any(k.startswith("eval/") for k in metrics):
+                    metrics |= evaluated
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
         if self._wandb_run is not None:
@@ -293,9 +299,7 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flush and close the JSONL file and finish the wandb run; safe to call twice."""
-        if self._held is not None and self._file is not None:  # the held evaluation, back as it was
-            self._file.write(json.dumps({"step": self._held[0], **self._held[1]}) + "\n")
-            self._held = None
+        self._held = None  # its line stays the step's record
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -142,3 +142,11 @@ def test_a_resumed_run_keeps_the_evaluation_of_the_step_it_resumes_from(tmp_path
     assert again[-1] == {"step": 2, "eval/accuracy": 0.75, "reward/mean": 2.0} and len(again) == 3
     assert run(finished, [], 2) == [{"step": s, **m} for s, m in finished]  # stopped before logging it
     assert len(run(finished, [(1, {"reward/mean": 1.5})], 1)) == 1 + 1  # a step redone: its later evaluation too
+    run(finished, [], 2)
+    resumed = MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {})
+    resumed.start_at(2)  # killed before logging step 2: the evaluation is in the file all the same
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines()[-1] == '{"step": 2, "eval/accuracy": 0.5}'
+    resumed.log(2, {"reward/mean": 2.0})
+    resumed.close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:] == [
+        {"step": 1, "reward/mean": 1.0}, {"step": 2, "reward/mean": 2.0, "eval/accuracy": 0.5}]
