@@ -201,7 +201,8 @@ class Controller:
             self.envs.warm(lambda: opens_ahead(self.policy, step, self.envs.seed), self.rows)
 
     def eval_round(self, step: int) -> ExchangeRound:
-        """A held-out round: every eval row once."""
+        """A held-out round: every eval row once (its reward functions told the step, as a training round's)."""
+        self.rewards.state = self.trainer_state(step)
         return self.eval_leader.round(step, self.eval_leader.policy.start_round(step))
 
     def encode_prompt(self, row: dict) -> list[int]:

@@ -3,6 +3,8 @@ number per group, the step's global count over streamed groups too, and the roun
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from rollpacker.config import Config
@@ -204,3 +206,14 @@ def test_rows_are_fitted_with_the_schemas_of_the_tools_their_episodes_start_with
     assert fit(plain) == [row]
     with pytest.raises(DatasetError, match="no prompt fits the context length"):
         fit(with_tools)
+
+
+def test_the_reward_functions_of_a_held_out_round_are_told_its_step():
+    """trainer_state.global_step in an evaluation is the step evaluated (it was the last training round's)."""
+    rewards = Rewards()
+    ctl = Controller(config=Config(), rows=[], eval_rows=[{"id": "e0", "prompt": "1+1"}], tokenizer=None,
+                     rewards=rewards, policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None,
+                     display=SimpleNamespace(update=None), max_model_len=200, envs=NO_ENVS)
+    ctl.build_leaders()
+    ctl.eval_round(5)
+    assert rewards.state.global_step == 5 and rewards.state.max_steps == Config().num_steps
