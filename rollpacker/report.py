@@ -224,7 +224,9 @@ def plot_eval(records: list[dict], ax) -> bool:
         source, metric = key[5:].rpartition("/")[::2]
         ax.plot(*zip(*points), marker="o", linestyle="--" if metric.startswith("mean") else "-",
                 label=f"{source or 'all'} {metric}")
-    ax.set(xlabel="step", title="held-out evaluation: pass@k (solid), mean@n (dashed)", ylim=(-0.02, 1.02))
+    ys = [y for points in series.values() for _, y in points]  # mean@n: a reward may be below 0 or above 1
+    ax.set(xlabel="step", title="held-out evaluation: pass@k (solid), mean@n (dashed)",
+           ylim=(min(0.0, *ys) - 0.02, max(1.0, *ys) + 0.02))
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return True
 

@@ -89,6 +89,13 @@ def test_report_plots_eval_pass_at_k_per_source_and_each_reward_function_with_th
     assert all((run_dir / "plots" / name).stat().st_size for name in ("eval.png", "reward_functions.png"))
     assert sorted(report.eval_series(lines)) == ["eval/gsm8k/mean@4", "eval/gsm8k/pass@1", "eval/gsm8k/pass@4",
                                                  "eval/mean@4", "eval/pass@1", "eval/pass@4", "eval/toy/long/pass@1"]
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    assert report.plot_eval([{"step": 0, "eval/mean@4": 1.3}, {"step": 1, "eval/mean@4": -0.5}], ax)
+    low, high = ax.get_ylim()  # a reward of 1.3 (or -0.5) is on the plot, not above (below) it
+    assert low < -0.5 and high > 1.3
+    plt.close("all")
 
 
 def test_the_rewards_page_tests_a_function_as_it_says_on_its_own_example(tmp_path, monkeypatch, capsys):
