@@ -224,15 +224,15 @@ class MetricsLogger:
         if self._file is None or not self.path.stat().st_size:
             return
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = "".join(line for line in lines if _step_of(line) < step)
+        kept = [line for line in lines if _step_of(line) < step]
         evaluated = {k: v for line in lines if _step_of(line) == step
                      for k, v in json.loads(line).items() if k.startswith("eval/")}
-        self._held = (step, evaluated, len(kept.encode())) if evaluated else None
+        self._held = (step, evaluated, len("".join(kept).encode())) if evaluated else None
         self._purge_step = step
-        if kept != "".join(lines):
+        if len(kept) < len(lines):
             self._file.close()
-            self.path.write_text(kept + (json.dumps({"step": step, **evaluated}) + "\n" if evaluated else ""),
-                                 encoding="utf-8")
+            held = [json.dumps({"step": step, **evaluated}) + "\n"] if evaluated else []
+            self.path.write_text("".join(kept + held), encoding="utf-8")
             self._file = self.path.open("a", encoding="utf-8")
             logger.info("%s: dropped the %d records of step %d and later, which this run does again", self.path,
                         len(lines) - len(kept), step)
