@@ -181,9 +181,8 @@ def run_round(policy, step: int, driver: Driver, *, replicas: int = 2, hooks=Non
     driver.apply(SimpleNamespace(add=[], resume=[], abort=[], env=outcome.env))
     assert max(counting.calls.values()) == 1  # one on_finished per episode
     assert not (runner.rows or runner.live or runner.running)
-    group = state.plan.resets if state.plan.resets is not None else step  # a prompt group's episodes start alike
-    assert all(seed == reset_seed(SEED, f"{group}:{key.split(':')[1]}") for key, seed in driver.opened.items()
-               if key.startswith(f"{step}:"))
+    assert all(seed == reset_seed(SEED, state.plan.group(step, int(key.split(":")[1])))  # a group's start alike
+               for key, seed in driver.opened.items() if key.startswith(f"{step}:"))
     return outcome, state, scaled
 
 
