@@ -113,6 +113,9 @@ class RoundResult:
     generated_tokens: int
     """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus); a response
     resumed from an earlier round (``RoundPlan.carried``) counts only its new tokens."""
+    wasted_tokens: int
+    """Of those and the carried ones, the tokens neither trained nor held for a later round
+    (:attr:`~rollpacker.schedule.round.RoundOutcome.wasted_tokens`)."""
     running_trace: list[tuple[float, int]]
     """(time, requests running over all replicas) at every poll: the bubble ratio's input."""
     start: float
@@ -178,7 +181,7 @@ class RoundResult:
             "sched/round_kind": self.kind,
             "sched/trained_prompts": len(self.groups),
             "sched/aborted_responses": self.num_aborted,
-            "rollout/wasted_tokens": self.generated_tokens - sum(lengths),
+            "rollout/wasted_tokens": self.wasted_tokens,
             **({"reward/mean": mean(rewards), "reward/accuracy": mean([r >= 1.0 for r in rewards])} if rewards else {}),
             "reward/overlong_penalty_mean": mean(penalties),
             "time/reward_exposed": self.reward_exposed_s,
@@ -454,6 +457,7 @@ class ExchangeRound:
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
                            cut=outcome.aborted, generated_tokens=outcome.generated_tokens,
+                           wasted_tokens=outcome.wasted_tokens,
                            running_trace=self.trace, start=self.start, last_finish=outcome.last_finish,
                            rollout_end=self.rollout_end, end=time.time(),
                            num_preemptions=sum(r.num_preemptions for r in counters), hook_metrics=outcome.hook_metrics,

@@ -95,6 +95,9 @@ class EvalPolicy:
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def held_tokens(self) -> int:
+        return 0
+
     def done(self) -> bool:
         return False
 

@@ -384,6 +384,9 @@ class RoundOutcome:
     """Every episode cut."""
     generated_tokens: int
     """Response tokens generated in the round, kept or not; a resumed carried response counts its new tokens."""
+    wasted_tokens: int
+    """Generated tokens neither trained nor held for a later round (aborted, surplus, filtered), and tokens
+    carried in from an earlier round and dropped here: ``generated + carried = trained + held + wasted``."""
     last_finish: float
     """When the last response the round waited for came back."""
     scaled: ScaledDown | None
@@ -483,9 +486,13 @@ class Round:
         runner = self.runner
         metrics = self.hooks.finish(self.scaled, self.num_fed) | runner.stats.metrics()
         groups = self.state.finish(self.groups, self.cut)
-        carried = sum(len(o.token_ids) for o in self.state.plan.carried.values() if o.finish_reason == "abort")
+        carried = self.state.plan.carried.values()
+        resumed = sum(len(o.token_ids) for o in carried if o.finish_reason == "abort")
+        generated = self.tokens_done + sum(len(o.token_ids) for o in self.cut) - resumed
+        trained = sum(len(o.token_ids) for g in groups for o in g.outputs)
+        wasted = generated + sum(len(o.token_ids) for o in carried) - trained - self.state.policy.held_tokens()
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
-                            generated_tokens=self.tokens_done + sum(len(o.token_ids) for o in self.cut) - carried,
+                            generated_tokens=generated, wasted_tokens=wasted,
                             last_finish=self.last_finish, scaled=self.scaled, num_fed=self.num_fed,
                             hook_metrics=metrics, env=runner.take_calls(), env_errors=runner.stats.causes,
                             filtered=self.state.filtered)

@@ -207,6 +207,10 @@ class SortedPolicy(QueuedPolicy):
     def stats(self) -> dict[str, Any]:
         return {f"sched/{k}": v for k, v in self._stats.items()}
 
+    def held_tokens(self) -> int:
+        """The buffer's tokens: the partials and finished siblings of the deferred prompts (none unless partial)."""
+        return sum(len(out.token_ids) for e in self.buffer.values() for out in e.outputs if out is not None)
+
     # -- checkpoint --------------------------------------------------------------------------
 
     def _snapshot(self) -> dict[Key, tuple[list, list, list]]:

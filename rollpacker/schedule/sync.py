@@ -93,6 +93,9 @@ class SyncPolicy:
     def stats(self) -> dict[str, Any]:
         return {"sched/filtered": len(self.dropped), "sched/epoch": self.sampler.epoch}
 
+    def held_tokens(self) -> int:
+        return 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
 

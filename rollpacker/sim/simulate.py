@@ -162,6 +162,8 @@ class RoundRecord:
     aborted: list[Seq]
     generated_tokens: int
     """Tokens generated in the round, kept or thrown away."""
+    wasted_tokens: int
+    """Of those and the carried ones, the tokens neither trained nor held for later (``RoundOutcome.wasted_tokens``)."""
     num_preemptions: int
     num_session_evictions: int
     """Resident sessions evicted for KV (their next turns prefill everything again)."""
@@ -410,7 +412,7 @@ class _SimRound:
         replicas, scaled = self.replicas, outcome.scaled
         return RoundRecord(
             kind=self.plan.kind, rollout_s=self.now, groups=outcome.groups, num_launched=outcome.num_launched,
-            aborted=outcome.aborted, generated_tokens=outcome.generated_tokens,
+            aborted=outcome.aborted, generated_tokens=outcome.generated_tokens, wasted_tokens=outcome.wasted_tokens,
             num_preemptions=sum(r.num_preemptions for r in replicas),
             num_session_evictions=sum(r.num_session_evictions for r in replicas),
             bubble_ratio=bubble_ratio(self.trace, outcome.num_launched, self.now), completions=self.completions,
@@ -466,7 +468,7 @@ class StepResult:
     """Rollout TP of the round."""
     trained_tokens: int
     wasted_tokens: int
-    """Generated tokens not trained on (aborted, surplus, deferred)."""
+    """Generated tokens neither trained nor held for a later round (aborted, surplus, deferred, filtered)."""
     scaled_down: bool = False
     """The stream trainer scaled rollout down in this round."""
     scaled_frac: float = 0.0
@@ -518,7 +520,7 @@ def step_times(step: int, record: RoundRecord, cfg: SimConfig, cost: CostModel, 
         step=step, kind=record.kind, rollout_s=record.rollout_s, reward_s=reward_s, train_s=train_s,
         sync_s=cost.sync_s(), num_preemptions=record.num_preemptions, bubble_ratio=record.bubble_ratio, tp=cost.tp,
         max_length=max((s.length for s in outputs), default=0), trained_tokens=trained,
-        wasted_tokens=record.generated_tokens - trained, scaled_down=record.scaled_at is not None,
+        wasted_tokens=record.wasted_tokens, scaled_down=record.scaled_at is not None,
         scaled_frac=record.scaled_frac, hidden_train_s=hidden / cfg.train_pool, record=record if keep else None)
 
 

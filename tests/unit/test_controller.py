@@ -38,8 +38,8 @@ def output(n: int, reason: str = "stop") -> Response:
 def round_result(groups: list[Group]) -> RoundResult:
     lengths = sum(len(o.token_ids) for g in groups for o in g.outputs)
     return RoundResult(kind="sync", groups=groups, num_launched=6, cut=[], generated_tokens=lengths + 7,
-                       running_trace=[(1.0, 6), (2.0, 3)], start=0.0, last_finish=3.0, rollout_end=3.5, end=4.0,
-                       num_preemptions=2)
+                       wasted_tokens=7, running_trace=[(1.0, 6), (2.0, 3)], start=0.0, last_finish=3.0,
+                       rollout_end=3.5, end=4.0, num_preemptions=2)
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])

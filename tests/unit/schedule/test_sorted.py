@@ -301,13 +301,16 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
 
     engine = ResumingEngine(length)
     policy = SortedPolicy(PromptSampler(12, seed=0), 2, 2, num_batches=2, partial=True, num_epochs=1)
-    step, kept, stale = 0, [], []
+    step, kept, stale, generated, trained = 0, [], [], 0, 0
     while not policy.done():
         engine.generated = 0
         leader = RoundLeader(policy=policy, rows=list(range(12)), encode=lambda row: [row],
                              rewards=InstantRewards(reward), sampling=SamplingParams(max_new_tokens=1000))
         result = run_round(OneReplica(), engine, 1, leader.round(step, policy.start_round(step)))
         assert result.generated_tokens == engine.generated  # resumed prefixes are not counted twice
+        # Every token is trained, at this step or after a later one: none wasted, though a step trains what others made.
+        assert result.wasted_tokens == 0 and result.metrics([], [])["rollout/wasted_tokens"] == 0
+        generated, trained = generated + result.generated_tokens, trained + sum(result.trained_lengths)
         for g in result.groups:
             assert g.rewards == [reward(g.prompt, o.id) for o in g.outputs]
             assert [len(o.token_ids) for o in g.outputs] == [length(g.prompt, k) for k in range(2)]
@@ -315,6 +318,7 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
             stale += g.staleness
         step += 1
     assert kept and max(stale) >= 1 and policy.ledger.rows(0, "trained") == list(range(12))
+    assert generated == trained and policy.held_tokens() == 0
 
 
 # --- config -------------------------------------------------------------------------------------

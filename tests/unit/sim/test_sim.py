@@ -354,9 +354,10 @@ def test_sortedrl_runs_in_the_simulator_and_partial_mode_resumes_what_it_cut(pol
     assert all(len(r.record.groups) == 8 for r in results)  # P0 groups every round
     staleness = [s for r in results for g in r.record.groups for s in g.staleness]
     if policy == "sorted":  # cut responses are generated afresh: tokens thrown away, nothing stale
-        assert sum(r.wasted_tokens for r in results) > 0 and not any(staleness)
-    else:  # cut responses resume next round; 4 steps consume 2 load groups whole: nothing is thrown away
-        assert sum(r.wasted_tokens for r in results) == 0 and max(staleness) >= 1
+        assert all(r.wasted_tokens >= 0 for r in results) and sum(r.wasted_tokens for r in results) > 0
+        assert not any(staleness)
+    else:  # cut responses resume next round; 4 steps consume 2 load groups whole: nothing is thrown away, at any step
+        assert [r.wasted_tokens for r in results] == [0] * 4 and max(staleness) >= 1
     # The second round of each load group launches its 8 prompts left, 4 responses each, less (in partial
     # mode) the responses that had finished in the first.
     launched = [results[i].record.num_launched for i in (1, 3)]
