@@ -100,10 +100,10 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
 
 def evaluate(job: Job, step: int) -> dict[str, float]:
     """The held-out metrics (:func:`~rollpacker.schedule.eval.eval_metrics`; an episode's step infos:
-    :func:`~rollpacker.env.info.info_metrics`), through the same engines: ``eval.n`` responses per prompt
-    at ``eval.temperature`` (greedy, one each by default)."""
+    :func:`~rollpacker.env.info.info_metrics`; with environments, ``eval/env_errors``), through the same
+    engines: ``eval.n`` responses per prompt at ``eval.temperature`` (greedy, one each by default)."""
     from rollpacker.env.info import info_metrics
-    from rollpacker.schedule.eval import eval_metrics
+    from rollpacker.schedule.eval import eval_metrics, eval_rewards
 
     ctl = job.controller
     job.engine.resume_memory()  # a pipe train-pool rank's engine is released between its rounds
@@ -115,5 +115,6 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
     sources = [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups]
     outputs = [(o, source) for g, source in zip(result.groups, sources) for o in g.outputs]
-    return (eval_metrics([[r or 0.0 for r in g.rewards] for g in result.groups], sources)
+    failed = {"eval/env_errors": result.hook_metrics["env/errors"]} if "env/errors" in result.hook_metrics else {}
+    return (eval_metrics([eval_rewards(g) for g in result.groups], sources) | failed
             | info_metrics([o for o, _ in outputs], "eval/", [source for _, source in outputs]))

@@ -32,6 +32,12 @@ class EvalConfig:
                              "set eval.temperature (e.g. 0.6) or eval.n=1")
 
 
+def eval_rewards(group: Group) -> list[float]:
+    """A held-out group's rewards to evaluate: an episode whose environment failed counts as unsolved (0, as a
+    benchmark counts an item that errored, whatever its partial text scored), a missing reward as 0."""
+    return [0.0 if o.finish_reason == "error" else r or 0.0 for o, r in zip(group.outputs, group.rewards)]
+
+
 def eval_metrics(rewards: list[list[float]], sources: list[str | None]) -> dict[str, float]:
     """``eval/`` metrics of each prompt's rewards (``sources``: its data_source, or None).
 

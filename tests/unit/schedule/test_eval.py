@@ -52,6 +52,17 @@ def test_eval_metrics_mean_and_unbiased_pass_at_k_per_data_source():
     assert greedy == {"eval/accuracy": 0.5, "eval/reward_mean": 0.5, "eval/mean@1": 0.5, "eval/pass@1": 0.5}
 
 
+def test_a_held_out_episode_whose_environment_failed_counts_as_unsolved():
+    from rollpacker.env.episode import Response
+    from rollpacker.schedule.base import Group
+    from rollpacker.schedule.eval import eval_rewards
+
+    outputs = [Response(id=f"0:0:{k}", prompt_ids=[1], token_ids=[2], finish_reason=reason)
+               for k, reason in enumerate(["stop", "error", "length"])]
+    # the failed episode's partial text scored 1.3 (its answer came before the environment broke): not a success
+    assert eval_rewards(Group(prompt=0, outputs=outputs, rewards=[1.0, 1.3, None])) == [1.0, 0.0, 0.0]
+
+
 def test_eval_config_refuses_copies_of_one_greedy_response():
     from rollpacker.schedule.eval import EvalConfig
 
