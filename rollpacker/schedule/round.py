@@ -385,8 +385,9 @@ class RoundOutcome:
     generated_tokens: int
     """Response tokens generated in the round, kept or not; a resumed carried response counts its new tokens."""
     wasted_tokens: int
-    """Generated tokens neither trained nor held for a later round (aborted, surplus, filtered), and tokens
-    carried in from an earlier round and dropped here: ``generated + carried = trained + held + wasted``."""
+    """Generated tokens neither trained nor held for a later round (aborted, surplus, filtered, of an episode whose
+    environment failed), and tokens carried in from an earlier round and dropped here:
+    ``generated + carried = trained + held + wasted``."""
     last_finish: float
     """When the last response the round waited for came back."""
     scaled: ScaledDown | None
@@ -489,7 +490,7 @@ class Round:
         carried = self.state.plan.carried.values()
         resumed = sum(len(o.token_ids) for o in carried if o.finish_reason == "abort")
         generated = self.tokens_done + sum(len(o.token_ids) for o in self.cut) - resumed
-        trained = sum(len(o.token_ids) for g in groups for o in g.outputs)
+        trained = sum(len(o.token_ids) for g in groups for o in g.outputs if o.finish_reason != "error")
         wasted = generated + sum(len(o.token_ids) for o in carried) - trained - self.state.policy.held_tokens()
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
                             generated_tokens=generated, wasted_tokens=wasted,

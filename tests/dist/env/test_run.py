@@ -370,6 +370,9 @@ def test_raising_hanging_and_garbage_environments_are_skipped_counted_and_named(
                 assert r["model_tokens"] == 0 and not any(t["trained"] for t in r["turns"])  # trains nothing
     errors = sum(r["end"] == "error" for rs in by_row.values() for r in rs)
     assert step["env/errors"] == errors >= 6, causes
+    # sync aborts nothing: the failed episodes' tokens, trained on nothing, are the step's waste
+    failed = [r["length"] for rs in by_row.values() for r in rs if r["end"] == "error"]
+    assert step["rollout/wasted_tokens"] == sum(failed), failed
     assert step["env/reset_retries"] == 1  # toy-0-2's first reset, tried again: its episodes ran (below)
     said = [line for line in proc.stderr.splitlines() if "an episode ended untrained" in line]
     assert len(said) == 3 and len(set(said)) == 3 and "more environment errors" in proc.stderr  # each once, 3 shown
