@@ -145,6 +145,11 @@ class Config:
                 "policy's. Set "
                 "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
                 f"or use schedule:{s.on_policy_alternative}")
+        if self.data.path and not (self.reward.funcs or self.reward.group_funcs or self.env.factory):
+            raise ValueError(f"data.path {', '.join(self.data.path)} without reward.funcs: the default reward (toy) "
+                             "scores only the toy task's '#### N' answers, so every response to other data would score "
+                             "0. Name what scores its rows: reward.funcs math (the answer column, boxed or last "
+                             "number), FILE.py:FUNCTION (docs/your-task.md), or toy for data in the toy task's format")
         if s.filter_zero_variance and self.rollout.group_size < 2:
             raise ValueError("schedule.filter_zero_variance drops the groups whose rewards are all equal: with "
                              "rollout.group_size=1 that is every group; use a group size of 2 or more")

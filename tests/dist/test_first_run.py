@@ -62,7 +62,8 @@ def args(tmp_path: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["schedule:tail", "--data.path", str(tmp_path / "rows.jsonl"), "--data.system-prompt", SYSTEM,
             "--rollout.num-prompts", "4", "--rollout.group-size", "2", "--rollout.max-new-tokens", "32",
             "--num-epochs", "1", "--num-steps", "100", "--checkpoint-every", "1", "--eval-every", "0",
-            "--metrics.samples-every", "1", "--run-dir", str(run_dir), *QUIET, *extra]
+            "--metrics.samples-every", "1", "--run-dir", str(run_dir), *QUIET,
+            *(() if "--reward.funcs" in extra else ("--reward.funcs", "toy")), *extra]  # the rows are the toy task's
 
 
 def start(tmp_path: Path, name: str, command: list[str], **env: str) -> tuple[subprocess.Popen, Path, Path]:

@@ -231,3 +231,17 @@ def test_env_warm_is_refused_where_it_would_do_nothing():
         Config(schedule=OneStepOffConfig(), env=EnvConfig(factory="toy", warm=True),
                train=TrainConfig(rollout_correction="token_tis"))
     Config(env=EnvConfig(factory="toy", warm=True))
+
+
+def test_data_of_ones_own_without_a_reward_function_is_refused_naming_the_flag():
+    """The default reward (toy) would score every response to other data 0, silently."""
+    from rollpacker.config import Config
+    from rollpacker.data.dataset import DataConfig
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.reward.config import RewardConfig
+
+    data = DataConfig(path=("train.jsonl",))
+    with pytest.raises(ValueError, match=r"data.path train.jsonl without reward.funcs: the default reward \(toy\)"):
+        Config(data=data)
+    Config(data=data, reward=RewardConfig(funcs=("math",)))
+    Config(data=data, env=EnvConfig(factory="toy"))  # the environment's rewards
