@@ -294,7 +294,9 @@ class MetricsLogger:
             columns = list(samples[0])
             rows = [[v if isinstance(v, (int, float, str)) or v is None else json.dumps(v, default=str)
                      for v in s.values()] for s in samples]
-            self._tables.setdefault(step, {})[table] = wandb.Table(columns=columns, data=rows)
+            # a column may hold a number in one row and text in another (the answers of two files, what a reward
+            # function logged): wandb's typed table would raise on it, so types may mix
+            self._tables.setdefault(step, {})[table] = wandb.Table(columns=columns, data=rows, allow_mixed_types=True)
         return path
 
     def close(self) -> None:

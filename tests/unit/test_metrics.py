@@ -144,9 +144,10 @@ def test_logger_offline_writes_jsonl_and_wandb_files(tmp_path, monkeypatch):
         logger.log(0, {"reward/mean": 0.25, "rollout/response_lengths": [1, 2, 3], "sched/round_kind": "short"})
         logger.log(1, {"reward/mean": 0.5, "rollout/response_lengths": []})
         sample = {"step": 1, "prompt": [{"role": "user", "content": "1+1"}], "completion": "2", "reward": 1.0,
-                  "rewards": {"toy": 1.0, "other": None}, "length": 2, "finish_reason": "stop"}
-        path = logger.log_samples(1, "step_1", [sample])  # and a wandb table of it
-        assert path == run_dir / "samples" / "step_1.jsonl" and _read_jsonl(path) == [sample]
+                  "rewards": {"toy": 1.0, "other": None}, "length": 2, "finish_reason": "stop", "answer": 2}
+        path = logger.log_samples(1, "step_1", [sample, {**sample, "answer": "x"}])
+        # ... and a wandb table of them, though the answers of two files may be a number and text
+        assert path == run_dir / "samples" / "step_1.jsonl" and _read_jsonl(path)[0] == sample
         assert os.environ["WANDB_ERROR_REPORTING"] == "false"  # no usage telemetry sent anywhere
     records = _read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
