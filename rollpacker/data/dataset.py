@@ -370,9 +370,9 @@ def _bad_lines(path: Path) -> list[tuple[int, str]]:
 
 def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     """A record as a row: every column kept, ``prompt`` from ``prompt_key`` (a string or chat messages),
-    ``answer`` from ``answer_key`` (a string), ``id`` a string. With the default ``answer_key`` a row
-    without ``answer`` takes verl's ``reward_model.ground_truth``; with another, ``answer`` is only
-    that column's (None when the row lacks it: never the row's own ``answer`` column).
+    ``answer`` from ``answer_key`` (any value: the built-in functions check theirs), ``id`` a string. With
+    the default ``answer_key`` a row without ``answer`` takes verl's ``reward_model.ground_truth``; with
+    another, ``answer`` is only that column's (None when the row lacks it: never the row's own ``answer`` column).
     Raises ValueError saying what is wrong."""
     row = dict(record)
     if row.get(config.prompt_key) is None:  # datasets fills a column a record lacks with None
@@ -385,15 +385,7 @@ def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     elif answer is None:  # another answer_key: never the row's own answer column (a reward check says it is missing)
         row["answer"] = None
     if answer is not None:
-        if isinstance(answer, float) and answer.is_integer():  # Arrow reads a column of 1 and 2.5 as floats
-            answer = int(answer)
-        if isinstance(answer, int) and not isinstance(answer, bool):
-            answer = str(answer)
-        if not isinstance(answer, str):
-            value = json.dumps(answer, default=str)[:40]
-            raise ValueError(f"field {key!r} must be a string, got {type(answer).__name__} {value} "
-                             "(quote it: \"...\")")
-        row["answer"] = answer
+        row["answer"] = answer  # as the file has it (TRL and verl pass it so); the built-ins check theirs
     if row.get("id") is None:
         row["id"] = default_id
     elif isinstance(row["id"], int) and not isinstance(row["id"], bool):

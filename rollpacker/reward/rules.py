@@ -64,16 +64,24 @@ def toy_reward(response: str, answer: str) -> float:
     return toy_task.score(response, answer)
 
 
-def toy(completions: list, answer: list[str] | None = None, **_) -> list[float | None]:
+def toy(completions: list, answer: list | None = None, **_) -> list[float | None]:
     """The built-in ``toy``: :func:`toy_reward` of each completion (None without an answer)."""
-    return [None if a is None else toy_reward(completion_text(c), a)
+    return [None if a is None else toy_reward(completion_text(c), answer_text(a))
             for c, a in zip(completions, _or_none(answer, completions))]
 
 
-def math(completions: list, answer: list[str] | None = None, **_) -> list[float | None]:
+def math(completions: list, answer: list | None = None, **_) -> list[float | None]:
     """The built-in ``math``: :func:`math_reward` of each completion (None without an answer)."""
-    return [None if a is None else math_reward(completion_text(c), a)
+    return [None if a is None else math_reward(completion_text(c), answer_text(a))
             for c, a in zip(completions, _or_none(answer, completions))]
+
+
+def answer_text(answer: str | int | float) -> str:
+    """A reference answer as the built-ins read it: a number as its text, a whole float without its ``.0``
+    (Arrow reads a column of 1 and 2.5 as floats)."""
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    return str(answer)
 
 
 math.warm_up = _math_verify  # a reward worker imports math-verify before it says ready, not in its first call

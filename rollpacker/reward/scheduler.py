@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,16 @@ class MatchFunction(RewardFunction):
     """``toy`` and ``math``: the row's ``answer`` checked by rule."""
 
     columns = ("answer",)
+
+    def check_row(self, row: dict) -> None:
+        answer = row["answer"]
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ValueError(f"field 'answer' must be a string or a number for reward.funcs {self.name}, got "
+                             f"{type(answer).__name__} {json.dumps(answer, default=str)[:40]} (a function of your "
+                             "own gets the column as it is)")
+        if not str(answer).strip():
+            raise ValueError(f"field 'answer' is empty: reward.funcs {self.name} has nothing to check a response "
+                             "against")
 
 
 class CodeFunction(RewardFunction):

@@ -135,17 +135,25 @@ def test_non_string_prompt(tmp_path):
         load(path)
 
 
-def test_answers_as_strings_integers_kept_as_their_text(tmp_path):
-    assert load(write(tmp_path, [json.dumps({"prompt": "p", "answer": 42})]))[0]["answer"] == "42"
-    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": [4]})])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'answer' must be a string, got list \[4\]"):
+def test_answers_are_kept_as_the_file_has_them_and_the_built_ins_check_theirs(tmp_path):
+    """TRL and verl pass a column to the user's functions as it is: an integer stays one, a verl ground_truth dict
+    (Search-R1's {"target": [...]}) a dict; math and toy take a string or a number, and refuse the rest by row."""
+    from rollpacker.reward.rules import math, toy
+
+    rows = [{"prompt": "p", "answer": 42}, {"prompt": "q", "answer": 2.5}, {"prompt": "r", "answer": 3.0}]
+    path = write(tmp_path, [json.dumps(r) for r in rows])
+    assert [r["answer"] for r in load(path)] == [42, 2.5, 3.0]  # as Arrow reads the column (floats, 42.0)
+    assert math(["\\boxed{42}", "\\boxed{2.5}", "so 3"], answer=[42, 2.5, 3.0]) == [1.0, 1.0, 1.0]
+    assert toy(["#### 3", "#### 3"], answer=[3.0, "3"]) == [1.0, 1.0]
+    search_r1 = {"prompt": "p", "reward_model": {"ground_truth": {"target": ["Paris"]}}}
+    path = write(tmp_path, [json.dumps(search_r1)])
+    (tmp_path / "mine.py").write_text("def f(completions, answer, **kw):\n    return [0.0] * len(completions)\n")
+    assert load(path, (f"{tmp_path / 'mine.py'}:f",))[0]["answer"] == {"target": ["Paris"]}
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'answer' must be a string or a number for "
+                                           r"reward.funcs math, got dict \{\"target\": \[\"Paris\"\]\}"):
         load(path)
-    # Arrow reads a column of 1 and 2.5 as floats: 1 stays "1", and the error names the row of the 2.5
-    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": 1}), json.dumps({"prompt": "q", "answer": 2.5})])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:2: field 'answer' must be a string, got float 2.5"):
-        load(path)
-    path = write(tmp_path, [json.dumps({"prompt": "p", "reward_model": {"ground_truth": 1.5}})])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'reward_model.ground_truth' must be a string"):
+    path = write(tmp_path, [json.dumps({"prompt": "p", "answer": " "})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'answer' is empty: reward.funcs math has nothing"):
         load(path)
 
 
