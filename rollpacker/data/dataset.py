@@ -165,7 +165,8 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
     """The rows of each source in turn (the ``first`` of each): :func:`read_rows`. Of several, a row without a
     ``data_source`` takes its file's name (verl's datasets name theirs), and ids must be unique across them.
     Files of one name (verl's ``gsm8k/train.parquet`` and ``math/train.parquet``) are named with their folder,
-    Hub datasets of one name as given (``openai/gsm8k:main``)."""
+    Hub datasets of one name as given (``openai/gsm8k:main``). Every row has every file's columns, None where
+    its file lacks one (as one file's rows are): a reward function naming a column gets None, not a TypeError."""
     stems = Counter(_stem(Path(source)) for source in sources)
     rows, where_of = [], {}
     for source in sources:
@@ -181,7 +182,8 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
             if len(sources) > 1 and row.get("data_source") is None:
                 row["data_source"] = name
             rows.append(row)
-    return rows
+    columns = dict.fromkeys(key for row in rows for key in row)
+    return [{**columns, **row} for row in rows] if len(sources) > 1 else rows
 
 
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,

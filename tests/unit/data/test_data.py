@@ -191,6 +191,9 @@ def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_pa
     assert [(r["id"], r["data_source"]) for r in rows] == [
         ("gsm:1", "gsm"), ("gsm:2", "gsm"), ("gsm:3", "gsm"), ("math:1", "lighteval/MATH"), ("math:2", "math")]
     assert "data_source" not in load_rows(DataConfig(path=gsm))[0]  # one file: the rows as they are
+    code = write(tmp_path, [json.dumps({"prompt": "c", "tests": [{"input": "", "output": "1"}]})], "code.jsonl")
+    both = load_rows(DataConfig(path=(gsm, code)))  # TRL's multi-task recipe: code_reward(completions, tests)
+    assert (both[0]["tests"], both[-1]["answer"]) == (None, None)  # each file's columns on every row, None if not its
     held_out = load_eval_rows(DataConfig(path=gsm, eval_path=(gsm, mixed), num_eval_prompts=2))
     assert [r["id"] for r in held_out] == ["gsm:1", "gsm:2", "math:1", "math:2"]
 
