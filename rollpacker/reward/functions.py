@@ -181,6 +181,8 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
     n = len(samples)
 
     def read(values) -> Value | list[Value]:
+        if hasattr(values, "tolist"):  # a numpy array or a torch tensor, which TRL takes as a list
+            values = values.tolist()
         if not isinstance(values, (list, tuple)):
             raise BadValue(f"returned {type(values).__name__} {short(values)}; a TRL-convention function returns a "
                            "list with one float or None per completion")
@@ -243,5 +245,6 @@ def completion_text(completion) -> str:
 
 
 def prompt_text(prompt) -> str:
-    """A prompt (a string or chat messages) as text: the messages' contents, a blank line apart."""
-    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+    """A prompt (a string or chat messages) as text: the messages' contents, a blank line apart (a message
+    holding only tool calls has none)."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(m.get("content") or "" for m in prompt)

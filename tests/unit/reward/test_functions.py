@@ -285,3 +285,17 @@ def test_an_episodes_answer_is_its_last_assistant_message_not_a_tool_result_afte
     assert completion_text(turns) == "<tool_call>{}</tool_call>" and completion_text("#### 1") == "#### 1"
     assert toy(prompts=["q"], completions=[turns], answer=["4042"]) == [0.0]
     assert math(prompts=["q"], completions=[turns], answer=["4042"]) == [0.0]
+
+
+def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(tmp_path):
+    from rollpacker.reward.functions import call, prompt_text, resolve
+
+    path = tmp_path / "arrays.py"
+    path.write_text("import numpy, torch\n\ndef array(completions, **kw):\n    return numpy.array([1.0])\n\n"
+                    "def tensor(completions, **kw):\n    return torch.tensor([0.5])\n")
+    sample = {"columns": {}, "prompt": "p", "completion": "c", "completion_ids": [1]}
+    assert call(resolve(f"{path}:array", "array"), sample) == (1.0, {}, {})
+    assert call(resolve(f"{path}:tensor", "tensor"), sample) == (0.5, {}, {})
+    # the judge's text of a prompt whose assistant message holds only tool calls (content null, as the data allows)
+    calls = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": []}]
+    assert prompt_text(calls) == "2+3?\n\n"
