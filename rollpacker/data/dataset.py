@@ -80,7 +80,7 @@ class DataConfig:
     data_source, which a row of several sets lacking one takes from its file's name); empty = held-out toy problems
     (toy data only)."""
     eval_split: str = ""
-    """Split of eval_path (empty: split)."""
+    """Split of eval_path (empty: split); without eval_path, of path (a held-out slice: train[90%:])."""
     num_eval_prompts: int = 256
     """Held-out prompts per evaluation (the first this many of each eval set)."""
     skip_bad_lines: bool = False
@@ -149,10 +149,12 @@ def toy_rows(config: DataConfig, num: int, seed: int, *, held_out: bool = False)
 
 
 def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
-    """Held-out rows: the first ``num_eval_prompts`` of each set of ``eval_path``, or toy problems of the
+    """Held-out rows: the first ``num_eval_prompts`` of each set of ``eval_path`` (of ``path`` when only
+    ``eval_split`` is given: a slice training leaves out), or toy problems of the
     training mix from the part of the problem space training never draws, with a seed training never uses."""
-    if config.eval_path:
-        return read_sources(config.eval_path, config, split=config.eval_split or config.split, check=check,
+    sources = config.eval_path or (config.path if config.eval_split else ())  # a held-out slice of path's file
+    if sources:
+        return read_sources(sources, config, split=config.eval_split or config.split, check=check,
                             field="data.eval_path", first=config.num_eval_prompts)
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
@@ -170,7 +172,7 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
     stems = Counter(_stem(Path(source)) for source in sources)
     rows, where_of = [], {}
     for source in sources:
-        path = Path(source)
+        path = Path(source).expanduser()
         name = _stem(path)
         if stems[name] > 1:
             name = source if _is_hub(path) else f"{path.parent.name}/{name}"
@@ -196,7 +198,7 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
     is left out and counted in one warning. Ids must be unique.
     """
     config = config or DataConfig(path=str(source))
-    path = Path(source)
+    path = Path(source).expanduser()  # verl's configs say ~/data/...
     numbered, by_line, skipped = _read(path, split or config.split, config.skip_bad_lines, field)
     rows: list[dict] = []
     where_of: dict[str, str] = {}

@@ -235,9 +235,18 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
 
     assert [(r["id"], r["prompt"]) for r in load_rows(config)] == [("data:4", "q4"), ("data:5", "q5")]
     assert [r["id"] for r in load_eval_rows(config)] == ["data:1", "data:2", "data:3"]
+    # docs/your-task.md's slices: an eval_split alone is a slice of path's file
+    sliced = DataConfig(path=str(path), split="train[:60%]", eval_split="train[60%:]")
+    assert [r["id"] for r in load_eval_rows(sliced)] == ["data:4", "data:5"]
     with pytest.raises(DatasetError, match=r"data.eval_path: .*data(\.\w+)? has no split 'test' .*it has train "
                                            r"\(set data.eval_split"):
         load_eval_rows(DataConfig(path=str(path), eval_path=str(path), eval_split="test"))
+
+
+def test_a_path_from_home_is_read_as_verls_configs_write_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write(tmp_path, [json.dumps({"prompt": "p", "answer": "1"})], "mine.jsonl")
+    assert [r["id"] for r in load("~/mine.jsonl")] == ["mine:1"]
 
 
 def test_a_bad_row_in_a_slice_is_named_by_its_line_in_the_file(tmp_path):
