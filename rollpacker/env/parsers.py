@@ -8,6 +8,7 @@ templates; the formats are in ``docs/environments.md``). The contract, for every
 - it never raises: a call it cannot read is a :class:`ToolCall` with ``error`` set, answered
   with an ``error: ...`` tool message and counted (``tool_errors``): the model's mistake;
 - a call cut by a stop string before its closing tag still counts when what is there is whole;
+- arguments under a key the format does not use are an error, not a call run without them;
 - ids are deterministic (a replayed turn gets the same ones), in the form the template accepts.
 
 Where vLLM quietly turns a malformed call into text or a wrong value (``qwen3_coder``'s boolean
@@ -56,21 +57,42 @@ def _why(e: Exception) -> str:
     return f"{e.msg} at {e.pos}" if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:60]}"
 
 
+def _after_think(text: str) -> str:
+    """The turn after its reasoning (the last ``</think>``), as vLLM's Qwen3 reasoning parser and TRL split it:
+    a call drafted while thinking is not made."""
+    end = text.rfind("</think>")
+    return text if end < 0 else text[end + len("</think>"):]
+
+
+def _misplaced(value: Any, keys: tuple[str, ...]) -> str:
+    """Why a named JSON call with none of ``keys`` is not a call without arguments: it has keys besides its name,
+    id and type ("" when it has one of ``keys``, or nothing else; a call without a name is refused by its form)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or any(k in value for k in keys):
+        return ""
+    if set(value) <= {"name", "id", "type"}:
+        return ""
+    return f"arguments go under {' or '.join(map(json.dumps, keys))}, got keys {json.dumps(list(value))[:80]}"
+
+
 # hermes: Qwen2.5, Qwen3, NousResearch
 
-_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_HERMES = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)(?:</tool_call>|$)", re.DOTALL)
+"""A call's body holds no ``<tool_call>``: one mentioned earlier in the text does not swallow the call after it."""
 
 
 def hermes(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
-    """Hermes-style calls (Qwen2.5/3, NousResearch): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-    a call cut by a stop string before its closing tag still counts."""
+    """Hermes-style calls (Qwen2.5/3, NousResearch): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    after the turn's ``</think>``; a call cut by a stop string before its closing tag still counts."""
     calls = []
-    for i, body in enumerate(_HERMES.findall(text)):
+    for i, body in enumerate(_HERMES.findall(_after_think(text))):
         call_id = f"call_{i}"
         try:
             value = json.loads(body)
         except _NOT_JSON as e:
             calls.append(ToolCall("", {}, call_id, f"the tool call is not JSON ({_why(e)})"))
+            continue
+        if misplaced := _misplaced(value, ("arguments",)):
+            calls.append(ToolCall("", {}, call_id, misplaced))
             continue
         arguments = value.get("arguments", {}) if isinstance(value, dict) else None
         if isinstance(arguments, str):
@@ -97,19 +119,25 @@ def qwen3_coder(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
     """Qwen3-Coder's XML calls: ``<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n
     </function>\\n</tool_call>``. Values are text, converted by the tool's JSON schema (integer, number,
     boolean, object, array, null); an argument the schema does not type stays a string. A ``<function=``
-    block without ``<tool_call>`` counts too (as vLLM reads it); a call cut after a closed parameter counts."""
+    block without ``<tool_call>`` counts too (as vLLM reads it); a call cut after a closed parameter counts.
+    Only the text after the turn's ``</think>`` is read; a ``<tool_call>`` with another call opening before its
+    ``</tool_call>`` is text (``I wrap a call in <tool_call> tags``), not a malformed call."""
+    text = _after_think(text)
     properties = _properties(tools)
     calls: list[ToolCall] = []
     pos = 0
     while True:
-        starts = [i for i in (text.find("<tool_call>", pos), text.find("<function=", pos)) if i >= 0]
-        if not starts:
+        start = _next_call(text, pos)
+        if start < 0:
             return calls
-        start = min(starts)
         call_id = f"call_{len(calls)}"
         wrapped = text.startswith("<tool_call>", start)
         body = _skip_space(text, start + len("<tool_call>")) if wrapped else start
         if not text.startswith("<function=", body):
+            later = _next_call(text, body)
+            if later >= 0 and text.find("</tool_call>", body, later) < 0:  # a mention: the call opens later
+                pos = later
+                continue
             calls.append(ToolCall("", {}, call_id, f"a tool call is {_QWEN3_CODER_FORM}: <tool_call> is not "
                                                    "followed by <function=NAME>"))
             end = text.find("</tool_call>", body)
@@ -164,6 +192,11 @@ def _xml_function(text: str, start: int, call_id: str, properties: dict[str, dic
         except ValueError as e:
             return ToolCall(name, {}, call_id, f"parameter {key!r} of {name}: {e}"), _skip_call(text, pos)
         pos = close.end()
+
+
+def _next_call(text: str, pos: int) -> int:
+    """Where the next ``<tool_call>`` or ``<function=`` from ``pos`` starts (-1: none)."""
+    return min((i for i in (text.find("<tool_call>", pos), text.find("<function=", pos)) if i >= 0), default=-1)
 
 
 def _skip_call(text: str, pos: int) -> int:
@@ -291,7 +324,10 @@ def llama3_json(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
 
 
 def _json_call(value: Any, call_id: str, keys: tuple[str, ...], form: str) -> ToolCall:
-    """A decoded JSON call ``{"name": str, KEY: {...}}`` (KEY one of ``keys``; its object may be JSON text)."""
+    """A decoded JSON call ``{"name": str, KEY: {...}}`` (KEY one of ``keys``; its object may be JSON text;
+    none: no arguments, if the call has nothing but its name, id and type)."""
+    if misplaced := _misplaced(value, keys):
+        return ToolCall("", {}, call_id, misplaced)
     given = [k for k in keys if isinstance(value, dict) and k in value]
     arguments = value[given[0]] if len(given) == 1 else {} if not given else None
     if isinstance(arguments, str):

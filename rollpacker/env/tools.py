@@ -8,9 +8,11 @@ the environment that runs them, itself an environment of the contract
 
 - a turn with tool calls: each call runs (``async def`` too) and its result comes back as a
   ``tool`` message; a call that cannot be parsed, names no tool, or raises is answered with an
-  ``error: ...`` tool message (the model's mistake, not the environment's). The environment is
-  not stepped. The calls of the last turn ``env.max_turns`` allows (reset's ``options["max_turns"]``)
-  do not run: no turn would read their results (verl's and TRL's loops stop there too);
+  ``error: ...`` tool message (the model's mistake, not the environment's), cut to
+  ``env.max_tool_result_chars`` as a result is. The environment is not stepped: a call to one of
+  its own tools in such a turn is answered with an error saying to call it in a turn of its own.
+  The calls of the last turn ``env.max_turns`` allows (reset's ``options["max_turns"]``) do not
+  run: no turn would read their results (verl's and TRL's loops stop there too);
 - a turn without one is the model's answer: it steps the wrapped environment, or, with tools
   alone, ends the episode (``reward.funcs`` score it). So does a turn whose calls name none of
   ``env.tools`` when the wrapped environment has tools of its own (its reset's ``info["tools"]``:
@@ -74,6 +76,8 @@ class ToolEnv:
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
         self.inner_tools: list[dict] = []
         """The wrapped environment's own tools' schemas, from its reset."""
+        self.inner_names: set[str] = set()
+        """Their names: a call to one in a turn with calls to ``tools`` is the model's mistake, named as such."""
         self.turns_left = -1
         """The episode's turns after the next step's (its reset's ``max_turns`` less 1 and the steps since;
         negative: no limit)."""
@@ -83,6 +87,7 @@ class ToolEnv:
         observation, info = (None, {}) if self.inner is None else invoke(self.inner.reset, seed=seed, options=options)
         info = dict(info or {})
         self.inner_tools = list(info.get("tools", []))
+        self.inner_names = _names(self.inner_tools)
         info["tools"] = [*self.inner_tools, *self.schemas]
         return observation, info
 
@@ -96,7 +101,7 @@ class ToolEnv:
         if last:  # the episode ends after this turn (max_turns): nobody would read the results
             return None, None, False, False, {}
         results = [self._run(call) for call in calls]
-        return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": text}
+        return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": self._cut(text)}
                  for c, (text, _) in zip(calls, results)], None, False, False,
                 {"tool_calls": len(calls), "tool_errors": sum(failed for _, failed in results)})
 
@@ -105,17 +110,20 @@ class ToolEnv:
             invoke(self.inner.close)
 
     def _run(self, call: ToolCall) -> tuple[str, bool]:
-        """The tool message's text, and whether the call failed (a result may begin with "error: " too)."""
+        """The tool message's text, uncut, and whether the call failed (a result may begin with "error: " too)."""
         if call.error:
             return f"error: {call.error}", True
         fn = self.tools.get(call.name)
+        if fn is None and call.name in self.inner_names:  # the wrapped environment steps on a turn of its calls alone
+            return (f"error: {call.name} is the environment's tool: call it in a turn of its own, without calls to "
+                    f"{', '.join(self.tools)}"), True
         if fn is None:
             return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", True
         try:
             value = invoke(fn, **call.arguments)
         except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
-            return self._cut(f"error: {type(e).__name__}: {e}"), True
-        return self._cut(value if isinstance(value, str) else json.dumps(value, default=str)), False
+            return f"error: {type(e).__name__}: {e}", True
+        return value if isinstance(value, str) else json.dumps(value, default=str), False
 
     def _cut(self, text: str) -> str:
         """``text``, or its first and last ``max_result_chars`` / 2 characters around a marker of how many were cut."""
@@ -124,6 +132,16 @@ class ToolEnv:
             return text
         head = limit // 2
         return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
+
+
+def _names(tools: list) -> set[str]:
+    """The names in chat-template tool schemas (nested under "function", or flat)."""
+    names = set()
+    for tool in tools:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.add(fn["name"])
+    return names
 
 
 def invoke(fn, *args, **kwargs):

@@ -164,6 +164,22 @@ def test_a_call_cut_by_a_stop_string_still_counts():
         ("add", {"a": 1, "b": 2}, "call_0")]
 
 
+ADD_2_3 = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+           "qwen3_coder": "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n"
+                          "</parameter>\n</function>\n</tool_call>"}
+
+
+@pytest.mark.parametrize("name", list(ADD_2_3))
+def test_calls_are_read_after_the_reasoning_and_a_mentioned_tag_swallows_none(name):
+    """A call drafted in <think> is not made (vLLM's Qwen3 reasoning parser and TRL read after </think>); a
+    <tool_call> written in a sentence, before the call, neither swallows the call nor is one."""
+    parser, call = PARSERS[name], ADD_2_3[name]
+    assert parser(f"<think>\nI could write {call}, but 2+3 is easy.\n</think>\n\nThe answer is 5.", TOOLS) == []
+    made = [("add", {"a": 2, "b": 3}, "call_0")]
+    assert read(parser, f"<think>\nThe format is <tool_call> then the call.\n</think>\n\n{call}") == made
+    assert read(parser, f"<think>\n{call}\n</think>\n\nI wrap a call in <tool_call> tags:\n{call}") == made
+
+
 def errors(parser, text: str) -> list[tuple[str, str]]:
     """Each call read from ``text``: (its name, its error or "")."""
     return [(c.name, c.error) for c in parser(text, TOOLS)]
@@ -186,6 +202,14 @@ def errors(parser, text: str) -> list[tuple[str, str]]:
                   "</function>\n</tool_call>",
      [("add", "parameter 'a' of add: an integer, got 'two'"), ("add", "<function=add> gives parameter 'a' twice"),
       ("shout", "")]),
+    # Arguments under another key than the format's: not a call run without them
+    (hermes, '<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call><tool_call>{"name": "add", "id": "x", '
+             '"type": "function"}</tool_call>',
+     [("", 'arguments go under "arguments", got keys ["name", "parameters"]'), ("add", "")]),
+    (llama3_json, '{"name": "add", "args": {"a": 1}}',
+     [("", 'arguments go under "parameters" or "arguments", got keys ["name", "args"]')]),
+    (mistral, '[TOOL_CALLS] [{"name": "add", "args": {"a": 1}, "id": "Ab3dE6gH9"}, {"name": "add", "id": "Ab3dE6gH8"}]',
+     [("", 'arguments go under "arguments", got keys ["name", "args", "id"]'), ("add", "")]),
     # Llama 3's JSON
     (llama3_json, '{"name": "add", "parameters": {"a": 1,}}', [("", "the tool call is not JSON (Expecting property "
                                                                     "name enclosed in double quotes at 38)")]),
@@ -290,6 +314,44 @@ def test_tool_env_answers_a_malformed_call_with_an_error_and_counts_it(name):
     assert good["tool_call_id"] != bad["tool_call_id"]
     answer = contract.step(env, "It is 42.\n#### 42")
     assert (answer.observation, answer.terminated) == ([], True)
+
+
+def test_every_error_is_cut_to_max_tool_result_chars():
+    """A failed call's error is cut as a result is (env.max_tool_result_chars): an unknown name or a malformed call
+    can be as long as the model wrote it."""
+    long = "x" * 5000
+    for name, turn in (("hermes", f'<tool_call>{{"name": "{long}", "arguments": {{}}}}</tool_call>'),
+                       ("qwen3_coder", f"<tool_call>\n<function=do {long}>\n</function>\n</tool_call>"),
+                       ("hermes", f'<tool_call>{{"name": "shout", "arguments": {{"text": "{long}"}}}}</tool_call>')):
+        env = ToolEnv(FUNCTIONS, name, max_result_chars=100)
+        contract.reset(env, seed=0, row={"prompt": "p"})
+        [message] = contract.step(env, turn).observation
+        assert len(message["content"]) < 150 and "characters cut ...]" in message["content"], message["content"]
+
+
+class SearchEnv:
+    """An environment with a tool of its own, as a verifiers ToolEnv's reset gives it."""
+
+    def reset(self, *, seed, options):
+        return "Find x.", {"tools": [{"type": "function", "function": {"name": "search", "parameters": {
+            "type": "object", "properties": {"q": {"type": "string"}}}}}]}
+
+    def step(self, action):
+        return f"searched: {action}", None, False, False, {}
+
+
+def test_a_call_to_the_environments_tool_beside_env_tools_is_told_to_come_alone():
+    """A turn of the environment's calls alone steps it; beside calls to env.tools it is not stepped, and its tool's
+    call is the model's mistake, named as such (not "no tool named 'search'": the environment offered it)."""
+    env = ToolEnv(FUNCTIONS, "hermes", inner=SearchEnv())
+    contract.reset(env, seed=0, row={"prompt": "p"})
+    search = '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>'
+    mixed = contract.step(env, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' + search)
+    assert [m["content"] for m in mixed.observation] == [
+        "3", "error: search is the environment's tool: call it in a turn of its own, without calls to add, shout, "
+             "configure"]
+    assert mixed.info == {"tool_calls": 2, "tool_errors": 1}
+    assert contract.step(env, search).observation[0]["content"] == f"searched: {search}"
 
 
 def test_every_parser_is_an_env_tool_parser():
