@@ -236,16 +236,16 @@ class Controller:
                                 cfg.train.overlong_buffer, cfg.train.overlong_penalty)
 
     def group_samples(self, group: Group) -> list[Sample]:
-        """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards with the
-        overlong punishment, one group number for all of them. A response trains its model's tokens;
+        """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards and overlong
+        punishments, one group number for all of them. A response trains its model's tokens;
         its environment's step rewards (part of its reward) mark where they were earned. One whose
         environment failed is ``failed``: outside its group's advantage statistics. With ``train.advantage gdpo``
         the reward's parts go apart (:meth:`reward_parts`), for the trainer to normalize each in the group."""
         from rollpacker.train.trainer import Sample
 
         number, gdpo = next(self.group_ids), self.config.train.advantage == "gdpo"
-        return [Sample(o.prompt_ids, o.token_ids, (0.0 if gdpo else r) + self.overlong(o), o.logprobs, group=number,
-                       truncated=o.finish_reason == "length", loss_mask=o.loss_mask,
+        return [Sample(o.prompt_ids, o.token_ids, 0.0 if gdpo else r, o.logprobs, group=number,
+                       truncated=o.finish_reason == "length", loss_mask=o.loss_mask, shaping=self.overlong(o),
                        token_rewards={} if gdpo else dict(o.step_rewards), failed=o.finish_reason == "error",
                        parts=self.reward_parts(o) if gdpo else ())
                 for o, r in self.trained_rewards(group)]

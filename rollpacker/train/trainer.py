@@ -49,8 +49,7 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     reward: float
-    """Its whole reward (its step rewards included), with the terms the controller adds (DAPO's overlong
-    punishment)."""
+    """Its task reward (its step rewards included), what ``train.teacher.task_weight`` weighs."""
     rollout_logprobs: list[float]
     """The engine's log-probs of the response tokens (the behaviour policy)."""
     group: int = 0
@@ -66,6 +65,8 @@ class Sample:
     failed: bool = False
     """An episode whose environment failed: it trains nothing and its reward enters no group's
     baseline or std (its siblings' advantages are those of the group without it)."""
+    shaping: float = 0.0
+    """What the controller adds to the reward (DAPO's overlong punishment), whatever the task reward's weight."""
     parts: tuple[tuple[float, float | None], ...] = ()
     """With ``train.advantage gdpo``: ``(weight, value)`` of each part of its reward that GDPO normalizes alone in
     its group (each reward function, then its environment; value None: did not apply). ``reward`` is then the
@@ -448,7 +449,7 @@ class Trainer:
     def _prepare(self, samples: list[Sample], frozen: dict[int, Frozen] | None = None) -> list[Prepared]:
         """Each sample's advantages (``train.advantage`` over its group or the whole of ``samples``),
         with the frozen log-probs of ``frozen`` (index -> (old, ref, teacher), this rank's samples).
-        The task reward weighs ``train.teacher.task_weight``."""
+        The task reward weighs ``train.teacher.task_weight``; the controller's shaping is added after."""
         cfg, frozen = self.config, frozen or {}
         lengths = [len(s.response_ids) for s in samples]
         mask = torch.arange(max([1, *lengths]))[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
@@ -466,6 +467,7 @@ class Trainer:
         if cfg.teacher.path:
             rewards = cfg.teacher.task_weight * rewards
             steps = None if steps is None else cfg.teacher.task_weight * steps
+        rewards = rewards + torch.tensor([s.shaping for s in samples])
         returns = returns_to_go(rewards, mask, token_rewards, earned=steps)  # [N, T]
         values = targets = None
         if self.critic is not None:

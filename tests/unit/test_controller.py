@@ -56,7 +56,7 @@ def test_make_batch_and_round_stats(mask_truncated):
     samples, count = ctl.make_batch(result)
     # The streamed group is not in the batch.
     # Overlong (buffer 20 before 100, penalty 0.5): 90 tokens -> -0.25, 100 -> -0.5.
-    assert [(len(s.response_ids), s.reward, s.truncated) for s in samples] == [
+    assert [(len(s.response_ids), s.reward + s.shaping, s.truncated) for s in samples] == [
         (100, -0.5, True), (5, 0.0, False), (7, 1.0, False)]
     assert len({s.group for s in samples}) == 1
     # seq-mean-token-sum-norm counts every trained response (streamed too), times 100 tokens.
@@ -153,7 +153,7 @@ def test_an_episode_trains_its_model_tokens_with_its_step_rewards_on_their_actio
     result = round_result([Group(prompt=0, outputs=[episode], rewards=[0.25 + 0.5 + 1.0])])  # a function gave 1.0
     (sample,), count = ctl.make_batch(result)
     assert sample.loss_mask == mask and sample.token_rewards == {2: 0.25, 11: 0.5}
-    assert sample.reward == pytest.approx(1.75 - 0.5)  # the round's 1.75, punished 2/4 of 1.0
+    assert (sample.reward, sample.shaping) == pytest.approx((1.75, -0.5))  # the round's 1.75, punished 2/4 of 1.0
     assert count == 8  # token-mean counts the model's tokens, not the environment's 4
     stats = ctl.round_stats(result)
     assert (stats["rollout/model_tokens"], stats["rollout/env_tokens"]) == (8, 4)

@@ -81,6 +81,17 @@ def test_a_student_equal_to_its_teacher_gets_no_signal(qwen2_dir, in_loss):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_the_overlong_punishment_is_not_weighed_by_the_task_weight(qwen2_dir):
+    """Distillation alone (task weight 0) keeps DAPO's overlong punishment: it is no part of the task reward."""
+    from rollpacker.model import load_model
+
+    t = trainer(load_model(qwen2_dir), load_model(qwen2_dir), task_weight=0.0, in_loss=True)
+    long, short = samples()
+    long.reward, short.reward, long.shaping = 1.0, 1.0, -0.5  # equal task rewards; the long one punished
+    adv = [p.advantages for p in t._prepare([long, short])]
+    assert adv[0].lt(0).all() and adv[1].gt(0).all()
+
+
 def test_teacher_config_and_stream_refusal():
     from rollpacker.config import Config
     from rollpacker.schedule.scale_down import StreamConfig
