@@ -153,6 +153,13 @@ class Config:
         if s.filter_zero_variance and self.rollout.group_size < 2:
             raise ValueError("schedule.filter_zero_variance drops the groups whose rewards are all equal: with "
                              "rollout.group_size=1 that is every group; use a group size of 2 or more")
+        signal = ("train.advantage gdpo (it normalizes each reward function's values alone, which may differ where "
+                  "their weighted sum does not)" if self.train.advantage == "gdpo" else
+                  "train.teacher.path (the teacher's signal differs where the task rewards do not)"
+                  if self.train.teacher.path else "")
+        if s.filter_zero_variance and signal:
+            raise ValueError(f"schedule.filter_zero_variance with {signal}: the filter drops a group whose rewards are "
+                             "all equal as having nothing to learn from, and it has; drop the filter")
         if s.filter_zero_variance and self.reward.group_funcs:
             raise ValueError(f"schedule.filter_zero_variance with reward.group_funcs {list(self.reward.group_funcs)}: "
                              "the filter decides on each response's reward as it is scored, before a group function "

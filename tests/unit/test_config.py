@@ -245,3 +245,15 @@ def test_data_of_ones_own_without_a_reward_function_is_refused_naming_the_flag()
         Config(data=data)
     Config(data=data, reward=RewardConfig(funcs=("math",)))
     Config(data=data, env=EnvConfig(factory="toy"))  # the environment's rewards
+
+
+def test_the_zero_variance_filter_is_refused_where_equal_rewards_still_teach():
+    from rollpacker.config import Config
+    from rollpacker.schedule.sync import SyncConfig
+    from rollpacker.train.config import TeacherConfig, TrainConfig
+
+    for train, why in ((TrainConfig(advantage="gdpo"), "train.advantage gdpo"),
+                       (TrainConfig(teacher=TeacherConfig(path="t", task_weight=0.0)), "train.teacher.path")):
+        with pytest.raises(ValueError, match=f"schedule.filter_zero_variance with {why} .* drop the filter"):
+            Config(schedule=SyncConfig(filter_zero_variance=True), train=train)
+    Config(schedule=SyncConfig(filter_zero_variance=True))  # GRPO: an equal group's advantages are 0
