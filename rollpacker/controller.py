@@ -100,7 +100,7 @@ class Controller:
                                 max_prompt_length=config.data.max_prompt_length,
                                 skip_bad=config.data.skip_bad_lines)
         rows = fit(load_rows(config.data, check))
-        eval_rows = fit(load_eval_rows(config.data, check)) if config.eval_every else None
+        eval_rows = fit(load_eval_rows(config.data, check), field="data.eval_path") if config.eval_every else None
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
                    policy=config.schedule.build(PromptSampler.for_data(len(rows), config.data),

@@ -595,14 +595,15 @@ class PromptSampler:
 
 
 def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int,
-             max_prompt_length: int = 0, skip_bad: bool = False) -> list[dict]:
+             max_prompt_length: int = 0, skip_bad: bool = False, field: str = "data.path") -> list[dict]:
     """The rows whose prompt the engines can serve: ``encode(row)`` (its token ids) is non-empty,
     shorter than the context ``max_model_len``, and with up to ``max_new_tokens`` more fits the KV
     cache of ``kv_tokens``; and at most ``max_prompt_length`` tokens long (``data.max_prompt_length``,
     0 = any). The others are left out (the engine would reject their requests) and counted in one
     warning naming the first few; an error if none is left. A row the chat template refuses
     (:class:`~rollpacker.data.chat.TemplateRefused`) raises :class:`DatasetError` naming it, or, with
-    ``skip_bad`` (``data.skip_bad_lines``), is left out and counted in one warning."""
+    ``skip_bad`` (``data.skip_bad_lines``), is left out and counted in one warning. ``field``: the rows' setting,
+    for the messages."""
     from rollpacker.data.chat import TemplateRefused
 
     kept, dropped, refused = [], [], []
@@ -624,12 +625,14 @@ def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_n
                        len(refused), len(rows), "; ".join(refused[:3]))
     if dropped:
         limit = f", longer than data.max_prompt_length={max_prompt_length}" if max_prompt_length else ""
-        logger.warning("left out %d of %d prompts that are empty%s or do not fit the context length %d or the KV "
-                       "cache of %d tokens (with rollout.max_new_tokens=%d): %s", len(dropped), len(rows), limit,
-                       max_model_len, kv_tokens, max_new_tokens, ", ".join(dropped[:5]))
+        logger.warning("left out %d of %d prompts of %s that are empty%s or do not fit the context length %d or the "
+                       "KV cache of %d tokens (with rollout.max_new_tokens=%d): %s", len(dropped), len(rows), field,
+                       limit, max_model_len, kv_tokens, max_new_tokens, ", ".join(dropped[:5]))
     if not kept:
-        raise DatasetError(f"no prompt fits the context length {max_model_len} and the KV cache of {kv_tokens} tokens "
-                           f"with rollout.max_new_tokens={max_new_tokens}"
+        raise DatasetError(f"no prompt of {field} fits the context length {max_model_len} and the KV cache of "
+                           f"{kv_tokens} tokens with rollout.max_new_tokens={max_new_tokens}"
                            + (f" and data.max_prompt_length={max_prompt_length}" if max_prompt_length else "")
-                           + ": shorten the prompts or raise engine.kv_memory_mb / the model's context")
+                           + ": shorten the prompts, or raise "
+                           + ("data.max_prompt_length, " if max_prompt_length else "")
+                           + "engine.kv_memory_mb or the model's context")
     return kept

@@ -204,7 +204,7 @@ def test_rows_are_fitted_with_the_schemas_of_the_tools_their_episodes_start_with
                         max_new_tokens=4)
 
     assert fit(plain) == [row]
-    with pytest.raises(DatasetError, match="no prompt fits the context length"):
+    with pytest.raises(DatasetError, match="no prompt of data.path fits the context length"):
         fit(with_tools)
 
 

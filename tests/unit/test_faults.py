@@ -72,16 +72,21 @@ def test_prompts_that_do_not_fit_are_left_out_and_counted(caplog):
     with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
         kept = fit_rows(rows, lambda r: [1] * r["n"], max_model_len=16, kv_tokens=24, max_new_tokens=4)
     assert [r["n"] for r in kept] == [3, 10]
-    assert ("left out 3 of 5 prompts that are empty or do not fit the context length 16 or the KV cache of 24 tokens "
-            "(with rollout.max_new_tokens=4): '0' (0 tokens), '16' (16 tokens), '30' (30 tokens)") in caplog.text
+    assert ("left out 3 of 5 prompts of data.path that are empty or do not fit the context length 16 or the KV cache "
+            "of 24 tokens (with rollout.max_new_tokens=4): '0' (0 tokens), '16' (16 tokens), '30' (30 tokens)"
+            ) in caplog.text
     # the KV cache, not the context, limits: 10 prompt + 8 new tokens need 18 > 16 tokens of KV
     assert [r["n"] for r in fit_rows(rows, lambda r: [1] * r["n"], 64, 16, 8)] == [3]
-    with pytest.raises(DatasetError, match="no prompt fits the context length 16 and the KV cache of 2 tokens"):
+    with pytest.raises(DatasetError, match="no prompt of data.path fits the context length 16 and the KV cache of 2 "):
         fit_rows(rows, lambda r: [1] * r["n"], 16, 2, 4)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):  # data.max_prompt_length: verl's filter
         assert [r["n"] for r in fit_rows(rows, lambda r: [1] * r["n"], 64, 64, 4, max_prompt_length=10)] == [3, 10]
-    assert "left out 3 of 5 prompts that are empty, longer than data.max_prompt_length=10 or do not fit" in caplog.text
+    assert "left out 3 of 5 prompts of data.path that are empty, longer than data.max_prompt_length=10" in caplog.text
+    # every held-out prompt over the limit: the set and the setting to raise are named
+    with pytest.raises(DatasetError, match=r"no prompt of data.eval_path fits .* and data.max_prompt_length=2: "
+                                           r"shorten the prompts, or raise data.max_prompt_length, engine.kv_"):
+        fit_rows(rows, lambda r: [1] * r["n"], 64, 64, 4, max_prompt_length=2, field="data.eval_path")
 
 
 def committed(tmp_path, **meta):
