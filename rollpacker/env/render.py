@@ -96,16 +96,10 @@ class ChatBridge:
         template may move them: Mistral's go before the last user turn)."""
         from jinja2 import TemplateError  # what apply_chat_template renders with
 
-        base = _base(observation)
-        try:
-            before = self.render(base, tools=tools)
-        except TemplateError:
-            if len(base[-1].get("tool_calls", ())) < 2:
-                raise
-            base = _base(observation, num_calls=1)  # a template of one call per turn (Llama 3.1's): one answers all
-            before = self.render(base, tools=tools)
+        observation = _with_ids(observation)
         roles = tuple(m["role"] for m in observation)
         try:
+            base, before = self._base_render(observation, tools)
             after = self.render(base + observation, generation=True, tools=tools)
         except TemplateError as e:
             raise TemplateBreak(f"the chat template of {self.name} refuses observations of roles {roles} after an "
@@ -125,6 +119,27 @@ class ChatBridge:
             return tail.removeprefix(end)
         common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
         return after[common:]
+
+    def _base_render(self, observation: list[Message], tools: list[dict] | None) -> tuple[list[Message], str]:
+        """The base conversation for ``observation`` (:func:`_base`) and its render."""
+        from jinja2 import TemplateError
+
+        base = _base(observation)
+        try:
+            return base, self.render(base, tools=tools)
+        except TemplateError:
+            if len(base[-1].get("tool_calls", ())) < 2:
+                raise
+            base = _base(observation, num_calls=1)  # a template of one call per turn (Llama 3.1's): one answers all
+            return base, self.render(base, tools=tools)
+
+
+def _with_ids(observation: list[Message]) -> list[Message]:
+    """``observation`` with an id on each tool message that has none (``callNNNNN``, the tool parsers' id for
+    Mistral's form): Mistral's templates refuse a result without a 9-character id (a string observation of
+    ``env.observation_role`` tool has none)."""
+    return [{**m, "tool_call_id": f"call{i:05d}"} if m["role"] == "tool" and not m.get("tool_call_id") else m
+            for i, m in enumerate(observation)]
 
 
 def _base(observation: list[Message], num_calls: int | None = None) -> list[Message]:

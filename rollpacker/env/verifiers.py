@@ -10,6 +10,10 @@ brings. Its rubric scores the finished rollout. A factory file holds one line::
 Invariants:
 
 - Token in, token out: verifiers sees text, and nothing is tokenized again.
+- A turn's tool calls are read by ``env.tool_parser`` (the workers give it to the factory). A call the parser cannot
+  read goes to verifiers too, its error as its arguments (not JSON: verifiers answers it as a malformed call, by its
+  own policy), and the model reads ``error: ...`` in that answer, counted (``tool_errors``), as in
+  :class:`~rollpacker.env.tools.ToolEnv`: otherwise a turn of malformed calls would be the model's final answer.
 - The rollout's reward is the last step's (by group: none; the group's, later). A rollout that ended with an error
   fails the step.
 - An episode rollpacker ends first is closed unscored: give verifiers ``env.max_turns``.
@@ -34,12 +38,15 @@ import verifiers as vf
 from verifiers.legacy.types import Response, ResponseMessage
 from verifiers.legacy.types import ToolCall as VfToolCall
 
+from rollpacker.env.config import EnvConfig
+from rollpacker.env.contract import EnvError
 from rollpacker.env.tools import PARSERS
 from rollpacker.imports import awaited
 
 
-def factory(load: Callable[[], Any], parser: str = "hermes") -> Factory:
-    """``make_env(row)`` for ``env.factory``: the environment ``load()`` returns, built once per process."""
+def factory(load: Callable[[], Any], parser: str | None = None) -> Factory:
+    """``make_env(row)`` for ``env.factory``: the environment ``load()`` returns, built once per process. Its tool
+    calls are read by ``env.tool_parser``; ``parser`` (older) is used only where that is left at its default."""
     return Factory(load, parser)
 
 
@@ -47,7 +54,10 @@ class Factory:
     """``make_env`` (see :func:`factory`), and ``make_env.score_group``: the group-level scoring of a rubric with
     group functions, a TRL group function of the group's environments (the module docstring)."""
 
-    def __init__(self, load: Callable[[], Any], parser: str):
+    takes_tool_parser = True
+    """The environment workers call it with ``tool_parser=`` (``env.tool_parser``)."""
+
+    def __init__(self, load: Callable[[], Any], parser: str | None):
         self.load, self.parser = load, parser
         self._env = None
 
@@ -62,8 +72,14 @@ class Factory:
         """Load the environment: a worker calls this as it starts, before its first call's timeout runs."""
         self.env  # noqa: B018
 
-    def __call__(self, row: dict) -> VerifiersEnv:
-        return VerifiersEnv(self.env, row, parser=self.parser)
+    def __call__(self, row: dict, tool_parser: str = EnvConfig.tool_parser) -> VerifiersEnv:
+        """``row``'s episode, its calls read by ``tool_parser``: ``env.tool_parser``, or the factory's ``parser``
+        where that is left at its default (a factory file written before the setting reached it)."""
+        parser = self.parser or tool_parser
+        if parser != tool_parser and tool_parser != EnvConfig.tool_parser:
+            raise EnvError(f"env.tool_parser is {tool_parser!r}, and the verifiers factory reads tool calls with "
+                           f"parser={self.parser!r}: drop factory(..., parser=) and set env.tool_parser alone")
+        return VerifiersEnv(self.env, row, parser=parser)
 
     def score_group(self, environments: list, **kwargs) -> list[dict | float]:
         """verifiers' ``rubric.score_group`` on the group's finished rollouts: each one's reward, and its functions'
@@ -116,6 +132,8 @@ class VerifiersEnv:
         self._asked: asyncio.Future | None = None
         self._answer: asyncio.Future | None = None
         self._seen: list[dict] = []
+        self._errors: dict[str, str] = {}
+        """The last turn's calls the parser could not read: their answers' text, by call id."""
         self.grouped = env.score_rollouts and env.rubric.has_group_rewards
         """Its rubric scores a group (verifiers' ``score_group``): the factory's ``score_group`` does, later."""
 
@@ -158,8 +176,10 @@ class VerifiersEnv:
         self._answer = asyncio.get_running_loop().create_future()
         self._asked.set_result(([_message(m) for m in prompt], tools))
         text = await self._answer
-        calls = [VfToolCall(id=c.id, name=c.name, arguments=json.dumps(c.arguments))
-                 for c in self.parse(text, [_tool(t) for t in tools or ()]) if not c.error]
+        parsed = self.parse(text, [_tool(t) for t in tools]) if tools else []  # no tools: the text is the answer
+        self._errors = {c.id: f"error: {c.error}" for c in parsed if c.error}
+        calls = [VfToolCall(id=c.id, name=c.name, arguments=self._errors.get(c.id) or json.dumps(c.arguments))
+                 for c in parsed]
         message = ResponseMessage(content=text, tool_calls=calls or None, is_truncated=False,
                                   finish_reason="tool_calls" if calls else "stop")
         return Response(id=f"rollpacker-{id(self)}", created=int(time.time()), model="rollpacker", message=message)
@@ -202,8 +222,16 @@ class VerifiersEnv:
         if _turns(messages[:len(self._seen)]) != _turns(self._seen) or len(messages) < before:
             raise RuntimeError("the verifiers environment rewrote the conversation before the last turn (a non-linear "
                                "rollout): episodes append to it, token in, token out")
-        self._seen = messages
-        return messages[before:], None, False, False, info
+        self._seen = messages  # verifiers' own text: what the next turn's prompt is checked against
+        observation = [{**m, "content": self._errors[m["tool_call_id"]]} if self._answers_error(m) else m
+                       for m in messages[before:]]
+        if tools:
+            info["tool_errors"] = sum(map(self._answers_error, observation))
+        return observation, None, False, False, info
+
+    def _answers_error(self, message: dict) -> bool:
+        """Whether ``message`` answers a call of the last turn that the parser could not read."""
+        return message["role"] == "tool" and message.get("tool_call_id") in self._errors
 
 
 def _turns(messages: list[dict]) -> list[tuple]:

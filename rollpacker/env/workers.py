@@ -88,14 +88,16 @@ class EnvSpec:
 
     def build(self, row: dict):
         """A fresh environment for ``row``: the factory's, wrapped in the tools if any; a TRL environment's
-        episode (:mod:`rollpacker.env.trl`) when the factory has TRL's shape."""
+        episode (:mod:`rollpacker.env.trl`) when the factory has TRL's shape. A factory that reads tool calls itself
+        (``takes_tool_parser``: a verifiers one) gets ``env.tool_parser``."""
         from rollpacker.env import trl
 
         factory = load(self.factory, "env.factory", EnvError, mapping=True) if self.factory else None
         trl_factories = trl.factories(factory, self.name) if factory is not None else None
         if trl_factories is not None:
             return trl.make(self, trl_factories, row)
-        inner = factory(row) if factory is not None else None
+        parser = {"tool_parser": self.tool_parser} if getattr(factory, "takes_tool_parser", False) else {}
+        inner = factory(row, **parser) if factory is not None else None
         if not self.tools:
             return inner
         from rollpacker.env.tools import ToolEnv, load_tools

@@ -135,6 +135,24 @@ def test_a_template_that_refuses_an_observation_says_so_naming_its_roles():
         bridge.delta([{"role": "tool", "name": "add", "content": "5"}])
 
 
+def test_a_tool_observation_without_an_id_gets_one_mistrals_template_takes():
+    """A string observation of env.observation_role tool names no call: it gets an id of Mistral's form (its template
+    refuses a result without one), which the base turn's call has too."""
+    bridge = ChatBridge(mistral_style_tokenizer())
+    assert bridge.delta([{"role": "tool", "content": "Higher."}]) == (
+        '[TOOL_RESULTS] {"content": "Higher.", "call_id": "call00000"}[/TOOL_RESULTS]')
+
+
+def test_a_template_that_refuses_the_turn_before_an_observation_says_so_naming_its_roles():
+    """Mistral's template refuses the base turn's call of an id not of its form (Hermes' call_0), before the
+    observation is rendered: the same error as a refused observation, naming the setting."""
+    bridge = ChatBridge(mistral_style_tokenizer())
+    with pytest.raises(TemplateBreak, match=r"refuses observations of roles \('tool',\) after an assistant turn "
+                                            r"\(TemplateError: Tool call IDs should be alphanumeric strings with "
+                                            r"length 9!\): set env.observation_role"):
+        bridge.delta([{"role": "tool", "name": "add", "tool_call_id": "call_0", "content": "5"}])
+
+
 def test_counted_breaks_append_what_follows_the_assistant_turn_when_the_template_rewrites_the_turn_itself():
     """Qwen3's template shows an empty think block in the last assistant turn only: after an observation
     the turn is rewritten, and what follows it is the delta (not the turn, which the model already said)."""

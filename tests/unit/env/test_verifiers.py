@@ -1,0 +1,99 @@
+"""The verifiers adapter in this process: a verifiers ToolEnv built as a worker builds it (``EnvSpec.build``), stepped
+with scripted model turns through the contract."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("verifiers")
+
+from rollpacker.env import contract  # noqa: E402
+from rollpacker.env.contract import EnvError  # noqa: E402
+from rollpacker.env.parsers import PARSERS  # noqa: E402
+from rollpacker.env.workers import EnvSpec  # noqa: E402
+
+VF_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+from rollpacker.env.verifiers import factory
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def correct(completion, answer, **kwargs) -> float:
+    return float(answer in (completion[-1].content or ""))
+
+
+def load():
+    return vf.ToolEnv(tools=[add], max_turns=3, rubric=vf.Rubric(funcs=[correct]),
+                      dataset=Dataset.from_list([{"question": "2+3", "answer": "5"}]))
+
+
+make_env = factory(load)
+make_llama3_env = factory(load, parser="llama3_json")  # before env.tool_parser reached it: still read
+'''
+ROW = {"id": "r0", "prompt": "What is 2+3? Use add.", "answer": "5"}
+GOOD = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+@pytest.fixture
+def vf_file(tmp_path) -> str:
+    (tmp_path / "vf_env.py").write_text(textwrap.dedent(VF_ENV))
+    return str(tmp_path / "vf_env.py")
+
+
+def opened(spec: EnvSpec):
+    env = spec.build(ROW)
+    contract.reset(env, seed=0, row=ROW, max_turns=3)
+    return env
+
+
+def test_env_tool_parser_reads_the_calls_a_verifiers_tool_env_runs(vf_file):
+    """A Llama 3.1 call under --env.tool-parser llama3_json is a call (it was the final answer, read as Hermes)."""
+    env = opened(EnvSpec(factory=f"{vf_file}:make_env", tool_parser="llama3_json"))
+    called = contract.step(env, '{"name": "add", "parameters": {"a": 2, "b": 3}}')
+    assert [(m["role"], m["content"]) for m in called.observation] == [("tool", "5")] and not called.terminated
+    answered = contract.step(env, "It is 5.")
+    assert (answered.reward, answered.terminated) == (1.0, True)
+    contract.close(env)
+
+
+def test_a_verifiers_factorys_own_parser_is_read_unless_env_tool_parser_says_otherwise(vf_file):
+    env = opened(EnvSpec(factory=f"{vf_file}:make_llama3_env"))  # env.tool_parser at its default: the factory's
+    assert contract.step(env, '{"name": "add", "parameters": {"a": 2, "b": 3}}').observation[0]["content"] == "5"
+    contract.close(env)
+    with pytest.raises(EnvError, match="env.tool_parser is 'mistral', and the verifiers factory reads tool calls "
+                                       "with parser='llama3_json'"):
+        EnvSpec(factory=f"{vf_file}:make_llama3_env", tool_parser="mistral").build(ROW)
+
+
+def test_a_malformed_call_is_answered_with_its_error_and_counted(vf_file):
+    """As env.tools' ToolEnv does: the model reads why, the call counts in tool_errors, the good call beside it runs,
+    and a turn of malformed calls alone is not the model's final answer."""
+    spec, malformed = EnvSpec(factory=f"{vf_file}:make_env"), '<tool_call>{"name": "add"</tool_call>'
+    (why,) = [c.error for c in PARSERS["hermes"](malformed)]
+    assert why
+    env = opened(spec)
+    both = contract.step(env, f"{GOOD}\n{malformed}")
+    assert [(m["tool_call_id"], m["content"]) for m in both.observation] == [("call_0", "5"),
+                                                                             ("call_1", f"error: {why}")]
+    assert both.info["tool_errors"] == 1 and not both.terminated
+    contract.close(env)
+
+    env = opened(spec)
+    bad = contract.step(env, malformed)
+    assert [m["content"] for m in bad.observation] == [f"error: {why}"]
+    assert bad.info["tool_errors"] == 1 and not bad.terminated and bad.reward is None
+    assert contract.step(env, "It is 5.").reward == 1.0
+    contract.close(env)
