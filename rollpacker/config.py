@@ -24,7 +24,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 from rollpacker.checkpoint import CheckpointConfig
 from rollpacker.choices import check_choices
@@ -302,8 +302,15 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
             value = _build(hints[key], value, f"{where}.{key}")
         elif isinstance(value, list):
             value = tuple(value)
+        elif _is_tuple(hints[key]):
+            value = (value,)  # `funcs = "math"`: one, as a flag with one value gives it
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _is_tuple(hint: Any) -> bool:
+    """Whether a setting's type is a tuple (of several values)."""
+    return get_origin(get_args(hint)[0] if get_origin(hint) is Annotated else hint) is tuple
 
 
 def preset_path(name: str) -> Path:

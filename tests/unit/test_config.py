@@ -44,6 +44,9 @@ def test_bad_settings_name_the_field(tmp_path):
         load_preset(str(bad))
     with pytest.raises(FileNotFoundError, match="known presets"):
         load_preset("no-such-preset")
+    one = tmp_path / "one.toml"  # a list setting given one value, as a flag takes it (not its letters: 'm', ...)
+    one.write_text('[reward]\nfuncs = "math"\nweights = 2\n')
+    assert (load_preset(str(one)).reward.funcs, load_preset(str(one)).reward.weights) == (("math",), (2,))
     with pytest.raises(ValueError, match="rollout.tp=2 does not divide the world size 3"):
         parse(["--rollout.tp", "2"]).check_world(3)
     with pytest.raises(ValueError, match=r"rollout.num_prompts x rollout.group_size = 3 x 3"):
