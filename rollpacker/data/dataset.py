@@ -27,7 +27,6 @@ import json
 import logging
 import tempfile
 import zlib
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,16 +165,10 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
                  check: RowCheck | None = None, field: str = "data.path", first: int | None = None) -> list[dict]:
     """The rows of each source in turn (the ``first`` of each): :func:`read_rows`. Of several, a row without a
     ``data_source`` takes its file's name (verl's datasets name theirs), and ids must be unique across them.
-    Files of one name (verl's ``gsm8k/train.parquet`` and ``math/train.parquet``) are named with their folder,
-    Hub datasets of one name as given (``openai/gsm8k:main``). Every row has every file's columns, None where
+    Their names: :func:`_names`. Every row has every file's columns, None where
     its file lacks one (as one file's rows are): a reward function naming a column gets None, not a TypeError."""
-    stems = Counter(_stem(Path(source)) for source in sources)
     rows, where_of = [], {}
-    for source in sources:
-        path = Path(source).expanduser()
-        name = _stem(path)
-        if stems[name] > 1:
-            name = source if _is_hub(path) else f"{path.parent.name}/{name}"
+    for source, name in zip(sources, _names(sources)):
         for row in read_rows(source, config, split=split, check=check, field=field, name=name)[:first]:
             if row["id"] in where_of:
                 raise DatasetError(f"{field}: {source} and {where_of[row['id']]} both have a row with id {row['id']!r};"
@@ -186,6 +179,17 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
             rows.append(row)
     columns = dict.fromkeys(key for row in rows for key in row)
     return [{**columns, **row} for row in rows] if len(sources) > 1 else rows
+
+
+def _names(sources: tuple[str, ...]) -> list[str]:
+    """Each source's name: its stem (:func:`_stem`); files of one stem (verl's ``gsm8k/train.parquet`` and
+    ``math/train.parquet``) with their folder, and then, in one folder, with their suffix (``math.parquet``,
+    ``math.jsonl``); Hub datasets of one name as given (``openai/gsm8k:main``)."""
+    paths = [Path(source).expanduser() for source in sources]
+    names = [_stem(path) for path in paths]
+    names = [n if names.count(n) == 1 else s if _is_hub(p) else f"{p.resolve().parent.name}/{n}"
+             for s, p, n in zip(sources, paths, names)]
+    return [n if names.count(n) == 1 else f"{n}{p.suffix}" for p, n in zip(paths, names)]
 
 
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,

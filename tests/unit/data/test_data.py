@@ -202,7 +202,7 @@ def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_pa
         load_rows(DataConfig(path=(gsm, again)))
 
 
-def test_files_of_one_name_in_two_folders_are_named_by_their_folders(tmp_path):
+def test_files_of_one_name_in_two_folders_are_named_by_their_folders(tmp_path, monkeypatch):
     """verl writes gsm8k/train.parquet and math/train.parquet: their rows' ids and sources do not collide."""
     paths = []
     for folder in ("gsm8k", "math"):
@@ -212,6 +212,15 @@ def test_files_of_one_name_in_two_folders_are_named_by_their_folders(tmp_path):
     assert [(r["id"], r["data_source"]) for r in rows] == [
         ("gsm8k/train:1", "gsm8k/train"), ("gsm8k/train:2", "gsm8k/train"),
         ("math/train:1", "math/train"), ("math/train:2", "math/train")]
+    # one in the working directory (its folder's name, not "") and, in one folder, two formats of one name
+    monkeypatch.chdir(tmp_path / "math")
+    (tmp_path / "math" / "sub").mkdir()
+    write(tmp_path / "math" / "sub", [json.dumps({"prompt": "s", "answer": "1"})])
+    rows = load_rows(DataConfig(path=("train.jsonl", "sub/train.jsonl")))
+    assert sorted({r["data_source"] for r in rows}) == ["math/train", "sub/train"]
+    write(tmp_path / "math", [json.dumps({"prompt": "j", "answer": "1"})], "train.json")
+    rows = load_rows(DataConfig(path=("train.jsonl", "train.json")))
+    assert sorted({r["id"] for r in rows}) == ["math/train.json:1", "math/train.jsonl:1", "math/train.jsonl:2"]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved", "saved_dict"])
