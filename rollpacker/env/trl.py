@@ -58,11 +58,14 @@ def factories(factory, where: str) -> dict[Any, Callable] | None:
 
 
 def _takes_nothing(factory) -> bool:
+    """Whether ``factory`` is called with no argument (TRL's shape); one taking ``row``, even with a default
+    (``make_env(row=None)``), is ours."""
     try:
         params = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a builtin): not TRL's
         return False
-    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+    return all((p.default is not p.empty and p.name != "row") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in params)
 
 
 def make(spec, factories: dict[Any, Callable], row: dict) -> TRLEnv:

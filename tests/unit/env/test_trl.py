@@ -254,6 +254,8 @@ def test_trl_factories_are_told_from_ours_by_their_arguments(env_file):
             return None
 
     assert factories(Ours, "x") is None and factories(lambda row: Ours(row), "x") is None
+    assert factories(lambda row=None: Ours(row), "x") is None  # a row with a default is still ours
+    assert factories(lambda max_turns=5: Theirs(), "x") is not None  # a TRL environment's own options
     assert factories(Theirs, "x") == {None: Theirs} and factories(lambda: Theirs(), "x") is not None
     assert factories({"a": Theirs}, "x") == {"a": Theirs}
     (env_file / "mine.py").write_text("class Mine:\n    def reset(self, *, seed, options):\n        return None, {}\n")
