@@ -169,7 +169,11 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
     its file lacks one (as one file's rows are): a reward function naming a column gets None, not a TypeError."""
     rows, where_of = [], {}
     for source, name in zip(sources, _names(sources)):
-        for row in read_rows(source, config, split=split, check=check, field=field, name=name)[:first]:
+        every = read_rows(source, config, split=split, check=check, field=field, name=name)
+        if first is not None and len(every) > first:
+            logger.info("%s: %s: evaluating its first %d of %d rows (data.num_eval_prompts)", field, source, first,
+                        len(every))
+        for row in every[:first]:
             if row["id"] in where_of:
                 raise DatasetError(f"{field}: {source} and {where_of[row['id']]} both have a row with id {row['id']!r};"
                                    " ids must be unique across the files (give each its own ids, or leave them out)")

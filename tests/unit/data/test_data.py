@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -180,7 +181,7 @@ def test_default_id_collides_with_explicit_id(tmp_path):
         load(path)
 
 
-def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_path):
+def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_path, caplog):
     """As verl's train_files and val_files: the rows of every file, ids unique across them; a row without a
     data_source takes its file's name, one with it keeps it; each eval set gives its first num_eval_prompts."""
 
@@ -194,8 +195,10 @@ def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_pa
     code = write(tmp_path, [json.dumps({"prompt": "c", "tests": [{"input": "", "output": "1"}]})], "code.jsonl")
     both = load_rows(DataConfig(path=(gsm, code)))  # TRL's multi-task recipe: code_reward(completions, tests)
     assert (both[0]["tests"], both[-1]["answer"]) == (None, None)  # each file's columns on every row, None if not its
-    held_out = load_eval_rows(DataConfig(path=gsm, eval_path=(gsm, mixed), num_eval_prompts=2))
+    with caplog.at_level(logging.INFO, logger="rollpacker.data.dataset"):
+        held_out = load_eval_rows(DataConfig(path=gsm, eval_path=(gsm, mixed), num_eval_prompts=2))
     assert [r["id"] for r in held_out] == ["gsm:1", "gsm:2", "math:1", "math:2"]
+    assert f"data.eval_path: {gsm}: evaluating its first 2 of 3 rows (data.num_eval_prompts)" in caplog.text
 
     again = write(tmp_path, [json.dumps({"id": "gsm:2", "prompt": "p", "answer": "x"})], "again.jsonl")
     with pytest.raises(DatasetError, match=r"again\.jsonl and .*gsm\.jsonl both have a row with id 'gsm:2'"):
