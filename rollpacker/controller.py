@@ -340,13 +340,15 @@ class Controller:
 
     def state_dict(self, policy_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint keeps of rank 0: the policy's state (or ``policy_state``), the reward
-        scheduler's and the planner's."""
+        scheduler's, the planner's, the drafts' and the replayed lengths'."""
         state = {"policy": {"name": self.policy.name, **(policy_state or self.policy.state_dict())},
                  "rewards": self.rewards.state_dict()}
         if self.planner:
             state["planner"] = self.planner.state_dict()
         if self.drafts:
             state["drafts"] = self.drafts.state_dict()
+        if self.replay:  # the forced lengths of the partials the next round resumes
+            state["replay"] = {"step": self.replay.step, "given": self.replay.given}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -356,6 +358,8 @@ class Controller:
             self.planner.load_state_dict(state["planner"])
         if self.drafts and "drafts" in state:  # saved without speculation or longest-first: start empty
             self.drafts.load_state_dict(state["drafts"])
+        if self.replay and "replay" in state:
+            self.replay.step, self.replay.given = state["replay"]["step"], dict(state["replay"]["given"])
 
     def close(self) -> None:
         """Stop the environment and reward workers, flush the metrics; safe to call twice."""

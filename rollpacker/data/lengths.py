@@ -102,12 +102,14 @@ class LengthReplay:
 
     A response without environment draws a response length (:meth:`draw`); an episode's turn
     (``EPISODE#TURN``) a turn length. A partial response resumed in a later round (sorted_partial)
-    keeps the length it was first given, as in the simulator."""
+    keeps the length it was first given, as in the simulator: it is resumed by the next round, so the
+    lengths given before the step before are forgotten, and those kept go into checkpoints."""
 
     def __init__(self, seed: int, max_new_tokens: int):
         self.model, self.cap = LengthModel(seed=seed).for_cap(max_new_tokens), max_new_tokens
         self.given: dict[str, int] = {}
-        """Request id -> its forced length, for the partials a later round resumes."""
+        """Request id -> its forced length, for the partials the next round resumes (of this step and the last)."""
+        self.step = 0
 
     def draw(self, row: int, step: int, slot: int, response: int) -> int:
         """The length of response ``response`` of the prompt ``row`` launched in ``slot`` at ``step``."""
@@ -125,6 +127,8 @@ class LengthReplay:
         return min(turn.max_new_tokens, max(length, len(earlier.token_ids) + 1) if earlier else length)
 
     def __call__(self, rid: str, row: int, step: int, slot: int, response: int, earlier=None) -> int:
+        if step > self.step:  # no round resumes what was cut before the last step
+            self.step, self.given = step, {k: n for k, n in self.given.items() if int(k.split(":")[0]) >= step - 1}
         length = self.given.pop(earlier.id, None) if earlier is not None else None
         self.given[rid] = length = self.draw(row, step, slot, response) if length is None else length
         return length

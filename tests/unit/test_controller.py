@@ -217,3 +217,25 @@ def test_the_reward_functions_of_a_held_out_round_are_told_its_step():
     ctl.build_leaders()
     ctl.eval_round(5)
     assert rewards.state.global_step == 5 and rewards.state.max_steps == Config().num_steps
+
+
+def test_a_checkpoint_keeps_the_lengths_the_next_round_resumes_with_replay_lengths():
+    """``rollout.replay_lengths`` under sorted_partial: a partial resumed after a restart keeps its first length."""
+    from rollpacker.data.lengths import LengthReplay
+
+    class Saved(Rewards):
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    def controller() -> Controller:
+        return Controller(config=Config(), rows=[], eval_rows=None, tokenizer=None, rewards=Saved(),
+                          policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None,
+                          max_model_len=200, envs=NO_ENVS, replay=LengthReplay(0, 512))
+
+    before, after = controller(), controller()
+    first = before.replay("4:2:1", row=7, step=4, slot=2, response=1)
+    after.load_state_dict(before.state_dict())
+    assert after.replay("5:0:1", row=7, step=5, slot=0, response=1, earlier=SimpleNamespace(id="4:2:1")) == first

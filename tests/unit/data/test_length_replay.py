@@ -34,10 +34,15 @@ def test_a_resumed_partial_keeps_its_first_length():
     replay = LengthReplay(seed=1, max_new_tokens=512)
     first = replay("0:3:1", row=9, step=0, slot=3, response=1)
     assert first == replay.draw(9, 0, 3, 1)
-    again = replay("2:0:1", row=9, step=2, slot=0, response=1, earlier=SimpleNamespace(id="0:3:1"))
-    third = replay("5:4:1", row=9, step=5, slot=4, response=1, earlier=SimpleNamespace(id="2:0:1"))
+    again = replay("1:0:1", row=9, step=1, slot=0, response=1, earlier=SimpleNamespace(id="0:3:1"))
+    third = replay("2:4:1", row=9, step=2, slot=4, response=1, earlier=SimpleNamespace(id="1:0:1"))
     assert again == third == first
-    assert any(replay.draw(9, s, 0, 1) != first for s in (2, 3, 4))  # a fresh draw would differ
+    assert any(replay.draw(9, s, 0, 1) != first for s in (1, 2, 3))  # a fresh draw would differ
+    # what no next round resumes is forgotten: the lengths given are of this step and the last, not the run's
+    for step in range(3, 8):
+        for slot in range(4):
+            replay(f"{step}:{slot}:0", row=slot, step=step, slot=slot, response=0)
+    assert sorted({int(rid.split(":")[0]) for rid in replay.given}) == [6, 7]
 
 
 def test_a_cap_too_small_for_the_mixture_is_a_config_error():
