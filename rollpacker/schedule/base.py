@@ -119,6 +119,9 @@ class QueuedPolicy:
     def done(self) -> bool:
         return self.sampler.remaining(self.num_epochs) == 0 and not self.ledger.queue
 
+    def held_tokens(self) -> int:
+        return 0  # a deferred prompt starts afresh, unless the policy keeps its responses (sorted_partial)
+
 
 class Policy(Protocol):
     name: str

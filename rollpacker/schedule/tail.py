@@ -195,9 +195,6 @@ class TailPolicy(QueuedPolicy):
     def stats(self) -> dict[str, Any]:
         return {f"sched/{k}": v for k, v in self._stats.items()}
 
-    def held_tokens(self) -> int:
-        return 0  # a deferred prompt starts afresh
-
     # -- checkpoint --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
