@@ -551,7 +551,8 @@ class PromptSampler:
         on when that share of them solved it (reward >= 1, as ``reward/accuracy`` counts). True if it was."""
         if not self.retire_solved or not rewards or row in self.retired:
             return False
-        if sum(r is not None and r >= 1 for r in rewards) >= self.retire_solved * len(rewards):
+        # the share as a decimal: 0.28 of 25 is 7 (the float product, 7.000000000000001, would ask for 8)
+        if sum(r is not None and r >= 1 for r in rewards) >= round(self.retire_solved * len(rewards), 9):
             self.retiring.add(row)
         return row in self.retiring
 

@@ -432,6 +432,8 @@ def test_retired_rows_leave_every_later_epoch_and_a_resume_keeps_them():
     assert resumed.sizes == [10] and not resumed.retired and not resumed.retiring
     off = PromptSampler(3)
     assert not off.observe(0, [1.0]) and off.remaining(0) is None
+    share = PromptSampler(3, retire_solved=0.28)  # 0.28 of 25 is 7 (the float product is 7.000000000000001)
+    assert share.observe(0, [1.0] * 7 + [0.0] * 18) and not share.observe(1, [1.0] * 6 + [0.0] * 19)
 
 
 def test_when_every_row_is_retired_nothing_is_left_to_draw():
