@@ -74,12 +74,22 @@ class DraftMemory:
         return _length(tokens, self.keep_tokens)
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: ``[row, {source: [token ids, ...]}]`` oldest first."""
-        return {"rows": [[row, {s: [list(t) for t in ts] for s, ts in kept.items()}]
-                         for row, kept in self.rows.items()]}
+        """Plain data: ``[row, {source: [token ids (or [length]), ...]}]`` oldest first, and which they are."""
+        return {"keep_tokens": self.keep_tokens, "rows": [[row, {s: [list(t) for t in ts] for s, ts in kept.items()}]
+                                                          for row, kept in self.rows.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rows = OrderedDict((int(row), {s: [array("i", t) for t in ts] for s, ts in kept.items()})
+        """``state``; one saved in the other mode (speculation turned on or off at the resume): token ids become
+        their lengths, and lengths, which hold no tokens to draft, are left out."""
+        saved = state.get("keep_tokens", self.keep_tokens)  # a checkpoint from before it said: this mode's
+        if saved and not self.keep_tokens:
+            convert = (lambda t: array("i", [len(t)]))
+        elif not saved and self.keep_tokens:
+            self.rows, self.num_tokens = OrderedDict(), 0
+            return
+        else:
+            convert = (lambda t: array("i", t))
+        self.rows = OrderedDict((int(row), {s: [convert(t) for t in ts] for s, ts in kept.items()})
                                 for row, kept in state["rows"])
         self.num_tokens = sum(self._size(t) for kept in self.rows.values() for ts in kept.values() for t in ts)
 

@@ -60,6 +60,13 @@ def test_lengths_only_memory_keeps_no_tokens():
     memory = DraftMemory(keep_tokens=False)
     memory.end_round([(1, out(range(40), "abort")), (1, out(range(7), "abort"))], trained=set())
     assert memory.length_bound(1) == 40 and memory.num_tokens == 47
+    # a resume that turns speculation on: lengths are no drafts (nor a token 40 of one); off: tokens become lengths
+    drafting = DraftMemory()
+    drafting.load_state_dict(json.loads(json.dumps(memory.state_dict())))
+    assert drafting.contexts(1) == [] and drafting.num_tokens == 0
+    drafting.end_round([(2, out(range(30), "abort"))], trained=set())
+    memory.load_state_dict(json.loads(json.dumps(drafting.state_dict())))
+    assert memory.contexts(2) == [("partial", (30,))] and memory.length_bound(2) == 30 and memory.num_tokens == 30
 
 
 def four_rows(memory=None, routing=Routing(), replicas=2, responses=2):
