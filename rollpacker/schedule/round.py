@@ -227,10 +227,14 @@ class RoundState:
         self.migrating.discard(rid)
         return moving
 
+    def scored_complete(self) -> list[Group]:
+        """The complete groups whose responses are all scored, in completion order."""
+        return [g for g in self.complete if all(o.id in self.scores for o in g.outputs)]
+
     def take_complete(self, cap: float = 0.0) -> list[Group]:
-        """The complete groups whose responses are all scored, in completion order, at most
-        ``cap`` x ``plan.keep`` of them with a cap; their rewards set, marked ``streamed``."""
-        ready = [g for g in self.complete if all(o.id in self.scores for o in g.outputs)]
+        """:meth:`scored_complete`, at most ``cap`` x ``plan.keep`` of them with a cap; their rewards set, marked
+        ``streamed``."""
+        ready = self.scored_complete()
         if cap:
             ready = ready[:int(cap * self.plan.keep)]
         for g in ready:

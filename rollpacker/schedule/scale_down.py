@@ -284,10 +284,12 @@ class StreamRound(RoundHooks):
 
     def fetch(self, ready: bool) -> float | None:
         """Feed once the freed ranks have trained the last batch; a one-shot fetch
-        (``stream.fetch_cap``) happens once."""
+        (``stream.fetch_cap``) happens once, when a scored group is there to take."""
         if not self.fetching or not ready:
             return None
         cap = self.decider.config.fetch_cap
+        if cap and not self.state.scored_complete():
+            return None  # the groups complete at the scale-down may not be scored yet
         self.fetching = not cap
         return cap
 
@@ -315,6 +317,9 @@ class PipeRound(StreamRound):
 
     def priority(self, slot: int) -> int:
         return slot
+
+    def fetch(self, ready: bool) -> float | None:
+        return 0.0 if ready else None  # every group, all round (stream.fetch_cap is the stream trainer's)
 
     def scale_down_now(self, generated: Callable[[], list[tuple[int, int]]]) -> bool:
         return False

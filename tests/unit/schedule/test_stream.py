@@ -177,3 +177,49 @@ def test_a_pipe_round_runs_on_the_rollout_pool_from_the_start_frontier_first():
     assert rnd.scaled is not None and stats["stream/scaled_down"] == 0.0 and stats["time/migration"] == 0.0
     none = RoundHooks()  # a round without a stream trainer: nothing happens
     assert not none.begin(state) and none.priority(3) == 0 and none.finish(None, 0) == {}
+
+
+class LateRewards(InstantRewards):
+    """Each score is ready a poll after its response finished, as reward workers' are."""
+
+    def __init__(self, reward):
+        super().__init__(reward)
+        self.next = []
+
+    def poll(self):
+        done, self.done, self.next = self.next, [], self.done
+        return done
+
+
+def test_a_one_shot_fetch_waits_for_a_scored_group_and_a_pipe_round_feeds_all_round():
+    """stream.fetch_cap fetches once, capped: at the scale-down the complete group is not scored yet, so the
+    shot waits for it (it was spent on nothing). RolloutPipe feeds the train pool every group, fetch_cap or not."""
+    from types import SimpleNamespace
+
+    from rollpacker.schedule.round import Round, Seen
+    from rollpacker.schedule.scale_down import PipeRound, StreamRound
+
+    def finished(*rids):
+        return [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3] * 4, logprobs=[-0.5] * 4,
+                                finish_reason="stop") for rid in rids]
+
+    config = StreamConfig(trigger=0.25, fetch_cap=0.5)
+    state = four_prompts_on_two_replicas()
+    rnd = Round(state, LateRewards(lambda row, rid: 1.0), single_turn_runner(),
+                StreamRound(ScaleDownDecider(config, num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)))
+    rnd.start(now=0.0)
+    actions = rnd.poll(Seen(now=1.0, finished=finished("0:0:0", "0:0:1")), lambda: [(2, 1)] * len(state.outstanding))
+    assert actions.scale_down and actions.feed == []  # prompt 0 complete, its scores not in
+    aborted = [SimpleNamespace(id=rid, prompt_ids=[1, 2], token_ids=[3], logprobs=[-0.5], finish_reason="abort")
+               for _, rid in actions.abort]
+    fed = rnd.poll(Seen(now=2.0, aborted=aborted)).feed
+    fed += rnd.poll(Seen(now=3.0, finished=finished("0:1:0", "0:1:1", "0:2:0", "0:2:1"))).feed
+    fed += rnd.poll(Seen(now=4.0)).feed
+    assert [g.prompt for g in fed] == [state.slots[0]]  # once (what is scored then, up to 0.5 of the 4 groups)
+
+    state = four_prompts_on_two_replicas()
+    rnd = Round(state, InstantRewards(lambda row, rid: 1.0), single_turn_runner(),
+                PipeRound(ScaleDownDecider(config, num_replicas=2, kv_capacity_tokens=100, max_new_tokens=8)))
+    rnd.start(now=0.0)
+    fed = [len(rnd.poll(Seen(now=1.0 + s, finished=finished(f"0:{s}:0", f"0:{s}:1"))).feed) for s in range(4)]
+    assert fed == [1, 1, 1, 1]
