@@ -102,6 +102,9 @@ class RoundState:
         """Outstanding requests being moved off freed replicas (not aborted for the policy)."""
         self.undecided: collections.deque[Any] = collections.deque()
         """Finished responses not shown to the policy yet (waiting for their score)."""
+        self.rescored: dict[str, tuple[int, int]] = {}
+        """A response an earlier round finished (``RoundPlan.carried``) -> its (slot, response) here: scored again,
+        and shown to the policy again with its score of this step."""
         self.scores: dict[str, float | None] = {}
         self.complete: list[Group] = []
         """Complete groups not taken by :meth:`take_complete` yet."""
@@ -129,6 +132,8 @@ class RoundState:
                 rid, earlier = request_id(self.step, new.slot, k), self.plan.carried.get((new.slot, k))
                 if earlier is not None and earlier.finish_reason != "abort":
                     new.rescore.append(earlier)
+                    self.rescored[earlier.id] = (new.slot, k)
+                    self.undecided.append(earlier)
                     continue
                 self.owner[rid] = (0, new.slot, k)
                 self.outstanding.add(rid)
@@ -193,7 +198,7 @@ class RoundState:
         needs = self.policy.needs_rewards
         while self.undecided and (not needs or self.undecided[0].id in self.scores):
             output = self.undecided.popleft()
-            _, slot, k = self.owner[output.id]
+            slot, k = self.rescored.get(output.id) or self.owner[output.id][1:]
             decision = self.policy.on_finished(slot, k, output, self.scores.get(output.id) if needs else None)
             out.abort += [rid for rid in decision.abort if rid in self.outstanding and rid not in self.migrating]
             self.outstanding -= set(decision.abort)

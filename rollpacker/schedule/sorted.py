@@ -144,6 +144,9 @@ class SortedPolicy(QueuedPolicy):
 
     def on_finished(self, slot: int, response: int, output: Any, reward: float | None) -> PolicyDecision:
         e = self.slots[slot]
+        if e.outputs[response] is output:  # a response kept from an earlier round, scored again: the filter's now
+            e.rewards[response] = reward
+            return PolicyDecision()
         finished = sum(map(_finished, e.outputs)) + 1
         if e.state != "running" or self.closed and (not self.partial or finished == self.group_size):
             return PolicyDecision()  # after the round's cut-off (see the module docstring)

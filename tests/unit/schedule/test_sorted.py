@@ -407,3 +407,51 @@ def test_partial_resume_across_a_weight_change_concatenates_each_segments_logpro
 
 
 # --- for real: 2 gloo ranks ---------------------------------------------------------------------
+
+
+def test_the_filter_decides_on_a_kept_responses_score_at_the_step_that_trains_it():
+    """sorted_partial scores a finished response it kept from an earlier round again at the step that trains it
+    (a reward function may read trainer_state.global_step); the zero-variance filter decides on that score."""
+    from support.fakes import single_turn_runner
+
+    from rollpacker.rollout.types import Output
+    from rollpacker.schedule.round import Round, RoundState, Seen
+
+    step = [0]
+    rewards = {("0:0:0", 0): 1.0, ("0:0:0", 1): 0.0, ("0:1:0", 0): 1.0, ("0:1:1", 0): 0.0, ("1:0:1", 1): 1.0}
+
+    class Scores:  # each response scored at once, by the step
+        def __init__(self):
+            self.ready = []
+
+        def submit(self, key, row, output):
+            self.ready.append((key, rewards[key, step[0]]))
+
+        def submit_group(self, keys, row, outputs):
+            pass
+
+        def poll(self):
+            ready, self.ready = self.ready, []
+            return ready
+
+        def wait(self, keys):
+            return self.poll()
+
+    def out(rid, n, reason="stop"):
+        return Output(id=rid, prompt_ids=[1, 2], token_ids=[3] * n, logprobs=[-0.5] * n, finish_reason=reason)
+
+    policy = sorted_policy(num_rows=4, p0=1, r0=2, n=2, partial=True, filter_zero_variance=True)
+    rnd = Round(RoundState(0, policy.start_round(0), policy, num_replicas=1), Scores(), single_turn_runner())
+    rnd.start()
+    rnd.poll(Seen(now=1.0, finished=[out("0:0:0", 3)]))  # slot 0 keeps this one; slot 1 completes, ending the round
+    cut = rnd.poll(Seen(now=2.0, finished=[out("0:1:0", 3), out("0:1:1", 3)])).abort
+    rnd.end([out(rid, 2, "abort") for _, rid in cut])
+    assert rnd.settle() and len(rnd.finish().groups) == 1
+    step[0] = 1  # 0:0:0 scores 0 now; with its new sibling's 1, the group has signal
+    rnd = Round(RoundState(1, policy.start_round(1), policy, num_replicas=1), Scores(), single_turn_runner())
+    rnd.start()
+    rnd.poll(Seen(now=3.0, finished=[out("1:0:1", 5)]))
+    rnd.end([])
+    assert rnd.settle()
+    outcome = rnd.finish()
+    assert [g.rewards for g in outcome.groups] == [[0.0, 1.0]] and outcome.filtered == []
