@@ -26,7 +26,7 @@ from rollpacker.config import Config
 from rollpacker.controller import Controller
 from rollpacker.dist import Meshes, backend, build_meshes, init_distributed
 from rollpacker.errors import UserError
-from rollpacker.model import INDEX, checkpoint_dtype, engine_dtype, lora, save_model
+from rollpacker.model import checkpoint_dtype, engine_dtype, lora, save_model
 from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.plan.memory import Shape, check_fits
@@ -37,6 +37,9 @@ from rollpacker.train.stream import StreamTrainer
 from rollpacker.train.trainer import Trainer, compute_device
 
 logger = logging.getLogger("rollpacker")
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+"""Weight files of a model directory, which an export does not copy: its own are the trained policy's."""
 
 
 @dataclass
@@ -111,27 +114,47 @@ class Job:
             self._export(path, writer=self.meshes.rank == self.meshes.train_ranks[0])
 
     def _export(self, path: Path, writer: bool) -> None:
+        """Each directory is written afresh beside ``path`` and then put in its place: what an earlier export
+        left there (a full model's weights beside a LoRA adapter) would be loaded with it."""
         model, lora_cfg = self.trainer.model, self.config.train.lora
+        merged = path.with_name(path.name + "_merged")
         if lora_cfg.rank:
-            lora.save_adapter(model, lora_cfg, path, self.model_dir, write=writer)
-            self._copy_tokenizer(path, writer, "the LoRA adapters as a PEFT adapter directory")
+            fresh = self._fresh(path, writer)
+            lora.save_adapter(model, lora_cfg, fresh, self.model_dir, write=writer)
+            self._finish(fresh, path, writer, "the LoRA adapters as a PEFT adapter directory")
             if not lora_cfg.export_merged:
+                if writer:
+                    shutil.rmtree(merged, ignore_errors=True)  # an earlier export's: not this run's policy
                 return
-            path = path.with_name(path.name + "_merged")
-        weights = lora.merged_weights(model)
+            path = merged
+        weights, fresh = lora.merged_weights(model), self._fresh(path, writer)
         if isinstance(model, HFDecoder):
-            save_hf(model, path, write=writer, dtype=config_dtype(self.model_dir), weights=weights)
+            save_hf(model, fresh, write=writer, dtype=config_dtype(self.model_dir), weights=weights)
         else:
-            save_model(model, path, write=writer, dtype=checkpoint_dtype(model.args), weights=weights)
-        self._copy_tokenizer(path, writer, "the policy as a Hugging Face model")
+            save_model(model, fresh, write=writer, dtype=checkpoint_dtype(model.args), weights=weights)
+        self._finish(fresh, path, writer, "the policy as a Hugging Face model")
 
-    def _copy_tokenizer(self, path: Path, writer: bool, what: str) -> None:
-        """The tokenizer, and whatever else of the model directory is not weights or config, into ``path``."""
+    @staticmethod
+    def _fresh(path: Path, writer: bool) -> Path:
+        """An empty directory beside ``path`` to export into (made by the writer)."""
+        fresh = path.with_name(f".{path.name}.partial")
         if writer:
-            for file in self.model_dir.iterdir():
-                if file.is_file() and file.name not in ("config.json", INDEX) and file.suffix != ".safetensors":
-                    shutil.copy2(file, path / file.name)
-            logger.info("%s: %s", what, path)
+            shutil.rmtree(fresh, ignore_errors=True)
+            fresh.mkdir(parents=True)
+        return fresh
+
+    def _finish(self, fresh: Path, path: Path, writer: bool, what: str) -> None:
+        """The tokenizer and the rest of the model directory that is neither weights nor their config into
+        ``fresh``, which then replaces ``path``."""
+        if not writer:
+            return
+        for file in self.model_dir.iterdir():
+            weights = file.suffix in WEIGHT_SUFFIXES or file.name.endswith(".index.json")
+            if file.is_file() and not weights and file.name != "config.json":
+                shutil.copy2(file, fresh / file.name)
+        shutil.rmtree(path, ignore_errors=True)
+        fresh.rename(path)
+        logger.info("%s: %s", what, path)
 
     def close(self) -> None:
         """The controller's workers stopped, then the engine shut down, last: vLLM's shutdown destroys the

@@ -3,9 +3,13 @@ native decoder and a Hugging Face one (argv: the model directory).
 
 At initialization the merged weights equal the base; after two steps only adapters changed; the
 adapters export (gathered from both ranks) as a PEFT directory that ``peft`` loads on the base with
-the trained model's logits, and the merged weights export as a Hugging Face model with them too.
+the trained model's logits, and the merged weights export as a Hugging Face model with them too. The export
+(``Job.export``) replaces what an earlier one left in its directories, and copies no weights of the model
+directory (a ``pytorch_model.bin`` of the base would load in place of the trained weights).
 """
 
+import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -13,10 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rollpacker.config import Config
 from rollpacker.dist import build_meshes
-from rollpacker.model import CausalAttention, load_model, lora, save_model
+from rollpacker.job import Job
+from rollpacker.model import CausalAttention, load_model, lora
 from rollpacker.model.config import LoraConfig
-from rollpacker.model.hf_decoder import load_hf, save_hf
+from rollpacker.model.hf_decoder import load_hf
 from rollpacker.train.config import TrainConfig
 from rollpacker.train.trainer import Sample, Trainer
 
@@ -37,7 +43,8 @@ def check(meshes, path: Path, impl: str, out: Path) -> None:
     import peft
     import transformers
 
-    cfg = TrainConfig(lr=5e-2, warmup_steps=0, micro_batch_tokens=16, lora=LoraConfig(rank=4, alpha=8))
+    cfg = TrainConfig(lr=5e-2, warmup_steps=0, micro_batch_tokens=16,
+                      lora=LoraConfig(rank=4, alpha=8, export_merged=True))
     torch.manual_seed(0)
     trainer = Trainer(load_model(path) if impl == "native" else load_hf(path), cfg, meshes.train, num_steps=4)
     base = dict(load_model(path).named_parameters()) if impl == "native" else None
@@ -53,16 +60,22 @@ def check(meshes, path: Path, impl: str, out: Path) -> None:
     assert not trainer.model.training  # the trainer's forwards run without dropout, as the model is served
     mine = logits(trainer.model, PROMPT)
     rank0 = dist.get_rank() == 0
-    lora.save_adapter(trainer.model, cfg.lora, out / f"{impl}-adapter", path, write=rank0)
-    weights = lora.merged_weights(trainer.model)
-    if impl == "native":
-        save_model(trainer.model, out / f"{impl}-merged", write=rank0, weights=weights)
-    else:
-        save_hf(trainer.model, out / f"{impl}-merged", write=rank0, weights=weights)
+    base_dir, adapter = out / f"{impl}-base", out / f"{impl}-adapter"
+    if rank0:  # the base's directory with a stale .bin, and the export's with an earlier full model's weights
+        shutil.copytree(path, base_dir)
+        (base_dir / "pytorch_model.bin").write_bytes(b"the base, in an older format")
+        adapter.mkdir()
+        (adapter / "model.safetensors").write_bytes(b"an earlier run's full model")
+    dist.barrier()
+    Job(config=Config(train=cfg), meshes=meshes, model_dir=base_dir, engine=None, trainer=trainer).export(adapter)
     if rank0:
+        for exported in (adapter, out / f"{impl}-adapter_merged"):
+            names = set(os.listdir(exported))
+            assert "pytorch_model.bin" not in names and "generation_config.json" in names, sorted(names)
+        assert "model.safetensors" not in os.listdir(adapter), sorted(os.listdir(adapter))
         hf = transformers.AutoModelForCausalLM.from_pretrained(path)
         adapted = peft.PeftModel.from_pretrained(hf, out / f"{impl}-adapter").eval()
-        merged_hf = transformers.AutoModelForCausalLM.from_pretrained(out / f"{impl}-merged").eval()
+        merged_hf = transformers.AutoModelForCausalLM.from_pretrained(out / f"{impl}-adapter_merged").eval()
         with torch.no_grad():
             for what, model in (("peft", adapted), ("merged", merged_hf)):
                 theirs = model(torch.tensor([PROMPT])).logits[0]
