@@ -30,9 +30,13 @@ from rollpacker.model.args import score_labels
 def resolve_resume(config: Config) -> None:
     """``resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` that is whole
     (:func:`rollpacker.checkpoint.newest_whole`; or nothing); a checkpoint named must be whole too,
-    and match the policy."""
+    and match the policy. None: a ``run_dir`` holding a committed checkpoint is refused, not overwritten."""
     from rollpacker import checkpoint
 
+    if not config.resume and (newest := checkpoint.latest(Path(config.run_dir))):
+        raise UserError(f"run_dir {config.run_dir} holds a run (its newest checkpoint: {newest.name}), which a fresh "
+                        "start would overwrite: resume it with --resume auto, or start afresh in a new run_dir (or "
+                        "delete that one)")
     if config.resume == "auto":
         newest = checkpoint.newest_whole(Path(config.run_dir), announce=os.environ.get("RANK", "0") == "0")
         config.resume = str(newest) if newest else ""

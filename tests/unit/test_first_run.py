@@ -40,6 +40,21 @@ def test_a_reward_model_as_the_policy_is_refused_saying_where_it_goes(reward_mod
     check_model_dir(toy_model_dir())  # a causal LM
 
 
+def test_a_fresh_start_in_a_run_dir_holding_a_run_is_refused_naming_the_way_on(tmp_path):
+    """It would drop the run's metrics and un-commit its checkpoints, silently."""
+    from rollpacker import checkpoint
+    from rollpacker.config import Config
+    from rollpacker.errors import UserError
+    from rollpacker.run import resolve_resume
+
+    resolve_resume(Config(run_dir=str(tmp_path)))  # nothing there: a fresh start
+    (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
+    resolve_resume(Config(run_dir=str(tmp_path)))  # a save that never committed holds no run
+    (tmp_path / "checkpoints" / "step_4" / checkpoint.MARKER).write_text("")
+    with pytest.raises(UserError, match=f"run_dir {tmp_path} holds a run .*step_4.*: resume it with --resume auto"):
+        resolve_resume(Config(run_dir=str(tmp_path)))
+
+
 def test_messages_name_settings_as_the_flags_typed():
     assert as_flags("data.eval_path: no such file: /d/data.eval_path.jsonl (or leave data.path empty)") == (
         "--data.eval-path: no such file: /d/data.eval_path.jsonl (or leave --data.path empty)")
