@@ -220,13 +220,14 @@ class MetricsLogger:
 
     def start_at(self, step: int) -> None:
         """Drop the records of ``step`` and later: this run logs them (again, after a resume). The evaluation
-        of ``step`` stays, as that step's last line, until this run's record of the step replaces it."""
+        of a resumed ``step`` stays, as that step's last line, until this run's record of the step replaces it;
+        a fresh start (step 0) keeps nothing of an earlier run's (its evaluation would read as this run's)."""
         if self._file is None or not self.path.stat().st_size:
             return
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         kept = [line for line in lines if _step_of(line) < step]
         evaluated = {k: v for line in lines if _step_of(line) == step
-                     for k, v in json.loads(line).items() if k.startswith("eval/")}
+                     for k, v in json.loads(line).items() if k.startswith("eval/")} if step else {}
         self._held = (step, evaluated, len("".join(kept).encode())) if evaluated else None
         self._purge_step = step
         if len(kept) < len(lines):

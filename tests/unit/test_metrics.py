@@ -109,6 +109,13 @@ def test_logger_disabled_writes_jsonl_without_wandb(tmp_path):
         resumed.start_at(2)
         resumed.log(2, {"reward/mean": 1.0})
     assert [r["step"] for r in _read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+    # a fresh start in the directory (no checkpoint of that run to resume): nothing of it stays, its evaluation neither
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 0, "eval/accuracy": 0.5}\n')
+    with MetricsLogger(tmp_path / "run", MetricsConfig(wandb_mode="disabled"), {"seed": 1}) as fresh:
+        fresh.start_at(0)
+        fresh.log(0, {"reward/mean": 0.0})
+    assert _read_jsonl(tmp_path / "run" / "metrics.jsonl") == [{"step": 0, "reward/mean": 0.0}]
 
 
 def test_tensorboard_mirrors_the_record_and_a_resume_replaces_the_steps_it_redoes(tmp_path):
