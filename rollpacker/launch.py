@@ -48,6 +48,8 @@ def split(argv: list[str]) -> tuple[list[str], list[str]]:
         if name not in actions or name in ("-h", "--help", "-m", "--module"):
             break
         takes_value = actions[name].nargs != 0 and "=" not in argv[i]
+        if takes_value and i + 1 == len(argv):
+            raise ValueError(f"{name} needs a value")
         i += 2 if takes_value else 1
     own = argv[:i]
     rest = argv[i + 1:] if i < len(argv) and argv[i] == "--" else argv[i:]
@@ -104,13 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [AGENT]:
         return agent(argv[1:])
-    torchrun, flags = split(argv)
+    try:
+        torchrun, flags = split(argv)
+    except ValueError as e:
+        print(f"rollpacker: {e} (rollpacker [torchrun's options] [rollpacker.run's flags])", file=sys.stderr)
+        return 2
     env = {**os.environ, "ROLLPACKER_PROG": "rollpacker"}
     if any(f in ("-h", "--help") for f in flags):
         print("rollpacker [torchrun's options: --nproc-per-node N, --max-restarts K, ...] [rollpacker.run's "
               "flags, below]\n")
         return subprocess.call([sys.executable, "-m", "rollpacker.run", "--help"], env=env)
-    if int(option(torchrun, "--max-restarts", "0")):  # pytorch#135712; else torchrun's agent keeps the store
+    restarts = option(torchrun, "--max-restarts", "0")
+    if not restarts.isdigit():
+        print(f"rollpacker: --max-restarts needs a whole number, got {restarts!r}", file=sys.stderr)
+        return 2
+    if int(restarts):  # pytorch#135712; else torchrun's agent keeps the store
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if option(torchrun, "--nproc-per-node", "1") not in ("1", "auto", "cpu", "gpu", "xpu"):
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks, without its banner
@@ -125,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         if error.exists():  # the first rank's error, said last
             print(error.read_text().rstrip(), file=sys.stderr, flush=True)
             return code or 1
+    if code < 0:  # the agent stopped by a signal while it started: no rank ran to say so
+        print(f"rollpacker: stopped by {signal.Signals(-code).name} before the ranks started", file=sys.stderr)
+        return 128 - code
     return code
 
 

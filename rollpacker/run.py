@@ -33,10 +33,12 @@ def resolve_resume(config: Config) -> None:
     and match the policy. None: a ``run_dir`` holding a committed checkpoint is refused, not overwritten."""
     from rollpacker import checkpoint
 
-    if not config.resume and (newest := checkpoint.latest(Path(config.run_dir))):
-        raise UserError(f"run_dir {config.run_dir} holds a run (its newest checkpoint: {newest.name}), which a fresh "
-                        "start would overwrite: resume it with --resume auto, or start afresh in a new run_dir (or "
-                        "delete that one)")
+    if not config.resume:
+        if newest := checkpoint.latest(Path(config.run_dir)):
+            raise UserError(f"run_dir {config.run_dir} holds a run (its newest checkpoint: {newest.name}), which a "
+                            "fresh start would overwrite: resume it with --resume auto, or start afresh in a new "
+                            "run_dir (or delete that one)")
+        return
     if config.resume == "auto":
         newest = checkpoint.newest_whole(Path(config.run_dir), announce=os.environ.get("RANK", "0") == "0")
         config.resume = str(newest) if newest else ""
@@ -46,6 +48,13 @@ def resolve_resume(config: Config) -> None:
                                              "earlier one, or with --resume auto, which passes over damaged ones")
     if config.resume:
         checkpoint.check(Path(config.resume), config.policy)
+
+
+def checkpoint_step(path: str) -> int:
+    """The step checkpoint ``path`` resumes at."""
+    from rollpacker import checkpoint
+
+    return int(checkpoint.train_state(Path(path))["step"])
 
 
 def check_model_dir(path: Path) -> None:
@@ -91,13 +100,17 @@ def main(argv: list[str] | None = None) -> None:
     preempt.install()  # a stop (Ctrl-C, SIGTERM) during setup stops before the first step
     try:
         config = parse_once(argv)
-        if config.resume:
-            resolve_resume(config)
+        resolve_resume(config)
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
         if not config.model.shipped:
             check_model_dir(Path(config.model.path))
     except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
         fail(as_flags(str(e)), prefix="rollpacker: config error: ")
+    if config.resume and (done := checkpoint_step(config.resume)) >= config.num_steps:
+        if os.environ.get("RANK", "0") == "0":  # a requeued job that had finished: no job to build
+            print(f"rollpacker: {config.resume} is at step {done} of num_steps {config.num_steps}: nothing to train "
+                  "(raise --num-steps to go on)", file=sys.stderr, flush=True)
+        raise SystemExit(0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if os.environ.get("RANK", "0") == "0":  # something at once: building takes minutes with a real model
         logger = logging.getLogger("rollpacker")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from contextlib import redirect_stderr
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,15 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
     assert split(["--standalone", "schedule:tail", "--help"]) == (["--standalone"], ["schedule:tail", "--help"])
     assert option(["--standalone", "--max_restarts", "3"], "--max-restarts", "0") == "3"
     assert option(["--nproc-per-node=2"], "--nproc-per-node", "1") == "2" and option([], "--nnodes", "1") == "1"
+    # a typo in torchrun's options: one line and exit 2, not a traceback
+    from rollpacker.launch import main
+
+    for argv, said in ((["--nproc-per-node"], "rollpacker: --nproc-per-node needs a value"),
+                       (["--max-restarts", "x", "--num-steps", "2"], "rollpacker: --max-restarts needs a whole")):
+        err = io.StringIO()
+        with redirect_stderr(err):
+            assert main(argv) == 2
+        assert err.getvalue().startswith(said), err.getvalue()
 
 
 def test_a_reward_model_as_the_policy_is_refused_saying_where_it_goes(reward_model_dir):
