@@ -3,8 +3,9 @@ a Hugging Face model, after the run.
 
 A run writes its policy as a Hugging Face model at its end (``run_dir/hf``) and, with
 ``checkpoint.export_hf_each``, in each checkpoint. This writes it for any committed checkpoint, as
-verl's model merger does for its own: one process on CPU builds the policy as the run did (the run's
-flags after ``--`` say how: ``model.path``, ``model.impl``, ``train.lora.*``), loads the checkpoint's
+verl's model merger does for its own: one process on CPU builds the policy as the run did (the
+checkpoint's ``export_flags``: ``model.path``, ``model.impl``, ``train.lora.*``; flags after ``--`` change
+them, e.g. a model directory moved since), loads the checkpoint's
 trained weights, whatever world size wrote them (DCP reshards), and exports them as the run's end
 does: weights in the dtype of the model's ``config.json``, config and tokenizer; a PEFT adapter
 directory for a LoRA run.
@@ -43,7 +44,8 @@ def export(checkpoint_dir: Path, out: Path, run_argv: list[str]) -> Path:
     from rollpacker.topology import Topology
 
     checkpoint.check(checkpoint_dir, any_world=True)  # before the policy is built
-    config = parse([*run_argv, "--dist.device", "cpu"])
+    saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
+    config = parse([*saved, *run_argv, "--dist.device", "cpu"])
     config.train.kl_coef, config.train.teacher.path = 0.0, ""  # the policy alone: no KL reference, no teacher
     path, impl = join(config)
     meshes = build_meshes(topology=Topology(1))

@@ -97,6 +97,8 @@ class Job:
         the policy as a Hugging Face model in it, with ``checkpoint.export_hf_each``)."""
         path = Path(self.config.run_dir) / "checkpoints" / f"step_{step}"
         state = self.controller.state_dict(policy_state) if self.controller else None
+        if state is not None:  # rank 0's, which writes train_state.json
+            state["export_flags"] = export_flags(self.config)
         also = (lambda: self.export(path / "hf")) if self.config.checkpoint.export_hf_each else None
         with watchdog.waiting("checkpoint", self.config.dist.checkpoint_timeout_s):
             checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
@@ -237,6 +239,17 @@ def build(config: Config) -> Job:
     if job.controller:
         job.controller.metrics.start_at(job.start_step)  # each step once in metrics.jsonl
     return job
+
+
+def export_flags(config: Config) -> list[str]:
+    """The run's flags that build its policy as it trained (its model, and LoRA's settings): what
+    ``rollpacker.export`` reads from a checkpoint, so that it exports the run's tokenizer and chat template."""
+    lora, flags = config.train.lora, ["--model.path", config.model.path, "--model.impl", config.model.impl]
+    if lora.rank:
+        flags += ["--train.lora.rank", str(lora.rank), "--train.lora.alpha", str(lora.alpha),
+                  "--train.lora.target-modules", *lora.target_modules,
+                  f"--train.lora.{'' if lora.export_merged else 'no-'}export-merged"]
+    return flags
 
 
 def engine_nccl_env(config: Config) -> dict[str, str]:

@@ -260,3 +260,13 @@ def test_the_zero_variance_filter_is_refused_where_equal_rewards_still_teach():
         with pytest.raises(ValueError, match=f"schedule.filter_zero_variance with {why} .* drop the filter"):
             Config(schedule=SyncConfig(filter_zero_variance=True), train=train)
     Config(schedule=SyncConfig(filter_zero_variance=True))  # GRPO: an equal group's advantages are 0
+
+
+def test_the_flags_a_checkpoint_keeps_for_the_export_build_the_runs_policy():
+    from rollpacker.job import export_flags
+
+    run = parse(["--model.path", "toy-tools", "--train.lora.rank", "4", "--train.lora.alpha", "8",
+                 "--train.lora.target-modules", "q_proj", "v_proj", "--train.lora.export-merged"])
+    again = parse([*export_flags(run), "--dist.device", "cpu"])
+    assert (again.model.path, again.model.impl, again.train.lora) == (run.model.path, run.model.impl, run.train.lora)
+    assert parse(export_flags(parse([]))).train.lora.rank == 0

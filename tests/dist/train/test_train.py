@@ -35,10 +35,10 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert final.keys() == exported[3].keys() and all(torch.equal(final[k], exported[3][k]) for k in final)
     assert not all(torch.equal(exported[1][k], exported[2][k]) for k in final)  # step 1 trained on
     assert (tmp_path / "checkpoints" / "step_1" / "hf" / "tokenizer.json").is_file()
-    # the export tool writes the same from the checkpoint afterwards, on one process (DCP reshards the two ranks')
+    # the export tool writes the same from the checkpoint afterwards, on one process (DCP reshards the two ranks'),
+    # built from the model the checkpoint names (its export_flags: no flag of the run's to give again)
     out = tmp_path / "exported"
-    proc = launch_job(str(tmp_path / "checkpoints" / "step_1"), "--out", str(out), "--", "--model.path",
-                      str(toy_random_dir), nproc=1, module="rollpacker.export")
+    proc = launch_job(str(tmp_path / "checkpoints" / "step_1"), "--out", str(out), nproc=1, module="rollpacker.export")
     assert proc.returncode == 0, proc.stderr[-4000:]
     again = load_file(out / "model.safetensors")
     assert again.keys() == final.keys() and all(torch.equal(again[k], exported[1][k]) for k in again)
