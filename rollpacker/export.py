@@ -30,7 +30,7 @@ class Args:
     """Write a checkpoint's policy as a Hugging Face model."""
 
     checkpoint: tyro.conf.Positional[Path]
-    """A committed checkpoint directory (run_dir/checkpoints/step_N)."""
+    """A committed checkpoint directory (run_dir/checkpoints/step_N), or a run's directory: its newest."""
     out: Path | None = None
     """Where to write it (default: CHECKPOINT/hf, where checkpoint.export_hf_each puts it)."""
 
@@ -43,6 +43,8 @@ def export(checkpoint_dir: Path, out: Path, run_argv: list[str]) -> Path:
     from rollpacker.job import Job, build_trainer, join
     from rollpacker.topology import Topology
 
+    if (checkpoint_dir / "checkpoints").is_dir():  # a run's directory: its newest whole checkpoint
+        checkpoint_dir = checkpoint.newest_whole(checkpoint_dir) or checkpoint_dir
     checkpoint.check(checkpoint_dir, any_world=True)  # before the policy is built
     saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
     config = parse([*saved, *run_argv, "--dist.device", "cpu"])

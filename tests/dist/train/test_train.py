@@ -43,6 +43,10 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     again = load_file(out / "model.safetensors")
     assert again.keys() == final.keys() and all(torch.equal(again[k], exported[1][k]) for k in again)
     assert (out / "config.json").read_text() == (tmp_path / "hf" / "config.json").read_text()
+    proc = launch_job(str(tmp_path), "--out", str(out), nproc=1, module="rollpacker.export")  # the run's newest
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    newest = load_file(out / "model.safetensors")
+    assert all(torch.equal(newest[k], final[k]) for k in final) and not (tmp_path / ".exported.partial").exists()
     straight = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in straight] == [0, 1, 2, 3]  # step 3: the final evaluation
     assert [("eval/accuracy" in r) for r in straight] == [True, False, False, True]
