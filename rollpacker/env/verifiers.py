@@ -76,6 +76,9 @@ class Factory:
         """``row``'s episode, its calls read by ``tool_parser``: ``env.tool_parser``, or the factory's ``parser``
         where that is left at its default (a factory file written before the setting reached it)."""
         parser = self.parser or tool_parser
+        if parser not in PARSERS:
+            raise EnvError(f"the verifiers factory's parser={parser!r} is none of {', '.join(PARSERS)}: drop it and "
+                           "set env.tool_parser")
         if parser != tool_parser and tool_parser != EnvConfig.tool_parser:
             raise EnvError(f"env.tool_parser is {tool_parser!r}, and the verifiers factory reads tool calls with "
                            f"parser={self.parser!r}: drop factory(..., parser=) and set env.tool_parser alone")

@@ -42,6 +42,7 @@ def load():
 
 make_env = factory(load)
 make_llama3_env = factory(load, parser="llama3_json")  # before env.tool_parser reached it: still read
+make_typo_env = factory(load, parser="llama3")
 '''
 ROW = {"id": "r0", "prompt": "What is 2+3? Use add.", "answer": "5"}
 GOOD = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -76,6 +77,9 @@ def test_a_verifiers_factorys_own_parser_is_read_unless_env_tool_parser_says_oth
     with pytest.raises(EnvError, match="env.tool_parser is 'mistral', and the verifiers factory reads tool calls "
                                        "with parser='llama3_json'"):
         EnvSpec(factory=f"{vf_file}:make_llama3_env", tool_parser="mistral").build(ROW)
+    with pytest.raises(EnvError, match="the verifiers factory's parser='llama3' is none of hermes, .*: drop it and set "
+                                       "env.tool_parser"):
+        EnvSpec(factory=f"{vf_file}:make_typo_env").build(ROW)
 
 
 def test_a_malformed_call_is_answered_with_its_error_and_counted(vf_file):
