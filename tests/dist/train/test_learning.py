@@ -30,13 +30,17 @@ def test_default_toy_job_raises_heldout_accuracy(tmp_path):
 @pytest.mark.slow
 def test_toy_env_preset_raises_heldout_first_try_success(tmp_path):
     """``--preset toy-env`` (episodes: a wrong answer gets another try): held-out greedy first-try
-    success rises by at least 0.10 (seeds 0-2 measured +0.191, +0.183, +0.195: docs/results.md)."""
+    success, over its last three evaluations, rises by at least 0.06 over its first. On the held-out
+    problems of 80780d4 (a part of the problem space training never draws) seed 0 measured 0.297 ->
+    0.387, 0.391, 0.395 (docs/results.md); one run's last point alone moves by a problem or two with
+    the ranks' float reduction order, so a single point against a bar near the gain was a coin toss."""
     proc = launch_job("--preset", "toy-env", "--seed", "0", "--data.shuffle-seed", "0", "--run-dir", str(tmp_path),
                       *QUIET, timeout=2400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    assert accuracy[-1] >= accuracy[0] + 0.10, f"held-out success went {accuracy[0]:.3f} -> {accuracy[-1]:.3f}"
+    last = sum(accuracy[-3:]) / 3
+    assert last >= accuracy[0] + 0.06, f"held-out success went {accuracy[0]:.3f} -> {accuracy[-3:]}"
     assert all(r["env/errors"] == 0 for r in rows if "env/errors" in r)
     assert sum(r["env/turns_mean"] > 1 for r in rows if "env/turns_mean" in r) > 0  # second tries happened
 
