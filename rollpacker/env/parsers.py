@@ -276,13 +276,18 @@ def _literal(value: str) -> Any:
         return value
 
 
+def tool_functions(tools: Sequence[dict]) -> list[dict]:
+    """The named functions of chat-template tool schemas (nested under "function", or flat)."""
+    functions = [tool.get("function", tool) for tool in tools or () if isinstance(tool, dict)]
+    return [fn for fn in functions if isinstance(fn, dict) and isinstance(fn.get("name"), str)]
+
+
 def _properties(tools: Sequence[dict]) -> dict[str, dict]:
-    """Each tool's parameter schemas, by tool name (chat-template schemas, nested under "function" or flat)."""
+    """Each tool's parameter schemas, by tool name."""
     out = {}
-    for tool in tools or ():
-        fn = tool.get("function", tool) if isinstance(tool, dict) else None
-        params = fn.get("parameters") if isinstance(fn, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(params, dict):
+    for fn in tool_functions(tools):
+        params = fn.get("parameters")
+        if isinstance(params, dict):
             out[fn["name"]] = params.get("properties") if isinstance(params.get("properties"), dict) else {}
     return out
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from rollpacker.env.config import TOOLS, EnvConfig
 from rollpacker.env.contract import EnvError
-from rollpacker.env.parsers import PARSERS, ToolCall, hermes  # noqa: F401  (hermes: imported from here too)
+from rollpacker.env.parsers import PARSERS, ToolCall, hermes, tool_functions  # noqa: F401  (hermes: imported from here too)
 from rollpacker.imports import awaited, load, target
 
 PYTHON_TIMEOUT = 10.0
@@ -87,7 +87,7 @@ class ToolEnv:
         observation, info = (None, {}) if self.inner is None else invoke(self.inner.reset, seed=seed, options=options)
         info = dict(info or {})
         self.inner_tools = list(info.get("tools", []))
-        self.inner_names = _names(self.inner_tools)
+        self.inner_names = {fn["name"] for fn in tool_functions(self.inner_tools)}
         info["tools"] = [*self.inner_tools, *self.schemas]
         return observation, info
 
@@ -132,16 +132,6 @@ class ToolEnv:
             return text
         head = limit // 2
         return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
-
-
-def _names(tools: list) -> set[str]:
-    """The names in chat-template tool schemas (nested under "function", or flat)."""
-    names = set()
-    for tool in tools:
-        fn = tool.get("function", tool) if isinstance(tool, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            names.add(fn["name"])
-    return names
 
 
 def invoke(fn, *args, **kwargs):
