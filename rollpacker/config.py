@@ -145,7 +145,7 @@ class Config:
                 "policy's. Set "
                 "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
                 f"or use schedule:{s.on_policy_alternative}")
-        if self.data.path and not (self.reward.funcs or self.reward.group_funcs or self.env.factory):
+        if self.data.path and not (self.reward.funcs or self.env.factory):  # group_funcs name some of funcs
             raise ValueError(f"data.path {', '.join(self.data.path)} without reward.funcs: the default reward (toy) "
                              "scores only the toy task's '#### N' answers, so every response to other data would score "
                              "0. Name what scores its rows: reward.funcs math (the answer column, boxed or last "
