@@ -1,8 +1,21 @@
 """Chat tokenizers built here (nothing downloads): a Qwen-style ChatML tokenizer with tools, the
 tool-call layouts of the families ``env.tool_parser`` reads (Qwen3-Coder, Llama 3.1, Mistral), and
-templates that are not prefix-preserving, for the episode tests."""
+templates that are not prefix-preserving, for the episode tests; and the source of a tool, for the tool
+files they write."""
 
 from __future__ import annotations
+
+ADD_TOOL = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+'''
+"""The source of ``add(a, b)``, a tool with a docstring its JSON schema is read from."""
 
 QWEN_STYLE_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\n' }}"

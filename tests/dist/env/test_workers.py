@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+from support.chat import ADD_TOOL
 
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.workers import EnvPool
@@ -45,16 +46,7 @@ def make_env(row):
     return Env(row)
 '''
 
-TOOLS = '''
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first.
-        b: The second.
-    """
-    return a + b
-'''
+TOOLS = ADD_TOOL
 
 
 def test_toy_episodes_with_the_toy_model_and_environments_in_workers():

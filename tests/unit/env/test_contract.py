@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+from support.chat import ADD_TOOL
 
 from rollpacker.env import contract
 from rollpacker.env.config import EnvConfig
@@ -69,17 +70,7 @@ class Garbage:
 
 TOOLS_FILE = '''
 import asyncio
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first.
-        b: The second.
-    """
-    return a + b
-
+''' + ADD_TOOL + '''
 
 async def shout(text: str) -> str:
     """Say it louder.

@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("verifiers")
 
+from support.chat import ADD_TOOL  # noqa: E402
+
 from rollpacker.env import contract  # noqa: E402
 from rollpacker.env.contract import EnvError  # noqa: E402
 from rollpacker.env.parsers import PARSERS  # noqa: E402
@@ -19,17 +21,7 @@ import verifiers as vf
 from datasets import Dataset
 
 from rollpacker.env.verifiers import factory
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first.
-        b: The second.
-    """
-    return a + b
-
+''' + ADD_TOOL + '''
 
 def correct(completion, answer, **kwargs) -> float:
     return float(answer in (completion[-1].content or ""))
