@@ -148,7 +148,7 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
                 _drop(envs, *task[:2])
                 conn.send((None, f"{task[0]} returned something that cannot be sent back ({type(e).__name__}: {e})",
                            time.perf_counter() - wall, None, False, False))
-    except (EOFError, BrokenPipeError):  # the pool closed our pipe: shutting down, or its process died
+    except (EOFError, ConnectionError):  # the pool closed our pipe (unread: a reset): stopping, or its process died
         return
     finally:
         try:  # the pool's RETIRE follows a closed pipe: it may land here, before RETIRE is ignored

@@ -111,7 +111,7 @@ def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...])
             wall, cpu = time.perf_counter(), _cpu_seconds()
             value, error, metrics, info = score(ref, sample)
             conn.send((value, error, metrics, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
-    except (EOFError, BrokenPipeError):  # the pool closed our pipe: it is shutting down, or its process died
+    except (EOFError, ConnectionError):  # the pool closed our pipe (unread: a reset): stopping, or its process died
         return
     finally:
         leaving()

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+
+from rollpacker.env.workers import EnvSpec
+from rollpacker.env.workers import _serve as env_serve
+from rollpacker.reward.workers import _work as reward_work
 
 WORKER = textwrap.dedent("""
     import atexit, os, time
@@ -23,3 +31,19 @@ def test_a_second_retire_while_the_first_unwinds_prints_nothing():
     a traceback that reads like a crash, under the run's one-line message)."""
     proc = subprocess.run([sys.executable, "-c", WORKER], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (1, "")
+
+
+@pytest.mark.parametrize(("main", "args"), [(reward_work, ((),)), (env_serve, (EnvSpec(),))], ids=["reward", "env"])
+def test_a_worker_whose_pipe_is_closed_unread_exits_quietly(main, args, capfd):
+    """A rank killed (torchrun's SIGTERM when another rank failed) before it read its worker's message: the
+    worker's next read is a connection reset, an exit like a closed pipe's (it printed a traceback under the
+    run's one-line error)."""
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=main, args=(child, os.getpid(), *args))
+    process.start()
+    child.close()
+    assert conn.poll(60)  # the worker is ready: its None stays unread
+    conn.close()
+    process.join(60)
+    assert (process.exitcode, capfd.readouterr().err) == (0, "")
