@@ -24,7 +24,7 @@ from pathlib import Path
 from rollpacker import preempt
 from rollpacker.config import Config, as_flags, parse
 from rollpacker.errors import UserError, fail, report
-from rollpacker.model.args import score_labels
+from rollpacker.model.args import adapter_note, score_labels
 
 
 def resolve_resume(config: Config) -> None:
@@ -62,9 +62,11 @@ def check_model_dir(path: Path) -> None:
     if not path.is_dir():
         raise UserError(f"model.path: {path} is not a directory: point it at a Hugging Face model directory "
                         "(config.json, safetensors weights, tokenizer), or leave it empty for the toy model")
+    if note := adapter_note(path):
+        raise UserError(f"model.path: {note}")
     missing = [name for name in ("config.json",) if not (path / name).is_file()]
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        missing.append("a tokenizer (tokenizer.json or tokenizer_config.json)")
+        missing.append("tokenizer (tokenizer.json or tokenizer_config.json)")
     if missing:
         raise UserError(f"model.path: {path} has no {' and no '.join(missing)}: it is not a Hugging Face model "
                         "directory (save one with save_pretrained, or leave model.path empty for the toy model)")

@@ -120,3 +120,17 @@ def score_labels(cfg: dict[str, Any]) -> int:
     if not any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or ()):
         return 0
     return len(cfg.get("id2label") or {}) or cfg.get("num_labels") or 2  # Hugging Face's default: 2
+
+
+def adapter_note(path: Path) -> str | None:
+    """Why ``path``, holding no ``config.json``, is no model if it is a PEFT adapter directory (a LoRA run's
+    ``hf``), naming what to point at instead; None for any other directory."""
+    adapter = Path(path) / "adapter_config.json"
+    if (Path(path) / "config.json").is_file() or not adapter.is_file():
+        return None
+    try:
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, AttributeError):
+        base = None
+    return (f"{path} is a PEFT adapter directory (LoRA), not a model: point at the merged model (a run's hf_merged, "
+            f"written with --train.lora.export-merged), or merge the adapter into its base ({base}) with peft")

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from rollpacker.model.args import ModelArgs, score_labels
+from rollpacker.model.args import ModelArgs, adapter_note, score_labels
 from rollpacker.model.transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
@@ -30,7 +30,7 @@ def read_config(path: str | Path) -> dict:
     """A model directory's ``config.json``."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file} not found: point at a Hugging Face model directory")
+        raise FileNotFoundError(adapter_note(path) or f"{cfg_file} not found: point at a Hugging Face model directory")
     try:
         return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:

@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -202,8 +203,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
 def evaluate(path: Path, num: int, seed: int = EVAL_SEED) -> list[tuple[str, int, float, float]]:
     """Greedy decoding of ``num`` held-out problems through the rollout engine: per term-count
     bucket, then overall, ``(bucket, num_problems, accuracy, mean_response_tokens)``."""
+    engine = TorchEngine(load_model(path), EngineConfig())  # first: it names what a directory lacks
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = TorchEngine(load_model(path), EngineConfig())
     rows = toy_rows(DataConfig(toy_tail_alpha=toy.PARETO_ALPHA), num, seed, held_out=True)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
     with single_thread():
@@ -261,8 +262,12 @@ def eval_cmd(path: Path | None = None, num: int = 1000) -> None:
         num: Number of problems (drawn from the task's heavy-tailed length distribution).
     """
     start = time.perf_counter()
+    try:
+        report = evaluate(path or toy_model_dir(), num)
+    except (ValueError, OSError) as e:  # a directory that is no model: its message names the fix
+        sys.exit(f"rollpacker.toy.model eval: {e}")
     print(f"{'terms':>8} {'problems':>9} {'accuracy':>9} {'mean tokens':>12}")
-    for name, n, acc, tokens in evaluate(path or toy_model_dir(), num):
+    for name, n, acc, tokens in report:
         print(f"{name:>8} {n:>9} {acc:>9.3f} {tokens:>12.1f}")
     logger.info("evaluated in %.0fs", time.perf_counter() - start)
 

@@ -50,6 +50,21 @@ def test_a_reward_model_as_the_policy_is_refused_saying_where_it_goes(reward_mod
     check_model_dir(toy_model_dir())  # a causal LM
 
 
+def test_a_lora_runs_adapter_directory_as_the_policy_is_refused_naming_the_merged_model(tmp_path):
+    """A LoRA run's hf is a PEFT adapter, no model: the message names hf_merged and the adapter's base (it said
+    config.json and a tokenizer were missing)."""
+    import peft
+
+    from rollpacker.errors import UserError
+    from rollpacker.run import check_model_dir
+
+    peft.LoraConfig(r=4, base_model_name_or_path="org/base").save_pretrained(str(tmp_path))
+    with pytest.raises(UserError, match=r"is a PEFT adapter directory .LoRA., not a model: point at the merged model "
+                                        r".a run.s hf_merged, written with --train.lora.export-merged., or merge the "
+                                        r"adapter into its base .org/base. with peft"):
+        check_model_dir(tmp_path)
+
+
 def test_a_fresh_start_in_a_run_dir_holding_a_run_is_refused_naming_the_way_on(tmp_path):
     """It would drop the run's metrics and un-commit its checkpoints, silently."""
     from rollpacker import checkpoint

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -201,4 +202,7 @@ def test_bad_config_errors(tmp_path):
         load_model(path)
     (path / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(str(path / "config.json"))):
+        load_model(path)
+    peft.LoraConfig(r=4, base_model_name_or_path="org/base").save_pretrained(str(path))  # a LoRA run's hf
+    with pytest.raises(FileNotFoundError, match=r"PEFT adapter directory .*hf_merged.*\(org/base\)"):
         load_model(path)
