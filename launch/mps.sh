@@ -9,7 +9,8 @@
 # (ROLLPACKER_MPS_DIR, default $TMPDIR/rollpacker-mps-<job id or pid>-<host>), exports
 # CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY so the command's CUDA processes use it, and
 # when the command exits, however it exits, stops the daemon and removes the directory. The exit
-# status is the command's. Without nvidia-cuda-mps-control it says so and runs without MPS.
+# status is the command's (143 or 130 after a SIGTERM or SIGINT). SIGUSR1 (Slurm's time-limit warning)
+# leaves this shell waiting for the command. Without nvidia-cuda-mps-control it says so and runs without MPS.
 # MPS needs the GPUs in the DEFAULT or EXCLUSIVE_PROCESS compute mode (nvidia-smi -q -d COMPUTE).
 set -euo pipefail
 if [[ $# -eq 0 ]]; then
@@ -34,5 +35,9 @@ nvidia-cuda-mps-control -d
 trap stop_mps EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
+# Slurm's time-limit warning: srun passes it to every process of the step, the command saves and exits.
+# Trapped, it waits for the command; untrapped, it would kill this shell, leaving the daemon running and
+# ending the step (its other processes killed) while the ranks save.
+trap : USR1
 echo "mps.sh: MPS daemon started (pipe: $CUDA_MPS_PIPE_DIRECTORY)" >&2
 "$@"
