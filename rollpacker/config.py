@@ -61,7 +61,7 @@ class ModelConfig:
     chat_template: bool = False
     """Wrap each string prompt in the tokenizer's chat template as a user turn (message lists always are)."""
     chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
-    """Keyword arguments of the tokenizer's apply_chat_template, e.g. enable_thinking False for Qwen3."""
+    """Keyword arguments of the tokenizer's apply_chat_template, e.g. enable_thinking false for Qwen3."""
     impl: Literal["auto", "native", "hf"] = "auto"
     """Trainer's model: native (Llama, Qwen2, Qwen3), hf (any transformers decoder; rollout on vLLM/SGLang), auto."""
 
@@ -70,6 +70,9 @@ class ModelConfig:
 
         check_choices(self, "model")
         check_template_kwargs(self.chat_template_kwargs)
+        # a flag's lowercase true or false reaches here a string, which a template reads as true (any non-empty one)
+        self.chat_template_kwargs = {key: {"true": True, "false": False}.get(value, value) if isinstance(value, str)
+                                     else value for key, value in self.chat_template_kwargs.items()}
 
     @property
     def shipped(self) -> bool:
@@ -177,6 +180,12 @@ class Config:
             raise ValueError("env.warm opens the next round's environments ahead, but there is no environment: set "
                              "env.factory or env.tools, or drop env.warm")
         self.schedule.settle(episodes=self.env.enabled)
+        budget = ("env.max_tokens", self.env.max_tokens) if self.env.max_tokens else \
+            ("rollout.max_new_tokens", self.rollout.max_new_tokens)
+        if self.train.overlong_buffer >= budget[1]:
+            raise ValueError(f"train.overlong_buffer={self.train.overlong_buffer} is not below {budget[0]}="
+                             f"{budget[1]}, the budget it counts back from: every response would be punished. "
+                             f"Set a buffer below {budget[1]} (DAPO: a fifth of it)")
         if self.train.mini_batches > self.rollout.num_prompts:
             raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
                              f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")

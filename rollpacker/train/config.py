@@ -121,9 +121,10 @@ class TrainConfig(MemoryConfig):
     epochs: int = 1
     """Passes over the batch's mini-batches per RL step (old log-probs frozen before the first)."""
     overlong_buffer: int = 0
-    """DAPO's overlong punishment: its buffer, the last this many tokens up to rollout.max_new_tokens (0 = off)."""
+    """DAPO's overlong punishment: its buffer, the last this many tokens of the budget (env.max_tokens, else
+    rollout.max_new_tokens; 0 = off)."""
     overlong_penalty: float = 1.0
-    """The punishment at rollout.max_new_tokens, rising linearly from 0 over the buffer."""
+    """The punishment at the budget, rising linearly from 0 over the buffer."""
     mask_truncated: bool = False
     """Responses cut by rollout.max_new_tokens contribute no loss (DAPO's overlong filtering)."""
     entropy_coef: float = 0.0

@@ -134,6 +134,8 @@ def test_streaming_refuses_what_a_group_cannot_finish_alone(settings, message):
 
 def test_algorithm_settings_name_the_field():
     from rollpacker.config import Config
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.rollout.config import RolloutConfig
     from rollpacker.train.config import CriticConfig, TrainConfig
 
     for settings, message in ((dict(mini_batches=0), "train.mini_batches must be positive"),
@@ -153,6 +155,11 @@ def test_algorithm_settings_name_the_field():
         CriticConfig(value_clip=-1)
     with pytest.raises(ValueError, match="train.mini_batches=32 exceeds rollout.num_prompts=16"):
         Config(train=TrainConfig(mini_batches=32))
+    Config(train=TrainConfig(overlong_buffer=3), rollout=RolloutConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="train.overlong_buffer=4 is not below rollout.max_new_tokens=4"):
+        Config(train=TrainConfig(overlong_buffer=4), rollout=RolloutConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="train.overlong_buffer=64 is not below env.max_tokens=48"):  # an episode's
+        Config(train=TrainConfig(overlong_buffer=64), env=EnvConfig(factory="toy", max_tokens=48))
 
 
 def test_engine_rules_ask_the_engine_registry():
