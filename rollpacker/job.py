@@ -264,7 +264,7 @@ def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
     kind = resolve_kind(kind, device_type, planner and impl == "native", native=impl == "native")
     if impl != "native" and ENGINES[kind].native_only:
         others = " or ".join(k for k, e in ENGINES.items() if not e.native_only)
-        raise ValueError(f"model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
+        raise UserError(f"model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
                          f"use engine.kind {others}, or model.impl native if the model is one of those")
     return kind
 
@@ -272,11 +272,11 @@ def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
 def check_hf(config: Config) -> None:
     """What a Hugging Face model (model.impl hf) does not run with, named with the fix."""
     if config.schedule.own_pools:
-        raise ValueError(f"model.impl=hf with schedule:{config.policy}: its rollout pool builds the native decoder "
+        raise UserError(f"model.impl=hf with schedule:{config.policy}: its rollout pool builds the native decoder "
                          "to receive the weights; use a policy without pools of its own, or model.impl native "
                          "(Llama, Qwen2, Qwen3)")
     if config.plan.enabled:
-        raise ValueError("model.impl=hf with plan.enabled: the parallelism planner profiles and rebuilds the native "
+        raise UserError("model.impl=hf with plan.enabled: the parallelism planner profiles and rebuilds the native "
                          "decoder's engines; turn plan.enabled off, or use model.impl native (Llama, Qwen2, Qwen3)")
 
 

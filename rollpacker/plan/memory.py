@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rollpacker.errors import UserError
 from rollpacker.model.parallelize import checkpointed
 from rollpacker.rollout import ENGINES, resolve_kind
 
@@ -644,10 +645,10 @@ def config_plan(config, world_size: int, capacity: float, shape: Shape | None = 
 
 
 def check_fits(config, shape: Shape, world_size: int, capacity: float) -> Plan:
-    """The job's start-up check on GPU: the plan, or a ValueError naming what does not fit."""
+    """The job's start-up check on GPU: the plan, or a UserError naming what does not fit."""
     p = config_plan(config, world_size, capacity, shape)
     if not p.fits:
-        raise ValueError(p.refusal())
+        raise UserError(p.refusal())
     return p
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rollpacker.errors import UserError
 from rollpacker.plan.config import PlanConfig
 
 
@@ -44,7 +45,9 @@ class Planner:
     def __init__(self, config: PlanConfig, candidates: list[int], initial: int, *, profile: dict | None = None,
                  world: int = 0, prompt_len: int = 0):
         if initial not in candidates:
-            raise ValueError(f"plan: initial TP {initial} is not one of the usable TPs {candidates}")
+            raise UserError(f"plan: initial TP {initial} (plan.initial_tp) is not one of the TPs usable here, "
+                            f"{candidates} (divisors of the world and of the model's KV heads, within a node and "
+                            "plan.max_tp): set plan.initial_tp to one of them, or 0 to start at the profile's best")
         self.config, self.candidates, self.initial = config, candidates, initial
         self.kinds: dict[str, _Kind] = {}
         self.profile, self.world, self.prompt_len = profile, world, prompt_len

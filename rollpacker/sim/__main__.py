@@ -22,6 +22,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 
+from rollpacker.errors import UserError
 from rollpacker.sim.simulate import preset_config
 
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         try:
             figures = spec(argv[1:]) if command else run(argv)
-        except (FileNotFoundError, ValueError) as e:  # a preset, trace or setup that cannot run: say why, no traceback
+        except (FileNotFoundError, ValueError, UserError) as e:  # a preset, trace or setup that cannot run: say why
             raise SystemExit(f"error: {e}") from None
     sys.stdout.flush()
     print(json.dumps(figures), flush=True)

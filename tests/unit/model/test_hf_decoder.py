@@ -7,6 +7,8 @@ import pytest
 import torch
 from support.models import make_hf_model
 
+from rollpacker.errors import UserError
+
 HF_ONLY = ("qwen3_moe", "gemma2", "gemma3", "mistral")
 
 
@@ -51,7 +53,7 @@ def test_hf_models_roll_out_on_vllm_not_torch_engine():
 
     assert model_engine("hf", "auto", "cpu", False) == "vllm"
     assert model_engine("native", "auto", "cpu", False) == "torch"
-    with pytest.raises(ValueError, match="model.impl=hf: TorchEngine runs rollpacker's native decoder only"):
+    with pytest.raises(UserError, match="model.impl=hf: TorchEngine runs rollpacker's native decoder only"):
         model_engine("hf", "torch", "cpu", False)
 
 
@@ -109,7 +111,7 @@ def test_hf_path_refuses_pools_of_their_own_and_the_planner(argv, message):
     from rollpacker.job import check_hf
 
     check_hf(parse([]))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):  # said once by run.py, not a traceback on every rank
         check_hf(parse(argv))
 
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rollpacker.errors import UserError
 from rollpacker.plan.memory import (
     GB,
     QWEN2_5,
@@ -116,7 +117,7 @@ def test_a_preset_that_cannot_fit_is_refused_naming_the_largest_term_and_the_fix
 
     # the engine named: engine.kind auto is planned as the job resolves it, by what is installed here
     config = parse(["--preset", "qwen2.5-32b-32k", "--train.activation-checkpointing", "none", "--engine.kind", "vllm"])
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(UserError) as refused:  # said once by run.py, not a traceback on every rank
         check_fits(config, Shape.from_hf(QWEN2_5["Qwen2.5-32B"]), world_size=8, capacity=80 * GB)
     assert str(refused.value) == (
         "memory plan: the backward (blocks) peak is 746.4 GB per GPU, over the 80.0 GB this GPU has. "

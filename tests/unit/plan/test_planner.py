@@ -8,6 +8,7 @@ import json
 import pytest
 
 from rollpacker.config import parse
+from rollpacker.errors import UserError
 from rollpacker.plan.config import PlanConfig
 from rollpacker.plan.planner import Planner, best_tp, candidate_tps, decode_ms
 from rollpacker.plan.profile import cache_path, check, load, profile_key, save
@@ -62,7 +63,8 @@ def test_tp_stays_within_a_node_and_odd_worlds_use_their_divisors():
     assert candidate_tps(3, 3, 3) == [1, 3]
     p = Planner(PlanConfig(quiet_steps=1), candidate_tps(6, 6, 8), initial=2)  # [1, 2, 3, 6]
     assert observe_all(p, "short", [1, 0, 0, 0]) == [6, 3, 1, 1]  # doubling skips 4; halving 6 -> 3 -> 1
-    with pytest.raises(ValueError, match="initial TP 2"):
+    with pytest.raises(UserError, match=r"initial TP 2 \(plan.initial_tp\) is not one of the TPs usable here, "
+                                        r"\[1, 3\] "):
         Planner(PlanConfig(), [1, 3], initial=2)
 
 
