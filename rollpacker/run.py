@@ -110,8 +110,12 @@ def main(argv: list[str] | None = None) -> None:
         fail(as_flags(str(e)), prefix="rollpacker: config error: ")
     if config.resume and (done := checkpoint_step(config.resume)) >= config.num_steps:
         if os.environ.get("RANK", "0") == "0":  # a requeued job that had finished: no job to build
+            hf = Path(config.run_dir) / "hf"
+            unexported = (f"; its Hugging Face export {hf} is missing (stopped while writing it): python -m "
+                          f"rollpacker.export {config.resume} --out {hf}"
+                          if config.checkpoint.export_hf and not hf.exists() else "")
             print(f"rollpacker: {config.resume} is at step {done} of num_steps {config.num_steps}: nothing to train "
-                  "(raise --num-steps to go on)", file=sys.stderr, flush=True)
+                  f"(raise --num-steps to go on){unexported}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if os.environ.get("RANK", "0") == "0":  # something at once: building takes minutes with a real model

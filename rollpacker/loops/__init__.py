@@ -24,6 +24,10 @@ def train(job) -> int:
     loop = one_step_off if job.meshes.disaggregated else colocated
     step = loop.run(job)
     stop = job.meshes.broadcast(preempt.requested() if ctl else None)  # a stop signal ended the loop
+    if stop and step >= cfg.num_steps:  # it came during the last step: nothing is left to stop, the run ends
+        if ctl:
+            logger.info("stop on %s during the last step: the run ends as it would have (export, final eval)", stop)
+        stop = None
     if step > job.start_step and job.saved != step:
         job.save(step)  # the final state, also when the data ran out before num_steps (num_epochs) or on a stop
     if stop:  # no export, no final evaluation: the run is not over

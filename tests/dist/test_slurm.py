@@ -92,6 +92,38 @@ def test_sigusr1_saves_after_the_current_step_and_exits_0(tmp_path):
     assert _steps(out)[-1] == steps - 1
 
 
+WARN_IN_REWARD = '''
+import os, signal
+
+def warn(completions, **kwargs):  # Slurm's time-limit warning, to the rank scoring (the worker's parent)
+    os.kill(os.getppid(), signal.SIGUSR1)
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.mark.timeout(400)
+def test_sigusr1_during_the_last_step_lets_the_run_end_with_its_export(tmp_path):
+    """A stop signal during the last step has nothing left to stop: the run ends as it would have, its
+    policy exported (it used to stop without one, and a resume found nothing to train). A resume of a
+    finished run whose export is gone names the command that writes it."""
+    (tmp_path / "warn.py").write_text(WARN_IN_REWARD)
+    run_dir, env = tmp_path / "run", job_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "rollpacker.run", *ARGS, "--num-steps", "1", "--reward.funcs", "warn.py:warn",
+            "--run-dir", str(run_dir)]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and "stop on SIGUSR1 during the last step: the run ends" in said, said[-3000:]
+    assert "stopped on" not in said and "done after 1 steps" in said
+    assert _committed(run_dir) == [1] and (run_dir / "hf" / "config.json").exists()
+    shutil.rmtree(run_dir / "hf")
+    again = subprocess.run([*argv, "--resume", "auto"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (f"step_1 is at step 1 of num_steps 1: nothing to train (raise --num-steps to go on); its Hugging Face "
+            f"export {run_dir / 'hf'} is missing (stopped while writing it): python -m rollpacker.export "
+            f"{run_dir / 'checkpoints' / 'step_1'} --out {run_dir / 'hf'}") in again.stderr, again.stderr[-3000:]
+
+
 def _steps(text: str) -> list[int]:
     return [int(s) for s in re.findall(r"^step (\d+)(?:/\d+)? \|", text, flags=re.M)]
 
