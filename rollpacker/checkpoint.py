@@ -32,9 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from rollpacker.errors import UserError
 
 MARKER = "COMMITTED"
+WRITE_ERRORS = (OSError, SafetensorError)
+"""What a failed write raises: the system's error, or safetensors' own for the same (it is no OSError)."""
 logger = logging.getLogger(__name__)
 
 
@@ -100,7 +104,7 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
     if also is not None and not failed:
         try:
             also()
-        except OSError as e:
+        except WRITE_ERRORS as e:
             failed = {rank: _first_line(e)}
         failed = _everyones(failed, control)
     if rank == 0 and not failed:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import tyro
 
+from rollpacker.checkpoint import WRITE_ERRORS
 from rollpacker.config import as_flags, parse
 from rollpacker.errors import UserError, fail
 from rollpacker.jobflags import split_run_args
@@ -61,10 +62,14 @@ def main(argv: list[str] | None = None) -> None:
     own, run_argv = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog="python -m rollpacker.export")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    out = args.out or args.checkpoint / "hf"
     try:
-        export(args.checkpoint, args.out or args.checkpoint / "hf", run_argv)
+        export(args.checkpoint, out, run_argv)
     except (ValueError, FileNotFoundError, UserError) as e:  # a checkpoint's errors are worded for a resume
         fail(as_flags(str(e).replace("resume: ", "", 1)), prefix="rollpacker: export: ")
+    except WRITE_ERRORS as e:
+        fail(f"writing {out} failed ({str(e).splitlines()[0]}): free disk space or fix the permissions there, then "
+             "run this again", prefix="rollpacker: export: ")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def train(job) -> int:
                   file=sys.stderr, flush=True)
         return step
     if cfg.checkpoint.export_hf:
-        job.export(Path(cfg.run_dir) / "hf")
+        export(job, Path(cfg.run_dir))
     if cfg.eval_every and job.engine is not None:
         final = colocated.evaluate(job, step)
         if ctl:
@@ -49,3 +49,20 @@ def train(job) -> int:
         ctl.close()
         logger.info("done after %d steps: metrics in %s", step, Path(cfg.run_dir) / "metrics.jsonl")
     return step
+
+
+def export(job, run_dir: Path) -> None:
+    """The run's policy into ``run_dir/hf`` (collective); a failed write is a UserError naming the command
+    that writes it from the run's newest checkpoint."""
+    from rollpacker import checkpoint
+    from rollpacker.errors import UserError
+
+    hf = run_dir / "hf"
+    try:
+        job.export(hf)
+    except checkpoint.WRITE_ERRORS as e:
+        newest = checkpoint.latest(run_dir)
+        again = (f"the run's newest committed checkpoint is {newest}: free disk space or fix the permissions "
+                 f"there, then python -m rollpacker.export {newest} --out {hf}" if newest else
+                 "free disk space or fix the permissions there, then run again")
+        raise UserError(f"export: writing the policy to {hf} failed ({str(e).splitlines()[0]}); {again}") from None

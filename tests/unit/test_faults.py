@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from rollpacker import checkpoint
 from rollpacker.config import load_preset
@@ -192,6 +193,15 @@ def test_what_a_save_also_writes_is_in_the_commit_and_its_failure_fails_the_save
     with pytest.raises(checkpoint.CheckpointError, match=r"saving step 2 .* failed on rank\(s\) \[0\] \(rank 0: "
                                                          r"OSError: \[Errno 28\] No space left on device"):
         checkpoint.save(tmp_path / "checkpoints" / "step_2", trainer, 2, {}, also=full_disk)
+    assert checkpoint.latest(tmp_path) == first and not (tmp_path / "checkpoints" / "step_2").exists()
+
+    def under_a_file() -> None:  # a real failed write of safetensors, whose error is no OSError
+        save_file({"w": torch.zeros(2)}, tmp_path / "a_file" / "model.safetensors")
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(checkpoint.CheckpointError, match=r"saving step 2 .* \(rank 0: SafetensorError: Error while "
+                                                         r"serializing: I/O error: Not a directory"):
+        checkpoint.save(tmp_path / "checkpoints" / "step_2", trainer, 2, {}, also=under_a_file)
     assert checkpoint.latest(tmp_path) == first and not (tmp_path / "checkpoints" / "step_2").exists()
 
 

@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.jobs import launch_job, torchrun
+from support.jobs import QUIET, launch_job, torchrun
 
 
 def test_two_rank_step_equals_single_process_reference(toy_random_dir):
     out = torchrun("train_step.py", 2, str(toy_random_dir))
     assert out.count("OK") == 2, out
+
+
+def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tmp_path):
+    """The run's end writes its policy to run_dir/hf; a write that fails there (here: a file where the
+    export's directory goes) is one line, no traceback, naming the committed checkpoint and the command
+    that exports it, which then does."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".hf.partial").write_text("")
+    proc = launch_job("--data.num-toy-prompts", "8", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+                      "--rollout.max-new-tokens", "24", "--num-steps", "1", "--eval-every", "0", *QUIET,
+                      "--run-dir", str(run_dir))
+    newest, hf = run_dir / "checkpoints" / "step_1", run_dir / "hf"
+    # one line, no traceback of ours (torchrun prints its own on a failed rank)
+    assert proc.returncode == 1 and not re.search(r'File ".*/rollpacker/', proc.stderr), proc.stderr[-4000:]
+    said = f"rollpacker: export: writing the policy to {hf} failed ([Errno 17] File exists: "
+    assert proc.stderr.count(said) == 1, proc.stderr[-4000:]
+    assert (f"the run's newest committed checkpoint is {newest}: free disk space or fix the permissions there, then "
+            f"python -m rollpacker.export {newest} --out {hf}\n") in proc.stderr
+    proc = launch_job(str(newest), "--out", str(hf), nproc=1, module="rollpacker.export")  # the same fault: said
+    assert proc.returncode == 1 and proc.stderr.endswith(f"rollpacker: export: writing {hf} failed ([Errno 17] File "
+                                                         f"exists: '{run_dir / '.hf.partial'}'): free disk space or "
+                                                         "fix the permissions there, then run this again\n")
+    (run_dir / ".hf.partial").unlink()
+    proc = launch_job(str(newest), "--out", str(hf), nproc=1, module="rollpacker.export")
+    assert proc.returncode == 0 and (hf / "model.safetensors").is_file(), proc.stderr[-4000:]
 
 
 def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp_path):
