@@ -3,8 +3,9 @@
 SIGUSR1 (Slurm's warning before the time limit, ``#SBATCH --signal=B:USR1@120``, forwarded to every
 process of the job step by ``launch/slurm/train.sbatch``), SIGTERM (scancel, preemption,
 ``scontrol requeue``, torchrun passing on its own) and SIGINT (Ctrl-C) only set a flag here. The
-training loop reads rank 0's flag at the next step boundary, broadcast with its other per-step
-decision so that every rank stops after the same step, saves a checkpoint and exits 0: a clean
+training loop reads every rank's flag at the next step boundary (:func:`requested_anywhere`: one
+node's torchrun, stopped alone, signals its own ranks only), so that every rank stops after the
+same step, saves a checkpoint and exits 0: a clean
 stop, which torchrun must not restart; the job script requeues the job and ``--resume auto``
 picks the checkpoint up. The reward workers ignore these signals (the signal reaches them too),
 so the step in progress is scored by live workers. A second SIGINT aborts at once: the step in
@@ -91,3 +92,13 @@ def _say(line: str) -> None:
 def requested() -> str | None:
     """The name of the first stop signal received (``"SIGUSR1"``), or None."""
     return _received.name if _received else None
+
+
+def requested_anywhere(meshes) -> str | None:
+    """Collective over ``meshes``' control plane (every rank): the stop signal of the lowest rank that
+    received one, or None."""
+    import torch.distributed as dist
+
+    names = [None] * dist.get_world_size(meshes.control)
+    dist.all_gather_object(names, requested(), group=meshes.control)
+    return next(filter(None, names), None)

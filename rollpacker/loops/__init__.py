@@ -23,7 +23,7 @@ def train(job) -> int:
         ctl.display.note(start_summary(job))
     loop = one_step_off if job.meshes.disaggregated else colocated
     step = loop.run(job)
-    stop = job.meshes.broadcast(preempt.requested() if ctl else None)  # a stop signal ended the loop
+    stop = preempt.requested_anywhere(job.meshes)  # a stop signal ended the loop
     if stop and step >= cfg.num_steps:  # it came during the last step: nothing is left to stop, the run ends
         if ctl:
             logger.info("stop on %s during the last step: the run ends as it would have (export, final eval)", stop)

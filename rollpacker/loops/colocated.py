@@ -27,8 +27,8 @@ def run(job: Job) -> int:
     step = job.start_step
     while step < cfg.num_steps:
         watchdog.at_step(step)  # dist.timeout_s once the first step is done
-        done, stop = job.meshes.broadcast((ctl.policy.done(), preempt.requested()) if ctl else None)
-        if done or stop:
+        done = job.meshes.broadcast(ctl.policy.done() if ctl else None)
+        if done or preempt.requested_anywhere(job.meshes):
             break
         due = cfg.eval_every and step % cfg.eval_every == 0
         rl_step(job, step, evaluate(job, step) if due else {})

@@ -115,7 +115,7 @@ def boundary(job: Job, loop: Loop) -> bool:
     Returns whether there is a batch to train, and no stop was asked for (then a checkpoint is taken).
     """
     cfg, meshes, rank0 = job.config, job.meshes, job.rank0
-    more, stop = meshes.broadcast((loop.pending is not None, preempt.requested()) if rank0 else None)
+    more, stop = meshes.broadcast(loop.pending is not None if rank0 else None), preempt.requested_anywhere(meshes)
     watchdog.at_step(loop.step)  # a stop asked from now on comes after this step (dist.timeout_s after the first)
     if more and (rank0 or meshes.rank not in meshes.rollout_ranks):
         loop.batch = meshes.broadcast(loop.pending.batch if rank0 else None, meshes.handoff)

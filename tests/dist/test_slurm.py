@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.jobs import job_env
+from support.jobs import job_env, start_job
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "launch" / "slurm" / "train.sbatch"
@@ -90,6 +90,27 @@ def test_sigusr1_saves_after_the_current_step_and_exits_0(tmp_path):
     steps = int(stopped.group(1))
     assert _committed(run_dir)[-1] == steps and steps < NUM_ROWS // 4, (steps, out[-3000:])
     assert _steps(out)[-1] == steps - 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_step(tmp_path):
+    """One node's torchrun stopped alone (a drained node) signals its own ranks only: rank 1's signal
+    stops the whole job after the step it is in, saved, as rank 0's does (it was not heard)."""
+    from rollpacker.bench.faults import worker_pid
+
+    run_dir = tmp_path / "run"
+    proc = start_job(run_dir)
+    try:
+        _wait("the first committed checkpoint", lambda: _committed(run_dir) or proc.poll() is not None, 300, poll=0.01)
+        os.kill(worker_pid(run_dir, 1), signal.SIGUSR1)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped = re.search(r"stopped on SIGUSR1 with (\d+) of (\d+) steps done", err)
+    assert proc.returncode == 0 and stopped, err[-3000:]
+    assert _committed(run_dir)[-1] == int(stopped[1]) < int(stopped[2]) // 2
 
 
 WARN_IN_REWARD = '''
