@@ -347,6 +347,19 @@ def check(path: Path, policy: str | None = None, world_size: int | None = None, 
                          f"launch it with {meta['world_size']} ranks (torchrun --nproc_per_node), or start afresh")
 
 
+def check_lora_alpha(path: Path, rank: int, alpha: float) -> None:
+    """Refuse resuming LoRA adapters under another ``train.lora.alpha`` than they trained with (the run's
+    ``export_flags`` say it): their update is scaled by alpha / rank, so the policy would change unseen."""
+    flags = train_state(path).get("export_flags", [])
+    if not rank or "--train.lora.alpha" not in flags:
+        return
+    saved = float(flags[flags.index("--train.lora.alpha") + 1])
+    if saved != alpha:
+        raise CheckpointError(f"resume: {path} trained its LoRA adapters with train.lora.alpha {saved:g}, this run "
+                              f"sets {alpha:g}: an adapter's update is scaled by alpha / rank, so the policy would "
+                              f"change at resume. Resume with train.lora.alpha {saved:g}")
+
+
 def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, list[int]]) -> None:
     """Refuse a checkpoint of another model, listing the parameters that differ (a few of each kind)."""
     if saved is None or saved == mine:

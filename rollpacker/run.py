@@ -48,6 +48,7 @@ def resolve_resume(config: Config) -> None:
                                              "earlier one, or with --resume auto, which passes over damaged ones")
     if config.resume:
         checkpoint.check(Path(config.resume), config.policy)
+        checkpoint.check_lora_alpha(Path(config.resume), config.train.lora.rank, config.train.lora.alpha)
 
 
 def checkpoint_step(path: str) -> int:

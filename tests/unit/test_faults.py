@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from rollpacker import checkpoint
-from rollpacker.config import load_preset
+from rollpacker.config import load_preset, parse
 from rollpacker.data.dataset import DataConfig, DatasetError, fit_rows, load_rows
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import build_functions, check_row
@@ -134,6 +134,28 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
         checkpoint.check_model(tmp_path, lora, mine)  # an export without the run's train.lora flags
     with pytest.raises(checkpoint.CheckpointError, match=r"It holds no LoRA adapters: drop train.lora.rank"):
         checkpoint.check_model(tmp_path, mine, lora)
+
+
+def test_lora_adapters_resumed_under_another_alpha_are_refused(toy_random_dir, tmp_path):
+    """The adapters' update is scaled by alpha / rank: resumed under another train.lora.alpha the policy would
+    change without a word. The checkpoint's export_flags hold the run's."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.job import export_flags
+    from rollpacker.model import load_model
+    from rollpacker.run import resolve_resume
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    lora = ["--train.lora.rank", "8", "--train.lora.alpha", "32"]
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
+    checkpoint.save(tmp_path, trainer, 1, {"export_flags": export_flags(parse(lora))})
+    resolve_resume(parse([*lora, "--resume", str(tmp_path)]))
+    resolve_resume(parse(["--resume", str(tmp_path)]))  # no adapters: check_model names what differs
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        resolve_resume(parse(["--train.lora.rank", "8", "--resume", str(tmp_path)]))
+    assert str(e.value) == (f"resume: {tmp_path} trained its LoRA adapters with train.lora.alpha 32, this run sets "
+                            "16: an adapter's update is scaled by alpha / rank, so the policy would change at resume. "
+                            "Resume with train.lora.alpha 32")
 
 
 def test_adapters_trained_on_another_base_of_the_same_shapes_are_refused(tmp_path):
