@@ -34,6 +34,8 @@ SGLANG_PROCESS_BYTES = CUDA_CONTEXT_BYTES
 and cuBLAS workspaces (the same allowance)."""
 PROMPT_TOKENS = 1024
 """The prompt length the plan assumes for the longest sample (prompts are not capped)."""
+CHARS_PER_TOKEN = 4
+"""An episode's observation, cut at env.max_tool_result_chars characters, in tokens (English text and code)."""
 
 QWEN2_5 = {
     "Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -586,6 +588,18 @@ def model_shape(path: str) -> Shape:
                             f"({', '.join(QWEN2_5)}); point model.path at a Hugging Face model directory")
 
 
+def longest_sample(config) -> int:
+    """The tokens of the plan's longest sample: :data:`PROMPT_TOKENS` and the response's budget. An episode's
+    budget is its model tokens (env.max_tokens) and an observation between each two turns (of
+    env.max_tool_result_chars), within engine.max_model_len when that is set (the engine holds no more)."""
+    if not config.env.enabled:
+        return PROMPT_TOKENS + config.rollout.max_new_tokens
+    env = config.env
+    observed = (env.max_turns - 1) * env.max_tool_result_chars // CHARS_PER_TOKEN
+    longest = PROMPT_TOKENS + (env.max_tokens or config.rollout.max_new_tokens) + observed
+    return min(longest, config.engine.max_model_len) if config.engine.max_model_len else longest
+
+
 def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = None
            ) -> tuple[TrainSetup, RolloutSetup]:
     """What the plan needs of ``config`` on ``world_size`` ranks of ``device`` (``shape``: the model's,
@@ -594,7 +608,7 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
     if t.lora.rank and shape is None:
         shape = model_shape(str(config.model.directory()))
     mixed = t.mixed_precision and device == "cuda"
-    longest = config.rollout.max_new_tokens + PROMPT_TOKENS
+    longest = longest_sample(config)
     tokens = max(t.micro_batch_tokens, longest)
     seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
     head = "fused" if t.logprobs_impl == "triton" or (t.logprobs_impl == "auto" and device == "cuda") else "torch"
