@@ -342,9 +342,12 @@ def load_preset(name: str) -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: {e}") from None
     try:
-        return _build(Config, values, path.name)
+        config = _build(Config, values, path.name)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
+    if "schedule" in values:  # as written: its defaults that depend on episodes settle with the flags (parse)
+        config.schedule = schedule_config(values["schedule"])
+    return config
 
 
 def parse(argv: list[str] | None = None) -> Config:

@@ -302,6 +302,20 @@ def test_episodes_default_to_no_choice_inside_a_group_and_the_papers_rule_stays_
     assert (episodes.eta_prompts, episodes.eta_long, single.eta_prompts, single.eta_long) == (1.25, 1.0, 1.25, 1.0)
 
 
+
+def test_a_tail_presets_episodes_settle_their_default_with_the_flags(tmp_path):
+    """A preset naming tail, episodes turned on by a flag: η_R is the episodes' default (it was settled as
+    the preset's single-turn 1.25 before the flags were read); one the preset sets stays."""
+    from rollpacker.config import parse
+
+    preset, tools = tmp_path / "mine.toml", ["--env.tools", "rollpacker.toy.tools:calculator"]
+    preset.write_text('[schedule]\npolicy = "tail"\n')
+    assert parse(["--preset", str(preset), *tools]).schedule.eta_responses == 1.0
+    assert parse(["--preset", str(preset)]).schedule.eta_responses == 1.25
+    preset.write_text('[schedule]\npolicy = "tail"\neta_responses = 1.5\n')
+    assert parse(["--preset", str(preset), *tools]).schedule.eta_responses == 1.5
+
+
 def test_resume_refuses_a_checkpoint_of_another_policy(tmp_path):
     import json
 
