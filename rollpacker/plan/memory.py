@@ -600,10 +600,11 @@ def longest_sample(config) -> int:
     return min(longest, config.engine.max_model_len) if config.engine.max_model_len else longest
 
 
-def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = None
+def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = None, tp: int = 0
            ) -> tuple[TrainSetup, RolloutSetup]:
     """What the plan needs of ``config`` on ``world_size`` ranks of ``device`` (``shape``: the model's,
-    for LoRA's adapters; read from the config's model when None)."""
+    for LoRA's adapters; read from the config's model when None), its engine at rollout TP ``tp`` (0: the
+    run's, or TP 1 with the planner, which may run any TP up to the world: its weights are largest there)."""
     t, e = config.train, config.engine
     if t.lora.rank and shape is None:
         shape = model_shape(str(config.model.directory()))
@@ -622,13 +623,12 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
                        critic=t.advantage == "gae")
     kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
-    # the planner may run any TP from 1 to the world: weights as at the smallest, a KV cache as at the largest
-    low, high = (1, world_size) if config.plan.enabled else (config.rollout.tp,) * 2
+    tp = tp or (1 if config.plan.enabled else config.rollout.tp)
     kv_bytes, kv_setting = e.kv_memory_mb * 2**20, "engine.kv_memory_mb"
     if ENGINES[kind].memory_mb and e.memory_mb:  # TorchEngine's KV gets what its weight shard leaves of it
         shape = shape or model_shape(str(config.model.directory()))
-        kv_bytes, kv_setting = e.memory_mb * 2**20 - shape.num_params * weight_bytes / high, "engine.memory_mb"
-    rollout = RolloutSetup(engine=kind, tp=low, weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_setting=kv_setting,
+        kv_bytes, kv_setting = e.memory_mb * 2**20 - shape.num_params * weight_bytes / tp, "engine.memory_mb"
+    rollout = RolloutSetup(engine=kind, tp=tp, weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_setting=kv_setting,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
                            released=device == "cuda" and ENGINES[kind].releases_weights, max_model_len=e.max_model_len,
                            longest=longest, draft_tokens=e.spec_max_tokens if e.speculative != "off" else 0)
@@ -655,7 +655,12 @@ def config_plan(config, world_size: int, capacity: float, shape: Shape | None = 
     """The plan of ``config`` on ``world_size`` GPUs of ``capacity`` bytes each."""
     shape = shape or model_shape(str(config.model.directory()))
     train, rollout = setups(config, world_size, shape=shape)
-    return plan(shape, train, rollout, capacity)
+    if not (config.plan.enabled and rollout.kv_setting == "engine.memory_mb"):
+        return plan(shape, train, rollout, capacity)
+    # the planner may run any TP up to the world; engine.memory_mb holds the engine's weight shard and KV
+    # cache at each: its kept weights are largest at TP 1, its KV cache (and decode workspace) at the world's
+    return max((plan(shape, train, setups(config, world_size, shape=shape, tp=tp)[1], capacity)
+                for tp in (1, world_size)), key=lambda p: p.peak)
 
 
 def check_fits(config, shape: Shape, world_size: int, capacity: float) -> Plan:

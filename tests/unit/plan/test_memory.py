@@ -309,7 +309,7 @@ def test_torch_engines_memory_mb_and_the_planners_tps_are_planned_as_they_run():
     """engine.memory_mb sizes TorchEngine's KV cache as what its weight shard leaves; with the planner on,
     the engine may run any TP: its weights are planned as at TP 1."""
     from rollpacker.config import parse
-    from rollpacker.plan.memory import setups
+    from rollpacker.plan.memory import config_plan, setups
 
     flags = ["--preset", "qwen2.5-7b-8k", "--engine.kind", "torch"]
     _, fixed = setups(parse(flags), 8, shape=QWEN7B)
@@ -319,6 +319,10 @@ def test_torch_engines_memory_mb_and_the_planners_tps_are_planned_as_they_run():
     assert by_memory.kv_setting == "engine.memory_mb"
     _, planned = setups(parse([*flags, "--plan.enabled"]), 8, shape=QWEN7B)
     assert (fixed.tp, planned.tp) == (2, 1)
+    # engine.memory_mb holds weights and KV cache at any TP the planner runs: planned as the worse of TP 1 and 4
+    memory = [*flags, "--engine.memory-mb", "50000"]
+    at = [config_plan(parse([*memory, "--rollout.tp", str(tp)]), 4, 80 * GB, QWEN7B).peak for tp in (1, 4)]
+    assert config_plan(parse([*memory, "--plan.enabled"]), 4, 80 * GB, QWEN7B).peak == max(at)
 
 
 def test_an_episode_is_planned_at_its_model_tokens_and_observations_within_the_engines_context():
