@@ -7,7 +7,8 @@ resumes from the newest committed checkpoint; every prompt is trained exactly on
 loses rank 1 (the second node's) to SIGKILL: torchrun restarts the group, which resumes.
 
 Marked ``slurm`` (run by .ci/run after the default tier); skipped unless Slurm is installed and we
-are root. Also here, unmarked: the script's argument handling, through its dry run.
+are root. Also here, without that mark: the script's argument handling, through its dry run, and the
+trainer's side of a stop signal without Slurm (SIGUSR1 mid-run, during the last step, to one rank alone).
 """
 
 from __future__ import annotations
