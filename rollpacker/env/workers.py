@@ -77,10 +77,10 @@ class EnvSpec:
         tools', running the factory's ``warm_up()``) before the worker says ready, so its first call does not pay for
         them against ``env.timeout``: 32 workers starting together on 2 cores took over 30 s, a verifiers
         environment may load a dataset. ``env.start_timeout`` catches a hang here; ``make_env`` runs in the call."""
+        import torch  # noqa: F401  transformers' first tool schema (tools', a TRL environment's) imports it: 1.4 s
+
         from rollpacker.env import tools, trl  # noqa: F401
 
-        if self.tools:
-            from transformers.utils import get_json_schema  # noqa: F401
         if self.factory:
             warm_up(self.factory, "env.factory", mapping=True)
         for spec in self.tools:

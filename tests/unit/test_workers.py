@@ -47,3 +47,17 @@ def test_a_worker_whose_pipe_is_closed_unread_exits_quietly(main, args, capfd):
     conn.close()
     process.join(60)
     assert (process.exitcode, capfd.readouterr().err) == (0, "")
+
+
+def test_an_environment_worker_imports_torch_before_it_is_ready():
+    """transformers imports torch at the first tool schema, 1.4 s that a worker's first reset paid against
+    env.timeout (its workers' first opens timed out at --env.timeout 2): the warm-up imports it first."""
+    warm = textwrap.dedent("""
+        import sys
+        from rollpacker.env.workers import EnvSpec
+        assert "torch" not in sys.modules
+        EnvSpec(tools=("rollpacker.toy.tools:calculator",)).warm()
+        assert "torch" in sys.modules
+    """)
+    proc = subprocess.run([sys.executable, "-c", warm], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
