@@ -233,7 +233,10 @@ def _value(value) -> Value:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real)  # bools (verl's `return pred == gt`) and numpy scalars too
+    import numpy
+
+    # bools (verl's `return pred == gt`) and numpy scalars too, numpy's bool (no numbers.Real) as TRL takes it
+    return isinstance(value, numbers.Real | numpy.bool_)
 
 
 def completion_text(completion) -> str:

@@ -292,10 +292,12 @@ def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(t
 
     path = tmp_path / "arrays.py"
     path.write_text("import numpy, torch\n\ndef array(completions, **kw):\n    return numpy.array([1.0])\n\n"
-                    "def tensor(completions, **kw):\n    return torch.tensor([0.5])\n")
+                    "def tensor(completions, **kw):\n    return torch.tensor([0.5])\n\n"
+                    "def same(completions, **kw):\n    return [numpy.float64(1) == numpy.float64(1)]\n")
     sample = {"columns": {}, "prompt": "p", "completion": "c", "completion_ids": [1]}
     assert call(resolve(f"{path}:array", "array"), sample) == (1.0, {}, {})
     assert call(resolve(f"{path}:tensor", "tensor"), sample) == (0.5, {}, {})
+    assert call(resolve(f"{path}:same", "same"), sample) == (1.0, {}, {})  # numpy's bool
     # the judge's text of a prompt whose assistant message holds only tool calls (content null, as the data allows)
     calls = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": []}]
     assert prompt_text(calls) == "2+3?\n\n"
