@@ -265,7 +265,7 @@ def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
     if impl != "native" and ENGINES[kind].native_only:
         others = " or ".join(k for k, e in ENGINES.items() if not e.native_only)
         raise UserError(f"model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
-                         f"use engine.kind {others}, or model.impl native if the model is one of those")
+                        f"use engine.kind {others}, or model.impl native if the model is one of those")
     return kind
 
 
@@ -273,11 +273,11 @@ def check_hf(config: Config) -> None:
     """What a Hugging Face model (model.impl hf) does not run with, named with the fix."""
     if config.schedule.own_pools:
         raise UserError(f"model.impl=hf with schedule:{config.policy}: its rollout pool builds the native decoder "
-                         "to receive the weights; use a policy without pools of its own, or model.impl native "
-                         "(Llama, Qwen2, Qwen3)")
+                        "to receive the weights; use a policy without pools of its own, or model.impl native "
+                        "(Llama, Qwen2, Qwen3)")
     if config.plan.enabled:
         raise UserError("model.impl=hf with plan.enabled: the parallelism planner profiles and rebuilds the native "
-                         "decoder's engines; turn plan.enabled off, or use model.impl native (Llama, Qwen2, Qwen3)")
+                        "decoder's engines; turn plan.enabled off, or use model.impl native (Llama, Qwen2, Qwen3)")
 
 
 def build_trainer(config: Config, impl: str, meshes: Meshes) -> Trainer:

@@ -5,11 +5,11 @@ process of the job step by ``launch/slurm/train.sbatch``), SIGTERM (scancel, pre
 ``scontrol requeue``, torchrun passing on its own) and SIGINT (Ctrl-C) only set a flag here. The
 training loop reads every rank's flag at the next step boundary (:func:`requested_anywhere`: one
 node's torchrun, stopped alone, signals its own ranks only), so that every rank stops after the
-same step, saves a checkpoint and exits 0: a clean
-stop, which torchrun must not restart; the job script requeues the job and ``--resume auto``
-picks the checkpoint up. The reward workers ignore these signals (the signal reaches them too),
-so the step in progress is scored by live workers. A second SIGINT aborts at once: the step in
-progress is lost, and a checkpoint being written stays uncommitted, which resume skips.
+same step, saves a checkpoint and exits 0: a clean stop, which torchrun must not restart; the job
+script requeues the job and ``--resume auto`` picks the checkpoint up. The reward workers ignore
+these signals (the signal reaches them too), so the step in progress is scored by live workers. A
+second SIGINT aborts at once: the step in progress is lost, and a checkpoint being written stays
+uncommitted, which resume skips.
 
 "At once" holds while the main thread is inside a long C call (a collective, a checkpoint
 write), where Python runs no signal handler and two signals of one kind merge into one: Python's
