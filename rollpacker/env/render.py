@@ -7,8 +7,9 @@ assistant header). :class:`ChatBridge` renders them.
 Invariants:
 
 - The model's tokens are never decoded and encoded again.
-- The template must be prefix-preserving for each kind of observation. That is checked once per
-  template and observation roles. A break is an error naming both, unless
+- The template must be prefix-preserving for each kind of observation, but for the assistant turn
+  itself, whose tokens are the model's (Qwen3 drops an empty think block once a turn follows). That is
+  checked once per template and observation roles. A break is an error naming both, unless
   ``env.template_breaks = "count"`` counts it (:attr:`ChatBridge.breaks`).
 
 Why: re-tokenizing the model's text can change its tokens, and then the trainer's log-probs are not
@@ -107,18 +108,33 @@ class ChatBridge:
                                 "takes there, or use a template that takes them") from None
         if after.startswith(before):
             return after[len(before):]
+        end, turn = before[before.rindex(MARK) + len(MARK):], after.rfind(MARK)
+        past = after[turn + len(MARK):] if turn >= 0 else ""
+        rest = past[len(end):] if turn >= 0 and past.startswith(end) else None  # past the assistant turn's end
+        if rest is not None and self._earlier_kept(base, before, after, tools):
+            return rest
+        at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
         if self.template_breaks == "fail":
             raise TemplateBreak(
                 f"the chat template of {self.name} is not prefix-preserving for observations of roles {roles}: "
-                f"rendering them after an assistant turn rewrites the turns before (before: {before[-80:]!r}; "
-                f"after: {after[:len(before)][-80:]!r}). Use a prefix-preserving template (model.path's "
-                "chat_template), or set env.template_breaks=count to append the delta anyway")
+                f"rendering them after an assistant turn rewrites the turns before, from character {at} "
+                f"(before: {before[max(at - 40, 0):at + 40]!r}; after: {after[max(at - 40, 0):at + 40]!r}). Use a "
+                "prefix-preserving template (model.path's chat_template), or set env.template_breaks=count to "
+                "append the delta anyway")
         self.breaks += 1
-        if (i := after.rfind(MARK)) >= 0:  # what follows the assistant turn's end (Qwen3 rewrites the turn itself)
-            tail, end = after[i + len(MARK):], before[before.rindex(MARK) + len(MARK):]
-            return tail.removeprefix(end)
-        common = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-        return after[common:]
+        return after[at:] if rest is None else rest
+
+    def _earlier_kept(self, base: list[Message], before: str, after: str, tools: list[dict] | None) -> bool:
+        """Whether the turns before the base's assistant turn render unchanged in ``before`` and ``after``. Then a
+        template that rewrites the assistant turn alone (Qwen3 drops the last turn's empty think block once a turn
+        follows it) is no break: in an episode the model's own tokens stand in for that turn."""
+        from jinja2 import TemplateError
+
+        try:
+            earlier = self.render(base[:-1], tools=tools)
+        except TemplateError:
+            return False
+        return before.startswith(earlier) and after.startswith(earlier)
 
     def _base_render(self, observation: list[Message], tools: list[dict] | None) -> tuple[list[Message], str]:
         """The base conversation for ``observation`` (:func:`_base`) and its render."""

@@ -43,6 +43,21 @@ QWEN_STYLE_TEMPLATE = (
 """ChatML as Qwen2.5 lays it out (written for these tests): tools in the system turn, calls as
 ``<tool_call>`` JSON in the assistant turn, consecutive tool results in one user turn."""
 
+QWEN3_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(query=-1) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.query = loop.index0 %}{% endif %}{% endfor %}"
+    + QWEN_STYLE_TEMPLATE.replace(
+        "{{ '<|im_start|>assistant\\n' + m.content }}",
+        "{{ '<|im_start|>assistant\\n' }}{%- if loop.index0 > ns.query and (loop.last or m.reasoning_content) %}"
+        "{{ '<think>\\n' + (m.reasoning_content or '') + '\\n</think>\\n\\n' }}{% endif %}{{ m.content }}")
+    .replace("{{ '<|im_start|>assistant\\n' }}{% endif %}",
+             "{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+             "{% endif %}{% endif %}")
+)
+"""Qwen3's layout (written for these tests): :data:`QWEN_STYLE_TEMPLATE` with think blocks, shown in an assistant
+turn after the last user turn that is the conversation's last turn or has reasoning: a turn that follows one
+drops its empty think block. Not prefix-preserving in that turn alone."""
+
 QWEN3_CODER_STYLE_TEMPLATE = (
     "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n\\n<tools>' }}"
     "{%- for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"

@@ -7,7 +7,13 @@ import pytest
 from rollpacker.env.contract import StepResult
 from rollpacker.env.episode import Episode, StepEnv, TurnRequest
 from rollpacker.env.render import ChatBridge, TemplateBreak
-from tests.support.chat import COUNTING_TEMPLATE, chat_tokenizer, mistral_style_tokenizer, qwen_style_tokenizer
+from tests.support.chat import (
+    COUNTING_TEMPLATE,
+    QWEN3_STYLE_TEMPLATE,
+    chat_tokenizer,
+    mistral_style_tokenizer,
+    qwen_style_tokenizer,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
@@ -153,19 +159,22 @@ def test_a_template_that_refuses_the_turn_before_an_observation_says_so_naming_i
         bridge.delta([{"role": "tool", "name": "add", "tool_call_id": "call_0", "content": "5"}])
 
 
-def test_counted_breaks_append_what_follows_the_assistant_turn_when_the_template_rewrites_the_turn_itself():
-    """Qwen3's template shows an empty think block in the last assistant turn only: after an observation
-    the turn is rewritten, and what follows it is the delta (not the turn, which the model already said)."""
-    template = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-                "{%- if loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{{ m.content + '<|im_end|>\\n' }}"
-                "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
-                "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-    tokenizer = qwen_style_tokenizer(template)
-    bridge = ChatBridge(tokenizer, template_breaks="count")
-    turn = tokenizer("hello<|im_end|>", add_special_tokens=False)["input_ids"]
-    ids = bridge.observation_ids([{"role": "user", "content": "again"}], turn)
-    assert bridge.breaks == 1
-    assert tokenizer.decode(ids) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+@pytest.mark.parametrize("observation, delta", [
+    ({"role": "tool", "name": "add", "content": "5"},
+     "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"),
+    ({"role": "user", "content": "again"}, "<|im_start|>user\nagain<|im_end|>\n")])
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3s_template_rewriting_the_assistant_turn_alone_is_no_break(observation, delta, thinking):
+    """Qwen3's template shows the last assistant turn's empty think block only while no turn follows it: the
+    assistant turn is rewritten, but not the turns before it nor its end, and in an episode the model's own tokens
+    stand in for that turn. The delta is what follows the turn's end; nothing is counted as a break."""
+    tokenizer = qwen_style_tokenizer(QWEN3_STYLE_TEMPLATE)
+    bridge = ChatBridge(tokenizer, tools=TOOLS, template_kwargs={"enable_thinking": thinking})
+    turn = tokenizer('<think>\nAdd them.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+                     '</tool_call><|im_end|>', add_special_tokens=False)["input_ids"]
+    ids = bridge.observation_ids([observation], turn, TOOLS)
+    header = "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+    assert tokenizer.decode(ids) == "\n" + delta + header and bridge.breaks == 0
 
 
 def test_a_turn_stopped_by_a_stop_string_gets_the_whole_end_of_turn():
