@@ -161,8 +161,11 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
     fn = load(ref.target, "reward.funcs", RewardFunctionError)
     if ref.convention == "verl":
         columns = sample["columns"]
+        reward_model = columns.get("reward_model")
+        truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
         kwargs = dict(data_source=columns.get("data_source"), solution_str=sample["completion"],
-                      ground_truth=columns.get("answer"), extra_info=columns.get("extra_info"))
+                      ground_truth=columns.get("answer") if truth is None else truth,  # as verl passes it
+                      extra_info=columns.get("extra_info"))
         return fn, accepted(fn, kwargs), _value
     samples = sample if ref.per_group else [sample]
     logged, extra = {}, {}

@@ -111,6 +111,16 @@ def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
     assert inline == got
 
 
+def test_verls_compute_score_gets_reward_models_ground_truth_beside_an_answer_column(funcs):
+    """A ds.map into verl's layout keeps the source's answer column (GSM8K's worked solution): verl passes
+    reward_model.ground_truth, and so do we; a TRL function gets the answer column, as TRL passes it."""
+    rows = [{**ROWS[0], "reward_model": {"style": "rule", "ground_truth": "7"}},  # answer "2", the response " 2"
+            {**ROWS[1], "data_source": "arith", "reward_model": {"style": "rule"}}]  # no ground_truth: the answer
+    got, _ = scores(RewardConfig(funcs=funcs("compute_score", "exact"), weights=(1.0, 2.0), num_workers=0,
+                                 on_error="fail"), rows)
+    assert got == {"a:1": 2.0, "a:2": 0.5}  # a:1: verl 0 ("7" not in " 2"), exact 1; a:2: verl 0.5 ("hello")
+
+
 @pytest.mark.timeout(120)
 def test_a_function_that_raises_miscounts_mistypes_or_hangs_is_one_error_naming_function_row_and_cause(funcs, caplog):
     cfg = RewardConfig(funcs=funcs("raises", "two", "text", "hangs", "length"), num_workers=4, timeout=2.0,
