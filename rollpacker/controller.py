@@ -219,8 +219,19 @@ class Controller:
         sampler = getattr(self.policy, "sampler", None)
         if self.config.data.retire_solved and sampler is not None:
             for group in result.groups + result.filtered:
-                sampler.observe(group.prompt, [r for o, r in zip(group.outputs, group.rewards)
+                sampler.observe(group.prompt, [self.solved(o, r) for o, r in zip(group.outputs, group.rewards)
                                                if o.finish_reason != "error"])
+
+    def solved(self, output: Any, reward: float | None) -> bool:
+        """Whether a scored response counts as correct: ``reward.correct``'s value >= 1, else its reward >= 1. An
+        episode whose environment failed is not."""
+        name = self.config.reward.correct
+        if output.finish_reason == "error":
+            return False
+        if not name:
+            return reward is not None and reward >= 1.0
+        value = self.rewards.values.get(output.id, {}).get("rewards", {}).get(name)
+        return value is not None and value >= 1.0
 
     def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:
         """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already: reward.on_error)."""
@@ -279,7 +290,8 @@ class Controller:
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
         sampler = getattr(self.policy, "sampler", None)
         retired = {"sched/retired": sampler.num_retired} if self.config.data.retire_solved else {}
-        return {**result.metrics(trained, [self.overlong(o) for o, _ in trained]), **self.policy.stats(), **retired,
+        penalties, solved = [self.overlong(o) for o, _ in trained], [self.solved(o, r) for o, r in trained]
+        return {**result.metrics(trained, penalties, solved), **self.policy.stats(), **retired,
                 **result.hook_metrics, **self.envs.take_metrics(),
                 **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
 

@@ -163,10 +163,12 @@ class RoundResult:
         """The length of every response the round trains, in group order."""
         return [len(o.token_ids) for g in self.groups for o in g.outputs]
 
-    def metrics(self, trained: list[tuple[Any, float]], penalties: list[float]) -> dict[str, Any]:
+    def metrics(self, trained: list[tuple[Any, float]], penalties: list[float], solved: list[bool]
+                ) -> dict[str, Any]:
         """The round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``).
         ``trained``: the ``(output, reward)`` of every response trained in the step (streamed ones
-        too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it).
+        too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it);
+        ``solved``: whether each is correct (``reward/accuracy``: ``Controller.solved``).
         ``reward/mean`` and ``reward/accuracy`` leave out episodes whose environment failed (``env/errors``),
         as their groups' advantages do, and are left out of a step that trains no response (0 would read as
         every response wrong: its groups may have been filtered out for all solving their prompts)."""
@@ -175,6 +177,7 @@ class RoundResult:
         lengths = [len(o.token_ids) for o, _ in trained]
         model = sum(o.num_model_tokens for o, _ in trained)
         rewards = [r for o, r in trained if o.finish_reason != "error"]
+        correct = [c for (o, _), c in zip(trained, solved) if o.finish_reason != "error"]
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         trace = [(self.start, self.num_launched), *self.running_trace]
         return {
@@ -182,7 +185,7 @@ class RoundResult:
             "sched/trained_prompts": len(self.groups),
             "sched/aborted_responses": self.num_aborted,
             "rollout/wasted_tokens": self.wasted_tokens,
-            **({"reward/mean": mean(rewards), "reward/accuracy": mean([r >= 1.0 for r in rewards])} if rewards else {}),
+            **({"reward/mean": mean(rewards), "reward/accuracy": mean(correct)} if rewards else {}),
             "reward/overlong_penalty_mean": mean(penalties),
             "time/reward_exposed": self.reward_exposed_s,
             "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.rollout_end),

@@ -57,11 +57,11 @@ def _prompt_ids(ctl, row: dict) -> list[int]:
 
 
 def _rewards(ctl) -> str:
-    """The reward functions and weights, and the environment's rewards with episodes."""
+    """The reward functions and weights, the environment's rewards with episodes, and what counts as correct."""
     parts = [f"{f.name} x{f.weight:g}" for f in ctl.rewards.functions]
     if ctl.config.env.enabled:
         parts.append("the environment's")
-    return ", ".join(parts)
+    return f"{', '.join(parts)} (correct: {ctl.config.reward.correct or 'the reward'} >= 1)"
 
 
 def _episodes(env) -> str:

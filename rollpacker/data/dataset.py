@@ -85,8 +85,8 @@ class DataConfig:
     skip_bad_lines: bool = False
     """Skip rows (and JSON lines) that are not valid, logging how many and where, instead of stopping at the first."""
     retire_solved: float = 0.0
-    """Leave a prompt out of later epochs once this share of a group of it solved it (reward >= 1; 1.0: every
-    response; POLARIS' and Skywork-OR1's filtering of solved prompts); 0 = off."""
+    """Leave a prompt out of later epochs once this share of a group of it solved it (as reward/accuracy counts:
+    reward.correct; 1.0: every response; POLARIS' and Skywork-OR1's filtering of solved prompts); 0 = off."""
 
     def __post_init__(self) -> None:
         check_choices(self, "data")
@@ -546,13 +546,14 @@ class PromptSampler:
             return None if live else now
         return 0 if self._epoch >= num_epochs else now + (num_epochs - self._epoch - 1) * live
 
-    def observe(self, row: int, rewards: list[float | None]) -> bool:
-        """A group of ``row`` was scored ``rewards``: with ``retire_solved``, retire the row from the next epoch
-        on when that share of them solved it (reward >= 1, as ``reward/accuracy`` counts). True if it was."""
-        if not self.retire_solved or not rewards or row in self.retired:
+    def observe(self, row: int, solved: list[bool]) -> bool:
+        """A group of ``row`` was scored, ``solved`` saying which responses are correct (as ``reward/accuracy``
+        counts them): with ``retire_solved``, retire the row from the next epoch on when that share of them solved
+        it. True if it was."""
+        if not self.retire_solved or not solved or row in self.retired:
             return False
         # the share as a decimal: 0.28 of 25 is 7 (the float product, 7.000000000000001, would ask for 8)
-        if sum(r is not None and r >= 1 for r in rewards) >= round(self.retire_solved * len(rewards), 9):
+        if sum(solved) >= round(self.retire_solved * len(solved), 9):
             self.retiring.add(row)
         return row in self.retiring
 

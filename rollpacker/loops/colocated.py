@@ -110,11 +110,12 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, ctl.eval_round(step) if ctl else None)
     if not ctl:
         return {}
+    solved = [[ctl.solved(o, r) for o, r in zip(g.outputs, g.rewards)] for g in result.groups]  # before write_samples
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
     ctl.check_environments(result, f"of the evaluation before step {step}")
     ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
     sources = [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups]
     outputs = [(o, source) for g, source in zip(result.groups, sources) for o in g.outputs]
     failed = {"eval/env_errors": result.hook_metrics["env/errors"]} if "env/errors" in result.hook_metrics else {}
-    return (eval_metrics([eval_rewards(g) for g in result.groups], sources) | failed
+    return (eval_metrics([eval_rewards(g) for g in result.groups], solved, sources) | failed
             | info_metrics([o for o, _ in outputs], "eval/", [source for _, source in outputs]))

@@ -4,8 +4,8 @@ It is not a training policy: nothing is filtered, deferred or trained, and it ke
 across rounds; its episodes' environments reset alike at every evaluation (``RoundPlan.resets``), so
 its curve compares the same episodes. The controller builds one per run (:meth:`Controller.build_leaders`).
 :func:`eval_metrics` turns the round's rewards into ``eval/`` metrics: mean@n and unbiased
-pass@k, overall and per ``data_source``. A response counts as correct at reward >= 1, as
-``reward/accuracy`` does.
+pass@k, overall and per ``data_source``. A response counts as correct as ``reward/accuracy`` counts it
+(``reward.correct``: ``Controller.solved``).
 """
 
 from __future__ import annotations
@@ -38,24 +38,26 @@ def eval_rewards(group: Group) -> list[float]:
     return [0.0 if o.finish_reason == "error" else r or 0.0 for o, r in zip(group.outputs, group.rewards)]
 
 
-def eval_metrics(rewards: list[list[float]], sources: list[str | None]) -> dict[str, float]:
-    """``eval/`` metrics of each prompt's rewards (``sources``: its data_source, or None).
+def eval_metrics(rewards: list[list[float]], solved: list[list[bool]], sources: list[str | None]
+                 ) -> dict[str, float]:
+    """``eval/`` metrics of each prompt's rewards and which responses are correct (``sources``: its data_source,
+    or None).
 
     ``eval/accuracy`` and ``eval/reward_mean`` over every response; ``eval/mean@n`` (the mean
     reward) and ``eval/pass@k`` for k in {1, n}; the same under ``eval/SOURCE/`` per data_source.
     """
     n = len(rewards[0])
-    if any(len(r) != n for r in rewards):
+    if any(len(r) != n for r in rewards + solved):
         raise ValueError(f"eval_metrics: every prompt needs {n} rewards, got {sorted({len(r) for r in rewards})}")
-    every = [x for r in rewards for x in r]
-    out = {"eval/accuracy": sum(x >= 1.0 for x in every) / len(every), "eval/reward_mean": sum(every) / len(every)}
-    groups = {"eval": rewards}
+    every, correct = [x for r in rewards for x in r], [c for s in solved for c in s]
+    out = {"eval/accuracy": sum(correct) / len(correct), "eval/reward_mean": sum(every) / len(every)}
+    groups = {"eval": list(zip(rewards, solved))}
     for source in sorted({s for s in sources if s is not None}):
-        groups[f"eval/{source}"] = [r for r, s in zip(rewards, sources) if s == source]
+        groups[f"eval/{source}"] = [g for g, s in zip(groups["eval"], sources) if s == source]
     for prefix, group in groups.items():
-        out[f"{prefix}/mean@{n}"] = sum(map(sum, group)) / (n * len(group))
+        out[f"{prefix}/mean@{n}"] = sum(sum(r) for r, _ in group) / (n * len(group))
         for k in sorted({1, n}):
-            out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r), k) for r in group) / len(group)
+            out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n, sum(s), k) for _, s in group) / len(group)
     return out
 
 

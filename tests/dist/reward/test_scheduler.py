@@ -294,3 +294,39 @@ def test_scoring_longer_than_the_collective_timeout_is_waited_for(tmp_path, args
     if "--stream.enabled" in args:  # its freed rank waited through the scoring
         assert all(r["stream/scaled_down"] == 1 for r in records)
     assert records[1]["time/reward_exposed"] > 2  # the wait outlasted the timeout of step 1's collectives
+
+
+@pytest.mark.timeout(300)
+def test_reward_correct_names_the_function_accuracy_pass_at_k_and_retire_solved_count(tmp_path):
+    """TRL's accuracy + format pair: a format reward of 1 made every response's reward >= 1, so reward/accuracy,
+    eval/accuracy, eval/pass@k and data.retire_solved counted every response correct. With reward.correct toy they
+    count the toy function's, as the samples hold it."""
+    from support.jobs import QUIET, launch_job
+
+    (tmp_path / "fmt.py").write_text("def fmt(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    run_dir = tmp_path / "run"
+    proc = launch_job("--reward.funcs", "toy", f"{tmp_path / 'fmt.py'}:fmt", "--reward.correct", "toy",
+                      "--data.retire-solved", "0.5", "--num-steps", "1", "--rollout.num-prompts", "8",
+                      "--rollout.group-size", "2", "--rollout.max-new-tokens", "32", "--eval-every", "1",
+                      "--eval.n", "2", "--eval.temperature", "1", "--metrics.samples-every", "1", *QUIET,
+                      "--run-dir", str(run_dir), nproc=1, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][0]
+
+    def read(name: str) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / "samples" / f"{name}.jsonl").read_text().splitlines()]
+
+    trained, evaluated = read("step_0"), read("eval_step_0")
+    assert all(s["reward"] >= 1 for s in trained + evaluated)
+    assert any(s["rewards"]["toy"] < 1 for s in trained) and any(s["rewards"]["toy"] < 1 for s in evaluated)
+    solved = [s["rewards"]["toy"] >= 1 for s in trained if s["trained"]]
+    assert first["reward/accuracy"] == pytest.approx(sum(solved) / len(solved))
+    assert first["eval/accuracy"] == pytest.approx(sum(s["rewards"]["toy"] >= 1 for s in evaluated) / len(evaluated))
+    by_row = {}
+    for s in evaluated:
+        by_row.setdefault(s["row"], []).append(s["rewards"]["toy"] >= 1)
+    assert first["eval/pass@2"] == pytest.approx(sum(any(c) for c in by_row.values()) / len(by_row))
+    groups = {}
+    for s in trained:
+        groups.setdefault(s["row"], []).append(s["rewards"]["toy"] >= 1)
+    assert first["sched/retired"] == sum(sum(g) >= 1 for g in groups.values()) < len(groups)  # half of each group

@@ -416,8 +416,8 @@ def test_retired_rows_leave_every_later_epoch_and_a_resume_keeps_them():
     """A row solved by the share retire_solved asks is out of the epochs after the current one."""
     sampler = PromptSampler(10, seed=4, retire_solved=0.5)
     first = next_batch(sampler, 6)
-    assert sampler.observe(first[0], [1.0, 0.0]) and sampler.observe(first[2], [1.0, 1.5])
-    assert not sampler.observe(first[1], [0.0, 0.5, None, 1.0])  # 1 of 4 solved it
+    assert sampler.observe(first[0], [True, False]) and sampler.observe(first[2], [True, True])
+    assert not sampler.observe(first[1], [False, False, False, True])  # 1 of 4 solved it
     assert sampler.remaining(2) == 4 + 8 and sampler.remaining(0) is None
     state = json.loads(json.dumps(sampler.state_dict()))
     rest = draw(sampler, [4, 8])  # epoch 0's last 4, then epoch 1 without the two
@@ -431,15 +431,15 @@ def test_retired_rows_leave_every_later_epoch_and_a_resume_keeps_them():
     resumed.load_state_dict(old)
     assert resumed.sizes == [10] and not resumed.retired and not resumed.retiring
     off = PromptSampler(3)
-    assert not off.observe(0, [1.0]) and off.remaining(0) is None
+    assert not off.observe(0, [True]) and off.remaining(0) is None
     share = PromptSampler(3, retire_solved=0.28)  # 0.28 of 25 is 7 (the float product is 7.000000000000001)
-    assert share.observe(0, [1.0] * 7 + [0.0] * 18) and not share.observe(1, [1.0] * 6 + [0.0] * 19)
+    assert share.observe(0, [True] * 7 + [False] * 18) and not share.observe(1, [True] * 6 + [False] * 19)
 
 
 def test_when_every_row_is_retired_nothing_is_left_to_draw():
     sampler = PromptSampler(3, retire_solved=1.0)
     for row in next_batch(sampler, 3):
-        sampler.observe(row, [1.0, 1.0])
+        sampler.observe(row, [True, True])
     assert sampler.remaining(0) == 0 and sampler.remaining(5) == 0
     with pytest.raises(ValueError, match="every row is retired"):
         sampler.draw(1)
@@ -448,7 +448,7 @@ def test_when_every_row_is_retired_nothing_is_left_to_draw():
 def test_unshuffled_epochs_go_in_the_datasets_order_and_a_resume_keeps_to_it():
     sampler = PromptSampler(5, seed=3, shuffle=False, retire_solved=1.0)
     assert next_batch(sampler, 5) == [0, 1, 2, 3, 4]
-    sampler.observe(2, [1.0])
+    sampler.observe(2, [True])
     assert next_batch(sampler, 4) == [0, 1, 3, 4]
     shuffled = PromptSampler(5, seed=3)
     with pytest.raises(ValueError, match="shuffle=False but this run has shuffle=True"):

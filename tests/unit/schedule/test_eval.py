@@ -42,13 +42,13 @@ def test_eval_metrics_mean_and_unbiased_pass_at_k_per_data_source():
     from rollpacker.schedule.eval import eval_metrics
 
     rewards = [[1.0, 0.0, 0.0], [1.0, 1.0, 0.5], [0.0, 0.0, 0.0]]  # c = 1, 2, 0 of n = 3
-    m = eval_metrics(rewards, ["a", "b", "a"])
+    m = eval_metrics(rewards, [[r >= 1 for r in rs] for rs in rewards], ["a", "b", "a"])
     assert m["eval/mean@3"] == pytest.approx(3.5 / 9) and m["eval/reward_mean"] == pytest.approx(3.5 / 9)
     assert m["eval/pass@1"] == pytest.approx((1 / 3 + 2 / 3 + 0) / 3) and m["eval/accuracy"] == pytest.approx(3 / 9)
     assert m["eval/pass@3"] == pytest.approx(2 / 3)  # n = k: a prompt passes when any response is correct
     assert m["eval/a/pass@3"] == pytest.approx(0.5) and m["eval/b/pass@1"] == pytest.approx(2 / 3)
     assert m["eval/a/mean@3"] == pytest.approx(1 / 6) and m["eval/b/mean@3"] == pytest.approx(2.5 / 3)
-    greedy = eval_metrics([[1.0], [0.0]], [None, None])  # the default: one greedy response, no data_source
+    greedy = eval_metrics([[1.0], [0.0]], [[True], [False]], [None, None])  # one greedy response each, no source
     assert greedy == {"eval/accuracy": 0.5, "eval/reward_mean": 0.5, "eval/mean@1": 0.5, "eval/pass@1": 0.5}
 
 

@@ -309,7 +309,7 @@ def test_the_controller_resumes_partials_and_scores_kept_responses_again():
         result = run_round(OneReplica(), engine, 1, leader.round(step, policy.start_round(step)))
         assert result.generated_tokens == engine.generated  # resumed prefixes are not counted twice
         # Every token is trained, at this step or after a later one: none wasted, though a step trains what others made.
-        assert result.wasted_tokens == 0 and result.metrics([], [])["rollout/wasted_tokens"] == 0
+        assert result.wasted_tokens == 0 and result.metrics([], [], [])["rollout/wasted_tokens"] == 0
         generated, trained = generated + result.generated_tokens, trained + sum(result.trained_lengths)
         for g in result.groups:
             assert g.rewards == [reward(g.prompt, o.id) for o in g.outputs]
