@@ -79,7 +79,8 @@ class DataConfig:
     data_source, which a row of several sets lacking one takes from its file's name); empty = held-out toy problems
     (toy data only)."""
     eval_split: str = ""
-    """Split of eval_path (empty: split); without eval_path, of path (a held-out slice: train[90%:])."""
+    """Split of eval_path (empty: its one split, a local file's; a dataset of several, as a Hub id's, names its
+    held-out one: test); without eval_path, of path (a held-out slice: train[90%:])."""
     num_eval_prompts: int = 256
     """Held-out prompts per evaluation (the first this many of each eval set)."""
     skip_bad_lines: bool = False
@@ -153,7 +154,7 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
     training mix from the part of the problem space training never draws, with a seed training never uses."""
     sources = config.eval_path or (config.path if config.eval_split else ())  # a held-out slice of path's file
     if sources:
-        return read_sources(sources, config, split=config.eval_split or config.split, check=check,
+        return read_sources(sources, config, split=config.eval_split, check=check,
                             field="data.eval_path", first=config.num_eval_prompts)
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
@@ -207,7 +208,7 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
     """
     config = config or DataConfig(path=str(source))
     path = Path(source).expanduser()  # verl's configs say ~/data/...
-    numbered, by_line, skipped = _read(path, split or config.split, config.skip_bad_lines, field)
+    numbered, by_line, skipped = _read(path, config.split if split is None else split, config.skip_bad_lines, field)
     rows: list[dict] = []
     where_of: dict[str, str] = {}
     bad: list[str] = []
@@ -296,9 +297,14 @@ def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, pa
     each as ``(part, number, record)``: its number is its line (``lines``: those of the one split's records),
     else its row in its split, from 1; ``part`` is its split's name if that is not the first split named
     (``test`` of ``train+test``; numbers restart there), else empty. A slice keeps the numbers its records
-    have in the whole: ``train[5:]`` starts at 6."""
+    have in the whole: ``train[5:]`` starts at 6. An empty ``split`` is the one split there is (an eval set's
+    without ``data.eval_split``: never ``data.split``, a slice of the training file)."""
     import datasets
 
+    if not split and len(splits) > 1:
+        raise DatasetError(f"{field}: {path} has the splits {', '.join(splits)}: name the held-out one with "
+                           "data.eval_split (e.g. test)")
+    split = split or next(iter(splits))
     try:
         parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: len(v) for k, v in splits.items()})
     except (ValueError, AssertionError) as e:

@@ -253,6 +253,25 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
     with pytest.raises(DatasetError, match=r"data.eval_path: .*data(\.\w+)? has no split 'test' .*it has train "
                                            r"\(set data.eval_split"):
         load_eval_rows(DataConfig(path=str(path), eval_path=str(path), eval_split="test"))
+    # an eval_path without eval_split is its one split, whole: data.split is a slice of the training file
+    whole = DataConfig(path=str(path), split="train[:40%]", eval_path=str(path))
+    assert [r["id"] for r in load_rows(whole)] == ["data:1", "data:2"]
+    assert [r["id"] for r in load_eval_rows(whole)] == ["data:1", "data:2", "data:3", "data:4", "data:5"]
+
+
+def test_an_eval_set_of_several_splits_needs_its_held_out_one_named(tmp_path):
+    """A Hub id or a saved DatasetDict of train and test: without data.eval_split, its train split (data.split's)
+    was evaluated, silently, the prompts training draws."""
+    import datasets
+
+    path = tmp_path / "both"
+    datasets.DatasetDict(train=datasets.Dataset.from_list([{"prompt": "q1", "answer": "1"}]),
+                         test=datasets.Dataset.from_list([{"prompt": "q2", "answer": "2"}])).save_to_disk(str(path))
+    with pytest.raises(DatasetError, match=r"data.eval_path: .*both has the splits train, test: name the held-out "
+                                           r"one with data.eval_split \(e.g. test\)"):
+        load_eval_rows(DataConfig(path=str(path), eval_path=str(path)))
+    assert [r["prompt"] for r in load_eval_rows(DataConfig(path=str(path), eval_path=str(path), eval_split="test"))
+            ] == ["q2"]
 
 
 def test_a_path_from_home_is_read_as_verls_configs_write_it(tmp_path, monkeypatch):
