@@ -296,17 +296,19 @@ def _properties(tools: Sequence[dict]) -> dict[str, dict]:
 
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA_FORM = '{"name": NAME, "parameters": {...}}'
+_LLAMA_CALL = re.compile(r'\s*\{\s*"name"\s*:')
+"""How an untagged turn that is a call starts: other JSON (an answer as JSON) is text, as vLLM reads it."""
 
 
 def llama3_json(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
     """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) as the whole turn,
-    or after ``<|python_tag|>``; several are separated by ``;``. A turn is a call if it starts with ``{``
+    or after ``<|python_tag|>``; several are separated by ``;``. A turn is a call if it starts with ``{"name":``
     or holds ``<|python_tag|>``; text after the last call is left out. Built-in tools' Python
     (``brave_search.call(...)``) is not read: it is answered as a malformed call."""
     tag = text.find(_PYTHON_TAG)
     if tag >= 0:
         body = text[tag + len(_PYTHON_TAG):]
-    elif text.lstrip().startswith("{"):
+    elif _LLAMA_CALL.match(text):
         body = text
     else:
         return []

@@ -153,6 +153,8 @@ def test_text_around_the_calls_and_a_plain_answer():
         assert parser(answer, TOOLS) == [] and parser("", TOOLS) == []
     # Llama's JSON is a call only as the turn (or after <|python_tag|>): JSON inside an answer is text
     assert llama3_json('The call would be {"name": "add", "parameters": {"a": 1, "b": 2}}.') == []
+    # and an answer in JSON is text, as vLLM reads it: an untagged call starts {"name":
+    assert llama3_json('{"answer": 42, "steps": ["add"]}') == [] and llama3_json('{not json') == []
 
 
 def test_a_call_cut_by_a_stop_string_still_counts():
@@ -215,8 +217,8 @@ def errors(parser, text: str) -> list[tuple[str, str]]:
                                                                     "name enclosed in double quotes at 38)")]),
     (llama3_json, '{"name": "add", "parameters": {"a": 1', [("", "the tool call is not JSON (Expecting ',' "
                                                                  "delimiter at 37)")]),
-    (llama3_json, '{"parameters": {"a": 1}}', [("", 'a tool call is {"name": NAME, "parameters": {...}}, got '
-                                                    '{"parameters": {"a": 1}}')]),
+    (llama3_json, '<|python_tag|>{"parameters": {"a": 1}}', [("", 'a tool call is {"name": NAME, "parameters": '
+                                                                  '{...}}, got {"parameters": {"a": 1}}')]),
     (llama3_json, '<|python_tag|>brave_search.call(query="weather")', [("", "the tool call is not JSON (Expecting "
                                                                             "value at 0)")]),
     (llama3_json, '{"name": "add", "parameters": {"a": 1}, "arguments": {"b": 2}}', [("", "a tool call is {")]),
