@@ -18,14 +18,21 @@ the environment that runs them, itself an environment of the contract
   ``env.tools`` when the wrapped environment has tools of its own (its reset's ``info["tools"]``:
   a verifiers ``ToolEnv``'s): those calls are its to run.
 
-The calls run in the environment's worker, under ``env.timeout`` for the whole turn, so a tool
-that hangs is killed with its worker. The built-in ``python`` runs code in the code sandbox
-(:mod:`rollpacker.reward.sandbox`).
+The calls run in the environment's worker, one after another, within ``env.timeout`` for the whole turn
+(less :data:`MARGIN`, for the reply): an ``async def`` tool still running then is cancelled and answered
+``error: ... timed out``, and the calls after it are not run, so the worker replies in time and its other
+episodes go on. The built-in ``python`` runs code in the code sandbox (:mod:`rollpacker.reward.sandbox`)
+for at most :data:`PYTHON_TIMEOUT` and what is left of the turn. A plain ``def`` tool runs in the worker's
+main thread (as its library expects: ``signal.alarm`` works there), so one that hangs is killed with its
+worker, and the worker's episodes fail.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import time
 from typing import Any, Callable
 
 from rollpacker.env.config import TOOLS, EnvConfig
@@ -34,7 +41,11 @@ from rollpacker.env.parsers import PARSERS, ToolCall, hermes, tool_functions  # 
 from rollpacker.imports import awaited, load, target
 
 PYTHON_TIMEOUT = 10.0
-"""Wall-clock seconds the built-in ``python`` tool gives a program."""
+"""Wall-clock seconds the built-in ``python`` tool gives a program (at most: what is left of the turn)."""
+MARGIN = 1.0
+"""Seconds of ``env.timeout`` a turn's calls leave for the reply to reach the pool (at most a fifth of it)."""
+_deadline = float("inf")
+"""When the running turn's calls must be done (``time.monotonic()``; a worker runs one call at a time)."""
 
 
 def load_tools(specs: tuple[str, ...]) -> dict[str, Callable]:
@@ -68,10 +79,12 @@ class ToolEnv:
     """An environment that runs the model's tool calls, around ``inner`` (an environment, or None: tools alone)."""
 
     def __init__(self, tools: dict[str, Callable], parser: str = "hermes", inner: Any = None, where: str = "env.tools",
-                 *, max_result_chars: int = EnvConfig.max_tool_result_chars):
+                 *, max_result_chars: int = EnvConfig.max_tool_result_chars, timeout: float = EnvConfig.timeout):
         self.tools, self.parse, self.inner = tools, PARSERS[parser], inner
         self.max_result_chars = max_result_chars
         """``env.max_tool_result_chars``: longer results are cut in their middle (0: no limit)."""
+        self.timeout = timeout
+        """``env.timeout``: a turn's calls answer within it, less :data:`MARGIN`."""
         self.schemas = schemas(tools, where)
         """The tools' JSON schemas: the chat template's, and the parser's (qwen3_coder types arguments by them)."""
         self.inner_tools: list[dict] = []
@@ -100,7 +113,12 @@ class ToolEnv:
             return invoke(self.inner.step, action)
         if last:  # the episode ends after this turn (max_turns): nobody would read the results
             return None, None, False, False, {}
-        results = [self._run(call) for call in calls]
+        global _deadline
+        _deadline = time.monotonic() + self.timeout - min(MARGIN, self.timeout / 5)
+        try:
+            results = [self._run(call) for call in calls]
+        finally:
+            _deadline = float("inf")
         return ([{"role": "tool", "name": c.name or "unknown", "tool_call_id": c.id, "content": self._cut(text)}
                  for c, (text, _) in zip(calls, results)], None, False, False,
                 {"tool_calls": len(calls), "tool_errors": sum(failed for _, failed in results)})
@@ -119,9 +137,14 @@ class ToolEnv:
                     f"{', '.join(self.tools)}"), True
         if fn is None:
             return f"error: no tool named {call.name!r} (tools: {', '.join(self.tools)})", True
+        if time_left() <= 0:
+            return f"error: not run: this turn's calls took their {self.timeout:g} s (env.timeout)", True
         try:
-            value = invoke(fn, **call.arguments)
+            value = invoke(asyncio.wait_for, fn(**call.arguments), time_left()) if inspect.iscoroutinefunction(
+                fn) else invoke(fn, **call.arguments)
         except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
+            if isinstance(e, TimeoutError) and time_left() <= 0:  # wait_for's (TimeoutError itself since 3.11)
+                return f"error: {call.name} timed out: this turn's calls have {self.timeout:g} s (env.timeout)", True
             return f"error: {type(e).__name__}: {e}", True
         return value if isinstance(value, str) else json.dumps(value, default=str), False
 
@@ -132,6 +155,11 @@ class ToolEnv:
             return text
         head = limit // 2
         return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
+
+
+def time_left() -> float:
+    """Seconds the running turn's calls have left (inf outside a turn)."""
+    return _deadline - time.monotonic()
 
 
 def invoke(fn, *args, **kwargs):
@@ -149,10 +177,11 @@ def python(code: str) -> str:
     """
     from rollpacker.reward.sandbox import Sandbox
 
-    run = Sandbox().run(code, timeout=PYTHON_TIMEOUT)
+    timeout = max(min(PYTHON_TIMEOUT, time_left() - 0.5), 0.1)  # the sandbox's own kill returns before the turn's
+    run = Sandbox().run(code, timeout=timeout)
     out = run.stdout.decode("utf-8", "replace")
     if run.timed_out:
-        return f"{out}\n[timed out after {PYTHON_TIMEOUT:g} s]"
+        return f"{out}\n[timed out after {timeout:g} s]"
     if run.exit_code:
         return f"{out}{run.stderr.decode('utf-8', 'replace')[-1000:]}"
     return out

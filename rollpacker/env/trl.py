@@ -92,7 +92,8 @@ def make(spec, factories: dict[Any, Callable], row: dict) -> TRLEnv:
             raise EnvError(f"{type(instance).__name__}.{method.__name__} and env.tools share a name: rename one")
         tools[method.__name__] = method
     return TRLEnv(instance, tools, parser=spec.tool_parser, max_turns=spec.max_turns, select=name is not None,
-                  factory=spec.factory, release=idle.append, max_result_chars=spec.max_tool_result_chars)
+                  factory=spec.factory, release=idle.append, max_result_chars=spec.max_tool_result_chars,
+                  timeout=spec.timeout)
 
 
 def tool_methods(instance) -> dict[str, Callable]:
@@ -114,11 +115,11 @@ class TRLEnv:
     ``release`` takes the instance back when the episode closes."""
 
     def __init__(self, instance, tools: dict[str, Callable], *, parser: str, max_turns: int, select: bool,
-                 factory: str, release: Callable[[Any], None], max_result_chars: int):
+                 factory: str, release: Callable[[Any], None], max_result_chars: int, timeout: float):
         self.instance, self.max_turns, self.select, self.factory, self.release = (instance, max_turns, select,
                                                                                   factory, release)
         self.name = type(instance).__name__
-        self.tools = ToolEnv(tools, parser, where=self.name, max_result_chars=max_result_chars)
+        self.tools = ToolEnv(tools, parser, where=self.name, max_result_chars=max_result_chars, timeout=timeout)
         self.turns = 0
 
     def reset(self, *, seed: int, options: dict):

@@ -61,11 +61,13 @@ class EnvSpec:
     """Send back a copy of the environment after each call, for reward functions that take ``environments``
     (environments that make one: TRL's)."""
     max_tool_result_chars: int = EnvConfig.max_tool_result_chars
+    timeout: float = EnvConfig.timeout
+    """``env.timeout``: a turn's tool calls answer within it (:class:`~rollpacker.env.tools.ToolEnv`)."""
 
     @classmethod
     def from_config(cls, cfg: EnvConfig, states: bool = False) -> EnvSpec:
         return cls(target(cfg.factory, FACTORIES) if cfg.factory else "", cfg.tools, cfg.tool_parser,
-                   cfg.observation_role, cfg.factory, cfg.max_turns, states, cfg.max_tool_result_chars)
+                   cfg.observation_role, cfg.factory, cfg.max_turns, states, cfg.max_tool_result_chars, cfg.timeout)
 
     @property
     def name(self) -> str:
@@ -102,7 +104,8 @@ class EnvSpec:
             return inner
         from rollpacker.env.tools import ToolEnv, load_tools
 
-        return ToolEnv(load_tools(self.tools), self.tool_parser, inner, max_result_chars=self.max_tool_result_chars)
+        return ToolEnv(load_tools(self.tools), self.tool_parser, inner, max_result_chars=self.max_tool_result_chars,
+                       timeout=self.timeout)
 
 
 @dataclass

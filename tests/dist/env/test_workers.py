@@ -4,6 +4,7 @@ tools in the workers, and environments that hang, raise, return garbage or canno
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +106,47 @@ def test_tools_run_in_the_workers(tmp_path, monkeypatch):
         pool.close_episode("e")
         answered, closed = pool.drain(60)
         assert answered.value.terminated and closed.kind == "close" and not closed.error
+
+
+SLOW_TOOL = '''
+import asyncio
+
+async def wait(seconds: int) -> str:
+    """Wait.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "waited"
+'''
+
+
+def test_a_turns_calls_answer_within_the_timeout_and_the_worker_goes_on(tmp_path, monkeypatch):
+    """A hanging async tool and a looping program took the whole env.timeout: the worker was killed, and every
+    episode on it failed. The async call is cancelled at the turn's deadline, the calls after it are not run, and
+    the built-in python's program gets what is left of the turn: each is answered, and the episodes go on."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tools.py").write_text(textwrap.dedent(TOOLS) + textwrap.dedent(SLOW_TOOL))
+    call = '<tool_call>{"name": "%s", "arguments": %s}</tool_call>'
+    with EnvPool(EnvConfig(tools=("tools.py:add", "tools.py:wait", "python"), num_workers=1, timeout=4)) as pool:
+        for key in ("a", "b"):
+            pool.open_episode(key, {"id": key, "prompt": "p"}, 0)
+        assert not any(r.error for r in pool.drain(60))
+        pool.step_episode("a", call % ("wait", '{"seconds": 60}') + call % ("add", '{"a": 1, "b": 2}'))
+        pool.step_episode("b", call % ("python", '{"code": "while True: pass"}') + call % ("add", '{"a": 1, "b": 2}'))
+        replies = {r.key: r for r in pool.drain(60)}
+        assert not any(r.error for r in replies.values()), replies
+        waited, added = [m["content"] for m in replies["a"].value.observation]
+        assert waited == "error: wait timed out: this turn's calls have 4 s (env.timeout)"
+        assert added == "error: not run: this turn's calls took their 4 s (env.timeout)"
+        looped, added = [m["content"] for m in replies["b"].value.observation]
+        assert re.fullmatch(r"\n\[timed out after \d\.\d+ s\]", looped), looped  # its 3.2 s less the sandbox's kill
+        assert added in ("3", "error: not run: this turn's calls took their 4 s (env.timeout)")
+        assert replies["b"].value.info["tool_errors"] == (added != "3")  # a program's timeout is its result
+        pool.step_episode("a", call % ("add", '{"a": 40, "b": 2}'))
+        (again,) = pool.drain(60)
+        assert not again.error and again.value.observation[0]["content"] == "42"
 
 
 def test_the_python_tool_runs_code_in_the_sandbox():
@@ -211,6 +253,7 @@ def test_a_factory_is_warmed_up_as_its_worker_starts_not_in_its_first_resets_tim
 
 TRACKED_ENV = '''
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -335,6 +378,7 @@ def test_environments_opened_ahead_answer_their_rounds_opens_and_the_others_are_
 
 FLAKY_ENV = '''
 import os
+import re
 import time
 from pathlib import Path
 
