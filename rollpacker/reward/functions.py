@@ -194,7 +194,7 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
                            "function returns one float or None per completion")
         out = []
         for i, value in enumerate(values):
-            value, metrics, info = _value(value)
+            value, metrics, info = _value(None if _is_number(value) and math.isnan(value) else value)  # TRL's None
             out.append((value, logged | metrics, {k: _nth(v, i, n) for k, v in extra.items()} | info))
         return out if ref.per_group else out[0]
 
@@ -231,7 +231,8 @@ def _value(value) -> Value:
         raise BadValue(f"returned {type(value).__name__} {short(value)} for a completion; expected a float, an "
                          "int or None")
     if not math.isfinite(float(value)):
-        raise BadValue(f"returned {float(value)} for a completion; a reward must be finite")
+        raise BadValue(f"returned {float(value)} for a completion; a reward must be finite (None: the function does "
+                       "not apply)")
     return float(value), metrics, info
 
 

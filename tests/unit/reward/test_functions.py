@@ -9,7 +9,7 @@ import pytest
 
 from rollpacker.env.episode import Response
 from rollpacker.reward.config import RewardConfig
-from rollpacker.reward.functions import RewardFunctionError, TrainerState, names
+from rollpacker.reward.functions import BadValue, RewardFunctionError, TrainerState, names
 from rollpacker.reward.scheduler import RewardScheduler
 
 FUNCTIONS = '''
@@ -310,11 +310,19 @@ def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(t
     path = tmp_path / "arrays.py"
     path.write_text("import numpy, torch\n\ndef array(completions, **kw):\n    return numpy.array([1.0])\n\n"
                     "def tensor(completions, **kw):\n    return torch.tensor([0.5])\n\n"
-                    "def same(completions, **kw):\n    return [numpy.float64(1) == numpy.float64(1)]\n")
+                    "def same(completions, **kw):\n    return [numpy.float64(1) == numpy.float64(1)]\n\n"
+                    "def nan(completions, **kw):\n    return numpy.array([numpy.nan])\n\n"
+                    "def inf(completions, **kw):\n    return [float('inf')]\n\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float('nan')\n")
     sample = {"columns": {}, "prompt": "p", "completion": "c", "completion_ids": [1]}
     assert call(resolve(f"{path}:array", "array"), sample) == (1.0, {}, {})
     assert call(resolve(f"{path}:tensor", "tensor"), sample) == (0.5, {}, {})
     assert call(resolve(f"{path}:same", "same"), sample) == (1.0, {}, {})  # numpy's bool
+    assert call(resolve(f"{path}:nan", "nan"), sample) == (None, {}, {})  # TRL's None becomes NaN: it reads it back
+    for name in ("inf", "compute_score"):  # not TRL's None: a bug's
+        with pytest.raises(BadValue, match=r"returned (inf|nan) for a completion; a reward must be finite \(None: "):
+            call(resolve(f"{path}:{name}", name), {**sample, "columns": {"answer": "1"}})
     # the judge's text of a prompt whose assistant message holds only tool calls (content null, as the data allows)
     calls = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": []}]
     assert prompt_text(calls) == "2+3?\n\n"
