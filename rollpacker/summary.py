@@ -46,10 +46,10 @@ def start_summary(job) -> str:
 
 
 def _prompt_ids(ctl, row: dict) -> list[int]:
-    """``row``'s prompt as the engine gets it; with tools alone, as an episode's (their schemas rendered by the
-    template). With an environment, its reset may give another prompt: the row's is shown."""
+    """``row``'s prompt as the engine gets it; with ``env.tools``, as an episode's (their schemas rendered by the
+    template). With an environment, its reset may give another prompt and tools of its own: the row's is shown."""
     env = ctl.config.env
-    if env.tools and not env.factory:
+    if env.tools:
         from rollpacker.env.tools import load_tools, schemas
 
         return ctl.envs.encode(row["prompt"], schemas(load_tools(env.tools)))

@@ -414,3 +414,19 @@ def test_resident_sessions_reuse_each_episodes_kv_and_change_no_token(tmp_path):
     assert on["rollout/reused_prefill_tokens"] > 0 and off.get("rollout/reused_prefill_tokens", 0) == 0
     turns = {k: sorted((r["row"], r["completion"], r["length"]) for r in samples(runs[k][0])) for k in runs}
     assert turns[True] == turns[False]
+
+
+def test_the_start_summary_shows_the_tools_schemas_in_the_prompt_beside_an_environment(tmp_path):
+    """With env.factory and env.tools, the row shown "as the engine gets it" lacked the tools' schemas, which
+    every episode's prompt holds."""
+    from support.jobs import launch_job
+
+    proc = launch_job("schedule:sync", "--model.path", "toy-tools", "--data.toy-task", "tools", "--env.factory", "toy",
+                      "--env.tools", "rollpacker.toy.tools:calculator", "--data.num-toy-prompts", "4",
+                      "--rollout.num-prompts", "2", "--rollout.group-size", "2", "--rollout.max-new-tokens", "16",
+                      "--num-steps", "1", "--eval-every", "0", "--metrics.samples-every", "1",
+                      "--run-dir", str(tmp_path / "run"), *QUIET, nproc=1, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shown = (proc.stdout + proc.stderr).split("as the engine gets it", 1)[1]
+    assert "calculator" in shown.split("step 0", 1)[0], shown[:2000]
+    assert all("calculator" in s["prompt_text"] for s in samples(tmp_path / "run"))
