@@ -237,14 +237,20 @@ class Controller:
         """A scored group's ``(output, reward)`` pairs to train on (a failed reward is 0 already: reward.on_error)."""
         return list(zip(group.outputs, group.rewards))
 
+    @property
+    def model_budget(self) -> int:
+        """A response's model-token budget: ``env.max_tokens`` (an episode's, over its turns), else
+        ``rollout.max_new_tokens``."""
+        return self.config.env.max_tokens or self.config.rollout.max_new_tokens
+
     def overlong(self, output: Any) -> float:
         """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off): of its
-        model tokens against its model-token budget (``env.max_tokens``, else ``rollout.max_new_tokens``)."""
+        model tokens against its model-token budget (:attr:`model_budget`)."""
         from rollpacker.train.advantages import overlong_penalty
 
-        cfg = self.config
-        return overlong_penalty(output.num_model_tokens, cfg.env.max_tokens or cfg.rollout.max_new_tokens,
-                                cfg.train.overlong_buffer, cfg.train.overlong_penalty)
+        train = self.config.train
+        return overlong_penalty(output.num_model_tokens, self.model_budget, train.overlong_buffer,
+                                train.overlong_penalty)
 
     def group_samples(self, group: Group) -> list[Sample]:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards and overlong
@@ -281,7 +287,7 @@ class Controller:
         per_group = [(g, self.group_samples(g)) for g in result.groups]
         samples = [s for g, group in per_group if not g.streamed for s in group]
         lengths = trained_lengths([s for _, group in per_group for s in group], cfg.train.mask_truncated)
-        return samples, normalizer(cfg.train.aggregation, lengths, cfg.rollout.max_new_tokens)
+        return samples, normalizer(cfg.train.aggregation, lengths, self.model_budget)
 
     def round_stats(self, result: RoundResult) -> dict[str, Any]:
         """The round's metrics (:meth:`~rollpacker.exchange.RoundResult.metrics`), the policy's, and the

@@ -73,6 +73,37 @@ def test_make_batch_and_round_stats(mask_truncated):
     assert stats["rollout/tokens_per_s"] == pytest.approx((212 + 7) / 3.5)
 
 
+def test_an_episodes_budget_over_its_turns_is_the_longest_response_of_seq_mean_token_sum_norm():
+    """Dr. GRPO's constant is the longest response allowed: an episode's model tokens over its turns
+    (env.max_tokens), not one turn's (rollout.max_new_tokens), which they pass."""
+    from rollpacker.env.config import EnvConfig
+
+    config = Config(train=TrainConfig(aggregation="seq-mean-token-sum-norm"), rollout=RolloutConfig(max_new_tokens=100),
+                    env=EnvConfig(factory="toy", max_tokens=300))
+    ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=400,
+                     envs=NO_ENVS)
+    _, count = ctl.make_batch(round_result([Group(prompt=0, outputs=[output(250), output(5)], rewards=[1.0, 0.0])]))
+    assert count == 2 * 300
+
+
+def test_reward_correct_counts_its_functions_value_not_the_weighted_total():
+    """TRL's accuracy + format pair: a well-formed wrong answer totals 1; reward.correct accuracy counts it wrong."""
+    config = Config()
+    config.reward.correct = "accuracy"
+    rewards = Rewards()
+    rewards.values = {"r3": {"rewards": {"accuracy": 0.0, "fmt": 1.0}}, "r4": {"rewards": {"accuracy": 1.0}},
+                      "r5": {"rewards": {"accuracy": None, "fmt": 1.0}}}
+    ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=rewards,
+                     policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200,
+                     envs=NO_ENVS)
+    group = Group(prompt=0, outputs=[output(3), output(4), output(5)], rewards=[1.0, 1.0, 1.0])
+    assert [ctl.solved(o, r) for o, r in zip(group.outputs, group.rewards)] == [False, True, False]
+    assert ctl.round_stats(round_result([group]))["reward/accuracy"] == pytest.approx(1 / 3)
+    config.reward.correct = ""
+    assert ctl.round_stats(round_result([group]))["reward/accuracy"] == 1.0
+
+
 def test_reward_metrics_leave_out_episodes_whose_environment_failed():
     """A failed episode (finish_reason "error", counted in env/errors) is out of its group's advantages:
     its reward (0, or whatever its functions gave) is out of reward/mean and reward/accuracy too."""
