@@ -111,7 +111,7 @@ class ChatBridge:
         end, turn = before[before.rindex(MARK) + len(MARK):], after.rfind(MARK)
         past = after[turn + len(MARK):] if turn >= 0 else ""
         rest = past[len(end):] if turn >= 0 and past.startswith(end) else None  # past the assistant turn's end
-        if rest is not None and self._earlier_kept(base, before, after, tools):
+        if rest is not None and self._turn_alone(base, before, after, tools):
             return rest
         at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
         if self.template_breaks == "fail":
@@ -124,17 +124,20 @@ class ChatBridge:
         self.breaks += 1
         return after[at:] if rest is None else rest
 
-    def _earlier_kept(self, base: list[Message], before: str, after: str, tools: list[dict] | None) -> bool:
-        """Whether the turns before the base's assistant turn render unchanged in ``before`` and ``after``. Then a
-        template that rewrites the assistant turn alone (Qwen3 drops the last turn's empty think block once a turn
-        follows it) is no break: in an episode the model's own tokens stand in for that turn."""
+    def _turn_alone(self, base: list[Message], before: str, after: str, tools: list[dict] | None) -> bool:
+        """Whether ``after`` rewrites the base's assistant turn alone, by dropping text from its start (Qwen3 drops
+        the last turn's empty think block once a turn follows it): the turns before it render unchanged, and its
+        text before the content is a prefix of what ``before`` had. Then it is no break: in an episode the model's
+        own tokens stand in for that turn."""
         from jinja2 import TemplateError
 
         try:
             earlier = self.render(base[:-1], tools=tools)
         except TemplateError:
             return False
-        return before.startswith(earlier) and after.startswith(earlier)
+        n = len(earlier)
+        return (before.startswith(earlier) and after.startswith(earlier)
+                and before[n:before.rindex(MARK)].startswith(after[n:after.rfind(MARK)]))
 
     def _base_render(self, observation: list[Message], tools: list[dict] | None) -> tuple[list[Message], str]:
         """The base conversation for ``observation`` (:func:`_base`) and its render."""

@@ -10,6 +10,7 @@ from rollpacker.env.render import ChatBridge, TemplateBreak
 from tests.support.chat import (
     COUNTING_TEMPLATE,
     QWEN3_STYLE_TEMPLATE,
+    QWEN_STYLE_TEMPLATE,
     chat_tokenizer,
     mistral_style_tokenizer,
     qwen_style_tokenizer,
@@ -111,6 +112,18 @@ def test_a_template_that_rewrites_earlier_turns_is_caught_naming_it():
     counting = ChatBridge(tokenizer, template_breaks="count")
     ids = counting.observation_ids([{"role": "user", "content": "again"}], [5, 6])
     assert counting.breaks == 1 and tokenizer.decode(ids) == "\nuser: again\nassistant:"  # the end of turn, the delta
+
+
+def test_a_template_that_puts_a_turn_before_an_assistant_turn_once_one_follows_is_caught():
+    """Not Qwen3's think block, dropped from the assistant turn: a turn inserted before it, which the episode's
+    tokens never hold."""
+    template = QWEN_STYLE_TEMPLATE.replace(
+        "{%- elif m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' + m.content }}",
+        "{%- elif m.role == 'assistant' %}{% if not loop.last %}{{ '<|im_start|>system\\nNOTE<|im_end|>\\n' }}"
+        "{% endif %}{{ '<|im_start|>assistant\\n' + m.content }}")
+    assert template != QWEN_STYLE_TEMPLATE
+    with pytest.raises(TemplateBreak, match=r"not prefix-preserving .* from character \d+ \(before: .*after: .*NOTE"):
+        ChatBridge(qwen_style_tokenizer(template)).delta([{"role": "user", "content": "again"}])
 
 
 def test_a_template_that_moves_the_episodes_tools_is_caught_with_them():
