@@ -296,19 +296,20 @@ def _properties(tools: Sequence[dict]) -> dict[str, dict]:
 
 _PYTHON_TAG = "<|python_tag|>"
 _LLAMA_FORM = '{"name": NAME, "parameters": {...}}'
-_LLAMA_CALL = re.compile(r'\s*\{\s*"name"\s*:')
-"""How an untagged turn that is a call starts: other JSON (an answer as JSON) is text, as vLLM reads it."""
+_LLAMA_NAMED = re.compile(r'\s*\{\s*"name"\s*:')
+"""How an untagged call that is not JSON starts (cut, or broken): still a call, answered with what is wrong."""
 
 
 def llama3_json(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
     """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) as the whole turn,
-    or after ``<|python_tag|>``; several are separated by ``;``. A turn is a call if it starts with ``{"name":``
-    or holds ``<|python_tag|>``; text after the last call is left out. Built-in tools' Python
-    (``brave_search.call(...)``) is not read: it is answered as a malformed call."""
+    or after ``<|python_tag|>``; several are separated by ``;``. A turn is a call if it holds
+    ``<|python_tag|>``, or starts with a JSON object with a ``"name"`` (or with ``{"name":`` and is not JSON):
+    other JSON, an answer as JSON, is text, as vLLM reads it. Text after the last call is left out. Built-in
+    tools' Python (``brave_search.call(...)``) is not read: it is answered as a malformed call."""
     tag = text.find(_PYTHON_TAG)
     if tag >= 0:
         body = text[tag + len(_PYTHON_TAG):]
-    elif _LLAMA_CALL.match(text):
+    elif text.lstrip().startswith("{") and (_named(text) or _LLAMA_NAMED.match(text)):
         body = text
     else:
         return []
@@ -328,6 +329,15 @@ def llama3_json(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
             pos = _skip_space(body, pos + 1)
         if not body.startswith("{", pos):
             return calls
+
+
+def _named(text: str) -> bool:
+    """Whether ``text`` starts with a JSON object that has a ``"name"``."""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text, _skip_space(text, 0))
+    except _NOT_JSON:
+        return False
+    return isinstance(value, dict) and "name" in value
 
 
 def _json_call(value: Any, call_id: str, keys: tuple[str, ...], form: str) -> ToolCall:

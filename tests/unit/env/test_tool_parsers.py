@@ -153,8 +153,10 @@ def test_text_around_the_calls_and_a_plain_answer():
         assert parser(answer, TOOLS) == [] and parser("", TOOLS) == []
     # Llama's JSON is a call only as the turn (or after <|python_tag|>): JSON inside an answer is text
     assert llama3_json('The call would be {"name": "add", "parameters": {"a": 1, "b": 2}}.') == []
-    # and an answer in JSON is text, as vLLM reads it: an untagged call starts {"name":
+    # and an answer in JSON is text, as vLLM reads it: an untagged call is an object with a name
     assert llama3_json('{"answer": 42, "steps": ["add"]}') == [] and llama3_json('{not json') == []
+    assert read(llama3_json, '{"type": "function", "name": "add", "parameters": {"a": 1, "b": 2}}') == [
+        ("add", {"a": 1, "b": 2}, "call_0")]
 
 
 def test_a_call_cut_by_a_stop_string_still_counts():
