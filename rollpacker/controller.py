@@ -223,14 +223,14 @@ class Controller:
                                                if o.finish_reason != "error"])
 
     def solved(self, output: Any, reward: float | None) -> bool:
-        """Whether a scored response counts as correct: ``reward.correct``'s value >= 1, else its reward >= 1. An
-        episode whose environment failed is not."""
+        """Whether a scored response counts as correct: ``reward.correct``'s value >= 1, else (none named, or it
+        returned None: a row of another task) its reward >= 1. An episode whose environment failed is not."""
         name = self.config.reward.correct
         if output.finish_reason == "error":
             return False
-        if not name:
-            return reward is not None and reward >= 1.0
-        value = self.rewards.values.get(output.id, {}).get("rewards", {}).get(name)
+        value = self.rewards.values.get(output.id, {}).get("rewards", {}).get(name) if name else None
+        if value is None:
+            value = reward
         return value is not None and value >= 1.0
 
     def trained_rewards(self, group: Group) -> list[tuple[Any, float]]:

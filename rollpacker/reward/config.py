@@ -77,8 +77,9 @@ class RewardConfig:
     """One weight per function of funcs (empty: 1 each); a function returning None for a row is left out of its sum."""
     correct: str = ""
     """The function of funcs, by metric name (reward/NAME), whose value >= 1 marks a response correct: for
-    reward/accuracy, eval/accuracy and eval/pass@k, and data.retire_solved. Empty: the weighted reward >= 1, right
-    for one 0/1 function (with an accuracy and a format function, the format alone would count)."""
+    reward/accuracy, eval/accuracy and eval/pass@k, and data.retire_solved; where it returns None (a row of another
+    task), the weighted reward decides. Empty: the weighted reward >= 1, right for one 0/1 function (with an
+    accuracy and a format function, the format alone would count)."""
     group_funcs: tuple[str, ...] = ()
     """Functions of funcs, by metric name (reward/NAME), called once per group on all its responses when the policy
     completes it (TRL's call on a batch, the batch one prompt's group), not once per response as each finishes."""
@@ -134,9 +135,9 @@ class RewardConfig:
                              f"({', '.join(names(self.funcs))}): give one each, or none for 1 each")
         if "judge" in self.funcs:
             check_judge_path(self.judge.model_path)
-        if self.correct and self.correct not in names(self.funcs):
+        if self.correct and self.correct not in names(self.funcs or ("toy",)):
             raise ValueError(f"reward.correct names {self.correct!r}, not the metric name of one of reward.funcs "
-                             f"({', '.join(names(self.funcs)) or 'none'}): name the function whose value >= 1 "
+                             f"({', '.join(names(self.funcs or ('toy',)))}): name the function whose value >= 1 "
                              "marks a response correct, as reward/NAME logs it")
         for name in self.group_funcs:
             if name in BUILTINS or name not in names(self.funcs):

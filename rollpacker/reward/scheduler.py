@@ -224,8 +224,9 @@ class _Scoring:
 
 BOTH_S = 0.05
 """Seconds :meth:`RewardScheduler.wait` waits on the workers, then on the async calls, when both run."""
-MAX_VALUES = 1 << 16
-"""Most per-function values :class:`RewardScheduler` keeps for responses not taken yet."""
+MAX_VALUES = 1 << 20
+"""Most per-function values :class:`RewardScheduler` keeps for responses not taken yet (a leak's bound: a round's
+are taken at its end, and ``reward.correct`` reads them till then)."""
 
 
 class RewardScheduler:

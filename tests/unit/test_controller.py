@@ -88,20 +88,21 @@ def test_an_episodes_budget_over_its_turns_is_the_longest_response_of_seq_mean_t
 
 
 def test_reward_correct_counts_its_functions_value_not_the_weighted_total():
-    """TRL's accuracy + format pair: a well-formed wrong answer totals 1; reward.correct accuracy counts it wrong."""
+    """TRL's accuracy + format pair: a well-formed wrong answer totals 1; reward.correct accuracy counts it wrong.
+    A row of another task, where the function returns None, is decided by its reward."""
     config = Config()
     config.reward.correct = "accuracy"
     rewards = Rewards()
     rewards.values = {"r3": {"rewards": {"accuracy": 0.0, "fmt": 1.0}}, "r4": {"rewards": {"accuracy": 1.0}},
-                      "r5": {"rewards": {"accuracy": None, "fmt": 1.0}}}
+                      "r5": {"rewards": {"accuracy": None, "code": 1.0}}}
     ctl = Controller(config=config, rows=[], eval_rows=None, tokenizer=None, rewards=rewards,
                      policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200,
                      envs=NO_ENVS)
-    group = Group(prompt=0, outputs=[output(3), output(4), output(5)], rewards=[1.0, 1.0, 1.0])
-    assert [ctl.solved(o, r) for o, r in zip(group.outputs, group.rewards)] == [False, True, False]
-    assert ctl.round_stats(round_result([group]))["reward/accuracy"] == pytest.approx(1 / 3)
+    group = Group(prompt=0, outputs=[output(3), output(4), output(5), output(6)], rewards=[1.0, 1.0, 1.0, 0.0])
+    assert [ctl.solved(o, r) for o, r in zip(group.outputs, group.rewards)] == [False, True, True, False]
+    assert ctl.round_stats(round_result([group]))["reward/accuracy"] == pytest.approx(2 / 4)
     config.reward.correct = ""
-    assert ctl.round_stats(round_result([group]))["reward/accuracy"] == 1.0
+    assert ctl.round_stats(round_result([group]))["reward/accuracy"] == pytest.approx(3 / 4)
 
 
 def test_reward_metrics_leave_out_episodes_whose_environment_failed():

@@ -239,6 +239,7 @@ def test_group_functions_score_a_completed_group_and_its_rewards_wait_for_them(f
 
 def test_reward_correct_names_one_of_the_functions(funcs):
     assert RewardConfig(funcs=("toy", *funcs("length")), correct="toy").correct == "toy"
+    assert RewardConfig(correct="toy").correct == "toy"  # the default functions: toy
     with pytest.raises(ValueError, match=r"reward.correct names 'accuracy', not the metric name of one of "
                                          r"reward.funcs \(toy, length\): name the function"):
         RewardConfig(funcs=("toy", *funcs("length")), correct="accuracy")
