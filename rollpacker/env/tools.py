@@ -143,7 +143,7 @@ class ToolEnv:
             value = invoke(asyncio.wait_for, fn(**call.arguments), time_left()) if inspect.iscoroutinefunction(
                 fn) else invoke(fn, **call.arguments)
         except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
-            if isinstance(e, TimeoutError) and time_left() <= 0:  # wait_for's (TimeoutError itself since 3.11)
+            if isinstance(e, (TimeoutError, asyncio.TimeoutError)) and time_left() <= 0:  # wait_for's
                 return f"error: {call.name} timed out: this turn's calls have {self.timeout:g} s (env.timeout)", True
             return f"error: {type(e).__name__}: {e}", True
         return value if isinstance(value, str) else json.dumps(value, default=str), False

@@ -253,7 +253,6 @@ def test_a_factory_is_warmed_up_as_its_worker_starts_not_in_its_first_resets_tim
 
 TRACKED_ENV = '''
 import os
-import re
 import uuid
 from pathlib import Path
 
@@ -378,7 +377,6 @@ def test_environments_opened_ahead_answer_their_rounds_opens_and_the_others_are_
 
 FLAKY_ENV = '''
 import os
-import re
 import time
 from pathlib import Path
 

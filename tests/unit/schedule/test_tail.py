@@ -236,7 +236,7 @@ def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest
         _, groups, _, _ = play(policy, step, lambda row, k: 1000 if row % 5 == 0 else row + k,
                                reward=lambda row, k: 1.0 if row in solved else float(k % 2))
         for g in groups:
-            policy.sampler.observe(g.prompt, g.rewards)
+            policy.sampler.observe(g.prompt, [r >= 1 for r in g.rewards])
         step += 1
     assert policy.ledger.rows(0, "trained") == list(range(num_rows))
     assert policy.ledger.rows(2, "trained") == sorted(set(range(num_rows)) - solved)
@@ -258,7 +258,7 @@ def test_a_copy_plays_on_alone_as_the_policy_would():
             rnd, groups, _, _ = play(p, step, lambda row, k: 1000 if row % 5 == 0 else row + k,
                                      reward=lambda row, k: 1.0 if row in solved else float(k % 2))
             for g in groups:
-                p.sampler.observe(g.prompt, g.rewards)
+                p.sampler.observe(g.prompt, [r >= 1 for r in g.rewards])
             out.append((rnd.kind, rnd.prompts, [g.prompt for g in groups]))
         return out
 
