@@ -139,6 +139,31 @@ class ChatBridge:
         return (before.startswith(earlier) and after.startswith(earlier)
                 and before[n:before.rindex(MARK)].startswith(after[n:after.rfind(MARK)]))
 
+    def check_tool_parser(self, parser: str) -> None:
+        """Refuse ``parser`` (``env.tool_parser``) when it reads no call in the layout this chat template writes one
+        in, and another parser does: the default hermes on a Llama 3 or Mistral model read every call as the answer,
+        silently. A template that writes no call (it renders no ``tool_calls``) is not checked."""
+        from jinja2 import TemplateError
+
+        from rollpacker.env.parsers import PARSERS
+
+        call = {"type": "function", "id": "call00000", "function": {"name": "probe", "arguments": {"x": 1}}}
+        tools = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+        try:
+            prompt = self.render(BASE[:1], generation=True, tools=tools)
+            written = self.render([BASE[0], {"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools)
+        except TemplateError:
+            return
+        if not written.startswith(prompt):
+            return
+        text = written[len(prompt):]  # the turn as the template writes it, its special tokens as text
+        reads = [name for name, p in PARSERS.items() if any(c.name == "probe" and not c.error for c in p(text, tools))]
+        if reads and parser not in reads:
+            raise UserError(f"env.tool_parser {parser} reads no tool call in the layout the chat template of "
+                            f"{self.name} writes one in ({text.strip()[:80]!r}), so every call would be read as the "
+                            f"answer: set env.tool_parser to {' or '.join(reads)}")
+
     def _base_render(self, observation: list[Message], tools: list[dict] | None) -> tuple[list[Message], str]:
         """The base conversation for ``observation`` (:func:`_base`) and its render."""
         from jinja2 import TemplateError

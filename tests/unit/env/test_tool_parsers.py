@@ -140,6 +140,29 @@ def test_the_calls_a_familys_template_renders_are_read_back(family):
         assert [i for _, _, i in parsed] == [c["id"] for c in calls]
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_parser_that_reads_no_call_of_the_models_layout_is_refused_naming_the_one_that_does(family):
+    """The default hermes on a Llama 3 or Mistral model read every call as the answer: no tool ran, no error, and
+    env/info/tool_calls stayed 0, as if the model never called. The run now stops before it starts, naming the
+    parser that reads the template's own call; a template that writes no call (the toy model's) is not checked."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.env.render import ChatBridge
+    from rollpacker.errors import UserError
+    from rollpacker.toy.model import toy_model_dir
+
+    right = family.removesuffix("_v11")
+    bridge = ChatBridge(FAMILIES[family][0]())
+    bridge.check_tool_parser(right)
+    for parser in set(PARSERS) - {right}:
+        with pytest.raises(UserError, match=rf"env.tool_parser {parser} reads no tool call in the layout the chat "
+                                            rf"template of .* writes one in .*: set env.tool_parser to {right}$"):
+            bridge.check_tool_parser(parser)
+    ChatBridge(qwen_style_tokenizer()).check_tool_parser("hermes")
+    for parser in PARSERS:
+        ChatBridge(AutoTokenizer.from_pretrained(toy_model_dir())).check_tool_parser(parser)
+
+
 def test_text_around_the_calls_and_a_plain_answer():
     assert read(qwen3_coder, "I'll add.\n<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n"
                              "2\n</parameter>\n</function>\n</tool_call>\nThat is all.") == [("add", {"a": 1, "b": 2},
