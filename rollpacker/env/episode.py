@@ -70,11 +70,15 @@ class Done:
     """One of :data:`REASONS`."""
     detail: str = ""
     """What happened, for an error."""
+    cut: bool = False
+    """Its last model turn was cut at its own token limit: it ended unfinished, whatever ended it (the environment
+    took the cut text as the answer), as a response cut there is."""
 
     @property
     def finish_reason(self) -> str:
-        """The episode's as one response's: "length" when cut by a token limit, "abort", "error", else "stop"."""
-        if self.reason in LENGTH_REASONS:
+        """The episode's as one response's: "length" when cut by a token limit (its last turn's too), "abort",
+        "error", else "stop"."""
+        if self.reason in LENGTH_REASONS or self.cut:
             return "length"
         return self.reason if self.reason in ("abort", "error") else "stop"
 
@@ -251,10 +255,11 @@ class Episode:
         for key, value in result.info.items():
             if isinstance(value, numbers.Real) and math.isfinite(value):
                 self.info[key] = self.info.get(key, 0.0) + float(value)
+        cut = not self._turn  # the last turn stopped on no token: its limit cut it
         if result.terminated or result.truncated:
-            return self._end("terminated" if result.terminated else "truncated")
+            return self._end("terminated" if result.terminated else "truncated", cut=cut)
         if self.num_turns >= self.max_turns:
-            return self._end("max_turns")
+            return self._end("max_turns", cut=cut)
         ids = self.bridge.observation_ids(result.observation, self._turn, self.tools)
         if self.num_model_tokens >= self.max_tokens:
             return self._end("max_tokens")
@@ -328,9 +333,9 @@ class Episode:
         self.loss_mask.extend([model] * len(token_ids))
         self.logprobs.extend(logprobs if model else [0.0] * len(token_ids))
 
-    def _end(self, reason: str, detail: str = "") -> Done:
+    def _end(self, reason: str, detail: str = "", cut: bool = False) -> Done:
         if self.done is None:
-            self.done, self._waiting = Done(reason, detail), ""
+            self.done, self._waiting = Done(reason, detail, cut), ""
         return self.done
 
     def _expect(self, what: str) -> None:

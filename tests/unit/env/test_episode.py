@@ -163,6 +163,20 @@ def test_a_turn_cut_at_its_own_limit_goes_to_the_environment():
     assert e.step_rewards == {2: 0.5}
 
 
+@pytest.mark.parametrize("result, reason", [(StepResult([], reward=1.0, terminated=True), "terminated"),
+                                            (StepResult([{"role": "user", "content": "o"}]), "max_turns")])
+def test_an_episode_whose_last_turn_its_limit_cut_ends_truncated_whatever_ended_it(result, reason):
+    """The environment took a turn cut mid-sentence as the answer (a tools episode's turn without a call ends it):
+    it read "stop", so rollout/truncated did not count it and train.mask_truncated trained it. A stopped last turn
+    is not cut."""
+    for finish, cut in (("length", True), ("stop", False)):
+        e = episode(max_new_tokens=3, max_turns=1)
+        assert e.on_turn(turn("abc"), [-1.0] * 3, finish) == StepEnv("abc")
+        done = e.on_step(result)
+        assert done == Done(reason, cut=cut) and done.finish_reason == ("length" if cut else "stop")
+        assert e.output().finish_reason == done.finish_reason and e.output().reason == reason
+
+
 def test_a_response_without_environment_is_the_one_turn_episode_named_and_seeded_as_itself():
     """No bridge: the one turn is the episode's own request id and seed (a single-turn request's), keeps no
     session, and ends the episode: "answer" when it stopped, "length" (truncated) when cut. Every token is
