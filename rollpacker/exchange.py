@@ -169,14 +169,16 @@ class RoundResult:
         ``trained``: the ``(output, reward)`` of every response trained in the step (streamed ones
         too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it);
         ``solved``: whether each is correct (``reward/accuracy``: ``Controller.solved``).
-        ``reward/mean`` and ``reward/accuracy`` leave out episodes whose environment failed (``env/errors``),
-        as their groups' advantages do, and are left out of a step that trains no response (0 would read as
-        every response wrong: its groups may have been filtered out for all solving their prompts)."""
+        ``reward/mean``, ``reward/accuracy``, ``rollout/env_tokens`` and ``env/info/`` leave out episodes whose
+        environment failed (``env/errors``), as their groups' advantages do; the reward ones are left out of a step
+        that trains no response (0 would read as every response wrong: its groups may have been filtered out for
+        all solving their prompts)."""
         from rollpacker.rollout.engine import spec_metrics
 
         lengths = [len(o.token_ids) for o, _ in trained]
         model = sum(o.num_model_tokens for o, _ in trained)
-        rewards = [r for o, r in trained if o.finish_reason != "error"]
+        working = [(o, r) for o, r in trained if o.finish_reason != "error"]  # a failed episode trains nothing
+        rewards = [r for _, r in working]
         correct = [c for (o, _), c in zip(trained, solved) if o.finish_reason != "error"]
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         trace = [(self.start, self.num_launched), *self.running_trace]
@@ -203,8 +205,8 @@ class RoundResult:
             "rollout/response_lengths": lengths,
             **length_stats(lengths),
             "rollout/model_tokens": model,
-            "rollout/env_tokens": sum(lengths) - model,
-            **info_metrics([o for o, _ in trained], "env/"),  # env/info/KEY[_frac]: what the environments counted
+            "rollout/env_tokens": sum(len(o.token_ids) - o.num_model_tokens for o, _ in working),
+            **info_metrics([o for o, _ in working], "env/"),  # env/info/KEY[_frac]: what the environments counted
             **selection_metrics(self.groups, self.cut),  # sched/kept/K beside sched/cut/K
         }
 

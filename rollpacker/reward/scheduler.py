@@ -215,6 +215,9 @@ class _Scoring:
     """Function name -> what went wrong."""
     extra: dict[str, Any] = field(default_factory=dict)
     """``NAME/KEY`` -> what function NAME said besides numbers: a dict's other values, TRL's ``log_extra``."""
+    failed: bool = False
+    """An episode whose environment failed: it trains nothing, so no function scores it and no metric counts it
+    (a group function's call on its group gets it, as TRL's batch would); its reward is 0."""
 
     @property
     def values(self) -> dict[str, float | None]:
@@ -280,7 +283,9 @@ class RewardScheduler:
         :meth:`submit_group` is scored too."""
         if key in self._scoring:
             return
-        scoring = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards))
+        failed = output.finish_reason == "error"
+        scoring = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards) and not failed,
+                           failed=failed)
         self._scoring[key] = scoring
         if len(self._scoring) > MAX_VALUES:  # responses waiting for a group the policy never completed
             del self._scoring[next(iter(self._scoring))]
@@ -289,6 +294,11 @@ class RewardScheduler:
             self._counts[ENVIRONMENT] += 1
         if not self.functions:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
+            return
+        if failed:
+            for f in self.functions:
+                if not f.ref.per_group:
+                    self._ready += self._record(key, f.name, Scored((key, f.name), None, None, 0.0, 0.0))
             return
         sample = self._sample(row, output)
         for f in self.functions:
@@ -431,7 +441,7 @@ class RewardScheduler:
         scoring.scored[name] = s
         if len(scoring.scored) < len(self.functions):
             return []
-        for fname, r in scoring.scored.items():
+        for fname, r in () if scoring.failed else scoring.scored.items():
             self._failures[fname].add(scoring, r.error)
             if r.error is not None:
                 scoring.errors[fname] = f"reward function {fname!r} failed on row {scoring.row['id']!r}: {r.error}"
@@ -450,6 +460,8 @@ class RewardScheduler:
     def _reward(self, scoring: _Scoring) -> float:
         """The weighted sum over the functions that apply, plus the environment's rewards; a function's
         error is raised (fail) or scored 0 (skip)."""
+        if scoring.failed:
+            return 0.0
         values = scoring.values
         applied = [(f.weight, values[f.name]) for f in self.functions if values[f.name] is not None]
         errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]

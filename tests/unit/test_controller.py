@@ -111,9 +111,12 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
     ctl = Controller(config=Config(), rows=[], eval_rows=None, tokenizer=None, rewards=Rewards(),
                      policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200,
                      envs=NO_ENVS)
-    group = Group(prompt=0, outputs=[output(3), output(4, "error"), output(5)], rewards=[1.0, 5.0, 0.0])
+    failed = output(4, "error")
+    failed.loss_mask, failed.info = [False] * 4, {"tool_calls": 3.0}  # an episode that failed trains none of them
+    group = Group(prompt=0, outputs=[output(3), failed, output(5)], rewards=[1.0, 5.0, 0.0])
     stats = ctl.round_stats(round_result([group]))
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/accuracy"] == pytest.approx(0.5)
+    assert stats["rollout/env_tokens"] == 0 and "env/info/tool_calls" not in stats  # its tokens are not the env's
     assert stats["rollout/response_lengths"] == [3, 4, 5]
     stats = ctl.round_stats(round_result([]))  # nothing trained (every group filtered out): no reward to mean
     assert "reward/mean" not in stats and "reward/accuracy" not in stats and stats["sched/trained_prompts"] == 0

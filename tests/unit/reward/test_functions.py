@@ -111,6 +111,25 @@ def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
     assert inline == got
 
 
+def test_an_episode_whose_environment_failed_is_scored_by_no_function_and_counted_in_no_metric(funcs):
+    """It trains nothing: its functions' calls were wasted, their errors counted toward reward.max_error_frac, and
+    its values went into reward/NAME beside the trained responses'."""
+    cfg = RewardConfig(funcs=funcs("length", "raises"), num_workers=0, on_error="skip", max_error_frac=1.0)
+    scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0] % 2])
+    try:
+        scheduler.submit("a:1", ROWS[0], Response(id="", prompt_ids=[], token_ids=[0] * 3))
+        scheduler.submit("a:2", ROWS[1], Response(id="", prompt_ids=[], token_ids=[1] * 5, finish_reason="error",
+                                                  step_rewards={4: 1.0}))
+        got, metrics = dict(scheduler.wait()), scheduler.take_metrics()
+        values = scheduler.take_values(["a:1", "a:2"])
+    finally:
+        scheduler.close()
+    assert got == {"a:1": 0.0, "a:2": 0.0}  # a:1: raises failed it (skip: 0)
+    assert metrics["reward/length"] == pytest.approx(0.3) and metrics["reward/errors"] == 1
+    assert "reward/environment" not in metrics
+    assert values["a:2"] == {"rewards": {"length": None, "raises": None}, "extra": {}}
+
+
 def test_verls_compute_score_gets_reward_models_ground_truth_beside_an_answer_column(funcs):
     """A ds.map into verl's layout keeps the source's answer column (GSM8K's worked solution): verl passes
     reward_model.ground_truth, and so do we; a TRL function gets the answer column, as TRL passes it."""
