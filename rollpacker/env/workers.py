@@ -183,8 +183,8 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,
             return prompt, None, _state(spec, env), contract.finishes(env), False
         if kind == "step":
             return contract.step(envs[key], payload, spec.observation_role), None, _state(spec, envs[key]), False, False
-        if kind == "finish":
-            return contract.finish(envs[key]), None, None, False, False
+        if kind == "finish":  # get_reward may change what reward functions read of the environment
+            return contract.finish(envs[key]), None, _state(spec, envs[key]), False, False
         env = envs.pop(key, None)
         if env is not None:
             contract.close(env)

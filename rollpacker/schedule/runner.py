@@ -129,12 +129,13 @@ class EpisodeRunner:
             elif reply.kind == "open":
                 self.finishes.update([reply.key] if reply.finishes else [])
                 done += self._start(reply.key, reply.value, reply.state)
-            elif reply.kind == "finish":
-                done.append(self._end(reply.key, self.live[reply.key].on_finish(reply.value)))
             else:
                 episode = self.live[reply.key]
                 episode.env_state = reply.state if reply.state is not None else episode.env_state
-                done += self._next(reply.key, episode.on_step(reply.value))
+                if reply.kind == "finish":
+                    done.append(self._end(reply.key, episode.on_finish(reply.value)))
+                else:
+                    done += self._next(reply.key, episode.on_step(reply.value))
         return done
 
     def on_turns(self, outputs: list[Any]) -> list[Response]:

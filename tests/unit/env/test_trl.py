@@ -62,6 +62,12 @@ class Unscored(Counter):
         raise RuntimeError("no score today")
 
 
+class Rewarded(Counter):
+    def get_reward(self) -> float:  # what it works out, reward functions taking environments read
+        self.rewarded = getattr(self, "rewarded", 0) + 1
+        return super().get_reward()
+
+
 class Echo:
     def reset(self, **kwargs):
         self.columns = sorted(kwargs)
@@ -211,7 +217,7 @@ def test_get_reward_scores_an_episode_a_token_limit_ended_once(env_file):
 
     def episodes(factory: str, num: int) -> list:
         cfg = EnvConfig(factory=f"trl_env.py:{factory}", num_workers=1, timeout=60, max_turns=3)
-        with EnvPool(cfg) as pool:
+        with EnvPool(cfg, EnvSpec.from_config(cfg, states=True)) as pool:
             return run(pool, rows[:num], scripts, max_turns=3, max_tokens=2)
 
     cut, answered = episodes("Counter", 2)
@@ -223,6 +229,9 @@ def test_get_reward_scores_an_episode_a_token_limit_ended_once(env_file):
     assert cut.detail.endswith("finish raised RuntimeError: no score today")
     (echo,) = episodes("Echo", 1)
     assert (echo.reason, echo.env_reward) == ("max_tokens", 0.0)
+    # the copy reward functions get is of the environment after get_reward, however the episode ended
+    cut, answered = episodes("Rewarded", 2)
+    assert cut.env_state.restore().rewarded == 1 and answered.env_state.restore().rewarded == 1
 
 
 def test_a_dict_of_environments_is_picked_by_the_rows_environment_column(env_file):
