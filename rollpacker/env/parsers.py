@@ -303,13 +303,14 @@ _LLAMA_NAMED = re.compile(r'\s*\{\s*"name"\s*:')
 def llama3_json(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
     """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``) as the whole turn,
     or after ``<|python_tag|>``; several are separated by ``;``. A turn is a call if it holds
-    ``<|python_tag|>``, or starts with a JSON object with a ``"name"`` (or with ``{"name":`` and is not JSON):
-    other JSON, an answer as JSON, is text, as vLLM reads it. Text after the last call is left out. Built-in
-    tools' Python (``brave_search.call(...)``) is not read: it is answered as a malformed call."""
+    ``<|python_tag|>``, or starts with a JSON object that names a tool or has arguments (or with
+    ``{"name":`` and is not JSON): other JSON, an answer as JSON, is text, as vLLM reads it. Text after the
+    last call is left out. Built-in tools' Python (``brave_search.call(...)``) is not read: it is answered as a
+    malformed call."""
     tag = text.find(_PYTHON_TAG)
     if tag >= 0:
         body = text[tag + len(_PYTHON_TAG):]
-    elif text.lstrip().startswith("{") and (_named(text) or _LLAMA_NAMED.match(text)):
+    elif text.lstrip().startswith("{") and _untagged_call(text, tools):
         body = text
     else:
         return []
@@ -331,13 +332,15 @@ def llama3_json(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
             return calls
 
 
-def _named(text: str) -> bool:
-    """Whether ``text`` starts with a JSON object that has a ``"name"``."""
+def _untagged_call(text: str, tools: Sequence[dict]) -> bool:
+    """Whether a turn without ``<|python_tag|>`` is calls: it starts with a JSON object that names a tool or has
+    arguments (other JSON, an answer as JSON, is text, as vLLM reads it), or with ``{"name":`` and is not JSON."""
     try:
         value, _ = json.JSONDecoder().raw_decode(text, _skip_space(text, 0))
     except _NOT_JSON:
-        return False
-    return isinstance(value, dict) and "name" in value
+        return bool(_LLAMA_NAMED.match(text))
+    return isinstance(value, dict) and isinstance(value.get("name"), str) and (
+        value["name"] in {fn["name"] for fn in tool_functions(tools)} or "parameters" in value or "arguments" in value)
 
 
 def _json_call(value: Any, call_id: str, keys: tuple[str, ...], form: str) -> ToolCall:

@@ -178,6 +178,7 @@ def test_text_around_the_calls_and_a_plain_answer():
     assert llama3_json('The call would be {"name": "add", "parameters": {"a": 1, "b": 2}}.') == []
     # and an answer in JSON is text, as vLLM reads it: an untagged call is an object with a name
     assert llama3_json('{"answer": 42, "steps": ["add"]}') == [] and llama3_json('{not json') == []
+    assert llama3_json('{"name": "Alice", "age": 3}', TOOLS) == []  # names no tool, has no arguments
     assert read(llama3_json, '{"type": "function", "name": "add", "parameters": {"a": 1, "b": 2}}') == [
         ("add", {"a": 1, "b": 2}, "call_0")]
 
