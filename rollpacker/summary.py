@@ -39,8 +39,9 @@ def start_summary(job) -> str:
 
     text = prompt_text(ctl.tokenizer, ids)
     shown = text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + " [...]"
-    lines.append(f"  row {row['id']!r} as the engine gets it ({len(ids)} tokens; every sample file has it as "
-                 "prompt_text):")
+    where = ("before the environment's reset, which may change it and add its tools; every sample file has the "
+             "episode's as prompt_text" if ctl.config.env.factory else "every sample file has it as prompt_text")
+    lines.append(f"  row {row['id']!r} as the engine gets it ({len(ids)} tokens; {where}):")
     lines.append(textwrap.indent(shown, "    | ", predicate=lambda _: True))
     return "\n".join(lines)
 

@@ -418,7 +418,7 @@ def test_resident_sessions_reuse_each_episodes_kv_and_change_no_token(tmp_path):
 
 def test_the_start_summary_shows_the_tools_schemas_in_the_prompt_beside_an_environment(tmp_path):
     """With env.factory and env.tools, the row shown "as the engine gets it" lacked the tools' schemas, which
-    every episode's prompt holds."""
+    every episode's prompt holds; and it is the row's prompt before the reset, which the summary says."""
     from support.jobs import launch_job
 
     proc = launch_job("schedule:sync", "--model.path", "toy-tools", "--data.toy-task", "tools", "--env.factory", "toy",
@@ -429,4 +429,5 @@ def test_the_start_summary_shows_the_tools_schemas_in_the_prompt_beside_an_envir
     assert proc.returncode == 0, proc.stderr[-4000:]
     shown = (proc.stdout + proc.stderr).split("as the engine gets it", 1)[1]
     assert "calculator" in shown.split("step 0", 1)[0], shown[:2000]
+    assert shown.startswith(" (") and "before the environment's reset, which may change it" in shown.split("\n")[0]
     assert all("calculator" in s["prompt_text"] for s in samples(tmp_path / "run"))
