@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 TOOL_INFO = ("tool_calls", "tool_errors")
-"""The counters a :class:`~rollpacker.env.tools.ToolEnv` step reports: calls run, and calls answered ``error: ...``."""
+"""The counters a :class:`~rollpacker.env.tools.ToolEnv` step reports: calls run, and calls that failed (answered
+``error: ...``, or a :class:`~rollpacker.env.tools.Failed` result: the built-in python's program that raised)."""
 
 
 def info_metrics(outputs: Sequence[Any], prefix: str, sources: Sequence[str | None] | None = None

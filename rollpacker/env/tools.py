@@ -146,7 +146,7 @@ class ToolEnv:
             if isinstance(e, (TimeoutError, asyncio.TimeoutError)) and time_left() <= 0:  # wait_for's
                 return f"error: {call.name} timed out: this turn's calls have {self.timeout:g} s (env.timeout)", True
             return f"error: {type(e).__name__}: {e}", True
-        return value if isinstance(value, str) else json.dumps(value, default=str), False
+        return value if isinstance(value, str) else json.dumps(value, default=str), isinstance(value, Failed)
 
     def _cut(self, text: str) -> str:
         """``text``, or its first and last ``max_result_chars`` / 2 characters around a marker of how many were cut."""
@@ -155,6 +155,11 @@ class ToolEnv:
             return text
         head = limit // 2
         return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
+
+
+class Failed(str):
+    """A tool's result that reports a failure in its own words (a program that raised, or ran out of time): the
+    model reads it as it is, and ``tool_errors`` counts it."""
 
 
 def time_left() -> float:
@@ -181,8 +186,8 @@ def python(code: str) -> str:
     run = Sandbox().run(code, timeout=timeout)
     out = run.stdout.decode("utf-8", "replace")
     if run.timed_out:
-        return f"{out}\n[timed out after {timeout:g} s]"
+        return Failed(f"{out}\n[timed out after {timeout:g} s]")
     if run.exit_code:
-        return f"{out}{run.stderr.decode('utf-8', 'replace')[-1000:]}"
+        return Failed(f"{out}{run.stderr.decode('utf-8', 'replace')[-1000:]}")
     return out
 

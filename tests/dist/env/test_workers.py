@@ -99,9 +99,12 @@ def test_tools_run_in_the_workers(tmp_path, monkeypatch):
         (opened,) = pool.drain(60)
         assert [t["function"]["name"] for t in opened.value[1]["tools"]] == ["add", "python"]
         pool.step_episode("e", '<tool_call>{"name": "add", "arguments": {"a": 40, "b": 2}}</tool_call>'
-                               '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
+                               '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+                               '<tool_call>{"name": "python", "arguments": {"code": "1 / 0"}}</tool_call>')
         (step,) = pool.drain(60)
-        assert [m["content"] for m in step.value.observation] == ["42", "42\n"]
+        assert [m["content"] for m in step.value.observation][:2] == ["42", "42\n"]
+        assert "ZeroDivisionError" in step.value.observation[2]["content"]
+        assert step.value.info == {"tool_calls": 3, "tool_errors": 1}  # the program that raised failed
         pool.step_episode("e", "It is 42.")
         pool.close_episode("e")
         answered, closed = pool.drain(60)
@@ -143,7 +146,7 @@ def test_a_turns_calls_answer_within_the_timeout_and_the_worker_goes_on(tmp_path
         looped, added = [m["content"] for m in replies["b"].value.observation]
         assert re.fullmatch(r"\n\[timed out after \d\.\d+ s\]", looped), looped  # its 3.2 s less the sandbox's kill
         assert added in ("3", "error: not run: this turn's calls took their 4 s (env.timeout)")
-        assert replies["b"].value.info["tool_errors"] == (added != "3")  # a program's timeout is its result
+        assert replies["b"].value.info["tool_errors"] == 1 + (added != "3")  # the program's timeout counts
         pool.step_episode("a", call % ("add", '{"a": 40, "b": 2}'))
         (again,) = pool.drain(60)
         assert not again.error and again.value.observation[0]["content"] == "42"
