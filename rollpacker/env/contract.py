@@ -102,7 +102,9 @@ def reset(env, *, seed: int, row: dict, max_turns: int | None = None) -> tuple[s
     """``env.reset`` called and checked: ``(prompt or None, info)``; ``max_turns``: ``env.max_turns``."""
     value = awaited(env.reset(seed=seed, options={"row": row, "max_turns": max_turns}))
     if not isinstance(value, tuple) or len(value) != 2:
-        raise BadReturn(f"reset returned {_what(value)}; gymnasium's reset returns (observation, info)")
+        trl = " (a TRL environment's reset returns a string or None: its class takes no argument)" if isinstance(
+            value, str) or value is None else ""
+        raise BadReturn(f"reset returned {_what(value)}; gymnasium's reset returns (observation, info){trl}")
     observation, info = value
     if observation is not None and not isinstance(observation, str):
         observation = messages(observation, "user", "reset")

@@ -55,7 +55,7 @@ class Garbage:
         self.bad = row["bad"]
 
     def reset(self, *, seed, options):
-        return None, {}
+        return {"trl": "Add 3.", "pair": ("Add 3.", {})}.get(self.bad, (None, {}))
 
     def step(self, action):
         return {
@@ -145,6 +145,17 @@ def test_garbage_is_named(files, bad, match):
     env = contract.make(f"{files}/my_env.py:Garbage", {"bad": bad})
     with pytest.raises(contract.BadReturn, match=match):
         contract.step(env, "x")
+
+
+def test_a_reset_of_trls_shape_in_a_class_of_ours_says_how_trls_are_told_apart(files):
+    """A TRL environment whose class takes the row is made as ours, and its reset's string was refused naming
+    gymnasium's shape alone."""
+    env = contract.make(f"{files}/my_env.py:Garbage", {"bad": "trl"})
+    with pytest.raises(contract.BadReturn, match=r"reset returned str 'Add 3.'; gymnasium's reset returns "
+                                                 r"\(observation, info\) \(a TRL environment's reset returns a string "
+                                                 r"or None: its class takes no argument\)"):
+        contract.reset(env, seed=0, row={})
+    assert contract.reset(contract.make(f"{files}/my_env.py:Garbage", {"bad": "pair"}), seed=0, row={})[0] == "Add 3."
 
 
 def test_numpys_bools_are_bools():
