@@ -129,8 +129,6 @@ class Controller:
             return
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
                             template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)
-        if cfg.env.tools:
-            bridge.check_tool_parser(cfg.env.tool_parser)
         # reward functions taking TRL's `environments` get a copy of each episode's environment
         spec = EnvSpec.from_config(cfg.env, states=any(f.ref.environments for f in self.rewards.functions))
         self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env, spec), bridge=bridge,

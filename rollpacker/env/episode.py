@@ -168,6 +168,9 @@ class Bridge(Protocol):
         """``turn_ids``: the model turn if it stopped (on its last token), [] if it was cut at its limit;
         ``tools``: the schemas the prompt was rendered with."""
 
+    def check_tool_parser(self, parser: str) -> None:
+        """Raise if ``parser`` cannot read the calls the chat template writes."""
+
 
 class Episode:
     """One episode (see the module docstring). ``bridge``: the chat's, None for a response without

@@ -48,6 +48,10 @@ class Environments:
     warm_opens: int = 0
     """Opens answered by an environment opened ahead, since :meth:`take_metrics`."""
 
+    def __post_init__(self) -> None:
+        if self.bridge is not None and self.cfg.tools:  # the calls of env.tools are read by env.tool_parser
+            self.bridge.check_tool_parser(self.cfg.tool_parser)
+
     @classmethod
     def none(cls, max_new_tokens: int, *, seed: int = 0, max_context: int = 1 << 62) -> Environments:
         """Responses without environment: each the one-turn episode of its row's prompt."""

@@ -431,3 +431,16 @@ def test_the_start_summary_shows_the_tools_schemas_in_the_prompt_beside_an_envir
     assert "calculator" in shown.split("step 0", 1)[0], shown[:2000]
     assert shown.startswith(" (") and "before the environment's reset, which may change it" in shown.split("\n")[0]
     assert all("calculator" in s["prompt_text"] for s in samples(tmp_path / "run"))
+
+
+def test_a_tool_parser_that_cannot_read_the_models_calls_stops_the_run_before_it_starts(tmp_path):
+    """llama3_json on a model whose template writes Hermes calls: every call would be read as the answer."""
+    from support.jobs import launch_job
+
+    proc = launch_job("--model.path", "toy-tools", "--data.toy-task", "tools", "--env.tools",
+                      "rollpacker.toy.tools:calculator", "--env.tool-parser", "llama3_json", "--num-steps", "1",
+                      "--run-dir", str(tmp_path / "run"), *QUIET, nproc=1, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "rollpacker: --env.tool-parser llama3_json reads no tool call in the layout the chat template of "), proc.stderr
+    assert proc.stderr.strip().endswith("so every call would be read as the answer: set --env.tool-parser to hermes")
