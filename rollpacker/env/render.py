@@ -147,15 +147,19 @@ class ChatBridge:
 
         from rollpacker.env.parsers import PARSERS
 
-        call = {"type": "function", "id": "call00000", "function": {"name": "probe", "arguments": {"x": 1}}}
         tools = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
-        try:
-            prompt = self.render(BASE[:1], generation=True, tools=tools)
-            written = self.render([BASE[0], {"role": "assistant", "content": "", "tool_calls": [call]}], tools=tools)
-        except TemplateError:
-            return
-        if not written.startswith(prompt):
+        written = None
+        for arguments in ({"x": 1}, '{"x": 1}'):  # DeepSeek's templates concatenate the arguments: a string
+            call = {"type": "function", "id": "call00000", "function": {"name": "probe", "arguments": arguments}}
+            try:
+                prompt = self.render(BASE[:1], generation=True, tools=tools)
+                written = self.render([BASE[0], {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                      tools=tools)
+                break
+            except (TemplateError, TypeError, ValueError):  # raise_exception(...), a dict + str
+                continue
+        if written is None or not written.startswith(prompt):
             return
         text = written[len(prompt):]  # the turn as the template writes it, its special tokens as text
         reads = [name for name, p in PARSERS.items() if any(c.name == "probe" and not c.error for c in p(text, tools))]

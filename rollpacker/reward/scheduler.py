@@ -317,9 +317,13 @@ class RewardScheduler:
         group = [f for f in self.functions if f.ref.per_group]
         if not group or not all(k in self._scoring for k in keys):
             return  # none, or scored already (a carried group's responses are rescored, not regrouped)
-        samples = [self._sample(row, out) for out in outputs]
+        working = [(k, out) for k, out in zip(keys, outputs) if not self._scoring[k].failed]
         for f in group:
-            self._dispatch((Members(tuple(keys)), f.name), f, samples, f.timeout({}))
+            for k in set(keys) - {k for k, _ in working}:  # an episode whose environment failed: called on by none
+                self._ready += self._record(k, f.name, Scored((k, f.name), None, None, 0.0, 0.0))
+            if working:
+                self._dispatch((Members(tuple(k for k, _ in working)), f.name), f,
+                               [self._sample(row, out) for _, out in working], f.timeout({}))
 
     def _sample(self, row: dict, output) -> dict:
         """What a function is called on for one response (:func:`~rollpacker.reward.functions.call`)."""

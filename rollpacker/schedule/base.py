@@ -89,10 +89,11 @@ def provisioned(eta: float, n: int) -> int:
     return math.ceil(round(eta * n, 9))
 
 
-def zero_variance(rewards: list[float | None]) -> bool:
-    """True when every response of a group scored the same: GRPO gets no signal from it (DAPO's filter)."""
-    values = [r or 0.0 for r in rewards]
-    return max(values) == min(values)
+def zero_variance(outputs: list[Any], rewards: list[float | None]) -> bool:
+    """True when every response of a group scored the same: GRPO gets no signal from it (DAPO's filter). An episode
+    whose environment failed is left out, as its group's advantages leave it out (none left: no signal either)."""
+    values = [r or 0.0 for o, r in zip(outputs, rewards) if o.finish_reason != "error"]
+    return not values or max(values) == min(values)
 
 
 def check_refill(drawn: int, num_prompts: int, max_gen_batches: int) -> None:

@@ -157,7 +157,7 @@ class SortedPolicy(QueuedPolicy):
         decision = PolicyDecision()
         group = Group(prompt=e.key[1], outputs=list(e.outputs), rewards=list(e.rewards), epoch=e.key[0],
                       staleness=[self.step - (segs[0][0] if segs else self.step) for segs in e.segments])
-        if self.filter_zero_variance and zero_variance(e.rewards):
+        if self.filter_zero_variance and zero_variance(e.outputs, e.rewards):
             e.state = "filtered"
             self._stats["filtered"] += 1
             decision.filtered = [group]

@@ -72,7 +72,7 @@ class SyncPolicy:
         self.pending -= 1
         decision = PolicyDecision()
         if len(group.outputs) == self.group_size:
-            if self.filter_zero_variance and zero_variance(group.rewards):
+            if self.filter_zero_variance and zero_variance(group.outputs, group.rewards):
                 self.dropped.add(slot)
                 decision.filtered = [group]
                 if self.refill and self.sampler.remaining(self.num_epochs) != 0:  # its slot: the next one

@@ -157,7 +157,7 @@ class TailPolicy(QueuedPolicy):
             return decision
         decision.abort = [request_id(self.step, slot, k) for k in range(self.round.num_responses)
                           if k not in p.finished]
-        if self.filter_zero_variance and zero_variance(p.group.rewards):
+        if self.filter_zero_variance and zero_variance(p.group.outputs, p.group.rewards):
             p.state = "filtered"
             self._stats["filtered"] += 1
             decision.filtered = [p.group]

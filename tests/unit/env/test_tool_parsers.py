@@ -159,6 +159,14 @@ def test_a_parser_that_reads_no_call_of_the_models_layout_is_refused_naming_the_
                                             rf"template of .* writes one in .*: set env.tool_parser to {right}$"):
             bridge.check_tool_parser(parser)
     ChatBridge(qwen_style_tokenizer()).check_tool_parser("hermes")
+    # DeepSeek's templates concatenate a call's arguments, a string: a dict raised TypeError, out of the run
+    deepseek = QWEN_STYLE_TEMPLATE.replace(
+        "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}",
+        "{{ '{\"name\": \"' + call.function.name + '\", \"arguments\": ' + call.function.arguments + '}' }}")
+    assert deepseek != QWEN_STYLE_TEMPLATE
+    ChatBridge(qwen_style_tokenizer(deepseek)).check_tool_parser("hermes")
+    with pytest.raises(UserError, match="set env.tool_parser to hermes$"):
+        ChatBridge(qwen_style_tokenizer(deepseek)).check_tool_parser("llama3_json")
     for parser in PARSERS:
         ChatBridge(AutoTokenizer.from_pretrained(toy_model_dir())).check_tool_parser(parser)
 

@@ -128,6 +128,23 @@ def test_an_episode_whose_environment_failed_is_scored_by_no_function_and_counte
     assert metrics["reward/length"] == pytest.approx(0.3) and metrics["reward/errors"] == 1
     assert "reward/environment" not in metrics
     assert values["a:2"] == {"rewards": {"length": None, "raises": None}, "extra": {}}
+    # a group function's call holds its group's working episodes alone (one that failed at its reset has no copy of
+    # its environment: a function taking environments raised, failing its siblings)
+    group = {"a:1:0": Response(id="", prompt_ids=[], token_ids=[0] * 3),
+             "a:1:1": Response(id="", prompt_ids=[], token_ids=[1] * 4, finish_reason="error"),
+             "a:1:2": Response(id="", prompt_ids=[], token_ids=[2] * 5)}
+    cfg = RewardConfig(funcs=funcs("distinct", "shortest"), group_funcs=("distinct", "shortest"), num_workers=0,
+                       on_error="fail")
+    scheduler = RewardScheduler(cfg, lambda ids: RESPONSES[ids[0] % 2])
+    try:
+        for key, response in group.items():
+            scheduler.submit(key, ROWS[0], response)
+        scheduler.submit_group(list(group), ROWS[0], list(group.values()))
+        got, metrics = dict(scheduler.wait()), scheduler.take_metrics()
+    finally:
+        scheduler.close()
+    assert got == {"a:1:0": 0.5 + 1.0, "a:1:1": 0.0, "a:1:2": 0.5 + 0.0}  # " 2" twice; the shortest of two
+    assert metrics["reward/shortest/size"] == 2 and metrics["reward/distinct"] == 0.5
 
 
 def test_verls_compute_score_gets_reward_models_ground_truth_beside_an_answer_column(funcs):

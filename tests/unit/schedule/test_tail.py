@@ -14,6 +14,12 @@ from rollpacker.schedule.sync import SyncConfig, SyncPolicy
 from rollpacker.schedule.tail import TailPolicy
 
 
+class Out(str):
+    """A finished response, by name: one whose environment did not fail."""
+
+    finish_reason = "stop"
+
+
 def play(policy, step, length, reward=lambda row, k: float(k % 2)):
     """Drive one round like the controller: responses finish in order of ``length(row, k)``.
 
@@ -26,7 +32,7 @@ def play(policy, step, length, reward=lambda row, k: float(k % 2)):
         slot, k = min(running, key=lambda sk: (length(rows[sk[0]], sk[1]), sk))
         running.discard((slot, k))
         finished.append((slot, k))
-        decision = policy.on_finished(slot, k, f"out{slot}.{k}", reward(rows[slot], k))
+        decision = policy.on_finished(slot, k, Out(f"out{slot}.{k}"), reward(rows[slot], k))
         policy.ledger.check(policy.sampler) if hasattr(policy, "ledger") else None
         for rid in decision.abort:
             _, s, kk = map(int, rid.split(":"))
@@ -77,10 +83,10 @@ def test_each_prompt_keeps_its_first_r0_responses_and_aborts_the_rest_at_once():
     policy = tail(p0=1, r0=2, eta_prompts=1.0, eta_responses=2.0)
     rnd = policy.start_round(3)
     assert rnd.num_responses == 4
-    assert policy.on_finished(0, 2, "a", 1.0).abort == []
-    decision = policy.on_finished(0, 0, "b", 0.0)
+    assert policy.on_finished(0, 2, Out("a"), 1.0).abort == []
+    decision = policy.on_finished(0, 0, Out("b"), 0.0)
     assert decision.abort == [request_id(3, 0, 1), request_id(3, 0, 3)] and decision.round_done
-    assert policy.on_finished(0, 1, "late", 1.0).abort == []  # finished before its abort landed: ignored
+    assert policy.on_finished(0, 1, Out("late"), 1.0).abort == []  # finished before its abort landed: ignored
     [group] = policy.end_round([None, None])
     assert group.outputs == ["a", "b"] and group.rewards == [1.0, 0.0]
 
@@ -272,7 +278,7 @@ def test_a_copy_plays_on_alone_as_the_policy_would():
 def test_filtered_groups_come_back_with_their_rewards():
     policy = SyncPolicy(PromptSampler(4, seed=0), 2, 2, filter_zero_variance=True)
     rnd = policy.start_round(0)
-    decisions = [policy.on_finished(slot, k, f"o{slot}.{k}", 1.0 if slot == 0 else float(k))
+    decisions = [policy.on_finished(slot, k, Out(f"o{slot}.{k}"), 1.0 if slot == 0 else float(k))
                  for slot in range(2) for k in range(2)]
     filtered = [g for d in decisions for g in d.filtered]
     assert [(g.prompt, g.rewards) for g in filtered] == [(rnd.prompts[0], [1.0, 1.0])]
@@ -338,3 +344,15 @@ def test_ledger_refuses_double_launch_and_duplicate_checkpoint_entries():
         ledger.settle((0, 1), "trained")
     with pytest.raises(ValueError, match="twice"):
         Ledger().load_state_dict({"trained": [[0, 1]], "filtered": [], "queue": [[0, 1]]})
+
+
+def test_the_zero_variance_filter_leaves_out_an_episode_whose_environment_failed():
+    """A failed episode's reward (0) is out of its group's advantages: a group whose working episodes all solved it
+    has no signal, though the failed one made the rewards differ."""
+    from types import SimpleNamespace
+
+    from rollpacker.schedule.base import zero_variance
+
+    ok, failed = Out("a"), SimpleNamespace(finish_reason="error")
+    assert zero_variance([ok, ok, failed], [1.0, 1.0, 0.0]) and not zero_variance([ok, ok], [1.0, 0.0])
+    assert zero_variance([failed, failed], [0.0, 0.0])
