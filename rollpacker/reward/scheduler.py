@@ -216,8 +216,8 @@ class _Scoring:
     extra: dict[str, Any] = field(default_factory=dict)
     """``NAME/KEY`` -> what function NAME said besides numbers: a dict's other values, TRL's ``log_extra``."""
     failed: bool = False
-    """An episode whose environment failed: it trains nothing, so no function scores it and no metric counts it
-    (a group function's call on its group gets it, as TRL's batch would); its reward is 0."""
+    """An episode whose environment failed: it trains nothing, so no function scores it (a group function's call
+    on its group leaves it out) and no metric counts it; its reward is 0."""
 
     @property
     def values(self) -> dict[str, float | None]:
@@ -296,9 +296,7 @@ class RewardScheduler:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
             return
         if failed:
-            for f in self.functions:
-                if not f.ref.per_group:
-                    self._ready += self._record(key, f.name, Scored((key, f.name), None, None, 0.0, 0.0))
+            self._unscored(key, [f for f in self.functions if not f.ref.per_group])
             return
         sample = self._sample(row, output)
         for f in self.functions:
@@ -318,12 +316,16 @@ class RewardScheduler:
         if not group or not all(k in self._scoring for k in keys):
             return  # none, or scored already (a carried group's responses are rescored, not regrouped)
         working = [(k, out) for k, out in zip(keys, outputs) if not self._scoring[k].failed]
-        for f in group:
-            for k in set(keys) - {k for k, _ in working}:  # an episode whose environment failed: called on by none
-                self._ready += self._record(k, f.name, Scored((k, f.name), None, None, 0.0, 0.0))
-            if working:
-                self._dispatch((Members(tuple(k for k, _ in working)), f.name), f,
-                               [self._sample(row, out) for _, out in working], f.timeout({}))
+        for k in set(keys) - {k for k, _ in working}:
+            self._unscored(k, group)
+        samples = [self._sample(row, out) for _, out in working]
+        for f in group if working else ():
+            self._dispatch((Members(tuple(k for k, _ in working)), f.name), f, samples, f.timeout({}))
+
+    def _unscored(self, key: Any, functions: list[RewardFunction]) -> None:
+        """An episode whose environment failed: ``functions`` are not called on it, each recorded as None."""
+        for f in functions:
+            self._ready += self._record(key, f.name, Scored((key, f.name), None, None, 0.0, 0.0))
 
     def _sample(self, row: dict, output) -> dict:
         """What a function is called on for one response (:func:`~rollpacker.reward.functions.call`)."""
