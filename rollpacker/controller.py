@@ -256,13 +256,14 @@ class Controller:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards and overlong
         punishments, one group number for all of them. A response trains its model's tokens;
         its environment's step rewards (part of its reward) mark where they were earned. One whose
-        environment failed is ``failed``: outside its group's advantage statistics. With ``train.advantage gdpo``
+        environment failed is ``failed``, none of its tokens trained: outside its group's advantage statistics. With ``train.advantage gdpo``
         the reward's parts go apart (:meth:`reward_parts`), for the trainer to normalize each in the group."""
         from rollpacker.train.trainer import Sample
 
         number, gdpo = next(self.group_ids), self.config.train.advantage == "gdpo"
         return [Sample(o.prompt_ids, o.token_ids, 0.0 if gdpo else r, o.logprobs, group=number,
-                       truncated=o.finish_reason == "length", loss_mask=o.loss_mask, shaping=self.overlong(o),
+                       truncated=o.finish_reason == "length", shaping=self.overlong(o),
+                       loss_mask=[False] * len(o.token_ids) if o.finish_reason == "error" else o.loss_mask,
                        token_rewards={} if gdpo else dict(o.step_rewards), failed=o.finish_reason == "error",
                        parts=self.reward_parts(o) if gdpo else ())
                 for o, r in self.trained_rewards(group)]

@@ -176,8 +176,8 @@ class RoundResult:
         from rollpacker.rollout.engine import spec_metrics
 
         lengths = [len(o.token_ids) for o, _ in trained]
-        model = sum(o.num_model_tokens for o, _ in trained)
         working = [(o, r) for o, r in trained if o.finish_reason != "error"]  # a failed episode trains nothing
+        model = sum(o.num_model_tokens for o, _ in working)
         rewards = [r for _, r in working]
         correct = [c for (o, _), c in zip(trained, solved) if o.finish_reason != "error"]
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)

@@ -132,7 +132,7 @@ class Response(Output):
         """The episode's tokens turn by turn, as the samples files show them: each run of model tokens
         (``role`` assistant, ``trained`` True) and of environment tokens (``role``: its observation's
         roles, ``trained`` False), with its ``text`` (``decode``) and ``tokens``. A failed episode's
-        model tokens read untrained, as they are."""
+        model turns read untrained, as they are (:meth:`Controller.group_samples` masks them out)."""
         observations = [[]]  # the roles of each observation: the messages between two actions
         for m in self.messages or []:
             if m["role"] == "assistant":
@@ -154,7 +154,7 @@ class Response(Output):
                 role = "+".join(observations[seen]) if seen < len(observations) and observations[seen] else (
                     "environment")
                 seen += 1
-            out.append({"role": role, "trained": model, "tokens": end - start,
+            out.append({"role": role, "trained": model and self.finish_reason != "error", "tokens": end - start,
                         "text": decode(self.token_ids[start:end])})
         return out
 
@@ -282,8 +282,8 @@ class Episode:
 
     def fail(self, cause: str) -> Done:
         """The environment failed (raised, hung, returned garbage): the episode ends, once, and trains nothing;
-        one a token limit ended reads as failed when its environment fails to score it."""
-        self.loss_mask = [False] * len(self.response_ids)
+        one a token limit ended reads as failed when its environment fails to score it. Its ``loss_mask`` still
+        says which tokens the model sampled (its samples show them); the trainer gets none of them."""
         if self.done is None or self.done.reason != "error":
             self.done, self._waiting = Done("error", cause), ""
         return self.done

@@ -112,11 +112,15 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
                      policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None, max_model_len=200,
                      envs=NO_ENVS)
     failed = output(4, "error")
-    failed.loss_mask, failed.info = [False] * 4, {"tool_calls": 3.0}  # an episode that failed trains none of them
+    failed.loss_mask, failed.info = [True, True, False, True], {"tool_calls": 3.0}  # 3 model tokens, 1 env's
     group = Group(prompt=0, outputs=[output(3), failed, output(5)], rewards=[1.0, 5.0, 0.0])
     stats = ctl.round_stats(round_result([group]))
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/accuracy"] == pytest.approx(0.5)
-    assert stats["rollout/env_tokens"] == 0 and "env/info/tool_calls" not in stats  # its tokens are not the env's
+    assert stats["rollout/env_tokens"] == 0 and "env/info/tool_calls" not in stats
+    assert stats["rollout/model_tokens"] == 3 + 5  # the trained episodes'
+    samples = ctl.group_samples(group)  # it trains none of its tokens
+    assert [s.failed for s in samples] == [False, True, False] and samples[1].loss_mask == [False] * 4
+    assert [s.num_model_tokens for s in samples] == [3, 0, 5]
     assert stats["rollout/response_lengths"] == [3, 4, 5]
     stats = ctl.round_stats(round_result([]))  # nothing trained (every group filtered out): no reward to mean
     assert "reward/mean" not in stats and "reward/accuracy" not in stats and stats["sched/trained_prompts"] == 0

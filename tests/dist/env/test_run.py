@@ -367,9 +367,12 @@ def test_raising_hanging_and_garbage_environments_are_skipped_counted_and_named(
             if r["end"] == "error":  # a turn cut by its token limit never stepped the environment
                 assert "faulty.py:make_env" in r["end_detail"] and row in r["end_detail"], r["end_detail"]
                 assert cause in r["end_detail"], r["end_detail"]
-                assert r["model_tokens"] == 0 and not any(t["trained"] for t in r["turns"])  # trains nothing
+                assert not r["trained"] and not any(t["trained"] for t in r["turns"])  # trains nothing
+                # its model's turns still read as the model's
+                assert r["model_tokens"] == sum(t["tokens"] for t in r["turns"] if t["role"] == "assistant"), r
     errors = sum(r["end"] == "error" for rs in by_row.values() for r in rs)
     assert step["env/errors"] == errors >= 6, causes
+    assert any(r["model_tokens"] for r in by_row["toy-0-1"]), by_row["toy-0-1"]  # its step raised after a turn
     # sync aborts nothing: the failed episodes' tokens, trained on nothing, are the step's waste
     failed = [r["length"] for rs in by_row.values() for r in rs if r["end"] == "error"]
     assert step["rollout/wasted_tokens"] == sum(failed), failed

@@ -101,12 +101,15 @@ def test_an_observation_that_does_not_fit_ends_the_episode_without_it():
     assert e.response_ids == turn("ab")
 
 
-def test_a_failed_environment_trains_nothing_and_an_aborted_episode_keeps_its_tokens():
+def test_a_failed_environment_ends_the_episode_once_and_an_aborted_episode_keeps_its_tokens():
     e = episode()
     e.on_turn(turn("ab"), [-1.0, -1.0], "stop")
     done = e.fail("toy.py:make_env: episode 3:1:2 (row 'r7'): step raised ValueError: boom")
     assert done.reason == "error" and done.finish_reason == "error" and "boom" in done.detail
-    assert e.loss_mask == [False, False] and e.fail("again") == done  # ended once
+    assert e.fail("again") == done  # ended once
+    out = e.output()  # its model's tokens still read as the model's, none trained (Controller.group_samples)
+    assert out.loss_mask == [True, True] and out.num_model_tokens == 2
+    assert [t["trained"] for t in out.turns(str)] == [False]
     a = episode()
     a.on_turn(turn("ab"), [-1.0, -1.0], "stop")
     assert a.abort() == Done("abort") and a.loss_mask == [True, True]
