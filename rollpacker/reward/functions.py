@@ -169,8 +169,9 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
         return fn, accepted(fn, kwargs), _value
     samples = sample if ref.per_group else [sample]
     logged, extra = {}, {}
+    prompts, completions = zip(*map(_as_trl, samples))
     kwargs = {**{k: [s["columns"].get(k) for s in samples] for k in samples[0]["columns"]},
-              "prompts": [s["prompt"] for s in samples], "completions": [_completion(s) for s in samples],
+              "prompts": list(prompts), "completions": list(completions),
               "completion_ids": [s["completion_ids"] for s in samples],
               "trainer_state": samples[0].get("trainer_state") or TrainerState(),  # as TRL: one object, not a list
               "log_metric": lambda name, value: logged.__setitem__(str(name), float(value)),
@@ -201,11 +202,19 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
     return fn, accepted(fn, kwargs), read
 
 
-def _completion(sample: dict):
-    """A sample's completion as TRL passes it: an episode's turns, else the text (as a message after a chat prompt)."""
-    text = sample["completion"]
-    return sample.get("messages") or (
-        [{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
+def _as_trl(sample: dict) -> tuple[Any, Any]:
+    """A sample's prompt and completion as TRL passes them: the completion is an episode's turns, else the text
+    (as a message after a chat prompt). A chat prompt ending in an assistant turn (a prefill the model continued)
+    loses it, and its text leads the completion's first assistant turn, as TRL's ``bootstrap``."""
+    prompt, text, turns = sample["prompt"], sample["completion"], sample.get("messages")
+    if not isinstance(prompt, list):
+        return prompt, turns or text
+    turns = [dict(m) for m in turns] if turns else [{"role": "assistant", "content": text}]
+    if prompt and prompt[-1].get("role") == "assistant":
+        prompt, prefill = prompt[:-1], prompt[-1].get("content") or ""
+        if first := next((m for m in turns if m["role"] == "assistant"), None):
+            first["content"] = prefill + (first.get("content") or "")
+    return prompt, turns
 
 
 def _nth(values, i: int, n: int):

@@ -363,3 +363,23 @@ def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(t
     # the judge's text of a prompt whose assistant message holds only tool calls (content null, as the data allows)
     calls = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": None, "tool_calls": []}]
     assert prompt_text(calls) == "2+3?\n\n"
+
+
+def test_a_prefill_leaves_the_prompt_and_leads_the_completion_as_trl_passes_them(tmp_path):
+    """A chat prompt ending in an assistant turn is a prefill the model continued: a TRL function gets the prompt
+    without it and the completion with its text first (TRL's ``bootstrap``), so a format reward sees the tag the
+    prefill opened. An episode's first assistant turn gets it; a string prompt has none."""
+    from rollpacker.reward.functions import call, resolve
+
+    path = tmp_path / "prefill.py"
+    path.write_text("def tagged(prompts, completions, **kw):\n"
+                    "    assert all(p[-1]['role'] == 'user' for p in prompts), prompts\n"
+                    "    return [float(c[0]['content'].startswith('<think>')) for c in completions]\n\n"
+                    "def plain(prompts, completions, **kw):\n    return [float(completions[0] == ' 4')]\n")
+    prompt = [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "<think>"}]
+    sample = {"columns": {}, "prompt": prompt, "completion": "two and two</think> 4", "completion_ids": [1]}
+    assert call(resolve(f"{path}:tagged", "tagged"), sample) == (1.0, {}, {})
+    turns = [{"role": "assistant", "content": "x</think>"}, {"role": "tool", "content": "4"}]
+    assert call(resolve(f"{path}:tagged", "tagged"), {**sample, "messages": turns}) == (1.0, {}, {})
+    assert turns[0]["content"] == "x</think>" and prompt[-1]["content"] == "<think>"  # the sample's own untouched
+    assert call(resolve(f"{path}:plain", "plain"), {**sample, "prompt": "2+2 =", "completion": " 4"}) == (1.0, {}, {})
