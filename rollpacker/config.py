@@ -153,6 +153,14 @@ class Config:
                              "scores only the toy task's '#### N' answers, so every response to other data would score "
                              "0. Name what scores its rows: reward.funcs math (the answer column, boxed or last "
                              "number), FILE.py:FUNCTION (docs/your-task.md), or toy for data in the toy task's format")
+        from rollpacker.train.advantages import ADVANTAGES
+
+        if self.rollout.group_size < 2 and ADVANTAGES[self.train.advantage].group_baseline:
+            others = " or ".join(k for k, e in ADVANTAGES.items() if not e.group_baseline)
+            raise ValueError(f"rollout.group_size={self.rollout.group_size} with train.advantage="
+                             f"{self.train.advantage!r}: its baseline is the group's, so a group of one response has "
+                             "advantage 0 and nothing would train. Set rollout.group_size to 2 or more (TRL's "
+                             f"num_generations), or train.advantage to {others}")
         if s.filter_zero_variance and self.rollout.group_size < 2:
             raise ValueError("schedule.filter_zero_variance drops the groups whose rewards are all equal: with "
                              "rollout.group_size=1 that is every group; use a group size of 2 or more")

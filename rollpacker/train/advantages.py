@@ -144,6 +144,8 @@ class Estimator:
     critic's values."""
     per_group: bool
     """A group's advantages depend on its own returns alone (stream training needs this)."""
+    group_baseline: bool = True
+    """Its baseline is the group's (a group of one response has advantage 0: nothing trains)."""
 
 
 ADVANTAGES = {
@@ -151,10 +153,10 @@ ADVANTAGES = {
     "dr_grpo": Estimator(dr_grpo, per_group=True),
     "grpo_batch_std": Estimator(grpo_batch_std, per_group=False),
     "rloo": Estimator(rloo, per_group=True),
-    "reinforce_pp": Estimator(reinforce_pp, per_group=False),
+    "reinforce_pp": Estimator(reinforce_pp, per_group=False, group_baseline=False),
     "reinforce_pp_baseline": Estimator(reinforce_pp_baseline, per_group=False),
-    "gae": Estimator(None, per_group=False),  # whitened over the step's batch, as verl's
-    "gdpo": Estimator(gdpo, per_group=False),  # on decoupled rewards (Sample.parts)
+    "gae": Estimator(None, per_group=False, group_baseline=False),  # whitened over the step's batch, as verl's
+    "gdpo": Estimator(gdpo, per_group=False),  # on decoupled rewards (Sample.parts), each normalized in its group
 }
 """``train.advantage`` -> its estimator."""
 

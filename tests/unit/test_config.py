@@ -53,7 +53,7 @@ def test_bad_settings_name_the_field(tmp_path):
         parse(["--rollout.num-prompts", "3", "--rollout.group-size", "3"]).check_world(2)
     # one_step_off on 2 ranks rolls out on 1: any number of responses splits over it
     parse(["schedule:one_step_off", "--train.rollout-correction", "token_tis", "--rollout.num-prompts", "3",
-           "--rollout.group-size", "1"]).check_world(2)
+           "--rollout.group-size", "3"]).check_world(2)
 
 
 def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):

@@ -108,7 +108,7 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
 def test_missing_checkpoint_and_bad_world_are_clear_errors(toy_random_dir, tmp_path):
     proc = launch_job("--resume", str(tmp_path / "nowhere"), nproc=1)
     assert proc.returncode != 0 and str(tmp_path / "nowhere") in proc.stderr
-    proc = launch_job("--model.path", str(toy_random_dir), "--rollout.num-prompts", "3", "--rollout.group-size", "1",
+    proc = launch_job("--model.path", str(toy_random_dir), "--rollout.num-prompts", "3", "--rollout.group-size", "3",
                       "--metrics.wandb-mode", "disabled", "--run-dir", str(tmp_path), nproc=2)
     assert proc.returncode != 0
     assert "--rollout.num-prompts x --rollout.group-size" in proc.stderr  # the flags, as typed

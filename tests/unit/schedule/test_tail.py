@@ -228,8 +228,22 @@ def test_filtering_groups_of_one_response_is_refused(capsys):
     from rollpacker.config import parse
 
     with pytest.raises(SystemExit):
-        parse(["--schedule.filter-zero-variance", "--rollout.group-size", "1"])
+        parse(["--schedule.filter-zero-variance", "--rollout.group-size", "1", "--train.advantage", "reinforce_pp"])
     assert "with rollout.group_size=1 that is every group" in capsys.readouterr().err
+
+
+def test_a_group_of_one_is_refused_where_the_advantage_takes_the_groups_baseline():
+    """GRPO's advantage of a group of one response is 0: a run would train nothing (TRL refuses
+    num_generations < 2); an estimator whose baseline is the step's batch takes it."""
+    from rollpacker.config import Config
+    from rollpacker.rollout.config import RolloutConfig
+    from rollpacker.train.config import TrainConfig
+
+    for advantage in ("grpo", "rloo", "gdpo"):
+        with pytest.raises(ValueError, match=rf"rollout.group_size=1 with train.advantage='{advantage}': its baseline "
+                                             r"is the group's, .* or train.advantage to reinforce_pp or gae"):
+            Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(advantage=advantage))
+    assert Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(advantage="reinforce_pp"))
 
 
 def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest():
