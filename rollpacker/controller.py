@@ -83,7 +83,7 @@ class Controller:
         freed ranks of stream training."""
         from transformers import AutoTokenizer
 
-        from rollpacker.data.dataset import PromptSampler, fit_rows, load_eval_rows, load_rows
+        from rollpacker.data.dataset import PromptSampler, check_held_out, fit_rows, load_eval_rows, load_rows
         from rollpacker.data.lengths import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import build_functions, check_row
@@ -101,6 +101,7 @@ class Controller:
                                 skip_bad=config.data.skip_bad_lines)
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check), field="data.eval_path") if config.eval_every else None
+        check_held_out(config.data, rows, eval_rows)
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
                    policy=config.schedule.build(PromptSampler.for_data(len(rows), config.data),

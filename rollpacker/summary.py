@@ -24,7 +24,7 @@ def start_summary(job) -> str:
         f"rollpacker: {meshes.world_size} rank(s) on {meshes.device.type}, schedule:{cfg.policy}, steps "
         f"{job.start_step} to {cfg.num_steps - 1}, each {r.num_prompts} prompts x {r.group_size} responses{resumed}",
         f"  data: {_rows(ctl.rows, cfg.data.path)}"
-        + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path)}" if ctl.eval_rows else ""),
+        + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path or _slice(cfg.data))}" if ctl.eval_rows else ""),
         f"  model: {cfg.model.path or 'the shipped toy model'} ({job.model_dir}), engine {cfg.engine.kind}; "
         f"{_template(ctl.tokenizer, cfg)}",
         f"  rewards: {_rewards(ctl)}; a failing call: "
@@ -78,6 +78,11 @@ def _rows(rows: list[dict], paths: tuple[str, ...]) -> str:
     more = f" and {len(sources) - 5} more sources" if len(sources) > 5 else ""
     where = ", ".join(paths) or "the toy task"
     return f"{len(rows)} rows from {where}" + (f" (sources: {named}{more})" if named else "")
+
+
+def _slice(data) -> tuple[str, ...]:
+    """The held-out slice of data.path an eval_split without eval_path names (none: toy problems)."""
+    return tuple(f"{p} [{data.eval_split}]" for p in data.path) if data.eval_split else ()
 
 
 def _template(tokenizer, cfg) -> str:

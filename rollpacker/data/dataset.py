@@ -162,6 +162,20 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
     return toy_rows(config, config.num_eval_prompts, 1_000_003 + config.toy_seed, held_out=True)
 
 
+def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] | None) -> None:
+    """A held-out slice of ``path`` (``eval_split`` without ``eval_path``) must be rows training does not read:
+    raise DatasetError naming how many it shares and the fix."""
+    if config.eval_path or not config.eval_split or not eval_rows:
+        return
+    trained = {row["id"] for row in rows}
+    shared = [row["id"] for row in eval_rows if row["id"] in trained]
+    if shared:
+        raise DatasetError(f"data.eval_split {config.eval_split!r} of data.path holds {len(shared)} of the rows "
+                           f"training reads too (data.split {config.split!r}), {shared[0]!r} first, so its evaluation "
+                           f"would not be held out: set data.split to the rest (e.g. train[:90%] beside "
+                           "train[90%:]), or data.eval_path to a held-out file")
+
+
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,
                  check: RowCheck | None = None, field: str = "data.path", first: int | None = None) -> list[dict]:
     """The rows of each source in turn (the ``first`` of each): :func:`read_rows`. Of several, a row without a

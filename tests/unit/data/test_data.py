@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from rollpacker.data.dataset import DataConfig, DatasetError, PromptSampler, load_eval_rows, load_rows, toy_held_out
+from rollpacker.data.dataset import (DataConfig, DatasetError, PromptSampler, check_held_out, load_eval_rows, load_rows,
+                                     toy_held_out)
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import build_functions, check_row
 from rollpacker.toy import task as toy
@@ -250,6 +251,12 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
     # docs/your-task.md's slices: an eval_split alone is a slice of path's file
     sliced = DataConfig(path=str(path), split="train[:60%]", eval_split="train[60%:]")
     assert [r["id"] for r in load_eval_rows(sliced)] == ["data:4", "data:5"]
+    check_held_out(sliced, load_rows(sliced), load_eval_rows(sliced))
+    leaky = DataConfig(path=str(path), eval_split="train[60%:]")  # training reads the whole split
+    with pytest.raises(DatasetError, match=r"data.eval_split 'train\[60%:\]' of data.path holds 2 of the rows "
+                                           r"training reads too \(data.split 'train'\), 'data:4' first, .* set "
+                                           r"data.split to the rest"):
+        check_held_out(leaky, load_rows(leaky), load_eval_rows(leaky))
     with pytest.raises(DatasetError, match=r"data.eval_path: .*data(\.\w+)? has no split 'test' .*it has train "
                                            r"\(set data.eval_split"):
         load_eval_rows(DataConfig(path=str(path), eval_path=str(path), eval_split="test"))
