@@ -11,7 +11,7 @@ Invariants:
 - Loading is strict: a bad row raises one :class:`DatasetError` naming the file, the row and what
   is wrong, unless ``data.skip_bad_lines``. The reward functions' checks run here too
   (:meth:`~rollpacker.reward.scheduler.RewardScheduler.check_row`).
-- A row's id is stable for a given file and split: its ``id`` column, else ``"<file stem>:<n>"``
+- A row's id is stable for a given file and split: its ``data.id_key`` column, else ``"<file stem>:<n>"``
   (``"<file stem>:<split>:<n>"`` for a split joined after the first one: ``test`` of ``train+test``).
 - The sampler's whole state is a few ints, so a resumed run draws exactly the same prompts.
 
@@ -57,6 +57,9 @@ class DataConfig:
     answer_key: str = "answer"
     """Column of the reference answer ("a.b" reads key b of dict column a); "answer" absent: verl's
     reward_model.ground_truth."""
+    id_key: str = "id"
+    """Column of each row's unique id (a string or an integer); empty, or a row without it: the row is numbered
+    (file_stem:n). A dataset whose id column repeats (several rows of one problem) sets it empty."""
     system_prompt: str = ""
     """A system turn put before each prompt that has none (string prompts need model.chat_template)."""
     num_toy_prompts: int = 2048
@@ -232,8 +235,6 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
             row = make_row(record, f"{name or _stem(path)}:{f'{part}:' if part else ''}{n}", config)
             if check:
                 check(row)
-            if row["id"] in where_of:
-                raise ValueError(f"duplicate id {row['id']!r} (first at {where_of[row['id']]}); ids must be unique")
         except ValueError as e:
             why = f"{where}: {e}"
             if config.answer_key != "answer" and "'answer'" in why and _lookup(record, config.answer_key) is None:
@@ -242,6 +243,10 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
                 raise DatasetError(f"{why} (fix the row, or set data.skip_bad_lines to skip bad rows)") from None
             bad.append(why)
             continue
+        if row["id"] in where_of:  # the data's layout, not a bad row: skipping rows would lose them
+            raise DatasetError(f"{where}: duplicate id {row['id']!r} (first at {where_of[row['id']]}) in column "
+                               f"{config.id_key!r} (data.id_key), whose ids must be unique: set data.id_key to a "
+                               "column of unique ids, or to '' to number the rows")
         where_of[row["id"]] = where
         rows.append(row)
     bad = skipped + bad
@@ -402,7 +407,8 @@ def _bad_lines(path: Path) -> list[tuple[int, str]]:
 
 def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     """A record as a row: every column kept, ``prompt`` from ``prompt_key`` (a string or chat messages),
-    ``answer`` from ``answer_key`` (any value: the built-in functions check theirs), ``id`` a string. With
+    ``answer`` from ``answer_key`` (any value: the built-in functions check theirs), ``id`` from ``id_key``, a
+    string (``default_id`` without one). With
     the default ``answer_key`` a row without ``answer`` takes verl's ``reward_model.ground_truth``; with
     another, ``answer`` is only that column's (None when the row lacks it: never the row's own ``answer`` column).
     Raises ValueError saying what is wrong."""
@@ -418,12 +424,17 @@ def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
         row["answer"] = None
     if answer is not None:
         row["answer"] = answer  # as the file has it (TRL and verl pass it so); the built-ins check theirs
-    if row.get("id") is None:
+    value = _lookup(row, config.id_key) if config.id_key else None
+    if value is None:
         row["id"] = default_id
-    elif isinstance(row["id"], int) and not isinstance(row["id"], bool):
-        row["id"] = str(row["id"])
-    elif not isinstance(row["id"], str):
-        raise ValueError(f"field 'id' must be a string or an integer, got {type(row['id']).__name__}")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        row["id"] = str(value)
+    elif isinstance(value, str):
+        row["id"] = value
+    else:
+        raise ValueError(f"field {config.id_key!r} (the row's id: data.id_key) must be a string or an integer, got "
+                         f"{type(value).__name__} {value!r}; set data.id_key to a column of unique ids, or to '' to "
+                         "number the rows")
     return row
 
 

@@ -161,7 +161,8 @@ def test_answers_are_kept_as_the_file_has_them_and_the_built_ins_check_theirs(tm
 
 def test_bad_id_type(tmp_path):
     path = write(tmp_path, [json.dumps({"id": [1], "prompt": "p", "answer": "a"})])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'id' must be a string or an integer"):
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'id' \(the row's id: data.id_key\) must be a "
+                                           r"string or an integer, got list \[1\]; set data.id_key"):
         load(path)
 
 
@@ -171,8 +172,15 @@ def test_duplicate_id(tmp_path):
         json.dumps({"id": "b", "prompt": "p", "answer": "x"}),
         json.dumps({"id": "a", "prompt": "q", "answer": "y"}),
     ])
-    with pytest.raises(DatasetError, match=r"train\.jsonl:3: duplicate id 'a' \(first at .*train\.jsonl:1\)"):
+    with pytest.raises(DatasetError, match=r"train\.jsonl:3: duplicate id 'a' \(first at .*train\.jsonl:1\) in "
+                                           r"column 'id' \(data.id_key\), .*or to '' to number the rows"):
         load(path)
+    with pytest.raises(DatasetError, match=r"duplicate id 'a'"):  # the data's layout: no row skipped for it
+        load_rows(DataConfig(path=str(path), skip_bad_lines=True))
+    # TRL and verl read id as any column: numbered rows instead, or another column's ids
+    assert [r["id"] for r in load_rows(DataConfig(path=str(path), id_key=""))] == ["train:1", "train:2", "train:3"]
+    path = write(tmp_path, [json.dumps({"id": 0, "uid": f"u{i}", "prompt": "p", "answer": "x"}) for i in range(2)])
+    assert [r["id"] for r in load_rows(DataConfig(path=str(path), id_key="uid"))] == ["u0", "u1"]
 
 
 def test_default_id_collides_with_explicit_id(tmp_path):
