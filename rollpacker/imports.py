@@ -87,17 +87,23 @@ def load(target: str, setting: str, error: type[UserError] = UserError, *, mappi
     return fn
 
 
-def warm_up(target: str, setting: str, *, mapping: bool = False) -> None:
+def warm_up(target: str, setting: str, *, mapping: bool = False) -> str:
     """In a worker before it says ready: import ``target`` (:func:`load`) and call its ``warm_up()``, or that of the
     object it is a method of (a verifiers factory's ``score_group``), so that loading is not charged to its first
-    call's timeout. A failure here is left to that call, which meets it again and reports it."""
+    call's timeout. Returns why its ``warm_up()`` failed ("" if it did not): no call would meet that again. A
+    failure to import is left to the first call, which meets it again and reports it."""
     try:
         fn = load(target, setting, mapping=mapping)
-        hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "__self__", None), "warm_up", None)
+    except Exception:  # noqa: BLE001  (the call meets it again and reports it, with its cause)
+        return ""
+    hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "__self__", None), "warm_up", None)
+    try:
         if callable(hook):
             hook()
-    except Exception:  # noqa: BLE001  (the call meets it again and reports it, with its cause)
-        pass
+    except Exception as e:  # noqa: BLE001  (the user's code: whatever it raises is the cause to show)
+        return (f"{setting}: the warm_up() of {target.rpartition(':')[2]} ({target}) raised {type(e).__name__}: "
+                f"{str(e)[:500]} (fix it, or what it loads)")
+    return ""
 
 
 def accepted(fn, kwargs: dict) -> dict:

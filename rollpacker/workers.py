@@ -187,7 +187,8 @@ class WorkerPool:
     @staticmethod
     def _main(conn: mp.connection.Connection, parent: int, *args) -> None:
         """A worker process's main function: ``main(conn, parent_pid, *_main_args())``; it starts with
-        :func:`ignore_stops` (``parent_pid``), says ready (sends None), then answers each task it receives."""
+        :func:`ignore_stops` (``parent_pid``), says ready (sends None; or why it cannot start, a str, the
+        pool's :class:`PoolError`), then answers each task it receives."""
         raise NotImplementedError
 
     def _main_args(self) -> tuple:
@@ -262,6 +263,8 @@ class WorkerPool:
                 return
             if message is None:
                 w.ready = True
+            elif not w.ready:  # why it cannot start: every worker would meet it
+                raise PoolError(f"a {self._name} worker could not start: {message}")
             else:
                 task, w.task = w.task, None
                 self._received(task, message)

@@ -74,19 +74,19 @@ class EnvSpec:
         """The environment, for messages."""
         return self.label or self.factory or f"tools {', '.join(self.tools)}"
 
-    def warm(self) -> None:
+    def warm(self) -> str:
         """Import the modules :meth:`build` uses (ours, transformers for the tools' schemas, the factory's and the
         tools', running the factory's ``warm_up()``) before the worker says ready, so its first call does not pay for
         them against ``env.timeout``: 32 workers starting together on 2 cores took over 30 s, a verifiers
-        environment may load a dataset. ``env.start_timeout`` catches a hang here; ``make_env`` runs in the call."""
+        environment may load a dataset. ``env.start_timeout`` catches a hang here; ``make_env`` runs in the call.
+        Returns why a ``warm_up()`` failed ("" if none did)."""
         import torch  # noqa: F401  transformers' first tool schema (tools', a TRL environment's) imports it: 1.4 s
 
         from rollpacker.env import tools, trl  # noqa: F401
 
-        if self.factory:
-            warm_up(self.factory, "env.factory", mapping=True)
-        for spec in self.tools:
-            warm_up(target(spec, tools.TOOLS), "env.tools")
+        warmed = [warm_up(self.factory, "env.factory", mapping=True)] if self.factory else []
+        warmed += [warm_up(target(spec, tools.TOOLS), "env.tools") for spec in self.tools]
+        return next(filter(None, warmed), "")
 
     def build(self, row: dict):
         """A fresh environment for ``row``: the factory's, wrapped in the tools if any; a TRL environment's
@@ -139,9 +139,9 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
     until told None."""
     ignore_stops(parent)
     envs: dict[Hashable, Any] = {}
-    spec.warm()
+    failed = spec.warm()
     try:
-        conn.send(None)
+        conn.send(failed or None)
         while (task := conn.recv()) is not None:
             wall = time.perf_counter()
             value, error, state, finishes, transient = _run(spec, envs, *task)

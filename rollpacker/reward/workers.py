@@ -98,14 +98,12 @@ def _cpu_seconds() -> float:
 
 
 def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...]) -> None:
-    """A worker's life: warm up (the functions of ``targets`` imported and warmed up), say ready (None), then
-    score ``(ref, sample)`` until told None."""
+    """A worker's life: warm up (the functions of ``targets`` imported and warmed up), say ready (None; why a
+    warm_up() failed, and wait to be stopped), then score ``(ref, sample)`` until told None."""
     ignore_stops(parent)
-    for target in targets:
-        warm_up(target, "reward.funcs")
-
+    failed = next(filter(None, (warm_up(target, "reward.funcs") for target in targets)), "")
     try:
-        conn.send(None)
+        conn.send(failed or None)
         while (task := conn.recv()) is not None:
             ref, sample = task
             wall, cpu = time.perf_counter(), _cpu_seconds()

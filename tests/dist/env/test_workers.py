@@ -254,6 +254,18 @@ def test_a_factory_is_warmed_up_as_its_worker_starts_not_in_its_first_resets_tim
     assert opened.error is None
 
 
+def test_a_factory_whose_warm_up_raises_stops_the_pool_naming_it(tmp_path, monkeypatch):
+    """No call would meet the error again (it would fail later for want of what warm_up loads, its cause lost)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.py").write_text(SLOW_FACTORY.replace("time.sleep(2)", "raise FileNotFoundError('judge.bin')"))
+    with EnvPool(EnvConfig(factory="broken.py:make_env", num_workers=1, timeout=5)) as pool:
+        pool.open_episode("e", {"id": "r"}, 0)
+        with pytest.raises(RuntimeError, match=r"an? env worker could not start: env.factory: the warm_up\(\) of "
+                                               r"make_env \(.*broken.py:make_env\) raised FileNotFoundError: "
+                                               r"judge.bin \(fix it"):
+            pool.drain(60)
+
+
 TRACKED_ENV = '''
 import os
 import uuid

@@ -176,6 +176,14 @@ def test_a_function_is_loaded_and_warmed_up_as_its_worker_starts_not_in_its_firs
     time.sleep(STOP_GRACE + 0.5)
     assert not alive(pid)
 
+    (tmp_path / "raises.py").write_text(SLOW_TO_LOAD.format(hang="Scorer.warm_up = lambda self: 1 / 0"))
+    ref = Ref("score", f"{tmp_path / 'raises.py'}:score")
+    with RewardPool(RewardConfig(num_workers=1, timeout=1.0), (ref.target,)) as pool:  # no call would meet it
+        pool.submit("never", ref, sample)
+        with pytest.raises(RuntimeError, match=r"a reward worker could not start: reward.funcs: the warm_up\(\) of "
+                                               r"score \(.*raises.py:score\) raised ZeroDivisionError"):
+            pool.drain(60)
+
 
 def test_hostile_code_through_the_pool(pool):
     before = sandboxed_pids()
