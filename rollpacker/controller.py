@@ -86,7 +86,7 @@ class Controller:
         from rollpacker.data.dataset import PromptSampler, check_held_out, fit_rows, load_eval_rows, load_rows
         from rollpacker.data.lengths import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
-        from rollpacker.reward.scheduler import build_functions, check_row
+        from rollpacker.reward.scheduler import build_functions, check_columns, check_row
         from rollpacker.schedule.drafts import DraftMemory
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -102,6 +102,8 @@ class Controller:
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check), field="data.eval_path") if config.eval_every else None
         check_held_out(config.data, rows, eval_rows)
+        check_columns(functions, rows, "data.path")
+        check_columns(functions, eval_rows or [], "data.eval_path")
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
                    policy=config.schedule.build(PromptSampler.for_data(len(rows), config.data),

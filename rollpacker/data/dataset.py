@@ -200,6 +200,11 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
                 row["data_source"] = name
             rows.append(row)
     columns = dict.fromkeys(key for row in rows for key in row)
+    if config.answer_key != "answer" and all(row["answer"] is None for row in rows):  # a typo: every reward 0
+        ours = {"id", "answer", "prompt"} - {config.prompt_key}  # what make_row adds
+        raise DatasetError(f"{field}: data.answer_key {config.answer_key!r} names a column no row of "
+                           f"{', '.join(sources)} has (its columns: {', '.join(k for k in columns if k not in ours)})"
+                           ": name one of those")
     return [{**columns, **row} for row in rows] if len(sources) > 1 else rows
 
 
@@ -414,7 +419,8 @@ def make_row(record: dict, default_id: str, config: DataConfig) -> dict:
     Raises ValueError saying what is wrong."""
     row = dict(record)
     if row.get(config.prompt_key) is None:  # datasets fills a column a record lacks with None
-        raise ValueError(f"missing field {config.prompt_key!r} (the prompt; data.prompt_key names its column)")
+        raise ValueError(f"missing field {config.prompt_key!r} (the prompt; data.prompt_key names its column, one "
+                         f"of this row's: {', '.join(k for k, v in row.items() if v is not None)})")
     row["prompt"] = check_prompt(row[config.prompt_key], config.prompt_key)
     key = config.answer_key
     answer = _lookup(row, key)

@@ -117,6 +117,20 @@ def convention(fn, spec: str) -> str:
         "(data_source, solution_str, ground_truth, extra_info) -> float | dict")
 
 
+TRL_GIVEN = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "environments")
+"""What a TRL-convention function gets besides the row's columns."""
+
+
+def required_columns(ref: Ref) -> list[str]:
+    """The row columns a TRL-convention function cannot be called without (parameters without a default that are
+    not :data:`TRL_GIVEN`); none for verl's, which gets its four arguments whatever the row holds."""
+    if ref.convention != "trl":
+        return []
+    params = inspect.signature(load(ref.target, "reward.funcs", RewardFunctionError)).parameters.values()
+    return [p.name for p in params if p.default is p.empty and p.name not in TRL_GIVEN
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 def resolve(spec: str, name: str, per_group: bool = False) -> Ref:
     """The :class:`Ref` of one entry of reward.funcs, its function imported here to check it (fail early);
     ``per_group``: it is named in reward.group_funcs."""

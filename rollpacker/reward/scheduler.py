@@ -30,7 +30,8 @@ from typing import Any, Callable, Collection
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
-from rollpacker.reward.functions import ENVIRONMENT, Ref, RewardFunctionError, TrainerState, names, resolve
+from rollpacker.reward.functions import (BUILTINS, ENVIRONMENT, Ref, RewardFunctionError, TrainerState, names,
+                                         required_columns, resolve)
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.workers import Scored, score
 
@@ -166,6 +167,19 @@ def check_row(functions: list[RewardFunction], row: dict) -> None:
         raise ValueError(f"missing field {needs}: no reward function of reward.funcs applies to this row")
     for f in applies:
         f.check_row(row)
+
+
+def check_columns(functions: list[RewardFunction], rows: list[dict], field: str) -> None:
+    """Raise RewardFunctionError if a function of ``functions`` takes a column no row of ``rows`` (``field``'s)
+    has: each of its calls would fail."""
+    columns = {key for row in rows for key in row}
+    for f in functions if rows else ():
+        if f.ref.target not in BUILTINS.values() and (missing := [c for c in required_columns(f.ref)
+                                                               if c not in columns]):
+            raise RewardFunctionError(
+                f"reward function {f.name} ({f.ref.target}) takes {', '.join(map(repr, missing))}, a column no row of "
+                f"{field} has (its columns: {', '.join(sorted(columns - {'id'}))}): add the column, or give the "
+                "parameter a default (or take the columns as **kwargs)")
 
 
 @dataclass

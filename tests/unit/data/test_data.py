@@ -116,6 +116,19 @@ def test_missing_field_names_field_and_line(tmp_path, field):
         load(path)
 
 
+def test_a_misnamed_prompt_or_answer_column_names_the_columns_there_are(tmp_path):
+    """A typo in data.answer_key would score every response 0 with a function of your own, silently."""
+    path = write(tmp_path, [json.dumps({"question": "p", "solution": "a"}), json.dumps({"question": "q"})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:1: missing field 'prompt' \(the prompt; data.prompt_key "
+                                           r"names its column, one of this row's: question, solution\)"):
+        load_rows(DataConfig(path=str(path)))
+    with pytest.raises(DatasetError, match=r"data.path: data.answer_key 'answers' names a column no row of "
+                                           r".*train.jsonl has \(its columns: question, solution\): name one"):
+        load_rows(DataConfig(path=str(path), prompt_key="question", answer_key="answers"))
+    rows = load_rows(DataConfig(path=str(path), prompt_key="question", answer_key="solution"))
+    assert [r["answer"] for r in rows] == ["a", None]  # a row without it: the function's to judge
+
+
 def test_code_rows_carry_tests_instead_of_an_answer(tmp_path):
     tests = [{"input": "1 2\n", "output": "3\n"}]
     path = write(tmp_path, [json.dumps({"prompt": "add", "tests": tests}), json.dumps({"prompt": "p", "tests": []})])

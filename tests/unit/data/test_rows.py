@@ -38,8 +38,8 @@ def test_an_answer_key_reads_its_column_alone_never_the_rows_answer_column(tmp_p
         load(path, answer_key="final")
     assert [(r["id"], r["answer"]) for r in load(path, answer_key="final", skip_bad_lines=True)] == [("train:1", "8")]
     # a row another reward function scores needs no reference: it loads, with none
-    code = write(tmp_path, [{"prompt": "add", "answer": "solution text", "tests": [{"input": "", "output": "3"}]}],
-                 "code.jsonl")
+    code = write(tmp_path, [{"prompt": "add", "answer": "solution text", "tests": [{"input": "", "output": "3"}]},
+                            {"prompt": "3+5", "final": "8"}], "code.jsonl")
     assert load(code, ("math", "code"), answer_key="final")[0]["answer"] is None
     # verl's reward_model.ground_truth stands in for the default key only
     verl = write(tmp_path, [{"prompt": "p", "reward_model": {"ground_truth": "1"}}], "verl.jsonl")

@@ -225,7 +225,7 @@ def test_get_reward_scores_an_episode_a_token_limit_ended_once(env_file):
     assert cut.token_ids == [0, 900, 1] and cut.loss_mask == [True, False, True]
     assert (answered.reason, answered.env_reward) == ("terminated", 0.0)
     cut, answered = episodes("Unscored", 2)
-    assert (cut.reason, answered.reason) == ("error", "error") and not any(cut.loss_mask)
+    assert (cut.reason, answered.reason) == ("error", "error") and cut.finish_reason == "error"  # trains nothing
     assert cut.detail.endswith("finish raised RuntimeError: no score today")
     (echo,) = episodes("Echo", 1)
     assert (echo.reason, echo.env_reward) == ("max_tokens", 0.0)

@@ -383,3 +383,21 @@ def test_a_prefill_leaves_the_prompt_and_leads_the_completion_as_trl_passes_them
     assert call(resolve(f"{path}:tagged", "tagged"), {**sample, "messages": turns}) == (1.0, {}, {})
     assert turns[0]["content"] == "x</think>" and prompt[-1]["content"] == "<think>"  # the sample's own untouched
     assert call(resolve(f"{path}:plain", "plain"), {**sample, "prompt": "2+2 =", "completion": " 4"}) == (1.0, {}, {})
+
+
+def test_a_function_taking_a_column_no_row_has_is_refused_before_the_run(tmp_path):
+    """Every call would raise TypeError (missing argument) after a whole rollout; a column some rows have (a file of
+    several) or a parameter with a default is the function's to handle."""
+    from rollpacker.reward.scheduler import build_functions, check_columns
+
+    path = tmp_path / "cols.py"
+    path.write_text("def needs(completions, difficulty, level=1, **kw):\n    return [1.0]\n\n"
+                    "def verl(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    functions = build_functions(RewardConfig(funcs=("math", f"{path}:needs", f"{path}:verl")))
+    rows = [{"id": "a", "prompt": "p", "answer": "1"}, {"id": "b", "prompt": "q", "answer": "2", "topic": "x"}]
+    with pytest.raises(RewardFunctionError, match=r"reward function needs \(.*cols.py:needs\) takes 'difficulty', a "
+                                                  r"column no row of data.path has \(its columns: answer, prompt, "
+                                                  r"topic\): add the column, or give the parameter a default"):
+        check_columns(functions, rows, "data.path")
+    check_columns(functions, [rows[0], {**rows[1], "difficulty": None}], "data.path")
+    check_columns(functions, [], "data.eval_path")
