@@ -312,10 +312,12 @@ class Controller:
         from rollpacker.env.contract import EnvError
 
         failed, frac = len(result.env_errors), self.config.env.max_error_frac
-        if failed and frac < 1 and failed > frac * result.num_launched:
+        steps, broken = (int(result.hook_metrics.get(k, 0)) for k in ("env/steps", "env/step_errors"))
+        if failed and frac < 1 and (failed > frac * result.num_launched or broken > frac * steps):
             where = where or f"at step {self.rewards.state.global_step}"
-            raise EnvError(f"{failed} of {result.num_launched} episodes {where} failed in their environment, more "
-                           f"than --env.max-error-frac {frac:g}; the first: {result.env_errors[0]}. Stopped before "
+            raise EnvError(f"{failed} of {result.num_launched} episodes {where} failed in their environment ("
+                           f"{broken} of its {steps} step calls), more than --env.max-error-frac {frac:g}; the first: "
+                           f"{result.env_errors[0]}. Stopped before "
                            "using them: fix the environment, then run again with --resume auto "
                            "(--env.max-error-frac 1 goes on without them)")
 

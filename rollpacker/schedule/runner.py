@@ -44,6 +44,10 @@ class EpisodeStats:
     """Seconds of polls in which no turn ran at an engine while environment calls were in flight."""
     reset_retries: int = 0
     """Opens tried again (``env.reset_retries``), whatever came of them."""
+    steps: int = 0
+    """Step calls answered (each episode's actions but its last one's when a token limit ended it)."""
+    step_errors: int = 0
+    """Step calls that failed: a share of these, not only of the episodes, says the environment is broken."""
 
     def metrics(self) -> dict[str, float]:
         if not (self.step_seconds or self.errors):
@@ -51,6 +55,7 @@ class EpisodeStats:
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         return {"env/turns_mean": mean(self.turns), "env/step_seconds": mean(self.step_seconds),
                 "env/errors": float(self.errors), "env/reset_retries": float(self.reset_retries),
+                "env/steps": float(self.steps), "env/step_errors": float(self.step_errors),
                 "rollout/env_wait_s": self.env_wait_s}
 
 
@@ -124,6 +129,8 @@ class EpisodeRunner:
             self.stats.step_seconds.append(reply.seconds)
             self.stats.reset_retries += reply.retries
             self.env_seconds[reply.key] = self.env_seconds.get(reply.key, 0.0) + reply.seconds
+            self.stats.steps += reply.kind == "step"
+            self.stats.step_errors += reply.kind == "step" and bool(reply.error)
             if reply.error:
                 done += self._failed(reply.key, reply.error)
             elif reply.kind == "open":

@@ -212,13 +212,18 @@ def test_a_round_where_most_episodes_failed_in_their_environment_stops_the_run()
 
     result = round_result([Group(prompt=0, outputs=[output(3)], rewards=[1.0])])  # 6 episodes launched
     result.env_errors = ["toy: episode '3:0:1' (row 'r1'): step raised RuntimeError: broken"] * 3
+    result.hook_metrics = {"env/steps": 7.0, "env/step_errors": 3.0}
     controller(0.5).check_environments(result)  # 3 of 6: not over half
-    with pytest.raises(EnvError, match=r"4 of 6 episodes at step 3 failed in their environment, more than "
-                                       r"--env.max-error-frac 0.5; the first: toy: episode '3:0:1' \(row 'r1'\).*"
-                                       r"RuntimeError: broken.*--resume auto"):
+    with pytest.raises(EnvError, match=r"4 of 6 episodes at step 3 failed in their environment \(3 of its 7 step "
+                                       r"calls\), more than --env.max-error-frac 0.5; the first: toy: episode "
+                                       r"'3:0:1' \(row 'r1'\).*RuntimeError: broken.*--resume auto"):
         result.env_errors.append(result.env_errors[0])
         controller(0.5).check_environments(result)
     controller(1.0).check_environments(result)  # never
+    # most episodes ended by a token limit before stepping; every step call failed: broken all the same
+    result.env_errors, result.hook_metrics = result.env_errors[:2], {"env/steps": 2.0, "env/step_errors": 2.0}
+    with pytest.raises(EnvError, match=r"2 of 6 episodes at step 3 failed in their environment \(2 of its 2 step"):
+        controller(0.5).check_environments(result)
 
 
 def test_rows_are_fitted_with_the_schemas_of_the_tools_their_episodes_start_with():

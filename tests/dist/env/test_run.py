@@ -387,7 +387,8 @@ def test_a_step_where_most_episodes_failed_stops_the_run_naming_the_environment_
     once, naming the count, the environment, a row, the error and the fix, and trains nothing."""
     proc = faulty_job(tmp_path, "skip", max_error_frac="0.5")
     assert proc.returncode != 0
-    said = proc.stderr.count("failed in their environment, more than --env.max-error-frac 0.5")
+    said = len(re.findall(r"failed in their environment \(\d+ of its \d+ step calls\), more than "
+                          r"--env.max-error-frac 0.5", proc.stderr))
     assert said == 1, proc.stderr[-4000:]
     assert "faulty.py:make_env: episode" in proc.stderr and "--resume auto" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1  # torchrun's own; none from a rank
