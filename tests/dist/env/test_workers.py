@@ -475,3 +475,33 @@ def test_a_close_while_a_reset_waits_to_be_tried_again_fails_it_at_once(tmp_path
     assert opened.error.endswith("open raised ConnectionError: sandbox 503 (try 1)") and opened.retries == 0
     assert closed.kind == "close" and closed.error is None and waited < 30
     assert sorted(p.name for p in tmp_path.glob("always-*")) == ["always-0.closed", "always-0.made"]
+
+
+LEAKY = '''
+class Env:
+    def reset(self, *, seed, options):
+        return "p", {}
+
+    def step(self, action):
+        return "obs", 1.0, True, False, {}
+
+    def close(self):
+        raise OSError("container c1 still running")
+
+
+def make_env(row):
+    return Env()
+'''
+
+
+def test_a_close_that_raises_is_answered_with_its_error_naming_the_environment_and_row(tmp_path, monkeypatch):
+    """Its episode is over (scored already); the round counts it in env/close_errors (a sandbox may be left)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "leaky.py").write_text(LEAKY)
+    with EnvPool(EnvConfig(factory="leaky.py:make_env", num_workers=1, timeout=10)) as pool:
+        pool.open_episode("e", {"id": "r7"}, 0)
+        pool.drain(60)
+        pool.close_episode("e")
+        (closed,) = pool.drain(60)
+    assert closed.kind == "close" and "leaky.py:make_env" in closed.error and "'r7'" in closed.error
+    assert "close raised OSError: container c1 still running" in closed.error

@@ -403,3 +403,15 @@ def test_a_reset_prompt_with_no_room_stops_the_run_with_on_error_fail():
     runner = long_reset_runner("fail")
     with pytest.raises(UserError, match=r"toy: episode '0:0:1' \(row 'r1'\).*60 tokens.*--env.on-error fail"):
         runner.on_env(open_replies(runner, {"0:0:1": "x" * 60}), now=0.0)
+
+
+def test_closes_that_failed_are_counted_and_said_once_a_round(caplog):
+    """A close's failure leaves its (finished) episode as it is; env/close_errors counts it, the first is said."""
+    runner = long_reset_runner("skip")
+    error = "toy: episode '0:0:0' (row 'short'): close raised OSError: container c1 still running"
+    with caplog.at_level("WARNING"):
+        assert runner.on_env([EnvReply("0:0:0", "close", error=error), EnvReply("0:0:1", "close", error=error),
+                              EnvReply("0:0:2", "close")], now=0.0) == []
+    assert runner.stats.close_errors == 2 and runner.stats.errors == 0
+    said = [r.getMessage() for r in caplog.records if "close() failed" in r.getMessage()]
+    assert len(said) == 1 and "container c1 still running" in said[0]
