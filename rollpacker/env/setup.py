@@ -47,9 +47,18 @@ class Environments:
     """Held replies of the environments a round has since opened: the next poll gives them."""
     warm_opens: int = 0
     """Opens answered by an environment opened ahead, since :meth:`take_metrics`."""
+    parser_checked: bool = False
+    """``env.tool_parser`` was checked against the chat template (:meth:`check_tool_parser`)."""
 
     def __post_init__(self) -> None:
-        if self.bridge is not None and self.cfg.tools:  # the calls of env.tools are read by env.tool_parser
+        if self.cfg.tools:  # the calls of env.tools are read by env.tool_parser
+            self.check_tool_parser()
+
+    def check_tool_parser(self) -> None:
+        """Once a run, as soon as an episode has tools (``env.tools``', or its reset's: a TRL environment's
+        methods): refuse an ``env.tool_parser`` that cannot read the calls the chat template writes."""
+        if self.bridge is not None and not self.parser_checked:
+            self.parser_checked = True
             self.bridge.check_tool_parser(self.cfg.tool_parser)
 
     @classmethod
@@ -71,6 +80,8 @@ class Environments:
 
         def make(key: str, row: int, reset: tuple[Any, dict] | None) -> Episode:
             prompt, info = reset or (None, {})
+            if info.get("tools"):
+                self.check_tool_parser()
             if prompt is None and not info.get("tools"):
                 if row not in cache:
                     cache[row] = own(rows[row])

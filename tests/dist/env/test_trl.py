@@ -60,3 +60,16 @@ def test_a_trl_environment_trains_on_two_ranks(tmp_path):
     assert any(results) and any(e["env_reward"] for e in episodes if e["end"] == "terminated")
     # 92 model tokens: a calculator call (about 90) leaves a few for the answer; a cut one is scored all the same
     assert any(e["env_reward"] for e in episodes if e["end"] == "max_tokens")
+
+
+def test_a_tool_parser_that_cannot_read_the_models_calls_stops_at_the_first_reset_that_gives_tools(tmp_path):
+    """A TRL environment's tools are its methods, known once a reset gives their schemas: the run stops then,
+    before any turn, as with env.tools (every call would have been read as the answer)."""
+    (tmp_path / "trl_env.py").write_text(TRL_ENV)
+    proc = launch_job("--model.path", "toy-tools", "--data.toy-task", "tools", "--env.factory", "trl_env.py:Calculator",
+                      "--reward.funcs", "rollpacker.toy.tools:correct", "--env.tool-parser", "llama3_json",
+                      "--num-steps", "1", "--eval-every", "0", "--run-dir", str(tmp_path / "run"), *QUIET,
+                      cwd=tmp_path, nproc=1, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "reads no tool call in the layout" in line]
+    assert len(said) == 1 and said[0].endswith("set --env.tool-parser to hermes"), proc.stderr[-3000:]
