@@ -298,6 +298,7 @@ class Controller:
         reward functions' (:meth:`~rollpacker.reward.scheduler.RewardScheduler.take_metrics`)."""
         self.check_environments(result)
         trained = [pair for g in result.groups for pair in self.trained_rewards(g)]
+        self.envs.check_tool_calls([o for o, _ in trained], self.rewards.state.global_step)
         sampler = getattr(self.policy, "sampler", None)
         retired = {"sched/retired": sampler.num_retired} if self.config.data.retire_solved else {}
         penalties, solved = [self.overlong(o) for o, _ in trained], [self.solved(o, r) for o, r in trained]

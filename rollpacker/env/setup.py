@@ -9,7 +9,9 @@ and their replies (:meth:`Environments.poll`).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -18,6 +20,11 @@ from rollpacker.env.contract import EnvCall, EnvError, EnvReply
 from rollpacker.env.episode import Bridge, Episode
 from rollpacker.env.info import TOOL_INFO
 from rollpacker.env.workers import EnvPool, EnvSpec
+
+logger = logging.getLogger(__name__)
+
+SAID_CALLS = 8
+"""Tool calls a step needs before :meth:`Environments.check_tool_calls` reads all of them failing as broken."""
 
 ENV_IDLE_WAIT = 0.005
 """Seconds :meth:`Environments.poll` waits for a reply when only environments are working."""
@@ -49,6 +56,8 @@ class Environments:
     """Opens answered by an environment opened ahead, since :meth:`take_metrics`."""
     parser_checked: bool = False
     """``env.tool_parser`` was checked against the chat template (:meth:`check_tool_parser`)."""
+    tools_said: bool = False
+    """:meth:`check_tool_calls` said that every call of a step failed."""
 
     def __post_init__(self) -> None:
         if self.cfg.tools:  # the calls of env.tools are read by env.tool_parser
@@ -123,6 +132,21 @@ class Environments:
         for call in opens:
             self.pool.open_episode(call.key, rows[call.row], call.seed)
             self.warmed[call.key] = (call.row, call.seed)
+
+    def check_tool_calls(self, outputs: Sequence[Any], step: int) -> None:
+        """Say once a run, loudly, when every one of a step's tool calls (at least :data:`SAID_CALLS`) failed, with
+        what most of them answered: a broken tool (or a parser that misreads every call) would train the model,
+        all night, not to call it."""
+        calls = sum(o.info.get("tool_calls", 0) for o in outputs)
+        failed = sum(o.info.get("tool_errors", 0) for o in outputs)
+        if self.tools_said or calls < SAID_CALLS or failed < calls:
+            return
+        self.tools_said = True
+        answers = collections.Counter(str(m.get("content"))[:200] for o in outputs for m in o.messages or ()
+                                      if m.get("role") == "tool")
+        logger.warning("step %d: every one of its %d tool calls failed (env/info/tool_errors), most answered %r: "
+                       "check the tools (a tool that always raises) and --env.tool-parser; said once a run", step,
+                       int(calls), answers.most_common(1)[0][0] if answers else "")
 
     def take_metrics(self) -> dict[str, float]:
         """With ``env.warm``: ``env/warm_opens``, the opens answered by environments opened ahead since last called."""

@@ -23,7 +23,12 @@ NO_ENVS = Environments.none(8)
 
 
 class Rewards:
-    """The reward scheduler's one method the metrics read."""
+    """What the metrics read of the reward scheduler: the step it scores, and its metrics."""
+
+    def __init__(self):
+        from rollpacker.reward.functions import TrainerState
+
+        self.state = TrainerState()
 
     def take_metrics(self) -> dict[str, float]:
         return {"reward/errors": 1, "reward/seconds_total": 1.5}

@@ -36,6 +36,9 @@ class Bridge:
     def observation_ids(self, observation, turn_ids, tools=None):
         return [OBS + int(observation[0]["content"])] * 2
 
+    def check_tool_parser(self, parser):
+        """Its calls are scripted: any parser reads them."""
+
 
 def turns_of(key: str) -> int:
     """Episode ``key``'s environment ends it after this many steps (1 to 3, by its id)."""
@@ -415,3 +418,26 @@ def test_closes_that_failed_are_counted_and_said_once_a_round(caplog):
     assert runner.stats.close_errors == 2 and runner.stats.errors == 0
     said = [r.getMessage() for r in caplog.records if "close() failed" in r.getMessage()]
     assert len(said) == 1 and "container c1 still running" in said[0]
+
+
+def test_a_step_whose_tool_calls_all_failed_is_said_once_a_run_with_what_most_answered(caplog):
+    """A tool that always raises (or a parser that misreads every call) would train the model not to call it."""
+    from rollpacker.env.episode import Response
+    from rollpacker.env.setup import SAID_CALLS, Environments
+
+    def episode(calls: int, failed: int) -> Response:
+        said = [{"role": "assistant", "content": "<tool_call>...</tool_call>"},
+                {"role": "tool", "content": "error: RuntimeError: tool broke"}]
+        return Response(id="e", prompt_ids=[1], token_ids=[2], logprobs=[0.0], finish_reason="stop", loss_mask=[True],
+                        messages=said, info={"tool_calls": calls, "tool_errors": failed})
+
+    envs = Environments.none(8)
+    with caplog.at_level("WARNING"):
+        envs.check_tool_calls([episode(SAID_CALLS - 1, SAID_CALLS - 1), Response(id="x", prompt_ids=[1])], 0)  # few
+        envs.check_tool_calls([episode(SAID_CALLS, SAID_CALLS - 1), episode(1, 0)], 1)  # one worked
+        envs.check_tool_calls([episode(SAID_CALLS, SAID_CALLS), episode(2, 2)], 2)
+        envs.check_tool_calls([episode(SAID_CALLS, SAID_CALLS)], 3)  # said already
+    said = [r.getMessage() for r in caplog.records if "tool calls failed" in r.getMessage()]
+    assert said == [f"step 2: every one of its {SAID_CALLS + 2} tool calls failed (env/info/tool_errors), most "
+                    "answered 'error: RuntimeError: tool broke': check the tools (a tool that always raises) and "
+                    "--env.tool-parser; said once a run"]

@@ -115,6 +115,10 @@ class Bridge:
     def observation_ids(self, observation, turn_ids, tools=None):
         return [900]
 
+    def check_tool_parser(self, parser):
+        """Its calls are scripted in hermes' layout, env.tool_parser's default."""
+        assert parser == "hermes"
+
 
 @pytest.fixture
 def env_file(tmp_path, monkeypatch):
