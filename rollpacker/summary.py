@@ -31,6 +31,7 @@ def start_summary(job) -> str:
         f"{cfg.reward.on_error}" + (f", stop past {cfg.reward.max_error_frac:.0%} of a step's responses"
                                     if cfg.reward.on_error == "skip" and cfg.reward.max_error_frac < 1 else ""),
         *([f"  episodes: {_episodes(cfg.env)}"] if cfg.env.enabled else []),
+        f"  training: {_training(cfg)}",
         f"  checkpoints: {every}at the end, in {cfg.run_dir}/checkpoints; metrics: {cfg.run_dir}/metrics.jsonl",
     ]
     row = ctl.rows[0]
@@ -63,6 +64,20 @@ def _rewards(ctl) -> str:
     if ctl.config.env.enabled:
         parts.append("the environment's")
     return f"{', '.join(parts)} (correct: {ctl.config.reward.correct or 'the reward'} >= 1)"
+
+
+TOY_LR = 1e-4
+"""A peak learning rate this high suits the shipped toy models (trained from scratch), not a pretrained LLM."""
+
+
+def _training(cfg) -> str:
+    """The algorithm and the learning rate's schedule; a toy-sized learning rate on another model, flagged."""
+    t = cfg.train
+    schedule = f"cosine to {t.min_lr_ratio:g}x" if t.lr_schedule == "cosine" else "constant"
+    flag = (f" (a toy model's: RL on a pretrained model takes about 1e-6, TRL's and verl's default; set --train.lr)"
+            if t.lr >= TOY_LR and not cfg.model.shipped else "")
+    return (f"{t.advantage} advantages, {t.loss} loss ({t.aggregation}), kl {t.kl_coef:g}; lr {t.lr:g}{flag}, "
+            f"warm-up {t.warmup_steps} steps, then {schedule}")
 
 
 def _episodes(env) -> str:
