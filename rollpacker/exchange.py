@@ -185,6 +185,7 @@ class RoundResult:
         return {
             "sched/round_kind": self.kind,
             "sched/trained_prompts": len(self.groups),
+            "sched/failed_prompts": sum(all(o.finish_reason == "error" for o in g.outputs) for g in self.groups),
             "sched/aborted_responses": self.num_aborted,
             "rollout/wasted_tokens": self.wasted_tokens,
             **({"reward/mean": mean(rewards), "reward/accuracy": mean(correct)} if rewards else {}),

@@ -311,6 +311,9 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
     state = checkpoint.train_state(newest)
     policy, step = state.get("policy", {}), state["step"]
     counted = sum(r.get("sched/trained_prompts", 0) for r in records if r["step"] < step)
+    failed = sum(r.get("sched/failed_prompts", 0) for r in records if r["step"] < step)
+    lost = (f"\n  {failed:g} of them trained nothing: every episode of theirs failed in its environment "
+            "(env/errors; the step's samples say why)") if failed else ""
     where = f"prompts (checkpoint {newest}, step {step}, schedule:{policy.get('name')})"
     sampler = policy.get("sampler", {})
     sizes = sampler.get("sizes") or [sampler.get("num_rows", 0)] * (sampler.get("epoch", 0) + 1)  # rows per epoch
@@ -320,7 +323,7 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
         verdict = ("each once" if drawn == counted + filtered else
                    f"but metrics.jsonl counts {counted} trained" + (f" and {filtered} filtered" if filtered else ""))
         what = f"{counted} trained and {filtered} filtered" if filtered else "trained"
-        return f"{where}: {drawn} drawn in order and {what}, {verdict}"
+        return f"{where}: {drawn} drawn in order and {what}, {verdict}{lost}"
     ledger = policy["ledger"]
     trained = collections.Counter(tuple(k) for k in ledger["trained"])
     lines = [f"{where}: {sum(trained.values())} trained ({counted} in metrics.jsonl), "
@@ -332,7 +335,7 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
                      + (f"twice: {twice}" if twice else "none twice"))
     if sum(trained.values()) != counted:
         lines.append(f"  metrics.jsonl counts {counted} prompts trained before step {step}: not each once")
-    return "\n".join(lines)
+    return "\n".join(lines) + lost
 
 
 def write_report(run_dir: Path) -> list[Path]:

@@ -123,6 +123,9 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/accuracy"] == pytest.approx(0.5)
     assert stats["rollout/env_tokens"] == 0 and "env/info/tool_calls" not in stats
     assert stats["rollout/model_tokens"] == 3 + 5  # the trained episodes'
+    lost = Group(prompt=1, outputs=[output(2, "error"), output(3, "error")], rewards=[0.0, 0.0])
+    assert stats["sched/failed_prompts"] == 0
+    assert ctl.round_stats(round_result([group, lost]))["sched/failed_prompts"] == 1  # trained nothing
     samples = ctl.group_samples(group)  # it trains none of its tokens
     assert [s.failed for s in samples] == [False, True, False] and samples[1].loss_mask == [False] * 4
     assert [s.num_model_tokens for s in samples] == [3, 0, 5]

@@ -338,3 +338,17 @@ def test_pass_at_k_against_hand_computed_values():
     assert pass_at_k(3, 2, 2) == 1.0  # n - c < k
     with pytest.raises(ValueError, match="n=2, c=3, k=1"):
         pass_at_k(2, 3, 1)
+
+
+def test_the_prompt_check_says_how_many_trained_prompts_lost_every_episode_to_their_environment(tmp_path,
+                                                                                                monkeypatch):
+    """A group whose episodes all failed counts as trained (it was drawn, and its place taken) but trained nothing."""
+    from rollpacker import checkpoint
+
+    records = [{"step": s, "sched/trained_prompts": 4, "sched/failed_prompts": failed} for s, failed in enumerate([1, 0])]
+    monkeypatch.setattr(checkpoint, "newest_whole", lambda run_dir, announce: tmp_path / "step_2")
+    monkeypatch.setattr(checkpoint, "train_state", lambda path: {"step": 2, "policy": {
+        "name": "sync", "sampler": {"num_rows": 100, "epoch": 0, "position": 8}}})
+    assert report.prompt_ledger(tmp_path, records).endswith(
+        "8 drawn in order and trained, each once\n  1 of them trained nothing: every episode of theirs failed in its "
+        "environment (env/errors; the step's samples say why)")
