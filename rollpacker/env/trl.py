@@ -142,7 +142,7 @@ class TRLEnv:
             observation, answered, info = None, not self.tools.parse(action, self.tools.schemas), {}
         reward = None
         if (answered or last) and callable(getattr(self.instance, "get_reward", None)):
-            reward = invoke(self.instance.get_reward)
+            reward = self.finish()
         return observation, reward, answered, False, {**dict.fromkeys(TOOL_INFO, 0), **info}
 
     @property
@@ -151,8 +151,12 @@ class TRLEnv:
         return callable(getattr(self.instance, "get_reward", None))
 
     def finish(self):
-        """``get_reward()`` for an episode that a token limit ended (no step of its ended it)."""
-        return invoke(self.instance.get_reward)
+        """``get_reward()``: for an episode that a token limit ended (no step of its ended it), and by the step that
+        ends one. What it raises is said as its own (not the step's)."""
+        try:
+            return invoke(self.instance.get_reward)
+        except Exception as e:  # noqa: BLE001  (the user's method: whatever it raises is the cause to show)
+            raise RuntimeError(f"get_reward() raised {type(e).__name__}: {e}") from None
 
     def close(self) -> None:
         self.release(self.instance)

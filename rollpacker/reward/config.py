@@ -132,7 +132,8 @@ class RewardConfig:
             raise ValueError(f"reward.weights={list(self.weights)} without reward.funcs: name the functions to weight")
         if self.weights and len(self.weights) != len(self.funcs):
             raise ValueError(f"reward.weights has {len(self.weights)} weights for {len(self.funcs)} reward.funcs "
-                             f"({', '.join(names(self.funcs))}): give one each, or none for 1 each")
+                             f"({', '.join(names(self.funcs))}): give one each, or none for 1 each (a preset's weights "
+                             "stay when a flag replaces its reward.funcs)")
         if "judge" in self.funcs:
             check_judge_path(self.judge.model_path)
         if self.correct and self.correct not in names(self.funcs or ("toy",)):

@@ -239,7 +239,8 @@ def test_close_stops_every_process():
 
 
 def test_reward_config_validates():
-    with pytest.raises(ValueError, match=r"reward.weights has 1 weights for 2 reward.funcs \(toy, math\)"):
+    with pytest.raises(ValueError, match=r"reward.weights has 1 weights for 2 reward.funcs \(toy, math\): give one "
+                                         r"each, or none for 1 each \(a preset's weights stay when a flag replaces"):
         RewardConfig(funcs=("toy", "math"), weights=(1.0,))
     with pytest.raises(ValueError, match="reward.funcs: 'nope' is neither a built-in"):
         RewardConfig(funcs=("nope",))

@@ -230,7 +230,8 @@ def test_get_reward_scores_an_episode_a_token_limit_ended_once(env_file):
     assert (answered.reason, answered.env_reward) == ("terminated", 0.0)
     cut, answered = episodes("Unscored", 2)
     assert (cut.reason, answered.reason) == ("error", "error") and cut.finish_reason == "error"  # trains nothing
-    assert cut.detail.endswith("finish raised RuntimeError: no score today")
+    assert cut.detail.endswith("finish raised RuntimeError: get_reward() raised RuntimeError: no score today")
+    assert answered.detail.endswith("step raised RuntimeError: get_reward() raised RuntimeError: no score today")
     (echo,) = episodes("Echo", 1)
     assert (echo.reason, echo.env_reward) == ("max_tokens", 0.0)
     # the copy reward functions get is of the environment after get_reward, however the episode ended
