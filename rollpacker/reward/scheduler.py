@@ -31,7 +31,7 @@ from typing import Any, Callable, Collection
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.reward.functions import (BUILTINS, ENVIRONMENT, Ref, RewardFunctionError, TrainerState, names,
-                                         required_columns, resolve)
+                                         required, required_columns, resolve)
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.workers import Scored, score
 
@@ -155,6 +155,10 @@ def build_functions(cfg: RewardConfig, environment: bool = False) -> list[Reward
             functions.append(JudgeFunction(Ref("judge", ""), weight, cfg))
         else:
             functions.append(kinds.get(spec, RewardFunction)(resolve(spec, name, name in cfg.group_funcs), weight, cfg))
+            if not environment and "environments" in required(functions[-1].ref):
+                raise RewardFunctionError(f"reward function {name} ({spec}) takes environments, which an env.factory "
+                                          "of TRL's shape gives, and this run has none: set --env.factory, or give "
+                                          "environments a default")
     return functions
 
 

@@ -401,3 +401,16 @@ def test_a_function_taking_a_column_no_row_has_is_refused_before_the_run(tmp_pat
         check_columns(functions, rows, "data.path")
     check_columns(functions, [rows[0], {**rows[1], "difficulty": None}], "data.path")
     check_columns(functions, [], "data.eval_path")
+
+
+def test_a_function_that_needs_environments_in_a_run_without_an_environment_is_refused_before_it(tmp_path):
+    from rollpacker.reward.scheduler import build_functions
+
+    path = tmp_path / "envs.py"
+    path.write_text("def used(environments, **kw):\n    return [1.0]\n\n"
+                    "def maybe(completions, environments=None, **kw):\n    return [1.0]\n")
+    with pytest.raises(RewardFunctionError, match=r"reward function used \(.*envs.py:used\) takes environments, which "
+                                                  r"an env.factory of TRL's shape gives, and this run has none"):
+        build_functions(RewardConfig(funcs=(f"{path}:used",)))
+    assert len(build_functions(RewardConfig(funcs=(f"{path}:used", f"{path}:maybe")), environment=True)) == 2
+    assert len(build_functions(RewardConfig(funcs=(f"{path}:maybe",)))) == 1
