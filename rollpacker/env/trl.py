@@ -119,7 +119,11 @@ class TRLEnv:
         self.instance, self.max_turns, self.select, self.factory, self.release = (instance, max_turns, select,
                                                                                   factory, release)
         self.name = type(instance).__name__
-        self.tools = ToolEnv(tools, parser, where=self.name, max_result_chars=max_result_chars, timeout=timeout)
+        try:
+            self.tools = ToolEnv(tools, parser, where=self.name, max_result_chars=max_result_chars, timeout=timeout)
+        except EnvError as e:  # a helper method the user did not mean as a tool, most likely
+            raise EnvError(f"{e} (every public method of a TRL environment but reset and get_reward is a tool, as in "
+                           "TRL: start a helper's name with _ to keep it from the model)") from None
         self.turns = 0
 
     def reset(self, *, seed: int, options: dict):

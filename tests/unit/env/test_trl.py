@@ -296,3 +296,29 @@ def test_what_a_copy_lacks_and_a_function_without_a_copy_say_why(env_file):
         call(resolve("trl_env.py:locked", "locked"), sample)
     with pytest.raises(BadValue, match="takes environments, and this response has no copy of its environment"):
         call(resolve("trl_env.py:exact", "exact"), {**sample, "environment": None})
+
+
+def test_a_public_helper_without_a_docstring_is_refused_saying_public_methods_are_tools():
+    from rollpacker.env.contract import EnvError
+    from rollpacker.env.trl import TRLEnv, tool_methods
+
+    class Helped:
+        def reset(self, **kwargs):
+            return None
+
+        def add(self, a: int, b: int) -> str:
+            """Add two integers.
+
+            Args:
+                a: The first.
+                b: The second.
+            """
+            return str(a + b)
+
+        def check(self, x):
+            return x
+
+    with pytest.raises(EnvError, match=r"Helped: check: no JSON schema .* \(every public method of a TRL environment "
+                                       r"but reset and get_reward is a tool, as in TRL: start a helper's name with _"):
+        TRLEnv(Helped(), tool_methods(Helped()), parser="hermes", max_turns=2, select=False, factory="f.py:Helped",
+               release=lambda instance: None, max_result_chars=100, timeout=5.0)
