@@ -133,6 +133,25 @@ class Environments:
             self.pool.open_episode(call.key, rows[call.row], call.seed)
             self.warmed[call.key] = (call.row, call.seed)
 
+    def check_prompts(self, rows: Sequence[dict], templated: bool) -> None:
+        """Refuse a row whose prompt is a plain string tokenized as it is (``templated``: ``model.chat_template``
+        renders strings too) unless it ends as the chat template ends a user turn (rendered already, as the toy
+        task's rows): its observations go through the template, so the first turn would have no turn of its own."""
+        if templated or self.bridge is None or self.cfg.tools:  # env.tools render every prompt through it
+            return
+        marker = "\x00"
+        try:
+            rendered = self.bridge.render([{"role": "user", "content": marker}], generation=True)
+        except Exception:  # noqa: BLE001  (a template that refuses a bare user turn: its own errors say why)
+            return
+        end = rendered.rpartition(marker)[2]
+        row = next((r for r in rows if isinstance(r["prompt"], str) and not r["prompt"].endswith(end)), None)
+        if row is not None and end.strip():
+            raise EnvError(f"data row {row['id']!r}: its prompt is a plain string, tokenized as it is, but the "
+                           f"environment's observations go through the chat template, which ends a user turn with "
+                           f"{end!r}: set --model.chat-template to render string prompts as a user turn, or give "
+                           "prompts as chat messages")
+
     def check_tool_calls(self, outputs: Sequence[Any], step: int) -> None:
         """Say once a run, loudly, when every one of a step's tool calls (at least :data:`SAID_CALLS`) failed, with
         what most of them answered: a broken tool (or a parser that misreads every call) would train the model,

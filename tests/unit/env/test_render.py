@@ -221,3 +221,24 @@ def test_a_turn_cut_on_the_templates_end_of_turn_token_gets_the_whole_end_of_tur
     assert episode.on_turn(turn, [-0.5] * len(turn), "length") == StepEnv(" 3+5=8\n")
     assert isinstance(episode.on_step(StepResult(conversation[2:])), TurnRequest)
     assert episode.prompt_ids + episode.response_ids == bridge.prompt_ids(conversation)
+
+
+def test_a_plain_string_prompt_beside_templated_observations_is_refused_unless_it_ends_as_a_rendered_one():
+    """A ChatML model's first turn would follow a bare question (no user turn, no assistant header) while every
+    observation comes in the template's turns; a string rendered already (the toy task's rows) is its own."""
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.env.contract import EnvError
+    from rollpacker.env.render import ChatBridge
+    from rollpacker.env.setup import Environments
+
+    bridge = ChatBridge(qwen_style_tokenizer())
+    envs = Environments(cfg=EnvConfig(factory="toy"), pool=None, bridge=bridge, encode=None, seed=0, max_new_tokens=8,
+                        max_context=100)
+    rendered = bridge.render([{"role": "user", "content": "2+2"}], generation=True)
+    fine = [{"id": "a", "prompt": rendered}, {"id": "b", "prompt": [{"role": "user", "content": "2+2"}]}]
+    envs.check_prompts(fine, templated=False)
+    envs.check_prompts([*fine, {"id": "c", "prompt": "2+2"}], templated=True)  # model.chat_template renders it
+    with pytest.raises(EnvError, match=r"data row 'c': its prompt is a plain string, tokenized as it is, but the "
+                                       r"environment's observations go through the chat template, which ends a user "
+                                       r"turn with .*assistant.*: set --model.chat-template"):
+        envs.check_prompts([*fine, {"id": "c", "prompt": "2+2"}], templated=False)
