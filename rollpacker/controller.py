@@ -129,6 +129,7 @@ class Controller:
         cfg = self.config
         if not cfg.env.enabled:
             self.envs = Environments.none(cfg.rollout.max_new_tokens, seed=cfg.seed, max_context=self.max_model_len)
+            self.envs.check_prompts([*self.rows, *(self.eval_rows or [])], cfg.model.chat_template)
             return
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
                             template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)

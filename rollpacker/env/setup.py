@@ -134,9 +134,17 @@ class Environments:
             self.warmed[call.key] = (call.row, call.seed)
 
     def check_prompts(self, rows: Sequence[dict], templated: bool) -> None:
-        """Refuse a row whose prompt is a plain string tokenized as it is (``templated``: ``model.chat_template``
-        renders strings too) unless it ends as the chat template ends a user turn (rendered already, as the toy
-        task's rows): its observations go through the template, so the first turn would have no turn of its own."""
+        """Without an environment, refuse a row whose prompt's messages are all empty (only a reset fills one in).
+        With one, refuse a row whose prompt is a plain string tokenized as it is (``templated``:
+        ``model.chat_template`` renders strings too) unless it ends as the chat template ends a user turn (rendered
+        already, as the toy task's rows): its observations go through the template, so the first turn would have
+        no turn of its own."""
+        from rollpacker.data.dataset import DatasetError
+
+        if not self.enabled and (row := next((r for r in rows if isinstance(r["prompt"], list) and not any(
+                (m.get("content") or "").strip() or m.get("tool_calls") for m in r["prompt"])), None)):
+            raise DatasetError(f"data row {row['id']!r}: every message of its prompt is empty, and no environment's "
+                               "reset writes one (env.factory): give the question")
         if templated or self.bridge is None or self.cfg.tools:  # env.tools render every prompt through it
             return
         marker = "\x00"

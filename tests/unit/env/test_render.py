@@ -242,3 +242,14 @@ def test_a_plain_string_prompt_beside_templated_observations_is_refused_unless_i
                                        r"environment's observations go through the chat template, which ends a user "
                                        r"turn with .*assistant.*: set --model.chat-template"):
         envs.check_prompts([*fine, {"id": "c", "prompt": "2+2"}], templated=False)
+
+
+def test_a_prompt_of_empty_messages_is_refused_without_an_environment_to_write_it():
+    from rollpacker.data.dataset import DatasetError
+    from rollpacker.env.setup import Environments
+
+    rows = [{"id": "a", "prompt": [{"role": "user", "content": "2+2"}]},
+            {"id": "b", "prompt": [{"role": "system", "content": " "}, {"role": "user", "content": ""}]}]
+    Environments.none(8).check_prompts(rows[:1], templated=False)
+    with pytest.raises(DatasetError, match=r"data row 'b': every message of its prompt is empty, and no environment"):
+        Environments.none(8).check_prompts(rows, templated=False)
