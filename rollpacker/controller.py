@@ -261,8 +261,9 @@ class Controller:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards and overlong
         punishments, one group number for all of them. A response trains its model's tokens;
         its environment's step rewards (part of its reward) mark where they were earned. One whose
-        environment failed is ``failed``, none of its tokens trained: outside its group's advantage statistics. With ``train.advantage gdpo``
-        the reward's parts go apart (:meth:`reward_parts`), for the trainer to normalize each in the group."""
+        environment failed is ``failed``, none of its tokens trained: outside its group's advantage statistics.
+        With ``train.advantage gdpo`` the reward's parts go apart (:meth:`reward_parts`), for the trainer to
+        normalize each in the group."""
         from rollpacker.train.trainer import Sample
 
         number, gdpo = next(self.group_ids), self.config.train.advantage == "gdpo"

@@ -30,8 +30,17 @@ from typing import Any, Callable, Collection
 
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
-from rollpacker.reward.functions import (BUILTINS, ENVIRONMENT, Ref, RewardFunctionError, TrainerState, names,
-                                         required, required_columns, resolve)
+from rollpacker.reward.functions import (
+    BUILTINS,
+    ENVIRONMENT,
+    Ref,
+    RewardFunctionError,
+    TrainerState,
+    names,
+    required,
+    required_columns,
+    resolve,
+)
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.workers import Scored, score
 

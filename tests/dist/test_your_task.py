@@ -154,7 +154,8 @@ def test_a_failing_function_with_on_error_fail_stops_the_run_with_one_message(tm
     (tmp_path / "flaky.py").write_text(textwrap.dedent(FLAKY.format(bad={f"train:{i}": "raises" for i in (4, 6)})))
     proc = launch_job("--data.path", "train.parquet", "--reward.funcs", "flaky.py:flaky", "--reward.on-error",
                       "fail", "--rollout.num-prompts", "16", "--rollout.group-size", "1", "--rollout.max-new-tokens",
-                      "8", "--train.advantage", "reinforce_pp", "--num-steps", "1", "--eval-every", "0", "--run-dir", "r", *QUIET, cwd=tmp_path)
+                      "8", "--train.advantage", "reinforce_pp", "--num-steps", "1", "--eval-every", "0", "--run-dir",
+                      "r", *QUIET, cwd=tmp_path)
     assert proc.returncode != 0
     said = [line for line in proc.stderr.splitlines() if "--reward.on-error fail stops the run" in line]
     assert len(said) == 1, proc.stderr[-4000:]  # the first response settled: a None row or a failing one

@@ -345,7 +345,8 @@ def test_the_prompt_check_says_how_many_trained_prompts_lost_every_episode_to_th
     """A group whose episodes all failed counts as trained (it was drawn, and its place taken) but trained nothing."""
     from rollpacker import checkpoint
 
-    records = [{"step": s, "sched/trained_prompts": 4, "sched/failed_prompts": failed} for s, failed in enumerate([1, 0])]
+    records = [{"step": s, "sched/trained_prompts": 4, "sched/failed_prompts": failed}
+               for s, failed in enumerate([1, 0])]
     monkeypatch.setattr(checkpoint, "newest_whole", lambda run_dir, announce: tmp_path / "step_2")
     monkeypatch.setattr(checkpoint, "train_state", lambda path: {"step": 2, "policy": {
         "name": "sync", "sampler": {"num_rows": 100, "epoch": 0, "position": 8}}})

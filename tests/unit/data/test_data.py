@@ -8,8 +8,15 @@ import re
 
 import pytest
 
-from rollpacker.data.dataset import (DataConfig, DatasetError, PromptSampler, check_held_out, load_eval_rows, load_rows,
-                                     toy_held_out)
+from rollpacker.data.dataset import (
+    DataConfig,
+    DatasetError,
+    PromptSampler,
+    check_held_out,
+    load_eval_rows,
+    load_rows,
+    toy_held_out,
+)
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import build_functions, check_row
 from rollpacker.toy import task as toy
