@@ -155,7 +155,8 @@ class Config:
                              "number), FILE.py:FUNCTION (docs/your-task.md), or toy for data in the toy task's format")
         from rollpacker.train.advantages import ADVANTAGES
 
-        if self.rollout.group_size < 2 and ADVANTAGES[self.train.advantage].group_baseline:
+        distilled = self.train.teacher.path and self.train.teacher.in_loss  # its loss term trains without advantages
+        if self.rollout.group_size < 2 and ADVANTAGES[self.train.advantage].group_baseline and not distilled:
             others = " or ".join(k for k, e in ADVANTAGES.items() if not e.group_baseline)
             raise ValueError(f"rollout.group_size={self.rollout.group_size} with train.advantage="
                              f"{self.train.advantage!r}: its baseline is the group's, so a group of one response has "

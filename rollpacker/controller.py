@@ -41,6 +41,8 @@ logger = logging.getLogger("rollpacker")
 
 SHOWN_ERRORS = 3
 """Environment errors said per round (each once); the rest are counted in ``env/errors``."""
+STEP_CALLS_READ = 8
+"""Step calls a round needs before ``env.max_error_frac`` reads the share of them that failed."""
 
 
 @dataclasses.dataclass
@@ -129,7 +131,7 @@ class Controller:
         cfg = self.config
         if not cfg.env.enabled:
             self.envs = Environments.none(cfg.rollout.max_new_tokens, seed=cfg.seed, max_context=self.max_model_len)
-            self.envs.check_prompts([*self.rows, *(self.eval_rows or [])], cfg.model.chat_template)
+            self.envs.check_prompts([*self.rows, *(self.eval_rows or [])])
             return
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
                             template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)
@@ -137,8 +139,8 @@ class Controller:
         spec = EnvSpec.from_config(cfg.env, states=any(f.ref.environments for f in self.rewards.functions))
         self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env, spec), bridge=bridge,
                                  encode=functools.partial(encode, self.tokenizer, cfg), seed=cfg.seed,
-                                 max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len)
-        self.envs.check_prompts([*self.rows, *(self.eval_rows or [])], cfg.model.chat_template)
+                                 max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len,
+                                 templated=cfg.model.chat_template)
 
     def build_leaders(self, sink: GroupSink | None = None) -> None:
         """Rank 0's side of the exchange for the run: training rounds (their groups fed to ``sink``),
@@ -250,12 +252,13 @@ class Controller:
 
     def overlong(self, output: Any) -> float:
         """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off): of its
-        model tokens against its model-token budget (:attr:`model_budget`)."""
+        model tokens against its model-token budget (:attr:`model_budget`); none for one that trains nothing
+        (its environment failed)."""
         from rollpacker.train.advantages import overlong_penalty
 
         train = self.config.train
         return overlong_penalty(output.num_model_tokens, self.model_budget, train.overlong_buffer,
-                                train.overlong_penalty)
+                                train.overlong_penalty) * (output.finish_reason != "error")
 
     def group_samples(self, group: Group) -> list[Sample]:
         """The trainer samples of a scored group (:meth:`trained_rewards`), their rewards and overlong
@@ -317,7 +320,8 @@ class Controller:
 
         failed, frac = len(result.env_errors), self.config.env.max_error_frac
         steps, broken = (int(result.hook_metrics.get(k, 0)) for k in ("env/steps", "env/step_errors"))
-        if failed and frac < 1 and (failed > frac * result.num_launched or broken > frac * steps):
+        calls_broken = steps >= STEP_CALLS_READ and broken > frac * steps  # a share of a few calls says nothing
+        if failed and frac < 1 and (failed > frac * result.num_launched or calls_broken):
             where = where or f"at step {self.rewards.state.global_step}"
             raise EnvError(f"{failed} of {result.num_launched} episodes {where} failed in their environment ("
                            f"{broken} of its {steps} step calls), more than --env.max-error-frac {frac:g}; the first: "
@@ -404,8 +408,9 @@ class Controller:
 def reward_scheduler(config: Config, tokenizer, device, functions=None):
     """The run's :class:`~rollpacker.reward.scheduler.RewardScheduler` (``functions``: its reward
     functions built already; else built here)."""
-    from rollpacker.reward.scheduler import RewardScheduler
+    from rollpacker.reward.scheduler import RewardScheduler, build_functions
 
+    functions = build_functions(config.reward, environment=bool(config.env.factory)) if functions is None else functions
     return RewardScheduler(config.reward, functools.partial(response_text, tokenizer, config.rollout.stop), device,
                            functions=functions)
 

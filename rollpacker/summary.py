@@ -75,7 +75,7 @@ def _training(cfg) -> str:
     t = cfg.train
     schedule = f"cosine to {t.min_lr_ratio:g}x" if t.lr_schedule == "cosine" else "constant"
     flag = (" (a toy model's: RL on a pretrained model takes about 1e-6, TRL's and verl's default; set --train.lr)"
-            if t.lr >= TOY_LR and not cfg.model.shipped else "")
+            if t.lr >= TOY_LR and not (cfg.model.shipped or t.lora.rank) else "")  # LoRA takes ~1e-4 and more
     return (f"{t.advantage} advantages, {t.loss} loss ({t.aggregation}), kl {t.kl_coef:g}; lr {t.lr:g}{flag}, "
             f"warm-up {t.warmup_steps} steps, then {schedule}")
 

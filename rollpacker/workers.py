@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rollpacker.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 STOP_GRACE = 2.0
@@ -77,8 +79,9 @@ def leaving() -> None:
     signal.signal(RETIRE, signal.SIG_IGN)
 
 
-class PoolError(RuntimeError):
-    """A pool cannot go on, said in full by its message: a worker that could not start."""
+class PoolError(UserError, RuntimeError):
+    """A pool cannot go on, said in full by its message: a worker that could not start (the user's code it loads
+    hangs, exits or raises)."""
 
 
 @dataclass

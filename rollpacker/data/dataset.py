@@ -170,8 +170,8 @@ def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] |
     raise DatasetError naming how many it shares and the fix."""
     if config.eval_path or not config.eval_split or not eval_rows:
         return
-    trained = {row["id"] for row in rows}
-    shared = [row["id"] for row in eval_rows if row["id"] in trained]
+    trained = {row["id"]: row["prompt"] for row in rows}  # another split's rows may be numbered alike
+    shared = [row["id"] for row in eval_rows if trained.get(row["id"], None) == row["prompt"]]
     if shared:
         raise DatasetError(f"data.eval_split {config.eval_split!r} of data.path holds {len(shared)} of the rows "
                            f"training reads too (data.split {config.split!r}), {shared[0]!r} first, so its evaluation "
@@ -200,7 +200,8 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
                 row["data_source"] = name
             rows.append(row)
     columns = dict.fromkeys(key for row in rows for key in row)
-    if config.answer_key != "answer" and all(row["answer"] is None for row in rows):  # a typo: every reward 0
+    if field == "data.path" and config.answer_key != "answer" and all(row["answer"] is None for row in rows):
+        # a typo: every reward 0 (an eval set of other tasks may have no answers)
         ours = {"id", "answer", "prompt"} - {config.prompt_key}  # what make_row adds
         raise DatasetError(f"{field}: data.answer_key {config.answer_key!r} names a column no row of "
                            f"{', '.join(sources)} has (its columns: {', '.join(k for k in columns if k not in ours)})"

@@ -46,8 +46,8 @@ class EnvConfig:
     on_error: OnError = "skip"
     """An environment that raises, hangs or returns garbage: skip (its episode ends untrained; env/errors) or fail."""
     max_error_frac: float = 0.5
-    """Stop after a step where over this share of the episodes, or of the step calls, failed in their environment
-    (1: never)."""
+    """Stop after a step where over this share of the episodes, or of its step calls (8 or more), failed in their
+    environment (1: never)."""
     observation_role: Literal["user", "tool", "system"] = "user"
     """The chat role of an observation given as a string."""
     num_workers: int = 2

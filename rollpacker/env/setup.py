@@ -20,6 +20,7 @@ from rollpacker.env.contract import EnvCall, EnvError, EnvReply
 from rollpacker.env.episode import Bridge, Episode
 from rollpacker.env.info import TOOL_INFO
 from rollpacker.env.workers import EnvPool, EnvSpec
+from rollpacker.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,13 @@ class Environments:
     """``env.tool_parser`` was checked against the chat template (:meth:`check_tool_parser`)."""
     tools_said: bool = False
     """:meth:`check_tool_calls` said that every call of a step failed."""
+    close_errors: int = 0
+    """Closes that failed since :meth:`take_metrics` (:meth:`_closed`)."""
+    close_said: bool = False
+    templated: bool = False
+    """``model.chat_template``: a string prompt is rendered as a user turn (:meth:`check_string_prompt`)."""
+    user_turn_end: str | None = None
+    """How the chat template ends a user turn, once rendered."""
 
     def __post_init__(self) -> None:
         if self.cfg.tools:  # the calls of env.tools are read by env.tool_parser
@@ -91,6 +99,8 @@ class Environments:
             prompt, info = reset or (None, {})
             if info.get("tools"):
                 self.check_tool_parser()
+            else:  # a string prompt is rendered only with tools
+                self.check_string_prompt(rows[row]["prompt"] if prompt is None else prompt, rows[row])
             if prompt is None and not info.get("tools"):
                 if row not in cache:
                     cache[row] = own(rows[row])
@@ -133,32 +143,35 @@ class Environments:
             self.pool.open_episode(call.key, rows[call.row], call.seed)
             self.warmed[call.key] = (call.row, call.seed)
 
-    def check_prompts(self, rows: Sequence[dict], templated: bool) -> None:
-        """Without an environment, refuse a row whose prompt's messages are all empty (only a reset fills one in).
-        With one, refuse a row whose prompt is a plain string tokenized as it is (``templated``:
-        ``model.chat_template`` renders strings too) unless it ends as the chat template ends a user turn (rendered
-        already, as the toy task's rows): its observations go through the template, so the first turn would have
-        no turn of its own."""
+    def check_prompts(self, rows: Sequence[dict]) -> None:
+        """Without an environment, refuse a row whose prompt's messages are all empty (only a reset fills one in)."""
         from rollpacker.data.dataset import DatasetError
 
         if not self.enabled and (row := next((r for r in rows if isinstance(r["prompt"], list) and not any(
                 (m.get("content") or "").strip() or m.get("tool_calls") for m in r["prompt"])), None)):
             raise DatasetError(f"data row {row['id']!r}: every message of its prompt is empty, and no environment's "
                                "reset writes one (env.factory): give the question")
-        if templated or self.bridge is None or self.cfg.tools:  # env.tools render every prompt through it
+
+    def check_string_prompt(self, prompt: Any, row: dict) -> None:
+        """Refuse an episode's prompt that is a plain string tokenized as it is (no ``model.chat_template``, no
+        tools: env.tools render every prompt through it) unless it ends as the chat template ends a user turn
+        (rendered already, as the toy tasks' rows): its observations go through the template, so its first turn
+        would follow a bare question."""
+        if not isinstance(prompt, str) or self.templated or self.bridge is None or self.cfg.tools:
             return
-        marker = "\x00"
-        try:
-            rendered = self.bridge.render([{"role": "user", "content": marker}], generation=True)
-        except Exception:  # noqa: BLE001  (a template that refuses a bare user turn: its own errors say why)
-            return
-        end = rendered.rpartition(marker)[2]
-        row = next((r for r in rows if isinstance(r["prompt"], str) and not r["prompt"].endswith(end)), None)
-        if row is not None and end.strip():
-            raise EnvError(f"data row {row['id']!r}: its prompt is a plain string, tokenized as it is, but the "
-                           f"environment's observations go through the chat template, which ends a user turn with "
-                           f"{end!r}: set --model.chat-template to render string prompts as a user turn, or give "
-                           "prompts as chat messages")
+        if self.user_turn_end is None:
+            marker = "\x00"
+            try:
+                self.user_turn_end = self.bridge.render([{"role": "user", "content": marker}],
+                                                        generation=True).rpartition(marker)[2]
+            except Exception:  # noqa: BLE001  (a template that refuses a bare user turn: its own errors say why)
+                self.user_turn_end = ""
+        end = self.user_turn_end
+        if end.strip() and not prompt.endswith(end):
+            raise UserError(f"data row {row['id']!r}: its episode's prompt is a plain string, tokenized as it is, but "
+                            f"the environment's observations go through the chat template, which ends a user turn "
+                            f"with {end!r}: set --model.chat-template to render string prompts as a user turn, or "
+                            "give prompts as chat messages")
 
     def check_tool_calls(self, outputs: Sequence[Any], step: int) -> None:
         """Say once a run, loudly, when every one of a step's tool calls (at least :data:`SAID_CALLS`) failed, with
@@ -176,9 +189,11 @@ class Environments:
                        int(calls), answers.most_common(1)[0][0] if answers else "")
 
     def take_metrics(self) -> dict[str, float]:
-        """With ``env.warm``: ``env/warm_opens``, the opens answered by environments opened ahead since last called."""
-        opens, self.warm_opens = self.warm_opens, 0
-        return {"env/warm_opens": opens} if self.cfg.warm else {}
+        """Since last called: ``env/close_errors`` (with an environment), and with ``env.warm``
+        ``env/warm_opens``, the opens answered by environments opened ahead."""
+        (opens, self.warm_opens), (closes, self.close_errors) = (self.warm_opens, 0), (self.close_errors, 0)
+        return ({"env/close_errors": float(closes)} if self.enabled else {}) | (
+            {"env/warm_opens": opens} if self.cfg.warm else {})
 
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out
@@ -210,6 +225,7 @@ class Environments:
         if idle:
             self.pool.wait(ENV_IDLE_WAIT)
         out, replies, self.claimed = [], self.claimed + self.pool.poll(), []
+        self._closed(replies)
         for reply in replies:
             if reply.key in self.warmed:  # opened ahead, no round's yet
                 self.held[reply.key] = reply
@@ -222,7 +238,18 @@ class Environments:
         if self.pool is None:
             return
         try:
-            self.pool.drain(timeout=self.cfg.timeout)
+            self._closed(self.pool.drain(timeout=self.cfg.timeout))
         except TimeoutError:
             pass
         self.pool.close()
+
+    def _closed(self, replies: list[EnvReply]) -> None:
+        """Count the closes among ``replies`` that failed (``env/close_errors``), and say the first of the run: its
+        episode was over, but a sandbox or container it started may be left running."""
+        for reply in replies:
+            if reply.kind == "close" and reply.error:
+                self.close_errors += 1
+                if not self.close_said:
+                    self.close_said = True
+                    logger.warning("an environment's close() failed (env/close_errors counts them; said once a run): "
+                                   "%s", reply.error)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from rollpacker.env.contract import BadReturn, EnvError
 from rollpacker.env.info import TOOL_INFO
-from rollpacker.env.tools import ToolEnv, invoke, load_tools
+from rollpacker.env.tools import ToolEnv, invoke, load_tools, schemas
 from rollpacker.imports import USER_PREFIX, accepted, import_path, short
 
 RESERVED = ("reset", "get_reward")
@@ -120,10 +120,11 @@ class TRLEnv:
                                                                                   factory, release)
         self.name = type(instance).__name__
         try:
-            self.tools = ToolEnv(tools, parser, where=self.name, max_result_chars=max_result_chars, timeout=timeout)
+            schemas({k: f for k, f in tools.items() if inspect.ismethod(f)}, self.name)
         except EnvError as e:  # a helper method the user did not mean as a tool, most likely
             raise EnvError(f"{e} (every public method of a TRL environment but reset and get_reward is a tool, as in "
                            "TRL: start a helper's name with _ to keep it from the model)") from None
+        self.tools = ToolEnv(tools, parser, where=self.name, max_result_chars=max_result_chars, timeout=timeout)
         self.turns = 0
 
     def reset(self, *, seed: int, options: dict):

@@ -121,19 +121,19 @@ TRL_GIVEN = ("prompts", "completions", "completion_ids", "trainer_state", "log_m
 """What a TRL-convention function gets besides the row's columns."""
 
 
-def required(ref: Ref) -> list[str]:
-    """The keyword arguments a TRL-convention function cannot be called without (its parameters without a
-    default); none for verl's, which gets its four arguments whatever the row holds."""
+def parameters(ref: Ref) -> list[inspect.Parameter]:
+    """A TRL-convention function's named parameters; none for verl's, which gets its four arguments whatever the
+    row holds."""
     if ref.convention != "trl":
         return []
     params = inspect.signature(load(ref.target, "reward.funcs", RewardFunctionError)).parameters.values()
-    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def required_columns(ref: Ref) -> list[str]:
-    """The row columns a TRL-convention function cannot be called without (:func:`required`, but
-    :data:`TRL_GIVEN`)."""
-    return [name for name in required(ref) if name not in TRL_GIVEN]
+    """The row columns a TRL-convention function cannot be called without: its parameters without a default but
+    :data:`TRL_GIVEN` (the scheduler gives the prompt as ``prompts``, not as a column)."""
+    return [p.name for p in parameters(ref) if p.default is p.empty and p.name not in TRL_GIVEN]
 
 
 def resolve(spec: str, name: str, per_group: bool = False) -> Ref:

@@ -37,7 +37,7 @@ from rollpacker.reward.functions import (
     RewardFunctionError,
     TrainerState,
     names,
-    required,
+    parameters,
     required_columns,
     resolve,
 )
@@ -164,10 +164,10 @@ def build_functions(cfg: RewardConfig, environment: bool = False) -> list[Reward
             functions.append(JudgeFunction(Ref("judge", ""), weight, cfg))
         else:
             functions.append(kinds.get(spec, RewardFunction)(resolve(spec, name, name in cfg.group_funcs), weight, cfg))
-            if not environment and "environments" in required(functions[-1].ref):
+            if not environment and "environments" in (p.name for p in parameters(functions[-1].ref)):
                 raise RewardFunctionError(f"reward function {name} ({spec}) takes environments, which an env.factory "
-                                          "of TRL's shape gives, and this run has none: set --env.factory, or give "
-                                          "environments a default")
+                                          "of TRL's shape gives, and this run has none: set --env.factory to one, or "
+                                          "drop the function")
     return functions
 
 
@@ -185,7 +185,7 @@ def check_row(functions: list[RewardFunction], row: dict) -> None:
 def check_columns(functions: list[RewardFunction], rows: list[dict], field: str) -> None:
     """Raise RewardFunctionError if a function of ``functions`` takes a column no row of ``rows`` (``field``'s)
     has: each of its calls would fail."""
-    columns = {key for row in rows for key in row}
+    columns = {key for row in rows for key in row} - {"prompt"}  # given as prompts
     for f in functions if rows else ():
         if f.ref.target not in BUILTINS.values() and (missing := [c for c in required_columns(f.ref)
                                                                if c not in columns]):

@@ -21,15 +21,12 @@ run (fail).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from rollpacker.env.contract import EnvCall, EnvError
 from rollpacker.env.episode import LENGTH_REASONS, Done, Episode, Response, StepEnv, TurnRequest, reset_seed
 from rollpacker.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,8 +48,6 @@ class EpisodeStats:
     """Step calls answered (each episode's actions but its last one's when a token limit ended it)."""
     step_errors: int = 0
     """Step calls that failed: a share of these, not only of the episodes, says the environment is broken."""
-    close_errors: int = 0
-    """Closes that failed (the episode was over: a sandbox or container it started may be left running)."""
 
     def metrics(self) -> dict[str, float]:
         if not (self.step_seconds or self.errors):
@@ -61,7 +56,6 @@ class EpisodeStats:
         return {"env/turns_mean": mean(self.turns), "env/step_seconds": mean(self.step_seconds),
                 "env/errors": float(self.errors), "env/reset_retries": float(self.reset_retries),
                 "env/steps": float(self.steps), "env/step_errors": float(self.step_errors),
-                "env/close_errors": float(self.close_errors),
                 "rollout/env_wait_s": self.env_wait_s}
 
 
@@ -129,11 +123,6 @@ class EpisodeRunner:
         self._wait(now)
         done, self.early = self.early, []
         for reply in replies:
-            if reply.kind == "close" and reply.error:
-                self.stats.close_errors += 1
-                if self.stats.close_errors == 1:  # once a round: the step's count is env/close_errors
-                    logger.warning("an environment's close() failed (env/close_errors counts them; its episode is "
-                                   "kept): %s", reply.error)
             if reply.kind == "close" or reply.key not in self.waiting:
                 continue  # a close, or the reply of an episode aborted meanwhile (or of an earlier round)
             self.waiting.discard(reply.key)

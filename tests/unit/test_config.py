@@ -282,12 +282,15 @@ def test_the_flags_a_checkpoint_keeps_for_the_export_build_the_runs_policy():
 def test_the_start_summary_flags_a_toy_learning_rate_on_a_model_of_your_own():
     """The embedded defaults are the toy job's (lr 2e-4, from scratch): on a pretrained model that diverges."""
     from rollpacker.config import Config, ModelConfig
+    from rollpacker.model.config import LoraConfig
     from rollpacker.summary import _training
     from rollpacker.train.config import TrainConfig
 
     flag = "lr 0.0002 (a toy model's: RL on a pretrained model takes about 1e-6, TRL's and verl's default; set --train"
     assert flag in _training(Config(model=ModelConfig(path="/models/Qwen2.5-7B")))
     assert "toy model's" not in _training(Config())  # the shipped toy model
+    lora = Config(model=ModelConfig(path="/models/Qwen2.5-7B"), train=TrainConfig(lora=LoraConfig(rank=8)))
+    assert "toy model's" not in _training(lora)  # LoRA's adapters take such rates
     tuned = Config(model=ModelConfig(path="/models/Qwen2.5-7B"), train=TrainConfig(lr=1e-6, lr_schedule="constant"))
     assert _training(tuned) == ("grpo advantages, ppo loss (token-mean), kl 0; lr 1e-06, warm-up 10 steps, then "
                                 "constant")

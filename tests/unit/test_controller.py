@@ -123,6 +123,9 @@ def test_reward_metrics_leave_out_episodes_whose_environment_failed():
     assert stats["reward/mean"] == pytest.approx(0.5) and stats["reward/accuracy"] == pytest.approx(0.5)
     assert stats["rollout/env_tokens"] == 0 and "env/info/tool_calls" not in stats
     assert stats["rollout/model_tokens"] == 3 + 5  # the trained episodes'
+    ctl.config.train.overlong_buffer = 8  # DAPO's punishment near the budget (400): none for a failed episode
+    assert ctl.overlong(output(398)) < 0 and ctl.overlong(output(398, "error")) == 0
+    ctl.config.train.overlong_buffer = 0
     lost = Group(prompt=1, outputs=[output(2, "error"), output(3, "error")], rewards=[0.0, 0.0])
     assert stats["sched/failed_prompts"] == 0
     assert ctl.round_stats(round_result([group, lost]))["sched/failed_prompts"] == 1  # trained nothing
@@ -229,9 +232,11 @@ def test_a_round_where_most_episodes_failed_in_their_environment_stops_the_run()
         controller(0.5).check_environments(result)
     controller(1.0).check_environments(result)  # never
     # most episodes ended by a token limit before stepping; every step call failed: broken all the same
-    result.env_errors, result.hook_metrics = result.env_errors[:2], {"env/steps": 2.0, "env/step_errors": 2.0}
-    with pytest.raises(EnvError, match=r"2 of 6 episodes at step 3 failed in their environment \(2 of its 2 step"):
+    result.env_errors, result.hook_metrics = result.env_errors[:2], {"env/steps": 8.0, "env/step_errors": 8.0}
+    with pytest.raises(EnvError, match=r"2 of 6 episodes at step 3 failed in their environment \(8 of its 8 step"):
         controller(0.5).check_environments(result)
+    result.hook_metrics = {"env/steps": 7.0, "env/step_errors": 2.0}  # a few calls: their share says nothing yet
+    controller(0.5).check_environments(result)
 
 
 def test_rows_are_fitted_with_the_schemas_of_the_tools_their_episodes_start_with():

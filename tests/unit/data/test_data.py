@@ -134,6 +134,9 @@ def test_a_misnamed_prompt_or_answer_column_names_the_columns_there_are(tmp_path
         load_rows(DataConfig(path=str(path), prompt_key="question", answer_key="answers"))
     rows = load_rows(DataConfig(path=str(path), prompt_key="question", answer_key="solution"))
     assert [r["answer"] for r in rows] == ["a", None]  # a row without it: the function's to judge
+    code = write(tmp_path, [json.dumps({"question": "add", "tests": [{"input": "", "output": "3"}]})], "code.jsonl")
+    held_out = DataConfig(path=str(path), eval_path=str(code), prompt_key="question", answer_key="answers")
+    assert [r["answer"] for r in load_eval_rows(held_out)] == [None]  # an eval set of another task may have none
 
 
 def test_code_rows_carry_tests_instead_of_an_answer(tmp_path):
@@ -307,6 +310,10 @@ def test_an_eval_set_of_several_splits_needs_its_held_out_one_named(tmp_path):
         load_eval_rows(DataConfig(path=str(path), eval_path=str(path)))
     assert [r["prompt"] for r in load_eval_rows(DataConfig(path=str(path), eval_path=str(path), eval_split="test"))
             ] == ["q2"]
+    # its test split alone (no eval_path): numbered as train's, other rows, held out all the same
+    alone = DataConfig(path=str(path), eval_split="test")
+    assert [r["id"] for r in load_eval_rows(alone)] == [r["id"] for r in load_rows(alone)] == ["both:1"]
+    check_held_out(alone, load_rows(alone), load_eval_rows(alone))
 
 
 def test_a_path_from_home_is_read_as_verls_configs_write_it(tmp_path, monkeypatch):

@@ -225,23 +225,31 @@ def test_a_turn_cut_on_the_templates_end_of_turn_token_gets_the_whole_end_of_tur
 
 def test_a_plain_string_prompt_beside_templated_observations_is_refused_unless_it_ends_as_a_rendered_one():
     """A ChatML model's first turn would follow a bare question (no user turn, no assistant header) while every
-    observation comes in the template's turns; a string rendered already (the toy task's rows) is its own."""
+    observation comes in the template's turns; a string rendered already (the toy task's rows), chat messages, a
+    string with tools (rendered through the template with them) or with model.chat_template are fine."""
     from rollpacker.env.config import EnvConfig
-    from rollpacker.env.contract import EnvError
     from rollpacker.env.render import ChatBridge
     from rollpacker.env.setup import Environments
+    from rollpacker.errors import UserError
 
     bridge = ChatBridge(qwen_style_tokenizer())
-    envs = Environments(cfg=EnvConfig(factory="toy"), pool=None, bridge=bridge, encode=None, seed=0, max_new_tokens=8,
-                        max_context=100)
+
+    def envs(templated: bool = False) -> Environments:
+        return Environments(cfg=EnvConfig(factory="toy"), pool=None, bridge=bridge, encode=lambda p, t: [1, 2],
+                            seed=0, max_new_tokens=8, max_context=100, templated=templated)
+
     rendered = bridge.render([{"role": "user", "content": "2+2"}], generation=True)
-    fine = [{"id": "a", "prompt": rendered}, {"id": "b", "prompt": [{"role": "user", "content": "2+2"}]}]
-    envs.check_prompts(fine, templated=False)
-    envs.check_prompts([*fine, {"id": "c", "prompt": "2+2"}], templated=True)  # model.chat_template renders it
-    with pytest.raises(EnvError, match=r"data row 'c': its prompt is a plain string, tokenized as it is, but the "
-                                       r"environment's observations go through the chat template, which ends a user "
-                                       r"turn with .*assistant.*: set --model.chat-template"):
-        envs.check_prompts([*fine, {"id": "c", "prompt": "2+2"}], templated=False)
+    rows = [{"id": "a", "prompt": rendered}, {"id": "b", "prompt": [{"role": "user", "content": "2+2"}]},
+            {"id": "c", "prompt": "2+2"}]
+    make = envs().maker(rows, lambda row: [1, 2])
+    make("0:0:0", 0, None), make("0:1:0", 1, None), make("0:2:0", 2, ("2+2", {"tools": TOOLS}))
+    make("0:1:1", 1, ([{"role": "user", "content": "3+3"}], {}))
+    envs(templated=True).maker(rows, lambda row: [1, 2])("0:2:0", 2, None)
+    for reset in (None, ("a question of its reset's", {})):
+        with pytest.raises(UserError, match=r"data row 'c': its episode's prompt is a plain string, tokenized as it "
+                                            r"is, but the environment's observations go through the chat template, "
+                                            r"which ends a user turn with .*assistant.*: set --model.chat-template"):
+            make("0:2:1", 2, reset)
 
 
 def test_a_prompt_of_empty_messages_is_refused_without_an_environment_to_write_it():
@@ -250,6 +258,6 @@ def test_a_prompt_of_empty_messages_is_refused_without_an_environment_to_write_i
 
     rows = [{"id": "a", "prompt": [{"role": "user", "content": "2+2"}]},
             {"id": "b", "prompt": [{"role": "system", "content": " "}, {"role": "user", "content": ""}]}]
-    Environments.none(8).check_prompts(rows[:1], templated=False)
+    Environments.none(8).check_prompts(rows[:1])
     with pytest.raises(DatasetError, match=r"data row 'b': every message of its prompt is empty, and no environment"):
-        Environments.none(8).check_prompts(rows, templated=False)
+        Environments.none(8).check_prompts(rows)

@@ -408,16 +408,32 @@ def test_a_reset_prompt_with_no_room_stops_the_run_with_on_error_fail():
         runner.on_env(open_replies(runner, {"0:0:1": "x" * 60}), now=0.0)
 
 
-def test_closes_that_failed_are_counted_and_said_once_a_round(caplog):
-    """A close's failure leaves its (finished) episode as it is; env/close_errors counts it, the first is said."""
-    runner = long_reset_runner("skip")
+def test_closes_that_failed_are_counted_whatever_round_they_served_and_the_first_said(caplog):
+    """A close's failure leaves its (finished) episode as it is; env/close_errors counts it (an evaluation's, or one
+    that arrives while another round runs, too), and the run's first is said."""
+    from rollpacker.env.config import EnvConfig
+    from rollpacker.env.setup import Environments
+
     error = "toy: episode '0:0:0' (row 'short'): close raised OSError: container c1 still running"
+
+    class Pool:  # the replies the workers have ready
+        replies = [EnvReply("0:0:0", "close", error=error), EnvReply("eval/0:0:1", "close", error=error),
+                   EnvReply("0:0:2", "close")]
+
+        def poll(self):
+            out, self.replies = self.replies, []
+            return out
+
+    envs = Environments(cfg=EnvConfig(factory="toy"), pool=Pool(), bridge=Bridge(), encode=None, seed=0,
+                        max_new_tokens=8, max_context=100)
     with caplog.at_level("WARNING"):
-        assert runner.on_env([EnvReply("0:0:0", "close", error=error), EnvReply("0:0:1", "close", error=error),
-                              EnvReply("0:0:2", "close")], now=0.0) == []
-    assert runner.stats.close_errors == 2 and runner.stats.errors == 0
+        assert [r.key for r in envs.poll()] == ["0:0:0", "0:0:2"]  # the training round's (it skips closes)
+        assert envs.take_metrics() == {"env/close_errors": 2.0} and envs.take_metrics() == {"env/close_errors": 0.0}
+        envs.pool.replies = [EnvReply("0:1:0", "close", error=error)]
+        envs.poll()
     said = [r.getMessage() for r in caplog.records if "close() failed" in r.getMessage()]
     assert len(said) == 1 and "container c1 still running" in said[0]
+    assert Environments.none(8).take_metrics() == {}
 
 
 def test_a_step_whose_tool_calls_all_failed_is_said_once_a_run_with_what_most_answered(caplog):

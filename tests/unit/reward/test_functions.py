@@ -392,15 +392,18 @@ def test_a_function_taking_a_column_no_row_has_is_refused_before_the_run(tmp_pat
 
     path = tmp_path / "cols.py"
     path.write_text("def needs(completions, difficulty, level=1, **kw):\n    return [1.0]\n\n"
+                    "def singular(completions, prompt, **kw):\n    return [1.0]\n\n"
                     "def verl(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
     functions = build_functions(RewardConfig(funcs=("math", f"{path}:needs", f"{path}:verl")))
     rows = [{"id": "a", "prompt": "p", "answer": "1"}, {"id": "b", "prompt": "q", "answer": "2", "topic": "x"}]
     with pytest.raises(RewardFunctionError, match=r"reward function needs \(.*cols.py:needs\) takes 'difficulty', a "
-                                                  r"column no row of data.path has \(its columns: answer, prompt, "
-                                                  r"topic\): add the column, or give the parameter a default"):
+                                                  r"column no row of data.path has \(its columns: answer, topic\): "
+                                                  r"add the column, or give the parameter a default"):
         check_columns(functions, rows, "data.path")
     check_columns(functions, [rows[0], {**rows[1], "difficulty": None}], "data.path")
     check_columns(functions, [], "data.eval_path")
+    with pytest.raises(RewardFunctionError, match=r"takes 'prompt', a column no row"):  # TRL gives it as prompts
+        check_columns(build_functions(RewardConfig(funcs=(f"{path}:singular",))), rows, "data.path")
 
 
 def test_a_function_that_needs_environments_in_a_run_without_an_environment_is_refused_before_it(tmp_path):
@@ -409,8 +412,9 @@ def test_a_function_that_needs_environments_in_a_run_without_an_environment_is_r
     path = tmp_path / "envs.py"
     path.write_text("def used(environments, **kw):\n    return [1.0]\n\n"
                     "def maybe(completions, environments=None, **kw):\n    return [1.0]\n")
-    with pytest.raises(RewardFunctionError, match=r"reward function used \(.*envs.py:used\) takes environments, which "
-                                                  r"an env.factory of TRL's shape gives, and this run has none"):
-        build_functions(RewardConfig(funcs=(f"{path}:used",)))
+    for name in ("used", "maybe"):  # a default does not help: a call without a copy of the environment fails
+        with pytest.raises(RewardFunctionError, match=rf"reward function {name} \(.*envs.py:{name}\) takes "
+                                                      r"environments, which an env.factory of TRL's shape gives, and "
+                                                      r"this run has none: set --env.factory to one, or drop"):
+            build_functions(RewardConfig(funcs=(f"{path}:{name}",)))
     assert len(build_functions(RewardConfig(funcs=(f"{path}:used", f"{path}:maybe")), environment=True)) == 2
-    assert len(build_functions(RewardConfig(funcs=(f"{path}:maybe",)))) == 1

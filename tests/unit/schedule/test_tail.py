@@ -237,13 +237,16 @@ def test_a_group_of_one_is_refused_where_the_advantage_takes_the_groups_baseline
     num_generations < 2); an estimator whose baseline is the step's batch takes it."""
     from rollpacker.config import Config
     from rollpacker.rollout.config import RolloutConfig
-    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.config import TeacherConfig, TrainConfig
 
     for advantage in ("grpo", "rloo", "gdpo"):
         with pytest.raises(ValueError, match=rf"rollout.group_size=1 with train.advantage='{advantage}': its baseline "
                                              r"is the group's, .* or train.advantage to reinforce_pp or gae"):
             Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(advantage=advantage))
     assert Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(advantage="reinforce_pp"))
+    # on-policy distillation as a loss term trains a response alone
+    assert Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(teacher=TeacherConfig(
+        path="teacher", in_loss=True, task_weight=0.0)))
 
 
 def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest():
