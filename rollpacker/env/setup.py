@@ -100,7 +100,7 @@ class Environments:
             if info.get("tools"):
                 self.check_tool_parser()
             else:  # a string prompt is rendered only with tools
-                self.check_string_prompt(rows[row]["prompt"] if prompt is None else prompt, rows[row])
+                self.check_string_prompt(prompt, rows[row])
             if prompt is None and not info.get("tools"):
                 if row not in cache:
                     cache[row] = own(rows[row])
@@ -152,12 +152,15 @@ class Environments:
             raise DatasetError(f"data row {row['id']!r}: every message of its prompt is empty, and no environment's "
                                "reset writes one (env.factory): give the question")
 
-    def check_string_prompt(self, prompt: Any, row: dict) -> None:
-        """Refuse an episode's prompt that is a plain string tokenized as it is (no ``model.chat_template``, no
-        tools: env.tools render every prompt through it) unless it ends as the chat template ends a user turn
-        (rendered already, as the toy tasks' rows): its observations go through the template, so its first turn
-        would follow a bare question."""
-        if not isinstance(prompt, str) or self.templated or self.bridge is None or self.cfg.tools:
+    def check_string_prompt(self, prompt: Any, row: Any) -> None:
+        """Refuse an episode's prompt (its reset's, or None: its row's) that is a plain string tokenized as it is
+        (no ``model.chat_template``, no tools: env.tools render every prompt through it) unless it ends as the chat
+        template ends a user turn (rendered already, as the toy tasks' rows): its observations go through the
+        template, so its first turn would follow a bare question."""
+        if self.templated or self.bridge is None or self.cfg.tools:
+            return
+        prompt = row["prompt"] if prompt is None else prompt  # its reset's, else the row's own
+        if not isinstance(prompt, str):
             return
         if self.user_turn_end is None:
             marker = "\x00"
