@@ -140,7 +140,7 @@ class Controller:
         self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env, spec), bridge=bridge,
                                  encode=functools.partial(encode, self.tokenizer, cfg), seed=cfg.seed,
                                  max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len,
-                                 templated=cfg.model.chat_template)
+                                 templated=cfg.model.chat_template or cfg.model.shipped)  # the toy models: raw
 
     def build_leaders(self, sink: GroupSink | None = None) -> None:
         """Rank 0's side of the exchange for the run: training rounds (their groups fed to ``sink``),

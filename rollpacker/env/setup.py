@@ -63,7 +63,8 @@ class Environments:
     """Closes that failed since :meth:`take_metrics` (:meth:`_closed`)."""
     close_said: bool = False
     templated: bool = False
-    """``model.chat_template``: a string prompt is rendered as a user turn (:meth:`check_string_prompt`)."""
+    """String prompts need no check (:meth:`check_string_prompt`): ``model.chat_template`` renders them as a user
+    turn, or the model is a shipped toy one, trained on prompts as they are."""
     user_turn_end: str | None = None
     """How the chat template ends a user turn, once rendered."""
 
