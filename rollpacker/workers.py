@@ -15,7 +15,8 @@ Workers ignore the job's stop signals (SIGTERM, SIGINT, SIGUSR1: :mod:`rollpacke
 step in progress must finish with live workers, and the pool stops them after it. They are spawned
 with those signals blocked, so none slips in before they ignore it. Each runs in a process group of
 its own, out of reach of a kill of its rank's group (torchrun's teardown): it unwinds when its parent
-dies (RETIRE is its parent-death signal), and is killed if that does not end it.
+dies (RETIRE is its parent-death signal), and is killed if that does not end it. A worker stuck in C code
+when its parent dies cannot run RETIRE's handler: the task's own watchdog (:func:`tasks`) ends it.
 A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import logging
 import math
 import multiprocessing as mp
@@ -33,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +49,9 @@ RETIRE = signal.SIGUSR2
 """What the pool sends a worker to stop it: the stop signals (``STOP_SIGNALS``) are the trainer's."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE = 10.0
+"""Seconds past a task's timeout and ``STOP_GRACE`` after which a worker still in the task exits by itself: its
+pool has killed it by then, unless the pool's process is gone while the task is stuck in C code."""
 
 
 def ignore_stops(parent: int) -> None:
@@ -61,6 +67,21 @@ def ignore_stops(parent: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, RETIRE, 0, 0, 0)
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
+
+
+def tasks(conn: mp.connection.Connection) -> Iterator[Any]:
+    """In a worker: the tasks its pool sends, until told None. Each runs under a watchdog of faulthandler's, a C
+    thread, which dumps the worker's stack and exits it ``ORPHAN_GRACE`` seconds after the pool should have
+    killed it: a task stuck in C code (a regex, a hash, a solver) does not run RETIRE's handler, and would
+    outlive a dead rank."""
+    while (message := conn.recv()) is not None:
+        timeout, task = message
+        if math.isfinite(timeout):
+            faulthandler.dump_traceback_later(timeout + STOP_GRACE + ORPHAN_GRACE, exit=True)
+        try:
+            yield task
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _retired(*_) -> None:
@@ -294,7 +315,7 @@ class WorkerPool:
                     continue
                 w.task, w.started = task, time.monotonic()
                 with contextlib.suppress(OSError):  # it just died: its sentinel says so next, the task is flagged
-                    w.conn.send(self._wire(task))
+                    w.conn.send((task.timeout, self._wire(task)))
 
     def _replace(self, i: int, reason: str) -> None:
         """Stop worker ``i`` and start a fresh one in its place; flag its task with ``reason``."""

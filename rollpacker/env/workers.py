@@ -40,7 +40,7 @@ from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
 from rollpacker.env.contract import EnvError, EnvReply
 from rollpacker.imports import load, target, warm_up
-from rollpacker.workers import WorkerPool, ignore_stops, leaving
+from rollpacker.workers import WorkerPool, ignore_stops, leaving, tasks
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
     failed = spec.warm()
     try:
         conn.send(failed or None)
-        while (task := conn.recv()) is not None:
+        for task in tasks(conn):
             wall = time.perf_counter()
             value, error, state, finishes, transient = _run(spec, envs, *task)
             try:

@@ -38,7 +38,7 @@ from typing import Any
 from rollpacker.imports import warm_up
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.functions import BadValue, Ref, RewardFunctionError, Value, acall, call
-from rollpacker.workers import STOP_GRACE, WorkerPool, ignore_stops, leaving  # noqa: F401  (STOP_GRACE: the tests')
+from rollpacker.workers import STOP_GRACE, WorkerPool, ignore_stops, leaving, tasks  # noqa: F401  (STOP_GRACE: the tests')
 
 STALL_GRACE_S = 30.0
 """Seconds past the longest timeout an async call may take to come back before its loop counts as stalled."""
@@ -104,7 +104,7 @@ def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...])
     failed = next(filter(None, (warm_up(target, "reward.funcs") for target in targets)), "")
     try:
         conn.send(failed or None)
-        while (task := conn.recv()) is not None:
+        for task in tasks(conn):
             ref, sample = task
             wall, cpu = time.perf_counter(), _cpu_seconds()
             value, error, metrics, info = score(ref, sample)

@@ -7,6 +7,9 @@ hangs cost seconds.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -18,6 +21,7 @@ from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.functions import BUILTINS, Ref
 from rollpacker.reward.sandbox import SandboxConfig
 from rollpacker.reward.workers import STOP_GRACE, RewardPool
+from rollpacker.workers import ORPHAN_GRACE
 
 TOWER = "\\boxed{10^{10^{10^{10^{10}}}}}"  # math-verify tries to evaluate it: hangs
 
@@ -183,6 +187,53 @@ def test_a_function_is_loaded_and_warmed_up_as_its_worker_starts_not_in_its_firs
         with pytest.raises(RuntimeError, match=r"a reward worker could not start: reward.funcs: the warm_up\(\) of "
                                                r"score \(.*raises.py:score\) raised ZeroDivisionError"):
             pool.drain(60)
+
+
+STUCK_IN_C = """
+import hashlib, os, sys
+
+
+def score(completions, **kwargs):
+    with open(os.environ["STUCK_PID_FILE"], "w") as f:
+        f.write(str(os.getpid()))
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2**31 - 1)  # minutes in C, where no Python signal handler runs
+    return [1.0 for _ in completions]
+"""
+
+RANK = textwrap.dedent("""
+    import os, sys, time
+    from rollpacker.reward.config import RewardConfig
+    from rollpacker.reward.functions import Ref
+    from rollpacker.reward.workers import RewardPool
+
+    if __name__ == "__main__":
+        ref = Ref("score", sys.argv[1] + ":score")
+        pool = RewardPool(RewardConfig(num_workers=1, timeout=1.0), (ref.target,))
+        pool.submit("stuck", ref, {"prompt": "", "completion": "x", "completion_ids": [], "columns": {}})
+        while not os.path.exists(os.environ["STUCK_PID_FILE"]):
+            time.sleep(0.05)
+        os.kill(os.getpid(), 9)  # the rank dies with its worker in the call, before the pool's timeout
+""")
+
+
+def test_a_worker_stuck_in_c_code_does_not_outlive_its_dead_rank(tmp_path):
+    """A reward call stuck in C code (a hash here; a regex, a solver) when its rank is killed: its parent-death
+    signal's handler cannot run until the call returns, in minutes or never; the task's watchdog (a C thread)
+    ends the worker ORPHAN_GRACE seconds after its pool would have killed it."""
+    (tmp_path / "stuck.py").write_text(STUCK_IN_C)
+    pid_file, log = tmp_path / "pid", tmp_path / "rank.log"
+    with open(log, "w") as out:  # not a pipe: the worker inherits it, and would hold a pipe's reader
+        rank = subprocess.run([sys.executable, "-c", RANK, str(tmp_path / "stuck.py")], stdout=out, stderr=out,
+                              timeout=120, env=os.environ | {"STUCK_PID_FILE": str(pid_file)})
+    assert rank.returncode == -9, log.read_text()[-2000:]
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 1.0 + STOP_GRACE + ORPHAN_GRACE + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive(pid):
+        os.kill(pid, 9)
+        pytest.fail("the worker outlived its rank")
+    assert "stuck.py" in log.read_text()  # where it was stuck, in the stack its watchdog dumped
 
 
 def test_hostile_code_through_the_pool(pool):
