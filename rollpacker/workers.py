@@ -89,7 +89,7 @@ def _retired(*_) -> None:
     worker closes its environments; SIGALRM's default kills the worker ``STOP_GRACE`` seconds on if that hangs
     (no pool is left to SIGKILL it when its process died). Once: a second RETIRE (the pool's, then its process's
     death) must not raise again inside the unwinding, where an atexit callback would print it as a crash."""
-    signal.signal(RETIRE, signal.SIG_IGN)
+    signal.signal(RETIRE, _absorbed)
     signal.alarm(math.ceil(STOP_GRACE))
     sys.exit(1)
 
@@ -97,7 +97,13 @@ def _retired(*_) -> None:
 def leaving() -> None:
     """A worker's loop is over: the RETIRE that follows a closed pipe must not raise in the interpreter's exit
     (a SystemExit inside an atexit finalizer prints a traceback that reads like a crash)."""
-    signal.signal(RETIRE, signal.SIG_IGN)
+    signal.signal(RETIRE, _absorbed)
+
+
+def _absorbed(*_) -> None:
+    """RETIRE once the worker is leaving: nothing. Not ``SIG_IGN``: a RETIRE that lands while ``signal.signal``
+    installs that is run later as ignored, which Python prints as a traceback ("Signal 12 ignored due to race
+    condition") under a run that ended well."""
 
 
 class PoolError(UserError, RuntimeError):
