@@ -171,6 +171,9 @@ class Bridge(Protocol):
     def check_tool_parser(self, parser: str) -> None:
         """Raise if ``parser`` cannot read the calls the chat template writes."""
 
+    def take_breaks(self) -> int:
+        """Observations rendered with a template that is not prefix-preserving, since last called."""
+
 
 class Episode:
     """One episode (see the module docstring). ``bridge``: the chat's, None for a response without

@@ -18,6 +18,8 @@ the engine's. How the delta is computed: ``docs/environments.md`` (Token in, tok
 
 from __future__ import annotations
 
+import logging
+
 from rollpacker.data.chat import cut_at_stop
 from rollpacker.env.contract import Message
 from rollpacker.errors import UserError
@@ -25,6 +27,8 @@ from rollpacker.errors import UserError
 MARK = "ROLLPACKER_ASSISTANT_TURN"
 """The assistant content of the base conversation, found again in its render."""
 BASE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": MARK}]
+
+logger = logging.getLogger(__name__)
 
 
 class TemplateBreak(UserError):
@@ -50,7 +54,8 @@ class ChatBridge:
         self.keep = {vocab[t]: t for t in keep if t in vocab}
         """The kept special tokens of this vocabulary, by id."""
         self.breaks = 0
-        """Observations rendered with a broken template (``template_breaks = "count"``)."""
+        """Observations rendered with a broken template (``template_breaks = "count"``), since :meth:`take_breaks`."""
+        self.break_said = False
         base = self.render(BASE)
         self.end_of_turn = self.encode(base[base.rindex(MARK) + len(MARK):])
         """The template's tokens after an assistant turn's content."""
@@ -114,15 +119,23 @@ class ChatBridge:
         if rest is not None and self._turn_alone(base, before, after, tools):
             return rest
         at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
-        if self.template_breaks == "fail":
-            raise TemplateBreak(
-                f"the chat template of {self.name} is not prefix-preserving for observations of roles {roles}: "
+        what = (f"the chat template of {self.name} is not prefix-preserving for observations of roles {roles}: "
                 f"rendering them after an assistant turn rewrites the turns before, from character {at} "
-                f"(before: {before[max(at - 40, 0):at + 40]!r}; after: {after[max(at - 40, 0):at + 40]!r}). Use a "
-                "prefix-preserving template (model.path's chat_template), or set env.template_breaks=count to "
-                "append the delta anyway")
+                f"(before: {before[max(at - 40, 0):at + 40]!r}; after: {after[max(at - 40, 0):at + 40]!r})")
+        if self.template_breaks == "fail":
+            raise TemplateBreak(f"{what}. Use a prefix-preserving template (model.path's chat_template), or set "
+                                "env.template_breaks=count to append the delta anyway")
+        if not self.break_said:
+            self.break_said = True
+            logger.warning("%s: appending the delta anyway (env.template_breaks count), so the model trains on "
+                           "turns its template would not render; env/template_breaks counts them; said once", what)
         self.breaks += 1
         return after[at:] if rest is None else rest
+
+    def take_breaks(self) -> int:
+        """The observations rendered with a broken template since last called."""
+        breaks, self.breaks = self.breaks, 0
+        return breaks
 
     def _turn_alone(self, base: list[Message], before: str, after: str, tools: list[dict] | None) -> bool:
         """Whether ``after`` rewrites the base's assistant turn alone, by dropping text from its start (Qwen3 drops

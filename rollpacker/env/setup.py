@@ -193,11 +193,13 @@ class Environments:
                        int(calls), answers.most_common(1)[0][0] if answers else "")
 
     def take_metrics(self) -> dict[str, float]:
-        """Since last called: ``env/close_errors`` (with an environment), and with ``env.warm``
-        ``env/warm_opens``, the opens answered by environments opened ahead."""
+        """Since last called: ``env/close_errors`` (with an environment), with ``env.warm`` ``env/warm_opens``, the
+        opens answered by environments opened ahead, and with ``env.template_breaks count`` ``env/template_breaks``."""
         (opens, self.warm_opens), (closes, self.close_errors) = (self.warm_opens, 0), (self.close_errors, 0)
         return ({"env/close_errors": float(closes)} if self.enabled else {}) | (
-            {"env/warm_opens": opens} if self.cfg.warm else {})
+            {"env/warm_opens": opens} if self.cfg.warm else {}) | (
+            {"env/template_breaks": float(self.bridge.take_breaks())}
+            if self.bridge is not None and self.cfg.template_breaks == "count" else {})
 
     def send(self, calls: list[EnvCall], rows: Sequence[dict], tag: str = "") -> None:
         """Hand ``calls`` to the workers, in order, their episodes named ``TAG + key`` (the held-out

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from rollpacker.env.config import EnvConfig
 from rollpacker.env.contract import StepResult
 from rollpacker.env.episode import Episode, StepEnv, TurnRequest
 from rollpacker.env.render import ChatBridge, TemplateBreak
+from rollpacker.env.setup import Environments
 from tests.support.chat import (
     COUNTING_TEMPLATE,
     QWEN3_STYLE_TEMPLATE,
@@ -112,6 +114,18 @@ def test_a_template_that_rewrites_earlier_turns_is_caught_naming_it():
     counting = ChatBridge(tokenizer, template_breaks="count")
     ids = counting.observation_ids([{"role": "user", "content": "again"}], [5, 6])
     assert counting.breaks == 1 and tokenizer.decode(ids) == "\nuser: again\nassistant:"  # the end of turn, the delta
+
+
+def test_counted_template_breaks_are_logged_and_said_once(caplog):
+    """With env.template_breaks count, the breaks are the step's env/template_breaks (they were counted and never
+    logged), and the first is said once: the model trains on turns its template would not render."""
+    counting = ChatBridge(qwen_style_tokenizer(COUNTING_TEMPLATE), template_breaks="count")
+    envs = Environments(cfg=EnvConfig(tools=("rollpacker.toy.tools:calculator",), template_breaks="count"),
+                        pool=None, bridge=counting, encode=None, seed=0, max_new_tokens=8, max_context=64)
+    for _ in range(3):
+        counting.observation_ids([{"role": "user", "content": "again"}], [5, 6])
+    assert envs.take_metrics()["env/template_breaks"] == 3 and envs.take_metrics()["env/template_breaks"] == 0
+    assert [r.getMessage().count("env/template_breaks counts them; said once") for r in caplog.records] == [1]
 
 
 def test_a_template_that_puts_a_turn_before_an_assistant_turn_once_one_follows_is_caught():
