@@ -23,7 +23,7 @@ def start_summary(job) -> str:
     lines = [
         f"rollpacker: {meshes.world_size} rank(s) on {meshes.device.type}, schedule:{cfg.policy}, steps "
         f"{job.start_step} to {cfg.num_steps - 1}, each {r.num_prompts} prompts x {r.group_size} responses{resumed}",
-        f"  data: {_rows(ctl.rows, cfg.data.path)}"
+        f"  data: {_rows(ctl.rows, cfg.data.path)}{_toy_under(cfg)}"
         + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path or _slice(cfg.data))}" if ctl.eval_rows else ""),
         f"  model: {cfg.model.path or 'the shipped toy model'} ({job.model_dir}), engine {cfg.engine.kind}; "
         f"{_template(ctl.tokenizer, cfg)}",
@@ -93,6 +93,18 @@ def _rows(rows: list[dict], paths: tuple[str, ...]) -> str:
     more = f" and {len(sources) - 5} more sources" if len(sources) > 5 else ""
     where = ", ".join(paths) or "the toy task"
     return f"{len(rows)} rows from {where}" + (f" (sources: {named}{more})" if named else "")
+
+
+def _toy_under(cfg) -> str:
+    """Flags an environment of the user's on the toy task's rows (no ``data.path``): a TRL or gym environment that
+    draws its own task would run after a toy arithmetic problem, silently."""
+    from rollpacker.env.config import FACTORIES
+
+    if cfg.data.path or not cfg.env.factory or cfg.env.factory in FACTORIES:
+        return ""
+    return (f" (no --data.path: each episode of {cfg.env.factory} starts from a toy arithmetic problem, its reset's "
+            "text after it; give --data.path, with rows of one empty user turn for an environment that draws its "
+            "own tasks)")
 
 
 def _slice(data) -> tuple[str, ...]:

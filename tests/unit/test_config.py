@@ -294,3 +294,14 @@ def test_the_start_summary_flags_a_toy_learning_rate_on_a_model_of_your_own():
     tuned = Config(model=ModelConfig(path="/models/Qwen2.5-7B"), train=TrainConfig(lr=1e-6, lr_schedule="constant"))
     assert _training(tuned) == ("grpo advantages, ppo loss (token-mean), kl 0; lr 1e-06, warm-up 10 steps, then "
                                 "constant")
+
+
+def test_the_start_summary_flags_an_environment_of_your_own_on_the_toy_tasks_rows():
+    """TRL's environments draw their own tasks: run without --data.path, their episodes started from toy arithmetic
+    problems (the reset's text after them), and nothing said so."""
+    from rollpacker.summary import _toy_under
+
+    env = ["--env.factory", "rollpacker.toy.env:make_env"]  # as a file of the user's would be named
+    assert "starts from a toy arithmetic problem" in _toy_under(parse(env))
+    assert _toy_under(parse([*env, "--data.path", "rows.jsonl"])) == ""
+    assert _toy_under(parse(["--env.factory", "toy"])) == _toy_under(parse([])) == ""  # the toy environment's task
