@@ -12,7 +12,9 @@ rollout TP (:meth:`Job.switch_tp`) and saves a checkpoint (:meth:`Job.save`). Th
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import json
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ from rollpacker.rollout import ENGINES, build_engine, resolve_kind
 from rollpacker.rollout.engine import Engine, text_decoder
 from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
 from rollpacker.train.stream import StreamTrainer
-from rollpacker.train.trainer import Trainer, compute_device
+from rollpacker.train.trainer import TAKEN, Trainer, compute_device
 
 logger = logging.getLogger("rollpacker")
 
@@ -98,7 +100,7 @@ class Job:
         path = Path(self.config.run_dir) / "checkpoints" / f"step_{step}"
         state = self.controller.state_dict(policy_state) if self.controller else None
         if state is not None:  # rank 0's, which writes train_state.json
-            state["export_flags"] = export_flags(self.config)
+            state["export_flags"], state["settings"] = export_flags(self.config), settings(self.config)
         also = (lambda: self.export(path / "hf")) if self.config.checkpoint.export_hf_each else None
         with watchdog.waiting("checkpoint", self.config.dist.checkpoint_timeout_s):
             checkpoint.save(path, self.trainer, step, state, trainer_rank=self.meshes.train_ranks[0],
@@ -231,6 +233,7 @@ def build(config: Config) -> Job:
             state = checkpoint.load(Path(config.resume), trainer)
         job.start_step = state["step"]
         if job.controller:
+            say_changed(state.get("settings"), config)
             try:
                 job.controller.load_state_dict(state)
             except ValueError as e:  # a dataset or policy setting the checkpoint's state does not fit
@@ -250,6 +253,34 @@ def export_flags(config: Config) -> list[str]:
                   "--train.lora.target-modules", *lora.target_modules,
                   f"--train.lora.{'' if lora.export_merged else 'no-'}export-merged"]
     return flags
+
+
+def settings(config: Any, prefix: str = "") -> dict[str, Any]:
+    """``config``'s settings flat, ``section.field`` -> value as JSON holds it: each checkpoint keeps the run's,
+    so that a resume says which it changed."""
+    flat = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        flat |= (settings(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value)
+                 else {prefix + f.name: json.loads(json.dumps(value, default=str))})
+    return flat
+
+
+UNSAID = ("resume", "run_dir", "metrics.", *TAKEN)
+"""Settings a resume changes unsaid: where it runs and logs, and the optimizer's (``Trainer.take_settings`` says
+those as it applies them)."""
+
+
+def say_changed(saved: dict[str, Any] | None, config: Config) -> None:
+    """Say once, as a resume starts, which settings differ from the checkpoint's run's: a resume under another
+    preset or model (whose shapes match) went on silently with another task, chat template or rewards."""
+    now = settings(config)
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in now
+               if k in (saved or {}) and saved[k] != now[k] and not k.startswith(UNSAID)]
+    if changed:
+        shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more" if len(changed) > 12 else "")
+        logger.warning("resume: this run's settings differ from the checkpoint's: %s (they apply from here on: the "
+                       "weights, the optimizer's moments and the data's position are the checkpoint's)", shown)
 
 
 def engine_nccl_env(config: Config) -> dict[str, str]:

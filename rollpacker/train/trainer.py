@@ -208,6 +208,10 @@ class NonFiniteError(RuntimeError):
     """``train.max_skipped_steps`` consecutive steps had a non-finite loss or gradient norm."""
 
 
+TAKEN = ("train.lr", "train.betas", "train.adam_eps", "train.weight_decay", "train.critic.lr")
+"""The settings :meth:`Trainer.take_settings` applies over a checkpoint's, and says."""
+
+
 class Trainer:
     """Lives on the ranks of ``mesh`` (every rank, or the training pool of disaggregated pools,
     whose process group is ``group``)."""

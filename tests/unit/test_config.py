@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rollpacker.config import CONFIGS_DIR, load_preset, parse
@@ -305,3 +307,19 @@ def test_the_start_summary_flags_an_environment_of_your_own_on_the_toy_tasks_row
     assert "starts from a toy arithmetic problem" in _toy_under(parse(env))
     assert _toy_under(parse([*env, "--data.path", "rows.jsonl"])) == ""
     assert _toy_under(parse(["--env.factory", "toy"])) == _toy_under(parse([])) == ""  # the toy environment's task
+
+
+def test_a_resume_says_which_settings_differ_from_the_checkpoints_run(caplog):
+    """Another preset whose model has the same shapes resumed silently: another task, chat template and rewards
+    under the checkpoint's weights and data position. Where the run writes and the optimizer's settings (which
+    the trainer says as it applies them) are left unsaid."""
+    from rollpacker.job import say_changed, settings
+
+    saved = json.loads(json.dumps(settings(parse(["--preset", "toy-tools"]))))  # as train_state.json holds them
+    say_changed(saved, parse(["--preset", "toy-tools", "--run-dir", "elsewhere", "--train.lr", "1e-5",
+                              "--metrics.wandb-mode", "disabled"]))
+    assert caplog.text == ""
+    say_changed(saved, parse(["--preset", "toy-env"]))
+    [record] = caplog.records
+    assert "model.path: 'toy-tools' -> '', data.toy_task: 'tools' -> 'arithmetic'" in record.getMessage()
+    assert "env.factory: '' -> 'toy'" in record.getMessage() and record.levelname == "WARNING"
