@@ -221,8 +221,16 @@ class MetricsLogger:
     def start_at(self, step: int) -> None:
         """Drop the records of ``step`` and later: this run logs them (again, after a resume). The evaluation
         of a resumed ``step`` stays, as that step's last line, until this run's record of the step replaces it;
-        a fresh start (step 0) keeps nothing of an earlier run's (its evaluation would read as this run's)."""
-        if self._file is None or not self.path.stat().st_size:
+        a fresh start (step 0) keeps nothing of an earlier run's (its evaluation would read as this run's). The
+        sample files of those steps go too: a resume from an older checkpoint left the abandoned run's, and the
+        report showed them as the run's newest."""
+        if self._file is None:
+            return
+        for path in (self.run_dir / "samples").glob("*step_*.jsonl"):
+            kept = _step_of_name(path.stem)
+            if kept is not None and (kept > step if path.stem.startswith("eval_") else kept >= step):
+                path.unlink()
+        if not self.path.stat().st_size:
             return
         lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
         kept = [line for line in lines if _step_of(line) < step]
@@ -333,6 +341,12 @@ def _drop_torn_line(path: Path) -> None:
         f.truncate(data.rfind(b"\n") + 1)
     logger.warning("%s: dropped its last line, cut off unfinished (%d bytes): the run writing it was stopped",
                    path, len(data) - data.rfind(b"\n") - 1)
+
+
+def _step_of_name(stem: str) -> int | None:
+    """The step of a sample file's name (``step_N``, ``eval_step_N``); None for another file's."""
+    prefix, _, number = stem.rpartition("step_")
+    return int(number) if prefix in ("", "eval_") and number.isdigit() else None
 
 
 def _step_of(line: str) -> int:

@@ -118,6 +118,21 @@ def test_logger_disabled_writes_jsonl_without_wandb(tmp_path):
     assert _read_jsonl(tmp_path / "run" / "metrics.jsonl") == [{"step": 0, "reward/mean": 0.0}]
 
 
+def test_a_resume_drops_the_sample_files_of_the_steps_it_redoes(tmp_path):
+    """Back to an older checkpoint: the abandoned run's samples of later steps stayed, and the report showed them
+    as the run's newest. The evaluation of the resumed step stays, as its metrics do."""
+    with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as first:
+        for step in range(5):
+            first.log(step, {"reward/mean": 0.5})
+            first.log_samples(step, f"step_{step}", [{"step": step}])
+            first.log_samples(step, f"eval_step_{step}", [{"step": step}], "eval_samples")
+    (tmp_path / "samples" / "mystep_9.jsonl").write_text("")  # not a step's
+    with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as resumed:
+        resumed.start_at(2)
+    assert sorted(p.stem for p in (tmp_path / "samples").iterdir()) == [
+        "eval_step_0", "eval_step_1", "eval_step_2", "mystep_9", "step_0", "step_1"]
+
+
 def test_tensorboard_mirrors_the_record_and_a_resume_replaces_the_steps_it_redoes(tmp_path):
     """Numbers are scalars, lists histograms, text left out; a resume from step 1 hides the first run's steps 1-2
     (TensorBoard's purge_step), as it drops their records from metrics.jsonl."""
