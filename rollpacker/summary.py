@@ -61,7 +61,7 @@ def _prompt_ids(ctl, row: dict) -> list[int]:
 def _rewards(ctl) -> str:
     """The reward functions and weights, the environment's rewards with episodes, and what counts as correct."""
     parts = [f"{f.name} x{f.weight:g}" for f in ctl.rewards.functions]
-    if ctl.config.env.enabled:
+    if ctl.config.env.factory:  # tools alone reward nothing themselves
         parts.append("the environment's")
     return f"{', '.join(parts)} (correct: {ctl.config.reward.correct or 'the reward'} >= 1)"
 
@@ -116,7 +116,8 @@ def _template(tokenizer, cfg) -> str:
     """How prompts are rendered: through the tokenizer's chat template (for which prompts, with what), or not."""
     if not getattr(tokenizer, "chat_template", None):
         return "its tokenizer has no chat template: prompts are tokenized as they are"
-    which = "every prompt (--model.chat-template)" if cfg.model.chat_template else "message-list prompts"
+    which = ("every prompt (--model.chat-template)" if cfg.model.chat_template else
+             "every prompt, with the tools' schemas (--env.tools)" if cfg.env.tools else "message-list prompts")
     extra = "".join(f", {name} {value!r}" for name, value in (("system prompt", cfg.data.system_prompt),
                                                               ("template kwargs", cfg.model.chat_template_kwargs))
                     if value)

@@ -323,3 +323,21 @@ def test_a_resume_says_which_settings_differ_from_the_checkpoints_run(caplog):
     [record] = caplog.records
     assert "model.path: 'toy-tools' -> '', data.toy_task: 'tools' -> 'arithmetic'" in record.getMessage()
     assert "env.factory: '' -> 'toy'" in record.getMessage() and record.levelname == "WARNING"
+
+
+def test_the_start_summary_says_tools_render_every_prompt_and_reward_nothing_themselves():
+    """With env.tools a string prompt goes through the chat template too (their schemas with it): the summary said
+    only message lists did; and tools alone have no reward of the environment's to name."""
+    from types import SimpleNamespace
+
+    from rollpacker.summary import _rewards, _template
+
+    tokenizer = SimpleNamespace(chat_template="{{ messages }}")
+    assert _template(tokenizer, parse(["--env.tools", "python"])).endswith("renders every prompt, with the tools' "
+                                                                           "schemas (--env.tools)")
+    assert _template(tokenizer, parse([])).endswith("renders message-list prompts")
+    functions = [SimpleNamespace(name="toy", weight=1.0)]
+    ctl = SimpleNamespace(rewards=SimpleNamespace(functions=functions), config=parse(["--env.tools", "python"]))
+    assert _rewards(ctl) == "toy x1 (correct: the reward >= 1)"
+    ctl.config = parse(["--env.factory", "toy"])
+    assert _rewards(ctl) == "toy x1, the environment's (correct: the reward >= 1)"

@@ -293,6 +293,7 @@ def test_the_pages_commands_run_as_written(tmp_path):
         for cmd in page_commands(name):
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(), cwd=tmp_path)
             assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stderr[-4000:]}"
+            assert "Q: Q:" not in proc.stdout + proc.stderr  # a prompt rendered once (the start summary shows one)
     guess = tmp_path / "runs" / "guess"
     episodes = samples(guess)
     assert episodes and all(r["turns"][0]["role"] == "assistant" for r in episodes)
