@@ -98,6 +98,13 @@ def parse_once(argv: list[str] | None) -> Config:
         raise SystemExit(0) from None
 
 
+def flag_names(record: logging.LogRecord) -> bool:
+    """A warning of ours names settings as the flags the user typed, as an error does (``--env.on-error``)."""
+    if record.levelno >= logging.WARNING and record.name.startswith("rollpacker"):
+        record.msg, record.args = as_flags(record.getMessage()), None
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's Python stack first
     preempt.install()  # a stop (Ctrl-C, SIGTERM) during setup stops before the first step
@@ -119,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"(raise --num-steps to go on){unexported}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(flag_names)
     if os.environ.get("RANK", "0") == "0":  # something at once: building takes minutes with a real model
         logger = logging.getLogger("rollpacker")
         logger.info("building the job on %s rank(s): model, engines, trainer, data", os.environ.get("WORLD_SIZE", "1"))

@@ -341,3 +341,20 @@ def test_the_start_summary_says_tools_render_every_prompt_and_reward_nothing_the
     assert _rewards(ctl) == "toy x1 (correct: the reward >= 1)"
     ctl.config = parse(["--env.factory", "toy"])
     assert _rewards(ctl) == "toy x1, the environment's (correct: the reward >= 1)"
+
+
+def test_a_warning_of_ours_names_settings_as_the_flags_you_type():
+    """Errors said --data.skip-bad-lines, warnings data.skip_bad_lines: the docs quote them as flags."""
+    import logging
+
+    from rollpacker.run import flag_names
+
+    def said(name: str, level: int, msg: str, *args) -> str:
+        record = logging.LogRecord(name, level, __file__, 0, msg, args, None)
+        assert flag_names(record)
+        return record.getMessage()
+
+    assert said("rollpacker.data", logging.WARNING, "skipped %d bad row(s) (data.skip_bad_lines)", 2) == (
+        "skipped 2 bad row(s) (--data.skip-bad-lines)")
+    assert said("rollpacker", logging.INFO, "resume: train.lr: 1 -> 2") == "resume: train.lr: 1 -> 2"
+    assert said("transformers", logging.WARNING, "see num_steps") == "see num_steps"  # not ours

@@ -90,8 +90,8 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     # uninterrupted run's, bit for bit (seeded sampling, exact fp32 state)
     proc = launch_job(*common, "--num-steps", "3", "--resume", str(tmp_path / "checkpoints" / "step_2"), nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stderr.count("resume: this run's settings differ from the checkpoint's: eval_every: 3 -> 0, "
-                             "checkpoint.export_hf_each: True -> False, data.num_eval_prompts: 8 -> 256 "
+    assert proc.stderr.count("resume: this run's settings differ from the checkpoint's: --eval-every: 3 -> 0, "
+                             "--checkpoint.export-hf-each: True -> False, --data.num-eval-prompts: 8 -> 256 "
                              "(they apply") == 1, (
         proc.stderr[-4000:])
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
