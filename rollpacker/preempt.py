@@ -77,8 +77,9 @@ def _seen(signum: int) -> None:
         if _received is not None:  # the first one says why (a requeue's SIGTERM may come with the script's USR1)
             return
         _received = signal.Signals(signum)
-        again = " (Ctrl-C again to stop at once, losing it)" if signum == signal.SIGINT else ""
         step = watchdog.step()
+        again = "" if signum != signal.SIGINT else (" (Ctrl-C again to stop at once, losing it)" if step >= 0 else
+                                                    " (Ctrl-C again to stop at once)")
         when = (f"after step {step} with a checkpoint" if step >= 0 else
                 "before the first step (still starting: nothing to save)")
         _say(f"rollpacker: {_received.name}: stopping {when}{again}")

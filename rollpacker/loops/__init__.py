@@ -34,8 +34,9 @@ def train(job) -> int:
         if ctl:
             ctl.close()  # the reward workers, which ignored the signal, stop now
             newest = checkpoint.latest(Path(cfg.run_dir))
-            print(f"rollpacker: stopped on {stop} with {step} of {cfg.num_steps} steps done; the newest committed "
-                  f"checkpoint is {newest or 'none'}: run the same command with --resume auto to go on",
+            go_on = (f"the newest committed checkpoint is {newest}: run the same command with --resume auto to go on"
+                     if newest else "no checkpoint is committed: run the same command again to start")
+            print(f"rollpacker: stopped on {stop} with {step} of {cfg.num_steps} steps done; {go_on}",
                   file=sys.stderr, flush=True)
         return step
     if cfg.checkpoint.export_hf:

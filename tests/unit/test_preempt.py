@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import asyncio, signal
 from rollpacker import preempt
@@ -24,9 +26,13 @@ def test_installing_again_gives_the_wakeup_pipe_back_after_an_asyncio_loop_took_
     assert out.stdout.split() == ["True", "True"], out.stderr
 
 
-def test_a_stop_before_the_first_step_says_nothing_will_be_saved():
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_stop_before_the_first_step_says_nothing_will_be_saved(signame):
+    """Ctrl-C while starting said a second one would stop at once "losing it": there is nothing to lose."""
     script = ("import os, signal, time\nfrom rollpacker import preempt\npreempt.install()\n"
-              "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\nprint(preempt.requested())")
+              f"os.kill(os.getpid(), signal.{signame})\ntime.sleep(0.5)\nprint(preempt.requested())")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["SIGTERM"], out.stderr
-    assert out.stderr == "rollpacker: SIGTERM: stopping before the first step (still starting: nothing to save)\n"
+    assert out.stdout.split() == [signame], out.stderr
+    again = " (Ctrl-C again to stop at once)" if signame == "SIGINT" else ""
+    assert out.stderr == (f"rollpacker: {signame}: stopping before the first step (still starting: nothing to "
+                          f"save){again}\n")
