@@ -32,7 +32,9 @@ def start_summary(job) -> str:
                                     if cfg.reward.on_error == "skip" and cfg.reward.max_error_frac < 1 else ""),
         *([f"  episodes: {_episodes(cfg.env)}"] if cfg.env.enabled else []),
         f"  training: {_training(cfg)}",
-        f"  checkpoints: {every}at the end, in {cfg.run_dir}/checkpoints; metrics: {cfg.run_dir}/metrics.jsonl",
+        f"  checkpoints: {every}at the end, in {cfg.run_dir}/checkpoints, "
+        f"{f'the newest {cfg.checkpoint.keep} kept' if cfg.checkpoint.keep else 'all kept (--checkpoint.keep)'}; "
+        f"metrics: {cfg.run_dir}/metrics.jsonl",
     ]
     row = ctl.rows[0]
     ids = _prompt_ids(ctl, row)
