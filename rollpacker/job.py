@@ -266,21 +266,28 @@ def settings(config: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-UNSAID = ("resume", "run_dir", "metrics.", *TAKEN)
-"""Settings a resume changes unsaid: where it runs and logs, and the optimizer's (``Trainer.take_settings`` says
-those as it applies them)."""
+UNSAID = ("resume", "run_dir", *TAKEN)
+"""Settings a resume changes unsaid: where it runs, and the optimizer's (``Trainer.take_settings`` says those as it
+applies them); ``metrics.*`` neither (where it logs)."""
+SHOWN_CHARS = 80
+"""Of each value a resume says changed."""
 
 
 def say_changed(saved: dict[str, Any] | None, config: Config) -> None:
     """Say once, as a resume starts, which settings differ from the checkpoint's run's: a resume under another
     preset or model (whose shapes match) went on silently with another task, chat template or rewards."""
     now = settings(config)
-    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in now
-               if k in (saved or {}) and saved[k] != now[k] and not k.startswith(UNSAID)]
+    changed = [f"{k}: {_shown(saved[k])} -> {_shown(now[k])}" for k in now
+               if k in (saved or {}) and saved[k] != now[k] and k not in UNSAID and not k.startswith("metrics.")]
     if changed:
-        shown = ", ".join(changed[:12]) + (f" and {len(changed) - 12} more" if len(changed) > 12 else "")
         logger.warning("resume: this run's settings differ from the checkpoint's: %s (they apply from here on: the "
-                       "weights, the optimizer's moments and the data's position are the checkpoint's)", shown)
+                       "weights, the optimizer's moments and the data's position are the checkpoint's)",
+                       ", ".join(changed))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def engine_nccl_env(config: Config) -> dict[str, str]:

@@ -227,8 +227,9 @@ class MetricsLogger:
         if self._file is None:
             return
         for path in (self.run_dir / "samples").glob("*step_*.jsonl"):
-            kept = _step_of_name(path.stem)
-            if kept is not None and (kept > step if path.stem.startswith("eval_") else kept >= step):
+            of = _step_of_name(path.stem)
+            held = step and path.stem.startswith("eval_")  # the resumed step's evaluation, as its record's
+            if of is not None and of >= step + held:
                 path.unlink()
         if not self.path.stat().st_size:
             return

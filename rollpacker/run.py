@@ -99,9 +99,12 @@ def parse_once(argv: list[str] | None) -> Config:
 
 
 def flag_names(record: logging.LogRecord) -> bool:
-    """A warning of ours names settings as the flags the user typed, as an error does (``--env.on-error``)."""
-    if record.levelno >= logging.WARNING and record.name.startswith("rollpacker"):
-        record.msg, record.args = as_flags(record.getMessage()), None
+    """A line of ours names settings as the flags the user typed, as an error does (``--env.on-error``)."""
+    if record.name.startswith("rollpacker"):
+        try:
+            record.msg, record.args = as_flags(record.getMessage()), None
+        except Exception:  # noqa: BLE001  (a bad format argument: the handler reports it, as without this filter)
+            pass
     return True
 
 

@@ -76,13 +76,52 @@ def tasks(conn: mp.connection.Connection) -> Iterator[Any]:
     outlive a dead rank."""
     while (message := conn.recv()) is not None:
         timeout, task = message
-        if math.isfinite(timeout):
-            faulthandler.dump_traceback_later(timeout + STOP_GRACE + ORPHAN_GRACE, exit=True)
+        _Watchdog.arm(timeout + STOP_GRACE + ORPHAN_GRACE)
         try:
             yield task
         finally:
+            _Watchdog.disarm()
+
+
+class _Watchdog:
+    """faulthandler's watchdog over a worker's task. Paused across a fork by the task's code: the child has no
+    watchdog thread, and its exit would wait for one forever."""
+
+    deadline: float | None = None
+    """``time.monotonic()`` at which the worker exits; None: no task runs."""
+
+    @classmethod
+    def arm(cls, seconds: float) -> None:
+        if math.isfinite(seconds):
+            cls.deadline = time.monotonic() + seconds
+            cls.resume()
+
+    @classmethod
+    def disarm(cls) -> None:
+        cls.pause()
+        cls.deadline = None
+
+    @classmethod
+    def pause(cls) -> None:
+        if cls.deadline is not None:
             faulthandler.cancel_dump_traceback_later()
 
+    @classmethod
+    def resume(cls) -> None:
+        if cls.deadline is None:
+            return
+        try:  # to the worker's own stderr: the task's code may have replaced sys.stderr (a StringIO, None)
+            faulthandler.dump_traceback_later(max(cls.deadline - time.monotonic(), 0.001), exit=True,
+                                              file=sys.__stderr__)
+        except (AttributeError, RuntimeError, ValueError, OSError):  # no stderr to write to: no watchdog
+            cls.deadline = None
+
+    @classmethod
+    def forget(cls) -> None:
+        cls.deadline = None
+
+
+os.register_at_fork(before=_Watchdog.pause, after_in_parent=_Watchdog.resume, after_in_child=_Watchdog.forget)
 
 def _retired(*_) -> None:
     """RETIRE (the pool's, or its process's death): unwind, so a sandbox run kills its sandbox and an environment
@@ -218,7 +257,7 @@ class WorkerPool:
     def _main(conn: mp.connection.Connection, parent: int, *args) -> None:
         """A worker process's main function: ``main(conn, parent_pid, *_main_args())``; it starts with
         :func:`ignore_stops` (``parent_pid``), says ready (sends None; or why it cannot start, a str, the
-        pool's :class:`PoolError`), then answers each task it receives."""
+        pool's :class:`PoolError`), then answers each task :func:`tasks` gives it."""
         raise NotImplementedError
 
     def _main_args(self) -> tuple:
@@ -233,7 +272,7 @@ class WorkerPool:
         return []
 
     def _wire(self, task: Any) -> Any:
-        """What a worker gets for ``task``."""
+        """What a worker gets for ``task`` (from :func:`tasks`: the pool sends it with the task's timeout)."""
         raise NotImplementedError
 
     def _received(self, task: Any, message: Any) -> None:

@@ -131,6 +131,9 @@ def test_a_resume_drops_the_sample_files_of_the_steps_it_redoes(tmp_path):
         resumed.start_at(2)
     assert sorted(p.stem for p in (tmp_path / "samples").iterdir()) == [
         "eval_step_0", "eval_step_1", "eval_step_2", "mystep_9", "step_0", "step_1"]
+    with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as fresh:  # keeps nothing, as its record
+        fresh.start_at(0)
+    assert [p.stem for p in (tmp_path / "samples").iterdir()] == ["mystep_9"]
 
 
 def test_tensorboard_mirrors_the_record_and_a_resume_replaces_the_steps_it_redoes(tmp_path):

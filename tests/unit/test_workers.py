@@ -58,6 +58,31 @@ def test_a_retire_as_the_worker_leaves_its_loop_prints_nothing():
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
+WATCHED = textwrap.dedent("""
+    import io, os, sys, time
+    from rollpacker.workers import _Watchdog
+
+    sys.stderr = io.StringIO()  # the task's code silences a noisy library
+    _Watchdog.arm(3)
+    pid = os.fork()  # the task's code forks a child, which ends through the worker loop's finally
+    if pid == 0:
+        _Watchdog.disarm()
+        sys.exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    time.sleep(6)  # the task hangs past its deadline: the watchdog ends the worker
+    print("not ended")
+""")
+
+
+def test_the_task_watchdog_survives_a_replaced_stderr_and_a_fork():
+    """A task whose code replaced sys.stderr (a StringIO) killed its worker as the watchdog was armed, on every
+    task; a child the task's code forked hung at its exit, waiting for a watchdog thread fork did not copy.
+    The watchdog pauses across a fork, writes to the worker's own stderr, and still ends a hung task."""
+    proc = subprocess.run([sys.executable, "-c", WATCHED], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (1, ""), proc.stderr
+    assert proc.stderr.startswith("Timeout (0:00:0"), proc.stderr
+
+
 @pytest.mark.parametrize(("main", "args"), [(reward_work, ((),)), (env_serve, (EnvSpec(),))], ids=["reward", "env"])
 def test_a_worker_whose_pipe_is_closed_unread_exits_quietly(main, args, capfd):
     """A rank killed (torchrun's SIGTERM when another rank failed) before it read its worker's message: the
