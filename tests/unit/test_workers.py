@@ -63,13 +63,13 @@ WATCHED = textwrap.dedent("""
     from rollpacker.workers import _Watchdog
 
     sys.stderr = io.StringIO()  # the task's code silences a noisy library
-    _Watchdog.arm(3)
+    _Watchdog.arm(1)
     pid = os.fork()  # the task's code forks a child, which ends through the worker loop's finally
     if pid == 0:
         _Watchdog.disarm()
         sys.exit(0)
     assert os.waitpid(pid, 0)[1] == 0
-    time.sleep(6)  # the task hangs past its deadline: the watchdog ends the worker
+    time.sleep(4)  # the task hangs past its deadline: the watchdog ends the worker
     print("not ended")
 """)
 

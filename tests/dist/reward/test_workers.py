@@ -216,6 +216,7 @@ RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 15 s of waiting for the watchdog
 def test_a_worker_stuck_in_c_code_does_not_outlive_its_dead_rank(tmp_path):
     """A reward call stuck in C code (a hash here; a regex, a solver) when its rank is killed: its parent-death
     signal's handler cannot run until the call returns, in minutes or never; the task's watchdog (a C thread)
