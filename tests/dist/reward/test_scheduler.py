@@ -270,11 +270,12 @@ def test_a_wait_for_some_responses_ends_at_its_timeout_and_refuses_one_never_sub
     [], ["--schedule.filter-zero-variance"],
     # 16 calls of 0.6 s after a rollout of 32-token responses: they outlasted its old bound of 8 s (0.25 s a token);
     # one_step_off's first wait past the first step is the training pool's for batch 2
-    ["schedule:one_step_off", "--train.rollout-correction", "token_tis", "--rollout.num-prompts", "8",
-     "--num-steps", "3"],
+    # the slow tier for these two: 35 s and 27 s of the default tier's 15 minutes
+    pytest.param(["schedule:one_step_off", "--train.rollout-correction", "token_tis", "--rollout.num-prompts", "8",
+                  "--num-steps", "3"], marks=pytest.mark.slow),
     # shuffle seed 1: both steps' rounds free a rank (seed 0's second round ends without)
-    ["--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1", "--rollout.num-prompts", "8",
-     "--data.shuffle-seed", "1"]],
+    pytest.param(["--stream.enabled", "--stream.criterion", "kv", "--train.train-shard-size", "1",
+                  "--rollout.num-prompts", "8", "--data.shuffle-seed", "1"], marks=pytest.mark.slow)],
     ids=["end_of_round", "mid_round", "one_step_off", "stream"])
 def test_scoring_longer_than_the_collective_timeout_is_waited_for(tmp_path, args):
     """Rank 0 waits for the last scores while the other ranks wait on it: past dist.timeout_s the job went on
