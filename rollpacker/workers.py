@@ -99,7 +99,7 @@ class _Watchdog:
     @classmethod
     def disarm(cls) -> None:
         cls.pause()
-        cls.deadline = None
+        cls.forget()
 
     @classmethod
     def pause(cls) -> None:
@@ -122,6 +122,7 @@ class _Watchdog:
 
 
 os.register_at_fork(before=_Watchdog.pause, after_in_parent=_Watchdog.resume, after_in_child=_Watchdog.forget)
+
 
 def _retired(*_) -> None:
     """RETIRE (the pool's, or its process's death): unwind, so a sandbox run kills its sandbox and an environment
