@@ -108,7 +108,7 @@ class Controller:
         check_columns(functions, eval_rows or [], "data.eval_path")
         ctl = cls(config=config, rows=rows, eval_rows=eval_rows, tokenizer=tokenizer,
                    rewards=reward_scheduler(config, tokenizer, meshes.device, functions),
-                   policy=config.schedule.build(PromptSampler.for_data(len(rows), config.data),
+                   policy=config.schedule.build(PromptSampler.for_data(rows, config.data),
                                                  config.rollout.num_prompts, config.rollout.group_size,
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),

@@ -22,6 +22,7 @@ The formats, columns and ids: ``docs/your-task.md`` (Data).
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
 import logging
@@ -515,10 +516,12 @@ class PromptSampler:
     is its permutation without the rows retired when it began, so epochs shrink (``sizes``).
 
     The state is ``(epoch, position)``, the retired rows and the epochs' sizes, plus the seed and size
-    it was made with; :meth:`state_dict` / :meth:`load_state_dict` save and restore it as plain data.
+    it was made with and ``digest`` (:func:`rows_digest`, the rows it orders); :meth:`state_dict` /
+    :meth:`load_state_dict` save and restore it as plain data.
     """
 
-    def __init__(self, num_rows: int, seed: int = 0, retire_solved: float = 0.0, shuffle: bool = True) -> None:
+    def __init__(self, num_rows: int, seed: int = 0, retire_solved: float = 0.0, shuffle: bool = True,
+                 digest: str = "") -> None:
         if num_rows <= 0:
             raise ValueError(f"PromptSampler needs at least one row, got num_rows={num_rows}")
         if seed < 0:
@@ -527,6 +530,8 @@ class PromptSampler:
         self.seed = seed
         self.shuffle = shuffle
         """Off: every epoch in row order."""
+        self.digest = digest
+        """The rows' :func:`rows_digest` ("" unknown): a resume on other rows of the same count says so."""
         self.retire_solved = retire_solved
         self.retired: set[int] = set()
         """Rows out of the current epoch's order and every later one's."""
@@ -556,9 +561,9 @@ class PromptSampler:
         return self._position
 
     @classmethod
-    def for_data(cls, num_rows: int, data: DataConfig) -> PromptSampler:
-        """The sampler of ``num_rows`` rows as ``data`` (``data.*``) orders and retires them."""
-        return cls(num_rows, data.shuffle_seed, data.retire_solved, data.shuffle)
+    def for_data(cls, rows: list[dict], data: DataConfig) -> PromptSampler:
+        """The sampler of ``rows`` as ``data`` (``data.*``) orders and retires them."""
+        return cls(len(rows), data.shuffle_seed, data.retire_solved, data.shuffle, rows_digest(rows))
 
     @property
     def num_retired(self) -> int:
@@ -618,10 +623,11 @@ class PromptSampler:
     def state_dict(self) -> dict[str, Any]:
         return {"num_rows": self.num_rows, "seed": self.seed, "shuffle": self.shuffle, "epoch": self._epoch,
                 "position": self._position, "retired": sorted(self.retired), "retiring": sorted(self.retiring),
-                "sizes": list(self.sizes)}
+                "sizes": list(self.sizes), "digest": self.digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; the dataset size, seed and shuffling must match the saved ones."""
+        """Restore a :meth:`state_dict`; the dataset size, seed and shuffling must match the saved ones. Other
+        rows of the same count (another ``digest``) are said once: the position and retired rows go on by index."""
         saved = {"num_rows": int(state["num_rows"]), "seed": int(state["seed"]),
                  "shuffle": bool(state.get("shuffle", True))}  # a checkpoint from before data.shuffle: shuffled
         for key, mine in (("num_rows", self.num_rows), ("seed", self.seed), ("shuffle", self.shuffle)):
@@ -640,6 +646,19 @@ class PromptSampler:
                              f"epoch >= 0, one size per epoch and 0 <= position <= the last")
         self._epoch, self._position = epoch, position
         self._order = self._permutation(epoch)
+        if state.get("digest") and self.digest and state["digest"] != self.digest:  # "": saved before digests
+            logger.warning("resume: the data's rows differ from the checkpoint's (%d rows, as there, but other ids "
+                           "or prompts): its position (epoch %d, %d rows drawn) and retired rows go on by row "
+                           "index over these rows; resume on the checkpoint's data for the same order",
+                           self.num_rows, epoch, position)
+
+
+def rows_digest(rows: Sequence[dict]) -> str:
+    """A digest of the rows' ids and prompts, in order: a resume on another file of as many rows tells by it."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([row["id"], row["prompt"]], sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
 
 
 def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int,

@@ -236,7 +236,7 @@ def simulate_rounds(argv: list[str], profile: dict, drafts: list[Drafts] = (),
                     cfg.data.max_prompt_length)
     lengths = LengthModel(seed=cfg.seed).for_cap(cfg.rollout.max_new_tokens)
     lengths = replace(lengths, prompt_tokens=round(statistics.mean(len(prompt[r["id"]]) for r in rows)))
-    policy = cfg.schedule.build(PromptSampler.for_data(len(rows), cfg.data), cfg.rollout.num_prompts,
+    policy = cfg.schedule.build(PromptSampler.for_data(rows, cfg.data), cfg.rollout.num_prompts,
                                 cfg.rollout.group_size, num_epochs=cfg.num_epochs, last_step=cfg.num_steps - 1)
     spec = SpecSimConfig(enabled=cfg.engine.speculative != "off", max_tokens=cfg.engine.spec_max_tokens)
     if spec.enabled and (cfg.engine.speculative != "auto" or cost.spec is None or len(drafts) < cfg.num_steps):

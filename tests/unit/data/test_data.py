@@ -427,6 +427,28 @@ def test_load_state_dict_rejects_other_dataset_or_seed():
         PromptSampler(20, seed=9, shuffle=False).load_state_dict(state)
 
 
+def test_a_resume_on_other_rows_of_the_same_count_is_said_once(caplog):
+    rows = [{"id": f"r{i}", "prompt": f"Q{i}"} for i in range(20)]
+    data = DataConfig(shuffle_seed=9)
+    sampler = PromptSampler.for_data(rows, data)
+    sampler.draw(7)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    PromptSampler.for_data([dict(row) for row in rows], data).load_state_dict(state)  # the same rows: silent
+    assert not caplog.records
+    edited = [*rows[:3], {"id": "r3", "prompt": "Q3, fixed"}, *rows[4:]]
+    resumed = PromptSampler.for_data(edited, data)
+    resumed.load_state_dict(state)
+    assert [r.getMessage() for r in caplog.records] == [
+        "resume: the data's rows differ from the checkpoint's (20 rows, as there, but other ids or prompts): its "
+        "position (epoch 0, 7 rows drawn) and retired rows go on by row index over these rows; resume on the "
+        "checkpoint's data for the same order"]
+    assert resumed.draw(5) == sampler.draw(5)  # it goes on all the same
+    del state["digest"]  # a checkpoint from before digests: nothing to compare
+    caplog.clear()
+    PromptSampler.for_data(edited, data).load_state_dict(state)
+    assert not caplog.records
+
+
 def test_sampler_argument_errors():
     with pytest.raises(ValueError, match="num_rows=0"):
         PromptSampler(0)
