@@ -9,6 +9,7 @@ from support.fakes import StepClock
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from rollpacker.dist import exit_process
 from rollpacker.model import load_model
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import DraftContext, Request, SamplingParams, generate
@@ -83,7 +84,7 @@ def main(path: str) -> None:
     assert tokens(pushed_tp) == tokens(pushed_plain), "FSDP2 -> TP push differs from FSDP2 -> TP=1 push"
     assert tokens(pushed_plain) != tokens(single), "the pushed weights had no effect"
     print("OK", dist.get_rank(), flush=True)
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

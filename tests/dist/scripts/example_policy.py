@@ -4,10 +4,10 @@ from Python without registering it, trains in a real job (the shipped toy model)
 import dataclasses
 import sys
 
-import torch.distributed as dist
 from support.docs import example_policy
 
 from rollpacker.config import parse
+from rollpacker.dist import exit_process
 from rollpacker.job import build
 from rollpacker.loops import train
 
@@ -21,8 +21,8 @@ def main(run_dir: str) -> None:
     job = build(config)
     train(job)
     job.close()
-    dist.destroy_process_group()
     print("OK", flush=True)
+    exit_process(0)
 
 
 if __name__ == "__main__":

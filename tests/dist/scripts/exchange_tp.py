@@ -5,12 +5,11 @@ TorchEngine generates for its request alone."""
 
 import sys
 
-import torch.distributed as dist
 from support.fakes import InstantRewards
 
 from rollpacker.data.dataset import PromptSampler
 from rollpacker.data.lengths import LengthReplay
-from rollpacker.dist import build_meshes
+from rollpacker.dist import build_meshes, exit_process
 from rollpacker.exchange import RoundLeader, run_round
 from rollpacker.model import load_model
 from rollpacker.rollout.config import EngineConfig
@@ -92,4 +91,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    dist.destroy_process_group()
+    exit_process(0)

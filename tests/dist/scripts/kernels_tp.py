@@ -7,6 +7,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors; before triton is imported (
 import torch
 import torch.distributed as dist
 
+from rollpacker.dist import exit_process
 from rollpacker_kernels.logprobs import fused_token_logprobs
 
 
@@ -43,7 +44,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print("ok")
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.config import Config
-from rollpacker.dist import build_meshes
+from rollpacker.dist import build_meshes, exit_process
 from rollpacker.job import Job
 from rollpacker.model import CausalAttention, load_model, lora
 from rollpacker.model.config import LoraConfig
@@ -94,4 +94,4 @@ if __name__ == "__main__":
         dist.broadcast_object_list(box, src=0)  # rank 0's directory: it writes, then reads back
         for impl in ("native", "hf"):
             check(meshes, Path(sys.argv[1]), impl, Path(box[0]))
-    dist.destroy_process_group()
+    exit_process(0)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hf_step import check as check_hf_path
 from train_step import batch
 
-from rollpacker.dist import build_meshes
+from rollpacker.dist import build_meshes, exit_process
 from rollpacker.model import load_model
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.train.config import TrainConfig
@@ -81,7 +81,7 @@ def main(path: str, *hf_paths: str) -> None:
             print(f"{settings}: step 2 kl {other_stats[1]['train/kl']:.3e}, largest weight difference {worst:.1e}")
     check_hf_path(meshes, *hf_paths)
     print("OK", dist.get_rank(), flush=True)
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

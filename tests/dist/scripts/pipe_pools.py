@@ -7,9 +7,8 @@ pool) generated the round and its stream trainer fed rank 1 something.
 
 import sys
 
-import torch.distributed as dist
-
 from rollpacker.config import parse
+from rollpacker.dist import exit_process
 from rollpacker.job import build
 from rollpacker.loops.colocated import rl_step
 
@@ -33,7 +32,7 @@ def main(run_dir: str) -> None:
         assert job.engine.cache is None, "the train pool's KV cache should stay released"
         assert seconds > 0, "the train pool never trained a streamed group"
     print("OK", rank, flush=True)
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ gradient, so the comparison measures the gradients, which is what streaming chan
 import sys
 
 import torch
-import torch.distributed as dist
 
-from rollpacker.dist import build_meshes
+from rollpacker.dist import build_meshes, exit_process
 from rollpacker.model import load_model
 from rollpacker.schedule.scale_down import StreamConfig
 from rollpacker.train.config import TrainConfig
@@ -46,7 +45,7 @@ def main(path: str, shard: int, aggregations: str) -> None:
     for aggregation in aggregations.split(","):
         check(path, meshes, aggregation)
     print("OK")
-    dist.destroy_process_group()  # gloo threads left to interpreter teardown can abort the process
+    exit_process(0)
 
 
 def check(path: str, meshes, aggregation: str) -> None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.config import parse
+from rollpacker.dist import exit_process
 from rollpacker.job import build
 from rollpacker.loops.colocated import rl_step
 from rollpacker.rollout.engine import Request, SamplingParams, generate
@@ -48,7 +49,7 @@ def main(run_dir: str) -> None:
         for a, b in zip(switched_losses, fixed_losses):
             assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), (switched_losses, fixed_losses)
     print("OK", dist.get_rank(), flush=True)
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

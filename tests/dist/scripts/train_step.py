@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
 
-from rollpacker.dist import build_meshes
+from rollpacker.dist import build_meshes, exit_process
 from rollpacker.model import CausalAttention, load_model
 from rollpacker.model.parallelize import with_value_head
 from rollpacker.train.advantages import ADVANTAGES, returns_to_go
@@ -206,7 +206,7 @@ def main(path: str) -> None:
             print(f"{case}: loss {first['train/loss']:.6f} (plain {first_loss:.6f}), max relative error of weights "
                   f"{worst_weight:.1e}, of updates {worst_update:.1e}", flush=True)
     print("OK", dist.get_rank(), flush=True)
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":
