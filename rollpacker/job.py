@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import logging
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,8 +263,13 @@ def settings(config: Any, prefix: str = "") -> dict[str, Any]:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         flat |= (settings(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value)
-                 else {prefix + f.name: json.loads(json.dumps(value, default=str))})
+                 else {prefix + f.name: json.loads(json.dumps(value, default=_lasting))})
     return flat
+
+
+def _lasting(value: Any) -> str:
+    """A value JSON does not hold, as text that another process writes alike (no ``at 0x...`` address)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
 
 
 UNSAID = ("resume", "run_dir", *TAKEN)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -324,6 +325,18 @@ def test_a_resume_says_which_settings_differ_from_the_checkpoints_run(caplog):
     assert "model.path: 'toy-tools' -> '', data.toy_task: 'tools' -> 'arithmetic'" in record.getMessage()
     assert "env.factory: '' -> 'toy'" in record.getMessage() and record.levelname == "WARNING"
     assert "train.lr_schedule: 'cosine' -> 'constant'" in record.getMessage()  # not the optimizer's train.lr
+
+
+def test_a_setting_json_cannot_hold_is_kept_as_text_without_its_address():
+    """A user policy's setting holding an object was kept as its repr, whose address differs in every process:
+    every resume said it changed."""
+    from rollpacker.job import settings
+
+    @dataclasses.dataclass
+    class Knobs:
+        pick: object = dataclasses.field(default_factory=object)
+
+    assert settings(Knobs()) == settings(Knobs()) == {"pick": "<object object>"}
 
 
 def test_the_start_summary_says_tools_render_every_prompt_and_reward_nothing_themselves():
