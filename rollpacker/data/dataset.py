@@ -167,17 +167,20 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
 
 
 def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] | None) -> None:
-    """A held-out slice of ``path`` (``eval_split`` without ``eval_path``) must be rows training does not read:
-    raise DatasetError naming how many it shares and the fix."""
-    if config.eval_path or not config.eval_split or not eval_rows:
+    """The held-out rows (a slice of ``path``, or ``eval_path``: a training file named again too) must be rows
+    training does not read: raise DatasetError naming how many it shares and the fix."""
+    if not eval_rows:
         return
     trained = {row["id"]: row["prompt"] for row in rows}  # another split's rows may be numbered alike
     shared = [row["id"] for row in eval_rows if trained.get(row["id"], None) == row["prompt"]]
     if shared:
-        raise DatasetError(f"data.eval_split {config.eval_split!r} of data.path holds {len(shared)} of the rows "
-                           f"training reads too (data.split {config.split!r}), {shared[0]!r} first, so its evaluation "
-                           f"would not be held out: set data.split to the rest (e.g. train[:90%] beside "
-                           "train[90%:]), or data.eval_path to a held-out file")
+        split = f"data.eval_split {config.eval_split!r}" if config.eval_split else ""
+        where = (f"data.eval_path {' '.join(config.eval_path)}" + (f" ({split})" if split else "")
+                 if config.eval_path else f"{split} of data.path")
+        raise DatasetError(f"{where} holds {len(shared)} of the rows training reads too (data.split "
+                           f"{config.split!r}), {shared[0]!r} first, so its evaluation would not be held out: set "
+                           f"data.split to the rest (e.g. train[:90%] beside train[90%:]), or data.eval_path to a "
+                           "held-out file")
 
 
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,

@@ -295,6 +295,11 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
     whole = DataConfig(path=str(path), split="train[:40%]", eval_path=str(path))
     assert [r["id"] for r in load_rows(whole)] == ["data:1", "data:2"]
     assert [r["id"] for r in load_eval_rows(whole)] == ["data:1", "data:2", "data:3", "data:4", "data:5"]
+    # the training file named as eval_path too: checked as a slice is (it evaluated trained rows, unsaid)
+    check_held_out(config, load_rows(config), load_eval_rows(config))
+    with pytest.raises(DatasetError, match=r"data.eval_path .*data(\.\w+)? holds 2 of the rows training reads too "
+                                           r"\(data.split 'train\[:40%\]'\), 'data:1' first"):
+        check_held_out(whole, load_rows(whole), load_eval_rows(whole))
 
 
 def test_an_eval_set_of_several_splits_needs_its_held_out_one_named(tmp_path):
