@@ -340,7 +340,7 @@ class Controller:
         if len(causes) > SHOWN_ERRORS:
             logger.warning("step %d: %d more environment errors (env/errors)", step, len(causes) - SHOWN_ERRORS)
         rows = self.rows if rows is None else rows
-        groups = [(g, True) for g in result.groups] + [(g, False) for g in result.filtered]
+        groups = [(g, not name) for g in result.groups] + [(g, False) for g in result.filtered]  # eval: untrained
         values = self.rewards.take_values([o.id for g, _ in groups for o in g.outputs])
         every = self.config.metrics.samples_every
         if not every or step % every:

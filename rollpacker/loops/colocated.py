@@ -100,12 +100,17 @@ def generate(job: Job, step: int, plan: RoundPlan | None, timer: Timer
 
 def evaluate(job: Job, step: int) -> dict[str, float]:
     """The held-out metrics (:func:`~rollpacker.schedule.eval.eval_metrics`; an episode's step infos:
-    :func:`~rollpacker.env.info.info_metrics`; with environments, ``eval/env_errors``), through the same
-    engines: ``eval.n`` responses per prompt at ``eval.temperature`` (greedy, one each by default)."""
+    :func:`~rollpacker.env.info.info_metrics`; with environments, ``eval/env_errors``; the reward functions'
+    and the environments' counts under ``eval/``: ``eval/reward/NAME``, ``eval/reward/errors``,
+    ``eval/env/close_errors``), through the same engines: ``eval.n`` responses per prompt at ``eval.temperature``
+    (greedy, one each by default)."""
     from rollpacker.env.info import info_metrics
     from rollpacker.schedule.eval import eval_metrics, eval_rewards
 
     ctl = job.controller
+    if ctl:  # the scores still coming of responses the last round kept no group of: not the evaluation's
+        ctl.rewards.wait()
+        ctl.rewards.take_metrics(f"step {step - 1}'s responses scored after it")
     job.engine.resume_memory()  # a pipe train-pool rank's engine is released between its rounds
     result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, ctl.eval_round(step) if ctl else None)
     if not ctl:
@@ -113,9 +118,12 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     solved = [[ctl.solved(o, r) for o, r in zip(g.outputs, g.rewards)] for g in result.groups]  # before write_samples
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
     ctl.check_environments(result, f"of the evaluation before step {step}")
-    ctl.rewards.take_metrics(f"the evaluation before step {step}")  # not the next step's reward time or reward/NAME
+    counts = ctl.rewards.take_metrics(f"the evaluation before step {step}") | ctl.envs.take_metrics()
+    counts.pop("reward/seconds_total")  # not the next step's reward time
+    counts.pop("env/warm_opens", None)  # training's opens alone are warmed
     sources = [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups]
     outputs = [(o, source) for g, source in zip(result.groups, sources) for o in g.outputs]
     failed = {"eval/env_errors": result.hook_metrics["env/errors"]} if "env/errors" in result.hook_metrics else {}
     return (eval_metrics([eval_rewards(g) for g in result.groups], solved, sources) | failed
-            | info_metrics([o for o, _ in outputs], "eval/", [source for _, source in outputs]))
+            | info_metrics([o for o, _ in outputs], "eval/", [source for _, source in outputs])
+            | {f"eval/{k}": v for k, v in counts.items()})

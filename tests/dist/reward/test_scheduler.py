@@ -323,6 +323,11 @@ def test_reward_correct_names_the_function_accuracy_pass_at_k_and_retire_solved_
     solved = [s["rewards"]["toy"] >= 1 for s in trained if s["trained"]]
     assert first["reward/accuracy"] == pytest.approx(sum(solved) / len(solved))
     assert first["eval/accuracy"] == pytest.approx(sum(s["rewards"]["toy"] >= 1 for s in evaluated) / len(evaluated))
+    # each function's held-out mean and errors, under eval/ (they were dropped); no held-out response is trained
+    assert first["eval/reward/toy"] == pytest.approx(sum(s["rewards"]["toy"] for s in evaluated) / len(evaluated))
+    assert (first["eval/reward/fmt"], first["eval/reward/errors"]) == (1.0, 0)
+    assert "eval/reward/seconds_total" not in first
+    assert not any(s["trained"] for s in evaluated)
     by_row = {}
     for s in evaluated:
         by_row.setdefault(s["row"], []).append(s["rewards"]["toy"] >= 1)
