@@ -125,11 +125,6 @@ class Config:
         if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
             raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
-        held_out = "data.eval_path" if self.data.eval_path else "data.eval_split" if self.data.eval_split else ""
-        if held_out and not self.eval_every:
-            raise ValueError(f"{held_out} with eval_every=0: the held-out prompts would never be read (no evaluation "
-                             f"runs); set eval_every to the steps between evaluations (one runs before step 0 and at "
-                             f"the end too), or leave {held_out} out")
         if self.train.skip and (self.stream.enabled or self.pipe or self.schedule.own_pools):
             pools = ", ".join(f"schedule:{name}" for name in names(lambda c: c.own_pools))
             raise ValueError(f"train.skip (rollout alone) with stream.enabled, schedule.pipe or {pools}: they train "

@@ -103,6 +103,10 @@ class Controller:
                                 skip_bad=config.data.skip_bad_lines)
         rows = fit(load_rows(config.data, check))
         eval_rows = fit(load_eval_rows(config.data, check), field="data.eval_path") if config.eval_every else None
+        held_out = "data.eval_path" if config.data.eval_path else "data.eval_split" if config.data.eval_split else ""
+        if held_out and not config.eval_every:  # a preset's eval_every=0 under a flag naming held-out prompts
+            logger.warning("%s is not read: eval_every=0 turns evaluation off (set eval_every to the steps between "
+                           "evaluations to run them)", held_out)
         check_held_out(config.data, rows, eval_rows)
         check_columns(functions, rows, "data.path")
         check_columns(functions, eval_rows or [], "data.eval_path")

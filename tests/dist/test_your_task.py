@@ -117,6 +117,10 @@ def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and
                 expected = sum(pass_at_k(EVAL_N, sum(c), k) for c in rows) / len(rows)
                 assert metrics[step][f"{prefix}pass@{k}"] == pytest.approx(expected), (step, prefix, k)
         assert metrics[step]["eval/mean@2"] == pytest.approx(sum(s["reward"] for s in evaluated) / len(evaluated))
+        for name in WEIGHTS:  # each function's held-out mean, as its samples hold it
+            assert metrics[step][f"eval/reward/{name}"] == pytest.approx(
+                sum(s["rewards"][name] for s in evaluated) / len(evaluated))
+        assert metrics[step]["eval/reward/errors"] == 0 and not any(s["trained"] for s in evaluated)
     assert {"eval/toy/short/pass@2", "eval/toy/long/pass@2"} <= set(metrics[0])
 
     # resumed from step 2's checkpoint with a third function that fails on a row of each resumed step
@@ -129,6 +133,7 @@ def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and
     resumed = [*override(resumed, "--eval-every", "0"), "--resume", str(run_dir / "checkpoints" / "step_2")]
     proc = launch_job(*resumed, *QUIET, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stderr.count("--data.eval-path is not read: --eval-every=0 turns evaluation off") == 1, proc.stderr
     again = steps(tmp_path / "runs" / "resumed")
     assert sorted(again) == [2, 3]
     for step in (2, 3):
