@@ -268,21 +268,35 @@ def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]
 
 
 def obtain(config, meshes, model_dir: Path, dtype) -> dict:
-    """The profile for this run (collective): ``plan.profile`` if it matches, else the cached one,
-    else a fresh one, measured now and cached. Every rank gets rank 0's."""
+    """The profile for this run (collective): ``plan.profile`` if it matches and holds every TP the planner may
+    pick, else the cached one, else a fresh one, measured now and cached. Every rank gets rank 0's."""
+    from rollpacker.errors import UserError
+    from rollpacker.model import read_args
+    from rollpacker.plan.planner import candidate_tps
+
     key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", meshes.world_size))
+    usable = candidate_tps(meshes.world_size, read_args(model_dir).num_kv_heads, config.plan.max_tp or node)
     found: Any = None
     if meshes.rank == 0:
         path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
         try:
-            found = load(path, key) if path.is_file() or config.plan.profile else None
+            if config.plan.profile and not path.is_file():
+                raise ValueError(f"{path}: no such file (plan.profile: write one with python -m rollpacker.profile "
+                                 "and the run's flags, or leave plan.profile out to profile now)")
+            found = load(path, key) if path.is_file() else None
+            missing = [tp for tp in usable if found is not None and str(tp) not in found["tp"]]
+            if missing:  # measured under another plan.max_tp or node size: the planner would pick one unmeasured
+                raise ValueError(f"{path}: the profile holds TPs {sorted(map(int, found['tp']))}, not {missing}, "
+                                 f"which this run may pick ({usable}: plan.max_tp, the node's size); profile again "
+                                 "with python -m rollpacker.profile and the run's flags, or set plan.max_tp")
         except (ValueError, OSError) as e:
             found = e if config.plan.profile else None  # a stale cache entry is measured again
             if not config.plan.profile:
                 logger.warning("plan: ignoring the cached profile %s (%s); profiling again", path, e)
     found = meshes.broadcast(found)
     if isinstance(found, Exception):
-        raise ValueError(str(found))
+        raise UserError(str(found))
     if found is not None:
         return found
     if meshes.rank == 0:

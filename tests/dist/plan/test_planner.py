@@ -72,6 +72,17 @@ def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
                       "--plan.enabled", "--plan.profile", str(wrong))
     assert proc.returncode != 0
     assert "world: profile has 8, this run 2" in proc.stderr
+    assert proc.stderr.count(f"rollpacker: {wrong}: the profile is for another setup") == 1  # ours, not a traceback
+    # one measured under another plan.max_tp lacks a TP this run may pick (the planner's switch to it raised a
+    # KeyError mid-run); a missing file is named as plan.profile's
+    del profile["tp"]["2"]
+    wrong.write_text(json.dumps(profile | {"key": profile["key"] | {"world": 2}}))
+    for path, said in ((wrong, f"rollpacker: {wrong}: the profile holds TPs [1], not [2], which this run may pick "
+                               "([1, 2]: --plan.max-tp, the node's size)"),
+                       (tmp_path / "missing.json", "missing.json: no such file (--plan.profile: write one")):
+        proc = launch_job("--run-dir", str(tmp_path / "run2"), "--num-steps", "1", *RUN, "--plan.enabled",
+                          "--plan.profile", str(path), "--engine.memory-mb", "3.35")
+        assert proc.returncode != 0 and proc.stderr.count(said) == 1, proc.stderr[-3000:]
 
 
 @pytest.mark.slow  # the switch is the test above's; every response is an episode, so it runs on the episode path
