@@ -97,7 +97,10 @@ def test_hostile_math_is_zero_or_flagged_in_time(pool, response):
 
 
 def test_hung_tasks_are_killed_and_capacity_recovers():
-    with RewardPool(RewardConfig(num_workers=2, timeout=1.5)) as pool:
+    # the functions warmed up as each worker starts, as the job's are: a replacement's first math call importing
+    # math-verify inside its 1.5 s timed out on a loaded machine
+    warmed = (target("toy", BUILTINS), target("math", BUILTINS))
+    with RewardPool(RewardConfig(num_workers=2, timeout=1.5), warmed) as pool:
         pool.submit("warm", *task("toy", {"response": "#### 1", "answer": "1"}))
         pool.drain(timeout=60)
         old_pids = worker_pids(pool)
