@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -677,9 +678,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory of one GPU, GB (1e9 bytes)")
     parser.add_argument("--world-size", type=int, default=8, help="GPUs of the job (FSDP2 shards over them)")
     args, overrides = parser.parse_known_args(argv)
-    from rollpacker.config import parse
+    from rollpacker.config import as_flags, parse
 
+    if args.world_size <= 0 or not 0 < args.gpu_memory_gb < math.inf:
+        parser.error(f"--world-size {args.world_size} and --gpu-memory-gb {args.gpu_memory_gb:g} must be positive "
+                     "(and finite): the job's GPUs and the memory of one")
     config = parse(["--preset", args.preset, *overrides])
+    try:  # what the job refuses on these GPUs (rollout.tp not dividing them, ...) has no plan either
+        config.check_world(args.world_size)
+    except ValueError as e:
+        parser.error(f"--world-size {args.world_size}: {as_flags(str(e))}")
     p = config_plan(config, args.world_size, args.gpu_memory_gb * GB)
     s = p.shape
     print(f"{args.preset}: {s.num_params / 1e9:.2f}B parameters ({s.num_layers} layers, hidden {s.hidden_size}), "

@@ -111,6 +111,21 @@ def test_every_gpu_preset_fits_an_h100_with_ten_percent_headroom(capsys):
         assert 0 < last["peak_gb"] <= 72
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--world-size", "3"], "--world-size 3: --rollout.tp=2 does not divide the world size 3"),
+    (["--rollout.tp", "3"], "--world-size 8: --rollout.tp=3 does not divide the world size 8"),
+    (["--world-size", "0"], "--world-size 0 and --gpu-memory-gb 80 must be positive"),
+    (["--gpu-memory-gb", "nan"], "--world-size 8 and --gpu-memory-gb nan must be positive"),
+])
+def test_the_plan_refuses_what_the_job_refuses_and_sizes_that_are_not_sizes(capsys, flags, said):
+    """A plan of a world the job would refuse printed 'fits'; a world or GPU of 0 raised ZeroDivisionError."""
+    from rollpacker.plan.memory import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--preset", "qwen2.5-7b-8k", *flags])
+    assert done.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_a_preset_that_cannot_fit_is_refused_naming_the_largest_term_and_the_fix():
     from rollpacker.config import parse
     from rollpacker.plan.memory import QWEN2_5, check_fits
