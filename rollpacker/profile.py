@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from rollpacker.config import parse
-from rollpacker.plan.profile import cache_path, device_name, measure, profile_key, save, summary
+from rollpacker.plan.profile import cache_path, device_name, measure, profile_key, save, say_noisy, summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         save(profile, path)
         print(summary(profile))
         print(f"wrote {path}")
+        say_noisy(profile)
     if dist.is_initialized():  # a profiled vLLM engine destroyed it
         dist.destroy_process_group()
 

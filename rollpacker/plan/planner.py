@@ -109,12 +109,14 @@ class Planner:
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear ``y(x)`` through sorted points, extended linearly past both ends."""
+    """Piecewise-linear ``y(x)`` through sorted points, extended linearly past both ends; past the last, never
+    below it (a noisy profile's falling last segment priced a larger batch's step at 0 ms)."""
     if len(xs) == 1:
         return ys[0]
     i = min(max(1, sum(v <= x for v in xs)), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    y = max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    return max(y, ys[-1]) if x > xs[-1] else y
 
 
 def decode_ms(entry: dict, batch: float, context: float) -> float:

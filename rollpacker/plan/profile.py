@@ -304,6 +304,7 @@ def obtain(config, meshes, model_dir: Path, dtype) -> dict:
     profile = measure(config, meshes, model_dir, dtype, key)
     if meshes.rank == 0:
         save(profile, cache_path(config, key))
+        say_noisy(profile)
     return meshes.broadcast(profile)
 
 
@@ -312,6 +313,22 @@ def save(profile: dict, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(profile, indent=1) + "\n")
     tmp.replace(path)  # never a half-written profile
+
+
+FALLING = 0.8
+"""A decode step this share of a smaller batch's, or less, at a larger batch: measured on a busy machine."""
+
+
+def say_noisy(profile: dict) -> None:
+    """Warn once when a TP's decode times fall as the batch grows (they rise, on a machine doing nothing else):
+    the planner's estimates from such a profile are noise."""
+    falls = [f"TP {tp} context {c}: batch {a} {row[a]:.1f} ms, batch {b} {row[b]:.1f} ms"
+             for tp, e in profile["tp"].items() for c, row in e["decode_ms"].items()
+             for a, b in zip(sorted(row, key=int), sorted(row, key=int)[1:]) if row[b] <= FALLING * row[a]]
+    if falls:
+        logger.warning("plan: the profile's decode step times fall as the batch grows (%s%s): it was measured on a "
+                       "busy machine, and the planner's estimates from it are noise; profile again on an idle one",
+                       "; ".join(falls[:3]), f"; {len(falls) - 3} more" if len(falls) > 3 else "")
 
 
 def summary(profile: dict) -> str:

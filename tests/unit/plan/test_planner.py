@@ -87,6 +87,19 @@ def test_default_tp_from_a_profile_by_hand():
     e = entry(1000, 2.0, 8.0)  # 2 ms + 2 ms per extra request
     assert decode_ms(e, 2, 100) == 4.0
     assert decode_ms(e, 6, 100) == 12.0  # extended past the last point
+    noisy = {"decode_ms": {"256": {"1": 1.1, "4": 18.7, "16": 39.2, "64": 8.9}}}  # a loaded CPU's, as profiled
+    assert decode_ms(noisy, 128, 256) == 8.9 and decode_ms(noisy, 40, 256) == pytest.approx(24.05)  # not 0 past it
+
+
+def test_a_profile_whose_decode_times_fall_with_the_batch_is_said_noisy(caplog):
+    from rollpacker.plan.profile import say_noisy
+
+    say_noisy({"tp": {"1": entry(1000, 2.0, 8.0)}})
+    assert not caplog.records
+    say_noisy({"tp": {"1": entry(1000, 2.0, 8.0), "2": entry(1000, 20.7, 3.2)}})
+    [record] = caplog.records
+    assert record.getMessage().startswith("plan: the profile's decode step times fall as the batch grows (TP 2 "
+                                          "context 100: batch 1 20.7 ms, batch 4 3.2 ms): it was measured on a busy")
     profile = {"key": {"world": 4}, "tp": {"1": entry(200, 2.0, 8.0), "2": entry(1000, 3.0, 6.0)}}
     # 8 requests of 40 + 60 tokens. TP 1: 4 replicas of 2 requests, both fit (200 // 100): one wave
     # of 60 steps at 4 ms = 0.24 s. TP 2: 2 replicas of 4 requests, all fit: 60 steps at 6 ms = 0.36 s.
