@@ -81,12 +81,18 @@ def run(argv: list[str]) -> dict:
         print(f"{kind:<8}{m['steps']:>6}{m['rollout_s']:>9.1f}{m['reward_s']:>8.1f}{m['train_s']:>8.1f}"
               f"{m['sync_s']:>7.1f}{m['step_s']:>8.1f}{m['max_length']:>9.0f}{m['num_preemptions']:>9.1f}"
               f"{m['bubble_ratio']:>8.2f}{stream}")
+    tps = {kind: [r.tp for r in results if r.kind == kind] for kind in summary if kind != "all"}
+    if cfg.planner:  # the TP each round kind ran at: the header's is the first
+        print("planner (the paper's heuristic: no profile guard in a simulation), rollout TP by step: " + "; ".join(
+            f"{kind} {' '.join(map(str, ts))}" for kind, ts in tps.items()))
     if gantt:
         from rollpacker.sim.gantt import plot
 
         path = plot(results[:gantt_steps], gantt, title=f"{cfg.model}, {cfg.gpus} GPUs, TP {cfg.tp}, {cfg.policy}")
         print(f"gantt chart of the first {min(gantt_steps, len(results))} steps written to {path}")
     figures = {"policy": cfg.policy, "model": cfg.model, "gpus": cfg.gpus, "tp": cfg.tp}
+    if cfg.planner:
+        figures["tps"] = {kind: sorted(set(ts)) for kind, ts in tps.items()}
     for kind, m in summary.items():
         prefix = "" if kind == "all" else f"{kind}_"
         figures |= {f"{prefix}{k}": round(m[k], 3) for k in ("step_s", "rollout_s", "reward_s", "train_s", "sync_s")}

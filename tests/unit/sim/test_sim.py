@@ -337,6 +337,18 @@ def test_the_planner_picks_each_rounds_tp_from_the_simulated_preemptions():
     assert initial[0].tp == 4 and initial[0].sync_s == replace(cfg.cost(), tp=4).sync_s()
 
 
+def test_the_simulator_command_says_the_tp_each_round_ran_at_under_the_planner(capsys):
+    """Its header and JSON said the first TP alone while the planner switched."""
+    from rollpacker.sim.__main__ import run
+
+    figures = run(["--model", "qwen2.5-14b", "--gpus", "8", "--num-steps", "6", "--planner", "--plan.quiet-steps", "2",
+                   "--rollout.tp", "1", "--rollout.num-prompts", "256", "--rollout.group-size", "8",
+                   "--rollout.max-new-tokens", "16384"])
+    said = capsys.readouterr().out
+    assert figures["tp"] == 1 and figures["tps"] == {"short": [1, 2], "long": [1]}, figures
+    assert "no profile guard in a simulation), rollout TP by step: short 1 1 1 1 2; long 1" in said
+
+
 def test_the_simulator_routes_as_the_job_and_refuses_what_it_does_not_model():
     base = SimConfig(model="qwen2.5-7b", gpus=8, rollout=rollout(16, 8, 8192), num_steps=2, schedule=SyncConfig())
     by_group = simulate(replace(base, rollout=replace(base.rollout, routing="group")))
