@@ -48,7 +48,8 @@ def parse(argv: list[str]):
     preset = _pop_flag(args, "--preset", "qwen2.5-14b-16k")
     gantt = _pop_flag(args, "--gantt", "")
     gantt_steps = int(_pop_flag(args, "--gantt-steps", "5"))
-    default = preset_config(preset)
+    model = args[args.index("--model") + 1] if "--model" in args[:-1] else None  # it names the preset's model too
+    default = preset_config(preset, model)
     args = schedule_args(args, default.policy)
     cfg = tyro.cli(SimConfig, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                    prog="python -m rollpacker.sim",

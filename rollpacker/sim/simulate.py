@@ -94,6 +94,10 @@ class SimConfig:
         topology = self.topology
         if topology.rollout_ranks % self.tp:
             raise ValueError(f"rollout.tp={self.tp} does not divide the {topology.rollout_ranks} GPUs rolling out")
+        shape = MODELS.get(self.model)  # an unknown model: check_choices said so
+        if shape and (shape.num_heads % self.tp or shape.num_kv_heads % self.tp):
+            raise ValueError(f"rollout.tp={self.tp} does not divide {self.model}'s {shape.num_heads} attention heads "
+                             f"and {shape.num_kv_heads} KV heads, as the job's engines need: pick a TP that does")
         topology.check("GPUs")
         self.stream = self.stream or self.stream_config.enabled
         self.planner = self.planner or self.plan.enabled
@@ -626,12 +630,14 @@ PAPER_GPUS = {"qwen2.5-7b": 16, "qwen2.5-14b": 32, "qwen2.5-32b": 64}
 """GPUs of the paper's §6 runs, per model: the default of --gpus."""
 
 
-def preset_config(name: str):
-    """A :class:`SimConfig` from a repo preset: its model (by name), P0, R0, max_new_tokens, TP."""
+def preset_config(name: str, model: str | None = None):
+    """A :class:`SimConfig` from a repo preset or a .toml of one's own: its P0, R0, max_new_tokens, TP, and
+    ``model`` (default: the one its name starts with)."""
     from rollpacker.config import load_preset
 
     stem = name.rsplit("/", 1)[-1].removesuffix(".toml")
-    model = max((m for m in MODELS if stem.startswith(m)), key=len, default=None)
-    if model is None:
-        raise SystemExit(f"preset {name!r} names no known model ({', '.join(MODELS)}): pass --model")
+    model = model or max((m for m in MODELS if stem.startswith(m)), key=len, default=None)
+    if model not in MODELS:
+        raise SystemExit(f"preset {name!r} names no known model ({', '.join(MODELS)}): pass --model NAME"
+                         if model is None else f"--model {model!r}: not a known model ({', '.join(MODELS)})")
     return SimConfig(model=model, gpus=PAPER_GPUS[model], rollout=load_preset(name).rollout)

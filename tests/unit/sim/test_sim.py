@@ -355,6 +355,8 @@ def test_the_simulator_routes_as_the_job_and_refuses_what_it_does_not_model():
     assert [r.rollout_s for r in by_group] != [r.rollout_s for r in simulate(base)]  # not round-robin per request
     with pytest.raises(ValueError, match=r"schedule.pipe \(RolloutPipe\) is not simulated"):
         SimConfig(schedule=SyncConfig(pipe=True))
+    with pytest.raises(ValueError, match="rollout.tp=8 does not divide qwen2.5-7b's 28 attention heads and 4 KV"):
+        replace(base, gpus=16, rollout=replace(base.rollout, tp=8))
 
 
 @pytest.mark.parametrize("policy", ["sorted", "sorted_partial"])
@@ -597,6 +599,21 @@ def test_a_critic_adds_its_passes_to_the_train_stage_alone():
         assert b.train_s - overhead == pytest.approx(11 / 6 * (a.train_s - overhead))
     with pytest.raises(ValueError, match="sim.stream with sim.critic"):
         SimConfig(critic=True, stream=True, reward_scheduler=True)
+
+
+def test_a_preset_of_ones_own_is_simulated_on_the_model_named(tmp_path):
+    """A .toml of one's own (or a toy preset) was refused asking for --model, which it then could not take."""
+    from rollpacker.config import CONFIGS_DIR
+    from rollpacker.sim.__main__ import parse
+
+    mine = tmp_path / "my-run.toml"
+    mine.write_text((CONFIGS_DIR / "qwen2.5-7b-8k.toml").read_text())
+    cfg, _, _ = parse(["--preset", str(mine), "--model", "qwen2.5-14b"])
+    assert cfg.model == "qwen2.5-14b" and cfg.gpus == 32 and cfg.rollout.max_new_tokens == 8192
+    with pytest.raises(SystemExit, match="names no known model .*: pass --model NAME"):
+        parse(["--preset", str(mine)])
+    with pytest.raises(SystemExit, match="--model 'nope': not a known model"):
+        parse(["--preset", "toy-cpu", "--model", "nope"])
 
 
 def test_the_cli_embeds_the_runs_rollout_and_schedule_settings():
