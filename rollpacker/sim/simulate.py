@@ -567,7 +567,12 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
         candidates = [t for t in candidate_tps(cfg.gpus, base.model.num_kv_heads,
                                                cfg.plan.max_tp or base.hardware.gpus_per_node)
                       if replace(base, tp=t).kv_capacity_tokens() >= longest]
-        planner = Planner(cfg.plan, candidates, cfg.plan.initial_tp or cfg.tp)
+        initial = cfg.plan.initial_tp or cfg.tp
+        if initial not in candidates:  # the planner's own message names a run's profile and plan.initial_tp alone
+            raise ValueError(f"{'plan.initial_tp' if cfg.plan.initial_tp else 'rollout.tp'}={initial}: the planner "
+                             f"can run {candidates} here (TPs dividing the GPUs and the KV heads, within a node and "
+                             f"plan.max_tp, whose KV cache holds a request of {longest} tokens): start at one of them")
+        planner = Planner(cfg.plan, candidates, initial)
     results, tp, decider = [], planner.initial if planner else cfg.tp, None
     routing = Routing(by_group=cfg.rollout.routing == "group", longest_first=cfg.rollout.longest_first)
     env = SimEnvPool(env_workload, seed=cfg.seed)

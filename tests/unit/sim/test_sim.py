@@ -335,6 +335,8 @@ def test_the_planner_picks_each_rounds_tp_from_the_simulated_preemptions():
     assert [r.tp for r in enabled] == [r.tp for r in results]
     initial = simulate(replace(cfg, num_steps=1, plan=PlanConfig(quiet_steps=2, initial_tp=4)))
     assert initial[0].tp == 4 and initial[0].sync_s == replace(cfg.cost(), tp=4).sync_s()
+    with pytest.raises(ValueError, match=r"rollout.tp=1: the planner can run \[2, 4, 8\] here .* a request of 16640"):
+        simulate(replace(cfg, model="qwen2.5-32b", num_steps=1))  # TP 1's KV cache holds no request
 
 
 def test_the_simulator_command_says_the_tp_each_round_ran_at_under_the_planner(capsys):
