@@ -44,6 +44,11 @@ class Args:
     train_shard_size: int = 0
     """--train.train-shard-size of every run (0 = FSDP over all ranks)."""
 
+    def __post_init__(self) -> None:
+        if min(self.nproc, self.steps) <= 0 or self.memory_mb <= 0:
+            raise ValueError(f"--nproc {self.nproc}, --steps {self.steps} and --memory-mb {self.memory_mb:g} must be "
+                             "positive")
+
 
 def variants(profile_dir: str) -> dict[str, list[str]]:
     planner = ["--plan.enabled", "--plan.profile-dir", profile_dir]

@@ -683,7 +683,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.world_size <= 0 or not 0 < args.gpu_memory_gb < math.inf:
         parser.error(f"--world-size {args.world_size} and --gpu-memory-gb {args.gpu_memory_gb:g} must be positive "
                      "(and finite): the job's GPUs and the memory of one")
-    config = parse(["--preset", args.preset, *overrides])
+    try:
+        config = parse(["--preset", args.preset, *overrides])
+    except FileNotFoundError as e:  # a preset that is not there
+        parser.error(str(e))
     try:  # what the job refuses on these GPUs (rollout.tp not dividing them, ...) has no plan either
         config.check_world(args.world_size)
     except ValueError as e:

@@ -16,6 +16,7 @@ unbounded: only the step's growth and the batch shape vary. Last line JSON:
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,8 @@ class GrowthArgs:
                 raise ValueError(f"--shapes: {shape!r} is not P0xR0 (e.g. 16x8)")
         if self.num_steps < 2:
             raise ValueError(f"--num-steps must be >= 2 (the first step is not counted), got {self.num_steps}")
+        if any(not 0 <= g < math.inf for g in self.growths):
+            raise ValueError(f"--growths: {self.growths} must be >= 0 (a decode step's growth per running request)")
 
 
 def linear_profile(growth: float) -> dict:

@@ -116,6 +116,7 @@ def test_every_gpu_preset_fits_an_h100_with_ten_percent_headroom(capsys):
     (["--rollout.tp", "3"], "--world-size 8: --rollout.tp=3 does not divide the world size 8"),
     (["--world-size", "0"], "--world-size 0 and --gpu-memory-gb 80 must be positive"),
     (["--gpu-memory-gb", "nan"], "--world-size 8 and --gpu-memory-gb nan must be positive"),
+    (["--preset", "nope"], "preset 'nope': "),
 ])
 def test_the_plan_refuses_what_the_job_refuses_and_sizes_that_are_not_sizes(capsys, flags, said):
     """A plan of a world the job would refuse printed 'fits'; a world or GPU of 0 raised ZeroDivisionError."""

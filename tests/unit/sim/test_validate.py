@@ -88,6 +88,12 @@ def test_growth_refuses_a_shape_that_is_not_p0_x_r0():
 
     with pytest.raises(ValueError, match="'16-8' is not P0xR0"):
         GrowthArgs(shapes=("16-8",))
+    with pytest.raises(ValueError, match=r"--growths: \(-0.5,\) must be >= 0"):  # it raised deep in a round
+        GrowthArgs(growths=(-0.5,))
+    from rollpacker.bench.planner import Args
+
+    with pytest.raises(ValueError, match="--steps 0 and --memory-mb 4.25 must be positive"):  # a job's traceback
+        Args(steps=0)
 
 
 def test_tail_gains_less_on_a_step_that_grows_with_the_batch(tmp_path):
