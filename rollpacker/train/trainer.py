@@ -314,11 +314,12 @@ class Trainer:
         frozen = self._frozen(samples, batches, plans) if needs_frozen else {}
         prepared = self._prepare(samples, frozen)
         total = self._units(samples)
-        updates, before = [], dict(self.optimizer_steps)
+        updates, shares, before = [], [], dict(self.optimizer_steps)
         for _ in range(cfg.epochs):
             for batch, plan in zip(batches, plans):
                 share = normalizer * self._units([samples[i] for i in batch]) / total if several and total else (
                     normalizer)
+                shares.append(max(share, 1))
                 updates.append(self._update([samples[i] for i in batch], [prepared[i] for i in batch], plan,
                                             share, frozen=needs_frozen))
         # each schedule advances once per RL step in which its optimizer stepped (HF Trainer's rule): a step that
@@ -331,6 +332,13 @@ class Trainer:
             self.critic_scheduler.step()
         self._count_skipped(updates)
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
+        # of several updates: the loss over the step's count, a token mean over their tokens (the means of each
+        # update's own misstated them, and adaptive KL steered by that)
+        stats["train/loss"] = sum(u["train/loss"] * w for u, w in zip(updates, shares)) / sum(shares)
+        tokens = [u["train/num_tokens"] for u in updates]
+        for k in TOKEN_MEANS & stats.keys():
+            stats[k] = sum(u[k] * n for u, n in zip(updates, tokens)) / max(sum(tokens), 1)
+        stats["train/num_tokens"] = float(sum(tokens[:len(batches)]))
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
         stats["train/num_samples"] = float(sum(u["train/num_samples"] for u in updates[:len(batches)]))
@@ -399,6 +407,7 @@ class Trainer:
             "train/rollout_is_outside_frac": sums["rollout_is_outside"] / tokens,
             "train/masked_truncated": sums["masked_truncated"],
             "train/num_samples": sums["samples"],
+            "train/num_tokens": sums["tokens"],
             "train/lr": lr,
             "train/skipped": float(skipped),
             "train/num_micro_batches": float(num_micro),
@@ -717,3 +726,7 @@ CRITIC_TOTALS = ("vf_loss", "vf_clipped", "vpred", "vf_tokens", "ret", "ret_sq",
 of its targets R and errors R - V, each and squared (the explained variance)."""
 TOTALS = ("loss", *STATS, "masked_truncated", "samples", *CRITIC_TOTALS)
 """What a trainer sums over micro-batches and ranks for an update's metrics."""
+TOKEN_MEANS = frozenset(f"train/{k}" for k in ("clip_frac", "ratio_dev", "kl", "entropy", "rollout_logprob_diff",
+                                                "rollout_is_ratio_mean", "rollout_is_weight_mean",
+                                                "rollout_is_outside_frac", "teacher_kl"))
+"""An update's metrics that are means over its model tokens: a step of several weighs each by its tokens."""

@@ -8,6 +8,7 @@ the same update written plainly (one process, the whole batch, full logits, the 
 functions). With two mini-batches the first update's ratios are exactly 1 on every rank.
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -191,6 +192,14 @@ def main(path: str) -> None:
         assert worst_update <= 1e-4, f"{case}: updates' max relative error {worst_update:.2e}"
         if cfg.mini_batches > 1:  # the frozen log-probs are exactly those the first update recomputes
             assert first["train/ratio_dev"] == 0.0 and trainer.updates[1]["train/ratio_dev"] > 0, trainer.updates
+            # weights that hardly move: the step's loss and token means are one update's (each update's mean was
+            # averaged, whatever its tokens)
+            still = [Trainer(load_model(path), dataclasses.replace(cfg, lr=1e-12, mini_batches=m), meshes.train,
+                             temperature=0.8, reference=reference_model(path) if cfg.kl_coef else None,
+                             critic=value_model(path) if critic is not None else None, num_steps=1).step(
+                samples, normalizer(cfg.aggregation, lengths, MAX_TOKENS)) for m in (cfg.mini_batches, 1)]
+            for k in ("train/loss", "train/entropy", "train/kl", "train/num_tokens"):
+                assert abs(still[0][k] - still[1][k]) <= 1e-5 * max(1.0, abs(still[1][k])), (case, k, still)
         assert 0 < stats["train/entropy"] < 10 and (stats["train/kl"] > 0) == bool(cfg.kl_coef), stats
         assert stats["train/num_samples"] == len(samples) and stats.get("train/kl_coef") == (cfg.kl_coef or None)
         assert ("train/entropy_threshold" in stats) == (cfg.top_entropy_quantile < 1), stats
