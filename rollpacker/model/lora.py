@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rollpacker.errors import UserError
 from rollpacker.model.config import LoraConfig
 
 ADAPTER = "default"
@@ -39,10 +40,16 @@ def apply(model: nn.Module, config: LoraConfig) -> nn.Module:
         import peft
     except ImportError:
         raise ImportError("train.lora needs PEFT: pip install 'rollpacker[lora]' (or peft)") from None
+    linears = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+                     - {"lm_head"})
+    missing = [t for t in config.target_modules if t != "all-linear" and t not in linears]
+    if missing:  # said once, as the user's to fix: PEFT's ValueError was a traceback on every rank
+        raise UserError(f"train.lora.target_modules names {', '.join(missing)}, which the model has no linear layer "
+                        f"of: name some of {', '.join(linears)}, or all-linear")
     try:
         peft.inject_adapter_in_model(peft_config(config), model)
     except ValueError as e:
-        raise ValueError(f"train.lora.target_modules={list(config.target_modules)}: {e}") from None
+        raise UserError(f"train.lora.target_modules={list(config.target_modules)}: {e}") from None
     return model
 
 

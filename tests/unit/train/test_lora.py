@@ -112,3 +112,15 @@ def test_lora_config_names_bad_settings():
         LoraConfig(rank=-1)
     with pytest.raises(ValueError, match="lm_head"):
         LoraConfig(rank=8, target_modules=("q_proj", "lm_head"))
+
+
+def test_a_target_module_the_model_lacks_is_the_users_error(toy_random_dir):
+    """It was a ValueError each rank printed as a traceback, in PEFT's words alone."""
+    from rollpacker.errors import UserError
+    from rollpacker.model import load_model, lora
+    from rollpacker.model.config import LoraConfig
+
+    with pytest.raises(UserError, match="train.lora.target_modules names foo, which the model has no linear layer of: "
+                                        "name some of down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj, "
+                                        "or all-linear"):
+        lora.apply(load_model(toy_random_dir), LoraConfig(rank=4, target_modules=("foo",)))
