@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -104,10 +105,25 @@ def test_every_registered_algorithm_piece_is_a_cli_choice():
     for i in range(max(map(len, registries.values()))):  # one parse sets every field: 5 parses, not 18
         chosen = {field: list(registry)[i % len(registry)] for field, registry in registries.items()}
         flags = [arg for field, name in chosen.items() for arg in (f"--train.{field.replace('_', '-')}", name)]
-        train = parse(flags).train
+        train = parse([*flags, "--train.kl-coef", "0.01"]).train  # a KL estimator applies with a KL
         assert {field: getattr(train, field) for field in chosen} == chosen
     with pytest.raises(SystemExit):
         parse(["--train.advantage", "ppo"])
+    # a setting nothing reads under the others (verl's clip_ratio_c, lam, critic lr ported as they are): refused
+    from rollpacker.train.config import CriticConfig, TeacherConfig
+
+    for settings, named in ((dict(dual_clip=3.0, loss="gspo"), "train.dual_clip (applies with train.loss ppo)"),
+                            (dict(lam=0.95), "train.lam (applies with train.advantage gae)"),
+                            (dict(critic=CriticConfig(lr=1e-5)), "train.critic.lr (applies with train.advantage gae)"),
+                            (dict(teacher=TeacherConfig(in_loss=True)), "train.teacher.in_loss (applies with "
+                                                                        "train.teacher.path)"),
+                            (dict(kl_estimator="k1"), "train.kl_estimator (applies with train.kl_coef > 0)"),
+                            (dict(rollout_correction="token_tis", rollout_is_low=0.1), "train.rollout_is_low"),
+                            (dict(loss="sapo", clip_high=0.3), "train.clip_high (applies with train.loss ppo, gspo"),
+                            (dict(overlong_penalty=0.5), "train.overlong_penalty (applies with train.overlong_buffer")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            TrainConfig(**settings)
+    TrainConfig(advantage="gae", lam=0.95, critic=CriticConfig(lr=1e-5), loss="ppo", dual_clip=3.0)  # where they apply
     config = parse(["--train.mini-batches", "4", "--train.epochs", "2", "--train.kl-coef", "0.01",
                     "--train.kl-in-reward", "--train.overlong-buffer", "64", "--train.mask-truncated",
                     "--train.entropy-coef", "0.001", "--train.dual-clip", "3"])

@@ -157,7 +157,7 @@ def test_sapo_soft_gate_hand_computed():
     logp.requires_grad_(True)
     old = torch.zeros(2, 4) - r.log()
     adv, mask = torch.tensor([[1.0] * 4, [-1.0] * 4]), torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)
-    loss, _, clipped = sapo(logp, old, adv, mask, TrainConfig(tau_pos=1.0, tau_neg=2.0))
+    loss, _, clipped = sapo(logp, old, adv, mask, TrainConfig(loss="sapo", tau_pos=1.0, tau_neg=2.0))
     torch.testing.assert_close(loss[:, :3], torch.tensor([[-2.4898373, -1.5101627, -2.0], [1.4621172, 1.9640276, 1.0]]))
     assert clipped.tolist() == [[False, False, False, False], [False, True, False, False]]
     total, stats = objective(logp, old, adv, mask, loss="sapo", tau_pos=1.0, tau_neg=2.0)
