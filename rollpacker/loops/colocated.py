@@ -108,9 +108,6 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     from rollpacker.schedule.eval import eval_metrics, eval_rewards
 
     ctl = job.controller
-    if ctl:  # the scores still coming of responses the last round kept no group of: not the evaluation's
-        ctl.rewards.wait()
-        ctl.rewards.take_metrics(f"step {step - 1}'s responses scored after it")
     job.engine.resume_memory()  # a pipe train-pool rank's engine is released between its rounds
     result = run_round(job.meshes, job.engine, job.config.rollout.poll_steps, ctl.eval_round(step) if ctl else None)
     if not ctl:

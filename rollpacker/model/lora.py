@@ -40,12 +40,13 @@ def apply(model: nn.Module, config: LoraConfig) -> nn.Module:
         import peft
     except ImportError:
         raise ImportError("train.lora needs PEFT: pip install 'rollpacker[lora]' (or peft)") from None
-    linears = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-                     - {"lm_head"})
-    missing = [t for t in config.target_modules if t != "all-linear" and t not in linears]
-    if missing:  # said once, as the user's to fix: PEFT's ValueError was a traceback on every rank
-        raise UserError(f"train.lora.target_modules names {', '.join(missing)}, which the model has no linear layer "
-                        f"of: name some of {', '.join(linears)}, or all-linear")
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
+    linears = sorted({name.rpartition(".")[2] for name in names})
+    named = [t for t in config.target_modules if t != "all-linear"]
+    if named and not any(n == t or n.endswith("." + t) for n in names for t in named):  # PEFT's match rule
+        # said once, as the user's to fix: PEFT's ValueError was a traceback on every rank
+        raise UserError(f"train.lora.target_modules names {', '.join(named)}, none of them a linear layer of the "
+                        f"model: name some of {', '.join(linears)}, or all-linear")
     try:
         peft.inject_adapter_in_model(peft_config(config), model)
     except ValueError as e:

@@ -319,7 +319,7 @@ class Trainer:
             for batch, plan in zip(batches, plans):
                 share = normalizer * self._units([samples[i] for i in batch]) / total if several and total else (
                     normalizer)
-                shares.append(max(share, 1))
+                shares.append(share)
                 updates.append(self._update([samples[i] for i in batch], [prepared[i] for i in batch], plan,
                                             share, frozen=needs_frozen))
         # each schedule advances once per RL step in which its optimizer stepped (HF Trainer's rule): a step that
@@ -334,7 +334,7 @@ class Trainer:
         stats = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
         # of several updates: the loss over the step's count, a token mean over their tokens (the means of each
         # update's own misstated them, and adaptive KL steered by that)
-        stats["train/loss"] = sum(u["train/loss"] * w for u, w in zip(updates, shares)) / sum(shares)
+        stats["train/loss"] = sum(u["train/loss"] * w for u, w in zip(updates, shares)) / max(sum(shares), 1e-12)
         tokens = [u["train/num_tokens"] for u in updates]
         for k in TOKEN_MEANS & stats.keys():
             stats[k] = sum(u[k] * n for u, n in zip(updates, tokens)) / max(sum(tokens), 1)

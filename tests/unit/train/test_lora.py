@@ -120,7 +120,8 @@ def test_a_target_module_the_model_lacks_is_the_users_error(toy_random_dir):
     from rollpacker.model import load_model, lora
     from rollpacker.model.config import LoraConfig
 
-    with pytest.raises(UserError, match="train.lora.target_modules names foo, which the model has no linear layer of: "
-                                        "name some of down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj, "
-                                        "or all-linear"):
+    with pytest.raises(UserError, match="train.lora.target_modules names foo, none of them a linear layer of the "
+                                        "model: name some of down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, "
+                                        "v_proj, or all-linear"):
         lora.apply(load_model(toy_random_dir), LoraConfig(rank=4, target_modules=("foo",)))
+    lora.apply(load_model(toy_random_dir), LoraConfig(rank=4, target_modules=("self_attn.q_proj", "gate_up_proj")))
