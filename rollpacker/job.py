@@ -16,7 +16,6 @@ import dataclasses
 import gc
 import json
 import logging
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from rollpacker import checkpoint, watchdog
 from rollpacker.config import Config
 from rollpacker.controller import Controller
+from rollpacker.data.dataset import lasting_text
 from rollpacker.dist import Meshes, backend, build_meshes, init_distributed
 from rollpacker.errors import UserError
 from rollpacker.model import checkpoint_dtype, engine_dtype, lora, save_model
@@ -263,13 +263,8 @@ def settings(config: Any, prefix: str = "") -> dict[str, Any]:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         flat |= (settings(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value)
-                 else {prefix + f.name: json.loads(json.dumps(value, default=_lasting))})
+                 else {prefix + f.name: json.loads(json.dumps(value, default=lasting_text))})
     return flat
-
-
-def _lasting(value: Any) -> str:
-    """A value JSON does not hold, as text that another process writes alike (no ``at 0x...`` address)."""
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
 
 
 UNSAID = ("resume", "run_dir", *TAKEN)

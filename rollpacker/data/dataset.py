@@ -26,6 +26,7 @@ import hashlib
 import importlib
 import json
 import logging
+import re
 import tempfile
 import zlib
 from collections.abc import Callable, Sequence
@@ -657,11 +658,20 @@ class PromptSampler:
 
 
 def rows_digest(rows: Sequence[dict]) -> str:
-    """A digest of the rows' ids and prompts, in order: a resume on another file of as many rows tells by it."""
+    """A digest of the rows' ids and prompts, in order: a resume on another file of as many rows tells by it;
+    "" (unknown) for prompts JSON cannot order (dict keys of mixed types)."""
     digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps([row["id"], row["prompt"]], sort_keys=True, default=str).encode())
+    try:
+        for row in rows:
+            digest.update(json.dumps([row["id"], row["prompt"]], sort_keys=True, default=lasting_text).encode())
+    except TypeError:
+        return ""
     return digest.hexdigest()[:16]
+
+
+def lasting_text(value: Any) -> str:
+    """A value JSON does not hold, as text that another process writes alike (no ``at 0x...`` address)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
 
 
 def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int,

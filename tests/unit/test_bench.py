@@ -40,6 +40,9 @@ def test_algorithms_bench_flags_parse_and_its_summary_is_what_it_says():
     assert (configs["gspo"].loss, configs["cispo"].loss, configs["gspo"].mini_batches) == ("gspo", "cispo", 2)
     assert (configs["lora"].lora.rank, configs["distill"].teacher.task_weight) == (16, 0.0)
     assert configs["gdpo"].advantage == "gdpo"
+    # a flag after -- that one algorithm refuses stops the bench before its first run, naming the algorithm
+    with pytest.raises(SystemExit, match=r"algorithm gspo \(--train.loss gspo.*refuses `-- --train.dual-clip 3`"):
+        main(["algorithms", "--algorithms", "ppo,gspo", "--", "--train.dual-clip", "3"])
     rows = [{"step": 0, "eval/accuracy": 0.25}]
     rows += [{"step": s, "reward/mean": s / 10, "train/entropy": 1.0 - s / 10} for s in range(8)]
     rows += [{"step": 8, "eval/accuracy": 0.5}]
