@@ -88,6 +88,9 @@ class DataConfig:
     held-out one: test); without eval_path, of path (a held-out slice: train[90%:])."""
     num_eval_prompts: int = 256
     """Held-out prompts per evaluation (the first this many of each eval set)."""
+    eval_trained_rows: bool = False
+    """Evaluate rows training reads too, on purpose (the training set's accuracy, or a few prompts overfit as a
+    first check); off: an eval set sharing rows with training is refused."""
     skip_bad_lines: bool = False
     """Skip rows (and JSON lines) that are not valid, logging how many and where, instead of stopping at the first."""
     retire_solved: float = 0.0
@@ -170,7 +173,7 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
 def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] | None) -> None:
     """The held-out rows (a slice of ``path``, or ``eval_path``: a training file named again too) must be rows
     training does not read: raise DatasetError naming how many it shares and the fix."""
-    if not eval_rows:
+    if not eval_rows or config.eval_trained_rows:
         return
     trained = {row["id"]: row["prompt"] for row in rows}  # another split's rows may be numbered alike
     shared = [row["id"] for row in eval_rows if trained.get(row["id"], None) == row["prompt"]]
@@ -180,8 +183,8 @@ def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] |
                  if config.eval_path else f"{split} of data.path")
         raise DatasetError(f"{where} holds {len(shared)} of the rows training reads too (data.split "
                            f"{config.split!r}), {shared[0]!r} first, so its evaluation would not be held out: set "
-                           f"data.split to the rest (e.g. train[:90%] beside train[90%:]), or data.eval_path to a "
-                           "held-out file")
+                           f"data.split to the rest (e.g. train[:90%] beside train[90%:]), data.eval_path to a "
+                           "held-out file, or data.eval_trained_rows to evaluate them on purpose")
 
 
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,

@@ -301,6 +301,8 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
     with pytest.raises(DatasetError, match=r"data.eval_path .*data(\.\w+)? holds 2 of the rows training reads too "
                                            r"\(data.split 'train\[:40%\]'\), 'data:1' first"):
         check_held_out(whole, load_rows(whole), load_eval_rows(whole))
+    on_purpose = DataConfig(path=str(path), split="train[:40%]", eval_path=str(path), eval_trained_rows=True)
+    check_held_out(on_purpose, load_rows(on_purpose), load_eval_rows(on_purpose))  # the training set's accuracy
 
 
 def test_an_eval_set_of_several_splits_needs_its_held_out_one_named(tmp_path):
