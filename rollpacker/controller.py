@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -169,11 +168,10 @@ class Controller:
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
         the profile's best TP for a round without tail batching."""
-        from rollpacker.plan.planner import Planner, best_tp, candidate_tps
+        from rollpacker.plan.planner import Planner, best_tp, usable_tps
 
         cfg = self.config
-        node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        candidates = candidate_tps(world, num_kv_heads, cfg.plan.max_tp or node)
+        candidates = usable_tps(world, num_kv_heads, cfg.plan)
         prompt_len = round(sum(len(self.encode_prompt(r)) for r in self.rows[:64]) / len(self.rows[:64]))
         initial, estimates = best_tp(profile, candidates, cfg.rollout.num_prompts * cfg.rollout.group_size,
                                      prompt_len, cfg.rollout.max_new_tokens)

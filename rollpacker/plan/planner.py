@@ -18,6 +18,7 @@ in communication. The thresholds, and what is ours and not the paper's: ``docs/p
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,11 @@ from rollpacker.plan.config import PlanConfig
 def candidate_tps(world: int, num_kv_heads: int, max_tp: int) -> list[int]:
     """The TP sizes a world of ``world`` ranks can run: divisors of the world and of the KV heads, up to ``max_tp``."""
     return [t for t in range(1, min(world, max_tp) + 1) if world % t == 0 and num_kv_heads % t == 0]
+
+
+def usable_tps(world: int, num_kv_heads: int, plan: PlanConfig) -> list[int]:
+    """The job's :func:`candidate_tps`: up to ``plan.max_tp``, or one node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    return candidate_tps(world, num_kv_heads, plan.max_tp or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 @dataclass

@@ -88,7 +88,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     import torch
 
     from rollpacker.model import empty_model, load_model, read_args
-    from rollpacker.plan.planner import candidate_tps
+    from rollpacker.plan.planner import usable_tps
     from rollpacker.rollout import ENGINES, resolve_kind
     from rollpacker.rollout.config import EngineConfig
     from rollpacker.rollout.probe import decode_step_ms, measure_spec_cost, peak_flops
@@ -96,7 +96,6 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
 
     p, device, world = config.plan, meshes.device, meshes.world_size
     args = read_args(model_dir)
-    node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     limit = (config.engine.max_model_len or args.max_position_embeddings) - p.profile_steps - 8
     contexts = sorted({min(c, limit) for c in p.profile_contexts})
     batches = sorted(p.profile_batches)
@@ -127,7 +126,7 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     if not ENGINES[kind].supports_tp_switch:  # the run's own engine at the run's TP: the planner cannot switch it
         return out | _own_engine(config, meshes, model_dir, dtype, kind, curves)
     weights = load_model(model_dir, device, dtype)
-    for tp in candidate_tps(world, args.num_kv_heads, p.max_tp or node):
+    for tp in usable_tps(world, args.num_kv_heads, p):
         meshes.set_rollout_tp(tp)
         sized = TorchEngine(empty_model(args, device, dtype), config.engine, meshes.rollout_tp)  # the run's KV budget
         entry = {"kv_capacity_tokens": sized.kv_capacity_tokens,
@@ -272,11 +271,10 @@ def obtain(config, meshes, model_dir: Path, dtype) -> dict:
     pick, else the cached one, else a fresh one, measured now and cached. Every rank gets rank 0's."""
     from rollpacker.errors import UserError
     from rollpacker.model import read_args
-    from rollpacker.plan.planner import candidate_tps
+    from rollpacker.plan.planner import usable_tps
 
     key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
-    node = int(os.environ.get("LOCAL_WORLD_SIZE", meshes.world_size))
-    usable = candidate_tps(meshes.world_size, read_args(model_dir).num_kv_heads, config.plan.max_tp or node)
+    usable = usable_tps(meshes.world_size, read_args(model_dir).num_kv_heads, config.plan)
     found: Any = None
     if meshes.rank == 0:
         path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
