@@ -335,10 +335,11 @@ class Trainer:
         # of several updates: the loss over the step's count, a token mean over their tokens (the means of each
         # update's own misstated them, and adaptive KL steered by that)
         stats["train/loss"] = sum(u["train/loss"] * w for u, w in zip(updates, shares)) / max(sum(shares), 1e-12)
-        tokens = [u["train/num_tokens"] for u in updates]
-        for k in TOKEN_MEANS & stats.keys():
-            stats[k] = sum(u[k] * n for u, n in zip(updates, tokens)) / max(sum(tokens), 1)
-        stats["train/num_tokens"] = float(sum(tokens[:len(batches)]))
+        for k, count in TOKEN_MEANS.items():
+            if k in stats:
+                stats[k] = sum(u[k] * u[count] for u in updates) / max(sum(u[count] for u in updates), 1)
+        for count in {"train/num_tokens", "critic/num_tokens"} & stats.keys():
+            stats[count] = float(sum(u[count] for u in updates[:len(batches)]))
         stats["train/skipped"] = float(sum(u["train/skipped"] for u in updates))
         stats["train/masked_truncated"] = float(sum(u["train/masked_truncated"] for u in updates[:len(batches)]))
         stats["train/num_samples"] = float(sum(u["train/num_samples"] for u in updates[:len(batches)]))
@@ -436,7 +437,7 @@ class Trainer:
                 "critic/vpred_mean": sums["vpred"] / tokens, "critic/returns_mean": sums["ret"] / tokens,
                 "critic/vf_explained_var": 1 - variance["err"] / variance["ret"] if variance["ret"] > 1e-12 else 0.0,
                 "critic/grad_norm": norm, "critic/lr": self.critic_optimizer.param_groups[0]["lr"],
-                "critic/warmup": float(self.warming)}
+                "critic/warmup": float(self.warming), "critic/num_tokens": sums["vf_tokens"]}
 
     @torch.no_grad()
     def _mix_reference(self) -> None:
@@ -726,7 +727,9 @@ CRITIC_TOTALS = ("vf_loss", "vf_clipped", "vpred", "vf_tokens", "ret", "ret_sq",
 of its targets R and errors R - V, each and squared (the explained variance)."""
 TOTALS = ("loss", *STATS, "masked_truncated", "samples", *CRITIC_TOTALS)
 """What a trainer sums over micro-batches and ranks for an update's metrics."""
-TOKEN_MEANS = frozenset(f"train/{k}" for k in ("clip_frac", "ratio_dev", "kl", "entropy", "rollout_logprob_diff",
-                                                "rollout_is_ratio_mean", "rollout_is_weight_mean",
-                                                "rollout_is_outside_frac", "teacher_kl"))
-"""An update's metrics that are means over its model tokens: a step of several weighs each by its tokens."""
+TOKEN_MEANS = {**{f"train/{k}": "train/num_tokens" for k in (
+    "clip_frac", "ratio_dev", "kl", "entropy", "rollout_logprob_diff", "rollout_is_ratio_mean",
+    "rollout_is_weight_mean", "rollout_is_outside_frac", "teacher_kl")},
+               **{f"critic/{k}": "critic/num_tokens" for k in (
+                   "vf_loss", "vf_clipfrac", "vpred_mean", "returns_mean", "vf_explained_var")}}
+"""An update's metrics that are means over its tokens -> their count: a step of several weighs each by its tokens."""

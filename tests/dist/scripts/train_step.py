@@ -198,7 +198,8 @@ def main(path: str) -> None:
                              temperature=0.8, reference=reference_model(path) if cfg.kl_coef else None,
                              critic=value_model(path) if critic is not None else None, num_steps=1).step(
                 samples, normalizer(cfg.aggregation, lengths, MAX_TOKENS)) for m in (cfg.mini_batches, 1)]
-            for k in ("train/loss", "train/entropy", "train/kl", "train/num_tokens"):
+            for k in ("train/loss", "train/entropy", "train/kl", "train/num_tokens",
+                      *(("critic/vf_loss", "critic/returns_mean", "critic/num_tokens") if critic is not None else ())):
                 assert abs(still[0][k] - still[1][k]) <= 1e-5 * max(1.0, abs(still[1][k])), (case, k, still)
         assert 0 < stats["train/entropy"] < 10 and (stats["train/kl"] > 0) == bool(cfg.kl_coef), stats
         assert stats["train/num_samples"] == len(samples) and stats.get("train/kl_coef") == (cfg.kl_coef or None)
