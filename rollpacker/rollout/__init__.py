@@ -158,11 +158,13 @@ def build_engine(config: EngineConfig, model_path: str | Path, device: torch.dev
 
 def sglang_speculative_args(config: EngineConfig, device_type: str) -> dict:
     """SGLang server arguments for ``engine.speculative``: its NGRAM drafts (the request's own
-    context), ``engine.spec_max_tokens`` per step. SGLang runs NGRAM on CUDA only."""
+    context), one chain of ``engine.spec_max_tokens`` per step (SGLang's count holds the request's last
+    token too; a tree wider than one is refused with paged KV but under flashinfer). CUDA only here: its
+    CPU path lacks the kernel."""
     if config.speculative == "off":
         return {}
     if device_type != "cuda":
         raise ValueError(f"engine.speculative={config.speculative!r} with engine.kind=sglang on {device_type}: "
                          "SGLang's NGRAM speculative decoding runs on CUDA only; set engine.speculative=off")
-    return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": config.spec_max_tokens,
-            "speculative_ngram_max_match_window_size": 8}
+    return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": config.spec_max_tokens + 1,
+            "speculative_ngram_max_bfs_breadth": 1}

@@ -91,3 +91,27 @@ def test_engine_bench_compares_torch_and_sglang_on_the_same_tokens():
         assert summary[f"same_tokens_sglang_batch{b}"] == 1.0 and summary[f"tok_s_sglang_batch{b}"] > 0
     assert summary["sglang_adapter_overhead"] == summary["sglang_adapter_overhead_batch4"] > -1
     assert "decode_ms_per_iter_sglang" not in summary  # its step() is not one decode step
+
+
+def test_speculative_arguments_pass_sglangs_own_resolution():
+    """``engine.speculative`` under SGLang: its server arguments with the engine's pass SGLang 0.5.23's own
+    resolution (a name it lacks, or NGRAM's default tree of 10 with paged KV, refused the engine's start). Run on
+    its CPU device: the resolution is the GPU's but for that device's own checks."""
+    code = """
+import torch
+from rollpacker.model import read_args
+from rollpacker.rollout import sglang_speculative_args
+from rollpacker.rollout.config import EngineConfig
+from rollpacker.rollout.sglang_engine import engine_args
+from rollpacker.toy.model import TOY_MODEL_DIR
+from sglang.srt.server_args import ServerArgs
+
+cfg = EngineConfig(speculative="on", spec_max_tokens=6)
+args = engine_args(TOY_MODEL_DIR, cfg, read_args(TOY_MODEL_DIR), 1, torch.float32, on_cpu=True)
+server = ServerArgs(**args | sglang_speculative_args(cfg, "cuda"))
+server.resolve_once()
+print("resolved", server.page_size, server.speculative_num_draft_tokens)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=sglang_env())
+    assert proc.returncode == 0 and "resolved 16 7" in proc.stdout, f"{proc.stdout}\n{cause(proc.stderr)}"
