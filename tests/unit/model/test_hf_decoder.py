@@ -131,3 +131,27 @@ def test_an_export_names_its_tensors_dtype_and_a_biased_output_head_is_refused(m
                                                      num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match="PhiForCausalLM: its output head has a bias"):
         HFDecoder(phi)
+
+
+def test_engine_settings_the_resolved_engine_does_not_read_are_refused_before_it_starts():
+    """engine.memory_mb sizes TorchEngine alone, vLLM picks its own KV block, and vLLM's CPU build samples wrong
+    tokens under speculation: each was unread, unsaid, or a traceback at the first request."""
+    import re
+
+    from rollpacker.config import parse
+    from rollpacker.job import check_engine
+
+    vllm, sglang = ["--engine.kind", "vllm"], ["--engine.kind", "sglang"]
+    for flags, device, said in (
+            ([*vllm, "--engine.memory-mb", "512"], "cpu", "engine.memory_mb=512.0 with engine.kind=vllm"),
+            ([*sglang, "--engine.memory-mb", "512"], "cuda", "engine.kind=sglang: only TorchEngine"),
+            ([*vllm, "--engine.block-size", "32"], "cuda", "engine.block_size=32 with engine.kind=vllm"),
+            ([*vllm, "--engine.speculative", "auto"], "cpu",
+             "engine.speculative=auto with engine.kind=vllm on CPU and rollout.temperature=0.8")):
+        with pytest.raises(UserError, match=re.escape(said)):
+            check_engine(parse(flags), device)
+    for flags, device in ((["--engine.kind", "torch", "--engine.memory-mb", "512"], "cpu"),  # TorchEngine's
+                          ([*sglang, "--engine.block-size", "32"], "cuda"),
+                          ([*vllm, "--engine.speculative", "auto"], "cuda"),
+                          ([*vllm, "--engine.speculative", "on", "--rollout.temperature", "0"], "cpu")):
+        check_engine(parse(flags), device)
