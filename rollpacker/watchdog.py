@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from rollpacker.errors import error_file
+
 BEAT_S = 1.0
 """Seconds between two heartbeats; a rank silent for 5 of them counts as not answering."""
 STORE_WAIT_S = 5.0
@@ -385,7 +387,7 @@ def diagnose(rank: int, what: str, beats: dict[int, dict | None] | None) -> str:
 
 def _error_reported() -> bool:
     """Whether a rank of this node reported an error to the ``rollpacker`` launcher (rollpacker.errors)."""
-    path = os.environ.get("ROLLPACKER_ERROR_FILE")
+    path = error_file()
     return bool(path) and os.path.exists(path)
 
 

@@ -42,6 +42,12 @@ def one_in_ten(completions, id, trainer_state, **kwargs):  # fails on rows:3, ro
         raise ValueError(f"row three at step {trainer_state.global_step}")
     return [None]
 
+def down_at_first(completions, **kwargs):  # a sandbox down during torchrun's first attempt only
+    import os
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise ConnectionError("the sandbox is down")
+    return [1.0 for _ in completions]
+
 def siblings(completions, **kwargs):  # a group function (reward.group_funcs): the size of its group
     return [float(len(completions))] * len(completions)
 '''
@@ -195,6 +201,22 @@ def test_a_function_returning_a_string_stops_the_run_with_one_line_naming_it(tmp
     assert "returned str '1.0' for a completion; expected a float, an int or None. Stopped before training" in last
     assert said.count("'as_string' failed") == 1
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained on it
+
+
+@pytest.mark.timeout(600)
+def test_an_error_of_an_attempt_torchrun_restarted_is_said_as_that_and_does_not_fail_the_next(tmp_path):
+    """The launcher's error file was one for the whole job: after torchrun restarted a failed attempt, the next
+    attempt's ranks took it for their own error (no heartbeats: a false "did not answer") and the launcher said
+    the old error last and exited 1 for a job that finished."""
+    write_task(tmp_path)
+    run_dir = tmp_path / "run"
+    proc, out, err = start(tmp_path, "restarted", launcher("--max-restarts", "1", *args(
+        tmp_path, run_dir, "--reward.funcs", "funcs.py:down_at_first", "--num-steps", "2")))
+    said = err.read_text() if finish(proc) else err.read_text()[-4000:]
+    assert proc.returncode == 0, said
+    assert re.search(r"^\(torchrun's attempt 0, restarted\) rollpacker: reward function 'down_at_first' failed on "
+                     r".*the sandbox is down", said, re.M), said[-4000:]
+    assert len(records(run_dir)) == 2
 
 
 @pytest.mark.slow  # the first Ctrl-C's stop and resume: the test above
