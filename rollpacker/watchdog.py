@@ -136,6 +136,12 @@ def start(config: DistConfig) -> None:
     if _threads or not (_store_address() or launcher):  # a second job in this process (tests): it beats already
         return
     rank = int(os.environ.get("RANK", "0"))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # one attempt number for every rank's keys (collective)
+        agreed = [os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")]
+        dist.broadcast_object_list(agreed, src=0)
+        _state["attempt"] = agreed[0]
     _stop.clear()
     atexit.register(stop)  # a daemon thread inside a store call at interpreter exit aborts the process
     # one rank under torchrun has no store to beat to, but still exits with its launcher
@@ -191,12 +197,18 @@ def phase(name: str) -> None:
     progress()
 
 
+def _attempt() -> str:
+    """The group's torchrun attempt: rank 0's, as :func:`start` agreed it (torchrun counts a restart only on the
+    node that failed, so the others' TORCHELASTIC_RESTART_COUNT lags); this node's count before."""
+    return _state.get("attempt") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
 def _key(rank: int) -> str:
-    return f"rollpacker/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    return f"rollpacker/heartbeat/{_attempt()}/{rank}"
 
 
 def _report_key() -> str:
-    return f"rollpacker/reported/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"rollpacker/reported/{_attempt()}"
 
 
 def _bounded(call, default):

@@ -4,7 +4,7 @@ whose peer stopped ends with the diagnosis once the peer's heartbeat is stale, l
 collective's own timeout (a day).
 
 Rank 1 SIGSTOPs itself; rank 0 waits for it in phase ``handoff`` (a heartbeat goes stale in 5 s, and the
-wait reads them every 5 s)."""
+wait reads them every 5 s). Rank 1's torchrun attempt count is another's: the heartbeats are read all the same."""
 
 import logging
 import os
@@ -17,6 +17,8 @@ from rollpacker.dist import build_meshes
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 meshes = build_meshes(1, 0)
+if meshes.rank == 1:  # a node whose agent counted a restart the other's did not (torchrun counts the failed one's)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
 watchdog.start(watchdog.DistConfig(timeout_s=2.0, first_step_timeout_s=2.0))
 env = meshes.gather({k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
 if meshes.rank == 0:
