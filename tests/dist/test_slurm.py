@@ -61,6 +61,21 @@ def test_sbatch_dry_run_without_gpus_runs_one_rank_per_node():
     assert "--nproc_per_node=2" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="8", NPROC_PER_NODE="2")
 
 
+def test_sbatch_takes_the_first_node_of_a_long_list_and_torchruns_nproc_words(tmp_path):
+    """The head node read through ``| head -n 1`` ended scontrol by SIGPIPE on long node lists: exit 141 under
+    pipefail, the job gone without a word. Here a stand-in ``scontrol`` prints 200000 names, as Slurm's would
+    for that many nodes; ``NPROC_PER_NODE=auto`` (torchrun's word) was an unbound variable."""
+    (tmp_path / "scontrol").write_text("#!/bin/sh\nseq -f 'node-%06g' 1 200000\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+    for _ in range(3):
+        assert "--rdzv_endpoint=node-000001:29500" in dry_run(SLURM_JOB_NODELIST="node-[000001-200000]", PATH=path)
+    assert "--nproc_per_node=auto" in dry_run(RDZV_HOST="h", NPROC_PER_NODE="auto")
+    run = subprocess.run(["bash", str(SBATCH)], env={**os.environ, "DRY_RUN": "1", "RDZV_HOST": "h",
+                                                     "NPROC_PER_NODE": "eight"}, capture_output=True, text=True)
+    assert run.returncode == 2 and "NPROC_PER_NODE=eight: a number, or auto" in run.stderr, run.stderr
+
+
 def test_sbatch_outside_slurm_says_so():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RDZV_"))}
     run = subprocess.run(["bash", str(SBATCH)], env={**env, "DRY_RUN": "1"}, capture_output=True, text=True)
