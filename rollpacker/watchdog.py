@@ -230,10 +230,10 @@ def _bounded(call, default):
 
 def claim_report(rank: int) -> bool:
     """Whether this rank is the first to report a user error (always, outside torchrun or if the store is gone).
-    Before the job's store is up (rank 0 hosts it, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), rank 0: a
-    config error is the same on every rank."""
+    Before the job's store is up (rank 0 hosts it, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), each node's first rank:
+    a config error is the same on every rank of a node, not always on every node (a node-local model.path)."""
     if _config is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return rank == 0
+        return int(os.environ.get("LOCAL_RANK", rank)) == 0
 
     def claim():
         store = _store()

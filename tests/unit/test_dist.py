@@ -192,3 +192,15 @@ def test_only_a_collectives_error_is_diagnosed_as_a_fault():
     assert _fault(RuntimeError("Connection reset by peer")) == "lost its connection to another rank"
     assert _fault(PoolError("a reward worker did not start within 3 s (reward.start_timeout)")) is None
     assert _fault(ValueError("timeout")) is None
+
+
+def test_an_error_before_the_store_is_said_by_each_nodes_first_rank(monkeypatch):
+    """Before the job's store is up (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as train.sbatch sets), only rank 0 said
+    a config error: one that only another node meets (its own model.path, its disk for --resume auto) was unsaid."""
+    from rollpacker import watchdog
+
+    monkeypatch.setattr(watchdog, "_config", None)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for rank, local_rank, says in ((0, 0, True), (8, 0, True), (9, 1, False), (1, 1, False)):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        assert watchdog.claim_report(rank) is says, (rank, local_rank)
