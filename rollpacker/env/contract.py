@@ -30,6 +30,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollpacker.env.parsers import tool_functions
 from rollpacker.errors import UserError
 from rollpacker.imports import awaited, load, short
 
@@ -108,9 +109,15 @@ def reset(env, *, seed: int, row: dict, max_turns: int | None = None) -> tuple[s
     observation, info = value
     if observation is not None and not isinstance(observation, str):
         observation = messages(observation, "user", "reset")
+        if not observation:
+            raise BadReturn("reset returned no messages; give the episode's prompt (a string or chat messages), or "
+                            "None to keep the row's")
     info = _info(info, "reset")
     if "tools" in info and not (isinstance(info["tools"], list) and all(isinstance(t, dict) for t in info["tools"])):
         raise BadReturn(f"reset's info['tools'] is {_what(info['tools'])}; give a list of tool schemas (dicts)")
+    if unnamed := [t for t in info.get("tools", ()) if not tool_functions([t])]:
+        raise BadReturn(f"reset's info['tools'] holds {short(unnamed[0])}, a schema without a function name; give "
+                        "each as {'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
     return observation, info
 
 

@@ -100,8 +100,8 @@ class Environments:
             prompt, info = reset or (None, {})
             if info.get("tools"):
                 self.check_tool_parser()
-            else:  # a string prompt is rendered only with tools
-                self.check_string_prompt(prompt, rows[row])
+            elif reset is not None:  # a string prompt is rendered only with tools; None: no environment, or one that
+                self.check_string_prompt(prompt, rows[row])  # never opened (an episode failed at once, never rendered)
             if prompt is None and not info.get("tools"):
                 if row not in cache:
                     cache[row] = own(rows[row])

@@ -35,6 +35,7 @@ import json
 import time
 from typing import Any, Callable
 
+from rollpacker.env import contract
 from rollpacker.env.config import TOOLS, EnvConfig
 from rollpacker.env.contract import EnvError
 from rollpacker.env.parsers import PARSERS, ToolCall, hermes, tool_functions  # noqa: F401  (hermes: imported from here too)
@@ -97,8 +98,9 @@ class ToolEnv:
 
     def reset(self, *, seed: int, options: dict):
         self.turns_left = (options.get("max_turns") or 0) - 1
-        observation, info = (None, {}) if self.inner is None else invoke(self.inner.reset, seed=seed, options=options)
-        info = dict(info or {})
+        observation, info = (None, {}) if self.inner is None else contract.reset(
+            self.inner, seed=seed, row=options["row"], max_turns=options.get("max_turns"))
+        info = dict(info)
         self.inner_tools = list(info.get("tools", []))
         self.inner_names = {fn["name"] for fn in tool_functions(self.inner_tools)}
         info["tools"] = [*self.inner_tools, *self.schemas]
@@ -146,7 +148,10 @@ class ToolEnv:
             if isinstance(e, (TimeoutError, asyncio.TimeoutError)) and time_left() <= 0:  # wait_for's
                 return f"error: {call.name} timed out: this turn's calls have {self.timeout:g} s (env.timeout)", True
             return f"error: {type(e).__name__}: {e}", True
-        return value if isinstance(value, str) else json.dumps(value, default=str), isinstance(value, Failed)
+        try:
+            return value if isinstance(value, str) else json.dumps(value, default=str), isinstance(value, Failed)
+        except (TypeError, ValueError) as e:  # a circular value, keys JSON cannot hold: the tool's, said as such
+            return f"error: {call.name} returned {type(value).__name__} that JSON cannot write ({e})", True
 
     def _cut(self, text: str) -> str:
         """``text``, or its first and last ``max_result_chars`` / 2 characters around a marker of how many were cut."""

@@ -321,7 +321,8 @@ class EnvPool(WorkerPool):
         episode it hosted loses its environment (their queued and later steps fail saying so), but those
         whose open had not run yet: they wait for the fresh worker."""
         with self._cond:
-            culprit = self._cause(task, reason) if task is not None else f"its {self._name} worker died ({reason})"
+            culprit = (self._cause(task, f"its {task.kind} call: {reason}") if task is not None  # a close may hang
+                       else f"its {self._name} worker died ({reason})")
             queued, self._queues[i] = self._queues[i], collections.deque()
             unopened = {call.key for call in queued if call.kind == "open"}  # no environment yet: the fresh worker's
             spared = unopened | ({task.key} if task is not None else set())

@@ -188,12 +188,13 @@ def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_repo
         "garbage", "hang", "ok", "ok2", "raise", "unpicklable"]
     where = "bad_env.py:make_env: episode 'e{}' (row 'row-{}'): "
     assert errors["e0"] == [where.format(0, "raise") + "step raised ValueError: the board is on fire"]
-    assert errors["e1"] == [where.format(1, "hang") + "timed out after 3 s (env.timeout); its worker was replaced"]
+    assert errors["e1"] == [where.format(1, "hang") + "its step call: timed out after 3 s (env.timeout); its worker "
+                            "was replaced"]
     assert errors["e2"] == [where.format(2, "garbage") + "step returned garbage: step returned a tuple of 2 "
                             "('obs', 1.0); gymnasium's step returns (observation, reward, terminated, truncated, info)"]
     assert len(errors["e3"]) == 1 and errors["e3"][0].startswith(
         "bad_env.py:make_env: the environment of episode 'e3' (row 'row-ok') was lost with its worker, killed because "
-        + where.format(1, "hang") + "timed out")
+        + where.format(1, "hang") + "its step call: timed out")
     assert len(errors["e4"]) == 1 and errors["e4"][0].startswith(
         where.format(4, "unpicklable") + "step returned something that cannot be sent back")
     assert steps["e3"].error == errors["e3"][0] and {r.kind for r in later} == {"close"}
@@ -210,8 +211,8 @@ def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
         (opened,) = pool.drain(60)
         pool.close_episode("e")
         (closed,) = pool.drain(60)
-    assert opened.error == "slow.py:make_env: episode 'e' (row 'r'): timed out after 3 s (env.timeout); its worker " \
-                           "was replaced"
+    assert opened.error == ("slow.py:make_env: episode 'e' (row 'r'): its open call: timed out after 3 s "
+                            "(env.timeout); its worker was replaced")
     assert closed.error is None
 
 

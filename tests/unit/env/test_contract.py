@@ -55,7 +55,8 @@ class Garbage:
         self.bad = row["bad"]
 
     def reset(self, *, seed, options):
-        return {"trl": "Add 3.", "pair": ("Add 3.", {})}.get(self.bad, (None, {}))
+        return {"trl": "Add 3.", "pair": ("Add 3.", {}), "empty": ([], {}),
+                "schema": ("Add 3.", {"tools": [{"bogus": 1}]})}.get(self.bad, (None, {}))
 
     def step(self, action):
         return {
@@ -106,6 +107,17 @@ def broken(x: int) -> int:
 
 def undocumented(x):
     return x
+
+
+def circular(x: int) -> dict:
+    """Returns a value JSON cannot write.
+
+    Args:
+        x: Anything.
+    """
+    value = {"x": x}
+    value["self"] = value
+    return value
 '''
 
 
@@ -204,6 +216,25 @@ def test_tool_schemas_come_from_signatures_and_docstrings(files):
     with pytest.raises(contract.EnvError, match="env.tools: undocumented: no JSON schema .* type hints on every "
                                                 "argument and a Google-style docstring"):
         schemas(load_tools(("my_tools.py:undocumented",)))
+
+
+def test_a_reset_of_no_messages_or_a_schema_without_a_name_is_named_with_or_without_tools_around_it(files):
+    """A reset's [] crashed the chat template's render (IndexError, no environment named, not counted); a tool schema
+    without a function name was the template's refusal of "the prompt"; under env.tools, a reset's garbage was a
+    ValueError of unpacking, retried as if transient. And a tool's result JSON cannot write ended the episode."""
+    for bad, match in (("empty", "reset returned no messages; give the episode's prompt"),
+                       ("schema", r"reset's info\['tools'\] holds \{'bogus': 1\}, a schema without a function name"),
+                       ("trl", r"reset returned str 'Add 3.'; gymnasium's reset returns \(observation, info\)")):
+        for wrap in (lambda env: env, lambda env: ToolEnv(load_tools(("my_tools.py:add",)), inner=env)):
+            with pytest.raises(contract.BadReturn, match=match):
+                contract.reset(wrap(contract.make(f"{files}/my_env.py:Garbage", {"bad": bad})), seed=0, row={})
+    env = ToolEnv(load_tools(("my_tools.py:circular", "my_tools.py:add")))
+    contract.reset(env, seed=0, row={})
+    step = contract.step(env, '<tool_call>{"name": "circular", "arguments": {"x": 1}}</tool_call>'
+                              '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert [m["content"] for m in step.observation] == [
+        "error: circular returned dict that JSON cannot write (Circular reference detected)", "3"]
+    assert step.info == {"tool_calls": 2, "tool_errors": 1}
 
 
 def test_tools_alone_run_calls_until_the_model_answers(files):

@@ -259,7 +259,8 @@ def test_a_plain_string_prompt_beside_templated_observations_is_refused_unless_i
     make("0:0:0", 0, None), make("0:1:0", 1, None), make("0:2:0", 2, ("2+2", {"tools": TOOLS}))
     make("0:1:1", 1, ([{"role": "user", "content": "3+3"}], {}))
     envs(templated=True).maker(rows, lambda row: [1, 2])("0:2:0", 2, None)
-    for reset in (None, ("a question of its reset's", {})):
+    make("0:2:2", 2, None)  # an episode whose environment never opened, failed at once: nothing rendered
+    for reset in ((None, {}), ("a question of its reset's", {})):
         with pytest.raises(UserError, match=r"data row 'c': its episode's prompt is a plain string, tokenized as it "
                                             r"is, but the environment's observations go through the chat template, "
                                             r"which ends a user turn with .*assistant.*: set --model.chat-template"):
