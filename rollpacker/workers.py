@@ -124,6 +124,11 @@ class _Watchdog:
 os.register_at_fork(before=_Watchdog.pause, after_in_parent=_Watchdog.resume, after_in_child=_Watchdog.forget)
 
 
+class Retired(SystemExit):
+    """The worker's unwinding on RETIRE: user code that catches ``SystemExit`` (its own ``sys.exit()``, said as its
+    error) lets this one pass."""
+
+
 def _retired(*_) -> None:
     """RETIRE (the pool's, or its process's death): unwind, so a sandbox run kills its sandbox and an environment
     worker closes its environments; SIGALRM's default kills the worker ``STOP_GRACE`` seconds on if that hangs
@@ -131,7 +136,7 @@ def _retired(*_) -> None:
     death) must not raise again inside the unwinding, where an atexit callback would print it as a crash."""
     signal.signal(RETIRE, _absorbed)
     signal.alarm(math.ceil(STOP_GRACE))
-    sys.exit(1)
+    raise Retired(1)
 
 
 def leaving() -> None:

@@ -40,6 +40,7 @@ from rollpacker.env.config import TOOLS, EnvConfig
 from rollpacker.env.contract import EnvError
 from rollpacker.env.parsers import PARSERS, ToolCall, hermes, tool_functions  # noqa: F401  (hermes: imported from here too)
 from rollpacker.imports import awaited, load, target
+from rollpacker.workers import Retired
 
 PYTHON_TIMEOUT = 10.0
 """Wall-clock seconds the built-in ``python`` tool gives a program (at most: what is left of the turn)."""
@@ -144,7 +145,9 @@ class ToolEnv:
         try:
             value = invoke(asyncio.wait_for, fn(**call.arguments), time_left()) if inspect.iscoroutinefunction(
                 fn) else invoke(fn, **call.arguments)
-        except Exception as e:  # noqa: BLE001  (the tool's own error is the model's answer)
+        except Retired:
+            raise
+        except (Exception, SystemExit) as e:  # noqa: BLE001  (the tool's own error, sys.exit() too, is the model's answer)
             if isinstance(e, (TimeoutError, asyncio.TimeoutError)) and time_left() <= 0:  # wait_for's
                 return f"error: {call.name} timed out: this turn's calls have {self.timeout:g} s (env.timeout)", True
             return f"error: {type(e).__name__}: {e}", True

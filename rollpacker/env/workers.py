@@ -40,7 +40,7 @@ from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
 from rollpacker.env.contract import EnvError, EnvReply
 from rollpacker.imports import load, target, warm_up
-from rollpacker.workers import WorkerPool, ignore_stops, leaving, tasks
+from rollpacker.workers import Retired, WorkerPool, ignore_stops, leaving, tasks
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,9 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,
         return None, None, None, False, False
     except contract.BadReturn as e:
         cause, transient = f"returned garbage: {e}", False
-    except Exception as e:  # noqa: BLE001  (the user's environment: whatever it raises is the cause to report)
+    except Retired:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (the user's environment: whatever it raises, sys.exit() too)
         cause, transient = f"raised {type(e).__name__}: {str(e)[:500]}", True
     _drop(envs, kind, key)
     return None, f"{kind} {cause}", None, False, transient

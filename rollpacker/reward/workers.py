@@ -38,7 +38,7 @@ from typing import Any
 from rollpacker.imports import warm_up
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.functions import BadValue, Ref, RewardFunctionError, Value, acall, call
-from rollpacker.workers import STOP_GRACE, WorkerPool, ignore_stops, leaving, tasks  # noqa: F401  (STOP_GRACE: the tests')
+from rollpacker.workers import STOP_GRACE, Retired, WorkerPool, ignore_stops, leaving, tasks  # noqa: F401  (STOP_GRACE: the tests')
 
 STALL_GRACE_S = 30.0
 """Seconds past the longest timeout an async call may take to come back before its loop counts as stalled."""
@@ -69,7 +69,9 @@ def score(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | list, str
     what a worker runs: ``(value, error, metrics, info)``, with ``error`` the cause when it failed."""
     try:
         return _scored(call(ref, sample))
-    except Exception as e:  # noqa: BLE001  (the user's code: whatever it raises is the cause to report)
+    except Retired:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (the user's code: whatever it raises, sys.exit() too)
         return _failed(e)
 
 
@@ -77,7 +79,9 @@ async def ascore(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | li
     """:func:`score`, awaited on the running event loop (its cancellation passes)."""
     try:
         return _scored(await acall(ref, sample))
-    except Exception as e:  # noqa: BLE001  (as score's)
+    except Retired:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (as score's)
         return _failed(e)
 
 

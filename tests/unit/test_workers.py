@@ -111,3 +111,20 @@ def test_an_environment_worker_imports_torch_before_it_is_ready():
     """)
     proc = subprocess.run([sys.executable, "-c", warm], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_sys_exit_in_a_reward_function_is_its_error_and_a_retire_still_ends_the_worker(tmp_path):
+    """A function's ``sys.exit()`` killed its reward worker (every task on it lost, no cause said); the pool's
+    RETIRE, raised inside user code that catches SystemExit, must still unwind the worker."""
+    from rollpacker.reward.functions import Ref
+    from rollpacker.reward.workers import score
+    from rollpacker.workers import Retired
+
+    (tmp_path / "quits.py").write_text("import sys\nfrom rollpacker.workers import Retired\n\n"
+                                       "def quits(completions, **kwargs):\n    sys.exit(5)\n\n"
+                                       "def retired(completions, **kwargs):\n    raise Retired(1)\n")
+    sample = {"prompt": "q", "completion": "x", "completion_ids": [1], "columns": {}}
+    value, error, _, _ = score(Ref("quits", f"{tmp_path}/quits.py:quits"), sample)
+    assert value is None and "SystemExit: 5" in error, error
+    with pytest.raises(Retired):
+        score(Ref("retired", f"{tmp_path}/quits.py:retired"), sample)

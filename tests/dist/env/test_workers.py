@@ -202,6 +202,46 @@ def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_repo
         ("open", None, None), ("step", None, 0.5)]
 
 
+def test_a_sys_exit_in_an_environment_or_a_tool_is_its_error_not_its_workers_death(tmp_path, monkeypatch):
+    """``sys.exit()`` in a step or a tool killed the worker: every episode on it lost, no cause said."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quits.py").write_text(textwrap.dedent('''
+        import sys
+
+        class Env:
+            def reset(self, *, seed, options):
+                return None, {}
+
+            def step(self, action):
+                sys.exit(3)
+
+        def make_env(row):
+            return Env()
+
+        def leave(x: int) -> int:
+            """Quits.
+
+            Args:
+                x: Anything.
+            """
+            sys.exit(4)
+        '''))
+    call = '<tool_call>{"name": "leave", "arguments": {"x": 1}}</tool_call>'
+    with EnvPool(EnvConfig(factory="quits.py:make_env", tools=("quits.py:leave",), num_workers=1)) as pool:
+        for key in ("a", "b"):
+            pool.open_episode(key, {"id": key}, 0)
+        assert not any(r.error for r in pool.drain(60))
+        pool.step_episode("a", call)
+        (tool,) = pool.drain(60)
+        assert not tool.error and tool.value.observation[0]["content"] == "error: SystemExit: 4"
+        pool.step_episode("a", "done")
+        (stepped,) = pool.drain(60)
+        assert stepped.error == "quits.py:make_env: episode 'a' (row 'a'): step raised SystemExit: 3"
+        pool.step_episode("b", call)  # its worker serves on: b's environment is there
+        (other,) = pool.drain(60)
+        assert not other.error and other.value.observation[0]["content"] == "error: SystemExit: 4"
+
+
 @pytest.mark.parametrize("timeout", [3])
 def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
     monkeypatch.chdir(tmp_path)
