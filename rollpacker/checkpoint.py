@@ -357,7 +357,7 @@ def check_lora_alpha(path: Path, rank: int, alpha: float) -> None:
     if saved != alpha:
         raise CheckpointError(f"resume: {path} trained its LoRA adapters with train.lora.alpha {saved:g}, this run "
                               f"sets {alpha:g}: an adapter's update is scaled by alpha / rank, so the policy would "
-                              f"change at resume. Resume with train.lora.alpha {saved:g}")
+                              f"change at resume. Resume (or export) with train.lora.alpha {saved:g}")
 
 
 def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, list[int]]) -> None:

@@ -44,11 +44,11 @@ def export(checkpoint_dir: Path, out: Path, run_argv: list[str]) -> Path:
     from rollpacker.job import Job, build_trainer, join
     from rollpacker.topology import Topology
 
-    if (checkpoint_dir / "checkpoints").is_dir():  # a run's directory: its newest whole checkpoint
-        checkpoint_dir = checkpoint.newest_whole(checkpoint_dir) or checkpoint_dir
-    checkpoint.check(checkpoint_dir, any_world=True)  # before the policy is built
+    checkpoint_dir = whole_checkpoint(checkpoint_dir)
+    check_out(out, checkpoint_dir)
     saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
     config = parse([*saved, *run_argv, "--dist.device", "cpu"])
+    checkpoint.check_lora_alpha(checkpoint_dir, config.train.lora.rank, config.train.lora.alpha)
     config.train.kl_coef, config.train.teacher.path = 0.0, ""  # the policy alone: no KL reference, no teacher
     path, impl = join(config)
     meshes = build_meshes(topology=Topology(1))
@@ -56,6 +56,44 @@ def export(checkpoint_dir: Path, out: Path, run_argv: list[str]) -> Path:
     checkpoint.load(checkpoint_dir, trainer, weights_only=True)
     Job(config=config, meshes=meshes, model_dir=path, engine=None, trainer=trainer).export(out)
     return out
+
+
+def whole_checkpoint(path: Path) -> Path:
+    """The committed, undamaged checkpoint ``path`` names: itself, or a run's (or its ``checkpoints``) newest whole
+    one; else a :class:`UserError` worded for this command (a checkpoint's own are for a resume)."""
+    from rollpacker import checkpoint
+
+    run_dir = path.parent if path.name == "checkpoints" else path
+    if not (path / checkpoint.MARKER).exists() and (run_dir / "checkpoints").is_dir():
+        newest = checkpoint.latest(run_dir)
+        if newest is None:
+            raise UserError(f"{run_dir} holds no committed checkpoint to export (its saves were interrupted)")
+        if why := checkpoint.verify(newest):
+            raise UserError(f"the newest checkpoint of {run_dir}, {newest.name}, is damaged: {why}; export an "
+                            f"earlier one (python -m rollpacker.export {run_dir / 'checkpoints' / 'step_N'})")
+        path = newest
+    elif not (path / checkpoint.MARKER).exists():
+        raise UserError(f"{path} is not a committed checkpoint (no {checkpoint.MARKER} marker): give a run's "
+                        "directory, or one of its checkpoints/step_N")
+    if why := checkpoint.verify(path):
+        raise UserError(f"checkpoint {path} is damaged: {why}; export an earlier one")
+    checkpoint.check(path, any_world=True)
+    return path
+
+
+def check_out(out: Path, checkpoint_dir: Path) -> None:
+    """Refuse an ``out`` whose directory the export would replace whole (it, and a LoRA run's ``out``_merged,
+    are written afresh) while it holds what is not an earlier export: a run's directory, the checkpoint."""
+    out = out.resolve()
+    for path in (out, out.with_name(out.name + "_merged")):
+        if checkpoint_dir.resolve().is_relative_to(path):
+            raise UserError(f"--out {out}: the export replaces {path} whole, and it holds the checkpoint "
+                            f"{checkpoint_dir}; name a directory of its own (default: CHECKPOINT/hf)")
+        exported = any((path / name).is_file() for name in ("config.json", "adapter_config.json"))
+        if path.is_dir() and any(path.iterdir()) and not exported:
+            raise UserError(f"--out {out}: the export replaces {path} whole, and it holds files that are not an "
+                            f"export's ({', '.join(sorted(p.name for p in path.iterdir())[:3])}, ...); name a new "
+                            "directory, or an earlier export's")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -249,7 +249,8 @@ def build(config: Config) -> Job:
 def export_flags(config: Config) -> list[str]:
     """The run's flags that build its policy as it trained (its model, and LoRA's settings): what
     ``rollpacker.export`` reads from a checkpoint, so that it exports the run's tokenizer and chat template."""
-    lora, flags = config.train.lora, ["--model.path", config.model.path, "--model.impl", config.model.impl]
+    model = config.model.path if config.model.shipped else str(Path(config.model.path).resolve())  # from anywhere
+    lora, flags = config.train.lora, ["--model.path", model, "--model.impl", config.model.impl]
     if lora.rank:
         flags += ["--train.lora.rank", str(lora.rank), "--train.lora.alpha", str(lora.alpha),
                   "--train.lora.target-modules", *lora.target_modules,

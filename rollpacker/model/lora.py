@@ -169,5 +169,6 @@ def save_adapter(model: nn.Module, config: LoraConfig, path: Path, base: Path, *
     if not write:
         return
     path.mkdir(parents=True, exist_ok=True)
-    peft_config(config, task_type="CAUSAL_LM", base_model_name_or_path=str(base)).save_pretrained(str(path))
+    peft_config(config, task_type="CAUSAL_LM", base_model_name_or_path=str(base.resolve())).save_pretrained(
+        str(path))  # resolved: a relative path resolves only from where the run started
     save_file(state, path / "adapter_model.safetensors", metadata={"format": "pt"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -296,6 +297,8 @@ def test_the_flags_a_checkpoint_keeps_for_the_export_build_the_runs_policy():
     again = parse([*export_flags(run), "--dist.device", "cpu"])
     assert (again.model.path, again.model.impl, again.train.lora) == (run.model.path, run.model.impl, run.train.lora)
     assert parse(export_flags(parse([]))).train.lora.rank == 0
+    # a relative model.path is kept resolved: the export runs from anywhere (it named a directory of the run's cwd)
+    assert export_flags(parse(["--model.path", "models/mine"]))[1] == str(Path("models/mine").resolve())
 
 
 def test_the_start_summary_flags_a_toy_learning_rate_on_a_model_of_your_own():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -40,6 +41,25 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
     (run_dir / ".hf.partial").unlink()
     proc = launch_job(str(newest), "--out", str(hf), nproc=1, module="rollpacker.export")
     assert proc.returncode == 0 and (hf / "model.safetensors").is_file(), proc.stderr[-4000:]
+    # an --out the export would replace whole while it holds what is not an export: refused, nothing touched (the
+    # run's own directory was deleted, its checkpoints and metrics with it)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "plan.txt").write_text("mine")
+    for out, said in ((run_dir, f"the export replaces {run_dir} whole, and it holds the checkpoint {newest}"),
+                      (tmp_path / "notes", "holds files that are not an export's (plan.txt, ...)")):
+        proc = launch_job(str(newest), "--out", str(out), nproc=1, module="rollpacker.export")
+        assert proc.returncode == 1 and said in proc.stderr.splitlines()[-1], proc.stderr[-4000:]
+    assert newest.is_dir() and (run_dir / "metrics.jsonl").is_file() and (tmp_path / "notes" / "plan.txt").is_file()
+    # a damaged checkpoint is one line naming its file, worded for the export (not DCP's tracebacks)
+    damaged = tmp_path / "copy" / "checkpoints" / "step_1"
+    shutil.copytree(newest, damaged)
+    (damaged / ".metadata").unlink()
+    for given, said in ((damaged, f"checkpoint {damaged} is damaged: {damaged / '.metadata'} cannot be read"),
+                        (damaged.parent, f"the newest checkpoint of {damaged.parent.parent}, step_1, is damaged: "
+                                         f"{damaged / '.metadata'} cannot be read")):
+        proc = launch_job(str(given), "--out", str(tmp_path / "out"), nproc=1, module="rollpacker.export")
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+        assert proc.stderr.splitlines()[-1].startswith(f"rollpacker: export: {said}"), proc.stderr[-4000:]
 
 
 def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp_path):
