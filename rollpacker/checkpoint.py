@@ -129,22 +129,20 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             f"{free:.1f} MiB free there on rank {rank}). The partial "
             f"save was removed; the newest committed checkpoint is {newest or 'none'}, which --resume auto picks. "
             f"Free disk space or fix the permissions under {path.parent}, then resume")
-    if rank == 0:
-        _leave_later(path.parent.parent, step)
-        if keep:
-            prune(path.parent, keep)
+    if rank == 0 and keep:
+        prune(path.parent, keep)
     dist.barrier(group=control)
 
 
-def _leave_later(run_dir: Path, step: int) -> None:
-    """Un-commit the checkpoints newer than ``step``, just saved: they are of the run this one went back
-    from (``--resume auto`` passed a damaged one, or a resume from an older one). Else ``keep`` would
-    delete this run's and ``--resume auto`` would go back to theirs. Their files go as this run saves
-    their steps."""
+def leave_later(run_dir: Path, step: int) -> None:
+    """Un-commit the checkpoints newer than ``step``, where a resume starts: they are of the run this one went
+    back from (``--resume auto`` passed a damaged one, or a resume from an older one), whose records of those
+    steps ``metrics.jsonl`` drops now. Else ``keep`` would delete this run's and ``--resume auto`` would go back
+    to theirs, without their records. Their files go as this run saves their steps."""
     for later in committed(run_dir):
         if int(later.name.split("_")[1]) > step:
             (later / MARKER).unlink(missing_ok=True)
-            logger.warning("checkpoint: %s is of the run this one went back from (it saved step %d): no longer "
+            logger.warning("checkpoint: %s is of the run this one went back from (it resumes at step %d): no longer "
                            "committed, so --resume auto and checkpoint.keep see this run's", later, step)
 
 

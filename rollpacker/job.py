@@ -243,6 +243,8 @@ def build(config: Config) -> Job:
         job.push_weights()  # the engines get the checkpoint's weights
     if job.controller:
         job.controller.metrics.start_at(job.start_step)  # each step once in metrics.jsonl
+        if config.resume:  # the later checkpoints' records are gone: so are they, for --resume auto
+            checkpoint.leave_later(Path(config.run_dir), job.start_step)
     return job
 
 

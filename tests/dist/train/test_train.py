@@ -127,6 +127,14 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert proc.returncode != 0 and "ValueError" not in proc.stderr, proc.stderr[-4000:]  # torchrun's own traceback
     assert proc.stderr.count(f"rollpacker: resume: {step_2}: sampler checkpoint has num_rows=2048 but this run has "
                              "num_rows=100") == 1, proc.stderr[-4000:]
+    # a resume from an older checkpoint that stops before its first save: the later checkpoints, whose steps'
+    # records it dropped, are un-committed as it starts (--resume auto went back to them, their records gone)
+    (tmp_path / "down.py").write_text("def down(completions, **kwargs):\n    raise ConnectionError('down')\n")
+    proc = launch_job(*common, "--num-steps", "3", "--resume", str(tmp_path / "checkpoints" / "step_1"),
+                      "--reward.funcs", f"{tmp_path / 'down.py'}:down", nproc=2)
+    assert proc.returncode != 0 and "ConnectionError: down" in proc.stderr, proc.stderr[-4000:]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert sorted(p.parent.name for p in (tmp_path / "checkpoints").glob("step_*/COMMITTED")) == ["step_1"]
 
 
 def test_missing_checkpoint_and_bad_world_are_clear_errors(toy_random_dir, tmp_path):
