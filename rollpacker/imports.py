@@ -90,12 +90,12 @@ def load(target: str, setting: str, error: type[UserError] = UserError, *, mappi
 def warm_up(target: str, setting: str, *, mapping: bool = False) -> str:
     """In a worker before it says ready: import ``target`` (:func:`load`) and call its ``warm_up()``, or that of the
     object it is a method of (a verifiers factory's ``score_group``), so that loading is not charged to its first
-    call's timeout. Returns why its ``warm_up()`` failed ("" if it did not): no call would meet that again. A
-    failure to import is left to the first call, which meets it again and reports it."""
+    call's timeout. Returns why it cannot be imported or its ``warm_up()`` failed ("" if neither): every call would
+    meet that again (a misspelled function was each environment's open failing, retried as if transient)."""
     try:
         fn = load(target, setting, mapping=mapping)
-    except Exception:  # noqa: BLE001  (the call meets it again and reports it, with its cause)
-        return ""
+    except UserError as e:
+        return f"{e} (fix it, or what it imports)"
     hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "__self__", None), "warm_up", None)
     try:
         if callable(hook):

@@ -339,7 +339,7 @@ class WorkerPool:
             if message is None:
                 w.ready = True
             elif not w.ready:  # why it cannot start: every worker would meet it
-                raise PoolError(f"a {self._name} worker could not start: {message}")
+                raise PoolError(f"the {self._name} workers could not start: {message}")
             else:
                 task, w.task = w.task, None
                 self._received(task, message)

@@ -21,6 +21,7 @@ from rollpacker.env.episode import Bridge, Episode
 from rollpacker.env.info import TOOL_INFO
 from rollpacker.env.workers import EnvPool, EnvSpec
 from rollpacker.errors import UserError
+from rollpacker.workers import PoolError
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class Environments:
             return
         try:
             self._closed(self.pool.drain(timeout=self.cfg.timeout))
-        except TimeoutError:
+        except (TimeoutError, PoolError):  # a pool that failed (said already, as the run stops) runs no close
             pass
         self.pool.close()
 

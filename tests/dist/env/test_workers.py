@@ -10,15 +10,18 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import pytest
 from support.chat import ADD_TOOL
 
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.workers import EnvPool
+from rollpacker.workers import PoolError
 
 BAD_ENV = '''
 import time
+from dataclasses import replace
 
 
 class Env:
@@ -258,6 +261,7 @@ def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
 
 SLOW_FACTORY = """
 import time
+from dataclasses import replace
 
 
 class Env:
@@ -301,10 +305,32 @@ def test_a_factory_whose_warm_up_raises_stops_the_pool_naming_it(tmp_path, monke
     (tmp_path / "broken.py").write_text(SLOW_FACTORY.replace("time.sleep(2)", "raise FileNotFoundError('judge.bin')"))
     with EnvPool(EnvConfig(factory="broken.py:make_env", num_workers=1, timeout=5)) as pool:
         pool.open_episode("e", {"id": "r"}, 0)
-        with pytest.raises(RuntimeError, match=r"an? env worker could not start: env.factory: the warm_up\(\) of "
+        with pytest.raises(RuntimeError, match=r"the env workers could not start: env.factory: the warm_up\(\) of "
                                                r"make_env \(.*broken.py:make_env\) raised FileNotFoundError: "
                                                r"judge.bin \(fix it"):
             pool.drain(60)
+
+
+def test_a_factory_or_tool_that_cannot_be_loaded_stops_the_pool_at_its_start(tmp_path, monkeypatch):
+    """A misspelled function or a module that fails to import was each open's error, retried as if transient: a
+    whole evaluation of failed episodes before the run stopped, or with env.max_error_frac 1 a run training nothing.
+    And the run's close met the failed pool again: a traceback under the message."""
+    from rollpacker.env.setup import Environments
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "envs.py").write_text("def make_env(row):\n    pass\n")
+    (tmp_path / "broken.py").write_text("import not_a_package\n\ndef add(a: int) -> int:\n    return a\n")
+    for cfg, said in ((EnvConfig(factory="envs.py:make_envv"), r"env.factory: .*envs.py has no function or dict "
+                                                                r"'make_envv' \(fix it, or what it imports\)"),
+                      (EnvConfig(tools=("broken.py:add",)), r"env.tools: cannot import .*broken.py: "
+                                                           r"ModuleNotFoundError: No module named 'not_a_package'")):
+        pool = EnvPool(replace(cfg, num_workers=1, reset_retries=3))
+        envs = Environments(cfg=pool.cfg, pool=pool, bridge=None, encode=None, seed=0, max_new_tokens=8,
+                            max_context=100)
+        pool.open_episode("e", {"id": "r"}, 0)
+        with pytest.raises(PoolError, match=f"the env workers could not start: {said}"):
+            pool.drain(60)
+        envs.close()  # quiet: the failed pool was said
 
 
 TRACKED_ENV = '''
@@ -336,6 +362,7 @@ ORPHAN = '''
 import signal, time
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.workers import EnvPool
+from rollpacker.workers import PoolError
 
 if __name__ == "__main__":
     pool = EnvPool(EnvConfig(factory="tracked.py:make_env", num_workers=2))
@@ -434,6 +461,7 @@ def test_environments_opened_ahead_answer_their_rounds_opens_and_the_others_are_
 FLAKY_ENV = '''
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 

@@ -187,7 +187,7 @@ def test_a_function_is_loaded_and_warmed_up_as_its_worker_starts_not_in_its_firs
     ref = Ref("score", f"{tmp_path / 'raises.py'}:score")
     with RewardPool(RewardConfig(num_workers=1, timeout=1.0), (ref.target,)) as pool:  # no call would meet it
         pool.submit("never", ref, sample)
-        with pytest.raises(RuntimeError, match=r"a reward worker could not start: reward.funcs: the warm_up\(\) of "
+        with pytest.raises(RuntimeError, match=r"the reward workers could not start: reward.funcs: the warm_up\(\) of "
                                                r"score \(.*raises.py:score\) raised ZeroDivisionError"):
             pool.drain(60)
 
