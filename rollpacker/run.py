@@ -121,10 +121,15 @@ def main(argv: list[str] | None = None) -> None:
         fail(as_flags(str(e)), prefix="rollpacker: config error: ")
     if config.resume and (done := checkpoint_step(config.resume)) >= config.num_steps:
         if os.environ.get("RANK", "0") == "0":  # a requeued job that had finished: no job to build
+            from rollpacker.checkpoint import MARKER
+
             hf = Path(config.run_dir) / "hf"
-            unexported = (f"; its Hugging Face export {hf} is missing (stopped while writing it): python -m "
-                          f"rollpacker.export {config.resume} --out {hf}"
-                          if config.checkpoint.export_hf and not hf.exists() else "")
+            written = [f.stat().st_mtime for f in (hf / "config.json", hf / "adapter_config.json") if f.exists()]
+            committed = (Path(config.resume) / MARKER).stat().st_mtime  # the run's end exports after its last save
+            state = "missing" if not written else "an earlier step's" if max(written) < committed else ""
+            unexported = (f"; its Hugging Face export {hf} is {state} (stopped while writing it): python -m "
+                          f"rollpacker.export {config.resume} --out {hf}" if config.checkpoint.export_hf and state
+                          else "")
             print(f"rollpacker: {config.resume} is at step {done} of num_steps {config.num_steps}: nothing to train "
                   f"(raise --num-steps to go on){unexported}", file=sys.stderr, flush=True)
         raise SystemExit(0)

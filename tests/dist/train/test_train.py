@@ -41,6 +41,18 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
     (run_dir / ".hf.partial").unlink()
     proc = launch_job(str(newest), "--out", str(hf), nproc=1, module="rollpacker.export")
     assert proc.returncode == 0 and (hf / "model.safetensors").is_file(), proc.stderr[-4000:]
+    # a run on to step 2 whose final export fails in turn, then requeued: its run_dir/hf is step 1's, said so
+    (run_dir / ".hf.partial").write_text("")
+    more = ["--data.num-toy-prompts", "8", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+            "--rollout.max-new-tokens", "24", "--num-steps", "2", "--eval-every", "0", *QUIET, "--run-dir",
+            str(run_dir), "--resume", "auto"]
+    assert launch_job(*more).returncode == 1
+    proc = launch_job(*more)
+    assert proc.returncode == 0 and proc.stderr.rstrip().endswith(
+        f"nothing to train (raise --num-steps to go on); its Hugging Face export {hf} is an earlier step's (stopped "
+        f"while writing it): python -m rollpacker.export {run_dir / 'checkpoints' / 'step_2'} --out {hf}"), (
+        proc.stderr[-4000:])
+    (run_dir / ".hf.partial").unlink()
     # an --out the export would replace whole while it holds what is not an export: refused, nothing touched (the
     # run's own directory was deleted, its checkpoints and metrics with it)
     (tmp_path / "notes").mkdir()
