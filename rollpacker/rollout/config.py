@@ -90,7 +90,7 @@ class EngineConfig:
     """vllm: share of device memory (CPU: of RAM, per rank) it may take, its KV being kv_memory_mb (SGLang on GPU
     derives its own from the memory plan)."""
     enforce_eager: bool = True
-    """vllm: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
+    """vllm, sglang: no torch.compile/CUDA graphs (engine start in seconds instead of ~30 s on CPU)."""
     block_size: int = 16
     """torch, sglang: tokens per KV block (vLLM picks its own)."""
     kv_memory_mb: float = 256.0
