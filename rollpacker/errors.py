@@ -22,9 +22,6 @@ import os
 import sys
 from typing import NoReturn
 
-ERROR_FILE = "ROLLPACKER_ERROR_FILE"
-"""The environment variable naming the launcher's file for the job's one error line."""
-
 
 class UserError(Exception):
     """Bad input the user can fix; the message names what, where and the fix."""
@@ -43,17 +40,10 @@ def report(error: BaseException | str, prefix: str = "rollpacker: ") -> None:
 
     line = f"{prefix}{error}"
     first = watchdog.claim_report(int(os.environ.get("RANK", "0")))
-    if path := error_file():  # the launcher prints the first one, after torchrun is done
+    if path := watchdog.error_file():  # the launcher prints the first one, after torchrun is done
         _claim_file(path, line)
     elif first:
         print(line, file=sys.stderr, flush=True)
-
-
-def error_file() -> str:
-    """Where this attempt's ranks of this node report to the ``rollpacker`` launcher ("" outside it): one file per
-    torchrun attempt, so that an error of a failed attempt neither outlives its restart nor silences the next."""
-    base = os.environ.get(ERROR_FILE, "")
-    return base and f"{base}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _claim_file(path: str, line: str) -> None:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rollpacker.errors import ERROR_FILE
+from rollpacker.watchdog import ERROR_FILE
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 RENDEZVOUS = ("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend", "--master-addr",

@@ -32,8 +32,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from rollpacker.errors import error_file
-
 BEAT_S = 1.0
 """Seconds between two heartbeats; a rank silent for 5 of them counts as not answering."""
 STORE_WAIT_S = 5.0
@@ -395,6 +393,17 @@ def diagnose(rank: int, what: str, beats: dict[int, dict | None] | None) -> str:
     who = "; ".join(f"rank {r}: {why}" for r, why in silent)
     return (f"{where}: rank(s) {[r for r, _ in silent]} did not answer ({who}). Exiting non-zero so torchrun "
             "--max-restarts or Slurm's requeue restarts the job (--resume auto)")
+
+
+ERROR_FILE = "ROLLPACKER_ERROR_FILE"
+"""The environment variable naming the ``rollpacker`` launcher's file for the job's one error line."""
+
+
+def error_file() -> str:
+    """Where this attempt's ranks of this node report to the ``rollpacker`` launcher ("" outside it): one file per
+    torchrun attempt, so that an error of a failed attempt neither outlives its restart nor silences the next."""
+    base = os.environ.get(ERROR_FILE, "")
+    return base and f"{base}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _error_reported() -> bool:

@@ -155,7 +155,7 @@ def test_lora_adapters_resumed_under_another_alpha_are_refused(toy_random_dir, t
         resolve_resume(parse(["--train.lora.rank", "8", "--resume", str(tmp_path)]))
     assert str(e.value) == (f"resume: {tmp_path} trained its LoRA adapters with train.lora.alpha 32, this run sets "
                             "16: an adapter's update is scaled by alpha / rank, so the policy would change at resume. "
-                            "Resume with train.lora.alpha 32")
+                            "Resume (or export) with train.lora.alpha 32")
 
 
 def test_adapters_trained_on_another_base_of_the_same_shapes_are_refused(tmp_path):
@@ -229,8 +229,9 @@ def test_what_a_save_also_writes_is_in_the_commit_and_its_failure_fails_the_save
 
 def test_a_run_that_went_back_uncommits_the_later_checkpoints_it_left_and_keep_spares_its_own(toy_random_dir,
                                                                                              tmp_path):
-    """Resumed from step 2 (step 4 damaged, or a deliberate rollback), the run saves step 3: step 4 is the
-    abandoned run's, so --resume auto takes step 3 and checkpoint.keep=1 keeps it."""
+    """Resumed from step 2 (step 4 damaged, or a deliberate rollback), the run un-commits step 4 as it starts
+    (the abandoned run's, whose records it drops), then saves step 3: --resume auto takes step 3 and
+    checkpoint.keep=1 keeps it."""
     from rollpacker.dist import build_meshes
     from rollpacker.model import load_model
     from rollpacker.train.config import TrainConfig
@@ -240,6 +241,8 @@ def test_a_run_that_went_back_uncommits_the_later_checkpoints_it_left_and_keep_s
     root = tmp_path / "checkpoints"
     for step in (2, 4):
         checkpoint.save(root / f"step_{step}", trainer, step, {})
+    checkpoint.leave_later(tmp_path, 2)
+    assert checkpoint.committed(tmp_path) == [root / "step_2"]
     checkpoint.save(root / "step_3", trainer, 3, {}, keep=1)
     assert checkpoint.committed(tmp_path) == [root / "step_3"] and checkpoint.newest_whole(tmp_path) == root / "step_3"
     assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]  # step 4's files go when step 4 is saved
