@@ -11,7 +11,8 @@ Invariants:
 - On-policy: a deferred prompt's responses are thrown away, and its long round generates afresh.
 - A filtered prompt (``filter_zero_variance``) does not count towards P0: a fresh one replaces it.
 - Nothing waits forever: the queue is flushed at the last epoch and at the run's last step (a long
-  round that holds the whole queue, or the run's last, keeps every prompt it launched).
+  round that holds the whole queue, or the run's last, keeps every prompt it launched); with the queue
+  empty there, the last short round launches only the prompts it keeps.
 - Every prompt is in exactly one state of the :class:`~rollpacker.schedule.ledger.Ledger`, saved
   with the sampler in the checkpoint.
 
@@ -126,7 +127,8 @@ class TailPolicy(QueuedPolicy):
             flush = step == self.last_step or n == len(queue) and left == 0
             self.target, responses, kind = n if flush else min(n, self.num_prompts), self.group_size, "long"
         else:
-            launch = provisioned(self.eta_prompts, self.num_prompts)
+            # the run's last round launches only what it keeps: a prompt it deferred would never come back
+            launch = self.num_prompts if step == self.last_step else provisioned(self.eta_prompts, self.num_prompts)
             keys = self.sampler.draw(launch if left is None else min(launch, left))
             if not keys:
                 raise RuntimeError("tail: no prompt left to launch; check done() before start_round")

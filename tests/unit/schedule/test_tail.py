@@ -154,6 +154,14 @@ def test_last_step_flushes_the_whole_queue_in_one_long_round():
     assert rnd.kind == "long" and [(g.epoch, g.prompt) for g in groups] == queued
 
 
+def test_the_last_step_with_an_empty_queue_launches_only_what_it_keeps():
+    """A short round there deferred its over-provisioned prompts into a queue no later round would flush."""
+    policy = tail(p0=4, r0=2, last_step=0)
+    rnd, groups, _, _ = play(policy, 0, lambda row, k: 1000 if row % 2 else row + k)
+    assert rnd.kind == "short" and len(rnd.prompts) == len(groups) == 4
+    assert not policy.ledger.queue and policy.ledger.counts().get("deferred", 0) == 0
+
+
 def test_zero_variance_groups_are_filtered_counted_and_replaced():
     policy = tail(p0=4, r0=2, filter_zero_variance=True)
     flat = set()
