@@ -265,6 +265,10 @@ class Config:
             if bad:
                 raise ValueError(f"{streaming} with {setting}: stream training trains each group as soon as it "
                                  f"completes, and {why}. Either {fix}, or turn {streaming} off")
+        cap, prompts = self.stream.fetch_cap, self.rollout.num_prompts
+        if 0 < cap * prompts < 1:  # the one fetch would take no group, and the round scale down for nothing
+            raise ValueError(f"stream.fetch_cap={cap} of rollout.num_prompts={prompts} groups is less than one group: "
+                             f"set it to {1 / prompts:.3g} or more, or 0 (every group as it completes)")
 
     def topology(self, world: int) -> Topology:
         """The job's ranks on ``world`` ranks: pools, replicas, training shard groups."""

@@ -394,3 +394,15 @@ def test_a_warning_of_ours_names_settings_as_the_flags_you_type():
     assert said("transformers", logging.WARNING, "see num_steps") == "see num_steps"  # not ours
     with pytest.raises(TypeError):  # a bad format argument: the handler says so, as it would without the filter
         said("rollpacker", logging.WARNING, "after %d", "oops")
+
+
+def test_a_stream_fetch_cap_below_one_group_is_refused():
+    """stream.fetch_cap x num_prompts < 1 took no group at its one fetch: the round scaled down for nothing."""
+    from rollpacker.config import Config
+    from rollpacker.rollout.config import RolloutConfig
+    from rollpacker.schedule.scale_down import StreamConfig
+
+    with pytest.raises(ValueError, match=r"stream.fetch_cap=0.2 of rollout.num_prompts=4 groups is less than one "
+                                         r"group: set it to 0.25 or more"):
+        Config(stream=StreamConfig(enabled=True, fetch_cap=0.2), rollout=RolloutConfig(num_prompts=4))
+    Config(stream=StreamConfig(enabled=True, fetch_cap=0.25), rollout=RolloutConfig(num_prompts=4))
