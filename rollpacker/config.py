@@ -141,6 +141,10 @@ class Config:
                 raise ValueError(f"rollout.{name}={value} with engine.kind={self.engine.kind!r}: "
                                  f"{getattr(engine, why)}; set rollout.{name}={off}, or engine.kind={able}")
         s = self.schedule
+        if s.max_gen_batches != type(s).max_gen_batches and not s.refills:
+            raise ValueError(f"schedule.max_gen_batches with schedule:{s.name}: it bounds the prompts drawn in place "
+                             "of dropped groups, and no round refills here (schedule:sync with schedule.refill, "
+                             "schedule:tail with schedule.filter_zero_variance do); leave it out")
         if s.stale_samples and self.train.rollout_correction == "none":
             raise ValueError(
                 f"schedule:{s.name} with train.rollout_correction='none': {s.stale_samples}, so its samples are "

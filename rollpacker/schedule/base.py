@@ -174,6 +174,11 @@ class PolicyConfig:
     rounds): a round that has drawn this many times rollout.num_prompts stops the run, saying why (verl's
     max_num_gen_batches; 0: no limit)."""
 
+    @property
+    def refills(self) -> bool:
+        """A fresh prompt replaces a dropped group (what ``max_gen_batches`` bounds)."""
+        return False
+
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> Policy:
         """The policy with these settings over ``sampler``, P0 = ``num_prompts``, R0 = ``group_size``.

@@ -31,6 +31,10 @@ class SyncConfig(PolicyConfig):
         if self.refill and not self.filter_zero_variance:
             raise ValueError("schedule.refill replaces the groups schedule.filter_zero_variance drops: set both")
 
+    @property
+    def refills(self) -> bool:
+        return self.refill
+
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> SyncPolicy:
         return SyncPolicy(sampler, num_prompts, group_size, filter_zero_variance=self.filter_zero_variance,

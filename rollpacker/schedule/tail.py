@@ -78,6 +78,10 @@ class TailConfig(PolicyConfig):
         if self.eta_responses is None:
             self.eta_responses = 1.0 if episodes else PAPER_ETA_RESPONSES
 
+    @property
+    def refills(self) -> bool:
+        return self.filter_zero_variance  # a short round's dropped group
+
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> TailPolicy:
         """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""

@@ -406,3 +406,18 @@ def test_a_stream_fetch_cap_below_one_group_is_refused():
                                          r"group: set it to 0.25 or more"):
         Config(stream=StreamConfig(enabled=True, fetch_cap=0.2), rollout=RolloutConfig(num_prompts=4))
     Config(stream=StreamConfig(enabled=True, fetch_cap=0.25), rollout=RolloutConfig(num_prompts=4))
+
+
+def test_max_gen_batches_is_refused_where_no_round_refills():
+    """sorted and one_step_off never pass it on, sync refills only with schedule.refill: it was unread, unsaid."""
+    from rollpacker.config import Config
+    from rollpacker.schedule.sorted import SortedConfig
+    from rollpacker.schedule.sync import SyncConfig
+
+    for schedule in (SortedConfig(max_gen_batches=3), SyncConfig(filter_zero_variance=True, max_gen_batches=3)):
+        with pytest.raises(ValueError, match=f"schedule.max_gen_batches with schedule:{schedule.name}: it bounds"):
+            Config(schedule=schedule)
+    for flags in (["schedule:sync", "--schedule.filter-zero-variance", "--schedule.refill",
+                   "--schedule.max-gen-batches", "3"],
+                  ["schedule:tail", "--schedule.filter-zero-variance", "--schedule.max-gen-batches", "3"]):
+        assert parse(flags).schedule.max_gen_batches == 3
