@@ -113,6 +113,8 @@ class RoundResult:
     generated_tokens: int
     """Response tokens generated in the round, kept or not (aborted, deferred, filtered, surplus); a response
     resumed from an earlier round (``RoundPlan.carried``) counts only its new tokens."""
+    model_tokens: int
+    """Of those, the model's: ``rollout/tokens_per_s`` (an episode's observations are its environment's)."""
     wasted_tokens: int
     """Of those and the carried ones, the tokens neither trained nor held for a later round
     (:attr:`~rollpacker.schedule.round.RoundOutcome.wasted_tokens`)."""
@@ -192,7 +194,7 @@ class RoundResult:
             "reward/overlong_penalty_mean": mean(penalties),
             "time/reward_exposed": self.reward_exposed_s,
             "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.rollout_end),
-            "rollout/tokens_per_s": self.generated_tokens / (self.rollout_end - self.start),
+            "rollout/tokens_per_s": self.model_tokens / (self.rollout_end - self.start),
             "rollout/preemptions": self.num_preemptions,
             "rollout/truncated": sum(o.finish_reason == "length" for o, _ in trained),
             "rollout/tail_seconds": self.tail_s,
@@ -384,7 +386,7 @@ class ExchangeRound:
         if leader.progress:
             state = self.round.state
             leader.progress(state.num_launched - len(state.outstanding),
-                            self.round.tokens_done / (time.time() - self.start))
+                            self.round.model_tokens_done / (time.time() - self.start))
         return self.command(actions)
 
     def command(self, actions: Actions) -> Command:
@@ -463,6 +465,7 @@ class ExchangeRound:
         counters = self.counters.values()  # the exposed reward time: what finished last
         return RoundResult(kind=self.plan.kind, groups=outcome.groups, num_launched=outcome.num_launched,
                            cut=outcome.aborted, generated_tokens=outcome.generated_tokens,
+                           model_tokens=outcome.model_tokens,
                            wasted_tokens=outcome.wasted_tokens,
                            running_trace=self.trace, start=self.start, last_finish=outcome.last_finish,
                            rollout_end=self.rollout_end, end=time.time(),

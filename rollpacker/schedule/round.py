@@ -393,6 +393,8 @@ class RoundOutcome:
     """Every episode cut."""
     generated_tokens: int
     """Response tokens generated in the round, kept or not; a resumed carried response counts its new tokens."""
+    model_tokens: int
+    """Of those, the model's (an episode's observations are its environment's)."""
     wasted_tokens: int
     """Generated tokens neither trained nor held for a later round (aborted, surplus, filtered, of an episode whose
     environment failed), and tokens carried in from an earlier round and dropped here:
@@ -419,7 +421,7 @@ class Round:
     def __init__(self, state: RoundState, scorer: Scorer, runner: EpisodeRunner, hooks: RoundHooks | None = None):
         self.state, self.scorer, self.runner, self.hooks = state, scorer, runner, hooks or RoundHooks()
         self.cut: list[Any] = []
-        self.tokens_done = 0
+        self.tokens_done = self.model_tokens_done = 0
         """Tokens of the responses finished so far."""
         self.last_finish = 0.0
         self.scaled: ScaledDown | None = None
@@ -499,10 +501,11 @@ class Round:
         carried = self.state.plan.carried.values()
         resumed = sum(len(o.token_ids) for o in carried if o.finish_reason == "abort")
         generated = self.tokens_done + sum(len(o.token_ids) for o in self.cut) - resumed
+        model = self.model_tokens_done + sum(o.num_model_tokens for o in self.cut) - resumed  # carried: no episodes
         trained = sum(len(o.token_ids) for g in groups for o in g.outputs if o.finish_reason != "error")
         wasted = generated + sum(len(o.token_ids) for o in carried) - trained - self.state.policy.held_tokens()
         return RoundOutcome(groups=groups, num_launched=self.state.num_launched, aborted=self.cut,
-                            generated_tokens=generated, wasted_tokens=wasted,
+                            generated_tokens=generated, model_tokens=model, wasted_tokens=wasted,
                             last_finish=self.last_finish, scaled=self.scaled, num_fed=self.num_fed,
                             hook_metrics=metrics, env=runner.take_calls(), env_errors=runner.stats.causes,
                             filtered=self.state.filtered)
@@ -564,6 +567,7 @@ class Round:
         self.state.finished(outputs)
         for out in outputs:
             self.tokens_done += len(out.token_ids)
+            self.model_tokens_done += out.num_model_tokens
             self.scorer.submit(out.id, self.state.row(out.id), out)
         self.hooks.on_finished([len(out.token_ids) for out in outputs])
         if outputs:

@@ -64,6 +64,10 @@ class Seq:
         return range(self.generated)
 
     @property
+    def num_model_tokens(self) -> int:
+        return self.generated
+
+    @property
     def logprobs(self) -> tuple:
         return ()
 

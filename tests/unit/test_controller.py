@@ -43,7 +43,8 @@ def output(n: int, reason: str = "stop") -> Response:
 def round_result(groups: list[Group]) -> RoundResult:
     lengths = sum(len(o.token_ids) for g in groups for o in g.outputs)
     return RoundResult(kind="sync", groups=groups, num_launched=6, cut=[], generated_tokens=lengths + 7,
-                       wasted_tokens=7, running_trace=[(1.0, 6), (2.0, 3)], start=0.0, last_finish=3.0,
+                       model_tokens=lengths + 7 - 12, wasted_tokens=7,  # 12 an environment's
+                       running_trace=[(1.0, 6), (2.0, 3)], start=0.0, last_finish=3.0,
                        rollout_end=3.5, end=4.0, num_preemptions=2)
 
 
@@ -75,7 +76,7 @@ def test_make_batch_and_round_stats(mask_truncated):
     assert stats["time/reward_exposed"] == 1.0 and stats["sched/trained_prompts"] == 2
     # Rollout ends when the final command came back (3.5), not after the reward wait (4.0): 3 of 6 idle from 2.0.
     assert stats["rollout/bubble_ratio"] == pytest.approx(3 * 1.5 / (6 * 3.5))
-    assert stats["rollout/tokens_per_s"] == pytest.approx((212 + 7) / 3.5)
+    assert stats["rollout/tokens_per_s"] == pytest.approx((212 + 7 - 12) / 3.5)  # the model's tokens: not observations
 
 
 def test_an_episodes_budget_over_its_turns_is_the_longest_response_of_seq_mean_token_sum_norm():
