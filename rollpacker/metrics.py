@@ -301,9 +301,9 @@ class MetricsLogger:
         if self._wandb_run is not None and samples:
             import wandb
 
-            columns = list(samples[0])
+            columns = list(dict.fromkeys(k for s in samples for k in s))  # rows may differ (an episode's fields)
             rows = [[v if isinstance(v, (int, float, str)) or v is None else json.dumps(v, default=str)
-                     for v in s.values()] for s in samples]
+                     for v in (s.get(c) for c in columns)] for s in samples]
             # a column may hold a number in one row and text in another (the answers of two files, what a reward
             # function logged): wandb's typed table would raise on it, so types may mix
             self._tables.setdefault(step, {})[table] = wandb.Table(columns=columns, data=rows, allow_mixed_types=True)

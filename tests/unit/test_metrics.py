@@ -371,3 +371,16 @@ def test_the_prompt_check_says_how_many_trained_prompts_lost_every_episode_to_th
     assert report.prompt_ledger(tmp_path, records).endswith(
         "8 drawn in order and trained, each once\n  1 of them trained nothing: every episode of theirs failed in its "
         "environment (env/errors; the step's samples say why)")
+
+
+def test_a_wandb_table_of_rows_with_other_fields_puts_each_value_under_its_column(tmp_path):
+    """Columns were the first row's keys and each row its values in order: a row with a field more (an episode's
+    messages) or in another order put values under the wrong columns, with no error (mixed types allowed)."""
+    pytest.importorskip("wandb")
+
+    with MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), {}) as logger:
+        logger._wandb_run = type("Run", (), {"log": lambda self, data, step: None, "finish": lambda self: None})()
+        logger.log_samples(0, "step_0", [{"reward": 1.0, "text": "a"}, {"turns": 2, "text": "b", "reward": 0.0}])
+        table = logger._tables[0]["samples"]
+    assert table.columns == ["reward", "text", "turns"]
+    assert table.data == [[1.0, "a", None], [0.0, "b", 2]]
