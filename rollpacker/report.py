@@ -53,6 +53,10 @@ def read_metrics(path: Path) -> list[dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
+                if not line.endswith("\n"):  # the line a running (or crashed) run is writing: the job drops it too
+                    print(f"note: {where}: left out, unfinished (a run writing it, or one that stopped mid-line)",
+                          file=sys.stderr)
+                    break
                 raise ReportError(f"{where}: not valid JSON ({e.msg}); fix or delete the line") from None
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ReportError(f'{where}: expected a JSON object with an integer "step"')

@@ -384,3 +384,18 @@ def test_a_wandb_table_of_rows_with_other_fields_puts_each_value_under_its_colum
         table = logger._tables[0]["samples"]
     assert table.columns == ["reward", "text", "turns"]
     assert table.data == [[1.0, "a", None], [0.0, "b", 2]]
+
+
+def test_the_report_leaves_out_an_unfinished_last_line(tmp_path, capsys):
+    """A run writing its metrics (or one that stopped mid-line) left the report with no plot: the job's own
+    logger drops that line at a resume; the report leaves it out, saying so."""
+    run_dir = tmp_path / "run"
+    _write_metrics(run_dir)
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 99, "reward/me')
+    assert report.main([str(run_dir)]) == 0
+    said = capsys.readouterr().err
+    assert f"note: {run_dir / 'metrics.jsonl'}:5: left out, unfinished" in said, said
+    assert (run_dir / "plots" / "reward.png").exists()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, oops}\n{"step": 2}\n')
+    assert report.main([str(run_dir)]) == 2  # a bad line within the file is not a line being written
