@@ -214,7 +214,7 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
         raise DatasetError(f"{field}: data.answer_key {config.answer_key!r} names a column no row of "
                            f"{', '.join(sources)} has (its columns: {', '.join(k for k in columns if k not in ours)})"
                            ": name one of those")
-    return [{**columns, **row} for row in rows] if len(sources) > 1 else rows
+    return [{**columns, **row} for row in rows]  # splits joined (train+test) may differ in columns too
 
 
 def _names(sources: tuple[str, ...]) -> list[str]:
@@ -288,6 +288,9 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tupl
         except ValueError as e:
             raise DatasetError(f"{field}: {path} is a directory but not a dataset saved with save_to_disk "
                                f"({e})") from None
+        except Exception as e:  # noqa: BLE001  (an empty one: save_to_disk wrote no shard, load_from_disk's IndexError)
+            raise DatasetError(f"{field}: {path}: load_from_disk cannot read it ({type(e).__name__}: {e}); a dataset "
+                               "of no rows is saved without data: give one with rows") from None
         splits = dict(data) if isinstance(data, datasets.DatasetDict) else {"train": data}
         return _sliced(splits, None, split, path, field), False, []
     kind = FORMATS.get(path.suffix.lower())
@@ -353,10 +356,14 @@ def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, pa
 def _load(path: Path, kind: str, field: str) -> list[dict]:
     import datasets
 
+    if not path.stat().st_size:
+        raise DatasetError(f"{path}: no rows (the data is empty)")
     try:
         return list(datasets.load_dataset(kind, data_files=str(path), split="train"))
     except Exception as e:  # noqa: BLE001  (datasets wraps pyarrow's errors in its own)
         cause = e.__cause__ or e
+        if "corresponds to no data" in str(cause) or "BatchSize must be greater than 0" in str(cause):  # json, parquet
+            raise DatasetError(f"{path}: no rows (the data is empty)") from None  # as datasets 4 says it
         raise DatasetError(f"{field}: {path} cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
 
 
@@ -408,7 +415,7 @@ def _bad_lines(path: Path) -> list[tuple[int, str]]:
             if not raw.strip():
                 continue
             try:
-                value = json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8"))
+                value = json.loads(raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r\n"))
             except UnicodeDecodeError as e:
                 bad.append((n, f"not valid UTF-8 ({e.reason} at byte {e.start})"))
             except json.JSONDecodeError as e:

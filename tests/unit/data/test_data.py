@@ -548,3 +548,26 @@ def test_unshuffled_epochs_go_in_the_datasets_order_and_a_resume_keeps_to_it():
     shuffled = PromptSampler(5, seed=3)
     with pytest.raises(ValueError, match="shuffle=False but this run has shuffle=True"):
         shuffled.load_state_dict(sampler.state_dict())
+
+
+def test_empty_sources_and_joined_splits_of_other_columns(tmp_path):
+    """An empty saved Dataset was load_from_disk's IndexError traceback, an empty .json or .parquet file datasets'
+    words naming no emptiness; the rows of splits joined (train+test) lacked a column the other split has (a
+    reward function naming it raised TypeError on them: scored 0); a bad line's column counted its newline."""
+    import datasets
+
+    datasets.Dataset.from_dict({"prompt": [], "answer": []}).save_to_disk(str(tmp_path / "empty_ds"))
+    (tmp_path / "empty.json").write_text("[]")
+    datasets.Dataset.from_dict({"prompt": [], "answer": []}).to_parquet(str(tmp_path / "empty.parquet"))
+    for name, said in (("empty_ds", "load_from_disk cannot read it"), ("empty.json", "no rows (the data is empty)"),
+                       ("empty.parquet", "no rows (the data is empty)")):
+        with pytest.raises(DatasetError, match=re.escape(said)):
+            load_rows(DataConfig(path=str(tmp_path / name)))
+    datasets.DatasetDict(train=datasets.Dataset.from_list([{"prompt": "1+2", "answer": "3", "k": 1}]),
+                         test=datasets.Dataset.from_list([{"prompt": "9+1", "answer": "10"}])).save_to_disk(
+        str(tmp_path / "both"))
+    rows = load_rows(DataConfig(path=str(tmp_path / "both"), split="train+test"))
+    assert [row.get("k", "missing") for row in rows] == [1, None]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1+2", "answer": "3"}\n{"prompt": "1+2", "answer": \n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: invalid JSON \(Expecting value at column 29\)"):
+        load_rows(DataConfig(path=str(tmp_path / "bad.jsonl")))
