@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 import os
 import re
 import sys
@@ -141,10 +142,6 @@ class Config:
                 raise ValueError(f"rollout.{name}={value} with engine.kind={self.engine.kind!r}: "
                                  f"{getattr(engine, why)}; set rollout.{name}={off}, or engine.kind={able}")
         s = self.schedule
-        if s.max_gen_batches != type(s).max_gen_batches and not s.refills:
-            raise ValueError(f"schedule.max_gen_batches with schedule:{s.name}: it bounds the prompts drawn in place "
-                             "of dropped groups, and no round refills here (schedule:sync with schedule.refill, "
-                             "schedule:tail with schedule.filter_zero_variance do); leave it out")
         if s.stale_samples and self.train.rollout_correction == "none":
             raise ValueError(
                 f"schedule:{s.name} with train.rollout_correction='none': {s.stale_samples}, so its samples are "
@@ -270,9 +267,10 @@ class Config:
                 raise ValueError(f"{streaming} with {setting}: stream training trains each group as soon as it "
                                  f"completes, and {why}. Either {fix}, or turn {streaming} off")
         cap, prompts = self.stream.fetch_cap, self.rollout.num_prompts
-        if 0 < cap * prompts < 1:  # the one fetch would take no group, and the round scale down for nothing
+        if 0 < cap * prompts < 1 - 1e-9:  # a cap meant as one group, not a scale-down that fetches one at most
             raise ValueError(f"stream.fetch_cap={cap} of rollout.num_prompts={prompts} groups is less than one group: "
-                             f"set it to {1 / prompts:.3g} or more, or 0 (every group as it completes)")
+                             f"set it to {math.ceil(1000 / prompts) / 1000:g} or more, or 0 (every group as it "
+                             "completes)")
 
     def topology(self, world: int) -> Topology:
         """The job's ranks on ``world`` ranks: pools, replicas, training shard groups."""

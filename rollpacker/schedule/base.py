@@ -179,6 +179,12 @@ class PolicyConfig:
         """A fresh prompt replaces a dropped group (what ``max_gen_batches`` bounds)."""
         return False
 
+    def __post_init__(self) -> None:
+        if self.max_gen_batches != type(self).max_gen_batches and not self.refills:
+            raise ValueError(f"schedule.max_gen_batches with schedule:{self.name}: it bounds the prompts drawn in "
+                             "place of dropped groups, and no round refills here (schedule:sync with schedule.refill, "
+                             "schedule:tail with schedule.filter_zero_variance do); leave it out")
+
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> Policy:
         """The policy with these settings over ``sampler``, P0 = ``num_prompts``, R0 = ``group_size``.

@@ -36,6 +36,7 @@ class OneStepOffConfig(PolicyConfig):
     """The ranks that roll out (the first ones, the controller among them); the others train. 0 = half."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.rollout_ranks < 0:
             raise ValueError(f"schedule.rollout_ranks must be >= 0, got {self.rollout_ranks}")
 

@@ -240,8 +240,8 @@ class RoundState:
         """:meth:`scored_complete`, at most ``cap`` x ``plan.keep`` of them with a cap; their rewards set, marked
         ``streamed``."""
         ready = self.scored_complete()
-        if cap:
-            ready = ready[:int(cap * self.plan.keep)]
+        if cap:  # one group at least (a round keeping fewer than num_prompts: the last epoch's)
+            ready = ready[:max(1, int(cap * self.plan.keep + 1e-9))]
         for g in ready:
             g.rewards = [self.scores[o.id] for o in g.outputs]
             g.streamed = True

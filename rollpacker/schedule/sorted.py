@@ -44,6 +44,7 @@ class _LoadGroups(PolicyConfig):
     """n: update batches of P0 prompts loaded at once (a load group); no more until all are consumed."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sorted_batches < 1:
             raise ValueError(f"schedule.sorted_batches must be >= 1, got {self.sorted_batches}")
 

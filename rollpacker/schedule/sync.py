@@ -28,6 +28,7 @@ class SyncConfig(PolicyConfig):
     data runs out (DAPO's dynamic sampling, verl's filter_groups; the round runs on meanwhile)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.refill and not self.filter_zero_variance:
             raise ValueError("schedule.refill replaces the groups schedule.filter_zero_variance drops: set both")
 

@@ -70,6 +70,7 @@ class TailConfig(PolicyConfig):
     """RolloutPipe on top: fixed rollout and train pools (see rollpacker.schedule.config)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if min(self.eta_prompts, self.eta_responses or 1, self.eta_long) < 1:
             raise ValueError(f"schedule.eta_prompts={self.eta_prompts}, schedule.eta_responses={self.eta_responses} "
                              f"and schedule.eta_long={self.eta_long} must be >= 1")

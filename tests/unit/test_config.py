@@ -406,17 +406,20 @@ def test_a_stream_fetch_cap_below_one_group_is_refused():
                                          r"group: set it to 0.25 or more"):
         Config(stream=StreamConfig(enabled=True, fetch_cap=0.2), rollout=RolloutConfig(num_prompts=4))
     Config(stream=StreamConfig(enabled=True, fetch_cap=0.25), rollout=RolloutConfig(num_prompts=4))
+    with pytest.raises(ValueError, match=r"set it to 0.008 or more"):  # rounded up: 0.00781 x 128 is below one
+        Config(stream=StreamConfig(enabled=True, fetch_cap=0.0078), rollout=RolloutConfig(num_prompts=128))
+    Config(stream=StreamConfig(enabled=True, fetch_cap=1 / 49), rollout=RolloutConfig(num_prompts=49))  # 0.99999..
 
 
 def test_max_gen_batches_is_refused_where_no_round_refills():
     """sorted and one_step_off never pass it on, sync refills only with schedule.refill: it was unread, unsaid."""
-    from rollpacker.config import Config
+    from rollpacker.schedule.one_step_off import OneStepOffConfig
     from rollpacker.schedule.sorted import SortedConfig
     from rollpacker.schedule.sync import SyncConfig
 
-    for schedule in (SortedConfig(max_gen_batches=3), SyncConfig(filter_zero_variance=True, max_gen_batches=3)):
-        with pytest.raises(ValueError, match=f"schedule.max_gen_batches with schedule:{schedule.name}: it bounds"):
-            Config(schedule=schedule)
+    for make, settings in ((SortedConfig, {}), (OneStepOffConfig, {}), (SyncConfig, {"filter_zero_variance": True})):
+        with pytest.raises(ValueError, match=f"schedule.max_gen_batches with schedule:{make.name}: it bounds"):
+            make(max_gen_batches=3, **settings)
     for flags in (["schedule:sync", "--schedule.filter-zero-variance", "--schedule.refill",
                    "--schedule.max-gen-batches", "3"],
                   ["schedule:tail", "--schedule.filter-zero-variance", "--schedule.max-gen-batches", "3"]):

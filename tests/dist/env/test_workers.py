@@ -21,7 +21,6 @@ from rollpacker.workers import PoolError
 
 BAD_ENV = '''
 import time
-from dataclasses import replace
 
 
 class Env:
@@ -261,7 +260,6 @@ def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
 
 SLOW_FACTORY = """
 import time
-from dataclasses import replace
 
 
 class Env:
@@ -362,7 +360,6 @@ ORPHAN = '''
 import signal, time
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.workers import EnvPool
-from rollpacker.workers import PoolError
 
 if __name__ == "__main__":
     pool = EnvPool(EnvConfig(factory="tracked.py:make_env", num_workers=2))
@@ -461,7 +458,6 @@ def test_environments_opened_ahead_answer_their_rounds_opens_and_the_others_are_
 FLAKY_ENV = '''
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 

@@ -67,8 +67,8 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
     shutil.copytree(newest, damaged)
     (damaged / ".metadata").unlink()
     for given, said in ((damaged, f"checkpoint {damaged} is damaged: {damaged / '.metadata'} cannot be read"),
-                        (damaged.parent, f"the newest checkpoint of {damaged.parent.parent}, step_1, is damaged: "
-                                         f"{damaged / '.metadata'} cannot be read")):
+                        (damaged.parent, f"every committed checkpoint under {damaged.parent} is damaged "
+                                         f"({damaged / '.metadata'} cannot be read")):
         proc = launch_job(str(given), "--out", str(tmp_path / "out"), nproc=1, module="rollpacker.export")
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
         assert proc.stderr.splitlines()[-1].startswith(f"rollpacker: export: {said}"), proc.stderr[-4000:]

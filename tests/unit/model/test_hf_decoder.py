@@ -143,15 +143,17 @@ def test_engine_settings_the_resolved_engine_does_not_read_are_refused_before_it
 
     vllm, sglang = ["--engine.kind", "vllm"], ["--engine.kind", "sglang"]
     for flags, device, said in (
-            ([*vllm, "--engine.memory-mb", "512"], "cpu", "engine.memory_mb=512.0 with engine.kind=vllm"),
-            ([*sglang, "--engine.memory-mb", "512"], "cuda", "engine.kind=sglang: only TorchEngine"),
-            ([*vllm, "--engine.block-size", "32"], "cuda", "engine.block_size=32 with engine.kind=vllm"),
+            ([*vllm, "--engine.memory-mb", "512"], "cpu", "engine.memory_mb=512.0 with vLLM: only TorchEngine"),
+            ([*sglang, "--engine.memory-mb", "512"], "cuda", "engine.memory_mb=512.0 with SGLang: only TorchEngine"),
+            ([*vllm, "--engine.block-size", "32"], "cuda", "engine.block_size=32 with vLLM: vLLM picks its own"),
             ([*vllm, "--engine.speculative", "auto"], "cpu",
-             "engine.speculative=auto with engine.kind=vllm on CPU and rollout.temperature=0.8")):
+             "engine.speculative=auto with vLLM on CPU and rollout.temperature=0.8: vLLM's CPU build samples")):
         with pytest.raises(UserError, match=re.escape(said)):
             check_engine(parse(flags), device)
     for flags, device in ((["--engine.kind", "torch", "--engine.memory-mb", "512"], "cpu"),  # TorchEngine's
                           ([*sglang, "--engine.block-size", "32"], "cuda"),
                           ([*vllm, "--engine.speculative", "auto"], "cuda"),
-                          ([*vllm, "--engine.speculative", "on", "--rollout.temperature", "0"], "cpu")):
+                          ([*vllm, "--engine.speculative", "on", "--rollout.temperature", "0"], "cpu"),
+                          ([*vllm, "--engine.speculative", "on", "--rollout.temperature", "0", "--eval.temperature",
+                            "0.6", "--eval-every", "0"], "cpu")):  # no evaluation: its temperature unread
         check_engine(parse(flags), device)
