@@ -10,7 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
-from rollpacker.config import parse
+from rollpacker.config import as_flags, parse
+from rollpacker.errors import UserError, fail
 from rollpacker.plan.profile import cache_path, device_name, measure, profile_key, save, say_noisy, summary
 
 
@@ -26,7 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     from rollpacker.job import join
     from rollpacker.model import engine_dtype
 
-    model_dir, _ = join(config)  # the job's device, groups and NCCL settings: what the profile is of
+    try:
+        model_dir, _ = join(config)  # the job's device, groups and NCCL settings: what the profile is of
+    except UserError as e:  # a model or engine setting the job refuses: said as the job says it
+        fail(as_flags(str(e)), prefix="rollpacker.profile: config error: ")
     meshes = build_meshes(1, 0)
     key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
     rank = meshes.rank  # a profiled vLLM engine's shutdown destroys the process group

@@ -36,6 +36,15 @@ def test_the_profiler_cli_writes_a_profile_the_planner_reads(tmp_path):
     assert best_tp(profile, [1], 16, 20, 50)[0] == 1
 
 
+def test_the_profiler_cli_says_a_setting_the_job_refuses_in_one_line():
+    """A model or engine setting the job refuses at its join was a traceback of the profiler."""
+    proc = launch_job("--engine.kind", "vllm", "--engine.block-size", "32", nproc=1, module="rollpacker.profile",
+                      timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().endswith("rollpacker.profile: config error: --engine.block-size=32 with vLLM: vLLM "
+                                         "picks its own KV block size (128 tokens on CPU); leave it out")
+
+
 @pytest.mark.slow  # the in-process run below switches TP too; this one checks the rollouts token by token
 def test_switching_tp_between_steps_rolls_out_like_a_fixed_tp(tmp_path):
     out = torchrun("tp_switch.py", 2, str(tmp_path), timeout=600)
