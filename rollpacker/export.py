@@ -77,7 +77,7 @@ def whole_checkpoint(path: Path) -> Path:
     elif not (path / checkpoint.MARKER).exists():
         raise UserError(f"{path} is not a committed checkpoint (no {checkpoint.MARKER} marker): give a run's "
                         "directory, or one of its checkpoints/step_N")
-    if why := checkpoint.verify(path):
+    elif why := checkpoint.verify(path):  # newest_whole verified a run's already
         raise UserError(f"checkpoint {path} is damaged: {why}; export an earlier one")
     checkpoint.check(path, any_world=True)
     return path
