@@ -162,8 +162,9 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
     training mix from the part of the problem space training never draws, with a seed training never uses."""
     sources = config.eval_path or (config.path if config.eval_split else ())  # a held-out slice of path's file
     if sources:
-        return read_sources(sources, config, split=config.eval_split, check=check,
-                            field="data.eval_path", first=config.num_eval_prompts)
+        field = "data.eval_path" if config.eval_path else "data.path (read with data.eval_split)"
+        return read_sources(sources, config, split=config.eval_split, check=check, field=field,
+                            first=config.num_eval_prompts)
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
                            "takes), or eval_every=0")
@@ -344,7 +345,7 @@ def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, pa
     try:
         parts = datasets.ReadInstruction.from_spec(split).to_absolute({k: len(v) for k, v in splits.items()})
     except (ValueError, AssertionError) as e:
-        flag = "data.eval_split" if field == "data.eval_path" else "data.split"
+        flag = "data.eval_split" if "eval" in field else "data.split"
         raise DatasetError(f"{field}: {path} has no split {split!r} ({e}); it has {', '.join(splits)} (set {flag}: "
                            "a split, or a slice such as train[:90%])") from None
     records = {p.splitname: list(splits[p.splitname]) for p in parts}

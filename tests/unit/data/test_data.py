@@ -292,6 +292,9 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
     with pytest.raises(DatasetError, match=r"data.eval_path: .*data(\.\w+)? has no split 'test' .*it has train "
                                            r"\(set data.eval_split"):
         load_eval_rows(DataConfig(path=str(path), eval_path=str(path), eval_split="test"))
+    with pytest.raises(DatasetError, match=r"^data.path \(read with data.eval_split\): .*has no split 'test' .*\(set "
+                                           r"data.eval_split"):  # no data.eval_path to name
+        load_eval_rows(DataConfig(path=str(path), eval_split="test"))
     # an eval_path without eval_split is its one split, whole: data.split is a slice of the training file
     whole = DataConfig(path=str(path), split="train[:40%]", eval_path=str(path))
     assert [r["id"] for r in load_rows(whole)] == ["data:1", "data:2"]
