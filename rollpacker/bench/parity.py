@@ -18,7 +18,8 @@ Invariants:
 Why: an episode's duration depends on the policy's own choices, so keeping the fastest episodes of a
 group could teach it to avoid the costly action (tinker-cookbook #822); our on-policy claim rests on
 this measurement. The bar (issue 46): tail's gain at most 0.03 below sync's, its tool-call rate at
-most 0.05 below. The figures: ``docs/results.md``.
+most 0.05 below; and its mean over the held-out evaluations at most 0.03 below (it learns as early). The
+figures: ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ POLICIES = {"sync": ["schedule:sync"], "tail": ["schedule:tail"],
 SELECTION = ("turns", "model_tokens", "tool_calls", "env_seconds")
 """What ``sched/kept/K`` and ``sched/cut/K`` hold per step (:func:`~rollpacker.env.info.selection_metrics`)."""
 
-BAR = {"eval_gain": 0.03, "tool_rate": 0.05}
-"""How far below sync's tail's figure may be."""
+BAR = {"eval_gain": 0.03, "eval_mean": 0.03, "tool_rate": 0.05}
+"""How far below sync's tail's figure may be: the gain and the final tool-call rate saturate on toy-tools (a
+policy that learns the tool at the last step reaches them too), the mean of the held-out evaluations does not."""
 
 TOOLS_FILE = """from rollpacker.bench.parity import delayed
 from rollpacker.toy.tools import calculator
@@ -158,8 +160,9 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
     for p in policies[1:]:
         gaps = {key: mean[base][key] - mean[p][key] for key in BAR}
         passed = all(gaps[k] <= BAR[k] for k in BAR)
-        print(f"bar: {p}'s gain {gaps['eval_gain']:+.3f} below {base}'s (at most {BAR['eval_gain']}), tool-call "
-              f"rate {gaps['tool_rate']:+.3f} below (at most {BAR['tool_rate']}): {'yes' if passed else 'NO'}")
+        print(f"bar: {p}'s gain {gaps['eval_gain']:+.3f} below {base}'s (at most {BAR['eval_gain']}), mean of "
+              f"evals {gaps['eval_mean']:+.3f} below (at most {BAR['eval_mean']}), tool-call rate "
+              f"{gaps['tool_rate']:+.3f} below (at most {BAR['tool_rate']}): {'yes' if passed else 'NO'}")
         summary |= {f"{key}_gap_{p}": round(gap, 4) for key, gap in gaps.items()} | {f"parity_{p}": passed}
     return summary
 

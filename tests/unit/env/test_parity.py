@@ -34,3 +34,21 @@ def test_bad_arguments_say_what_to_write():
         Args(policies="sync,fast")
     with pytest.raises(ValueError, match="lognormal:MEAN_SECONDS:SIGMA"):
         Args(latency="gauss")
+
+
+def test_the_bar_catches_a_policy_that_learns_late(capsys):
+    """Gain and final tool-call rate saturate on toy-tools: learning the tool ten steps late passed them
+    (seed 0's keep-first, docs/results.md); the mean of the evaluations does not."""
+    from rollpacker.bench.parity import report
+
+    def seed(evals: list[float]) -> dict:
+        records = [{"step": 10 * i, "eval/accuracy": a, "eval/info/tool_calls_frac": 0.527}
+                   for i, a in enumerate(evals)] + [{"step": 0, "reward/mean": 0.5}]
+        return summarize(records, 1.0)
+
+    results = {"sync": [seed([0.492, 0.5, 0.961, 0.965])], "tail": [seed([0.492, 0.5, 0.957, 0.969])],
+               "tail_keep_first": [seed([0.492, 0.5, 0.734, 0.969])]}
+    summary = report(Args(seeds="0"), results)
+    assert summary["parity_tail"] and not summary["parity_tail_keep_first"]
+    assert summary["eval_gain_gap_tail_keep_first"] < 0 < summary["eval_mean_gap_tail_keep_first"] - 0.07
+    assert "mean of evals +0.074 below (at most 0.03), tool-call rate +0.000 below (at most 0.05): NO" in capsys.readouterr().out
