@@ -54,7 +54,9 @@ digits than ``sys.get_int_max_str_digits()``; RecursionError for nesting past th
 
 def _why(e: Exception) -> str:
     """Why json refused the text, in a few words."""
-    return f"{e.msg} at {e.pos}" if isinstance(e, json.JSONDecodeError) else f"{type(e).__name__}: {str(e)[:60]}"
+    if isinstance(e, json.JSONDecodeError):  # "Unterminated string starting at" says its own "at"
+        return f"{e.msg.removesuffix(' at')} at {e.pos}"
+    return f"{type(e).__name__}: {str(e)[:60]}"
 
 
 def _after_think(text: str) -> str:
@@ -76,15 +78,43 @@ def _misplaced(value: Any, keys: tuple[str, ...]) -> str:
 
 # hermes: Qwen2.5, Qwen3, NousResearch
 
-_HERMES = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)(?:</tool_call>|$)", re.DOTALL)
-"""A call's body holds no ``<tool_call>``: one mentioned earlier in the text does not swallow the call after it."""
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_DECODER = json.JSONDecoder()
+
+
+def _hermes_bodies(text: str) -> list[str]:
+    """The text inside each hermes call. Its JSON is read whole first, so a ``<tool_call>`` inside a string argument
+    stays in it, and a whole call needs no ``</tool_call>`` (cut by a stop string, or the next call opening); a body
+    that is not whole JSON runs to its ``</tool_call>``, else to the next call when it opens an object (a broken
+    call). A ``<tool_call>`` with neither is a mention in a sentence: text, swallowing nothing."""
+    bodies, pos = [], text.find(_OPEN)
+    while pos >= 0:
+        start = pos + len(_OPEN)
+        first = _skip_space(text, start)
+        try:
+            end = _DECODER.raw_decode(text, first)[1]
+            after = _skip_space(text, end)
+        except _NOT_JSON:
+            end = after = -1
+        if end >= 0 and (after == len(text) or text.startswith((_OPEN, _CLOSE), after)):
+            bodies.append(text[start:end])
+            pos = text.find(_OPEN, after + len(_CLOSE) if text.startswith(_CLOSE, after) else after)
+            continue
+        later, close = text.find(_OPEN, start), text.find(_CLOSE, start)
+        if close >= 0 and (later < 0 or close < later):
+            bodies.append(text[start:close])
+            later = text.find(_OPEN, close + len(_CLOSE))
+        elif text.startswith("{", first):
+            bodies.append(text[start:later if later >= 0 else len(text)])
+        pos = later
+    return bodies
 
 
 def hermes(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
     """Hermes-style calls (Qwen2.5/3, NousResearch): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
     after the turn's ``</think>``; a call cut by a stop string before its closing tag still counts."""
     calls = []
-    for i, body in enumerate(_HERMES.findall(_after_think(text))):
+    for i, body in enumerate(_hermes_bodies(_after_think(text))):
         call_id = f"call_{i}"
         try:
             value = json.loads(body)

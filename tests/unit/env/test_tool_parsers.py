@@ -216,6 +216,23 @@ def test_calls_are_read_after_the_reasoning_and_a_mentioned_tag_swallows_none(na
     assert read(parser, f"<think>\n{call}\n</think>\n\nI wrap a call in <tool_call> tags:\n{call}") == made
 
 
+def test_hermes_reads_a_calls_json_whole_before_its_tags():
+    """A ``<tool_call>`` inside a string argument was read as the next call (the call became "not JSON"); an
+    unclosed call before another vanished; a tag mentioned after a call, or in an answer, was a broken call."""
+    code = '{"name": "shout", "arguments": {"text": "write <tool_call> then </tool_call>"}}'
+    assert read(hermes, f"<tool_call>\n{code}\n</tool_call>") == [
+        ("shout", {"text": "write <tool_call> then </tool_call>"}, "call_0")]
+    assert read(hermes, '<tool_call>{"name": "add", "arguments": {"a": 1}}\n<tool_call>{"name": "add", "arguments": '
+                        '{"a": 2}}</tool_call>') == [("add", {"a": 1}, "call_0"), ("add", {"a": 2}, "call_1")]
+    assert hermes("Use the <tool_call> tag to call a tool.\n#### 42", TOOLS) == []
+    assert read(hermes, f"{ADD_2_3['hermes']}\nThat was a <tool_call>, as the format says.") == [
+        ("add", {"a": 2, "b": 3}, "call_0")]
+    assert errors(hermes, '<tool_call>{"name": "add", "arguments": {"a": 1}} and more</tool_call>') == [
+        ("", "the tool call is not JSON (Extra data at 39)")]
+    assert errors(hermes, '<tool_call>{"name": "add", "arg <tool_call>{"name": "shout", "arguments": {"text": "x"}}'
+                  ) == [("", "the tool call is not JSON (Unterminated string starting at 16)"), ("shout", "")]
+
+
 def errors(parser, text: str) -> list[tuple[str, str]]:
     """Each call read from ``text``: (its name, its error or "")."""
     return [(c.name, c.error) for c in parser(text, TOOLS)]
