@@ -51,4 +51,5 @@ def test_the_bar_catches_a_policy_that_learns_late(capsys):
     summary = report(Args(seeds="0"), results)
     assert summary["parity_tail"] and not summary["parity_tail_keep_first"]
     assert summary["eval_gain_gap_tail_keep_first"] < 0 < summary["eval_mean_gap_tail_keep_first"] - 0.07
-    assert "mean of evals +0.074 below (at most 0.03), tool-call rate +0.000 below (at most 0.05): NO" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mean of evals +0.074 below (at most 0.03), tool-call rate +0.000 below (at most 0.05): NO" in out
