@@ -8,7 +8,8 @@ Invariants:
 
 - Parameter names are the Hugging Face ones.
 - Packed sequences are told apart by their positions, which restart at 0; ``transformers`` builds
-  the block-causal (or sliding-window) mask from them.
+  the block-causal (or sliding-window) mask from them. Hence attention layers only: a decoder with
+  state-space, linear-attention or convolution layers is refused (:func:`check_supported`).
 - Weights are pushed under the checkpoint's names (:func:`checkpoint_format`).
 - Rollout runs on vLLM or SGLang: TorchEngine runs the native decoder only.
 
@@ -28,10 +29,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollpacker.errors import UserError
 from rollpacker.model.args import ModelArgs, eos_token_ids
 
-UNSUPPORTED_HEADS = ("logit_scale", "logits_scaling")
-"""Config keys of architectures whose output head does more than a matmul (and a softcap): refused."""
+UNSUPPORTED_HEADS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
+"""Config keys of architectures whose output head does more than a matmul (and a softcap): refused
+unless 1."""
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+"""``layer_types`` whose packed sequences the positions keep apart."""
+RECURRENT_KEYS = ("mamba_", "ssm_", "linear_", "conv_", "conv1d_", "lru_", "time_step_", "state_size")
+"""Config key prefixes of state-space, linear-attention and convolution layers (Jamba, Bamba,
+Falcon-H1, Zamba, Nemotron-H, LFM2, Qwen3-Next, MiniMax, RecurrentGemma): no attention-only
+decoder in ``transformers`` has one."""
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -85,30 +94,58 @@ def config_dtype(path: str | Path) -> torch.dtype | None:
 
 
 def resolve_impl(impl: str, path: str | Path) -> str:
-    """``model.impl``: native or hf; auto is native when the native decoder implements the model."""
+    """``model.impl``: native or hf; auto is native when the native decoder implements the model.
+    An hf model the hf path cannot run is refused here, before anything starts (:func:`check_supported`)."""
     if impl not in ("auto", "native", "hf"):
         raise ValueError(f"model.impl must be auto, native or hf, got {impl!r}")
-    if impl != "auto":
-        return impl
-    cfg_file = Path(path) / "config.json"
-    try:
-        ModelArgs.from_hf(json.loads(cfg_file.read_text()), where=str(cfg_file))
-    except ValueError:
-        return "hf"
-    return "native"
+    if impl == "auto":
+        cfg_file = Path(path) / "config.json"
+        try:
+            ModelArgs.from_hf(json.loads(cfg_file.read_text()), where=str(cfg_file))
+            impl = "native"
+        except ValueError:
+            impl = "hf"
+    if impl == "hf":
+        cfg = read_config(path)
+        check_supported(cfg.get("text_config") or cfg)
+    return impl
+
+
+def check_supported(cfg: dict[str, Any]) -> None:
+    """Refuse a decoder config (``transformers``' dict) whose log-probs the hf path would get wrong.
+
+    An output head that scales its logits (:data:`UNSUPPORTED_HEADS`). Layers other than full or
+    sliding-window attention: only those build their mask from the positions that tell packed
+    sequences apart; a state-space, linear-attention or convolution layer carries its state from one
+    sequence into the next. Either sign is enough: a ``layer_types`` entry outside
+    :data:`ATTENTION_LAYERS` (chunked or sparse attention too), or a set key of :data:`RECURRENT_KEYS`
+    (hybrids that name no ``layer_types``: Jamba, Bamba, Falcon-H1)."""
+    name = cfg.get("model_type")
+    for key in UNSUPPORTED_HEADS:
+        if cfg.get(key) not in (None, 1, 1.0):
+            raise UserError(f"{name}: {key}={cfg[key]} scales the output logits, which rollpacker's log-prob head "
+                            "does not; this architecture is not supported")
+    other = sorted(set(cfg.get("layer_types") or ()) - set(ATTENTION_LAYERS))
+    keys = sorted(k for k, v in cfg.items() if k.startswith(RECURRENT_KEYS) and v is not None)
+    if other or keys:
+        sign = f"layer_types holds {', '.join(other)}" if other else \
+            f"{keys[0]} is set (a state-space, linear-attention or convolution layer's)"
+        raise UserError(f"{name}: {sign}: only full and sliding-window attention layers keep packed sequences apart "
+                        "(the others carry state from one into the next), so its log-probs would be wrong; this "
+                        "architecture is not supported: train a decoder of attention layers only")
 
 
 class HFDecoder(nn.Module):
     """A ``transformers`` causal LM's decoder and head, called like the native
     :class:`~rollpacker.model.transformer.Transformer` (see the module docstring)."""
 
+    base_model_prefix = "model"
+    """The decoder's attribute, as on a ``transformers`` model: PEFT maps fused experts' names through it."""
+
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
         cfg = causal_lm.config.get_text_config()
-        for key in UNSUPPORTED_HEADS:
-            if getattr(cfg, key, None) not in (None, 1, 1.0):
-                raise ValueError(f"{cfg.model_type}: {key}={getattr(cfg, key)} scales the output logits, which "
-                                 "rollpacker's log-prob head does not; this architecture is not supported")
+        check_supported(cfg.to_dict())
         decoder, head = getattr(causal_lm, "model", None), causal_lm.get_output_embeddings()
         if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or head is None:
             raise ValueError(f"{type(causal_lm).__name__}: expected a decoder at .model with .layers and an output "

@@ -51,6 +51,14 @@ def apply(model: nn.Module, config: LoraConfig) -> nn.Module:
         peft.inject_adapter_in_model(peft_config(config), model)
     except ValueError as e:
         raise UserError(f"train.lora.target_modules={list(config.target_modules)}: {e}") from None
+    # PEFT also adapts a MoE's fused experts (3-D parameters, not linears): merge() knows W + B A only
+    unmerged = list(dict.fromkeys(name.split(".base_layer")[0] for name, m in lora_layers(model).items()
+                                  if not isinstance(m, peft.tuners.lora.Linear)))
+    if unmerged:
+        raise UserError(f"train.lora.target_modules={list(config.target_modules)} adapts the fused experts of "
+                        f"{len(unmerged)} MoE layers ({unmerged[0]}, ...), which rollpacker cannot merge into the "
+                        "weights the engines get: name linears outside the experts, e.g. "
+                        "train.lora.target_modules q_proj k_proj v_proj o_proj")
     return model
 
 

@@ -3,6 +3,8 @@ calling convention, per architecture (``pytest -k qwen3_moe`` selects the Qwen3-
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from support.models import make_hf_model
@@ -136,8 +138,6 @@ def test_an_export_names_its_tensors_dtype_and_a_biased_output_head_is_refused(m
 def test_engine_settings_the_resolved_engine_does_not_read_are_refused_before_it_starts():
     """engine.memory_mb sizes TorchEngine alone, vLLM picks its own KV block, and vLLM's CPU build samples wrong
     tokens under speculation: each was unread, unsaid, or a traceback at the first request."""
-    import re
-
     from rollpacker.config import parse
     from rollpacker.job import check_engine
 
@@ -157,3 +157,69 @@ def test_engine_settings_the_resolved_engine_does_not_read_are_refused_before_it
                           ([*vllm, "--engine.speculative", "on", "--rollout.temperature", "0", "--eval.temperature",
                             "0.6", "--eval-every", "0"], "cpu")):  # no evaluation: its temperature unread
         check_engine(parse(flags), device)
+
+
+def tiny_causal_lm(cls: str, **kw):
+    """A tiny random transformers causal LM of config class ``cls`` (kwargs over a small shared shape)."""
+    import transformers
+
+    base = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, eos_token_id=100, head_dim=16)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**(base | kw))).float().eval()
+
+
+QWEN3_NEXT = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  layer_types=["linear_attention", "full_attention"])
+MAMBA = dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8)
+
+
+@pytest.mark.parametrize(("cls", "kw", "said"), [
+    ("Qwen3NextConfig", QWEN3_NEXT, "qwen3_next: layer_types holds linear_attention: only full and sliding-window"),
+    ("FalconH1Config", MAMBA, "falcon_h1: mamba_chunk_size is set (a state-space, linear-attention or convolution"),
+    ("JambaConfig", dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1), "jamba: mamba_conv_bias is set"),
+    ("Lfm2Config", dict(layer_types=["conv", "full_attention"]), "lfm2: layer_types holds conv: only full"),
+    ("FalconH1Config", MAMBA | dict(lm_head_multiplier=0.5), "falcon_h1: lm_head_multiplier=0.5 scales the output"),
+])
+def test_hybrid_decoders_and_scaled_heads_are_refused(cls, kw, said):
+    """State-space, linear-attention and convolution layers carry state from one packed sequence into the
+    next, and Falcon-H1 scales its logits: each refused, not trained on wrong log-probs."""
+    from rollpacker.model.hf_decoder import HFDecoder
+
+    with pytest.raises(UserError, match=re.escape(said)):
+        HFDecoder(tiny_causal_lm(cls, **kw))
+
+
+def test_qwen3_next_is_refused_before_the_job_starts_because_packing_leaks(tmp_path):
+    """Why the rule: transformers' Qwen3-Next run on two packed sequences (positions restarting at 0)
+    gives the second one other hidden states than run alone. resolve_impl says so once, at the start."""
+    from rollpacker.model.hf_decoder import resolve_impl
+
+    causal_lm = tiny_causal_lm("Qwen3NextConfig", **QWEN3_NEXT)
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randint(0, 100, (21,), generator=g), torch.randint(0, 100, (13,), generator=g)
+    with torch.no_grad():
+        packed = causal_lm.model(input_ids=torch.cat([first, second])[None], use_cache=False,
+                                 position_ids=torch.cat([torch.arange(21), torch.arange(13)])[None])
+        alone = causal_lm.model(input_ids=second[None], use_cache=False)
+    assert not torch.allclose(packed.last_hidden_state[0, 21:], alone.last_hidden_state[0], atol=1e-3)
+    causal_lm.save_pretrained(tmp_path)
+    for impl in ("auto", "hf"):
+        with pytest.raises(UserError, match="qwen3_next: layer_types holds linear_attention"):
+            resolve_impl(impl, tmp_path)
+
+
+@pytest.mark.parametrize(("cls", "kw"), [
+    ("LlamaConfig", {}), ("Qwen2Config", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    ("Qwen3Config", {}), ("MistralConfig", dict(sliding_window=4)), ("GemmaConfig", {}), ("Gemma2Config", {}),
+    ("Gemma3TextConfig", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+    ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+])
+def test_attention_only_decoders_are_not_refused(cls, kw):
+    from rollpacker.model.hf_decoder import HFDecoder
+
+    decoder = HFDecoder(tiny_causal_lm(cls, **kw))
+    tokens = torch.randint(0, 100, (9,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert decoder(tokens, torch.arange(9)).shape == (9, 64)

@@ -125,3 +125,30 @@ def test_a_target_module_the_model_lacks_is_the_users_error(toy_random_dir):
                                         "v_proj, or all-linear"):
         lora.apply(load_model(toy_random_dir), LoraConfig(rank=4, target_modules=("foo",)))
     lora.apply(load_model(toy_random_dir), LoraConfig(rank=4, target_modules=("self_attn.q_proj", "gate_up_proj")))
+
+
+def test_lora_on_a_moe_refuses_the_fused_experts_and_merges_the_attention_adapters(tmp_path):
+    """Naming the experts' projections (the default targets) makes PEFT adapt Qwen3-MoE's fused expert
+    tensors, which merged_weights cannot merge: refused. Attention adapters merge into weights that give
+    the adapted model's logits (it was an AttributeError traceback from PEFT either way)."""
+    from support.models import make_hf_model
+
+    from rollpacker.errors import UserError
+    from rollpacker.model import lora
+    from rollpacker.model.config import LoraConfig
+    from rollpacker.model.hf_decoder import load_hf
+
+    path = make_hf_model(tmp_path, "qwen3_moe")
+    with pytest.raises(UserError, match=r"adapts the fused experts of 2 MoE layers \(model.layers.0.mlp.experts, "
+                                        r"...\), .* e.g. train.lora.target_modules q_proj k_proj v_proj o_proj"):
+        lora.apply(load_hf(path), LoraConfig(rank=4))
+    model = lora.apply(load_hf(path), LoraConfig(rank=4, target_modules=("q_proj", "k_proj", "v_proj", "o_proj")))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.1)  # B starts at zero: make the adapters matter
+    merged = load_hf(path)
+    merged.load_state_dict(dict(lora.merged_weights(model)))
+    torch.testing.assert_close(logits(merged, PROMPT * 3), logits(model, PROMPT * 3))
+    assert not torch.allclose(logits(load_hf(path), PROMPT * 3), logits(model, PROMPT * 3), atol=1e-3)
