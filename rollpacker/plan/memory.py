@@ -25,6 +25,7 @@ from typing import Any
 
 from rollpacker.errors import UserError
 from rollpacker.model.parallelize import checkpointed
+from rollpacker.plan.planner import usable_tps
 from rollpacker.rollout import ENGINES, resolve_kind
 
 GB = 1e9
@@ -34,7 +35,8 @@ SGLANG_PROCESS_BYTES = CUDA_CONTEXT_BYTES
 """SGLang's scheduler process on each GPU of its TP group: a second CUDA context, its own NCCL buffers
 and cuBLAS workspaces (the same allowance)."""
 PROMPT_TOKENS = 1024
-"""The prompt length the plan assumes for the longest sample (prompts are not capped)."""
+"""The prompt length the plan assumes when nothing caps prompts (neither data.max_prompt_length nor
+engine.max_model_len is set): an assumption, not a bound."""
 CHARS_PER_TOKEN = 4
 """An episode's observation, cut at env.max_tool_result_chars characters, in tokens (English text and code)."""
 
@@ -169,8 +171,15 @@ class TrainSetup:
     lora_params: int = 0
     """LoRA: the adapters' parameters, the only ones trained (0: every parameter trains)."""
     critic: bool = False
-    """PPO's critic (train.advantage gae): the policy's blocks and embedding with a one-row head, trained whole
-    beside it; its backward comes after the policy's in each micro-batch (its own phase)."""
+    """PPO's critic (train.advantage gae): a decoder's blocks and embedding with a one-row head, trained whole
+    beside the policy; its backward comes after the policy's in each micro-batch (its own phase)."""
+    critic_shape: Shape | None = None
+    """The critic's decoder (train.critic.path's config.json); None: the policy's."""
+    teacher: Shape | None = None
+    """Distillation's frozen teacher (train.teacher.path's config.json); None: no teacher."""
+    teacher_held: str = "sharded"
+    """How the teacher is kept, as the KL reference (prepare_reference): sharded (fp32, FSDP2), or with
+    train.offload streamed (native decoder: host memory, layer by layer) or offloaded (hf: FSDP2's CPU offload)."""
 
     @property
     def tokens(self) -> int:
@@ -336,12 +345,13 @@ def gradients(s: Shape, t: TrainSetup, trained: int | None = None) -> Term:
 
 def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
     """The training peaks, per rank: the forward (at the log-prob head), the head's backward, the
-    blocks' backward (the last block first), the KL reference's forward, and the optimizer step."""
+    blocks' backward (the last block first), the KL reference's and the teacher's forwards, the critic's
+    backward, and the optimizer step."""
     b, n, device = t.compute_bytes, t.shard_size, 0 if t.offload else 1
     off, trained = "train.offload", trained_params(s, t)
     state = [Term(name="parameters (fp32, sharded)", bytes=device * 4 * (s.num_params + t.lora_params) / n, fix=off),
              Term(name="optimizer state (AdamW, fp32, sharded)", bytes=device * 8 * trained / n, fix=off),
-             gradients(s, t), *reference_state(s, t), *critic_state(s, t)]
+             gradients(s, t), *frozen_state(s, t), *critic_state(s, t)]
     root = Term(name="unsharded root (embedding, norm, head)", bytes=b * s.root_params)
     block_trained = t.lora_params or s.num_layers * s.layer_params
     sharded_grads = 0 if state[2].bytes else device * 4 * block_trained / n  # first micro-batch
@@ -371,21 +381,47 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
         phases.append(Phase(name="forward (KL reference)", terms=[
             *state, root, saved, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
                                 bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t))]))
-    if t.critic:  # after the policy's backward, with its gradients: no vocabulary head, its embedding unsharded
+    if t.teacher is not None:
+        phases.append(teacher_phase(t, [*state, root]))
+    if t.critic:  # after the policy's backward, with its gradients
         policy_grads = 0 if state[2].bytes else device * 4 * trained / n  # else held in the state already
-        phases.append(Phase(name="backward (critic)", terms=[
-            *state, Term(name="policy gradients (fp32, sharded)", bytes=policy_grads, fix=off),
-            Term(name="unsharded critic root (embedding, norm, head)", bytes=b * (s.vocab_size + 2) * s.hidden_size),
-            Term(name="saved activations", bytes=acts["blocks"], fix=fix),
-            Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
-            Term(name="unsharded blocks in flight (2)", bytes=2 * b * s.layer_params),
-            Term(name="block backward (activation and weight gradients)", bytes=block_backward(s, t))]))
+        phases.append(critic_phase(t, [*state, Term(name="policy gradients (fp32, sharded)", bytes=policy_grads,
+                                                    fix=off)], critic_of(s, t)))
     largest = (t.lora_params / s.num_layers if t.lora_params else max(s.vocab_size * s.hidden_size, s.layer_params)) / n
     temp = 4 * trained / n if t.foreach else 2 * 4 * largest
     phases.append(Phase(name="optimizer step", terms=[
         *state[:2], Term(name="gradients (fp32, sharded)", bytes=device * 4 * trained / n, fix=off),
-        *reference_state(s, t), *critic_state(s, t), Term(name="AdamW temporaries", bytes=device * temp, fix=off)]))
+        *frozen_state(s, t), *critic_state(s, t), Term(name="AdamW temporaries", bytes=device * temp, fix=off)]))
     return phases
+
+
+def teacher_phase(t: TrainSetup, held: list[Term]) -> Phase:
+    """The teacher's no-grad forward: it runs before the policy's forward of its micro-batch (Trainer._loss,
+    or the step's first pass, Trainer._frozen), so none of the policy's activations are alive; ``held``: the
+    state and the policy's root. Streamed, its root is in the state and two layer buffers are in flight."""
+    s, b = t.teacher, t.compute_bytes
+    root = s.root_params if t.teacher_held != "streamed" else 0
+    return Phase(name="forward (teacher)", terms=[*held, Term(
+        name="teacher in flight (2 blocks, root, one block's activations)",
+        bytes=b * (2 * s.layer_params + root) + reference_activations(s, t), fix="a smaller train.micro_batch_tokens")])
+
+
+def critic_phase(t: TrainSetup, held: list[Term], c: Shape) -> Phase:
+    """The critic's backward (its shape ``c``), after the policy's: no vocabulary head, its root unsharded;
+    ``held``: the state and the policy's gradients."""
+    b, acts = t.compute_bytes, activations(c, t)
+    fix = "train.activation-checkpointing full" if t.checkpointing == "none" else "a smaller train.micro_batch_tokens"
+    return Phase(name="backward (critic)", terms=[
+        *held, Term(name="unsharded critic root (embedding, norm, head)", bytes=b * (c.vocab_size + 2) * c.hidden_size),
+        Term(name="saved activations", bytes=acts["blocks"], fix=fix),
+        Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
+        Term(name="unsharded blocks in flight (2)", bytes=2 * b * c.layer_params),
+        Term(name="block backward (activation and weight gradients)", bytes=block_backward(c, t))])
+
+
+def critic_of(s: Shape, t: TrainSetup) -> Shape:
+    """The critic's decoder: its own (train.critic.path), or the policy's ``s``."""
+    return t.critic_shape or s
 
 
 def critic_state(s: Shape, t: TrainSetup, held: bool = True) -> list[Term]:
@@ -393,9 +429,10 @@ def critic_state(s: Shape, t: TrainSetup, held: bool = True) -> list[Term]:
     its gradients as the policy's."""
     if not t.critic:
         return []
+    params = critic_params(critic_of(s, t))
     state = Term(name="critic parameters + optimizer state (sharded)",
-                 bytes=(not t.offload) * 12 * critic_params(s) / t.shard_size, fix="train.offload")
-    grads = gradients(s, t, trained=critic_params(s))
+                 bytes=(not t.offload) * 12 * params / t.shard_size, fix="train.offload")
+    grads = gradients(s, t, trained=params)
     return [state, replace(grads, name=f"critic {grads.name}")] if held else [state]
 
 
@@ -404,13 +441,25 @@ def critic_params(s: Shape) -> int:
     return s.num_layers * s.layer_params + s.vocab_size * s.hidden_size + 2 * s.hidden_size
 
 
-def reference_state(s: Shape, t: TrainSetup) -> list[Term]:
-    """What the KL reference keeps on the device: its fp32 shards, or (streamed) its root."""
-    if t.reference == "sharded":
-        return [Term(name="KL reference (fp32, sharded)", bytes=4 * s.num_params / t.shard_size, fix="train.offload")]
-    if t.reference == "streamed":
-        return [Term(name="KL reference root (streamed layers)", bytes=t.compute_bytes * s.root_params)]
+def frozen_state(s: Shape, t: TrainSetup) -> list[Term]:
+    """What the frozen models keep on the device: the KL reference's and the teacher's (:func:`held_state`)."""
+    teacher = held_state(t.teacher, t.teacher_held, t, "teacher") if t.teacher is not None else []
+    return held_state(s, t.reference, t, "KL reference") + teacher
+
+
+def held_state(s: Shape, held: str, t: TrainSetup, name: str) -> list[Term]:
+    """What a frozen model kept as ``held`` keeps on the device: its fp32 shards, or (streamed) its root;
+    nothing offloaded to FSDP2's host shards or as the policy with its adapters off."""
+    if held == "sharded":
+        return [Term(name=f"{name} (fp32, sharded)", bytes=4 * s.num_params / t.shard_size, fix="train.offload")]
+    if held == "streamed":
+        return [Term(name=f"{name} root (streamed layers)", bytes=t.compute_bytes * s.root_params)]
     return []
+
+
+def held_host(s: Shape, held: str, t: TrainSetup) -> float:
+    """Host memory per rank of a frozen model kept as ``held``: whole when streamed, its fp32 shard when offloaded."""
+    return {"streamed": t.compute_bytes * s.num_params, "offloaded": 4 * s.num_params / t.shard_size}.get(held, 0.0)
 
 
 def reference_activations(s: Shape, t: TrainSetup) -> float:
@@ -451,7 +500,7 @@ def rollout_phase(s: Shape, t: TrainSetup, r: RolloutSetup) -> Phase:
     terms = [Term(name="trainer parameters + optimizer state (sharded)", bytes=device * held / n,
                   fix="train.offload"),
              *engine_terms(s, r)]
-    return Phase(name="rollout", terms=terms + reference_state(s, t) + critic_state(s, t, held=False))
+    return Phase(name="rollout", terms=terms + frozen_state(s, t) + critic_state(s, t, held=False))
 
 
 def engine_terms(s: Shape, r: RolloutSetup) -> list[Term]:
@@ -576,9 +625,9 @@ class Plan:
                 **{f"{p.name.replace(' ', '_')}_gb": round(p.total / GB, 2) for p in self.phases}}
 
 
-def model_shape(path: str) -> Shape:
-    """The shape of the model at ``path``: its config.json, or a known checkpoint named like its last
-    component (the presets name ``Qwen/Qwen2.5-7B`` and the like)."""
+def model_shape(path: str, setting: str = "model.path") -> Shape:
+    """The shape of the model at ``path`` (``setting``'s): its config.json, or a known checkpoint named like
+    its last component (the presets name ``Qwen/Qwen2.5-7B`` and the like)."""
     cfg_file = Path(path) / "config.json"
     if cfg_file.is_file():
         return Shape.from_hf(json.loads(cfg_file.read_text()))
@@ -586,26 +635,48 @@ def model_shape(path: str) -> Shape:
     if name in QWEN2_5:
         return Shape.from_hf(QWEN2_5[name])
     raise FileNotFoundError(f"memory plan: {cfg_file} not found and {Path(path).name!r} is not a known checkpoint "
-                            f"({', '.join(QWEN2_5)}); point model.path at a Hugging Face model directory")
+                            f"({', '.join(QWEN2_5)}); point {setting} at a Hugging Face model directory")
 
 
 def longest_sample(config) -> int:
-    """The tokens of the plan's longest sample: :data:`PROMPT_TOKENS` and the response's budget. An episode's
-    budget is its model tokens (env.max_tokens) and an observation between each two turns (of
-    env.max_tool_result_chars), within engine.max_model_len when that is set (the engine holds no more)."""
-    if not config.env.enabled:
-        return PROMPT_TOKENS + config.rollout.max_new_tokens
-    env = config.env
-    observed = (env.max_turns - 1) * env.max_tool_result_chars // CHARS_PER_TOKEN
-    longest = PROMPT_TOKENS + (env.max_tokens or config.rollout.max_new_tokens) + observed
-    return min(longest, config.engine.max_model_len) if config.engine.max_model_len else longest
+    """The tokens of the plan's longest sample: its prompt and the response's budget, within
+    engine.max_model_len when that is set (the engine holds no more). The prompt is data.max_prompt_length
+    when set (longer prompts are left out, fit_rows); else, with engine.max_model_len, any prompt shorter
+    than it is served, so a sample can reach it; with neither, :data:`PROMPT_TOKENS` (assumed). An
+    episode's budget is its model tokens (env.max_tokens) and an observation between each two turns (of
+    env.max_tool_result_chars)."""
+    env, cap = config.env, config.engine.max_model_len
+    prompt = config.data.max_prompt_length or cap or PROMPT_TOKENS
+    budget = config.rollout.max_new_tokens
+    if env.enabled:
+        budget = (env.max_tokens or budget) + (env.max_turns - 1) * env.max_tool_result_chars // CHARS_PER_TOKEN
+    return min(prompt + budget, cap) if cap else prompt + budget
+
+
+def frozen_models(t) -> dict[str, Any]:
+    """The teacher's and the critic's shapes (train.teacher.path, train.critic.path), and how train.offload
+    keeps the teacher (prepare_reference): streamed when the native decoder runs it (a known name without
+    config.json too), in FSDP2's CPU offload when transformers' does."""
+    out: dict[str, Any] = {}
+    if t.advantage == "gae" and t.critic.path:
+        out["critic_shape"] = model_shape(t.critic.path, "train.critic.path")
+    if t.teacher.path:
+        out["teacher"] = model_shape(t.teacher.path, "train.teacher.path")
+        out["teacher_held"] = "sharded"
+        if t.offload:
+            from rollpacker.model.hf_decoder import resolve_impl
+
+            native = not (Path(t.teacher.path) / "config.json").is_file() or resolve_impl(
+                "auto", t.teacher.path) == "native"
+            out["teacher_held"] = "streamed" if native else "offloaded"
+    return out
 
 
 def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = None, tp: int = 0
            ) -> tuple[TrainSetup, RolloutSetup]:
     """What the plan needs of ``config`` on ``world_size`` ranks of ``device`` (``shape``: the model's,
-    for LoRA's adapters; read from the config's model when None), its engine at rollout TP ``tp`` (0: the
-    run's, or TP 1 with the planner, which may run any TP up to the world: its weights are largest there)."""
+    for LoRA's adapters; read from the config's model when None; the teacher's and the critic's are read from
+    their paths), its engine at rollout TP ``tp`` (0: the run's, or TP 1 with the planner)."""
     t, e = config.train, config.engine
     if t.lora.rank and shape is None:
         shape = model_shape(str(config.model.directory()))
@@ -621,7 +692,7 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
                        streaming=config.stream.enabled or config.pipe, gloo=device != "cuda",
                        lora_params=lora_params(shape, t.lora.rank, t.lora.target_modules) if t.lora.rank else 0,
-                       critic=t.advantage == "gae")
+                       critic=t.advantage == "gae", **frozen_models(t))
     kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
     tp = tp or (1 if config.plan.enabled else config.rollout.tp)
@@ -644,24 +715,27 @@ def plan(shape: Shape, train: TrainSetup, rollout: RolloutSetup, capacity: float
     phases.append(rollout_phase(shape, train, rollout))
     for phase in phases:
         phase.terms.append(Term(name="CUDA context, NCCL, cuBLAS (allowance)", bytes=context))
-    host = (4 * shape.num_params + 12 * trained_params(shape, train) + train.critic * 16 * critic_params(shape)
-            ) / train.shard_size if train.offload else 0.0  # a critic's weights, gradients and AdamW state
-    if train.reference == "streamed":
-        host += train.compute_bytes * shape.num_params
+    critic = train.critic * 16 * critic_params(critic_of(shape, train))  # its weights, gradients and AdamW state
+    host = (4 * shape.num_params + 12 * trained_params(shape, train) + critic
+            ) / train.shard_size if train.offload else 0.0
+    host += held_host(shape, train.reference, train)
+    if train.teacher is not None:
+        host += held_host(train.teacher, train.teacher_held, train)
     return Plan(shape=shape, phases=phases, capacity=capacity, host_bytes=host,
                 engine_bytes=sum(t.bytes for t in engine_terms(shape, rollout)))
 
 
 def config_plan(config, world_size: int, capacity: float, shape: Shape | None = None) -> Plan:
-    """The plan of ``config`` on ``world_size`` GPUs of ``capacity`` bytes each."""
+    """The plan of ``config`` on ``world_size`` GPUs of ``capacity`` bytes each. With the planner, the worst
+    TP it may run (:func:`~rollpacker.plan.planner.usable_tps`): the engine's kept weights are largest at TP 1;
+    with engine.memory_mb its KV cache grows with TP, and its decode workspace, the smaller of two bounds,
+    can peak at a TP between."""
     shape = shape or model_shape(str(config.model.directory()))
     train, rollout = setups(config, world_size, shape=shape)
-    if not (config.plan.enabled and rollout.kv_setting == "engine.memory_mb"):
+    if not config.plan.enabled:
         return plan(shape, train, rollout, capacity)
-    # the planner may run any TP up to the world; engine.memory_mb holds the engine's weight shard and KV
-    # cache at each: its kept weights are largest at TP 1, its KV cache (and decode workspace) at the world's
     return max((plan(shape, train, setups(config, world_size, shape=shape, tp=tp)[1], capacity)
-                for tp in (1, world_size)), key=lambda p: p.peak)
+                for tp in usable_tps(world_size, shape.num_kv_heads, config.plan)), key=lambda p: p.peak)
 
 
 def check_fits(config, shape: Shape, world_size: int, capacity: float) -> Plan:

@@ -28,14 +28,17 @@ from rollpacker.errors import UserError
 from rollpacker.plan.config import PlanConfig
 
 
-def candidate_tps(world: int, num_kv_heads: int, max_tp: int) -> list[int]:
-    """The TP sizes a world of ``world`` ranks can run: divisors of the world and of the KV heads, up to ``max_tp``."""
-    return [t for t in range(1, min(world, max_tp) + 1) if world % t == 0 and num_kv_heads % t == 0]
+def candidate_tps(world: int, num_kv_heads: int, max_tp: int, node: int = 0) -> list[int]:
+    """The TP sizes a world of ``world`` ranks can run: divisors of the world and of the KV heads, up to ``max_tp``;
+    with ``node`` (ranks per node), divisors of it too, so that no replica spans two nodes."""
+    return [t for t in range(1, min(world, max_tp) + 1)
+            if world % t == 0 and num_kv_heads % t == 0 and (not node or node % t == 0)]
 
 
 def usable_tps(world: int, num_kv_heads: int, plan: PlanConfig) -> list[int]:
-    """The job's :func:`candidate_tps`: up to ``plan.max_tp``, or one node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
-    return candidate_tps(world, num_kv_heads, plan.max_tp or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    """The job's :func:`candidate_tps` within one node (torchrun's LOCAL_WORLD_SIZE), up to ``plan.max_tp``."""
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return candidate_tps(world, num_kv_heads, plan.max_tp or node, node=node)
 
 
 @dataclass

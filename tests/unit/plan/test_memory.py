@@ -136,8 +136,8 @@ def test_a_preset_that_cannot_fit_is_refused_naming_the_largest_term_and_the_fix
     with pytest.raises(UserError) as refused:  # said once by run.py, not a traceback on every rank
         check_fits(config, Shape.from_hf(QWEN2_5["Qwen2.5-32B"]), world_size=8, capacity=80 * GB)
     assert str(refused.value) == (
-        "memory plan: the backward (blocks) peak is 746.4 GB per GPU, over the 80.0 GB this GPU has. "
-        "Largest term: saved activations, 731.2 GB; set train.activation-checkpointing full to shrink it "
+        "memory plan: the backward (blocks) peak is 768.8 GB per GPU, over the 80.0 GB this GPU has. "
+        "Largest term: saved activations, 753.4 GB; set train.activation-checkpointing full to shrink it "
         "(python -m rollpacker.plan.memory shows every term)")
 
 
@@ -335,9 +335,9 @@ def test_torch_engines_memory_mb_and_the_planners_tps_are_planned_as_they_run():
     assert by_memory.kv_setting == "engine.memory_mb"
     _, planned = setups(parse([*flags, "--plan.enabled"]), 8, shape=QWEN7B)
     assert (fixed.tp, planned.tp) == (2, 1)
-    # engine.memory_mb holds weights and KV cache at any TP the planner runs: planned as the worse of TP 1 and 4
+    # engine.memory_mb holds weights and KV cache at any TP the planner runs: planned as the worst of TP 1, 2 and 4
     memory = [*flags, "--engine.memory-mb", "50000"]
-    at = [config_plan(parse([*memory, "--rollout.tp", str(tp)]), 4, 80 * GB, QWEN7B).peak for tp in (1, 4)]
+    at = [config_plan(parse([*memory, "--rollout.tp", str(tp)]), 4, 80 * GB, QWEN7B).peak for tp in (1, 2, 4)]
     assert config_plan(parse([*memory, "--plan.enabled"]), 4, 80 * GB, QWEN7B).peak == max(at)
 
 
@@ -368,3 +368,99 @@ def test_a_qwen2_moe_shape_counts_its_shared_expert_as_transformers_builds_it():
     shape = Shape.from_hf(cfg.to_dict())
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     assert shape.mlp_width == 2 * 16 + 40
+
+
+# ---- the audit of the plan's inputs (teacher, critic, the planner's TPs, the prompt) --------------------------
+
+
+def _model_dir(tmp_path, name: str, **cfg) -> str:
+    """A Hugging Face model directory holding only its config.json (the plan reads no weights)."""
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_a_distillation_teacher_is_planned_as_the_job_holds_it(tmp_path):
+    """The teacher (train.teacher.path) is held like the KL reference: fp32 shards on every GPU in every phase,
+    rollout included, and its own forward; with train.offload streamed (native) or in FSDP2's CPU offload (hf).
+    A 32B teacher beside the 7B preset was planned as no teacher: 65.8 GB, 'fits'."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import config_plan
+
+    teacher = Shape.from_hf(QWEN2_5["Qwen2.5-32B"])
+    flags = ["--preset", "qwen2.5-7b-8k", "--engine.kind", "vllm"]
+    alone = config_plan(parse(flags), 8, 80 * GB, QWEN7B)
+    taught = config_plan(parse([*flags, "--train.teacher.path", _model_dir(tmp_path, "t32", **QWEN2_5["Qwen2.5-32B"])]),
+                         8, 80 * GB, QWEN7B)
+    for phase in taught.phases:
+        assert {t.name: t.bytes for t in phase.terms}["teacher (fp32, sharded)"] == 4 * teacher.num_params / 8
+    forward = {t.name: t.bytes for t in next(p for p in taught.phases if p.name == "forward (teacher)").terms}
+    assert forward["teacher in flight (2 blocks, root, one block's activations)"] > 2 * 2 * teacher.layer_params
+    assert taught.peak == pytest.approx(alone.peak + 4 * teacher.num_params / 8) and not taught.fits
+    # train.offload: a native teacher streamed (its root on the GPU, whole in host memory), an hf one offloaded
+    offload = [*flags, "--train.offload"]
+    streamed = config_plan(parse([*offload, "--train.teacher.path", str(tmp_path / "t32")]), 8, 80 * GB, QWEN7B)
+    rollout = {t.name: t.bytes for t in streamed.phases[-1].terms}
+    assert rollout["teacher root (streamed layers)"] == 2 * teacher.root_params
+    base = config_plan(parse(offload), 8, 80 * GB, QWEN7B)
+    assert streamed.host_bytes == pytest.approx(base.host_bytes + 2 * teacher.num_params)
+    gemma = dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256)
+    hf = config_plan(parse([*offload, "--train.teacher.path", _model_dir(tmp_path, "gemma", **gemma)]), 8, 80 * GB,
+                     QWEN7B)
+    assert not any(t.name.startswith("teacher (") or t.name.startswith("teacher root") for t in hf.phases[-1].terms)
+    assert hf.host_bytes == pytest.approx(base.host_bytes + 4 * Shape.from_hf(gemma).num_params / 8)
+
+
+def test_a_critic_of_its_own_path_is_planned_at_its_own_shape(tmp_path):
+    """train.critic.path's decoder, not the policy's, sizes the critic (a 0.5B critic beside 7B was planned as 7B)."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import config_plan, critic_params
+
+    small = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2)
+    flags = ["--preset", "qwen2.5-7b-8k", "--engine.kind", "vllm", "--train.advantage", "gae"]
+    p = config_plan(parse([*flags, "--train.critic.path", _model_dir(tmp_path, "c", **small)]), 8, 80 * GB, QWEN7B)
+    critic = Shape.from_hf(small)
+    for phase in p.phases:
+        terms = {t.name: t.bytes for t in phase.terms}
+        assert terms["critic parameters + optimizer state (sharded)"] == 12 * critic_params(critic) / 8, phase.name
+    backward = {t.name: t.bytes for t in next(q for q in p.phases if q.name == "backward (critic)").terms}
+    assert backward["unsharded critic root (embedding, norm, head)"] == 2 * (151936 + 2) * 896
+    assert backward["unsharded blocks in flight (2)"] == 2 * 2 * critic.layer_params
+    same = config_plan(parse(flags), 8, 80 * GB, QWEN7B)
+    assert {t.name: t.bytes for t in same.phases[-1].terms}["critic parameters + optimizer state (sharded)"] == (
+        12 * critic_params(QWEN7B) / 8)
+
+
+def test_the_planners_engine_memory_is_planned_at_every_tp_it_may_run(monkeypatch):
+    """With engine.memory_mb TorchEngine's decode workspace, the smaller of two bounds, peaks between TP 1 and the
+    world's: TP 2 needs 84.5 GB where TP 1 and 8 need 64.5 and 60.8. The plan is the worst usable TP's (TP 8 is
+    not usable: the 7B model has 4 KV heads)."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import config_plan, plan, setups
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    config = parse(["--preset", "qwen2.5-7b-8k", "--engine.kind", "torch", "--plan.enabled",
+                    "--engine.memory-mb", "22528", "--engine.max-num-seqs", "64"])
+    train, _ = setups(config, 8, shape=QWEN7B)
+    at = {tp: plan(QWEN7B, train, setups(config, 8, shape=QWEN7B, tp=tp)[1], 80 * GB).peak for tp in (1, 2, 4)}
+    assert max(at, key=at.get) == 2 and at[2] > 80 * GB > at[1]
+    planned = config_plan(config, 8, 80 * GB, QWEN7B)
+    assert planned.peak == at[2] and not planned.fits
+
+
+@pytest.mark.parametrize("flags, longest", [
+    ([], 10240),  # engine.max_model_len: a prompt of up to 10239 tokens is served, the response stops at 10240
+    (["--data.max-prompt-length", "512"], 512 + 8192),
+    (["--engine.max-model-len", "0", "--data.max-prompt-length", "4096"], 4096 + 8192),
+    (["--engine.max-model-len", "0"], 1024 + 8192),  # nothing caps the prompt: PROMPT_TOKENS assumed
+])
+def test_the_longest_sample_takes_the_prompt_the_config_allows(flags, longest):
+    """The 7B preset's max_model_len (10240) lets prompts of 2048 tokens and more in: 1024 assumed planned 9216."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import setups
+
+    train, rollout = setups(parse(["--preset", "qwen2.5-7b-8k", *flags]), 8, shape=QWEN7B)
+    assert rollout.longest == max(train.seq_lens) == longest

@@ -10,7 +10,7 @@ import pytest
 from rollpacker.config import parse
 from rollpacker.errors import UserError
 from rollpacker.plan.config import PlanConfig
-from rollpacker.plan.planner import Planner, best_tp, candidate_tps, decode_ms
+from rollpacker.plan.planner import Planner, best_tp, candidate_tps, decode_ms, usable_tps
 from rollpacker.plan.profile import cache_path, check, load, profile_key, save
 
 
@@ -145,3 +145,11 @@ def test_engine_memory_mb_gives_the_kv_cache_what_the_weights_leave():
     assert engine.weight_bytes == weights and engine.num_blocks == (4 * 2**20 - weights) // block
     with pytest.raises(ValueError, match=r"engine.memory_mb=2.9 \(this rank's weights: 2.90 MiB\) holds no"):
         TorchEngine(load_model(toy_model_dir()), EngineConfig(memory_mb=2.9))
+
+
+def test_a_tp_divides_the_node_so_no_replica_spans_two(monkeypatch):
+    """Nodes of 6 ranks, 12 ranks in all: TP 4's second replica (ranks 4..7) would span both nodes."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    assert usable_tps(12, 12, PlanConfig()) == [1, 2, 3, 6]
+    assert usable_tps(12, 12, PlanConfig(max_tp=4)) == [1, 2, 3]
+    assert candidate_tps(12, 12, 6, node=6) == [1, 2, 3, 6] and candidate_tps(12, 12, 6) == [1, 2, 3, 4, 6]
