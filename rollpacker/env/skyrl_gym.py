@@ -8,9 +8,10 @@ over text:
 - ``init(prompt) -> (messages, metadata)`` is ``reset``: the row's prompt (chat messages; a string
   is one user turn) goes in, the messages it returns are the episode's prompt;
 - ``step(action) -> {observations, reward, done, metadata}`` is ``step``: ``done`` is
-  ``terminated``, the observations are appended, the reward is the step's; on ``done``, the numbers
-  of ``get_metrics()`` join the step's info (logged as ``env/info/K``, a mean per episode: SkyRL's
-  default aggregation);
+  ``terminated``, the observations are appended, the reward is the step's; the step's info holds how
+  much each number of ``get_metrics()`` changed since the step before, so an episode's summed info is
+  its last ``get_metrics()`` whatever ended it, as SkyRL's generator reads them after its loop (logged
+  as ``env/info/K``, a mean per episode: SkyRL's default aggregation);
 - ``close()`` is ``close``.
 
 :func:`make_env` takes the id from the row's ``env_class`` column (SkyRL's dataset layout). A row
@@ -21,6 +22,9 @@ without ``extra_info`` an empty one, so rows of rollpacker's layout run too. For
 
 from __future__ import annotations
 
+import math
+import numbers
+
 
 class SkyRLEnv:
     """The SkyRL-gym environment ``env_id`` for one episode on ``row`` (see the module docstring)."""
@@ -28,6 +32,8 @@ class SkyRLEnv:
     def __init__(self, env_id: str, row: dict, env_config: dict | None = None):
         self.env_id, self.row, self.env_config = env_id, row, env_config or {}
         self.env = None
+        self._metrics: dict[str, float] = {}
+        """The numbers of ``get_metrics()`` as of the last step."""
 
     def reset(self, *, seed: int, options: dict):
         import skyrl_gym
@@ -43,13 +49,18 @@ class SkyRLEnv:
         return messages, dict(metadata or {})
 
     def step(self, action: str):
-        import numbers
-
         out = self.env.step(action)
-        info = dict(out.get("metadata") or {})
-        if out["done"]:  # the episode's metrics, as SkyRL's generator takes them when it ends
-            info |= {k: v for k, v in self.env.get_metrics().items() if isinstance(v, numbers.Real)}
+        info = dict(out.get("metadata") or {}) | self._metrics_change()
         return out["observations"], out["reward"], bool(out["done"]), False, info
+
+    def _metrics_change(self) -> dict[str, float]:
+        """Each number of ``get_metrics()`` less its value at the last step (one no longer a number: 0 now), so the
+        steps' sum is the latest, whichever step is the last."""
+        now = {k: float(v) for k, v in self.env.get_metrics().items()
+               if isinstance(v, numbers.Real) and math.isfinite(v)}
+        change = {k: now.get(k, 0.0) - self._metrics.get(k, 0.0) for k in now.keys() | self._metrics.keys()}
+        self._metrics = now
+        return change
 
     def close(self) -> None:
         if self.env is not None:

@@ -16,7 +16,10 @@ Invariants:
   :class:`~rollpacker.env.tools.ToolEnv`: otherwise a turn of malformed calls would be the model's final answer.
 - The rollout's reward is the last step's (by group: none; the group's, later). A rollout that ended with an error
   fails the step.
-- An episode rollpacker ends first is closed unscored: give verifiers ``env.max_turns``.
+- An episode a token limit ends (``env.max_tokens``, the context) is scored as verifiers scores one whose prompt grew
+  too long (``finish``: ``prompt_too_long``). ``env.max_turns`` is the ``max_turns`` of an environment that sets none
+  (-1): verifiers ends its rollouts there, scored. One whose ``max_turns`` is above it is refused at reset (rollpacker
+  would cut its episodes unscored). Only an episode the policy aborts is closed unscored.
 - A rollout is scored alone (``score_rollout``) in its worker, unless its rubric has group-level functions: then
   its group is, by the factory's ``score_group`` (a ``reward.group_funcs`` function), on copies of the group's
   finished states, in a reward worker. Such a rubric without that function configured is refused at the first
@@ -86,7 +89,7 @@ class Factory:
 
     def score_group(self, environments: list, **kwargs) -> list[dict | float]:
         """verifiers' ``rubric.score_group`` on the group's finished rollouts: each one's reward, and its functions'
-        values as metrics. A rollout rollpacker ended first (no finished state) scores 0, as when scored alone."""
+        values as metrics. A rollout the policy aborted (no finished state) scores 0, as when scored alone."""
         states = [e for e in environments if e is not None]
         if states:
             awaited(self.env.rubric.score_group(states))
@@ -129,6 +132,9 @@ class EpisodeClient(vf.Client):
 class VerifiersEnv:
     """One episode of the verifiers environment ``env`` on dataset row ``row`` (see the module docstring)."""
 
+    finishes = True
+    """It scores an episode that a token limit ended (:meth:`finish`)."""
+
     def __init__(self, env, row: dict, *, parser: str = "hermes"):
         self.env, self.row, self.parse = env, row, PARSERS[parser]
         self._task: asyncio.Task | None = None
@@ -141,6 +147,7 @@ class VerifiersEnv:
         """Its rubric scores a group (verifiers' ``score_group``): the factory's ``score_group`` does, later."""
 
     async def reset(self, *, seed: int, options: dict):
+        self._limit_turns(options.get("max_turns"))
         loop = asyncio.get_running_loop()
         self._asked = loop.create_future()
         self._task = asyncio.ensure_future(self._rollout())
@@ -152,6 +159,29 @@ class VerifiersEnv:
     async def step(self, action: str):
         self._answer.set_result(action)
         return await self._next()
+
+    async def finish(self) -> float | None:
+        """End the rollout as verifiers ends one whose next prompt is too long: its client raises
+        ``OverlongPromptError`` (``prompt_too_long``, ``is_truncated``), and the rubric scores what it has."""
+        if self._answer is not None and not self._answer.done():
+            self._answer.set_exception(vf.OverlongPromptError("rollpacker's token limit ended the episode"))
+        _, reward, done, _, _ = await self._next()
+        if not done:
+            raise RuntimeError("the verifiers rollout asked for another turn after its prompt was too long")
+        return reward
+
+    def _limit_turns(self, limit: int | None) -> None:
+        """``env.max_turns`` (``limit``) is the ``max_turns`` of an environment that sets none, so verifiers ends its
+        rollouts there (``max_turns_reached``) and scores them; one above it is refused: cut there, none would be."""
+        own = getattr(self.env, "max_turns", None)
+        if not limit or not isinstance(own, int):
+            return
+        if own <= 0:  # every episode of a run gets the same limit: the environment's, as if loaded with it
+            self.env.max_turns = limit
+        elif own > limit:
+            raise EnvError(f"the verifiers environment {type(self.env).__name__} has max_turns={own}, above "
+                           f"env.max_turns={limit}: rollpacker would cut its episodes at {limit} turns, unscored; pass "
+                           f"--env.max-turns {own}, or load it with max_turns={limit}")
 
     @property
     def unscored_alone(self) -> str | None:
@@ -188,15 +218,21 @@ class VerifiersEnv:
         return Response(id=f"rollpacker-{id(self)}", created=int(time.time()), model="rollpacker", message=message)
 
     async def _rollout(self):
-        # the row's every column, as verifiers passes a dataset's (its rubric's functions take them by name); not our id
-        vf_input = {k: v for k, v in self.row.items() if k != "id"} | {
-            "prompt": self._prompt(self.row["prompt"]), "example_id": int(self.row.get("example_id", 0)),
-            "answer": str(self.row.get("answer", "")), "info": self.row.get("info") or {}}
-        state = await self.env.rollout(vf_input, EpisodeClient(self), "rollpacker", {})
+        state = await self.env.rollout(self._input(), EpisodeClient(self), "rollpacker", {})
         if self.env.score_rollouts and not self.grouped:
             await self.env.rubric.score_rollout(state)
         await self.env.rubric.cleanup(state)
         return state
+
+    def _input(self) -> dict:
+        """The row as verifiers' rollout input: every column (its rubric's functions take them by name) but our id,
+        as verifiers formats a dataset's: a non-integer ``example_id`` kept as ``src_id``, no answer an empty one."""
+        row = {k: v for k, v in self.row.items() if k != "id"}
+        if "example_id" in row and not isinstance(row["example_id"], int):
+            row["src_id"] = row.pop("example_id")
+        answer = row.get("answer")
+        return row | {"prompt": self._prompt(row["prompt"]), "example_id": row.get("example_id", 0),
+                      "answer": "" if answer is None else str(answer), "info": row.get("info") or {}}
 
     def _prompt(self, prompt: str | list[dict]) -> list[dict]:
         """The row's prompt as verifiers formats its own dataset's: its ``system_prompt`` first, unless the

@@ -255,11 +255,39 @@ def test_a_skyrl_gym_environment_runs_through_the_contract():
     for key, e in run.episodes.items():
         assert run.steps[key] == e.num_turns or e.done.reason == "length"
         assert len(e.step_rewards) == run.steps[key]  # SkyRL rewards every turn
-        if e.done.reason == "terminated":  # its get_metrics() at the end: gsm8k_multi_turn's turns
-            assert e.info == {"steps": e.num_turns}
+        assert e.info == {"steps": run.steps[key]}  # its get_metrics() at the end, however it ended
         if e.num_turns == 2:
             env_text = bridge.tokenizer.decode([t for t, m in zip(e.response_ids, e.loss_mask) if not m])
             assert env_text == "\nQ: Now provide only the final numeric answer in the exact format: '#### ANSWER'.\nA:"
+
+
+def test_a_skyrl_environments_metrics_count_however_its_episode_ends():
+    """SkyRL's generator reads get_metrics() after its loop, whatever ended it: the steps' infos of an episode that
+    rollpacker ends first (a token limit, after 2 of SkyRL's 3 turns) sum to its numbers too (they had nothing). A
+    bool counts 1, a number that is gone counts 0, a string is no number."""
+    from skyrl_gym.envs import deregister, register
+    from skyrl_gym.envs.gsm8k.multi_turn_env import GSM8kMultiTurnEnv
+
+    from rollpacker.env import contract
+    from rollpacker.env.skyrl_gym import SkyRLEnv
+
+    class Tallied(GSM8kMultiTurnEnv):  # a user's environment, registered as SkyRL's docs say
+        def get_metrics(self):
+            first = 0.5 if self.turns < 2 else None
+            return {**super().get_metrics(), "long": self.turns > 1, "said": "5", "first": first}
+
+    row = {"id": "r", "prompt": "What is 2+2?", "answer": "4"}
+    register(id="rollpacker_tallied", entry_point=Tallied)
+    try:
+        env = SkyRLEnv("rollpacker_tallied", row)
+        contract.reset(env, seed=0, row=row, max_turns=3)
+        steps = [contract.step(env, "I think 5.") for _ in range(2)]
+    finally:
+        deregister("rollpacker_tallied")
+    assert not steps[-1].terminated and env.env.get_metrics()["steps"] == 2
+    assert {k: sum(s.info.get(k, 0) for s in steps) for k in steps[0].info | steps[1].info} == {
+        "steps": 2.0, "long": 1.0, "first": 0.0}
+    contract.close(env)
 
 
 def test_a_skyrl_row_needs_its_environment_class():

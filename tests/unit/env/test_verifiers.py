@@ -32,7 +32,22 @@ def load():
                       dataset=Dataset.from_list([{"question": "2+3", "answer": "5"}]))
 
 
+class Again(vf.MultiTurnEnv):
+    """Asks again after every answer, with no turn limit of its own (MultiTurnEnv's max_turns=-1)."""
+
+    async def env_response(self, messages, state, **kwargs):
+        return [vf.UserMessage(content="Sure?")]
+
+
+def blank(answer, example_id, src_id, **kwargs) -> float:
+    return float(answer == "" and example_id == 0 and src_id == "p-7")
+
+
 make_env = factory(load)
+make_again_env = factory(lambda: Again(rubric=vf.Rubric(funcs=[correct]), dataset=Dataset.from_list([
+    {"question": "2+3", "answer": "5"}])))
+make_blank_env = factory(lambda: vf.SingleTurnEnv(rubric=vf.Rubric(funcs=[blank]), dataset=Dataset.from_list([
+    {"question": "hi", "answer": ""}])))
 make_llama3_env = factory(load, parser="llama3_json")  # before env.tool_parser reached it: still read
 make_typo_env = factory(load, parser="llama3")
 '''
@@ -92,4 +107,48 @@ def test_a_malformed_call_is_answered_with_its_error_and_counted(vf_file):
     assert [m["content"] for m in bad.observation] == [f"error: {why}"]
     assert bad.info["tool_errors"] == 1 and not bad.terminated and bad.reward is None
     assert contract.step(env, "It is 5.").reward == 1.0
+    contract.close(env)
+
+
+def test_a_verifiers_environment_without_max_turns_ends_and_is_scored_at_env_max_turns(vf_file):
+    """As if loaded with max_turns=env.max_turns: verifiers stops the rollout there and its rubric scores it (it was
+    cut there unscored, trained as an answer that earned nothing)."""
+    env = opened(EnvSpec(factory=f"{vf_file}:make_again_env"))  # reset with max_turns=3
+    assert [contract.step(env, "It is 6.").terminated for _ in range(2)] == [False, False]
+    last = contract.step(env, "It is 5.")
+    assert (last.reward, last.terminated) == (1.0, True)
+    assert env.reward_state().restore()["stop_condition"] == "max_turns_reached"
+    contract.close(env)
+
+
+def test_a_verifiers_max_turns_above_env_max_turns_is_refused(vf_file):
+    env = EnvSpec(factory=f"{vf_file}:make_env").build(ROW)  # its ToolEnv's max_turns=3
+    with pytest.raises(EnvError, match=r"the verifiers environment ToolEnv has max_turns=3, above env.max_turns=2: "
+                                       r".* pass --env.max-turns 3, or load it with max_turns=2"):
+        contract.reset(env, seed=0, row=ROW, max_turns=2)
+    contract.close(env)
+
+
+def test_a_verifiers_episode_a_token_limit_ends_is_scored_as_verifiers_scores_a_prompt_too_long(vf_file):
+    """finish: the client raises verifiers' OverlongPromptError, the rollout stops (prompt_too_long, truncated), and
+    its rubric scores what it has, as in verifiers' own loop; a rollout cut before any turn scores too."""
+    spec = EnvSpec(factory=f"{vf_file}:make_again_env")
+    env = opened(spec)
+    assert contract.finishes(env) and not contract.step(env, "It is 5.").terminated
+    assert contract.finish(env) == 1.0
+    state = env.reward_state().restore()
+    assert (state["stop_condition"], state["is_truncated"], len(state["trajectory"])) == ("prompt_too_long", True, 1)
+    contract.close(env)
+    env = opened(spec)
+    assert contract.finish(env) == 0.0  # no turn: correct() finds no answer
+    contract.close(env)
+
+
+def test_a_verifiers_rollout_gets_a_missing_answer_and_a_string_example_id_as_verifiers_formats_them(vf_file):
+    """A row without an answer (None) gives "" (not "None"); a non-integer example_id is src_id, as verifiers
+    formats a dataset's (int() of it raised)."""
+    row = {"id": "r0", "prompt": "Say hi", "answer": None, "example_id": "p-7"}
+    env = EnvSpec(factory=f"{vf_file}:make_blank_env").build(row)
+    contract.reset(env, seed=0, row=row, max_turns=3)
+    assert contract.step(env, "hi").reward == 1.0
     contract.close(env)
