@@ -29,12 +29,15 @@ from pathlib import Path
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.sandbox import Isolation, Sandbox, SandboxConfig, SandboxUnavailable
 
-_CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_CODE_BLOCK = re.compile(r"```[ \t]*([\w+#.-]*)[ \t]*\n(.*?)```", re.DOTALL)
+"""Every fenced block, its label read too: a block of another language (```text of a sample input) skipped at its
+opening fence made its closing fence open the next block, and the prose after it ran as the program."""
+_PYTHON = {"", "python", "python3", "py"}
 
 
 def extract_code(response: str) -> str | None:
-    """The last fenced code block of ``response`` (```python, ```py or bare ```), or None."""
-    blocks = _CODE_BLOCK.findall(response)
+    """The last fenced Python code block of ``response`` (```python, ```py or bare ```), or None."""
+    blocks = [code for label, code in _CODE_BLOCK.findall(response) if label.lower() in _PYTHON]
     return blocks[-1] if blocks else None
 
 

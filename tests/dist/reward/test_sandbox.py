@@ -320,6 +320,9 @@ def test_extract_code():
     assert extract_code("Here:\n```python\nprint(1)\n```\nand better:\n```py\nprint(2)\n```") == "print(2)\n"
     assert extract_code("```\nprint(3)\n```") == "print(3)\n"
     assert extract_code("print(4)") is None
+    # a block of another language first: its closing fence opened no block (the prose after it ran as the program)
+    assert extract_code("Input:\n```text\n5\n```\nSolution:\n```python\nprint(input())\n```\n") == "print(input())\n"
+    assert extract_code("```bash\npython x.py\n```") is None
 
 
 def test_code_reward(box):
