@@ -81,6 +81,10 @@ async def ascore(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | li
         return _scored(await acall(ref, sample))
     except Retired:
         raise
+    except asyncio.CancelledError as e:  # not an Exception: the function's own (a cancelled sibling of a gather)
+        if asyncio.current_task().cancelling():  # ours: its timeout, or the loop stopping
+            raise
+        return _failed(e)
     except (Exception, SystemExit) as e:  # noqa: BLE001  (as score's)
         return _failed(e)
 

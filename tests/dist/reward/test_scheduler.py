@@ -185,6 +185,12 @@ async def remote(completions, **kwargs):  # a remote reward model: its time is t
         state["in_flight"] -= 1
 
 
+async def cancels(completions, **kwargs):  # a gather whose sibling was cancelled: CancelledError is no Exception
+    sibling = asyncio.ensure_future(asyncio.sleep(1))
+    sibling.cancel()
+    return await asyncio.gather(sibling)
+
+
 async def blocking(completions, **kwargs):  # a sync request inside async def: it holds the loop
     time.sleep(3)
     return [1.0]
@@ -224,6 +230,25 @@ def test_an_async_function_that_blocks_its_loop_stops_the_run_naming_it(tmp_path
         scheduler.submit(0, {"id": "0", "prompt": "p"}, Response(id="", prompt_ids=[], token_ids=[0]))
         with pytest.raises(RewardFunctionError, match="async reward function blocking: no call returned within 1 s"):
             scheduler.wait()
+    finally:
+        scheduler.close()
+
+
+def test_an_async_function_raising_cancelled_error_is_its_failure_not_a_stall(tmp_path, monkeypatch):
+    """CancelledError is no Exception: it escaped, no result came back, and the stall check stopped the run naming
+    the function a blocking one."""
+    from rollpacker.reward import workers
+    from rollpacker.reward.functions import RewardFunctionError
+
+    monkeypatch.setattr(workers, "STALL_GRACE_S", 0.5)
+    (tmp_path / "remote_rm.py").write_text(ASYNC_REWARDS)
+    cfg = RewardConfig(funcs=(f"{tmp_path / 'remote_rm.py'}:cancels",), num_workers=1, timeout=0.5)
+    scheduler = RewardScheduler(cfg, lambda ids: "x")
+    try:
+        scheduler.submit(0, {"id": "0", "prompt": "p"}, Response(id="", prompt_ids=[], token_ids=[0]))
+        assert dict(scheduler.wait()) == {0: 0.0}
+        with pytest.raises(RewardFunctionError, match="'cancels' failed on 1 of 1 .*raised CancelledError"):
+            scheduler.take_metrics()  # every response failed: the run stops, naming the function's error
     finally:
         scheduler.close()
 
