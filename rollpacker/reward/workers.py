@@ -26,6 +26,7 @@ import asyncio
 import collections
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import queue
 import resource
 import statistics
@@ -116,7 +117,12 @@ def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...])
             ref, sample = task
             wall, cpu = time.perf_counter(), _cpu_seconds()
             value, error, metrics, info = score(ref, sample)
-            conn.send((value, error, metrics, info, time.perf_counter() - wall, _cpu_seconds() - cpu))
+            seconds = time.perf_counter() - wall, _cpu_seconds() - cpu
+            try:
+                conn.send((value, error, metrics, info, *seconds))
+            except (TypeError, AttributeError, pickle.PicklingError) as e:  # pickled before a byte is sent
+                conn.send((None, f"returned what cannot be sent from its reward worker (a lock, a generator?): "
+                                 f"{type(e).__name__}: {str(e)[:200]}", {}, {}, *seconds))
     except (EOFError, ConnectionError):  # the pool closed our pipe (unread: a reset): stopping, or its process died
         return
     finally:

@@ -253,6 +253,21 @@ def test_an_async_function_raising_cancelled_error_is_its_failure_not_a_stall(tm
         scheduler.close()
 
 
+def test_a_value_a_worker_cannot_send_back_is_the_functions_failure(tmp_path, caplog):
+    """A verl dict holding a lock could not be pickled back: the worker died, and the error said only that."""
+    (tmp_path / "locked.py").write_text("import threading\n\ndef locked(data_source, solution_str, ground_truth, "
+                                        "extra_info=None):\n    return {'score': 1.0, 'lock': threading.Lock()}\n")
+    cfg = RewardConfig(funcs=(f"{tmp_path / 'locked.py'}:locked",), num_workers=1, max_error_frac=1.0)
+    scheduler = RewardScheduler(cfg, lambda ids: "x")
+    try:
+        scheduler.submit(0, {"id": "0", "prompt": "p", "answer": "1"}, Response(id="", prompt_ids=[], token_ids=[0]))
+        assert dict(scheduler.wait()) == {0: 0.0}
+        assert scheduler.take_metrics()["reward/errors"] == 1
+    finally:
+        scheduler.close()
+    assert "returned what cannot be sent from its reward worker (a lock, a generator?): TypeError" in caplog.text
+
+
 def test_judge_needs_a_model_directory(tmp_path):
     from rollpacker.reward.config import JudgeConfig
 
