@@ -70,23 +70,23 @@ def score(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | list, str
     what a worker runs: ``(value, error, metrics, info)``, with ``error`` the cause when it failed."""
     try:
         return _scored(call(ref, sample))
-    except Retired:
+    except (Retired, KeyboardInterrupt):
         raise
-    except (Exception, SystemExit) as e:  # noqa: BLE001  (the user's code: whatever it raises, sys.exit() too)
-        return _failed(e)
+    except BaseException as e:  # noqa: BLE001  (the user's code: whatever it raises, sys.exit() and math-verify's
+        return _failed(e)       # TimeoutException, a BaseException, too)
 
 
 async def ascore(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | list, str | None, dict, dict | list]:
     """:func:`score`, awaited on the running event loop (its cancellation passes)."""
     try:
         return _scored(await acall(ref, sample))
-    except Retired:
+    except (Retired, KeyboardInterrupt):
         raise
     except asyncio.CancelledError as e:  # not an Exception: the function's own (a cancelled sibling of a gather)
         if asyncio.current_task().cancelling():  # ours: its timeout, or the loop stopping
             raise
         return _failed(e)
-    except (Exception, SystemExit) as e:  # noqa: BLE001  (as score's)
+    except BaseException as e:  # noqa: BLE001  (as score's)
         return _failed(e)
 
 

@@ -23,7 +23,7 @@ from rollpacker.reward.sandbox import SandboxConfig
 from rollpacker.reward.workers import STOP_GRACE, RewardPool
 from rollpacker.workers import ORPHAN_GRACE
 
-TOWER = "\\boxed{10^{10^{10^{10^{10}}}}}"  # math-verify tries to evaluate it: hangs
+TOWER = "\\boxed{10^{10^{10^{10^{10}}}}}"  # math-verify tries to evaluate it: past MATH_TIME_LIMIT
 
 
 def task(kind: str, payload: dict) -> tuple[Ref, dict, float | None]:
@@ -54,8 +54,8 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def pool():
-    with RewardPool(RewardConfig(num_workers=2, timeout=3.0)) as pool:
-        yield pool
+    with RewardPool(RewardConfig(num_workers=2, timeout=3.0), (target("math", BUILTINS),)) as pool:  # as a job's:
+        yield pool  # math-verify imported before the first call's 3 s (a loaded machine took longer)
 
 
 def test_scores_every_kind(pool):
@@ -94,6 +94,34 @@ def test_hostile_math_is_zero_or_flagged_in_time(pool, response):
     [result] = pool.drain(timeout=60)
     assert result.score == 0.0 or (result.score is None and result.error)
     assert time.monotonic() - start < pool.cfg.timeout + 10  # 10 s: a replacement worker may still be starting
+
+
+RAISES_BASE_EXCEPTION = """
+from math_verify.errors import TimeoutException
+
+
+def score(completions, **kwargs):
+    raise TimeoutException("Timeout during comparison")  # a BaseException, as math-verify's own timeouts raise it
+"""
+
+
+def test_math_past_its_time_limit_scores_zero_and_its_worker_lives(tmp_path):
+    """An answer math-verify cannot check within MATH_TIME_LIMIT scores 0 at reward.timeout's default, not killed
+    (a worker restart, a reward error); a user's function that raises a BaseException (math-verify's timeout with
+    raise_on_error) is flagged, its worker lives."""
+    (tmp_path / "base.py").write_text(RAISES_BASE_EXCEPTION)
+    ref = Ref("score", f"{tmp_path / 'base.py'}:score")
+    with RewardPool(RewardConfig(num_workers=1), (target("math", BUILTINS), ref.target)) as pool:
+        pids = worker_pids(pool)
+        pool.submit("tower", *task("math", {"response": TOWER, "answer": "42"}))
+        pool.submit("user", ref, {"prompt": "", "completion": "x", "completion_ids": [], "columns": {}})
+        pool.submit("after", *task("math", {"response": "\\boxed{2}", "answer": "2"}))
+        results = by_key(pool.drain(timeout=60))
+        assert (results["tower"].score, results["tower"].error) == (0.0, None)
+        assert results["user"].score is None and results["user"].error == ("raised TimeoutException: Timeout "
+                                                                           "during comparison")
+        assert (results["after"].score, results["after"].error) == (1.0, None)
+        assert worker_pids(pool) == pids
 
 
 def test_hung_tasks_are_killed_and_capacity_recovers():
