@@ -87,13 +87,15 @@ def load(target: str, setting: str, error: type[UserError] = UserError, *, mappi
     return fn
 
 
-def warm_up(target: str, setting: str, *, mapping: bool = False, imported: bool = False) -> str:
+def warm_up(target: str, setting: str, *, mapping: bool = False, imported: bool = False,
+            options: dict | None = None) -> str:
     """In a worker before it says ready: import ``target`` (:func:`load`) and call its ``warm_up()``, or that of the
     object it is a method of (a verifiers factory's ``score_group``), so that loading is not charged to its first
     call's timeout. Returns why it cannot be imported or its ``warm_up()`` failed ("" if neither): every call would
     meet that again (a misspelled function was each environment's open failing, retried as if transient).
     ``imported``: the job imported it already, so a failure to import here is this process's, which a call meets
-    again and reports (a flaky import: the pool goes on)."""
+    again and reports (a flaky import: the pool goes on). ``options``: the run's settings a ``warm_up()`` may check
+    once, passed as the keyword arguments it takes (a verifiers factory's ``max_turns``)."""
     try:
         fn = load(target, setting, mapping=mapping)
     except UserError as e:
@@ -101,7 +103,7 @@ def warm_up(target: str, setting: str, *, mapping: bool = False, imported: bool 
     hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "__self__", None), "warm_up", None)
     try:
         if callable(hook):
-            hook()
+            hook(**accepted(hook, options)) if options else hook()
     except Exception as e:  # noqa: BLE001  (the user's code: whatever it raises is the cause to show)
         return (f"{setting}: the warm_up() of {target.rpartition(':')[2]} ({target}) raised {type(e).__name__}: "
                 f"{str(e)[:500]} (fix it, or what it loads)")

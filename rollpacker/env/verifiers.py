@@ -18,8 +18,8 @@ Invariants:
   fails the step.
 - An episode a token limit ends (``env.max_tokens``, the context) is scored as verifiers scores one whose prompt grew
   too long (``finish``: ``prompt_too_long``). ``env.max_turns`` is the ``max_turns`` of an environment that sets none
-  (-1): verifiers ends its rollouts there, scored. One whose ``max_turns`` is above it is refused at reset (rollpacker
-  would cut its episodes unscored). Only an episode the policy aborts is closed unscored.
+  (-1): verifiers ends its rollouts there, scored. One whose ``max_turns`` is above it is refused as its workers start
+  (rollpacker would cut its episodes unscored). Only an episode the policy aborts is closed unscored.
 - A rollout is scored alone (``score_rollout``) in its worker, unless its rubric has group-level functions: then
   its group is, by the factory's ``score_group`` (a ``reward.group_funcs`` function), on copies of the group's
   finished states, in a reward worker. Such a rubric without that function configured is refused at the first
@@ -71,9 +71,10 @@ class Factory:
             self._env = self.load()
         return self._env
 
-    def warm_up(self) -> None:
-        """Load the environment: a worker calls this as it starts, before its first call's timeout runs."""
-        self.env  # noqa: B018
+    def warm_up(self, max_turns: int | None = None) -> None:
+        """Load the environment: a worker calls this as it starts, before its first call's timeout runs, with
+        ``env.max_turns`` (an environment worker: the limit is checked once, not at every reset)."""
+        _limit_turns(self.env, max_turns)
 
     def __call__(self, row: dict, tool_parser: str = EnvConfig.tool_parser) -> VerifiersEnv:
         """``row``'s episode, its calls read by ``tool_parser``: ``env.tool_parser``, or the factory's ``parser``
@@ -147,7 +148,7 @@ class VerifiersEnv:
         """Its rubric scores a group (verifiers' ``score_group``): the factory's ``score_group`` does, later."""
 
     async def reset(self, *, seed: int, options: dict):
-        self._limit_turns(options.get("max_turns"))
+        _limit_turns(self.env, options.get("max_turns"))
         loop = asyncio.get_running_loop()
         self._asked = loop.create_future()
         self._task = asyncio.ensure_future(self._rollout())
@@ -169,19 +170,6 @@ class VerifiersEnv:
         if not done:
             raise RuntimeError("the verifiers rollout asked for another turn after its prompt was too long")
         return reward
-
-    def _limit_turns(self, limit: int | None) -> None:
-        """``env.max_turns`` (``limit``) is the ``max_turns`` of an environment that sets none, so verifiers ends its
-        rollouts there (``max_turns_reached``) and scores them; one above it is refused: cut there, none would be."""
-        own = getattr(self.env, "max_turns", None)
-        if not limit or not isinstance(own, int):
-            return
-        if own <= 0:  # every episode of a run gets the same limit: the environment's, as if loaded with it
-            self.env.max_turns = limit
-        elif own > limit:
-            raise EnvError(f"the verifiers environment {type(self.env).__name__} has max_turns={own}, above "
-                           f"env.max_turns={limit}: rollpacker would cut its episodes at {limit} turns, unscored; pass "
-                           f"--env.max-turns {own}, or load it with max_turns={limit}")
 
     @property
     def unscored_alone(self) -> str | None:
@@ -271,6 +259,20 @@ class VerifiersEnv:
     def _answers_error(self, message: dict) -> bool:
         """Whether ``message`` answers a call of the last turn that the parser could not read."""
         return message["role"] == "tool" and message.get("tool_call_id") in self._errors
+
+
+def _limit_turns(env, limit: int | None) -> None:
+    """``env.max_turns`` (``limit``) is the ``max_turns`` of an environment that sets none, so verifiers ends its
+    rollouts there (``max_turns_reached``) and scores them; one above it is refused: cut there, none would be."""
+    own = getattr(env, "max_turns", None)
+    if not limit or not isinstance(own, int):
+        return
+    if own <= 0:  # every episode of a run gets the same limit: the environment's, as if loaded with it
+        env.max_turns = limit
+    elif own > limit:
+        raise EnvError(f"the verifiers environment {type(env).__name__} has max_turns={own}, above "
+                       f"env.max_turns={limit}: rollpacker would cut its episodes at {limit} turns, unscored; pass "
+                       f"--env.max-turns {own}, or load it with max_turns={limit}")
 
 
 def _turns(messages: list[dict]) -> list[tuple]:

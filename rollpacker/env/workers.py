@@ -84,7 +84,8 @@ class EnvSpec:
 
         from rollpacker.env import tools, trl  # noqa: F401
 
-        warmed = [warm_up(self.factory, "env.factory", mapping=True)] if self.factory else []
+        warmed = ([warm_up(self.factory, "env.factory", mapping=True, options={"max_turns": self.max_turns})]
+                  if self.factory else [])
         warmed += [warm_up(target(spec, tools.TOOLS), "env.tools") for spec in self.tools]
         return next(filter(None, warmed), "")
 

@@ -3,6 +3,7 @@ with scripted model turns through the contract."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -121,10 +122,16 @@ def test_a_verifiers_environment_without_max_turns_ends_and_is_scored_at_env_max
     contract.close(env)
 
 
-def test_a_verifiers_max_turns_above_env_max_turns_is_refused(vf_file):
+def test_a_verifiers_max_turns_above_env_max_turns_is_refused_once_as_its_worker_starts(vf_file):
+    """Its worker's warm-up says why (the pool stops the run before a rollout: every episode's reset failed, a
+    round of errors); a reset of an environment not warmed up refuses it too."""
+    said = r"the verifiers environment ToolEnv has max_turns=3, above env.max_turns=2: .* pass --env.max-turns 3, " \
+           r"or load it with max_turns=2"
+    assert EnvSpec(factory=f"{vf_file}:make_env", max_turns=3).warm() == ""
+    assert re.search(r"env.factory: the warm_up\(\) of make_env .* raised EnvError: " + said,
+                     EnvSpec(factory=f"{vf_file}:make_env", max_turns=2).warm())
     env = EnvSpec(factory=f"{vf_file}:make_env").build(ROW)  # its ToolEnv's max_turns=3
-    with pytest.raises(EnvError, match=r"the verifiers environment ToolEnv has max_turns=3, above env.max_turns=2: "
-                                       r".* pass --env.max-turns 3, or load it with max_turns=2"):
+    with pytest.raises(EnvError, match=said):
         contract.reset(env, seed=0, row=ROW, max_turns=2)
     contract.close(env)
 
