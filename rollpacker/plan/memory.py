@@ -377,10 +377,11 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
             *state, Term(name="the blocks' gradients (fp32, sharded)", bytes=sharded_grads, fix=off),
             Term(name="root gradients reduce-scatter (the embedding's gradient held)",
                  bytes=0 if t.lora_params else reduce_scatter(s.root_params, t, held=head_grad))])]
-    if t.reference != "none":
+    if t.reference != "none":  # before the policy's forward of a micro-batch, as the teacher's: none of its activations
         phases.append(Phase(name="forward (KL reference)", terms=[
-            *state, root, saved, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
-                                bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t))]))
+            *state, root, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
+                               bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t),
+                               fix="a smaller train.micro_batch_tokens")]))
     if t.teacher is not None:
         phases.append(teacher_phase(t, [*state, root]))
     if t.critic:  # after the policy's backward, with its gradients

@@ -413,6 +413,21 @@ def test_a_distillation_teacher_is_planned_as_the_job_holds_it(tmp_path):
     assert hf.host_bytes == pytest.approx(base.host_bytes + 4 * Shape.from_hf(gemma).num_params / 8)
 
 
+def test_the_kl_reference_forward_is_planned_beside_none_of_the_policys_activations():
+    """The reference's log-probs are taken before the policy's forward of a micro-batch (Trainer._loss) or in the
+    step's no-grad first pass, as the teacher's: its phase counted the policy's saved activations too."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import config_plan
+
+    plan = config_plan(parse(["--preset", "qwen2.5-7b-8k", "--engine.kind", "vllm", "--train.kl-coef", "0.01",
+                              "--train.activation-checkpointing", "none"]), 8, 80 * GB, QWEN7B)
+    phases = {p.name: {t.name: t.bytes for t in p.terms} for p in plan.phases}
+    forward, reference = phases["forward (log-prob head)"], phases["forward (KL reference)"]
+    assert "saved activations" not in reference and forward["saved activations"] > 1e9
+    assert {n for n in forward if not n.startswith("log-prob head")} - {"saved activations"} \
+        == set(reference) - {"KL reference in flight (2 blocks, root, one block's activations)"}
+
+
 def test_a_critic_of_its_own_path_is_planned_at_its_own_shape(tmp_path):
     """train.critic.path's decoder, not the policy's, sizes the critic (a 0.5B critic beside 7B was planned as 7B)."""
     from rollpacker.config import parse
