@@ -84,7 +84,14 @@ class Controller:
         freed ranks of stream training."""
         from transformers import AutoTokenizer
 
-        from rollpacker.data.dataset import PromptSampler, check_held_out, fit_rows, load_eval_rows, load_rows
+        from rollpacker.data.dataset import (
+            PromptSampler,
+            check_held_out,
+            eval_field,
+            fit_rows,
+            load_eval_rows,
+            load_rows,
+        )
         from rollpacker.data.lengths import LengthReplay
         from rollpacker.metrics import LiveDisplay, MetricsLogger
         from rollpacker.reward.scheduler import build_functions, check_columns, check_row
@@ -101,7 +108,8 @@ class Controller:
                                 max_prompt_length=config.data.max_prompt_length,
                                 skip_bad=config.data.skip_bad_lines)
         rows = fit(load_rows(config.data, check))
-        eval_rows = fit(load_eval_rows(config.data, check), field="data.eval_path") if config.eval_every else None
+        eval_rows = (fit(load_eval_rows(config.data, check), field=eval_field(config.data)) if config.eval_every
+                     else None)
         held_out = "data.eval_path" if config.data.eval_path else "data.eval_split" if config.data.eval_split else ""
         if held_out and not config.eval_every:  # a preset's eval_every=0 under a flag naming held-out prompts
             logger.warning("%s is not read: eval_every=0 turns evaluation off (set eval_every to the steps between "

@@ -156,14 +156,19 @@ def toy_rows(config: DataConfig, num: int, seed: int, *, held_out: bool = False)
     return task.rows(config, num, seed, keep=lambda problem: toy_held_out(problem) == held_out)
 
 
+def eval_field(config: DataConfig) -> str:
+    """Where the held-out rows come from, for messages: ``data.eval_path``, a slice of ``data.path``, or toy rows."""
+    return ("data.eval_path" if config.eval_path else "data.path (read with data.eval_split)" if config.path
+            else "the toy eval rows")
+
+
 def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[dict]:
     """Held-out rows: the first ``num_eval_prompts`` of each set of ``eval_path`` (of ``path`` when only
     ``eval_split`` is given: a slice training leaves out), or toy problems of the
     training mix from the part of the problem space training never draws, with a seed training never uses."""
     sources = config.eval_path or (config.path if config.eval_split else ())  # a held-out slice of path's file
     if sources:
-        field = "data.eval_path" if config.eval_path else "data.path (read with data.eval_split)"
-        return read_sources(sources, config, split=config.eval_split, check=check, field=field,
+        return read_sources(sources, config, split=config.eval_split, check=check, field=eval_field(config),
                             first=config.num_eval_prompts)
     if config.path:
         raise DatasetError("evaluation on real data needs data.eval_path (held-out prompts in any format data.path "
@@ -173,11 +178,13 @@ def load_eval_rows(config: DataConfig, check: RowCheck | None = None) -> list[di
 
 def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] | None) -> None:
     """The held-out rows (a slice of ``path``, or ``eval_path``: a training file named again too) must be rows
-    training does not read: raise DatasetError naming how many it shares and the fix."""
+    training does not read: raise DatasetError naming how many it shares and the fix. A row is known by its prompt
+    and answer, not its id: one file's ids differ as it is read (named beside another file of its name, or as the
+    second split of ``train+test``), and another split's rows may be numbered alike."""
     if not eval_rows or config.eval_trained_rows:
         return
-    trained = {row["id"]: row["prompt"] for row in rows}  # another split's rows may be numbered alike
-    shared = [row["id"] for row in eval_rows if trained.get(row["id"], None) == row["prompt"]]
+    trained = set(map(_content, rows))
+    shared = [row["id"] for row in eval_rows if _content(row) in trained]
     if shared:
         split = f"data.eval_split {config.eval_split!r}" if config.eval_split else ""
         where = (f"data.eval_path {' '.join(config.eval_path)}" + (f" ({split})" if split else "")
@@ -186,6 +193,10 @@ def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] |
                            f"{config.split!r}), {shared[0]!r} first, so its evaluation would not be held out: set "
                            f"data.split to the rest (e.g. train[:90%] beside train[90%:]), data.eval_path to a "
                            "held-out file, or data.eval_trained_rows to evaluate them on purpose")
+
+
+def _content(row: dict) -> str:
+    return json.dumps([row["prompt"], row["answer"]], sort_keys=True, default=str)
 
 
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,

@@ -308,6 +308,32 @@ def test_a_slice_takes_its_rows_keeping_their_numbers_in_every_format(tmp_path, 
     check_held_out(on_purpose, load_rows(on_purpose), load_eval_rows(on_purpose))  # the training set's accuracy
 
 
+def test_trained_rows_in_the_eval_set_are_found_whatever_their_ids(tmp_path):
+    """A row is known by its prompt and answer: a training file named again as eval_path beside another of its name
+    (ids x/train:1 there, train:1 here), or the test split trained as train+test's second part (dd:test:1) and
+    evaluated alone (dd:1), passed the check as rows of their own."""
+    import datasets
+
+    for folder, n in (("x", 2), ("y", 3)):
+        (tmp_path / folder).mkdir()
+        write(tmp_path / folder, [json.dumps({"prompt": f"{folder}{i}", "answer": str(i)}) for i in range(n)])
+    x, y = str(tmp_path / "x" / "train.jsonl"), str(tmp_path / "y" / "train.jsonl")
+    named_again = DataConfig(path=(x, y), eval_path=x)
+    assert [r["id"] for r in load_eval_rows(named_again)] == ["train:1", "train:2"]
+    with pytest.raises(DatasetError, match=r"data.eval_path .*x/train.jsonl holds 2 of the rows training reads too "
+                                           r"\(data.split 'train'\), 'train:1' first"):
+        check_held_out(named_again, load_rows(named_again), load_eval_rows(named_again))
+    saved = str(tmp_path / "dd")
+    datasets.DatasetDict(train=datasets.Dataset.from_list([{"prompt": f"tr{i}", "answer": "1"} for i in range(4)]),
+                         test=datasets.Dataset.from_list([{"prompt": f"te{i}", "answer": "1"} for i in range(3)])
+                         ).save_to_disk(saved)
+    joined = DataConfig(path=saved, split="train+test", eval_path=saved, eval_split="test")
+    with pytest.raises(DatasetError, match=r"holds 3 of the rows training reads too \(data.split 'train\+test'\)"):
+        check_held_out(joined, load_rows(joined), load_eval_rows(joined))
+    apart = DataConfig(path=saved, split="train", eval_path=saved, eval_split="test")
+    check_held_out(apart, load_rows(apart), load_eval_rows(apart))
+
+
 def test_an_eval_set_of_several_splits_needs_its_held_out_one_named(tmp_path):
     """A Hub id or a saved DatasetDict of train and test: without data.eval_split, its train split (data.split's)
     was evaluated, silently, the prompts training draws."""
