@@ -71,9 +71,11 @@ class ModelConfig:
 
         check_choices(self, "model")
         check_template_kwargs(self.chat_template_kwargs)
-        # a flag's lowercase true or false reaches here a string, which a template reads as true (any non-empty one)
-        self.chat_template_kwargs = {key: {"true": True, "false": False}.get(value, value) if isinstance(value, str)
-                                     else value for key, value in self.chat_template_kwargs.items()}
+        # a flag's true or false in any case but tyro's (True, False) reaches here a string, which a template reads
+        # as true (any non-empty one)
+        self.chat_template_kwargs = {key: {"true": True, "false": False}.get(value.lower(), value)
+                                     if isinstance(value, str) else value
+                                     for key, value in self.chat_template_kwargs.items()}
 
     @property
     def shipped(self) -> bool:

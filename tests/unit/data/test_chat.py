@@ -42,14 +42,16 @@ def test_chat_template_kwargs_may_not_set_what_rollpacker_sets(key):
         ModelConfig(chat_template_kwargs={key: True})
 
 
-def test_a_flags_lowercase_false_turns_thinking_off():
-    """tyro reads ``false`` as a string, which Qwen3's template would take as true: it is the bool."""
+def test_a_flags_false_in_any_case_turns_thinking_off():
+    """tyro reads ``false`` (``FALSE``) as a string, which Qwen3's template would take as true: it is the bool."""
     from rollpacker.config import parse
 
     config = parse(["--model.chat-template-kwargs", "enable_thinking", "false", "effort", "low", "n", "3"])
     assert config.model.chat_template_kwargs == {"enable_thinking": False, "effort": "low", "n": 3}
     assert parse(["--model.chat-template-kwargs", "enable_thinking", "True"]).model.chat_template_kwargs == {
         "enable_thinking": True}
+    assert parse(["--model.chat-template-kwargs", "enable_thinking", "FALSE"]).model.chat_template_kwargs == {
+        "enable_thinking": False}
 
 
 ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
