@@ -488,7 +488,7 @@ class Trainer:
             within = torch.arange(mask.shape[1])[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
             values = self._everyones(samples, {i: f[4] for i, f in frozen.items()}, mask.shape)
             adv, targets = gae(earned_at(returns, within), values, mask, cfg.gamma, cfg.lam)
-            trained = mask & torch.tensor([self._trains(s) for s in samples])[:, None]
+            trained = mask & torch.tensor([self._trains(s) for s in samples], dtype=torch.bool)[:, None]
             adv = whiten(adv, trained).where(trained, 0.0)  # over the tokens the step trains, as verl's
         else:
             adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples), kept)
@@ -533,7 +533,10 @@ class Trainer:
 
     def _everyones(self, samples: list[Sample], mine: dict[int, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """Every sample's per-token values [N, T] (``shape``; 0 past a response), on every rank, from each rank's
-        ``mine`` (index -> [its response length], this rank's samples): one all-reduce."""
+        ``mine`` (index -> [its response length], this rank's samples): one all-reduce (none for no sample: a
+        step whose groups were all filtered, on every rank alike)."""
+        if not samples:
+            return torch.zeros(shape)
         lengths = [len(s.response_ids) for s in samples]
         offsets = [0]
         for n in lengths:

@@ -161,6 +161,27 @@ def test_mask_truncated_trains_nothing_on_a_truncated_response(advantage, toy_ra
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("advantage", ["grpo", "gae"])
+def test_a_step_with_no_sample_updates_nothing(advantage, toy_random_dir):
+    """A step whose groups were all filtered (tail's zero-variance filter at the data's end): PPO's critic values
+    and the KL in the reward, gathered over no sample, were pad_sequence's "empty list of sequences"."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.model.parallelize import with_value_head
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    critic = with_value_head(load_model(toy_random_dir)) if advantage == "gae" else None
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, advantage=advantage, kl_in_reward=True,
+                                                              kl_coef=0.1), build_meshes(1, 0).train,
+                      reference=load_model(toy_random_dir), critic=critic, num_steps=2)
+    before = weights(trainer) | (weights(trainer, "critic") if critic else {})
+    stats = trainer.step([], 1)
+    assert stats["train/loss"] == 0.0
+    after = weights(trainer) | (weights(trainer, "critic") if critic else {})
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 @pytest.mark.parametrize("impl", ["native", "hf"])
 def test_a_critic_starts_at_zero_and_learns_its_returns(impl, toy_random_dir, qwen3_tied_dir):
     """PPO with a critic on one rank, the native decoder and a Hugging Face one (both with a tied embedding): the
