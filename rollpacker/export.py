@@ -49,7 +49,7 @@ def export(checkpoint_dir: Path, out: Path, run_argv: list[str]) -> Path:
     checkpoint_dir = whole_checkpoint(checkpoint_dir)
     saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
     config = parse([*saved, *run_argv, "--dist.device", "cpu"])
-    check_out(out, checkpoint_dir, lora=bool(config.train.lora.rank))
+    check_out(out, checkpoint_dir, lora=bool(config.train.lora.rank), model=config.model.path)
     checkpoint.check_lora_alpha(checkpoint_dir, config.train.lora.rank, config.train.lora.alpha)
     config.train.kl_coef, config.train.teacher.path = 0.0, ""  # the policy alone: no KL reference, no teacher
     path, impl = join(config)
@@ -83,14 +83,16 @@ def whole_checkpoint(path: Path) -> Path:
     return path
 
 
-def check_out(out: Path, checkpoint_dir: Path, lora: bool) -> None:
+def check_out(out: Path, checkpoint_dir: Path, lora: bool, model: str = "") -> None:
     """Refuse an ``out`` whose directory the export would replace whole (it, and a LoRA run's ``out``_merged,
-    are written afresh) while it holds what is not an earlier export: a run's directory, the checkpoint."""
+    are written afresh) while it holds what is not an earlier export: a run's directory, the checkpoint, the run's
+    ``model.path`` (a model directory holds a config.json, as an export does)."""
     out = out.resolve()
     for path in (out, *([out.with_name(out.name + "_merged")] if lora else [])):
-        if checkpoint_dir.resolve().is_relative_to(path):
-            raise UserError(f"--out {out}: the export replaces {path} whole, and it holds the checkpoint "
-                            f"{checkpoint_dir}; name a directory of its own (default: CHECKPOINT/hf)")
+        for held, what in ((checkpoint_dir, "the checkpoint"), *([(Path(model), "model.path")] if model else [])):
+            if held.resolve().is_relative_to(path):
+                raise UserError(f"--out {out}: the export replaces {path} whole, and it holds {what} {held}; name a "
+                                "directory of its own (default: CHECKPOINT/hf)")
         exported = any((path / name).is_file() for name in ("config.json", "adapter_config.json"))
         if path.is_dir() and any(path.iterdir()) and not exported:
             raise UserError(f"--out {out}: the export replaces {path} whole, and it holds files that are not an "

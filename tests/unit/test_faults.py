@@ -378,3 +378,21 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_with_one_warning_naming_th
     with pytest.raises(checkpoint.CheckpointError, match=rf"^resume: {garbled.parent} cannot be read \(.+\): move it "
                        "away and resume with --resume auto, which takes the checkpoint before it$"):
         checkpoint.load(garbled.parent, trainer)
+
+
+def test_an_export_out_holding_the_runs_model_is_refused(tmp_path):
+    """A model directory holds a config.json, which read as an earlier export's: an --out naming model.path (or a
+    LoRA run's out_merged beside it) replaced the base model's weights with the export."""
+    from rollpacker.errors import UserError
+    from rollpacker.export import check_out
+
+    model = tmp_path / "models" / "base_merged"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    step = tmp_path / "run" / "checkpoints" / "step_1"
+    for out, lora in ((model, False), (tmp_path / "models", False), (model / "..", False),
+                      (tmp_path / "models" / "base", True)):
+        with pytest.raises(UserError, match=rf"the export replaces {re.escape(str(tmp_path / 'models'))}\S* whole, "
+                                            rf"and it holds model.path {re.escape(str(model))}; name a directory"):
+            check_out(out, step, lora, model=str(model))
+    check_out(tmp_path / "models" / "base", step, False, model=str(model))
