@@ -108,6 +108,22 @@ def flag_names(record: logging.LogRecord) -> bool:
     return True
 
 
+def unexported(config: Config) -> str:
+    """What a finished run's end left unexported (stopped while writing it), as the clause saying how to write it."""
+    from rollpacker.checkpoint import MARKER
+
+    hf, lora = Path(config.run_dir) / "hf", config.train.lora
+    files = [hf / "adapter_config.json", *([hf.with_name("hf_merged") / "config.json"] if lora.export_merged else [])
+             ] if lora.rank else [hf / "config.json"]
+    committed = (Path(config.resume) / MARKER).stat().st_mtime  # the run's end exports after its last save
+    stale = [f.parent for f in files if not f.exists() or f.stat().st_mtime < committed]
+    if not config.checkpoint.export_hf or not stale:
+        return ""
+    state = "an earlier step's" if stale[0].exists() else "missing"
+    return (f"; its Hugging Face export {stale[0]} is {state} (stopped while writing it): python -m "
+            f"rollpacker.export {config.resume} --out {hf}")
+
+
 def main(argv: list[str] | None = None) -> None:
     faulthandler.enable()  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's Python stack first
     preempt.install()  # a stop (Ctrl-C, SIGTERM) during setup stops before the first step
@@ -121,17 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(as_flags(str(e)), prefix="rollpacker: config error: ")
     if config.resume and (done := checkpoint_step(config.resume)) >= config.num_steps:
         if os.environ.get("RANK", "0") == "0":  # a requeued job that had finished: no job to build
-            from rollpacker.checkpoint import MARKER
-
-            hf = Path(config.run_dir) / "hf"
-            written = [f.stat().st_mtime for f in (hf / "config.json", hf / "adapter_config.json") if f.exists()]
-            committed = (Path(config.resume) / MARKER).stat().st_mtime  # the run's end exports after its last save
-            state = "missing" if not written else "an earlier step's" if max(written) < committed else ""
-            unexported = (f"; its Hugging Face export {hf} is {state} (stopped while writing it): python -m "
-                          f"rollpacker.export {config.resume} --out {hf}" if config.checkpoint.export_hf and state
-                          else "")
             print(f"rollpacker: {config.resume} is at step {done} of num_steps {config.num_steps}: nothing to train "
-                  f"(raise --num-steps to go on){unexported}", file=sys.stderr, flush=True)
+                  f"(raise --num-steps to go on){unexported(config)}", file=sys.stderr, flush=True)
         raise SystemExit(0)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:

@@ -80,6 +80,35 @@ def test_a_fresh_start_in_a_run_dir_holding_a_run_is_refused_naming_the_way_on(t
         resolve_resume(Config(run_dir=str(tmp_path)))
 
 
+def test_a_finished_lora_runs_resume_names_a_merged_export_its_end_did_not_write(tmp_path):
+    """A LoRA run's end writes run_dir/hf (its adapters), then run_dir/hf_merged with train.lora.export_merged: a
+    run stopped between the two finished its steps, and its requeue said nothing of the missing merged model."""
+    import os
+    import time
+
+    from rollpacker import checkpoint
+    from rollpacker.config import Config
+    from rollpacker.run import unexported
+
+    step = tmp_path / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / checkpoint.MARKER).write_text("")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "adapter_config.json").write_text("{}")
+    config = Config(run_dir=str(tmp_path), resume=str(step))
+    config.train.lora.rank, config.train.lora.export_merged = 8, True
+    fix = f"(stopped while writing it): python -m rollpacker.export {step} --out {tmp_path / 'hf'}"
+    assert unexported(config) == f"; its Hugging Face export {tmp_path / 'hf_merged'} is missing {fix}"
+    (tmp_path / "hf_merged").mkdir()
+    (tmp_path / "hf_merged" / "config.json").write_text("{}")
+    assert unexported(config) == ""
+    old = time.time() - 60
+    os.utime(tmp_path / "hf_merged" / "config.json", (old, old))  # an earlier end's merged model
+    assert unexported(config) == f"; its Hugging Face export {tmp_path / 'hf_merged'} is an earlier step's {fix}"
+    config.train.lora.export_merged = False  # its end writes the adapters alone
+    assert unexported(config) == ""
+
+
 def test_messages_name_settings_as_the_flags_typed():
     assert as_flags("data.eval_path: no such file: /d/data.eval_path.jsonl (or leave data.path empty)") == (
         "--data.eval-path: no such file: /d/data.eval_path.jsonl (or leave --data.path empty)")
