@@ -9,6 +9,7 @@ Invariants:
 
 - No prompt is drawn until the whole load group is consumed (trained or filtered).
 - Groups complete only inside a round.
+- The run's last round completes every prompt it launches (none left in the buffer).
 - ``sorted`` trains only tokens of the current weights (staleness 0). ``sorted_partial`` records
   each response's segment steps (``Group.staleness``) and needs a rollout correction.
 - Every prompt is in exactly one ledger state. A save mid-round replays the round.
@@ -52,7 +53,7 @@ class _LoadGroups(PolicyConfig):
               last_step: int | None = None) -> SortedPolicy:
         return SortedPolicy(sampler, num_prompts, group_size, num_batches=self.sorted_batches,
                             partial=self.partial, filter_zero_variance=self.filter_zero_variance,
-                            num_epochs=num_epochs)
+                            num_epochs=num_epochs, last_step=last_step)
 
 
 @dataclass(kw_only=True)
@@ -95,11 +96,11 @@ class _Entry:
 
 class SortedPolicy(QueuedPolicy):
     def __init__(self, sampler, num_prompts: int, group_size: int, *, num_batches: int = 4, partial: bool = False,
-                 filter_zero_variance: bool = False, num_epochs: int = 0):
+                 filter_zero_variance: bool = False, num_epochs: int = 0, last_step: int | None = None):
         self.name = SortedPartialConfig.name if partial else SortedConfig.name
         self.sampler, self.num_prompts, self.group_size = sampler, num_prompts, group_size
         self.num_batches, self.partial = num_batches, partial
-        self.filter_zero_variance, self.num_epochs = filter_zero_variance, num_epochs
+        self.filter_zero_variance, self.num_epochs, self.last_step = filter_zero_variance, num_epochs, last_step
         self.ledger = Ledger()
         self.buffer: dict[Key, _Entry] = {}
         """The unconsumed prompts of the load group."""
@@ -117,10 +118,12 @@ class SortedPolicy(QueuedPolicy):
     # -- planning ----------------------------------------------------------------------------
 
     def start_round(self, step: int) -> RoundPlan:
-        self.step, self.closed, loaded = step, False, 0
+        """The run's last round completes every prompt it launches, and loads only the P0 it keeps: a prompt
+        left in the buffer there would never be trained (its longest, the ones a cut defers)."""
+        self.step, self.closed, loaded, last = step, False, 0, step == self.last_step
         if not self.ledger.queue:  # the load group is consumed: load the next one
             left = self.sampler.remaining(self.num_epochs)
-            n = self.num_batches * self.num_prompts
+            n = self.num_prompts if last else self.num_batches * self.num_prompts
             keys = self.sampler.draw(n if left is None else min(n, left))
             if not keys:
                 raise RuntimeError("sorted: no prompt left to launch; check done() before start_round")
@@ -135,7 +138,7 @@ class SortedPolicy(QueuedPolicy):
             e.state = "running"
         self.where = {request_id(step, s, k): (s, k) for s in range(len(keys)) for k in range(self.group_size)}
         carried = {(s, k): out for s, e in enumerate(self.slots) for k, out in enumerate(e.outputs) if out is not None}
-        self.target = min(self.num_prompts, len(keys))
+        self.target = len(keys) if last else min(self.num_prompts, len(keys))
         self._stats = {"loaded": loaded, "filtered": 0,
                        "resumed": sum(not _finished(out) for out in carried.values())}
         return RoundPlan(kind="sorted", prompts=[key[1] for key in keys], num_responses=self.group_size,

@@ -91,6 +91,21 @@ def test_load_group_oversubscribes_and_loads_nothing_until_consumed():
     assert len(rnd.prompts) == 6 and set(rnd.prompts).isdisjoint(loaded) and policy.sampler.position == 12
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_the_last_step_trains_every_prompt_it_launches(partial):
+    """The run's last round completes the whole buffer (its cut would leave the longest prompts untrained for
+    good), and a load group starting there loads only the P0 prompts it keeps."""
+    policy = sorted_policy(p0=2, r0=2, n=3, partial=partial, last_step=1)
+    rnd0, groups0, _ = play(policy, 0, by_row(lambda row: 10 + row))
+    rnd, groups, aborted = play(policy, 1, by_row(lambda row: 10 + row))
+    assert rnd.keep == 4 and not aborted and sorted(g.prompt for g in groups) == sorted(rnd.prompts)
+    assert sorted(g.prompt for g in groups0 + groups) == sorted(rnd0.prompts) and not policy.ledger.queue
+    assert policy.ledger.counts() == Counter(trained=6)
+    policy = sorted_policy(p0=2, r0=2, n=3, partial=partial, last_step=0)
+    rnd, groups, _ = play(policy, 0, by_row(lambda row: 10 + row))
+    assert len(rnd.prompts) == len(groups) == 2 and policy.ledger.counts() == Counter(trained=2)
+
+
 def test_early_termination_counts_complete_groups_only():
     policy = sorted_policy(p0=2, r0=2, n=2)
     rnd = policy.start_round(0)
