@@ -127,6 +127,37 @@ def ready(run_dir, rank: int) -> bool:
     return rank or (run_dir / "checkpoints" / f"step_{metric_lines(run_dir)}" / checkpoint.MARKER).exists()
 
 
+RESUMES = """
+import os, sys
+import torch.distributed as dist
+from rollpacker.errors import UserError
+from rollpacker.job import check_same_resume
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+try:
+    check_same_resume(sys.argv[1 + rank], dist.group.WORLD)
+    print(f"rank {rank}: same")
+except UserError as e:
+    print(f"rank {rank}: {e}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("paths", [("run/checkpoints/step_4", "run/checkpoints/step_2"),
+                                   ("run/checkpoints/step_4", "")])
+def test_ranks_resuming_from_different_checkpoints_stop_before_loading(tmp_path, paths):
+    """Each rank resolves --resume auto on its own view of run_dir: a node whose network filesystem lags would load
+    an older step's shards beside the newest's (or none, and hang the load the others wait in)."""
+    (tmp_path / "resumes.py").write_text(RESUMES)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(tmp_path / "resumes.py"), *paths], capture_output=True, text=True, timeout=120,
+                          env=job_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = (f"resume: rank 0 resumes from {paths[0]}, rank 1 from {paths[1] or 'nothing (a fresh start)'}: the nodes "
+            "do not see the same run_dir")
+    assert [line.split(": ", 1)[1].startswith(said) for line in sorted(proc.stdout.splitlines())] == [True, True]
+
+
 @pytest.mark.slow  # torchrun's restart; a kill losing nothing is test_tail's sigkill test
 def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_path):
     """The launch line of docs/cluster-and-faults.md on one node: torchrun --max-restarts with --resume auto."""
