@@ -484,14 +484,14 @@ class Trainer:
         rewards = rewards + torch.tensor([s.shaping for s in samples])
         returns = returns_to_go(rewards, mask, token_rewards, earned=steps)  # [N, T]
         values = targets = None
+        trained = mask & torch.tensor([self._trains(s) for s in samples], dtype=torch.bool)[:, None]
         if self.critic is not None:
             within = torch.arange(mask.shape[1])[None, :] < torch.tensor(lengths, dtype=torch.long)[:, None]
             values = self._everyones(samples, {i: f[4] for i, f in frozen.items()}, mask.shape)
             adv, targets = gae(earned_at(returns, within), values, mask, cfg.gamma, cfg.lam)
-            trained = mask & torch.tensor([self._trains(s) for s in samples], dtype=torch.bool)[:, None]
             adv = whiten(adv, trained).where(trained, 0.0)  # over the tokens the step trains, as verl's
-        else:
-            adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, mask, group_sizes(samples), kept)
+        else:  # a whitening's statistics over the tokens the step trains too
+            adv = leaving_out(ADVANTAGES[cfg.advantage].fn, returns, trained, group_sizes(samples), kept)
         focus = self._focus(samples, frozen)
         return [Prepared(adv[i, :n], *frozen.get(i, (None,) * 4)[:3], focus=focus.get(i),
                          values=None if values is None else values[i, :n],

@@ -161,6 +161,35 @@ def test_mask_truncated_trains_nothing_on_a_truncated_response(advantage, toy_ra
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("advantage", ["reinforce_pp", "reinforce_pp_baseline"])
+def test_a_whitening_leaves_out_the_truncated_responses_it_does_not_train(advantage, toy_random_dir):
+    """With train.mask_truncated, the responses trained are whitened as if the truncated ones were not in the step
+    (their tokens, often the longest, weighed in its mean and std); a group's baseline still counts them."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.advantages import ADVANTAGES, group_centred, whiten
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(mask_truncated=True, advantage=advantage),
+                      build_meshes(1, 0).train, num_steps=2)
+    samples = algorithm_batch()
+    samples[1].truncated = samples[5].truncated = True
+    adv = [p.advantages for p in trainer._prepare(samples)]
+    lengths = [len(s.response_ids) for s in samples]
+    returns = torch.zeros(len(samples), max(lengths))
+    mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+    returns[:] = torch.tensor([s.reward for s in samples])[:, None]
+    everyone = ADVANTAGES[advantage].fn(returns, mask, [3, 3])  # the whitening over every token
+    trained = mask.clone()
+    trained[[1, 5]] = False
+    centred = returns if advantage == "reinforce_pp" else group_centred(returns, [3, 3], scale=False)
+    expected = whiten(centred, trained)
+    for i in (0, 2, 3, 4):
+        assert torch.allclose(adv[i], expected[i, :lengths[i]], atol=1e-5), (i, adv[i], expected[i])
+        assert not torch.allclose(adv[i], everyone[i, :lengths[i]], atol=1e-3)
+
+
 @pytest.mark.parametrize("advantage", ["grpo", "gae"])
 def test_a_step_with_no_sample_updates_nothing(advantage, toy_random_dir):
     """A step whose groups were all filtered (tail's zero-variance filter at the data's end): PPO's critic values
