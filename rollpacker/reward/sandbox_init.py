@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import resource
 import signal
 import sys
@@ -41,16 +42,22 @@ def _check(result, what):
 
 
 def _mount(source, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
+    enc = lambda s: None if s is None else os.fsencode(s)
     _check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), "mount " + target)
+
+
+def unescape(field):
+    """A mountinfo path field (bytes) as the path: the kernel writes space, tab, newline and backslash as
+    octal escapes ("\\040"), every other byte as it is (a UTF-8 name's too)."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field))
 
 
 def _mount_points():
     """(mount point, its flags) for every mount, from ``/proc/self/mountinfo``."""
-    for line in open("/proc/self/mountinfo"):
-        fields = line.split()
-        target = fields[4].encode().decode("unicode_escape")  # "\040" is a space
-        yield target, sum(LOCKED_FLAGS.get(opt, 0) for opt in fields[5].split(","))
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            yield unescape(fields[4]), sum(LOCKED_FLAGS.get(opt, 0) for opt in fields[5].decode().split(","))
 
 
 def build_file_system(cfg):
@@ -61,8 +68,8 @@ def build_file_system(cfg):
             continue  # replaced below
         try:
             _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
-        except OSError as e:
-            if e.errno not in (13, 2):  # EACCES, ENOENT: under a directory we cannot enter
+        except OSError as e:  # EACCES, ENOENT: under a directory we cannot enter (nor can the program)
+            if e.errno not in (13, 2) or e.errno == 2 and os.path.lexists(target):
                 raise
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     keep = {path: os.open(path, os.O_PATH) for path in cfg["keep"]}  # before a tmpfs hides them

@@ -213,6 +213,41 @@ def test_other_backend_contains_too(contained, isolation, name):
         time.sleep(2)
 
 
+MOUNTS = """
+set -e
+mount --make-rprivate /
+for d in "$@"; do mkdir -p "$d" && mount -t tmpfs -o mode=1777,size=1m tmpfs "$d"; done
+exec "$PYTHON" - "$@" <<'END'
+import sys
+from rollpacker.reward.sandbox import Sandbox, SandboxConfig
+program = (f"for d in {sys.argv[1:]!r}:\\n"
+           "    try: open(d + '/w', 'w'); print(d, 'WRITABLE')\\n"
+           "    except OSError as e: print(d, e.strerror)\\n")
+run = Sandbox(SandboxConfig(isolation="unshare")).run(program, "", 10)
+print(run.stdout.decode(), run.stderr.decode()[-2000:])
+END
+"""
+
+
+def test_unshare_makes_mounts_with_any_name_read_only(victim):
+    """unshare mode remounts every mount read-only by its mountinfo path: a UTF-8 name (or a space) was decoded
+    wrong, its remount failed as "no such file", and the mount stayed writable in the sandbox. (The mounts are
+    made in a mount namespace of the test's own; the sandbox hides /tmp.)"""
+    tmp_path = victim
+    names = [str(tmp_path / "mnt_ascii"), str(tmp_path / "mnt_\u00e9t\u00e9"), str(tmp_path / "with space")]
+    try:
+        probe = subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs tmpfs {tmp_path}"],
+                               capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        probe = None
+    if probe is None or probe.returncode:
+        pytest.skip(f"cannot make mounts here (needs root and unshare): {probe and probe.stderr.strip()}")
+    done = subprocess.run(["unshare", "--mount", "bash", "-c", MOUNTS, "mounts", *names], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert sorted(done.stdout.split("\n")[:3]) == sorted(f"{d} Read-only file system" for d in names), (
+        done.stdout + done.stderr)
+
+
 def test_sandbox_view_of_the_machine(box):
     """What a program sees: no capability, no network but lo, an empty environment, /tmp, an empty /run,
     its own pids."""
