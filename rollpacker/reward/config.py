@@ -34,7 +34,8 @@ class JudgeConfig:
     """The judge prompt: {prompt} and {response} in a template ending where the score goes (a row's 'rubric' wins;
     a reward model scores the conversation in its chat template instead)."""
     max_score: int = 9
-    """Verdicts are the integers 0..max_score, each a single token; reward = verdict / max_score (a causal LM's)."""
+    """Verdicts are the integers 0..max_score, each a single token; reward = verdict / max_score (a causal LM's).
+    The default rubric asks for a score up to it."""
     dtype: JudgeDtype = "auto"
     """Judge weights' dtype: auto (the checkpoint's own), float32, bfloat16 or float16."""
     resident_layers: int = -1
@@ -53,6 +54,8 @@ class JudgeConfig:
         check_rubric(self.rubric)
         if self.max_score < 1:
             raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
+        if self.rubric == DEFAULT_RUBRIC:  # its range is max_score's (it asked for 0..9 whatever max_score was)
+            self.rubric = DEFAULT_RUBRIC.replace("to 9 (fully", f"to {self.max_score} (fully")
         if self.resident_layers < -1:
             raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")
         if self.max_tokens <= 0:

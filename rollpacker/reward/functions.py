@@ -188,7 +188,7 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
         return fn, accepted(fn, kwargs), _value
     samples = sample if ref.per_group else [sample]
     logged, extra = {}, {}
-    prompts, completions = zip(*map(_as_trl, samples))
+    prompts, completions = zip(*map(as_trl, samples))
     kwargs = {**{k: [s["columns"].get(k) for s in samples] for k in samples[0]["columns"]},
               "prompts": list(prompts), "completions": list(completions),
               "completion_ids": [s["completion_ids"] for s in samples],
@@ -221,7 +221,7 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
     return fn, accepted(fn, kwargs), read
 
 
-def _as_trl(sample: dict) -> tuple[Any, Any]:
+def as_trl(sample: dict) -> tuple[Any, Any]:
     """A sample's prompt and completion as TRL passes them: the completion is an episode's turns, else the text
     (as a message after a chat prompt). A chat prompt ending in an assistant turn (a prefill the model continued)
     loses it, and its text leads the completion's first assistant turn, as TRL's ``bootstrap``."""
@@ -253,6 +253,8 @@ def _value(value) -> Value:
             if key != "score":
                 (metrics if _is_number(v) else info)[str(key)] = float(v) if _is_number(v) else v
         value = value["score"]
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array: TRL takes its number
+        value = value.item()
     if value is None:
         return None, metrics, info
     if not _is_number(value):

@@ -25,6 +25,7 @@ how it differs from the paper: ``docs/rewards-and-judge.md``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +37,7 @@ from rollpacker.model.hf import load_model, read_config
 from rollpacker.model.offload import OffloadedLayers
 from rollpacker.model.transformer import rope_cos_sin
 from rollpacker.reward.config import JudgeConfig
-from rollpacker.reward.functions import prompt_text
+from rollpacker.reward.functions import as_trl, prompt_text
 from rollpacker.reward.rules import RewardError
 
 logger = logging.getLogger(__name__)
@@ -137,8 +138,9 @@ class Judge:
             return self.tokenizer.encode((rubric or self.cfg.rubric).format(prompt=prompt_text(prompt),
                                                                             response=response))
         tok = self.tokenizer
-        if tok.chat_template:
-            conversation = messages(prompt) + (turns or [{"role": "assistant", "content": response}])
+        if tok.chat_template:  # a prefill leads the first assistant turn, as TRL scores it
+            head, tail = as_trl({"prompt": messages(prompt), "completion": response, "messages": turns})
+            conversation = head + tail
             try:
                 text = tok.apply_chat_template(conversation, tokenize=False)
             except Exception as e:  # the template refuses the conversation (roles that do not alternate, a tool's)
@@ -215,7 +217,7 @@ class Judge:
         for batch in batches:
             try:
                 logits = self.last_logits([seqs[i] for i in batch])
-                scores = (logits[:, 0].tolist() if self.reward_model
+                scores = ([_finite(score) for score in logits[:, 0].tolist()] if self.reward_model
                           else [self._reward(token) for token in logits.argmax(-1).tolist()])
             except torch.OutOfMemoryError as e:
                 scores = [RewardError(f"judge ran out of device memory on {len(batch)} pairs ({e}); "
@@ -232,3 +234,11 @@ class Judge:
             return parse_verdict(self.tokenizer.decode([token]), self.cfg.max_score)
         except RewardError as e:
             return e
+
+
+def _finite(score: float) -> float | RewardError:
+    """A reward model's score, or the error of one that is not a number (an overflow: judge.dtype float16)."""
+    if math.isfinite(score):
+        return score
+    return RewardError(f"the reward model scored {score}, not a reward (an overflow in its dtype? float16 holds up "
+                       "to 65504: --reward.judge.dtype bfloat16 or float32 hold more)")

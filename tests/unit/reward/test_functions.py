@@ -347,6 +347,8 @@ def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(t
     path = tmp_path / "arrays.py"
     path.write_text("import numpy, torch\n\ndef array(completions, **kw):\n    return numpy.array([1.0])\n\n"
                     "def tensor(completions, **kw):\n    return torch.tensor([0.5])\n\n"
+                    "def scalars(completions, **kw):\n    return [torch.tensor(0.25)]\n\n"
+                    "def scored(completions, **kw):\n    return [{'score': numpy.array(0.75)}]\n\n"
                     "def same(completions, **kw):\n    return [numpy.float64(1) == numpy.float64(1)]\n\n"
                     "def nan(completions, **kw):\n    return numpy.array([numpy.nan])\n\n"
                     "def inf(completions, **kw):\n    return [float('inf')]\n\n"
@@ -355,6 +357,8 @@ def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(t
     sample = {"columns": {}, "prompt": "p", "completion": "c", "completion_ids": [1]}
     assert call(resolve(f"{path}:array", "array"), sample) == (1.0, {}, {})
     assert call(resolve(f"{path}:tensor", "tensor"), sample) == (0.5, {}, {})
+    assert call(resolve(f"{path}:scalars", "scalars"), sample) == (0.25, {}, {})  # a list of 0-d tensors
+    assert call(resolve(f"{path}:scored", "scored"), sample) == (0.75, {}, {})
     assert call(resolve(f"{path}:same", "same"), sample) == (1.0, {}, {})  # numpy's bool
     assert call(resolve(f"{path}:nan", "nan"), sample) == (None, {}, {})  # TRL's None becomes NaN: it reads it back
     for name in ("inf", "compute_score"):  # not TRL's None: a bug's

@@ -7,6 +7,8 @@ verdict on the pair ("3", "4") is the token "7".
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -218,6 +220,34 @@ def test_a_reward_model_scores_the_conversation_as_transformers_does(reward_mode
     pad = tokenizer.pad_token_id  # scored after the last token that is not padding, as Hugging Face reads it
     assert judge.encode("1+2", " 3<|pad|><|pad|>") == judge.encode("1+2", " 3") != []
     assert pad in tokenizer("<|pad|>", add_special_tokens=False)["input_ids"]
+
+
+def test_a_reward_model_scores_a_prefill_inside_the_answer_and_no_number_as_an_error(reward_model_dir, tmp_path):
+    """A prompt ending in an assistant prefill is one assistant turn with the response (as TRL scores it, and as
+    our reward functions get it), not two; a score that is not a number (a float16 overflow) is the response's
+    reward error, never a reward."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    judge = Judge(JudgeConfig(model_path=str(reward_model_dir)))
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    prefilled = [{"role": "user", "content": "2+5"}, {"role": "assistant", "content": "The answer is "}]
+    one_turn = tokenizer.apply_chat_template([prefilled[0], {"role": "assistant", "content": "The answer is 7"}],
+                                             tokenize=False)
+    assert judge.encode(prefilled, "7") == tokenizer(one_turn, add_special_tokens=False)["input_ids"]
+    overflowing = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)
+    with torch.no_grad():
+        overflowing.score.weight.mul_(1e6)  # its scores pass float16's 65504
+    overflowing.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    judge = Judge(JudgeConfig(model_path=str(tmp_path), dtype="float16"))
+    [error] = judge.score_ids([judge.encode("1+2", "3")])
+    assert isinstance(error, RewardError) and re.match(r"the reward model scored -?inf, not a reward", str(error))
+
+
+def test_the_default_rubric_asks_for_max_scores_range():
+    assert "from 0 (wrong or missing) to 5 (fully correct)" in JudgeConfig(max_score=5).rubric
+    assert "to 9 (fully correct)" in JudgeConfig().rubric
+    assert JudgeConfig(rubric=ADDER, max_score=5).rubric == ADDER
 
 
 @pytest.mark.parametrize("overrides, match", [
