@@ -107,6 +107,8 @@ class TorchEngine(Speculation):
         self.num_prefill_tokens = 0
         self.sessions = Sessions(config.block_size)
         self.num_reused_prefill_tokens = 0
+        self.weights = 0
+        """Weight pushes so far: a session's KV computed before one is never reused after."""
         self.num_session_evictions = 0
         self.drafter = Drafter() if config.speculative != "off" else None
         self.spec = SpecStats()
@@ -197,6 +199,7 @@ class TorchEngine(Speculation):
             else:
                 param.copy_(tensor)
         self.free_blocks.extend(self.sessions.clear())  # their K/V are the old weights'
+        self.weights += 1  # and those of the requests running now
 
     def end_session(self, session: str) -> None:
         """Free ``session``'s resident KV, if it is still resident."""
@@ -294,7 +297,7 @@ class TorchEngine(Speculation):
             seq.blocks, freed = self.sessions.take(session, cached)
             self.free_blocks.extend(freed)
             seq.blocks += [self.free_blocks.pop() for _ in range(self._blocks_for(n) - len(seq.blocks))]
-            seq.cached, seq.row = cached, self.free_rows.pop()
+            seq.cached, seq.row, seq.weights = cached, self.free_rows.pop(), self.weights
             admitted.append(seq)
             budget -= n - cached
             reserve += 1
@@ -318,8 +321,8 @@ class TorchEngine(Speculation):
 
     def _leave(self, seq: Seq, finished: bool = False) -> None:
         """``seq`` leaves the engine for good (finished or aborted); a finished request of a session
-        leaves its KV resident."""
-        if finished and seq.req.session is not None:
+        leaves its KV resident, unless the weights changed since its admission."""
+        if finished and seq.req.session is not None and seq.weights == self.weights:
             self._keep_resident(seq)
         self._free(seq)
         if self.drafter is not None:

@@ -27,6 +27,8 @@ class Seq:
     """Tokens whose K/V its prefill left in the pool (later ones live in the decode workspace)."""
     row: int = -1
     """One of the engine's ``max_num_seqs`` running slots while running; -1 otherwise."""
+    weights: int = 0
+    """The engine's weight version at its admission: a request running across a weight push leaves no KV resident."""
     group: Any = None
     """The :class:`~rollpacker.rollout.torch_engine.kv.LengthGroup` holding this request's K/V row
     in the decode workspace; None before its first decode step, and once it leaves the running set."""

@@ -113,6 +113,27 @@ def test_a_prompt_that_leaves_the_session_reuses_the_common_prefix_only(qwen2_di
     assert len(eng.sessions) == 0 and sorted(eng.free_blocks) == list(range(eng.num_blocks))
 
 
+def test_a_turn_running_across_a_weight_push_leaves_no_kv_for_the_next(qwen2_dir):
+    """A session's turn in flight when new weights arrive finishes with K/V partly of the old weights: its next turn
+    recomputes them (it reused them: its tokens and log-probs were the old weights')."""
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    new = load_model(qwen2_dir)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.5)
+    eng = engine(qwen2_dir)
+    eng.add(Request(id="t1", prompt_ids=list(range(1, 21)), params=params, session="s"))
+    eng.step(), eng.step()  # its prefill and a decode step
+    eng.update_weights(new.named_parameters())
+    first = generate(eng, [])["t1"]
+    second = list(range(1, 21)) + first.token_ids + [50, 51]
+    again = generate(eng, [Request(id="t2", prompt_ids=second, params=params, session="s")])["t2"]
+    scratch = TorchEngine(new, EngineConfig(block_size=4))
+    expected = generate(scratch, [Request(id="t2", prompt_ids=second, params=params)])["t2"]
+    assert eng.stats().num_reused_prefill_tokens == 0 and again.token_ids == expected.token_ids
+    torch.testing.assert_close(again.logprobs, expected.logprobs, rtol=0, atol=1e-5)
+
+
 def test_a_regenerated_episode_drafts_from_its_cut_attempt(qwen2_dir, from_scratch):
     """An episode cut in its third turn and regenerated from its start (a deterministic environment),
     each turn offered the cut attempt (its responses and observations past the start: one sequence,
