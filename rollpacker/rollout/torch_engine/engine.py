@@ -44,6 +44,7 @@ from rollpacker.rollout.engine import (
     start_output,
     stop_string_hit,
 )
+from rollpacker.rollout.probe import spec_probe
 from rollpacker.rollout.spec_cost import Realized, SpecCost
 from rollpacker.rollout.torch_engine.kv import DecodeBatch, PrefillAttention, Prefixed, pool_slots, write_back
 from rollpacker.rollout.torch_engine.layout import Decoder, local
@@ -111,6 +112,8 @@ class TorchEngine(Speculation):
         """Weight pushes so far: a session's KV computed before one is never reused after."""
         self.num_session_evictions = 0
         self.drafter = Drafter() if config.speculative != "off" else None
+        if config.speculative == "auto" and spec_cost is None:
+            spec_probe(self.max_model_len, config.spec_max_tokens)  # its calibration fits the context, or it says
         self.spec = SpecStats()
         self.spec_cost = spec_cost
         self.calibrating = False

@@ -248,6 +248,23 @@ def test_auto_speculates_where_the_measured_cost_says_it_pays(qwen2_dir):
     assert "forced" not in measured.stats().spec.num_drafts  # the calibration's own drafts
 
 
+def test_auto_calibrates_within_a_short_context_or_says_it_cannot(qwen2_dir):
+    """The calibration's probe requests finished at a short context mid-measure (a verify step of nothing: an
+    index_select error at the run's first step); now it measures fewer steps and draft lengths, or the engine is
+    refused as it starts."""
+    from rollpacker.rollout.torch_engine.verify import SPEC_COSTS
+
+    SPEC_COSTS.clear()
+    eng = engine(qwen2_dir, speculative="auto", max_model_len=32)  # spec_max_tokens 8
+    out = generate(eng, [Request(id="a", prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=5,
+                                                                                      temperature=0))])
+    assert len(out["a"].token_ids) == 5 and eng.spec_cost.draft_lens == (0, 1, 8)
+    assert sorted(eng.free_blocks) == list(range(eng.num_blocks))
+    with pytest.raises(ValueError, match="up to 8 draft tokens .* a 16-token context cannot hold: lower "
+                                         "engine.spec_max_tokens"):
+        engine(qwen2_dir, speculative="auto", max_model_len=16)
+
+
 @pytest.mark.parametrize("verify_s", [1.0, 20.0])
 def test_auto_backs_off_where_drafting_does_not_pay(qwen2_dir, verify_s):
     """The cost table says drafts pay (cheap verify steps up to 4 running) and every request is offered
