@@ -176,11 +176,14 @@ def stop_string_hit(decode: Callable[[list[int]], str] | None, token_ids: list[i
 
     Called after each new token, so the token completing a stop string ends the response.
     Only a short tail is decoded: a token is at least one byte (byte-level BPE splits a rare character,
-    ``答`` or an emoji, into several tokens; the toy tokenizer has one a byte).
+    ``答`` or an emoji, into several tokens; the toy tokenizer has one a byte), except a special token
+    the decoder skips: a tail that spells too few characters is widened.
     """
     if not stop:
         return False
-    text = decode(token_ids[-(max(len(s.encode("utf-8")) for s in stop) + 2):])
+    n, longest = max(len(s.encode("utf-8")) for s in stop) + 2, max(map(len, stop))
+    while len(text := decode(token_ids[-n:])) <= longest and n < len(token_ids):
+        n *= 2
     return any(s in text for s in stop)
 
 

@@ -373,6 +373,10 @@ def test_a_stop_string_is_found_at_the_token_completing_it_however_many_bytes_it
     decode = text_decoder(toy_model_dir())
     hits = [n for n in range(1, len(ids) + 1) if stop_string_hit(decode, ids[:n], (stop,))]
     assert hits[0] == len(ids) - 2 == next(n for n in range(len(ids) + 1) if stop in decode(ids[:n]))
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir())  # special tokens between its characters: no text
+    special = next(i for i in tokenizer.all_special_ids if i != tokenizer.eos_token_id)
+    split = ids[:-3] + [special] * 8 + ids[-3:]
+    assert stop in decode(split) and stop_string_hit(decode, split[:-2], (stop,))
 
 
 def test_stop_string_ends_generation_on_the_toy_model():
