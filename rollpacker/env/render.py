@@ -107,7 +107,7 @@ class ChatBridge:
         try:
             base, before = self._base_render(observation, tools)
             after = self.render(base + observation, generation=True, tools=tools)
-        except TemplateError as e:
+        except (TemplateError, TypeError, ValueError) as e:  # raise_exception(...), or a value it cannot join
             raise TemplateBreak(f"the chat template of {self.name} refuses observations of roles {roles} after an "
                                 f"assistant turn ({type(e).__name__}: {e}): set env.observation_role to a role it "
                                 "takes there, or use a template that takes them") from None
@@ -182,17 +182,19 @@ class ChatBridge:
                             f"answer: set env.tool_parser to {' or '.join(reads)}")
 
     def _base_render(self, observation: list[Message], tools: list[dict] | None) -> tuple[list[Message], str]:
-        """The base conversation for ``observation`` (:func:`_base`) and its render."""
+        """The base conversation for ``observation`` (:func:`_base`) and its render; the first refusal if every
+        form of its calls is refused."""
         from jinja2 import TemplateError
 
-        base = _base(observation)
-        try:
-            return base, self.render(base, tools=tools)
-        except TemplateError:
-            if len(base[-1].get("tool_calls", ())) < 2:
-                raise
-            base = _base(observation, num_calls=1)  # a template of one call per turn (Llama 3.1's): one answers all
-            return base, self.render(base, tools=tools)
+        refused = None
+        for arguments in ({}, "{}"):  # DeepSeek's templates concatenate the arguments: a string
+            for num_calls in (None, 1):  # a template of one call per turn (Llama 3.1's): one answers all
+                base = _base(observation, num_calls, arguments)
+                try:
+                    return base, self.render(base, tools=tools)
+                except (TemplateError, TypeError, ValueError) as e:  # raise_exception(...), a dict + str
+                    refused = refused or e
+        raise refused
 
 
 def _with_ids(observation: list[Message]) -> list[Message]:
@@ -203,13 +205,15 @@ def _with_ids(observation: list[Message]) -> list[Message]:
             for i, m in enumerate(observation)]
 
 
-def _base(observation: list[Message], num_calls: int | None = None) -> list[Message]:
+def _base(observation: list[Message], num_calls: int | None = None, arguments: dict | str | None = None
+          ) -> list[Message]:
     """The base conversation for ``observation``: its assistant turn calls the tools that answer, if any, with
-    their ids (Mistral's template requires them); ``num_calls``: only the first calls."""
+    their ids (Mistral's template requires them) and ``arguments``; ``num_calls``: only the first calls."""
     answers = [m for m in observation if m["role"] == "tool"][:num_calls]
     if not answers:
         return BASE
-    calls = [{"type": "function", "function": {"name": m.get("name") or "tool", "arguments": {}},
+    arguments = {} if arguments is None else arguments
+    calls = [{"type": "function", "function": {"name": m.get("name") or "tool", "arguments": arguments},
               **({"id": m["tool_call_id"]} if m.get("tool_call_id") else {})} for m in answers]
     return [BASE[0], {**BASE[1], "tool_calls": calls}]
 

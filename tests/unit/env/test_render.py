@@ -176,6 +176,22 @@ def test_a_tool_observation_without_an_id_gets_one_mistrals_template_takes():
         '[TOOL_RESULTS] {"content": "Higher.", "call_id": "call00000"}[/TOOL_RESULTS]')
 
 
+def test_a_tool_result_renders_under_a_template_that_joins_the_calls_arguments_as_text():
+    """DeepSeek's templates concatenate a call's arguments (a string): the base turn's call with a dict raised
+    TypeError out of the episode at its first tool result, and the run stopped."""
+    joins = QWEN_STYLE_TEMPLATE.replace(
+        "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}",
+        "{{ '{\"name\": \"' + call.function.name + '\", \"arguments\": ' + call.function.arguments + '}' }}")
+    assert joins != QWEN_STYLE_TEMPLATE
+    result = [{"role": "tool", "name": "add", "content": "5"}]
+    expected = ChatBridge(qwen_style_tokenizer()).delta(result, TOOLS)
+    assert ChatBridge(qwen_style_tokenizer(joins)).delta(result, TOOLS) == expected
+    refusing = joins.replace("call.function.arguments + '}'", "call.function.arguments + 1")  # neither form
+    with pytest.raises(TemplateBreak, match=r"refuses observations of roles \('tool',\) after an assistant turn "
+                                            r"\(TypeError: "):
+        ChatBridge(qwen_style_tokenizer(refusing)).delta(result, TOOLS)
+
+
 def test_a_template_that_refuses_the_turn_before_an_observation_says_so_naming_its_roles():
     """Mistral's template refuses the base turn's call of an id not of its form (Hermes' call_0), before the
     observation is rendered: the same error as a refused observation, naming the setting."""
