@@ -174,13 +174,17 @@ class Controller:
                                            envs=self.envs, env_tag="eval/")
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
-        """The planner over the TPs usable on ``world`` ranks, starting at ``plan.initial_tp`` or
-        the profile's best TP for a round without tail batching."""
+        """The planner over the TPs usable on ``world`` ranks whose KV cache holds the longest request (the rows
+        were fitted to the starting engines'), starting at ``plan.initial_tp`` or the profile's best TP for a round
+        without tail batching."""
         from rollpacker.plan.planner import Planner, best_tp, usable_tps
 
         cfg = self.config
-        candidates = usable_tps(world, num_kv_heads, cfg.plan)
-        prompt_len = round(sum(len(self.encode_prompt(r)) for r in self.rows[:64]) / len(self.rows[:64]))
+        lengths = [len(self.encode_prompt(r)) for r in self.rows]
+        longest = min(self.max_model_len, max(lengths) + cfg.rollout.max_new_tokens)
+        candidates = [t for t in usable_tps(world, num_kv_heads, cfg.plan)
+                      if profile["tp"].get(str(t), {}).get("kv_capacity_tokens", 0) >= longest]
+        prompt_len = round(sum(lengths[:64]) / len(lengths[:64]))
         initial, estimates = best_tp(profile, candidates, cfg.rollout.num_prompts * cfg.rollout.group_size,
                                      prompt_len, cfg.rollout.max_new_tokens)
         initial = cfg.plan.initial_tp or initial

@@ -56,7 +56,8 @@ class Planner:
         if initial not in candidates:
             raise UserError(f"plan: initial TP {initial} (plan.initial_tp) is not one of the TPs usable here, "
                             f"{candidates} (divisors of the world and of the model's KV heads, within a node and "
-                            "plan.max_tp): set plan.initial_tp to one of them, or 0 to start at the profile's best")
+                            "plan.max_tp, whose KV cache holds the longest request): set plan.initial_tp to one of "
+                            "them, or 0 to start at the profile's best")
         self.config, self.candidates, self.initial = config, candidates, initial
         self.kinds: dict[str, _Kind] = {}
         self.profile, self.world, self.prompt_len = profile, world, prompt_len

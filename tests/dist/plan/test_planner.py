@@ -94,6 +94,18 @@ def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
         assert proc.returncode != 0 and proc.stderr.count(said) == 1, proc.stderr[-3000:]
 
 
+def test_the_planner_never_picks_a_tp_whose_kv_cache_cannot_hold_a_request(tmp_path):
+    """At 3 MiB a rank, TP 1's KV cache (0.1 MiB after its weights: 48 tokens) holds no request of the data (a
+    prompt and 64 new tokens), TP 2's does: the profile says TP 1 is faster (CPU gloo), and the planner started
+    there, where the engines refused every request the run had fitted to TP 2's cache."""
+    proc = launch_job("--run-dir", str(tmp_path / "run"), "--num-steps", "2", *RUN, "--rollout.tp", "2",
+                      "--plan.enabled", "--plan.quiet-steps", "1", "--plan.profile-dir", str(tmp_path / "profiles"),
+                      "--engine.memory-mb", "3.0")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["plan/rollout_tp"] for r in rows] == [2, 2] and "starting at TP 2 (usable: [2])" in proc.stderr
+
+
 @pytest.mark.slow  # the switch is the test above's; every response is an episode, so it runs on the episode path
 def test_episodes_run_with_the_planner_its_switch_landing_between_steps(tmp_path):
     """The toy environment's episodes (a wrong answer gets a second try) under the planner: it switches
