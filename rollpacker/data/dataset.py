@@ -196,7 +196,7 @@ def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] |
 
 
 def _content(row: dict) -> str:
-    return json.dumps([row["prompt"], row["answer"]], sort_keys=True, default=str)
+    return json.dumps([row["prompt"], row.get("answer")], sort_keys=True, default=str)  # a code or judge row has none
 
 
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,

@@ -332,6 +332,17 @@ def test_trained_rows_in_the_eval_set_are_found_whatever_their_ids(tmp_path):
         check_held_out(joined, load_rows(joined), load_eval_rows(joined))
     apart = DataConfig(path=saved, split="train", eval_path=saved, eval_split="test")
     check_held_out(apart, load_rows(apart), load_eval_rows(apart))
+    # rows without an answer (a code task's tests, a judge's prompt): known by their prompt (a KeyError stopped the
+    # run as it started)
+    (tmp_path / "z").mkdir()
+    write(tmp_path / "z", [json.dumps({"prompt": f"z{i}", "tests": [{"input": "", "output": str(i)}]})
+                           for i in range(3)])
+    z = str(tmp_path / "z" / "train.jsonl")
+    check_held_out(DataConfig(path=y, eval_path=z), load_rows(DataConfig(path=y)), load_eval_rows(DataConfig(
+        path=y, eval_path=z)))
+    with pytest.raises(DatasetError, match=r"holds 3 of the rows training reads too"):
+        check_held_out(DataConfig(path=z, eval_path=z), load_rows(DataConfig(path=z)),
+                       load_eval_rows(DataConfig(path=z, eval_path=z)))
 
 
 def test_an_eval_set_of_several_splits_needs_its_held_out_one_named(tmp_path):
