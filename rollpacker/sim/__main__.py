@@ -62,8 +62,10 @@ def run(argv: list[str]) -> dict:
     from rollpacker.sim.simulate import simulate, summarize
 
     cfg, gantt, gantt_steps = parse(argv)
-    cost = cfg.cost()
     results = simulate(cfg, record=bool(gantt))
+    if cfg.planner and results:  # the header's TP is the first round's (plan.initial_tp, when given)
+        cfg = replace(cfg, rollout=replace(cfg.rollout, tp=results[0].tp))
+    cost = cfg.cost()
     pools = f" ({cfg.train_pool} of them train)" if cfg.train_pool < cfg.gpus else ""
     print(f"{cfg.model} on {cfg.gpus} {cfg.hardware} GPUs: {cfg.num_replicas} rollout replicas of TP {cfg.tp}{pools} "
           f"(KV cache {cost.kv_capacity_tokens() / 1e3:,.0f}k tokens each); P0={cfg.rollout.num_prompts}, "

@@ -286,12 +286,14 @@ def fit_calibration(profile: str | Path | dict, model: ModelShape, base: Calibra
 
 
 def _interp(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Piecewise-linear through (xs, ys), extended along the end segments (one point: flat)."""
+    """Piecewise-linear through (xs, ys), extended along the end segments (one point: flat); past the last, never
+    below it, and never below 0 (a noisy profile's falling last segment made a larger batch's time negative), as
+    the planner's."""
     if len(xs) == 1:
         return np.full_like(x, ys[0], dtype=np.float64)
     inner = np.interp(x, xs, ys)
-    low = ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
-    high = ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    low = np.maximum(ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0]), 0.0)
+    high = np.maximum(ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), ys[-1])
     return np.where(x < xs[0], low, np.where(x > xs[-1], high, inner))
 
 
@@ -302,7 +304,7 @@ class ProfiledCost:
     simulator against runs there (``python -m rollpacker.sim validate``). Nothing is fitted: a
     decode iteration costs the profile's time for that many running requests at that mean context
     per request (linear between the measured points; linear beyond the largest batch, whose
-    slope is the curve's last; flat beyond the contexts), and an iteration that prefills adds its
+    slope is the curve's last if it rises, else flat; flat beyond the contexts), and an iteration that prefills adds its
     tokens at the measured prefill throughput of the nearest context. A speculative verify
     iteration costs the decode iteration times the engine's measured verify-step ratio (``spec``:
     TorchEngine's :class:`~rollpacker.rollout.spec_cost.SpecCost`, profiled with

@@ -349,6 +349,9 @@ def test_the_simulator_command_says_the_tp_each_round_ran_at_under_the_planner(c
     said = capsys.readouterr().out
     assert figures["tp"] == 1 and figures["tps"] == {"short": [1, 2], "long": [1]}, figures
     assert "no profile guard in a simulation), rollout TP by step: short 1 1 1 1 2; long 1" in said
+    figures = run(["--model", "qwen2.5-14b", "--gpus", "8", "--num-steps", "1", "--planner", "--plan.initial-tp", "8",
+                   "--rollout.tp", "2", "--rollout.num-prompts", "16"])  # it starts at plan.initial_tp, not rollout.tp
+    assert figures["tp"] == 8 and "8 H800 GPUs: 1 rollout replicas of TP 8" in capsys.readouterr().out
 
 
 def test_the_simulator_routes_as_the_job_and_refuses_what_it_does_not_model():

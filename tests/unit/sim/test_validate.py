@@ -26,6 +26,12 @@ def test_profiled_cost_interpolates_batches_and_contexts_and_adds_prefill():
     # a prefill of 100 tokens of mean length 64 adds them at 1000 tok/s to the first iteration only
     times = cost.iteration_times(4, 4 * 64, 2, prefill_tokens=100, prefill_sq=100 * 64)
     assert times[0] - 0.012 == pytest.approx(0.1) and times[1] < 0.013
+    # a noisy profile's falling last segment: flat past the largest batch (it went below 0 there), never below 0
+    noisy = {"tp": {"1": {**PROFILE["tp"]["1"], "decode_ms": {"64": {"1": 10.0, "4": 12.0, "16": 30.0, "64": 20.0}},
+                          "prefill_tok_s": {"64": 1000.0}}}}
+    assert ProfiledCost.from_profile(noisy).iteration_times(200, 200 * 64, 1)[0] == pytest.approx(0.020)
+    steep = {"tp": {"1": {**noisy["tp"]["1"], "decode_ms": {"64": {"4": 2.0, "16": 50.0}}}}}
+    assert ProfiledCost.from_profile(steep).iteration_times(1, 64, 1)[0] == 0.0  # 2 - 3 x 4 ms
 
 
 def test_simulated_sync_round_lasts_its_longest_replayed_response(tmp_path):
