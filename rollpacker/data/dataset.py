@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 """File suffix -> the ``datasets`` builder that reads it."""
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""A message's roles: OpenAI's (developer: gpt-oss's template takes its instructions so), as TRL passes them."""
 
 
 @dataclass(kw_only=True)

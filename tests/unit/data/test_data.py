@@ -157,8 +157,10 @@ def test_non_string_prompt(tmp_path):
     messages = [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]
     path = write(tmp_path, [json.dumps({"prompt": messages})])
     with pytest.raises(DatasetError, match=r"train\.jsonl:1: field 'prompt': message 1 has role 'bot'; expected one of "
-                                           "system, user, assistant, tool"):
+                                           "system, developer, user, assistant, tool"):
         load(path)
+    developer = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "a"}]  # gpt-oss's
+    assert load(write(tmp_path, [json.dumps({"prompt": developer, "answer": "b"})]))[0]["prompt"] == developer
 
 
 def test_answers_are_kept_as_the_file_has_them_and_the_built_ins_check_theirs(tmp_path):
