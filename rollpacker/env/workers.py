@@ -26,10 +26,8 @@ A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``sp
 from __future__ import annotations
 
 import collections
-import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
-import pickle
 import sys
 import time
 from collections.abc import Hashable
@@ -148,7 +146,9 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
             value, error, state, finishes, transient = _run(spec, envs, *task)
             try:
                 conn.send((value, error, time.perf_counter() - wall, state, finishes, transient))
-            except (pickle.PicklingError, TypeError, AttributeError) as e:
+            except (EOFError, OSError):
+                raise
+            except Exception as e:  # noqa: BLE001  (pickling it failed: ctypes, recursion, an object's __reduce__)
                 _drop(envs, *task[:2])
                 conn.send((None, f"{task[0]} returned something that cannot be sent back ({type(e).__name__}: {e})",
                            time.perf_counter() - wall, None, False, False))
@@ -168,7 +168,9 @@ def _close_all(spec: EnvSpec, envs: dict) -> None:
     for env in envs.values():
         try:
             contract.close(env)
-        except Exception as e:  # noqa: BLE001  (the user's close: one that fails must not keep the others open)
+        except Retired:
+            raise
+        except BaseException as e:  # noqa: BLE001  (the user's close, sys.exit() too: the others still close)
             print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
 
 
@@ -192,10 +194,12 @@ def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,
         return None, None, None, False, False
     except contract.BadReturn as e:
         cause, transient = f"returned garbage: {e}", False
+    except EnvError as e:  # a setup an adapter refuses: the same on every try
+        cause, transient = f"raised {type(e).__name__}: {str(e)[:500]}", False
     except Retired:
         raise
-    except (Exception, SystemExit) as e:  # noqa: BLE001  (the user's environment: whatever it raises, sys.exit() too)
-        cause, transient = f"raised {type(e).__name__}: {str(e)[:500]}", True
+    except BaseException as e:  # noqa: BLE001  (the user's environment: whatever it raises, sys.exit() and
+        cause, transient = f"raised {type(e).__name__}: {str(e)[:500]}", True  # CancelledError too)
     _drop(envs, kind, key)
     return None, f"{kind} {cause}", None, False, transient
 
@@ -204,8 +208,12 @@ def _drop(envs: dict, kind: str, key: Hashable) -> None:
     """A failed call's environment is dropped and closed, so that a sandbox it started goes with it."""
     env = envs.pop(key, None)
     if env is not None and kind != "close":
-        with contextlib.suppress(Exception):  # its failure is the cause reported already
+        try:
             contract.close(env)
+        except Retired:
+            raise
+        except BaseException:  # noqa: BLE001, S110  (its failure is the cause reported already)
+            pass
 
 
 def _state(spec: EnvSpec, env) -> Any:

@@ -244,6 +244,50 @@ def test_a_sys_exit_in_an_environment_or_a_tool_is_its_error_not_its_workers_dea
         assert not other.error and other.value.observation[0]["content"] == "error: SystemExit: 4"
 
 
+def test_whatever_an_environment_raises_or_returns_is_its_error_and_every_other_closes(tmp_path, monkeypatch):
+    """A step raising CancelledError or KeyboardInterrupt, a reply pickle refuses (ValueError: a ctypes pointer), a
+    close() calling sys.exit(): each killed the worker (every episode on it lost, no cause said) or left the other
+    environments it held unclosed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "modes.py").write_text(textwrap.dedent('''
+        import asyncio, ctypes, sys
+
+        class Env:
+            def __init__(self, mode):
+                self.mode = mode
+
+            def reset(self, *, seed, options):
+                return None, {}
+
+            def step(self, action):
+                if self.mode == "cancelled":
+                    raise asyncio.CancelledError()
+                if self.mode == "interrupt":
+                    raise KeyboardInterrupt("in a library")
+                return "obs", 1.0, False, False, {"pointer": ctypes.pointer(ctypes.c_int(3))}
+
+            def close(self):
+                if self.mode == "quits":
+                    sys.exit(5)
+                open(f"closed-{self.mode}", "w").close()
+
+        def make_env(row):
+            return Env(row["id"])
+        '''))
+    with EnvPool(EnvConfig(factory="modes.py:make_env", num_workers=1)) as pool:
+        for key in ("cancelled", "interrupt", "unsent", "quits", "kept"):
+            pool.open_episode(key, {"id": key}, 0)
+        assert not any(r.error for r in pool.drain(60))
+        for key in ("cancelled", "interrupt", "unsent"):
+            pool.step_episode(key, "go")
+        errors = {r.key: r.error.split(": ", 2)[2] for r in pool.drain(60)}
+    assert errors == {"cancelled": "step raised CancelledError: ", "interrupt": "step raised KeyboardInterrupt: in a "
+                      "library", "unsent": "step returned something that cannot be sent back (ValueError: ctypes "
+                      "objects containing pointers cannot be pickled)"}
+    assert sorted(p.name for p in tmp_path.glob("closed-*")) == ["closed-cancelled", "closed-interrupt", "closed-kept",
+                                                                  "closed-unsent"]  # quits' sys.exit stopped none
+
+
 @pytest.mark.parametrize("timeout", [3])
 def test_a_reset_that_hangs_is_killed_too(tmp_path, monkeypatch, timeout):
     monkeypatch.chdir(tmp_path)
@@ -519,6 +563,25 @@ def test_a_failed_reset_is_tried_again_later_and_each_failed_environment_closed(
                             "twice-0", "twice-1", "twice-2"]
     assert closed == set(made) - {"hang_once-0"}  # its worker was killed in make_env: no environment to close
     assert made["twice-1"] - made["twice-0"] >= 0.3 and made["twice-2"] - made["twice-1"] >= 0.6  # the delays
+
+
+def test_a_setup_an_adapter_refuses_at_open_is_not_tried_again(tmp_path, monkeypatch):
+    """A TRL environment's public method without a docstring (its tool schema) fails every open the same way: it
+    waited out every retry's delay first, as a sandbox's 503 would."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "counter.py").write_text(textwrap.dedent('''
+        class Counter:
+            def reset(self, **kwargs):
+                return None
+
+            def helper(self, x):
+                return x
+        '''))
+    cfg = EnvConfig(factory="counter.py:Counter", num_workers=1, reset_retries=3, reset_retry_delay=60)
+    with EnvPool(cfg) as pool:
+        pool.open_episode("e", {"id": "r", "prompt": [{"role": "user", "content": "hi"}]}, 0)
+        (opened,) = pool.drain(30)  # not 60 s and more
+    assert opened.retries == 0 and "open raised EnvError: " in opened.error and "tried" not in opened.error
 
 
 def test_a_close_while_a_reset_waits_to_be_tried_again_fails_it_at_once(tmp_path, monkeypatch):
