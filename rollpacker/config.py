@@ -25,7 +25,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from rollpacker.checkpoint import CheckpointConfig
 from rollpacker.choices import check_choices
@@ -330,8 +331,30 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
             value = tuple(value)
         elif _is_tuple(hints[key]):
             value = (value,)  # `funcs = "math"`: one, as a flag with one value gives it
+        elif not any(_takes(kind, value) for kind in _kinds(hints[key])):
+            names = " or ".join("null" if k is type(None) else k.__name__ for k in _kinds(hints[key]))
+            raise ValueError(f"{where}: {key} = {value!r} is a {type(value).__name__}, and the setting takes {names}"
+                             + (" (true or false, unquoted)" if bool in _kinds(hints[key]) else ""))
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _kinds(hint: Any) -> tuple:
+    """A setting's types: its union's members (``int | None``: int and None), else itself."""
+    hint = get_args(hint)[0] if get_origin(hint) is Annotated else hint
+    return get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+
+
+def _takes(kind: Any, value: Any) -> bool:
+    """Whether a preset's ``value`` is one of ``kind`` (tyro takes a default as it is: a quoted "false" stayed a
+    string, which reads as true; 4.5 prompts passed every check). Other kinds (choices, paths) check their own."""
+    if kind is type(None):
+        return value is None
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind in (int, float, str):
+        return isinstance(value, (int, float) if kind is float else kind)
+    return True
 
 
 def _is_tuple(hint: Any) -> bool:
@@ -373,11 +396,14 @@ def parse(argv: list[str] | None = None) -> Config:
 
     args = list(sys.argv[1:] if argv is None else argv)
     preset = DEFAULT_PRESET
-    if "--preset" in args:
-        i = args.index("--preset")
-        if i + 1 >= len(args):
+    named = [i for i, arg in enumerate(args) if arg == "--preset" or arg.startswith("--preset=")]
+    if len(named) > 1:
+        raise SystemExit(f"--preset given twice ({' '.join(args[i] for i in named)}): name one")
+    if named:
+        i = named[0]
+        if args[i] == "--preset" and i + 1 >= len(args) or args[i] == "--preset=":
             raise SystemExit("--preset needs a name (or a .toml path)")
-        preset = args.pop(i + 1)
+        preset = args.pop(i + 1) if args[i] == "--preset" else args[i].split("=", 1)[1]
         args.pop(i)
     default = load_preset(preset)
     args = schedule_args(args, default.policy)

@@ -89,6 +89,24 @@ def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
         load_preset(str(preset))
 
 
+def test_a_presets_value_of_the_wrong_type_is_refused_and_its_name_takes_an_equals_sign(tmp_path):
+    """tyro takes a preset's value as it is: a quoted "false" stayed a string (true: the run exported), 4.5 prompts
+    passed every check. And --preset=NAME, the other way to write a flag, was an unknown option."""
+    preset = tmp_path / "mine.toml"
+    for text, said in (('[checkpoint]\nexport_hf = "false"\n', "mine.toml.checkpoint: export_hf = 'false' is a str, "
+                        "and the setting takes bool (true or false, unquoted)"),
+                       ("[rollout]\nnum_prompts = 4.5\n", "num_prompts = 4.5 is a float, and the setting takes int"),
+                       ("[rollout]\nnum_prompts = true\n", "num_prompts = True is a bool, and the setting takes int")):
+        preset.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            load_preset(str(preset))
+    preset.write_text("seed = 3\n[train]\nlr = 1\n[checkpoint]\nexport_hf = false\n")  # an int where a float goes
+    config = parse([f"--preset={preset}"])
+    assert (config.seed, config.train.lr, config.checkpoint.export_hf) == (3, 1, False)
+    with pytest.raises(SystemExit, match="--preset given twice"):
+        parse(["--preset", str(preset), "--preset=toy-cpu"])
+
+
 def test_every_registered_algorithm_piece_is_a_cli_choice():
     """The registries and the config's Literals name the same things, and each name parses from the
     command line (a new estimator or loss is its function, its registry line and its Literal entry)."""
