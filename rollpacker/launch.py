@@ -59,11 +59,12 @@ def split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def option(torchrun: list[str], name: str, default: str) -> str:
-    """The value of torchrun's option ``name`` (either spelling: ``--max-restarts``, ``--max_restarts``)."""
-    for i, arg in enumerate(torchrun):
-        flag, _, value = arg.partition("=")
+    """The value of torchrun's option ``name`` (either spelling: ``--max-restarts``, ``--max_restarts``); given twice,
+    the last, as torchrun takes it."""
+    for i in reversed(range(len(torchrun))):
+        flag, equals, value = torchrun[i].partition("=")
         if flag.replace("_", "-") == name:
-            return value or torchrun[i + 1]
+            return (value or default) if equals else torchrun[i + 1] if i + 1 < len(torchrun) else default
     return default
 
 

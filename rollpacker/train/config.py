@@ -184,6 +184,7 @@ class TrainConfig(MemoryConfig):
             (self, "", "kl_horizon", self.kl_target > 0, "train.kl_target > 0"),
             (self, "", "ref_mixup_alpha", self.ref_sync_steps > 0, "train.ref_sync_steps > 0"),
             (self, "", "overlong_penalty", self.overlong_buffer > 0, "train.overlong_buffer > 0"),
+            (self, "", "min_lr_ratio", self.lr_schedule == "cosine", "train.lr_schedule cosine"),
             (self, "", "rollout_is_low", masks, "train.rollout_correction token_mask or seq_mask"),
             (self, "", "rollout_is_high", self.rollout_correction != "none", "a train.rollout_correction"),
             *((self.lora, "lora.", name, lora, "train.lora.rank > 0") for name in ("alpha", "target_modules",

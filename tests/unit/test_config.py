@@ -139,7 +139,9 @@ def test_every_registered_algorithm_piece_is_a_cli_choice():
                             (dict(kl_estimator="k1"), "train.kl_estimator (applies with train.kl_coef > 0)"),
                             (dict(rollout_correction="token_tis", rollout_is_low=0.1), "train.rollout_is_low"),
                             (dict(loss="sapo", clip_high=0.3), "train.clip_high (applies with train.loss ppo, gspo"),
-                            (dict(overlong_penalty=0.5), "train.overlong_penalty (applies with train.overlong_buffer")):
+                            (dict(overlong_penalty=0.5), "train.overlong_penalty (applies with train.overlong_buffer"),
+                            (dict(lr_schedule="constant", min_lr_ratio=0.0), "train.min_lr_ratio (applies with "
+                                                                             "train.lr_schedule cosine)")):
         with pytest.raises(ValueError, match=re.escape(named)):
             TrainConfig(**settings)
     TrainConfig(advantage="gae", lam=0.95, critic=CriticConfig(lr=1e-5), loss="ppo", dual_clip=3.0)  # where they apply
@@ -288,11 +290,17 @@ def test_data_of_ones_own_without_a_reward_function_is_refused_naming_the_flag()
     from rollpacker.env.config import EnvConfig
     from rollpacker.reward.config import RewardConfig
 
-    data = DataConfig(path=("train.jsonl",))
+    data = DataConfig(path=("train.jsonl",), eval_path=("test.jsonl",))
     with pytest.raises(ValueError, match=r"data.path train.jsonl without reward.funcs: the default reward \(toy\)"):
         Config(data=data)
     Config(data=data, reward=RewardConfig(funcs=("math",)))
     Config(data=data, env=EnvConfig(factory="toy"))  # the environment's rewards
+    # no held-out prompts while it evaluates: refused before the job builds (it was, after minutes of loading)
+    with pytest.raises(ValueError, match=r"evaluation on real data needs held-out prompts: data.eval_path .* or "
+                                         r"data.eval_split .* or eval_every=0 \(now 25\)"):
+        Config(data=DataConfig(path=("train.jsonl",)), reward=RewardConfig(funcs=("math",)))
+    Config(data=DataConfig(path=("train.jsonl",), eval_split="train[90%:]"), reward=RewardConfig(funcs=("math",)))
+    Config(data=DataConfig(path=("train.jsonl",)), reward=RewardConfig(funcs=("math",)), eval_every=0)
 
 
 def test_the_zero_variance_filter_is_refused_where_equal_rewards_still_teach():
@@ -343,7 +351,7 @@ def test_the_start_summary_flags_an_environment_of_your_own_on_the_toy_tasks_row
 
     env = ["--env.factory", "rollpacker.toy.env:make_env"]  # as a file of the user's would be named
     assert "starts from a toy arithmetic problem" in _toy_under(parse(env))
-    assert _toy_under(parse([*env, "--data.path", "rows.jsonl"])) == ""
+    assert _toy_under(parse([*env, "--data.path", "rows.jsonl", "--eval-every", "0"])) == ""
     assert _toy_under(parse(["--env.factory", "toy"])) == _toy_under(parse([])) == ""  # the toy environment's task
 
 

@@ -26,6 +26,9 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
         ["--nnodes", "2", "--rdzv-endpoint", "h:29500"], ["--preset", "qwen2.5-7b-8k"])  # no --standalone
     assert split(["--standalone", "schedule:tail", "--help"]) == (["--standalone"], ["schedule:tail", "--help"])
     assert option(["--standalone", "--max_restarts", "3"], "--max-restarts", "0") == "3"
+    assert option(["--max-restarts", "0", "--max-restarts=3"], "--max-restarts", "0") == "3"  # torchrun's: the last
+    for cut in (["--max-restarts="], ["--max-restarts"]):  # no value: torchrun's own error says so
+        assert option(cut, "--max-restarts", "0") == "0"
     assert option(["--nproc-per-node=2"], "--nproc-per-node", "1") == "2" and option([], "--nnodes", "1") == "1"
     # a typo in torchrun's options: one line and exit 2, not a traceback
     from rollpacker.launch import main
