@@ -62,11 +62,16 @@ class ModelArgs:
                 raise ValueError(f"{where}: {key}={bad} is not supported by rollpacker's decoder")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})  # transformers': rope_scaling wins
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"{where}: rope_type={rope_type!r} is not supported (default, llama3)")
+        if rope_type == "llama3":  # the pretraining length: a top-level one wins, else the model's, as transformers
+            rope["original_max_position_embeddings"] = cfg.get("original_max_position_embeddings") or rope.get(
+                "original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096)
+            if missing := [key for key in ("factor", "low_freq_factor", "high_freq_factor") if key not in rope]:
+                raise ValueError(f"{where}: rope_type llama3 without {', '.join(missing)}")
         num_heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(

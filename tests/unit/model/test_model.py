@@ -96,6 +96,30 @@ def test_logits_match_transformers(tmp_path, case):
     assert (got - want).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("edit", ["rope_scaling", "top_level_length", "no_length"])
+def test_rope_settings_are_read_as_transformers_reads_them(tmp_path, edit):
+    """A config.json of transformers v5 (rope_parameters) given a rope_scaling block (as long-context model cards
+    say) scales RoPE in transformers, and was plain RoPE here; a top-level original_max_position_embeddings wins over
+    the block's; a llama3 block without one takes max_position_embeddings (it was a KeyError)."""
+    _, path = hf_dir(tmp_path, "llama")
+    config = json.loads((path / "config.json").read_text())
+    rope = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    if edit == "rope_scaling":
+        config["rope_scaling"] = rope
+    else:
+        config["rope_parameters"] = {**config["rope_parameters"], **rope}
+        if edit == "top_level_length":
+            config["original_max_position_embeddings"] = 16
+        else:
+            del config["rope_parameters"]["original_max_position_embeddings"]
+    (path / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seq = torch.randint(0, TINY["vocab_size"], (200,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=seq[None], use_cache=False).logits[0]
+    assert (packed_logits(load_model(path), [seq]) - want).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("case", ["llama", "llama-tied", "qwen3"])
 @pytest.mark.parametrize("max_shard_bytes", [5 << 30, 20_000], ids=["single", "sharded"])
 def test_save_load_round_trip_is_bit_identical(tmp_path, case, max_shard_bytes):
