@@ -152,11 +152,8 @@ class Config:
                 "policy's. Set "
                 "train.rollout_correction to 'token_tis' (truncated importance sampling) or another correction, "
                 f"or use schedule:{s.on_policy_alternative}")
-        if self.data.path and not (self.reward.funcs or self.env.factory):  # group_funcs name some of funcs
-            raise ValueError(f"data.path {', '.join(self.data.path)} without reward.funcs: the default reward (toy) "
-                             "scores only the toy task's '#### N' answers, so every response to other data would score "
-                             "0. Name what scores its rows: reward.funcs math (the answer column, boxed or last "
-                             "number), FILE.py:FUNCTION (docs/your-task.md), or toy for data in the toy task's format")
+        if self.data.path:
+            self._check_data()
         from rollpacker.train.advantages import ADVANTAGES
 
         distilled = self.train.teacher.path and self.train.teacher.in_loss  # its loss term trains without advantages
@@ -218,6 +215,19 @@ class Config:
     def pipe(self) -> bool:
         """RolloutPipe on: a setting of the policies it composes with (see rollpacker.schedule.config)."""
         return getattr(self.schedule, "pipe", False)
+
+    def _check_data(self) -> None:
+        """Data of one's own: a reward function that scores it, and held-out prompts to evaluate on."""
+        if not (self.reward.funcs or self.env.factory):  # group_funcs name some of funcs
+            raise ValueError(f"data.path {', '.join(self.data.path)} without reward.funcs: the default reward (toy) "
+                             "scores only the toy task's '#### N' answers, so every response to other data would score "
+                             "0. Name what scores its rows: reward.funcs math (the answer column, boxed or last "
+                             "number), FILE.py:FUNCTION (docs/your-task.md), or toy for data in the toy task's format")
+        if self.eval_every and not (self.data.eval_path or self.data.eval_split):
+            raise ValueError("evaluation on real data needs held-out prompts: data.eval_path (a file in any format "
+                             "data.path takes) or data.eval_split (a slice of data.path's file training leaves out, "
+                             "e.g. train[90%:] beside data.split train[:90%]), or eval_every=0 "
+                             f"(now {self.eval_every})")
 
     def _check_pipe(self) -> None:
         """What schedule.pipe does not compose with besides the policies that lack it."""
