@@ -32,7 +32,7 @@ from typing import Any
 
 from rollpacker.env.parsers import tool_functions
 from rollpacker.errors import UserError
-from rollpacker.imports import awaited, load, short
+from rollpacker.imports import accepted, awaited, load, short
 
 Message = dict[str, Any]
 """A chat message: ``{"role": str, "content": str, ...}`` (a tool message may carry ``tool_call_id``, ``name``)."""
@@ -101,7 +101,14 @@ def make(target: str, row: dict):
 
 def reset(env, *, seed: int, row: dict, max_turns: int | None = None) -> tuple[str | list[Message] | None, dict]:
     """``env.reset`` called and checked: ``(prompt or None, info)``; ``max_turns``: ``env.max_turns``."""
-    value = awaited(env.reset(seed=seed, options={"row": row, "max_turns": max_turns}))
+    if not (callable(getattr(env, "reset", None)) and callable(getattr(env, "step", None))):
+        raise BadReturn(f"the factory returned {_what(env)}, which has no reset and step: it returns the episode's "
+                        "environment (gymnasium's API: reset(*, seed, options), step(action))")
+    options = {"row": row, "max_turns": max_turns}
+    if len(accepted(env.reset, {"seed": seed, "options": options})) < 2:
+        raise BadReturn("its reset takes no seed and options: gymnasium's is reset(*, seed=None, options=None) "
+                        "(gym before 0.26 had reset())")
+    value = awaited(env.reset(seed=seed, options=options))
     if not isinstance(value, tuple) or len(value) != 2:
         trl = " (a TRL environment's reset returns a string or None: its class takes no argument)" if isinstance(
             value, str) or value is None else ""

@@ -170,6 +170,22 @@ def test_a_reset_of_trls_shape_in_a_class_of_ours_says_how_trls_are_told_apart(f
     assert contract.reset(contract.make(f"{files}/my_env.py:Garbage", {"bad": "pair"}), seed=0, row={})[0] == "Add 3."
 
 
+def test_a_factory_of_no_environment_or_an_old_gym_reset_is_named_not_retried():
+    """A factory returning None, or gym's reset() before 0.26 (no seed, no options): an AttributeError or a TypeError
+    naming no fix, retried as a sandbox's outage would be."""
+    class OldGym:
+        def reset(self):
+            return "obs"
+
+        def step(self, action):
+            return "obs", 0.0, True, {}
+
+    with pytest.raises(contract.BadReturn, match=r"the factory returned NoneType None, which has no reset and step"):
+        contract.reset(None, seed=0, row={})
+    with pytest.raises(contract.BadReturn, match=r"its reset takes no seed and options: gymnasium's is reset\(\*, "):
+        contract.reset(OldGym(), seed=0, row={})
+
+
 def test_numpys_bools_are_bools():
     import numpy as np
 
