@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ class ReportError(Exception):
 
 def _is_number(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _plotted(value: object) -> bool:
+    """A point a plot shows: a finite number (a NaN or infinite loss, reward or eval is left out of the plot, which
+    cannot scale its axis to one; metrics.jsonl keeps it)."""
+    return _is_number(value) and math.isfinite(value)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -85,7 +92,7 @@ def stacked(record: dict) -> dict[str, float]:
     """The record's stages that add up to its ``time/step``."""
     left_out = {*WITHIN, *(UNDER_TRAINING if "time/wait_prev_gen" in record else ())}
     return {k: v for k, v in record.items()
-            if k.startswith("time/") and k != "time/step" and k not in left_out and _is_number(v)}
+            if k.startswith("time/") and k != "time/step" and k not in left_out and _plotted(v)}
 
 
 def plot_step_time(records: list[dict], ax) -> bool:
@@ -100,7 +107,7 @@ def plot_step_time(records: list[dict], ax) -> bool:
         values = [stage.get(key, 0.0) for stage in stages]
         ax.bar(steps, values, bottom=bottom, width=_bar_width(steps), label=key)
         bottom = [b + v for b, v in zip(bottom, values)]
-    totals = [(r["step"], r["time/step"]) for r in records if _is_number(r.get("time/step"))]
+    totals = [(r["step"], r["time/step"]) for r in records if _plotted(r.get("time/step"))]
     if totals:
         ax.plot(*zip(*totals), "k.", label="time/step")
     ax.set(xlabel="step", ylabel="seconds", title="step time by stage")
@@ -139,7 +146,7 @@ def plot_reward(records: list[dict], ax) -> bool:
     ``SMOOTH`` steps drawn over it (one step's batch is too small to read a trend from)."""
     drawn = []
     for key in REWARDS:
-        points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
+        points = [(r["step"], r[key]) for r in records if _plotted(r.get(key))]
         if not points or points in drawn:  # reward/mean is reward/accuracy when rewards are 0 or 1
             continue
         _plot_series(ax, points, key)
@@ -169,10 +176,10 @@ def plot_env_info(records: list[dict], ax) -> bool:
     """The share of episodes in which the environments counted something vs step: ``env/info/K_frac``
     (training, solid) and ``eval/[SOURCE/]info/K_frac`` (held out, dashed), e.g. a ToolEnv's episodes
     that called a tool (``tool_calls_frac``) and that had a call fail (``tool_errors_frac``)."""
-    keys = sorted({k for r in records for k, v in r.items() if INFO.fullmatch(k) and _is_number(v)},
+    keys = sorted({k for r in records for k, v in r.items() if INFO.fullmatch(k) and _plotted(v)},
                   key=lambda k: (k.startswith("eval/"), k))
     for i, key in enumerate(keys):
-        points = [(r["step"], r[key]) for r in records if _is_number(r.get(key))]
+        points = [(r["step"], r[key]) for r in records if _plotted(r.get(key))]
         if key.startswith("eval/"):
             ax.plot(*zip(*points), marker="o", linestyle="--", color=f"C{i % 10}", label=key)
         else:
@@ -192,12 +199,12 @@ def plot_reward_functions(records: list[dict], ax) -> bool:
     """Each function's mean reward (``reward/NAME``, where it applied) vs step, and on a second axis
     the responses whose reward failed (``reward/errors``): what a task's author tunes on."""
     names = sorted({k[7:] for r in records for k, v in r.items()
-                    if k.startswith("reward/") and k[7:] not in OWN_REWARD_KEYS and _is_number(v)})
-    errors = [(r["step"], r["reward/errors"]) for r in records if _is_number(r.get("reward/errors"))]
+                    if k.startswith("reward/") and k[7:] not in OWN_REWARD_KEYS and _plotted(v)})
+    errors = [(r["step"], r["reward/errors"]) for r in records if _plotted(r.get("reward/errors"))]
     if not names and not any(e for _, e in errors):
         return False
     for name in names:
-        points = [(r["step"], r[f"reward/{name}"]) for r in records if _is_number(r.get(f"reward/{name}"))]
+        points = [(r["step"], r[f"reward/{name}"]) for r in records if _plotted(r.get(f"reward/{name}"))]
         ax.plot(*zip(*points), marker="o" if len(points) <= 50 else None, label=f"reward/{name}")
     ax.set(xlabel="step", ylabel="mean reward where it applied", title="reward functions")
     if errors:
@@ -215,8 +222,8 @@ def plot_reward_functions(records: list[dict], ax) -> bool:
 def eval_series(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """``eval/[SOURCE/]pass@k`` and ``eval/[SOURCE/]mean@n`` by key, as (step, value) points."""
     pattern = re.compile(r"eval/(?:.+/)?(pass|mean)@\d+")
-    keys = sorted({k for r in records for k, v in r.items() if pattern.fullmatch(k) and _is_number(v)})
-    return {k: [(r["step"], r[k]) for r in records if _is_number(r.get(k))] for k in keys}
+    keys = sorted({k for r in records for k, v in r.items() if pattern.fullmatch(k) and _plotted(v)})
+    return {k: [(r["step"], r[k]) for r in records if _plotted(r.get(k))] for k in keys}
 
 
 def plot_eval(records: list[dict], ax) -> bool:

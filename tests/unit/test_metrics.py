@@ -317,6 +317,21 @@ def test_report_skips_what_is_always_null_and_shows_samples_without_a_reward(tmp
     assert "## best reward: reward 0.5" in (run_dir / "plots" / "samples.md").read_text()
 
 
+def test_report_plots_a_run_whose_loss_reward_and_eval_went_non_finite(tmp_path, capsys):
+    """A diverged run is the one a user most needs plotted: its NaN or infinite points are left out of the plot
+    (whose axis cannot scale to one), not the cause of a crash."""
+    run_dir = tmp_path / "run"
+    _write_metrics(run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for i, record in enumerate(records):
+        record |= {"eval/pass@1": [0.5, float("nan"), float("inf")][i % 3], "eval/mean@4": float("-inf")}
+    records[1] |= {"reward/accuracy": float("inf"), "time/train": float("nan")}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert report.main([str(run_dir)]) == 0
+    assert [Path(p).name for p in capsys.readouterr().out.split()] == [
+        "step_time.png", "response_lengths.png", "reward.png", "eval.png"]
+
+
 def test_the_prompt_check_of_sync_counts_the_groups_the_filter_dropped(tmp_path, monkeypatch):
     from rollpacker import checkpoint
 
