@@ -55,6 +55,15 @@ def test_sbatch_dry_run_builds_the_torchrun_line():
     assert argv[module:] == ["-m", "rollpacker.run", "--resume", "auto", "--num-steps", "3", "--run-dir", "runs/a b"]
 
 
+def test_a_requeued_job_started_from_a_named_checkpoint_resumes_from_its_newest():
+    """A job started with --resume PATH (a run taken back to an earlier step) resumed from PATH again on every
+    requeue, redoing, and un-committing, each step since."""
+    named = ("--resume", "runs/a/checkpoints/step_4")
+    assert dry_run(*named, RDZV_HOST="h")[-2:] == list(named)
+    assert dry_run(*named, RDZV_HOST="h", SLURM_RESTART_COUNT="2")[-4:] == [*named, "--resume", "auto"]
+    assert dry_run(RDZV_HOST="h", SLURM_RESTART_COUNT="1").count("--resume") == 2  # auto, and auto again
+
+
 def test_sbatch_dry_run_without_gpus_runs_one_rank_per_node():
     assert "--nproc_per_node=1" in dry_run(RDZV_HOST="h")  # no --gpus-per-node (SBATCH_GPUS_PER_NODE=0)
     assert "--nproc_per_node=1" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="0")
