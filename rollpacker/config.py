@@ -39,7 +39,7 @@ from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import refuse_with_pools
-from rollpacker.schedule.config import names, schedule_args, schedule_config
+from rollpacker.schedule.config import names, schedule_args, schedule_config, switched
 from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.scale_down import StreamConfig
 from rollpacker.schedule.sync import SyncConfig
@@ -417,6 +417,8 @@ def parse(argv: list[str] | None = None) -> Config:
         args.pop(i)
     default = load_preset(preset)
     args = schedule_args(args, default.policy)
+    if args and args[0].startswith("schedule:"):  # first, where schedule_args puts the policy chosen
+        default.schedule = switched(default.schedule, args[0].removeprefix("schedule:").replace("-", "_"))
     return tyro.cli(Config, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                     prog=os.environ.get("ROLLPACKER_PROG", "python -m rollpacker.run"),
                     description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")

@@ -19,6 +19,7 @@ Choosing a policy and RolloutPipe's composition: ``docs/policies.md``; adding on
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Union
 
 import tyro
@@ -85,6 +86,22 @@ def schedule_config(values: dict, where: str = "schedule") -> PolicyConfig:
     name = policy_name(values.pop("policy", SyncConfig.name), f"{where}.policy")
     check_settings(name, values, where)
     return POLICY_CONFIGS[name](**values)
+
+
+def switched(preset: PolicyConfig, name: str) -> PolicyConfig:
+    """A preset's policy settings when ``schedule:NAME`` chooses policy ``name`` over its policy: the settings it
+    set that ``name`` has too (dynamic sampling's) carry over; its own policy's stay behind with it, as does
+    ``max_gen_batches`` where ``name``'s round does not refill."""
+    if name == preset.name:
+        return preset
+    cls, unset = POLICY_CONFIGS[name], type(preset)()
+    kept = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)
+            if f.init and f.name in cls.__dataclass_fields__ and getattr(preset, f.name) != getattr(unset, f.name)}
+    try:
+        config = cls(**{k: v for k, v in kept.items() if k != "max_gen_batches"})
+        return cls(**kept) if "max_gen_batches" in kept and config.refills else config  # it bounds refills only
+    except ValueError as e:
+        raise SystemExit(f"the preset's [schedule] under schedule:{name}: {e}") from None
 
 
 def check_settings(policy: str, keys, where: str = "schedule") -> None:

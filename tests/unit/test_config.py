@@ -107,6 +107,22 @@ def test_a_presets_value_of_the_wrong_type_is_refused_and_its_name_takes_an_equa
         parse(["--preset", str(preset), "--preset=toy-cpu"])
 
 
+def test_a_policy_chosen_over_the_presets_keeps_the_presets_settings_it_has_too(tmp_path):
+    """A preset's [schedule] of one policy under schedule:NAME of another: its dynamic sampling went unsaid (the
+    new policy's defaults in its place); its own policy's settings stay behind, as does a bound on refills where
+    none happen."""
+    preset = tmp_path / "mine.toml"
+    preset.write_text('[schedule]\npolicy = "tail"\nfilter_zero_variance = true\nmax_gen_batches = 4\n'
+                      "eta_long = 2\n")
+    tail = parse(["--preset", str(preset)]).schedule
+    assert (tail.filter_zero_variance, tail.max_gen_batches, tail.eta_long) == (True, 4, 2)
+    for policy in ("sync", "sorted"):
+        config = parse(["--preset", str(preset), f"schedule:{policy}"])
+        assert (config.schedule.filter_zero_variance, config.schedule.max_gen_batches) == (True, 10), policy
+    assert not parse(["--preset", str(preset), "schedule:sync", "--schedule.no-filter-zero-variance"]
+                     ).schedule.filter_zero_variance
+
+
 def test_every_registered_algorithm_piece_is_a_cli_choice():
     """The registries and the config's Literals name the same things, and each name parses from the
     command line (a new estimator or loss is its function, its registry line and its Literal entry)."""
