@@ -84,7 +84,11 @@ def stage_row(name: str, text: str, rc: int | None, seconds: float, limit_s: flo
     result = json.loads(lines[-1].removeprefix(RESULT)) if lines else {}
     finished, passed = "ok" in result, bool(result.pop("ok", False))
     ok = passed and rc in (0, None)  # None: a limit reached after the result (below) keeps it
-    if rc is None and finished:  # its exit hung (a process group's teardown, say): its result stands
+    if finished and not passed:  # it failed, and exits 1 for it: its own error is the cause to show
+        result.setdefault("error", f"failed (log: {log.name})")
+        if rc is None:
+            result["exit"] = f"hung at exit after its result; killed after {limit_s} s"
+    elif rc is None and finished:  # its exit hung (a process group's teardown, say): its result stands
         result["error"] = f"hung at exit after its result; killed after {limit_s} s (log: {log.name})"
     elif rc is None:
         ok, result["error"] = False, f"timed out after {limit_s} s; kept what it printed before (log: {log.name})"
@@ -128,22 +132,17 @@ def git_commit() -> str | None:
     return recorded.read_text().strip() + " (.whl/COMMIT)" if recorded.is_file() else None
 
 
-def versions(device: str) -> dict:
-    """The summary line's facts: versions, the GPU, this commit and the date. Never raises."""
+def versions(device: str, gpu: str | None = None) -> dict:
+    """The summary line's facts: versions, the GPU (``gpu``, the name the preflight's probe read: the driver never
+    initializes CUDA, whose context it would hold on the GPU through every stage), this commit and the date. Never
+    raises."""
     facts: dict = {"device": device, "date": datetime.date.today().isoformat(), "commit": git_commit()}
     for module in ("torch", "triton", "transformers"):
         try:
             facts[module] = __import__(module).__version__
         except Exception:  # noqa: BLE001 - a missing or broken package is a fact here
             facts[module] = None
-    if device == "cuda":
-        try:
-            import torch
-
-            facts["gpu"] = torch.cuda.get_device_name()
-        except Exception as e:  # noqa: BLE001
-            facts["gpu"] = repr(e)[:200]
-    return facts
+    return facts | ({"gpu": gpu} if device == "cuda" else {})
 
 
 def emit(row: dict, results: Path) -> None:
@@ -184,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, stop)
     try:
         check = preflight(args.device, args.out, args.work, stage_env(args.device))
-        facts = versions(args.device)  # now: a stopped check has seconds left for its summary, not for imports
+        # now: a stopped check has seconds left for its summary, not for imports
+        facts = versions(args.device, check.facts.get("gpu"))
         emit(check.row(args.stages), results)
         env = stage_env(args.device, check.env)
         for name in args.stages:

@@ -65,6 +65,18 @@ def test_a_stage_that_dies_keeps_its_measurements_and_fails(tmp_path):
     assert crashed["ok"] is False and crashed["error"] == "exited -11 after its result (log: train.log)"
 
 
+def test_a_failed_stage_keeps_its_own_error_and_the_driver_holds_no_cuda_context(tmp_path):
+    """A stage that fails exits 1 on purpose: its row read "exited 1 after its result" (or "hung at exit"), a
+    teardown crash after a pass, and the cause it printed was only in its log. The summary's GPU name is the
+    preflight probe's: read in the driver, it initialized CUDA there, a context held through every stage."""
+    failed = 'GPU_CHECK_RESULT {"measured": 1, "error": "RuntimeError(\'logits differ\')", "ok": false}'
+    for rc in (1, None):
+        row = stage_row("judge", failed, rc, 3.0, 80, tmp_path / "judge.log")
+        assert row["ok"] is False and row["measured"] == 1 and row["error"] == "RuntimeError('logits differ')"
+        assert ("exit" in row) == (rc is None)
+    assert versions("cuda", "NVIDIA H200")["gpu"] == "NVIDIA H200" and not torch.cuda.is_initialized()
+
+
 def test_stages_run_in_order_each_once():
     assert parse(["--stages", "judge", "toy", "judge"]).stages == ["toy", "judge"]
 
