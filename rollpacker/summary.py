@@ -90,8 +90,8 @@ def _episodes(env) -> str:
 
 
 def _rows(rows: list[dict], paths: tuple[str, ...]) -> str:
-    sources = collections.Counter(row.get("data_source") for row in rows)
-    named = ", ".join(f"{s} {n}" for s, n in sources.most_common(5) if s is not None)
+    sources = collections.Counter(row["data_source"] for row in rows if row.get("data_source") is not None)
+    named = ", ".join(f"{s} {n}" for s, n in sources.most_common(5))
     more = f" and {len(sources) - 5} more sources" if len(sources) > 5 else ""
     where = ", ".join(paths) or "the toy task"
     return f"{len(rows)} rows from {where}" + (f" (sources: {named}{more})" if named else "")

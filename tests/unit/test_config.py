@@ -371,6 +371,15 @@ def test_the_start_summary_flags_an_environment_of_your_own_on_the_toy_tasks_row
     assert _toy_under(parse(["--env.factory", "toy"])) == _toy_under(parse([])) == ""  # the toy environment's task
 
 
+def test_the_start_summary_counts_the_data_sources_it_does_not_name():
+    """Rows without a data_source counted as one more source: "and 1 more sources" after all five there are."""
+    from rollpacker.summary import _rows
+
+    five = [{"data_source": s} for s in "abcde" for _ in range(3)]
+    assert _rows(five + [{}], ("d.jsonl",)) == "16 rows from d.jsonl (sources: a 3, b 3, c 3, d 3, e 3)"
+    assert _rows(five + [{"data_source": "f"}] + [{}] * 9, ()).endswith("e 3 and 1 more sources)")
+
+
 def test_a_resume_says_which_settings_differ_from_the_checkpoints_run(caplog):
     """Another preset whose model has the same shapes resumed silently: another task, chat template and rewards
     under the checkpoint's weights and data position. Where the run writes and the optimizer's settings (which
