@@ -123,10 +123,11 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
         dist.barrier(group=control)
         newest = latest(path.parent.parent)
         whys = "; ".join(f"rank {r}: {why}" for r, why in sorted(verdict.items()))
-        free = shutil.disk_usage(path.parent).free / 2**20
+        there = next(p for p in path.parents if p.exists())  # a first save's checkpoints/ may be what failed
+        free = shutil.disk_usage(there).free / 2**20
         raise CheckpointError(
             f"checkpoint: saving step {step} to {path} failed on rank(s) {sorted(verdict)} ({whys}; "
-            f"{free:.1f} MiB free there on rank {rank}). The partial "
+            f"{free:.1f} MiB free in {there} on rank {rank}). The partial "
             f"save was removed; the newest committed checkpoint is {newest or 'none'}, which --resume auto picks. "
             f"Free disk space or fix the permissions under {path.parent}, then resume")
     if rank == 0 and keep:

@@ -60,9 +60,9 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_p
     assert proc.stderr.count("checkpoint: saving step 2") == 1  # said once
     assert re.fullmatch(
         rf"checkpoint: saving step 2 to {disk}/checkpoints/step_2 failed on rank\(s\) \[[01, ]+\] \(rank \d: .*; "
-        r"\d+\.\d MiB free there on rank \d\)\. The partial save was removed; the newest committed checkpoint is "
-        rf"{disk}/checkpoints/step_1, which --resume auto picks\. Free disk space or fix the permissions under "
-        rf"{disk}/checkpoints, then resume", message.group(1)), message.group(1)
+        rf"\d+\.\d MiB free in {disk}/checkpoints on rank \d\)\. The partial save was removed; the newest committed "
+        rf"checkpoint is {disk}/checkpoints/step_1, which --resume auto picks\. Free disk space or fix the permissions "
+        rf"under {disk}/checkpoints, then resume", message.group(1)), message.group(1)
     assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step_1"]
     assert (copy / "checkpoints" / "step_1" / checkpoint.MARKER).exists()
     # the copy resumes from step 1 on a disk with room and trains every prompt once

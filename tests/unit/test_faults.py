@@ -227,6 +227,21 @@ def test_what_a_save_also_writes_is_in_the_commit_and_its_failure_fails_the_save
     assert checkpoint.latest(tmp_path) == first and not (tmp_path / "checkpoints" / "step_2").exists()
 
 
+def test_a_first_save_whose_directory_cannot_be_made_says_so(toy_random_dir, tmp_path):
+    """A run's first save, into a checkpoints/ that cannot be made (a scratch mount not there): the free space
+    was read in that directory, and its FileNotFoundError came out as a traceback in place of the message."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
+    (tmp_path / "checkpoints").symlink_to(tmp_path / "unmounted" / "checkpoints")
+    with pytest.raises(checkpoint.CheckpointError, match=rf"saving step 1 .* failed on rank\(s\) \[0\] .* MiB free in "
+                                                         rf"{tmp_path} on rank 0\)"):
+        checkpoint.save(tmp_path / "checkpoints" / "step_1", trainer, 1, {})
+
+
 def test_a_run_that_went_back_uncommits_the_later_checkpoints_it_left_and_keep_spares_its_own(toy_random_dir,
                                                                                              tmp_path):
     """Resumed from step 2 (step 4 damaged, or a deliberate rollback), the run un-commits step 4 as it starts
