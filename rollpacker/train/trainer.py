@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 
 from rollpacker import watchdog
+from rollpacker.errors import UserError
 from rollpacker.model.attention import CausalAttention
 from rollpacker.model.lora import AdaptersOff
 from rollpacker.model.offload import StreamedModel
@@ -204,8 +205,9 @@ def compute_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-class NonFiniteError(RuntimeError):
-    """``train.max_skipped_steps`` consecutive steps had a non-finite loss or gradient norm."""
+class NonFiniteError(UserError):
+    """``train.max_skipped_steps`` consecutive steps had a non-finite loss or gradient norm: the run stops saying
+    so once, as for bad input (the fix is the user's: the settings, the rewards, the data)."""
 
 
 TAKEN = ("train.lr", "train.betas", "train.adam_eps", "train.weight_decay", "train.critic.lr")

@@ -75,6 +75,18 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_p
     assert len({tuple(r) for r in rows}) == len(rows) == sum(r["sched/trained_prompts"] for r in steps(copy).values())
 
 
+def test_a_run_that_diverges_stops_saying_so_once_without_a_traceback(tmp_path):
+    """train.max_skipped_steps non-finite steps in a row stop the run (lr 1e30: every update overflows): its
+    message, the fix in it, came out as a traceback on every rank."""
+    proc = subprocess.run(job(tmp_path, "--num-steps", "6", "--train.lr", "1e30", "--train.warmup-steps", "0",
+                              "--train.max-skipped-steps", "2"), capture_output=True, text=True, timeout=600,
+                          env=job_env())
+    assert proc.returncode != 0
+    said = "rollpacker: train: 2 consecutive steps skipped for a non-finite loss or gradient"
+    assert proc.stderr.count(said) == 1 and "NonFiniteError" not in proc.stderr, proc.stderr[-4000:]
+    assert checkpoint.latest(tmp_path) is not None and "Lower --train.lr" in proc.stderr
+
+
 def steps(run_dir) -> dict[int, dict]:
     """The metrics of every step; a step redone after a resume keeps its last record."""
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in r}
