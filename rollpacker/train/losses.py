@@ -27,13 +27,24 @@ from torch import Tensor
 # --- policy losses --------------------------------------------------------------------------------
 
 
+LOG_RATIO_BOUND = 20.0
+"""A token's log-ratio is clamped to +-this before ``exp`` (as verl's): a ratio past float32's range (log r > 88)
+made the step's gradient NaN (``inf * 0`` through the branch ``min`` or the gate did not take), and skipped the
+step; at the bound its gradient is 0, as PPO's clip makes it there anyway for A > 0."""
+
+
+def ratio_of(logp: Tensor, old: Tensor, mask: Tensor) -> Tensor:
+    """``exp(logp - old)`` on the mask (its log clamped to +-LOG_RATIO_BOUND), 1 off it."""
+    return torch.exp(torch.where(mask, logp - old, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
 def ppo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
     """PPO-clip per token: ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, ``r = exp(logp - old)``.
 
     With ``cfg.dual_clip`` = c > 1, a token with A < 0 has loss at most ``-c A``. All [N, T].
     Returns the token losses, the ratios and where clipping decided (no gradient through r).
     """
-    ratio = torch.exp(torch.where(mask, logp - old, 0.0))
+    ratio = ratio_of(logp, old, mask)
     unclipped = -ratio * adv
     clipped = -torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
     loss = torch.maximum(unclipped, clipped)
@@ -66,7 +77,7 @@ def cispo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Te
     The weight is clipped, not the token: every token keeps a gradient. All [N, T].
     """
     logp = torch.where(mask, logp, 0.0)
-    ratio = torch.exp(torch.where(mask, logp - old, 0.0))
+    ratio = ratio_of(logp, old, mask)
     weight = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high).detach()
     return -weight * adv * logp, ratio, mask & (weight != ratio)
 
@@ -79,7 +90,7 @@ def sapo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Ten
     smoothly as r leaves 1, faster under the larger tau. "Clipped": tokens whose gate passes under half
     that gradient. All [N, T].
     """
-    ratio = torch.exp(torch.where(mask, logp - old, 0.0))
+    ratio = ratio_of(logp, old, mask)
     tau = torch.where(adv > 0, cfg.tau_pos, cfg.tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1))
     g = gate.detach()
