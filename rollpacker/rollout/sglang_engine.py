@@ -166,7 +166,7 @@ def engine_args(model_path: str | Path, config: EngineConfig, args, tp: int, dty
     return dict(
         model_path=str(model_path), tp_size=tp, base_gpu_id=int(os.environ.get("LOCAL_RANK", 0)),
         port=port, skip_tokenizer_init=True, dtype=str(dtype).removeprefix("torch."),
-        random_seed=config.seed, context_length=max_model_len(config, args) + 2,
+        random_seed=config.seed, context_length=max_model_len(config, args) + SPARE_POSITIONS,
         mem_fraction_static=0.9 if on_cpu else memory_fraction(plan_bytes, free_bytes),
         max_total_tokens=int(config.kv_memory_mb * 2**20) // kv_bytes_per_token,
         max_running_requests=config.max_num_seqs, chunked_prefill_size=config.max_prefill_tokens,
@@ -207,11 +207,17 @@ def nccl_env(tp: int) -> dict[str, str]:
     return {"NCCL_ALGO": "allreduce:tree", "NCCL_MIN_NCHANNELS": channels, "NCCL_MAX_NCHANNELS": channels}
 
 
+SPARE_POSITIONS = 6
+"""SGLang's context length beyond the engine's ``max_model_len``: its scheduler aborts an input of its context
+length - 6 tokens or more (``max_req_input_len``, ``max_req_len - 5``) and caps new tokens at its context length
+- 2 (``max_req_len - 1``); a prompt (or a resumed response) of up to ``max_model_len - 1`` tokens then passes both."""
+
+
 def max_model_len(config: EngineConfig, args) -> int:
-    """Longest prompt + response: ``engine.max_model_len``, at most the model's positions - 2. SGLang
-    caps a request's new tokens at its context length - 2 (its scheduler's ``max_req_len - 1``), so
-    the engine's context is this + 2."""
-    return min(config.max_model_len or args.max_position_embeddings, args.max_position_embeddings - 2)
+    """Longest prompt + response: ``engine.max_model_len``, at most the model's positions - SPARE_POSITIONS (the
+    engine's context is this + SPARE_POSITIONS)."""
+    positions = args.max_position_embeddings
+    return min(config.max_model_len or positions, positions - SPARE_POSITIONS)
 
 
 class SGLangEngine:

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.sglang
 CHECKS = ["greedy_matches_transformers_and_torch_engine",
           "a_repetition_penalty_is_refused_and_the_engine_serves_on", "logprobs_equal_the_trainers",
           "abort_then_resume_continues_greedy", "an_abort_right_after_add_ends_the_request", "bad_requests_raise",
-          "stop_string_ends_generation_as_on_torch_engine", "seeded_sampling_reproduces_and_resumes",
+          "a_prompt_at_the_context_edge_is_served", "stop_string_ends_generation_as_on_torch_engine",
+          "seeded_sampling_reproduces_and_resumes",
           "a_step_is_a_decode_step", "update_weights_then_release_and_resume", "release_and_push_right_after_a_finish"]
 """The checks of tests/dist/scripts/sglang_engine.py, one engine for all of them."""
 

@@ -135,6 +135,17 @@ def bad_requests_raise(engine, a, b):
     assert not engine.has_unfinished()
 
 
+def a_prompt_at_the_context_edge_is_served(engine, a, b):
+    """Prompts of max_model_len - 4 and - 1 tokens, which the engine takes: SGLang aborted an input within 6 tokens
+    of its context length, and that one request failed the whole step (its neighbour's too)."""
+    edge = engine.max_model_len
+    outs = generate(engine, [greedy("other", prompts(1, 8)[0], 3), greedy("minus4", prompts(1, edge - 4, seed=1)[0], 3),
+                             greedy("minus1", prompts(1, edge - 1, seed=2)[0], 3)])
+    got = {rid: (o.finish_reason, len(o.token_ids)) for rid, o in outs.items()}
+    assert got == {"other": ("length", 3), "minus4": ("length", 3), "minus1": ("length", 1)}, got
+    assert not engine.has_unfinished()
+
+
 def stop_string_ends_generation_as_on_torch_engine(engine, a, b):
     """The adapter matches stop strings on the streamed tokens (SGLang runs without a tokenizer), also
     inside an update of several tokens: the same tokens as TorchEngine."""
@@ -233,7 +244,8 @@ def release_and_push_right_after_a_finish(engine, a, b):
 
 CHECKS = [greedy_matches_transformers_and_torch_engine, a_repetition_penalty_is_refused_and_the_engine_serves_on,
           logprobs_equal_the_trainers, abort_then_resume_continues_greedy, an_abort_right_after_add_ends_the_request,
-          bad_requests_raise, stop_string_ends_generation_as_on_torch_engine, seeded_sampling_reproduces_and_resumes,
+          bad_requests_raise, a_prompt_at_the_context_edge_is_served, stop_string_ends_generation_as_on_torch_engine,
+          seeded_sampling_reproduces_and_resumes,
           a_step_is_a_decode_step, update_weights_then_release_and_resume, release_and_push_right_after_a_finish]
 
 

@@ -170,9 +170,9 @@ def test_engine_args_size_the_kv_like_the_other_engines_and_pick_the_cpu_path():
     cpu = engine_args(toy_model_dir(), config, args, 1, torch.float32, on_cpu=True)
     per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * 4
     assert cpu["max_total_tokens"] == 4 * 2**20 // per_token and cpu["max_running_requests"] == 8
-    assert cpu["context_length"] == args.max_position_embeddings  # SGLang ends a request 2 tokens before it
+    assert cpu["context_length"] == args.max_position_embeddings  # SGLang refuses an input 6 tokens before it
     short = engine_args(toy_model_dir(), EngineConfig(kind="sglang", max_model_len=24), args, 1, torch.float32, True)
-    assert short["context_length"] == 26
+    assert short["context_length"] == 30
     assert cpu["device"] == "cpu" and cpu["attention_backend"] == "torch_native"
     assert not cpu["enable_memory_saver"] and cpu["enable_deterministic_inference"]
     assert cpu["mem_fraction_static"] == 0.9
