@@ -132,31 +132,38 @@ def measure_spec_cost(engine, max_rows: int, max_draft: int, prompt_len: int, st
     ``max_rows`` running requests and 0, 1, 2, 4, ... ``max_draft`` draft tokens each."""
     from rollpacker.rollout.spec_cost import SpecCost
 
-    lens, steps = spec_probe(engine.max_model_len, max_draft, steps)
+    lens, steps = spec_probe(engine.max_model_len, max_draft, steps, kv_tokens=engine.kv_capacity_tokens)
     new = 3 + (steps + 1) * sum(k + 1 for k in lens)  # tokens each probe request generates
-    prompt_len = max(1, min(prompt_len, engine.max_model_len - new - 1))
+    prompt_len = max(1, min(prompt_len, engine.max_model_len - new - 1, engine.kv_capacity_tokens - new))
     fits = engine.num_blocks // -(-(prompt_len + new) // engine.config.block_size)  # requests the KV cache holds
-    rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= min(max_rows, fits)] or [1]
+    # and whose prompts one step prefills (verify_step_ms times them all running from its second step)
+    rows = [n for n in (1, 2, 4, 8, 16, 32, 64)
+            if n <= min(max_rows, fits) and n * prompt_len <= engine.config.max_prefill_tokens] or [1]
     args = engine.model.args
     ms = [verify_step_ms(engine, n, lens, prompt_len, args.vocab_size, set(args.eos_token_ids), steps, seed=n)
           for n in rows]
     return SpecCost.smoothed(tuple(rows), tuple(lens), ms, draft_ms(max_draft, step_clock("cpu")))
 
 
-def spec_probe(max_model_len: int, max_draft: int, steps: int = 5) -> tuple[list[int], int]:
+def spec_probe(max_model_len: int, max_draft: int, steps: int = 5,
+               kv_tokens: int | None = None) -> tuple[list[int], int]:
     """The draft lengths and timed steps of :func:`measure_spec_cost` whose probe requests fit ``max_model_len``
-    (a request finishing mid-probe leaves a verify step nothing to verify): fewer steps, then fewer lengths
-    between 0 and ``max_draft``; a ValueError where even the fewest do not fit."""
+    and a KV cache of ``kv_tokens`` (a request finishing mid-probe leaves a verify step nothing to verify; one the
+    cache cannot hold is refused): fewer steps, then fewer lengths between 0 and ``max_draft``; a ValueError where
+    even the fewest do not fit."""
     lens = sorted({0, max_draft, *(k for k in (1, 2, 4, 8, 16) if k < max_draft)})
-    while 4 + (steps + 1) * sum(k + 1 for k in lens) >= max_model_len:  # a prompt token and the probe's tokens
+    room = min(max_model_len, kv_tokens + 1 if kv_tokens is not None else max_model_len)
+    while 4 + (steps + 1) * sum(k + 1 for k in lens) >= room:  # a prompt token and the probe's tokens
         if steps > 1:
             steps -= 1
         elif len(lens) > 2:
             lens.pop(-2)
         else:
+            held = f"a {max_model_len}-token context" if room == max_model_len else \
+                f"a KV cache of {kv_tokens} tokens (engine.kv_memory_mb)"
             raise ValueError(f"engine.speculative=auto measures verify steps of up to {max_draft} draft tokens "
-                             f"(engine.spec_max_tokens), which a {max_model_len}-token context cannot hold: lower "
-                             "engine.spec_max_tokens, or set engine.speculative on or off")
+                             f"(engine.spec_max_tokens), which {held} cannot hold: lower engine.spec_max_tokens, "
+                             "or set engine.speculative on or off")
     return lens, steps
 
 

@@ -113,7 +113,7 @@ class TorchEngine(Speculation):
         self.num_session_evictions = 0
         self.drafter = Drafter() if config.speculative != "off" else None
         if config.speculative == "auto" and spec_cost is None:
-            spec_probe(self.max_model_len, config.spec_max_tokens)  # its calibration fits the context, or it says
+            spec_probe(self.max_model_len, config.spec_max_tokens, kv_tokens=self.kv_capacity_tokens)  # fits, or says
         self.spec = SpecStats()
         self.spec_cost = spec_cost
         self.calibrating = False

@@ -161,7 +161,7 @@ class Speculation:
         once per model, TP size and engine settings. Counters are left as they were."""
         key = (repr(self.model.args), dist.get_world_size(self.tp_group) if self.tp_group else 1, str(self.device),
                self.dtype, self.config.block_size, self.config.spec_max_tokens, self.config.max_num_seqs,
-               self.max_model_len)
+               self.max_model_len, self.num_blocks, self.config.max_prefill_tokens)
         if key not in SPEC_COSTS:
             from rollpacker.rollout.probe import measure_spec_cost
 

@@ -265,6 +265,23 @@ def test_auto_calibrates_within_a_short_context_or_says_it_cannot(qwen2_dir):
         engine(qwen2_dir, speculative="auto", max_model_len=16)
 
 
+def test_auto_calibrates_within_the_prefill_budget_and_the_kv_cache_or_says_it_cannot(qwen2_dir):
+    """The calibration expected every probe request prefilled in one step and its prompt to fit the context
+    alone: under a smaller engine.max_prefill_tokens ("30 running, expected 32") or KV cache (a probe request
+    refused) an engine that serves with speculative off died at its first step with auto."""
+    from rollpacker.rollout.torch_engine.verify import SPEC_COSTS
+
+    request = Request(id="a", prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=5, temperature=0))
+    plain = generate(engine(qwen2_dir), [request])["a"].token_ids
+    for settings in ({"max_prefill_tokens": 100, "spec_max_tokens": 2}, {"kv_memory_mb": 0.07}):
+        SPEC_COSTS.clear()
+        eng = engine(qwen2_dir, speculative="auto", **settings)
+        assert generate(eng, [request])["a"].token_ids == plain, settings
+        assert sorted(eng.free_blocks) == list(range(eng.num_blocks))
+    with pytest.raises(ValueError, match="up to 8 draft tokens .* a KV cache of 12 tokens .* cannot hold"):
+        engine(qwen2_dir, speculative="auto", kv_memory_mb=0.006)
+
+
 @pytest.mark.parametrize("verify_s", [1.0, 20.0])
 def test_auto_backs_off_where_drafting_does_not_pay(qwen2_dir, verify_s):
     """The cost table says drafts pay (cheap verify steps up to 4 running) and every request is offered
