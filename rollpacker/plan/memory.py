@@ -378,9 +378,10 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
             Term(name="root gradients reduce-scatter (the embedding's gradient held)",
                  bytes=0 if t.lora_params else reduce_scatter(s.root_params, t, held=head_grad))])]
     if t.reference != "none":  # before the policy's forward of a micro-batch, as the teacher's: none of its activations
+        gathered = 0 if t.reference == "streamed" else b * (2 * s.layer_params + s.root_params)  # streamed: held
         phases.append(Phase(name="forward (KL reference)", terms=[
             *state, root, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
-                               bytes=b * (2 * s.layer_params + s.root_params) + reference_activations(s, t),
+                               bytes=gathered + reference_activations(s, t),
                                fix="a smaller train.micro_batch_tokens")]))
     if t.teacher is not None:
         phases.append(teacher_phase(t, [*state, root]))
@@ -399,12 +400,12 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
 def teacher_phase(t: TrainSetup, held: list[Term]) -> Phase:
     """The teacher's no-grad forward: it runs before the policy's forward of its micro-batch (Trainer._loss,
     or the step's first pass, Trainer._frozen), so none of the policy's activations are alive; ``held``: the
-    state and the policy's root. Streamed, its root is in the state and two layer buffers are in flight."""
+    state and the policy's root. Streamed, its root and its two layer buffers are in the state."""
     s, b = t.teacher, t.compute_bytes
-    root = s.root_params if t.teacher_held != "streamed" else 0
+    gathered = 0 if t.teacher_held == "streamed" else b * (2 * s.layer_params + s.root_params)
     return Phase(name="forward (teacher)", terms=[*held, Term(
         name="teacher in flight (2 blocks, root, one block's activations)",
-        bytes=b * (2 * s.layer_params + root) + reference_activations(s, t), fix="a smaller train.micro_batch_tokens")])
+        bytes=gathered + reference_activations(s, t), fix="a smaller train.micro_batch_tokens")])
 
 
 def critic_phase(t: TrainSetup, held: list[Term], c: Shape) -> Phase:
@@ -449,12 +450,14 @@ def frozen_state(s: Shape, t: TrainSetup) -> list[Term]:
 
 
 def held_state(s: Shape, held: str, t: TrainSetup, name: str) -> list[Term]:
-    """What a frozen model kept as ``held`` keeps on the device: its fp32 shards, or (streamed) its root;
-    nothing offloaded to FSDP2's host shards or as the policy with its adapters off."""
+    """What a frozen model kept as ``held`` keeps on the device: its fp32 shards (the trainer reshards its root after
+    each no-grad forward), or (streamed) its root and the two layer buffers the layers stream through; nothing
+    offloaded to FSDP2's host shards or as the policy with its adapters off."""
     if held == "sharded":
         return [Term(name=f"{name} (fp32, sharded)", bytes=4 * s.num_params / t.shard_size, fix="train.offload")]
     if held == "streamed":
-        return [Term(name=f"{name} root (streamed layers)", bytes=t.compute_bytes * s.root_params)]
+        return [Term(name=f"{name} root and 2 layer buffers (streamed layers)",
+                     bytes=t.compute_bytes * (s.root_params + 2 * s.layer_params))]
     return []
 
 

@@ -556,6 +556,14 @@ class Trainer:
         """The frozen models whose log-probs a step needs besides the policy's: reference, teacher."""
         return [m for m in (self.reference, self.teacher) if m is not None]
 
+    def _reshard_frozen(self) -> None:
+        """FSDP2 leaves a root's parameters unsharded after a forward without backward: a sharded frozen model's
+        embedding and head would stay whole on the device through the step and rollout (2 GB a GPU for a 7B
+        model), which the memory plan counts as shards."""
+        for model in self._frozen_models():
+            if isinstance(model, FSDPModule):
+                model.reshard()
+
     def _critics(self) -> list[nn.Module]:
         return [self.critic] if self.critic is not None else []
 
@@ -586,6 +594,7 @@ class Trainer:
                 values = self._values(micro).split(lengths) if self.critic is not None else [None] * len(micro)
                 for j, o, r, t, e, v in zip(mine[i], old, ref, teacher, entropy, values):
                     out[batch[j]] = (o, r, t, e, v)
+        self._reshard_frozen()
         return out
 
     def _backward(self, samples: list[Sample], prepared: list[Prepared], plan: list[list[list[int]]],
@@ -616,6 +625,7 @@ class Trainer:
                 with torch.no_grad():
                     for model in self._frozen_models():
                         self._idle_loss(model)
+                self._reshard_frozen()  # as _loss does: the next micro-batch's all-gathers then match
             for model in (self.model, *self._critics()):
                 self._idle_loss(model).backward()
         return num_micro
@@ -686,6 +696,7 @@ class Trainer:
 
         ref = frozen(self.reference, [p.ref for p in prepared])
         teacher = frozen(self.teacher, [p.teacher for p in prepared])
+        self._reshard_frozen()
         logp_flat, entropy_flat = self._logprobs(self.model, batch, entropy=True)
         logp = padded(logp_flat)
         mask = pad_sequence([torch.tensor(s.model_mask(), dtype=torch.bool, device=self.device) & (not self._masked(s))

@@ -402,7 +402,12 @@ def test_a_distillation_teacher_is_planned_as_the_job_holds_it(tmp_path):
     offload = [*flags, "--train.offload"]
     streamed = config_plan(parse([*offload, "--train.teacher.path", str(tmp_path / "t32")]), 8, 80 * GB, QWEN7B)
     rollout = {t.name: t.bytes for t in streamed.phases[-1].terms}
-    assert rollout["teacher root (streamed layers)"] == 2 * teacher.root_params
+    assert rollout["teacher root and 2 layer buffers (streamed layers)"] == 2 * (teacher.root_params +
+                                                                             2 * teacher.layer_params)
+    flight = "teacher in flight (2 blocks, root, one block's activations)"  # streamed: the root and buffers held
+    sharded_forward = forward[flight]
+    forward = {t.name: t.bytes for t in next(p for p in streamed.phases if p.name == "forward (teacher)").terms}
+    assert sharded_forward - forward[flight] == 2 * (teacher.root_params + 2 * teacher.layer_params)
     base = config_plan(parse(offload), 8, 80 * GB, QWEN7B)
     assert streamed.host_bytes == pytest.approx(base.host_bytes + 2 * teacher.num_params)
     gemma = dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
@@ -424,8 +429,17 @@ def test_the_kl_reference_forward_is_planned_beside_none_of_the_policys_activati
     phases = {p.name: {t.name: t.bytes for t in p.terms} for p in plan.phases}
     forward, reference = phases["forward (log-prob head)"], phases["forward (KL reference)"]
     assert "saved activations" not in reference and forward["saved activations"] > 1e9
+    flight = "KL reference in flight (2 blocks, root, one block's activations)"
     assert {n for n in forward if not n.startswith("log-prob head")} - {"saved activations"} \
-        == set(reference) - {"KL reference in flight (2 blocks, root, one block's activations)"}
+        == set(reference) - {flight}
+    # train.offload: streamed, its root and two layer buffers are held in every phase, not in flight again
+    streamed = config_plan(parse(["--preset", "qwen2.5-7b-8k", "--engine.kind", "vllm", "--train.kl-coef", "0.01",
+                                  "--train.activation-checkpointing", "none", "--train.offload"]), 8, 80 * GB, QWEN7B)
+    held = 2 * (QWEN7B.root_params + 2 * QWEN7B.layer_params)
+    for phase in streamed.phases:
+        assert {t.name: t.bytes for t in phase.terms}["KL reference root and 2 layer buffers (streamed layers)"] == held
+    streamed_reference = next(p for p in streamed.phases if p.name == "forward (KL reference)")
+    assert reference[flight] - {t.name: t.bytes for t in streamed_reference.terms}[flight] == held
 
 
 def test_a_critic_of_its_own_path_is_planned_at_its_own_shape(tmp_path):

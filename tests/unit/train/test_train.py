@@ -211,6 +211,22 @@ def test_a_step_with_no_sample_updates_nothing(advantage, toy_random_dir):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("epochs", [1, 2])  # the reference in each micro-batch's loss; in the step's first pass
+def test_a_sharded_reference_goes_back_to_its_shards_after_its_forward(toy_random_dir, epochs):
+    """FSDP2 leaves a root unsharded after a forward without backward: the KL reference's embedding and head stayed
+    whole on the device through the step and the rollout after it (2 GB a GPU for a 7B model) beside the shards the
+    memory plan counts."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Sample, Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(lr=1e-2, kl_coef=0.1, epochs=epochs),
+                      build_meshes(1, 0).train, reference=load_model(toy_random_dir), num_steps=2)
+    trainer.step([Sample([5, 6, 7], [8, 9], 1.0, [-1.0, -1.0]), Sample([5, 6, 7], [9, 8], 0.0, [-1.0, -1.0])], 2)
+    assert not trainer.reference._get_fsdp_state()._fsdp_param_group.is_unsharded
+
+
 @pytest.mark.parametrize("impl", ["native", "hf"])
 def test_a_critic_starts_at_zero_and_learns_its_returns(impl, toy_random_dir, qwen3_tied_dir):
     """PPO with a critic on one rank, the native decoder and a Hugging Face one (both with a tied embedding): the
