@@ -299,6 +299,11 @@ class Config:
         """Errors for settings that do not fit ``world`` ranks, naming the fields."""
         r, topology = self.rollout, self.topology(world)
         topology.check()
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per node
+        if world > node and node % r.tp and not self.plan.enabled:  # the planner's TPs never cross a node
+            raise ValueError(f"rollout.tp={r.tp} does not divide the {node} ranks of a node (LOCAL_WORLD_SIZE): a "
+                             "rollout replica would span two nodes (its TP traffic over the network; SGLang starts a "
+                             f"replica's schedulers on its first node's GPUs). Set rollout.tp to a divisor of {node}")
         if self.pipe and topology.refused:
             raise ValueError(f"schedule.pipe needs a train pool of whole training replicas: {topology.refused}")
         if (r.num_prompts * r.group_size) % topology.rollout_ranks:

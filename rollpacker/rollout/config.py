@@ -33,7 +33,7 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] = ()
     """Token ids that end a response besides the model's EOS (kept, as EOS is)."""
     tp: int = 1
-    """Rollout tensor-parallel size: each engine replica spans this many ranks."""
+    """Rollout tensor-parallel size: each engine replica spans this many ranks, of one node (a divisor of its ranks)."""
     poll_steps: int = 8
     """Engine steps between two control-plane exchanges with the controller."""
     replay_lengths: bool = False

@@ -371,6 +371,19 @@ def test_the_start_summary_flags_an_environment_of_your_own_on_the_toy_tasks_row
     assert _toy_under(parse(["--env.factory", "toy"])) == _toy_under(parse([])) == ""  # the toy environment's task
 
 
+def test_a_rollout_replica_that_would_span_two_nodes_is_refused(monkeypatch):
+    """rollout.tp groups consecutive ranks: 2 nodes of 2 ranks with rollout.tp 4 (or of 3 with tp 2) put one
+    replica on both nodes, which only the planner's TPs avoided; SGLang's leader then started schedulers on GPUs its
+    node does not have."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"rollout.tp=4 does not divide the 2 ranks of a node \(LOCAL_WORLD_SIZE\)"):
+        parse(["--rollout.tp", "4"]).check_world(4)
+    parse(["--rollout.tp", "2"]).check_world(4)
+    parse(["--rollout.tp", "4", "--plan.enabled"]).check_world(4)  # rollout.tp unread: the planner's stay in a node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    parse(["--rollout.tp", "4"]).check_world(4)  # one node
+
+
 def test_the_start_summary_counts_the_data_sources_it_does_not_name():
     """Rows without a data_source counted as one more source: "and 1 more sources" after all five there are."""
     from rollpacker.summary import _rows
