@@ -199,6 +199,11 @@ def build(config: Config) -> Job:
             check_tokenizer(path, other, setting)
     world = torch.distributed.get_world_size()
     config.check_world(world)
+    shape = Shape.from_hf(read_config(path))
+    if not config.plan.enabled and shape.num_kv_heads % config.rollout.tp:  # the planner's TPs divide them
+        raise UserError(f"rollout.tp={config.rollout.tp} does not divide the model's {shape.num_kv_heads} key-value "
+                        f"heads ({path}): each rank of a replica holds whole heads; set rollout.tp to a divisor of "
+                        f"{shape.num_kv_heads}")
     streaming = config.stream.enabled or config.pipe
     meshes = build_meshes(stream=streaming, topology=config.topology(world))
     watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
@@ -208,7 +213,7 @@ def build(config: Config) -> Job:
     dtype = engine_dtype(config.model.dtype, meshes.device)
     plan_bytes = 0.0
     if meshes.device.type == "cuda":  # the memory plan: refuse a config that cannot fit (rollpacker.plan.memory)
-        plan = check_fits(config, Shape.from_hf(read_config(path)), world,
+        plan = check_fits(config, shape, world,
                           torch.cuda.get_device_properties(meshes.device).total_memory)
         logger.info("memory plan: peak %.1f GB per GPU (%s), headroom %.0f%%", plan.peak / 1e9,
                     plan.peak_phase.name, 100 * plan.headroom)
