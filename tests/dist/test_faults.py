@@ -152,7 +152,7 @@ try:
     said = "same"
 except UserError as e:
     said = str(e)
-Path(sys.argv[1], f"rank{rank}.txt").write_text(said)  # a file, not stdout: a library's line there mixes in
+Path(sys.argv[1], f"rank{rank}.txt").write_text(said)  # a file: in CI a stranger line on stdout broke its reading
 dist.destroy_process_group()
 """
 

@@ -246,7 +246,7 @@ def test_empty_masks_and_garbage_off_the_mask_give_finite_zero_contributions(los
 def test_a_ratio_past_float32s_range_on_the_mask_leaves_the_gradient_finite(loss):
     """A token whose log-ratio is 100 (its ratio overflows float32): the gradient of PPO's min and of SAPO's gate
     was NaN (inf * 0 through the branch not taken), and the whole step skipped. Clamped as verl does, the token's
-    gradient is 0 and the others' are as before."""
+    gradient is 0 and the others keep theirs."""
     logp = torch.tensor([[-1.0, -0.5], [-1.0, -0.5]], requires_grad=True)
     old = torch.tensor([[-101.0, -0.6], [-101.0, -0.4]])
     adv, mask = torch.tensor([[1.0, 1.0], [-1.0, -1.0]]), torch.ones(2, 2, dtype=torch.bool)
