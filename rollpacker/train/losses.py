@@ -60,12 +60,13 @@ def ppo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Tens
 def gspo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Tensor, Tensor, Tensor]:
     """GSPO per token: PPO's clip on ``s_i = exp(mean_t (logp - old))``, the sequence's length-normalized ratio.
 
-    Each token's ratio has the value ``s_i`` and the gradient ``s_i * grad logp_t`` (GSPO-token).
-    A response with no token on the mask has ``s_i = 1``. All [N, T].
+    Each token's ratio has the value ``s_i`` and the gradient ``s_i * grad logp_t`` (GSPO-token), its log
+    clamped to +-LOG_RATIO_BOUND as a token's. A response with no token on the mask has ``s_i = 1``. All [N, T].
     """
     log_ratio = torch.where(mask, logp - old, 0.0)  # [N, T]
     seq = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
-    ratio = torch.exp(seq.detach() + log_ratio - log_ratio.detach())  # value s_i, gradient per token
+    token_form = seq.detach() + log_ratio - log_ratio.detach()  # value log s_i, gradient per token
+    ratio = torch.exp(token_form.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     unclipped = -ratio * adv
     clipped = -torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
     return torch.maximum(unclipped, clipped), ratio, mask & (clipped > unclipped)

@@ -256,6 +256,18 @@ def test_a_ratio_past_float32s_range_on_the_mask_leaves_the_gradient_finite(loss
     assert (grad[:, 0] == 0).all() and (grad[:, 1] != 0).all()
 
 
+def test_a_gspo_sequence_ratio_past_float32s_range_leaves_the_gradient_finite():
+    """GSPO's sequence ratio of a response whose mean log-ratio is 100 overflowed float32 and its gradient was NaN
+    (the same ``inf * 0`` as PPO's); its log is clamped as a token's, and the other response keeps its gradient."""
+    logp = torch.tensor([[-1.0, -0.5], [-1.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-201.0, -0.5], [-1.1, -0.4]])
+    adv, mask = torch.tensor([[1.0, 1.0], [1.0, 1.0]]), torch.ones(2, 2, dtype=torch.bool)
+    total, _ = objective(logp, old, adv, mask, loss="gspo")
+    grad, = torch.autograd.grad(total, logp)
+    assert torch.isfinite(total) and torch.isfinite(grad).all(), grad
+    assert (grad[0] == 0).all() and (grad[1] != 0).all()
+
+
 # --- KL -----------------------------------------------------------------------------------------
 
 
