@@ -264,6 +264,36 @@ def newest_whole(run_dir: Path, announce: bool = True) -> Path | None:
     return None
 
 
+def restarted() -> bool:
+    """Whether torchrun restarted this node's ranks (it counts a restart only on the node whose rank failed)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+
+def resolve_resume(config) -> None:
+    """``config.resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` that is whole
+    (:func:`newest_whole`; or nothing); a checkpoint named must be whole too, and match the policy. None: a
+    ``run_dir`` holding a committed checkpoint is refused, not overwritten. A torchrun restart resumes as "auto"
+    whatever the first attempt was given: from PATH (or afresh) again would un-commit every step since."""
+    if restarted():
+        config.resume = "auto"
+    if not config.resume:
+        if newest := latest(Path(config.run_dir)):
+            raise UserError(f"run_dir {config.run_dir} holds a run (its newest checkpoint: {newest.name}), which a "
+                            "fresh start would overwrite: resume it with --resume auto, or start afresh in a new "
+                            "run_dir (or delete that one)")
+        return
+    if config.resume == "auto":
+        newest = newest_whole(Path(config.run_dir), announce=os.environ.get("RANK", "0") == "0")
+        config.resume = str(newest) if newest else ""
+    elif (Path(config.resume) / MARKER).exists():  # else check() says what is missing
+        if why := verify(Path(config.resume)):
+            raise CheckpointError(f"resume: checkpoint {config.resume} is damaged: {why}; resume from an earlier "
+                                  "one, or with --resume auto, which passes over damaged ones")
+    if config.resume:
+        check(Path(config.resume), config.policy)
+        check_lora_alpha(Path(config.resume), config.train.lora.rank, config.train.lora.alpha)
+
+
 def moved_reference(trainer) -> dict[str, Any]:
     """``{"reference": its state}`` when ``train.ref_sync_steps`` moves the KL reference (a checkpoint keeps it
     then), else nothing."""

@@ -207,7 +207,7 @@ def build(config: Config) -> Job:
     streaming = config.stream.enabled or config.pipe
     meshes = build_meshes(stream=streaming, topology=config.topology(world))
     watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks
-    check_same_resume(config.resume, meshes.control)
+    check_same_resume(config, meshes.control)
     torch.manual_seed(config.seed)
     engine = trainer = None  # disaggregated pools (one_step_off): engines on the rollout pool, the trainer on the rest
     dtype = engine_dtype(config.model.dtype, meshes.device)
@@ -254,15 +254,21 @@ def build(config: Config) -> Job:
     return job
 
 
-def check_same_resume(resume: str, group: torch.distributed.ProcessGroup) -> None:
-    """Collective: every rank resumes from the checkpoint rank 0 does. Each resolves ``--resume auto`` on its own
-    filesystem view; a node's that lags (a network filesystem's cache) would load an older step's shards beside
-    the newest's, or skip the load the others wait in."""
-    seen: list[str | None] = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(seen, resume, group=group)
-    if other := next((rank for rank, path in enumerate(seen) if path != seen[0]), None):
-        raise UserError(f"resume: rank 0 resumes from {seen[0] or 'nothing (a fresh start)'}, rank {other} from "
-                        f"{seen[other] or 'nothing (a fresh start)'}: the nodes do not see the same run_dir "
+def check_same_resume(config: Config, group: torch.distributed.ProcessGroup) -> None:
+    """Collective: every rank resumes from the checkpoint rank 0 does. A torchrun restart is one for every rank,
+    though torchrun counts it only on the node that failed: the others' ranks resolve the resume again as "auto".
+    Each resolves ``--resume auto`` on its own filesystem view; a node's that lags (a network filesystem's cache)
+    would load an older step's shards beside the newest's, or skip the load the others wait in."""
+    seen: list[tuple[str, bool] | None] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(seen, (config.resume, checkpoint.restarted()), group=group)
+    if any(restarted for _, restarted in seen):
+        if not checkpoint.restarted():
+            config.resume = "auto"
+            checkpoint.resolve_resume(config)
+        torch.distributed.all_gather_object(seen, (config.resume, True), group=group)
+    if other := next((rank for rank, (path, _) in enumerate(seen) if path != seen[0][0]), None):
+        raise UserError(f"resume: rank 0 resumes from {seen[0][0] or 'nothing (a fresh start)'}, rank {other} from "
+                        f"{seen[other][0] or 'nothing (a fresh start)'}: the nodes do not see the same run_dir "
                         "(a network filesystem not yet showing every node the newest checkpoint); run again once "
                         "they do, or name the checkpoint with --resume PATH")
 

@@ -27,30 +27,6 @@ from rollpacker.errors import UserError, fail, report
 from rollpacker.model.args import adapter_note, score_labels
 
 
-def resolve_resume(config: Config) -> None:
-    """``resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` that is whole
-    (:func:`rollpacker.checkpoint.newest_whole`; or nothing); a checkpoint named must be whole too,
-    and match the policy. None: a ``run_dir`` holding a committed checkpoint is refused, not overwritten."""
-    from rollpacker import checkpoint
-
-    if not config.resume:
-        if newest := checkpoint.latest(Path(config.run_dir)):
-            raise UserError(f"run_dir {config.run_dir} holds a run (its newest checkpoint: {newest.name}), which a "
-                            "fresh start would overwrite: resume it with --resume auto, or start afresh in a new "
-                            "run_dir (or delete that one)")
-        return
-    if config.resume == "auto":
-        newest = checkpoint.newest_whole(Path(config.run_dir), announce=os.environ.get("RANK", "0") == "0")
-        config.resume = str(newest) if newest else ""
-    elif (Path(config.resume) / checkpoint.MARKER).exists():  # else check() says what is missing
-        if why := checkpoint.verify(Path(config.resume)):
-            raise checkpoint.CheckpointError(f"resume: checkpoint {config.resume} is damaged: {why}; resume from an "
-                                             "earlier one, or with --resume auto, which passes over damaged ones")
-    if config.resume:
-        checkpoint.check(Path(config.resume), config.policy)
-        checkpoint.check_lora_alpha(Path(config.resume), config.train.lora.rank, config.train.lora.alpha)
-
-
 def checkpoint_step(path: str) -> int:
     """The step checkpoint ``path`` resumes at."""
     from rollpacker import checkpoint
@@ -129,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     preempt.install()  # a stop (Ctrl-C, SIGTERM) during setup stops before the first step
     try:
         config = parse_once(argv)
+        from rollpacker.checkpoint import resolve_resume
+
         resolve_resume(config)
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
         if not config.model.shipped:

@@ -140,16 +140,21 @@ def ready(run_dir, rank: int) -> bool:
 
 
 RESUMES = """
+import os
 import sys
 from pathlib import Path
 import torch.distributed as dist
+from rollpacker.config import Config
 from rollpacker.errors import UserError
 from rollpacker.job import check_same_resume
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+if sys.argv[4:] == [str(rank)]:  # torchrun restarted this rank's node alone
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+config = Config(run_dir=str(Path(sys.argv[1], "run")), resume=sys.argv[2 + rank])
 try:
-    check_same_resume(sys.argv[2 + rank], dist.group.WORLD)
-    said = "same"
+    check_same_resume(config, dist.group.WORLD)
+    said = f"same: {config.resume or 'nothing'}"
 except UserError as e:
     said = str(e)
 Path(sys.argv[1], f"rank{rank}.txt").write_text(said)  # a file: in CI a stranger line on stdout broke its reading
@@ -157,19 +162,30 @@ dist.destroy_process_group()
 """
 
 
+def resumes(tmp_path, *argv) -> list[str]:
+    """What each of two ranks said of check_same_resume, given its resolved --resume (and the restarted rank)."""
+    (tmp_path / "resumes.py").write_text(RESUMES)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(tmp_path / "resumes.py"), str(tmp_path), *argv], capture_output=True, text=True,
+                          timeout=120, env=job_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+
+
 @pytest.mark.parametrize("paths", [("run/checkpoints/step_4", "run/checkpoints/step_2"),
                                    ("run/checkpoints/step_4", "")])
 def test_ranks_resuming_from_different_checkpoints_stop_before_loading(tmp_path, paths):
     """Each rank resolves --resume auto on its own view of run_dir: a node whose network filesystem lags would load
     an older step's shards beside the newest's (or none, and hang the load the others wait in)."""
-    (tmp_path / "resumes.py").write_text(RESUMES)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "resumes.py"), str(tmp_path), *paths], capture_output=True, text=True,
-                          timeout=120, env=job_env(OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
     said = (f"resume: rank 0 resumes from {paths[0]}, rank 1 from {paths[1] or 'nothing (a fresh start)'}: the nodes "
             "do not see the same run_dir")
-    assert [(tmp_path / f"rank{rank}.txt").read_text().startswith(said) for rank in (0, 1)] == [True, True]
+    assert [text.startswith(said) for text in resumes(tmp_path, *paths)] == [True, True]
+
+
+def test_a_restart_of_one_nodes_ranks_resumes_every_rank_as_auto(tmp_path):
+    """torchrun counts a restart only on the node that failed: a rank of another node, given --resume PATH, went
+    back to PATH while the restarted ranks resumed from the newest checkpoint (here none: run_dir is empty)."""
+    assert resumes(tmp_path, "run/checkpoints/step_4", "", "1") == ["same: nothing", "same: nothing"]
 
 
 @pytest.mark.slow  # torchrun's restart; a kill losing nothing is test_tail's sigkill test

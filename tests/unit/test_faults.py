@@ -142,20 +142,41 @@ def test_lora_adapters_resumed_under_another_alpha_are_refused(toy_random_dir, t
     from rollpacker.dist import build_meshes
     from rollpacker.job import export_flags
     from rollpacker.model import load_model
-    from rollpacker.run import resolve_resume
     from rollpacker.train.config import TrainConfig
     from rollpacker.train.trainer import Trainer
 
     lora = ["--train.lora.rank", "8", "--train.lora.alpha", "32"]
     trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
     checkpoint.save(tmp_path, trainer, 1, {"export_flags": export_flags(parse(lora))})
-    resolve_resume(parse([*lora, "--resume", str(tmp_path)]))
-    resolve_resume(parse(["--resume", str(tmp_path)]))  # no adapters: check_model names what differs
+    checkpoint.resolve_resume(parse([*lora, "--resume", str(tmp_path)]))
+    checkpoint.resolve_resume(parse(["--resume", str(tmp_path)]))  # no adapters: check_model names what differs
     with pytest.raises(checkpoint.CheckpointError) as e:
-        resolve_resume(parse(["--train.lora.rank", "8", "--resume", str(tmp_path)]))
+        checkpoint.resolve_resume(parse(["--train.lora.rank", "8", "--resume", str(tmp_path)]))
     assert str(e.value) == (f"resume: {tmp_path} trained its LoRA adapters with train.lora.alpha 32, this run sets "
                             "16: an adapter's update is scaled by alpha / rank, so the policy would change at resume. "
                             "Resume (or export) with train.lora.alpha 32")
+
+
+def test_a_torchrun_restart_resumes_from_the_newest_checkpoint_not_the_first_attempts(toy_random_dir, tmp_path,
+                                                                                      monkeypatch):
+    """A job started with --resume PATH went back to PATH at each torchrun restart, un-committing every step since;
+    a fresh start's restart was refused as overwriting its own run."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
+    for step in (1, 2):
+        checkpoint.save(tmp_path / "checkpoints" / f"step_{step}", trainer, step, {})
+    first = parse(["--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_1")])
+    checkpoint.resolve_resume(first)
+    assert first.resume == str(tmp_path / "checkpoints" / "step_1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    for argv in (["--resume", str(tmp_path / "checkpoints" / "step_1")], []):
+        config = parse(["--run-dir", str(tmp_path), *argv])
+        checkpoint.resolve_resume(config)
+        assert config.resume == str(tmp_path / "checkpoints" / "step_2")
 
 
 def test_adapters_trained_on_another_base_of_the_same_shapes_are_refused(tmp_path):

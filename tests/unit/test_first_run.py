@@ -71,9 +71,9 @@ def test_a_lora_runs_adapter_directory_as_the_policy_is_refused_naming_the_merge
 def test_a_fresh_start_in_a_run_dir_holding_a_run_is_refused_naming_the_way_on(tmp_path):
     """It would drop the run's metrics and un-commit its checkpoints, silently."""
     from rollpacker import checkpoint
+    from rollpacker.checkpoint import resolve_resume
     from rollpacker.config import Config
     from rollpacker.errors import UserError
-    from rollpacker.run import resolve_resume
 
     resolve_resume(Config(run_dir=str(tmp_path)))  # nothing there: a fresh start
     (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
