@@ -130,6 +130,23 @@ class ToolEnv:
         if self.inner is not None and callable(getattr(self.inner, "close", None)):
             invoke(self.inner.close)
 
+    # the wrapped environment's scoring hooks (a verifiers environment's: rollpacker.env.contract), passed on
+
+    @property
+    def finishes(self) -> bool:
+        return contract.finishes(self.inner)
+
+    def finish(self):
+        return self.inner.finish()
+
+    @property
+    def unscored_alone(self) -> str | None:
+        return getattr(self.inner, "unscored_alone", None)
+
+    def reward_state(self):
+        make = getattr(self.inner, "reward_state", None)
+        return make() if callable(make) else None
+
     def _run(self, call: ToolCall) -> tuple[str, bool]:
         """The tool message's text, uncut, and whether the call failed (a result may begin with "error: " too)."""
         if call.error:

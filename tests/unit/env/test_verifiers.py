@@ -151,6 +151,31 @@ def test_a_verifiers_episode_a_token_limit_ends_is_scored_as_verifiers_scores_a_
     contract.close(env)
 
 
+MUL_TOOL = '''
+def mul(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a * b
+'''
+
+
+def test_env_tools_beside_a_verifiers_environment_keep_its_scoring_hooks(vf_file, tmp_path):
+    """With --env.tools a verifiers environment runs inside env.tools' ToolEnv, which dropped its hooks: an episode a
+    token limit ended went unscored, and reward functions taking ``environments`` got no rollout state."""
+    (tmp_path / "more_tools.py").write_text(MUL_TOOL)
+    spec = EnvSpec(factory=f"{vf_file}:make_again_env", tools=(f"{tmp_path}/more_tools.py:mul",), states=True)
+    env = opened(spec)
+    assert contract.finishes(env) and not contract.step(env, "It is 5.").terminated
+    assert contract.finish(env) == 1.0
+    assert env.reward_state().restore()["stop_condition"] == "prompt_too_long"
+    assert env.unscored_alone is None  # its rubric scores each rollout alone
+    contract.close(env)
+
+
 def test_a_verifiers_rollout_gets_a_missing_answer_and_a_string_example_id_as_verifiers_formats_them(vf_file):
     """A row without an answer (None) gives "" (not "None"); a non-integer example_id is src_id, as verifiers
     formats a dataset's (int() of it raised)."""
