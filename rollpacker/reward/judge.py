@@ -193,7 +193,14 @@ class Judge:
         """Rewards of (prompt, response) pairs (a generative judge's in [0, 1]), or the :class:`RewardError`
         of each pair that could not be scored. ``rubrics``: a rubric per pair (None: the configured one)."""
         rubrics = [None] * len(pairs) if rubrics is None else rubrics
-        return self.score_ids([self.encode(p, r, rubric) for (p, r), rubric in zip(pairs, rubrics, strict=True)])
+        encoded: list[list[int] | RewardError] = []
+        for (prompt, response), rubric in zip(pairs, rubrics, strict=True):
+            try:
+                encoded.append(self.encode(prompt, response, rubric))
+            except RewardError as e:  # the reward model's template refused this pair: the others are scored
+                encoded.append(e)
+        scored = iter(self.score_ids([ids for ids in encoded if not isinstance(ids, RewardError)]))
+        return [ids if isinstance(ids, RewardError) else next(scored) for ids in encoded]
 
     def score_ids(self, seqs: Sequence[list[int]]) -> list[float | RewardError]:
         """Like :meth:`score`, for judge prompts already encoded (:meth:`encode`). They are packed

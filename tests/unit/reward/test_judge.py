@@ -215,6 +215,11 @@ def test_a_reward_model_scores_the_conversation_as_transformers_does(reward_mode
     assert streamed.score_ids(seqs) == scores  # every layer streamed from host memory: the same, bit for bit
     # a rubric is a generative judge's: a reward model takes none, and max_score does not bind it
     assert Judge(JudgeConfig(model_path=str(reward_model_dir), rubric=ADDER, max_score=99)).score_ids(seqs) == scores
+    judge.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no "
+                                     "tool') }}{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    tool_first = [{"role": "tool", "content": "x"}, {"role": "user", "content": "1+2"}]
+    good, refused = judge.score([("1+2", " 3"), (tool_first, " 3")])  # one pair's refusal is its own error
+    assert good == judge.score_ids([judge.encode("1+2", " 3")])[0] and isinstance(refused, RewardError)
     judge.tokenizer.chat_template = None  # without a template: the prompt's text and the response's, as TRL joins them
     assert judge.encode("Q: 1+2\nA:", " 3") == tokenizer("Q: 1+2\nA: 3", add_special_tokens=False)["input_ids"]
     pad = tokenizer.pad_token_id  # scored after the last token that is not padding, as Hugging Face reads it
