@@ -197,7 +197,10 @@ def check_held_out(config: DataConfig, rows: list[dict], eval_rows: list[dict] |
 
 
 def _content(row: dict) -> str:
-    return json.dumps([row["prompt"], row.get("answer")], sort_keys=True, default=str)  # a code or judge row has none
+    answer = row.get("answer")  # a code or judge row has none
+    if isinstance(answer, float) and answer.is_integer():  # Arrow reads a column of 1 and 2.5 as floats
+        answer = int(answer)
+    return json.dumps([row["prompt"], answer], sort_keys=True, default=str)
 
 
 def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | None = None,
@@ -233,12 +236,14 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
 def _names(sources: tuple[str, ...]) -> list[str]:
     """Each source's name: its stem (:func:`_stem`); files of one stem (verl's ``gsm8k/train.parquet`` and
     ``math/train.parquet``) with their folder, and then, in one folder, with their suffix (``math.parquet``,
-    ``math.jsonl``); Hub datasets of one name as given (``openai/gsm8k:main``)."""
+    ``math.jsonl``); Hub datasets of one name as given (``openai/gsm8k:main``), and so files still named alike
+    (``a/data/train.jsonl`` and ``b/data/train.jsonl``)."""
     paths = [Path(source).expanduser() for source in sources]
     names = [_stem(path) for path in paths]
     names = [n if names.count(n) == 1 else s if _is_hub(p) else f"{p.resolve().parent.name}/{n}"
              for s, p, n in zip(sources, paths, names)]
-    return [n if names.count(n) == 1 else f"{n}{p.suffix}" for p, n in zip(paths, names)]
+    names = [n if names.count(n) == 1 else f"{n}{p.suffix}" for p, n in zip(paths, names)]
+    return [n if names.count(n) == 1 else s for s, n in zip(sources, names)]
 
 
 def read_rows(source: str | Path, config: DataConfig | None = None, *, split: str | None = None,

@@ -259,6 +259,12 @@ def test_files_of_one_name_in_two_folders_are_named_by_their_folders(tmp_path, m
     write(tmp_path / "math", [json.dumps({"prompt": "j", "answer": "1"})], "train.json")
     rows = load_rows(DataConfig(path=("train.jsonl", "train.json")))
     assert sorted({r["id"] for r in rows}) == ["math/train.json:1", "math/train.jsonl:1", "math/train.jsonl:2"]
+    # in two folders of one name: as given (both were math/train.jsonl, and their rows' ids collided)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other" / "math").mkdir(parents=True)
+    write(tmp_path / "other" / "math", [json.dumps({"prompt": "o", "answer": "1"})])
+    rows = load_rows(DataConfig(path=("math/train.jsonl", "other/math/train.jsonl")))
+    assert sorted({r["data_source"] for r in rows}) == ["math/train.jsonl", "other/math/train.jsonl"]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "saved", "saved_dict"])
@@ -334,6 +340,15 @@ def test_trained_rows_in_the_eval_set_are_found_whatever_their_ids(tmp_path):
         check_held_out(joined, load_rows(joined), load_eval_rows(joined))
     apart = DataConfig(path=saved, split="train", eval_path=saved, eval_split="test")
     check_held_out(apart, load_rows(apart), load_eval_rows(apart))
+    # a whole-number answer read as a float (Arrow, as the eval file's other answer is 2.5) is still the row's
+    write(tmp_path / "x", [json.dumps({"prompt": "x0", "answer": 0}), json.dumps({"prompt": "q", "answer": 2.5})],
+          "eval.jsonl")
+    numbers = DataConfig(path=str(tmp_path / "x" / "num.jsonl"), eval_path=str(tmp_path / "x" / "eval.jsonl"))
+    write(tmp_path / "x", [json.dumps({"prompt": "x0", "answer": 0}), json.dumps({"prompt": "x1", "answer": 1})],
+          "num.jsonl")
+    assert [r["answer"] for r in load_eval_rows(numbers)] == [0.0, 2.5]
+    with pytest.raises(DatasetError, match=r"holds 1 of the rows training reads too"):
+        check_held_out(numbers, load_rows(numbers), load_eval_rows(numbers))
     # rows without an answer (a code task's tests, a judge's prompt): known by their prompt (a KeyError stopped the
     # run as it started)
     (tmp_path / "z").mkdir()
