@@ -97,8 +97,9 @@ def make(spec, factories: dict[Any, Callable], row: dict) -> TRLEnv:
 
 
 def tool_methods(instance) -> dict[str, Callable]:
-    """The instance's tools, as TRL finds them: its public bound methods but ``reset`` and ``get_reward``."""
-    return {name: m for name, m in inspect.getmembers(instance, inspect.ismethod)
+    """The instance's tools, as TRL finds them: its class's public functions but ``reset`` and ``get_reward``
+    (methods and static methods; not class methods, nor properties, which are not read), bound."""
+    return {name: getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
             if name not in RESERVED and not name.startswith("_")}
 
 
@@ -120,7 +121,7 @@ class TRLEnv:
                                                                                   factory, release)
         self.name = type(instance).__name__
         try:
-            schemas({k: f for k, f in tools.items() if inspect.ismethod(f)}, self.name)
+            schemas({k: f for k, f in tools.items() if k in tool_methods(instance)}, self.name)
         except EnvError as e:  # a helper method the user did not mean as a tool, most likely
             raise EnvError(f"{e} (every public method of a TRL environment but reset and get_reward is a tool, as in "
                            "TRL: start a helper's name with _ to keep it from the model)") from None
