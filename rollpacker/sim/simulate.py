@@ -28,6 +28,7 @@ from rollpacker.plan.planner import Planner, candidate_tps
 from rollpacker.rollout.config import RolloutConfig
 from rollpacker.schedule import config as policies
 from rollpacker.schedule.base import Group, RoundPlan, refuse_with_pools
+from rollpacker.schedule.drafts import DraftMemory
 from rollpacker.schedule.round import Actions, Round, RoundOutcome, RoundState, Routing, Seen, opens_ahead
 from rollpacker.schedule.runner import EpisodeRunner
 from rollpacker.schedule.scale_down import ScaleDownDecider, StreamConfig, StreamRound
@@ -211,7 +212,8 @@ def build_replicas(cost: CostModel, num_replicas: int, *, max_num_seqs: int = 10
 def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_new_tokens: int,
                    reward=lambda row, seq: None, plan: RoundPlan | None = None,
                    stream: ScaleDownDecider | None = None, poll: Polling | None = None,
-                   env: SimEnvPool | None = None, routing: Routing = Routing()) -> RoundRecord:
+                   env: SimEnvPool | None = None, routing: Routing = Routing(),
+                   memory: DraftMemory | None = None) -> RoundRecord:
     """One round of ``policy`` on fresh ``replicas`` (time starts at 0): the job's round protocol
     (:class:`~rollpacker.schedule.round.Round`) on simulated time.
 
@@ -220,7 +222,8 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
     of a response (scored at once); ``plan``, the round when the caller already asked the policy for
     it; ``stream``, the stream trainer's decider. ``poll`` runs the replicas in lockstep as the
     controller's exchange loop does (:class:`Polling`), instead of polling at each replica event;
-    ``routing``, the job's (``rollout.routing``, ``rollout.longest_first``).
+    ``routing``, the job's (``rollout.routing``, ``rollout.longest_first``, which orders launches by the lengths
+    ``memory`` kept of earlier rounds: the run's, as the controller's).
 
     ``env``: the run's environment workers, carried from the last round (:meth:`SimEnvPool.shift`). With
     a workload, each response is an episode of it (:mod:`rollpacker.sim.episodes`): its turns on the
@@ -243,10 +246,16 @@ def simulate_round(step: int, policy, replicas: list[Replica], lengths, *, max_n
                                    obs_tokens=work.obs_tokens, max_new_tokens=max_new_tokens,
                                    max_tokens=work.max_tokens, clock=clock, resident=work.resident)
     runner = EpisodeRunner(make, seed=env.seed, environment=work is not None)
-    rnd = Round(RoundState(step, plan, policy, len(replicas), routing=routing), _Instant(reward), runner,
+    rnd = Round(RoundState(step, plan, policy, len(replicas), routing=routing, memory=memory), _Instant(reward), runner,
                 StreamRound(stream) if stream else None)
     sim = _SimRound(step, plan, rnd, replicas, poll, env)
     return sim.run()
+
+
+def job_routing(rollout: RolloutConfig) -> tuple[Routing, DraftMemory | None]:
+    """The job's routing of ``rollout``'s settings, and the run's memory of lengths it orders by (longest first)."""
+    routing = Routing(by_group=rollout.routing == "group", longest_first=rollout.longest_first)
+    return routing, DraftMemory(keep_tokens=False) if rollout.longest_first else None
 
 
 @dataclass
@@ -574,7 +583,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
                              f"plan.max_tp, whose KV cache holds a request of {longest} tokens): start at one of them")
         planner = Planner(cfg.plan, candidates, initial)
     results, tp, decider = [], planner.initial if planner else cfg.tp, None
-    routing = Routing(by_group=cfg.rollout.routing == "group", longest_first=cfg.rollout.longest_first)
+    routing, memory = job_routing(cfg.rollout)
     env = SimEnvPool(env_workload, seed=cfg.seed)
     drafts = cfg.speculation.drafts()
     for step in range(cfg.num_steps):
@@ -596,7 +605,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
             decider.histories = histories
         rnd = simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
                              reward=lambda row, seq: cfg.reward.value(row, seq.id), plan=plan, stream=decider, env=env,
-                             routing=routing)
+                             routing=routing, memory=memory)
         result = step_times(step, rnd, cfg, cost, keep=record)
         if env_workload:  # an episode's reward comes with it, from its environment: no reward stage
             result.reward_s = 0.0

@@ -218,7 +218,7 @@ def simulate_rounds(argv: list[str], profile: dict, drafts: list[Drafts] = (),
     from rollpacker.data.lengths import LengthModel
     from rollpacker.model import read_args
     from rollpacker.sim.cost import ProfiledCost
-    from rollpacker.sim.simulate import build_replicas, simulate_round
+    from rollpacker.sim.simulate import build_replicas, job_routing, simulate_round
     from rollpacker.sim.speculation import SpecSimConfig
 
     cfg = parse(argv)
@@ -245,7 +245,7 @@ def simulate_rounds(argv: list[str], profile: dict, drafts: list[Drafts] = (),
     # one pool of environment workers for the run, as the job's
     env = SimEnvPool(episode_workload(cfg, tokenizer) if cfg.env.enabled else None,
                      row_key=lambda i: str(rows[i]["id"]), seed=cfg.seed)
-    rounds = []
+    rounds, (routing, memory) = [], job_routing(cfg.rollout)
     for step in range(cfg.num_steps):
         if policy.done():
             break
@@ -254,7 +254,8 @@ def simulate_rounds(argv: list[str], profile: dict, drafts: list[Drafts] = (),
                                   RANKS // cfg.rollout.tp, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_prefill_tokens=cfg.engine.max_prefill_tokens)
         rounds.append(simulate_round(step, policy, replicas, lengths, max_new_tokens=cfg.rollout.max_new_tokens,
-                                     poll=polling(profile, cfg.rollout.poll_steps), env=env))
+                                     poll=polling(profile, cfg.rollout.poll_steps), env=env, routing=routing,
+                                     memory=memory))
         env.shift(rounds[-1].rollout_s)
     return rounds
 

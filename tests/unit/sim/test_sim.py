@@ -17,7 +17,7 @@ from rollpacker.rollout.engine import SamplingParams
 from rollpacker.schedule.config import POLICY_CONFIGS
 from rollpacker.schedule.one_step_off import OneStepOffConfig
 from rollpacker.schedule.sync import SyncConfig, SyncPolicy
-from rollpacker.schedule.tail import TailPolicy
+from rollpacker.schedule.tail import TailConfig, TailPolicy
 from rollpacker.sim.cost import HARDWARE, MODELS, Calibration, CostModel, ModelShape, fit_calibration
 from rollpacker.sim.engine import Replica, Seq
 from rollpacker.sim.simulate import SimConfig, simulate, simulate_round, summarize
@@ -358,6 +358,13 @@ def test_the_simulator_routes_as_the_job_and_refuses_what_it_does_not_model():
     base = SimConfig(model="qwen2.5-7b", gpus=8, rollout=rollout(16, 8, 8192), num_steps=2, schedule=SyncConfig())
     by_group = simulate(replace(base, rollout=replace(base.rollout, routing="group")))
     assert [r.rollout_s for r in by_group] != [r.rollout_s for r in simulate(base)]  # not round-robin per request
+    # longest first: by the lengths the run kept of the rows' cut responses (a short round's are none), as the job's
+    tail = replace(base, gpus=20, rollout=RolloutConfig(num_prompts=32, group_size=6, max_new_tokens=8192, tp=2),
+                   num_steps=5, schedule=TailConfig())
+    plain, longest = (simulate(replace(tail, rollout=replace(tail.rollout, longest_first=on))) for on in (False, True))
+    assert [r.kind for r in plain] == ["short"] * 4 + ["long"]
+    assert [r.rollout_s for r in plain[:4]] == [r.rollout_s for r in longest[:4]]
+    assert plain[4].rollout_s != longest[4].rollout_s
     with pytest.raises(ValueError, match=r"schedule.pipe \(RolloutPipe\) is not simulated"):
         SimConfig(schedule=SyncConfig(pipe=True))
     with pytest.raises(ValueError, match="rollout.tp=8 does not divide qwen2.5-7b's 28 attention heads and 4 KV"):
