@@ -55,12 +55,13 @@ class LengthModel:
             raise ValueError(f"lengths: long_fraction={self.long_fraction} must be in [0, 1] and sigmas >= 0")
 
     def for_cap(self, cap: int) -> LengthModel:
-        """This model for responses cut at ``cap``: the length scales times ``cap / reference_cap``."""
+        """This model for responses cut at ``cap``: the length scales times ``cap / reference_cap`` (a token at
+        least: a small cap was refused for medians it never set)."""
         if not self.scale_with_cap or cap == self.reference_cap:
             return self
         s = cap / self.reference_cap
-        return replace(self, median_tokens=self.median_tokens * s, long_median_tokens=self.long_median_tokens * s,
-                       reference_cap=cap)
+        return replace(self, median_tokens=max(1.0, self.median_tokens * s),
+                       long_median_tokens=max(1.0, self.long_median_tokens * s), reference_cap=cap)
 
     def log_scale(self, row: int) -> float:
         return _log_scale(self, row)

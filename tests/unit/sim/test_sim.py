@@ -278,6 +278,8 @@ def test_default_mixture_reproduces_the_papers_length_statistics():
     assert stats["cap_hit_rate"] >= 0.9
     doubled = LengthModel().for_cap(32768)
     assert doubled.median_tokens == 2 * LengthModel().median_tokens
+    tiny = LengthModel().for_cap(16)  # its medians scaled under a token were refused, naming settings never set
+    assert tiny.median_tokens == 1 and tiny.long_median_tokens > 1 and tiny.lengths(0, 0, 0, 8).max() >= 1
 
 
 def test_length_trace_reads_a_runs_metrics_jsonl(tmp_path):
