@@ -265,6 +265,8 @@ def check_same_resume(config: Config, group: torch.distributed.ProcessGroup) -> 
         if not checkpoint.restarted():
             config.resume = "auto"
             checkpoint.resolve_resume(config)
+            if torch.distributed.get_rank() == 0:  # it said the first attempt's resume as it started
+                logger.info("torchrun restarted another node's ranks: resuming from %s", config.resume or "nothing")
         torch.distributed.all_gather_object(seen, (config.resume, True), group=group)
     if other := next((rank for rank, (path, _) in enumerate(seen) if path != seen[0][0]), None):
         raise UserError(f"resume: rank 0 resumes from {seen[0][0] or 'nothing (a fresh start)'}, rank {other} from "
