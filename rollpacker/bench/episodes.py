@@ -20,6 +20,7 @@ The environment and the keys: ``docs/benchmarks.md``; the figures: ``docs/result
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -196,14 +197,15 @@ def samples(run_dir: Path) -> list[dict]:
 
 
 def summarize(args: Args, records: list[dict], run_dir: Path) -> dict[str, float]:
-    """Per trained prompt over the steps after the first; prompts lost and trained twice over the epochs."""
+    """Per trained prompt over the steps after the first (NaN: they trained none); prompts lost and trained twice
+    over the epochs (of the samples trained: a filtered group's are written too)."""
     steps = [r for r in records if "time/step" in r]
     timed = steps[1:] or steps
     prompts = sum(r["sched/trained_prompts"] for r in timed)
-    trained = Counter(s["row"] for s in samples(run_dir))
+    trained = Counter(s["row"] for s in samples(run_dir) if s["trained"])
     groups = [n / args.group_size for n in trained.values()] + [0.0] * (args.rows - len(trained))  # once an epoch
-    return {"rollout_s": sum(r["time/rollout"] for r in timed) / prompts,
-            "step_s": sum(r["time/step"] for r in timed) / prompts,
+    return {"rollout_s": sum(r["time/rollout"] for r in timed) / prompts if prompts else math.nan,
+            "step_s": sum(r["time/step"] for r in timed) / prompts if prompts else math.nan,
             "env_wait_s": statistics.mean(r.get("rollout/env_wait_s", 0.0) for r in timed),
             "turns": statistics.mean(r.get("env/turns_mean", 0.0) for r in timed),
             "reused_prefill": sum(r.get("rollout/reused_prefill_tokens", 0) for r in steps),
@@ -219,11 +221,18 @@ def tokens_changed(args: Args, seed: int, env_file: Path, work: Path, run_args: 
     for spec in ("off", args.speculative):
         run_dir = work / f"spec_{spec}"
         job(args, seed, env_file, ["schedule:sync"], run_dir, [*run_args, "--train.skip", "--num-steps", "2"], spec)
-        runs[spec] = sorted((s["step"], s["row"], s["completion"], s["length"]) for s in samples(run_dir))
-    off, on = runs["off"], runs[args.speculative]
-    unmatched = off[len(on):] + on[len(off):]
-    changed = sum(max(a[3], b[3]) for a, b in zip(off, on) if a != b) + sum(s[3] for s in unmatched)
-    return changed, len(off)
+        runs[spec] = [(s["step"], s["row"], s["completion"], s["length"]) for s in samples(run_dir)]
+    return changed_tokens(runs["off"], runs[args.speculative]), len(runs["off"])
+
+
+def changed_tokens(off: list[tuple], on: list[tuple]) -> int:
+    """Of two runs' episodes ``(step, row, completion, length)``: those of a text the other run's same row has too
+    match; the rest pair within their (step, row), each pair counting its longer, and what is left its own."""
+    left: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for side, unmatched in enumerate((Counter(off) - Counter(on), Counter(on) - Counter(off))):
+        for (step, row, _, length), n in sorted(unmatched.items()):
+            left.setdefault((step, row), ([], []))[side].extend([length] * n)
+    return sum(sum(map(max, a, b)) + sum(a[len(b):]) + sum(b[len(a):]) for a, b in left.values())
 
 
 PAPER = "+paper"

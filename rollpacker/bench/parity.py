@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def run(args: Args, tools_file: Path, policy: str, seed: int, run_dir: Path, run
 def summarize(records: list[dict], wall: float) -> dict[str, float]:
     """Held-out gain, its mean over the evaluations after the first (how fast it learns) and the final
     tool-call rate (greedy), the sampled tool-call rate over the last quarter of steps, and the kept and
-    cut episodes' means over the steps that cut any."""
+    cut episodes' means over the steps that cut any (NaN: none did)."""
     evals = [r for r in records if "eval/accuracy" in r]
     steps = [r for r in records if "reward/mean" in r]
     last = steps[-max(1, len(steps) // 4):]
@@ -130,13 +131,19 @@ def summarize(records: list[dict], wall: float) -> dict[str, float]:
     for side in ("kept", "cut"):
         for key in SELECTION:
             values = [r[f"sched/{side}/{key}"] for r in cutting]
-            out[f"{side}_{key}"] = statistics.mean(values) if values else 0.0
+            out[f"{side}_{key}"] = statistics.mean(values) if values else math.nan
     return out
+
+
+def _mean(values) -> float:
+    """The mean over seeds of the values a seed has (one that cut nothing has no kept or cut means; NaN: none)."""
+    had = [v for v in values if not math.isnan(v)]
+    return statistics.mean(had) if had else math.nan
 
 
 def report(args: Args, results: dict[str, list[dict]]) -> dict:
     """The table (means over seeds), the bar, and the JSON summary."""
-    mean = {p: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for p, rs in results.items()}
+    mean = {p: {k: _mean(r[k] for r in rs) for k in rs[0]} for p, rs in results.items()}
     policies = list(mean)
     print(f"\n{args.preset}, {args.nproc} ranks, {args.steps} steps, latency {args.latency}, "
           f"mean over seeds {args.seeds}:")
@@ -155,8 +162,8 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
     base = policies[0]
     summary = {f"{key}_{p}": round(mean[p][key], 4) for key in ("eval_gain", "eval_mean", "tool_rate")
                for p in policies}
-    summary |= {f"{side}_{key}_{p}": round(mean[p][f"{side}_{key}"], 4)
-                for p in policies[1:] for side in ("kept", "cut") for key in SELECTION}
+    summary |= {f"{side}_{key}_{p}": None if math.isnan(v := mean[p][f"{side}_{key}"]) else round(v, 4)
+                for p in policies[1:] for side in ("kept", "cut") for key in SELECTION}  # None: no seed cut any
     for p in policies[1:]:
         gaps = {key: mean[base][key] - mean[p][key] for key in BAR}
         passed = all(gaps[k] <= BAR[k] for k in BAR)

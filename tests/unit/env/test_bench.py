@@ -9,7 +9,15 @@ import statistics
 import numpy as np
 import pytest
 
-from rollpacker.bench.episodes import Args, WorkloadEnv, bench_workload, mean_summary, run_flags
+from rollpacker.bench.episodes import (
+    Args,
+    WorkloadEnv,
+    bench_workload,
+    changed_tokens,
+    mean_summary,
+    run_flags,
+    summarize,
+)
 from rollpacker.sim.agentic import WORKLOADS, workload
 from rollpacker.sim.episodes import latency_sampler
 from rollpacker.toy.task import make_dataset
@@ -112,3 +120,21 @@ def test_the_ablation_rows_and_the_seeds_mean():
                              "prompts_trained_twice": 0}])
     assert summary == {"rollout_speedup_tail": 2.5, "tokens_changed": 0, "prompts_lost": 1,
                        "prompts_trained_twice": 0, "seeds": 2}
+
+
+def test_tokens_changed_pairs_what_differs_within_a_row_and_counts_only_trained_prompts(tmp_path):
+    """An episode whose new text sorted ahead of its unchanged sibling made the sibling count as changed too;
+    a filtered group's samples (written, not trained) counted as trained; steps after the first that trained no
+    prompt divided by zero and lost the bench's table."""
+    off = [(0, 1, "a", 3), (0, 1, "c-old", 5), (0, 2, "x", 4)]
+    on = [(0, 1, "a", 3), (0, 1, "b-new", 7), (0, 2, "x", 4)]
+    assert changed_tokens(off, on) == 7 and changed_tokens(off, off) == 0
+    assert changed_tokens(off, on[:2]) == 7 + 4  # an episode one run lacks counts whole
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "step_0.jsonl").write_text("".join(
+        json.dumps({"row": row, "trained": trained}) + "\n" for row, trained in ((0, True), (0, True), (1, False),
+                                                                                 (1, False))))
+    records = [{"time/step": 2.0, "time/rollout": 1.0, "sched/trained_prompts": 1},
+               {"time/step": 1.0, "time/rollout": 0.5, "sched/trained_prompts": 0}]
+    s = summarize(Args(rows=2, group_size=2, epochs=1), records, tmp_path)
+    assert (s["lost"], s["twice"], s["prompts"]) == (1, 0, 1) and np.isnan(s["rollout_s"])

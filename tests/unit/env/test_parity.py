@@ -53,3 +53,20 @@ def test_the_bar_catches_a_policy_that_learns_late(capsys):
     assert summary["eval_gain_gap_tail_keep_first"] < 0 < summary["eval_mean_gap_tail_keep_first"] - 0.07
     out = capsys.readouterr().out
     assert "mean of evals +0.074 below (at most 0.03), tool-call rate +0.000 below (at most 0.05): NO" in out
+
+
+def test_a_seed_that_cut_nothing_is_left_out_of_the_kept_and_cut_means(capsys):
+    """It counted as kept and cut episodes of 0 turns, halving the other seeds' means (a short run)."""
+    from rollpacker.bench.parity import report
+
+    def seed(cut: bool) -> dict:
+        step = {"step": 0, "reward/mean": 0.5, "sched/cut_episodes": float(cut)}
+        if cut:
+            step |= {f"sched/{side}/{k}": v for side, v in (("kept", 2.0), ("cut", 4.0))
+                     for k in ("turns", "model_tokens", "tool_calls", "env_seconds")}
+        return summarize([{"step": 0, "eval/accuracy": 0.5}, step], 1.0)
+
+    summary = report(Args(seeds="0,1"), {"sync": [seed(False), seed(False)], "tail": [seed(True), seed(False)],
+                                         "tail_keep_first": [seed(False), seed(False)]})
+    assert (summary["kept_turns_tail"], summary["cut_turns_tail"]) == (2.0, 4.0)
+    assert summary["kept_turns_tail_keep_first"] is None  # no seed cut any: no mean, not 0
