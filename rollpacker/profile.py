@@ -32,9 +32,13 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:  # a model or engine setting the job refuses: said as the job says it
         fail(as_flags(str(e)), prefix="rollpacker.profile: config error: ")
     meshes = build_meshes(1, 0)
-    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
+    dtype = engine_dtype(config.model.dtype, meshes.device)
+    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size, dtype)
     rank = meshes.rank  # a profiled vLLM engine's shutdown destroys the process group
-    profile = measure(config, meshes, model_dir, engine_dtype(config.model.dtype, meshes.device), key)
+    try:
+        profile = measure(config, meshes, model_dir, dtype, key)
+    except UserError as e:  # settings it cannot profile: said once
+        fail(as_flags(str(e)), prefix="rollpacker.profile: config error: ")
     if rank == 0:
         path = Path(config.plan.profile) if config.plan.profile else cache_path(config, key)
         save(profile, path)

@@ -30,20 +30,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollpacker.errors import UserError
+
 logger = logging.getLogger("rollpacker")
 VERSION = 1
 
 
-def profile_key(config, model_dir: Path, device: str, world: int) -> dict[str, Any]:
-    e = config.engine
+def profile_key(config, model_dir: Path, device: str, world: int, dtype) -> dict[str, Any]:
+    """What the measurements depend on: the model's architecture, the device, the world, the engine's dtype
+    (``dtype``: resolved, so "auto" and what it resolves to share one), KV settings and speculation, and the
+    sampling its decode steps do."""
+    e, r = config.engine, config.rollout
     return {
         "version": VERSION,
         "model": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16],
         "device": device,
         "world": world,
-        "dtype": config.model.dtype,
+        "dtype": str(dtype).removeprefix("torch."),
         "engine": {"kind": e.kind, "block_size": e.block_size, "kv_memory_mb": e.kv_memory_mb, "memory_mb": e.memory_mb,
-                   "max_model_len": e.max_model_len},
+                   "max_model_len": e.max_model_len,
+                   "spec_max_tokens": e.spec_max_tokens if e.speculative != "off" else 0},
+        "sampling": {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p},
     }
 
 
@@ -64,7 +71,7 @@ def device_name(device) -> str:
 
 def check(profile: Any, key: dict, where: str) -> dict:
     """``profile`` if it is a profile for ``key``; a ValueError naming every difference otherwise."""
-    if not isinstance(profile, dict) or not isinstance(profile.get("key"), dict) or "tp" not in profile:
+    if not isinstance(profile, dict) or not isinstance(profile.get("key"), dict) or not _entries(profile.get("tp")):
         raise ValueError(f"{where}: not a rollpacker profile (write one with python -m rollpacker.profile)")
     have = profile["key"]
     diffs = [f"{k}: profile has {have.get(k)!r}, this run {v!r}" for k, v in key.items() if have.get(k) != v]
@@ -75,10 +82,21 @@ def check(profile: Any, key: dict, where: str) -> dict:
     return profile
 
 
+def _entries(tps: Any) -> bool:
+    """Whether ``tps`` are a profile's TP entries, each with the KV capacity and the decode and prefill curves."""
+    def numbers(d: Any) -> bool:
+        return isinstance(d, dict) and all(isinstance(v, (int, float)) for v in d.values())
+
+    return isinstance(tps, dict) and all(
+        isinstance(e, dict) and isinstance(e.get("kv_capacity_tokens"), int) and isinstance(e.get("decode_ms"), dict)
+        and all(numbers(row) for row in e["decode_ms"].values()) and numbers(e.get("prefill_tok_s"))
+        for e in tps.values())
+
+
 def load(path: Path, key: dict) -> dict:
     try:
         profile = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     return check(profile, key, str(path))
 
@@ -97,6 +115,10 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     p, device, world = config.plan, meshes.device, meshes.world_size
     args = read_args(model_dir)
     limit = (config.engine.max_model_len or args.max_position_embeddings) - p.profile_steps - 8
+    if limit < 1:
+        raise UserError(f"plan.profile_steps={p.profile_steps} decode steps (and 8 tokens of prompt) do not fit "
+                        f"engine.max_model_len={config.engine.max_model_len or args.max_position_embeddings}: lower "
+                        "plan.profile_steps or raise engine.max_model_len")
     contexts = sorted({min(c, limit) for c in p.profile_contexts})
     batches = sorted(p.profile_batches)
     avoid = set(args.eos_token_ids)
@@ -269,11 +291,10 @@ def _prefill_ms(engine, num: int, context: int, vocab_size: int, avoid: set[int]
 def obtain(config, meshes, model_dir: Path, dtype) -> dict:
     """The profile for this run (collective): ``plan.profile`` if it matches and holds every TP the planner may
     pick, else the cached one, else a fresh one, measured now and cached. Every rank gets rank 0's."""
-    from rollpacker.errors import UserError
     from rollpacker.model import read_args
     from rollpacker.plan.planner import usable_tps
 
-    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size)
+    key = profile_key(config, model_dir, device_name(meshes.device), meshes.world_size, dtype)
     usable = usable_tps(meshes.world_size, read_args(model_dir).num_kv_heads, config.plan)
     found: Any = None
     if meshes.rank == 0:
@@ -308,7 +329,7 @@ def obtain(config, meshes, model_dir: Path, dtype) -> dict:
 
 def save(profile: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # one of its own: another run may be saving this profile too
     tmp.write_text(json.dumps(profile, indent=1) + "\n")
     tmp.replace(path)  # never a half-written profile
 

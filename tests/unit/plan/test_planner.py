@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rollpacker.config import parse
 from rollpacker.errors import UserError
@@ -80,7 +81,8 @@ def test_one_tp_for_every_kind_and_the_state_round_trips():
 
 
 def entry(capacity: int, ms_at_1: float, ms_at_4: float) -> dict:
-    return {"kv_capacity_tokens": capacity, "decode_ms": {"100": {"1": ms_at_1, "4": ms_at_4}}}
+    return {"kv_capacity_tokens": capacity, "decode_ms": {"100": {"1": ms_at_1, "4": ms_at_4}},
+            "prefill_tok_s": {"100": 1e4}}
 
 
 def test_default_tp_from_a_profile_by_hand():
@@ -116,20 +118,52 @@ def test_profile_round_trips_and_a_mismatch_is_refused(tmp_path):
     config = parse(["--plan.profile-dir", str(tmp_path)])
     from rollpacker.toy.model import toy_model_dir
 
-    key = profile_key(config, toy_model_dir(), "cpu test", 2)
+    key = profile_key(config, toy_model_dir(), "cpu test", 2, torch.float32)
     profile = {"key": key, "tp": {"1": entry(100, 1.0, 2.0)}}
     path = cache_path(config, key)
     save(profile, path)
-    assert load(path, key) == profile
-    other = profile_key(parse(["--engine.memory-mb", "3"]), toy_model_dir(), "cpu test", 4)
+    assert load(path, key) == profile and [p.name for p in tmp_path.iterdir()] == [path.name]
+    other = profile_key(parse(["--engine.memory-mb", "3"]), toy_model_dir(), "cpu test", 4, torch.float32)
     with pytest.raises(ValueError, match=r"world: profile has 2, this run 4.*'memory_mb': 3"):
         load(path, other)
     assert cache_path(config, other) != path  # another setup, another cache entry
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load(path, key)
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match=f"{path}: not valid JSON"):  # not UTF-8: the file named too
+        load(path, key)
     with pytest.raises(ValueError, match="not a rollpacker profile"):
         check({"tp": {}}, key, "x.json")
+    broken = {"1": {k: v for k, v in entry(100, 1.0, 2.0).items() if k != "decode_ms"}}
+    for tps in (broken, [entry(100, 1.0, 2.0)]):  # the planner raised a KeyError or a TypeError reading them
+        with pytest.raises(ValueError, match="not a rollpacker profile"):
+            check({"key": key, "tp": tps}, key, "x.json")
+
+
+def test_the_profile_key_holds_what_the_measurements_depend_on_and_no_more():
+    """Speculation (the verify-step costs) and sampling (the decode steps') were not in it: a profile measured
+    without them was reused; a model.dtype that resolves to the same engine dtype is the same profile."""
+    from rollpacker.toy.model import toy_model_dir
+
+    def key(*flags: str, dtype=torch.float32) -> dict:
+        return profile_key(parse(list(flags)), toy_model_dir(), "cpu test", 2, dtype)
+
+    assert key() == key("--model.dtype", "float32") == key("--run-dir", "elsewhere", "--train.lr", "1e-5")
+    for flags in (["--engine.speculative", "auto"], ["--rollout.temperature", "0"], ["--rollout.top-k", "20"]):
+        assert key(*flags) != key(), flags
+    assert key("--engine.speculative", "auto") != key("--engine.speculative", "auto", "--engine.spec-max-tokens", "4")
+    assert key(dtype=torch.bfloat16) != key()
+
+
+def test_a_profile_whose_decode_steps_leave_no_context_is_refused_by_name():
+    from rollpacker.dist import build_meshes
+    from rollpacker.plan.profile import measure
+    from rollpacker.toy.model import toy_model_dir
+
+    config = parse(["--engine.max-model-len", "96", "--plan.profile-steps", "100"])
+    with pytest.raises(UserError, match=r"plan.profile_steps=100 decode steps .* do not fit engine.max_model_len=96"):
+        measure(config, build_meshes(1, 0), toy_model_dir(), torch.float32, {})
 
 
 def test_engine_memory_mb_gives_the_kv_cache_what_the_weights_leave():
