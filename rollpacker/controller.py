@@ -186,11 +186,12 @@ class Controller:
                       if profile["tp"].get(str(t), {}).get("kv_capacity_tokens", 0) >= longest]
         prompt_len = round(sum(lengths[:64]) / len(lengths[:64]))
         initial, estimates = best_tp(profile, candidates, cfg.rollout.num_prompts * cfg.rollout.group_size,
-                                     prompt_len, cfg.rollout.max_new_tokens)
+                                     prompt_len, cfg.rollout.max_new_tokens, max_num_seqs=cfg.engine.max_num_seqs)
         initial = cfg.plan.initial_tp or initial
         logger.info("plan: estimated round without tail batching (s) by TP: %s; starting at TP %d (usable: %s)",
                     {t: round(v, 3) for t, v in estimates.items()}, initial, candidates)
-        self.planner = Planner(cfg.plan, candidates, initial, profile=profile, world=world, prompt_len=prompt_len)
+        self.planner = Planner(cfg.plan, candidates, initial, profile=profile, world=world, prompt_len=prompt_len,
+                               max_num_seqs=cfg.engine.max_num_seqs)
 
     @property
     def sampling(self) -> SamplingParams:

@@ -52,7 +52,7 @@ class _Kind:
 
 class Planner:
     def __init__(self, config: PlanConfig, candidates: list[int], initial: int, *, profile: dict | None = None,
-                 world: int = 0, prompt_len: int = 0):
+                 world: int = 0, prompt_len: int = 0, max_num_seqs: int = 0):
         if initial not in candidates:
             raise UserError(f"plan: initial TP {initial} (plan.initial_tp) is not one of the TPs usable here, "
                             f"{candidates} (divisors of the world and of the model's KV heads, within a node and "
@@ -60,16 +60,17 @@ class Planner:
                             "them, or 0 to start at the profile's best")
         self.config, self.candidates, self.initial = config, candidates, initial
         self.kinds: dict[str, _Kind] = {}
-        self.profile, self.world, self.prompt_len = profile, world, prompt_len
-        """The profile the planner estimates rounds from (None: no estimates), the world size and the
-        data's mean prompt length."""
+        self.profile, self.world, self.prompt_len, self.max_num_seqs = profile, world, prompt_len, max_num_seqs
+        """The profile the planner estimates rounds from (None: no estimates), and with it the world size, the
+        data's mean prompt length and ``engine.max_num_seqs``."""
 
     def observe_round(self, kind: str, preemptions: int, num_requests: int, mean_length: int) -> str | None:
         """:meth:`observe`, with the profile's estimate of the same round (its requests, the data's
         prompt length, its mean response length) at each TP."""
         profile = self.profile
         estimate = None if profile is None else lambda tp: round_seconds(
-            profile["tp"][str(tp)], self.world, tp, num_requests, self.prompt_len, mean_length)
+            profile["tp"][str(tp)], self.world, tp, num_requests, self.prompt_len, mean_length,
+            max_num_seqs=self.max_num_seqs)
         return self.observe(kind, preemptions, estimate)
 
     def _state(self, kind: str) -> _Kind:
@@ -140,20 +141,23 @@ def decode_ms(entry: dict, batch: float, context: float) -> float:
     return _interp(contexts, per_context, context)
 
 
-def round_seconds(entry: dict, world: int, tp: int, num_requests: int, prompt_len: int, new_tokens: int) -> float:
-    """Estimated rollout time of ``num_requests`` requests of ``prompt_len + new_tokens`` tokens at ``tp``."""
+def round_seconds(entry: dict, world: int, tp: int, num_requests: int, prompt_len: int, new_tokens: int, *,
+                  max_num_seqs: int) -> float:
+    """Estimated rollout time of ``num_requests`` requests of ``prompt_len + new_tokens`` tokens at ``tp``: in
+    waves of as many as a replica's KV cache holds, ``max_num_seqs`` at most (``engine.max_num_seqs``)."""
     per_replica = math.ceil(num_requests / (world // tp))
-    fits = max(1, entry["kv_capacity_tokens"] // (prompt_len + new_tokens))
+    fits = max(1, min(entry["kv_capacity_tokens"] // (prompt_len + new_tokens), max_num_seqs))
     batch = min(per_replica, fits)
     waves = math.ceil(per_replica / batch)
     return waves * new_tokens * decode_ms(entry, batch, prompt_len + new_tokens / 2) / 1e3
 
 
 def best_tp(profile: dict, candidates: list[int], num_requests: int, prompt_len: int,
-            new_tokens: int) -> tuple[int, dict[int, float]]:
+            new_tokens: int, *, max_num_seqs: int) -> tuple[int, dict[int, float]]:
     """The profiled TP with the shortest estimated round without tail batching, and every estimate."""
     world = profile["key"]["world"]
-    estimates = {t: round_seconds(profile["tp"][str(t)], world, t, num_requests, prompt_len, new_tokens)
+    estimates = {t: round_seconds(profile["tp"][str(t)], world, t, num_requests, prompt_len, new_tokens,
+                                  max_num_seqs=max_num_seqs)
                  for t in candidates if str(t) in profile["tp"]}
     if not estimates:
         raise ValueError(f"plan: the profile has none of the usable TPs {candidates} (it has {sorted(profile['tp'])})")

@@ -33,7 +33,7 @@ def test_the_profiler_cli_writes_a_profile_the_planner_reads(tmp_path):
     entry = profile["tp"]["1"]
     assert set(entry["decode_ms"]) == {"16", "40"} and set(entry["decode_ms"]["16"]) == {"1", "2"}
     assert entry["kv_capacity_tokens"] > 0 and entry["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 4  # toy model, fp32
-    assert best_tp(profile, [1], 16, 20, 50)[0] == 1
+    assert best_tp(profile, [1], 16, 20, 50, max_num_seqs=256)[0] == 1
 
 
 def test_the_profiler_cli_says_a_setting_the_job_refuses_in_one_line():

@@ -105,13 +105,16 @@ def test_a_profile_whose_decode_times_fall_with_the_batch_is_said_noisy(caplog):
     profile = {"key": {"world": 4}, "tp": {"1": entry(200, 2.0, 8.0), "2": entry(1000, 3.0, 6.0)}}
     # 8 requests of 40 + 60 tokens. TP 1: 4 replicas of 2 requests, both fit (200 // 100): one wave
     # of 60 steps at 4 ms = 0.24 s. TP 2: 2 replicas of 4 requests, all fit: 60 steps at 6 ms = 0.36 s.
-    tp, estimates = best_tp(profile, [1, 2], 8, 40, 60)
+    tp, estimates = best_tp(profile, [1, 2], 8, 40, 60, max_num_seqs=256)
     assert tp == 1 and estimates == pytest.approx({1: 0.24, 2: 0.36})
     # 200 new tokens: TP 1's 200 KV tokens hold one request of 240 at a time (at least one runs):
     # 2 waves x 200 steps x 2 ms = 0.8 s; TP 2 holds all 4: one wave x 200 x 6 ms = 1.2 s.
-    assert best_tp(profile, [1, 2], 8, 40, 200)[1] == pytest.approx({1: 0.8, 2: 1.2})
+    assert best_tp(profile, [1, 2], 8, 40, 200, max_num_seqs=256)[1] == pytest.approx({1: 0.8, 2: 1.2})
+    # engine.max_num_seqs 1 (the KV cache held more, and the estimate ran them at once): 2 waves x 60 x 2 ms at
+    # TP 1, 4 waves x 60 x 3 ms at TP 2
+    assert best_tp(profile, [1, 2], 8, 40, 60, max_num_seqs=1)[1] == pytest.approx({1: 0.24, 2: 0.72})
     with pytest.raises(ValueError, match="none of the usable TPs"):
-        best_tp(profile, [4], 8, 40, 60)
+        best_tp(profile, [4], 8, 40, 60, max_num_seqs=256)
 
 
 def test_profile_round_trips_and_a_mismatch_is_refused(tmp_path):
