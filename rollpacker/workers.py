@@ -332,9 +332,8 @@ class WorkerPool:
         if w.conn in ready:
             try:
                 message = w.conn.recv()
-            except (EOFError, OSError):
-                w.process.join(timeout=1)
-                self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
+            except (EOFError, OSError):  # it died: its pipe and its sentinel are ready together
+                self._died(i)
                 return
             if message is None:
                 w.ready = True
@@ -344,18 +343,23 @@ class WorkerPool:
                 task, w.task = w.task, None
                 self._received(task, message)
         elif w.process.sentinel in ready:
-            w.process.join(timeout=1)
-            if not w.ready:
-                raise PoolError(f"a {self._name} worker exited while starting (exit code {w.process.exitcode}); "
-                                   f"see its traceback above (a script that starts a {type(self).__name__} needs "
-                                   "if __name__ == '__main__':)")
-            self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
+            self._died(i)
         elif w.task is not None and time.monotonic() - w.started > w.task.timeout:
             self._replace(i, f"timed out after {w.task.timeout:g} s ({self._name}.timeout); its worker was replaced")
         elif not w.ready and self._start_timeout is not None and time.monotonic() - w.started > self._start_timeout:
             raise PoolError(f"a {self._name} worker did not start within {self._start_timeout:g} s "
                                f"({self._name}.start_timeout) loading {self._loads}: it hangs, or needs longer "
                                f"(--{self._name}.start-timeout)")
+
+    def _died(self, i: int) -> None:
+        """Worker ``i`` exited: replace it, or, still starting, stop the pool (each new one would exit alike)."""
+        w = self._workers[i]
+        w.process.join(timeout=1)
+        if not w.ready:
+            raise PoolError(f"a {self._name} worker exited while starting (exit code {w.process.exitcode}); "
+                            f"see its traceback above (a script that starts a {type(self).__name__} needs "
+                            "if __name__ == '__main__':)")
+        self._replace(i, f"its {self._name} worker died (exit code {w.process.exitcode})")
 
     def _dispatch(self) -> None:
         for i, w in enumerate(self._workers):
@@ -407,5 +411,7 @@ class WorkerPool:
                 still.append((process, deadline))
             else:
                 process.join()
+                with contextlib.suppress(ProcessLookupError, PermissionError):  # what the user's code started
+                    os.killpg(process.pid, signal.SIGKILL)  # in the worker's process group (ignore_stops) goes too
                 process.close()
         self._retiring = still

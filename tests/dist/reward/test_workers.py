@@ -321,6 +321,45 @@ def test_close_stops_every_process():
         pool.submit(0, *task("toy", {"response": "", "answer": "1"}))
 
 
+EXITS = "import sys\nsys.exit(4)\n"
+
+SPAWNS = """
+import os, subprocess, time
+
+
+def score(completions, **kwargs):
+    child = subprocess.Popen(["sleep", "600"])
+    with open(os.environ["CHILD_PID_FILE"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)
+"""
+
+
+def test_a_worker_exiting_as_it_starts_stops_the_pool_once_and_what_a_worker_started_goes_with_it(tmp_path,
+                                                                                                  monkeypatch):
+    """A file that exits on import: its worker's pipe and sentinel are ready together, and the pipe's end read
+    first replaced it, again and again (a hundred workers in 10 s, the sample never answered). A process the
+    user's function started (in the worker's process group) outlived the pool's close."""
+    (tmp_path / "exits.py").write_text(EXITS)
+    ref = Ref("score", f"{tmp_path / 'exits.py'}:score")
+    with RewardPool(RewardConfig(num_workers=1, timeout=1.0), (ref.target,)) as pool:
+        pool.submit("never", ref, {"prompt": "", "completion": "x", "completion_ids": [], "columns": {}})
+        with pytest.raises(RuntimeError, match=r"a reward worker exited while starting \(exit code 4\)"):
+            pool.drain(timeout=30)
+    (tmp_path / "spawns.py").write_text(SPAWNS)
+    monkeypatch.setenv("CHILD_PID_FILE", str(tmp_path / "child.pid"))
+    ref = Ref("score", f"{tmp_path / 'spawns.py'}:score")
+    pool = RewardPool(RewardConfig(num_workers=1, timeout=60.0), (ref.target,))
+    pool.submit("spawns", ref, {"prompt": "", "completion": "x", "completion_ids": [], "columns": {}})
+    written = tmp_path / "child.pid"
+    while not (written.exists() and written.read_text()):
+        time.sleep(0.05)
+    child = int(written.read_text())
+    pool.close()
+    time.sleep(0.5)  # its parent gone, init reaps it
+    assert not alive(child)
+
+
 def test_reward_config_validates():
     with pytest.raises(ValueError, match=r"reward.weights has 1 weights for 2 reward.funcs \(toy, math\): give one "
                                          r"each, or none for 1 each \(a preset's weights stay when a flag replaces"):
