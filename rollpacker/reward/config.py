@@ -155,9 +155,12 @@ class RewardConfig:
             raise ValueError(f"reward.num_workers must be >= 0, got {self.num_workers}")
         if self.max_concurrent < 1:
             raise ValueError(f"reward.max_concurrent must be >= 1, got {self.max_concurrent}")
-        for name in ("timeout", "start_timeout", "timeout_factor", "timeout_min"):
+        for name in ("timeout", "start_timeout", "timeout_min"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"reward.{name} must be positive, got {getattr(self, name)}")
+        if self.timeout_factor < 1:  # under 1, the correct run that set a test's anchor would time out
+            raise ValueError(f"reward.timeout_factor must be >= 1 (a test's timeout is this multiple of its slowest "
+                             f"correct run), got {self.timeout_factor}")
         if self.timeout_max < self.timeout_min:
             raise ValueError(f"reward.timeout_max ({self.timeout_max}) must be >= reward.timeout_min "
                              f"({self.timeout_min})")

@@ -368,5 +368,8 @@ def test_reward_config_validates():
         RewardConfig(funcs=("nope",))
     with pytest.raises(ValueError, match=r"reward.timeout_max \(1.0\) must be >= reward.timeout_min \(2.0\)"):
         RewardConfig(timeout_max=1.0)
+    with pytest.raises(ValueError, match=r"reward.timeout_factor must be >= 1 \(a test's timeout is this multiple "
+                                         r"of its slowest correct run\), got 0.5"):
+        RewardConfig(timeout_factor=0.5)  # the anchoring run itself would time out
     with pytest.raises(ValueError, match="reward.num_workers must be >= 0, got -1"):
         RewardConfig(num_workers=-1)
