@@ -38,15 +38,17 @@ class Args:
     """Where to write it (default: CHECKPOINT/hf, where checkpoint.export_hf_each puts it)."""
 
 
-def export(checkpoint_dir: Path, out: Path, run_argv: list[str]) -> Path:
+def export(checkpoint_dir: Path, out: Path | None, run_argv: list[str]) -> Path:
     """Collective on a one-rank group of this process: the policy of ``checkpoint_dir``, built as the
-    run of ``run_argv`` built it, written to ``out``."""
+    run of ``run_argv`` built it, written to ``out`` (None: the checkpoint's ``hf``, of the one a run's directory
+    resolves to); returns where."""
     from rollpacker import checkpoint
     from rollpacker.dist import build_meshes
     from rollpacker.job import Job, build_trainer, join
     from rollpacker.topology import Topology
 
     checkpoint_dir = whole_checkpoint(checkpoint_dir)
+    out = out or checkpoint_dir / "hf"  # a run's directory's hf is its end's export: not replaced unasked
     saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
     config = parse([*saved, *run_argv, "--dist.device", "cpu"])
     check_out(out, checkpoint_dir, lora=bool(config.train.lora.rank), model=config.model.path)
@@ -104,14 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     own, run_argv = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog="python -m rollpacker.export")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    out = args.out or args.checkpoint / "hf"
     try:
-        export(args.checkpoint, out, run_argv)
+        export(args.checkpoint, args.out, run_argv)
     except (ValueError, FileNotFoundError, UserError) as e:  # a checkpoint's errors are worded for a resume
         fail(as_flags(str(e).replace("resume: ", "", 1)), prefix="rollpacker: export: ")
     except WRITE_ERRORS as e:
-        fail(f"writing {out} failed ({str(e).splitlines()[0]}): free disk space or fix the permissions there, then "
-             "run this again", prefix="rollpacker: export: ")
+        fail(f"writing {args.out or 'CHECKPOINT/hf'} failed ({str(e).splitlines()[0]}): free disk space or fix the "
+             "permissions there, then run this again", prefix="rollpacker: export: ")
 
 
 if __name__ == "__main__":

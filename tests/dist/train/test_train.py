@@ -106,6 +106,11 @@ def test_two_rank_run_writes_metrics_checkpoints_and_resumes(toy_random_dir, tmp
     assert proc.returncode == 0, proc.stderr[-4000:]
     newest = load_file(out / "model.safetensors")
     assert all(torch.equal(newest[k], final[k]) for k in final) and not (tmp_path / ".exported.partial").exists()
+    written = (tmp_path / "hf" / "model.safetensors").stat().st_mtime_ns
+    proc = launch_job(str(tmp_path), nproc=1, module="rollpacker.export")  # a run's: its newest checkpoint's hf
+    assert proc.returncode == 0, proc.stderr[-4000:]  # (it replaced the run's own export, run_dir/hf)
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mtime_ns == written
+    assert (tmp_path / "checkpoints" / "step_3" / "hf" / "model.safetensors").stat().st_mtime_ns > written
     straight = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in straight] == [0, 1, 2, 3]  # step 3: the final evaluation
     assert [("eval/accuracy" in r) for r in straight] == [True, False, False, True]
