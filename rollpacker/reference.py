@@ -121,6 +121,8 @@ def flatten(values: dict, prefix: str = "") -> dict[str, Any]:
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, (tuple, list)):  # a TOML array
+        return f"[{', '.join(map(toml_value, value))}]"
     return json.dumps(value) if isinstance(value, str) else repr(value)
 
 

@@ -1,11 +1,13 @@
 """docs/reference.md is the config's settings, generated: it must match the config of this commit."""
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from rollpacker.reference import COMMAND, reference, sections
+from rollpacker.reference import COMMAND, preset_changes, reference, sections
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 
@@ -26,3 +28,11 @@ def test_undocumented_setting_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"Bare\.depth has no docstring.*rollpacker\.reference"):
         sections(Bare, Bare(), "bare.", "bare", "")
+
+
+def test_each_presets_changes_are_toml_keys():
+    """They said a tuple as Python writes it (``('math',)``), which no TOML file takes."""
+    keys = [key for line in preset_changes() for key in re.findall(r"`([\w.]+ = [^`]+)`", line)]
+    assert any(key.startswith("reward.funcs = ") for key in keys)
+    for key in keys:
+        tomllib.loads(key)
