@@ -272,13 +272,16 @@ def write_samples(run_dir: Path, out: Path) -> bool:
     if not files:
         return False
     samples = []
-    for lineno, line in enumerate(files[-1].read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(files[-1].read_text(encoding="utf-8").splitlines(keepends=True), 1):
         if not line.strip():
             continue
         try:
             samples.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise ReportError(f"{files[-1]}:{lineno}: not valid JSON ({e.msg})") from None
+            if not line.endswith("\n"):  # a run writing it, or one that stopped mid-line
+                print(f"note: {files[-1]}:{lineno}: left out, unfinished", file=sys.stderr)
+                break
+            raise ReportError(f"{files[-1]}:{lineno}: not valid JSON ({e.msg}); fix or delete the line") from None
     if not samples:
         return False
     scored = [x for x in samples if _is_number(x["reward"])] or samples  # a null reward: a failed score
@@ -366,22 +369,26 @@ def write_report(run_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir = run_dir / "plots"
-    out_dir.mkdir(exist_ok=True)
     written = []
-    for name, (plot, needs) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(10, 4.5))
-        try:
-            if plot(records, ax):
-                fig.savefig(out_dir / name, dpi=100, bbox_inches="tight")
-                written.append(out_dir / name)
-            else:
-                print(f"skipped {name}: no step has {needs}", file=sys.stderr)
-        finally:
-            plt.close(fig)
-    if write_samples(run_dir, out_dir / "samples.md"):
-        written.append(out_dir / "samples.md")
-    else:
-        print("skipped samples.md: no samples (run with --metrics.samples-every N)", file=sys.stderr)
+    try:
+        out_dir.mkdir(exist_ok=True)
+        for name, (plot, needs) in PLOTS.items():
+            fig, ax = plt.subplots(figsize=(10, 4.5))
+            try:
+                if plot(records, ax):
+                    fig.savefig(out_dir / name, dpi=100, bbox_inches="tight")
+                    written.append(out_dir / name)
+                else:
+                    print(f"skipped {name}: no step has {needs}", file=sys.stderr)
+            finally:
+                plt.close(fig)
+        if write_samples(run_dir, out_dir / "samples.md"):
+            written.append(out_dir / "samples.md")
+        else:
+            print("skipped samples.md: no samples (run with --metrics.samples-every N)", file=sys.stderr)
+    except OSError as e:
+        raise ReportError(f"{out_dir}: cannot write the plots there ({e.strerror or e}); it must be a directory "
+                          "this user can write") from None
     return written
 
 

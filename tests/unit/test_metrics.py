@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -414,3 +415,21 @@ def test_the_report_leaves_out_an_unfinished_last_line(tmp_path, capsys):
     assert (run_dir / "plots" / "reward.png").exists()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, oops}\n{"step": 2}\n')
     assert report.main([str(run_dir)]) == 2  # a bad line within the file is not a line being written
+
+
+def test_the_report_leaves_out_a_samples_files_unfinished_line_and_says_where_it_cannot_write(tmp_path, capsys):
+    """A samples file cut mid-line (samples are written as a step ends) stopped the report after its plots, and
+    a plots path it could not write was a traceback."""
+    run_dir = tmp_path / "run"
+    _write_metrics(run_dir)
+    sample = {"step": 3, "reward": 1.0, "length": 4, "finish_reason": "stop", "prompt": "p", "completion": "c"}
+    (run_dir / "samples").mkdir()
+    (run_dir / "samples" / "step_3.jsonl").write_text(json.dumps(sample) + "\n" + json.dumps(sample)[:20])
+    assert report.main([str(run_dir)]) == 0
+    assert f"note: {run_dir / 'samples' / 'step_3.jsonl'}:2: left out, unfinished" in capsys.readouterr().err
+    assert "# Samples of step 3 (1 responses" in (run_dir / "plots" / "samples.md").read_text()
+    shutil.rmtree(run_dir / "plots")
+    (run_dir / "plots").write_text("")
+    assert report.main([str(run_dir)]) == 2
+    assert f"{run_dir / 'plots'}: cannot write the plots there (File exists); it must be a directory" in (
+        capsys.readouterr().err)
