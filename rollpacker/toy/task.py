@@ -25,6 +25,7 @@ import json
 import random
 import re
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -128,8 +129,13 @@ def main(out: Path, num: int = 1000, seed: int = 0, alpha: float = PARETO_ALPHA)
         seed: Seed of the problem generator.
         alpha: Pareto exponent of the term count (the default job trains on 1.6).
     """
+    if num < 1 or alpha <= 0:
+        sys.exit(f"rollpacker.toy.task: --num ({num}) must be positive and --alpha ({alpha}) above 0")
     rows = make_dataset(num, seed, alpha)
-    write_jsonl(rows, out)
+    try:
+        write_jsonl(rows, out)
+    except OSError as e:
+        sys.exit(f"rollpacker.toy.task: cannot write {out} ({e.strerror or e}): name a file this user can write")
     stats = length_stats(rows)
     print(f"wrote {num} problems to {out}")
     print("response tokens: " + ", ".join(f"{k}={v:g}" for k, v in stats.items()))

@@ -157,3 +157,16 @@ def test_shipped_model_logits_agree_across_engine_trainer_and_transformers():
         assert hf_logits[response].argmax(-1).tolist() == out.token_ids
         hf_logprobs = hf_logits[response].log_softmax(-1).gather(1, ids[1:, None][response]).squeeze(1)
         torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs, rtol=0, atol=1e-4)
+
+
+def test_the_task_command_refuses_bad_values_in_one_line(tmp_path):
+    """--num 0 wrote an empty file and raised StatisticsError, --alpha 0 a ZeroDivisionError, --alpha -1 gave 2 terms
+    to every problem; an --out it cannot write was a traceback."""
+    from rollpacker.toy.task import main
+
+    for num, alpha in ((0, 1.3), (10, 0.0), (10, -1.0)):
+        with pytest.raises(SystemExit, match=r"--num \(-?\d+\) must be positive and --alpha \(-?[\d.]+\) above 0"):
+            main(tmp_path / "x.jsonl", num=num, alpha=alpha)
+    with pytest.raises(SystemExit, match=f"cannot write {tmp_path} \\(Is a directory\\)"):
+        main(tmp_path, num=10)
+    assert not (tmp_path / "x.jsonl").exists()
