@@ -242,6 +242,15 @@ def toy_model_dir() -> Path:
     return shipped_or_built(TOY_MODEL_DIR, "toy_model", build)
 
 
+def refuse_out(out: Path, command: str) -> None:
+    """Exit naming the fix where writing a model to ``out`` would fail (a file) or overwrite what is not a model."""
+    if out.exists() and not out.is_dir():
+        sys.exit(f"{command}: --out {out} is a file: name a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        sys.exit(f"{command}: --out {out} holds files that are not a model's, which the model's would overwrite: "
+                 "name a new directory (or a model's, to write it again)")
+
+
 def build_cmd(out: Path = TOY_MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:
     """Regenerate the toy model (deterministic) and write it to ``out``.
 
@@ -249,6 +258,7 @@ def build_cmd(out: Path = TOY_MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:
         out: Directory to write the model to.
         sft: Fine-tuning settings.
     """
+    refuse_out(out, "rollpacker.toy.model build")
     start = time.perf_counter()
     build(out, sft)
     logger.info("wrote %s in %.0fs", out, time.perf_counter() - start)
@@ -261,6 +271,8 @@ def eval_cmd(path: Path | None = None, num: int = 1000) -> None:
         path: Model directory; default: the shipped toy model.
         num: Number of problems (drawn from the task's heavy-tailed length distribution).
     """
+    if num < 1:
+        sys.exit(f"rollpacker.toy.model eval: --num must be positive, got {num}")
     start = time.perf_counter()
     try:
         report = evaluate(path or toy_model_dir(), num)

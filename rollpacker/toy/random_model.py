@@ -64,8 +64,11 @@ def write(cfg: RandomModelConfig) -> int:
 def main(argv: list[str] | None = None) -> None:
     import tyro
 
+    from rollpacker.toy.model import refuse_out
+
     cfg = tyro.cli(RandomModelConfig, args=sys.argv[1:] if argv is None else argv,
                    prog="python -m rollpacker.toy.random_model")
+    refuse_out(cfg.out, "rollpacker.toy.random_model")
     print(f"wrote {cfg.out}: {write(cfg) / 1e6:.1f}M parameters")
 
 

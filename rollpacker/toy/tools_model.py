@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,14 @@ from rollpacker.rollout.config import EngineConfig
 from rollpacker.rollout.engine import Request, SamplingParams, generate
 from rollpacker.rollout.torch_engine import TorchEngine
 from rollpacker.toy import tools as toy_tools
-from rollpacker.toy.model import build_tokenizer, model_config, save_tokenizer, shipped_or_built, single_thread
+from rollpacker.toy.model import (
+    build_tokenizer,
+    model_config,
+    refuse_out,
+    save_tokenizer,
+    shipped_or_built,
+    single_thread,
+)
 from rollpacker.train.trainer import warmup_cosine
 
 logger = logging.getLogger(__name__)
@@ -304,8 +312,8 @@ def summarize(results: list[dict]) -> list[tuple[str, int, float, float, float]]
 def evaluate(path: Path, num: int = EVAL_NUM, temperature: float = 0.0, seed: int = 0,
              with_tools: bool = True) -> list[tuple[str, int, float, float, float]]:
     """:func:`summarize` of ``num`` held-out episodes (the preset's held-out problems, ``data.toy_seed`` 0)."""
+    engine = TorchEngine(load_model(path), EngineConfig())  # first: a directory that is no model says so
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = TorchEngine(load_model(path), EngineConfig())
     rows = toy_rows(DataConfig(toy_task="tools"), num, toy_tools.EVAL_SEED, held_out=True)
     with single_thread():
         return summarize(run_episodes(engine, tokenizer, rows, temperature=temperature, seed=seed,
@@ -324,6 +332,7 @@ def build_cmd(out: Path = MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:
         out: Directory to write the model to.
         sft: Fine-tuning settings and the behaviour mix.
     """
+    refuse_out(out, "rollpacker.toy.tools_model build")
     start = time.perf_counter()
     build(out, sft)
     logger.info("wrote %s in %.0fs", out, time.perf_counter() - start)
@@ -340,9 +349,15 @@ def eval_cmd(path: Path | None = None, num: int = EVAL_NUM, temperature: float =
         seed: Seed of the sampling.
         no_tools: Prompts without the tools line.
     """
+    if num < 1:
+        sys.exit(f"rollpacker.toy.tools_model eval: --num must be positive, got {num}")
     start = time.perf_counter()
+    try:
+        report = evaluate(path or model_dir(), num, temperature, seed, not no_tools)
+    except (ValueError, OSError) as e:  # a directory that is no model: its message names the fix
+        sys.exit(f"rollpacker.toy.tools_model eval: {e}")
     print(f"{'kind':>6} {'episodes':>9} {'success':>8} {'called':>7} {'failed call':>12}")
-    for kind, n, success, called, failed in evaluate(path or model_dir(), num, temperature, seed, not no_tools):
+    for kind, n, success, called, failed in report:
         print(f"{kind:>6} {n:>9} {success:>8.3f} {called:>7.3f} {failed:>12.3f}")
     logger.info("evaluated in %.0fs", time.perf_counter() - start)
 

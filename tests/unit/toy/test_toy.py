@@ -170,3 +170,19 @@ def test_the_task_command_refuses_bad_values_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=f"cannot write {tmp_path} \\(Is a directory\\)"):
         main(tmp_path, num=10)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_building_a_model_refuses_to_overwrite_what_is_not_a_model(tmp_path):
+    """toy.model build (and tools_model's, random_model's) replaced a user's config.json in a directory of theirs."""
+    from rollpacker.toy.model import refuse_out
+
+    refuse_out(tmp_path / "new", "build")  # a new directory, or an empty one
+    refuse_out(tmp_path, "build")
+    (tmp_path / "config.json").write_text("{}")
+    refuse_out(tmp_path, "build")  # a model's: written again
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=f"build: --out {tmp_path} holds files that are not a model's"):
+        refuse_out(tmp_path, "build")
+    with pytest.raises(SystemExit, match="is a file: name a directory"):
+        refuse_out(tmp_path / "notes.txt", "build")
