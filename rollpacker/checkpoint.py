@@ -269,12 +269,17 @@ def restarted() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
-def resolve_resume(config) -> None:
+def resolve_resume(config, restart: bool | None = None) -> None:
     """``config.resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` that is whole
     (:func:`newest_whole`; or nothing); a checkpoint named must be whole too, and match the policy. None: a
-    ``run_dir`` holding a committed checkpoint is refused, not overwritten. A torchrun restart resumes as "auto"
-    whatever the first attempt was given: from PATH (or afresh) again would un-commit every step since."""
-    if restarted():
+    ``run_dir`` holding a committed checkpoint is refused, not overwritten.
+
+    A torchrun restart (``restart``; by default :func:`restarted`) resumes as "auto" where ``run_dir`` holds a
+    committed checkpoint: from PATH (or afresh) again would un-commit every step the attempts before saved. A
+    PATH that is no committed checkpoint stays, so that its error (a typo) is said again, not trained past."""
+    named = config.resume not in ("", "auto")
+    if (restarted() if restart is None else restart) and latest(Path(config.run_dir)) and (
+            not named or (Path(config.resume) / MARKER).exists()):
         config.resume = "auto"
     if not config.resume:
         if newest := latest(Path(config.run_dir)):

@@ -256,15 +256,14 @@ def build(config: Config) -> Job:
 
 def check_same_resume(config: Config, group: torch.distributed.ProcessGroup) -> None:
     """Collective: every rank resumes from the checkpoint rank 0 does. A torchrun restart is one for every rank,
-    though torchrun counts it only on the node that failed: the others' ranks resolve the resume again as "auto".
+    though torchrun counts it only on the node that failed: the others' ranks resolve the resume again as a restart's.
     Each resolves ``--resume auto`` on its own filesystem view; a node's that lags (a network filesystem's cache)
     would load an older step's shards beside the newest's, or skip the load the others wait in."""
     seen: list[tuple[str, bool] | None] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(seen, (config.resume, checkpoint.restarted()), group=group)
     if any(restarted for _, restarted in seen):
         if not checkpoint.restarted():
-            config.resume = "auto"
-            checkpoint.resolve_resume(config)
+            checkpoint.resolve_resume(config, restart=True)
             if torch.distributed.get_rank() == 0:  # it said the first attempt's resume as it started
                 logger.info("torchrun restarted another node's ranks: resuming from %s", config.resume or "nothing")
         torch.distributed.all_gather_object(seen, (config.resume, True), group=group)

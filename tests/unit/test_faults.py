@@ -177,6 +177,13 @@ def test_a_torchrun_restart_resumes_from_the_newest_checkpoint_not_the_first_att
         config = parse(["--run-dir", str(tmp_path), *argv])
         checkpoint.resolve_resume(config)
         assert config.resume == str(tmp_path / "checkpoints" / "step_2")
+    # a PATH that is no checkpoint (a typo) is said again at the restart, not trained past from the newest
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint directory .*step_9 does not exist"):
+        checkpoint.resolve_resume(parse(["--run-dir", str(tmp_path), "--resume", str(tmp_path / "step_9")]))
+    # a run_dir the attempts before saved nothing in: the checkpoint named (another run's), as the first attempt
+    elsewhere = parse(["--run-dir", str(tmp_path / "new"), "--resume", str(tmp_path / "checkpoints" / "step_1")])
+    checkpoint.resolve_resume(elsewhere)
+    assert elsewhere.resume == str(tmp_path / "checkpoints" / "step_1")
 
 
 def test_adapters_trained_on_another_base_of_the_same_shapes_are_refused(tmp_path):
