@@ -123,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if int(restarts):  # pytorch#135712; else torchrun's agent keeps the store
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if option(torchrun, "--nproc-per-node", "1") not in ("1", "auto", "cpu", "gpu", "xpu"):
+    nproc = option(torchrun, "--nproc-per-node", "1")
+    if not nproc.isdigit() and nproc not in ("auto", "cpu", "gpu", "xpu"):  # torchrun's: two tracebacks
+        print(f"rollpacker: --nproc-per-node needs a number of ranks (or auto, cpu, gpu), got {nproc!r}",
+              file=sys.stderr)
+        return 2
+    if nproc not in ("1", "auto", "cpu", "gpu", "xpu"):
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks, without its banner
     with tempfile.TemporaryDirectory(prefix="rollpacker-") as tmp:
         error = Path(tmp) / "error"

@@ -34,7 +34,8 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
     from rollpacker.launch import main
 
     for argv, said in ((["--nproc-per-node"], "rollpacker: --nproc-per-node needs a value"),
-                       (["--max-restarts", "x", "--num-steps", "2"], "rollpacker: --max-restarts needs a whole")):
+                       (["--max-restarts", "x", "--num-steps", "2"], "rollpacker: --max-restarts needs a whole"),
+                       (["--nproc-per-node", "abc"], "rollpacker: --nproc-per-node needs a number of ranks")):
         err = io.StringIO()
         with redirect_stderr(err):
             assert main(argv) == 2
