@@ -16,6 +16,7 @@ package's ``config.py``; no component module imports this root config.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import importlib
@@ -126,6 +127,8 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
+        if _READING_PRESET.get():  # its settings together are checked with the flags on top of them (parse)
+            return
         if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
             raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
@@ -385,7 +388,14 @@ def preset_path(name: str) -> Path:
     return path
 
 
+_READING_PRESET = contextvars.ContextVar("rollpacker_reading_preset", default=False)
+"""Set while a preset is read: each section's settings are checked, the whole's wait for the flags (a preset
+naming data.path alone was refused as lacking an eval path that --data.eval-path gave)."""
+
+
 def load_preset(name: str) -> Config:
+    """The preset ``name`` (a configs/ name or a .toml path) as a config, its sections checked: the checks of the
+    whole come with the flags on top of it (:func:`parse`)."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -396,10 +406,13 @@ def load_preset(name: str) -> Config:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: {e}") from None
+    reading = _READING_PRESET.set(True)
     try:
         config = _build(Config, values, path.name)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from None
+    finally:
+        _READING_PRESET.reset(reading)
     if "schedule" in values:  # as written: its defaults that depend on episodes settle with the flags (parse)
         config.schedule = schedule_config(values["schedule"])
     return config

@@ -40,6 +40,17 @@ def test_flags_override_the_preset():
     assert config.rollout.max_new_tokens == 8192
 
 
+def test_flags_complete_a_preset_its_settings_alone_would_not_pass(tmp_path):
+    """A preset is checked as a whole with the flags on top of it: one naming data.path alone was refused, before
+    the flags applied, as lacking the --data.eval-path the command line gave."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[data]\npath = ["x.jsonl"]\n[reward]\nfuncs = ["math"]\n')
+    assert parse(["--preset", str(mine), "--data.eval-path", "held_out.jsonl"]).data.eval_path == ("held_out.jsonl",)
+    assert parse(["--preset", str(mine), "--eval-every", "0"]).eval_every == 0
+    with pytest.raises(SystemExit):  # alone, it still is refused
+        parse(["--preset", str(mine)])
+
+
 def test_bad_settings_name_the_field(tmp_path):
     with pytest.raises(SystemExit):
         parse(["--rollout.group-size", "0"])
