@@ -60,14 +60,6 @@ class RolloutConfig:
         if any(not s for s in self.stop) or any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"rollout.stop={self.stop} holds an empty string or rollout.stop_token_ids="
                              f"{self.stop_token_ids} a negative id: remove it")
-        if self.replay_lengths:
-            from rollpacker.data.lengths import LengthModel
-
-            try:  # the mixture scales with the cap: a tiny cap has no lengths left to draw
-                LengthModel().for_cap(self.max_new_tokens)
-            except ValueError as e:
-                raise ValueError(f"rollout.replay_lengths with rollout.max_new_tokens={self.max_new_tokens}: {e}; "
-                                 "use a larger max_new_tokens") from None
 
 
 def sampling_problem(p: RolloutConfig | SamplingParams) -> str | None:

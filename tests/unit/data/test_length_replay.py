@@ -45,12 +45,8 @@ def test_a_resumed_partial_keeps_its_first_length():
     assert sorted({int(rid.split(":")[0]) for rid in replay.given}) == [6, 7]
 
 
-def test_a_cap_too_small_for_the_mixture_is_a_config_error():
-    import pytest
-
-    from rollpacker.rollout.config import RolloutConfig
-
-    with pytest.raises(ValueError,
-                       match=r"replay_lengths with rollout.max_new_tokens=32: .* use a larger max_new_tokens"):
-        RolloutConfig(replay_lengths=True, max_new_tokens=32)
-    assert RolloutConfig(replay_lengths=True, max_new_tokens=64).max_new_tokens == 64
+def test_a_small_cap_draws_lengths_within_it():
+    """The mixture scales with the cap, its medians a token at least: a cap of 32 was refused (medians under 1)."""
+    lengths = LengthReplay(seed=0, max_new_tokens=16).draw
+    draws = [lengths(row, 0, row, k) for row in range(64) for k in range(4)]
+    assert 1 <= min(draws) and max(draws) == 16
