@@ -104,9 +104,9 @@ def _toy_under(cfg) -> str:
 
     if cfg.data.path or not cfg.env.factory or cfg.env.factory in FACTORIES:
         return ""
-    return (f" (no --data.path: each episode of {cfg.env.factory} starts from a toy arithmetic problem, its reset's "
-            "text after it; give --data.path, with rows of one empty user turn for an environment that draws its "
-            "own tasks)")
+    return (f" (no --data.path: each episode of {cfg.env.factory} gets a toy arithmetic problem as its row, and as "
+            "its prompt unless its reset returns one (a TRL environment's reset text follows it); give --data.path, "
+            "with rows of one empty user turn for an environment that draws its own tasks)")
 
 
 def _slice(data) -> tuple[str, ...]:

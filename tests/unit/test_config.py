@@ -377,7 +377,7 @@ def test_the_start_summary_flags_an_environment_of_your_own_on_the_toy_tasks_row
     from rollpacker.summary import _toy_under
 
     env = ["--env.factory", "rollpacker.toy.env:make_env"]  # as a file of the user's would be named
-    assert "starts from a toy arithmetic problem" in _toy_under(parse(env))
+    assert "gets a toy arithmetic problem as its row, and as its prompt unless its reset" in _toy_under(parse(env))
     assert _toy_under(parse([*env, "--data.path", "rows.jsonl", "--eval-every", "0"])) == ""
     assert _toy_under(parse(["--env.factory", "toy"])) == _toy_under(parse([])) == ""  # the toy environment's task
 
