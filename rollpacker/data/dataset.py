@@ -415,8 +415,8 @@ def _hub(path: Path, field: str) -> dict:
     try:
         return dict(datasets.load_dataset(name, config or None))
     except Exception as e:  # noqa: BLE001  (no network, no such dataset, no such config: all said by datasets)
-        raise DatasetError(f"{field}: {what} ({type(e).__name__}: {str(e)[:300]}); a dataset of several configs is "
-                           "named NAME:CONFIG, as openai/gsm8k:main") from None
+        hint = "" if config else "; a dataset of several configs is named NAME:CONFIG, as openai/gsm8k:main"
+        raise DatasetError(f"{field}: {what} ({type(e).__name__}: {str(e)[:300]}){hint}") from None
 
 
 def _record_lines(path: Path) -> list[int]:

@@ -192,3 +192,18 @@ def test_a_hub_snapshot_directory_is_read_with_its_config(tmp_path, monkeypatch)
     with pytest.raises(DatasetError, match=r"gsm8k is a directory that neither load_from_disk .* Config name is "
                                            r"missing(.|\n)*named NAME:CONFIG"):
         load(str(repo), prompt_key="question")
+
+
+def test_a_hub_dataset_out_of_reach_is_said_without_the_config_hint_when_a_config_was_given(monkeypatch):
+    import datasets
+
+    def unreachable(name, config=None):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(DatasetError) as named:
+        load("openai/gsm8k:main")
+    assert "(ConnectionError: no network)" in str(named.value) and "NAME:CONFIG" not in str(named.value)
+    with pytest.raises(DatasetError, match=r"\(ConnectionError: no network\); a dataset of several configs is named "
+                                           r"NAME:CONFIG"):
+        load("openai/gsm8k")
