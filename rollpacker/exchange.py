@@ -33,7 +33,7 @@ from rollpacker.env.info import info_metrics, selection_metrics
 from rollpacker.env.setup import Environments
 from rollpacker.metrics import Phases, bubble_ratio, length_stats
 from rollpacker.rollout.engine import DraftContext, Engine, EngineStats, Output, Request, SamplingParams, SpecStats
-from rollpacker.schedule.base import Group, Policy, RoundPlan
+from rollpacker.schedule.base import Group, Policy, RoundPlan, zero_variance
 from rollpacker.schedule.drafts import DraftMemory
 from rollpacker.schedule.round import Actions, Round, RoundHooks, RoundOutcome, RoundState, Routing, Seen
 from rollpacker.schedule.runner import EpisodeRunner
@@ -170,7 +170,8 @@ class RoundResult:
         """The round's ``sched/``, ``rollout/`` and ``reward/`` metrics (and ``time/reward_exposed``).
         ``trained``: the ``(output, reward)`` of every response trained in the step (streamed ones
         too); ``penalties``: the overlong punishment added to each (``reward/mean`` is without it);
-        ``solved``: whether each is correct (``reward/accuracy``: ``Controller.solved``).
+        ``solved``: whether each is correct (``reward/accuracy``: ``Controller.solved``); ``reward/zero_variance_frac``:
+        the share of the step's groups whose responses all scored alike (no signal for a group baseline).
         ``reward/mean``, ``reward/accuracy``, ``rollout/env_tokens`` and ``env/info/`` leave out episodes whose
         environment failed (``env/errors``), as their groups' advantages do; the reward ones are left out of a step
         that trains no response (0 would read as every response wrong: its groups may have been filtered out for
@@ -183,6 +184,8 @@ class RoundResult:
         rewards = [r for _, r in working]
         correct = [c for (o, _), c in zip(trained, solved) if o.finish_reason != "error"]
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
+        reward_of = {o.id: r for o, r in trained}
+        flat = [zero_variance(g.outputs, [reward_of.get(o.id) for o in g.outputs]) for g in self.groups]
         trace = [(self.start, self.num_launched), *self.running_trace]
         return {
             "sched/round_kind": self.kind,
@@ -190,7 +193,8 @@ class RoundResult:
             "sched/failed_prompts": sum(all(o.finish_reason == "error" for o in g.outputs) for g in self.groups),
             "sched/aborted_responses": self.num_aborted,
             "rollout/wasted_tokens": self.wasted_tokens,
-            **({"reward/mean": mean(rewards), "reward/accuracy": mean(correct)} if rewards else {}),
+            **({"reward/mean": mean(rewards), "reward/accuracy": mean(correct),
+                "reward/zero_variance_frac": mean(flat)} if rewards else {}),  # groups GRPO learns nothing from
             "reward/overlong_penalty_mean": mean(penalties),
             "time/reward_exposed": self.reward_exposed_s,
             "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.rollout_end),

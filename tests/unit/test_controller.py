@@ -69,6 +69,9 @@ def test_make_batch_and_round_stats(mask_truncated):
     assert count == (4 if mask_truncated else 5) * 100
     stats = ctl.round_stats(result)
     assert stats["reward/mean"] == pytest.approx(2 / 5) and stats["reward/accuracy"] == pytest.approx(2 / 5)
+    assert stats["reward/zero_variance_frac"] == 0  # both groups' responses differ
+    solved = Group(prompt=2, outputs=[output(3), output(4)], rewards=[1.0, 1.0])  # nothing to learn from
+    assert ctl.round_stats(round_result([solved, kept]))["reward/zero_variance_frac"] == 0.5
     assert stats["reward/errors"] == 1 and stats["rollout/truncated"] == 1
     assert stats["reward/overlong_penalty_mean"] == pytest.approx(-0.75 / 5)
     assert stats["rollout/response_lengths"] == [10, 90, 100, 5, 7]
