@@ -45,6 +45,7 @@ RACE = textwrap.dedent("""
         signal.signal(RETIRE, lambda *_: None)
         leaving()
     spam.kill()
+    spam.wait()  # dead: a RETIRE it sent after kill() would find Python's exit resetting the handler, and kill us
     assert signal.getsignal(RETIRE) not in (signal.SIG_IGN, signal.SIG_DFL)  # the window is rarely met: name it
 """)
 
