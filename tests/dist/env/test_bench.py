@@ -37,4 +37,5 @@ def test_parity_bench_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.splitlines()[-1])
     assert {"eval_gain_sync", "eval_gain_tail", "tool_rate_sync", "tool_rate_tail", "parity_tail"} <= set(summary)
-    assert summary["cut_turns_tail"] >= 0 and "bar: tail's gain" in proc.stdout
+    # plain tail lets every episode of a round finish: no step cut one, so there is no mean of cut episodes
+    assert summary["cut_turns_tail"] is None and "bar: tail's gain" in proc.stdout
