@@ -121,7 +121,7 @@ class TRLEnv:
                                                                                   factory, release)
         self.name = type(instance).__name__
         try:
-            schemas({k: f for k, f in tools.items() if k in tool_methods(instance)}, self.name)
+            schemas({k: tools[k] for k in tool_methods(instance).keys() & tools.keys()}, self.name)
         except EnvError as e:  # a helper method the user did not mean as a tool, most likely
             raise EnvError(f"{e} (every public method of a TRL environment but reset and get_reward is a tool, as in "
                            "TRL: start a helper's name with _ to keep it from the model)") from None
