@@ -189,12 +189,11 @@ class Config:
             self._check_streaming(streaming)
         if self.env.enabled:
             self._check_episodes()
-        elif self.env.warm:
-            raise ValueError("env.warm opens the next round's environments ahead, but there is no environment: set "
-                             "env.factory or env.tools, or drop env.warm")
+        elif given := [f"env.{f.name}" for f in dataclasses.fields(self.env) if getattr(self.env, f.name) != f.default]:
+            raise ValueError(f"{', '.join(given)}: given, but there is no environment (responses are single turns "
+                             "of rollout.max_new_tokens): set env.factory or env.tools, or leave them out")
         self.schedule.settle(episodes=self.env.enabled)
-        budget = ("env.max_tokens", self.env.max_tokens) if self.env.max_tokens else \
-            ("rollout.max_new_tokens", self.rollout.max_new_tokens)
+        budget = self.model_budget
         if self.train.overlong_buffer >= budget[1]:
             raise ValueError(f"train.overlong_buffer={self.train.overlong_buffer} is not below {budget[0]}="
                              f"{budget[1]}, the budget it counts back from: every response would be punished. "
@@ -202,6 +201,20 @@ class Config:
         if self.train.mini_batches > self.rollout.num_prompts:
             raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
                              f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")
+
+    @property
+    def model_budget(self) -> tuple[str, int]:
+        """What bounds a response's model tokens, and the bound: an episode's ``env.max_tokens`` (else
+        ``rollout.max_new_tokens``) over all its turns, where ``env.max_turns`` turns of ``rollout.max_new_tokens``
+        can reach it; else those turns."""
+        per_turn = self.rollout.max_new_tokens
+        if not self.env.enabled:
+            return "rollout.max_new_tokens", per_turn
+        turns = self.env.max_turns * per_turn
+        if (self.env.max_tokens or per_turn) <= turns:
+            return ("env.max_tokens", self.env.max_tokens) if self.env.max_tokens else ("rollout.max_new_tokens",
+                                                                                        per_turn)
+        return "env.max_turns x rollout.max_new_tokens", turns
 
     @property
     def policy(self) -> str:

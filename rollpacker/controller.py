@@ -261,9 +261,8 @@ class Controller:
 
     @property
     def model_budget(self) -> int:
-        """A response's model-token budget: ``env.max_tokens`` (an episode's, over its turns), else
-        ``rollout.max_new_tokens``."""
-        return self.config.env.max_tokens or self.config.rollout.max_new_tokens
+        """A response's model-token budget (:attr:`rollpacker.config.Config.model_budget`)."""
+        return self.config.model_budget[1]
 
     def overlong(self, output: Any) -> float:
         """DAPO's overlong punishment of ``output`` (``train.overlong_buffer``; 0 when off): of its

@@ -647,13 +647,13 @@ def longest_sample(config) -> int:
     engine.max_model_len when that is set (the engine holds no more). The prompt is data.max_prompt_length
     when set (longer prompts are left out, fit_rows); else, with engine.max_model_len, any prompt shorter
     than it is served, so a sample can reach it; with neither, :data:`PROMPT_TOKENS` (assumed). An
-    episode's budget is its model tokens (env.max_tokens) and an observation between each two turns (of
-    env.max_tool_result_chars)."""
+    episode's budget is its model tokens (:attr:`~rollpacker.config.Config.model_budget`) and an observation
+    between each two turns (of env.max_tool_result_chars)."""
     env, cap = config.env, config.engine.max_model_len
     prompt = config.data.max_prompt_length or cap or PROMPT_TOKENS
-    budget = config.rollout.max_new_tokens
+    budget = config.model_budget[1]
     if env.enabled:
-        budget = (env.max_tokens or budget) + (env.max_turns - 1) * env.max_tool_result_chars // CHARS_PER_TOKEN
+        budget += (env.max_turns - 1) * env.max_tool_result_chars // CHARS_PER_TOKEN
     return min(prompt + budget, cap) if cap else prompt + budget
 
 

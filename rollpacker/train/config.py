@@ -122,8 +122,8 @@ class TrainConfig(MemoryConfig):
     epochs: int = 1
     """Passes over the batch's mini-batches per RL step (old log-probs frozen before the first)."""
     overlong_buffer: int = 0
-    """DAPO's overlong punishment: its buffer, the last this many tokens of the budget (env.max_tokens, else
-    rollout.max_new_tokens; 0 = off)."""
+    """DAPO's overlong punishment: its buffer, the last this many tokens of the budget (rollout.max_new_tokens, or
+    an episode's env.max_tokens where its env.max_turns turns can reach it; 0 = off)."""
     overlong_penalty: float = 1.0
     """The punishment at the budget, rising linearly from 0 over the buffer."""
     mask_truncated: bool = False

@@ -227,6 +227,14 @@ def test_algorithm_settings_name_the_field():
         Config(train=TrainConfig(overlong_buffer=4), rollout=RolloutConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="train.overlong_buffer=64 is not below env.max_tokens=48"):  # an episode's
         Config(train=TrainConfig(overlong_buffer=64), env=EnvConfig(factory="toy", max_tokens=48))
+    # An episode reaches env.max_tokens only where its turns can: 2 turns of 64 tokens hold 128, not 512.
+    unreachable = Config(env=EnvConfig(factory="toy", max_turns=2, max_tokens=512),
+                         rollout=RolloutConfig(max_new_tokens=64))
+    assert unreachable.model_budget == ("env.max_turns x rollout.max_new_tokens", 128)
+    with pytest.raises(ValueError, match="overlong_buffer=200 is not below env.max_turns x rollout.max_new_tokens=128"):
+        Config(env=unreachable.env, rollout=unreachable.rollout, train=TrainConfig(overlong_buffer=200))
+    with_tools = Config(env=EnvConfig(tools=("python",), max_turns=2))  # an episode's turns share max_new_tokens
+    assert with_tools.model_budget == ("rollout.max_new_tokens", with_tools.rollout.max_new_tokens)
 
 
 def test_engine_rules_ask_the_engine_registry():
@@ -296,14 +304,19 @@ def test_episodes_refuse_sorted_partial_with_the_reason_and_run_with_the_planner
     Config(schedule=SortedPartialConfig(), train=TrainConfig(rollout_correction="token_tis"))  # no episodes: fine
 
 
-def test_env_warm_is_refused_where_it_would_do_nothing():
+def test_env_settings_are_refused_where_they_would_do_nothing(capsys):
     from rollpacker.config import Config
     from rollpacker.env.config import EnvConfig
     from rollpacker.schedule.one_step_off import OneStepOffConfig
     from rollpacker.train.config import TrainConfig
 
-    with pytest.raises(ValueError, match="env.warm .* there is no environment: set env.factory or env.tools"):
+    with pytest.raises(ValueError, match="env.warm: given, but there is no environment .*: set env.factory or env.to"):
         Config(env=EnvConfig(warm=True))
+    with pytest.raises(ValueError, match="^env.max_turns, env.max_tokens: given, but there is no environment"):
+        Config(env=EnvConfig(max_turns=8, max_tokens=32))  # the overlong penalty had counted back from 32
+    with pytest.raises(SystemExit):
+        parse(["--env.tool-parser", "mistral"])
+    assert "env.tool_parser: given, but there is no environment" in capsys.readouterr().err
     with pytest.raises(ValueError, match="env.warm with schedule:one_step_off: its rollout already runs beside"):
         Config(schedule=OneStepOffConfig(), env=EnvConfig(factory="toy", warm=True),
                train=TrainConfig(rollout_correction="token_tis"))

@@ -342,17 +342,19 @@ def test_torch_engines_memory_mb_and_the_planners_tps_are_planned_as_they_run():
 
 
 def test_an_episode_is_planned_at_its_model_tokens_and_observations_within_the_engines_context():
-    """An episode's sample holds env.max_tokens model tokens (rollout.max_new_tokens is a turn's) and an
-    observation between each two turns: planned at that, within engine.max_model_len when set."""
+    """An episode's sample holds env.max_tokens model tokens (rollout.max_new_tokens is a turn's; its turns may
+    hold fewer) and an observation between each two turns: planned at that, within engine.max_model_len when set."""
     from rollpacker.config import parse
     from rollpacker.plan.memory import PROMPT_TOKENS, setups
 
     flags = ["--preset", "qwen2.5-7b-8k", "--rollout.max-new-tokens", "1024", "--engine.max-model-len", "0"]
     _, single = setups(parse(flags), 8, shape=QWEN7B)
-    episode = [*flags, "--env.factory", "toy", "--env.max-tokens", "8192", "--env.max-turns", "5"]
+    episode = [*flags, "--env.factory", "toy", "--env.max-tokens", "8192", "--env.max-turns", "9"]
     train, rollout = setups(parse(episode), 8, shape=QWEN7B)
     assert single.longest == PROMPT_TOKENS + 1024
-    assert rollout.longest == PROMPT_TOKENS + 8192 + 4 * 4000 // 4 == max(train.seq_lens)  # 4 observations of 4000
+    assert rollout.longest == PROMPT_TOKENS + 8192 + 8 * 4000 // 4 == max(train.seq_lens)  # 8 observations of 4000
+    _, turns = setups(parse([*episode, "--env.max-turns", "5"]), 8, shape=QWEN7B)  # 5 turns of 1024 reach 5120
+    assert turns.longest == PROMPT_TOKENS + 5 * 1024 + 4 * 4000 // 4
     _, capped = setups(parse([*episode, "--engine.max-model-len", "12288"]), 8, shape=QWEN7B)
     assert capped.longest == 12288
 
