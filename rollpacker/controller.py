@@ -369,8 +369,9 @@ class Controller:
              "prompt": rows[g.prompt]["prompt"] if o.prompt is None else o.prompt,  # its reset's, if it gave one
              "prompt_text": prompt_text(self.tokenizer, o.prompt_ids),
              "answer": rows[g.prompt].get("answer"), "completion": self.rewards.decode(o.token_ids),
-             "reward": reward, **values.get(o.id, {"rewards": {}, "extra": {}}), "length": len(o.token_ids),
-             "finish_reason": o.finish_reason, "trained": trained and o.finish_reason != "error", **o.describe(decode)}
+             "reward": reward, **values.get(o.id, {"rewards": {}, "extra": {}, "reward_error": None}),
+             "length": len(o.token_ids), "finish_reason": o.finish_reason,
+             "trained": trained and o.finish_reason != "error", **o.describe(decode)}
             for g, trained in groups for o, reward in zip(g.outputs, g.rewards)], table)
 
     def end_step(self, step: int, result: RoundResult, stats: dict[str, Any]) -> None:

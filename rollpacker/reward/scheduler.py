@@ -289,8 +289,9 @@ class RewardScheduler:
         self.seconds = 0.0
         """Scoring time of the samples scored since :meth:`take_metrics`, summed (workers run in parallel)."""
         self.values: dict[Any, dict[str, dict]] = {}
-        """Each scored response's ``rewards`` (the value per function; None: did not apply or failed) and
-        ``extra`` (:attr:`_Scoring.extra`), until :meth:`take_values`."""
+        """Each scored response's ``rewards`` (the value per function; None: did not apply or failed), ``extra``
+        (:attr:`_Scoring.extra`) and ``reward_error`` (function name -> what went wrong; None), until
+        :meth:`take_values`."""
         self._sums: collections.Counter[str] = collections.Counter()
         self._counts: collections.Counter[str] = collections.Counter()
         self.errors = 0
@@ -485,7 +486,7 @@ class RewardScheduler:
                     if value is not None:
                         self._sums[metric] += value
                         self._counts[metric] += 1
-        self.values[key] = {"rewards": scoring.values, "extra": scoring.extra}
+        self.values[key] = {"rewards": scoring.values, "extra": scoring.extra, "reward_error": scoring.errors or None}
         if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
             del self.values[next(iter(self.values))]
         return [(key, self._reward(self._scoring.pop(key)))]

@@ -143,6 +143,7 @@ def test_the_worked_example_runs_as_written_its_samples_hold_what_was_scored_and
             failed = s["row"] in bad
             assert s["rewards"]["flaky"] is None and s["reward"] == pytest.approx(
                 0.0 if failed else sum(WEIGHTS[k] * s["rewards"][k] for k in WEIGHTS))
+            assert list(s["reward_error"] or {}) == (["flaky"] if failed else []), s  # which failed, and how
         assert again[step]["reward/errors"] == sum(s["row"] in bad for s in got) == GROUP
         assert again[step]["sched/trained_prompts"] == PROMPTS  # nothing lost: the failed responses trained with 0
     row = first[2][0]["row"]

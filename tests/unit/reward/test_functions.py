@@ -127,7 +127,12 @@ def test_an_episode_whose_environment_failed_is_scored_by_no_function_and_counte
     assert got == {"a:1": 0.0, "a:2": 0.0}  # a:1: raises failed it (skip: 0)
     assert metrics["reward/length"] == pytest.approx(0.3) and metrics["reward/errors"] == 1
     assert "reward/environment" not in metrics
-    assert values["a:2"] == {"rewards": {"length": None, "raises": None}, "extra": {}}
+    assert values["a:2"] == {"rewards": {"length": None, "raises": None}, "extra": {}, "reward_error": None}
+    # the sample of a:1 says which function failed it, and how (the docs' reward_error)
+    assert values["a:1"]["rewards"] == {"length": pytest.approx(0.3), "raises": None}
+    assert list(values["a:1"]["reward_error"]) == ["raises"]
+    assert "reward function 'raises' failed on row" in values["a:1"]["reward_error"]["raises"]
+    assert "ZeroDivisionError" in values["a:1"]["reward_error"]["raises"]
     # a group function's call holds its group's working episodes alone (one that failed at its reset has no copy of
     # its environment: a function taking environments raised, failing its siblings)
     group = {"a:1:0": Response(id="", prompt_ids=[], token_ids=[0] * 3),
@@ -231,7 +236,7 @@ def test_trl_log_metric_and_log_extra_and_a_verl_dicts_other_values_reach_the_me
             scheduler.close()
         assert metrics["reward/logs/accuracy"] == 0.5 and metrics["reward/verl_pred/ok"] == 1.0
         assert values["a:1"] == {"rewards": {"logs": 1.0, "verl_pred": 1.0}, "extra": {
-            "logs/golden_answer": "2", "logs/extracted_answer": "2", "verl_pred/pred": "2"}}
+            "logs/golden_answer": "2", "logs/extracted_answer": "2", "verl_pred/pred": "2"}, "reward_error": None}
         assert values["a:2"]["extra"]["logs/extracted_answer"] == "hello there"
 
 
@@ -260,7 +265,7 @@ def test_group_functions_score_a_completed_group_and_its_rewards_wait_for_them(f
             "reward/length": 0.4, "reward/distinct": 2 / 3, "reward/shortest": 1 / 3, "reward/shortest/size": 3.0,
             "reward/errors": 0, "reward/seconds_total": 0})
         assert values["a:1:1"] == {"rewards": {"length": 0.4, "distinct": 1.0, "shortest": 0.0},
-                                   "extra": {"distinct/copies": 1}}
+                                   "extra": {"distinct/copies": 1}, "reward_error": None}
     scheduler = RewardScheduler(RewardConfig(funcs=funcs("two"), group_funcs=("two",), num_workers=0,
                                              max_error_frac=1.0), lambda ids: RESPONSES[0])
     for key, response in group.items():
