@@ -2,7 +2,7 @@
 
     python -m rollpacker.sim --preset qwen2.5-14b-16k --gpus 32 schedule:tail [--gantt out.png]
     python -m rollpacker.sim table2 [--num-steps 20]     the paper's Table 2 beside the simulator's
-    python -m rollpacker.sim table1 [--num-steps 10]     the calibration against Table 1
+    python -m rollpacker.sim table1 [--num-steps 20]     the calibration against Table 1
     python -m rollpacker.sim fig13c [--num-steps 20]     the calibration against Fig. 13c (adaptive code timeout)
     python -m rollpacker.sim workload [--fit]            the length mixture against the paper's statistics
     python -m rollpacker.sim validate                    the simulator against rollouts measured here
@@ -158,6 +158,10 @@ class WorkloadArgs:
     num_candidates: int = 2000
     """Random candidates of the fit (then 1000 steps of refinement around the best)."""
 
+    def __post_init__(self) -> None:
+        if self.num_candidates < 1:
+            raise ValueError(f"--num-candidates must be >= 1, got {self.num_candidates}")
+
 
 def workload(argv: list[str]) -> dict:
     import tyro
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     import tyro
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    command = argv[0] if argv and not argv[0].startswith("-") else ""
+    command = argv[0] if argv and not argv[0].startswith(("-", "schedule:")) else ""  # schedule:NAME: the first form
     if command in ("table1", "table2", "fig13c"):
         from rollpacker.sim import paper
 

@@ -150,6 +150,11 @@ class TraceWorkload:
     def reset_seconds(self, row: str) -> float:
         return self._episode(row, "")[1]
 
+    def mean_step(self) -> float:
+        """The mean seconds of a recorded step."""
+        steps = [s for episodes in self.prompts for steps, _ in episodes for s in steps]
+        return sum(steps) / len(steps)
+
 
 def trace_workload(path: str) -> TraceWorkload:
     """``PATH``: JSON lines, one recorded episode each: ``{"steps": [seconds of each environment step],
@@ -164,11 +169,14 @@ def trace_workload(path: str) -> TraceWorkload:
             continue
         try:
             record = json.loads(line)
+            if not isinstance(record["steps"], list):  # a string's characters read as steps
+                raise TypeError
             steps, reset = tuple(float(s) for s in record["steps"]), float(record.get("reset", 0.0))
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"--workload trace:{path}, line {n}: {fix}") from None
-        if not steps or min(steps) < 0 or reset < 0:
-            raise ValueError(f"--workload trace:{path}, line {n}: an episode needs one step at least, seconds >= 0")
+        if not steps or not all(0 <= s < math.inf for s in (*steps, reset)):  # NaN and inf hung the simulation
+            raise ValueError(f"--workload trace:{path}, line {n}: an episode needs one step at least, seconds finite "
+                             "and >= 0")
         prompts.setdefault(str(record.get("prompt", n)), []).append((steps, reset))
     if not prompts:
         raise ValueError(f"--workload trace:{path}: the file is empty ({fix})")

@@ -117,7 +117,7 @@ class EpisodeWorkload:
         if not 0 <= self.extra_turn <= 1 or self.obs_tokens < 0 or self.num_workers < 1 or self.max_tokens < 0:
             raise ValueError(f"episodes: extra_turn={self.extra_turn} must be in [0, 1], obs_tokens={self.obs_tokens} "
                              f"and max_tokens={self.max_tokens} >= 0, num_workers={self.num_workers} >= 1")
-        self._turns, self._latency, self._shape  # noqa: B018 (a bad spec says so now)
+        self._turns, self._latency, self.shape  # noqa: B018 (a bad spec says so now)
 
     @cached_property
     def _turns(self):
@@ -128,33 +128,35 @@ class EpisodeWorkload:
         return latency_sampler(self.latency)
 
     @cached_property
-    def _shape(self):
+    def shape(self):
         """The named workload (None: none), scaled to ``latency``'s mean."""
         from rollpacker.sim.agentic import Workload, workload
 
         if not self.workload:
             return None
         shape = workload(self.workload)
-        if isinstance(shape, Workload) and self.latency.startswith("lognormal:"):
-            return shape.with_mean(float(self.latency.split(":")[1]))
-        return shape
+        if not self.latency.startswith("lognormal:"):  # a named shape has its own latencies: only their mean is set
+            raise ValueError(f"--workload {self.workload} with --latency {self.latency}: the workload takes its step "
+                             "latencies from its own shape (a named one's scaled to --latency lognormal:MEAN:SIGMA's "
+                             "mean): give that, or leave --workload out")
+        return shape.with_mean(float(self.latency.split(":")[1])) if isinstance(shape, Workload) else shape
 
     def num_turns(self, row_key: str, episode_key: str) -> int:
         """Model turns of an episode of row ``row_key`` (the environment ends it after the last one's step)."""
-        if self._shape is not None:
-            return self._shape.turns(row_key, episode_key)
+        if self.shape is not None:
+            return self.shape.turns(row_key, episode_key)
         extra = random.Random(f"extra/{row_key}/{episode_key}").random() < self.extra_turn
         return self._turns(row_key) + extra
 
     def step_seconds(self, row_key: str, episode_key: str, step: int) -> float:
         """Seconds of the environment's ``step``-th step (1-based) in that episode."""
-        if self._shape is not None:
-            return self._shape.step_seconds(row_key, episode_key, step, "")
+        if self.shape is not None:
+            return self.shape.step_seconds(row_key, episode_key, step, "")
         return self._latency(f"{row_key}/{episode_key}/{step}")
 
     def reset_seconds(self, row_key: str) -> float:
         """Seconds of a reset of row ``row_key``'s environment (a named workload's cold start; else none)."""
-        return self._shape.reset_seconds(row_key) if self._shape is not None else 0.0
+        return self.shape.reset_seconds(row_key) if self.shape is not None else 0.0
 
 
 def fit_run(run_dir: Path, workload: EpisodeWorkload) -> EpisodeWorkload:

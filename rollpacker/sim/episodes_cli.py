@@ -31,6 +31,8 @@ and η_L; ``+warm``: environments warmed ahead)."""
 class EpisodesArgs:
     preset: str = "qwen2.5-7b-8k"
     """Preset: the model (by name), P0, R0, TP and the per-turn cap (rollout.max_new_tokens)."""
+    model: str = ""
+    """The model simulated ("": the one the preset's name starts with), for a preset named otherwise."""
     gpus: int = 128
     """GPUs of the job."""
     policies: str = "sync,tail,tail+stream"
@@ -87,7 +89,7 @@ def config(args: EpisodesArgs, policy: str):
 
     etas = eta_overrides(args.eta_prompts, args.eta_responses, args.eta_long, paper="paper" in variants)
     schedule = POLICY_CONFIGS[name](**(etas if name == "tail" else {}))
-    cfg = preset_config(args.preset)
+    cfg = preset_config(args.preset, args.model or None)
     rollout = replace(cfg.rollout, num_prompts=args.num_prompts or cfg.rollout.num_prompts,
                       group_size=args.group_size or cfg.rollout.group_size,
                       max_new_tokens=args.turn_tokens or cfg.rollout.max_new_tokens)
@@ -122,7 +124,7 @@ def main(argv: list[str]) -> dict:
 def shape(workload: EpisodeWorkload) -> str:
     """The turns and latency of ``workload``, in words."""
     if workload.workload:
-        return f"workload {workload.workload} (mean step {workload.latency.split(':')[1]} s)"
+        return f"workload {workload.workload} (mean step {workload.shape.mean_step():.3g} s)"
     return f"turns {workload.turns} (+1 at p={workload.extra_turn}), latency {workload.latency}"
 
 

@@ -649,9 +649,13 @@ def preset_config(name: str, model: str | None = None):
     ``model`` (default: the one its name starts with)."""
     from rollpacker.config import load_preset
 
+    try:
+        rollout = load_preset(name).rollout  # first: a preset that is not there says so
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--preset: {e}") from None
     stem = name.rsplit("/", 1)[-1].removesuffix(".toml")
     model = model or max((m for m in MODELS if stem.startswith(m)), key=len, default=None)
     if model not in MODELS:
         raise SystemExit(f"preset {name!r} names no known model ({', '.join(MODELS)}): pass --model NAME"
                          if model is None else f"--model {model!r}: not a known model ({', '.join(MODELS)})")
-    return SimConfig(model=model, gpus=PAPER_GPUS[model], rollout=load_preset(name).rollout)
+    return SimConfig(model=model, gpus=PAPER_GPUS[model], rollout=rollout)

