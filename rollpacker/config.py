@@ -147,6 +147,12 @@ class Config:
                 able = " or ".join(repr(k) for k, e in ENGINES.items() if not getattr(e, why))
                 raise ValueError(f"rollout.{name}={value} with engine.kind={self.engine.kind!r}: "
                                  f"{getattr(engine, why)}; set rollout.{name}={off}, or engine.kind={able}")
+        r = self.rollout
+        if engine and engine.no_top_k_with_top_p and r.top_k and r.top_p < 1:
+            able = " or ".join(repr(k) for k, e in ENGINES.items() if not e.no_top_k_with_top_p)
+            raise ValueError(f"rollout.top_k={r.top_k} with rollout.top_p={r.top_p} and engine.kind="
+                             f"{self.engine.kind!r}: {engine.no_top_k_with_top_p}; set one of them, or "
+                             f"engine.kind={able}")
         s = self.schedule
         if s.stale_samples and self.train.rollout_correction == "none":
             raise ValueError(

@@ -71,6 +71,9 @@ class EngineKind:
     """Why it cannot apply ``rollout.repetition_penalty`` as transformers does. "": it can."""
     no_min_p: str = ""
     """Why it cannot sample with ``rollout.min_p``. "": it can."""
+    no_top_k_with_top_p: str = ""
+    """Why it cannot sample with both ``rollout.top_k`` and ``rollout.top_p`` as transformers does (top-p of the
+    mass top-k leaves). "": it can."""
     no_block_size: str = ""
     """Why ``engine.block_size`` does not size its KV blocks. "": it does."""
     no_cpu_sampled_speculation: str = ""
@@ -122,7 +125,9 @@ ENGINES: dict[str, EngineKind] = {
         "SGLang 0.5.23's repetition penalty counts only the tokens it generated, not the prompt's (nor a resumed "
         "request's earlier ones), unlike transformers, vLLM and TorchEngine"), no_min_p=(
         "SGLang 0.5.23's sampler asserts on min-p with a per-request seed (its engine dies at the first step), and "
-        "without the seed a resumed run would not draw the same responses"), no_tp_switch=(
+        "without the seed a resumed run would not draw the same responses"), no_top_k_with_top_p=(
+        "SGLang 0.5.23 cuts top-p on the whole distribution's mass, not on the mass top-k leaves (transformers', "
+        "vLLM's and TorchEngine's order), so it samples tokens they never would"), no_tp_switch=(
         "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
         "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }

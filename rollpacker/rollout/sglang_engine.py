@@ -111,8 +111,8 @@ def apply_chunk(track: Track, chunk: dict, now: float) -> tuple[int, int]:
 def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], seed: int) -> dict:
     """SGLang's ``sampling_params`` dict for ``p`` with ``remaining`` tokens left to generate. SGLang's
     ``ignore_eos`` ignores stop tokens too, so the contract's ignore_eos + stop_token_ids is refused; its
-    repetition penalty counts only the tokens it generated, so a penalty is refused too, and min-p (its sampler
-    asserts on min-p with a seed)."""
+    repetition penalty counts only the tokens it generated, so a penalty is refused too, min-p (its sampler
+    asserts on min-p with a seed), and top-k with top-p (its top-p is of the whole mass)."""
     if p.ignore_eos and p.stop_token_ids:
         raise ValueError("SGLang's ignore_eos also ignores stop_token_ids: set one of ignore_eos and stop_token_ids")
     if p.repetition_penalty != 1:  # engine.kind=sglang is refused at parse; auto may pick SGLang on a GPU
@@ -120,6 +120,9 @@ def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], s
                          "engine.kind torch or vllm")
     if p.min_p:
         raise ValueError(f"{ENGINES['sglang'].no_min_p}: set rollout.min_p=0, or engine.kind torch or vllm")
+    if p.top_k and p.top_p < 1:
+        raise ValueError(f"{ENGINES['sglang'].no_top_k_with_top_p}: set one of rollout.top_k and rollout.top_p, or "
+                         "engine.kind torch or vllm")
     stop = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_ids))
     return {"max_new_tokens": remaining, "temperature": p.temperature, "top_p": p.top_p,
             "top_k": p.top_k if p.top_k > 0 else -1, "min_p": p.min_p, "stop_token_ids": stop,

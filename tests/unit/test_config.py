@@ -270,6 +270,17 @@ def test_engine_rules_ask_the_engine_registry():
                                                  "sampler asserts .*; set rollout.min_p=0, or engine.kind='torch' or "
                                                  "'vllm'"):
                 Config(engine=EngineConfig(kind=kind), rollout=RolloutConfig(min_p=0.05))
+    # SGLang cuts top-p on the whole mass, not on what top-k leaves: it sampled tokens the other engines never would
+    both = RolloutConfig(top_k=3, top_p=0.4)
+    for kind in ("auto", *ENGINES):
+        if kind == "auto" or not ENGINES[kind].no_top_k_with_top_p:
+            Config(engine=EngineConfig(kind=kind), rollout=both)
+        else:
+            with pytest.raises(ValueError, match=f"rollout.top_k=3 with rollout.top_p=0.4 and engine.kind='{kind}': "
+                                                 "SGLang 0.5.23 cuts top-p on the whole .*; set one of them, or "
+                                                 "engine.kind='torch' or 'vllm'"):
+                Config(engine=EngineConfig(kind=kind), rollout=both)
+            Config(engine=EngineConfig(kind=kind), rollout=RolloutConfig(top_k=3))  # either alone: as theirs
 
 
 def test_choice_fields_are_checked_once_on_every_path(tmp_path):

@@ -94,6 +94,8 @@ def test_sampling_params():
     assert got["stop_token_ids"] == [] and got["ignore_eos"] and got["top_k"] == 20
     with pytest.raises(ValueError, match="sampler asserts on min-p with a per-request seed"):  # auto picked SGLang
         sglang_params(SamplingParams(max_new_tokens=4, min_p=0.1), 4, (257,), 0)
+    with pytest.raises(ValueError, match="cuts top-p on the whole distribution's mass.*set one of rollout.top_k"):
+        sglang_params(SamplingParams(max_new_tokens=4, top_k=3, top_p=0.4), 4, (257,), 0)
     with pytest.raises(ValueError, match="counts only the tokens it generated, not the prompt's"):
         sglang_params(SamplingParams(max_new_tokens=4, repetition_penalty=1.2), 4, (257,), 0)
     with pytest.raises(ValueError, match="ignore_eos also ignores stop_token_ids"):
