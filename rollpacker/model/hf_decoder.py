@@ -9,7 +9,8 @@ Invariants:
 - Parameter names are the Hugging Face ones.
 - Packed sequences are told apart by their positions, which restart at 0; ``transformers`` builds
   the block-causal (or sliding-window) mask from them. Hence attention layers only: a decoder with
-  state-space, linear-attention or convolution layers is refused (:func:`check_supported`).
+  state-space, linear-attention or convolution layers is refused (:func:`check_supported`), and so
+  is one whose ``transformers`` code builds its mask without the positions (:func:`check_packing`).
 - Weights are pushed under the checkpoint's names (:func:`checkpoint_format`).
 - Rollout runs on vLLM or SGLang: TorchEngine runs the native decoder only.
 
@@ -20,6 +21,7 @@ and how it differs from the native path: ``docs/memory.md`` (Any Hugging Face de
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -108,6 +110,7 @@ def resolve_impl(impl: str, path: str | Path) -> str:
     if impl == "hf":
         cfg = read_config(path)
         check_supported(cfg.get("text_config") or cfg)
+        load_hf(path, meta=True)  # its code: check_packing
     return impl
 
 
@@ -135,6 +138,42 @@ def check_supported(cfg: dict[str, Any]) -> None:
                         "architecture is not supported: train a decoder of attention layers only")
 
 
+class _MaskBuilt(Exception):
+    """Raised by :func:`check_packing`'s spy at the first mask: nothing after it needs to run."""
+
+
+def check_packing(causal_lm: nn.Module) -> None:
+    """Refuse a decoder whose ``transformers`` code builds its attention mask without the positions: packed
+    sequences would attend to the ones before them (GPT-OSS, AFMoE, XGLM). Its decoder runs on two packed
+    sequences up to the first mask it builds (``masking_utils``, which every mask from the positions goes
+    through), stopped there: on the meta device, it computes nothing."""
+    from transformers import masking_utils
+
+    build = masking_utils._preprocess_mask_arguments
+    seen: list[torch.Tensor | None] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(inspect.signature(build).bind(*args, **kwargs).arguments.get("position_ids"))
+        raise _MaskBuilt
+
+    device = next(causal_lm.parameters()).device
+    why = "it builds no mask through transformers' masking_utils"
+    masking_utils._preprocess_mask_arguments = spy
+    try:
+        causal_lm.model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device), use_cache=False,
+                        position_ids=torch.tensor([[0, 1, 0, 1]], device=device))
+    except _MaskBuilt:
+        why = "it builds its mask without the positions"
+    except Exception as e:  # noqa: BLE001  (transformers' code, before any mask: said below)
+        why = f"its decoder raised before any mask: {type(e).__name__}: {e}"
+    finally:
+        masking_utils._preprocess_mask_arguments = build
+    if not seen or seen[0] is None:
+        raise UserError(f"{causal_lm.config.get_text_config().model_type}: transformers' {type(causal_lm).__name__} "
+                        f"cannot be shown to tell packed sequences apart ({why}), so each could attend to the ones "
+                        "before it and its log-probs would be wrong; this architecture is not supported")
+
+
 class HFDecoder(nn.Module):
     """A ``transformers`` causal LM's decoder and head, called like the native
     :class:`~rollpacker.model.transformer.Transformer` (see the module docstring)."""
@@ -146,6 +185,7 @@ class HFDecoder(nn.Module):
         super().__init__()
         cfg = causal_lm.config.get_text_config()
         check_supported(cfg.to_dict())
+        check_packing(causal_lm)
         decoder, head = getattr(causal_lm, "model", None), causal_lm.get_output_embeddings()
         if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or head is None:
             raise ValueError(f"{type(causal_lm).__name__}: expected a decoder at .model with .layers and an output "

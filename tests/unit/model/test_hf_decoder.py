@@ -210,6 +210,28 @@ def test_qwen3_next_is_refused_before_the_job_starts_because_packing_leaks(tmp_p
             resolve_impl(impl, tmp_path)
 
 
+def test_a_decoder_whose_mask_ignores_the_positions_is_refused_before_the_job_starts(tmp_path):
+    """transformers' GPT-OSS builds its mask without the positions: run on two packed sequences, the second
+    attends to the first (its hidden states differ from its own run alone). resolve_impl says so at the start."""
+    from rollpacker.model.hf_decoder import HFDecoder, resolve_impl
+
+    causal_lm = tiny_causal_lm("GptOssConfig", num_local_experts=4, num_experts_per_tok=2)
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randint(0, 100, (21,), generator=g), torch.randint(0, 100, (13,), generator=g)
+    with torch.no_grad():
+        packed = causal_lm.model(input_ids=torch.cat([first, second])[None], use_cache=False,
+                                 position_ids=torch.cat([torch.arange(21), torch.arange(13)])[None])
+        alone = causal_lm.model(input_ids=second[None], use_cache=False)
+    assert not torch.allclose(packed.last_hidden_state[0, 21:], alone.last_hidden_state[0], atol=1e-3)
+    said = "gpt_oss: transformers' GptOssForCausalLM cannot be shown to tell packed sequences apart (it builds its mask"
+    with pytest.raises(UserError, match=re.escape(said)):
+        HFDecoder(causal_lm)
+    causal_lm.save_pretrained(tmp_path)
+    for impl in ("auto", "hf"):
+        with pytest.raises(UserError, match=re.escape(said)):
+            resolve_impl(impl, tmp_path)
+
+
 @pytest.mark.parametrize(("cls", "kw"), [
     ("LlamaConfig", {}), ("Qwen2Config", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     ("Qwen3Config", {}), ("MistralConfig", dict(sliding_window=4)), ("GemmaConfig", {}), ("Gemma2Config", {}),
