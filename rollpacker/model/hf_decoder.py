@@ -235,10 +235,12 @@ def save_hf(model: HFDecoder, path: str | Path, *, write: bool = True, dtype: to
             weights=None) -> None:
     """Write ``model`` as a Hugging Face directory with ``transformers``' own ``save_pretrained`` (the
     checkpoint's names, fused experts split back); ``weights``: (name, tensor) pairs to write instead
-    of its state dict (LoRA's merged weights). DTensor parameters are gathered with
-    ``full_tensor()``, a collective: call it on every rank, ``write`` on the one that writes."""
-    state = {}
-    for name, t in model.state_dict().items() if weights is None else weights:
+    of its parameters (LoRA's merged weights; its persistent buffers, a MoE router's bias, are written
+    beside them). DTensor parameters are gathered with ``full_tensor()``, a collective: call it on
+    every rank, ``write`` on the one that writes."""
+    state, params = {}, dict(model.named_parameters())
+    buffers = [(name, t) for name, t in model.state_dict().items() if name not in params]
+    for name, t in model.state_dict().items() if weights is None else [*weights, *buffers]:
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
         if write:

@@ -135,6 +135,30 @@ def test_an_export_names_its_tensors_dtype_and_a_biased_output_head_is_refused(m
         HFDecoder(phi)
 
 
+def test_an_export_of_merged_weights_keeps_the_persistent_buffers(tmp_path):
+    """GLM-4-MoE's router bias is a buffer, not a parameter: an export of the parameters (the job's, LoRA's merged
+    weights) left it out, and transformers loaded it as zeros, routing to other experts."""
+    from transformers import AutoModelForCausalLM
+
+    from rollpacker.model.hf_decoder import HFDecoder, save_hf
+    from rollpacker.model.lora import merged_weights
+
+    causal_lm = tiny_causal_lm("Glm4MoeConfig", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               first_k_dense_replace=0, n_group=1, topk_group=1)
+    decoder = HFDecoder(causal_lm)
+    bias = {n: b for n, b in decoder.state_dict().items() if n.endswith("e_score_correction_bias")}
+    assert bias and not any(n in dict(decoder.named_parameters()) for n in bias)
+    for b in bias.values():
+        b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(0)))
+    save_hf(decoder, tmp_path / "out", weights=merged_weights(decoder))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    for name, b in bias.items():
+        torch.testing.assert_close(reloaded.state_dict()[name], b)
+    tokens = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, causal_lm(tokens).logits)
+
+
 def test_engine_settings_the_resolved_engine_does_not_read_are_refused_before_it_starts():
     """engine.memory_mb sizes TorchEngine alone, vLLM picks its own KV block, and vLLM's CPU build samples wrong
     tokens under speculation: each was unread, unsaid, or a traceback at the first request."""
