@@ -15,6 +15,15 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+CLASS_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
+"""``head_dim`` of a config.json without one, where its transformers config class has its own default (not
+hidden_size // num_attention_heads)."""
+
+
+def head_dim(cfg: dict[str, Any]) -> int:
+    """A config.json's ``head_dim``, as transformers reads it."""
+    return (cfg.get("head_dim") or CLASS_HEAD_DIMS.get(cfg.get("model_type"))
+            or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
 @dataclass(kw_only=True)
@@ -82,7 +91,7 @@ class ModelArgs:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim(cfg),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type == "llama3" else None,

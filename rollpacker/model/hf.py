@@ -95,7 +95,8 @@ def load_model(
                 state[name] = t.to(dtype) if dtype is not None else t
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s), e.g. model.{missing[0]}")
+        first = missing[0] if missing[0] == "lm_head.weight" else f"model.{missing[0]}"  # the checkpoint's name
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} tensor(s), e.g. {first}")
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     return model

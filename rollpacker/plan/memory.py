@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.errors import UserError
+from rollpacker.model.args import head_dim
 from rollpacker.model.parallelize import checkpointed
 from rollpacker.plan.planner import usable_tps
 from rollpacker.rollout import ENGINES, resolve_kind
@@ -87,7 +88,7 @@ class Shape:
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg.get("intermediate_size") or 0, num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=kind in ("qwen2", "qwen2_moe") and cfg.get("qkv_bias", True) or bool(cfg.get("attention_bias")),
             qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),

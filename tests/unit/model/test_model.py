@@ -230,3 +230,22 @@ def test_bad_config_errors(tmp_path):
     peft.LoraConfig(r=4, base_model_name_or_path="org/base").save_pretrained(str(path))  # a LoRA run's hf
     with pytest.raises(FileNotFoundError, match=r"PEFT adapter directory .*hf_merged.*\(org/base\)"):
         load_model(path)
+
+
+def test_a_config_without_head_dim_takes_its_classs_default_and_a_missing_head_is_named_as_saved(tmp_path):
+    """transformers' Qwen3Config defaults head_dim to 128, not hidden_size / heads: such a config.json loaded in
+    transformers and was refused here, blaming the checkpoint. An untied checkpoint without its output head was
+    said to lack model.lm_head.weight, a name no checkpoint has."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(Qwen3Config(**TINY), dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("head_dim") == 128 != TINY["hidden_size"] // TINY["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    seq = torch.randint(0, TINY["vocab_size"], (9,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(input_ids=seq[None], use_cache=False).logits[0]
+    assert (packed_logits(load_model(tmp_path), [seq]) - want).abs().max().item() <= 1e-4
+    _edit_single(tmp_path, lambda state: state.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\), e\.g\. lm_head\.weight$"):
+        load_model(tmp_path)
