@@ -136,23 +136,7 @@ class Config:
             pools = ", ".join(f"schedule:{name}" for name in names(lambda c: c.own_pools))
             raise ValueError(f"train.skip (rollout alone) with stream.enabled, schedule.pipe or {pools}: they train "
                              f"during rollout; use {', '.join(names(lambda c: not c.own_pools))}")
-        engine = ENGINES.get(self.engine.kind)  # auto: resolved at build time, to one the planner can switch
-        if self.plan.enabled and engine and not engine.supports_tp_switch:
-            switchable = " or ".join(repr(k) for k, e in ENGINES.items() if e.supports_tp_switch)
-            raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: {engine.no_tp_switch}; use "
-                             f"engine.kind={switchable} with the planner, or a fixed rollout.tp")
-        for name, off, why in (("repetition_penalty", 1, "no_repetition_penalty"), ("min_p", 0, "no_min_p")):
-            value = getattr(self.rollout, name)
-            if engine and getattr(engine, why) and value != off:  # auto: refused at its start, by the engine
-                able = " or ".join(repr(k) for k, e in ENGINES.items() if not getattr(e, why))
-                raise ValueError(f"rollout.{name}={value} with engine.kind={self.engine.kind!r}: "
-                                 f"{getattr(engine, why)}; set rollout.{name}={off}, or engine.kind={able}")
-        r = self.rollout
-        if engine and engine.no_top_k_with_top_p and r.top_k and r.top_p < 1:
-            able = " or ".join(repr(k) for k, e in ENGINES.items() if not e.no_top_k_with_top_p)
-            raise ValueError(f"rollout.top_k={r.top_k} with rollout.top_p={r.top_p} and engine.kind="
-                             f"{self.engine.kind!r}: {engine.no_top_k_with_top_p}; set one of them, or "
-                             f"engine.kind={able}")
+        self._check_engine()
         s = self.schedule
         if s.stale_samples and self.train.rollout_correction == "none":
             raise ValueError(
@@ -207,6 +191,29 @@ class Config:
         if self.train.mini_batches > self.rollout.num_prompts:
             raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
                              f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")
+
+    def _check_engine(self) -> None:
+        """What ``engine.kind`` cannot do, refused naming the engines that can (auto: at its start, by the engine
+        it resolves to)."""
+        engine = ENGINES.get(self.engine.kind)
+        if engine is None:
+            return
+        if self.plan.enabled and not engine.supports_tp_switch:
+            switchable = " or ".join(repr(k) for k, e in ENGINES.items() if e.supports_tp_switch)
+            raise ValueError(f"plan.enabled with engine.kind={self.engine.kind!r}: {engine.no_tp_switch}; use "
+                             f"engine.kind={switchable} with the planner, or a fixed rollout.tp")
+        for name, off, why in (("repetition_penalty", 1, "no_repetition_penalty"), ("min_p", 0, "no_min_p")):
+            value = getattr(self.rollout, name)
+            if getattr(engine, why) and value != off:
+                able = " or ".join(repr(k) for k, e in ENGINES.items() if not getattr(e, why))
+                raise ValueError(f"rollout.{name}={value} with engine.kind={self.engine.kind!r}: "
+                                 f"{getattr(engine, why)}; set rollout.{name}={off}, or engine.kind={able}")
+        r = self.rollout
+        if engine.no_top_k_with_top_p and r.top_k and r.top_p < 1:
+            able = " or ".join(repr(k) for k, e in ENGINES.items() if not e.no_top_k_with_top_p)
+            raise ValueError(f"rollout.top_k={r.top_k} with rollout.top_p={r.top_p} and engine.kind="
+                             f"{self.engine.kind!r}: {engine.no_top_k_with_top_p}; set one of them, or "
+                             f"engine.kind={able}")
 
     @property
     def model_budget(self) -> tuple[str, int]:
