@@ -79,8 +79,20 @@ class MemoryRegime:
 
 
 def memory_regime_flags(args: MemoryRegime) -> list[str]:
-    """The ``rollpacker.run`` flags of the memory-bound regime (the random model written first if missing)."""
-    if not (args.model_dir / "config.json").exists():
+    """The ``rollpacker.run`` flags of the memory-bound regime (the random model written first if missing; one
+    there of another shape than the flags ask is a SystemExit saying so)."""
+    config = args.model_dir / "config.json"
+    if config.exists():
+        import json
+
+        have, want = json.loads(config.read_text()), {
+            "num_hidden_layers": args.num_layers, "hidden_size": args.hidden_size, "num_attention_heads":
+            args.num_heads, "num_key_value_heads": args.num_kv_heads, "intermediate_size": args.intermediate_size}
+        differ = [f"{key}={have.get(key)} (asked {value})" for key, value in want.items() if have.get(key) != value]
+        if differ:
+            raise SystemExit(f"{args.model_dir} holds a model of another shape: {', '.join(differ)}; give another "
+                             "--model-dir, or remove it to have the shape asked written there")
+    else:
         from rollpacker.toy.random_model import RandomModelConfig, write
 
         write(RandomModelConfig(out=args.model_dir, num_layers=args.num_layers, hidden_size=args.hidden_size,

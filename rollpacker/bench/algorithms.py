@@ -31,6 +31,7 @@ from pathlib import Path
 
 import tyro
 
+from rollpacker.bench import seed_list
 from rollpacker.jobflags import split_run_args
 
 ALGORITHMS = {
@@ -69,6 +70,12 @@ class Args:
     """distill: the teacher's model directory; empty = train one first (GRPO, teacher_steps steps, seed 0)."""
     teacher_steps: int = 100
     """distill: RL steps of the teacher the bench trains."""
+
+    def __post_init__(self) -> None:
+        seed_list(self.seeds)
+        if min(self.steps, self.eval_every, self.teacher_steps) <= 0:  # the gains read the first and last evaluation
+            raise ValueError(f"--steps, --eval-every and --teacher-steps must be positive, got {self.steps}, "
+                             f"{self.eval_every} and {self.teacher_steps}")
 
 
 def run(args: Args, run_args: list[str], flags: list[str], seed: int, run_dir: str, *, steps: int = 0,
@@ -138,7 +145,7 @@ def check_flags(args: Args, run_args: list[str], names: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench algorithms")
-    names, seeds = args.algorithms.split(","), [int(s) for s in args.seeds.split(",")]
+    names, seeds = args.algorithms.split(","), seed_list(args.seeds)
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown:
         raise SystemExit(f"unknown algorithm(s) {unknown}: choose from {', '.join(ALGORITHMS)}")

@@ -472,7 +472,7 @@ def curve_table(cfg: EngineBenchConfig, curves: dict[str, dict[int, float]]):
                         f"{cfg.prompt_len + cfg.decode_steps + 1} tokens, median of {cfg.decode_steps})")
     table.add_column("running", justify="right")
     for kind in curves:
-        for col in ("ms / step", "vs 1 running", "tok/s"):
+        for col in ("ms / step", f"vs {min(cfg.decode_batch_sizes)} running", "tok/s"):
             table.add_column(f"{NAMES[kind]} {col}", justify="right")
     for n in cfg.decode_batch_sizes:
         row = [str(n)]

@@ -32,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollpacker.bench import seed_list
+
 PROG = "python -m rollpacker.bench episodes"
 
 
@@ -160,10 +162,7 @@ class Args:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if min(self.sigma, self.max_turns, self.median_s) < 0:
             raise ValueError("--sigma, --max-turns and --median-s must be >= 0 (0: the workload's)")
-        try:
-            [int(seed) for seed in self.seeds.split(",")]
-        except ValueError:
-            raise ValueError(f"--seeds {self.seeds!r}: write comma-separated integers (0,1,2)") from None
+        seed_list(self.seeds)
         self.shape  # noqa: B018 (a bad workload says so now)
 
     @property
@@ -309,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries = []
     with tempfile.TemporaryDirectory(prefix="rollpacker-episodes-") as tmp:
         env_file = write_env_file(args, Path(tmp))
-        for seed in (int(s) for s in args.seeds.split(",")):
+        for seed in seed_list(args.seeds):
             work = Path(tmp) / f"seed{seed}"
             results = {p: summarize(args, job(args, seed, env_file, run_flags(args, p), work / p, run_args), work / p)
                        for p in args.policies.split(",")}

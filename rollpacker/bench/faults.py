@@ -155,13 +155,8 @@ def one_run(i: int, fault: str, work: Path, rng: random.Random, limit_s: float, 
             fewest = min(fewest, now)
         time.sleep(0.05)
     hang = proc.poll() is None
-    if hang:  # torchrun's workers run in sessions of their own: kill them too
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        for rank in (0, 1):
-            while (pid := worker_pid(run_dir, rank)) is not None:
-                os.kill(pid, signal.SIGKILL)
-                time.sleep(0.1)
+    if hang:
+        kill(proc, run_dir)
     got, want = Counter(trained(run_dir)), Counter(reference)
     lost = sum((want - got).values())
     twice = sum(n - 1 for n in got.values() if n > 1)
@@ -199,6 +194,18 @@ class Args:
     def __post_init__(self) -> None:
         if self.workload not in ("single", "episodes"):
             raise ValueError(f"--workload {self.workload!r}: write single or episodes")
+        if self.runs < 1 or self.limit_s <= 0:
+            raise ValueError(f"--runs must be >= 1 and --limit-s > 0, got {self.runs} and {self.limit_s:g}")
+
+
+def kill(proc: subprocess.Popen, run_dir: Path) -> None:
+    """A run's torchrun and its workers, which run in sessions of their own."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for rank in (0, 1):
+        while (pid := worker_pid(run_dir, rank)) is not None:
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,7 +214,13 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     episodes = args.workload == "episodes"
     proc, log = launch(work / "reference", episodes)
-    if proc.wait(timeout=args.limit_s) != 0:
+    try:
+        code = proc.wait(timeout=args.limit_s)
+    except subprocess.TimeoutExpired:
+        kill(proc, work / "reference")
+        sys.exit(f"bench faults: the uninterrupted reference run took over --limit-s {args.limit_s:g} s (killed); "
+                 f"raise it, or see {log}")
+    if code != 0:
         sys.exit(f"bench faults: the uninterrupted reference run failed; see {log}")
     reference = trained(work / "reference")
     rng = random.Random(args.seed)

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollpacker.bench import seed_list
 from rollpacker.sim.episodes import latency_sampler
 
 PROG = "python -m rollpacker.bench parity"
@@ -95,6 +96,7 @@ class Args:
         if self.steps <= 0 or self.eval_every <= 0 or self.env_workers <= 0:
             raise ValueError("--steps, --eval-every and --env-workers must be positive")
         latency_sampler(self.latency)
+        seed_list(self.seeds)
 
 
 def run(args: Args, tools_file: Path, policy: str, seed: int, run_dir: Path, run_args: list[str]
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="rollpacker-parity-") as tmp:
         tools_file = Path(tmp) / "slow_tools.py"
         tools_file.write_text(TOOLS_FILE.format(latency=args.latency))
-        for seed in (int(s) for s in args.seeds.split(",")):
+        for seed in seed_list(args.seeds):
             for policy in results:
                 run_dir = Path(tmp) / f"{policy}-{seed}"
                 results[policy].append(summarize(*run(args, tools_file, policy, seed, run_dir, run_args)))

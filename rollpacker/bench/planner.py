@@ -99,4 +99,4 @@ def main(argv: list[str] | None = None) -> None:
     for name, t in table.items():
         summary |= {f"{k}_{name}": round(t[k], 3) for k in ("preemptions_short", "preemptions_long",
                                                              "rollout_short", "rollout_long", "step_time")}
-    print(json.dumps(summary))
+    print(json.dumps({k: None if v != v else v for k, v in summary.items()}))  # NaN (no long round timed): null

@@ -66,6 +66,13 @@ class Args:
     seed: int = 0
     """Seeds the workload."""
 
+    def __post_init__(self) -> None:
+        fractions = (self.loop_fraction, self.slow_fraction, self.wrong_fraction)
+        if self.responses <= 0 or self.workers <= 0 or min(fractions) < 0 or sum(fractions) > 1:
+            raise ValueError(f"--responses and --workers must be positive, got {self.responses} and {self.workers}; "
+                             "--loop-fraction, --slow-fraction and --wrong-fraction >= 0 with a sum <= 1 (the rest "
+                             f"correct), got {' + '.join(map(str, fractions))}")
+
 
 def workload(args: Args) -> tuple[list[str], list[float]]:
     """The responses (markdown code blocks) and their finish times, sorted."""

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import tyro
 
+from rollpacker.bench import seed_list
 from rollpacker.jobflags import STREAM, JobArgs, job_argv, policy_args, split_run_args
 from rollpacker.schedule.tail import TailConfig
 
@@ -44,6 +45,9 @@ class Args(JobArgs):
     """Also run the stream trainer's Table 3 and Table 4 ablations (seed 0)."""
     ablation_steps: int = 40
     """Steps of each ablation run."""
+
+    def __post_init__(self) -> None:
+        seed_list(self.seeds)
 
 
 PAPER = [*STREAM, "--stream.criterion", "kv"]  # the ablations are the paper's, with its KV-fit criterion
@@ -95,7 +99,7 @@ def summarize(rows: list[dict]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench schedulers")
-    policies, seeds = args.policies.split(","), [int(s) for s in args.seeds.split(",")]
+    policies, seeds = args.policies.split(","), seed_list(args.seeds)
     results: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in seeds:
         for policy in policies:

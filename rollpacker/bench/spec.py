@@ -28,6 +28,7 @@ from pathlib import Path
 
 import tyro
 
+from rollpacker.bench import seed_list
 from rollpacker.bench.spec_job import RECORD
 from rollpacker.jobflags import JobArgs, job_argv, policy_args, split_run_args
 
@@ -54,6 +55,7 @@ class Args(JobArgs):
     """Ranks (torchrun --nproc_per_node)."""
 
     def __post_init__(self) -> None:
+        seed_list(self.seeds)
         for variant in self.variants.split(","):
             for part in variant.split("+"):
                 if part not in FLAGS:
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=own, prog=PROG)
     policies, variants = args.policies.split(","), args.variants.split(",")
     totals = {(p, v): Totals() for p in policies for v in variants}
-    for seed in (int(s) for s in args.seeds.split(",")):
+    for seed in seed_list(args.seeds):
         for policy in policies:
             runs = {}
             for variant in variants:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollpacker.rollout.config import MAX_SPEC_TOKENS
+
 PROG = "python -m rollpacker.bench spec-engine"
 MODES = ("off", "engine", "epoch")
 
@@ -57,6 +59,8 @@ class SpecBenchConfig:
         for name in ("num_prompts", "group_size", "replicas", "batches", "repeats", "tail_running", "num_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"bench.{name} must be positive, got {getattr(self, name)}")
+        if not 1 <= self.spec_max_tokens <= MAX_SPEC_TOKENS:  # else refused after the model loads
+            raise ValueError(f"bench.spec_max_tokens must be in [1, {MAX_SPEC_TOKENS}], got {self.spec_max_tokens}")
         if self.group_size % self.replicas:
             raise ValueError(f"bench.group_size={self.group_size} must be a multiple of bench.replicas={self.replicas}")
 

@@ -115,3 +115,29 @@ def test_a_faults_run_that_ended_before_its_fault_is_not_a_recovery(tmp_path, mo
     monkeypatch.setattr(faults, "launch", launch)
     result = faults.one_run(0, "kill_rank", tmp_path, random.Random(0), 60, [])
     assert result["injected"] is False and result["exit"] == 0 and result["recovered"] is False
+
+
+def test_bench_flags_that_cannot_run_are_refused_as_they_parse(tmp_path):
+    """Each was a traceback (int() of a seed, an empty evaluation list, numpy's probabilities, a model loaded
+    first), a run of nothing, or a model of another shape used unsaid."""
+    from rollpacker.bench import algorithms, faults, rewards, schedulers, spec, spec_engine
+    from rollpacker.jobflags import MemoryRegime, memory_regime_flags
+
+    for args in (algorithms.Args, schedulers.Args, spec.Args):
+        with pytest.raises(ValueError, match="--seeds '0,a': write comma-separated integers"):
+            args(seeds="0,a")
+    with pytest.raises(ValueError, match="--eval-every and --teacher-steps must be positive, got 50, 0 and 100"):
+        algorithms.Args(eval_every=0)
+    with pytest.raises(ValueError, match="--responses and --workers must be positive, got 0"):
+        rewards.Args(responses=0)
+    with pytest.raises(ValueError, match=r"a sum <= 1 .* got 0.9 \+ 0.2 \+ 0.2"):
+        rewards.Args(loop_fraction=0.9, slow_fraction=0.2)
+    with pytest.raises(ValueError, match=r"bench.spec_max_tokens must be in \[1, 32\], got 0"):
+        spec_engine.SpecBenchConfig(spec_max_tokens=0)
+    with pytest.raises(ValueError, match="--runs must be >= 1"):
+        faults.Args(runs=-1)
+    shape = dict(num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    memory_regime_flags(MemoryRegime(model_dir=tmp_path, **shape))
+    assert "--model.path" in memory_regime_flags(MemoryRegime(model_dir=tmp_path, **shape))  # the same shape: kept
+    with pytest.raises(SystemExit, match="holds a model of another shape: num_hidden_layers=1 \\(asked 2\\)"):
+        memory_regime_flags(MemoryRegime(model_dir=tmp_path, **shape | dict(num_layers=2)))
