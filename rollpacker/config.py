@@ -220,14 +220,11 @@ class Config:
         """What bounds a response's model tokens, and the bound: an episode's ``env.max_tokens`` (else
         ``rollout.max_new_tokens``) over all its turns, where ``env.max_turns`` turns of ``rollout.max_new_tokens``
         can reach it; else those turns."""
-        per_turn = self.rollout.max_new_tokens
-        if not self.env.enabled:
-            return "rollout.max_new_tokens", per_turn
-        turns = self.env.max_turns * per_turn
-        if (self.env.max_tokens or per_turn) <= turns:
-            return ("env.max_tokens", self.env.max_tokens) if self.env.max_tokens else ("rollout.max_new_tokens",
-                                                                                        per_turn)
-        return "env.max_turns x rollout.max_new_tokens", turns
+        env, per_turn = self.env, self.rollout.max_new_tokens
+        if env.enabled and env.max_tokens > env.max_turns * per_turn:
+            return "env.max_turns x rollout.max_new_tokens", env.max_turns * per_turn
+        return ("env.max_tokens", env.max_tokens) if env.enabled and env.max_tokens else ("rollout.max_new_tokens",
+                                                                                          per_turn)
 
     @property
     def policy(self) -> str:
