@@ -134,9 +134,13 @@ def probe_gpu(env: dict[str, str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "rollpacker.gpu_check.preflight"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError) as e:
+    except subprocess.SubprocessError as e:
         return {"missing": f"an answer from the GPU probe ({' '.join(cmd[1:])}: {e!r})"}
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):  # it died first: what it said is the cause
+        said = proc.stderr.strip()[-600:] or "nothing on stderr"
+        return {"missing": f"an answer from the GPU probe ({' '.join(cmd[1:])} exited {proc.returncode}: {said})"}
 
 
 def triton_facts(device: str, facts: dict[str, Any]) -> tuple[list[str], dict[str, str]]:

@@ -161,6 +161,16 @@ def test_preflight_on_cuda_without_a_gpu_says_so_and_skips_every_stage(tmp_path)
     assert row["says"].startswith("missing: a CUDA device") and "Runs nothing" in row["says"]
 
 
+def test_a_gpu_probe_that_dies_says_why(tmp_path):
+    """Its stderr and exit code were dropped: the line said IndexError('list index out of range')."""
+    from rollpacker.gpu_check.preflight import probe_gpu
+
+    (tmp_path / "torch.py").write_text("raise RuntimeError('this torch is broken')\n")
+    root = Path(__file__).resolve().parents[2]
+    said = probe_gpu({**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"})["missing"]
+    assert "exited 1" in said and "RuntimeError: this torch is broken" in said, said
+
+
 def test_preflight_without_a_compiler_on_cuda_names_it_and_the_fix(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("CC", raising=False)
