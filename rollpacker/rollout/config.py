@@ -62,8 +62,14 @@ class RolloutConfig:
                              f"{self.stop_token_ids} a negative id: remove it")
 
 
+MIN_TEMPERATURE = 1e-5
+"""The least temperature above 0 (vLLM's too): logits divided by less overflow fp32, and their log-probs are NaN."""
+
+
 def sampling_problem(p: RolloutConfig | SamplingParams) -> str | None:
     """What is wrong with ``p``'s sampling settings, or None."""
+    if 0 < p.temperature < MIN_TEMPERATURE:
+        return f"temperature={p.temperature} is too small to divide logits by: use 0 (greedy) or >= {MIN_TEMPERATURE}"
     if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p <= 1 or p.repetition_penalty <= 0:
         return (f"temperature={p.temperature} must be >= 0, top_p={p.top_p} in (0, 1], top_k={p.top_k} >= 0, "
                 f"min_p={p.min_p} in [0, 1], repetition_penalty={p.repetition_penalty} > 0")

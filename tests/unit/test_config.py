@@ -270,6 +270,9 @@ def test_engine_rules_ask_the_engine_registry():
                                                  "sampler asserts .*; set rollout.min_p=0, or engine.kind='torch' or "
                                                  "'vllm'"):
                 Config(engine=EngineConfig(kind=kind), rollout=RolloutConfig(min_p=0.05))
+    # logits over a temperature below fp32's range are infinite: NaN log-probs and the last token id, unsaid
+    with pytest.raises(ValueError, match="temperature=1e-39 is too small to divide logits by: use 0 .greedy. or"):
+        RolloutConfig(temperature=1e-39)
     # SGLang cuts top-p on the whole mass, not on what top-k leaves: it sampled tokens the other engines never would
     both = RolloutConfig(top_k=3, top_p=0.4)
     for kind in ("auto", *ENGINES):
