@@ -147,9 +147,13 @@ def check_packing(causal_lm: nn.Module) -> None:
     sequences would attend to the ones before them (GPT-OSS, AFMoE, XGLM). Its decoder runs on two packed
     sequences up to the first mask it builds (``masking_utils``, which every mask from the positions goes
     through), stopped there: on the meta device, it computes nothing."""
-    from transformers import masking_utils
+    import transformers
 
-    build = masking_utils._preprocess_mask_arguments
+    masking_utils = getattr(transformers, "masking_utils", None)
+    build = getattr(masking_utils, "_preprocess_mask_arguments", None)
+    if build is None:  # before it, a mask from positions alone was flash-attention's only
+        raise UserError(f"transformers {transformers.__version__} builds no attention mask from the positions "
+                        "(its masking_utils), which keep packed sequences apart: upgrade transformers for the hf path")
     seen: list[torch.Tensor | None] = []
 
     def spy(*args: Any, **kwargs: Any) -> Any:
