@@ -215,19 +215,25 @@ def test_hybrid_decoders_and_scaled_heads_are_refused(cls, kw, said):
         HFDecoder(tiny_causal_lm(cls, **kw))
 
 
-def test_qwen3_next_is_refused_before_the_job_starts_because_packing_leaks(tmp_path):
-    """Why the rule: transformers' Qwen3-Next run on two packed sequences (positions restarting at 0)
-    gives the second one other hidden states than run alone. resolve_impl says so once, at the start."""
-    from rollpacker.model.hf_decoder import resolve_impl
-
-    causal_lm = tiny_causal_lm("Qwen3NextConfig", **QWEN3_NEXT)
+def packing_leaks(causal_lm) -> bool:
+    """Whether transformers' ``causal_lm`` run on two packed sequences (positions restarting at 0) gives the
+    second one other hidden states than run alone."""
     g = torch.Generator().manual_seed(0)
     first, second = torch.randint(0, 100, (21,), generator=g), torch.randint(0, 100, (13,), generator=g)
     with torch.no_grad():
         packed = causal_lm.model(input_ids=torch.cat([first, second])[None], use_cache=False,
                                  position_ids=torch.cat([torch.arange(21), torch.arange(13)])[None])
         alone = causal_lm.model(input_ids=second[None], use_cache=False)
-    assert not torch.allclose(packed.last_hidden_state[0, 21:], alone.last_hidden_state[0], atol=1e-3)
+    return not torch.allclose(packed.last_hidden_state[0, 21:], alone.last_hidden_state[0], atol=1e-3)
+
+
+def test_qwen3_next_is_refused_before_the_job_starts_because_packing_leaks(tmp_path):
+    """Why the rule: transformers' Qwen3-Next run on two packed sequences (positions restarting at 0)
+    gives the second one other hidden states than run alone. resolve_impl says so once, at the start."""
+    from rollpacker.model.hf_decoder import resolve_impl
+
+    causal_lm = tiny_causal_lm("Qwen3NextConfig", **QWEN3_NEXT)
+    assert packing_leaks(causal_lm)
     causal_lm.save_pretrained(tmp_path)
     for impl in ("auto", "hf"):
         with pytest.raises(UserError, match="qwen3_next: layer_types holds linear_attention"):
@@ -240,13 +246,7 @@ def test_a_decoder_whose_mask_ignores_the_positions_is_refused_before_the_job_st
     from rollpacker.model.hf_decoder import HFDecoder, resolve_impl
 
     causal_lm = tiny_causal_lm("GptOssConfig", num_local_experts=4, num_experts_per_tok=2)
-    g = torch.Generator().manual_seed(0)
-    first, second = torch.randint(0, 100, (21,), generator=g), torch.randint(0, 100, (13,), generator=g)
-    with torch.no_grad():
-        packed = causal_lm.model(input_ids=torch.cat([first, second])[None], use_cache=False,
-                                 position_ids=torch.cat([torch.arange(21), torch.arange(13)])[None])
-        alone = causal_lm.model(input_ids=second[None], use_cache=False)
-    assert not torch.allclose(packed.last_hidden_state[0, 21:], alone.last_hidden_state[0], atol=1e-3)
+    assert packing_leaks(causal_lm) and not packing_leaks(tiny_causal_lm("LlamaConfig"))  # Llama's mask: positions
     said = "gpt_oss: transformers' GptOssForCausalLM cannot be shown to tell packed sequences apart (it builds its mask"
     with pytest.raises(UserError, match=re.escape(said)):
         HFDecoder(causal_lm)
