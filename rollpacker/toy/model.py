@@ -200,12 +200,12 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     tok_cfg.write_text(json.dumps(fields, indent=2) + "\n")
 
 
-def evaluate(path: Path, num: int, seed: int = EVAL_SEED) -> list[tuple[str, int, float, float]]:
-    """Greedy decoding of ``num`` held-out problems through the rollout engine: per term-count
-    bucket, then overall, ``(bucket, num_problems, accuracy, mean_response_tokens)``."""
+def evaluate(path: Path, num: int, seed: int = EVAL_SEED, held_out: bool = True) -> list[tuple[str, int, float, float]]:
+    """Greedy decoding of ``num`` held-out problems (of the training part: not ``held_out``) through the rollout
+    engine: per term-count bucket, then overall, ``(bucket, num_problems, accuracy, mean_response_tokens)``."""
     engine = TorchEngine(load_model(path), EngineConfig())  # first: it names what a directory lacks
     tokenizer = AutoTokenizer.from_pretrained(path)
-    rows = toy_rows(DataConfig(toy_tail_alpha=toy.PARETO_ALPHA), num, seed, held_out=True)
+    rows = toy_rows(DataConfig(toy_tail_alpha=toy.PARETO_ALPHA), num, seed, held_out=held_out)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0)
     with single_thread():
         outs = generate(engine, [Request(id=r["id"], prompt_ids=tokenizer.encode(r["prompt"]), params=params)
@@ -264,18 +264,19 @@ def build_cmd(out: Path = TOY_MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:
     logger.info("wrote %s in %.0fs", out, time.perf_counter() - start)
 
 
-def eval_cmd(path: Path | None = None, num: int = 1000) -> None:
+def eval_cmd(path: Path | None = None, num: int = 1000, training_part: bool = False) -> None:
     """Report the toy model's greedy accuracy by number of terms, on held-out problems.
 
     Args:
         path: Model directory; default: the shipped toy model.
         num: Number of problems (drawn from the task's heavy-tailed length distribution).
+        training_part: Problems of the part training draws instead (the shipped model's SFT drew both parts).
     """
     if num < 1:
         sys.exit(f"rollpacker.toy.model eval: --num must be positive, got {num}")
     start = time.perf_counter()
     try:
-        report = evaluate(path or toy_model_dir(), num)
+        report = evaluate(path or toy_model_dir(), num, held_out=not training_part)
     except (ValueError, OSError) as e:  # a directory that is no model: its message names the fix
         sys.exit(f"rollpacker.toy.model eval: {e}")
     print(f"{'terms':>8} {'problems':>9} {'accuracy':>9} {'mean tokens':>12}")

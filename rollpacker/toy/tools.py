@@ -8,8 +8,8 @@ with this calculator) runs the model's calls and ends at its first turn without 
 :func:`correct` scores the answer (the last assistant turn's ``#### N``); :func:`unaided` a right
 answer given without a call (the preset weighs it 0.3, so a call costs where it does not help). A
 row's ``data_source`` is its kind, so evaluation reports ``eval/easy/...`` and ``eval/hard/...``.
-The easy problems are few (207): training and held-out rows share them; what RL learns here is
-when to call the tool, not the products.
+The easy problems are few (207): one in 8 is held out like any toy problem's, but the toy tools model's
+fine-tuning drew them all, so it knows every one; what RL learns here is when to call the tool, not the products.
 """
 
 from __future__ import annotations

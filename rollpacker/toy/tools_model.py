@@ -310,11 +310,12 @@ def summarize(results: list[dict]) -> list[tuple[str, int, float, float, float]]
 
 
 def evaluate(path: Path, num: int = EVAL_NUM, temperature: float = 0.0, seed: int = 0,
-             with_tools: bool = True) -> list[tuple[str, int, float, float, float]]:
-    """:func:`summarize` of ``num`` held-out episodes (the preset's held-out problems, ``data.toy_seed`` 0)."""
+             with_tools: bool = True, held_out: bool = True) -> list[tuple[str, int, float, float, float]]:
+    """:func:`summarize` of ``num`` held-out episodes (the preset's held-out problems, ``data.toy_seed`` 0; of
+    the training part: not ``held_out``)."""
     engine = TorchEngine(load_model(path), EngineConfig())  # first: a directory that is no model says so
     tokenizer = AutoTokenizer.from_pretrained(path)
-    rows = toy_rows(DataConfig(toy_task="tools"), num, toy_tools.EVAL_SEED, held_out=True)
+    rows = toy_rows(DataConfig(toy_task="tools"), num, toy_tools.EVAL_SEED, held_out=held_out)
     with single_thread():
         return summarize(run_episodes(engine, tokenizer, rows, temperature=temperature, seed=seed,
                                       with_tools=with_tools))
@@ -339,7 +340,7 @@ def build_cmd(out: Path = MODEL_DIR, sft: SFTConfig = SFTConfig()) -> None:
 
 
 def eval_cmd(path: Path | None = None, num: int = EVAL_NUM, temperature: float = 0.0, seed: int = 0,
-             no_tools: bool = False) -> None:
+             no_tools: bool = False, training_part: bool = False) -> None:
     """Report the model's held-out success and tool use per kind of problem, as episodes with the calculator.
 
     Args:
@@ -348,12 +349,13 @@ def eval_cmd(path: Path | None = None, num: int = EVAL_NUM, temperature: float =
         temperature: Sampling temperature (0: greedy).
         seed: Seed of the sampling.
         no_tools: Prompts without the tools line.
+        training_part: Problems of the part training draws instead (the shipped model's SFT drew both parts).
     """
     if num < 1:
         sys.exit(f"rollpacker.toy.tools_model eval: --num must be positive, got {num}")
     start = time.perf_counter()
     try:
-        report = evaluate(path or model_dir(), num, temperature, seed, not no_tools)
+        report = evaluate(path or model_dir(), num, temperature, seed, not no_tools, not training_part)
     except (ValueError, OSError) as e:  # a directory that is no model: its message names the fix
         sys.exit(f"rollpacker.toy.tools_model eval: {e}")
     print(f"{'kind':>6} {'episodes':>9} {'success':>8} {'called':>7} {'failed call':>12}")
