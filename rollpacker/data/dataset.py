@@ -211,6 +211,7 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
     Their names: :func:`_names`. Every row has every file's columns, None where
     its file lacks one (as one file's rows are): a reward function naming a column gets None, not a TypeError."""
     rows, where_of = [], {}
+    _refuse_repeats(sources, field)
     for source, name in zip(sources, _names(sources)):
         every = read_rows(source, config, split=split, check=check, field=field, name=name)
         if first is not None and len(every) > first:
@@ -232,6 +233,17 @@ def read_sources(sources: tuple[str, ...], config: DataConfig, *, split: str | N
                            f"{', '.join(sources)} has (its columns: {', '.join(k for k in columns if k not in ours)})"
                            ": name one of those")
     return [{**columns, **row} for row in rows]  # splits joined (train+test) may differ in columns too
+
+
+def _refuse_repeats(sources: tuple[str, ...], field: str) -> None:
+    """Refuse a file named twice (``a.jsonl ./a.jsonl``): its rows would be read, and trained on, twice."""
+    seen: dict[object, str] = {}
+    for source in sources:
+        path = Path(source).expanduser()
+        key = path.resolve() if path.exists() else source
+        if key in seen:
+            raise DatasetError(f"{field} names {source} twice (as {seen[key]} and {source}): list each file once")
+        seen[key] = source
 
 
 def _names(sources: tuple[str, ...]) -> list[str]:
@@ -322,25 +334,30 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tupl
         raise DatasetError(f"{field}: {path} is not a dataset file: give a .jsonl, .json, .parquet or .arrow file "
                            "(or a directory written by save_to_disk, or a Hub id)")
     lines = _record_lines(path) if path.suffix.lower() == ".jsonl" else None
-    try:
-        records = _load(path, kind, field)
-        if lines is None or len(records) == len(lines):
-            return _sliced({"train": records}, lines, split, path, field), lines is not None, []
-    except DatasetError:
-        if lines is None:
-            raise
+    null_first = kind == "json" and _null_first(path)  # pyarrow's JSON reader dies of it (SIGSEGV): never given one
+    if null_first and lines is None:
+        raise DatasetError(f"{field}: {path} begins with null: give a JSON array of objects, or one object a line")
+    if not null_first:  # a JSON lines file that begins with null: its lines are read below
+        try:
+            records = _load(path, kind, field)
+            if lines is None or len(records) == len(lines):
+                return _sliced({"train": records}, lines, split, path, field), lines is not None, []
+        except DatasetError:
+            if lines is None:
+                raise
     bad = _bad_lines(path)  # why datasets could not read it (or read other than one record a line), by line
     if bad and not skip_bad:
         n, why = bad[0]
         raise DatasetError(f"{path}:{n}: {why} (fix the line, or set data.skip_bad_lines to skip bad rows)")
     lines = [n for n in lines if n not in dict(bad)]
     if not lines:
-        raise DatasetError(f"{path}: no rows (the data is empty or holds only blank or bad rows)")
+        first = f": line {bad[0][0]}: {bad[0][1]}" if bad else ""
+        raise DatasetError(f"{path}: no rows (the data is empty or holds only blank or bad rows{first})")
     keep = set(lines)
     with tempfile.TemporaryDirectory() as tmp, path.open("rb") as f:
         good = Path(tmp) / path.name  # its good lines without blank ones (which datasets reads only sometimes)
         good.write_bytes(b"".join(raw for n, raw in enumerate(f, start=1) if n in keep))
-        records = _load(good, kind, field)
+        records = _load(good, kind, field, shown=path)
     by_line = len(records) == len(lines)  # else datasets read a line as several records: number them as rows
     return (_sliced({"train": records}, lines if by_line else None, split, path, field), by_line,
             [f"{path}:{n}: {why}" for n, why in bad])
@@ -372,18 +389,20 @@ def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, pa
             for p in parts for i in range(p.from_, p.to)]
 
 
-def _load(path: Path, kind: str, field: str) -> list[dict]:
+def _load(path: Path, kind: str, field: str, shown: Path | None = None) -> list[dict]:
+    """The records of the file at ``path`` (``shown`` in messages: the user's file of a cleaned copy)."""
     import datasets
 
+    shown = shown or path
     if not path.stat().st_size:
-        raise DatasetError(f"{path}: no rows (the data is empty)")
+        raise DatasetError(f"{shown}: no rows (the data is empty)")
     try:
         return list(datasets.load_dataset(kind, data_files=str(path), split="train"))
     except Exception as e:  # noqa: BLE001  (datasets wraps pyarrow's errors in its own)
         cause = e.__cause__ or e
         if "corresponds to no data" in str(cause) or "BatchSize must be greater than 0" in str(cause):  # json, parquet
-            raise DatasetError(f"{path}: no rows (the data is empty)") from None  # as datasets 4 says it
-        raise DatasetError(f"{field}: {path} cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
+            raise DatasetError(f"{shown}: no rows (the data is empty)") from None  # as datasets 4 says it
+        raise DatasetError(f"{field}: {shown} cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
 
 
 def _is_hub(path: Path) -> bool:
@@ -424,6 +443,12 @@ def _record_lines(path: Path) -> list[int]:
     """The line numbers of a JSON lines file's records: its lines that are not blank."""
     with path.open("rb") as f:
         return [n for n, raw in enumerate(f, start=1) if raw.strip()]
+
+
+def _null_first(path: Path) -> bool:
+    """Whether a JSON file's first value is null (pyarrow 26's JSON reader dies of it: SIGSEGV)."""
+    with path.open("rb") as f:
+        return f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"null")
 
 
 def _bad_lines(path: Path) -> list[tuple[int, str]]:

@@ -23,7 +23,7 @@ def info_metrics(outputs: Sequence[Any], prefix: str, sources: Sequence[str | No
     """``PREFIX/info/K`` and ``PREFIX/info/K_frac`` over ``outputs`` (responses: their ``info``; none when no
     environment counted anything), and per data source (``sources``: one per output, None for a row without one)."""
     groups = {prefix: [o.info for o in outputs]}
-    for source in sorted({s for s in sources or () if s is not None}):
+    for source in sorted({s for s in sources or () if s is not None}, key=str):  # 2024 beside "math"
         groups[f"{prefix}{source}/"] = [o.info for o, s in zip(outputs, sources) if s == source]
     out = {}
     for where, group in groups.items():

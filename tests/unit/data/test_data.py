@@ -209,6 +209,34 @@ def test_duplicate_id(tmp_path):
     assert [r["id"] for r in load_rows(DataConfig(path=str(path), id_key="uid"))] == ["u0", "u1"]
 
 
+def test_a_file_named_twice_is_refused_not_read_twice(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, [json.dumps({"prompt": "p", "answer": "x"})], "a.jsonl")
+    for twice in (("a.jsonl", "./a.jsonl"), ("a.jsonl", "a.jsonl")):
+        with pytest.raises(DatasetError, match=rf"data.path names {re.escape(twice[1])} twice \(as a.jsonl and "
+                                               rf"{re.escape(twice[1])}\): list each file once"):
+            load_rows(DataConfig(path=twice))
+
+
+def test_jsonl_that_datasets_cannot_read_is_named_by_line_or_as_given(tmp_path):
+    # a first line of null: pyarrow's reader dies of it (SIGSEGV), so it is never given such a file
+    path = write(tmp_path, ["", "null", json.dumps({"prompt": "p", "answer": "x"})])
+    with pytest.raises(DatasetError, match=r"train\.jsonl:2: expected a JSON object, got NoneType"):
+        load(path)
+    assert [r["id"] for r in load_rows(DataConfig(path=path, skip_bad_lines=True))] == ["train:3"]
+    path = write(tmp_path, ["null", json.dumps({"prompt": "p", "answer": "x"})], "train.json")
+    with pytest.raises(DatasetError, match=r"train\.json begins with null: give a JSON array of objects"):
+        load(path)
+    # every line a JSON object, but a key twice: the user's file, not a cleaned copy of it
+    path = write(tmp_path, ['{"prompt": "p", "answer": "1", "answer": "3"}'], "dup.jsonl")
+    with pytest.raises(DatasetError, match=rf"data.path: {re.escape(path)} cannot be read as json: .*twice"):
+        load(path)
+    # only bad lines: the first one's fault is said
+    path = write(tmp_path, ['{"prompt": "p"} x'], "bad.jsonl")
+    with pytest.raises(DatasetError, match=r"bad\.jsonl: no rows \(.*bad rows: line 1: invalid JSON"):
+        load_rows(DataConfig(path=path, skip_bad_lines=True))
+
+
 def test_default_id_collides_with_explicit_id(tmp_path):
     path = write(tmp_path, [json.dumps({"id": "train:2", "prompt": "p", "answer": "x"}),
                             json.dumps({"prompt": "q", "answer": "y"})])

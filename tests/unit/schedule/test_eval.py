@@ -50,6 +50,9 @@ def test_eval_metrics_mean_and_unbiased_pass_at_k_per_data_source():
     assert m["eval/a/mean@3"] == pytest.approx(1 / 6) and m["eval/b/mean@3"] == pytest.approx(2.5 / 3)
     greedy = eval_metrics([[1.0], [0.0]], [[True], [False]], [None, None])  # one greedy response each, no source
     assert greedy == {"eval/accuracy": 0.5, "eval/reward_mean": 0.5, "eval/mean@1": 0.5, "eval/pass@1": 0.5}
+    # a file's data_source 2024 beside another file's name (the eval sets' data_source filled in)
+    mixed = eval_metrics([[1.0], [0.0], [1.0]], [[True], [False], [True]], [2024, "math500", 2024])
+    assert mixed["eval/2024/pass@1"] == 1.0 and mixed["eval/math500/pass@1"] == 0.0
 
 
 def test_a_held_out_episode_whose_environment_failed_counts_as_unsolved():
