@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from rollpacker.errors import UserError
@@ -331,9 +332,15 @@ class WorkerPool:
         w = self._workers[i]
         if w.conn in ready:
             try:
-                message = w.conn.recv()
+                raw = w.conn.recv_bytes()
             except (EOFError, OSError):  # it died: its pipe and its sentinel are ready together
                 self._died(i)
+                return
+            try:
+                message = ForkingPickler.loads(raw)
+            except Exception as e:  # noqa: BLE001  (a class of a file only the worker imported, an __init__ it lacks)
+                self._replace(i, f"its reply cannot be read here ({type(e).__name__}: {str(e)[:200]}): return plain "
+                                 "data (str, numbers, lists, dicts); its worker was replaced")
                 return
             if message is None:
                 w.ready = True

@@ -8,8 +8,9 @@ there in order, one at a time per worker, each under ``env.timeout``. Every call
 its :class:`~rollpacker.env.contract.EnvReply` comes back from ``poll`` (never waits) or ``drain``.
 
 A call that raises, returns something the contract does not allow
-(:class:`~rollpacker.env.contract.BadReturn`), or hangs past the timeout (its worker is killed)
-comes back with ``error`` naming the environment, the episode's row and the cause, once; the
+(:class:`~rollpacker.env.contract.BadReturn`), hangs past the timeout (its worker is killed), or replies
+with what the trainer cannot load (a class of the environment's own file, which only its worker imports; its
+worker is killed too) comes back with ``error`` naming the environment, the episode's row and the cause, once; the
 environment is closed and dropped, and closing it later is a no-op. Episodes whose environments
 lived on a killed worker lose them too: their next step comes back with an error saying why (one
 whose open had not run yet waits for the fresh worker). An open that raised, hung or lost its

@@ -26,7 +26,6 @@ import asyncio
 import collections
 import multiprocessing as mp
 import multiprocessing.connection
-import pickle
 import queue
 import resource
 import statistics
@@ -120,7 +119,9 @@ def _work(conn: mp.connection.Connection, parent: int, targets: tuple[str, ...])
             seconds = time.perf_counter() - wall, _cpu_seconds() - cpu
             try:
                 conn.send((value, error, metrics, info, *seconds))
-            except (TypeError, AttributeError, pickle.PicklingError) as e:  # pickled before a byte is sent
+            except (EOFError, OSError):
+                raise
+            except Exception as e:  # noqa: BLE001  (pickled before a byte is sent: a lock, recursion, a __reduce__)
                 conn.send((None, f"returned what cannot be sent from its reward worker (a lock, a generator?): "
                                  f"{type(e).__name__}: {str(e)[:200]}", {}, {}, *seconds))
     except (EOFError, ConnectionError):  # the pool closed our pipe (unread: a reset): stopping, or its process died

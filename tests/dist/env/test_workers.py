@@ -204,6 +204,38 @@ def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_repo
         ("open", None, None), ("step", None, 0.5)]
 
 
+def test_a_reply_only_the_worker_can_unpickle_fails_its_call_not_the_pool(tmp_path, monkeypatch):
+    """An environment file's own class in ``info``: the worker pickles it, the trainer (which never imports that
+    file) cannot load it. The pool's manager thread died of it, and with it the run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text(textwrap.dedent('''
+        class Note:
+            pass
+
+        class Env:
+            def reset(self, *, seed, options):
+                return None, {}
+
+            def step(self, action):
+                return "obs", 1.0, False, False, {"note": Note()} if action == "note" else {}
+
+        def make_env(row):
+            return Env()
+        '''))
+    with EnvPool(EnvConfig(factory="mine.py:make_env", num_workers=1)) as pool:
+        pool.open_episode("a", {"id": "a"}, 0)
+        pool.drain(60)
+        pool.step_episode("a", "note")
+        (failed,) = pool.drain(60)
+        assert failed.error.startswith("mine.py:make_env: episode 'a' (row 'a'): its step call: its reply cannot be "
+                                       "read here (ModuleNotFoundError: No module named 'rollpacker_user_mine'): "
+                                       "return plain data"), failed.error
+        pool.open_episode("b", {"id": "b"}, 0)  # the fresh worker serves
+        pool.step_episode("b", "plain")
+        assert [(r.kind, r.error, r.value.reward if r.kind == "step" else None) for r in pool.drain(60)] == [
+            ("open", None, None), ("step", None, 1.0)]
+
+
 def test_a_sys_exit_in_an_environment_or_a_tool_is_its_error_not_its_workers_death(tmp_path, monkeypatch):
     """``sys.exit()`` in a step or a tool killed the worker: every episode on it lost, no cause said."""
     monkeypatch.chdir(tmp_path)

@@ -268,6 +268,32 @@ def test_a_value_a_worker_cannot_send_back_is_the_functions_failure(tmp_path, ca
     assert "returned what cannot be sent from its reward worker (a lock, a generator?): TypeError" in caplog.text
 
 
+def test_values_that_fail_to_pickle_or_to_unpickle_are_the_functions_failure_not_the_pools(tmp_path, caplog):
+    """A value nested past the recursion limit killed its worker (said only "died"); one the trainer could not
+    unpickle (an exception whose __init__ takes arguments) killed the pool's manager thread, and so the run."""
+    (tmp_path / "odd.py").write_text(
+        "class Verdict(Exception):\n    def __init__(self, test, why):\n        super().__init__(f'{test}: {why}')\n\n"
+        "def odd(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'deep':\n        value = []\n        for _ in range(100_000):\n"
+        "            value = [value]\n        return {'score': 1.0, 'deep': value}\n"
+        "    if solution_str == 'verdict':\n        return {'score': 1.0, 'why': Verdict(1, 'wrong')}\n"
+        "    return 1.0\n")
+    cfg = RewardConfig(funcs=(f"{tmp_path / 'odd.py'}:odd",), num_workers=1, max_error_frac=1.0)
+    texts = ["deep", "verdict", "fine"]
+    scheduler = RewardScheduler(cfg, lambda ids: texts[ids[0]])
+    try:
+        for i in range(3):
+            scheduler.submit(i, {"id": str(i), "prompt": "p", "answer": "1"},
+                             Response(id="", prompt_ids=[], token_ids=[i]))
+            assert dict(scheduler.wait()) == {i: float(i == 2)}  # one at a time: the third on a fresh worker
+            assert scheduler.take_metrics()["reward/errors"] == (i < 2)
+    finally:
+        scheduler.close()
+    assert "cannot be sent from its reward worker (a lock, a generator?): RecursionError" in caplog.text
+    assert ("its reply cannot be read here (TypeError: Verdict.__init__() missing 1 required positional argument: "
+            "'why'): return plain data") in caplog.text
+
+
 def test_judge_needs_a_model_directory(tmp_path):
     from rollpacker.reward.config import JudgeConfig
 
