@@ -147,7 +147,8 @@ class Controller:
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
                             template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)
         # reward functions taking TRL's `environments` get a copy of each episode's environment
-        spec = EnvSpec.from_config(cfg.env, states=any(f.ref.environments for f in self.rewards.functions))
+        spec = EnvSpec.from_config(cfg.env, states=any(f.ref.environments for f in self.rewards.functions),
+                                   sandbox=cfg.reward.sandbox)
         self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env, spec), bridge=bridge,
                                  encode=functools.partial(encode, self.tokenizer, cfg), seed=cfg.seed,
                                  max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len,

@@ -199,6 +199,11 @@ def invoke(fn, *args, **kwargs):
     return awaited(fn(*args, **kwargs))
 
 
+python_sandbox: Any = None
+"""The :class:`~rollpacker.reward.sandbox.SandboxConfig` the built-in ``python`` runs under (``reward.sandbox``, set
+in each environment worker; None: the defaults)."""
+
+
 def python(code: str) -> str:
     """Run a Python program in a sandbox (no network, a private /tmp) and return what it printed.
 
@@ -208,7 +213,7 @@ def python(code: str) -> str:
     from rollpacker.reward.sandbox import Sandbox
 
     timeout = max(min(PYTHON_TIMEOUT, time_left() - 0.5), 0.1)  # the sandbox's own kill returns before the turn's
-    run = Sandbox().run(code, timeout=timeout)
+    run = Sandbox(python_sandbox).run(code, timeout=timeout)
     out = run.stdout.decode("utf-8", "replace")
     if run.timed_out:
         return Failed(f"{out}\n[timed out after {timeout:g} s]")

@@ -32,13 +32,14 @@ import multiprocessing.connection
 import sys
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rollpacker.env import contract
 from rollpacker.env.config import FACTORIES, EnvConfig
 from rollpacker.env.contract import EnvError, EnvReply
 from rollpacker.imports import load, target, warm_up
+from rollpacker.reward.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
 from rollpacker.workers import Retired, WorkerPool, ignore_stops, leaving, tasks
 
 
@@ -62,11 +63,14 @@ class EnvSpec:
     max_tool_result_chars: int = EnvConfig.max_tool_result_chars
     timeout: float = EnvConfig.timeout
     """``env.timeout``: a turn's tool calls answer within it (:class:`~rollpacker.env.tools.ToolEnv`)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """``reward.sandbox``: the built-in ``python`` tool's sandbox, as the code reward's."""
 
     @classmethod
-    def from_config(cls, cfg: EnvConfig, states: bool = False) -> EnvSpec:
+    def from_config(cls, cfg: EnvConfig, states: bool = False, sandbox: SandboxConfig | None = None) -> EnvSpec:
         return cls(target(cfg.factory, FACTORIES) if cfg.factory else "", cfg.tools, cfg.tool_parser,
-                   cfg.observation_role, cfg.factory, cfg.max_turns, states, cfg.max_tool_result_chars, cfg.timeout)
+                   cfg.observation_role, cfg.factory, cfg.max_turns, states, cfg.max_tool_result_chars, cfg.timeout,
+                   sandbox or SandboxConfig())
 
     @property
     def name(self) -> str:
@@ -86,6 +90,12 @@ class EnvSpec:
         warmed = ([warm_up(self.factory, "env.factory", mapping=True, options={"max_turns": self.max_turns})]
                   if self.factory else [])
         warmed += [warm_up(target(spec, tools.TOOLS), "env.tools") for spec in self.tools]
+        if tools.TOOLS["python"] in (target(spec, tools.TOOLS) for spec in self.tools):
+            tools.python_sandbox = self.sandbox
+            try:
+                Sandbox(self.sandbox)  # no isolation: every call's answer would be this error, trained on
+            except SandboxUnavailable as e:
+                warmed.append(f"env.tools python: {e}")
         return next(filter(None, warmed), "")
 
     def build(self, row: dict):

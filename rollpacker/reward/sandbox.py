@@ -53,7 +53,8 @@ INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
 @dataclass(kw_only=True)
 class SandboxConfig:
     isolation: Isolation = "auto"
-    """Code rewards' OS isolation: auto (bwrap, else unshare), bwrap, unshare, none (only for code you trust)."""
+    """OS isolation of code rewards and the python tool: auto (bwrap, else unshare), bwrap, unshare, none (only for
+    code you trust)."""
     python: str = ""
     """Interpreter of the programs; empty = this one, or /usr/bin/python3 if the sandbox user cannot run it."""
     memory_mb: int = 1024

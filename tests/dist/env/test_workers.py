@@ -3,6 +3,7 @@ tools in the workers, and environments that hang, raise, return garbage or canno
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -161,6 +162,30 @@ def test_the_python_tool_runs_code_in_the_sandbox():
     assert "ZeroDivisionError" in python("1 / 0")
     assert python("import socket\ntry:\n socket.create_connection(('1.1.1.1', 53), 1)\nexcept OSError:\n print('no')"
                   ) == "no\n"
+
+
+def test_the_python_tool_runs_under_reward_sandbox_and_a_missing_sandbox_stops_the_pool(tmp_path):
+    """It ran under the default sandbox whatever reward.sandbox said, and without isolation every call was
+    answered with the sandbox's error, trained on."""
+    from rollpacker.env.workers import EnvSpec
+    from rollpacker.reward.sandbox import SandboxConfig
+
+    cfg = EnvConfig(tools=("python",), num_workers=1)
+    seen = "import os\nprint(os.getpid() < 10)"
+    for isolation, visible in (("auto", "True"), ("none", "False")):  # in a PID namespace of its own, or not
+        with EnvPool(cfg, EnvSpec.from_config(cfg, sandbox=SandboxConfig(isolation=isolation))) as pool:
+            pool.open_episode("a", {"id": "a"}, 0)
+            pool.drain(60)
+            pool.step_episode("a", '<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>'
+                              % json.dumps(seen))
+            (step,) = pool.drain(60)
+            assert step.value.observation[0]["content"] == f"{visible}\n", isolation
+    missing = EnvSpec.from_config(cfg, sandbox=SandboxConfig(python=str(tmp_path / "no-python")))
+    with pytest.raises(PoolError, match=r"could not start: env.tools python: code sandbox: no OS isolation works "
+                                        r"here(.|\n)*To enable it"):
+        with EnvPool(cfg, missing) as pool:
+            pool.open_episode("a", {"id": "a"}, 0)
+            pool.drain(60)
 
 
 def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_reported_once(tmp_path, monkeypatch):
