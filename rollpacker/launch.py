@@ -31,7 +31,9 @@ from rollpacker.watchdog import ERROR_FILE
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 RENDEZVOUS = ("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend", "--master-addr",
-              "--master_addr", "--standalone", "--nnodes")
+              "--master_addr", "--master-port", "--master_port", "--standalone", "--nnodes")
+"""torchrun's options that choose the rendezvous: without one, the launcher adds ``--standalone`` (which would
+ignore a ``--master-port``)."""
 AGENT = "--agent"
 """First argument of ``python -m rollpacker.launch`` when it runs torchrun's agent (the launcher's child)."""
 

@@ -25,6 +25,8 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
     assert split(["--nnodes", "2", "--rdzv-endpoint", "h:29500", "--", "--preset", "qwen2.5-7b-8k"]) == (
         ["--nnodes", "2", "--rdzv-endpoint", "h:29500"], ["--preset", "qwen2.5-7b-8k"])  # no --standalone
     assert split(["--standalone", "schedule:tail", "--help"]) == (["--standalone"], ["schedule:tail", "--help"])
+    assert split(["--master-port", "29600", "--nproc-per-node", "2"]) == (  # no --standalone: it ignores the port
+        ["--master-port", "29600", "--nproc-per-node", "2"], [])
     assert option(["--standalone", "--max_restarts", "3"], "--max-restarts", "0") == "3"
     assert option(["--max-restarts", "0", "--max-restarts=3"], "--max-restarts", "0") == "3"  # torchrun's: the last
     for cut in (["--max-restarts="], ["--max-restarts"]):  # no value: torchrun's own error says so
