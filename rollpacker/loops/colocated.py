@@ -25,6 +25,8 @@ def run(job: Job) -> int:
     cfg, ctl = job.config, job.controller
     preempt.install()  # again (run.main did): SIGUSR1/SIGTERM/SIGINT stop after the current step, saved
     step = job.start_step
+    if ctl and step:  # resumed: env.warm opens the first round's environments, as the run before would have
+        ctl.warm(step)
     while step < cfg.num_steps:
         watchdog.at_step(step)  # dist.timeout_s once the first step is done
         done = job.meshes.broadcast(ctl.policy.done() if ctl else None)

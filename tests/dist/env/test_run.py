@@ -233,9 +233,10 @@ def test_episodes_run_on_sglang(tmp_path):
 @pytest.mark.slow  # a kill mid-round and its resume: test_tail's sigkill test, on the same episode path
 def test_a_run_killed_with_episodes_in_flight_resumes_and_trains_every_prompt_once(tmp_path):
     """SIGKILL the whole run (ranks, environment workers) once a step is committed and episodes are
-    in flight (environments open); ``--resume auto`` trains every prompt exactly once."""
+    in flight (environments open); ``--resume auto`` trains every prompt exactly once. With ``env.warm``, the
+    resumed run's first round finds its environments opened ahead, as the killed run's would have."""
     rows = 16
-    cmd, run_dir, log = env_job(tmp_path, "--data.num-toy-prompts", str(rows), "--resume", "auto")
+    cmd, run_dir, log = env_job(tmp_path, "--data.num-toy-prompts", str(rows), "--resume", "auto", "--env.warm")
 
     def in_flight() -> bool:
         events = read_log(log)
@@ -252,6 +253,7 @@ def test_a_run_killed_with_episodes_in_flight_resumes_and_trains_every_prompt_on
     assert sorted(tuple(e) for e in ledger(run_dir)["trained"]) == [(0, i) for i in range(rows)]
     by_step = {r["step"]: r for r in records(run_dir)}  # a step redone after the resume keeps its last record
     assert sum(r["sched/trained_prompts"] for r in by_step.values()) == rows and done[-1] < max(by_step)
+    assert by_step[done[-1]]["env/warm_opens"] > 0  # the first step after the resume
 
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "environments.md"
