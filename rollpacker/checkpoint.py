@@ -406,7 +406,9 @@ def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, 
                                  ("with other shapes (checkpoint vs this model)", shapes)) if items]
     adapters = [any(".lora_A." in n for n in names) for names in (saved, mine)]
     fix = {(True, False): "it holds LoRA adapters: give the run's train.lora settings (train.lora.rank)",
-           (False, True): "it holds no LoRA adapters: drop train.lora.rank"}.get(
+           (False, True): "it holds no LoRA adapters: drop train.lora.rank",
+           (True, True): "its LoRA adapters sit on other modules or have another rank: give the run's "
+                         "train.lora.target_modules and train.lora.rank"}.get(
         tuple(adapters), "load it with the model the run started with (model.path)")
     raise CheckpointError(f"resume: {path} was written by a different model: parameters {'; '.join(diffs)}. "
                           f"{fix[0].upper()}{fix[1:]}; a resume may instead start afresh")

@@ -404,6 +404,17 @@ def check_tokenizer(student: Path, other: str, setting: str) -> None:
         raise UserError(f"{setting}: {where}'s tokenizer is not model.path's ({student}): "
                         f"{len(differ)} token(s) differ (e.g. {differ[:3]}){ids}. It scores the policy's sampled "
                         "tokens, so both must share one tokenizer: pick a model of the same family")
+    rows = [vocab_size(p) for p in (student, where)]
+    if None not in rows and rows[1] < rows[0]:  # the same tokens, fewer embedding rows (Qwen2.5 0.5B against 7B)
+        raise UserError(f"{setting}: {where} has {rows[1]} token embeddings (config.json vocab_size), model.path "
+                        f"{rows[0]}: it cannot read every id the policy may sample; pick a model with at least "
+                        f"{rows[0]}")
+
+
+def vocab_size(model_dir: Path) -> int | None:
+    """A model directory's ``vocab_size`` (its text model's, in a multimodal config.json), or None."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
 
 
 def build_planner(job: Job) -> None:

@@ -320,7 +320,8 @@ LORA_DIMS = {"q_proj": ("hidden_size", "q_dim"), "k_proj": ("hidden_size", "kv_d
 
 def lora_params(s: Shape, rank: int, targets: tuple[str, ...]) -> int:
     """Parameters of rank-``rank`` adapters (A: r x in, B: out x r) on ``targets`` of every layer."""
-    names = LORA_DIMS if targets == ("all-linear",) else [t for t in targets if t in LORA_DIMS]
+    names = LORA_DIMS if targets == ("all-linear",) else [  # peft's suffixes too: self_attn.q_proj
+        n for n in dict.fromkeys(t.rpartition(".")[2] for t in targets) if n in LORA_DIMS]
     return s.num_layers * sum(rank * (getattr(s, LORA_DIMS[n][0]) + getattr(s, LORA_DIMS[n][1])) for n in names)
 
 

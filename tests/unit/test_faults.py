@@ -56,7 +56,8 @@ def test_skip_bad_lines_keeps_the_good_ones_and_counts_the_rest(tmp_path, caplog
     assert f"{path}:3: missing field 'answer'" in caplog.text
     only_bad = write(tmp_path, ["{", "[]"], "bad.jsonl")
     with pytest.raises(DatasetError,
-                       match=re.escape(f"{only_bad}: no rows (the data is empty or holds only blank or bad rows)")):
+                       match=re.escape(f"{only_bad}: no rows (the data is empty or holds only blank or bad rows: "
+                                       "line 1: invalid JSON")):
         load(only_bad, skip_bad_lines=True)
 
 
@@ -134,6 +135,10 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
         checkpoint.check_model(tmp_path, lora, mine)  # an export without the run's train.lora flags
     with pytest.raises(checkpoint.CheckpointError, match=r"It holds no LoRA adapters: drop train.lora.rank"):
         checkpoint.check_model(tmp_path, mine, lora)
+    other = {"layers.0.w.base_layer.weight": [8, 8], "layers.0.w.lora_A.default.weight": [4, 8]}
+    with pytest.raises(checkpoint.CheckpointError, match=r"Its LoRA adapters sit on other modules or have another "
+                                                         r"rank: give the run's train.lora.target_modules"):
+        checkpoint.check_model(tmp_path, other, lora)  # the same model, adapted otherwise
 
 
 def test_lora_adapters_resumed_under_another_alpha_are_refused(toy_random_dir, tmp_path):

@@ -310,7 +310,7 @@ def test_the_plan_counts_lora_adapters_as_peft_makes_them(qwen2_dir):
     from rollpacker.model.hf_decoder import read_config
     from rollpacker.plan.memory import GB, Shape, config_plan, lora_params, model_shape
 
-    for targets in (("q_proj", "v_proj"), ("all-linear",)):
+    for targets in (("q_proj", "v_proj"), ("all-linear",), ("self_attn.q_proj", "v_proj")):  # peft's suffixes too
         model = lora.apply(load_model(qwen2_dir), LoraConfig(rank=4, target_modules=targets))
         made = sum(p.numel() for n, p in model.named_parameters() if lora.is_adapter(n))
         assert lora_params(Shape.from_hf(read_config(qwen2_dir)), 4, targets) == made

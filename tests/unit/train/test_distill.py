@@ -3,6 +3,8 @@ reverse KL as token rewards, written out by hand, and no signal when the student
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -121,6 +123,15 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
     tokenizer.save_pretrained(other)
     with pytest.raises(UserError, match=r"train.teacher.path: .*1 token\(s\) differ \(e.g. \['<teacher-only>'\]"):
         check_tokenizer(toy_model_dir(), str(other), "train.teacher.path")
+    # the same tokens, fewer embedding rows (Qwen2.5-0.5B's 151936 against 7B's 152064): an id it has none for
+    shutil.rmtree(other)
+    shutil.copytree(toy_model_dir(), other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] - 5}))
+    with pytest.raises(UserError, match=rf"train.teacher.path: {other} has 253 token embeddings \(config.json "
+                                        r"vocab_size\), model.path 258: .*pick a model with at least 258"):
+        check_tokenizer(toy_model_dir(), str(other), "train.teacher.path")
+    check_tokenizer(other, str(toy_model_dir()), "train.teacher.path")  # a teacher with more rows reads every id
 
 
 def test_the_teachers_loss_term_has_the_reverse_kls_gradient():
