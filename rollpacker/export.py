@@ -51,6 +51,14 @@ def export(checkpoint_dir: Path, out: Path | None, run_argv: list[str]) -> Path:
     out = out or checkpoint_dir / "hf"  # a run's directory's hf is its end's export: not replaced unasked
     saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
     config = parse([*saved, *run_argv, "--dist.device", "cpu"])
+    if not config.model.shipped:
+        from rollpacker.run import check_model_dir
+
+        try:
+            check_model_dir(Path(config.model.path))
+        except UserError as e:
+            raise UserError(f"{e}. The checkpoint's run read it there: a model moved since is given after --, as "
+                            "-- --model.path NEW") from None
     check_out(out, checkpoint_dir, lora=bool(config.train.lora.rank), model=config.model.path)
     checkpoint.check_lora_alpha(checkpoint_dir, config.train.lora.rank, config.train.lora.alpha)
     config.train.kl_coef, config.train.teacher.path = 0.0, ""  # the policy alone: no KL reference, no teacher

@@ -26,8 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     from rollpacker.dist import build_meshes
     from rollpacker.job import join
     from rollpacker.model import engine_dtype
+    from rollpacker.run import check_model_dir
 
     try:
+        if not config.model.shipped:
+            check_model_dir(Path(config.model.path))
         model_dir, _ = join(config)  # the job's device, groups and NCCL settings: what the profile is of
     except UserError as e:  # a model or engine setting the job refuses: said as the job says it
         fail(as_flags(str(e)), prefix="rollpacker.profile: config error: ")

@@ -191,7 +191,7 @@ def plot_env_info(records: list[dict], ax) -> bool:
     return bool(keys)
 
 
-OWN_REWARD_KEYS = ("mean", "accuracy", "errors", "seconds_total", "overlong_penalty_mean")
+OWN_REWARD_KEYS = ("mean", "accuracy", "errors", "seconds_total", "overlong_penalty_mean", "zero_variance_frac")
 """``reward/`` metrics that are not a reward function's mean."""
 
 
@@ -324,6 +324,9 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
         return ""
     state = checkpoint.train_state(newest)
     policy, step = state.get("policy", {}), state["step"]
+    if records and (first := min(r["step"] for r in records)) > 0:  # resumed here from another run's checkpoint
+        return (f"prompts (checkpoint {newest}, step {step}): not checked, as metrics.jsonl starts at step {first} "
+                "(a run resumed here from another's checkpoint: that run's metrics.jsonl holds the rest)")
     counted = sum(r.get("sched/trained_prompts", 0) for r in records if r["step"] < step)
     failed = sum(r.get("sched/failed_prompts", 0) for r in records if r["step"] < step)
     lost = (f"\n  {failed:g} of them trained nothing: every episode of theirs failed in its environment "

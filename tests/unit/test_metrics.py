@@ -344,6 +344,36 @@ def test_the_prompt_check_of_sync_counts_the_groups_the_filter_dropped(tmp_path,
     assert report.prompt_ledger(tmp_path, records).endswith("12 drawn in order and 5 trained and 7 filtered, each once")
 
 
+def test_the_prompt_check_of_a_run_resumed_here_from_another_runs_checkpoint_is_not_a_verdict(tmp_path, monkeypatch):
+    """Its metrics.jsonl starts at the resume's step, the ledger at step 0: it said prompts were lost."""
+    from rollpacker import checkpoint
+
+    records = [{"step": s, "sched/trained_prompts": 4} for s in (2, 3)]
+    monkeypatch.setattr(checkpoint, "newest_whole", lambda run_dir, announce: tmp_path / "step_4")
+    monkeypatch.setattr(checkpoint, "train_state", lambda path: {"step": 4, "policy": {
+        "name": "sync", "sampler": {"num_rows": 100, "epoch": 0, "position": 16}}})
+    assert report.prompt_ledger(tmp_path, records) == (
+        f"prompts (checkpoint {tmp_path / 'step_4'}, step 4): not checked, as metrics.jsonl starts at step 2 (a run "
+        "resumed here from another's checkpoint: that run's metrics.jsonl holds the rest)")
+
+
+def test_the_reward_functions_plot_leaves_out_the_controllers_own_reward_metrics():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    own = {"reward/mean": 0.5, "reward/accuracy": 0.5, "reward/zero_variance_frac": 0.25, "reward/errors": 0,
+           "reward/overlong_penalty_mean": 0.0, "reward/seconds_total": 1.0}
+    fig, ax = plt.subplots()
+    try:
+        assert not report.plot_reward_functions([{"step": 0, **own}], ax)  # no function of the user's: no plot
+        assert report.plot_reward_functions([{"step": 0, **own, "reward/correct": 0.5}], ax)
+        assert [line.get_label() for line in ax.get_lines()] == ["reward/correct"]
+    finally:
+        plt.close(fig)
+
+
 def test_report_missing_dir_and_file(tmp_path, capsys):
     assert report.main([str(tmp_path / "nope")]) == 2
     assert str(tmp_path / "nope") in capsys.readouterr().err

@@ -43,6 +43,10 @@ def test_the_profiler_cli_says_a_setting_the_job_refuses_in_one_line():
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.rstrip().endswith("rollpacker.profile: config error: --engine.block-size=32 with vLLM: vLLM "
                                          "picks its own KV block size (128 tokens on CPU); leave it out")
+    proc = launch_job("--model.path", "/nonexistent/model", nproc=1, module="rollpacker.profile", timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # a FileNotFoundError's
+    assert proc.stderr.splitlines()[-1].startswith("rollpacker.profile: config error: --model.path: /nonexistent/model "
+                                                   "is not a directory: point it at a Hugging Face model directory")
 
 
 @pytest.mark.slow  # the in-process run below switches TP too; this one checks the rollouts token by token

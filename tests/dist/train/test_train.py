@@ -62,6 +62,13 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
         proc = launch_job(str(newest), "--out", str(out), nproc=1, module="rollpacker.export")
         assert proc.returncode == 1 and said in proc.stderr.splitlines()[-1], proc.stderr[-4000:]
     assert newest.is_dir() and (run_dir / "metrics.jsonl").is_file() and (tmp_path / "notes" / "plan.txt").is_file()
+    # the run's model directory moved since: said with the fix (it was errno 2 on its config.json)
+    proc = launch_job(str(newest), "--out", str(tmp_path / "out"), "--", "--model.path", str(tmp_path / "moved"),
+                      nproc=1, module="rollpacker.export")
+    assert proc.returncode == 1 and proc.stderr.splitlines()[-1] == (
+        f"rollpacker: export: --model.path: {tmp_path / 'moved'} is not a directory: point it at a Hugging Face model "
+        "directory (config.json, safetensors weights, tokenizer), or leave it empty for the toy model. The "
+        "checkpoint's run read it there: a model moved since is given after --, as -- --model.path NEW"), proc.stderr
     # a damaged checkpoint is one line naming its file, worded for the export (not DCP's tracebacks)
     damaged = tmp_path / "copy" / "checkpoints" / "step_1"
     shutil.copytree(newest, damaged)
