@@ -7,6 +7,7 @@ Plain dataclasses only (no torch): configs are parsed before anything heavy is i
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -54,7 +55,8 @@ class JudgeConfig:
         check_rubric(self.rubric)
         if self.max_score < 1:
             raise ValueError(f"judge.max_score must be >= 1, got {self.max_score}")
-        if self.rubric == DEFAULT_RUBRIC:  # its range is max_score's (it asked for 0..9 whatever max_score was)
+        # the default rubric's range is max_score's, a preset's default too (a flag's max_score rebuilds it from that)
+        if re.sub(r"to \d+ \(fully", "to 9 (fully", self.rubric) == DEFAULT_RUBRIC:
             self.rubric = DEFAULT_RUBRIC.replace("to 9 (fully", f"to {self.max_score} (fully")
         if self.resident_layers < -1:
             raise ValueError(f"judge.resident_layers must be -1 (auto) or >= 0, got {self.resident_layers}")

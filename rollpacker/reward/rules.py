@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import signal
 import threading
 
@@ -34,9 +35,10 @@ class RewardError(RuntimeError):
 
 
 def _as_latex(answer: str) -> str:
-    """The gold answer in math mode: a bare expression (``0.5``, ``\\frac{1}{2}``) gets ``$...$``."""
+    """The gold answer in math mode: a bare expression (``0.5``, ``\\frac{1}{2}``, MATH's ``\\$18.90``: an escaped
+    dollar is a currency sign, not math mode) gets ``$...$``."""
     answer = answer.strip()
-    if "$" in answer or "\\boxed" in answer or "\\(" in answer or "\\[" in answer:
+    if re.search(r"(?<!\\)\$", answer) or "\\boxed" in answer or "\\(" in answer or "\\[" in answer:
         return answer
     return f"${answer}$"
 

@@ -249,10 +249,17 @@ def test_a_reward_model_scores_a_prefill_inside_the_answer_and_no_number_as_an_e
     assert isinstance(error, RewardError) and re.match(r"the reward model scored -?inf, not a reward", str(error))
 
 
-def test_the_default_rubric_asks_for_max_scores_range():
+def test_the_default_rubric_asks_for_max_scores_range(tmp_path):
     assert "from 0 (wrong or missing) to 5 (fully correct)" in JudgeConfig(max_score=5).rubric
     assert "to 9 (fully correct)" in JudgeConfig().rubric
     assert JudgeConfig(rubric=ADDER, max_score=5).rubric == ADDER
+    # a flag's max_score over a preset's: tyro rebuilds the config from the preset's, rubric (of 0..5) included
+    from rollpacker.config import parse
+
+    preset = tmp_path / "p.toml"
+    preset.write_text("[reward.judge]\nmax_score = 5\n")
+    rubric = parse(["--preset", str(preset), "--reward.judge.max-score", "4"]).reward.judge.rubric
+    assert "from 0 (wrong or missing) to 4 (fully correct)" in rubric
 
 
 @pytest.mark.parametrize("overrides, match", [

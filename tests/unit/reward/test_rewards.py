@@ -22,6 +22,8 @@ from rollpacker.toy import task as toy
         ("The result is 0.5", "\\frac{1}{2}"),
         ("\\boxed{3\\pi}", "$3\\pi$"),
         ("\\boxed{x^2+1}", "x^2 + 1"),
+        ("The total cost is \\boxed{\\$18.90}.", "\\$18.90"),  # MATH's currency: an escaped dollar, not math mode
+        ("\\boxed{32000}", "\\$32,\\!000"),
     ],
 )
 def test_math_reward_correct(response, answer):
