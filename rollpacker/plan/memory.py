@@ -706,6 +706,10 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
     if ENGINES[kind].memory_mb and e.memory_mb:  # TorchEngine's KV gets what its weight shard leaves of it
         shape = shape or model_shape(str(config.model.directory()))
         kv_bytes, kv_setting = e.memory_mb * 2**20 - shape.num_params * weight_bytes / tp, "engine.memory_mb"
+        if kv_bytes <= 0:  # TorchEngine refuses to start: no KV block
+            raise UserError(f"engine.memory_mb={e.memory_mb:g} holds not even the engine's weight shard at rollout TP "
+                            f"{tp} ({shape.num_params * weight_bytes / tp / 2**20:.0f} MiB): raise it, leaving room "
+                            "for the KV cache")
     rollout = RolloutSetup(engine=kind, tp=tp, weight_bytes=weight_bytes, kv_bytes=kv_bytes, kv_setting=kv_setting,
                            max_num_seqs=e.max_num_seqs, prefill_tokens=e.max_prefill_tokens,
                            released=device == "cuda" and ENGINES[kind].releases_weights, max_model_len=e.max_model_len,
@@ -771,7 +775,10 @@ def main(argv: list[str] | None = None) -> None:
         config.check_world(args.world_size)
     except ValueError as e:
         parser.error(f"--world-size {args.world_size}: {as_flags(str(e))}")
-    p = config_plan(config, args.world_size, args.gpu_memory_gb * GB)
+    try:
+        p = config_plan(config, args.world_size, args.gpu_memory_gb * GB)
+    except (FileNotFoundError, UserError) as e:  # no model there, settings no plan holds
+        parser.error(as_flags(str(e)))
     s = p.shape
     print(f"{args.preset}: {s.num_params / 1e9:.2f}B parameters ({s.num_layers} layers, hidden {s.hidden_size}), "
           f"{args.world_size} GPUs of {args.gpu_memory_gb:g} GB")

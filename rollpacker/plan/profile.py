@@ -38,8 +38,8 @@ VERSION = 1
 
 def profile_key(config, model_dir: Path, device: str, world: int, dtype) -> dict[str, Any]:
     """What the measurements depend on: the model's architecture, the device, the world, the engine's dtype
-    (``dtype``: resolved, so "auto" and what it resolves to share one), KV settings and speculation, and the
-    sampling its decode steps do."""
+    (``dtype``: resolved, so "auto" and what it resolves to share one), KV settings and speculation, the
+    sampling its decode steps do, and the points it measures (plan.profile_batches, _contexts, _steps)."""
     e, r = config.engine, config.rollout
     return {
         "version": VERSION,
@@ -50,7 +50,10 @@ def profile_key(config, model_dir: Path, device: str, world: int, dtype) -> dict
         "engine": {"kind": e.kind, "block_size": e.block_size, "kv_memory_mb": e.kv_memory_mb, "memory_mb": e.memory_mb,
                    "max_model_len": e.max_model_len,
                    "spec_max_tokens": e.spec_max_tokens if e.speculative != "off" else 0},
-        "sampling": {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p},
+        "sampling": {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
+                     "repetition_penalty": r.repetition_penalty},
+        "points": {"batches": sorted(config.plan.profile_batches), "contexts": sorted(config.plan.profile_contexts),
+                   "steps": config.plan.profile_steps},
     }
 
 
@@ -150,7 +153,11 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
     weights = load_model(model_dir, device, dtype)
     for tp in usable_tps(world, args.num_kv_heads, p):
         meshes.set_rollout_tp(tp)
-        sized = TorchEngine(empty_model(args, device, dtype), config.engine, meshes.rollout_tp)  # the run's KV budget
+        try:
+            sized = TorchEngine(empty_model(args, device, dtype), config.engine, meshes.rollout_tp)  # the run's KV
+        except ValueError as e:  # engine.memory_mb leaves this TP's weight shard no KV block
+            raise UserError(f"the planner profiles every usable rollout TP ({usable_tps(world, args.num_kv_heads, p)})"
+                            f": at TP {tp}, {e}: raise engine.memory_mb") from None
         entry = {"kv_capacity_tokens": sized.kv_capacity_tokens,
                  "kv_bytes_per_token": 2 * args.num_layers * sized.num_kv_heads * args.head_dim * dtype.itemsize,
                  "weight_bytes": sized.weight_bytes, "decode_ms": {}, "prefill_tok_s": {}}

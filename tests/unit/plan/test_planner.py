@@ -153,10 +153,29 @@ def test_the_profile_key_holds_what_the_measurements_depend_on_and_no_more():
         return profile_key(parse(list(flags)), toy_model_dir(), "cpu test", 2, dtype)
 
     assert key() == key("--model.dtype", "float32") == key("--run-dir", "elsewhere", "--train.lr", "1e-5")
-    for flags in (["--engine.speculative", "auto"], ["--rollout.temperature", "0"], ["--rollout.top-k", "20"]):
+    for flags in (["--engine.speculative", "auto"], ["--rollout.temperature", "0"], ["--rollout.top-k", "20"],
+                  ["--rollout.repetition-penalty", "1.3"], ["--plan.profile-batches", "1", "4", "16", "64", "256"],
+                  ["--plan.profile-contexts", "64"], ["--plan.profile-steps", "3"]):
         assert key(*flags) != key(), flags
     assert key("--engine.speculative", "auto") != key("--engine.speculative", "auto", "--engine.spec-max-tokens", "4")
     assert key(dtype=torch.bfloat16) != key()
+
+
+def test_an_engine_memory_mb_below_a_tps_weight_shard_is_refused_by_name_in_the_plan_and_the_profile():
+    """The memory plan counted a negative KV budget and said it fits; the profiler's engine raised a traceback."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.plan.memory import GB, config_plan
+    from rollpacker.plan.profile import measure
+    from rollpacker.toy.model import toy_model_dir
+
+    config = parse(["--engine.kind", "torch", "--engine.memory-mb", "1", "--plan.enabled"])  # weights: 1.5 MiB bf16
+    with pytest.raises(UserError, match=r"engine.memory_mb=1 holds not even the engine's weight shard at rollout TP 1 "
+                                        r"\(1 MiB\): raise it"):
+        config_plan(config, 1, 80 * GB)
+    with pytest.raises(UserError, match=r"the planner profiles every usable rollout TP \(\[1\]\): at TP 1, "
+                                        r"engine.memory_mb=1\.0 \(this rank.s weights: 2.90 MiB\) .*: raise "
+                                        r"engine.memory_mb"):
+        measure(config, build_meshes(1, 0), toy_model_dir(), torch.float32, {})
 
 
 def test_a_profile_whose_decode_steps_leave_no_context_is_refused_by_name():
