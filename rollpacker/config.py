@@ -364,12 +364,17 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     for key, value in values.items():
         if key not in fields:
             raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
+        section = hints[key] is policies.ScheduleConfig or dataclasses.is_dataclass(hints[key])
+        if section and not isinstance(value, dict):  # `model = "x"`: a crash later; `train = 5`: the defaults
+            raise ValueError(f"{where}: {key} = {value!r}: {key} is a section of settings; write them under [{key}] "
+                             f"(e.g. {key}.NAME = ...)")
         if hints[key] is policies.ScheduleConfig:
             value = schedule_config(value, f"{where}.{key}")
-        elif isinstance(value, dict) and dataclasses.is_dataclass(hints[key]):
+        elif section:
             value = _build(hints[key], value, f"{where}.{key}")
         elif isinstance(value, list):
             value = tuple(value)
+            _check_items(hints[key], value, f"{where}: {key}")
         elif _is_tuple(hints[key]):
             value = (value,)  # `funcs = "math"`: one, as a flag with one value gives it
         elif not any(_takes(kind, value) for kind in _kinds(hints[key])):
@@ -396,6 +401,22 @@ def _takes(kind: Any, value: Any) -> bool:
     if kind in (int, float, str):
         return isinstance(value, (int, float) if kind is float else kind)
     return True
+
+
+def _check_items(hint: Any, value: tuple, where: str) -> None:
+    """Refuse a preset's list that is not the tuple setting's: another number of values (``betas = [0.9]``: an
+    IndexError in the optimizer), or values of another kind (``stop_token_ids = ["a"]``)."""
+    kinds = next((get_args(k) for k in _kinds(hint) if get_origin(k) is tuple), ())
+    if not kinds:
+        return
+    if kinds[-1] is Ellipsis:
+        kinds = (kinds[0],) * len(value)
+    elif len(kinds) != len(value):
+        raise ValueError(f"{where} = {list(value)!r} holds {len(value)} values, and the setting takes {len(kinds)}")
+    for kind, item in zip(kinds, value):
+        if not any(_takes(k, item) for k in _kinds(kind)):
+            raise ValueError(f"{where} = {list(value)!r}: {item!r} is a {type(item).__name__}, and the setting takes "
+                             f"{' or '.join(getattr(k, '__name__', str(k)) for k in _kinds(kind))}")
 
 
 def _is_tuple(hint: Any) -> bool:

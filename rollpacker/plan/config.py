@@ -44,8 +44,9 @@ class PlanConfig:
         if self.raise_factor < 1 or self.recent_steps < 1 or self.quiet_steps < 1:
             raise ValueError(f"plan.raise_factor={self.raise_factor} must be >= 1, plan.recent_steps="
                              f"{self.recent_steps} and plan.quiet_steps={self.quiet_steps} >= 1")
-        if self.initial_tp < 0 or self.max_tp < 0:
-            raise ValueError(f"plan.initial_tp={self.initial_tp} and plan.max_tp={self.max_tp} must be >= 0")
+        if self.initial_tp < 0 or self.max_tp < 0 or self.initial_tp > self.max_tp > 0:
+            raise ValueError(f"plan.initial_tp={self.initial_tp} and plan.max_tp={self.max_tp} must be >= 0, the first "
+                             "at most the second (0: none)")
         for name in ("profile_batches", "profile_contexts"):
             values = getattr(self, name)
             if not values or min(values) <= 0:

@@ -71,8 +71,11 @@ def register(spec: str, where: str = "schedule.policy") -> str:
 
 
 def policy_name(value: str, where: str = "schedule.policy") -> str:
-    """A registered policy's name, or the name of the one ``value`` references (registered now)."""
-    return value if value in POLICY_CONFIGS else register(value, where)
+    """A registered policy's name (``one-step-off`` too, as ``schedule:one-step-off`` spells it), or the name of
+    the one ``value`` references (registered now)."""
+    if value.replace("-", "_") in POLICY_CONFIGS:
+        return value.replace("-", "_")
+    return register(value, where)
 
 
 def names(where=lambda c: True) -> list[str]:
@@ -96,7 +99,7 @@ def switched(preset: PolicyConfig, name: str) -> PolicyConfig:
         return preset
     cls, unset = POLICY_CONFIGS[name], type(preset)()
     kept = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)
-            if f.init and f.name in cls.__dataclass_fields__ and getattr(preset, f.name) != getattr(unset, f.name)}
+            if f.init and f.name in settings(cls) and getattr(preset, f.name) != getattr(unset, f.name)}
     try:
         config = cls(**{k: v for k, v in kept.items() if k != "max_gen_batches"})
         return cls(**kept) if "max_gen_batches" in kept and config.refills else config  # it bounds refills only
@@ -104,13 +107,18 @@ def switched(preset: PolicyConfig, name: str) -> PolicyConfig:
         raise SystemExit(f"the preset's [schedule] under schedule:{name}: {e}") from None
 
 
+def settings(cls: type[PolicyConfig]) -> list[str]:
+    """A policy's settings: its dataclass fields, not its class constants (``name``, ``carries_responses``)."""
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
 def check_settings(policy: str, keys, where: str = "schedule") -> None:
     """Refuse a setting that policy ``policy`` does not have, naming the policies that do have it."""
     cls = POLICY_CONFIGS[policy]
-    fields = cls.__dataclass_fields__
+    fields = settings(cls)
     for key in keys:
         if key not in fields:
-            owners = names(lambda c: key in c.__dataclass_fields__)
+            owners = names(lambda c: key in settings(c))
             raise ValueError(f"{where}.{key} does not apply to policy {cls.name}" + (
                 f" (it is a setting of {', '.join(owners)})" if owners else f" (its settings: {', '.join(fields)})"))
 

@@ -197,8 +197,9 @@ class TrainConfig(MemoryConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choices(self, "train")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] and train.betas={self.betas} "
+                             "in [0, 1)")
         for name in ("lr", "micro_batch_tokens", "adam_eps", "mini_batches", "epochs", "tau_pos", "tau_neg"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollpacker.config import CONFIGS_DIR, load_preset, parse
+from rollpacker.schedule.config import check_settings
 from rollpacker.schedule.tail import TailConfig
 
 PRESETS = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
@@ -107,7 +108,17 @@ def test_a_presets_value_of_the_wrong_type_is_refused_and_its_name_takes_an_equa
     for text, said in (('[checkpoint]\nexport_hf = "false"\n', "mine.toml.checkpoint: export_hf = 'false' is a str, "
                         "and the setting takes bool (true or false, unquoted)"),
                        ("[rollout]\nnum_prompts = 4.5\n", "num_prompts = 4.5 is a float, and the setting takes int"),
-                       ("[rollout]\nnum_prompts = true\n", "num_prompts = True is a bool, and the setting takes int")):
+                       ("[rollout]\nnum_prompts = true\n", "num_prompts = True is a bool, and the setting takes int"),
+                       # a section given a value: a crash at the start (model), the defaults kept silently (train)
+                       ('model = "x"\n', "mine.toml: model = 'x': model is a section of settings; write them under "
+                        "[model] (e.g. model.NAME = ...)"),
+                       ("train = 5\n", "mine.toml: train = 5: train is a section of settings"),
+                       ('schedule = "tail"\n', "mine.toml: schedule = 'tail': schedule is a section of settings"),
+                       # a list of another length or kind: an IndexError in the optimizer, after the engines started
+                       ("[train]\nbetas = [0.9]\n", "mine.toml.train: betas = [0.9] holds 1 values, and the setting "
+                        "takes 2"),
+                       ('[rollout]\nstop_token_ids = ["a"]\n', "mine.toml.rollout: stop_token_ids = ['a']: 'a' is a "
+                        "str, and the setting takes int")):
         preset.write_text(text)
         with pytest.raises(ValueError, match=re.escape(said)):
             load_preset(str(preset))
@@ -116,6 +127,22 @@ def test_a_presets_value_of_the_wrong_type_is_refused_and_its_name_takes_an_equa
     assert (config.seed, config.train.lr, config.checkpoint.export_hf) == (3, 1, False)
     with pytest.raises(SystemExit, match="--preset given twice"):
         parse(["--preset", str(preset), "--preset=toy-cpu"])
+
+
+def test_contradictions_the_job_met_late_are_refused_at_parse(capsys):
+    """betas out of [0, 1) failed in torch's AdamW after the engines started; initial_tp > max_tp in the planner
+    after profiling. A policy spelled with a dash (as schedule:NAME and --help write it) was unknown to
+    --schedule.policy, and a misspelled setting listed the policy's class constants among its settings."""
+    for flags, said in ((["--train.betas", "0.9", "1.5"], "train.betas=(0.9, 1.5) in [0, 1)"),
+                        (["--plan.enabled", "--plan.initial-tp", "8", "--plan.max-tp", "2"], "plan.initial_tp=8 and")):
+        with pytest.raises(SystemExit):
+            parse(flags)
+        assert said in capsys.readouterr().err
+    assert parse(["--schedule.policy", "one-step-off", "--train.rollout-correction", "token_tis"]).schedule.name == (
+        "one_step_off")
+    with pytest.raises(ValueError) as e:
+        check_settings("tail", ["eta_promts"])
+    assert "carries_responses" not in str(e.value) and "eta_prompts" in str(e.value)
 
 
 def test_a_policy_chosen_over_the_presets_keeps_the_presets_settings_it_has_too(tmp_path):
