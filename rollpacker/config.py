@@ -30,7 +30,7 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from rollpacker.checkpoint import CheckpointConfig
-from rollpacker.choices import check_choices
+from rollpacker.choices import check_choices, refuse_unused
 from rollpacker.data.dataset import DataConfig
 from rollpacker.env.config import EnvConfig
 from rollpacker.metrics import MetricsConfig
@@ -39,8 +39,8 @@ from rollpacker.reward.config import RewardConfig
 from rollpacker.rollout import ENGINES
 from rollpacker.rollout.config import EngineConfig, RolloutConfig
 from rollpacker.schedule import config as policies
-from rollpacker.schedule.base import refuse_with_pools
-from rollpacker.schedule.config import names, schedule_args, schedule_config, switched
+from rollpacker.schedule.base import PolicyConfig, refuse_with_pools
+from rollpacker.schedule.config import check_settings, names, policy_name, schedule_args, switched
 from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.scale_down import StreamConfig
 from rollpacker.schedule.sync import SyncConfig
@@ -172,6 +172,7 @@ class Config:
                              "has seen its group; drop one of them")
         refuse_with_pools(s, stream=("stream.enabled", self.stream.enabled),
                           planner=("plan.enabled", self.plan.enabled))
+        self._refuse_unused()
         if self.pipe:
             self._check_pipe()
         streaming = "stream.enabled" if self.stream.enabled else "schedule.pipe" if self.pipe else ""
@@ -191,6 +192,18 @@ class Config:
         if self.train.mini_batches > self.rollout.num_prompts:
             raise ValueError(f"train.mini_batches={self.train.mini_batches} exceeds rollout.num_prompts="
                              f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")
+
+    def _refuse_unused(self) -> None:
+        """The stream trainer's and the planner's settings without them (RolloutPipe reads no stream.*; the
+        profiler reads plan.profile*, plan.max_tp)."""
+        st, adaptive = self.stream, self.stream.enabled and not self.stream.trigger
+        refuse_unused((
+            *((st, f"stream.{name}", st.enabled, "stream.enabled") for name in ("trigger", "fetch_cap")),
+            *((st, f"stream.{name}", adaptive, "stream.enabled and stream.trigger 0: the adaptive trigger")
+              for name in ("length_quantile", "criterion")),
+            *((self.plan, f"plan.{name}", self.plan.enabled, "plan.enabled")
+              for name in ("initial_tp", "raise_factor", "recent_steps", "quiet_steps", "profile_guard", "per_kind")),
+        ))
 
     def _check_engine(self) -> None:
         """What ``engine.kind`` cannot do, refused naming the engines that can (auto: at its start, by the engine
@@ -368,8 +381,11 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
         if section and not isinstance(value, dict):  # `model = "x"`: a crash later; `train = 5`: the defaults
             raise ValueError(f"{where}: {key} = {value!r}: {key} is a section of settings; write them under [{key}] "
                              f"(e.g. {key}.NAME = ...)")
-        if hints[key] is policies.ScheduleConfig:
-            value = schedule_config(value, f"{where}.{key}")
+        if hints[key] is policies.ScheduleConfig:  # its policy's settings, checked as any (`eta_prompts = "2"`)
+            settings = {k: v for k, v in value.items() if k != "policy"}
+            name = policy_name(value.get("policy", SyncConfig.name), f"{where}.{key}.policy")
+            check_settings(name, settings, f"{where}.{key}")
+            value = _build(policies.POLICY_CONFIGS[name], settings, f"{where}.{key}")
         elif section:
             value = _build(hints[key], value, f"{where}.{key}")
         elif isinstance(value, list):
@@ -457,8 +473,6 @@ def load_preset(name: str) -> Config:
         raise ValueError(f"{path}: {e}") from None
     finally:
         _READING_PRESET.reset(reading)
-    if "schedule" in values:  # as written: its defaults that depend on episodes settle with the flags (parse)
-        config.schedule = schedule_config(values["schedule"])
     return config
 
 
@@ -479,11 +493,18 @@ def parse(argv: list[str] | None = None) -> Config:
         args.pop(i)
     default = load_preset(preset)
     args = schedule_args(args, default.policy)
+    # the preset's max_gen_batches bounds refills only: kept where the flags leave its rounds refilling
+    held, unset = default.schedule.max_gen_batches, PolicyConfig.max_gen_batches
+    default.schedule = dataclasses.replace(default.schedule, max_gen_batches=unset)
     if args and args[0].startswith("schedule:"):  # first, where schedule_args puts the policy chosen
         default.schedule = switched(default.schedule, args[0].removeprefix("schedule:").replace("-", "_"))
-    return tyro.cli(Config, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
-                    prog=os.environ.get("ROLLPACKER_PROG", "python -m rollpacker.run"),
-                    description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")
+    config = tyro.cli(Config, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
+                      prog=os.environ.get("ROLLPACKER_PROG", "python -m rollpacker.run"),
+                      description=f"rollpacker RL training (preset: {preset}; more with --preset NAME)")
+    given = any(a.split("=", 1)[0] in ("--schedule.max-gen-batches", "--schedule.max_gen_batches") for a in args)
+    if held != unset and config.schedule.refills and not given:
+        config.schedule = dataclasses.replace(config.schedule, max_gen_batches=held)
+    return config
 
 
 @functools.cache

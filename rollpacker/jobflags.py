@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollpacker.schedule.config import POLICY_CONFIGS
+from rollpacker.schedule.config import POLICY_CONFIGS, names, settings
 from rollpacker.schedule.sync import SyncConfig
 
 
@@ -37,7 +37,13 @@ def policy_args(policy: str) -> list[str]:
     if extra not in VARIANTS or name not in POLICY_CONFIGS:
         raise SystemExit(f"unknown policy {policy!r}: write POLICY or POLICY+V, POLICY one of "
                          f"{', '.join(POLICY_CONFIGS)}, V one of {', '.join(v for v in VARIANTS if v)}")
-    return [f"schedule:{name}", *VARIANTS[extra], *(OFF_POLICY if POLICY_CONFIGS[name].stale_samples else [])]
+    cls = POLICY_CONFIGS[name]
+    for variant, takes, what in (("pipe", lambda c: "pipe" in settings(c), "RolloutPipe"),
+                                 ("stream", lambda c: not c.own_pools, "stream training")):
+        if extra.startswith(variant) and not takes(cls):  # refused by the job, after the runs before it
+            raise SystemExit(f"policy {policy!r}: schedule:{name} does not run with {what}; it runs on top of "
+                             f"{', '.join(names(takes))}")
+    return [f"schedule:{name}", *VARIANTS[extra], *(OFF_POLICY if cls.stale_samples else [])]
 
 
 @dataclass

@@ -83,26 +83,16 @@ def names(where=lambda c: True) -> list[str]:
     return [name for name, c in POLICY_CONFIGS.items() if where(c)]
 
 
-def schedule_config(values: dict, where: str = "schedule") -> PolicyConfig:
-    """A policy's settings from a ``{"policy": name, **settings}`` table, refusing what does not apply."""
-    values = dict(values)
-    name = policy_name(values.pop("policy", SyncConfig.name), f"{where}.policy")
-    check_settings(name, values, where)
-    return POLICY_CONFIGS[name](**values)
-
-
 def switched(preset: PolicyConfig, name: str) -> PolicyConfig:
     """A preset's policy settings when ``schedule:NAME`` chooses policy ``name`` over its policy: the settings it
-    set that ``name`` has too (dynamic sampling's) carry over; its own policy's stay behind with it, as does
-    ``max_gen_batches`` where ``name``'s round does not refill."""
+    set that ``name`` has too (dynamic sampling's) carry over; its own policy's stay behind with it."""
     if name == preset.name:
         return preset
     cls, unset = POLICY_CONFIGS[name], type(preset)()
     kept = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)
             if f.init and f.name in settings(cls) and getattr(preset, f.name) != getattr(unset, f.name)}
     try:
-        config = cls(**{k: v for k, v in kept.items() if k != "max_gen_batches"})
-        return cls(**kept) if "max_gen_batches" in kept and config.refills else config  # it bounds refills only
+        return cls(**kept)
     except ValueError as e:
         raise SystemExit(f"the preset's [schedule] under schedule:{name}: {e}") from None
 
@@ -124,7 +114,8 @@ def check_settings(policy: str, keys, where: str = "schedule") -> None:
 
 
 def schedule_args(args: list[str], preset_policy: str) -> list[str]:
-    """``args`` with the policy subcommand first (``--schedule.policy NAME|REF`` becomes one), and every
+    """``args`` with the policy subcommand first, the preset's when none is chosen (tyro refused a preset policy's
+    ``--schedule.no-filter-zero-variance`` without it; ``--schedule.policy NAME|REF`` becomes one), and every
     ``--schedule.*`` flag checked against the chosen policy, so that a setting of another policy is
     refused naming the policies it belongs to."""
     args = _policy_flag(list(args))
@@ -138,7 +129,7 @@ def schedule_args(args: list[str], preset_policy: str) -> list[str]:
         check_settings(policy, [f.removeprefix("no_") for f in flags])
     except ValueError as e:
         raise SystemExit(f"{e}; choose that policy with schedule:NAME") from None
-    return [*chosen[-1:], *(a for a in args if not a.startswith("schedule:"))]
+    return [f"schedule:{policy}", *(a for a in args if not a.startswith("schedule:"))]
 
 
 def _policy_flag(args: list[str]) -> list[str]:

@@ -13,11 +13,10 @@ then, at most this fraction of the round's (Table 4).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from rollpacker.choices import check_choices
+from rollpacker.choices import check_choices, refuse_unused
 from rollpacker.model.config import MemoryConfig
 
 
@@ -170,29 +169,26 @@ class TrainConfig(MemoryConfig):
         critic's lr ported from verl under another loss or advantage did nothing, unsaid."""
         gae, sapo, teacher, lora = self.advantage == "gae", self.loss == "sapo", bool(self.teacher.path), self.lora.rank
         masks = self.rollout_correction in ("token_mask", "seq_mask")
-        unused = [f"train.{prefix}{name} (applies with {needs})" for owner, prefix, name, applies, needs in (
-            (self, "", "dual_clip", self.loss == "ppo", "train.loss ppo"),
-            (self, "", "clip_low", not sapo, "train.loss ppo, gspo or cispo"),
-            (self, "", "clip_high", not sapo, "train.loss ppo, gspo or cispo"),
-            (self, "", "tau_pos", sapo, "train.loss sapo"), (self, "", "tau_neg", sapo, "train.loss sapo"),
-            (self, "", "gamma", gae, "train.advantage gae"), (self, "", "lam", gae, "train.advantage gae"),
-            *((self.critic, "critic.", name, gae, "train.advantage gae") for name in ("lr", "value_clip",
-                                                                                     "warmup_steps")),
-            *((self.teacher, "teacher.", name, teacher, "train.teacher.path") for name in ("coef", "in_loss",
-                                                                                          "task_weight")),
-            (self, "", "kl_estimator", self.kl_coef > 0, "train.kl_coef > 0"),
-            (self, "", "kl_horizon", self.kl_target > 0, "train.kl_target > 0"),
-            (self, "", "ref_mixup_alpha", self.ref_sync_steps > 0, "train.ref_sync_steps > 0"),
-            (self, "", "overlong_penalty", self.overlong_buffer > 0, "train.overlong_buffer > 0"),
-            (self, "", "min_lr_ratio", self.lr_schedule == "cosine", "train.lr_schedule cosine"),
-            (self, "", "rollout_is_low", masks, "train.rollout_correction token_mask or seq_mask"),
-            (self, "", "rollout_is_high", self.rollout_correction != "none", "a train.rollout_correction"),
-            *((self.lora, "lora.", name, lora, "train.lora.rank > 0") for name in ("alpha", "target_modules",
-                                                                                  "export_merged")),
-        ) if not applies and getattr(owner, name) != _default(owner, name)]
-        if unused:
-            raise ValueError(f"{', '.join(unused)}: given, but nothing reads it here; set what it applies with, or "
-                             "leave it out")
+        refuse_unused((
+            (self, "train.dual_clip", self.loss == "ppo", "train.loss ppo"),
+            (self, "train.clip_low", not sapo, "train.loss ppo, gspo or cispo"),
+            (self, "train.clip_high", not sapo, "train.loss ppo, gspo or cispo"),
+            (self, "train.tau_pos", sapo, "train.loss sapo"), (self, "train.tau_neg", sapo, "train.loss sapo"),
+            (self, "train.gamma", gae, "train.advantage gae"), (self, "train.lam", gae, "train.advantage gae"),
+            *((self.critic, f"train.critic.{name}", gae, "train.advantage gae")
+              for name in ("lr", "value_clip", "warmup_steps")),
+            *((self.teacher, f"train.teacher.{name}", teacher, "train.teacher.path")
+              for name in ("coef", "in_loss", "task_weight")),
+            (self, "train.kl_estimator", self.kl_coef > 0, "train.kl_coef > 0"),
+            (self, "train.kl_horizon", self.kl_target > 0, "train.kl_target > 0"),
+            (self, "train.ref_mixup_alpha", self.ref_sync_steps > 0, "train.ref_sync_steps > 0"),
+            (self, "train.overlong_penalty", self.overlong_buffer > 0, "train.overlong_buffer > 0"),
+            (self, "train.min_lr_ratio", self.lr_schedule == "cosine", "train.lr_schedule cosine"),
+            (self, "train.rollout_is_low", masks, "train.rollout_correction token_mask or seq_mask"),
+            (self, "train.rollout_is_high", self.rollout_correction != "none", "a train.rollout_correction"),
+            *((self.lora, f"train.lora.{name}", lora, "train.lora.rank > 0")
+              for name in ("alpha", "target_modules", "export_merged")),
+        ))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -237,8 +233,3 @@ class TrainConfig(MemoryConfig):
             raise ValueError(f"train.kl_target={self.kl_target} must be >= 0 with train.kl_horizon={self.kl_horizon} "
                              f"> 0, and an adaptive KL starts from train.kl_coef={self.kl_coef}: set it > 0")
 
-
-def _default(config: Any, name: str) -> Any:
-    """The default of ``config``'s setting ``name``."""
-    f = next(f for f in dataclasses.fields(config) if f.name == name)
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default

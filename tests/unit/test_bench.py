@@ -4,6 +4,7 @@ same greedy tokens, and the last line is the JSON summary. No timing is asserted
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -141,3 +142,12 @@ def test_bench_flags_that_cannot_run_are_refused_as_they_parse(tmp_path):
     assert "--model.path" in memory_regime_flags(MemoryRegime(model_dir=tmp_path, **shape))  # the same shape: kept
     with pytest.raises(SystemExit, match="holds a model of another shape: num_hidden_layers=1 \\(asked 2\\)"):
         memory_regime_flags(MemoryRegime(model_dir=tmp_path, **shape | dict(num_layers=2)))
+    # a POLICY+VARIANT the job refuses, refused as the benchmark parses it (not after the runs before it)
+    from rollpacker.jobflags import policy_args
+
+    for policy, said in (("sorted+pipe", "schedule:sorted does not run with RolloutPipe; it runs on top of sync, tail"),
+                         ("one_step_off+stream_kv", "schedule:one_step_off does not run with stream training")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            policy_args(policy)
+    assert policy_args("tail+pipe")[:2] == ["schedule:tail", "--schedule.pipe"]
+    assert policy_args("sorted_partial+stream")[:2] == ["schedule:sorted_partial", "--stream.enabled"]

@@ -78,7 +78,7 @@ def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
         parse(["schedule:tial"])
     with pytest.raises(SystemExit):
         parse(["--train.rollout-correction", "maybe"])
-    assert parse(["schedule:tail", "--stream.criterion", "kv"]).stream.criterion == "kv"
+    assert parse(["schedule:tail", "--stream.enabled", "--stream.criterion", "kv"]).stream.criterion == "kv"
 
 
 def test_the_policy_is_a_tagged_union_of_its_own_settings(tmp_path):
@@ -127,6 +127,34 @@ def test_a_presets_value_of_the_wrong_type_is_refused_and_its_name_takes_an_equa
     assert (config.seed, config.train.lr, config.checkpoint.export_hf) == (3, 1, False)
     with pytest.raises(SystemExit, match="--preset given twice"):
         parse(["--preset", str(preset), "--preset=toy-cpu"])
+    # a [schedule] setting too: `eta_prompts = "2"` gave "'<' not supported ...", naming no key
+    for text, said in (('[schedule]\npolicy = "tail"\neta_prompts = "2"\n', "mine.toml.schedule: eta_prompts = '2' "
+                        "is a str, and the setting takes float"),
+                       ('[schedule]\nfilter_zero_variance = "false"\n', "mine.toml.schedule: filter_zero_variance = "
+                        "'false' is a str, and the setting takes bool")):
+        preset.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            load_preset(str(preset))
+
+
+def test_stream_and_planner_settings_nothing_reads_are_refused(capsys):
+    """stream.* without stream training (RolloutPipe reads none), the adaptive trigger's settings under a fixed one,
+    the planner's without it: each was silently unread, as train.*'s were."""
+    for flags, said in ((["--stream.criterion", "kv"], "stream.criterion (applies with stream.enabled and "
+                          "stream.trigger 0: the adaptive trigger)"),
+                        (["--schedule.pipe", "--stream.fetch-cap", "0.5"], "stream.fetch_cap (applies with "
+                         "stream.enabled)"),
+                        (["--stream.enabled", "--stream.trigger", "0.3", "--stream.length-quantile", "0.5"],
+                         "stream.length_quantile (applies with stream.enabled and stream.trigger 0"),
+                        (["--plan.initial-tp", "2", "--plan.no-per-kind"], "plan.initial_tp (applies with "
+                         "plan.enabled), plan.per_kind (applies with plan.enabled): given, but nothing reads it")):
+        with pytest.raises(SystemExit):
+            parse(flags)
+        assert said in " ".join(capsys.readouterr().err.replace("│", " ").split()), flags
+    # what the profiler reads (python -m rollpacker.profile takes the run's flags), and each with what it applies
+    parse(["--plan.profile-batches", "1", "4", "--plan.max-tp", "2", "--plan.profile-dir", "p"])
+    parse(["--stream.enabled", "--stream.trigger", "0.3", "--stream.fetch-cap", "0.5"])
+    parse(["--plan.enabled", "--plan.no-per-kind"])
 
 
 def test_contradictions_the_job_met_late_are_refused_at_parse(capsys):
@@ -159,6 +187,13 @@ def test_a_policy_chosen_over_the_presets_keeps_the_presets_settings_it_has_too(
         assert (config.schedule.filter_zero_variance, config.schedule.max_gen_batches) == (True, 10), policy
     assert not parse(["--preset", str(preset), "schedule:sync", "--schedule.no-filter-zero-variance"]
                      ).schedule.filter_zero_variance
+    # a bound on refills kept where the flags make the rounds refill, dropped unsaid where they stop refilling (it
+    # was lost under --schedule.refill; --schedule.no-filter-zero-variance was unknown to tyro without schedule:tail,
+    # and with it blamed a max_gen_batches not given)
+    assert parse(["--preset", str(preset), "schedule:sync", "--schedule.refill"]).schedule.max_gen_batches == 4
+    for flags in (["--schedule.no-filter-zero-variance"], ["schedule:tail", "--schedule.no-filter-zero-variance"]):
+        assert parse(["--preset", str(preset), *flags]).schedule.max_gen_batches == 10
+    assert parse(["--preset", str(preset), "--schedule.max-gen-batches", "6"]).schedule.max_gen_batches == 6
 
 
 def test_every_registered_algorithm_piece_is_a_cli_choice():
