@@ -47,6 +47,9 @@ MASKED = ("/root", "/home", "/run")
 SCRATCH = ("/tmp", "/dev/shm")
 """A fresh size-capped tmpfs each, the program's to write; /tmp is its working directory."""
 STDERR_TAIL = 4096
+EXIT_DRAIN = 0.5
+"""Seconds the output is read on after the program exits (it is in the pipes already; only a child left holding
+them writes more, and is killed with the rest)."""
 INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
 
 
@@ -304,12 +307,13 @@ def _supervise(proc: subprocess.Popen, start: float, deadline: float, max_output
             while len(sel.get_map()) > 0 and not output_limited:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    timed_out = True
+                    timed_out = not exited
                     break
                 for key, _ in sel.select(remaining):
-                    if key.data == "exit":
-                        exited = True
+                    if key.data == "exit":  # what is written by then is the output; a child the program left
+                        exited = True       # (isolation none: no pid 1 takes it down) holds the pipes no longer
                         sel.unregister(exit_fd)
+                        deadline = min(deadline, time.monotonic() + EXIT_DRAIN)
                         continue
                     data = os.read(key.fd, 1 << 16)
                     if not data:

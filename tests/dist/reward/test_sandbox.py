@@ -334,6 +334,13 @@ def test_opting_out_runs_without_isolation(victim):
     unisolated.run(f"open('{victim}/spare.txt', 'w').write('changed')", "", 5)
     assert (victim / "spare.txt").read_text() == "changed"
     (victim / "spare.txt").unlink()
+    # a child left holding stdout: its output is what it wrote before it exited, not a TIMEOUT; the child is killed
+    marker = "rollpacker-left-child-3b1e"
+    child = f"import time; time.sleep(30)  # {marker}"
+    program = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {child!r}])\nprint(42)\n"
+    run = unisolated.run(program, "", 5)
+    assert (run.stdout, run.exit_code, run.timed_out) == (b"42\n", 0, False) and run.seconds < 4
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1  # none found
 
 
 def test_sandbox_config_validates():
