@@ -58,6 +58,8 @@ class Controller:
     display: LiveDisplay
     max_model_len: int
     """The engines' context length: a longer prompt is a data error."""
+    kv_tokens: int = 1 << 62
+    """The engines' KV cache capacity, in tokens: one request must fit it, an episode's last turn too."""
     planner: Planner | None = None
     """The parallelism planner, with ``plan.enabled``."""
     replay: LengthReplay | None = None
@@ -124,6 +126,7 @@ class Controller:
                                                  num_epochs=config.num_epochs, last_step=config.num_steps - 1),
                    metrics=MetricsLogger(Path(config.run_dir), config.metrics, config.as_dict()),
                    display=LiveDisplay(config.metrics.live, num_steps=config.num_steps), max_model_len=max_model_len,
+                   kv_tokens=kv_tokens,
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
                    drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
@@ -151,7 +154,8 @@ class Controller:
                                    sandbox=cfg.reward.sandbox)
         self.envs = Environments(cfg=cfg.env, pool=EnvPool(cfg.env, spec), bridge=bridge,
                                  encode=functools.partial(encode, self.tokenizer, cfg), seed=cfg.seed,
-                                 max_new_tokens=cfg.rollout.max_new_tokens, max_context=self.max_model_len,
+                                 max_new_tokens=cfg.rollout.max_new_tokens,
+                                 max_context=min(self.max_model_len, self.kv_tokens),  # what a turn may reach
                                  templated=cfg.model.chat_template or cfg.model.shipped)  # the toy models: raw
 
     def build_leaders(self, sink: GroupSink | None = None) -> None:

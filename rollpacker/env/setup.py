@@ -47,7 +47,8 @@ class Environments:
     max_new_tokens: int
     """Per turn (``rollout.max_new_tokens``); also the episode's model tokens unless ``env.max_tokens``."""
     max_context: int
-    """The engines' context length."""
+    """The tokens an episode may reach: the engines' context length, or their KV cache if smaller (a later turn
+    the cache cannot hold was an engine's ValueError that ended the run)."""
     warmed: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     """Episode -> (row, reset seed) of each environment opened ahead (:meth:`warm`) that no round opened yet."""
     held: dict[str, EnvReply] = dataclasses.field(default_factory=dict)
@@ -123,8 +124,9 @@ class Environments:
                            f"prompt {prompt!r} encodes to no token: the model needs a prompt to answer")
         if len(ids) >= self.max_context:
             raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {row['id']!r}): its reset "
-                           f"prompt is {len(ids)} tokens and the context length is {self.max_context}: no token is "
-                           "left for the first turn; raise --engine.max-model-len or shorten the environment's prompt")
+                           f"prompt is {len(ids)} tokens and the context length is {self.max_context} (the engine's, "
+                           "or its KV cache's if smaller): no token is left for the first turn; raise "
+                           "--engine.max-model-len (or --engine.kv-memory-mb) or shorten the environment's prompt")
         turns = self.cfg.max_turns if self.enabled else 1
         return Episode(key, ids, self.bridge, seed=self.seed, max_turns=turns,
                        max_tokens=self.cfg.max_tokens or self.max_new_tokens, max_new_tokens=self.max_new_tokens,

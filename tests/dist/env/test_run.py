@@ -451,3 +451,17 @@ def test_a_tool_parser_that_cannot_read_the_models_calls_stops_the_run_before_it
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "rollpacker: --env.tool-parser llama3_json reads no tool call in the layout the chat template of "), proc.stderr
     assert proc.stderr.strip().endswith("so every call would be read as the answer: set --env.tool-parser to hermes")
+
+
+def test_an_episode_whose_next_turn_the_kv_cache_cannot_hold_ends_at_the_context(tmp_path):
+    """A cache smaller than the context length (160 tokens of 1024): rows fit it for their first turn, and a later
+    turn, its prompt the whole episode so far, was the engine's ValueError that ended the run."""
+    from support.jobs import launch_job
+
+    proc = launch_job("--preset", "toy-tools", "--engine.kv-memory-mb", "0.32", "--data.num-toy-prompts", "16",
+                      "--rollout.num-prompts", "8", "--rollout.group-size", "4", "--num-steps", "1", "--eval-every",
+                      "0", "--metrics.samples-every", "1", "--run-dir", str(tmp_path / "run"), *QUIET, nproc=1,
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ends = [(r["end"], r["finish_reason"]) for r in samples(tmp_path / "run")]
+    assert len(ends) == 32 and ("context", "length") in ends, ends
