@@ -26,15 +26,17 @@ from rollpacker.errors import UserError
 from rollpacker.sim.simulate import preset_config
 
 
-def _pop_flag(args: list[str], flag: str, default: str) -> str:
-    if flag not in args:
-        return default
-    i = args.index(flag)
-    if i + 1 >= len(args):
-        raise SystemExit(f"{flag} needs a value")
-    value = args.pop(i + 1)
-    args.pop(i)
-    return value
+def _pop_flag(args: list[str], flag: str, default: str | None, keep: bool = False) -> str | None:
+    """The value of ``flag`` (``--flag VALUE`` or ``--flag=VALUE``), taken out of ``args`` unless ``keep``."""
+    for i, arg in enumerate(args):
+        if arg == flag or arg.startswith(f"{flag}="):
+            value = arg.partition("=")[2] if "=" in arg else args[i + 1] if i + 1 < len(args) else ""
+            if not value:
+                raise SystemExit(f"{flag} needs a value")
+            if not keep:
+                del args[i:i + (1 if "=" in arg else 2)]
+            return value
+    return default
 
 
 def parse(argv: list[str]):
@@ -47,15 +49,17 @@ def parse(argv: list[str]):
     args = list(argv)
     preset = _pop_flag(args, "--preset", "qwen2.5-14b-16k")
     gantt = _pop_flag(args, "--gantt", "")
-    gantt_steps = int(_pop_flag(args, "--gantt-steps", "5"))
-    model = args[args.index("--model") + 1] if "--model" in args[:-1] else None  # it names the preset's model too
+    gantt_steps = _pop_flag(args, "--gantt-steps", "5")
+    if not gantt_steps.isdigit() or int(gantt_steps) < 1:
+        raise SystemExit(f"--gantt-steps must be a positive integer, got {gantt_steps!r}")
+    model = _pop_flag(args, "--model", None, keep=True)  # it names the preset's model too
     default = preset_config(preset, model)
     args = schedule_args(args, default.policy)
     cfg = tyro.cli(SimConfig, default=default, args=args, config=(tyro.conf.CascadeSubcommandArgs,),
                    prog="python -m rollpacker.sim",
                    description=f"Simulate an RL job (preset {preset}; --preset NAME, --gantt out.png, --gantt-steps N, "
                                "or a command: table2, table1, fig13c, workload, validate, growth, spec, episodes).")
-    return cfg, gantt, gantt_steps
+    return cfg, gantt, int(gantt_steps)
 
 
 def run(argv: list[str]) -> dict:
@@ -115,7 +119,10 @@ def spec(argv: list[str]) -> dict:
     from rollpacker.sim.simulate import simulate
     from rollpacker.sim.speculation import tail_s
 
-    cfg, _, _ = parse(argv)
+    cfg, gantt, _ = parse(argv)
+    if gantt:
+        raise SystemExit("spec draws no gantt chart (its table sets its two runs side by side): drop --gantt, or chart "
+                         "one with python -m rollpacker.sim, the same flags and --speculation.enabled or not")
     rows = {}
     for name, on in (("off", False), ("on", True)):
         steps = simulate(replace(cfg, speculation=replace(cfg.speculation, enabled=on)), record=True)

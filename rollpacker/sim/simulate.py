@@ -65,8 +65,9 @@ class SimConfig:
     """PPO's critic trains beside the policy (train.advantage gae): 5 more forward passes' worth a trained token."""
     warm: bool = False
     """Episodes: the next round's first environments open as a round ends (``env.warm``), resetting while it trains."""
-    stream_config: StreamConfig = field(default_factory=StreamConfig)
-    """The stream trainer's trigger, fetch cap and KV projection quantile (its ``enabled`` also turns ``stream`` on)."""
+    stream_config: StreamConfig = field(default_factory=lambda: StreamConfig(criterion="kv"))
+    """The stream trainer's trigger, fetch cap and KV projection quantile (its ``enabled`` also turns ``stream`` on);
+    its criterion is the paper's KV fit: the throughput one learns from measured polls, which a simulation has not."""
     num_steps: int = 20
     """RL steps simulated (20 = four tail-batching periods of 4 short rounds and 1 long round)."""
     num_rows: int = 100_000
@@ -101,6 +102,10 @@ class SimConfig:
                              f"and {shape.num_kv_heads} KV heads, as the job's engines need: pick a TP that does")
         topology.check("GPUs")
         self.stream = self.stream or self.stream_config.enabled
+        if self.stream_config.criterion != "kv":
+            raise ValueError("sim.stream_config.criterion throughput learns what a scale-down costs from the polls a "
+                             "run measures, which a simulation has not: the simulator scales down on the paper's KV "
+                             "fit (kv, its default here)")
         self.planner = self.planner or self.plan.enabled
         refuse_with_pools(self.schedule, stream=("sim.stream", self.stream), planner=("sim.planner", self.planner))
         if getattr(self.schedule, "pipe", False):
@@ -598,8 +603,7 @@ def simulate(cfg: SimConfig, *, record: bool = False, env_workload: EpisodeWorkl
                                   record=record)
         if cfg.stream and (decider is None or switched):  # as StreamTrainer.rebuild: the histories carry over
             histories = decider.histories if decider else {}
-            # the paper's KV-fit criterion: the throughput one learns from measured polls, which a simulation has not
-            decider = ScaleDownDecider(replace(cfg.stream_config, criterion="kv"), num_replicas=len(replicas),
+            decider = ScaleDownDecider(cfg.stream_config, num_replicas=len(replicas),
                                 max_new_tokens=cfg.rollout.max_new_tokens,
                                 kv_capacity_tokens=cost.kv_capacity_tokens())
             decider.histories = histories

@@ -27,7 +27,7 @@ import numpy as np
 
 from rollpacker.data.lengths import LengthModel
 from rollpacker.schedule.base import provisioned
-from rollpacker.sim.cost import CostModel
+from rollpacker.sim.cost import MODELS, CostModel
 
 PAPER_LENGTHS = {
     "cap": 16384,
@@ -76,9 +76,11 @@ def read_length_trace(path: str | Path, group_size: int) -> list[list[int]]:
         key = next((k for k in LENGTH_KEYS if isinstance(record, dict) and k in record), None)
         if key is None:
             continue
-        lengths, size = record[key], int(record.get("group_size", group_size))
+        lengths, size = record[key], record.get("group_size", group_size)
         if not isinstance(lengths, list) or not all(isinstance(x, int) and x > 0 for x in lengths):
             raise ValueError(f"{path}:{line_no}: {key!r} must be a list of positive ints")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise ValueError(f"{path}:{line_no}: group_size must be a positive int, got {size!r}")
         if len(lengths) % size:
             raise ValueError(f"{path}:{line_no}: {len(lengths)} lengths are not whole groups of {size} "
                              "(pass the run's group size)")
@@ -194,6 +196,14 @@ class RewardModel:
             raise ValueError(f"reward.tasks must be a non-empty subset of {TASKS}, got {self.tasks}")
         if min(self.math_workers, self.code_workers, self.judge_gpus, self.judge_batch) <= 0:
             raise ValueError("reward: math_workers, code_workers, judge_gpus and judge_batch must be positive")
+        times = ("math_median_s", "math_sigma", "math_timeout_s", "code_median_s", "code_sigma", "code_timeout_s",
+                 "judge_output_tokens")
+        if negative := [f"reward.{name}={getattr(self, name)}" for name in times if getattr(self, name) < 0]:
+            raise ValueError(f"{', '.join(negative)}: must be >= 0")
+        if not 0 <= self.code_timeout_rate <= 1:
+            raise ValueError(f"reward.code_timeout_rate must be in [0, 1], got {self.code_timeout_rate}")
+        if self.judge_model not in MODELS:
+            raise ValueError(f"reward.judge_model {self.judge_model!r} is not a known model ({', '.join(MODELS)})")
 
     def task(self, row: int) -> str:
         return self.tasks[row % len(self.tasks)]

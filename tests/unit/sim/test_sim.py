@@ -4,6 +4,7 @@ the cost model's arithmetic, workloads, and the CLI."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -291,6 +292,10 @@ def test_length_trace_reads_a_runs_metrics_jsonl(tmp_path):
     path.write_text(json.dumps({"response_lengths": [1, 2, 3]}) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:1: 3 lengths are not whole groups of 2"):
         read_length_trace(path, group_size=2)
+    for size in (0, None, -2):  # a ZeroDivisionError, a TypeError, "no line holds response lengths"
+        path.write_text(json.dumps({"lengths": [1, 2], "group_size": size}) + "\n")
+        with pytest.raises(ValueError, match=rf"metrics.jsonl:1: group_size must be a positive int, got {size}"):
+            read_length_trace(path, group_size=2)
 
 
 def test_a_trace_replays_through_the_simulator(tmp_path):
@@ -650,3 +655,21 @@ def test_the_sim_cli_takes_a_policy_first_and_refuses_a_fit_of_no_candidates(cap
         WorkloadArgs(num_candidates=0)
     main(["schedule:tail", "--num-steps", "5"])  # the first form, its policy first (was an unknown command)
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["policy"] == "tail"
+    # what was a traceback, silently ignored, or silent nonsense
+    small = ["--preset", "qwen2.5-7b-8k", "--gpus", "16", "--num-steps", "2", "--rollout.num-prompts", "16"]
+    for flags, said in ((["--gantt-steps", "0", "--gantt", "x.png"], "--gantt-steps must be a positive integer, "
+                         "got '0'"),  # an IndexError; -2 plotted 3 steps
+                        (["spec", *small, "--gantt", "x.png"], "spec draws no gantt chart")):  # ignored
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            main(flags if flags[0] == "spec" else [*small, *flags])
+    for flags, said in ((["--reward.judge-model", "foo"], "reward.judge_model 'foo' is not a known model"),  # KeyError
+                        (["--reward.judge-output-tokens", "-400"], "reward.judge_output_tokens=-400: must be >= 0"),
+                        (["--reward.code-timeout-rate", "2"], "reward.code_timeout_rate must be in [0, 1]"),
+                        (["--stream", "--reward-scheduler", "--stream-config.criterion", "throughput"],
+                         "sim.stream_config.criterion throughput learns")):  # it ran the KV fit, unsaid
+        with pytest.raises(SystemExit):
+            main([*small, *flags])
+        assert said in " ".join(capsys.readouterr().err.replace("│", " ").split()), flags
+    # --model=NAME names the preset's model as --model NAME does (its GPU count: the paper's, 32 for 14B)
+    main(["--preset", "qwen2.5-7b-8k", "--model=qwen2.5-14b", "--num-steps", "2"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["gpus"] == 32
