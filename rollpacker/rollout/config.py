@@ -62,8 +62,9 @@ class RolloutConfig:
                              f"{self.stop_token_ids} a negative id: remove it")
 
 
-MIN_TEMPERATURE = 1e-5
-"""The least temperature above 0 (vLLM's too): logits divided by less overflow fp32, and their log-probs are NaN."""
+MIN_TEMPERATURE = 1e-2
+"""The least temperature above 0: vLLM samples at this one below it (its log-probs then at another temperature
+than the trainer's), and logits divided by far less overflow fp32 (NaN log-probs). Sampling below it is greedy."""
 
 
 def sampling_problem(p: RolloutConfig | SamplingParams) -> str | None:

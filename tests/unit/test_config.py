@@ -11,6 +11,7 @@ import pytest
 
 from rollpacker.config import CONFIGS_DIR, load_preset, parse
 from rollpacker.schedule.config import check_settings
+from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.tail import TailConfig
 
 PRESETS = sorted(p.stem for p in CONFIGS_DIR.glob("*.toml"))
@@ -335,6 +336,11 @@ def test_engine_rules_ask_the_engine_registry():
     # logits over a temperature below fp32's range are infinite: NaN log-probs and the last token id, unsaid
     with pytest.raises(ValueError, match="temperature=1e-39 is too small to divide logits by: use 0 .greedy. or"):
         RolloutConfig(temperature=1e-39)
+    # vLLM samples at 0.01 below it (the trainer's log-probs at 0.005); eval's was refused at the first evaluation
+    with pytest.raises(ValueError, match=r"temperature=0.005 is too small to divide logits by: .* or >= 0.01"):
+        RolloutConfig(temperature=0.005)
+    with pytest.raises(ValueError, match=r"eval.temperature=1e-06 is too small to divide logits by"):
+        EvalConfig(temperature=1e-6)
     # SGLang cuts top-p on the whole mass, not on what top-k leaves: it sampled tokens the other engines never would
     both = RolloutConfig(top_k=3, top_p=0.4)
     for kind in ("auto", *ENGINES):
