@@ -415,8 +415,11 @@ class LiveDisplay:
         self._stream = stream if stream is not None else sys.stdout
         self._use_bar = enabled and self._stream.isatty()
         self._progress = None
-        self._task = None
+        self._tasks: dict[int, Any] = {}
+        """Each step's rollout row (one_step_off starts step k + 1's before it ends step k's)."""
         self._run = None
+        self._handlers: list[tuple[logging.StreamHandler, Any]] = []
+        """The log handlers routed above the bar while it is up, and their own streams."""
         self._step = 0
         self.num_steps = num_steps
         self._start = time.monotonic()
@@ -431,8 +434,8 @@ class LiveDisplay:
             return
         if self._progress is None:
             self._start_bar(step)
-        self._task = self._progress.add_task(f"step {step} rollout", total=num_launched, tokens_per_s=0.0, clock="",
-                                             last="")
+        self._tasks[step] = self._progress.add_task(f"step {step} rollout", total=num_launched, tokens_per_s=0.0,
+                                                    clock="", last="")
 
     def _start_bar(self, step: int) -> None:
         from rich.console import Console
@@ -442,7 +445,10 @@ class LiveDisplay:
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[tokens_per_s]:,.0f} tok/s"), TextColumn("{task.fields[clock]}"),
             TextColumn("{task.fields[last]}"), console=Console(file=self._stream), transient=True)
-        self._progress.start()
+        self._progress.start()  # it sends sys.stderr above the bar; the log handlers hold the stderr before it
+        self._progress.console.show_cursor(True)  # rich hides it: an exit without close() left the terminal so
+        self._handlers = [(h, h.setStream(sys.stderr)) for h in logging.getLogger().handlers
+                          if type(h) is logging.StreamHandler and h.stream is sys.__stderr__]
         self._run = self._progress.add_task("run", total=self.num_steps or None, completed=step, tokens_per_s=0.0,
                                             clock="", last="")
 
@@ -454,8 +460,8 @@ class LiveDisplay:
             self._progress.console.print(text, markup=False, highlight=False)
 
     def update(self, num_done: int, tokens_per_s: float) -> None:
-        if self._task is not None:
-            self._progress.update(self._task, completed=num_done, tokens_per_s=tokens_per_s)
+        if (task := self._tasks.get(self._step)) is not None:
+            self._progress.update(task, completed=num_done, tokens_per_s=tokens_per_s)
             self._progress.update(self._run, clock=self.clock(self._step - 1))
 
     def clock(self, step: int) -> str:
@@ -476,9 +482,8 @@ class LiveDisplay:
         if self._progress is None:
             print(line, file=self._stream, flush=True)
             return
-        if self._task is not None:
-            self._progress.remove_task(self._task)
-            self._task = None
+        if step in self._tasks:
+            self._progress.remove_task(self._tasks.pop(step))
         last = " | ".join(f"{k} {summary[k]:.3g}" for k in ("reward/mean", "reward/errors") if k in summary)
         self._progress.update(self._run, completed=step + 1, description=f"step {step + 1}",
                               tokens_per_s=summary.get("rollout/tokens_per_s", 0.0), clock=clock, last=last)
@@ -486,7 +491,8 @@ class LiveDisplay:
 
     def close(self) -> None:
         if self._progress is not None:
+            for handler, stream in self._handlers:
+                handler.setStream(stream)
             self._progress.stop()
-            self._progress = None
-            self._task = None
+            self._progress, self._tasks, self._handlers = None, {}, []
 

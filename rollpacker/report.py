@@ -29,6 +29,8 @@ from pathlib import Path
 
 import tyro
 
+from rollpacker.reward.functions import OWN
+
 STAGES = ("time/rollout", "time/reward", "time/train", "time/weight_sync")
 LENGTHS = "rollout/response_lengths"
 REWARDS = ("reward/mean", "reward/accuracy", "eval/accuracy")
@@ -191,15 +193,13 @@ def plot_env_info(records: list[dict], ax) -> bool:
     return bool(keys)
 
 
-OWN_REWARD_KEYS = ("mean", "accuracy", "errors", "seconds_total", "overlong_penalty_mean", "zero_variance_frac")
-"""``reward/`` metrics that are not a reward function's mean."""
 
 
 def plot_reward_functions(records: list[dict], ax) -> bool:
     """Each function's mean reward (``reward/NAME``, where it applied) vs step, and on a second axis
     the responses whose reward failed (``reward/errors``): what a task's author tunes on."""
     names = sorted({k[7:] for r in records for k, v in r.items()
-                    if k.startswith("reward/") and k[7:] not in OWN_REWARD_KEYS and _plotted(v)})
+                    if k.startswith("reward/") and k[7:] not in OWN and _plotted(v)})
     errors = [(r["step"], r["reward/errors"]) for r in records if _plotted(r.get("reward/errors"))]
     if not names and not any(e for _, e in errors):
         return False

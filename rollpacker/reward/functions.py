@@ -36,8 +36,10 @@ BUILTINS = {"toy": "rollpacker.reward.rules:toy", "math": "rollpacker.reward.rul
 """Built-in name -> the function it stands for (the judge runs on the controller, see :class:`JudgeFunction`)."""
 ENVIRONMENT = "environment"
 """``reward/environment``: the mean of the environments' rewards over the responses they scored."""
-RESERVED = ("mean", "accuracy", "errors", "seconds_total", ENVIRONMENT)
-"""``reward/`` metric names the controller and the scheduler use themselves."""
+OWN = ("mean", "accuracy", "errors", "seconds_total", "overlong_penalty_mean", "zero_variance_frac")
+"""``reward/`` metrics the controller and the scheduler log that are not a reward's mean."""
+RESERVED = (*OWN, ENVIRONMENT)
+"""``reward/`` metric names the controller and the scheduler use themselves (a function of one is prefixed)."""
 VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 

@@ -247,6 +247,32 @@ def test_live_display_on_a_terminal_prints_the_summary():
     assert "step 3 | reward/mean 1" in out.getvalue()
 
 
+
+def test_live_display_on_a_terminal_keeps_log_lines_rows_of_its_steps_and_the_cursor(monkeypatch):
+    """A log line written to stderr under the bar was wiped by its next redraw; one_step_off's step 0 row stayed
+    for the whole run (start_step(k + 1) came before end_step(k)); an exit without close() left the cursor hidden."""
+    import logging
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out, handler = Tty(), logging.StreamHandler(sys.__stderr__)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    display = LiveDisplay(enabled=True, stream=out, num_steps=4)
+    display.start_step(0, num_launched=8)
+    assert handler.stream is not sys.__stderr__  # above the bar, through its console
+    logging.getLogger("rollpacker.test").warning("a warning under the bar")
+    for step in range(2):
+        display.start_step(step + 1, num_launched=8)
+        display.end_step(step, {"reward/mean": 0.5})
+        assert [t.description for t in display._progress.tasks] == [f"step {step + 1}", f"step {step + 1} rollout"]
+    assert "a warning under the bar" in out.getvalue()
+    assert out.getvalue().rfind("\x1b[?25h") > out.getvalue().rfind("\x1b[?25l")  # shown while the bar is up
+    display.close()
+    assert handler.stream is sys.__stderr__
+
+
 def _write_metrics(run_dir, num_steps=4):
     run_dir.mkdir()
     lines = []

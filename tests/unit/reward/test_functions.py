@@ -324,6 +324,8 @@ def test_loading_errors_name_the_function(funcs, tmp_path):
         build_functions(RewardConfig(funcs=(f"{odd}:f",)))
     assert names(("toy", "a.py:compute_score", "pkg.b:compute_score", "c.py:mean", "d.py:environment")) == [
         "toy", "a.compute_score", "b.compute_score", "c.mean", "d.environment"]  # not the scheduler's own
+    assert names(("e.py:zero_variance_frac", "f.py:overlong_penalty_mean")) == [  # they overwrote the controller's
+        "e.zero_variance_frac", "f.overlong_penalty_mean"]
     twin = tmp_path / "twin" / "my_rewards.py"  # two files of one stem: one metric name would hide one function
     twin.parent.mkdir()
     twin.write_text(odd.read_text())
