@@ -114,10 +114,10 @@ def check_settings(policy: str, keys, where: str = "schedule") -> None:
 
 
 def schedule_args(args: list[str], preset_policy: str) -> list[str]:
-    """``args`` with the policy subcommand first, the preset's when none is chosen (tyro refused a preset policy's
-    ``--schedule.no-filter-zero-variance`` without it; ``--schedule.policy NAME|REF`` becomes one), and every
-    ``--schedule.*`` flag checked against the chosen policy, so that a setting of another policy is
-    refused naming the policies it belongs to."""
+    """``args`` with the policy subcommand first (``--schedule.policy NAME|REF`` becomes one; the preset's policy's
+    where none is chosen and a ``--schedule.*`` flag is given: tyro refused its ``--schedule.no-filter-zero-variance``
+    without it), and every ``--schedule.*`` flag checked against the chosen policy, so that a setting of another
+    policy is refused naming the policies it belongs to."""
     args = _policy_flag(list(args))
     chosen = [a for a in args if a.startswith("schedule:")]
     policy = chosen[-1].removeprefix("schedule:").replace("-", "_") if chosen else preset_policy
@@ -129,7 +129,8 @@ def schedule_args(args: list[str], preset_policy: str) -> list[str]:
         check_settings(policy, [f.removeprefix("no_") for f in flags])
     except ValueError as e:
         raise SystemExit(f"{e}; choose that policy with schedule:NAME") from None
-    return [f"schedule:{policy}", *(a for a in args if not a.startswith("schedule:"))]
+    named = chosen[-1:] or [f"schedule:{policy}"] * bool(flags)
+    return [*named, *(a for a in args if not a.startswith("schedule:"))]
 
 
 def _policy_flag(args: list[str]) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rollpacker.config import CONFIGS_DIR, load_preset, parse
-from rollpacker.schedule.config import check_settings
+from rollpacker.schedule.config import check_settings, schedule_args
 from rollpacker.schedule.eval import EvalConfig
 from rollpacker.schedule.tail import TailConfig
 
@@ -194,6 +194,7 @@ def test_a_policy_chosen_over_the_presets_keeps_the_presets_settings_it_has_too(
     assert parse(["--preset", str(preset), "schedule:sync", "--schedule.refill"]).schedule.max_gen_batches == 4
     for flags in (["--schedule.no-filter-zero-variance"], ["schedule:tail", "--schedule.no-filter-zero-variance"]):
         assert parse(["--preset", str(preset), *flags]).schedule.max_gen_batches == 10
+    assert schedule_args(["--help"], "tail") == ["--help"]  # the run's help, listing the policies: no subcommand
     assert parse(["--preset", str(preset), "--schedule.max-gen-batches", "6"]).schedule.max_gen_batches == 6
 
 
