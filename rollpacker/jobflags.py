@@ -46,6 +46,15 @@ def policy_args(policy: str) -> list[str]:
     return [f"schedule:{name}", *VARIANTS[extra], *(OFF_POLICY if cls.stale_samples else [])]
 
 
+def policy_list(text: str) -> list[str]:
+    """``--policies``: the comma-separated ``POLICY[+VARIANT]`` each checked now (a bad one was met after the runs
+    of the ones before it)."""
+    names = text.split(",")
+    for name in names:
+        policy_args(name)
+    return names
+
+
 @dataclass
 class JobArgs:
     preset: str = "toy-cpu"

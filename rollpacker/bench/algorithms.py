@@ -76,6 +76,9 @@ class Args:
         if min(self.steps, self.eval_every, self.teacher_steps) <= 0:  # the gains read the first and last evaluation
             raise ValueError(f"--steps, --eval-every and --teacher-steps must be positive, got {self.steps}, "
                              f"{self.eval_every} and {self.teacher_steps}")
+        if self.teacher and "distill" in self.algorithms.split(",") and not Path(self.teacher, "config.json").is_file():
+            raise ValueError(f"--teacher {self.teacher}: no config.json there (met after the other algorithms' runs): "
+                             "name a Hugging Face model directory, or leave it empty to train one first")
 
 
 def run(args: Args, run_args: list[str], flags: list[str], seed: int, run_dir: str, *, steps: int = 0,

@@ -164,6 +164,8 @@ class Args:
             raise ValueError("--sigma, --max-turns and --median-s must be >= 0 (0: the workload's)")
         seed_list(self.seeds)
         self.shape  # noqa: B018 (a bad workload says so now)
+        for policy in self.policies.split(","):  # a bad one was met after the runs of those before it
+            run_flags(self, policy)
 
     @property
     def shape(self):
@@ -249,6 +251,8 @@ def run_flags(args: Args, policy: str) -> list[str]:
     name = policy.replace(PAPER, "").replace(WARM, "")
     warm = ["--env.warm"] if WARM in policy else []
     if name.partition("+")[0] != "tail":
+        if PAPER in policy:  # dropped, unsaid
+            raise SystemExit(f"{PROG}: --policies {policy}: {PAPER} is tail's (the paper's over-provisioning)")
         return policy_args(name) + warm
     etas = eta_overrides(args.eta_prompts, args.eta_responses, args.eta_long, paper=PAPER in policy)
     return policy_args(name) + warm + [flag for key, value in etas.items()
@@ -315,4 +319,5 @@ def main(argv: list[str] | None = None) -> None:
             changed, compared = (tokens_changed(args, seed, env_file, work, run_args) if args.speculative != "off"
                                  else (0, 0))
             summaries.append(report(args, seed, results, changed, compared))
-    print(json.dumps(mean_summary(summaries)), flush=True)
+    summary = mean_summary(summaries)  # NaN where a run trained no prompt: null, as JSON has no NaN
+    print(json.dumps({k: None if v != v else v for k, v in summary.items()}), flush=True)

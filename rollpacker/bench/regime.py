@@ -30,13 +30,16 @@ import tyro
 
 from rollpacker.bench.schedulers import Args as RunArgs
 from rollpacker.bench.schedulers import run
-from rollpacker.jobflags import MemoryRegime, memory_regime_flags, policy_args, split_run_args
+from rollpacker.jobflags import MemoryRegime, memory_regime_flags, policy_args, policy_list, split_run_args
 
 
 @dataclass
 class Args(MemoryRegime):
     policies: str = "sync,tail,sorted,sorted_partial"
     """Comma-separated policies; the first is the baseline of the speedups."""
+
+    def __post_init__(self) -> None:
+        policy_list(self.policies)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -68,6 +68,9 @@ class Args:
 
     def __post_init__(self) -> None:
         fractions = (self.loop_fraction, self.slow_fraction, self.wrong_fraction)
+        if min(self.remote_median_s, self.fixed_timeout, self.rollout_seconds) <= 0:  # failed in a later phase
+            raise ValueError(f"--remote-median-s, --fixed-timeout and --rollout-seconds must be positive, got "
+                             f"{self.remote_median_s}, {self.fixed_timeout} and {self.rollout_seconds}")
         if self.responses <= 0 or self.workers <= 0 or min(fractions) < 0 or sum(fractions) > 1:
             raise ValueError(f"--responses and --workers must be positive, got {self.responses} and {self.workers}; "
                              "--loop-fraction, --slow-fraction and --wrong-fraction >= 0 with a sum <= 1 (the rest "

@@ -29,7 +29,7 @@ from pathlib import Path
 import tyro
 
 from rollpacker.bench import seed_list
-from rollpacker.jobflags import STREAM, JobArgs, job_argv, policy_args, split_run_args
+from rollpacker.jobflags import STREAM, JobArgs, job_argv, policy_args, policy_list, split_run_args
 from rollpacker.schedule.tail import TailConfig
 
 
@@ -48,6 +48,9 @@ class Args(JobArgs):
 
     def __post_init__(self) -> None:
         seed_list(self.seeds)
+        policy_list(self.policies)
+        if self.ablation_steps < 1:  # refused by the job, after the main comparison
+            raise SystemExit(f"--ablation-steps must be >= 1, got {self.ablation_steps}")
 
 
 PAPER = [*STREAM, "--stream.criterion", "kv"]  # the ablations are the paper's, with its KV-fit criterion

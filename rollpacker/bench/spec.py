@@ -30,7 +30,7 @@ import tyro
 
 from rollpacker.bench import seed_list
 from rollpacker.bench.spec_job import RECORD
-from rollpacker.jobflags import JobArgs, job_argv, policy_args, split_run_args
+from rollpacker.jobflags import JobArgs, job_argv, policy_args, policy_list, split_run_args
 
 PROG = "python -m rollpacker.bench spec"
 FLAGS = {"off": [], "spec": ["--engine.speculative", "auto"], "on": ["--engine.speculative", "on"],
@@ -56,6 +56,7 @@ class Args(JobArgs):
 
     def __post_init__(self) -> None:
         seed_list(self.seeds)
+        policy_list(self.policies)
         for variant in self.variants.split(","):
             for part in variant.split("+"):
                 if part not in FLAGS:

@@ -158,6 +158,8 @@ def run(cfg: SpecBenchConfig) -> dict:
     path = toy_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     rows = load_rows(DataConfig())  # the default job's training prompts
+    if cfg.num_prompts > len(rows):  # random.sample's ValueError, after the calibration
+        raise ValueError(f"bench.num_prompts={cfg.num_prompts} exceeds the default job's {len(rows)} prompts")
     model = load_model(path, cfg.device)
     spec_cfg = EngineConfig(speculative="auto", spec_max_tokens=cfg.spec_max_tokens)
     cost = TorchEngine(model, spec_cfg).calibrate()

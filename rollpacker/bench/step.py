@@ -32,6 +32,10 @@ class Args:
     preset: str = "toy-cpu"
     """Preset of the job."""
 
+    def __post_init__(self) -> None:
+        if self.nproc < 1 or self.steps < 1:  # the job's refusal was a CalledProcessError's traceback
+            raise SystemExit(f"--nproc and --steps must be >= 1, got {self.nproc} and {self.steps}")
+
 
 def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)

@@ -150,4 +150,23 @@ def test_bench_flags_that_cannot_run_are_refused_as_they_parse(tmp_path):
         with pytest.raises(SystemExit, match=re.escape(said)):
             policy_args(policy)
     assert policy_args("tail+pipe")[:2] == ["schedule:tail", "--schedule.pipe"]
+    # each met after minutes of runs (an unknown policy after the ones before it), or a traceback
+    from rollpacker.bench import episodes, regime, step
+
+    for make, flags, said in ((schedulers.Args, dict(policies="sync,tial"), "unknown policy 'tial'"),
+                              (spec.Args, dict(policies="tail,synk"), "unknown policy 'synk'"),
+                              (regime.Args, dict(policies="sync,sortd"), "unknown policy 'sortd'"),
+                              (episodes.Args, dict(policies="sync,tail+wram"), "unknown policy 'tail+wram'"),
+                              (episodes.Args, dict(policies="sync+paper"), "+paper is tail's"),
+                              (schedulers.Args, dict(ablation_steps=0), "--ablation-steps must be >= 1"),
+                              (step.Args, dict(steps=0), "--nproc and --steps must be >= 1")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            make(**flags)
+    for make, flags, said in ((rewards.Args, dict(remote_median_s=-0.5), "--remote-median-s, --fixed-timeout and "),
+                              (rewards.Args, dict(fixed_timeout=0), "must be positive, got 0.5, 0"),
+                              (algorithms.Args, dict(teacher=str(tmp_path / "nope")), "no config.json there")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            make(**flags)
+    with pytest.raises(ValueError, match=r"bench.num_prompts=4096 exceeds the default job's \d+ prompts"):
+        spec_engine.run(spec_engine.SpecBenchConfig(num_prompts=4096))  # was random.sample's, after calibrating
     assert policy_args("sorted_partial+stream")[:2] == ["schedule:sorted_partial", "--stream.enabled"]
