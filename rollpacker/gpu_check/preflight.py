@@ -98,13 +98,15 @@ def libcuda_listed() -> bool:
         (Path(d) / "libcuda.so.1").exists() for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d)
 
 
-def loaded_libcuda_dir() -> str | None:
-    """The folder of the ``libcuda.so.1`` this process loaded (after CUDA's init), from ``/proc/self/maps``."""
+def loaded_libcuda_dir(maps: str | None = None) -> str | None:
+    """The folder of the ``libcuda.so.1`` this process loaded (after CUDA's init), from ``/proc/self/maps``
+    (``maps``), which names the file the link points to (``libcuda.so.550.54.15``)."""
     try:
-        maps = Path("/proc/self/maps").read_text()
+        maps = Path("/proc/self/maps").read_text() if maps is None else maps
     except OSError:
         return None
-    found = [line.split()[-1] for line in maps.splitlines() if line.rstrip().endswith("libcuda.so.1")]
+    found = [line.split()[-1] for line in maps.splitlines()
+             if len(line.split()) >= 6 and os.path.basename(line.split()[-1]).startswith("libcuda.so")]
     return os.path.dirname(found[0]) if found else None
 
 

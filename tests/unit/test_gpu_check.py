@@ -15,7 +15,7 @@ import torch
 
 from rollpacker.gpu_check import STAGES
 from rollpacker.gpu_check.__main__ import parse, run_in_group, stage_env, stage_row, versions
-from rollpacker.gpu_check.preflight import Preflight, cache_env, preflight, triton_facts
+from rollpacker.gpu_check.preflight import Preflight, cache_env, loaded_libcuda_dir, preflight, triton_facts
 from rollpacker.gpu_check.stages import SIZES, compare_push, memory, near_tie, preempted_against_first
 
 
@@ -179,6 +179,14 @@ def test_preflight_without_a_compiler_on_cuda_names_it_and_the_fix(tmp_path, mon
     lacks, _ = triton_facts("cuda", facts)
     assert facts["c_compiler"] is None and any("C compiler" in m and "apt-get install gcc" in m for m in lacks)
     assert triton_facts("cpu", {}) == ([], {})  # the interpreter compiles nothing
+
+
+def test_the_loaded_libcuda_is_found_by_the_file_its_link_points_to():
+    """/proc/self/maps names libcuda.so.<driver>, never the libcuda.so.1 link: TRITON_LIBCUDA_PATH never came."""
+    maps = ("7f1c2a000000-7f1c2a200000 r--p 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n"
+            "7f1c2b000000-7f1c2b100000 r--p 00000000 08:01 99 /usr/lib/x86_64-linux-gnu/libz.so.1.2.13\n")
+    assert loaded_libcuda_dir(maps) == "/usr/lib/x86_64-linux-gnu"
+    assert loaded_libcuda_dir(maps.splitlines()[1]) is None
 
 
 def test_the_preflight_line_says_what_is_missing_and_what_still_runs():
