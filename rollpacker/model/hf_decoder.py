@@ -39,6 +39,9 @@ UNSUPPORTED_HEADS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "out
 unless 1."""
 ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 """``layer_types`` whose packed sequences the positions keep apart."""
+CALL_WIDE_ROPE = ("dynamic", "longrope")
+"""RoPE types whose frequencies ``transformers`` picks from the largest position of the whole call: a packed
+sequence beside one past the pretraining length would be rotated as that one."""
 RECURRENT_KEYS = ("mamba_", "ssm_", "linear_", "conv_", "conv1d_", "lru_", "time_step_", "state_size")
 """Config key prefixes of state-space, linear-attention and convolution layers (Jamba, Bamba,
 Falcon-H1, Zamba, Nemotron-H, LFM2, Qwen3-Next, MiniMax, RecurrentGemma): no attention-only
@@ -122,8 +125,15 @@ def check_supported(cfg: dict[str, Any]) -> None:
     sequences apart; a state-space, linear-attention or convolution layer carries its state from one
     sequence into the next. Either sign is enough: a ``layer_types`` entry outside
     :data:`ATTENTION_LAYERS` (chunked or sparse attention too), or a set key of :data:`RECURRENT_KEYS`
-    (hybrids that name no ``layer_types``: Jamba, Bamba, Falcon-H1)."""
+    (hybrids that name no ``layer_types``: Jamba, Bamba, Falcon-H1). A RoPE of :data:`CALL_WIDE_ROPE`, which
+    ties a sequence's rotation to the longest one packed beside it."""
     name = cfg.get("model_type")
+    ropes = [r for r in (cfg.get("rope_scaling"), cfg.get("rope_parameters")) if isinstance(r, dict)]
+    ropes += [r for rope in ropes for r in rope.values() if isinstance(r, dict)]  # per layer type (Gemma3's)
+    if wide := sorted({r.get("rope_type", r.get("type")) for r in ropes} & set(CALL_WIDE_ROPE)):
+        raise UserError(f"{name}: rope_type {wide[0]} takes its frequencies from the longest position in the whole "
+                        "forward, so a packed sequence's log-probs would depend on what it is packed with; this "
+                        "architecture is not supported (RoPE default, linear, llama3 or yarn are)")
     for key in UNSUPPORTED_HEADS:
         if cfg.get(key) not in (None, 1, 1.0):
             raise UserError(f"{name}: {key}={cfg[key]} scales the output logits, which rollpacker's log-prob head "

@@ -184,7 +184,7 @@ class TorchEngine(Speculation):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())
-        tied = self.model.args.tie_word_embeddings
+        tied, missing = self.model.args.tie_word_embeddings, set(params)
         for name, tensor in named_tensors:
             name = name.removeprefix("model.")
             if tied and name == "lm_head.weight":
@@ -194,6 +194,10 @@ class TorchEngine(Speculation):
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
             param = params[name]
+            if tensor.shape != param.shape:  # copy_ broadcasts: a row would fill the whole matrix
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                                 f"{tuple(param.shape)}")
+            missing.discard(name)
             if hasattr(param, "device_mesh"):  # a TP shard: keep this rank's slice
                 from torch.distributed.tensor import distribute_tensor
 
@@ -201,6 +205,9 @@ class TorchEngine(Speculation):
                 param.to_local().copy_(local.to_local())
             else:
                 param.copy_(tensor)
+        if missing:  # kept the old weights (after a TP switch: uninitialized memory)
+            raise KeyError(f"update_weights: no tensor for {len(missing)} of the engine's parameters, e.g. "
+                           f"{', '.join(sorted(missing)[:3])}: a push holds them all")
         self.free_blocks.extend(self.sessions.clear())  # their K/V are the old weights'
         self.weights += 1  # and those of the requests running now
 

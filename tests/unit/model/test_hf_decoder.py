@@ -205,6 +205,8 @@ MAMBA = dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, 
     ("JambaConfig", dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1), "jamba: mamba_conv_bias is set"),
     ("Lfm2Config", dict(layer_types=["conv", "full_attention"]), "lfm2: layer_types holds conv: only full"),
     ("FalconH1Config", MAMBA | dict(lm_head_multiplier=0.5), "falcon_h1: lm_head_multiplier=0.5 scales the output"),
+    # transformers rotates every packed sequence at the frequencies of the longest position in the call
+    ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "llama: rope_type dynamic takes"),
 ])
 def test_hybrid_decoders_and_scaled_heads_are_refused(cls, kw, said):
     """State-space, linear-attention and convolution layers carry state from one packed sequence into the

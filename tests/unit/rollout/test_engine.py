@@ -471,6 +471,13 @@ def test_update_weights_and_memory_release(qwen2_dir, qwen3_tied_dir, tmp_path, 
         eng.release_memory()
     with pytest.raises(KeyError, match="not a parameter"):
         eng.update_weights([("layers.9.mlp.up_proj.weight", torch.zeros(1))])
+    # a push that leaves a parameter out kept its old weights; a broadcastable shape filled it: both unsaid
+    eng.abort(greedy_requests()[0].id)
+    weights = load_model(other_dir).state_dict()
+    with pytest.raises(KeyError, match=r"no tensor for 1 of the engine's parameters, e.g. norm.weight"):
+        eng.update_weights((k, v) for k, v in weights.items() if k != "norm.weight")
+    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(1,\), the engine's \(\d+,\)"):
+        eng.update_weights({**weights, "norm.weight": torch.ones(1)}.items())
 
 
 def test_engine_rms_norm_is_the_models():
