@@ -33,8 +33,11 @@ def refuse_unused(settings: Iterable[tuple[Any, str, bool, str]]) -> None:
     """Refuse the settings given away from their default where nothing reads them, one message for all: each of
     ``settings`` is ``(config, "section.name", read, what it is read with)`` (a clip_ratio_c ported from verl under
     another loss, a stream.criterion without stream.enabled: each did nothing, unsaid)."""
-    unused = [f"{path} (applies with {needs})" for config, path, read, needs in settings
-              if not read and getattr(config, path.rpartition(".")[2]) != _default(config, path.rpartition(".")[2])]
+    unused = []
+    for config, path, read, needs in settings:
+        name = path.rpartition(".")[2]
+        if not read and getattr(config, name) != _default(config, name):
+            unused.append(f"{path} (applies with {needs})")
     if unused:
         raise ValueError(f"{', '.join(unused)}: given, but nothing reads it here; set what it applies with, or "
                          "leave it out")

@@ -310,8 +310,8 @@ def _supervise(proc: subprocess.Popen, start: float, deadline: float, max_output
                     timed_out = not exited
                     break
                 for key, _ in sel.select(remaining):
-                    if key.data == "exit":  # what is written by then is the output; a child the program left
-                        exited = True       # (isolation none: no pid 1 takes it down) holds the pipes no longer
+                    if key.data == "exit":  # the pipes are read EXIT_DRAIN more at most: a child the program left
+                        exited = True  # (isolation none: no pid 1 takes it down) may hold them open
                         sel.unregister(exit_fd)
                         deadline = min(deadline, time.monotonic() + EXIT_DRAIN)
                         continue
