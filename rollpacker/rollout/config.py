@@ -65,12 +65,13 @@ class RolloutConfig:
 MIN_TEMPERATURE = 1e-2
 """The least temperature above 0: vLLM samples at this one below it (its log-probs then at another temperature
 than the trainer's), and logits divided by far less overflow fp32 (NaN log-probs). Sampling below it is greedy."""
+TOO_COLD = "vLLM samples at 0.01 below it, and logits divided by far less overflow"
 
 
 def sampling_problem(p: RolloutConfig | SamplingParams) -> str | None:
     """What is wrong with ``p``'s sampling settings, or None."""
     if 0 < p.temperature < MIN_TEMPERATURE:
-        return f"temperature={p.temperature} is too small to divide logits by: use 0 (greedy) or >= {MIN_TEMPERATURE}"
+        return f"temperature={p.temperature} is below {MIN_TEMPERATURE} ({TOO_COLD}): use 0 (greedy) or more"
     if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0 or not 0 <= p.min_p <= 1 or p.repetition_penalty <= 0:
         return (f"temperature={p.temperature} must be >= 0, top_p={p.top_p} in (0, 1], top_k={p.top_k} >= 0, "
                 f"min_p={p.min_p} in [0, 1], repetition_penalty={p.repetition_penalty} > 0")

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from rollpacker.rollout.config import MIN_TEMPERATURE
+from rollpacker.rollout.config import MIN_TEMPERATURE, TOO_COLD
 from rollpacker.schedule.base import Group, PolicyDecision, RoundPlan
 
 
@@ -29,8 +29,8 @@ class EvalConfig:
         if self.n < 1 or self.temperature < 0:
             raise ValueError(f"eval.n={self.n} must be >= 1 and eval.temperature={self.temperature} >= 0")
         if 0 < self.temperature < MIN_TEMPERATURE:  # refused by the engine at the first evaluation, hours in
-            raise ValueError(f"eval.temperature={self.temperature} is too small to divide logits by: use 0 (greedy) "
-                             f"or >= {MIN_TEMPERATURE}")
+            raise ValueError(f"eval.temperature={self.temperature} is below {MIN_TEMPERATURE} ({TOO_COLD}): use 0 "
+                             "(greedy) or more")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"eval.n={self.n} with eval.temperature=0: greedy gives {self.n} copies of one response; "
                              "set eval.temperature (e.g. 0.6) or eval.n=1")
