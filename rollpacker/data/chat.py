@@ -18,7 +18,7 @@ from typing import Any
 from rollpacker.errors import UserError
 
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt",
-                            "continue_final_message")
+                            "continue_final_message", "return_dict", "return_assistant_tokens_mask")
 """Arguments of ``apply_chat_template`` that :func:`render` sets itself: not ``model.chat_template_kwargs``."""
 
 
@@ -30,10 +30,10 @@ def check_template_kwargs(kwargs: dict[str, Any], field: str = "model.chat_templ
     """Raise ValueError naming ``field`` if ``kwargs`` holds an argument :func:`render` sets itself."""
     reserved = [key for key in kwargs if key in RESERVED_TEMPLATE_KWARGS]
     if reserved:
-        raise ValueError(f"{field} sets {', '.join(map(repr, reserved))}, which rollpacker sets itself (a prompt "
-                         "ending in an assistant turn continues it, any other gets the generation prompt; the "
-                         f"messages and tools are the row's): remove {'them' if len(reserved) > 1 else 'it'} from "
-                         f"{field}")
+        raise ValueError(f"{field} sets {', '.join(map(repr, reserved))}, which rollpacker sets itself (it renders "
+                         "text, then encodes it; a prompt ending in an assistant turn continues it, any other gets "
+                         "the generation prompt; the messages and tools are the row's): remove "
+                         f"{'them' if len(reserved) > 1 else 'it'} from {field}")
 
 
 def messages(prompt: str | list[dict], system_prompt: str = "") -> list[dict]:

@@ -762,6 +762,9 @@ def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_n
         logger.warning("left out %d of %d prompts of %s that are empty%s or do not fit the context length %d or the "
                        "KV cache of %d tokens (with rollout.max_new_tokens=%d): %s", len(dropped), len(rows), field,
                        limit, max_model_len, kv_tokens, max_new_tokens, ", ".join(dropped[:5]))
+    if not kept and not dropped:  # every row refused: the lengths were not the cause
+        raise DatasetError(f"the chat template refuses every prompt of {field}: {refused[0]} (data.skip_bad_lines "
+                           "left each out)")
     if not kept:
         raise DatasetError(f"no prompt of {field} fits the context length {max_model_len} and the KV cache of "
                            f"{kv_tokens} tokens with rollout.max_new_tokens={max_new_tokens}"

@@ -30,7 +30,7 @@ def test_a_prompt_ending_in_an_assistant_turn_is_continued_and_any_other_gets_th
 
 
 @pytest.mark.parametrize("key", ["add_generation_prompt", "continue_final_message", "tokenize", "conversation",
-                                 "messages", "tools"])
+                                 "messages", "tools", "return_dict", "return_assistant_tokens_mask"])
 def test_chat_template_kwargs_may_not_set_what_rollpacker_sets(key):
     with pytest.raises(ValueError, match=rf"model.chat_template_kwargs sets '{key}', which rollpacker sets itself"):
         check_template_kwargs({"enable_thinking": False, key: True})
@@ -87,6 +87,9 @@ def test_a_row_the_template_refuses_is_a_dataset_error_naming_it_and_the_system_
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and said[0].startswith("left out 1 of 2 prompts the chat template refuses "
                                                  "(data.skip_bad_lines); first: row 'a:2': the chat template"), said
+    # every row left out so: the error said the prompts did not fit the context, which nothing could fix
+    with pytest.raises(DatasetError, match=r"the chat template refuses every prompt of data.path: row 'a:2': "):
+        fit_rows(rows[1:], encode=row_encoder(tokenizer, Config()), skip_bad=True, **fit)
     # a template that cannot render a tool-call turn without content: named as well
     tool_call = [{"role": "user", "content": "3+5"}, {"role": "assistant", "content": None, "tool_calls": [{}]},
                  {"role": "tool", "content": "8"}]
