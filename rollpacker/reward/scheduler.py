@@ -460,10 +460,10 @@ class RewardScheduler:
             self.seconds += s.seconds
             if isinstance(key, Members):  # a group function's call: one value per response
                 n = len(key.keys)
-                values, infos = (s.score, s.info) if s.error is None else ([None] * n, [{}] * n)
-                for k, value, info in zip(key.keys, values, infos):
+                per = (s.score, s.metrics, s.info) if s.error is None else ([None] * n, [{}] * n, [{}] * n)
+                for k, value, metrics, info in zip(key.keys, *per):  # reward/NAME/KEY: a mean over responses
                     if k in self._scoring:
-                        done += self._record(k, name, Scored(s.key, value, s.error, 0.0, 0.0, s.metrics, info))
+                        done += self._record(k, name, Scored(s.key, value, s.error, 0.0, 0.0, metrics, info))
             elif key in self._scoring:
                 done += self._record(key, name, s)
         return done

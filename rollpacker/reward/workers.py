@@ -28,7 +28,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import queue
 import resource
-import statistics
 import threading
 import time
 from collections.abc import Hashable
@@ -51,15 +50,15 @@ class Scored:
     key: Hashable
     score: float | None | list[float | None]
     """The function's value; None when it does not apply to the row, or failed (then ``error`` says why). A
-    group function's: one per response of the group (its ``metrics`` their means, its ``info`` one dict each)."""
+    group function's: one per response of the group (its ``metrics`` and ``info`` one dict each)."""
     error: str | None
     """Set when the function failed: it raised, returned a bad value, timed out, or its worker died."""
     seconds: float
     """Wall time spent scoring it in a worker (queueing excluded)."""
     cpu_seconds: float
     """CPU time of the worker and its sandboxes; a killed worker counts its wall time."""
-    metrics: dict = field(default_factory=dict)
-    """The numbers of a dict the function returned, besides its score."""
+    metrics: dict | list[dict] = field(default_factory=dict)
+    """The numbers of a dict the function returned, besides its score, and what it logged (``log_metric``)."""
     info: dict = field(default_factory=dict)
     """The rest of such a dict, e.g. code's ``{"verdicts", "seconds"}`` per test run."""
 
@@ -89,11 +88,10 @@ async def ascore(ref: Ref, sample: dict | list[dict]) -> tuple[float | None | li
         return _failed(e)
 
 
-def _scored(value: Value | list[Value]) -> tuple[float | None | list, str | None, dict, dict | list]:
+def _scored(value: Value | list[Value]) -> tuple[float | None | list, str | None, dict | list, dict | list]:
     if not isinstance(value, list):
         return value[0], None, value[1], value[2]
-    metrics = {k: statistics.fmean(m[k] for _, m, _ in value if k in m) for k in {k for _, m, _ in value for k in m}}
-    return [v for v, _, _ in value], None, metrics, [info for _, _, info in value]
+    return [v for v, _, _ in value], None, [m for _, m, _ in value], [info for _, _, info in value]
 
 
 def _failed(e: Exception) -> tuple[None, str, dict, dict]:

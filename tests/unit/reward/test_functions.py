@@ -64,6 +64,9 @@ async def shortest(completion_ids, log_metric=None, **kwargs):  # an async group
     log_metric("size", len(completion_ids))
     return [float(len(ids) == min(map(len, completion_ids))) for ids in completion_ids]
 
+def first_only(completions, answer, **kwargs):  # a group function: a metric from the first response alone
+    return [{"score": 1.0, "m": 6.0 if answer[0] == "2" else 0.0}] + [None] * (len(completions) - 1)
+
 def one_in_three(completions, id, **kwargs):
     if id[0].endswith("3"):
         raise ValueError("row three")
@@ -276,6 +279,23 @@ def test_group_functions_score_a_completed_group_and_its_rewards_wait_for_them(f
         "reward function 'two' failed on 3 of 3 responses at step 0, scored 0 (--reward.on-error skip); first on row "
         "'a:1': returned 2 values for 3 completions; a TRL-convention function returns one float or None per "
         "completion"]
+
+
+def test_a_group_functions_metric_is_a_mean_over_the_responses_that_gave_it(funcs):
+    """reward/NAME/KEY: the mean of the numbers the function returned. A group's mean was recorded once for each of
+    its responses, those that returned None too: (6 x 3 + 0) / 4 = 4.5, not (6 + 0) / 2."""
+    scheduler = RewardScheduler(RewardConfig(funcs=funcs("first_only"), group_funcs=("first_only",), num_workers=0),
+                                lambda ids: RESPONSES[0])
+    groups = {"a:1": [f"a:1:{k}" for k in range(3)], "a:2": ["a:2:0"]}
+    for row in ROWS[:2]:
+        responses = [Response(id="", prompt_ids=[], token_ids=[k]) for k in range(len(groups[row["id"]]))]
+        for key, response in zip(groups[row["id"]], responses):
+            scheduler.submit(key, row, response)
+        scheduler.submit_group(groups[row["id"]], row, responses)
+    scheduler.wait()
+    metrics = scheduler.take_metrics()
+    scheduler.close()
+    assert (metrics["reward/first_only"], metrics["reward/first_only/m"]) == (1.0, 3.0)
 
 
 def test_reward_correct_names_one_of_the_functions(funcs):
