@@ -290,7 +290,7 @@ class Controller:
 
         number, gdpo = next(self.group_ids), self.config.train.advantage == "gdpo"
         return [Sample(o.prompt_ids, o.token_ids, 0.0 if gdpo else r, o.logprobs, group=number,
-                       truncated=o.finish_reason == "length", shaping=self.overlong(o),
+                       truncated=o.truncated, shaping=self.overlong(o),
                        loss_mask=[False] * len(o.token_ids) if o.finish_reason == "error" else o.loss_mask,
                        token_rewards={} if gdpo else dict(o.step_rewards), failed=o.finish_reason == "error",
                        parts=self.reward_parts(o) if gdpo else ())

@@ -200,7 +200,7 @@ class RoundResult:
             "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.rollout_end),
             "rollout/tokens_per_s": self.model_tokens / (self.rollout_end - self.start),
             "rollout/preemptions": self.num_preemptions,
-            "rollout/truncated": sum(o.finish_reason == "length" for o, _ in trained),
+            "rollout/truncated": sum(o.truncated for o, _ in trained),
             "rollout/tail_seconds": self.tail_s,
             "rollout/cpu_seconds": self.cpu_s,
             "rollout/tail_cpu_seconds": self.tail_cpu_s,

@@ -28,6 +28,8 @@ REASONS = ("answer", "terminated", "truncated", "max_turns", "length", "max_toke
 """Why an episode ended (:attr:`Done.reason`); "answer": a response without environment gave its one turn."""
 LENGTH_REASONS = ("length", "max_tokens", "context")
 """The reasons that cut the episode by a token limit: its ``finish_reason`` is "length"."""
+TRUNCATED_REASONS = ("truncated", "max_turns")
+"""The other reasons that cut it unfinished (:attr:`Response.truncated`): its environment's time limit, its turns'."""
 
 
 def turn_seed(seed: int, turn_id: str) -> int:
@@ -118,6 +120,12 @@ class Response(Output):
     @property
     def num_model_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def truncated(self) -> bool:
+        """Cut by a limit, not ended by its task (verifiers' ``is_truncated``): by a token limit (``finish_reason``
+        "length"), ``env.max_turns``, or its environment's ``truncated``. What ``train.mask_truncated`` leaves out."""
+        return self.finish_reason == "length" or self.reason in TRUNCATED_REASONS
 
     def describe(self, decode: Callable[[list[int]], str]) -> dict[str, Any]:
         """What a samples file shows of it besides its completion: each turn (:meth:`turns`), why it

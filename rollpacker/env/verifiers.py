@@ -166,8 +166,8 @@ class VerifiersEnv:
         ``OverlongPromptError`` (``prompt_too_long``, ``is_truncated``), and the rubric scores what it has."""
         if self._answer is not None and not self._answer.done():
             self._answer.set_exception(vf.OverlongPromptError("rollpacker's token limit ended the episode"))
-        _, reward, done, _, _ = await self._next()
-        if not done:
+        _, reward, terminated, truncated, _ = await self._next()
+        if not (terminated or truncated):
             raise RuntimeError("the verifiers rollout asked for another turn after its prompt was too long")
         return reward
 
@@ -238,7 +238,8 @@ class VerifiersEnv:
             state = self._task.result()
             if state.get("error") is not None:
                 raise RuntimeError(f"the verifiers rollout failed: {state['error']!r}")
-            return None, state.get("reward"), True, False, _numbers(state.get("metrics"))
+            cut = bool(state.get("is_truncated")) or state.get("stop_condition") == "max_turns_reached"
+            return None, state.get("reward"), not cut, cut, _numbers(state.get("metrics"))
         messages, tools = self._asked.result()
         self._asked = asyncio.get_running_loop().create_future()
         info = {"tools": [_tool(t) for t in tools]} if tools else {}

@@ -126,7 +126,9 @@ class TrainConfig(MemoryConfig):
     overlong_penalty: float = 1.0
     """The punishment at the budget, rising linearly from 0 over the buffer."""
     mask_truncated: bool = False
-    """Responses cut by rollout.max_new_tokens contribute no loss (DAPO's overlong filtering)."""
+    """Responses cut by a limit contribute no loss (DAPO's overlong filtering; verifiers' is_truncated): by
+    rollout.max_new_tokens or an episode's token limits, and episodes ended by env.max_turns or by their
+    environment's truncated."""
     entropy_coef: float = 0.0
     """Entropy bonus: each token's loss gets minus this times its entropy (0 = off; train/entropy is logged anyway)."""
     top_entropy_quantile: float = 1.0

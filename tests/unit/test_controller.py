@@ -96,6 +96,23 @@ def test_an_episodes_budget_over_its_turns_is_the_longest_response_of_seq_mean_t
     assert count == 2 * 300
 
 
+def test_an_episode_cut_by_its_turn_limit_or_its_environments_time_limit_is_truncated():
+    """env.max_turns and the environment's truncated cut an episode unfinished, as a token limit does (verifiers'
+    is_truncated): train.mask_truncated masks it and rollout/truncated counts it. They read "stop" as a response,
+    so both took them as finished."""
+    ctl = Controller(config=Config(train=TrainConfig(mask_truncated=True)), rows=[], eval_rows=None, tokenizer=None,
+                     rewards=Rewards(), policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None, display=None,
+                     max_model_len=200, envs=NO_ENVS)
+    ends = ["max_turns", "truncated", "terminated", "answer"]
+    outputs = [output(4) for _ in ends]
+    for o, reason in zip(outputs, ends):
+        o.reason = reason
+    group = Group(prompt=0, outputs=outputs, rewards=[1.0, 0.0, 1.0, 0.0])
+    samples, count = ctl.make_batch(round_result([group]))
+    assert [s.truncated for s in samples] == [True, True, False, False] and count == 2 * 4
+    assert ctl.round_stats(round_result([group]))["rollout/truncated"] == 2
+
+
 def test_reward_correct_counts_its_functions_value_not_the_weighted_total():
     """TRL's accuracy + format pair: a well-formed wrong answer totals 1; reward.correct accuracy counts it wrong.
     A row of another task, where the function returns None, is decided by its reward."""

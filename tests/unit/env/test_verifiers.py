@@ -113,11 +113,12 @@ def test_a_malformed_call_is_answered_with_its_error_and_counted(vf_file):
 
 def test_a_verifiers_environment_without_max_turns_ends_and_is_scored_at_env_max_turns(vf_file):
     """As if loaded with max_turns=env.max_turns: verifiers stops the rollout there and its rubric scores it (it was
-    cut there unscored, trained as an answer that earned nothing)."""
+    cut there unscored, trained as an answer that earned nothing). It ended truncated, as verifiers' is_truncated says
+    of a rollout its max_turns stopped (train.mask_truncated masks it): it read terminated, as solved."""
     env = opened(EnvSpec(factory=f"{vf_file}:make_again_env"))  # reset with max_turns=3
     assert [contract.step(env, "It is 6.").terminated for _ in range(2)] == [False, False]
     last = contract.step(env, "It is 5.")
-    assert (last.reward, last.terminated) == (1.0, True)
+    assert (last.reward, last.terminated, last.truncated) == (1.0, False, True)
     assert env.reward_state().restore()["stop_condition"] == "max_turns_reached"
     contract.close(env)
 
