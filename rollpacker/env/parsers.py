@@ -247,36 +247,47 @@ _TYPES = {"integer": "integer", "int": "integer", "number": "number", "float": "
 
 
 def _convert(value: str, schema: Any) -> Any:
-    """A parameter's text as its JSON schema types it (a ValueError says why it is not); untyped: the text."""
+    """A parameter's text as its JSON schema types it, as the first of its types that reads it (a union such as
+    ``int | str`` tries each); a ValueError says what it is not. Untyped: the text."""
     types = _schema_types(schema)
-    kind = next((t for t in types if t != "null"), "string")
-    if value.strip().lower() in ("null", "none") and ("null" in types or kind != "string"):
+    kinds = [t for t in types if t != "null"] or ["string"]
+    if value.strip().lower() in ("null", "none") and ("null" in types or "string" not in kinds):
         return None  # the template writes None as "None"
+    wanted = []
+    for kind in kinds:
+        try:
+            return _convert_as(value, kind)
+        except ValueError as e:
+            wanted.append(str(e))
+    raise ValueError(f"{' or '.join(wanted)}, got {value[:80]!r}")
+
+
+def _convert_as(value: str, kind: str) -> Any:
+    """``value`` as one JSON type (not "null"); a ValueError names what it had to be."""
     if kind == "string":
         return value
     if kind == "integer":
         try:
             return int(value)
         except ValueError:
-            raise ValueError(f"an integer, got {value!r}") from None
+            raise ValueError("an integer") from None
     if kind == "number":
         try:
             number = float(value)
         except ValueError:
-            raise ValueError(f"a number, got {value!r}") from None
+            raise ValueError("a number") from None
         if not math.isfinite(number):
-            raise ValueError(f"a finite number, got {value!r}")
+            raise ValueError("a finite number")
         return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
     if kind == "boolean":
         if value.strip().lower() not in ("true", "false"):
-            raise ValueError(f"true or false, got {value!r}")
+            raise ValueError("true or false")
         return value.strip().lower() == "true"
     parsed = _literal(value)
     if isinstance(parsed, str):  # encoded twice
         parsed = _literal(parsed)
-    wanted = dict if kind == "object" else list
-    if not isinstance(parsed, wanted):
-        raise ValueError(f"a JSON {kind}, got {value[:80]!r}")
+    if not isinstance(parsed, dict if kind == "object" else list):
+        raise ValueError(f"a JSON {kind}")
     return parsed
 
 

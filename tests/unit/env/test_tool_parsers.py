@@ -315,6 +315,24 @@ def test_degenerate_json_is_a_malformed_call_not_a_crash(parser, text, expected)
     assert (expected in error) if expected else error == "", error
 
 
+def test_qwen3_coder_reads_a_union_parameter_as_the_first_of_its_types_that_fits():
+    """int | str, int | float, list[int] | str: only the first type was tried (valid calls were answered with an
+    error); None is text where the union takes a string."""
+    union = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": ["integer", "string"]}, "v": {"anyOf": [{"type": "integer"}, {"type": "number"}]},
+        "items": {"anyOf": [{"type": "array"}, {"type": "string"}]}, "n": {"type": ["integer", "boolean"]}}}}}]
+
+    def parse(**values):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        [call] = qwen3_coder(f"<function=f>\n{body}</function>", union)
+        return call.error or call.arguments
+
+    assert parse(x="alice", v="2.5", items="1,2,3") == {"x": "alice", "v": 2.5, "items": "1,2,3"}
+    assert parse(x="7", v="3", items="[1]", n="true") == {"x": 7, "v": 3, "items": [1], "n": True}
+    assert parse(x="None", n="None") == {"x": "None", "n": None}
+    assert parse(n="maybe") == "parameter 'n' of f: an integer or true or false, got 'maybe'"
+
+
 def test_qwen3_coder_types_values_by_the_tools_schema():
     def parse(**values):
         body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
