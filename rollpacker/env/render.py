@@ -100,17 +100,9 @@ class ChatBridge:
     def delta(self, observation: list[Message], tools: list[dict] | None = None) -> str:
         """The text the template renders for ``observation`` after an assistant turn, with ``tools``' schemas (a
         template may move them: Mistral's go before the last user turn)."""
-        from jinja2 import TemplateError  # what apply_chat_template renders with
-
         observation = _with_ids(observation)
         roles = tuple(m["role"] for m in observation)
-        try:
-            base, before = self._base_render(observation, tools)
-            after = self.render(base + observation, generation=True, tools=tools)
-        except (TemplateError, TypeError, ValueError) as e:  # raise_exception(...), or a value it cannot join
-            raise TemplateBreak(f"the chat template of {self.name} refuses observations of roles {roles} after an "
-                                f"assistant turn ({type(e).__name__}: {e}): set env.observation_role to a role it "
-                                "takes there, or use a template that takes them") from None
+        base, before, after = self._render_after(observation, tools)
         if after.startswith(before):
             return after[len(before):]
         end, turn = before[before.rindex(MARK) + len(MARK):], after.rfind(MARK)
@@ -131,6 +123,21 @@ class ChatBridge:
                            "turns its template would not render; env/template_breaks counts them; said once", what)
         self.breaks += 1
         return after[at:] if rest is None else rest
+
+    def _render_after(self, observation: list[Message], tools: list[dict] | None) -> tuple[list[Message], str, str]:
+        """The base conversation for ``observation``, its render, and the render with ``observation`` after it; a
+        TemplateBreak if the template refuses them."""
+        from jinja2 import TemplateError  # what apply_chat_template renders with
+
+        try:
+            base, before = self._base_render(observation, tools)
+            return base, before, self.render(base + observation, generation=True, tools=tools)
+        except (TemplateError, TypeError, ValueError) as e:  # raise_exception(...), or a value it cannot join
+            roles = tuple(m["role"] for m in observation)
+            raise TemplateBreak(f"the chat template of {self.name} refuses observations of roles {roles} after an "
+                                f"assistant turn ({type(e).__name__}: {e}): set env.observation_role to a role it "
+                                "takes there (a string observation's role: tool results are role tool), or use a "
+                                "template that takes them (model.path's chat_template)") from None
 
     def take_breaks(self) -> int:
         """The observations rendered with a broken template since last called."""
@@ -155,13 +162,15 @@ class ChatBridge:
     def check_tool_parser(self, parser: str) -> None:
         """Refuse ``parser`` (``env.tool_parser``) when it reads no call in the layout this chat template writes one
         in, and another parser does: the default hermes on a Llama 3 or Mistral model read every call as the answer,
-        silently. A template that writes no call (it renders no ``tool_calls``) is not checked."""
+        silently. A template that writes no call (it renders no ``tool_calls``) is not checked. Refuse one that
+        refuses tool results (role tool) after an assistant turn, which stopped the run at its first one."""
         from jinja2 import TemplateError
 
         from rollpacker.env.parsers import PARSERS
 
         tools = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
             "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+        self._render_after(_with_ids([{"role": "tool", "name": "probe", "content": "1"}]), tools)
         written = None
         for arguments in ({"x": 1}, '{"x": 1}'):  # DeepSeek's templates concatenate the arguments: a string
             call = {"type": "function", "id": "call00000", "function": {"name": "probe", "arguments": arguments}}

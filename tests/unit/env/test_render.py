@@ -168,6 +168,16 @@ def test_a_template_that_refuses_an_observation_says_so_naming_its_roles():
         bridge.delta([{"role": "tool", "name": "add", "content": "5"}])
 
 
+def test_a_template_that_refuses_tool_results_is_refused_before_the_first_call_naming_what_fixes_it():
+    """Gemma 2's template takes only alternating user and assistant turns: the run stopped at the first tool result,
+    mid-run, saying to set env.observation_role (a string observation's role; tool results are always role tool)."""
+    bridge = ChatBridge(chat_tokenizer(ALTERNATING, ["<pad>", "<turn>", "<end>"], eos="<end>"))
+    with pytest.raises(TemplateBreak, match=r"refuses observations of roles \('tool',\) after an assistant turn .*"
+                                            r"\(a string observation's role: tool results are role tool\), or use a "
+                                            r"template that takes them \(model.path's chat_template\)"):
+        bridge.check_tool_parser("hermes")
+
+
 def test_a_tool_observation_without_an_id_gets_one_mistrals_template_takes():
     """A string observation of env.observation_role tool names no call: it gets an id of Mistral's form (its template
     refuses a result without one), which the base turn's call has too."""
