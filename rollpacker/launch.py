@@ -20,6 +20,7 @@ the rendezvous store, sessions): ``docs/cluster-and-faults.md``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rollpacker.preempt import STOP_FILE
 from rollpacker.watchdog import ERROR_FILE
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -81,22 +83,42 @@ def ranks(agent: int) -> list[int]:
     return found
 
 
-class Launch:
-    """The launcher's side: the agent's process, and the stop signals it passes on."""
+def installed(pid: int) -> bool:
+    """Whether rank ``pid`` has its stop handlers in: it catches SIGUSR1, which :func:`rollpacker.preempt.install`
+    catches last (before, a stop signal kills the rank; Python catches SIGINT from its start)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signal.SIGUSR1 - 1) & 1)
+    return False
 
-    def __init__(self, command: list[str], env: dict[str, str]):
-        self.interrupts = 0
-        self.agent = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+class Launch:
+    """The launcher's side: the agent's process, and the stop signals it passes on. ``stop_file``: where the first
+    is written, for the ranks still starting (``rollpacker.preempt.STOP_FILE``)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], stop_file: Path):
+        self.interrupts, self.stop_file = 0, stop_file
+        self.agent = subprocess.Popen(command, env={**env, STOP_FILE: str(stop_file)}, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
         for sig in FORWARDED:
             signal.signal(sig, self.forward)
 
     def forward(self, signum: int, frame) -> None:
-        """A stop signal to the ranks; a second Ctrl-C also to torchrun's agent, which then stops for good."""
+        """A stop signal to the ranks (those still starting read it from the stop file once their handlers are in,
+        as do the ranks of an attempt torchrun starts later); a second Ctrl-C also to torchrun's agent, which then
+        stops for good."""
         self.interrupts += signum == signal.SIGINT
-        pids = ranks(self.agent.pid)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        with open(self.stop_file, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # a starting rank reads the file under it once its handlers are in
+            pids = ranks(self.agent.pid)
+            signalled = [pid for pid in pids if installed(pid)]
+            if f.tell() == 0:  # the first stop: its signal, and the ranks that get it from here
+                f.write(" ".join(map(str, [int(signum), *signalled])))
+                f.flush()
+            for pid in signalled:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
         if not pids or self.interrupts > 1:  # no rank to stop after a step (starting, restarting), or at once
             with contextlib.suppress(ProcessLookupError):
                 self.agent.send_signal(signal.SIGTERM)
@@ -136,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         error = Path(tmp) / "error"
         env[ERROR_FILE] = str(error)
         launch = Launch([sys.executable, "-m", "rollpacker.launch", AGENT, *torchrun, "-m", "rollpacker.run",
-                         *flags], env)
+                         *flags], env, Path(tmp) / "stop")
         code = launch.wait()
         if launch.interrupts > 1:  # stopped at once by a second Ctrl-C: the ranks said so
             return 130

@@ -16,16 +16,22 @@ write), where Python runs no signal handler and two signals of one kind merge in
 own C-level handler writes each signal's number to a wakeup pipe
 (:func:`signal.set_wakeup_fd`), and a thread here reads them. The handlers are installed before
 the job is built (Python's rule: from the main thread), so a stop during setup stops before the
-first step.
+first step; one the launcher got before they were installed is in its stop file (:data:`STOP_FILE`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import threading
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""Installed in this order: SIGUSR1, caught by nothing before, last (the launcher reads it caught as installed)."""
+STOP_FILE = "ROLLPACKER_STOP_FILE"
+"""The launcher's file of the first stop signal it got, for the ranks whose handlers were not in yet (a signal then
+would have killed them, and torchrun restarted them): :func:`install` reads it."""
 _received: signal.Signals | None = None
 _watcher: threading.Thread | None = None
 _wakeup: int | None = None  # the pipe's write end
@@ -44,7 +50,23 @@ def install() -> None:
         os.set_blocking(_wakeup, False)
         _watcher = threading.Thread(target=_watch, args=(read,), daemon=True, name="rollpacker-stop-signals")
         _watcher.start()
+        _asked_before()
     signal.set_wakeup_fd(_wakeup, warn_on_full_buffer=False)
+
+
+def _asked_before() -> None:
+    """The launcher's stop file, read under its lock once the handlers are in: its signal as if received (the watcher
+    counts it: a second Ctrl-C stops at once), unless the launcher signalled this rank too (it names the ranks it
+    signalled, those whose handlers were in, under the same lock)."""
+    path = os.environ.get(STOP_FILE)
+    if not path:
+        return
+    with contextlib.suppress(OSError, ValueError), open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        asked, *signalled = map(int, f.read().split())
+        if asked in SIGNALS and os.getpid() not in signalled:
+            os.write(_wakeup, bytes([asked]))
 
 
 def _note(signum: int, frame) -> None:

@@ -186,6 +186,25 @@ def test_ctrl_c_stops_cleanly_and_resume_passes_a_damaged_checkpoint_training_ea
     assert said.count("reward function 'one_in_ten' failed on") == len(failed)
 
 
+@pytest.mark.timeout(600)
+def test_a_ctrl_c_while_the_ranks_start_stops_them_before_the_first_step_and_torchrun_restarts_nothing(tmp_path):
+    """Ctrl-C as soon as the ranks exist, before their stop handlers are in: it killed them (a KeyboardInterrupt
+    traceback), torchrun (--max-restarts) started them again, and the run trained every step, the stop lost. The
+    launcher signals only the ranks whose handlers are in; the others read its stop file once theirs are."""
+    from rollpacker.launch import ranks
+
+    write_task(tmp_path)
+    run_dir = tmp_path / "run"
+    proc, out, err = start(tmp_path, "early", [*launcher("--max-restarts", "2"), *args(tmp_path, run_dir)])
+    wait_until(proc, lambda: any(ranks(agent) for agent in ranks(proc.pid)), poll=0.002)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert finish(proc) == 0, err.read_text()[-4000:]
+    said = err.read_text()
+    no_traceback(said)
+    assert "rollpacker: SIGINT: stopping before the first step (still starting: nothing to save)" in said, said
+    assert "attempt" not in said and stepped(run_dir) == 0, said[-4000:]
+
+
 @pytest.mark.slow  # its message: tests/unit/reward/test_functions.py; a reward function stopping a real job with one
 @pytest.mark.timeout(600)  # line and no traceback: tests/dist/test_your_task.py
 def test_a_function_returning_a_string_stops_the_run_with_one_line_naming_it(tmp_path):
