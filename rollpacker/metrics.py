@@ -472,7 +472,8 @@ class LiveDisplay:
         now = time.monotonic()
         first_step, first_time = self._first or (step, now)
         done = step + 1 - first_step
-        eta = f", ETA {_clock((now - first_time) / done * (self.num_steps - step - 1))}" if done > 0 else ""
+        left = max(self.num_steps - step - 1, 0)  # num_epochs' steps are planned: a round may hold prompts back
+        eta = f", ETA {_clock((now - first_time) / done * left)}" if done > 0 else ""
         return f"{_clock(now - self._start)} elapsed{eta}"
 
     def end_step(self, step: int, summary: dict[str, Any]) -> None:

@@ -20,9 +20,13 @@ def start_summary(job) -> str:
     r = cfg.rollout
     resumed = f", resumed from {cfg.resume}" if cfg.resume else ""
     every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""
+    planned = planned_steps(job)
+    epochs = (f" (num_epochs {cfg.num_epochs} ends the data first; num_steps {cfg.num_steps})"
+              if planned < cfg.num_steps else "")
     lines = [
         f"rollpacker: {meshes.world_size} rank(s) on {meshes.device.type}, schedule:{cfg.policy}, steps "
-        f"{job.start_step} to {cfg.num_steps - 1}, each {r.num_prompts} prompts x {r.group_size} responses{resumed}",
+        f"{job.start_step} to {planned - 1}{epochs}, each {r.num_prompts} prompts x {r.group_size} "
+        f"responses{resumed}",
         f"  data: {_rows(ctl.rows, cfg.data.path)}{_toy_under(cfg)}"
         + (f"; held out: {_rows(ctl.eval_rows, cfg.data.eval_path or _slice(cfg.data))}" if ctl.eval_rows else ""),
         f"  model: {cfg.model.path or 'the shipped toy model'} ({job.model_dir}), engine {cfg.engine.kind}; "
@@ -47,6 +51,16 @@ def start_summary(job) -> str:
     lines.append(f"  row {row['id']!r} as the engine gets it ({len(ids)} tokens; {where}):")
     lines.append(textwrap.indent(shown, "    | ", predicate=lambda _: True))
     return "\n".join(lines)
+
+
+def planned_steps(job) -> int:
+    """The steps ``job`` runs: num_steps, or fewer where num_epochs passes over the data end first (the rows left to
+    draw, num_prompts a step; about that many where its rounds refill after filtering or hold prompts back)."""
+    cfg = job.config
+    left = job.controller.policy.sampler.remaining(cfg.num_epochs)
+    if left is None:
+        return cfg.num_steps
+    return min(cfg.num_steps, job.start_step + -(-left // cfg.rollout.num_prompts))
 
 
 def _prompt_ids(ctl, row: dict) -> list[int]:

@@ -18,8 +18,9 @@ def train(job) -> int:
 
     cfg, ctl = job.config, job.controller
     if ctl:
-        from rollpacker.summary import start_summary
+        from rollpacker.summary import planned_steps, start_summary
 
+        ctl.display.num_steps = planned_steps(job)  # its step count and ETA: num_epochs may end the data first
         ctl.display.note(start_summary(job))
     loop = one_step_off if job.meshes.disaggregated else colocated
     step = loop.run(job)

@@ -491,6 +491,27 @@ def test_a_rollout_replica_that_would_span_two_nodes_is_refused(monkeypatch):
     parse(["--rollout.tp", "4"]).check_world(4)  # one node
 
 
+@pytest.mark.parametrize("flags, planned", [([], 50), (["--num-epochs", "1"], 2), (["--num-epochs", "3"], 6),
+                                             (["--num-epochs", "3", "--num-steps", "5"], 5)])
+def test_the_start_summary_and_the_eta_count_the_steps_num_epochs_leaves(flags, planned):
+    """8 rows, 4 prompts a step: --num-epochs 1 --num-steps 50 said "steps 0 to 49", and the ETA counted 50 steps, for
+    a run done after 2."""
+    from types import SimpleNamespace
+
+    from rollpacker.data.dataset import PromptSampler
+    from rollpacker.summary import planned_steps
+
+    cfg = parse(["--num-steps", "50", "--rollout.num-prompts", "4", *flags])
+    sampler = PromptSampler(8, 0)
+    policy = cfg.schedule.build(sampler, 4, cfg.rollout.group_size, num_epochs=cfg.num_epochs)
+    job = SimpleNamespace(config=cfg, controller=SimpleNamespace(policy=policy), start_step=0)
+    assert planned_steps(job) == planned
+    if planned == 6:  # resumed after a step: the rows left decide
+        sampler.draw(4)
+        job.start_step = 1
+        assert planned_steps(job) == 6
+
+
 def test_the_start_summary_counts_the_data_sources_it_does_not_name():
     """Rows without a data_source counted as one more source: "and 1 more sources" after all five there are."""
     from rollpacker.summary import _rows
