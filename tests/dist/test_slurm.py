@@ -70,6 +70,12 @@ def test_sbatch_dry_run_without_gpus_runs_one_rank_per_node():
     assert "--nproc_per_node=2" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="8", NPROC_PER_NODE="2")
 
 
+def test_sbatch_runs_a_rank_per_gpu_the_node_holds():
+    """sbatch --gres=gpu:2 beside the script's --gpus-per-node=8: Slurm grants 2 (SLURM_GPUS_ON_NODE) and still says
+    SLURM_GPUS_PER_NODE=8, and the script ran 8 ranks on 2 GPUs."""
+    assert "--nproc_per_node=2" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="8", SLURM_GPUS_ON_NODE="2")
+
+
 def test_sbatch_takes_the_first_node_of_a_long_list_and_torchruns_nproc_words(tmp_path):
     """The head node read through ``| head -n 1`` ended scontrol by SIGPIPE on long node lists: exit 141 under
     pipefail, the job gone without a word. Here a stand-in ``scontrol`` prints 200000 names, as Slurm's would
