@@ -42,7 +42,7 @@ AGENT = "--agent"
 
 def split(argv: list[str]) -> tuple[list[str], list[str]]:
     """``argv`` as (torchrun's options, rollpacker.run's flags): torchrun's are the leading ones its
-    parser knows, each with its value; ``--`` ends them."""
+    parser knows, each with its value; ``--`` ends them. One of them among the flags is a ValueError."""
     from torch.distributed.run import get_args_parser
 
     actions = get_args_parser()._option_string_actions
@@ -57,6 +57,10 @@ def split(argv: list[str]) -> tuple[list[str], list[str]]:
         i += 2 if takes_value else 1
     own = argv[:i]
     rest = argv[i + 1:] if i < len(argv) and argv[i] == "--" else argv[i:]
+    late = next((name for a in rest if (name := a.split("=", 1)[0]) in actions and name.startswith("--")
+                 and name not in ("--help", "--module")), None)
+    if late:  # rollpacker.run's parser would say only that it does not know it
+        raise ValueError(f"{late} is torchrun's option: put torchrun's options first, before rollpacker.run's flags")
     if not any(a.split("=", 1)[0] in RENDEZVOUS for a in own):
         own = ["--standalone", *own]
     return own, rest

@@ -37,7 +37,9 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
 
     for argv, said in ((["--nproc-per-node"], "rollpacker: --nproc-per-node needs a value"),
                        (["--max-restarts", "x", "--num-steps", "2"], "rollpacker: --max-restarts needs a whole"),
-                       (["--nproc-per-node", "abc"], "rollpacker: --nproc-per-node needs a number of ranks")):
+                       (["--nproc-per-node", "abc"], "rollpacker: --nproc-per-node needs a number of ranks"),
+                       (["--num-steps", "2", "--nproc-per-node=2"], "rollpacker: --nproc-per-node is torchrun's "
+                        "option: put torchrun's options first, before rollpacker.run's flags (rollpacker [torchrun's")):
         err = io.StringIO()
         with redirect_stderr(err):
             assert main(argv) == 2
