@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
+from rollpacker.errors import UserError
+from rollpacker.imports import warm_up
 from rollpacker.reward.code import AdaptiveTimeout
 from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.reward.functions import (
@@ -281,6 +283,10 @@ class RewardScheduler:
             from rollpacker.reward.workers import AsyncCalls
 
             self.async_calls = AsyncCalls(cfg.max_concurrent)
+        here = [f.ref.target for f in self.functions if not f.on_controller and (f.ref.asynchronous or not self.pool)]
+        for target in dict.fromkeys(here):  # called in this process (inline, or awaited here): warmed up here, once
+            if failed := warm_up(target, "reward.funcs", imported=True):
+                raise UserError(failed)
         self._scoring: dict[Any, _Scoring] = {}
         self._submitted = itertools.count()
         self._inline: list[Scored] = []

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from rollpacker.env.episode import Response
+from rollpacker.errors import UserError
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.functions import BadValue, RewardFunctionError, TrainerState, names
 from rollpacker.reward.scheduler import RewardScheduler
@@ -71,6 +72,27 @@ def one_in_three(completions, id, **kwargs):
     if id[0].endswith("3"):
         raise ValueError("row three")
     return [1.0]
+
+
+class Loaded:  # loads in warm_up(), as docs/rewards.md advises
+    ready = False
+
+    def warm_up(self):
+        self.ready = True
+
+    def score(self, completions, **kwargs):
+        return [float(self.ready)]
+
+    async def ascore(self, completions, **kwargs):
+        return [float(self.ready)]
+
+
+class Broken(Loaded):
+    def warm_up(self):
+        raise OSError("no such model")
+
+
+loaded, aloaded, broken = Loaded().score, Loaded().ascore, Broken().ascore
 '''
 
 ROWS = [
@@ -98,6 +120,16 @@ def scores(cfg: RewardConfig, rows: list[dict] = ROWS, state: TrainerState | Non
         return dict(scheduler.wait()), scheduler.take_metrics()
     finally:
         scheduler.close()
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_functions_warm_up_runs_before_its_first_call_wherever_it_is_called(funcs, num_workers):
+    """warm_up() ran in reward workers alone: never with reward.num_workers 0 (inline) nor for an async function
+    (awaited on the controller), whose calls then met what it had not loaded."""
+    got, _ = scores(RewardConfig(funcs=funcs("loaded", "aloaded"), num_workers=num_workers, on_error="fail"))
+    assert got == {"a:1": 2.0, "a:2": 2.0}
+    with pytest.raises(UserError, match=r"reward.funcs: the warm_up\(\) of broken \(.*\) raised OSError: no such "):
+        RewardScheduler(RewardConfig(funcs=funcs("broken"), num_workers=num_workers), str)
 
 
 def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
