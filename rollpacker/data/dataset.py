@@ -282,8 +282,10 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
                 check(row)
         except ValueError as e:
             why = f"{where}: {e}"
-            if config.answer_key != "answer" and "'answer'" in why and _lookup(record, config.answer_key) is None:
-                why += f" (data.answer_key reads column {config.answer_key!r}, which this row lacks)"
+            if "'answer'" in why and isinstance(record, dict) and _lookup(record, config.answer_key) is None:
+                columns = ", ".join(str(k) for k, v in record.items() if v is not None)[:200]
+                why += (f" (data.answer_key reads column {config.answer_key!r}, which this row lacks; its columns: "
+                        f"{columns}: set data.answer_key to the one holding the answer)")
             if not config.skip_bad_lines:
                 raise DatasetError(f"{why} (fix the row, or set data.skip_bad_lines to skip bad rows)") from None
             bad.append(why)

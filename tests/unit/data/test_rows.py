@@ -34,8 +34,14 @@ def test_an_answer_key_reads_its_column_alone_never_the_rows_answer_column(tmp_p
     path = write(tmp_path, [{"prompt": "3+5", "answer": "3 and 5 make... #### 8", "final": "8"},
                             {"prompt": "2+2", "answer": "2 and 2 make... #### 4"}])
     with pytest.raises(DatasetError, match=r"train\.jsonl:2: missing field 'answer' \(math\): .* \(data\.answer_key "
-                                           r"reads column 'final', which this row lacks\) \(fix the row"):
+                                           r"reads column 'final', which this row lacks; its columns: prompt, answer: "
+                                           r"set data.answer_key to the one holding the answer\) \(fix the row"):
         load(path, answer_key="final")
+    # TRL's math datasets' reference is solution: the default key's message named no column, only skip_bad_lines
+    trl = write(tmp_path, [{"prompt": "3+5", "solution": "8"}], "trl.jsonl")
+    with pytest.raises(DatasetError, match=r"reads column 'answer', which this row lacks; its columns: prompt, "
+                                           r"solution: set data.answer_key"):
+        load(trl)
     assert [(r["id"], r["answer"]) for r in load(path, answer_key="final", skip_bad_lines=True)] == [("train:1", "8")]
     # a row another reward function scores needs no reference: it loads, with none
     code = write(tmp_path, [{"prompt": "add", "answer": "solution text", "tests": [{"input": "", "output": "3"}]},
