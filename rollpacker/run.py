@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -57,6 +58,66 @@ def check_model_dir(path: Path) -> None:
                         f"{path}")
 
 
+THEIR_NAMES = {
+    "beta": ("TRL", "--train.kl-coef"),
+    "kl_loss_coef": ("verl", "--train.kl-coef"),
+    "num_generations": ("TRL", "--rollout.group-size"),
+    "n": ("verl", "--rollout.group-size"),
+    "learning_rate": ("TRL", "--train.lr"),
+    "max_completion_length": ("TRL", "--rollout.max-new-tokens"),
+    "max_response_length": ("verl", "--rollout.max-new-tokens"),
+    "epsilon": ("TRL", "--train.clip-low (and --train.clip-high)"),
+    "epsilon_high": ("TRL", "--train.clip-high"),
+    "clip_ratio": ("verl", "--train.clip-low and --train.clip-high"),
+    "clip_ratio_low": ("verl", "--train.clip-low"),
+    "clip_ratio_high": ("verl", "--train.clip-high"),
+    "loss_type": ("TRL", "--train.aggregation, with --train.advantage (docs/algorithms.md)"),
+    "loss_agg_mode": ("verl", "--train.aggregation"),
+    "scale_rewards": ("TRL", "--train.advantage (grpo: the group's std, grpo_batch_std: the batch's, dr_grpo: none)"),
+    "adv_estimator": ("verl", "--train.advantage"),
+    "num_iterations": ("TRL", "--train.epochs"),
+    "ppo_epochs": ("verl", "--train.epochs"),
+    "ppo_mini_batch_size": ("verl", "--train.mini-batches (mini-batches a step)"),
+    "entropy_coeff": ("verl", "--train.entropy-coef"),
+    "max_steps": ("TRL", "--num-steps"),
+    "total_training_steps": ("verl", "--num-steps"),
+    "num_train_epochs": ("TRL", "--num-epochs"),
+    "total_epochs": ("verl", "--num-epochs"),
+    "train_batch_size": ("verl", "--rollout.num-prompts (prompts a step)"),
+    "per_device_train_batch_size": ("TRL", "--rollout.num-prompts x --rollout.group-size (responses a step)"),
+    "mask_truncated_completions": ("TRL", "--train.mask-truncated"),
+    "max_grad_norm": ("TRL", "--train.grad-clip"),
+    "lr_scheduler_type": ("TRL", "--train.lr-schedule"),
+    "gradient_checkpointing": ("TRL", "--train.activation-checkpointing"),
+    "model_name_or_path": ("TRL", "--model.path"),
+    "dataset_name": ("TRL", "--data.path"),
+    "train_files": ("verl", "--data.path"),
+    "val_files": ("verl", "--data.eval-path"),
+    "output_dir": ("TRL", "--run-dir"),
+    "save_steps": ("TRL", "--checkpoint-every"),
+    "eval_steps": ("TRL", "--eval-every"),
+    "reward_funcs": ("TRL", "--reward.funcs"),
+    "reward_weights": ("TRL", "--reward.weights"),
+    "lora_r": ("TRL", "--train.lora.rank"),
+    "lora_rank": ("verl", "--train.lora.rank"),
+    "use_vllm": ("TRL", "--engine.kind vllm"),
+}
+"""Settings of TRL's GRPOConfig and verl's trainer config by their last name: whose, and rollpacker's flag. Said
+when the parser does not know a flag of that name (it offered look-alikes: for --train.beta, AdamW's --train.betas)."""
+
+
+def their_names(said: str) -> str:
+    """Lines naming rollpacker's flag for each flag the parser's error ``said`` it did not know that is a TRL or verl
+    setting's name."""
+    lines = []
+    for flag in dict.fromkeys(re.findall(r"--[\w.-]+", said.partition("Unrecognized options:")[2].split("---")[0])):
+        name = flag.rpartition(".")[2].lstrip("-").replace("-", "_")
+        if name in THEIR_NAMES:
+            whose, ours = THEIR_NAMES[name]
+            lines.append(f"\nrollpacker: {flag}: {whose}'s {name} is {ours}")
+    return "".join(lines)
+
+
 def parse_once(argv: list[str] | None) -> Config:
     """:func:`rollpacker.config.parse`, with what tyro prints said once for the job: its help by
     rank 0, its error box like any other config error (:func:`rollpacker.errors.fail`)."""
@@ -67,6 +128,7 @@ def parse_once(argv: list[str] | None) -> Config:
     except SystemExit as e:
         if e.code not in (None, 0):  # tyro's error box as it drew it, or our own message (--preset)
             box = "\n".join(line.rstrip() for line in err.getvalue().strip("\n").splitlines())
+            box += their_names(box)
             report(as_flags(box or str(e.code)), prefix="" if box else "rollpacker: config error: ")
             raise SystemExit(e.code if isinstance(e.code, int) else 2) from None  # no process group yet
         if os.environ.get("RANK", "0") == "0":

@@ -616,3 +616,18 @@ def test_max_gen_batches_is_refused_where_no_round_refills():
                    "--schedule.max-gen-batches", "3"],
                   ["schedule:tail", "--schedule.filter-zero-variance", "--schedule.max-gen-batches", "3"]):
         assert parse(flags).schedule.max_gen_batches == 3
+
+
+def test_a_trl_or_verl_settings_name_is_answered_with_rollpackers_flag(capsys):
+    """--train.beta was offered AdamW's --train.betas, and --rollout.n (verl's) --rollout.longest-first: a flag the
+    parser does not know that is TRL's or verl's name gets one line naming rollpacker's; a known one (--eval.n)
+    gets none."""
+    from rollpacker.run import parse_once
+
+    with pytest.raises(SystemExit):
+        parse_once(["--train.beta", "0.04", "--eval.n", "2", "--rollout.n", "8", "--num_generations=4", "--oops"])
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("rollpacker: --train.beta: TRL's beta is --train.kl-coef\n"
+                                 "rollpacker: --rollout.n: verl's n is --rollout.group-size\n"
+                                 "rollpacker: --num_generations: TRL's num_generations is --rollout.group-size"), err
+    assert "--eval.n:" not in err and "--oops:" not in err
