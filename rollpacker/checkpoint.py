@@ -360,6 +360,8 @@ def check(path: Path, policy: str | None = None, world_size: int | None = None, 
     """Refuse a checkpoint that is missing, interrupted, or written by another scheduling policy or
     another world size (``world_size``: this run's, by default torchrun's ``WORLD_SIZE``; ``any_world``:
     whatever it was, for a read of the weights alone)."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"resume: {path} is a file: give its checkpoint's directory ({path.parent})")
     if not path.is_dir():
         raise CheckpointError(f"resume: checkpoint directory {path} does not exist")
     if not (path / MARKER).exists():
@@ -405,6 +407,11 @@ def check_model(path: Path, saved: dict[str, list[int]] | None, mine: dict[str, 
              for what, items in (("not in the checkpoint", missing), ("only in the checkpoint", extra),
                                  ("with other shapes (checkpoint vs this model)", shapes)) if items]
     adapters = [any(".lora_A." in n for n in names) for names in (saved, mine)]
+    bare = [{n.removeprefix("model."): shape for n, shape in names.items()} for names in (saved, mine)]
+    if bare[0] == bare[1]:  # the one model, named by the other implementation (Hugging Face's: model.layers...)
+        impl = "hf" if any(n.startswith("model.") for n in saved) else "native"
+        raise CheckpointError(f"resume: {path} was written by this model under model.impl {impl}, which names its "
+                              f"parameters otherwise: resume with --model.impl {impl}")
     fix = {(True, False): "it holds LoRA adapters: give the run's train.lora settings (train.lora.rank)",
            (False, True): "it holds no LoRA adapters: drop train.lora.rank",
            (True, True): "its LoRA adapters sit on other modules or have another rank: give the run's "

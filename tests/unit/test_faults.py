@@ -116,6 +116,9 @@ def test_a_run_directory_given_as_the_checkpoint_is_named_with_the_way_out(tmp_p
                 f"resume: {given} is a run's directory, not a checkpoint: resume with --resume auto --run-dir "
                 f"{tmp_path} (its newest whole checkpoint), or --resume {step}")):
             checkpoint.check(given, world_size=1)
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(  # it said the file did not exist
+            f"resume: {step / 'train_state.json'} is a file: give its checkpoint's directory ({step})")):
+        checkpoint.check(step / "train_state.json", world_size=1)
 
 
 def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_path):
@@ -139,6 +142,14 @@ def test_a_checkpoint_of_another_model_is_refused_listing_the_differences(tmp_pa
     with pytest.raises(checkpoint.CheckpointError, match=r"Its LoRA adapters sit on other modules or have another "
                                                          r"rank: give the run's train.lora.target_modules"):
         checkpoint.check_model(tmp_path, other, lora)  # the same model, adapted otherwise
+    # the same model under the other model.impl: it blamed model.path, which the user had not changed
+    hf = {"model.embed_tokens.weight": [64, 8], "model.norm.weight": [8], "lm_head.weight": [64, 8]}
+    native = {"embed_tokens.weight": [64, 8], "norm.weight": [8], "lm_head.weight": [64, 8]}
+    for saved, mine, impl in ((native, hf, "native"), (hf, native, "hf")):
+        with pytest.raises(checkpoint.CheckpointError, match=rf"was written by this model under model.impl {impl}, "
+                                                             rf"which names its parameters otherwise: resume with "
+                                                             rf"--model.impl {impl}$"):
+            checkpoint.check_model(tmp_path, saved, mine)
 
 
 def test_lora_adapters_resumed_under_another_alpha_are_refused(toy_random_dir, tmp_path):
