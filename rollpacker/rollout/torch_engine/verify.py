@@ -131,7 +131,7 @@ class Speculation:
         sampling = Sampling.of(rows, self.model.args.vocab_size, dev, before)
         sampled, logprobs = self._sample(rows, logits, sampling, offsets)
         sampled, logprobs = sampled.tolist(), logprobs.tolist()
-        kept_tokens, kept_logprobs, i = [], [], 0
+        kept_tokens, kept_logprobs, verified, i = [], [], [], 0
         for seq, draft in zip(seqs, drafts):
             accepted = 0
             while accepted < len(draft) and sampled[i + accepted] == draft[accepted]:
@@ -139,11 +139,16 @@ class Speculation:
             kept_tokens.append(sampled[i:i + accepted + 1])
             kept_logprobs.append(logprobs[i:i + accepted + 1])
             i += len(draft) + 1
-            self.spec.count(seq.draft.source if draft else "none", len(draft), accepted)
-            if draft:
-                seq.acceptance.update(len(draft), accepted)
+            verified.append((seq, len(draft), accepted, len(seq.tokens)))
         self.spec.num_verify_steps += 1
         done = self._append(seqs, kept_tokens, kept_logprobs)
+        for seq, drafted, accepted, before in verified:
+            emitted = len(seq.tokens) - before
+            if emitted <= accepted:  # a stop among the accepted tokens: the draft after it was never emitted, and
+                drafted = accepted = emitted - 1  # the stop counts as the row's own token (accepted + 1 emitted)
+            self.spec.count(seq.draft.source if seq.draft is not None else "none", drafted, accepted)
+            if drafted:
+                seq.acceptance.update(drafted, accepted)
         batch.resync()
         return done
 

@@ -228,6 +228,23 @@ def test_speculation_changes_no_token(qwen2_dir):
     assert {k: o.logprobs for k, o in again.items()} == {k: o.logprobs for k, o in spec.items()}
 
 
+@pytest.mark.parametrize("at", [2, 12])
+def test_speculation_counts_no_draft_token_past_a_stop(qwen2_dir, at):
+    """A draft that runs through a stop token: the row emits up to the stop, and the counters said the whole draft
+    accepted and a token after it (spec_tokens_per_step 9.0 for a verify step that emitted 2)."""
+    def request(context: tuple[DraftContext, ...] = (), stop: tuple[int, ...] = ()) -> Request:
+        return Request(id="a", prompt_ids=[7, 8, 9, 10, 11, 12, 13], draft_context=context, params=SamplingParams(
+            max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=stop))
+
+    full = generate(engine(qwen2_dir), [request()])["a"].token_ids
+    eng = engine(qwen2_dir, speculative="on", spec_max_tokens=8)
+    out = generate(eng, [request((DraftContext(source="epoch", token_ids=tuple(full)),), (full[at],))])["a"]
+    stats = eng.stats().spec
+    assert out.finish_reason == "stop" and len(out.token_ids) == full.index(full[at]) + 1
+    rows, accepted = sum(stats.num_drafts.values()), sum(stats.num_accepted_tokens.values())
+    assert accepted + rows == len(out.token_ids) - 1  # the first token is the prefill's
+
+
 def test_auto_speculates_where_the_measured_cost_says_it_pays(qwen2_dir):
     """``auto`` verifies drafts only with at most ``max_rows`` running (4 in a hand-made table, so
     only the last group of three; in a measured one, whatever it says), tokens unchanged; without a table it measures
