@@ -194,8 +194,8 @@ class Config:
                              f"{self.rollout.num_prompts}: a mini-batch holds whole groups, at least one")
 
     def _refuse_unused(self) -> None:
-        """The stream trainer's and the planner's settings without them (RolloutPipe reads no stream.*; the
-        profiler reads plan.profile*, plan.max_tp)."""
+        """The stream trainer's, the planner's and speculation's settings without them (RolloutPipe reads no
+        stream.*; the profiler reads plan.profile*, plan.max_tp)."""
         st, adaptive = self.stream, self.stream.enabled and not self.stream.trigger
         refuse_unused((
             *((st, f"stream.{name}", st.enabled, "stream.enabled") for name in ("trigger", "fetch_cap")),
@@ -203,6 +203,7 @@ class Config:
               for name in ("length_quantile", "criterion")),
             *((self.plan, f"plan.{name}", self.plan.enabled, "plan.enabled")
               for name in ("initial_tp", "raise_factor", "recent_steps", "quiet_steps", "profile_guard", "per_kind")),
+            (self.engine, "engine.spec_max_tokens", self.engine.speculative != "off", "engine.speculative on or auto"),
         ))
 
     def _check_engine(self) -> None:

@@ -140,7 +140,8 @@ def test_a_presets_value_of_the_wrong_type_is_refused_and_its_name_takes_an_equa
 
 def test_stream_and_planner_settings_nothing_reads_are_refused(capsys):
     """stream.* without stream training (RolloutPipe reads none), the adaptive trigger's settings under a fixed one,
-    the planner's without it: each was silently unread, as train.*'s were."""
+    the planner's without it, engine.spec_max_tokens without speculation: each was silently unread, as train.*'s
+    were."""
     for flags, said in ((["--stream.criterion", "kv"], "stream.criterion (applies with stream.enabled and "
                           "stream.trigger 0: the adaptive trigger)"),
                         (["--schedule.pipe", "--stream.fetch-cap", "0.5"], "stream.fetch_cap (applies with "
@@ -148,7 +149,9 @@ def test_stream_and_planner_settings_nothing_reads_are_refused(capsys):
                         (["--stream.enabled", "--stream.trigger", "0.3", "--stream.length-quantile", "0.5"],
                          "stream.length_quantile (applies with stream.enabled and stream.trigger 0"),
                         (["--plan.initial-tp", "2", "--plan.no-per-kind"], "plan.initial_tp (applies with "
-                         "plan.enabled), plan.per_kind (applies with plan.enabled): given, but nothing reads it")):
+                         "plan.enabled), plan.per_kind (applies with plan.enabled): given, but nothing reads it"),
+                        (["--engine.spec-max-tokens", "4"], "engine.spec_max_tokens (applies with "
+                         "engine.speculative on or auto)")):
         with pytest.raises(SystemExit):
             parse(flags)
         assert said in " ".join(capsys.readouterr().err.replace("│", " ").split()), flags
@@ -156,6 +159,7 @@ def test_stream_and_planner_settings_nothing_reads_are_refused(capsys):
     parse(["--plan.profile-batches", "1", "4", "--plan.max-tp", "2", "--plan.profile-dir", "p"])
     parse(["--stream.enabled", "--stream.trigger", "0.3", "--stream.fetch-cap", "0.5"])
     parse(["--plan.enabled", "--plan.no-per-kind"])
+    parse(["--engine.speculative", "auto", "--engine.spec-max-tokens", "4"])
 
 
 def test_contradictions_the_job_met_late_are_refused_at_parse(capsys):
