@@ -153,12 +153,20 @@ def finish(env) -> float | None:
     return _reward(awaited(env.finish()), "finish")
 
 
+def number(value) -> float | None:
+    """``value`` as a float where it is a real number (a bool, numpy's bool and scalars too), else None."""
+    if isinstance(value, numbers.Real) or type(value).__name__ in ("bool", "bool_"):  # numpy 2's, 1's
+        return float(value)
+    return None
+
+
 def _reward(reward, where: str) -> float | None:
     if reward is None:
         return None
-    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+    value = number(reward)
+    if value is None or not math.isfinite(value):
         raise BadReturn(f"{where} returned reward {short(reward)}; expected a finite number or None")
-    return float(reward)
+    return value
 
 
 def close(env) -> None:
@@ -188,7 +196,7 @@ def _info(info, where: str) -> dict:
         return {}
     if not isinstance(info, dict):
         raise BadReturn(f"{where} returned info {_what(info)}; expected a dict")
-    return info
+    return {str(k): v for k, v in info.items()}  # env/info/KEY: a key of another type (0) beside a str one is its text
 
 
 def _what(value) -> str:

@@ -16,12 +16,11 @@ a :class:`~rollpacker.env.tools.ToolEnv`'s ``tool_calls``). Its limits: ``docs/e
 from __future__ import annotations
 
 import math
-import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from rollpacker.env.contract import Message, StepResult
+from rollpacker.env.contract import Message, StepResult, number
 from rollpacker.rollout.types import Output
 
 REASONS = ("answer", "terminated", "truncated", "max_turns", "length", "max_tokens", "context", "error", "abort")
@@ -267,8 +266,8 @@ class Episode:
         self._reward(result.reward)
         self.messages.extend(result.observation)
         for key, value in result.info.items():
-            if isinstance(value, numbers.Real) and math.isfinite(value):
-                self.info[key] = self.info.get(key, 0.0) + float(value)
+            if (counted := number(value)) is not None and math.isfinite(counted):
+                self.info[key] = self.info.get(key, 0.0) + counted
         cut = not self._turn  # the last turn stopped on no token: its limit cut it
         if result.terminated or result.truncated:
             return self._end("terminated" if result.terminated else "truncated", cut=cut)

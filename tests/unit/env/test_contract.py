@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -187,7 +188,12 @@ def test_a_factory_of_no_environment_or_an_old_gym_reset_is_named_not_retried():
 
 
 def test_numpys_bools_are_bools():
+    """A reward of np.True_ failed the episode (Python's True was 1.0), a step info of np.bool_ was left out of
+    env/info/*, and an info key 0 beside a str key stopped the run sorting the keys for the metrics."""
     import numpy as np
+
+    from rollpacker.env.episode import Episode
+    from rollpacker.env.info import info_metrics
 
     class Env:
         def step(self, action):
@@ -195,6 +201,14 @@ def test_numpys_bools_are_bools():
 
     step = contract.step(Env(), "x")
     assert (step.terminated, step.truncated) == (True, False)
+    Env.step = lambda self, action: ("obs", np.True_, False, False, {"solved": np.True_, 0: 1.0, "n": np.int64(2)})
+    step = contract.step(Env(), "x")
+    assert step.reward == 1.0 and step.info == {"solved": np.True_, "0": 1.0, "n": 2}
+    episode = Episode("e", [1], None, seed=0, max_turns=4, max_tokens=8, max_new_tokens=4, max_context=64)
+    episode._waiting, episode.messages = "step", []  # an environment's, after a model turn
+    episode.on_step(dataclasses.replace(step, terminated=True))
+    assert episode.info == {"solved": 1.0, "0": 1.0, "n": 2.0}
+    assert info_metrics([episode, episode], "env/")["env/info/solved"] == 1.0
 
 
 def test_a_factory_that_cannot_be_loaded_is_an_error_naming_the_setting(files):
