@@ -23,7 +23,8 @@ without ``extra_info`` an empty one, so rows of rollpacker's layout run too. For
 from __future__ import annotations
 
 import math
-import numbers
+
+from rollpacker.env.contract import number
 
 
 class SkyRLEnv:
@@ -56,8 +57,8 @@ class SkyRLEnv:
     def _metrics_change(self) -> dict[str, float]:
         """Each number of ``get_metrics()`` less its value at the last step (one no longer a number: 0 now), so the
         steps' sum is the latest, whichever step is the last."""
-        now = {k: float(v) for k, v in self.env.get_metrics().items()
-               if isinstance(v, numbers.Real) and math.isfinite(v)}
+        now = {k: v for k, v in ((k, number(v)) for k, v in self.env.get_metrics().items())
+               if v is not None and math.isfinite(v)}
         change = {k: now.get(k, 0.0) - self._metrics.get(k, 0.0) for k in now.keys() | self._metrics.keys()}
         self._metrics = now
         return change
