@@ -273,6 +273,11 @@ class RewardScheduler:
         self._judge_todo: collections.deque[tuple[Any, tuple | list[int]]] = collections.deque()
         """Judge samples not scored yet: ``(key, (prompt, response, rubric, an episode's turns))``, or
         ``(key, token ids)`` once encoded."""
+        here = [f.ref.target for f in self.functions
+                if not f.on_controller and (f.ref.asynchronous or not cfg.num_workers)]
+        for target in dict.fromkeys(here):  # called in this process (inline, or awaited here), before its pools start
+            if failed := warm_up(target, "reward.funcs", imported=True):
+                raise UserError(failed)
         self.pool = self.async_calls = None
         pooled = [f.ref.target for f in self.functions if not f.on_controller and not f.ref.asynchronous]
         if cfg.num_workers and pooled:
@@ -283,10 +288,6 @@ class RewardScheduler:
             from rollpacker.reward.workers import AsyncCalls
 
             self.async_calls = AsyncCalls(cfg.max_concurrent)
-        here = [f.ref.target for f in self.functions if not f.on_controller and (f.ref.asynchronous or not self.pool)]
-        for target in dict.fromkeys(here):  # called in this process (inline, or awaited here): warmed up here, once
-            if failed := warm_up(target, "reward.funcs", imported=True):
-                raise UserError(failed)
         self._scoring: dict[Any, _Scoring] = {}
         self._submitted = itertools.count()
         self._inline: list[Scored] = []

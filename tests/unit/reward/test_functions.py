@@ -4,6 +4,7 @@ function, the row and the cause; real worker processes (a hang costs 2 s)."""
 from __future__ import annotations
 
 import textwrap
+import threading
 
 import pytest
 
@@ -130,6 +131,7 @@ def test_a_functions_warm_up_runs_before_its_first_call_wherever_it_is_called(fu
     assert got == {"a:1": 2.0, "a:2": 2.0}
     with pytest.raises(UserError, match=r"reward.funcs: the warm_up\(\) of broken \(.*\) raised OSError: no such "):
         RewardScheduler(RewardConfig(funcs=funcs("broken"), num_workers=num_workers), str)
+    assert "rollpacker-async-rewards" not in [t.name for t in threading.enumerate()]  # refused before it starts one
 
 
 def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
