@@ -113,16 +113,20 @@ class Launch:
         as do the ranks of an attempt torchrun starts later); a second Ctrl-C also to torchrun's agent, which then
         stops for good."""
         self.interrupts += signum == signal.SIGINT
-        with open(self.stop_file, "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # a starting rank reads the file under it once its handlers are in
-            pids = ranks(self.agent.pid)
-            signalled = [pid for pid in pids if installed(pid)]
-            if f.tell() == 0:  # the first stop: its signal, and the ranks that get it from here
-                f.write(" ".join(map(str, [int(signum), *signalled])))
-                f.flush()
-            for pid in signalled:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # another signal's handler, run inside this one, would
+        try:  # wait for the lock this one holds: it runs after
+            with open(self.stop_file, "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # a starting rank reads the file under it once its handlers are in
+                pids = ranks(self.agent.pid)
+                signalled = [pid for pid in pids if installed(pid)]
+                if f.tell() == 0:  # the first stop: its signal, and the ranks that get it from here
+                    f.write(" ".join(map(str, [int(signum), *signalled])))
+                    f.flush()
+                for pid in signalled:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signum)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         if not pids or self.interrupts > 1:  # no rank to stop after a step (starting, restarting), or at once
             with contextlib.suppress(ProcessLookupError):
                 self.agent.send_signal(signal.SIGTERM)

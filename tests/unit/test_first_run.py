@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
+import sys
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -44,6 +46,31 @@ def test_the_launcher_gives_torchrun_its_options_and_rollpacker_run_the_rest():
         with redirect_stderr(err):
             assert main(argv) == 2
         assert err.getvalue().startswith(said), err.getvalue()
+
+
+NESTED_STOP = """
+import os, signal, sys, tempfile
+from pathlib import Path
+from rollpacker import launch
+
+def ranks(agent):  # a second signal (Ctrl-C beside timeout's SIGTERM) while the first one's handler holds the lock
+    if not sent:
+        sent.append(os.kill(os.getpid(), signal.SIGTERM))
+    return []
+
+sent, launch.ranks = [], ranks
+with tempfile.TemporaryDirectory() as tmp:
+    run = launch.Launch([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), Path(tmp) / "stop")
+    os.kill(os.getpid(), signal.SIGINT)
+    print(run.wait(), Path(tmp, "stop").read_text())
+"""
+
+
+def test_a_stop_signal_during_the_launchers_handling_of_another_is_handled_after_it():
+    """The handler's second run, inside the first, waited for the stop file's lock the first held: the launcher
+    hung for good, and no rank heard of either stop."""
+    out = subprocess.run([sys.executable, "-c", NESTED_STOP], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["-15", "2"], out.stderr  # the agent stopped (no rank yet); the file says SIGINT
 
 
 def test_a_reward_model_as_the_policy_is_refused_saying_where_it_goes(reward_model_dir):
