@@ -176,7 +176,7 @@ class Controller:
             sampling = dataclasses.replace(self.sampling, temperature=cfg.eval.temperature)
             self.eval_leader = RoundLeader(policy=EvalPolicy(len(self.eval_rows), cfg.eval.n), rows=self.eval_rows,
                                            encode=self.encode_prompt, rewards=self.rewards, sampling=sampling,
-                                           envs=self.envs, env_tag="eval/")
+                                           envs=self.envs, env_tag="eval/", held_out=True)
 
     def build_planner(self, profile: dict, world: int, num_kv_heads: int) -> None:
         """The planner over the TPs usable on ``world`` ranks whose KV cache holds the longest request (the rows

@@ -285,6 +285,8 @@ class RoundLeader:
     """How an episode starts and reaches its environment; None: responses without one (seed 0, any context)."""
     env_tag: str = ""
     """Prefixes this leader's episodes' names in the workers and engines (the held-out leader's: ``eval/``)."""
+    held_out: bool = False
+    """The held-out rounds' leader: its responses' rewards count in the held-out metrics (``eval/reward/*``)."""
     lengths: LengthReplay | None = None
     """Forces each response's length (``rollout.replay_lengths``)."""
     progress: Callable[[int, float], None] | None = None
@@ -309,7 +311,7 @@ class RoundLeader:
         return ExchangeRound(self, step, plan, hooks or RoundHooks())
 
     def submit(self, key: str, row: int, output: Any) -> None:
-        self.rewards.submit(key, self.rows[row], output)
+        self.rewards.submit(key, self.rows[row], output, self.held_out)
 
     def submit_group(self, keys: list[str], row: int, outputs: list[Any]) -> None:
         self.rewards.submit_group(keys, self.rows[row], outputs)

@@ -117,7 +117,7 @@ def evaluate(job: Job, step: int) -> dict[str, float]:
     solved = [[ctl.solved(o, r) for o, r in zip(g.outputs, g.rewards)] for g in result.groups]  # before write_samples
     ctl.write_samples(step, result, ctl.eval_rows, f"eval_step_{step}")
     ctl.check_environments(result, f"of the evaluation before step {step}")
-    counts = ctl.rewards.take_metrics(f"the evaluation before step {step}") | ctl.envs.take_metrics()
+    counts = ctl.rewards.take_metrics(f"the evaluation before step {step}", held_out=True) | ctl.envs.take_metrics()
     counts.pop("reward/seconds_total")  # not the next step's reward time
     counts.pop("env/warm_opens", None)  # training's opens alone are warmed
     sources = [ctl.eval_rows[g.prompt].get("data_source") for g in result.groups]

@@ -220,6 +220,31 @@ NONE_APPLIES = ""
 """The :class:`_Failures` key of the responses that no function scored (all returned None)."""
 
 
+@dataclass
+class _Tally:
+    """What the metrics count of the responses scored since :meth:`RewardScheduler.take_metrics`: the training
+    rounds' or the held-out rounds' (a training response a round kept no group of may be scored during an
+    evaluation: it counts with training's)."""
+
+    sums: collections.Counter[str] = field(default_factory=collections.Counter)
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    errors: int = 0
+    """Responses whose reward failed."""
+    responses: int = 0
+    """Responses scored."""
+    failures: dict[str, _Failures] = field(default_factory=lambda: collections.defaultdict(_Failures))
+    """Function name (or NONE_APPLIES) -> its calls and failures."""
+    seconds: float = 0.0
+    """Scoring time, summed (workers run in parallel)."""
+
+
+def _failed(tally: _Tally, name: str, where: str) -> str:
+    f = tally.failures[name]
+    if name == NONE_APPLIES:
+        return f"no reward function scored {f.failed} of {tally.responses} responses at {where} (all returned None)"
+    return f"reward function {name!r} failed on {f.failed} of {f.calls} responses at {where}"
+
+
 @dataclass(frozen=True)
 class Members:
     """The key of a group function's call: the responses of the group, in order."""
@@ -247,6 +272,8 @@ class _Scoring:
     failed: bool = False
     """An episode whose environment failed: it trains nothing, so no function scores it (a group function's call
     on its group leaves it out) and no metric counts it; its reward is 0."""
+    held_out: bool = False
+    """A held-out round's: counted in :attr:`RewardScheduler.held_out`."""
 
     @property
     def values(self) -> dict[str, float | None]:
@@ -293,25 +320,18 @@ class RewardScheduler:
         self._inline: list[Scored] = []
         self._ready: list[tuple[Any, float]] = []
         """Responses scored by their environment alone (no reward function), not yet polled."""
-        self.seconds = 0.0
-        """Scoring time of the samples scored since :meth:`take_metrics`, summed (workers run in parallel)."""
         self.values: dict[Any, dict[str, dict]] = {}
         """Each scored response's ``rewards`` (the value per function; None: did not apply or failed), ``extra``
         (:attr:`_Scoring.extra`) and ``reward_error`` (function name -> what went wrong; None), until
         :meth:`take_values`."""
-        self._sums: collections.Counter[str] = collections.Counter()
-        self._counts: collections.Counter[str] = collections.Counter()
-        self.errors = 0
-        """Responses whose reward failed, since :meth:`take_metrics`."""
-        self.responses = 0
-        """Responses scored since :meth:`take_metrics`."""
-        self._failures: dict[str, _Failures] = collections.defaultdict(_Failures)
-        """Function name (or NONE_APPLIES) -> its calls and failures since :meth:`take_metrics`."""
+        self.trained, self.held_out = _Tally(), _Tally()
+        """What the metrics count of the training rounds' responses, and of the held-out rounds'."""
         self.state = TrainerState()
         """TRL's ``trainer_state`` of the responses submitted now (the controller sets it each round)."""
 
-    def submit(self, key: Any, row: dict, output) -> None:
-        """Start scoring one finished response (``output``: an engine output) of ``row``; returns at once.
+    def submit(self, key: Any, row: dict, output, held_out: bool = False) -> None:
+        """Start scoring one finished response (``output``: an engine output) of ``row`` (``held_out``: of a
+        held-out round); returns at once.
         A response still being scored is not submitted again (sorted_partial rescores a finished response
         each round its prompt runs, and a round does not wait for the rewards it keeps no group of): its
         reward comes once, to whichever round polls it. With group functions it comes once its group's
@@ -320,13 +340,13 @@ class RewardScheduler:
             return
         failed = output.finish_reason == "error"
         scoring = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards) and not failed,
-                           failed=failed)
+                           failed=failed, held_out=held_out)
         self._scoring[key] = scoring
         if len(self._scoring) > MAX_VALUES:  # responses waiting for a group the policy never completed
             del self._scoring[next(iter(self._scoring))]
         if scoring.env_scored:  # TRL's rewards/ENV/mean
-            self._sums[ENVIRONMENT] += scoring.env_reward
-            self._counts[ENVIRONMENT] += 1
+            self._tally(scoring).sums[ENVIRONMENT] += scoring.env_reward
+            self._tally(scoring).counts[ENVIRONMENT] += 1
         if not self.functions:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
             return
@@ -464,7 +484,8 @@ class RewardScheduler:
         done = []
         for s in scored:
             key, name = s.key
-            self.seconds += s.seconds
+            scoring = self._scoring.get(key.keys[0] if isinstance(key, Members) else key)
+            (self.trained if scoring is None else self._tally(scoring)).seconds += s.seconds
             if isinstance(key, Members):  # a group function's call: one value per response
                 n = len(key.keys)
                 per = (s.score, s.metrics, s.info) if s.error is None else ([None] * n, [{}] * n, [{}] * n)
@@ -482,8 +503,9 @@ class RewardScheduler:
         scoring.scored[name] = s
         if len(scoring.scored) < len(self.functions):
             return []
+        tally = self._tally(scoring)
         for fname, r in () if scoring.failed else scoring.scored.items():
-            self._failures[fname].add(scoring, r.error)
+            tally.failures[fname].add(scoring, r.error)
             if r.error is not None:
                 scoring.errors[fname] = f"reward function {fname!r} failed on row {scoring.row['id']!r}: {r.error}"
             else:
@@ -491,8 +513,8 @@ class RewardScheduler:
                 scoring.extra |= {f"{fname}/{k}": v for k, v in r.info.items()}
                 for metric, value in ({fname: r.score} | {f"{fname}/{k}": v for k, v in r.metrics.items()}).items():
                     if value is not None:
-                        self._sums[metric] += value
-                        self._counts[metric] += 1
+                        tally.sums[metric] += value
+                        tally.counts[metric] += 1
         self.values[key] = {"rewards": scoring.values, "extra": scoring.extra, "reward_error": scoring.errors or None}
         if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
             del self.values[next(iter(self.values))]
@@ -506,17 +528,18 @@ class RewardScheduler:
         values = scoring.values
         applied = [(f.weight, values[f.name]) for f in self.functions if values[f.name] is not None]
         errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]
-        self.responses += 1
+        tally = self._tally(scoring)
+        tally.responses += 1
         if not errors and not applied and self.functions and not scoring.env_scored:
             none = (f"{', '.join(f.name for f in self.functions)} returned None (does not apply); add a function "
                     "that scores it, or take the row out of the data")
             errors = [f"no reward function scores row {scoring.row['id']!r}: {none}"]
-            self._failures[NONE_APPLIES].add(scoring, none)
+            tally.failures[NONE_APPLIES].add(scoring, none)
         if errors:
             if self.cfg.on_error == "fail":
                 raise RewardFunctionError(f"{'; '.join(errors)} (--reward.on-error fail stops the run; skip scores "
                                           "such a response 0 and counts it in reward/errors)")
-            self.errors += 1
+            tally.errors += 1
             return scoring.env_reward
         return sum(w * v for w, v in applied) + scoring.env_reward
 
@@ -524,49 +547,49 @@ class RewardScheduler:
         """The ``rewards`` and ``extra`` of the responses ``keys`` (those scored: :attr:`values`), forgotten here."""
         return {k: self.values.pop(k) for k in keys if k in self.values}
 
-    def take_metrics(self, where: str = "") -> dict[str, float]:
-        """Since the last call: ``reward/NAME`` (each function's mean where it applied, and of the other
-        numbers it returned), ``reward/environment`` (the environments' rewards, where they gave one),
-        ``reward/errors`` and ``reward/seconds_total`` (summed scoring time).
-        Logs one warning per function that failed, with a count. Raises :class:`RewardFunctionError`
-        when the round's rewards (``where``: default "step N") are noise (:meth:`verdict`)."""
+    def take_metrics(self, where: str = "", held_out: bool = False) -> dict[str, float]:
+        """Since the last call, of the training rounds' responses (``held_out``: the held-out rounds'):
+        ``reward/NAME`` (each function's mean where it applied, and of the other numbers it returned),
+        ``reward/environment`` (the environments' rewards, where they gave one), ``reward/errors`` and
+        ``reward/seconds_total`` (summed scoring time). Logs one warning per function that failed, with a count.
+        Raises :class:`RewardFunctionError` when the round's rewards (``where``: default "step N") are noise
+        (:meth:`verdict`)."""
         where = where or f"step {self.state.global_step}"
-        metrics = {f"reward/{k}": self._sums[k] / n for k, n in self._counts.items()}
-        metrics |= {"reward/errors": self.errors, "reward/seconds_total": self.seconds}
-        stop = self.verdict(where)
-        for name, f in self._failures.items():
+        tally = self.held_out if held_out else self.trained
+        metrics = {f"reward/{k}": tally.sums[k] / n for k, n in tally.counts.items()}
+        metrics |= {"reward/errors": tally.errors, "reward/seconds_total": tally.seconds}
+        stop = self.verdict(where, tally)
+        for name, f in tally.failures.items():
             if f.failed and not stop:  # a stop says it all, once
-                logger.warning("%s, scored 0 (--reward.on-error skip); first on %s", self._failed(name, where), f.first)
-        self._sums.clear()
-        self._counts.clear()
-        self._failures.clear()
-        self.errors, self.responses, self.seconds = 0, 0, 0.0
+                logger.warning("%s, scored 0 (--reward.on-error skip); first on %s", _failed(tally, name, where),
+                               f.first)
+        if held_out:
+            self.held_out = _Tally()
+        else:
+            self.trained = _Tally()
         if stop:
             raise RewardFunctionError(stop)
         return metrics
 
-    def verdict(self, where: str) -> str | None:
-        """Why the rewards since :meth:`take_metrics` must not be trained on, or None: a function
-        failed on every call, or more than ``reward.max_error_frac`` of the responses erred."""
-        if not self.errors or self.cfg.max_error_frac >= 1:
+    def verdict(self, where: str, tally: _Tally) -> str | None:
+        """Why the rewards ``tally`` counts must not be trained on, or None: a function failed on every call, or
+        more than ``reward.max_error_frac`` of the responses erred."""
+        if not tally.errors or self.cfg.max_error_frac >= 1:
             return None
         fix = ("Stopped before training on them: fix it, then run again with --resume auto "
                "(--reward.max-error-frac 1 trains on such responses, scored 0, instead)")
-        for name, f in self._failures.items():
+        for name, f in tally.failures.items():
             if name != NONE_APPLIES and f.failed == f.calls:
-                return f"{self._failed(name, where)}: all of them, first on {f.first}. {fix}"
-        if self.errors <= self.cfg.max_error_frac * self.responses:
+                return f"{_failed(tally, name, where)}: all of them, first on {f.first}. {fix}"
+        if tally.errors <= self.cfg.max_error_frac * tally.responses:
             return None
-        name, worst = max(self._failures.items(), key=lambda item: item[1].failed)
-        return (f"{self.errors} of {self.responses} responses at {where} had a reward error, more than "
-                f"--reward.max-error-frac {self.cfg.max_error_frac:g}: {self._failed(name, where)}, first on "
+        name, worst = max(tally.failures.items(), key=lambda item: item[1].failed)
+        return (f"{tally.errors} of {tally.responses} responses at {where} had a reward error, more than "
+                f"--reward.max-error-frac {self.cfg.max_error_frac:g}: {_failed(tally, name, where)}, first on "
                 f"{worst.first}. {fix}")
 
-    def _failed(self, name: str, where: str) -> str:
-        f = self._failures[name]
-        if name == NONE_APPLIES:
-            return f"no reward function scored {f.failed} of {self.responses} responses at {where} (all returned None)"
-        return f"reward function {name!r} failed on {f.failed} of {f.calls} responses at {where}"
+    def _tally(self, scoring: _Scoring) -> _Tally:
+        return self.held_out if scoring.held_out else self.trained
 
     def state_dict(self) -> dict:
         return {"functions": {f.name: f.state_dict() for f in self.functions}}

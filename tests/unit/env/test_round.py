@@ -61,7 +61,7 @@ class Scores:
     def __init__(self):
         self.ready = []
 
-    def submit(self, key, row, output):
+    def submit(self, key, row, output, held_out=False):
         assert isinstance(output, Response)
         self.ready.append((key, output.env_reward))
 

@@ -134,6 +134,23 @@ def test_a_functions_warm_up_runs_before_its_first_call_wherever_it_is_called(fu
     assert "rollpacker-async-rewards" not in [t.name for t in threading.enumerate()]  # refused before it starts one
 
 
+def test_a_training_response_scored_during_an_evaluation_counts_in_trainings_metrics(funcs):
+    """A training round does not wait for the rewards of responses it keeps no group of (tail's surplus): scored
+    while the evaluation ran, they were counted in eval/reward/NAME (and their errors in the evaluation's)."""
+    scheduler = RewardScheduler(RewardConfig(funcs=funcs("length", "raises"), num_workers=0, max_error_frac=1.0),
+                                lambda ids: RESPONSES[ids[0] % 2])
+    try:
+        scheduler.submit("3:0:0", ROWS[0], Response(id="", prompt_ids=[], token_ids=[0] * 5))  # training's
+        scheduler.submit("4:0:0", ROWS[1], Response(id="", prompt_ids=[], token_ids=[1] * 9), held_out=True)
+        assert len(scheduler.wait()) == 2
+        held_out = scheduler.take_metrics("the evaluation before step 4", held_out=True)
+        trained = scheduler.take_metrics()
+    finally:
+        scheduler.close()
+    assert (held_out["reward/length"], held_out["reward/errors"]) == (0.9, 1)
+    assert (trained["reward/length"], trained["reward/errors"]) == (0.5, 1)
+
+
 def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
     cfg = RewardConfig(funcs=(*funcs("length", "exact", "compute_score"), "toy"), weights=(1.0, 2.0, 4.0, 8.0),
                        num_workers=2, on_error="fail")

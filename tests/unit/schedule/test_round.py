@@ -20,7 +20,7 @@ class Scores:
     def __init__(self):
         self.ready, self.rows, self.groups = [], {}, []
 
-    def submit(self, key, row, output):
+    def submit(self, key, row, output, held_out=False):
         self.rows[key] = row
         self.ready.append((key, float(key.endswith(":0"))))
 

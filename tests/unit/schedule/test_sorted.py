@@ -439,7 +439,7 @@ def test_the_filter_decides_on_a_kept_responses_score_at_the_step_that_trains_it
         def __init__(self):
             self.ready = []
 
-        def submit(self, key, row, output):
+        def submit(self, key, row, output, held_out=False):
             self.ready.append((key, rewards[key, step[0]]))
 
         def submit_group(self, keys, row, outputs):
