@@ -55,9 +55,10 @@ def start_summary(job) -> str:
 
 def planned_steps(job) -> int:
     """The steps ``job`` runs: num_steps, or fewer where num_epochs passes over the data end first (the rows left to
-    draw, num_prompts a step; about that many where its rounds refill after filtering or hold prompts back)."""
-    cfg = job.config
-    left = job.controller.policy.sampler.remaining(cfg.num_epochs)
+    draw, num_prompts a step; about that many where its rounds refill after filtering or hold prompts back). A policy
+    of the user's without a sampler runs num_steps."""
+    cfg, sampler = job.config, getattr(job.controller.policy, "sampler", None)
+    left = sampler.remaining(cfg.num_epochs) if sampler is not None else None
     if left is None:
         return cfg.num_steps
     return min(cfg.num_steps, job.start_step + -(-left // cfg.rollout.num_prompts))

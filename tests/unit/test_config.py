@@ -510,6 +510,8 @@ def test_the_start_summary_and_the_eta_count_the_steps_num_epochs_leaves(flags, 
     policy = cfg.schedule.build(sampler, 4, cfg.rollout.group_size, num_epochs=cfg.num_epochs)
     job = SimpleNamespace(config=cfg, controller=SimpleNamespace(policy=policy), start_step=0)
     assert planned_steps(job) == planned
+    assert planned_steps(SimpleNamespace(config=cfg, controller=SimpleNamespace(policy=object()), start_step=0)) == (
+        cfg.num_steps)  # a policy of the user's, without a sampler
     if planned == 6:  # resumed after a step: the rows left decide
         sampler.draw(4)
         job.start_step = 1
