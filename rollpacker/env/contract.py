@@ -33,6 +33,7 @@ from typing import Any
 from rollpacker.env.parsers import tool_functions
 from rollpacker.errors import UserError
 from rollpacker.imports import accepted, awaited, load, short
+from rollpacker.reward.functions import is_number
 
 Message = dict[str, Any]
 """A chat message: ``{"role": str, "content": str, ...}`` (a tool message may carry ``tool_call_id``, ``name``)."""
@@ -154,10 +155,8 @@ def finish(env) -> float | None:
 
 
 def number(value) -> float | None:
-    """``value`` as a float where it is a real number (a bool, numpy's bool and scalars too), else None."""
-    if isinstance(value, numbers.Real) or type(value).__name__ in ("bool", "bool_"):  # numpy 2's, 1's
-        return float(value)
-    return None
+    """``value`` as a float where it is a number (:func:`~rollpacker.reward.functions.is_number`), else None."""
+    return float(value) if is_number(value) else None
 
 
 def _reward(reward, where: str) -> float | None:

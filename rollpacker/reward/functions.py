@@ -216,7 +216,7 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
                            "function returns one float or None per completion")
         out = []
         for i, value in enumerate(values):
-            value, metrics, info = _value(None if _is_number(value) and math.isnan(value) else value)  # TRL's None
+            value, metrics, info = _value(None if is_number(value) and math.isnan(value) else value)  # TRL's None
             out.append((value, logged | metrics, {k: _nth(v, i, n) for k, v in extra.items()} | info))
         return out if ref.per_group else out[0]
 
@@ -253,13 +253,13 @@ def _value(value) -> Value:
                              "goes in 'score', other numbers become metrics")
         for key, v in value.items():
             if key != "score":
-                (metrics if _is_number(v) else info)[str(key)] = float(v) if _is_number(v) else v
+                (metrics if is_number(v) else info)[str(key)] = float(v) if is_number(v) else v
         value = value["score"]
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array: TRL takes its number
         value = value.item()
     if value is None:
         return None, metrics, info
-    if not _is_number(value):
+    if not is_number(value):
         raise BadValue(f"returned {type(value).__name__} {short(value)} for a completion; expected a float, an "
                          "int or None")
     if not math.isfinite(float(value)):
@@ -268,7 +268,8 @@ def _value(value) -> Value:
     return float(value), metrics, info
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """Whether a user's ``value`` is a number: a real, a bool, numpy's scalars and its bool."""
     import numpy
 
     # bools (verl's `return pred == gt`) and numpy scalars too, numpy's bool (no numbers.Real) as TRL takes it

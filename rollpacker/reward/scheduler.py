@@ -345,8 +345,9 @@ class RewardScheduler:
         if len(self._scoring) > MAX_VALUES:  # responses waiting for a group the policy never completed
             del self._scoring[next(iter(self._scoring))]
         if scoring.env_scored:  # TRL's rewards/ENV/mean
-            self._tally(scoring).sums[ENVIRONMENT] += scoring.env_reward
-            self._tally(scoring).counts[ENVIRONMENT] += 1
+            tally = self._tally(scoring)
+            tally.sums[ENVIRONMENT] += scoring.env_reward
+            tally.counts[ENVIRONMENT] += 1
         if not self.functions:
             self._ready.append((key, self._reward(self._scoring.pop(key))))
             return
