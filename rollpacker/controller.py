@@ -76,6 +76,8 @@ class Controller:
     """How each episode starts and reaches its environment, if any (:meth:`build_envs`)."""
     closed: bool = False
     """:meth:`close` ran."""
+    epochs_before: float = 0.0
+    """Passes over the data the steps before the round :meth:`plan_round` planned last had drawn (TRL's epoch)."""
 
     @classmethod
     def build(cls, config: Config, model_dir: Path, meshes: Meshes, max_model_len: int, kv_tokens: int, *,
@@ -203,21 +205,31 @@ class Controller:
         """The rollout's sampling settings."""
         return self.config.rollout.sampling()
 
+    def plan_round(self, step: int) -> RoundPlan:
+        """The policy's plan of ``step``'s training round; its reward functions' ``trainer_state.epoch`` is the
+        data the steps before it drew (TRL's, 0 at step 0), not this round's draw too."""
+        self.epochs_before = self.epochs_drawn()
+        return self.policy.start_round(step)
+
     def train_round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Training round ``plan`` of ``step`` for the exchange, with ``hooks``; the live display starts the step."""
         cfg = self.config
         self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
-        self.rewards.state = self.trainer_state(step)
+        self.rewards.state = self.trainer_state(step, self.epochs_before)
         return self.leader.round(step, plan, hooks)
 
-    def trainer_state(self, step: int):
-        """TRL's ``trainer_state`` for the reward functions at ``step``: the epoch as prompts drawn over rows."""
+    def trainer_state(self, step: int, epoch: float):
+        """TRL's ``trainer_state`` for the reward functions at ``step``, ``epoch`` passes over the data drawn."""
         from rollpacker.reward.functions import TrainerState
 
-        cfg, sampler = self.config, getattr(self.policy, "sampler", None)
-        epoch = sampler.epochs_drawn if sampler else 0.0
+        cfg = self.config
         return TrainerState(global_step=step, epoch=epoch, max_steps=cfg.num_steps, num_train_epochs=cfg.num_epochs,
                             train_batch_size=cfg.rollout.num_prompts * cfg.rollout.group_size)
+
+    def epochs_drawn(self) -> float:
+        """Passes over the data the policy's sampler has drawn; 0 for a policy of the user's without one."""
+        sampler = getattr(self.policy, "sampler", None)
+        return sampler.epochs_drawn if sampler else 0.0
 
     def warm(self, step: int) -> None:
         """With ``env.warm``: open the environments of the first episodes of ``step``'s round now, as the policy
@@ -229,7 +241,7 @@ class Controller:
 
     def eval_round(self, step: int) -> ExchangeRound:
         """A held-out round: every eval row once (its reward functions told the step, as a training round's)."""
-        self.rewards.state = self.trainer_state(step)
+        self.rewards.state = self.trainer_state(step, self.epochs_drawn())  # before the step draws its prompts
         return self.eval_leader.round(step, self.eval_leader.policy.start_round(step))
 
     def encode_prompt(self, row: dict) -> list[int]:

@@ -43,7 +43,7 @@ def run(job: Job) -> int:
 def rl_step(job: Job, step: int, stats: dict[str, Any]) -> None:
     """One RL step (collective); rank 0 logs its metrics, ``stats`` included."""
     timer, ctl, meshes = Timer(), job.controller, job.meshes
-    plan = ctl.policy.start_round(step) if ctl else None  # the policy plans the round
+    plan = ctl.plan_round(step) if ctl else None  # the policy plans the round
     if job.config.plan.enabled:
         with timer("tp_switch"):  # at the planner's TP for this kind of round
             stats |= job.switch_tp(meshes.broadcast(ctl.planner.tp_for(plan.kind) if ctl else None))

@@ -169,7 +169,7 @@ def _evaluate_and_generate(job: Job, step: int, weights_step: int,
     if ctl:
         state = copy.deepcopy(ctl.policy.state_dict())
         ctl.policy.weights_step = weights_step
-        plan = ctl.policy.start_round(step)
+        plan = ctl.plan_round(step)
     batch, _, stats = generate(job, step, plan, timer)
     if not ctl:
         return evaluated, None

@@ -78,7 +78,7 @@ class TrainerState:
     global_step: int = 0
     """The RL step whose responses are scored (0-based; TRL counts optimizer steps done, the same number)."""
     epoch: float = 0.0
-    """Passes over the training data so far, fractional: the prompts drawn over the rows."""
+    """Passes over the training data the steps before this one drew, fractional (0 at step 0, as TRL's)."""
     max_steps: int = 0
     """The run's num_steps."""
     num_train_epochs: int = 0

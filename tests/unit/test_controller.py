@@ -297,6 +297,22 @@ def test_the_reward_functions_of_a_held_out_round_are_told_its_step():
     assert rewards.state.global_step == 5 and rewards.state.max_steps == Config().num_steps
 
 
+def test_trainer_state_epoch_is_the_data_the_steps_before_drew():
+    """TRL's trainer_state.epoch: 0 at step 0, then the passes the steps before drew (a round's own draw not yet);
+    an evaluation before step 2 sees step 2's training epoch."""
+    rewards = Rewards()
+    ctl = Controller(config=Config(), rows=[], eval_rows=[{"id": "e0", "prompt": "1+1"}], tokenizer=None,
+                     rewards=rewards, policy=SyncPolicy(PromptSampler(4, 0), 1, 1), metrics=None,
+                     display=SimpleNamespace(update=None, start_step=lambda *a: None), max_model_len=200, envs=NO_ENVS)
+    ctl.build_leaders()
+    epochs = []
+    for step in range(3):
+        ctl.train_round(step, ctl.plan_round(step))
+        epochs.append(rewards.state.epoch)
+    ctl.eval_round(3)
+    assert epochs == [0.0, 0.25, 0.5] and rewards.state.epoch == 0.75
+
+
 def test_a_checkpoint_keeps_the_lengths_the_next_round_resumes_with_replay_lengths():
     """``rollout.replay_lengths`` under sorted_partial: a partial resumed after a restart keeps its first length."""
     from rollpacker.data.lengths import LengthReplay
