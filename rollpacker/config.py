@@ -156,6 +156,10 @@ class Config:
                              f"{self.train.advantage!r}: its baseline is the group's, so a group of one response has "
                              "advantage 0 and nothing would train. Set rollout.group_size to 2 or more (TRL's "
                              f"num_generations), or train.advantage to {others}")
+        if self.train.advantage == "gae" and self.train.critic.warmup_steps >= self.num_steps:
+            raise ValueError(f"train.critic.warmup_steps={self.train.critic.warmup_steps} is not below num_steps="
+                             f"{self.num_steps}: each step would train the critic alone and the policy never. Set it "
+                             f"below {self.num_steps}")
         if s.filter_zero_variance and self.rollout.group_size < 2:
             raise ValueError("schedule.filter_zero_variance drops the groups whose rewards are all equal: with "
                              "rollout.group_size=1 that is every group; use a group size of 2 or more")

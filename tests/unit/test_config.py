@@ -290,6 +290,10 @@ def test_algorithm_settings_name_the_field():
         CriticConfig(value_clip=-1)
     with pytest.raises(ValueError, match="train.mini_batches=32 exceeds rollout.num_prompts=16"):
         Config(train=TrainConfig(mini_batches=32))
+    warm = TrainConfig(advantage="gae", critic=CriticConfig(warmup_steps=5))  # the policy would never train
+    Config(train=warm, num_steps=6)
+    with pytest.raises(ValueError, match="train.critic.warmup_steps=5 is not below num_steps=5: each step would"):
+        Config(train=warm, num_steps=5)
     Config(train=TrainConfig(overlong_buffer=3), rollout=RolloutConfig(max_new_tokens=4))
     with pytest.raises(ValueError, match="train.overlong_buffer=4 is not below rollout.max_new_tokens=4"):
         Config(train=TrainConfig(overlong_buffer=4), rollout=RolloutConfig(max_new_tokens=4))
