@@ -39,8 +39,12 @@ VERSION = 1
 def profile_key(config, model_dir: Path, device: str, world: int, dtype) -> dict[str, Any]:
     """What the measurements depend on: the model's architecture, the device, the world, the engine's dtype
     (``dtype``: resolved, so "auto" and what it resolves to share one), KV settings and speculation, the
-    sampling its decode steps do, and the points it measures (plan.profile_batches, _contexts, _steps)."""
+    sampling its decode steps do, and the points it measures (plan.profile_batches, _contexts, _steps). An
+    engine that cannot switch TP is measured as the run builds it: its batch limits cap the decode batches."""
+    from rollpacker.rollout import ENGINES
+
     e, r = config.engine, config.rollout
+    own = e.kind != "auto" and not ENGINES[e.kind].supports_tp_switch
     return {
         "version": VERSION,
         "model": hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16],
@@ -49,7 +53,8 @@ def profile_key(config, model_dir: Path, device: str, world: int, dtype) -> dict
         "dtype": str(dtype).removeprefix("torch."),
         "engine": {"kind": e.kind, "block_size": e.block_size, "kv_memory_mb": e.kv_memory_mb, "memory_mb": e.memory_mb,
                    "max_model_len": e.max_model_len,
-                   "spec_max_tokens": e.spec_max_tokens if e.speculative != "off" else 0},
+                   "spec_max_tokens": e.spec_max_tokens if e.speculative != "off" else 0}
+        | ({"max_num_seqs": e.max_num_seqs, "max_prefill_tokens": e.max_prefill_tokens} if own else {}),
         "sampling": {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
                      "repetition_penalty": r.repetition_penalty},
         "points": {"batches": sorted(config.plan.profile_batches), "contexts": sorted(config.plan.profile_contexts),

@@ -159,6 +159,9 @@ def test_the_profile_key_holds_what_the_measurements_depend_on_and_no_more():
         assert key(*flags) != key(), flags
     assert key("--engine.speculative", "auto") != key("--engine.speculative", "auto", "--engine.spec-max-tokens", "4")
     assert key(dtype=torch.bfloat16) != key()
+    # the batch limits cap what an engine that cannot switch TP measures; TorchEngine's probe sets its own
+    assert key("--engine.max-num-seqs", "8") == key()
+    assert key("--engine.kind", "vllm", "--engine.max-num-seqs", "8") != key("--engine.kind", "vllm")
 
 
 def test_an_engine_memory_mb_below_a_tps_weight_shard_is_refused_by_name_in_the_plan_and_the_profile():
