@@ -22,6 +22,7 @@ rounds batch them together. The rules in full: ``docs/policies.md`` (tail).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -71,9 +72,9 @@ class TailConfig(PolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if min(self.eta_prompts, self.eta_responses or 1, self.eta_long) < 1:
-            raise ValueError(f"schedule.eta_prompts={self.eta_prompts}, schedule.eta_responses={self.eta_responses} "
-                             f"and schedule.eta_long={self.eta_long} must be >= 1")
+        etas = {"eta_prompts": self.eta_prompts, "eta_responses": self.eta_responses, "eta_long": self.eta_long}
+        if bad := [f"schedule.{k}={v}" for k, v in etas.items() if v is not None and not 1 <= v < math.inf]:
+            raise ValueError(f"{', '.join(bad)}: each η must be a finite number >= 1 (1: no speculation)")
 
     def settle(self, episodes: bool) -> None:
         if self.eta_responses is None:
@@ -86,8 +87,9 @@ class TailConfig(PolicyConfig):
     def build(self, sampler, num_prompts: int, group_size: int, *, num_epochs: int = 0,
               last_step: int | None = None) -> TailPolicy:
         """Tail batching; at ``last_step`` a non-empty long-prompt queue is flushed whole."""
+        eta_responses = PAPER_ETA_RESPONSES if self.eta_responses is None else self.eta_responses
         return TailPolicy(sampler, num_prompts, group_size, eta_prompts=self.eta_prompts,
-                          eta_responses=self.eta_responses or PAPER_ETA_RESPONSES, eta_long=self.eta_long,
+                          eta_responses=eta_responses, eta_long=self.eta_long,
                           filter_zero_variance=self.filter_zero_variance, max_gen_batches=self.max_gen_batches,
                           num_epochs=num_epochs, last_step=last_step)
 

@@ -74,6 +74,19 @@ def test_bad_settings_name_the_field(tmp_path):
            "--rollout.group-size", "3"]).check_world(2)
 
 
+def test_a_setting_that_is_not_a_number_is_refused_by_name(tmp_path, capsys):
+    """NaN passes every comparison's check (``lr < 0`` is false): a NaN learning rate trained NaN weights, a NaN
+    reward.timeout timed out every call. Every float setting's NaN is refused, in a preset too."""
+    with pytest.raises(SystemExit):
+        parse(["--train.lr", "nan"])
+    assert "train.lr=nan: not a number; give one" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+    preset = tmp_path / "p.toml"
+    preset.write_text("[reward]\ntimeout = nan\n[train]\nkl_coef = nan\n")
+    with pytest.raises(SystemExit):
+        parse(["--preset", str(preset)])
+    assert "reward.timeout=nan, train.kl_coef=nan: not a number" in capsys.readouterr().err
+
+
 def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
     with pytest.raises(SystemExit, match="schedule:tial: no such policy"):
         parse(["schedule:tial"])

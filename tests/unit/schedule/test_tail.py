@@ -317,6 +317,10 @@ def test_config_accepts_tail_and_rejects_eta_below_one_by_name():
     assert (config.policy, config.schedule.eta_prompts, config.schedule.eta_responses) == ("tail", 1.0, 1.25)
     with pytest.raises(ValueError, match="schedule.eta_prompts"):
         TailConfig(eta_prompts=0.8)
+    # 0 became the paper's 1.25 (read as unset); NaN passed the check and crashed the first round's ceil
+    for flag, value in (("eta_responses", 0.0), ("eta_prompts", float("nan")), ("eta_long", float("inf"))):
+        with pytest.raises(ValueError, match=f"schedule.{flag}={value}: each η must be a finite number >= 1"):
+            TailConfig(**{flag: value})
 
 
 def test_episodes_default_to_no_choice_inside_a_group_and_the_papers_rule_stays_a_flag():
