@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Literal
 from rollpacker.rollout.probe import decode_step_ms, greedy_requests, peak_flops, random_prompts
 
 if TYPE_CHECKING:
-    import torch
-
     from rollpacker.model import Transformer
 
 PROG = "python -m rollpacker.bench engine"
@@ -250,20 +248,21 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> Thr
     ids = torch.tensor(prompts, device=model.device)
     mask = torch.ones_like(ids)  # equal lengths: left padding adds nothing
 
-    def generate(n: int) -> tuple[float, torch.Tensor]:
-        start = time.perf_counter()
-        out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-            pad_token_id=pad_id,
-        )
-        return time.perf_counter() - start, out
+    prefilled: list[float] = []
 
-    prefill, _ = generate(1)
-    total, out = generate(new_tokens)
+    def first_logits(input_ids, scores):  # HF calls it after each forward: the first call ends the prefill
+        if not prefilled:
+            prefilled.append(time.perf_counter())
+        return scores
+
+    start = time.perf_counter()  # the prefill timed in the same call as the total (a call of its own differed)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=pad_id, logits_processor=[first_logits])
+    total = time.perf_counter() - start
     generated = out[:, ids.shape[1]:]
     if generated.shape[1] != new_tokens:
         raise RuntimeError(f"bench: HF generated {generated.shape[1]} tokens, not {new_tokens}")
-    return Throughput(batch=len(prompts), new_tokens=new_tokens, total_s=total, prefill_s=prefill,
+    return Throughput(batch=len(prompts), new_tokens=new_tokens, total_s=total, prefill_s=prefilled[0] - start,
                       tokens=generated.tolist())
 
 

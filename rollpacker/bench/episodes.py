@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollpacker.bench import seed_list
+from rollpacker.bench import json_line, seed_list
 
 PROG = "python -m rollpacker.bench episodes"
 
@@ -320,4 +320,4 @@ def main(argv: list[str] | None = None) -> None:
                                  else (0, 0))
             summaries.append(report(args, seed, results, changed, compared))
     summary = mean_summary(summaries)  # NaN where a run trained no prompt: null, as JSON has no NaN
-    print(json.dumps({k: None if v != v else v for k, v in summary.items()}), flush=True)
+    print(json_line(summary), flush=True)

@@ -17,7 +17,6 @@ times per round kind of each variant.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import tyro
 
+from rollpacker.bench import json_line
 from rollpacker.bench.schedulers import run, summarize
 from rollpacker.jobflags import split_run_args
 
@@ -99,4 +99,4 @@ def main(argv: list[str] | None = None) -> None:
     for name, t in table.items():
         summary |= {f"{k}_{name}": round(t[k], 3) for k in ("preemptions_short", "preemptions_long",
                                                              "rollout_short", "rollout_long", "step_time")}
-    print(json.dumps({k: None if v != v else v for k, v in summary.items()}))  # NaN (no long round timed): null
+    print(json_line(summary))  # NaN (no long round timed): null

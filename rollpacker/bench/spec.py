@@ -28,7 +28,7 @@ from pathlib import Path
 
 import tyro
 
-from rollpacker.bench import seed_list
+from rollpacker.bench import json_line, ratio, seed_list
 from rollpacker.bench.spec_job import RECORD
 from rollpacker.jobflags import JobArgs, job_argv, policy_args, policy_list, split_run_args
 
@@ -145,10 +145,6 @@ def changed(base: list[dict], other: list[dict]) -> tuple[int, int, int]:
     return tokens, responses, compared
 
 
-def ratio(a: float, b: float) -> float:
-    return round(a / b, 3) if b > 0 else float("nan")
-
-
 def without_lf(variant: str) -> str:
     return "+".join(p for p in variant.split("+") if p != "lf") or "off"
 
@@ -223,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
                 t.responses_compared += compared
     summary = report(policies, variants, args.headline, totals)
     sys.stdout.flush()
-    print(json.dumps({k: None if v != v else v for k, v in summary.items()}), flush=True)  # NaN (no long round): null
+    print(json_line(summary), flush=True)  # NaN (no long round): null
     return summary
 
 

@@ -18,13 +18,13 @@ The workload, the columns and the keys: ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollpacker.bench import json_line, ratio
 from rollpacker.rollout.config import MAX_SPEC_TOKENS
 
 PROG = "python -m rollpacker.bench spec-engine"
@@ -213,8 +213,8 @@ def summarize(totals: dict, cost, spec_metrics) -> dict:
     for m, t in totals.items():
         metrics = spec_metrics(t.spec)
         print(f"{m:<8}{t.total_s:>9.2f}{t.tail_s:>8.2f}{t.steps:>7}{off.total_s / t.total_s:>9.2f}"
-              f"{off.tail_s / max(t.tail_s, 1e-9):>8.2f}{off.cpu_s / t.cpu_s:>7.2f}"
-              f"{off.tail_cpu_s / max(t.tail_cpu_s, 1e-9):>11.2f}{metrics.get('rollout/spec_acceptance', 0):>8.3f}"
+              f"{ratio(off.tail_s, t.tail_s):>8.2f}{off.cpu_s / t.cpu_s:>7.2f}"
+              f"{ratio(off.tail_cpu_s, t.tail_cpu_s):>11.2f}{metrics.get('rollout/spec_acceptance', 0):>8.3f}"
               f"{metrics.get('rollout/spec_tokens_per_step', 1):>9.2f}{t.tokens_changed:>9}")
         if m == "off":
             continue
@@ -225,9 +225,9 @@ def summarize(totals: dict, cost, spec_metrics) -> dict:
                   f"  tokens/row {(accepted + rows) / rows:5.2f}")
         suffix = "" if m == "epoch" else "_engine_sources"
         out[f"rollout_speedup_spec{suffix}"] = round(off.total_s / t.total_s, 3)
-        out[f"tail_speedup_spec{suffix}"] = round(off.tail_s / max(t.tail_s, 1e-9), 3)
+        out[f"tail_speedup_spec{suffix}"] = ratio(off.tail_s, t.tail_s)  # no tail (none ran alone enough): NaN
         out[f"rollout_speedup_spec_cpu{suffix}"] = round(off.cpu_s / t.cpu_s, 3)
-        out[f"tail_speedup_spec_cpu{suffix}"] = round(off.tail_cpu_s / max(t.tail_cpu_s, 1e-9), 3)
+        out[f"tail_speedup_spec_cpu{suffix}"] = ratio(off.tail_cpu_s, t.tail_cpu_s)
         out[f"steps_ratio_spec{suffix}"] = round(off.steps / t.steps, 3)
         out[f"spec_acceptance{suffix}"] = round(metrics.get("rollout/spec_acceptance", 0.0), 3)
         out[f"spec_tokens_per_step{suffix}"] = round(metrics.get("rollout/spec_tokens_per_step", 1.0), 3)
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = tyro.cli(SpecBenchConfig, args=sys.argv[1:] if argv is None else argv, prog=PROG)
     summary = run(cfg)
     sys.stdout.flush()
-    print(json.dumps(summary), flush=True)
+    print(json_line(summary), flush=True)
     return summary
 
 

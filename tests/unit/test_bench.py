@@ -31,6 +31,19 @@ def test_engine_bench_smoke(qwen2_dir, tmp_path, capsys):
     assert summary["same_tokens_hf_batch1"] == summary["same_tokens_hf_batch2"] == 1.0, "TorchEngine and HF disagree"
 
 
+def test_hfs_prefill_is_timed_in_the_call_it_is_taken_from_and_a_ratio_over_nothing_is_null(qwen2_dir):
+    """HF's prefill came from a call of its own: the fastest total could be shorter, and its decode tok/s, floored,
+    read 6e9. A tail speedup over a tail of 0 s read 0.0 (a floor again): it is NaN, null in the JSON line."""
+    from rollpacker.bench import json_line, ratio
+    from rollpacker.bench.engine import load_hf, run_hf
+
+    for n in (1, 4):
+        run = run_hf(load_hf(qwen2_dir), [[5, 6, 7]] * 2, n, pad_id=0)
+        assert 0 < run.prefill_s < run.total_s and len(run.tokens[0]) == n
+    assert json_line({"tail_speedup_spec": ratio(0.0, 0.0), "rollout_speedup_spec": ratio(3.0, 2.0)}) == (
+        '{"tail_speedup_spec": null, "rollout_speedup_spec": 1.5}')
+
+
 def test_algorithms_bench_flags_parse_and_its_summary_is_what_it_says():
     from rollpacker.bench.algorithms import ALGORITHMS, summarize
     from rollpacker.config import parse
