@@ -322,6 +322,9 @@ def lora_params(s: Shape, rank: int, targets: tuple[str, ...]) -> int:
     """Parameters of rank-``rank`` adapters (A: r x in, B: out x r) on ``targets`` of every layer."""
     names = LORA_DIMS if targets == ("all-linear",) else [  # peft's suffixes too: self_attn.q_proj
         n for n in dict.fromkeys(t.rpartition(".")[2] for t in targets) if n in LORA_DIMS]
+    if not names:  # no adapter counted: the plan would price training every parameter
+        raise UserError(f"memory plan: train.lora.target_modules names {', '.join(targets)}, none of them a linear "
+                        f"the plan counts: name some of {', '.join(LORA_DIMS)}, or all-linear")
     return s.num_layers * sum(rank * (getattr(s, LORA_DIMS[n][0]) + getattr(s, LORA_DIMS[n][1])) for n in names)
 
 
@@ -636,7 +639,13 @@ def model_shape(path: str, setting: str = "model.path") -> Shape:
     its last component (the presets name ``Qwen/Qwen2.5-7B`` and the like)."""
     cfg_file = Path(path) / "config.json"
     if cfg_file.is_file():
-        return Shape.from_hf(json.loads(cfg_file.read_text()))
+        try:
+            return Shape.from_hf(json.loads(cfg_file.read_text()))
+        except json.JSONDecodeError as e:
+            raise UserError(f"memory plan: {cfg_file} ({setting}) is not JSON: {e}") from None
+        except KeyError as e:
+            raise UserError(f"memory plan: {cfg_file} ({setting}) has no {e}: the plan reads a Llama-style decoder's "
+                            "config (num_attention_heads, hidden_size, num_hidden_layers, vocab_size)") from None
     name = Path(path).name.removesuffix("-Instruct")
     if name in QWEN2_5:
         return Shape.from_hf(QWEN2_5[name])

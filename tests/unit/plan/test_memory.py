@@ -319,6 +319,21 @@ def test_the_plan_counts_lora_adapters_as_peft_makes_them(qwen2_dir):
     full = config_plan(parse(flags), 8, 80 * GB, shape)
     adapted = config_plan(parse([*flags, "--train.lora.rank", "64"]), 8, 80 * GB, shape)
     assert not full.fits and adapted.fits and adapted.peak < full.peak
+    # a target no layer has counted no adapter, and the plan priced training every parameter (the job refuses it)
+    with pytest.raises(UserError, match="train.lora.target_modules names q_prj, none of them a linear the plan"):
+        config_plan(parse([*flags, "--train.lora.rank", "64", "--train.lora.target-modules", "q_prj"]), 8, 80 * GB)
+
+
+def test_a_config_json_the_plan_cannot_read_is_refused_naming_the_file_and_setting(tmp_path, capsys):
+    """A config.json of another layout (GPT-2's n_head) or not JSON was a KeyError or JSONDecodeError traceback."""
+    from rollpacker.plan.memory import main
+
+    for text, said in (('{"model_type": "gpt2", "n_head": 2, "n_layer": 2, "vocab_size": 50}',
+                        "has no 'num_attention_heads': the plan reads a Llama-style"), ("{not json", "is not JSON")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(SystemExit) as done:
+            main(["--preset", "qwen2.5-7b-8k", "--model.path", str(tmp_path)])
+        assert done.value.code == 2 and f"config.json (--model.path) {said}" in capsys.readouterr().err
 
 
 def test_torch_engines_memory_mb_and_the_planners_tps_are_planned_as_they_run():
