@@ -57,10 +57,12 @@ def planned_steps(job) -> int:
     """The steps ``job`` runs: num_steps, or fewer where num_epochs passes over the data end first (the rows left to
     draw, num_prompts a step; about that many where its rounds refill after filtering or hold prompts back). A policy
     of the user's without a sampler runs num_steps."""
-    cfg, sampler = job.config, getattr(job.controller.policy, "sampler", None)
+    cfg, policy = job.config, job.controller.policy
+    sampler, ledger = getattr(policy, "sampler", None), getattr(policy, "ledger", None)
     left = sampler.remaining(cfg.num_epochs) if sampler is not None else None
     if left is None:
         return cfg.num_steps
+    left += len(ledger.queue) if ledger is not None else 0  # drawn, held back (tail's long queue): trained yet
     return min(cfg.num_steps, job.start_step + -(-left // cfg.rollout.num_prompts))
 
 

@@ -533,6 +533,12 @@ def test_the_start_summary_and_the_eta_count_the_steps_num_epochs_leaves(flags, 
         sampler.draw(4)
         job.start_step = 1
         assert planned_steps(job) == 6
+        tail = parse(["schedule:tail", "--num-epochs", "3"]).schedule.build(sampler, 4, 2, num_epochs=3)
+        for key in sampler.draw(4):  # step 1 drew 4 and deferred them: they are trained too
+            tail.ledger.launch(key)
+            tail.ledger.settle(key, "deferred")
+        job.controller.policy, job.start_step = tail, 2
+        assert planned_steps(job) == 2 + -(-(16 + 4) // 4)
 
 
 def test_the_start_summary_counts_the_data_sources_it_does_not_name():
