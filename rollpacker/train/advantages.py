@@ -121,7 +121,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     rewards [N, T] (the reward earned at each token; off the response, 0), values [N, T] (the critic's value
     of the state before each token), mask [N, T] (the model's tokens) -> (advantages, returns = advantages +
     values), both [N, T], 0 off the mask. A token off the mask (an environment's) is no action: the
-    recursion passes over it, its reward joining the model token before it, as verl's multi-turn GAE does.
+    recursion passes over it, its reward joining the model token before it (verl's multi-turn GAE drops it).
     """
     rewards, values = rewards.float(), values.float()
     adv = values.new_zeros(values.shape)

@@ -28,6 +28,8 @@ from torch import Tensor
 
 
 LOG_RATIO_BOUND = 20.0
+GSPO_LOG_RATIO_MAX = 10.0
+"""GSPO's sequence log-ratio is clamped above at this, as verl's compute_policy_loss_gspo (not below)."""
 """A token's log-ratio is clamped to +-this before ``exp`` (as verl's): a ratio past float32's range (log r > 88)
 made the step's gradient NaN (``inf * 0`` through the branch ``min`` or the gate did not take), and skipped the
 step; at the bound its gradient is 0, as PPO's clip makes it there anyway for A > 0."""
@@ -61,12 +63,12 @@ def gspo(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, cfg) -> tuple[Ten
     """GSPO per token: PPO's clip on ``s_i = exp(mean_t (logp - old))``, the sequence's length-normalized ratio.
 
     Each token's ratio has the value ``s_i`` and the gradient ``s_i * grad logp_t`` (GSPO-token), its log
-    clamped to +-LOG_RATIO_BOUND as a token's. A response with no token on the mask has ``s_i = 1``. All [N, T].
+    clamped above at GSPO_LOG_RATIO_MAX, as verl's. A response with no token on the mask has ``s_i = 1``. All [N, T].
     """
     log_ratio = torch.where(mask, logp - old, 0.0)  # [N, T]
     seq = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
     token_form = seq.detach() + log_ratio - log_ratio.detach()  # value log s_i, gradient per token
-    ratio = torch.exp(token_form.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    ratio = torch.exp(token_form.clamp(max=GSPO_LOG_RATIO_MAX))
     unclipped = -ratio * adv
     clipped = -torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv
     return torch.maximum(unclipped, clipped), ratio, mask & (clipped > unclipped)

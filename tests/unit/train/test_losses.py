@@ -258,7 +258,8 @@ def test_a_ratio_past_float32s_range_on_the_mask_leaves_the_gradient_finite(loss
 
 def test_a_gspo_sequence_ratio_past_float32s_range_leaves_the_gradient_finite():
     """GSPO's sequence ratio of a response whose mean log-ratio is 100 overflowed float32 and its gradient was NaN
-    (the same ``inf * 0`` as PPO's); its log is clamped as a token's, and the other response keeps its gradient."""
+    (the same ``inf * 0`` as PPO's); its log is clamped (above at 10, as verl's), and the other response keeps its
+    gradient."""
     logp = torch.tensor([[-1.0, -0.5], [-1.0, -0.5]], requires_grad=True)
     old = torch.tensor([[-201.0, -0.5], [-1.1, -0.4]])
     adv, mask = torch.tensor([[1.0, 1.0], [1.0, 1.0]]), torch.ones(2, 2, dtype=torch.bool)
@@ -266,6 +267,12 @@ def test_a_gspo_sequence_ratio_past_float32s_range_leaves_the_gradient_finite():
     grad, = torch.autograd.grad(total, logp)
     assert torch.isfinite(total) and torch.isfinite(grad).all(), grad
     assert (grad[0] == 0).all() and (grad[1] != 0).all()
+    # clamped above at 10, as verl's: a mean log-ratio of 12 with A < 0 kept a gradient of e^12 per token under +-20
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    total, _ = objective(logp, torch.full((1, 2), -12.0), -torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                         loss="gspo")
+    grad, = torch.autograd.grad(total, logp)
+    assert total.item() == pytest.approx(2 * math.exp(10), rel=1e-6) and (grad == 0).all()  # a sum over 2 tokens
 
 
 # --- KL -----------------------------------------------------------------------------------------
