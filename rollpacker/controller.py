@@ -341,7 +341,7 @@ class Controller:
         penalties, solved = [self.overlong(o) for o, _ in trained], [self.solved(o, r) for o, r in trained]
         return {**result.metrics(trained, penalties, solved), **self.policy.stats(), **retired,
                 **result.hook_metrics, **self.envs.take_metrics(),
-                **self.rewards.take_metrics()}  # reward/NAME, reward/errors, reward/seconds_total
+                **self.rewards.take_metrics(keys=[o.id for o, _ in trained])}  # reward/NAME, reward/errors, ...
 
     def check_environments(self, result: RoundResult, where: str = "") -> None:
         """Stop the run (an :class:`~rollpacker.env.contract.EnvError`, said once) when more than

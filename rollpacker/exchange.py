@@ -185,7 +185,8 @@ class RoundResult:
         correct = [c for (o, _), c in zip(trained, solved) if o.finish_reason != "error"]
         mean = (lambda xs: sum(xs) / len(xs) if xs else 0.0)
         reward_of = {o.id: r for o, r in trained}
-        flat = [zero_variance(g.outputs, [reward_of.get(o.id) for o in g.outputs]) for g in self.groups]
+        flat = [zero_variance(g.outputs, [reward_of.get(o.id) for o in g.outputs]) for g in self.groups] + [
+            zero_variance(g.outputs, g.rewards) for g in self.filtered]  # the filter's: flat, or the share reads 0
         trace = [(self.start, self.num_launched), *self.running_trace]
         return {
             "sched/round_kind": self.kind,

@@ -208,23 +208,38 @@ class _Failures:
     which of two hung calls times out first is a race, and the message should not depend on it)."""
     first_order: int = -1
 
-    def add(self, scoring: _Scoring, error: str | None) -> None:
+    def add(self, counted: _Counted, error: str | None) -> None:
         self.calls += 1
         if error is not None:
             self.failed += 1
-            if not self.first or scoring.order < self.first_order:
-                self.first, self.first_order = f"row {scoring.row['id']!r}: {error}", scoring.order
+            if not self.first or counted.order < self.first_order:
+                self.first, self.first_order = f"row {counted.row_id!r}: {error}", counted.order
 
 
 NONE_APPLIES = ""
 """The :class:`_Failures` key of the responses that no function scored (all returned None)."""
 
 
+@dataclass(slots=True)
+class _Counted:
+    """What the metrics count of one scored response, kept until its round takes it
+    (:meth:`RewardScheduler.take_metrics`): a response the round did not train is counted nowhere."""
+
+    row_id: Any
+    order: int
+    values: dict[str, float] = field(default_factory=dict)
+    """Metric (``NAME``, ``NAME/KEY``, the environment's) -> this response's number."""
+    calls: dict[str, str | None] = field(default_factory=dict)
+    """Function name (or NONE_APPLIES) -> its error, None where it scored."""
+    errored: bool = False
+    """Its reward failed (scored 0 under reward.on_error skip)."""
+    seconds: float = 0.0
+    """Its scoring time."""
+
+
 @dataclass
 class _Tally:
-    """What the metrics count of the responses scored since :meth:`RewardScheduler.take_metrics`: the training
-    rounds' or the held-out rounds' (a training response a round kept no group of may be scored during an
-    evaluation: it counts with training's)."""
+    """What the metrics count of the responses a round takes (:meth:`RewardScheduler.take_metrics`)."""
 
     sums: collections.Counter[str] = field(default_factory=collections.Counter)
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -236,6 +251,15 @@ class _Tally:
     """Function name (or NONE_APPLIES) -> its calls and failures."""
     seconds: float = 0.0
     """Scoring time, summed (workers run in parallel)."""
+
+    def add(self, counted: _Counted) -> None:
+        for metric, value in counted.values.items():
+            self.sums[metric] += value
+            self.counts[metric] += 1
+        for name, error in counted.calls.items():
+            self.failures[name].add(counted, error)
+        self.errors, self.responses = self.errors + counted.errored, self.responses + 1
+        self.seconds += counted.seconds
 
 
 def _failed(tally: _Tally, name: str, where: str) -> str:
@@ -273,7 +297,9 @@ class _Scoring:
     """An episode whose environment failed: it trains nothing, so no function scores it (a group function's call
     on its group leaves it out) and no metric counts it; its reward is 0."""
     held_out: bool = False
-    """A held-out round's: counted in :attr:`RewardScheduler.held_out`."""
+    """A held-out round's: counted apart from the training rounds' (:attr:`RewardScheduler.counted`)."""
+    counted: _Counted | None = None
+    """What the metrics count of it (made at :meth:`RewardScheduler.submit`)."""
 
     @property
     def values(self) -> dict[str, float | None]:
@@ -324,8 +350,9 @@ class RewardScheduler:
         """Each scored response's ``rewards`` (the value per function; None: did not apply or failed), ``extra``
         (:attr:`_Scoring.extra`) and ``reward_error`` (function name -> what went wrong; None), until
         :meth:`take_values`."""
-        self.trained, self.held_out = _Tally(), _Tally()
-        """What the metrics count of the training rounds' responses, and of the held-out rounds'."""
+        self.counted: dict[bool, dict[Any, _Counted]] = {False: {}, True: {}}
+        """Held out (a held-out round's) -> each scored response's counts, until a round takes them
+        (:meth:`take_metrics`). A training response scored while an evaluation runs counts with training's."""
         self.state = TrainerState()
         """TRL's ``trainer_state`` of the responses submitted now (the controller sets it each round)."""
 
@@ -339,17 +366,16 @@ class RewardScheduler:
         if key in self._scoring:
             return
         failed = output.finish_reason == "error"
-        scoring = _Scoring(row, next(self._submitted), output.env_reward, bool(output.step_rewards) and not failed,
-                           failed=failed, held_out=held_out)
+        order = next(self._submitted)
+        scoring = _Scoring(row, order, output.env_reward, bool(output.step_rewards) and not failed, failed=failed,
+                           held_out=held_out, counted=_Counted(row["id"], order))
         self._scoring[key] = scoring
         if len(self._scoring) > MAX_VALUES:  # responses waiting for a group the policy never completed
             del self._scoring[next(iter(self._scoring))]
         if scoring.env_scored:  # TRL's rewards/ENV/mean
-            tally = self._tally(scoring)
-            tally.sums[ENVIRONMENT] += scoring.env_reward
-            tally.counts[ENVIRONMENT] += 1
+            scoring.counted.values[ENVIRONMENT] = scoring.env_reward
         if not self.functions:
-            self._ready.append((key, self._reward(self._scoring.pop(key))))
+            self._ready.append((key, self._reward(key, self._scoring.pop(key))))
             return
         if failed:
             self._unscored(key, [f for f in self.functions if not f.ref.per_group])
@@ -486,7 +512,8 @@ class RewardScheduler:
         for s in scored:
             key, name = s.key
             scoring = self._scoring.get(key.keys[0] if isinstance(key, Members) else key)
-            (self.trained if scoring is None else self._tally(scoring)).seconds += s.seconds
+            if scoring is not None:
+                scoring.counted.seconds += s.seconds
             if isinstance(key, Members):  # a group function's call: one value per response
                 n = len(key.keys)
                 per = (s.score, s.metrics, s.info) if s.error is None else ([None] * n, [{}] * n, [{}] * n)
@@ -504,9 +531,8 @@ class RewardScheduler:
         scoring.scored[name] = s
         if len(scoring.scored) < len(self.functions):
             return []
-        tally = self._tally(scoring)
         for fname, r in () if scoring.failed else scoring.scored.items():
-            tally.failures[fname].add(scoring, r.error)
+            scoring.counted.calls[fname] = r.error
             if r.error is not None:
                 scoring.errors[fname] = f"reward function {fname!r} failed on row {scoring.row['id']!r}: {r.error}"
             else:
@@ -514,33 +540,34 @@ class RewardScheduler:
                 scoring.extra |= {f"{fname}/{k}": v for k, v in r.info.items()}
                 for metric, value in ({fname: r.score} | {f"{fname}/{k}": v for k, v in r.metrics.items()}).items():
                     if value is not None:
-                        tally.sums[metric] += value
-                        tally.counts[metric] += 1
+                        scoring.counted.values[metric] = value
         self.values[key] = {"rewards": scoring.values, "extra": scoring.extra, "reward_error": scoring.errors or None}
         if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
             del self.values[next(iter(self.values))]
-        return [(key, self._reward(self._scoring.pop(key)))]
+        return [(key, self._reward(key, self._scoring.pop(key)))]
 
-    def _reward(self, scoring: _Scoring) -> float:
+    def _reward(self, key: Any, scoring: _Scoring) -> float:
         """The weighted sum over the functions that apply, plus the environment's rewards; a function's
-        error is raised (fail) or scored 0 (skip)."""
+        error is raised (fail) or scored 0 (skip). Its counts wait for the round that takes them."""
         if scoring.failed:
             return 0.0
+        counted = self.counted[scoring.held_out]
+        counted[key] = scoring.counted
+        if len(counted) > MAX_VALUES:  # responses scored but never trained (tail's surplus, filtered groups)
+            del counted[next(iter(counted))]
         values = scoring.values
         applied = [(f.weight, values[f.name]) for f in self.functions if values[f.name] is not None]
         errors = [scoring.errors[f.name] for f in self.functions if f.name in scoring.errors]
-        tally = self._tally(scoring)
-        tally.responses += 1
         if not errors and not applied and self.functions and not scoring.env_scored:
             none = (f"{', '.join(f.name for f in self.functions)} returned None (does not apply); add a function "
                     "that scores it, or take the row out of the data")
             errors = [f"no reward function scores row {scoring.row['id']!r}: {none}"]
-            tally.failures[NONE_APPLIES].add(scoring, none)
+            scoring.counted.calls[NONE_APPLIES] = none
         if errors:
             if self.cfg.on_error == "fail":
                 raise RewardFunctionError(f"{'; '.join(errors)} (--reward.on-error fail stops the run; skip scores "
                                           "such a response 0 and counts it in reward/errors)")
-            tally.errors += 1
+            scoring.counted.errored = True
             return scoring.env_reward
         return sum(w * v for w, v in applied) + scoring.env_reward
 
@@ -548,15 +575,18 @@ class RewardScheduler:
         """The ``rewards`` and ``extra`` of the responses ``keys`` (those scored: :attr:`values`), forgotten here."""
         return {k: self.values.pop(k) for k in keys if k in self.values}
 
-    def take_metrics(self, where: str = "", held_out: bool = False) -> dict[str, float]:
-        """Since the last call, of the training rounds' responses (``held_out``: the held-out rounds'):
-        ``reward/NAME`` (each function's mean where it applied, and of the other numbers it returned),
-        ``reward/environment`` (the environments' rewards, where they gave one), ``reward/errors`` and
-        ``reward/seconds_total`` (summed scoring time). Logs one warning per function that failed, with a count.
-        Raises :class:`RewardFunctionError` when the round's rewards (``where``: default "step N") are noise
-        (:meth:`verdict`)."""
-        where = where or f"step {self.state.global_step}"
-        tally = self.held_out if held_out else self.trained
+    def take_metrics(self, where: str = "", held_out: bool = False, keys: Collection | None = None
+                     ) -> dict[str, float]:
+        """Of the responses ``keys`` (those scored; None: every one scored since the last call), the training
+        rounds' (``held_out``: the held-out rounds'): ``reward/NAME`` (each function's mean where it applied, and
+        of the other numbers it returned), ``reward/environment`` (the environments' rewards, where they gave
+        one), ``reward/errors`` and ``reward/seconds_total`` (their summed scoring time). Logs one warning per
+        function that failed, with a count. Raises :class:`RewardFunctionError` when the round's rewards
+        (``where``: default "step N") are noise (:meth:`verdict`)."""
+        where, counted, tally = where or f"step {self.state.global_step}", self.counted[held_out], _Tally()
+        for key in list(counted) if keys is None else keys:
+            if (c := counted.pop(key, None)) is not None:
+                tally.add(c)
         metrics = {f"reward/{k}": tally.sums[k] / n for k, n in tally.counts.items()}
         metrics |= {"reward/errors": tally.errors, "reward/seconds_total": tally.seconds}
         stop = self.verdict(where, tally)
@@ -564,10 +594,6 @@ class RewardScheduler:
             if f.failed and not stop:  # a stop says it all, once
                 logger.warning("%s, scored 0 (--reward.on-error skip); first on %s", _failed(tally, name, where),
                                f.first)
-        if held_out:
-            self.held_out = _Tally()
-        else:
-            self.trained = _Tally()
         if stop:
             raise RewardFunctionError(stop)
         return metrics
@@ -588,9 +614,6 @@ class RewardScheduler:
         return (f"{tally.errors} of {tally.responses} responses at {where} had a reward error, more than "
                 f"--reward.max-error-frac {self.cfg.max_error_frac:g}: {_failed(tally, name, where)}, first on "
                 f"{worst.first}. {fix}")
-
-    def _tally(self, scoring: _Scoring) -> _Tally:
-        return self.held_out if scoring.held_out else self.trained
 
     def state_dict(self) -> dict:
         return {"functions": {f.name: f.state_dict() for f in self.functions}}

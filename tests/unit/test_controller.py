@@ -30,7 +30,7 @@ class Rewards:
 
         self.state = TrainerState()
 
-    def take_metrics(self) -> dict[str, float]:
+    def take_metrics(self, keys=None) -> dict[str, float]:
         return {"reward/errors": 1, "reward/seconds_total": 1.5}
 
 
@@ -72,6 +72,9 @@ def test_make_batch_and_round_stats(mask_truncated):
     assert stats["reward/zero_variance_frac"] == 0  # both groups' responses differ
     solved = Group(prompt=2, outputs=[output(3), output(4)], rewards=[1.0, 1.0])  # nothing to learn from
     assert ctl.round_stats(round_result([solved, kept]))["reward/zero_variance_frac"] == 0.5
+    dropped = round_result([kept])  # --schedule.filter-zero-variance dropped the flat group: the share counts it
+    dropped.filtered = [solved]
+    assert ctl.round_stats(dropped)["reward/zero_variance_frac"] == 0.5
     assert stats["reward/errors"] == 1 and stats["rollout/truncated"] == 1
     assert stats["reward/overlong_penalty_mean"] == pytest.approx(-0.75 / 5)
     assert stats["rollout/response_lengths"] == [10, 90, 100, 5, 7]

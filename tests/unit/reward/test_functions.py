@@ -151,6 +151,26 @@ def test_a_training_response_scored_during_an_evaluation_counts_in_trainings_met
     assert (trained["reward/length"], trained["reward/errors"]) == (0.5, 1)
 
 
+def test_a_rounds_reward_metrics_count_the_responses_it_trains_and_none_it_left(funcs):
+    """reward/NAME and reward/errors counted every response scored since the last step: tail's surplus and the
+    responses of deferred or filtered prompts, scored but not trained, and those scored after their step (a round
+    waits for none of them) went into the next step's. With one function reward/NAME was not reward/mean."""
+    scheduler = RewardScheduler(RewardConfig(funcs=funcs("length", "raises"), num_workers=0, max_error_frac=1.0),
+                                lambda ids: RESPONSES[ids[0] % 2])
+    try:
+        for key, n in (("0:0:0", 5), ("0:0:1", 9), ("0:1:0", 7)):  # 0:1:0 is surplus: no round trains it
+            scheduler.submit(key, ROWS[0], Response(id="", prompt_ids=[], token_ids=[0] * n))
+        assert len(scheduler.wait()) == 3
+        step0 = scheduler.take_metrics(keys=["0:0:0", "0:0:1"])
+        scheduler.submit("1:0:0", ROWS[0], Response(id="", prompt_ids=[], token_ids=[0] * 3))
+        scheduler.wait()
+        step1 = scheduler.take_metrics(keys=["1:0:0"])
+    finally:
+        scheduler.close()
+    assert (step0["reward/length"], step0["reward/errors"]) == (pytest.approx(0.7), 2)
+    assert (step1["reward/length"], step1["reward/errors"]) == (pytest.approx(0.3), 1)
+
+
 def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
     cfg = RewardConfig(funcs=(*funcs("length", "exact", "compute_score"), "toy"), weights=(1.0, 2.0, 4.0, 8.0),
                        num_workers=2, on_error="fail")
