@@ -129,8 +129,8 @@ class Config:
     def __post_init__(self) -> None:
         if _READING_PRESET.get():  # its settings together are checked with the flags on top of them (parse)
             return
-        if nan := not_numbers(self):  # a comparison with NaN is false: most checks would pass it on
-            raise ValueError(f"{', '.join(nan)}: not a number; give one")
+        if bad := not_finite(self):  # a comparison with NaN is false: most checks would pass it on
+            raise ValueError(f"{', '.join(bad)}: not a finite number; give one (no setting takes NaN or infinity)")
         if self.num_steps <= 0 or min(self.checkpoint_every, self.eval_every, self.num_epochs) < 0:
             raise ValueError(f"num_steps={self.num_steps} must be > 0; checkpoint_every={self.checkpoint_every}, "
                              f"eval_every={self.eval_every} and num_epochs={self.num_epochs} >= 0")
@@ -360,14 +360,14 @@ class Config:
             )
 
 
-def not_numbers(settings: Any, prefix: str = "") -> list[str]:
-    """The paths of ``settings``' values that are NaN (``train.lr=nan``), in its sections too."""
+def not_finite(settings: Any, prefix: str = "") -> list[str]:
+    """The paths of ``settings``' values that are NaN or infinite (``train.lr=nan``), in its sections too."""
     found = []
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
         if dataclasses.is_dataclass(value):
-            found += not_numbers(value, f"{prefix}{f.name}.")
-        elif any(isinstance(v, float) and math.isnan(v) for v in (value if isinstance(value, tuple) else (value,))):
+            found += not_finite(value, f"{prefix}{f.name}.")
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if type(value) is tuple else (value,))):
             found.append(f"{prefix}{f.name}={value}")
     return found
 

@@ -74,17 +74,20 @@ def test_bad_settings_name_the_field(tmp_path):
            "--rollout.group-size", "3"]).check_world(2)
 
 
-def test_a_setting_that_is_not_a_number_is_refused_by_name(tmp_path, capsys):
-    """NaN passes every comparison's check (``lr < 0`` is false): a NaN learning rate trained NaN weights, a NaN
-    reward.timeout timed out every call. Every float setting's NaN is refused, in a preset too."""
-    with pytest.raises(SystemExit):
-        parse(["--train.lr", "nan"])
-    assert "train.lr=nan: not a number; give one" in " ".join(capsys.readouterr().err.replace("│", " ").split())
+def test_a_setting_that_is_not_a_finite_number_is_refused_by_name(tmp_path, capsys):
+    """NaN passes every comparison's check (``lr < 0`` is false): a NaN learning rate trained NaN weights; an
+    infinite reward.timeout crashed the reward pool's manager mid-run. Every float setting's NaN or infinity is
+    refused, in a preset too."""
+    for value in ("nan", "inf"):
+        with pytest.raises(SystemExit):
+            parse(["--train.lr", value])
+        assert f"train.lr={value}: not a finite number" in " ".join(capsys.readouterr().err.replace("│", " ").split())
     preset = tmp_path / "p.toml"
-    preset.write_text("[reward]\ntimeout = nan\n[train]\nkl_coef = nan\n")
+    preset.write_text("[reward]\ntimeout = inf\n[train]\nkl_coef = nan\n")
     with pytest.raises(SystemExit):
         parse(["--preset", str(preset)])
-    assert "reward.timeout=nan, train.kl_coef=nan: not a number" in capsys.readouterr().err
+    said = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert "reward.timeout=inf, train.kl_coef=nan: not a finite number" in said
 
 
 def test_choice_fields_are_typed_and_refuse_unknown_values_by_name(capsys):
