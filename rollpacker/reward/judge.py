@@ -97,6 +97,22 @@ def choose_resident_layers(
     return k
 
 
+def check_scores(cfg: JudgeConfig, tokenizer=None) -> bool:
+    """Whether the judge is a reward model (its score is the reward); a generative judge's verdicts 0..max_score
+    must each be one token of its tokenizer (``tokenizer``: loaded from ``cfg.model_path`` when not given), or a
+    ValueError naming the setting."""
+    from transformers import AutoTokenizer
+
+    if score_labels(read_config(cfg.model_path)) > 0:
+        return True
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.model_path)
+    for score in range(cfg.max_score + 1):
+        if len(tokenizer.encode(str(score), add_special_tokens=False)) != 1:
+            raise ValueError(f"reward.judge.max_score={cfg.max_score}: {str(score)!r} is several tokens for the "
+                             "judge's tokenizer; scores must be single tokens (try reward.judge.max_score=9)")
+    return False
+
+
 class Judge:
     """Scores (prompt, response) pairs with a judge model or a reward model on ``device`` (the actor's),
     many per call."""
@@ -109,12 +125,8 @@ class Judge:
         self.cfg = cfg
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.reward_model = score_labels(read_config(cfg.model_path)) > 0
+        self.reward_model = check_scores(cfg, self.tokenizer)
         """A reward model: its score is the reward (no rubric, no verdict)."""
-        for score in range(0 if self.reward_model else cfg.max_score + 1):
-            if len(self.tokenizer.encode(str(score), add_special_tokens=False)) != 1:
-                raise ValueError(f"judge.max_score={cfg.max_score}: {str(score)!r} is several tokens for the judge's "
-                                 f"tokenizer; scores must be single tokens (try judge.max_score=9)")
         model = load_model(cfg.model_path, "cpu", DTYPES[cfg.dtype])
         blocks = list(model.layers)
         del model.layers  # what remains: embedding, final norm, output head

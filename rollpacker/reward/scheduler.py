@@ -162,7 +162,10 @@ def build_functions(cfg: RewardConfig, environment: bool = False) -> list[Reward
     functions = []
     for spec, name, weight in zip(specs, names(specs), weights):
         if spec == "judge":
+            from rollpacker.reward.judge import check_scores
+
             check_judge_path(cfg.judge.model_path)
+            check_scores(cfg.judge)  # before the run starts: the judge is loaded at its first batch
             functions.append(JudgeFunction(Ref("judge", ""), weight, cfg))
         else:
             functions.append(kinds.get(spec, RewardFunction)(resolve(spec, name, name in cfg.group_funcs), weight, cfg))

@@ -280,8 +280,15 @@ def test_config_names_the_bad_field(overrides, match):
 
 
 def test_judge_refuses_multi_token_scores_and_too_many_layers():
+    from rollpacker.reward.config import RewardConfig
+    from rollpacker.reward.scheduler import build_functions
+
     with pytest.raises(ValueError, match="'10' is several tokens.*judge.max_score=9"):
         toy_judge(max_score=10)
+    # as reward.funcs is read, before the run starts (the judge loads at its first batch, after a rollout)
+    judge = JudgeConfig(model_path=str(toy_model_dir()), rubric=ADDER, max_score=10)
+    with pytest.raises(ValueError, match="reward.judge.max_score=10: '10' is several tokens"):
+        build_functions(RewardConfig(funcs=("judge",), judge=judge))
     with pytest.raises(ValueError, match="judge.resident_layers=5 but the judge has 4 layers"):
         toy_judge(resident_layers=5)
 
