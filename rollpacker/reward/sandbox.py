@@ -169,7 +169,7 @@ def _resolve(cfg: SandboxConfig) -> tuple[str, str]:
         return _RESOLVED[key]
     isolations = ("bwrap", "unshare") if cfg.isolation == "auto" else (cfg.isolation,)
     pythons = (cfg.python,) if cfg.python else (sys.executable, "/usr/bin/python3")
-    failures = []
+    failures, started = [], False
     for isolation in isolations:
         for python in dict.fromkeys(pythons):
             if not os.path.exists(python):
@@ -190,10 +190,14 @@ def _resolve(cfg: SandboxConfig) -> tuple[str, str]:
                 _RESOLVED[key] = isolation, python
                 return _RESOLVED[key]
             failures.append(f"{isolation} with {python}: {run.stderr.decode('utf-8', 'replace').strip()[-300:]}")
+            started = started or run.started
+    limits = (f"\nThe interpreter started and died: the sandbox's limits may not leave it room to start "
+              f"(reward.sandbox.memory_mb={cfg.memory_mb}, num_files={cfg.num_files}, num_procs={cfg.num_procs}): "
+              "raise them, or else" if started else "\nTo enable it:")
     raise SandboxUnavailable(
         "code sandbox: no OS isolation works here, so untrusted code will not run.\n  "
         + "\n  ".join(failures or [f"{cfg.isolation}: not found"])
-        + "\nTo enable it: install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) and allow "
+        + f"{limits} install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) and allow "
         "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu 24.04 also "
         "kernel.apparmor_restrict_unprivileged_userns=0); set reward.sandbox.python if the interpreter is the "
         "problem. Only for code you trust: --reward.sandbox.isolation none."

@@ -305,7 +305,14 @@ def test_unavailable_isolation_refuses_and_says_how(monkeypatch):
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap") as e:
         Sandbox(SandboxConfig())
     assert "--reward.sandbox.isolation none" in str(e.value)
-    assert "bwrap" in str(e.value) and "unshare" in str(e.value)
+    assert "bwrap" in str(e.value) and "unshare" in str(e.value) and "memory_mb" not in str(e.value)
+
+
+def test_limits_that_leave_the_interpreter_no_room_are_named_not_the_isolation(box, monkeypatch):
+    """memory_mb=8 (the interpreter cannot map its libraries) was told to install bubblewrap."""
+    monkeypatch.setattr(sandbox_module, "_RESOLVED", {})
+    with pytest.raises(SandboxUnavailable, match=r"started and died: .*\(reward.sandbox.memory_mb=8, num_files="):
+        Sandbox(SandboxConfig(memory_mb=8))
 
 
 def test_auto_falls_back_to_unshare(monkeypatch):
