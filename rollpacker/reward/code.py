@@ -25,6 +25,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.sandbox import Isolation, Sandbox, SandboxConfig, SandboxUnavailable
@@ -39,6 +40,19 @@ def extract_code(response: str) -> str | None:
     """The last fenced Python code block of ``response`` (```python, ```py or bare ```), or None."""
     blocks = [code for label, code in _CODE_BLOCK.findall(response) if label.lower() in _PYTHON]
     return blocks[-1] if blocks else None
+
+
+MAX_TIMEOUT = 3600.0
+"""The most seconds ``python -m rollpacker.reward.code --timeout`` gives a test (beyond it the sandbox's clock
+overflows)."""
+TESTS_FORMAT = 'a non-empty list of {"input": str, "output": str} objects'
+
+
+def valid_tests(tests: Any) -> bool:
+    """Whether ``tests`` (a row's field ``tests``) is :data:`TESTS_FORMAT` (an input may be null: empty stdin)."""
+    return isinstance(tests, list) and bool(tests) and all(
+        isinstance(t, dict) and isinstance(t.get("output"), str) and isinstance(t.get("input") or "", str)
+        for t in tests)
 
 
 def case_key(test: dict) -> str:
@@ -144,10 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     args = tyro.cli(CheckArgs, args=argv, prog="python -m rollpacker.reward.code", description=__doc__.split("\n\n")[0])
-    program = args.code.read_text()
-    tests = json.loads(args.tests.read_text())
-    if not isinstance(tests, list) or not all(isinstance(t, dict) and "output" in t for t in tests):
-        print(f'{args.tests}: expected a JSON list of {{"input": ..., "output": ...}} objects', file=sys.stderr)
+    try:
+        program, tests = args.code.read_text(), json.loads(args.tests.read_text())
+    except OSError as e:
+        print(f"python -m rollpacker.reward.code: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"python -m rollpacker.reward.code: {args.tests} is not JSON: {e}", file=sys.stderr)
+        return 2
+    if not valid_tests(tests) or not 0 < args.timeout <= MAX_TIMEOUT:
+        print(f"python -m rollpacker.reward.code: {args.tests} must hold {TESTS_FORMAT}, as a row's field 'tests', "
+              f"and --timeout ({args.timeout}) be in (0, {MAX_TIMEOUT:g}] seconds", file=sys.stderr)
         return 2
     try:
         box = Sandbox(SandboxConfig(isolation=args.isolation, python=args.python))

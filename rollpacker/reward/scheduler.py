@@ -30,7 +30,7 @@ from typing import Any, Callable, Collection
 
 from rollpacker.errors import UserError
 from rollpacker.imports import warm_up
-from rollpacker.reward.code import AdaptiveTimeout
+from rollpacker.reward.code import TESTS_FORMAT, AdaptiveTimeout, valid_tests
 from rollpacker.reward.config import RewardConfig, check_judge_path
 from rollpacker.reward.functions import (
     BUILTINS,
@@ -109,11 +109,8 @@ class CodeFunction(RewardFunction):
         self.timeouts = AdaptiveTimeout.from_config(cfg)
 
     def check_row(self, row: dict) -> None:
-        tests = row.get("tests")
-        if tests is not None and not (isinstance(tests, list) and tests and all(
-                isinstance(t, dict) and isinstance(t.get("output"), str) and isinstance(t.get("input") or "", str)
-                for t in tests)):
-            raise ValueError('field \'tests\' must be a non-empty list of {"input": str, "output": str} objects')
+        if row.get("tests") is not None and not valid_tests(row["tests"]):
+            raise ValueError(f"field 'tests' must be {TESTS_FORMAT}")
 
     def extra(self, row: dict) -> dict:
         if not row.get("tests"):

@@ -405,7 +405,7 @@ def test_adaptive_timeout():
     assert resumed.timeouts([t1, t2]) == [6.0, 30.0] and resumed.anchors == {case_key(t1): 4.0, case_key(t2): 50.0}
 
 
-def test_cli(tmp_path):
+def test_cli(tmp_path, capsys):
     (tmp_path / "prog.py").write_text("print(sum(map(int, input().split())))\n")
     tests = [{"input": "1 2", "output": "3"}, {"input": "2 2", "output": "5"}, {"input": "", "output": "0"}]
     (tmp_path / "tests.json").write_text(json.dumps(tests))
@@ -419,3 +419,11 @@ def test_cli(tmp_path):
     assert verdict["passed"] is False
     assert verdict["verdict"] == ["PASS", "WRONG", "RUNTIME_ERROR"]
     assert len(verdict["seconds"]) == 3 and all(0 < s < 5 for s in verdict["seconds"])
+    # bad input exits 2 (1 is "a test failed") with one line, not a traceback; [] passed, which the trainer refuses
+    from rollpacker.reward.code import main
+
+    for text, timeout, said in (('[{"input": "1 2", "output": 3}]', "5", "must hold a non-empty list"),
+                                ("[]", "5", "must hold a non-empty list"), ("{bad", "5", "tests.json is not JSON"),
+                                (json.dumps(tests), "inf", "--timeout (inf) be in (0, 3600]")):
+        (tmp_path / "tests.json").write_text(text)
+        assert main(cmd[3:-1] + [timeout]) == 2 and said in capsys.readouterr().err
