@@ -478,6 +478,8 @@ class LiveDisplay:
 
     def end_step(self, step: int, summary: dict[str, Any]) -> None:
         """Step ``step``'s line (one_step_off ends a step after starting the next one's rollout)."""
+        if self.num_steps:  # planned from the data left: a round that held prompts back runs one more
+            self.num_steps = max(self.num_steps, step + 1)
         clock = self.clock(step)
         line = format_summary(step, summary, f"/{self.num_steps} | {clock}" if self.num_steps else "")
         if self._progress is None:
@@ -486,8 +488,9 @@ class LiveDisplay:
         if step in self._tasks:
             self._progress.remove_task(self._tasks.pop(step))
         last = " | ".join(f"{k} {summary[k]:.3g}" for k in ("reward/mean", "reward/errors") if k in summary)
-        self._progress.update(self._run, completed=step + 1, description=f"step {step + 1}",
-                              tokens_per_s=summary.get("rollout/tokens_per_s", 0.0), clock=clock, last=last)
+        self._progress.update(self._run, completed=step + 1, total=self.num_steps or None,
+                              description=f"step {step + 1}", tokens_per_s=summary.get("rollout/tokens_per_s", 0.0),
+                              clock=clock, last=last)
         self._progress.console.print(line, markup=False, highlight=False)
 
     def close(self) -> None:

@@ -222,6 +222,16 @@ def test_live_display_plain_lines_when_not_a_terminal():
     assert lines == [expected.format(s) for s in range(2)]
 
 
+def test_a_step_past_the_planned_count_raises_the_count_it_is_shown_against():
+    """The count is planned from the data left: tail's held-back prompts took one step more, shown as step 9/8."""
+    out = io.StringIO()
+    display = LiveDisplay(enabled=True, stream=out, num_steps=2)
+    for step in range(3):
+        display.start_step(step, num_launched=8)
+        display.end_step(step, {"time/step": 1.5})
+    assert [line.split(" | ")[0] for line in out.getvalue().splitlines()] == ["step 0/2", "step 1/2", "step 2/3"]
+
+
 def test_live_display_names_the_step_ended_when_the_next_rollout_has_started():
     """one_step_off starts step k+1's rollout before it logs step k."""
     out = io.StringIO()
