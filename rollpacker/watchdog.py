@@ -96,8 +96,8 @@ def waiting(name: str, seconds: float | None = None):
     With ``seconds`` (at least the step's timeout): every group's timeout is ``seconds`` + :data:`GRACE_S`, and
     at ``seconds`` the heartbeat thread prints the diagnosis (:func:`diagnose`) and exits non-zero. Without: the
     wait lasts as long as the ranks it waits on work (:func:`stalled`, read every :data:`CHECK_S`); its
-    collectives' own timeout is :data:`LIVE_WAIT_S`. Restores the phase and deadline it found, and the timeout
-    (the step's, which :func:`at_step` may have changed meanwhile, outside another such phase)."""
+    collectives' own timeout is :data:`LIVE_WAIT_S`. Restores the phase (unless it raised) and deadline it found,
+    and the timeout (the step's, which :func:`at_step` may have changed meanwhile, outside another such phase)."""
     before = _state["phase"], _state["timeout"], _state["deadline"], _state["waits"]
     started = _config is not None
     if seconds is not None:  # never shorter than the step's own timeout (the first step's is long)
@@ -107,10 +107,13 @@ def waiting(name: str, seconds: float | None = None):
     _state["phase"] = name
     _state["deadline"] = 0.0 if seconds is None else time.time() + seconds
     _state["waits"], _state["checked"] = 0.0 if seconds is not None else time.time(), time.time()
+    failed = True
     try:
         yield
-    finally:
-        _state["phase"], _state["deadline"], _state["waits"] = before[0], before[2], before[3]
+        failed = False
+    finally:  # a failure keeps the phase (the innermost's): the diagnosis names where the collective failed
+        _state["phase"] = _state["phase"] if failed else before[0]
+        _state["deadline"], _state["waits"] = before[2], before[3]
         if started:
             set_timeout(before[1] if before[2] or before[3] else _step_timeout())
         progress()

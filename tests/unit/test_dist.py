@@ -90,6 +90,12 @@ def test_a_waiting_phase_restores_what_it_found():
     assert after.pop("moved") >= before.pop("moved") and after.pop("checked") > 0
     before.pop("checked")
     assert after == before
+    # a collective that failed inside it: the diagnosis names its phase (it named the one before: a rank killed in
+    # a save read "phase weight_sync"); its deadline is still dropped
+    with pytest.raises(RuntimeError), watchdog.waiting("handoff"), watchdog.waiting("checkpoint", 5.0):
+        raise RuntimeError("a peer exited")
+    assert watchdog._state["phase"] == "checkpoint" and watchdog._state["deadline"] == 0
+    watchdog._state["phase"] = before["phase"]
 
 
 def test_a_waiting_phase_in_which_the_first_step_ended_restores_the_later_steps_timeout(monkeypatch):
