@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             last = max(said)
             print(f"(torchrun's attempt {last}) " * bool(int(restarts)) + said[last], file=sys.stderr, flush=True)
             return code
-    if code < 0:  # the agent stopped by a signal while it started: no rank ran to say so
-        print(f"rollpacker: stopped by {signal.Signals(-code).name} before the ranks started", file=sys.stderr)
+    if code < 0:  # the agent killed by a signal it could not handle: as it started, or from outside (SIGKILL, OOM)
+        print(f"rollpacker: torchrun's agent was killed by {signal.Signals(-code).name}; its ranks, if any started, "
+              "exit as they see it gone", file=sys.stderr)
         return 128 - code
     return code
 

@@ -273,8 +273,9 @@ def _beat(rank: int, launcher: int | None) -> None:
     sending = None
     while not _stop.is_set():
         if launcher is not None and os.getppid() != launcher:  # reparented: torchrun is gone
-            print(f"rollpacker: rank {rank}: its launcher (torchrun, pid {launcher}) died at step {_state['step']}, "
-                  f"phase {_state['phase']}; exiting", file=sys.stderr, flush=True)
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # its node's ranks all see it: one says so
+                print(f"rollpacker: rank {rank}: its launcher (torchrun, pid {launcher}) died at step "
+                      f"{_state['step']}, phase {_state['phase']}; its node's ranks exit", file=sys.stderr, flush=True)
             os._exit(1)
         if _state["deadline"] and time.time() > _state["deadline"]:  # a waiting() phase overran: say who, then go
             print(f"rollpacker: {diagnose(rank, '', _heartbeats())}", file=sys.stderr, flush=True)

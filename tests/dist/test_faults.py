@@ -229,9 +229,10 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_resumes_losing_nothing(tmp_p
 def test_ranks_exit_when_their_torchrun_is_killed(tmp_path, nproc):
     """Torchrun starts its ranks in sessions of their own; SIGKILLed, it cannot stop them, so each
     rank's heartbeat thread sees its parent gone and exits instead of training on into the run
-    directory."""
+    directory. One of a node's ranks says so (each did)."""
+    err = tmp_path / "stderr"
     proc = subprocess.Popen(job(tmp_path, "--num-steps", "200", nproc=nproc), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, env=job_env())
+                            stderr=err.open("w"), start_new_session=True, env=job_env())
     ranks = []
     try:
         deadline = time.time() + 600
@@ -246,6 +247,8 @@ def test_ranks_exit_when_their_torchrun_is_killed(tmp_path, nproc):
             time.sleep(0.1)
         assert not any(worker_pid(tmp_path, rank) for rank in range(nproc)), "ranks outlived their torchrun by 30 s"
         assert metric_lines(tmp_path) <= killed + 10  # a step or a few, not the run's 200
+        assert err.read_text().count("rollpacker: rank 0: its launcher (torchrun, pid") == 1, err.read_text()
+        assert "rank 1: its launcher" not in err.read_text()
     finally:
         for pid in ranks:
             if pid:
