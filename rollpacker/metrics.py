@@ -260,8 +260,9 @@ class MetricsLogger:
                 self._file.truncate(end)
                 if not any(k.startswith("eval/") for k in metrics):
                     metrics |= evaluated
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._file.flush()
+        with _writing(self.path):
+            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._file.flush()
         if self._wandb_run is not None:
             import wandb
 
@@ -296,8 +297,9 @@ class MetricsLogger:
         and to the wandb table ``table`` with ``step``'s record; a value JSON has no type for (what a reward
         function logged) as its ``str``."""
         path = self.run_dir / "samples" / f"{name}.jsonl"
-        path.parent.mkdir(exist_ok=True)
-        path.write_text("".join(json.dumps(s, default=str) + "\n" for s in samples), encoding="utf-8")
+        with _writing(path):
+            path.parent.mkdir(exist_ok=True)
+            path.write_text("".join(json.dumps(s, default=str) + "\n" for s in samples), encoding="utf-8")
         if self._wandb_run is not None and samples:
             import wandb
 
@@ -357,6 +359,23 @@ def _step_of(line: str) -> int:
     except (ValueError, AttributeError):
         return -1
     return step if isinstance(step, int) else -1
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A write of ``path`` whose OSError (a full disk, a quota) stops the run in one line naming the file and the
+    free space, as a checkpoint's does."""
+    import shutil
+
+    from rollpacker.errors import UserError
+
+    try:
+        yield
+    except OSError as e:
+        free = shutil.disk_usage(next(p for p in path.parents if p.exists())).free / 2**20
+        raise UserError(f"metrics: writing {path} failed ({e.strerror or e}; {free:.1f} MiB free there): free disk "
+                        "space, then run again with --resume auto (the steps after the last checkpoint are done "
+                        "again, their records replaced)") from None
 
 
 def _init_wandb(run_dir: Path, config: MetricsConfig, run_config: dict):

@@ -119,6 +119,22 @@ def test_logger_disabled_writes_jsonl_without_wandb(tmp_path):
     assert _read_jsonl(tmp_path / "run" / "metrics.jsonl") == [{"step": 0, "reward/mean": 0.0}]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device every write fills)")
+def test_a_full_disk_under_the_metrics_stops_the_run_in_one_line_naming_the_file(tmp_path):
+    """metrics.jsonl is written every step, so a disk that fills meets it before a checkpoint: it was a traceback."""
+    from rollpacker.errors import UserError
+
+    logger = MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"), run_config={})
+    logger._file = open("/dev/full", "w")  # noqa: SIM115  (the logger's file, closed by it)
+    with pytest.raises(UserError, match=r"metrics: writing .*metrics.jsonl failed \(No space left on device; .* MiB "
+                                        r"free there\): free disk space, then run again with --resume auto"):
+        logger.log(0, {"reward/mean": 1.0})
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "step_0.jsonl").symlink_to("/dev/full")
+    with pytest.raises(UserError, match=r"writing .*step_0.jsonl failed \(No space left on device"):
+        logger.log_samples(0, "step_0", [{"completion": "x"}])
+
+
 def test_a_resume_drops_the_sample_files_of_the_steps_it_redoes(tmp_path):
     """Back to an older checkpoint: the abandoned run's samples of later steps stayed, and the report showed them
     as the run's newest. The evaluation of the resumed step stays, as its metrics do."""
