@@ -104,7 +104,8 @@ def _seen(signum: int) -> None:
                                                     " (Ctrl-C again to stop at once)")
         when = (f"after step {step} with a checkpoint" if step >= 0 else
                 "before the first step (still starting: nothing to save)")
-        _say(f"rollpacker: {_received.name}: stopping {when}{again}")
+        if not watchdog.error_reported():  # a rank failed first: torchrun's teardown signals the rest, no stop
+            _say(f"rollpacker: {_received.name}: stopping {when}{again}")
 
 
 def _say(line: str) -> None:

@@ -153,7 +153,7 @@ def start(config: DistConfig) -> None:
     previous = sys.excepthook
 
     def hook(kind, error, tb):
-        if _error_reported():  # a rank of this node reported an error to the launcher and left
+        if error_reported():  # a rank of this node reported an error to the launcher and left
             os._exit(1)
         what = _fault(error)
         view = _read_view()
@@ -296,7 +296,7 @@ _client: list = []
 
 
 def _send_beat(rank: int) -> None:
-    if _error_reported():  # its rank 0 may be gone with the store: no failed send to log
+    if error_reported():  # its rank 0 may be gone with the store: no failed send to log
         return
     try:
         _client[:] = _client or [_store()]
@@ -410,7 +410,7 @@ def error_file() -> str:
     return base and f"{base}.{_attempt()}"
 
 
-def _error_reported() -> bool:
+def error_reported() -> bool:
     """Whether a rank of this node reported an error to the ``rollpacker`` launcher (rollpacker.errors)."""
     path = error_file()
     return bool(path) and os.path.exists(path)

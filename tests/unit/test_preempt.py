@@ -1,7 +1,8 @@
-"""The stop signals' wakeup pipe survives an engine's asyncio loop (SGLang's) taking it over."""
+"""The stop signals: the wakeup pipe survives an engine's asyncio loop (SGLang's) taking it over; what a stop says."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,3 +37,14 @@ def test_a_stop_before_the_first_step_says_nothing_will_be_saved(signame):
     again = " (Ctrl-C again to stop at once)" if signame == "SIGINT" else ""
     assert out.stderr == (f"rollpacker: {signame}: stopping before the first step (still starting: nothing to "
                           f"save){again}\n")
+
+
+def test_a_signal_after_another_rank_reported_an_error_is_no_stop_to_announce(tmp_path):
+    """A rank's failed save, then torchrun's teardown SIGTERMs the others: rank 0 said it was stopping after step 2
+    with a checkpoint that never came. The error said is the story; the signal still stops the rank."""
+    (tmp_path / "error.0").write_text("rollpacker: checkpoint: saving step 3 failed")
+    script = ("import os, signal, time\nfrom rollpacker import preempt\npreempt.install()\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.5)\nprint(preempt.requested())")
+    env = {**os.environ, "ROLLPACKER_ERROR_FILE": str(tmp_path / "error"), "TORCHELASTIC_RESTART_COUNT": "0"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert out.stdout.split() == ["SIGTERM"] and out.stderr == "", out.stderr
