@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -53,8 +54,11 @@ class Preflight:
 
 
 def c_compiler() -> str | None:
-    """The compiler Triton would use (``CC``, else gcc, else clang), or None."""
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    """The compiler Triton would use (``CC``, else gcc, else clang), or None: also where ``CC`` names one that is
+    not there (Triton takes ``CC`` as given, and every compile would fail)."""
+    if cc := os.environ.get("CC", "").strip():
+        return shutil.which(shlex.split(cc)[0])
+    return shutil.which("gcc") or shutil.which("clang")
 
 
 def python_header() -> Path:
@@ -157,7 +161,9 @@ def triton_facts(device: str, facts: dict[str, Any]) -> tuple[list[str], dict[st
         return [], {}  # the interpreter compiles nothing
     lacks, env = [], {}
     if not facts["c_compiler"]:
-        lacks.append("a C compiler for Triton's launchers (apt-get install gcc, or set CC)")
+        cc = os.environ.get("CC", "").strip()
+        lacks.append(f"the C compiler CC={cc} names (fix or unset CC)" if cc else
+                     "a C compiler for Triton's launchers (apt-get install gcc, or set CC)")
     if not python_header().exists():
         lacks.append(f"Python.h at {facts['python_h']} (apt-get install python3-dev)")
     if not libcuda_listed():

@@ -16,7 +16,14 @@ import torch
 from rollpacker.gpu_check import STAGES
 from rollpacker.gpu_check.__main__ import parse, run_in_group, stage_env, stage_row, versions
 from rollpacker.gpu_check.preflight import Preflight, cache_env, loaded_libcuda_dir, preflight, triton_facts
-from rollpacker.gpu_check.stages import SIZES, compare_push, memory, near_tie, preempted_against_first
+from rollpacker.gpu_check.stages import (
+    SIZES,
+    compare_push,
+    memory,
+    near_tie,
+    preempted_against_first,
+    pushed_exactly,
+)
 
 
 def gone(pid: int) -> bool:
@@ -150,6 +157,27 @@ def test_the_push_check_catches_a_wrong_mapping_or_dtype_in_a_bf16_engine(push, 
     engine.update_weights(weights.items())
     result = compare_push(engine, model.named_parameters, cfg, "cpu")
     assert result["within_bar"] is within and result["engine_dtype"] == "torch.bfloat16", result
+    assert pushed_exactly(engine, model.named_parameters()) is within
+
+
+def test_the_push_check_catches_a_stale_push_the_logprobs_cannot_see():
+    """A push of the weights before a step at lr 1e-5 (less than bf16's rounding) passed the log-probs' bar."""
+    from rollpacker.model import ModelArgs, Transformer, empty_model
+    from rollpacker.rollout.config import EngineConfig
+    from rollpacker.rollout.torch_engine import TorchEngine
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_hf(SIZES["cpu"]["train_model"]))
+    model.init_weights()
+    stale = {k: v.detach().clone() for k, v in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-5 * torch.randn_like(p).sign())  # what an Adam step at lr 1e-5 moves
+    engine = TorchEngine(empty_model(model.args, "cpu", torch.bfloat16), EngineConfig(kv_memory_mb=8, max_num_seqs=4))
+    engine.update_weights(stale.items())
+    assert not pushed_exactly(engine, model.named_parameters())
+    engine.update_weights(model.named_parameters())
+    assert pushed_exactly(engine, model.named_parameters())
 
 
 def test_preflight_on_cuda_without_a_gpu_says_so_and_skips_every_stage(tmp_path):
@@ -179,6 +207,9 @@ def test_preflight_without_a_compiler_on_cuda_names_it_and_the_fix(tmp_path, mon
     lacks, _ = triton_facts("cuda", facts)
     assert facts["c_compiler"] is None and any("C compiler" in m and "apt-get install gcc" in m for m in lacks)
     assert triton_facts("cpu", {}) == ([], {})  # the interpreter compiles nothing
+    monkeypatch.setenv("CC", "/nonexistent/gcc -O2")  # Triton takes CC as given: it said "nothing missing"
+    lacks, _ = triton_facts("cuda", facts)
+    assert facts["c_compiler"] is None and "the C compiler CC=/nonexistent/gcc -O2 names (fix or unset CC)" in lacks
 
 
 def test_the_loaded_libcuda_is_found_by_the_file_its_link_points_to():
