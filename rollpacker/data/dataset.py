@@ -351,7 +351,8 @@ def _read(path: Path, split: str, skip_bad: bool, field: str) -> tuple[list[tupl
     if bad and not skip_bad:
         n, why = bad[0]
         raise DatasetError(f"{path}:{n}: {why} (fix the line, or set data.skip_bad_lines to skip bad rows)")
-    lines = [n for n in lines if n not in dict(bad)]
+    skipped = {n for n, _ in bad}  # a set once: per line, a dict of the bad ones was O(lines x bad)
+    lines = [n for n in lines if n not in skipped]
     if not lines:
         first = f": line {bad[0][0]}: {bad[0][1]}" if bad else ""
         raise DatasetError(f"{path}: no rows (the data is empty or holds only blank or bad rows{first})")

@@ -309,9 +309,12 @@ class _Scoring:
 
 BOTH_S = 0.05
 """Seconds :meth:`RewardScheduler.wait` waits on the workers, then on the async calls, when both run."""
-MAX_VALUES = 1 << 20
+MAX_VALUES = 1 << 18
 """Most per-function values :class:`RewardScheduler` keeps for responses not taken yet (a leak's bound: a round's
 are taken at its end, and ``reward.correct`` reads them till then)."""
+MAX_COUNTED = 1 << 16
+"""Most responses' counts (:class:`_Counted`) kept for a round to take: the oldest go first. A response no round
+trains (a filtered group, a deferred prompt's) stays till then: 64 a step filtered reached 700 MB at 1 << 20."""
 
 
 class RewardScheduler:
@@ -553,7 +556,7 @@ class RewardScheduler:
             return 0.0
         counted = self.counted[scoring.held_out]
         counted[key] = scoring.counted
-        if len(counted) > MAX_VALUES:  # responses scored but never trained (tail's surplus, filtered groups)
+        if len(counted) > MAX_COUNTED:  # responses scored but never trained (deferred prompts', filtered groups)
             del counted[next(iter(counted))]
         values = scoring.values
         applied = [(f.weight, values[f.name]) for f in self.functions if values[f.name] is not None]

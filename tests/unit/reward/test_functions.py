@@ -169,6 +169,22 @@ def test_a_rounds_reward_metrics_count_the_responses_it_trains_and_none_it_left(
         scheduler.close()
     assert (step0["reward/length"], step0["reward/errors"]) == (pytest.approx(0.7), 2)
     assert (step1["reward/length"], step1["reward/errors"]) == (pytest.approx(0.3), 1)
+    assert list(scheduler.counted[False]) == ["0:1:0"]  # kept for a round that may train it, up to MAX_COUNTED
+
+
+def test_the_counts_of_responses_no_round_takes_are_bounded(funcs, monkeypatch):
+    """A filtered group's or a deferred prompt's responses are counted by no round: 64 a step grew rank 0 by 700 MB."""
+    from rollpacker.reward import scheduler as module
+
+    monkeypatch.setattr(module, "MAX_COUNTED", 4)
+    scheduler = RewardScheduler(RewardConfig(funcs=funcs("length"), num_workers=0), lambda ids: "x")
+    try:
+        for i in range(10):
+            scheduler.submit(f"0:{i}:0", ROWS[0], Response(id="", prompt_ids=[], token_ids=[0] * 3))
+        scheduler.wait()
+    finally:
+        scheduler.close()
+    assert list(scheduler.counted[False]) == [f"0:{i}:0" for i in range(6, 10)]  # the newest
 
 
 def test_trl_and_verl_functions_weighted_and_none_left_out(funcs):
