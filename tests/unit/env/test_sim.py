@@ -214,7 +214,7 @@ def test_sim_episodes_cli_reports_speedups_over_sync(capsys):
     assert config(raced, "sync").schedule == config(EpisodesArgs(), "sync").schedule
     both = config(raced, "tail+stream+warm")
     assert both.warm and both.stream and not config(raced, "tail+stream").warm
-    with pytest.raises(ValueError, match="must be >= 1"):
+    with pytest.raises(ValueError, match="schedule.eta_long=0.5: each η must be a finite number >= 1"):
         config(EpisodesArgs(eta_long=0.5), "tail")
     with pytest.raises(ValueError, match="tail\\+paper"):
         config(EpisodesArgs(), "sync+paper")
