@@ -150,8 +150,8 @@ def qwen3_coder(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
     </function>\\n</tool_call>``. Values are text, converted by the tool's JSON schema (integer, number,
     boolean, object, array, null); an argument the schema does not type stays a string. A ``<function=``
     block without ``<tool_call>`` counts too (as vLLM reads it); a call cut after a closed parameter counts.
-    Only the text after the turn's ``</think>`` is read; a ``<tool_call>`` with another call opening before its
-    ``</tool_call>`` is text (``I wrap a call in <tool_call> tags``), not a malformed call."""
+    Only the text after the turn's ``</think>`` is read; a ``<tool_call>`` that no ``</tool_call>`` closes before
+    the next call or the turn's end is text (``I wrap a call in <tool_call> tags``), not a malformed call."""
     text = _after_think(text)
     properties = _properties(tools)
     calls: list[ToolCall] = []
@@ -165,13 +165,15 @@ def qwen3_coder(text: str, tools: Sequence[dict] = ()) -> list[ToolCall]:
         body = _skip_space(text, start + len("<tool_call>")) if wrapped else start
         if not text.startswith("<function=", body):
             later = _next_call(text, body)
-            if later >= 0 and text.find("</tool_call>", body, later) < 0:  # a mention: the call opens later
+            end = text.find("</tool_call>", body, later if later >= 0 else len(text))
+            if end < 0:  # a mention, not closed before the next call or the end: text
+                if later < 0:
+                    return calls
                 pos = later
                 continue
             calls.append(ToolCall("", {}, call_id, f"a tool call is {_QWEN3_CODER_FORM}: <tool_call> is not "
                                                    "followed by <function=NAME>"))
-            end = text.find("</tool_call>", body)
-            pos = len(text) if end < 0 else end + len("</tool_call>")
+            pos = end + len("</tool_call>")
             continue
         call, pos = _xml_function(text, body, call_id, properties)
         if wrapped:

@@ -169,7 +169,8 @@ class ToolEnv:
                 return f"error: {call.name} timed out: this turn's calls have {self.timeout:g} s (env.timeout)", True
             return f"error: {type(e).__name__}: {e}", True
         try:
-            return value if isinstance(value, str) else json.dumps(value, default=str), isinstance(value, Failed)
+            text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)  # "東京"
+            return text, isinstance(value, Failed)
         except (TypeError, ValueError) as e:  # a circular value, keys JSON cannot hold: the tool's, said as such
             return f"error: {call.name} returned {type(value).__name__} that JSON cannot write ({e})", True
 

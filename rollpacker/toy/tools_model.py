@@ -272,7 +272,9 @@ def run_episodes(engine, tokenizer, rows: list[dict], *, temperature: float = 0.
         episode = Episode(str(i), episodes.prompt_ids(row["prompt"], with_tools), episodes.bridge, seed=seed,
                           max_turns=MAX_TURNS, max_tokens=MAX_TURNS * MAX_NEW_TOKENS, max_new_tokens=MAX_NEW_TOKENS,
                           max_context=1024)
-        live[episode.id] = (episode, ToolEnv(TOOLS), {"tool_calls": 0, "tool_errors": 0})
+        env = ToolEnv(TOOLS)
+        contract.reset(env, seed=seed, row=row, max_turns=MAX_TURNS)  # as a run's: the last turn's calls are not run
+        live[episode.id] = (episode, env, {"tool_calls": 0, "tool_errors": 0})
         todo.append(episode.next_turn())
     while todo:
         outs = generate(engine, [Request(id=t.id, prompt_ids=t.prompt_ids, params=dataclasses.replace(

@@ -119,6 +119,15 @@ def circular(x: int) -> dict:
     value = {"x": x}
     value["self"] = value
     return value
+
+
+def city(x: int) -> dict:
+    """A value with other letters than ASCII.
+
+    Args:
+        x: Anything.
+    """
+    return {"city": "Tōkyō", "local": "東京"}
 '''
 
 
@@ -258,13 +267,15 @@ def test_a_reset_of_no_messages_or_a_schema_without_a_name_is_named_with_or_with
         for wrap in (lambda env: env, lambda env: ToolEnv(load_tools(("my_tools.py:add",)), inner=env)):
             with pytest.raises(contract.BadReturn, match=match):
                 contract.reset(wrap(contract.make(f"{files}/my_env.py:Garbage", {"bad": bad})), seed=0, row={})
-    env = ToolEnv(load_tools(("my_tools.py:circular", "my_tools.py:add")))
+    env = ToolEnv(load_tools(("my_tools.py:circular", "my_tools.py:add", "my_tools.py:city")))
     contract.reset(env, seed=0, row={})
     step = contract.step(env, '<tool_call>{"name": "circular", "arguments": {"x": 1}}</tool_call>'
-                              '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
-    assert [m["content"] for m in step.observation] == [
-        "error: circular returned dict that JSON cannot write (Circular reference detected)", "3"]
-    assert step.info == {"tool_calls": 2, "tool_errors": 1}
+                              '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+                              '<tool_call>{"name": "city", "arguments": {"x": 1}}</tool_call>')
+    assert [m["content"] for m in step.observation] == [  # the letters, not "T\\u014dky\\u014d": 3x the tokens
+        "error: circular returned dict that JSON cannot write (Circular reference detected)", "3",
+        '{"city": "Tōkyō", "local": "東京"}']
+    assert step.info == {"tool_calls": 3, "tool_errors": 1}
 
 
 def test_tools_alone_run_calls_until_the_model_answers(files):

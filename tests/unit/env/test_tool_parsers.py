@@ -208,12 +208,15 @@ ADD_2_3 = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}
 @pytest.mark.parametrize("name", list(ADD_2_3))
 def test_calls_are_read_after_the_reasoning_and_a_mentioned_tag_swallows_none(name):
     """A call drafted in <think> is not made (vLLM's Qwen3 reasoning parser and TRL read after </think>); a
-    <tool_call> written in a sentence, before the call, neither swallows the call nor is one."""
+    <tool_call> written in a sentence, before the call, after it or in an answer, neither swallows the call nor is
+    one (qwen3_coder read the last two as a broken call: the answer became a tool error)."""
     parser, call = PARSERS[name], ADD_2_3[name]
     assert parser(f"<think>\nI could write {call}, but 2+3 is easy.\n</think>\n\nThe answer is 5.", TOOLS) == []
     made = [("add", {"a": 2, "b": 3}, "call_0")]
     assert read(parser, f"<think>\nThe format is <tool_call> then the call.\n</think>\n\n{call}") == made
     assert read(parser, f"<think>\n{call}\n</think>\n\nI wrap a call in <tool_call> tags:\n{call}") == made
+    assert read(parser, f"{call}\nDone: I wrapped it in <tool_call> tags.") == made
+    assert parser("The answer is 5. (I would wrap a call in <tool_call> tags.)", TOOLS) == []
 
 
 def test_hermes_reads_a_calls_json_whole_before_its_tags():

@@ -173,6 +173,16 @@ def test_shipped_model_sometimes_calls_the_tool_and_answers_from_its_result(ship
                                                                 seed=0, with_tools=False))
 
 
+def test_eval_runs_no_call_of_the_last_turn_as_a_run_does(shipped):
+    """env.max_turns: a run does not run the last turn's calls; eval's environment, never reset, ran them (an
+    episode of 3 turns counted 3 calls)."""
+    engine, tokenizer = shipped
+    rows = [r for r in toy_tools.make_dataset(256, toy_tools.EVAL_SEED) if r["data_source"] == "hard"][:64]
+    results = ttm.run_episodes(engine, tokenizer, rows, temperature=2.0, seed=0)  # a call a turn, at most
+    assert all(r["tool_calls"] < r["turns"] for r in results)
+    assert any(r["turns"] == ttm.MAX_TURNS and r["tool_calls"] == ttm.MAX_TURNS - 1 for r in results)
+
+
 def test_shipped_model_greedy_answers_easy_problems_in_its_head(shipped):
     """The room RL has: greedy, the model answers directly, right on most easy problems, wrong on hard ones."""
     engine, tokenizer = shipped
