@@ -48,7 +48,7 @@ def export(checkpoint_dir: Path, out: Path | None, run_argv: list[str]) -> Path:
     from rollpacker.topology import Topology
 
     checkpoint_dir = whole_checkpoint(checkpoint_dir)
-    out = out or checkpoint_dir / "hf"  # a run's directory's hf is its end's export: not replaced unasked
+    out = (out or checkpoint_dir / "hf").resolve()  # a run's directory's hf is its end's export: not replaced unasked
     saved = checkpoint.train_state(checkpoint_dir).get("export_flags", [])  # the run's; flags given go after
     config = parse([*saved, *run_argv, "--dist.device", "cpu"])
     if not config.model.shipped:
@@ -99,6 +99,9 @@ def check_out(out: Path, checkpoint_dir: Path, lora: bool, model: str = "") -> N
     ``model.path`` (a model directory holds a config.json, as an export does)."""
     out = out.resolve()
     for path in (out, *([out.with_name(out.name + "_merged")] if lora else [])):
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {out}: {path} is a file, and the export writes a directory there; name a "
+                            "directory (default: CHECKPOINT/hf)")
         for held, what in ((checkpoint_dir, "the checkpoint"), *([(Path(model), "model.path")] if model else [])):
             if held.resolve().is_relative_to(path):
                 raise UserError(f"--out {out}: the export replaces {path} whole, and it holds {what} {held}; name a "

@@ -12,11 +12,13 @@ rollout TP (:meth:`Job.switch_tp`) and saves a checkpoint (:meth:`Job.save`). Th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,29 +126,37 @@ class Job:
         model, lora_cfg = self.trainer.model, self.config.train.lora
         merged = path.with_name(path.name + "_merged")
         if lora_cfg.rank:
-            fresh = self._fresh(path, writer)
-            lora.save_adapter(model, lora_cfg, fresh, self.model_dir, write=writer)
-            self._finish(fresh, path, writer, "the LoRA adapters as a PEFT adapter directory")
+            with self._fresh(path, writer) as fresh:
+                lora.save_adapter(model, lora_cfg, fresh, self.model_dir, write=writer)
+                self._finish(fresh, path, writer, "the LoRA adapters as a PEFT adapter directory")
             if not lora_cfg.export_merged:
                 if writer:
                     shutil.rmtree(merged, ignore_errors=True)  # an earlier export's: not this run's policy
                 return
             path = merged
-        weights, fresh = lora.merged_weights(model), self._fresh(path, writer)
-        if isinstance(model, HFDecoder):
-            save_hf(model, fresh, write=writer, dtype=config_dtype(self.model_dir), weights=weights)
-        else:
-            save_model(model, fresh, write=writer, dtype=checkpoint_dtype(model.args), weights=weights)
-        self._finish(fresh, path, writer, "the policy as a Hugging Face model")
+        weights = lora.merged_weights(model)
+        with self._fresh(path, writer) as fresh:
+            if isinstance(model, HFDecoder):
+                save_hf(model, fresh, write=writer, dtype=config_dtype(self.model_dir), weights=weights)
+            else:
+                save_model(model, fresh, write=writer, dtype=checkpoint_dtype(model.args), weights=weights)
+            self._finish(fresh, path, writer, "the policy as a Hugging Face model")
 
     @staticmethod
-    def _fresh(path: Path, writer: bool) -> Path:
-        """An empty directory beside ``path`` to export into (made by the writer)."""
+    @contextlib.contextmanager
+    def _fresh(path: Path, writer: bool) -> Iterator[Path]:
+        """An empty directory beside ``path`` to export into (made by the writer), removed if the export fails
+        (a disk that filled up kept the half-written weights)."""
         fresh = path.with_name(f".{path.name}.partial")
         if writer:
             shutil.rmtree(fresh, ignore_errors=True)
             fresh.mkdir(parents=True)
-        return fresh
+        try:
+            yield fresh
+        except BaseException:
+            if writer:
+                shutil.rmtree(fresh, ignore_errors=True)
+            raise
 
     def _finish(self, fresh: Path, path: Path, writer: bool, what: str) -> None:
         """The tokenizer and the rest of the model directory that is neither weights nor their config into

@@ -363,6 +363,8 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
 
 def write_report(run_dir: Path) -> list[Path]:
     """Write the plots of ``run_dir`` into ``run_dir/plots``; returns the paths written."""
+    if run_dir.is_file():
+        raise ReportError(f"{run_dir} is a file; pass the run's output directory ({run_dir.resolve().parent}?)")
     if not run_dir.is_dir():
         raise ReportError(f"run directory {run_dir} does not exist; pass the run's output directory")
     path = run_dir / "metrics.jsonl"

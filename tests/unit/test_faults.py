@@ -455,3 +455,15 @@ def test_an_export_out_holding_the_runs_model_is_refused(tmp_path):
                                             rf"and it holds model.path {re.escape(str(model))}; name a directory"):
             check_out(out, step, lora, model=str(model))
     check_out(tmp_path / "models" / "base", step, False, model=str(model))
+
+
+def test_a_failed_export_leaves_no_half_written_directory(tmp_path):
+    """A disk that filled up mid-export kept the half-written weights beside --out, taking the space it lacked."""
+    from rollpacker.job import Job
+
+    out = tmp_path / "hf"
+    with pytest.raises(OSError, match="No space left"):
+        with Job._fresh(out, writer=True) as fresh:
+            (fresh / "model.safetensors").write_bytes(b"\0" * 1024)
+            raise OSError(28, "No space left on device")
+    assert list(tmp_path.iterdir()) == []

@@ -448,6 +448,10 @@ def test_report_missing_dir_and_file(tmp_path, capsys):
     assert str(tmp_path / "nope") in capsys.readouterr().err
     assert report.main([str(tmp_path)]) == 2
     assert str(tmp_path / "metrics.jsonl") in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.5}\n')  # its file given: it "did not exist"
+    assert report.main([str(tmp_path / "metrics.jsonl")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'metrics.jsonl'} is a file; pass the run's output "
+                                       f"directory ({tmp_path}?)\n")
 
 
 def test_report_malformed_line_names_file_and_line(tmp_path, capsys):

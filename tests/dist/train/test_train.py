@@ -39,7 +39,8 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
                                                          f"exists: '{run_dir / '.hf.partial'}'): free disk space or "
                                                          "fix the permissions there, then run this again\n")
     (run_dir / ".hf.partial").unlink()
-    proc = launch_job(str(newest), "--out", str(hf), nproc=1, module="rollpacker.export")
+    hf.mkdir()  # --out . from inside it: Path(".").with_name failed after the whole build ("has an empty name")
+    proc = launch_job(str(newest), "--out", ".", nproc=1, module="rollpacker.export", cwd=hf)
     assert proc.returncode == 0 and (hf / "model.safetensors").is_file(), proc.stderr[-4000:]
     # a run on to step 2 whose final export fails in turn, then requeued: its run_dir/hf is step 1's, said so
     (run_dir / ".hf.partial").write_text("")
@@ -57,11 +58,14 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
     # run's own directory was deleted, its checkpoints and metrics with it)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "plan.txt").write_text("mine")
+    plan = tmp_path / "notes" / "plan.txt"
     for out, said in ((run_dir, f"the export replaces {run_dir} whole, and it holds the checkpoint {newest}"),
-                      (tmp_path / "notes", "holds files that are not an export's (plan.txt, ...)")):
+                      (tmp_path / "notes", "holds files that are not an export's (plan.txt, ...)"),
+                      (plan, f"{plan} is a file, and the export writes a directory there")):  # was a failed rename
         proc = launch_job(str(newest), "--out", str(out), nproc=1, module="rollpacker.export")
         assert proc.returncode == 1 and said in proc.stderr.splitlines()[-1], proc.stderr[-4000:]
-    assert newest.is_dir() and (run_dir / "metrics.jsonl").is_file() and (tmp_path / "notes" / "plan.txt").is_file()
+    assert newest.is_dir() and (run_dir / "metrics.jsonl").is_file() and plan.read_text() == "mine"
+    assert sorted(p.name for p in plan.parent.iterdir()) == ["plan.txt"]  # no .plan.txt.partial left
     # the run's model directory moved since: said with the fix (it was errno 2 on its config.json)
     proc = launch_job(str(newest), "--out", str(tmp_path / "out"), "--", "--model.path", str(tmp_path / "moved"),
                       nproc=1, module="rollpacker.export")
