@@ -386,7 +386,7 @@ def _sliced(splits: dict[str, Sequence], lines: list[int] | None, split: str, pa
         flag = "data.eval_split" if "eval" in field else "data.split"
         raise DatasetError(f"{field}: {path} has no split {split!r} ({e}); it has {', '.join(splits)} (set {flag}: "
                            "a split, or a slice such as train[:90%])") from None
-    records = {p.splitname: list(splits[p.splitname]) for p in parts}
+    records = {p.splitname: _records(splits[p.splitname]) for p in parts}
     first = parts[0].splitname if parts else ""
     return [("" if p.splitname == first else p.splitname, lines[i] if lines else i + 1, records[p.splitname][i])
             for p in parts for i in range(p.from_, p.to)]
@@ -400,12 +400,23 @@ def _load(path: Path, kind: str, field: str, shown: Path | None = None) -> list[
     if not path.stat().st_size:
         raise DatasetError(f"{shown}: no rows (the data is empty)")
     try:
-        return list(datasets.load_dataset(kind, data_files=str(path), split="train"))
+        return _records(datasets.load_dataset(kind, data_files=str(path), split="train"))
     except Exception as e:  # noqa: BLE001  (datasets wraps pyarrow's errors in its own)
         cause = e.__cause__ or e
         if "corresponds to no data" in str(cause) or "BatchSize must be greater than 0" in str(cause):  # json, parquet
             raise DatasetError(f"{shown}: no rows (the data is empty)") from None  # as datasets 4 says it
         raise DatasetError(f"{field}: {shown} cannot be read as {kind}: {type(cause).__name__}: {cause}") from None
+
+
+def _records(data: Sequence) -> list[dict]:
+    """A split's rows as dicts: a ``datasets.Dataset``'s through Arrow's ``to_list`` (200k rows of chat messages:
+    2.9 s, against 10.5 s row by row), unless a feature decodes (an image: its row gives the decoded one)."""
+    from datasets.features.features import require_decoding
+
+    features = getattr(data, "features", None)
+    if features is None or any(require_decoding(f) for f in features.values()):
+        return list(data)
+    return data.to_list()
 
 
 def _is_hub(path: Path) -> bool:
