@@ -1,8 +1,9 @@
 """The training job on SGLang (``--engine.kind sglang``, CPU): every policy runs a real 2-rank job
 to the end of an epoch and trains every prompt exactly once (the ledger, for the policies that keep
 one); a scheduler killed mid-run (the tail job) ends its rank with one error naming it, and
-torchrun's restart resumes the job losing nothing. The ``sglang`` tier (``pytest -m sglang``, after
-``bash launch/install.sh sglang``); the planner's refusal is a unit test."""
+torchrun's restart resumes the job losing nothing; a Ctrl-C stops it after its step, saved. The
+``sglang`` tier (``pytest -m sglang``, after ``bash launch/install.sh sglang``); the planner's refusal
+is a unit test."""
 
 from __future__ import annotations
 
@@ -97,3 +98,33 @@ def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_p
     assert "resuming from" in err
     assert trained(tmp_path) == {0: list(range(NUM_ROWS))}
     assert sum(r["sched/trained_prompts"] for r in steps(tmp_path).values()) == NUM_ROWS
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_stops_an_sglang_job_after_its_step_with_a_checkpoint(tmp_path):
+    """Ctrl-C at torchrun, which passes SIGINT on to each rank's process group (a Slurm stop's SIGTERM reaches
+    every process too): SGLang's processes died of it and their SIGQUIT ended the job as an engine failure, with
+    no checkpoint."""
+    import os
+
+    from rollpacker import checkpoint
+
+    job = " ".join(JOB).replace("num-toy-prompts 12", "num-toy-prompts 48").replace("checkpoint-every 1",
+                                                                                      "checkpoint-every 0")
+    cmd = job_command("schedule:tail", *job.split(), "--run-dir", str(tmp_path))  # 12 steps, the stop's save alone
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=sglang_env())
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        deadline = time.time() + 600
+        while not (metrics.exists() and metrics.read_text()) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before its stop"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stopped = checkpoint.latest(tmp_path)
+    assert stopped is not None and "EngineDied" not in err, cause(err)  # torchrun exits 1 of its own SIGINT
+    assert f"rollpacker: stopped on SIGINT with {stopped.name.split('_')[1]} of 100 steps done" in err, cause(err)
