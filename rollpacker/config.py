@@ -229,6 +229,11 @@ class Config:
                 raise ValueError(f"rollout.{name}={value} with engine.kind={self.engine.kind!r}: "
                                  f"{getattr(engine, why)}; set rollout.{name}={off}, or engine.kind={able}")
         r = self.rollout
+        if engine.no_stop_ids_with_replay and r.replay_lengths and r.stop_token_ids:
+            able = " or ".join(repr(k) for k, e in ENGINES.items() if not e.no_stop_ids_with_replay)
+            raise ValueError(f"rollout.replay_lengths with rollout.stop_token_ids={r.stop_token_ids} and engine.kind="
+                             f"{self.engine.kind!r}: {engine.no_stop_ids_with_replay}; set one of them, or "
+                             f"engine.kind={able}")
         if engine.no_top_k_with_top_p and r.top_k and r.top_p < 1:
             able = " or ".join(repr(k) for k, e in ENGINES.items() if not e.no_top_k_with_top_p)
             raise ValueError(f"rollout.top_k={r.top_k} with rollout.top_p={r.top_p} and engine.kind="

@@ -74,6 +74,9 @@ class EngineKind:
     no_top_k_with_top_p: str = ""
     """Why it cannot sample with both ``rollout.top_k`` and ``rollout.top_p`` as transformers does (top-p of the
     mass top-k leaves). "": it can."""
+    no_stop_ids_with_replay: str = ""
+    """Why it cannot stop at ``rollout.stop_token_ids`` while forcing lengths (``rollout.replay_lengths``: its requests
+    ignore EOS). "": it can."""
     no_block_size: str = ""
     """Why ``engine.block_size`` does not size its KV blocks. "": it does."""
     no_cpu_sampled_speculation: str = ""
@@ -127,7 +130,8 @@ ENGINES: dict[str, EngineKind] = {
         "SGLang 0.5.23's sampler asserts on min-p with a per-request seed (its engine dies at the first step), and "
         "without the seed a resumed run would not draw the same responses"), no_top_k_with_top_p=(
         "SGLang 0.5.23 cuts top-p on the whole distribution's mass, not on the mass top-k leaves (transformers', "
-        "vLLM's and TorchEngine's order), so it samples tokens they never would"), no_tp_switch=(
+        "vLLM's and TorchEngine's order), so it samples tokens they never would"), no_stop_ids_with_replay=(
+        "SGLang 0.5.23's ignore_eos, which forces a replayed length, ignores stop token ids too"), no_tp_switch=(
         "a TP switch would restart SGLang's engines, and SGLang's Engine.shutdown kills every child process of the "
         "rank (the reward workers too); a start also takes 20-50 s on CPU (its processes import SGLang)")),
 }
@@ -176,8 +180,10 @@ def sglang_speculative_args(config: EngineConfig, device_type: str) -> dict:
     CPU path lacks the kernel."""
     if config.speculative == "off":
         return {}
-    if device_type != "cuda":
-        raise ValueError(f"engine.speculative={config.speculative!r} with engine.kind=sglang on {device_type}: "
+    if device_type != "cuda":  # the device is known here: a one-line error, not each rank's traceback
+        from rollpacker.errors import UserError
+
+        raise UserError(f"engine.speculative={config.speculative!r} with engine.kind=sglang on {device_type}: "
                          "SGLang's NGRAM speculative decoding runs on CUDA only; set engine.speculative=off")
     return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": config.spec_max_tokens + 1,
             "speculative_ngram_max_bfs_breadth": 1}

@@ -113,8 +113,9 @@ def sglang_params(p: SamplingParams, remaining: int, eos_ids: tuple[int, ...], s
     ``ignore_eos`` ignores stop tokens too, so the contract's ignore_eos + stop_token_ids is refused; its
     repetition penalty counts only the tokens it generated, so a penalty is refused too, min-p (its sampler
     asserts on min-p with a seed), and top-k with top-p (its top-p is of the whole mass)."""
-    if p.ignore_eos and p.stop_token_ids:
-        raise ValueError("SGLang's ignore_eos also ignores stop_token_ids: set one of ignore_eos and stop_token_ids")
+    if p.ignore_eos and p.stop_token_ids:  # engine.kind=sglang with replay_lengths is refused at parse; auto on a GPU
+        raise ValueError(f"{ENGINES['sglang'].no_stop_ids_with_replay}: set one of rollout.replay_lengths and "
+                         "rollout.stop_token_ids, or engine.kind torch or vllm")
     if p.repetition_penalty != 1:  # engine.kind=sglang is refused at parse; auto may pick SGLang on a GPU
         raise ValueError(f"{ENGINES['sglang'].no_repetition_penalty}: set rollout.repetition_penalty=1, or "
                          "engine.kind torch or vllm")

@@ -377,6 +377,16 @@ def test_engine_rules_ask_the_engine_registry():
                                                  "engine.kind='torch' or 'vllm'"):
                 Config(engine=EngineConfig(kind=kind), rollout=both)
             Config(engine=EngineConfig(kind=kind), rollout=RolloutConfig(top_k=3))  # either alone: as theirs
+    # SGLang's ignore_eos (a replayed length) ignores stop tokens: the job died at its first request, engines started
+    replayed = RolloutConfig(replay_lengths=True, stop_token_ids=(5,))
+    for kind in ("auto", *ENGINES):
+        if kind == "auto" or not ENGINES[kind].no_stop_ids_with_replay:
+            Config(engine=EngineConfig(kind=kind), rollout=replayed)
+        else:
+            with pytest.raises(ValueError, match=rf"rollout.replay_lengths with rollout.stop_token_ids=\(5,\) and "
+                                                 rf"engine.kind='{kind}': SGLang 0.5.23.s ignore_eos, .* ignores stop "
+                                                 "token ids too; set one of them, or engine.kind='torch' or 'vllm'"):
+                Config(engine=EngineConfig(kind=kind), rollout=replayed)
 
 
 def test_choice_fields_are_checked_once_on_every_path(tmp_path):

@@ -98,7 +98,7 @@ def test_sampling_params():
         sglang_params(SamplingParams(max_new_tokens=4, top_k=3, top_p=0.4), 4, (257,), 0)
     with pytest.raises(ValueError, match="counts only the tokens it generated, not the prompt's"):
         sglang_params(SamplingParams(max_new_tokens=4, repetition_penalty=1.2), 4, (257,), 0)
-    with pytest.raises(ValueError, match="ignore_eos also ignores stop_token_ids"):
+    with pytest.raises(ValueError, match="ignores stop token ids too: set one of rollout.replay_lengths and rollout"):
         sglang_params(SamplingParams(max_new_tokens=4, ignore_eos=True, stop_token_ids=(5,)), 4, (257,), 0)
 
 
