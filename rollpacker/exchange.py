@@ -173,9 +173,9 @@ class RoundResult:
         ``solved``: whether each is correct (``reward/accuracy``: ``Controller.solved``); ``reward/zero_variance_frac``:
         the share of the step's groups whose responses all scored alike (no signal for a group baseline).
         ``reward/mean``, ``reward/accuracy``, ``rollout/env_tokens`` and ``env/info/`` leave out episodes whose
-        environment failed (``env/errors``), as their groups' advantages do; the reward ones are left out of a step
-        that trains no response (0 would read as every response wrong: its groups may have been filtered out for
-        all solving their prompts)."""
+        environment failed (``env/errors``), as their groups' advantages do; ``reward/mean`` and ``reward/accuracy``
+        are left out of a step that trains no response (0 would read as every response wrong: its groups may have
+        been filtered out for all solving their prompts), ``reward/zero_variance_frac`` of one with no group."""
         from rollpacker.rollout.engine import spec_metrics
 
         lengths = [len(o.token_ids) for o, _ in trained]
@@ -194,8 +194,9 @@ class RoundResult:
             "sched/failed_prompts": sum(all(o.finish_reason == "error" for o in g.outputs) for g in self.groups),
             "sched/aborted_responses": self.num_aborted,
             "rollout/wasted_tokens": self.wasted_tokens,
-            **({"reward/mean": mean(rewards), "reward/accuracy": mean(correct),
-                "reward/zero_variance_frac": mean(flat)} if rewards else {}),  # groups GRPO learns nothing from
+            **({"reward/mean": mean(rewards), "reward/accuracy": mean(correct)} if rewards else {}),
+            **({"reward/zero_variance_frac": mean(flat)} if flat else {}),  # groups GRPO learns nothing from: 1 when
+            # the filter dropped every group (the warning sign of a reward that scores every response alike)
             "reward/overlong_penalty_mean": mean(penalties),
             "time/reward_exposed": self.reward_exposed_s,
             "rollout/bubble_ratio": bubble_ratio(trace, self.num_launched, self.rollout_end),

@@ -75,6 +75,9 @@ def test_make_batch_and_round_stats(mask_truncated):
     dropped = round_result([kept])  # --schedule.filter-zero-variance dropped the flat group: the share counts it
     dropped.filtered = [solved]
     assert ctl.round_stats(dropped)["reward/zero_variance_frac"] == 0.5
+    every = round_result([])  # the filter dropped every group: the warning sign itself (the share went unlogged)
+    every.filtered = [solved]
+    assert ctl.round_stats(every)["reward/zero_variance_frac"] == 1 and "reward/mean" not in ctl.round_stats(every)
     assert stats["reward/errors"] == 1 and stats["rollout/truncated"] == 1
     assert stats["reward/overlong_penalty_mean"] == pytest.approx(-0.75 / 5)
     assert stats["rollout/response_lengths"] == [10, 90, 100, 5, 7]
