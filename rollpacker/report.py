@@ -145,13 +145,17 @@ def plot_response_lengths(records: list[dict], ax) -> bool:
 
 def plot_reward(records: list[dict], ax) -> bool:
     """Each reward series against step; a long per-step series faint, with its running mean over
-    ``SMOOTH`` steps drawn over it (one step's batch is too small to read a trend from)."""
+    ``SMOOTH`` steps drawn over it (one step's batch is too small to read a trend from); the held-out
+    evaluation's as it is (a mean over 10 evaluations was 100 steps at eval_every 10, labelled 10)."""
     drawn = []
     for key in REWARDS:
         points = [(r["step"], r[key]) for r in records if _plotted(r.get(key))]
         if not points or points in drawn:  # reward/mean is reward/accuracy when rewards are 0 or 1
             continue
-        _plot_series(ax, points, key)
+        if key.startswith("eval/"):
+            ax.plot(*zip(*points), marker="o", label=key)
+        else:
+            _plot_series(ax, points, key)
         drawn.append(points)
     if drawn:
         ax.set(xlabel="step", title="reward")

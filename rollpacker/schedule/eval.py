@@ -56,7 +56,8 @@ def eval_metrics(rewards: list[list[float]], solved: list[list[bool]], sources: 
     every, correct = [x for r in rewards for x in r], [c for s in solved for c in s]
     out = {"eval/accuracy": sum(correct) / len(correct), "eval/reward_mean": sum(every) / len(every)}
     groups = {"eval": list(zip(rewards, solved))}
-    for source in sorted({s for s in sources if s is not None}, key=str):  # a file's 2024 beside another's name
+    sources = [None if s is None else str(s) for s in sources]  # one file's 2024 and another's "2024": one key
+    for source in sorted({s for s in sources if s is not None}):
         groups[f"eval/{source}"] = [g for g, s in zip(groups["eval"], sources) if s == source]
     for prefix, group in groups.items():
         out[f"{prefix}/mean@{n}"] = sum(sum(r) for r, _ in group) / (n * len(group))

@@ -426,6 +426,26 @@ def test_the_prompt_check_reads_the_epochs_the_ledger_folded_into_counts(tmp_pat
         "  metrics.jsonl counts 24 prompts trained before step 6: not each once"]
 
 
+def test_the_reward_plot_draws_the_evaluations_as_they_are():
+    """A running mean over 10 points of eval/accuracy was one over 10 evaluations (100 steps at eval_every 10),
+    labelled a 10-step mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [{"step": s, "reward/mean": s / 600, **({"eval/accuracy": s / 600} if s % 10 == 0 else {})}
+               for s in range(601)]
+    fig, ax = plt.subplots()
+    try:
+        assert report.plot_reward(records, ax)
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert "reward/mean (10-step mean)" in lines and list(lines["eval/accuracy"].get_ydata()) == [
+            s / 600 for s in range(0, 601, 10)]
+    finally:
+        plt.close(fig)
+
+
 def test_the_reward_functions_plot_leaves_out_the_controllers_own_reward_metrics():
     import matplotlib
 

@@ -53,6 +53,8 @@ def test_eval_metrics_mean_and_unbiased_pass_at_k_per_data_source():
     # a file's data_source 2024 beside another file's name (the eval sets' data_source filled in)
     mixed = eval_metrics([[1.0], [0.0], [1.0]], [[True], [False], [True]], [2024, "math500", 2024])
     assert mixed["eval/2024/pass@1"] == 1.0 and mixed["eval/math500/pass@1"] == 0.0
+    same = eval_metrics([[1.0], [0.0]], [[True], [False]], [2024, "2024"])  # one key: the second overwrote the first
+    assert same["eval/2024/pass@1"] == 0.5 and same["eval/2024/mean@1"] == 0.5
 
 
 def test_a_held_out_episode_whose_environment_failed_counts_as_unsolved():
