@@ -151,13 +151,15 @@ class Config:
             self._check_data()
         from rollpacker.train.advantages import ADVANTAGES
 
-        distilled = self.train.teacher.path and self.train.teacher.in_loss  # its loss term trains without advantages
+        t = self.train.teacher  # distillation alone: its loss term trains without advantages
+        distilled = t.path and t.in_loss and not t.task_weight
         if self.rollout.group_size < 2 and ADVANTAGES[self.train.advantage].group_baseline and not distilled:
             others = " or ".join(k for k, e in ADVANTAGES.items() if not e.group_baseline)
+            alone = " (or train.teacher.task_weight 0: the teacher's loss term alone)" if t.path and t.in_loss else ""
             raise ValueError(f"rollout.group_size={self.rollout.group_size} with train.advantage="
                              f"{self.train.advantage!r}: its baseline is the group's, so a group of one response has "
-                             "advantage 0 and nothing would train. Set rollout.group_size to 2 or more (TRL's "
-                             f"num_generations), or train.advantage to {others}")
+                             "advantage 0 and the task's reward would train nothing. Set rollout.group_size to 2 or "
+                             f"more (TRL's num_generations), or train.advantage to {others}{alone}")
         if self.train.advantage == "gae" and self.train.critic.warmup_steps >= self.num_steps:
             raise ValueError(f"train.critic.warmup_steps={self.train.critic.warmup_steps} is not below num_steps="
                              f"{self.num_steps}: each step would train the critic alone and the policy never. Set it "

@@ -397,23 +397,23 @@ def build_trainer(config: Config, impl: str, meshes: Meshes) -> Trainer:
 
 
 def check_tokenizer(student: Path, other: str, setting: str) -> None:
-    """Refuse a teacher (train.teacher.path) or a critic (train.critic.path) whose tokenizer is not the
-    student's: it would score other tokens than the ones sampled."""
+    """Refuse a teacher (train.teacher.path) or a critic (train.critic.path) whose vocabulary is not the
+    student's: it would score other tokens than the ones sampled. Its EOS, BOS and pad may differ (a base
+    model's EOS beside an instruct model's): it scores the policy's ids, never ends or pads a sequence."""
     from transformers import AutoTokenizer
 
     where = Path(other)
     if not (where / "config.json").is_file():
         raise UserError(f"{setting}: {where} has no config.json: point it at a Hugging Face model directory")
-    mine, theirs = (AutoTokenizer.from_pretrained(p) for p in (student, where))
-    a, b = mine.get_vocab(), theirs.get_vocab()
+    if not any((where / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise UserError(f"{setting}: {where} has no tokenizer (tokenizer.json or tokenizer_config.json), so its "
+                        "vocabulary cannot be checked against model.path's: save the model's tokenizer beside it")
+    a, b = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (student, where))
     differ = sorted({t for t in a.keys() | b.keys() if a.get(t) != b.get(t)}, key=lambda t: a.get(t, b.get(t)))
-    special = [k for k in ("eos_token_id", "bos_token_id", "pad_token_id")
-               if getattr(mine, k) != getattr(theirs, k)]
-    if differ or special:
-        ids = f"; special ids differ: {', '.join(special)}" if special else ""
+    if differ:
         raise UserError(f"{setting}: {where}'s tokenizer is not model.path's ({student}): "
-                        f"{len(differ)} token(s) differ (e.g. {differ[:3]}){ids}. It scores the policy's sampled "
-                        "tokens, so both must share one tokenizer: pick a model of the same family")
+                        f"{len(differ)} token(s) differ (e.g. {differ[:3]}). It scores the policy's sampled "
+                        "tokens, so both must share one vocabulary: pick a model of the same family")
     rows = [vocab_size(p) for p in (student, where)]
     if None not in rows and rows[1] < rows[0]:  # the same tokens, fewer embedding rows (Qwen2.5 0.5B against 7B)
         raise UserError(f"{setting}: {where} has {rows[1]} token embeddings (config.json vocab_size), model.path "

@@ -259,9 +259,13 @@ def test_a_group_of_one_is_refused_where_the_advantage_takes_the_groups_baseline
                                              r"is the group's, .* or train.advantage to reinforce_pp or gae"):
             Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(advantage=advantage))
     assert Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(advantage="reinforce_pp"))
-    # on-policy distillation as a loss term trains a response alone
+    # on-policy distillation as a loss term trains a response alone; with the task's reward too, that trains nothing
     assert Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(teacher=TeacherConfig(
         path="teacher", in_loss=True, task_weight=0.0)))
+    with pytest.raises(ValueError, match=r"the task's reward would train nothing.*\(or train.teacher.task_weight 0: "
+                                         r"the teacher's loss term alone\)"):
+        Config(rollout=RolloutConfig(group_size=1), train=TrainConfig(teacher=TeacherConfig(path="teacher",
+                                                                                            in_loss=True)))
 
 
 def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest():

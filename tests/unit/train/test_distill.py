@@ -132,6 +132,18 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tmp_path):
                                         r"vocab_size\), model.path 258: .*pick a model with at least 258"):
         check_tokenizer(toy_model_dir(), str(other), "train.teacher.path")
     check_tokenizer(other, str(toy_model_dir()), "train.teacher.path")  # a teacher with more rows reads every id
+    # another EOS (a base model's beside an instruct one's): the same ids scored, accepted (it was refused)
+    shutil.rmtree(other)
+    shutil.copytree(toy_model_dir(), other)
+    settings = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<"}))
+    assert AutoTokenizer.from_pretrained(other).eos_token != AutoTokenizer.from_pretrained(toy_model_dir()).eos_token
+    check_tokenizer(toy_model_dir(), str(other), "train.teacher.path")
+    # no tokenizer files: transformers made an empty one, and "257 token(s) differ" was the refusal
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (other / name).unlink(missing_ok=True)
+    with pytest.raises(UserError, match=rf"train.teacher.path: {other} has no tokenizer \(tokenizer.json or "):
+        check_tokenizer(toy_model_dir(), str(other), "train.teacher.path")
 
 
 def test_the_teachers_loss_term_has_the_reverse_kls_gradient():
