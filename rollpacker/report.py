@@ -347,20 +347,14 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
         return f"{where}: {drawn} drawn in order and {what}, {verdict}{lost}"
     ledger = policy["ledger"]
     trained = collections.Counter(tuple(k) for k in ledger["trained"])
-    folded = {epoch: (n, filtered) for epoch, n, filtered in ledger.get("folded", ())}
-    num_trained = sum(trained.values()) + sum(n for n, _ in folded.values())
-    lines = [f"{where}: {num_trained} trained ({counted} in metrics.jsonl), {len(ledger['queue'])} deferred, "
-             f"{len(ledger['filtered']) + sum(f for _, f in folded.values())} filtered"]
-    for epoch in sorted(folded.keys() | {e for e, _ in trained}):
-        if epoch in folded:  # every prompt ended, checked as the epoch folded: counts are all the ledger keeps
-            n, filtered = folded[epoch]
-            lines.append(f"  epoch {epoch}: {n} of {sizes[epoch]} rows trained and {filtered} filtered; none twice")
-            continue
+    lines = [f"{where}: {sum(trained.values())} trained ({counted} in metrics.jsonl), "
+             f"{len(ledger['queue'])} deferred, {len(ledger['filtered'])} filtered"]
+    for epoch in sorted({e for e, _ in trained}):
         rows = collections.Counter({r: n for (e, r), n in trained.items() if e == epoch})
         twice = sorted(r for r, n in rows.items() if n > 1)
         lines.append(f"  epoch {epoch}: {len(rows)} of {sizes[epoch]} rows trained; "
                      + (f"twice: {twice}" if twice else "none twice"))
-    if num_trained != counted:
+    if sum(trained.values()) != counted:
         lines.append(f"  metrics.jsonl counts {counted} prompts trained before step {step}: not each once")
     return "\n".join(lines) + lost
 

@@ -204,7 +204,6 @@ class SortedPolicy(QueuedPolicy):
                 del self.buffer[e.key]
                 if e.state == "complete":
                     groups.append(e.group)
-        self.ledger.fold(self.sampler)
         staleness = [s for g in groups for s in g.staleness]
         self._stats |= {"deferred": deferred, "buffer_len": len(self.buffer), "epoch": self.sampler.epoch,
                         "staleness_mean": sum(staleness) / max(len(staleness), 1),

@@ -194,7 +194,6 @@ class TailPolicy(QueuedPolicy):
         deferred = [p.key for p in self.slots if p.state == "running"]
         for key in reversed(deferred) if long else deferred:  # a long round's go back to the front, oldest first
             self.ledger.settle(key, "deferred", front=long)
-        self.ledger.fold(self.sampler)
         if long and len(deferred) > len(self.slots) - self.target:
             raise AssertionError("tail: a long round deferred prompts it had to keep")
         self._stats |= {"deferred": len(deferred), "long_queue_len": len(self.ledger.queue),

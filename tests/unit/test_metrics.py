@@ -409,23 +409,6 @@ def test_the_prompt_check_of_a_run_resumed_here_from_another_runs_checkpoint_is_
         "resumed here from another's checkpoint: that run's metrics.jsonl holds the rest)")
 
 
-def test_the_prompt_check_reads_the_epochs_the_ledger_folded_into_counts(tmp_path, monkeypatch):
-    from rollpacker import checkpoint
-
-    records = [{"step": s, "sched/trained_prompts": 4} for s in range(7)]
-    ledger = {"queue": [[2, 5]], "trained": [[2, 1], [2, 3]], "filtered": [[2, 0]], "folded": [[0, 10, 0], [1, 8, 2]]}
-    monkeypatch.setattr(checkpoint, "newest_whole", lambda run_dir, announce: tmp_path / "step_6")
-    monkeypatch.setattr(checkpoint, "train_state", lambda path: {"step": 6, "policy": {
-        "name": "tail", "ledger": ledger, "sampler": {"num_rows": 10, "epoch": 2, "position": 4, "sizes": [10] * 3}}})
-    assert report.prompt_ledger(tmp_path, records).split("\n") == [
-        f"prompts (checkpoint {tmp_path / 'step_6'}, step 6, schedule:tail): 20 trained (24 in metrics.jsonl), "
-        "1 deferred, 3 filtered",
-        "  epoch 0: 10 of 10 rows trained and 0 filtered; none twice",
-        "  epoch 1: 8 of 10 rows trained and 2 filtered; none twice",
-        "  epoch 2: 2 of 10 rows trained; none twice",
-        "  metrics.jsonl counts 24 prompts trained before step 6: not each once"]
-
-
 def test_the_reward_plot_draws_the_evaluations_as_they_are():
     """A running mean over 10 points of eval/accuracy was one over 10 evaluations (100 steps at eval_every 10),
     labelled a 10-step mean."""

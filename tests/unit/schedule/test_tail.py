@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 from collections import Counter
 
 import pytest
@@ -48,10 +47,6 @@ def play(policy, step, length, reward=lambda row, k: float(k % 2)):
             break
     groups = policy.end_round([None] * len(aborted))
     return rnd, groups, finished, aborted
-
-
-def keys(groups):
-    return [(g.epoch, g.prompt) for g in groups]
 
 
 def tail(num_rows=40, p0=4, r0=2, **kw):
@@ -118,35 +113,33 @@ def test_queue_grows_until_p0_then_a_long_round_takes_the_oldest_p0_without_spec
 
 def test_an_over_provisioned_long_round_keeps_its_first_p0_and_requeues_the_rest_in_front_oldest_first():
     policy = tail(num_rows=12, p0=2, r0=2, eta_prompts=2, eta_long=2, num_epochs=1)
-    trained = []
     for step in range(2):  # short rounds launch 4, keep 2, defer 2
         rnd, groups, _, _ = play(policy, step, lambda row, k: 1000 + row + k)
         assert rnd.kind == "short" and len(groups) == 2
-        trained += keys(groups)
     queue = list(policy.ledger.queue)
     assert len(queue) == 4
     # the queue's two newest finish first: the long round keeps them, the two oldest go back in front, in order
     rnd, groups, _, aborted = play(policy, 2, lambda row, k: -[r for _, r in queue].index(row))
     assert rnd.kind == "long" and rnd.prompts == [r for _, r in queue] and rnd.keep == 2
-    assert keys(groups) == queue[2:] and len(aborted) == 4
-    trained += keys(groups)
+    assert [(g.epoch, g.prompt) for g in groups] == queue[2:] and len(aborted) == 4
     assert list(policy.ledger.queue) == queue[:2] and policy.stats()["sched/deferred"] == 2
     step = 3
     while not policy.done():  # the epoch's end flushes: every prompt trained once
-        trained += keys(play(policy, step, lambda row, k: row + k)[1])
+        play(policy, step, lambda row, k: row + k)
         step += 1
         assert step < 50
-    assert sorted(trained) == [(0, row) for row in range(12)] and not policy.ledger.queue
+    assert policy.ledger.rows(0, "trained") == list(range(12)) and not policy.ledger.queue
 
 
 def test_epoch_limit_trains_every_prompt_exactly_once_and_flushes_the_queue():
     num_rows, policy = 22, tail(num_rows=22, p0=4, r0=2, num_epochs=2)
-    step, trained = 0, []
+    step = 0
     while not policy.done():
-        trained += keys(play(policy, step, lambda row, k: 1000 if row % 5 == 0 else row + k)[1])
+        play(policy, step, lambda row, k: 1000 if row % 5 == 0 else row + k)
         step += 1
         assert step < 100
-    assert sorted(trained) == [(epoch, row) for epoch in (0, 1) for row in range(num_rows)]
+    for epoch in (0, 1):
+        assert policy.ledger.rows(epoch, "trained") == list(range(num_rows))
     assert not policy.ledger.queue and policy.ledger.counts() == Counter(trained=2 * num_rows)
     with pytest.raises(RuntimeError, match="no prompt left"):
         policy.start_round(step)
@@ -273,18 +266,17 @@ def test_retired_prompts_leave_later_epochs_and_the_ledger_accounts_for_the_rest
     their epoch-0 group ended after epoch 1 began (a round draws ahead); the ledger checks every event."""
     num_rows, solved = 22, {row for row in range(22) if row % 3 == 0}
     policy = TailPolicy(PromptSampler(num_rows, seed=1, retire_solved=1.0), 4, 2, num_epochs=3)
-    step, trained = 0, []
+    step = 0
     while not policy.done():
         _, groups, _, _ = play(policy, step, lambda row, k: 1000 if row % 5 == 0 else row + k,
                                reward=lambda row, k: 1.0 if row in solved else float(k % 2))
         for g in groups:
             policy.sampler.observe(g.prompt, [r >= 1 for r in g.rewards])
-        trained += keys(groups)
         step += 1
-    rows = {epoch: sorted(row for e, row in trained if e == epoch) for epoch in range(3)}
-    assert rows[0] == list(range(num_rows)) and rows[2] == sorted(set(range(num_rows)) - solved)
-    late = set(rows[1]) & solved
-    assert set(rows[1]) - late == set(range(num_rows)) - solved and len(late) < 2
+    assert policy.ledger.rows(0, "trained") == list(range(num_rows))
+    assert policy.ledger.rows(2, "trained") == sorted(set(range(num_rows)) - solved)
+    late = set(policy.ledger.rows(1, "trained")) & solved
+    assert set(policy.ledger.rows(1, "trained")) - late == set(range(num_rows)) - solved and len(late) < 2
     assert policy.sampler.sizes == [num_rows, num_rows - len(solved) + len(late), num_rows - len(solved)]
 
 
@@ -385,32 +377,6 @@ def test_ledger_refuses_double_launch_and_duplicate_checkpoint_entries():
         ledger.settle((0, 1), "trained")
     with pytest.raises(ValueError, match="twice"):
         Ledger().load_state_dict({"trained": [[0, 1]], "filtered": [], "queue": [[0, 1]]})
-
-
-def test_the_ledger_folds_each_finished_epoch_into_counts_and_a_resume_goes_on_from_them():
-    """A long run keeps no key per prompt of its past epochs; an epoch a deferred prompt still holds open stays."""
-    policy = tail(num_rows=10, p0=2, r0=2, num_epochs=4, filter_zero_variance=True)
-    step, trained, resumed = 0, [], None
-    while not policy.done():
-        trained += keys(play(policy, step, lambda row, k: 1000 if row % 4 == 0 else row + k,
-                             reward=lambda row, k: float(row % 3 == 0 or k % 2))[1])
-        epochs = {e for e, _ in policy.ledger.state}
-        assert not epochs & set(policy.ledger.folded) and len(epochs) <= 2
-        assert all(e < policy.sampler.epoch for e in policy.ledger.folded)
-        if step == 9:
-            resumed = tail(num_rows=10, p0=2, r0=2, num_epochs=4, filter_zero_variance=True)
-            resumed.load_state_dict(json.loads(json.dumps(policy.state_dict())))
-            assert resumed.ledger.folded == policy.ledger.folded and resumed.ledger.counts() == policy.ledger.counts()
-            policy = resumed
-        step += 1
-    assert resumed and sorted(policy.ledger.folded) == [0, 1, 2] and {e for e, _ in policy.ledger.state} == {3}
-    assert policy.ledger.counts() == Counter(trained=len(trained), filtered=16) == Counter(
-        {"trained": 4 * 6, "filtered": 4 * 4})
-    assert sorted(trained) == sorted((epoch, row) for epoch in range(4) for row in range(10) if row % 3)
-    with pytest.raises(ValueError, match="cannot be launched again"):
-        policy.ledger.launch((1, 2))
-    with pytest.raises(ValueError, match="which it folded"):
-        Ledger().load_state_dict({"trained": [[0, 1]], "filtered": [], "queue": [], "folded": [[0, 5, 0]]})
 
 
 def test_the_zero_variance_filter_leaves_out_an_episode_whose_environment_failed():
