@@ -32,6 +32,7 @@ from rollpacker.data.dataset import lasting_text
 from rollpacker.dist import Meshes, backend, build_meshes, init_distributed
 from rollpacker.errors import UserError
 from rollpacker.model import checkpoint_dtype, engine_dtype, lora, save_model
+from rollpacker.model.args import has_tokenizer
 from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
 from rollpacker.model.parallelize import build_for_training
 from rollpacker.plan.memory import Shape, check_fits
@@ -405,7 +406,7 @@ def check_tokenizer(student: Path, other: str, setting: str) -> None:
     where = Path(other)
     if not (where / "config.json").is_file():
         raise UserError(f"{setting}: {where} has no config.json: point it at a Hugging Face model directory")
-    if not any((where / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+    if not has_tokenizer(where):
         raise UserError(f"{setting}: {where} has no tokenizer (tokenizer.json or tokenizer_config.json), so its "
                         "vocabulary cannot be checked against model.path's: save the model's tokenizer beside it")
     a, b = (AutoTokenizer.from_pretrained(p).get_vocab() for p in (student, where))

@@ -25,7 +25,7 @@ from pathlib import Path
 from rollpacker import preempt
 from rollpacker.config import Config, as_flags, parse
 from rollpacker.errors import UserError, fail, report
-from rollpacker.model.args import adapter_note, score_labels
+from rollpacker.model.args import adapter_note, has_tokenizer, score_labels
 
 
 def checkpoint_step(path: str) -> int:
@@ -43,7 +43,7 @@ def check_model_dir(path: Path) -> None:
     if note := adapter_note(path):
         raise UserError(f"model.path: {note}")
     missing = [name for name in ("config.json",) if not (path / name).is_file()]
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+    if not has_tokenizer(path):
         missing.append("tokenizer (tokenizer.json or tokenizer_config.json)")
     if missing:
         raise UserError(f"model.path: {path} has no {' and no '.join(missing)}: it is not a Hugging Face model "

@@ -70,6 +70,18 @@ def ignore_stops(parent: int) -> None:
         os._exit(1)
 
 
+@contextlib.contextmanager
+def stops_blocked() -> Iterator[None]:
+    """The stop signals blocked in this thread, for the processes it spawns meanwhile to inherit the block: a stop
+    is the trainer's to handle. One sent meanwhile reaches this process as the block lifts."""
+    mp.resource_tracker.ensure_running()  # its first start would unblock SIGINT and SIGTERM
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def tasks(conn: mp.connection.Connection) -> Iterator[Any]:
     """In a worker: the tasks its pool sends, until told None. Each runs under a watchdog of faulthandler's, a C
     thread, which dumps the worker's stack and exits it ``ORPHAN_GRACE`` seconds after the pool should have
@@ -390,12 +402,8 @@ class WorkerPool:
         conn, child_conn = self._ctx.Pipe()
         process = self._ctx.Process(target=self._main, args=(child_conn, os.getpid(), *self._main_args()),
                                     name=f"{self._name}-worker", daemon=True)
-        mp.resource_tracker.ensure_running()  # its first start would unblock SIGINT and SIGTERM below
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # inherited: see ignore_stops
-        try:
+        with stops_blocked():  # inherited: see ignore_stops
             process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_conn.close()
         return _Worker(process, conn, started=time.monotonic())
 

@@ -136,6 +136,11 @@ def score_labels(cfg: dict[str, Any]) -> int:
     return len(cfg.get("id2label") or {}) or cfg.get("num_labels") or 2  # Hugging Face's default: 2
 
 
+def has_tokenizer(path: Path) -> bool:
+    """Whether the model directory ``path`` holds a tokenizer's files."""
+    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
 def adapter_note(path: Path) -> str | None:
     """Why ``path``, holding no ``config.json``, is no model if it is a PEFT adapter directory (a LoRA run's
     ``hf``), naming what to point at instead; None for any other directory."""

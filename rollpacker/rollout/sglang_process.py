@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import multiprocessing.resource_tracker
 import os
 import signal
 import threading
@@ -78,7 +77,12 @@ def cpu_binding(cpus: list[int], num_local_ranks: int) -> str:
 def start(sgl, server_args: dict):
     """``sgl.Engine(**server_args)`` started inside this rank, and its KV capacity in tokens; its
     processes are remembered for :func:`engine_died`."""
-    with _without_agent_store(), _keeping_signal_handlers() as restore, _stops_blocked():
+    from rollpacker.workers import stops_blocked
+
+    # SGLang's processes keep the stop signals blocked: a Ctrl-C at torchrun (passed on to each rank's process
+    # group) or a Slurm stop (to every process) is the rank's, which stops after the step with a checkpoint; they
+    # died of it, and their SIGQUIT ended the job as an engine failure, unsaved
+    with _without_agent_store(), _keeping_signal_handlers() as restore, stops_blocked():
         engine = sgl.Engine(**server_args)
         num_tokens = engine.get_server_info()["max_total_num_tokens"]  # before the loop's thread
         restore(engine.loop)
@@ -141,22 +145,6 @@ def _keeping_signal_handlers():
             signal.signal(signal.SIGQUIT, engine_died)
 
     yield restore
-
-
-@contextlib.contextmanager
-def _stops_blocked():
-    """The job's stop signals blocked while SGLang spawns its processes, which inherit the block and keep it: a
-    Ctrl-C at torchrun (passed on to each rank's process group) or a Slurm stop (to every process) is the rank's to
-    handle, stopping after the step with a checkpoint. SGLang's processes died of it, and their SIGQUIT ended the
-    job as an engine failure, unsaved. One sent meanwhile reaches the rank as the block lifts."""
-    from rollpacker.workers import STOP_SIGNALS
-
-    multiprocessing.resource_tracker.ensure_running()  # its first start unblocks SIGINT and SIGTERM
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 @contextlib.contextmanager
