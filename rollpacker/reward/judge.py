@@ -71,7 +71,8 @@ def activation_bytes_per_token(args: ModelArgs, dtype: torch.dtype) -> int:
 
 
 def choose_resident_layers(
-    *, num_layers: int, layer_bytes: int, fixed_bytes: int, num_tokens: int, bytes_per_token: int, budget_bytes: int
+    *, num_layers: int, layer_bytes: int, fixed_bytes: int, num_tokens: int, bytes_per_token: int, budget_bytes: int,
+    more_room: str = "free device memory",
 ) -> int:
     """K, the decoder layers to keep resident so that a forward of ``num_tokens`` fits the budget.
 
@@ -82,7 +83,7 @@ def choose_resident_layers(
     - else K = floor(room / layer_bytes) - 2: the two streaming buffers take two layers' room.
       (K = num_layers - 1 needs as much room as K = num_layers, so it never comes out.)
 
-    Raises :class:`RewardError` when even K = 0 does not fit.
+    Raises :class:`RewardError` when even K = 0 does not fit, naming ``more_room``: what gives the budget more.
     """
     room = budget_bytes - fixed_bytes - num_tokens * bytes_per_token
     if room >= num_layers * layer_bytes:
@@ -92,7 +93,7 @@ def choose_resident_layers(
         need = fixed_bytes + num_tokens * bytes_per_token + 2 * layer_bytes
         raise RewardError(
             f"judge batch of {num_tokens} tokens needs {need / 2**20:.1f} MiB with every layer streamed, "
-            f"but {budget_bytes / 2**20:.1f} MiB is available: lower judge.max_batch_tokens or free device memory"
+            f"but {budget_bytes / 2**20:.1f} MiB is available: lower judge.max_batch_tokens or {more_room}"
         )
     return k
 
@@ -182,6 +183,8 @@ class Judge:
             num_layers=len(self.layers), layer_bytes=self.layers.layer_bytes,
             fixed_bytes=self.fixed_bytes + logits_bytes, num_tokens=sum(seq_lens),
             bytes_per_token=self.bytes_per_token, budget_bytes=self._budget_bytes(),
+            more_room="raise judge.memory_fraction or free device memory" if self.device.type == "cuda"
+            else "raise judge.cpu_memory_gib",
         )
 
     @torch.inference_mode()

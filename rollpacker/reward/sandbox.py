@@ -59,7 +59,8 @@ class SandboxConfig:
     """OS isolation of code rewards and the python tool: auto (bwrap, else unshare), bwrap, unshare, none (only for
     code you trust)."""
     python: str = ""
-    """Interpreter of the programs; empty = this one, or /usr/bin/python3 if the sandbox user cannot run it."""
+    """Interpreter of the programs (a path, or a name on PATH); empty = this one, or /usr/bin/python3 if the sandbox
+    user cannot run it."""
     memory_mb: int = 1024
     """Address-space limit of a program (RLIMIT_AS), in MiB."""
     max_output_mb: float = 8.0
@@ -168,7 +169,10 @@ def _resolve(cfg: SandboxConfig) -> tuple[str, str]:
     if key in _RESOLVED:
         return _RESOLVED[key]
     isolations = ("bwrap", "unshare") if cfg.isolation == "auto" else (cfg.isolation,)
-    pythons = (cfg.python,) if cfg.python else (sys.executable, "/usr/bin/python3")
+    if cfg.python and not shutil.which(cfg.python):
+        raise SandboxUnavailable(f"code sandbox: reward.sandbox.python={cfg.python!r} is no executable here: give "
+                                 f"the path of a Python 3 interpreter (this one is {sys.executable})")
+    pythons = (os.path.abspath(shutil.which(cfg.python)),) if cfg.python else (sys.executable, "/usr/bin/python3")
     failures, started = [], False
     for isolation in isolations:
         for python in dict.fromkeys(pythons):

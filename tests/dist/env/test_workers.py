@@ -181,8 +181,8 @@ def test_the_python_tool_runs_under_reward_sandbox_and_a_missing_sandbox_stops_t
             (step,) = pool.drain(60)
             assert step.value.observation[0]["content"] == f"{visible}\n", isolation
     missing = EnvSpec.from_config(cfg, sandbox=SandboxConfig(python=str(tmp_path / "no-python")))
-    with pytest.raises(PoolError, match=r"could not start: env.tools python: code sandbox: no OS isolation works "
-                                        r"here(.|\n)*To enable it"):
+    with pytest.raises(PoolError, match=r"could not start: env.tools python: code sandbox: reward.sandbox.python="
+                                        r"'.*no-python' is no executable here"):
         with EnvPool(cfg, missing) as pool:
             pool.open_episode("a", {"id": "a"}, 0)
             pool.drain(60)

@@ -315,6 +315,21 @@ def test_limits_that_leave_the_interpreter_no_room_are_named_not_the_isolation(b
         Sandbox(SandboxConfig(memory_mb=8))
 
 
+def test_the_interpreter_is_found_on_path_and_a_missing_one_is_named_not_the_isolation(monkeypatch):
+    """A missing reward.sandbox.python was told "no OS isolation works here ... install bubblewrap"."""
+    monkeypatch.setattr(sandbox_module, "_RESOLVED", {})
+    with pytest.raises(SandboxUnavailable, match=r"reward.sandbox.python='/no/python3' is no executable here") as e:
+        Sandbox(SandboxConfig(python="/no/python3"))
+    assert "bubblewrap" not in str(e.value)
+    name = os.path.basename(sys.executable)
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    try:
+        box = Sandbox(SandboxConfig(python=name))
+    except SandboxUnavailable as e:
+        pytest.skip(f"no isolation here: {e}")
+    assert box.python == sys.executable and box.run("print(6 * 7)", "", 5).stdout == b"42\n"
+
+
 def test_auto_falls_back_to_unshare(monkeypatch):
     real_tool = sandbox_module._tool
 

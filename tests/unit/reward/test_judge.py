@@ -102,6 +102,11 @@ def test_choose_resident_layers_says_what_to_do_when_nothing_fits():
         choose_resident_layers(**SIZES, budget_bytes=299)
 
 
+def test_a_judge_on_cpu_names_its_memory_setting_when_nothing_fits():
+    with pytest.raises(RewardError, match=r"lower judge.max_batch_tokens or raise judge.cpu_memory_gib"):
+        toy_judge(cpu_memory_gib=1e-6).num_resident_for([40])
+
+
 def test_activation_bytes_per_token():
     args = ModelArgs.from_hf(dict(model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=16,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4))
