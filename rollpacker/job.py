@@ -35,7 +35,7 @@ from rollpacker.model import checkpoint_dtype, engine_dtype, lora, save_model
 from rollpacker.model.args import has_tokenizer
 from rollpacker.model.hf_decoder import HFDecoder, config_dtype, read_config, resolve_impl, save_hf
 from rollpacker.model.parallelize import build_for_training
-from rollpacker.plan.memory import Shape, check_fits
+from rollpacker.plan.memory import Shape, check_fits, check_rollout_tp
 from rollpacker.rollout import ENGINES, build_engine, resolve_kind
 from rollpacker.rollout.engine import Engine, text_decoder
 from rollpacker.rollout.weights import Broadcast, InProcess, WeightSync
@@ -211,10 +211,7 @@ def build(config: Config) -> Job:
     world = torch.distributed.get_world_size()
     config.check_world(world)
     shape = Shape.from_hf(read_config(path))
-    if not config.plan.enabled and shape.num_kv_heads % config.rollout.tp:  # the planner's TPs divide them
-        raise UserError(f"rollout.tp={config.rollout.tp} does not divide the model's {shape.num_kv_heads} key-value "
-                        f"heads ({path}): each rank of a replica holds whole heads; set rollout.tp to a divisor of "
-                        f"{shape.num_kv_heads}")
+    check_rollout_tp(config, shape, path)
     streaming = config.stream.enabled or config.pipe
     meshes = build_meshes(stream=streaming, topology=config.topology(world))
     watchdog.start(config.dist)  # collective timeouts, heartbeats: a timeout names the silent ranks

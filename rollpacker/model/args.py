@@ -9,6 +9,7 @@ One decoder covers Llama, Qwen2/Qwen2.5 and Qwen3; the differences are three swi
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,24 @@ def head_dim(cfg: dict[str, Any]) -> int:
     """A config.json's ``head_dim``, as transformers reads it."""
     return (cfg.get("head_dim") or CLASS_HEAD_DIMS.get(cfg.get("model_type"))
             or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def tied_embeddings(cfg: dict[str, Any]) -> bool:
+    """A config.json's ``tie_word_embeddings``, as transformers reads it: without the key, its config class's default
+    (Gemma's and GPT-2's True, Llama's and Qwen2's False)."""
+    if "tie_word_embeddings" in cfg:
+        return bool(cfg["tie_word_embeddings"])
+    return _class_ties(cfg.get("model_type") or "")
+
+
+@functools.cache
+def _class_ties(model_type: str) -> bool:
+    from transformers import AutoConfig
+
+    try:
+        return bool(AutoConfig.for_model(model_type).tie_word_embeddings)
+    except ValueError:  # a model type transformers does not know: what our own decoder reads
+        return False
 
 
 @dataclass(kw_only=True)
@@ -96,7 +115,7 @@ class ModelArgs:
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type == "llama3" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tied_embeddings(cfg),
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
             qk_norm=model_type == "qwen3",

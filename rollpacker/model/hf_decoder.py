@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from rollpacker.errors import UserError
-from rollpacker.model.args import ModelArgs, eos_token_ids
+from rollpacker.model.args import ModelArgs, eos_token_ids, tied_embeddings
 
 UNSUPPORTED_HEADS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 """Config keys of architectures whose output head does more than a matmul (and a softcap): refused
@@ -80,7 +80,7 @@ class DecoderFacts:
 def decoder_facts(path: str | Path) -> DecoderFacts:
     cfg = read_config(path)
     text = cfg.get("text_config") or cfg
-    return DecoderFacts(model_type=text["model_type"], tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
+    return DecoderFacts(model_type=text["model_type"], tie_word_embeddings=tied_embeddings(cfg),
                         eos_token_ids=eos_token_ids(text.get("eos_token_id", cfg.get("eos_token_id")), path),
                         max_position_embeddings=text.get("max_position_embeddings") or 4096,
                         vocab_size=text.get("vocab_size") or cfg["vocab_size"],

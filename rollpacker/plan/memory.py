@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.errors import UserError
-from rollpacker.model.args import head_dim
+from rollpacker.model.args import head_dim, tied_embeddings
 from rollpacker.model.parallelize import checkpointed
 from rollpacker.plan.planner import usable_tps
 from rollpacker.rollout import ENGINES, resolve_kind
@@ -89,7 +89,7 @@ class Shape:
             intermediate_size=cfg.get("intermediate_size") or 0, num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tied_embeddings(cfg),
             qkv_bias=kind in ("qwen2", "qwen2_moe") and cfg.get("qkv_bias", True) or bool(cfg.get("attention_bias")),
             qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
             norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma3") else 2,
@@ -750,11 +750,20 @@ def config_plan(config, world_size: int, capacity: float, shape: Shape | None = 
     with engine.memory_mb its KV cache grows with TP, and its decode workspace, the smaller of two bounds,
     can peak at a TP between."""
     shape = shape or model_shape(str(config.model.directory()))
+    check_rollout_tp(config, shape, str(config.model.directory()))
     train, rollout = setups(config, world_size, shape=shape)
     if not config.plan.enabled:
         return plan(shape, train, rollout, capacity)
     return max((plan(shape, train, setups(config, world_size, shape=shape, tp=tp)[1], capacity)
                 for tp in usable_tps(world_size, shape.num_kv_heads, config.plan)), key=lambda p: p.peak)
+
+
+def check_rollout_tp(config, shape: Shape, path: str) -> None:
+    """Each rank of a replica holds whole key-value heads: rollout.tp divides them (the planner's TPs do)."""
+    if not config.plan.enabled and shape.num_kv_heads % config.rollout.tp:
+        raise UserError(f"rollout.tp={config.rollout.tp} does not divide the model's {shape.num_kv_heads} key-value "
+                        f"heads ({path}): each rank of a replica holds whole heads; set rollout.tp to a divisor of "
+                        f"{shape.num_kv_heads}")
 
 
 def check_fits(config, shape: Shape, world_size: int, capacity: float) -> Plan:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rollpacker.model.args import head_dim, tied_embeddings
 from rollpacker.rollout.spec_cost import SpecCost
 
 GB = 1e9
@@ -106,9 +107,8 @@ class ModelShape:
         heads = c["num_attention_heads"]
         return cls(name=c.get("_name_or_path") or path.parent.name, num_layers=c["num_hidden_layers"],
                    hidden_size=c["hidden_size"], num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
-                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-                   tied_embeddings=bool(c.get("tie_word_embeddings", False)))
+                   head_dim=head_dim(c), intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
+                   tied_embeddings=tied_embeddings(c))
 
 
 MODELS = {

@@ -114,6 +114,7 @@ def test_every_gpu_preset_fits_an_h100_with_ten_percent_headroom(capsys):
 @pytest.mark.parametrize("flags, said", [
     (["--world-size", "3"], "--world-size 3: --rollout.tp=2 does not divide the world size 3"),
     (["--rollout.tp", "3"], "--world-size 8: --rollout.tp=3 does not divide the world size 8"),
+    (["--rollout.tp", "8"], "--rollout.tp=8 does not divide the model's 4 key-value heads"),
     (["--world-size", "0"], "--world-size 0 and --gpu-memory-gb 80 must be positive"),
     (["--gpu-memory-gb", "nan"], "--world-size 8 and --gpu-memory-gb nan must be positive"),
     (["--preset", "nope"], "preset 'nope': "),
@@ -385,6 +386,21 @@ def test_a_qwen2_moe_shape_counts_its_shared_expert_as_transformers_builds_it():
     shape = Shape.from_hf(cfg.to_dict())
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     assert shape.mlp_width == 2 * 16 + 40
+
+
+def test_a_config_without_tie_word_embeddings_ties_as_its_class_does(tmp_path):
+    """Gemma's published configs leave the key out (its class ties): the plan counted the head twice (+8.6% at 12B)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from rollpacker.sim.cost import ModelShape
+
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8).to_dict()
+    del cfg["tie_word_embeddings"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Gemma2Config(**cfg))
+    assert Shape.from_hf(cfg).num_params == sum(p.numel() for p in model.parameters())
+    assert ModelShape.from_hf_config(_model_dir(tmp_path, "gemma2", **cfg)).tied_embeddings
 
 
 # ---- the audit of the plan's inputs (teacher, critic, the planner's TPs, the prompt) --------------------------
