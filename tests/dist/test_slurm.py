@@ -70,10 +70,14 @@ def test_sbatch_dry_run_without_gpus_runs_one_rank_per_node():
     assert "--nproc_per_node=2" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="8", NPROC_PER_NODE="2")
 
 
-def test_sbatch_runs_a_rank_per_gpu_the_node_holds():
-    """sbatch --gres=gpu:2 beside the script's --gpus-per-node=8: Slurm grants 2 (SLURM_GPUS_ON_NODE) and still says
-    SLURM_GPUS_PER_NODE=8, and the script ran 8 ranks on 2 GPUs."""
+def test_sbatch_runs_a_rank_per_gpu_asked_for_and_held():
+    """sbatch --gres=gpu:2 beside the script's --gpus-per-node=8: Slurm may grant 2 (SLURM_GPUS_ON_NODE) and still say
+    SLURM_GPUS_PER_NODE=8, and the script ran 8 ranks on 2 GPUs. --exclusive grants a node's every GPU: at
+    --gpus-per-node=1 the script ran 8 ranks a node, at --gpus-per-node=0 too."""
     assert "--nproc_per_node=2" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="8", SLURM_GPUS_ON_NODE="2")
+    assert "--nproc_per_node=1" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="1", SLURM_GPUS_ON_NODE="8")
+    assert "--nproc_per_node=1" in dry_run(RDZV_HOST="h", SLURM_GPUS_PER_NODE="0", SLURM_GPUS_ON_NODE="8")
+    assert "--nproc_per_node=4" in dry_run(RDZV_HOST="h", SLURM_GPUS_ON_NODE="h100:4")
 
 
 def test_sbatch_takes_the_first_node_of_a_long_list_and_torchruns_nproc_words(tmp_path):
@@ -316,6 +320,7 @@ class Job:
         assert sorted(records) == list(range(num_steps))
         assert sum(r["sched/trained_prompts"] for r in records.values()) == NUM_ROWS
         assert _job_processes(self.id) == {}
+        assert "nproc_per_node=1," in self.log()  # the --gpus-per-node=1 asked for, of the node's 8
         return events
 
 
