@@ -108,7 +108,8 @@ def save(path: Path, trainer, step: int, controller: dict[str, Any] | None, trai
             failed = {rank: _first_line(e)}
         failed = _everyones(failed, control)
     if rank == 0 and not failed:
-        meta = {"step": step, "scheduler": info[0], "world_size": dist.get_world_size(), "model": info[1],
+        meta = {"step": step, "job": os.environ.get("TORCHELASTIC_RUN_ID"), "world_size": dist.get_world_size(),
+                "scheduler": info[0], "model": info[1],
                 "kl_coef": info[2], "reference": info[3], "critic": info[4], "frozen": info[5], **(controller or {})}
         try:
             (path / "train_state.json").write_text(json.dumps(meta))
@@ -269,16 +270,27 @@ def restarted() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
+def saved_by_this_job(path: Path) -> bool:
+    """Whether checkpoint ``path`` was saved by this torchrun job (its TORCHELASTIC_RUN_ID; in an attempt before this
+    one), not by an earlier job in the same run_dir. One whose train state cannot be read counts as this job's."""
+    try:
+        return train_state(path).get("job") == os.environ.get("TORCHELASTIC_RUN_ID")
+    except CheckpointError:
+        return True
+
+
 def resolve_resume(config, restart: bool | None = None) -> None:
     """``config.resume``: "auto" becomes the newest committed checkpoint under ``run_dir`` that is whole
     (:func:`newest_whole`; or nothing); a checkpoint named must be whole too, and match the policy. None: a
     ``run_dir`` holding a committed checkpoint is refused, not overwritten.
 
-    A torchrun restart (``restart``; by default :func:`restarted`) resumes as "auto" where ``run_dir`` holds a
-    committed checkpoint: from PATH (or afresh) again would un-commit every step the attempts before saved. A
-    PATH that is no committed checkpoint stays, so that its error (a typo) is said again, not trained past."""
+    A torchrun restart (``restart``; by default :func:`restarted`) resumes as "auto" where the attempts before saved a
+    committed checkpoint in ``run_dir`` (:func:`saved_by_this_job`): from PATH (or afresh) again would un-commit every
+    step they saved. A PATH that is no committed checkpoint stays, so that its error (a typo) is said again, not
+    trained past; so does a fresh start over an earlier job's run, refused again, not resumed."""
     named = config.resume not in ("", "auto")
-    if (restarted() if restart is None else restart) and latest(Path(config.run_dir)) and (
+    newest = latest(Path(config.run_dir))
+    if (restarted() if restart is None else restart) and newest and saved_by_this_job(newest) and (
             not named or (Path(config.resume) / MARKER).exists()):
         config.resume = "auto"
     if not config.resume:

@@ -474,6 +474,11 @@ def preset_path(name: str) -> Path:
     return path
 
 
+class PresetError(ValueError):
+    """A preset file that does not read: its message names settings as the file's keys are (``num_steps``), not as
+    flags."""
+
+
 _READING_PRESET = contextvars.ContextVar("rollpacker_reading_preset", default=False)
 """Set while a preset is read: each section's settings are checked, the whole's wait for the flags (a preset
 naming data.path alone was refused as lacking an eval path that --data.eval-path gave)."""
@@ -491,12 +496,12 @@ def load_preset(name: str) -> Config:
     try:
         values = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise PresetError(f"{path}: {e}") from None
     reading = _READING_PRESET.set(True)
     try:
         config = _build(Config, values, path.name)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise PresetError(f"{path}: {e}") from None
     finally:
         _READING_PRESET.reset(reading)
     return config

@@ -23,7 +23,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from rollpacker import preempt
-from rollpacker.config import Config, as_flags, parse
+from rollpacker.config import Config, PresetError, as_flags, parse
 from rollpacker.errors import UserError, fail, report
 from rollpacker.model.args import adapter_note, has_tokenizer, score_labels
 
@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         config.check_world(int(os.environ.get("WORLD_SIZE", "1")))  # torchrun's; 1 for python -m rollpacker.run
         if not config.model.shipped:
             check_model_dir(Path(config.model.path))
-    except (ValueError, FileNotFoundError, UserError) as e:  # the same on every rank: the first to claim it says it
+    except PresetError as e:  # the same on every rank: the first to claim it says it
+        fail(str(e), prefix="rollpacker: config error: ")
+    except (ValueError, FileNotFoundError, UserError) as e:
         fail(as_flags(str(e)), prefix="rollpacker: config error: ")
     if config.resume and (done := checkpoint_step(config.resume)) >= config.num_steps:
         if os.environ.get("RANK", "0") == "0":  # a requeued job that had finished: no job to build

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from rollpacker import checkpoint
 from rollpacker.config import load_preset, parse
 from rollpacker.data.dataset import DataConfig, DatasetError, fit_rows, load_rows
+from rollpacker.errors import UserError
 from rollpacker.reward.config import RewardConfig
 from rollpacker.reward.scheduler import build_functions, check_row
 
@@ -200,6 +201,32 @@ def test_a_torchrun_restart_resumes_from_the_newest_checkpoint_not_the_first_att
     elsewhere = parse(["--run-dir", str(tmp_path / "new"), "--resume", str(tmp_path / "checkpoints" / "step_1")])
     checkpoint.resolve_resume(elsewhere)
     assert elsewhere.resume == str(tmp_path / "checkpoints" / "step_1")
+
+
+def test_a_restart_resumes_only_what_its_own_attempts_saved(toy_random_dir, tmp_path, monkeypatch):
+    """A fresh start refused over an earlier job's run became, at torchrun's restart, a resume of that run (exit 0,
+    its weights trained on under the new flags); a job started from a named checkpoint of it jumped to its newest."""
+    from rollpacker.dist import build_meshes
+    from rollpacker.model import load_model
+    from rollpacker.train.config import TrainConfig
+    from rollpacker.train.trainer import Trainer
+
+    trainer = Trainer(load_model(toy_random_dir), TrainConfig(), build_meshes(1, 0).train, num_steps=4)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "earlier")
+    for step in (1, 2):
+        checkpoint.save(tmp_path / "checkpoints" / f"step_{step}", trainer, step, {})
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "this")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(UserError, match="holds a run .*step_2.*which a fresh start would overwrite"):
+        checkpoint.resolve_resume(parse(["--run-dir", str(tmp_path)]))
+    named = parse(["--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_1")])
+    checkpoint.resolve_resume(named)
+    assert named.resume == str(tmp_path / "checkpoints" / "step_1")
+    checkpoint.save(tmp_path / "checkpoints" / "step_3", trainer, 3, {})  # this job's first attempt went on from it
+    for argv in (["--resume", str(tmp_path / "checkpoints" / "step_1")], []):
+        config = parse(["--run-dir", str(tmp_path), *argv])
+        checkpoint.resolve_resume(config)
+        assert config.resume == str(tmp_path / "checkpoints" / "step_3")
 
 
 def test_adapters_trained_on_another_base_of_the_same_shapes_are_refused(tmp_path):
@@ -442,7 +469,6 @@ def test_resume_auto_passes_over_a_damaged_checkpoint_with_one_warning_naming_th
 def test_an_export_out_holding_the_runs_model_is_refused(tmp_path):
     """A model directory holds a config.json, which read as an earlier export's: an --out naming model.path (or a
     LoRA run's out_merged beside it) replaced the base model's weights with the export."""
-    from rollpacker.errors import UserError
     from rollpacker.export import check_out
 
     model = tmp_path / "models" / "base_merged"

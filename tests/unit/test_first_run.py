@@ -261,3 +261,12 @@ def test_a_resumed_run_keeps_the_evaluation_of_the_step_it_resumes_from(tmp_path
     resumed.close()
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:] == [
         {"step": 1, "reward/mean": 1.0}, {"step": 2, "reward/mean": 2.0, "eval/accuracy": 0.5}]
+
+
+def test_a_presets_error_names_its_settings_as_the_file_writes_them(tmp_path):
+    """A preset's unknown key was answered "(valid: --run-dir, seed, --num-steps, ...)": flags, in a TOML file."""
+    (tmp_path / "mine.toml").write_text("num_step = 5\n")
+    run = subprocess.run([sys.executable, "-m", "rollpacker.run", "--preset", str(tmp_path / "mine.toml")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "mine.toml: unknown setting 'num_step' (valid: run_dir, seed, num_steps, num_epochs," in run.stderr
