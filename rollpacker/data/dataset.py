@@ -270,14 +270,17 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
     """
     config = config or DataConfig(path=str(source))
     path = Path(source).expanduser()  # verl's configs say ~/data/...
-    numbered, by_line, skipped = _read(path, config.split if split is None else split, config.skip_bad_lines, field)
+    split = config.split if split is None else split
+    numbered, by_line, skipped = _read(path, split, config.skip_bad_lines, field)
     rows: list[dict] = []
     where_of: dict[str, str] = {}
+    numbered_ids: set[str] = set()  # the ids that are a row's number, not its id_key's
     bad: list[str] = []
     for part, n, record in numbered:
         where = f"{path}:{n}" if by_line else f"{path}: {f'split {part} ' if part else ''}row {n}"
+        number = f"{name or _stem(path)}:{f'{part}:' if part else ''}{n}"
         try:
-            row = make_row(record, f"{name or _stem(path)}:{f'{part}:' if part else ''}{n}", config)
+            row = make_row(record, number, config)
             if check:
                 check(row)
         except ValueError as e:
@@ -290,16 +293,22 @@ def read_rows(source: str | Path, config: DataConfig | None = None, *, split: st
                 raise DatasetError(f"{why} (fix the row, or set data.skip_bad_lines to skip bad rows)") from None
             bad.append(why)
             continue
+        if row["id"] == number and number in numbered_ids:  # the same row read again
+            flag = "data.eval_split" if "eval" in field else "data.split"
+            raise DatasetError(f"{where}: read twice ({flag} {split!r} names it in two parts that "
+                               f"repeat or overlap): set {flag} to parts apart, such as train[:60%]+train[60%:]")
         if row["id"] in where_of:  # the data's layout, not a bad row: skipping rows would lose them
             raise DatasetError(f"{where}: duplicate id {row['id']!r} (first at {where_of[row['id']]}) in column "
                                f"{config.id_key!r} (data.id_key), whose ids must be unique: set data.id_key to a "
                                "column of unique ids, or to '' to number the rows")
         where_of[row["id"]] = where
+        if row["id"] == number:
+            numbered_ids.add(number)
         rows.append(row)
     bad = skipped + bad
     if bad:
-        logger.warning("%s: skipped %d bad row(s) of %d (data.skip_bad_lines); first: %s",
-                       path, len(bad), len(bad) + len(rows), "; ".join(bad[:3]))
+        logger.warning("%s: skipped %d bad row(s), kept %d (data.skip_bad_lines); first: %s",
+                       path, len(bad), len(rows), "; ".join(bad[:3]))
     if not rows:
         raise DatasetError(f"{path}: no rows (the data is empty or holds only blank {'or bad ' if bad else ''}rows)")
     return rows

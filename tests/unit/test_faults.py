@@ -53,7 +53,7 @@ def test_skip_bad_lines_keeps_the_good_ones_and_counts_the_rest(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
         rows = load(path, skip_bad_lines=True)
     assert [(r["id"], r["prompt"]) for r in rows] == [("train:1", "1+1?"), ("train:5", "3")]  # ids: their lines
-    assert f"{path}: skipped 2 bad row(s) of 4 (data.skip_bad_lines); first: {path}:2: invalid JSON" in caplog.text
+    assert f"{path}: skipped 2 bad row(s), kept 2 (data.skip_bad_lines); first: {path}:2: invalid JSON" in caplog.text
     assert f"{path}:3: missing field 'answer'" in caplog.text
     only_bad = write(tmp_path, ["{", "[]"], "bad.jsonl")
     with pytest.raises(DatasetError,

@@ -244,6 +244,20 @@ def test_default_id_collides_with_explicit_id(tmp_path):
         load(path)
 
 
+def test_a_split_reading_a_row_twice_says_so_not_that_ids_repeat(tmp_path, caplog):
+    """train+train named data.id_key, which the file does not have, and told to set it to '', which it was."""
+    path = write(tmp_path, [json.dumps({"prompt": str(i), "answer": "x"}) for i in range(5)])
+    for split in ("train+train", "train[:60%]+train[40%:]"):
+        with pytest.raises(DatasetError, match=rf"train\.jsonl:\d: read twice \(data.split {re.escape(repr(split))} "
+                                               r"names it in two parts that repeat or overlap\)"):
+            load(path, split=split)
+    assert [r["id"] for r in load(path, split="train[:40%]+train[40%:]")] == [f"train:{i}" for i in range(1, 6)]
+    bad = write(tmp_path, ['{"prompt": "1", "answer": "x"}', "{", '{"prompt": "2", "answer": "x"}', "{"], "bad.jsonl")
+    with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):
+        assert len(load_rows(DataConfig(path=bad, skip_bad_lines=True, split="train[:50%]"))) == 1
+    assert "skipped 2 bad row(s), kept 1 (data.skip_bad_lines)" in caplog.text  # the file's bad lines, the slice's rows
+
+
 def test_several_files_train_together_and_each_eval_set_is_its_own_source(tmp_path, caplog):
     """As verl's train_files and val_files: the rows of every file, ids unique across them; a row without a
     data_source takes its file's name, one with it keeps it; each eval set gives its first num_eval_prompts."""
