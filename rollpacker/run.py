@@ -108,13 +108,17 @@ when the parser does not know a flag of that name (it offered look-alikes: for -
 
 def their_names(said: str) -> str:
     """Lines naming rollpacker's flag for each flag the parser's error ``said`` it did not know that is a TRL or verl
-    setting's name."""
-    lines = []
-    for flag in dict.fromkeys(re.findall(r"--[\w.-]+", said.partition("Unrecognized options:")[2].split("---")[0])):
+    setting's name, as a flag (``--beta``) or as verl's Hydra override (``data.train_files=...``)."""
+    lines, hydra = [], False
+    unknown = said.partition("Unrecognized options:")[2].split("---")[0]
+    for flag in dict.fromkeys(re.findall(r"--[\w.-]+|[\w.]+(?==)", unknown)):
+        hydra = hydra or not flag.startswith("--")
         name = flag.rpartition(".")[2].lstrip("-").replace("-", "_")
         if name in THEIR_NAMES:
             whose, ours = THEIR_NAMES[name]
-            lines.append(f"\nrollpacker: {flag}: {whose}'s {name} is {ours}")
+            lines.append(f"\nrollpacker: {flag}{'' if flag.startswith('--') else '=...'}: {whose}'s {name} is {ours}")
+    if hydra:
+        lines.append("\nrollpacker: a setting is a flag, --section.name VALUE, not Hydra's section.name=VALUE")
     return "".join(lines)
 
 

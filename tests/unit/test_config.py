@@ -672,4 +672,11 @@ def test_a_trl_or_verl_settings_name_is_answered_with_rollpackers_flag(capsys):
     assert err.rstrip().endswith("rollpacker: --train.beta: TRL's beta is --train.kl-coef\n"
                                  "rollpacker: --rollout.n: verl's n is --rollout.group-size\n"
                                  "rollpacker: --num_generations: TRL's num_generations is --rollout.group-size"), err
-    assert "--eval.n:" not in err and "--oops:" not in err
+    assert "--eval.n:" not in err and "--oops:" not in err and "Hydra" not in err
+    with pytest.raises(SystemExit):  # verl's own spelling, Hydra's overrides
+        parse_once(["data.train_files=x.parquet", "actor_rollout_ref.rollout.n=8", "trainer.logger=wandb"])
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("rollpacker: data.train_files=...: verl's train_files is --data.path\n"
+                                 "rollpacker: actor_rollout_ref.rollout.n=...: verl's n is --rollout.group-size\n"
+                                 "rollpacker: a setting is a flag, --section.name VALUE, not Hydra's "
+                                 "section.name=VALUE"), err
