@@ -15,8 +15,8 @@ over text:
 - ``close()`` is ``close``.
 
 :func:`make_env` takes the id from the row's ``env_class`` column (SkyRL's dataset layout). A row
-without ``reward_spec`` gets ``{"method": "rule", "ground_truth": row["answer"]}``, and one
-without ``extra_info`` an empty one, so rows of rollpacker's layout run too. For another id or
+without ``reward_spec`` (or with None) gets ``{"method": "rule", "ground_truth": row["answer"]}`` (a number as a
+string), and one without ``extra_info`` an empty one, so rows of rollpacker's layout run too. For another id or
 ``env_config``, write a factory: ``def make_env(row): return SkyRLEnv("gsm8k_multi_turn", row)``.
 """
 
@@ -41,7 +41,10 @@ class SkyRLEnv:
         from omegaconf import OmegaConf
 
         row = self.row
-        extras = {"reward_spec": {"method": "rule", "ground_truth": row.get("answer")}, "extra_info": {}, **row}
+        answer = row.get("answer")  # as SkyRL's datasets hold it, a string: its rule rewards compare strings
+        answer = str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer
+        extras = {"reward_spec": {"method": "rule", "ground_truth": answer}, "extra_info": {},
+                  **{k: v for k, v in row.items() if v is not None}}  # a column other rows have: None here
         if options.get("max_turns"):  # SkyRL's generator gives its own; its environments' defaults differ (2 to 10)
             extras["max_turns"] = options["max_turns"]
         self.env = skyrl_gym.make(self.env_id, env_config=OmegaConf.create(self.env_config), extras=extras)

@@ -18,7 +18,9 @@ Invariants:
   fails the step.
 - An episode a token limit ends (``env.max_tokens``, the context) is scored as verifiers scores one whose prompt grew
   too long (``finish``: ``prompt_too_long``). ``env.max_turns`` is the ``max_turns`` of an environment that sets none
-  (-1): verifiers ends its rollouts there, scored. One whose ``max_turns`` is above it is refused as its workers start
+  (-1): verifiers ends its rollouts there, scored, truncated as any episode ``env.max_turns`` ends; the environment's
+  own ``max_turns`` ends them as verifiers counts it, not truncated (a ``SingleTurnEnv``'s every answer, at 1). One
+  whose ``max_turns`` is above it is refused as its workers start
   (rollpacker would cut its episodes unscored). Only an episode the policy aborts is closed unscored.
 - A rollout is scored alone (``score_rollout``) in its worker, unless its rubric has group-level functions: then
   its group is, by the factory's ``score_group`` (a ``reward.group_funcs`` function), on copies of the group's
@@ -34,6 +36,7 @@ import asyncio
 import json
 import pickle
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -238,7 +241,8 @@ class VerifiersEnv:
             state = self._task.result()
             if state.get("error") is not None:
                 raise RuntimeError(f"the verifiers rollout failed: {state['error']!r}")
-            cut = bool(state.get("is_truncated")) or state.get("stop_condition") == "max_turns_reached"
+            cut = bool(state.get("is_truncated")) or (state.get("stop_condition") == "max_turns_reached"
+                                                      and self.env in _LIMITED)
             return None, state.get("reward"), not cut, cut, _numbers(state.get("metrics"))
         messages, tools = self._asked.result()
         self._asked = asyncio.get_running_loop().create_future()
@@ -262,6 +266,10 @@ class VerifiersEnv:
         return message["role"] == "tool" and message.get("tool_call_id") in self._errors
 
 
+_LIMITED: weakref.WeakSet = weakref.WeakSet()
+"""The environments whose ``max_turns`` is ``env.max_turns`` (:func:`_limit_turns`): rollpacker's limit, which cuts."""
+
+
 def _limit_turns(env, limit: int | None) -> None:
     """``env.max_turns`` (``limit``) is the ``max_turns`` of an environment that sets none, so verifiers ends its
     rollouts there (``max_turns_reached``) and scores them; one above it is refused: cut there, none would be."""
@@ -270,6 +278,7 @@ def _limit_turns(env, limit: int | None) -> None:
         return
     if own <= 0:  # every episode of a run gets the same limit: the environment's, as if loaded with it
         env.max_turns = limit
+        _LIMITED.add(env)
     elif own > limit:
         raise EnvError(f"the verifiers environment {type(env).__name__} has max_turns={own}, above "
                        f"env.max_turns={limit}: rollpacker would cut its episodes at {limit} turns, unscored; pass "

@@ -113,12 +113,29 @@ def test_a_malformed_call_is_answered_with_its_error_and_counted(vf_file):
 
 def test_a_verifiers_environment_without_max_turns_ends_and_is_scored_at_env_max_turns(vf_file):
     """As if loaded with max_turns=env.max_turns: verifiers stops the rollout there and its rubric scores it (it was
-    cut there unscored, trained as an answer that earned nothing). It ended truncated, as verifiers' is_truncated says
-    of a rollout its max_turns stopped (train.mask_truncated masks it): it read terminated, as solved."""
+    cut there unscored, trained as an answer that earned nothing). It ended truncated, as any episode env.max_turns
+    ends (train.mask_truncated masks it): it read terminated, as solved."""
     env = opened(EnvSpec(factory=f"{vf_file}:make_again_env"))  # reset with max_turns=3
     assert [contract.step(env, "It is 6.").terminated for _ in range(2)] == [False, False]
     last = contract.step(env, "It is 5.")
     assert (last.reward, last.terminated, last.truncated) == (1.0, False, True)
+    assert env.reward_state().restore()["stop_condition"] == "max_turns_reached"
+    contract.close(env)
+
+
+def test_a_verifiers_environments_own_max_turns_ends_its_episode_not_truncated(vf_file):
+    """A SingleTurnEnv (max_turns 1) ended its every episode truncated, so --train.mask-truncated trained none:
+    verifiers' is_truncated says a response was cut short, not that the environment's own max_turns ended it."""
+    row = {"id": "r0", "prompt": "Say hi", "answer": None, "example_id": "p-7"}
+    env = EnvSpec(factory=f"{vf_file}:make_blank_env").build(row)
+    contract.reset(env, seed=0, row=row, max_turns=3)
+    last = contract.step(env, "hi")
+    assert (last.reward, last.terminated, last.truncated) == (1.0, True, False)
+    contract.close(env)
+    env = opened(EnvSpec(factory=f"{vf_file}:make_env"))  # its ToolEnv's max_turns=3, run's 3
+    assert [contract.step(env, GOOD).terminated for _ in range(2)] == [False, False]
+    last = contract.step(env, GOOD)
+    assert (last.terminated, last.truncated) == (True, False)
     assert env.reward_state().restore()["stop_condition"] == "max_turns_reached"
     contract.close(env)
 
