@@ -14,6 +14,28 @@ from rollpacker.schedule.config import POLICY_CONFIGS, names, settings
 from rollpacker.schedule.sync import SyncConfig
 
 
+def check_job(argv: list[str], what: str, run_args: list[str], evaluated: bool = False):
+    """The config of the ``rollpacker.run`` flags ``argv`` of one run of a benchmark (``what``), checked before its
+    first run: a flag after ``--`` (``run_args``) that it refuses fails now, not after the runs before it; so does
+    ``--eval-every 0`` where the benchmark reads evaluations (``evaluated``)."""
+    import contextlib
+    import io
+
+    from rollpacker.config import as_flags, parse
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            config = parse(argv)
+    except SystemExit as e:  # tyro's box, drawn into err
+        raise SystemExit(f"{as_flags(err.getvalue().strip()) or e.code}\n{what} refuses `-- {' '.join(run_args)}`: "
+                         "leave it out or choose the runs it applies to") from None
+    if evaluated and not config.eval_every:
+        raise SystemExit(f"{what}: this benchmark compares held-out evaluations: `-- {' '.join(run_args)}` turns "
+                         "them off (--eval-every 0); leave it out")
+    return config
+
+
 def split_run_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """A tool's own flags, and the ``rollpacker.run`` flags that follow ``--``."""
     if "--" not in argv:

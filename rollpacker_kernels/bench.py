@@ -139,7 +139,7 @@ def gib(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv)
+    args = tyro.cli(Args, args=sys.argv[1:] if argv is None else argv, prog="python -m rollpacker.bench logprobs")
     import torch
 
     from rollpacker_kernels import triton_available

@@ -18,8 +18,6 @@ Why: the algorithms are one flag each, so one workload compares them. The short 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import statistics
 import subprocess
@@ -32,7 +30,7 @@ from pathlib import Path
 import tyro
 
 from rollpacker.bench import seed_list
-from rollpacker.jobflags import split_run_args
+from rollpacker.jobflags import check_job, split_run_args
 
 ALGORITHMS = {
     "grpo": [],
@@ -131,18 +129,10 @@ def teacher(args: Args, run_args: list[str], work: str) -> str:
 def check_flags(args: Args, run_args: list[str], names: list[str]) -> None:
     """Every algorithm's flags with those after ``--`` make a valid job, checked before the first run: a
     flag that one algorithm refuses (``--train.dual-clip`` is ppo's) fails now, not hours in."""
-    from rollpacker.config import as_flags, parse
-
     for name in names:
         flags = [f.format(teacher="teacher") for f in ALGORITHMS[name]]
-        err = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-                parse(["--preset", args.preset, *flags, *run_args])
-        except SystemExit as e:  # tyro's box, drawn into err
-            raise SystemExit(f"{as_flags(err.getvalue().strip()) or e.code}\nalgorithm {name} "
-                             f"({' '.join(flags) or 'the defaults'}) refuses `-- {' '.join(run_args)}`: leave it "
-                             "out or choose the algorithms it applies to (--algorithms)") from None
+        check_job(["--preset", args.preset, *flags, *run_args],
+                  f"algorithm {name} ({' '.join(flags) or 'the defaults'})", run_args, evaluated=True)
 
 
 def main(argv: list[str] | None = None) -> None:

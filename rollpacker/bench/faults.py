@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,7 +187,7 @@ class Args:
     limit_s: float = 900.0
     """Outer time limit of one run (past it: a hang)."""
     work_dir: str = ""
-    """Where runs go (empty: a temporary directory)."""
+    """Where runs go (empty: a temporary directory, removed after unless a run failed)."""
     workload: str = "single"
     """single (one response per prompt's sample) or episodes (bench episodes' agentic environment: faults land
     with environments in flight; every environment made must be closed, no worker may outlive its run)."""
@@ -210,8 +211,21 @@ def kill(proc: subprocess.Popen, run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = tyro.cli(Args, args=argv, prog="python -m rollpacker.bench faults", description=__doc__.split("\n\n")[0])
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="rollpacker-faults-")).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    if args.work_dir:
+        work = Path(args.work_dir).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        bench(args, work)
+        return
+    work = Path(tempfile.mkdtemp(prefix="rollpacker-faults-"))  # its runs' checkpoints: 120 MB a run
+    if bench(args, work):
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"bench faults: a run did not recover: its logs and checkpoints are kept in {work}", file=sys.stderr)
+
+
+def bench(args: Args, work: Path) -> bool:
+    """The reference run and ``args.runs`` faulty ones in ``work``, each a JSON line, then their summary's:
+    whether every faulty run recovered."""
     episodes = args.workload == "episodes"
     proc, log = launch(work / "reference", episodes)
     try:
@@ -242,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         **({key: sum(r[key] for r in results) for key in ("envs_made", "envs_unclosed", "workers_left")}
            if episodes else {}),
     }))
+    return all(r["recovered"] for r in results)
 
 
 if __name__ == "__main__":

@@ -164,8 +164,9 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
     base = policies[0]
     summary = {f"{key}_{p}": round(mean[p][key], 4) for key in ("eval_gain", "eval_mean", "tool_rate")
                for p in policies}
+    tails = [p for p in policies if "schedule:tail" in POLICIES[p]]
     summary |= {f"{side}_{key}_{p}": None if math.isnan(v := mean[p][f"{side}_{key}"]) else round(v, 4)
-                for p in policies[1:] for side in ("kept", "cut") for key in SELECTION}  # None: no seed cut any
+                for p in tails for side in ("kept", "cut") for key in SELECTION}  # None: no seed cut any
     for p in policies[1:]:
         gaps = {key: mean[base][key] - mean[p][key] for key in BAR}
         passed = all(gaps[k] <= BAR[k] for k in BAR)
@@ -179,11 +180,14 @@ def report(args: Args, results: dict[str, list[dict]]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import tyro
 
-    from rollpacker.jobflags import split_run_args
+    from rollpacker.jobflags import check_job, split_run_args
 
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog=PROG, description=__doc__.splitlines()[0])
     results: dict[str, list[dict]] = {p: [] for p in args.policies.split(",")}
+    for policy in results:
+        check_job(["--preset", args.preset, *POLICIES[policy], *run_args], f"policy {policy}", run_args,
+                  evaluated=True)
     with tempfile.TemporaryDirectory(prefix="rollpacker-parity-") as tmp:
         tools_file = Path(tmp) / "slow_tools.py"
         tools_file.write_text(TOOLS_FILE.format(latency=args.latency))

@@ -30,7 +30,15 @@ import tyro
 
 from rollpacker.bench.schedulers import Args as RunArgs
 from rollpacker.bench.schedulers import run
-from rollpacker.jobflags import MemoryRegime, memory_regime_flags, policy_args, policy_list, split_run_args
+from rollpacker.jobflags import (
+    MemoryRegime,
+    check_job,
+    job_argv,
+    memory_regime_flags,
+    policy_args,
+    policy_list,
+    split_run_args,
+)
 
 
 @dataclass
@@ -47,6 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench regime")
     run_args = memory_regime_flags(args) + extra
     policies = args.policies.split(",")
+    for policy in policies:  # --train.skip (rollout alone) refuses stream and pipe: said now, not after the runs
+        check_job(job_argv(RunArgs(), run_args, policy_args(policy), args.seed, "runs/x"),
+                  f"policy {policy} (rolling out alone: --train.skip)", extra)
     rows = {}
     for policy in policies:
         with tempfile.TemporaryDirectory() as run_dir:

@@ -29,7 +29,7 @@ from pathlib import Path
 import tyro
 
 from rollpacker.bench import seed_list
-from rollpacker.jobflags import STREAM, JobArgs, job_argv, policy_args, policy_list, split_run_args
+from rollpacker.jobflags import STREAM, JobArgs, check_job, job_argv, policy_args, policy_list, split_run_args
 from rollpacker.schedule.tail import TailConfig
 
 
@@ -49,8 +49,8 @@ class Args(JobArgs):
     def __post_init__(self) -> None:
         seed_list(self.seeds)
         policy_list(self.policies)
-        if self.ablation_steps < 1:  # refused by the job, after the main comparison
-            raise SystemExit(f"--ablation-steps must be >= 1, got {self.ablation_steps}")
+        if self.ablation_steps < 1 or self.nproc < 1:  # refused by the job, after the main comparison
+            raise SystemExit(f"--ablation-steps and --nproc must be >= 1, got {self.ablation_steps} and {self.nproc}")
 
 
 PAPER = [*STREAM, "--stream.criterion", "kv"]  # the ablations are the paper's, with its KV-fit criterion
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     own, run_args = split_run_args(sys.argv[1:] if argv is None else argv)
     args = tyro.cli(Args, args=own, prog="python -m rollpacker.bench schedulers")
     policies, seeds = args.policies.split(","), seed_list(args.seeds)
+    for policy in policies:
+        check_job(job_argv(args, run_args, policy_args(policy), seeds[0], "runs/x"), f"policy {policy}", run_args)
     results: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in seeds:
         for policy in policies:

@@ -66,6 +66,53 @@ def test_algorithms_bench_flags_parse_and_its_summary_is_what_it_says():
         "entropy": 0.35, "wall_s": 12.0})
 
 
+def test_runs_a_bench_cannot_make_or_read_are_refused_before_the_first(tmp_path, capsys):
+    """regime ran sync, then met the job's refusal of tail+stream with --train.skip as a traceback; algorithms and
+    parity ran every job under `-- --eval-every 0`, then an IndexError; parity's tail policy alone or first had no
+    kept and cut figures."""
+    from rollpacker.bench import parity
+
+    shape = ["--num-layers", "1", "--hidden-size", "64", "--num-heads", "4", "--num-kv-heads", "2",
+             "--intermediate-size", "128"]
+    with pytest.raises(SystemExit, match=r"policy tail\+stream \(rolling out alone: --train.skip\) refuses `-- `"):
+        main(["regime", "--policies", "sync,tail+stream", "--model-dir", str(tmp_path / "m"), *shape])
+    for bench in ("algorithms", "parity"):
+        with pytest.raises(SystemExit, match=r"compares held-out evaluations: `-- --eval-every 0` turns them off"):
+            main([bench, "--", "--eval-every", "0"])
+    records = [{"eval/accuracy": 0.5}, {"reward/mean": 1.0, "sched/cut_episodes": 2.0,
+                                        **{f"sched/{side}/{key}": 1.0 for side in ("kept", "cut")
+                                           for key in parity.SELECTION}}, {"eval/accuracy": 0.75}]
+    summary = parity.report(parity.Args(policies="tail_keep_first,sync"),
+                            {"tail_keep_first": [parity.summarize(records, 1.0)],
+                             "sync": [parity.summarize([records[0], {"reward/mean": 1.0}, records[2]], 1.0)]})
+    assert summary["cut_turns_tail_keep_first"] == 1.0 and "kept_turns_sync" not in summary
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # its usage named the file bench/__main__.py, which runs no logprobs
+        main(["logprobs", "--help"])
+    assert "usage: python -m rollpacker.bench logprobs" in capsys.readouterr().out
+
+
+def test_the_faults_bench_removes_its_temporary_runs_unless_one_failed(monkeypatch, capsys):
+    """It left 120 MB of checkpoints a run in a temporary directory it never named."""
+    from rollpacker.bench import faults
+
+    made = []
+
+    def runs(args, work):
+        (work / "run_00").mkdir()
+        made.append(work)
+        return len(made) == 1  # the first bench recovered every run, the second did not
+
+    monkeypatch.setattr(faults, "bench", runs)
+    faults.main(["--runs", "1"])
+    faults.main(["--runs", "1"])
+    assert not made[0].exists() and (made[1] / "run_00").is_dir()
+    assert f"a run did not recover: its logs and checkpoints are kept in {made[1]}" in capsys.readouterr().err
+    import shutil
+
+    shutil.rmtree(made[1])
+
+
 def test_sessions_bench_smoke(capsys):
     """``bench sessions`` at tiny sizes: resident turns give the scratch turns' tokens, prefilling fewer,
     and evict sessions under a KV budget that cannot hold them all (4 blocks of 16 tokens)."""
@@ -171,7 +218,8 @@ def test_bench_flags_that_cannot_run_are_refused_as_they_parse(tmp_path):
                               (regime.Args, dict(policies="sync,sortd"), "unknown policy 'sortd'"),
                               (episodes.Args, dict(policies="sync,tail+wram"), "unknown policy 'tail+wram'"),
                               (episodes.Args, dict(policies="sync+paper"), "+paper is tail's"),
-                              (schedulers.Args, dict(ablation_steps=0), "--ablation-steps must be >= 1"),
+                              (schedulers.Args, dict(ablation_steps=0), "--ablation-steps and --nproc must be >= 1"),
+                              (schedulers.Args, dict(nproc=0), "--ablation-steps and --nproc must be >= 1"),
                               (step.Args, dict(steps=0), "--nproc and --steps must be >= 1")):
         with pytest.raises(SystemExit, match=re.escape(said)):
             make(**flags)
