@@ -30,16 +30,21 @@ from typing import Any
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.sandbox import Isolation, Sandbox, SandboxConfig, SandboxUnavailable
 
-_CODE_BLOCK = re.compile(r"```[ \t]*([\w+#.-]*)[ \t]*\n(.*?)```", re.DOTALL)
-"""Every fenced block, its label read too: a block of another language (```text of a sample input) skipped at its
-opening fence made its closing fence open the next block, and the prose after it ran as the program."""
-_PYTHON = {"", "python", "python3", "py"}
+_CODE_BLOCK = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+"""Every fenced block, its label read too (and text after it: ```python solution.py): a block of another language
+(```text of a sample input) skipped at its opening fence made its closing fence open the next block, and the prose
+after it ran as the program."""
+_PYTHON = {"python", "python3", "py"}
 
 
 def extract_code(response: str) -> str | None:
-    """The last fenced Python code block of ``response`` (```python, ```py or bare ```), or None."""
-    blocks = [code for label, code in _CODE_BLOCK.findall(response) if label.lower() in _PYTHON]
-    return blocks[-1] if blocks else None
+    """The last fenced block labelled Python (```python, ```py), else the last bare one (```), or None: as verl's and
+    open-r1's, a bare block after the solution (its sample output) is not the program."""
+    blocks = _CODE_BLOCK.findall(response)
+    for labels in (_PYTHON, {""}):
+        if code := [code for label, code in blocks if label.lower() in labels]:
+            return code[-1]
+    return None
 
 
 MAX_TIMEOUT = 3600.0

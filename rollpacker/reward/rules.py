@@ -17,6 +17,7 @@ A response that holds no answer scores 0; anything else that goes wrong while sc
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import logging
 import re
@@ -120,9 +121,11 @@ def math(completions: list, answer: list | None = None, **_) -> list[float | Non
 
 def answer_text(answer: str | int | float) -> str:
     """A reference answer as the built-ins read it: a number as its text, a whole float without its ``.0``
-    (Arrow reads a column of 1 and 2.5 as floats)."""
+    (Arrow reads a column of 1 and 2.5 as floats), a small one without an exponent (``1e-05`` reads as e - 5)."""
     if isinstance(answer, float) and answer.is_integer():
         return str(int(answer))
+    if isinstance(answer, float) and (digits := decimal.Decimal(repr(answer))).is_finite():
+        return format(digits, "f")
     return str(answer)
 
 

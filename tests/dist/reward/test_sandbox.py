@@ -387,6 +387,10 @@ def test_extract_code():
     # a block of another language first: its closing fence opened no block (the prose after it ran as the program)
     assert extract_code("Input:\n```text\n5\n```\nSolution:\n```python\nprint(input())\n```\n") == "print(input())\n"
     assert extract_code("```bash\npython x.py\n```") is None
+    # a bare block after the solution is its sample output, not the program (verl's and open-r1's last python block)
+    assert extract_code("```python\nprint(1 + 2)\n```\nFor input `1 2` it prints:\n```\n3\n```") == "print(1 + 2)\n"
+    assert extract_code("```python solution.py\nprint(6)\n```") == "print(6)\n"  # text after the label
+    assert extract_code("```python\r\nprint(7)\r\n```") == "print(7)\r\n"
 
 
 def test_code_reward(box):

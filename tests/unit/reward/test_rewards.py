@@ -84,6 +84,12 @@ def test_the_builtins_are_trl_convention_functions():
     assert rules.toy(["#### 4"]) == [None]
 
 
+def test_a_numeric_answer_is_read_as_its_digits():
+    """A float gold below 1e-4 was str()'d to 1e-05, which math-verify reads as e - 5: \\boxed{0.00001} scored 0."""
+    responses = ["\\boxed{0.00001}", "\\boxed{e-5}", "\\boxed{0.25}", "\\boxed{3}", "\\boxed{0.00000025}"]
+    assert rules.math(responses, answer=[1e-05, 1e-05, 0.25, 3.0, 2.5e-07]) == [1.0, 0.0, 1.0, 1.0, 1.0]
+
+
 def test_a_response_rescored_while_it_is_being_scored_is_scored_once():
     """sorted_partial submits a carried finished response again each round its prompt runs; a round
     does not wait for the rewards of groups it does not keep, so the earlier score may be in flight."""
