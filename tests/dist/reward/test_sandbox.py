@@ -321,13 +321,11 @@ def test_the_interpreter_is_found_on_path_and_a_missing_one_is_named_not_the_iso
     with pytest.raises(SandboxUnavailable, match=r"reward.sandbox.python='/no/python3' is no executable here") as e:
         Sandbox(SandboxConfig(python="/no/python3"))
     assert "bubblewrap" not in str(e.value)
-    name = os.path.basename(sys.executable)
-    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
-    try:
-        box = Sandbox(SandboxConfig(python=name))
-    except SandboxUnavailable as e:
-        pytest.skip(f"no isolation here: {e}")
-    assert box.python == sys.executable and box.run("print(6 * 7)", "", 5).stdout == b"42\n"
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("no /usr/bin/python3 (the interpreter the sandbox's user can run) here")
+    monkeypatch.setenv("PATH", "/usr/bin")
+    box = Sandbox(SandboxConfig(python="python3"))
+    assert box.python == "/usr/bin/python3" and box.run("print(6 * 7)", "", 5).stdout == b"42\n"
 
 
 def test_auto_falls_back_to_unshare(monkeypatch):
