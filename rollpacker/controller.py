@@ -110,7 +110,9 @@ class Controller:
                                 max_model_len=max_model_len, kv_tokens=kv_tokens,
                                 max_new_tokens=config.rollout.max_new_tokens,
                                 max_prompt_length=config.data.max_prompt_length,
-                                skip_bad=config.data.skip_bad_lines)
+                                skip_bad=config.data.skip_bad_lines,
+                                kv_setting="engine.memory_mb (the KV cache gets what the weights' shard at rollout.tp "
+                                "leaves)" if config.engine.memory_mb else "engine.kv_memory_mb")
         rows = fit(load_rows(config.data, check))
         eval_rows = (fit(load_eval_rows(config.data, check), field=eval_field(config.data)) if config.eval_every
                      else None)

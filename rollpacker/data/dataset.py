@@ -752,7 +752,8 @@ def lasting_text(value: Any) -> str:
 
 
 def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_new_tokens: int,
-             max_prompt_length: int = 0, skip_bad: bool = False, field: str = "data.path") -> list[dict]:
+             max_prompt_length: int = 0, skip_bad: bool = False, field: str = "data.path",
+             kv_setting: str = "engine.kv_memory_mb") -> list[dict]:
     """The rows whose prompt the engines can serve: ``encode(row)`` (its token ids) is non-empty,
     shorter than the context ``max_model_len``, and with up to ``max_new_tokens`` more fits the KV
     cache of ``kv_tokens``; and at most ``max_prompt_length`` tokens long (``data.max_prompt_length``,
@@ -760,7 +761,7 @@ def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_n
     warning naming the first few; an error if none is left. A row the chat template refuses
     (:class:`~rollpacker.data.chat.TemplateRefused`) raises :class:`DatasetError` naming it, or, with
     ``skip_bad`` (``data.skip_bad_lines``), is left out and counted in one warning. ``field``: the rows' setting,
-    for the messages."""
+    ``kv_setting``: the one that sizes the KV cache, for the messages."""
     from rollpacker.data.chat import TemplateRefused
 
     kept, dropped, refused = [], [], []
@@ -794,5 +795,5 @@ def fit_rows(rows: list[dict], encode, max_model_len: int, kv_tokens: int, max_n
                            + (f" and data.max_prompt_length={max_prompt_length}" if max_prompt_length else "")
                            + ": shorten the prompts, or raise "
                            + ("data.max_prompt_length, " if max_prompt_length else "")
-                           + "engine.kv_memory_mb or the model's context")
+                           + f"{kv_setting} or the model's context")
     return kept

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 @dataclass(kw_only=True)
 class PlanConfig:
     enabled: bool = False
-    """Choose the rollout TP per step from the profile and the preemptions (paper §4.2); rollout.tp is then ignored."""
+    """Choose the rollout TP per step from the profile and the preemptions (paper §4.2); rollout.tp is then the TP
+    the engines start at, whose KV cache the prompts are fitted to (those that do not fit are left out)."""
     profile: str = ""
     """Profile file from python -m rollpacker.profile; empty: the one cached under profile_dir (made at start)."""
     profile_dir: str = "runs/profiles"

@@ -82,6 +82,8 @@ def test_prompts_that_do_not_fit_are_left_out_and_counted(caplog):
     assert [r["n"] for r in fit_rows(rows, lambda r: [1] * r["n"], 64, 16, 8)] == [3]
     with pytest.raises(DatasetError, match="no prompt of data.path fits the context length 16 and the KV cache of 2 "):
         fit_rows(rows, lambda r: [1] * r["n"], 16, 2, 4)
+    with pytest.raises(DatasetError, match=r"raise engine.memory_mb \(the KV .*\) or the model's context"):
+        fit_rows(rows, lambda r: [1] * r["n"], 16, 2, 4, kv_setting="engine.memory_mb (the KV ...)")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rollpacker.data.dataset"):  # data.max_prompt_length: verl's filter
         assert [r["n"] for r in fit_rows(rows, lambda r: [1] * r["n"], 64, 64, 4, max_prompt_length=10)] == [3, 10]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from rollpacker.errors import UserError
 from rollpacker.model.attention import length_buckets
 from rollpacker.model.parallelize import apply_rollout_tp
 from rollpacker.model.transformer import Transformer
@@ -89,9 +90,9 @@ class TorchEngine(Speculation):
         kv_bytes = config.memory_mb * 2**20 - self.weight_bytes if config.memory_mb else config.kv_memory_mb * 2**20
         self.num_blocks = int(kv_bytes) // block_bytes
         self.kv_capacity_tokens = self.num_blocks * config.block_size
-        if self.num_blocks < 1:
-            raise ValueError(f"engine.{self.budget}={getattr(config, self.budget)} (this rank's weights: "
-                             f"{self.weight_bytes / 2**20:.2f} MiB) holds no {block_bytes}-byte KV block")
+        if self.num_blocks < 1:  # the config's: said once, no traceback
+            raise UserError(f"engine.{self.budget}={getattr(config, self.budget)} (this rank's weights: "
+                            f"{self.weight_bytes / 2**20:.2f} MiB) holds no {block_bytes}-byte KV block: raise it")
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.cache: torch.Tensor | None = None
