@@ -299,6 +299,14 @@ def test_auto_calibrates_within_the_prefill_budget_and_the_kv_cache_or_says_it_c
         engine(qwen2_dir, speculative="auto", kv_memory_mb=0.006)
 
 
+def test_a_budget_that_holds_no_kv_block_is_a_config_error(qwen2_dir):
+    """It was a ValueError, each rank's traceback, not the one line of a config error."""
+    from rollpacker.errors import UserError
+
+    with pytest.raises(UserError, match=r"engine.memory_mb=0.01 \(this rank's weights: .* MiB\) holds no .*: raise it"):
+        engine(qwen2_dir, memory_mb=0.01)
+
+
 @pytest.mark.parametrize("verify_s", [1.0, 20.0])
 def test_auto_backs_off_where_drafting_does_not_pay(qwen2_dir, verify_s):
     """The cost table says drafts pay (cheap verify steps up to 4 running) and every request is offered
