@@ -421,7 +421,8 @@ class Controller:
         self.policy.load_state_dict({k: v for k, v in state["policy"].items() if k != "name"})
         self.rewards.load_state_dict(state["rewards"])
         if self.planner and "planner" in state:  # a checkpoint saved without the planner: start afresh
-            self.planner.load_state_dict(state["planner"])
+            for note in self.planner.load_state_dict(state["planner"]):
+                logger.info("%s", note)
         if self.drafts and "drafts" in state:  # saved without speculation or longest-first: start empty
             self.drafts.load_state_dict(state["drafts"])
         if self.replay and "replay" in state:

@@ -60,6 +60,8 @@ class Planner:
                             "them, or 0 to start at the profile's best")
         self.config, self.candidates, self.initial = config, candidates, initial
         self.kinds: dict[str, _Kind] = {}
+        self.start: _Kind | None = None
+        """The state each kind's first round starts from, where a resume gave one for every kind (else ``initial``)."""
         self.profile, self.world, self.prompt_len, self.max_num_seqs = profile, world, prompt_len, max_num_seqs
         """The profile the planner estimates rounds from (None: no estimates), and with it the world size, the
         data's mean prompt length and ``engine.max_num_seqs``."""
@@ -74,7 +76,10 @@ class Planner:
         return self.observe(kind, preemptions, estimate)
 
     def _state(self, kind: str) -> _Kind:
-        return self.kinds.setdefault(kind if self.config.per_kind else "all", _Kind(self.initial))
+        key = kind if self.config.per_kind else "all"
+        if key not in self.kinds:  # a kind's first round: from the start, or the state a resume gave every kind
+            self.kinds[key] = _Kind(**asdict(self.start)) if self.start else _Kind(self.initial)
+        return self.kinds[key]
 
     def tp_for(self, kind: str) -> int:
         """The TP for the next round of ``kind``."""
@@ -111,12 +116,30 @@ class Planner:
     def state_dict(self) -> dict[str, Any]:
         return {"kinds": {k: asdict(v) for k, v in self.kinds.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.kinds = {k: _Kind(**v) for k, v in state["kinds"].items()}
-        for k, s in self.kinds.items():
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """The checkpoint's state, under this run's settings: with ``plan.per_kind`` changed, the kinds' states become
+        one (the largest TP's) or each kind starts from the one; a TP no longer usable (``plan.max_tp`` lowered)
+        becomes the largest usable below it. What it changed, a sentence each, and the TP each kind resumes at."""
+        saved, notes = {k: _Kind(**v) for k, v in state["kinds"].items()}, []
+        if not self.config.per_kind and set(saved) - {"all"}:
+            kind, one = max(saved.items(), key=lambda item: item[1].tp)
+            each = ", ".join(f"{k} {s.tp}" for k, s in saved.items())
+            notes.append(f"plan: the checkpoint kept a TP per round kind ({each}); plan.per_kind is off: every round "
+                         f"resumes at {kind}'s")
+            saved = {"all": one}
+        elif self.config.per_kind and "all" in saved:
+            notes.append(f"plan: the checkpoint kept one TP for every round ({saved['all'].tp}); plan.per_kind is on: "
+                         "each kind resumes from it")
+            self.start, saved = saved["all"], {}
+        resumed = [*saved.items(), *([("every", self.start)] if self.start else [])]
+        for k, s in resumed:
             if s.tp not in self.candidates:
-                raise ValueError(f"plan: the checkpoint's TP {s.tp} for {k} rounds is not usable here "
-                                 f"(usable: {self.candidates})")
+                tp = max((t for t in self.candidates if t <= s.tp), default=self.candidates[0])
+                notes.append(f"plan: the checkpoint's TP {s.tp} for {k} rounds is not usable here (usable: "
+                             f"{self.candidates}): they resume at TP {tp}")
+                s.tp = tp
+        self.kinds = saved
+        return [*notes, "plan: resumed at TP " + ", ".join(f"{s.tp} for {k} rounds" for k, s in resumed)]
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:

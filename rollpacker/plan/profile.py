@@ -160,9 +160,9 @@ def measure(config, meshes, model_dir: Path, dtype, key: dict) -> dict:
         meshes.set_rollout_tp(tp)
         try:
             sized = TorchEngine(empty_model(args, device, dtype), config.engine, meshes.rollout_tp)  # the run's KV
-        except ValueError as e:  # engine.memory_mb leaves this TP's weight shard no KV block
+        except UserError as e:  # engine.memory_mb leaves this TP's weight shard no KV block
             raise UserError(f"the planner profiles every usable rollout TP ({usable_tps(world, args.num_kv_heads, p)})"
-                            f": at TP {tp}, {e}: raise engine.memory_mb") from None
+                            f": at TP {tp}, {e}") from None
         entry = {"kv_capacity_tokens": sized.kv_capacity_tokens,
                  "kv_bytes_per_token": 2 * args.num_layers * sized.num_kv_heads * args.head_dim * dtype.itemsize,
                  "weight_bytes": sized.weight_bytes, "decode_ms": {}, "prefill_tok_s": {}}

@@ -92,7 +92,8 @@ class TorchEngine(Speculation):
         self.kv_capacity_tokens = self.num_blocks * config.block_size
         if self.num_blocks < 1:  # the config's: said once, no traceback
             raise UserError(f"engine.{self.budget}={getattr(config, self.budget)} (this rank's weights: "
-                            f"{self.weight_bytes / 2**20:.2f} MiB) holds no {block_bytes}-byte KV block: raise it")
+                            f"{self.weight_bytes / 2**20:.2f} MiB) holds no {block_bytes}-byte KV block: raise "
+                            f"engine.{self.budget}")
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.cache: torch.Tensor | None = None

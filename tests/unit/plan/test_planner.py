@@ -76,8 +76,27 @@ def test_one_tp_for_every_kind_and_the_state_round_trips():
     q = Planner(PlanConfig(per_kind=False), [1, 2], initial=1)
     q.load_state_dict(json.loads(json.dumps(p.state_dict())))
     assert q.tp_for("short") == 2 and q.kinds == p.kinds
-    with pytest.raises(ValueError, match="TP 2 for all rounds is not usable"):
-        Planner(PlanConfig(), [1], initial=1).load_state_dict(p.state_dict())
+
+def test_a_resume_under_other_plan_settings_goes_on_from_the_checkpoints_tps():
+    """A lowered plan.max_tp refused the resume; a changed plan.per_kind dropped the checkpoint's TPs unsaid."""
+    per_kind = Planner(PlanConfig(), [1, 2, 4], initial=1)
+    per_kind.observe("short", 3)
+    per_kind.observe("long", 3)
+    per_kind.observe("long", 30)
+    assert (per_kind.tp_for("short"), per_kind.tp_for("long")) == (2, 4)
+    saved = json.loads(json.dumps(per_kind.state_dict()))
+    lower = Planner(PlanConfig(max_tp=2), [1, 2], initial=1)
+    notes = lower.load_state_dict(saved)
+    assert notes == ["plan: the checkpoint's TP 4 for long rounds is not usable here (usable: [1, 2]): they resume "
+                     "at TP 2", "plan: resumed at TP 2 for short rounds, 2 for long rounds"]
+    assert lower.kinds["long"].history == [3, 30]
+    one = Planner(PlanConfig(per_kind=False), [1, 2, 4], initial=1)
+    assert one.load_state_dict(saved)[0] == ("plan: the checkpoint kept a TP per round kind (short 2, long 4); "
+                                            "plan.per_kind is off: every round resumes at long's")
+    assert one.tp_for("sync") == one.tp_for("short") == 4
+    again = Planner(PlanConfig(), [1, 2, 4], initial=1)
+    again.load_state_dict(one.state_dict())
+    assert again.tp_for("short") == again.tp_for("sorted") == 4 and again.kinds["short"].history == [3, 30]
 
 
 def entry(capacity: int, ms_at_1: float, ms_at_4: float) -> dict:
@@ -202,7 +221,7 @@ def test_engine_memory_mb_gives_the_kv_cache_what_the_weights_leave():
     block = 16 * 2 * 4 * 2 * 32 * 4  # tokens x (K, V) x layers x KV heads x head dim x fp32
     engine = TorchEngine(model, EngineConfig(memory_mb=4.0))
     assert engine.weight_bytes == weights and engine.num_blocks == (4 * 2**20 - weights) // block
-    with pytest.raises(ValueError, match=r"engine.memory_mb=2.9 \(this rank's weights: 2.90 MiB\) holds no"):
+    with pytest.raises(UserError, match=r"engine.memory_mb=2.9 \(this rank's weights: 2.90 MiB\) holds no"):
         TorchEngine(load_model(toy_model_dir()), EngineConfig(memory_mb=2.9))
 
 

@@ -303,7 +303,8 @@ def test_a_budget_that_holds_no_kv_block_is_a_config_error(qwen2_dir):
     """It was a ValueError, each rank's traceback, not the one line of a config error."""
     from rollpacker.errors import UserError
 
-    with pytest.raises(UserError, match=r"engine.memory_mb=0.01 \(this rank's weights: .* MiB\) holds no .*: raise it"):
+    with pytest.raises(UserError, match=r"engine.memory_mb=0.01 \(this rank's weights: .* MiB\) holds no .*: raise "
+                                        r"engine.memory_mb"):
         engine(qwen2_dir, memory_mb=0.01)
 
 
