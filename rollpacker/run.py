@@ -151,12 +151,20 @@ def flag_names(record: logging.LogRecord) -> bool:
 
 
 def unexported(config: Config) -> str:
-    """What a finished run's end left unexported (stopped while writing it), as the clause saying how to write it."""
-    from rollpacker.checkpoint import MARKER
+    """What a finished run's end left unexported (stopped while writing it), as the clause saying how to write it.
+    What it exports is what its checkpoint's ``export_flags`` say (else this run's flags): the adapters, the merged
+    model, or the whole model."""
+    from rollpacker.checkpoint import MARKER, CheckpointError, train_state
 
-    hf, lora = Path(config.run_dir) / "hf", config.train.lora
-    files = [hf / "adapter_config.json", *([hf.with_name("hf_merged") / "config.json"] if lora.export_merged else [])
-             ] if lora.rank else [hf / "config.json"]
+    try:
+        flags = train_state(Path(config.resume)).get("export_flags")
+    except CheckpointError:
+        flags = None
+    lora, merged = ((config.train.lora.rank, config.train.lora.export_merged) if flags is None
+                    else ("--train.lora.rank" in flags, "--train.lora.export-merged" in flags))
+    hf = Path(config.run_dir) / "hf"
+    files = [hf / "adapter_config.json", *([hf.with_name("hf_merged") / "config.json"] if merged else [])
+             ] if lora else [hf / "config.json"]
     committed = (Path(config.resume) / MARKER).stat().st_mtime  # the run's end exports after its last save
     stale = [f.parent for f in files if not f.exists() or f.stat().st_mtime < committed]
     if not config.checkpoint.export_hf or not stale:

@@ -35,6 +35,9 @@ class LoraConfig:
         if bad:
             raise ValueError(f"train.lora.target_modules names {bad}: rollpacker adapts the decoder layers' linears "
                              "only (the output head and embedding can be tied); drop them")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:  # PEFT: a name matching nothing
+            raise ValueError(f"train.lora.target_modules={list(self.target_modules)}: all-linear is every linear "
+                             "already; give it alone, or name the linears without it")
 
 
 @dataclass(kw_only=True)

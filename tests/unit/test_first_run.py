@@ -142,6 +142,9 @@ def test_a_finished_lora_runs_resume_names_a_merged_export_its_end_did_not_write
     assert unexported(config) == f"; its Hugging Face export {tmp_path / 'hf_merged'} is an earlier step's {fix}"
     config.train.lora.export_merged = False  # its end writes the adapters alone
     assert unexported(config) == ""
+    # what the run trained, as its checkpoint says, not this command's flags (without --train.lora.rank: hf/config.json)
+    (step / "train_state.json").write_text(json.dumps({"step": 2, "export_flags": ["--train.lora.rank", "8"]}))
+    assert unexported(Config(run_dir=str(tmp_path), resume=str(step))) == ""
 
 
 def test_messages_name_settings_as_the_flags_typed():

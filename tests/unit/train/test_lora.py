@@ -112,6 +112,8 @@ def test_lora_config_names_bad_settings():
         LoraConfig(rank=-1)
     with pytest.raises(ValueError, match="lm_head"):
         LoraConfig(rank=8, target_modules=("q_proj", "lm_head"))
+    with pytest.raises(ValueError, match=r"all-linear is every linear already; give it alone"):  # o_proj alone ran
+        LoraConfig(rank=8, target_modules=("all-linear", "o_proj"))
 
 
 def test_a_target_module_the_model_lacks_is_the_users_error(toy_random_dir):
