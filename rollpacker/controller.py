@@ -215,8 +215,7 @@ class Controller:
 
     def train_round(self, step: int, plan: RoundPlan, hooks: RoundHooks | None = None) -> ExchangeRound:
         """Training round ``plan`` of ``step`` for the exchange, with ``hooks``; the live display starts the step."""
-        cfg = self.config
-        self.display.start_step(step, cfg.rollout.num_prompts * cfg.rollout.group_size)
+        self.display.start_step(step, len(plan.prompts) * plan.num_responses)  # tail's over-provisioned round too
         self.rewards.state = self.trainer_state(step, self.epochs_before)
         return self.leader.round(step, plan, hooks)
 

@@ -291,8 +291,9 @@ class RoundLeader:
     """The held-out rounds' leader: its responses' rewards count in the held-out metrics (``eval/reward/*``)."""
     lengths: LengthReplay | None = None
     """Forces each response's length (``rollout.replay_lengths``)."""
-    progress: Callable[[int, float], None] | None = None
-    """Told after each poll: responses finished, tokens per second."""
+    progress: Callable[[int, int, float], None] | None = None
+    """Told after each poll: responses finished, responses launched (refills and sorted rounds launch more as they
+    go), tokens per second."""
     make_samples: Callable[[Group], list] | None = None
     """A complete, scored group's trainer samples: what stream training feeds the freed ranks."""
     sink: GroupSink | None = None
@@ -393,7 +394,7 @@ class ExchangeRound:
         actions = self.round.poll(seen, self.generated)
         if leader.progress:
             state = self.round.state
-            leader.progress(state.num_launched - len(state.outstanding),
+            leader.progress(state.num_launched - len(state.outstanding), state.num_launched,
                             self.round.model_tokens_done / (time.time() - self.start))
         return self.command(actions)
 

@@ -478,9 +478,9 @@ class LiveDisplay:
         else:
             self._progress.console.print(text, markup=False, highlight=False)
 
-    def update(self, num_done: int, tokens_per_s: float) -> None:
+    def update(self, num_done: int, num_launched: int, tokens_per_s: float) -> None:
         if (task := self._tasks.get(self._step)) is not None:
-            self._progress.update(task, completed=num_done, tokens_per_s=tokens_per_s)
+            self._progress.update(task, completed=num_done, total=num_launched, tokens_per_s=tokens_per_s)
             self._progress.update(self._run, clock=self.clock(self._step - 1))
 
     def clock(self, step: int) -> str:

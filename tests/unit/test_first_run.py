@@ -227,7 +227,7 @@ def test_the_live_display_on_a_terminal_shows_the_run_and_the_rollout():
     display = LiveDisplay(enabled=True, stream=out, num_steps=10)
     display.note("the summary")
     display.start_step(3, num_launched=4)
-    display.update(2, tokens_per_s=50.0)
+    display.update(2, 4, tokens_per_s=50.0)
     display.end_step(3, {"reward/mean": 1.0, "reward/errors": 0, "rollout/tokens_per_s": 50.0})
     display.close()
     assert "the summary" in out.getvalue() and re.search(r"step 3/10 \| 0:00:\d\d elapsed", out.getvalue())

@@ -229,7 +229,7 @@ def test_live_display_plain_lines_when_not_a_terminal():
     display = LiveDisplay(enabled=True, stream=out)
     for step in range(2):
         display.start_step(step, num_launched=8)
-        display.update(4, tokens_per_s=100.0)
+        display.update(4, 8, tokens_per_s=100.0)
         display.end_step(step, {"time/step": 1.5, "reward/mean": 0.25, "reward/accuracy": 0.5,
                                 "rollout/response_len_mean": 12.0, "train/loss": 3.0})
     display.close()
@@ -267,7 +267,10 @@ def test_live_display_on_a_terminal_prints_the_summary():
     out = Tty()
     display = LiveDisplay(enabled=True, stream=out)
     display.start_step(3, num_launched=4)
-    display.update(2, tokens_per_s=50.0)
+    display.update(2, 4, tokens_per_s=50.0)
+    display.update(5, 6, tokens_per_s=50.0)  # a refill launched 2 more: the bar counts of 6, not past 4
+    display._progress.refresh()
+    assert "5/6" in out.getvalue() and "5/4" not in out.getvalue()
     display.end_step(3, {"reward/mean": 1.0})
     display.close()
     assert "step 3 | reward/mean 1" in out.getvalue()
