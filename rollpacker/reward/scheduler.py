@@ -340,7 +340,7 @@ class RewardScheduler:
             from rollpacker.reward.workers import RewardPool
 
             self.pool = RewardPool(cfg, tuple(dict.fromkeys(pooled)))
-        if cfg.num_workers and any(f.ref.asynchronous for f in self.functions):
+        if any(f.ref.asynchronous for f in self.functions):  # awaited here, whatever the workers: 0 too
             from rollpacker.reward.workers import AsyncCalls
 
             self.async_calls = AsyncCalls(cfg.max_concurrent)

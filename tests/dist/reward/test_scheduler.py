@@ -197,13 +197,14 @@ async def blocking(completions, **kwargs):  # a sync request inside async def: i
 """
 
 
-def test_async_functions_are_awaited_together_up_to_max_concurrent_and_cancelled_at_their_timeout(tmp_path):
+@pytest.mark.parametrize("workers", [2, 0])  # 0: plain functions inline; async ones were awaited one at a time
+def test_async_functions_are_awaited_together_up_to_max_concurrent_and_cancelled_at_their_timeout(tmp_path, workers):
     from rollpacker.imports import load
 
     (tmp_path / "remote_rm.py").write_text(ASYNC_REWARDS)
     spec = f"{tmp_path / 'remote_rm.py'}:remote"
     texts = ["a", "bb", "hang", "ccc", "dddd", "eeeee", "ffffff", "ggggggg", "hhhhhhhh"]
-    cfg = RewardConfig(funcs=(spec,), num_workers=2, max_concurrent=4, timeout=2.0)
+    cfg = RewardConfig(funcs=(spec,), num_workers=workers, max_concurrent=4, timeout=2.0)
     scheduler = RewardScheduler(cfg, lambda ids: texts[ids[0]])
     assert scheduler.pool is None and scheduler.async_calls is not None  # no worker process for an async function
     try:
