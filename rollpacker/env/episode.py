@@ -234,9 +234,8 @@ class Episode:
         self._expect("turn")
         talks = self.bridge is not None
         turn_id = f"{self.id}#{self.num_turns}" if talks else self.id
-        follows = talks and self.num_turns + 1 < self.max_turns  # the last turn env.max_turns allows: no KV kept
         return TurnRequest(turn_id, self.prompt_ids + self.response_ids, self._budget(), turn_seed(self.seed, turn_id),
-                           session=self.id if follows else None)
+                           session=self.id if talks else None)
 
     def on_turn(self, token_ids: list[int], logprobs: list[float], finish_reason: str) -> StepEnv | Done:
         """A finished turn ("stop" or "length"), exactly as sampled -> what comes next. One cut ("length")

@@ -49,14 +49,6 @@ def test_turns_and_observations_interleave_with_the_mask_and_logprobs():
     assert [m["role"] for m in e.messages] == ["assistant", "user", "assistant", "user"]
 
 
-def test_the_last_turn_env_max_turns_allows_keeps_no_kv_for_a_turn_that_cannot_follow():
-    e = episode(max_turns=2)
-    assert e.next_turn().session == "3:1:2"
-    e.on_turn(turn("a"), [-1.0], "stop")
-    assert e.on_step(StepResult([{"role": "user", "content": "x"}])).session is None
-    assert episode(max_turns=1).next_turn().session is None
-
-
 def test_the_samples_turns_name_each_observation_by_its_roles_one_that_said_nothing_environment():
     e = episode()
     e.on_turn(turn("a"), [-1.0], "stop")
