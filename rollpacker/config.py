@@ -212,6 +212,8 @@ class Config:
             *((self.plan, f"plan.{name}", self.plan.enabled, "plan.enabled")
               for name in ("initial_tp", "raise_factor", "recent_steps", "quiet_steps", "profile_guard", "per_kind")),
             (self.engine, "engine.spec_max_tokens", self.engine.speculative != "off", "engine.speculative on or auto"),
+            *((self.data, f"data.{name}", bool(self.data.path), "data.path: the toy task has no splits")
+              for name in ("split", "eval_split")),
         ))
 
     def _check_engine(self) -> None:

@@ -113,7 +113,7 @@ class Controller:
                                 skip_bad=config.data.skip_bad_lines,
                                 kv_setting="engine.memory_mb (the KV cache gets what the weights' shard at rollout.tp "
                                 "leaves)" if config.engine.memory_mb else "engine.kv_memory_mb")
-        rows = fit(load_rows(config.data, check))
+        rows = fit(load_rows(config.data, check), field="data.path" if config.data.path else "the toy task's rows")
         eval_rows = (fit(load_eval_rows(config.data, check), field=eval_field(config.data)) if config.eval_every
                      else None)
         held_out = "data.eval_path" if config.data.eval_path else "data.eval_split" if config.data.eval_split else ""

@@ -105,7 +105,8 @@ class EngineConfig:
     max_model_len: int = 0
     """Longest prompt + response; 0 takes the model's max_position_embeddings."""
     seed: int = 0
-    """Seeds the per-request seeds of requests that bring none."""
+    """Seeds the per-request seeds of requests that bring none (a run's requests each bring one, from its seed: this
+    seeds the engine used alone, as the benchmarks use it)."""
     speculative: Literal["off", "auto", "on"] = "off"
     """Verify model-free drafts (docs/speculative.md): auto where the engine's measured step cost says it pays."""
     spec_max_tokens: int = 8

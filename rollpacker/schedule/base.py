@@ -180,6 +180,9 @@ class PolicyConfig:
         return False
 
     def __post_init__(self) -> None:
+        if self.max_gen_batches < 0:
+            raise ValueError(f"schedule.max_gen_batches={self.max_gen_batches}: the times a round may draw "
+                             "rollout.num_prompts, 0 for no limit; give a count >= 0")
         if self.max_gen_batches != type(self).max_gen_batches and not self.refills:
             raise ValueError(f"schedule.max_gen_batches with schedule:{self.name}: it bounds the prompts drawn in "
                              "place of dropped groups, and no round refills here (schedule:sync with schedule.refill, "

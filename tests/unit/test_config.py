@@ -167,7 +167,12 @@ def test_stream_and_planner_settings_nothing_reads_are_refused(capsys):
                         (["--plan.initial-tp", "2", "--plan.no-per-kind"], "plan.initial_tp (applies with "
                          "plan.enabled), plan.per_kind (applies with plan.enabled): given, but nothing reads it"),
                         (["--engine.spec-max-tokens", "4"], "engine.spec_max_tokens (applies with "
-                         "engine.speculative on or auto)")):
+                         "engine.speculative on or auto)"),
+                        (["--data.split", "train[:10]", "--data.eval-split", "train[:3]"], "data.split (applies with "
+                         "data.path: the toy task has no splits), data.eval_split (applies with data.path"),
+                        (["schedule:sync", "--schedule.refill", "--schedule.filter-zero-variance",
+                          "--schedule.max-gen-batches", "-1"], "schedule.max_gen_batches=-1: the times a round may "
+                         "draw rollout.num_prompts, 0 for no limit")):
         with pytest.raises(SystemExit):
             parse(flags)
         assert said in " ".join(capsys.readouterr().err.replace("│", " ").split()), flags
