@@ -234,18 +234,14 @@ class HFDecoder(nn.Module):
 
 
 def load_hf(path: str | Path, *, meta: bool = False, dtype: torch.dtype = torch.float32) -> HFDecoder:
-    """The model at ``path``: its weights in host memory, or (``meta``) its structure only. Attention is
-    transformers' default (SDPA), or eager where the config caps attention logits (Gemma-2's
-    ``attn_logit_softcapping``), which transformers' SDPA leaves uncapped."""
+    """The model at ``path``: its weights in host memory, or (``meta``) its structure only."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
-    attn = "eager" if getattr(config.get_text_config(), "attn_logit_softcapping", None) else None
     if meta:
         with torch.device("meta"):
-            causal_lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+            causal_lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     else:
-        causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        causal_lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return HFDecoder(causal_lm.train())
 
 
