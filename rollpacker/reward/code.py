@@ -30,7 +30,7 @@ from typing import Any
 from rollpacker.reward.rules import RewardError
 from rollpacker.reward.sandbox import Isolation, Sandbox, SandboxConfig, SandboxUnavailable
 
-_CODE_BLOCK = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_CODE_BLOCK = re.compile(r"```[ \t]*([\w+#.-]*)(?:[ \t][^`\n]*)?\r?\n(.*?)```", re.DOTALL)
 """Every fenced block, its label read too (and text after it: ```python solution.py): a block of another language
 (```text of a sample input) skipped at its opening fence made its closing fence open the next block, and the prose
 after it ran as the program."""
