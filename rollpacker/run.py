@@ -112,11 +112,12 @@ def their_names(said: str) -> str:
     lines, hydra = [], False
     unknown = said.partition("Unrecognized options:")[2].split("---")[0]
     for flag in dict.fromkeys(re.findall(r"--[\w.-]+|[\w.]+(?==)", unknown)):
-        hydra = hydra or not flag.startswith("--")
+        override = not flag.startswith("--")  # Hydra's key=value
+        hydra = hydra or override
         name = flag.rpartition(".")[2].lstrip("-").replace("-", "_")
         if name in THEIR_NAMES:
             whose, ours = THEIR_NAMES[name]
-            lines.append(f"\nrollpacker: {flag}{'' if flag.startswith('--') else '=...'}: {whose}'s {name} is {ours}")
+            lines.append(f"\nrollpacker: {flag}{'=...' if override else ''}: {whose}'s {name} is {ours}")
     if hydra:
         lines.append("\nrollpacker: a setting is a flag, --section.name VALUE, not Hydra's section.name=VALUE")
     return "".join(lines)

@@ -169,10 +169,11 @@ def _resolve(cfg: SandboxConfig) -> tuple[str, str]:
     if key in _RESOLVED:
         return _RESOLVED[key]
     isolations = ("bwrap", "unshare") if cfg.isolation == "auto" else (cfg.isolation,)
-    if cfg.python and not shutil.which(cfg.python):
+    found = shutil.which(cfg.python) if cfg.python else None
+    if cfg.python and not found:
         raise SandboxUnavailable(f"code sandbox: reward.sandbox.python={cfg.python!r} is no executable here: give "
                                  f"the path of a Python 3 interpreter (this one is {sys.executable})")
-    pythons = (os.path.abspath(shutil.which(cfg.python)),) if cfg.python else (sys.executable, "/usr/bin/python3")
+    pythons = (os.path.abspath(found),) if found else (sys.executable, "/usr/bin/python3")
     failures, started = [], False
     for isolation in isolations:
         for python in dict.fromkeys(pythons):
