@@ -398,32 +398,34 @@ def setting_paths(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
-    """A dataclass from nested dicts, refusing unknown keys by name."""
+    """A dataclass from nested dicts, refusing unknown keys by name: ``where`` is the section read (``checkpoint``;
+    empty at the top), so that a message names the setting as the file's keys do (``checkpoint.export_hf``)."""
     hints = get_type_hints(cls, include_extras=True)
     fields = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
+        name = f"{where}.{key}" if where else key
         if key not in fields:
-            raise ValueError(f"{where}: unknown setting {key!r} (valid: {', '.join(fields)})")
+            raise ValueError(f"unknown setting {name!r} (valid: {', '.join(fields)})")
         section = hints[key] is policies.ScheduleConfig or dataclasses.is_dataclass(hints[key])
         if section and not isinstance(value, dict):  # `model = "x"`: a crash later; `train = 5`: the defaults
-            raise ValueError(f"{where}: {key} = {value!r}: {key} is a section of settings; write them under [{key}] "
-                             f"(e.g. {key}.NAME = ...)")
+            raise ValueError(f"{name} = {value!r}: {name} is a section of settings; write them under [{name}] "
+                             f"(e.g. {name}.NAME = ...)")
         if hints[key] is policies.ScheduleConfig:  # its policy's settings, checked as any (`eta_prompts = "2"`)
             settings = {k: v for k, v in value.items() if k != "policy"}
-            name = policy_name(value.get("policy", SyncConfig.name), f"{where}.{key}.policy")
-            check_settings(name, settings, f"{where}.{key}")
-            value = _build(policies.POLICY_CONFIGS[name], settings, f"{where}.{key}")
+            policy = policy_name(value.get("policy", SyncConfig.name), f"{name}.policy")
+            check_settings(policy, settings, name)
+            value = _build(policies.POLICY_CONFIGS[policy], settings, name)
         elif section:
-            value = _build(hints[key], value, f"{where}.{key}")
+            value = _build(hints[key], value, name)
         elif isinstance(value, list):
             value = tuple(value)
-            _check_items(hints[key], value, f"{where}: {key}")
+            _check_items(hints[key], value, name)
         elif _is_tuple(hints[key]):
             value = (value,)  # `funcs = "math"`: one, as a flag with one value gives it
         elif not any(_takes(kind, value) for kind in _kinds(hints[key])):
             names = " or ".join("null" if k is type(None) else k.__name__ for k in _kinds(hints[key]))
-            raise ValueError(f"{where}: {key} = {value!r} is a {type(value).__name__}, and the setting takes {names}"
+            raise ValueError(f"{name} = {value!r} is a {type(value).__name__}, and the setting takes {names}"
                              + (" (true or false, unquoted)" if bool in _kinds(hints[key]) else ""))
         kwargs[key] = value
     return cls(**kwargs)
@@ -501,7 +503,7 @@ def load_preset(name: str) -> Config:
         raise PresetError(f"{path}: {e}") from None
     reading = _READING_PRESET.set(True)
     try:
-        config = _build(Config, values, path.name)
+        config = _build(Config, values, "")
     except (TypeError, ValueError) as e:
         raise PresetError(f"{path}: {e}") from None
     finally:

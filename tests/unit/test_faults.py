@@ -67,7 +67,7 @@ def test_an_unknown_key_in_a_preset_is_refused_by_name(tmp_path):
     bad.write_text("num_steps = 3\n[rollout]\nnum_prompt = 4\n")
     with pytest.raises(ValueError) as e:
         load_preset(str(bad))
-    assert str(e.value).startswith(f"{bad}: bad.toml.rollout: unknown setting 'num_prompt' (valid: num_prompts, ")
+    assert str(e.value).startswith(f"{bad}: unknown setting 'rollout.num_prompt' (valid: num_prompts, ")
 
 
 def test_prompts_that_do_not_fit_are_left_out_and_counted(caplog):
