@@ -171,7 +171,7 @@ class ToolEnv:
         try:
             text = value if isinstance(value, str) else json.dumps(value, default=str, ensure_ascii=False)  # "東京"
             return text, isinstance(value, Failed)
-        except (TypeError, ValueError) as e:  # a circular value, keys JSON cannot hold: the tool's, said as such
+        except Exception as e:  # noqa: BLE001  (circular, too deep, keys JSON cannot hold, a str() that raises: the tool's)
             return f"error: {call.name} returned {type(value).__name__} that JSON cannot write ({e})", True
 
     def _cut(self, text: str) -> str:

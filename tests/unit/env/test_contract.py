@@ -121,6 +121,32 @@ def circular(x: int) -> dict:
     return value
 
 
+def deep(x: int) -> list:
+    """Returns a value nested deeper than JSON's writer recurses.
+
+    Args:
+        x: Anything.
+    """
+    value = []
+    for _ in range(100_000):
+        value = [value]
+    return value
+
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+def odd(x: int) -> dict:
+    """Returns an object whose text raises.
+
+    Args:
+        x: Anything.
+    """
+    return {"x": Unprintable()}
+
+
 def city(x: int) -> dict:
     """A value with other letters than ASCII.
 
@@ -276,6 +302,15 @@ def test_a_reset_of_no_messages_or_a_schema_without_a_name_is_named_with_or_with
         "error: circular returned dict that JSON cannot write (Circular reference detected)", "3",
         '{"city": "Tōkyō", "local": "東京"}']
     assert step.info == {"tool_calls": 3, "tool_errors": 1}
+    # too deep for JSON's writer (RecursionError), a value whose str() raises: the episode ended
+    env = ToolEnv(load_tools(("my_tools.py:deep", "my_tools.py:odd")))
+    contract.reset(env, seed=0, row={})
+    step = contract.step(env, '<tool_call>{"name": "deep", "arguments": {"x": 1}}</tool_call>'
+                              '<tool_call>{"name": "odd", "arguments": {"x": 1}}</tool_call>')
+    deep, odd = [m["content"] for m in step.observation]
+    assert deep.startswith("error: deep returned list that JSON cannot write (maximum recursion depth exceeded")
+    assert odd == "error: odd returned dict that JSON cannot write (no text)"
+    assert step.info == {"tool_calls": 2, "tool_errors": 2}
 
 
 def test_tools_alone_run_calls_until_the_model_answers(files):
