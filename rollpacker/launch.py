@@ -103,6 +103,9 @@ class Launch:
 
     def __init__(self, command: list[str], env: dict[str, str], stop_file: Path):
         self.interrupts, self.stop_file = 0, stop_file
+        self.unstarted: int | None = None
+        """The stop signal that found no rank (the agent starting, or between torchrun's attempts): it stopped the
+        agent, and the run with it."""
         self.agent = subprocess.Popen(command, env={**env, STOP_FILE: str(stop_file)}, start_new_session=True,
                                       preexec_fn=_die_with_parent)
         for sig in FORWARDED:
@@ -127,6 +130,8 @@ class Launch:
                         os.kill(pid, signum)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        if not pids and self.unstarted is None:
+            self.unstarted = signum
         if not pids or self.interrupts > 1:  # no rank to stop after a step (starting, restarting), or at once
             with contextlib.suppress(ProcessLookupError):
                 self.agent.send_signal(signal.SIGTERM)
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [AGENT]:
         return agent(argv[1:])
+    early: list[int] = []  # a stop before the agent starts (torch's import takes seconds): a KeyboardInterrupt
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, frame: early.append(signum))
     try:
         torchrun, flags = split(argv)
     except ValueError as e:
@@ -162,11 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if nproc not in ("1", "auto", "cpu", "gpu", "xpu"):
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks, without its banner
+    if early:
+        return _stopped(early[0])
     with tempfile.TemporaryDirectory(prefix="rollpacker-") as tmp:
         error = Path(tmp) / "error"
         env[ERROR_FILE] = str(error)
         launch = Launch([sys.executable, "-m", "rollpacker.launch", AGENT, *torchrun, "-m", "rollpacker.run",
                          *flags], env, Path(tmp) / "stop")
+        for signum in early:  # since the check above
+            launch.forward(signum, None)
         code = launch.wait()
         if launch.interrupts > 1:  # stopped at once by a second Ctrl-C: the ranks said so
             return 130
@@ -177,11 +189,20 @@ def main(argv: list[str] | None = None) -> int:
             last = max(said)
             print(f"(torchrun's attempt {last}) " * bool(int(restarts)) + said[last], file=sys.stderr, flush=True)
             return code
+    if code and launch.unstarted is not None:  # the agent stopped as asked, with no rank to stop after a step
+        return _stopped(launch.unstarted)
     if code < 0:  # the agent killed by a signal it could not handle: as it started, or from outside (SIGKILL, OOM)
         print(f"rollpacker: torchrun's agent was killed by {signal.Signals(-code).name}; its ranks, if any started, "
               "exit as they see it gone", file=sys.stderr)
         return 128 - code
     return code
+
+
+def _stopped(signum: int) -> int:
+    """A stop that came while no rank ran: said, and a clean exit (0), as a stop after a step is."""
+    print(f"rollpacker: stopped on {signal.Signals(signum).name} while no rank ran (starting, or between torchrun's "
+          "attempts): nothing to save", file=sys.stderr)
+    return 0
 
 
 def agent(argv: list[str]) -> int:

@@ -17,6 +17,7 @@ import pytest
 
 from rollpacker import report
 from rollpacker.config import as_flags
+from rollpacker import launch
 from rollpacker.launch import option, split
 from rollpacker.metrics import LiveDisplay, MetricsConfig, MetricsLogger
 
@@ -71,6 +72,29 @@ def test_a_stop_signal_during_the_launchers_handling_of_another_is_handled_after
     hung for good, and no rank heard of either stop."""
     out = subprocess.run([sys.executable, "-c", NESTED_STOP], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["-15", "2"], out.stderr  # the agent stopped (no rank yet); the file says SIGINT
+
+
+@pytest.mark.parametrize("window", ["importing torch", "the agent starting"])
+def test_a_stop_while_no_rank_runs_exits_0_saying_so(tmp_path, window):
+    """A stop while the launcher imported torch killed it (a KeyboardInterrupt traceback, or SIGTERM's -15); one
+    while torchrun's agent started killed the agent, and the launcher blamed an outside kill and exited 143."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "rollpacker.launch", "--nproc-per-node", "1", "--run-dir",
+                             str(tmp_path / "run"), "--num-steps", "1"], stderr=subprocess.PIPE, text=True)
+    ready = (lambda: bool(launch.ranks(proc.pid))) if window == "the agent starting" else (
+        lambda: launch.installed(proc.pid))  # its handlers in (installed reads SIGUSR1's), before torch's import
+    deadline = time.monotonic() + 60
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    said = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 0, said
+    assert said.strip() == "rollpacker: stopped on SIGTERM while no rank ran (starting, or between torchrun's " \
+                           "attempts): nothing to save"
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
 def test_a_reward_model_as_the_policy_is_refused_saying_where_it_goes(reward_model_dir):
