@@ -199,7 +199,7 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
               "log_extra": lambda column, values: extra.__setitem__(str(column), values)}
     if all(s.get("environment") is not None for s in samples) and accepted(fn, {"environments": None}):
         kwargs["environments"] = [s["environment"].restore() for s in samples]
-    elif "environments" in inspect.signature(fn).parameters:
+    elif (p := inspect.signature(fn).parameters.get("environments")) is not None and p.default is p.empty:
         raise BadValue("takes environments, and this response has no copy of its environment: they are given with "
                        "an env.factory of TRL's shape (a class made without arguments; docs/environments.md), and an "
                        "episode whose environment failed before its reset returned has none")
@@ -216,6 +216,7 @@ def _prepared(ref: Ref, sample: dict | list[dict]) -> tuple[Callable, dict, Call
                            "function returns one float or None per completion")
         out = []
         for i, value in enumerate(values):
+            value = _item(value)
             value, metrics, info = _value(None if is_number(value) and math.isnan(value) else value)  # TRL's None
             out.append((value, logged | metrics, {k: _nth(v, i, n) for k, v in extra.items()} | info))
         return out if ref.per_group else out[0]
@@ -243,6 +244,11 @@ def _nth(values, i: int, n: int):
     return values[i] if isinstance(values, (list, tuple)) and len(values) == n else values
 
 
+def _item(value):
+    """A 0-d tensor or array's number, as TRL takes it (its NaN too: TRL's None); any other value as it is."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+
+
 def _value(value) -> Value:
     """A function's value for one response as ``(reward or None, metrics, info)``: a dict's ``score``
     is the reward, its other numbers metrics and the rest info."""
@@ -255,8 +261,7 @@ def _value(value) -> Value:
             if key != "score":
                 (metrics if is_number(v) else info)[str(key)] = float(v) if is_number(v) else v
         value = value["score"]
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array: TRL takes its number
-        value = value.item()
+    value = _item(value)
     if value is None:
         return None, metrics, info
     if not is_number(value):

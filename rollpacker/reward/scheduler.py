@@ -166,7 +166,8 @@ def build_functions(cfg: RewardConfig, environment: bool = False) -> list[Reward
             functions.append(JudgeFunction(Ref("judge", ""), weight, cfg))
         else:
             functions.append(kinds.get(spec, RewardFunction)(resolve(spec, name, name in cfg.group_funcs), weight, cfg))
-            if not environment and "environments" in (p.name for p in parameters(functions[-1].ref)):
+            if not environment and any(p.name == "environments" and p.default is p.empty  # TRL: a default stays
+                                       for p in parameters(functions[-1].ref)):
                 raise RewardFunctionError(f"reward function {name} ({spec}) takes environments, which an env.factory "
                                           "of TRL's shape gives, and this run has none: set --env.factory to one, or "
                                           "drop the function")

@@ -466,6 +466,7 @@ def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(t
                     "def scored(completions, **kw):\n    return [{'score': numpy.array(0.75)}]\n\n"
                     "def same(completions, **kw):\n    return [numpy.float64(1) == numpy.float64(1)]\n\n"
                     "def nan(completions, **kw):\n    return numpy.array([numpy.nan])\n\n"
+                    "def nans(completions, **kw):\n    return [torch.tensor(float('nan'))]\n\n"
                     "def inf(completions, **kw):\n    return [float('inf')]\n\n"
                     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                     "    return float('nan')\n")
@@ -476,6 +477,7 @@ def test_a_trl_function_may_return_a_numpy_array_or_a_tensor_as_trl_takes_them(t
     assert call(resolve(f"{path}:scored", "scored"), sample) == (0.75, {}, {})
     assert call(resolve(f"{path}:same", "same"), sample) == (1.0, {}, {})  # numpy's bool
     assert call(resolve(f"{path}:nan", "nan"), sample) == (None, {}, {})  # TRL's None becomes NaN: it reads it back
+    assert call(resolve(f"{path}:nans", "nans"), sample) == (None, {}, {})  # a 0-d tensor's NaN too
     for name in ("inf", "compute_score"):  # not TRL's None: a bug's
         with pytest.raises(BadValue, match=r"returned (inf|nan) for a completion; a reward must be finite \(None: "):
             call(resolve(f"{path}:{name}", name), {**sample, "columns": {"answer": "1"}})
@@ -531,9 +533,13 @@ def test_a_function_that_needs_environments_in_a_run_without_an_environment_is_r
     path = tmp_path / "envs.py"
     path.write_text("def used(environments, **kw):\n    return [1.0]\n\n"
                     "def maybe(completions, environments=None, **kw):\n    return [1.0]\n")
-    for name in ("used", "maybe"):  # a default does not help: a call without a copy of the environment fails
-        with pytest.raises(RewardFunctionError, match=rf"reward function {name} \(.*envs.py:{name}\) takes "
-                                                      r"environments, which an env.factory of TRL's shape gives, and "
-                                                      r"this run has none: set --env.factory to one, or drop"):
-            build_functions(RewardConfig(funcs=(f"{path}:{name}",)))
+    with pytest.raises(RewardFunctionError, match=r"reward function used \(.*envs.py:used\) takes environments, "
+                                                  r"which an env.factory of TRL's shape gives, and this run has none: "
+                                                  r"set --env.factory to one, or drop"):
+        build_functions(RewardConfig(funcs=(f"{path}:used",)))
+    # a default: TRL gives no environments where there are none, and the function runs with its default (it was refused)
+    from rollpacker.reward.functions import call
+
+    maybe = build_functions(RewardConfig(funcs=(f"{path}:maybe",)))[0]
+    assert call(maybe.ref, {"prompt": "p", "completion": "c", "completion_ids": [1], "columns": {}})[0] == 1.0
     assert len(build_functions(RewardConfig(funcs=(f"{path}:used", f"{path}:maybe")), environment=True)) == 2
