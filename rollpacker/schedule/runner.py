@@ -123,11 +123,11 @@ class EpisodeRunner:
         self._wait(now)
         done, self.early = self.early, []
         for reply in replies:
+            self.stats.reset_retries += reply.retries  # whatever came of them: an aborted episode's ran too
             if reply.kind == "close" or reply.key not in self.waiting:
                 continue  # a close, or the reply of an episode aborted meanwhile (or of an earlier round)
             self.waiting.discard(reply.key)
             self.stats.step_seconds.append(reply.seconds)
-            self.stats.reset_retries += reply.retries
             self.env_seconds[reply.key] = self.env_seconds.get(reply.key, 0.0) + reply.seconds
             self.stats.steps += reply.kind == "step"
             self.stats.step_errors += reply.kind == "step" and bool(reply.error)

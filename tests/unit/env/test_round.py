@@ -398,6 +398,12 @@ def test_the_retries_an_open_took_are_counted_in_env_reset_retries():
                    EnvReply("0:0:1", "open", error="toy: episode '0:0:1' (row 'r1'): open raised OSError (tried 4 "
                             "times, env.reset_retries 3)", retries=3)], now=0.0)
     assert runner.stats.reset_retries == 5 and runner.stats.metrics()["env/reset_retries"] == 5.0
+    # an episode cut (tail batching) while its open was retried: the retries ran, and are counted
+    runner.open("0:1:0", 0, "0:1")
+    runner.take_calls()
+    runner.abort(["0:1:0"])
+    runner.on_env([EnvReply("0:1:0", "open", error="toy: ... (tried 3 times, env.reset_retries 3)", retries=2)], 0.0)
+    assert runner.stats.reset_retries == 7
 
 
 def test_a_reset_prompt_with_no_room_stops_the_run_with_on_error_fail():
