@@ -298,8 +298,9 @@ class WorkerPool:
         """A worker's answer to ``task``."""
         raise NotImplementedError
 
-    def _lost(self, i: int, task: Any, reason: str, seconds: float) -> None:
-        """Worker ``i`` was replaced for ``reason`` while running ``task`` (None: while idle)."""
+    def _lost(self, i: int, task: Any, reason: str, seconds: float, again: bool = True) -> None:
+        """Worker ``i`` was replaced for ``reason`` while running ``task`` (None: while idle); ``again``: whether
+        ``task`` might go otherwise if tried again (False: its reply could not be read, and would not be)."""
         raise NotImplementedError
 
     def _finish(self, result: Any) -> None:
@@ -352,7 +353,7 @@ class WorkerPool:
                 message = ForkingPickler.loads(raw)
             except Exception as e:  # noqa: BLE001  (a class of a file only the worker imported, an __init__ it lacks)
                 self._replace(i, f"its reply cannot be read here ({type(e).__name__}: {str(e)[:200]}): return plain "
-                                 "data (str, numbers, lists, dicts); its worker was replaced")
+                                 "data (str, numbers, lists, dicts); its worker was replaced", again=False)
                 return
             if message is None:
                 w.ready = True
@@ -391,12 +392,12 @@ class WorkerPool:
                 with contextlib.suppress(OSError):  # it just died: its sentinel says so next, the task is flagged
                     w.conn.send((task.timeout, self._wire(task)))
 
-    def _replace(self, i: int, reason: str) -> None:
-        """Stop worker ``i`` and start a fresh one in its place; flag its task with ``reason``."""
+    def _replace(self, i: int, reason: str, again: bool = True) -> None:
+        """Stop worker ``i`` and start a fresh one in its place; flag its task with ``reason`` (:meth:`_lost`)."""
         w = self._workers[i]
         self._retire(w)
         self._workers[i] = self._start_worker()
-        self._lost(i, w.task, reason, time.monotonic() - w.started)
+        self._lost(i, w.task, reason, time.monotonic() - w.started, again)
 
     def _start_worker(self) -> _Worker:
         conn, child_conn = self._ctx.Pipe()

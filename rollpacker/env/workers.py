@@ -338,8 +338,8 @@ class EnvPool(WorkerPool):
         self._queues[episode.worker].append(replace(task, attempt=task.attempt + 1, ready_at=ready_at, error=error))
         return True
 
-    def _lost(self, i: int, task: _Call | None, reason: str, seconds: float) -> None:
-        """Worker ``i`` was killed: its running call fails with ``reason`` (an open may be retried); every
+    def _lost(self, i: int, task: _Call | None, reason: str, seconds: float, again: bool = True) -> None:
+        """Worker ``i`` was killed: its running call fails with ``reason`` (an open may be retried, ``again``); every
         episode it hosted loses its environment (their queued and later steps fail saying so), but those
         whose open had not run yet: they wait for the fresh worker."""
         with self._cond:
@@ -352,7 +352,7 @@ class EnvPool(WorkerPool):
                 if episode.worker == i and not episode.lost and key not in spared:
                     episode.lost = (f"{self.spec.name}: the environment of episode {key!r} (row {episode.row_id!r}) "
                                     f"was lost with its worker, killed because {culprit}")
-            if task is not None and not self._retried(task, culprit):
+            if task is not None and not (again and self._retried(task, culprit)):
                 self._reply(task, error=culprit, seconds=seconds)
             for call in queued:
                 if call.key in unopened:

@@ -172,7 +172,7 @@ class RewardPool(WorkerPool):
         value, error, metrics, info, seconds, cpu_seconds = message
         self._finish(Scored(task.key, value, error, seconds, cpu_seconds, metrics, info))
 
-    def _lost(self, i: int, task: _Task | None, reason: str, seconds: float) -> None:
+    def _lost(self, i: int, task: _Task | None, reason: str, seconds: float, again: bool = True) -> None:
         if task is not None:
             self._finish(Scored(task.key, None, reason, seconds, seconds))
 

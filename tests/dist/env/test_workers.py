@@ -231,7 +231,8 @@ def test_hanging_raising_and_garbage_environments_are_killed_or_dropped_and_repo
 
 def test_a_reply_only_the_worker_can_unpickle_fails_its_call_not_the_pool(tmp_path, monkeypatch):
     """An environment file's own class in ``info``: the worker pickles it, the trainer cannot load it (it never
-    imported that file, or another file of that name). The pool's manager thread died of it, and with it the run."""
+    imported that file, or another file of that name). The pool's manager thread died of it, and with it the run.
+    An open's such reply was tried again (env.reset_retries), each try replacing a worker."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.py").write_text(textwrap.dedent('''
         class Note:
@@ -239,7 +240,7 @@ def test_a_reply_only_the_worker_can_unpickle_fails_its_call_not_the_pool(tmp_pa
 
         class Env:
             def reset(self, *, seed, options):
-                return None, {}
+                return None, {"note": Note()} if options["row"]["id"] == "n" else {}
 
             def step(self, action):
                 return "obs", 1.0, False, False, {"note": Note()} if action == "note" else {}
@@ -247,7 +248,10 @@ def test_a_reply_only_the_worker_can_unpickle_fails_its_call_not_the_pool(tmp_pa
         def make_env(row):
             return Env()
         '''))
-    with EnvPool(EnvConfig(factory="mine.py:make_env", num_workers=1)) as pool:
+    with EnvPool(EnvConfig(factory="mine.py:make_env", num_workers=1, reset_retries=2, reset_retry_delay=0)) as pool:
+        pool.open_episode("n", {"id": "n"}, 0)  # an open's too: not retried, as its reply would not read again
+        (failed,) = pool.drain(60)
+        assert failed.retries == 0 and "its reply cannot be read here" in failed.error, failed
         pool.open_episode("a", {"id": "a"}, 0)
         pool.drain(60)
         pool.step_episode("a", "note")
