@@ -243,10 +243,9 @@ class WorkerPool:
             self._closing = True
         os.write(self._wake_w, b".")
         self._manager.join()
-        for w in self._workers:
-            self._retire(w)
-        deadline = time.monotonic() + STOP_GRACE
-        for process, _ in self._retiring:
+        for i, w in enumerate(self._workers):
+            self._retire(w, self._stop_grace(i))
+        for process, deadline in self._retiring:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
         self._reap_retired(force=True)
         os.close(self._wake_r)
@@ -395,7 +394,7 @@ class WorkerPool:
     def _replace(self, i: int, reason: str, again: bool = True) -> None:
         """Stop worker ``i`` and start a fresh one in its place; flag its task with ``reason`` (:meth:`_lost`)."""
         w = self._workers[i]
-        self._retire(w)
+        self._retire(w, self._stop_grace(i))
         self._workers[i] = self._start_worker()
         self._lost(i, w.task, reason, time.monotonic() - w.started, again)
 
@@ -408,14 +407,18 @@ class WorkerPool:
         child_conn.close()
         return _Worker(process, conn, started=time.monotonic())
 
-    def _retire(self, w: _Worker) -> None:
+    def _retire(self, w: _Worker, grace: float) -> None:
         """Ask ``w`` to exit (RETIRE unwinds a sandbox run, which kills and reaps its sandbox); SIGKILL it
-        if it is still there ``STOP_GRACE`` seconds later (a hang in C code), see :meth:`_reap_retired`."""
+        if it is still there ``grace`` seconds later (a hang in C code), see :meth:`_reap_retired`."""
         w.conn.close()
         if w.process.is_alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.process.pid, RETIRE)
-        self._retiring.append((w.process, time.monotonic() + STOP_GRACE))
+        self._retiring.append((w.process, time.monotonic() + grace))
+
+    def _stop_grace(self, i: int) -> float:
+        """Seconds worker ``i`` gets to stop before SIGKILL."""
+        return STOP_GRACE
 
     def _reap_retired(self, force: bool = False) -> None:
         still = []

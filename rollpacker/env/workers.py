@@ -16,10 +16,9 @@ lived on a killed worker lose them too: their next step comes back with an error
 whose open had not run yet waits for the fresh worker). An open that raised, hung or lost its
 worker is tried again ``env.reset_retries`` times, each after a delay that doubles
 (``env.reset_retry_delay``), unless its episode is closed meanwhile; one that returned what the
-contract does not allow (or cannot be sent back) fails at once, as it would again; a step is never
-retried: the caller decides (``env.on_error``). A
-worker that stops (the pool closed, the worker replaced, the job's process gone) closes the
-environments it still holds first.
+contract does not allow (or cannot be sent back, or read here) fails at once, as it would again; a step is
+never retried: the caller decides (``env.on_error``). A worker that stops (the pool closed, the worker replaced,
+the job's process gone) closes the environments it still holds first, each within ``env.timeout``.
 
 A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
 """
@@ -27,8 +26,10 @@ A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``sp
 from __future__ import annotations
 
 import collections
+import math
 import multiprocessing as mp
 import multiprocessing.connection
+import signal
 import sys
 import time
 from collections.abc import Hashable
@@ -40,7 +41,7 @@ from rollpacker.env.config import FACTORIES, EnvConfig
 from rollpacker.env.contract import EnvError, EnvReply
 from rollpacker.imports import load, target, warm_up
 from rollpacker.reward.sandbox import Sandbox, SandboxConfig, SandboxUnavailable
-from rollpacker.workers import Retired, WorkerPool, ignore_stops, leaving, tasks
+from rollpacker.workers import STOP_GRACE, Retired, WorkerPool, ignore_stops, leaving, tasks
 
 
 @dataclass(frozen=True)
@@ -174,15 +175,18 @@ def _serve(conn: mp.connection.Connection, parent: int, spec: EnvSpec) -> None:
 
 def _close_all(spec: EnvSpec, envs: dict) -> None:
     """The worker stops (the pool closed, the worker replaced, its process gone): every environment it holds
-    is closed, a second RETIRE (its process's death after the pool's) ignored."""
+    is closed, each within ``env.timeout`` (SIGALRM's default kills the worker at a close that hangs; the pool
+    waits as long, :meth:`EnvPool._stop_grace`), a second RETIRE (its process's death after the pool's) ignored."""
     leaving()
     for env in envs.values():
+        signal.alarm(math.ceil(spec.timeout))
         try:
             contract.close(env)
         except Retired:
             raise
         except BaseException as e:  # noqa: BLE001  (the user's close, sys.exit() too: the others still close)
             print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
+    signal.alarm(0)
 
 
 def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,
@@ -305,6 +309,12 @@ class EnvPool(WorkerPool):
 
     def _main_args(self) -> tuple:
         return (self.spec,)
+
+    def _stop_grace(self, i: int) -> float:
+        """A stopping worker closes the environments it holds, each within ``env.timeout`` (:func:`_close_all`)."""
+        with self._cond:
+            held = sum(not e.lost for e in self._episodes.values() if e.worker == i)
+        return STOP_GRACE + held * self.cfg.timeout
 
     def _next_task(self, i: int) -> _Call | None:
         now, queue = time.monotonic(), self._queues[i]

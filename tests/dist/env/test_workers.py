@@ -490,6 +490,56 @@ def _gone(pid: int) -> bool:
         return True
 
 
+SLOW_CLOSE = '''
+import time
+from pathlib import Path
+
+
+class Env:
+    def __init__(self, row):
+        self.id = row["id"]
+
+    def reset(self, *, seed, options):
+        return None, {}
+
+    def step(self, action):
+        time.sleep(60 if action == "hang" else 0)
+        return "obs", None, False, False, {}
+
+    def close(self):
+        time.sleep(0.5)
+        Path(f"closed-{self.id}").touch()
+
+
+def make_env(row):
+    return Env(row)
+'''
+
+
+def test_a_stopping_worker_closes_each_environment_it_holds_within_env_timeout(tmp_path, monkeypatch):
+    """A worker replaced (a step that hung) or stopped at the pool's close had STOP_GRACE, 2 s, for all its
+    environments' closes: six closes of 0.5 s each, and the worker was SIGKILLed after four, the rest never closed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "slow.py").write_text(textwrap.dedent(SLOW_CLOSE))
+    keys = [f"e{i}" for i in range(6)]
+    with EnvPool(EnvConfig(factory="slow.py:make_env", num_workers=1, timeout=1)) as pool:
+        for key in keys:
+            pool.open_episode(key, {"id": key}, 0)
+        pool.drain(60)
+        pool.step_episode("e0", "hang")
+        (hung,) = pool.drain(60)
+        assert "timed out after 1 s" in hung.error, hung.error
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("closed-*"))) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(p.name for p in tmp_path.glob("closed-*")) == [f"closed-{key}" for key in keys]
+        fresh = [f"f{i}" for i in range(6)]
+        for key in fresh:  # the fresh worker's: closed as the pool stops
+            pool.open_episode(key, {"id": key}, 0)
+        pool.drain(60)
+    assert sorted(p.name for p in tmp_path.glob("closed-f*")) == [f"closed-{key}" for key in fresh]
+
+
 def test_every_environment_made_is_closed_when_the_pool_stops_or_its_process_dies(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tracked.py").write_text(textwrap.dedent(TRACKED_ENV))
