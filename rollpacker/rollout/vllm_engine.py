@@ -282,7 +282,8 @@ class VLLMEngine:
     def release_memory(self) -> None:
         if self.live:
             raise RuntimeError(f"release_memory with {len(self.live)} requests in flight: finish or abort them first")
-        if not self.on_cpu and not self.released:
+        # released already (a RolloutPipe training rank): weights a push woke go back; vLLM's sleep skips what sleeps
+        if not self.on_cpu and (not self.released or self.weights_awake):
             self.engine.sleep(level=1)  # weights offloaded to host memory, KV discarded
             self.reset_prefix_cache("a release")  # LLMEngine.sleep, unlike LLM.sleep, keeps the prefix cache's index
         self.released, self.weights_awake = True, False

@@ -554,7 +554,8 @@ def test_pytorchs_cuda_cache_is_emptied_before_vllm_takes_memory_back(monkeypatc
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     assert contract.free_cached_memory() and calls == ["empty_cache"]
     calls.clear()
-    vllm = SimpleNamespace(wake_up=lambda tags=None: calls.append(f"wake_up {tags}"), sleep=lambda level: None,
+    vllm = SimpleNamespace(wake_up=lambda tags=None: calls.append(f"wake_up {tags}"),
+                           sleep=lambda level: calls.append(f"sleep {level}"),
                            reset_prefix_cache=lambda: calls.append("reset_prefix_cache") or True,
                            collective_rpc=lambda method, kwargs: calls.append(
                                f"{method} {sorted({t.dtype for _, t in kwargs['weights_iterator']})}"))
@@ -564,8 +565,19 @@ def test_pytorchs_cuda_cache_is_emptied_before_vllm_takes_memory_back(monkeypatc
     engine.release_memory()
     engine.update_weights([("layers.0.mlp.up_proj.weight", torch.ones(2))])  # an fp32 master
     engine.resume_memory()
-    assert calls == ["reset_prefix_cache", "empty_cache", "wake_up ['weights']", "reload_weights [torch.bfloat16]",
-                     "reset_prefix_cache", "empty_cache", "wake_up ['kv_cache']"]
+    assert calls == ["sleep 1", "reset_prefix_cache", "empty_cache", "wake_up ['weights']",
+                     "reload_weights [torch.bfloat16]", "reset_prefix_cache", "empty_cache", "wake_up ['kv_cache']"]
+    # a RolloutPipe training rank: released, a push wakes the weights, released again: the weights went back
+    # (they stayed on the GPU while it trained), and all wakes up; released twice, nothing sleeps twice
+    calls.clear()
+    engine.release_memory()
+    engine.update_weights([("layers.0.mlp.up_proj.weight", torch.ones(2))])
+    engine.release_memory()
+    engine.release_memory()
+    engine.resume_memory()
+    assert calls == ["sleep 1", "reset_prefix_cache", "empty_cache", "wake_up ['weights']",
+                     "reload_weights [torch.bfloat16]", "reset_prefix_cache", "sleep 1", "reset_prefix_cache",
+                     "empty_cache", "wake_up None"]
     vllm.reset_prefix_cache = lambda: False  # vLLM could not: the next round would reuse the old weights' KV
     with pytest.raises(RuntimeError, match="did not reset its prefix cache after a weight push"):
         engine.update_weights([("layers.0.mlp.up_proj.weight", torch.ones(2))])
