@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rollpacker import report
+from rollpacker import launch, report
 from rollpacker.config import as_flags
-from rollpacker import launch
 from rollpacker.launch import option, split
 from rollpacker.metrics import LiveDisplay, MetricsConfig, MetricsLogger
 
