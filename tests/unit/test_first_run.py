@@ -8,8 +8,10 @@ from __future__ import annotations
 import io
 import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -77,10 +79,6 @@ def test_a_stop_signal_during_the_launchers_handling_of_another_is_handled_after
 def test_a_stop_while_no_rank_runs_exits_0_saying_so(tmp_path, window):
     """A stop while the launcher imported torch killed it (a KeyboardInterrupt traceback, or SIGTERM's -15); one
     while torchrun's agent started killed the agent, and the launcher blamed an outside kill and exited 143."""
-    import os
-    import signal
-    import time
-
     proc = subprocess.Popen([sys.executable, "-m", "rollpacker.launch", "--nproc-per-node", "1", "--run-dir",
                              str(tmp_path / "run"), "--num-steps", "1"], stderr=subprocess.PIPE, text=True)
     ready = (lambda: bool(launch.ranks(proc.pid))) if window == "the agent starting" else (
@@ -93,7 +91,7 @@ def test_a_stop_while_no_rank_runs_exits_0_saying_so(tmp_path, window):
     assert proc.returncode == 0, said
     assert said.strip() == "rollpacker: stopped on SIGTERM while no rank ran (starting, or between torchrun's " \
                            "attempts): nothing to save"
-    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_reward_model_as_the_policy_is_refused_saying_where_it_goes(reward_model_dir):

@@ -518,7 +518,7 @@ def make_env(row):
 
 def test_a_stopping_worker_closes_each_environment_it_holds_within_env_timeout(tmp_path, monkeypatch):
     """A worker replaced (a step that hung) or stopped at the pool's close had STOP_GRACE, 2 s, for all its
-    environments' closes: six closes of 0.5 s each, and the worker was SIGKILLed after four, the rest never closed."""
+    environments' closes: six closes of 0.5 s each, and the worker was SIGKILLed after three, the rest never closed."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "slow.py").write_text(textwrap.dedent(SLOW_CLOSE))
     keys = [f"e{i}" for i in range(6)]
