@@ -98,6 +98,8 @@ class Response(Output):
     messages: list[Message] | None = None
     """The conversation after the prompt (each action an assistant message; each observation's
     messages); None when no environment took part."""
+    observations: list[list[str]] = field(default_factory=list)
+    """Each observation's roles, in order (an observation's messages may take any role, assistant too)."""
     info: dict[str, float] = field(default_factory=dict)
     """The numbers of the environment's step infos, summed per key over the episode (:attr:`Episode.info`)."""
     num_turns: int = 0
@@ -140,13 +142,7 @@ class Response(Output):
         (``role`` assistant, ``trained`` True) and of environment tokens (``role``: its observation's
         roles, ``trained`` False), with its ``text`` (``decode``) and ``tokens``. A failed episode's
         model turns read untrained, as they are (:meth:`Controller.group_samples` masks them out)."""
-        observations = [[]]  # the roles of each observation: the messages between two actions
-        for m in self.messages or []:
-            if m["role"] == "assistant":
-                observations.append([])
-            else:
-                observations[-1].append(m["role"])
-        observations = observations[1:]  # an empty one (a step that said nothing) still has its end of turn
+        observations = self.observations  # an empty one (a step that said nothing) still has its end of turn
         spans: list[list] = []
         for i, m in enumerate(self.loss_mask):
             if spans and spans[-1][0] == m:
@@ -207,6 +203,8 @@ class Episode:
         """Response position (the last token of a step's action) -> that step's reward."""
         self.messages: list[Message] | None = [] if bridge is not None else None
         """The conversation after the prompt: each action as an assistant message, each observation's messages."""
+        self.observations: list[list[str]] = []
+        """Each observation's roles, in order."""
         self.info: dict[str, float] = dict.fromkeys(info_keys, 0.0)
         """Per key, the finite numbers (bools count 1) of the environment's step infos, summed; ``info_keys``
         start at 0, so an episode that never reports one (a turn without a tool call) counts 0, not nothing."""
@@ -265,6 +263,7 @@ class Episode:
         self._expect("step")
         self._reward(result.reward)
         self.messages.extend(result.observation)
+        self.observations.append([m["role"] for m in result.observation])
         for key, value in result.info.items():
             if (counted := number(value)) is not None and math.isfinite(counted):
                 self.info[key] = self.info.get(key, 0.0) + counted
@@ -320,7 +319,8 @@ class Episode:
                         step_rewards=dict(self.step_rewards), info=dict(self.info), num_turns=self.num_turns,
                         env_seconds=self.env_seconds,
                         reason=done.reason, detail=done.detail, prompt=self.prompt, env_state=self.env_state,
-                        messages=None if self.messages is None else list(self.messages))
+                        messages=None if self.messages is None else list(self.messages),
+                        observations=[list(o) for o in self.observations])
 
     def _reward(self, reward: float | None) -> None:
         """An environment's reward, on the last token so far (the first place, none yet: an empty turn)."""

@@ -61,6 +61,17 @@ def test_the_samples_turns_name_each_observation_by_its_roles_one_that_said_noth
         ("tool", False, "[1, 84]"), ("assistant", True, "[99]")]
 
 
+def test_an_observation_holding_an_assistant_message_is_one_observation_in_the_samples():
+    e = episode()
+    e.on_turn(turn("a"), [-1.0], "stop")
+    e.on_step(StepResult([{"role": "assistant", "content": "H"}, {"role": "user", "content": "U"}]))
+    e.on_turn(turn("b"), [-1.0], "stop")
+    e.on_step(StepResult([{"role": "tool", "content": "T"}]))
+    e.on_turn(turn("c"), [-1.0], "stop")
+    assert [t["role"] for t in e.output().turns(str)] == [
+        "assistant", "assistant+user", "assistant", "tool", "assistant"]
+
+
 def test_ids_and_seeds_are_fixed_by_the_episode_and_the_turn():
     """A turn replayed (resumed, migrated, or the episode run again) asks for the same request."""
     a, b = episode(), episode()
