@@ -190,18 +190,26 @@ class Meshes:
         return broadcast(obj, group or self.control, src)
 
     def scatter(self, objs: list[Any] | None, group: dist.ProcessGroup | None = None) -> Any:
-        """Rank 0's ``objs[i]`` on the i-th rank of ``group`` (default: the control plane; rank 0 is in it).
-        An object given to several ranks (a replica's command, to each of its TP ranks) is pickled once."""
-        blobs = None
-        if objs is not None:
-            pickled: dict[int, bytes] = {}
-            for obj in objs:
-                if id(obj) not in pickled:
-                    pickled[id(obj)] = pickle.dumps(obj)
-            blobs = [pickled[id(obj)] for obj in objs]
-        box = [None]
-        dist.scatter_object_list(box, blobs, src=0, group=group or self.control)
-        return pickle.loads(box[0])
+        """Rank 0's ``objs[i]`` on the i-th rank of ``group`` (default: the control plane, gloo; rank 0 is in it).
+        An object given to several ranks (a replica's command, to each of its TP ranks) is pickled once, and
+        each rank receives its own bytes alone (``scatter_object_list`` pads every part to the largest)."""
+        group = group or self.control
+        size = torch.zeros(1, dtype=torch.long)
+        if objs is None:
+            dist.scatter(size, src=0, group=group)
+            blob = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(blob, src=0, group=group)
+            return pickle.loads(blob.numpy().tobytes())
+        pickled: dict[int, torch.Tensor] = {}
+        for obj in objs:
+            if id(obj) not in pickled:
+                pickled[id(obj)] = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        blobs = [pickled[id(obj)] for obj in objs]
+        dist.scatter(size, [torch.tensor([len(b)]) for b in blobs], src=0, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        for work in [dist.isend(blob, dst=rank, group=group) for rank, blob in zip(ranks, blobs) if rank != 0]:
+            work.wait()
+        return pickle.loads(blobs[ranks.index(0)].numpy().tobytes())  # a copy, as the other ranks get
 
     def replicas(self, group: dist.ProcessGroup | None = None) -> list[int]:
         """The replica of each rank of ``group`` (default: the control plane; rolling out), in group order."""
