@@ -82,8 +82,10 @@ class Topology:
         if self.num_replicas < 2:
             return f"one rollout replica ({self.world} ranks, rollout.tp={self.tp}): nothing to free"
         if freed[0] % self.shard:
+            fits = [n for n in range(1, freed[0] + 1) if freed[0] % n == 0 and len(self.train) % n == 0]
             return (f"freeing ranks {freed[0]}..{freed[-1]} would split a training shard group of {self.shard} "
-                    f"ranks: set train.train_shard_size to a divisor of {freed[0]}")
+                    f"ranks: set train.train_shard_size to {' or '.join(map(str, fits))} (divisors of both "
+                    f"{freed[0]} and the {len(self.train)} training ranks)")
         return ""
 
     def check(self, unit: str = "ranks") -> None:

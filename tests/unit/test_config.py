@@ -69,6 +69,10 @@ def test_bad_settings_name_the_field(tmp_path):
         parse(["--rollout.tp", "2"]).check_world(3)
     with pytest.raises(ValueError, match=r"rollout.num_prompts x rollout.group_size = 3 x 3"):
         parse(["--rollout.num-prompts", "3", "--rollout.group-size", "3"]).check_world(2)
+    pipe = ["--schedule.pipe", "--rollout.tp", "2", "--rollout.num-prompts", "6"]  # frees ranks 4..5 of 6
+    with pytest.raises(ValueError, match=r"set train.train_shard_size to 1 or 2 \(divisors of both 4 and the 6"):
+        parse(pipe).check_world(6)
+    parse([*pipe, "--train.train-shard-size", "2"]).check_world(6)  # as the message says
     # one_step_off on 2 ranks rolls out on 1: any number of responses splits over it
     parse(["schedule:one_step_off", "--train.rollout-correction", "token_tis", "--rollout.num-prompts", "3",
            "--rollout.group-size", "3"]).check_world(2)
