@@ -60,10 +60,19 @@ def _why(e: Exception) -> str:
 
 
 def _after_think(text: str) -> str:
-    """The turn after its reasoning (the last ``</think>``), as vLLM's Qwen3 reasoning parser and TRL split it:
-    a call drafted while thinking is not made."""
-    end = text.rfind("</think>")
+    """The turn after its reasoning (its first ``</think>``), as vLLM's Qwen3 reasoning parser splits it: a call
+    drafted while thinking is not made; one whose arguments hold ``</think>`` (code that strips think tags) is."""
+    end = text.find("</think>")
     return text if end < 0 else text[end + len("</think>"):]
+
+
+def _shown(value: Any) -> str:
+    """``value`` as JSON in at most 80 characters (its type, nested too deep to write back: json read it near the
+    recursion limit)."""
+    try:
+        return json.dumps(value)[:80]
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deep to show"
 
 
 def _misplaced(value: Any, keys: tuple[str, ...]) -> str:
@@ -400,7 +409,7 @@ def _json_call(value: Any, call_id: str, keys: tuple[str, ...], form: str) -> To
             arguments = None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"] or not isinstance(
             arguments, dict):
-        return ToolCall("", {}, call_id, f"a tool call is {form}, got {json.dumps(value)[:80]}")
+        return ToolCall("", {}, call_id, f"a tool call is {form}, got {_shown(value)}")
     return ToolCall(value["name"], arguments, call_id)
 
 

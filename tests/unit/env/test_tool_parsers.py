@@ -6,6 +6,7 @@ out through the chat bridge."""
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import pytest
@@ -203,11 +204,14 @@ def test_a_call_cut_by_a_stop_string_still_counts():
 ADD_2_3 = {"hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
            "qwen3_coder": "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n"
                           "</parameter>\n</function>\n</tool_call>"}
+STRIP_THINK = {"hermes": '<tool_call>\n{"name": "sub", "arguments": {"pattern": "<think>.*</think>"}}\n</tool_call>',
+               "qwen3_coder": "<tool_call>\n<function=sub>\n<parameter=pattern>\n<think>.*</think>\n</parameter>\n"
+                              "</function>\n</tool_call>"}
 
 
 @pytest.mark.parametrize("name", list(ADD_2_3))
 def test_calls_are_read_after_the_reasoning_and_a_mentioned_tag_swallows_none(name):
-    """A call drafted in <think> is not made (vLLM's Qwen3 reasoning parser and TRL read after </think>); a
+    """A call drafted in <think> is not made (vLLM's Qwen3 reasoning parser reads after the first </think>); a
     <tool_call> written in a sentence, before the call, after it or in an answer, neither swallows the call nor is
     one (qwen3_coder read the last two as a broken call: the answer became a tool error)."""
     parser, call = PARSERS[name], ADD_2_3[name]
@@ -217,6 +221,9 @@ def test_calls_are_read_after_the_reasoning_and_a_mentioned_tag_swallows_none(na
     assert read(parser, f"<think>\n{call}\n</think>\n\nI wrap a call in <tool_call> tags:\n{call}") == made
     assert read(parser, f"{call}\nDone: I wrapped it in <tool_call> tags.") == made
     assert parser("The answer is 5. (I would wrap a call in <tool_call> tags.)", TOOLS) == []
+    # a call whose argument holds </think> (code that strips think tags) is made
+    assert read(parser, f"<think>\nStrip the tags.\n</think>\n\n{STRIP_THINK[name]}") == [
+        ("sub", {"pattern": "<think>.*</think>"}, "call_0")]
 
 
 def test_hermes_reads_a_calls_json_whole_before_its_tags():
@@ -316,6 +323,15 @@ DIGITS, DEEP = "1" * 5000, "[" * 5000  # a policy repeating one character: json 
 def test_degenerate_json_is_a_malformed_call_not_a_crash(parser, text, expected):
     [(_, error)] = errors(parser, text)
     assert (expected in error) if expected else error == "", error
+
+
+def test_a_call_json_reads_near_the_recursion_limit_but_cannot_write_back_is_an_error_not_a_crash():
+    """Its error message wrote the JSON back (json.dumps), which raised RecursionError out of the parser."""
+    for depth in range(sys.getrecursionlimit() - 300, sys.getrecursionlimit()):
+        nested = "[" * depth + "]" * depth
+        for parser, text in ((mistral, f'[TOOL_CALLS] [{{"name": 5, "arguments": {nested}}}]'),
+                             (llama3_json, f'<|python_tag|>{{"name": 5, "parameters": {nested}}}')):
+            assert all(call.error for call in parser(text, TOOLS)), (parser, depth)
 
 
 def test_qwen3_coder_reads_a_union_parameter_as_the_first_of_its_types_that_fits():
