@@ -134,17 +134,18 @@ class Controller:
                    replay=LengthReplay(config.seed, config.rollout.max_new_tokens) if config.rollout.replay_lengths
                    else None,
                    drafts=DraftMemory(keep_tokens=drafting) if drafting or config.rollout.longest_first else None)
-        ctl.build_envs()
+        ctl.build_envs(model_dir)
         ctl.build_leaders(sink)
         return ctl
 
-    def build_envs(self) -> None:
+    def build_envs(self, model_dir: Path) -> None:
         """How each episode starts: the environment's workers and chat bridge with one (``env``), and
         how an episode's prompt is encoded (as a row's, with its tools)."""
         from rollpacker.env.parsers import PARSERS
         from rollpacker.env.render import ChatBridge
         from rollpacker.env.setup import Environments
         from rollpacker.env.workers import EnvPool, EnvSpec
+        from rollpacker.model.hf_decoder import decoder_facts
 
         cfg = self.config
         if not cfg.env.enabled:
@@ -152,7 +153,8 @@ class Controller:
             self.envs.check_prompts([*self.rows, *(self.eval_rows or [])])
             return
         bridge = ChatBridge(self.tokenizer, template_kwargs=cfg.model.chat_template_kwargs, stop=cfg.rollout.stop,
-                            template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers)
+                            template_breaks=cfg.env.template_breaks, keep=PARSERS[cfg.env.tool_parser].markers,
+                            eos=decoder_facts(model_dir).eos_token_ids)  # the ids a turn stops at
         # reward functions taking TRL's `environments` get a copy of each episode's environment
         spec = EnvSpec.from_config(cfg.env, states=any(f.ref.environments for f in self.rewards.functions),
                                    sandbox=cfg.reward.sandbox)

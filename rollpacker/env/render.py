@@ -40,16 +40,18 @@ class ChatBridge:
 
     ``tools``: schemas the template gets (its ``tools``); ``template_kwargs``: more keyword arguments of
     ``apply_chat_template``; ``stop``: the rollout's stop strings, cut from the action text; ``keep``:
-    special tokens the action text keeps (the tool parser's markers, as Mistral's ``[TOOL_CALLS]``).
+    special tokens the action text keeps (the tool parser's markers, as Mistral's ``[TOOL_CALLS]``); ``eos``: the
+    ids a turn stops at (the model's EOS ids: a turn that ends on one ends as the template's end-of-turn token).
     """
 
     def __init__(self, tokenizer, *, tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                 stop: tuple[str, ...] = (), template_breaks: str = "fail", keep: tuple[str, ...] = ()):
+                 stop: tuple[str, ...] = (), template_breaks: str = "fail", keep: tuple[str, ...] = (),
+                 eos: tuple[int, ...] = ()):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"the model's tokenizer ({tokenizer.name_or_path}) has no chat template, which "
                             "episodes need to render observations: use a chat model's tokenizer")
         self.tokenizer, self.tools, self.kwargs = tokenizer, tools or None, dict(template_kwargs or {})
-        self.stop, self.template_breaks = stop, template_breaks
+        self.stop, self.template_breaks, self.eos = stop, template_breaks, frozenset(eos)
         vocab = tokenizer.get_vocab()
         self.keep = {vocab[t]: t for t in keep if t in vocab}
         """The kept special tokens of this vocabulary, by id."""
@@ -91,11 +93,13 @@ class ChatBridge:
                         ) -> list[int]:
         """The tokens to append after a model turn ``turn_ids`` for ``observation``: the rest of the
         template's end of turn, then the delta (the observation's turns and the next assistant header).
-        A turn cut at its token limit stopped on no token: give it as [] (the whole end of turn follows).
-        ``tools``: the schemas the conversation is rendered with."""
-        end = self.end_of_turn[1:] if turn_ids and self.end_of_turn and turn_ids[-1] == self.end_of_turn[0] else (
-            self.end_of_turn)
-        return [*end, *self.encode(self.delta(observation, tools))]
+        A turn cut at its token limit stopped on no token: give it as [] (the whole end of turn follows). A turn
+        that stopped on another EOS id than the template's end-of-turn token (Llama 3.1's ``<|eom_id|>`` for its
+        ``<|eot_id|>``) ends there too: the template's is not added after it. ``tools``: the schemas the
+        conversation is rendered with."""
+        first = self.end_of_turn[0] if self.end_of_turn else None
+        ended = bool(turn_ids) and (turn_ids[-1] == first or turn_ids[-1] in self.eos and first in self.eos)
+        return [*(self.end_of_turn[1:] if ended else self.end_of_turn), *self.encode(self.delta(observation, tools))]
 
     def delta(self, observation: list[Message], tools: list[dict] | None = None) -> str:
         """The text the template renders for ``observation`` after an assistant turn, with ``tools``' schemas (a

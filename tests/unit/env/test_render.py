@@ -14,6 +14,7 @@ from tests.support.chat import (
     QWEN3_STYLE_TEMPLATE,
     QWEN_STYLE_TEMPLATE,
     chat_tokenizer,
+    llama3_style_tokenizer,
     mistral_style_tokenizer,
     qwen_style_tokenizer,
 )
@@ -240,6 +241,19 @@ def test_a_turn_stopped_by_a_stop_string_gets_the_whole_end_of_turn():
     ids = bridge.observation_ids([{"role": "tool", "name": "add", "content": "5"}], turn)
     assert tokenizer.decode(ids).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>")
     assert bridge.action_text(turn) == '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+
+
+def test_a_turn_that_stops_on_another_eos_id_ends_there_without_the_templates_end_of_turn_token():
+    """Llama 3.1 ends a tool call with <|eom_id|> (an EOS id the engines stop at): the template's <|eot_id|> was
+    added after it, two ends of turn in a row that no template renders."""
+    tokenizer = llama3_style_tokenizer()
+    vocab = tokenizer.get_vocab()
+    bridge = ChatBridge(tokenizer, eos=(vocab["<|end_of_text|>"], vocab["<|eom_id|>"], vocab["<|eot_id|>"]))
+    turn = [*bridge.encode('<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}'), vocab["<|eom_id|>"]]
+    ids = bridge.observation_ids([{"role": "tool", "name": "add", "content": "5"}], turn)
+    assert tokenizer.decode(ids).startswith("<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|>")
+    assert bridge.observation_ids([], [*turn[:-1], vocab["<|eot_id|>"]]) == bridge.observation_ids([], turn)
+    assert bridge.observation_ids([], turn[:-1])[:1] == [vocab["<|eot_id|>"]]  # no EOS: the template's end follows
 
 
 def test_a_turn_cut_on_the_templates_end_of_turn_token_gets_the_whole_end_of_turn():
