@@ -98,6 +98,7 @@ def stacked(record: dict) -> dict[str, float]:
 
 
 def plot_step_time(records: list[dict], ax) -> bool:
+    records = [r for r in records if stacked(r)]  # not the final evaluation's record, a step of no stage
     stages = [stacked(r) for r in records]
     present = {k for stage in stages for k in stage}
     keys = [k for k in STAGES if k in present] + sorted(present - set(STAGES))
@@ -359,8 +360,8 @@ def prompt_ledger(run_dir: Path, records: list[dict]) -> str:
     return "\n".join(lines) + lost
 
 
-def write_report(run_dir: Path) -> list[Path]:
-    """Write the plots of ``run_dir`` into ``run_dir/plots``; returns the paths written."""
+def write_report(run_dir: Path) -> tuple[list[Path], list[dict]]:
+    """Write the plots of ``run_dir`` into ``run_dir/plots``; returns the paths written and the records read."""
     if run_dir.is_file():
         raise ReportError(f"{run_dir} is a file; pass the run's output directory ({run_dir.resolve().parent}?)")
     if not run_dir.is_dir():
@@ -398,7 +399,7 @@ def write_report(run_dir: Path) -> list[Path]:
     except OSError as e:
         raise ReportError(f"{out_dir}: cannot write the plots there ({e.strerror or e}); it must be a directory "
                           "this user can write") from None
-    return written
+    return written, records
 
 
 @dataclass
@@ -412,13 +413,13 @@ class Args:
 def main(argv: list[str] | None = None) -> int:
     run_dir = tyro.cli(Args, args=argv, prog="python -m rollpacker.report").run_dir
     try:
-        paths = write_report(run_dir)
+        paths, records = write_report(run_dir)  # read once: a torn last line's note is said once
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for p in paths:
         print(p)
-    ledger = prompt_ledger(run_dir, read_metrics(run_dir / "metrics.jsonl"))
+    ledger = prompt_ledger(run_dir, records)
     if ledger:
         print(ledger)
     return 0

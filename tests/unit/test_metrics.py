@@ -432,6 +432,22 @@ def test_the_reward_plot_draws_the_evaluations_as_they_are():
         plt.close(fig)
 
 
+def test_the_step_time_plot_leaves_out_the_final_evaluations_record():
+    """The final evaluation is a record of its own at step num_steps, of no stage: it was an empty bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [{"step": s, "time/step": 1.0, "time/rollout": 0.75, "time/train": 0.25} for s in range(4)]
+    fig, ax = plt.subplots()
+    try:
+        assert report.plot_step_time([*records, {"step": 4, "eval/accuracy": 0.5}], ax)
+        assert sorted({bar.get_x() + bar.get_width() / 2 for bar in ax.patches}) == [0, 1, 2, 3]
+    finally:
+        plt.close(fig)
+
+
 def test_the_reward_functions_plot_leaves_out_the_controllers_own_reward_metrics():
     import matplotlib
 
@@ -520,7 +536,7 @@ def test_the_report_leaves_out_an_unfinished_last_line(tmp_path, capsys):
         f.write('{"step": 99, "reward/me')
     assert report.main([str(run_dir)]) == 0
     said = capsys.readouterr().err
-    assert f"note: {run_dir / 'metrics.jsonl'}:5: left out, unfinished" in said, said
+    assert said.count(f"note: {run_dir / 'metrics.jsonl'}:5: left out, unfinished") == 1, said
     assert (run_dir / "plots" / "reward.png").exists()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, oops}\n{"step": 2}\n')
     assert report.main([str(run_dir)]) == 2  # a bad line within the file is not a line being written
