@@ -55,8 +55,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logits = _capped(hidden[start:end].to(dtype) @ w.T, softcap)[0].div_(temperature)  # [C, V]
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             target_logit[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1)
-            p = (logits - lse[start:end, None]).exp_()  # [C, V]
-            entropy[start:end] = lse[start:end] - p.mul_(logits).sum(dim=-1)  # lse - E_p[z]
+            logp = logits.sub_(lse[start:end, None])  # [C, V], in place
+            # -E_p[log p]: lse - E_p[z] cancels two near numbers in fp32 (a peaked distribution's read negative)
+            entropy[start:end] = logp.exp().mul_(logp).sum(dim=-1).neg_()
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk_size, ctx.softcap = temperature, chunk_size, softcap
         ctx.set_materialize_grads(False)
@@ -80,9 +81,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             h = hidden[start:end].to(dtype)  # [C, D]
             logits, tanh = _capped(h @ w.T, ctx.softcap)
             logits = logits.div_(temperature)  # [C, V]
-            if grad_entropy is not None:  # d entropy / d logits = -p * (z - E_p[z]), E_p[z] = lse - entropy
-                p = (logits - lse[start:end, None]).exp_()
-                entropy_grad = p.mul_(logits - (lse - entropy)[start:end, None]).mul_(grad_entropy[start:end, None])
+            if grad_entropy is not None:  # d entropy / d logits = -p * (z - E_p[z]) = -p * (log p + entropy)
+                logp = logits - lse[start:end, None]
+                entropy_grad = logp.exp().mul_(logp.add_(entropy[start:end, None])).mul_(grad_entropy[start:end, None])
             # d logp / d logits = onehot - softmax, built in place in the logits buffer.
             grad_logits = logits.sub_(lse[start:end, None]).exp_().neg_()
             rows = torch.arange(end - start, device=h.device)

@@ -451,6 +451,23 @@ def test_token_entropy_matches_reference_with_its_gradient(temperature):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_a_peaked_distributions_entropy_is_accurate_and_never_negative():
+    """Entropy as lse - E_p[z] cancelled two near numbers in fp32: at a low temperature it read 0 or negative where
+    it is ~1e-7, and its gradient carried the error."""
+    hidden, weight, targets, grad_out = logprob_case(num_tokens=70, dim=33, vocab=130)
+    weight = (weight * 4).detach().requires_grad_(True)  # logits of ~30: p of the top token ~1
+    _, entropy = token_logprobs_entropy(hidden, weight, targets, 0.3, chunk_size=7)
+    h64, w64 = hidden.double().detach().requires_grad_(True), weight.double().detach().requires_grad_(True)
+    ref = torch.log_softmax(h64 @ w64.T / 0.3, -1)
+    ref_entropy = -(ref.exp() * ref).sum(-1)
+    assert (entropy >= 0).all() and ref_entropy.min() < 1e-6  # some are that peaked
+    assert ((entropy.double() - ref_entropy).abs() <= 1e-5 * ref_entropy.abs().max()).all()
+    got = torch.autograd.grad(entropy, (hidden, weight), grad_out)
+    want = torch.autograd.grad(ref_entropy, (h64, w64), grad_out.double())
+    for a, b in zip(got, want):
+        assert (a.double() - b).abs().max() <= 5e-5 * b.abs().max()
+
+
 def test_token_entropy_gradcheck_float64():
     hidden, weight, targets, _ = logprob_case(num_tokens=5, dim=3, vocab=7, dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda h, w: token_logprobs_entropy(h, w, targets, 0.9, chunk_size=2),
