@@ -217,7 +217,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # fp32 accumulation; a non-fp32 weight's grad goes through a row-chunk scratch
             fp32 = weight.dtype == torch.float32
             grad_weight = torch.zeros_like(weight) if fp32 else torch.empty_like(weight)
-            step = vocab if fp32 else ctx.grad_weight_rows
+            step = max(vocab, 1) if fp32 else ctx.grad_weight_rows  # a vocab-parallel rank may hold no row
             scratch = grad_weight if fp32 else torch.empty(min(step, vocab), dim, dtype=torch.float32,
                                                             device=weight.device)
             for start in range(0, vocab, step):
@@ -256,7 +256,7 @@ def fused_token_logprobs(
     for t, name in ((hidden, "hidden"), (weight, "weight")):
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"fused_token_logprobs: {name} is {t.dtype}; the kernel takes fp32, bf16 or fp16 "
-                             "(use rollpacker.train.logprobs.reference_token_logprobs for fp64)")
+                             "(use rollpacker_kernels.reference.reference_token_logprobs for fp64)")
     launch = launch_settings((hidden.dtype, weight.dtype), block_t, block_v, block_d, num_warps, precision,
                              amd_arch(hidden.device))
     if grad_weight_rows < 1:

@@ -178,7 +178,7 @@ def test_fp32_operands_fit_the_shared_memory_of_an_sm89_card():
 
 
 def test_vocab_parallel_two_ranks():
-    """The head split unevenly over 2 gloo ranks: same values and grads as the unsplit head."""
+    """The head split unevenly over 2 gloo ranks, then all on one: same values and grads as the unsplit head."""
     assert "ok" in torchrun("kernels_tp.py", 2, timeout=240)
 
 
