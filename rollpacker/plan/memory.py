@@ -78,6 +78,8 @@ class Shape:
     shared_expert_intermediate_size: int = 0
     """MoE: the expert every token goes through beside its routed ones, with its sigmoid gate (Qwen2-MoE's)."""
     max_position_embeddings: int = 0
+    softcap: bool = False
+    """It caps its logits (Gemma-2's ``final_logit_softcapping``): the trainer's head runs the torch path."""
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> Shape:
@@ -98,6 +100,7 @@ class Shape:
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             max_position_embeddings=cfg.get("max_position_embeddings") or 0,
+            softcap=bool(cfg.get("final_logit_softcapping")),
         )
 
     @property
@@ -690,8 +693,9 @@ def frozen_models(t) -> dict[str, Any]:
 def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = None, tp: int = 0
            ) -> tuple[TrainSetup, RolloutSetup]:
     """What the plan needs of ``config`` on ``world_size`` ranks of ``device`` (``shape``: the model's,
-    for LoRA's adapters; read from the config's model when None; the teacher's and the critic's are read from
-    their paths), its engine at rollout TP ``tp`` (0: the run's, or TP 1 with the planner)."""
+    for LoRA's adapters and its logit cap; read from the config's model for LoRA when None; the teacher's and
+    the critic's are read from their paths), its engine at rollout TP ``tp`` (0: the run's, or TP 1 with the
+    planner)."""
     t, e = config.train, config.engine
     if t.lora.rank and shape is None:
         shape = model_shape(str(config.model.directory()))
@@ -699,7 +703,9 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
     longest = longest_sample(config)
     tokens = max(t.micro_batch_tokens, longest)
     seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
-    head = "fused" if t.logprobs_impl == "triton" or (t.logprobs_impl == "auto" and device == "cuda") else "torch"
+    softcap = bool(shape and shape.softcap)  # the fused kernel caps no logit: auto runs torch (resolve_impl)
+    head = "fused" if not softcap and (t.logprobs_impl == "triton" or t.logprobs_impl == "auto" and device == "cuda") \
+        else "torch"
     reference = "none" if not t.kl_coef else "policy" if t.lora.rank else "streamed" if t.offload else "sharded"
     train = TrainSetup(shard_size=config.topology(world_size).shard, seq_lens=seq_lens, response_tokens=tokens,
                        compute_bytes=2 if mixed else 4, checkpointing=t.activation_checkpointing,
@@ -707,7 +713,7 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
                        foreach=device == "cuda", reference=reference, reduce_every=t.reduce_every_micro_batch,
                        streaming=config.stream.enabled or config.pipe, gloo=device != "cuda",
                        lora_params=lora_params(shape, t.lora.rank, t.lora.target_modules) if t.lora.rank else 0,
-                       critic=t.advantage == "gae", **frozen_models(t))
+                       critic=t.advantage == "gae", softcap=softcap, **frozen_models(t))
     kind = resolve_kind(e.kind, device, config.plan.enabled)
     weight_bytes = 4 if config.model.dtype == "float32" or (config.model.dtype == "auto" and device != "cuda") else 2
     tp = tp or (1 if config.plan.enabled else config.rollout.tp)

@@ -451,6 +451,27 @@ def test_a_distillation_teacher_is_planned_as_the_job_holds_it(tmp_path):
     assert hf.host_bytes == pytest.approx(base.host_bytes + 4 * Shape.from_hf(gemma).num_params / 8)
 
 
+def test_a_model_that_caps_its_logits_is_planned_with_the_torch_head_the_trainer_runs():
+    """Gemma-2's final_logit_softcapping makes the trainer's auto head torch (the fused kernel caps nothing): the
+    plan assumed the fused kernel, 6 GiB low at peak for Gemma-2 9B's 256k vocabulary."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import plan, setups
+    from rollpacker.train.logprobs import resolve_impl
+
+    gemma = Shape.from_hf(dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                               num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                               final_logit_softcapping=30.0))
+    assert resolve_impl("auto", torch.device("cuda"), softcap=30.0) == "torch"
+    config = parse(["--preset", "qwen2.5-7b-8k"])
+    train, rollout = setups(config, 8, shape=gemma)
+    assert (train.head, train.softcap) == ("torch", True)
+    uncapped = replace(gemma, softcap=False)
+    fused = setups(config, 8, shape=uncapped)[0]
+    assert fused.head == "fused"
+    head = (lambda p: next(ph.total for ph in p.phases if ph.name == "backward (log-prob head)"))
+    assert head(plan(gemma, train, rollout, 80 * GB)) > head(plan(uncapped, fused, rollout, 80 * GB)) + 4 * GB
+
+
 def test_the_kl_reference_forward_is_planned_beside_none_of_the_policys_activations():
     """The reference's log-probs are taken before the policy's forward of a micro-batch (Trainer._loss) or in the
     step's no-grad first pass, as the teacher's: its phase counted the policy's saved activations too."""
