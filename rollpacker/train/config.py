@@ -84,7 +84,7 @@ class TrainConfig(MemoryConfig):
     adam_eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay, on every parameter, norms and biases too (as verl's; TRL's Trainer exempts those)."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     grad_clip: float = 1.0
