@@ -217,7 +217,8 @@ class EnvState:
 
 class Unsent:
     """An attribute of a TRL environment that did not pickle, in the copy reward functions get: using it
-    raises, saying why it is not there."""
+    raises, saying why it is not there (its attributes, a call, and what the language does with it: ``if``,
+    ``with``, ``len``, ``for``, ``==``, ``str``)."""
 
     def __init__(self, where: str, kind: str):
         self.why = (f"{where} (a {kind}) is not in the copy of the environment that reward functions get: it does "
@@ -227,8 +228,11 @@ class Unsent:
     def __getattr__(self, name: str):
         raise AttributeError(self.why)
 
-    def __call__(self, *args, **kwargs):
+    def _refuse(self, *args, **kwargs):
         raise TypeError(self.why)
+
+    __call__ = __bool__ = __len__ = __iter__ = __getitem__ = __contains__ = __eq__ = __hash__ = _refuse
+    __enter__ = __exit__ = __aenter__ = __aexit__ = __str__ = __format__ = __int__ = __float__ = __index__ = _refuse
 
     def __repr__(self) -> str:
         return f"<Unsent: {self.why.split(' (', 1)[0]}>"

@@ -294,6 +294,11 @@ def test_what_a_copy_lacks_and_a_function_without_a_copy_say_why(env_file):
     with pytest.raises(AttributeError, match=r"Counter.lock \(a lock\) is not in the copy of the environment that "
                                              "reward functions get: it does not pickle"):
         call(resolve("trl_env.py:locked", "locked"), sample)
+    lock = env.reward_state().restore().lock  # what the language does with it raises, naming it too
+    for use in (bool, len, iter, str, lambda u: u == 1, lambda u: f"{u}", lambda u: u.__enter__(), lambda u: 1 in u):
+        with pytest.raises(TypeError, match=r"Counter.lock \(a lock\) is not in the copy"):
+            use(lock)
+    assert lock is not None and "Counter.lock" in repr(lock)
     with pytest.raises(BadValue, match="takes environments, and this response has no copy of its environment"):
         call(resolve("trl_env.py:exact", "exact"), {**sample, "environment": None})
 
