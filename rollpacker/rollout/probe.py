@@ -52,7 +52,8 @@ def decode_step_ms(engine, num_running: int, prompt_len: int, vocab_size: int, a
     import dataclasses
 
     if ragged and num_running > 1:
-        lengths = [min(ragged, round(prompt_len * (0.25 + 1.5 * i / (num_running - 1)))) for i in range(num_running)]
+        lengths = [min(ragged, max(1, round(prompt_len * (0.25 + 1.5 * i / (num_running - 1)))))
+                   for i in range(num_running)]
         prompts = [random_prompts(1, n, vocab_size, avoid, seed * 7919 + i)[0] for i, n in enumerate(lengths)]
     else:
         prompts = random_prompts(num_running, prompt_len, vocab_size, avoid, seed)
@@ -135,8 +136,11 @@ def measure_spec_cost(engine, max_rows: int, max_draft: int, prompt_len: int, st
     lens, steps = spec_probe(engine.max_model_len, max_draft, steps, kv_tokens=engine.kv_capacity_tokens)
     new = 3 + (steps + 1) * sum(k + 1 for k in lens)  # tokens each probe request generates
     prompt_len = max(1, min(prompt_len, engine.max_model_len - new - 1, engine.kv_capacity_tokens - new))
-    fits = engine.num_blocks // -(-(prompt_len + new) // engine.config.block_size)  # requests the KV cache holds
-    # and whose prompts one step prefills (verify_step_ms times them all running from its second step)
+    blocks = (lambda tokens: -(-tokens // engine.config.block_size))
+    # requests the engine runs at once: its rows, and the KV cache to their ends and as it admits them (a spare
+    # block per running request), whose prompts one step prefills (verify_step_ms times them all from its second)
+    fits = min(engine.config.max_num_seqs, engine.num_blocks // blocks(prompt_len + new),
+               (engine.num_blocks + 1) // (blocks(prompt_len) + 1))
     rows = [n for n in (1, 2, 4, 8, 16, 32, 64)
             if n <= min(max_rows, fits) and n * prompt_len <= engine.config.max_prefill_tokens] or [1]
     args = engine.model.args

@@ -58,7 +58,7 @@ def reference(reference_with_logprobs):
 
 
 def engine(path, **kw) -> TorchEngine:
-    return TorchEngine(load_model(path), EngineConfig(block_size=4, **kw))
+    return TorchEngine(load_model(path), EngineConfig(**{"block_size": 4, **kw}))
 
 
 def test_greedy_batch_equals_reference_decode(qwen2_dir, reference):
@@ -290,13 +290,26 @@ def test_auto_calibrates_within_the_prefill_budget_and_the_kv_cache_or_says_it_c
 
     request = Request(id="a", prompt_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=5, temperature=0))
     plain = generate(engine(qwen2_dir), [request])["a"].token_ids
-    for settings in ({"max_prefill_tokens": 100, "spec_max_tokens": 2}, {"kv_memory_mb": 0.07}):
+    # the last: a block holds the probe's new tokens, and the spare block per running request limits the rows
+    for settings in ({"max_prefill_tokens": 100, "spec_max_tokens": 2}, {"kv_memory_mb": 0.07},
+                     {"block_size": 64, "kv_memory_mb": 0.25, "max_model_len": 300, "spec_max_tokens": 2}):
         SPEC_COSTS.clear()
         eng = engine(qwen2_dir, speculative="auto", **settings)
         assert generate(eng, [request])["a"].token_ids == plain, settings
         assert sorted(eng.free_blocks) == list(range(eng.num_blocks))
     with pytest.raises(ValueError, match="up to 8 draft tokens .* a KV cache of 12 tokens .* cannot hold"):
         engine(qwen2_dir, speculative="auto", kv_memory_mb=0.006)
+
+
+def test_the_probes_run_no_more_rows_than_the_engine_holds_and_no_empty_prompt(qwen2_dir):
+    """The planner's profile asked the speculation probe for 32 rows of an engine of fewer ("16 running, expected
+    32"); a ragged decode probe at a 2-token context made an empty prompt."""
+    from rollpacker.rollout.probe import decode_step_ms, measure_spec_cost
+
+    eng = engine(qwen2_dir, max_num_seqs=4)
+    assert max(measure_spec_cost(eng, 32, 2, 16, steps=2).rows) == 4
+    assert len(decode_step_ms(eng, 4, 2, eng.vocab_size, set(), 2, seed=0, ragged=200)) == 2
+    assert sorted(eng.free_blocks) == list(range(eng.num_blocks))
 
 
 def test_a_budget_that_holds_no_kv_block_is_a_config_error(qwen2_dir):
