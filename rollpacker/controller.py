@@ -427,7 +427,7 @@ class Controller:
         if self.drafts and "drafts" in state:  # saved without speculation or longest-first: start empty
             self.drafts.load_state_dict(state["drafts"])
         if self.replay and "replay" in state:
-            self.replay.step, self.replay.given = state["replay"]["step"], dict(state["replay"]["given"])
+            self.replay.load(state["replay"])
 
     def close(self) -> None:
         """Stop the environment and reward workers, flush the metrics; safe to call twice."""

@@ -103,13 +103,14 @@ class LengthReplay:
 
     A response without environment draws a response length (:meth:`draw`); an episode's turn
     (``EPISODE#TURN``) a turn length. A partial response resumed in a later round (sorted_partial)
-    keeps the length it was first given, as in the simulator: it is resumed by the next round, so the
-    lengths given before the step before are forgotten, and those kept go into checkpoints."""
+    keeps the length it was first given, as in the simulator, however often it is resumed (a resumed request
+    aborted while queued brings back its earlier output, resumed again later): a length not given at this step
+    or the last is forgotten, and those kept go into checkpoints."""
 
     def __init__(self, seed: int, max_new_tokens: int):
         self.model, self.cap = LengthModel(seed=seed).for_cap(max_new_tokens), max_new_tokens
-        self.given: dict[str, int] = {}
-        """Request id -> its forced length, for the partials the next round resumes (of this step and the last)."""
+        self.given: dict[str, list[int]] = {}
+        """Request id -> [its forced length, the last step it was given at], for the partials a later round resumes."""
         self.step = 0
 
     def draw(self, row: int, step: int, slot: int, response: int) -> int:
@@ -128,8 +129,16 @@ class LengthReplay:
         return min(turn.max_new_tokens, max(length, len(earlier.token_ids) + 1) if earlier else length)
 
     def __call__(self, rid: str, row: int, step: int, slot: int, response: int, earlier=None) -> int:
-        if step > self.step:  # no round resumes what was cut before the last step
-            self.step, self.given = step, {k: n for k, n in self.given.items() if int(k.split(":")[0]) >= step - 1}
-        length = self.given.pop(earlier.id, None) if earlier is not None else None
-        self.given[rid] = length = self.draw(row, step, slot, response) if length is None else length
+        if step > self.step:  # no round resumes what was last given before the last step
+            self.step, self.given = step, {k: v for k, v in self.given.items() if v[1] >= step - 1}
+        kept = self.given.get(earlier.id) if earlier is not None else None
+        length = kept[0] if kept else self.draw(row, step, slot, response)
+        for key in (rid, earlier.id) if kept else (rid,):
+            self.given[key] = [length, step]
         return length
+
+    def load(self, state: dict) -> None:
+        """A checkpoint's ``{"step", "given"}`` (one saved before the steps were kept: each length at its id's step)."""
+        self.step = state["step"]
+        self.given = {k: list(v) if isinstance(v, list) else [v, int(k.split(":")[0])]
+                      for k, v in state["given"].items()}

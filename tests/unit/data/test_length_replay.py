@@ -45,6 +45,21 @@ def test_a_resumed_partial_keeps_its_first_length():
     assert sorted({int(rid.split(":")[0]) for rid in replay.given}) == [6, 7]
 
 
+def test_a_partial_resumed_after_its_resume_was_aborted_while_queued_keeps_its_first_length():
+    """sorted_partial resumes 0:3:1 at step 1 as 1:0:1, aborted while queued (no new token): its step-0 output is
+    kept and resumed at step 2, whose length was forgotten (drawn afresh: the simulator keeps its target)."""
+    from types import SimpleNamespace
+
+    replay = LengthReplay(seed=1, max_new_tokens=512)
+    first = replay("0:3:1", row=9, step=0, slot=3, response=1)
+    assert replay("1:0:1", row=9, step=1, slot=0, response=1, earlier=SimpleNamespace(id="0:3:1")) == first
+    for step in (2, 3, 4):  # queued and aborted at each
+        assert replay(f"{step}:0:1", row=9, step=step, slot=0, response=1, earlier=SimpleNamespace(id="0:3:1")) == first
+    resumed = LengthReplay(seed=1, max_new_tokens=512)
+    resumed.load({"step": 4, "given": {"0:3:1": first, "4:0:1": first}})  # a checkpoint of lengths alone
+    assert resumed("5:0:1", row=9, step=5, slot=0, response=1, earlier=SimpleNamespace(id="4:0:1")) == first
+
+
 def test_a_small_cap_draws_lengths_within_it():
     """The mixture scales with the cap, its medians a token at least: a cap of 32 was refused (medians under 1)."""
     lengths = LengthReplay(seed=0, max_new_tokens=16).draw
