@@ -704,8 +704,8 @@ def setups(config, world_size: int, device: str = "cuda", shape: Shape | None = 
     tokens = max(t.micro_batch_tokens, longest)
     seq_lens = (longest,) * (tokens // longest) + ((tokens % longest,) if tokens % longest else ())
     softcap = bool(shape and shape.softcap)  # the fused kernel caps no logit: auto runs torch (resolve_impl)
-    head = "fused" if not softcap and (t.logprobs_impl == "triton" or t.logprobs_impl == "auto" and device == "cuda") \
-        else "torch"
+    fused = t.logprobs_impl == "triton" or t.logprobs_impl == "auto" and device == "cuda"
+    head = "fused" if fused and not softcap else "torch"
     reference = "none" if not t.kl_coef else "policy" if t.lora.rank else "streamed" if t.offload else "sharded"
     train = TrainSetup(shard_size=config.topology(world_size).shard, seq_lens=seq_lens, response_tokens=tokens,
                        compute_bytes=2 if mixed else 4, checkpointing=t.activation_checkpointing,
