@@ -453,7 +453,7 @@ def test_a_distillation_teacher_is_planned_as_the_job_holds_it(tmp_path):
 
 def test_a_model_that_caps_its_logits_is_planned_with_the_torch_head_the_trainer_runs():
     """Gemma-2's final_logit_softcapping makes the trainer's auto head torch (the fused kernel caps nothing): the
-    plan assumed the fused kernel, 6 GiB low at peak for Gemma-2 9B's 256k vocabulary."""
+    plan assumed the fused kernel, 6 GiB low in the head's phases for Gemma-2 9B's 256k vocabulary."""
     from rollpacker.config import parse
     from rollpacker.plan.memory import plan, setups
     from rollpacker.train.logprobs import resolve_impl
