@@ -23,6 +23,8 @@ def test_the_example_composes_by_its_capabilities():
     assert config.policy == "fifo" and config.rollout_ranks(4) == 4 and not config.pipe
     with pytest.raises(ValueError, match=r"schedule.keep_share must be in \(0, 1\], got 0"):
         fifo.FifoConfig(keep_share=0)
+    with pytest.raises(ValueError, match=r"schedule.max_gen_batches=-1"):  # the settings every policy has, checked
+        fifo.FifoConfig(max_gen_batches=-1)
 
 
 @pytest.fixture
@@ -84,3 +86,19 @@ def test_the_example_cuts_rounds_defers_the_rest_and_keeps_the_ledger():
         policy.ledger.check(policy.sampler)
     assert max(trained.values()) == 1 and len(trained) == cfg.num_steps * P0 // 2
     assert policy.stats() == {"sched/deferred": P0 // 2, "sched/queue_len": P0 // 2}
+
+
+
+def test_the_example_filters_groups_of_one_reward():
+    """With schedule.filter_zero_variance the example's zero_variance call took the rewards alone (a TypeError)."""
+    from types import SimpleNamespace
+
+    from rollpacker.data.dataset import PromptSampler
+
+    fifo = example_policy()
+    policy = fifo.FifoConfig(keep_share=0.5, filter_zero_variance=True).build(PromptSampler(8, 0), 2, 2)
+    policy.start_round(0)
+    outputs = [SimpleNamespace(id=f"0:0:{k}", finish_reason="stop") for k in range(2)]
+    assert policy.on_finished(0, 0, outputs[0], 1.0).filtered == []
+    decision = policy.on_finished(0, 1, outputs[1], 1.0)
+    assert decision.filtered == [policy.groups[0]] and decision.complete == []
