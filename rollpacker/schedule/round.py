@@ -23,7 +23,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
-from rollpacker.schedule.base import Group, Policy, RoundPlan, request_id
+from rollpacker.errors import UserError
+from rollpacker.schedule.base import Group, Policy, PolicyDecision, RoundPlan, request_id
 from rollpacker.schedule.drafts import DraftMemory
 from rollpacker.topology import kept_replicas
 
@@ -200,6 +201,10 @@ class RoundState:
             output = self.undecided.popleft()
             slot, k = self.rescored.get(output.id) or self.owner[output.id][1:]
             decision = self.policy.on_finished(slot, k, output, self.scores.get(output.id) if needs else None)
+            if not isinstance(decision, PolicyDecision):
+                raise UserError(f"policy {self.policy.name}: on_finished returned {type(decision).__name__}, not a "
+                                "PolicyDecision (return PolicyDecision() to decide nothing: docs/extending.md, The "
+                                "contract)")
             out.abort += [rid for rid in decision.abort if rid in self.outstanding and rid not in self.migrating]
             self.outstanding -= set(decision.abort)
             out.launch += self.launch(decision.launch)
@@ -483,7 +488,7 @@ class Round:
         says so, then :meth:`finish`."""
         runner = self.runner
         self.cut += [c for c in map(runner.cut, aborted) if c is not None] + runner.close_all()
-        self.groups = self.state.policy.end_round(self.cut)
+        self.groups = checked_groups(self.state.policy, self.state.policy.end_round(self.cut))
         self._group(self.groups)
 
     def settle(self) -> bool:
@@ -597,3 +602,16 @@ def opens_ahead(policy: Policy, step: int, seed: int) -> list[EnvCall]:
     plan = ahead.start_round(step)
     return [EnvCall("open", rid, row=new.row, seed=reset_seed(seed, plan.group(step, new.slot)))
             for new in RoundState(step, plan, ahead, 1).launch(plan.prompts) for _, rid, _ in new.run]
+
+
+def checked_groups(policy: Policy, groups: Any) -> list[Group]:
+    """What ``policy.end_round`` returned, refused unless a list of distinct groups: one trained twice, or not a
+    group, is a policy's bug said where it is, not data trained wrong."""
+    if not isinstance(groups, list) or not all(isinstance(g, Group) for g in groups):
+        kinds = sorted({type(g).__name__ for g in groups}) if isinstance(groups, list) else [type(groups).__name__]
+        raise UserError(f"policy {policy.name}: end_round returned {', '.join(kinds)}, not a list of Group (the "
+                        "groups its decisions reported complete: docs/extending.md, The contract)")
+    if len({id(g) for g in groups}) < len(groups):
+        raise UserError(f"policy {policy.name}: end_round returned {len(groups) - len({id(g) for g in groups})} "
+                        "group(s) twice, which would train twice: return each complete group once")
+    return groups

@@ -89,6 +89,37 @@ def test_the_example_cuts_rounds_defers_the_rest_and_keeps_the_ledger():
 
 
 
+@pytest.mark.parametrize("bug, said", [
+    ("end_round_twice", "end_round returned 4 group\\(s\\) twice, which would train twice"),
+    ("end_round_dict", "end_round returned dict, not a list of Group"),
+    ("on_finished_none", "on_finished returned NoneType, not a PolicyDecision"),
+])
+def test_a_policy_that_returns_what_the_contract_does_not_is_told_where(bug, said):
+    """A policy returning its groups twice trained them twice, unsaid; one returning another type died in the
+    round's code, naming neither the policy nor the contract."""
+    from rollpacker.errors import UserError
+
+    fifo = example_policy()
+
+    class Buggy(fifo.FifoPolicy):
+        def on_finished(self, *args):
+            decision = super().on_finished(*args)
+            return None if bug == "on_finished_none" else decision
+
+        def end_round(self, aborted):
+            groups = super().end_round(aborted)
+            if bug == "end_round_twice":
+                return groups + groups
+            return dict(enumerate(groups)) if bug == "end_round_dict" else groups
+
+    cfg = SimConfig(model="qwen2.5-7b", gpus=1, num_rows=40, num_steps=1, schedule=fifo.FifoConfig(keep_share=0.5),
+                    rollout=RolloutConfig(num_prompts=P0, group_size=R0, max_new_tokens=2048, tp=1))
+    policy = cfg.build_policy()
+    policy.__class__ = Buggy
+    with pytest.raises(UserError, match=f"policy fifo: {said}"):
+        simulate_round(0, policy, build_replicas(cfg.cost(), 1), cfg.workload(), max_new_tokens=2048)
+
+
 def test_the_example_filters_groups_of_one_reward():
     """With schedule.filter_zero_variance the example's zero_variance call took the rewards alone (a TypeError)."""
     from types import SimpleNamespace
