@@ -611,7 +611,7 @@ def checked_groups(policy: Policy, groups: Any) -> list[Group]:
         kinds = sorted({type(g).__name__ for g in groups}) if isinstance(groups, list) else [type(groups).__name__]
         raise UserError(f"policy {policy.name}: end_round returned {', '.join(kinds)}, not a list of Group (the "
                         "groups its decisions reported complete: docs/extending.md, The contract)")
-    if len({id(g) for g in groups}) < len(groups):
-        raise UserError(f"policy {policy.name}: end_round returned {len(groups) - len({id(g) for g in groups})} "
-                        "group(s) twice, which would train twice: return each complete group once")
+    if twice := len(groups) - len({id(g) for g in groups}):
+        raise UserError(f"policy {policy.name}: end_round returned {twice} group(s) twice, which would train twice: "
+                        "return each complete group once")
     return groups
