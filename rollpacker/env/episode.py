@@ -142,7 +142,6 @@ class Response(Output):
         (``role`` assistant, ``trained`` True) and of environment tokens (``role``: its observation's
         roles, ``trained`` False), with its ``text`` (``decode``) and ``tokens``. A failed episode's
         model turns read untrained, as they are (:meth:`Controller.group_samples` masks them out)."""
-        observations = self.observations  # an empty one (a step that said nothing) still has its end of turn
         spans: list[list] = []
         for i, m in enumerate(self.loss_mask):
             if spans and spans[-1][0] == m:
@@ -154,8 +153,8 @@ class Response(Output):
             if model:
                 role = "assistant"
             else:
-                role = "+".join(observations[seen]) if seen < len(observations) and observations[seen] else (
-                    "environment")
+                roles = self.observations[seen] if seen < len(self.observations) else []
+                role = "+".join(roles) or "environment"  # an observation of no message still has its end of turn
                 seen += 1
             out.append({"role": role, "trained": model and self.finish_reason != "error", "tokens": end - start,
                         "text": decode(self.token_ids[start:end])})

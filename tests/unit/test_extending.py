@@ -88,7 +88,6 @@ def test_the_example_cuts_rounds_defers_the_rest_and_keeps_the_ledger():
     assert policy.stats() == {"sched/deferred": P0 // 2, "sched/queue_len": P0 // 2}
 
 
-
 @pytest.mark.parametrize("bug, said", [
     ("end_round_twice", "end_round returned 4 group\\(s\\) twice, which would train twice"),
     ("end_round_dict", "end_round returned dict, not a list of Group"),
