@@ -86,14 +86,16 @@ def tasks(conn: mp.connection.Connection) -> Iterator[Any]:
     """In a worker: the tasks its pool sends, until told None. Each runs under a watchdog of faulthandler's, a C
     thread, which dumps the worker's stack and exits it ``ORPHAN_GRACE`` seconds after the pool should have
     killed it: a task stuck in C code (a regex, a hash, a solver) does not run RETIRE's handler, and would
-    outlive a dead rank."""
-    while (message := conn.recv()) is not None:
+    outlive a dead rank. The watchdog is disarmed as the next task is asked for, and by :func:`leaving`: not in a
+    ``finally`` here, which an error leaving the loop runs as it closes the generator, inside a finalizer, where
+    the pool's RETIRE landing meanwhile was printed as a crash ("Exception ignored in: <generator ...>")."""
+    while True:
+        _Watchdog.disarm()
+        if (message := conn.recv()) is None:
+            return
         timeout, task = message
         _Watchdog.arm(timeout + STOP_GRACE + ORPHAN_GRACE)
-        try:
-            yield task
-        finally:
-            _Watchdog.disarm()
+        yield task
 
 
 class _Watchdog:
@@ -154,8 +156,10 @@ def _retired(*_) -> None:
 
 def leaving() -> None:
     """A worker's loop is over: the RETIRE that follows a closed pipe must not raise in the interpreter's exit
-    (a SystemExit inside an atexit finalizer prints a traceback that reads like a crash)."""
+    (a SystemExit inside an atexit finalizer prints a traceback that reads like a crash). The task's watchdog is
+    disarmed: the loop may have ended on an error."""
     signal.signal(RETIRE, _absorbed)
+    _Watchdog.disarm()
 
 
 def _absorbed(*_) -> None:

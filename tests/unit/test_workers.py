@@ -129,3 +129,38 @@ def test_a_sys_exit_in_a_reward_function_is_its_error_and_a_retire_still_ends_th
     assert value is None and "SystemExit: 5" in error, error
     with pytest.raises(Retired):
         score(Ref("retired", f"{tmp_path}/quits.py:retired"), sample)
+
+
+CLOSED = textwrap.dedent("""
+    import os, signal, multiprocessing as mp
+    from rollpacker.workers import RETIRE, _retired, _Watchdog, leaving, tasks
+
+    signal.signal(RETIRE, _retired)
+    ours, pools = mp.Pipe()
+    pools.send((60.0, "a task"))
+    pause, replying = _Watchdog.pause.__func__, False
+
+    def retired_meanwhile(cls):  # the pool's RETIRE, landing as the task's watchdog is disarmed
+        if replying:
+            os.kill(os.getpid(), RETIRE)
+        pause(cls)
+
+    _Watchdog.pause = classmethod(retired_meanwhile)
+    try:
+        for task in tasks(ours):
+            replying = True
+            raise EOFError  # the reply's send: the pool closed the pipe, stopping
+    except EOFError:
+        pass
+    finally:
+        leaving()
+""")
+
+
+def test_a_retire_as_the_worker_leaves_its_loop_on_a_closed_pipe_prints_nothing():
+    """The pool closes a worker's pipe and RETIREs it as the worker replies: the error leaving the loop closed the
+    task generator, whose ``finally`` disarmed the watchdog inside a finalizer, where the RETIRE landing raised
+    and was printed as "Exception ignored in: <generator object tasks>" with a traceback under the run's one-line
+    error (CI, once, in --reward.on-error fail's test)."""
+    proc = subprocess.run([sys.executable, "-c", CLOSED], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (0, "")
