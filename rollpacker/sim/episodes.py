@@ -166,6 +166,9 @@ def fit_run(run_dir: Path, workload: EpisodeWorkload) -> EpisodeWorkload:
     there (``turns.trace``)."""
     from dataclasses import replace
 
+    if workload.workload:  # its turns would stand in for the run's
+        raise ValueError(f"--fit {run_dir} with --workload {workload.workload}: the fit takes the run's turns and "
+                         "latency, the workload its own; give one of them")
     if not (run_dir / "metrics.jsonl").is_file():
         raise ValueError(f"--fit {run_dir}: no metrics.jsonl there (give the run directory of a run with episodes)")
     samples = [json.loads(line) for path in sorted((run_dir / "samples").glob("step_*.jsonl"))

@@ -168,6 +168,8 @@ def test_fit_run_takes_turns_observations_and_latency_from_a_run(tmp_path):
     assert sorted({fitted.num_turns(str(r), "e") for r in range(50)}) == [1, 3]
     with pytest.raises(ValueError, match="no metrics.jsonl"):
         fit_run(tmp_path / "elsewhere", EpisodeWorkload())
+    with pytest.raises(ValueError, match="--workload agentic: the fit takes the run's turns"):  # its own turns
+        fit_run(tmp_path, EpisodeWorkload(workload="agentic"))  # stood in for the run's, said nothing
 
 
 def test_replayed_lengths_force_each_turn_and_a_turn_short_of_its_budget_reads_as_stopped():
