@@ -70,3 +70,23 @@ def test_a_seed_that_cut_nothing_is_left_out_of_the_kept_and_cut_means(capsys):
                                          "tail_keep_first": [seed(False), seed(False)]})
     assert (summary["kept_turns_tail"], summary["cut_turns_tail"]) == (2.0, 4.0)
     assert summary["kept_turns_tail_keep_first"] is None  # no seed cut any: no mean, not 0
+
+
+def test_gaps_are_below_sync_whatever_the_order_and_each_seed_is_judged_alone(capsys):
+    """The first policy was the baseline: ``--policies tail_keep_first,sync`` measured sync below keep-first and
+    printed ``parity_sync: true``. And a mean over seeds hid one seed that learned late; how many seeds meet the
+    bar alone is said beside it."""
+    from rollpacker.bench.parity import report
+
+    def seed(evals: list[float], rate: float) -> dict:
+        records = [{"step": 10 * i, "eval/accuracy": a, "eval/info/tool_calls_frac": rate}
+                   for i, a in enumerate(evals)] + [{"step": 0, "reward/mean": 0.5}]
+        return summarize(records, 1.0)
+
+    late, early = seed([0.5, 0.5, 0.6, 0.9], 0.44), seed([0.5, 0.9, 0.95, 0.96], 0.55)
+    summary = report(Args(policies="tail_keep_first,sync", seeds="0,1,2"),
+                     {"tail_keep_first": [early, early, late], "sync": [seed([0.5, 0.75, 0.9, 0.94], 0.53)] * 3})
+    assert "parity_sync" not in summary and summary["parity_tail_keep_first"]  # the means pass
+    assert summary["parity_seeds_tail_keep_first"] == 2  # the late seed does not
+    assert "tool-call rate +0.017 below (at most 0.05): yes (on 2 of 3 seeds alone)" in capsys.readouterr().out
+    assert "parity_tail" not in report(Args(policies="tail", seeds="0"), {"tail": [early]})  # no sync: no gaps
