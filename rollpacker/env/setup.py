@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from rollpacker.data.chat import TemplateRefused
 from rollpacker.env.config import EnvConfig
 from rollpacker.env.contract import EnvCall, EnvError, EnvReply
 from rollpacker.env.episode import Bridge, Episode
@@ -109,7 +110,12 @@ class Environments:
                     cache[row] = own(rows[row])
                 ids = cache[row]
             else:
-                ids = self.encode(rows[row]["prompt"] if prompt is None else prompt, info.get("tools"))
+                try:
+                    ids = self.encode(rows[row]["prompt"] if prompt is None else prompt, info.get("tools"))
+                except TemplateRefused as e:  # the environment's prompt: its episode fails, as its reset would
+                    raise EnvError(f"{EnvSpec.from_config(self.cfg).name}: episode {key!r} (row {rows[row]['id']!r})"
+                                   f": {'its reset prompt' if prompt is not None else 'its prompt with the tools'}"
+                                   f": {e}") from None
             return self.episode(key, rows[row], ids, prompt, info.get("tools"))
 
         return make

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -332,14 +333,13 @@ def test_turns_of_groups_closer_to_complete_are_admitted_first(hooks):
         assert priority == base * (group_size + 1) + group_size - done
 
 
-def long_reset_runner(on_error: str) -> EpisodeRunner:
+def long_reset_runner(on_error: str, encode: Callable | None = None) -> EpisodeRunner:
     """The run's :class:`~rollpacker.env.setup.Episodes` over two rows with a context of 50 tokens
-    (a prompt's token is its character); its workers are not needed to make an episode."""
+    (a prompt's token is its character, or ``encode``'s); its workers are not needed to make an episode."""
     from rollpacker.env.config import EnvConfig
     from rollpacker.env.setup import Environments
 
-    def encode(prompt, tools):
-        return [ord(c) % 97 for c in prompt]
+    encode = encode or (lambda prompt, tools: [ord(c) % 97 for c in prompt])
 
     envs = Environments(cfg=EnvConfig(factory="toy", on_error=on_error), pool=None, bridge=Bridge(), encode=encode,
                         seed=SEED, max_new_tokens=8, max_context=50)
@@ -463,3 +463,28 @@ def test_a_step_whose_tool_calls_all_failed_is_said_once_a_run_with_what_most_an
     assert said == [f"step 2: every one of its {SAID_CALLS + 2} tool calls failed (env/info/tool_errors), most "
                     "answered 'error: RuntimeError: tool broke': check the tools (a tool that always raises) and "
                     "--env.tool-parser; said once a run"]
+
+
+
+def refusing(prompt, tools):
+    """A chat template whose roles must alternate, over long_reset_runner's encoding."""
+    from rollpacker.data.chat import TemplateRefused
+
+    if isinstance(prompt, list) and [m["role"] for m in prompt] != ["user"]:
+        raise TemplateRefused("the chat template of toy refused the prompt: TemplateError: Conversation roles must "
+                              "alternate (fix the prompt, or use a model whose template takes it)")
+    return [ord(c) % 97 for c in str(prompt)]
+
+
+def test_a_reset_prompt_the_chat_template_refuses_is_an_environment_error_of_its_episode():
+    """A reset whose messages the template refuses (two user turns where roles must alternate) stopped the run
+    from inside the round with the data's "fix the prompt", naming neither the environment nor the row; now that
+    episode fails (skip: counted, closed) and its sibling runs."""
+    runner = long_reset_runner("skip", refusing)
+    two = [{"role": "user", "content": "2+2"}, {"role": "user", "content": "and 3+3?"}]
+    (failed,) = runner.on_env(open_replies(runner, {"0:0:1": two, "0:0:0": [two[0]]}), now=0.0)
+    assert (failed.id, failed.reason) == ("0:0:1", "error") and runner.stats.errors == 1
+    assert failed.detail.startswith("toy: episode '0:0:1' (row 'r1'): its reset prompt: the chat template of toy "
+                                    "refused the prompt"), failed.detail
+    assert [(c.kind, c.key) for c in runner.take_calls()] == [("close", "0:0:1")]
+    assert [key for key, _ in runner.take_turns()] == ["0:0:0"]
