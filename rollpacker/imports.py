@@ -3,16 +3,19 @@
 A setting names a built-in, a module ``package.module:name`` or a file ``path/to/file.py:name``
 (:func:`check_spec`, :func:`target`, :func:`load`). A file's directory goes on ``sys.path`` (its own
 helper modules import as when it runs as a script), and the file is registered in ``sys.modules``
-once per process under ``PREFIX_STEM`` (dataclasses and pickling look their module up there).
+once per process under ``PREFIX_STEM_HASH`` (dataclasses and pickling look their module up there; the hash of
+its path tells apart two files of one name, and a dot in a name is written ``_``).
 :func:`awaited` runs what an ``async def`` returns, on the process's one event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +36,8 @@ def import_path(where: str, prefix: str) -> ModuleType:
         raise FileNotFoundError(f"no such file {where}")
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))
-    name = f"{prefix}_{path.stem}"
+    stem = re.sub(r"\W", "_", path.stem)
+    name = f"{prefix}_{stem}_{hashlib.sha1(bytes(path)).hexdigest()[:8]}"
     if getattr(sys.modules.get(name), "__file__", None) == str(path):  # imported once per process
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -101,6 +105,8 @@ def warm_up(target: str, setting: str, *, mapping: bool = False, imported: bool 
     except UserError as e:
         return "" if imported else f"{e} (fix it, or what it imports)"
     hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "__self__", None), "warm_up", None)
+    if inspect.isclass(fn) and inspect.isfunction(inspect.getattr_static(fn, "warm_up", None)):
+        hook = None  # a class's own method (not a classmethod or staticmethod) is its instances' business
     try:
         if callable(hook):
             hook(**accepted(hook, options)) if options else hook()
