@@ -83,7 +83,7 @@ class EnvSpec:
         tools', running the factory's ``warm_up()``) before the worker says ready, so its first call does not pay for
         them against ``env.timeout``: 32 workers starting together on 2 cores took over 30 s, a verifiers
         environment may load a dataset. ``env.start_timeout`` catches a hang here; ``make_env`` runs in the call.
-        Returns why a ``warm_up()`` failed ("" if none did)."""
+        Returns why a ``warm_up()`` failed or the tools cannot be offered ("" if neither)."""
         import torch  # noqa: F401  transformers' first tool schema (tools', a TRL environment's) imports it: 1.4 s
 
         from rollpacker.env import tools, trl  # noqa: F401
@@ -91,6 +91,11 @@ class EnvSpec:
         warmed = ([warm_up(self.factory, "env.factory", mapping=True, options={"max_turns": self.max_turns})]
                   if self.factory else [])
         warmed += [warm_up(target(spec, tools.TOOLS), "env.tools") for spec in self.tools]
+        if self.tools and not any(warmed):
+            try:  # two named alike, or one with no schema: every open would fail the same way
+                tools.schemas(tools.load_tools(self.tools))
+            except EnvError as e:
+                warmed.append(str(e))
         if tools.TOOLS["python"] in (target(spec, tools.TOOLS) for spec in self.tools):
             tools.python_sandbox = self.sandbox
             try:

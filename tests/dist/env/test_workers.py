@@ -423,10 +423,14 @@ def test_a_factory_or_tool_that_cannot_be_loaded_stops_the_pool_at_its_start(tmp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "envs.py").write_text("def make_env(row):\n    pass\n")
     (tmp_path / "broken.py").write_text("import not_a_package\n\ndef add(a: int) -> int:\n    return a\n")
+    (tmp_path / "calc.py").write_text("def multiply(a, b):\n    return a * b\n")  # no type hints nor docstring
     for cfg, said in ((EnvConfig(factory="envs.py:make_envv"), r"env.factory: .*envs.py has no function or dict "
                                                                 r"'make_envv' \(fix it, or what it imports\)"),
                       (EnvConfig(tools=("broken.py:add",)), r"env.tools: cannot import .*broken.py: "
-                                                           r"ModuleNotFoundError: No module named 'not_a_package'")):
+                                                           r"ModuleNotFoundError: No module named 'not_a_package'"),
+                      (EnvConfig(tools=("calc.py:multiply", "./calc.py:multiply")),  # each open failed alike
+                       r"env.tools: two tools are named 'multiply'"),
+                      (EnvConfig(tools=("calc.py:multiply",)), r"env.tools: multiply: no JSON schema")):
         pool = EnvPool(replace(cfg, num_workers=1, reset_retries=3))
         envs = Environments(cfg=pool.cfg, pool=pool, bridge=None, encode=None, seed=0, max_new_tokens=8,
                             max_context=100)
