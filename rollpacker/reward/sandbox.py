@@ -246,7 +246,7 @@ def _command(isolation: str, python: str, cfg: SandboxConfig, init: dict) -> lis
         return [_tool("setpriv"), "--pdeathsig", "KILL", "--", _tool("unshare"), "--user", "--map-root-user",
                 "--net", "--pid", "--fork", "--mount", "--ipc", "--uts", "--kill-child=SIGKILL", "--",
                 *launcher, json.dumps(init)]
-    init.update(mode="none")
+    init.update(mode="none", parent=os.getpid())
     return [*launcher, json.dumps(init)]
 
 
@@ -337,9 +337,11 @@ def _supervise(proc: subprocess.Popen, start: float, deadline: float, max_output
                         init_fd = init_fd if init_fd is not None else _open_init(info)
         seconds = time.monotonic() - start
     finally:
-        if init_fd is None and not exited:
-            init_fd = _open_init(info + _read_now(info_r))  # not reported yet, or the program cannot have run
-        status, usage = _kill(proc, exit_fd, init_fd)
+        try:  # a RETIRE landing here still kills the sandbox
+            if init_fd is None and not exited:
+                init_fd = _open_init(info + _read_now(info_r))  # not reported yet, or the program cannot have run
+        finally:
+            status, usage = _kill(proc, exit_fd, init_fd)
     killed = timed_out or output_limited or not exited
     code = None if killed else (os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
     return Run(stdout=bytes(out), stderr=err, exit_code=code, seconds=seconds,

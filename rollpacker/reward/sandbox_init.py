@@ -29,7 +29,7 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 # Per-mount flags a less privileged namespace may not clear: a read-only remount must repeat them.
 LOCKED_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
                 "nodiratime": 2048, "relatime": 1 << 21}
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 38, 47, 4
 CAPABILITY_VERSION_3 = 0x20080522
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -136,6 +136,10 @@ def main():
                 reap_until(child)
         if cfg["mode"] == "unshare":
             drop_capabilities()
+        if cfg["mode"] == "none":  # no pid 1 takes the program down with the worker that runs it: the kernel does
+            _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
+            if os.getppid() != cfg["parent"]:  # it died before the line above
+                os._exit(125)
         exec_program(cfg, program)
     except OSError as e:
         sys.stderr.write("sandbox setup failed: %s\n" % e)

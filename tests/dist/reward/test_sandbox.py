@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -361,6 +362,41 @@ def test_opting_out_runs_without_isolation(victim):
     run = unisolated.run(program, "", 5)
     assert (run.stdout, run.exit_code, run.timed_out) == (b"42\n", 0, False) and run.seconds < 4
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1  # none found
+
+
+UNISOLATED_WORKER = """
+import sys
+from rollpacker.reward.sandbox import Sandbox, SandboxConfig
+
+program = f"import os, time\\nopen({sys.argv[1]!r}, 'w').write(str(os.getpid()))\\ntime.sleep(60)"
+Sandbox(SandboxConfig(isolation="none")).run(program, "", 60)
+"""
+
+
+def test_a_program_run_without_isolation_dies_with_the_worker_that_runs_it():
+    """Without a pid 1 of its own, a program outlived the worker that ran it when the worker's end skipped the
+    kill (a RETIRE landing before it; SIGKILL here): an orphan running the model's code. Now the kernel kills it
+    as its parent dies."""
+    where = Path(tempfile.mkdtemp())  # in /tmp: the program runs as nobody under root
+    os.chmod(where, 0o777)
+    said = where / "pid"
+    worker = subprocess.Popen([sys.executable, "-c", UNISOLATED_WORKER, str(said)])
+    try:
+        deadline = time.monotonic() + 30
+        while not (said.exists() and said.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        worker.kill()
+        worker.wait()
+    pid = int(said.read_text())
+    shutil.rmtree(where)
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, "the program outlived its worker"
 
 
 def test_sandbox_config_validates():
