@@ -157,9 +157,13 @@ def _retired(*_) -> None:
 def leaving() -> None:
     """A worker's loop is over: the RETIRE that follows a closed pipe must not raise in the interpreter's exit
     (a SystemExit inside an atexit finalizer prints a traceback that reads like a crash). The task's watchdog is
-    disarmed: the loop may have ended on an error."""
+    disarmed (the loop may have ended on an error) and SIGALRM's default ends the worker ``STOP_GRACE`` seconds on,
+    as the pool would: a thread the user's code left running (not a daemon) holds the exit in a lock no signal
+    handler interrupts, forever when the worker's process died (no pool to SIGKILL it)."""
     signal.signal(RETIRE, _absorbed)
     _Watchdog.disarm()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(math.ceil(STOP_GRACE))
 
 
 def _absorbed(*_) -> None:

@@ -191,7 +191,7 @@ def _close_all(spec: EnvSpec, envs: dict) -> None:
             raise
         except BaseException as e:  # noqa: BLE001  (the user's close, sys.exit() too: the others still close)
             print(f"{spec.name}: an environment's close() raised {type(e).__name__}: {e}", file=sys.stderr)
-    signal.alarm(0)
+    signal.alarm(math.ceil(STOP_GRACE))  # as leaving() set it
 
 
 def _run(spec: EnvSpec, envs: dict, kind: str, key: Hashable,

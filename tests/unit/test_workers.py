@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -164,3 +165,19 @@ def test_a_retire_as_the_worker_leaves_its_loop_on_a_closed_pipe_prints_nothing(
     error (CI, once, in --reward.on-error fail's test)."""
     proc = subprocess.run([sys.executable, "-c", CLOSED], capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+LINGERING = textwrap.dedent("""
+    import threading, time
+    from rollpacker.workers import leaving
+
+    threading.Thread(target=time.sleep, args=(40,)).start()  # a task's client left a thread running, not a daemon
+    leaving()  # the worker's loop is over (its pipe closed: its rank died, no pool will SIGKILL it)
+""")
+
+
+def test_a_worker_whose_task_left_a_thread_running_still_exits():
+    """The exit waits for every thread that is not a daemon, in a lock no signal handler interrupts: a worker
+    orphaned by its rank's death lived on forever (ppid 1, its own process group: torchrun's kill misses it)."""
+    proc = subprocess.run([sys.executable, "-c", LINGERING], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == -signal.SIGALRM, proc
