@@ -116,7 +116,7 @@ class Response(Output):
 
     @property
     def env_reward(self) -> float:
-        return sum(self.step_rewards.values())
+        return float(sum(self.step_rewards.values()))
 
     @property
     def num_model_tokens(self) -> int:

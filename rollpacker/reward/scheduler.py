@@ -545,10 +545,11 @@ class RewardScheduler:
                 for metric, value in ({fname: r.score} | {f"{fname}/{k}": v for k, v in r.metrics.items()}).items():
                     if value is not None:
                         scoring.counted.values[metric] = value
+        reward = self._reward(key, self._scoring.pop(key))
         self.values[key] = {"rewards": scoring.values, "extra": scoring.extra, "reward_error": scoring.errors or None}
         if len(self.values) > MAX_VALUES:  # responses scored but never trained (filtered groups)
             del self.values[next(iter(self.values))]
-        return [(key, self._reward(key, self._scoring.pop(key)))]
+        return [(key, reward)]
 
     def _reward(self, key: Any, scoring: _Scoring) -> float:
         """The weighted sum over the functions that apply, plus the environment's rewards; a function's
@@ -567,6 +568,7 @@ class RewardScheduler:
                     "that scores it, or take the row out of the data")
             errors = [f"no reward function scores row {scoring.row['id']!r}: {none}"]
             scoring.counted.calls[NONE_APPLIES] = none
+            scoring.errors[NONE_APPLIES] = errors[0]  # its sample's reward_error
         if errors:
             if self.cfg.on_error == "fail":
                 raise RewardFunctionError(f"{'; '.join(errors)} (--reward.on-error fail stops the run; skip scores "

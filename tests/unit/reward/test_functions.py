@@ -415,6 +415,16 @@ def test_group_functions_are_users_functions_of_trls_convention(funcs):
 def test_a_row_no_function_scores_is_an_error_naming_it(funcs):
     with pytest.raises(RewardFunctionError, match="no reward function scores row 'a:2': compute_score returned None"):
         scores(RewardConfig(funcs=funcs("compute_score"), num_workers=0, on_error="fail"))
+    scheduler = RewardScheduler(RewardConfig(funcs=funcs("compute_score"), num_workers=0, max_error_frac=1.0),
+                                lambda ids: RESPONSES[ids[0] % 2])
+    try:  # skip: scored 0, counted in reward/errors, and its sample says why (its reward_error was null)
+        scheduler.submit("k", ROWS[1], Response(id="", prompt_ids=[], token_ids=[1] * 4))
+        ((key, reward),) = scheduler.wait()
+        assert (key, reward, type(reward)) == ("k", 0.0, float)  # the environment's rewards: none, an int 0 was
+        (error,) = scheduler.take_values(["k"])["k"]["reward_error"].values()
+        assert error.startswith("no reward function scores row 'a:2': compute_score returned None"), error
+    finally:
+        scheduler.close()
 
 
 def test_loading_errors_name_the_function(funcs, tmp_path):
