@@ -48,7 +48,7 @@ def test_the_pages_command_runs_the_example_out_of_tree(tmp_path, monkeypatch, r
     monkeypatch.chdir(tmp_path)
     config = parse(example_command())
     assert config.policy == "fifo" and config.schedule.keep_share == 0.5 and "fifo" in registry.POLICY_CONFIGS
-    assert type(config.schedule).__module__ == "rollpacker_policy_fifo"
+    assert type(config.schedule).__module__.startswith("rollpacker_policy_fifo_")  # its path's hash after
     assert parse(["schedule:fifo"]).policy == "fifo"  # registered: a subcommand like the shipped ones
     with pytest.raises(SystemExit, match=r"schedule.eta_prompts does not apply to policy fifo"):
         parse([*example_command(), "--schedule.eta-prompts", "2"])
