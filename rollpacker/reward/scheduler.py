@@ -352,7 +352,7 @@ class RewardScheduler:
         """Responses scored by their environment alone (no reward function), not yet polled."""
         self.values: dict[Any, dict[str, dict]] = {}
         """Each scored response's ``rewards`` (the value per function; None: did not apply or failed), ``extra``
-        (:attr:`_Scoring.extra`) and ``reward_error`` (function name -> what went wrong; None), until
+        (:attr:`_Scoring.extra`) and ``reward_error`` (function name, or NONE_APPLIES, -> what went wrong; None), until
         :meth:`take_values`."""
         self.counted: dict[bool, dict[Any, _Counted]] = {False: {}, True: {}}
         """Held out (a held-out round's) -> each scored response's counts, until a round takes them
