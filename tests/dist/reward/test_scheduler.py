@@ -57,11 +57,12 @@ def test_rewards_bench_smoke(capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for name in ("sync_fixed", "async_fixed", "sync_adaptive", "async_adaptive"):  # step = rollout + exposed scoring
         assert summary[f"exposed_{name}"] >= 0
-        assert summary[f"step_{name}"] == pytest.approx(0.5 + summary[f"exposed_{name}"], abs=0.05)
+        rollout = summary[f"step_{name}"] - summary[f"exposed_{name}"]  # its 0.5 s slept: a loaded machine wakes late
+        assert 0.5 - 0.002 <= rollout < 0.5 + 2.0, summary  # (0.002: the summary's rounding; late by 0.3 s once)
     assert summary["step_speedup"] == pytest.approx(summary["step_sync_fixed"] / summary["step_async_adaptive"],
                                                     abs=0.02)
     assert summary["exposed_ratio"] == pytest.approx(
-        summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02)
+        summary["exposed_sync_fixed"] / summary["exposed_async_adaptive"], rel=0.02, abs=0.006)  # 2 decimals
     assert summary["remote_step_speedup"] == pytest.approx(
         summary["step_remote"] / summary["step_remote_awaited"], abs=0.02)
 
