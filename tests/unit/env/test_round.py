@@ -465,7 +465,6 @@ def test_a_step_whose_tool_calls_all_failed_is_said_once_a_run_with_what_most_an
                     "--env.tool-parser; said once a run"]
 
 
-
 def refusing(prompt, tools):
     """A chat template whose roles must alternate, over long_reset_runner's encoding."""
     from rollpacker.data.chat import TemplateRefused
