@@ -146,6 +146,7 @@ from pathlib import Path
 import torch.distributed as dist
 from rollpacker import checkpoint
 from rollpacker.config import Config
+from rollpacker.dist import exit_process
 from rollpacker.errors import UserError
 from rollpacker.job import check_same_resume
 dist.init_process_group("gloo")
@@ -162,7 +163,7 @@ try:
 except UserError as e:
     said = str(e)
 Path(sys.argv[1], f"rank{rank}.txt").write_text(said)  # a file: in CI a stranger line on stdout broke its reading
-dist.destroy_process_group()
+exit_process(0)
 """
 
 

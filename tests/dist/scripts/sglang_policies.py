@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import rollpacker.job
 from rollpacker.config import parse
+from rollpacker.dist import exit_process
 from rollpacker.loops import train
 
 _build_engine = rollpacker.job.build_engine
@@ -40,7 +41,7 @@ def main(root: Path, runs: list[tuple[str, list[str]]]) -> None:
         print(f"{name} done on rank {dist.get_rank()}", flush=True)
     if "engine" in _engines:
         _engines["engine"].shutdown()
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

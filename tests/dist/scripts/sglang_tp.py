@@ -11,6 +11,7 @@ import torch.distributed as dist
 from support.engine_pair import prompts
 from torch.distributed.device_mesh import init_device_mesh
 
+from rollpacker.dist import exit_process
 from rollpacker.model import load_model
 from rollpacker.model.parallelize import shard_model
 from rollpacker.rollout.config import EngineConfig
@@ -63,7 +64,7 @@ def main(path: Path) -> None:
     assert seen[0] == seen[1], seen
     engine.shutdown()
     print(f"rank {rank} OK", flush=True)
-    dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 from support.engine_pair import hf_greedy, hf_model, prompts  # noqa: E402
 
+from rollpacker.dist import exit_process  # noqa: E402
 from rollpacker.model import load_model  # noqa: E402
 from rollpacker.rollout import build_engine  # noqa: E402
 from rollpacker.rollout.config import EngineConfig  # noqa: E402
@@ -53,5 +54,4 @@ torch.set_num_threads(1)
 assert torch.get_num_threads() == 1
 print(f"rank {rank} OK", flush=True)
 engine.shutdown()  # last: vLLM destroys the default process group here
-if dist.is_initialized():
-    dist.destroy_process_group()
+exit_process(0)
