@@ -21,9 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"rollpacker.profile: config error: {e}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    import torch.distributed as dist
-
-    from rollpacker.dist import build_meshes
+    from rollpacker.dist import build_meshes, exit_process
     from rollpacker.job import join
     from rollpacker.model import engine_dtype
     from rollpacker.run import check_model_dir
@@ -48,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         print(summary(profile))
         print(f"wrote {path}")
         say_noisy(profile)
-    if dist.is_initialized():  # a profiled vLLM engine destroyed it
-        dist.destroy_process_group()
+    exit_process(0)
 
 
 if __name__ == "__main__":

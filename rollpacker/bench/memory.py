@@ -213,12 +213,13 @@ def run_case(case: Case, device: str = "cpu") -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
+        from rollpacker.dist import exit_process
+
         raw = json.loads(argv[1])
         case = Case(**{**raw, "seq_lens": tuple(raw["seq_lens"])})
         measured = json.dumps((cuda_worker if argv[2] == "cuda" else worker)(case))
         sys.stdout.write(f"MEASURED {measured}\n")  # one write: the ranks share the pipe
-        sys.stdout.flush()
-        return
+        exit_process(0)
     usage = f"usage: python -m rollpacker.bench memory [{' '.join(MODELS)}] [--device cpu|cuda]"
     if {"-h", "--help"} & set(argv):
         print(f"{usage}\n\n{__doc__.strip()}")
