@@ -94,8 +94,8 @@ def exit_process(code: int) -> NoReturn:
     """End a process that closed what it opened: its default group destroyed, its other threads finished and
     its exit handlers run (logging's, wandb's), as at any exit; then out without the interpreter's teardown,
     which spends a second of CPU per process unloading torch and transformers, and which, after a device
-    mesh's collectives, aborted one rank of two in about half of the runs ("terminate called without an
-    active exception": a gloo thread let go of a tensor while Python was finalizing)."""
+    mesh's collectives, aborted one rank of two in about half of the runs on torch 2.13 ("terminate called
+    without an active exception", from C++ while Python finalized)."""
     if dist.is_initialized():  # vLLM's shutdown destroys it
         dist.destroy_process_group()
     for thread in threading.enumerate():
