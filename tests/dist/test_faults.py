@@ -1,4 +1,5 @@
-"""Faults on the real 2-rank job (issue #22): a full disk during a save, a stopped rank, a killed rank."""
+"""Faults on the real 2-rank job (issue #22): a full disk during a save, a stopped rank, a killed rank; and a rank
+that would abort at its exit."""
 
 from __future__ import annotations
 
