@@ -5,8 +5,9 @@ pinned host memory on a side CUDA stream into two reused device buffers: layer i
 while layer i computes. Events order each copy after the last use of its buffer, and each
 layer's compute after its copy. On CPU the same loop runs with plain host tensors.
 
-Two users: the LLM judge (:mod:`rollpacker.reward.judge`, K chosen per batch) and the trainer's KL
-reference with ``train.offload`` (:class:`StreamedModel`, K = 0: two layers on the device at most).
+Users: the LLM judge (:mod:`rollpacker.reward.judge`, K chosen per batch) and, with ``train.offload``,
+the trainer's frozen native models, the KL reference and the distillation teacher (:class:`StreamedModel`,
+K = 0: two layers on the device at most).
 """
 
 from __future__ import annotations
