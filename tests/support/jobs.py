@@ -143,17 +143,35 @@ def per_group(lengths: list[int], group_size: int = 4) -> list[list[int]]:
 
 
 def sandboxed_pids() -> set[int]:
-    """Processes on this machine that live in another pid namespace than ours: sandboxes."""
+    """Processes on this machine that live in another pid namespace than ours: sandboxes, less those of a test
+    that another pytest-xdist worker runs beside this one (an orphaned sandbox, whose parent is gone, counts)."""
     own = os.stat("/proc/self/ns/pid").st_ino
     pids = set()
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
-                if os.stat(f"/proc/{entry.name}/ns/pid").st_ino != own:
+                if os.stat(f"/proc/{entry.name}/ns/pid").st_ino != own and not _another_workers(int(entry.name)):
                     pids.add(int(entry.name))
             except OSError:
                 pass  # exited meanwhile, or not ours to inspect
     return pids
+
+
+def _another_workers(pid: int) -> bool:
+    """Whether ``pid`` descends from another pytest-xdist worker than this one: a process of the chain of parents
+    up from it is a sibling of this process (xdist's workers are its controller's children). False outside xdist."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return False
+    ours, controller = os.getpid(), os.getppid()
+    while pid > 1 and pid != ours:
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False  # exited meanwhile, or not ours to inspect
+        if parent == controller:
+            return True
+        pid = parent
+    return False
 
 
 def kill_when(proc: subprocess.Popen, run_dir: Path, ready, timeout: float = 300) -> bool:
