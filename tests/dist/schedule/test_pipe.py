@@ -27,7 +27,8 @@ def test_the_train_pool_never_rolls_out(tmp_path):
 
 def test_pipe_run_trains_what_the_sync_run_trains(tmp_path):
     """Seeded sampling: the same responses wherever they run, so the steps match the colocated
-    sync run's; the train pool takes groups in most steps. Temperature 1.5: the shipped toy model
+    sync run's; the train pool takes groups as they finish (in how many steps depends on when they
+    finish: beside another job, fewer). Temperature 1.5: the shipped toy model
     solves nearly everything at 1, and groups whose rewards all agree train nothing. A group's
     responses finish in another order on one rollout rank than on two, so the samples are summed in
     another order; ``adam_eps`` 1 keeps AdamW from blowing that rounding noise up into different
@@ -38,7 +39,7 @@ def test_pipe_run_trains_what_the_sync_run_trains(tmp_path):
     plain = run(tmp_path / "plain", *args)
     pipe = run(tmp_path / "pipe", *args, "--schedule.pipe")
     assert {r["sched/round_kind"] for r in plain + pipe} == {"sync"}
-    assert sum(r["stream/streamed_groups"] > 0 for r in pipe) >= len(pipe) - 1
+    assert any(r["stream/streamed_groups"] > 0 for r in pipe)
     assert all(0 <= r["pipe/trainer_wait_ratio"] <= 1 and r["pipe/rollout_to_train_end"] > 0 for r in pipe)
     assert all(r["train/grad_norm"] > 0 for r in plain)
     for a, b in zip(plain, pipe, strict=True):
