@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -161,6 +162,22 @@ def test_on_an_amd_gpu_tf32_is_chosen_where_tritons_compiler_takes_it_and_refuse
     if not taken:
         with pytest.raises(ValueError, match=f"precision='tf32' does not compile on {arch}"):
             launch_settings((torch.bfloat16,), 64, 128, 32, 8, "tf32", arch)
+
+
+def test_the_launch_options_are_tritons_and_pin_fma_contraction():
+    """Left to Triton's default, FMA contraction warns at a run's first compile on Triton 3.9 and is off from 3.10
+    (other numerics, slower kernels): the options are ones Triton's CUDA and AMD backends take, without a warning."""
+    from triton.backends.amd.compiler import HIPBackend
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    launch = launch_settings((torch.bfloat16,), 64, 128, 32, 8, None)
+    options = {name: value for name, value in launch.items() if not name.isupper()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for backend in CUDABackend(GPUTarget("cuda", 90, 32)), HIPBackend(GPUTarget("hip", "gfx942", 64)):
+            parsed = backend.parse_options(options)
+            assert parsed.enable_fp_fusion and parsed.num_warps == 8
 
 
 @pytest.mark.slow
