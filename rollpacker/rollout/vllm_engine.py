@@ -21,7 +21,9 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Iterable
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -96,6 +98,35 @@ def engine_args(model_path: str | Path, config: EngineConfig, tp_size: int, dtyp
     )
 
 
+@contextmanager
+def shared_memory_named_for_this_start() -> Iterator[None]:
+    """vLLM 0.32's CPU TP groups name their shared memory after the init method, ``env://`` under torchrun: one
+    name in every job on a host, whose segments outlive a process that ends without Python's teardown (ours, or a
+    killed one). So the next job on that host failed to start ("create shm in SHMManager failed. errno: 17"), as
+    did one beside another. Here the name is this start's (rank 0's random token, the same on every rank: a
+    collective over the world, as the start is), and each rank removes its segments' names once its groups are
+    joined (their mappings stay): nothing is left in /dev/shm, even by a killed job."""
+    from vllm.platforms import current_platform
+
+    if not (dist.is_initialized() and current_platform.is_cpu()):
+        yield  # a GPU's TP groups talk over NCCL
+        return
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    token, own = [uuid.uuid4().hex[:12]], set()
+    dist.broadcast_object_list(token, src=0)
+
+    def group_name(comm) -> str:
+        name = f"rollpacker-{token[0]}-{comm.unique_name}-{'-'.join(map(str, comm.ranks))}"
+        own.add(f"{name}_{comm.rank}")  # the segment this rank creates; its group's other ranks map it
+        return name
+
+    _CPUSHMDistributed.make_group_name = staticmethod(group_name)
+    yield
+    for segment in own:
+        Path("/dev/shm", segment).unlink(missing_ok=True)
+
+
 def join_parallel_state(model_path: str | Path, config: EngineConfig, tp_size: int, dtype: torch.dtype) -> None:
     """On a rank that hosts no engine (one_step_off's training pool): join the collectives over the
     whole world that the engines' start makes (vLLM 0.32: the ``new_group`` calls of its parallel
@@ -106,7 +137,7 @@ def join_parallel_state(model_path: str | Path, config: EngineConfig, tp_size: i
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
     vllm_config = engine_args(model_path, config, tp_size, dtype).create_engine_config()
-    with set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(vllm_config), shared_memory_named_for_this_start():
         init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://",
                                             int(os.environ.get("LOCAL_RANK", 0)), current_platform.dist_backend)
     no_limit = torch.tensor([torch.iinfo(torch.int64).max])
@@ -134,7 +165,8 @@ class VLLMEngine:
         self.on_cpu = not torch.cuda.is_available()
         self.dtype = dtype
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-        self.engine = LLMEngine.from_engine_args(vllm_args)
+        with shared_memory_named_for_this_start():
+            self.engine = LLMEngine.from_engine_args(vllm_args)
         cache = self.engine.vllm_config.cache_config
         self.kv_capacity_tokens = cache.num_gpu_blocks * cache.block_size
         torch.set_num_threads = set_threads  # vLLM's CPU worker swaps in a process-wide no-op

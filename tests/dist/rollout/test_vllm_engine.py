@@ -5,6 +5,7 @@ abort/resume, weight updates, preemption, torchrun TP. Skipped when vLLM is not 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,11 +208,27 @@ def test_a_bf16_engine_takes_fp32_masters_in_its_dtype(pair):  # greedy as trans
     assert "OK bf16 push" in out, out
 
 
+def groups_shared_memory() -> set[str]:
+    """The segments of vLLM's CPU TP groups (their names hold the group's, ``tp:0``) in /dev/shm."""
+    return {name for name in os.listdir("/dev/shm") if "tp:" in name}
+
+
 @pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])  # TP 2 covers the group join
 def test_torchrun_replicas_and_tp(pair, tp):
     """2 gloo ranks: two TP-1 replicas, or one TP-2 replica; greedy equals transformers before and
-    after a weight push, and the trainer's default group still works."""
-    out = torchrun("vllm_engine.py", 2, str(tp), str(pair[0]), str(pair[1]), timeout=600)
+    after a weight push, and the trainer's default group still works. The TP group's shared memory: a killed
+    job's segment under vLLM's own name (one name for every torchrun job on a host) stops no later job, and the
+    job leaves none in /dev/shm (every job did: each job after the first on a host failed to start)."""
+    stale = Path("/dev/shm/-tp:0-[0-1]-cpushm_0")  # vLLM 0.32's name for this group under torchrun's env://
+    ours = not stale.exists()
+    stale.touch()
+    try:
+        before = groups_shared_memory()
+        out = torchrun("vllm_engine.py", 2, str(tp), str(pair[0]), str(pair[1]), timeout=600)
+        assert groups_shared_memory() <= before
+    finally:
+        if ours:
+            stale.unlink()
     assert out.count("OK") == 2, out
 
 
