@@ -155,7 +155,8 @@ def test_on_an_amd_gpu_tf32_is_chosen_where_tritons_compiler_takes_it_and_refuse
     from triton.backends.amd.compiler import HIPBackend
     from triton.backends.compiler import GPUTarget
 
-    taken = "tf32" in HIPBackend(GPUTarget("hip", arch, 64)).parse_options({}).allowed_dot_input_precisions
+    options = HIPBackend(GPUTarget("hip", arch, 64)).parse_options({"enable_fp_fusion": True})  # as the launch's
+    taken = "tf32" in options.allowed_dot_input_precisions
     assert tf32_allowed(arch) == taken
     assert default_precision(torch.bfloat16, arch=arch) == ("tf32" if taken else "ieee")
     assert default_precision(torch.float32, arch=arch) == "ieee"
