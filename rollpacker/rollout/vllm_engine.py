@@ -121,7 +121,7 @@ def shared_memory_named_for_this_start() -> Iterator[None]:
         own.add(f"{name}_{comm.rank}")  # the segment this rank creates; its group's other ranks map it
         return name
 
-    _CPUSHMDistributed.make_group_name = staticmethod(group_name)
+    _CPUSHMDistributed.make_group_name = staticmethod(group_name)  # kept after: never vLLM's one name again
     yield
     for segment in own:
         Path("/dev/shm", segment).unlink(missing_ok=True)
