@@ -10,12 +10,14 @@ keeps those processes alive inside a rank and in step with the controller;
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,8 @@ class EngineDied(RuntimeError):
 
 _STARTED: dict[int, str] = {}
 """pid -> title of every SGLang process this one started (SGLang reaps a dead one before SIGQUIT)."""
+_SHARED: dict[str, int] = {}
+"""path -> inode of the /dev/shm files those processes mapped: SGLang kills them, so none unlinks its own."""
 
 
 def import_sglang(on_cpu: bool):
@@ -86,14 +90,18 @@ def start(sgl, server_args: dict):
         engine = sgl.Engine(**server_args)
         num_tokens = engine.get_server_info()["max_total_num_tokens"]  # before the loop's thread
         restore(engine.loop)
-    _STARTED.update((pid, _title(p)) for pid, p in _sglang_processes().items())
+    procs = _sglang_processes()
+    _STARTED.update((pid, _title(p)) for pid, p in procs.items())
+    _SHARED.update(_mapped_shared_memory(procs.values()))
     return engine, num_tokens
 
 
 def stop(engine) -> None:
-    """Shut ``engine`` down and forget its processes."""
+    """Shut ``engine`` down, forget its processes and remove what they left in /dev/shm."""
+    _SHARED.update(_mapped_shared_memory(_sglang_processes().values()))
     engine.shutdown()
     _STARTED.clear()
+    _unlink_shared_memory()
 
 
 def engine_died(signum, frame) -> None:
@@ -104,9 +112,11 @@ def engine_died(signum, frame) -> None:
     procs = _sglang_processes()
     gone = [f"{name} (pid {pid})" for pid, name in _STARTED.items()
             if pid not in procs or procs[pid].status() == psutil.STATUS_ZOMBIE]
+    _SHARED.update(_mapped_shared_memory(procs.values()))
     for p in procs.values():
         with contextlib.suppress(psutil.Error):
             p.kill()
+    _unlink_shared_memory()
     what = f"{', '.join(gone)} exited" if gone else "one of its processes reported an error"
     raise EngineDied(f"SGLang's engine failed: {what}; its traceback, if it printed one, is above. Its processes "
                      "were stopped. Under torchrun --max-restarts with --resume auto the job restarts from its newest "
@@ -118,6 +128,34 @@ def _sglang_processes() -> dict:
     import psutil
 
     return {p.pid: p for p in psutil.Process().children(recursive=True) if _title(p).startswith("sglang::")}
+
+
+def _mapped_shared_memory(procs) -> dict[str, int]:
+    """The /dev/shm files ``procs`` map, by path, with their inode: the schedulers' message queue
+    (TP > 1), their load snapshot, the named semaphores of tqdm's lock. SGLang's shutdown SIGKILLs
+    its processes (and this process's resource tracker, a child too), so each would stay in /dev/shm
+    run after run. Matched by inode: a named semaphore is mapped under the temporary name it was made as."""
+    inodes = set()
+    for p in procs:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p.pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                    inodes.add(int(fields[4]))
+    if not inodes:
+        return {}
+    with os.scandir("/dev/shm") as entries:
+        return {e.path: e.inode() for e in entries if e.inode() in inodes}
+
+
+@atexit.register  # a rank that fails without stopping its engine too
+def _unlink_shared_memory() -> None:
+    """Unlink :data:`_SHARED`'s files that are still the ones found (a process that maps one keeps it)."""
+    for path, inode in _SHARED.items():
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
+    _SHARED.clear()
 
 
 def _title(process) -> str:

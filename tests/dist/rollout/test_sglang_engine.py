@@ -8,6 +8,7 @@ tests, not the session."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -51,11 +52,15 @@ def test_sglang_engine(checks, check):
 
 def test_tp2_across_two_torchrun_ranks(pair):
     """One TP-2 engine over two gloo ranks: greedy equals TorchEngine's, a push from the FSDP2-sharded
-    trainer equals TorchEngine's after the same push, abort and memory release across the group."""
+    trainer equals TorchEngine's after the same push, abort and memory release across the group. Its
+    shutdown leaves nothing in /dev/shm (SGLang's left its schedulers' 24 MB queue, load snapshot and
+    semaphores there, run after run)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(DIST_SCRIPTS / "sglang_tp.py"), str(pair[0])]
+    before = set(os.listdir("/dev/shm"))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=sglang_env())
     assert proc.returncode == 0 and proc.stdout.count("OK") == 2, f"{proc.stdout}\n{cause(proc.stderr)}"
+    assert set(os.listdir("/dev/shm")) <= before, sorted(set(os.listdir("/dev/shm")) - before)
 
 
 def test_seeded_sampling_hash_equals_sglangs_triton_kernel():

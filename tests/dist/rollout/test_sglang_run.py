@@ -104,7 +104,7 @@ def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_p
 def test_ctrl_c_stops_an_sglang_job_after_its_step_with_a_checkpoint(tmp_path):
     """Ctrl-C at torchrun, which passes SIGINT on to each rank's process group (a Slurm stop's SIGTERM reaches
     every process too): SGLang's processes died of it and their SIGQUIT ended the job as an engine failure, with
-    no checkpoint."""
+    no checkpoint. Its engines' shutdown leaves nothing in /dev/shm."""
     import os
 
     from rollpacker import checkpoint
@@ -112,6 +112,7 @@ def test_ctrl_c_stops_an_sglang_job_after_its_step_with_a_checkpoint(tmp_path):
     job = " ".join(JOB).replace("num-toy-prompts 12", "num-toy-prompts 48").replace("checkpoint-every 1",
                                                                                       "checkpoint-every 0")
     cmd = job_command("schedule:tail", *job.split(), "--run-dir", str(tmp_path))  # 12 steps, the stop's save alone
+    before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=sglang_env())
     metrics = tmp_path / "metrics.jsonl"
@@ -128,3 +129,4 @@ def test_ctrl_c_stops_an_sglang_job_after_its_step_with_a_checkpoint(tmp_path):
     stopped = checkpoint.latest(tmp_path)
     assert stopped is not None and "EngineDied" not in err, cause(err)  # torchrun exits 1 of its own SIGINT
     assert f"rollpacker: stopped on SIGINT with {stopped.name.split('_')[1]} of 100 steps done" in err, cause(err)
+    assert set(os.listdir("/dev/shm")) <= before, sorted(set(os.listdir("/dev/shm")) - before)
