@@ -13,6 +13,8 @@ Invariants:
   is one whose ``transformers`` code builds its mask without the positions (:func:`check_packing`).
 - Weights are pushed under the checkpoint's names (:func:`checkpoint_format`).
 - Rollout runs on vLLM or SGLang: TorchEngine runs the native decoder only.
+- Attention is ``transformers``' default (SDPA), or its eager attention for a decoder that caps its
+  attention logits (Gemma-2's ``attn_logit_softcapping``), which SDPA leaves out and the engines apply.
 
 Why: the trainer can then train decoders the native one does not implement. Which models pick it,
 and how it differs from the native path: ``docs/memory.md`` (Any Hugging Face decoder).
@@ -199,6 +201,8 @@ class HFDecoder(nn.Module):
         super().__init__()
         cfg = causal_lm.config.get_text_config()
         check_supported(cfg.to_dict())
+        if getattr(cfg, "attn_logit_softcapping", None):  # transformers' SDPA leaves the cap out; eager applies it
+            causal_lm.set_attn_implementation("eager")
         check_packing(causal_lm)
         decoder, head = getattr(causal_lm, "model", None), causal_lm.get_output_embeddings()
         if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or head is None:

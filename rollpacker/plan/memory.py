@@ -80,6 +80,9 @@ class Shape:
     max_position_embeddings: int = 0
     softcap: bool = False
     """It caps its logits (Gemma-2's ``final_logit_softcapping``): the trainer's head runs the torch path."""
+    attn_softcap: bool = False
+    """It caps its attention logits (Gemma-2's ``attn_logit_softcapping``): the hf path runs ``transformers``'
+    eager attention, whose scores over the whole micro-batch, ``[heads, T, T]``, are kept."""
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> Shape:
@@ -101,6 +104,7 @@ class Shape:
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             max_position_embeddings=cfg.get("max_position_embeddings") or 0,
             softcap=bool(cfg.get("final_logit_softcapping")),
+            attn_softcap=bool(cfg.get("attn_logit_softcapping")),
         )
 
     @property
@@ -219,6 +223,10 @@ class Phase:
         return max(self.terms, key=lambda t: t.bytes)
 
 
+FEWER_TOKENS = "a smaller train.micro_batch_tokens"
+"""The fix of the terms that grow with a micro-batch's tokens."""
+
+
 # ---- activations --------------------------------------------------------------------------------
 
 
@@ -228,14 +236,21 @@ def norm_saved(width: int, b: int) -> int:
     return 4 * width + 2 * b * width + 4
 
 
-def attention_saved(s: Shape, b: int, pad: float) -> float:
+def attention_saved(s: Shape, b: int, pad: float, tokens: int) -> float:
     """Bytes per token inside attention: q, k, v gathered per length bucket and SDPA's output and
     log-sum-exp (padded), the output scattered back (the o projection's input) and its int64 indices;
-    Qwen3's q/k norms."""
+    Qwen3's q/k norms; capped attention's eager scores (:func:`scores_saved`)."""
     saved = pad * (b * (2 * s.q_dim + 2 * s.kv_dim) + 4 * s.num_heads) + b * s.q_dim + 8
     if s.qk_norm:
         saved += (4 + b) * (s.q_dim + s.kv_dim) + 4 * (s.num_heads + s.num_kv_heads)
-    return saved
+    return saved + scores_saved(s, b, tokens)
+
+
+def scores_saved(s: Shape, b: int, tokens: int) -> float:
+    """Bytes per token of the ``[heads, T, T]`` scores that eager attention (capped attention's,
+    :attr:`Shape.attn_softcap`) keeps over a micro-batch of ``tokens``: the capped scores and the
+    softmax's fp32 output."""
+    return s.attn_softcap * s.num_heads * tokens * (b + 4)
 
 
 def mlp_saved(s: Shape, b: int) -> float:
@@ -249,12 +264,12 @@ def mlp_saved(s: Shape, b: int) -> float:
     return 4 * b * s.intermediate_size
 
 
-def block_saved(s: Shape, b: int, pad: float, part: str = "none") -> float:
-    """Bytes per token one block keeps for backward; ``part`` is the checkpointed part (none, block,
-    attention or mlp): a checkpointed module keeps only its input."""
+def block_saved(s: Shape, b: int, pad: float, tokens: int, part: str = "none") -> float:
+    """Bytes per token one block keeps for backward over a micro-batch of ``tokens``; ``part`` is the
+    checkpointed part (none, block, attention or mlp): a checkpointed module keeps only its input."""
     if part == "block":
         return b * s.hidden_size
-    attn = 0 if part == "attention" else attention_saved(s, b, pad)
+    attn = 0 if part == "attention" else attention_saved(s, b, pad, tokens)
     mlp = 0 if part == "mlp" else mlp_saved(s, b)
     return s.norms_per_block * norm_saved(s.hidden_size, b) + attn + mlp
 
@@ -265,11 +280,12 @@ def activations(s: Shape, t: TrainSetup) -> dict[str, float]:
     ``recompute``, the most one checkpointed module rebuilds in backward."""
     b, pad = t.compute_bytes, t.padded_tokens / t.tokens
     parts = dict(checkpointed(s.num_layers, t.checkpointing, t.ac_every, t.ac_part))
-    per_token = sum(block_saved(s, b, pad, parts.get(i, "none")) for i in range(s.num_layers))
+    per_token = sum(block_saved(s, b, pad, t.tokens, parts.get(i, "none")) for i in range(s.num_layers))
     per_token += 2 * b * s.head_dim + 9  # RoPE's cos and sin, the buckets' index and mask (shared by the blocks)
     head = t.tokens * (norm_saved(s.hidden_size, b) - b * s.hidden_size)  # the final norm (its output is not kept)
     head += t.response_tokens * (b * s.hidden_size + 4 + 8)  # the head's hidden rows, log-sum-exp and targets
-    recompute = max((block_saved(s, b, pad) - block_saved(s, b, pad, p) for p in set(parts.values())), default=0)
+    whole = block_saved(s, b, pad, t.tokens)
+    recompute = max((whole - block_saved(s, b, pad, t.tokens, p) for p in set(parts.values())), default=0)
     return {"blocks": t.tokens * per_token, "head": head, "recompute": t.tokens * recompute}
 
 
@@ -300,9 +316,12 @@ def head_backward(s: Shape, t: TrainSetup) -> float:
 def block_backward(s: Shape, t: TrainSetup) -> float:
     """Transient bytes at the peak of one block's backward, its MLP's: the activation gradients
     (three ``[T, I]``), the gradient flowing between blocks (two ``[T, D]``) and the down
-    projection's weight gradient. (The block's reduce-scatter comes after, with less alive.)"""
+    projection's weight gradient; or, when larger, capped attention's: its ``[heads, T, T]`` scores'
+    gradient, in the compute dtype, then in fp32 beside the softmax's. (The block's reduce-scatter comes
+    after, with less alive.)"""
     b, width = t.compute_bytes, s.mlp_width
-    return t.tokens * (3 * width + 2 * s.hidden_size) * b + b * s.hidden_size * width
+    scores = s.attn_softcap * s.num_heads * t.tokens ** 2 * (b + 8)
+    return max(t.tokens * (3 * width + 2 * s.hidden_size) * b + b * s.hidden_size * width, scores)
 
 
 def reduce_scatter(num_params: int, t: TrainSetup, held: float = 0.0) -> float:
@@ -365,7 +384,7 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
     sharded_grads = 0 if state[2].bytes else device * 4 * block_trained / n  # first micro-batch
     head_grad = 0 if t.lora_params else b * s.vocab_size * s.hidden_size  # LoRA: the head is frozen
     acts = activations(s, t)
-    fix = "train.activation-checkpointing full" if t.checkpointing == "none" else "a smaller train.micro_batch_tokens"
+    fix = "train.activation-checkpointing full" if t.checkpointing == "none" else FEWER_TOKENS
     saved = Term(name="saved activations", bytes=acts["blocks"] + acts["head"], fix=fix)
     head_fix = "train.logprobs-impl triton" if t.head == "torch" else ""
     phases = [
@@ -378,9 +397,10 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
         Phase(name="backward (blocks)", terms=[
             *state, root, Term(name="saved activations", bytes=acts["blocks"], fix=fix),
             Term(name="head gradient (unsharded)", bytes=head_grad),
-            Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
+            Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"], fix=FEWER_TOKENS),
             Term(name="unsharded blocks in flight (2)", bytes=2 * b * s.layer_params),
-            Term(name="block backward (activation and weight gradients)", bytes=block_backward(s, t))]),
+            Term(name="block backward (activation and weight gradients)", bytes=block_backward(s, t),
+                 fix=FEWER_TOKENS)]),
         Phase(name="backward (root reduce-scatter)", terms=[
             *state, Term(name="the blocks' gradients (fp32, sharded)", bytes=sharded_grads, fix=off),
             Term(name="root gradients reduce-scatter (the embedding's gradient held)",
@@ -390,7 +410,7 @@ def train_phases(s: Shape, t: TrainSetup) -> list[Phase]:
         phases.append(Phase(name="forward (KL reference)", terms=[
             *state, root, Term(name="KL reference in flight (2 blocks, root, one block's activations)",
                                bytes=gathered + reference_activations(s, t),
-                               fix="a smaller train.micro_batch_tokens")]))
+                               fix=FEWER_TOKENS)]))
     if t.teacher is not None:
         phases.append(teacher_phase(t, [*state, root]))
     if t.critic:  # after the policy's backward, with its gradients
@@ -413,20 +433,21 @@ def teacher_phase(t: TrainSetup, held: list[Term]) -> Phase:
     gathered = 0 if t.teacher_held == "streamed" else b * (2 * s.layer_params + s.root_params)
     return Phase(name="forward (teacher)", terms=[*held, Term(
         name="teacher in flight (2 blocks, root, one block's activations)",
-        bytes=gathered + reference_activations(s, t), fix="a smaller train.micro_batch_tokens")])
+        bytes=gathered + reference_activations(s, t), fix=FEWER_TOKENS)])
 
 
 def critic_phase(t: TrainSetup, held: list[Term], c: Shape) -> Phase:
     """The critic's backward (its shape ``c``), after the policy's: no vocabulary head, its root unsharded;
     ``held``: the state and the policy's gradients."""
     b, acts = t.compute_bytes, activations(c, t)
-    fix = "train.activation-checkpointing full" if t.checkpointing == "none" else "a smaller train.micro_batch_tokens"
+    fix = "train.activation-checkpointing full" if t.checkpointing == "none" else FEWER_TOKENS
     return Phase(name="backward (critic)", terms=[
         *held, Term(name="unsharded critic root (embedding, norm, head)", bytes=b * (c.vocab_size + 2) * c.hidden_size),
         Term(name="saved activations", bytes=acts["blocks"], fix=fix),
-        Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"]),
+        Term(name="recomputed activations (one checkpointed module)", bytes=acts["recompute"], fix=FEWER_TOKENS),
         Term(name="unsharded blocks in flight (2)", bytes=2 * b * c.layer_params),
-        Term(name="block backward (activation and weight gradients)", bytes=block_backward(c, t))])
+        Term(name="block backward (activation and weight gradients)", bytes=block_backward(c, t),
+             fix=FEWER_TOKENS)])
 
 
 def critic_of(s: Shape, t: TrainSetup) -> Shape:
@@ -476,10 +497,12 @@ def held_host(s: Shape, held: str, t: TrainSetup) -> float:
 
 def reference_activations(s: Shape, t: TrainSetup) -> float:
     """A no-grad forward keeps one block's transients: ~ q, k, v, the MLP's three [T, I], and the
-    head's logits chunk."""
-    width = s.mlp_width
+    head's logits chunk; capped attention's ``[heads, T, T]`` scores, two in the compute dtype and the
+    softmax's in fp32."""
+    width, b = s.mlp_width, t.compute_bytes
     chunk = min(t.chunk_size, t.response_tokens) * s.vocab_size * 4 * 2 if t.head == "torch" else 0
-    return t.tokens * t.compute_bytes * (3 * s.hidden_size + s.q_dim + 2 * s.kv_dim + 3 * width) + chunk
+    scores = s.attn_softcap * s.num_heads * t.tokens ** 2 * (2 * b + 4)
+    return t.tokens * b * (3 * s.hidden_size + s.q_dim + 2 * s.kv_dim + 3 * width) + chunk + scores
 
 
 @dataclass(frozen=True, kw_only=True)

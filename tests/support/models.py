@@ -9,6 +9,10 @@ import torch
 HF_KINDS = ("llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "mistral")
 """Architectures :func:`make_hf_model` builds; the native decoder runs the first three."""
 
+GEMMA2_CAPPED = dict(attn_logit_softcapping=1.0, initializer_range=0.2)
+"""Gemma-2 overrides under which its attention cap bites: attention logits of a few units against a cap of 1
+(the tiny model's logits 0.99 apart without it; at the defaults, a cap of 50, 1e-6 apart)."""
+
 
 def make_hf_model(path: Path, kind: str = "qwen2", **overrides) -> Path:
     """Save a tiny random Hugging Face model of ``kind`` (one of :data:`HF_KINDS`) to ``path``."""

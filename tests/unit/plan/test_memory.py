@@ -36,9 +36,9 @@ def test_the_plans_terms_for_a_tiny_model_equal_a_hand_count():
     norm = 16 + 16 + 16 + 4
     attention = 4 * (4 + 2 + 2 + 4) + 4 * 2 + 4 * 4 + 8
     mlp = 4 * 4 * 6
-    assert block_saved(TINY, 4, 1.0) == 2 * norm + attention + mlp == 280
-    assert block_saved(TINY, 4, 1.0, "block") == 16  # a checkpointed block keeps its input
-    assert block_saved(TINY, 4, 1.0, "mlp") == 280 - mlp
+    assert block_saved(TINY, 4, 1.0, 8) == 2 * norm + attention + mlp == 280
+    assert block_saved(TINY, 4, 1.0, 8, "block") == 16  # a checkpointed block keeps its input
+    assert block_saved(TINY, 4, 1.0, 8, "mlp") == 280 - mlp
     setup = TrainSetup(shard_size=1, seq_lens=(8,), response_tokens=4, compute_bytes=4, head="torch",
                        foreach=False, micro_batches=1)
     acts = activations(TINY, setup)
@@ -96,7 +96,7 @@ def test_block_saved_is_what_autograd_keeps(kind, dtype):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model.layers[0](x, cos, sin, 0, attn)
     mine = sum(n for ptr, n in saved.items() if ptr not in shared)
-    assert mine == tokens * block_saved(Shape.from_hf(cfg), dtype.itemsize, 1.0)
+    assert mine == tokens * block_saved(Shape.from_hf(cfg), dtype.itemsize, 1.0, tokens)
 
 
 def test_every_gpu_preset_fits_an_h100_with_ten_percent_headroom(capsys):
@@ -171,7 +171,7 @@ def test_block_saved_estimates_hugging_face_layers(kind, tmp_path):
         model(torch.randint(0, 100, (tokens,)), torch.arange(tokens))
     measured = sum(n for ptr, n in saved.items() if ptr not in params)
     shape = Shape.from_hf(read_config(path))
-    planned = tokens * shape.num_layers * block_saved(shape, 4, 1.0)
+    planned = tokens * shape.num_layers * block_saved(shape, 4, 1.0, tokens)
     assert abs(planned - measured) <= 0.05 * measured, (planned, measured)
 
 
@@ -470,6 +470,34 @@ def test_a_model_that_caps_its_logits_is_planned_with_the_torch_head_the_trainer
     assert fused.head == "fused"
     head = (lambda p: next(ph.total for ph in p.phases if ph.name == "backward (log-prob head)"))
     assert head(plan(gemma, train, rollout, 80 * GB)) > head(plan(uncapped, fused, rollout, 80 * GB)) + 4 * GB
+
+
+def test_capped_attention_is_planned_with_the_eager_scores_the_hf_path_keeps():
+    """Gemma-2's attn_logit_softcapping makes the hf path run transformers' eager attention (SDPA leaves the cap
+    out), whose [heads, T, T] scores over the micro-batch the plan counts: kept by the block recomputed in the
+    backward (full checkpointing), and their gradient. Gemma-2 9B at the 7B preset's 16384 tokens then does not
+    fit an H100, and the refusal names the fix."""
+    from rollpacker.config import parse
+    from rollpacker.plan.memory import activations, check_fits, plan, setups
+
+    gemma = Shape.from_hf(dict(model_type="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                               num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                               final_logit_softcapping=30.0, attn_logit_softcapping=50.0))
+    uncapped = replace(gemma, attn_softcap=False)
+    config = parse(["--preset", "qwen2.5-7b-8k"])
+    train, rollout = setups(config, 8, shape=gemma)
+    assert (train.checkpointing, train.tokens, train.compute_bytes) == ("full", 16384, 2)
+    scores = 16 * 16384**2
+    capped, plain = activations(gemma, train), activations(uncapped, train)
+    assert capped["blocks"] == plain["blocks"]  # a checkpointed block keeps only its input
+    assert capped["recompute"] == plain["recompute"] + scores * (2 + 4)  # the capped scores and the fp32 softmax
+    blocks = (lambda p: next(ph for ph in p.phases if ph.name == "backward (blocks)"))
+    assert blocks(plan(uncapped, train, rollout, 80 * GB)).total < 40 * GB
+    assert blocks(plan(gemma, train, rollout, 80 * GB)).largest().bytes == scores * (2 + 8)
+    with pytest.raises(UserError) as refused:
+        check_fits(config, gemma, world_size=8, capacity=80 * GB)
+    assert "Largest term: block backward (activation and weight gradients), 42.9 GB; set a smaller " \
+           "train.micro_batch_tokens to shrink it" in str(refused.value)
 
 
 def test_the_kl_reference_forward_is_planned_beside_none_of_the_policys_activations():
