@@ -1,11 +1,12 @@
 """Hugging Face decoders the native one does not implement, trained for real: a 2-rank job rolls
 out on vLLM's CPU build and trains on the ``--model.impl hf`` path, 2 steps (Llama too, which auto
 would train natively). vLLM 0.32's CPU build serves every architecture here (Qwen3-MoE's fused MoE,
-Gemma-2/3's sliding windows, Gemma-2's capped logits and its attention cap, made to bite). The engine's
-log-probs agreeing with the trainer's at the second step shows the first step's weights (2% smaller,
-by weight decay) reached vLLM (Qwen3-MoE's experts split back per expert); the run's Hugging Face
-export loads in transformers. All in the slow tier (a vLLM job each: 245 s for Qwen3-MoE on the shared CI-like
-machine); the default tier's test_memory.py trains every architecture here on the hf path."""
+Gemma-2/3's sliding windows, Gemma-2's capped logits and its attention cap, made to bite: 0.024 apart
+when the trainer left it out). The engine's log-probs agreeing with the trainer's at the second step
+shows the first step's weights (2% smaller, by weight decay) reached vLLM (Qwen3-MoE's experts split
+back per expert); the run's Hugging Face export loads in transformers. All in the slow tier (a vLLM
+job each: 245 s for Qwen3-MoE on the shared CI-like machine); the default tier's test_memory.py trains
+every architecture here on the hf path."""
 
 from __future__ import annotations
 
