@@ -12,7 +12,7 @@ under 2x the real work even when one sequence is far longer than the rest (the l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -33,6 +33,8 @@ class Bucket:
     rows: torch.Tensor
     index: torch.Tensor
     valid: torch.Tensor
+    masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
+    """Sliding-window masks by window and dtype (:func:`window_mask`)."""
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -58,17 +60,38 @@ def length_buckets(lengths: list[int], starts: list[int], device: torch.device) 
     return buckets
 
 
-def causal_packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: list[Bucket]
-) -> torch.Tensor:
-    """Causal self-attention of each packed sequence over its own tokens.
+def window_mask(b: Bucket, window: int, like: torch.Tensor) -> torch.Tensor:
+    """Bucket ``b``'s additive sliding-window mask ``[L, L]`` in ``like``'s dtype: each query sees the last
+    ``window`` keys, its own included. Built once, shared by the layers: SDPA keeps a float mask for backward
+    as it is (a bool one it converts anew in every layer); its rows are 16-element aligned, so CUDA's
+    memory-efficient kernel takes it without a padded copy."""
+    if (window, like.dtype) not in b.masks:
+        width = b.index.shape[1]
+        i = torch.arange(width, device=like.device)
+        ahead = i[:, None] - i[None, :]
+        rows = torch.full((width, -(-width // 16) * 16), float("-inf"), dtype=like.dtype, device=like.device)
+        b.masks[window, like.dtype] = rows[:, :width].masked_fill_((ahead >= 0) & (ahead < window), 0.0)
+    return b.masks[window, like.dtype]
 
-    Padding sits at the end of each row, so the causal mask alone keeps real queries off it.
+
+def causal_packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: list[Bucket],
+    scale: float | None = None, window: int | None = None,
+) -> torch.Tensor:
+    """Causal self-attention of each packed sequence over its own tokens (``scale``: SDPA's, default
+    ``1/sqrt(head_dim)``); with ``window``, each query sees only the last ``window`` keys, its own included.
+
+    Padding sits at the end of each row, so the causal mask alone keeps real queries off it. A window
+    mask is needed only by a bucket wider than the window (:func:`window_mask`).
     """
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)  # contiguous: the o projection's input as it is
     for b in buckets:
         qb, kb, vb = (x[b.index].transpose(1, 2) for x in (q, k, v))  # [B, H, L, D]
-        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        if window and b.index.shape[1] > window:
+            mask = window_mask(b, window, q)
+            ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
         out[b.index[b.valid]] = ob.transpose(1, 2)[b.valid]
     return out
 

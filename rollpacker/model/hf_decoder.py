@@ -7,14 +7,16 @@ packed tokens and positions in, the final hidden states (or the fused log-prob h
 Invariants:
 
 - Parameter names are the Hugging Face ones.
-- Packed sequences are told apart by their positions, which restart at 0; ``transformers`` builds
-  the block-causal (or sliding-window) mask from them. Hence attention layers only: a decoder with
-  state-space, linear-attention or convolution layers is refused (:func:`check_supported`), and so
-  is one whose ``transformers`` code builds its mask without the positions (:func:`check_packing`).
+- Packed sequences are told apart by their positions, which restart at 0. Hence attention layers
+  only: a decoder with state-space, linear-attention or convolution layers is refused
+  (:func:`check_supported`), and so is one whose ``transformers`` code builds its mask without the
+  positions (:func:`check_packing`).
 - Weights are pushed under the checkpoint's names (:func:`checkpoint_format`).
 - Rollout runs on vLLM or SGLang: TorchEngine runs the native decoder only.
-- Attention is ``transformers``' default (SDPA), or its eager attention for a decoder that caps its
-  attention logits (Gemma-2's ``attn_logit_softcapping``), which SDPA leaves out and the engines apply.
+- Attention is the native decoder's packed attention (:func:`packed_attention`, registered with
+  ``transformers``' ``AttentionInterface``): no ``[T, T]`` mask. A decoder that caps its attention logits
+  (Gemma-2's ``attn_logit_softcapping``), which SDPA leaves out and the engines apply, runs
+  ``transformers``' eager attention, with the mask ``transformers`` builds from the positions.
 
 Why: the trainer can then train decoders the native one does not implement. Which models pick it,
 and how it differs from the native path: ``docs/memory.md`` (Any Hugging Face decoder).
@@ -35,6 +37,7 @@ from torch import nn
 
 from rollpacker.errors import UserError
 from rollpacker.model.args import ModelArgs, eos_token_ids, tied_embeddings
+from rollpacker.model.attention import CausalAttention, causal_packed_attention
 
 UNSUPPORTED_HEADS = ("logit_scale", "logits_scaling", "lm_head_multiplier", "output_multiplier")
 """Config keys of architectures whose output head does more than a matmul (and a softcap): refused
@@ -48,6 +51,8 @@ RECURRENT_KEYS = ("mamba_", "ssm_", "linear_", "conv_", "conv1d_", "lru_", "time
 """Config key prefixes of state-space, linear-attention and convolution layers (Jamba, Bamba,
 Falcon-H1, Zamba, Nemotron-H, LFM2, Qwen3-Next, MiniMax, RecurrentGemma): no attention-only
 decoder in ``transformers`` has one."""
+PACKED_ATTENTION = "rollpacker_packed"
+""":func:`packed_attention`'s name in ``transformers``' ``AttentionInterface``."""
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -150,6 +155,31 @@ def check_supported(cfg: dict[str, Any]) -> None:
                         "architecture is not supported: train a decoder of attention layers only")
 
 
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     packed: CausalAttention | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``transformers``' attention interface over the native path's packed attention (its length buckets,
+    :class:`HFDecoder` passes them as ``packed``): query ``[1, heads, T, head_dim]``, key and value with the
+    KV heads -> ``([1, T, heads, head_dim], None)``. ``attention_mask`` is None: no mask is built for
+    this implementation, where SDPA's would be a dense ``[T, T]`` one, converted to the compute dtype
+    and kept for backward by every layer."""
+    if packed is None:
+        raise ValueError(f"{type(module).__name__}: rollpacker's packed attention was called without the packed "
+                         "sequences: call the HFDecoder, which passes them, not the transformers model it wraps")
+    if dropout or softcap:
+        raise ValueError(f"{type(module).__name__}: rollpacker's packed attention applies no attention dropout "
+                         f"({dropout}) or logit cap ({softcap})")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    return causal_packed_attention(q, k, v, packed.buckets, scale=scaling, window=sliding_window)[None], None
+
+
+def packed_sequences(positions: torch.Tensor) -> CausalAttention:
+    """The packed sequences ``positions`` [T] hold, each starting at position 0."""
+    starts = [0, *(torch.nonzero(positions[1:] == 0)[:, 0] + 1).tolist(), len(positions)]
+    return CausalAttention([b - a for a, b in zip(starts, starts[1:])], positions.device)
+
+
 class _MaskBuilt(Exception):
     """Raised by :func:`check_packing`'s spy at the first mask: nothing after it needs to run."""
 
@@ -203,6 +233,11 @@ class HFDecoder(nn.Module):
         check_supported(cfg.to_dict())
         if getattr(cfg, "attn_logit_softcapping", None):  # transformers' SDPA leaves the cap out; eager applies it
             causal_lm.set_attn_implementation("eager")
+        else:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+            causal_lm.set_attn_implementation(PACKED_ATTENTION)
         check_packing(causal_lm)
         decoder, head = getattr(causal_lm, "model", None), causal_lm.get_output_embeddings()
         if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) or head is None:
@@ -220,12 +255,13 @@ class HFDecoder(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: Any = None,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn: CausalAttention | None = None,
                 head: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """tokens, positions: [T] (packed sequences, positions restarting at 0) -> final hidden states
-        [T, hidden], or ``head(hidden, lm_head.weight)``. ``attn`` is unused: the mask comes from the
-        positions."""
-        out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False)
+        [T, hidden], or ``head(hidden, lm_head.weight)``. ``attn``: the packed sequences (None: read from
+        the positions), for :func:`packed_attention`; eager attention builds its mask from the positions."""
+        out = self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
+                         packed=attn or packed_sequences(positions))
         hidden = out.last_hidden_state[0]
         return hidden if head is None else head(hidden, self.lm_head.weight)
 

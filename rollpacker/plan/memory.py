@@ -71,6 +71,8 @@ class Shape:
     qk_norm: bool = False
     norms_per_block: int = 2
     """RMSNorms per block: 2, or 4 with Gemma-2/3's norms after attention and after the MLP too."""
+    fp32_norms: bool = False
+    """Its RMSNorms scale in fp32 and cast after (Gemma's): their normed value is kept in fp32."""
     num_experts: int = 0
     """MoE: experts per layer (0: dense)."""
     experts_per_token: int = 0
@@ -80,6 +82,9 @@ class Shape:
     max_position_embeddings: int = 0
     softcap: bool = False
     """It caps its logits (Gemma-2's ``final_logit_softcapping``): the trainer's head runs the torch path."""
+    sliding_window: int = 0
+    """The window of its sliding-window layers (0: none): the hf path's packed attention keeps one mask for
+    each length bucket wider than it, shared by the layers (:func:`~rollpacker.model.attention.window_mask`)."""
     attn_softcap: bool = False
     """It caps its attention logits (Gemma-2's ``attn_logit_softcapping``): the hf path runs ``transformers``'
     eager attention, whose scores over the whole micro-batch, ``[heads, T, T]``, are kept."""
@@ -89,6 +94,8 @@ class Shape:
         cfg = cfg.get("text_config") or cfg
         heads = cfg["num_attention_heads"]
         kind = cfg.get("model_type", "")
+        layer_types = cfg.get("layer_types") or ()
+        slides = "sliding_attention" in layer_types or not layer_types and cfg.get("use_sliding_window", True)
         return cls(
             vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg.get("intermediate_size") or 0, num_layers=cfg["num_hidden_layers"],
@@ -98,12 +105,14 @@ class Shape:
             qkv_bias=kind in ("qwen2", "qwen2_moe") and cfg.get("qkv_bias", True) or bool(cfg.get("attention_bias")),
             qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text", "gemma3"),
             norms_per_block=4 if kind in ("gemma2", "gemma3_text", "gemma3") else 2,
+            fp32_norms=kind in ("gemma2", "gemma3_text", "gemma3"),
             num_experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
             experts_per_token=cfg.get("num_experts_per_tok") or 0,
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0,
             shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             max_position_embeddings=cfg.get("max_position_embeddings") or 0,
             softcap=bool(cfg.get("final_logit_softcapping")),
+            sliding_window=(cfg.get("sliding_window") or 0) if slides else 0,
             attn_softcap=bool(cfg.get("attn_logit_softcapping")),
         )
 
@@ -194,12 +203,17 @@ class TrainSetup:
         return sum(self.seq_lens)
 
     @property
-    def padded_tokens(self) -> int:
-        """Tokens after attention's per-bucket padding (:func:`~rollpacker.model.attention.length_groups`)."""
+    def buckets(self) -> list[tuple[int, int]]:
+        """Attention's length buckets (:func:`~rollpacker.model.attention.length_groups`): (sequences, width)."""
         groups: dict[int, list[int]] = {}
         for n in self.seq_lens:
             groups.setdefault(max(16, 1 << (n - 1).bit_length()), []).append(n)
-        return sum(len(g) * max(g) for g in groups.values())
+        return [(len(g), max(g)) for g in groups.values()]
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens after attention's per-bucket padding."""
+        return sum(rows * width for rows, width in self.buckets)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,27 +244,32 @@ FEWER_TOKENS = "a smaller train.micro_batch_tokens"
 # ---- activations --------------------------------------------------------------------------------
 
 
-def norm_saved(width: int, b: int) -> int:
+def norm_saved(width: int, b: int, fp32: bool = False) -> int:
     """Bytes per token an RMSNorm keeps: its fp32 input (the input itself in fp32), 1/rms, the normed
-    value and the scaled output in the compute dtype (the next op saves it)."""
-    return 4 * width + 2 * b * width + 4
+    value in the compute dtype (``fp32``: in fp32, Gemma's) and the scaled output in the compute dtype
+    (the next op saves it)."""
+    return 4 * width + ((4 if fp32 else b) + b) * width + 4
 
 
 def attention_saved(s: Shape, b: int, pad: float, tokens: int) -> float:
     """Bytes per token inside attention: q, k, v gathered per length bucket and SDPA's output and
     log-sum-exp (padded), the output scattered back (the o projection's input) and its int64 indices;
-    Qwen3's q/k norms; capped attention's eager scores (:func:`scores_saved`)."""
-    saved = pad * (b * (2 * s.q_dim + 2 * s.kv_dim) + 4 * s.num_heads) + b * s.q_dim + 8
+    or, with capped attention's eager one, q, k and v repeated to every head, the output and the scores
+    (:func:`scores_saved`); Qwen3's q/k norms."""
+    if s.attn_softcap:
+        saved = 4 * b * s.q_dim + scores_saved(s, b, tokens)
+    else:
+        saved = pad * (b * (2 * s.q_dim + 2 * s.kv_dim) + 4 * s.num_heads) + b * s.q_dim + 8
     if s.qk_norm:
-        saved += (4 + b) * (s.q_dim + s.kv_dim) + 4 * (s.num_heads + s.num_kv_heads)
-    return saved + scores_saved(s, b, tokens)
+        saved += (4 + (4 if s.fp32_norms else b)) * (s.q_dim + s.kv_dim) + 4 * (s.num_heads + s.num_kv_heads)
+    return saved
 
 
 def scores_saved(s: Shape, b: int, tokens: int) -> float:
     """Bytes per token of the ``[heads, T, T]`` scores that eager attention (capped attention's,
-    :attr:`Shape.attn_softcap`) keeps over a micro-batch of ``tokens``: the capped scores and the
-    softmax's fp32 output."""
-    return s.attn_softcap * s.num_heads * tokens * (b + 4)
+    :attr:`Shape.attn_softcap`) keeps over a micro-batch of ``tokens``: the capped scores, the softmax's
+    fp32 output and, in bf16, its copy in the compute dtype (which the product with the values keeps)."""
+    return s.attn_softcap * s.num_heads * tokens * (b + 4 + (b if b != 4 else 0))
 
 
 def mlp_saved(s: Shape, b: int) -> float:
@@ -271,7 +290,9 @@ def block_saved(s: Shape, b: int, pad: float, tokens: int, part: str = "none") -
         return b * s.hidden_size
     attn = 0 if part == "attention" else attention_saved(s, b, pad, tokens)
     mlp = 0 if part == "mlp" else mlp_saved(s, b)
-    return s.norms_per_block * norm_saved(s.hidden_size, b) + attn + mlp
+    post_norms = s.norms_per_block - 2  # Gemma's, after attention and after the MLP: the residual add keeps no output
+    norms = s.norms_per_block * norm_saved(s.hidden_size, b, s.fp32_norms) - post_norms * b * s.hidden_size
+    return norms + attn + mlp
 
 
 def activations(s: Shape, t: TrainSetup) -> dict[str, float]:
@@ -282,11 +303,15 @@ def activations(s: Shape, t: TrainSetup) -> dict[str, float]:
     parts = dict(checkpointed(s.num_layers, t.checkpointing, t.ac_every, t.ac_part))
     per_token = sum(block_saved(s, b, pad, t.tokens, parts.get(i, "none")) for i in range(s.num_layers))
     per_token += 2 * b * s.head_dim + 9  # RoPE's cos and sin, the buckets' index and mask (shared by the blocks)
-    head = t.tokens * (norm_saved(s.hidden_size, b) - b * s.hidden_size)  # the final norm (its output is not kept)
+    window = 0 if s.attn_softcap else s.sliding_window  # packed attention's masks, one for each bucket wider
+    # than the window, shared by the blocks (eager attention's mask is not kept)
+    masks = sum(b * w * -(-w // 16) * 16 for _, w in t.buckets if window and w > window)
+    head = t.tokens * (norm_saved(s.hidden_size, b, s.fp32_norms) - b * s.hidden_size)  # the final norm (its
+    # output is not kept)
     head += t.response_tokens * (b * s.hidden_size + 4 + 8)  # the head's hidden rows, log-sum-exp and targets
     whole = block_saved(s, b, pad, t.tokens)
     recompute = max((whole - block_saved(s, b, pad, t.tokens, p) for p in set(parts.values())), default=0)
-    return {"blocks": t.tokens * per_token, "head": head, "recompute": t.tokens * recompute}
+    return {"blocks": t.tokens * per_token + masks, "head": head, "recompute": t.tokens * recompute}
 
 
 def head_forward(s: Shape, t: TrainSetup) -> float:
