@@ -16,7 +16,8 @@ Invariants:
 - Attention is the native decoder's packed attention (:func:`packed_attention`, registered with
   ``transformers``' ``AttentionInterface``): no ``[T, T]`` mask. A decoder that caps its attention logits
   (Gemma-2's ``attn_logit_softcapping``), which SDPA leaves out and the engines apply, runs
-  ``transformers``' eager attention, with the mask ``transformers`` builds from the positions.
+  ``transformers``' eager attention, and one whose layers do not pass the packed sequences on
+  (:func:`reaches_attention`) its SDPA, each with the mask ``transformers`` builds from the positions.
 
 Why: the trainer can then train decoders the native one does not implement. Which models pick it,
 and how it differs from the native path: ``docs/memory.md`` (Any Hugging Face decoder).
@@ -180,6 +181,35 @@ def packed_sequences(positions: torch.Tensor) -> CausalAttention:
     return CausalAttention([b - a for a, b in zip(starts, starts[1:])], positions.device)
 
 
+class _Reached(Exception):
+    """Raised by :func:`reaches_attention`'s probe at the first attention call: whether ``packed`` came."""
+
+
+def reaches_attention(causal_lm: nn.Module) -> bool:
+    """Whether the forward's keyword arguments, the packed sequences among them, reach the decoder's attention
+    function (StableLM's and Nemotron's layers drop them): its decoder runs on two tokens up to the first
+    attention call, stopped there."""
+    from transformers import AttentionInterface
+
+    def probe(*args: Any, packed: Any = None, **kwargs: Any) -> None:
+        raise _Reached(packed is not None)
+
+    AttentionInterface.register("rollpacker_probe", probe)
+    before = causal_lm.config._attn_implementation
+    causal_lm.set_attn_implementation("rollpacker_probe")
+    device = next(causal_lm.parameters()).device
+    try:
+        causal_lm.model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False,
+                        position_ids=torch.arange(2, device=device)[None], packed=True)
+    except _Reached as reached:
+        return reached.args[0]
+    except Exception:  # noqa: BLE001  (transformers' code, before any attention: it keeps its own)
+        return False
+    finally:
+        causal_lm.set_attn_implementation(before)
+    return False
+
+
 class _MaskBuilt(Exception):
     """Raised by :func:`check_packing`'s spy at the first mask: nothing after it needs to run."""
 
@@ -233,7 +263,7 @@ class HFDecoder(nn.Module):
         check_supported(cfg.to_dict())
         if getattr(cfg, "attn_logit_softcapping", None):  # transformers' SDPA leaves the cap out; eager applies it
             causal_lm.set_attn_implementation("eager")
-        else:
+        elif reaches_attention(causal_lm):  # else transformers' SDPA, with its [T, T] mask
             from transformers import AttentionInterface
 
             AttentionInterface.register(PACKED_ATTENTION, packed_attention)

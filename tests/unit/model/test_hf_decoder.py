@@ -10,6 +10,7 @@ import torch
 from support.models import GEMMA2_CAPPED, make_hf_model
 
 from rollpacker.errors import UserError
+from rollpacker.model.hf_decoder import PACKED_ATTENTION
 
 HF_ONLY = ("qwen3_moe", "gemma2", "gemma3", "mistral")
 
@@ -42,6 +43,27 @@ def test_packed_logits_equal_transformers_own(kind, model_dirs):
             torch.testing.assert_close(logits, reference(seq[None]).logits[0].float(), atol=2e-5, rtol=1e-5)
     if kind == "gemma2":
         assert decoder.logit_softcap == 30.0  # transformers' default for Gemma-2: the cap is exercised
+    assert decoder.config._attn_implementation == ("eager" if kind == "gemma2" else PACKED_ATTENTION)
+
+
+@pytest.mark.parametrize("cls", ["StableLmConfig", "NemotronConfig"])
+def test_a_decoder_whose_layers_drop_the_packed_sequences_keeps_transformers_sdpa(cls):
+    """StableLM's and Nemotron's decoder layers do not pass the forward's keyword arguments on to attention, so
+    the packed sequences would never reach the packed attention: they keep transformers' SDPA and the mask it
+    builds from the positions, and their packed logits are still transformers' own."""
+    import copy
+
+    from rollpacker.model.hf_decoder import HFDecoder
+
+    causal_lm = tiny_causal_lm(cls)
+    reference = copy.deepcopy(causal_lm)
+    decoder = HFDecoder(causal_lm)
+    assert decoder.config._attn_implementation == "sdpa"
+    seqs = [torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 7)]
+    with torch.no_grad():
+        ours = decoder.logits(decoder(torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs])))
+        for seq, logits in zip(seqs, ours.split([len(s) for s in seqs]), strict=True):
+            torch.testing.assert_close(logits, reference(seq[None]).logits[0], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3_moe", "gemma2", "gemma3", "mistral"])
