@@ -303,11 +303,11 @@ def activations(s: Shape, t: TrainSetup) -> dict[str, float]:
     parts = dict(checkpointed(s.num_layers, t.checkpointing, t.ac_every, t.ac_part))
     per_token = sum(block_saved(s, b, pad, t.tokens, parts.get(i, "none")) for i in range(s.num_layers))
     per_token += 2 * b * s.head_dim + 9  # RoPE's cos and sin, the buckets' index and mask (shared by the blocks)
-    window = 0 if s.attn_softcap else s.sliding_window  # packed attention's masks, one for each bucket wider
-    # than the window, shared by the blocks (eager attention's mask is not kept)
+    # packed attention's sliding-window masks, one for each bucket wider than the window, shared by the blocks
+    window = 0 if s.attn_softcap else s.sliding_window  # (eager attention keeps no mask)
     masks = sum(b * w * -(-w // 16) * 16 for _, w in t.buckets if window and w > window)
-    head = t.tokens * (norm_saved(s.hidden_size, b, s.fp32_norms) - b * s.hidden_size)  # the final norm (its
-    # output is not kept)
+    # the final norm (its output is not kept)
+    head = t.tokens * (norm_saved(s.hidden_size, b, s.fp32_norms) - b * s.hidden_size)
     head += t.response_tokens * (b * s.hidden_size + 4 + 8)  # the head's hidden rows, log-sum-exp and targets
     whole = block_saved(s, b, pad, t.tokens)
     recompute = max((whole - block_saved(s, b, pad, t.tokens, p) for p in set(parts.values())), default=0)
