@@ -25,6 +25,7 @@ from typing import Any
 
 from rollpacker.errors import UserError
 from rollpacker.model.args import head_dim, tied_embeddings
+from rollpacker.model.attention import length_groups
 from rollpacker.model.parallelize import checkpointed
 from rollpacker.plan.planner import usable_tps
 from rollpacker.rollout import ENGINES, resolve_kind
@@ -205,10 +206,7 @@ class TrainSetup:
     @property
     def buckets(self) -> list[tuple[int, int]]:
         """Attention's length buckets (:func:`~rollpacker.model.attention.length_groups`): (sequences, width)."""
-        groups: dict[int, list[int]] = {}
-        for n in self.seq_lens:
-            groups.setdefault(max(16, 1 << (n - 1).bit_length()), []).append(n)
-        return [(len(g), max(g)) for g in groups.values()]
+        return [(len(g), max(self.seq_lens[i] for i in g)) for g in length_groups(list(self.seq_lens))]
 
     @property
     def padded_tokens(self) -> int:
