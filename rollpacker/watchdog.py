@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from rollpacker.errors import exit_at_once
+
 BEAT_S = 1.0
 """Seconds between two heartbeats; a rank silent for 5 of them counts as not answering."""
 STORE_WAIT_S = 5.0
@@ -154,18 +156,17 @@ def start(config: DistConfig) -> None:
 
     def hook(kind, error, tb):
         if error_reported():  # a rank of this node reported an error to the launcher and left
-            os._exit(1)
+            exit_at_once(1)
         what = _fault(error)
         view = _read_view()
         if view and view[0] not in ("", str(rank)):  # another rank printed a user error and left: nothing to add
-            os._exit(1)
+            exit_at_once(1)
         if what:  # a fault, diagnosed: one line, no traceback
             print(f"rollpacker: {diagnose(rank, what, view[1] if view else None)} ({type(error).__name__}: "
                   f"{_first_line(error)})", file=sys.stderr, flush=True)
         else:
             previous(kind, error, tb)
-        sys.stderr.flush()
-        os._exit(1)  # never linger in a half-dead process group: torchrun sees the failure now
+        exit_at_once(1)  # never linger in a half-dead process group: torchrun sees the failure now
 
     sys.excepthook = hook
 
@@ -276,10 +277,10 @@ def _beat(rank: int, launcher: int | None) -> None:
             if os.environ.get("LOCAL_RANK", "0") == "0":  # its node's ranks all see it: one says so
                 print(f"rollpacker: rank {rank}: its launcher (torchrun, pid {launcher}) died at step "
                       f"{_state['step']}, phase {_state['phase']}; its node's ranks exit", file=sys.stderr, flush=True)
-            os._exit(1)
+            exit_at_once(1)
         if _state["deadline"] and time.time() > _state["deadline"]:  # a waiting() phase overran: say who, then go
             print(f"rollpacker: {diagnose(rank, '', _heartbeats())}", file=sys.stderr, flush=True)
-            os._exit(1)
+            exit_at_once(1)
         if _state["waits"] and time.time() - _state["checked"] >= CHECK_S:  # waiting on working ranks: are they?
             _state["checked"] = time.time()
             _check_wait(rank)
@@ -317,13 +318,13 @@ def _check_wait(rank: int) -> None:
     if view is None and now - max(_state["sent"], _state["waits"]) > bound:
         waited = now - _state["waits"]
         print(f"rollpacker: {diagnose(rank, f'waited {waited:.0f}s', None)}", file=sys.stderr, flush=True)
-        os._exit(1)
+        exit_at_once(1)
     if view and view[0] not in ("", str(rank)):  # another rank printed a user error and left: nothing to add
-        os._exit(1)
+        exit_at_once(1)
     why = stalled(rank, view[1], now, bound + 5 * BEAT_S) if view else None  # a heartbeat is up to 5 beats old
     if why:
         print(f"rollpacker: {why}", file=sys.stderr, flush=True)
-        os._exit(1)
+        exit_at_once(1)
 
 
 def stalled(rank: int, beats: dict[int, dict | None], now: float, bound: float) -> str | None:

@@ -10,7 +10,6 @@ keeps those processes alive inside a rank and in step with the controller;
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing
 import os
@@ -20,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from rollpacker.errors import at_every_exit
 
 SGLANG_VERSION = "0.5.23"
 
@@ -148,7 +149,7 @@ def _mapped_shared_memory(procs) -> dict[str, int]:
         return {e.path: e.inode() for e in entries if e.inode() in inodes}
 
 
-@atexit.register  # a rank that fails without stopping its engine too
+@at_every_exit  # a rank that fails without stopping its engine too, or that the watchdog ends at once
 def _unlink_shared_memory() -> None:
     """Unlink :data:`_SHARED`'s files that are still the ones found (a process that maps one keeps it)."""
     for path, inode in _SHARED.items():

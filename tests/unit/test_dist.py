@@ -186,6 +186,21 @@ def test_exit_process_finishes_threads_and_exit_handlers_then_exits_with_the_cod
     assert proc.stdout == "unflushedthread finished\nhandler ran False\n", proc.stdout
 
 
+def test_an_exit_at_once_runs_the_cleanups_for_every_exit_and_no_other_handler():
+    """The watchdog's exit after a peer failed runs what must not outlive the process (SGLang's files in /dev/shm),
+    from its own thread, flushes the output, and runs no other exit handler (one may wait on the dead peer)."""
+    code = ("import atexit, threading\n"
+            "from rollpacker.errors import at_every_exit, exit_at_once\n"
+            "atexit.register(lambda: print('other handler ran'))\n"
+            "at_every_exit(lambda: print('cleanup ran', end=' '))\n"
+            "print('unflushed', end=' ')\n"
+            "threading.Thread(target=exit_at_once, args=(5,)).start()\n"
+            "threading.Event().wait()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 5, proc.stderr
+    assert proc.stdout == "unflushed cleanup ran ", proc.stdout
+
+
 def test_only_a_collectives_error_is_diagnosed_as_a_fault():
     """c10d's errors (and a plain C++ RuntimeError) are the job's faults; an error of ours that says itself (a reward
     worker that did not start within reward.start_timeout) is printed as it is, not as a collective timeout."""

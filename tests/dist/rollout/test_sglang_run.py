@@ -68,7 +68,10 @@ def test_every_policy_trains_every_prompt_once_on_sglang(policy_runs, policy):
 def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_path):
     """The tail job; SIGKILL rank 1's SGLang scheduler once a checkpoint is committed: rank 1 exits with
     EngineDied (not SGLang's SIGKILL of it), torchrun restarts the group, which resumes from the
-    newest checkpoint (--resume auto) and trains every prompt once (the ledger)."""
+    newest checkpoint (--resume auto) and trains every prompt once (the ledger). Rank 0 of the first attempt, ended
+    at once after its peer failed, leaves nothing in /dev/shm either."""
+    import os
+
     import psutil
 
     from rollpacker import checkpoint
@@ -76,6 +79,7 @@ def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_p
 
     cmd = job_command("schedule:tail", *JOB, "--run-dir", str(tmp_path), "--resume", "auto")
     cmd.insert(cmd.index("--nproc_per_node=2") + 1, "--max-restarts=1")
+    before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=sglang_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
     try:
@@ -90,10 +94,9 @@ def test_a_dying_scheduler_ends_its_rank_naming_it_and_the_restart_resumes(tmp_p
         _, err = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
-            import os
-
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, cause(err)
+    assert set(os.listdir("/dev/shm")) <= before, sorted(set(os.listdir("/dev/shm")) - before)
     assert f"EngineDied: SGLang's engine failed: sglang::scheduler (pid {scheduler.pid}) exited" in err, cause(err)
     assert "resuming from" in err
     assert trained(tmp_path) == {0: list(range(NUM_ROWS))}
