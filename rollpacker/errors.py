@@ -52,11 +52,9 @@ def at_every_exit(cleanup: Callable[[], None]) -> Callable[[], None]:
 def exit_at_once(code: int) -> NoReturn:
     """Leave now, never lingering in a half-dead process group: :func:`at_every_exit`'s cleanups, the output
     flushed, then out without the other exit handlers (logging's, wandb's, a process group's) and teardown."""
-    for cleanup in _AT_ONCE:
+    for done in [*_AT_ONCE, sys.stdout.flush, sys.stderr.flush]:  # a launcher gone: its pipe broken, no matter
         with contextlib.suppress(Exception):
-            cleanup()
-    sys.stdout.flush()
-    sys.stderr.flush()
+            done()
     os._exit(code)
 
 
