@@ -181,8 +181,7 @@ def test_exit_process_finishes_threads_and_exit_handlers_then_exits_with_the_cod
             "threading.Thread(target=lambda: (time.sleep(0.3), print('thread finished'))).start()\n"
             "print('unflushed', end='')\n"
             "exit_process(3)\n")
-    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=buffered)
+    proc = run_buffered(code)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout == "unflushedthread finished\nhandler ran False\n", proc.stdout
 
@@ -197,13 +196,19 @@ def test_an_exit_at_once_runs_the_cleanups_for_every_exit_and_no_other_handler()
             "print('unflushed', end=' ')\n"
             "threading.Thread(target=exit_at_once, args=(5,)).start()\n"
             "threading.Event().wait()\n")
-    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=buffered)
+    proc = run_buffered(code)
     assert proc.returncode == 5, proc.stderr
     assert proc.stdout == "unflushed cleanup ran ", proc.stdout
     gone = code.replace("threading.Thread", "import os; r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
                                             "threading.Thread")  # stdout a pipe whose reader (a launcher) is gone
-    assert subprocess.run([sys.executable, "-c", gone], capture_output=True, timeout=60, env=buffered).returncode == 5
+    assert run_buffered(gone, timeout=60).returncode == 5
+
+
+def run_buffered(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter whose output is buffered, as a rank's whose output goes to a pipe or a
+    file (a shell may set PYTHONUNBUFFERED): what an exit leaves unflushed is lost."""
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=buffered)
 
 
 def test_only_a_collectives_error_is_diagnosed_as_a_fault():
