@@ -18,11 +18,8 @@ flags the user typed (``--data.eval-path``, :func:`rollpacker.config.as_flags`) 
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import sys
-from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -32,30 +29,10 @@ class UserError(Exception):
 
 def fail(error: BaseException | str, prefix: str = "rollpacker: ", exit_code: int = 1) -> NoReturn:
     """Report ``error`` once for the whole job (:func:`report`) and exit at once."""
+    from rollpacker.watchdog import exit_at_once
+
     report(error, prefix)
     exit_at_once(exit_code)  # the others see this rank leave
-
-
-_AT_ONCE: list[Callable[[], None]] = []
-"""What :func:`exit_at_once` runs."""
-
-
-def at_every_exit(cleanup: Callable[[], None]) -> Callable[[], None]:
-    """Run ``cleanup`` at this process's exit, :func:`exit_at_once` included, which runs no other exit handler:
-    for what the process would otherwise leave behind for good (its files in /dev/shm). It must be quick and safe
-    from any thread, as the watchdog's thread may exit while the main one waits in a collective."""
-    atexit.register(cleanup)
-    _AT_ONCE.append(cleanup)
-    return cleanup
-
-
-def exit_at_once(code: int) -> NoReturn:
-    """Leave now, never lingering in a half-dead process group: :func:`at_every_exit`'s cleanups, the output
-    flushed, then out without the other exit handlers (logging's, wandb's, a process group's) and teardown."""
-    for done in [*_AT_ONCE, sys.stdout.flush, sys.stderr.flush]:  # a launcher gone: its pipe broken, no matter
-        with contextlib.suppress(Exception):
-            done()
-    os._exit(code)
 
 
 def report(error: BaseException | str, prefix: str = "rollpacker: ") -> None:

@@ -27,8 +27,6 @@ import os
 import signal
 import threading
 
-from rollpacker.errors import exit_at_once
-
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Installed in this order: SIGUSR1, caught by nothing before, last (the launcher reads it caught as installed)."""
 STOP_FILE = "ROLLPACKER_STOP_FILE"
@@ -89,7 +87,7 @@ def _watch(read: int) -> None:
                 _say(f"rollpacker: stopped at once on a second Ctrl-C at step {max(watchdog.step(), 0)}: that step "
                      "is lost, and a checkpoint being written stays uncommitted; --resume auto resumes from the "
                      "newest committed checkpoint")
-                exit_at_once(130)
+                watchdog.exit_at_once(130)
             _seen(signum)
 
 

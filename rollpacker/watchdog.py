@@ -13,6 +13,8 @@ Invariants:
   would abort.
 - No store call waits without a deadline (``STORE_WAIT_S``); a silent store names its host.
 - A rank whose launcher died ends too.
+- A rank ends at once (:func:`exit_at_once`: no lingering in a half-dead group), yet leaves nothing behind for
+  good: what must not outlive it (SGLang's files in /dev/shm) is registered with :func:`at_every_exit`.
 - Nothing here imports torch at module level: :class:`DistConfig` is part of the config tree.
 
 Why: a stalled rank otherwise hangs the whole job with no message. The timeouts and messages:
@@ -28,11 +30,10 @@ import re
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Literal
-
-from rollpacker.errors import exit_at_once
+from typing import Literal, NoReturn
 
 BEAT_S = 1.0
 """Seconds between two heartbeats; a rank silent for 5 of them counts as not answering."""
@@ -325,6 +326,28 @@ def _check_wait(rank: int) -> None:
     if why:
         print(f"rollpacker: {why}", file=sys.stderr, flush=True)
         exit_at_once(1)
+
+
+_AT_ONCE: list[Callable[[], None]] = []
+"""What :func:`exit_at_once` runs."""
+
+
+def at_every_exit(cleanup: Callable[[], None]) -> Callable[[], None]:
+    """Run ``cleanup`` at this process's exit, :func:`exit_at_once` included, which runs no other exit handler:
+    for what the process would otherwise leave behind for good (its files in /dev/shm). It must be quick and safe
+    from any thread, as the watchdog's thread may exit while the main one waits in a collective."""
+    atexit.register(cleanup)
+    _AT_ONCE.append(cleanup)
+    return cleanup
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """Leave now, never lingering in a half-dead process group: :func:`at_every_exit`'s cleanups, the output
+    flushed, then out without the other exit handlers (logging's, wandb's, a process group's) and teardown."""
+    for done in [*_AT_ONCE, sys.stdout.flush, sys.stderr.flush]:  # a launcher gone: its pipe broken, no matter
+        with suppress(Exception):
+            done()
+    os._exit(code)
 
 
 def stalled(rank: int, beats: dict[int, dict | None], now: float, bound: float) -> str | None:

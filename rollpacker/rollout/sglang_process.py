@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rollpacker.errors import at_every_exit
+from rollpacker.watchdog import at_every_exit
 
 SGLANG_VERSION = "0.5.23"
 

@@ -190,7 +190,7 @@ def test_an_exit_at_once_runs_the_cleanups_for_every_exit_and_no_other_handler()
     """The watchdog's exit after a peer failed runs what must not outlive the process (SGLang's files in /dev/shm),
     from its own thread, flushes the output, and runs no other exit handler (one may wait on the dead peer)."""
     code = ("import atexit, threading\n"
-            "from rollpacker.errors import at_every_exit, exit_at_once\n"
+            "from rollpacker.watchdog import at_every_exit, exit_at_once\n"
             "atexit.register(lambda: print('other handler ran'))\n"
             "at_every_exit(lambda: print('cleanup ran', end=' '))\n"
             "print('unflushed', end=' ')\n"
