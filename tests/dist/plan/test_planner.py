@@ -98,6 +98,7 @@ def test_a_run_with_the_planner_switches_tp_in_process(tmp_path):
         assert proc.returncode != 0 and proc.stderr.count(said) == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # 30 s; the planner's run: the test above; its TPs' divisibility and limits: tests/unit/plan
 def test_the_planner_never_picks_a_tp_whose_kv_cache_cannot_hold_a_request(tmp_path):
     """At 3 MiB a rank, TP 1's KV cache (0.1 MiB after its weights: 48 tokens) holds no request of the data (a
     prompt and 64 new tokens), TP 2's does: the profile says TP 1 is faster (CPU gloo), and the planner started

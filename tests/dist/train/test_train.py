@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -17,16 +18,23 @@ def test_two_rank_step_equals_single_process_reference(toy_random_dir):
     assert out.count("OK") == 2, out
 
 
+ONE_STEP = ("--data.num-toy-prompts", "8", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+            "--rollout.max-new-tokens", "24", "--eval-every", "0", *QUIET)
+
+
+def run_failing_its_export(run_dir) -> subprocess.CompletedProcess:
+    """A 1-step job in ``run_dir`` whose final export fails (a file where the export's directory goes)."""
+    run_dir.mkdir()
+    (run_dir / ".hf.partial").write_text("")
+    return launch_job(*ONE_STEP, "--num-steps", "1", "--run-dir", str(run_dir))
+
+
 def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tmp_path):
     """The run's end writes its policy to run_dir/hf; a write that fails there (here: a file where the
     export's directory goes) is one line, no traceback, naming the committed checkpoint and the command
     that exports it, which then does."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / ".hf.partial").write_text("")
-    proc = launch_job("--data.num-toy-prompts", "8", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
-                      "--rollout.max-new-tokens", "24", "--num-steps", "1", "--eval-every", "0", *QUIET,
-                      "--run-dir", str(run_dir))
+    proc = run_failing_its_export(run_dir)
     newest, hf = run_dir / "checkpoints" / "step_1", run_dir / "hf"
     # one line, no traceback of ours (torchrun prints its own on a failed rank)
     assert proc.returncode == 1 and not re.search(r'File ".*/rollpacker/', proc.stderr), proc.stderr[-4000:]
@@ -42,11 +50,21 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
     hf.mkdir()  # --out . from inside it: Path(".").with_name failed after the whole build ("has an empty name")
     proc = launch_job(str(newest), "--out", ".", nproc=1, module="rollpacker.export", cwd=hf)
     assert proc.returncode == 0 and (hf / "model.safetensors").is_file(), proc.stderr[-4000:]
+
+
+@pytest.mark.slow  # a requeue's three jobs and eight export runs; a failed export said and written: the test above
+def test_a_requeued_run_says_its_export_is_an_earlier_steps_and_the_export_refuses_what_it_would_lose(tmp_path):
+    """After a failed final export and a run on whose export fails in turn, the requeued run says its
+    run_dir/hf is an earlier step's; the export refuses an --out it would replace holding what is not an
+    export, a moved model directory and a damaged checkpoint, each in one line naming the fix."""
+    run_dir = tmp_path / "run"
+    assert run_failing_its_export(run_dir).returncode == 1
+    newest, hf = run_dir / "checkpoints" / "step_1", run_dir / "hf"
+    (run_dir / ".hf.partial").unlink()
+    assert launch_job(str(newest), "--out", str(hf), nproc=1, module="rollpacker.export").returncode == 0
     # a run on to step 2 whose final export fails in turn, then requeued: its run_dir/hf is step 1's, said so
     (run_dir / ".hf.partial").write_text("")
-    more = ["--data.num-toy-prompts", "8", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
-            "--rollout.max-new-tokens", "24", "--num-steps", "2", "--eval-every", "0", *QUIET, "--run-dir",
-            str(run_dir), "--resume", "auto"]
+    more = [*ONE_STEP, "--num-steps", "2", "--run-dir", str(run_dir), "--resume", "auto"]
     assert launch_job(*more).returncode == 1
     proc = launch_job(*more)
     assert proc.returncode == 0 and proc.stderr.rstrip().endswith(
