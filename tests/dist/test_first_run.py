@@ -222,7 +222,7 @@ def test_a_function_returning_a_string_stops_the_run_with_one_line_naming_it(tmp
     assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained on it
 
 
-@pytest.mark.slow  # two attempts, 30 s; torchrun's restart resuming: test_faults' killed-rank test
+@pytest.mark.slow  # two attempts of a job, 30 s of the default tier; a restart that resumes: test_faults.py
 @pytest.mark.timeout(600)
 def test_an_error_of_an_attempt_torchrun_restarted_is_said_as_that_and_does_not_fail_the_next(tmp_path):
     """The launcher's error file was one for the whole job: after torchrun restarted a failed attempt, the next

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,15 +19,16 @@ def test_two_rank_step_equals_single_process_reference(toy_random_dir):
     assert out.count("OK") == 2, out
 
 
-ONE_STEP = ("--data.num-toy-prompts", "8", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
-            "--rollout.max-new-tokens", "24", "--eval-every", "0", *QUIET)
+SMALL = ("--data.num-toy-prompts", "8", "--rollout.num-prompts", "4", "--rollout.group-size", "2",
+         "--rollout.max-new-tokens", "24", "--eval-every", "0", *QUIET)
+"""The export tests' 2-rank job, ``--num-steps`` and ``--run-dir`` given after it."""
 
 
-def run_failing_its_export(run_dir) -> subprocess.CompletedProcess:
+def run_failing_its_export(run_dir: Path) -> subprocess.CompletedProcess:
     """A 1-step job in ``run_dir`` whose final export fails (a file where the export's directory goes)."""
     run_dir.mkdir()
     (run_dir / ".hf.partial").write_text("")
-    return launch_job(*ONE_STEP, "--num-steps", "1", "--run-dir", str(run_dir))
+    return launch_job(*SMALL, "--num-steps", "1", "--run-dir", str(run_dir))
 
 
 def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tmp_path):
@@ -64,7 +66,7 @@ def test_a_requeued_run_says_its_export_is_an_earlier_steps_and_the_export_refus
     assert launch_job(str(newest), "--out", str(hf), nproc=1, module="rollpacker.export").returncode == 0
     # a run on to step 2 whose final export fails in turn, then requeued: its run_dir/hf is step 1's, said so
     (run_dir / ".hf.partial").write_text("")
-    more = [*ONE_STEP, "--num-steps", "2", "--run-dir", str(run_dir), "--resume", "auto"]
+    more = [*SMALL, "--num-steps", "2", "--run-dir", str(run_dir), "--resume", "auto"]
     assert launch_job(*more).returncode == 1
     proc = launch_job(*more)
     assert proc.returncode == 0 and proc.stderr.rstrip().endswith(
