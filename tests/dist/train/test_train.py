@@ -54,7 +54,7 @@ def test_a_failed_final_export_is_said_once_naming_the_command_that_writes_it(tm
     assert proc.returncode == 0 and (hf / "model.safetensors").is_file(), proc.stderr[-4000:]
 
 
-@pytest.mark.slow  # a requeue's three jobs and eight export runs; a failed export said and written: the test above
+@pytest.mark.slow  # a requeue's three jobs and seven export runs; a failed export said and written: the test above
 def test_a_requeued_run_says_its_export_is_an_earlier_steps_and_the_export_refuses_what_it_would_lose(tmp_path):
     """After a failed final export and a run on whose export fails in turn, the requeued run says its
     run_dir/hf is an earlier step's; the export refuses an --out it would replace holding what is not an
