@@ -17,7 +17,8 @@ with those signals blocked, so none slips in before they ignore it. Each runs in
 its own, out of reach of a kill of its rank's group (torchrun's teardown): it unwinds when its parent
 dies (RETIRE is its parent-death signal), and is killed if that does not end it. A worker stuck in C code
 when its parent dies cannot run RETIRE's handler: the task's own watchdog (:func:`tasks`) ends it.
-A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
+A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it in each worker),
+and its workers start sooner with its heavy imports (torch, rollpacker.job) under the guard too.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ contract does not allow (or cannot be sent back, or read here) fails at once, as
 never retried: the caller decides (``env.on_error``). A worker that stops (the pool closed, the worker replaced,
 the job's process gone) closes the environments it still holds first, each within ``env.timeout``.
 
-A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it).
+A script that starts a pool needs the ``if __name__ == "__main__":`` guard (``spawn`` imports it in each worker),
+and its workers start sooner with its heavy imports (torch, rollpacker.job) under the guard too.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ POLICIES = {  # one_step_off first: see tests/dist/scripts/sglang_policies.py; t
     # cover, scaled down in 0 of 4 steps in some runs before step() counted streamed updates as steps; docs/sglang.md).
     # A group is fed once scored, a poll after it completed at the earliest: at 8 engine steps a poll, a 64-token
     # round's rest often ended first (nothing streamed in 4 of 8 rounds here, in all 4 of a run in CI); at 2, in 3 of
-    # 12 (each launch's first round: its engines already up, it ends before the spawned reward workers are)
+    # 12, each launch's first round, over before the spawned reward workers had imported the launch script's torch
+    # (6.4 s); with its imports in main(), in 1 of 12
     "stream": ("schedule:tail", "--stream.enabled", "--stream.trigger", "0.25", "--train.train-shard-size", "1",
                "--rollout.poll-steps", "2"),
 }

@@ -7,13 +7,14 @@ pool) generated the round and its stream trainer fed rank 1 something.
 
 import sys
 
-from rollpacker.config import parse
-from rollpacker.dist import exit_process
-from rollpacker.job import build
-from rollpacker.loops.colocated import rl_step
-
 
 def main(run_dir: str) -> None:
+    # imported here, not above: the job's reward workers are spawned, and spawn imports this file in each of them
+    from rollpacker.config import parse
+    from rollpacker.dist import exit_process
+    from rollpacker.job import build
+    from rollpacker.loops.colocated import rl_step
+
     config = parse(["--schedule.pipe", "--train.train-shard-size", "1", "--data.num-toy-prompts", "16",
                     "--rollout.num-prompts", "4", "--rollout.group-size", "4", "--rollout.max-new-tokens", "64",
                     "--num-steps", "2", "--eval-every", "0", "--run-dir", run_dir, "--metrics.wandb-mode",

@@ -11,25 +11,26 @@ import logging
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
-import rollpacker.job
-from rollpacker.config import parse
-from rollpacker.dist import exit_process
-from rollpacker.loops import train
-
-_build_engine = rollpacker.job.build_engine
 _engines: dict[str, object] = {}
 
 
-def shared_engine(config, model_path, device, dtype, tp_mesh=None, plan_bytes=0.0):
-    """This rank's one engine, built by the job's first call."""
-    if "engine" not in _engines:
-        _engines["engine"] = _build_engine(config, model_path, device, dtype, tp_mesh, plan_bytes)
-    return _engines["engine"]
-
-
 def main(root: Path, runs: list[tuple[str, list[str]]]) -> None:
+    # imported here, not above: each job's reward workers are spawned, and spawn imports this file in each of them
+    import torch.distributed as dist
+
+    import rollpacker.job
+    from rollpacker.config import parse
+    from rollpacker.dist import exit_process
+    from rollpacker.loops import train
+
+    build_engine = rollpacker.job.build_engine
+
+    def shared_engine(config, model_path, device, dtype, tp_mesh=None, plan_bytes=0.0):
+        """This rank's one engine, built by the job's first call."""
+        if "engine" not in _engines:
+            _engines["engine"] = build_engine(config, model_path, device, dtype, tp_mesh, plan_bytes)
+        return _engines["engine"]
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     rollpacker.job.build_engine = shared_engine
     for name, flags in runs:
