@@ -11,8 +11,6 @@ import logging
 import sys
 from pathlib import Path
 
-_engines: dict[str, object] = {}
-
 
 def main(root: Path, runs: list[tuple[str, list[str]]]) -> None:
     # imported here, not above: each job's reward workers are spawned, and spawn imports this file in each of them
@@ -24,12 +22,13 @@ def main(root: Path, runs: list[tuple[str, list[str]]]) -> None:
     from rollpacker.loops import train
 
     build_engine = rollpacker.job.build_engine
+    engines: dict[str, object] = {}
 
     def shared_engine(config, model_path, device, dtype, tp_mesh=None, plan_bytes=0.0):
         """This rank's one engine, built by the job's first call."""
-        if "engine" not in _engines:
-            _engines["engine"] = build_engine(config, model_path, device, dtype, tp_mesh, plan_bytes)
-        return _engines["engine"]
+        if "engine" not in engines:
+            engines["engine"] = build_engine(config, model_path, device, dtype, tp_mesh, plan_bytes)
+        return engines["engine"]
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     rollpacker.job.build_engine = shared_engine
@@ -40,8 +39,8 @@ def main(root: Path, runs: list[tuple[str, list[str]]]) -> None:
             job.engine.update_weights(job.trainer.model.named_parameters())
         train(job)
         print(f"{name} done on rank {dist.get_rank()}", flush=True)
-    if "engine" in _engines:
-        _engines["engine"].shutdown()
+    if "engine" in engines:
+        engines["engine"].shutdown()
     exit_process(0)
 
 
